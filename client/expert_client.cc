@@ -1,0 +1,107 @@
+#include "client/expert_client.h"
+
+#include <chrono>
+#include <cstring>
+
+#include "core/tensor.h"
+#include "core/wire.h"
+#include "grpcpp/grpcpp.h"
+
+namespace moe {
+
+namespace {
+std::chrono::system_clock::time_point Deadline(int timeout_ms) {
+  return std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms);
+}
+}  // namespace
+
+std::unique_ptr<ExpertClient> ExpertClient::Connect(const std::string& address, int max_message_bytes) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(max_message_bytes);
+  args.SetMaxSendMessageSize(max_message_bytes);
+  auto c = std::unique_ptr<ExpertClient>(new ExpertClient());
+  c->channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  c->stub_ = moe::v1::ExpertService::NewStub(c->channel_);
+  return c;
+}
+
+absl::StatusOr<moe::v1::ServerInfo> ExpertClient::GetInfo(int timeout_ms) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(timeout_ms));
+  ctx.set_wait_for_ready(true);
+  moe::v1::ServerInfo info;
+  grpc::Status st = stub_->GetInfo(&ctx, moe::v1::GetInfoRequest(), &info);
+  if (!st.ok()) return FromGrpcStatus(st);
+  return info;
+}
+
+moe::v1::ForwardRequest ExpertClient::MakeRequest(int layer, int n, int hidden, const bf16_t* tokens,
+                                                  const RoutingView& routing, uint64_t request_id) {
+  moe::v1::ForwardRequest req;
+  req.set_request_id(request_id);
+  req.set_layer(layer);
+  EncodeTensor(DType::kBF16, {n, hidden}, tokens, req.mutable_tokens());
+  EncodeTensor(DType::kI32, {routing.n, routing.k}, routing.ids, req.mutable_expert_ids());
+  EncodeTensor(DType::kF32, {routing.n, routing.k}, routing.weights, req.mutable_expert_weights());
+  return req;
+}
+
+absl::Status ExpertClient::Call(const moe::v1::ForwardRequest& req, moe::v1::ForwardResponse* resp,
+                                int timeout_ms) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(timeout_ms));
+  return FromGrpcStatus(stub_->Forward(&ctx, req, resp));
+}
+
+absl::StatusOr<std::vector<bf16_t>> ExpertClient::Forward(const moe::v1::ForwardRequest& req, int timeout_ms) {
+  moe::v1::ForwardResponse resp;
+  if (absl::Status st = Call(req, &resp, timeout_ms); !st.ok()) return st;
+  return OutputAsBf16(resp);
+}
+
+absl::StatusOr<std::vector<bf16_t>> OutputAsBf16(const moe::v1::ForwardResponse& resp) {
+  const moe::v1::Tensor& t = resp.output();
+  std::vector<bf16_t> out;
+  if (t.dtype() == moe::v1::DTYPE_BF16) {
+    out.resize(t.data().size() / 2);
+    std::memcpy(out.data(), t.data().data(), out.size() * 2);
+  } else if (t.dtype() == moe::v1::DTYPE_F32) {
+    out.resize(t.data().size() / 4);
+    std::vector<float> f(out.size());
+    std::memcpy(f.data(), t.data().data(), f.size() * 4);
+    F32ToBf16(f.data(), out.data(), f.size());
+  } else {
+    return absl::InternalError("response output has an unexpected dtype");
+  }
+  return out;
+}
+
+std::unique_ptr<ExpertClient::StreamSession> ExpertClient::OpenStream() {
+  auto s = std::unique_ptr<StreamSession>(new StreamSession());
+  s->ctx_ = std::make_unique<grpc::ClientContext>();
+  s->rw_ = stub_->ForwardStream(s->ctx_.get());
+  return s;
+}
+
+ExpertClient::StreamSession::~StreamSession() {
+  if (!finished_) {
+    ctx_->TryCancel();
+    (void)rw_->Finish();
+  }
+}
+
+bool ExpertClient::StreamSession::Write(const moe::v1::ForwardRequest& req) { return rw_->Write(req); }
+
+absl::StatusOr<moe::v1::ForwardStreamResponse> ExpertClient::StreamSession::Read() {
+  moe::v1::ForwardStreamResponse resp;
+  if (!rw_->Read(&resp)) return absl::UnavailableError("stream ended");
+  return resp;
+}
+
+absl::Status ExpertClient::StreamSession::Finish() {
+  rw_->WritesDone();
+  finished_ = true;
+  return FromGrpcStatus(rw_->Finish());
+}
+
+}  // namespace moe

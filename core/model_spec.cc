@@ -1,0 +1,137 @@
+#include "core/model_spec.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace moe {
+
+bool ModelSpec::IsMoeLayer(int layer) const {
+  return std::binary_search(moe_layers.begin(), moe_layers.end(), layer);
+}
+
+absl::Status ModelSpec::Validate() const {
+  if (num_layers <= 0) return absl::InvalidArgumentError("model: num_layers must be > 0");
+  if (num_experts <= 0) return absl::InvalidArgumentError("model: num_experts must be > 0");
+  if (top_k <= 0 || top_k > num_experts)
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: top_k ", top_k, " must be in [1, num_experts=", num_experts, "]"));
+  if (hidden <= 0 || intermediate <= 0)
+    return absl::InvalidArgumentError("model: hidden_size and intermediate size must be > 0");
+  if (moe_layers.empty()) return absl::InvalidArgumentError("model: no MoE layers");
+  for (int l : moe_layers) {
+    if (l < 0 || l >= num_layers)
+      return absl::InvalidArgumentError(absl::StrCat("model: MoE layer ", l, " out of range"));
+  }
+  if (!std::is_sorted(moe_layers.begin(), moe_layers.end()))
+    return absl::InvalidArgumentError("model: moe_layers must be ascending");
+  return absl::OkStatus();
+}
+
+std::string ModelSpec::Summary() const {
+  return absl::StrCat(model_type, ": ", num_layers, " layers (", moe_layers.size(), " MoE), ",
+                      num_experts, " experts, top-", top_k, ", H=", hidden, ", I=", intermediate,
+                      ", ", DTypeName(dtype));
+}
+
+std::string ExpertTensorName(ExpertNaming naming, int layer, int expert, Projection proj) {
+  if (naming == ExpertNaming::kBlockSparseMoe) {
+    const char* w = proj == Projection::kGate ? "w1" : proj == Projection::kUp ? "w3" : "w2";
+    return absl::StrCat("model.layers.", layer, ".block_sparse_moe.experts.", expert, ".", w,
+                        ".weight");
+  }
+  const char* p = proj == Projection::kGate ? "gate_proj" : proj == Projection::kUp ? "up_proj"
+                                                                                     : "down_proj";
+  return absl::StrCat("model.layers.", layer, ".mlp.experts.", expert, ".", p, ".weight");
+}
+
+ExpertNaming NamingForModelType(const std::string& model_type) {
+  return model_type.rfind("mixtral", 0) == 0 ? ExpertNaming::kBlockSparseMoe
+                                             : ExpertNaming::kMlpExperts;
+}
+
+namespace {
+
+absl::StatusOr<int> GetInt(const nlohmann::json& j, std::initializer_list<const char*> keys) {
+  for (const char* k : keys) {
+    auto it = j.find(k);
+    if (it != j.end() && it->is_number_integer()) return it->get<int>();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("config.json: missing integer ", absl::StrJoin(keys, " / ")));
+}
+
+}  // namespace
+
+absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config) {
+  if (!config.is_object()) return absl::InvalidArgumentError("config.json: not a JSON object");
+  ModelSpec s;
+  s.model_type = config.value("model_type", std::string("unknown"));
+  s.naming = NamingForModelType(s.model_type);
+  absl::StatusOr<int> v;
+  if (!(v = GetInt(config, {"num_hidden_layers"})).ok()) return v.status();
+  s.num_layers = *v;
+  if (!(v = GetInt(config, {"n_routed_experts", "num_experts", "num_local_experts"})).ok())
+    return v.status();
+  s.num_experts = *v;
+  if (!(v = GetInt(config, {"num_experts_per_tok"})).ok()) return v.status();
+  s.top_k = *v;
+  if (!(v = GetInt(config, {"hidden_size"})).ok()) return v.status();
+  s.hidden = *v;
+  if (!(v = GetInt(config, {"moe_intermediate_size", "intermediate_size"})).ok()) return v.status();
+  s.intermediate = *v;
+  const std::string dtype = config.value("torch_dtype", std::string("bfloat16"));
+  s.dtype = dtype == "float32" ? DType::kF32 : dtype == "float16" ? DType::kF16 : DType::kBF16;
+
+  const int first_dense = config.value("first_k_dense_replace", 0);
+  const int freq = std::max(1, config.value("moe_layer_freq", config.value("decoder_sparse_step", 1)));
+  std::vector<int> mlp_only;
+  if (auto it = config.find("mlp_only_layers"); it != config.end() && it->is_array()) {
+    for (const auto& x : *it) {
+      if (x.is_number_integer()) mlp_only.push_back(x.get<int>());
+    }
+  }
+  for (int l = 0; l < s.num_layers; ++l) {
+    if (l < first_dense) continue;
+    if (std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end()) continue;
+    // DeepSeek: MoE when (l - first_dense) % freq == 0; Qwen: (l + 1) % step == 0.
+    const bool sparse = config.contains("moe_layer_freq") ? (l - first_dense) % freq == 0
+                                                          : (l + 1) % freq == 0;
+    if (sparse) s.moe_layers.push_back(l);
+  }
+  if (absl::Status st = s.Validate(); !st.ok()) return st;
+  return s;
+}
+
+nlohmann::json ConfigFromModelSpec(const ModelSpec& s) {
+  nlohmann::json j;
+  j["model_type"] = s.model_type;
+  j["num_hidden_layers"] = s.num_layers;
+  j["hidden_size"] = s.hidden;
+  j["num_experts_per_tok"] = s.top_k;
+  j["torch_dtype"] = s.dtype == DType::kF32 ? "float32" : s.dtype == DType::kF16 ? "float16" : "bfloat16";
+  const int first_dense = s.moe_layers.empty() ? 0 : s.moe_layers.front();
+  if (s.naming == ExpertNaming::kBlockSparseMoe) {
+    j["num_local_experts"] = s.num_experts;
+    j["intermediate_size"] = s.intermediate;
+  } else if (s.model_type.rfind("deepseek", 0) == 0) {
+    j["n_routed_experts"] = s.num_experts;
+    j["moe_intermediate_size"] = s.intermediate;
+    j["first_k_dense_replace"] = first_dense;
+    j["moe_layer_freq"] = 1;
+  } else {
+    j["num_experts"] = s.num_experts;
+    j["moe_intermediate_size"] = s.intermediate;
+    j["decoder_sparse_step"] = 1;
+    std::vector<int> dense;
+    for (int l = 0; l < s.num_layers; ++l) {
+      if (!s.IsMoeLayer(l)) dense.push_back(l);
+    }
+    j["mlp_only_layers"] = dense;
+  }
+  return j;
+}
+
+}  // namespace moe

@@ -1,0 +1,60 @@
+// ModelSpec: the geometry of an MoE model's routed experts, and how its expert
+// tensors are named in a checkpoint. Plain values; thread-safe to share.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/tensor.h"
+#include "nlohmann/json_fwd.hpp"
+
+namespace moe {
+
+// Which of an expert's three projections. FFN(x) = Down(silu(Gate x) * (Up x)).
+// Mixtral calls them w1 (gate), w3 (up), w2 (down).
+enum class Projection { kGate, kUp, kDown };
+
+// How a checkpoint names its expert tensors.
+enum class ExpertNaming {
+  kMlpExperts,      // DeepSeek / Qwen: model.layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.weight
+  kBlockSparseMoe,  // Mixtral: model.layers.{l}.block_sparse_moe.experts.{e}.{w1,w3,w2}.weight
+};
+
+struct ModelSpec {
+  std::string model_type;      // config.json "model_type", e.g. "deepseek_v3"
+  int num_layers = 0;          // decoder layers, dense ones included
+  std::vector<int> moe_layers; // ascending; layers that have routed experts
+  int num_experts = 0;         // routed experts per MoE layer
+  int top_k = 0;
+  int hidden = 0;              // H
+  int intermediate = 0;        // I, per expert
+  DType dtype = DType::kBF16;  // weight dtype in the checkpoint
+  ExpertNaming naming = ExpertNaming::kMlpExperts;
+
+  bool IsMoeLayer(int layer) const;
+  // Bytes of one expert's three matrices in bf16 (3 * H * I * 2).
+  uint64_t ExpertBf16Bytes() const { return 6ull * hidden * intermediate; }
+  // Checks internal consistency (positive sizes, top_k <= num_experts, ...).
+  absl::Status Validate() const;
+  std::string Summary() const;
+};
+
+// Expert tensor name for the given naming scheme.
+std::string ExpertTensorName(ExpertNaming naming, int layer, int expert, Projection proj);
+
+// The naming scheme a model_type uses ("mixtral" -> kBlockSparseMoe, else kMlpExperts).
+ExpertNaming NamingForModelType(const std::string& model_type);
+
+// Reads the MoE geometry from a HuggingFace config.json object. Understands
+// num_experts / n_routed_experts / num_local_experts, num_experts_per_tok,
+// moe_intermediate_size / intermediate_size, hidden_size, num_hidden_layers,
+// first_k_dense_replace + moe_layer_freq (DeepSeek), mlp_only_layers +
+// decoder_sparse_step (Qwen). InvalidArgument naming the key when one is missing.
+absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config);
+
+// The config.json that ModelSpecFromConfig maps back to `spec`.
+nlohmann::json ConfigFromModelSpec(const ModelSpec& spec);
+
+}  // namespace moe

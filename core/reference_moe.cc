@@ -1,0 +1,60 @@
+#include "core/reference_moe.h"
+
+#include <vector>
+
+namespace moe {
+
+absl::StatusOr<std::shared_ptr<const ExpertWeights>> ReferenceMoe::Weights(int layer, int expert) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = cache_.find({layer, expert});
+    if (it != cache_.end()) return it->second;
+  }
+  auto w = std::make_shared<ExpertWeights>();
+  if (absl::Status st = source_.ReadExpert(layer, expert, w.get()); !st.ok()) return st;
+  std::lock_guard<std::mutex> lock(mu_);
+  return cache_.emplace(std::make_pair(layer, expert), std::move(w)).first->second;
+}
+
+template <typename Acc>
+absl::Status ReferenceMoe::Forward(int layer, int n, const bf16_t* x, const RoutingView& routing,
+                                   Acc* out) {
+  const ModelSpec& spec = source_.spec();
+  const int H = spec.hidden, I = spec.intermediate;
+  std::vector<Acc> xf(H), act(I);
+  for (int t = 0; t < n; ++t) {
+    Acc* o = out + static_cast<size_t>(t) * H;
+    for (int h = 0; h < H; ++h) o[h] = 0;
+    for (int h = 0; h < H; ++h) xf[h] = Bf16ToF32(x[static_cast<size_t>(t) * H + h]);
+    for (int j = 0; j < routing.k; ++j) {
+      const int e = routing.ids[static_cast<size_t>(t) * routing.k + j];
+      if (e < 0) continue;
+      const Acc w = routing.weights[static_cast<size_t>(t) * routing.k + j];
+      absl::StatusOr<std::shared_ptr<const ExpertWeights>> ew = Weights(layer, e);
+      if (!ew.ok()) return ew.status();
+      const ExpertWeights& W = **ew;
+      for (int i = 0; i < I; ++i) {
+        Acc g = 0, u = 0;
+        const bf16_t* gr = W.gate.data() + static_cast<size_t>(i) * H;
+        const bf16_t* ur = W.up.data() + static_cast<size_t>(i) * H;
+        for (int h = 0; h < H; ++h) {
+          g += static_cast<Acc>(Bf16ToF32(gr[h])) * xf[h];
+          u += static_cast<Acc>(Bf16ToF32(ur[h])) * xf[h];
+        }
+        act[i] = g / (1 + std::exp(-g)) * u;
+      }
+      for (int h = 0; h < H; ++h) {
+        const bf16_t* dr = W.down.data() + static_cast<size_t>(h) * I;
+        Acc y = 0;
+        for (int i = 0; i < I; ++i) y += static_cast<Acc>(Bf16ToF32(dr[i])) * act[i];
+        o[h] += w * y;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+template absl::Status ReferenceMoe::Forward<float>(int, int, const bf16_t*, const RoutingView&, float*);
+template absl::Status ReferenceMoe::Forward<double>(int, int, const bf16_t*, const RoutingView&, double*);
+
+}  // namespace moe

@@ -1,0 +1,48 @@
+// Routing helpers: validation of (token, expert, weight) pairs and grouping of
+// pairs by expert, the first step of every MoE backend. Validation never
+// trusts its input; grouping assumes validated input and reuses the capacity
+// of its output, so steady-state calls do not allocate.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace moe {
+
+// Routing of n tokens with up to k pairs each: ids[t*k+j] is an expert or -1
+// (unused slot), weights[t*k+j] its routing weight.
+struct RoutingView {
+  int n = 0;
+  int k = 0;
+  const int32_t* ids = nullptr;
+  const float* weights = nullptr;
+};
+
+// InvalidArgument naming the field (expert_ids[t,j] / expert_weights[t,j]) when
+// an id is outside [0, num_experts) or not hosted, repeats within a token, or a
+// used pair's weight is NaN/Inf. `hosted` may be empty (all hosted).
+absl::Status ValidateRouting(const RoutingView& r, int num_experts,
+                             const std::function<bool(int)>& hosted);
+
+// Pairs grouped by expert, experts in ascending order. Group g owns rows
+// [row_begin[g], row_begin[g] + count[g]); row_begin is a multiple of the
+// requested alignment and rows between groups are padding (token -1, weight 0).
+struct ExpertGroups {
+  std::vector<int32_t> expert;
+  std::vector<int32_t> row_begin;
+  std::vector<int32_t> count;
+  std::vector<int32_t> token;   // per row
+  std::vector<float> weight;    // per row
+  int32_t total_rows = 0;
+  int32_t total_pairs = 0;
+  std::vector<int32_t> scratch;  // per-expert counters, reused
+
+  int num_groups() const { return static_cast<int>(expert.size()); }
+};
+
+void GroupByExpert(const RoutingView& r, int num_experts, int row_align, ExpertGroups* out);
+
+}  // namespace moe

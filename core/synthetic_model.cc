@@ -1,0 +1,171 @@
+#include "core/synthetic_model.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "core/safetensors.h"
+#include "nlohmann/json.hpp"
+
+namespace moe {
+
+namespace {
+
+struct Preset {
+  const char* name;
+  const char* model_type;
+  int layers, first_dense, experts, top_k, hidden, intermediate;
+};
+
+// Real geometries (hidden size, per-expert intermediate size, routed experts, top-k).
+constexpr Preset kPresets[] = {
+    {"tiny", "deepseek_v3", 3, 1, 8, 2, 96, 80},
+    {"tiny-mixtral", "mixtral", 2, 0, 4, 2, 80, 72},
+    {"mixtral-8x7b", "mixtral", 32, 0, 8, 2, 4096, 14336},
+    {"qwen3-30b-a3b", "qwen3_moe", 48, 0, 128, 8, 2048, 768},
+    {"deepseek-v3", "deepseek_v3", 61, 3, 256, 8, 7168, 2048},
+};
+
+inline uint64_t SplitMix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+std::vector<std::string> PresetNames() {
+  std::vector<std::string> names;
+  for (const Preset& p : kPresets) names.push_back(p.name);
+  return names;
+}
+
+absl::StatusOr<ModelSpec> PresetSpec(std::string_view preset_view, int layers) {
+  const std::string preset(preset_view);
+  for (const Preset& p : kPresets) {
+    if (preset != p.name) continue;
+    ModelSpec s;
+    s.model_type = p.model_type;
+    s.naming = NamingForModelType(s.model_type);
+    s.num_layers = layers < 0 ? p.layers : std::min(layers, p.layers);
+    for (int l = p.first_dense; l < s.num_layers; ++l) s.moe_layers.push_back(l);
+    s.num_experts = p.experts;
+    s.top_k = p.top_k;
+    s.hidden = p.hidden;
+    s.intermediate = p.intermediate;
+    s.dtype = DType::kBF16;
+    if (s.moe_layers.empty())
+      return absl::InvalidArgumentError(absl::StrCat("preset ", preset, " cut to ", layers,
+                                                     " layers has no MoE layer (first ",
+                                                     p.first_dense, " are dense)"));
+    return s;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown model preset '", preset,
+                                                 "' (known: ", absl::StrJoin(PresetNames(), ", "), ")"));
+}
+
+bool IsSyntheticUri(std::string_view uri) { return uri.rfind("synthetic:", 0) == 0; }
+
+absl::StatusOr<SyntheticModelUri> ParseSyntheticUri(std::string_view uri_view) {
+  const std::string uri(uri_view);
+  if (!IsSyntheticUri(uri)) return absl::InvalidArgumentError(absl::StrCat("not a synthetic model URI: ", uri));
+  std::vector<std::string> parts = absl::StrSplit(uri.substr(10), ':');
+  SyntheticModelUri out;
+  out.preset = parts[0];
+  for (size_t i = 1; i < parts.size(); ++i) {
+    std::vector<std::string> kv = absl::StrSplit(parts[i], absl::MaxSplits('=', 1));
+    bool ok = kv.size() == 2;
+    if (ok && kv[0] == "layers") {
+      ok = absl::SimpleAtoi(kv[1], &out.layers) && out.layers > 0;
+    } else if (ok && kv[0] == "seed") {
+      ok = absl::SimpleAtoi(kv[1], &out.seed);
+    } else {
+      ok = false;
+    }
+    if (!ok)
+      return absl::InvalidArgumentError(absl::StrCat("model URI '", uri, "': bad option '", parts[i],
+                                                     "' (expected layers=N or seed=S)"));
+  }
+  if (absl::StatusOr<ModelSpec> s = PresetSpec(out.preset, out.layers); !s.ok()) return s.status();
+  return out;
+}
+
+void GenerateExpertMatrix(uint64_t seed, int layer, int expert, Projection proj, int rows, int cols,
+                          bf16_t* dst) {
+  const uint64_t key = SplitMix64(seed ^ SplitMix64((static_cast<uint64_t>(layer) << 40) ^
+                                                    (static_cast<uint64_t>(expert) << 8) ^
+                                                    static_cast<uint64_t>(proj)));
+  // Uniform on [-a, a] has std a/sqrt(3); we want std = 1/sqrt(fan_in) = 1/sqrt(cols).
+  const float a = std::sqrt(3.0f / static_cast<float>(cols));
+  const float scale = 2.0f * a / 65536.0f;
+  const size_t n = static_cast<size_t>(rows) * cols;
+  size_t i = 0;
+  for (uint64_t block = 0; i < n; ++block) {
+    uint64_t r = SplitMix64(key + block);
+    for (int j = 0; j < 4 && i < n; ++j, ++i, r >>= 16) {
+      dst[i] = F32ToBf16(static_cast<float>(r & 0xffff) * scale - a + 0.5f * scale);
+    }
+  }
+}
+
+absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& spec, uint64_t seed,
+                                      size_t max_shard_bytes) {
+  if (absl::Status st = spec.Validate(); !st.ok()) return st;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));
+  {
+    nlohmann::json config = ConfigFromModelSpec(spec);
+    config["moe_expert_service_synthetic_seed"] = seed;
+    std::ofstream out(dir + "/config.json");
+    out << config.dump(2) << "\n";
+    if (!out) return absl::InternalError(absl::StrCat("cannot write ", dir, "/config.json"));
+  }
+  struct Item { int layer, expert; Projection proj; };
+  std::vector<TensorSpec> specs;
+  std::vector<Item> items;
+  const int64_t H = spec.hidden, I = spec.intermediate;
+  for (int l : spec.moe_layers) {
+    for (int e = 0; e < spec.num_experts; ++e) {
+      for (Projection p : {Projection::kGate, Projection::kUp, Projection::kDown}) {
+        std::vector<int64_t> shape = p == Projection::kDown ? std::vector<int64_t>{H, I}
+                                                            : std::vector<int64_t>{I, H};
+        specs.push_back({ExpertTensorName(spec.naming, l, e, p), spec.dtype, shape});
+        items.push_back({l, e, p});
+      }
+    }
+  }
+  std::vector<bf16_t> tmp;
+  auto fill = [&](size_t idx, std::span<std::byte> dst) {
+    const Item& it = items[idx];
+    const int rows = it.proj == Projection::kDown ? spec.hidden : spec.intermediate;
+    const int cols = it.proj == Projection::kDown ? spec.intermediate : spec.hidden;
+    const size_t n = static_cast<size_t>(rows) * cols;
+    if (spec.dtype == DType::kBF16) {
+      GenerateExpertMatrix(seed, it.layer, it.expert, it.proj, rows, cols,
+                           reinterpret_cast<bf16_t*>(dst.data()));
+      return;
+    }
+    tmp.resize(n);
+    GenerateExpertMatrix(seed, it.layer, it.expert, it.proj, rows, cols, tmp.data());
+    for (size_t i = 0; i < n; ++i) {
+      const float f = Bf16ToF32(tmp[i]);
+      if (spec.dtype == DType::kF32) {
+        std::memcpy(dst.data() + 4 * i, &f, 4);
+      } else {
+        const uint16_t h = F32ToF16(f);
+        std::memcpy(dst.data() + 2 * i, &h, 2);
+      }
+    }
+  };
+  return WriteCheckpoint(dir, specs, max_shard_bytes, fill,
+                         {{"format", "pt"}, {"generator", "moe-make-model"}});
+}
+
+}  // namespace moe

@@ -1,0 +1,73 @@
+#include "core/wire.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+moe::v1::DType ToProtoDType(DType t) {
+  switch (t) {
+    case DType::kBF16: return moe::v1::DTYPE_BF16;
+    case DType::kF16: return moe::v1::DTYPE_F16;
+    case DType::kF32: return moe::v1::DTYPE_F32;
+    case DType::kI32: return moe::v1::DTYPE_I32;
+    default: return moe::v1::DTYPE_UNSPECIFIED;
+  }
+}
+
+absl::StatusOr<DType> FromProtoDType(moe::v1::DType t) {
+  switch (t) {
+    case moe::v1::DTYPE_BF16: return DType::kBF16;
+    case moe::v1::DTYPE_F16: return DType::kF16;
+    case moe::v1::DTYPE_F32: return DType::kF32;
+    case moe::v1::DTYPE_I32: return DType::kI32;
+    default: return absl::InvalidArgumentError(absl::StrCat("unsupported dtype ", static_cast<int>(t)));
+  }
+}
+
+void EncodeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,
+                  moe::v1::Tensor* out) {
+  out->set_dtype(ToProtoDType(dtype));
+  out->clear_shape();
+  for (int64_t d : shape) out->add_shape(d);
+  out->set_data(static_cast<const char*>(data), NumElements(shape) * DTypeSize(dtype));
+}
+
+absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::string& field, DType want,
+                                        const std::vector<int64_t>& want_shape) {
+  absl::StatusOr<DType> dt = FromProtoDType(t.dtype());
+  if (!dt.ok() || *dt != want)
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: expected ", DTypeName(want), ", got ",
+                                                   moe::v1::DType_Name(t.dtype())));
+  if (t.shape_size() != static_cast<int>(want_shape.size()))
+    return absl::InvalidArgumentError(absl::StrCat(field, ".shape: expected rank ", want_shape.size(),
+                                                   ", got rank ", t.shape_size()));
+  TensorView v;
+  v.dtype = want;
+  for (int i = 0; i < t.shape_size(); ++i) {
+    const int64_t d = t.shape(i);
+    if (d < 0 || d > (int64_t{1} << 31))
+      return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", i, "]: bad size ", d));
+    if (want_shape[i] >= 0 && d != want_shape[i])
+      return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", i, "]: expected ", want_shape[i],
+                                                     ", got ", d));
+    v.shape.push_back(d);
+  }
+  if (v.nbytes() != t.data().size())
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", t.data().size(), " bytes, shape ",
+                                                   ShapeString(v.shape), " of ", DTypeName(want),
+                                                   " needs ", v.nbytes()));
+  v.data = t.data().data();
+  return v;
+}
+
+grpc::Status ToGrpcStatus(const absl::Status& s) {
+  if (s.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+}  // namespace moe

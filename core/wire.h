@@ -1,0 +1,33 @@
+// Glue between the wire contract (proto/moe/v1) and in-memory views: tensor
+// encoding/decoding with validation that names the field, and the 1:1 mapping
+// of absl::Status to grpc::Status used at every service edge. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/tensor.h"
+#include "grpcpp/support/status.h"
+#include "moe/v1/expert.pb.h"
+
+namespace moe {
+
+moe::v1::DType ToProtoDType(DType t);
+absl::StatusOr<DType> FromProtoDType(moe::v1::DType t);
+
+// Fills `out` with dtype, shape and a copy of the bytes.
+void EncodeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,
+                  moe::v1::Tensor* out);
+
+// Checks `t` against the expected dtype and shape (-1 = any size in that
+// dimension) and that its byte size matches; returns a view of its bytes.
+// InvalidArgument naming `field` otherwise.
+absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::string& field, DType want,
+                                        const std::vector<int64_t>& want_shape);
+
+grpc::Status ToGrpcStatus(const absl::Status& s);
+absl::Status FromGrpcStatus(const grpc::Status& s);
+
+}  // namespace moe

@@ -1,0 +1,46 @@
+// ExpertServiceImpl: the gRPC face of the CPU expert server (moe.v1.ExpertService).
+// Decodes and validates requests (INVALID_ARGUMENT / OUT_OF_RANGE naming the
+// field), runs them on the MoeExecutor and encodes the partial outputs.
+// gRPC calls its methods from many threads at once; that is safe.
+#pragma once
+
+#include <cstdint>
+
+#include "core/model_spec.h"
+#include "cpu_expert_server/moe_executor.h"
+#include "moe/v1/expert.grpc.pb.h"
+
+namespace moe {
+
+struct ServiceLimits {
+  int max_tokens_per_request = 8192;
+};
+
+// The largest gRPC message a request within `limits` can take for `spec`
+// (tokens, a full [n, num_experts] routing, framing), with headroom.
+uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits);
+
+class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
+ public:
+  ExpertServiceImpl(const ModelSpec& spec, MoeExecutor& executor, ServiceLimits limits,
+                    moe::v1::ServerInfo info);
+
+  grpc::Status Forward(grpc::ServerContext* ctx, const moe::v1::ForwardRequest* req,
+                       moe::v1::ForwardResponse* resp) override;
+  grpc::Status ForwardStream(
+      grpc::ServerContext* ctx,
+      grpc::ServerReaderWriter<moe::v1::ForwardStreamResponse, moe::v1::ForwardRequest>* stream) override;
+  grpc::Status GetInfo(grpc::ServerContext* ctx, const moe::v1::GetInfoRequest* req,
+                       moe::v1::ServerInfo* resp) override;
+
+  // The whole request path without gRPC: decode, validate, compute, encode.
+  absl::Status Handle(const moe::v1::ForwardRequest& req, moe::v1::ForwardResponse* resp);
+
+ private:
+  const ModelSpec& spec_;
+  MoeExecutor& executor_;
+  ServiceLimits limits_;
+  moe::v1::ServerInfo info_;
+};
+
+}  // namespace moe

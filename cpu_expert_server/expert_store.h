@@ -1,0 +1,61 @@
+// ExpertStore: the packed weights of the experts this server hosts, resident
+// in memory bound to its NUMA node. Built once at start (packing in parallel on
+// the compute pool); read-only afterwards, so lookups are thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/model_source.h"
+#include "cpu_expert_server/compute_pool.h"
+#include "cpu_expert_server/expert_kernel.h"
+#include "cpu_expert_server/numa_binding.h"
+
+namespace moe {
+
+// Which MoE layers and experts a server hosts (the same experts in every layer).
+struct HostedSet {
+  std::vector<int> layers;   // ascending MoE layer indexes
+  std::vector<int> experts;  // ascending expert ids
+};
+
+class ExpertStore {
+ public:
+  // Bytes the packed weights of `hosted` occupy.
+  static uint64_t BytesNeeded(const ExpertGeometry& g, const HostedSet& hosted);
+
+  // Checks that the packed weights fit in available memory (refusing with the
+  // bytes needed and available otherwise), then reads and packs every hosted
+  // expert. Any weight error (NaN/Inf, wrong shape, missing tensor) fails the load.
+  static absl::StatusOr<std::unique_ptr<ExpertStore>> Load(const ModelSource& source,
+                                                          HostedSet hosted,
+                                                          const NumaBinding& numa,
+                                                          ComputePool& pool);
+  ~ExpertStore();
+
+  const ExpertGeometry& geometry() const { return geometry_; }
+  const HostedSet& hosted() const { return hosted_; }
+  // Packed weights of (layer, expert), or nullptr when not hosted.
+  const std::byte* Find(int layer, int expert) const;
+  bool HostsLayer(int layer) const;
+  bool HostsExpert(int expert) const;
+  uint64_t resident_bytes() const { return bytes_; }
+  int num_experts() const { return num_experts_; }
+
+ private:
+  ExpertStore() = default;
+  const NumaBinding* numa_ = nullptr;
+  ExpertGeometry geometry_;
+  HostedSet hosted_;
+  int num_layers_ = 0, num_experts_ = 0;
+  std::vector<int> layer_slot_;   // model layer -> index into hosted_.layers, or -1
+  std::vector<int> expert_slot_;  // expert id -> index into hosted_.experts, or -1
+  std::byte* base_ = nullptr;
+  uint64_t bytes_ = 0;
+  size_t stride_ = 0;             // bytes per packed expert (64-aligned)
+};
+
+}  // namespace moe

@@ -1,0 +1,157 @@
+// moe-expert-server: serves the experts of an MoE model from CPU memory over
+// gRPC (moe.v1.ExpertService, grpc.health.v1.Health, server reflection).
+#include <signal.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/flags.h"
+#include "core/log.h"
+#include "core/model_source.h"
+#include "core/wire.h"
+#include "cpu_expert_server/compute_pool.h"
+#include "cpu_expert_server/cpu_features.h"
+#include "cpu_expert_server/expert_kernel.h"
+#include "cpu_expert_server/expert_service.h"
+#include "cpu_expert_server/expert_store.h"
+#include "cpu_expert_server/moe_executor.h"
+#include "cpu_expert_server/numa_binding.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+
+namespace {
+
+std::string RangeText(const std::vector<int>& v) {
+  if (v.empty()) return "none";
+  std::string out;
+  size_t i = 0;
+  while (i < v.size()) {
+    size_t j = i;
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += j == i ? absl::StrCat(v[i]) : absl::StrCat(v[i], "-", v[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model, listen = "0.0.0.0:50051", layers_flag, experts_flag, numa = "auto", kernel_name = "auto";
+  int64_t threads = 0, max_tokens = 8192, drain_seconds = 30;
+  moe::FlagSet flags("moe-expert-server",
+                     "--model DIR|synthetic:PRESET[:layers=N][:seed=S] [--listen ADDR] [flags]\n"
+                     "Serves the routed experts of an MoE model from CPU memory (moe.v1.ExpertService).");
+  flags.String("model", &model, "checkpoint directory (config.json + safetensors) or synthetic:PRESET[:layers=N][:seed=S]");
+  flags.String("listen", &listen, "gRPC address to listen on, host:port (port 0 picks a free port)");
+  flags.String("layers", &layers_flag, "MoE layers to host, e.g. 3-10,12 (model layer indexes; default: all)");
+  flags.String("experts", &experts_flag, "experts to host in every hosted layer, e.g. 0-63 (default: all)");
+  flags.Int("threads", &threads, "compute threads (0 = one per core of the NUMA node)");
+  flags.String("numa-node", &numa, "NUMA node for threads and weight memory: auto (node of the first allowed CPU) or an index");
+  flags.String("kernel", &kernel_name, "expert kernel: auto, amx, avx512 or reference");
+  flags.Int("max-tokens", &max_tokens, "largest number of tokens accepted in one request");
+  flags.Int("drain-seconds", &drain_seconds, "on SIGTERM/SIGINT, how long in-flight requests may take to finish");
+  flags.Parse(argc, argv);
+  if (model.empty()) flags.Fail("--model is required (see --help)");
+  if (max_tokens <= 0) flags.Fail("--max-tokens must be > 0");
+
+  // Block termination signals in every thread; main waits for them with sigwait.
+  sigset_t term;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  sigaddset(&term, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &term, nullptr);
+
+  const moe::CpuFeatures& cpu = moe::CpuFeatures::Get();
+  absl::StatusOr<std::unique_ptr<moe::ModelSource>> source = moe::OpenModel(model);
+  if (!source.ok()) flags.Fail(std::string(source.status().message()), 1);
+  const moe::ModelSpec& spec = (*source)->spec();
+  absl::StatusOr<std::vector<int>> layers = moe::ParseIndexList(layers_flag, spec.num_layers, "layers");
+  if (!layers.ok()) flags.Fail(std::string(layers.status().message()));
+  absl::StatusOr<std::vector<int>> experts = moe::ParseIndexList(experts_flag, spec.num_experts, "experts");
+  if (!experts.ok()) flags.Fail(std::string(experts.status().message()));
+  moe::HostedSet hosted;
+  hosted.layers = layers_flag.empty() ? spec.moe_layers : *layers;
+  if (experts_flag.empty()) {
+    for (int e = 0; e < spec.num_experts; ++e) hosted.experts.push_back(e);
+  } else {
+    hosted.experts = *experts;
+  }
+  absl::StatusOr<std::unique_ptr<moe::ExpertKernel>> kernel = moe::MakeExpertKernel(kernel_name, cpu);
+  if (!kernel.ok()) flags.Fail(std::string(kernel.status().message()));
+  absl::StatusOr<std::unique_ptr<moe::NumaBinding>> binding =
+      moe::NumaBinding::Create(numa, static_cast<int>(threads));
+  if (!binding.ok()) flags.Fail(std::string(binding.status().message()));
+
+  moe::LogInfo("server", "model ", (*source)->Describe(), ": ", spec.Summary());
+  moe::LogInfo("server", (*binding)->Describe());
+  moe::LogInfo("server", "cpu: ", cpu.brand, "; isa: ", cpu.Summary(), "; kernel: ", (*kernel)->name());
+  const auto geometry = moe::ExpertGeometry::For(spec.hidden, spec.intermediate);
+  moe::LogInfo("server", "hosting layers [", RangeText(hosted.layers), "] experts [", RangeText(hosted.experts),
+               "]: ", moe::ExpertStore::BytesNeeded(geometry, hosted), " bytes of packed weights");
+
+  moe::ComputePool pool(**binding);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<std::unique_ptr<moe::ExpertStore>> store = moe::ExpertStore::Load(**source, hosted, **binding, pool);
+  if (!store.ok()) flags.Fail(std::string(store.status().message()), 1);
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  moe::LogInfo("server", "weights resident: ", (*store)->resident_bytes(), " bytes (",
+               (*store)->resident_bytes() >> 20, " MiB) on NUMA node ", (*binding)->node(), ", packed in ", load_s, " s");
+
+  moe::MoeExecutor executor(**store, **kernel, pool);
+  moe::ServiceLimits limits;
+  limits.max_tokens_per_request = static_cast<int>(max_tokens);
+  const uint64_t max_msg = moe::MaxMessageBytes(spec, limits);
+
+  moe::v1::ServerInfo info;
+  auto* ms = info.mutable_model();
+  ms->set_model_type(spec.model_type);
+  ms->set_num_layers(spec.num_layers);
+  for (int l : spec.moe_layers) ms->add_moe_layers(l);
+  ms->set_num_experts(spec.num_experts);
+  ms->set_top_k(spec.top_k);
+  ms->set_hidden_size(spec.hidden);
+  ms->set_intermediate_size(spec.intermediate);
+  ms->set_weight_dtype(moe::ToProtoDType(spec.dtype));
+  for (int l : hosted.layers) info.add_hosted_layers(l);
+  for (int e : hosted.experts) info.add_hosted_experts(e);
+  info.set_kernel(std::string((*kernel)->name()));
+  info.set_isa(cpu.Summary());
+  info.set_threads(pool.size());
+  info.mutable_numa()->set_node((*binding)->node());
+  info.mutable_numa()->set_num_nodes((*binding)->num_nodes());
+  for (int c : (*binding)->cpus()) info.mutable_numa()->add_cpus(c);
+  info.set_weight_bytes((*store)->resident_bytes());
+  info.set_max_tokens_per_request(static_cast<uint32_t>(max_tokens));
+  info.set_max_message_bytes(max_msg);
+  info.set_version(MOE_VERSION);
+
+  moe::ExpertServiceImpl service(spec, executor, limits, info);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_msg, INT32_MAX)));
+  builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint64_t>(max_msg, INT32_MAX)));
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
+  const std::string bound = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  moe::LogInfo("server", "serving moe.v1.ExpertService on ", bound, " (max message ", max_msg, " bytes)");
+  std::printf("moe-expert-server ready on %s\n", bound.c_str());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&term, &sig);
+  moe::LogInfo("server", "signal ", sig, ": draining in-flight requests (up to ", drain_seconds, " s)");
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(drain_seconds));
+  server->Wait();
+  moe::LogInfo("server", "stopped");
+  return 0;
+}

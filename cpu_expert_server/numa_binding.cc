@@ -1,0 +1,160 @@
+#include "cpu_expert_server/numa_binding.h"
+
+#include <hwloc.h>
+#include <sys/mman.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/log.h"
+
+namespace moe {
+
+struct NumaBinding::Impl {
+  hwloc_topology_t topo = nullptr;
+  hwloc_nodeset_t nodeset = nullptr;
+  bool membind_ok = true;
+  std::string describe;
+  ~Impl() {
+    if (nodeset) hwloc_bitmap_free(nodeset);
+    if (topo) hwloc_topology_destroy(topo);
+  }
+};
+
+uint64_t AvailableMemoryBytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb;
+  std::string unit;
+  while (in >> key >> kb >> unit) {
+    if (key == "MemAvailable:") return kb * 1024;
+  }
+  return 0;
+}
+
+absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::string& node_flag,
+                                                                  int threads) {
+  std::unique_ptr<NumaBinding> b(new NumaBinding());
+  b->impl_ = std::make_unique<Impl>();
+  Impl& im = *b->impl_;
+  if (hwloc_topology_init(&im.topo) != 0 || hwloc_topology_load(im.topo) != 0)
+    return absl::InternalError("hwloc: cannot load the machine topology");
+  hwloc_topology_t topo = im.topo;
+  const int nnodes = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE);
+  b->num_nodes_ = nnodes;
+
+  // The CPUs this process may use (cgroups / taskset).
+  hwloc_cpuset_t allowed = hwloc_bitmap_alloc();
+  if (hwloc_get_cpubind(topo, allowed, HWLOC_CPUBIND_PROCESS) != 0 || hwloc_bitmap_iszero(allowed))
+    hwloc_bitmap_copy(allowed, hwloc_topology_get_allowed_cpuset(topo));
+
+  hwloc_obj_t node = nullptr;
+  if (node_flag == "auto") {
+    const int first = hwloc_bitmap_first(allowed);
+    for (int i = 0; i < nnodes; ++i) {
+      hwloc_obj_t n = hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, i);
+      if (n->cpuset && hwloc_bitmap_isset(n->cpuset, first)) { node = n; break; }
+    }
+  } else {
+    int idx;
+    if (!absl::SimpleAtoi(node_flag, &idx) || idx < 0 || idx >= nnodes) {
+      hwloc_bitmap_free(allowed);
+      return absl::InvalidArgumentError(absl::StrCat("--numa-node: '", node_flag,
+                                                     "' is not auto or a node in [0, ", nnodes, ")"));
+    }
+    node = hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, idx);
+  }
+  hwloc_cpuset_t usable = hwloc_bitmap_dup(allowed);
+  im.nodeset = hwloc_bitmap_alloc();
+  if (node != nullptr) {
+    b->node_ = static_cast<int>(node->logical_index);
+    b->node_memory_ = node->attr ? node->attr->numanode.local_memory : 0;
+    hwloc_bitmap_and(usable, usable, node->cpuset);
+    hwloc_bitmap_copy(im.nodeset, node->nodeset);
+  }
+  hwloc_bitmap_free(allowed);
+  if (hwloc_bitmap_iszero(usable)) {
+    hwloc_bitmap_free(usable);
+    return absl::InvalidArgumentError(absl::StrCat("--numa-node: node ", node_flag,
+                                                   " has no CPU this process may run on"));
+  }
+  // One PU per core first, then the remaining hyperthreads.
+  std::vector<int> first_pus, sibling_pus;
+  const int ncores = hwloc_get_nbobjs_inside_cpuset_by_type(topo, usable, HWLOC_OBJ_CORE);
+  for (int c = 0; c < ncores; ++c) {
+    hwloc_obj_t core = hwloc_get_obj_inside_cpuset_by_type(topo, usable, HWLOC_OBJ_CORE, c);
+    bool first = true;
+    for (int pu = hwloc_bitmap_first(core->cpuset); pu >= 0; pu = hwloc_bitmap_next(core->cpuset, pu)) {
+      if (!hwloc_bitmap_isset(usable, pu)) continue;
+      (first ? first_pus : sibling_pus).push_back(pu);
+      first = false;
+    }
+  }
+  if (first_pus.empty()) {  // no core objects: use PUs as they come
+    for (int pu = hwloc_bitmap_first(usable); pu >= 0; pu = hwloc_bitmap_next(usable, pu)) first_pus.push_back(pu);
+  }
+  hwloc_bitmap_free(usable);
+  std::vector<int> all = first_pus;
+  all.insert(all.end(), sibling_pus.begin(), sibling_pus.end());
+  if (threads < 0 || threads > static_cast<int>(all.size()))
+    return absl::InvalidArgumentError(absl::StrCat("--threads: ", threads, " exceeds the ", all.size(),
+                                                   " CPUs usable on the chosen node"));
+  const int n = threads == 0 ? static_cast<int>(first_pus.size()) : threads;
+  b->cpus_.assign(all.begin(), all.begin() + n);
+
+  hwloc_obj_t root = hwloc_get_root_obj(topo);
+  const char* model = hwloc_obj_get_info_by_name(hwloc_get_obj_by_type(topo, HWLOC_OBJ_PACKAGE, 0), "CPUModel");
+  im.describe = absl::StrCat(
+      "topology: ", hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PACKAGE), " package(s), ", nnodes,
+      " NUMA node(s), ", hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE), " cores, ",
+      hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU), " PUs", model ? absl::StrCat(" (", model, ")") : "",
+      "; total memory ", root->total_memory >> 20, " MiB; using node ", b->node_, " (",
+      b->node_memory_ >> 20, " MiB), ", n, " compute threads on PUs [", absl::StrJoin(b->cpus_, ","), "]");
+  return b;
+}
+
+NumaBinding::~NumaBinding() = default;
+
+std::string NumaBinding::Describe() const { return impl_->describe; }
+
+absl::Status NumaBinding::BindCurrentThread(int i) const {
+  hwloc_cpuset_t set = hwloc_bitmap_alloc();
+  hwloc_bitmap_only(set, cpus_.at(i));
+  const int rc = hwloc_set_cpubind(impl_->topo, set, HWLOC_CPUBIND_THREAD);
+  hwloc_bitmap_free(set);
+  if (rc != 0) return absl::InternalError(absl::StrCat("cannot pin thread to PU ", cpus_[i], ": ", std::strerror(errno)));
+  return absl::OkStatus();
+}
+
+void* NumaBinding::Allocate(size_t bytes) const {
+  if (bytes == 0) bytes = 64;
+  void* p = nullptr;
+  if (node_ >= 0 && num_nodes_ > 1 && impl_->membind_ok) {
+    p = hwloc_alloc_membind(impl_->topo, bytes, impl_->nodeset, HWLOC_MEMBIND_BIND,
+                            HWLOC_MEMBIND_BYNODESET | HWLOC_MEMBIND_NOCPUBIND);
+    if (p == nullptr) {
+      LogWarning("numa", "memory binding to node ", node_, " failed (", std::strerror(errno),
+                 "); falling back to first-touch placement by the pinned threads");
+      impl_->membind_ok = false;
+    }
+  }
+  if (p == nullptr) {
+    p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+  }
+  madvise(p, bytes, MADV_HUGEPAGE);
+  return p;
+}
+
+void NumaBinding::Free(void* p, size_t bytes) const {
+  if (p == nullptr) return;
+  if (bytes == 0) bytes = 64;
+  munmap(p, bytes);  // hwloc_alloc_membind also maps with mmap
+}
+
+}  // namespace moe
