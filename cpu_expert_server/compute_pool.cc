@@ -1,6 +1,8 @@
 #include "cpu_expert_server/compute_pool.h"
 
 #include <immintrin.h>
+#include <pthread.h>
+#include <sched.h>
 
 #include <chrono>
 
@@ -9,42 +11,45 @@
 namespace moe {
 
 namespace {
-// How long an idle worker spins before sleeping on the futex.
-constexpr auto kSpin = std::chrono::microseconds(200);
+// How long an idle pool thread, or a barrier waiter, spins before sleeping.
+constexpr auto kSpin = std::chrono::microseconds(50);
+
+// Spins on `value` while it equals `old`, then sleeps on its futex.
+template <typename T>
+void SpinThenWait(const std::atomic<T>& value, T old) {
+  const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+  while (value.load(std::memory_order_acquire) == old) {
+    if (std::chrono::steady_clock::now() > spin_until) {
+      value.wait(old, std::memory_order_acquire);
+    } else {
+      _mm_pause();
+    }
+  }
+}
 }  // namespace
 
-ComputePool::ComputePool(const NumaBinding& binding) {
-  const int n = static_cast<int>(binding.cpus().size());
-  threads_.reserve(n);
-  for (int i = 0; i < n; ++i) threads_.emplace_back([this, i, &binding] { Worker(i, binding); });
+ComputePool::ComputePool(const NumaBinding& binding)
+    : binding_(binding), size_(std::max<int>(1, static_cast<int>(binding.cpus().size()))) {
+  threads_.reserve(size_ - 1);
+  for (int i = 1; i < size_; ++i) threads_.emplace_back([this, i] { Worker(i); });
 }
 
 ComputePool::~ComputePool() {
   stop_.store(true);
-  epoch_.fetch_add(1);
+  epoch_.fetch_add(1, std::memory_order_release);
   epoch_.notify_all();
   for (auto& t : threads_) t.join();
 }
 
-void ComputePool::Worker(int index, const NumaBinding& binding) {
-  if (absl::Status st = binding.BindCurrentThread(index); !st.ok()) LogWarning("pool", st.message());
+void ComputePool::Worker(int index) {
+  if (absl::Status st = binding_.BindCurrentThread(index); !st.ok()) LogWarning("pool", st.message());
   uint64_t seen = 0;
-  const int n = size();
   for (;;) {
-    // Spin, then sleep, until a new epoch is published.
-    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
-    uint64_t e;
-    while ((e = epoch_.load(std::memory_order_acquire)) == seen) {
-      if (std::chrono::steady_clock::now() > spin_until) {
-        epoch_.wait(seen, std::memory_order_acquire);
-      } else {
-        _mm_pause();
-      }
-    }
-    seen = e;
+    SpinThenWait(epoch_, seen);
+    seen = epoch_.load(std::memory_order_acquire);
     if (stop_.load()) return;
-    (*task_)(index, n);
-    if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) done_.notify_one();
+    (*task_)(index, size_);
+    if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == size_ - 1) done_.notify_one();
   }
 }
 
@@ -54,36 +59,29 @@ void ComputePool::Run(const Task& task) {
   done_.store(0, std::memory_order_relaxed);
   epoch_.fetch_add(1, std::memory_order_release);
   epoch_.notify_all();
-  const int n = size();
-  const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+
+  // The caller is thread 0, on the first PU for the duration of the region.
+  cpu_set_t saved;
+  const bool restore = pthread_getaffinity_np(pthread_self(), sizeof(saved), &saved) == 0;
+  (void)binding_.BindCurrentThread(0);
+  task(0, size_);
+  if (restore) pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved);
+
   int d;
-  while ((d = done_.load(std::memory_order_acquire)) != n) {
-    if (std::chrono::steady_clock::now() > spin_until) {
-      done_.wait(d, std::memory_order_acquire);
-    } else {
-      _mm_pause();
-    }
-  }
+  while ((d = done_.load(std::memory_order_acquire)) != size_ - 1) SpinThenWait(done_, d);
   task_ = nullptr;
 }
 
 void ComputePool::Barrier() {
-  const int n = size();
+  if (size_ == 1) return;
   const uint32_t sense = barrier_sense_.load(std::memory_order_acquire);
-  if (barrier_count_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+  if (barrier_count_.fetch_add(1, std::memory_order_acq_rel) + 1 == size_) {
     barrier_count_.store(0, std::memory_order_relaxed);
     barrier_sense_.store(sense + 1, std::memory_order_release);
     barrier_sense_.notify_all();
     return;
   }
-  const auto spin_until = std::chrono::steady_clock::now() + kSpin;
-  while (barrier_sense_.load(std::memory_order_acquire) == sense) {
-    if (std::chrono::steady_clock::now() > spin_until) {
-      barrier_sense_.wait(sense, std::memory_order_acquire);
-    } else {
-      _mm_pause();
-    }
-  }
+  SpinThenWait(barrier_sense_, sense);
 }
 
 }  // namespace moe

@@ -1,10 +1,12 @@
-// ComputePool: a fixed set of compute threads, each pinned to one PU of the
-// server's NUMA node, that run one parallel region at a time.
+// ComputePool: runs one parallel region at a time on a fixed set of PUs of the
+// server's NUMA node, one thread per PU, each pinned.
 //
-// Run(fn) calls fn(thread_index, num_threads) on every pool thread and returns
-// when all have finished; inside fn, Barrier() separates phases. Run() is
-// serialised internally (concurrent callers queue), so exactly one region runs
-// at a time and uses every core. Threads spin briefly after a region (so
+// Run(fn) calls fn(thread_index, num_threads) once per PU and returns when all
+// calls have finished. The calling thread itself runs index 0, pinned to the
+// first PU for the duration of the call (its own affinity is restored after),
+// so no core is lost to a waiting caller; indexes 1..n-1 run on pool threads.
+// Inside fn, Barrier() separates phases. Concurrent Run() callers queue: one
+// region at a time uses every core. Idle pool threads spin briefly (so
 // back-to-back decode requests start within microseconds) and then sleep on a
 // futex. No allocation per Run.
 #pragma once
@@ -23,22 +25,23 @@ class ComputePool {
  public:
   using Task = std::function<void(int thread, int num_threads)>;
 
-  // Starts one thread per binding.cpus() entry, each pinned to its PU.
-  // `binding` must outlive the pool.
+  // One compute thread per binding.cpus() entry. `binding` must outlive the pool.
   explicit ComputePool(const NumaBinding& binding);
   ~ComputePool();
   ComputePool(const ComputePool&) = delete;
   ComputePool& operator=(const ComputePool&) = delete;
 
-  int size() const { return static_cast<int>(threads_.size()); }
+  int size() const { return size_; }
   void Run(const Task& task);
-  // Waits until every pool thread of the current region has reached it.
+  // Waits until every thread of the current region has reached it.
   void Barrier();
 
  private:
-  void Worker(int index, const NumaBinding& binding);
+  void Worker(int index);
 
-  std::vector<std::thread> threads_;
+  const NumaBinding& binding_;
+  const int size_;
+  std::vector<std::thread> threads_;  // indexes 1..size_-1
   std::mutex run_mu_;
   const Task* task_ = nullptr;
   std::atomic<uint64_t> epoch_{0};

@@ -59,13 +59,15 @@ class ExpertKernel {
   virtual int row_block() const = 0;
 
   // act[r, 16c .. 16c+16) = bf16(silu(x_r . gate_c) * (x_r . up_c)) for all r < m
-  // and activation groups c in [c0, c1). x is [m, Kh] bf16 (pad columns zero),
-  // act is [m, Ki]; m is a multiple of row_block().
+  // and activation groups c in [c0, c1). x is [mp, Kh] bf16 and act [mp, Ki],
+  // where mp is m rounded up to row_block(); x's padding (rows >= m, columns
+  // >= H) is zero. Rows in [m, mp) of act may be written.
   virtual void GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m,
                       bf16_t* act, int c0, int c1) const = 0;
 
   // For output groups c in [c0, c1) (columns [32c, 32c+32) clipped to H) and
   // rows r < m with token[r] >= 0:  out[token[r] * ldo + col] += weight[r] * (act_r . down_col).
+  // act, token and weight have mp rows as above (padding rows: token -1).
   virtual void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act,
                               int m, const int32_t* token, const float* weight, float* out,
                               int ldo, int c0, int c1) const = 0;

@@ -101,7 +101,23 @@ grpc::Status ExpertServiceImpl::ForwardStream(
     grpc::ServerReaderWriter<moe::v1::ForwardStreamResponse, moe::v1::ForwardRequest>* stream) {
   moe::v1::ForwardRequest req;
   moe::v1::ForwardStreamResponse resp;
-  while (!ctx->IsCancelled() && stream->Read(&req)) {
+  {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining");
+    streams_[ctx] = false;
+  }
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lock(streams_mu_);
+      if (draining_) break;
+      streams_[ctx] = true;  // idle: Drain() may cancel us while we wait
+    }
+    const bool got = stream->Read(&req);
+    {
+      std::lock_guard<std::mutex> lock(streams_mu_);
+      streams_[ctx] = false;
+    }
+    if (!got) break;
     resp.Clear();
     resp.set_request_id(req.request_id());
     absl::Status st = Handle(req, resp.mutable_response());
@@ -112,7 +128,18 @@ grpc::Status ExpertServiceImpl::ForwardStream(
     }
     if (!stream->Write(resp)) break;
   }
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  streams_.erase(ctx);
+  if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining");
   return grpc::Status::OK;
+}
+
+void ExpertServiceImpl::Drain() {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  draining_ = true;
+  for (auto& [ctx, idle] : streams_) {
+    if (idle) ctx->TryCancel();
+  }
 }
 
 grpc::Status ExpertServiceImpl::GetInfo(grpc::ServerContext*, const moe::v1::GetInfoRequest*,

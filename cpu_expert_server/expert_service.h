@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 
 #include "core/model_spec.h"
 #include "cpu_expert_server/moe_executor.h"
@@ -33,6 +35,11 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   grpc::Status GetInfo(grpc::ServerContext* ctx, const moe::v1::GetInfoRequest* req,
                        moe::v1::ServerInfo* resp) override;
 
+  // Starts draining: open streams finish the request they are computing and
+  // then end with UNAVAILABLE ("draining"), idle ones end at once. Unary calls
+  // in flight complete. Call before grpc::Server::Shutdown.
+  void Drain();
+
   // The whole request path without gRPC: decode, validate, compute, encode.
   absl::Status Handle(const moe::v1::ForwardRequest& req, moe::v1::ForwardResponse* resp);
 
@@ -41,6 +48,9 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   MoeExecutor& executor_;
   ServiceLimits limits_;
   moe::v1::ServerInfo info_;
+  std::mutex streams_mu_;
+  bool draining_ = false;
+  std::map<grpc::ServerContext*, bool> streams_;  // open streams -> idle (blocked in Read)
 };
 
 }  // namespace moe

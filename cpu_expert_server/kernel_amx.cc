@@ -34,6 +34,16 @@ inline void ConfigureTiles() {
 // Weight groups of gate/up processed together so their B panels stay in L2
 // while all row blocks stream past them.
 constexpr int kGateUpChunk = 2;
+// Experts with at most this many rows go to the AVX-512 path: a 16-row tile
+// would mostly multiply padding, and the loads are what matters there.
+constexpr int kAvx512MaxRows = 4;
+// Weight tiles are prefetched this many k-blocks ahead on the first pass over
+// a panel (decode streams weights from DRAM once).
+constexpr int kPrefetchBlocks = 4;
+
+inline void PrefetchTile(const std::byte* p) {
+  for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * line), _MM_HINT_T0);
+}
 
 class AmxKernel final : public ExpertKernel {
  public:
@@ -42,6 +52,7 @@ class AmxKernel final : public ExpertKernel {
 
   void GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act,
               int c0, int c1) const override {
+    if (m <= kAvx512MaxRows) return Avx512GateUp(g, packed, x, m, act, c0, c1);
     ConfigureTiles();
     const size_t blk = static_cast<size_t>(g.Kh) * 32;  // bytes per packed block
     const int kblocks = g.Kh / 32;
@@ -61,6 +72,10 @@ class AmxKernel final : public ExpertKernel {
           _tile_zero(2);
           _tile_zero(3);
           for (int kb = 0; kb < kblocks; ++kb) {
+            if (mb == 0 && kb + kPrefetchBlocks < kblocks) {
+              PrefetchTile(gb + 1024 * (kb + kPrefetchBlocks));
+              PrefetchTile(ub + 1024 * (kb + kPrefetchBlocks));
+            }
             _tile_loadd(4, x0 + 32 * kb, ldx);
             _tile_loadd(6, gb + 1024 * kb, 64);
             _tile_loadd(7, ub + 1024 * kb, 64);
@@ -95,6 +110,7 @@ class AmxKernel final : public ExpertKernel {
   void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
+    if (m <= kAvx512MaxRows) return Avx512DownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
     ConfigureTiles();
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t blk = static_cast<size_t>(g.Ki) * 32;
@@ -123,6 +139,10 @@ class AmxKernel final : public ExpertKernel {
         _tile_zero(2);
         _tile_zero(3);
         for (int kb = 0; kb < kblocks; ++kb) {
+          if (mb == 0 && kb + kPrefetchBlocks < kblocks) {
+            PrefetchTile(b0 + 1024 * (kb + kPrefetchBlocks));
+            PrefetchTile(b1 + 1024 * (kb + kPrefetchBlocks));
+          }
           _tile_loadd(4, a0 + 32 * kb, lda);
           _tile_loadd(6, b0 + 1024 * kb, 64);
           _tile_loadd(7, b1 + 1024 * kb, 64);

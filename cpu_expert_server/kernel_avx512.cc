@@ -71,13 +71,10 @@ inline void ForRowChunks(int m, F&& f) {
   }
 }
 
-class Avx512Kernel final : public ExpertKernel {
- public:
-  const char* name() const override { return "avx512"; }
-  int row_block() const override { return 1; }
+}  // namespace
 
-  void GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act,
-              int c0, int c1) const override {
+void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act,
+                  int c0, int c1) {
     const bf16_t* w = reinterpret_cast<const bf16_t*>(packed);
     const size_t blk = static_cast<size_t>(g.Kh) * 16;
     for (int c = c0; c < c1; ++c) {
@@ -88,11 +85,10 @@ class Avx512Kernel final : public ExpertKernel {
                                        act + static_cast<size_t>(r) * g.Ki, c);
       });
     }
-  }
+}
 
-  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
-                      const int32_t* token, const float* weight, float* out, int ldo, int c0,
-                      int c1) const override {
+void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
+                          const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
     const bf16_t* d = reinterpret_cast<const bf16_t*>(packed + g.gate_up_bytes());
     const size_t blk = static_cast<size_t>(g.Ki) * 16;
     for (int c = c0; c < c1; ++c) {
@@ -103,6 +99,22 @@ class Avx512Kernel final : public ExpertKernel {
                                      weight + r, out, ldo, c);
       });
     }
+}
+
+namespace {
+
+class Avx512Kernel final : public ExpertKernel {
+ public:
+  const char* name() const override { return "avx512"; }
+  int row_block() const override { return 1; }
+  void GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act,
+              int c0, int c1) const override {
+    Avx512GateUp(g, packed, x, m, act, c0, c1);
+  }
+  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
+                      const int32_t* token, const float* weight, float* out, int ldo, int c0,
+                      int c1) const override {
+    Avx512DownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
   }
 };
 

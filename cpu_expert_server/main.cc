@@ -150,6 +150,7 @@ int main(int argc, char** argv) {
   int sig = 0;
   sigwait(&term, &sig);
   moe::LogInfo("server", "signal ", sig, ": draining in-flight requests (up to ", drain_seconds, " s)");
+  service.Drain();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(drain_seconds));
   server->Wait();
   moe::LogInfo("server", "stopped");

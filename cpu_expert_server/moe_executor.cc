@@ -116,8 +116,8 @@ absl::Status MoeExecutor::Forward(const ForwardBatch& b, DType out_dtype, void* 
     for (int u = unit_bounds_[t]; u < unit_bounds_[t + 1]; ++u) {
       const Unit& un = units_[u];
       const int rb = groups_.row_begin[un.group];
-      const int m = (groups_.count[un.group] + kernel_.row_block() - 1) / kernel_.row_block() * kernel_.row_block();
-      kernel_.GateUp(g, weights_[un.group], x + size_t(rb) * g.Kh, m, act + size_t(rb) * g.Ki, un.c0, un.c1);
+      kernel_.GateUp(g, weights_[un.group], x + size_t(rb) * g.Kh, groups_.count[un.group],
+                     act + size_t(rb) * g.Ki, un.c0, un.c1);
     }
     pool_.Barrier();
     // Phase 2: each thread owns output columns [32*c0, 32*c1) of every token:
@@ -130,8 +130,7 @@ absl::Status MoeExecutor::Forward(const ForwardBatch& b, DType out_dtype, void* 
     }
     for (int i = 0; i < ngroups; ++i) {
       const int rb = groups_.row_begin[i];
-      const int m = (groups_.count[i] + kernel_.row_block() - 1) / kernel_.row_block() * kernel_.row_block();
-      kernel_.DownAccumulate(g, weights_[i], act + size_t(rb) * g.Ki, m, groups_.token.data() + rb,
+      kernel_.DownAccumulate(g, weights_[i], act + size_t(rb) * g.Ki, groups_.count[i], groups_.token.data() + rb,
                              groups_.weight.data() + rb, out32, H, c0, c1);
     }
     if (out_dtype == DType::kBF16) {

@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace moe::simd {
@@ -46,3 +47,14 @@ inline __mmask16 ColumnMask(int col0, int H) {
 }
 
 }  // namespace moe::simd
+
+namespace moe {
+struct ExpertGeometry;
+// The avx512 kernel's entry points (kernel_avx512.cc), also used by the amx
+// kernel for experts with very few rows, where 16-row tiles would mostly
+// multiply padding.
+void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const uint16_t* x, int m,
+                  uint16_t* act, int c0, int c1);
+void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
+                          const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1);
+}  // namespace moe

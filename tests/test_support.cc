@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -36,6 +37,7 @@ Subprocess::Subprocess(const std::string& binary, const std::vector<std::string>
   if (pipe2(fds, O_CLOEXEC) != 0) return;
   pid_ = fork();
   if (pid_ == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test
     dup2(fds[1], 1);
     std::vector<char*> argv;
     argv.push_back(const_cast<char*>(binary.c_str()));
@@ -74,6 +76,23 @@ std::string Subprocess::ReadLine(std::chrono::milliseconds timeout) {
     if (n <= 0) return "";
     buffer_.append(buf, n);
   }
+}
+
+std::string Subprocess::ReadAll(std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+    if (left.count() <= 0 || out_fd_ < 0) break;
+    pollfd p{out_fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+    char buf[4096];
+    const ssize_t n = read(out_fd_, buf, sizeof(buf));
+    if (n <= 0) break;
+    buffer_.append(buf, n);
+  }
+  std::string all;
+  all.swap(buffer_);
+  return all;
 }
 
 void Subprocess::Signal(int sig) {

@@ -34,6 +34,8 @@ class Subprocess {
   pid_t pid() const { return pid_; }
   // Next stdout line, or "" after timeout / EOF.
   std::string ReadLine(std::chrono::milliseconds timeout);
+  // Everything the child writes to stdout until it closes it (or timeout).
+  std::string ReadAll(std::chrono::milliseconds timeout);
   // Sends a signal; Wait returns the exit status (as from waitpid) or -1 on timeout.
   void Signal(int sig);
   int Wait(std::chrono::milliseconds timeout);

@@ -1,0 +1,292 @@
+// core: bf16/f16 conversions, model specs from config.json, expert naming,
+// synthetic models and checkpoints, model sources, routing, reference MoE.
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "core/bf16.h"
+#include "core/flags.h"
+#include "core/model_source.h"
+#include "core/random_data.h"
+#include "core/reference_moe.h"
+#include "core/routing.h"
+#include "core/safetensors.h"
+#include "core/synthetic_model.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/test_support.h"
+
+namespace moe {
+namespace {
+
+TEST(Bf16, RoundTripAndRounding) {
+  EXPECT_EQ(Bf16ToF32(F32ToBf16(1.0f)), 1.0f);
+  EXPECT_EQ(Bf16ToF32(F32ToBf16(-2.5f)), -2.5f);
+  // 1 + 2^-8 is halfway between two bf16 values: ties to even (1.0).
+  EXPECT_EQ(Bf16ToF32(F32ToBf16(1.0f + 1.0f / 256)), 1.0f);
+  EXPECT_EQ(Bf16ToF32(F32ToBf16(1.0f + 3.0f / 256)), 1.0f + 4.0f / 256);
+  EXPECT_TRUE(std::isnan(Bf16ToF32(F32ToBf16(NAN))));
+  EXPECT_TRUE(std::isinf(Bf16ToF32(F32ToBf16(INFINITY))));
+  std::mt19937 rng(1);
+  std::normal_distribution<float> d(0, 10);
+  for (int i = 0; i < 10000; ++i) {
+    const float f = d(rng);
+    EXPECT_LE(std::fabs(Bf16ToF32(F32ToBf16(f)) - f), std::fabs(f) / 256) << f;
+  }
+}
+
+TEST(F16, RoundTrip) {
+  for (float f : {0.0f, 1.0f, -3.25f, 65504.0f, 6.1035156e-05f, 5.9604645e-08f, 1e-6f}) {
+    EXPECT_NEAR(F16ToF32(F32ToF16(f)), f, std::fabs(f) / 1024 + 6e-8) << f;
+  }
+  EXPECT_TRUE(std::isinf(F16ToF32(F32ToF16(1e6f))));
+  EXPECT_TRUE(std::isnan(F16ToF32(F32ToF16(NAN))));
+  for (uint32_t h = 0; h < 0x7c00; ++h) {  // every finite positive f16 survives f32 and back
+    EXPECT_EQ(F32ToF16(F16ToF32(static_cast<uint16_t>(h))), h);
+  }
+}
+
+TEST(ModelSpec, FromDeepSeekConfig) {
+  nlohmann::json c = {{"model_type", "deepseek_v3"}, {"num_hidden_layers", 61}, {"hidden_size", 7168},
+                      {"moe_intermediate_size", 2048}, {"intermediate_size", 18432},
+                      {"n_routed_experts", 256}, {"num_experts_per_tok", 8},
+                      {"first_k_dense_replace", 3}, {"moe_layer_freq", 1}};
+  absl::StatusOr<ModelSpec> s = ModelSpecFromConfig(c);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->intermediate, 2048);  // moe_intermediate_size wins over the dense one
+  EXPECT_EQ(s->num_experts, 256);
+  EXPECT_EQ(s->moe_layers.size(), 58u);
+  EXPECT_EQ(s->moe_layers.front(), 3);
+  EXPECT_FALSE(s->IsMoeLayer(2));
+  EXPECT_EQ(s->naming, ExpertNaming::kMlpExperts);
+}
+
+TEST(ModelSpec, FromQwenAndMixtralConfigs) {
+  nlohmann::json q = {{"model_type", "qwen3_moe"}, {"num_hidden_layers", 48}, {"hidden_size", 2048},
+                      {"moe_intermediate_size", 768}, {"num_experts", 128}, {"num_experts_per_tok", 8},
+                      {"decoder_sparse_step", 1}, {"mlp_only_layers", {0, 5}}};
+  absl::StatusOr<ModelSpec> s = ModelSpecFromConfig(q);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->moe_layers.size(), 46u);
+  EXPECT_FALSE(s->IsMoeLayer(5));
+  nlohmann::json m = {{"model_type", "mixtral"}, {"num_hidden_layers", 32}, {"hidden_size", 4096},
+                      {"intermediate_size", 14336}, {"num_local_experts", 8}, {"num_experts_per_tok", 2}};
+  s = ModelSpecFromConfig(m);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(s->naming, ExpertNaming::kBlockSparseMoe);
+  EXPECT_EQ(s->intermediate, 14336);
+  EXPECT_EQ(s->moe_layers.size(), 32u);
+  nlohmann::json bad = m;
+  bad.erase("num_local_experts");
+  s = ModelSpecFromConfig(bad);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("num_local_experts"), std::string::npos) << s.status();
+}
+
+TEST(ModelSpec, ExpertNames) {
+  EXPECT_EQ(ExpertTensorName(ExpertNaming::kMlpExperts, 3, 17, Projection::kGate),
+            "model.layers.3.mlp.experts.17.gate_proj.weight");
+  EXPECT_EQ(ExpertTensorName(ExpertNaming::kMlpExperts, 3, 17, Projection::kDown),
+            "model.layers.3.mlp.experts.17.down_proj.weight");
+  EXPECT_EQ(ExpertTensorName(ExpertNaming::kBlockSparseMoe, 0, 7, Projection::kUp),
+            "model.layers.0.block_sparse_moe.experts.7.w3.weight");
+  EXPECT_EQ(ExpertTensorName(ExpertNaming::kBlockSparseMoe, 0, 7, Projection::kDown),
+            "model.layers.0.block_sparse_moe.experts.7.w2.weight");
+}
+
+TEST(Synthetic, UriParsing) {
+  absl::StatusOr<SyntheticModelUri> u = ParseSyntheticUri("synthetic:deepseek-v3:layers=4:seed=9");
+  ASSERT_TRUE(u.ok()) << u.status();
+  EXPECT_EQ(u->preset, "deepseek-v3");
+  EXPECT_EQ(u->layers, 4);
+  EXPECT_EQ(u->seed, 9u);
+  EXPECT_FALSE(ParseSyntheticUri("synthetic:nope").ok());
+  EXPECT_FALSE(ParseSyntheticUri("synthetic:tiny:layers=x").ok());
+  EXPECT_FALSE(ParseSyntheticUri("synthetic:deepseek-v3:layers=2").ok());  // only dense layers left
+  absl::StatusOr<ModelSpec> s = PresetSpec("qwen3-30b-a3b");
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(s->hidden, 2048);
+  EXPECT_EQ(s->intermediate, 768);
+  EXPECT_EQ(s->num_experts, 128);
+  EXPECT_EQ(s->top_k, 8);
+}
+
+TEST(Synthetic, RealisticScaleAndDeterminism) {
+  std::vector<bf16_t> a(768 * 2048), b(a.size());
+  GenerateExpertMatrix(5, 3, 7, Projection::kGate, 768, 2048, a.data());
+  GenerateExpertMatrix(5, 3, 7, Projection::kGate, 768, 2048, b.data());
+  EXPECT_EQ(a, b);
+  GenerateExpertMatrix(5, 3, 8, Projection::kGate, 768, 2048, b.data());
+  EXPECT_NE(a, b);
+  double sum2 = 0;
+  int zeros = 0;
+  for (bf16_t v : a) {
+    const double f = Bf16ToF32(v);
+    sum2 += f * f;
+    zeros += f == 0;
+  }
+  const double std = std::sqrt(sum2 / a.size());
+  EXPECT_NEAR(std, 1.0 / std::sqrt(2048.0), 0.05 / std::sqrt(2048.0));
+  EXPECT_LT(zeros, 100);
+}
+
+// A checkpoint written by the generator reads back (through the real safetensors
+// path, in every dtype) as the same weights the in-memory synthetic model builds.
+TEST(ModelSource, CheckpointMatchesSyntheticInEveryDtype) {
+  for (DType dt : {DType::kBF16, DType::kF16, DType::kF32}) {
+    testing::TempDir dir;
+    absl::StatusOr<ModelSpec> spec = PresetSpec("tiny");
+    ASSERT_TRUE(spec.ok());
+    spec->dtype = dt;
+    ASSERT_TRUE(WriteSyntheticCheckpoint(dir.path(), *spec, 11, 64 << 10).ok());
+    absl::StatusOr<std::unique_ptr<ModelSource>> ck = OpenModel(dir.path());
+    ASSERT_TRUE(ck.ok()) << ck.status();
+    absl::StatusOr<std::unique_ptr<ModelSource>> syn = OpenModel("synthetic:tiny:seed=11");
+    ASSERT_TRUE(syn.ok()) << syn.status();
+    EXPECT_EQ((*ck)->spec().moe_layers, std::vector<int>({1, 2}));  // layer 0 is dense
+    ExpertWeights a, b;
+    ASSERT_TRUE((*ck)->ReadExpert(2, 5, &a).ok());
+    ASSERT_TRUE((*syn)->ReadExpert(2, 5, &b).ok());
+    if (dt == DType::kF16) {  // bf16 -> f16 -> bf16 may round in the last bit
+      for (size_t i = 0; i < a.gate.size(); ++i)
+        ASSERT_NEAR(Bf16ToF32(a.gate[i]), Bf16ToF32(b.gate[i]), std::fabs(Bf16ToF32(b.gate[i])) / 64 + 1e-6);
+    } else {
+      EXPECT_EQ(a.gate, b.gate);
+      EXPECT_EQ(a.up, b.up);
+      EXPECT_EQ(a.down, b.down);
+    }
+    EXPECT_FALSE((*ck)->ReadExpert(0, 0, &a).ok());  // dense layer
+    EXPECT_FALSE((*ck)->ReadExpert(1, 8, &a).ok());  // expert out of range
+  }
+}
+
+TEST(ModelSource, MixtralNamingCheckpoint) {
+  testing::TempDir dir;
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-mixtral");
+  ASSERT_TRUE(spec.ok());
+  ASSERT_TRUE(WriteSyntheticCheckpoint(dir.path(), *spec, 2, 1 << 20).ok());
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ck = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(ck.ok());
+  EXPECT_NE((*ck)->Find("model.layers.1.block_sparse_moe.experts.3.w2.weight"), nullptr);
+  absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(dir.path());
+  ASSERT_TRUE(src.ok()) << src.status();
+  EXPECT_EQ((*src)->spec().naming, ExpertNaming::kBlockSparseMoe);
+  ExpertWeights w;
+  EXPECT_TRUE((*src)->ReadExpert(1, 3, &w).ok());
+}
+
+TEST(ModelSource, RejectsNanWeightsAndWrongShapes) {
+  testing::TempDir dir;
+  ModelSpec spec = *PresetSpec("tiny");
+  // Write the tiny model by hand with a NaN in one tensor and a wrong shape in another.
+  nlohmann::json config = ConfigFromModelSpec(spec);
+  std::ofstream(dir.path() + "/config.json") << config.dump();
+  std::vector<TensorSpec> specs;
+  for (int l : spec.moe_layers)
+    for (int e = 0; e < spec.num_experts; ++e)
+      for (Projection p : {Projection::kGate, Projection::kUp, Projection::kDown}) {
+        std::vector<int64_t> shape = p == Projection::kDown ? std::vector<int64_t>{spec.hidden, spec.intermediate}
+                                                            : std::vector<int64_t>{spec.intermediate, spec.hidden};
+        if (l == 2 && e == 1 && p == Projection::kUp) shape = {spec.hidden, spec.intermediate};
+        specs.push_back({ExpertTensorName(spec.naming, l, e, p), DType::kF32, shape});
+      }
+  ASSERT_TRUE(WriteCheckpoint(dir.path(), specs, 1 << 20, [&](size_t i, std::span<std::byte> dst) {
+                float* f = reinterpret_cast<float*>(dst.data());
+                for (size_t j = 0; j < dst.size() / 4; ++j) f[j] = 0.01f * static_cast<float>((j % 7) + 1);
+                if (specs[i].name == ExpertTensorName(spec.naming, 1, 3, Projection::kDown)) f[5] = NAN;
+                if (specs[i].name == ExpertTensorName(spec.naming, 1, 4, Projection::kGate)) f[0] = INFINITY;
+              }).ok());
+  absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(dir.path());
+  ASSERT_TRUE(src.ok()) << src.status();
+  ExpertWeights w;
+  EXPECT_TRUE((*src)->ReadExpert(1, 2, &w).ok());
+  absl::Status st = (*src)->ReadExpert(1, 3, &w);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("NaN"), std::string::npos) << st;
+  st = (*src)->ReadExpert(1, 4, &w);
+  EXPECT_NE(st.message().find("Inf"), std::string::npos) << st;
+  st = (*src)->ReadExpert(2, 1, &w);
+  EXPECT_NE(st.message().find("shape"), std::string::npos) << st;
+}
+
+TEST(ModelSource, MissingOrBrokenConfig) {
+  testing::TempDir dir;
+  EXPECT_EQ(OpenModel(dir.path()).status().code(), absl::StatusCode::kNotFound);
+  std::ofstream(dir.path() + "/config.json") << "{not json";
+  EXPECT_EQ(OpenModel(dir.path()).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(Routing, ValidationNamesTheField) {
+  std::vector<int32_t> ids = {0, 1, 2, 3};
+  std::vector<float> w = {0.5f, 0.5f, 0.3f, 0.7f};
+  RoutingView r{2, 2, ids.data(), w.data()};
+  EXPECT_TRUE(ValidateRouting(r, 4, nullptr).ok());
+  ids[3] = 4;
+  EXPECT_NE(ValidateRouting(r, 4, nullptr).message().find("expert_ids[1,1]"), std::string::npos);
+  ids[3] = 2;
+  EXPECT_NE(ValidateRouting(r, 4, nullptr).message().find("repeats"), std::string::npos);
+  ids[3] = 3;
+  w[2] = NAN;
+  EXPECT_NE(ValidateRouting(r, 4, nullptr).message().find("expert_weights[1,0]"), std::string::npos);
+  w[2] = 0.3f;
+  EXPECT_NE(ValidateRouting(r, 4, [](int e) { return e != 3; }).message().find("not hosted"), std::string::npos);
+  ids[1] = -1;  // unused slot
+  EXPECT_TRUE(ValidateRouting(r, 4, nullptr).ok());
+}
+
+TEST(Routing, GroupByExpertWithAlignment) {
+  std::vector<int32_t> ids = {2, 0, 2, -1, 1, 2};
+  std::vector<float> w = {0.1f, 0.2f, 0.3f, 0.0f, 0.5f, 0.6f};
+  ExpertGroups g;
+  GroupByExpert(RoutingView{3, 2, ids.data(), w.data()}, 4, 16, &g);
+  ASSERT_EQ(g.num_groups(), 3);
+  EXPECT_EQ(g.expert, std::vector<int32_t>({0, 1, 2}));
+  EXPECT_EQ(g.count, std::vector<int32_t>({1, 1, 3}));
+  EXPECT_EQ(g.row_begin, std::vector<int32_t>({0, 16, 32}));
+  EXPECT_EQ(g.total_rows, 48);
+  EXPECT_EQ(g.total_pairs, 5);
+  EXPECT_EQ(g.token[32], 0);
+  EXPECT_EQ(g.token[33], 1);
+  EXPECT_EQ(g.token[34], 2);
+  EXPECT_EQ(g.token[35], -1);
+  EXPECT_FLOAT_EQ(g.weight[34], 0.6f);
+}
+
+TEST(ReferenceMoe, FloatMatchesDoubleAndLinearity) {
+  absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel("synthetic:tiny:seed=4");
+  ASSERT_TRUE(src.ok());
+  ReferenceMoe ref(**src);
+  const int n = 5, H = (*src)->spec().hidden;
+  std::vector<bf16_t> x = RandomActivations(size_t(n) * H, 3);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  RandomRouting(n, 2, 8, 9, 0.0, &ids, &w);
+  std::vector<float> f(n * H);
+  std::vector<double> d(n * H);
+  ASSERT_TRUE(ref.Forward<float>(1, n, x.data(), RoutingView{n, 2, ids.data(), w.data()}, f.data()).ok());
+  ASSERT_TRUE(ref.Forward<double>(1, n, x.data(), RoutingView{n, 2, ids.data(), w.data()}, d.data()).ok());
+  EXPECT_LT(RelativeL2Error(f.data(), d.data(), f.size()), 1e-5);
+  // Splitting the pairs of each token over two calls and adding gives the same result.
+  std::vector<int32_t> a = ids, b = ids;
+  for (int t = 0; t < n; ++t) { a[2 * t + 1] = -1; b[2 * t] = -1; }
+  std::vector<double> da(n * H), db(n * H);
+  ASSERT_TRUE(ref.Forward<double>(1, n, x.data(), RoutingView{n, 2, a.data(), w.data()}, da.data()).ok());
+  ASSERT_TRUE(ref.Forward<double>(1, n, x.data(), RoutingView{n, 2, b.data(), w.data()}, db.data()).ok());
+  for (size_t i = 0; i < d.size(); ++i) ASSERT_NEAR(da[i] + db[i], d[i], 1e-9 + 1e-9 * std::fabs(d[i]));
+  double norm = 0;
+  for (double v : d) norm += v * v;
+  EXPECT_GT(norm, 0.0);
+}
+
+TEST(Flags, IndexLists) {
+  absl::StatusOr<std::vector<int>> v = ParseIndexList("3-5,1,4", 10, "layers");
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(*v, std::vector<int>({1, 3, 4, 5}));
+  EXPECT_FALSE(ParseIndexList("3-12", 10, "layers").ok());
+  EXPECT_FALSE(ParseIndexList("x", 10, "layers").ok());
+  EXPECT_NE(ParseIndexList("5-3", 10, "experts").status().message().find("--experts"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moe
