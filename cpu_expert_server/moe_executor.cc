@@ -9,8 +9,13 @@
 namespace moe {
 
 namespace {
-// Activation groups (16 columns each) per gate/up work unit.
+// Activation groups (16 columns each) per gate/up work unit, when there are
+// enough units to keep every thread busy; else one group per unit.
 constexpr int kGroupsPerUnit = 4;
+// Rows of one expert per gate/up unit: large prefill groups are also split by
+// rows so a single hot expert still spreads over every thread (a multiple of 32,
+// the AMX kernel's two row blocks).
+constexpr int kRowsPerUnit = 128;
 
 uint64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -73,16 +78,22 @@ absl::Status MoeExecutor::Forward(const ForwardBatch& b, DType out_dtype, void* 
   std::vector<int64_t>& cost = cost_;
   cost.clear();
   int64_t total_cost = 0;
+  const int T = pool_.size();
+  int64_t row_chunks = 0;
+  for (int i = 0; i < ngroups; ++i) row_chunks += (groups_.count[i] + kRowsPerUnit - 1) / kRowsPerUnit;
+  const int per_unit = row_chunks * g.gate_up_groups() >= int64_t{4} * kGroupsPerUnit * T ? kGroupsPerUnit : 1;
   for (int i = 0; i < ngroups; ++i) {
-    const int m = (groups_.count[i] + kernel_.row_block() - 1) / kernel_.row_block() * kernel_.row_block();
-    for (int c = 0; c < g.gate_up_groups(); c += kGroupsPerUnit) {
-      const int ce = std::min(g.gate_up_groups(), c + kGroupsPerUnit);
-      units_.push_back({i, c, ce});
-      total_cost += int64_t{ce - c} * (16 + m);
-      cost.push_back(total_cost);
+    for (int r = 0; r < groups_.count[i]; r += kRowsPerUnit) {
+      const int re = std::min(groups_.count[i], r + kRowsPerUnit);
+      const int m = (re - r + kernel_.row_block() - 1) / kernel_.row_block() * kernel_.row_block();
+      for (int c = 0; c < g.gate_up_groups(); c += per_unit) {
+        const int ce = std::min(g.gate_up_groups(), c + per_unit);
+        units_.push_back({i, c, ce, r, re});
+        total_cost += int64_t{ce - c} * (16 + m);
+        cost.push_back(total_cost);
+      }
     }
   }
-  const int T = pool_.size();
   unit_bounds_.assign(T + 1, 0);
   for (int t = 1, u = 0; t <= T; ++t) {
     const int64_t limit = total_cost * t / T;
@@ -115,9 +126,8 @@ absl::Status MoeExecutor::Forward(const ForwardBatch& b, DType out_dtype, void* 
     // Phase 1: act = silu(x W1^T) * (x W3^T), per (expert, column block).
     for (int u = unit_bounds_[t]; u < unit_bounds_[t + 1]; ++u) {
       const Unit& un = units_[u];
-      const int rb = groups_.row_begin[un.group];
-      kernel_.GateUp(g, weights_[un.group], x + size_t(rb) * g.Kh, groups_.count[un.group],
-                     act + size_t(rb) * g.Ki, un.c0, un.c1);
+      const size_t rb = size_t(groups_.row_begin[un.group]) + un.r0;
+      kernel_.GateUp(g, weights_[un.group], x + rb * g.Kh, un.r1 - un.r0, act + rb * g.Ki, un.c0, un.c1);
     }
     pool_.Barrier();
     // Phase 2: each thread owns output columns [32*c0, 32*c1) of every token:

@@ -48,7 +48,8 @@ class MoeExecutor {
   absl::Status Forward(const ForwardBatch& batch, DType out_dtype, void* out, ForwardStats* stats);
 
  private:
-  struct Unit { int group, c0, c1; };
+  // Gate/up work: activation groups [c0, c1) of rows [r0, r1) of one expert group.
+  struct Unit { int group, c0, c1, r0, r1; };
   class Buffer {
    public:
     ~Buffer();
