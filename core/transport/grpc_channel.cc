@@ -1,0 +1,89 @@
+#include "core/transport/grpc_channel.h"
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(flag, ": cannot read '", path, "'"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (ss.str().find("-----BEGIN") == std::string::npos)
+    return absl::InvalidArgumentError(absl::StrCat(flag, ": '", path, "' is not a PEM file"));
+  return ss.str();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsOptions& tls) {
+  if (tls.insecure) return grpc::InsecureChannelCredentials();
+  if (tls.ca_file.empty())
+    return absl::InvalidArgumentError("--tls-ca is required to verify the server (or ask for --insecure)");
+  grpc::SslCredentialsOptions o;
+  absl::StatusOr<std::string> ca = ReadPem(tls.ca_file, "--tls-ca");
+  if (!ca.ok()) return ca.status();
+  o.pem_root_certs = *ca;
+  if (!tls.cert_file.empty() || !tls.key_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "--tls-cert");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadPem(tls.key_file, "--tls-key");
+    if (!key.ok()) return key.status();
+    o.pem_cert_chain = *cert;
+    o.pem_private_key = *key;
+  }
+  return grpc::SslCredentials(o);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsOptions& tls) {
+  if (tls.insecure) return grpc::InsecureServerCredentials();
+  if (tls.cert_file.empty() || tls.key_file.empty())
+    return absl::InvalidArgumentError("--tls-cert and --tls-key are required (or ask for --insecure)");
+  absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "--tls-cert");
+  if (!cert.ok()) return cert.status();
+  absl::StatusOr<std::string> key = ReadPem(tls.key_file, "--tls-key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions o(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  o.pem_key_cert_pairs.push_back({*key, *cert});
+  if (!tls.ca_file.empty()) {
+    absl::StatusOr<std::string> ca = ReadPem(tls.ca_file, "--tls-ca");
+    if (!ca.ok()) return ca.status();
+    o.pem_root_certs = *ca;
+    o.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  return grpc::SslServerCredentials(o);
+}
+
+grpc::ChannelArguments MakeChannelArguments(uint64_t max_message_bytes, const TlsOptions& tls) {
+  grpc::ChannelArguments args;
+  const int max = static_cast<int>(std::min<uint64_t>(max_message_bytes, INT32_MAX));
+  args.SetMaxReceiveMessageSize(max);
+  args.SetMaxSendMessageSize(max);
+  // Detect a dead or silent server within seconds even on an idle stream.
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 5000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 2000);
+  args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  args.SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  // Reconnect quickly when a restarted server comes back.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+  if (!tls.server_name_override.empty()) args.SetSslTargetNameOverride(tls.server_name_override);
+  return args;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
+                                                           uint64_t max_message_bytes,
+                                                           const TlsOptions& tls) {
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = MakeChannelCredentials(tls);
+  if (!creds.ok()) return creds.status();
+  return grpc::CreateCustomChannel(address, *creds, MakeChannelArguments(max_message_bytes, tls));
+}
+
+}  // namespace moe

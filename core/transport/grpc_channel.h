@@ -1,0 +1,27 @@
+// gRPC channel and server set-up shared by every process: credentials from
+// TLS options (plaintext only when asked for), and channel arguments chosen
+// explicitly (message size from the model geometry, keepalive, reconnect
+// back-off). Pure functions; thread-safe.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "core/transport/transport.h"
+#include "grpcpp/grpcpp.h"
+
+namespace moe {
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsOptions& tls);
+// cert+key required unless insecure; with ca_file the server requires and
+// verifies client certificates (mTLS).
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsOptions& tls);
+
+grpc::ChannelArguments MakeChannelArguments(uint64_t max_message_bytes, const TlsOptions& tls);
+
+// A channel to `address` with the above; never blocks.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
+                                                           uint64_t max_message_bytes,
+                                                           const TlsOptions& tls);
+
+}  // namespace moe

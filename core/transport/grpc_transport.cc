@@ -1,0 +1,210 @@
+// gRPC implementation of ExpertTransport: one long-lived bidirectional
+// ForwardStream per transport, requests matched to responses by request id,
+// one reader thread; or, with grpc_unary, one callback-API unary call per batch.
+// A broken stream fails its in-flight requests with UNAVAILABLE and the next
+// Submit opens a new one (the channel reconnects underneath).
+#include <cstring>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "core/tensor.h"
+#include "core/transport/grpc_channel.h"
+#include "core/transport/pending_requests.h"
+#include "core/transport/transport.h"
+#include "core/wire.h"
+#include "moe/v1/expert.grpc.pb.h"
+
+namespace moe {
+namespace {
+
+void EncodeBatch(const MissBatch& b, int hidden, uint64_t id, moe::v1::ForwardRequest* req) {
+  req->set_request_id(id);
+  req->set_layer(b.layer);
+  EncodeTensor(DType::kBF16, {b.n, hidden}, b.tokens, req->mutable_tokens());
+  EncodeTensor(DType::kI32, {b.n, b.k}, b.expert_ids, req->mutable_expert_ids());
+  EncodeTensor(DType::kF32, {b.n, b.k}, b.expert_weights, req->mutable_expert_weights());
+}
+
+// Copies a response's [n, H] bf16 output into out.
+absl::Status DecodeOutput(const moe::v1::ForwardResponse& resp, int n, int hidden, bf16_t* out) {
+  absl::StatusOr<TensorView> v = DecodeTensor(resp.output(), "output", DType::kBF16, {n, hidden});
+  if (!v.ok()) return absl::InternalError(absl::StrCat("malformed response: ", v.status().message()));
+  std::memcpy(out, v->data, v->nbytes());
+  return absl::OkStatus();
+}
+
+std::chrono::system_clock::time_point ToSystem(Clock::time_point t) {
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(t - Clock::now());
+}
+
+class GrpcTransport final : public ExpertTransport {
+ public:
+  GrpcTransport(std::string address, std::shared_ptr<grpc::Channel> channel, const TransportOptions& o)
+      : address_(std::move(address)),
+        channel_(std::move(channel)),
+        stub_(moe::v1::ExpertService::NewStub(channel_)),
+        hidden_(o.hidden),
+        unary_(o.grpc_unary) {}
+
+  ~GrpcTransport() override {
+    std::vector<std::shared_ptr<Stream>> streams;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stream_) streams.push_back(stream_);
+      streams.insert(streams.end(), retired_.begin(), retired_.end());
+      stream_.reset();
+      retired_.clear();
+    }
+    for (auto& s : streams) {
+      s->ctx.TryCancel();
+      if (s->reader.joinable()) s->reader.join();
+    }
+    // Unary calls still in flight hold a reference to nothing but their own
+    // state; wait for them so their callbacks do not outlive pending_.
+    std::unique_lock<std::mutex> lock(mu_);
+    unary_cv_.wait(lock, [&] { return unary_in_flight_ == 0; });
+  }
+
+  const char* kind() const override { return unary_ ? "grpc-unary" : "grpc-stream"; }
+
+  std::future<absl::Status> Submit(const MissBatch& b, bf16_t* out, Clock::time_point deadline) override {
+    return unary_ ? SubmitUnary(b, out, deadline) : SubmitStream(b, out, deadline);
+  }
+
+ private:
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<moe::v1::ForwardRequest, moe::v1::ForwardStreamResponse>> rw;
+    uint64_t generation = 0;
+    bool broken = false;  // guarded by GrpcTransport::mu_
+    std::thread reader;
+  };
+
+  std::future<absl::Status> SubmitStream(const MissBatch& b, bf16_t* out, Clock::time_point deadline) {
+    std::future<absl::Status> fut;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!stream_ || stream_->broken) OpenStreamLocked();
+    const uint64_t id = pending_.Add(out, b.n, stream_->generation, deadline, &fut);
+    request_.Clear();
+    EncodeBatch(b, hidden_, id, &request_);
+    if (!stream_->rw->Write(request_)) {
+      stream_->broken = true;
+      pending_.Complete(id, absl::UnavailableError(absl::StrCat("stream to ", address_, " is closed")));
+    }
+    return fut;
+  }
+
+  void OpenStreamLocked() {
+    if (stream_) {
+      stream_->ctx.TryCancel();
+      retired_.push_back(stream_);
+    }
+    // Join readers of streams that have finished.
+    for (auto it = retired_.begin(); it != retired_.end();) {
+      if ((*it)->broken && (*it)->reader.joinable() && reader_done_.count((*it)->generation)) {
+        (*it)->reader.join();
+        it = retired_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto s = std::make_shared<Stream>();
+    s->generation = ++generation_;
+    s->rw = stub_->ForwardStream(&s->ctx);
+    s->reader = std::thread([this, s] { ReadLoop(s); });
+    stream_ = s;
+  }
+
+  void ReadLoop(std::shared_ptr<Stream> s) {
+    moe::v1::ForwardStreamResponse resp;
+    while (s->rw->Read(&resp)) {
+      std::optional<PendingRequests::Entry> e = pending_.Take(resp.request_id());
+      if (!e) continue;  // timed out already
+      absl::Status st = resp.status_code() == 0
+                            ? DecodeOutput(resp.response(), e->n, hidden_, e->out)
+                            : absl::Status(static_cast<absl::StatusCode>(resp.status_code()), resp.status_message());
+      e->done.set_value(st);
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      s->broken = true;  // no Write after this point, so Finish may run
+    }
+    const grpc::Status fin = s->rw->Finish();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reader_done_.insert(s->generation);
+    }
+    pending_.FailGeneration(s->generation,
+                            absl::UnavailableError(absl::StrCat("stream to ", address_, " ended: ",
+                                                                fin.ok() ? "closed" : fin.error_message())));
+  }
+
+  struct UnaryCall {
+    grpc::ClientContext ctx;
+    moe::v1::ForwardRequest req;
+    moe::v1::ForwardResponse resp;
+    uint64_t id = 0;
+  };
+
+  std::future<absl::Status> SubmitUnary(const MissBatch& b, bf16_t* out, Clock::time_point deadline) {
+    std::future<absl::Status> fut;
+    auto* call = new UnaryCall();
+    call->id = pending_.Add(out, b.n, 0, deadline, &fut);
+    EncodeBatch(b, hidden_, call->id, &call->req);
+    call->ctx.set_deadline(ToSystem(deadline));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++unary_in_flight_;
+    }
+    stub_->async()->Forward(&call->ctx, &call->req, &call->resp, [this, call](grpc::Status st) {
+      if (std::optional<PendingRequests::Entry> e = pending_.Take(call->id)) {
+        e->done.set_value(st.ok() ? DecodeOutput(call->resp, e->n, hidden_, e->out) : FromGrpcStatus(st));
+      }
+      delete call;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--unary_in_flight_ == 0) unary_cv_.notify_all();
+    });
+    return fut;
+  }
+
+  const std::string address_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<moe::v1::ExpertService::Stub> stub_;
+  const int hidden_;
+  const bool unary_;
+  PendingRequests pending_;
+  std::mutex mu_;
+  std::shared_ptr<Stream> stream_;
+  std::vector<std::shared_ptr<Stream>> retired_;
+  std::set<uint64_t> reader_done_;
+  uint64_t generation_ = 0;
+  moe::v1::ForwardRequest request_;  // reused under mu_
+  int unary_in_flight_ = 0;
+  std::condition_variable unary_cv_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std::string& address,
+                                                                     const TransportOptions& o) {
+  if (o.hidden <= 0) return absl::InvalidArgumentError("transport: hidden size must be set");
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> ch = MakeChannel(address, o.max_message_bytes, o.tls);
+  if (!ch.ok()) return ch.status();
+  // Connect now, so a wrong address or credentials fail here, not on the first batch.
+  if (!(*ch)->WaitForConnected(std::chrono::system_clock::now() + o.connect_timeout))
+    return absl::UnavailableError(absl::StrCat("cannot connect to expert server ", address));
+  return std::unique_ptr<ExpertTransport>(new GrpcTransport(address, *std::move(ch), o));
+}
+
+absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectTransport(const std::string& address,
+                                                                 const TransportOptions& options) {
+  constexpr const char kUnix[] = "unix://";
+  if (address.rfind(kUnix, 0) == 0) return ConnectShmTransport(address.substr(sizeof(kUnix) - 1), options);
+  return ConnectGrpcTransport(address, options);
+}
+
+}  // namespace moe

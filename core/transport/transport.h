@@ -1,0 +1,76 @@
+// ExpertTransport: how a GPU worker ships one layer's miss batch to a CPU
+// expert server and gets the partial output back. One interface, used by every
+// caller; two implementations picked by the address:
+//   unix:///path/to/socket  -> shared memory (same host; memfd ring, futex doorbells)
+//   host:port               -> gRPC (one long-lived ForwardStream per transport)
+//
+// Lifecycle: ConnectTransport() -> Submit() any number of times, from any
+// number of threads, with several batches in flight -> destroy. Every
+// submitted batch completes by its deadline: OK with the output written,
+// DEADLINE_EXCEEDED, UNAVAILABLE (server gone; the transport reconnects on a
+// later Submit), or the server's own error (e.g. INVALID_ARGUMENT). Thread-safe.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/bf16.h"
+
+namespace moe {
+
+using Clock = std::chrono::steady_clock;
+
+// One layer's misses: n tokens with up to k (expert, weight) pairs each.
+struct MissBatch {
+  uint32_t layer = 0;
+  int n = 0;
+  int k = 0;
+  const bf16_t* tokens = nullptr;          // [n, H]
+  const int32_t* expert_ids = nullptr;     // [n, k], -1 = unused slot
+  const float* expert_weights = nullptr;   // [n, k]
+};
+
+struct TlsOptions {
+  std::string cert_file, key_file, ca_file;  // PEM; cert+key for mTLS, ca to verify the peer
+  bool insecure = false;                     // plaintext; must be asked for explicitly
+  std::string server_name_override;          // TLS name to verify instead of the host
+};
+
+struct TransportOptions {
+  int hidden = 0;                  // H of the model (required)
+  // shm: slot geometry the client asks the server for.
+  int max_tokens_per_slot = 256;
+  int max_pairs_per_token = 8;
+  int slots = 16;
+  // gRPC
+  TlsOptions tls;
+  bool grpc_unary = false;         // unary Forward per batch instead of the stream
+  uint64_t max_message_bytes = 256u << 20;
+  std::chrono::milliseconds connect_timeout{5000};
+};
+
+class ExpertTransport {
+ public:
+  virtual ~ExpertTransport() = default;
+  // Copies the batch out before returning (the caller may reuse its buffers);
+  // `out` ([n, H] bf16) must stay valid until the future is ready.
+  virtual std::future<absl::Status> Submit(const MissBatch& batch, bf16_t* out,
+                                           Clock::time_point deadline) = 0;
+  virtual const char* kind() const = 0;  // "shm", "grpc-stream" or "grpc-unary"
+};
+
+// Picks the implementation from the address scheme (see above).
+absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectTransport(const std::string& address,
+                                                                 const TransportOptions& options);
+
+// Implementations (one per file); ConnectTransport is the only caller.
+absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std::string& address,
+                                                                     const TransportOptions& options);
+absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectShmTransport(const std::string& socket_path,
+                                                                    const TransportOptions& options);
+
+}  // namespace moe
