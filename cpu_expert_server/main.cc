@@ -11,6 +11,8 @@
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/model_source.h"
+#include "core/transport/grpc_channel.h"
+#include "core/transport/shm_server.h"
 #include "core/wire.h"
 #include "cpu_expert_server/compute_pool.h"
 #include "cpu_expert_server/cpu_features.h"
@@ -43,6 +45,8 @@ std::string RangeText(const std::vector<int>& v) {
 
 int main(int argc, char** argv) {
   std::string model, listen = "0.0.0.0:50051", layers_flag, experts_flag, numa = "auto", kernel_name = "auto";
+  std::string shm_socket, shm_uids, tls_cert, tls_key, tls_ca;
+  bool insecure = false;
   int64_t threads = 0, max_tokens = 8192, drain_seconds = 30;
   moe::FlagSet flags("moe-expert-server",
                      "--model DIR|synthetic:PRESET[:layers=N][:seed=S] [--listen ADDR] [flags]\n"
@@ -56,8 +60,23 @@ int main(int argc, char** argv) {
   flags.String("kernel", &kernel_name, "expert kernel: auto, amx, avx512 or reference");
   flags.Int("max-tokens", &max_tokens, "largest number of tokens accepted in one request");
   flags.Int("drain-seconds", &drain_seconds, "on SIGTERM/SIGINT, how long in-flight requests may take to finish");
+  flags.String("shm-socket", &shm_socket, "also serve same-host clients over shared memory on this Unix socket (mode 0660)");
+  flags.String("shm-allow-uids", &shm_uids, "uids allowed on the shm socket, comma list (default: this process's uid)");
+  flags.String("tls-cert", &tls_cert, "PEM certificate chain of this server (gRPC over TLS)");
+  flags.String("tls-key", &tls_key, "PEM private key of this server");
+  flags.String("tls-ca", &tls_ca, "PEM CA bundle: when set, clients must present a certificate it signed (mTLS)");
+  flags.Bool("insecure", &insecure, "serve gRPC in plaintext (only on trusted networks; TLS flags are needed otherwise)");
   flags.Parse(argc, argv);
   if (model.empty()) flags.Fail("--model is required (see --help)");
+  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, ""};
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
+  if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
+  std::vector<uid_t> allowed_uids;
+  if (!shm_uids.empty()) {
+    absl::StatusOr<std::vector<int>> uids = moe::ParseIndexList(shm_uids, 1 << 30, "shm-allow-uids");
+    if (!uids.ok()) flags.Fail(std::string(uids.status().message()));
+    allowed_uids.assign(uids->begin(), uids->end());
+  }
   if (max_tokens <= 0) flags.Fail("--max-tokens must be > 0");
 
   // Block termination signals in every thread; main waits for them with sigwait.
@@ -136,7 +155,11 @@ int main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(listen, grpc::InsecureServerCredentials(), &port);
+  builder.AddListeningPort(listen, *creds, &port);
+  // Clients keep their stream alive with pings (core/transport/grpc_channel.cc).
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder.RegisterService(&service);
   builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_msg, INT32_MAX)));
   builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint64_t>(max_msg, INT32_MAX)));
@@ -144,12 +167,31 @@ int main(int argc, char** argv) {
   if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
   const std::string bound = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
   moe::LogInfo("server", "serving moe.v1.ExpertService on ", bound, " (max message ", max_msg, " bytes)");
+  std::unique_ptr<moe::ShmServer> shm;
+  if (!shm_socket.empty()) {
+    moe::ShmServer::Options so;
+    so.socket_path = shm_socket;
+    so.hidden = spec.hidden;
+    so.num_layers = spec.num_layers;
+    so.num_experts = spec.num_experts;
+    so.hosted = [&store](int e) { return (*store)->HostsExpert(e); };
+    so.allowed_uids = allowed_uids;
+    so.max_slot_tokens = static_cast<uint32_t>(max_tokens);
+    absl::StatusOr<std::unique_ptr<moe::ShmServer>> s = moe::ShmServer::Start(so, [&executor](const moe::MissBatch& b, moe::bf16_t* out) {
+      moe::ForwardBatch fb{static_cast<int>(b.layer), b.n, b.tokens, moe::RoutingView{b.n, b.k, b.expert_ids, b.expert_weights}};
+      return executor.Forward(fb, moe::DType::kBF16, out, nullptr);
+    });
+    if (!s.ok()) flags.Fail(absl::StrCat("--shm-socket: ", s.status().message()), 1);
+    shm = *std::move(s);
+    moe::LogInfo("server", "serving shared memory on unix://", shm_socket);
+  }
   std::printf("moe-expert-server ready on %s\n", bound.c_str());
   std::fflush(stdout);
 
   int sig = 0;
   sigwait(&term, &sig);
   moe::LogInfo("server", "signal ", sig, ": draining in-flight requests (up to ", drain_seconds, " s)");
+  if (shm) shm->Stop();
   service.Drain();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(drain_seconds));
   server->Wait();

@@ -32,7 +32,7 @@ trap cleanup EXIT
 echo "== writing a synthetic $preset checkpoint ($layers layers) to $work/model"
 "$bin/core/moe-make-model" --preset "$preset" --layers "$layers" --seed 1 --out "$work/model"
 echo "== starting moe-expert-server"
-"$bin/cpu_expert_server/moe-expert-server" --model "$work/model" --listen 127.0.0.1:0 \
+"$bin/cpu_expert_server/moe-expert-server" --model "$work/model" --listen 127.0.0.1:0 --insecure \
   --threads "$threads" >"$work/server.out" 2>"$work/server.log" &
 server_pid=$!
 for _ in $(seq 1 600); do

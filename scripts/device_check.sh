@@ -27,7 +27,7 @@ done
 echo "## demo" | tee "$OUT/demo.txt"
 W=$(mktemp -d)
 "$B/bin/moe-make-model" --preset qwen3-30b-a3b --layers 2 --seed 1 --out "$W/model" >> "$OUT/demo.txt" 2>&1
-"$B/bin/moe-expert-server" --model "$W/model" --listen 127.0.0.1:0 > "$W/srv.out" 2> "$W/srv.log" &
+"$B/bin/moe-expert-server" --model "$W/model" --listen 127.0.0.1:0 --insecure > "$W/srv.out" 2> "$W/srv.log" &
 SP=$!
 for i in $(seq 1 300); do grep -q "ready on" "$W/srv.out" && break; sleep 0.1; done
 ADDR=$(sed -n 's/.*ready on //p' "$W/srv.out")

@@ -300,7 +300,7 @@ TEST(ExpertServerProcess, RefusesAModelThatDoesNotFit) {
 }
 
 TEST(ExpertServerProcess, BadFlagsExitWithOneLine) {
-  Subprocess server(testing::BinaryPath("moe-expert-server"), {"--model=synthetic:tiny", "--kernel=sse9"});
+  Subprocess server(testing::BinaryPath("moe-expert-server"), {"--model=synthetic:tiny", "--kernel=sse9", "--insecure"});
   const int st = server.Wait(std::chrono::seconds(30));
   ASSERT_TRUE(WIFEXITED(st));
   EXPECT_EQ(WEXITSTATUS(st), 2);

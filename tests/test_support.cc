@@ -118,9 +118,13 @@ int Subprocess::Wait(std::chrono::milliseconds timeout) {
   return -1;
 }
 
-std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& args) {
+std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& args,
+                              const std::string& listen) {
   std::vector<std::string> a = args;
-  a.push_back("--listen=127.0.0.1:0");
+  a.push_back("--listen=" + listen);
+  bool tls = false;
+  for (const auto& x : args) tls |= x.rfind("--tls-", 0) == 0;
+  if (!tls) a.push_back("--insecure");
   *out = new Subprocess(BinaryPath("moe-expert-server"), a);
   const std::string line = (*out)->ReadLine(std::chrono::seconds(120));
   const std::string key = "ready on ";

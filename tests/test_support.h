@@ -49,6 +49,7 @@ class Subprocess {
 
 // Starts moe-expert-server with `args` plus --listen 127.0.0.1:0 and waits for
 // its "ready on ADDR" line; returns ADDR, or "" if it did not come up.
-std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& args);
+std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& args,
+                              const std::string& listen = "127.0.0.1:0");
 
 }  // namespace moe::testing

@@ -1,0 +1,333 @@
+#include "core/transport/shm_segment.h"
+
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <new>
+
+#include "absl/strings/str_cat.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace moe::shm {
+namespace {
+
+constexpr uint64_t RoundUp(uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
+
+// Reads a shared field exactly once (the peer may change it concurrently).
+template <typename T>
+T ReadOnce(const T& field) {
+  return __atomic_load_n(&field, __ATOMIC_RELAXED);
+}
+
+uint32_t* RingEntries(RingHeader* ring) { return reinterpret_cast<uint32_t*>(ring + 1); }
+
+void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+long Futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* timeout) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, timeout, nullptr, 0);
+}
+
+absl::Status Range(const char* field, uint64_t v, uint64_t max) {
+  if (v >= 1 && v <= max) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", v, " must be in [1, ", max, "]"));
+}
+
+}  // namespace
+
+absl::Status ValidateGeometryArgs(uint32_t hidden, uint32_t max_tokens, uint32_t max_pairs, uint32_t num_slots) {
+  for (absl::Status s : {Range("hidden", hidden, kMaxHidden),
+                         Range("max_tokens_per_slot", max_tokens, kMaxTokensPerSlot),
+                         Range("max_pairs_per_token", max_pairs, kMaxPairsPerToken),
+                         Range("num_slots", num_slots, kMaxSlots)})
+    if (!s.ok()) return s;
+  if ((num_slots & (num_slots - 1)) != 0)
+    return absl::InvalidArgumentError(absl::StrCat("num_slots: ", num_slots, " is not a power of two"));
+  const uint64_t total = Geometry(hidden, max_tokens, max_pairs, num_slots).total_bytes;
+  if (total > kMaxSegmentBytes)
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment: ", total, " bytes exceed the limit of ", kMaxSegmentBytes));
+  return absl::OkStatus();
+}
+
+SegmentGeometry Geometry(uint32_t hidden, uint32_t max_tokens, uint32_t max_pairs, uint32_t num_slots) {
+  SegmentGeometry g;
+  g.hidden = hidden;
+  g.max_tokens = max_tokens;
+  g.max_pairs = max_pairs;
+  g.num_slots = num_slots;
+  g.header_bytes = kHeaderBytes;
+  g.ring_bytes = RoundUp(sizeof(RingHeader) + uint64_t{num_slots} * sizeof(uint32_t));
+  g.submit_ring_offset = kHeaderBytes;
+  g.complete_ring_offset = g.submit_ring_offset + g.ring_bytes;
+  g.slots_offset = g.complete_ring_offset + g.ring_bytes;
+  const uint64_t activations = uint64_t{max_tokens} * hidden * sizeof(bf16_t);
+  const uint64_t pairs = uint64_t{max_tokens} * max_pairs;
+  g.tokens_offset = RoundUp(sizeof(SlotHeader));
+  g.ids_offset = g.tokens_offset + RoundUp(activations);
+  g.weights_offset = g.ids_offset + RoundUp(pairs * sizeof(int32_t));
+  g.output_offset = g.weights_offset + RoundUp(pairs * sizeof(float));
+  g.slot_stride = g.output_offset + RoundUp(activations);
+  g.total_bytes = g.slots_offset + g.slot_stride * num_slots;
+  return g;
+}
+
+absl::StatusOr<Segment> Segment::Create(void* base, size_t bytes, uint32_t hidden, uint32_t max_tokens,
+                                        uint32_t max_pairs, uint32_t num_slots) {
+  if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kAlign != 0)
+    return absl::InvalidArgumentError("segment: base must be non-null and 64-byte aligned");
+  if (absl::Status s = ValidateGeometryArgs(hidden, max_tokens, max_pairs, num_slots); !s.ok()) return s;
+  const SegmentGeometry g = Geometry(hidden, max_tokens, max_pairs, num_slots);
+  if (bytes < g.total_bytes)
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment: ", bytes, " bytes mapped, the geometry needs ", g.total_bytes));
+  auto* p = static_cast<uint8_t*>(base);
+  std::memset(p, 0, g.slots_offset);  // header and rings
+  auto* h = new (p) SegmentHeader{};
+  h->version = kVersion;
+  h->header_bytes = kHeaderBytes;
+  h->hidden = hidden;
+  h->max_tokens = max_tokens;
+  h->max_pairs = max_pairs;
+  h->num_slots = num_slots;
+  h->slot_stride = g.slot_stride;
+  h->submit_ring_offset = g.submit_ring_offset;
+  h->complete_ring_offset = g.complete_ring_offset;
+  h->slots_offset = g.slots_offset;
+  h->total_bytes = g.total_bytes;
+  new (p + g.submit_ring_offset) RingHeader{};
+  new (p + g.complete_ring_offset) RingHeader{};
+  for (uint32_t i = 0; i < num_slots; ++i) std::memset(p + g.slots_offset + i * g.slot_stride, 0, sizeof(SlotHeader));
+  __atomic_store_n(&h->magic, kMagic, __ATOMIC_RELEASE);  // last: the header is complete
+  return Segment(p, bytes, g);
+}
+
+absl::StatusOr<Segment> Segment::Attach(void* base, size_t bytes, uint32_t expected_hidden) {
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat("segment: ", parts...)); };
+  if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kAlign != 0)
+    return bad("base must be non-null and 64-byte aligned");
+  if (bytes < kHeaderBytes) return bad(bytes, " bytes mapped, smaller than the ", kHeaderBytes, "-byte header");
+  const auto& h = *static_cast<const SegmentHeader*>(base);
+  const uint64_t magic = __atomic_load_n(&h.magic, __ATOMIC_ACQUIRE);
+  if (magic != kMagic) return bad("bad magic 0x", absl::Hex(magic), " (not a MOESHM01 segment)");
+  const uint32_t version = ReadOnce(h.version), header_bytes = ReadOnce(h.header_bytes);
+  if (version != kVersion) return bad("version ", version, ", expected ", kVersion);
+  if (header_bytes != kHeaderBytes) return bad("header_bytes ", header_bytes, ", expected ", kHeaderBytes);
+  const uint32_t H = ReadOnce(h.hidden), T = ReadOnce(h.max_tokens), K = ReadOnce(h.max_pairs),
+                 S = ReadOnce(h.num_slots);
+  if (absl::Status s = ValidateGeometryArgs(H, T, K, S); !s.ok()) return bad("header: ", s.message());
+  if (H != expected_hidden) return bad("hidden ", H, " but this worker expects ", expected_hidden);
+  const SegmentGeometry g = Geometry(H, T, K, S);
+  const struct {
+    const char* name;
+    uint64_t stored, want;
+  } fields[] = {{"slot_stride", ReadOnce(h.slot_stride), g.slot_stride},
+                {"submit_ring_offset", ReadOnce(h.submit_ring_offset), g.submit_ring_offset},
+                {"complete_ring_offset", ReadOnce(h.complete_ring_offset), g.complete_ring_offset},
+                {"slots_offset", ReadOnce(h.slots_offset), g.slots_offset},
+                {"total_bytes", ReadOnce(h.total_bytes), g.total_bytes}};
+  for (const auto& f : fields)
+    if (f.stored != f.want) return bad(f.name, " ", f.stored, " disagrees with the geometry (", f.want, ")");
+  if (bytes < g.total_bytes) return bad(bytes, " bytes mapped, the geometry needs ", g.total_bytes);
+  return Segment(static_cast<uint8_t*>(base), bytes, g);
+}
+
+SlotView Segment::slot(uint32_t index) const {
+  assert(index < geo_.num_slots);
+  uint8_t* s = base_ + geo_.slots_offset + (index & (geo_.num_slots - 1)) * geo_.slot_stride;
+  return SlotView{reinterpret_cast<SlotHeader*>(s), reinterpret_cast<bf16_t*>(s + geo_.tokens_offset),
+                  reinterpret_cast<int32_t*>(s + geo_.ids_offset), reinterpret_cast<float*>(s + geo_.weights_offset),
+                  reinterpret_cast<bf16_t*>(s + geo_.output_offset)};
+}
+
+absl::Status Segment::ValidateSlotIndex(uint32_t index) const {
+  if (index < geo_.num_slots) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("slot index ", index, " out of range [0, ", geo_.num_slots, ")"));
+}
+
+bool Segment::Push(RingHeader* ring, uint32_t value) const {
+  const uint64_t tail = ring->tail.load(std::memory_order_relaxed);
+  const uint64_t head = ring->head.load(std::memory_order_acquire);
+  if (tail - head >= geo_.num_slots) return false;
+  __atomic_store_n(&RingEntries(ring)[tail & (geo_.num_slots - 1)], value, __ATOMIC_RELAXED);
+  ring->tail.store(tail + 1, std::memory_order_release);
+  return true;
+}
+
+std::optional<uint32_t> Segment::Pop(RingHeader* ring) const {
+  const uint64_t head = ring->head.load(std::memory_order_relaxed);
+  const uint64_t tail = ring->tail.load(std::memory_order_acquire);
+  if (head == tail) return std::nullopt;
+  const uint32_t v = __atomic_load_n(&RingEntries(ring)[head & (geo_.num_slots - 1)], __ATOMIC_RELAXED);
+  ring->head.store(head + 1, std::memory_order_release);
+  return v;
+}
+
+void Segment::MarkClosed(Side self) const {
+  SegmentHeader* h = header();
+  (self == Side::kClient ? h->client_closed : h->server_closed).store(1, std::memory_order_release);
+  Ring(self == Side::kClient ? h->request_doorbell : h->response_doorbell);
+}
+
+bool Segment::PeerClosed(Side self) const {
+  const SegmentHeader* h = header();
+  return (self == Side::kClient ? h->server_closed : h->client_closed).load(std::memory_order_acquire) != 0;
+}
+
+void Ring(std::atomic<uint32_t>& word) {
+  word.fetch_add(1, std::memory_order_release);
+  Futex(&word, FUTEX_WAKE, INT_MAX, nullptr);
+}
+
+bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point spin_until = Clock::now() + std::chrono::microseconds(20);
+  for (;;) {
+    if (word.load(std::memory_order_acquire) != seen) return true;
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) return false;
+    if (now < spin_until) {
+      for (int i = 0; i < 16; ++i) CpuRelax();
+      continue;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now).count();
+    const timespec ts{static_cast<time_t>(left / 1000000000), static_cast<long>(left % 1000000000)};
+    Futex(&word, FUTEX_WAIT, seen, &ts);  // EAGAIN (changed), EINTR, ETIMEDOUT: all re-checked above
+  }
+}
+
+void WriteRequestHeader(const SlotView& s, uint64_t request_id, uint32_t layer, uint32_t n_tokens, uint32_t k) {
+  s.header->request_id = request_id;
+  s.header->layer = layer;
+  s.header->n_tokens = n_tokens;
+  s.header->k = k;
+  s.header->status_code = 0;
+  s.header->message_len = 0;
+}
+
+void WriteResponseStatus(const SlotView& s, const absl::Status& status) {
+  const size_t len = std::min<size_t>(status.message().size(), kMaxMessageLen);
+  if (len > 0) std::memcpy(s.header->message, status.message().data(), len);
+  s.header->message_len = static_cast<uint32_t>(len);
+  s.header->status_code = static_cast<int32_t>(status.code());
+}
+
+absl::Status ValidateRequestSlot(const Segment& seg, uint32_t slot, int num_experts, int num_layers,
+                                 ValidatedRequest* out, const std::function<bool(int)>& hosted) {
+  if (absl::Status s = seg.ValidateSlotIndex(slot); !s.ok()) return s;
+  const SegmentGeometry& g = seg.geometry();
+  const SlotView v = seg.slot(slot);
+  const uint64_t request_id = ReadOnce(v.header->request_id);
+  const uint32_t layer = ReadOnce(v.header->layer), n = ReadOnce(v.header->n_tokens), k = ReadOnce(v.header->k);
+  if (n == 0) return absl::InvalidArgumentError("n_tokens: empty batch (0 tokens)");
+  if (n > g.max_tokens)
+    return absl::InvalidArgumentError(absl::StrCat("n_tokens: ", n, " exceeds the slot's ", g.max_tokens));
+  if (k == 0 || k > g.max_pairs)
+    return absl::InvalidArgumentError(
+        absl::StrCat("k: ", k, " pairs per token, must be in [1, ", g.max_pairs, "]"));
+  if (num_layers < 0 || layer >= static_cast<uint32_t>(num_layers))
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " out of range [0, ", num_layers, ")"));
+  const size_t pairs = size_t{n} * k;
+  out->request_id = request_id;
+  out->layer = layer;
+  out->n_tokens = static_cast<int>(n);
+  out->k = static_cast<int>(k);
+  out->ids.assign(v.ids, v.ids + pairs);  // private copies: validated values cannot change underneath
+  out->weights.assign(v.weights, v.weights + pairs);
+  return ValidateRouting(out->routing(), num_experts, hosted);
+}
+
+absl::Status ValidateResponseSlot(const Segment& seg, uint32_t slot, ValidatedResponse* out) {
+  if (absl::Status s = seg.ValidateSlotIndex(slot); !s.ok()) return s;
+  const SlotHeader& h = *seg.slot(slot).header;
+  const int32_t code = ReadOnce(h.status_code);
+  const uint32_t len = ReadOnce(h.message_len);
+  if (code < 0 || code > static_cast<int32_t>(absl::StatusCode::kUnauthenticated))
+    return absl::InvalidArgumentError(absl::StrCat("status_code: ", code, " is not a gRPC status code [0, 16]"));
+  if (len > kMaxMessageLen)
+    return absl::InvalidArgumentError(absl::StrCat("message_len: ", len, " exceeds ", kMaxMessageLen));
+  out->request_id = ReadOnce(h.request_id);
+  out->status = absl::Status(static_cast<absl::StatusCode>(code), std::string(h.message, len));
+  return absl::OkStatus();
+}
+
+int ShmFuzzOne(const uint8_t* data, size_t size) {
+  constexpr uint32_t H = 8, T = 4, K = 2, S = 4;
+  constexpr int kExperts = 8, kLayers = 2;
+  const SegmentGeometry g = Geometry(H, T, K, S);
+  std::vector<uint64_t> storage(g.total_bytes / 8 + 16);
+  auto* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  absl::StatusOr<Segment> server = Segment::Create(buf, g.total_bytes, H, T, K, S);
+  if (!server.ok()) __builtin_trap();
+  const SlotView s0 = server->slot(0);
+  WriteRequestHeader(s0, 7, 1, T, K);
+  for (uint32_t i = 0; i < T * K; ++i) {
+    s0.ids[i] = static_cast<int32_t>(i % kExperts);
+    s0.weights[i] = 0.5f;
+  }
+  server->TryPushSubmit(0);
+  server->TryPushComplete(0);
+
+  // data: [mapped-size trim byte] then 3-byte patches (region, offset, value).
+  size_t mapped = g.total_bytes;
+  if (size > 0 && (data[0] & 0x80)) mapped -= std::min<size_t>(mapped, (data[0] & 0x7fu) * 64u);
+  for (size_t i = 1; i + 3 <= size; i += 3) {
+    const uint8_t region = data[i] % 4, off = data[i + 1], value = data[i + 2];
+    const uint32_t r = off >> 1;
+    size_t at;
+    switch (region) {
+      case 0: at = off % 128; break;  // header fields
+      case 1: at = g.slots_offset + (off % S) * g.slot_stride + (off >> 2) % 32; break;  // slot headers
+      case 2:  // head bytes [0,8), tail bytes [64,72), entry bytes [128,144) of either ring
+        at = g.submit_ring_offset + (off & 1) * g.ring_bytes + (r % 32 < 8 ? 0 : r % 32 < 16 ? 56 : 112) + r % 32;
+        break;
+      default: at = g.slots_offset + g.ids_offset + off % 96; break;  // slot 0 ids / weights
+    }
+    buf[at] = value;
+  }
+
+  ValidatedRequest req;
+  ValidatedResponse resp;
+  // A patched header may still describe another consistent geometry that fits.
+  if (absl::StatusOr<Segment> client = Segment::Attach(buf, mapped, H); client.ok()) {
+    const SegmentGeometry& c = client->geometry();
+    if (c.hidden != H || c.total_bytes > mapped ||
+        !ValidateGeometryArgs(c.hidden, c.max_tokens, c.max_pairs, c.num_slots).ok())
+      __builtin_trap();
+    for (uint32_t i = 0; i < c.num_slots; ++i) {
+      (void)ValidateResponseSlot(*client, i, &resp);
+      (void)ValidateRequestSlot(*client, i, kExperts, kLayers, &req);
+    }
+  }
+  for (int i = 0; i < 2 * static_cast<int>(S); ++i) {
+    for (std::optional<uint32_t> idx : {server->TryPopSubmit(), server->TryPopComplete()}) {
+      if (!idx) continue;
+      if (server->ValidateSlotIndex(*idx).ok() != (*idx < S)) __builtin_trap();
+      if (ValidateRequestSlot(*server, *idx, kExperts, kLayers, &req).ok()) {
+        if (req.n_tokens < 1 || req.n_tokens > int{T} || req.k < 1 || req.k > int{K} || req.layer >= uint32_t{kLayers})
+          __builtin_trap();
+        for (int32_t e : req.ids)
+          if (e < -1 || e >= kExperts) __builtin_trap();
+      }
+      (void)ValidateResponseSlot(*server, *idx, &resp);
+    }
+  }
+  return 0;
+}
+
+}  // namespace moe::shm

@@ -1,0 +1,224 @@
+// Layout and safe accessors of one shared-memory (memfd) segment between
+// exactly one client (the GPU worker) and one server (the CPU expert server).
+//
+//   [0, 4 KiB)        SegmentHeader: magic, version, geometry, doorbells, closed flags
+//   submit ring       RingHeader + S u32 slot indices (client -> server)
+//   complete ring     RingHeader + S u32 slot indices (server -> client)
+//   S slots           SlotHeader, tokens [T,H] bf16, ids [T,K] i32,
+//                     weights [T,K] f32, output [T,H] bf16
+// Every region starts on a 64-byte boundary. A request of n tokens with k
+// pairs each uses the first n*H tokens, n*k ids / weights (row-major [n,k])
+// and n*H outputs of its slot.
+//
+// Protocol: the client fills a free slot, pushes its index on `submit` and
+// rings `request_doorbell`; the server pops it, validates it
+// (ValidateRequestSlot), writes output and status, pushes the index on
+// `complete` and rings `response_doorbell`. Which slots are free is the
+// client's bookkeeping.
+//
+// Thread/process safety: Segment is a non-owning view (cheap to copy) over a
+// mapping whose lifetime is the caller's. Its geometry is copied into the view
+// once (Create / Attach) and never re-read from shared memory, so a peer that
+// scribbles over the header cannot make accessors go out of bounds. Each ring
+// is single-producer/single-consumer: at most one thread of one process may
+// push and one thread of the other side may pop. Everything the peer writes is
+// untrusted: popped indices go through ValidateSlotIndex, slot headers through
+// ValidateRequestSlot / ValidateResponseSlot, which read each shared field
+// exactly once and copy what later code indexes with (routing) out of shared
+// memory. Doorbells work across processes (non-private futexes).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/bf16.h"
+#include "core/routing.h"
+
+namespace moe::shm {
+
+inline constexpr uint64_t kMagic = 0x31304d4853454f4dull;  // "MOESHM01" in memory order
+inline constexpr uint32_t kVersion = 1;
+inline constexpr uint64_t kHeaderBytes = 4096;
+inline constexpr uint64_t kAlign = 64;
+inline constexpr uint32_t kMaxMessageLen = 200;
+// Limits enforced by ValidateGeometryArgs (they keep all arithmetic in u64).
+inline constexpr uint32_t kMaxHidden = 1u << 16;
+inline constexpr uint32_t kMaxTokensPerSlot = 1u << 16;
+inline constexpr uint32_t kMaxPairsPerToken = 1024;
+inline constexpr uint32_t kMaxSlots = 1u << 16;
+inline constexpr uint64_t kMaxSegmentBytes = 64ull << 30;
+
+static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
+              "shared-memory atomics must be lock-free (address-free)");
+
+struct SegmentHeader {
+  uint64_t magic;
+  uint32_t version;
+  uint32_t header_bytes;
+  uint32_t hidden;       // H
+  uint32_t max_tokens;   // T, per slot
+  uint32_t max_pairs;    // K, per token
+  uint32_t num_slots;    // S, a power of two
+  uint64_t slot_stride;
+  uint64_t submit_ring_offset;
+  uint64_t complete_ring_offset;
+  uint64_t slots_offset;
+  uint64_t total_bytes;
+  alignas(64) std::atomic<uint32_t> request_doorbell;   // client -> server
+  alignas(64) std::atomic<uint32_t> response_doorbell;  // server -> client
+  alignas(64) std::atomic<uint32_t> client_closed;
+  std::atomic<uint32_t> server_closed;
+};
+static_assert(sizeof(SegmentHeader) <= kHeaderBytes);
+
+// Followed, at +sizeof(RingHeader), by `num_slots` u32 entries.
+struct RingHeader {
+  alignas(64) std::atomic<uint64_t> head;  // consumer's
+  alignas(64) std::atomic<uint64_t> tail;  // producer's
+};
+static_assert(sizeof(RingHeader) == 128);
+
+struct SlotHeader {
+  uint64_t request_id;
+  uint32_t layer;
+  uint32_t n_tokens;
+  uint32_t k;
+  int32_t status_code;  // absl::StatusCode (= gRPC code), written by the server
+  uint32_t message_len;
+  char message[kMaxMessageLen];
+};
+
+// All offsets in bytes; ring and slot offsets from the segment base, the
+// *_offset fields of a slot's regions from the slot's start.
+struct SegmentGeometry {
+  uint32_t hidden = 0, max_tokens = 0, max_pairs = 0, num_slots = 0;
+  uint64_t header_bytes = 0;
+  uint64_t submit_ring_offset = 0, complete_ring_offset = 0, ring_bytes = 0;
+  uint64_t slots_offset = 0, slot_stride = 0;
+  uint64_t tokens_offset = 0, ids_offset = 0, weights_offset = 0, output_offset = 0;
+  uint64_t total_bytes = 0;
+  bool operator==(const SegmentGeometry&) const = default;
+};
+
+// InvalidArgument unless 1 <= H <= kMaxHidden, 1 <= T <= kMaxTokensPerSlot,
+// 1 <= K <= kMaxPairsPerToken, S a power of two <= kMaxSlots and the total
+// segment size <= kMaxSegmentBytes.
+absl::Status ValidateGeometryArgs(uint32_t hidden, uint32_t max_tokens, uint32_t max_pairs, uint32_t num_slots);
+// Pure layout function. Precondition: ValidateGeometryArgs passed (within the
+// limits nothing overflows).
+SegmentGeometry Geometry(uint32_t hidden, uint32_t max_tokens, uint32_t max_pairs, uint32_t num_slots);
+
+struct SlotView {
+  SlotHeader* header = nullptr;
+  bf16_t* tokens = nullptr;   // [T,H]
+  int32_t* ids = nullptr;     // [T,K]
+  float* weights = nullptr;   // [T,K]
+  bf16_t* output = nullptr;   // [T,H]
+};
+
+enum class Side { kClient, kServer };
+
+class Segment {
+ public:
+  // Server side: lays out a fresh segment over [base, base+bytes) (64-byte
+  // aligned, bytes >= Geometry(...).total_bytes, memory not shared yet).
+  static absl::StatusOr<Segment> Create(void* base, size_t bytes, uint32_t hidden, uint32_t max_tokens,
+                                        uint32_t max_pairs, uint32_t num_slots);
+  // Client side: validates the whole header of a mapping received from the
+  // server (magic, version, geometry recomputed from H/T/K/S equal to the
+  // stored offsets and within `bytes`, H == expected_hidden); InvalidArgument
+  // otherwise. Never reads outside [base, base+bytes).
+  static absl::StatusOr<Segment> Attach(void* base, size_t bytes, uint32_t expected_hidden);
+
+  const SegmentGeometry& geometry() const { return geo_; }
+  uint32_t num_slots() const { return geo_.num_slots; }
+  SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
+
+  // Precondition: index < num_slots() (checked by assert; masked otherwise).
+  SlotView slot(uint32_t index) const;
+  // InvalidArgument unless index < num_slots(); use on every popped index.
+  absl::Status ValidateSlotIndex(uint32_t index) const;
+
+  // SPSC rings. Push returns false when full; pop returns the raw, untrusted
+  // value (nullopt when empty).
+  bool TryPushSubmit(uint32_t slot) const { return Push(submit_ring(), slot); }
+  std::optional<uint32_t> TryPopSubmit() const { return Pop(submit_ring()); }
+  bool TryPushComplete(uint32_t slot) const { return Push(complete_ring(), slot); }
+  std::optional<uint32_t> TryPopComplete() const { return Pop(complete_ring()); }
+
+  std::atomic<uint32_t>& request_doorbell() const { return header()->request_doorbell; }
+  std::atomic<uint32_t>& response_doorbell() const { return header()->response_doorbell; }
+  // Sets `self`'s closed flag and rings the peer's doorbell so a waiter wakes.
+  void MarkClosed(Side self) const;
+  bool PeerClosed(Side self) const;
+
+ private:
+  Segment(uint8_t* base, size_t bytes, const SegmentGeometry& geo) : base_(base), bytes_(bytes), geo_(geo) {}
+  RingHeader* submit_ring() const { return reinterpret_cast<RingHeader*>(base_ + geo_.submit_ring_offset); }
+  RingHeader* complete_ring() const { return reinterpret_cast<RingHeader*>(base_ + geo_.complete_ring_offset); }
+  bool Push(RingHeader* ring, uint32_t value) const;
+  std::optional<uint32_t> Pop(RingHeader* ring) const;
+
+  uint8_t* base_;
+  size_t bytes_;
+  SegmentGeometry geo_;
+};
+
+// Doorbells. Usage (waiter): `seen = word.load(acquire)`, check the ring, and
+// only if it is empty `WaitDoorbell(word, seen, deadline)`; ringer: push, then
+// Ring(word). Ring increments the word and FUTEX_WAKEs all waiters (shared,
+// not PRIVATE: the word lives in memory mapped by two processes).
+void Ring(std::atomic<uint32_t>& word);
+// Returns true once word != seen, false at the deadline. Spins ~20 us (pause)
+// before sleeping in FUTEX_WAIT.
+bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline);
+
+// Slot header writers (plain stores; publish by pushing the index).
+void WriteRequestHeader(const SlotView& s, uint64_t request_id, uint32_t layer, uint32_t n_tokens, uint32_t k);
+// Writes code and message (truncated to kMaxMessageLen).
+void WriteResponseStatus(const SlotView& s, const absl::Status& status);
+
+// A request header and routing copied out of shared memory and validated.
+// The tokens stay in the slot (a racing client only garbles its own result).
+struct ValidatedRequest {
+  uint64_t request_id = 0;
+  uint32_t layer = 0;
+  int n_tokens = 0;
+  int k = 0;
+  std::vector<int32_t> ids;     // [n,k], capacity reused across calls
+  std::vector<float> weights;   // [n,k]
+  RoutingView routing() const { return RoutingView{n_tokens, k, ids.data(), weights.data()}; }
+};
+
+// Server-side check of slot `slot` written by an untrusted client: the index,
+// 1 <= n_tokens <= T, 1 <= k <= K, layer < num_layers, then ValidateRouting
+// (ids in range / hosted, no duplicate per token, finite weights) on a private
+// copy placed in *out. InvalidArgument naming the field otherwise.
+absl::Status ValidateRequestSlot(const Segment& seg, uint32_t slot, int num_experts, int num_layers,
+                                 ValidatedRequest* out, const std::function<bool(int)>& hosted = {});
+
+struct ValidatedResponse {
+  uint64_t request_id = 0;
+  absl::Status status;  // the server's verdict on the request
+};
+// Client-side check of a completed slot: index, status_code in [0, 16],
+// message_len <= kMaxMessageLen. Fills *out; the returned status is about the
+// slot's well-formedness, out->status is what the server reported.
+absl::Status ValidateResponseSlot(const Segment& seg, uint32_t slot, ValidatedResponse* out);
+
+// Fuzz entry point (libFuzzer-compatible body; returns 0): lays out a small
+// segment in a local buffer with a valid request in slot 0, applies `data` as
+// byte patches to the header, rings and slot headers, then runs Attach,
+// ValidateSlotIndex on popped indices, ValidateRequestSlot and
+// ValidateResponseSlot, and traps if an accepted value breaks an invariant.
+int ShmFuzzOne(const uint8_t* data, size_t size);
+
+}  // namespace moe::shm

@@ -1,0 +1,199 @@
+#include "core/transport/shm_server.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "core/transport/shm_segment.h"
+#include "core/transport/unix_socket.h"
+
+namespace moe {
+
+struct ShmServer::Connection {
+  int sock = -1;
+  int memfd = -1;
+  void* base = nullptr;
+  size_t bytes = 0;
+  std::optional<shm::Segment> seg;
+  std::thread thread;
+  std::atomic<bool> done{false};
+  ~Connection() {
+    if (base != nullptr) munmap(base, bytes);
+    if (memfd >= 0) close(memfd);
+    if (sock >= 0) close(sock);
+  }
+};
+
+ShmServer::ShmServer(Options o, ShmHandler h) : opt_(std::move(o)), handler_(std::move(h)) {}
+
+absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(Options o, ShmHandler handler) {
+  if (o.allowed_uids.empty()) o.allowed_uids.push_back(getuid());
+  std::unique_ptr<ShmServer> s(new ShmServer(std::move(o), std::move(handler)));
+  absl::StatusOr<int> fd = unix_socket::Listen(s->opt_.socket_path, 0660);
+  if (!fd.ok()) return fd.status();
+  s->listen_fd_ = *fd;
+  if (pipe2(s->wake_fd_, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
+  s->acceptor_ = std::thread([p = s.get()] { p->AcceptLoop(); });
+  return s;
+}
+
+ShmServer::~ShmServer() { Stop(); }
+
+void ShmServer::Stop() {
+  if (stop_.exchange(true)) return;
+  if (wake_fd_[1] >= 0) (void)!write(wake_fd_[1], "x", 1);
+  if (acceptor_.joinable()) acceptor_.join();
+  std::list<std::unique_ptr<Connection>> conns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& c : connections_) {
+      if (c->seg) c->seg->MarkClosed(shm::Side::kServer);  // wakes its thread
+    }
+    conns.swap(connections_);
+  }
+  for (auto& c : conns) {
+    if (c->thread.joinable()) c->thread.join();
+  }
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    unlink(opt_.socket_path.c_str());
+  }
+  for (int fd : wake_fd_) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+void ShmServer::AcceptLoop() {
+  while (!stop_.load()) {
+    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_[0], POLLIN, 0}};
+    if (poll(p, 2, -1) < 0 && errno != EINTR) break;
+    if (stop_.load()) break;
+    if (!(p[0].revents & POLLIN)) continue;
+    const int sock = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (sock < 0) continue;
+    auto c = std::make_unique<Connection>();
+    c->sock = sock;
+    if (absl::Status st = Handshake(c.get()); !st.ok()) {
+      LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", st.message());
+      continue;  // ~Connection closes the socket
+    }
+    Connection* raw = c.get();
+    std::lock_guard<std::mutex> lock(mu_);
+    // Reap connections whose client has left.
+    for (auto it = connections_.begin(); it != connections_.end();) {
+      if ((*it)->done.load()) {
+        (*it)->thread.join();
+        it = connections_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    ++active_;
+    raw->thread = std::thread([this, raw] { Serve(raw); });
+    connections_.push_back(std::move(c));
+  }
+}
+
+absl::Status ShmServer::Handshake(Connection* c) {
+  ShmReply reply{};
+  reply.magic = kShmHelloMagic;
+  auto refuse = [&](absl::Status st) {
+    reply.status_code = static_cast<int32_t>(st.code());
+    std::snprintf(reply.message, sizeof(reply.message), "%s", std::string(st.message()).c_str());
+    (void)unix_socket::Send(c->sock, &reply, sizeof(reply));
+    return st;
+  };
+  absl::StatusOr<uid_t> uid = unix_socket::PeerUid(c->sock);
+  if (!uid.ok()) return uid.status();
+  if (std::find(opt_.allowed_uids.begin(), opt_.allowed_uids.end(), *uid) == opt_.allowed_uids.end())
+    return refuse(absl::PermissionDeniedError(absl::StrCat("uid ", *uid, " is not allowed on this socket")));
+  ShmHello hello{};
+  if (absl::Status st = unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr, 2000); !st.ok()) return st;
+  if (hello.magic != kShmHelloMagic || hello.version != kShmProtocolVersion)
+    return refuse(absl::InvalidArgumentError("hello: bad magic or protocol version"));
+  if (static_cast<int>(hello.hidden) != opt_.hidden)
+    return refuse(absl::InvalidArgumentError(absl::StrCat("hello.hidden: ", hello.hidden, ", the model has ", opt_.hidden)));
+  if (hello.max_tokens > opt_.max_slot_tokens || hello.slots > opt_.max_slots)
+    return refuse(absl::OutOfRangeError(absl::StrCat("hello: asks for ", hello.slots, " slots of ", hello.max_tokens,
+                                                     " tokens; this server allows ", opt_.max_slots, " of ",
+                                                     opt_.max_slot_tokens)));
+  if (absl::Status st = shm::ValidateGeometryArgs(hello.hidden, hello.max_tokens, hello.max_pairs, hello.slots); !st.ok())
+    return refuse(st);
+  const shm::SegmentGeometry geo = shm::Geometry(hello.hidden, hello.max_tokens, hello.max_pairs, hello.slots);
+  c->memfd = memfd_create("moe-expert-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (c->memfd < 0 || ftruncate(c->memfd, static_cast<off_t>(geo.total_bytes)) != 0)
+    return refuse(absl::ResourceExhaustedError("cannot create the shared-memory segment"));
+  // The client must not shrink the file under us (that would turn our accesses into SIGBUS).
+  fcntl(c->memfd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  c->bytes = geo.total_bytes;
+  c->base = mmap(nullptr, c->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, c->memfd, 0);
+  if (c->base == MAP_FAILED) {
+    c->base = nullptr;
+    return refuse(absl::ResourceExhaustedError("cannot map the shared-memory segment"));
+  }
+  absl::StatusOr<shm::Segment> seg =
+      shm::Segment::Create(c->base, c->bytes, hello.hidden, hello.max_tokens, hello.max_pairs, hello.slots);
+  if (!seg.ok()) return refuse(seg.status());
+  c->seg = *seg;
+  reply.status_code = 0;
+  reply.segment_bytes = c->bytes;
+  return unix_socket::Send(c->sock, &reply, sizeof(reply), c->memfd);
+}
+
+void ShmServer::Serve(Connection* c) {
+  const shm::Segment& seg = *c->seg;
+  shm::ValidatedRequest req;
+  auto& bell = seg.request_doorbell();
+  while (!stop_.load()) {
+    const uint32_t seen = bell.load(std::memory_order_acquire);
+    bool worked = false;
+    while (std::optional<uint32_t> idx = seg.TryPopSubmit()) {
+      worked = true;
+      if (!seg.ValidateSlotIndex(*idx).ok()) {
+        LogWarning("shm", "client wrote slot index ", *idx, " out of range; dropping it");
+        goto disconnect;
+      }
+      const shm::SlotView slot = seg.slot(*idx);
+      absl::Status st = shm::ValidateRequestSlot(seg, *idx, opt_.num_experts, opt_.num_layers, &req, opt_.hosted);
+      if (st.ok()) {
+        MissBatch b;
+        b.layer = req.layer;
+        b.n = req.n_tokens;
+        b.k = req.k;
+        b.tokens = slot.tokens;
+        b.expert_ids = req.ids.data();
+        b.expert_weights = req.weights.data();
+        st = handler_(b, slot.output);
+      }
+      shm::WriteResponseStatus(slot, st);
+      if (!seg.TryPushComplete(*idx)) {  // more completions than slots: the client broke the protocol
+        LogWarning("shm", "completion ring full; dropping the client");
+        goto disconnect;
+      }
+      shm::Ring(seg.response_doorbell());
+    }
+    if (seg.PeerClosed(shm::Side::kServer) || unix_socket::PeerClosed(c->sock)) break;
+    if (!worked) shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(50));
+  }
+disconnect:
+  seg.MarkClosed(shm::Side::kServer);
+  shutdown(c->sock, SHUT_RDWR);
+  // Free the client's segment now, not when the connection is reaped.
+  std::lock_guard<std::mutex> lock(mu_);
+  c->seg.reset();
+  munmap(c->base, c->bytes);
+  c->base = nullptr;
+  close(c->memfd);
+  c->memfd = -1;
+  --active_;
+  c->done.store(true);
+}
+
+}  // namespace moe

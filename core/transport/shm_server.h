@@ -1,0 +1,83 @@
+// ShmServer: the expert server's shared-memory endpoint. Listens on a Unix
+// socket (mode 0660); each connecting client (uid checked with SO_PEERCRED)
+// sends a Hello with the slot geometry it wants, gets a fresh memfd segment
+// (sealed against resizing) over SCM_RIGHTS, and from then on talks through
+// the segment's rings and doorbells. One thread per client validates each
+// request slot (shm::ValidateRequestSlot), calls the handler, which writes the
+// output straight into the slot, and completes it. A client that goes away
+// (socket closed) has its segment unmapped and its thread ended.
+// Start/Stop from one thread; the handler is called from connection threads.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/transport/transport.h"
+
+namespace moe {
+
+// Handshake messages on the socket (little-endian, fixed size).
+struct ShmHello {
+  uint32_t magic;  // kShmHelloMagic
+  uint32_t version;
+  uint32_t hidden, max_tokens, max_pairs, slots;
+};
+struct ShmReply {
+  uint32_t magic;
+  int32_t status_code;  // 0: the segment fd is attached
+  uint64_t segment_bytes;
+  char message[200];
+};
+inline constexpr uint32_t kShmHelloMagic = 0x484d4f4d;  // "MOMH"
+inline constexpr uint32_t kShmProtocolVersion = 1;
+
+// Computes one request: writes [batch.n, H] bf16 into out.
+using ShmHandler = std::function<absl::Status(const MissBatch& batch, bf16_t* out)>;
+
+class ShmServer {
+ public:
+  struct Options {
+    std::string socket_path;
+    int hidden = 0;
+    int num_layers = 0;
+    int num_experts = 0;
+    std::function<bool(int)> hosted;  // expert hosted? (empty: all)
+    std::vector<uid_t> allowed_uids;  // empty: the server's own uid
+    uint32_t max_slot_tokens = 4096;  // caps on what a client may ask for
+    uint32_t max_slots = 256;
+  };
+
+  static absl::StatusOr<std::unique_ptr<ShmServer>> Start(Options options, ShmHandler handler);
+  ~ShmServer();  // Stop()
+  // Stops accepting, ends every connection (their in-flight request finishes).
+  void Stop();
+  int active_connections() const { return active_.load(); }
+
+ private:
+  struct Connection;
+  ShmServer(Options o, ShmHandler h);
+  void AcceptLoop();
+  void Serve(Connection* c);
+  absl::Status Handshake(Connection* c);
+
+  Options opt_;
+  ShmHandler handler_;
+  int listen_fd_ = -1;
+  int wake_fd_[2] = {-1, -1};  // self-pipe to stop accept()
+  std::atomic<bool> stop_{false};
+  std::atomic<int> active_{0};
+  std::thread acceptor_;
+  std::mutex mu_;
+  std::list<std::unique_ptr<Connection>> connections_;
+};
+
+}  // namespace moe

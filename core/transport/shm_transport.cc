@@ -1,0 +1,254 @@
+// Shared-memory implementation of ExpertTransport (client side). Connects to
+// the server's Unix socket, receives a memfd segment, and submits batches by
+// writing them into free slots and pushing the slot indexes on the submit
+// ring. A batch larger than one slot is split over several slots (taken all
+// at once, so concurrent large batches cannot deadlock) and reassembled; one
+// larger than the whole segment (slots x max_tokens_per_slot) is refused with
+// INVALID_ARGUMENT. A completion thread waits on the response doorbell, and
+// notices a dead server (socket closed) within ~20 ms: every in-flight batch
+// then fails with UNAVAILABLE, and the next Submit reconnects.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/transport/pending_requests.h"
+#include "core/transport/shm_segment.h"
+#include "core/transport/shm_server.h"
+#include "core/transport/transport.h"
+#include "core/transport/unix_socket.h"
+
+namespace moe {
+namespace {
+
+// One connection: socket + mapped segment + completion thread.
+struct ShmConnection {
+  int sock = -1;
+  void* base = nullptr;
+  size_t bytes = 0;
+  std::optional<shm::Segment> seg;
+  std::vector<uint32_t> free_slots;
+  std::atomic<bool> dead{false};
+  std::thread completer;
+  uint64_t generation = 0;
+  ~ShmConnection() {
+    if (base != nullptr) munmap(base, bytes);
+    if (sock >= 0) close(sock);
+  }
+};
+
+class ShmTransport final : public ExpertTransport {
+ public:
+  ShmTransport(std::string path, const TransportOptions& o) : path_(std::move(path)), opt_(o) {}
+  ~ShmTransport() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    closing_ = true;
+    std::shared_ptr<ShmConnection> c = conn_;
+    lock.unlock();
+    if (c) {
+      c->dead.store(true);
+      if (c->seg) c->seg->MarkClosed(shm::Side::kClient);
+      if (c->completer.joinable()) c->completer.join();
+    }
+    for (auto& old : retired_) {
+      if (old->completer.joinable()) old->completer.join();
+    }
+  }
+
+  const char* kind() const override { return "shm"; }
+
+  absl::Status Open() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ConnectLocked();
+  }
+
+  std::future<absl::Status> Submit(const MissBatch& b, bf16_t* out, Clock::time_point deadline) override {
+    std::future<absl::Status> fut;
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!conn_ || conn_->dead.load()) {
+      if (absl::Status st = ConnectLocked(); !st.ok()) return Ready(st);
+    }
+    std::shared_ptr<ShmConnection> c = conn_;
+    const shm::SegmentGeometry& g = c->seg->geometry();
+    if (b.k < 1 || b.k > static_cast<int>(g.max_pairs))
+      return Ready(absl::InvalidArgumentError(absl::StrCat("expert_ids.shape[1]: ", b.k,
+                                                           " pairs per token, the segment holds ", g.max_pairs)));
+    if (b.n < 1) return Ready(absl::InvalidArgumentError("tokens: empty batch (0 tokens)"));
+    const int T = static_cast<int>(g.max_tokens);
+    const int chunks = (b.n + T - 1) / T;
+    if (chunks > static_cast<int>(g.num_slots))
+      return Ready(absl::InvalidArgumentError(absl::StrCat("tokens: ", b.n, " tokens exceed the segment's ",
+                                                           g.num_slots, " slots x ", T, " tokens")));
+    // Take all the slots the batch needs at once.
+    if (!slots_cv_.wait_until(lock, deadline, [&] {
+          return c->dead.load() || static_cast<int>(c->free_slots.size()) >= chunks;
+        }))
+      return Ready(absl::DeadlineExceededError("no free shared-memory slot before the deadline"));
+    if (c->dead.load()) return Ready(absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone")));
+    const uint64_t id = pending_.Add(out, b.n, c->generation, deadline, &fut);
+    Batch& batch = batches_[id];
+    batch.conn = c;
+    batch.remaining = chunks;
+    for (int ch = 0; ch < chunks; ++ch) {
+      const uint32_t slot = c->free_slots.back();
+      c->free_slots.pop_back();
+      const int t0 = ch * T, n = std::min(T, b.n - t0);
+      batch.slots.push_back({slot, t0, n});
+      const shm::SlotView v = c->seg->slot(slot);
+      std::memcpy(v.tokens, b.tokens + size_t(t0) * opt_.hidden, size_t(n) * opt_.hidden * 2);
+      std::memcpy(v.ids, b.expert_ids + size_t(t0) * b.k, size_t(n) * b.k * 4);  // [n, k] row-major
+      std::memcpy(v.weights, b.expert_weights + size_t(t0) * b.k, size_t(n) * b.k * 4);
+      shm::WriteRequestHeader(v, id, b.layer, static_cast<uint32_t>(n), static_cast<uint32_t>(b.k));
+      slot_batch_[{c->generation, slot}] = id;
+      c->seg->TryPushSubmit(slot);  // cannot be full: at most num_slots slots are ever out
+    }
+    shm::Ring(c->seg->request_doorbell());
+    return fut;
+  }
+
+ private:
+  struct Chunk { uint32_t slot; int t0, n; };
+  struct Batch {
+    std::shared_ptr<ShmConnection> conn;
+    std::vector<Chunk> slots;
+    int remaining = 0;
+    absl::Status status;
+  };
+
+  static std::future<absl::Status> Ready(absl::Status st) {
+    std::promise<absl::Status> p;
+    p.set_value(std::move(st));
+    return p.get_future();
+  }
+
+  absl::Status ConnectLocked() {
+    if (closing_) return absl::CancelledError("transport closed");
+    if (conn_) retired_.push_back(conn_);
+    conn_.reset();
+    auto c = std::make_shared<ShmConnection>();
+    absl::StatusOr<int> sock = unix_socket::Connect(path_);
+    if (!sock.ok()) return absl::UnavailableError(absl::StrCat("expert server on ", path_, ": ", sock.status().message()));
+    c->sock = *sock;
+    ShmHello hello{kShmHelloMagic, kShmProtocolVersion, static_cast<uint32_t>(opt_.hidden),
+                   static_cast<uint32_t>(opt_.max_tokens_per_slot), static_cast<uint32_t>(opt_.max_pairs_per_token),
+                   static_cast<uint32_t>(opt_.slots)};
+    if (absl::Status st = unix_socket::Send(c->sock, &hello, sizeof(hello)); !st.ok()) return st;
+    ShmReply reply{};
+    int fd = -1;
+    if (absl::Status st = unix_socket::Receive(c->sock, &reply, sizeof(reply), &fd,
+                                               static_cast<int>(opt_.connect_timeout.count()));
+        !st.ok())
+      return absl::UnavailableError(absl::StrCat("expert server on ", path_, ": ", st.message()));
+    reply.message[sizeof(reply.message) - 1] = '\0';
+    if (reply.magic != kShmHelloMagic || reply.status_code != 0 || fd < 0) {
+      if (fd >= 0) close(fd);
+      const auto code = reply.status_code > 0 && reply.status_code <= 16 ? static_cast<absl::StatusCode>(reply.status_code)
+                                                                         : absl::StatusCode::kUnavailable;
+      return absl::Status(code, absl::StrCat("expert server on ", path_, " refused: ", reply.message));
+    }
+    c->bytes = reply.segment_bytes;
+    c->base = mmap(nullptr, c->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (c->base == MAP_FAILED) {
+      c->base = nullptr;
+      return absl::UnavailableError("cannot map the server's segment");
+    }
+    absl::StatusOr<shm::Segment> seg = shm::Segment::Attach(c->base, c->bytes, static_cast<uint32_t>(opt_.hidden));
+    if (!seg.ok()) return seg.status();
+    c->seg = *seg;
+    for (uint32_t s = 0; s < c->seg->num_slots(); ++s) c->free_slots.push_back(s);
+    c->generation = ++generation_;
+    c->completer = std::thread([this, c] { CompleteLoop(c); });
+    conn_ = c;
+    return absl::OkStatus();
+  }
+
+  void CompleteLoop(std::shared_ptr<ShmConnection> c) {
+    const shm::Segment& seg = *c->seg;
+    auto& bell = seg.response_doorbell();
+    shm::ValidatedResponse resp;
+    while (!c->dead.load()) {
+      const uint32_t seen = bell.load(std::memory_order_acquire);
+      bool worked = false;
+      while (std::optional<uint32_t> idx = seg.TryPopComplete()) {
+        worked = true;
+        if (!shm::ValidateResponseSlot(seg, *idx, &resp).ok()) {
+          c->dead.store(true);  // a corrupt server: drop the connection
+          break;
+        }
+        OnChunkDone(c, *idx, resp.status);
+      }
+      if (seg.PeerClosed(shm::Side::kClient) || unix_socket::PeerClosed(c->sock)) c->dead.store(true);
+      if (!worked && !c->dead.load()) shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(20));
+    }
+    // Fail everything still out on this connection.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = batches_.begin(); it != batches_.end();) {
+      if (it->second.conn == c) {
+        pending_.Complete(it->first, absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone")));
+        it = batches_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    pending_.FailGeneration(c->generation, absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone")));
+    slots_cv_.notify_all();
+  }
+
+  void OnChunkDone(const std::shared_ptr<ShmConnection>& c, uint32_t slot, const absl::Status& st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto sb = slot_batch_.find({c->generation, slot});
+    if (sb == slot_batch_.end()) {  // a slot we did not submit: protocol error
+      c->dead.store(true);
+      return;
+    }
+    const uint64_t id = sb->second;
+    slot_batch_.erase(sb);
+    Batch& b = batches_[id];
+    if (!st.ok() && b.status.ok()) b.status = st;
+    if (--b.remaining > 0) return;
+    // Last chunk: hand the output over (if the caller still waits), free the slots.
+    if (std::optional<PendingRequests::Entry> e = pending_.Take(id)) {
+      if (b.status.ok()) {
+        for (const Chunk& ch : b.slots) {
+          std::memcpy(e->out + size_t(ch.t0) * opt_.hidden, c->seg->slot(ch.slot).output,
+                      size_t(ch.n) * opt_.hidden * 2);
+        }
+      }
+      e->done.set_value(b.status);
+    }
+    for (const Chunk& ch : b.slots) c->free_slots.push_back(ch.slot);
+    batches_.erase(id);
+    slots_cv_.notify_all();
+  }
+
+  const std::string path_;
+  const TransportOptions opt_;
+  PendingRequests pending_;
+  std::mutex mu_;
+  std::condition_variable slots_cv_;
+  bool closing_ = false;
+  std::shared_ptr<ShmConnection> conn_;
+  std::vector<std::shared_ptr<ShmConnection>> retired_;
+  uint64_t generation_ = 0;
+  std::map<uint64_t, Batch> batches_;
+  std::map<std::pair<uint64_t, uint32_t>, uint64_t> slot_batch_;  // (generation, slot) -> batch id
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectShmTransport(const std::string& socket_path,
+                                                                    const TransportOptions& o) {
+  if (o.hidden <= 0) return absl::InvalidArgumentError("transport: hidden size must be set");
+  auto t = std::make_unique<ShmTransport>(socket_path, o);
+  if (absl::Status st = t->Open(); !st.ok()) return st;
+  return std::unique_ptr<ExpertTransport>(std::move(t));
+}
+
+}  // namespace moe

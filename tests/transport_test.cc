@@ -1,0 +1,307 @@
+// ExpertTransport over real processes: the moe-expert-server binary with a
+// gRPC port and a shared-memory socket; the same random batches through shm,
+// gRPC stream and gRPC unary must agree with each other and with the reference
+// MoE; concurrency, batches split over slots, server faults (kill -9, stop
+// answering, restart), peer-uid refusal, and an mTLS channel with certificates
+// generated here.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "core/model_source.h"
+#include "core/random_data.h"
+#include "core/reference_moe.h"
+#include "core/transport/transport.h"
+#include "gtest/gtest.h"
+#include "tests/test_support.h"
+
+namespace moe {
+namespace {
+
+using testing::Subprocess;
+constexpr int kH = 96;
+const char kModel[] = "synthetic:tiny:seed=5";
+
+struct Batch {
+  int n, k;
+  std::vector<bf16_t> x;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  MissBatch view(uint32_t layer = 1) const {
+    return MissBatch{layer, n, k, x.data(), ids.data(), w.data()};
+  }
+};
+
+Batch MakeBatch(int n, int k, uint64_t seed) {
+  Batch b{n, k, RandomActivations(size_t(n) * kH, seed), {}, {}};
+  RandomRouting(n, k, 8, seed + 1, 1.0, &b.ids, &b.w);
+  return b;
+}
+
+TransportOptions Options() {
+  TransportOptions o;
+  o.hidden = kH;
+  o.max_tokens_per_slot = 16;
+  o.max_pairs_per_token = 4;
+  o.slots = 8;
+  o.tls.insecure = true;
+  return o;
+}
+
+Clock::time_point In(int ms) { return Clock::now() + std::chrono::milliseconds(ms); }
+
+class TransportTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    socket_ = dir_.path() + "/expert.sock";
+    Subprocess* s = nullptr;
+    addr_ = testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=2", "--shm-socket=" + socket_});
+    server_.reset(s);
+    ASSERT_FALSE(addr_.empty());
+  }
+  std::unique_ptr<ExpertTransport> Connect(const std::string& which, TransportOptions o = Options()) {
+    o.grpc_unary = which == "grpc-unary";
+    absl::StatusOr<std::unique_ptr<ExpertTransport>> t =
+        ConnectTransport(which == "shm" ? "unix://" + socket_ : addr_, o);
+    EXPECT_TRUE(t.ok()) << which << ": " << t.status();
+    return t.ok() ? *std::move(t) : nullptr;
+  }
+  double ErrorVsReference(const Batch& b, const std::vector<bf16_t>& out) {
+    std::unique_ptr<ModelSource> src = *OpenModel(kModel);
+    ReferenceMoe ref(*src);
+    std::vector<double> r(size_t(b.n) * kH);
+    EXPECT_TRUE(ref.Forward<double>(1, b.n, b.x.data(), RoutingView{b.n, b.k, b.ids.data(), b.w.data()}, r.data()).ok());
+    std::vector<float> got(out.size());
+    Bf16ToF32(out.data(), got.data(), got.size());
+    return RelativeL2Error(got.data(), r.data(), got.size());
+  }
+
+  testing::TempDir dir_;
+  std::string socket_, addr_;
+  std::unique_ptr<Subprocess> server_;
+};
+
+TEST_F(TransportTest, AllTransportsAgreeWithEachOtherAndTheReference) {
+  std::vector<std::string> kinds = {"shm", "grpc-stream", "grpc-unary"};
+  std::vector<std::unique_ptr<ExpertTransport>> ts;
+  for (const auto& k : kinds) {
+    ts.push_back(Connect(k));
+    ASSERT_NE(ts.back(), nullptr);
+    EXPECT_EQ(std::string(ts.back()->kind()), k);
+  }
+  // 40 tokens > 16 per slot: the shm transport splits it over 3 slots.
+  for (int n : {1, 7, 16, 40}) {
+    Batch b = MakeBatch(n, 2, 100 + n);
+    std::vector<std::vector<bf16_t>> outs;
+    for (auto& t : ts) {
+      std::vector<bf16_t> out(size_t(n) * kH, 0xffff);
+      absl::Status st = t->Submit(b.view(), out.data(), In(10000)).get();
+      ASSERT_TRUE(st.ok()) << t->kind() << " n=" << n << ": " << st;
+      outs.push_back(out);
+    }
+    EXPECT_EQ(outs[0], outs[1]) << "shm vs grpc-stream, n=" << n;
+    EXPECT_EQ(outs[0], outs[2]) << "shm vs grpc-unary, n=" << n;
+    EXPECT_LE(ErrorVsReference(b, outs[0]), 1e-2) << "n=" << n;
+  }
+}
+
+TEST_F(TransportTest, ServerErrorsAndOversizeBatchesComeBackAsStatus) {
+  for (const char* kind : {"shm", "grpc-stream", "grpc-unary"}) {
+    auto t = Connect(kind);
+    ASSERT_NE(t, nullptr);
+    Batch b = MakeBatch(3, 2, 7);
+    std::vector<bf16_t> out(3 * kH);
+    absl::Status st = t->Submit(b.view(/*layer=*/0), out.data(), In(5000)).get();  // dense layer
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << kind << ": " << st;
+    EXPECT_NE(st.message().find("layer"), std::string::npos) << st;
+    b.ids[1] = b.ids[0];  // duplicate expert
+    st = t->Submit(b.view(), out.data(), In(5000)).get();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << kind << ": " << st;
+    // and the transport still works
+    b = MakeBatch(3, 2, 8);
+    EXPECT_TRUE(t->Submit(b.view(), out.data(), In(5000)).get().ok()) << kind;
+  }
+  auto shm = Connect("shm");
+  Batch big = MakeBatch(8 * 16 + 1, 2, 9);  // more than slots x tokens per slot
+  std::vector<bf16_t> out(size_t(big.n) * kH);
+  absl::Status st = shm->Submit(big.view(), out.data(), In(5000)).get();
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+}
+
+TEST_F(TransportTest, ManyBatchesInFlightFromSeveralThreads) {
+  for (const char* kind : {"shm", "grpc-stream", "grpc-unary"}) {
+    auto t = Connect(kind);
+    ASSERT_NE(t, nullptr);
+    std::atomic<int> bad{0};
+    std::vector<std::thread> threads;
+    for (int th = 0; th < 4; ++th) {
+      threads.emplace_back([&, th] {
+        for (int round = 0; round < 5; ++round) {
+          std::vector<Batch> batches;
+          std::vector<std::vector<bf16_t>> outs;
+          std::vector<std::future<absl::Status>> futs;
+          for (int i = 0; i < 4; ++i) {  // 4 in flight per thread, 16 overall
+            batches.push_back(MakeBatch(1 + (th * 7 + i * 3 + round) % 20, 2, 1000 * th + 10 * round + i));
+            outs.emplace_back(size_t(batches.back().n) * kH);
+          }
+          for (int i = 0; i < 4; ++i) futs.push_back(t->Submit(batches[i].view(), outs[i].data(), In(20000)));
+          for (int i = 0; i < 4; ++i) {
+            if (!futs[i].get().ok() || ErrorVsReference(batches[i], outs[i]) > 1e-2) ++bad;
+          }
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(bad.load(), 0) << kind;
+  }
+}
+
+// kill -9 with batches in flight: each completes with UNAVAILABLE (or
+// DEADLINE_EXCEEDED) by its deadline; later batches fail fast; once a server
+// is back on the same socket and port, the transports reconnect.
+TEST_F(TransportTest, KilledServerFailsFastAndTransportsReconnect) {
+  std::vector<std::unique_ptr<ExpertTransport>> ts;
+  for (const char* kind : {"shm", "grpc-stream", "grpc-unary"}) ts.push_back(Connect(kind));
+  Batch b = MakeBatch(40, 2, 3);
+  std::vector<std::vector<bf16_t>> outs(30, std::vector<bf16_t>(size_t(b.n) * kH));
+  std::vector<std::future<absl::Status>> futs;
+  for (int i = 0; i < 30; ++i) futs.push_back(ts[i % 3]->Submit(b.view(), outs[i].data(), In(3000)));
+  server_->Signal(SIGKILL);
+  server_->Wait(std::chrono::seconds(10));
+  const auto t0 = Clock::now();
+  for (auto& f : futs) {
+    ASSERT_EQ(f.wait_until(In(4000)), std::future_status::ready) << "a request hung past its deadline";
+    absl::Status st = f.get();
+    EXPECT_TRUE(st.ok() || st.code() == absl::StatusCode::kUnavailable ||
+                st.code() == absl::StatusCode::kDeadlineExceeded) << st;
+  }
+  for (auto& t : ts) {
+    std::vector<bf16_t> out(size_t(b.n) * kH);
+    absl::Status st = t->Submit(b.view(), out.data(), In(2000)).get();
+    EXPECT_TRUE(st.code() == absl::StatusCode::kUnavailable || st.code() == absl::StatusCode::kDeadlineExceeded)
+        << t->kind() << ": " << st;
+  }
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(7));
+
+  Subprocess* s = nullptr;
+  const std::string addr = testing::StartExpertServer(
+      &s, {std::string("--model=") + kModel, "--threads=2", "--shm-socket=" + socket_}, addr_);
+  server_.reset(s);
+  ASSERT_EQ(addr, addr_);
+  for (auto& t : ts) {
+    absl::Status st;
+    std::vector<bf16_t> out(size_t(b.n) * kH);
+    for (int attempt = 0; attempt < 50; ++attempt) {  // the gRPC channel reconnects with back-off
+      st = t->Submit(b.view(), out.data(), In(2000)).get();
+      if (st.ok()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ASSERT_TRUE(st.ok()) << t->kind() << " did not reconnect: " << st;
+    EXPECT_LE(ErrorVsReference(b, out), 1e-2);
+  }
+}
+
+// A server that stops answering (SIGSTOP): requests end with DEADLINE_EXCEEDED at their deadline.
+TEST_F(TransportTest, SilentServerHitsTheDeadline) {
+  std::vector<std::unique_ptr<ExpertTransport>> ts;
+  for (const char* kind : {"shm", "grpc-stream", "grpc-unary"}) ts.push_back(Connect(kind));
+  server_->Signal(SIGSTOP);
+  Batch b = MakeBatch(5, 2, 4);
+  for (auto& t : ts) {
+    std::vector<bf16_t> out(size_t(b.n) * kH);
+    const auto t0 = Clock::now();
+    auto f = t->Submit(b.view(), out.data(), In(300));
+    ASSERT_EQ(f.wait_until(In(2000)), std::future_status::ready) << t->kind();
+    EXPECT_EQ(f.get().code(), absl::StatusCode::kDeadlineExceeded) << t->kind();
+    EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(1500));
+  }
+  server_->Signal(SIGCONT);
+}
+
+int SegmentMappings(pid_t pid) {
+  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(maps, line)) n += line.find("moe-expert-segment") != std::string::npos;
+  return n;
+}
+
+TEST_F(TransportTest, ServerFreesTheSegmentOfAClientThatLeft) {
+  EXPECT_EQ(SegmentMappings(server_->pid()), 0);
+  {
+    auto t = Connect("shm");
+    ASSERT_NE(t, nullptr);
+    EXPECT_EQ(SegmentMappings(server_->pid()), 1);
+  }
+  for (int i = 0; i < 100 && SegmentMappings(server_->pid()) != 0; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(SegmentMappings(server_->pid()), 0);
+}
+
+TEST(TransportSecurity, ShmRefusesPeersWhoseUidIsNotAllowed) {
+  testing::TempDir dir;
+  Subprocess* s = nullptr;
+  const std::string sock = dir.path() + "/s.sock";
+  testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1", "--shm-socket=" + sock,
+                                  "--shm-allow-uids=" + std::to_string(getuid() + 4242)});
+  std::unique_ptr<Subprocess> owner(s);
+  absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport("unix://" + sock, Options());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kPermissionDenied) << t.status();
+  struct stat st;
+  ASSERT_EQ(stat(sock.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+}
+
+TEST(TransportSecurity, ServerNeedsTlsOrAnExplicitInsecure) {
+  Subprocess s(testing::BinaryPath("moe-expert-server"), {std::string("--model=") + kModel, "--listen=127.0.0.1:0"});
+  const int st = s.Wait(std::chrono::seconds(30));
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_EQ(WEXITSTATUS(st), 2);
+}
+
+TEST(TransportSecurity, MutualTlsChannel) {
+  testing::TempDir dir;
+  const std::string d = dir.path();
+  const std::string cmd =
+      "cd " + d + " && "
+      "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 1 -subj /CN=test-ca && "
+      "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost && "
+      "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1' > san.ext && "
+      "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 1 -extfile san.ext && "
+      "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=worker && "
+      "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 1"
+      " > openssl.log 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << "openssl failed; see " << d << "/openssl.log";
+  Subprocess* s = nullptr;
+  const std::string addr = testing::StartExpertServer(
+      &s, {std::string("--model=") + kModel, "--threads=1", "--tls-cert=" + d + "/server.pem",
+           "--tls-key=" + d + "/server.key", "--tls-ca=" + d + "/ca.pem"});
+  std::unique_ptr<Subprocess> owner(s);
+  ASSERT_FALSE(addr.empty());
+  TransportOptions o = Options();
+  o.tls = TlsOptions{d + "/client.pem", d + "/client.key", d + "/ca.pem", false, ""};
+  o.connect_timeout = std::chrono::milliseconds(3000);
+  absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport(addr, o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  Batch b = MakeBatch(6, 2, 11);
+  std::vector<bf16_t> out(size_t(b.n) * kH);
+  EXPECT_TRUE((*t)->Submit(b.view(), out.data(), In(5000)).get().ok());
+  // Without a client certificate the server refuses the handshake.
+  o.tls.cert_file.clear();
+  o.tls.key_file.clear();
+  absl::StatusOr<std::unique_ptr<ExpertTransport>> anon = ConnectTransport(addr, o);
+  EXPECT_FALSE(anon.ok());
+  // Plaintext against a TLS server fails too.
+  o.tls = TlsOptions{};
+  o.tls.insecure = true;
+  EXPECT_FALSE(ConnectTransport(addr, o).ok());
+}
+
+}  // namespace
+}  // namespace moe
