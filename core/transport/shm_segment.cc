@@ -114,7 +114,7 @@ absl::StatusOr<Segment> Segment::Create(void* base, size_t bytes, uint32_t hidde
   new (p + g.complete_ring_offset) RingHeader{};
   for (uint32_t i = 0; i < num_slots; ++i) std::memset(p + g.slots_offset + i * g.slot_stride, 0, sizeof(SlotHeader));
   __atomic_store_n(&h->magic, kMagic, __ATOMIC_RELEASE);  // last: the header is complete
-  return Segment(p, bytes, g);
+  return Segment(p, g);
 }
 
 absl::StatusOr<Segment> Segment::Attach(void* base, size_t bytes, uint32_t expected_hidden) {
@@ -144,7 +144,7 @@ absl::StatusOr<Segment> Segment::Attach(void* base, size_t bytes, uint32_t expec
   for (const auto& f : fields)
     if (f.stored != f.want) return bad(f.name, " ", f.stored, " disagrees with the geometry (", f.want, ")");
   if (bytes < g.total_bytes) return bad(bytes, " bytes mapped, the geometry needs ", g.total_bytes);
-  return Segment(static_cast<uint8_t*>(base), bytes, g);
+  return Segment(static_cast<uint8_t*>(base), g);
 }
 
 SlotView Segment::slot(uint32_t index) const {

@@ -161,14 +161,13 @@ class Segment {
   bool PeerClosed(Side self) const;
 
  private:
-  Segment(uint8_t* base, size_t bytes, const SegmentGeometry& geo) : base_(base), bytes_(bytes), geo_(geo) {}
+  Segment(uint8_t* base, const SegmentGeometry& geo) : base_(base), geo_(geo) {}
   RingHeader* submit_ring() const { return reinterpret_cast<RingHeader*>(base_ + geo_.submit_ring_offset); }
   RingHeader* complete_ring() const { return reinterpret_cast<RingHeader*>(base_ + geo_.complete_ring_offset); }
   bool Push(RingHeader* ring, uint32_t value) const;
   std::optional<uint32_t> Pop(RingHeader* ring) const;
 
   uint8_t* base_;
-  size_t bytes_;
   SegmentGeometry geo_;
 };
 
