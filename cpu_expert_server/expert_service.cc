@@ -13,9 +13,9 @@ uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits) {
   return uint64_t(limits.max_tokens_per_request + 1) * per_token + (1u << 20);
 }
 
-ExpertServiceImpl::ExpertServiceImpl(const ModelSpec& spec, MoeExecutor& executor,
+ExpertServiceImpl::ExpertServiceImpl(const ModelSpec& spec, BatchHandler handler,
                                      ServiceLimits limits, moe::v1::ServerInfo info)
-    : spec_(spec), executor_(executor), limits_(limits), info_(std::move(info)) {}
+    : spec_(spec), handler_(std::move(handler)), limits_(limits), info_(std::move(info)) {}
 
 namespace {
 
@@ -79,7 +79,7 @@ absl::Status ExpertServiceImpl::Handle(const moe::v1::ForwardRequest& req,
   std::string* data = out->mutable_data();
   data->resize(size_t(n * H) * DTypeSize(out_dtype));
   ForwardStats stats;
-  if (absl::Status st = executor_.Forward(batch, out_dtype, data->data(), &stats); !st.ok()) {
+  if (absl::Status st = handler_(batch, out_dtype, data->data(), &stats); !st.ok()) {
     resp->clear_output();
     return st;
   }

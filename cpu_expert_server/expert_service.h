@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <mutex>
 
@@ -13,6 +14,11 @@
 #include "moe/v1/expert.grpc.pb.h"
 
 namespace moe {
+
+// Computes one decoded, shape-checked batch into out ([n, H] of out_dtype).
+// The expert server passes MoeExecutor::Forward; benchmarks pass an echo.
+using BatchHandler =
+    std::function<absl::Status(const ForwardBatch& batch, DType out_dtype, void* out, ForwardStats* stats)>;
 
 struct ServiceLimits {
   int max_tokens_per_request = 8192;
@@ -24,7 +30,7 @@ uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits);
 
 class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
  public:
-  ExpertServiceImpl(const ModelSpec& spec, MoeExecutor& executor, ServiceLimits limits,
+  ExpertServiceImpl(const ModelSpec& spec, BatchHandler handler, ServiceLimits limits,
                     moe::v1::ServerInfo info);
 
   grpc::Status Forward(grpc::ServerContext* ctx, const moe::v1::ForwardRequest* req,
@@ -45,7 +51,7 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
 
  private:
   const ModelSpec& spec_;
-  MoeExecutor& executor_;
+  BatchHandler handler_;
   ServiceLimits limits_;
   moe::v1::ServerInfo info_;
   std::mutex streams_mu_;

@@ -150,7 +150,12 @@ int main(int argc, char** argv) {
   info.set_max_message_bytes(max_msg);
   info.set_version(MOE_VERSION);
 
-  moe::ExpertServiceImpl service(spec, executor, limits, info);
+  moe::ExpertServiceImpl service(
+      spec,
+      [&executor](const moe::ForwardBatch& b, moe::DType dt, void* out, moe::ForwardStats* stats) {
+        return executor.Forward(b, dt, out, stats);
+      },
+      limits, info);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -108,6 +109,36 @@ TEST_F(TransportTest, AllTransportsAgreeWithEachOtherAndTheReference) {
     EXPECT_EQ(outs[0], outs[2]) << "shm vs grpc-unary, n=" << n;
     EXPECT_LE(ErrorVsReference(b, outs[0]), 1e-2) << "n=" << n;
   }
+}
+
+// The zero-copy path: inputs written straight into transport memory (for shm,
+// the shared segment itself) and the output read from there.
+TEST_F(TransportTest, StagedBatchesAreZeroCopyAndMatchSubmit) {
+  for (const char* kind : {"shm", "grpc-stream"}) {
+    auto t = Connect(kind);
+    ASSERT_NE(t, nullptr);
+    Batch b = MakeBatch(10, 2, 55);
+    std::vector<bf16_t> expect(size_t(b.n) * kH);
+    ASSERT_TRUE(t->Submit(b.view(), expect.data(), In(5000)).get().ok());
+    for (int round = 0; round < 20; ++round) {  // more rounds than slots: Release returns them
+      absl::StatusOr<StagedBatch> s = t->Stage(b.n, b.k, In(5000));
+      ASSERT_TRUE(s.ok()) << kind << ": " << s.status();
+      std::memcpy(s->tokens, b.x.data(), b.x.size() * 2);
+      std::memcpy(s->expert_ids, b.ids.data(), b.ids.size() * 4);
+      std::memcpy(s->expert_weights, b.w.data(), b.w.size() * 4);
+      if (std::string(kind) == "shm") {
+        auto [base, bytes] = t->HostMapping();
+        auto* lo = static_cast<const char*>(base);
+        EXPECT_TRUE(reinterpret_cast<const char*>(s->tokens) >= lo &&
+                    reinterpret_cast<const char*>(s->output) < lo + bytes) << "staged memory is not the segment";
+      }
+      ASSERT_TRUE(t->SubmitStaged(*s, 1, In(5000)).get().ok()) << kind;
+      EXPECT_EQ(std::vector<bf16_t>(s->output, s->output + expect.size()), expect) << kind;
+      t->Release(*s);
+    }
+  }
+  auto shm = Connect("shm");
+  EXPECT_EQ(shm->Stage(17, 2, In(1000)).status().code(), absl::StatusCode::kInvalidArgument);  // > one slot
 }
 
 TEST_F(TransportTest, ServerErrorsAndOversizeBatchesComeBackAsStatus) {

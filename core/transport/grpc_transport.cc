@@ -4,6 +4,7 @@
 // A broken stream fails its in-flight requests with UNAVAILABLE and the next
 // Submit opens a new one (the channel reconnects underneath).
 #include <cstring>
+#include <map>
 #include <set>
 #include <thread>
 #include <vector>
@@ -70,6 +71,40 @@ class GrpcTransport final : public ExpertTransport {
   }
 
   const char* kind() const override { return unary_ ? "grpc-unary" : "grpc-stream"; }
+
+  absl::StatusOr<StagedBatch> Stage(int n, int k, Clock::time_point) override {
+    if (n < 1 || k < 1) return absl::InvalidArgumentError("Stage: n and k must be >= 1");
+    auto buf = std::make_unique<Staging>();
+    buf->tokens.resize(size_t(n) * hidden_);
+    buf->ids.resize(size_t(n) * k);
+    buf->weights.resize(size_t(n) * k);
+    buf->output.resize(size_t(n) * hidden_);
+    StagedBatch s{buf->tokens.data(), buf->ids.data(), buf->weights.data(), buf->output.data(), n, k, 0};
+    std::lock_guard<std::mutex> lock(mu_);
+    s.handle = ++next_staging_;
+    staging_[s.handle] = std::move(buf);
+    return s;
+  }
+
+  std::future<absl::Status> SubmitStaged(const StagedBatch& s, uint32_t layer, Clock::time_point deadline) override {
+    bf16_t* out;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = staging_.find(s.handle);
+      if (it == staging_.end()) {
+        std::promise<absl::Status> p;
+        p.set_value(absl::InvalidArgumentError("SubmitStaged: unknown or released handle"));
+        return p.get_future();
+      }
+      out = it->second->output.data();
+    }
+    return Submit(MissBatch{layer, s.n, s.k, s.tokens, s.expert_ids, s.expert_weights}, out, deadline);
+  }
+
+  void Release(const StagedBatch& s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    staging_.erase(s.handle);
+  }
 
   std::future<absl::Status> Submit(const MissBatch& b, bf16_t* out, Clock::time_point deadline) override {
     return unary_ ? SubmitUnary(b, out, deadline) : SubmitStream(b, out, deadline);
@@ -184,6 +219,9 @@ class GrpcTransport final : public ExpertTransport {
   uint64_t generation_ = 0;
   moe::v1::ForwardRequest request_;  // reused under mu_
   int unary_in_flight_ = 0;
+  struct Staging { std::vector<bf16_t> tokens, output; std::vector<int32_t> ids; std::vector<float> weights; };
+  std::map<uint64_t, std::unique_ptr<Staging>> staging_;
+  uint64_t next_staging_ = 0;
   std::condition_variable unary_cv_;
 };
 

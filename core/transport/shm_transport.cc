@@ -63,6 +63,69 @@ class ShmTransport final : public ExpertTransport {
 
   const char* kind() const override { return "shm"; }
 
+  std::pair<void*, size_t> HostMapping() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return conn_ ? std::pair<void*, size_t>{conn_->base, conn_->bytes} : std::pair<void*, size_t>{nullptr, 0};
+  }
+
+  absl::StatusOr<StagedBatch> Stage(int n, int k, Clock::time_point deadline) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!conn_ || conn_->dead.load()) {
+      if (absl::Status st = ConnectLocked(); !st.ok()) return st;
+    }
+    std::shared_ptr<ShmConnection> c = conn_;
+    const shm::SegmentGeometry& g = c->seg->geometry();
+    if (n < 1 || n > static_cast<int>(g.max_tokens) || k < 1 || k > static_cast<int>(g.max_pairs))
+      return absl::InvalidArgumentError(absl::StrCat("Stage: ", n, " tokens x ", k, " pairs; a slot holds 1..",
+                                                     g.max_tokens, " tokens x 1..", g.max_pairs, " pairs"));
+    if (!slots_cv_.wait_until(lock, deadline, [&] { return c->dead.load() || !c->free_slots.empty(); }))
+      return absl::DeadlineExceededError("no free shared-memory slot before the deadline");
+    if (c->dead.load()) return absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone"));
+    const uint32_t slot = c->free_slots.back();
+    c->free_slots.pop_back();
+    const shm::SlotView v = c->seg->slot(slot);
+    const uint64_t handle = (c->generation << 32) | slot;
+    staged_[handle] = StagedSlot{c, slot, n, k, false, false};
+    return StagedBatch{v.tokens, v.ids, v.weights, v.output, n, k, handle};
+  }
+
+  std::future<absl::Status> SubmitStaged(const StagedBatch& s, uint32_t layer, Clock::time_point deadline) override {
+    std::future<absl::Status> fut;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = staged_.find(s.handle);
+    if (it == staged_.end() || it->second.submitted)
+      return Ready(absl::InvalidArgumentError("SubmitStaged: unknown, released or already submitted handle"));
+    StagedSlot& st = it->second;
+    if (st.conn->dead.load()) return Ready(absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone")));
+    st.submitted = true;
+    const uint64_t id = pending_.Add(nullptr, st.n, st.conn->generation, deadline, &fut);
+    Batch& b = batches_[id];
+    b.conn = st.conn;
+    b.remaining = 1;
+    b.staged_handle = s.handle;
+    b.slots.push_back({st.slot, 0, st.n});
+    shm::WriteRequestHeader(st.conn->seg->slot(st.slot), id, layer, static_cast<uint32_t>(st.n),
+                            static_cast<uint32_t>(st.k));
+    slot_batch_[{st.conn->generation, st.slot}] = id;
+    st.conn->seg->TryPushSubmit(st.slot);
+    shm::Ring(st.conn->seg->request_doorbell());
+    return fut;
+  }
+
+  void Release(const StagedBatch& s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = staged_.find(s.handle);
+    if (it == staged_.end()) return;
+    StagedSlot& st = it->second;
+    if (st.submitted && !st.completed && !st.conn->dead.load()) {  // the server still owns the slot
+      st.released = true;
+      return;
+    }
+    if (!st.conn->dead.load()) st.conn->free_slots.push_back(st.slot);
+    staged_.erase(it);
+    slots_cv_.notify_all();
+  }
+
   absl::Status Open() {
     std::lock_guard<std::mutex> lock(mu_);
     return ConnectLocked();
@@ -119,6 +182,14 @@ class ShmTransport final : public ExpertTransport {
     std::vector<Chunk> slots;
     int remaining = 0;
     absl::Status status;
+    uint64_t staged_handle = 0;  // non-zero: a staged batch (output stays in the slot)
+  };
+  struct StagedSlot {
+    std::shared_ptr<ShmConnection> conn;
+    uint32_t slot;
+    int n, k;
+    bool submitted, completed;
+    bool released = false;
   };
 
   static std::future<absl::Status> Ready(absl::Status st) {
@@ -213,6 +284,20 @@ class ShmTransport final : public ExpertTransport {
     Batch& b = batches_[id];
     if (!st.ok() && b.status.ok()) b.status = st;
     if (--b.remaining > 0) return;
+    if (b.staged_handle != 0) {  // zero-copy: the output stays in the slot until Release
+      if (std::optional<PendingRequests::Entry> e = pending_.Take(id)) e->done.set_value(b.status);
+      auto st = staged_.find(b.staged_handle);
+      if (st != staged_.end()) {
+        st->second.completed = true;
+        if (st->second.released) {
+          c->free_slots.push_back(st->second.slot);
+          staged_.erase(st);
+          slots_cv_.notify_all();
+        }
+      }
+      batches_.erase(id);
+      return;
+    }
     // Last chunk: hand the output over (if the caller still waits), free the slots.
     if (std::optional<PendingRequests::Entry> e = pending_.Take(id)) {
       if (b.status.ok()) {
@@ -231,7 +316,7 @@ class ShmTransport final : public ExpertTransport {
   const std::string path_;
   const TransportOptions opt_;
   PendingRequests pending_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable slots_cv_;
   bool closing_ = false;
   std::shared_ptr<ShmConnection> conn_;
@@ -239,6 +324,7 @@ class ShmTransport final : public ExpertTransport {
   uint64_t generation_ = 0;
   std::map<uint64_t, Batch> batches_;
   std::map<std::pair<uint64_t, uint32_t>, uint64_t> slot_batch_;  // (generation, slot) -> batch id
+  std::map<uint64_t, StagedSlot> staged_;                          // handle -> staged slot
 };
 
 }  // namespace

@@ -53,9 +53,37 @@ struct TransportOptions {
   std::chrono::milliseconds connect_timeout{5000};
 };
 
+// A batch staged in memory the transport owns, so a producer (e.g. a GPU
+// copy engine) writes the inputs exactly where the server will read them and
+// reads the output where the server wrote it. For shm these are a slot of the
+// shared segment itself — no host copy on either side; for gRPC they are
+// staging buffers that feed the message.
+struct StagedBatch {
+  bf16_t* tokens = nullptr;          // [n, H]   filled by the caller
+  int32_t* expert_ids = nullptr;     // [n, k]
+  float* expert_weights = nullptr;   // [n, k]
+  const bf16_t* output = nullptr;    // [n, H]   valid once SubmitStaged's future is OK, until Release
+  int n = 0;
+  int k = 0;
+  uint64_t handle = 0;
+};
+
 class ExpertTransport {
  public:
   virtual ~ExpertTransport() = default;
+
+  // Zero-copy path: Stage() reserves room for n tokens x k pairs (for shm at
+  // most max_tokens_per_slot tokens: one slot), the caller fills it,
+  // SubmitStaged() sends it, and Release() gives the room back (always call
+  // it, also after an error or a deadline).
+  virtual absl::StatusOr<StagedBatch> Stage(int n, int k, Clock::time_point deadline) = 0;
+  virtual std::future<absl::Status> SubmitStaged(const StagedBatch& staged, uint32_t layer,
+                                                 Clock::time_point deadline) = 0;
+  virtual void Release(const StagedBatch& staged) = 0;
+  // The host memory staged batches live in, for cudaHostRegister (shm: the
+  // whole mapped segment); {nullptr, 0} when it is not one fixed region.
+  virtual std::pair<void*, size_t> HostMapping() const { return {nullptr, 0}; }
+
   // Copies the batch out before returning (the caller may reuse its buffers);
   // `out` ([n, H] bf16) must stay valid until the future is ready.
   virtual std::future<absl::Status> Submit(const MissBatch& batch, bf16_t* out,
