@@ -19,7 +19,7 @@ export LD_LIBRARY_PATH=$B/lib MOE_BIN_DIR=$B/bin
 cat "$OUT/machine.txt"
 
 echo "## tests" | tee "$OUT/tests.txt"
-for t in core_test safetensors_test kernel_test expert_server_test; do
+for t in core_test safetensors_test kernel_test expert_server_test shm_segment_test transport_test; do
   timeout 300 "$B/bin/$t" > "$OUT/$t.log" 2>&1
   echo "$t: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' ')" | tee -a "$OUT/tests.txt"
 done
@@ -36,6 +36,11 @@ cat "$W/srv.log" >> "$OUT/demo.txt"
 "$B/bin/moe-expert-demo" --server "$ADDR" --model "$W/model" --batches 20 --tokens 256 --check 1 >> "$OUT/demo.txt" 2>&1
 kill -TERM $SP; wait $SP; echo "server exit: $?" >> "$OUT/demo.txt"
 tail -8 "$OUT/demo.txt"
+
+echo "## transport"
+timeout 240 "$B/bin/transport" > "$OUT/transport.md" 2> "$OUT/transport.err"
+echo "transport rc=$?"
+cat "$OUT/transport.md"
 
 echo "## expert_kernels"
 timeout 420 "$B/bin/expert_kernels" --csv "$OUT/expert_kernels.csv" "$@" > "$OUT/expert_kernels.md" 2> "$OUT/expert_kernels.err"

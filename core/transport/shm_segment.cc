@@ -194,9 +194,10 @@ void Ring(std::atomic<uint32_t>& word) {
   Futex(&word, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline) {
+bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline,
+                  std::chrono::nanoseconds spin) {
   using Clock = std::chrono::steady_clock;
-  const Clock::time_point spin_until = Clock::now() + std::chrono::microseconds(20);
+  const Clock::time_point spin_until = Clock::now() + spin;
   for (;;) {
     if (word.load(std::memory_order_acquire) != seen) return true;
     const Clock::time_point now = Clock::now();

@@ -176,9 +176,10 @@ class Segment {
 // Ring(word). Ring increments the word and FUTEX_WAKEs all waiters (shared,
 // not PRIVATE: the word lives in memory mapped by two processes).
 void Ring(std::atomic<uint32_t>& word);
-// Returns true once word != seen, false at the deadline. Spins ~20 us (pause)
+// Returns true once word != seen, false at the deadline. Spins `spin` (pause)
 // before sleeping in FUTEX_WAIT.
-bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline);
+bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline,
+                  std::chrono::nanoseconds spin = std::chrono::microseconds(20));
 
 // Slot header writers (plain stores; publish by pushing the index).
 void WriteRequestHeader(const SlotView& s, uint64_t request_id, uint32_t layer, uint32_t n_tokens, uint32_t k);

@@ -180,7 +180,8 @@ void ShmServer::Serve(Connection* c) {
       shm::Ring(seg.response_doorbell());
     }
     if (seg.PeerClosed(shm::Side::kServer) || unix_socket::PeerClosed(c->sock)) break;
-    if (!worked) shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(50));
+    // Spin a while before sleeping: in decode the next layer's batch follows within microseconds.
+    if (!worked) shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(50), std::chrono::microseconds(100));
   }
 disconnect:
   seg.MarkClosed(shm::Side::kServer);

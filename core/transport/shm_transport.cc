@@ -100,6 +100,7 @@ class ShmTransport final : public ExpertTransport {
     st.submitted = true;
     const uint64_t id = pending_.Add(nullptr, st.n, st.conn->generation, deadline, &fut);
     Batch& b = batches_[id];
+    in_flight_.store(batches_.size());
     b.conn = st.conn;
     b.remaining = 1;
     b.staged_handle = s.handle;
@@ -156,6 +157,7 @@ class ShmTransport final : public ExpertTransport {
     if (c->dead.load()) return Ready(absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone")));
     const uint64_t id = pending_.Add(out, b.n, c->generation, deadline, &fut);
     Batch& batch = batches_[id];
+    in_flight_.store(batches_.size());
     batch.conn = c;
     batch.remaining = chunks;
     for (int ch = 0; ch < chunks; ++ch) {
@@ -256,7 +258,10 @@ class ShmTransport final : public ExpertTransport {
         OnChunkDone(c, *idx, resp.status);
       }
       if (seg.PeerClosed(shm::Side::kClient) || unix_socket::PeerClosed(c->sock)) c->dead.store(true);
-      if (!worked && !c->dead.load()) shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(20));
+      // Spin while batches are out (the answer is microseconds away), sleep otherwise.
+      if (!worked && !c->dead.load())
+        shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(20),
+                          in_flight_.load() > 0 ? std::chrono::microseconds(200) : std::chrono::microseconds(0));
     }
     // Fail everything still out on this connection.
     std::lock_guard<std::mutex> lock(mu_);
@@ -268,6 +273,7 @@ class ShmTransport final : public ExpertTransport {
         ++it;
       }
     }
+    in_flight_.store(batches_.size());
     pending_.FailGeneration(c->generation, absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone")));
     slots_cv_.notify_all();
   }
@@ -296,6 +302,7 @@ class ShmTransport final : public ExpertTransport {
         }
       }
       batches_.erase(id);
+      in_flight_.store(batches_.size());
       return;
     }
     // Last chunk: hand the output over (if the caller still waits), free the slots.
@@ -310,6 +317,7 @@ class ShmTransport final : public ExpertTransport {
     }
     for (const Chunk& ch : b.slots) c->free_slots.push_back(ch.slot);
     batches_.erase(id);
+    in_flight_.store(batches_.size());
     slots_cv_.notify_all();
   }
 
@@ -323,6 +331,7 @@ class ShmTransport final : public ExpertTransport {
   std::vector<std::shared_ptr<ShmConnection>> retired_;
   uint64_t generation_ = 0;
   std::map<uint64_t, Batch> batches_;
+  std::atomic<size_t> in_flight_{0};  // batches_.size(), read by the completion thread
   std::map<std::pair<uint64_t, uint32_t>, uint64_t> slot_batch_;  // (generation, slot) -> batch id
   std::map<uint64_t, StagedSlot> staged_;                          // handle -> staged slot
 };

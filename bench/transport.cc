@@ -1,0 +1,245 @@
+// bench/transport: round-trip latency of the miss-token transports, measured
+// against the floor of copying the same bytes in process.
+//
+// A child process serves an echo (output = the tokens: the compute is a
+// memcpy, so transport dominates) over gRPC (the real ExpertServiceImpl with
+// an echo handler) and over shared memory (the real ShmServer). The parent
+// times, for n tokens of H = 7168 bf16 with top-8 routing:
+//   memcpy       the request's and the response's bytes copied once in process (the floor)
+//   shm          ExpertTransport::Submit (copies in and out of the segment)
+//   shm-staged   Stage / SubmitStaged / Release (zero copy: the producer writes the slot)
+//   grpc-stream  one long-lived ForwardStream
+//   grpc-unary   one unary Forward per batch
+// p50 / p99 over --iters round trips (fewer for n = 512, see --big-iters), then
+// messages/s with 4 concurrent callers at n = 8.
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/flags.h"
+#include "core/random_data.h"
+#include "core/transport/shm_server.h"
+#include "core/transport/transport.h"
+#include "cpu_expert_server/cpu_features.h"
+#include "cpu_expert_server/expert_service.h"
+#include "grpcpp/grpcpp.h"
+
+namespace {
+
+constexpr int kHidden = 7168, kTopK = 8, kExperts = 256, kLayers = 61, kMaxTokens = 512;
+
+// Child: echo servers on gRPC (port written to `fd`) and shm (socket_path).
+[[noreturn]] void RunEchoServer(int fd, const std::string& socket_path) {
+  moe::ModelSpec spec;
+  spec.num_layers = kLayers;
+  spec.num_experts = kExperts;
+  spec.hidden = kHidden;
+  auto echo = [](const moe::ForwardBatch& b, moe::DType, void* out, moe::ForwardStats*) {
+    std::memcpy(out, b.tokens, size_t(b.n) * kHidden * 2);
+    return absl::OkStatus();
+  };
+  moe::ServiceLimits limits;
+  limits.max_tokens_per_request = kMaxTokens;
+  moe::ExpertServiceImpl service(spec, echo, limits, moe::v1::ServerInfo());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.SetMaxSendMessageSize(64 << 20);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  auto server = builder.BuildAndStart();
+  moe::ShmServer::Options so;
+  so.socket_path = socket_path;
+  so.hidden = kHidden;
+  so.num_layers = kLayers;
+  so.num_experts = kExperts;
+  so.max_slot_tokens = kMaxTokens;
+  auto shm = moe::ShmServer::Start(so, [](const moe::MissBatch& b, moe::bf16_t* out) {
+    std::memcpy(out, b.tokens, size_t(b.n) * kHidden * 2);
+    return absl::OkStatus();
+  });
+  if (!server || !shm.ok()) _exit(1);
+  (void)!write(fd, &port, sizeof(port));
+  char c;
+  (void)!read(fd, &c, 1);  // the parent closes its end when done
+  _exit(0);
+}
+
+struct Stats { double p50, p99, mean; };
+
+Stats Summarize(std::vector<double>& us) {
+  std::sort(us.begin(), us.end());
+  double sum = 0;
+  for (double v : us) sum += v;
+  return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)], sum / us.size()};
+}
+
+double Us(std::chrono::steady_clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int64_t iters = 10000, big_iters = 2000, warmup = 200;
+  double concurrent_seconds = 2.0;
+  std::string sizes = "1,8,64,512";
+  moe::FlagSet flags("transport", "[flags]\nRound trips over shm, gRPC stream/unary vs an in-process memcpy floor.");
+  flags.Int("iters", &iters, "timed round trips per (transport, n) for n <= 64");
+  flags.Int("big-iters", &big_iters, "timed round trips for n > 64");
+  flags.Int("warmup", &warmup, "untimed round trips first");
+  flags.Double("concurrent-seconds", &concurrent_seconds, "duration of the 4-caller throughput run");
+  flags.String("tokens", &sizes, "token counts n (comma list, <= 512)");
+  flags.Parse(argc, argv);
+  absl::StatusOr<std::vector<int>> ns = moe::ParseIndexList(sizes, kMaxTokens + 1, "tokens");
+  if (!ns.ok() || ns->empty()) flags.Fail("--tokens: bad list");
+
+  char dir_tmpl[] = "/tmp/moe-bench-XXXXXX";
+  const std::string dir = mkdtemp(dir_tmpl);
+  const std::string sock = dir + "/echo.sock";
+  int fds[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, fds) != 0) flags.Fail("socketpair failed", 1);
+  const pid_t child = fork();
+  if (child == 0) {
+    close(fds[0]);
+    RunEchoServer(fds[1], sock);
+  }
+  close(fds[1]);
+  int port = 0;
+  if (read(fds[0], &port, sizeof(port)) != sizeof(port)) flags.Fail("echo server did not start", 1);
+  const std::string addr = absl::StrCat("127.0.0.1:", port);
+
+  moe::TransportOptions o;
+  o.hidden = kHidden;
+  o.max_tokens_per_slot = kMaxTokens;
+  o.max_pairs_per_token = kTopK;
+  o.slots = 8;
+  o.tls.insecure = true;
+  o.max_message_bytes = 64 << 20;
+  struct Named { std::string name; std::unique_ptr<moe::ExpertTransport> t; bool staged; };
+  std::vector<Named> transports;
+  for (const char* kind : {"shm", "shm-staged", "grpc-stream", "grpc-unary"}) {
+    moe::TransportOptions to = o;
+    to.grpc_unary = std::string(kind) == "grpc-unary";
+    const bool shm = std::string(kind).rfind("shm", 0) == 0;
+    absl::StatusOr<std::unique_ptr<moe::ExpertTransport>> t =
+        moe::ConnectTransport(shm ? "unix://" + sock : addr, to);
+    if (!t.ok()) flags.Fail(absl::StrCat(kind, ": ", t.status().message()), 1);
+    transports.push_back({kind, *std::move(t), std::string(kind) == "shm-staged"});
+  }
+
+  const auto& cpu = moe::CpuFeatures::Get();
+  std::printf("## Transport round trips (echo server in a separate process)\n\n");
+  std::printf("Machine: %s, %u hardware threads. H = %d bf16, top-%d routing per token; iterations: %lld for n <= 64, %lld for n > 64 (after %lld warm-up).\n\n",
+              cpu.brand.c_str(), std::thread::hardware_concurrency(), kHidden, kTopK,
+              static_cast<long long>(iters), static_cast<long long>(big_iters), static_cast<long long>(warmup));
+  std::printf("| n | bytes each way | transport | p50 us | p99 us | mean us | p50 - memcpy p50 us |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+  bool ok = true;
+  for (int n : *ns) {
+    if (n < 1) continue;
+    const int runs = static_cast<int>(n > 64 ? big_iters : iters);
+    std::vector<moe::bf16_t> x = moe::RandomActivations(size_t(n) * kHidden, n);
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    moe::RandomRouting(n, kTopK, kExperts, n + 1, 1.0, &ids, &w);
+    std::vector<moe::bf16_t> out(x.size());
+    const size_t req_bytes = x.size() * 2 + ids.size() * 8, resp_bytes = out.size() * 2;
+    // Floor: the same bytes copied once each way in process.
+    std::vector<char> src(req_bytes + resp_bytes), dst(req_bytes + resp_bytes);
+    std::memcpy(src.data(), x.data(), x.size() * 2);
+    std::vector<double> lat;
+    for (int i = 0; i < warmup + runs; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::memcpy(dst.data(), src.data(), req_bytes);
+      std::memcpy(dst.data() + req_bytes, src.data() + req_bytes, resp_bytes);
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i >= warmup) lat.push_back(Us(t1 - t0));
+    }
+    const Stats floor = Summarize(lat);
+    std::printf("| %d | %zu | memcpy | %.2f | %.2f | %.2f | 0 |\n", n, req_bytes, floor.p50, floor.p99, floor.mean);
+    const moe::MissBatch batch{1, n, kTopK, x.data(), ids.data(), w.data()};
+    for (Named& tr : transports) {
+      lat.clear();
+      for (int i = 0; i < warmup + runs; ++i) {
+        const auto t0 = std::chrono::steady_clock::now();
+        absl::Status st;
+        if (tr.staged) {
+          absl::StatusOr<moe::StagedBatch> s = tr.t->Stage(n, kTopK, t0 + std::chrono::seconds(10));
+          if (!s.ok()) { st = s.status(); } else {
+            // A producer writes straight into the slot (here from host memory; a GPU would DMA).
+            std::memcpy(s->tokens, x.data(), x.size() * 2);
+            std::memcpy(s->expert_ids, ids.data(), ids.size() * 4);
+            std::memcpy(s->expert_weights, w.data(), w.size() * 4);
+            st = tr.t->SubmitStaged(*s, 1, t0 + std::chrono::seconds(10)).get();
+            if (st.ok() && std::memcmp(s->output, x.data(), 64) != 0) st = absl::DataLossError("echo mismatch");
+            tr.t->Release(*s);
+          }
+        } else {
+          st = tr.t->Submit(batch, out.data(), t0 + std::chrono::seconds(10)).get();
+          if (st.ok() && std::memcmp(out.data(), x.data(), out.size() * 2) != 0) st = absl::DataLossError("echo mismatch");
+        }
+        const auto t1 = std::chrono::steady_clock::now();
+        if (!st.ok()) {
+          std::fprintf(stderr, "%s n=%d: %s\n", tr.name.c_str(), n, std::string(st.message()).c_str());
+          ok = false;
+          break;
+        }
+        if (i >= warmup) lat.push_back(Us(t1 - t0));
+      }
+      if (lat.empty()) continue;
+      const Stats s = Summarize(lat);
+      std::printf("| %d | %zu | %s | %.2f | %.2f | %.2f | %.2f |\n", n, req_bytes, tr.name.c_str(), s.p50, s.p99,
+                  s.mean, s.p50 - floor.p50);
+    }
+  }
+
+  std::printf("\n## Messages/s with 4 concurrent callers (n = 8, each caller one batch at a time)\n\n| transport | messages/s | p50 us |\n| --- | --- | --- |\n");
+  {
+    const int n = 8;
+    std::vector<moe::bf16_t> x = moe::RandomActivations(size_t(n) * kHidden, 3);
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    moe::RandomRouting(n, kTopK, kExperts, 4, 1.0, &ids, &w);
+    for (Named& tr : transports) {
+      if (tr.staged) continue;
+      std::atomic<int64_t> count{0};
+      std::vector<std::vector<double>> lats(4);
+      std::vector<std::thread> callers;
+      const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(concurrent_seconds);
+      for (int c = 0; c < 4; ++c) {
+        callers.emplace_back([&, c] {
+          std::vector<moe::bf16_t> out(x.size());
+          while (std::chrono::steady_clock::now() < end) {
+            const auto t0 = std::chrono::steady_clock::now();
+            if (!tr.t->Submit(moe::MissBatch{1, n, kTopK, x.data(), ids.data(), w.data()}, out.data(),
+                              t0 + std::chrono::seconds(10)).get().ok()) { ok = false; return; }
+            lats[c].push_back(Us(std::chrono::steady_clock::now() - t0));
+            ++count;
+          }
+        });
+      }
+      for (auto& t : callers) t.join();
+      std::vector<double> all;
+      for (auto& l : lats) all.insert(all.end(), l.begin(), l.end());
+      if (all.empty()) continue;
+      std::printf("| %s | %.0f | %.1f |\n", tr.name.c_str(), count.load() / concurrent_seconds, Summarize(all).p50);
+    }
+  }
+  transports.clear();
+  close(fds[0]);
+  int status = 0;
+  waitpid(child, &status, 0);
+  unlink(sock.c_str());
+  rmdir(dir.c_str());
+  return ok ? 0 : 1;
+}
