@@ -13,6 +13,7 @@
 // p50 / p99 over --iters round trips (fewer for n = 512, see --big-iters), then
 // messages/s with 4 concurrent callers at n = 8.
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -91,7 +92,7 @@ double Us(std::chrono::steady_clock::duration d) { return std::chrono::duration<
 }  // namespace
 
 int main(int argc, char** argv) {
-  int64_t iters = 10000, big_iters = 2000, warmup = 200;
+  int64_t iters = 10000, big_iters = 500, warmup = 200;
   double concurrent_seconds = 2.0;
   std::string sizes = "1,8,64,512";
   moe::FlagSet flags("transport", "[flags]\nRound trips over shm, gRPC stream/unary vs an in-process memcpy floor.");
@@ -101,6 +102,7 @@ int main(int argc, char** argv) {
   flags.Double("concurrent-seconds", &concurrent_seconds, "duration of the 4-caller throughput run");
   flags.String("tokens", &sizes, "token counts n (comma list, <= 512)");
   flags.Parse(argc, argv);
+  setvbuf(stdout, nullptr, _IOLBF, 0);  // rows appear as they are measured
   absl::StatusOr<std::vector<int>> ns = moe::ParseIndexList(sizes, kMaxTokens + 1, "tokens");
   if (!ns.ok() || ns->empty()) flags.Fail("--tokens: bad list");
 
@@ -111,6 +113,7 @@ int main(int argc, char** argv) {
   if (socketpair(AF_UNIX, SOCK_STREAM, 0, fds) != 0) flags.Fail("socketpair failed", 1);
   const pid_t child = fork();
   if (child == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the benchmark
     close(fds[0]);
     RunEchoServer(fds[1], sock);
   }

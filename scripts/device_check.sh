@@ -20,8 +20,10 @@ cat "$OUT/machine.txt"
 
 echo "## tests" | tee "$OUT/tests.txt"
 for t in core_test safetensors_test kernel_test expert_server_test shm_segment_test transport_test; do
-  timeout 300 "$B/bin/$t" > "$OUT/$t.log" 2>&1
-  echo "$t: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$OUT/$t.log" | tr '\n' ' ')" | tee -a "$OUT/tests.txt"
+  timeout 300 "$B/bin/$t" > "/tmp/$t.log" 2>&1
+  rc=$?
+  echo "$t: rc=$rc $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "/tmp/$t.log" | tr '\n' ' ')" | tee -a "$OUT/tests.txt"
+  [[ $rc -ne 0 ]] && grep -E "Failure|Expected|Which|FAILED|error" "/tmp/$t.log" | head -40 >> "$OUT/tests.txt"
 done
 
 echo "## demo" | tee "$OUT/demo.txt"
@@ -38,11 +40,11 @@ kill -TERM $SP; wait $SP; echo "server exit: $?" >> "$OUT/demo.txt"
 tail -8 "$OUT/demo.txt"
 
 echo "## transport"
-timeout 240 "$B/bin/transport" > "$OUT/transport.md" 2> "$OUT/transport.err"
+timeout 300 "$B/bin/transport" > "$OUT/transport.md" 2>> "$OUT/logs.txt"
 echo "transport rc=$?"
 cat "$OUT/transport.md"
 
 echo "## expert_kernels"
-timeout 420 "$B/bin/expert_kernels" --csv "$OUT/expert_kernels.csv" "$@" > "$OUT/expert_kernels.md" 2> "$OUT/expert_kernels.err"
+timeout 420 "$B/bin/expert_kernels" "$@" > "$OUT/expert_kernels.md" 2>> "$OUT/logs.txt"
 echo "expert_kernels rc=$?"
 cat "$OUT/expert_kernels.md"
