@@ -29,6 +29,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/flags.h"
 #include "core/random_data.h"
+#include "core/transport/grpc_channel.h"
 #include "core/transport/shm_server.h"
 #include "core/transport/transport.h"
 #include "cpu_expert_server/cpu_features.h"
@@ -56,10 +57,7 @@ constexpr int kHidden = 7168, kTopK = 8, kExperts = 256, kLayers = 61, kMaxToken
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
   builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(64 << 20);
-  builder.SetMaxSendMessageSize(64 << 20);
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
+  moe::ConfigureServerBuilder(builder, 64 << 20);
   auto server = builder.BuildAndStart();
   moe::ShmServer::Options so;
   so.socket_path = socket_path;

@@ -161,13 +161,8 @@ int main(int argc, char** argv) {
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(listen, *creds, &port);
-  // Clients keep their stream alive with pings (core/transport/grpc_channel.cc).
-  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 1000);
-  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 0);
   builder.RegisterService(&service);
-  builder.SetMaxReceiveMessageSize(static_cast<int>(std::min<uint64_t>(max_msg, INT32_MAX)));
-  builder.SetMaxSendMessageSize(static_cast<int>(std::min<uint64_t>(max_msg, INT32_MAX)));
+  moe::ConfigureServerBuilder(builder, max_msg);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
   const std::string bound = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);

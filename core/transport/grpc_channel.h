@@ -17,6 +17,10 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 // verifies client certificates (mTLS).
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsOptions& tls);
 
+// Server-side counterpart: message limits, client keepalive pings permitted,
+// flow-control windows sized for activation messages.
+void ConfigureServerBuilder(grpc::ServerBuilder& builder, uint64_t max_message_bytes);
+
 grpc::ChannelArguments MakeChannelArguments(uint64_t max_message_bytes, const TlsOptions& tls);
 
 // A channel to `address` with the above; never blocks.
