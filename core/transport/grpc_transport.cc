@@ -238,6 +238,13 @@ absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std:
   return std::unique_ptr<ExpertTransport>(new GrpcTransport(address, *std::move(ch), o));
 }
 
+absl::Status AwaitResult(std::future<absl::Status>& f, std::chrono::nanoseconds spin) {
+  const auto until = Clock::now() + spin;
+  while (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready && Clock::now() < until) {
+  }
+  return f.get();
+}
+
 absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectTransport(const std::string& address,
                                                                  const TransportOptions& options) {
   constexpr const char kUnix[] = "unix://";

@@ -91,6 +91,12 @@ class ExpertTransport {
   virtual const char* kind() const = 0;  // "shm", "grpc-stream" or "grpc-unary"
 };
 
+// Waits for a transport future, polling it for up to `spin` first: a caller
+// with a core to spare (a GPU worker waiting for a decode layer's misses) saves
+// the scheduler wake-up, which costs more than a same-host round trip.
+absl::Status AwaitResult(std::future<absl::Status>& f,
+                         std::chrono::nanoseconds spin = std::chrono::microseconds(200));
+
 // Picks the implementation from the address scheme (see above).
 absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectTransport(const std::string& address,
                                                                  const TransportOptions& options);
