@@ -189,18 +189,13 @@ bool Segment::PeerClosed(Side self) const {
   return (self == Side::kClient ? h->server_closed : h->client_closed).load(std::memory_order_acquire) != 0;
 }
 
-// Ring and WaitDoorbell pair up like Dekker's protocol: the ringer bumps the
-// word then reads the sleeper count; the waiter bumps the count then re-reads
-// the word (both seq_cst), so either the ringer sees a sleeper and wakes it,
-// or the waiter sees the new word and does not sleep.
-void Ring(Doorbell& bell) {
-  bell.word.fetch_add(1, std::memory_order_seq_cst);
-  if (bell.sleepers.load(std::memory_order_seq_cst) != 0) Futex(&bell.word, FUTEX_WAKE, INT_MAX, nullptr);
+void Ring(std::atomic<uint32_t>& word) {
+  word.fetch_add(1, std::memory_order_release);
+  Futex(&word, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
-bool WaitDoorbell(Doorbell& bell, uint32_t seen, std::chrono::steady_clock::time_point deadline,
+bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline,
                   std::chrono::nanoseconds spin) {
-  std::atomic<uint32_t>& word = bell.word;
   using Clock = std::chrono::steady_clock;
   const Clock::time_point spin_until = Clock::now() + spin;
   for (;;) {
@@ -213,11 +208,7 @@ bool WaitDoorbell(Doorbell& bell, uint32_t seen, std::chrono::steady_clock::time
     }
     const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now).count();
     const timespec ts{static_cast<time_t>(left / 1000000000), static_cast<long>(left % 1000000000)};
-    bell.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    if (word.load(std::memory_order_seq_cst) == seen) {
-      Futex(&word, FUTEX_WAIT, seen, &ts);  // EAGAIN (changed), EINTR, ETIMEDOUT: all re-checked above
-    }
-    bell.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    Futex(&word, FUTEX_WAIT, seen, &ts);  // EAGAIN (changed), EINTR, ETIMEDOUT: all re-checked above
   }
 }
 

@@ -45,7 +45,7 @@
 namespace moe::shm {
 
 inline constexpr uint64_t kMagic = 0x31304d4853454f4dull;  // "MOESHM01" in memory order
-inline constexpr uint32_t kVersion = 2;  // 2: doorbells count their sleepers
+inline constexpr uint32_t kVersion = 1;
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kAlign = 64;
 inline constexpr uint32_t kMaxMessageLen = 200;
@@ -58,14 +58,6 @@ inline constexpr uint64_t kMaxSegmentBytes = 64ull << 30;
 
 static_assert(std::atomic<uint32_t>::is_always_lock_free && std::atomic<uint64_t>::is_always_lock_free,
               "shared-memory atomics must be lock-free (address-free)");
-
-// A futex doorbell: the word the ringer increments and the waiter sleeps on,
-// and how many waiters are asleep, so a ring costs no system call while the
-// peer is spinning (which it is during a decode step).
-struct Doorbell {
-  std::atomic<uint32_t> word;
-  std::atomic<uint32_t> sleepers;
-};
 
 struct SegmentHeader {
   uint64_t magic;
@@ -80,8 +72,8 @@ struct SegmentHeader {
   uint64_t complete_ring_offset;
   uint64_t slots_offset;
   uint64_t total_bytes;
-  alignas(64) Doorbell request_doorbell;   // client -> server
-  alignas(64) Doorbell response_doorbell;  // server -> client
+  alignas(64) std::atomic<uint32_t> request_doorbell;   // client -> server
+  alignas(64) std::atomic<uint32_t> response_doorbell;  // server -> client
   alignas(64) std::atomic<uint32_t> client_closed;
   std::atomic<uint32_t> server_closed;
 };
@@ -162,8 +154,8 @@ class Segment {
   bool TryPushComplete(uint32_t slot) const { return Push(complete_ring(), slot); }
   std::optional<uint32_t> TryPopComplete() const { return Pop(complete_ring()); }
 
-  Doorbell& request_doorbell() const { return header()->request_doorbell; }
-  Doorbell& response_doorbell() const { return header()->response_doorbell; }
+  std::atomic<uint32_t>& request_doorbell() const { return header()->request_doorbell; }
+  std::atomic<uint32_t>& response_doorbell() const { return header()->response_doorbell; }
   // Sets `self`'s closed flag and rings the peer's doorbell so a waiter wakes.
   void MarkClosed(Side self) const;
   bool PeerClosed(Side self) const;
@@ -183,10 +175,10 @@ class Segment {
 // only if it is empty `WaitDoorbell(word, seen, deadline)`; ringer: push, then
 // Ring(word). Ring increments the word and FUTEX_WAKEs all waiters (shared,
 // not PRIVATE: the word lives in memory mapped by two processes).
-void Ring(Doorbell& bell);
+void Ring(std::atomic<uint32_t>& word);
 // Returns true once word != seen, false at the deadline. Spins `spin` (pause)
 // before sleeping in FUTEX_WAIT.
-bool WaitDoorbell(Doorbell& bell, uint32_t seen, std::chrono::steady_clock::time_point deadline,
+bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline,
                   std::chrono::nanoseconds spin = std::chrono::microseconds(20));
 
 // Slot header writers (plain stores; publish by pushing the index).

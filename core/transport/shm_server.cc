@@ -152,7 +152,7 @@ void ShmServer::Serve(Connection* c) {
   shm::ValidatedRequest req;
   auto& bell = seg.request_doorbell();
   while (!stop_.load()) {
-    const uint32_t seen = bell.word.load(std::memory_order_acquire);
+    const uint32_t seen = bell.load(std::memory_order_acquire);
     bool worked = false;
     while (std::optional<uint32_t> idx = seg.TryPopSubmit()) {
       worked = true;

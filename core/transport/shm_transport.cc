@@ -247,7 +247,7 @@ class ShmTransport final : public ExpertTransport {
     auto& bell = seg.response_doorbell();
     shm::ValidatedResponse resp;
     while (!c->dead.load()) {
-      const uint32_t seen = bell.word.load(std::memory_order_acquire);
+      const uint32_t seen = bell.load(std::memory_order_acquire);
       bool worked = false;
       while (std::optional<uint32_t> idx = seg.TryPopComplete()) {
         worked = true;
