@@ -110,12 +110,14 @@ absl::Status ShmServer::Handshake(Connection* c) {
     (void)unix_socket::Send(c->sock, &reply, sizeof(reply));
     return st;
   };
+  // Read the hello before any refusal: closing a Unix socket with unread data
+  // resets it, and the client would see ECONNRESET instead of our reason.
+  ShmHello hello{};
+  if (absl::Status st = unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr, 2000); !st.ok()) return st;
   absl::StatusOr<uid_t> uid = unix_socket::PeerUid(c->sock);
   if (!uid.ok()) return uid.status();
   if (std::find(opt_.allowed_uids.begin(), opt_.allowed_uids.end(), *uid) == opt_.allowed_uids.end())
     return refuse(absl::PermissionDeniedError(absl::StrCat("uid ", *uid, " is not allowed on this socket")));
-  ShmHello hello{};
-  if (absl::Status st = unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr, 2000); !st.ok()) return st;
   if (hello.magic != kShmHelloMagic || hello.version != kShmProtocolVersion)
     return refuse(absl::InvalidArgumentError("hello: bad magic or protocol version"));
   if (static_cast<int>(hello.hidden) != opt_.hidden)
