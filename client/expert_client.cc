@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/tensor.h"
+#include "core/transport/grpc_channel.h"
 #include "core/wire.h"
 #include "grpcpp/grpcpp.h"
 
@@ -15,12 +16,12 @@ std::chrono::system_clock::time_point Deadline(int timeout_ms) {
 }
 }  // namespace
 
-std::unique_ptr<ExpertClient> ExpertClient::Connect(const std::string& address, int max_message_bytes) {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(max_message_bytes);
-  args.SetMaxSendMessageSize(max_message_bytes);
+absl::StatusOr<std::unique_ptr<ExpertClient>> ExpertClient::Connect(const std::string& address,
+                                                                    const TlsOptions& tls, int max_message_bytes) {
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(address, max_message_bytes, tls);
+  if (!channel.ok()) return channel.status();
   auto c = std::unique_ptr<ExpertClient>(new ExpertClient());
-  c->channel_ = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  c->channel_ = *std::move(channel);
   c->stub_ = moe::v1::ExpertService::NewStub(c->channel_);
   return c;
 }

@@ -13,15 +13,18 @@
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
 #include "core/routing.h"
+#include "core/transport/transport.h"
 #include "moe/v1/expert.grpc.pb.h"
 
 namespace moe {
 
 class ExpertClient {
  public:
-  // Connects (lazily) to host:port; max_message_bytes bounds both directions.
-  static std::unique_ptr<ExpertClient> Connect(const std::string& address,
-                                               int max_message_bytes = 256 << 20);
+  // A channel to host:port (connected lazily) with TLS / mTLS from `tls`
+  // (plaintext only with tls.insecure); max_message_bytes bounds both directions.
+  static absl::StatusOr<std::unique_ptr<ExpertClient>> Connect(const std::string& address,
+                                                               const TlsOptions& tls,
+                                                               int max_message_bytes = 256 << 20);
 
   absl::StatusOr<moe::v1::ServerInfo> GetInfo(int timeout_ms = 10000);
 

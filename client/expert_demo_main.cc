@@ -12,7 +12,8 @@
 #include "core/reference_moe.h"
 
 int main(int argc, char** argv) {
-  std::string server = "127.0.0.1:50051", model;
+  std::string server = "127.0.0.1:50051", model, tls_cert, tls_key, tls_ca;
+  bool insecure = false;
   int64_t batches = 20, tokens = 32, check = 3, layer = -1, seed = 1;
   moe::FlagSet flags("moe-expert-demo", "--server ADDR --model URI [flags]\n"
                      "Sends batches through ForwardStream and checks them against the reference MoE.");
@@ -23,6 +24,10 @@ int main(int argc, char** argv) {
   flags.Int("check", &check, "batches checked against the reference (the first ones)");
   flags.Int("layer", &layer, "MoE layer (-1 = cycle over the hosted layers)");
   flags.Int("seed", &seed, "random seed for tokens and routing");
+  flags.String("tls-cert", &tls_cert, "PEM client certificate (mTLS)");
+  flags.String("tls-key", &tls_key, "PEM client private key (mTLS)");
+  flags.String("tls-ca", &tls_ca, "PEM CA bundle to verify the server");
+  flags.Bool("insecure", &insecure, "plaintext gRPC (only when asked for; TLS flags otherwise)");
   flags.Parse(argc, argv);
   if (model.empty()) flags.Fail("--model is required");
   if (batches <= 0 || tokens <= 0) flags.Fail("--batches and --tokens must be > 0");
@@ -30,7 +35,10 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<moe::ModelSource>> source = moe::OpenModel(model);
   if (!source.ok()) flags.Fail(std::string(source.status().message()), 1);
   const moe::ModelSpec& spec = (*source)->spec();
-  auto client = moe::ExpertClient::Connect(server);
+  absl::StatusOr<std::unique_ptr<moe::ExpertClient>> connected =
+      moe::ExpertClient::Connect(server, moe::TlsOptions{tls_cert, tls_key, tls_ca, insecure, ""});
+  if (!connected.ok()) flags.Fail(std::string(connected.status().message()));
+  std::unique_ptr<moe::ExpertClient>& client = *connected;
   absl::StatusOr<moe::v1::ServerInfo> info = client->GetInfo();
   if (!info.ok()) flags.Fail(absl::StrCat("GetInfo ", server, ": ", info.status().message()), 1);
   if (info->model().hidden_size() != static_cast<uint32_t>(spec.hidden) ||

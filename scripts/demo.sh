@@ -44,7 +44,7 @@ addr=$(sed -n 's/.*ready on //p' "$work/server.out")
 sed 's/^/   server: /' "$work/server.log"
 echo "== sending $batches batches of $tokens tokens to $addr"
 status=0
-"$bin/client/moe-expert-demo" --server "$addr" --model "$work/model" --batches "$batches" \
+"$bin/client/moe-expert-demo" --server "$addr" --insecure --model "$work/model" --batches "$batches" \
   --tokens "$tokens" || status=$?
 echo "== stopping the server (SIGTERM)"
 kill -TERM "$server_pid"

@@ -34,8 +34,8 @@ SP=$!
 for i in $(seq 1 300); do grep -q "ready on" "$W/srv.out" && break; sleep 0.1; done
 ADDR=$(sed -n 's/.*ready on //p' "$W/srv.out")
 cat "$W/srv.log" >> "$OUT/demo.txt"
-"$B/bin/moe-expert-demo" --server "$ADDR" --model "$W/model" --batches 50 --tokens 8 >> "$OUT/demo.txt" 2>&1
-"$B/bin/moe-expert-demo" --server "$ADDR" --model "$W/model" --batches 20 --tokens 256 --check 1 >> "$OUT/demo.txt" 2>&1
+"$B/bin/moe-expert-demo" --server "$ADDR" --insecure --model "$W/model" --batches 50 --tokens 8 >> "$OUT/demo.txt" 2>&1
+"$B/bin/moe-expert-demo" --server "$ADDR" --insecure --model "$W/model" --batches 20 --tokens 256 --check 1 >> "$OUT/demo.txt" 2>&1
 kill -TERM $SP; wait $SP; echo "server exit: $?" >> "$OUT/demo.txt"
 tail -8 "$OUT/demo.txt"
 

@@ -45,7 +45,7 @@ class ExpertServerTest : public ::testing::Test {
   }
   void SetUp() override {
     ASSERT_FALSE(addr_->empty()) << "moe-expert-server did not start";
-    client_ = ExpertClient::Connect(*addr_);
+    client_ = *ExpertClient::Connect(*addr_, testing::PlaintextTls());
   }
 
   struct Batch {
@@ -148,7 +148,7 @@ TEST_F(ExpertServerTest, F32OutputAndConcurrentClients) {
   std::atomic<int> failures{0};
   for (int c = 0; c < 4; ++c) {
     threads.emplace_back([&, c] {
-      auto client = ExpertClient::Connect(*addr_);
+      auto client = *ExpertClient::Connect(*addr_, testing::PlaintextTls());
       for (int i = 0; i < 10; ++i) {
         Batch b = MakeBatch(4 + c, 2, 300 + 10 * c + i);
         moe::v1::ForwardRequest req = Request(1, b);
@@ -317,7 +317,7 @@ TEST(ExpertServerProcess, HostsASubsetAndDrainsOnSigterm) {
       &server, {"--model=synthetic:tiny:seed=3", "--threads=1", "--layers=2", "--experts=0-3,6"});
   std::unique_ptr<Subprocess> owner(server);
   ASSERT_FALSE(addr.empty());
-  auto client = ExpertClient::Connect(addr);
+  auto client = *ExpertClient::Connect(addr, testing::PlaintextTls());
   absl::StatusOr<moe::v1::ServerInfo> info = client->GetInfo();
   ASSERT_TRUE(info.ok());
   EXPECT_EQ(std::vector<uint32_t>(info->hosted_layers().begin(), info->hosted_layers().end()),

@@ -13,6 +13,12 @@
 
 namespace moe::testing {
 
+moe::TlsOptions PlaintextTls() {
+  moe::TlsOptions t;
+  t.insecure = true;
+  return t;
+}
+
 TempDir::TempDir() {
   char tmpl[] = "/tmp/moe_test_XXXXXX";
   const char* p = mkdtemp(tmpl);

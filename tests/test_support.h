@@ -8,7 +8,12 @@
 #include <string>
 #include <vector>
 
+#include "core/transport/transport.h"
+
 namespace moe::testing {
+
+// Plaintext gRPC, asked for explicitly (the tests run on loopback).
+moe::TlsOptions PlaintextTls();
 
 // A fresh directory under /tmp, removed with its contents on destruction.
 class TempDir {
