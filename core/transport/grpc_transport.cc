@@ -142,6 +142,7 @@ class GrpcTransport final : public ExpertTransport {
     for (auto it = retired_.begin(); it != retired_.end();) {
       if ((*it)->broken && (*it)->reader.joinable() && reader_done_.count((*it)->generation)) {
         (*it)->reader.join();
+        reader_done_.erase((*it)->generation);
         it = retired_.erase(it);
       } else {
         ++it;
