@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -237,11 +238,28 @@ TEST_F(TransportTest, KilledServerFailsFastAndTransportsReconnect) {
   }
 }
 
+// True once every thread of `pid` is stopped (state 'T' in /proc): SIGSTOP is
+// delivered asynchronously, and a spinning thread may still answer meanwhile.
+bool AllThreadsStopped(pid_t pid) {
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream stat(task.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren == std::string::npos || paren + 2 >= line.size() || line[paren + 2] != 'T') return false;
+  }
+  return !ec;
+}
+
 // A server that stops answering (SIGSTOP): requests end with DEADLINE_EXCEEDED at their deadline.
 TEST_F(TransportTest, SilentServerHitsTheDeadline) {
   std::vector<std::unique_ptr<ExpertTransport>> ts;
   for (const char* kind : {"shm", "grpc-stream", "grpc-unary"}) ts.push_back(Connect(kind));
   server_->Signal(SIGSTOP);
+  for (int i = 0; i < 500 && !AllThreadsStopped(server_->pid()); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_TRUE(AllThreadsStopped(server_->pid()));
   Batch b = MakeBatch(5, 2, 4);
   for (auto& t : ts) {
     std::vector<bf16_t> out(size_t(b.n) * kH);
