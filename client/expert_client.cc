@@ -39,11 +39,7 @@ absl::StatusOr<moe::v1::ServerInfo> ExpertClient::GetInfo(int timeout_ms) {
 moe::v1::ForwardRequest ExpertClient::MakeRequest(int layer, int n, int hidden, const bf16_t* tokens,
                                                   const RoutingView& routing, uint64_t request_id) {
   moe::v1::ForwardRequest req;
-  req.set_request_id(request_id);
-  req.set_layer(layer);
-  EncodeTensor(DType::kBF16, {n, hidden}, tokens, req.mutable_tokens());
-  EncodeTensor(DType::kI32, {routing.n, routing.k}, routing.ids, req.mutable_expert_ids());
-  EncodeTensor(DType::kF32, {routing.n, routing.k}, routing.weights, req.mutable_expert_weights());
+  EncodeForwardRequest(static_cast<uint32_t>(layer), n, hidden, tokens, routing, request_id, &req);
   return req;
 }
 
@@ -62,18 +58,12 @@ absl::StatusOr<std::vector<bf16_t>> ExpertClient::Forward(const moe::v1::Forward
 
 absl::StatusOr<std::vector<bf16_t>> OutputAsBf16(const moe::v1::ForwardResponse& resp) {
   const moe::v1::Tensor& t = resp.output();
-  std::vector<bf16_t> out;
-  if (t.dtype() == moe::v1::DTYPE_BF16) {
-    out.resize(t.data().size() / 2);
-    std::memcpy(out.data(), t.data().data(), out.size() * 2);
-  } else if (t.dtype() == moe::v1::DTYPE_F32) {
-    out.resize(t.data().size() / 4);
-    std::vector<float> f(out.size());
-    std::memcpy(f.data(), t.data().data(), f.size() * 4);
-    F32ToBf16(f.data(), out.data(), f.size());
-  } else {
-    return absl::InternalError("response output has an unexpected dtype");
-  }
+  if (t.shape_size() != 2 || t.shape(0) < 0 || t.shape(1) < 0)
+    return absl::InternalError("malformed response: output is not [n, H]");
+  std::vector<bf16_t> out(static_cast<size_t>(t.shape(0) * t.shape(1)));
+  if (absl::Status st = DecodeForwardOutput(resp, static_cast<int>(t.shape(0)), static_cast<int>(t.shape(1)), out.data());
+      !st.ok())
+    return st;
   return out;
 }
 

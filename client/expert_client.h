@@ -56,8 +56,6 @@ class ExpertClient {
   };
   std::unique_ptr<StreamSession> OpenStream();
 
-  moe::v1::ExpertService::Stub& stub() { return *stub_; }
-
  private:
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<moe::v1::ExpertService::Stub> stub_;

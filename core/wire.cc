@@ -1,5 +1,8 @@
 #include "core/wire.h"
 
+#include <cstring>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace moe {
@@ -58,6 +61,30 @@ absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::str
                                                    " needs ", v.nbytes()));
   v.data = t.data().data();
   return v;
+}
+
+void EncodeForwardRequest(uint32_t layer, int n, int hidden, const bf16_t* tokens, const RoutingView& routing,
+                          uint64_t request_id, moe::v1::ForwardRequest* req) {
+  req->set_request_id(request_id);
+  req->set_layer(layer);
+  EncodeTensor(DType::kBF16, {n, hidden}, tokens, req->mutable_tokens());
+  EncodeTensor(DType::kI32, {routing.n, routing.k}, routing.ids, req->mutable_expert_ids());
+  EncodeTensor(DType::kF32, {routing.n, routing.k}, routing.weights, req->mutable_expert_weights());
+}
+
+absl::Status DecodeForwardOutput(const moe::v1::ForwardResponse& resp, int n, int hidden, bf16_t* out) {
+  const bool f32 = resp.output().dtype() == moe::v1::DTYPE_F32;
+  absl::StatusOr<TensorView> v =
+      DecodeTensor(resp.output(), "output", f32 ? DType::kF32 : DType::kBF16, {n, hidden});
+  if (!v.ok()) return absl::InternalError(absl::StrCat("malformed response: ", v.status().message()));
+  if (!f32) {
+    std::memcpy(out, v->data, v->nbytes());
+  } else {
+    std::vector<float> tmp(static_cast<size_t>(v->numel()));  // data may be unaligned for float
+    std::memcpy(tmp.data(), v->data, v->nbytes());
+    F32ToBf16(tmp.data(), out, tmp.size());
+  }
+  return absl::OkStatus();
 }
 
 grpc::Status ToGrpcStatus(const absl::Status& s) {

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/bf16.h"
+#include "core/routing.h"
 #include "core/tensor.h"
 #include "grpcpp/support/status.h"
 #include "moe/v1/expert.pb.h"
@@ -26,6 +28,13 @@ void EncodeTensor(DType dtype, const std::vector<int64_t>& shape, const void* da
 // InvalidArgument naming `field` otherwise.
 absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::string& field, DType want,
                                         const std::vector<int64_t>& want_shape);
+
+// Fills `req` with one layer's batch: tokens [n, hidden] bf16 and the routing [n, k].
+void EncodeForwardRequest(uint32_t layer, int n, int hidden, const bf16_t* tokens, const RoutingView& routing,
+                          uint64_t request_id, moe::v1::ForwardRequest* req);
+// Copies a response's [n, hidden] output (BF16, or F32 converted to bf16) into
+// out; Internal error naming the problem if the response does not match.
+absl::Status DecodeForwardOutput(const moe::v1::ForwardResponse& resp, int n, int hidden, bf16_t* out);
 
 grpc::Status ToGrpcStatus(const absl::Status& s);
 absl::Status FromGrpcStatus(const grpc::Status& s);

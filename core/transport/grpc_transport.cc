@@ -22,19 +22,8 @@ namespace moe {
 namespace {
 
 void EncodeBatch(const MissBatch& b, int hidden, uint64_t id, moe::v1::ForwardRequest* req) {
-  req->set_request_id(id);
-  req->set_layer(b.layer);
-  EncodeTensor(DType::kBF16, {b.n, hidden}, b.tokens, req->mutable_tokens());
-  EncodeTensor(DType::kI32, {b.n, b.k}, b.expert_ids, req->mutable_expert_ids());
-  EncodeTensor(DType::kF32, {b.n, b.k}, b.expert_weights, req->mutable_expert_weights());
-}
-
-// Copies a response's [n, H] bf16 output into out.
-absl::Status DecodeOutput(const moe::v1::ForwardResponse& resp, int n, int hidden, bf16_t* out) {
-  absl::StatusOr<TensorView> v = DecodeTensor(resp.output(), "output", DType::kBF16, {n, hidden});
-  if (!v.ok()) return absl::InternalError(absl::StrCat("malformed response: ", v.status().message()));
-  std::memcpy(out, v->data, v->nbytes());
-  return absl::OkStatus();
+  EncodeForwardRequest(b.layer, b.n, hidden, b.tokens, RoutingView{b.n, b.k, b.expert_ids, b.expert_weights}, id,
+                       req);
 }
 
 std::chrono::system_clock::time_point ToSystem(Clock::time_point t) {
@@ -161,7 +150,7 @@ class GrpcTransport final : public ExpertTransport {
       std::optional<PendingRequests::Entry> e = pending_.Take(resp.request_id());
       if (!e) continue;  // timed out already
       absl::Status st = resp.status_code() == 0
-                            ? DecodeOutput(resp.response(), e->n, hidden_, e->out)
+                            ? DecodeForwardOutput(resp.response(), e->n, hidden_, e->out)
                             : absl::Status(static_cast<absl::StatusCode>(resp.status_code()), resp.status_message());
       e->done.set_value(st);
     }
@@ -198,7 +187,7 @@ class GrpcTransport final : public ExpertTransport {
     }
     stub_->async()->Forward(&call->ctx, &call->req, &call->resp, [this, call](grpc::Status st) {
       if (std::optional<PendingRequests::Entry> e = pending_.Take(call->id)) {
-        e->done.set_value(st.ok() ? DecodeOutput(call->resp, e->n, hidden_, e->out) : FromGrpcStatus(st));
+        e->done.set_value(st.ok() ? DecodeForwardOutput(call->resp, e->n, hidden_, e->out) : FromGrpcStatus(st));
       }
       delete call;
       std::lock_guard<std::mutex> lock(mu_);

@@ -95,7 +95,6 @@ void ShmServer::AcceptLoop() {
         ++it;
       }
     }
-    ++active_;
     raw->thread = std::thread([this, raw] { Serve(raw); });
     connections_.push_back(std::move(c));
   }
@@ -195,7 +194,6 @@ disconnect:
   c->base = nullptr;
   close(c->memfd);
   c->memfd = -1;
-  --active_;
   c->done.store(true);
 }
 

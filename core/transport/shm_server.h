@@ -60,7 +60,6 @@ class ShmServer {
   ~ShmServer();  // Stop()
   // Stops accepting, ends every connection (their in-flight request finishes).
   void Stop();
-  int active_connections() const { return active_.load(); }
 
  private:
   struct Connection;
@@ -74,7 +73,6 @@ class ShmServer {
   int listen_fd_ = -1;
   int wake_fd_[2] = {-1, -1};  // self-pipe to stop accept()
   std::atomic<bool> stop_{false};
-  std::atomic<int> active_{0};
   std::thread acceptor_;
   std::mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_;

@@ -35,6 +35,7 @@ struct ShmConnection {
   std::optional<shm::Segment> seg;
   std::vector<uint32_t> free_slots;
   std::atomic<bool> dead{false};
+  bool finished = false;  // the completion thread is past its last use of mu_ (guarded by mu_)
   std::thread completer;
   uint64_t generation = 0;
   ~ShmConnection() {
@@ -203,6 +204,15 @@ class ShmTransport final : public ExpertTransport {
   absl::Status ConnectLocked() {
     if (closing_) return absl::CancelledError("transport closed");
     if (conn_) retired_.push_back(conn_);
+    // Join the completion threads of connections that are done (they no longer need mu_).
+    for (auto it = retired_.begin(); it != retired_.end();) {
+      if ((*it)->finished) {
+        (*it)->completer.join();
+        it = retired_.erase(it);
+      } else {
+        ++it;
+      }
+    }
     conn_.reset();
     auto c = std::make_shared<ShmConnection>();
     absl::StatusOr<int> sock = unix_socket::Connect(path_);
@@ -276,6 +286,7 @@ class ShmTransport final : public ExpertTransport {
     in_flight_.store(batches_.size());
     pending_.FailGeneration(c->generation, absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone")));
     slots_cv_.notify_all();
+    c->finished = true;
   }
 
   void OnChunkDone(const std::shared_ptr<ShmConnection>& c, uint32_t slot, const absl::Status& st) {
