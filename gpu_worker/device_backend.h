@@ -1,0 +1,152 @@
+// DeviceBackend: where a GPU worker keeps its cached experts and computes its
+// hits. Two implementations behind this one interface, created by
+// MakeDeviceBackend("auto" | "cuda" | "cpu"):
+//   cuda  device memory, own grouped kernels / cuBLAS, one compute stream and
+//         one copy stream, events, pinned staging
+//   cpu   host memory and the CPU expert kernels (AMX / AVX-512 / reference);
+//         for machines without a GPU and for tests
+// The dispatcher (layer_dispatcher.h), the cache bookkeeping (expert_cache.h)
+// and the policies are written once against this interface.
+//
+// Memory model. The backend owns `num_buffers` expert buffers, each holding
+// one expert (gate [I,H], up [I,H], down [H,I]) in whatever layout its kernels
+// read; a buffer index is all the dispatcher knows. It also owns `contexts`
+// independent per-call scratch areas (inputs, f32 accumulator, plan), so two
+// micro-batches can be in flight at once (dual-batch overlap).
+//
+// Ordering. Two queues: the copy queue (LoadExpert) and the compute queue
+// (everything else). Work on one queue runs in submission order; the queues
+// run concurrently and meet only through fences:
+//   LoadExpert(..., after_compute)   the copy waits for compute fence `after_compute`
+//   ComputeWaitCopy(copy_fence)      later compute waits for that copy
+// The cpu backend executes every call synchronously (its fences are complete
+// on return), which satisfies the same contract.
+//
+// Thread-safety: none. One thread (the dispatcher's caller) drives a backend.
+// Errors are returned as Status (CUDA errors carry the call and the CUDA message).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/bf16.h"
+
+namespace moe {
+
+enum class MemoryKind { kHost, kDevice };
+
+struct BackendConfig {
+  int hidden = 0;        // H
+  int intermediate = 0;  // I (moe_intermediate of one expert)
+  int num_buffers = 0;   // expert buffers to allocate
+  int max_tokens = 0;    // largest T of one call
+  int max_top_k = 8;     // largest k of one call
+  int contexts = 2;      // concurrent calls (micro-batches)
+  // cpu backend
+  int cpu_threads = 0;             // 0: every CPU this process may run on
+  std::string cpu_kernel = "auto"; // amx | avx512 | reference | auto
+  // cuda backend
+  int cuda_device = 0;
+};
+
+// The hit work of one call, pairs grouped by expert buffer (host arrays; the
+// backend copies what it needs before the call returns). Group g computes
+//   accum[token[r]] += weight[r] * FFN_buffer[g](x[token[r]])
+// for rows r in [row_begin[g], row_begin[g] + count[g]). token[r] == -1 marks
+// padding rows (skipped).
+struct HitPlan {
+  int num_groups = 0;
+  const int32_t* buffer = nullptr;     // [num_groups]
+  const int32_t* row_begin = nullptr;  // [num_groups]
+  const int32_t* count = nullptr;      // [num_groups]
+  int rows = 0;                        // total rows (incl. padding)
+  const int32_t* token = nullptr;      // [rows]
+  const float* weight = nullptr;       // [rows]
+  int max_count = 0;                   // max over count[]
+};
+
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+
+  virtual const char* name() const = 0;  // "cuda" or "cpu"
+  // Memory the hidden/output pointers of a kDevice call live in; a cpu backend
+  // has none (kDevice calls are refused by the dispatcher).
+  virtual bool has_device_memory() const = 0;
+  // Bytes one expert buffer occupies.
+  virtual size_t expert_bytes() const = 0;
+  // Bytes still free for expert buffers on this device (before Init: all of it).
+  virtual size_t free_memory_bytes() const = 0;
+
+  // Allocates buffers and scratch. Called once, before anything else below.
+  virtual absl::Status Init(const BackendConfig& config) = 0;
+
+  // Pins host memory for DMA (cudaHostRegister); the cpu backend does nothing.
+  // Used for the host expert store and the shm segment of a transport, so
+  // copies to and from them run at full PCIe rate with no bounce buffer.
+  virtual absl::Status RegisterHost(void* p, size_t bytes) = 0;
+  virtual void UnregisterHost(void* p) = 0;
+
+  // ---- copy queue --------------------------------------------------------
+  // Starts copying one expert from host memory into `buffer`: `src` holds
+  // gate [I,H], up [I,H], down [H,I] row-major bf16, back to back (3*I*H
+  // values). The copy first waits for compute fence `after_compute` (0: no
+  // wait), so a buffer still read by earlier compute is not overwritten.
+  // `src` must stay valid until the returned copy fence is done.
+  virtual absl::StatusOr<uint64_t> LoadExpert(int buffer, const bf16_t* src,
+                                              uint64_t after_compute) = 0;
+  // True when the copy fence has completed (non-blocking).
+  virtual bool CopyDone(uint64_t copy_fence) = 0;
+  // Blocks until the copy fence has completed; an error if the copy failed.
+  virtual absl::Status WaitCopy(uint64_t copy_fence) = 0;
+
+  // ---- compute queue (per context) ---------------------------------------
+  // Makes later compute work of every context wait for `copy_fence`.
+  virtual void ComputeWaitCopy(uint64_t copy_fence) = 0;
+  // A fence after all compute work submitted so far.
+  virtual uint64_t RecordCompute() = 0;
+  virtual absl::Status WaitCompute(uint64_t compute_fence) = 0;
+
+  // Starts a call in scratch context `ctx`: copies the T x H bf16 activations
+  // (`hidden`, in `kind` memory) into the context and zeroes its f32
+  // accumulator [T, H]. T may be 0.
+  virtual absl::Status BeginCall(int ctx, int T, const bf16_t* hidden, MemoryKind kind) = 0;
+  // Copies routing that lives in device memory to the host (ids [n], weights
+  // [n]); synchronous. Host routing needs no backend call.
+  virtual absl::Status RoutingToHost(const int32_t* ids, const float* weights, int n,
+                                     int32_t* host_ids, float* host_weights) = 0;
+  // Gathers rows rows[0..n) of the context's activations into host memory
+  // `dst` ([n, H] bf16; registered or shm memory), then returns a compute
+  // fence after which `dst` is complete.
+  virtual absl::StatusOr<uint64_t> GatherRows(int ctx, const int32_t* rows, int n,
+                                              bf16_t* dst) = 0;
+  // Enqueues the hit plan's expert FFNs, accumulating into the context's
+  // accumulator. Buffers named by the plan must have been loaded (their copy
+  // fences waited for by ComputeWaitCopy or WaitCopy).
+  virtual absl::Status RunExperts(int ctx, const HitPlan& plan) = 0;
+  // accum[rows[i]] += partial[i] for i < n; `partial` is host memory [n, H]
+  // bf16 (registered or shm). Returns a compute fence after which `partial`
+  // is no longer read.
+  virtual absl::StatusOr<uint64_t> AddRows(int ctx, const int32_t* rows, int n,
+                                           const bf16_t* partial) = 0;
+  // Writes the accumulator as bf16 into `out` ([T, H], `kind` memory) and
+  // waits for the context's work to finish. The call is over afterwards.
+  virtual absl::Status FinishCall(int ctx, bf16_t* out, MemoryKind kind) = 0;
+};
+
+// "auto": cuda when built with CUDA and a device is present, else cpu.
+// Unknown names are InvalidArgument; "cuda" without a usable GPU is
+// FailedPrecondition with the reason.
+absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeDeviceBackend(const std::string& name);
+
+// Implementations; the factory is their only caller.
+std::unique_ptr<DeviceBackend> MakeCpuBackend();
+// nullptr with *why set when CUDA is not compiled in or no device is usable.
+std::unique_ptr<DeviceBackend> MakeCudaBackend(std::string* why);
+// Whether a CUDA device is usable (false when built without CUDA).
+bool CudaAvailable();
+
+}  // namespace moe
