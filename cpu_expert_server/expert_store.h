@@ -22,7 +22,21 @@ struct HostedSet {
   std::vector<int> experts;  // ascending expert ids
 };
 
-class ExpertStore {
+// Packed expert weights as MoeExecutor reads them: (layer, expert) -> packed
+// bytes (PackExpert layout). Implemented by the server's ExpertStore and by the
+// GPU worker's cpu backend (its cache buffers). Lookups are thread-safe.
+class PackedExperts {
+ public:
+  virtual ~PackedExperts() = default;
+  virtual const ExpertGeometry& geometry() const = 0;
+  // Packed weights of (layer, expert), or nullptr when not hosted.
+  virtual const std::byte* Find(int layer, int expert) const = 0;
+  virtual bool HostsLayer(int layer) const = 0;
+  virtual bool HostsExpert(int expert) const = 0;
+  virtual int num_experts() const = 0;
+};
+
+class ExpertStore : public PackedExperts {
  public:
   // Bytes the packed weights of `hosted` occupy.
   static uint64_t BytesNeeded(const ExpertGeometry& g, const HostedSet& hosted);
@@ -34,16 +48,16 @@ class ExpertStore {
                                                           HostedSet hosted,
                                                           const NumaBinding& numa,
                                                           ComputePool& pool);
-  ~ExpertStore();
+  ~ExpertStore() override;
 
-  const ExpertGeometry& geometry() const { return geometry_; }
+  const ExpertGeometry& geometry() const override { return geometry_; }
   const HostedSet& hosted() const { return hosted_; }
   // Packed weights of (layer, expert), or nullptr when not hosted.
-  const std::byte* Find(int layer, int expert) const;
-  bool HostsLayer(int layer) const;
-  bool HostsExpert(int expert) const;
+  const std::byte* Find(int layer, int expert) const override;
+  bool HostsLayer(int layer) const override;
+  bool HostsExpert(int expert) const override;
   uint64_t resident_bytes() const { return bytes_; }
-  int num_experts() const { return num_experts_; }
+  int num_experts() const override { return num_experts_; }
 
  private:
   ExpertStore() = default;

@@ -39,7 +39,7 @@ void* MoeExecutor::Buffer::Reserve(size_t bytes) {
   return p_;
 }
 
-MoeExecutor::MoeExecutor(const ExpertStore& store, const ExpertKernel& kernel, ComputePool& pool)
+MoeExecutor::MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool)
     : store_(store), kernel_(kernel), pool_(pool) {}
 
 absl::Status MoeExecutor::Validate(const ForwardBatch& b) const {

@@ -37,7 +37,7 @@ struct ForwardStats {
 
 class MoeExecutor {
  public:
-  MoeExecutor(const ExpertStore& store, const ExpertKernel& kernel, ComputePool& pool);
+  MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool);
 
   // Checks the batch against what this server hosts (InvalidArgument naming
   // the field), without computing.
@@ -59,7 +59,7 @@ class MoeExecutor {
     size_t cap_ = 0;
   };
 
-  const ExpertStore& store_;
+  const PackedExperts& store_;
   const ExpertKernel& kernel_;
   ComputePool& pool_;
   std::mutex mu_;  // guards everything below (one batch at a time)

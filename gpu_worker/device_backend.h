@@ -134,6 +134,7 @@ class DeviceBackend {
                                            const bf16_t* partial) = 0;
   // Writes the accumulator as bf16 into `out` ([T, H], `kind` memory) and
   // waits for the context's work to finish. The call is over afterwards.
+  // `out` == nullptr discards the result (an aborted call).
   virtual absl::Status FinishCall(int ctx, bf16_t* out, MemoryKind kind) = 0;
 };
 

@@ -1,0 +1,232 @@
+// The cpu DeviceBackend: expert buffers in host memory, packed once at load
+// (PackExpert) and computed by the same MoeExecutor + ExpertKernel the CPU
+// expert server runs. Every call executes synchronously, so every fence it
+// returns is already complete.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "cpu_expert_server/compute_pool.h"
+#include "cpu_expert_server/cpu_features.h"
+#include "cpu_expert_server/expert_kernel.h"
+#include "cpu_expert_server/expert_store.h"
+#include "cpu_expert_server/moe_executor.h"
+#include "cpu_expert_server/numa_binding.h"
+#include "gpu_worker/device_backend.h"
+
+namespace moe {
+namespace {
+
+// The backend's buffers seen as one "layer 0" whose expert ids are buffer indexes.
+class BufferSet : public PackedExperts {
+ public:
+  ~BufferSet() override { std::free(base_); }
+  absl::Status Allocate(const ExpertGeometry& g, int n) {
+    geometry_ = g;
+    stride_ = (g.packed_bytes() + 63) / 64 * 64;
+    count_ = n;
+    const size_t bytes = std::max<size_t>(stride_ * static_cast<size_t>(n), 64);
+    base_ = static_cast<std::byte*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+    if (base_ == nullptr)
+      return absl::ResourceExhaustedError(absl::StrCat("cpu backend: cannot allocate ", bytes,
+                                                       " bytes for ", n, " expert buffers"));
+    loaded_.assign(n, false);
+    return absl::OkStatus();
+  }
+  std::byte* Buffer(int b) { return base_ + stride_ * b; }
+  void MarkLoaded(int b) { loaded_[b] = true; }
+  size_t stride() const { return stride_; }
+
+  const ExpertGeometry& geometry() const override { return geometry_; }
+  const std::byte* Find(int layer, int expert) const override {
+    return layer == 0 && expert >= 0 && expert < count_ && loaded_[expert] ? base_ + stride_ * expert
+                                                                           : nullptr;
+  }
+  bool HostsLayer(int layer) const override { return layer == 0; }
+  bool HostsExpert(int expert) const override {
+    return expert >= 0 && expert < count_ && loaded_[expert];
+  }
+  int num_experts() const override { return count_; }
+
+ private:
+  ExpertGeometry geometry_;
+  std::byte* base_ = nullptr;
+  size_t stride_ = 0;
+  int count_ = 0;
+  std::vector<bool> loaded_;
+};
+
+class CpuBackend final : public DeviceBackend {
+ public:
+  const char* name() const override { return "cpu"; }
+  bool has_device_memory() const override { return false; }
+  size_t expert_bytes() const override {
+    return buffers_.stride() ? buffers_.stride()
+                             : ExpertGeometry::For(config_.hidden, config_.intermediate).packed_bytes();
+  }
+  size_t free_memory_bytes() const override { return AvailableMemoryBytes(); }
+
+  absl::Status Init(const BackendConfig& c) override {
+    if (c.hidden <= 0 || c.intermediate <= 0)
+      return absl::InvalidArgumentError("hidden/intermediate: must be positive");
+    if (c.num_buffers < 0 || c.max_tokens < 0 || c.max_top_k <= 0 || c.contexts <= 0)
+      return absl::InvalidArgumentError("backend config: negative sizes");
+    config_ = c;
+    const ExpertGeometry g = ExpertGeometry::For(c.hidden, c.intermediate);
+    if (absl::Status st = buffers_.Allocate(g, c.num_buffers); !st.ok()) return st;
+    absl::StatusOr<std::unique_ptr<ExpertKernel>> kernel =
+        MakeExpertKernel(c.cpu_kernel, CpuFeatures::Get());
+    if (!kernel.ok()) return kernel.status();
+    kernel_ = *std::move(kernel);
+    absl::StatusOr<std::unique_ptr<NumaBinding>> binding = NumaBinding::Create("auto", c.cpu_threads);
+    if (!binding.ok()) return binding.status();
+    binding_ = *std::move(binding);
+    pool_ = std::make_unique<ComputePool>(*binding_);
+    executor_ = std::make_unique<MoeExecutor>(buffers_, *kernel_, *pool_);
+    contexts_.resize(c.contexts);
+    for (Context& ctx : contexts_) {
+      ctx.x.resize(static_cast<size_t>(c.max_tokens) * c.hidden);
+      ctx.accum.resize(static_cast<size_t>(c.max_tokens) * c.hidden);
+      ctx.partial.resize(static_cast<size_t>(c.max_tokens) * c.hidden);
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status RegisterHost(void*, size_t) override { return absl::OkStatus(); }
+  void UnregisterHost(void*) override {}
+
+  absl::StatusOr<uint64_t> LoadExpert(int buffer, const bf16_t* src, uint64_t) override {
+    if (buffer < 0 || buffer >= config_.num_buffers)
+      return absl::InvalidArgumentError(absl::StrCat("buffer: ", buffer, " out of range"));
+    const size_t ih = static_cast<size_t>(config_.intermediate) * config_.hidden;
+    PackExpert(buffers_.geometry(), src, src + ih, src + 2 * ih, buffers_.Buffer(buffer));
+    buffers_.MarkLoaded(buffer);
+    return ++copy_fence_;
+  }
+  bool CopyDone(uint64_t) override { return true; }
+  absl::Status WaitCopy(uint64_t) override { return absl::OkStatus(); }
+  void ComputeWaitCopy(uint64_t) override {}
+  uint64_t RecordCompute() override { return ++compute_fence_; }
+  absl::Status WaitCompute(uint64_t) override { return absl::OkStatus(); }
+
+  absl::Status BeginCall(int c, int T, const bf16_t* hidden, MemoryKind kind) override {
+    if (absl::Status st = CheckCall(c, T); !st.ok()) return st;
+    if (kind != MemoryKind::kHost)
+      return absl::InvalidArgumentError("hidden: the cpu backend has no device memory");
+    Context& ctx = contexts_[c];
+    ctx.T = T;
+    const size_t n = static_cast<size_t>(T) * config_.hidden;
+    if (n) std::memcpy(ctx.x.data(), hidden, n * sizeof(bf16_t));
+    std::fill_n(ctx.accum.begin(), n, 0.0f);
+    return absl::OkStatus();
+  }
+
+  absl::Status RoutingToHost(const int32_t*, const float*, int, int32_t*, float*) override {
+    return absl::InvalidArgumentError("expert_ids: the cpu backend has no device memory");
+  }
+
+  absl::StatusOr<uint64_t> GatherRows(int c, const int32_t* rows, int n, bf16_t* dst) override {
+    const Context& ctx = contexts_[c];
+    const int H = config_.hidden;
+    for (int i = 0; i < n; ++i) {
+      if (rows[i] < 0 || rows[i] >= ctx.T)
+        return absl::InvalidArgumentError(absl::StrCat("rows[", i, "]: ", rows[i], " out of range"));
+      std::memcpy(dst + static_cast<size_t>(i) * H, ctx.x.data() + static_cast<size_t>(rows[i]) * H,
+                  H * sizeof(bf16_t));
+    }
+    return ++compute_fence_;
+  }
+
+  absl::Status RunExperts(int c, const HitPlan& plan) override {
+    Context& ctx = contexts_[c];
+    if (plan.num_groups == 0 || ctx.T == 0) return absl::OkStatus();
+    // The plan as routing [T, k'] over buffer ids, k' = most pairs of one token.
+    ctx.pairs_of.assign(ctx.T, 0);
+    for (int r = 0; r < plan.rows; ++r)
+      if (plan.token[r] >= 0) ++ctx.pairs_of[plan.token[r]];
+    const int k = std::max(1, *std::max_element(ctx.pairs_of.begin(), ctx.pairs_of.end()));
+    ctx.ids.assign(static_cast<size_t>(ctx.T) * k, -1);
+    ctx.weights.assign(static_cast<size_t>(ctx.T) * k, 0.0f);
+    std::fill(ctx.pairs_of.begin(), ctx.pairs_of.end(), 0);
+    for (int g = 0; g < plan.num_groups; ++g) {
+      for (int r = plan.row_begin[g]; r < plan.row_begin[g] + plan.count[g]; ++r) {
+        const int t = plan.token[r];
+        if (t < 0) continue;
+        if (t >= ctx.T)
+          return absl::InvalidArgumentError(absl::StrCat("token[", r, "]: ", t, " out of range"));
+        const size_t at = static_cast<size_t>(t) * k + ctx.pairs_of[t]++;
+        ctx.ids[at] = plan.buffer[g];
+        ctx.weights[at] = plan.weight[r];
+      }
+    }
+    ForwardBatch batch;
+    batch.layer = 0;
+    batch.n = ctx.T;
+    batch.tokens = ctx.x.data();
+    batch.routing = RoutingView{ctx.T, k, ctx.ids.data(), ctx.weights.data()};
+    ForwardStats stats;
+    if (absl::Status st = executor_->Forward(batch, DType::kF32, ctx.partial.data(), &stats); !st.ok())
+      return st;
+    const size_t n = static_cast<size_t>(ctx.T) * config_.hidden;
+    for (size_t i = 0; i < n; ++i) ctx.accum[i] += ctx.partial[i];
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<uint64_t> AddRows(int c, const int32_t* rows, int n, const bf16_t* partial) override {
+    Context& ctx = contexts_[c];
+    const int H = config_.hidden;
+    for (int i = 0; i < n; ++i) {
+      if (rows[i] < 0 || rows[i] >= ctx.T)
+        return absl::InvalidArgumentError(absl::StrCat("rows[", i, "]: ", rows[i], " out of range"));
+      float* acc = ctx.accum.data() + static_cast<size_t>(rows[i]) * H;
+      const bf16_t* p = partial + static_cast<size_t>(i) * H;
+      for (int h = 0; h < H; ++h) acc[h] += Bf16ToF32(p[h]);
+    }
+    return ++compute_fence_;
+  }
+
+  absl::Status FinishCall(int c, bf16_t* out, MemoryKind kind) override {
+    if (kind != MemoryKind::kHost)
+      return absl::InvalidArgumentError("out: the cpu backend has no device memory");
+    Context& ctx = contexts_[c];
+    const size_t n = static_cast<size_t>(ctx.T) * config_.hidden;
+    if (out != nullptr)
+      for (size_t i = 0; i < n; ++i) out[i] = F32ToBf16(ctx.accum[i]);
+    ctx.T = 0;
+    return absl::OkStatus();
+  }
+
+ private:
+  struct Context {
+    int T = 0;
+    std::vector<bf16_t> x;
+    std::vector<float> accum, partial;
+    std::vector<int32_t> ids, pairs_of;
+    std::vector<float> weights;
+  };
+  absl::Status CheckCall(int c, int T) const {
+    if (c < 0 || c >= static_cast<int>(contexts_.size()))
+      return absl::InvalidArgumentError(absl::StrCat("context: ", c, " out of range"));
+    if (T < 0 || T > config_.max_tokens)
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens: ", T, " tokens, the backend was sized for ", config_.max_tokens));
+    return absl::OkStatus();
+  }
+
+  BackendConfig config_;
+  BufferSet buffers_;
+  std::unique_ptr<ExpertKernel> kernel_;
+  std::unique_ptr<NumaBinding> binding_;
+  std::unique_ptr<ComputePool> pool_;
+  std::unique_ptr<MoeExecutor> executor_;
+  std::vector<Context> contexts_;
+  uint64_t copy_fence_ = 0, compute_fence_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceBackend> MakeCpuBackend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace moe

@@ -1,0 +1,841 @@
+#include "gpu_worker/layer_dispatcher.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/flags.h"
+#include "core/routing.h"
+
+namespace moe {
+
+namespace {
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+bool IsServerFailure(const absl::Status& st) {
+  return absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st) || absl::IsCancelled(st) ||
+         absl::IsAborted(st);
+}
+
+}  // namespace
+
+absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, int num_experts) {
+  ExpertServerConfig s;
+  const size_t hash = text.find('#');
+  s.address = text.substr(0, hash);
+  if (s.address.empty()) return absl::InvalidArgumentError("servers: empty address in '" + text + "'");
+  if (hash == std::string::npos) return s;
+  const std::string opt = text.substr(hash + 1);
+  if (opt.rfind("experts=", 0) != 0)
+    return absl::InvalidArgumentError("servers: unknown option '" + opt + "' (expected experts=LIST)");
+  absl::StatusOr<std::vector<int>> experts = ParseIndexList(opt.substr(8), num_experts, "servers");
+  if (!experts.ok()) return experts.status();
+  if (experts->empty()) return absl::InvalidArgumentError("servers: empty expert list in '" + text + "'");
+  s.experts = *std::move(experts);
+  return s;
+}
+
+absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name) {
+  if (name == "auto") return CopyMode::kAuto;
+  if (name == "never") return CopyMode::kNever;
+  if (name == "always") return CopyMode::kAlways;
+  return absl::InvalidArgumentError("copy-mode: '" + name + "' is not auto, never or always");
+}
+
+std::string CostModel::Describe() const {
+  if (!measured) return "not measured";
+  return absl::StrFormat(
+      "copy %.3f ms/expert; device %.3f ms + %.4f ms/row; cpu %.3f ms/call + %.3f ms/expert + "
+      "%.4f ms/pair",
+      copy_s * 1e3, device_fixed_s * 1e3, device_row_s * 1e3, cpu_call_s * 1e3, cpu_expert_s * 1e3,
+      cpu_pair_s * 1e3);
+}
+
+// ---------------------------------------------------------------------------
+// Internals: servers, per-call contexts, shipments.
+
+struct Server {
+  ExpertServerConfig config;
+  std::unique_ptr<ExpertTransport> transport;
+  std::vector<bool> hosts;        // per expert
+  Clock::time_point down_until{};  // skipped until then after a failure
+  bool registered = false;         // HostMapping registered with the backend
+  int chunk_tokens = 0;            // most tokens per staged batch
+};
+
+// One batch sent to one server.
+struct Shipment {
+  int server = -1;
+  int n = 0, k = 0;
+  std::vector<int32_t> rows;     // token of each batch row
+  std::vector<int32_t> ids;      // [n, k]
+  std::vector<float> weights;    // [n, k]
+  bool staged = false;
+  StagedBatch stage;
+  size_t host_offset = 0;        // non-staged: row offset into the context's send/recv buffers
+  std::future<absl::Status> done;
+};
+
+struct Context {
+  bool busy = false;
+  LayerCall call;
+  Clock::time_point deadline;
+  std::vector<int32_t> ids;      // host routing [T, k]
+  std::vector<float> weights;
+  std::vector<Shipment> shipments;
+  // Per-call scratch reused across calls.
+  std::vector<bf16_t> send, recv;  // non-staged transports: [max_tokens, H] each
+  CallStats stats;
+};
+
+struct LayerDispatcher::Impl {
+  std::vector<Server> servers;
+  std::vector<Context> contexts;
+  // Pending cache copies (lru/lfru admissions and static assignments).
+  struct PendingCopy {
+    SlotCopy copy;
+    uint64_t fence;
+  };
+  std::vector<PendingCopy> pending;
+  // Temporary miss buffers: [parity][i] -> backend buffer, with the compute
+  // fence after which it may be overwritten.
+  int temp_base = 0;
+  std::vector<uint64_t> temp_fence;
+  int temp_next[2] = {0, 0};
+  // Split scratch (per expert of a layer).
+  std::vector<int32_t> hit_count, miss_count, hit_slot;
+  std::vector<int> access_experts, access_pairs, missed, server_of;
+  // Plan scratch.
+  std::vector<int32_t> plan_buffer, plan_begin, plan_count, plan_token;
+  std::vector<float> plan_weight;
+};
+
+LayerDispatcher::~LayerDispatcher() {
+  if (!impl_) return;
+  // Drain in-flight copies so the backend is idle; release staged batches.
+  for (Context& ctx : impl_->contexts)
+    for (Shipment& s : ctx.shipments) {
+      if (s.done.valid()) s.done.wait();
+      if (s.staged) impl_->servers[s.server].transport->Release(s.stage);
+    }
+  for (auto& p : impl_->pending) (void)backend_->WaitCopy(p.fence);
+  for (Context& ctx : impl_->contexts) {
+    if (!ctx.send.empty()) backend_->UnregisterHost(ctx.send.data());
+    if (!ctx.recv.empty()) backend_->UnregisterHost(ctx.recv.data());
+  }
+  for (Server& s : impl_->servers)
+    if (s.registered) backend_->UnregisterHost(s.transport->HostMapping().first);
+}
+
+absl::StatusOr<std::unique_ptr<LayerDispatcher>> LayerDispatcher::Create(const ModelSpec& spec,
+                                                                         DeviceBackend& backend,
+                                                                         const HostExpertStore* host,
+                                                                         DispatcherConfig config) {
+  auto d = std::unique_ptr<LayerDispatcher>(new LayerDispatcher());
+  d->spec_ = spec;
+  d->backend_ = &backend;
+  d->host_ = host;
+  d->config_ = std::move(config);
+  d->impl_ = std::make_unique<Impl>();
+  if (absl::Status st = d->Init(); !st.ok()) return st;
+  return d;
+}
+
+absl::Status LayerDispatcher::Init() {
+  DispatcherConfig& c = config_;
+  if (absl::Status st = spec_.Validate(); !st.ok()) return st;
+  layers_ = c.layers.empty() ? spec_.moe_layers : c.layers;
+  layer_index_.assign(spec_.num_layers, -1);
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const int l = layers_[i];
+    if (l < 0 || l >= spec_.num_layers || !spec_.IsMoeLayer(l))
+      return absl::InvalidArgumentError(absl::StrCat("layers: ", l, " is not an MoE layer"));
+    layer_index_[l] = static_cast<int>(i);
+  }
+  if (c.max_tokens <= 0) return absl::InvalidArgumentError("max-tokens: must be positive");
+  if (c.max_top_k <= 0) return absl::InvalidArgumentError("max-top-k: must be positive");
+  if (c.contexts <= 0) return absl::InvalidArgumentError("contexts: must be positive");
+  if (c.miss_buffers < 1) return absl::InvalidArgumentError("miss-buffers: must be at least 1");
+  if (c.servers.empty() && host_ == nullptr)
+    return absl::InvalidArgumentError("servers: no expert server and no host copy of the experts");
+
+  // Cache size: explicit C, or from the memory budget.
+  const size_t expert_bytes = spec_.ExpertBf16Bytes();
+  int C = c.slots_per_layer;
+  if (C == 0 && c.cache_gib > 0)
+    C = static_cast<int>(c.cache_gib * (1ull << 30) / expert_bytes / std::max<size_t>(1, layers_.size()));
+  if (C < 0) return absl::InvalidArgumentError("cache-experts-per-layer: must not be negative");
+  C = std::min(C, spec_.num_experts);
+  const int temp = host_ != nullptr ? 2 * c.miss_buffers : 0;
+  const uint64_t need = (static_cast<uint64_t>(C) * layers_.size() + temp) * expert_bytes;
+  if (need > backend_->free_memory_bytes())
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cache: ", C, " experts/layer x ", layers_.size(), " layers (+", temp, " miss buffers) need ",
+        need, " bytes, the ", backend_->name(), " device has ", backend_->free_memory_bytes(), " free"));
+
+  ExpertCacheConfig cc;
+  cc.num_layers = spec_.num_layers;
+  cc.num_experts = spec_.num_experts;
+  cc.slots_per_layer = C;
+  cc.policy = c.policy;
+  cc.lfru_half_life = c.lfru_half_life;
+  absl::StatusOr<std::unique_ptr<ExpertCache>> cache = ExpertCache::Create(cc);
+  if (!cache.ok()) return cache.status();
+  cache_ = *std::move(cache);
+
+  BackendConfig bc;
+  bc.hidden = spec_.hidden;
+  bc.intermediate = spec_.intermediate;
+  bc.num_buffers = C * static_cast<int>(layers_.size()) + temp;
+  bc.max_tokens = c.max_tokens;
+  bc.max_top_k = c.max_top_k;
+  bc.contexts = c.contexts;
+  if (absl::Status st = backend_->Init(bc); !st.ok()) return st;
+  impl_->temp_base = C * static_cast<int>(layers_.size());
+  impl_->temp_fence.assign(temp, 0);
+
+  // Servers.
+  c.transport.hidden = spec_.hidden;
+  c.transport.max_pairs_per_token = std::max(c.transport.max_pairs_per_token, c.max_top_k);
+  for (const ExpertServerConfig& sc : c.servers) {
+    Server s;
+    s.config = sc;
+    s.hosts.assign(spec_.num_experts, sc.experts.empty());
+    for (int e : sc.experts) {
+      if (e < 0 || e >= spec_.num_experts)
+        return absl::InvalidArgumentError(absl::StrCat("servers: expert ", e, " out of range"));
+      s.hosts[e] = true;
+    }
+    absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport(sc.address, c.transport);
+    if (!t.ok())
+      return absl::Status(t.status().code(),
+                          absl::StrCat("servers: ", sc.address, ": ", t.status().message()));
+    s.transport = *std::move(t);
+    auto [base, bytes] = s.transport->HostMapping();
+    if (base != nullptr) {
+      // shm: gather straight into the segment's slots, read partials from them.
+      if (absl::Status st = backend_->RegisterHost(base, bytes); !st.ok()) return st;
+      s.registered = true;
+      s.chunk_tokens = c.transport.max_tokens_per_slot;
+    } else {
+      s.chunk_tokens = c.max_tokens;
+    }
+    impl_->servers.push_back(std::move(s));
+  }
+  impl_->contexts.resize(c.contexts);
+  for (Context& ctx : impl_->contexts) {
+    ctx.send.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
+    ctx.recv.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
+    if (absl::Status st = backend_->RegisterHost(ctx.send.data(), ctx.send.size() * sizeof(bf16_t)); !st.ok())
+      return st;
+    if (absl::Status st = backend_->RegisterHost(ctx.recv.data(), ctx.recv.size() * sizeof(bf16_t)); !st.ok())
+      return st;
+  }
+  const int E = spec_.num_experts;
+  impl_->hit_count.resize(E);
+  impl_->miss_count.resize(E);
+  impl_->hit_slot.resize(E);
+  if (c.measure_rates && c.copy_mode == CopyMode::kAuto && host_ != nullptr && !impl_->servers.empty())
+    if (absl::Status st = MeasureRates(); !st.ok()) return st;
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+// Rates: one expert copied, one expert computed on the device at 1 and many
+// rows, and the first server's round trip for 1 and 2 experts and many tokens.
+absl::Status LayerDispatcher::MeasureRates() {
+  const int H = spec_.hidden, layer = layers_.front();
+  const int rows = std::min(config_.max_tokens, 64);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<bf16_t> x(static_cast<size_t>(rows) * H), y(x.size());
+  for (bf16_t& v : x) v = F32ToBf16(dist(rng));
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  // Copy.
+  const int buf = impl_->temp_base;
+  std::vector<double> t;
+  for (int i = 0; i < 3; ++i) {
+    const Clock::time_point t0 = Clock::now();
+    absl::StatusOr<uint64_t> f = backend_->LoadExpert(buf, host_->Find(layer, i % spec_.num_experts), 0);
+    if (!f.ok()) return f.status();
+    if (absl::Status st = backend_->WaitCopy(*f); !st.ok()) return st;
+    t.push_back(Seconds(Clock::now() - t0));
+  }
+  cost_.copy_s = median(t);
+  // Device compute of one expert with m rows.
+  auto device_time = [&](int m) -> absl::StatusOr<double> {
+    std::vector<int32_t> buffer{buf}, begin{0}, count{m}, token(m);
+    std::vector<float> weight(m, 0.5f);
+    std::iota(token.begin(), token.end(), 0);
+    HitPlan p{1, buffer.data(), begin.data(), count.data(), m, token.data(), weight.data(), m};
+    std::vector<double> v;
+    for (int i = 0; i < 5; ++i) {
+      const Clock::time_point t0 = Clock::now();
+      if (absl::Status st = backend_->BeginCall(0, m, x.data(), MemoryKind::kHost); !st.ok()) return st;
+      if (absl::Status st = backend_->RunExperts(0, p); !st.ok()) return st;
+      if (absl::Status st = backend_->FinishCall(0, y.data(), MemoryKind::kHost); !st.ok()) return st;
+      v.push_back(Seconds(Clock::now() - t0));
+    }
+    return median(v);
+  };
+  absl::StatusOr<double> d1 = device_time(1), dm = device_time(rows);
+  if (!d1.ok()) return d1.status();
+  if (!dm.ok()) return dm.status();
+  cost_.device_row_s = std::max(0.0, (*dm - *d1) / std::max(1, rows - 1));
+  cost_.device_fixed_s = std::max(0.0, *d1 - cost_.device_row_s);
+  // CPU server round trips.
+  Server& s = impl_->servers.front();
+  int e0 = -1, e1 = -1;
+  for (int e = 0; e < spec_.num_experts && e1 < 0; ++e)
+    if (s.hosts[e]) (e0 < 0 ? e0 : e1) = e;
+  if (e0 < 0) return absl::OkStatus();
+  if (e1 < 0) e1 = e0;
+  auto cpu_time = [&](int m, int experts) -> absl::StatusOr<double> {
+    std::vector<int32_t> ids(static_cast<size_t>(m) * 2, -1);
+    std::vector<float> w(ids.size(), 0.5f);
+    for (int i = 0; i < m; ++i) {
+      ids[2 * i] = e0;
+      if (experts == 2) ids[2 * i + 1] = e1 == e0 ? -1 : e1;
+    }
+    MissBatch b{static_cast<uint32_t>(layer), m, 2, x.data(), ids.data(), w.data()};
+    std::vector<double> v;
+    for (int i = 0; i < 7; ++i) {
+      const Clock::time_point t0 = Clock::now();
+      std::future<absl::Status> f = s.transport->Submit(b, y.data(), Clock::now() + config_.deadline);
+      if (absl::Status st = AwaitResult(f); !st.ok())
+        return absl::Status(st.code(), absl::StrCat("servers: probing ", s.config.address, ": ", st.message()));
+      v.push_back(Seconds(Clock::now() - t0));
+    }
+    return median(v);
+  };
+  absl::StatusOr<double> c11 = cpu_time(1, 1), c12 = cpu_time(1, 2), cm1 = cpu_time(rows, 1);
+  if (!c11.ok()) return c11.status();
+  if (!c12.ok()) return c12.status();
+  if (!cm1.ok()) return cm1.status();
+  cost_.cpu_expert_s = std::max(0.0, *c12 - *c11);
+  cost_.cpu_pair_s = std::max(0.0, (*cm1 - *c11) / std::max(1, rows - 1));
+  cost_.cpu_call_s = std::max(0.0, *c11 - cost_.cpu_expert_s - cost_.cpu_pair_s);
+  cost_.measured = true;
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------
+
+void LayerDispatcher::PollCopies() {
+  auto& pending = impl_->pending;
+  size_t kept = 0;
+  for (size_t i = 0; i < pending.size(); ++i) {
+    if (backend_->CopyDone(pending[i].fence)) {
+      cache_->CompleteCopy(pending[i].copy);
+    } else {
+      pending[kept++] = pending[i];
+    }
+  }
+  pending.resize(kept);
+}
+
+absl::Status LayerDispatcher::FlushCopies() {
+  for (auto& p : impl_->pending) {
+    if (absl::Status st = backend_->WaitCopy(p.fence); !st.ok()) {
+      cache_->AbortCopy(p.copy);
+      continue;
+    }
+    cache_->CompleteCopy(p.copy);
+  }
+  impl_->pending.clear();
+  return absl::OkStatus();
+}
+
+absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>& experts) {
+  if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not served by this worker"));
+  absl::StatusOr<std::vector<SlotCopy>> copies = cache_->Assign(layer, experts);
+  if (!copies.ok()) return copies.status();
+  const uint64_t after = backend_->RecordCompute();
+  for (const SlotCopy& copy : *copies) {
+    const bf16_t* src = host_ != nullptr ? host_->Find(layer, copy.expert) : nullptr;
+    if (src == nullptr) {
+      cache_->AbortCopy(copy);
+      return absl::FailedPreconditionError("assignment: the worker holds no host copy of the experts");
+    }
+    const int buffer = layer_index_[layer] * slots_per_layer() + copy.slot;
+    absl::StatusOr<uint64_t> f = backend_->LoadExpert(buffer, src, after);
+    if (!f.ok()) {
+      cache_->AbortCopy(copy);
+      return f.status();
+    }
+    impl_->pending.push_back({copy, *f});
+    ++copies_started_;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
+  const Clock::time_point t_start = Clock::now();
+  Impl& m = *impl_;
+  int ticket = -1;
+  for (size_t i = 0; i < m.contexts.size(); ++i)
+    if (!m.contexts[i].busy) {
+      ticket = static_cast<int>(i);
+      break;
+    }
+  if (ticket < 0)
+    return absl::ResourceExhaustedError(
+        absl::StrCat("contexts: ", m.contexts.size(), " calls already in flight"));
+  // Validation: nothing is touched before the call is known to be sound.
+  if (call.layer < 0 || call.layer >= spec_.num_layers || layer_index_[call.layer] < 0)
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", call.layer, " is not an MoE layer served here"));
+  if (call.T < 0 || call.T > config_.max_tokens)
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens: ", call.T, " is outside [0, ", config_.max_tokens, "]"));
+  if (call.T > 0 && (call.k < 1 || call.k > config_.max_top_k))
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk_ids: k = ", call.k, " is outside [1, ", config_.max_top_k, "]"));
+  if (call.T > 0 && (call.hidden == nullptr || call.topk_ids == nullptr ||
+                     call.topk_weights == nullptr || call.out == nullptr))
+    return absl::InvalidArgumentError("hidden/topk_ids/topk_weights/out: null pointer");
+  if (call.kind == MemoryKind::kDevice && !backend_->has_device_memory())
+    return absl::InvalidArgumentError("kind: device pointers given to a backend without device memory");
+  Context& ctx = m.contexts[ticket];
+  const int T = call.T, k = std::max(call.k, 1), E = spec_.num_experts;
+  ctx.ids.resize(static_cast<size_t>(T) * k);
+  ctx.weights.resize(ctx.ids.size());
+  if (T > 0) {
+    if (call.kind == MemoryKind::kDevice) {
+      if (absl::Status st = backend_->RoutingToHost(call.topk_ids, call.topk_weights, T * k,
+                                                    ctx.ids.data(), ctx.weights.data());
+          !st.ok())
+        return st;
+    } else {
+      std::memcpy(ctx.ids.data(), call.topk_ids, ctx.ids.size() * sizeof(int32_t));
+      std::memcpy(ctx.weights.data(), call.topk_weights, ctx.weights.size() * sizeof(float));
+    }
+  }
+  const RoutingView routing{T, k, ctx.ids.data(), ctx.weights.data()};
+  if (absl::Status st = ValidateRouting(routing, E, {}); !st.ok()) return st;
+
+  PollCopies();
+  CallStats& stats = ctx.stats;
+  stats = CallStats{};
+
+  // Split.
+  std::fill(m.hit_count.begin(), m.hit_count.end(), 0);
+  std::fill(m.miss_count.begin(), m.miss_count.end(), 0);
+  for (int e = 0; e < E; ++e) m.hit_slot[e] = cache_->ReadySlot(call.layer, e);
+  for (size_t i = 0; i < ctx.ids.size(); ++i) {
+    const int e = ctx.ids[i];
+    if (e < 0) continue;
+    if (m.hit_slot[e] >= 0) ++m.hit_count[e];
+    else ++m.miss_count[e];
+  }
+  m.access_experts.clear();
+  m.access_pairs.clear();
+  m.missed.clear();
+  for (int e = 0; e < E; ++e) {
+    if (m.hit_count[e] + m.miss_count[e] == 0) continue;
+    m.access_experts.push_back(e);
+    m.access_pairs.push_back(m.hit_count[e] + m.miss_count[e]);
+    if (m.miss_count[e] > 0) m.missed.push_back(e);
+  }
+
+  // Which missed experts go to the device (copy) and which to which server.
+  const Clock::time_point now = Clock::now();
+  std::vector<int>& server_of = m.server_of;
+  server_of.assign(E, -1);  // missed experts: server index, or -1 = copy
+  for (int e : m.missed)
+    for (size_t s = 0; s < m.servers.size(); ++s)
+      if (m.servers[s].hosts[e] && m.servers[s].down_until <= now) {
+        server_of[e] = static_cast<int>(s);
+        break;
+      }
+  const bool can_copy = host_ != nullptr && !m.temp_fence.empty();
+  std::vector<int> copy_list, optional;
+  for (int e : m.missed) {
+    if (server_of[e] < 0 || config_.copy_mode == CopyMode::kAlways) {
+      if (!can_copy)
+        return absl::UnavailableError(absl::StrCat("servers: no expert server is up for expert ", e,
+                                                   " of layer ", call.layer,
+                                                   " and the worker cannot copy it to the device"));
+      copy_list.push_back(e);
+    } else {
+      optional.push_back(e);
+    }
+  }
+  if (can_copy && config_.copy_mode == CopyMode::kAuto && !optional.empty()) {
+    if (config_.copy_min_tokens > 0) {
+      for (int e : optional)
+        if (m.miss_count[e] >= config_.copy_min_tokens) copy_list.push_back(e);
+    } else if (cost_.measured) {
+      // Greedy balance: move the experts with the most tokens to the device
+      // while that shortens max(CPU time, copy + device time).
+      std::sort(optional.begin(), optional.end(),
+                [&](int a, int b) { return m.miss_count[a] > m.miss_count[b]; });
+      double cpu = cost_.cpu_call_s, dev = 0;
+      for (int e : optional) cpu += cost_.cpu_expert_s + cost_.cpu_pair_s * m.miss_count[e];
+      for (int e : m.access_experts)
+        if (m.hit_count[e] > 0) dev += cost_.device_fixed_s + cost_.device_row_s * m.hit_count[e];
+      for (int e : copy_list) dev += std::max(cost_.copy_s, cost_.device_fixed_s + cost_.device_row_s * m.miss_count[e]);
+      for (size_t i = 0; i < optional.size(); ++i) {
+        const int e = optional[i];
+        const double cpu_e = cost_.cpu_expert_s + cost_.cpu_pair_s * m.miss_count[e] +
+                             (i + 1 == optional.size() ? cost_.cpu_call_s : 0);
+        const double dev_e = std::max(cost_.copy_s, cost_.device_fixed_s + cost_.device_row_s * m.miss_count[e]);
+        if (std::max(cpu - cpu_e, dev + dev_e) >= std::max(cpu, dev)) break;
+        cpu -= cpu_e;
+        dev += dev_e;
+        copy_list.push_back(e);
+      }
+    }
+  }
+  for (int e : copy_list) server_of[e] = -1;
+
+  if (absl::Status st = backend_->BeginCall(ticket, T, call.hidden, call.kind); !st.ok()) return st;
+  ctx.busy = true;
+  ctx.call = call;
+  ctx.deadline = t_start + (call.deadline.count() > 0 ? call.deadline : config_.deadline);
+  ctx.shipments.clear();
+  absl::Status st = Dispatch(ticket, copy_list);
+  if (!st.ok()) {
+    Abort(ticket);
+    return st;
+  }
+  stats.submit_s = Seconds(Clock::now() - t_start);
+  return ticket;
+}
+
+// Ships the CPU misses, enqueues the hits, the copied experts and the cache
+// admissions of a call whose routing Submit has split.
+absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_list_in) {
+  Impl& m = *impl_;
+  Context& ctx = m.contexts[ticket];
+  const LayerCall& call = ctx.call;
+  CallStats& stats = ctx.stats;
+  const int T = call.T, k = std::max(call.k, 1), E = spec_.num_experts, H = spec_.hidden;
+  const std::vector<int>& server_of = m.server_of;
+  std::vector<int> copy_list = copy_list_in;
+
+  // 1. Ship the CPU misses, per server, before any device compute is enqueued.
+  for (size_t s = 0; s < m.servers.size(); ++s) {
+    Server& server = m.servers[s];
+    auto mine = [&](int e) { return e >= 0 && m.hit_slot[e] < 0 && server_of[e] == static_cast<int>(s); };
+    std::vector<int32_t> rows;
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < k; ++j)
+        if (mine(ctx.ids[static_cast<size_t>(t) * k + j])) {
+          rows.push_back(t);
+          break;
+        }
+    for (size_t begin = 0; begin < rows.size(); begin += server.chunk_tokens) {
+      const int n = static_cast<int>(std::min<size_t>(server.chunk_tokens, rows.size() - begin));
+      Shipment sh;
+      sh.server = static_cast<int>(s);
+      sh.n = n;
+      sh.k = k;
+      sh.rows.assign(rows.begin() + begin, rows.begin() + begin + n);
+      sh.ids.assign(static_cast<size_t>(n) * k, -1);
+      sh.weights.assign(sh.ids.size(), 0.0f);
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j < k; ++j) {
+          const size_t src = static_cast<size_t>(sh.rows[i]) * k + j;
+          if (!mine(ctx.ids[src])) continue;
+          sh.ids[static_cast<size_t>(i) * k + j] = ctx.ids[src];
+          sh.weights[static_cast<size_t>(i) * k + j] = ctx.weights[src];
+          ++stats.cpu_pairs;
+        }
+      sh.host_offset = begin;
+      stats.miss_tokens += n;
+      stats.bytes_shipped += static_cast<uint64_t>(n) * (2 * H * sizeof(bf16_t) + k * 8);
+      ctx.shipments.push_back(std::move(sh));
+    }
+  }
+  // host_offset must index the context's send/recv rows across servers.
+  {
+    size_t offset = 0;
+    for (Shipment& sh : ctx.shipments) {
+      sh.host_offset = offset;
+      offset += sh.n;
+    }
+  }
+  for (Shipment& sh : ctx.shipments) {
+    Server& server = m.servers[sh.server];
+    bf16_t* dst = nullptr;
+    if (server.registered) {
+      absl::StatusOr<StagedBatch> staged = server.transport->Stage(sh.n, sh.k, ctx.deadline);
+      if (staged.ok()) {
+        sh.staged = true;
+        sh.stage = *staged;
+        dst = sh.stage.tokens;
+      }
+    }
+    if (dst == nullptr) dst = ctx.send.data() + sh.host_offset * H;
+    absl::StatusOr<uint64_t> f = backend_->GatherRows(ticket, sh.rows.data(), sh.n, dst);
+    if (!f.ok()) return f.status();
+    if (absl::Status st = backend_->WaitCompute(*f); !st.ok()) return st;
+    if (sh.staged) {
+      std::memcpy(sh.stage.expert_ids, sh.ids.data(), sh.ids.size() * sizeof(int32_t));
+      std::memcpy(sh.stage.expert_weights, sh.weights.data(), sh.weights.size() * sizeof(float));
+      sh.done = server.transport->SubmitStaged(sh.stage, static_cast<uint32_t>(call.layer), ctx.deadline);
+    } else {
+      MissBatch b{static_cast<uint32_t>(call.layer), sh.n, sh.k, dst, sh.ids.data(), sh.weights.data()};
+      sh.done = server.transport->Submit(b, ctx.recv.data() + sh.host_offset * H, ctx.deadline);
+    }
+  }
+
+  // 2. Hits: one grouped launch over the cached experts.
+  m.plan_buffer.clear();
+  m.plan_begin.clear();
+  m.plan_count.clear();
+  std::vector<int32_t> group_of(E, -1);
+  int rows = 0, max_count = 0;
+  for (int e : m.access_experts)
+    if (m.hit_count[e] > 0) {
+      group_of[e] = static_cast<int32_t>(m.plan_buffer.size());
+      m.plan_buffer.push_back(layer_index_[call.layer] * slots_per_layer() + m.hit_slot[e]);
+      m.plan_begin.push_back(rows);
+      m.plan_count.push_back(0);
+      rows += m.hit_count[e];
+      max_count = std::max(max_count, m.hit_count[e]);
+    }
+  if (rows > 0) {
+    m.plan_token.assign(rows, -1);
+    m.plan_weight.assign(rows, 0.0f);
+    for (size_t i = 0; i < ctx.ids.size(); ++i) {
+      const int e = ctx.ids[i];
+      if (e < 0 || m.hit_slot[e] < 0) continue;
+      const int g = group_of[e];
+      const int r = m.plan_begin[g] + m.plan_count[g]++;
+      m.plan_token[r] = static_cast<int32_t>(i / k);
+      m.plan_weight[r] = ctx.weights[i];
+    }
+    stats.hit_pairs = rows;
+    HitPlan plan{static_cast<int>(m.plan_buffer.size()), m.plan_buffer.data(), m.plan_begin.data(),
+                 m.plan_count.data(), rows, m.plan_token.data(), m.plan_weight.data(), max_count};
+    if (absl::Status st = backend_->RunExperts(ticket, plan); !st.ok()) return st;
+  }
+
+  // 3. Bookkeeping; copy-every-miss admits the copied experts into the cache
+  // (the plain LRU offload), computing them from their new slots.
+  cache_->RecordAccess(call.layer, m.access_experts, m.access_pairs);
+  auto pairs_of = [&](int e, std::vector<int32_t>* tokens, std::vector<float>* weights) {
+    for (size_t i = 0; i < ctx.ids.size(); ++i)
+      if (ctx.ids[i] == e) {
+        tokens->push_back(static_cast<int32_t>(i / k));
+        weights->push_back(ctx.weights[i]);
+      }
+  };
+  if (config_.copy_mode == CopyMode::kAlways && config_.policy != CachePolicyKind::kStatic &&
+      !copy_list.empty()) {
+    std::vector<SlotCopy> copies =
+        cache_->PlanAdmissions(call.layer, copy_list, static_cast<int>(copy_list.size()));
+    for (const SlotCopy& copy : copies) {
+      std::vector<int32_t> tokens;
+      std::vector<float> weights;
+      pairs_of(copy.expert, &tokens, &weights);
+      const int buffer = layer_index_[call.layer] * slots_per_layer() + copy.slot;
+      absl::StatusOr<uint64_t> f = ComputeCopied(ticket, copy.expert, buffer, tokens, weights);
+      if (!f.ok()) {
+        cache_->AbortCopy(copy);
+        return f.status();
+      }
+      m.pending.push_back({copy, *f});
+      ++copies_started_;
+      copy_list.erase(std::find(copy_list.begin(), copy_list.end(), copy.expert));
+    }
+  }
+  // 4. Copy-instead-of-compute through the temporary buffers.
+  for (int e : copy_list) {
+    std::vector<int32_t> tokens;
+    std::vector<float> weights;
+    pairs_of(e, &tokens, &weights);
+    absl::StatusOr<uint64_t> f = ComputeCopied(ticket, e, -1, tokens, weights);
+    if (!f.ok()) return f.status();
+  }
+  // 5. lru/lfru admissions of this call's misses, for later calls (after the
+  // compute above, so an evicted slot is overwritten only once it was read).
+  if (host_ != nullptr && config_.policy != CachePolicyKind::kStatic &&
+      config_.copy_mode != CopyMode::kAlways && !m.missed.empty() && config_.admissions_per_call > 0) {
+    std::vector<SlotCopy> copies = cache_->PlanAdmissions(call.layer, m.missed, config_.admissions_per_call);
+    const uint64_t after = copies.empty() ? 0 : backend_->RecordCompute();
+    for (const SlotCopy& copy : copies) {
+      const int buffer = layer_index_[call.layer] * slots_per_layer() + copy.slot;
+      absl::StatusOr<uint64_t> f = backend_->LoadExpert(buffer, host_->Find(call.layer, copy.expert), after);
+      if (!f.ok()) {
+        cache_->AbortCopy(copy);
+        return f.status();
+      }
+      m.pending.push_back({copy, *f});
+      ++copies_started_;
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Copies expert `expert` of the call's layer into `buffer` (-1: the next
+// temporary buffer of the layer's parity) and computes its pairs there.
+absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, int expert, int buffer,
+                                                        const std::vector<int32_t>& tokens,
+                                                        const std::vector<float>& weights) {
+  Impl& m = *impl_;
+  Context& ctx = m.contexts[ticket];
+  int ti = -1;
+  uint64_t after = 0;
+  if (buffer < 0) {
+    const int parity = ctx.call.layer & 1;
+    ti = parity * config_.miss_buffers + m.temp_next[parity]++ % config_.miss_buffers;
+    buffer = m.temp_base + ti;
+    after = m.temp_fence[ti];
+  } else {
+    after = backend_->RecordCompute();  // an evicted slot may still be read by earlier calls
+  }
+  absl::StatusOr<uint64_t> f = backend_->LoadExpert(buffer, host_->Find(ctx.call.layer, expert), after);
+  if (!f.ok()) return f.status();
+  backend_->ComputeWaitCopy(*f);
+  const int32_t zero = 0, count = static_cast<int32_t>(tokens.size());
+  HitPlan plan{1, &buffer, &zero, &count, count, tokens.data(), weights.data(), count};
+  if (absl::Status st = backend_->RunExperts(ticket, plan); !st.ok()) return st;
+  if (ti >= 0) m.temp_fence[ti] = backend_->RecordCompute();
+  ctx.stats.copied_pairs += count;
+  ++ctx.stats.copied_experts;
+  return *f;
+}
+
+// Gives back everything a failed call holds; its output is discarded.
+void LayerDispatcher::Abort(int ticket) {
+  Impl& m = *impl_;
+  Context& ctx = m.contexts[ticket];
+  for (Shipment& sh : ctx.shipments) {
+    if (sh.done.valid()) sh.done.wait();
+    if (sh.staged) m.servers[sh.server].transport->Release(sh.stage);
+  }
+  ctx.shipments.clear();
+  (void)backend_->FinishCall(ticket, nullptr, ctx.call.kind);
+  ctx.busy = false;
+}
+
+absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
+  Impl& m = *impl_;
+  if (ticket < 0 || ticket >= static_cast<int>(m.contexts.size()) || !m.contexts[ticket].busy)
+    return absl::InvalidArgumentError(absl::StrCat("ticket: ", ticket, " is not a call in flight"));
+  Context& ctx = m.contexts[ticket];
+  const int H = spec_.hidden;
+  const Clock::time_point t0 = Clock::now();
+  absl::Status result;
+  uint64_t last_fence = 0;
+
+  // Computes the pairs of a failed shipment on the device, expert by expert.
+  auto copy_shipment = [&](const Shipment& sh) -> absl::Status {
+    std::vector<int> experts;
+    for (int32_t e : sh.ids)
+      if (e >= 0) experts.push_back(e);
+    std::sort(experts.begin(), experts.end());
+    experts.erase(std::unique(experts.begin(), experts.end()), experts.end());
+    for (int e : experts) {
+      std::vector<int32_t> tokens;
+      std::vector<float> weights;
+      for (size_t i = 0; i < sh.ids.size(); ++i)
+        if (sh.ids[i] == e) {
+          tokens.push_back(sh.rows[i / sh.k]);
+          weights.push_back(sh.weights[i]);
+        }
+      absl::StatusOr<uint64_t> f = ComputeCopied(ticket, e, -1, tokens, weights);
+      if (!f.ok()) return f.status();
+    }
+    return absl::OkStatus();
+  };
+
+  for (Shipment& sh : ctx.shipments) {
+    absl::Status st = AwaitResult(sh.done);
+    const bf16_t* partial = sh.staged ? sh.stage.output : ctx.recv.data() + sh.host_offset * H;
+    while (!st.ok() && result.ok()) {
+      if (!IsServerFailure(st)) {
+        result = st;  // the server rejected the batch: a bug or bad input, not a failover case
+        break;
+      }
+      ++ctx.stats.failovers;
+      m.servers[sh.server].down_until = Clock::now() + config_.server_retry;
+      if (sh.staged) {
+        m.servers[sh.server].transport->Release(sh.stage);
+        sh.staged = false;
+      }
+      // Another server hosting every expert of the batch?
+      int next = -1;
+      const Clock::time_point now = Clock::now();
+      for (size_t s = 0; s < m.servers.size() && next < 0; ++s) {
+        if (static_cast<int>(s) == sh.server || m.servers[s].down_until > now) continue;
+        bool all = true;
+        for (int32_t e : sh.ids) all = all && (e < 0 || m.servers[s].hosts[e]);
+        if (all) next = static_cast<int>(s);
+      }
+      if (next >= 0 && now < ctx.deadline) {
+        sh.server = next;
+        bf16_t* dst = ctx.send.data() + sh.host_offset * H;
+        absl::StatusOr<uint64_t> f = backend_->GatherRows(ticket, sh.rows.data(), sh.n, dst);
+        if (!f.ok()) {
+          result = f.status();
+          break;
+        }
+        if (absl::Status w = backend_->WaitCompute(*f); !w.ok()) {
+          result = w;
+          break;
+        }
+        MissBatch b{static_cast<uint32_t>(ctx.call.layer), sh.n, sh.k, dst, sh.ids.data(), sh.weights.data()};
+        bf16_t* out = ctx.recv.data() + sh.host_offset * H;
+        sh.done = m.servers[next].transport->Submit(b, out, ctx.deadline);
+        st = AwaitResult(sh.done);
+        partial = out;
+        continue;
+      }
+      if (host_ != nullptr && config_.copy_fallback && !m.temp_fence.empty()) {
+        if (absl::Status c = copy_shipment(sh); !c.ok()) {
+          result = c;
+          break;
+        }
+        for (int32_t e : sh.ids) ctx.stats.cpu_pairs -= e >= 0;  // computed on the device instead
+        partial = nullptr;  // computed on the device; nothing to add
+        st = absl::OkStatus();
+        break;
+      }
+      result = absl::UnavailableError(absl::StrCat(
+          "servers: ", m.servers[sh.server].config.address, " failed (", st.message(),
+          ") and no other server or device copy can take layer ", ctx.call.layer, "'s misses"));
+    }
+    if (!result.ok()) break;
+    if (partial != nullptr && sh.n > 0) {
+      absl::StatusOr<uint64_t> f = backend_->AddRows(ticket, sh.rows.data(), sh.n, partial);
+      if (!f.ok()) {
+        result = f.status();
+        break;
+      }
+      last_fence = *f;
+    }
+  }
+  // The partials are read by the device up to last_fence; only then give the slots back.
+  if (last_fence != 0) (void)backend_->WaitCompute(last_fence);
+  for (Shipment& sh : ctx.shipments) {
+    if (sh.done.valid()) sh.done.wait();  // failed-early calls: nothing may still write
+    if (sh.staged) m.servers[sh.server].transport->Release(sh.stage);
+    sh.staged = false;
+  }
+  ctx.shipments.clear();
+  absl::Status fin = backend_->FinishCall(ticket, result.ok() ? ctx.call.out : nullptr, ctx.call.kind);
+  ctx.busy = false;
+  ctx.stats.wait_s = Seconds(Clock::now() - t0);
+  if (out_stats != nullptr) *out_stats = ctx.stats;
+  if (!result.ok()) return result;
+  return fin;
+}
+
+absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
+  absl::StatusOr<int> ticket = Submit(call);
+  if (!ticket.ok()) return ticket.status();
+  return Complete(*ticket, stats);
+}
+
+}  // namespace moe

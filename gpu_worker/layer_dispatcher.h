@@ -1,0 +1,180 @@
+// LayerDispatcher: one MoE layer of a GPU worker — the hit/miss split, the
+// shipping of misses to CPU expert servers, the hit compute on the device,
+// copy-instead-of-compute, failover, and the merge. Written once against
+// DeviceBackend (cuda or cpu) and ExpertTransport (shm or gRPC).
+//
+// One call, T tokens with top-k routing (Submit):
+//   1. routing to the host (a copy of T*k ids/weights when it lives on the
+//      device: the host needs it anyway for the transport and the counters),
+//      validated (InvalidArgument naming expert_ids/expert_weights);
+//   2. split: a pair is a hit when its expert is Ready in a cache slot;
+//   3. copy-instead-of-compute: missed experts whose tokens make copy +
+//      device compute cheaper than the CPU (from rates measured at Create)
+//      are copied into temporary miss buffers — two sets, alternating by layer
+//      parity, so the copies of layer l+1 overlap the compute of layer l — and
+//      computed on the device;
+//   4. the remaining misses are gathered straight into the transport's memory
+//      (a shared-memory slot for shm) and submitted, per server, BEFORE the
+//      hits are enqueued, so the CPU works while the device computes hits;
+//   5. hits run as one grouped launch over the cached experts.
+// Complete waits for the servers' partial sums, adds them, and writes the
+// output. A failed server (UNAVAILABLE / DEADLINE_EXCEEDED) fails the batch
+// over to another server hosting its experts, else to copy-to-device from the
+// host expert store, else the call returns UNAVAILABLE. Never a wrong result,
+// never a wait past the call's deadline.
+//
+// Dual-batch overlap: up to `contexts` calls may be in flight — Submit(A),
+// Submit(B), Complete(A), Complete(B) runs B's hits while A's misses are on
+// the CPU. Calls complete in any order.
+//
+// Cache: per MoE layer C slots (ExpertCache). lru/lfru admit missed experts
+// after the call (copies on the copy queue, the slot used only once its copy
+// completed); static takes assignments (ApplyAssignment) between calls.
+//
+// Thread-safety: none; one thread drives a dispatcher (and its backend).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/model_spec.h"
+#include "core/transport/transport.h"
+#include "gpu_worker/device_backend.h"
+#include "gpu_worker/expert_cache.h"
+#include "gpu_worker/host_expert_store.h"
+
+namespace moe {
+
+struct ExpertServerConfig {
+  std::string address;       // unix:///path (shm) or host:port (gRPC)
+  std::vector<int> experts;  // experts it hosts (every layer); empty = all
+};
+
+// Parses "ADDRESS" or "ADDRESS#experts=0-31,40" (ParseIndexList syntax).
+absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, int num_experts);
+
+enum class CopyMode {
+  kAuto,     // copy an uncached expert when the measured rates say it pays
+  kNever,    // misses always go to the CPU (except failover)
+  kAlways,   // every miss is copied to the device (the plain "LRU offload" baseline)
+};
+absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name);
+
+struct DispatcherConfig {
+  std::vector<int> layers;         // MoE layers served (empty: all of the model's)
+  std::vector<ExpertServerConfig> servers;
+  TransportOptions transport;      // hidden is set from the model
+  int slots_per_layer = 0;         // C
+  double cache_gib = 0;            // if > 0 and slots_per_layer == 0: C from this budget
+  CachePolicyKind policy = CachePolicyKind::kLru;
+  double lfru_half_life = 64;
+  int max_tokens = 1024;           // largest T of one call
+  int max_top_k = 8;
+  int contexts = 2;                // calls in flight (micro-batches)
+  int admissions_per_call = 4;     // lru/lfru: copies started per call
+  int miss_buffers = 4;            // temporary miss buffers per layer parity
+  CopyMode copy_mode = CopyMode::kAuto;
+  int copy_min_tokens = 0;         // > 0: copy experts with at least this many tokens (no model)
+  bool copy_fallback = true;       // failed servers: copy the experts to the device
+  std::chrono::milliseconds deadline{30000};  // per call
+  std::chrono::milliseconds server_retry{1000};  // a failed server is skipped this long
+  bool measure_rates = true;       // probe PCIe / device / CPU rates at Create
+};
+
+// Rates measured at Create (seconds); the copy-instead decision uses them.
+struct CostModel {
+  double copy_s = 0;          // one expert host -> device
+  double device_fixed_s = 0;  // device compute of one expert: fixed + per row
+  double device_row_s = 0;
+  double cpu_call_s = 0;      // CPU server: per call, per expert, per (token, expert) pair
+  double cpu_expert_s = 0;
+  double cpu_pair_s = 0;
+  bool measured = false;
+  std::string Describe() const;
+};
+
+// One layer call. hidden [T,H] bf16, topk_ids [T,k] i32 (-1 = unused),
+// topk_weights [T,k] f32, out [T,H] bf16; all in `kind` memory.
+struct LayerCall {
+  int layer = 0;
+  int T = 0;
+  int k = 0;
+  const bf16_t* hidden = nullptr;
+  const int32_t* topk_ids = nullptr;
+  const float* topk_weights = nullptr;
+  bf16_t* out = nullptr;
+  MemoryKind kind = MemoryKind::kHost;
+  std::chrono::milliseconds deadline{0};  // 0: the config's
+};
+
+struct CallStats {
+  int hit_pairs = 0;
+  int cpu_pairs = 0;          // pairs computed by CPU expert servers
+  int copied_pairs = 0;       // pairs computed on the device after a copy (incl. failover)
+  int copied_experts = 0;
+  int miss_tokens = 0;        // tokens shipped (summed over servers)
+  int failovers = 0;          // batches moved to another server or to copy
+  uint64_t bytes_shipped = 0; // activations + routing sent, partials received
+  double submit_s = 0, wait_s = 0;  // host time in Submit, and waiting in Complete
+};
+
+class LayerDispatcher {
+ public:
+  // `host` may be null (no copy-instead, no admissions, no copy fallback);
+  // it must outlive the dispatcher, as must `backend`. Connects the servers
+  // and initialises the backend.
+  static absl::StatusOr<std::unique_ptr<LayerDispatcher>> Create(const ModelSpec& spec,
+                                                                 DeviceBackend& backend,
+                                                                 const HostExpertStore* host,
+                                                                 DispatcherConfig config);
+  ~LayerDispatcher();
+
+  // Starts a call; returns its ticket. ResourceExhausted when `contexts`
+  // calls are already in flight.
+  absl::StatusOr<int> Submit(const LayerCall& call);
+  // Finishes the call of `ticket`: its output is written when this returns OK.
+  absl::Status Complete(int ticket, CallStats* stats = nullptr);
+  // Submit + Complete.
+  absl::Status Forward(const LayerCall& call, CallStats* stats = nullptr);
+
+  // Static placement: the resident set of `layer` becomes `experts`; copies
+  // start now and each slot serves once its copy completed. Between calls.
+  absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);
+  // Waits for every cache copy in flight and makes the slots Ready.
+  absl::Status FlushCopies();
+
+  const ExpertCache& cache() const { return *cache_; }
+  const CostModel& cost_model() const { return cost_; }
+  int slots_per_layer() const { return cache_->config().slots_per_layer; }
+  const std::vector<int>& layers() const { return layers_; }
+  uint64_t copies_started() const { return copies_started_; }
+
+ private:
+  struct Impl;
+  LayerDispatcher() = default;
+  absl::Status Init();
+  absl::Status MeasureRates();
+  void PollCopies();
+  absl::Status Dispatch(int ticket, const std::vector<int>& copy_list);
+  absl::StatusOr<uint64_t> ComputeCopied(int ticket, int expert, int buffer,
+                                         const std::vector<int32_t>& tokens,
+                                         const std::vector<float>& weights);
+  void Abort(int ticket);
+
+  std::unique_ptr<Impl> impl_;
+  ModelSpec spec_;
+  DeviceBackend* backend_ = nullptr;
+  const HostExpertStore* host_ = nullptr;
+  DispatcherConfig config_;
+  std::unique_ptr<ExpertCache> cache_;
+  std::vector<int> layers_;
+  std::vector<int> layer_index_;  // model layer -> served index, or -1
+  CostModel cost_;
+  uint64_t copies_started_ = 0;
+};
+
+}  // namespace moe

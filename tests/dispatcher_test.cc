@@ -1,0 +1,414 @@
+// LayerDispatcher over the cpu backend against real expert server processes
+// (shm and gRPC): every mix of hits and misses vs the reference MoE, policies,
+// copy-instead-of-compute, dual-batch overlap, bad input and failover.
+#include <signal.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "core/model_source.h"
+#include "core/reference_moe.h"
+#include "gpu_worker/device_backend.h"
+#include "gpu_worker/host_expert_store.h"
+#include "gpu_worker/layer_dispatcher.h"
+#include "gtest/gtest.h"
+#include "tests/test_support.h"
+
+namespace moe {
+namespace {
+
+using testing::Subprocess;
+using testing::TempDir;
+
+const char kModel[] = "synthetic:tiny:seed=11";  // H=96, I=80, 8 experts, MoE layers 1 and 2
+
+struct Batch {
+  int T = 0, k = 0;
+  std::vector<bf16_t> x;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+};
+
+// T tokens, k pairs each over `experts` (distinct per token; some slots -1 when
+// `holes`), random activations and positive weights. Never zeros.
+Batch RandomBatch(int T, int k, const std::vector<int>& experts, uint64_t seed, bool holes = false) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f), pw(0.1f, 1.0f);
+  Batch b;
+  b.T = T;
+  b.k = k;
+  b.x.resize(static_cast<size_t>(T) * 96);
+  for (bf16_t& v : b.x) v = F32ToBf16(u(rng));
+  b.ids.assign(static_cast<size_t>(T) * k, -1);
+  b.w.assign(b.ids.size(), 0.0f);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int> pool = experts;
+    std::shuffle(pool.begin(), pool.end(), rng);
+    for (int j = 0; j < k && j < static_cast<int>(pool.size()); ++j) {
+      if (holes && j > 0 && rng() % 4 == 0) continue;
+      b.ids[static_cast<size_t>(t) * k + j] = pool[j];
+      b.w[static_cast<size_t>(t) * k + j] = pw(rng);
+    }
+  }
+  return b;
+}
+
+std::vector<int> AllExperts() { return {0, 1, 2, 3, 4, 5, 6, 7}; }
+
+class DispatcherTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  static void SetUpTestSuite() {
+    source_ = OpenModel(kModel)->release();
+    reference_ = new ReferenceMoe(*source_);
+  }
+  static void TearDownTestSuite() {
+    delete reference_;
+    delete source_;
+  }
+
+  // Starts one expert server (extra flags, e.g. --experts=0-3); returns the
+  // address the worker should use for the test's transport.
+  std::string StartServer(const std::vector<std::string>& extra = {}) {
+    const std::string sock = dir_.path() + "/s" + std::to_string(servers_.size()) + ".sock";
+    std::vector<std::string> args = {std::string("--model=") + kModel, "--threads=1", "--shm-socket=" + sock};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Subprocess* s = nullptr;
+    const std::string addr = testing::StartExpertServer(&s, args);
+    servers_.emplace_back(s);
+    EXPECT_FALSE(addr.empty());
+    return GetParam() == "shm" ? "unix://" + sock : addr;
+  }
+
+  DispatcherConfig Config(const std::vector<std::string>& addresses) {
+    DispatcherConfig c;
+    for (const std::string& a : addresses) c.servers.push_back(*ParseExpertServer(a, 8));
+    c.transport.tls = testing::PlaintextTls();
+    c.transport.max_tokens_per_slot = 32;  // so larger calls span several slots
+    c.max_tokens = 256;
+    c.measure_rates = false;
+    c.deadline = std::chrono::milliseconds(10000);
+    return c;
+  }
+
+  std::unique_ptr<LayerDispatcher> Make(DispatcherConfig c, bool host_copy = true) {
+    backend_ = *MakeDeviceBackend("cpu");
+    if (host_copy) host_ = *HostExpertStore::Load(*source_, {1, 2}, backend_.get(), 2);
+    absl::StatusOr<std::unique_ptr<LayerDispatcher>> d =
+        LayerDispatcher::Create(source_->spec(), *backend_, host_copy ? host_.get() : nullptr, std::move(c));
+    EXPECT_TRUE(d.ok()) << d.status();
+    return d.ok() ? *std::move(d) : nullptr;
+  }
+
+  static double Error(int layer, const Batch& b, const std::vector<bf16_t>& out) {
+    std::vector<double> ref(static_cast<size_t>(b.T) * 96);
+    EXPECT_TRUE(reference_->Forward<double>(layer, b.T, b.x.data(), RoutingView{b.T, b.k, b.ids.data(), b.w.data()},
+                                            ref.data()).ok());
+    std::vector<float> got(out.size());
+    for (size_t i = 0; i < out.size(); ++i) got[i] = Bf16ToF32(out[i]);
+    return RelativeL2Error(got.data(), ref.data(), ref.size());
+  }
+
+  static LayerCall Call(int layer, const Batch& b, std::vector<bf16_t>* out) {
+    out->assign(static_cast<size_t>(b.T) * 96, F32ToBf16(123.0f));  // poison: every row must be written
+    LayerCall c;
+    c.layer = layer;
+    c.T = b.T;
+    c.k = b.k;
+    c.hidden = b.x.data();
+    c.topk_ids = b.ids.data();
+    c.topk_weights = b.w.data();
+    c.out = out->data();
+    return c;
+  }
+
+  static ModelSource* source_;
+  static ReferenceMoe* reference_;
+  TempDir dir_;
+  std::vector<std::unique_ptr<Subprocess>> servers_;
+  std::unique_ptr<DeviceBackend> backend_;
+  std::unique_ptr<HostExpertStore> host_;
+};
+ModelSource* DispatcherTest::source_ = nullptr;
+ReferenceMoe* DispatcherTest::reference_ = nullptr;
+
+// Point 3: 0%, partial and 100% hits; T = 0, 1, many; top-k 1..8; holes.
+TEST_P(DispatcherTest, EveryMixOfHitsMatchesTheReference) {
+  const std::string addr = StartServer();
+  DispatcherConfig c = Config({addr});
+  c.policy = CachePolicyKind::kStatic;
+  c.slots_per_layer = 8;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  uint64_t seed = 1;
+  for (int cached : {0, 3, 8}) {
+    std::vector<int> resident(cached);
+    for (int i = 0; i < cached; ++i) resident[i] = (i * 3) % 8;  // 0,3,6,1,4,7,2,5
+    for (int layer : {1, 2}) ASSERT_TRUE(d->ApplyAssignment(layer, resident).ok());
+    ASSERT_TRUE(d->FlushCopies().ok());
+    for (int T : {0, 1, 7, 70})
+      for (int k : {1, 2, 5, 8}) {
+        const int layer = 1 + (seed & 1);
+        Batch b = RandomBatch(T, k, AllExperts(), ++seed, /*holes=*/k > 2);
+        std::vector<bf16_t> out;
+        CallStats st;
+        absl::Status s = d->Forward(Call(layer, b, &out), &st);
+        ASSERT_TRUE(s.ok()) << s;
+        EXPECT_LE(Error(layer, b, out), 1e-2) << "cached=" << cached << " T=" << T << " k=" << k;
+        if (cached == 0) {
+          EXPECT_EQ(st.hit_pairs, 0);
+        }
+        if (cached == 8) {
+          EXPECT_EQ(st.cpu_pairs, 0);
+        }
+        int pairs = 0;
+        for (int32_t e : b.ids) pairs += e >= 0;
+        EXPECT_EQ(st.hit_pairs + st.cpu_pairs + st.copied_pairs, pairs);
+      }
+  }
+}
+
+TEST_P(DispatcherTest, TokensWhoseExpertsAreAllMisses) {
+  const std::string addr = StartServer();
+  DispatcherConfig c = Config({addr});
+  c.policy = CachePolicyKind::kStatic;
+  c.slots_per_layer = 4;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(d->ApplyAssignment(2, {0, 1, 2, 3}).ok());
+  ASSERT_TRUE(d->FlushCopies().ok());
+  // First half: only cached experts; second half: only uncached ones.
+  Batch hot = RandomBatch(20, 2, {0, 1, 2, 3}, 5), cold = RandomBatch(20, 2, {4, 5, 6, 7}, 6);
+  Batch b = hot;
+  b.T = 40;
+  b.x.insert(b.x.end(), cold.x.begin(), cold.x.end());
+  b.ids.insert(b.ids.end(), cold.ids.begin(), cold.ids.end());
+  b.w.insert(b.w.end(), cold.w.begin(), cold.w.end());
+  std::vector<bf16_t> out;
+  CallStats st;
+  ASSERT_TRUE(d->Forward(Call(2, b, &out), &st).ok());
+  EXPECT_LE(Error(2, b, out), 1e-2);
+  EXPECT_EQ(st.hit_pairs, 40);
+  EXPECT_EQ(st.cpu_pairs, 40);
+  EXPECT_EQ(st.miss_tokens, 20);  // only the cold tokens travel
+}
+
+TEST_P(DispatcherTest, LruAdmitsMissedExpertsAfterTheirCopy) {
+  const std::string addr = StartServer();
+  DispatcherConfig c = Config({addr});
+  c.policy = CachePolicyKind::kLru;
+  c.slots_per_layer = 2;
+  c.admissions_per_call = 2;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  Batch b = RandomBatch(16, 2, {5, 6}, 9);
+  std::vector<bf16_t> out;
+  CallStats st;
+  ASSERT_TRUE(d->Forward(Call(1, b, &out), &st).ok());
+  EXPECT_EQ(st.hit_pairs, 0);
+  EXPECT_LE(Error(1, b, out), 1e-2);
+  ASSERT_TRUE(d->FlushCopies().ok());
+  ASSERT_TRUE(d->Forward(Call(1, b, &out), &st).ok());
+  EXPECT_EQ(st.hit_pairs, 32);
+  EXPECT_EQ(st.cpu_pairs, 0);
+  EXPECT_LE(Error(1, b, out), 1e-2);
+  // A new hot pair evicts both (least recently used first) and stays correct meanwhile.
+  Batch b2 = RandomBatch(16, 2, {0, 7}, 10);
+  ASSERT_TRUE(d->Forward(Call(1, b2, &out), &st).ok());
+  EXPECT_LE(Error(1, b2, out), 1e-2);
+  ASSERT_TRUE(d->FlushCopies().ok());
+  EXPECT_EQ(d->cache().ReadySlot(1, 5), -1);
+  EXPECT_GE(d->cache().ReadySlot(1, 0), 0);
+  EXPECT_GE(d->cache().ReadySlot(1, 7), 0);
+  EXPECT_GT(d->cache().hits(1, 5), 0u);
+}
+
+// Point 4: experts with many tokens are copied and computed on the device;
+// the rest still goes to the CPU. kAlways is the copy-every-miss baseline.
+TEST_P(DispatcherTest, CopyInsteadOfComputeForExpertsWithManyTokens) {
+  const std::string addr = StartServer();
+  DispatcherConfig c = Config({addr});
+  c.policy = CachePolicyKind::kStatic;
+  c.slots_per_layer = 2;
+  c.copy_min_tokens = 40;
+  c.miss_buffers = 1;  // one buffer per parity: copies must wait for the compute before them
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(d->ApplyAssignment(1, {0, 1}).ok());
+  ASSERT_TRUE(d->FlushCopies().ok());
+  // Experts 2 and 3 get every token (copied); 4..7 a few each (CPU).
+  Batch b = RandomBatch(64, 3, {4, 5, 6, 7}, 12);
+  for (int t = 0; t < 64; ++t) {
+    b.ids[t * 3] = 2;
+    b.ids[t * 3 + 1] = 3;
+  }
+  std::vector<bf16_t> out;
+  CallStats st;
+  ASSERT_TRUE(d->Forward(Call(1, b, &out), &st).ok());
+  EXPECT_LE(Error(1, b, out), 1e-2);
+  EXPECT_EQ(st.copied_experts, 2);
+  EXPECT_EQ(st.copied_pairs, 128);
+  EXPECT_EQ(st.cpu_pairs, 64);
+}
+
+TEST_P(DispatcherTest, CopyEveryMissBaselineUsesNoServer) {
+  const std::string addr = StartServer();
+  DispatcherConfig c = Config({addr});
+  c.policy = CachePolicyKind::kLru;
+  c.slots_per_layer = 3;
+  c.copy_mode = CopyMode::kAlways;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  for (int i = 0; i < 4; ++i) {
+    Batch b = RandomBatch(9, 2, AllExperts(), 20 + i);
+    std::vector<bf16_t> out;
+    CallStats st;
+    ASSERT_TRUE(d->Forward(Call(2, b, &out), &st).ok());
+    EXPECT_LE(Error(2, b, out), 1e-2);
+    EXPECT_EQ(st.cpu_pairs, 0);
+  }
+  EXPECT_GT(d->copies_started(), 0u);
+}
+
+// Point 5: two micro-batches in flight; B's hits run while A's misses are out.
+TEST_P(DispatcherTest, DualBatchCallsCompleteInAnyOrder) {
+  const std::string addr = StartServer();
+  DispatcherConfig c = Config({addr});
+  c.policy = CachePolicyKind::kStatic;
+  c.slots_per_layer = 4;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(d->ApplyAssignment(1, {1, 3, 5, 7}).ok());
+  ASSERT_TRUE(d->FlushCopies().ok());
+  Batch a = RandomBatch(33, 2, AllExperts(), 30), b = RandomBatch(17, 4, AllExperts(), 31);
+  std::vector<bf16_t> oa, ob;
+  absl::StatusOr<int> ta = d->Submit(Call(1, a, &oa));
+  absl::StatusOr<int> tb = d->Submit(Call(1, b, &ob));
+  ASSERT_TRUE(ta.ok() && tb.ok());
+  Batch c3 = RandomBatch(2, 2, AllExperts(), 32);
+  std::vector<bf16_t> oc;
+  EXPECT_TRUE(absl::IsResourceExhausted(d->Submit(Call(1, c3, &oc)).status()));
+  ASSERT_TRUE(d->Complete(*tb).ok());
+  ASSERT_TRUE(d->Complete(*ta).ok());
+  EXPECT_LE(Error(1, a, oa), 1e-2);
+  EXPECT_LE(Error(1, b, ob), 1e-2);
+  EXPECT_FALSE(d->Complete(*ta).ok());  // already completed
+}
+
+TEST_P(DispatcherTest, BadInputIsRejectedNamingTheField) {
+  const std::string addr = StartServer();
+  std::unique_ptr<LayerDispatcher> d = Make(Config({addr}));
+  ASSERT_NE(d, nullptr);
+  Batch b = RandomBatch(4, 2, AllExperts(), 40);
+  std::vector<bf16_t> out;
+  b.ids[3] = 8;
+  absl::Status s = d->Forward(Call(1, b, &out));
+  EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
+  EXPECT_NE(s.message().find("expert_ids"), std::string::npos) << s;
+  b.ids[3] = 1 - b.ids[2] + b.ids[2];  // a valid id again (maybe a duplicate)
+  b.ids[3] = b.ids[2] == 1 ? 2 : 1;
+  b.w[5] = NAN;
+  s = d->Forward(Call(1, b, &out));
+  EXPECT_NE(s.message().find("expert_weights"), std::string::npos) << s;
+  b.w[5] = 0.5f;
+  s = d->Forward(Call(0, b, &out));  // layer 0 is dense
+  EXPECT_TRUE(absl::IsInvalidArgument(s));
+  EXPECT_NE(s.message().find("layer"), std::string::npos) << s;
+  Batch big = RandomBatch(257, 2, AllExperts(), 41);
+  s = d->Forward(Call(1, big, &out));
+  EXPECT_NE(s.message().find("tokens"), std::string::npos) << s;
+  // The dispatcher is still healthy.
+  ASSERT_TRUE(d->Forward(Call(1, b, &out)).ok());
+  EXPECT_LE(Error(1, b, out), 1e-2);
+}
+
+// Two servers hosting halves of the experts: misses are split per server.
+TEST_P(DispatcherTest, MissesAreSplitAcrossServersByHostedExperts) {
+  const std::string a = StartServer({"--experts=0-3"});
+  const std::string b = StartServer({"--experts=4-7"});
+  std::unique_ptr<LayerDispatcher> d = Make(Config({a + "#experts=0-3", b + "#experts=4-7"}), false);
+  ASSERT_NE(d, nullptr);
+  Batch x = RandomBatch(50, 4, AllExperts(), 50);
+  std::vector<bf16_t> out;
+  CallStats st;
+  ASSERT_TRUE(d->Forward(Call(2, x, &out), &st).ok());
+  EXPECT_LE(Error(2, x, out), 1e-2);
+  EXPECT_GT(st.miss_tokens, 50);  // most tokens travel to both servers
+}
+
+// Point 7: a killed server fails over to a replica, else to copy-to-device,
+// else the call returns UNAVAILABLE by its deadline.
+TEST_P(DispatcherTest, FailoverToReplicaThenCopyThenUnavailable) {
+  const std::string a = StartServer(), b = StartServer();
+  DispatcherConfig c = Config({a, b});
+  c.admissions_per_call = 0;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  Batch x = RandomBatch(12, 2, AllExperts(), 60);
+  std::vector<bf16_t> out;
+  CallStats st;
+  ASSERT_TRUE(d->Forward(Call(1, x, &out), &st).ok());
+  servers_[0]->Signal(SIGKILL);
+  servers_[0]->Wait(std::chrono::seconds(5));
+  for (int i = 0; i < 3; ++i) {
+    Batch y = RandomBatch(12, 2, AllExperts(), 61 + i);
+    ASSERT_TRUE(d->Forward(Call(1, y, &out), &st).ok());
+    EXPECT_LE(Error(1, y, out), 1e-2);
+  }
+  servers_[1]->Signal(SIGKILL);
+  servers_[1]->Wait(std::chrono::seconds(5));
+  Batch z = RandomBatch(12, 2, AllExperts(), 70);
+  absl::Status s = d->Forward(Call(1, z, &out), &st);
+  ASSERT_TRUE(s.ok()) << s;
+  EXPECT_LE(Error(1, z, out), 1e-2);
+  EXPECT_EQ(st.cpu_pairs + st.copied_pairs, 24);
+}
+
+TEST_P(DispatcherTest, NoReplicaAndNoCopyIsUnavailableBeforeTheDeadline) {
+  const std::string a = StartServer();
+  DispatcherConfig c = Config({a});
+  c.deadline = std::chrono::milliseconds(3000);
+  std::unique_ptr<LayerDispatcher> d = Make(c, /*host_copy=*/false);
+  ASSERT_NE(d, nullptr);
+  servers_[0]->Signal(SIGKILL);
+  servers_[0]->Wait(std::chrono::seconds(5));
+  Batch x = RandomBatch(5, 2, AllExperts(), 80);
+  std::vector<bf16_t> out;
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status s = d->Forward(Call(1, x, &out));
+  EXPECT_TRUE(absl::IsUnavailable(s)) << s;
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(3500));
+  // The failed server is skipped now: the next call fails at once, not after a timeout.
+  const auto t1 = std::chrono::steady_clock::now();
+  EXPECT_TRUE(absl::IsUnavailable(d->Forward(Call(1, x, &out))));
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, std::chrono::milliseconds(500));
+}
+
+TEST_P(DispatcherTest, MeasuredRatesDriveTheCopyDecision) {
+  const std::string a = StartServer();
+  DispatcherConfig c = Config({a});
+  c.measure_rates = true;
+  c.slots_per_layer = 0;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  const CostModel& m = d->cost_model();
+  ASSERT_TRUE(m.measured);
+  EXPECT_GT(m.copy_s, 0);
+  EXPECT_GT(m.cpu_call_s + m.cpu_expert_s + m.cpu_pair_s, 0);
+  // Whatever the rates decide, the result is right.
+  Batch x = RandomBatch(200, 2, {1, 2, 3}, 90);
+  std::vector<bf16_t> out;
+  CallStats st;
+  ASSERT_TRUE(d->Forward(Call(1, x, &out), &st).ok());
+  EXPECT_LE(Error(1, x, out), 1e-2);
+  EXPECT_EQ(st.cpu_pairs + st.copied_pairs, 400);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, DispatcherTest, ::testing::Values("shm", "grpc"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace
+}  // namespace moe
