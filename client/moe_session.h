@@ -1,0 +1,113 @@
+// MoeSession: the engine-facing C++ API of moe-expert-service.
+//
+// An inference engine opens one session per GPU (per model replica): it names
+// the model, the CPU expert servers, the device backend and the cache size.
+// Then, for every MoE layer of every forward pass, it hands over the layer's
+// input and router output and gets the exact MoE output back:
+//
+//   moe::SessionOptions o;
+//   o.model = "/models/qwen3-30b-a3b";                 // or "synthetic:qwen3-30b-a3b"
+//   o.servers = {"unix:///run/moe/expert-0.sock"};     // same host: shared memory
+//   o.cache_experts_per_layer = 32;
+//   auto session = moe::MoeSession::Open(o);           // StatusOr<unique_ptr<MoeSession>>
+//   (*session)->ForwardLayer(layer, T, k, hidden, topk_ids, topk_weights, out);
+//
+// Tensors: hidden [T,H] bf16, topk_ids [T,k] int32 (-1 = unused slot),
+// topk_weights [T,k] f32 (applied as given: renormalise them first if your
+// model does), out [T,H] bf16 = sum_j w[t,j] * FFN_{ids[t,j]}(hidden[t]).
+// Pointers are host memory, or device memory when `kind` is kDevice (cuda
+// backend only).
+//
+// Asynchronous use (dual-batch overlap): ForwardLayerAsync starts a call and
+// returns at once; Wait finishes it. Up to SessionOptions::contexts calls may
+// be in flight, so an engine can run micro-batch B's attention while A's
+// misses are computed on the CPU:
+//   auto a = s->ForwardLayerAsync(l, A...);  run attention(B);
+//   auto b = s->ForwardLayerAsync(l, B...);  s->Wait(*a);  s->Wait(*b);
+// The input buffers must stay valid until the call's Wait returned.
+//
+// Errors are absl::Status: InvalidArgument naming the field (bad ids, NaN
+// weights, sizes), Unavailable when no server (and no device copy) can take a
+// layer's misses, DeadlineExceeded. A failed call never leaves a wrong output.
+//
+// Thread-safety: a session is driven by one thread at a time (like a CUDA
+// stream); use one session per engine thread/GPU.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/bf16.h"
+#include "core/model_spec.h"
+#include "core/transport/transport.h"
+#include "gpu_worker/device_backend.h"
+#include "gpu_worker/expert_cache.h"
+#include "gpu_worker/layer_dispatcher.h"
+
+namespace moe {
+
+class ModelSource;
+class HostExpertStore;
+
+struct SessionOptions {
+  std::string model;                   // checkpoint directory or synthetic:PRESET[:layers=N][:seed=S]
+  std::vector<std::string> servers;    // "unix:///path.sock" or "host:port", optional "#experts=0-63"
+  std::string device = "auto";         // auto | cuda | cpu
+  int cache_experts_per_layer = 0;     // C; or derive it from cache_gib
+  double cache_gib = 0;
+  std::string policy = "lru";          // static | lru | lfru
+  std::string copy_mode = "auto";      // auto | never | always
+  int max_tokens = 1024;               // largest T of one call
+  int max_top_k = 8;
+  int contexts = 2;                    // calls in flight (micro-batches)
+  std::vector<int> layers;             // MoE layers this session serves (empty: all)
+  bool host_copy = true;               // keep a host copy of the experts (copy-instead, failover)
+  TlsOptions tls;                      // for host:port servers
+  std::chrono::milliseconds deadline{30000};
+  int cpu_threads = 0;                 // cpu backend compute threads (0: all)
+};
+
+class MoeSession {
+ public:
+  static absl::StatusOr<std::unique_ptr<MoeSession>> Open(const SessionOptions& options);
+  ~MoeSession();
+
+  const ModelSpec& spec() const;
+  const char* device() const;  // "cuda" or "cpu"
+
+  absl::Status ForwardLayer(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
+                            const float* topk_weights, bf16_t* out,
+                            MemoryKind kind = MemoryKind::kHost, CallStats* stats = nullptr);
+
+  // A started call; pass it to Wait exactly once.
+  struct Pending {
+    int ticket = -1;
+  };
+  absl::StatusOr<Pending> ForwardLayerAsync(int layer, int T, int k, const bf16_t* hidden,
+                                            const int32_t* topk_ids, const float* topk_weights,
+                                            bf16_t* out, MemoryKind kind = MemoryKind::kHost);
+  absl::Status Wait(Pending call, CallStats* stats = nullptr);
+
+  // Cache placement pushed from outside (coordinator or operator): between calls.
+  absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);
+  absl::Status FlushCopies();
+
+  const ExpertCache& cache() const;
+  const CostModel& cost_model() const;
+  int slots_per_layer() const;
+  std::string Describe() const;
+
+ private:
+  MoeSession() = default;
+  std::unique_ptr<ModelSource> source_;
+  std::unique_ptr<DeviceBackend> backend_;
+  std::unique_ptr<HostExpertStore> host_;
+  std::unique_ptr<LayerDispatcher> dispatcher_;
+  SessionOptions options_;
+};
+
+}  // namespace moe

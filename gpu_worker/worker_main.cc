@@ -1,0 +1,107 @@
+// moe-gpu-worker: a GPU worker process — the expert cache on a device
+// backend (cuda, or cpu without a GPU), misses shipped to CPU expert servers —
+// serving moe.v1.WorkerService.ForwardLayer over gRPC for engines that do not
+// link the client library, plus health and reflection.
+#include <signal.h>
+
+#include <memory>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/moe_session.h"
+#include "core/flags.h"
+#include "core/log.h"
+#include "core/transport/grpc_channel.h"
+#include "gpu_worker/worker_service.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+
+int main(int argc, char** argv) {
+  std::string model, servers_flag, device = "auto", policy = "lru", copy_mode = "auto", layers_flag;
+  std::string listen = "0.0.0.0:50061", tls_cert, tls_key, tls_ca;
+  bool insecure = false;
+  int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000;
+  double cache_gib = 0;
+  moe::FlagSet flags("moe-gpu-worker",
+                     "--model DIR|synthetic:PRESET --servers ADDR[,ADDR...] [--cache-experts-per-layer C] [flags]\n"
+                     "Runs an MoE model's experts from a GPU cache of hot experts, shipping the misses to CPU\n"
+                     "expert servers (unix:///socket = shared memory on this host, host:port = gRPC), and serves\n"
+                     "moe.v1.WorkerService.ForwardLayer.");
+  flags.String("model", &model, "checkpoint directory or synthetic:PRESET[:layers=N][:seed=S] (the servers' model)");
+  flags.String("servers", &servers_flag,
+               "expert servers, comma list of unix:///path.sock or host:port, each optionally #experts=LIST");
+  flags.String("device", &device, "device backend: auto (cuda if a GPU is usable, else cpu), cuda or cpu");
+  flags.Int("cache-experts-per-layer", &cache_experts, "cache slots per MoE layer (C)");
+  flags.Double("cache-gib", &cache_gib, "GPU memory for the cache, when --cache-experts-per-layer is 0");
+  flags.String("policy", &policy, "cache policy: lru, lfru or static (set by the coordinator / ApplyAssignment)");
+  flags.String("copy-mode", &copy_mode,
+               "uncached experts: auto (copy to the GPU when measured rates say it pays), never, always");
+  flags.String("layers", &layers_flag, "MoE layers served (default: all)");
+  flags.Int("max-tokens", &max_tokens, "largest number of tokens of one micro-batch");
+  flags.Int("max-top-k", &max_top_k, "largest k of the routing");
+  flags.Int("cpu-threads", &cpu_threads, "cpu backend: compute threads (0 = all)");
+  flags.Int("deadline-ms", &deadline_ms, "per-call deadline for the expert servers");
+  flags.String("listen", &listen, "gRPC address to listen on (port 0 picks a free port)");
+  flags.String("tls-cert", &tls_cert, "PEM certificate (served, and presented to expert servers)");
+  flags.String("tls-key", &tls_key, "PEM private key");
+  flags.String("tls-ca", &tls_ca, "PEM CA bundle: verify expert servers with it and require client certificates");
+  flags.Bool("insecure", &insecure, "plaintext gRPC, to engines and to expert servers (trusted networks only)");
+  flags.Parse(argc, argv);
+  if (model.empty()) flags.Fail("--model is required (see --help)");
+  if (servers_flag.empty()) flags.Fail("--servers is required (see --help)");
+  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, ""};
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
+  if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
+
+  sigset_t term;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  sigaddset(&term, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &term, nullptr);
+
+  moe::SessionOptions o;
+  o.model = model;
+  for (absl::string_view s : absl::StrSplit(servers_flag, ',', absl::SkipEmpty())) o.servers.emplace_back(s);
+  o.device = device;
+  o.cache_experts_per_layer = static_cast<int>(cache_experts);
+  o.cache_gib = cache_gib;
+  o.policy = policy;
+  o.copy_mode = copy_mode;
+  o.max_tokens = static_cast<int>(max_tokens);
+  o.max_top_k = static_cast<int>(max_top_k);
+  o.cpu_threads = static_cast<int>(cpu_threads);
+  o.deadline = std::chrono::milliseconds(deadline_ms);
+  o.tls = tls;
+  if (!layers_flag.empty()) {
+    absl::StatusOr<std::vector<int>> layers = moe::ParseIndexList(layers_flag, 1 << 20, "layers");
+    if (!layers.ok()) flags.Fail(std::string(layers.status().message()));
+    o.layers = *layers;
+  }
+  absl::StatusOr<std::unique_ptr<moe::MoeSession>> session = moe::MoeSession::Open(o);
+  if (!session.ok()) flags.Fail(std::string(session.status().message()), 1);
+  moe::LogInfo("worker", (*session)->Describe());
+
+  std::mutex mu;
+  moe::WorkerServiceImpl service(**session, mu, policy, o.servers);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(listen, *creds, &port);
+  builder.RegisterService(&service);
+  const uint64_t max_msg = 2ull * max_tokens * (2ull * (*session)->spec().hidden + 8 * max_top_k) + (1 << 20);
+  moe::ConfigureServerBuilder(builder, max_msg);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
+  const std::string bound = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  std::printf("moe-gpu-worker ready on %s\n", bound.c_str());
+  std::fflush(stdout);
+
+  int sig = 0;
+  sigwait(&term, &sig);
+  moe::LogInfo("worker", "signal ", sig, ": shutting down");
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return 0;
+}

@@ -1,0 +1,114 @@
+#include "gpu_worker/worker_service.h"
+
+#include "absl/strings/str_cat.h"
+#include "core/wire.h"
+
+namespace moe {
+
+WorkerServiceImpl::WorkerServiceImpl(MoeSession& session, std::mutex& mu, std::string policy,
+                                     std::vector<std::string> servers)
+    : session_(session), mu_(mu), policy_(std::move(policy)), servers_(std::move(servers)) {}
+
+grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1::ForwardLayerRequest* req,
+                                             moe::v1::ForwardLayerResponse* resp) {
+  const int H = session_.spec().hidden;
+  const int n = req->batches_size();
+  if (n < 1 || n > 2)
+    return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("batches: ", n, " micro-batches (1 or 2)")));
+  struct Decoded {
+    int T = 0, k = 0;
+    TensorView hidden, ids, weights;
+    std::vector<bf16_t> out;
+  };
+  std::vector<Decoded> d(n);
+  for (int i = 0; i < n; ++i) {
+    const moe::v1::MicroBatch& b = req->batches(i);
+    const std::string f = absl::StrCat("batches[", i, "].");
+    absl::StatusOr<TensorView> hidden = DecodeTensor(b.hidden(), f + "hidden", DType::kBF16, {-1, H});
+    if (!hidden.ok()) return ToGrpcStatus(hidden.status());
+    const int64_t T = hidden->shape[0];
+    absl::StatusOr<TensorView> ids = DecodeTensor(b.topk_ids(), f + "topk_ids", DType::kI32, {T, -1});
+    if (!ids.ok()) return ToGrpcStatus(ids.status());
+    const int64_t k = ids->shape[1];
+    absl::StatusOr<TensorView> w = DecodeTensor(b.topk_weights(), f + "topk_weights", DType::kF32, {T, k});
+    if (!w.ok()) return ToGrpcStatus(w.status());
+    d[i].T = static_cast<int>(T);
+    d[i].k = static_cast<int>(k);
+    d[i].hidden = *hidden;
+    d[i].ids = *ids;
+    d[i].weights = *w;
+    d[i].out.resize(static_cast<size_t>(T) * H);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<MoeSession::Pending> pending;
+  absl::Status first;
+  for (int i = 0; i < n && first.ok(); ++i) {
+    absl::StatusOr<MoeSession::Pending> p = session_.ForwardLayerAsync(
+        static_cast<int>(req->layer()), d[i].T, d[i].k, d[i].hidden.as<bf16_t>(), d[i].ids.as<int32_t>(),
+        d[i].weights.as<float>(), d[i].out.data());
+    if (!p.ok()) {
+      first = n == 1 ? p.status()
+                     : absl::Status(p.status().code(), absl::StrCat("batches[", i, "]: ", p.status().message()));
+      break;
+    }
+    pending.push_back(*p);
+  }
+  for (size_t i = 0; i < pending.size(); ++i) {
+    CallStats st;
+    absl::Status s = session_.Wait(pending[i], &st);
+    if (!s.ok() && first.ok()) first = s;
+    moe::v1::LayerCallStats* ps = resp->add_stats();
+    ps->set_hit_pairs(st.hit_pairs);
+    ps->set_cpu_pairs(st.cpu_pairs);
+    ps->set_copied_pairs(st.copied_pairs);
+    ps->set_miss_tokens(st.miss_tokens);
+  }
+  if (!first.ok()) {
+    resp->Clear();
+    return ToGrpcStatus(first);
+  }
+  for (int i = 0; i < n; ++i)
+    EncodeTensor(DType::kBF16, {d[i].T, H}, d[i].out.data(), resp->add_outputs());
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v1::WorkerInfoRequest*,
+                                              moe::v1::WorkerInfo* resp) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const ModelSpec& spec = session_.spec();
+  auto* ms = resp->mutable_model();
+  ms->set_model_type(spec.model_type);
+  ms->set_num_layers(spec.num_layers);
+  for (int l : spec.moe_layers) ms->add_moe_layers(l);
+  ms->set_num_experts(spec.num_experts);
+  ms->set_top_k(spec.top_k);
+  ms->set_hidden_size(spec.hidden);
+  ms->set_intermediate_size(spec.intermediate);
+  ms->set_weight_dtype(ToProtoDType(spec.dtype));
+  resp->set_device(session_.device());
+  resp->set_slots_per_layer(session_.slots_per_layer());
+  resp->set_policy(policy_);
+  for (const std::string& s : servers_) resp->add_servers(s);
+  for (int l : spec.moe_layers) {
+    moe::v1::LayerCacheInfo* li = resp->add_layers();
+    li->set_layer(l);
+    for (int e : session_.cache().SlotExperts(l)) li->add_slot_experts(e);
+    li->set_hit_rate(session_.cache().HitRate(l));
+  }
+  resp->set_cost_model(session_.cost_model().Describe());
+  return grpc::Status::OK;
+}
+
+grpc::Status WorkerServiceImpl::ApplyAssignment(grpc::ServerContext*, const moe::v1::ApplyAssignmentRequest* req,
+                                                moe::v1::ApplyAssignmentResponse*) {
+  std::vector<int> experts(req->experts().begin(), req->experts().end());
+  const int E = session_.spec().num_experts;
+  for (size_t i = 0; i < experts.size(); ++i)
+    if (experts[i] >= E)
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat("experts[", i, "]: ", experts[i], " out of range [0, ", E, ")")));
+  std::lock_guard<std::mutex> lock(mu_);
+  return ToGrpcStatus(session_.ApplyAssignment(static_cast<int>(req->layer()), experts));
+}
+
+}  // namespace moe

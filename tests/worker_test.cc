@@ -1,0 +1,209 @@
+// The engine-facing surfaces of the GPU worker: the client library's
+// MoeSession (in process) and the moe-gpu-worker process over gRPC
+// (WorkerService), both against a real expert server process over shm.
+#include <sys/wait.h>
+
+#include <cstring>
+#include <memory>
+#include <random>
+
+#include "client/moe_session.h"
+#include "core/model_source.h"
+#include "core/reference_moe.h"
+#include "core/transport/grpc_channel.h"
+#include "core/wire.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "moe/v1/worker.grpc.pb.h"
+#include "tests/test_support.h"
+
+namespace moe {
+namespace {
+
+using testing::Subprocess;
+using testing::TempDir;
+
+const char kModel[] = "synthetic:tiny:seed=21";
+constexpr int kH = 96;
+
+struct Batch {
+  int T = 0, k = 0;
+  std::vector<bf16_t> x;
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+};
+
+Batch RandomBatch(int T, int k, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f), pw(0.1f, 1.0f);
+  Batch b{T, k, std::vector<bf16_t>(static_cast<size_t>(T) * kH), {}, {}};
+  for (bf16_t& v : b.x) v = F32ToBf16(u(rng));
+  for (int t = 0; t < T; ++t) {
+    std::vector<int> e = {0, 1, 2, 3, 4, 5, 6, 7};
+    std::shuffle(e.begin(), e.end(), rng);
+    for (int j = 0; j < k; ++j) {
+      b.ids.push_back(e[j]);
+      b.w.push_back(pw(rng));
+    }
+  }
+  return b;
+}
+
+double Error(int layer, const Batch& b, const bf16_t* out) {
+  static std::unique_ptr<ModelSource> src = *OpenModel(kModel);
+  ReferenceMoe ref(*src);
+  std::vector<double> r(static_cast<size_t>(b.T) * kH);
+  EXPECT_TRUE(ref.Forward<double>(layer, b.T, b.x.data(), RoutingView{b.T, b.k, b.ids.data(), b.w.data()}, r.data()).ok());
+  std::vector<float> got(r.size());
+  for (size_t i = 0; i < r.size(); ++i) got[i] = Bf16ToF32(out[i]);
+  return RelativeL2Error(got.data(), r.data(), r.size());
+}
+
+class WorkerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    socket_ = dir_.path() + "/expert.sock";
+    Subprocess* s = nullptr;
+    ASSERT_FALSE(testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1",
+                                                 "--shm-socket=" + socket_}).empty());
+    server_.reset(s);
+  }
+  TempDir dir_;
+  std::string socket_;
+  std::unique_ptr<Subprocess> server_;
+};
+
+TEST_F(WorkerTest, SessionForwardsSyncAndAsync) {
+  SessionOptions o;
+  o.model = kModel;
+  o.servers = {"unix://" + socket_};
+  o.device = "cpu";
+  o.cache_experts_per_layer = 3;
+  o.max_tokens = 64;
+  o.cpu_threads = 1;
+  absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  MoeSession& session = **s;
+  EXPECT_STREQ(session.device(), "cpu");
+  Batch a = RandomBatch(9, 2, 1), b = RandomBatch(20, 3, 2);
+  std::vector<bf16_t> oa(a.x.size()), ob(b.x.size());
+  ASSERT_TRUE(session.ForwardLayer(1, a.T, a.k, a.x.data(), a.ids.data(), a.w.data(), oa.data()).ok());
+  EXPECT_LE(Error(1, a, oa.data()), 1e-2);
+  // Two micro-batches in flight.
+  absl::StatusOr<MoeSession::Pending> pa = session.ForwardLayerAsync(2, a.T, a.k, a.x.data(), a.ids.data(), a.w.data(), oa.data());
+  absl::StatusOr<MoeSession::Pending> pb = session.ForwardLayerAsync(2, b.T, b.k, b.x.data(), b.ids.data(), b.w.data(), ob.data());
+  ASSERT_TRUE(pa.ok() && pb.ok());
+  ASSERT_TRUE(session.Wait(*pa).ok());
+  ASSERT_TRUE(session.Wait(*pb).ok());
+  EXPECT_LE(Error(2, a, oa.data()), 1e-2);
+  EXPECT_LE(Error(2, b, ob.data()), 1e-2);
+  // Device pointers on a backend without device memory are refused, by name.
+  absl::Status st = session.ForwardLayer(1, a.T, a.k, a.x.data(), a.ids.data(), a.w.data(), oa.data(), MemoryKind::kDevice);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+}
+
+TEST_F(WorkerTest, SessionRejectsBadOptions) {
+  SessionOptions o;
+  o.model = kModel;
+  o.servers = {"unix://" + socket_};
+  o.device = "tpu";
+  EXPECT_TRUE(absl::IsInvalidArgument(MoeSession::Open(o).status()));
+  o.device = "cpu";
+  o.policy = "fifo";
+  EXPECT_TRUE(absl::IsInvalidArgument(MoeSession::Open(o).status()));
+  o.policy = "lru";
+  o.servers = {"unix://" + dir_.path() + "/nobody.sock"};
+  EXPECT_FALSE(MoeSession::Open(o).ok());
+}
+
+void Encode(const Batch& b, moe::v1::MicroBatch* m) {
+  EncodeTensor(DType::kBF16, {b.T, kH}, b.x.data(), m->mutable_hidden());
+  EncodeTensor(DType::kI32, {b.T, b.k}, b.ids.data(), m->mutable_topk_ids());
+  EncodeTensor(DType::kF32, {b.T, b.k}, b.w.data(), m->mutable_topk_weights());
+}
+
+TEST_F(WorkerTest, WorkerProcessServesForwardLayerOverGrpc) {
+  Subprocess worker(testing::BinaryPath("moe-gpu-worker"),
+                    {std::string("--model=") + kModel, "--servers=unix://" + socket_, "--device=cpu",
+                     "--cache-experts-per-layer=4", "--policy=static", "--cpu-threads=1", "--max-tokens=128",
+                     "--listen=127.0.0.1:0", "--insecure"});
+  std::string line = worker.ReadLine(std::chrono::seconds(30));
+  ASSERT_NE(line.find("ready on "), std::string::npos) << line;
+  const std::string addr = line.substr(line.find("ready on ") + 9);
+  auto channel = grpc::CreateChannel(addr, grpc::InsecureChannelCredentials());
+  auto stub = moe::v1::WorkerService::NewStub(channel);
+
+  // Static placement pushed over the API, then a two-micro-batch call.
+  {
+    grpc::ClientContext ctx;
+    moe::v1::ApplyAssignmentRequest req;
+    moe::v1::ApplyAssignmentResponse resp;
+    req.set_layer(1);
+    for (int e : {2, 4, 6, 7}) req.add_experts(e);
+    ASSERT_TRUE(stub->ApplyAssignment(&ctx, req, &resp).ok());
+  }
+  Batch a = RandomBatch(10, 2, 3), b = RandomBatch(40, 4, 4);
+  moe::v1::ForwardLayerRequest req;
+  req.set_layer(1);
+  Encode(a, req.add_batches());
+  Encode(b, req.add_batches());
+  int hits = 0;
+  for (int round = 0; round < 3; ++round) {  // the assignment's copies complete between calls
+    grpc::ClientContext ctx;
+    moe::v1::ForwardLayerResponse resp;
+    grpc::Status st = stub->ForwardLayer(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_EQ(resp.outputs_size(), 2);
+    std::vector<bf16_t> oa(a.x.size()), ob(b.x.size());
+    std::memcpy(oa.data(), resp.outputs(0).data().data(), oa.size() * 2);
+    std::memcpy(ob.data(), resp.outputs(1).data().data(), ob.size() * 2);
+    EXPECT_LE(Error(1, a, oa.data()), 1e-2);
+    EXPECT_LE(Error(1, b, ob.data()), 1e-2);
+    hits = resp.stats(0).hit_pairs() + resp.stats(1).hit_pairs();
+  }
+  EXPECT_GT(hits, 0);
+  {
+    grpc::ClientContext ctx;
+    moe::v1::WorkerInfo info;
+    ASSERT_TRUE(stub->GetWorkerInfo(&ctx, moe::v1::WorkerInfoRequest(), &info).ok());
+    EXPECT_EQ(info.device(), "cpu");
+    EXPECT_EQ(info.slots_per_layer(), 4u);
+    EXPECT_GT(info.layers(0).hit_rate(), 0.0);
+  }
+  // Bad input: the field is named; the worker keeps serving.
+  {
+    moe::v1::ForwardLayerRequest bad = req;
+    bad.mutable_batches(1)->mutable_topk_weights()->mutable_shape()->Set(1, 3);
+    grpc::ClientContext ctx;
+    moe::v1::ForwardLayerResponse resp;
+    grpc::Status st = stub->ForwardLayer(&ctx, bad, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("batches[1].topk_weights"), std::string::npos) << st.error_message();
+  }
+  {
+    moe::v1::ForwardLayerRequest bad = req;
+    reinterpret_cast<int32_t*>(bad.mutable_batches(0)->mutable_topk_ids()->mutable_data()->data())[3] = 99;
+    grpc::ClientContext ctx;
+    moe::v1::ForwardLayerResponse resp;
+    grpc::Status st = stub->ForwardLayer(&ctx, bad, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(st.error_message().find("expert_ids"), std::string::npos) << st.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    moe::v1::ForwardLayerResponse resp;
+    ASSERT_TRUE(stub->ForwardLayer(&ctx, req, &resp).ok());
+  }
+}
+
+TEST_F(WorkerTest, WorkerRefusesBadFlagsWithOneLine) {
+  Subprocess worker(testing::BinaryPath("moe-gpu-worker"),
+                    {std::string("--model=") + kModel, "--servers=unix://" + socket_, "--device=cpu",
+                     "--policy=bogus", "--insecure"});
+  const int status = worker.Wait(std::chrono::seconds(20));
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_NE(WEXITSTATUS(status), 0);
+}
+
+}  // namespace
+}  // namespace moe
