@@ -1,5 +1,6 @@
 #include "cpu_expert_server/expert_service.h"
 
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -14,8 +15,9 @@ uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits) {
 }
 
 ExpertServiceImpl::ExpertServiceImpl(const ModelSpec& spec, BatchHandler handler,
-                                     ServiceLimits limits, moe::v1::ServerInfo info)
-    : spec_(spec), handler_(std::move(handler)), limits_(limits), info_(std::move(info)) {}
+                                     ServiceLimits limits, moe::v1::ServerInfo info,
+                                     ExpertServerMetrics* metrics)
+    : spec_(spec), handler_(std::move(handler)), limits_(limits), info_(std::move(info)), metrics_(metrics) {}
 
 namespace {
 
@@ -91,9 +93,21 @@ absl::Status ExpertServiceImpl::Handle(const moe::v1::ForwardRequest& req,
   return absl::OkStatus();
 }
 
+absl::Status ExpertServiceImpl::HandleAndRecord(const moe::v1::ForwardRequest& req,
+                                                moe::v1::ForwardResponse* resp) {
+  if (metrics_ == nullptr) return Handle(req, resp);
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st = Handle(req, resp);
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  // Payload bytes: the messages as serialized (gRPC framing and HTTP/2 not counted).
+  metrics_->RecordRequest(ExpertServerMetrics::Transport::kGrpc, st.code(), req.ByteSizeLong(),
+                          st.ok() ? resp->ByteSizeLong() : 0, static_cast<uint64_t>(ns));
+  return st;
+}
+
 grpc::Status ExpertServiceImpl::Forward(grpc::ServerContext*, const moe::v1::ForwardRequest* req,
                                         moe::v1::ForwardResponse* resp) {
-  return ToGrpcStatus(Handle(*req, resp));
+  return ToGrpcStatus(HandleAndRecord(*req, resp));
 }
 
 grpc::Status ExpertServiceImpl::ForwardStream(
@@ -120,7 +134,7 @@ grpc::Status ExpertServiceImpl::ForwardStream(
     if (!got) break;
     resp.Clear();
     resp.set_request_id(req.request_id());
-    absl::Status st = Handle(req, resp.mutable_response());
+    absl::Status st = HandleAndRecord(req, resp.mutable_response());
     resp.set_status_code(static_cast<int32_t>(st.code()));
     if (!st.ok()) {
       resp.set_status_message(std::string(st.message()));

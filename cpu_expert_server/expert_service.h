@@ -1,7 +1,9 @@
 // ExpertServiceImpl: the gRPC face of the CPU expert server (moe.v1.ExpertService).
 // Decodes and validates requests (INVALID_ARGUMENT / OUT_OF_RANGE naming the
 // field), runs them on the MoeExecutor and encodes the partial outputs.
-// gRPC calls its methods from many threads at once; that is safe.
+// With an ExpertServerMetrics, Forward and ForwardStream record every answered
+// request (transport "grpc"). gRPC calls its methods from many threads at
+// once; that is safe.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +12,7 @@
 #include <mutex>
 
 #include "core/model_spec.h"
+#include "cpu_expert_server/expert_metrics.h"
 #include "cpu_expert_server/moe_executor.h"
 #include "moe/v1/expert.grpc.pb.h"
 
@@ -30,8 +33,9 @@ uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits);
 
 class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
  public:
+  // `metrics` (may be null: none recorded) must outlive the service.
   ExpertServiceImpl(const ModelSpec& spec, BatchHandler handler, ServiceLimits limits,
-                    moe::v1::ServerInfo info);
+                    moe::v1::ServerInfo info, ExpertServerMetrics* metrics = nullptr);
 
   grpc::Status Forward(grpc::ServerContext* ctx, const moe::v1::ForwardRequest* req,
                        moe::v1::ForwardResponse* resp) override;
@@ -47,13 +51,18 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   void Drain();
 
   // The whole request path without gRPC: decode, validate, compute, encode.
+  // Records no metrics.
   absl::Status Handle(const moe::v1::ForwardRequest& req, moe::v1::ForwardResponse* resp);
 
  private:
+  // Handle, recorded in metrics_ (when set).
+  absl::Status HandleAndRecord(const moe::v1::ForwardRequest& req, moe::v1::ForwardResponse* resp);
+
   const ModelSpec& spec_;
   BatchHandler handler_;
   ServiceLimits limits_;
   moe::v1::ServerInfo info_;
+  ExpertServerMetrics* metrics_;
   std::mutex streams_mu_;
   bool draining_ = false;
   std::map<grpc::ServerContext*, bool> streams_;  // open streams -> idle (blocked in Read)

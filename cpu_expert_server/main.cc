@@ -1,5 +1,7 @@
 // moe-expert-server: serves the experts of an MoE model from CPU memory over
-// gRPC (moe.v1.ExpertService, grpc.health.v1.Health, server reflection).
+// gRPC (moe.v1.ExpertService, grpc.health.v1.Health, server reflection),
+// optionally over shared memory (--shm-socket), with Prometheus metrics on
+// --metrics-port.
 #include <signal.h>
 
 #include <chrono>
@@ -10,6 +12,8 @@
 #include "absl/strings/str_join.h"
 #include "core/flags.h"
 #include "core/log.h"
+#include "core/metrics.h"
+#include "core/metrics_http.h"
 #include "core/model_source.h"
 #include "core/transport/grpc_channel.h"
 #include "core/transport/shm_server.h"
@@ -17,6 +21,7 @@
 #include "cpu_expert_server/compute_pool.h"
 #include "cpu_expert_server/cpu_features.h"
 #include "cpu_expert_server/expert_kernel.h"
+#include "cpu_expert_server/expert_metrics.h"
 #include "cpu_expert_server/expert_service.h"
 #include "cpu_expert_server/expert_store.h"
 #include "cpu_expert_server/moe_executor.h"
@@ -45,9 +50,9 @@ std::string RangeText(const std::vector<int>& v) {
 
 int main(int argc, char** argv) {
   std::string model, listen = "0.0.0.0:50051", layers_flag, experts_flag, numa = "auto", kernel_name = "auto";
-  std::string shm_socket, shm_uids, tls_cert, tls_key, tls_ca;
+  std::string shm_socket, shm_uids, tls_cert, tls_key, tls_ca, metrics_address = "0.0.0.0";
   bool insecure = false;
-  int64_t threads = 0, max_tokens = 8192, drain_seconds = 30;
+  int64_t threads = 0, max_tokens = 8192, drain_seconds = 30, metrics_port = -1;
   moe::FlagSet flags("moe-expert-server",
                      "--model DIR|synthetic:PRESET[:layers=N][:seed=S] [--listen ADDR] [flags]\n"
                      "Serves the routed experts of an MoE model from CPU memory (moe.v1.ExpertService).");
@@ -66,6 +71,9 @@ int main(int argc, char** argv) {
   flags.String("tls-key", &tls_key, "PEM private key of this server");
   flags.String("tls-ca", &tls_ca, "PEM CA bundle: when set, clients must present a certificate it signed (mTLS)");
   flags.Bool("insecure", &insecure, "serve gRPC in plaintext (only on trusted networks; TLS flags are needed otherwise)");
+  flags.Int("metrics-port", &metrics_port,
+            "serve Prometheus metrics on http://ADDRESS:PORT/metrics (-1 = off, 0 = a free port, printed at start)");
+  flags.String("metrics-address", &metrics_address, "address the metrics endpoint binds to");
   flags.Parse(argc, argv);
   if (model.empty()) flags.Fail("--model is required (see --help)");
   moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, ""};
@@ -78,6 +86,7 @@ int main(int argc, char** argv) {
     allowed_uids.assign(uids->begin(), uids->end());
   }
   if (max_tokens <= 0) flags.Fail("--max-tokens must be > 0");
+  if (metrics_port < -1 || metrics_port > 65535) flags.Fail("--metrics-port must be -1 (off), 0 (a free port) or a port");
 
   // Block termination signals in every thread; main waits for them with sigwait.
   sigset_t term;
@@ -123,6 +132,20 @@ int main(int argc, char** argv) {
                (*store)->resident_bytes() >> 20, " MiB) on NUMA node ", (*binding)->node(), ", packed in ", load_s, " s");
 
   moe::MoeExecutor executor(**store, **kernel, pool);
+  moe::ExpertServerMetrics metrics(moe::Metrics(), hosted.layers);
+  metrics.SetComputeThreads(pool.size());
+  metrics.SetWeightBytes((*store)->resident_bytes());
+  // The one compute path of both transports, recorded once here.
+  auto compute = [&executor, &metrics](const moe::ForwardBatch& b, moe::DType dt, void* out,
+                                       moe::ForwardStats* stats) {
+    moe::ForwardStats local;
+    if (stats == nullptr) stats = &local;
+    metrics.BatchStarted();
+    absl::Status st = executor.Forward(b, dt, out, stats);
+    metrics.BatchFinished();
+    if (st.ok()) metrics.RecordCompute(b.layer, b.n, *stats);
+    return st;
+  };
   moe::ServiceLimits limits;
   limits.max_tokens_per_request = static_cast<int>(max_tokens);
   const uint64_t max_msg = moe::MaxMessageBytes(spec, limits);
@@ -150,12 +173,7 @@ int main(int argc, char** argv) {
   info.set_max_message_bytes(max_msg);
   info.set_version(MOE_VERSION);
 
-  moe::ExpertServiceImpl service(
-      spec,
-      [&executor](const moe::ForwardBatch& b, moe::DType dt, void* out, moe::ForwardStats* stats) {
-        return executor.Forward(b, dt, out, stats);
-      },
-      limits, info);
+  moe::ExpertServiceImpl service(spec, compute, limits, info, &metrics);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -177,15 +195,32 @@ int main(int argc, char** argv) {
     so.hosted = [&store](int e) { return (*store)->HostsExpert(e); };
     so.allowed_uids = allowed_uids;
     so.max_slot_tokens = static_cast<uint32_t>(max_tokens);
-    absl::StatusOr<std::unique_ptr<moe::ShmServer>> s = moe::ShmServer::Start(so, [&executor](const moe::MissBatch& b, moe::bf16_t* out) {
+    so.on_request = [&metrics](const moe::ShmRequestRecord& r) {
+      metrics.RecordRequest(moe::ExpertServerMetrics::Transport::kShm, r.code, r.bytes_received, r.bytes_sent,
+                            r.handle_ns);
+    };
+    absl::StatusOr<std::unique_ptr<moe::ShmServer>> s = moe::ShmServer::Start(so, [&compute](const moe::MissBatch& b, moe::bf16_t* out) {
       moe::ForwardBatch fb{static_cast<int>(b.layer), b.n, b.tokens, moe::RoutingView{b.n, b.k, b.expert_ids, b.expert_weights}};
-      return executor.Forward(fb, moe::DType::kBF16, out, nullptr);
+      return compute(fb, moe::DType::kBF16, out, nullptr);
     });
     if (!s.ok()) flags.Fail(absl::StrCat("--shm-socket: ", s.status().message()), 1);
     shm = *std::move(s);
     moe::LogInfo("server", "serving shared memory on unix://", shm_socket);
   }
+  std::unique_ptr<moe::MetricsHttpServer> metrics_http;
+  if (metrics_port >= 0) {
+    moe::MetricsHttpServer::Options mo;
+    mo.address = metrics_address;
+    mo.port = static_cast<int>(metrics_port);
+    absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> m = moe::MetricsHttpServer::Start(mo);
+    if (!m.ok()) flags.Fail(absl::StrCat("--metrics-port: ", m.status().message()), 1);
+    metrics_http = *std::move(m);
+    moe::LogInfo("server", "serving metrics on http://", metrics_address, ":", metrics_http->port(), "/metrics");
+  }
+  // Line 1 is what scripts and tests wait for; line 2 (only with --metrics-port)
+  // names the metrics port, the chosen one when it was 0.
   std::printf("moe-expert-server ready on %s\n", bound.c_str());
+  if (metrics_http) std::printf("moe-expert-server metrics on %s:%d\n", metrics_address.c_str(), metrics_http->port());
   std::fflush(stdout);
 
   int sig = 0;
@@ -195,6 +230,7 @@ int main(int argc, char** argv) {
   service.Drain();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(drain_seconds));
   server->Wait();
+  metrics_http.reset();
   moe::LogInfo("server", "stopped");
   return 0;
 }

@@ -162,8 +162,10 @@ void ShmServer::Serve(Connection* c) {
         goto disconnect;
       }
       const shm::SlotView slot = seg.slot(*idx);
+      const Clock::time_point t0 = opt_.on_request ? Clock::now() : Clock::time_point();
       absl::Status st = shm::ValidateRequestSlot(seg, *idx, opt_.num_experts, opt_.num_layers, &req, opt_.hosted);
-      if (st.ok()) {
+      const bool valid = st.ok();
+      if (valid) {
         MissBatch b;
         b.layer = req.layer;
         b.n = req.n_tokens;
@@ -174,6 +176,15 @@ void ShmServer::Serve(Connection* c) {
         st = handler_(b, slot.output);
       }
       shm::WriteResponseStatus(slot, st);
+      if (opt_.on_request) {
+        ShmRequestRecord r;
+        r.code = st.code();
+        const uint64_t token_bytes = uint64_t(req.n_tokens) * uint64_t(opt_.hidden) * sizeof(bf16_t);
+        if (valid) r.bytes_received = token_bytes + uint64_t(req.n_tokens) * uint64_t(req.k) * (sizeof(int32_t) + sizeof(float));
+        if (st.ok()) r.bytes_sent = token_bytes;
+        r.handle_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+        opt_.on_request(r);
+      }
       if (!seg.TryPushComplete(*idx)) {  // more completions than slots: the client broke the protocol
         LogWarning("shm", "completion ring full; dropping the client");
         goto disconnect;

@@ -6,7 +6,8 @@
 // request slot (shm::ValidateRequestSlot), calls the handler, which writes the
 // output straight into the slot, and completes it. A client that goes away
 // (socket closed) has its segment unmapped and its thread ended.
-// Start/Stop from one thread; the handler is called from connection threads.
+// Start/Stop from one thread; the handler and on_request are called from
+// connection threads.
 #pragma once
 
 #include <sys/types.h>
@@ -43,6 +44,14 @@ inline constexpr uint32_t kShmProtocolVersion = 1;
 // Computes one request: writes [batch.n, H] bf16 into out.
 using ShmHandler = std::function<absl::Status(const MissBatch& batch, bf16_t* out)>;
 
+// One request the server answered, for the caller's metrics.
+struct ShmRequestRecord {
+  absl::StatusCode code = absl::StatusCode::kOk;
+  uint64_t bytes_received = 0;  // tokens + routing read from the slot (0 when the slot failed validation)
+  uint64_t bytes_sent = 0;      // output written into the slot (0 unless OK)
+  uint64_t handle_ns = 0;       // validation + handler
+};
+
 class ShmServer {
  public:
   struct Options {
@@ -54,6 +63,8 @@ class ShmServer {
     std::vector<uid_t> allowed_uids;  // empty: the server's own uid
     uint32_t max_slot_tokens = 4096;  // caps on what a client may ask for
     uint32_t max_slots = 256;
+    // Called after every completed request (empty: nothing); must be cheap.
+    std::function<void(const ShmRequestRecord&)> on_request;
   };
 
   static absl::StatusOr<std::unique_ptr<ShmServer>> Start(Options options, ShmHandler handler);
