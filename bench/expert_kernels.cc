@@ -61,6 +61,7 @@
 #include "cpu_expert_server/expert_store.h"
 #include "cpu_expert_server/moe_executor.h"
 #include "cpu_expert_server/numa_binding.h"
+#include "bench/dram_bandwidth.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace moe {
@@ -170,24 +171,6 @@ std::string UtcNow() {
   return b;
 }
 
-// Memory on the binding's NUMA node, freed on destruction.
-class NodeBuffer {
- public:
-  NodeBuffer(const NumaBinding& numa, size_t bytes)
-      : numa_(numa), bytes_(bytes), p_(static_cast<std::byte*>(numa.Allocate(bytes))) {
-    if (p_ == nullptr) Die(absl::StrCat("cannot allocate ", bytes, " bytes"));
-  }
-  ~NodeBuffer() { numa_.Free(p_, bytes_); }
-  NodeBuffer(const NodeBuffer&) = delete;
-  NodeBuffer& operator=(const NodeBuffer&) = delete;
-  std::byte* data() const { return p_; }
-
- private:
-  const NumaBinding& numa_;
-  size_t bytes_;
-  std::byte* p_;
-};
-
 // Warm-up calls, then timed calls until >= min_runs and >= min_seconds in
 // total. call(i) gets a running index (for rotation). Returns the median
 // seconds per call and the number of timed calls.
@@ -209,71 +192,18 @@ std::pair<double, int> TimeMedian(const Options& o, Call&& call) {
   return {s[s.size() / 2], static_cast<int>(s.size())};
 }
 
-// ---------------------------------------------------------------------------
-// DRAM read bandwidth
+// DRAM read bandwidth (bench/dram_bandwidth.h)
 
-__attribute__((target("avx512f"))) float SumAvx512(const float* p, size_t n) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (size_t i = 0; i + 64 <= n; i += 64) {
-    a0 = _mm512_add_ps(a0, _mm512_load_ps(p + i));
-    a1 = _mm512_add_ps(a1, _mm512_load_ps(p + i + 16));
-    a2 = _mm512_add_ps(a2, _mm512_load_ps(p + i + 32));
-    a3 = _mm512_add_ps(a3, _mm512_load_ps(p + i + 48));
-  }
-  alignas(64) float lanes[16];  // (not _mm512_reduce_add_ps: GCC 12 warns inside it)
-  _mm512_store_ps(lanes, _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-  float s = 0;
-  for (float v : lanes) s += v;
-  return s;
-}
-
-float SumPlain(const float* p, size_t n) {
-  float a[8] = {};
-  for (size_t i = 0; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) a[j] += p[i + j];
-  }
-  float s = 0;
-  for (float v : a) s += v;
-  return s;
-}
-
-// Median GB/s of all pool threads summing their slices of one buffer.
 double MeasureDramBandwidth(const Options& o, const NumaBinding& numa, ComputePool& pool, bool avx512,
                             Result* result) {
-  const int T = pool.size();
-  const uint64_t unit = uint64_t{256} * T;  // whole 64-float blocks per thread
-  uint64_t bytes = static_cast<uint64_t>(o.bw_gib * kGiB);
-  if (const uint64_t avail = AvailableMemoryBytes(); avail != 0) bytes = std::min(bytes, avail / 4);
-  bytes = std::max(unit, bytes / unit * unit);
-  NodeBuffer buf(numa, bytes);
-  float* data = reinterpret_cast<float*>(buf.data());
-  const size_t per_thread = bytes / 4 / T;
-  pool.Run([&](int t, int) { std::fill_n(data + t * per_thread, per_thread, 1.0f); });  // first touch
-  std::vector<float> sums(static_cast<size_t>(T) * 16);
-  auto sum = [&](int t, int) {
-    const float* p = data + t * per_thread;
-    sums[t * 16] = avx512 ? SumAvx512(p, per_thread) : SumPlain(p, per_thread);
-  };
-  constexpr int kRuns = 7;
-  pool.Run(sum);  // warm-up
-  std::vector<double> gbps;
-  for (int r = 0; r < kRuns; ++r) {
-    const Clock::time_point t0 = Clock::now();
-    pool.Run(sum);
-    gbps.push_back(static_cast<double>(bytes) / Seconds(t0) / 1e9);
-  }
-  std::sort(gbps.begin(), gbps.end());
-  float checksum = 0;
-  for (int t = 0; t < T; ++t) checksum += sums[t * 16];
-  if (!(checksum > 0)) Die("DRAM bandwidth: the sum of ones is not positive");
+  const DramBandwidth bw = MeasureDramBandwidth(numa, pool, o.bw_gib, avx512);
   result->section = "dram";
   result->impl = avx512 ? "avx512 loads" : "scalar loads";
-  result->seconds = static_cast<double>(bytes) / gbps[kRuns / 2] / 1e9;
-  result->weight_bytes = static_cast<double>(bytes);
-  result->runs = kRuns;
-  result->note = absl::StrCat(Num(static_cast<double>(bytes) / kGiB), " GiB, ", T, " threads, min ",
-                              Num(gbps.front()), " max ", Num(gbps.back()), " GB/s");
-  return gbps[kRuns / 2];
+  result->seconds = bw.bytes / bw.gbps / 1e9;
+  result->weight_bytes = bw.bytes;
+  result->runs = bw.runs;
+  result->note = bw.note;
+  return bw.gbps;
 }
 
 // Median seconds of ComputePool::Run with an empty task: the fixed cost of the

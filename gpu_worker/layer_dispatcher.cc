@@ -521,6 +521,7 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
   const std::vector<int>& server_of = m.server_of;
   std::vector<int> copy_list = copy_list_in;
 
+  for (int e : m.missed) stats.cpu_experts += server_of[e] >= 0;
   // 1. Ship the CPU misses, per server, before any device compute is enqueued.
   for (size_t s = 0; s < m.servers.size(); ++s) {
     Server& server = m.servers[s];

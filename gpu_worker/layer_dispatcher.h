@@ -114,6 +114,7 @@ struct LayerCall {
 struct CallStats {
   int hit_pairs = 0;
   int cpu_pairs = 0;          // pairs computed by CPU expert servers
+  int cpu_experts = 0;        // distinct experts sent to CPU expert servers
   int copied_pairs = 0;       // pairs computed on the device after a copy (incl. failover)
   int copied_experts = 0;
   int miss_tokens = 0;        // tokens shipped (summed over servers)

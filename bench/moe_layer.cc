@@ -1,0 +1,491 @@
+// moe_layer: end-to-end decode steps of an MoE model on a GPU worker (cuda,
+// or cpu without a GPU) with a CPU expert server process on the same host
+// over shared memory. Each step runs, per layer, the attention step (RMSNorm,
+// GQA over a KV cache, router) on the device and then the MoE layer through
+// LayerDispatcher. The routing comes from a skewed synthetic generator (Zipf
+// over experts with a per-layer hot set that drifts every step), not from the
+// router's random weights, so the cache sees realistic skew.
+//
+// Side by side, for every (batch, cache fraction):
+//   ceiling    all experts on the device (cache 100%, nothing missed)
+//   ours       lfru cache + misses on the CPU server + copy-instead when it pays
+//   ours-dual  the same with the batch as two micro-batches (B's work overlaps A's misses)
+//   lru-copy   copy every miss to the device with LRU eviction (plain offloading)
+//   copy-all   stream every expert of every layer to the device each step
+//              (measured copy time of a layer's experts, overlapped with the ceiling's compute)
+//   ideal      per layer max(ceiling time, CPU-missed experts' bytes / DRAM bandwidth)
+// Times are medians over the timed steps, per decode step and per MoE layer.
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "bench/dram_bandwidth.h"
+#include "core/flags.h"
+#include "core/log.h"
+#include "core/model_source.h"
+#include "core/subprocess.h"
+#include "core/synthetic_model.h"
+#include "cpu_expert_server/cpu_features.h"
+#include "gpu_worker/attention.h"
+#include "gpu_worker/device_backend.h"
+#include "gpu_worker/host_expert_store.h"
+#include "gpu_worker/layer_dispatcher.h"
+#ifdef MOE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace moe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "moe_layer: %s\n", what.c_str());
+  std::exit(1);
+}
+void Check(const absl::Status& st, const char* what) {
+  if (!st.ok()) Die(absl::StrCat(what, ": ", st.ToString()));
+}
+template <typename T>
+T Value(absl::StatusOr<T> v, const char* what) {
+  Check(v.status(), what);
+  return *std::move(v);
+}
+double Sec(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+std::vector<int> Ints(const std::string& text) {
+  std::vector<int> v;
+  for (absl::string_view s : absl::StrSplit(text, ',', absl::SkipEmpty())) v.push_back(std::stoi(std::string(s)));
+  return v;
+}
+
+// Zipf routing with a drifting per-layer hot set: expert rank r has weight
+// 1/(r+1)^s; each step a fraction `drift` of adjacent ranks swap places.
+class ZipfRouter {
+ public:
+  ZipfRouter(int layers, int experts, int k, double s, double drift, uint64_t seed)
+      : E_(experts), k_(k), drift_(drift), rng_(seed), perm_(layers), cdf_(experts) {
+    double sum = 0;
+    for (int r = 0; r < E_; ++r) cdf_[r] = (sum += 1.0 / std::pow(r + 1.0, s));
+    for (double& c : cdf_) c /= sum;
+    for (auto& p : perm_) {
+      p.resize(E_);
+      for (int e = 0; e < E_; ++e) p[e] = e;
+      std::shuffle(p.begin(), p.end(), rng_);
+    }
+  }
+  // The c most popular experts of layer index li right now.
+  std::vector<int> Hottest(int li, int c) const {
+    std::vector<int> v(perm_[li].begin(), perm_[li].begin() + c);
+    std::sort(v.begin(), v.end());
+    return v;
+  }
+  void Step() {
+    std::uniform_int_distribution<int> pick(0, E_ - 2);
+    const int swaps = static_cast<int>(std::ceil(drift_ * E_));
+    for (auto& p : perm_)
+      for (int i = 0; i < swaps; ++i) {
+        const int r = pick(rng_);
+        std::swap(p[r], p[r + 1]);
+      }
+  }
+  // ids/weights [T, k] for layer index li.
+  void Route(int li, int T, int32_t* ids, float* w) {
+    std::uniform_real_distribution<double> u(0, 1);
+    for (int t = 0; t < T; ++t) {
+      float total = 0;
+      for (int j = 0; j < k_; ++j) {
+        int e;
+        bool dup;
+        do {
+          const int r = static_cast<int>(std::lower_bound(cdf_.begin(), cdf_.end(), u(rng_)) - cdf_.begin());
+          e = perm_[li][std::min(r, E_ - 1)];
+          dup = false;
+          for (int i = 0; i < j; ++i) dup |= ids[t * k_ + i] == e;
+        } while (dup);
+        ids[t * k_ + j] = e;
+        w[t * k_ + j] = static_cast<float>(0.2 + u(rng_));
+        total += w[t * k_ + j];
+      }
+      for (int j = 0; j < k_; ++j) w[t * k_ + j] /= total;
+    }
+  }
+
+ private:
+  int E_, k_;
+  double drift_;
+  std::mt19937_64 rng_;
+  std::vector<std::vector<int>> perm_;
+  std::vector<double> cdf_;
+};
+
+// Buffers in the backend's memory (device for cuda, host for cpu).
+class Buffers {
+ public:
+  explicit Buffers(bool device) : device_(device) {}
+  ~Buffers() {
+    for (void* p : ptrs_) {
+#ifdef MOE_HAVE_CUDA
+      if (device_) {
+        cudaFree(p);
+        continue;
+      }
+#endif
+      std::free(p);
+    }
+  }
+  template <typename T>
+  T* Alloc(size_t n) {
+    void* p = nullptr;
+#ifdef MOE_HAVE_CUDA
+    if (device_) {
+      if (cudaMalloc(&p, std::max<size_t>(n * sizeof(T), 256)) != cudaSuccess) Die("cudaMalloc failed");
+      ptrs_.push_back(p);
+      return static_cast<T*>(p);
+    }
+#endif
+    p = std::aligned_alloc(64, (std::max<size_t>(n * sizeof(T), 64) + 63) / 64 * 64);
+    ptrs_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  void Upload(void* dst, const void* src, size_t bytes) {
+#ifdef MOE_HAVE_CUDA
+    if (device_) {
+      if (cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess) Die("cudaMemcpy failed");
+      return;
+    }
+#endif
+    std::memcpy(dst, src, bytes);
+  }
+
+ private:
+  bool device_;
+  std::vector<void*> ptrs_;
+};
+
+struct Options {
+  std::string preset = "qwen3-30b-a3b", device = "auto", server_bin, modes = "ceiling,ours,ours-dual,lru-copy,copy-all";
+  int layers = 0, steps = 8, warmup = 3, server_threads = 0, context = 256, seed = 1;
+  std::string batches = "1,8,32,128,1024", cache = "10,25,50,100";
+  double zipf = 1.0, drift = 0.02, dram_gib = 2;
+};
+
+struct RunResult {
+  double step_s = 0, moe_s = 0, ideal_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0;
+};
+
+class Bench {
+ public:
+  Bench(const Options& o, const ModelSpec& spec, const ModelSource& source, const std::string& shm,
+        DeviceBackend* pin_backend, HostExpertStore* host, double dram_gbps)
+      : o_(o), spec_(spec), source_(source), shm_(shm), host_(host), dram_gbps_(dram_gbps) {
+    (void)pin_backend;
+  }
+
+  // One configuration: a fresh backend + dispatcher, warm-up, timed steps.
+  RunResult Run(int T, int C, CachePolicyKind policy, CopyMode copy, bool dual, const std::vector<double>* ceiling_layer) {
+    std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
+    DispatcherConfig c;
+    c.servers.push_back(ExpertServerConfig{"unix://" + shm_, {}});
+    c.transport.max_tokens_per_slot = 1024;
+    c.transport.slots = 8;
+    c.slots_per_layer = C;
+    c.policy = policy;
+    c.copy_mode = copy;
+    c.max_tokens = T;
+    c.max_top_k = spec_.top_k;
+    c.admissions_per_call = 2;
+    c.miss_buffers = 4;
+    c.measure_rates = copy == CopyMode::kAuto;
+    c.deadline = std::chrono::milliseconds(120000);
+    std::unique_ptr<LayerDispatcher> d = Value(LayerDispatcher::Create(spec_, *backend, host_, c), "dispatcher");
+    ZipfRouter router(static_cast<int>(spec_.moe_layers.size()), spec_.num_experts, spec_.top_k, o_.zipf,
+                      o_.drift, o_.seed);
+    // A warm cache, as a long-running worker has: the C most popular experts of
+    // each layer at the start (what a coordinator would place); the policy
+    // takes it from there.
+    for (size_t li = 0; li < spec_.moe_layers.size(); ++li)
+      Check(d->ApplyAssignment(spec_.moe_layers[li], router.Hottest(static_cast<int>(li), C)), "assign");
+    Check(d->FlushCopies(), "flush");
+    const bool device_mem = backend->has_device_memory();
+    const MemoryKind kind = device_mem ? MemoryKind::kDevice : MemoryKind::kHost;
+    // Attention on the same kind of device.
+    AttentionConfig ac = Value(AttentionConfigFor(spec_, T, o_.context + o_.warmup + o_.steps + 2, o_.seed), "attention config");
+    std::unique_ptr<AttentionStep> attn = Value(MakeAttentionStep(device_mem ? "cuda" : "cpu", ac), "attention");
+    Check(attn->PrefillCache(T, o_.context), "prefill");
+    Buffers buf(device_mem);
+    const int H = spec_.hidden, k = spec_.top_k, L = static_cast<int>(spec_.moe_layers.size());
+    bf16_t* h = buf.Alloc<bf16_t>(static_cast<size_t>(T) * H);
+    bf16_t* x = buf.Alloc<bf16_t>(static_cast<size_t>(T) * H);
+    int32_t* ids = buf.Alloc<int32_t>(static_cast<size_t>(T) * k);
+    float* w = buf.Alloc<float>(static_cast<size_t>(T) * k);
+    std::vector<bf16_t> h0(static_cast<size_t>(T) * H);
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> u(-1, 1);
+    for (bf16_t& v : h0) v = F32ToBf16(u(rng));
+    buf.Upload(h, h0.data(), h0.size() * sizeof(bf16_t));
+    std::vector<int32_t> hid(static_cast<size_t>(T) * k);
+    std::vector<float> hw(hid.size());
+    std::vector<int32_t> pos(T);
+
+    RunResult r;
+    std::vector<double> step_t, moe_t, ideal_t;
+    uint64_t hits = 0, cpu = 0, copied = 0;
+    layer_t_.assign(L, 0);
+    std::vector<std::vector<double>> layer_samples(L);
+    const int TA = dual ? T / 2 : T;
+    for (int step = 0; step < o_.warmup + o_.steps; ++step) {
+      const bool timed = step >= o_.warmup;
+      for (int t = 0; t < T; ++t) pos[t] = o_.context + step;
+      router.Step();
+      double moe = 0, ideal = 0;
+      const Clock::time_point s0 = Clock::now();
+      for (int li = 0; li < L; ++li) {
+        const int layer = spec_.moe_layers[li];
+        // The routing of this layer (generated on the host, as the router's output would be on the device).
+        router.Route(li, T, hid.data(), hw.data());
+        CallStats st[2];
+        double layer_moe = 0;
+        if (!dual || TA == 0) {
+          Check(attn->Run(li, T, pos.data(), h, x, ids, w), "attention");
+          buf.Upload(ids, hid.data(), hid.size() * sizeof(int32_t));
+          buf.Upload(w, hw.data(), hw.size() * sizeof(float));
+          const Clock::time_point m0 = Clock::now();
+          Check(d->Forward(LayerCall{layer, T, k, x, ids, w, h, kind, {}}, &st[0]), "forward");
+          layer_moe = Sec(m0);
+        } else {
+          // Micro-batch A's misses go out, then B's attention and hits run meanwhile.
+          const int TB = T - TA;
+          const size_t offB = static_cast<size_t>(TA) * H, offBk = static_cast<size_t>(TA) * k;
+          Check(attn->Run(li, TA, pos.data(), h, x, ids, w), "attention A");
+          buf.Upload(ids, hid.data(), hid.size() * sizeof(int32_t));
+          buf.Upload(w, hw.data(), hw.size() * sizeof(float));
+          const Clock::time_point m0 = Clock::now();
+          const int ta = Value(d->Submit(LayerCall{layer, TA, k, x, ids, w, h, kind, {}}), "submit A");
+          layer_moe += Sec(m0);
+          Check(attn->Run(li, TB, pos.data() + TA, h + offB, x + offB, ids + offBk, w + offBk), "attention B");
+          buf.Upload(ids + offBk, hid.data() + offBk, static_cast<size_t>(TB) * k * sizeof(int32_t));
+          buf.Upload(w + offBk, hw.data() + offBk, static_cast<size_t>(TB) * k * sizeof(float));
+          const Clock::time_point m1 = Clock::now();
+          const int tb = Value(d->Submit(LayerCall{layer, TB, k, x + offB, ids + offBk, w + offBk, h + offB, kind, {}}), "submit B");
+          Check(d->Complete(ta, &st[0]), "complete A");
+          Check(d->Complete(tb, &st[1]), "complete B");
+          layer_moe += Sec(m1);
+        }
+        moe += layer_moe;
+        if (timed) {
+          layer_samples[li].push_back(layer_moe);
+          int cpu_experts = 0;
+          for (const CallStats& s : st) {
+            hits += s.hit_pairs;
+            cpu += s.cpu_pairs;
+            copied += s.copied_pairs;
+            cpu_experts += s.cpu_experts;
+          }
+          const double cpu_floor = cpu_experts * static_cast<double>(spec_.ExpertBf16Bytes()) / (dram_gbps_ * 1e9);
+          const double gpu = ceiling_layer != nullptr ? (*ceiling_layer)[li] : 0;
+          ideal += std::max(gpu, cpu_floor);
+        }
+      }
+      if (timed) {
+        step_t.push_back(Sec(s0));
+        moe_t.push_back(moe);
+        ideal_t.push_back(ideal);
+      }
+    }
+    for (int li = 0; li < L; ++li) layer_t_[li] = Median(layer_samples[li]);
+    r.step_s = Median(step_t);
+    r.moe_s = Median(moe_t);
+    r.ideal_s = Median(ideal_t);
+    const double pairs = static_cast<double>(hits + cpu + copied);
+    r.hit_rate = pairs > 0 ? hits / pairs : 0;
+    r.cpu_share = pairs > 0 ? cpu / pairs : 0;
+    r.copied_share = pairs > 0 ? copied / pairs : 0;
+    if (d->cost_model().measured) cost_ = d->cost_model().Describe();
+    return r;
+  }
+
+  // Median time to copy every expert of one layer to the device (through 4 buffers).
+  double CopyAllLayer() {
+    std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
+    BackendConfig bc;
+    bc.hidden = spec_.hidden;
+    bc.intermediate = spec_.intermediate;
+    bc.num_buffers = 4;
+    bc.max_tokens = 1;
+    bc.contexts = 1;
+    Check(backend->Init(bc), "backend init");
+    std::vector<double> t;
+    for (int rep = 0; rep < 3; ++rep) {
+      const Clock::time_point t0 = Clock::now();
+      uint64_t f = 0;
+      for (int e = 0; e < spec_.num_experts; ++e)
+        f = Value(backend->LoadExpert(e % 4, host_->Find(spec_.moe_layers[0], e), 0), "load");
+      Check(backend->WaitCopy(f), "wait");
+      t.push_back(Sec(t0));
+    }
+    return Median(t);
+  }
+
+  const std::vector<double>& layer_times() const { return layer_t_; }
+  const std::string& cost() const { return cost_; }
+
+ private:
+  const Options& o_;
+  const ModelSpec& spec_;
+  const ModelSource& source_;
+  std::string shm_;
+  HostExpertStore* host_;
+  double dram_gbps_;
+  std::vector<double> layer_t_;
+  std::string cost_;
+};
+
+std::string Ms(double s) { return absl::StrFormat("%.3f", s * 1e3); }
+
+int Main(int argc, char** argv) {
+  Options o;
+  FlagSet flags("moe_layer",
+                "[--preset qwen3-30b-a3b] [--layers N] [--batches 1,8,...] [--cache 10,25,...]\n"
+                "End-to-end MoE decode steps on a GPU worker with a CPU expert server over shm; prints a\n"
+                "Markdown table (ours vs all-on-GPU, copy-every-miss LRU, copy-all-experts, and the ideal).");
+  flags.String("preset", &o.preset, "model geometry: qwen3-30b-a3b, deepseek-v3, mixtral-8x7b, tiny, ...");
+  int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context;
+  flags.Int("layers", &layers, "MoE layers (0: as many as fit twice in host memory: server + worker copy)");
+  flags.String("batches", &o.batches, "tokens per decode step");
+  flags.String("cache", &o.cache, "cache sizes, percent of each layer's experts");
+  flags.String("modes", &o.modes, "ceiling, ours, ours-dual, lru-copy, copy-all");
+  flags.Int("steps", &steps, "timed decode steps per configuration");
+  flags.Int("warmup", &warmup, "untimed steps first (the cache warms up)");
+  flags.Int("server-threads", &threads, "expert server compute threads (0: all cores but one)");
+  flags.Int("context", &context, "KV cache positions each sequence already has");
+  flags.Double("zipf", &o.zipf, "Zipf exponent of expert popularity");
+  flags.Double("drift", &o.drift, "share of adjacent popularity ranks swapped per step");
+  flags.String("device", &o.device, "worker backend: auto, cuda or cpu");
+  flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
+  flags.Parse(argc, argv);
+  o.steps = static_cast<int>(steps);
+  o.warmup = static_cast<int>(warmup);
+  o.context = static_cast<int>(context);
+  const int ncpu = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  o.server_threads = threads > 0 ? static_cast<int>(threads) : std::max(1, ncpu - 1);
+
+  ModelSpec full = Value(PresetSpec(o.preset), "preset");
+  if (layers <= 0) {
+    const double per_layer = 2.0 * full.num_experts * full.ExpertBf16Bytes();
+    const double avail = static_cast<double>(AvailableMemoryBytes());
+    layers = std::max<int64_t>(1, static_cast<int64_t>(avail * 0.8 / per_layer));
+    layers = std::min<int64_t>(layers, static_cast<int64_t>(full.moe_layers.size()));
+  }
+  // Dense leading layers (DeepSeek) are kept out: every layer of the bench model is an MoE layer.
+  const int first_moe = full.moe_layers.front();
+  const std::string uri = absl::StrCat("synthetic:", o.preset, ":layers=", first_moe + layers, ":seed=", o.seed);
+  std::unique_ptr<ModelSource> source = Value(OpenModel(uri), "model");
+  const ModelSpec& spec = source->spec();
+
+  // DRAM bandwidth, measured before the server starts.
+  double dram_gbps = 0;
+  std::string dram_note;
+  {
+    std::unique_ptr<NumaBinding> numa = Value(NumaBinding::Create("auto", o.server_threads), "numa");
+    ComputePool pool(*numa);
+    const CpuFeatures& cpu = CpuFeatures::Get();
+    DramBandwidth bw = MeasureDramBandwidth(*numa, pool, o.dram_gib, cpu.avx512f && cpu.os_avx512);
+    dram_gbps = bw.gbps;
+    dram_note = bw.note;
+  }
+
+  // The expert server process.
+  std::string server_bin = o.server_bin;
+  if (server_bin.empty()) {
+    const std::filesystem::path self = std::filesystem::canonical("/proc/self/exe").parent_path();
+    for (const auto& p : {self / "moe-expert-server", self / ".." / "cpu_expert_server" / "moe-expert-server"})
+      if (std::filesystem::exists(p)) server_bin = p.string();
+  }
+  if (server_bin.empty()) Die("cannot find moe-expert-server (use --server-bin)");
+  char dir_tmpl[] = "/tmp/moe_layer_XXXXXX";
+  const std::string dir = mkdtemp(dir_tmpl);
+  const std::string shm = dir + "/expert.sock";
+  LogInfo("bench", "model ", spec.Summary(), "; starting ", server_bin, " with ", o.server_threads, " threads");
+  Subprocess server(server_bin, {"--model=" + uri, "--shm-socket=" + shm, "--insecure", "--listen=127.0.0.1:0",
+                                 absl::StrCat("--threads=", o.server_threads), "--max-tokens=4096"});
+  const std::string ready = server.ReadLine(std::chrono::minutes(10));
+  if (ready.find("ready on") == std::string::npos) Die("expert server did not start");
+
+  // The worker's host copy of the experts (pinned through a backend kept alive for the run).
+  std::unique_ptr<DeviceBackend> pin = Value(MakeDeviceBackend(o.device), "device");
+  {
+    BackendConfig bc;
+    bc.hidden = spec.hidden;
+    bc.intermediate = spec.intermediate;
+    bc.num_buffers = 1;
+    bc.max_tokens = 1;
+    bc.contexts = 1;
+    Check(pin->Init(bc), "backend init");
+  }
+  const Clock::time_point h0 = Clock::now();
+  std::unique_ptr<HostExpertStore> host = Value(HostExpertStore::Load(*source, spec.moe_layers, pin.get()), "host store");
+  LogInfo("bench", "host expert store: ", host->bytes() >> 20, " MiB in ", Sec(h0), " s; DRAM ", dram_gbps, " GB/s");
+
+  Bench bench(o, spec, *source, shm, pin.get(), host.get(), dram_gbps);
+  const std::vector<std::string> modes = absl::StrSplit(o.modes, ',', absl::SkipEmpty());
+  auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
+  const int L = static_cast<int>(spec.moe_layers.size());
+  const double copy_all_layer = has("copy-all") ? bench.CopyAllLayer() : 0;
+
+  std::printf("\n### moe_layer: %s, %d MoE layers, backend %s, server %d threads over shm\n\n", o.preset.c_str(), L,
+              pin->name(), o.server_threads);
+  std::printf("DRAM read %.1f GB/s (%s); expert %.1f MB; Zipf %.2f, drift %.3f; %d warm-up + %d timed steps "
+              "(medians); context %d.\n\n",
+              dram_gbps, dram_note.c_str(), spec.ExpertBf16Bytes() / 1e6, o.zipf, o.drift, o.warmup, o.steps,
+              o.context);
+  std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-dual step ms | lru-copy step ms | "
+              "copy-all step ms | ideal step ms | ours/ideal | lru-copy/ours | hit | cpu | copied |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int T : Ints(o.batches)) {
+    // Ceiling: every expert resident, nothing missed.
+    RunResult ceil = bench.Run(T, spec.num_experts, CachePolicyKind::kStatic, CopyMode::kNever, false, nullptr);
+    const std::vector<double> ceil_layer = bench.layer_times();
+    const double copy_all_step = ceil.step_s - ceil.moe_s + L * std::max(copy_all_layer, ceil.moe_s / L);
+    for (int pct : Ints(o.cache)) {
+      const int C = std::max(0, std::min(spec.num_experts, static_cast<int>(std::lround(pct / 100.0 * spec.num_experts))));
+      RunResult ours, dual, lru;
+      if (has("ours")) ours = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false, &ceil_layer);
+      if (has("ours-dual") && T >= 2) dual = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true, &ceil_layer);
+      if (has("lru-copy")) lru = bench.Run(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false, nullptr);
+      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %.2f | %.2f | %.0f%% | %.0f%% | %.0f%% |\n", T,
+                  pct, C, Ms(ceil.step_s).c_str(), Ms(ours.step_s).c_str(), Ms(ours.moe_s / L).c_str(),
+                  T >= 2 ? Ms(dual.step_s).c_str() : "-", Ms(lru.step_s).c_str(), Ms(copy_all_step).c_str(),
+                  Ms(ours.ideal_s).c_str(), ours.ideal_s > 0 ? ours.step_s / ours.ideal_s : 0.0,
+                  ours.step_s > 0 ? lru.step_s / ours.step_s : 0.0, 100 * ours.hit_rate, 100 * ours.cpu_share,
+                  100 * ours.copied_share);
+      std::fflush(stdout);
+    }
+  }
+  std::printf("\ncopy model (last run): %s\n", bench.cost().c_str());
+  server.Signal(SIGTERM);
+  server.Wait(std::chrono::seconds(30));
+  std::filesystem::remove_all(dir);
+  return 0;
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) { return moe::Main(argc, argv); }

@@ -1,0 +1,94 @@
+#include "core/subprocess.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace moe {
+
+Subprocess::Subprocess(const std::string& binary, const std::vector<std::string>& args) {
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return;
+  pid_ = fork();
+  if (pid_ == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test
+    dup2(fds[1], 1);
+    std::vector<char*> argv;
+    argv.push_back(const_cast<char*>(binary.c_str()));
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(binary.c_str(), argv.data());
+    _exit(127);
+  }
+  close(fds[1]);
+  out_fd_ = fds[0];
+}
+
+Subprocess::~Subprocess() {
+  if (pid_ > 0) {
+    kill(pid_, SIGKILL);
+    int st;
+    waitpid(pid_, &st, 0);
+  }
+  if (out_fd_ >= 0) close(out_fd_);
+}
+
+std::string Subprocess::ReadLine(std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    if (size_t nl = buffer_.find('\n'); nl != std::string::npos) {
+      std::string line = buffer_.substr(0, nl);
+      buffer_.erase(0, nl + 1);
+      return line;
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+    if (left.count() <= 0 || out_fd_ < 0) return "";
+    pollfd p{out_fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(left.count())) <= 0) return "";
+    char buf[4096];
+    const ssize_t n = read(out_fd_, buf, sizeof(buf));
+    if (n <= 0) return "";
+    buffer_.append(buf, n);
+  }
+}
+
+std::string Subprocess::ReadAll(std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
+    if (left.count() <= 0 || out_fd_ < 0) break;
+    pollfd p{out_fd_, POLLIN, 0};
+    if (poll(&p, 1, static_cast<int>(left.count())) <= 0) break;
+    char buf[4096];
+    const ssize_t n = read(out_fd_, buf, sizeof(buf));
+    if (n <= 0) break;
+    buffer_.append(buf, n);
+  }
+  std::string all;
+  all.swap(buffer_);
+  return all;
+}
+
+void Subprocess::Signal(int sig) {
+  if (pid_ > 0) kill(pid_, sig);
+}
+
+int Subprocess::Wait(std::chrono::milliseconds timeout) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (pid_ > 0) {
+    int st;
+    const pid_t r = waitpid(pid_, &st, WNOHANG);
+    if (r == pid_) {
+      pid_ = -1;
+      return st;
+    }
+    if (std::chrono::steady_clock::now() > end) return -1;
+    usleep(10000);
+  }
+  return -1;
+}
+
+}  // namespace moe

@@ -1,0 +1,36 @@
+// Subprocess: a child process running one of our binaries, used by the
+// multi-process tests, the benchmarks and the demo driver. Its stdout is a
+// pipe the parent reads lines from; stderr is inherited. The child gets
+// SIGKILL when the parent dies (PR_SET_PDEATHSIG) and on destruction if it is
+// still running. Not thread-safe.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace moe {
+
+class Subprocess {
+ public:
+  Subprocess(const std::string& binary, const std::vector<std::string>& args);
+  ~Subprocess();
+  pid_t pid() const { return pid_; }
+  // Next stdout line, or "" after timeout / EOF.
+  std::string ReadLine(std::chrono::milliseconds timeout);
+  // Everything the child writes to stdout until it closes it (or timeout).
+  std::string ReadAll(std::chrono::milliseconds timeout);
+  // Sends a signal; Wait returns the exit status (as from waitpid) or -1 on timeout.
+  void Signal(int sig);
+  int Wait(std::chrono::milliseconds timeout);
+  bool running() const { return pid_ > 0; }
+
+ private:
+  pid_t pid_ = -1;
+  int out_fd_ = -1;
+  std::string buffer_;
+};
+
+}  // namespace moe
