@@ -9,6 +9,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "core/model_source.h"
 #include "core/reference_moe.h"
@@ -59,7 +60,10 @@ Batch RandomBatch(int T, int k, const std::vector<int>& experts, uint64_t seed, 
 
 std::vector<int> AllExperts() { return {0, 1, 2, 3, 4, 5, 6, 7}; }
 
-class DispatcherTest : public ::testing::TestWithParam<std::string> {
+// Parameter: (device backend, transport).
+using Param = std::tuple<std::string, std::string>;
+
+class DispatcherTest : public ::testing::TestWithParam<Param> {
  protected:
   static void SetUpTestSuite() {
     source_ = OpenModel(kModel)->release();
@@ -69,6 +73,12 @@ class DispatcherTest : public ::testing::TestWithParam<std::string> {
     delete reference_;
     delete source_;
   }
+  void SetUp() override {
+    absl::StatusOr<std::unique_ptr<DeviceBackend>> b = MakeDeviceBackend(backend_name());
+    if (!b.ok()) GTEST_SKIP() << backend_name() << " backend unavailable: " << b.status().message();
+  }
+  const std::string& backend_name() const { return std::get<0>(GetParam()); }
+  const std::string& transport() const { return std::get<1>(GetParam()); }
 
   // Starts one expert server (extra flags, e.g. --experts=0-3); returns the
   // address the worker should use for the test's transport.
@@ -80,7 +90,7 @@ class DispatcherTest : public ::testing::TestWithParam<std::string> {
     const std::string addr = testing::StartExpertServer(&s, args);
     servers_.emplace_back(s);
     EXPECT_FALSE(addr.empty());
-    return GetParam() == "shm" ? "unix://" + sock : addr;
+    return transport() == "shm" ? "unix://" + sock : addr;
   }
 
   DispatcherConfig Config(const std::vector<std::string>& addresses) {
@@ -95,7 +105,7 @@ class DispatcherTest : public ::testing::TestWithParam<std::string> {
   }
 
   std::unique_ptr<LayerDispatcher> Make(DispatcherConfig c, bool host_copy = true) {
-    backend_ = *MakeDeviceBackend("cpu");
+    backend_ = *MakeDeviceBackend(backend_name());
     if (host_copy) host_ = *HostExpertStore::Load(*source_, {1, 2}, backend_.get(), 2);
     absl::StatusOr<std::unique_ptr<LayerDispatcher>> d =
         LayerDispatcher::Create(source_->spec(), *backend_, host_copy ? host_.get() : nullptr, std::move(c));
@@ -407,8 +417,11 @@ TEST_P(DispatcherTest, MeasuredRatesDriveTheCopyDecision) {
   EXPECT_EQ(st.cpu_pairs + st.copied_pairs, 400);
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, DispatcherTest, ::testing::Values("shm", "grpc"),
-                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+INSTANTIATE_TEST_SUITE_P(Backends, DispatcherTest,
+                         ::testing::Combine(::testing::Values("cpu", "cuda"), ::testing::Values("shm", "grpc")),
+                         [](const ::testing::TestParamInfo<Param>& i) {
+                           return std::get<0>(i.param) + "_" + std::get<1>(i.param);
+                         });
 
 }  // namespace
 }  // namespace moe

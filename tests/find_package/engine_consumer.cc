@@ -1,0 +1,20 @@
+// Uses the installed client library the way an engine would: a session over a
+// model with no expert server reachable must fail cleanly, a bad device name
+// must be InvalidArgument. Prints "ok" when both hold.
+#include <cstdio>
+
+#include "client/moe_session.h"
+
+int main() {
+  moe::SessionOptions o;
+  o.model = "synthetic:tiny";
+  o.device = "no-such-device";
+  o.servers = {"unix:///nonexistent/socket"};
+  absl::StatusOr<std::unique_ptr<moe::MoeSession>> s = moe::MoeSession::Open(o);
+  if (s.ok() || !absl::IsInvalidArgument(s.status())) return 1;
+  o.device = "cpu";
+  s = moe::MoeSession::Open(o);
+  if (s.ok()) return 2;
+  std::printf("ok: %s\n", std::string(s.status().message()).c_str());
+  return 0;
+}
