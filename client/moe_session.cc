@@ -41,6 +41,7 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   c.contexts = o.contexts;
   c.deadline = o.deadline;
   c.transport.tls = o.tls;
+  c.on_access = o.on_access;
 
   absl::StatusOr<std::unique_ptr<DeviceBackend>> backend = MakeDeviceBackend(o.device);
   if (!backend.ok()) return backend.status();
@@ -95,6 +96,10 @@ absl::Status MoeSession::ApplyAssignment(int layer, const std::vector<int>& expe
   return dispatcher_->ApplyAssignment(layer, experts);
 }
 absl::Status MoeSession::FlushCopies() { return dispatcher_->FlushCopies(); }
+int MoeSession::PendingCopies() { return dispatcher_->PendingCopies(); }
+absl::Status MoeSession::SetServerEnabled(const std::string& address, bool enabled) {
+  return dispatcher_->SetServerEnabled(address, enabled);
+}
 const ExpertCache& MoeSession::cache() const { return dispatcher_->cache(); }
 const CostModel& MoeSession::cost_model() const { return dispatcher_->cost_model(); }
 int MoeSession::slots_per_layer() const { return dispatcher_->slots_per_layer(); }

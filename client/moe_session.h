@@ -36,6 +36,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -69,6 +70,8 @@ struct SessionOptions {
   TlsOptions tls;                      // for host:port servers
   std::chrono::milliseconds deadline{30000};
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
+  // Per-call access counts, e.g. for a coordinator agent (see DispatcherConfig::on_access).
+  std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
 };
 
 class MoeSession {
@@ -95,6 +98,9 @@ class MoeSession {
   // Cache placement pushed from outside (coordinator or operator): between calls.
   absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);
   absl::Status FlushCopies();
+  int PendingCopies();
+  // Stop / resume sending misses to one expert server (drain, server down).
+  absl::Status SetServerEnabled(const std::string& address, bool enabled);
 
   const ExpertCache& cache() const;
   const CostModel& cost_model() const;

@@ -63,6 +63,7 @@ struct Server {
   std::unique_ptr<ExpertTransport> transport;
   std::vector<bool> hosts;        // per expert
   Clock::time_point down_until{};  // skipped until then after a failure
+  bool enabled = true;             // false: drained / marked down by the coordinator
   bool registered = false;         // HostMapping registered with the backend
   int chunk_tokens = 0;            // most tokens per staged batch
 };
@@ -353,6 +354,20 @@ absl::Status LayerDispatcher::FlushCopies() {
   return absl::OkStatus();
 }
 
+int LayerDispatcher::PendingCopies() {
+  PollCopies();
+  return static_cast<int>(impl_->pending.size());
+}
+
+absl::Status LayerDispatcher::SetServerEnabled(const std::string& address, bool enabled) {
+  for (Server& s : impl_->servers)
+    if (s.config.address == address) {
+      s.enabled = enabled;
+      return absl::OkStatus();
+    }
+  return absl::NotFoundError("servers: no server " + address);
+}
+
 absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>& experts) {
   if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not served by this worker"));
@@ -451,7 +466,7 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   server_of.assign(E, -1);  // missed experts: server index, or -1 = copy
   for (int e : m.missed)
     for (size_t s = 0; s < m.servers.size(); ++s)
-      if (m.servers[s].hosts[e] && m.servers[s].down_until <= now) {
+      if (m.servers[s].hosts[e] && m.servers[s].enabled && m.servers[s].down_until <= now) {
         server_of[e] = static_cast<int>(s);
         break;
       }
@@ -624,6 +639,11 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
   // 3. Bookkeeping; copy-every-miss admits the copied experts into the cache
   // (the plain LRU offload), computing them from their new slots.
   cache_->RecordAccess(call.layer, m.access_experts, m.access_pairs);
+  if (config_.on_access)
+    for (int e : m.access_experts) {
+      if (m.hit_count[e] > 0) config_.on_access(call.layer, e, m.hit_count[e], true);
+      if (m.miss_count[e] > 0) config_.on_access(call.layer, e, m.miss_count[e], false);
+    }
   auto pairs_of = [&](int e, std::vector<int32_t>* tokens, std::vector<float>* weights) {
     for (size_t i = 0; i < ctx.ids.size(); ++i)
       if (ctx.ids[i] == e) {
@@ -769,7 +789,7 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
       int next = -1;
       const Clock::time_point now = Clock::now();
       for (size_t s = 0; s < m.servers.size() && next < 0; ++s) {
-        if (static_cast<int>(s) == sh.server || m.servers[s].down_until > now) continue;
+        if (static_cast<int>(s) == sh.server || !m.servers[s].enabled || m.servers[s].down_until > now) continue;
         bool all = true;
         for (int32_t e : sh.ids) all = all && (e < 0 || m.servers[s].hosts[e]);
         if (all) next = static_cast<int>(s);

@@ -36,6 +36,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,6 +84,9 @@ struct DispatcherConfig {
   std::chrono::milliseconds deadline{30000};  // per call
   std::chrono::milliseconds server_retry{1000};  // a failed server is skipped this long
   bool measure_rates = true;       // probe PCIe / device / CPU rates at Create
+  // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
+  // all hits or all misses (e.g. CoordinatorAgent::RecordAccess). Optional.
+  std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
 };
 
 // Rates measured at Create (seconds); the copy-instead decision uses them.
@@ -147,6 +151,13 @@ class LayerDispatcher {
   absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);
   // Waits for every cache copy in flight and makes the slots Ready.
   absl::Status FlushCopies();
+  // Cache copies still in flight (completed ones are collected first).
+  int PendingCopies();
+  // Stops (false) or resumes (true) routing misses to the server with this
+  // address (an operator drain, or a server the coordinator marked down);
+  // its experts go to other servers hosting them, else to the device.
+  // NotFound for an unknown address.
+  absl::Status SetServerEnabled(const std::string& address, bool enabled);
 
   const ExpertCache& cache() const { return *cache_; }
   const CostModel& cost_model() const { return cost_; }
