@@ -1,0 +1,254 @@
+#include "bench/routing_trace.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <map>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace moe {
+
+namespace {
+
+std::string ShellQuote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Reads `path` line by line (through `xz -dc` for *.xz).
+absl::Status ForEachLine(const std::string& path, const std::function<absl::Status(const std::string&)>& fn) {
+  const bool xz = EndsWith(path, ".xz");
+  FILE* f = xz ? popen(("xz -dc -- " + ShellQuote(path)).c_str(), "r") : fopen(path.c_str(), "r");
+  if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  std::string line;
+  char buf[1 << 16];
+  absl::Status st;
+  while (st.ok() && fgets(buf, sizeof(buf), f) != nullptr) {
+    line += buf;
+    if (line.back() != '\n' && !feof(f)) continue;
+    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
+    if (!line.empty()) st = fn(line);
+    line.clear();
+  }
+  const int rc = xz ? pclose(f) : fclose(f);
+  if (st.ok() && rc != 0) return absl::DataLossError(absl::StrCat("reading '", path, "' failed (", xz ? "xz -dc" : "read", " status ", rc, ")"));
+  return st;
+}
+
+void Aggregate(const std::vector<int>& ids, int num_experts, std::vector<ExpertAccess>* out) {
+  std::map<int, int> count;
+  for (int e : ids) {
+    if (e >= 0 && e < num_experts) ++count[e];
+  }
+  out->clear();
+  for (auto [e, n] : count) out->push_back({e, n});
+}
+
+}  // namespace
+
+uint64_t RoutingTrace::Pairs(int layer) const {
+  uint64_t n = 0;
+  for (const auto& s : steps) {
+    for (const ExpertAccess& a : s[layer]) n += a.pairs;
+  }
+  return n;
+}
+
+absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path) {
+  RoutingTrace t;
+  t.source = path;
+  enum class Kind { kUnknown, kOurs, kRecords } kind = Kind::kUnknown;
+  // Ours: (step, layer) -> token lists. Records: (problem, token) -> layer -> experts.
+  std::map<int, std::map<int, std::vector<int>>> ours;
+  std::map<std::pair<int64_t, int64_t>, std::map<int, std::vector<int>>> records;
+  int max_expert = -1, max_layer = -1;
+  int64_t line_no = 0;
+  absl::Status st = ForEachLine(path, [&](const std::string& line) -> absl::Status {
+    ++line_no;
+    nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    auto bad = [&](const std::string& what) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ":", line_no, ": ", what));
+    };
+    if (!j.is_object()) return bad("not a JSON object");
+    try {
+      if (j.contains("format")) {
+        if (j["format"] != "moe-routing-trace") return bad("unknown \"format\"");
+        kind = Kind::kOurs;
+        t.num_layers = j.at("num_layers").get<int>();
+        t.num_experts = j.at("num_experts").get<int>();
+        t.top_k = j.at("top_k").get<int>();
+        if (j.contains("generator")) t.source += " " + j["generator"].dump();
+        return absl::OkStatus();
+      }
+      if (j.contains("topk")) {
+        if (kind != Kind::kOurs) return bad("\"topk\" line before the header line");
+        const int step = j.at("step").get<int>(), layer = j.at("layer").get<int>();
+        if (layer < 0 || layer >= t.num_layers) return bad(absl::StrCat("layer ", layer, " out of range"));
+        std::vector<int>& ids = ours[step][layer];
+        for (const auto& token : j["topk"]) {
+          for (const auto& e : token) ids.push_back(e.get<int>());
+        }
+        return absl::OkStatus();
+      }
+      if (j.contains("experts") && j.contains("token_idx")) {
+        if (kind == Kind::kOurs) return bad("recorded routing mixed into a moe-routing-trace file");
+        kind = Kind::kRecords;
+        const int64_t problem = j.value("problem_id", int64_t{0});
+        const int layer = j.at("layer").get<int>();
+        if (layer < 0) return bad("negative layer");
+        std::vector<int>& ids = records[{problem, j.at("token_idx").get<int64_t>()}][layer];
+        for (const auto& e : j["experts"]) {
+          ids.push_back(e.get<int>());
+          max_expert = std::max(max_expert, ids.back());
+        }
+        max_layer = std::max(max_layer, layer);
+        t.top_k = std::max<int>(t.top_k, j["experts"].size());
+        return absl::OkStatus();
+      }
+    } catch (const nlohmann::json::exception& e) {
+      return bad(e.what());
+    }
+    return bad("neither a moe-routing-trace line nor a routing record");
+  });
+  if (!st.ok()) return st;
+  if (kind == Kind::kOurs) {
+    for (auto& [step, layers] : ours) {
+      std::vector<std::vector<ExpertAccess>> s(t.num_layers);
+      for (auto& [layer, ids] : layers) Aggregate(ids, t.num_experts, &s[layer]);
+      t.steps.push_back(std::move(s));
+    }
+  } else if (kind == Kind::kRecords) {
+    t.num_layers = max_layer + 1;
+    t.num_experts = max_expert + 1;
+    for (auto& [key, layers] : records) {
+      std::vector<std::vector<ExpertAccess>> s(t.num_layers);
+      for (auto& [layer, ids] : layers) Aggregate(ids, t.num_experts, &s[layer]);
+      t.steps.push_back(std::move(s));
+    }
+  }
+  if (t.steps.empty() || t.num_layers <= 0 || t.num_experts <= 0)
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "': no routing in it"));
+  return t;
+}
+
+void GenerateRoutingTrace(const SyntheticTraceOptions& o,
+                          const std::function<void(int, int, const std::vector<std::vector<int>>&)>& emit) {
+  std::mt19937_64 rng(o.seed);
+  const int ne = o.num_experts;
+  std::vector<double> rank_weight(ne);
+  for (int r = 0; r < ne; ++r) rank_weight[r] = 1.0 / std::pow(r + 1.0, o.zipf);
+  struct LayerState {
+    std::vector<int> expert_of_rank;  // the layer's own hot set, drifting
+    std::vector<int> burst_left;      // [expert] steps of burst left
+  };
+  std::vector<LayerState> layers(o.num_layers);
+  for (LayerState& l : layers) {
+    l.expert_of_rank.resize(ne);
+    for (int r = 0; r < ne; ++r) l.expert_of_rank[r] = r;
+    std::shuffle(l.expert_of_rank.begin(), l.expert_of_rank.end(), rng);
+    l.burst_left.assign(ne, 0);
+  }
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  const int hot = std::max(1, ne / 4);
+  std::vector<double> weight(ne), cumulative(ne);
+  std::vector<std::vector<int>> topk(o.tokens_per_step, std::vector<int>(o.top_k));
+  std::vector<bool> taken(ne);
+  for (int step = 0; step < o.steps; ++step) {
+    for (int li = 0; li < o.num_layers; ++li) {
+      LayerState& l = layers[li];
+      if (o.drift_every > 0 && step > 0 && step % o.drift_every == 0) {
+        for (int k = 0; k < o.drift_swaps; ++k) {
+          const int a = static_cast<int>(uni(rng) * hot), b = hot + static_cast<int>(uni(rng) * (ne - hot));
+          std::swap(l.expert_of_rank[a], l.expert_of_rank[std::min(b, ne - 1)]);
+        }
+      }
+      if (uni(rng) < o.burst_rate) l.burst_left[static_cast<int>(uni(rng) * ne) % ne] = o.burst_steps;
+      for (int r = 0; r < ne; ++r) {
+        const int e = l.expert_of_rank[r];
+        weight[e] = l.burst_left[e] > 0 ? rank_weight[0] : rank_weight[r];
+      }
+      for (int e = 0; e < ne; ++e) {
+        if (l.burst_left[e] > 0) --l.burst_left[e];
+      }
+      for (auto& token : topk) {
+        std::fill(taken.begin(), taken.end(), false);
+        for (int j = 0; j < o.top_k; ++j) {
+          // Draw without replacement: renormalise over the experts not taken yet.
+          double total = 0;
+          for (int e = 0; e < ne; ++e) {
+            total += taken[e] ? 0.0 : weight[e];
+            cumulative[e] = total;
+          }
+          const double x = uni(rng) * total;
+          int e = static_cast<int>(std::upper_bound(cumulative.begin(), cumulative.end(), x) - cumulative.begin());
+          e = std::min(e, ne - 1);
+          while (taken[e]) e = (e + 1) % ne;  // only on rounding at the edge
+          taken[e] = true;
+          token[j] = e;
+        }
+      }
+      emit(step, li, topk);
+    }
+  }
+}
+
+RoutingTrace GenerateRoutingTrace(const SyntheticTraceOptions& o) {
+  RoutingTrace t;
+  t.num_layers = o.num_layers;
+  t.num_experts = o.num_experts;
+  t.top_k = o.top_k;
+  t.source = "synthetic";
+  t.steps.assign(o.steps, std::vector<std::vector<ExpertAccess>>(o.num_layers));
+  std::vector<int> ids;
+  GenerateRoutingTrace(o, [&](int step, int layer, const std::vector<std::vector<int>>& topk) {
+    ids.clear();
+    for (const auto& token : topk) ids.insert(ids.end(), token.begin(), token.end());
+    Aggregate(ids, o.num_experts, &t.steps[step][layer]);
+  });
+  return t;
+}
+
+absl::Status WriteSyntheticTrace(const SyntheticTraceOptions& o, const std::string& path) {
+  const bool xz = EndsWith(path, ".xz");
+  FILE* f = xz ? popen(("xz -c > " + ShellQuote(path)).c_str(), "w") : fopen(path.c_str(), "w");
+  if (f == nullptr) return absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
+  nlohmann::json header = {{"format", "moe-routing-trace"},
+                           {"version", 1},
+                           {"num_layers", o.num_layers},
+                           {"num_experts", o.num_experts},
+                           {"top_k", o.top_k},
+                           {"generator",
+                            {{"tokens_per_step", o.tokens_per_step},
+                             {"steps", o.steps},
+                             {"zipf", o.zipf},
+                             {"drift_every", o.drift_every},
+                             {"drift_swaps", o.drift_swaps},
+                             {"burst_rate", o.burst_rate},
+                             {"burst_steps", o.burst_steps},
+                             {"seed", o.seed}}}};
+  std::fprintf(f, "%s\n", header.dump().c_str());
+  std::string line;
+  GenerateRoutingTrace(o, [&](int step, int layer, const std::vector<std::vector<int>>& topk) {
+    line = absl::StrCat("{\"step\":", step, ",\"layer\":", layer, ",\"topk\":[");
+    for (size_t t = 0; t < topk.size(); ++t) {
+      line += t ? ",[" : "[";
+      for (size_t j = 0; j < topk[t].size(); ++j) absl::StrAppend(&line, j ? "," : "", topk[t][j]);
+      line += "]";
+    }
+    line += "]}\n";
+    std::fputs(line.c_str(), f);
+  });
+  const int rc = xz ? pclose(f) : fclose(f);
+  if (rc != 0) return absl::UnavailableError(absl::StrCat("writing '", path, "' failed (status ", rc, ")"));
+  return absl::OkStatus();
+}
+
+}  // namespace moe

@@ -1,0 +1,72 @@
+// RoutingTrace: which experts every token of every decode step was routed to,
+// per MoE layer — the input of the cache-policy replay (bench/cache_replay).
+// Kept aggregated: per step and layer, each distinct expert with its number of
+// (token, expert) pairs, which is all a cache policy sees.
+//
+// Files (documented in bench/README.md), optionally xz-compressed (*.xz, read
+// through `xz -dc`):
+//  - ours: a header line {"format":"moe-routing-trace","version":1,
+//    "num_layers":L,"num_experts":E,"top_k":K,...} then one line per (step,
+//    layer): {"step":S,"layer":L,"topk":[[e,e,...],...]} with one list of
+//    expert ids per token;
+//  - recorded vLLM routing (e.g. ../shared/data/traces/mixtral-*.jsonl.xz):
+//    one line per (problem, layer, token) {"problem_id","layer","experts",
+//    "token_idx",...}; a step is one token of one problem across all layers.
+//
+// The synthetic generator draws each token's top-k experts without
+// replacement from a per-layer Zipf popularity over a per-layer random order
+// of the experts (each layer has its own hot set), which drifts (ranks swap
+// over time) and sees bursts (an expert briefly as hot as the hottest).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace moe {
+
+struct ExpertAccess {
+  int expert = 0;
+  int pairs = 0;  // (token, expert) pairs in this step
+};
+
+struct RoutingTrace {
+  int num_layers = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  std::string source;  // what it was read or generated from
+  // steps[s][l]: distinct experts routed to in layer l at step s, ascending.
+  std::vector<std::vector<std::vector<ExpertAccess>>> steps;
+
+  uint64_t Pairs(int layer) const;
+};
+
+absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path);
+
+struct SyntheticTraceOptions {
+  int num_layers = 8;
+  int num_experts = 64;
+  int top_k = 6;
+  int tokens_per_step = 32;
+  int steps = 4000;
+  double zipf = 1.1;         // popularity of rank r is proportional to 1 / (r+1)^zipf
+  int drift_every = 50;      // steps between drift events (0: no drift)
+  int drift_swaps = 1;       // per layer and event: a hot rank (top quarter) swaps with a colder one
+  double burst_rate = 0.002; // per step and layer: chance that a random expert bursts
+  int burst_steps = 20;      // burst length
+  uint64_t seed = 1;
+};
+
+// Calls `emit(step, layer, topk)` for every (step, layer) in order; topk is
+// [tokens_per_step][top_k] expert ids.
+void GenerateRoutingTrace(const SyntheticTraceOptions& o,
+                          const std::function<void(int step, int layer, const std::vector<std::vector<int>>& topk)>& emit);
+// The same trace, aggregated in memory.
+RoutingTrace GenerateRoutingTrace(const SyntheticTraceOptions& o);
+// Writes it in our format (xz-compressed when `path` ends in .xz).
+absl::Status WriteSyntheticTrace(const SyntheticTraceOptions& o, const std::string& path);
+
+}  // namespace moe

@@ -1,0 +1,709 @@
+#include "coordinator/coordinator.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+
+namespace moe {
+
+namespace {
+
+constexpr uint32_t kMaxLayers = 4096;
+constexpr uint32_t kMaxExperts = 65536;
+constexpr size_t kMaxIdLength = 256;
+
+absl::Status CheckId(const std::string& id, const char* field) {
+  if (id.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": must not be empty"));
+  if (id.size() > kMaxIdLength)
+    return absl::InvalidArgumentError(absl::StrCat(field, ": longer than ", kMaxIdLength, " characters"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckGeometryFields(uint32_t num_layers, uint32_t num_experts) {
+  if (num_layers == 0 || num_layers > kMaxLayers)
+    return absl::InvalidArgumentError(absl::StrCat("num_layers: ", num_layers, " not in [1, ", kMaxLayers, "]"));
+  if (num_experts == 0 || num_experts > kMaxExperts)
+    return absl::InvalidArgumentError(absl::StrCat("num_experts: ", num_experts, " not in [1, ", kMaxExperts, "]"));
+  return absl::OkStatus();
+}
+
+// Every index < limit and no repeats; InvalidArgument naming field[i] otherwise.
+absl::Status CheckIndexes(const google::protobuf::RepeatedField<uint32_t>& v, uint32_t limit,
+                          const std::string& field) {
+  std::vector<bool> seen(limit, false);
+  for (int i = 0; i < v.size(); ++i) {
+    if (v[i] >= limit)
+      return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: ", v[i], " out of range [0, ", limit, ")"));
+    if (seen[v[i]]) return absl::InvalidArgumentError(absl::StrCat(field, "[", i, "]: ", v[i], " listed twice"));
+    seen[v[i]] = true;
+  }
+  return absl::OkStatus();
+}
+
+constexpr double kRoundLogSeconds = 10.0;
+
+double SteadySeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string ServerState(const ServerEntry& s) {
+  if (s.draining) return s.drained ? "drained" : "draining";
+  return s.up ? "up" : "down";
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOptions options) {
+  if (!options.clock) options.clock = SteadySeconds;
+  std::unique_ptr<Coordinator> c(new Coordinator(std::move(options)));
+  if (!c->options_.state_file.empty()) {
+    absl::StatusOr<AdminState> st = LoadAdminState(c->options_.state_file);
+    if (!st.ok()) return st.status();
+    c->admin_ = *std::move(st);
+    for (const auto& [key, value] : c->admin_.policy) {
+      absl::Status s = c->policy_.Set(key, value);
+      if (!s.ok())
+        return absl::DataLossError(absl::StrCat("state file '", c->options_.state_file, "': policy ", s.message()));
+      LogInfo("coordinator", "policy ", key, "=", value, " (override from the state file)");
+    }
+    size_t pins = 0;
+    for (const auto& [key, experts] : c->admin_.pins) pins += experts.size();
+    LogInfo("coordinator", "state file ", c->options_.state_file, ": ", pins, " pinned experts, ",
+            c->admin_.policy.size(), " policy overrides, ", c->admin_.drains.size(), " drains");
+  }
+  if (c->admin_.num_layers > 0) {
+    c->registry_ = std::make_unique<Registry>(c->admin_.num_layers, c->admin_.num_experts);
+    c->popularity_ = std::make_unique<Popularity>(c->admin_.num_layers, c->admin_.num_experts,
+                                                  c->policy_.half_life_seconds, c->Now());
+  }
+  return c;
+}
+
+Coordinator::Coordinator(CoordinatorOptions options)
+    : options_(std::move(options)), started_(options_.clock()), policy_(options_.policy) {
+  last_rebalance_ = started_;
+}
+
+Coordinator::~Coordinator() { Stop(); }
+
+void Coordinator::Start(std::chrono::milliseconds tick) {
+  thread_ = std::thread([this, tick] {
+    std::unique_lock<std::mutex> lock(thread_mu_);
+    while (!thread_stop_) {
+      thread_cv_.wait_for(lock, tick, [this] { return thread_stop_; });
+      if (thread_stop_) break;
+      lock.unlock();
+      Tick();
+      lock.lock();
+    }
+  });
+}
+
+void Coordinator::Stop() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(thread_mu_);
+    thread_stop_ = true;
+  }
+  thread_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+void Coordinator::LogEventsLocked(const std::vector<RegistryEvent>& events) {
+  for (const RegistryEvent& e : events) LogInfo("coordinator", e.what);
+}
+
+absl::Status Coordinator::CheckGeometryLocked(uint32_t num_layers, uint32_t num_experts) {
+  if (registry_ != nullptr) {
+    if (static_cast<int>(num_layers) != registry_->num_layers())
+      return absl::FailedPreconditionError(absl::StrCat("num_layers: ", num_layers, " differs from the model's ",
+                                                        registry_->num_layers(), " (set by the first registration)"));
+    if (static_cast<int>(num_experts) != registry_->num_experts())
+      return absl::FailedPreconditionError(absl::StrCat("num_experts: ", num_experts, " differs from the model's ",
+                                                        registry_->num_experts(), " (set by the first registration)"));
+    return absl::OkStatus();
+  }
+  registry_ = std::make_unique<Registry>(num_layers, num_experts);
+  popularity_ = std::make_unique<Popularity>(num_layers, num_experts, policy_.half_life_seconds, Now());
+  LogInfo("coordinator", "model geometry: ", num_layers, " layers x ", num_experts, " experts");
+  AdminState next = admin_;
+  next.num_layers = static_cast<int>(num_layers);
+  next.num_experts = static_cast<int>(num_experts);
+  absl::Status s = CommitLocked(std::move(next));
+  if (!s.ok()) LogWarning("coordinator", "cannot persist the model geometry: ", s.message());
+  return absl::OkStatus();
+}
+
+absl::Status Coordinator::CommitLocked(AdminState next) {
+  if (!options_.state_file.empty()) {
+    absl::Status s = SaveAdminState(options_.state_file, next);
+    if (!s.ok()) return absl::UnavailableError(absl::StrCat("state file not written, change not applied: ", s.message()));
+  }
+  admin_ = std::move(next);
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------- registry
+
+absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(const moe::v1::RegisterWorkerRequest& req) {
+  if (absl::Status s = CheckId(req.worker_id(), "worker_id"); !s.ok()) return s;
+  if (absl::Status s = CheckGeometryFields(req.num_layers(), req.num_experts()); !s.ok()) return s;
+  if (req.slots_per_layer() > req.num_experts())
+    return absl::InvalidArgumentError(absl::StrCat("slots_per_layer: ", req.slots_per_layer(), " exceeds num_experts ",
+                                                   req.num_experts()));
+  if (absl::Status s = CheckIndexes(req.cached_layers(), req.num_layers(), "cached_layers"); !s.ok()) return s;
+  std::vector<bool> cached(req.num_layers(), req.cached_layers().empty());
+  for (uint32_t l : req.cached_layers()) cached[l] = true;
+  std::vector<bool> seen_layer(req.num_layers(), false);
+  for (int i = 0; i < req.current_size(); ++i) {
+    const auto& la = req.current(i);
+    const std::string field = absl::StrCat("current[", i, "]");
+    if (la.layer() >= req.num_layers())
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".layer: ", la.layer(), " out of range [0, ", req.num_layers(), ")"));
+    if (seen_layer[la.layer()]) return absl::InvalidArgumentError(absl::StrCat(field, ".layer: ", la.layer(), " listed twice"));
+    seen_layer[la.layer()] = true;
+    if (absl::Status s = CheckIndexes(la.experts(), req.num_experts(), field + ".experts"); !s.ok()) return s;
+    if (static_cast<uint32_t>(la.experts_size()) > req.slots_per_layer())
+      return absl::InvalidArgumentError(absl::StrCat(field, ".experts: ", la.experts_size(), " experts for ",
+                                                     req.slots_per_layer(), " slots"));
+  }
+  moe::v1::RegisterWorkerResponse resp;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status s = CheckGeometryLocked(req.num_layers(), req.num_experts()); !s.ok()) return s;
+    const bool known = registry_->FindWorker(req.worker_id()) != nullptr;
+    resp.set_session(registry_->RegisterWorker(req, Now()));
+    const WorkerEntry& w = *registry_->FindWorker(req.worker_id());
+    LogInfo("coordinator", known ? "worker re-registered: " : "worker registered: ", req.worker_id(), " (",
+            req.slots_per_layer(), " slots x ", req.cached_layers().empty() ? req.num_layers() : req.cached_layers_size(),
+            " layers, ", req.expert_bytes(), " bytes/expert, holding version ", req.current_version(),
+            "), snapshot version ", w.version);
+  }
+  changed_.notify_all();
+  resp.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  resp.set_heartbeat_timeout_ms(static_cast<uint32_t>(options_.heartbeat_timeout_seconds * 1000));
+  return resp;
+}
+
+absl::StatusOr<moe::v1::RegisterExpertServerResponse> Coordinator::RegisterExpertServer(
+    const moe::v1::RegisterExpertServerRequest& req) {
+  if (absl::Status s = CheckId(req.server_id(), "server_id"); !s.ok()) return s;
+  if (req.address().empty()) return absl::InvalidArgumentError("address: must not be empty (host:port)");
+  if (absl::Status s = CheckGeometryFields(req.num_layers(), req.num_experts()); !s.ok()) return s;
+  if (absl::Status s = CheckIndexes(req.hosted_layers(), req.num_layers(), "hosted_layers"); !s.ok()) return s;
+  if (absl::Status s = CheckIndexes(req.hosted_experts(), req.num_experts(), "hosted_experts"); !s.ok()) return s;
+  moe::v1::RegisterExpertServerResponse resp;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (absl::Status s = CheckGeometryLocked(req.num_layers(), req.num_experts()); !s.ok()) return s;
+    const bool draining = admin_.drains.count(req.server_id()) > 0;
+    resp.set_session(registry_->RegisterServer(req, draining, Now()));
+    resp.set_draining(draining);
+    LogInfo("coordinator", "expert server registered: ", req.server_id(), " at ", req.address(),
+            req.shm_socket().empty() ? "" : " + unix://", req.shm_socket(), " (",
+            req.hosted_layers().empty() ? "all" : absl::StrCat(req.hosted_layers_size()), " layers, ",
+            req.hosted_experts().empty() ? "all" : absl::StrCat(req.hosted_experts_size()), " experts, NUMA node ",
+            req.numa_node(), ")",
+            draining ? ", draining (admin drain in force)" : "");
+  }
+  changed_.notify_all();
+  resp.set_heartbeat_interval_ms(options_.heartbeat_interval_ms);
+  resp.set_heartbeat_timeout_ms(static_cast<uint32_t>(options_.heartbeat_timeout_seconds * 1000));
+  return resp;
+}
+
+absl::Status Coordinator::ValidateCounts(
+    const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts) const {
+  const uint32_t nl = registry_->num_layers(), ne = registry_->num_experts();
+  for (int i = 0; i < counts.size(); ++i) {
+    const auto& c = counts[i];
+    const std::string field = absl::StrCat("counts[", i, "]");
+    if (c.layer() >= nl)
+      return absl::InvalidArgumentError(absl::StrCat(field, ".layer: ", c.layer(), " out of range [0, ", nl, ")"));
+    if (c.pairs_size() != c.experts_size())
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".pairs: ", c.pairs_size(), " entries for ", c.experts_size(), " experts"));
+    if (c.hits_size() != 0 && c.hits_size() != c.experts_size())
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".hits: ", c.hits_size(), " entries for ", c.experts_size(), " experts"));
+    for (int j = 0; j < c.experts_size(); ++j) {
+      if (c.experts(j) >= ne)
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".experts[", j, "]: ", c.experts(j), " out of range [0, ", ne, ")"));
+      if (c.hits_size() != 0 && c.hits(j) > c.pairs(j))
+        return absl::InvalidArgumentError(
+            absl::StrCat(field, ".hits[", j, "]: ", c.hits(j), " exceeds pairs ", c.pairs(j)));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void Coordinator::AddCountsLocked(const std::string& worker,
+                                  const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts,
+                                  double now) {
+  for (const auto& c : counts) {
+    for (int j = 0; j < c.experts_size(); ++j) {
+      popularity_->Add(worker, c.layer(), c.experts(j), static_cast<double>(c.pairs(j)),
+                       c.hits_size() ? static_cast<double>(c.hits(j)) : 0.0, now);
+    }
+  }
+}
+
+absl::StatusOr<moe::v1::HeartbeatResponse> Coordinator::Heartbeat(const moe::v1::HeartbeatRequest& req) {
+  if (req.worker_id().empty() == req.server_id().empty())
+    return absl::InvalidArgumentError("worker_id, server_id: exactly one must be set");
+  moe::v1::HeartbeatResponse resp;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const double now = Now();
+    if (!req.worker_id().empty()) {
+      if (registry_ == nullptr) return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "' (register first)"));
+      absl::StatusOr<WorkerEntry*> w = registry_->Worker(req.worker_id(), req.session());
+      if (!w.ok()) return w.status();
+      if (absl::Status s = ValidateCounts(req.counts()); !s.ok()) return s;
+      if (!(*w)->up) LogInfo("coordinator", "worker ", req.worker_id(), " is back");
+      registry_->WorkerAlive(**w, now);
+      if (req.applied_version() > (*w)->acked && req.applied_version() <= (*w)->version)
+        (*w)->acked = req.applied_version();
+      AddCountsLocked(req.worker_id(), req.counts(), now);
+      resp.set_latest_version((*w)->version);
+    } else {
+      if (!req.counts().empty()) return absl::InvalidArgumentError("counts: only workers report counts");
+      if (registry_ == nullptr) return absl::NotFoundError(absl::StrCat("server_id: unknown server '", req.server_id(), "' (register first)"));
+      absl::StatusOr<ServerEntry*> s = registry_->Server(req.server_id(), req.session());
+      if (!s.ok()) return s.status();
+      if (!(*s)->up) LogInfo("coordinator", "server ", req.server_id(), " is back");
+      registry_->ServerAlive(**s, now);
+      (*s)->inflight = req.inflight_requests();
+      resp.set_draining((*s)->draining);
+      resp.set_drained((*s)->drained);
+    }
+  }
+  changed_.notify_all();
+  return resp;
+}
+
+absl::Status Coordinator::ReportStats(const moe::v1::ReportStatsRequest& req) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (registry_ == nullptr)
+    return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "' (register first)"));
+  absl::StatusOr<WorkerEntry*> w = registry_->Worker(req.worker_id(), req.session());
+  if (!w.ok()) return w.status();
+  if (absl::Status s = ValidateCounts(req.counts()); !s.ok()) return s;
+  AddCountsLocked(req.worker_id(), req.counts(), Now());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<moe::v1::CacheAssignment> Coordinator::Snapshot(const std::string& worker_id, uint64_t session) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_) return absl::UnavailableError("coordinator shutting down");
+  if (registry_ == nullptr)
+    return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", worker_id, "' (register first)"));
+  absl::StatusOr<WorkerEntry*> w = registry_->Worker(worker_id, session);
+  if (!w.ok()) return w.status();
+  return registry_->Snapshot(**w);
+}
+
+absl::StatusOr<std::optional<moe::v1::CacheAssignment>> Coordinator::WaitForAssignment(
+    const std::string& worker_id, uint64_t session, uint64_t after, std::chrono::steady_clock::time_point deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (stopping_) return absl::UnavailableError("coordinator shutting down");
+    absl::StatusOr<WorkerEntry*> w = registry_->Worker(worker_id, session);
+    if (!w.ok()) return w.status();
+    if ((*w)->version > after) return std::optional<moe::v1::CacheAssignment>(registry_->Delta(**w, after));
+    if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) return std::nullopt;
+  }
+}
+
+// ---------------------------------------------------------------- placement
+
+std::vector<int> Coordinator::PinsOfLocked(const std::string& worker, int layer) const {
+  std::set<int> out;
+  for (const std::string& who : {std::string(), worker}) {
+    auto it = admin_.pins.find({who, layer});
+    if (it != admin_.pins.end()) out.insert(it->second.begin(), it->second.end());
+  }
+  return {out.begin(), out.end()};
+}
+
+bool Coordinator::PinsMissingLocked() const {
+  if (registry_ == nullptr || admin_.pins.empty()) return false;
+  for (const auto& [id, w] : registry_->workers()) {
+    if (!w.up || w.acked < w.version) continue;
+    for (const auto& [key, experts] : admin_.pins) {
+      if (!key.first.empty() && key.first != id) continue;
+      const int l = key.second;
+      if (l >= registry_->num_layers() || !w.cached[l]) continue;
+      int held = 0;
+      for (int e : experts) held += std::binary_search(w.sets[l].begin(), w.sets[l].end(), e) ? 1 : 0;
+      if (held < std::min<int>(experts.size(), w.caps.slots_per_layer())) return true;
+    }
+  }
+  return false;
+}
+
+moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_only, double now) {
+  moe::v1::RebalanceResponse resp;
+  resp.set_dry_run(dry_run);
+  if (registry_ == nullptr) return resp;
+  const int nl = registry_->num_layers();
+  PlacementProblem p;
+  p.num_layers = nl;
+  p.num_experts = registry_->num_experts();
+  p.params.mode = policy_.placement;
+  p.params.hysteresis_margin = policy_.hysteresis_margin;
+  p.params.copy_cost_hits = policy_.copy_cost_hits;
+  p.params.replicate_share = policy_.replicate_share;
+  for (int l = 0; l < nl; ++l) p.global_popularity.push_back(popularity_->global().Layer(l, now));
+  const double round_seconds = policy_.rebalance_interval_seconds > 0 ? policy_.rebalance_interval_seconds : 1.0;
+  std::vector<std::string> ids;
+  for (const auto& [id, w] : registry_->workers()) {
+    if (!w.up) continue;
+    ids.push_back(id);
+    WorkerPlacementState s;
+    s.id = id;
+    s.slots_per_layer = static_cast<int>(w.caps.slots_per_layer());
+    s.expert_bytes = w.caps.expert_bytes();
+    if (pins_only) {
+      s.budget_bytes = 0;
+    } else if (policy_.copy_budget_gbps > 0) {
+      s.budget_bytes = static_cast<uint64_t>(policy_.copy_budget_gbps * 1e9 * round_seconds);
+    }
+    s.frozen = w.acked < w.version;
+    s.cached = w.cached;
+    s.resident = w.sets;
+    s.pinned.resize(nl);
+    for (int l = 0; l < nl; ++l) s.pinned[l] = PinsOfLocked(id, l);
+    if (const DecayedCounts* own = popularity_->worker(id); own != nullptr) {
+      for (int l = 0; l < nl; ++l) s.popularity.push_back(own->Layer(l, now));
+    }
+    p.workers.push_back(std::move(s));
+  }
+  const PlacementPlan plan = PlanPlacement(p);
+  for (const PlannedMove& m : plan.moves) {
+    moe::v1::PlannedCopy* c = resp.add_copies();
+    c->set_worker_id(ids[m.worker]);
+    c->set_layer(m.layer);
+    c->set_expert(m.expert);
+    c->set_evicted(m.evicted);
+    c->set_gain(m.gain);
+    c->set_pinned(m.pinned);
+  }
+  resp.set_hit_rate_before(plan.hit_rate_before_all);
+  resp.set_hit_rate_after(plan.hit_rate_after_all);
+  resp.set_union_coverage_before(plan.coverage_before);
+  resp.set_union_coverage_after(plan.coverage_after);
+  uint64_t total_bytes = 0;
+  size_t updated = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    moe::v1::WorkerPlan* wp = resp.add_workers();
+    wp->set_worker_id(ids[i]);
+    wp->set_bytes(plan.bytes[i]);
+    wp->set_budget_bytes(p.workers[i].budget_bytes == kUnlimitedBudget ? 0 : p.workers[i].budget_bytes);
+    wp->set_hit_rate_before(plan.hit_rate_before[i]);
+    wp->set_hit_rate_after(plan.hit_rate_after[i]);
+    wp->set_skipped(p.workers[i].frozen);
+    total_bytes += plan.bytes[i];
+    if (dry_run || p.workers[i].frozen) continue;
+    WorkerEntry& w = *registry_->FindWorker(ids[i]);
+    const uint64_t v = registry_->Assign(w, plan.sets[i]);
+    if (v == 0) continue;
+    wp->set_version(v);
+    ++updated;
+    for (const PlannedMove& m : plan.moves) w.copies_issued += m.worker == static_cast<int>(i) ? 1 : 0;
+    w.bytes_issued += plan.bytes[i];
+  }
+  if (!dry_run) {
+    if (!pins_only) ++rebalances_;
+    // Rounds run several times a second: one log line per kLogEvery at most.
+    unlogged_.rounds += pins_only ? 0 : 1;
+    unlogged_.copies += plan.moves.size();
+    unlogged_.bytes += total_bytes;
+    unlogged_.updates += updated;
+    if (unlogged_.copies > 0 && (pins_only || now - last_round_log_ >= kRoundLogSeconds)) {
+      LogInfo("coordinator", pins_only ? "pins placed; " : "", "placement: ", unlogged_.copies, " copies (",
+              unlogged_.bytes, " bytes) in ", unlogged_.updates, " assignments over ", unlogged_.rounds,
+              " rounds; last: expected hit rate ", plan.hit_rate_before_all, " -> ", plan.hit_rate_after_all,
+              ", union coverage ", plan.coverage_before, " -> ", plan.coverage_after);
+      unlogged_ = {};
+      last_round_log_ = now;
+    }
+  }
+  return resp;
+}
+
+void Coordinator::Tick() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (registry_ == nullptr || stopping_) return;
+    const double now = Now();
+    LogEventsLocked(registry_->Expire(now, options_.heartbeat_timeout_seconds));
+    LogEventsLocked(registry_->UpdateDrains(now));
+    if (PinsMissingLocked()) RebalanceLocked(/*dry_run=*/false, /*pins_only=*/true, now);
+    if (policy_.rebalance_interval_seconds > 0 && now - last_rebalance_ >= policy_.rebalance_interval_seconds) {
+      RebalanceLocked(/*dry_run=*/false, /*pins_only=*/false, now);
+      last_rebalance_ = now;
+    }
+  }
+  changed_.notify_all();
+}
+
+// ---------------------------------------------------------------- admin
+
+moe::v1::PolicyParameters Coordinator::PolicyProtoLocked() const {
+  moe::v1::PolicyParameters p;
+  p.set_half_life_seconds(policy_.half_life_seconds);
+  p.set_placement(PlacementModeName(policy_.placement));
+  p.set_copy_budget_gbps(policy_.copy_budget_gbps);
+  p.set_hysteresis_margin(policy_.hysteresis_margin);
+  p.set_copy_cost_hits(policy_.copy_cost_hits);
+  p.set_replicate_share(policy_.replicate_share);
+  p.set_rebalance_interval_seconds(policy_.rebalance_interval_seconds);
+  return p;
+}
+
+moe::v1::StatusResponse Coordinator::Status() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const double now = Now();
+  moe::v1::StatusResponse r;
+  r.set_version(options_.version);
+  r.set_uptime_seconds(now - started_);
+  *r.mutable_policy() = PolicyProtoLocked();
+  r.set_rebalances(rebalances_);
+  if (registry_ == nullptr) return r;
+  r.set_num_layers(registry_->num_layers());
+  r.set_num_experts(registry_->num_experts());
+  for (const auto& [id, w] : registry_->workers()) {
+    moe::v1::WorkerStatus* ws = r.add_workers();
+    ws->set_worker_id(id);
+    ws->set_state(w.up ? "up" : "down");
+    ws->set_address(w.caps.address());
+    ws->set_hostname(w.caps.hostname());
+    ws->set_slots_per_layer(w.caps.slots_per_layer());
+    ws->set_cached_layers(static_cast<uint32_t>(std::count(w.cached.begin(), w.cached.end(), true)));
+    ws->set_expert_bytes(w.caps.expert_bytes());
+    ws->set_gpu_memory_bytes(w.caps.gpu_memory_bytes());
+    ws->set_assigned_version(w.version);
+    ws->set_acked_version(w.acked);
+    ws->set_seconds_since_heartbeat(now - w.last_heartbeat);
+    ws->set_copies_issued(w.copies_issued);
+    ws->set_bytes_issued(w.bytes_issued);
+    if (const DecayedCounts* own = popularity_->worker(id); own != nullptr) {
+      double hits = 0, pairs = 0;
+      for (int l = 0; l < registry_->num_layers(); ++l) {
+        hits += own->LayerHits(l, now);
+        pairs += own->LayerPairs(l, now);
+      }
+      ws->set_hit_rate(pairs > 0 ? hits / pairs : 0.0);
+    }
+  }
+  for (const auto& [id, s] : registry_->servers()) {
+    moe::v1::ServerStatus* ss = r.add_servers();
+    ss->set_server_id(id);
+    ss->set_state(ServerState(s));
+    ss->set_address(s.caps.address());
+    ss->set_shm_socket(s.caps.shm_socket());
+    ss->set_hostname(s.caps.hostname());
+    ss->set_numa_node(s.caps.numa_node());
+    ss->set_hosted_layers(s.caps.hosted_layers().empty() ? registry_->num_layers() : s.caps.hosted_layers_size());
+    ss->set_hosted_experts(s.caps.hosted_experts().empty() ? registry_->num_experts() : s.caps.hosted_experts_size());
+    ss->set_inflight_requests(s.inflight);
+    ss->set_seconds_since_heartbeat(now - s.last_heartbeat);
+  }
+  double hits = 0, pairs = 0;
+  for (int l = 0; l < registry_->num_layers(); ++l) {
+    moe::v1::LayerStatus* ls = r.add_layers();
+    const double h = popularity_->global().LayerHits(l, now), n = popularity_->global().LayerPairs(l, now);
+    ls->set_layer(l);
+    ls->set_hit_rate(n > 0 ? h / n : 0.0);
+    ls->set_pairs(n);
+    ls->set_routable_experts(registry_->RoutableExperts(l));
+    hits += h;
+    pairs += n;
+  }
+  r.set_overall_hit_rate(pairs > 0 ? hits / pairs : 0.0);
+  return r;
+}
+
+absl::StatusOr<moe::v1::PopularityResponse> Coordinator::GetPopularity(const moe::v1::PopularityRequest& req) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (registry_ == nullptr) return absl::FailedPreconditionError("no worker or server has registered yet");
+  const uint32_t nl = registry_->num_layers(), ne = registry_->num_experts();
+  if (req.layer() >= nl)
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer(), " out of range [0, ", nl, ")"));
+  const double now = Now();
+  std::vector<double> counts(ne, 0.0);
+  if (!req.worker_id().empty()) {
+    if (registry_->FindWorker(req.worker_id()) == nullptr)
+      return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "'"));
+    if (const DecayedCounts* own = popularity_->worker(req.worker_id()); own != nullptr)
+      counts = own->Layer(req.layer(), now);
+  } else {
+    counts = popularity_->global().Layer(req.layer(), now);
+  }
+  double total = 0;
+  for (double c : counts) total += c;
+  std::vector<int> order(ne);
+  for (uint32_t e = 0; e < ne; ++e) order[e] = static_cast<int>(e);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return counts[a] > counts[b]; });
+  if (req.top() > 0 && req.top() < ne) order.resize(req.top());
+  std::set<int> pinned;
+  for (const auto& [key, experts] : admin_.pins) {
+    if (key.second == static_cast<int>(req.layer()) && (req.worker_id().empty() || key.first.empty() || key.first == req.worker_id()))
+      pinned.insert(experts.begin(), experts.end());
+  }
+  moe::v1::PopularityResponse r;
+  r.set_layer(req.layer());
+  r.set_total(total);
+  r.set_half_life_seconds(policy_.half_life_seconds);
+  for (int e : order) {
+    moe::v1::ExpertPopularity* ep = r.add_experts();
+    ep->set_expert(e);
+    ep->set_count(counts[e]);
+    ep->set_share(total > 0 ? counts[e] / total : 0.0);
+    ep->set_pinned(pinned.count(e) > 0);
+    for (const auto& [id, w] : registry_->workers()) {
+      const auto& s = w.sets[req.layer()];
+      if (std::binary_search(s.begin(), s.end(), e)) ep->add_resident_on(id);
+    }
+  }
+  return r;
+}
+
+absl::StatusOr<moe::v1::RebalanceResponse> Coordinator::Rebalance(bool dry_run) {
+  moe::v1::RebalanceResponse r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (registry_ == nullptr) return absl::FailedPreconditionError("no worker has registered yet");
+    const double now = Now();
+    r = RebalanceLocked(dry_run, /*pins_only=*/false, now);
+    if (!dry_run) last_rebalance_ = now;
+  }
+  changed_.notify_all();
+  return r;
+}
+
+absl::StatusOr<moe::v1::PinResponse> Coordinator::Pin(const moe::v1::PinRequest& req, bool pin) {
+  moe::v1::PinResponse r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (registry_ == nullptr)
+      return absl::FailedPreconditionError("model geometry unknown: no worker or server has registered yet");
+    const uint32_t nl = registry_->num_layers(), ne = registry_->num_experts();
+    if (req.layer() >= nl)
+      return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer(), " out of range [0, ", nl, ")"));
+    if (req.experts().empty()) return absl::InvalidArgumentError("experts: must not be empty");
+    if (absl::Status s = CheckIndexes(req.experts(), ne, "experts"); !s.ok()) return s;
+    if (!req.worker_id().empty() && registry_->FindWorker(req.worker_id()) == nullptr)
+      return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "'"));
+    AdminState next = admin_;
+    std::set<int>& set = next.pins[{req.worker_id(), static_cast<int>(req.layer())}];
+    for (uint32_t e : req.experts()) {
+      if (pin) {
+        set.insert(static_cast<int>(e));
+      } else {
+        set.erase(static_cast<int>(e));
+      }
+    }
+    if (set.empty()) next.pins.erase({req.worker_id(), static_cast<int>(req.layer())});
+    if (pin) {
+      for (const auto& [id, w] : registry_->workers()) {
+        if (!req.worker_id().empty() && id != req.worker_id()) continue;
+        std::set<int> all;
+        for (const std::string& who : {std::string(), id}) {
+          auto it = next.pins.find({who, static_cast<int>(req.layer())});
+          if (it != next.pins.end()) all.insert(it->second.begin(), it->second.end());
+        }
+        if (all.size() > w.caps.slots_per_layer())
+          return absl::InvalidArgumentError(absl::StrCat("experts: ", all.size(), " experts pinned in layer ",
+                                                         req.layer(), " exceed the ", w.caps.slots_per_layer(),
+                                                         " slots of worker ", id));
+      }
+    }
+    if (absl::Status s = CommitLocked(std::move(next)); !s.ok()) return s;
+    std::string list;
+    for (uint32_t e : req.experts()) absl::StrAppend(&list, list.empty() ? "" : ",", e);
+    LogInfo("coordinator", pin ? "pin" : "unpin", " layer ", req.layer(), " experts ", list, " on ",
+            req.worker_id().empty() ? "every worker" : req.worker_id());
+    if (pin) RebalanceLocked(/*dry_run=*/false, /*pins_only=*/true, Now());
+    for (const auto& [key, experts] : admin_.pins) {
+      moe::v1::Pin* p = r.add_pins();
+      p->set_worker_id(key.first);
+      p->set_layer(key.second);
+      for (int e : experts) p->add_experts(e);
+    }
+  }
+  changed_.notify_all();
+  return r;
+}
+
+moe::v1::PolicyParameters Coordinator::GetPolicy() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return PolicyProtoLocked();
+}
+
+absl::StatusOr<moe::v1::PolicyParameters> Coordinator::SetPolicy(const moe::v1::SetPolicyRequest& req) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (req.values().empty()) return absl::InvalidArgumentError("values: nothing to set (KEY=VALUE)");
+  CoordinatorPolicy next_policy = policy_;
+  AdminState next = admin_;
+  for (const auto& [key, value] : req.values()) {
+    if (absl::Status s = next_policy.Set(key, value); !s.ok()) return s;
+  }
+  const std::map<std::string, std::string> text = next_policy.ToMap();
+  for (const auto& [key, value] : req.values()) next.policy[key] = text.at(key);
+  if (absl::Status s = CommitLocked(std::move(next)); !s.ok()) return s;
+  if (popularity_ != nullptr && next_policy.half_life_seconds != policy_.half_life_seconds)
+    popularity_->SetHalfLife(next_policy.half_life_seconds, Now());
+  policy_ = next_policy;
+  for (const auto& [key, value] : req.values()) LogInfo("coordinator", "policy ", key, "=", text.at(key));
+  return PolicyProtoLocked();
+}
+
+moe::v1::DrainResponse Coordinator::DrainStatusLocked(const ServerEntry& s) const {
+  moe::v1::DrainResponse r;
+  r.set_server_id(s.caps.server_id());
+  r.set_state(ServerState(s));
+  r.set_inflight_requests(s.inflight);
+  if (s.draining && !s.drained) {
+    for (const std::string& w : registry_->DrainPending(s)) r.add_workers_pending(w);
+  }
+  return r;
+}
+
+absl::StatusOr<moe::v1::DrainResponse> Coordinator::Drain(const moe::v1::DrainRequest& req) {
+  moe::v1::DrainResponse r;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (req.server_id().empty()) return absl::InvalidArgumentError("server_id: must not be empty");
+    ServerEntry* s = registry_ == nullptr ? nullptr : registry_->FindServer(req.server_id());
+    if (s == nullptr) return absl::NotFoundError(absl::StrCat("server_id: unknown server '", req.server_id(), "'"));
+    const bool draining = !req.cancel();
+    if (s->draining != draining) {
+      AdminState next = admin_;
+      if (draining) {
+        next.drains.insert(req.server_id());
+      } else {
+        next.drains.erase(req.server_id());
+      }
+      if (absl::Status st = CommitLocked(std::move(next)); !st.ok()) return st;
+      registry_->SetDraining(*s, draining);
+      LogInfo("coordinator", draining ? "drain " : "undrain ", req.server_id(),
+              draining ? ": no longer routed; waiting for workers and in-flight work" : ": routed again");
+      LogEventsLocked(registry_->UpdateDrains(Now()));
+    }
+    r = DrainStatusLocked(*s);
+  }
+  changed_.notify_all();
+  return r;
+}
+
+}  // namespace moe

@@ -1,0 +1,119 @@
+// Coordinator: the coordinator's state machine behind both gRPC services —
+// registry, popularity, placement rounds, assignment versions, admin
+// overrides (persisted in the state file) and drains — with the protocol
+// types of proto/moe/v1/coordinator.proto as its inputs and outputs.
+//
+// Every method is thread-safe (one mutex; the work under it is small). Errors
+// are absl statuses that the services map 1:1 to gRPC: INVALID_ARGUMENT
+// naming the field, NOT_FOUND / FAILED_PRECONDITION for unknown or
+// superseded sessions (the peer registers again), UNAVAILABLE when the state
+// file cannot be written (the admin change is then not applied).
+//
+// Time comes from `clock` (seconds, monotonic), so tests can drive it; Tick()
+// does the periodic work (expiry, drains, pins, automatic rebalance) and
+// Start() runs it on a background thread.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "coordinator/placement.h"
+#include "coordinator/policy.h"
+#include "coordinator/popularity.h"
+#include "coordinator/registry.h"
+#include "coordinator/state_file.h"
+#include "moe/v1/coordinator.pb.h"
+
+namespace moe {
+
+struct CoordinatorOptions {
+  CoordinatorPolicy policy;               // defaults (flags); the state file's overrides win
+  double heartbeat_timeout_seconds = 5.0;
+  uint32_t heartbeat_interval_ms = 200;   // suggested to peers
+  std::string state_file;                 // "" = overrides are not persisted
+  std::string version = "dev";
+  std::function<double()> clock;          // default: steady clock in seconds
+};
+
+class Coordinator {
+ public:
+  // Loads the state file (a malformed one is an error naming it).
+  static absl::StatusOr<std::unique_ptr<Coordinator>> Create(CoordinatorOptions options);
+  ~Coordinator();
+
+  void Start(std::chrono::milliseconds tick = std::chrono::milliseconds(100));
+  // Stops the background thread and ends every WaitForAssignment (UNAVAILABLE).
+  void Stop();
+  void Tick();
+
+  // ---- CoordinatorService
+  absl::StatusOr<moe::v1::RegisterWorkerResponse> RegisterWorker(const moe::v1::RegisterWorkerRequest& req);
+  absl::StatusOr<moe::v1::RegisterExpertServerResponse> RegisterExpertServer(
+      const moe::v1::RegisterExpertServerRequest& req);
+  absl::StatusOr<moe::v1::HeartbeatResponse> Heartbeat(const moe::v1::HeartbeatRequest& req);
+  absl::Status ReportStats(const moe::v1::ReportStatsRequest& req);
+  // The worker's full assignment now.
+  absl::StatusOr<moe::v1::CacheAssignment> Snapshot(const std::string& worker_id, uint64_t session);
+  // Waits until the worker has a version newer than `after` (returns the
+  // delta) or `deadline` passes (returns nullopt). Error when the session is
+  // superseded or the coordinator stops.
+  absl::StatusOr<std::optional<moe::v1::CacheAssignment>> WaitForAssignment(
+      const std::string& worker_id, uint64_t session, uint64_t after, std::chrono::steady_clock::time_point deadline);
+
+  // ---- AdminService
+  moe::v1::StatusResponse Status();
+  absl::StatusOr<moe::v1::PopularityResponse> GetPopularity(const moe::v1::PopularityRequest& req);
+  absl::StatusOr<moe::v1::RebalanceResponse> Rebalance(bool dry_run);
+  absl::StatusOr<moe::v1::PinResponse> Pin(const moe::v1::PinRequest& req, bool pin);
+  moe::v1::PolicyParameters GetPolicy();
+  absl::StatusOr<moe::v1::PolicyParameters> SetPolicy(const moe::v1::SetPolicyRequest& req);
+  absl::StatusOr<moe::v1::DrainResponse> Drain(const moe::v1::DrainRequest& req);
+
+ private:
+  explicit Coordinator(CoordinatorOptions options);
+  double Now() const { return options_.clock(); }
+  // Learns (or checks) the model geometry; creates the registry and popularity.
+  absl::Status CheckGeometryLocked(uint32_t num_layers, uint32_t num_experts);
+  absl::Status ValidateCounts(const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts) const;
+  void AddCountsLocked(const std::string& worker,
+                       const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts, double now);
+  // One placement round over the live workers. pins_only: nothing but pins moves.
+  moe::v1::RebalanceResponse RebalanceLocked(bool dry_run, bool pins_only, double now);
+  bool PinsMissingLocked() const;
+  std::vector<int> PinsOfLocked(const std::string& worker, int layer) const;
+  // Writes `next` to the state file, then makes it the admin state.
+  absl::Status CommitLocked(AdminState next);
+  moe::v1::PolicyParameters PolicyProtoLocked() const;
+  moe::v1::DrainResponse DrainStatusLocked(const ServerEntry& s) const;
+  void LogEventsLocked(const std::vector<RegistryEvent>& events);
+
+  CoordinatorOptions options_;
+  const double started_;
+  std::mutex mu_;
+  std::condition_variable changed_;  // an assignment version moved, or stopping
+  bool stopping_ = false;
+  CoordinatorPolicy policy_;
+  AdminState admin_;
+  std::unique_ptr<Registry> registry_;      // once the geometry is known
+  std::unique_ptr<Popularity> popularity_;
+  double last_rebalance_ = 0;
+  uint64_t rebalances_ = 0;
+  struct RoundCounters {
+    uint64_t rounds = 0, copies = 0, bytes = 0, updates = 0;
+  } unlogged_;                              // placement rounds not logged yet
+  double last_round_log_ = -1e300;
+
+  std::mutex thread_mu_;
+  std::condition_variable thread_cv_;
+  bool thread_stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace moe

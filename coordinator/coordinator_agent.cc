@@ -1,0 +1,469 @@
+#include "coordinator/coordinator_agent.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "core/transport/grpc_channel.h"
+#include "core/wire.h"
+#include "moe/v1/coordinator.grpc.pb.h"
+
+namespace moe {
+
+namespace {
+
+constexpr uint64_t kMaxMessageBytes = 64u << 20;
+
+std::string LocalHostname() {
+  char buf[256] = {};
+  if (gethostname(buf, sizeof(buf) - 1) != 0) return "";
+  return buf;
+}
+
+template <typename Field>
+std::vector<int> ToInts(const Field& f) {
+  return std::vector<int>(f.begin(), f.end());
+}
+
+// Connection, back-off, stop and wake-ups shared by both agents.
+class AgentLink {
+ public:
+  AgentLink(std::string address, std::shared_ptr<grpc::Channel> channel, AgentOptions options, std::string who)
+      : address_(std::move(address)),
+        stub_(moe::v1::CoordinatorService::NewStub(channel)),
+        options_(options),
+        who_(std::move(who)) {}
+
+  moe::v1::CoordinatorService::Stub& stub() { return *stub_; }
+  const AgentOptions& options() const { return options_; }
+  const std::string& who() const { return who_; }
+
+  void SetDeadline(grpc::ClientContext& ctx) const {
+    ctx.set_deadline(std::chrono::system_clock::now() + options_.rpc_timeout);
+  }
+  // Registration waits (up to the deadline) for the channel to connect: a
+  // synchronous client only makes connection progress while a call polls, so
+  // a fail-fast call would see a restarted coordinator only seconds later.
+  void SetRegistrationDeadline(grpc::ClientContext& ctx) const {
+    SetDeadline(ctx);
+    ctx.set_wait_for_ready(true);
+  }
+
+  // Calls `session` again and again until Stop(); each call registers and
+  // serves until something fails. Between calls: exponential back-off, reset
+  // after every successful registration.
+  void Run(const std::function<absl::Status(bool* registered)>& session) {
+    std::chrono::milliseconds backoff = options_.min_backoff;
+    bool reported = false;  // the current outage was logged
+    while (!stopping()) {
+      bool registered = false;
+      const absl::Status st = session(&registered);
+      connected.store(false);
+      if (stopping()) break;
+      if (registered) {
+        backoff = options_.min_backoff;
+        reported = false;
+      }
+      if (!reported) {
+        LogWarning(who_, "coordinator ", address_, ": ", st.ToString(),
+                   "; serving on as is, retrying with back-off up to ", options_.max_backoff.count(), " ms");
+        reported = true;
+      }
+      if (!Sleep(backoff, nullptr)) break;
+      backoff = std::min(backoff * 2, options_.max_backoff);
+    }
+  }
+
+  // Waits up to `d`, or until *wake turns true (when given) or Stop(). False when stopping.
+  bool Sleep(std::chrono::milliseconds d, const std::atomic<bool>* wake) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, d, [&] { return stop_ || (wake != nullptr && wake->load()); });
+    return !stop_;
+  }
+  void Wake() {
+    std::lock_guard<std::mutex> lock(mu_);
+    cv_.notify_all();
+  }
+  bool stopping() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stop_;
+  }
+  // A long-lived call that Stop() must cancel.
+  void SetActiveCall(grpc::ClientContext* ctx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_ = ctx;
+    if (stop_ && active_ != nullptr) active_->TryCancel();
+  }
+  void Stop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    if (active_ != nullptr) active_->TryCancel();
+    cv_.notify_all();
+  }
+
+  std::atomic<bool> connected{false};
+  std::atomic<int> sessions{0};
+
+ private:
+  const std::string address_;
+  std::unique_ptr<moe::v1::CoordinatorService::Stub> stub_;
+  const AgentOptions options_;
+  const std::string who_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  grpc::ClientContext* active_ = nullptr;
+};
+
+absl::Status CheckOptions(const AgentOptions& o) {
+  if (o.rpc_timeout.count() <= 0) return absl::InvalidArgumentError("rpc_timeout must be > 0");
+  if (o.min_backoff.count() <= 0 || o.max_backoff < o.min_backoff)
+    return absl::InvalidArgumentError("backoff: need 0 < min_backoff <= max_backoff");
+  return absl::OkStatus();
+}
+
+std::chrono::milliseconds HeartbeatInterval(const AgentOptions& o, uint32_t suggested_ms) {
+  if (o.heartbeat_interval.count() > 0) return o.heartbeat_interval;
+  return std::chrono::milliseconds(std::max<uint32_t>(suggested_ms, 10));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- worker agent
+
+class CoordinatorAgent::Impl {
+ public:
+  Impl(const std::string& address, std::shared_ptr<grpc::Channel> channel, WorkerRegistration reg,
+       AssignmentCallback cb, AgentOptions options)
+      : reg_(std::move(reg)),
+        cb_(std::move(cb)),
+        link_(address, std::move(channel), options, "agent " + reg_.worker_id),
+        cells_(static_cast<size_t>(reg_.num_layers) * reg_.num_experts),
+        pairs_(cells_),
+        hits_(cells_),
+        pending_pairs_(cells_, 0),
+        pending_hits_(cells_, 0),
+        delivered_(reg_.num_layers) {
+    if (reg_.hostname.empty()) reg_.hostname = LocalHostname();
+    thread_ = std::thread([this] { link_.Run([this](bool* registered) { return Session(registered); }); });
+  }
+  ~Impl() {
+    link_.Stop();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void RecordAccess(int layer, int expert, uint64_t pairs, bool hit) {
+    if (layer < 0 || layer >= reg_.num_layers || expert < 0 || expert >= reg_.num_experts) return;
+    const size_t i = static_cast<size_t>(layer) * reg_.num_experts + expert;
+    pairs_[i].fetch_add(pairs, std::memory_order_relaxed);
+    if (hit) hits_[i].fetch_add(pairs, std::memory_order_relaxed);
+  }
+  void MarkApplied(uint64_t version) {
+    uint64_t cur = applied_.load();
+    while (version > cur && !applied_.compare_exchange_weak(cur, version)) {
+    }
+  }
+  bool connected() const { return link_.connected.load(); }
+  uint64_t received_version() const { return received_.load(); }
+  uint64_t applied_version() const { return applied_.load(); }
+  int sessions() const { return link_.sessions.load(); }
+  std::vector<ServerRoute> routes() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return routes_;
+  }
+
+ private:
+  moe::v1::RegisterWorkerRequest Registration() const {
+    moe::v1::RegisterWorkerRequest r;
+    r.set_worker_id(reg_.worker_id);
+    r.set_address(reg_.address);
+    r.set_hostname(reg_.hostname);
+    r.set_num_layers(reg_.num_layers);
+    r.set_num_experts(reg_.num_experts);
+    r.set_slots_per_layer(reg_.slots_per_layer);
+    r.set_expert_bytes(reg_.expert_bytes);
+    r.set_gpu_memory_bytes(reg_.gpu_memory_bytes);
+    r.set_numa_node(reg_.numa_node);
+    for (int l : reg_.cached_layers) r.add_cached_layers(l);
+    // What the worker holds or is moving to: placement resumes from it.
+    std::lock_guard<std::mutex> lock(mu_);
+    r.set_current_version(received_.load());
+    for (int l = 0; l < reg_.num_layers; ++l) {
+      if (delivered_[l].empty()) continue;
+      moe::v1::LayerAssignment* la = r.add_current();
+      la->set_layer(l);
+      for (int e : delivered_[l]) la->add_experts(e);
+    }
+    return r;
+  }
+
+  // Applies one stream message to the delivered state and hands it to the
+  // worker. False when a delta does not follow the version we hold (resync).
+  bool Handle(const moe::v1::CacheAssignment& msg) {
+    AssignmentUpdate u;
+    u.version = msg.version();
+    u.full = msg.full();
+    u.routes_changed = msg.routes_changed();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!msg.full() && msg.base_version() != received_.load()) return false;
+      if (msg.full()) {
+        for (auto& s : delivered_) s.clear();
+      }
+      for (const auto& la : msg.layers()) {
+        if (la.layer() >= static_cast<uint32_t>(reg_.num_layers)) continue;
+        delivered_[la.layer()] = ToInts(la.experts());
+        u.layers.push_back({static_cast<int>(la.layer()), delivered_[la.layer()]});
+      }
+      if (msg.routes_changed()) {
+        routes_.clear();
+        for (const auto& r : msg.routes()) {
+          routes_.push_back({r.server_id(), r.address(), r.shm_socket(), r.hostname(), r.numa_node(),
+                             ToInts(r.hosted_layers()), ToInts(r.hosted_experts())});
+        }
+        u.routes = routes_;
+      }
+      received_.store(msg.version());
+    }
+    if (cb_) cb_(u);
+    return true;
+  }
+
+  absl::Status Heartbeat(uint64_t session) {
+    moe::v1::HeartbeatRequest hb;
+    hb.set_worker_id(reg_.worker_id);
+    hb.set_session(session);
+    hb.set_applied_version(applied_.load());
+    const int ne = reg_.num_experts;
+    for (int l = 0; l < reg_.num_layers; ++l) {
+      moe::v1::LayerCounts* lc = nullptr;
+      for (int e = 0; e < ne; ++e) {
+        const size_t i = static_cast<size_t>(l) * ne + e;
+        pending_pairs_[i] += pairs_[i].exchange(0, std::memory_order_relaxed);
+        pending_hits_[i] += hits_[i].exchange(0, std::memory_order_relaxed);
+        if (pending_pairs_[i] == 0) continue;
+        if (lc == nullptr) {
+          lc = hb.add_counts();
+          lc->set_layer(l);
+        }
+        lc->add_experts(e);
+        lc->add_pairs(pending_pairs_[i]);
+        lc->add_hits(std::min(pending_hits_[i], pending_pairs_[i]));
+      }
+    }
+    grpc::ClientContext ctx;
+    link_.SetDeadline(ctx);
+    moe::v1::HeartbeatResponse resp;
+    const grpc::Status st = link_.stub().Heartbeat(&ctx, hb, &resp);
+    if (!st.ok()) return FromGrpcStatus(st);  // counts stay pending for the next attempt
+    std::fill(pending_pairs_.begin(), pending_pairs_.end(), 0);
+    std::fill(pending_hits_.begin(), pending_hits_.end(), 0);
+    return absl::OkStatus();
+  }
+
+  absl::Status Session(bool* registered) {
+    const moe::v1::RegisterWorkerRequest req = Registration();
+    moe::v1::RegisterWorkerResponse reg;
+    {
+      grpc::ClientContext ctx;
+      link_.SetRegistrationDeadline(ctx);
+      const grpc::Status st = link_.stub().RegisterWorker(&ctx, req, &reg);
+      if (!st.ok()) return FromGrpcStatus(st);
+    }
+    *registered = true;
+    link_.sessions.fetch_add(1);
+    const auto interval = HeartbeatInterval(link_.options(), reg.heartbeat_interval_ms());
+    LogInfo(link_.who(), "registered (session ", reg.session(), ", holding version ", req.current_version(),
+            "), heartbeat every ", interval.count(), " ms");
+
+    moe::v1::WatchAssignmentsRequest wreq;
+    wreq.set_worker_id(reg_.worker_id);
+    wreq.set_session(reg.session());
+    grpc::ClientContext wctx;
+    link_.SetActiveCall(&wctx);
+    std::unique_ptr<grpc::ClientReader<moe::v1::CacheAssignment>> reader =
+        link_.stub().WatchAssignments(&wctx, wreq);
+    std::atomic<bool> stream_done{false};
+    absl::Status stream_status;
+    std::thread reader_thread([&] {
+      moe::v1::CacheAssignment msg;
+      bool first = true;
+      while (reader->Read(&msg)) {
+        if ((first && !msg.full()) || !Handle(msg)) {
+          stream_status = absl::DataLossError(absl::StrCat("assignment version ", msg.version(), " does not follow ",
+                                                           received_.load(), ": resync"));
+          break;
+        }
+        if (first) link_.connected.store(true);
+        first = false;
+      }
+      stream_done.store(true);
+      link_.Wake();
+    });
+    absl::Status st;
+    while (link_.Sleep(interval, &stream_done) && !stream_done.load()) {
+      st = Heartbeat(reg.session());
+      if (!st.ok()) break;
+    }
+    wctx.TryCancel();
+    reader_thread.join();
+    const grpc::Status finished = reader->Finish();
+    link_.SetActiveCall(nullptr);
+    link_.connected.store(false);
+    if (!st.ok()) return st;
+    if (!stream_status.ok()) return stream_status;
+    return finished.ok() ? absl::UnavailableError("assignment stream ended") : FromGrpcStatus(finished);
+  }
+
+  WorkerRegistration reg_;
+  AssignmentCallback cb_;
+  AgentLink link_;
+  const size_t cells_;
+  std::vector<std::atomic<uint64_t>> pairs_, hits_;        // recorded since the last collection
+  std::vector<uint64_t> pending_pairs_, pending_hits_;    // collected, not yet acknowledged (session thread)
+  std::atomic<uint64_t> applied_{0}, received_{0};
+  mutable std::mutex mu_;
+  std::vector<std::vector<int>> delivered_;               // [layer] as of received_
+  std::vector<ServerRoute> routes_;
+  std::thread thread_;
+};
+
+absl::StatusOr<std::unique_ptr<CoordinatorAgent>> CoordinatorAgent::Start(const std::string& coordinator_address,
+                                                                           const TlsOptions& tls,
+                                                                           const WorkerRegistration& reg,
+                                                                           AssignmentCallback on_assignment,
+                                                                           AgentOptions options) {
+  if (coordinator_address.empty()) return absl::InvalidArgumentError("coordinator address: must not be empty");
+  if (reg.worker_id.empty()) return absl::InvalidArgumentError("worker_id: must not be empty");
+  if (reg.num_layers <= 0) return absl::InvalidArgumentError("num_layers: must be > 0");
+  if (reg.num_experts <= 0) return absl::InvalidArgumentError("num_experts: must be > 0");
+  if (reg.slots_per_layer < 0 || reg.slots_per_layer > reg.num_experts)
+    return absl::InvalidArgumentError(absl::StrCat("slots_per_layer: ", reg.slots_per_layer, " not in [0, ",
+                                                   reg.num_experts, "]"));
+  for (int l : reg.cached_layers) {
+    if (l < 0 || l >= reg.num_layers)
+      return absl::InvalidArgumentError(absl::StrCat("cached_layers: ", l, " out of range [0, ", reg.num_layers, ")"));
+  }
+  if (absl::Status s = CheckOptions(options); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(coordinator_address, kMaxMessageBytes, tls);
+  if (!channel.ok()) return channel.status();
+  return std::unique_ptr<CoordinatorAgent>(new CoordinatorAgent(
+      std::make_unique<Impl>(coordinator_address, *channel, reg, std::move(on_assignment), options)));
+}
+
+CoordinatorAgent::CoordinatorAgent(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+CoordinatorAgent::~CoordinatorAgent() = default;
+void CoordinatorAgent::RecordAccess(int layer, int expert, uint64_t pairs, bool hit) {
+  impl_->RecordAccess(layer, expert, pairs, hit);
+}
+void CoordinatorAgent::MarkApplied(uint64_t version) { impl_->MarkApplied(version); }
+bool CoordinatorAgent::connected() const { return impl_->connected(); }
+uint64_t CoordinatorAgent::received_version() const { return impl_->received_version(); }
+uint64_t CoordinatorAgent::applied_version() const { return impl_->applied_version(); }
+int CoordinatorAgent::sessions() const { return impl_->sessions(); }
+std::vector<ServerRoute> CoordinatorAgent::routes() const { return impl_->routes(); }
+
+// ---------------------------------------------------------------- expert server agent
+
+class ExpertServerAgent::Impl {
+ public:
+  Impl(const std::string& address, std::shared_ptr<grpc::Channel> channel, ExpertServerRegistration reg,
+       std::function<uint32_t()> inflight, AgentOptions options)
+      : reg_(std::move(reg)),
+        inflight_(std::move(inflight)),
+        link_(address, std::move(channel), options, "agent " + reg_.server_id) {
+    if (reg_.hostname.empty()) reg_.hostname = LocalHostname();
+    thread_ = std::thread([this] { link_.Run([this](bool* registered) { return Session(registered); }); });
+  }
+  ~Impl() {
+    link_.Stop();
+    if (thread_.joinable()) thread_.join();
+  }
+  bool connected() const { return link_.connected.load(); }
+  bool draining() const { return draining_.load(); }
+  bool drained() const { return drained_.load(); }
+  int sessions() const { return link_.sessions.load(); }
+
+ private:
+  void SetDrainState(bool draining, bool drained) {
+    if (draining != draining_.exchange(draining))
+      LogInfo(link_.who(), draining ? "drain requested: workers stop routing here" : "drain cancelled");
+    if (drained != drained_.exchange(drained) && drained) LogInfo(link_.who(), "drained");
+  }
+
+  absl::Status Session(bool* registered) {
+    moe::v1::RegisterExpertServerRequest req;
+    req.set_server_id(reg_.server_id);
+    req.set_address(reg_.address);
+    req.set_shm_socket(reg_.shm_socket);
+    req.set_hostname(reg_.hostname);
+    req.set_numa_node(reg_.numa_node);
+    req.set_num_layers(reg_.num_layers);
+    req.set_num_experts(reg_.num_experts);
+    for (int l : reg_.hosted_layers) req.add_hosted_layers(l);
+    for (int e : reg_.hosted_experts) req.add_hosted_experts(e);
+    req.set_weight_bytes(reg_.weight_bytes);
+    req.set_kernel(reg_.kernel);
+    moe::v1::RegisterExpertServerResponse reg;
+    {
+      grpc::ClientContext ctx;
+      link_.SetRegistrationDeadline(ctx);
+      const grpc::Status st = link_.stub().RegisterExpertServer(&ctx, req, &reg);
+      if (!st.ok()) return FromGrpcStatus(st);
+    }
+    *registered = true;
+    link_.sessions.fetch_add(1);
+    link_.connected.store(true);
+    SetDrainState(reg.draining(), false);
+    const auto interval = HeartbeatInterval(link_.options(), reg.heartbeat_interval_ms());
+    LogInfo(link_.who(), "registered (session ", reg.session(), "), heartbeat every ", interval.count(), " ms");
+    while (link_.Sleep(interval, nullptr)) {
+      moe::v1::HeartbeatRequest hb;
+      hb.set_server_id(reg_.server_id);
+      hb.set_session(reg.session());
+      hb.set_inflight_requests(inflight_ ? inflight_() : 0);
+      moe::v1::HeartbeatResponse resp;
+      grpc::ClientContext ctx;
+      link_.SetDeadline(ctx);
+      const grpc::Status st = link_.stub().Heartbeat(&ctx, hb, &resp);
+      if (!st.ok()) return FromGrpcStatus(st);
+      SetDrainState(resp.draining(), resp.drained());
+    }
+    return absl::CancelledError("stopping");
+  }
+
+  ExpertServerRegistration reg_;
+  std::function<uint32_t()> inflight_;
+  AgentLink link_;
+  std::atomic<bool> draining_{false}, drained_{false};
+  std::thread thread_;
+};
+
+absl::StatusOr<std::unique_ptr<ExpertServerAgent>> ExpertServerAgent::Start(
+    const std::string& coordinator_address, const TlsOptions& tls, const ExpertServerRegistration& reg,
+    std::function<uint32_t()> inflight, AgentOptions options) {
+  if (coordinator_address.empty()) return absl::InvalidArgumentError("coordinator address: must not be empty");
+  if (reg.server_id.empty()) return absl::InvalidArgumentError("server_id: must not be empty");
+  if (reg.address.empty()) return absl::InvalidArgumentError("address: must not be empty");
+  if (reg.num_layers <= 0 || reg.num_experts <= 0)
+    return absl::InvalidArgumentError("num_layers, num_experts: must be > 0");
+  if (absl::Status s = CheckOptions(options); !s.ok()) return s;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(coordinator_address, kMaxMessageBytes, tls);
+  if (!channel.ok()) return channel.status();
+  return std::unique_ptr<ExpertServerAgent>(new ExpertServerAgent(
+      std::make_unique<Impl>(coordinator_address, *channel, reg, std::move(inflight), options)));
+}
+
+ExpertServerAgent::ExpertServerAgent(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ExpertServerAgent::~ExpertServerAgent() = default;
+bool ExpertServerAgent::connected() const { return impl_->connected(); }
+bool ExpertServerAgent::draining() const { return impl_->draining(); }
+bool ExpertServerAgent::drained() const { return impl_->drained(); }
+int ExpertServerAgent::sessions() const { return impl_->sessions(); }
+
+}  // namespace moe

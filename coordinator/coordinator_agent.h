@@ -1,0 +1,153 @@
+// The coordinator's agents, embedded in the processes it coordinates:
+//
+// CoordinatorAgent (GPU worker): registers the worker, watches its cache
+// assignment (a full snapshot, then versioned deltas) and hands each update to
+// the worker, heartbeats every interval with the version the worker applied
+// (the acknowledgement) and the per-(layer, expert) access counts recorded
+// since the previous heartbeat. When the coordinator is away it retries with
+// exponential back-off and the worker keeps serving on its last assignment;
+// when the coordinator is back the agent registers again, reporting what the
+// worker holds, and receives a fresh snapshot (resync). Counts recorded
+// meanwhile are kept and sent then.
+//
+// ExpertServerAgent (CPU expert server): registers what the server hosts and
+// heartbeats with its in-flight request count; tells the server whether an
+// admin drain is in force and whether it has completed.
+//
+// Lifecycle: Start() (never blocks on the coordinator; it may be down) ->
+// use -> destroy (stops the background threads; no callback runs after the
+// destructor returns). Thread-safety: every public method may be called from
+// any thread; RecordAccess is lock-free.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/transport/transport.h"
+
+namespace moe {
+
+struct AgentOptions {
+  // 0: the interval the coordinator asks for at registration.
+  std::chrono::milliseconds heartbeat_interval{0};
+  std::chrono::milliseconds rpc_timeout{2000};
+  // Back-off between attempts while the coordinator is unreachable.
+  std::chrono::milliseconds min_backoff{100};
+  std::chrono::milliseconds max_backoff{2000};
+};
+
+struct WorkerRegistration {
+  std::string worker_id;          // unique, stable across restarts (e.g. "host:gpu0")
+  std::string address;            // where the worker serves engines (informational)
+  std::string hostname;           // default: gethostname()
+  int num_layers = 0;             // model layers; layer indexes are model layer indexes
+  int num_experts = 0;
+  int slots_per_layer = 0;        // cache slots C per cached layer
+  uint64_t expert_bytes = 0;      // bytes one expert copy moves (the copy budget is in bytes)
+  uint64_t gpu_memory_bytes = 0;
+  int numa_node = -1;
+  std::vector<int> cached_layers; // MoE layers with a cache; empty = every layer
+};
+
+// A layer's new resident set (the whole set, ascending).
+struct LayerAssignment {
+  int layer = 0;
+  std::vector<int> experts;
+};
+
+// A CPU expert server the worker may send misses to.
+struct ServerRoute {
+  std::string server_id, address, shm_socket, hostname;
+  int numa_node = -1;
+  std::vector<int> hosted_layers;   // empty = every layer
+  std::vector<int> hosted_experts;  // empty = every expert
+};
+
+struct AssignmentUpdate {
+  uint64_t version = 0;
+  // Snapshot: `layers` lists every cached layer (first message of a session,
+  // also after a reconnect). Otherwise only the layers that changed.
+  bool full = false;
+  std::vector<LayerAssignment> layers;
+  bool routes_changed = false;      // true in a snapshot
+  std::vector<ServerRoute> routes;  // routable servers (up, not draining), when routes_changed
+};
+
+class CoordinatorAgent {
+ public:
+  // Called on the agent's thread, in version order; keep it short (queue the
+  // update for the dispatcher, which applies it between forward passes and
+  // then calls MarkApplied(update.version)).
+  using AssignmentCallback = std::function<void(const AssignmentUpdate& update)>;
+
+  // InvalidArgument for a bad registration or TLS options.
+  static absl::StatusOr<std::unique_ptr<CoordinatorAgent>> Start(const std::string& coordinator_address,
+                                                                 const TlsOptions& tls,
+                                                                 const WorkerRegistration& registration,
+                                                                 AssignmentCallback on_assignment,
+                                                                 AgentOptions options = {});
+  ~CoordinatorAgent();
+
+  // `pairs` (token, expert) pairs of (layer, expert) in one forward pass, all
+  // hits or all misses. Out-of-range indexes are ignored. Lock-free.
+  void RecordAccess(int layer, int expert, uint64_t pairs, bool hit);
+  // The worker finished applying `version` (copies done, slot map swapped).
+  // Sent as the acknowledgement in the next heartbeat.
+  void MarkApplied(uint64_t version);
+
+  bool connected() const;            // registered, with a live assignment stream
+  uint64_t received_version() const; // newest version handed to the callback
+  uint64_t applied_version() const;
+  int sessions() const;              // successful registrations so far (1 + reconnects)
+  std::vector<ServerRoute> routes() const;  // latest routing table
+
+  class Impl;
+
+ private:
+  explicit CoordinatorAgent(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+struct ExpertServerRegistration {
+  std::string server_id;          // unique, stable (e.g. "host:numa0")
+  std::string address;            // gRPC host:port workers reach it at
+  std::string shm_socket;         // "" = no shared-memory endpoint
+  std::string hostname;           // default: gethostname()
+  int numa_node = -1;
+  int num_layers = 0;
+  int num_experts = 0;
+  std::vector<int> hosted_layers;   // empty = every layer
+  std::vector<int> hosted_experts;  // empty = every expert
+  uint64_t weight_bytes = 0;
+  std::string kernel;
+};
+
+class ExpertServerAgent {
+ public:
+  // inflight(): requests the server is computing or has queued, sampled at each heartbeat.
+  static absl::StatusOr<std::unique_ptr<ExpertServerAgent>> Start(const std::string& coordinator_address,
+                                                                  const TlsOptions& tls,
+                                                                  const ExpertServerRegistration& registration,
+                                                                  std::function<uint32_t()> inflight,
+                                                                  AgentOptions options = {});
+  ~ExpertServerAgent();
+
+  bool connected() const;
+  bool draining() const;  // an admin drain is in force: workers stop sending here
+  bool drained() const;   // ... and every worker stopped and nothing was in flight
+  int sessions() const;
+
+  class Impl;
+
+ private:
+  explicit ExpertServerAgent(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moe

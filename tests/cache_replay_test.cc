@@ -1,0 +1,142 @@
+// The cache replay's offline optimum (bench/belady.h) on hand-checkable
+// traces and against an exhaustive search, and the trace reader/generator.
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <set>
+
+#include "bench/belady.h"
+#include "bench/routing_trace.h"
+#include "gtest/gtest.h"
+#include "tests/test_support.h"
+
+namespace moe {
+namespace {
+
+using Steps = std::vector<std::vector<ExpertAccess>>;
+
+Steps Unit(const std::vector<std::vector<int>>& ids) {
+  Steps s;
+  for (const auto& step : ids) {
+    s.emplace_back();
+    for (int e : step) s.back().push_back({e, 1});
+  }
+  return s;
+}
+
+TEST(Belady, HandCheckedUnitTraces) {
+  // One slot, A B A B A: keep A (A's reuses are the hits), 2 hits.
+  OfflineResult r = BeladyOptimum(Unit({{0}, {1}, {0}, {1}, {0}}), 2, 1);
+  EXPECT_EQ(r.hits, 2u);
+  EXPECT_EQ(r.pairs, 5u);
+  EXPECT_EQ(r.copies, 1u);
+  // Two slots, classic MIN example a b c a b d a: evict the one needed furthest ahead.
+  // a b (cold), c: bypass (c never reused); a hit, b hit, d bypass, a hit -> 3 hits.
+  r = BeladyOptimum(Unit({{0}, {1}, {2}, {0}, {1}, {3}, {0}}), 4, 2);
+  EXPECT_EQ(r.hits, 3u);
+  EXPECT_EQ(r.copies, 2u);
+  // A step touching both experts with one slot: at most one of them per later step.
+  r = BeladyOptimum(Unit({{0, 1}, {0, 1}, {0, 1}}), 2, 1);
+  EXPECT_EQ(r.hits, 2u);
+  // No slots, no hits; enough slots, every reuse hits.
+  EXPECT_EQ(BeladyOptimum(Unit({{0}, {0}}), 1, 0).hits, 0u);
+  EXPECT_EQ(BeladyOptimum(Unit({{0, 1}, {1, 0}, {0}, {1}}), 2, 2).hits, 4u);
+}
+
+TEST(Belady, WeightsFavourTheHeavierReuse) {
+  // One slot. A and B both reappear at step 2: A with 1 pair, B with 5.
+  Steps s = {{{0, 1}, {1, 1}}, {{0, 1}, {1, 5}}};
+  EXPECT_EQ(BeladyOptimum(s, 2, 1).hits, 5u);
+  // MIN's rule (furthest next use) would keep B here and lose 10 pairs of A.
+  s = {{{0, 1}, {1, 1}}, {{1, 1}}, {{0, 10}}};
+  EXPECT_EQ(BeladyOptimum(s, 2, 1).hits, 10u);
+}
+
+// Exact optimum by dynamic programming over cache states (tiny sizes only).
+uint64_t Exhaustive(const Steps& steps, int num_experts, int slots) {
+  std::map<uint32_t, uint64_t> best = {{0u, 0u}};
+  for (const auto& step : steps) {
+    uint32_t touched = 0;
+    std::map<uint32_t, uint64_t> next;
+    for (const ExpertAccess& a : step) touched |= 1u << a.expert;
+    for (auto [state, value] : best) {
+      uint64_t v = value;
+      for (const ExpertAccess& a : step) v += (state >> a.expert & 1u) ? a.pairs : 0;
+      // Next state: any subset of (state | touched) with at most `slots` experts.
+      const uint32_t pool = state | touched;
+      for (uint32_t sub = pool;; sub = (sub - 1) & pool) {
+        if (__builtin_popcount(sub) <= slots) next[sub] = std::max(next[sub], v);
+        if (sub == 0) break;
+      }
+    }
+    best.swap(next);
+  }
+  uint64_t out = 0;
+  for (auto [s, v] : best) out = std::max(out, v);
+  (void)num_experts;
+  return out;
+}
+
+TEST(Belady, MatchesExhaustiveSearchOnRandomSmallTraces) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int experts = 2 + static_cast<int>(rng() % 4), slots = 1 + static_cast<int>(rng() % 3);
+    const int n = 1 + static_cast<int>(rng() % 9);
+    Steps steps(n);
+    for (auto& step : steps) {
+      for (int e = 0; e < experts; ++e) {
+        if (rng() % 2) step.push_back({e, 1 + static_cast<int>(rng() % 5)});
+      }
+    }
+    ASSERT_EQ(BeladyOptimum(steps, experts, slots).hits, Exhaustive(steps, experts, slots))
+        << "trial " << trial << " experts " << experts << " slots " << slots;
+  }
+}
+
+TEST(RoutingTrace, SyntheticRoundTripAndRecordedFormat) {
+  testing::TempDir dir;
+  SyntheticTraceOptions o;
+  o.num_layers = 3;
+  o.num_experts = 16;
+  o.top_k = 2;
+  o.tokens_per_step = 5;
+  o.steps = 40;
+  const std::string path = dir.path() + "/t.jsonl";
+  ASSERT_TRUE(WriteSyntheticTrace(o, path).ok());
+  absl::StatusOr<RoutingTrace> t = ReadRoutingTrace(path);
+  ASSERT_TRUE(t.ok()) << t.status();
+  const RoutingTrace mem = GenerateRoutingTrace(o);
+  ASSERT_EQ(t->steps.size(), 40u);
+  EXPECT_EQ(t->num_layers, 3);
+  EXPECT_EQ(t->num_experts, 16);
+  for (int l = 0; l < 3; ++l) EXPECT_EQ(t->Pairs(l), 40u * 5 * 2);
+  for (size_t s = 0; s < mem.steps.size(); ++s) {
+    for (int l = 0; l < 3; ++l) {
+      ASSERT_EQ(t->steps[s][l].size(), mem.steps[s][l].size());
+      for (size_t i = 0; i < mem.steps[s][l].size(); ++i) {
+        EXPECT_EQ(t->steps[s][l][i].expert, mem.steps[s][l][i].expert);
+        EXPECT_EQ(t->steps[s][l][i].pairs, mem.steps[s][l][i].pairs);
+      }
+    }
+  }
+  // Recorded vLLM routing: one record per (problem, layer, token).
+  const std::string rec = dir.path() + "/r.jsonl";
+  std::ofstream(rec) << "{\"problem_id\":1,\"layer\":0,\"experts\":[3,1],\"token_idx\":0}\n"
+                        "{\"problem_id\":0,\"layer\":1,\"experts\":[2,2],\"token_idx\":1}\n"
+                        "{\"problem_id\":0,\"layer\":0,\"experts\":[7,1],\"token_idx\":0}\n";
+  t = ReadRoutingTrace(rec);
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->num_layers, 2);
+  EXPECT_EQ(t->num_experts, 8);
+  ASSERT_EQ(t->steps.size(), 3u);  // (0,0), (0,1), (1,0)
+  EXPECT_EQ(t->steps[0][0].size(), 2u);
+  EXPECT_EQ(t->steps[1][1][0].pairs, 2);
+  EXPECT_EQ(t->steps[2][0][0].expert, 1);
+  std::ofstream(rec) << "{\"nonsense\": 1}\n";
+  EXPECT_FALSE(ReadRoutingTrace(rec).ok());
+  EXPECT_FALSE(ReadRoutingTrace(dir.path() + "/missing.jsonl").ok());
+}
+
+}  // namespace
+}  // namespace moe

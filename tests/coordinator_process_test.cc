@@ -1,0 +1,394 @@
+// The coordinator over real processes: a moe-coordinator binary on loopback,
+// a CoordinatorAgent (as a GPU worker embeds it) and an ExpertServerAgent in
+// this process, and the moectl binary: assignments follow the hot experts,
+// admin commands with their exit codes and JSON, bad input as one line on
+// stderr, kill -9 and restart with the state file (pins survive, the agent
+// resyncs and kept serving its last assignment meanwhile).
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "coordinator/coordinator_agent.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/test_support.h"
+
+namespace moe {
+namespace {
+
+using testing::Subprocess;
+using namespace std::chrono_literals;
+
+// Starts moe-coordinator (plaintext, loopback) and waits for its ready line.
+std::string StartCoordinator(std::unique_ptr<Subprocess>* out, std::vector<std::string> args,
+                             const std::string& listen = "127.0.0.1:0") {
+  args.push_back("--listen=" + listen);
+  args.push_back("--insecure");
+  out->reset(new Subprocess(testing::BinaryPath("moe-coordinator"), args));
+  const std::string line = (*out)->ReadLine(10s);
+  const std::string key = "ready on ";
+  const size_t at = line.find(key);
+  return at == std::string::npos ? "" : line.substr(at + key.size());
+}
+
+struct CommandResult {
+  int code = -1;
+  std::string out, err;
+};
+
+// Runs moectl with `args`; collects stdout, stderr and the exit code.
+CommandResult Moectl(const std::vector<std::string>& args) {
+  int out_pipe[2], err_pipe[2];
+  CommandResult r;
+  if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) return r;
+  const std::string bin = testing::BinaryPath("moectl");
+  const pid_t pid = fork();
+  if (pid == 0) {
+    dup2(out_pipe[1], 1);
+    dup2(err_pipe[1], 2);
+    std::vector<char*> argv = {const_cast<char*>(bin.c_str())};
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    execv(bin.c_str(), argv.data());
+    _exit(127);
+  }
+  close(out_pipe[1]);
+  close(err_pipe[1]);
+  pollfd fds[2] = {{out_pipe[0], POLLIN, 0}, {err_pipe[0], POLLIN, 0}};
+  std::string* sinks[2] = {&r.out, &r.err};
+  int open_fds = 2;
+  const auto end = std::chrono::steady_clock::now() + 20s;
+  while (open_fds > 0 && std::chrono::steady_clock::now() < end) {
+    if (poll(fds, 2, 1000) <= 0) continue;
+    for (int i = 0; i < 2; ++i) {
+      if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP))) continue;
+      char buf[4096];
+      const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
+      if (n > 0) {
+        sinks[i]->append(buf, n);
+      } else {
+        close(fds[i].fd);
+        fds[i].fd = -1;
+        --open_fds;
+      }
+    }
+  }
+  int st = 0;
+  waitpid(pid, &st, 0);
+  r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  return r;
+}
+
+std::vector<std::string> With(const std::string& addr, std::vector<std::string> args) {
+  args.insert(args.begin(), {"--coordinator", addr, "--insecure"});
+  return args;
+}
+
+bool OneLine(const std::string& s) { return !s.empty() && s.find('\n') == s.size() - 1; }
+
+// A stand-in for the GPU worker: applies every update at once and records them.
+class FakeWorker {
+ public:
+  absl::Status Start(const std::string& addr, int num_layers = 2, int num_experts = 8, int slots = 2) {
+    WorkerRegistration reg;
+    reg.worker_id = "w1";
+    reg.num_layers = num_layers;
+    reg.num_experts = num_experts;
+    reg.slots_per_layer = slots;
+    reg.expert_bytes = 1 << 20;
+    AgentOptions o;
+    o.min_backoff = 50ms;
+    o.max_backoff = 200ms;
+    o.rpc_timeout = 1000ms;
+    absl::StatusOr<std::unique_ptr<CoordinatorAgent>> a = CoordinatorAgent::Start(
+        addr, testing::PlaintextTls(), reg,
+        [this](const AssignmentUpdate& u) {
+          std::lock_guard<std::mutex> lock(mu_);
+          updates_.push_back(u);
+          if (u.full) sets_.clear();
+          for (const auto& l : u.layers) sets_[l.layer] = l.experts;
+          // The real worker acknowledges after its copies and the slot map swap.
+          if (agent_ != nullptr) agent_->MarkApplied(u.version);
+          cv_.notify_all();
+        },
+        o);
+    if (!a.ok()) return a.status();
+    std::lock_guard<std::mutex> lock(mu_);
+    agent_ = *std::move(a);
+    if (!updates_.empty()) agent_->MarkApplied(updates_.back().version);  // arrived before agent_ was set
+    return absl::OkStatus();
+  }
+  // Waits until `pred` holds on (updates, resident sets).
+  bool WaitFor(const std::function<bool(const std::vector<AssignmentUpdate>&, std::map<int, std::vector<int>>&)>& pred,
+               std::chrono::milliseconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return pred(updates_, sets_); });
+  }
+  std::vector<int> Set(int layer) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return sets_[layer];
+  }
+  int FullUpdates() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int>(std::count_if(updates_.begin(), updates_.end(), [](auto& u) { return u.full; }));
+  }
+  CoordinatorAgent& agent() { return *agent_; }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<AssignmentUpdate> updates_;
+  std::map<int, std::vector<int>> sets_;
+  std::unique_ptr<CoordinatorAgent> agent_;
+};
+
+bool Contains(const std::vector<int>& v, int e) { return std::find(v.begin(), v.end(), e) != v.end(); }
+
+const std::vector<std::string> kFastCoordinator = {"--rebalance-interval-seconds=0.2", "--heartbeat-interval-ms=50",
+                                                   "--half-life-seconds=5", "--heartbeat-timeout-seconds=1"};
+
+TEST(CoordinatorProcess, AgentGetsASnapshotThenDeltasTowardTheHotExperts) {
+  std::unique_ptr<Subprocess> coord;
+  const std::string addr = StartCoordinator(&coord, kFastCoordinator);
+  ASSERT_FALSE(addr.empty());
+  FakeWorker w;
+  ASSERT_TRUE(w.Start(addr).ok());
+  ASSERT_TRUE(w.WaitFor([](auto& u, auto&) { return !u.empty(); }, 3s));
+  // Skewed traffic in layer 1: experts 5 and 6 hot, 0 lukewarm.
+  std::atomic<bool> stop{false};
+  std::thread traffic([&] {
+    while (!stop.load()) {
+      w.agent().RecordAccess(1, 5, 50, false);
+      w.agent().RecordAccess(1, 6, 40, false);
+      w.agent().RecordAccess(1, 0, 1, false);
+      std::this_thread::sleep_for(10ms);
+    }
+  });
+  const bool moved = w.WaitFor([](auto&, auto& sets) { return sets[1] == std::vector<int>{5, 6}; }, 4s);
+  stop = true;
+  traffic.join();
+  ASSERT_TRUE(moved) << "layer 1 never became {5, 6}";
+  w.WaitFor([](auto&, auto&) { return false; }, 300ms);  // let the acknowledgement arrive
+  std::vector<AssignmentUpdate> updates;
+  w.WaitFor([&](auto& u, auto&) { updates = u; return true; }, 0ms);
+  ASSERT_GE(updates.size(), 2u);
+  EXPECT_TRUE(updates[0].full) << "a full snapshot first";
+  EXPECT_EQ(updates[0].layers.size(), 2u);
+  EXPECT_FALSE(updates.back().full) << "then deltas";
+  for (size_t i = 1; i < updates.size(); ++i) EXPECT_GT(updates[i].version, updates[i - 1].version);
+  // The coordinator saw the acknowledgement and the counts.
+  CommandResult st = Moectl(With(addr, {"status", "--json"}));
+  ASSERT_EQ(st.code, 0) << st.err;
+  nlohmann::json j = nlohmann::json::parse(st.out);
+  ASSERT_EQ(j["workers"].size(), 1u);
+  EXPECT_EQ(j["workers"][0]["worker_id"], "w1");
+  EXPECT_EQ(j["workers"][0]["acked_version"], j["workers"][0]["assigned_version"]);
+  CommandResult pop = Moectl(With(addr, {"popularity", "--layer", "1", "--top", "2", "--json"}));
+  ASSERT_EQ(pop.code, 0) << pop.err;
+  j = nlohmann::json::parse(pop.out);
+  ASSERT_EQ(j["experts"].size(), 2u);
+  EXPECT_EQ(j["experts"][0]["expert"], 5);
+  EXPECT_EQ(j["experts"][0]["resident_on"][0], "w1");
+}
+
+TEST(CoordinatorProcess, MoectlCommandsExitCodesJsonAndOneLineErrors) {
+  std::unique_ptr<Subprocess> coord;
+  const std::string addr = StartCoordinator(&coord, kFastCoordinator);
+  ASSERT_FALSE(addr.empty());
+  FakeWorker w;
+  ASSERT_TRUE(w.Start(addr).ok());
+  ExpertServerRegistration sreg;
+  sreg.server_id = "s1";
+  sreg.address = "127.0.0.1:1";
+  sreg.num_layers = 2;
+  sreg.num_experts = 8;
+  AgentOptions o;
+  o.min_backoff = 50ms;
+  auto server = ExpertServerAgent::Start(addr, testing::PlaintextTls(), sreg, [] { return 0u; }, o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ASSERT_TRUE(w.WaitFor([](auto& u, auto&) {
+    return !u.empty() && u.back().routes_changed && u.back().routes.size() == 1; }, 3s))
+      << "the worker learns the server's route";
+
+  // pin: JSON answer, and the pin reaches the worker.
+  CommandResult r = Moectl(With(addr, {"pin", "--layer", "1", "--experts", "3", "--json"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(j["pins"].size(), 1u);
+  EXPECT_EQ(j["pins"][0]["layer"], 1);
+  EXPECT_EQ(j["pins"][0]["experts"], nlohmann::json::array({3}));
+  EXPECT_TRUE(w.WaitFor([](auto&, auto& sets) { return Contains(sets[1], 3); }, 3s));
+  r = Moectl(With(addr, {"unpin", "--layer", "1", "--experts", "3"}));
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("no pins in force"), std::string::npos) << r.out;
+
+  // policy set / get.
+  r = Moectl(With(addr, {"policy", "set", "half_life_seconds=2", "placement=union"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = Moectl(With(addr, {"--json", "policy", "get"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["half_life_seconds"], 2.0);
+  EXPECT_EQ(j["placement"], "union");
+
+  // rebalance --dry-run: the plan, and nothing issued.
+  r = Moectl(With(addr, {"rebalance", "--dry-run", "--json"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["dry_run"], true);
+  ASSERT_EQ(j["workers"].size(), 1u);
+  EXPECT_EQ(j["workers"][0]["worker_id"], "w1");
+  EXPECT_EQ(j["workers"][0]["version"], "0") << "a dry run issues no version";
+  r = Moectl(With(addr, {"rebalance", "--dry-run"}));
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("dry run"), std::string::npos) << r.out;
+
+  // drain: waits until the worker dropped the route and the server has nothing in flight.
+  r = Moectl(With(addr, {"drain", "s1", "--wait-seconds", "4"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("server s1: drained"), std::string::npos) << r.out;
+  EXPECT_TRUE((*server)->draining());
+  EXPECT_TRUE(w.WaitFor([](auto& u, auto&) { return u.back().routes_changed && u.back().routes.empty(); }, 1s));
+  r = Moectl(With(addr, {"status", "--json"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["servers"][0]["state"], "drained");
+  r = Moectl(With(addr, {"undrain", "s1"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("server s1: up"), std::string::npos) << r.out;
+  r = Moectl(With(addr, {"status"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("w1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("s1"), std::string::npos) << r.out;
+
+  // Bad input: non-zero exit, one line on stderr naming the problem.
+  struct Bad {
+    std::vector<std::string> args;
+    int code;
+    std::string says;
+  };
+  const std::vector<Bad> bad = {
+      {{"pin", "--layer", "99", "--experts", "1"}, 1, "INVALID_ARGUMENT: layer"},
+      {{"pin", "--layer", "1", "--experts", "1,9"}, 1, "experts[1]"},
+      {{"pin", "--layer", "x", "--experts", "1"}, 2, "--layer"},
+      {{"pin", "--layer", "1"}, 2, "--experts"},
+      {{"policy", "set", "foo=1"}, 1, "unknown policy key 'foo'"},
+      {{"policy", "set", "half_life_seconds=0"}, 1, "half_life_seconds"},
+      {{"policy", "set", "novalue"}, 2, "KEY=VALUE"},
+      {{"drain", "nosuch"}, 1, "NOT_FOUND"},
+      {{"popularity", "--layer", "5"}, 1, "layer"},
+      {{"frobnicate"}, 2, "unknown command"},
+      {{"status", "extra"}, 2, "unexpected argument"},
+  };
+  for (const Bad& b : bad) {
+    r = Moectl(With(addr, b.args));
+    EXPECT_EQ(r.code, b.code) << b.args[0] << ": " << r.err;
+    EXPECT_TRUE(OneLine(r.err)) << "'" << r.err << "'";
+    EXPECT_NE(r.err.find(b.says), std::string::npos) << r.err;
+    EXPECT_TRUE(r.out.empty()) << r.out;
+  }
+  r = Moectl({"--coordinator", addr, "status"});  // neither TLS nor --insecure
+  EXPECT_EQ(r.code, 2);
+  EXPECT_TRUE(OneLine(r.err)) << r.err;
+  r = Moectl({"--coordinator", "127.0.0.1:1", "--insecure", "status"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_TRUE(OneLine(r.err)) << r.err;
+  EXPECT_NE(r.err.find("UNAVAILABLE"), std::string::npos) << r.err;
+  for (const char* c : {"status", "popularity", "rebalance", "pin", "unpin", "drain", "undrain", "policy"}) {
+    r = Moectl({c, "--help"});
+    EXPECT_EQ(r.code, 0) << c;
+    EXPECT_NE(r.out.find("Usage: moectl"), std::string::npos) << c;
+  }
+  EXPECT_EQ(Moectl({"--help"}).code, 0);
+}
+
+TEST(CoordinatorProcess, KillAndRestartKeepsPinsAndTheAgentResyncs) {
+  testing::TempDir dir;
+  const std::string state = "--state-file=" + dir.path() + "/state.json";
+  std::vector<std::string> args = kFastCoordinator;
+  args.push_back(state);
+  std::unique_ptr<Subprocess> coord;
+  const std::string addr = StartCoordinator(&coord, args);
+  ASSERT_FALSE(addr.empty());
+  FakeWorker w;
+  ASSERT_TRUE(w.Start(addr).ok());
+  ASSERT_TRUE(w.WaitFor([](auto& u, auto&) { return !u.empty(); }, 3s));
+  CommandResult r = Moectl(With(addr, {"pin", "--layer", "0", "--experts", "7"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  ASSERT_TRUE(w.WaitFor([](auto&, auto& sets) { return Contains(sets[0], 7); }, 3s));
+  const uint64_t before = w.agent().received_version();
+
+  coord->Signal(SIGKILL);
+  coord->Wait(5s);
+  // The worker keeps serving on its last assignment while the coordinator is away.
+  for (int i = 0; i < 50 && w.agent().connected(); ++i) std::this_thread::sleep_for(20ms);
+  EXPECT_FALSE(w.agent().connected());
+  w.agent().RecordAccess(1, 2, 100, false);  // counted meanwhile, sent after the resync
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(w.agent().received_version(), before);
+  EXPECT_TRUE(Contains(w.Set(0), 7));
+
+  const std::string again = StartCoordinator(&coord, args, addr);
+  ASSERT_EQ(again, addr);
+  ASSERT_TRUE(w.WaitFor([](auto& u, auto&) {
+    return std::count_if(u.begin(), u.end(), [](auto& x) { return x.full; }) >= 2; }, 4s))
+      << "no fresh snapshot after the restart";
+  EXPECT_GE(w.agent().sessions(), 2);
+  EXPECT_GT(w.agent().received_version(), before) << "versions keep growing across the restart";
+  EXPECT_TRUE(Contains(w.Set(0), 7)) << "the worker's set is resumed, the pin with it";
+  r = Moectl(With(addr, {"popularity", "--layer", "0", "--json"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const nlohmann::json pop = nlohmann::json::parse(r.out);
+  bool pinned = false;
+  for (const auto& e : pop["experts"]) pinned |= e["expert"] == 7 && e["pinned"] == true;
+  EXPECT_TRUE(pinned) << "the pin survived kill -9: " << r.out;
+  // The counts recorded while the coordinator was down arrive after the resync.
+  bool counted = false;
+  for (int i = 0; i < 40 && !counted; ++i) {
+    r = Moectl(With(addr, {"popularity", "--layer", "1", "--top", "1", "--json"}));
+    const nlohmann::json top = r.code == 0 ? nlohmann::json::parse(r.out) : nlohmann::json();
+    counted = r.code == 0 && top["experts"][0]["expert"] == 2 && top["experts"][0]["count"].get<double>() > 0;
+    if (!counted) std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_TRUE(counted);
+}
+
+TEST(CoordinatorProcess, SilentServerIsMarkedDownAndLeavesTheRoutes) {
+  std::unique_ptr<Subprocess> coord;
+  const std::string addr = StartCoordinator(&coord, kFastCoordinator);
+  ASSERT_FALSE(addr.empty());
+  FakeWorker w;
+  ASSERT_TRUE(w.Start(addr).ok());
+  AgentOptions o;
+  o.min_backoff = 50ms;
+  std::vector<std::unique_ptr<ExpertServerAgent>> servers;
+  for (const char* id : {"s1", "s2"}) {
+    ExpertServerRegistration sreg;
+    sreg.server_id = id;
+    sreg.address = std::string(id) + ":50051";
+    sreg.num_layers = 2;
+    sreg.num_experts = 8;
+    auto s = ExpertServerAgent::Start(addr, testing::PlaintextTls(), sreg, nullptr, o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    servers.push_back(*std::move(s));
+  }
+  ASSERT_TRUE(w.WaitFor([](auto& u, auto&) { return !u.empty() && u.back().routes.size() == 2; }, 3s));
+  servers[1].reset();  // s2 stops heartbeating (as if it died)
+  ASSERT_TRUE(w.WaitFor([](auto& u, auto&) {
+    return u.back().routes_changed && u.back().routes.size() == 1 && u.back().routes[0].server_id == "s1"; }, 3s))
+      << "s2's experts must go to the replica";
+  CommandResult r = Moectl(With(addr, {"status", "--json"}));
+  ASSERT_EQ(r.code, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["servers"][1]["server_id"], "s2");
+  EXPECT_EQ(j["servers"][1]["state"], "down");
+  EXPECT_EQ(j["layers"][0]["routable_experts"], 8);
+}
+
+}  // namespace
+}  // namespace moe

@@ -1,0 +1,595 @@
+// The coordinator's parts in one process: popularity decay, placement (top-C,
+// hysteresis, copy budget, pins, union mode), the state file (round trip,
+// atomic replace), and the Coordinator state machine on a fake clock
+// (assignments and versions, validation naming the field, heartbeat expiry,
+// the drain protocol, persistence across a restart).
+#include <sys/stat.h>
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "coordinator/coordinator.h"
+#include "coordinator/placement.h"
+#include "coordinator/popularity.h"
+#include "coordinator/state_file.h"
+#include "gtest/gtest.h"
+#include "tests/test_support.h"
+
+namespace moe {
+namespace {
+
+// ---------------------------------------------------------------- popularity
+
+TEST(Popularity, CountsHalveEveryHalfLife) {
+  DecayedCounts c(2, 4, /*half_life_seconds=*/10.0, /*now=*/100.0);
+  c.Add(1, 2, 8, 6, 100.0);
+  EXPECT_DOUBLE_EQ(c.Count(1, 2, 100.0), 8.0);
+  EXPECT_NEAR(c.Count(1, 2, 110.0), 4.0, 1e-12);
+  EXPECT_NEAR(c.Count(1, 2, 120.0), 2.0, 1e-12);
+  EXPECT_NEAR(c.LayerHits(1, 110.0), 3.0, 1e-12);
+  EXPECT_NEAR(c.LayerPairs(1, 110.0), 4.0, 1e-12);
+  c.Add(1, 2, 4, 0, 110.0);  // 4 (decayed) + 4
+  EXPECT_NEAR(c.Count(1, 2, 110.0), 8.0, 1e-12);
+  EXPECT_EQ(c.Count(0, 2, 110.0), 0.0);
+  EXPECT_EQ(c.Layer(1, 110.0), (std::vector<double>{0, 0, 8, 0}));
+}
+
+TEST(Popularity, StaysExactOverManyHalfLives) {
+  DecayedCounts c(1, 2, 1.0, 0.0);
+  c.Add(0, 0, 1, 0, 0.0);
+  // Far beyond the re-basing point: old counts vanish, new ones are exact.
+  for (double t = 1; t <= 5000; t += 1) c.Add(0, 1, 1, 0, t);
+  EXPECT_LT(c.Count(0, 0, 5000.0), 1e-300);
+  // Steady state of one pair per second with a 1 s half-life: sum of 2^-k = 2.
+  EXPECT_NEAR(c.Count(0, 1, 5000.0), 2.0, 1e-9);
+  EXPECT_TRUE(std::isfinite(c.LayerPairs(0, 5000.0)));
+}
+
+TEST(Popularity, GlobalAndPerWorkerAndHalfLifeChange) {
+  Popularity p(1, 3, 10.0, 0.0);
+  p.Add("w1", 0, 0, 10, 0, 0.0);
+  p.Add("w2", 0, 0, 30, 0, 0.0);
+  p.Add("w2", 0, 2, 5, 0, 0.0);
+  EXPECT_DOUBLE_EQ(p.global().Count(0, 0, 0.0), 40.0);
+  EXPECT_DOUBLE_EQ(p.worker("w1")->Count(0, 0, 0.0), 10.0);
+  EXPECT_DOUBLE_EQ(p.worker("w2")->Count(0, 2, 0.0), 5.0);
+  EXPECT_EQ(p.worker("w3"), nullptr);
+  // The counts as of now are kept; from now on they decay with the new half-life.
+  p.SetHalfLife(1.0, 10.0);
+  EXPECT_NEAR(p.global().Count(0, 0, 10.0), 20.0, 1e-9);
+  EXPECT_NEAR(p.global().Count(0, 0, 11.0), 10.0, 1e-9);
+  EXPECT_NEAR(p.worker("w1")->Count(0, 0, 11.0), 2.5, 1e-9);
+}
+
+// ---------------------------------------------------------------- placement
+
+PlacementProblem OneWorker(int layers, int experts, int slots, const std::vector<std::vector<double>>& pop) {
+  PlacementProblem p;
+  p.num_layers = layers;
+  p.num_experts = experts;
+  p.params.hysteresis_margin = 0.25;
+  p.params.copy_cost_hits = 1.0;
+  WorkerPlacementState w;
+  w.id = "w";
+  w.slots_per_layer = slots;
+  w.expert_bytes = 100;
+  w.cached.assign(layers, true);
+  w.resident.resize(layers);
+  w.pinned.resize(layers);
+  w.popularity = pop;
+  p.workers.push_back(w);
+  p.global_popularity = pop;
+  return p;
+}
+
+TEST(Placement, FillsFreeSlotsWithTheTopC) {
+  PlacementProblem p = OneWorker(1, 5, 2, {{5, 1, 9, 3, 0}});
+  PlacementPlan plan = PlanPlacement(p);
+  EXPECT_EQ(plan.sets[0][0], (std::vector<int>{0, 2}));
+  ASSERT_EQ(plan.moves.size(), 2u);
+  EXPECT_EQ(plan.moves[0].evicted, -1);
+  EXPECT_EQ(plan.bytes[0], 200u);
+  EXPECT_NEAR(plan.hit_rate_before[0], 0.0, 1e-12);
+  EXPECT_NEAR(plan.hit_rate_after[0], 14.0 / 18.0, 1e-12);
+  // Nothing popular enough to pay for a copy: the slot stays free.
+  p = OneWorker(1, 3, 2, {{0.5, 0, 0}});
+  EXPECT_TRUE(PlanPlacement(p).moves.empty());
+}
+
+TEST(Placement, HysteresisKeepsResidentsUnlessTheGainBeatsCostAndMargin) {
+  // Resident {0, 1}; expert 2 is a bit hotter than 1 but not by the margin.
+  PlacementProblem p = OneWorker(1, 4, 2, {{100, 40, 50, 0}});
+  p.workers[0].resident = {{0, 1}};
+  PlacementPlan plan = PlanPlacement(p);
+  EXPECT_TRUE(plan.moves.empty()) << "50 < 40 * 1.25 + 1";
+  EXPECT_EQ(plan.sets[0][0], (std::vector<int>{0, 1}));
+  // Just past it: 51.5 > 40 * 1.25 + 1 = 51.
+  p.workers[0].popularity = p.global_popularity = {{100, 40, 51.5, 0}};
+  plan = PlanPlacement(p);
+  ASSERT_EQ(plan.moves.size(), 1u);
+  EXPECT_EQ(plan.moves[0].expert, 2);
+  EXPECT_EQ(plan.moves[0].evicted, 1);
+  EXPECT_DOUBLE_EQ(plan.moves[0].gain, 11.5);
+  EXPECT_EQ(plan.sets[0][0], (std::vector<int>{0, 2}));
+  // Without margin and cost, any hotter expert wins.
+  p.params.hysteresis_margin = 0;
+  p.params.copy_cost_hits = 0;
+  p.workers[0].popularity = p.global_popularity = {{100, 40, 40.5, 0}};
+  EXPECT_EQ(PlanPlacement(p).sets[0][0], (std::vector<int>{0, 2}));
+}
+
+TEST(Placement, CopyBudgetTakesTheBestGainsAcrossLayers) {
+  // Two layers, each with two newcomers worth copying; budget for 3 copies.
+  PlacementProblem p = OneWorker(2, 6, 2, {{0, 0, 90, 80, 0, 0}, {0, 0, 0, 0, 100, 10}});
+  p.workers[0].resident = {{0, 1}, {0, 1}};
+  p.workers[0].budget_bytes = 300;
+  PlacementPlan plan = PlanPlacement(p);
+  ASSERT_EQ(plan.moves.size(), 3u);
+  EXPECT_EQ(plan.bytes[0], 300u);
+  EXPECT_EQ(plan.sets[0][0], (std::vector<int>{2, 3}));
+  // Layer 1's second newcomer (gain 10) is the one left out.
+  EXPECT_EQ(plan.sets[0][1].size(), 2u);
+  EXPECT_TRUE(std::count(plan.sets[0][1].begin(), plan.sets[0][1].end(), 4));
+  EXPECT_FALSE(std::count(plan.sets[0][1].begin(), plan.sets[0][1].end(), 5));
+  // A budget below one copy moves nothing.
+  p.workers[0].budget_bytes = 99;
+  EXPECT_TRUE(PlanPlacement(p).moves.empty());
+}
+
+TEST(Placement, PinsAlwaysWinEvenWithoutBudgetOrPopularity) {
+  PlacementProblem p = OneWorker(1, 5, 2, {{100, 90, 0, 0, 50}});
+  p.workers[0].resident = {{0, 1}};
+  p.workers[0].pinned = {{3}};
+  p.workers[0].budget_bytes = 0;
+  PlacementPlan plan = PlanPlacement(p);
+  ASSERT_EQ(plan.moves.size(), 1u);
+  EXPECT_TRUE(plan.moves[0].pinned);
+  EXPECT_EQ(plan.moves[0].evicted, 1) << "the least popular resident makes room";
+  EXPECT_EQ(plan.sets[0][0], (std::vector<int>{0, 3}));
+  // A pinned resident is never evicted, however cold.
+  p.workers[0].resident = {{0, 3}};
+  p.workers[0].budget_bytes = kUnlimitedBudget;
+  p.workers[0].popularity = p.global_popularity = {{100, 90, 0, 0, 500}};
+  plan = PlanPlacement(p);
+  EXPECT_EQ(plan.sets[0][0], (std::vector<int>{3, 4}));
+}
+
+TEST(Placement, FrozenWorkersAndUncachedLayersDoNotMove) {
+  PlacementProblem p = OneWorker(2, 4, 1, {{0, 10, 0, 0}, {0, 0, 10, 0}});
+  p.workers[0].frozen = true;
+  EXPECT_TRUE(PlanPlacement(p).moves.empty());
+  p.workers[0].frozen = false;
+  p.workers[0].cached = {false, true};
+  PlacementPlan plan = PlanPlacement(p);
+  EXPECT_TRUE(plan.sets[0][0].empty());
+  EXPECT_EQ(plan.sets[0][1], (std::vector<int>{2}));
+}
+
+PlacementProblem TwoWorkers(PlacementMode mode, double replicate_share) {
+  PlacementProblem p = OneWorker(1, 4, 2, {{40, 30, 20, 10}});
+  p.params.mode = mode;
+  p.params.replicate_share = replicate_share;
+  p.workers.push_back(p.workers[0]);
+  p.workers[1].id = "w2";
+  return p;
+}
+
+TEST(Placement, UnionModeSpreadsExpertsSoTheWorkersCoverMore) {
+  PlacementPlan per_worker = PlanPlacement(TwoWorkers(PlacementMode::kPerWorker, 1.0));
+  EXPECT_EQ(per_worker.sets[0][0], (std::vector<int>{0, 1}));
+  EXPECT_EQ(per_worker.sets[1][0], (std::vector<int>{0, 1}));
+  EXPECT_NEAR(per_worker.coverage_after, 0.7, 1e-12);
+
+  PlacementPlan spread = PlanPlacement(TwoWorkers(PlacementMode::kUnion, 1.0));
+  std::vector<int> all = spread.sets[0][0];
+  all.insert(all.end(), spread.sets[1][0].begin(), spread.sets[1][0].end());
+  std::sort(all.begin(), all.end());
+  EXPECT_EQ(all, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_NEAR(spread.coverage_after, 1.0, 1e-12);
+
+  // The hottest (40% of the pairs >= 35%) is replicated; the rest spread.
+  PlacementPlan replicated = PlanPlacement(TwoWorkers(PlacementMode::kUnion, 0.35));
+  EXPECT_TRUE(std::count(replicated.sets[0][0].begin(), replicated.sets[0][0].end(), 0));
+  EXPECT_TRUE(std::count(replicated.sets[1][0].begin(), replicated.sets[1][0].end(), 0));
+  EXPECT_NEAR(replicated.coverage_after, 0.9, 1e-12);
+}
+
+TEST(Placement, UnionModeKeepsExpertsWhereTheyAre) {
+  PlacementProblem p = TwoWorkers(PlacementMode::kUnion, 1.0);
+  p.workers[0].resident = {{1, 2}};
+  p.workers[1].resident = {{0, 3}};
+  PlacementPlan plan = PlanPlacement(p);
+  EXPECT_TRUE(plan.moves.empty()) << "already a full cover: nothing to copy";
+  // A duplicate is worth nothing in union mode: it yields its slot to an uncovered expert.
+  p.workers[0].resident = {{0, 1}};
+  p.workers[1].resident = {{0, 2}};
+  plan = PlanPlacement(p);
+  ASSERT_EQ(plan.moves.size(), 1u);
+  EXPECT_EQ(plan.moves[0].expert, 3);
+  EXPECT_EQ(plan.moves[0].evicted, 0);
+  EXPECT_NEAR(plan.coverage_after, 1.0, 1e-12);
+}
+
+TEST(Placement, PerWorkerModeRanksByTheWorkersOwnTraffic) {
+  PlacementProblem p = TwoWorkers(PlacementMode::kPerWorker, 1.0);
+  p.workers[0].popularity = {{0, 0, 50, 60}};
+  p.workers[1].popularity = {};  // no counts yet: the global ones
+  PlacementPlan plan = PlanPlacement(p);
+  EXPECT_EQ(plan.sets[0][0], (std::vector<int>{2, 3}));
+  EXPECT_EQ(plan.sets[1][0], (std::vector<int>{0, 1}));
+}
+
+// ---------------------------------------------------------------- state file
+
+TEST(StateFile, RoundTripAndMissingFile) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/state.json";
+  absl::StatusOr<AdminState> empty = LoadAdminState(path);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_TRUE(empty->pins.empty());
+  AdminState s;
+  s.num_layers = 4;
+  s.num_experts = 8;
+  s.pins[{"", 1}] = {2, 5};
+  s.pins[{"w1", 3}] = {7};
+  s.policy["half_life_seconds"] = "20";
+  s.drains = {"s1"};
+  ASSERT_TRUE(SaveAdminState(path, s).ok());
+  absl::StatusOr<AdminState> back = LoadAdminState(path);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->num_layers, 4);
+  EXPECT_EQ(back->num_experts, 8);
+  EXPECT_EQ(back->pins, s.pins);
+  EXPECT_EQ(back->policy, s.policy);
+  EXPECT_EQ(back->drains, s.drains);
+}
+
+TEST(StateFile, MalformedFileIsAnErrorNamingIt) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/state.json";
+  std::ofstream(path) << "{\"format\": \"moe-coordinator-state\", \"version\": 1, \"pins\": [{\"layer\": -1}]}";
+  absl::StatusOr<AdminState> s = LoadAdminState(path);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find(path), std::string::npos) << s.status();
+  std::ofstream(path) << "not json";
+  EXPECT_FALSE(LoadAdminState(path).ok());
+}
+
+TEST(StateFile, ReplaceIsAtomicForConcurrentReaders) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/state.json";
+  const std::string a(200000, 'a'), b(300000, 'b');
+  ASSERT_TRUE(WriteFileAtomically(path, a).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> reads{0}, torn{0};
+  std::thread reader([&] {
+    while (!stop.load()) {
+      std::ifstream in(path);
+      std::stringstream ss;
+      ss << in.rdbuf();
+      if (ss.str() != a && ss.str() != b) ++torn;
+      ++reads;
+    }
+  });
+  for (int i = 0; i < 200; ++i) ASSERT_TRUE(WriteFileAtomically(path, i % 2 ? a : b).ok());
+  while (reads.load() < 50) std::this_thread::yield();
+  stop = true;
+  reader.join();
+  EXPECT_EQ(torn.load(), 0) << "a reader saw a partly written file";
+  // No temporaries left behind; a file in a missing directory fails cleanly.
+  int files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) files += e.is_regular_file();
+  EXPECT_EQ(files, 1);
+  EXPECT_FALSE(WriteFileAtomically(dir.path() + "/missing/state.json", a).ok());
+}
+
+// ---------------------------------------------------------------- the Coordinator, in process
+
+class CoordinatorCore : public ::testing::Test {
+ protected:
+  std::unique_ptr<Coordinator> Make(const std::string& state_file = "") {
+    CoordinatorOptions o;
+    o.policy.rebalance_interval_seconds = 1.0;
+    o.policy.half_life_seconds = 10.0;
+    o.policy.copy_budget_gbps = 0;  // unlimited
+    o.heartbeat_timeout_seconds = 3.0;
+    o.state_file = state_file;
+    o.clock = [this] { return now_; };
+    absl::StatusOr<std::unique_ptr<Coordinator>> c = Coordinator::Create(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? *std::move(c) : nullptr;
+  }
+  static moe::v1::RegisterWorkerRequest Worker(const std::string& id) {
+    moe::v1::RegisterWorkerRequest r;
+    r.set_worker_id(id);
+    r.set_num_layers(2);
+    r.set_num_experts(8);
+    r.set_slots_per_layer(2);
+    r.set_expert_bytes(1000);
+    return r;
+  }
+  static moe::v1::HeartbeatRequest Beat(const std::string& id, uint64_t session, uint64_t applied) {
+    moe::v1::HeartbeatRequest h;
+    h.set_worker_id(id);
+    h.set_session(session);
+    h.set_applied_version(applied);
+    return h;
+  }
+  static void Count(moe::v1::HeartbeatRequest& h, int layer, std::vector<std::pair<int, int>> counts) {
+    moe::v1::LayerCounts* c = h.add_counts();
+    c->set_layer(layer);
+    for (auto [e, n] : counts) {
+      c->add_experts(e);
+      c->add_pairs(n);
+      c->add_hits(0);
+    }
+  }
+  double now_ = 1000.0;
+};
+
+std::vector<int> Experts(const moe::v1::CacheAssignment& a, int layer) {
+  for (const auto& l : a.layers()) {
+    if (static_cast<int>(l.layer()) == layer) return std::vector<int>(l.experts().begin(), l.experts().end());
+  }
+  return {};
+}
+
+TEST_F(CoordinatorCore, SnapshotThenDeltaTowardTheHotExperts) {
+  auto c = Make();
+  absl::StatusOr<moe::v1::RegisterWorkerResponse> reg = c->RegisterWorker(Worker("w1"));
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  absl::StatusOr<moe::v1::CacheAssignment> snap = c->Snapshot("w1", reg->session());
+  ASSERT_TRUE(snap.ok());
+  EXPECT_TRUE(snap->full());
+  EXPECT_EQ(snap->layers_size(), 2);
+  const uint64_t v1 = snap->version();
+  auto hb = Beat("w1", reg->session(), v1);
+  Count(hb, 1, {{5, 100}, {6, 80}, {1, 3}});
+  ASSERT_TRUE(c->Heartbeat(hb).ok());
+  now_ += 1.5;
+  c->Tick();
+  auto delta = c->WaitForAssignment("w1", reg->session(), v1, std::chrono::steady_clock::now());
+  ASSERT_TRUE(delta.ok());
+  ASSERT_TRUE(delta->has_value());
+  EXPECT_FALSE((*delta)->full());
+  EXPECT_EQ((*delta)->base_version(), v1);
+  ASSERT_EQ((*delta)->layers_size(), 1) << "only the changed layer";
+  EXPECT_EQ(Experts(**delta, 1), (std::vector<int>{5, 6}));
+  // Not acknowledged yet: the next round leaves the worker alone.
+  const uint64_t v2 = (*delta)->version();
+  auto hb2 = Beat("w1", reg->session(), v1);
+  Count(hb2, 0, {{3, 50}});
+  ASSERT_TRUE(c->Heartbeat(hb2).ok());
+  absl::StatusOr<moe::v1::RebalanceResponse> skipped = c->Rebalance(false);
+  ASSERT_TRUE(skipped.ok());
+  EXPECT_TRUE(skipped->workers(0).skipped());
+  EXPECT_TRUE(skipped->copies().empty());
+  ASSERT_TRUE(c->Heartbeat(Beat("w1", reg->session(), v2)).ok());
+  // Dry run: the plan, nothing issued.
+  absl::StatusOr<moe::v1::RebalanceResponse> dry = c->Rebalance(true);
+  ASSERT_TRUE(dry.ok());
+  ASSERT_EQ(dry->copies_size(), 1);
+  EXPECT_EQ(dry->copies(0).expert(), 3u);
+  EXPECT_GT(dry->hit_rate_after(), dry->hit_rate_before());
+  EXPECT_EQ(c->Status().workers(0).assigned_version(), v2);
+  absl::StatusOr<moe::v1::RebalanceResponse> real = c->Rebalance(false);
+  ASSERT_TRUE(real.ok());
+  EXPECT_EQ(real->workers(0).version(), v2 + 1);
+}
+
+TEST_F(CoordinatorCore, BadInputIsInvalidArgumentNamingTheField) {
+  auto c = Make();
+  auto expect_invalid = [](const absl::Status& s, const std::string& field) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(field), std::string::npos) << s;
+  };
+  auto r = Worker("");
+  expect_invalid(c->RegisterWorker(r).status(), "worker_id");
+  r = Worker("w1");
+  r.set_slots_per_layer(9);
+  expect_invalid(c->RegisterWorker(r).status(), "slots_per_layer");
+  r = Worker("w1");
+  r.add_current()->set_layer(5);
+  expect_invalid(c->RegisterWorker(r).status(), "current[0].layer");
+  r = Worker("w1");
+  auto* cur = r.add_current();
+  cur->set_layer(0);
+  cur->add_experts(1);
+  cur->add_experts(1);
+  expect_invalid(c->RegisterWorker(r).status(), "current[0].experts[1]");
+  absl::StatusOr<moe::v1::RegisterWorkerResponse> reg = c->RegisterWorker(Worker("w1"));
+  ASSERT_TRUE(reg.ok());
+  // The model geometry is fixed by the first registration.
+  r = Worker("w2");
+  r.set_num_experts(16);
+  EXPECT_EQ(c->RegisterWorker(r).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto hb = Beat("w1", reg->session(), 0);
+  Count(hb, 0, {{8, 1}});
+  expect_invalid(c->Heartbeat(hb).status(), "counts[0].experts[0]");
+  hb = Beat("w1", reg->session(), 0);
+  Count(hb, 2, {{1, 1}});
+  expect_invalid(c->Heartbeat(hb).status(), "counts[0].layer");
+  hb = Beat("w1", reg->session(), 0);
+  Count(hb, 0, {{1, 1}});
+  hb.mutable_counts(0)->set_hits(0, 2);
+  expect_invalid(c->Heartbeat(hb).status(), "counts[0].hits[0]");
+  EXPECT_EQ(c->Heartbeat(Beat("nobody", 1, 0)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c->Heartbeat(Beat("w1", reg->session() + 1, 0)).status().code(), absl::StatusCode::kFailedPrecondition);
+  moe::v1::PinRequest pin;
+  pin.set_layer(0);
+  pin.add_experts(8);
+  expect_invalid(c->Pin(pin, true).status(), "experts[0]");
+  pin.set_layer(2);
+  expect_invalid(c->Pin(pin, true).status(), "layer");
+  pin.set_layer(0);
+  pin.clear_experts();
+  pin.add_experts(1);
+  pin.add_experts(2);
+  pin.add_experts(3);
+  expect_invalid(c->Pin(pin, true).status(), "experts");  // 3 pins for 2 slots
+  moe::v1::SetPolicyRequest sp;
+  (*sp.mutable_values())["half_life_seconds"] = "-1";
+  expect_invalid(c->SetPolicy(sp).status(), "half_life_seconds");
+  moe::v1::PopularityRequest pr;
+  pr.set_layer(7);
+  expect_invalid(c->GetPopularity(pr).status(), "layer");
+}
+
+moe::v1::RegisterExpertServerRequest Server(const std::string& id) {
+  moe::v1::RegisterExpertServerRequest r;
+  r.set_server_id(id);
+  r.set_address(id + ":50051");
+  r.set_num_layers(2);
+  r.set_num_experts(8);
+  return r;
+}
+
+TEST_F(CoordinatorCore, SilentPeersGoDownAndLeaveTheRoutes) {
+  auto c = Make();
+  auto reg = c->RegisterWorker(Worker("w1"));
+  ASSERT_TRUE(reg.ok());
+  auto s1 = c->RegisterExpertServer(Server("s1"));
+  auto s2 = c->RegisterExpertServer(Server("s2"));
+  ASSERT_TRUE(s1.ok() && s2.ok());
+  auto snap = c->Snapshot("w1", reg->session());
+  ASSERT_TRUE(snap.ok());
+  EXPECT_EQ(snap->routes_size(), 2);
+  // s1 keeps beating, s2 and the worker fall silent.
+  now_ += 2.0;
+  moe::v1::HeartbeatRequest h;
+  h.set_server_id("s1");
+  h.set_session(s1->session());
+  ASSERT_TRUE(c->Heartbeat(h).ok());
+  now_ += 2.0;
+  c->Tick();
+  moe::v1::StatusResponse st = c->Status();
+  EXPECT_EQ(st.workers(0).state(), "down");
+  EXPECT_EQ(st.servers(0).state(), "up");
+  EXPECT_EQ(st.servers(1).state(), "down");
+  auto delta = c->WaitForAssignment("w1", reg->session(), snap->version(), std::chrono::steady_clock::now());
+  ASSERT_TRUE(delta.ok() && delta->has_value());
+  EXPECT_TRUE((*delta)->routes_changed());
+  ASSERT_EQ((*delta)->routes_size(), 1) << "s2's experts go to the replica";
+  EXPECT_EQ((*delta)->routes(0).server_id(), "s1");
+  // A heartbeat brings the worker back.
+  ASSERT_TRUE(c->Heartbeat(Beat("w1", reg->session(), 0)).ok());
+  EXPECT_EQ(c->Status().workers(0).state(), "up");
+}
+
+TEST_F(CoordinatorCore, DrainWaitsForWorkersAndInFlightWork) {
+  auto c = Make();
+  auto reg = c->RegisterWorker(Worker("w1"));
+  auto s1 = c->RegisterExpertServer(Server("s1"));
+  ASSERT_TRUE(reg.ok() && s1.ok());
+  const uint64_t v = c->Snapshot("w1", reg->session())->version();
+  ASSERT_TRUE(c->Heartbeat(Beat("w1", reg->session(), v)).ok());
+  moe::v1::DrainRequest d;
+  d.set_server_id("s1");
+  absl::StatusOr<moe::v1::DrainResponse> r = c->Drain(d);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->state(), "draining");
+  ASSERT_EQ(r->workers_pending_size(), 1);
+  EXPECT_EQ(r->workers_pending(0), "w1");
+  // The worker acknowledges the version without s1, but s1 still has work in flight.
+  auto delta = c->WaitForAssignment("w1", reg->session(), v, std::chrono::steady_clock::now());
+  ASSERT_TRUE(delta.ok() && delta->has_value());
+  EXPECT_EQ((*delta)->routes_size(), 0);
+  ASSERT_TRUE(c->Heartbeat(Beat("w1", reg->session(), (*delta)->version())).ok());
+  c->Tick();
+  now_ += 0.1;
+  moe::v1::HeartbeatRequest h;
+  h.set_server_id("s1");
+  h.set_session(s1->session());
+  h.set_inflight_requests(3);
+  absl::StatusOr<moe::v1::HeartbeatResponse> hr = c->Heartbeat(h);
+  ASSERT_TRUE(hr.ok());
+  EXPECT_TRUE(hr->draining());
+  c->Tick();
+  EXPECT_EQ(c->Drain(d)->state(), "draining");
+  h.set_inflight_requests(0);
+  now_ += 0.1;
+  ASSERT_TRUE(c->Heartbeat(h).ok());
+  c->Tick();
+  EXPECT_EQ(c->Drain(d)->state(), "drained");
+  EXPECT_TRUE(c->Heartbeat(h)->drained());
+  // Undrain: routed again.
+  d.set_cancel(true);
+  EXPECT_EQ(c->Drain(d)->state(), "up");
+  d.set_server_id("nope");
+  EXPECT_EQ(c->Drain(d).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(CoordinatorCore, PinsPolicyAndDrainsSurviveARestart) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/state.json";
+  {
+    auto c = Make(path);
+    auto reg = c->RegisterWorker(Worker("w1"));
+    ASSERT_TRUE(reg.ok());
+    ASSERT_TRUE(c->RegisterExpertServer(Server("s1")).ok());
+    moe::v1::PinRequest pin;
+    pin.set_layer(1);
+    pin.add_experts(4);
+    ASSERT_TRUE(c->Pin(pin, true).ok());
+    moe::v1::SetPolicyRequest sp;
+    (*sp.mutable_values())["placement"] = "union";
+    (*sp.mutable_values())["half_life_seconds"] = "30";
+    ASSERT_TRUE(c->SetPolicy(sp).ok());
+    moe::v1::DrainRequest d;
+    d.set_server_id("s1");
+    ASSERT_TRUE(c->Drain(d).ok());
+  }
+  auto c = Make(path);
+  EXPECT_EQ(c->GetPolicy().placement(), "union");
+  EXPECT_EQ(c->GetPolicy().half_life_seconds(), 30);
+  moe::v1::PopularityRequest pr;
+  pr.set_layer(1);
+  absl::StatusOr<moe::v1::PopularityResponse> pop = c->GetPopularity(pr);
+  ASSERT_TRUE(pop.ok()) << "geometry persisted: " << pop.status();
+  bool pinned = false;
+  for (const auto& e : pop->experts()) pinned |= e.expert() == 4 && e.pinned();
+  EXPECT_TRUE(pinned);
+  // The drained server comes back drained; a new worker gets the pin in its first round.
+  absl::StatusOr<moe::v1::RegisterExpertServerResponse> s = c->RegisterExpertServer(Server("s1"));
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->draining());
+  auto reg = c->RegisterWorker(Worker("w1"));
+  ASSERT_TRUE(reg.ok());
+  auto snap = c->Snapshot("w1", reg->session());
+  ASSERT_TRUE(snap.ok());
+  EXPECT_EQ(snap->routes_size(), 0) << "a drained server is not routed to";
+  ASSERT_TRUE(c->Heartbeat(Beat("w1", reg->session(), snap->version())).ok());
+  c->Tick();  // pins are placed as soon as the worker acknowledged its snapshot
+  auto a = c->WaitForAssignment("w1", reg->session(), snap->version(), std::chrono::steady_clock::now());
+  ASSERT_TRUE(a.ok() && a->has_value());
+  EXPECT_EQ(Experts(**a, 1), (std::vector<int>{4}));
+}
+
+TEST_F(CoordinatorCore, ReRegistrationKeepsVersionsGrowingAndResumesFromWhatTheWorkerHolds) {
+  auto c = Make();
+  auto r = Worker("w1");
+  r.set_current_version(41);
+  auto* cur = r.add_current();
+  cur->set_layer(0);
+  cur->add_experts(6);
+  cur->add_experts(2);
+  auto reg = c->RegisterWorker(r);
+  ASSERT_TRUE(reg.ok());
+  auto snap = c->Snapshot("w1", reg->session());
+  ASSERT_TRUE(snap.ok());
+  EXPECT_GT(snap->version(), 41u);
+  EXPECT_EQ(Experts(*snap, 0), (std::vector<int>{2, 6}));
+  // The old session's stream ends when the worker registers again.
+  auto reg2 = c->RegisterWorker(Worker("w1"));
+  ASSERT_TRUE(reg2.ok());
+  EXPECT_EQ(c->WaitForAssignment("w1", reg->session(), 0, std::chrono::steady_clock::now()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_GT(c->Snapshot("w1", reg2->session())->version(), snap->version());
+}
+
+}  // namespace
+}  // namespace moe
