@@ -183,7 +183,8 @@ struct Options {
   std::string preset = "qwen3-30b-a3b", device = "auto", server_bin, modes = "ceiling,ours,ours-dual,lru-copy,copy-all";
   int layers = 0, steps = 8, warmup = 3, server_threads = 0, context = 128, seed = 1;
   std::string batches = "1,8,32,128,1024", cache = "10,25,50,100";
-  double zipf = 1.0, drift = 0.02, dram_gib = 2;
+  double zipf = 1.0, drift = 0.02, dram_gib = 4;
+  int idle_spin_us = 2000;
 };
 
 struct RunResult {
@@ -391,11 +392,14 @@ int Main(int argc, char** argv) {
   flags.Double("zipf", &o.zipf, "Zipf exponent of expert popularity");
   flags.Double("drift", &o.drift, "share of adjacent popularity ranks swapped per step");
   flags.String("device", &o.device, "worker backend: auto, cuda or cpu");
+  int64_t spin = o.idle_spin_us;
+  flags.Int("server-idle-spin-us", &spin, "the expert server's --idle-spin-us (decode keeps it hot)");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
   flags.Parse(argc, argv);
   o.steps = static_cast<int>(steps);
   o.warmup = static_cast<int>(warmup);
   o.context = static_cast<int>(context);
+  o.idle_spin_us = static_cast<int>(spin);
   const int ncpu = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   o.server_threads = threads > 0 ? static_cast<int>(threads) : std::max(1, ncpu - 1);
 
@@ -437,7 +441,8 @@ int Main(int argc, char** argv) {
   const std::string shm = dir + "/expert.sock";
   LogInfo("bench", "model ", spec.Summary(), "; starting ", server_bin, " with ", o.server_threads, " threads");
   Subprocess server(server_bin, {"--model=" + uri, "--shm-socket=" + shm, "--insecure", "--listen=127.0.0.1:0",
-                                 absl::StrCat("--threads=", o.server_threads), "--max-tokens=4096"});
+                                 absl::StrCat("--threads=", o.server_threads), "--max-tokens=4096",
+                                 absl::StrCat("--idle-spin-us=", o.idle_spin_us)});
   const std::string ready = server.ReadLine(std::chrono::minutes(10));
   if (ready.find("ready on") == std::string::npos) Die("expert server did not start");
 

@@ -11,13 +11,10 @@
 namespace moe {
 
 namespace {
-// How long an idle pool thread, or a barrier waiter, spins before sleeping.
-constexpr auto kSpin = std::chrono::microseconds(50);
-
-// Spins on `value` while it equals `old`, then sleeps on its futex.
+// Spins on `value` while it equals `old` for up to `spin`, then sleeps on its futex.
 template <typename T>
-void SpinThenWait(const std::atomic<T>& value, T old) {
-  const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+void SpinThenWait(const std::atomic<T>& value, T old, std::chrono::microseconds spin) {
+  const auto spin_until = std::chrono::steady_clock::now() + spin;
   while (value.load(std::memory_order_acquire) == old) {
     if (std::chrono::steady_clock::now() > spin_until) {
       value.wait(old, std::memory_order_acquire);
@@ -26,10 +23,12 @@ void SpinThenWait(const std::atomic<T>& value, T old) {
     }
   }
 }
+// Inside a region (barriers, the caller waiting for the others) waits are short.
+constexpr auto kBarrierSpin = std::chrono::microseconds(50);
 }  // namespace
 
-ComputePool::ComputePool(const NumaBinding& binding)
-    : binding_(binding), size_(std::max<int>(1, static_cast<int>(binding.cpus().size()))) {
+ComputePool::ComputePool(const NumaBinding& binding, std::chrono::microseconds idle_spin)
+    : binding_(binding), size_(std::max<int>(1, static_cast<int>(binding.cpus().size()))), idle_spin_(idle_spin) {
   threads_.reserve(size_ - 1);
   for (int i = 1; i < size_; ++i) threads_.emplace_back([this, i] { Worker(i); });
 }
@@ -45,7 +44,7 @@ void ComputePool::Worker(int index) {
   if (absl::Status st = binding_.BindCurrentThread(index); !st.ok()) LogWarning("pool", st.message());
   uint64_t seen = 0;
   for (;;) {
-    SpinThenWait(epoch_, seen);
+    SpinThenWait(epoch_, seen, idle_spin_);
     seen = epoch_.load(std::memory_order_acquire);
     if (stop_.load()) return;
     (*task_)(index, size_);
@@ -68,7 +67,7 @@ void ComputePool::Run(const Task& task) {
   if (restore) pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved);
 
   int d;
-  while ((d = done_.load(std::memory_order_acquire)) != size_ - 1) SpinThenWait(done_, d);
+  while ((d = done_.load(std::memory_order_acquire)) != size_ - 1) SpinThenWait(done_, d, kBarrierSpin);
   task_ = nullptr;
 }
 
@@ -81,7 +80,7 @@ void ComputePool::Barrier() {
     barrier_sense_.notify_all();
     return;
   }
-  SpinThenWait(barrier_sense_, sense);
+  SpinThenWait(barrier_sense_, sense, kBarrierSpin);
 }
 
 }  // namespace moe

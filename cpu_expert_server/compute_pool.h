@@ -12,6 +12,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -26,7 +27,11 @@ class ComputePool {
   using Task = std::function<void(int thread, int num_threads)>;
 
   // One compute thread per binding.cpus() entry. `binding` must outlive the pool.
-  explicit ComputePool(const NumaBinding& binding);
+  // Idle threads spin `idle_spin` for the next region before sleeping: a
+  // server dedicated to decode keeps its threads hot between layers (the
+  // futex wake-up of every thread costs tens of microseconds).
+  explicit ComputePool(const NumaBinding& binding,
+                       std::chrono::microseconds idle_spin = std::chrono::microseconds(50));
   ~ComputePool();
   ComputePool(const ComputePool&) = delete;
   ComputePool& operator=(const ComputePool&) = delete;
@@ -41,6 +46,7 @@ class ComputePool {
 
   const NumaBinding& binding_;
   const int size_;
+  const std::chrono::microseconds idle_spin_;
   std::vector<std::thread> threads_;  // indexes 1..size_-1
   std::mutex run_mu_;
   const Task* task_ = nullptr;

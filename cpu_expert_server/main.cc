@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
   std::string model, listen = "0.0.0.0:50051", layers_flag, experts_flag, numa = "auto", kernel_name = "auto";
   std::string shm_socket, shm_uids, tls_cert, tls_key, tls_ca, metrics_address = "0.0.0.0";
   bool insecure = false;
-  int64_t threads = 0, max_tokens = 8192, drain_seconds = 30, metrics_port = -1;
+  int64_t threads = 0, max_tokens = 8192, drain_seconds = 30, metrics_port = -1, idle_spin_us = 50;
   moe::FlagSet flags("moe-expert-server",
                      "--model DIR|synthetic:PRESET[:layers=N][:seed=S] [--listen ADDR] [flags]\n"
                      "Serves the routed experts of an MoE model from CPU memory (moe.v1.ExpertService).");
@@ -62,6 +62,9 @@ int main(int argc, char** argv) {
   flags.String("experts", &experts_flag, "experts to host in every hosted layer, e.g. 0-63 (default: all)");
   flags.Int("threads", &threads, "compute threads (0 = one per core of the NUMA node)");
   flags.String("numa-node", &numa, "NUMA node for threads and weight memory: auto (node of the first allowed CPU) or an index");
+  flags.Int("idle-spin-us", &idle_spin_us,
+            "how long idle compute threads (and shm connections) spin for the next batch before sleeping; "
+            "a server dedicated to decode keeps its threads hot between layers with e.g. 2000");
   flags.String("kernel", &kernel_name, "expert kernel: auto, amx, avx512 or reference");
   flags.Int("max-tokens", &max_tokens, "largest number of tokens accepted in one request");
   flags.Int("drain-seconds", &drain_seconds, "on SIGTERM/SIGINT, how long in-flight requests may take to finish");
@@ -123,7 +126,8 @@ int main(int argc, char** argv) {
   moe::LogInfo("server", "hosting layers [", RangeText(hosted.layers), "] experts [", RangeText(hosted.experts),
                "]: ", moe::ExpertStore::BytesNeeded(geometry, hosted), " bytes of packed weights");
 
-  moe::ComputePool pool(**binding);
+  if (idle_spin_us < 0 || idle_spin_us > 1000000) flags.Fail("--idle-spin-us must be in [0, 1000000]");
+  moe::ComputePool pool(**binding, std::chrono::microseconds(idle_spin_us));
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<std::unique_ptr<moe::ExpertStore>> store = moe::ExpertStore::Load(**source, hosted, **binding, pool);
   if (!store.ok()) flags.Fail(std::string(store.status().message()), 1);
@@ -195,6 +199,7 @@ int main(int argc, char** argv) {
     so.hosted = [&store](int e) { return (*store)->HostsExpert(e); };
     so.allowed_uids = allowed_uids;
     so.max_slot_tokens = static_cast<uint32_t>(max_tokens);
+    so.idle_spin = std::chrono::microseconds(std::max<int64_t>(idle_spin_us, 100));
     so.on_request = [&metrics](const moe::ShmRequestRecord& r) {
       metrics.RecordRequest(moe::ExpertServerMetrics::Transport::kShm, r.code, r.bytes_received, r.bytes_sent,
                             r.handle_ns);

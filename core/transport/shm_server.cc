@@ -193,7 +193,7 @@ void ShmServer::Serve(Connection* c) {
     }
     if (seg.PeerClosed(shm::Side::kServer) || unix_socket::PeerClosed(c->sock)) break;
     // Spin a while before sleeping: in decode the next layer's batch follows within microseconds.
-    if (!worked) shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(50), std::chrono::microseconds(100));
+    if (!worked) shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(50), opt_.idle_spin);
   }
 disconnect:
   seg.MarkClosed(shm::Side::kServer);

@@ -13,6 +13,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <list>
 #include <memory>
@@ -62,6 +63,9 @@ class ShmServer {
     std::function<bool(int)> hosted;  // expert hosted? (empty: all)
     std::vector<uid_t> allowed_uids;  // empty: the server's own uid
     uint32_t max_slot_tokens = 4096;  // caps on what a client may ask for
+    // How long a connection's thread spins for the next request before it
+    // sleeps on the doorbell futex.
+    std::chrono::microseconds idle_spin{100};
     uint32_t max_slots = 256;
     // Called after every completed request (empty: nothing); must be cheap.
     std::function<void(const ShmRequestRecord&)> on_request;

@@ -1,0 +1,96 @@
+// Entry points of the cuda backend's kernels (gpu_worker/cuda/expert_kernels.cu).
+// The one place device code is declared: each function is host-callable,
+// enqueues its kernel(s) on `stream` and returns the launch's cudaError_t
+// (cudaSuccess when there is nothing to do). None of them synchronizes.
+//
+// Data conventions, shared by every launcher:
+//   - bf16 values are raw uint16_t (core/bf16.h); accumulation is in f32.
+//   - An expert buffer holds gate [I,H], up [I,H], down [H,I], row-major bf16,
+//     back to back (the layout LoadExpert copies verbatim). Buffers lie
+//     `expert_stride` elements apart; every buffer starts 256-byte aligned.
+//   - A "token" of -1 marks a padding row: it is read as zeros and never
+//     written or accumulated.
+//   - Any H and I are accepted. When a row length is a multiple of 8 the
+//     kernels read 16-byte vectors, otherwise they fall back to element loads.
+//   - `host-mapped` destinations may be device pointers of registered host
+//     memory (cudaHostRegisterMapped); the kernels only store to them.
+//
+// Thread-safety: the launchers are stateless; stream order is the caller's.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/bf16.h"
+
+namespace moe::cuda {
+
+// One expert group of a hit plan handled by the grouped (GEMV-style) kernels:
+// rows [row_begin, row_begin + count) of the plan, all through expert buffer
+// `buffer`. 16 bytes, so an array of them uploads as one block.
+struct GroupDesc {
+  int32_t buffer;
+  int32_t row_begin;
+  int32_t count;
+  int32_t reserved;
+};
+
+// What the grouped expert kernels read and write.
+struct GroupedExpertArgs {
+  const bf16_t* experts = nullptr;  // buffer 0; buffer b at experts + b * expert_stride
+  size_t expert_stride = 0;         // elements between buffers
+  int hidden = 0;                   // H
+  int intermediate = 0;             // I
+  const GroupDesc* groups = nullptr;  // [num_groups], device
+  int num_groups = 0;
+  int max_count = 0;                // max over groups[].count (picks the rows-per-pass variant)
+  const int32_t* token = nullptr;   // [plan rows], device; -1 = padding
+  const float* weight = nullptr;    // [plan rows], device
+  const bf16_t* x = nullptr;        // [T, H] activations of the call
+  bf16_t* act = nullptr;            // [plan rows, I] intermediate, indexed by plan row
+  float* accum = nullptr;           // [T, H] f32 accumulator
+};
+
+// Rows per pass of the CUDA-core grouped kernels (used for groups of at most
+// 4 rows, and for any group when H or I is not a multiple of 8). The
+// tensor-core variant takes up to 64 rows per pass. Bigger groups still work
+// (the kernels loop over passes, re-reading the expert's weights each pass)
+// but the backend sends them to cuBLAS.
+inline constexpr int kGroupedRowsPerPass = 16;
+
+// act[r, :] = bf16(silu(x[token[r]] . gate^T) * (x[token[r]] . up^T)) for every
+// non-padding row r of every group. One launch covers all groups: the grid runs
+// over (group, tile of intermediate columns); the weights are streamed once per
+// pass with 16-byte loads and applied to all rows of the group — on CUDA cores
+// for up to 4 rows, through mma.sync (bf16 in, f32 accumulate) above that.
+cudaError_t LaunchGroupedGateUp(const GroupedExpertArgs& a, cudaStream_t stream);
+
+// accum[token[r], :] += weight[r] * (act[r, :] . down^T) for every non-padding
+// row r of every group (atomicAdd: several experts may add into one token).
+cudaError_t LaunchGroupedDown(const GroupedExpertArgs& a, cudaStream_t stream);
+
+// dst[i, :] = x[token[i], :] for i < n (zeros where token[i] == -1); dst is
+// [n, H] with row stride H, device or host-mapped memory.
+cudaError_t LaunchGatherRows(const bf16_t* x, int hidden, const int32_t* token, int n,
+                             bf16_t* dst, cudaStream_t stream);
+
+// act[r, j] = bf16(silu(gu[r, j]) * gu[r, I + j]) for r < n, j < I, where gu is
+// the f32 [n, 2I] output of one GEMM over the stacked [gate; up] matrix.
+cudaError_t LaunchSiluMul(const float* gu, int n, int intermediate, bf16_t* act,
+                          cudaStream_t stream);
+
+// accum[token[i], :] += weight[i] * y[i, :] for i < n with token[i] >= 0;
+// y is f32 [n, H].
+cudaError_t LaunchScatterAddF32(const float* y, const int32_t* token, const float* weight, int n,
+                                int hidden, float* accum, cudaStream_t stream);
+
+// accum[rows[i], :] += partial[i, :] for i < n; partial is bf16 [n, H].
+cudaError_t LaunchScatterAddBf16(const bf16_t* partial, const int32_t* rows, int n, int hidden,
+                                 float* accum, cudaStream_t stream);
+
+// out[i] = bf16(accum[i]) for i < n; out may be host-mapped.
+cudaError_t LaunchAccumToBf16(const float* accum, size_t n, bf16_t* out, cudaStream_t stream);
+
+}  // namespace moe::cuda

@@ -1,0 +1,920 @@
+// The cuda DeviceBackend (contract: device_backend.h). Host orchestration
+// only; the kernels live in gpu_worker/cuda/expert_kernels.cu.
+//
+// Streams. One compute stream serves every context (calls of two contexts
+// interleave on it in submission order), one copy stream serves LoadExpert.
+// The compute stream is a blocking stream, so work the caller put on the
+// legacy default stream (e.g. activations or routing it produced there) is
+// ordered before our compute work; activations or routing produced on another
+// stream must be synchronized by the caller before BeginCall / RoutingToHost.
+// The copy stream is non-blocking: expert loads never stall the default stream.
+//
+// Fences are ids from two counters (copy, compute), each backed by a ring of
+// cudaEvents; a fence older than the ring is known complete (its event was
+// waited for before the slot was reused). Id 0 means "no fence".
+//
+// Memory. One cudaMalloc holds every expert buffer: gate [I,H], up [I,H],
+// down [H,I] row-major bf16 exactly as LoadExpert receives them, each buffer
+// padded to 256 bytes. Per context: activations [max_tokens, H] bf16, the f32
+// accumulator [max_tokens, H], and a pinned host staging arena with a device
+// mirror for the plan/row arrays (bump-allocated per call; host bytes are
+// reused only after the event of the last upload out of them completed, device
+// bytes are protected by stream order). Scratch that lives only within one
+// RunExperts/GatherRows/AddRows (intermediate act [rows, I], gathered rows,
+// GEMM outputs) is shared by the contexts: the single compute stream
+// serializes its users.
+//
+// RunExperts. Groups of at most kGemmMinRows rows go to two grouped launches
+// covering all of them (gate/up with silu*mul into act, down with the weighted
+// atomicAdd into the accumulator) that stream each expert's weights once
+// (CUDA cores for up to 2 rows, mma.sync above; see expert_kernels.cu);
+// bigger groups go to cuBLAS per group (bf16 in, f32 compute/out, tensor ops)
+// with gather / silu*mul / scatter-add kernels around it, in pieces of at most
+// kGemmChunkRows rows. On H100 with DeepSeek-V3 experts the grouped launches
+// read weights at 2.9-3.0 TB/s up to 16 rows per expert, 2.65 at 32, 1.76 at
+// 64; cuBLAS reached 1.5-1.6 TB/s at 33-128 rows.
+//
+// Caller-visible asynchrony: BeginCall's copy of `hidden` is asynchronous when
+// `hidden` is device or pinned memory, so `hidden` must stay unchanged until
+// FinishCall returns.
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "gpu_worker/cuda/cuda_check.h"
+#include "gpu_worker/cuda/kernels.h"
+#include "gpu_worker/device_backend.h"
+
+namespace moe {
+namespace {
+
+// ---- configuration (one place) -------------------------------------------
+// Groups with more rows than this run through cuBLAS; up to it, the grouped
+// kernels (measured faster than cuBLAS up to 64 rows, see above).
+constexpr int kGemmMinRows = 64;
+// Rows of one cuBLAS piece; bounds the GEMM scratch to
+// kGemmChunkRows * (H * 2 + max(2I, H) * 4) bytes.
+constexpr int kGemmChunkRows = 2048;
+// Fences per ring (copy and compute each). Reusing a slot waits for the
+// fence it held, so this many fences may be outstanding without a stall.
+constexpr int kFenceRingSize = 1024;
+// Host outputs up to this size that live in registered memory are written by
+// the kernel through the mapping; bigger ones (or unregistered memory) go
+// through device scratch and one DMA copy. The environment variable
+// MOE_CUDA_MAPPED_WRITE_MAX_BYTES overrides it (read at Init; for tuning).
+constexpr size_t kMappedWriteMaxBytes = size_t{1} << 20;
+// cuBLAS workspace (the size NVIDIA recommends for Hopper).
+constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+// Expert buffers start at multiples of this many bf16 values (256 bytes).
+constexpr size_t kExpertAlignElems = 128;
+// Staging sub-allocations are aligned to this.
+constexpr size_t kStageAlign = 256;
+
+size_t RoundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+// A ring of events backing monotonically increasing fence ids.
+class FenceRing {
+ public:
+  FenceRing() = default;
+  FenceRing(const FenceRing&) = delete;
+  FenceRing& operator=(const FenceRing&) = delete;
+  ~FenceRing() {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+
+  absl::Status Init(int size) {
+    events_.resize(size, nullptr);
+    for (cudaEvent_t& e : events_)
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    return absl::OkStatus();
+  }
+
+  // A new fence after all work submitted to `stream` so far.
+  absl::StatusOr<uint64_t> Record(cudaStream_t stream) {
+    const uint64_t id = next_;
+    cudaEvent_t e = events_[id % events_.size()];
+    // The slot held fence id - size; make sure it is complete before it is
+    // forgotten (ids that old are reported complete from now on).
+    if (id > events_.size()) MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(e));
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(e, stream));
+    ++next_;
+    return id;
+  }
+
+  // Whether `id` names a fence handed out so far (0 counts: "no fence").
+  bool Issued(uint64_t id) const { return id < next_; }
+
+  // The event of a fence that may still be pending; nullptr when it is known
+  // complete (id 0, or older than the ring). Requires Issued(id).
+  cudaEvent_t Pending(uint64_t id) const {
+    if (id == 0 || id + events_.size() < next_) return nullptr;
+    return events_[id % events_.size()];
+  }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+  uint64_t next_ = 1;
+};
+
+// cudaMalloc'd / cudaHostAlloc'd storage freed on destruction.
+struct DeviceFree {
+  void operator()(void* p) const { cudaFree(p); }
+};
+struct HostFree {
+  void operator()(void* p) const { cudaFreeHost(p); }
+};
+using DeviceMem = std::unique_ptr<void, DeviceFree>;
+using PinnedMem = std::unique_ptr<void, HostFree>;
+
+absl::StatusOr<DeviceMem> AllocDevice(size_t bytes, const char* what) {
+  void* p = nullptr;
+  const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_b = 0, total_b = 0;
+    cudaMemGetInfo(&free_b, &total_b);
+    cudaGetLastError();
+    const absl::Status st = CudaStatus(err, "cudaMalloc", __FILE__, __LINE__);
+    return absl::Status(st.code(), absl::StrCat("cuda: allocating ", what, " (", bytes,
+                                                " bytes, ", free_b, " free): ", st.message()));
+  }
+  return DeviceMem(p);
+}
+
+absl::StatusOr<PinnedMem> AllocPinned(size_t bytes) {
+  void* p = nullptr;
+  MOE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocPortable));
+  return PinnedMem(p);
+}
+
+class CudaBackend final : public DeviceBackend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {}
+  ~CudaBackend() override;
+
+  const char* name() const override { return "cuda"; }
+  bool has_device_memory() const override { return true; }
+  // 0 before Init (the geometry is not known yet).
+  size_t expert_bytes() const override { return expert_stride_ * sizeof(bf16_t); }
+  size_t free_memory_bytes() const override;
+
+  absl::Status Init(const BackendConfig& config) override;
+  absl::Status RegisterHost(void* p, size_t bytes) override;
+  void UnregisterHost(void* p) override;
+
+  absl::StatusOr<uint64_t> LoadExpert(int buffer, const bf16_t* src,
+                                      uint64_t after_compute) override;
+  bool CopyDone(uint64_t copy_fence) override;
+  absl::Status WaitCopy(uint64_t copy_fence) override;
+
+  void ComputeWaitCopy(uint64_t copy_fence) override;
+  uint64_t RecordCompute() override;
+  absl::Status WaitCompute(uint64_t compute_fence) override;
+
+  absl::Status BeginCall(int ctx, int T, const bf16_t* hidden, MemoryKind kind) override;
+  absl::Status RoutingToHost(const int32_t* ids, const float* weights, int n, int32_t* host_ids,
+                             float* host_weights) override;
+  absl::StatusOr<uint64_t> GatherRows(int ctx, const int32_t* rows, int n, bf16_t* dst) override;
+  absl::Status RunExperts(int ctx, const HitPlan& plan) override;
+  absl::StatusOr<uint64_t> AddRows(int ctx, const int32_t* rows, int n,
+                                   const bf16_t* partial) override;
+  absl::Status FinishCall(int ctx, bf16_t* out, MemoryKind kind) override;
+
+ private:
+  struct Context {
+    DeviceMem x;      // [max_tokens, H] bf16 activations (also FinishCall's output staging)
+    DeviceMem accum;  // [max_tokens, H] f32
+    PinnedMem stage_host;
+    DeviceMem stage_dev;
+    size_t stage_bytes = 0;
+    size_t stage_used = 0;
+    cudaEvent_t stage_event = nullptr;  // after the last upload out of stage_host
+    bool stage_event_recorded = false;
+    int T = 0;
+    bool active = false;
+  };
+
+  // An upload reserved in a context's staging arena: fill `host`, then Commit.
+  struct Upload {
+    char* host = nullptr;
+    char* dev = nullptr;
+    size_t bytes = 0;
+  };
+
+  absl::Status Use() const;  // makes device_ current; errors before Init
+  absl::StatusOr<Context*> ActiveContext(int ctx);
+  absl::Status TakeDeferred();
+  void Defer(absl::Status st);
+
+  absl::StatusOr<Upload> Reserve(Context& c, size_t bytes);
+  absl::Status Commit(Context& c, const Upload& u);
+  absl::Status ResetStage(Context& c);
+  // Uploads n int32 values; returns their device copy.
+  absl::StatusOr<const int32_t*> UploadRows(Context& c, const int32_t* rows, int n);
+  absl::Status CheckRows(const Context& c, const int32_t* rows, int n, const char* what) const;
+
+  absl::Status EnsurePlanRows(int rows);
+  absl::Status RunGemmGroup(Context& c, const cuda::GroupDesc& g, const int32_t* d_token,
+                            const float* d_weight);
+  // Device pointer through which a kernel may write [p, p + bytes) of host
+  // memory, or nullptr (not registered/mapped, or too big to be worth it).
+  void* MappedForKernelWrite(void* p, size_t bytes) const;
+
+  bf16_t* buffer_ptr(int b) const {
+    return static_cast<bf16_t*>(experts_.get()) + static_cast<size_t>(b) * expert_stride_;
+  }
+
+  int device_;
+  bool initialized_ = false;
+  BackendConfig config_;
+  int H_ = 0, I_ = 0;
+  size_t expert_elems_ = 0;   // 3*I*H: what LoadExpert copies
+  size_t expert_stride_ = 0;  // expert_elems_ rounded up to kExpertAlignElems
+
+  cudaStream_t compute_ = nullptr;
+  cudaStream_t copy_ = nullptr;
+  FenceRing copy_fences_;
+  FenceRing compute_fences_;
+  cublasHandle_t cublas_ = nullptr;
+  DeviceMem cublas_workspace_;
+
+  DeviceMem experts_;
+  std::vector<Context> contexts_;
+
+  // Shared scratch (single compute stream).
+  int plan_rows_capacity_ = 0;
+  DeviceMem act_;        // [plan_rows_capacity_, I] bf16
+  int chunk_rows_ = 0;
+  DeviceMem rows_bf16_;  // [chunk_rows_, H] bf16: gathered rows, AddRows partials, GatherRows staging
+  DeviceMem gemm_f32_;   // [chunk_rows_, max(2I, H)] f32: gate|up GEMM output, then down output
+
+  // Host-side plan scratch, reused across calls.
+  std::vector<cuda::GroupDesc> small_groups_;
+  std::vector<cuda::GroupDesc> big_groups_;
+
+  std::map<void*, size_t> registered_;
+  size_t mapped_write_max_bytes_ = kMappedWriteMaxBytes;
+  absl::Status deferred_;  // error of a void-returning call, reported by the next call
+};
+
+CudaBackend::~CudaBackend() {
+  cudaSetDevice(device_);
+  if (compute_ != nullptr) cudaStreamSynchronize(compute_);
+  if (copy_ != nullptr) cudaStreamSynchronize(copy_);
+  for (const auto& [p, bytes] : registered_) cudaHostUnregister(p);
+  for (Context& c : contexts_)
+    if (c.stage_event != nullptr) cudaEventDestroy(c.stage_event);
+  if (cublas_ != nullptr) cublasDestroy(cublas_);
+  // Members (memory, fence rings) are released after this body; streams last.
+  contexts_.clear();
+  act_.reset();
+  rows_bf16_.reset();
+  gemm_f32_.reset();
+  experts_.reset();
+  cublas_workspace_.reset();
+  if (compute_ != nullptr) cudaStreamDestroy(compute_);
+  if (copy_ != nullptr) cudaStreamDestroy(copy_);
+  cudaGetLastError();
+}
+
+size_t CudaBackend::free_memory_bytes() const {
+  if (cudaSetDevice(device_) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  size_t free_b = 0, total_b = 0;
+  if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return free_b;
+}
+
+absl::Status CudaBackend::Use() const {
+  if (!initialized_) return absl::FailedPreconditionError("cuda backend: Init was not called");
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::TakeDeferred() {
+  absl::Status st;
+  swap(st, deferred_);
+  return st;
+}
+
+void CudaBackend::Defer(absl::Status st) {
+  deferred_.Update(st);
+}
+
+absl::Status CudaBackend::Init(const BackendConfig& config) {
+  if (initialized_) return absl::FailedPreconditionError("cuda backend: Init called twice");
+  if (config.hidden <= 0 || config.intermediate <= 0 || config.num_buffers < 0 ||
+      config.max_tokens < 0 || config.max_top_k <= 0 || config.contexts <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cuda backend: bad config (hidden ", config.hidden, ", intermediate ", config.intermediate,
+        ", num_buffers ", config.num_buffers, ", max_tokens ", config.max_tokens, ", max_top_k ",
+        config.max_top_k, ", contexts ", config.contexts, ")"));
+  }
+  int count = 0;
+  MOE_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
+  if (config.cuda_device < 0 || config.cuda_device >= count) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: cuda_device ",
+                                                   config.cuda_device, " but ", count,
+                                                   " device(s) visible"));
+  }
+  device_ = config.cuda_device;
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  config_ = config;
+  if (const char* v = std::getenv("MOE_CUDA_MAPPED_WRITE_MAX_BYTES"); v != nullptr)
+    mapped_write_max_bytes_ = std::strtoull(v, nullptr, 10);
+  H_ = config.hidden;
+  I_ = config.intermediate;
+  const size_t H = H_, I = I_;
+  expert_elems_ = 3 * I * H;
+  expert_stride_ = RoundUp(expert_elems_, kExpertAlignElems);
+
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&compute_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
+  if (absl::Status st = copy_fences_.Init(kFenceRingSize); !st.ok()) return st;
+  if (absl::Status st = compute_fences_.Init(kFenceRingSize); !st.ok()) return st;
+
+  MOE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&cublas_));
+  MOE_CUBLAS_RETURN_IF_ERROR(cublasSetStream(cublas_, compute_));
+  {
+    absl::StatusOr<DeviceMem> ws = AllocDevice(kCublasWorkspaceBytes, "cuBLAS workspace");
+    if (!ws.ok()) return ws.status();
+    cublas_workspace_ = std::move(*ws);
+  }
+  MOE_CUBLAS_RETURN_IF_ERROR(
+      cublasSetWorkspace(cublas_, cublas_workspace_.get(), kCublasWorkspaceBytes));
+
+  // Shared scratch.
+  const size_t max_tokens = std::max(config.max_tokens, 1);
+  const size_t plan_rows = max_tokens * static_cast<size_t>(config.max_top_k);
+  if (absl::Status st = EnsurePlanRows(static_cast<int>(plan_rows)); !st.ok()) return st;
+  chunk_rows_ = static_cast<int>(std::min<size_t>(kGemmChunkRows, plan_rows));
+  {
+    absl::StatusOr<DeviceMem> rows = AllocDevice(chunk_rows_ * H * sizeof(bf16_t), "row scratch");
+    if (!rows.ok()) return rows.status();
+    rows_bf16_ = std::move(*rows);
+    absl::StatusOr<DeviceMem> gemm =
+        AllocDevice(chunk_rows_ * std::max(2 * I, H) * sizeof(float), "GEMM scratch");
+    if (!gemm.ok()) return gemm.status();
+    gemm_f32_ = std::move(*gemm);
+  }
+
+  // Per-context state. Staging: token + weight per plan row, a group
+  // descriptor per buffer, a row list; twice over so a second upload within a
+  // call rarely waits.
+  const size_t groups = std::max(config.num_buffers, 64);
+  const size_t stage_bytes =
+      2 * RoundUp(plan_rows * (2 * sizeof(int32_t) + sizeof(float)) +
+                      groups * sizeof(cuda::GroupDesc) + 4 * kStageAlign,
+                  kStageAlign);
+  contexts_.resize(config.contexts);
+  for (Context& c : contexts_) {
+    absl::StatusOr<DeviceMem> x = AllocDevice(max_tokens * H * sizeof(bf16_t), "activations");
+    if (!x.ok()) return x.status();
+    c.x = std::move(*x);
+    absl::StatusOr<DeviceMem> accum = AllocDevice(max_tokens * H * sizeof(float), "accumulator");
+    if (!accum.ok()) return accum.status();
+    c.accum = std::move(*accum);
+    absl::StatusOr<DeviceMem> stage = AllocDevice(stage_bytes, "plan staging");
+    if (!stage.ok()) return stage.status();
+    c.stage_dev = std::move(*stage);
+    absl::StatusOr<PinnedMem> h = AllocPinned(stage_bytes);
+    if (!h.ok()) return h.status();
+    c.stage_host = std::move(*h);
+    c.stage_bytes = stage_bytes;
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.stage_event, cudaEventDisableTiming));
+  }
+
+  // Expert buffers last: they take what is left.
+  if (config.num_buffers > 0) {
+    const size_t bytes = expert_stride_ * sizeof(bf16_t) * static_cast<size_t>(config.num_buffers);
+    absl::StatusOr<DeviceMem> m =
+        AllocDevice(bytes, absl::StrCat(config.num_buffers, " expert buffers").c_str());
+    if (!m.ok()) return m.status();
+    experts_ = std::move(*m);
+  }
+  initialized_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::EnsurePlanRows(int rows) {
+  if (rows <= plan_rows_capacity_ && act_ != nullptr) return absl::OkStatus();
+  // Queued kernels may still read the old buffer.
+  if (act_ != nullptr) MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+  act_.reset();
+  const int capacity = std::max(rows, plan_rows_capacity_);
+  absl::StatusOr<DeviceMem> m =
+      AllocDevice(static_cast<size_t>(capacity) * I_ * sizeof(bf16_t), "intermediate activations");
+  if (!m.ok()) {
+    plan_rows_capacity_ = 0;
+    return m.status();
+  }
+  act_ = std::move(*m);
+  plan_rows_capacity_ = capacity;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::RegisterHost(void* p, size_t bytes) {
+  // Allowed before Init (the contract: a host store may be pinned first).
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  if (p == nullptr || bytes == 0)
+    return absl::InvalidArgumentError("cuda backend: RegisterHost of an empty range");
+  const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (err == cudaErrorHostMemoryAlreadyRegistered) {
+    cudaGetLastError();
+    return absl::AlreadyExistsError(absl::StrCat(
+        "cuda backend: RegisterHost(", absl::Hex(reinterpret_cast<uintptr_t>(p)), ", ", bytes,
+        "): the range overlaps memory that is already registered with CUDA"));
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    const absl::Status st = CudaStatus(err, "cudaHostRegister", __FILE__, __LINE__);
+    return absl::Status(st.code(), absl::StrCat("cuda backend: RegisterHost(",
+                                                absl::Hex(reinterpret_cast<uintptr_t>(p)), ", ",
+                                                bytes, "): ", st.message()));
+  }
+  registered_[p] = bytes;
+  return absl::OkStatus();
+}
+
+void CudaBackend::UnregisterHost(void* p) {
+  auto it = registered_.find(p);
+  if (it == registered_.end()) return;
+  cudaSetDevice(device_);
+  // Work still in flight may read or write the range.
+  if (compute_ != nullptr) cudaStreamSynchronize(compute_);
+  if (copy_ != nullptr) cudaStreamSynchronize(copy_);
+  if (cudaHostUnregister(p) != cudaSuccess) cudaGetLastError();
+  registered_.erase(it);
+}
+
+void* CudaBackend::MappedForKernelWrite(void* p, size_t bytes) const {
+  if (bytes == 0 || bytes > mapped_write_max_bytes_) return nullptr;
+  cudaPointerAttributes first{}, last{};
+  if (cudaPointerGetAttributes(&first, p) != cudaSuccess ||
+      cudaPointerGetAttributes(&last, static_cast<char*>(p) + bytes - 1) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  if (first.type != cudaMemoryTypeHost || last.type != cudaMemoryTypeHost ||
+      first.devicePointer == nullptr || last.devicePointer == nullptr ||
+      static_cast<char*>(last.devicePointer) - static_cast<char*>(first.devicePointer) !=
+          static_cast<std::ptrdiff_t>(bytes - 1)) {
+    return nullptr;
+  }
+  return first.devicePointer;
+}
+
+// ---- copy queue ----------------------------------------------------------
+
+absl::StatusOr<uint64_t> CudaBackend::LoadExpert(int buffer, const bf16_t* src,
+                                                 uint64_t after_compute) {
+  if (absl::Status st = Use(); !st.ok()) return st;
+  if (buffer < 0 || buffer >= config_.num_buffers || src == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: LoadExpert buffer ", buffer,
+                                                   " of ", config_.num_buffers,
+                                                   src == nullptr ? " from null" : ""));
+  }
+  if (!compute_fences_.Issued(after_compute)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda backend: LoadExpert after unknown compute fence ", after_compute));
+  }
+  if (cudaEvent_t e = compute_fences_.Pending(after_compute); e != nullptr)
+    MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_, e, 0));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(buffer_ptr(buffer), src,
+                                           expert_elems_ * sizeof(bf16_t),
+                                           cudaMemcpyHostToDevice, copy_));
+  return copy_fences_.Record(copy_);
+}
+
+bool CudaBackend::CopyDone(uint64_t copy_fence) {
+  if (!initialized_ || !copy_fences_.Issued(copy_fence)) return false;
+  cudaEvent_t e = copy_fences_.Pending(copy_fence);
+  if (e == nullptr) return true;
+  const cudaError_t err = cudaEventQuery(e);
+  if (err == cudaSuccess) return true;
+  cudaGetLastError();
+  // A failed copy is "done": WaitCopy reports the error.
+  return err != cudaErrorNotReady;
+}
+
+absl::Status CudaBackend::WaitCopy(uint64_t copy_fence) {
+  if (absl::Status st = Use(); !st.ok()) return st;
+  if (!copy_fences_.Issued(copy_fence))
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: unknown copy fence ", copy_fence));
+  if (cudaEvent_t e = copy_fences_.Pending(copy_fence); e != nullptr)
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(e));
+  return absl::OkStatus();
+}
+
+// ---- compute queue -------------------------------------------------------
+
+void CudaBackend::ComputeWaitCopy(uint64_t copy_fence) {
+  if (absl::Status st = Use(); !st.ok()) return Defer(std::move(st));
+  if (!copy_fences_.Issued(copy_fence)) {
+    return Defer(absl::InvalidArgumentError(
+        absl::StrCat("cuda backend: ComputeWaitCopy of unknown copy fence ", copy_fence)));
+  }
+  cudaEvent_t e = copy_fences_.Pending(copy_fence);
+  if (e == nullptr) return;
+  const cudaError_t err = cudaStreamWaitEvent(compute_, e, 0);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    Defer(CudaStatus(err, "cudaStreamWaitEvent(compute, copy fence)", __FILE__, __LINE__));
+    // Keep the ordering promise the slow way.
+    cudaEventSynchronize(e);
+    cudaGetLastError();
+  }
+}
+
+uint64_t CudaBackend::RecordCompute() {
+  if (absl::Status st = Use(); !st.ok()) {
+    Defer(std::move(st));
+    return 0;
+  }
+  absl::StatusOr<uint64_t> id = compute_fences_.Record(compute_);
+  if (id.ok()) return *id;
+  Defer(id.status());
+  // No event: drain the queue so that "no fence" (0) is truthful.
+  cudaStreamSynchronize(compute_);
+  cudaGetLastError();
+  return 0;
+}
+
+absl::Status CudaBackend::WaitCompute(uint64_t compute_fence) {
+  if (absl::Status st = Use(); !st.ok()) return st;
+  if (!compute_fences_.Issued(compute_fence)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda backend: unknown compute fence ", compute_fence));
+  }
+  if (cudaEvent_t e = compute_fences_.Pending(compute_fence); e != nullptr)
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(e));
+  return TakeDeferred();
+}
+
+absl::StatusOr<CudaBackend::Context*> CudaBackend::ActiveContext(int ctx) {
+  if (absl::Status st = Use(); !st.ok()) return st;
+  if (ctx < 0 || ctx >= static_cast<int>(contexts_.size()))
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: context ", ctx, " of ",
+                                                   contexts_.size()));
+  Context& c = contexts_[ctx];
+  if (!c.active)
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda backend: context ", ctx, " has no call (BeginCall first)"));
+  if (absl::Status st = TakeDeferred(); !st.ok()) return st;
+  return &c;
+}
+
+absl::Status CudaBackend::ResetStage(Context& c) {
+  // Host bytes may be rewritten once the last copy out of them has run.
+  if (c.stage_event_recorded) MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(c.stage_event));
+  c.stage_event_recorded = false;
+  c.stage_used = 0;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CudaBackend::Upload> CudaBackend::Reserve(Context& c, size_t bytes) {
+  bytes = RoundUp(std::max<size_t>(bytes, 1), kStageAlign);
+  if (c.stage_used + bytes > c.stage_bytes) {
+    if (absl::Status st = ResetStage(c); !st.ok()) return st;
+    if (bytes > c.stage_bytes) {
+      // Grow. Queued kernels may still read the device arena.
+      MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+      const size_t grown = RoundUp(std::max(bytes, 2 * c.stage_bytes), kStageAlign);
+      c.stage_dev.reset();
+      c.stage_host.reset();
+      c.stage_bytes = 0;
+      absl::StatusOr<DeviceMem> d = AllocDevice(grown, "plan staging");
+      if (!d.ok()) return d.status();
+      absl::StatusOr<PinnedMem> h = AllocPinned(grown);
+      if (!h.ok()) return h.status();
+      c.stage_dev = std::move(*d);
+      c.stage_host = std::move(*h);
+      c.stage_bytes = grown;
+    }
+  }
+  Upload u;
+  u.host = static_cast<char*>(c.stage_host.get()) + c.stage_used;
+  u.dev = static_cast<char*>(c.stage_dev.get()) + c.stage_used;
+  u.bytes = bytes;
+  c.stage_used += bytes;
+  return u;
+}
+
+absl::Status CudaBackend::Commit(Context& c, const Upload& u) {
+  MOE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(u.dev, u.host, u.bytes, cudaMemcpyHostToDevice, compute_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(c.stage_event, compute_));
+  c.stage_event_recorded = true;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<const int32_t*> CudaBackend::UploadRows(Context& c, const int32_t* rows, int n) {
+  absl::StatusOr<Upload> u = Reserve(c, static_cast<size_t>(n) * sizeof(int32_t));
+  if (!u.ok()) return u.status();
+  std::memcpy(u->host, rows, static_cast<size_t>(n) * sizeof(int32_t));
+  if (absl::Status st = Commit(c, *u); !st.ok()) return st;
+  return reinterpret_cast<const int32_t*>(u->dev);
+}
+
+absl::Status CudaBackend::CheckRows(const Context& c, const int32_t* rows, int n,
+                                    const char* what) const {
+  if (n < 0 || (n > 0 && rows == nullptr))
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: ", what, ": ", n, " rows"));
+  for (int i = 0; i < n; ++i) {
+    if (rows[i] < 0 || rows[i] >= c.T) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda backend: ", what, ": row ", i, " is ",
+                                                     rows[i], ", call has ", c.T, " tokens"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::BeginCall(int ctx, int T, const bf16_t* hidden, MemoryKind kind) {
+  if (absl::Status st = Use(); !st.ok()) return st;
+  if (ctx < 0 || ctx >= static_cast<int>(contexts_.size()))
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: context ", ctx, " of ",
+                                                   contexts_.size()));
+  if (T < 0 || T > std::max(config_.max_tokens, 0) || (T > 0 && hidden == nullptr)) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda backend: BeginCall with ", T,
+                                                   " tokens (max_tokens ", config_.max_tokens,
+                                                   hidden == nullptr ? ", null input" : "", ")"));
+  }
+  if (absl::Status st = TakeDeferred(); !st.ok()) return st;
+  Context& c = contexts_[ctx];
+  if (absl::Status st = ResetStage(c); !st.ok()) return st;
+  c.active = false;
+  if (T > 0) {
+    const size_t n = static_cast<size_t>(T) * H_;
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
+        c.x.get(), hidden, n * sizeof(bf16_t),
+        kind == MemoryKind::kHost ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice, compute_));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.accum.get(), 0, n * sizeof(float), compute_));
+  }
+  c.T = T;
+  c.active = true;
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::RoutingToHost(const int32_t* ids, const float* weights, int n,
+                                        int32_t* host_ids, float* host_weights) {
+  if (absl::Status st = Use(); !st.ok()) return st;
+  if (n < 0) return absl::InvalidArgumentError("cuda backend: RoutingToHost of negative size");
+  if (n == 0) return absl::OkStatus();
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_ids, ids, static_cast<size_t>(n) * sizeof(int32_t),
+                                           cudaMemcpyDeviceToHost, compute_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_weights, weights,
+                                           static_cast<size_t>(n) * sizeof(float),
+                                           cudaMemcpyDeviceToHost, compute_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<uint64_t> CudaBackend::GatherRows(int ctx, const int32_t* rows, int n,
+                                                 bf16_t* dst) {
+  absl::StatusOr<Context*> cs = ActiveContext(ctx);
+  if (!cs.ok()) return cs.status();
+  Context& c = **cs;
+  if (absl::Status st = CheckRows(c, rows, n, "GatherRows"); !st.ok()) return st;
+  if (n > 0) {
+    if (dst == nullptr) return absl::InvalidArgumentError("cuda backend: GatherRows into null");
+    absl::StatusOr<const int32_t*> d_rows = UploadRows(c, rows, n);
+    if (!d_rows.ok()) return d_rows.status();
+    const bf16_t* x = static_cast<const bf16_t*>(c.x.get());
+    const size_t row_bytes = static_cast<size_t>(H_) * sizeof(bf16_t);
+    if (void* mapped = MappedForKernelWrite(dst, n * row_bytes); mapped != nullptr) {
+      MOE_CUDA_RETURN_IF_ERROR(
+          cuda::LaunchGatherRows(x, H_, *d_rows, n, static_cast<bf16_t*>(mapped), compute_));
+    } else {
+      bf16_t* scratch = static_cast<bf16_t*>(rows_bf16_.get());
+      for (int off = 0; off < n; off += chunk_rows_) {
+        const int m = std::min(chunk_rows_, n - off);
+        MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(x, H_, *d_rows + off, m, scratch, compute_));
+        MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst + static_cast<size_t>(off) * H_, scratch,
+                                                 m * row_bytes, cudaMemcpyDeviceToHost, compute_));
+      }
+    }
+  }
+  return compute_fences_.Record(compute_);
+}
+
+absl::StatusOr<uint64_t> CudaBackend::AddRows(int ctx, const int32_t* rows, int n,
+                                              const bf16_t* partial) {
+  absl::StatusOr<Context*> cs = ActiveContext(ctx);
+  if (!cs.ok()) return cs.status();
+  Context& c = **cs;
+  if (absl::Status st = CheckRows(c, rows, n, "AddRows"); !st.ok()) return st;
+  if (n > 0) {
+    if (partial == nullptr) return absl::InvalidArgumentError("cuda backend: AddRows from null");
+    absl::StatusOr<const int32_t*> d_rows = UploadRows(c, rows, n);
+    if (!d_rows.ok()) return d_rows.status();
+    const size_t row_bytes = static_cast<size_t>(H_) * sizeof(bf16_t);
+    bf16_t* scratch = static_cast<bf16_t*>(rows_bf16_.get());
+    for (int off = 0; off < n; off += chunk_rows_) {
+      const int m = std::min(chunk_rows_, n - off);
+      MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch, partial + static_cast<size_t>(off) * H_,
+                                               m * row_bytes, cudaMemcpyHostToDevice, compute_));
+      MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddBf16(
+          scratch, *d_rows + off, m, H_, static_cast<float*>(c.accum.get()), compute_));
+    }
+  }
+  return compute_fences_.Record(compute_);
+}
+
+absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
+  absl::StatusOr<Context*> cs = ActiveContext(ctx);
+  if (!cs.ok()) return cs.status();
+  Context& c = **cs;
+  if (plan.num_groups < 0 || plan.rows < 0)
+    return absl::InvalidArgumentError("cuda backend: RunExperts: negative plan size");
+  if (plan.num_groups == 0 || plan.rows == 0) return absl::OkStatus();
+  if (plan.buffer == nullptr || plan.row_begin == nullptr || plan.count == nullptr ||
+      plan.token == nullptr || plan.weight == nullptr)
+    return absl::InvalidArgumentError("cuda backend: RunExperts: plan has null arrays");
+
+  // Validate (an index out of range would fault on the device) and split the
+  // groups between the grouped kernels and cuBLAS.
+  small_groups_.clear();
+  big_groups_.clear();
+  int small_max = 0;
+  for (int g = 0; g < plan.num_groups; ++g) {
+    const cuda::GroupDesc d{plan.buffer[g], plan.row_begin[g], plan.count[g], 0};
+    if (d.buffer < 0 || d.buffer >= config_.num_buffers || d.row_begin < 0 || d.count < 0 ||
+        d.count > plan.rows - d.row_begin) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda backend: RunExperts: group ", g, " (buffer ", d.buffer, ", rows ", d.row_begin,
+          "+", d.count, ") out of range (", config_.num_buffers, " buffers, ", plan.rows,
+          " rows)"));
+    }
+    if (d.count == 0) continue;
+    if (d.count > kGemmMinRows) {
+      big_groups_.push_back(d);
+    } else {
+      small_groups_.push_back(d);
+      small_max = std::max(small_max, d.count);
+    }
+  }
+  for (int r = 0; r < plan.rows; ++r) {
+    if (plan.token[r] < -1 || plan.token[r] >= c.T) {
+      return absl::InvalidArgumentError(absl::StrCat("cuda backend: RunExperts: row ", r,
+                                                     " has token ", plan.token[r], ", call has ",
+                                                     c.T, " tokens"));
+    }
+  }
+  if (small_groups_.empty() && big_groups_.empty()) return absl::OkStatus();
+  if (absl::Status st = EnsurePlanRows(plan.rows); !st.ok()) return st;
+
+  // One upload: token [rows], weight [rows], small group descriptors.
+  const size_t rows = plan.rows;
+  const size_t token_off = 0;
+  const size_t weight_off = RoundUp(rows * sizeof(int32_t), 16);
+  const size_t groups_off = weight_off + RoundUp(rows * sizeof(float), 16);
+  const size_t total = groups_off + small_groups_.size() * sizeof(cuda::GroupDesc);
+  absl::StatusOr<Upload> u = Reserve(c, total);
+  if (!u.ok()) return u.status();
+  std::memcpy(u->host + token_off, plan.token, rows * sizeof(int32_t));
+  std::memcpy(u->host + weight_off, plan.weight, rows * sizeof(float));
+  if (!small_groups_.empty())
+    std::memcpy(u->host + groups_off, small_groups_.data(),
+                small_groups_.size() * sizeof(cuda::GroupDesc));
+  if (absl::Status st = Commit(c, *u); !st.ok()) return st;
+  const int32_t* d_token = reinterpret_cast<const int32_t*>(u->dev + token_off);
+  const float* d_weight = reinterpret_cast<const float*>(u->dev + weight_off);
+
+  if (!small_groups_.empty()) {
+    cuda::GroupedExpertArgs a;
+    a.experts = static_cast<const bf16_t*>(experts_.get());
+    a.expert_stride = expert_stride_;
+    a.hidden = H_;
+    a.intermediate = I_;
+    a.groups = reinterpret_cast<const cuda::GroupDesc*>(u->dev + groups_off);
+    a.num_groups = static_cast<int>(small_groups_.size());
+    a.max_count = small_max;
+    a.token = d_token;
+    a.weight = d_weight;
+    a.x = static_cast<const bf16_t*>(c.x.get());
+    a.act = static_cast<bf16_t*>(act_.get());
+    a.accum = static_cast<float*>(c.accum.get());
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedGateUp(a, compute_));
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedDown(a, compute_));
+  }
+  for (const cuda::GroupDesc& g : big_groups_) {
+    if (absl::Status st = RunGemmGroup(c, g, d_token, d_weight); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+// One big group through cuBLAS, in pieces of at most chunk_rows_ rows:
+//   xg = x[token]                       (gather)
+//   gu = xg . [gate; up]^T              (one GEMM: gate and up are adjacent)
+//   act = bf16(silu(gu[:, :I]) * gu[:, I:])
+//   y = act . down^T                    (into the same f32 scratch)
+//   accum[token] += weight * y          (scatter-add)
+// cuBLAS is column-major: a row-major [r, c] matrix is a column-major [c, r]
+// one, so each product is computed transposed (C^T = B^T A^T).
+absl::Status CudaBackend::RunGemmGroup(Context& c, const cuda::GroupDesc& g,
+                                       const int32_t* d_token, const float* d_weight) {
+  const bf16_t* gate_up = buffer_ptr(g.buffer);  // [2I, H] row-major
+  const bf16_t* down = gate_up + 2 * static_cast<size_t>(I_) * H_;  // [H, I] row-major
+  bf16_t* xg = static_cast<bf16_t*>(rows_bf16_.get());
+  float* f32 = static_cast<float*>(gemm_f32_.get());
+  const float one = 1.f, zero = 0.f;
+  for (int off = 0; off < g.count; off += chunk_rows_) {
+    const int n = std::min(chunk_rows_, g.count - off);
+    const int r0 = g.row_begin + off;
+    bf16_t* act = static_cast<bf16_t*>(act_.get()) + static_cast<size_t>(r0) * I_;
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(static_cast<const bf16_t*>(c.x.get()), H_,
+                                                    d_token + r0, n, xg, compute_));
+    // gu^T [2I, n] = [gate; up] [2I, H] . xg^T [H, n]
+    MOE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, 2 * I_, n, H_, &one,
+                                            gate_up, CUDA_R_16BF, H_, xg, CUDA_R_16BF, H_, &zero,
+                                            f32, CUDA_R_32F, 2 * I_, CUBLAS_COMPUTE_32F,
+                                            CUBLAS_GEMM_DEFAULT));
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchSiluMul(f32, n, I_, act, compute_));
+    // y^T [H, n] = down [H, I] . act^T [I, n]
+    MOE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, H_, n, I_, &one,
+                                            down, CUDA_R_16BF, I_, act, CUDA_R_16BF, I_, &zero,
+                                            f32, CUDA_R_32F, H_, CUBLAS_COMPUTE_32F,
+                                            CUBLAS_GEMM_DEFAULT));
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddF32(f32, d_token + r0, d_weight + r0, n, H_,
+                                                       static_cast<float*>(c.accum.get()),
+                                                       compute_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::FinishCall(int ctx, bf16_t* out, MemoryKind kind) {
+  absl::StatusOr<Context*> cs = ActiveContext(ctx);
+  if (!cs.ok()) return cs.status();
+  Context& c = **cs;
+  c.active = false;
+  const size_t n = static_cast<size_t>(c.T) * H_;
+  if (n > 0) {
+    if (out == nullptr) return absl::InvalidArgumentError("cuda backend: FinishCall into null");
+    const float* accum = static_cast<const float*>(c.accum.get());
+    if (kind == MemoryKind::kDevice) {
+      MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchAccumToBf16(accum, n, out, compute_));
+    } else if (void* mapped = MappedForKernelWrite(out, n * sizeof(bf16_t)); mapped != nullptr) {
+      MOE_CUDA_RETURN_IF_ERROR(
+          cuda::LaunchAccumToBf16(accum, n, static_cast<bf16_t*>(mapped), compute_));
+    } else {
+      // The activations are dead now: their storage stages the output.
+      bf16_t* staging = static_cast<bf16_t*>(c.x.get());
+      MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchAccumToBf16(accum, n, staging, compute_));
+      MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out, staging, n * sizeof(bf16_t),
+                                               cudaMemcpyDeviceToHost, compute_));
+    }
+  }
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
+  return TakeDeferred();
+}
+
+bool DeviceCount(int* count, std::string* why) {
+  *count = 0;
+  const cudaError_t err = cudaGetDeviceCount(count);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    if (why != nullptr)
+      *why = std::string(CudaStatus(err, "cudaGetDeviceCount", __FILE__, __LINE__).message());
+    *count = 0;
+    return false;
+  }
+  if (*count == 0) {
+    if (why != nullptr) *why = "cudaGetDeviceCount reports no CUDA device";
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::unique_ptr<DeviceBackend> MakeCudaBackend(std::string* why) {
+  int count = 0;
+  std::string reason;
+  if (!DeviceCount(&count, &reason)) {
+    if (why != nullptr) *why = reason;
+    return nullptr;
+  }
+  return std::make_unique<CudaBackend>(0);
+}
+
+bool CudaAvailable() {
+  int count = 0;
+  return DeviceCount(&count, nullptr);
+}
+
+}  // namespace moe

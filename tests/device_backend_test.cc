@@ -1,0 +1,692 @@
+// DeviceBackend conformance: every test runs against each backend ("cpu",
+// "cuda") and compares with a double-precision SwiGLU reference written here.
+// Without a usable GPU the cuda instances are skipped (by name, with the
+// reason); on a GPU host the same tests are the cuda backend's self-check.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/random_data.h"
+#include "core/reference_moe.h"
+#include "core/synthetic_model.h"
+#include "gpu_worker/device_backend.h"
+
+#ifdef MOE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace moe {
+namespace {
+
+constexpr uint64_t kWeightSeed = 20261122;
+constexpr double kTolerance = 1e-2;
+
+struct Geometry {
+  int H, I;
+};
+// Multiples of 8 (16-byte vector paths), a model-sized K loop, and odd sizes
+// (element paths and tails).
+constexpr Geometry kTiny{96, 80};
+constexpr Geometry kWide{512, 256};
+constexpr Geometry kOdd{100, 44};
+
+// gate [I,H], up [I,H], down [H,I] of synthetic expert `id`, back to back.
+std::vector<bf16_t> MakeExpert(const Geometry& g, int id) {
+  const size_t ih = static_cast<size_t>(g.I) * g.H;
+  std::vector<bf16_t> w(3 * ih);
+  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kGate, g.I, g.H, w.data());
+  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kUp, g.I, g.H, w.data() + ih);
+  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kDown, g.H, g.I, w.data() + 2 * ih);
+  return w;
+}
+
+// out[H] += w * down . (silu(gate . x) * (up . x)), all in double.
+void AddFfn(const Geometry& g, const std::vector<bf16_t>& e, const bf16_t* x, double w,
+            double* out) {
+  const size_t ih = static_cast<size_t>(g.I) * g.H;
+  std::vector<double> xd(g.H), act(g.I);
+  for (int h = 0; h < g.H; ++h) xd[h] = Bf16ToF32(x[h]);
+  for (int i = 0; i < g.I; ++i) {
+    double gate = 0, up = 0;
+    for (int h = 0; h < g.H; ++h) {
+      gate += Bf16ToF32(e[static_cast<size_t>(i) * g.H + h]) * xd[h];
+      up += Bf16ToF32(e[ih + static_cast<size_t>(i) * g.H + h]) * xd[h];
+    }
+    act[i] = gate / (1.0 + std::exp(-gate)) * up;
+  }
+  for (int h = 0; h < g.H; ++h) {
+    double y = 0;
+    for (int i = 0; i < g.I; ++i) y += Bf16ToF32(e[2 * ih + static_cast<size_t>(h) * g.I + i]) * act[i];
+    out[h] += w * y;
+  }
+}
+
+// A hit plan in owned host arrays.
+struct Plan {
+  std::vector<int32_t> buffer, row_begin, count, token;
+  std::vector<float> weight;
+
+  // Appends a group of `tokens` (-1: padding) through `buf`.
+  void AddGroup(int buf, const std::vector<int32_t>& tokens, uint64_t seed) {
+    buffer.push_back(buf);
+    row_begin.push_back(static_cast<int32_t>(token.size()));
+    count.push_back(static_cast<int32_t>(tokens.size()));
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      token.push_back(tokens[i]);
+      weight.push_back(0.25f + 0.5f * static_cast<float>((seed * 7919 + i * 104729) % 1000) / 1000.f);
+    }
+  }
+  HitPlan View() const {
+    HitPlan p;
+    p.num_groups = static_cast<int>(buffer.size());
+    p.buffer = buffer.data();
+    p.row_begin = row_begin.data();
+    p.count = count.data();
+    p.rows = static_cast<int>(token.size());
+    p.token = token.data();
+    p.weight = weight.data();
+    p.max_count = count.empty() ? 0 : *std::max_element(count.begin(), count.end());
+    return p;
+  }
+};
+
+// The plan of a routing: T tokens x k experts (Zipf-skewed over `experts`
+// buffers, so counts are uneven and tokens receive several experts).
+Plan PlanFromRouting(int T, int k, int experts, uint64_t seed) {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  RandomRouting(T, k, experts, seed, 1.1, &ids, &weights);
+  Plan p;
+  for (int e = 0; e < experts; ++e) {
+    std::vector<int32_t> tokens;
+    std::vector<float> w;
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < k; ++j)
+        if (ids[static_cast<size_t>(t) * k + j] == e) {
+          tokens.push_back(t);
+          w.push_back(weights[static_cast<size_t>(t) * k + j]);
+        }
+    if (tokens.empty()) continue;
+    p.AddGroup(e, tokens, seed + e);
+    std::copy(w.begin(), w.end(), p.weight.end() - static_cast<long>(w.size()));
+  }
+  return p;
+}
+
+// ref[T*H] += the plan's FFNs of `x`, with buffer b holding experts[b].
+void AddReference(const Geometry& g, const std::vector<std::vector<bf16_t>>& experts,
+                  const bf16_t* x, const Plan& p, double* ref) {
+  for (size_t grp = 0; grp < p.buffer.size(); ++grp)
+    for (int r = p.row_begin[grp]; r < p.row_begin[grp] + p.count[grp]; ++r) {
+      const int t = p.token[r];
+      if (t < 0) continue;
+      AddFfn(g, experts[p.buffer[grp]], x + static_cast<size_t>(t) * g.H, p.weight[r],
+             ref + static_cast<size_t>(t) * g.H);
+    }
+}
+
+double ErrorVsReference(const std::vector<bf16_t>& out, const std::vector<double>& ref) {
+  std::vector<float> f(out.size());
+  Bf16ToF32(out.data(), f.data(), out.size());
+  return RelativeL2Error(f.data(), ref.data(), f.size());
+}
+
+#ifdef MOE_HAVE_CUDA
+// Device memory for the kDevice cases.
+class DeviceArray {
+ public:
+  explicit DeviceArray(size_t bytes) {
+    if (cudaMalloc(&p_, std::max<size_t>(bytes, 1)) != cudaSuccess) p_ = nullptr;
+  }
+  ~DeviceArray() { cudaFree(p_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+};
+#endif
+
+class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override { NewBackend(); }
+
+  // A fresh, uninitialized backend (the tests that loop over geometries call
+  // it per geometry; Init may be called once per backend).
+  void NewBackend() {
+    backend_.reset();
+    absl::StatusOr<std::unique_ptr<DeviceBackend>> b = MakeDeviceBackend(GetParam());
+    if (!b.ok()) {
+      if (GetParam() == "cuda") GTEST_SKIP() << "no CUDA device: " << b.status().message();
+      FAIL() << b.status();
+    }
+    backend_ = std::move(*b);
+    ASSERT_STREQ(backend_->name(), GetParam().c_str());
+  }
+
+  // Inits the backend for geometry g and loads `num_buffers` distinct experts
+  // (buffer b holds expert 100 + b), waiting for the copies.
+  void Start(const Geometry& g, int num_buffers, int max_tokens = 96, int max_top_k = 8) {
+    geometry_ = g;
+    BackendConfig c;
+    c.hidden = g.H;
+    c.intermediate = g.I;
+    c.num_buffers = num_buffers;
+    c.max_tokens = max_tokens;
+    c.max_top_k = max_top_k;
+    c.contexts = 2;
+    c.cpu_threads = 2;
+    ASSERT_TRUE(backend_->Init(c).ok());
+    experts_.clear();
+    for (int b = 0; b < num_buffers; ++b) {
+      experts_.push_back(MakeExpert(g, 100 + b));
+      absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, experts_.back().data(), 0);
+      ASSERT_TRUE(f.ok()) << f.status();
+      ASSERT_TRUE(backend_->WaitCopy(*f).ok());
+      EXPECT_TRUE(backend_->CopyDone(*f));
+    }
+  }
+
+  std::vector<bf16_t> Input(int T, uint64_t seed) const {
+    return RandomActivations(static_cast<size_t>(T) * geometry_.H + 1, seed);
+  }
+
+  // One whole call in context ctx on host memory; returns the output.
+  std::vector<bf16_t> Call(int ctx, int T, const std::vector<bf16_t>& x,
+                           const std::vector<Plan>& plans) {
+    std::vector<bf16_t> out(static_cast<size_t>(T) * geometry_.H + 1, 0x7fc0);
+    absl::Status st = backend_->BeginCall(ctx, T, x.data(), MemoryKind::kHost);
+    EXPECT_TRUE(st.ok()) << st;
+    for (const Plan& p : plans) {
+      st = backend_->RunExperts(ctx, p.View());
+      EXPECT_TRUE(st.ok()) << st;
+    }
+    st = backend_->FinishCall(ctx, out.data(), MemoryKind::kHost);
+    EXPECT_TRUE(st.ok()) << st;
+    EXPECT_EQ(out.back(), 0x7fc0) << "FinishCall wrote past T x H";
+    out.pop_back();
+    return out;
+  }
+
+  std::vector<double> Reference(int T, const std::vector<bf16_t>& x,
+                                const std::vector<Plan>& plans) const {
+    std::vector<double> ref(static_cast<size_t>(T) * geometry_.H, 0.0);
+    for (const Plan& p : plans) AddReference(geometry_, experts_, x.data(), p, ref.data());
+    return ref;
+  }
+
+  // Runs `plans` on T tokens and checks the output against the reference.
+  void ExpectMatches(int T, const std::vector<Plan>& plans, uint64_t seed,
+                     const std::string& what) {
+    const std::vector<bf16_t> x = Input(T, seed);
+    const std::vector<bf16_t> out = Call(0, T, x, plans);
+    const double err = ErrorVsReference(out, Reference(T, x, plans));
+    EXPECT_LE(err, kTolerance) << what << " (H=" << geometry_.H << ", I=" << geometry_.I
+                               << ", T=" << T << ")";
+  }
+
+  Geometry geometry_{};
+  std::vector<std::vector<bf16_t>> experts_;
+  std::unique_ptr<DeviceBackend> backend_;
+};
+
+TEST_P(DeviceBackendTest, SingleRowGroups) {
+  for (const Geometry& g : {kTiny, kOdd}) {
+    ASSERT_NO_FATAL_FAILURE(NewBackend());
+    ASSERT_NO_FATAL_FAILURE(Start(g, 4));
+    Plan one;
+    one.AddGroup(2, {0}, 1);
+    ExpectMatches(1, {one}, 11, "one token, one expert");
+    Plan each;  // every token its own group
+    for (int t = 0; t < 5; ++t) each.AddGroup(t % 4, {t}, 10 + t);
+    ExpectMatches(5, {each}, 12, "one row per group");
+  }
+}
+
+TEST_P(DeviceBackendTest, UnevenGroupsFromRouting) {
+  for (const Geometry& g : {kTiny, kWide, kOdd}) {
+    ASSERT_NO_FATAL_FAILURE(NewBackend());
+    ASSERT_NO_FATAL_FAILURE(Start(g, 12));
+    // 64 tokens x top-4 over 12 Zipf-skewed experts: counts from 1 to > 32
+    // (the cuda backend's cuBLAS path), every token receiving 4 experts.
+    const Plan p = PlanFromRouting(64, 4, 12, 5);
+    ASSERT_GT(p.View().max_count, 32);
+    ExpectMatches(64, {p}, 21, "routing plan");
+    const Plan q = PlanFromRouting(9, 3, 12, 6);  // small groups only
+    ExpectMatches(9, {q}, 22, "small routing plan");
+  }
+}
+
+TEST_P(DeviceBackendTest, HandBuiltGroups) {
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 6));
+  const int T = 48;
+  Plan p;
+  // Uneven counts, each group a different row pattern; tokens 0..3 receive
+  // several experts; the 40-row group exceeds the grouped-kernel bound.
+  p.AddGroup(0, {0}, 1);
+  p.AddGroup(1, {0, 1, 2}, 2);
+  p.AddGroup(2, {3, 0, 1, 4, 5, 6, 7}, 3);
+  std::vector<int32_t> sixteen(16), forty(40), seventeen(17);
+  std::iota(sixteen.begin(), sixteen.end(), 10);
+  std::iota(forty.begin(), forty.end(), 3);
+  std::iota(seventeen.begin(), seventeen.end(), 30);
+  p.AddGroup(3, sixteen, 4);
+  p.AddGroup(4, forty, 5);
+  p.AddGroup(5, seventeen, 6);
+  p.AddGroup(0, {}, 7);  // empty group
+  p.AddGroup(5, {47, 2}, 8);
+  ExpectMatches(T, {p}, 31, "hand-built groups");
+}
+
+TEST_P(DeviceBackendTest, PaddingRowsAreSkipped) {
+  for (const Geometry& g : {kTiny, kOdd}) {
+    ASSERT_NO_FATAL_FAILURE(NewBackend());
+    ASSERT_NO_FATAL_FAILURE(Start(g, 3));
+    Plan p;
+    p.AddGroup(0, {-1, 0, -1, 1}, 1);
+    p.AddGroup(1, {-1}, 2);  // padding only
+    std::vector<int32_t> big;  // > 32 rows with padding in between
+    for (int t = 0; t < 20; ++t) {
+      big.push_back(t);
+      big.push_back(-1);
+    }
+    p.AddGroup(2, big, 3);
+    ExpectMatches(20, {p}, 41, "padding rows");
+  }
+}
+
+TEST_P(DeviceBackendTest, EmptyAndSingleTokenCalls) {
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 2));
+  // T = 0: no plan, then a plan of padding rows only.
+  Plan none;
+  ExpectMatches(0, {none}, 51, "T=0, empty plan");
+  Plan pad;
+  pad.AddGroup(1, {-1, -1}, 1);
+  ExpectMatches(0, {pad}, 52, "T=0, padding plan");
+  // T = 1 with no work: the output is zero.
+  const std::vector<bf16_t> x = Input(1, 53);
+  const std::vector<bf16_t> out = Call(0, 1, x, {none});
+  for (bf16_t v : out) ASSERT_EQ(Bf16ToF32(v), 0.0f);
+  // T = 1, both experts.
+  Plan both;
+  both.AddGroup(0, {0}, 2);
+  both.AddGroup(1, {0}, 3);
+  ExpectMatches(1, {both}, 54, "T=1, two experts");
+}
+
+TEST_P(DeviceBackendTest, SeveralRunExpertsPerCallAccumulate) {
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 4));
+  const Plan a = PlanFromRouting(16, 2, 4, 61);
+  const Plan b = PlanFromRouting(16, 2, 4, 62);
+  ExpectMatches(16, {a, b, a}, 63, "three plans in one call");
+}
+
+TEST_P(DeviceBackendTest, GatherRowsCopiesActivations) {
+  ASSERT_NO_FATAL_FAILURE(Start(kOdd, 1));
+  for (const Geometry& g : {kOdd}) {
+    const int T = 12;
+    const std::vector<bf16_t> x = Input(T, 71);
+    ASSERT_TRUE(backend_->BeginCall(1, T, x.data(), MemoryKind::kHost).ok());
+    const std::vector<int32_t> rows = {11, 0, 5, 5, 3};
+    std::vector<bf16_t> dst(rows.size() * g.H + 1, 0x1234);
+    absl::StatusOr<uint64_t> f = backend_->GatherRows(1, rows.data(), static_cast<int>(rows.size()),
+                                                      dst.data());
+    ASSERT_TRUE(f.ok()) << f.status();
+    ASSERT_TRUE(backend_->WaitCompute(*f).ok());
+    for (size_t i = 0; i < rows.size(); ++i)
+      for (int h = 0; h < g.H; ++h)
+        ASSERT_EQ(dst[i * g.H + h], x[static_cast<size_t>(rows[i]) * g.H + h]) << i << "," << h;
+    EXPECT_EQ(dst.back(), 0x1234);
+    // n = 0 still yields a fence.
+    f = backend_->GatherRows(1, rows.data(), 0, dst.data());
+    ASSERT_TRUE(f.ok());
+    ASSERT_TRUE(backend_->WaitCompute(*f).ok());
+    std::vector<bf16_t> out(static_cast<size_t>(T) * g.H);
+    ASSERT_TRUE(backend_->FinishCall(1, out.data(), MemoryKind::kHost).ok());
+  }
+}
+
+TEST_P(DeviceBackendTest, AddRowsAddsPartials) {
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 3));
+  const Geometry& g = kTiny;
+  const int T = 10;
+  const std::vector<bf16_t> x = Input(T, 81);
+  const Plan p = PlanFromRouting(T, 2, 3, 82);
+  const std::vector<int32_t> rows = {4, 9, 0, 4};  // row 4 twice
+  const std::vector<bf16_t> partial = RandomActivations(rows.size() * g.H, 83, 0.5f);
+  ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
+  ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+  absl::StatusOr<uint64_t> f =
+      backend_->AddRows(0, rows.data(), static_cast<int>(rows.size()), partial.data());
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_TRUE(backend_->WaitCompute(*f).ok());
+  std::vector<bf16_t> out(static_cast<size_t>(T) * g.H);
+  ASSERT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
+
+  std::vector<double> ref = Reference(T, x, {p});
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int h = 0; h < g.H; ++h)
+      ref[static_cast<size_t>(rows[i]) * g.H + h] += Bf16ToF32(partial[i * g.H + h]);
+  EXPECT_LE(ErrorVsReference(out, ref), kTolerance);
+}
+
+TEST_P(DeviceBackendTest, ComputeWaitsForCopyFence) {
+  // Buffers loaded with no WaitCopy: ComputeWaitCopy alone orders the compute.
+  const Geometry& g = kWide;
+  BackendConfig c;
+  c.hidden = g.H;
+  c.intermediate = g.I;
+  c.num_buffers = 4;
+  c.max_tokens = 32;
+  c.cpu_threads = 2;
+  ASSERT_TRUE(backend_->Init(c).ok());
+  geometry_ = g;
+  // Registered sources, so the cuda copies are truly asynchronous.
+  for (int b = 0; b < 4; ++b) experts_.push_back(MakeExpert(g, 200 + b));
+  for (int b = 0; b < 4; ++b) {
+    std::vector<bf16_t>& e = experts_[b];
+    ASSERT_TRUE(backend_->RegisterHost(e.data(), e.size() * sizeof(bf16_t)).ok());
+    absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, e.data(), 0);
+    ASSERT_TRUE(f.ok()) << f.status();
+    backend_->ComputeWaitCopy(*f);
+  }
+  const Plan p = PlanFromRouting(32, 2, 4, 91);
+  ExpectMatches(32, {p}, 92, "compute after ComputeWaitCopy");
+  for (std::vector<bf16_t>& e : experts_) backend_->UnregisterHost(e.data());
+}
+
+TEST_P(DeviceBackendTest, BufferReusedAfterComputeFence) {
+  ASSERT_NO_FATAL_FAILURE(Start(kWide, 2));
+  const int T = 24;
+  const std::vector<bf16_t> x = Input(T, 101);
+  const Plan p = PlanFromRouting(T, 2, 2, 102);
+  const std::vector<double> ref_old = Reference(T, x, {p});
+
+  // In one call: compute from buffer 0, then overwrite buffer 0 behind a
+  // compute fence; the call's result must still be the old expert's.
+  ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
+  ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+  const uint64_t done = backend_->RecordCompute();
+  std::vector<bf16_t> replacement = MakeExpert(kWide, 999);
+  // Registered, so the cuda copy is asynchronous and only the fence holds it back.
+  ASSERT_TRUE(
+      backend_->RegisterHost(replacement.data(), replacement.size() * sizeof(bf16_t)).ok());
+  absl::StatusOr<uint64_t> copy = backend_->LoadExpert(0, replacement.data(), done);
+  ASSERT_TRUE(copy.ok()) << copy.status();
+  std::vector<bf16_t> out(static_cast<size_t>(T) * kWide.H);
+  ASSERT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
+  EXPECT_LE(ErrorVsReference(out, ref_old), kTolerance) << "copy overtook compute";
+
+  // The next call sees the new expert once the copy is waited for.
+  backend_->ComputeWaitCopy(*copy);
+  experts_[0] = replacement;
+  ExpectMatches(T, {p}, 101, "after reuse");
+  ASSERT_TRUE(backend_->WaitCopy(*copy).ok());
+  EXPECT_TRUE(backend_->CopyDone(*copy));
+  backend_->UnregisterHost(replacement.data());
+}
+
+TEST_P(DeviceBackendTest, TwoContextsInterleave) {
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 4));
+  const int T0 = 20, T1 = 7;
+  const std::vector<bf16_t> x0 = Input(T0, 111), x1 = Input(T1, 112);
+  const Plan p0 = PlanFromRouting(T0, 2, 4, 113), p1 = PlanFromRouting(T1, 3, 4, 114);
+  ASSERT_TRUE(backend_->BeginCall(0, T0, x0.data(), MemoryKind::kHost).ok());
+  ASSERT_TRUE(backend_->BeginCall(1, T1, x1.data(), MemoryKind::kHost).ok());
+  ASSERT_TRUE(backend_->RunExperts(1, p1.View()).ok());
+  ASSERT_TRUE(backend_->RunExperts(0, p0.View()).ok());
+  std::vector<bf16_t> out0(static_cast<size_t>(T0) * kTiny.H), out1(static_cast<size_t>(T1) * kTiny.H);
+  ASSERT_TRUE(backend_->FinishCall(1, out1.data(), MemoryKind::kHost).ok());
+  ASSERT_TRUE(backend_->FinishCall(0, out0.data(), MemoryKind::kHost).ok());
+  EXPECT_LE(ErrorVsReference(out0, Reference(T0, x0, {p0})), kTolerance);
+  EXPECT_LE(ErrorVsReference(out1, Reference(T1, x1, {p1})), kTolerance);
+}
+
+TEST_P(DeviceBackendTest, RegisteredHostMemory) {
+  // The path a dispatcher takes: inputs, gathered rows, partials and outputs
+  // in registered memory (the cpu backend registers nothing and must agree).
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 3));
+  const Geometry& g = kTiny;
+  const int T = 16;
+  const size_t n = static_cast<size_t>(T) * g.H;
+  // One registered region holding x | gathered rows | partials | out.
+  std::vector<bf16_t> region(4 * n + 64);
+  ASSERT_TRUE(backend_->RegisterHost(region.data(), region.size() * sizeof(bf16_t)).ok());
+  bf16_t* x = region.data();
+  bf16_t* gathered = x + n;
+  bf16_t* partial = gathered + n;
+  bf16_t* out = partial + n + 8;  // 16-byte offset into the region
+  const std::vector<bf16_t> xv = Input(T, 121);
+  std::copy(xv.begin(), xv.begin() + static_cast<long>(n), x);
+  const std::vector<bf16_t> pv = RandomActivations(n, 122, 0.5f);
+  std::copy(pv.begin(), pv.end(), partial);
+  const Plan p = PlanFromRouting(T, 2, 3, 123);
+  std::vector<int32_t> rows(T);
+  std::iota(rows.begin(), rows.end(), 0);
+  std::reverse(rows.begin(), rows.end());
+
+  ASSERT_TRUE(backend_->BeginCall(0, T, x, MemoryKind::kHost).ok());
+  absl::StatusOr<uint64_t> gf = backend_->GatherRows(0, rows.data(), T, gathered);
+  ASSERT_TRUE(gf.ok()) << gf.status();
+  ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+  absl::StatusOr<uint64_t> af = backend_->AddRows(0, rows.data(), T, partial);
+  ASSERT_TRUE(af.ok()) << af.status();
+  ASSERT_TRUE(backend_->WaitCompute(*gf).ok());
+  for (int i = 0; i < T; ++i)
+    for (int h = 0; h < g.H; ++h)
+      ASSERT_EQ(gathered[static_cast<size_t>(i) * g.H + h],
+                x[static_cast<size_t>(rows[i]) * g.H + h]);
+  ASSERT_TRUE(backend_->FinishCall(0, out, MemoryKind::kHost).ok());
+
+  std::vector<double> ref = Reference(T, xv, {p});
+  for (int i = 0; i < T; ++i)
+    for (int h = 0; h < g.H; ++h)
+      ref[static_cast<size_t>(rows[i]) * g.H + h] += Bf16ToF32(partial[static_cast<size_t>(i) * g.H + h]);
+  EXPECT_LE(ErrorVsReference(std::vector<bf16_t>(out, out + n), ref), kTolerance);
+  backend_->UnregisterHost(region.data());
+}
+
+TEST_P(DeviceBackendTest, FenceIdsIncreaseAndOldFencesAreDone) {
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 1));
+  uint64_t prev = backend_->RecordCompute();
+  const uint64_t first = prev;
+  // More fences than any event ring is likely to hold.
+  for (int i = 0; i < 3000; ++i) {
+    const uint64_t f = backend_->RecordCompute();
+    ASSERT_GT(f, prev);
+    prev = f;
+  }
+  EXPECT_TRUE(backend_->WaitCompute(first).ok());
+  EXPECT_TRUE(backend_->WaitCompute(prev).ok());
+  EXPECT_TRUE(backend_->WaitCompute(0).ok());
+  uint64_t copy = 0;
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<uint64_t> f = backend_->LoadExpert(0, experts_[0].data(), prev);
+    ASSERT_TRUE(f.ok());
+    ASSERT_GT(*f, copy);
+    copy = *f;
+  }
+  EXPECT_TRUE(backend_->WaitCopy(copy).ok());
+  EXPECT_TRUE(backend_->CopyDone(copy));
+}
+
+TEST_P(DeviceBackendTest, DeviceMemoryCalls) {
+  if (!backend_->has_device_memory()) GTEST_SKIP() << GetParam() << " has no device memory";
+#ifdef MOE_HAVE_CUDA
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 3));
+  const Geometry& g = kTiny;
+  const int T = 8;
+  const size_t n = static_cast<size_t>(T) * g.H;
+  const std::vector<bf16_t> x = Input(T, 131);
+  const Plan p = PlanFromRouting(T, 2, 3, 132);
+  DeviceArray dx(n * sizeof(bf16_t)), dout(n * sizeof(bf16_t));
+  ASSERT_NE(dx.as<void>(), nullptr);
+  ASSERT_EQ(cudaMemcpy(dx.as<void>(), x.data(), n * sizeof(bf16_t), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_TRUE(backend_->BeginCall(0, T, dx.as<bf16_t>(), MemoryKind::kDevice).ok());
+  ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+  ASSERT_TRUE(backend_->FinishCall(0, dout.as<bf16_t>(), MemoryKind::kDevice).ok());
+  std::vector<bf16_t> out(n);
+  ASSERT_EQ(cudaMemcpy(out.data(), dout.as<void>(), n * sizeof(bf16_t), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  EXPECT_LE(ErrorVsReference(out, Reference(T, x, {p})), kTolerance);
+
+  // Routing produced on the device comes back intact.
+  const std::vector<int32_t> ids = {3, 1, 4, 1, 5, 9};
+  const std::vector<float> w = {0.5f, 0.25f, 0.125f, 1.f, 2.f, 3.f};
+  DeviceArray dids(ids.size() * 4), dw(w.size() * 4);
+  ASSERT_EQ(cudaMemcpy(dids.as<void>(), ids.data(), ids.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dw.as<void>(), w.data(), w.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  std::vector<int32_t> hids(ids.size());
+  std::vector<float> hw(w.size());
+  ASSERT_TRUE(backend_->RoutingToHost(dids.as<int32_t>(), dw.as<float>(), static_cast<int>(ids.size()),
+                                      hids.data(), hw.data())
+                  .ok());
+  EXPECT_EQ(hids, ids);
+  EXPECT_EQ(hw, w);
+#else
+  GTEST_SKIP() << "built without CUDA";
+#endif
+}
+
+TEST_P(DeviceBackendTest, RejectsOutOfRangeInput) {
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 2, /*max_tokens=*/8));
+  const std::vector<bf16_t> x = Input(8, 141);
+  EXPECT_FALSE(backend_->BeginCall(5, 1, x.data(), MemoryKind::kHost).ok()) << "context";
+  EXPECT_FALSE(backend_->BeginCall(0, 9, x.data(), MemoryKind::kHost).ok()) << "T > max_tokens";
+  EXPECT_FALSE(backend_->LoadExpert(2, experts_[0].data(), 0).ok()) << "buffer";
+  ASSERT_TRUE(backend_->BeginCall(0, 4, x.data(), MemoryKind::kHost).ok());
+  const std::vector<int32_t> rows = {4};
+  std::vector<bf16_t> dst(kTiny.H);
+  EXPECT_FALSE(backend_->GatherRows(0, rows.data(), 1, dst.data()).ok()) << "row >= T";
+  EXPECT_FALSE(backend_->AddRows(0, rows.data(), 1, dst.data()).ok()) << "row >= T";
+  Plan p;
+  p.AddGroup(0, {0, 4}, 1);
+  EXPECT_FALSE(backend_->RunExperts(0, p.View()).ok()) << "token >= T";
+  std::vector<bf16_t> out(4 * kTiny.H);
+  EXPECT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
+}
+
+// Not a correctness test: decode-shaped throughput of RunExperts on the GPU,
+// printed. Run on a GPU host with --gtest_also_run_disabled_tests.
+TEST_P(DeviceBackendTest, DISABLED_DecodeThroughput) {
+  if (GetParam() != "cuda") GTEST_SKIP() << "GPU throughput only";
+  const Geometry g{7168, 2048};  // one DeepSeek-V3 expert: 88 MB
+  const int buffers = 64, experts = 32;
+  BackendConfig c;
+  c.hidden = g.H;
+  c.intermediate = g.I;
+  c.num_buffers = buffers;
+  c.max_tokens = 512;
+  c.max_top_k = 8;
+  ASSERT_TRUE(backend_->Init(c).ok());
+  geometry_ = g;
+  for (int b = 0; b < buffers; ++b) {
+    const std::vector<bf16_t> e = MakeExpert(g, b % 4);
+    absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, e.data(), 0);
+    ASSERT_TRUE(f.ok());
+    ASSERT_TRUE(backend_->WaitCopy(*f).ok());
+  }
+  const int T = 512;
+  const std::vector<bf16_t> x = Input(T, 7);
+  std::vector<bf16_t> out(static_cast<size_t>(T) * g.H);
+  std::vector<int> sizes = {1, 2, 4, 8, 16, 24, 32, 33, 48, 64, 128};
+  if (const char* only = std::getenv("MOE_THROUGHPUT_ROWS")) sizes = {std::atoi(only)};
+  for (int rows_per_expert : sizes) {
+    Plan p;
+    for (int e = 0; e < experts; ++e) {
+      std::vector<int32_t> tokens(rows_per_expert);
+      for (int r = 0; r < rows_per_expert; ++r) tokens[r] = (e * 7 + r * 13) % T;
+      // Rotate over all buffers so consecutive runs do not hit L2.
+      p.AddGroup(e, tokens, e);
+    }
+    ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+    ASSERT_TRUE(backend_->WaitCompute(backend_->RecordCompute()).ok());
+    const int reps = 20;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) {
+      for (int e = 0; e < experts; ++e) p.buffer[e] = (e + (i % 2) * experts) % buffers;
+      ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+    }
+    ASSERT_TRUE(backend_->WaitCompute(backend_->RecordCompute()).ok());
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+    ASSERT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
+    const double bytes = 3.0 * g.H * g.I * 2 * experts;
+    std::printf("%s: %d experts x %3d rows: %8.1f us per RunExperts, %7.1f GB/s of weights\n",
+                GetParam().c_str(), experts, rows_per_expert, s * 1e6, bytes / s / 1e9);
+  }
+}
+
+// Not a correctness test: latency of moving rows between the GPU and host
+// memory (GatherRows / AddRows, registered vs pageable), printed. Run on a GPU
+// host with --gtest_also_run_disabled_tests; MOE_CUDA_MAPPED_WRITE_MAX_BYTES=0
+// forces the DMA path for registered memory, for comparison.
+TEST_P(DeviceBackendTest, DISABLED_HostTransferLatency) {
+  if (GetParam() != "cuda") GTEST_SKIP() << "GPU latency only";
+  const Geometry g{7168, 2048};
+  const int T = 256;
+  BackendConfig c;
+  c.hidden = g.H;
+  c.intermediate = g.I;
+  c.num_buffers = 0;
+  c.max_tokens = T;
+  ASSERT_TRUE(backend_->Init(c).ok());
+  geometry_ = g;
+  const size_t n = static_cast<size_t>(T) * g.H;
+  std::vector<bf16_t> registered(2 * n), pageable(2 * n);
+  ASSERT_TRUE(backend_->RegisterHost(registered.data(), registered.size() * sizeof(bf16_t)).ok());
+  const std::vector<bf16_t> x = Input(T, 5);
+  ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
+  std::vector<int32_t> rows(T);
+  std::iota(rows.begin(), rows.end(), 0);
+  auto median_us = [&](auto&& op) {
+    std::vector<double> t;
+    for (int i = 0; i < 30; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      absl::StatusOr<uint64_t> f = op();
+      EXPECT_TRUE(f.ok());
+      EXPECT_TRUE(backend_->WaitCompute(*f).ok());
+      t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
+                      .count());
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+  };
+  for (int rn : {1, 8, 32, 256}) {
+    const double gr = median_us([&] { return backend_->GatherRows(0, rows.data(), rn, registered.data()); });
+    const double gp = median_us([&] { return backend_->GatherRows(0, rows.data(), rn, pageable.data()); });
+    const double ar = median_us([&] { return backend_->AddRows(0, rows.data(), rn, registered.data() + n); });
+    const double ap = median_us([&] { return backend_->AddRows(0, rows.data(), rn, pageable.data() + n); });
+    std::printf("%3d rows (%7zu B): GatherRows %6.1f us registered, %6.1f pageable; "
+                "AddRows %6.1f us registered, %6.1f pageable\n",
+                rn, static_cast<size_t>(rn) * g.H * 2, gr, gp, ar, ap);
+  }
+  std::vector<bf16_t> out(n);
+  ASSERT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
+  backend_->UnregisterHost(registered.data());
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendTest, ::testing::Values("cpu", "cuda"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+}  // namespace
+}  // namespace moe
