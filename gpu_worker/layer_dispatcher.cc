@@ -293,23 +293,27 @@ absl::Status LayerDispatcher::MeasureRates() {
   cost_.device_fixed_s = std::max(0.0, *d1 - cost_.device_row_s);
   // CPU server round trips.
   Server& s = impl_->servers.front();
-  int e0 = -1, e1 = -1;
-  for (int e = 0; e < spec_.num_experts && e1 < 0; ++e)
-    if (s.hosts[e]) (e0 < 0 ? e0 : e1) = e;
-  if (e0 < 0) return absl::OkStatus();
-  if (e1 < 0) e1 = e0;
+  // Probes rotate through the hosted experts so their weights come from DRAM,
+  // not from the L3 cache a repeated expert would sit in.
+  std::vector<int> hosted;
+  for (int e = 0; e < spec_.num_experts; ++e)
+    if (s.hosts[e]) hosted.push_back(e);
+  if (hosted.empty()) return absl::OkStatus();
+  size_t cursor = 0;
   auto cpu_time = [&](int m, int experts) -> absl::StatusOr<double> {
     std::vector<int32_t> ids(static_cast<size_t>(m) * 2, -1);
     std::vector<float> w(ids.size(), 0.5f);
-    for (int i = 0; i < m; ++i) {
-      ids[2 * i] = e0;
-      if (experts == 2) ids[2 * i + 1] = e1 == e0 ? -1 : e1;
-    }
-    MissBatch b{static_cast<uint32_t>(layer), m, 2, x.data(), ids.data(), w.data()};
     std::vector<double> v;
     for (int i = 0; i < 7; ++i) {
+      const int a = hosted[cursor++ % hosted.size()];
+      const int b = experts == 2 && hosted.size() > 1 ? hosted[cursor++ % hosted.size()] : -1;
+      for (int t = 0; t < m; ++t) {
+        ids[2 * t] = a;
+        ids[2 * t + 1] = b;
+      }
+      MissBatch batch{static_cast<uint32_t>(layer), m, 2, x.data(), ids.data(), w.data()};
       const Clock::time_point t0 = Clock::now();
-      std::future<absl::Status> f = s.transport->Submit(b, y.data(), Clock::now() + config_.deadline);
+      std::future<absl::Status> f = s.transport->Submit(batch, y.data(), Clock::now() + config_.deadline);
       if (absl::Status st = AwaitResult(f); !st.ok())
         return absl::Status(st.code(), absl::StrCat("servers: probing ", s.config.address, ": ", st.message()));
       v.push_back(Seconds(Clock::now() - t0));

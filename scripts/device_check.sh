@@ -39,7 +39,7 @@ while [[ $# -gt 0 ]]; do
     moe_layer)
       preset=$1; shift
       args=()
-      while [[ $# -gt 0 && $1 == --* ]]; do args+=("$1"); shift; done
+      while [[ $# -gt 0 && $1 == --* ]]; do args+=("$1"); shift; done  # flags as --name=value
       echo "## moe_layer $preset ${args[*]}" | tee -a "$OUT/moe_layer.md"
       timeout 580 "$B/bin/moe_layer" --preset "$preset" "${args[@]}" >> "$OUT/moe_layer.md" 2>> "$OUT/moe_layer.log"
       echo "moe_layer rc=$?" | tee -a "$OUT/moe_layer.md"
