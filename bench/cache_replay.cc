@@ -7,6 +7,7 @@
 //                 counts a worker's heartbeats would carry, its assignments
 //                 applied through ExpertCache::Assign (the static policy)
 //   belady        the offline optimum (bench/belady.h): the ceiling
+//   best-static   (on request) the best fixed set per layer in hindsight
 //
 // Time: one trace step = --step-ms; copies go over one PCIe link of
 // --pcie-gbps, one after another, and an expert serves hits only once its copy
@@ -241,6 +242,25 @@ PolicyResult ReplayBelady(const RoutingTrace& t, const ReplayConfig& c) {
   return r;
 }
 
+// The best fixed set per layer in hindsight (the C experts with the most
+// pairs over the whole trace), loaded before the first step: what a perfect
+// popularity estimate of a stationary trace would reach. Offline, no copies.
+PolicyResult ReplayBestStatic(const RoutingTrace& t, const ReplayConfig& c) {
+  PolicyResult r{"best-static", std::vector<uint64_t>(t.num_layers), std::vector<uint64_t>(t.num_layers)};
+  for (int l = 0; l < t.num_layers; ++l) {
+    std::vector<uint64_t> pairs(t.num_experts, 0);
+    for (const auto& s : t.steps) {
+      for (const ExpertAccess& a : s[l]) pairs[a.expert] += a.pairs;
+    }
+    std::sort(pairs.rbegin(), pairs.rend());
+    for (int e = 0; e < t.num_experts; ++e) {
+      r.pairs[l] += pairs[e];
+      if (e < c.slots) r.hits[l] += pairs[e];
+    }
+  }
+  return r;
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -257,7 +277,9 @@ int main(int argc, char** argv) {
                      "xz -dc) through lru, lfu, lfru, the coordinator's placement and Belady's offline optimum.");
   flags.String("trace", &trace_path, "routing trace file (required)");
   flags.String("cache", &cache_text, "cache slots per layer: a count, or a percentage of the experts (e.g. 25%)");
-  flags.String("policies", &policies_text, "comma list of lru, lfu, lfru, coordinator, belady");
+  flags.String("policies", &policies_text,
+               "comma list of lru, lfu, lfru, coordinator, belady, and best-static (the best fixed set per layer in "
+               "hindsight)");
   flags.Double("step-ms", &step_ms, "wall time of one trace step (a decode step of the batch, CPU misses included);\n"
               "      the coordinator's time constants (half-life, rounds, heartbeats) are measured against it");
   flags.Int("expert-bytes", &expert_bytes, "bytes of one expert copy (default: a DeepSeek-V3 expert, bf16)");
@@ -279,7 +301,7 @@ int main(int argc, char** argv) {
   if (expert_bytes <= 0) flags.Fail("--expert-bytes must be > 0");
   std::vector<std::string> policies = absl::StrSplit(policies_text, ',', absl::SkipEmpty());
   for (const std::string& p : policies) {
-    if (p != "lru" && p != "lfu" && p != "lfru" && p != "coordinator" && p != "belady")
+    if (p != "lru" && p != "lfu" && p != "lfru" && p != "coordinator" && p != "belady" && p != "best-static")
       flags.Fail("--policies: unknown policy '" + p + "'");
   }
 
@@ -320,9 +342,10 @@ int main(int argc, char** argv) {
   std::vector<moe::PolicyResult> results;
   for (const std::string& p : policies) {
     const auto s0 = std::chrono::steady_clock::now();
-    moe::PolicyResult r = p == "coordinator" ? moe::ReplayCoordinator(t, c)
-                          : p == "belady"    ? moe::ReplayBelady(t, c)
-                                             : moe::ReplayOnline(t, c, p);
+    moe::PolicyResult r = p == "coordinator"   ? moe::ReplayCoordinator(t, c)
+                          : p == "belady"      ? moe::ReplayBelady(t, c)
+                          : p == "best-static" ? moe::ReplayBestStatic(t, c)
+                                               : moe::ReplayOnline(t, c, p);
     r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
     results.push_back(std::move(r));
   }

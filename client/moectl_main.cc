@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/flags.h"
@@ -51,20 +52,6 @@ std::string OneLine(std::string s) {
 [[noreturn]] void Die(const std::string& command, const std::string& message, int code = 1) {
   std::fprintf(stderr, "moectl: %s%s%s\n", command.c_str(), command.empty() ? "" : ": ", OneLine(message).c_str());
   std::exit(code);
-}
-
-std::string CodeName(grpc::StatusCode c) {
-  switch (c) {
-    case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-    case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-    case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-    case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-    case grpc::StatusCode::UNIMPLEMENTED: return "UNIMPLEMENTED";
-    case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-    case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-    default: return absl::StrCat("code ", static_cast<int>(c));
-  }
 }
 
 std::string Percent(double x) { return absl::StrFormat("%.1f%%", 100.0 * x); }
@@ -131,7 +118,9 @@ struct Context {
                      std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
   }
   void Check(const grpc::Status& st) const {
-    if (!st.ok()) Die(command, absl::StrCat(CodeName(st.error_code()), ": ", st.error_message()));
+    if (!st.ok())
+      Die(command, absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())), ": ",
+                                st.error_message()));
   }
 };
 

@@ -3,7 +3,7 @@
 // and a copy budget), pushes versioned assignments, keeps the registry of
 // workers and CPU expert servers, and serves the admin API behind moectl
 // (moe.v1.CoordinatorService, moe.v1.AdminService, grpc.health.v1.Health,
-// server reflection).
+// server reflection), with Prometheus metrics on --metrics-port.
 #include <signal.h>
 
 #include <chrono>
@@ -12,9 +12,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "coordinator/coordinator.h"
+#include "coordinator/coordinator_metrics.h"
 #include "coordinator/coordinator_service.h"
 #include "core/flags.h"
 #include "core/log.h"
+#include "core/metrics_http.h"
 #include "core/transport/grpc_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -23,10 +25,10 @@
 int main(int argc, char** argv) {
   moe::CoordinatorPolicy policy;
   std::string listen = "0.0.0.0:50100", placement = moe::PlacementModeName(policy.placement), state_file;
-  std::string tls_cert, tls_key, tls_ca;
+  std::string tls_cert, tls_key, tls_ca, metrics_address = "0.0.0.0";
   bool insecure = false;
   double heartbeat_timeout = 5.0;
-  int64_t heartbeat_interval_ms = 200, drain_seconds = 5;
+  int64_t heartbeat_interval_ms = 200, drain_seconds = 5, metrics_port = -1;
   moe::FlagSet flags("moe-coordinator",
                      "[--listen ADDR] [--state-file FILE] (--insecure | --tls-cert C --tls-key K [--tls-ca CA]) [flags]\n"
                      "Coordinates the GPU workers' expert caches and the CPU expert servers; moectl talks to it.");
@@ -53,6 +55,9 @@ int main(int argc, char** argv) {
                "JSON file of admin overrides (pins, policy, drains), written atomically and reloaded at start; "
                "empty: not persisted");
   flags.Int("drain-seconds", &drain_seconds, "on SIGTERM/SIGINT, how long open calls may take to finish");
+  flags.Int("metrics-port", &metrics_port,
+            "serve Prometheus metrics on http://ADDRESS:PORT/metrics (-1 = off, 0 = a free port, printed at start)");
+  flags.String("metrics-address", &metrics_address, "address the metrics endpoint binds to");
   flags.String("tls-cert", &tls_cert, "PEM certificate chain of this server (gRPC over TLS)");
   flags.String("tls-key", &tls_key, "PEM private key of this server");
   flags.String("tls-ca", &tls_ca, "PEM CA bundle: when set, clients must present a certificate it signed (mTLS)");
@@ -66,6 +71,7 @@ int main(int argc, char** argv) {
   if (!(policy.replicate_share > 0)) flags.Fail("--replicate-share must be > 0");
   if (!(heartbeat_timeout > 0)) flags.Fail("--heartbeat-timeout-seconds must be > 0");
   if (heartbeat_interval_ms <= 0) flags.Fail("--heartbeat-interval-ms must be > 0");
+  if (metrics_port < -1 || metrics_port > 65535) flags.Fail("--metrics-port must be -1 (off), 0 (a free port) or a port");
   moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, ""};
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
@@ -99,17 +105,32 @@ int main(int argc, char** argv) {
   if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
   const std::string bound = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
   (*coordinator)->Start();
+  moe::CoordinatorMetrics metrics(moe::Metrics(), **coordinator);
+  std::unique_ptr<moe::MetricsHttpServer> metrics_http;
+  if (metrics_port >= 0) {
+    moe::MetricsHttpServer::Options mo;
+    mo.address = metrics_address;
+    mo.port = static_cast<int>(metrics_port);
+    absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> m = moe::MetricsHttpServer::Start(mo);
+    if (!m.ok()) flags.Fail(absl::StrCat("--metrics-port: ", m.status().message()), 1);
+    metrics_http = *std::move(m);
+    moe::LogInfo("coordinator", "serving metrics on http://", metrics_address, ":", metrics_http->port(), "/metrics");
+  }
   const moe::CoordinatorPolicy& p = policy;
   moe::LogInfo("coordinator", "serving on ", bound, ": placement ", moe::PlacementModeName(p.placement),
                ", half-life ", p.half_life_seconds, " s, rebalance every ", p.rebalance_interval_seconds,
                " s, copy budget ", p.copy_budget_gbps, " GB/s, heartbeat timeout ", heartbeat_timeout, " s",
                state_file.empty() ? ", no state file" : ", state file " + state_file);
+  // Line 1 is what scripts and tests wait for; line 2 (only with --metrics-port)
+  // names the metrics port, the chosen one when it was 0.
   std::printf("moe-coordinator ready on %s\n", bound.c_str());
+  if (metrics_http) std::printf("moe-coordinator metrics on %s:%d\n", metrics_address.c_str(), metrics_http->port());
   std::fflush(stdout);
 
   int sig = 0;
   sigwait(&term, &sig);
   moe::LogInfo("coordinator", "signal ", sig, ": stopping");
+  metrics_http.reset();
   (*coordinator)->Stop();  // ends the assignment streams (UNAVAILABLE): workers keep their last assignment
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(drain_seconds));
   server->Wait();

@@ -4,9 +4,12 @@
 // admin commands with their exit codes and JSON, bad input as one line on
 // stderr, kill -9 and restart with the state file (pins survive, the agent
 // resyncs and kept serving its last assignment meanwhile).
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,16 +28,41 @@ namespace {
 using testing::Subprocess;
 using namespace std::chrono_literals;
 
-// Starts moe-coordinator (plaintext, loopback) and waits for its ready line.
+// Starts moe-coordinator (plaintext, loopback) and waits for its ready line
+// (and, with --metrics-port in args, the metrics line: its port in *metrics_port).
 std::string StartCoordinator(std::unique_ptr<Subprocess>* out, std::vector<std::string> args,
-                             const std::string& listen = "127.0.0.1:0") {
+                             const std::string& listen = "127.0.0.1:0", int* metrics_port = nullptr) {
   args.push_back("--listen=" + listen);
   args.push_back("--insecure");
   out->reset(new Subprocess(testing::BinaryPath("moe-coordinator"), args));
   const std::string line = (*out)->ReadLine(10s);
   const std::string key = "ready on ";
   const size_t at = line.find(key);
+  if (metrics_port != nullptr) {
+    const std::string m = (*out)->ReadLine(5s);
+    *metrics_port = m.rfind(':') == std::string::npos ? -1 : std::atoi(m.substr(m.rfind(':') + 1).c_str());
+  }
   return at == std::string::npos ? "" : line.substr(at + key.size());
+}
+
+// GET /metrics from 127.0.0.1:port; the whole response.
+std::string Scrape(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+    const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[4096];
+      ssize_t n;
+      while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
+    }
+  }
+  close(fd);
+  return out;
 }
 
 struct CommandResult {
@@ -155,8 +183,12 @@ const std::vector<std::string> kFastCoordinator = {"--rebalance-interval-seconds
 
 TEST(CoordinatorProcess, AgentGetsASnapshotThenDeltasTowardTheHotExperts) {
   std::unique_ptr<Subprocess> coord;
-  const std::string addr = StartCoordinator(&coord, kFastCoordinator);
+  std::vector<std::string> args = kFastCoordinator;
+  args.push_back("--metrics-port=0");
+  int metrics_port = -1;
+  const std::string addr = StartCoordinator(&coord, args, "127.0.0.1:0", &metrics_port);
   ASSERT_FALSE(addr.empty());
+  ASSERT_GT(metrics_port, 0);
   FakeWorker w;
   ASSERT_TRUE(w.Start(addr).ok());
   ASSERT_TRUE(w.WaitFor([](auto& u, auto&) { return !u.empty(); }, 3s));
@@ -195,6 +227,12 @@ TEST(CoordinatorProcess, AgentGetsASnapshotThenDeltasTowardTheHotExperts) {
   ASSERT_EQ(j["experts"].size(), 2u);
   EXPECT_EQ(j["experts"][0]["expert"], 5);
   EXPECT_EQ(j["experts"][0]["resident_on"][0], "w1");
+  // The same picture in Prometheus form.
+  const std::string m = Scrape(metrics_port);
+  EXPECT_NE(m.find("HTTP/1.1 200 OK"), std::string::npos) << m;
+  EXPECT_NE(m.find("moe_coordinator_workers{state=\"up\"} 1\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("moe_coordinator_copies_total{worker=\"w1\"} 2\n"), std::string::npos) << m;
+  EXPECT_NE(m.find("moe_coordinator_layer_hit_rate{layer=\"1\"}"), std::string::npos) << m;
 }
 
 TEST(CoordinatorProcess, MoectlCommandsExitCodesJsonAndOneLineErrors) {

@@ -1,0 +1,60 @@
+#include "coordinator/coordinator_metrics.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace moe {
+
+CoordinatorMetrics::CoordinatorMetrics(MetricsRegistry& r, Coordinator& coordinator)
+    : coordinator_(coordinator),
+      workers_(r.AddGauge("moe_coordinator_workers", "GPU workers known, by state (up, down).", {"state"})),
+      servers_(r.AddGauge("moe_coordinator_servers", "CPU expert servers known, by state (up, down, draining, drained).",
+                          {"state"})),
+      assigned_version_(r.AddGauge("moe_coordinator_worker_assigned_version",
+                                   "Newest cache assignment version issued to the worker.", {"worker"})),
+      acked_version_(r.AddGauge("moe_coordinator_worker_acked_version",
+                                "Newest assignment version the worker acknowledged as applied.", {"worker"})),
+      worker_hit_rate_(r.AddGauge("moe_coordinator_worker_hit_rate",
+                                  "Decayed share of the worker's (token, expert) pairs served from its cache.",
+                                  {"worker"})),
+      copies_(r.AddCounter("moe_coordinator_copies_total", "Expert copies the coordinator assigned to the worker.",
+                           {"worker"})),
+      copied_bytes_(r.AddCounter("moe_coordinator_copied_bytes_total", "Bytes of the expert copies assigned.",
+                                 {"worker"})),
+      layer_hit_rate_(r.AddGauge("moe_coordinator_layer_hit_rate",
+                                 "Decayed share of a layer's pairs served from GPU caches, all workers.", {"layer"})),
+      routable_experts_(r.AddGauge("moe_coordinator_layer_routable_experts",
+                                   "Experts of the layer that some up, non-draining expert server hosts.", {"layer"})),
+      hit_rate_(r.AddGauge("moe_coordinator_hit_rate", "Decayed share of all pairs served from GPU caches.").Get()),
+      rebalances_(r.AddCounter("moe_coordinator_rebalances_total", "Placement rounds run.").Get()),
+      hook_(r.AddScrapeHook([this] { Refresh(); })) {}
+
+void CoordinatorMetrics::Refresh() {
+  const moe::v1::StatusResponse st = coordinator_.Status();
+  std::map<std::string, int> workers = {{"up", 0}, {"down", 0}};
+  std::map<std::string, int> servers = {{"up", 0}, {"down", 0}, {"draining", 0}, {"drained", 0}};
+  for (const auto& w : st.workers()) {
+    ++workers[w.state()];
+    assigned_version_.WithLabels({w.worker_id()})->Set(static_cast<double>(w.assigned_version()));
+    acked_version_.WithLabels({w.worker_id()})->Set(static_cast<double>(w.acked_version()));
+    worker_hit_rate_.WithLabels({w.worker_id()})->Set(w.hit_rate());
+    uint64_t& copies = seen_copies_[w.worker_id()];
+    copies_.WithLabels({w.worker_id()})->Increment(w.copies_issued() - copies);
+    copies = w.copies_issued();
+    uint64_t& bytes = seen_bytes_[w.worker_id()];
+    copied_bytes_.WithLabels({w.worker_id()})->Increment(w.bytes_issued() - bytes);
+    bytes = w.bytes_issued();
+  }
+  for (const auto& s : st.servers()) ++servers[s.state()];
+  for (const auto& [state, n] : workers) workers_.WithLabels({state})->Set(n);
+  for (const auto& [state, n] : servers) servers_.WithLabels({state})->Set(n);
+  for (const auto& l : st.layers()) {
+    const std::string layer = absl::StrCat(l.layer());
+    layer_hit_rate_.WithLabels({layer})->Set(l.hit_rate());
+    routable_experts_.WithLabels({layer})->Set(l.routable_experts());
+  }
+  hit_rate_->Set(st.overall_hit_rate());
+  rebalances_->Increment(st.rebalances() - seen_rebalances_);
+  seen_rebalances_ = st.rebalances();
+}
+
+}  // namespace moe
