@@ -158,8 +158,6 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
     return absl::InvalidArgumentError(absl::StrCat("slots_per_layer: ", req.slots_per_layer(), " exceeds num_experts ",
                                                    req.num_experts()));
   if (absl::Status s = CheckIndexes(req.cached_layers(), req.num_layers(), "cached_layers"); !s.ok()) return s;
-  std::vector<bool> cached(req.num_layers(), req.cached_layers().empty());
-  for (uint32_t l : req.cached_layers()) cached[l] = true;
   std::vector<bool> seen_layer(req.num_layers(), false);
   for (int i = 0; i < req.current_size(); ++i) {
     const auto& la = req.current(i);
