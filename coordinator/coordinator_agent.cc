@@ -272,7 +272,9 @@ class CoordinatorAgent::Impl {
     {
       grpc::ClientContext ctx;
       link_.SetRegistrationDeadline(ctx);
+      link_.SetActiveCall(&ctx);  // waits for the channel: Stop() must be able to cut it short
       const grpc::Status st = link_.stub().RegisterWorker(&ctx, req, &reg);
+      link_.SetActiveCall(nullptr);
       if (!st.ok()) return FromGrpcStatus(st);
     }
     *registered = true;
@@ -413,7 +415,9 @@ class ExpertServerAgent::Impl {
     {
       grpc::ClientContext ctx;
       link_.SetRegistrationDeadline(ctx);
+      link_.SetActiveCall(&ctx);  // waits for the channel: Stop() must be able to cut it short
       const grpc::Status st = link_.stub().RegisterExpertServer(&ctx, req, &reg);
+      link_.SetActiveCall(nullptr);
       if (!st.ok()) return FromGrpcStatus(st);
     }
     *registered = true;

@@ -167,6 +167,15 @@ class FakeWorker {
     return static_cast<int>(std::count_if(updates_.begin(), updates_.end(), [](auto& u) { return u.full; }));
   }
   CoordinatorAgent& agent() { return *agent_; }
+  ~FakeWorker() { Reset(); }
+  void Reset() {
+    std::unique_ptr<CoordinatorAgent> a;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      a = std::move(agent_);
+    }
+    a.reset();  // outside the lock: the callback takes it
+  }
 
  private:
   std::mutex mu_;
@@ -394,6 +403,48 @@ TEST(CoordinatorProcess, KillAndRestartKeepsPinsAndTheAgentResyncs) {
     if (!counted) std::this_thread::sleep_for(50ms);
   }
   EXPECT_TRUE(counted);
+}
+
+TEST(CoordinatorProcess, AgentsStartAndStopPromptlyWithoutACoordinator) {
+  // Nothing listens there: Start() does not block, and destruction cuts the
+  // pending registration short instead of waiting for its deadline.
+  FakeWorker w;
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(w.Start("127.0.0.1:1").ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, 200ms);
+  std::this_thread::sleep_for(200ms);
+  EXPECT_FALSE(w.agent().connected());
+  EXPECT_EQ(w.agent().sessions(), 0);
+  w.agent().RecordAccess(0, 1, 5, true);  // fine while disconnected
+  w.agent().RecordAccess(9, 99, 5, true);  // out of range: ignored
+  const auto t_stop = std::chrono::steady_clock::now();
+  w.Reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t_stop, 300ms);
+  ExpertServerRegistration sreg;
+  sreg.server_id = "s1";
+  sreg.address = "127.0.0.1:2";
+  sreg.num_layers = 2;
+  sreg.num_experts = 8;
+  AgentOptions o;
+  o.rpc_timeout = 5000ms;
+  auto server = ExpertServerAgent::Start("127.0.0.1:1", testing::PlaintextTls(), sreg, nullptr, o);
+  ASSERT_TRUE(server.ok());
+  std::this_thread::sleep_for(200ms);  // inside a registration that may wait up to 5 s
+  const auto t1 = std::chrono::steady_clock::now();
+  server->reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, 300ms);
+  // Bad registrations are refused at once, naming the field.
+  WorkerRegistration bad;
+  bad.worker_id = "w";
+  bad.num_layers = 2;
+  bad.num_experts = 8;
+  bad.slots_per_layer = 9;
+  auto a = CoordinatorAgent::Start("127.0.0.1:1", testing::PlaintextTls(), bad, nullptr);
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(a.status().message().find("slots_per_layer"), std::string::npos) << a.status();
+  TlsOptions no_ca;  // TLS without a CA and without --insecure
+  bad.slots_per_layer = 2;
+  EXPECT_FALSE(CoordinatorAgent::Start("127.0.0.1:1", no_ca, bad, nullptr).ok());
 }
 
 TEST(CoordinatorProcess, SilentServerIsMarkedDownAndLeavesTheRoutes) {
