@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "bench/routing_trace.h"
+#include "core/routing_trace.h"
 
 namespace moe {
 

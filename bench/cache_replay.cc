@@ -26,7 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/belady.h"
-#include "bench/routing_trace.h"
+#include "core/routing_trace.h"
 #include "coordinator/placement.h"
 #include "coordinator/policy.h"
 #include "coordinator/popularity.h"

@@ -97,6 +97,7 @@ absl::Status MoeSession::ApplyAssignment(int layer, const std::vector<int>& expe
 }
 absl::Status MoeSession::FlushCopies() { return dispatcher_->FlushCopies(); }
 int MoeSession::PendingCopies() { return dispatcher_->PendingCopies(); }
+uint64_t MoeSession::copies_started() const { return dispatcher_->copies_started(); }
 absl::Status MoeSession::SetServerEnabled(const std::string& address, bool enabled) {
   return dispatcher_->SetServerEnabled(address, enabled);
 }

@@ -99,6 +99,7 @@ class MoeSession {
   absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);
   absl::Status FlushCopies();
   int PendingCopies();
+  uint64_t copies_started() const;
   // Stop / resume sending misses to one expert server (drain, server down).
   absl::Status SetServerEnabled(const std::string& address, bool enabled);
 

@@ -143,7 +143,7 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenModel(const std::string& uri) {
   if (IsSyntheticUri(uri)) {
     absl::StatusOr<SyntheticModelUri> u = ParseSyntheticUri(uri);
     if (!u.ok()) return u.status();
-    absl::StatusOr<ModelSpec> spec = PresetSpec(u->preset, u->layers);
+    absl::StatusOr<ModelSpec> spec = u->Spec();
     if (!spec.ok()) return spec.status();
     return std::unique_ptr<ModelSource>(new SyntheticSource(*std::move(spec), *u, uri));
   }

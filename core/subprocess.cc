@@ -9,13 +9,18 @@
 
 namespace moe {
 
-Subprocess::Subprocess(const std::string& binary, const std::vector<std::string>& args) {
+Subprocess::Subprocess(const std::string& binary, const std::vector<std::string>& args,
+                       const std::string& stderr_path) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return;
   pid_ = fork();
   if (pid_ == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test
     dup2(fds[1], 1);
+    if (!stderr_path.empty()) {
+      const int fd = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+      if (fd >= 0) dup2(fd, 2);
+    }
     std::vector<char*> argv;
     argv.push_back(const_cast<char*>(binary.c_str()));
     for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));

@@ -15,7 +15,9 @@ namespace moe {
 
 class Subprocess {
  public:
-  Subprocess(const std::string& binary, const std::vector<std::string>& args);
+  // stderr_path: where the child's stderr goes (appended); "" = inherited.
+  Subprocess(const std::string& binary, const std::vector<std::string>& args,
+             const std::string& stderr_path = "");
   ~Subprocess();
   pid_t pid() const { return pid_; }
   // Next stdout line, or "" after timeout / EOF.

@@ -26,6 +26,8 @@ struct Preset {
 constexpr Preset kPresets[] = {
     {"tiny", "deepseek_v3", 3, 1, 8, 2, 96, 80},
     {"tiny-mixtral", "mixtral", 2, 0, 4, 2, 80, 72},
+    // Small enough for a 2-core demo, big enough that caching matters.
+    {"demo", "qwen3_moe", 32, 0, 32, 4, 512, 256},
     {"mixtral-8x7b", "mixtral", 32, 0, 8, 2, 4096, 14336},
     {"qwen3-30b-a3b", "qwen3_moe", 48, 0, 128, 8, 2048, 768},
     {"deepseek-v3", "deepseek_v3", 61, 3, 256, 8, 7168, 2048},
@@ -85,15 +87,29 @@ absl::StatusOr<SyntheticModelUri> ParseSyntheticUri(std::string_view uri_view) {
       ok = absl::SimpleAtoi(kv[1], &out.layers) && out.layers > 0;
     } else if (ok && kv[0] == "seed") {
       ok = absl::SimpleAtoi(kv[1], &out.seed);
+    } else if (ok && kv[0] == "experts") {
+      ok = absl::SimpleAtoi(kv[1], &out.experts) && out.experts > 0 && out.experts <= 4096;
+    } else if (ok && kv[0] == "top_k") {
+      ok = absl::SimpleAtoi(kv[1], &out.top_k) && out.top_k > 0;
     } else {
       ok = false;
     }
     if (!ok)
       return absl::InvalidArgumentError(absl::StrCat("model URI '", uri, "': bad option '", parts[i],
-                                                     "' (expected layers=N or seed=S)"));
+                                                     "' (expected layers=N, seed=S, experts=E or top_k=K)"));
   }
-  if (absl::StatusOr<ModelSpec> s = PresetSpec(out.preset, out.layers); !s.ok()) return s.status();
+  if (absl::StatusOr<ModelSpec> s = out.Spec(); !s.ok()) return s.status();
   return out;
+}
+
+absl::StatusOr<ModelSpec> SyntheticModelUri::Spec() const {
+  absl::StatusOr<ModelSpec> s = PresetSpec(preset, layers);
+  if (!s.ok()) return s;
+  if (experts > 0) s->num_experts = experts;
+  if (top_k > 0) s->top_k = top_k;
+  if (absl::Status st = s->Validate(); !st.ok())
+    return absl::InvalidArgumentError(absl::StrCat("model URI: ", st.message()));
+  return s;
 }
 
 void GenerateExpertMatrix(uint64_t seed, int layer, int expert, Projection proj, int rows, int cols,

@@ -20,9 +20,13 @@ struct SyntheticModelUri {
   std::string preset;
   int layers = -1;     // keep the first N decoder layers; -1 = all
   uint64_t seed = 0;
+  int experts = -1;    // override the preset's routed experts per layer
+  int top_k = -1;      // override the preset's top-k
+  // The preset's geometry with the overrides above applied.
+  absl::StatusOr<ModelSpec> Spec() const;
 };
 
-// Names accepted by PresetSpec: tiny, tiny-mixtral, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3.
+// Names accepted by PresetSpec: tiny, tiny-mixtral, demo, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3.
 std::vector<std::string> PresetNames();
 
 // The geometry of a preset, cut to its first `layers` decoder layers (-1 = all).
@@ -30,7 +34,7 @@ absl::StatusOr<ModelSpec> PresetSpec(std::string_view preset, int layers = -1);
 
 // True iff `uri` starts with "synthetic:".
 bool IsSyntheticUri(std::string_view uri);
-// Parses "synthetic:PRESET[:layers=N][:seed=S]".
+// Parses "synthetic:PRESET[:layers=N][:seed=S][:experts=E][:top_k=K]".
 absl::StatusOr<SyntheticModelUri> ParseSyntheticUri(std::string_view uri);
 
 // Fills `dst` with the rows x cols row-major bf16 matrix of (seed, layer, expert, proj).

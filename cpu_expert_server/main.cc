@@ -4,6 +4,9 @@
 // --metrics-port.
 #include <signal.h>
 
+#include <unistd.h>
+
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -18,6 +21,7 @@
 #include "core/transport/grpc_channel.h"
 #include "core/transport/shm_server.h"
 #include "core/wire.h"
+#include "coordinator/coordinator_agent.h"
 #include "cpu_expert_server/compute_pool.h"
 #include "cpu_expert_server/cpu_features.h"
 #include "cpu_expert_server/expert_kernel.h"
@@ -50,7 +54,7 @@ std::string RangeText(const std::vector<int>& v) {
 
 int main(int argc, char** argv) {
   std::string model, listen = "0.0.0.0:50051", layers_flag, experts_flag, numa = "auto", kernel_name = "auto";
-  std::string shm_socket, shm_uids, tls_cert, tls_key, tls_ca, metrics_address = "0.0.0.0";
+  std::string shm_socket, shm_uids, tls_cert, tls_key, tls_ca, metrics_address = "0.0.0.0", coordinator, server_id;
   bool insecure = false;
   int64_t threads = 0, max_tokens = 8192, drain_seconds = 30, metrics_port = -1, idle_spin_us = 50;
   moe::FlagSet flags("moe-expert-server",
@@ -77,6 +81,8 @@ int main(int argc, char** argv) {
   flags.Int("metrics-port", &metrics_port,
             "serve Prometheus metrics on http://ADDRESS:PORT/metrics (-1 = off, 0 = a free port, printed at start)");
   flags.String("metrics-address", &metrics_address, "address the metrics endpoint binds to");
+  flags.String("coordinator", &coordinator, "coordinator address host:port: register what this server hosts and heartbeat");
+  flags.String("server-id", &server_id, "stable id of this server at the coordinator (default: HOSTNAME:PORT)");
   flags.Parse(argc, argv);
   if (model.empty()) flags.Fail("--model is required (see --help)");
   moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, ""};
@@ -140,12 +146,15 @@ int main(int argc, char** argv) {
   metrics.SetComputeThreads(pool.size());
   metrics.SetWeightBytes((*store)->resident_bytes());
   // The one compute path of both transports, recorded once here.
-  auto compute = [&executor, &metrics](const moe::ForwardBatch& b, moe::DType dt, void* out,
-                                       moe::ForwardStats* stats) {
+  std::atomic<uint32_t> in_flight{0};
+  auto compute = [&executor, &metrics, &in_flight](const moe::ForwardBatch& b, moe::DType dt, void* out,
+                                                   moe::ForwardStats* stats) {
     moe::ForwardStats local;
     if (stats == nullptr) stats = &local;
     metrics.BatchStarted();
+    in_flight.fetch_add(1, std::memory_order_relaxed);
     absl::Status st = executor.Forward(b, dt, out, stats);
+    in_flight.fetch_sub(1, std::memory_order_relaxed);
     metrics.BatchFinished();
     if (st.ok()) metrics.RecordCompute(b.layer, b.n, *stats);
     return st;
@@ -222,6 +231,28 @@ int main(int argc, char** argv) {
     metrics_http = *std::move(m);
     moe::LogInfo("server", "serving metrics on http://", metrics_address, ":", metrics_http->port(), "/metrics");
   }
+  // Coordinator: register what this server hosts; heartbeats carry the in-flight count.
+  std::unique_ptr<moe::ExpertServerAgent> agent;
+  if (!coordinator.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    moe::ExpertServerRegistration reg;
+    reg.server_id = server_id.empty() ? absl::StrCat(host, ":", port) : server_id;
+    reg.address = bound;
+    reg.shm_socket = shm_socket;
+    reg.numa_node = (*binding)->node();
+    reg.num_layers = spec.num_layers;
+    reg.num_experts = spec.num_experts;
+    reg.hosted_layers = hosted.layers;
+    reg.hosted_experts = hosted.experts;
+    reg.weight_bytes = (*store)->resident_bytes();
+    reg.kernel = (*kernel)->name();
+    absl::StatusOr<std::unique_ptr<moe::ExpertServerAgent>> a = moe::ExpertServerAgent::Start(
+        coordinator, tls, reg, [&in_flight] { return in_flight.load(std::memory_order_relaxed); });
+    if (!a.ok()) flags.Fail(absl::StrCat("--coordinator: ", a.status().message()), 1);
+    agent = *std::move(a);
+    moe::LogInfo("server", "coordinator ", coordinator, " as ", reg.server_id);
+  }
   // Line 1 is what scripts and tests wait for; line 2 (only with --metrics-port)
   // names the metrics port, the chosen one when it was 0.
   std::printf("moe-expert-server ready on %s\n", bound.c_str());
@@ -235,6 +266,7 @@ int main(int argc, char** argv) {
   service.Drain();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(drain_seconds));
   server->Wait();
+  agent.reset();
   metrics_http.reset();
   moe::LogInfo("server", "stopped");
   return 0;

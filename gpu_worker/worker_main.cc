@@ -4,14 +4,21 @@
 // link the client library, plus health and reflection.
 #include <signal.h>
 
+#include <unistd.h>
+
+#include <atomic>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/moe_session.h"
 #include "core/flags.h"
 #include "core/log.h"
+#include "core/metrics.h"
+#include "core/metrics_http.h"
+#include "coordinator/coordinator_agent.h"
 #include "core/transport/grpc_channel.h"
 #include "gpu_worker/worker_service.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -19,8 +26,9 @@
 #include "grpcpp/health_check_service_interface.h"
 
 int main(int argc, char** argv) {
-  std::string model, servers_flag, device = "auto", policy = "lru", copy_mode = "auto", layers_flag;
-  std::string listen = "0.0.0.0:50061", tls_cert, tls_key, tls_ca;
+  std::string model, servers_flag, device = "auto", policy, copy_mode = "auto", layers_flag;
+  std::string listen = "0.0.0.0:50061", tls_cert, tls_key, tls_ca, coordinator, worker_id, metrics_address = "0.0.0.0";
+  int64_t metrics_port = -1;
   bool insecure = false;
   int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000;
   double cache_gib = 0;
@@ -35,7 +43,14 @@ int main(int argc, char** argv) {
   flags.String("device", &device, "device backend: auto (cuda if a GPU is usable, else cpu), cuda or cpu");
   flags.Int("cache-experts-per-layer", &cache_experts, "cache slots per MoE layer (C)");
   flags.Double("cache-gib", &cache_gib, "GPU memory for the cache, when --cache-experts-per-layer is 0");
-  flags.String("policy", &policy, "cache policy: lru, lfru or static (set by the coordinator / ApplyAssignment)");
+  flags.String("policy", &policy,
+               "cache policy: lru, lfru or static (placed by the coordinator / ApplyAssignment); "
+               "default: static with --coordinator, else lru");
+  flags.String("coordinator", &coordinator, "coordinator address host:port: register, receive cache placements, report stats");
+  flags.String("worker-id", &worker_id, "stable id of this worker at the coordinator (default: HOSTNAME:PORT)");
+  flags.Int("metrics-port", &metrics_port,
+            "serve Prometheus metrics on http://ADDRESS:PORT/metrics (-1 = off, 0 = a free port, printed at start)");
+  flags.String("metrics-address", &metrics_address, "address the metrics endpoint binds to");
   flags.String("copy-mode", &copy_mode,
                "uncached experts: auto (copy to the GPU when measured rates say it pays), never, always");
   flags.String("layers", &layers_flag, "MoE layers served (default: all)");
@@ -51,6 +66,8 @@ int main(int argc, char** argv) {
   flags.Parse(argc, argv);
   if (model.empty()) flags.Fail("--model is required (see --help)");
   if (servers_flag.empty()) flags.Fail("--servers is required (see --help)");
+  if (policy.empty()) policy = coordinator.empty() ? "lru" : "static";
+  if (metrics_port < -1 || metrics_port > 65535) flags.Fail("--metrics-port must be -1 (off), 0 (a free port) or a port");
   moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, ""};
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
@@ -79,12 +96,21 @@ int main(int argc, char** argv) {
     if (!layers.ok()) flags.Fail(std::string(layers.status().message()));
     o.layers = *layers;
   }
+  std::atomic<moe::CoordinatorAgent*> agent_ptr{nullptr};
+  if (!coordinator.empty())
+    o.on_access = [&agent_ptr](int layer, int expert, int pairs, bool hit) {
+      if (moe::CoordinatorAgent* a = agent_ptr.load(std::memory_order_acquire))
+        a->RecordAccess(layer, expert, static_cast<uint64_t>(pairs), hit);
+    };
   absl::StatusOr<std::unique_ptr<moe::MoeSession>> session = moe::MoeSession::Open(o);
   if (!session.ok()) flags.Fail(std::string(session.status().message()), 1);
   moe::LogInfo("worker", (*session)->Describe());
 
+  const moe::ModelSpec& spec = (*session)->spec();
+  const std::vector<int> served = o.layers.empty() ? spec.moe_layers : o.layers;
+  moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
   std::mutex mu;
-  moe::WorkerServiceImpl service(**session, mu, policy, o.servers);
+  moe::WorkerServiceImpl service(**session, mu, policy, o.servers, &metrics);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -96,12 +122,56 @@ int main(int argc, char** argv) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
   const std::string bound = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+
+  // Coordinator: register, receive placements (applied between calls), report access counts.
+  std::unique_ptr<moe::CoordinatorAgent> agent;
+  std::atomic<bool> stop{false};
+  std::thread ticker;
+  if (!coordinator.empty()) {
+    char host[256] = {};
+    gethostname(host, sizeof host - 1);
+    moe::WorkerRegistration reg;
+    reg.worker_id = worker_id.empty() ? absl::StrCat(host, ":", port) : worker_id;
+    reg.address = bound;
+    reg.num_layers = spec.num_layers;
+    reg.num_experts = spec.num_experts;
+    reg.slots_per_layer = (*session)->slots_per_layer();
+    reg.expert_bytes = spec.ExpertBf16Bytes();
+    reg.cached_layers = served;
+    absl::StatusOr<std::unique_ptr<moe::CoordinatorAgent>> a = moe::CoordinatorAgent::Start(
+        coordinator, tls, reg, [&service](const moe::AssignmentUpdate& u) { service.OnAssignment(u); });
+    if (!a.ok()) flags.Fail(absl::StrCat("--coordinator: ", a.status().message()), 1);
+    agent = *std::move(a);
+    service.SetAgent(agent.get());
+    agent_ptr.store(agent.get(), std::memory_order_release);
+    ticker = std::thread([&] {
+      while (!stop.load()) {
+        service.Tick();
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+    moe::LogInfo("worker", "coordinator ", coordinator, " as ", reg.worker_id);
+  }
+  std::unique_ptr<moe::MetricsHttpServer> metrics_http;
+  if (metrics_port >= 0) {
+    moe::MetricsHttpServer::Options mo;
+    mo.address = metrics_address;
+    mo.port = static_cast<int>(metrics_port);
+    absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> m = moe::MetricsHttpServer::Start(mo);
+    if (!m.ok()) flags.Fail(absl::StrCat("--metrics-port: ", m.status().message()), 1);
+    metrics_http = *std::move(m);
+  }
   std::printf("moe-gpu-worker ready on %s\n", bound.c_str());
+  if (metrics_http) std::printf("moe-gpu-worker metrics on %s:%d\n", metrics_address.c_str(), metrics_http->port());
   std::fflush(stdout);
 
   int sig = 0;
   sigwait(&term, &sig);
   moe::LogInfo("worker", "signal ", sig, ": shutting down");
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  stop = true;
+  if (ticker.joinable()) ticker.join();
+  agent_ptr.store(nullptr);
+  agent.reset();
   return 0;
 }

@@ -1,13 +1,57 @@
 #include "gpu_worker/worker_service.h"
 
 #include "absl/strings/str_cat.h"
+#include "core/log.h"
 #include "core/wire.h"
+
+#include <algorithm>
+#include <chrono>
 
 namespace moe {
 
 WorkerServiceImpl::WorkerServiceImpl(MoeSession& session, std::mutex& mu, std::string policy,
-                                     std::vector<std::string> servers)
-    : session_(session), mu_(mu), policy_(std::move(policy)), servers_(std::move(servers)) {}
+                                     std::vector<std::string> servers, WorkerMetrics* metrics)
+    : session_(session), mu_(mu), policy_(std::move(policy)), servers_(std::move(servers)), metrics_(metrics) {}
+
+void WorkerServiceImpl::OnAssignment(const AssignmentUpdate& update) {
+  std::lock_guard<std::mutex> lock(queue_mu_);
+  queue_.push_back(update);
+}
+
+void WorkerServiceImpl::Tick() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ApplyPendingLocked();
+}
+
+void WorkerServiceImpl::ApplyPendingLocked() {
+  std::deque<AssignmentUpdate> updates;
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    updates.swap(queue_);
+  }
+  for (const AssignmentUpdate& u : updates) {
+    for (const LayerAssignment& la : u.layers)
+      if (absl::Status st = session_.ApplyAssignment(la.layer, la.experts); !st.ok())
+        LogWarning("worker", "assignment v", u.version, " layer ", la.layer, ": ", st.message());
+    if (u.routes_changed && !u.routes.empty()) {
+      // Servers the coordinator does not route to (drained, down) get no misses.
+      for (const std::string& addr : servers_) {
+        const std::string base = addr.substr(0, addr.find('#'));
+        bool routed = false;
+        for (const ServerRoute& r : u.routes)
+          routed |= base == r.address || (!r.shm_socket.empty() && base == "unix://" + r.shm_socket);
+        (void)session_.SetServerEnabled(base, routed);
+      }
+    }
+    applied_version_ = std::max(applied_version_, u.version);
+  }
+  // Acknowledge once the copies of the applied assignment completed.
+  if (agent_ != nullptr && applied_version_ > acked_version_ && session_.PendingCopies() == 0) {
+    agent_->MarkApplied(applied_version_);
+    acked_version_ = applied_version_;
+    if (metrics_ != nullptr) metrics_->SetAssignmentVersion(acked_version_);
+  }
+}
 
 grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1::ForwardLayerRequest* req,
                                              moe::v1::ForwardLayerResponse* resp) {
@@ -40,6 +84,8 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
     d[i].out.resize(static_cast<size_t>(T) * H);
   }
   std::lock_guard<std::mutex> lock(mu_);
+  ApplyPendingLocked();
+  const auto t0 = std::chrono::steady_clock::now();
   std::vector<MoeSession::Pending> pending;
   absl::Status first;
   for (int i = 0; i < n && first.ok(); ++i) {
@@ -57,12 +103,16 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
     CallStats st;
     absl::Status s = session_.Wait(pending[i], &st);
     if (!s.ok() && first.ok()) first = s;
+    if (s.ok() && metrics_ != nullptr)
+      metrics_->RecordCall(static_cast<int>(req->layer()), d[i].T, st,
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     moe::v1::LayerCallStats* ps = resp->add_stats();
     ps->set_hit_pairs(st.hit_pairs);
     ps->set_cpu_pairs(st.cpu_pairs);
     ps->set_copied_pairs(st.copied_pairs);
     ps->set_miss_tokens(st.miss_tokens);
   }
+  if (metrics_ != nullptr) metrics_->SetCopies(session_.copies_started());
   if (!first.ok()) {
     resp->Clear();
     return ToGrpcStatus(first);

@@ -3,11 +3,22 @@
 // Requests are validated (INVALID_ARGUMENT naming the field); calls are
 // serialised on the session (one device, one dispatcher), and a request with
 // two micro-batches runs them overlapped (both submitted, then both completed).
+//
+// With a coordinator: the agent's assignment updates are queued
+// (OnAssignment, agent thread) and applied between forward passes — before the
+// next call, or by Tick() when idle — as ApplyAssignment (copies, then each
+// slot serves once its copy completed); the version is acknowledged
+// (MarkApplied) once no copy is in flight. Route updates enable or disable
+// the configured servers (drained or down ones get no misses).
 #pragma once
 
+#include <cstdint>
+#include <deque>
 #include <mutex>
 
 #include "client/moe_session.h"
+#include "coordinator/coordinator_agent.h"
+#include "gpu_worker/worker_metrics.h"
 #include "moe/v1/worker.grpc.pb.h"
 
 namespace moe {
@@ -17,7 +28,13 @@ class WorkerServiceImpl final : public moe::v1::WorkerService::Service {
   // `session` must outlive the service. `mu` guards every use of the session
   // (the coordinator agent applies assignments under it, between calls).
   WorkerServiceImpl(MoeSession& session, std::mutex& mu, std::string policy,
-                    std::vector<std::string> servers);
+                    std::vector<std::string> servers, WorkerMetrics* metrics = nullptr);
+
+  // Coordinator hook-up (optional): the agent to acknowledge versions to.
+  void SetAgent(CoordinatorAgent* agent) { agent_ = agent; }
+  void OnAssignment(const AssignmentUpdate& update);
+  // Applies queued updates when no call is running; call periodically.
+  void Tick();
 
   grpc::Status ForwardLayer(grpc::ServerContext* ctx, const moe::v1::ForwardLayerRequest* req,
                             moe::v1::ForwardLayerResponse* resp) override;
@@ -27,10 +44,17 @@ class WorkerServiceImpl final : public moe::v1::WorkerService::Service {
                                moe::v1::ApplyAssignmentResponse* resp) override;
 
  private:
+  void ApplyPendingLocked();  // with mu_ held
+
   MoeSession& session_;
   std::mutex& mu_;
   std::string policy_;
   std::vector<std::string> servers_;
+  WorkerMetrics* metrics_;
+  CoordinatorAgent* agent_ = nullptr;
+  std::mutex queue_mu_;
+  std::deque<AssignmentUpdate> queue_;
+  uint64_t applied_version_ = 0, acked_version_ = 0;
 };
 
 }  // namespace moe

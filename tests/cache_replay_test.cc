@@ -7,7 +7,7 @@
 #include <set>
 
 #include "bench/belady.h"
-#include "bench/routing_trace.h"
+#include "core/routing_trace.h"
 #include "gtest/gtest.h"
 #include "tests/test_support.h"
 

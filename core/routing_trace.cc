@@ -1,4 +1,4 @@
-#include "bench/routing_trace.h"
+#include "core/routing_trace.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,6 @@
 // RoutingTrace: which experts every token of every decode step was routed to,
-// per MoE layer — the input of the cache-policy replay (bench/cache_replay).
+// per MoE layer — the input of the cache-policy replay (bench/cache_replay),
+// the demo (moe-demo --trace) and the end-to-end benchmark (bench/moe_layer).
 // Kept aggregated: per step and layer, each distinct expert with its number of
 // (token, expert) pairs, which is all a cache policy sees.
 //
