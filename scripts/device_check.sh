@@ -44,6 +44,10 @@ while [[ $# -gt 0 ]]; do
       timeout 580 "$B/bin/moe_layer" --preset "$preset" "${args[@]}" >> "$OUT/moe_layer.md" 2>> "$OUT/moe_layer.log"
       echo "moe_layer rc=$?" | tee -a "$OUT/moe_layer.md"
       tail -30 "$OUT/moe_layer.md" ;;
+    demo)
+      echo "## demo (cuda worker)" | tee -a "$OUT/demo.txt"
+      timeout 300 "$B/bin/moe-demo" --bin-dir "$B/bin" "$@" 2>&1 | tr '\r' '\n' | grep -v "^  step" >> "$OUT/demo.txt"
+      echo "demo rc=${PIPESTATUS[0]}" | tee -a "$OUT/demo.txt"; tail -40 "$OUT/demo.txt"; shift $# ;;
     transport)
       timeout 300 "$B/bin/transport" > "$OUT/transport.md" 2>> "$OUT/logs.txt"; echo "transport rc=$?"; cat "$OUT/transport.md" ;;
     kernels)
