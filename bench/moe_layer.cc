@@ -504,9 +504,11 @@ int Main(int argc, char** argv) {
       if (has("ours")) ours = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false, &ceil_layer);
       if (has("ours-dual") && T >= 2) dual = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true, &ceil_layer);
       if (has("lru-copy")) lru = bench.Run(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false, nullptr);
+      auto opt = [](bool ran, double v) { return ran ? Ms(v) : std::string("-"); };
       std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %.2f | %.2f | %.0f%% | %.0f%% | %.0f%% | %s / %s |\n", T,
                   pct, C, Ms(ceil.step_s).c_str(), Ms(ours.step_s).c_str(), Ms(ours.moe_s / L).c_str(),
-                  T >= 2 ? Ms(dual.step_s).c_str() : "-", Ms(lru.step_s).c_str(), Ms(copy_all_step).c_str(),
+                  opt(has("ours-dual") && T >= 2, dual.step_s).c_str(), opt(has("lru-copy"), lru.step_s).c_str(),
+                  opt(has("copy-all"), copy_all_step).c_str(),
                   Ms(ours.ideal_s).c_str(), ours.ideal_s > 0 ? ours.step_s / ours.ideal_s : 0.0,
                   ours.step_s > 0 ? lru.step_s / ours.step_s : 0.0, 100 * ours.hit_rate, 100 * ours.cpu_share,
                   100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str());
