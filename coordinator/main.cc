@@ -16,6 +16,7 @@
 #include "coordinator/coordinator_service.h"
 #include "core/flags.h"
 #include "core/log.h"
+#include "core/service_main.h"
 #include "core/metrics_http.h"
 #include "core/transport/grpc_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -76,11 +77,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
 
-  sigset_t term;
-  sigemptyset(&term);
-  sigaddset(&term, SIGTERM);
-  sigaddset(&term, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &term, nullptr);
+  sigset_t term = moe::BlockTerminationSignals();
 
   moe::CoordinatorOptions options;
   options.policy = policy;
@@ -103,19 +100,13 @@ int main(int argc, char** argv) {
   moe::ConfigureServerBuilder(builder, 64u << 20);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
-  const std::string bound = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  const std::string bound = moe::BoundAddress(listen, port);
   (*coordinator)->Start();
   moe::CoordinatorMetrics metrics(moe::Metrics(), **coordinator);
-  std::unique_ptr<moe::MetricsHttpServer> metrics_http;
-  if (metrics_port >= 0) {
-    moe::MetricsHttpServer::Options mo;
-    mo.address = metrics_address;
-    mo.port = static_cast<int>(metrics_port);
-    absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> m = moe::MetricsHttpServer::Start(mo);
-    if (!m.ok()) flags.Fail(absl::StrCat("--metrics-port: ", m.status().message()), 1);
-    metrics_http = *std::move(m);
-    moe::LogInfo("coordinator", "serving metrics on http://", metrics_address, ":", metrics_http->port(), "/metrics");
-  }
+  absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> metrics_started =
+      moe::StartMetricsEndpoint("coordinator", metrics_address, metrics_port);
+  if (!metrics_started.ok()) flags.Fail(std::string(metrics_started.status().message()), 1);
+  std::unique_ptr<moe::MetricsHttpServer> metrics_http = *std::move(metrics_started);
   const moe::CoordinatorPolicy& p = policy;
   moe::LogInfo("coordinator", "serving on ", bound, ": placement ", moe::PlacementModeName(p.placement),
                ", half-life ", p.half_life_seconds, " s, rebalance every ", p.rebalance_interval_seconds,

@@ -97,4 +97,15 @@ absl::Status FromGrpcStatus(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+void ModelSpecToProto(const ModelSpec& spec, moe::v1::ModelSpec* ms) {
+  ms->set_model_type(spec.model_type);
+  ms->set_num_layers(spec.num_layers);
+  for (int l : spec.moe_layers) ms->add_moe_layers(l);
+  ms->set_num_experts(spec.num_experts);
+  ms->set_top_k(spec.top_k);
+  ms->set_hidden_size(spec.hidden);
+  ms->set_intermediate_size(spec.intermediate);
+  ms->set_weight_dtype(ToProtoDType(spec.dtype));
+}
+
 }  // namespace moe

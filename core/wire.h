@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
+#include "core/model_spec.h"
 #include "core/routing.h"
 #include "core/tensor.h"
 #include "grpcpp/support/status.h"
@@ -35,6 +36,9 @@ void EncodeForwardRequest(uint32_t layer, int n, int hidden, const bf16_t* token
 // Copies a response's [n, hidden] output (BF16, or F32 converted to bf16) into
 // out; Internal error naming the problem if the response does not match.
 absl::Status DecodeForwardOutput(const moe::v1::ForwardResponse& resp, int n, int hidden, bf16_t* out);
+
+// The model geometry as the wire carries it (ServerInfo, WorkerInfo).
+void ModelSpecToProto(const ModelSpec& spec, moe::v1::ModelSpec* out);
 
 grpc::Status ToGrpcStatus(const absl::Status& s);
 absl::Status FromGrpcStatus(const grpc::Status& s);

@@ -15,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "core/flags.h"
 #include "core/log.h"
+#include "core/service_main.h"
 #include "core/metrics.h"
 #include "core/metrics_http.h"
 #include "core/model_source.h"
@@ -98,11 +99,7 @@ int main(int argc, char** argv) {
   if (metrics_port < -1 || metrics_port > 65535) flags.Fail("--metrics-port must be -1 (off), 0 (a free port) or a port");
 
   // Block termination signals in every thread; main waits for them with sigwait.
-  sigset_t term;
-  sigemptyset(&term);
-  sigaddset(&term, SIGTERM);
-  sigaddset(&term, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &term, nullptr);
+  sigset_t term = moe::BlockTerminationSignals();
 
   const moe::CpuFeatures& cpu = moe::CpuFeatures::Get();
   absl::StatusOr<std::unique_ptr<moe::ModelSource>> source = moe::OpenModel(model);
@@ -164,15 +161,7 @@ int main(int argc, char** argv) {
   const uint64_t max_msg = moe::MaxMessageBytes(spec, limits);
 
   moe::v1::ServerInfo info;
-  auto* ms = info.mutable_model();
-  ms->set_model_type(spec.model_type);
-  ms->set_num_layers(spec.num_layers);
-  for (int l : spec.moe_layers) ms->add_moe_layers(l);
-  ms->set_num_experts(spec.num_experts);
-  ms->set_top_k(spec.top_k);
-  ms->set_hidden_size(spec.hidden);
-  ms->set_intermediate_size(spec.intermediate);
-  ms->set_weight_dtype(moe::ToProtoDType(spec.dtype));
+  moe::ModelSpecToProto(spec, info.mutable_model());
   for (int l : hosted.layers) info.add_hosted_layers(l);
   for (int e : hosted.experts) info.add_hosted_experts(e);
   info.set_kernel(std::string((*kernel)->name()));
@@ -196,7 +185,7 @@ int main(int argc, char** argv) {
   moe::ConfigureServerBuilder(builder, max_msg);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
-  const std::string bound = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  const std::string bound = moe::BoundAddress(listen, port);
   moe::LogInfo("server", "serving moe.v1.ExpertService on ", bound, " (max message ", max_msg, " bytes)");
   std::unique_ptr<moe::ShmServer> shm;
   if (!shm_socket.empty()) {
@@ -221,16 +210,10 @@ int main(int argc, char** argv) {
     shm = *std::move(s);
     moe::LogInfo("server", "serving shared memory on unix://", shm_socket);
   }
-  std::unique_ptr<moe::MetricsHttpServer> metrics_http;
-  if (metrics_port >= 0) {
-    moe::MetricsHttpServer::Options mo;
-    mo.address = metrics_address;
-    mo.port = static_cast<int>(metrics_port);
-    absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> m = moe::MetricsHttpServer::Start(mo);
-    if (!m.ok()) flags.Fail(absl::StrCat("--metrics-port: ", m.status().message()), 1);
-    metrics_http = *std::move(m);
-    moe::LogInfo("server", "serving metrics on http://", metrics_address, ":", metrics_http->port(), "/metrics");
-  }
+  absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> metrics_started =
+      moe::StartMetricsEndpoint("server", metrics_address, metrics_port);
+  if (!metrics_started.ok()) flags.Fail(std::string(metrics_started.status().message()), 1);
+  std::unique_ptr<moe::MetricsHttpServer> metrics_http = *std::move(metrics_started);
   // Coordinator: register what this server hosts; heartbeats carry the in-flight count.
   std::unique_ptr<moe::ExpertServerAgent> agent;
   if (!coordinator.empty()) {

@@ -16,6 +16,7 @@
 #include "client/moe_session.h"
 #include "core/flags.h"
 #include "core/log.h"
+#include "core/service_main.h"
 #include "core/metrics.h"
 #include "core/metrics_http.h"
 #include "coordinator/coordinator_agent.h"
@@ -72,11 +73,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
 
-  sigset_t term;
-  sigemptyset(&term);
-  sigaddset(&term, SIGTERM);
-  sigaddset(&term, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &term, nullptr);
+  sigset_t term = moe::BlockTerminationSignals();
 
   moe::SessionOptions o;
   o.model = model;
@@ -121,7 +118,7 @@ int main(int argc, char** argv) {
   moe::ConfigureServerBuilder(builder, max_msg);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
-  const std::string bound = absl::StrCat(listen.substr(0, listen.rfind(':')), ":", port);
+  const std::string bound = moe::BoundAddress(listen, port);
 
   // Coordinator: register, receive placements (applied between calls), report access counts.
   std::unique_ptr<moe::CoordinatorAgent> agent;
@@ -152,15 +149,10 @@ int main(int argc, char** argv) {
     });
     moe::LogInfo("worker", "coordinator ", coordinator, " as ", reg.worker_id);
   }
-  std::unique_ptr<moe::MetricsHttpServer> metrics_http;
-  if (metrics_port >= 0) {
-    moe::MetricsHttpServer::Options mo;
-    mo.address = metrics_address;
-    mo.port = static_cast<int>(metrics_port);
-    absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> m = moe::MetricsHttpServer::Start(mo);
-    if (!m.ok()) flags.Fail(absl::StrCat("--metrics-port: ", m.status().message()), 1);
-    metrics_http = *std::move(m);
-  }
+  absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> metrics_started =
+      moe::StartMetricsEndpoint("worker", metrics_address, metrics_port);
+  if (!metrics_started.ok()) flags.Fail(std::string(metrics_started.status().message()), 1);
+  std::unique_ptr<moe::MetricsHttpServer> metrics_http = *std::move(metrics_started);
   std::printf("moe-gpu-worker ready on %s\n", bound.c_str());
   if (metrics_http) std::printf("moe-gpu-worker metrics on %s:%d\n", metrics_address.c_str(), metrics_http->port());
   std::fflush(stdout);

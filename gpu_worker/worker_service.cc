@@ -126,15 +126,7 @@ grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v
                                               moe::v1::WorkerInfo* resp) {
   std::lock_guard<std::mutex> lock(mu_);
   const ModelSpec& spec = session_.spec();
-  auto* ms = resp->mutable_model();
-  ms->set_model_type(spec.model_type);
-  ms->set_num_layers(spec.num_layers);
-  for (int l : spec.moe_layers) ms->add_moe_layers(l);
-  ms->set_num_experts(spec.num_experts);
-  ms->set_top_k(spec.top_k);
-  ms->set_hidden_size(spec.hidden);
-  ms->set_intermediate_size(spec.intermediate);
-  ms->set_weight_dtype(ToProtoDType(spec.dtype));
+  ModelSpecToProto(spec, resp->mutable_model());
   resp->set_device(session_.device());
   resp->set_slots_per_layer(session_.slots_per_layer());
   resp->set_policy(policy_);

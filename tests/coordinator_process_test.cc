@@ -25,6 +25,7 @@
 namespace moe {
 namespace {
 
+using testing::Scrape;
 using testing::Subprocess;
 using namespace std::chrono_literals;
 
@@ -45,25 +46,6 @@ std::string StartCoordinator(std::unique_ptr<Subprocess>* out, std::vector<std::
   return at == std::string::npos ? "" : line.substr(at + key.size());
 }
 
-// GET /metrics from 127.0.0.1:port; the whole response.
-std::string Scrape(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
-    const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
-    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
-      char buf[4096];
-      ssize_t n;
-      while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
-    }
-  }
-  close(fd);
-  return out;
-}
 
 struct CommandResult {
   int code = -1;

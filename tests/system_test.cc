@@ -53,6 +53,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
+using testing::Scrape;
 using testing::Subprocess;
 using testing::TempDir;
 
@@ -109,29 +110,6 @@ std::string Str(const std::vector<int>& v) {
   return s + "}";
 }
 
-// GET /metrics from 127.0.0.1:port over a plain socket; the whole response ("" if none).
-std::string Scrape(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return "";
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  std::string out;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
-    const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
-    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
-      char buf[8192];
-      ssize_t n;
-      while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
-    }
-  }
-  close(fd);
-  return out;
-}
 
 // The value of one series ("name{labels}" exactly as exposed) in a scrape; NaN if absent.
 double Series(const std::string& scrape, const std::string& series) {

@@ -39,4 +39,8 @@ using moe::Subprocess;
 std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& args,
                               const std::string& listen = "127.0.0.1:0");
 
+// GET /metrics from 127.0.0.1:port over a plain socket (5 s timeouts); the
+// whole HTTP response, "" if none.
+std::string Scrape(int port);
+
 }  // namespace moe::testing
