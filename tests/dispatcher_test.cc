@@ -417,6 +417,21 @@ TEST_P(DispatcherTest, MeasuredRatesDriveTheCopyDecision) {
   EXPECT_EQ(st.cpu_pairs + st.copied_pairs, 400);
 }
 
+// --cache-gib: C follows from the memory budget (bf16 experts of every served layer).
+TEST_P(DispatcherTest, CacheSizeFromMemoryBudget) {
+  const std::string a = StartServer();
+  DispatcherConfig c = Config({a});
+  const double expert = static_cast<double>(source_->spec().ExpertBf16Bytes());
+  c.cache_gib = 5 * 2 * expert / (1ull << 30);  // room for 5 experts in each of the 2 MoE layers
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  EXPECT_EQ(d->slots_per_layer(), 5);
+  Batch x = RandomBatch(6, 2, AllExperts(), 95);
+  std::vector<bf16_t> out;
+  ASSERT_TRUE(d->Forward(Call(2, x, &out)).ok());
+  EXPECT_LE(Error(2, x, out), 1e-2);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, DispatcherTest,
                          ::testing::Combine(::testing::Values("cpu", "cuda"), ::testing::Values("shm", "grpc")),
                          [](const ::testing::TestParamInfo<Param>& i) {
