@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/flags.h"
+#include "core/log.h"
 #include "core/routing.h"
 
 namespace moe {
@@ -129,7 +130,7 @@ LayerDispatcher::~LayerDispatcher() {
     if (!ctx.recv.empty()) backend_->UnregisterHost(ctx.recv.data());
   }
   for (Server& s : impl_->servers)
-    if (s.registered) backend_->UnregisterHost(s.transport->HostMapping().first);
+    if (s.registered && s.transport) backend_->UnregisterHost(s.transport->HostMapping().first);
 }
 
 absl::StatusOr<std::unique_ptr<LayerDispatcher>> LayerDispatcher::Create(const ModelSpec& spec,
@@ -200,6 +201,7 @@ absl::Status LayerDispatcher::Init() {
   impl_->temp_fence.assign(temp, 0);
 
   // Servers.
+  absl::Status first_error;
   c.transport.hidden = spec_.hidden;
   c.transport.max_pairs_per_token = std::max(c.transport.max_pairs_per_token, c.max_top_k);
   for (const ExpertServerConfig& sc : c.servers) {
@@ -211,22 +213,22 @@ absl::Status LayerDispatcher::Init() {
         return absl::InvalidArgumentError(absl::StrCat("servers: expert ", e, " out of range"));
       s.hosts[e] = true;
     }
-    absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport(sc.address, c.transport);
-    if (!t.ok())
-      return absl::Status(t.status().code(),
-                          absl::StrCat("servers: ", sc.address, ": ", t.status().message()));
-    s.transport = *std::move(t);
-    auto [base, bytes] = s.transport->HostMapping();
-    if (base != nullptr) {
-      // shm: gather straight into the segment's slots, read partials from them.
-      if (absl::Status st = backend_->RegisterHost(base, bytes); !st.ok()) return st;
-      s.registered = true;
-      s.chunk_tokens = c.transport.max_tokens_per_slot;
-    } else {
-      s.chunk_tokens = c.max_tokens;
-    }
     impl_->servers.push_back(std::move(s));
+    // A server that cannot be reached now is retried on later calls (after
+    // server_retry); the worker starts as long as one server answers.
+    if (absl::Status st = ConnectServer(impl_->servers.size() - 1); !st.ok()) {
+      if (!IsServerFailure(st) && !absl::IsNotFound(st) && !absl::IsFailedPrecondition(st)) return st;
+      LogWarning("worker", "servers: ", sc.address, " unreachable (", st.message(), "); retrying later");
+      impl_->servers.back().down_until = Clock::now() + c.server_retry;
+      if (first_error.ok()) first_error = st;
+    }
   }
+  bool any_connected = impl_->servers.empty();
+  for (const Server& sv : impl_->servers) any_connected |= sv.transport != nullptr;
+  if (!any_connected)
+    return absl::Status(first_error.code(), absl::StrCat("servers: no expert server is reachable; first: ",
+                                                         impl_->servers.front().config.address, ": ",
+                                                         first_error.message()));
   impl_->contexts.resize(c.contexts);
   for (Context& ctx : impl_->contexts) {
     ctx.send.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
@@ -290,8 +292,11 @@ absl::Status LayerDispatcher::MeasureRates() {
   if (!dm.ok()) return dm.status();
   cost_.device_row_s = std::max(0.0, (*dm - *d1) / std::max(1, rows - 1));
   cost_.device_fixed_s = std::max(0.0, *d1 - cost_.device_row_s);
-  // CPU server round trips.
-  Server& s = impl_->servers.front();
+  // CPU server round trips (the first server that answered at start).
+  auto connected = std::find_if(impl_->servers.begin(), impl_->servers.end(),
+                                [](const Server& sv) { return sv.transport != nullptr; });
+  if (connected == impl_->servers.end()) return absl::OkStatus();
+  Server& s = *connected;
   // Probes rotate through the hosted experts so their weights come from DRAM,
   // not from the L3 cache a repeated expert would sit in.
   std::vector<int> hosted;
@@ -354,6 +359,24 @@ absl::Status LayerDispatcher::FlushCopies() {
     cache_->CompleteCopy(p.copy);
   }
   impl_->pending.clear();
+  return absl::OkStatus();
+}
+
+absl::Status LayerDispatcher::ConnectServer(size_t index) {
+  Server& s = impl_->servers[index];
+  absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport(s.config.address, config_.transport);
+  if (!t.ok())
+    return absl::Status(t.status().code(), absl::StrCat("servers: ", s.config.address, ": ", t.status().message()));
+  auto [base, bytes] = (*t)->HostMapping();
+  if (base != nullptr) {
+    // shm: gather straight into the segment's slots, read partials from them.
+    if (absl::Status st = backend_->RegisterHost(base, bytes); !st.ok()) return st;
+    s.registered = true;
+    s.chunk_tokens = config_.transport.max_tokens_per_slot;
+  } else {
+    s.chunk_tokens = config_.max_tokens;
+  }
+  s.transport = *std::move(t);
   return absl::OkStatus();
 }
 
@@ -465,11 +488,17 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
 
   // Which missed experts go to the device (copy) and which to which server.
   const Clock::time_point now = Clock::now();
+  for (size_t i = 0; i < m.servers.size(); ++i) {
+    Server& sv = m.servers[i];
+    if (sv.transport == nullptr && sv.enabled && sv.down_until <= now && !m.missed.empty())
+      if (!ConnectServer(i).ok()) sv.down_until = now + config_.server_retry;
+  }
   std::vector<int>& server_of = m.server_of;
   server_of.assign(E, -1);  // missed experts: server index, or -1 = copy
   for (int e : m.missed)
     for (size_t s = 0; s < m.servers.size(); ++s)
-      if (m.servers[s].hosts[e] && m.servers[s].enabled && m.servers[s].down_until <= now) {
+      if (m.servers[s].hosts[e] && m.servers[s].enabled && m.servers[s].transport != nullptr &&
+          m.servers[s].down_until <= now) {
         server_of[e] = static_cast<int>(s);
         break;
       }
@@ -794,7 +823,9 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
       int next = -1;
       const Clock::time_point now = Clock::now();
       for (size_t s = 0; s < m.servers.size() && next < 0; ++s) {
-        if (static_cast<int>(s) == sh.server || !m.servers[s].enabled || m.servers[s].down_until > now) continue;
+        if (static_cast<int>(s) == sh.server || !m.servers[s].enabled || m.servers[s].transport == nullptr ||
+            m.servers[s].down_until > now)
+          continue;
         bool all = true;
         for (int32_t e : sh.ids) all = all && (e < 0 || m.servers[s].hosts[e]);
         if (all) next = static_cast<int>(s);

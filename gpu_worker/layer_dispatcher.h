@@ -176,6 +176,7 @@ class LayerDispatcher {
                                          const std::vector<int32_t>& tokens,
                                          const std::vector<float>& weights);
   void Abort(int ticket);
+  absl::Status ConnectServer(size_t index);  // (re)connects servers[index]
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

@@ -33,14 +33,17 @@ void WorkerServiceImpl::ApplyPendingLocked() {
     for (const LayerAssignment& la : u.layers)
       if (absl::Status st = session_.ApplyAssignment(la.layer, la.experts); !st.ok())
         LogWarning("worker", "assignment v", u.version, " layer ", la.layer, ": ", st.message());
-    if (u.routes_changed && !u.routes.empty()) {
-      // Servers the coordinator does not route to (drained, down) get no misses.
+    if (u.routes_changed) {
+      // Servers the coordinator knows but does not route to (drained, down)
+      // get no misses. A configured address it has never routed (e.g. a
+      // Service name in front of remote servers) is left alone.
       for (const std::string& addr : servers_) {
         const std::string base = addr.substr(0, addr.find('#'));
         bool routed = false;
         for (const ServerRoute& r : u.routes)
           routed |= base == r.address || (!r.shm_socket.empty() && base == "unix://" + r.shm_socket);
-        (void)session_.SetServerEnabled(base, routed);
+        if (routed) known_.insert(base);
+        if (known_.count(base) != 0) (void)session_.SetServerEnabled(base, routed);
       }
     }
     applied_version_ = std::max(applied_version_, u.version);

@@ -9,12 +9,15 @@
 // next call, or by Tick() when idle — as ApplyAssignment (copies, then each
 // slot serves once its copy completed); the version is acknowledged
 // (MarkApplied) once no copy is in flight. Route updates enable or disable
-// the configured servers (drained or down ones get no misses).
+// the configured servers the coordinator knows (drained or down ones get no
+// misses); addresses it never routed are left alone.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <set>
+#include <string>
 
 #include "client/moe_session.h"
 #include "coordinator/coordinator_agent.h"
@@ -55,6 +58,7 @@ class WorkerServiceImpl final : public moe::v1::WorkerService::Service {
   std::mutex queue_mu_;
   std::deque<AssignmentUpdate> queue_;
   uint64_t applied_version_ = 0, acked_version_ = 0;
+  std::set<std::string> known_;  // configured servers the coordinator has routed at least once
 };
 
 }  // namespace moe

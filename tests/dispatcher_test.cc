@@ -417,6 +417,43 @@ TEST_P(DispatcherTest, MeasuredRatesDriveTheCopyDecision) {
   EXPECT_EQ(st.cpu_pairs + st.copied_pairs, 400);
 }
 
+// A server that is not up when the worker starts is retried later; until then
+// its experts are copied to the device. With no server reachable at all, Create fails.
+TEST_P(DispatcherTest, UnreachableServerAtStartIsRetriedLater) {
+  const std::string a = StartServer({"--experts=0-3"});
+  const std::string late_sock = dir_.path() + "/late.sock";
+  const std::string late = transport() == "shm" ? "unix://" + late_sock : "127.0.0.1:1";
+  DispatcherConfig c = Config({a + "#experts=0-3", late + "#experts=4-7"});
+  c.server_retry = std::chrono::milliseconds(100);
+  c.admissions_per_call = 0;
+  c.copy_mode = CopyMode::kNever;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  Batch x = RandomBatch(10, 2, AllExperts(), 97);
+  std::vector<bf16_t> out;
+  CallStats st;
+  ASSERT_TRUE(d->Forward(Call(1, x, &out), &st).ok());
+  EXPECT_LE(Error(1, x, out), 1e-2);
+  EXPECT_GT(st.copied_pairs, 0);  // experts 4-7: no server yet
+  if (transport() != "shm") return;  // a gRPC channel to a closed port is not re-pointed here
+  Subprocess* s = nullptr;
+  ASSERT_FALSE(testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1",
+                                               "--experts=4-7", "--shm-socket=" + late_sock}).empty());
+  servers_.emplace_back(s);
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  ASSERT_TRUE(d->Forward(Call(1, x, &out), &st).ok());
+  EXPECT_LE(Error(1, x, out), 1e-2);
+  EXPECT_EQ(st.copied_pairs, 0);
+  EXPECT_EQ(st.cpu_pairs, 20);
+  // Nothing reachable: Create refuses, naming the servers.
+  DispatcherConfig none = Config({"unix://" + dir_.path() + "/nobody.sock"});
+  std::unique_ptr<DeviceBackend> other = *MakeDeviceBackend(backend_name());
+  absl::StatusOr<std::unique_ptr<LayerDispatcher>> bad =
+      LayerDispatcher::Create(source_->spec(), *other, nullptr, none);
+  EXPECT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("servers"), std::string::npos) << bad.status();
+}
+
 // --cache-gib: C follows from the memory budget (bf16 experts of every served layer).
 TEST_P(DispatcherTest, CacheSizeFromMemoryBudget) {
   const std::string a = StartServer();
