@@ -11,6 +11,10 @@
 #include <thread>
 #include <tuple>
 
+#ifdef MOE_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
 #include "core/model_source.h"
 #include "core/reference_moe.h"
 #include "gpu_worker/device_backend.h"
@@ -453,6 +457,46 @@ TEST_P(DispatcherTest, UnreachableServerAtStartIsRetriedLater) {
   EXPECT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("servers"), std::string::npos) << bad.status();
 }
+
+#ifdef MOE_HAVE_CUDA
+// Engines hand over device pointers: hidden, routing and output in GPU memory.
+TEST_P(DispatcherTest, DevicePointersOnTheCudaBackend) {
+  if (backend_name() != "cuda") GTEST_SKIP() << "device pointers need the cuda backend";
+  const std::string a = StartServer();
+  DispatcherConfig c = Config({a});
+  c.policy = CachePolicyKind::kStatic;
+  c.slots_per_layer = 3;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(d->ApplyAssignment(2, {1, 4, 6}).ok());
+  ASSERT_TRUE(d->FlushCopies().ok());
+  for (int T : {1, 37}) {
+    Batch b = RandomBatch(T, 3, AllExperts(), 200 + T, /*holes=*/true);
+    void *x = nullptr, *ids = nullptr, *w = nullptr, *o = nullptr;
+    ASSERT_EQ(cudaMalloc(&x, b.x.size() * 2), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&ids, b.ids.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&w, b.w.size() * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&o, b.x.size() * 2), cudaSuccess);
+    cudaMemcpy(x, b.x.data(), b.x.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(ids, b.ids.data(), b.ids.size() * 4, cudaMemcpyHostToDevice);
+    cudaMemcpy(w, b.w.data(), b.w.size() * 4, cudaMemcpyHostToDevice);
+    std::vector<bf16_t> out;
+    LayerCall call = Call(2, b, &out);
+    call.hidden = static_cast<const bf16_t*>(x);
+    call.topk_ids = static_cast<const int32_t*>(ids);
+    call.topk_weights = static_cast<const float*>(w);
+    call.out = static_cast<bf16_t*>(o);
+    call.kind = MemoryKind::kDevice;
+    CallStats st;
+    absl::Status s = d->Forward(call, &st);
+    ASSERT_TRUE(s.ok()) << s;
+    cudaMemcpy(out.data(), o, out.size() * 2, cudaMemcpyDeviceToHost);
+    EXPECT_LE(Error(2, b, out), 1e-2) << "T=" << T;
+    EXPECT_GT(st.hit_pairs + st.cpu_pairs, 0);
+    for (void* p : {x, ids, w, o}) cudaFree(p);
+  }
+}
+#endif
 
 // --cache-gib: C follows from the memory budget (bf16 experts of every served layer).
 TEST_P(DispatcherTest, CacheSizeFromMemoryBudget) {
