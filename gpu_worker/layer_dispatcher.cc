@@ -873,15 +873,17 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
       last_fence = *f;
     }
   }
-  // The partials are read by the device up to last_fence; only then give the slots back.
-  if (last_fence != 0) (void)backend_->WaitCompute(last_fence);
+  // FinishCall waits for all of the call's device work, the reads of the
+  // partial sums (AddRows) included: only then are the slots given back (one
+  // sync per call instead of two).
+  absl::Status fin = backend_->FinishCall(ticket, result.ok() ? ctx.call.out : nullptr, ctx.call.kind);
+  if (!fin.ok() && last_fence != 0) (void)backend_->WaitCompute(last_fence);
   for (Shipment& sh : ctx.shipments) {
     if (sh.done.valid()) sh.done.wait();  // failed-early calls: nothing may still write
     if (sh.staged) m.servers[sh.server].transport->Release(sh.stage);
     sh.staged = false;
   }
   ctx.shipments.clear();
-  absl::Status fin = backend_->FinishCall(ticket, result.ok() ? ctx.call.out : nullptr, ctx.call.kind);
   ctx.busy = false;
   ctx.stats.wait_s = Seconds(Clock::now() - t0);
   if (out_stats != nullptr) *out_stats = ctx.stats;
