@@ -192,20 +192,17 @@ struct Options {
 };
 
 struct RunResult {
-  double step_s = 0, moe_s = 0, ideal_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0;
+  double step_s = 0, moe_s = 0, cpu_floor_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0;
   double submit_s = 0, wait_s = 0;  // per layer call, medians
 };
 
 class Bench {
  public:
-  Bench(const Options& o, const ModelSpec& spec, const ModelSource& source, const std::string& shm,
-        DeviceBackend* pin_backend, HostExpertStore* host, double dram_gbps)
-      : o_(o), spec_(spec), source_(source), shm_(shm), host_(host), dram_gbps_(dram_gbps) {
-    (void)pin_backend;
-  }
+  Bench(const Options& o, const ModelSpec& spec, const std::string& shm, HostExpertStore* host, double dram_gbps)
+      : o_(o), spec_(spec), shm_(shm), host_(host), dram_gbps_(dram_gbps) {}
 
   // One configuration: a fresh backend + dispatcher, warm-up, timed steps.
-  RunResult Run(int T, int C, CachePolicyKind policy, CopyMode copy, bool dual, const std::vector<double>* ceiling_layer) {
+  RunResult Run(int T, int C, CachePolicyKind policy, CopyMode copy, bool dual) {
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
     DispatcherConfig c;
     c.servers.push_back(ExpertServerConfig{"unix://" + shm_, {}});
@@ -248,16 +245,14 @@ class Bench {
     std::vector<int32_t> pos(T);
 
     RunResult r;
-    std::vector<double> step_t, moe_t, ideal_t, submit_t, wait_t;
+    std::vector<double> step_t, moe_t, cpu_floor_t, submit_t, wait_t;
     uint64_t hits = 0, cpu = 0, copied = 0;
-    layer_t_.assign(L, 0);
-    std::vector<std::vector<double>> layer_samples(L);
     const int TA = dual ? T / 2 : T;
     for (int step = 0; step < o_.warmup + o_.steps; ++step) {
       const bool timed = step >= o_.warmup;
       for (int t = 0; t < T; ++t) pos[t] = o_.context + step;
       router.Step();
-      double moe = 0, ideal = 0;
+      double moe = 0, cpu_floor = 0;
       const Clock::time_point s0 = Clock::now();
       for (int li = 0; li < L; ++li) {
         const int layer = spec_.moe_layers[li];
@@ -293,7 +288,6 @@ class Bench {
         }
         moe += layer_moe;
         if (timed) {
-          layer_samples[li].push_back(layer_moe);
           int missed_experts = 0;
           submit_t.push_back(st[0].submit_s + st[1].submit_s);
           wait_t.push_back(st[0].wait_s + st[1].wait_s);
@@ -303,24 +297,20 @@ class Bench {
             copied += s.copied_pairs;
             missed_experts += s.cpu_experts + s.copied_experts;
           }
-          ideal += missed_experts * static_cast<double>(spec_.ExpertBf16Bytes()) / (dram_gbps_ * 1e9);
+          cpu_floor += missed_experts * static_cast<double>(spec_.ExpertBf16Bytes()) / (dram_gbps_ * 1e9);
         }
       }
       if (timed) {
         step_t.push_back(Sec(s0));
         moe_t.push_back(moe);
-        // The ideal step: max(GPU time, CPU time at DRAM bandwidth) — the GPU
-        // time being the ceiling's whole step (attention + every expert on
-        // the device), the CPU time the bytes of every expert this run did not
-        // have cached (whether it sent them to the CPU or copied them) over
-        // the measured DRAM bandwidth.
-        ideal_t.push_back(std::max(ceiling_step_, ideal));
+        // The CPU side of the ideal: the bytes of every expert this run did
+        // not have cached (sent to the CPU or copied) over the DRAM bandwidth.
+        cpu_floor_t.push_back(cpu_floor);
       }
     }
-    for (int li = 0; li < L; ++li) layer_t_[li] = Median(layer_samples[li]);
     r.step_s = Median(step_t);
     r.moe_s = Median(moe_t);
-    r.ideal_s = Median(ideal_t);
+    r.cpu_floor_s = Median(cpu_floor_t);
     r.submit_s = Median(submit_t);
     r.wait_s = Median(wait_t);
     const double pairs = static_cast<double>(hits + cpu + copied);
@@ -328,7 +318,6 @@ class Bench {
     r.cpu_share = pairs > 0 ? cpu / pairs : 0;
     r.copied_share = pairs > 0 ? copied / pairs : 0;
     if (d->cost_model().measured) cost_ = d->cost_model().Describe();
-    if (ceiling_layer == nullptr && policy == CachePolicyKind::kStatic && C == spec_.num_experts) ceiling_step_ = r.step_s;
     return r;
   }
 
@@ -369,20 +358,16 @@ class Bench {
     return attn_.get();
   }
 
-  const std::vector<double>& layer_times() const { return layer_t_; }
   const std::string& cost() const { return cost_; }
 
  private:
   const Options& o_;
   const ModelSpec& spec_;
-  const ModelSource& source_;
   std::string shm_;
   HostExpertStore* host_;
   double dram_gbps_;
-  std::vector<double> layer_t_;
   std::string cost_;
   std::unique_ptr<AttentionStep> attn_;
-  double ceiling_step_ = 0;
 };
 
 std::string Ms(double s) { return absl::StrFormat("%.3f", s * 1e3); }
@@ -478,7 +463,7 @@ int Main(int argc, char** argv) {
   std::unique_ptr<HostExpertStore> host = Value(HostExpertStore::Load(*source, spec.moe_layers, pin.get()), "host store");
   LogInfo("bench", "host expert store: ", host->bytes() >> 20, " MiB in ", Sec(h0), " s; DRAM ", dram_gbps, " GB/s");
 
-  Bench bench(o, spec, *source, shm, pin.get(), host.get(), dram_gbps);
+  Bench bench(o, spec, shm, host.get(), dram_gbps);
   const std::vector<std::string> modes = absl::StrSplit(o.modes, ',', absl::SkipEmpty());
   auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
   const int L = static_cast<int>(spec.moe_layers.size());
@@ -495,22 +480,25 @@ int Main(int argc, char** argv) {
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (int T : Ints(o.batches)) {
     // Ceiling: every expert resident, nothing missed.
-    RunResult ceil = bench.Run(T, spec.num_experts, CachePolicyKind::kStatic, CopyMode::kNever, false, nullptr);
-    const std::vector<double> ceil_layer = bench.layer_times();
+    RunResult ceil = bench.Run(T, spec.num_experts, CachePolicyKind::kStatic, CopyMode::kNever, false);
     const double copy_all_step = ceil.step_s - ceil.moe_s + L * std::max(copy_all_layer, ceil.moe_s / L);
     for (int pct : Ints(o.cache)) {
       const int C = std::max(0, std::min(spec.num_experts, static_cast<int>(std::lround(pct / 100.0 * spec.num_experts))));
       RunResult ours, dual, lru;
-      if (has("ours")) ours = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false, &ceil_layer);
-      if (has("ours-dual") && T >= 2) dual = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true, &ceil_layer);
-      if (has("lru-copy")) lru = bench.Run(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false, nullptr);
+      if (has("ours")) ours = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false);
+      if (has("ours-dual") && T >= 2) dual = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true);
+      if (has("lru-copy")) lru = bench.Run(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false);
+      // The ideal step: max(GPU time, CPU time at DRAM bandwidth) — the
+      // ceiling's whole step (attention + every expert on the device), and
+      // ours' uncached experts' bytes over the measured bandwidth.
+      const double ideal = std::max(ceil.step_s, ours.cpu_floor_s);
       auto opt = [](bool ran, double v) { return ran ? Ms(v) : std::string("-"); };
-      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %.2f | %.2f | %.0f%% | %.0f%% | %.0f%% | %s / %s |\n", T,
+      const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
+      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %.2f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s |\n", T,
                   pct, C, Ms(ceil.step_s).c_str(), Ms(ours.step_s).c_str(), Ms(ours.moe_s / L).c_str(),
                   opt(has("ours-dual") && T >= 2, dual.step_s).c_str(), opt(has("lru-copy"), lru.step_s).c_str(),
                   opt(has("copy-all"), copy_all_step).c_str(),
-                  Ms(ours.ideal_s).c_str(), ours.ideal_s > 0 ? ours.step_s / ours.ideal_s : 0.0,
-                  ours.step_s > 0 ? lru.step_s / ours.step_s : 0.0, 100 * ours.hit_rate, 100 * ours.cpu_share,
+                  Ms(ideal).c_str(), ours.step_s / ideal, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
                   100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str());
       std::fflush(stdout);
     }

@@ -221,7 +221,7 @@ int Main(int argc, char** argv) {
   std::vector<double> ref;
   // Per layer and window (0: the first quarter, before any placement; 1: the last quarter).
   std::vector<std::array<uint64_t, 2>> hit(L, {0, 0}), all(L, {0, 0});
-  uint64_t cpu_pairs = 0, copied_pairs = 0, hit_pairs = 0, tokens_done = 0;
+  uint64_t cpu_pairs = 0, copied_pairs = 0, tokens_done = 0;
   double max_err = 0;
   int checks = 0;
   const int before_end = std::max(1, steps / 4), after_begin = steps - std::max(1, steps / 4);
@@ -248,7 +248,6 @@ int Main(int argc, char** argv) {
       if (absl::Status st = (*client)->ForwardLayer(layer, {&b}); !st.ok())
         Fail(absl::StrCat("ForwardLayer(layer ", layer, ") failed: ", st.ToString()));
       const uint64_t h = b.stats.hit_pairs(), a = h + b.stats.cpu_pairs() + b.stats.copied_pairs();
-      hit_pairs += h;
       cpu_pairs += b.stats.cpu_pairs();
       copied_pairs += b.stats.copied_pairs();
       recent_hits += h;
@@ -315,7 +314,6 @@ int Main(int argc, char** argv) {
     return 1;
   }
   std::printf("  all processes stopped; ok\n");
-  (void)hit_pairs;
   return 0;
 }
 

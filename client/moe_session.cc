@@ -41,6 +41,7 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   c.contexts = o.contexts;
   c.deadline = o.deadline;
   c.transport.tls = o.tls;
+  c.backend.cpu_threads = o.cpu_threads;
   c.on_access = o.on_access;
 
   absl::StatusOr<std::unique_ptr<DeviceBackend>> backend = MakeDeviceBackend(o.device);

@@ -26,10 +26,8 @@
 int main(int argc, char** argv) {
   moe::CoordinatorPolicy policy;
   std::string listen = "0.0.0.0:50100", placement = moe::PlacementModeName(policy.placement), state_file;
-  std::string tls_cert, tls_key, tls_ca, metrics_address = "0.0.0.0";
-  bool insecure = false;
   double heartbeat_timeout = 5.0;
-  int64_t heartbeat_interval_ms = 200, drain_seconds = 5, metrics_port = -1;
+  int64_t heartbeat_interval_ms = 200, drain_seconds = 5;
   moe::FlagSet flags("moe-coordinator",
                      "[--listen ADDR] [--state-file FILE] (--insecure | --tls-cert C --tls-key K [--tls-ca CA]) [flags]\n"
                      "Coordinates the GPU workers' expert caches and the CPU expert servers; moectl talks to it.");
@@ -56,13 +54,8 @@ int main(int argc, char** argv) {
                "JSON file of admin overrides (pins, policy, drains), written atomically and reloaded at start; "
                "empty: not persisted");
   flags.Int("drain-seconds", &drain_seconds, "on SIGTERM/SIGINT, how long open calls may take to finish");
-  flags.Int("metrics-port", &metrics_port,
-            "serve Prometheus metrics on http://ADDRESS:PORT/metrics (-1 = off, 0 = a free port, printed at start)");
-  flags.String("metrics-address", &metrics_address, "address the metrics endpoint binds to");
-  flags.String("tls-cert", &tls_cert, "PEM certificate chain of this server (gRPC over TLS)");
-  flags.String("tls-key", &tls_key, "PEM private key of this server");
-  flags.String("tls-ca", &tls_ca, "PEM CA bundle: when set, clients must present a certificate it signed (mTLS)");
-  flags.Bool("insecure", &insecure, "serve gRPC in plaintext (only on trusted networks; TLS flags are needed otherwise)");
+  moe::ServiceFlags service_flags;
+  service_flags.Register(flags);
   flags.Parse(argc, argv);
   if (absl::Status s = moe::ParsePlacementMode(placement, &policy.placement); !s.ok())
     flags.Fail(absl::StrCat("--", s.message()));
@@ -72,8 +65,8 @@ int main(int argc, char** argv) {
   if (!(policy.replicate_share > 0)) flags.Fail("--replicate-share must be > 0");
   if (!(heartbeat_timeout > 0)) flags.Fail("--heartbeat-timeout-seconds must be > 0");
   if (heartbeat_interval_ms <= 0) flags.Fail("--heartbeat-interval-ms must be > 0");
-  if (metrics_port < -1 || metrics_port > 65535) flags.Fail("--metrics-port must be -1 (off), 0 (a free port) or a port");
-  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, ""};
+  if (absl::Status st = service_flags.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
+  const moe::TlsOptions& tls = service_flags.tls;
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
 
@@ -104,7 +97,7 @@ int main(int argc, char** argv) {
   (*coordinator)->Start();
   moe::CoordinatorMetrics metrics(moe::Metrics(), **coordinator);
   absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> metrics_started =
-      moe::StartMetricsEndpoint("coordinator", metrics_address, metrics_port);
+      moe::StartMetricsEndpoint("coordinator", service_flags);
   if (!metrics_started.ok()) flags.Fail(std::string(metrics_started.status().message()), 1);
   std::unique_ptr<moe::MetricsHttpServer> metrics_http = *std::move(metrics_started);
   const moe::CoordinatorPolicy& p = policy;
@@ -115,7 +108,7 @@ int main(int argc, char** argv) {
   // Line 1 is what scripts and tests wait for; line 2 (only with --metrics-port)
   // names the metrics port, the chosen one when it was 0.
   std::printf("moe-coordinator ready on %s\n", bound.c_str());
-  if (metrics_http) std::printf("moe-coordinator metrics on %s:%d\n", metrics_address.c_str(), metrics_http->port());
+  if (metrics_http) std::printf("moe-coordinator metrics on %s:%d\n", service_flags.metrics_address.c_str(), metrics_http->port());
   std::fflush(stdout);
 
   int sig = 0;

@@ -55,9 +55,8 @@ std::string RangeText(const std::vector<int>& v) {
 
 int main(int argc, char** argv) {
   std::string model, listen = "0.0.0.0:50051", layers_flag, experts_flag, numa = "auto", kernel_name = "auto";
-  std::string shm_socket, shm_uids, tls_cert, tls_key, tls_ca, metrics_address = "0.0.0.0", coordinator, server_id;
-  bool insecure = false;
-  int64_t threads = 0, max_tokens = 8192, drain_seconds = 30, metrics_port = -1, idle_spin_us = 50;
+  std::string shm_socket, shm_uids, coordinator, server_id;
+  int64_t threads = 0, max_tokens = 8192, drain_seconds = 30, idle_spin_us = 50;
   moe::FlagSet flags("moe-expert-server",
                      "--model DIR|synthetic:PRESET[:layers=N][:seed=S] [--listen ADDR] [flags]\n"
                      "Serves the routed experts of an MoE model from CPU memory (moe.v1.ExpertService).");
@@ -75,18 +74,13 @@ int main(int argc, char** argv) {
   flags.Int("drain-seconds", &drain_seconds, "on SIGTERM/SIGINT, how long in-flight requests may take to finish");
   flags.String("shm-socket", &shm_socket, "also serve same-host clients over shared memory on this Unix socket (mode 0660)");
   flags.String("shm-allow-uids", &shm_uids, "uids allowed on the shm socket, comma list (default: this process's uid)");
-  flags.String("tls-cert", &tls_cert, "PEM certificate chain of this server (gRPC over TLS)");
-  flags.String("tls-key", &tls_key, "PEM private key of this server");
-  flags.String("tls-ca", &tls_ca, "PEM CA bundle: when set, clients must present a certificate it signed (mTLS)");
-  flags.Bool("insecure", &insecure, "serve gRPC in plaintext (only on trusted networks; TLS flags are needed otherwise)");
-  flags.Int("metrics-port", &metrics_port,
-            "serve Prometheus metrics on http://ADDRESS:PORT/metrics (-1 = off, 0 = a free port, printed at start)");
-  flags.String("metrics-address", &metrics_address, "address the metrics endpoint binds to");
   flags.String("coordinator", &coordinator, "coordinator address host:port: register what this server hosts and heartbeat");
   flags.String("server-id", &server_id, "stable id of this server at the coordinator (default: HOSTNAME:PORT)");
+  moe::ServiceFlags service_flags;
+  service_flags.Register(flags);
   flags.Parse(argc, argv);
   if (model.empty()) flags.Fail("--model is required (see --help)");
-  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, ""};
+  const moe::TlsOptions& tls = service_flags.tls;
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
   std::vector<uid_t> allowed_uids;
@@ -96,7 +90,7 @@ int main(int argc, char** argv) {
     allowed_uids.assign(uids->begin(), uids->end());
   }
   if (max_tokens <= 0) flags.Fail("--max-tokens must be > 0");
-  if (metrics_port < -1 || metrics_port > 65535) flags.Fail("--metrics-port must be -1 (off), 0 (a free port) or a port");
+  if (absl::Status st = service_flags.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
 
   // Block termination signals in every thread; main waits for them with sigwait.
   sigset_t term = moe::BlockTerminationSignals();
@@ -211,7 +205,7 @@ int main(int argc, char** argv) {
     moe::LogInfo("server", "serving shared memory on unix://", shm_socket);
   }
   absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> metrics_started =
-      moe::StartMetricsEndpoint("server", metrics_address, metrics_port);
+      moe::StartMetricsEndpoint("server", service_flags);
   if (!metrics_started.ok()) flags.Fail(std::string(metrics_started.status().message()), 1);
   std::unique_ptr<moe::MetricsHttpServer> metrics_http = *std::move(metrics_started);
   // Coordinator: register what this server hosts; heartbeats carry the in-flight count.
@@ -239,7 +233,7 @@ int main(int argc, char** argv) {
   // Line 1 is what scripts and tests wait for; line 2 (only with --metrics-port)
   // names the metrics port, the chosen one when it was 0.
   std::printf("moe-expert-server ready on %s\n", bound.c_str());
-  if (metrics_http) std::printf("moe-expert-server metrics on %s:%d\n", metrics_address.c_str(), metrics_http->port());
+  if (metrics_http) std::printf("moe-expert-server metrics on %s:%d\n", service_flags.metrics_address.c_str(), metrics_http->port());
   std::fflush(stdout);
 
   int sig = 0;

@@ -111,6 +111,7 @@ struct LayerDispatcher::Impl {
   // Split scratch (per expert of a layer).
   std::vector<int32_t> hit_count, miss_count, hit_slot;
   std::vector<int> access_experts, access_pairs, missed, server_of;
+  std::vector<int32_t> rows, group_of;  // per server shipment rows; per expert hit group
   // Plan scratch.
   std::vector<int32_t> plan_buffer, plan_begin, plan_count, plan_token;
   std::vector<float> plan_weight;
@@ -189,7 +190,7 @@ absl::Status LayerDispatcher::Init() {
   if (!cache.ok()) return cache.status();
   cache_ = *std::move(cache);
 
-  BackendConfig bc;
+  BackendConfig bc = c.backend;  // the device knobs; the sizes follow from the model and the cache
   bc.hidden = spec_.hidden;
   bc.intermediate = spec_.intermediate;
   bc.num_buffers = C * static_cast<int>(layers_.size()) + temp;
@@ -259,7 +260,7 @@ absl::Status LayerDispatcher::MeasureRates() {
   for (bf16_t& v : x) v = F32ToBf16(dist(rng));
   // The fastest of several runs: the unloaded cost (a probe can only be slowed
   // down by noise — a page fault, a descheduled thread — never sped up).
-  auto median = [](std::vector<double> v) { return *std::min_element(v.begin(), v.end()); };
+  auto fastest = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
   // Copy.
   const int buf = impl_->temp_base;
   std::vector<double> t;
@@ -270,7 +271,7 @@ absl::Status LayerDispatcher::MeasureRates() {
     if (absl::Status st = backend_->WaitCopy(*f); !st.ok()) return st;
     t.push_back(Seconds(Clock::now() - t0));
   }
-  cost_.copy_s = median(t);
+  cost_.copy_s = fastest(t);
   // Device compute of one expert with m rows.
   auto device_time = [&](int m) -> absl::StatusOr<double> {
     std::vector<int32_t> buffer{buf}, begin{0}, count{m}, token(m);
@@ -285,7 +286,7 @@ absl::Status LayerDispatcher::MeasureRates() {
       if (absl::Status st = backend_->FinishCall(0, y.data(), MemoryKind::kHost); !st.ok()) return st;
       v.push_back(Seconds(Clock::now() - t0));
     }
-    return median(v);
+    return fastest(v);
   };
   absl::StatusOr<double> d1 = device_time(1), dm = device_time(rows);
   if (!d1.ok()) return d1.status();
@@ -322,7 +323,7 @@ absl::Status LayerDispatcher::MeasureRates() {
         return absl::Status(st.code(), absl::StrCat("servers: probing ", s.config.address, ": ", st.message()));
       v.push_back(Seconds(Clock::now() - t0));
     }
-    return median(v);
+    return fastest(v);
   };
   absl::StatusOr<double> c11 = cpu_time(1, 1), c12 = cpu_time(1, 2), cm1 = cpu_time(rows, 1);
   if (!c11.ok()) return c11.status();
@@ -380,6 +381,30 @@ absl::Status LayerDispatcher::ConnectServer(size_t index) {
   return absl::OkStatus();
 }
 
+// Starts the copies the cache planned into slots of `layer`, on the copy
+// queue after all compute submitted so far (an evicted slot may still be read
+// by earlier calls). A failed start aborts it and every copy after it, so no
+// slot stays Loading.
+absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotCopy>& copies) {
+  if (copies.empty()) return absl::OkStatus();
+  const uint64_t after = backend_->RecordCompute();
+  for (size_t i = 0; i < copies.size(); ++i) {
+    absl::StatusOr<uint64_t> f =
+        backend_->LoadExpert(SlotBuffer(layer, copies[i].slot), host_->Find(layer, copies[i].expert), after);
+    if (!f.ok()) {
+      for (size_t j = i; j < copies.size(); ++j) cache_->AbortCopy(copies[j]);
+      return f.status();
+    }
+    impl_->pending.push_back({copies[i], *f});
+    ++copies_started_;
+  }
+  return absl::OkStatus();
+}
+
+int LayerDispatcher::SlotBuffer(int layer, int slot) const {
+  return layer_index_[layer] * slots_per_layer() + slot;
+}
+
 int LayerDispatcher::PendingCopies() {
   PollCopies();
   return static_cast<int>(impl_->pending.size());
@@ -397,25 +422,10 @@ absl::Status LayerDispatcher::SetServerEnabled(const std::string& address, bool 
 absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>& experts) {
   if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not served by this worker"));
+  if (host_ == nullptr) return absl::FailedPreconditionError("assignment: the worker holds no host copy of the experts");
   absl::StatusOr<std::vector<SlotCopy>> copies = cache_->Assign(layer, experts);
   if (!copies.ok()) return copies.status();
-  const uint64_t after = backend_->RecordCompute();
-  for (const SlotCopy& copy : *copies) {
-    const bf16_t* src = host_ != nullptr ? host_->Find(layer, copy.expert) : nullptr;
-    if (src == nullptr) {
-      cache_->AbortCopy(copy);
-      return absl::FailedPreconditionError("assignment: the worker holds no host copy of the experts");
-    }
-    const int buffer = layer_index_[layer] * slots_per_layer() + copy.slot;
-    absl::StatusOr<uint64_t> f = backend_->LoadExpert(buffer, src, after);
-    if (!f.ok()) {
-      cache_->AbortCopy(copy);
-      return f.status();
-    }
-    impl_->pending.push_back({copy, *f});
-    ++copies_started_;
-  }
-  return absl::OkStatus();
+  return StartSlotCopies(layer, *copies);
 }
 
 absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
@@ -572,10 +582,13 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
 
   for (int e : m.missed) stats.cpu_experts += server_of[e] >= 0;
   // 1. Ship the CPU misses, per server, before any device compute is enqueued.
+  // host_offset: the shipment's first row in the context's send/recv buffers.
+  size_t offset = 0;
   for (size_t s = 0; s < m.servers.size(); ++s) {
     Server& server = m.servers[s];
     auto mine = [&](int e) { return e >= 0 && m.hit_slot[e] < 0 && server_of[e] == static_cast<int>(s); };
-    std::vector<int32_t> rows;
+    std::vector<int32_t>& rows = m.rows;
+    rows.clear();
     for (int t = 0; t < T; ++t)
       for (int j = 0; j < k; ++j)
         if (mine(ctx.ids[static_cast<size_t>(t) * k + j])) {
@@ -599,18 +612,11 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
           sh.weights[static_cast<size_t>(i) * k + j] = ctx.weights[src];
           ++stats.cpu_pairs;
         }
-      sh.host_offset = begin;
+      sh.host_offset = offset;
+      offset += n;
       stats.miss_tokens += n;
       stats.bytes_shipped += static_cast<uint64_t>(n) * (2 * H * sizeof(bf16_t) + k * 8);
       ctx.shipments.push_back(std::move(sh));
-    }
-  }
-  // host_offset must index the context's send/recv rows across servers.
-  {
-    size_t offset = 0;
-    for (Shipment& sh : ctx.shipments) {
-      sh.host_offset = offset;
-      offset += sh.n;
     }
   }
   for (Shipment& sh : ctx.shipments) {
@@ -642,12 +648,13 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
   m.plan_buffer.clear();
   m.plan_begin.clear();
   m.plan_count.clear();
-  std::vector<int32_t> group_of(E, -1);
+  std::vector<int32_t>& group_of = m.group_of;
+  group_of.assign(E, -1);
   int rows = 0, max_count = 0;
   for (int e : m.access_experts)
     if (m.hit_count[e] > 0) {
       group_of[e] = static_cast<int32_t>(m.plan_buffer.size());
-      m.plan_buffer.push_back(layer_index_[call.layer] * slots_per_layer() + m.hit_slot[e]);
+      m.plan_buffer.push_back(SlotBuffer(call.layer, m.hit_slot[e]));
       m.plan_begin.push_back(rows);
       m.plan_count.push_back(0);
       rows += m.hit_count[e];
@@ -693,8 +700,7 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
       std::vector<int32_t> tokens;
       std::vector<float> weights;
       pairs_of(copy.expert, &tokens, &weights);
-      const int buffer = layer_index_[call.layer] * slots_per_layer() + copy.slot;
-      absl::StatusOr<uint64_t> f = ComputeCopied(ticket, copy.expert, buffer, tokens, weights);
+      absl::StatusOr<uint64_t> f = ComputeCopied(ticket, copy.expert, SlotBuffer(call.layer, copy.slot), tokens, weights);
       if (!f.ok()) {
         cache_->AbortCopy(copy);
         return f.status();
@@ -717,17 +723,7 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
   if (host_ != nullptr && config_.policy != CachePolicyKind::kStatic &&
       config_.copy_mode != CopyMode::kAlways && !m.missed.empty() && config_.admissions_per_call > 0) {
     std::vector<SlotCopy> copies = cache_->PlanAdmissions(call.layer, m.missed, config_.admissions_per_call);
-    const uint64_t after = copies.empty() ? 0 : backend_->RecordCompute();
-    for (const SlotCopy& copy : copies) {
-      const int buffer = layer_index_[call.layer] * slots_per_layer() + copy.slot;
-      absl::StatusOr<uint64_t> f = backend_->LoadExpert(buffer, host_->Find(call.layer, copy.expert), after);
-      if (!f.ok()) {
-        cache_->AbortCopy(copy);
-        return f.status();
-      }
-      m.pending.push_back({copy, *f});
-      ++copies_started_;
-    }
+    if (absl::Status st = StartSlotCopies(call.layer, copies); !st.ok()) return st;
   }
   return absl::OkStatus();
 }

@@ -84,6 +84,9 @@ struct DispatcherConfig {
   std::chrono::milliseconds deadline{30000};  // per call
   std::chrono::milliseconds server_retry{1000};  // a failed server is skipped this long
   bool measure_rates = true;       // probe PCIe / device / CPU rates at Create
+  // Device knobs passed to DeviceBackend::Init (cpu_threads, cpu_kernel,
+  // cuda_device); its sizes (hidden, buffers, tokens, contexts) are set here.
+  BackendConfig backend;
   // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
   // all hits or all misses (e.g. CoordinatorAgent::RecordAccess). Optional.
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
@@ -177,6 +180,8 @@ class LayerDispatcher {
                                          const std::vector<float>& weights);
   void Abort(int ticket);
   absl::Status ConnectServer(size_t index);  // (re)connects servers[index]
+  absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies);
+  int SlotBuffer(int layer, int slot) const;  // the backend buffer of a cache slot
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

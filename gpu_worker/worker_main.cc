@@ -28,9 +28,7 @@
 
 int main(int argc, char** argv) {
   std::string model, servers_flag, device = "auto", policy, copy_mode = "auto", layers_flag;
-  std::string listen = "0.0.0.0:50061", tls_cert, tls_key, tls_ca, coordinator, worker_id, metrics_address = "0.0.0.0";
-  int64_t metrics_port = -1;
-  bool insecure = false;
+  std::string listen = "0.0.0.0:50061", coordinator, worker_id;
   int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000;
   double cache_gib = 0;
   moe::FlagSet flags("moe-gpu-worker",
@@ -49,9 +47,6 @@ int main(int argc, char** argv) {
                "default: static with --coordinator, else lru");
   flags.String("coordinator", &coordinator, "coordinator address host:port: register, receive cache placements, report stats");
   flags.String("worker-id", &worker_id, "stable id of this worker at the coordinator (default: HOSTNAME:PORT)");
-  flags.Int("metrics-port", &metrics_port,
-            "serve Prometheus metrics on http://ADDRESS:PORT/metrics (-1 = off, 0 = a free port, printed at start)");
-  flags.String("metrics-address", &metrics_address, "address the metrics endpoint binds to");
   flags.String("copy-mode", &copy_mode,
                "uncached experts: auto (copy to the GPU when measured rates say it pays), never, always");
   flags.String("layers", &layers_flag, "MoE layers served (default: all)");
@@ -60,16 +55,14 @@ int main(int argc, char** argv) {
   flags.Int("cpu-threads", &cpu_threads, "cpu backend: compute threads (0 = all)");
   flags.Int("deadline-ms", &deadline_ms, "per-call deadline for the expert servers");
   flags.String("listen", &listen, "gRPC address to listen on (port 0 picks a free port)");
-  flags.String("tls-cert", &tls_cert, "PEM certificate (served, and presented to expert servers)");
-  flags.String("tls-key", &tls_key, "PEM private key");
-  flags.String("tls-ca", &tls_ca, "PEM CA bundle: verify expert servers with it and require client certificates");
-  flags.Bool("insecure", &insecure, "plaintext gRPC, to engines and to expert servers (trusted networks only)");
+  moe::ServiceFlags service_flags;
+  service_flags.Register(flags, "expert servers and the coordinator");
   flags.Parse(argc, argv);
   if (model.empty()) flags.Fail("--model is required (see --help)");
   if (servers_flag.empty()) flags.Fail("--servers is required (see --help)");
   if (policy.empty()) policy = coordinator.empty() ? "lru" : "static";
-  if (metrics_port < -1 || metrics_port > 65535) flags.Fail("--metrics-port must be -1 (off), 0 (a free port) or a port");
-  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, ""};
+  if (absl::Status st = service_flags.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
+  const moe::TlsOptions& tls = service_flags.tls;
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
 
@@ -150,11 +143,11 @@ int main(int argc, char** argv) {
     moe::LogInfo("worker", "coordinator ", coordinator, " as ", reg.worker_id);
   }
   absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> metrics_started =
-      moe::StartMetricsEndpoint("worker", metrics_address, metrics_port);
+      moe::StartMetricsEndpoint("worker", service_flags);
   if (!metrics_started.ok()) flags.Fail(std::string(metrics_started.status().message()), 1);
   std::unique_ptr<moe::MetricsHttpServer> metrics_http = *std::move(metrics_started);
   std::printf("moe-gpu-worker ready on %s\n", bound.c_str());
-  if (metrics_http) std::printf("moe-gpu-worker metrics on %s:%d\n", metrics_address.c_str(), metrics_http->port());
+  if (metrics_http) std::printf("moe-gpu-worker metrics on %s:%d\n", service_flags.metrics_address.c_str(), metrics_http->port());
   std::fflush(stdout);
 
   int sig = 0;

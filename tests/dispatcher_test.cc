@@ -108,6 +108,21 @@ class DispatcherTest : public ::testing::TestWithParam<Param> {
     return c;
   }
 
+  // One expert server and a static cache of C slots per layer.
+  DispatcherConfig StaticConfig(int C) {
+    DispatcherConfig c = Config({StartServer()});
+    c.policy = CachePolicyKind::kStatic;
+    c.slots_per_layer = C;
+    return c;
+  }
+
+  // Places `experts` in `layer`'s cache and waits until their copies completed.
+  static ::testing::AssertionResult Place(LayerDispatcher& d, int layer, const std::vector<int>& experts) {
+    if (absl::Status st = d.ApplyAssignment(layer, experts); !st.ok()) return ::testing::AssertionFailure() << st;
+    if (absl::Status st = d.FlushCopies(); !st.ok()) return ::testing::AssertionFailure() << st;
+    return ::testing::AssertionSuccess();
+  }
+
   std::unique_ptr<LayerDispatcher> Make(DispatcherConfig c, bool host_copy = true) {
     backend_ = *MakeDeviceBackend(backend_name());
     if (host_copy) host_ = *HostExpertStore::Load(*source_, {1, 2}, backend_.get(), 2);
@@ -151,18 +166,14 @@ ReferenceMoe* DispatcherTest::reference_ = nullptr;
 
 // Point 3: 0%, partial and 100% hits; T = 0, 1, many; top-k 1..8; holes.
 TEST_P(DispatcherTest, EveryMixOfHitsMatchesTheReference) {
-  const std::string addr = StartServer();
-  DispatcherConfig c = Config({addr});
-  c.policy = CachePolicyKind::kStatic;
-  c.slots_per_layer = 8;
+  DispatcherConfig c = StaticConfig(8);
   std::unique_ptr<LayerDispatcher> d = Make(c);
   ASSERT_NE(d, nullptr);
   uint64_t seed = 1;
   for (int cached : {0, 3, 8}) {
     std::vector<int> resident(cached);
     for (int i = 0; i < cached; ++i) resident[i] = (i * 3) % 8;  // 0,3,6,1,4,7,2,5
-    for (int layer : {1, 2}) ASSERT_TRUE(d->ApplyAssignment(layer, resident).ok());
-    ASSERT_TRUE(d->FlushCopies().ok());
+    for (int layer : {1, 2}) ASSERT_TRUE(Place(*d, layer, resident));
     for (int T : {0, 1, 7, 70})
       for (int k : {1, 2, 5, 8}) {
         const int layer = 1 + (seed & 1);
@@ -186,14 +197,10 @@ TEST_P(DispatcherTest, EveryMixOfHitsMatchesTheReference) {
 }
 
 TEST_P(DispatcherTest, TokensWhoseExpertsAreAllMisses) {
-  const std::string addr = StartServer();
-  DispatcherConfig c = Config({addr});
-  c.policy = CachePolicyKind::kStatic;
-  c.slots_per_layer = 4;
+  DispatcherConfig c = StaticConfig(4);
   std::unique_ptr<LayerDispatcher> d = Make(c);
   ASSERT_NE(d, nullptr);
-  ASSERT_TRUE(d->ApplyAssignment(2, {0, 1, 2, 3}).ok());
-  ASSERT_TRUE(d->FlushCopies().ok());
+  ASSERT_TRUE(Place(*d, 2, {0, 1, 2, 3}));
   // First half: only cached experts; second half: only uncached ones.
   Batch hot = RandomBatch(20, 2, {0, 1, 2, 3}, 5), cold = RandomBatch(20, 2, {4, 5, 6, 7}, 6);
   Batch b = hot;
@@ -243,16 +250,12 @@ TEST_P(DispatcherTest, LruAdmitsMissedExpertsAfterTheirCopy) {
 // Point 4: experts with many tokens are copied and computed on the device;
 // the rest still goes to the CPU. kAlways is the copy-every-miss baseline.
 TEST_P(DispatcherTest, CopyInsteadOfComputeForExpertsWithManyTokens) {
-  const std::string addr = StartServer();
-  DispatcherConfig c = Config({addr});
-  c.policy = CachePolicyKind::kStatic;
-  c.slots_per_layer = 2;
+  DispatcherConfig c = StaticConfig(2);
   c.copy_min_tokens = 40;
   c.miss_buffers = 1;  // one buffer per parity: copies must wait for the compute before them
   std::unique_ptr<LayerDispatcher> d = Make(c);
   ASSERT_NE(d, nullptr);
-  ASSERT_TRUE(d->ApplyAssignment(1, {0, 1}).ok());
-  ASSERT_TRUE(d->FlushCopies().ok());
+  ASSERT_TRUE(Place(*d, 1, {0, 1}));
   // Experts 2 and 3 get every token (copied); 4..7 a few each (CPU).
   Batch b = RandomBatch(64, 3, {4, 5, 6, 7}, 12);
   for (int t = 0; t < 64; ++t) {
@@ -289,14 +292,10 @@ TEST_P(DispatcherTest, CopyEveryMissBaselineUsesNoServer) {
 
 // Point 5: two micro-batches in flight; B's hits run while A's misses are out.
 TEST_P(DispatcherTest, DualBatchCallsCompleteInAnyOrder) {
-  const std::string addr = StartServer();
-  DispatcherConfig c = Config({addr});
-  c.policy = CachePolicyKind::kStatic;
-  c.slots_per_layer = 4;
+  DispatcherConfig c = StaticConfig(4);
   std::unique_ptr<LayerDispatcher> d = Make(c);
   ASSERT_NE(d, nullptr);
-  ASSERT_TRUE(d->ApplyAssignment(1, {1, 3, 5, 7}).ok());
-  ASSERT_TRUE(d->FlushCopies().ok());
+  ASSERT_TRUE(Place(*d, 1, {1, 3, 5, 7}));
   Batch a = RandomBatch(33, 2, AllExperts(), 30), b = RandomBatch(17, 4, AllExperts(), 31);
   std::vector<bf16_t> oa, ob;
   absl::StatusOr<int> ta = d->Submit(Call(1, a, &oa));
@@ -322,8 +321,7 @@ TEST_P(DispatcherTest, BadInputIsRejectedNamingTheField) {
   absl::Status s = d->Forward(Call(1, b, &out));
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
   EXPECT_NE(s.message().find("expert_ids"), std::string::npos) << s;
-  b.ids[3] = 1 - b.ids[2] + b.ids[2];  // a valid id again (maybe a duplicate)
-  b.ids[3] = b.ids[2] == 1 ? 2 : 1;
+  b.ids[3] = b.ids[2] == 1 ? 2 : 1;  // a valid id again, distinct from the token's other one
   b.w[5] = NAN;
   s = d->Forward(Call(1, b, &out));
   EXPECT_NE(s.message().find("expert_weights"), std::string::npos) << s;
@@ -462,14 +460,10 @@ TEST_P(DispatcherTest, UnreachableServerAtStartIsRetriedLater) {
 // Engines hand over device pointers: hidden, routing and output in GPU memory.
 TEST_P(DispatcherTest, DevicePointersOnTheCudaBackend) {
   if (backend_name() != "cuda") GTEST_SKIP() << "device pointers need the cuda backend";
-  const std::string a = StartServer();
-  DispatcherConfig c = Config({a});
-  c.policy = CachePolicyKind::kStatic;
-  c.slots_per_layer = 3;
+  DispatcherConfig c = StaticConfig(3);
   std::unique_ptr<LayerDispatcher> d = Make(c);
   ASSERT_NE(d, nullptr);
-  ASSERT_TRUE(d->ApplyAssignment(2, {1, 4, 6}).ok());
-  ASSERT_TRUE(d->FlushCopies().ok());
+  ASSERT_TRUE(Place(*d, 2, {1, 4, 6}));
   for (int T : {1, 37}) {
     Batch b = RandomBatch(T, 3, AllExperts(), 200 + T, /*holes=*/true);
     void *x = nullptr, *ids = nullptr, *w = nullptr, *o = nullptr;

@@ -3,7 +3,10 @@
 // (WorkerService), both against a real expert server process over shm.
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
 
@@ -197,12 +200,18 @@ TEST_F(WorkerTest, WorkerProcessServesForwardLayerOverGrpc) {
 }
 
 TEST_F(WorkerTest, WorkerRefusesBadFlagsWithOneLine) {
+  const std::string err = dir_.path() + "/worker.err";
   Subprocess worker(testing::BinaryPath("moe-gpu-worker"),
                     {std::string("--model=") + kModel, "--servers=unix://" + socket_, "--device=cpu",
-                     "--policy=bogus", "--insecure"});
+                     "--policy=bogus", "--insecure"},
+                    err);
   const int status = worker.Wait(std::chrono::seconds(20));
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_NE(WEXITSTATUS(status), 0);
+  std::ifstream f(err);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 1) << text;
+  EXPECT_NE(text.find("policy"), std::string::npos) << text;
 }
 
 }  // namespace
