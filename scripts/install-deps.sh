@@ -5,9 +5,13 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libdnnl-dev libhwloc-dev nlohmann-json3-dev
-  libgtest-dev libgmock-dev openssl xz-utils
+  libabsl-dev libdnnl-dev ocl-icd-opencl-dev libhwloc-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev openssl xz-utils git ca-certificates
+  clang libclang-rt-14-dev
 )
+# ocl-icd-opencl-dev: Debian's libdnnl-dev only *recommends* it, but its CMake
+# config (dnnl-config.cmake) calls find_package(OpenCL) and fails without it.
+# clang + libclang-rt-14-dev: the libFuzzer target (tests/shm_fuzz_main.cc).
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
