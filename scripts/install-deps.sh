@@ -7,11 +7,15 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev libhwloc-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev openssl xz-utils git ca-certificates
-  clang libclang-rt-14-dev
 )
 # ocl-icd-opencl-dev: Debian's libdnnl-dev only *recommends* it, but its CMake
 # config (dnnl-config.cmake) calls find_package(OpenCL) and fails without it.
+# Test-only tools, left out when MOE_SKIP_TEST_DEPS=1 (the container image's
+# build stage, which builds no tests):
 # clang + libclang-rt-14-dev: the libFuzzer target (tests/shm_fuzz_main.cc).
+if [[ "${MOE_SKIP_TEST_DEPS:-0}" != 1 ]]; then
+  packages+=(clang libclang-rt-14-dev)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
