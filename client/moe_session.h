@@ -60,7 +60,7 @@ struct SessionOptions {
   std::string device = "auto";         // auto | cuda | cpu
   int cache_experts_per_layer = 0;     // C; or derive it from cache_gib
   double cache_gib = 0;
-  std::string policy = "lru";          // static | lru | lfru
+  std::string policy = "predictive";   // predictive | static | lru | lfru
   std::string copy_mode = "auto";      // auto | never | always
   int max_tokens = 1024;               // largest T of one call
   int max_top_k = 8;
