@@ -67,22 +67,26 @@ class CopyQueue {
   uint64_t count_ = 0;
 };
 
+StepTimeModel TimeModel(const ReplayConfig& c) {
+  StepTimeModel m;
+  m.expert_bytes = static_cast<double>(c.expert_bytes);
+  m.dram_bytes_per_second = c.dram_bytes_per_second;
+  m.pcie_bytes_per_second = c.pcie_bytes_per_second;
+  m.pair_seconds = c.pair_seconds;
+  return m;
+}
+
 // CPU time of one layer's misses (no contention).
 double MissSeconds(const ReplayConfig& c, int missed_experts, uint64_t missed_pairs) {
-  const double expert_s = c.dram_bytes_per_second > 0 ? double(c.expert_bytes) / c.dram_bytes_per_second : 0.0;
-  return missed_experts * expert_s + double(missed_pairs) * c.pair_seconds;
+  return TimeModel(c).MissSeconds(missed_experts, static_cast<double>(missed_pairs));
 }
 
 // Duration of a layer that starts at `start` with these misses while the link
 // is busy until `link_busy_until` (see the header's time model).
 double LayerSeconds(const ReplayConfig& c, int num_layers, int missed_experts, uint64_t missed_pairs, double start,
                     double link_busy_until) {
-  double cpu = MissSeconds(c, missed_experts, missed_pairs);
-  if (cpu > 0 && c.pcie_bytes_per_second > 0 && c.dram_bytes_per_second > 0) {
-    const double overlap = std::clamp(link_busy_until - start, 0.0, cpu);
-    cpu += overlap * c.pcie_bytes_per_second / c.dram_bytes_per_second;
-  }
-  return c.step_seconds / num_layers + cpu;
+  return TimeModel(c).LayerSeconds(c.step_seconds / num_layers, missed_experts, static_cast<double>(missed_pairs),
+                                   link_busy_until - start);
 }
 
 absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, const ReplayConfig& c,

@@ -11,6 +11,19 @@ namespace {
 constexpr double kIntervalSmoothing = 0.25;  // EMA weight of a new layer-interval sample
 }  // namespace
 
+double StepTimeModel::MissSeconds(int missed_experts, double missed_pairs) const {
+  const double expert_s = dram_bytes_per_second > 0 ? expert_bytes / dram_bytes_per_second : 0.0;
+  return missed_experts * expert_s + missed_pairs * pair_seconds;
+}
+
+double StepTimeModel::LayerSeconds(double device_s, int missed_experts, double missed_pairs,
+                                   double link_busy_s) const {
+  double cpu = MissSeconds(missed_experts, missed_pairs);
+  if (cpu > 0 && pcie_bytes_per_second > 0 && dram_bytes_per_second > 0)
+    cpu += std::clamp(link_busy_s, 0.0, cpu) * pcie_bytes_per_second / dram_bytes_per_second;
+  return device_s + cpu;
+}
+
 absl::StatusOr<std::unique_ptr<AdmissionPolicy>> AdmissionPolicy::Create(const AdmissionConfig& c) {
   if (c.expert_bytes == 0) return absl::InvalidArgumentError("admission policy: expert_bytes must be > 0");
   const AdmissionCosts& k = c.costs;

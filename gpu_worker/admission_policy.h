@@ -32,6 +32,24 @@
 
 namespace moe {
 
+// The step-time model of a layer run shared by cache_replay and moe-demo: the
+// device part plus the CPU's misses — a missed expert streams its bytes from
+// host DRAM, a missed pair costs pair_seconds — plus the host DRAM the copy
+// engine takes from that CPU work while both run (the link's busy time
+// overlapping it, times pcie / dram bandwidth). Defaults: the GPU host
+// (shared/PERF.md: oneDNN AMX streams 94 GB/s of weights, PCIe 55 GB/s).
+struct StepTimeModel {
+  double expert_bytes = 0;
+  double dram_bytes_per_second = 94e9;
+  double pcie_bytes_per_second = 55e9;  // 0: copies instant (no contention)
+  double pair_seconds = 0;
+  // CPU time of these misses, without contention.
+  double MissSeconds(int missed_experts, double missed_pairs) const;
+  // One layer run: `device_s` plus the misses, with the link busy for
+  // `link_busy_s` from the run's start.
+  double LayerSeconds(double device_s, int missed_experts, double missed_pairs, double link_busy_s) const;
+};
+
 // Seconds, from the worker's measured CostModel or the replay's flags.
 struct AdmissionCosts {
   double copy_s = 0;         // one expert over the host->device link
