@@ -72,6 +72,8 @@ struct SessionOptions {
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
   // Per-call access counts, e.g. for a coordinator agent (see DispatcherConfig::on_access).
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
+  // Cache copies and prediction scores per layer (DispatcherConfig::on_cache_activity).
+  std::function<void(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used)> on_cache_activity;
 };
 
 class MoeSession {

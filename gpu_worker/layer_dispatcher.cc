@@ -417,6 +417,7 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
     }
     impl_->pending.push_back({copies[i], *f});
     ++copies_started_;
+    if (config_.on_cache_activity) config_.on_cache_activity(layer, 1, spec_.ExpertBf16Bytes(), 0, 0);
   }
   return absl::OkStatus();
 }
@@ -790,9 +791,13 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
   // next layers' predicted experts; lru/lfru admit this call's misses.
   if (admission_ != nullptr && host_ != nullptr && config_.copy_mode != CopyMode::kAlways) {
     const double now = Seconds(Clock::now() - epoch_);
+    const PredictionQuality before = admission_->predictor().quality(call.layer);
     absl::StatusOr<std::vector<SlotCopy>> planned =
         admission_->OnLayer(*cache_, call.layer, T, k, ctx.ids.data(), now, std::max(now, link_free_s_));
     if (!planned.ok()) return planned.status();
+    const PredictionQuality& after = admission_->predictor().quality(call.layer);
+    if (config_.on_cache_activity && after.predicted > before.predicted)
+      config_.on_cache_activity(call.layer, 0, 0, after.predicted - before.predicted, after.correct - before.correct);
     if (!planned->empty()) link_free_s_ = std::max(now, link_free_s_) + cost_.copy_s * planned->size();
     // Copies into the next layers' slots (StartSlotCopies orders them after
     // the compute recorded so far, so slots of earlier calls are read first).

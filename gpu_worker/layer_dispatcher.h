@@ -97,6 +97,10 @@ struct DispatcherConfig {
   // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
   // all hits or all misses (e.g. CoordinatorAgent::RecordAccess). Optional.
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
+  // Cache activity, optional: a copy into `layer`'s slots started (copies,
+  // bytes), or the predictive policy scored its prediction of a run of
+  // `layer` (experts predicted, of them used).
+  std::function<void(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used)> on_cache_activity;
 };
 
 // Rates measured at Create (seconds); the copy-instead decision uses them.

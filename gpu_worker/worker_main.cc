@@ -93,6 +93,14 @@ int main(int argc, char** argv) {
       if (moe::CoordinatorAgent* a = agent_ptr.load(std::memory_order_acquire))
         a->RecordAccess(layer, expert, static_cast<uint64_t>(pairs), hit);
     };
+  std::atomic<moe::WorkerMetrics*> metrics_ptr{nullptr};
+  o.on_cache_activity = [&agent_ptr, &metrics_ptr](int layer, uint64_t copies, uint64_t bytes, uint64_t predicted,
+                                                   uint64_t used) {
+    if (moe::WorkerMetrics* m = metrics_ptr.load(std::memory_order_acquire))
+      m->RecordCacheActivity(layer, copies, bytes, predicted, used);
+    if (moe::CoordinatorAgent* a = agent_ptr.load(std::memory_order_acquire))
+      a->RecordLayerActivity(layer, copies, bytes, predicted, used);
+  };
   absl::StatusOr<std::unique_ptr<moe::MoeSession>> session = moe::MoeSession::Open(o);
   if (!session.ok()) flags.Fail(std::string(session.status().message()), 1);
   moe::LogInfo("worker", (*session)->Describe());
@@ -100,6 +108,7 @@ int main(int argc, char** argv) {
   const moe::ModelSpec& spec = (*session)->spec();
   const std::vector<int> served = o.layers.empty() ? spec.moe_layers : o.layers;
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
+  metrics_ptr.store(&metrics, std::memory_order_release);
   std::mutex mu;
   moe::WorkerServiceImpl service(**session, mu, policy, o.servers, &metrics);
   grpc::EnableDefaultHealthCheckService(true);
