@@ -232,6 +232,9 @@ absl::Status Coordinator::ValidateCounts(
     if (c.hits_size() != 0 && c.hits_size() != c.experts_size())
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".hits: ", c.hits_size(), " entries for ", c.experts_size(), " experts"));
+    if (c.predicted_used() > c.predicted())
+      return absl::InvalidArgumentError(absl::StrCat(field, ".predicted_used: ", c.predicted_used(),
+                                                     " exceeds predicted ", c.predicted()));
     for (int j = 0; j < c.experts_size(); ++j) {
       if (c.experts(j) >= ne)
         return absl::InvalidArgumentError(
