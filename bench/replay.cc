@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
@@ -143,25 +144,49 @@ void Routing(const std::vector<ExpertAccess>& acc, std::vector<int32_t>* ids, in
   *k = static_cast<int>(ids->size());
 }
 
-absl::StatusOr<PolicyResult> ReplayOnline(const RoutingTrace& t, const ReplayConfig& c, const std::string& name) {
-  PolicyResult r = NewResult(t, name);
-  const CachePolicyKind kind = name == "lru" ? CachePolicyKind::kLru : CachePolicyKind::kLfru;
-  absl::StatusOr<std::unique_ptr<ExpertCache>> cache = MakeCache(t, c, kind, name == "lfu" ? 1e300 : c.lfru_half_life);
-  if (!cache.ok()) return cache.status();
-  CopyQueue copies(**cache, c);
+// The worker's per-call loop: at each layer run the copies completed by now
+// serve, the run's hits and misses are counted, `admit` plans copies (started
+// now), and the modelled clock advances by the layer's time; `step_end`
+// (optional) runs after each step with the clock and the copy queue.
+using AdmitFn = std::function<absl::StatusOr<std::vector<SlotCopy>>(size_t step, int layer, const LayerOutcome& o,
+                                                                    double now, double link_free)>;
+using StepEndFn = std::function<absl::Status(double now, CopyQueue& copies)>;
+absl::Status RunOnline(const RoutingTrace& t, const ReplayConfig& c, ExpertCache& cache, const AdmitFn& admit,
+                       const StepEndFn& step_end, PolicyResult& r) {
+  CopyQueue copies(cache, c);
   LayerOutcome o;
   double now = 0;
   for (size_t s = 0; s < t.steps.size(); ++s) {
     for (int l = 0; l < t.num_layers; ++l) {
       copies.Advance(now);
-      CountHits(**cache, l, t.steps[s][l], r, &o);
-      (*cache)->RecordAccess(l, o.experts, o.pairs);
-      copies.Submit((*cache)->PlanAdmissions(l, o.missed, c.slots), now);
+      CountHits(cache, l, t.steps[s][l], r, &o);
+      cache.RecordAccess(l, o.experts, o.pairs);
+      absl::StatusOr<std::vector<SlotCopy>> planned = admit(s, l, o, now, std::max(now, copies.idle_at()));
+      if (!planned.ok()) return planned.status();
+      copies.Submit(*planned, now);
       now += LayerSeconds(c, t.num_layers, static_cast<int>(o.missed.size()), o.missed_pairs, now, copies.idle_at());
     }
+    if (step_end)
+      if (absl::Status st = step_end(now, copies); !st.ok()) return st;
   }
   r.copies = copies.count();
   r.model_seconds = now;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PolicyResult> ReplayOnline(const RoutingTrace& t, const ReplayConfig& c, const std::string& name) {
+  PolicyResult r = NewResult(t, name);
+  const CachePolicyKind kind = name == "lru" ? CachePolicyKind::kLru : CachePolicyKind::kLfru;
+  absl::StatusOr<std::unique_ptr<ExpertCache>> cache = MakeCache(t, c, kind, name == "lfu" ? 1e300 : c.lfru_half_life);
+  if (!cache.ok()) return cache.status();
+  ExpertCache& ec = **cache;
+  absl::Status st = RunOnline(
+      t, c, ec,
+      [&](size_t, int l, const LayerOutcome& o, double, double) -> absl::StatusOr<std::vector<SlotCopy>> {
+        return ec.PlanAdmissions(l, o.missed, c.slots);
+      },
+      nullptr, r);
+  if (!st.ok()) return st;
   return r;
 }
 
@@ -183,26 +208,17 @@ absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayCo
   ac.costs.miss_pair_s = c.pair_seconds;
   absl::StatusOr<std::unique_ptr<AdmissionPolicy>> policy = AdmissionPolicy::Create(ac);
   if (!policy.ok()) return policy.status();
-  CopyQueue copies(**cache, c);
-  LayerOutcome o;
+  ExpertCache& ec = **cache;
   std::vector<int32_t> ids;
   int k = 0;
-  double now = 0;
-  for (size_t s = 0; s < t.steps.size(); ++s) {
-    for (int l = 0; l < t.num_layers; ++l) {
-      copies.Advance(now);
-      CountHits(**cache, l, t.steps[s][l], r, &o);
-      (*cache)->RecordAccess(l, o.experts, o.pairs);
-      Routing(t.steps[s][l], &ids, &k);
-      absl::StatusOr<std::vector<SlotCopy>> planned =
-          (*policy)->OnLayer(**cache, l, k > 0 ? 1 : 0, k, ids.data(), now, std::max(now, copies.idle_at()));
-      if (!planned.ok()) return planned.status();
-      copies.Submit(*planned, now);
-      now += LayerSeconds(c, t.num_layers, static_cast<int>(o.missed.size()), o.missed_pairs, now, copies.idle_at());
-    }
-  }
-  r.copies = copies.count();
-  r.model_seconds = now;
+  absl::Status st = RunOnline(
+      t, c, ec,
+      [&](size_t s, int l, const LayerOutcome&, double now, double link_free) {
+        Routing(t.steps[s][l], &ids, &k);
+        return (*policy)->OnLayer(ec, l, k > 0 ? 1 : 0, k, ids.data(), now, link_free);
+      },
+      nullptr, r);
+  if (!st.ok()) return st;
   PredictionQuality q;
   for (int l = 0; l < t.num_layers; ++l) {
     const PredictionQuality& ql = (*policy)->predictor().quality(l);
@@ -220,7 +236,6 @@ absl::StatusOr<PolicyResult> ReplayCoordinator(const RoutingTrace& t, const Repl
   absl::StatusOr<std::unique_ptr<ExpertCache>> made = MakeCache(t, c, CachePolicyKind::kStatic, c.lfru_half_life);
   if (!made.ok()) return made.status();
   ExpertCache& cache = **made;
-  CopyQueue copies(cache, c);
   const std::string worker = "replay";
   Popularity popularity(t.num_layers, t.num_experts, c.policy.half_life_seconds, 0.0);
   // Counts since the last heartbeat, [layer][expert] pairs and hits.
@@ -232,19 +247,14 @@ absl::StatusOr<PolicyResult> ReplayCoordinator(const RoutingTrace& t, const Repl
   // copies completed; until then the coordinator leaves it alone (frozen).
   bool acked = true;
   double applied_at = 0;
-  LayerOutcome o;
-  double now = 0;
-  for (size_t s = 0; s < t.steps.size(); ++s) {
-    for (int l = 0; l < t.num_layers; ++l) {
-      copies.Advance(now);
-      CountHits(cache, l, t.steps[s][l], r, &o);
-      for (size_t i = 0; i < o.experts.size(); ++i) {
-        pending_pairs[l][o.experts[i]] += o.pairs[i];
-        if (o.hit[i]) pending_hits[l][o.experts[i]] += o.pairs[i];
-      }
-      now += LayerSeconds(c, t.num_layers, static_cast<int>(o.missed.size()), o.missed_pairs, now, copies.idle_at());
+  auto count = [&](size_t, int l, const LayerOutcome& o, double, double) -> absl::StatusOr<std::vector<SlotCopy>> {
+    for (size_t i = 0; i < o.experts.size(); ++i) {
+      pending_pairs[l][o.experts[i]] += o.pairs[i];
+      if (o.hit[i]) pending_hits[l][o.experts[i]] += o.pairs[i];
     }
-    const double end = now;
+    return std::vector<SlotCopy>{};
+  };
+  auto step_end = [&](double end, CopyQueue& copies) -> absl::Status {
     if (end - last_heartbeat >= c.heartbeat_seconds) {
       for (int l = 0; l < t.num_layers; ++l) {
         for (int e = 0; e < t.num_experts; ++e) {
@@ -289,9 +299,10 @@ absl::StatusOr<PolicyResult> ReplayCoordinator(const RoutingTrace& t, const Repl
       }
       applied_at = std::max(end, copies.idle_at());
     }
-  }
-  r.copies = copies.count();
-  r.model_seconds = now;
+    return absl::OkStatus();
+  };
+  absl::Status st = RunOnline(t, c, cache, count, step_end, r);
+  if (!st.ok()) return st;
   return r;
 }
 
