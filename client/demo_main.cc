@@ -26,6 +26,7 @@
 #include "core/reference_moe.h"
 #include "core/routing_trace.h"
 #include "core/subprocess.h"
+#include "gpu_worker/admission_policy.h"
 
 namespace moe {
 namespace {
@@ -33,9 +34,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Options {
-  std::string preset = "demo", trace, device = "auto", bin_dir;
+  std::string preset = "demo", trace, device = "auto", bin_dir, policy = "predictive";
   int64_t layers = 8, steps = 400, tokens = 16, cache = 0, check_every = 10, seed = 1;
-  double rebalance_s = 1.0, half_life_s = 2.0;
+  double rebalance_s = 1.0, half_life_s = 2.0, step_ms = 25;
 };
 
 [[noreturn]] void Fail(const std::string& msg) {
@@ -130,6 +131,10 @@ int Main(int argc, char** argv) {
                "replay a recorded routing trace instead (bench/README.md formats, e.g. "
                "../shared/data/traces/mixtral-8x7b-humaneval.jsonl.xz); the model takes its layers/experts/top-k");
   flags.String("device", &o.device, "GPU worker backend: auto, cuda or cpu");
+  flags.String("policy", &o.policy, "GPU worker cache policy: predictive (inside the coordinator's placement), static, lru, lfru");
+  flags.Double("model-step-ms", &o.step_ms,
+               "modelled step time: the device part of a step (all layers); the CPU's misses are added at the GPU\n"
+               "      host's rates (gpu_worker/admission_policy.h StepTimeModel)");
   flags.Int("check-every", &o.check_every, "compare with the reference MoE every N steps");
   flags.Double("rebalance-seconds", &o.rebalance_s, "coordinator rebalance interval");
   flags.Double("half-life-seconds", &o.half_life_s, "coordinator popularity half-life");
@@ -201,6 +206,7 @@ int Main(int argc, char** argv) {
                                   {"--model=" + uri, "--servers=unix://" + sock, "--coordinator=" + caddr,
                                    "--worker-id=demo-worker", absl::StrCat("--cache-experts-per-layer=", C),
                                    "--device=" + o.device, "--cpu-threads=1", absl::StrCat("--max-tokens=", T),
+                                   "--policy=" + o.policy,
                                    "--listen=127.0.0.1:0", "--insecure"},
                                   dir + "/gpu-worker.log");
   TlsOptions tls;
@@ -221,6 +227,12 @@ int Main(int argc, char** argv) {
   std::vector<double> ref;
   // Per layer and window (0: the first quarter, before any placement; 1: the last quarter).
   std::vector<std::array<uint64_t, 2>> hit(L, {0, 0}), all(L, {0, 0});
+  // Modelled step time per window (StepTimeModel at the GPU host's rates,
+  // this model's expert size; copy contention not visible here).
+  StepTimeModel time_model;
+  time_model.expert_bytes = static_cast<double>(spec.ExpertBf16Bytes());
+  time_model.pair_seconds = 2.0 * (time_model.expert_bytes / 2.0) / 4.6e12;
+  std::array<double, 2> model_s = {0, 0};
   uint64_t cpu_pairs = 0, copied_pairs = 0, tokens_done = 0;
   double max_err = 0;
   int checks = 0;
@@ -252,12 +264,16 @@ int Main(int argc, char** argv) {
       copied_pairs += b.stats.copied_pairs();
       recent_hits += h;
       recent_all += a;
+      const double layer_s = time_model.LayerSeconds(o.step_ms * 1e-3 / L, static_cast<int>(b.stats.cpu_experts()),
+                                                     b.stats.cpu_pairs(), 0.0);
       if (s < before_end) {
         hit[li][0] += h;
         all[li][0] += a;
+        model_s[0] += layer_s;
       } else if (s >= after_begin) {
         hit[li][1] += h;
         all[li][1] += a;
+        model_s[1] += layer_s;
       }
       if (s % o.check_every == 0) {
         ref.resize(x.size());
@@ -296,6 +312,8 @@ int Main(int argc, char** argv) {
   const double before = ab ? 100.0 * hb / ab : 0, after = aa ? 100.0 * ha / aa : 0;
   const uint64_t misses = cpu_pairs + copied_pairs;
   std::printf("    all      : %5.1f%% -> %5.1f%%\n", before, after);
+  std::printf("  modelled step time (device %g ms + CPU misses at 94 GB/s): %.2f ms -> %.2f ms\n", o.step_ms,
+              1e3 * model_s[0] / before_end, 1e3 * model_s[1] / std::max(1, steps - after_begin));
   std::printf("  misses served by the CPU expert server: %.1f%% (%llu of %llu; the rest copied to the GPU)\n",
               misses ? 100.0 * cpu_pairs / misses : 0.0, static_cast<unsigned long long>(cpu_pairs),
               static_cast<unsigned long long>(misses));

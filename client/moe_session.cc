@@ -43,6 +43,7 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   c.transport.tls = o.tls;
   c.backend.cpu_threads = o.cpu_threads;
   c.on_access = o.on_access;
+  c.on_cache_activity = o.on_cache_activity;
 
   absl::StatusOr<std::unique_ptr<DeviceBackend>> backend = MakeDeviceBackend(o.device);
   if (!backend.ok()) return backend.status();

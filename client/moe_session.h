@@ -60,7 +60,7 @@ struct SessionOptions {
   std::string device = "auto";         // auto | cuda | cpu
   int cache_experts_per_layer = 0;     // C; or derive it from cache_gib
   double cache_gib = 0;
-  std::string policy = "lru";          // static | lru | lfru
+  std::string policy = "predictive";   // predictive | static | lru | lfru
   std::string copy_mode = "auto";      // auto | never | always
   int max_tokens = 1024;               // largest T of one call
   int max_top_k = 8;
@@ -72,6 +72,8 @@ struct SessionOptions {
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
   // Per-call access counts, e.g. for a coordinator agent (see DispatcherConfig::on_access).
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
+  // Cache copies and prediction scores per layer (DispatcherConfig::on_cache_activity).
+  std::function<void(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used)> on_cache_activity;
 };
 
 class MoeSession {

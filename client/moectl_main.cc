@@ -166,10 +166,12 @@ void Status(Context& c) {
   }
   if (r.layers().empty()) return;
   std::printf("\n");
-  Table l({"LAYER", "HIT RATE", "PAIRS (DECAYED)", "ROUTABLE EXPERTS"});
+  Table l({"LAYER", "HIT RATE", "PAIRS (DECAYED)", "ROUTABLE EXPERTS", "PRED PRECISION", "COPIES/S", "PCIE MB/S"});
   for (const auto& x : r.layers()) {
     l.Add({absl::StrCat(x.layer()), Percent(x.hit_rate()), Fixed(x.pairs()),
-           absl::StrCat(x.routable_experts(), "/", r.num_experts())});
+           absl::StrCat(x.routable_experts(), "/", r.num_experts()),
+           x.prediction_precision() > 0 ? Percent(x.prediction_precision()) : "-", Fixed(x.copies_per_second()),
+           Fixed(x.pcie_bytes_per_second() / 1e6)});
   }
   l.Print();
 }

@@ -1,6 +1,7 @@
 #include "coordinator/coordinator.h"
 
 #include <algorithm>
+#include <cmath>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -231,6 +232,9 @@ absl::Status Coordinator::ValidateCounts(
     if (c.hits_size() != 0 && c.hits_size() != c.experts_size())
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".hits: ", c.hits_size(), " entries for ", c.experts_size(), " experts"));
+    if (c.predicted_used() > c.predicted())
+      return absl::InvalidArgumentError(absl::StrCat(field, ".predicted_used: ", c.predicted_used(),
+                                                     " exceeds predicted ", c.predicted()));
     for (int j = 0; j < c.experts_size(); ++j) {
       if (c.experts(j) >= ne)
         return absl::InvalidArgumentError(
@@ -250,6 +254,16 @@ void Coordinator::AddCountsLocked(const std::string& worker,
     for (int j = 0; j < c.experts_size(); ++j) {
       popularity_->Add(worker, c.layer(), c.experts(j), static_cast<double>(c.pairs(j)),
                        c.hits_size() ? static_cast<double>(c.hits(j)) : 0.0, now);
+    }
+    if (c.cache_copies() || c.copy_bytes() || c.predicted()) {
+      if (activity_.size() < static_cast<size_t>(registry_->num_layers())) activity_.resize(registry_->num_layers());
+      LayerActivity& a = activity_[c.layer()];
+      const double keep = std::exp2(-(now - a.at) / policy_.half_life_seconds);
+      a.copies = a.copies * keep + static_cast<double>(c.cache_copies());
+      a.bytes = a.bytes * keep + static_cast<double>(c.copy_bytes());
+      a.predicted = a.predicted * keep + static_cast<double>(c.predicted());
+      a.used = a.used * keep + static_cast<double>(std::min(c.predicted_used(), c.predicted()));
+      a.at = now;
     }
   }
 }
@@ -524,6 +538,15 @@ moe::v1::StatusResponse Coordinator::Status() {
     ls->set_hit_rate(n > 0 ? h / n : 0.0);
     ls->set_pairs(n);
     ls->set_routable_experts(registry_->RoutableExperts(l));
+    if (static_cast<size_t>(l) < activity_.size()) {
+      // A decayed sum of a steady rate r tends to r * half-life / ln 2.
+      const LayerActivity& a = activity_[l];
+      const double keep = std::exp2(-(now - a.at) / policy_.half_life_seconds);
+      const double per_second = keep * std::log(2.0) / policy_.half_life_seconds;
+      ls->set_prediction_precision(a.predicted > 0 ? a.used / a.predicted : 0.0);
+      ls->set_copies_per_second(a.copies * per_second);
+      ls->set_pcie_bytes_per_second(a.bytes * per_second);
+    }
     hits += h;
     pairs += n;
   }

@@ -103,6 +103,12 @@ class Coordinator {
   AdminState admin_;
   std::unique_ptr<Registry> registry_;      // once the geometry is known
   std::unique_ptr<Popularity> popularity_;
+  // Per layer, decayed (policy half-life) sums of the workers' cache activity.
+  struct LayerActivity {
+    double copies = 0, bytes = 0, predicted = 0, used = 0;
+    double at = 0;  // time of the last decay
+  };
+  std::vector<LayerActivity> activity_;
   double last_rebalance_ = 0;
   uint64_t rebalances_ = 0;
   struct RoundCounters {

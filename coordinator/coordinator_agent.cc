@@ -148,6 +148,8 @@ class CoordinatorAgent::Impl {
         hits_(cells_),
         pending_pairs_(cells_, 0),
         pending_hits_(cells_, 0),
+        activity_(static_cast<size_t>(reg_.num_layers) * kActivityFields),
+        pending_activity_(activity_.size(), 0),
         delivered_(reg_.num_layers) {
     if (reg_.hostname.empty()) reg_.hostname = LocalHostname();
     thread_ = std::thread([this] { link_.Run([this](bool* registered) { return Session(registered); }); });
@@ -162,6 +164,12 @@ class CoordinatorAgent::Impl {
     const size_t i = static_cast<size_t>(layer) * reg_.num_experts + expert;
     pairs_[i].fetch_add(pairs, std::memory_order_relaxed);
     if (hit) hits_[i].fetch_add(pairs, std::memory_order_relaxed);
+  }
+  void RecordLayerActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t used) {
+    if (layer < 0 || layer >= reg_.num_layers) return;
+    const uint64_t v[kActivityFields] = {copies, bytes, predicted, used};
+    for (int f = 0; f < kActivityFields; ++f)
+      if (v[f]) activity_[static_cast<size_t>(layer) * kActivityFields + f].fetch_add(v[f], std::memory_order_relaxed);
   }
   void MarkApplied(uint64_t version) {
     uint64_t cur = applied_.load();
@@ -255,6 +263,21 @@ class CoordinatorAgent::Impl {
         lc->add_pairs(pending_pairs_[i]);
         lc->add_hits(std::min(pending_hits_[i], pending_pairs_[i]));
       }
+      uint64_t* a = &pending_activity_[static_cast<size_t>(l) * kActivityFields];
+      bool any = false;
+      for (int f = 0; f < kActivityFields; ++f) {
+        a[f] += activity_[static_cast<size_t>(l) * kActivityFields + f].exchange(0, std::memory_order_relaxed);
+        any |= a[f] != 0;
+      }
+      if (!any) continue;
+      if (lc == nullptr) {
+        lc = hb.add_counts();
+        lc->set_layer(l);
+      }
+      lc->set_cache_copies(a[0]);
+      lc->set_copy_bytes(a[1]);
+      lc->set_predicted(a[2]);
+      lc->set_predicted_used(std::min(a[3], a[2]));
     }
     grpc::ClientContext ctx;
     link_.SetDeadline(ctx);
@@ -263,6 +286,7 @@ class CoordinatorAgent::Impl {
     if (!st.ok()) return FromGrpcStatus(st);  // counts stay pending for the next attempt
     std::fill(pending_pairs_.begin(), pending_pairs_.end(), 0);
     std::fill(pending_hits_.begin(), pending_hits_.end(), 0);
+    std::fill(pending_activity_.begin(), pending_activity_.end(), 0);
     return absl::OkStatus();
   }
 
@@ -328,6 +352,9 @@ class CoordinatorAgent::Impl {
   const size_t cells_;
   std::vector<std::atomic<uint64_t>> pairs_, hits_;        // recorded since the last collection
   std::vector<uint64_t> pending_pairs_, pending_hits_;    // collected, not yet acknowledged (session thread)
+  static constexpr int kActivityFields = 4;                // copies, bytes, predicted, predicted_used
+  std::vector<std::atomic<uint64_t>> activity_;           // [layer][field] since the last collection
+  std::vector<uint64_t> pending_activity_;                // collected, not yet acknowledged
   std::atomic<uint64_t> applied_{0}, received_{0};
   mutable std::mutex mu_;
   std::vector<std::vector<int>> delivered_;               // [layer] as of received_
@@ -362,6 +389,11 @@ CoordinatorAgent::CoordinatorAgent(std::unique_ptr<Impl> impl) : impl_(std::move
 CoordinatorAgent::~CoordinatorAgent() = default;
 void CoordinatorAgent::RecordAccess(int layer, int expert, uint64_t pairs, bool hit) {
   impl_->RecordAccess(layer, expert, pairs, hit);
+}
+
+void CoordinatorAgent::RecordLayerActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted,
+                                           uint64_t predicted_used) {
+  impl_->RecordLayerActivity(layer, copies, bytes, predicted, predicted_used);
 }
 void CoordinatorAgent::MarkApplied(uint64_t version) { impl_->MarkApplied(version); }
 bool CoordinatorAgent::connected() const { return impl_->connected(); }

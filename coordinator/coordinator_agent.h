@@ -97,6 +97,9 @@ class CoordinatorAgent {
   // `pairs` (token, expert) pairs of (layer, expert) in one forward pass, all
   // hits or all misses. Out-of-range indexes are ignored. Lock-free.
   void RecordAccess(int layer, int expert, uint64_t pairs, bool hit);
+  // Cache activity of `layer` (copies started, their bytes; experts predicted
+  // and of those used), reported with the next heartbeat. Lock-free.
+  void RecordLayerActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used);
   // The worker finished applying `version` (copies done, slot map swapped).
   // Sent as the acknowledgement in the next heartbeat.
   void MarkApplied(uint64_t version);

@@ -24,6 +24,15 @@ CoordinatorMetrics::CoordinatorMetrics(MetricsRegistry& r, Coordinator& coordina
                                  "Decayed share of a layer's pairs served from GPU caches, all workers.", {"layer"})),
       routable_experts_(r.AddGauge("moe_coordinator_layer_routable_experts",
                                    "Experts of the layer that some up, non-draining expert server hosts.", {"layer"})),
+      prediction_precision_(r.AddGauge("moe_coordinator_layer_prediction_precision",
+                                       "Decayed share of the experts workers predicted for the layer that its runs "
+                                       "used (predictive cache policy; 0: no predictions).",
+                                       {"layer"})),
+      copies_per_second_(r.AddGauge("moe_coordinator_layer_copies_per_second",
+                                    "Decayed rate of expert copies into the layer's cache slots, all workers.",
+                                    {"layer"})),
+      pcie_bytes_per_second_(r.AddGauge("moe_coordinator_layer_pcie_bytes_per_second",
+                                        "Decayed rate of host->GPU bytes those copies moved.", {"layer"})),
       hit_rate_(r.AddGauge("moe_coordinator_hit_rate", "Decayed share of all pairs served from GPU caches.").Get()),
       rebalances_(r.AddCounter("moe_coordinator_rebalances_total", "Placement rounds run.").Get()),
       hook_(r.AddScrapeHook([this] { Refresh(); })) {}
@@ -51,6 +60,9 @@ void CoordinatorMetrics::Refresh() {
     const std::string layer = absl::StrCat(l.layer());
     layer_hit_rate_.WithLabels({layer})->Set(l.hit_rate());
     routable_experts_.WithLabels({layer})->Set(l.routable_experts());
+    prediction_precision_.WithLabels({layer})->Set(l.prediction_precision());
+    copies_per_second_.WithLabels({layer})->Set(l.copies_per_second());
+    pcie_bytes_per_second_.WithLabels({layer})->Set(l.pcie_bytes_per_second());
   }
   hit_rate_->Set(st.overall_hit_rate());
   rebalances_->Increment(st.rebalances() - seen_rebalances_);

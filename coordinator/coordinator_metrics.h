@@ -30,6 +30,9 @@ class CoordinatorMetrics {
   Family<Counter>& copied_bytes_;
   Family<Gauge>& layer_hit_rate_;
   Family<Gauge>& routable_experts_;
+  Family<Gauge>& prediction_precision_;
+  Family<Gauge>& copies_per_second_;
+  Family<Gauge>& pcie_bytes_per_second_;
   Gauge* hit_rate_;
   Counter* rebalances_;
   // Last totals seen, to turn Status()'s running totals into counter increments.

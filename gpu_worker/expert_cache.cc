@@ -11,7 +11,9 @@ absl::StatusOr<CachePolicyKind> ParseCachePolicy(const std::string& name) {
   if (name == "static") return CachePolicyKind::kStatic;
   if (name == "lru") return CachePolicyKind::kLru;
   if (name == "lfru") return CachePolicyKind::kLfru;
-  return absl::InvalidArgumentError(absl::StrCat("cache policy '", name, "': expected static, lru or lfru"));
+  if (name == "predictive") return CachePolicyKind::kPredictive;
+  return absl::InvalidArgumentError(
+      absl::StrCat("cache policy '", name, "': expected static, lru, lfru or predictive"));
 }
 
 absl::StatusOr<std::unique_ptr<ExpertCache>> ExpertCache::Create(const ExpertCacheConfig& c) {
@@ -33,6 +35,7 @@ ExpertCache::ExpertCache(const ExpertCacheConfig& c) : config_(c), layers_(c.num
     l.misses.assign(c.num_experts, 0);
     l.last_use.assign(c.num_experts, 0);
     l.score.assign(c.num_experts, 0.0);
+    l.pinned.assign(c.num_experts, false);
   }
 }
 
@@ -64,6 +67,7 @@ int ExpertCache::ChooseVictim(const Layer& l) const {
     const Slot& slot = l.slots[s];
     if (slot.state == SlotState::kEmpty) return s;
     if (slot.state != SlotState::kReady || l.last_use[slot.expert] == l.tick) continue;  // in use by this access
+    if (l.pinned[slot.expert]) continue;
     const double key = config_.policy == CachePolicyKind::kLfru ? Score(l, slot.expert)
                                                                 : static_cast<double>(l.last_use[slot.expert]);
     if (victim < 0 || key < best) {
@@ -86,7 +90,7 @@ void ExpertCache::Evict(Layer& l, int slot) {
 
 std::vector<SlotCopy> ExpertCache::PlanAdmissions(int layer, const std::vector<int>& missed, int max_copies) {
   std::vector<SlotCopy> copies;
-  if (config_.policy == CachePolicyKind::kStatic) return copies;
+  if (config_.policy == CachePolicyKind::kStatic || config_.policy == CachePolicyKind::kPredictive) return copies;
   Layer& l = layers_[layer];
   // Most valuable misses first (LFRU: by score; LRU: in the order given).
   std::vector<int> order = missed;
@@ -143,6 +147,35 @@ absl::StatusOr<std::vector<SlotCopy>> ExpertCache::Assign(int layer, const std::
     if (l.slots[free_slots[next]].expert >= 0) Evict(l, free_slots[next]);
   }
   return copies;
+}
+
+absl::StatusOr<SlotCopy> ExpertCache::Replace(int layer, int slot, int expert) {
+  if (layer < 0 || layer >= config_.num_layers)
+    return absl::InvalidArgumentError(absl::StrCat("replace: layer ", layer, " out of range"));
+  Layer& l = layers_[layer];
+  if (expert < 0 || expert >= config_.num_experts)
+    return absl::InvalidArgumentError(absl::StrCat("replace: expert ", expert, " out of range"));
+  if (slot < 0 || slot >= static_cast<int>(l.slots.size()))
+    return absl::InvalidArgumentError(absl::StrCat("replace: slot ", slot, " out of range"));
+  if (l.slot_of[expert] >= 0)
+    return absl::InvalidArgumentError(absl::StrCat("replace: expert ", expert, " is already resident or loading"));
+  const Slot& s = l.slots[slot];
+  if (s.state == SlotState::kLoading)
+    return absl::InvalidArgumentError(absl::StrCat("replace: slot ", slot, " is loading"));
+  if (s.expert >= 0 && l.pinned[s.expert])
+    return absl::InvalidArgumentError(absl::StrCat("replace: expert ", s.expert, " in slot ", slot, " is pinned"));
+  const int old = s.expert;
+  Evict(l, slot);
+  l.slots[slot] = Slot{expert, SlotState::kLoading};
+  l.slot_of[expert] = slot;
+  return SlotCopy{layer, expert, slot, old};
+}
+
+void ExpertCache::SetPinned(int layer, const std::vector<int>& experts) {
+  Layer& l = layers_[layer];
+  l.pinned.assign(config_.num_experts, false);
+  for (int e : experts)
+    if (e >= 0 && e < config_.num_experts) l.pinned[e] = true;
 }
 
 void ExpertCache::CompleteCopy(const SlotCopy& c) {

@@ -4,7 +4,7 @@
 // a device backend performs the copies it plans.
 //
 // Correctness rule: an expert is used from a slot only after its copy
-// completed. PlanAdmissions/Assign mark the chosen slots Loading and remove the
+// completed. PlanAdmissions/Assign/Replace mark the chosen slots Loading and remove the
 // evicted experts from the slot map at once; ReadySlot() and SlotMap() report
 // a slot only after CompleteCopy() marked it Ready. A policy change can thus
 // make results slower, never wrong.
@@ -22,9 +22,12 @@
 
 namespace moe {
 
-enum class CachePolicyKind { kStatic, kLru, kLfru };
+// kPredictive: the cache itself plans nothing; an AdmissionPolicy
+// (gpu_worker/admission_policy.h) chooses copies through Replace(), and
+// coordinator assignments (Assign) and pins still apply.
+enum class CachePolicyKind { kStatic, kLru, kLfru, kPredictive };
 
-// "static", "lru" or "lfru".
+// "static", "lru", "lfru" or "predictive".
 absl::StatusOr<CachePolicyKind> ParseCachePolicy(const std::string& name);
 
 struct ExpertCacheConfig {
@@ -71,6 +74,17 @@ class ExpertCache {
   // resident keep their slots.
   absl::StatusOr<std::vector<SlotCopy>> Assign(int layer, const std::vector<int>& experts);
 
+  // Loads `expert` (not resident nor loading) into `slot` of `layer`, evicting
+  // its occupant (a Ready, unpinned expert, or none); the slot is Loading until
+  // CompleteCopy. InvalidArgument when the expert or slot does not qualify.
+  absl::StatusOr<SlotCopy> Replace(int layer, int slot, int expert);
+  // Pins (an operator's or the coordinator's): pinned experts are never
+  // evicted by PlanAdmissions or Replace (Assign, the coordinator's own set, may).
+  void SetPinned(int layer, const std::vector<int>& experts);
+  bool pinned(int layer, int expert) const { return layers_[layer].pinned[expert]; }
+  // The slot holding or loading (layer, expert), or -1.
+  int SlotOf(int layer, int expert) const { return layers_[layer].slot_of[expert]; }
+
   // The backend finished `copy`: its slot becomes Ready (unless it was reassigned meanwhile).
   void CompleteCopy(const SlotCopy& copy);
   // The copy failed: the slot becomes empty again.
@@ -97,6 +111,7 @@ class ExpertCache {
     std::vector<uint64_t> hits, misses;
     std::vector<uint64_t> last_use;    // access tick of the layer
     std::vector<double> score;         // LFRU decayed pair count, as of last_use
+    std::vector<bool> pinned;          // expert -> never evicted by admissions
     uint64_t tick = 0;
   };
   explicit ExpertCache(const ExpertCacheConfig& c);

@@ -245,6 +245,26 @@ absl::Status LayerDispatcher::Init() {
   impl_->hit_slot.resize(E);
   if (c.measure_rates && c.copy_mode == CopyMode::kAuto && host_ != nullptr && !impl_->servers.empty())
     if (absl::Status st = MeasureRates(); !st.ok()) return st;
+  assigned_.assign(layers_.size(), {});
+  if (c.policy == CachePolicyKind::kPredictive) {
+    AdmissionConfig ac;
+    ac.layers = layers_;
+    ac.num_experts = E;
+    ac.expert_bytes = spec_.ExpertBf16Bytes();
+    ac.pass_budget_bytes = c.pass_budget_bytes;
+    if (cost_.measured) {
+      // A copy reads the expert's bytes from host DRAM, as the CPU does to
+      // compute it: the measured per-expert CPU time prices both.
+      ac.costs = {cost_.copy_s, cost_.cpu_expert_s, cost_.cpu_expert_s, cost_.cpu_pair_s};
+    } else {
+      // No measured rates: unit miss cost, copies admitted when the predicted
+      // use gains half a miss, no link timing.
+      ac.costs = {0.0, 0.5e-3, 1e-3, 0.0};
+    }
+    absl::StatusOr<std::unique_ptr<AdmissionPolicy>> a = AdmissionPolicy::Create(ac);
+    if (!a.ok()) return a.status();
+    admission_ = *std::move(a);
+  }
   return absl::OkStatus();
 }
 
@@ -397,6 +417,7 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
     }
     impl_->pending.push_back({copies[i], *f});
     ++copies_started_;
+    if (config_.on_cache_activity) config_.on_cache_activity(layer, 1, spec_.ExpertBf16Bytes(), 0, 0);
   }
   return absl::OkStatus();
 }
@@ -423,9 +444,56 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
   if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not served by this worker"));
   if (host_ == nullptr) return absl::FailedPreconditionError("assignment: the worker holds no host copy of the experts");
-  absl::StatusOr<std::vector<SlotCopy>> copies = cache_->Assign(layer, experts);
-  if (!copies.ok()) return copies.status();
-  return StartSlotCopies(layer, *copies);
+  if (admission_ == nullptr) {
+    absl::StatusOr<std::vector<SlotCopy>> copies = cache_->Assign(layer, experts);
+    if (!copies.ok()) return copies.status();
+    return StartSlotCopies(layer, *copies);
+  }
+  // predictive: the assignment is the long-horizon placement the admissions
+  // work inside. Its newcomers take the slots of the experts it dropped (or
+  // empty ones); experts the admissions brought in stay until they lose on
+  // value; an expert the admissions evicted is not forced back.
+  if (experts.size() > static_cast<size_t>(slots_per_layer()))
+    return absl::InvalidArgumentError(absl::StrCat("assignment of layer ", layer, ": ", experts.size(),
+                                                   " experts for ", slots_per_layer(), " slots"));
+  std::vector<int>& previous = assigned_[layer_index_[layer]];
+  std::vector<bool> wanted(spec_.num_experts, false);
+  for (int e : experts) {
+    if (e < 0 || e >= spec_.num_experts)
+      return absl::InvalidArgumentError(absl::StrCat("assignment of layer ", layer, ": expert ", e, " out of range"));
+    wanted[e] = true;
+  }
+  std::vector<int> free_slots;
+  const std::vector<int> held = cache_->SlotExperts(layer);
+  for (int s = 0; s < static_cast<int>(held.size()); ++s) {
+    const int e = held[s];
+    const bool dropped = e >= 0 && !wanted[e] &&
+                         std::find(previous.begin(), previous.end(), e) != previous.end() &&
+                         cache_->ReadySlot(layer, e) == s && !cache_->pinned(layer, e);
+    if (e < 0 || dropped) free_slots.push_back(s);
+  }
+  std::vector<SlotCopy> copies;
+  size_t next = 0;
+  for (int e : experts) {
+    if (cache_->SlotOf(layer, e) >= 0 || next >= free_slots.size()) continue;
+    const bool is_new = std::find(previous.begin(), previous.end(), e) == previous.end();
+    if (!is_new && held[free_slots[next]] >= 0) continue;  // evicted by admissions: only into an empty slot
+    absl::StatusOr<SlotCopy> copy = cache_->Replace(layer, free_slots[next++], e);
+    if (!copy.ok()) return copy.status();
+    copies.push_back(*copy);
+  }
+  previous = experts;
+  return StartSlotCopies(layer, copies);
+}
+
+absl::Status LayerDispatcher::HintRouterLogits(int layer, int T, int k, const float* router_logits) {
+  if (admission_ == nullptr)
+    return absl::FailedPreconditionError("router_logits: hints need the predictive cache policy");
+  if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
+    return absl::InvalidArgumentError(absl::StrCat("router_logits: layer ", layer, " is not served by this worker"));
+  if (T < 0 || T > config_.max_tokens)
+    return absl::InvalidArgumentError(absl::StrCat("router_logits: T = ", T, " is outside [0, ", config_.max_tokens, "]"));
+  return admission_->predictor().Hint(layer, T, k, router_logits);
 }
 
 absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
@@ -718,9 +786,24 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
     absl::StatusOr<uint64_t> f = ComputeCopied(ticket, e, -1, tokens, weights);
     if (!f.ok()) return f.status();
   }
-  // 5. lru/lfru admissions of this call's misses, for later calls (after the
-  // compute above, so an evicted slot is overwritten only once it was read).
-  if (host_ != nullptr && config_.policy != CachePolicyKind::kStatic &&
+  // 5. Admissions for later calls (after the compute above, so an evicted
+  // slot is overwritten only once it was read): predictive prefetches the
+  // next layers' predicted experts; lru/lfru admit this call's misses.
+  if (admission_ != nullptr && host_ != nullptr && config_.copy_mode != CopyMode::kAlways) {
+    const double now = Seconds(Clock::now() - epoch_);
+    const PredictionQuality before = admission_->predictor().quality(call.layer);
+    absl::StatusOr<std::vector<SlotCopy>> planned =
+        admission_->OnLayer(*cache_, call.layer, T, k, ctx.ids.data(), now, std::max(now, link_free_s_));
+    if (!planned.ok()) return planned.status();
+    const PredictionQuality& after = admission_->predictor().quality(call.layer);
+    if (config_.on_cache_activity && after.predicted > before.predicted)
+      config_.on_cache_activity(call.layer, 0, 0, after.predicted - before.predicted, after.correct - before.correct);
+    if (!planned->empty()) link_free_s_ = std::max(now, link_free_s_) + cost_.copy_s * planned->size();
+    // Copies into the next layers' slots (StartSlotCopies orders them after
+    // the compute recorded so far, so slots of earlier calls are read first).
+    for (const SlotCopy& copy : *planned)
+      if (absl::Status st = StartSlotCopies(copy.layer, {copy}); !st.ok()) return st;
+  } else if (host_ != nullptr && config_.policy != CachePolicyKind::kStatic && admission_ == nullptr &&
       config_.copy_mode != CopyMode::kAlways && !m.missed.empty() && config_.admissions_per_call > 0) {
     std::vector<SlotCopy> copies = cache_->PlanAdmissions(call.layer, m.missed, config_.admissions_per_call);
     if (absl::Status st = StartSlotCopies(call.layer, copies); !st.ok()) return st;

@@ -27,7 +27,10 @@
 // Submit(B), Complete(A), Complete(B) runs B's hits while A's misses are on
 // the CPU. Calls complete in any order.
 //
-// Cache: per MoE layer C slots (ExpertCache). lru/lfru admit missed experts
+// Cache: per MoE layer C slots (ExpertCache). predictive (the default) asks
+// AdmissionPolicy on every call which experts of the next layers to copy
+// (cross-layer prediction, cost model, link timing) and takes coordinator
+// assignments as deltas inside which it admits; lru/lfru admit missed experts
 // after the call (copies on the copy queue, the slot used only once its copy
 // completed); static takes assignments (ApplyAssignment) between calls.
 //
@@ -44,6 +47,7 @@
 #include "absl/status/statusor.h"
 #include "core/model_spec.h"
 #include "core/transport/transport.h"
+#include "gpu_worker/admission_policy.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/expert_cache.h"
 #include "gpu_worker/host_expert_store.h"
@@ -71,7 +75,10 @@ struct DispatcherConfig {
   TransportOptions transport;      // hidden is set from the model
   int slots_per_layer = 0;         // C
   double cache_gib = 0;            // if > 0 and slots_per_layer == 0: C from this budget
-  CachePolicyKind policy = CachePolicyKind::kLru;
+  CachePolicyKind policy = CachePolicyKind::kPredictive;
+  // predictive: PCIe bytes its admissions may start per forward pass; 0: what
+  // the link completes before the target layer runs.
+  uint64_t pass_budget_bytes = 0;
   double lfru_half_life = 64;
   int max_tokens = 1024;           // largest T of one call
   int max_top_k = 8;
@@ -90,6 +97,10 @@ struct DispatcherConfig {
   // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
   // all hits or all misses (e.g. CoordinatorAgent::RecordAccess). Optional.
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
+  // Cache activity, optional: a copy into `layer`'s slots started (copies,
+  // bytes), or the predictive policy scored its prediction of a run of
+  // `layer` (experts predicted, of them used).
+  std::function<void(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used)> on_cache_activity;
 };
 
 // Rates measured at Create (seconds); the copy-instead decision uses them.
@@ -152,6 +163,16 @@ class LayerDispatcher {
   // Static placement: the resident set of `layer` becomes `experts`; copies
   // start now and each slot serves once its copy completed. Between calls.
   absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);
+  // Engine hint (predictive policy): the router logits [T, num_experts] f32
+  // (host memory) of `layer`'s coming call, computed by the engine on the
+  // current hidden state; its top-k per token are prefetched with the hint's
+  // measured precision. InvalidArgument naming router_logits on bad input;
+  // FailedPrecondition under another policy.
+  absl::Status HintRouterLogits(int layer, int T, int k, const float* router_logits);
+  // The predictive policy (null under another one): its predictor's quality
+  // and per-layer copy counters.
+  const AdmissionPolicy* admission() const { return admission_.get(); }
+
   // Waits for every cache copy in flight and makes the slots Ready.
   absl::Status FlushCopies();
   // Cache copies still in flight (completed ones are collected first).
@@ -193,6 +214,10 @@ class LayerDispatcher {
   std::vector<int> layer_index_;  // model layer -> served index, or -1
   CostModel cost_;
   uint64_t copies_started_ = 0;
+  std::unique_ptr<AdmissionPolicy> admission_;
+  std::vector<std::vector<int>> assigned_;  // [served index] last coordinator assignment (predictive)
+  std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
+  double link_free_s_ = 0;  // when the copies started so far should be done (estimate, from epoch_)
 };
 
 }  // namespace moe

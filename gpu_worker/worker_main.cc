@@ -43,8 +43,9 @@ int main(int argc, char** argv) {
   flags.Int("cache-experts-per-layer", &cache_experts, "cache slots per MoE layer (C)");
   flags.Double("cache-gib", &cache_gib, "GPU memory for the cache, when --cache-experts-per-layer is 0");
   flags.String("policy", &policy,
-               "cache policy: lru, lfru or static (placed by the coordinator / ApplyAssignment); "
-               "default: static with --coordinator, else lru");
+               "cache policy: predictive (cost-model admissions with cross-layer prefetch, inside the\n"
+               "      coordinator's placement), lru, lfru or static (placed by the coordinator / ApplyAssignment); "
+               "default: static with --coordinator, else predictive");
   flags.String("coordinator", &coordinator, "coordinator address host:port: register, receive cache placements, report stats");
   flags.String("worker-id", &worker_id, "stable id of this worker at the coordinator (default: HOSTNAME:PORT)");
   flags.String("copy-mode", &copy_mode,
@@ -60,7 +61,7 @@ int main(int argc, char** argv) {
   flags.Parse(argc, argv);
   if (model.empty()) flags.Fail("--model is required (see --help)");
   if (servers_flag.empty()) flags.Fail("--servers is required (see --help)");
-  if (policy.empty()) policy = coordinator.empty() ? "lru" : "static";
+  if (policy.empty()) policy = coordinator.empty() ? "predictive" : "static";
   if (absl::Status st = service_flags.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
   const moe::TlsOptions& tls = service_flags.tls;
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);
@@ -92,6 +93,14 @@ int main(int argc, char** argv) {
       if (moe::CoordinatorAgent* a = agent_ptr.load(std::memory_order_acquire))
         a->RecordAccess(layer, expert, static_cast<uint64_t>(pairs), hit);
     };
+  std::atomic<moe::WorkerMetrics*> metrics_ptr{nullptr};
+  o.on_cache_activity = [&agent_ptr, &metrics_ptr](int layer, uint64_t copies, uint64_t bytes, uint64_t predicted,
+                                                   uint64_t used) {
+    if (moe::WorkerMetrics* m = metrics_ptr.load(std::memory_order_acquire))
+      m->RecordCacheActivity(layer, copies, bytes, predicted, used);
+    if (moe::CoordinatorAgent* a = agent_ptr.load(std::memory_order_acquire))
+      a->RecordLayerActivity(layer, copies, bytes, predicted, used);
+  };
   absl::StatusOr<std::unique_ptr<moe::MoeSession>> session = moe::MoeSession::Open(o);
   if (!session.ok()) flags.Fail(std::string(session.status().message()), 1);
   moe::LogInfo("worker", (*session)->Describe());
@@ -99,6 +108,7 @@ int main(int argc, char** argv) {
   const moe::ModelSpec& spec = (*session)->spec();
   const std::vector<int> served = o.layers.empty() ? spec.moe_layers : o.layers;
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
+  metrics_ptr.store(&metrics, std::memory_order_release);
   std::mutex mu;
   moe::WorkerServiceImpl service(**session, mu, policy, o.servers, &metrics);
   grpc::EnableDefaultHealthCheckService(true);

@@ -11,12 +11,24 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r, const std::vector<int>& layers,
                              "cpu (expert server), copied (copied to the GPU for this call)",
                              {"layer", "result"});
   auto& tokens = r.AddCounter("moe_worker_tokens_total", "tokens per MoE layer", {"layer"});
+  auto& cache_copies = r.AddCounter("moe_worker_layer_cache_copies_total", "expert copies into the layer's cache slots",
+                                    {"layer"});
+  auto& copy_bytes = r.AddCounter("moe_worker_layer_pcie_bytes_total", "bytes copied host->GPU into the layer's slots",
+                                  {"layer"});
+  auto& predicted = r.AddCounter("moe_worker_layer_predicted_experts_total",
+                                 "experts the predictive policy predicted for the layer's runs, by whether the run "
+                                 "used them (precision = used / all)",
+                                 {"layer", "result"});
   for (int l : layers) {
     const std::string ls = std::to_string(l);
     layers_[l].hit = pairs.WithLabels({ls, "hit"});
     layers_[l].cpu = pairs.WithLabels({ls, "cpu"});
     layers_[l].copied = pairs.WithLabels({ls, "copied"});
     layers_[l].tokens = tokens.WithLabels({ls});
+    layers_[l].cache_copies = cache_copies.WithLabels({ls});
+    layers_[l].copy_bytes = copy_bytes.WithLabels({ls});
+    layers_[l].predicted = predicted.WithLabels({ls, "all"});
+    layers_[l].predicted_used = predicted.WithLabels({ls, "used"});
   }
   miss_tokens_ = r.AddCounter("moe_worker_miss_tokens_total", "tokens shipped to CPU expert servers").Get();
   bytes_ = r.AddCounter("moe_worker_bytes_shipped_total",
@@ -44,6 +56,15 @@ void WorkerMetrics::RecordCall(int layer, int tokens, const CallStats& s, double
   calls_->Increment();
   call_seconds_->Observe(seconds);
   wait_seconds_->Observe(s.wait_s);
+}
+
+void WorkerMetrics::RecordCacheActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted,
+                                        uint64_t used) {
+  if (layer < 0 || layer >= static_cast<int>(layers_.size()) || layers_[layer].hit == nullptr) return;
+  layers_[layer].cache_copies->Increment(copies);
+  layers_[layer].copy_bytes->Increment(bytes);
+  layers_[layer].predicted->Increment(predicted);
+  layers_[layer].predicted_used->Increment(used);
 }
 
 }  // namespace moe

@@ -19,10 +19,14 @@ class WorkerMetrics {
   void RecordCall(int layer, int tokens, const CallStats& stats, double seconds);
   void SetAssignmentVersion(uint64_t v) { version_->Set(static_cast<double>(v)); }
   void SetCopies(uint64_t copies) { copies_->Set(static_cast<double>(copies)); }
+  // Copies into `layer`'s cache slots and their bytes; experts predicted for
+  // its runs and of them used (predictive policy).
+  void RecordCacheActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t used);
 
  private:
   struct Layer {
     Counter *hit = nullptr, *cpu = nullptr, *copied = nullptr, *tokens = nullptr;
+    Counter *cache_copies = nullptr, *copy_bytes = nullptr, *predicted = nullptr, *predicted_used = nullptr;
   };
   std::vector<Layer> layers_;  // by model layer index
   Counter *miss_tokens_, *bytes_, *failovers_, *calls_;

@@ -112,6 +112,7 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
     moe::v1::LayerCallStats* ps = resp->add_stats();
     ps->set_hit_pairs(st.hit_pairs);
     ps->set_cpu_pairs(st.cpu_pairs);
+    ps->set_cpu_experts(static_cast<uint32_t>(st.cpu_experts));
     ps->set_copied_pairs(st.copied_pairs);
     ps->set_miss_tokens(st.miss_tokens);
   }

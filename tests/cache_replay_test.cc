@@ -7,6 +7,7 @@
 #include <set>
 
 #include "bench/belady.h"
+#include "bench/replay.h"
 #include "core/routing_trace.h"
 #include "gtest/gtest.h"
 #include "tests/test_support.h"
@@ -136,6 +137,67 @@ TEST(RoutingTrace, SyntheticRoundTripAndRecordedFormat) {
   std::ofstream(rec) << "{\"nonsense\": 1}\n";
   EXPECT_FALSE(ReadRoutingTrace(rec).ok());
   EXPECT_FALSE(ReadRoutingTrace(dir.path() + "/missing.jsonl").ok());
+}
+
+// The ceiling bounds every policy: on random drifting traces (several seeds,
+// batch sizes, cache sizes, copy speeds) no policy hits more pairs than it,
+// nor models a shorter run of the trace.
+TEST(Replay, CeilingBoundsEveryPolicyOnRandomTraces) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 6; ++trial) {
+    SyntheticTraceOptions o;
+    o.num_layers = 2 + static_cast<int>(rng() % 3);
+    o.num_experts = 8 + static_cast<int>(rng() % 9);
+    o.top_k = 1 + static_cast<int>(rng() % 3);
+    o.tokens_per_step = 1 + static_cast<int>(rng() % 6);
+    o.steps = 120;
+    o.drift_every = 10 + static_cast<int>(rng() % 30);
+    o.burst_rate = 0.05;
+    o.seed = rng();
+    const RoutingTrace t = GenerateRoutingTrace(o);
+    ReplayConfig c;
+    c.slots = 1 + static_cast<int>(rng() % (o.num_experts / 2));
+    c.expert_bytes = 1u << 20;
+    c.step_seconds = 1e-3 * (1 + rng() % 50);
+    c.pcie_bytes_per_second = (trial % 3 == 0) ? 0.0 : 1e9 * (1 + rng() % 60);
+    c.dram_bytes_per_second = 94e9;
+    c.pair_seconds = 1e-6;
+    absl::StatusOr<PolicyResult> ceiling = Replay(t, c, "ceiling");
+    ASSERT_TRUE(ceiling.ok()) << ceiling.status();
+    for (const std::string& name : ReplayPolicies()) {
+      absl::StatusOr<PolicyResult> r = Replay(t, c, name);
+      ASSERT_TRUE(r.ok()) << name << ": " << r.status();
+      EXPECT_EQ(r->TotalPairs(), ceiling->TotalPairs()) << name;
+      EXPECT_LE(r->TotalHits(), ceiling->TotalHits()) << name << " trial " << trial;
+      if (r->model_seconds >= 0) {
+        EXPECT_GE(r->model_seconds, ceiling->model_seconds * (1 - 1e-12)) << name;
+      }
+    }
+  }
+  EXPECT_EQ(Replay(GenerateRoutingTrace({}), ReplayConfig{}, "fifo").status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// Recorded routing (../shared/data/traces): the worker's default beats every
+// baseline by hit rate and modelled step time at 25% cache, 100 ms steps.
+TEST(Replay, DefaultBeatsBaselinesOnRecordedOlmoeTrace) {
+  const std::string path = std::string(MOE_SOURCE_DIR) + "/../shared/data/traces/olmoe-1b-7b-decode.jsonl.xz";
+  if (!std::ifstream(path).good()) GTEST_SKIP() << "trace not found: " << path;
+  absl::StatusOr<RoutingTrace> t = ReadRoutingTrace(path);
+  ASSERT_TRUE(t.ok()) << t.status();
+  ReplayConfig c;
+  c.slots = t->num_experts / 4;
+  c.expert_bytes = 12582912;
+  c.step_seconds = 0.1;
+  c.pair_seconds = 2.0 * (c.expert_bytes / 2.0) / 4.6e12;
+  absl::StatusOr<PolicyResult> def = Replay(*t, c, "default");
+  ASSERT_TRUE(def.ok()) << def.status();
+  for (const std::string name : {"lru", "lfu", "lfru", "coordinator", "best-static"}) {
+    absl::StatusOr<PolicyResult> r = Replay(*t, c, name);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_GE(def->Rate(), r->Rate()) << name;
+    EXPECT_LE(def->model_seconds, r->model_seconds) << name;
+  }
 }
 
 }  // namespace

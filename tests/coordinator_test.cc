@@ -338,6 +338,39 @@ std::vector<int> Experts(const moe::v1::CacheAssignment& a, int layer) {
   return {};
 }
 
+// Workers' per-layer cache activity (copies, bytes, prediction scores) shows
+// in the status as decayed rates and a precision; bad counts are refused.
+TEST_F(CoordinatorCore, StatusShowsPerLayerCacheActivity) {
+  auto c = Make();
+  absl::StatusOr<moe::v1::RegisterWorkerResponse> reg = c->RegisterWorker(Worker("w1"));
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  auto hb = Beat("w1", reg->session(), 0);
+  Count(hb, 1, {{5, 10}});
+  hb.mutable_counts(0)->set_cache_copies(4);
+  hb.mutable_counts(0)->set_copy_bytes(4000);
+  hb.mutable_counts(0)->set_predicted(10);
+  hb.mutable_counts(0)->set_predicted_used(7);
+  ASSERT_TRUE(c->Heartbeat(hb).ok());
+  moe::v1::StatusResponse st = c->Status();
+  ASSERT_EQ(st.layers_size(), 2);
+  EXPECT_DOUBLE_EQ(st.layers(1).prediction_precision(), 0.7);
+  EXPECT_GT(st.layers(1).copies_per_second(), 0.0);
+  EXPECT_DOUBLE_EQ(st.layers(1).pcie_bytes_per_second(), 1000.0 * st.layers(1).copies_per_second());
+  EXPECT_EQ(st.layers(0).copies_per_second(), 0.0);
+  EXPECT_EQ(st.layers(0).prediction_precision(), 0.0);
+  // The rate decays when nothing more comes.
+  const double before = st.layers(1).copies_per_second();
+  now_ += 10;
+  EXPECT_LT(c->Status().layers(1).copies_per_second(), before * 0.75);
+  auto bad = Beat("w1", reg->session(), 0);
+  Count(bad, 0, {{1, 1}});
+  bad.mutable_counts(0)->set_predicted(1);
+  bad.mutable_counts(0)->set_predicted_used(2);
+  absl::Status s = c->Heartbeat(bad).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("counts[0].predicted_used"), std::string::npos) << s;
+}
+
 TEST_F(CoordinatorCore, SnapshotThenDeltaTowardTheHotExperts) {
   auto c = Make();
   absl::StatusOr<moe::v1::RegisterWorkerResponse> reg = c->RegisterWorker(Worker("w1"));

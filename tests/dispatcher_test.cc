@@ -247,6 +247,70 @@ TEST_P(DispatcherTest, LruAdmitsMissedExpertsAfterTheirCopy) {
   EXPECT_GT(d->cache().hits(1, 5), 0u);
 }
 
+// The default policy: AdmissionPolicy learns that layer 1's experts {2,3}
+// are followed by {5,6} at layer 2 (and vice versa across passes) and
+// prefetches them; results stay exact throughout.
+TEST_P(DispatcherTest, PredictivePrefetchesTheNextLayersExperts) {
+  const std::string addr = StartServer();
+  DispatcherConfig c = Config({addr});
+  ASSERT_EQ(c.policy, CachePolicyKind::kPredictive) << "the worker's default";
+  c.slots_per_layer = 2;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  ASSERT_NE(d->admission(), nullptr);
+  std::vector<bf16_t> out;
+  CallStats st;
+  int last_hits[2] = {0, 0};
+  for (int pass = 0; pass < 8; ++pass) {
+    Batch b1 = RandomBatch(6, 2, {2, 3}, 100 + pass), b2 = RandomBatch(6, 2, {5, 6}, 200 + pass);
+    ASSERT_TRUE(d->Forward(Call(1, b1, &out), &st).ok());
+    EXPECT_LE(Error(1, b1, out), 1e-2);
+    last_hits[0] = st.hit_pairs;
+    ASSERT_TRUE(d->FlushCopies().ok());
+    ASSERT_TRUE(d->Forward(Call(2, b2, &out), &st).ok());
+    EXPECT_LE(Error(2, b2, out), 1e-2);
+    last_hits[1] = st.hit_pairs;
+    ASSERT_TRUE(d->FlushCopies().ok());
+  }
+  EXPECT_EQ(last_hits[0], 12);
+  EXPECT_EQ(last_hits[1], 12);
+  EXPECT_GT(d->admission()->counters(2).copies, 0u);
+  EXPECT_GT(d->admission()->predictor().quality(2).precision(), 0.5);
+  // Engine hints: validated, and only under the predictive policy.
+  std::vector<float> logits(8, 0.0f);
+  EXPECT_TRUE(d->HintRouterLogits(2, 1, 2, logits.data()).ok());
+  absl::Status bad = d->HintRouterLogits(0, 1, 2, logits.data());
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("router_logits"), std::string::npos) << bad;
+  EXPECT_EQ(d->HintRouterLogits(2, 1, 9, logits.data()).code(), absl::StatusCode::kInvalidArgument);
+  c.policy = CachePolicyKind::kLru;
+  d.reset();
+  host_.reset();  // before Make replaces the backend it registered with
+  std::unique_ptr<LayerDispatcher> lru = Make(c);
+  ASSERT_NE(lru, nullptr);
+  EXPECT_EQ(lru->HintRouterLogits(2, 1, 2, logits.data()).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// Predictive under a coordinator: assignments seed the cache; pinned experts
+// and the admissions' own choices are respected.
+TEST_P(DispatcherTest, PredictiveTakesAssignmentsAsDeltas) {
+  const std::string addr = StartServer();
+  DispatcherConfig c = Config({addr});
+  c.slots_per_layer = 3;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(Place(*d, 1, {0, 1, 2}));
+  for (int e : {0, 1, 2}) EXPECT_GE(d->cache().ReadySlot(1, e), 0);
+  // The coordinator swaps 2 for 4: only that slot changes.
+  const int slot0 = d->cache().ReadySlot(1, 0);
+  ASSERT_TRUE(Place(*d, 1, {0, 1, 4}));
+  EXPECT_EQ(d->cache().ReadySlot(1, 0), slot0);
+  EXPECT_GE(d->cache().ReadySlot(1, 4), 0);
+  EXPECT_EQ(d->cache().ReadySlot(1, 2), -1);
+  EXPECT_EQ(d->ApplyAssignment(1, {0, 1, 2, 3}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(d->ApplyAssignment(1, {9}).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // Point 4: experts with many tokens are copied and computed on the device;
 // the rest still goes to the CPU. kAlways is the copy-every-miss baseline.
 TEST_P(DispatcherTest, CopyInsteadOfComputeForExpertsWithManyTokens) {

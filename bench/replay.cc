@@ -1,0 +1,393 @@
+#include "bench/replay.h"
+
+#include <algorithm>
+#include <deque>
+#include <functional>
+#include <memory>
+
+#include "absl/strings/str_cat.h"
+#include "bench/belady.h"
+#include "coordinator/placement.h"
+#include "coordinator/popularity.h"
+#include "gpu_worker/admission_policy.h"
+#include "gpu_worker/expert_cache.h"
+
+namespace moe {
+
+uint64_t PolicyResult::TotalHits() const {
+  uint64_t s = 0;
+  for (auto h : hits) s += h;
+  return s;
+}
+uint64_t PolicyResult::TotalPairs() const {
+  uint64_t s = 0;
+  for (auto p : pairs) s += p;
+  return s;
+}
+double PolicyResult::Rate() const { return TotalPairs() ? double(TotalHits()) / TotalPairs() : 0.0; }
+double PolicyResult::LayerRate(int l) const { return pairs[l] ? double(hits[l]) / pairs[l] : 0.0; }
+
+const std::vector<std::string>& ReplayPolicies() {
+  static const std::vector<std::string> names = {"default", "lru",    "lfu",         "lfru",
+                                                 "coordinator", "belady", "best-static", "ceiling"};
+  return names;
+}
+
+namespace {
+
+// The worker's copy engine: one link, FIFO; completes copies whose time came.
+class CopyQueue {
+ public:
+  CopyQueue(ExpertCache& cache, const ReplayConfig& c) : cache_(cache), config_(c) {}
+  void Submit(const std::vector<SlotCopy>& copies, double now) {
+    for (const SlotCopy& k : copies) {
+      if (config_.pcie_bytes_per_second <= 0) {
+        cache_.CompleteCopy(k);
+        continue;
+      }
+      busy_until_ = std::max(busy_until_, now) + double(config_.expert_bytes) / config_.pcie_bytes_per_second;
+      pending_.push_back({busy_until_, k});
+    }
+    count_ += copies.size();
+  }
+  void Advance(double now) {
+    while (!pending_.empty() && pending_.front().first <= now) {
+      cache_.CompleteCopy(pending_.front().second);
+      pending_.pop_front();
+    }
+  }
+  uint64_t count() const { return count_; }
+  // When every copy submitted so far will have completed.
+  double idle_at() const { return busy_until_; }
+
+ private:
+  ExpertCache& cache_;
+  const ReplayConfig& config_;
+  std::deque<std::pair<double, SlotCopy>> pending_;
+  double busy_until_ = 0;
+  uint64_t count_ = 0;
+};
+
+StepTimeModel TimeModel(const ReplayConfig& c) {
+  StepTimeModel m;
+  m.expert_bytes = static_cast<double>(c.expert_bytes);
+  m.dram_bytes_per_second = c.dram_bytes_per_second;
+  m.pcie_bytes_per_second = c.pcie_bytes_per_second;
+  m.pair_seconds = c.pair_seconds;
+  return m;
+}
+
+// CPU time of one layer's misses (no contention).
+double MissSeconds(const ReplayConfig& c, int missed_experts, uint64_t missed_pairs) {
+  return TimeModel(c).MissSeconds(missed_experts, static_cast<double>(missed_pairs));
+}
+
+// Duration of a layer that starts at `start` with these misses while the link
+// is busy until `link_busy_until` (see the header's time model).
+double LayerSeconds(const ReplayConfig& c, int num_layers, int missed_experts, uint64_t missed_pairs, double start,
+                    double link_busy_until) {
+  return TimeModel(c).LayerSeconds(c.step_seconds / num_layers, missed_experts, static_cast<double>(missed_pairs),
+                                   link_busy_until - start);
+}
+
+absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, const ReplayConfig& c,
+                                                       CachePolicyKind kind, double half_life) {
+  ExpertCacheConfig cc;
+  cc.num_layers = t.num_layers;
+  cc.num_experts = t.num_experts;
+  cc.slots_per_layer = c.slots;
+  cc.policy = kind;
+  cc.lfru_half_life = half_life;
+  return ExpertCache::Create(cc);
+}
+
+// One layer's accesses against the ready slots (what the dispatcher does).
+struct LayerOutcome {
+  std::vector<int> experts, pairs, missed;
+  std::vector<bool> hit;
+  uint64_t missed_pairs = 0;
+};
+
+void CountHits(const ExpertCache& cache, int layer, const std::vector<ExpertAccess>& acc, PolicyResult& r,
+               LayerOutcome* o) {
+  o->experts.clear();
+  o->pairs.clear();
+  o->missed.clear();
+  o->hit.clear();
+  o->missed_pairs = 0;
+  for (const ExpertAccess& a : acc) {
+    o->experts.push_back(a.expert);
+    o->pairs.push_back(a.pairs);
+    const bool h = cache.ReadySlot(layer, a.expert) >= 0;
+    o->hit.push_back(h);
+    if (h) {
+      r.hits[layer] += a.pairs;
+    } else {
+      o->missed.push_back(a.expert);
+      o->missed_pairs += a.pairs;
+    }
+    r.pairs[layer] += a.pairs;
+  }
+}
+
+PolicyResult NewResult(const RoutingTrace& t, const std::string& name) {
+  return PolicyResult{name, std::vector<uint64_t>(t.num_layers), std::vector<uint64_t>(t.num_layers)};
+}
+
+// The layer's routing handed to the admission policy: the trace keeps per
+// step only each expert's pair count, not which token routed where, so the
+// step's distinct experts go as one row (exact for batch-1 decode traces; for
+// batches the predictor learns step-level transitions).
+void Routing(const std::vector<ExpertAccess>& acc, std::vector<int32_t>* ids, int* k) {
+  ids->clear();
+  for (const ExpertAccess& a : acc) ids->push_back(a.expert);
+  *k = static_cast<int>(ids->size());
+}
+
+// The worker's per-call loop: at each layer run the copies completed by now
+// serve, the run's hits and misses are counted, `admit` plans copies (started
+// now), and the modelled clock advances by the layer's time; `step_end`
+// (optional) runs after each step with the clock and the copy queue.
+using AdmitFn = std::function<absl::StatusOr<std::vector<SlotCopy>>(size_t step, int layer, const LayerOutcome& o,
+                                                                    double now, double link_free)>;
+using StepEndFn = std::function<absl::Status(double now, CopyQueue& copies)>;
+absl::Status RunOnline(const RoutingTrace& t, const ReplayConfig& c, ExpertCache& cache, const AdmitFn& admit,
+                       const StepEndFn& step_end, PolicyResult& r) {
+  CopyQueue copies(cache, c);
+  LayerOutcome o;
+  double now = 0;
+  for (size_t s = 0; s < t.steps.size(); ++s) {
+    for (int l = 0; l < t.num_layers; ++l) {
+      copies.Advance(now);
+      CountHits(cache, l, t.steps[s][l], r, &o);
+      cache.RecordAccess(l, o.experts, o.pairs);
+      absl::StatusOr<std::vector<SlotCopy>> planned = admit(s, l, o, now, std::max(now, copies.idle_at()));
+      if (!planned.ok()) return planned.status();
+      copies.Submit(*planned, now);
+      now += LayerSeconds(c, t.num_layers, static_cast<int>(o.missed.size()), o.missed_pairs, now, copies.idle_at());
+    }
+    if (step_end)
+      if (absl::Status st = step_end(now, copies); !st.ok()) return st;
+  }
+  r.copies = copies.count();
+  r.model_seconds = now;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PolicyResult> ReplayOnline(const RoutingTrace& t, const ReplayConfig& c, const std::string& name) {
+  PolicyResult r = NewResult(t, name);
+  const CachePolicyKind kind = name == "lru" ? CachePolicyKind::kLru : CachePolicyKind::kLfru;
+  absl::StatusOr<std::unique_ptr<ExpertCache>> cache = MakeCache(t, c, kind, name == "lfu" ? 1e300 : c.lfru_half_life);
+  if (!cache.ok()) return cache.status();
+  ExpertCache& ec = **cache;
+  absl::Status st = RunOnline(
+      t, c, ec,
+      [&](size_t, int l, const LayerOutcome& o, double, double) -> absl::StatusOr<std::vector<SlotCopy>> {
+        return ec.PlanAdmissions(l, o.missed, c.slots);
+      },
+      nullptr, r);
+  if (!st.ok()) return st;
+  return r;
+}
+
+// The worker's default: ExpertCache (predictive) + AdmissionPolicy, fed the
+// routing of each layer when it runs and the clock, as the dispatcher does.
+absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayConfig& c) {
+  PolicyResult r = NewResult(t, "default");
+  absl::StatusOr<std::unique_ptr<ExpertCache>> cache = MakeCache(t, c, CachePolicyKind::kPredictive, c.lfru_half_life);
+  if (!cache.ok()) return cache.status();
+  AdmissionConfig ac;
+  for (int l = 0; l < t.num_layers; ++l) ac.layers.push_back(l);
+  ac.num_experts = t.num_experts;
+  ac.expert_bytes = c.expert_bytes;
+  ac.costs.copy_s = c.pcie_bytes_per_second > 0 ? double(c.expert_bytes) / c.pcie_bytes_per_second : 0.0;
+  ac.costs.copy_dram_s = c.dram_bytes_per_second > 0 && c.pcie_bytes_per_second > 0
+                             ? double(c.expert_bytes) / c.dram_bytes_per_second
+                             : 0.0;
+  ac.costs.miss_expert_s = MissSeconds(c, 1, 0);
+  ac.costs.miss_pair_s = c.pair_seconds;
+  absl::StatusOr<std::unique_ptr<AdmissionPolicy>> policy = AdmissionPolicy::Create(ac);
+  if (!policy.ok()) return policy.status();
+  ExpertCache& ec = **cache;
+  std::vector<int32_t> ids;
+  int k = 0;
+  absl::Status st = RunOnline(
+      t, c, ec,
+      [&](size_t s, int l, const LayerOutcome&, double now, double link_free) {
+        Routing(t.steps[s][l], &ids, &k);
+        return (*policy)->OnLayer(ec, l, k > 0 ? 1 : 0, k, ids.data(), now, link_free);
+      },
+      nullptr, r);
+  if (!st.ok()) return st;
+  PredictionQuality q;
+  for (int l = 0; l < t.num_layers; ++l) {
+    const PredictionQuality& ql = (*policy)->predictor().quality(l);
+    q.predicted += ql.predicted;
+    q.correct += ql.correct;
+    q.used += ql.used;
+  }
+  r.precision = q.precision();
+  r.recall = q.recall();
+  return r;
+}
+
+absl::StatusOr<PolicyResult> ReplayCoordinator(const RoutingTrace& t, const ReplayConfig& c) {
+  PolicyResult r = NewResult(t, "coordinator");
+  absl::StatusOr<std::unique_ptr<ExpertCache>> made = MakeCache(t, c, CachePolicyKind::kStatic, c.lfru_half_life);
+  if (!made.ok()) return made.status();
+  ExpertCache& cache = **made;
+  const std::string worker = "replay";
+  Popularity popularity(t.num_layers, t.num_experts, c.policy.half_life_seconds, 0.0);
+  // Counts since the last heartbeat, [layer][expert] pairs and hits.
+  std::vector<std::vector<uint64_t>> pending_pairs(t.num_layers, std::vector<uint64_t>(t.num_experts));
+  std::vector<std::vector<uint64_t>> pending_hits = pending_pairs;
+  const double round_seconds = c.policy.rebalance_interval_seconds > 0 ? c.policy.rebalance_interval_seconds : 1.0;
+  double last_heartbeat = 0, last_rebalance = 0;
+  // The worker acknowledges an assignment in the first heartbeat after its
+  // copies completed; until then the coordinator leaves it alone (frozen).
+  bool acked = true;
+  double applied_at = 0;
+  auto count = [&](size_t, int l, const LayerOutcome& o, double, double) -> absl::StatusOr<std::vector<SlotCopy>> {
+    for (size_t i = 0; i < o.experts.size(); ++i) {
+      pending_pairs[l][o.experts[i]] += o.pairs[i];
+      if (o.hit[i]) pending_hits[l][o.experts[i]] += o.pairs[i];
+    }
+    return std::vector<SlotCopy>{};
+  };
+  auto step_end = [&](double end, CopyQueue& copies) -> absl::Status {
+    if (end - last_heartbeat >= c.heartbeat_seconds) {
+      for (int l = 0; l < t.num_layers; ++l) {
+        for (int e = 0; e < t.num_experts; ++e) {
+          if (pending_pairs[l][e] == 0) continue;
+          popularity.Add(worker, l, e, double(pending_pairs[l][e]), double(pending_hits[l][e]), end);
+          pending_pairs[l][e] = pending_hits[l][e] = 0;
+        }
+      }
+      last_heartbeat = end;
+      if (applied_at <= end) acked = true;
+    }
+    if (c.policy.rebalance_interval_seconds > 0 && end - last_rebalance >= c.policy.rebalance_interval_seconds &&
+        acked) {
+      last_rebalance = end;
+      PlacementProblem p;
+      p.num_layers = t.num_layers;
+      p.num_experts = t.num_experts;
+      p.params = {c.policy.placement, c.policy.hysteresis_margin, c.policy.copy_cost_hits, c.policy.replicate_share};
+      WorkerPlacementState w;
+      w.id = worker;
+      w.slots_per_layer = c.slots;
+      w.expert_bytes = c.expert_bytes;
+      if (c.policy.copy_budget_gbps > 0)
+        w.budget_bytes = static_cast<uint64_t>(c.policy.copy_budget_gbps * 1e9 * round_seconds);
+      w.cached.assign(t.num_layers, true);
+      w.pinned.resize(t.num_layers);
+      for (int l = 0; l < t.num_layers; ++l) {
+        std::vector<int> held = cache.SlotExperts(l);
+        held.erase(std::remove(held.begin(), held.end(), -1), held.end());
+        w.resident.push_back(held);
+        p.global_popularity.push_back(popularity.global().Layer(l, end));
+        w.popularity.push_back(popularity.worker(worker) ? popularity.worker(worker)->Layer(l, end)
+                                                         : std::vector<double>(t.num_experts, 0.0));
+      }
+      p.workers.push_back(std::move(w));
+      const PlacementPlan plan = PlanPlacement(p);
+      for (int l = 0; l < t.num_layers; ++l) {
+        absl::StatusOr<std::vector<SlotCopy>> k = cache.Assign(l, plan.sets[0][l]);
+        if (!k.ok()) return k.status();
+        if (!k->empty()) acked = false;
+        copies.Submit(*k, end);
+      }
+      applied_at = std::max(end, copies.idle_at());
+    }
+    return absl::OkStatus();
+  };
+  absl::Status st = RunOnline(t, c, cache, count, step_end, r);
+  if (!st.ok()) return st;
+  return r;
+}
+
+PolicyResult ReplayBelady(const RoutingTrace& t, const ReplayConfig& c) {
+  PolicyResult r = NewResult(t, "belady");
+  r.model_seconds = -1;  // the flow gives totals, not per-step misses
+  for (int l = 0; l < t.num_layers; ++l) {
+    std::vector<std::vector<ExpertAccess>> steps;
+    steps.reserve(t.steps.size());
+    for (const auto& s : t.steps) steps.push_back(s[l]);
+    const OfflineResult o = BeladyOptimum(steps, t.num_experts, c.slots);
+    r.hits[l] = o.hits;
+    r.pairs[l] = o.pairs;
+    r.copies += o.copies;
+  }
+  return r;
+}
+
+// Offline policies that hold, at each step and layer, the experts `held`
+// chooses; no copy costs. Modelled time: the device part plus the misses.
+template <typename HeldFn>
+PolicyResult ReplayOffline(const RoutingTrace& t, const ReplayConfig& c, const std::string& name, HeldFn held) {
+  PolicyResult r = NewResult(t, name);
+  std::vector<bool> resident;
+  for (size_t s = 0; s < t.steps.size(); ++s) {
+    for (int l = 0; l < t.num_layers; ++l) {
+      held(s, l, &resident);
+      int missed = 0;
+      uint64_t missed_pairs = 0;
+      for (const ExpertAccess& a : t.steps[s][l]) {
+        r.pairs[l] += a.pairs;
+        if (resident[a.expert]) {
+          r.hits[l] += a.pairs;
+        } else {
+          ++missed;
+          missed_pairs += a.pairs;
+        }
+      }
+      r.model_seconds += c.step_seconds / t.num_layers + MissSeconds(c, missed, missed_pairs);
+    }
+  }
+  return r;
+}
+
+// The C experts with the most pairs in `counts` (ties: lower id).
+std::vector<bool> TopC(const std::vector<uint64_t>& counts, int slots) {
+  std::vector<int> order(counts.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return counts[a] > counts[b]; });
+  std::vector<bool> out(counts.size(), false);
+  for (int i = 0; i < slots && i < static_cast<int>(order.size()); ++i) out[order[i]] = true;
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c, const std::string& name) {
+  if (c.slots < 0 || c.slots > t.num_experts)
+    return absl::InvalidArgumentError(absl::StrCat("slots: ", c.slots, " outside [0, ", t.num_experts, "]"));
+  if (c.expert_bytes == 0) return absl::InvalidArgumentError("expert_bytes: must be > 0");
+  if (!(c.step_seconds > 0)) return absl::InvalidArgumentError("step_seconds: must be > 0");
+  if (name == "default") return ReplayDefault(t, c);
+  if (name == "lru" || name == "lfu" || name == "lfru") return ReplayOnline(t, c, name);
+  if (name == "coordinator") return ReplayCoordinator(t, c);
+  if (name == "belady") return ReplayBelady(t, c);
+  if (name == "best-static") {
+    // The best fixed set per layer in hindsight, resident from the start.
+    std::vector<std::vector<bool>> sets;
+    for (int l = 0; l < t.num_layers; ++l) {
+      std::vector<uint64_t> counts(t.num_experts, 0);
+      for (const auto& s : t.steps)
+        for (const ExpertAccess& a : s[l]) counts[a.expert] += a.pairs;
+      sets.push_back(TopC(counts, c.slots));
+    }
+    return ReplayOffline(t, c, name, [&](size_t, int l, std::vector<bool>* held) { *held = sets[l]; });
+  }
+  if (name == "ceiling") {
+    std::vector<uint64_t> counts(t.num_experts);
+    return ReplayOffline(t, c, name, [&](size_t s, int l, std::vector<bool>* held) {
+      std::fill(counts.begin(), counts.end(), 0);
+      for (const ExpertAccess& a : t.steps[s][l]) counts[a.expert] += a.pairs;
+      *held = TopC(counts, c.slots);
+    });
+  }
+  return absl::InvalidArgumentError(absl::StrCat("policy '", name, "' is unknown"));
+}
+
+}  // namespace moe

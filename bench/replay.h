@@ -1,0 +1,66 @@
+// Replay of a routing trace through the expert-cache policies, with a
+// modelled step time: the engine of bench/cache_replay (and its tests).
+//
+// Policies: lru, lfu, lfru (the worker's ExpertCache), coordinator (the
+// coordinator's Popularity + PlanPlacement applied through ExpertCache::Assign),
+// default (what the worker does by default: ExpertCache in `predictive` mode
+// driven by gpu_worker's AdmissionPolicy + ExpertPredictor, the same code the
+// dispatcher runs), belady (demand-admission optimum, bench/belady.h),
+// best-static (the best fixed set per layer in hindsight) and ceiling.
+//
+// Time model (per step, layers in order): layer l lasts step_seconds/L (the
+// device's part: attention, hit experts) plus the CPU's misses, priced as
+// missed experts * expert_bytes / dram_bandwidth + missed pairs * pair_seconds,
+// plus the DRAM the copy engine takes from the CPU while both run (the link's
+// busy time overlapping the CPU work, times pcie / dram bandwidth). Copies go
+// over one link, FIFO, expert_bytes / pcie_bandwidth each, overlapped with
+// compute; an expert serves hits only once its copy completed.
+//
+// ceiling: per step and layer, the C experts with the most pairs are resident
+// (any expert may be pre-loaded, copies free and instant). No C-slot cache
+// can hit more pairs in any step, nor miss fewer experts, so its hit rate and
+// (without copy contention) its modelled step time bound every policy above.
+//
+// Not thread-safe; a replay is a pure function of its inputs.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "coordinator/policy.h"
+#include "core/routing_trace.h"
+
+namespace moe {
+
+struct ReplayConfig {
+  int slots = 0;
+  double step_seconds = 0.1;          // device part of one step (all layers)
+  uint64_t expert_bytes = 0;
+  double pcie_bytes_per_second = 55e9;  // 0: copies are instant
+  double dram_bytes_per_second = 94e9;  // CPU expert weight streaming rate
+  double pair_seconds = 0;            // CPU cost of one (token, expert) pair
+  double lfru_half_life = 64;
+  double heartbeat_seconds = 0.2;
+  CoordinatorPolicy policy;
+};
+
+struct PolicyResult {
+  std::string name;
+  std::vector<uint64_t> hits, pairs;  // [layer]
+  uint64_t copies = 0;
+  double model_seconds = 0;  // modelled time of all steps; < 0: not modelled
+  double precision = -1, recall = -1;  // default: lag-1 prediction quality
+  double seconds = 0;        // replay wall time
+  uint64_t TotalHits() const;
+  uint64_t TotalPairs() const;
+  double Rate() const;
+  double LayerRate(int l) const;
+};
+
+// The policy names Replay accepts.
+const std::vector<std::string>& ReplayPolicies();
+// Replays `name` over `t`; InvalidArgument for an unknown name or bad config.
+absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c, const std::string& name);
+
+}  // namespace moe

@@ -1,0 +1,200 @@
+// The worker's default cache policy: ExpertPredictor (online cross-layer
+// prediction, engine hints) and AdmissionPolicy (cost-driven copies under
+// time, byte budget and pins) over a real ExpertCache.
+#include <random>
+#include <set>
+
+#include "gpu_worker/admission_policy.h"
+#include "gpu_worker/expert_cache.h"
+#include "gpu_worker/expert_predictor.h"
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+std::unique_ptr<ExpertPredictor> MakePredictor(int layers, int experts) {
+  ExpertPredictorConfig c;
+  for (int l = 0; l < layers; ++l) c.layers.push_back(l);
+  c.num_experts = experts;
+  auto p = ExpertPredictor::Create(c);
+  EXPECT_TRUE(p.ok()) << p.status();
+  return *std::move(p);
+}
+
+// Routing where layer l+1's experts are a fixed function of layer l's (per
+// token), layer 0 random: a transition model can learn layers 1.., nothing
+// can predict layer 0 beyond its frequencies.
+std::vector<std::vector<int32_t>> ChainStep(std::mt19937& rng, int layers, int experts, int T, int k) {
+  std::vector<std::vector<int32_t>> ids(layers, std::vector<int32_t>(static_cast<size_t>(T) * k));
+  std::uniform_int_distribution<int> pick(0, experts - 1);
+  for (int t = 0; t < T; ++t) {
+    std::set<int> first;
+    while (static_cast<int>(first.size()) < k) first.insert(pick(rng));
+    int j = 0;
+    for (int e : first) ids[0][t * k + j++] = e;
+    for (int l = 1; l < layers; ++l)
+      for (int jj = 0; jj < k; ++jj) ids[l][t * k + jj] = (ids[l - 1][t * k + jj] * 5 + 3 + l) % experts;
+  }
+  return ids;
+}
+
+TEST(ExpertPredictor, LearnsCrossLayerTransitions) {
+  const int L = 4, E = 16, k = 2;
+  auto p = MakePredictor(L, E);
+  std::mt19937 rng(7);
+  for (int s = 0; s < 300; ++s) {
+    auto ids = ChainStep(rng, L, E, 1, k);
+    for (int l = 0; l < L; ++l) ASSERT_TRUE(p->Observe(l, 1, k, ids[l].data()).ok());
+  }
+  for (int l = 1; l < L; ++l) {
+    EXPECT_GT(p->quality(l).precision(), 0.9) << "layer " << l;
+    EXPECT_GT(p->quality(l).recall(), 0.9) << "layer " << l;
+  }
+  // Layer 0 is drawn at random: 2 of 16, so precision stays near chance.
+  EXPECT_LT(p->quality(0).precision(), 0.5);
+  // A fresh step: the prediction for layer 1 after observing layer 0 is the mapped set.
+  auto ids = ChainStep(rng, L, E, 1, k);
+  ASSERT_TRUE(p->Observe(0, 1, k, ids[0].data()).ok());
+  const std::vector<double> prob = p->Predict(1, 1);
+  for (int j = 0; j < k; ++j) EXPECT_GT(prob[ids[1][j]], 0.5);
+}
+
+TEST(ExpertPredictor, UsesEngineHintAndRejectsBadInput) {
+  const int E = 8;
+  auto p = MakePredictor(2, E);
+  std::vector<float> logits(E, 0.0f);
+  logits[5] = 3.0f;
+  logits[2] = 2.0f;
+  ASSERT_TRUE(p->Hint(1, 1, 2, logits.data()).ok());
+  const std::vector<double> prob = p->Predict(1, 1);
+  EXPECT_GT(prob[5], 0.9);
+  EXPECT_GT(prob[2], 0.9);
+  EXPECT_LT(prob[0], 0.1);
+  const int32_t bad[2] = {1, 8};
+  absl::Status s = p->Observe(0, 1, 2, bad);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("expert id 8"), std::string::npos) << s;
+  EXPECT_EQ(p->Observe(3, 1, 2, bad).code(), absl::StatusCode::kInvalidArgument);
+  logits[1] = std::nanf("");
+  EXPECT_EQ(p->Hint(0, 1, 2, logits.data()).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(ExpertPredictor::Create({{1, 0}, 4}).ok());
+}
+
+struct Rig {
+  std::unique_ptr<ExpertCache> cache;
+  std::unique_ptr<AdmissionPolicy> policy;
+};
+
+Rig MakeRig(int L, int E, int C, AdmissionCosts costs, uint64_t budget = 0) {
+  Rig r;
+  ExpertCacheConfig cc{L, E, C, CachePolicyKind::kPredictive, 64};
+  r.cache = *ExpertCache::Create(cc);
+  AdmissionConfig ac;
+  for (int l = 0; l < L; ++l) ac.layers.push_back(l);
+  ac.num_experts = E;
+  ac.expert_bytes = 1000;
+  ac.costs = costs;
+  ac.pass_budget_bytes = budget;
+  auto p = AdmissionPolicy::Create(ac);
+  EXPECT_TRUE(p.ok()) << p.status();
+  r.policy = *std::move(p);
+  return r;
+}
+
+// Runs `steps` passes of chain routing at `layer_s` per layer; copies complete
+// when the link (copy_s each, FIFO) finished them. Returns the hit rate.
+double Drive(Rig& r, int L, int E, int k, int steps, double layer_s, double copy_s, uint64_t* copies) {
+  std::mt19937 rng(3);
+  double now = 0, link = 0;
+  std::vector<std::pair<double, SlotCopy>> pending;
+  uint64_t hits = 0, pairs = 0;
+  for (int s = 0; s < steps; ++s) {
+    auto ids = ChainStep(rng, L, E, 1, k);
+    for (int l = 0; l < L; ++l) {
+      for (auto it = pending.begin(); it != pending.end();) {
+        if (it->first <= now) {
+          r.cache->CompleteCopy(it->second);
+          it = pending.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      for (int j = 0; j < k; ++j) {
+        ++pairs;
+        hits += r.cache->ReadySlot(l, ids[l][j]) >= 0;
+      }
+      auto planned = r.policy->OnLayer(*r.cache, l, 1, k, ids[l].data(), now, std::max(now, link));
+      EXPECT_TRUE(planned.ok()) << planned.status();
+      for (const SlotCopy& c : *planned) {
+        link = std::max(link, now) + copy_s;
+        pending.push_back({link, c});
+        ++*copies;
+      }
+      now += layer_s;
+    }
+  }
+  return double(hits) / double(pairs);
+}
+
+TEST(AdmissionPolicy, PrefetchesPredictedExpertsInTime) {
+  const int L = 4, E = 16, C = 4, k = 2;
+  // Copies take a tenth of a layer: prefetch lands before the next layer.
+  Rig r = MakeRig(L, E, C, {0.1e-3, 0.05e-3, 1e-3, 0.0});
+  uint64_t copies = 0;
+  const double rate = Drive(r, L, E, k, 300, 1e-3, 0.1e-3, &copies);
+  // Layers 1..3 are predictable (3/4 of the pairs); layer 0 hits by chance (C/E).
+  EXPECT_GT(rate, 0.6) << copies << " copies";
+  EXPECT_GT(copies, 0u);
+  // The same routing when copies take longer than two layers: nothing can land in time.
+  Rig slow = MakeRig(L, E, C, {3e-3, 0.05e-3, 1e-3, 0.0});
+  uint64_t slow_copies = 0;
+  Drive(slow, L, E, k, 50, 1e-3, 3e-3, &slow_copies);
+  // Only the first pass (layer intervals not yet measured) may start copies.
+  EXPECT_LE(slow_copies, static_cast<uint64_t>(L * C));
+}
+
+TEST(AdmissionPolicy, CopiesOnlyWhenReusePaysAndWithinBudget) {
+  const int L = 4, E = 16, C = 4, k = 2;
+  // A copy costs more host DRAM time than a miss: never worth it.
+  Rig costly = MakeRig(L, E, C, {0.1e-3, 2e-3, 1e-3, 0.0});
+  uint64_t copies = 0;
+  Drive(costly, L, E, k, 50, 1e-3, 0.1e-3, &copies);
+  EXPECT_EQ(copies, 0u);
+  // A byte budget of one copy per pass.
+  Rig budget = MakeRig(L, E, C, {0.1e-3, 0.05e-3, 1e-3, 0.0}, 1000);
+  uint64_t budget_copies = 0;
+  Drive(budget, L, E, k, 50, 1e-3, 0.1e-3, &budget_copies);
+  EXPECT_LE(budget_copies, 50u);
+  EXPECT_GT(budget_copies, 10u);
+}
+
+TEST(AdmissionPolicy, NeverEvictsPinnedExperts) {
+  const int L = 2, E = 8, C = 2, k = 1;
+  Rig r = MakeRig(L, E, C, {0.0, 0.0, 1e-3, 0.0});
+  for (int l = 0; l < L; ++l) {
+    auto copies = r.cache->Assign(l, {6, 7});
+    ASSERT_TRUE(copies.ok());
+    for (const SlotCopy& c : *copies) r.cache->CompleteCopy(c);
+    r.cache->SetPinned(l, {7});
+  }
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<int> pick(0, 5);
+  for (int s = 0; s < 100; ++s)
+    for (int l = 0; l < L; ++l) {
+      const int32_t id = pick(rng);
+      auto planned = r.policy->OnLayer(*r.cache, l, 1, k, &id, s * 1.0 + l * 0.5, 0);
+      ASSERT_TRUE(planned.ok());
+      for (const SlotCopy& c : *planned) {
+        EXPECT_NE(c.evicted, 7);
+        r.cache->CompleteCopy(c);
+      }
+    }
+  for (int l = 0; l < L; ++l) EXPECT_GE(r.cache->ReadySlot(l, 7), 0);
+  // Replace refuses a pinned victim by name.
+  const int slot7 = r.cache->SlotOf(0, 7);
+  auto bad = r.cache->Replace(0, slot7, 3);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace moe
