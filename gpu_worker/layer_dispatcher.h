@@ -9,8 +9,8 @@
 //      validated (InvalidArgument naming expert_ids/expert_weights);
 //   2. split: a pair is a hit when its expert is Ready in a cache slot;
 //   3. copy-instead-of-compute: missed experts whose tokens make copy +
-//      device compute cheaper than the CPU (from rates measured at Create)
-//      are copied into temporary miss buffers — two sets, alternating by layer
+//      device compute cheaper than the CPU (CostModel: rates probed at Create,
+//      re-estimated online from the calls' observed times) are copied into temporary miss buffers — two sets, alternating by layer
 //      parity, so the copies of layer l+1 overlap the compute of layer l — and
 //      computed on the device;
 //   4. the remaining misses are gathered straight into the transport's memory
@@ -44,6 +44,7 @@
 #include "absl/status/statusor.h"
 #include "core/model_spec.h"
 #include "core/transport/transport.h"
+#include "gpu_worker/cost_model.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/expert_cache.h"
 #include "gpu_worker/host_expert_store.h"
@@ -83,25 +84,18 @@ struct DispatcherConfig {
   bool copy_fallback = true;       // failed servers: copy the experts to the device
   std::chrono::milliseconds deadline{30000};  // per call
   std::chrono::milliseconds server_retry{1000};  // a failed server is skipped this long
-  bool measure_rates = true;       // probe PCIe / device / CPU rates at Create
+  // Decode polling: calls of at most poll_max_tokens tokens turn on the
+  // transports' polling mode (ExpertTransport::SetPolling) with this window,
+  // and Complete polls for the partial sums as long; larger calls turn it off.
+  std::chrono::microseconds poll_window{2000};
+  int poll_max_tokens = 64;
+  bool measure_rates = true;       // probe PCIe / device / CPU rates at Create (the online model's prior)
   // Device knobs passed to DeviceBackend::Init (cpu_threads, cpu_kernel,
   // cuda_device); its sizes (hidden, buffers, tokens, contexts) are set here.
   BackendConfig backend;
   // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
   // all hits or all misses (e.g. CoordinatorAgent::RecordAccess). Optional.
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
-};
-
-// Rates measured at Create (seconds); the copy-instead decision uses them.
-struct CostModel {
-  double copy_s = 0;          // one expert host -> device
-  double device_fixed_s = 0;  // device compute of one expert: fixed + per row
-  double device_row_s = 0;
-  double cpu_call_s = 0;      // CPU server: per call, per expert, per (token, expert) pair
-  double cpu_expert_s = 0;
-  double cpu_pair_s = 0;
-  bool measured = false;
-  std::string Describe() const;
 };
 
 // One layer call. hidden [T,H] bf16, topk_ids [T,k] i32 (-1 = unused),
