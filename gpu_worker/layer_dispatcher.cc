@@ -837,8 +837,9 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
     const bool timed = sh.server != timed_server;
     timed_server = sh.server;
     const bool ready = sh.done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-    const Server& server = m.servers[sh.server];
-    absl::Status st = server.polling.count() > 0 ? AwaitResult(sh.done, server.polling) : AwaitResult(sh.done);
+    // The transport's completion thread polls in decode; this thread spins
+    // only briefly (a core more would compete with the server's pool).
+    absl::Status st = AwaitResult(sh.done);
     if (timed && st.ok()) cost_.ObserveCpu(sh.experts, sh.pairs, Seconds(Clock::now() - sh.sent), ready);
     const bf16_t* partial = sh.staged ? sh.stage.output : ctx.recv.data() + sh.host_offset * H;
     while (!st.ok() && result.ok()) {

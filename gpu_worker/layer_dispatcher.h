@@ -85,8 +85,8 @@ struct DispatcherConfig {
   std::chrono::milliseconds deadline{30000};  // per call
   std::chrono::milliseconds server_retry{1000};  // a failed server is skipped this long
   // Decode polling: calls of at most poll_max_tokens tokens turn on the
-  // transports' polling mode (ExpertTransport::SetPolling) with this window,
-  // and Complete polls for the partial sums as long; larger calls turn it off.
+  // transports' polling mode (ExpertTransport::SetPolling) with this window;
+  // larger calls turn it off. Off on machines with fewer than 8 hardware threads.
   std::chrono::microseconds poll_window{2000};
   int poll_max_tokens = 64;
   bool measure_rates = true;       // probe PCIe / device / CPU rates at Create (the online model's prior)

@@ -286,13 +286,18 @@ class ShmTransport final : public ExpertTransport {
         OnChunkDone(c, *idx, resp.status);
       }
       if (seg.PeerClosed(shm::Side::kClient) || unix_socket::PeerClosed(c->sock)) c->dead.store(true);
-      // Spin while batches are out (the answer is microseconds away) or the
-      // polling window is open (the next batch is), sleep otherwise.
+      // Spin while batches are out (the answer is microseconds away) — in
+      // polling mode through the whole window, not only kInFlightSpin —
+      // and sleep when none is (nothing can arrive; the server side polls
+      // for the next batch).
       if (!worked && !c->dead.load()) {
         const Clock::time_point now = Clock::now();
-        const Clock::time_point poll_until{Clock::duration(poll_until_ns_.load(std::memory_order_relaxed))};
-        std::chrono::nanoseconds spin = in_flight_.load() > 0 ? kInFlightSpin : std::chrono::nanoseconds(0);
-        if (poll_until > now) spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
+        std::chrono::nanoseconds spin(0);
+        if (in_flight_.load() > 0) {
+          spin = kInFlightSpin;
+          const Clock::time_point poll_until{Clock::duration(poll_until_ns_.load(std::memory_order_relaxed))};
+          if (poll_until > now) spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
+        }
         seg.WaitResponse(seen, now + std::chrono::milliseconds(20), spin);
       }
     }

@@ -93,9 +93,10 @@ class ExpertTransport {
   // Polling mode, for a caller that sends batches back to back (a GPU worker
   // decoding: one batch per layer, a millisecond apart). While `window` > 0,
   // every submitted batch asks both sides to poll for up to `window` after it
-  // — the server's request loop (shm: bounded by the server's own cap) and
-  // this transport's completion path — instead of sleeping on a futex; past
-  // the window both fall back to sleeping. 0 (the default) turns it off.
+  // instead of sleeping on a futex — the server's request loop for the next
+  // batch (shm: bounded by the server's own cap), this transport's completion
+  // path for the answers in flight; past the window both fall back to
+  // sleeping. 0 (the default) turns it off.
   // Transports without a polling side (gRPC) ignore it. Thread-safe.
   virtual void SetPolling(std::chrono::microseconds window) { (void)window; }
 };
