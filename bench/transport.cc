@@ -6,8 +6,9 @@
 // an echo handler) and over shared memory (the real ShmServer). The parent
 // times, for n tokens of H = 7168 bf16 with top-8 routing:
 //   memcpy       the request's and the response's bytes copied once in process (the floor)
-//   unix-socket  the same bytes through a raw Unix stream socket to the child and back
-//                (a second floor: what any socket-based transport pays at least)
+//   unix-socket  the same bytes through a Unix stream socket to the child and back
+//                (core/transport/unix_socket Send/Receive: a second floor, what any
+//                socket-based transport pays at least)
 //   shm          ExpertTransport::Submit (copies in and out of the segment)
 //   shm-staged   Stage / SubmitStaged / Release (zero copy: the producer writes the slot)
 //   grpc-stream  one long-lived ForwardStream
@@ -35,6 +36,7 @@
 #include "core/transport/grpc_channel.h"
 #include "core/transport/shm_server.h"
 #include "core/transport/transport.h"
+#include "core/transport/unix_socket.h"
 #include "cpu_expert_server/cpu_features.h"
 #include "cpu_expert_server/expert_service.h"
 #include "grpcpp/grpcpp.h"
@@ -43,37 +45,17 @@ namespace {
 
 constexpr int kHidden = 7168, kTopK = 8, kExperts = 256, kLayers = 61, kMaxTokens = 512;
 
-bool WriteAll(int fd, const void* data, size_t len) {
-  const char* p = static_cast<const char*>(data);
-  while (len > 0) {
-    const ssize_t w = write(fd, p, len);
-    if (w <= 0) return false;
-    p += w;
-    len -= static_cast<size_t>(w);
-  }
-  return true;
-}
-
-bool ReadAll(int fd, void* data, size_t len) {
-  char* p = static_cast<char*>(data);
-  while (len > 0) {
-    const ssize_t r = read(fd, p, len);
-    if (r <= 0) return false;
-    p += r;
-    len -= static_cast<size_t>(r);
-  }
-  return true;
-}
-
 // Child side of the raw socket floor: each message is {request bytes, response
 // bytes} (two uint64) and the request; the answer is the response's bytes
 // (the head of the request, repeated). Ends when the parent closes its end.
 void RawSocketEcho(int fd) {
   std::vector<char> buf;
   uint64_t len[2];
-  while (ReadAll(fd, len, sizeof(len))) {
+  while (moe::unix_socket::Receive(fd, len, sizeof(len), nullptr, -1).ok()) {
     buf.resize(std::max(len[0], len[1]));
-    if (!ReadAll(fd, buf.data(), len[0]) || !WriteAll(fd, buf.data(), len[1])) break;
+    if (!moe::unix_socket::Receive(fd, buf.data(), len[0], nullptr, -1).ok() ||
+        !moe::unix_socket::Send(fd, buf.data(), len[1]).ok())
+      break;
   }
   close(fd);
 }
@@ -216,8 +198,9 @@ int main(int argc, char** argv) {
     const uint64_t lens[2] = {req_bytes, resp_bytes};
     for (int i = 0; i < warmup + runs; ++i) {
       const auto t0 = std::chrono::steady_clock::now();
-      if (!WriteAll(raw[0], lens, sizeof(lens)) || !WriteAll(raw[0], src.data(), req_bytes) ||
-          !ReadAll(raw[0], dst.data(), resp_bytes)) {
+      if (!moe::unix_socket::Send(raw[0], lens, sizeof(lens)).ok() ||
+          !moe::unix_socket::Send(raw[0], src.data(), req_bytes).ok() ||
+          !moe::unix_socket::Receive(raw[0], dst.data(), resp_bytes, nullptr, 10000).ok()) {
         std::fprintf(stderr, "unix-socket n=%d: the echo child stopped answering\n", n);
         ok = false;
         break;
