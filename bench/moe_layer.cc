@@ -18,6 +18,10 @@
 //   ideal      max(GPU time, CPU time at DRAM bandwidth): the ceiling's step, and the bytes
 //              of the experts ours missed in its cache over the measured DRAM bandwidth
 // Times are medians over the timed steps, per decode step and per MoE layer.
+// With --runs N every configuration runs N times (a fresh dispatcher each, so
+// its start-up probe and online rates too); a time cell is then the median run
+// with its spread, "median [min-max]", and the other cells come from the
+// median run.
 #include <signal.h>
 #include <unistd.h>
 
@@ -189,6 +193,7 @@ struct Options {
   double zipf = 1.0, drift = 0.02, dram_gib = 4;
   int idle_spin_us = 2000;
   int admissions = 0;
+  int runs = 1;
 };
 
 struct RunResult {
@@ -372,6 +377,26 @@ class Bench {
 
 std::string Ms(double s) { return absl::StrFormat("%.3f", s * 1e3); }
 
+// Several runs of one configuration: the run with the median step time, and
+// the spread of a field over the runs.
+struct Runs {
+  std::vector<RunResult> all;
+  const RunResult& median() const {
+    std::vector<size_t> order(all.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return all[a].step_s < all[b].step_s; });
+    return all[order[order.size() / 2]];
+  }
+  // "median" for one run, "median [min-max]" (ms) for several.
+  std::string Spread(double RunResult::*field, double scale = 1) const {
+    std::vector<double> v;
+    for (const RunResult& r : all) v.push_back(r.*field * scale);
+    std::sort(v.begin(), v.end());
+    if (v.size() == 1) return Ms(v[0]);
+    return absl::StrFormat("%s [%s-%s]", Ms(v[v.size() / 2]), Ms(v.front()), Ms(v.back()));
+  }
+};
+
 int Main(int argc, char** argv) {
   Options o;
   FlagSet flags("moe_layer",
@@ -395,6 +420,8 @@ int Main(int argc, char** argv) {
   flags.Int("server-idle-spin-us", &spin, "the expert server's --idle-spin-us (decode keeps it hot)");
   int64_t admissions = o.admissions;
   flags.Int("admissions", &admissions, "ours: lfru cache admissions started per layer call");
+  int64_t runs = o.runs;
+  flags.Int("runs", &runs, "runs of every configuration (fresh dispatcher each); cells show median [min-max]");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
   flags.Parse(argc, argv);
   o.steps = static_cast<int>(steps);
@@ -402,6 +429,8 @@ int Main(int argc, char** argv) {
   o.context = static_cast<int>(context);
   o.idle_spin_us = static_cast<int>(spin);
   o.admissions = static_cast<int>(admissions);
+  if (runs < 1) Die("--runs: must be at least 1");
+  o.runs = static_cast<int>(runs);
   const int ncpu = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   o.server_threads = threads > 0 ? static_cast<int>(threads) : std::max(1, ncpu - 1);
 
@@ -472,32 +501,44 @@ int Main(int argc, char** argv) {
   std::printf("\n### moe_layer: %s, %d MoE layers, backend %s, server %d threads over shm\n\n", o.preset.c_str(), L,
               pin->name(), o.server_threads);
   std::printf("DRAM read %.1f GB/s (%s); expert %.1f MB; Zipf %.2f, drift %.3f; %d warm-up + %d timed steps "
-              "(medians); context %d.\n\n",
+              "(medians); context %d; %d run(s) per configuration%s.\n\n",
               dram_gbps, dram_note.c_str(), spec.ExpertBf16Bytes() / 1e6, o.zipf, o.drift, o.warmup, o.steps,
-              o.context);
+              o.context, o.runs, o.runs > 1 ? ", times as median [min-max] over the runs" : "");
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | ideal step ms | ours/ideal | lru-copy/ours | hit | cpu | copied | ours submit/wait ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  auto repeat = [&](int T, int C, CachePolicyKind policy, CopyMode copy, bool dual) {
+    Runs r;
+    for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual));
+    return r;
+  };
   for (int T : Ints(o.batches)) {
     // Ceiling: every expert resident, nothing missed.
-    RunResult ceil = bench.Run(T, spec.num_experts, CachePolicyKind::kStatic, CopyMode::kNever, false);
+    const Runs ceil_runs = repeat(T, spec.num_experts, CachePolicyKind::kStatic, CopyMode::kNever, false);
+    const RunResult& ceil = ceil_runs.median();
     const double copy_all_step = ceil.step_s - ceil.moe_s + L * std::max(copy_all_layer, ceil.moe_s / L);
     for (int pct : Ints(o.cache)) {
       const int C = std::max(0, std::min(spec.num_experts, static_cast<int>(std::lround(pct / 100.0 * spec.num_experts))));
-      RunResult ours, dual, lru;
-      if (has("ours")) ours = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false);
-      if (has("ours-dual") && T >= 2) dual = bench.Run(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true);
-      if (has("lru-copy")) lru = bench.Run(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false);
+      Runs ours_runs, dual_runs, lru_runs;
+      ours_runs.all.assign(1, RunResult{});
+      dual_runs.all.assign(1, RunResult{});
+      lru_runs.all.assign(1, RunResult{});
+      if (has("ours")) ours_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false);
+      if (has("ours-dual") && T >= 2) dual_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true);
+      if (has("lru-copy")) lru_runs = repeat(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false);
+      const RunResult &ours = ours_runs.median(), &lru = lru_runs.median();
       // The ideal step: max(GPU time, CPU time at DRAM bandwidth) — the
       // ceiling's whole step (attention + every expert on the device), and
       // ours' uncached experts' bytes over the measured bandwidth.
       const double ideal = std::max(ceil.step_s, ours.cpu_floor_s);
-      auto opt = [](bool ran, double v) { return ran ? Ms(v) : std::string("-"); };
+      auto opt = [](bool ran, const std::string& v) { return ran ? v : std::string("-"); };
       const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
       std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %.2f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s |\n", T,
-                  pct, C, Ms(ceil.step_s).c_str(), Ms(ours.step_s).c_str(), Ms(ours.moe_s / L).c_str(),
-                  opt(has("ours-dual") && T >= 2, dual.step_s).c_str(), opt(has("lru-copy"), lru.step_s).c_str(),
-                  opt(has("copy-all"), copy_all_step).c_str(),
+                  pct, C, ceil_runs.Spread(&RunResult::step_s).c_str(), ours_runs.Spread(&RunResult::step_s).c_str(),
+                  ours_runs.Spread(&RunResult::moe_s, 1.0 / L).c_str(),
+                  opt(has("ours-dual") && T >= 2, dual_runs.Spread(&RunResult::step_s)).c_str(),
+                  opt(has("lru-copy"), lru_runs.Spread(&RunResult::step_s)).c_str(),
+                  opt(has("copy-all"), Ms(copy_all_step)).c_str(),
                   Ms(ideal).c_str(), ours.step_s / ideal, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
                   100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str());
       std::fflush(stdout);

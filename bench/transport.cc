@@ -6,6 +6,9 @@
 // an echo handler) and over shared memory (the real ShmServer). The parent
 // times, for n tokens of H = 7168 bf16 with top-8 routing:
 //   memcpy       the request's and the response's bytes copied once in process (the floor)
+//   unix-socket  the same bytes through a Unix stream socket to the child and back
+//                (core/transport/unix_socket Send/Receive: a second floor, what any
+//                socket-based transport pays at least)
 //   shm          ExpertTransport::Submit (copies in and out of the segment)
 //   shm-staged   Stage / SubmitStaged / Release (zero copy: the producer writes the slot)
 //   grpc-stream  one long-lived ForwardStream
@@ -33,6 +36,7 @@
 #include "core/transport/grpc_channel.h"
 #include "core/transport/shm_server.h"
 #include "core/transport/transport.h"
+#include "core/transport/unix_socket.h"
 #include "cpu_expert_server/cpu_features.h"
 #include "cpu_expert_server/expert_service.h"
 #include "grpcpp/grpcpp.h"
@@ -41,8 +45,25 @@ namespace {
 
 constexpr int kHidden = 7168, kTopK = 8, kExperts = 256, kLayers = 61, kMaxTokens = 512;
 
-// Child: echo servers on gRPC (port written to `fd`) and shm (socket_path).
-[[noreturn]] void RunEchoServer(int fd, const std::string& socket_path) {
+// Child side of the raw socket floor: each message is {request bytes, response
+// bytes} (two uint64) and the request; the answer is the response's bytes
+// (the head of the request, repeated). Ends when the parent closes its end.
+void RawSocketEcho(int fd) {
+  std::vector<char> buf;
+  uint64_t len[2];
+  while (moe::unix_socket::Receive(fd, len, sizeof(len), nullptr, -1).ok()) {
+    buf.resize(std::max(len[0], len[1]));
+    if (!moe::unix_socket::Receive(fd, buf.data(), len[0], nullptr, -1).ok() ||
+        !moe::unix_socket::Send(fd, buf.data(), len[1]).ok())
+      break;
+  }
+  close(fd);
+}
+
+// Child: echo servers on gRPC (port written to `fd`), shm (socket_path) and a
+// raw Unix socket (raw_fd).
+[[noreturn]] void RunEchoServer(int fd, const std::string& socket_path, int raw_fd) {
+  std::thread(RawSocketEcho, raw_fd).detach();
   moe::ModelSpec spec;
   spec.num_layers = kLayers;
   spec.num_experts = kExperts;
@@ -108,15 +129,18 @@ int main(int argc, char** argv) {
   char dir_tmpl[] = "/tmp/moe-bench-XXXXXX";
   const std::string dir = mkdtemp(dir_tmpl);
   const std::string sock = dir + "/echo.sock";
-  int fds[2];
-  if (socketpair(AF_UNIX, SOCK_STREAM, 0, fds) != 0) flags.Fail("socketpair failed", 1);
+  int fds[2], raw[2];
+  if (socketpair(AF_UNIX, SOCK_STREAM, 0, fds) != 0 || socketpair(AF_UNIX, SOCK_STREAM, 0, raw) != 0)
+    flags.Fail("socketpair failed", 1);
   const pid_t child = fork();
   if (child == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the benchmark
     close(fds[0]);
-    RunEchoServer(fds[1], sock);
+    close(raw[0]);
+    RunEchoServer(fds[1], sock, raw[1]);
   }
   close(fds[1]);
+  close(raw[1]);
   int port = 0;
   if (read(fds[0], &port, sizeof(port)) != sizeof(port)) flags.Fail("echo server did not start", 1);
   const std::string addr = absl::StrCat("127.0.0.1:", port);
@@ -145,7 +169,8 @@ int main(int argc, char** argv) {
   std::printf("Machine: %s, %u hardware threads. H = %d bf16, top-%d routing per token; iterations: %lld for n <= 64, %lld for n > 64 (after %lld warm-up).\n\n",
               cpu.brand.c_str(), std::thread::hardware_concurrency(), kHidden, kTopK,
               static_cast<long long>(iters), static_cast<long long>(big_iters), static_cast<long long>(warmup));
-  std::printf("| n | bytes each way | transport | p50 us | p99 us | mean us | p50 - memcpy p50 us |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+  std::printf("| n | bytes each way | transport | p50 us | p99 us | mean us | p50 - memcpy p50 us | p50 - unix-socket p50 us |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   bool ok = true;
   for (int n : *ns) {
     if (n < 1) continue;
@@ -168,7 +193,26 @@ int main(int argc, char** argv) {
       if (i >= warmup) lat.push_back(Us(t1 - t0));
     }
     const Stats floor = Summarize(lat);
-    std::printf("| %d | %zu | memcpy | %.2f | %.2f | %.2f | 0 |\n", n, req_bytes, floor.p50, floor.p99, floor.mean);
+    // Second floor: a raw Unix socket round trip to the child with the same bytes.
+    lat.clear();
+    const uint64_t lens[2] = {req_bytes, resp_bytes};
+    for (int i = 0; i < warmup + runs; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (!moe::unix_socket::Send(raw[0], lens, sizeof(lens)).ok() ||
+          !moe::unix_socket::Send(raw[0], src.data(), req_bytes).ok() ||
+          !moe::unix_socket::Receive(raw[0], dst.data(), resp_bytes, nullptr, 10000).ok()) {
+        std::fprintf(stderr, "unix-socket n=%d: the echo child stopped answering\n", n);
+        ok = false;
+        break;
+      }
+      const auto t1 = std::chrono::steady_clock::now();
+      if (i >= warmup) lat.push_back(Us(t1 - t0));
+    }
+    if (lat.empty()) flags.Fail("unix-socket: no round trip completed", 1);
+    const Stats socket_floor = Summarize(lat);
+    std::printf("| %d | %zu | memcpy | %.2f | %.2f | %.2f | 0 | - |\n", n, req_bytes, floor.p50, floor.p99, floor.mean);
+    std::printf("| %d | %zu | unix-socket | %.2f | %.2f | %.2f | %.2f | 0 |\n", n, req_bytes, socket_floor.p50,
+                socket_floor.p99, socket_floor.mean, socket_floor.p50 - floor.p50);
     const moe::MissBatch batch{1, n, kTopK, x.data(), ids.data(), w.data()};
     for (Named& tr : transports) {
       lat.clear();
@@ -202,8 +246,8 @@ int main(int argc, char** argv) {
       }
       if (lat.empty()) continue;
       const Stats s = Summarize(lat);
-      std::printf("| %d | %zu | %s | %.2f | %.2f | %.2f | %.2f |\n", n, req_bytes, tr.name.c_str(), s.p50, s.p99,
-                  s.mean, s.p50 - floor.p50);
+      std::printf("| %d | %zu | %s | %.2f | %.2f | %.2f | %.2f | %.2f |\n", n, req_bytes, tr.name.c_str(), s.p50,
+                  s.p99, s.mean, s.p50 - floor.p50, s.p50 - socket_floor.p50);
     }
   }
 
@@ -244,6 +288,7 @@ int main(int argc, char** argv) {
     }
   }
   transports.clear();
+  close(raw[0]);
   close(fds[0]);
   int status = 0;
   waitpid(child, &status, 0);

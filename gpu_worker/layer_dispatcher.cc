@@ -4,6 +4,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -47,15 +48,6 @@ absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name) {
   return absl::InvalidArgumentError("copy-mode: '" + name + "' is not auto, never or always");
 }
 
-std::string CostModel::Describe() const {
-  if (!measured) return "not measured";
-  return absl::StrFormat(
-      "copy %.3f ms/expert; device %.3f ms + %.4f ms/row; cpu %.3f ms/call + %.3f ms/expert + "
-      "%.4f ms/pair",
-      copy_s * 1e3, device_fixed_s * 1e3, device_row_s * 1e3, cpu_call_s * 1e3, cpu_expert_s * 1e3,
-      cpu_pair_s * 1e3);
-}
-
 // ---------------------------------------------------------------------------
 // Internals: servers, per-call contexts, shipments.
 
@@ -67,6 +59,7 @@ struct Server {
   bool enabled = true;             // false: drained / marked down by the coordinator
   bool registered = false;         // HostMapping registered with the backend
   int chunk_tokens = 0;            // most tokens per staged batch
+  std::chrono::microseconds polling{0};  // the window last given to SetPolling
 };
 
 // One batch sent to one server.
@@ -79,6 +72,8 @@ struct Shipment {
   bool staged = false;
   StagedBatch stage;
   size_t host_offset = 0;        // non-staged: row offset into the context's send/recv buffers
+  int experts = 0, pairs = 0;    // distinct experts and pairs in the batch (the cost model's inputs)
+  Clock::time_point sent{};      // handed to the transport
   std::future<absl::Status> done;
 };
 
@@ -92,6 +87,8 @@ struct Context {
   // Per-call scratch reused across calls.
   std::vector<bf16_t> send, recv;  // non-staged transports: [max_tokens, H] each
   CallStats stats;
+  Clock::time_point submitted{};
+  double device_prior_s = -1;  // prior device time of a hits-only call (-1: the call is not one)
 };
 
 struct LayerDispatcher::Impl {
@@ -101,6 +98,7 @@ struct LayerDispatcher::Impl {
   struct PendingCopy {
     SlotCopy copy;
     uint64_t fence;
+    Clock::time_point start;  // enqueued on the copy queue
   };
   std::vector<PendingCopy> pending;
   // Temporary miss buffers: [parity][i] -> backend buffer, with the compute
@@ -112,6 +110,8 @@ struct LayerDispatcher::Impl {
   std::vector<int32_t> hit_count, miss_count, hit_slot;
   std::vector<int> access_experts, access_pairs, missed, server_of;
   std::vector<int32_t> rows, group_of;  // per server shipment rows; per expert hit group
+  std::vector<uint64_t> expert_mark;    // per expert: the shipment that last counted it
+  uint64_t mark_epoch = 0;
   // Plan scratch.
   std::vector<int32_t> plan_buffer, plan_begin, plan_count, plan_token;
   std::vector<float> plan_weight;
@@ -163,6 +163,13 @@ absl::Status LayerDispatcher::Init() {
   if (c.max_top_k <= 0) return absl::InvalidArgumentError("max-top-k: must be positive");
   if (c.contexts <= 0) return absl::InvalidArgumentError("contexts: must be positive");
   if (c.miss_buffers < 1) return absl::InvalidArgumentError("miss-buffers: must be at least 1");
+  if (c.poll_window.count() < 0) return absl::InvalidArgumentError("poll-window: must not be negative");
+  // Polling keeps three threads busy (this one, the transport's completion
+  // thread, the server's connection thread): only where there are cores for it.
+  if (c.poll_window.count() > 0 && std::thread::hardware_concurrency() < 8) {
+    LogInfo("worker", "decode polling off: ", std::thread::hardware_concurrency(), " hardware threads (< 8)");
+    c.poll_window = std::chrono::microseconds(0);
+  }
   if (c.servers.empty() && host_ == nullptr)
     return absl::InvalidArgumentError("servers: no expert server and no host copy of the experts");
 
@@ -243,6 +250,7 @@ absl::Status LayerDispatcher::Init() {
   impl_->hit_count.resize(E);
   impl_->miss_count.resize(E);
   impl_->hit_slot.resize(E);
+  impl_->expert_mark.assign(E, 0);
   if (c.measure_rates && c.copy_mode == CopyMode::kAuto && host_ != nullptr && !impl_->servers.empty())
     if (absl::Status st = MeasureRates(); !st.ok()) return st;
   assigned_.assign(layers_.size(), {});
@@ -361,8 +369,12 @@ absl::Status LayerDispatcher::MeasureRates() {
 void LayerDispatcher::PollCopies() {
   auto& pending = impl_->pending;
   size_t kept = 0;
+  const Clock::time_point now = Clock::now();
   for (size_t i = 0; i < pending.size(); ++i) {
     if (backend_->CopyDone(pending[i].fence)) {
+      // Done at some point before now (queued behind others, perhaps): an
+      // upper bound of the copy time.
+      cost_.ObserveCopy(Seconds(now - pending[i].start), true);
       cache_->CompleteCopy(pending[i].copy);
     } else {
       pending[kept++] = pending[i];
@@ -372,11 +384,18 @@ void LayerDispatcher::PollCopies() {
 }
 
 absl::Status LayerDispatcher::FlushCopies() {
+  // The copy queue runs them in order: one that was still running when its
+  // predecessor was seen done took (about) the time from then to its end.
+  Clock::time_point previous_done{};
   for (auto& p : impl_->pending) {
+    const bool done_before = backend_->CopyDone(p.fence);
     if (absl::Status st = backend_->WaitCopy(p.fence); !st.ok()) {
       cache_->AbortCopy(p.copy);
       continue;
     }
+    const Clock::time_point done = Clock::now();
+    cost_.ObserveCopy(Seconds(done - std::max(p.start, previous_done)), done_before);
+    previous_done = done;
     cache_->CompleteCopy(p.copy);
   }
   impl_->pending.clear();
@@ -398,6 +417,7 @@ absl::Status LayerDispatcher::ConnectServer(size_t index) {
     s.chunk_tokens = config_.max_tokens;
   }
   s.transport = *std::move(t);
+  s.polling = std::chrono::microseconds(0);
   return absl::OkStatus();
 }
 
@@ -415,7 +435,7 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
       for (size_t j = i; j < copies.size(); ++j) cache_->AbortCopy(copies[j]);
       return f.status();
     }
-    impl_->pending.push_back({copies[i], *f});
+    impl_->pending.push_back({copies[i], *f, Clock::now()});
     ++copies_started_;
     if (config_.on_cache_activity) config_.on_cache_activity(layer, 1, spec_.ExpertBf16Bytes(), 0, 0);
   }
@@ -598,27 +618,15 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
       for (int e : optional)
         if (m.miss_count[e] >= config_.copy_min_tokens) copy_list.push_back(e);
     } else if (cost_.measured) {
-      // Greedy balance: move the experts with the most tokens to the device
-      // while that shortens max(CPU time, copy + device time).
-      std::sort(optional.begin(), optional.end(),
-                [&](int a, int b) { return m.miss_count[a] > m.miss_count[b]; });
-      double cpu = cost_.cpu_call_s, dev = 0;
-      for (int e : optional) cpu += cost_.cpu_expert_s + cost_.cpu_pair_s * m.miss_count[e];
+      // Balance max(CPU time, copy + device time) with the online rates.
+      double dev = 0;
       for (int e : m.access_experts)
-        if (m.hit_count[e] > 0) dev += cost_.device_fixed_s + cost_.device_row_s * m.hit_count[e];
-      for (int e : copy_list) dev += std::max(cost_.copy_s, cost_.device_fixed_s + cost_.device_row_s * m.miss_count[e]);
-      for (size_t i = 0; i < optional.size(); ++i) {
-        const int e = optional[i];
-        const double cpu_e = cost_.cpu_expert_s + cost_.cpu_pair_s * m.miss_count[e] +
-                             (i + 1 == optional.size() ? cost_.cpu_call_s : 0);
-        const double dev_e = std::max(cost_.copy_s, cost_.device_fixed_s + cost_.device_row_s * m.miss_count[e]);
-        // Copy only for a clear gain (a quarter of the expert's CPU time): the
-        // rates are estimates, and a wrong copy costs PCIe and host DRAM bandwidth.
-        if (std::max(cpu - cpu_e, dev + dev_e) > std::max(cpu, dev) - 0.25 * cpu_e) break;
-        cpu -= cpu_e;
-        dev += dev_e;
-        copy_list.push_back(e);
-      }
+        if (m.hit_count[e] > 0) dev += cost_.DeviceSeconds(m.hit_count[e]);
+      for (int e : copy_list) dev += std::max(cost_.CopySeconds(), cost_.DeviceSeconds(m.miss_count[e]));
+      std::vector<CopyCandidate> candidates;
+      candidates.reserve(optional.size());
+      for (int e : optional) candidates.push_back({e, m.miss_count[e]});
+      for (int e : ChooseCopies(cost_, std::move(candidates), dev)) copy_list.push_back(e);
     }
   }
   for (int e : copy_list) server_of[e] = -1;
@@ -626,6 +634,12 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   if (absl::Status st = backend_->BeginCall(ticket, T, call.hidden, call.kind); !st.ok()) return st;
   ctx.busy = true;
   ctx.call = call;
+  ctx.submitted = t_start;
+  ctx.device_prior_s = -1;
+  if (m.missed.empty() && cost_.measured) {  // hits only: the device time is the call's time
+    ctx.device_prior_s = 0;
+    for (int e : m.access_experts) ctx.device_prior_s += cost_.DevicePrior(m.hit_count[e]);
+  }
   ctx.deadline = t_start + (call.deadline.count() > 0 ? call.deadline : config_.deadline);
   ctx.shipments.clear();
   absl::Status st = Dispatch(ticket, copy_list);
@@ -672,14 +686,21 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
       sh.rows.assign(rows.begin() + begin, rows.begin() + begin + n);
       sh.ids.assign(static_cast<size_t>(n) * k, -1);
       sh.weights.assign(sh.ids.size(), 0.0f);
+      const uint64_t epoch = ++m.mark_epoch;
       for (int i = 0; i < n; ++i)
         for (int j = 0; j < k; ++j) {
           const size_t src = static_cast<size_t>(sh.rows[i]) * k + j;
-          if (!mine(ctx.ids[src])) continue;
-          sh.ids[static_cast<size_t>(i) * k + j] = ctx.ids[src];
+          const int e = ctx.ids[src];
+          if (!mine(e)) continue;
+          sh.ids[static_cast<size_t>(i) * k + j] = e;
           sh.weights[static_cast<size_t>(i) * k + j] = ctx.weights[src];
-          ++stats.cpu_pairs;
+          ++sh.pairs;
+          if (m.expert_mark[e] != epoch) {
+            m.expert_mark[e] = epoch;
+            ++sh.experts;
+          }
         }
+      stats.cpu_pairs += sh.pairs;
       sh.host_offset = offset;
       offset += n;
       stats.miss_tokens += n;
@@ -687,8 +708,14 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
       ctx.shipments.push_back(std::move(sh));
     }
   }
+  const std::chrono::microseconds polling =
+      T <= config_.poll_max_tokens ? config_.poll_window : std::chrono::microseconds(0);
   for (Shipment& sh : ctx.shipments) {
     Server& server = m.servers[sh.server];
+    if (server.polling != polling) {
+      server.transport->SetPolling(polling);
+      server.polling = polling;
+    }
     bf16_t* dst = nullptr;
     if (server.registered) {
       absl::StatusOr<StagedBatch> staged = server.transport->Stage(sh.n, sh.k, ctx.deadline);
@@ -705,9 +732,11 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
     if (sh.staged) {
       std::memcpy(sh.stage.expert_ids, sh.ids.data(), sh.ids.size() * sizeof(int32_t));
       std::memcpy(sh.stage.expert_weights, sh.weights.data(), sh.weights.size() * sizeof(float));
+      sh.sent = Clock::now();
       sh.done = server.transport->SubmitStaged(sh.stage, static_cast<uint32_t>(call.layer), ctx.deadline);
     } else {
       MissBatch b{static_cast<uint32_t>(call.layer), sh.n, sh.k, dst, sh.ids.data(), sh.weights.data()};
+      sh.sent = Clock::now();
       sh.done = server.transport->Submit(b, ctx.recv.data() + sh.host_offset * H, ctx.deadline);
     }
   }
@@ -773,7 +802,7 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
         cache_->AbortCopy(copy);
         return f.status();
       }
-      m.pending.push_back({copy, *f});
+      m.pending.push_back({copy, *f, Clock::now()});
       ++copies_started_;
       copy_list.erase(std::find(copy_list.begin(), copy_list.end(), copy.expert));
     }
@@ -884,8 +913,17 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
     return absl::OkStatus();
   };
 
+  int timed_server = -1;
   for (Shipment& sh : ctx.shipments) {
+    // The first batch a server got in this call is timed for the cost model
+    // (later ones queue behind it); one already answered bounds it from above.
+    const bool timed = sh.server != timed_server;
+    timed_server = sh.server;
+    const bool ready = sh.done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    // The transport's completion thread polls in decode; this thread spins
+    // only briefly (a core more would compete with the server's pool).
     absl::Status st = AwaitResult(sh.done);
+    if (timed && st.ok()) cost_.ObserveCpu(sh.experts, sh.pairs, Seconds(Clock::now() - sh.sent), ready);
     const bf16_t* partial = sh.staged ? sh.stage.output : ctx.recv.data() + sh.host_offset * H;
     while (!st.ok() && result.ok()) {
       if (!IsServerFailure(st)) {
@@ -964,7 +1002,11 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   }
   ctx.shipments.clear();
   ctx.busy = false;
-  ctx.stats.wait_s = Seconds(Clock::now() - t0);
+  const Clock::time_point end = Clock::now();
+  // A hits-only call: Submit to here bounds the device time from above.
+  if (ctx.device_prior_s > 0 && result.ok() && fin.ok())
+    cost_.ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);
+  ctx.stats.wait_s = Seconds(end - t0);
   if (out_stats != nullptr) *out_stats = ctx.stats;
   if (!result.ok()) return result;
   return fin;

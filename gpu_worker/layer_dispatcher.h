@@ -9,8 +9,8 @@
 //      validated (InvalidArgument naming expert_ids/expert_weights);
 //   2. split: a pair is a hit when its expert is Ready in a cache slot;
 //   3. copy-instead-of-compute: missed experts whose tokens make copy +
-//      device compute cheaper than the CPU (from rates measured at Create)
-//      are copied into temporary miss buffers — two sets, alternating by layer
+//      device compute cheaper than the CPU (CostModel: rates probed at Create,
+//      re-estimated online from the calls' observed times) are copied into temporary miss buffers — two sets, alternating by layer
 //      parity, so the copies of layer l+1 overlap the compute of layer l — and
 //      computed on the device;
 //   4. the remaining misses are gathered straight into the transport's memory
@@ -48,6 +48,7 @@
 #include "core/model_spec.h"
 #include "core/transport/transport.h"
 #include "gpu_worker/admission_policy.h"
+#include "gpu_worker/cost_model.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/expert_cache.h"
 #include "gpu_worker/host_expert_store.h"
@@ -90,7 +91,12 @@ struct DispatcherConfig {
   bool copy_fallback = true;       // failed servers: copy the experts to the device
   std::chrono::milliseconds deadline{30000};  // per call
   std::chrono::milliseconds server_retry{1000};  // a failed server is skipped this long
-  bool measure_rates = true;       // probe PCIe / device / CPU rates at Create
+  // Decode polling: calls of at most poll_max_tokens tokens turn on the
+  // transports' polling mode (ExpertTransport::SetPolling) with this window;
+  // larger calls turn it off. Off on machines with fewer than 8 hardware threads.
+  std::chrono::microseconds poll_window{2000};
+  int poll_max_tokens = 64;
+  bool measure_rates = true;       // probe PCIe / device / CPU rates at Create (the online model's prior)
   // Device knobs passed to DeviceBackend::Init (cpu_threads, cpu_kernel,
   // cuda_device); its sizes (hidden, buffers, tokens, contexts) are set here.
   BackendConfig backend;
@@ -101,18 +107,6 @@ struct DispatcherConfig {
   // bytes), or the predictive policy scored its prediction of a run of
   // `layer` (experts predicted, of them used).
   std::function<void(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used)> on_cache_activity;
-};
-
-// Rates measured at Create (seconds); the copy-instead decision uses them.
-struct CostModel {
-  double copy_s = 0;          // one expert host -> device
-  double device_fixed_s = 0;  // device compute of one expert: fixed + per row
-  double device_row_s = 0;
-  double cpu_call_s = 0;      // CPU server: per call, per expert, per (token, expert) pair
-  double cpu_expert_s = 0;
-  double cpu_pair_s = 0;
-  bool measured = false;
-  std::string Describe() const;
 };
 
 // One layer call. hidden [T,H] bf16, topk_ids [T,k] i32 (-1 = unused),

@@ -5,6 +5,9 @@
 #   tests                 every bundled test binary (cuda cases included)
 #   moe_layer PRESET ARGS bench/moe_layer with those flags (e.g. moe_layer qwen3-30b-a3b --layers 24)
 #   transport, kernels    the transport and expert-kernel benchmarks
+#   latency                issue 14's set: transport, then moe_layer qwen3-30b-a3b (16 layers) at T=1 with every
+#                         expert on the CPU (--zipf=0, cache 0%) and all on the GPU (cache 100%), and T=1,8 at
+#                         25% cache (Zipf), 3 runs each (median [min-max])
 #   usage (on the host): bash scripts/device_check.sh tests moe_layer qwen3-30b-a3b --layers 8
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -29,7 +32,7 @@ while [[ $# -gt 0 ]]; do
     tests)
       echo "## tests" | tee -a "$OUT/tests.txt"
       for t in device_backend_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test \
-               core_test expert_server_test shm_segment_test transport_test; do
+               core_test expert_server_test shm_segment_test transport_test cost_model_test; do
         [[ -x $B/bin/$t ]] || continue
         timeout 300 "$B/bin/$t" > "/tmp/$t.log" 2>&1
         rc=$?
@@ -50,6 +53,10 @@ while [[ $# -gt 0 ]]; do
       echo "demo rc=${PIPESTATUS[0]}" | tee -a "$OUT/demo.txt"; tail -40 "$OUT/demo.txt"; shift $# ;;
     transport)
       timeout 300 "$B/bin/transport" > "$OUT/transport.md" 2>> "$OUT/logs.txt"; echo "transport rc=$?"; cat "$OUT/transport.md" ;;
+    latency)
+      bash "$0" transport \
+        moe_layer qwen3-30b-a3b --layers=16 --batches=1 --cache=0,100 --zipf=0 --runs=3 --modes=ceiling,ours \
+        moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=25 --runs=3 --modes=ceiling,ours ;;
     kernels)
       timeout 420 "$B/bin/expert_kernels" > "$OUT/expert_kernels.md" 2>> "$OUT/logs.txt"; echo "kernels rc=$?"; cat "$OUT/expert_kernels.md" ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;

@@ -483,6 +483,40 @@ TEST_P(DispatcherTest, MeasuredRatesDriveTheCopyDecision) {
   EXPECT_EQ(st.cpu_pairs + st.copied_pairs, 400);
 }
 
+// The start-up probe is only the prior: every call's CPU batch is timed and
+// re-estimates the CPU rate and cache copies re-estimate the copy rate.
+TEST_P(DispatcherTest, RatesAreReestimatedFromObservedCalls) {
+  const std::string a = StartServer();
+  DispatcherConfig c = Config({a});
+  c.measure_rates = true;
+  c.policy = CachePolicyKind::kStatic;
+  c.slots_per_layer = 2;
+  // Misses stay on the CPU (no copy beside them), so Complete waits for the
+  // server's answer and times it exactly: an answer that was already back
+  // only bounds the time from above.
+  c.copy_min_tokens = 1000;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  ASSERT_TRUE(d->cost_model().measured);
+  EXPECT_EQ(d->cost_model().cpu.samples(), 0);
+  ASSERT_TRUE(Place(*d, 1, {0, 1}));  // two copies, timed
+  EXPECT_GE(d->cost_model().copy.samples() + static_cast<int>(d->cost_model().copy.observations()), 1);
+  int cpu_pairs = 0;
+  for (int i = 0; i < 24; ++i) {
+    Batch x = RandomBatch(1, 2, {2, 3, 4, 5, 6, 7}, 300 + i);  // misses only, one token
+    std::vector<bf16_t> out;
+    CallStats st;
+    ASSERT_TRUE(d->Forward(Call(1, x, &out), &st).ok());
+    EXPECT_LE(Error(1, x, out), 1e-2);
+    cpu_pairs += st.cpu_pairs;
+  }
+  const CostModel& m = d->cost_model();
+  EXPECT_GT(cpu_pairs, 0);
+  EXPECT_GE(m.cpu.samples(), 3);
+  EXPECT_GT(m.cpu.scale(), 0.0);
+  EXPECT_NE(m.Describe().find("samples"), std::string::npos) << m.Describe();
+}
+
 // A server that is not up when the worker starts is retried later; until then
 // its experts are copied to the device. With no server reachable at all, Create fails.
 TEST_P(DispatcherTest, UnreachableServerAtStartIsRetriedLater) {

@@ -14,6 +14,8 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+
 namespace moe::shm {
 namespace {
 
@@ -209,6 +211,59 @@ TEST(ShmDoorbell, WakesAcrossThreadsAndMappings) {
   EXPECT_TRUE(WaitDoorbell(server_bell, seen, Clock::now()));
 }
 
+// The sleeper-counted doorbells: a ringer skips FUTEX_WAKE when nobody
+// sleeps, so a lost wake-up would leave a waiter stuck until its deadline.
+// Thousands of ping-pongs between two threads that never spin (every wait
+// goes to FUTEX_WAIT) must all complete promptly.
+TEST(ShmDoorbell, SleeperCountedPingPongLosesNoWakeUp) {
+  Pair p;
+  constexpr int kRounds = 3000;
+  std::atomic<int> slow{0};
+  std::thread server([&] {
+    for (int i = 0; i < kRounds; ++i) {
+      std::optional<uint32_t> idx;
+      while (!(idx = p.server.TryPopSubmit())) {
+        const uint32_t seen = p.server.request_doorbell().load(std::memory_order_acquire);
+        if ((idx = p.server.TryPopSubmit())) break;
+        const Clock::time_point t0 = Clock::now();
+        p.server.WaitRequest(seen, t0 + std::chrono::seconds(2), std::chrono::nanoseconds(0));
+        if (Clock::now() - t0 > milliseconds(500)) ++slow;
+      }
+      ASSERT_TRUE(p.server.TryPushComplete(*idx));
+      p.server.RingResponse();
+    }
+  });
+  for (int i = 0; i < kRounds; ++i) {
+    ASSERT_TRUE(p.client.TryPushSubmit(static_cast<uint32_t>(i % S)));
+    p.client.RingRequest();
+    std::optional<uint32_t> idx;
+    while (!(idx = p.client.TryPopComplete())) {
+      const uint32_t seen = p.client.response_doorbell().load(std::memory_order_acquire);
+      if ((idx = p.client.TryPopComplete())) break;
+      const Clock::time_point t0 = Clock::now();
+      p.client.WaitResponse(seen, t0 + std::chrono::seconds(2), std::chrono::nanoseconds(0));
+      if (Clock::now() - t0 > milliseconds(500)) ++slow;
+    }
+    EXPECT_EQ(*idx, static_cast<uint32_t>(i % S));
+  }
+  server.join();
+  EXPECT_EQ(slow.load(), 0) << "waits that ran into their deadline: a lost wake-up";
+  EXPECT_EQ(p.server.header()->request_sleepers.load(), 0u);
+  EXPECT_EQ(p.client.header()->response_sleepers.load(), 0u);
+}
+
+TEST(ShmDoorbell, ClientPollDeadlineCrossesTheMapping) {
+  Pair p;
+  EXPECT_EQ(p.server.ClientPollUntil().time_since_epoch().count(), 0);  // off in a fresh segment
+  const Clock::time_point until = Clock::now() + milliseconds(3);
+  p.client.SetClientPollUntil(until);
+  EXPECT_EQ(p.server.ClientPollUntil(), until);
+  // A hostile value cannot overflow the server's arithmetic.
+  p.client.header()->client_poll_until_ns.store(~uint64_t{0});
+  EXPECT_GT(p.server.ClientPollUntil(), Clock::now());
+  EXPECT_LT(p.server.ClientPollUntil(), Clock::time_point::max());
+}
+
 TEST(ShmDoorbell, TimesOut) {
   Pair p;
   const Clock::time_point start = Clock::now();
@@ -297,8 +352,8 @@ TEST(ShmAttach, RejectsBadHeaders) {
   h->magic = 0x1234;
   expect_reject("bad magic");
   restore();
-  h->version = 2;
-  expect_reject("version 2");
+  h->version = kVersion + 1;
+  expect_reject(absl::StrCat("version ", kVersion + 1).c_str());
   restore();
   {
     absl::StatusOr<Segment> s = Segment::Attach(p.client_map, p.mem.bytes(), H * 2);

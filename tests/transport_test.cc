@@ -18,6 +18,8 @@
 #include "core/model_source.h"
 #include "core/random_data.h"
 #include "core/reference_moe.h"
+#include "core/transport/shm_segment.h"
+#include "core/transport/shm_server.h"
 #include "core/transport/transport.h"
 #include "gtest/gtest.h"
 #include "tests/test_support.h"
@@ -290,6 +292,85 @@ TEST_F(TransportTest, ServerFreesTheSegmentOfAClientThatLeft) {
   for (int i = 0; i < 100 && SegmentMappings(server_->pid()) != 0; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_EQ(SegmentMappings(server_->pid()), 0);
+}
+
+// Polling mode through a real ShmServer and ShmTransport: while the client's
+// window is open the server's connection thread polls (it is not registered
+// as a sleeper on the request doorbell); past the window, past the server's
+// cap, or with polling off, it falls back to sleeping on the futex.
+class ShmPollingTest : public ::testing::Test {
+ protected:
+  void StartServer(std::chrono::microseconds cap) {
+    ShmServer::Options so;
+    so.socket_path = dir_.path() + "/poll.sock";
+    so.hidden = kH;
+    so.num_layers = 4;
+    so.num_experts = 8;
+    so.idle_spin = std::chrono::microseconds(0);
+    so.max_client_poll = cap;
+    absl::StatusOr<std::unique_ptr<ShmServer>> srv = ShmServer::Start(so, [](const MissBatch& b, bf16_t* out) {
+      std::memcpy(out, b.tokens, size_t(b.n) * kH * sizeof(bf16_t));  // echo
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(srv.ok()) << srv.status();
+    server_ = *std::move(srv);
+    absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport("unix://" + so.socket_path, Options());
+    ASSERT_TRUE(t.ok()) << t.status();
+    transport_ = *std::move(t);
+    header_ = static_cast<shm::SegmentHeader*>(transport_->HostMapping().first);
+    ASSERT_NE(header_, nullptr);
+  }
+  // One echo round trip; returns when its result is back.
+  void RoundTrip() {
+    const Batch b = MakeBatch(2, 2, 17);
+    std::vector<bf16_t> out(b.x.size());
+    std::future<absl::Status> f = transport_->Submit(b.view(), out.data(), In(5000));
+    ASSERT_TRUE(AwaitResult(f).ok());
+    EXPECT_EQ(std::memcmp(out.data(), b.x.data(), out.size() * sizeof(bf16_t)), 0);
+  }
+  bool ServerAsleep() const { return header_->request_sleepers.load() > 0; }
+  // How long until the server thread sleeps on the doorbell (capped at `limit`).
+  Clock::duration TimeUntilAsleep(Clock::time_point from, std::chrono::milliseconds limit) const {
+    while (!ServerAsleep() && Clock::now() - from < limit) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    return Clock::now() - from;
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<ShmServer> server_;
+  std::unique_ptr<ExpertTransport> transport_;
+  shm::SegmentHeader* header_ = nullptr;
+};
+
+TEST_F(ShmPollingTest, ServerPollsThroughTheWindowThenSleeps) {
+  StartServer(std::chrono::seconds(5));
+  // Off: the server sleeps right after answering (idle spin 0).
+  RoundTrip();
+  EXPECT_LT(TimeUntilAsleep(Clock::now(), std::chrono::milliseconds(2000)), std::chrono::milliseconds(1000));
+  // On: still polling well inside the window...
+  transport_->SetPolling(std::chrono::milliseconds(400));
+  const Clock::time_point sent = Clock::now();
+  RoundTrip();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_FALSE(ServerAsleep()) << "the server slept inside the client's polling window";
+  // ...and asleep once it closed (a clean fall back, not a spin forever).
+  const Clock::duration asleep_after = TimeUntilAsleep(sent, std::chrono::milliseconds(5000));
+  EXPECT_GE(asleep_after, std::chrono::milliseconds(300));
+  EXPECT_LT(asleep_after, std::chrono::milliseconds(4000));
+  // Off again: results still right, and the server sleeps at once.
+  transport_->SetPolling(std::chrono::microseconds(0));
+  RoundTrip();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_LT(TimeUntilAsleep(Clock::now(), std::chrono::milliseconds(2000)), std::chrono::milliseconds(1000));
+}
+
+TEST_F(ShmPollingTest, ServerCapsTheClientsWindow) {
+  StartServer(std::chrono::milliseconds(50));
+  transport_->SetPolling(std::chrono::seconds(60));  // asks for a minute of polling
+  const Clock::time_point sent = Clock::now();
+  RoundTrip();
+  EXPECT_LT(TimeUntilAsleep(sent, std::chrono::milliseconds(10000)), std::chrono::milliseconds(5000));
+  // Polling mode stays usable: many back-to-back batches all come back right.
+  for (int i = 0; i < 200; ++i) RoundTrip();
 }
 
 TEST(TransportSecurity, ShmRefusesPeersWhoseUidIsNotAllowed) {

@@ -181,7 +181,11 @@ std::optional<uint32_t> Segment::Pop(RingHeader* ring) const {
 void Segment::MarkClosed(Side self) const {
   SegmentHeader* h = header();
   (self == Side::kClient ? h->client_closed : h->server_closed).store(1, std::memory_order_release);
-  Ring(self == Side::kClient ? h->request_doorbell : h->response_doorbell);
+  if (self == Side::kClient) {
+    RingRequest();
+  } else {
+    RingResponse();
+  }
 }
 
 bool Segment::PeerClosed(Side self) const {
@@ -189,13 +193,40 @@ bool Segment::PeerClosed(Side self) const {
   return (self == Side::kClient ? h->server_closed : h->client_closed).load(std::memory_order_acquire) != 0;
 }
 
-void Ring(std::atomic<uint32_t>& word) {
-  word.fetch_add(1, std::memory_order_release);
+void Ring(std::atomic<uint32_t>& word, std::atomic<uint32_t>* sleepers) {
+  // seq_cst on both sides (Dekker): either the ringer sees the sleeper, or the
+  // sleeper's FUTEX_WAIT sees the new word and does not sleep.
+  word.fetch_add(1, std::memory_order_seq_cst);
+  if (sleepers != nullptr && sleepers->load(std::memory_order_seq_cst) == 0) return;
   Futex(&word, FUTEX_WAKE, INT_MAX, nullptr);
 }
 
+void Segment::RingRequest() const { Ring(header()->request_doorbell, &header()->request_sleepers); }
+void Segment::RingResponse() const { Ring(header()->response_doorbell, &header()->response_sleepers); }
+
+bool Segment::WaitRequest(uint32_t seen, std::chrono::steady_clock::time_point deadline,
+                          std::chrono::nanoseconds spin) const {
+  return WaitDoorbell(header()->request_doorbell, seen, deadline, spin, &header()->request_sleepers);
+}
+
+bool Segment::WaitResponse(uint32_t seen, std::chrono::steady_clock::time_point deadline,
+                           std::chrono::nanoseconds spin) const {
+  return WaitDoorbell(header()->response_doorbell, seen, deadline, spin, &header()->response_sleepers);
+}
+
+void Segment::SetClientPollUntil(std::chrono::steady_clock::time_point until) const {
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(until.time_since_epoch()).count();
+  header()->client_poll_until_ns.store(static_cast<uint64_t>(std::max<int64_t>(0, ns)), std::memory_order_relaxed);
+}
+
+std::chrono::steady_clock::time_point Segment::ClientPollUntil() const {
+  const uint64_t ns = header()->client_poll_until_ns.load(std::memory_order_relaxed);
+  return std::chrono::steady_clock::time_point(
+      std::chrono::nanoseconds(static_cast<int64_t>(std::min<uint64_t>(ns, uint64_t{1} << 62))));
+}
+
 bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline,
-                  std::chrono::nanoseconds spin) {
+                  std::chrono::nanoseconds spin, std::atomic<uint32_t>* sleepers) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point spin_until = Clock::now() + spin;
   for (;;) {
@@ -208,7 +239,10 @@ bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::stead
     }
     const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now).count();
     const timespec ts{static_cast<time_t>(left / 1000000000), static_cast<long>(left % 1000000000)};
-    Futex(&word, FUTEX_WAIT, seen, &ts);  // EAGAIN (changed), EINTR, ETIMEDOUT: all re-checked above
+    if (sleepers != nullptr) sleepers->fetch_add(1, std::memory_order_seq_cst);
+    if (word.load(std::memory_order_seq_cst) == seen)
+      Futex(&word, FUTEX_WAIT, seen, &ts);  // EAGAIN (changed), EINTR, ETIMEDOUT: all re-checked above
+    if (sleepers != nullptr) sleepers->fetch_sub(1, std::memory_order_seq_cst);
   }
 }
 

@@ -14,7 +14,15 @@
 // rings `request_doorbell`; the server pops it, validates it
 // (ValidateRequestSlot), writes output and status, pushes the index on
 // `complete` and rings `response_doorbell`. Which slots are free is the
-// client's bookkeeping.
+// client's bookkeeping. Each doorbell has a sleeper count: a waiter registers
+// before FUTEX_WAIT, and a ringer skips the wake syscall when nobody sleeps
+// (the common case while both sides poll).
+//
+// Polling mode: the client publishes `client_poll_until_ns` (CLOCK_MONOTONIC,
+// the clock of std::chrono::steady_clock on Linux), e.g. now + 2 ms at every
+// decode batch; until then the server polls the submit ring instead of
+// sleeping (capped by the server's own budget), so the next layer's batch is
+// picked up in nanoseconds, not after a futex wake-up.
 //
 // Thread/process safety: Segment is a non-owning view (cheap to copy) over a
 // mapping whose lifetime is the caller's. Its geometry is copied into the view
@@ -45,7 +53,7 @@
 namespace moe::shm {
 
 inline constexpr uint64_t kMagic = 0x31304d4853454f4dull;  // "MOESHM01" in memory order
-inline constexpr uint32_t kVersion = 1;
+inline constexpr uint32_t kVersion = 2;  // 2: doorbell sleeper counts, client polling deadline
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kAlign = 64;
 inline constexpr uint32_t kMaxMessageLen = 200;
@@ -76,6 +84,9 @@ struct SegmentHeader {
   alignas(64) std::atomic<uint32_t> response_doorbell;  // server -> client
   alignas(64) std::atomic<uint32_t> client_closed;
   std::atomic<uint32_t> server_closed;
+  alignas(64) std::atomic<uint32_t> request_sleepers;   // server threads in FUTEX_WAIT on request_doorbell
+  alignas(64) std::atomic<uint32_t> response_sleepers;  // client threads in FUTEX_WAIT on response_doorbell
+  alignas(64) std::atomic<uint64_t> client_poll_until_ns;  // polling mode (see above); 0 = off
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes);
 
@@ -156,6 +167,16 @@ class Segment {
 
   std::atomic<uint32_t>& request_doorbell() const { return header()->request_doorbell; }
   std::atomic<uint32_t>& response_doorbell() const { return header()->response_doorbell; }
+  // The doorbells with their sleeper counts (what the transports use): a ring
+  // costs no syscall while the other side polls.
+  void RingRequest() const;
+  void RingResponse() const;
+  bool WaitRequest(uint32_t seen, std::chrono::steady_clock::time_point deadline, std::chrono::nanoseconds spin) const;
+  bool WaitResponse(uint32_t seen, std::chrono::steady_clock::time_point deadline, std::chrono::nanoseconds spin) const;
+  // Polling mode. The client sets the deadline; the server reads it (an
+  // untrusted value: the server bounds how long it honours it).
+  void SetClientPollUntil(std::chrono::steady_clock::time_point until) const;
+  std::chrono::steady_clock::time_point ClientPollUntil() const;
   // Sets `self`'s closed flag and rings the peer's doorbell so a waiter wakes.
   void MarkClosed(Side self) const;
   bool PeerClosed(Side self) const;
@@ -175,11 +196,14 @@ class Segment {
 // only if it is empty `WaitDoorbell(word, seen, deadline)`; ringer: push, then
 // Ring(word). Ring increments the word and FUTEX_WAKEs all waiters (shared,
 // not PRIVATE: the word lives in memory mapped by two processes).
-void Ring(std::atomic<uint32_t>& word);
+// With `sleepers` (every waiter and ringer of that word must pass the same
+// one) the ringer wakes only when a waiter is registered in it.
+void Ring(std::atomic<uint32_t>& word, std::atomic<uint32_t>* sleepers = nullptr);
 // Returns true once word != seen, false at the deadline. Spins `spin` (pause)
 // before sleeping in FUTEX_WAIT.
 bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline,
-                  std::chrono::nanoseconds spin = std::chrono::microseconds(20));
+                  std::chrono::nanoseconds spin = std::chrono::microseconds(20),
+                  std::atomic<uint32_t>* sleepers = nullptr);
 
 // Slot header writers (plain stores; publish by pushing the index).
 void WriteRequestHeader(const SlotView& s, uint64_t request_id, uint32_t layer, uint32_t n_tokens, uint32_t k);

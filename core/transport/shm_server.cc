@@ -152,11 +152,13 @@ void ShmServer::Serve(Connection* c) {
   const shm::Segment& seg = *c->seg;
   shm::ValidatedRequest req;
   auto& bell = seg.request_doorbell();
+  Clock::time_point last_request{};
   while (!stop_.load()) {
     const uint32_t seen = bell.load(std::memory_order_acquire);
     bool worked = false;
     while (std::optional<uint32_t> idx = seg.TryPopSubmit()) {
       worked = true;
+      last_request = Clock::now();
       if (!seg.ValidateSlotIndex(*idx).ok()) {
         LogWarning("shm", "client wrote slot index ", *idx, " out of range; dropping it");
         goto disconnect;
@@ -189,11 +191,18 @@ void ShmServer::Serve(Connection* c) {
         LogWarning("shm", "completion ring full; dropping the client");
         goto disconnect;
       }
-      shm::Ring(seg.response_doorbell());
+      seg.RingResponse();
     }
     if (seg.PeerClosed(shm::Side::kServer) || unix_socket::PeerClosed(c->sock)) break;
-    // Spin a while before sleeping: in decode the next layer's batch follows within microseconds.
-    if (!worked) shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(50), opt_.idle_spin);
+    // Spin a while before sleeping: in decode the next layer's batch follows
+    // within microseconds; a client in polling mode asks for longer.
+    if (!worked) {
+      const Clock::time_point now = Clock::now();
+      std::chrono::nanoseconds spin = opt_.idle_spin;
+      const Clock::time_point poll_until = std::min(seg.ClientPollUntil(), last_request + opt_.max_client_poll);
+      if (poll_until > now) spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
+      seg.WaitRequest(seen, now + std::chrono::milliseconds(50), spin);
+    }
   }
 disconnect:
   seg.MarkClosed(shm::Side::kServer);

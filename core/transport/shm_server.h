@@ -66,6 +66,10 @@ class ShmServer {
     // How long a connection's thread spins for the next request before it
     // sleeps on the doorbell futex.
     std::chrono::microseconds idle_spin{100};
+    // A client in polling mode (ExpertTransport::SetPolling) asks the thread to
+    // keep polling until a deadline it sets; honoured for at most this long
+    // after the connection's last request (0: never), then it sleeps.
+    std::chrono::microseconds max_client_poll{10000};
     uint32_t max_slots = 256;
     // Called after every completed request (empty: nothing); must be cheap.
     std::function<void(const ShmRequestRecord&)> on_request;

@@ -110,7 +110,7 @@ class ShmTransport final : public ExpertTransport {
                             static_cast<uint32_t>(st.k));
     slot_batch_[{st.conn->generation, st.slot}] = id;
     st.conn->seg->TryPushSubmit(st.slot);
-    shm::Ring(st.conn->seg->request_doorbell());
+    Announce(*st.conn->seg);
     return fut;
   }
 
@@ -126,6 +126,11 @@ class ShmTransport final : public ExpertTransport {
     if (!st.conn->dead.load()) st.conn->free_slots.push_back(st.slot);
     staged_.erase(it);
     slots_cv_.notify_all();
+  }
+
+  void SetPolling(std::chrono::microseconds window) override {
+    poll_window_ns_.store(std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::nanoseconds>(window).count()),
+                          std::memory_order_relaxed);
   }
 
   absl::Status Open() {
@@ -174,7 +179,7 @@ class ShmTransport final : public ExpertTransport {
       slot_batch_[{c->generation, slot}] = id;
       c->seg->TryPushSubmit(slot);  // cannot be full: at most num_slots slots are ever out
     }
-    shm::Ring(c->seg->request_doorbell());
+    Announce(*c->seg);
     return fut;
   }
 
@@ -194,6 +199,18 @@ class ShmTransport final : public ExpertTransport {
     bool submitted, completed;
     bool released = false;
   };
+
+  // Rings the server for a pushed request; in polling mode first moves the
+  // poll deadline of both sides to now + window.
+  void Announce(const shm::Segment& seg) {
+    const int64_t window = poll_window_ns_.load(std::memory_order_relaxed);
+    if (window > 0) {
+      const Clock::time_point until = Clock::now() + std::chrono::nanoseconds(window);
+      seg.SetClientPollUntil(until);
+      poll_until_ns_.store(until.time_since_epoch().count(), std::memory_order_relaxed);
+    }
+    seg.RingRequest();
+  }
 
   static std::future<absl::Status> Ready(absl::Status st) {
     std::promise<absl::Status> p;
@@ -255,6 +272,7 @@ class ShmTransport final : public ExpertTransport {
   void CompleteLoop(std::shared_ptr<ShmConnection> c) {
     const shm::Segment& seg = *c->seg;
     auto& bell = seg.response_doorbell();
+    constexpr auto kInFlightSpin = std::chrono::microseconds(200);
     shm::ValidatedResponse resp;
     while (!c->dead.load()) {
       const uint32_t seen = bell.load(std::memory_order_acquire);
@@ -268,10 +286,20 @@ class ShmTransport final : public ExpertTransport {
         OnChunkDone(c, *idx, resp.status);
       }
       if (seg.PeerClosed(shm::Side::kClient) || unix_socket::PeerClosed(c->sock)) c->dead.store(true);
-      // Spin while batches are out (the answer is microseconds away), sleep otherwise.
-      if (!worked && !c->dead.load())
-        shm::WaitDoorbell(bell, seen, Clock::now() + std::chrono::milliseconds(20),
-                          in_flight_.load() > 0 ? std::chrono::microseconds(200) : std::chrono::microseconds(0));
+      // Spin while batches are out (the answer is microseconds away) — in
+      // polling mode through the whole window, not only kInFlightSpin —
+      // and sleep when none is (nothing can arrive; the server side polls
+      // for the next batch).
+      if (!worked && !c->dead.load()) {
+        const Clock::time_point now = Clock::now();
+        std::chrono::nanoseconds spin(0);
+        if (in_flight_.load() > 0) {
+          spin = kInFlightSpin;
+          const Clock::time_point poll_until{Clock::duration(poll_until_ns_.load(std::memory_order_relaxed))};
+          if (poll_until > now) spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
+        }
+        seg.WaitResponse(seen, now + std::chrono::milliseconds(20), spin);
+      }
     }
     // Fail everything still out on this connection.
     std::lock_guard<std::mutex> lock(mu_);
@@ -343,6 +371,8 @@ class ShmTransport final : public ExpertTransport {
   uint64_t generation_ = 0;
   std::map<uint64_t, Batch> batches_;
   std::atomic<size_t> in_flight_{0};  // batches_.size(), read by the completion thread
+  std::atomic<int64_t> poll_window_ns_{0};  // SetPolling
+  std::atomic<int64_t> poll_until_ns_{0};   // steady_clock ticks: the completion thread polls until then
   std::map<std::pair<uint64_t, uint32_t>, uint64_t> slot_batch_;  // (generation, slot) -> batch id
   std::map<uint64_t, StagedSlot> staged_;                          // handle -> staged slot
 };

@@ -89,6 +89,16 @@ class ExpertTransport {
   virtual std::future<absl::Status> Submit(const MissBatch& batch, bf16_t* out,
                                            Clock::time_point deadline) = 0;
   virtual const char* kind() const = 0;  // "shm", "grpc-stream" or "grpc-unary"
+
+  // Polling mode, for a caller that sends batches back to back (a GPU worker
+  // decoding: one batch per layer, a millisecond apart). While `window` > 0,
+  // every submitted batch asks both sides to poll for up to `window` after it
+  // instead of sleeping on a futex — the server's request loop for the next
+  // batch (shm: bounded by the server's own cap), this transport's completion
+  // path for the answers in flight; past the window both fall back to
+  // sleeping. 0 (the default) turns it off.
+  // Transports without a polling side (gRPC) ignore it. Thread-safe.
+  virtual void SetPolling(std::chrono::microseconds window) { (void)window; }
 };
 
 // Waits for a transport future, polling it for up to `spin` first: a caller

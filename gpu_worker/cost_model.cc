@@ -1,0 +1,106 @@
+#include "gpu_worker/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_format.h"
+
+namespace moe {
+
+OnlineScale::OnlineScale(int window, int min_samples, double deadband)
+    : window_(std::max(1, window)),
+      min_samples_(std::clamp(min_samples, 1, std::max(1, window))),
+      deadband_(std::max(0.0, deadband)) {}
+
+void OnlineScale::Observe(double predicted, double observed, bool upper_bound) {
+  if (!(predicted > 0) || !(observed > 0) || !std::isfinite(predicted) || !std::isfinite(observed)) return;
+  // Bounded: one absurd sample (a clock jump, a stalled process) cannot take the
+  // model anywhere a median of later samples could not bring it back from.
+  const double ratio = std::clamp(observed / predicted, 1e-3, 1e3);
+  if (upper_bound && ratio >= scale_) return;  // says nothing the estimate does not already allow
+  if (static_cast<int>(ratios_.size()) < window_) {
+    ratios_.push_back(ratio);
+  } else {
+    ratios_[next_] = ratio;
+  }
+  next_ = (next_ + 1) % window_;
+  ++observations_;
+  if (static_cast<int>(ratios_.size()) < min_samples_) return;
+  std::vector<double> sorted = ratios_;
+  const size_t mid = sorted.size() / 2;
+  std::nth_element(sorted.begin(), sorted.begin() + mid, sorted.end());
+  double median = sorted[mid];
+  if (sorted.size() % 2 == 0) median = 0.5 * (median + *std::max_element(sorted.begin(), sorted.begin() + mid));
+  const bool first = static_cast<int>(ratios_.size()) == min_samples_ && observations_ == static_cast<uint64_t>(min_samples_);
+  if (first || median > scale_ * (1 + deadband_) || median < scale_ / (1 + deadband_)) scale_ = median;
+}
+
+double CostModel::CpuPrior(int experts, int pairs) const {
+  return cpu_call_s + cpu_expert_s * experts + cpu_pair_s * pairs;
+}
+
+double CostModel::CpuSeconds(int experts, int pairs, bool with_call) const {
+  return cpu.scale() * ((with_call ? cpu_call_s : 0) + cpu_expert_s * experts + cpu_pair_s * pairs);
+}
+
+double CostModel::CopySeconds() const { return copy.scale() * copy_s; }
+
+double CostModel::DevicePrior(int rows) const { return device_fixed_s + device_row_s * rows; }
+
+double CostModel::DeviceSeconds(int rows) const { return device.scale() * DevicePrior(rows); }
+
+void CostModel::ObserveCpu(int experts, int pairs, double seconds, bool upper_bound) {
+  if (!measured) return;
+  cpu.Observe(CpuPrior(experts, pairs), seconds, upper_bound);
+  calls_without_cpu_sample = 0;
+}
+
+void CostModel::ObserveCopy(double seconds, bool upper_bound) {
+  if (!measured) return;
+  copy.Observe(copy_s, seconds, upper_bound);
+}
+
+void CostModel::ObserveDevice(double prior_seconds, double seconds, bool upper_bound) {
+  if (!measured) return;
+  device.Observe(prior_seconds, seconds, upper_bound);
+}
+
+std::string CostModel::Describe() const {
+  if (!measured) return "not measured";
+  return absl::StrFormat(
+      "copy %.3f ms/expert; device %.3f ms + %.4f ms/row; cpu %.3f ms/call + %.3f ms/expert + "
+      "%.4f ms/pair; online x%.3g cpu (%d samples), x%.3g copy (%d), x%.3g device (%d)",
+      CopySeconds() * 1e3, device.scale() * device_fixed_s * 1e3, device.scale() * device_row_s * 1e3,
+      cpu.scale() * cpu_call_s * 1e3, cpu.scale() * cpu_expert_s * 1e3, cpu.scale() * cpu_pair_s * 1e3,
+      cpu.scale(), cpu.samples(), copy.scale(), copy.samples(), device.scale(), device.samples());
+}
+
+std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s) {
+  std::vector<int> chosen;
+  if (!model.measured || candidates.empty()) return chosen;
+  // Most rows first: those gain most from the device's per-row speed.
+  std::stable_sort(candidates.begin(), candidates.end(),
+                   [](const CopyCandidate& a, const CopyCandidate& b) { return a.rows > b.rows; });
+  double cpu = model.CpuSeconds(0, 0);
+  for (const CopyCandidate& c : candidates) cpu += model.CpuSeconds(1, c.rows, false);
+  double dev = device_busy_s;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const CopyCandidate& c = candidates[i];
+    const double cpu_e = model.CpuSeconds(1, c.rows, false) + (i + 1 == candidates.size() ? model.CpuSeconds(0, 0) : 0);
+    // Copy and compute of successive experts overlap (copy queue vs compute queue).
+    const double dev_e = std::max(model.CopySeconds(), model.DeviceSeconds(c.rows));
+    if (std::max(cpu - cpu_e, dev + dev_e) > std::max(cpu, dev) - 0.25 * cpu_e) break;
+    cpu -= cpu_e;
+    dev += dev_e;
+    chosen.push_back(c.expert);
+  }
+  // Exploration: a model that has not seen the CPU for a while keeps the
+  // smallest expert there, so an overpriced CPU prior gets corrected.
+  if (chosen.size() == candidates.size() && ++model.calls_without_cpu_sample > CostModel::kExploreAfter)
+    chosen.pop_back();
+  else if (chosen.size() < candidates.size())
+    ++model.calls_without_cpu_sample;  // reset by ObserveCpu once the batch is timed
+  return chosen;
+}
+
+}  // namespace moe

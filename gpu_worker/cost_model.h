@@ -1,0 +1,100 @@
+// CostModel: the rates behind the dispatcher's copy-instead-of-compute
+// decision — how long a CPU expert server takes for a batch, how long one
+// expert takes to copy host -> device, and how long the device takes to
+// compute one expert's rows — and the decision itself (ChooseCopies).
+//
+// The rates probed at start-up are only a prior: a probe runs once, on a cold
+// server, and one bad sample mispriced a CPU expert 15x on the GPU host (and
+// made the worker copy most misses over PCIe). Each rate therefore carries an
+// OnlineScale: the running median of observed / predicted over the last
+// calls the dispatcher timed, which multiplies the prior. A median ignores a
+// stray slow call (a page fault, a descheduled thread); an observation that
+// only bounds the time from above (the result was already there when the
+// caller looked) counts only when it says the estimate is too high.
+//
+// Thread-safety: none; the one thread that drives a dispatcher owns its model.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe {
+
+// Running median of observed/predicted ratios over a window of the most recent
+// observations. scale() is 1 until `min_samples` observations arrived, then
+// the median — but it moves only when the median left a dead band of
+// +-`deadband` around it: decisions near a threshold do not flip with noise.
+class OnlineScale {
+ public:
+  explicit OnlineScale(int window = 63, int min_samples = 3, double deadband = 0.15);
+  // One timed operation the model predicted at `predicted` seconds took
+  // `observed` seconds. `upper_bound`: the operation finished at some unknown
+  // time before `observed` — used only when it is below the current estimate.
+  // Non-positive or non-finite values are ignored.
+  void Observe(double predicted, double observed, bool upper_bound = false);
+  double scale() const { return scale_; }
+  int samples() const { return static_cast<int>(ratios_.size()); }
+  uint64_t observations() const { return observations_; }  // accepted, ever
+
+ private:
+  int window_, min_samples_;
+  double deadband_;
+  std::vector<double> ratios_;  // ring of the last `window_` ratios
+  size_t next_ = 0;
+  double scale_ = 1.0;
+  uint64_t observations_ = 0;
+};
+
+struct CostModel {
+  // Prior rates (seconds), measured at start-up.
+  double copy_s = 0;          // one expert host -> device
+  double device_fixed_s = 0;  // device compute of one expert: fixed + per row
+  double device_row_s = 0;
+  double cpu_call_s = 0;      // CPU server: per call, per expert, per (token, expert) pair
+  double cpu_expert_s = 0;
+  double cpu_pair_s = 0;
+  bool measured = false;
+  // Online corrections of the priors.
+  OnlineScale cpu, copy, device;
+  // Calls whose decision had CPU-eligible misses since the last CPU
+  // observation; past kExploreAfter, ChooseCopies keeps one expert on the CPU
+  // so a prior that overprices the CPU cannot starve its own correction.
+  int calls_without_cpu_sample = 0;
+  static constexpr int kExploreAfter = 8;
+
+  // Predictions with the online corrections applied.
+  double CpuSeconds(int experts, int pairs, bool with_call = true) const;
+  double CopySeconds() const;
+  double DeviceSeconds(int rows) const;
+  // The prior alone (what an observation is compared with).
+  double CpuPrior(int experts, int pairs) const;
+  double DevicePrior(int rows) const;
+
+  // Records a timed CPU batch (`experts` distinct experts, `pairs` pairs).
+  void ObserveCpu(int experts, int pairs, double seconds, bool upper_bound);
+  // One expert copy host -> device.
+  void ObserveCopy(double seconds, bool upper_bound);
+  // Device work of a call predicted from its rows per expert.
+  void ObserveDevice(double prior_seconds, double seconds, bool upper_bound);
+
+  std::string Describe() const;
+};
+
+// One CPU-eligible missed expert of a call: `rows` tokens routed to it.
+struct CopyCandidate {
+  int expert = -1;
+  int rows = 0;
+};
+
+// The copy-instead-of-compute decision for one call: which candidates to copy
+// to the device and compute there. `device_busy_s` is the device time already
+// planned for the call (hits, forced copies). Moves the candidates with most
+// rows to the device while that shortens max(CPU time, device time) by a clear
+// margin (a quarter of the expert's CPU time: the rates are estimates, and a
+// wrong copy costs PCIe and DRAM bandwidth). Never copies them all when the
+// model is due a CPU observation (CostModel::kExploreAfter) and updates that
+// counter. Returns the experts to copy; empty when !model.measured.
+std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s);
+
+}  // namespace moe

@@ -1,0 +1,236 @@
+// The dispatcher's cost model without a server: the online estimator
+// (OnlineScale) and the copy-instead-of-compute decision (ChooseCopies).
+#include "gpu_worker/cost_model.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+
+namespace moe {
+namespace {
+
+TEST(OnlineScaleTest, StaysAtOneUntilEnoughSamples) {
+  OnlineScale s(31, 3, 0.1);
+  EXPECT_DOUBLE_EQ(s.scale(), 1.0);
+  s.Observe(1.0, 0.5);
+  s.Observe(1.0, 0.5);
+  EXPECT_DOUBLE_EQ(s.scale(), 1.0);
+  s.Observe(1.0, 0.5);
+  EXPECT_DOUBLE_EQ(s.scale(), 0.5);
+}
+
+TEST(OnlineScaleTest, MedianIgnoresOutliers) {
+  OnlineScale s(31, 3, 0.1);
+  for (int i = 0; i < 10; ++i) s.Observe(2e-3, 2e-4);  // truth: 10x faster than predicted
+  s.Observe(2e-3, 0.5);                                 // a descheduled thread
+  s.Observe(2e-3, 1e-9);                                // a bogus clock reading
+  EXPECT_NEAR(s.scale(), 0.1, 1e-9);
+}
+
+TEST(OnlineScaleTest, EvenWindowTakesTheMiddlePair) {
+  OnlineScale s(4, 1);
+  for (double r : {1.0, 2.0, 3.0, 4.0}) s.Observe(1.0, r);
+  EXPECT_DOUBLE_EQ(s.scale(), 2.5);
+}
+
+TEST(OnlineScaleTest, ForgetsObservationsOutsideTheWindow) {
+  OnlineScale s(9, 3);
+  for (int i = 0; i < 9; ++i) s.Observe(1.0, 1.0);
+  for (int i = 0; i < 9; ++i) s.Observe(1.0, 0.2);
+  EXPECT_NEAR(s.scale(), 0.2, 1e-12);
+  EXPECT_EQ(s.samples(), 9);
+  for (int i = 0; i < 5; ++i) s.Observe(1.0, 3.0);  // the rate changed again: a majority moves it
+  EXPECT_NEAR(s.scale(), 3.0, 1e-12);
+}
+
+TEST(OnlineScaleTest, UpperBoundsOnlyPullDown) {
+  OnlineScale s(31, 1);
+  s.Observe(1.0, 2.0);  // exact: the estimate doubles
+  EXPECT_DOUBLE_EQ(s.scale(), 2.0);
+  s.Observe(1.0, 5.0, /*upper_bound=*/true);  // "at most 5x": no news
+  EXPECT_DOUBLE_EQ(s.scale(), 2.0);
+  EXPECT_EQ(s.samples(), 1);
+  s.Observe(1.0, 0.5, /*upper_bound=*/true);  // "at most 0.5x": the estimate was too high
+  s.Observe(1.0, 0.5, /*upper_bound=*/true);
+  EXPECT_DOUBLE_EQ(s.scale(), 0.5);
+}
+
+TEST(OnlineScaleTest, DeadBandHoldsSmallMovesOnly) {
+  OnlineScale s(5, 1, 0.15);
+  s.Observe(1.0, 1.0);
+  for (int i = 0; i < 5; ++i) s.Observe(1.0, 1.1);  // within 15%: held
+  EXPECT_DOUBLE_EQ(s.scale(), 1.0);
+  for (int i = 0; i < 5; ++i) s.Observe(1.0, 1.3);  // beyond: follows
+  EXPECT_DOUBLE_EQ(s.scale(), 1.3);
+}
+
+TEST(OnlineScaleTest, IgnoresNonsense) {
+  OnlineScale s(31, 1);
+  s.Observe(0, 1.0);
+  s.Observe(1.0, 0);
+  s.Observe(-1.0, 1.0);
+  s.Observe(1.0, std::numeric_limits<double>::quiet_NaN());
+  s.Observe(std::numeric_limits<double>::infinity(), 1.0);
+  EXPECT_EQ(s.samples(), 0);
+  EXPECT_DOUBLE_EQ(s.scale(), 1.0);
+  s.Observe(1.0, 1e9);  // clamped
+  EXPECT_LE(s.scale(), 1e3);
+}
+
+// The GPU host's mispriced start-up probe (issue 14): "cpu 0.000 ms/call +
+// 1.740 ms/expert", about 15x the truth, with a 0.4 ms expert copy.
+CostModel MispricedPrior() {
+  CostModel m;
+  m.measured = true;
+  m.copy_s = 0.4e-3;
+  m.device_fixed_s = 20e-6;
+  m.device_row_s = 1e-6;
+  m.cpu_call_s = 0;
+  m.cpu_expert_s = 1.74e-3;
+  m.cpu_pair_s = 2e-6;
+  return m;
+}
+constexpr double kTrueCpuExpert = 0.116e-3;
+
+std::vector<CopyCandidate> OneToken(int experts) {
+  std::vector<CopyCandidate> c;
+  for (int e = 0; e < experts; ++e) c.push_back({e * 3, 1});
+  return c;
+}
+
+TEST(ChooseCopiesTest, NothingWithoutMeasuredRates) {
+  CostModel m;
+  EXPECT_TRUE(ChooseCopies(m, OneToken(8), 0).empty());
+}
+
+TEST(ChooseCopiesTest, OnlineCpuTimesStopCopyingAtOneToken) {
+  CostModel m = MispricedPrior();
+  // The prior alone copies most of the misses (what the GPU host saw)...
+  const std::vector<int> before = ChooseCopies(m, OneToken(8), 0);
+  EXPECT_GE(before.size(), 6u);
+  EXPECT_LT(before.size(), 8u);
+  // ...the CPU batches it still sends are timed at the truth...
+  const int cpu_experts = 8 - static_cast<int>(before.size());
+  for (int call = 0; call < 3; ++call)
+    m.ObserveCpu(cpu_experts, cpu_experts, cpu_experts * kTrueCpuExpert, /*upper_bound=*/false);
+  // ...and from then on most misses stay on the CPU, which is faster than a
+  // copy: at most the one or two a copy running beside the CPU takes off its
+  // critical path (8 x 0.116 ms on the CPU vs 0.4 ms per copy).
+  EXPECT_NEAR(m.CpuSeconds(1, 1, false), kTrueCpuExpert, 0.01e-3);
+  const std::vector<int> after = ChooseCopies(m, OneToken(8), 0);
+  EXPECT_LE(after.size(), 2u);
+  const double step = std::max(m.CpuSeconds(8 - static_cast<int>(after.size()), 8 - static_cast<int>(after.size())),
+                               after.size() * m.CopySeconds());
+  EXPECT_LE(step, m.CpuSeconds(8, 8));  // never worse than all on the CPU, by the model
+  for (int call = 0; call < 50; ++call) EXPECT_EQ(ChooseCopies(m, OneToken(8), 0), after) << call;
+}
+
+TEST(ChooseCopiesTest, OneTokenWithAFastCpuCopiesNothing) {
+  CostModel m = MispricedPrior();
+  m.cpu_expert_s = 0.03e-3;  // the CPU reads an expert 13x faster than PCIe copies it
+  EXPECT_TRUE(ChooseCopies(m, OneToken(8), 0).empty());
+}
+
+TEST(ChooseCopiesTest, NeverCopiesEverythingForeverAtOneToken) {
+  // A prior so wrong that the greedy balance copies every miss: no CPU batch,
+  // so no observation to correct it — unless the model explores.
+  CostModel m = MispricedPrior();
+  m.cpu_expert_s = 20e-3;
+  int all_copied = 0, kept_on_cpu = 0;
+  for (int call = 0; call < 40; ++call) {
+    const std::vector<int> chosen = ChooseCopies(m, OneToken(8), 0);
+    if (chosen.size() == 8) {
+      ++all_copied;
+    } else {
+      ++kept_on_cpu;
+      // The batch the dispatcher sends is timed: here at the truth.
+      const int n = 8 - static_cast<int>(chosen.size());
+      m.ObserveCpu(n, n, n * kTrueCpuExpert, false);
+    }
+  }
+  EXPECT_LE(all_copied, 3 * CostModel::kExploreAfter);
+  EXPECT_GE(kept_on_cpu, 3);
+  // Corrected: the CPU is faster than a copy at one token; at most a copy that
+  // runs beside it (as above), never every miss.
+  EXPECT_LE(ChooseCopies(m, OneToken(8), 0).size(), 2u);
+}
+
+TEST(ChooseCopiesTest, CopiesTheExpertsWithManyRowsAtLargeBatches) {
+  CostModel m = MispricedPrior();
+  m.cpu_expert_s = kTrueCpuExpert;
+  m.cpu_pair_s = 40e-6;  // prefill-like: the CPU is compute bound per pair
+  std::vector<CopyCandidate> c = {{5, 1}, {9, 400}, {11, 2}, {17, 300}};
+  const std::vector<int> chosen = ChooseCopies(m, c, 0);
+  ASSERT_EQ(chosen.size(), 2u);
+  EXPECT_EQ(chosen[0], 9);   // most rows first
+  EXPECT_EQ(chosen[1], 17);
+}
+
+TEST(ChooseCopiesTest, BusyDeviceKeepsMissesOnTheCpu) {
+  CostModel m = MispricedPrior();
+  m.cpu_expert_s = kTrueCpuExpert;
+  m.cpu_pair_s = 40e-6;
+  std::vector<CopyCandidate> c = {{9, 400}};
+  EXPECT_EQ(ChooseCopies(m, c, 0).size(), 1u);
+  EXPECT_TRUE(ChooseCopies(m, c, 1.0).empty());  // a second of hits already queued
+}
+
+// Noisy timings (+-30%, and 5% of calls stalled 20x) around a fixed truth
+// whose decision sits near the copy threshold: once the estimate settled, the
+// decision for the same routing keeps (the estimator's dead band keeps it from
+// flapping with the noise): at most two changes in 500 calls, for any seed.
+TEST(ChooseCopiesTest, DecisionsAreStableUnderNoise) {
+  const std::vector<CopyCandidate> routing = {{1, 1}, {2, 1}, {3, 2}, {4, 1}, {5, 1}, {6, 3}, {7, 1}, {8, 1}};
+  for (unsigned seed = 1; seed <= 8; ++seed) {
+    CostModel m = MispricedPrior();
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<double> jitter(0.7, 1.3);
+    std::uniform_int_distribution<int> stall(0, 19);
+    std::vector<int> previous;
+    int changes = 0;
+    size_t most_copied = 0;
+    for (int call = 0; call < 600; ++call) {
+      const std::vector<int> chosen = ChooseCopies(m, routing, 0);
+      if (call > 100) {  // settled: the 63-call window turned over
+        changes += chosen != previous;
+        most_copied = std::max(most_copied, chosen.size());
+      }
+      previous = chosen;
+      int experts = 0, pairs = 0;
+      for (const CopyCandidate& c : routing)
+        if (std::find(chosen.begin(), chosen.end(), c.expert) == chosen.end()) {
+          ++experts;
+          pairs += c.rows;
+        }
+      if (experts == 0) continue;
+      double t = (experts * kTrueCpuExpert + pairs * 2e-6) * jitter(rng);
+      if (stall(rng) == 0) t *= 20;
+      m.ObserveCpu(experts, pairs, t, false);
+    }
+    EXPECT_LE(changes, 2) << "seed " << seed;
+    EXPECT_LE(most_copied, 2u) << "seed " << seed;  // at decode sizes the CPU keeps most misses
+  }
+}
+
+TEST(CostModelTest, ObservationsNeedAPrior) {
+  CostModel m;
+  m.ObserveCpu(1, 1, 1e-3, false);
+  m.ObserveCopy(1e-3, false);
+  m.ObserveDevice(1e-3, 1e-3, false);
+  EXPECT_EQ(m.cpu.samples() + m.copy.samples() + m.device.samples(), 0);
+  EXPECT_EQ(m.Describe(), "not measured");
+}
+
+TEST(CostModelTest, DescribeShowsTheCorrectedRates) {
+  CostModel m = MispricedPrior();
+  for (int i = 0; i < 3; ++i) m.ObserveCpu(4, 4, 4 * kTrueCpuExpert, false);
+  const std::string d = m.Describe();
+  EXPECT_NE(d.find("0.11"), std::string::npos) << d;  // ~0.116 ms/expert
+  EXPECT_NE(d.find("3 samples"), std::string::npos) << d;
+}
+
+}  // namespace
+}  // namespace moe
