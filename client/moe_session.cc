@@ -66,8 +66,9 @@ const char* MoeSession::device() const { return backend_->name(); }
 
 absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hidden,
                                       const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
-                                      MemoryKind kind, CallStats* stats) {
-  absl::StatusOr<Pending> p = ForwardLayerAsync(layer, T, k, hidden, topk_ids, topk_weights, out, kind);
+                                      MemoryKind kind, CallStats* stats, void* cuda_stream) {
+  absl::StatusOr<Pending> p =
+      ForwardLayerAsync(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream);
   if (!p.ok()) return p.status();
   return Wait(*p, stats);
 }
@@ -76,7 +77,7 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
                                                                   const bf16_t* hidden,
                                                                   const int32_t* topk_ids,
                                                                   const float* topk_weights, bf16_t* out,
-                                                                  MemoryKind kind) {
+                                                                  MemoryKind kind, void* cuda_stream) {
   LayerCall call;
   call.layer = layer;
   call.T = T;
@@ -86,6 +87,7 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
   call.topk_weights = topk_weights;
   call.out = out;
   call.kind = kind;
+  call.stream = cuda_stream;
   absl::StatusOr<int> ticket = dispatcher_->Submit(call);
   if (!ticket.ok()) return ticket.status();
   return Pending{*ticket};

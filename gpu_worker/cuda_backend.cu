@@ -189,6 +189,8 @@ class CudaBackend final : public DeviceBackend {
   absl::StatusOr<uint64_t> AddRows(int ctx, const int32_t* rows, int n,
                                    const bf16_t* partial) override;
   absl::Status FinishCall(int ctx, bf16_t* out, MemoryKind kind) override;
+  absl::Status WaitStream(void* stream) override;
+  absl::Status SignalStream(void* stream) override;
 
  private:
   struct Context {
@@ -243,6 +245,11 @@ class CudaBackend final : public DeviceBackend {
 
   cudaStream_t compute_ = nullptr;
   cudaStream_t copy_ = nullptr;
+  // Joins with the engine's stream: recorded there and waited for by compute_
+  // (WaitStream), recorded on compute_ and waited for there (SignalStream).
+  // One event each suffices: a wait binds to the record that precedes it.
+  cudaEvent_t engine_ready_ = nullptr;
+  cudaEvent_t output_ready_ = nullptr;
   FenceRing copy_fences_;
   FenceRing compute_fences_;
   cublasHandle_t cublas_ = nullptr;
@@ -275,6 +282,8 @@ CudaBackend::~CudaBackend() {
   for (Context& c : contexts_)
     if (c.stage_event != nullptr) cudaEventDestroy(c.stage_event);
   if (cublas_ != nullptr) cublasDestroy(cublas_);
+  if (engine_ready_ != nullptr) cudaEventDestroy(engine_ready_);
+  if (output_ready_ != nullptr) cudaEventDestroy(output_ready_);
   // Members (memory, fence rings) are released after this body; streams last.
   contexts_.clear();
   act_.reset();
@@ -345,6 +354,8 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
 
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&compute_));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&engine_ready_, cudaEventDisableTiming));
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&output_ready_, cudaEventDisableTiming));
   if (absl::Status st = copy_fences_.Init(kFenceRingSize); !st.ok()) return st;
   if (absl::Status st = compute_fences_.Init(kFenceRingSize); !st.ok()) return st;
 
@@ -881,6 +892,22 @@ absl::Status CudaBackend::FinishCall(int ctx, bf16_t* out, MemoryKind kind) {
   }
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
   return TakeDeferred();
+}
+
+absl::Status CudaBackend::WaitStream(void* stream) {
+  if (stream == nullptr) return absl::OkStatus();
+  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(engine_ready_, static_cast<cudaStream_t>(stream)));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, engine_ready_, 0));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SignalStream(void* stream) {
+  if (stream == nullptr) return absl::OkStatus();
+  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(output_ready_, compute_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), output_ready_, 0));
+  return absl::OkStatus();
 }
 
 bool DeviceCount(int* count, std::string* why) {

@@ -32,6 +32,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "core/bf16.h"
 
 namespace moe {
@@ -136,6 +137,19 @@ class DeviceBackend {
   // waits for the context's work to finish. The call is over afterwards.
   // `out` == nullptr discards the result (an aborted call).
   virtual absl::Status FinishCall(int ctx, bf16_t* out, MemoryKind kind) = 0;
+
+  // ---- the engine's stream (cudaStream_t passed as void*) ----------------
+  // WaitStream: later compute work waits for everything enqueued on `stream`
+  // so far (an event recorded there; no host wait). SignalStream: work the
+  // engine enqueues on `stream` afterwards waits for all compute work
+  // submitted so far. nullptr is a no-op. A backend without a device (cpu)
+  // refuses a non-null stream with InvalidArgument naming cuda_stream.
+  virtual absl::Status WaitStream(void* stream) {
+    return stream == nullptr ? absl::OkStatus()
+                             : absl::InvalidArgumentError(absl::StrCat(
+                                   "cuda_stream: given to the ", name(), " backend, which has no CUDA device"));
+  }
+  virtual absl::Status SignalStream(void* stream) { return WaitStream(stream); }
 };
 
 // "auto": cuda when built with CUDA and a device is present, else cpu.

@@ -454,6 +454,9 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
     return absl::InvalidArgumentError("hidden/topk_ids/topk_weights/out: null pointer");
   if (call.kind == MemoryKind::kDevice && !backend_->has_device_memory())
     return absl::InvalidArgumentError("kind: device pointers given to a backend without device memory");
+  // The engine's earlier work on its stream (which produced hidden/routing)
+  // comes before ours: an event wait, no host sync of that stream.
+  if (absl::Status st = backend_->WaitStream(call.stream); !st.ok()) return st;
   Context& ctx = m.contexts[ticket];
   const int T = call.T, k = std::max(call.k, 1), E = spec_.num_experts;
   ctx.ids.resize(static_cast<size_t>(T) * k);
@@ -874,6 +877,8 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   // sync per call instead of two).
   absl::Status fin = backend_->FinishCall(ticket, result.ok() ? ctx.call.out : nullptr, ctx.call.kind);
   if (!fin.ok() && last_fence != 0) (void)backend_->WaitCompute(last_fence);
+  // The engine's later work on its stream sees the output.
+  if (absl::Status sig = backend_->SignalStream(ctx.call.stream); fin.ok()) fin = sig;
   for (Shipment& sh : ctx.shipments) {
     if (sh.done.valid()) sh.done.wait();  // failed-early calls: nothing may still write
     if (sh.staged) m.servers[sh.server].transport->Release(sh.stage);

@@ -116,6 +116,10 @@ struct LayerCall {
   bf16_t* out = nullptr;
   MemoryKind kind = MemoryKind::kHost;
   std::chrono::milliseconds deadline{0};  // 0: the config's
+  // The engine's cudaStream_t or nullptr: the call's device work is ordered
+  // after the stream's earlier work, and the stream's later work after the
+  // output (DeviceBackend::WaitStream / SignalStream).
+  void* stream = nullptr;
 };
 
 struct CallStats {

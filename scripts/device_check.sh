@@ -5,6 +5,8 @@
 #   tests                 every bundled test binary (cuda cases included)
 #   moe_layer PRESET ARGS bench/moe_layer with those flags (e.g. moe_layer qwen3-30b-a3b --layers 24)
 #   transport, kernels    the transport and expert-kernel benchmarks
+#   python ARGS           the C ABI test, the Python package's tests (torch CUDA included) and
+#                         python/examples/transformers_offload.py ARGS with ${PYTHON:-/opt/torch/.venv/bin/python3}
 #   usage (on the host): bash scripts/device_check.sh tests moe_layer qwen3-30b-a3b --layers 8
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -52,6 +54,18 @@ while [[ $# -gt 0 ]]; do
       timeout 300 "$B/bin/transport" > "$OUT/transport.md" 2>> "$OUT/logs.txt"; echo "transport rc=$?"; cat "$OUT/transport.md" ;;
     kernels)
       timeout 420 "$B/bin/expert_kernels" > "$OUT/expert_kernels.md" 2>> "$OUT/logs.txt"; echo "kernels rc=$?"; cat "$OUT/expert_kernels.md" ;;
+    python)
+      py=${PYTHON:-/opt/torch/.venv/bin/python3}
+      echo "## python ($py)" | tee -a "$OUT/python.txt"
+      timeout 300 "$B/bin/c_api_test" >> "$OUT/python.txt" 2>&1; echo "c_api_test rc=$?" | tee -a "$OUT/python.txt"
+      for t in test_session test_torch_layer; do
+        MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 300 "$py" "$B/python/tests/$t.py" >> "$OUT/python.txt" 2>&1
+        echo "$t rc=$?" | tee -a "$OUT/python.txt"
+      done
+      MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 580 "$py" "$B/python/examples/transformers_offload.py" \
+        --server-bin "$B/bin/moe-expert-server" --out "$OUT/transformers_offload.md" "$@" >> "$OUT/python.txt" 2>&1
+      echo "transformers_offload rc=$?" | tee -a "$OUT/python.txt"
+      grep -E "rc=|FAIL|Error|error:|^\|" "$OUT/python.txt" | tail -40; shift $# ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done
