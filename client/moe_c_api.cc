@@ -311,6 +311,26 @@ moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats* stats)
   });
 }
 
+moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
+                                  const void* hidden, const int32_t* topk_ids, const float* topk_weights, void* out,
+                                  void* cuda_stream) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    return FromStatus(session->session->ForwardLayerCapturable(
+        layer, tokens, top_k, static_cast<const moe::bf16_t*>(hidden), topk_ids, topk_weights,
+        static_cast<moe::bf16_t*>(out), cuda_stream));
+  });
+}
+
+moe_status moe_stream_error(moe_session* session) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    return FromStatus(session->session->TakeStreamError());
+  });
+}
+
 moe_status moe_apply_assignment(moe_session* session, int32_t layer, const int32_t* experts, int32_t n) {
   return Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;

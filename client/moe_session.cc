@@ -93,6 +93,24 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
   return Pending{*ticket};
 }
 
+absl::Status MoeSession::ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden,
+                                                const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
+                                                void* cuda_stream) {
+  LayerCall call;
+  call.layer = layer;
+  call.T = T;
+  call.k = k;
+  call.hidden = hidden;
+  call.topk_ids = topk_ids;
+  call.topk_weights = topk_weights;
+  call.out = out;
+  call.kind = MemoryKind::kDevice;
+  call.stream = cuda_stream;
+  return dispatcher_->EnqueueCapturable(call);
+}
+
+absl::Status MoeSession::TakeStreamError() { return dispatcher_->TakeStreamError(); }
+
 absl::Status MoeSession::Wait(Pending call, CallStats* stats) { return dispatcher_->Complete(call.ticket, stats); }
 
 absl::Status MoeSession::ApplyAssignment(int layer, const std::vector<int>& experts) {

@@ -103,6 +103,15 @@ class MoeSession {
                                             void* cuda_stream = nullptr);
   absl::Status Wait(Pending call, CallStats* stats = nullptr);
 
+  // CUDA-graph-capturable call (cuda backend, device pointers, the engine's
+  // stream required): enqueued on `cuda_stream`, returns at once; see
+  // LayerDispatcher::EnqueueCapturable for the contract (warm up each layer
+  // once outside a capture; run-time errors poison the output with NaN and
+  // are returned by TakeStreamError).
+  absl::Status ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
+                                      const float* topk_weights, bf16_t* out, void* cuda_stream);
+  absl::Status TakeStreamError();
+
   // Cache placement pushed from outside (coordinator or operator): between calls.
   absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);
   absl::Status FlushCopies();

@@ -246,6 +246,10 @@ int main(void) {
     CHECK(moe_forward(s, L, T, k, NULL, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,
           "null hidden refused");
     CHECK(moe_wait(s, 99, NULL) != MOE_OK, "unknown ticket refused");
+    CHECK(moe_forward_capturable(s, L, T, k, hidden, ids, w, out, &dummy_stream) == MOE_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "memory") != NULL,
+          "capturable call on the cpu backend refused");
+    CHECK(moe_stream_error(s) == MOE_OK, "no stream error");
     CHECK(moe_apply_assignment(s, L, NULL, 3) == MOE_INVALID_ARGUMENT, "null assignment refused");
     const int32_t bad_assign[1] = {E};
     CHECK(moe_apply_assignment(s, L, bad_assign, 1) == MOE_INVALID_ARGUMENT, "unknown expert in assignment");

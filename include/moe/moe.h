@@ -179,6 +179,24 @@ MOE_API moe_status moe_forward_async(moe_session* session, int32_t layer, int32_
                                      void* cuda_stream, int32_t* ticket);
 MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats* stats);
 
+/* A CUDA-graph-capturable forward (cuda backend; device pointers; the
+ * engine's stream required): the whole call is enqueued on `cuda_stream` and
+ * this returns at once, so it may be captured (cudaStreamBeginCapture /
+ * torch.cuda.graph) and replayed with new contents of the same buffers. At
+ * run/replay time host functions split hits from misses with the cache
+ * placement as it is then (moe_apply_assignment between replays is safe),
+ * ship the misses to the CPU servers and wait for their partial sums; the
+ * hits run in one grouped launch. Rules: run each layer once outside a
+ * capture first (it allocates), use one stream for all capturable calls of
+ * a session, call moe_flush_copies between replays to make new placements
+ * serve. A failure at replay time (server down, bad routing) writes NaN into
+ * `out` and is reported by moe_stream_error. */
+MOE_API moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
+                                          const void* hidden, const int32_t* topk_ids,
+                                          const float* topk_weights, void* out, void* cuda_stream);
+/* The first run-time error of capturable calls since the last check (MOE_OK if none). */
+MOE_API moe_status moe_stream_error(moe_session* session);
+
 /* The cached set of `layer` becomes experts[0..n) (copies start now; each
  * slot serves once its copy completed). Between calls. */
 MOE_API moe_status moe_apply_assignment(moe_session* session, int32_t layer, const int32_t* experts,

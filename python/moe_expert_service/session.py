@@ -250,6 +250,21 @@ class Session:
             stats.update(_stats_dict(cs))
         return call.output()
 
+    def forward_capturable(self, layer, hidden, topk_ids, topk_weights, out=None):
+        """A CUDA-graph-capturable call (torch CUDA tensors, cuda backend): enqueued on the
+        current torch CUDA stream, returns `out` at once (filled in stream order). Run each
+        layer once outside a capture first; replays read the cache placement as it is then.
+        Errors found at replay time write NaN and are raised by check_stream()."""
+        c = _Call(self, hidden, topk_ids, topk_weights, out)
+        if c.memory != _lib.MEMORY_DEVICE:
+            raise ValueError("hidden: capturable calls take CUDA tensors")
+        _check(self._lib.moe_forward_capturable(self._h(), int(layer), c.T, c.k, *c.ptrs, c.stream))
+        return c.output()
+
+    def check_stream(self):
+        """Raises the first run-time error of capturable calls since the last check."""
+        _check(self._lib.moe_stream_error(self._h()))
+
     def apply_assignment(self, layer, experts):
         """The cached set of `layer` becomes `experts` (copies start now)."""
         import ctypes

@@ -9,7 +9,9 @@ engines take after their router (vLLM's FusedMoE / SGLang's: hidden [T,H],
 topk_ids [T,k], topk_weights [T,k]); leading dimensions are flattened, other
 dtypes are converted to bf16 and back, int64 ids / half weights converted,
 calls larger than the session's max_tokens are split. CUDA tensors run on the
-current torch CUDA stream (cuda backend). On a cpu-backend session, CUDA
+current torch CUDA stream (cuda backend); with capturable=True they go through
+Session.forward_capturable, so a decode step can be captured in a CUDA graph
+(torch.cuda.graph) after one eager warm-up step. On a cpu-backend session, CUDA
 inputs are copied to the host and the result back (for machines without the
 cuda backend; slow).
 
@@ -53,7 +55,7 @@ def select_experts(router_logits, top_k, renormalize=True, scoring="softmax", bi
 class MoeLayer(torch.nn.Module):
     """One MoE layer (the routed experts) of `session`'s model, as a module."""
 
-    def __init__(self, session, layer):
+    def __init__(self, session, layer, capturable=False):
         super().__init__()
         if not isinstance(session, Session):
             raise TypeError(f"session: expected a moe_expert_service.Session, got {type(session).__name__}")
@@ -64,6 +66,9 @@ class MoeLayer(torch.nn.Module):
         self.hidden_size = session.info["hidden"]
         self.max_tokens = session.info["max_tokens"]
         self.last_stats = {}
+        # capturable: CUDA inputs go through Session.forward_capturable (the
+        # decode step can then be captured in a CUDA graph; T <= max_tokens).
+        self.capturable = bool(capturable)
 
     def forward(self, hidden_states, topk_ids, topk_weights):
         if not isinstance(hidden_states, torch.Tensor):
@@ -81,6 +86,11 @@ class MoeLayer(torch.nn.Module):
         ids = topk_ids.to(device=device, dtype=torch.int32).contiguous()
         w = topk_weights.to(device=device, dtype=torch.float32).contiguous()
         host_only = device.type == "cuda" and self.session.info["device"] != "cuda"
+        if self.capturable and device.type == "cuda" and not host_only:
+            if T > self.max_tokens:
+                raise ValueError(f"hidden_states: {T} tokens, a capturable call takes at most {self.max_tokens}")
+            out = self.session.forward_capturable(self.layer, x, ids, w)
+            return out.to(dtype).reshape(shape)
         if host_only:
             x, ids, w = x.cpu(), ids.cpu(), w.cpu()
         out = torch.empty_like(x)
