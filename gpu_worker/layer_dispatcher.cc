@@ -970,8 +970,6 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& call) {
   if (call.T < 1 || call.T > config_.max_tokens || call.k < 1 || call.k > config_.max_top_k)
     return absl::InvalidArgumentError(absl::StrCat("tokens/top_k: ", call.T, " x ", call.k, " is outside [1, ",
                                                    config_.max_tokens, "] x [1, ", config_.max_top_k, "]"));
-  if (impl_->planned_stream != nullptr && impl_->planned_stream != call.stream)
-    return absl::InvalidArgumentError("cuda_stream: capturable calls of a session must use one stream");
   std::unique_ptr<Impl::PlannedLayer>& pl = impl_->planned[layer_index_[call.layer]];
   if (!pl) {
     pl = std::make_unique<Impl::PlannedLayer>();

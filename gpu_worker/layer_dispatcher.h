@@ -160,7 +160,8 @@ class LayerDispatcher {
   // as it is then (not as it was at capture), ships the misses to the
   // servers, a second one waits for their partial sums. The first call of a
   // layer must not be captured (it allocates). Calls of one layer must not
-  // overlap (one engine stream). Misses always go to a server (no
+  // overlap: enqueue them in order (the engine's decode stream; cache copies
+  // wait for the latest stream used). Misses always go to a server (no
   // copy-instead, no failover, no admissions: place experts with
   // ApplyAssignment). A failure found at run time (server error, bad
   // routing) writes NaN into the output and is returned by TakeStreamError.

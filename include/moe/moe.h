@@ -187,8 +187,8 @@ MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats
  * placement as it is then (moe_apply_assignment between replays is safe),
  * ship the misses to the CPU servers and wait for their partial sums; the
  * hits run in one grouped launch. Rules: run each layer once outside a
- * capture first (it allocates), use one stream for all capturable calls of
- * a session, call moe_flush_copies between replays to make new placements
+ * capture first (it allocates), keep the capturable calls of a session in
+ * one stream order (cache copies wait for the latest stream used), call moe_flush_copies between replays to make new placements
  * serve. A failure at replay time (server down, bad routing) writes NaN into
  * `out` and is reported by moe_stream_error. */
 MOE_API moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,

@@ -11,7 +11,9 @@ generate(). Prints (and writes to --out) markdown tables:
     must be <= 1e-2) and the logits of the first --check-steps generated
     steps vs the all-GPU model;
   - speed: decode tokens/s at each --batch for all-GPU transformers, ours with
-    each --cache fraction of the experts cached on the GPU (eager), and
+    each --cache fraction of the experts cached on the GPU (eager, and with
+    the decode step captured in a CUDA graph: StaticCache + torch.cuda.graph,
+    MoeLayer(capturable=True)), and
     transformers' own CPU offload of the experts (accelerate device_map) when
     it runs.
 Exit 1 when a correctness bound is missed.
@@ -49,9 +51,9 @@ class OffloadedSparseMoeBlock(torch.nn.Module):
     weight, top-k, normalisation) stays in torch, the experts go to MoeLayer.
     Returns what the original block returned (hidden, or (hidden, router_logits))."""
 
-    def __init__(self, session, layer, gate_weight, top_k, renormalize, returns_logits):
+    def __init__(self, session, layer, gate_weight, top_k, renormalize, returns_logits, capturable=False):
         super().__init__()
-        self.moe = moe.MoeLayer(session, layer)
+        self.moe = moe.MoeLayer(session, layer, capturable=capturable)
         self.gate_weight = torch.nn.Parameter(gate_weight.detach().clone(), requires_grad=False)
         self.top_k, self.renormalize, self.returns_logits = top_k, renormalize, returns_logits
 
@@ -93,6 +95,59 @@ def decode_tokens_per_s(model, batch, prompt_len, new_tokens, vocab):
     run(2)  # warm-up
     t1, tn = run(1), run(new_tokens + 1)
     return batch * new_tokens / max(tn - t1, 1e-9)
+
+
+def make_static_cache(model, batch, length):
+    from transformers import StaticCache
+    errors = []
+    for kw in (dict(config=model.config, max_cache_len=length),
+               dict(config=model.config, max_batch_size=batch, max_cache_len=length, device="cuda",
+                    dtype=torch.bfloat16)):
+        try:
+            return StaticCache(**kw)
+        except TypeError as e:
+            errors.append(str(e))
+    raise RuntimeError("StaticCache: " + "; ".join(errors))
+
+
+def graph_decode_tokens_per_s(model, batch, prompt_len, new_tokens, vocab):
+    """Greedy decode with each step captured once in a CUDA graph (StaticCache,
+    torch.cuda.graph) and replayed: tokens/s over new_tokens steps."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, prompt_len), device="cuda")
+    cache = make_static_cache(model, batch, prompt_len + new_tokens + 8)
+    out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device="cuda"),
+                use_cache=True)
+    tok = out.logits[:, -1:].argmax(-1)
+    pos = torch.tensor([prompt_len], device="cuda")
+
+    def step():
+        return model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up (also the eager first call each capturable layer needs)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(new_tokens):
+        pos.fill_(prompt_len + i)
+        graph.replay()
+        tok.copy_(logits[:, -1:].argmax(-1))
+    torch.cuda.synchronize()
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+
+def measure(fn, *args):
+    try:
+        return f"{fn(*args):.1f}"
+    except Exception as e:  # the table says why a configuration did not run
+        return f"did not run: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
 
 
 class ExpertServer:
@@ -164,11 +219,11 @@ def main():
                                cache_experts_per_layer=int(round(frac * E)), policy="static", max_tokens=512,
                                max_top_k=k)
 
-        def swap(s):
+        def swap(s, capturable=False):
             for i, blk in blocks:
                 s.apply_assignment(i, list(range(s.info["cache_slots"])))
                 model.model.layers[i].mlp = OffloadedSparseMoeBlock(
-                    s, i, gate_weight_of(blk), k, config.norm_topk_prob, returns_logits)
+                    s, i, gate_weight_of(blk), k, config.norm_topk_prob, returns_logits, capturable)
             s.flush_copies()
 
         def restore():
@@ -222,6 +277,9 @@ def main():
             say("| all-GPU transformers | " + " | ".join(
                 f"{decode_tokens_per_s(model, b, a.prompt, a.new_tokens, config.vocab_size):.1f}" for b in batches)
                 + " |")
+            say("| all-GPU transformers, decode step in a CUDA graph | " + " | ".join(
+                measure(graph_decode_tokens_per_s, model, b, a.prompt, a.new_tokens, config.vocab_size)
+                for b in batches) + " |")
             for frac in [float(f) for f in a.cache.split(",")]:
                 s = session(frac)
                 swap(s)
@@ -232,7 +290,17 @@ def main():
                 say(f"| ours, {frac:.0%} cached, eager (hit rate {st['hit_pairs'] / pairs:.0%}) | "
                     + " | ".join(f"{r:.1f}" for r in row) + " |")
                 s.close()
-            say("| ours, decode step in a CUDA graph | " + " | ".join("not run" for _ in batches) + " |")
+                s = session(frac)
+                swap(s, capturable=True)
+                row = [measure(graph_decode_tokens_per_s, model, b, a.prompt, a.new_tokens, config.vocab_size)
+                       for b in batches]
+                restore()
+                try:
+                    s.check_stream()
+                except moe.MoeError as e:
+                    row = [f"replay error: {e}" for _ in batches]
+                say(f"| ours, {frac:.0%} cached, decode step in a CUDA graph | " + " | ".join(row) + " |")
+                s.close()
         del model
         torch.cuda.empty_cache()
         if not a.no_offload_baseline:

@@ -110,6 +110,35 @@ class TorchLayerTest(unittest.TestCase):
         err = (y.double().cpu() - ref).norm() / ref.norm()
         self.assertLessEqual(float(err), 1e-2)
 
+    @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU")
+    def test_capturable_layer_in_a_cuda_graph_follows_new_inputs_and_placements(self):
+        H, E = self.session.info["hidden"], self.session.info["num_experts"]
+        L = self.session.moe_layers[-1]
+        m = moe.MoeLayer(self.session, L, capturable=True)
+        x = torch.zeros(3, H, device="cuda", dtype=torch.bfloat16)
+        logits = torch.zeros(3, E, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m(x, *moe.select_experts(logits, 2))  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = m(x, *moe.select_experts(logits, 2))
+        for step in range(4):
+            if step == 2:
+                self.session.apply_assignment(L, [0, 1])
+                self.session.flush_copies()
+            x.copy_(torch.randn(3, H, device="cuda").to(torch.bfloat16))
+            logits.copy_(torch.randn(3, E, device="cuda"))
+            graph.replay()
+            torch.cuda.synchronize()
+            ids, w = moe.select_experts(logits, 2)
+            ref = torch_moe(self.tensors, L, x.float().cpu(), ids.cpu(), w.cpu())
+            err = (y.double().cpu() - ref).norm() / ref.norm()
+            self.assertLessEqual(float(err), 1e-2, f"replay {step}")
+        self.session.check_stream()
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
