@@ -73,11 +73,10 @@ absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hid
   return Wait(*p, stats);
 }
 
-absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int T, int k,
-                                                                  const bf16_t* hidden,
-                                                                  const int32_t* topk_ids,
-                                                                  const float* topk_weights, bf16_t* out,
-                                                                  MemoryKind kind, void* cuda_stream) {
+namespace {
+
+LayerCall MakeLayerCall(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
+                        const float* topk_weights, bf16_t* out, MemoryKind kind, void* cuda_stream) {
   LayerCall call;
   call.layer = layer;
   call.T = T;
@@ -88,7 +87,18 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
   call.out = out;
   call.kind = kind;
   call.stream = cuda_stream;
-  absl::StatusOr<int> ticket = dispatcher_->Submit(call);
+  return call;
+}
+
+}  // namespace
+
+absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int T, int k,
+                                                                  const bf16_t* hidden,
+                                                                  const int32_t* topk_ids,
+                                                                  const float* topk_weights, bf16_t* out,
+                                                                  MemoryKind kind, void* cuda_stream) {
+  absl::StatusOr<int> ticket = dispatcher_->Submit(
+      MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream));
   if (!ticket.ok()) return ticket.status();
   return Pending{*ticket};
 }
@@ -96,17 +106,8 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
 absl::Status MoeSession::ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden,
                                                 const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
                                                 void* cuda_stream) {
-  LayerCall call;
-  call.layer = layer;
-  call.T = T;
-  call.k = k;
-  call.hidden = hidden;
-  call.topk_ids = topk_ids;
-  call.topk_weights = topk_weights;
-  call.out = out;
-  call.kind = MemoryKind::kDevice;
-  call.stream = cuda_stream;
-  return dispatcher_->EnqueueCapturable(call);
+  return dispatcher_->EnqueueCapturable(
+      MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, MemoryKind::kDevice, cuda_stream));
 }
 
 absl::Status MoeSession::TakeStreamError() { return dispatcher_->TakeStreamError(); }

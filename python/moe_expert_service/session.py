@@ -92,6 +92,15 @@ class _Call:
             want = f"[{rows if rows is not None else '*'}, {cols if cols is not None else '*'}]"
             raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
 
+    def _shapes(self, H, hidden, ids, weights):
+        """Checks hidden [T,H], topk_ids [T,k], topk_weights [T,k]; returns (T, k)."""
+        self._shape2("hidden", hidden, None, H)
+        T = hidden.shape[0]
+        self._shape2("topk_ids", ids, T, None)
+        k = ids.shape[1]
+        self._shape2("topk_weights", weights, T, k)
+        return T, k
+
     def _torch(self, H, hidden, ids, weights, out):
         import torch
         named = {"hidden": hidden, "topk_ids": ids, "topk_weights": weights}
@@ -110,11 +119,7 @@ class _Call:
                 raise TypeError(f"{name}: expected dtype {want[name]}, got {x.dtype}")
             if x.device != hidden.device:
                 raise ValueError(f"{name}: on {x.device}, hidden is on {hidden.device}")
-        self._shape2("hidden", hidden, None, H)
-        T = hidden.shape[0]
-        self._shape2("topk_ids", ids, T, None)
-        k = ids.shape[1]
-        self._shape2("topk_weights", weights, T, k)
+        T, k = self._shapes(H, hidden, ids, weights)
         self._shape2("out", out, T, H)
         for name, x in named.items():
             if not x.is_contiguous():
@@ -151,11 +156,7 @@ class _Call:
             raise TypeError(f"topk_ids: expected dtype int32, got {ids.dtype}")
         if weights.dtype != np.float32:
             raise TypeError(f"topk_weights: expected dtype float32, got {weights.dtype}")
-        self._shape2("hidden", hidden, None, H)
-        T = hidden.shape[0]
-        self._shape2("topk_ids", ids, T, None)
-        k = ids.shape[1]
-        self._shape2("topk_weights", weights, T, k)
+        T, k = self._shapes(H, hidden, ids, weights)
         for name, x in named.items():
             if not x.flags.c_contiguous:
                 raise ValueError(f"{name}: must be C-contiguous (np.ascontiguousarray)")
