@@ -21,6 +21,7 @@ done
 mkdir -p .bundle/dev/python
 cp -r python/moe_expert_service python/examples python/_build python/pyproject.toml .bundle/dev/python/
 cp -r tests/python .bundle/dev/python/tests
+mkdir -p .bundle/dev/python/bench && cp bench/python_overhead.py .bundle/dev/python/bench/
 find .bundle/dev/python -name __pycache__ -prune -exec rm -rf {} +
 tar -C .bundle -cJf .bundle/dev.tar.xz dev
 echo "archive: .bundle/dev.tar.xz ($(du -sh .bundle/dev.tar.xz | cut -f1))"

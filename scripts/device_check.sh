@@ -5,8 +5,9 @@
 #   tests                 every bundled test binary (cuda cases included)
 #   moe_layer PRESET ARGS bench/moe_layer with those flags (e.g. moe_layer qwen3-30b-a3b --layers 24)
 #   transport, kernels    the transport and expert-kernel benchmarks
-#   python ARGS           the C ABI test, the Python package's tests (torch CUDA included) and
-#                         python/examples/transformers_offload.py ARGS with ${PYTHON:-/opt/torch/.venv/bin/python3}
+#   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
+#                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
+#                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
 #   usage (on the host): bash scripts/device_check.sh tests moe_layer qwen3-30b-a3b --layers 8
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -62,6 +63,9 @@ while [[ $# -gt 0 ]]; do
         MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 300 "$py" "$B/python/tests/$t.py" >> "$OUT/python.txt" 2>&1
         echo "$t rc=$?" | tee -a "$OUT/python.txt"
       done
+      MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 300 "$py" "$B/python/bench/python_overhead.py" \
+        --server-bin "$B/bin/moe-expert-server" --preset qwen3-30b-a3b --layers 2 > "$OUT/python_overhead.md" 2>> "$OUT/python.txt"
+      echo "python_overhead rc=$?" | tee -a "$OUT/python.txt"; cat "$OUT/python_overhead.md"
       MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 580 "$py" "$B/python/examples/transformers_offload.py" \
         --server-bin "$B/bin/moe-expert-server" --out "$OUT/transformers_offload.md" "$@" >> "$OUT/python.txt" 2>&1
       echo "transformers_offload rc=$?" | tee -a "$OUT/python.txt"
