@@ -42,8 +42,7 @@ def qwen3_30b_a3b_config(layers):
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False,
-        torch_dtype="bfloat16")
+        max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
 
 
 class OffloadedSparseMoeBlock(torch.nn.Module):
@@ -200,7 +199,10 @@ def main():
         f"{torch.cuda.get_device_name(0)}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
     torch.manual_seed(0)
     config = qwen3_30b_a3b_config(a.layers)
-    model = Qwen3MoeForCausalLM(config).to(dtype=torch.bfloat16, device="cuda").eval()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):  # random init on the GPU, in bf16 (billions of parameters)
+        model = Qwen3MoeForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
     model.save_pretrained(ckpt, safe_serialization=True)
     names = sorted(f for f in os.listdir(ckpt))
     say(f"save_pretrained wrote: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
@@ -301,7 +303,7 @@ def main():
                     row = [f"replay error: {e}" for _ in batches]
                 say(f"| ours, {frac:.0%} cached, decode step in a CUDA graph | " + " | ".join(row) + " |")
                 s.close()
-        del model
+        del model, blocks, restore, swap
         torch.cuda.empty_cache()
         if not a.no_offload_baseline:
             try:
