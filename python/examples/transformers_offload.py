@@ -303,7 +303,7 @@ def main():
                     row = [f"replay error: {e}" for _ in batches]
                 say(f"| ours, {frac:.0%} cached, decode step in a CUDA graph | " + " | ".join(row) + " |")
                 s.close()
-        del model, blocks, restore, swap
+        model = blocks = None  # frees the all-GPU model (the closures above see None)
         torch.cuda.empty_cache()
         if not a.no_offload_baseline:
             try:
