@@ -8,7 +8,7 @@ packages=(
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev libhwloc-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev openssl xz-utils git ca-certificates
   clang libclang-rt-14-dev
-  python3 python3-numpy python3-pip  # the Python package's tests (tests/python) and `pip install ./python`
+  python3 python3-numpy python3-pip python3-torch  # the Python package's tests (tests/python; CPU torch for MoeLayer) and `pip install ./python`
 )
 # ocl-icd-opencl-dev: Debian's libdnnl-dev only *recommends* it, but its CMake
 # config (dnnl-config.cmake) calls find_package(OpenCL) and fails without it.
