@@ -55,7 +55,7 @@ def main():
         E = probe.info["num_experts"]
         probe.close()
         s = moe.Session(model=model, servers=[f"unix://{sock}"], device=a.device, policy="static",
-                        cache_experts_per_layer=E, max_tokens=max(a.tokens, 8))
+                        cache_experts_per_layer=E, max_tokens=max(a.tokens, 8), cpu_threads=1)
         L = s.moe_layers[0]
         s.apply_assignment(L, range(E))
         s.flush_copies()

@@ -224,9 +224,10 @@ class Session:
         `stats`, if a dict, receives the call's counters."""
         import ctypes
         c = _Call(self, hidden, topk_ids, topk_weights, out)
-        cs = _lib.CallStats()
-        _check(self._lib.moe_forward(self._h(), int(layer), c.T, c.k, *c.ptrs, c.memory, c.stream, ctypes.byref(cs)))
-        if stats is not None:
+        cs = _lib.CallStats() if stats is not None else None
+        _check(self._lib.moe_forward(self._h(), int(layer), c.T, c.k, *c.ptrs, c.memory, c.stream,
+                                     ctypes.byref(cs) if cs is not None else None))
+        if cs is not None:
             stats.update(_stats_dict(cs))
         return c.output()
 

@@ -65,6 +65,7 @@ class MoeLayer(torch.nn.Module):
         self.layer = int(layer)
         self.hidden_size = session.info["hidden"]
         self.max_tokens = session.info["max_tokens"]
+        self.record_stats = False  # True: last_stats holds the counters of the last (eager) call
         self.last_stats = {}
         # capturable: CUDA inputs go through Session.forward_capturable (the
         # decode step can then be captured in a CUDA graph; T <= max_tokens).
@@ -77,32 +78,45 @@ class MoeLayer(torch.nn.Module):
             raise ValueError(f"hidden_states: last dimension {hidden_states.shape[-1]}, the model's hidden size is "
                              f"{self.hidden_size}")
         shape, dtype, device = hidden_states.shape, hidden_states.dtype, hidden_states.device
-        x = hidden_states.reshape(-1, self.hidden_size).to(torch.bfloat16).contiguous()
+        x = hidden_states.reshape(-1, self.hidden_size)
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
+        if not x.is_contiguous():
+            x = x.contiguous()
         T = x.shape[0]
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[0] != T:
             raise ValueError(f"topk_ids: expected a [{T}, k] tensor")
-        if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != topk_ids.shape:
             raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)}")
-        ids = topk_ids.to(device=device, dtype=torch.int32).contiguous()
-        w = topk_weights.to(device=device, dtype=torch.float32).contiguous()
+        ids, w = topk_ids, topk_weights
+        if ids.dtype != torch.int32 or ids.device != device or not ids.is_contiguous():
+            ids = ids.to(device=device, dtype=torch.int32).contiguous()
+        if w.dtype != torch.float32 or w.device != device or not w.is_contiguous():
+            w = w.to(device=device, dtype=torch.float32).contiguous()
         host_only = device.type == "cuda" and self.session.info["device"] != "cuda"
         if self.capturable and device.type == "cuda" and not host_only:
             if T > self.max_tokens:
                 raise ValueError(f"hidden_states: {T} tokens, a capturable call takes at most {self.max_tokens}")
             out = self.session.forward_capturable(self.layer, x, ids, w)
-            return out.to(dtype).reshape(shape)
-        if host_only:
-            x, ids, w = x.cpu(), ids.cpu(), w.cpu()
-        out = torch.empty_like(x)
-        stats = {}
-        for start in range(0, T, self.max_tokens):
-            end = min(T, start + self.max_tokens)
-            self.session.forward(self.layer, x[start:end], ids[start:end], w[start:end], out=out[start:end],
-                                 stats=stats)
-        self.last_stats = stats
-        if host_only:
-            out = out.to(device)
-        return out.to(dtype).reshape(shape)
+        else:
+            if host_only:
+                x, ids, w = x.cpu(), ids.cpu(), w.cpu()
+            stats = {} if self.record_stats else None
+            if T <= self.max_tokens:
+                out = self.session.forward(self.layer, x, ids, w, stats=stats)
+            else:
+                out = torch.empty_like(x)
+                for start in range(0, T, self.max_tokens):
+                    end = min(T, start + self.max_tokens)
+                    self.session.forward(self.layer, x[start:end], ids[start:end], w[start:end], out=out[start:end],
+                                         stats=stats)
+            if stats is not None:
+                self.last_stats = stats
+            if host_only:
+                out = out.to(device)
+        if out.dtype != dtype:
+            out = out.to(dtype)
+        return out.reshape(shape)
 
     def extra_repr(self):
         return f"layer={self.layer}, hidden_size={self.hidden_size}, device={self.session.info['device']}"
