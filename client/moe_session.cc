@@ -67,17 +67,17 @@ const char* MoeSession::device() const { return backend_->name(); }
 
 absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hidden,
                                       const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
-                                      MemoryKind kind, CallStats* stats) {
-  absl::StatusOr<Pending> p = ForwardLayerAsync(layer, T, k, hidden, topk_ids, topk_weights, out, kind);
+                                      MemoryKind kind, CallStats* stats, void* cuda_stream) {
+  absl::StatusOr<Pending> p =
+      ForwardLayerAsync(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream);
   if (!p.ok()) return p.status();
   return Wait(*p, stats);
 }
 
-absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int T, int k,
-                                                                  const bf16_t* hidden,
-                                                                  const int32_t* topk_ids,
-                                                                  const float* topk_weights, bf16_t* out,
-                                                                  MemoryKind kind) {
+namespace {
+
+LayerCall MakeLayerCall(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
+                        const float* topk_weights, bf16_t* out, MemoryKind kind, void* cuda_stream) {
   LayerCall call;
   call.layer = layer;
   call.T = T;
@@ -87,10 +87,31 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
   call.topk_weights = topk_weights;
   call.out = out;
   call.kind = kind;
-  absl::StatusOr<int> ticket = dispatcher_->Submit(call);
+  call.stream = cuda_stream;
+  return call;
+}
+
+}  // namespace
+
+absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int T, int k,
+                                                                  const bf16_t* hidden,
+                                                                  const int32_t* topk_ids,
+                                                                  const float* topk_weights, bf16_t* out,
+                                                                  MemoryKind kind, void* cuda_stream) {
+  absl::StatusOr<int> ticket = dispatcher_->Submit(
+      MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream));
   if (!ticket.ok()) return ticket.status();
   return Pending{*ticket};
 }
+
+absl::Status MoeSession::ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden,
+                                                const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
+                                                void* cuda_stream) {
+  return dispatcher_->EnqueueCapturable(
+      MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, MemoryKind::kDevice, cuda_stream));
+}
+
+absl::Status MoeSession::TakeStreamError() { return dispatcher_->TakeStreamError(); }
 
 absl::Status MoeSession::Wait(Pending call, CallStats* stats) { return dispatcher_->Complete(call.ticket, stats); }
 

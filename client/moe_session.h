@@ -18,6 +18,12 @@
 // Pointers are host memory, or device memory when `kind` is kDevice (cuda
 // backend only).
 //
+// Stream order: `cuda_stream` (a cudaStream_t, or nullptr) is the engine's
+// stream. The call's device work is ordered after what the engine enqueued on
+// it before the call, and the engine's later work on it sees the output; the
+// cuda backend does this with events (no cudaDeviceSynchronize, no host sync
+// of the engine's stream). The cpu backend refuses a stream.
+//
 // Asynchronous use (dual-batch overlap): ForwardLayerAsync starts a call and
 // returns at once; Wait finishes it. Up to SessionOptions::contexts calls may
 // be in flight, so an engine can run micro-batch B's attention while A's
@@ -86,7 +92,8 @@ class MoeSession {
 
   absl::Status ForwardLayer(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                             const float* topk_weights, bf16_t* out,
-                            MemoryKind kind = MemoryKind::kHost, CallStats* stats = nullptr);
+                            MemoryKind kind = MemoryKind::kHost, CallStats* stats = nullptr,
+                            void* cuda_stream = nullptr);
 
   // A started call; pass it to Wait exactly once.
   struct Pending {
@@ -94,8 +101,18 @@ class MoeSession {
   };
   absl::StatusOr<Pending> ForwardLayerAsync(int layer, int T, int k, const bf16_t* hidden,
                                             const int32_t* topk_ids, const float* topk_weights,
-                                            bf16_t* out, MemoryKind kind = MemoryKind::kHost);
+                                            bf16_t* out, MemoryKind kind = MemoryKind::kHost,
+                                            void* cuda_stream = nullptr);
   absl::Status Wait(Pending call, CallStats* stats = nullptr);
+
+  // CUDA-graph-capturable call (cuda backend, device pointers, the engine's
+  // stream required): enqueued on `cuda_stream`, returns at once; see
+  // LayerDispatcher::EnqueueCapturable for the contract (warm up each layer
+  // once outside a capture; run-time errors poison the output with NaN and
+  // are returned by TakeStreamError).
+  absl::Status ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
+                                      const float* topk_weights, bf16_t* out, void* cuda_stream);
+  absl::Status TakeStreamError();
 
   // Cache placement pushed from outside (coordinator or operator): between calls.
   absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);

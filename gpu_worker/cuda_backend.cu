@@ -44,6 +44,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <tuple>
 #include <memory>
 #include <string>
 #include <vector>
@@ -189,8 +190,31 @@ class CudaBackend final : public DeviceBackend {
   absl::StatusOr<uint64_t> AddRows(int ctx, const int32_t* rows, int n,
                                    const bf16_t* partial) override;
   absl::Status FinishCall(int ctx, bf16_t* out, MemoryKind kind) override;
+  absl::Status WaitStream(void* stream) override;
+  absl::Status SignalStream(void* stream) override;
+  absl::Status EnqueueHostPlanned(const HostPlannedCall& call) override;
 
  private:
+  // Staging of one capture-safe call site (HostPlannedCall::site), sized for
+  // max_tokens x max_top_k; allocated by the site's first call, which must
+  // not be captured (cudaMalloc is not capture-safe).
+  struct PlannedSite {
+    PinnedMem h_ids, h_weights, h_x, h_groups, h_token, h_row_weight, h_partial;
+    DeviceMem d_groups, d_token, d_row_weight, d_accum, d_partial, d_act, d_iota;
+    std::vector<int32_t> group_buffer, group_begin, group_count;  // plan's output, then packed
+    std::function<void(HostPlannedIo&)> plan, finish;
+  };
+  // What one enqueued host function needs; one per (site, T, k), kept for
+  // the backend's lifetime so graph replays can still use it.
+  struct PlannedRecord {
+    PlannedSite* site = nullptr;
+    int T = 0, k = 0, hidden = 0;
+    HostPlannedIo io;
+  };
+  static void CUDART_CB RunPlan(void* record);
+  static void CUDART_CB RunFinish(void* record);
+  absl::StatusOr<PlannedSite*> Site(int site);
+
   struct Context {
     DeviceMem x;      // [max_tokens, H] bf16 activations (also FinishCall's output staging)
     DeviceMem accum;  // [max_tokens, H] f32
@@ -243,6 +267,11 @@ class CudaBackend final : public DeviceBackend {
 
   cudaStream_t compute_ = nullptr;
   cudaStream_t copy_ = nullptr;
+  // Joins with the engine's stream: recorded there and waited for by compute_
+  // (WaitStream), recorded on compute_ and waited for there (SignalStream).
+  // One event each suffices: a wait binds to the record that precedes it.
+  cudaEvent_t engine_ready_ = nullptr;
+  cudaEvent_t output_ready_ = nullptr;
   FenceRing copy_fences_;
   FenceRing compute_fences_;
   cublasHandle_t cublas_ = nullptr;
@@ -265,6 +294,9 @@ class CudaBackend final : public DeviceBackend {
   std::map<void*, size_t> registered_;
   size_t mapped_write_max_bytes_ = kMappedWriteMaxBytes;
   absl::Status deferred_;  // error of a void-returning call, reported by the next call
+
+  std::map<int, std::unique_ptr<PlannedSite>> planned_sites_;
+  std::map<std::tuple<int, int, int>, std::unique_ptr<PlannedRecord>> planned_records_;
 };
 
 CudaBackend::~CudaBackend() {
@@ -275,6 +307,8 @@ CudaBackend::~CudaBackend() {
   for (Context& c : contexts_)
     if (c.stage_event != nullptr) cudaEventDestroy(c.stage_event);
   if (cublas_ != nullptr) cublasDestroy(cublas_);
+  if (engine_ready_ != nullptr) cudaEventDestroy(engine_ready_);
+  if (output_ready_ != nullptr) cudaEventDestroy(output_ready_);
   // Members (memory, fence rings) are released after this body; streams last.
   contexts_.clear();
   act_.reset();
@@ -345,6 +379,8 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
 
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&compute_));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&engine_ready_, cudaEventDisableTiming));
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&output_ready_, cudaEventDisableTiming));
   if (absl::Status st = copy_fences_.Init(kFenceRingSize); !st.ok()) return st;
   if (absl::Status st = compute_fences_.Init(kFenceRingSize); !st.ok()) return st;
 
@@ -881,6 +917,159 @@ absl::Status CudaBackend::FinishCall(int ctx, bf16_t* out, MemoryKind kind) {
   }
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
   return TakeDeferred();
+}
+
+absl::Status CudaBackend::WaitStream(void* stream) {
+  if (stream == nullptr) return absl::OkStatus();
+  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(engine_ready_, static_cast<cudaStream_t>(stream)));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, engine_ready_, 0));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SignalStream(void* stream) {
+  if (stream == nullptr) return absl::OkStatus();
+  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(output_ready_, compute_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), output_ready_, 0));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<CudaBackend::PlannedSite*> CudaBackend::Site(int site) {
+  auto it = planned_sites_.find(site);
+  if (it != planned_sites_.end()) return it->second.get();
+  const size_t rows = static_cast<size_t>(config_.max_tokens) * config_.max_top_k;
+  const size_t T = config_.max_tokens, H = H_, I = I_;
+  auto p = std::make_unique<PlannedSite>();
+  struct PinnedPart { PinnedMem* mem; size_t bytes; };
+  for (PinnedPart part : {PinnedPart{&p->h_ids, rows * 4}, PinnedPart{&p->h_weights, rows * 4},
+                          PinnedPart{&p->h_x, T * H * 2}, PinnedPart{&p->h_groups, rows * sizeof(cuda::GroupDesc)},
+                          PinnedPart{&p->h_token, rows * 4}, PinnedPart{&p->h_row_weight, rows * 4},
+                          PinnedPart{&p->h_partial, T * H * 2}}) {
+    absl::StatusOr<PinnedMem> m = AllocPinned(part.bytes);
+    if (!m.ok()) return m.status();
+    *part.mem = *std::move(m);
+  }
+  struct DevicePart { DeviceMem* mem; size_t bytes; const char* what; };
+  for (DevicePart part : {DevicePart{&p->d_groups, rows * sizeof(cuda::GroupDesc), "capturable groups"},
+                          DevicePart{&p->d_token, rows * 4, "capturable rows"},
+                          DevicePart{&p->d_row_weight, rows * 4, "capturable weights"},
+                          DevicePart{&p->d_accum, T * H * 4, "capturable accumulator"},
+                          DevicePart{&p->d_partial, T * H * 2, "capturable partials"},
+                          DevicePart{&p->d_act, rows * I * 2, "capturable act"},
+                          DevicePart{&p->d_iota, T * 4, "capturable row ids"}}) {
+    absl::StatusOr<DeviceMem> m = AllocDevice(part.bytes, part.what);
+    if (!m.ok()) return m.status();
+    *part.mem = *std::move(m);
+  }
+  std::vector<int32_t> iota(T);
+  for (size_t i = 0; i < T; ++i) iota[i] = static_cast<int32_t>(i);
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(p->d_iota.get(), iota.data(), T * 4, cudaMemcpyHostToDevice));
+  p->group_buffer.resize(rows);
+  p->group_begin.resize(rows);
+  p->group_count.resize(rows);
+  PlannedSite* raw = p.get();
+  planned_sites_[site] = std::move(p);
+  return raw;
+}
+
+void CUDART_CB CudaBackend::RunPlan(void* record) {
+  auto* r = static_cast<PlannedRecord*>(record);
+  PlannedSite& s = *r->site;
+  const int rows = r->T * r->k;
+  std::fill(s.group_count.begin(), s.group_count.begin() + rows, 0);
+  std::fill(s.group_buffer.begin(), s.group_buffer.begin() + rows, 0);
+  std::fill(s.group_begin.begin(), s.group_begin.begin() + rows, 0);
+  int32_t* token = static_cast<int32_t*>(s.h_token.get());
+  std::fill(token, token + rows, -1);
+  s.plan(r->io);
+  // Pack into the kernels' group descriptors (what the H2D copy after this node reads).
+  auto* g = static_cast<cuda::GroupDesc*>(s.h_groups.get());
+  for (int i = 0; i < rows; ++i) g[i] = cuda::GroupDesc{s.group_buffer[i], s.group_begin[i], s.group_count[i], 0};
+}
+
+void CUDART_CB CudaBackend::RunFinish(void* record) {
+  auto* r = static_cast<PlannedRecord*>(record);
+  r->site->finish(r->io);
+}
+
+absl::Status CudaBackend::EnqueueHostPlanned(const HostPlannedCall& call) {
+  if (absl::Status st = Use(); !st.ok()) return st;
+  if (call.stream == nullptr) return absl::InvalidArgumentError("cuda_stream: a capturable call needs the engine's stream");
+  if (call.T < 1 || call.T > config_.max_tokens || call.k < 1 || call.k > config_.max_top_k)
+    return absl::InvalidArgumentError(absl::StrCat("tokens/top_k: ", call.T, " x ", call.k, " is outside [1, ",
+                                                   config_.max_tokens, "] x [1, ", config_.max_top_k, "]"));
+  if (call.hidden == nullptr || call.ids == nullptr || call.weights == nullptr || call.out == nullptr)
+    return absl::InvalidArgumentError("hidden/topk_ids/topk_weights/out: null pointer");
+  if (!call.plan || !call.finish) return absl::InvalidArgumentError("capturable call: plan/finish hooks missing");
+  cudaStream_t stream = static_cast<cudaStream_t>(call.stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
+  if (capture != cudaStreamCaptureStatusNone && planned_sites_.count(call.site) == 0)
+    return absl::FailedPreconditionError(absl::StrCat(
+        "capturable call: layer ", call.site, " was never run outside a capture (warm up once before capturing)"));
+  absl::StatusOr<PlannedSite*> site = Site(call.site);
+  if (!site.ok()) return site.status();
+  PlannedSite& s = **site;
+  s.plan = call.plan;
+  s.finish = call.finish;
+  std::unique_ptr<PlannedRecord>& rec = planned_records_[{call.site, call.T, call.k}];
+  if (!rec) {
+    rec = std::make_unique<PlannedRecord>();
+    rec->site = &s;
+    rec->T = call.T;
+    rec->k = call.k;
+    HostPlannedIo& io = rec->io;
+    io.T = call.T;
+    io.k = call.k;
+    io.hidden = H_;
+    io.ids = static_cast<const int32_t*>(s.h_ids.get());
+    io.weights = static_cast<const float*>(s.h_weights.get());
+    io.x = static_cast<const bf16_t*>(s.h_x.get());
+    io.group_buffer = s.group_buffer.data();
+    io.group_begin = s.group_begin.data();
+    io.group_count = s.group_count.data();
+    io.row_token = static_cast<int32_t*>(s.h_token.get());
+    io.row_weight = static_cast<float*>(s.h_row_weight.get());
+    io.partial = static_cast<bf16_t*>(s.h_partial.get());
+  }
+  const size_t rows = static_cast<size_t>(call.T) * call.k, n = static_cast<size_t>(call.T) * H_;
+  // Routing and activations to the host, then the split (host node).
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.h_ids.get(), call.ids, rows * 4, cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.h_weights.get(), call.weights, rows * 4, cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.h_x.get(), call.hidden, n * 2, cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, &CudaBackend::RunPlan, rec.get()));
+  // The hits: one grouped launch sized for T*k groups of up to T rows.
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_groups.get(), s.h_groups.get(), rows * sizeof(cuda::GroupDesc),
+                                           cudaMemcpyHostToDevice, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_token.get(), s.h_token.get(), rows * 4, cudaMemcpyHostToDevice, stream));
+  MOE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(s.d_row_weight.get(), s.h_row_weight.get(), rows * 4, cudaMemcpyHostToDevice, stream));
+  float* accum = static_cast<float*>(s.d_accum.get());
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(accum, 0, n * sizeof(float), stream));
+  cuda::GroupedExpertArgs a;
+  a.experts = buffer_ptr(0);
+  a.expert_stride = expert_stride_;
+  a.hidden = H_;
+  a.intermediate = I_;
+  a.groups = static_cast<const cuda::GroupDesc*>(s.d_groups.get());
+  a.num_groups = static_cast<int>(rows);
+  a.max_count = call.T;  // an expert has at most one row per token
+  a.token = static_cast<const int32_t*>(s.d_token.get());
+  a.weight = static_cast<const float*>(s.d_row_weight.get());
+  a.x = call.hidden;
+  a.act = static_cast<bf16_t*>(s.d_act.get());
+  a.accum = accum;
+  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedGateUp(a, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedDown(a, stream));
+  // The servers' partial sums (host node waits for them), merged, written out.
+  MOE_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, &CudaBackend::RunFinish, rec.get()));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_partial.get(), s.h_partial.get(), n * 2, cudaMemcpyHostToDevice, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddBf16(static_cast<const bf16_t*>(s.d_partial.get()),
+                                                      static_cast<const int32_t*>(s.d_iota.get()), call.T, H_, accum,
+                                                      stream));
+  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchAccumToBf16(accum, n, call.out, stream));
+  return absl::OkStatus();
 }
 
 bool DeviceCount(int* count, std::string* why) {

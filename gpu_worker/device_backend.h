@@ -28,10 +28,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "core/bf16.h"
 
 namespace moe {
@@ -66,6 +68,43 @@ struct HitPlan {
   const int32_t* token = nullptr;      // [rows]
   const float* weight = nullptr;       // [rows]
   int max_count = 0;                   // max over count[]
+};
+
+// ---- capture-safe calls (CUDA graphs) -------------------------------------
+// A call whose whole work sits on the engine's stream, so it can be captured
+// into a CUDA graph and replayed: the routing and activations are copied to
+// pinned host memory, a host function (`plan`) splits hits from misses and
+// ships the misses, the hits run as one grouped launch sized for the worst
+// case (T*k groups; unused groups have count 0 and cost no weight reads), a
+// second host function (`finish`) waits for the servers' partial sums, and
+// the merge writes `out`. Nothing is decided at capture time except T and k.
+//
+// The host functions run on a CUDA driver thread and must not call CUDA.
+struct HostPlannedIo {
+  int T = 0, k = 0, hidden = 0;
+  const int32_t* ids = nullptr;    // [T*k] routing (copied from the device)
+  const float* weights = nullptr;  // [T*k]
+  const bf16_t* x = nullptr;       // [T, H] activations (copied from the device)
+  // Written by plan: hit groups, at most T*k (the rest count 0), and rows.
+  int32_t* group_buffer = nullptr;  // [T*k] expert buffer of the group
+  int32_t* group_begin = nullptr;   // [T*k] first row of the group
+  int32_t* group_count = nullptr;   // [T*k] rows of the group (0: unused)
+  int32_t* row_token = nullptr;     // [T*k] token of the row, -1 = padding
+  float* row_weight = nullptr;      // [T*k]
+  // Written by finish: the sum of the servers' partial outputs (zeros where none).
+  bf16_t* partial = nullptr;        // [T, H]
+};
+
+struct HostPlannedCall {
+  int site = 0;  // staging area (one per layer): calls of a site must not overlap
+  int T = 0, k = 0;
+  const bf16_t* hidden = nullptr;  // device pointers (the engine's)
+  const int32_t* ids = nullptr;
+  const float* weights = nullptr;
+  bf16_t* out = nullptr;
+  void* stream = nullptr;          // the engine's cudaStream_t (may be capturing)
+  // Kept by the backend for the site's later replays.
+  std::function<void(HostPlannedIo&)> plan, finish;
 };
 
 class DeviceBackend {
@@ -136,6 +175,26 @@ class DeviceBackend {
   // waits for the context's work to finish. The call is over afterwards.
   // `out` == nullptr discards the result (an aborted call).
   virtual absl::Status FinishCall(int ctx, bf16_t* out, MemoryKind kind) = 0;
+
+  // ---- the engine's stream (cudaStream_t passed as void*) ----------------
+  // WaitStream: later compute work waits for everything enqueued on `stream`
+  // so far (an event recorded there; no host wait). SignalStream: work the
+  // engine enqueues on `stream` afterwards waits for all compute work
+  // submitted so far. nullptr is a no-op. A backend without a device (cpu)
+  // refuses a non-null stream with InvalidArgument naming cuda_stream.
+  virtual absl::Status WaitStream(void* stream) {
+    return stream == nullptr ? absl::OkStatus()
+                             : absl::InvalidArgumentError(absl::StrCat(
+                                   "cuda_stream: given to the ", name(), " backend, which has no CUDA device"));
+  }
+  virtual absl::Status SignalStream(void* stream) { return WaitStream(stream); }
+
+  // Enqueues a capture-safe call (see HostPlannedCall) on call.stream;
+  // returns at once. Unimplemented on a backend without CUDA.
+  virtual absl::Status EnqueueHostPlanned(const HostPlannedCall& call) {
+    (void)call;
+    return absl::UnimplementedError(absl::StrCat("capturable calls: the ", name(), " backend has no CUDA stream"));
+  }
 };
 
 // "auto": cuda when built with CUDA and a device is present, else cpu.

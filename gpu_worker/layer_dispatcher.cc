@@ -1,6 +1,9 @@
 #include "gpu_worker/layer_dispatcher.h"
 
 #include <algorithm>
+#include <atomic>
+#include <limits>
+#include <mutex>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -115,10 +118,36 @@ struct LayerDispatcher::Impl {
   // Plan scratch.
   std::vector<int32_t> plan_buffer, plan_begin, plan_count, plan_token;
   std::vector<float> plan_weight;
+
+  // Capturable calls (EnqueueCapturable), per served layer, created on first
+  // use. buffer_of is the slot map the host functions read at run time:
+  // written by the driving thread, read by CUDA's host-function thread.
+  struct PlannedShip {
+    int server = -1;
+    std::vector<int32_t> rows, ids;
+    std::vector<float> weights;
+    std::vector<bf16_t> x, y;
+    std::future<absl::Status> done;
+  };
+  struct PlannedLayer {
+    std::unique_ptr<std::atomic<int32_t>[]> buffer_of;  // expert -> buffer of a Ready slot, or -1
+    std::vector<int32_t> local_buffer, hit_ids;          // plan scratch (host-function thread only)
+    ExpertGroups groups;
+    std::vector<PlannedShip> ships;                      // plan -> finish of the call in flight
+    std::vector<float> acc;
+    bool poisoned = false;
+  };
+  std::vector<std::unique_ptr<PlannedLayer>> planned;  // by served index
+  void* planned_stream = nullptr;                      // the engine's stream of capturable calls
+  std::mutex stream_error_mu;
+  absl::Status stream_error;
 };
 
 LayerDispatcher::~LayerDispatcher() {
   if (!impl_) return;
+  // Capturable calls still on the engine's stream use this dispatcher's state.
+  if (impl_->planned_stream != nullptr && backend_->WaitStream(impl_->planned_stream).ok())
+    (void)backend_->WaitCompute(backend_->RecordCompute());
   // Drain in-flight copies so the backend is idle; release staged batches.
   for (Context& ctx : impl_->contexts)
     for (Shipment& s : ctx.shipments) {
@@ -238,6 +267,7 @@ absl::Status LayerDispatcher::Init() {
                                                          impl_->servers.front().config.address, ": ",
                                                          first_error.message()));
   impl_->contexts.resize(c.contexts);
+  impl_->planned.resize(layers_.size());
   for (Context& ctx : impl_->contexts) {
     ctx.send.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
     ctx.recv.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
@@ -376,6 +406,7 @@ void LayerDispatcher::PollCopies() {
       // upper bound of the copy time.
       cost_.ObserveCopy(Seconds(now - pending[i].start), true);
       cache_->CompleteCopy(pending[i].copy);
+      PublishSlotMap(pending[i].copy.layer);
     } else {
       pending[kept++] = pending[i];
     }
@@ -397,6 +428,7 @@ absl::Status LayerDispatcher::FlushCopies() {
     cost_.ObserveCopy(Seconds(done - std::max(p.start, previous_done)), done_before);
     previous_done = done;
     cache_->CompleteCopy(p.copy);
+    PublishSlotMap(p.copy.layer);
   }
   impl_->pending.clear();
   return absl::OkStatus();
@@ -427,6 +459,12 @@ absl::Status LayerDispatcher::ConnectServer(size_t index) {
 // slot stays Loading.
 absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotCopy>& copies) {
   if (copies.empty()) return absl::OkStatus();
+  // Capturable calls: evicted experts leave the published slot map before
+  // their buffers are overwritten, and the copies wait for the capturable
+  // calls already enqueued on the engine's stream.
+  PublishSlotMap(layer);
+  if (impl_->planned_stream != nullptr)
+    if (absl::Status st = backend_->WaitStream(impl_->planned_stream); !st.ok()) return st;
   const uint64_t after = backend_->RecordCompute();
   for (size_t i = 0; i < copies.size(); ++i) {
     absl::StatusOr<uint64_t> f =
@@ -542,6 +580,9 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
     return absl::InvalidArgumentError("hidden/topk_ids/topk_weights/out: null pointer");
   if (call.kind == MemoryKind::kDevice && !backend_->has_device_memory())
     return absl::InvalidArgumentError("kind: device pointers given to a backend without device memory");
+  // The engine's earlier work on its stream (which produced hidden/routing)
+  // comes before ours: an event wait, no host sync of that stream.
+  if (absl::Status st = backend_->WaitStream(call.stream); !st.ok()) return st;
   Context& ctx = m.contexts[ticket];
   const int T = call.T, k = std::max(call.k, 1), E = spec_.num_experts;
   ctx.ids.resize(static_cast<size_t>(T) * k);
@@ -995,6 +1036,8 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   // sync per call instead of two).
   absl::Status fin = backend_->FinishCall(ticket, result.ok() ? ctx.call.out : nullptr, ctx.call.kind);
   if (!fin.ok() && last_fence != 0) (void)backend_->WaitCompute(last_fence);
+  // The engine's later work on its stream sees the output.
+  if (absl::Status sig = backend_->SignalStream(ctx.call.stream); fin.ok()) fin = sig;
   for (Shipment& sh : ctx.shipments) {
     if (sh.done.valid()) sh.done.wait();  // failed-early calls: nothing may still write
     if (sh.staged) m.servers[sh.server].transport->Release(sh.stage);
@@ -1016,6 +1059,164 @@ absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
   absl::StatusOr<int> ticket = Submit(call);
   if (!ticket.ok()) return ticket.status();
   return Complete(*ticket, stats);
+}
+
+// ---------------------------------------------------------------------------
+// Capturable calls (CUDA graphs).
+
+void LayerDispatcher::PublishSlotMap(int layer) {
+  if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0) return;
+  Impl::PlannedLayer* pl = impl_->planned[layer_index_[layer]].get();
+  if (pl == nullptr) return;
+  for (int e = 0; e < spec_.num_experts; ++e) {
+    const int slot = cache_->ReadySlot(layer, e);
+    pl->buffer_of[e].store(slot >= 0 ? SlotBuffer(layer, slot) : -1, std::memory_order_release);
+  }
+}
+
+void LayerDispatcher::RecordStreamError(absl::Status st) {
+  std::lock_guard<std::mutex> lock(impl_->stream_error_mu);
+  if (impl_->stream_error.ok()) impl_->stream_error = std::move(st);
+}
+
+absl::Status LayerDispatcher::TakeStreamError() {
+  std::lock_guard<std::mutex> lock(impl_->stream_error_mu);
+  absl::Status st = std::move(impl_->stream_error);
+  impl_->stream_error = absl::OkStatus();
+  return st;
+}
+
+absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& call) {
+  if (call.layer < 0 || call.layer >= spec_.num_layers || layer_index_[call.layer] < 0)
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", call.layer, " is not an MoE layer served here"));
+  if (call.kind != MemoryKind::kDevice || !backend_->has_device_memory())
+    return absl::InvalidArgumentError("memory: capturable calls take device pointers (cuda backend)");
+  if (call.stream == nullptr) return absl::InvalidArgumentError("cuda_stream: capturable calls need the engine's stream");
+  if (call.T < 1 || call.T > config_.max_tokens || call.k < 1 || call.k > config_.max_top_k)
+    return absl::InvalidArgumentError(absl::StrCat("tokens/top_k: ", call.T, " x ", call.k, " is outside [1, ",
+                                                   config_.max_tokens, "] x [1, ", config_.max_top_k, "]"));
+  std::unique_ptr<Impl::PlannedLayer>& pl = impl_->planned[layer_index_[call.layer]];
+  if (!pl) {
+    pl = std::make_unique<Impl::PlannedLayer>();
+    pl->buffer_of = std::make_unique<std::atomic<int32_t>[]>(spec_.num_experts);
+    PollCopies();
+    PublishSlotMap(call.layer);
+  }
+  impl_->planned_stream = call.stream;
+  HostPlannedCall hc;
+  hc.site = call.layer;
+  hc.T = call.T;
+  hc.k = call.k;
+  hc.hidden = call.hidden;
+  hc.ids = call.topk_ids;
+  hc.weights = call.topk_weights;
+  hc.out = call.out;
+  hc.stream = call.stream;
+  const int layer = call.layer;
+  hc.plan = [this, layer](HostPlannedIo& io) { PlanCapturable(layer, io); };
+  hc.finish = [this, layer](HostPlannedIo& io) { FinishCapturable(layer, io); };
+  return backend_->EnqueueHostPlanned(hc);
+}
+
+// Runs on CUDA's host-function thread: no CUDA calls, no cache_ access (the
+// published slot map only), transports are thread-safe.
+void LayerDispatcher::PlanCapturable(int layer, HostPlannedIo& io) {
+  Impl::PlannedLayer& pl = *impl_->planned[layer_index_[layer]];
+  const int T = io.T, k = io.k, E = spec_.num_experts, H = spec_.hidden;
+  pl.ships.clear();
+  pl.poisoned = false;
+  const RoutingView routing{T, k, io.ids, io.weights};
+  if (absl::Status st = ValidateRouting(routing, E, {}); !st.ok()) {
+    RecordStreamError(st);
+    pl.poisoned = true;  // no groups: the output becomes NaN in finish
+    return;
+  }
+  pl.local_buffer.resize(E);
+  for (int e = 0; e < E; ++e) pl.local_buffer[e] = pl.buffer_of[e].load(std::memory_order_acquire);
+  // Hits: the pairs whose expert has a Ready slot, grouped by expert.
+  pl.hit_ids.assign(io.ids, io.ids + static_cast<size_t>(T) * k);
+  for (int32_t& e : pl.hit_ids)
+    if (e >= 0 && pl.local_buffer[e] < 0) e = -1;
+  GroupByExpert(RoutingView{T, k, pl.hit_ids.data(), io.weights}, E, 1, &pl.groups);
+  for (int g = 0; g < pl.groups.num_groups(); ++g) {
+    io.group_buffer[g] = pl.local_buffer[pl.groups.expert[g]];
+    io.group_begin[g] = pl.groups.row_begin[g];
+    io.group_count[g] = pl.groups.count[g];
+  }
+  for (int r = 0; r < pl.groups.total_rows; ++r) {
+    io.row_token[r] = pl.groups.token[r];
+    io.row_weight[r] = pl.groups.weight[r];
+  }
+  // Misses: per server (the first one hosting the expert), the tokens with
+  // their miss pairs, shipped now.
+  std::vector<int> ship_of(impl_->servers.size(), -1);
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < k; ++j) {
+      const int e = io.ids[t * k + j];
+      if (e < 0 || pl.local_buffer[e] >= 0) continue;
+      int server = -1;
+      for (size_t s = 0; s < impl_->servers.size() && server < 0; ++s)
+        if (impl_->servers[s].transport && impl_->servers[s].hosts[e]) server = static_cast<int>(s);
+      if (server < 0) {
+        RecordStreamError(absl::UnavailableError(
+            absl::StrCat("capturable call: no connected server hosts expert ", e, " of layer ", layer)));
+        pl.poisoned = true;
+        continue;
+      }
+      if (ship_of[server] < 0) {
+        ship_of[server] = static_cast<int>(pl.ships.size());
+        pl.ships.emplace_back();
+        pl.ships.back().server = server;
+      }
+      Impl::PlannedShip& sh = pl.ships[ship_of[server]];
+      if (sh.rows.empty() || sh.rows.back() != t) {
+        sh.rows.push_back(t);
+        sh.ids.insert(sh.ids.end(), k, -1);
+        sh.weights.insert(sh.weights.end(), k, 0.0f);
+        sh.x.insert(sh.x.end(), io.x + static_cast<size_t>(t) * H, io.x + static_cast<size_t>(t + 1) * H);
+      }
+      sh.ids[(sh.rows.size() - 1) * k + j] = e;
+      sh.weights[(sh.rows.size() - 1) * k + j] = io.weights[t * k + j];
+    }
+  }
+  const Clock::time_point deadline = Clock::now() + config_.deadline;
+  for (Impl::PlannedShip& sh : pl.ships) {
+    const int n = static_cast<int>(sh.rows.size());
+    sh.y.resize(static_cast<size_t>(n) * H);
+    MissBatch b;
+    b.layer = static_cast<uint32_t>(layer);
+    b.n = n;
+    b.k = k;
+    b.tokens = sh.x.data();
+    b.expert_ids = sh.ids.data();
+    b.expert_weights = sh.weights.data();
+    sh.done = impl_->servers[sh.server].transport->Submit(b, sh.y.data(), deadline);
+  }
+}
+
+void LayerDispatcher::FinishCapturable(int layer, HostPlannedIo& io) {
+  Impl::PlannedLayer& pl = *impl_->planned[layer_index_[layer]];
+  const int H = spec_.hidden;
+  const size_t n = static_cast<size_t>(io.T) * H;
+  pl.acc.assign(n, 0.0f);
+  for (Impl::PlannedShip& sh : pl.ships) {
+    absl::Status st = sh.done.valid() ? sh.done.get() : absl::InternalError("capturable call: shipment not sent");
+    if (!st.ok()) {
+      RecordStreamError(absl::Status(st.code(), absl::StrCat("capturable call, layer ", layer, ", server ",
+                                                             impl_->servers[sh.server].config.address, ": ",
+                                                             st.message())));
+      pl.poisoned = true;
+      continue;
+    }
+    for (size_t i = 0; i < sh.rows.size(); ++i) {
+      float* dst = pl.acc.data() + static_cast<size_t>(sh.rows[i]) * H;
+      const bf16_t* src = sh.y.data() + i * H;
+      for (int h = 0; h < H; ++h) dst[h] += Bf16ToF32(src[h]);
+    }
+  }
+  pl.ships.clear();
+  if (pl.poisoned) std::fill(pl.acc.begin(), pl.acc.end(), std::numeric_limits<float>::quiet_NaN());
+  F32ToBf16(pl.acc.data(), io.partial, n);
 }
 
 }  // namespace moe

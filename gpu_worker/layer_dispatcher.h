@@ -121,6 +121,10 @@ struct LayerCall {
   bf16_t* out = nullptr;
   MemoryKind kind = MemoryKind::kHost;
   std::chrono::milliseconds deadline{0};  // 0: the config's
+  // The engine's cudaStream_t or nullptr: the call's device work is ordered
+  // after the stream's earlier work, and the stream's later work after the
+  // output (DeviceBackend::WaitStream / SignalStream).
+  void* stream = nullptr;
 };
 
 struct CallStats {
@@ -153,6 +157,22 @@ class LayerDispatcher {
   absl::Status Complete(int ticket, CallStats* stats = nullptr);
   // Submit + Complete.
   absl::Status Forward(const LayerCall& call, CallStats* stats = nullptr);
+
+  // Capture-safe call (CUDA graphs): cuda backend, device pointers, T >= 1,
+  // call.stream required. The whole call is enqueued on call.stream and this
+  // returns at once (DeviceBackend::HostPlannedCall): at run (or graph
+  // replay) time a host function splits hits from misses with the slot map
+  // as it is then (not as it was at capture), ships the misses to the
+  // servers, a second one waits for their partial sums. The first call of a
+  // layer must not be captured (it allocates). Calls of one layer must not
+  // overlap: enqueue them in order (the engine's decode stream; cache copies
+  // wait for the latest stream used). Misses always go to a server (no
+  // copy-instead, no failover, no admissions: place experts with
+  // ApplyAssignment). A failure found at run time (server error, bad
+  // routing) writes NaN into the output and is returned by TakeStreamError.
+  absl::Status EnqueueCapturable(const LayerCall& call);
+  // The first run-time error of capturable calls since the last call (OK if none).
+  absl::Status TakeStreamError();
 
   // Static placement: the resident set of `layer` becomes `experts`; copies
   // start now and each slot serves once its copy completed. Between calls.
@@ -197,6 +217,11 @@ class LayerDispatcher {
   absl::Status ConnectServer(size_t index);  // (re)connects servers[index]
   absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies);
   int SlotBuffer(int layer, int slot) const;  // the backend buffer of a cache slot
+  // Capturable calls: publishes `layer`'s Ready slots to the host functions.
+  void PublishSlotMap(int layer);
+  void PlanCapturable(int layer, HostPlannedIo& io);
+  void FinishCapturable(int layer, HostPlannedIo& io);
+  void RecordStreamError(absl::Status st);
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

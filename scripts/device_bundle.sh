@@ -11,10 +11,18 @@ default="cpu_expert_server/moe-expert-server gpu_worker/moe-gpu-worker core/moe-
   bench/expert_kernels bench/transport bench/moe_layer
   tests/kernel_test tests/expert_server_test tests/core_test tests/transport_test tests/shm_segment_test
   tests/device_backend_test tests/attention_test tests/dispatcher_test tests/worker_test tests/expert_cache_test
-  tests/cost_model_test"
+  tests/cost_model_test tests/graph_capture_test client/libmoe.so tests/c_api_test"
 for f in ${BINARIES:-$default}; do
   [[ -x "$b/$f" ]] || { echo "missing $b/$f (build it first)" >&2; exit 1; }
   cp "$b/$f" "$strip_dir/" && strip "$strip_dir/$(basename "$f")"
 done
-../shared/tools/device-bundle.sh --xz .bundle/dev "$strip_dir"/*
+../shared/tools/device-bundle.sh .bundle/dev "$strip_dir"/*
+# The Python package, its tests and examples (the `python` phase of device_check.sh).
+mkdir -p .bundle/dev/python
+cp -r python/moe_expert_service python/examples python/_build python/pyproject.toml .bundle/dev/python/
+cp -r tests/python .bundle/dev/python/tests
+mkdir -p .bundle/dev/python/bench && cp bench/python_overhead.py .bundle/dev/python/bench/
+find .bundle/dev/python -name __pycache__ -prune -exec rm -rf {} +
+tar -C .bundle -cJf .bundle/dev.tar.xz dev
+echo "archive: .bundle/dev.tar.xz ($(du -sh .bundle/dev.tar.xz | cut -f1))"
 rm -rf "$strip_dir" .bundle/dev

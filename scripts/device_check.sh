@@ -8,6 +8,9 @@
 #   latency                issue 14's set: transport, then moe_layer qwen3-30b-a3b (16 layers) at T=1 with every
 #                         expert on the CPU (--zipf=0, cache 0%) and all on the GPU (cache 100%), and T=1,8 at
 #                         25% cache (Zipf), 3 runs each (median [min-max])
+#   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
+#                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
+#                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
 #   usage (on the host): bash scripts/device_check.sh tests moe_layer qwen3-30b-a3b --layers 8
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -31,7 +34,7 @@ while [[ $# -gt 0 ]]; do
   case $phase in
     tests)
       echo "## tests" | tee -a "$OUT/tests.txt"
-      for t in device_backend_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test \
+      for t in device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test \
                core_test expert_server_test shm_segment_test transport_test cost_model_test; do
         [[ -x $B/bin/$t ]] || continue
         timeout 300 "$B/bin/$t" > "/tmp/$t.log" 2>&1
@@ -59,6 +62,21 @@ while [[ $# -gt 0 ]]; do
         moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=25 --runs=3 --modes=ceiling,ours ;;
     kernels)
       timeout 420 "$B/bin/expert_kernels" > "$OUT/expert_kernels.md" 2>> "$OUT/logs.txt"; echo "kernels rc=$?"; cat "$OUT/expert_kernels.md" ;;
+    python)
+      py=${PYTHON:-/opt/torch/.venv/bin/python3}
+      echo "## python ($py)" | tee -a "$OUT/python.txt"
+      timeout 300 "$B/bin/c_api_test" >> "$OUT/python.txt" 2>&1; echo "c_api_test rc=$?" | tee -a "$OUT/python.txt"
+      for t in test_session test_torch_layer; do
+        MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 300 "$py" "$B/python/tests/$t.py" >> "$OUT/python.txt" 2>&1
+        echo "$t rc=$?" | tee -a "$OUT/python.txt"
+      done
+      MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 300 "$py" "$B/python/bench/python_overhead.py" \
+        --server-bin "$B/bin/moe-expert-server" --preset qwen3-30b-a3b --layers 2 > "$OUT/python_overhead.md" 2>> "$OUT/python.txt"
+      echo "python_overhead rc=$?" | tee -a "$OUT/python.txt"; cat "$OUT/python_overhead.md"
+      MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 580 "$py" "$B/python/examples/transformers_offload.py" \
+        --server-bin "$B/bin/moe-expert-server" --out "$OUT/transformers_offload.md" "$@" >> "$OUT/python.txt" 2>&1
+      echo "transformers_offload rc=$?" | tee -a "$OUT/python.txt"
+      grep -E "rc=|FAIL|Error|error:|^\|" "$OUT/python.txt" | tail -40; shift $# ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done

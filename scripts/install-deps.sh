@@ -12,9 +12,11 @@ packages=(
 # config (dnnl-config.cmake) calls find_package(OpenCL) and fails without it.
 # Test-only tools, left out when MOE_SKIP_TEST_DEPS=1 (the container image's
 # build stage, which builds no tests):
-# clang + libclang-rt-14-dev: the libFuzzer target (tests/shm_fuzz_main.cc).
+# clang + libclang-rt-14-dev: the libFuzzer target (tests/shm_fuzz_main.cc);
+# python3 + numpy + pip + CPU torch: the Python package's tests (tests/python,
+# MoeLayer on CPU torch) and `pip install ./python`.
 if [[ "${MOE_SKIP_TEST_DEPS:-0}" != 1 ]]; then
-  packages+=(clang libclang-rt-14-dev)
+  packages+=(clang libclang-rt-14-dev python3 python3-numpy python3-pip python3-torch)
 fi
 missing=()
 for p in "${packages[@]}"; do

@@ -176,6 +176,79 @@ TEST(ModelSource, MixtralNamingCheckpoint) {
   EXPECT_TRUE((*src)->ReadExpert(1, 3, &w).ok());
 }
 
+// Fused 3-D expert tensors (one gate_up_proj and one down_proj per layer) in
+// the three layouts checkpoints use load to exactly the per-expert weights.
+TEST(ModelSource, LoadsFusedThreeDExpertTensors) {
+  absl::StatusOr<std::unique_ptr<ModelSource>> syn = OpenModel("synthetic:tiny:seed=3");
+  ASSERT_TRUE(syn.ok());
+  const ModelSpec& spec = (*syn)->spec();
+  const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+  struct Layout { const char* model_type; bool x_times_w, interleaved; };
+  for (Layout lay : {Layout{"qwen3_moe", false, false}, Layout{"llama4_text", true, false},
+                     Layout{"gpt_oss", true, true}}) {
+    SCOPED_TRACE(lay.model_type);
+    testing::TempDir dir;
+    nlohmann::json config = ConfigFromModelSpec(spec);
+    config["model_type"] = lay.model_type;
+    std::ofstream(dir.path() + "/config.json") << config.dump();
+    std::vector<TensorSpec> specs;
+    for (int l : spec.moe_layers) {
+      const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
+      specs.push_back({p + "gate_up_proj", DType::kBF16,
+                       lay.x_times_w ? std::vector<int64_t>{E, H, 2 * I} : std::vector<int64_t>{E, 2 * I, H}});
+      specs.push_back({p + "down_proj", DType::kBF16,
+                       lay.x_times_w ? std::vector<int64_t>{E, I, H} : std::vector<int64_t>{E, H, I}});
+    }
+    ASSERT_TRUE(WriteCheckpoint(dir.path(), specs, 1 << 20, [&](size_t i, std::span<std::byte> dst) {
+                  bf16_t* v = reinterpret_cast<bf16_t*>(dst.data());
+                  const int l = spec.moe_layers[i / 2];
+                  for (int64_t e = 0; e < E; ++e) {
+                    ExpertWeights w;
+                    ASSERT_TRUE((*syn)->ReadExpert(l, static_cast<int>(e), &w).ok());
+                    bf16_t* x = v + e * 2 * I * H;
+                    for (int64_t r = 0; r < I; ++r)
+                      for (int64_t h = 0; h < H; ++h) {
+                        if (i % 2 == 1) {  // down [H,I] or its transpose
+                          if (lay.x_times_w) v[e * I * H + r * H + h] = w.down[h * I + r];
+                          else v[e * H * I + h * I + r] = w.down[h * I + r];
+                        } else if (!lay.x_times_w) {
+                          x[r * H + h] = w.gate[r * H + h];
+                          x[(I + r) * H + h] = w.up[r * H + h];
+                        } else {
+                          const int64_t g = lay.interleaved ? 2 * r : r, u = lay.interleaved ? 2 * r + 1 : I + r;
+                          x[h * 2 * I + g] = w.gate[r * H + h];
+                          x[h * 2 * I + u] = w.up[r * H + h];
+                        }
+                      }
+                  }
+                }).ok());
+    absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(dir.path());
+    ASSERT_TRUE(src.ok()) << src.status();
+    EXPECT_EQ((*src)->spec().moe_layers, spec.moe_layers);
+    for (int l : spec.moe_layers)
+      for (int e = 0; e < E; ++e) {
+        ExpertWeights got, want;
+        ASSERT_TRUE((*src)->ReadExpert(l, e, &got).ok());
+        ASSERT_TRUE((*syn)->ReadExpert(l, e, &want).ok());
+        EXPECT_EQ(got.gate, want.gate) << "layer " << l << " expert " << e;
+        EXPECT_EQ(got.up, want.up) << "layer " << l << " expert " << e;
+        EXPECT_EQ(got.down, want.down) << "layer " << l << " expert " << e;
+      }
+  }
+  // A fused tensor of the wrong shape refuses the model, naming it.
+  testing::TempDir dir;
+  std::ofstream(dir.path() + "/config.json") << ConfigFromModelSpec(spec).dump();
+  ASSERT_TRUE(WriteCheckpoint(dir.path(),
+                              {{"model.layers.1.mlp.experts.gate_up_proj", DType::kBF16, {E, 2 * I, H + 1}},
+                               {"model.layers.1.mlp.experts.down_proj", DType::kBF16, {E, H, I}}},
+                              1 << 20, [](size_t, std::span<std::byte>) {})
+                  .ok());
+  absl::StatusOr<std::unique_ptr<ModelSource>> bad = OpenModel(dir.path());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("gate_up_proj"), std::string::npos) << bad.status();
+}
+
 TEST(ModelSource, RejectsNanWeightsAndWrongShapes) {
   testing::TempDir dir;
   ModelSpec spec = *PresetSpec("tiny");

@@ -9,3 +9,4 @@ cmake --install "$build" --prefix "$scratch/prefix" >/dev/null
 cmake -S "$src/tests/find_package" -B "$scratch/build" -DCMAKE_PREFIX_PATH="$scratch/prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$scratch/build" -j2 >/dev/null
 "$scratch/build/engine_consumer"
+"$scratch/build/c_consumer"

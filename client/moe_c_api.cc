@@ -1,0 +1,406 @@
+// The C ABI of include/moe/moe.h over MoeSession: option parsing from JSON,
+// status codes and the thread-local last-error text, and the boundary that
+// turns every C++ exception into a status. Built into libmoe.so.
+//
+// Thread-safety: each moe_session carries a mutex; every call on it holds it.
+#include "moe/moe.h"
+
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "client/moe_session.h"
+#include "core/model_source.h"
+#include "core/reference_moe.h"
+#include "nlohmann/json.hpp"
+
+struct moe_session {
+  std::mutex mu;
+  std::unique_ptr<moe::MoeSession> session;
+  moe::SessionOptions options;
+  moe_session_stats totals{};
+  std::string describe;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+moe_status Fail(moe_status code, std::string message) {
+  last_error = std::move(message);
+  return code;
+}
+
+moe_status FromStatus(const absl::Status& st) {
+  if (st.ok()) return MOE_OK;
+  return Fail(static_cast<moe_status>(static_cast<int>(st.code())),
+              absl::StrCat(absl::StatusCodeToString(st.code()), ": ", st.message()));
+}
+
+// Runs `body` with every exception mapped to a status.
+template <typename Body>
+moe_status Guard(Body&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return Fail(MOE_RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED: out of memory");
+  } catch (const std::exception& e) {
+    return Fail(MOE_INTERNAL, absl::StrCat("INTERNAL: ", e.what()));
+  } catch (...) {
+    return Fail(MOE_INTERNAL, "INTERNAL: unknown exception");
+  }
+}
+
+moe_status Invalid(const std::string& message) { return Fail(MOE_INVALID_ARGUMENT, "INVALID_ARGUMENT: " + message); }
+
+// Typed reads of one JSON option; the key names the field in errors.
+absl::Status ReadOption(const nlohmann::json& v, const std::string& key, std::string* out) {
+  if (!v.is_string()) return absl::InvalidArgumentError(absl::StrCat("options.", key, ": expected a string"));
+  *out = v.get<std::string>();
+  return absl::OkStatus();
+}
+absl::Status ReadOption(const nlohmann::json& v, const std::string& key, int* out) {
+  if (!v.is_number_integer()) return absl::InvalidArgumentError(absl::StrCat("options.", key, ": expected an integer"));
+  const int64_t x = v.get<int64_t>();
+  if (x < 0 || x > INT32_MAX) return absl::InvalidArgumentError(absl::StrCat("options.", key, ": ", x, " is out of range"));
+  *out = static_cast<int>(x);
+  return absl::OkStatus();
+}
+absl::Status ReadOption(const nlohmann::json& v, const std::string& key, double* out) {
+  if (!v.is_number() || v.get<double>() < 0)
+    return absl::InvalidArgumentError(absl::StrCat("options.", key, ": expected a number >= 0"));
+  *out = v.get<double>();
+  return absl::OkStatus();
+}
+absl::Status ReadOption(const nlohmann::json& v, const std::string& key, bool* out) {
+  if (!v.is_boolean()) return absl::InvalidArgumentError(absl::StrCat("options.", key, ": expected true or false"));
+  *out = v.get<bool>();
+  return absl::OkStatus();
+}
+template <typename T>
+absl::Status ReadList(const nlohmann::json& v, const std::string& key, std::vector<T>* out) {
+  if (!v.is_array()) return absl::InvalidArgumentError(absl::StrCat("options.", key, ": expected an array"));
+  out->clear();
+  for (size_t i = 0; i < v.size(); ++i) {
+    T x{};
+    if (absl::Status st = ReadOption(v[i], absl::StrCat(key, "[", i, "]"), &x); !st.ok()) return st;
+    out->push_back(std::move(x));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseTls(const nlohmann::json& v, moe::TlsOptions* tls) {
+  if (!v.is_object()) return absl::InvalidArgumentError("options.tls: expected an object");
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    const std::string key = "tls." + it.key();
+    absl::Status st;
+    if (it.key() == "cert_file") st = ReadOption(*it, key, &tls->cert_file);
+    else if (it.key() == "key_file") st = ReadOption(*it, key, &tls->key_file);
+    else if (it.key() == "ca_file") st = ReadOption(*it, key, &tls->ca_file);
+    else if (it.key() == "server_name_override") st = ReadOption(*it, key, &tls->server_name_override);
+    else if (it.key() == "insecure") st = ReadOption(*it, key, &tls->insecure);
+    else st = absl::InvalidArgumentError(absl::StrCat("options.", key, ": unknown option"));
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError("options_json: not valid JSON");
+  if (!j.is_object()) return absl::InvalidArgumentError("options_json: expected a JSON object");
+  moe::SessionOptions o;
+  bool have_model = false;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& key = it.key();
+    absl::Status st;
+    if (key == "model") { st = ReadOption(*it, key, &o.model); have_model = true; }
+    else if (key == "servers") st = ReadList(*it, key, &o.servers);
+    else if (key == "device") st = ReadOption(*it, key, &o.device);
+    else if (key == "cache_experts_per_layer") st = ReadOption(*it, key, &o.cache_experts_per_layer);
+    else if (key == "cache_gib") st = ReadOption(*it, key, &o.cache_gib);
+    else if (key == "policy") st = ReadOption(*it, key, &o.policy);
+    else if (key == "copy_mode") st = ReadOption(*it, key, &o.copy_mode);
+    else if (key == "max_tokens") st = ReadOption(*it, key, &o.max_tokens);
+    else if (key == "max_top_k") st = ReadOption(*it, key, &o.max_top_k);
+    else if (key == "contexts") st = ReadOption(*it, key, &o.contexts);
+    else if (key == "cpu_threads") st = ReadOption(*it, key, &o.cpu_threads);
+    else if (key == "layers") st = ReadList(*it, key, &o.layers);
+    else if (key == "host_copy") st = ReadOption(*it, key, &o.host_copy);
+    else if (key == "tls") st = ParseTls(*it, &o.tls);
+    else if (key == "deadline_ms") {
+      int ms = 0;
+      st = ReadOption(*it, key, &ms);
+      if (st.ok() && ms == 0) st = absl::InvalidArgumentError("options.deadline_ms: must be > 0");
+      o.deadline = std::chrono::milliseconds(ms);
+    } else {
+      st = absl::InvalidArgumentError(absl::StrCat("options.", key, ": unknown option"));
+    }
+    if (!st.ok()) return st;
+  }
+  if (!have_model || o.model.empty()) return absl::InvalidArgumentError("options.model: required");
+  return o;
+}
+
+moe_status CheckSession(moe_session* s) { return s == nullptr || !s->session ? Invalid("session: NULL") : MOE_OK; }
+
+moe::MemoryKind KindOf(int32_t memory) {
+  return memory == MOE_MEMORY_DEVICE ? moe::MemoryKind::kDevice : moe::MemoryKind::kHost;
+}
+
+moe_status CheckCall(int32_t memory) {
+  if (memory != MOE_MEMORY_HOST && memory != MOE_MEMORY_DEVICE)
+    return Invalid(absl::StrCat("memory: ", memory, " is neither MOE_MEMORY_HOST (0) nor MOE_MEMORY_DEVICE (1)"));
+  return MOE_OK;
+}
+
+void Count(moe_session* s, const moe::CallStats& c, bool ok, double seconds, moe_call_stats* out) {
+  moe_session_stats& t = s->totals;
+  ++t.calls;
+  if (!ok) ++t.failed_calls;
+  t.hit_pairs += c.hit_pairs;
+  t.cpu_pairs += c.cpu_pairs;
+  t.copied_pairs += c.copied_pairs;
+  t.miss_tokens += c.miss_tokens;
+  t.failovers += c.failovers;
+  t.bytes_shipped += static_cast<int64_t>(c.bytes_shipped);
+  t.seconds += seconds;
+  if (out != nullptr) {
+    *out = moe_call_stats{};
+    out->hit_pairs = c.hit_pairs;
+    out->cpu_pairs = c.cpu_pairs;
+    out->copied_pairs = c.copied_pairs;
+    out->miss_tokens = c.miss_tokens;
+    out->failovers = c.failovers;
+    out->bytes_shipped = static_cast<int64_t>(c.bytes_shipped);
+    out->seconds = seconds;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int moe_abi_version(void) { return MOE_ABI_VERSION; }
+
+const char* moe_last_error(void) { return last_error.c_str(); }
+
+const char* moe_status_name(int status) {
+  static const char* const kNames[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+                                       "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
+                                       "FAILED_PRECONDITION", "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED",
+                                       "INTERNAL", "UNAVAILABLE", "DATA_LOSS", "UNAUTHENTICATED"};
+  if (status < 0 || status >= static_cast<int>(sizeof(kNames) / sizeof(kNames[0]))) return "UNKNOWN_STATUS";
+  return kNames[status];
+}
+
+moe_status moe_session_open(const char* options_json, moe_session** out) {
+  return Guard([&]() -> moe_status {
+    last_error.clear();
+    if (out == nullptr) return Invalid("out: NULL");
+    *out = nullptr;
+    if (options_json == nullptr) return Invalid("options_json: NULL");
+    absl::StatusOr<moe::SessionOptions> o = ParseOptions(options_json);
+    if (!o.ok()) return FromStatus(o.status());
+    absl::StatusOr<std::unique_ptr<moe::MoeSession>> session = moe::MoeSession::Open(*o);
+    if (!session.ok()) return FromStatus(session.status());
+    auto s = std::make_unique<moe_session>();
+    s->options = *std::move(o);
+    s->session = *std::move(session);
+    *out = s.release();
+    return MOE_OK;
+  });
+}
+
+void moe_session_close(moe_session* session) {
+  (void)Guard([&]() -> moe_status {
+    delete session;
+    return MOE_OK;
+  });
+}
+
+moe_status moe_session_info(moe_session* session, moe_model_info* out) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    if (out == nullptr) return Invalid("out: NULL");
+    std::lock_guard<std::mutex> lock(session->mu);
+    const moe::ModelSpec& spec = session->session->spec();
+    *out = moe_model_info{};
+    out->num_layers = spec.num_layers;
+    out->num_moe_layers = static_cast<int32_t>(
+        session->options.layers.empty() ? spec.moe_layers.size() : session->options.layers.size());
+    out->num_experts = spec.num_experts;
+    out->top_k = spec.top_k;
+    out->hidden = spec.hidden;
+    out->intermediate = spec.intermediate;
+    out->cache_slots = session->session->slots_per_layer();
+    out->max_tokens = session->options.max_tokens;
+    out->max_top_k = session->options.max_top_k;
+    std::strncpy(out->device, session->session->device(), sizeof(out->device) - 1);
+    return MOE_OK;
+  });
+}
+
+moe_status moe_session_moe_layers(moe_session* session, int32_t* layers, int32_t capacity, int32_t* count) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    if (count == nullptr) return Invalid("count: NULL");
+    if (capacity < 0 || (capacity > 0 && layers == nullptr)) return Invalid("layers: NULL with capacity > 0");
+    std::lock_guard<std::mutex> lock(session->mu);
+    const std::vector<int>& served =
+        session->options.layers.empty() ? session->session->spec().moe_layers : session->options.layers;
+    *count = static_cast<int32_t>(served.size());
+    for (int32_t i = 0; i < capacity && i < *count; ++i) layers[i] = served[i];
+    return MOE_OK;
+  });
+}
+
+moe_status moe_forward(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k, const void* hidden,
+                       const int32_t* topk_ids, const float* topk_weights, void* out, int32_t memory,
+                       void* cuda_stream, moe_call_stats* stats) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    if (moe_status st = CheckCall(memory); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    const auto t0 = std::chrono::steady_clock::now();
+    moe::CallStats c;
+    absl::Status st = session->session->ForwardLayer(
+        layer, tokens, top_k, static_cast<const moe::bf16_t*>(hidden), topk_ids, topk_weights,
+        static_cast<moe::bf16_t*>(out), KindOf(memory), &c, cuda_stream);
+    Count(session, c, st.ok(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), stats);
+    return FromStatus(st);
+  });
+}
+
+moe_status moe_forward_async(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
+                             const void* hidden, const int32_t* topk_ids, const float* topk_weights, void* out,
+                             int32_t memory, void* cuda_stream, int32_t* ticket) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    if (moe_status st = CheckCall(memory); st != MOE_OK) return st;
+    if (ticket == nullptr) return Invalid("ticket: NULL");
+    std::lock_guard<std::mutex> lock(session->mu);
+    absl::StatusOr<moe::MoeSession::Pending> p = session->session->ForwardLayerAsync(
+        layer, tokens, top_k, static_cast<const moe::bf16_t*>(hidden), topk_ids, topk_weights,
+        static_cast<moe::bf16_t*>(out), KindOf(memory), cuda_stream);
+    if (!p.ok()) {
+      Count(session, moe::CallStats{}, false, 0, nullptr);
+      return FromStatus(p.status());
+    }
+    *ticket = p->ticket;
+    return MOE_OK;
+  });
+}
+
+moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats* stats) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    const auto t0 = std::chrono::steady_clock::now();
+    moe::CallStats c;
+    absl::Status st = session->session->Wait(moe::MoeSession::Pending{ticket}, &c);
+    Count(session, c, st.ok(), c.submit_s + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+          stats);
+    return FromStatus(st);
+  });
+}
+
+moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
+                                  const void* hidden, const int32_t* topk_ids, const float* topk_weights, void* out,
+                                  void* cuda_stream) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    return FromStatus(session->session->ForwardLayerCapturable(
+        layer, tokens, top_k, static_cast<const moe::bf16_t*>(hidden), topk_ids, topk_weights,
+        static_cast<moe::bf16_t*>(out), cuda_stream));
+  });
+}
+
+moe_status moe_stream_error(moe_session* session) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    return FromStatus(session->session->TakeStreamError());
+  });
+}
+
+moe_status moe_apply_assignment(moe_session* session, int32_t layer, const int32_t* experts, int32_t n) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    if (n < 0 || (n > 0 && experts == nullptr)) return Invalid(absl::StrCat("experts: NULL or n = ", n, " < 0"));
+    std::lock_guard<std::mutex> lock(session->mu);
+    return FromStatus(session->session->ApplyAssignment(layer, std::vector<int>(experts, experts + n)));
+  });
+}
+
+moe_status moe_flush_copies(moe_session* session) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    return FromStatus(session->session->FlushCopies());
+  });
+}
+
+moe_status moe_session_stats_get(moe_session* session, moe_session_stats* out) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    if (out == nullptr) return Invalid("out: NULL");
+    std::lock_guard<std::mutex> lock(session->mu);
+    *out = session->totals;
+    out->cache_copies_started = static_cast<int64_t>(session->session->copies_started());
+    out->cache_copies_pending = session->session->PendingCopies();
+    return MOE_OK;
+  });
+}
+
+const char* moe_session_describe(moe_session* session) {
+  const char* text = "";
+  (void)Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    session->describe = session->session->Describe();
+    text = session->describe.c_str();
+    return MOE_OK;
+  });
+  return text;
+}
+
+moe_status moe_reference_forward(const char* model, int32_t layer, int32_t tokens, int32_t top_k, const void* hidden,
+                                 const int32_t* topk_ids, const float* topk_weights, float* out) {
+  return Guard([&]() -> moe_status {
+    if (model == nullptr) return Invalid("model: NULL");
+    if (tokens < 0) return Invalid(absl::StrCat("tokens: ", tokens, " < 0"));
+    if (tokens > 0 && (top_k < 1 || hidden == nullptr || topk_ids == nullptr || topk_weights == nullptr ||
+                       out == nullptr))
+      return Invalid("top_k/hidden/topk_ids/topk_weights/out: k < 1 or NULL pointer");
+    static std::mutex mu;
+    static std::string opened;
+    static std::unique_ptr<moe::ModelSource> source;
+    static std::unique_ptr<moe::ReferenceMoe> reference;
+    std::lock_guard<std::mutex> lock(mu);
+    if (!source || opened != model) {
+      reference.reset();
+      source.reset();
+      absl::StatusOr<std::unique_ptr<moe::ModelSource>> s = moe::OpenModel(model);
+      if (!s.ok()) return FromStatus(s.status());
+      source = *std::move(s);
+      reference = std::make_unique<moe::ReferenceMoe>(*source);
+      opened = model;
+    }
+    if (layer < 0 || !source->spec().IsMoeLayer(layer))
+      return Invalid(absl::StrCat("layer: ", layer, " is not an MoE layer of ", model));
+    const moe::RoutingView routing{tokens, top_k, topk_ids, topk_weights};
+    if (absl::Status st = moe::ValidateRouting(routing, source->spec().num_experts, {}); !st.ok())
+      return FromStatus(st);
+    return FromStatus(reference->Forward<float>(layer, tokens, static_cast<const moe::bf16_t*>(hidden), routing, out));
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,225 @@
+/* moe.h: the C ABI of moe-expert-service (libmoe.so).
+ *
+ * A session computes MoE layers of one model for one engine: it keeps the hot
+ * experts in a device (or host) cache and ships the other (token, expert)
+ * pairs to CPU expert servers. This header is plain C (C99), has no C++ types
+ * and is the only interface engines written in C, Python (ctypes), Rust, ...
+ * need:
+ *
+ *   moe_session* s;
+ *   if (moe_session_open("{\"model\":\"synthetic:tiny\",\"servers\":[\"unix:///run/moe.sock\"]}", &s))
+ *     fprintf(stderr, "%s\n", moe_last_error());
+ *   moe_forward(s, layer, T, k, hidden, topk_ids, topk_weights, out, MOE_MEMORY_HOST, NULL, NULL);
+ *   moe_session_close(s);
+ *
+ * Tensors: hidden [T,H] bf16 (raw uint16 bits), topk_ids [T,k] int32 (-1 =
+ * unused slot), topk_weights [T,k] float32 (applied as given), out [T,H]
+ * bf16 = sum_j w[t,j] * FFN_{ids[t,j]}(hidden[t]), all row-major and dense.
+ * `memory` says where the four pointers live: MOE_MEMORY_HOST or
+ * MOE_MEMORY_DEVICE (CUDA device memory; cuda backend only).
+ *
+ * Stream order: `cuda_stream` (a cudaStream_t, or NULL) is the engine's
+ * stream. The call's device work starts after everything the engine enqueued
+ * on it before the call, and work the engine enqueues on it after the call
+ * returns sees the output. The library orders itself with CUDA events; it
+ * never calls cudaDeviceSynchronize nor synchronizes `cuda_stream` on the
+ * host. (It does wait on the host for its own stream: the routing must reach
+ * the host to decide hits and misses.)
+ *
+ * Errors: every function returns a moe_status (0 = MOE_OK); the numeric codes
+ * are those of gRPC / absl::StatusCode. The text of the calling thread's last
+ * error is moe_last_error(). Nothing aborts the host process: bad arguments
+ * are MOE_INVALID_ARGUMENT naming the argument, C++ exceptions and allocation
+ * failures are caught at this boundary (MOE_INTERNAL / MOE_RESOURCE_EXHAUSTED).
+ *
+ * Thread-safety: every function may be called from any thread. Calls on one
+ * session are serialised by the session (a mutex); use one session per engine
+ * thread / GPU for parallelism. moe_session_close must not race with other
+ * calls on the same session.
+ *
+ * Versioning: MOE_ABI_VERSION changes when a signature or struct changes
+ * incompatibly; moe_abi_version() returns the library's. Structs are only
+ * ever extended at the end.
+ */
+#ifndef MOE_MOE_H_
+#define MOE_MOE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MOE_ABI_VERSION 1
+
+#if defined(__GNUC__)
+#define MOE_API __attribute__((visibility("default")))
+#else
+#define MOE_API
+#endif
+
+/* Status codes (the values of absl::StatusCode / grpc::StatusCode). */
+typedef enum moe_status {
+  MOE_OK = 0,
+  MOE_CANCELLED = 1,
+  MOE_UNKNOWN = 2,
+  MOE_INVALID_ARGUMENT = 3,
+  MOE_DEADLINE_EXCEEDED = 4,
+  MOE_NOT_FOUND = 5,
+  MOE_ALREADY_EXISTS = 6,
+  MOE_PERMISSION_DENIED = 7,
+  MOE_RESOURCE_EXHAUSTED = 8,
+  MOE_FAILED_PRECONDITION = 9,
+  MOE_ABORTED = 10,
+  MOE_OUT_OF_RANGE = 11,
+  MOE_UNIMPLEMENTED = 12,
+  MOE_INTERNAL = 13,
+  MOE_UNAVAILABLE = 14,
+  MOE_DATA_LOSS = 15,
+  MOE_UNAUTHENTICATED = 16
+} moe_status;
+
+/* Where the tensors of a call live. */
+enum { MOE_MEMORY_HOST = 0, MOE_MEMORY_DEVICE = 1 };
+
+typedef struct moe_session moe_session;
+
+/* The model a session serves. */
+typedef struct moe_model_info {
+  int32_t num_layers;     /* decoder layers, dense ones included */
+  int32_t num_moe_layers; /* layers with routed experts (moe_session_moe_layers lists them) */
+  int32_t num_experts;    /* routed experts per MoE layer */
+  int32_t top_k;          /* the model's k (calls may use any k <= max_top_k) */
+  int32_t hidden;         /* H */
+  int32_t intermediate;   /* I of one expert */
+  int32_t cache_slots;    /* experts cached per layer */
+  int32_t max_tokens;     /* largest T of one call */
+  int32_t max_top_k;      /* largest k of one call */
+  char device[16];        /* "cuda" or "cpu", NUL-terminated */
+} moe_model_info;
+
+/* What one call did (pairs = (token, expert) pairs). */
+typedef struct moe_call_stats {
+  int64_t hit_pairs;      /* computed from the cache */
+  int64_t cpu_pairs;      /* computed by CPU expert servers */
+  int64_t copied_pairs;   /* computed on the device after copying the expert */
+  int64_t miss_tokens;    /* tokens shipped to servers */
+  int64_t failovers;
+  int64_t bytes_shipped;
+  double seconds;         /* host time in the call (start + wait) */
+} moe_call_stats;
+
+/* Totals since the session opened. */
+typedef struct moe_session_stats {
+  int64_t calls;
+  int64_t failed_calls;
+  int64_t hit_pairs;
+  int64_t cpu_pairs;
+  int64_t copied_pairs;
+  int64_t miss_tokens;
+  int64_t failovers;
+  int64_t bytes_shipped;
+  int64_t cache_copies_started; /* expert copies into cache slots */
+  int64_t cache_copies_pending; /* of those, still in flight */
+  double seconds;
+} moe_session_stats;
+
+/* MOE_ABI_VERSION of the loaded library. */
+MOE_API int moe_abi_version(void);
+
+/* Text of the calling thread's last failed call ("" if none). Valid until the
+ * thread's next call into the library. */
+MOE_API const char* moe_last_error(void);
+
+/* Name of a status code, e.g. "INVALID_ARGUMENT". Never NULL. */
+MOE_API const char* moe_status_name(int status);
+
+/* Opens a session. `options_json` is a JSON object:
+ *   "model"       (string, required) checkpoint directory or "synthetic:PRESET[:layers=N][:seed=S]"
+ *   "servers"     (array of strings) "unix:///path.sock" or "host:port", optional "#experts=0-63"
+ *   "device"      "auto" | "cuda" | "cpu"                          (default "auto")
+ *   "cache_experts_per_layer" (int) or "cache_gib" (number)        (default 0)
+ *   "policy"      "static" | "lru" | "lfru"                        (default "lru")
+ *   "copy_mode"   "auto" | "never" | "always"                      (default "auto")
+ *   "max_tokens", "max_top_k", "contexts", "cpu_threads" (int)
+ *   "layers"      (array of int) MoE layers served (default all)
+ *   "host_copy"   (bool, default true) keep a host copy of the experts
+ *   "deadline_ms" (int, default 30000)
+ *   "tls"         {"cert_file","key_file","ca_file","server_name_override": string, "insecure": bool}
+ * Unknown keys and wrong types are MOE_INVALID_ARGUMENT naming the key. On
+ * success *out is the session; on failure *out is NULL. */
+MOE_API moe_status moe_session_open(const char* options_json, moe_session** out);
+
+/* Closes a session (waits for nothing in flight: wait for started calls
+ * first). NULL is ignored. */
+MOE_API void moe_session_close(moe_session* session);
+
+MOE_API moe_status moe_session_info(moe_session* session, moe_model_info* out);
+
+/* Writes up to `capacity` MoE layer indexes into `layers`; *count gets the
+ * number of MoE layers served (may exceed capacity). */
+MOE_API moe_status moe_session_moe_layers(moe_session* session, int32_t* layers, int32_t capacity,
+                                          int32_t* count);
+
+/* One MoE layer, synchronous for the host when memory is MOE_MEMORY_HOST;
+ * stream-ordered on `cuda_stream` otherwise (see above). `stats` may be NULL. */
+MOE_API moe_status moe_forward(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
+                               const void* hidden, const int32_t* topk_ids,
+                               const float* topk_weights, void* out, int32_t memory,
+                               void* cuda_stream, moe_call_stats* stats);
+
+/* Starts a call and returns at once with its ticket; moe_wait finishes it
+ * (exactly once per ticket). Up to "contexts" calls may be in flight, so the
+ * engine can run another micro-batch's attention while this one's misses are
+ * computed on the CPU. Buffers must stay valid until moe_wait returned. */
+MOE_API moe_status moe_forward_async(moe_session* session, int32_t layer, int32_t tokens,
+                                     int32_t top_k, const void* hidden, const int32_t* topk_ids,
+                                     const float* topk_weights, void* out, int32_t memory,
+                                     void* cuda_stream, int32_t* ticket);
+MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats* stats);
+
+/* A CUDA-graph-capturable forward (cuda backend; device pointers; the
+ * engine's stream required): the whole call is enqueued on `cuda_stream` and
+ * this returns at once, so it may be captured (cudaStreamBeginCapture /
+ * torch.cuda.graph) and replayed with new contents of the same buffers. At
+ * run/replay time host functions split hits from misses with the cache
+ * placement as it is then (moe_apply_assignment between replays is safe),
+ * ship the misses to the CPU servers and wait for their partial sums; the
+ * hits run in one grouped launch. Rules: run each layer once outside a
+ * capture first (it allocates), keep the capturable calls of a session in
+ * one stream order (cache copies wait for the latest stream used), call moe_flush_copies between replays to make new placements
+ * serve. A failure at replay time (server down, bad routing) writes NaN into
+ * `out` and is reported by moe_stream_error. */
+MOE_API moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
+                                          const void* hidden, const int32_t* topk_ids,
+                                          const float* topk_weights, void* out, void* cuda_stream);
+/* The first run-time error of capturable calls since the last check (MOE_OK if none). */
+MOE_API moe_status moe_stream_error(moe_session* session);
+
+/* The cached set of `layer` becomes experts[0..n) (copies start now; each
+ * slot serves once its copy completed). Between calls. */
+MOE_API moe_status moe_apply_assignment(moe_session* session, int32_t layer, const int32_t* experts,
+                                        int32_t n);
+/* Waits until every cache copy in flight has completed. */
+MOE_API moe_status moe_flush_copies(moe_session* session);
+
+MOE_API moe_status moe_session_stats_get(moe_session* session, moe_session_stats* out);
+
+/* One-line description of the session (model, device, cache, servers); the
+ * text stays valid until the next call on this session. */
+MOE_API const char* moe_session_describe(moe_session* session);
+
+/* The reference MoE (plain loops, f32 accumulate) over the weights of
+ * `model` (the syntax of the "model" option), for an engine's own tests: the
+ * oracle every backend is checked against. Host memory; out is [T,H] float32.
+ * Slow (meant for small checks); the last model opened is kept. */
+MOE_API moe_status moe_reference_forward(const char* model, int32_t layer, int32_t tokens, int32_t top_k,
+                                         const void* hidden, const int32_t* topk_ids,
+                                         const float* topk_weights, float* out);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* MOE_MOE_H_ */

@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""moe-expert-service inside Hugging Face transformers, on a GPU host.
+
+Builds a Qwen3-MoE model with Qwen3-30B-A3B geometry and --layers decoder
+layers (random init, bf16, on the GPU), saves it with save_pretrained, starts
+moe-expert-server on that very checkpoint (shared memory), swaps every sparse
+MoE block for a drop-in that keeps the block's router in torch and computes
+the experts through MoeLayer (GPU cache + CPU expert server), and runs greedy
+generate(). Prints (and writes to --out) markdown tables:
+  - correctness: per-layer outputs vs the original blocks (relative error,
+    must be <= 1e-2) and the logits of the first --check-steps generated
+    steps vs the all-GPU model;
+  - speed: decode tokens/s at each --batch for all-GPU transformers, ours with
+    each --cache fraction of the experts cached on the GPU (eager, and with
+    the decode step captured in a CUDA graph: StaticCache + torch.cuda.graph,
+    MoeLayer(capturable=True)), and
+    transformers' own CPU offload of the experts (accelerate device_map) when
+    it runs.
+Exit 1 when a correctness bound is missed.
+
+  MOE_LIBRARY=.../libmoe.so PYTHONPATH=python /opt/torch/.venv/bin/python3 \
+      python/examples/transformers_offload.py --server-bin build/cpu_expert_server/moe-expert-server
+"""
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import moe_expert_service as moe
+
+
+def qwen3_30b_a3b_config(layers):
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+class OffloadedSparseMoeBlock(torch.nn.Module):
+    """Drop-in for a transformers sparse-MoE block: the block's router (gate
+    weight, top-k, normalisation) stays in torch, the experts go to MoeLayer.
+    Returns what the original block returned (hidden, or (hidden, router_logits))."""
+
+    def __init__(self, session, layer, gate_weight, top_k, renormalize, returns_logits, capturable=False):
+        super().__init__()
+        self.moe = moe.MoeLayer(session, layer, capturable=capturable)
+        self.gate_weight = torch.nn.Parameter(gate_weight.detach().clone(), requires_grad=False)
+        self.top_k, self.renormalize, self.returns_logits = top_k, renormalize, returns_logits
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits = F.linear(x, self.gate_weight)
+        ids, w = moe.select_experts(logits, self.top_k, renormalize=self.renormalize)
+        y = self.moe(x, ids, w).reshape(shape)
+        return (y, logits) if self.returns_logits else y
+
+
+def sparse_blocks(model):
+    return [(i, layer.mlp) for i, layer in enumerate(model.model.layers)]
+
+
+def gate_weight_of(block):
+    gate = block.gate
+    return gate.weight if hasattr(gate, "weight") else gate.linear.weight
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def decode_tokens_per_s(model, batch, prompt_len, new_tokens, vocab):
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, prompt_len), device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def run(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(2)  # warm-up
+    t1, tn = run(1), run(new_tokens + 1)
+    return batch * new_tokens / max(tn - t1, 1e-9)
+
+
+def make_static_cache(model, batch, length):
+    from transformers import StaticCache
+    errors = []
+    for kw in (dict(config=model.config, max_cache_len=length),
+               dict(config=model.config, max_batch_size=batch, max_cache_len=length, device="cuda",
+                    dtype=torch.bfloat16)):
+        try:
+            return StaticCache(**kw)
+        except TypeError as e:
+            errors.append(str(e))
+    raise RuntimeError("StaticCache: " + "; ".join(errors))
+
+
+def graph_decode_tokens_per_s(model, batch, prompt_len, new_tokens, vocab):
+    """Greedy decode with each step captured once in a CUDA graph (StaticCache,
+    torch.cuda.graph) and replayed: tokens/s over new_tokens steps."""
+    torch.manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, prompt_len), device="cuda")
+    cache = make_static_cache(model, batch, prompt_len + new_tokens + 8)
+    out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device="cuda"),
+                use_cache=True)
+    tok = out.logits[:, -1:].argmax(-1)
+    pos = torch.tensor([prompt_len], device="cuda")
+
+    def step():
+        return model(input_ids=tok, past_key_values=cache, cache_position=pos, use_cache=True).logits
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up (also the eager first call each capturable layer needs)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(new_tokens):
+        pos.fill_(prompt_len + i)
+        graph.replay()
+        tok.copy_(logits[:, -1:].argmax(-1))
+    torch.cuda.synchronize()
+    return batch * new_tokens / (time.perf_counter() - t0)
+
+
+def measure(fn, *args):
+    try:
+        return f"{fn(*args):.1f}"
+    except Exception as e:  # the table says why a configuration did not run
+        return f"did not run: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
+
+
+class ExpertServer:
+    def __init__(self, binary, model_dir, workdir, threads):
+        self.socket = os.path.join(workdir, "expert.sock")
+        args = [binary, "--insecure", f"--model={model_dir}", "--listen=127.0.0.1:0", f"--shm-socket={self.socket}"]
+        if threads:
+            args.append(f"--threads={threads}")
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
+        for line in self.proc.stdout:
+            if "ready on " in line:
+                return
+        raise RuntimeError("moe-expert-server did not come up (see its log above)")
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen3-30B-A3B-geometry model")
+    ap.add_argument("--server-bin", required=True, help="path of moe-expert-server")
+    ap.add_argument("--threads", type=int, default=0, help="expert-server compute threads (0: all)")
+    ap.add_argument("--batch", default="1,8", help="decode batch sizes")
+    ap.add_argument("--cache", default="0,0.25,0.5,1", help="fractions of each layer's experts cached on the GPU")
+    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--check-steps", type=int, default=32, help="generated steps whose logits are compared")
+    ap.add_argument("--no-offload-baseline", action="store_true", help="skip transformers' CPU offload")
+    ap.add_argument("--workdir", default="", help="checkpoint directory (default: a temporary one)")
+    ap.add_argument("--out", default="", help="also write the tables to this markdown file")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("transformers_offload: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import transformers
+    from transformers import Qwen3MoeForCausalLM
+
+    work = a.workdir or tempfile.mkdtemp(prefix="moe_tf_")
+    ckpt = os.path.join(work, "qwen3-moe")
+    lines = []
+
+    def say(s=""):
+        print(s, flush=True)
+        lines.append(s)
+
+    say(f"## transformers_offload: Qwen3-30B-A3B geometry, {a.layers} layers")
+    say(f"`{' '.join(sys.argv)}`; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.cuda.get_device_name(0)}, {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs")
+    torch.manual_seed(0)
+    config = qwen3_30b_a3b_config(a.layers)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):  # random init on the GPU, in bf16 (billions of parameters)
+        model = Qwen3MoeForCausalLM(config).eval()
+    torch.set_default_dtype(torch.float32)
+    model.save_pretrained(ckpt, safe_serialization=True)
+    names = sorted(f for f in os.listdir(ckpt))
+    say(f"save_pretrained wrote: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
+
+    server = ExpertServer(a.server_bin, ckpt, work, a.threads)
+    failed = False
+    try:
+        blocks = sparse_blocks(model)
+        E, k = config.num_experts, config.num_experts_per_tok
+        probe = torch.randn(1, 4, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            returns_logits = isinstance(blocks[0][1](probe), tuple)
+
+        def session(frac):
+            return moe.Session(model=ckpt, servers=[f"unix://{server.socket}"], device="cuda",
+                               cache_experts_per_layer=int(round(frac * E)), policy="static", max_tokens=512,
+                               max_top_k=k)
+
+        def swap(s, capturable=False):
+            for i, blk in blocks:
+                s.apply_assignment(i, list(range(s.info["cache_slots"])))
+                model.model.layers[i].mlp = OffloadedSparseMoeBlock(
+                    s, i, gate_weight_of(blk), k, config.norm_topk_prob, returns_logits, capturable)
+            s.flush_copies()
+
+        def restore():
+            for i, blk in blocks:
+                model.model.layers[i].mlp = blk
+
+        # ---- correctness --------------------------------------------------
+        say("\n### correctness\n\n| check | value | bound |\n|---|---|---|")
+        s = session(0.25)
+        worst = 0.0
+        with torch.no_grad():
+            for i, blk in blocks:
+                x = torch.randn(2, 8, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+                ref = blk(x)
+                ref = ref[0] if isinstance(ref, tuple) else ref
+                drop = OffloadedSparseMoeBlock(s, i, gate_weight_of(blk), k, config.norm_topk_prob, returns_logits)
+                s.apply_assignment(i, list(range(s.info["cache_slots"])))
+                s.flush_copies()
+                got = drop(x)
+                got = got[0] if isinstance(got, tuple) else got
+                worst = max(worst, rel(got, ref))
+        failed |= worst > 1e-2
+        say(f"| per-layer MoE output vs original block (max over {len(blocks)} layers, 25% cached) | {worst:.2e} | 1e-2 |")
+        torch.manual_seed(2)
+        prompt = torch.randint(0, config.vocab_size, (1, a.prompt), device="cuda")
+        kw = dict(do_sample=False, max_new_tokens=a.check_steps, min_new_tokens=a.check_steps, pad_token_id=0,
+                  eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+        with torch.no_grad():
+            g_ref = model.generate(prompt, **kw)
+            swap(s)
+            g_our = model.generate(prompt, **kw)
+            restore()
+        same = 0
+        while same < a.check_steps and torch.equal(g_ref.sequences[0, a.prompt + same], g_our.sequences[0, a.prompt + same]):
+            same += 1
+        steps = min(a.check_steps, same + 1)  # logits of step `same` were computed from an identical prefix
+        lerr = max(rel(g_our.logits[j].float(), g_ref.logits[j].float()) for j in range(steps))
+        failed |= lerr > 1e-2
+        say(f"| logits of generated steps 1..{steps} vs all-GPU (greedy tokens equal for {same}/{a.check_steps}) "
+            f"| {lerr:.2e} | 1e-2 |")
+        st = s.stats()
+        say(f"| session counters (25% cache) | hits {st['hit_pairs']}, CPU {st['cpu_pairs']}, copied "
+            f"{st['copied_pairs']} pairs | |")
+        s.close()
+
+        # ---- speed --------------------------------------------------------
+        batches = [int(b) for b in a.batch.split(",")]
+        say("\n### decode tokens/s\n\n| configuration | " + " | ".join(f"batch {b}" for b in batches) + " |")
+        say("|---|" + "---|" * len(batches))
+        with torch.no_grad():
+            say("| all-GPU transformers | " + " | ".join(
+                f"{decode_tokens_per_s(model, b, a.prompt, a.new_tokens, config.vocab_size):.1f}" for b in batches)
+                + " |")
+            say("| all-GPU transformers, decode step in a CUDA graph | " + " | ".join(
+                measure(graph_decode_tokens_per_s, model, b, a.prompt, a.new_tokens, config.vocab_size)
+                for b in batches) + " |")
+            for frac in [float(f) for f in a.cache.split(",")]:
+                s = session(frac)
+                swap(s)
+                row = [decode_tokens_per_s(model, b, a.prompt, a.new_tokens, config.vocab_size) for b in batches]
+                restore()
+                st = s.stats()
+                pairs = max(st["hit_pairs"] + st["cpu_pairs"] + st["copied_pairs"], 1)
+                say(f"| ours, {frac:.0%} cached, eager (hit rate {st['hit_pairs'] / pairs:.0%}) | "
+                    + " | ".join(f"{r:.1f}" for r in row) + " |")
+                s.close()
+                s = session(frac)
+                swap(s, capturable=True)
+                row = [measure(graph_decode_tokens_per_s, model, b, a.prompt, a.new_tokens, config.vocab_size)
+                       for b in batches]
+                restore()
+                try:
+                    s.check_stream()
+                except moe.MoeError as e:
+                    row = [f"replay error: {e}" for _ in batches]
+                say(f"| ours, {frac:.0%} cached, decode step in a CUDA graph | " + " | ".join(row) + " |")
+                s.close()
+        model = blocks = None  # frees the all-GPU model (the closures above see None)
+        torch.cuda.empty_cache()
+        if not a.no_offload_baseline:
+            try:
+                dm = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
+                for i in range(a.layers):
+                    for part in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp.gate"):
+                        dm[f"model.layers.{i}.{part}"] = 0
+                    dm[f"model.layers.{i}.mlp.experts"] = "cpu"
+                off = Qwen3MoeForCausalLM.from_pretrained(ckpt, device_map=dm, dtype=torch.bfloat16).eval()
+                with torch.no_grad():
+                    row = [decode_tokens_per_s(off, b, a.prompt, min(a.new_tokens, 8), config.vocab_size)
+                           for b in batches]
+                say("| transformers CPU offload of the experts (accelerate device_map) | "
+                    + " | ".join(f"{r:.2f}" for r in row) + " |")
+            except Exception as e:  # report, do not hide: the row says why it did not run
+                say(f"| transformers CPU offload of the experts | did not run: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0][:120]} |")
+    finally:
+        server.close()
+        if not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    say(f"\nresult: {'FAIL' if failed else 'ok'}")
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write("\n".join(lines) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

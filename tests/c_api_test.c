@@ -1,0 +1,287 @@
+/* The C ABI (include/moe/moe.h, libmoe.so) from a program compiled as C, the
+ * way a C engine uses it: a real moe-expert-server (shared memory and gRPC on
+ * loopback), sessions on the cpu backend, outputs against the reference MoE
+ * on random data, async start/wait, an applied assignment that turns misses
+ * into hits, session stats, and clear errors on bad arguments. Exit 0 when
+ * every check holds; each failure prints one line. */
+#define _GNU_SOURCE
+#include <math.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "moe/moe.h"
+
+#define MODEL "synthetic:tiny:seed=5"
+
+static int failures = 0;
+#define CHECK(cond, ...)                                  \
+  do {                                                    \
+    if (!(cond)) {                                        \
+      ++failures;                                         \
+      fprintf(stderr, "FAIL line %d: ", __LINE__);        \
+      fprintf(stderr, __VA_ARGS__);                       \
+      fprintf(stderr, " [last error: %s]\n", moe_last_error()); \
+    }                                                     \
+  } while (0)
+
+static uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest even */
+  return (uint16_t)(u >> 16);
+}
+static float from_bf16(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static double uniform(void) { /* xorshift64*, in [0, 1) */
+  rng ^= rng >> 12;
+  rng ^= rng << 25;
+  rng ^= rng >> 27;
+  return (double)((rng * 0x2545f4914f6cdd1dull) >> 11) / 9007199254740992.0;
+}
+
+/* Random hidden [T,H] and top-k routing with distinct experts per token. */
+static void random_call(int T, int H, int k, int E, uint16_t* hidden, int32_t* ids, float* w) {
+  for (int i = 0; i < T * H; ++i) hidden[i] = to_bf16((float)(uniform() * 2 - 1));
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < k; ++j) {
+      int e, dup;
+      do {
+        e = (int)(uniform() * E);
+        dup = 0;
+        for (int q = 0; q < j; ++q) dup |= ids[t * k + q] == e;
+      } while (dup);
+      ids[t * k + j] = e;
+      w[t * k + j] = (float)(0.1 + uniform());
+    }
+  }
+}
+
+/* ||out - ref|| / ||ref|| */
+static double rel_error(const uint16_t* out, const float* ref, int n) {
+  double num = 0, den = 0;
+  for (int i = 0; i < n; ++i) {
+    double x = from_bf16(out[i]), y = ref[i];
+    if (!isfinite(x)) return INFINITY;
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den == 0 ? INFINITY : sqrt(num / den);
+}
+
+/* Starts moe-expert-server; returns its pid and writes its gRPC address. */
+static pid_t start_server(const char* socket_path, char* address, size_t cap) {
+  char bin[4096];
+  const char* dir = getenv("MOE_BIN_DIR");
+  if (dir != NULL) snprintf(bin, sizeof bin, "%s/moe-expert-server", dir);
+  else snprintf(bin, sizeof bin, "%s/cpu_expert_server/moe-expert-server", MOE_BUILD_DIR);
+  int fds[2];
+  if (pipe(fds) != 0) return -1;
+  pid_t pid = fork();
+  if (pid == 0) {
+    dup2(fds[1], 1);
+    close(fds[0]);
+    char shm[4200];
+    snprintf(shm, sizeof shm, "--shm-socket=%s", socket_path);
+    execl(bin, bin, "--insecure", "--model=" MODEL, "--threads=1", "--listen=127.0.0.1:0", shm, (char*)NULL);
+    _exit(127);
+  }
+  close(fds[1]);
+  FILE* f = fdopen(fds[0], "r");
+  char line[1024];
+  address[0] = 0;
+  while (fgets(line, sizeof line, f) != NULL) {
+    const char* p = strstr(line, "ready on ");
+    if (p != NULL) {
+      snprintf(address, cap, "%s", p + 9);
+      address[strcspn(address, "\r\n")] = 0;
+      break;
+    }
+  }
+  /* The server keeps writing to stdout; a reader thread is overkill for the
+   * few lines it prints, so the pipe stays open (the buffer is 64 KiB). */
+  return address[0] ? pid : -1;
+}
+
+int main(void) {
+  CHECK(moe_abi_version() == MOE_ABI_VERSION, "abi version %d", moe_abi_version());
+  CHECK(strcmp(moe_status_name(MOE_INVALID_ARGUMENT), "INVALID_ARGUMENT") == 0, "status name");
+
+  char dir[] = "/tmp/moe_c_api_XXXXXX";
+  if (mkdtemp(dir) == NULL) return 2;
+  char sock[256], address[256];
+  snprintf(sock, sizeof sock, "%s/expert.sock", dir);
+  pid_t server = start_server(sock, address, sizeof address);
+  if (server < 0) {
+    fprintf(stderr, "FAIL: moe-expert-server did not come up\n");
+    return 1;
+  }
+
+  /* Errors before a session exists. */
+  moe_session* s = NULL;
+  CHECK(moe_session_open("{not json", &s) == MOE_INVALID_ARGUMENT && s == NULL, "bad json");
+  CHECK(strstr(moe_last_error(), "options_json") != NULL, "bad json names options_json");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"cache_slots\":3}", &s) == MOE_INVALID_ARGUMENT,
+        "unknown key refused");
+  CHECK(strstr(moe_last_error(), "cache_slots") != NULL, "unknown key named");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"max_tokens\":\"many\"}", &s) == MOE_INVALID_ARGUMENT,
+        "wrong type refused");
+  CHECK(strstr(moe_last_error(), "max_tokens") != NULL, "wrong type named");
+  CHECK(moe_session_open("{\"servers\":[]}", &s) == MOE_INVALID_ARGUMENT, "missing model");
+  CHECK(moe_session_open(NULL, &s) == MOE_INVALID_ARGUMENT, "null options");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\"}", NULL) == MOE_INVALID_ARGUMENT, "null out");
+  CHECK(moe_forward(NULL, 1, 1, 1, NULL, NULL, NULL, NULL, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,
+        "null session");
+  moe_session_close(NULL);
+
+  /* One session over shared memory, one over gRPC. */
+  char opts[2][1024];
+  snprintf(opts[0], sizeof opts[0],
+           "{\"model\":\"" MODEL "\",\"servers\":[\"unix://%s\"],\"device\":\"cpu\",\"policy\":\"static\",\"copy_mode\":\"never\","
+           "\"cache_experts_per_layer\":2,\"max_tokens\":16,\"cpu_threads\":1,\"deadline_ms\":20000}",
+           sock);
+  snprintf(opts[1], sizeof opts[1],
+           "{\"model\":\"" MODEL "\",\"servers\":[\"%s\"],\"device\":\"cpu\",\"policy\":\"static\",\"copy_mode\":\"never\","
+           "\"cache_experts_per_layer\":2,\"max_tokens\":16,\"cpu_threads\":1,\"tls\":{\"insecure\":true}}",
+           address);
+  for (int v = 0; v < 2; ++v) {
+    s = NULL;
+    moe_status st = moe_session_open(opts[v], &s);
+    CHECK(st == MOE_OK && s != NULL, "open session %d: %s", v, moe_status_name(st));
+    if (s == NULL) continue;
+    moe_model_info info;
+    CHECK(moe_session_info(s, &info) == MOE_OK, "info");
+    CHECK(strcmp(info.device, "cpu") == 0 && info.cache_slots == 2 && info.max_tokens == 16, "info fields");
+    int32_t layers[8], nl = 0;
+    CHECK(moe_session_moe_layers(s, layers, 8, &nl) == MOE_OK && nl >= 1, "moe layers");
+    const int H = info.hidden, E = info.num_experts, k = info.top_k, T = 5, L = layers[0];
+    uint16_t* hidden = malloc(sizeof(uint16_t) * T * H);
+    uint16_t* out = malloc(sizeof(uint16_t) * T * H);
+    uint16_t* out2 = malloc(sizeof(uint16_t) * T * H);
+    float* ref = malloc(sizeof(float) * T * H);
+    int32_t ids[5 * 8];
+    float w[5 * 8];
+
+    /* All misses (nothing assigned yet): the CPU server computes them. */
+    random_call(T, H, k, E, hidden, ids, w);
+    moe_call_stats cs;
+    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, &cs) == MOE_OK, "forward");
+    CHECK(moe_reference_forward(MODEL, L, T, k, hidden, ids, w, ref) == MOE_OK, "reference");
+    double err = rel_error(out, ref, T * H);
+    CHECK(err <= 1e-2, "session %d forward vs reference: rel error %g", v, err);
+    CHECK(cs.cpu_pairs == T * k && cs.hit_pairs == 0 && cs.miss_tokens == T, "all-miss stats: cpu %lld hit %lld",
+          (long long)cs.cpu_pairs, (long long)cs.hit_pairs);
+
+    /* Assign experts 0 and 1: their pairs become hits, the output stays exact. */
+    const int32_t assign[2] = {0, 1};
+    CHECK(moe_apply_assignment(s, L, assign, 2) == MOE_OK, "assign");
+    CHECK(moe_flush_copies(s) == MOE_OK, "flush");
+    for (int t = 0; t < T; ++t) ids[t * k] = t % 2; /* every token uses expert 0 or 1 first */
+    for (int t = 0; t < T; ++t)
+      for (int j = 1; j < k; ++j)
+        if (ids[t * k + j] == ids[t * k]) ids[t * k + j] = 2 + (j % (E - 2));
+    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, &cs) == MOE_OK, "forward 2");
+    CHECK(moe_reference_forward(MODEL, L, T, k, hidden, ids, w, ref) == MOE_OK, "reference 2");
+    err = rel_error(out, ref, T * H);
+    CHECK(err <= 1e-2, "after assignment: rel error %g", err);
+    CHECK(cs.hit_pairs >= T && cs.hit_pairs + cs.cpu_pairs + cs.copied_pairs == T * k, "hits after assignment: %lld",
+          (long long)cs.hit_pairs);
+
+    /* Two calls in flight, finished in reverse order. */
+    uint16_t* hidden2 = malloc(sizeof(uint16_t) * T * H);
+    int32_t ids2[5 * 8];
+    float w2[5 * 8];
+    float* ref2 = malloc(sizeof(float) * T * H);
+    random_call(T, H, k, E, hidden2, ids2, w2);
+    int32_t a = -1, b = -1;
+    CHECK(moe_forward_async(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, &a) == MOE_OK, "async a");
+    CHECK(moe_forward_async(s, nl > 1 ? layers[1] : L, T, k, hidden2, ids2, w2, out2, MOE_MEMORY_HOST, NULL, &b) ==
+              MOE_OK,
+          "async b");
+    CHECK(moe_wait(s, b, NULL) == MOE_OK, "wait b");
+    CHECK(moe_wait(s, a, NULL) == MOE_OK, "wait a");
+    CHECK(moe_reference_forward(MODEL, nl > 1 ? layers[1] : L, T, k, hidden2, ids2, w2, ref2) == MOE_OK, "ref b");
+    CHECK(rel_error(out, ref, T * H) <= 1e-2, "async a vs reference: %g", rel_error(out, ref, T * H));
+    CHECK(rel_error(out2, ref2, T * H) <= 1e-2, "async b vs reference: %g", rel_error(out2, ref2, T * H));
+
+    /* Bad arguments: clear errors naming the argument, the session keeps working. */
+    CHECK(moe_forward(s, 0, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "layer") != NULL,
+          "dense layer refused");
+    int32_t bad_ids[5 * 8];
+    memcpy(bad_ids, ids, sizeof bad_ids);
+    bad_ids[3] = E + 7;
+    CHECK(moe_forward(s, L, T, k, hidden, bad_ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "expert_ids") != NULL,
+          "expert id out of range refused");
+    float bad_w[5 * 8];
+    memcpy(bad_w, w, sizeof bad_w);
+    bad_w[1] = NAN;
+    CHECK(moe_forward(s, L, T, k, hidden, ids, bad_w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "expert_weights") != NULL,
+          "NaN weight refused");
+    CHECK(moe_forward(s, L, 17, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "tokens") != NULL,
+          "T over max_tokens refused");
+    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, 7, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "memory") != NULL,
+          "bad memory kind refused");
+    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_DEVICE, NULL, NULL) == MOE_INVALID_ARGUMENT,
+          "device memory on the cpu backend refused");
+    int dummy_stream;
+    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, &dummy_stream, NULL) ==
+                  MOE_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "cuda_stream") != NULL,
+          "a CUDA stream on the cpu backend refused");
+    CHECK(moe_forward(s, L, T, k, NULL, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,
+          "null hidden refused");
+    CHECK(moe_wait(s, 99, NULL) != MOE_OK, "unknown ticket refused");
+    CHECK(moe_forward_capturable(s, L, T, k, hidden, ids, w, out, &dummy_stream) == MOE_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "memory") != NULL,
+          "capturable call on the cpu backend refused");
+    CHECK(moe_stream_error(s) == MOE_OK, "no stream error");
+    CHECK(moe_apply_assignment(s, L, NULL, 3) == MOE_INVALID_ARGUMENT, "null assignment refused");
+    const int32_t bad_assign[1] = {E};
+    CHECK(moe_apply_assignment(s, L, bad_assign, 1) == MOE_INVALID_ARGUMENT, "unknown expert in assignment");
+    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_OK &&
+              rel_error(out, ref, T * H) <= 1e-2,
+          "still exact after errors");
+
+    moe_session_stats totals;
+    CHECK(moe_session_stats_get(s, &totals) == MOE_OK, "stats");
+    CHECK(totals.hit_pairs >= 2 * T && totals.cpu_pairs >= T * k && totals.miss_tokens >= T &&
+              totals.cache_copies_started == 2 && totals.cache_copies_pending == 0 && totals.failed_calls >= 7,
+          "totals: calls %lld failed %lld hits %lld cpu %lld copies %lld", (long long)totals.calls,
+          (long long)totals.failed_calls, (long long)totals.hit_pairs, (long long)totals.cpu_pairs,
+          (long long)totals.cache_copies_started);
+    CHECK(strstr(moe_session_describe(s), "cpu") != NULL, "describe");
+    free(hidden), free(out), free(out2), free(ref), free(hidden2), free(ref2);
+    moe_session_close(s);
+  }
+
+  /* A session whose server is not there fails to open, cleanly. */
+  char missing[1024];
+  snprintf(missing, sizeof missing,
+           "{\"model\":\"" MODEL "\",\"servers\":[\"unix://%s/none.sock\"],\"device\":\"cpu\",\"host_copy\":false}",
+           dir);
+  s = NULL;
+  moe_status st = moe_session_open(missing, &s);
+  CHECK(st != MOE_OK && s == NULL && moe_last_error()[0] != 0, "missing server: %s", moe_status_name(st));
+
+  kill(server, SIGTERM);
+  waitpid(server, NULL, 0);
+  unlink(sock);
+  rmdir(dir);
+  if (failures == 0) printf("c_api_test: all checks passed\n");
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,197 @@
+// Stream-ordered and CUDA-graph-captured MoE layers through MoeSession (cuda
+// backend) against a real moe-expert-server: a stream-ordered eager call on
+// a non-blocking engine stream; then two layers captured into one CUDA graph
+// and replayed with new hidden states and routing each step — outputs equal
+// the reference MoE, and a cache assignment applied between replays changes
+// the hit/miss split (slot map read at replay time) without changing the
+// results. Skipped (by name) without a CUDA GPU.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client/moe_session.h"
+#include "core/model_source.h"
+#include "core/random_data.h"
+#include "core/reference_moe.h"
+#include "tests/test_support.h"
+
+namespace moe {
+namespace {
+
+constexpr char kModel[] = "synthetic:tiny:seed=21";  // H=96, I=80, 8 experts, top-2, MoE layers 1 and 2
+
+#define ASSERT_CUDA(x) ASSERT_EQ((x), cudaSuccess) << #x << ": " << cudaGetErrorString(x)
+
+class GraphCaptureTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CudaAvailable()) GTEST_SKIP() << "needs a CUDA GPU (cuda backend)";
+    const std::string sock = dir_.path() + "/e.sock";
+    Subprocess* s = nullptr;
+    ASSERT_FALSE(testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1",
+                                                 "--shm-socket=" + sock})
+                     .empty());
+    server_.reset(s);
+    SessionOptions o;
+    o.model = kModel;
+    o.servers = {"unix://" + sock};
+    o.device = "cuda";
+    o.policy = "static";
+    o.cache_experts_per_layer = 3;
+    o.max_tokens = 8;
+    absl::StatusOr<std::unique_ptr<MoeSession>> session = MoeSession::Open(o);
+    ASSERT_TRUE(session.ok()) << session.status();
+    session_ = *std::move(session);
+    source_ = *OpenModel(kModel);
+    reference_ = std::make_unique<ReferenceMoe>(*source_);
+    ASSERT_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  void TearDown() override {
+    if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+    session_.reset();
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  // Device buffers of one layer call with T tokens, top-k.
+  struct Buffers {
+    bf16_t* hidden = nullptr;
+    int32_t* ids = nullptr;
+    float* weights = nullptr;
+    bf16_t* out = nullptr;
+  };
+  Buffers Alloc(int T, int k) {
+    Buffers b;
+    const int H = session_->spec().hidden;
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.hidden), sizeof(bf16_t) * T * H), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.ids), sizeof(int32_t) * T * k), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.weights), sizeof(float) * T * k), cudaSuccess);
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.out), sizeof(bf16_t) * T * H), cudaSuccess);
+    buffers_.push_back(b);
+    return b;
+  }
+  ~GraphCaptureTest() override {
+    for (Buffers& b : buffers_) {
+      cudaFree(b.hidden), cudaFree(b.ids), cudaFree(b.weights), cudaFree(b.out);
+    }
+  }
+
+  // Fills `b` with step `seed`'s inputs ON THE ENGINE STREAM (async, from
+  // host vectors that must outlive the copies) and returns the reference.
+  struct Inputs {
+    std::vector<bf16_t> x;
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+  };
+  void Fill(const Buffers& b, int T, int k, uint64_t seed, Inputs* in) {
+    const int H = session_->spec().hidden;
+    in->x = RandomActivations(static_cast<size_t>(T) * H, seed);
+    RandomRouting(T, k, session_->spec().num_experts, seed + 1, 0, &in->ids, &in->w);
+    ASSERT_CUDA(cudaMemcpyAsync(b.hidden, in->x.data(), in->x.size() * 2, cudaMemcpyHostToDevice, stream_));
+    ASSERT_CUDA(cudaMemcpyAsync(b.ids, in->ids.data(), in->ids.size() * 4, cudaMemcpyHostToDevice, stream_));
+    ASSERT_CUDA(cudaMemcpyAsync(b.weights, in->w.data(), in->w.size() * 4, cudaMemcpyHostToDevice, stream_));
+  }
+  double Error(int layer, const Buffers& b, int T, int k, const Inputs& in) {
+    const int H = session_->spec().hidden;
+    std::vector<bf16_t> out(static_cast<size_t>(T) * H);
+    EXPECT_EQ(cudaMemcpy(out.data(), b.out, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    std::vector<float> ref(out.size());
+    EXPECT_TRUE(reference_->Forward<float>(layer, T, in.x.data(), RoutingView{T, k, in.ids.data(), in.w.data()},
+                                           ref.data())
+                    .ok());
+    return RelativeL2Error(out.data(), ref.data(), out.size());
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<Subprocess> server_;
+  std::unique_ptr<MoeSession> session_;
+  std::unique_ptr<ModelSource> source_;
+  std::unique_ptr<ReferenceMoe> reference_;
+  cudaStream_t stream_ = nullptr;
+  std::vector<Buffers> buffers_;
+};
+
+TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
+  const int T = 5, k = session_->spec().top_k, L = session_->spec().moe_layers[0];
+  Buffers b = Alloc(T, k);
+  ASSERT_TRUE(session_->ApplyAssignment(L, {0, 1, 2}).ok());
+  ASSERT_TRUE(session_->FlushCopies().ok());
+  Inputs in;
+  Fill(b, T, k, 7, &in);  // enqueued on the engine stream, not yet complete
+  CallStats stats;
+  ASSERT_TRUE(session_->ForwardLayer(L, T, k, b.hidden, b.ids, b.weights, b.out, MemoryKind::kDevice, &stats, stream_)
+                  .ok());
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2);
+  EXPECT_EQ(stats.hit_pairs + stats.cpu_pairs + stats.copied_pairs, T * k);
+}
+
+TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
+  const int T = 4, k = session_->spec().top_k;
+  const std::vector<int>& layers = session_->spec().moe_layers;
+  std::vector<Buffers> bufs;
+  for (size_t i = 0; i < layers.size(); ++i) bufs.push_back(Alloc(T, k));
+  // Warm-up outside the capture (allocates each layer's staging).
+  std::vector<Inputs> in(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Fill(bufs[i], T, k, 100 + i, &in[i]);
+    ASSERT_TRUE(session_->ForwardLayerCapturable(layers[i], T, k, bufs[i].hidden, bufs[i].ids, bufs[i].weights,
+                                                 bufs[i].out, stream_)
+                    .ok());
+  }
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  for (size_t i = 0; i < layers.size(); ++i) EXPECT_LE(Error(layers[i], bufs[i], T, k, in[i]), 1e-2);
+
+  // Capture both layers into one graph.
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
+  for (size_t i = 0; i < layers.size(); ++i)
+    ASSERT_TRUE(session_->ForwardLayerCapturable(layers[i], T, k, bufs[i].hidden, bufs[i].ids, bufs[i].weights,
+                                                 bufs[i].out, stream_)
+                    .ok());
+  ASSERT_CUDA(cudaStreamEndCapture(stream_, &graph));
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (int step = 0; step < 6; ++step) {
+    if (step == 2) {  // placement changes between replays: all misses -> many hits
+      for (int l : layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1, 2}).ok());
+      ASSERT_TRUE(session_->FlushCopies().ok());
+    }
+    if (step == 4) {
+      for (int l : layers) ASSERT_TRUE(session_->ApplyAssignment(l, {5, 6, 7}).ok());
+      ASSERT_TRUE(session_->FlushCopies().ok());
+    }
+    for (size_t i = 0; i < layers.size(); ++i) Fill(bufs[i], T, k, 1000 * step + i, &in[i]);
+    ASSERT_CUDA(cudaGraphLaunch(exec, stream_));
+    ASSERT_CUDA(cudaStreamSynchronize(stream_));
+    for (size_t i = 0; i < layers.size(); ++i)
+      EXPECT_LE(Error(layers[i], bufs[i], T, k, in[i]), 1e-2) << "step " << step << " layer " << layers[i];
+    EXPECT_TRUE(session_->TakeStreamError().ok());
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST_F(GraphCaptureTest, CapturableCallRefusesBadArguments) {
+  const int T = 2, k = session_->spec().top_k, L = session_->spec().moe_layers[0];
+  Buffers b = Alloc(T, k);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, nullptr)));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      session_->ForwardLayerCapturable(0, T, k, b.hidden, b.ids, b.weights, b.out, stream_)));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      session_->ForwardLayerCapturable(L, 9, k, b.hidden, b.ids, b.weights, b.out, stream_)));
+  // A layer never run eagerly cannot be captured first.
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
+  const absl::Status st = session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_);
+  cudaStreamEndCapture(stream_, &graph);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+}
+
+}  // namespace
+}  // namespace moe
