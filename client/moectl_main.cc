@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "core/flags.h"
 #include "core/transport/grpc_channel.h"
@@ -371,8 +372,10 @@ int main(int argc, char** argv) {
             "rebalance_interval_seconds.";
   }
   moe::FlagSet flags(command.empty() ? "moectl" : "moectl " + command, usage);
-  flags.String("coordinator", &coordinator, "coordinator address, host:port");
-  flags.Bool("insecure", &insecure, "plaintext gRPC (the coordinator runs with --insecure)");
+  flags.String("coordinator", &coordinator, "coordinator address, host:port, or unix:PATH (its --admin-socket)");
+  flags.Bool("insecure", &insecure,
+             "plaintext gRPC (the coordinator runs with --insecure; mutations then need --insecure-admin there, "
+             "or use --coordinator unix:PATH of its --admin-socket)");
   flags.String("tls-ca", &tls_ca, "PEM CA bundle to verify the coordinator");
   flags.String("tls-cert", &tls_cert, "PEM client certificate (mTLS)");
   flags.String("tls-key", &tls_key, "PEM client key (mTLS)");
@@ -416,7 +419,12 @@ int main(int argc, char** argv) {
   if (!takes_args && !rest.empty()) flags.Fail(absl::StrCat("unexpected argument '", rest[0], "'"));
   if ((command == "drain" || command == "undrain") && rest.size() != 1) flags.Fail("needs exactly one SERVER id");
 
-  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, tls_server_name};
+  // The coordinator's --admin-socket is plaintext by nature: the kernel, not
+  // a certificate, tells the coordinator who is calling.
+  const bool unix_target = absl::StartsWith(coordinator, "unix:");
+  if (unix_target && (!tls_ca.empty() || !tls_cert.empty() || !tls_key.empty()))
+    flags.Fail("--coordinator unix:PATH is the admin socket (no TLS); drop --tls-ca/--tls-cert/--tls-key");
+  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure || unix_target, tls_server_name};
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = moe::MakeChannel(coordinator, 16u << 20, tls);
   if (!channel.ok()) flags.Fail(std::string(channel.status().message()));
   Context c;

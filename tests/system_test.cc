@@ -279,7 +279,7 @@ class SystemTest : public ::testing::Test {
     coord_.metrics_port = -1;
     coord_.proc = std::make_unique<Subprocess>(
         testing::BinaryPath("moe-coordinator"),
-        std::vector<std::string>{"--listen=" + listen, "--insecure", "--rebalance-interval-seconds=0.3",
+        std::vector<std::string>{"--listen=" + listen, "--insecure", "--insecure-admin", "--rebalance-interval-seconds=0.3",
                                  "--half-life-seconds=1", "--heartbeat-interval-ms=100",
                                  "--heartbeat-timeout-seconds=1", "--state-file=" + state_file_, "--metrics-port=0",
                                  "--metrics-address=127.0.0.1"},

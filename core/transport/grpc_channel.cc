@@ -20,9 +20,19 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
   return ss.str();
 }
 
+// Plaintext asked for together with TLS material is a mistake the operator
+// must hear about, not a silent downgrade.
+absl::Status CheckNoConflict(const TlsOptions& tls) {
+  if (tls.insecure && (!tls.cert_file.empty() || !tls.key_file.empty() || !tls.ca_file.empty()))
+    return absl::InvalidArgumentError(
+        "--insecure conflicts with --tls-cert/--tls-key/--tls-ca: ask for plaintext or for TLS, not both");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsOptions& tls) {
+  if (absl::Status st = CheckNoConflict(tls); !st.ok()) return st;
   if (tls.insecure) return grpc::InsecureChannelCredentials();
   if (tls.ca_file.empty())
     return absl::InvalidArgumentError("--tls-ca is required to verify the server (or ask for --insecure)");
@@ -42,6 +52,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsOptions& tls) {
+  if (absl::Status st = CheckNoConflict(tls); !st.ok()) return st;
   if (tls.insecure) return grpc::InsecureServerCredentials();
   if (tls.cert_file.empty() || tls.key_file.empty())
     return absl::InvalidArgumentError("--tls-cert and --tls-key are required (or ask for --insecure)");
