@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
   const std::vector<int> served = o.layers.empty() ? spec.moe_layers : o.layers;
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
   std::mutex mu;
-  moe::WorkerServiceImpl service(**session, mu, policy, o.servers, &metrics);
+  moe::WorkerServiceImpl service(**session, mu, policy, o.servers,
+                                 moe::WorkerLimits{o.max_tokens, o.max_top_k}, &metrics);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -3,8 +3,11 @@
 // silent SO_REUSEPORT sharing), a second expert server on a live shm socket
 // refuses and leaves the first one reachable, a stale socket is replaced, a
 // client that stalls or stays silent in the shm handshake is timed out on its
-// own connection and never delays another client, and --insecure together
-// with TLS flags refuses the start.
+// own connection and never delays another client, --insecure together
+// with TLS flags refuses the start, an allowed shm uid outside the socket's
+// group gets in; the coordinator's roles (admin, worker, server) from the
+// admin socket's peer uid and from mTLS certificate names; the state file is
+// 0600; a pin on a dense layer and an oversized cache are refused.
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -291,6 +294,50 @@ TEST(Hardening, InsecureTogetherWithTlsFlagsRefusesTheStart) {
   }
 }
 
+// ------------------------------------------------------- shm allowed uids
+
+// The shm handshake as uid `uid` (a forked child that drops to it): the
+// server's reply status code, -1 when the connect failed (EACCES), -2 when
+// the child could not become `uid`.
+int HelloAs(uid_t uid, const std::string& sock) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (setgid(uid) != 0 || setuid(uid) != 0) _exit(254);
+    const int fd = RawConnect(sock);
+    if (fd < 0) _exit(255);
+    ShmHello hello{kShmHelloMagic, kShmProtocolVersion, kH, 16, 4, 4};
+    ShmReply reply{};
+    if (write(fd, &hello, sizeof hello) != sizeof hello) _exit(253);
+    size_t got = 0;
+    while (got < sizeof reply) {
+      const ssize_t n = read(fd, reinterpret_cast<char*>(&reply) + got, sizeof reply - got);
+      if (n <= 0) _exit(252);
+      got += static_cast<size_t>(n);
+    }
+    _exit(reply.status_code);
+  }
+  int st = 0;
+  waitpid(pid, &st, 0);
+  const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 250;
+  return code == 255 ? -1 : code == 254 ? -2 : code;
+}
+
+TEST(Hardening, ShmAllowedUidsCanReachTheSocketWithoutChgrp) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to act as another uid";
+  testing::TempDir dir;
+  chmod(dir.path().c_str(), 0755);
+  const std::string sock = dir.path() + "/expert.sock";
+  Subprocess* s = nullptr;
+  const std::string addr = testing::StartExpertServer(
+      &s, {std::string("--model=") + kModel, "--threads=1", "--shm-socket=" + sock, "--shm-allow-uids=0,43210"});
+  std::unique_ptr<Subprocess> owner(s);
+  ASSERT_FALSE(addr.empty());
+  // uid 43210 shares no group with the socket (root's), yet gets its segment;
+  // another uid reaches the socket and is refused by the peer-uid check.
+  EXPECT_EQ(HelloAs(43210, sock), 0);
+  EXPECT_EQ(HelloAs(43211, sock), static_cast<int>(absl::StatusCode::kPermissionDenied));
+}
+
 // ------------------------------------------------------ admin authorization
 
 // moectl ARGS: exit code, stdout, stderr.
@@ -340,7 +387,8 @@ TEST(Authorization, PlaintextMutationsNeedTheAdminSocketOrInsecureAdmin) {
   const std::string admin_sock = dir.path() + "/admin.sock";
   std::unique_ptr<Subprocess> coord;
   const std::string addr =
-      StartCoordinator(&coord, {"--insecure", "--admin-socket=" + admin_sock}, dir.path() + "/coordinator.log");
+      StartCoordinator(&coord, {"--insecure", "--admin-socket=" + admin_sock, "--state-file=" + dir.path() + "/state.json"},
+                       dir.path() + "/coordinator.log");
   ASSERT_FALSE(addr.empty()) << ReadFile(dir.path() + "/coordinator.log");
   const std::vector<std::string> tcp = {"--coordinator=" + addr, "--insecure"};
   const std::vector<std::string> sock = {"--coordinator=unix:" + admin_sock};
@@ -363,6 +411,9 @@ TEST(Authorization, PlaintextMutationsNeedTheAdminSocketOrInsecureAdmin) {
   EXPECT_EQ(st.st_mode & 0777, 0600u);
   CommandResult r = Moectl(dir, with(sock, {"policy", "set", "half_life_seconds=2"}));
   EXPECT_EQ(r.code, 0) << r.err;
+  // The persisted overrides are the operator's alone.
+  ASSERT_EQ(lstat((dir.path() + "/state.json").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
   r = Moectl(dir, with(sock, {"--json", "policy", "get"}));
   EXPECT_NE(r.out.find("\"half_life_seconds\": 2"), std::string::npos) << r.out;
   // Authorized, and past the check: the coordinator's own answer (no worker yet).
@@ -466,6 +517,43 @@ TEST(Authorization, MtlsRolesComeFromCertificateNames) {
   EXPECT_NE(ReadFile(d + "/impostor.log").find("the server role is required for RegisterExpertServer"),
             std::string::npos)
       << ReadFile(d + "/impostor.log");
+}
+
+// ------------------------------------------------------------ smaller ones
+
+TEST(Hardening, DenseLayerPinsAndOversizedCachesAreRefused) {
+  testing::TempDir dir;
+  std::unique_ptr<Subprocess> coord;
+  const std::string caddr = StartCoordinator(&coord, {"--insecure", "--insecure-admin"}, dir.path() + "/coordinator.log");
+  ASSERT_FALSE(caddr.empty());
+  // synthetic:tiny is DeepSeek-shaped: layer 0 is dense, layers 1-2 have experts.
+  Subprocess* s = nullptr;
+  const std::string saddr = testing::StartExpertServer(
+      &s, {std::string("--model=") + kModel, "--threads=1", "--coordinator=" + caddr, "--server-id=s1"});
+  std::unique_ptr<Subprocess> server(s);
+  ASSERT_FALSE(saddr.empty());
+  const std::vector<std::string> admin = {"--coordinator=" + caddr, "--insecure"};
+  ASSERT_TRUE(ServerListed(dir, admin, "s1", 10s));
+  auto moectl = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), admin.begin(), admin.end());
+    return Moectl(dir, args);
+  };
+  CommandResult r = moectl({"pin", "--layer", "0", "--experts", "1"});
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.err.find("INVALID_ARGUMENT: layer: 0 is not an MoE layer"), std::string::npos) << r.err;
+  r = moectl({"pin", "--layer", "1", "--experts", "1"});
+  EXPECT_EQ(r.code, 0) << r.err;
+
+  // --cache-experts-per-layer above the model's experts: refused, not clamped.
+  const Refusal big = RunToExit("moe-gpu-worker",
+                                {std::string("--model=") + kModel, "--servers=" + saddr, "--device=cpu",
+                                 "--cpu-threads=1", "--cache-experts-per-layer=99", "--insecure",
+                                 "--listen=127.0.0.1:0"},
+                                dir.path() + "/worker.err");
+  EXPECT_EQ(big.code, 1) << big.err;
+  EXPECT_NE(LastLine(big.err).find("cache-experts-per-layer: 99 exceeds the model's 8 experts per layer"),
+            std::string::npos)
+      << big.err;
 }
 
 }  // namespace
