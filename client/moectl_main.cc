@@ -118,10 +118,20 @@ struct Context {
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
   }
+  // TLS without a client certificate: a coordinator that requires one (mTLS)
+  // drops the connection after the handshake, which gRPC reports only as a
+  // deadline or an unavailable server.
+  bool tls_without_client_cert = false;
+
   void Check(const grpc::Status& st) const {
-    if (!st.ok())
-      Die(command, absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())), ": ",
-                                st.error_message()));
+    if (st.ok()) return;
+    std::string hint;
+    if (tls_without_client_cert && (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+                                    st.error_code() == grpc::StatusCode::UNAVAILABLE))
+      hint = " (no client certificate was presented: a coordinator started with --tls-ca requires one, "
+             "--tls-cert and --tls-key)";
+    Die(command, absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())), ": ",
+                              st.error_message(), hint));
   }
 };
 
@@ -432,6 +442,7 @@ int main(int argc, char** argv) {
   c.stub = moe::v1::AdminService::NewStub(*channel);
   c.timeout_seconds = timeout_seconds;
   c.json = json;
+  c.tls_without_client_cert = !tls.insecure && tls_cert.empty();
   if (command == "status") {
     Status(c);
   } else if (command == "popularity") {

@@ -9,10 +9,8 @@
 // Start/Stop from one thread; the accept thread is internal.
 #pragma once
 
-#include <atomic>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -33,18 +31,12 @@ class AdminSocket {
   void Stop();
 
  private:
-  AdminSocket(std::string path, grpc::Server* server, RoleAuthorizer* authorizer)
-      : path_(std::move(path)), server_(server), authorizer_(authorizer) {}
-  void AcceptLoop();
+  AdminSocket(grpc::Server* server, RoleAuthorizer* authorizer) : server_(server), authorizer_(authorizer) {}
+  void Accept(int sock);  // the listener's thread
 
-  std::string path_;
   grpc::Server* server_;
   RoleAuthorizer* authorizer_;
-  int listen_fd_ = -1;
-  int wake_fd_[2] = {-1, -1};
-  unix_socket::SocketFileId file_;
-  std::atomic<bool> stop_{false};
-  std::thread acceptor_;
+  std::unique_ptr<unix_socket::Listener> listener_;
 };
 
 }  // namespace moe

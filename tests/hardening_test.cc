@@ -468,6 +468,14 @@ TEST(Authorization, MtlsRolesComeFromCertificateNames) {
   testing::TempDir dir;
   const std::string d = dir.path();
   ASSERT_NO_FATAL_FAILURE(MakeCertificates(d, {"ops", "worker-0", "server-0"}));
+  // A key that is not the certificate's: named as such, not "cannot listen".
+  const Refusal mismatch = RunToExit(
+      "moe-coordinator", {"--listen=127.0.0.1:0", "--tls-cert=" + d + "/coord.pem", "--tls-key=" + d + "/ops.key"},
+      d + "/mismatch.err");
+  EXPECT_EQ(mismatch.code, 2) << mismatch.err;
+  EXPECT_NE(LastLine(mismatch.err).find("--tls-key: '" + d + "/ops.key' does not match the certificate"),
+            std::string::npos)
+      << mismatch.err;
   std::unique_ptr<Subprocess> coord;
   const std::string addr = StartCoordinator(
       &coord,
@@ -481,8 +489,12 @@ TEST(Authorization, MtlsRolesComeFromCertificateNames) {
     a.insert(a.end(), args.begin(), args.end());
     return Moectl(dir, a);
   };
+  // Without a client certificate: told so, not only "Deadline Exceeded".
+  CommandResult r = Moectl(dir, {"--coordinator=" + addr, "--tls-ca=" + d + "/ca.pem", "--timeout-seconds=2", "status"});
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("no client certificate was presented"), std::string::npos) << r.err;
   // Workers cannot drain servers or change the policy; servers cannot pin.
-  CommandResult r = as("worker-0", {"drain", "s1", "--no-wait"});
+  r = as("worker-0", {"drain", "s1", "--no-wait"});
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("PERMISSION_DENIED: the admin role is required for Drain"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("worker-0"), std::string::npos) << "the denial names the caller: " << r.err;

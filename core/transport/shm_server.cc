@@ -39,14 +39,10 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(Options o, ShmHandle
   // the socket and admit them by SO_PEERCRED, which is the check that counts.
   const bool others = std::any_of(o.allowed_uids.begin(), o.allowed_uids.end(), [](uid_t u) { return u != getuid(); });
   std::unique_ptr<ShmServer> s(new ShmServer(std::move(o), std::move(handler)));
-  absl::StatusOr<int> fd = unix_socket::Listen(s->opt_.socket_path, others ? 0666 : 0660);
-  if (!fd.ok()) return fd.status();
-  s->listen_fd_ = *fd;
-  absl::StatusOr<unix_socket::SocketFileId> id = unix_socket::FileId(s->opt_.socket_path);
-  if (!id.ok()) return id.status();
-  s->socket_file_ = *id;
-  if (pipe2(s->wake_fd_, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
-  s->acceptor_ = std::thread([p = s.get()] { p->AcceptLoop(); });
+  absl::StatusOr<std::unique_ptr<unix_socket::Listener>> l =
+      unix_socket::Listener::Start(s->opt_.socket_path, others ? 0666 : 0660, [p = s.get()](int sock) { p->Accept(sock); });
+  if (!l.ok()) return l.status();
+  s->listener_ = *std::move(l);
   return s;
 }
 
@@ -54,8 +50,7 @@ ShmServer::~ShmServer() { Stop(); }
 
 void ShmServer::Stop() {
   if (stop_.exchange(true)) return;
-  if (wake_fd_[1] >= 0) (void)!write(wake_fd_[1], "x", 1);
-  if (acceptor_.joinable()) acceptor_.join();
+  if (listener_) listener_->Stop();  // no new connection from here; the socket file is gone
   std::list<std::unique_ptr<Connection>> conns;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -68,37 +63,22 @@ void ShmServer::Stop() {
   for (auto& c : conns) {
     if (c->thread.joinable()) c->thread.join();
   }
-  if (listen_fd_ >= 0) {
-    close(listen_fd_);
-    unix_socket::UnlinkIfOwn(opt_.socket_path, socket_file_);
-  }
-  for (int fd : wake_fd_) {
-    if (fd >= 0) close(fd);
-  }
 }
 
-void ShmServer::AcceptLoop() {
-  while (!stop_.load()) {
-    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_[0], POLLIN, 0}};
-    if (poll(p, 2, -1) < 0 && errno != EINTR) break;
-    if (stop_.load()) break;
-    if (!(p[0].revents & POLLIN)) continue;
-    const int sock = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (sock < 0) continue;
-    auto c = std::make_unique<Connection>();
-    c->sock = sock;
-    Connection* raw = c.get();
-    std::lock_guard<std::mutex> lock(mu_);
-    ReapFinished();
-    if (connections_.size() >= opt_.max_connections) {
-      LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", connections_.size(), " connections open");
-      continue;  // ~Connection closes the socket
-    }
-    // The handshake runs on the connection's thread: a client that stalls
-    // in its hello holds only itself, for at most handshake_timeout.
-    raw->thread = std::thread([this, raw] { RunConnection(raw); });
-    connections_.push_back(std::move(c));
+void ShmServer::Accept(int sock) {
+  auto c = std::make_unique<Connection>();
+  c->sock = sock;
+  Connection* raw = c.get();
+  std::lock_guard<std::mutex> lock(mu_);
+  ReapFinished();
+  if (connections_.size() >= opt_.max_connections) {
+    LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", connections_.size(), " connections open");
+    return;  // ~Connection closes the socket
   }
+  // The handshake runs on the connection's thread: a client that stalls
+  // in its hello holds only itself, for at most handshake_timeout.
+  raw->thread = std::thread([this, raw] { RunConnection(raw); });
+  connections_.push_back(std::move(c));
 }
 
 void ShmServer::ReapFinished() {

@@ -89,19 +89,16 @@ class ShmServer {
  private:
   struct Connection;
   ShmServer(Options o, ShmHandler h);
-  void AcceptLoop();
-  void ReapFinished();  // with mu_ held
+  void Accept(int sock);  // the listener's thread
+  void ReapFinished();    // with mu_ held
   void RunConnection(Connection* c);
   void Serve(Connection* c);
   absl::Status Handshake(Connection* c);
 
   Options opt_;
   ShmHandler handler_;
-  int listen_fd_ = -1;
-  unix_socket::SocketFileId socket_file_;
-  int wake_fd_[2] = {-1, -1};  // self-pipe to stop accept()
+  std::unique_ptr<unix_socket::Listener> listener_;
   std::atomic<bool> stop_{false};
-  std::thread acceptor_;
   std::mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_;
 };

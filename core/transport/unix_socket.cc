@@ -1,5 +1,6 @@
 #include "core/transport/unix_socket.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -174,6 +175,49 @@ bool PeerClosed(int sock) {
   pollfd p{sock, POLLRDHUP, 0};
   const int r = poll(&p, 1, 0);
   return r < 0 || (r > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0);
+}
+
+absl::StatusOr<std::unique_ptr<Listener>> Listener::Start(const std::string& path, mode_t mode,
+                                                         std::function<void(int fd)> on_accept, int extra_flags) {
+  std::unique_ptr<Listener> l(new Listener());
+  l->path_ = path;
+  l->on_accept_ = std::move(on_accept);
+  l->flags_ = SOCK_CLOEXEC | extra_flags;
+  absl::StatusOr<int> fd = Listen(path, mode);
+  if (!fd.ok()) return fd.status();
+  l->listen_fd_ = *fd;
+  absl::StatusOr<SocketFileId> id = FileId(path);
+  if (!id.ok()) return id.status();  // ~Listener closes the socket (and leaves a file it cannot identify)
+  l->file_ = *id;
+  if (pipe2(l->wake_fd_, O_CLOEXEC) != 0) return Errno("pipe2");
+  l->acceptor_ = std::thread([p = l.get()] { p->AcceptLoop(); });
+  return l;
+}
+
+Listener::~Listener() { Stop(); }
+
+void Listener::Stop() {
+  if (stop_.exchange(true)) return;
+  if (wake_fd_[1] >= 0) (void)!write(wake_fd_[1], "x", 1);
+  if (acceptor_.joinable()) acceptor_.join();
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    if (file_.ino != 0) UnlinkIfOwn(path_, file_);
+  }
+  for (int fd : wake_fd_) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+void Listener::AcceptLoop() {
+  while (!stop_.load()) {
+    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_[0], POLLIN, 0}};
+    if (poll(p, 2, -1) < 0 && errno != EINTR) break;
+    if (stop_.load()) break;
+    if (!(p[0].revents & POLLIN)) continue;
+    const int sock = accept4(listen_fd_, nullptr, nullptr, flags_);
+    if (sock >= 0) on_accept_(sock);
+  }
 }
 
 }  // namespace moe::unix_socket

@@ -1,12 +1,19 @@
-// Unix-domain socket helpers for the shared-memory transport: listening with
-// a file mode, connecting, peer credentials (SO_PEERCRED), and messages that
-// carry a file descriptor (SCM_RIGHTS). Plain functions on fds; thread-safe.
+// Unix-domain socket helpers for the shared-memory transport and the
+// coordinator's admin socket: listening with a file mode, connecting, peer
+// credentials (SO_PEERCRED), messages that carry a file descriptor
+// (SCM_RIGHTS), and a Listener with its own accept thread. The functions are
+// plain calls on fds and thread-safe; a Listener is started and stopped from
+// one thread.
 #pragma once
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstddef>
+#include <functional>
+#include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 
@@ -37,5 +44,31 @@ absl::Status Send(int sock, const void* data, size_t len, int fd = -1);
 absl::Status Receive(int sock, void* data, size_t len, int* fd, int timeout_ms);
 // True when the peer has closed its end (or the socket failed).
 bool PeerClosed(int sock);
+
+// A listening socket at `path` (Listen: a live socket there is refused, a
+// stale one of this uid replaced) whose accept thread hands every accepted
+// connection (SOCK_CLOEXEC | extra_flags) to `on_accept`, which owns the fd
+// from then on. Stop (or the destructor) ends the thread, closes the socket
+// and removes the file while it is still the one this Listener created.
+class Listener {
+ public:
+  static absl::StatusOr<std::unique_ptr<Listener>> Start(const std::string& path, mode_t mode,
+                                                         std::function<void(int fd)> on_accept, int extra_flags = 0);
+  ~Listener();
+  void Stop();
+
+ private:
+  Listener() = default;
+  void AcceptLoop();
+
+  std::string path_;
+  std::function<void(int)> on_accept_;
+  int flags_ = 0;
+  int listen_fd_ = -1;
+  int wake_fd_[2] = {-1, -1};  // self-pipe to stop accept()
+  SocketFileId file_;
+  std::atomic<bool> stop_{false};
+  std::thread acceptor_;
+};
 
 }  // namespace moe::unix_socket
