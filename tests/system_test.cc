@@ -32,6 +32,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -865,6 +866,21 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
     while (calls.load() < target && Clock::now() < end) std::this_thread::sleep_for(5ms);
     return calls.load() >= target;
   };
+  // Traffic for `d`, never stalled for 5 s (a call that never returns would stall it).
+  auto hold = [&](std::chrono::milliseconds d) {
+    const Clock::time_point end = Clock::now() + d;
+    while (Clock::now() < end) {
+      if (!wait_calls(1, 5s)) return false;
+      std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
+          200ms, std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now())));
+    }
+    return true;
+  };
+  // The soak's length (CI: 40 s of traffic between the events, about a minute
+  // in all); MOE_SOAK_SECONDS overrides it, up to 90.
+  const char* env = std::getenv("MOE_SOAK_SECONDS");
+  const int soak_s = std::clamp(env != nullptr ? std::atoi(env) : 40, 4, 90);
+  const auto segment = std::chrono::milliseconds(soak_s * 1000 / 4);
   const Clock::time_point t0 = Clock::now();
   // Warm-up: every connection made, caches placed, allocators at steady state.
   ASSERT_TRUE(wait_calls(80, 30s));
@@ -875,6 +891,7 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
 
   // s1 (where the misses go first) SIGKILLed and restarted on the same socket, twice.
   for (int round = 0; round < 2; ++round) {
+    ASSERT_TRUE(hold(segment)) << "calls stalled before kill " << round + 1;
     servers_[0].proc->Signal(SIGKILL);
     ASSERT_NE(servers_[0].proc->Wait(5s), -1);
     ASSERT_TRUE(wait_calls(20, 20s)) << "calls stalled after kill " << round + 1;
@@ -887,6 +904,7 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
     EXPECT_GT(ServerRequests(0), served) << "the restarted s1 takes misses again (round " << round + 1 << ")";
   }
   // The coordinator stopped and restarted on the same port and state file.
+  ASSERT_TRUE(hold(segment)) << "calls stalled before the coordinator restart";
   const std::string addr = coord_.addr;
   coord_.proc->Signal(SIGTERM);
   ASSERT_NE(coord_.proc->Wait(10s), -1);
@@ -896,7 +914,7 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
                                                                  Count(s, "servers", "up") == 2 && Synced(s) == 2; },
                             15s))
       << "the workers and servers did not all come back: " << last_status_;
-  ASSERT_TRUE(wait_calls(80, 30s));
+  ASSERT_TRUE(hold(segment)) << "calls stalled after the coordinator restart";
   stop = true;
   for (auto& t : threads) t.join();
 
