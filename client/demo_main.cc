@@ -192,7 +192,7 @@ int Main(int argc, char** argv) {
               spec.Summary().c_str(), C, E, steps, T);
   std::unique_ptr<Subprocess> coord, server, worker;
   const std::string caddr = Start(&coord, FindBinary(o, "moe-coordinator", "coordinator"),
-                                  {"--listen=127.0.0.1:0", "--insecure", "--rebalance-interval-seconds=0",
+                                  {"--listen=127.0.0.1:0", "--insecure", "--insecure-admin", "--rebalance-interval-seconds=0",
                                    absl::StrCat("--half-life-seconds=", o.half_life_s), "--heartbeat-interval-ms=200",
                                    "--state-file=" + dir + "/coordinator-state.json"},
                                   dir + "/coordinator.log");

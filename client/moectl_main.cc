@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "core/flags.h"
 #include "core/transport/grpc_channel.h"
@@ -117,10 +118,20 @@ struct Context {
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(static_cast<int64_t>(timeout_seconds * 1000)));
   }
+  // TLS without a client certificate: a coordinator that requires one (mTLS)
+  // drops the connection after the handshake, which gRPC reports only as a
+  // deadline or an unavailable server.
+  bool tls_without_client_cert = false;
+
   void Check(const grpc::Status& st) const {
-    if (!st.ok())
-      Die(command, absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())), ": ",
-                                st.error_message()));
+    if (st.ok()) return;
+    std::string hint;
+    if (tls_without_client_cert && (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+                                    st.error_code() == grpc::StatusCode::UNAVAILABLE))
+      hint = " (no client certificate was presented: a coordinator started with --tls-ca requires one, "
+             "--tls-cert and --tls-key)";
+    Die(command, absl::StrCat(absl::StatusCodeToString(static_cast<absl::StatusCode>(st.error_code())), ": ",
+                              st.error_message(), hint));
   }
 };
 
@@ -373,8 +384,10 @@ int main(int argc, char** argv) {
             "rebalance_interval_seconds.";
   }
   moe::FlagSet flags(command.empty() ? "moectl" : "moectl " + command, usage);
-  flags.String("coordinator", &coordinator, "coordinator address, host:port");
-  flags.Bool("insecure", &insecure, "plaintext gRPC (the coordinator runs with --insecure)");
+  flags.String("coordinator", &coordinator, "coordinator address, host:port, or unix:PATH (its --admin-socket)");
+  flags.Bool("insecure", &insecure,
+             "plaintext gRPC (the coordinator runs with --insecure; mutations then need --insecure-admin there, "
+             "or use --coordinator unix:PATH of its --admin-socket)");
   flags.String("tls-ca", &tls_ca, "PEM CA bundle to verify the coordinator");
   flags.String("tls-cert", &tls_cert, "PEM client certificate (mTLS)");
   flags.String("tls-key", &tls_key, "PEM client key (mTLS)");
@@ -418,7 +431,12 @@ int main(int argc, char** argv) {
   if (!takes_args && !rest.empty()) flags.Fail(absl::StrCat("unexpected argument '", rest[0], "'"));
   if ((command == "drain" || command == "undrain") && rest.size() != 1) flags.Fail("needs exactly one SERVER id");
 
-  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure, tls_server_name};
+  // The coordinator's --admin-socket is plaintext by nature: the kernel, not
+  // a certificate, tells the coordinator who is calling.
+  const bool unix_target = absl::StartsWith(coordinator, "unix:");
+  if (unix_target && (!tls_ca.empty() || !tls_cert.empty() || !tls_key.empty()))
+    flags.Fail("--coordinator unix:PATH is the admin socket (no TLS); drop --tls-ca/--tls-cert/--tls-key");
+  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure || unix_target, tls_server_name};
   absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = moe::MakeChannel(coordinator, 16u << 20, tls);
   if (!channel.ok()) flags.Fail(std::string(channel.status().message()));
   Context c;
@@ -426,6 +444,7 @@ int main(int argc, char** argv) {
   c.stub = moe::v1::AdminService::NewStub(*channel);
   c.timeout_seconds = timeout_seconds;
   c.json = json;
+  c.tls_without_client_cert = !tls.insecure && tls_cert.empty();
   if (command == "status") {
     Status(c);
   } else if (command == "popularity") {

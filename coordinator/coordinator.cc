@@ -621,6 +621,17 @@ absl::StatusOr<moe::v1::PinResponse> Coordinator::Pin(const moe::v1::PinRequest&
     const uint32_t nl = registry_->num_layers(), ne = registry_->num_experts();
     if (req.layer() >= nl)
       return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer(), " out of range [0, ", nl, ")"));
+    // A layer without experts (e.g. DeepSeek's first dense layers) is cached by
+    // no worker and hosted by no server: pinning there would be a silent no-op.
+    bool moe_layer = false;
+    for (const auto& [id, w] : registry_->workers()) moe_layer |= req.layer() < w.cached.size() && w.cached[req.layer()];
+    for (const auto& [id, sv] : registry_->servers()) {
+      const auto& hosted = sv.caps.hosted_layers();
+      moe_layer |= hosted.empty() || std::find(hosted.begin(), hosted.end(), req.layer()) != hosted.end();
+    }
+    if (!moe_layer)
+      return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer(),
+                                                     " is not an MoE layer of any registered worker or server"));
     if (req.experts().empty()) return absl::InvalidArgumentError("experts: must not be empty");
     if (absl::Status s = CheckIndexes(req.experts(), ne, "experts"); !s.ok()) return s;
     if (!req.worker_id().empty() && registry_->FindWorker(req.worker_id()) == nullptr)

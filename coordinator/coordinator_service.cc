@@ -14,35 +14,50 @@ grpc::Status Reply(absl::StatusOr<T> result, T* resp) {
   return grpc::Status::OK;
 }
 
+// OK, or PERMISSION_DENIED naming the role `rpc` needs and the caller.
+grpc::Status Authorize(const RoleAuthorizer& auth, const grpc::ServerContext* ctx, Role role, const char* rpc) {
+  return ToGrpcStatus(auth.Check(*ctx, role, rpc));
+}
+
 // How often a waiting stream looks at its context (client gone, deadline).
 constexpr auto kWatchPoll = std::chrono::milliseconds(200);
 
 }  // namespace
 
-grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext*, const moe::v1::RegisterWorkerRequest* req,
+grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx, const moe::v1::RegisterWorkerRequest* req,
                                                     moe::v1::RegisterWorkerResponse* resp) {
+  if (grpc::Status d = Authorize(auth_, ctx, Role::kWorker, "RegisterWorker"); !d.ok()) return d;
   return Reply(c_.RegisterWorker(*req), resp);
 }
 
-grpc::Status CoordinatorServiceImpl::RegisterExpertServer(grpc::ServerContext*,
+grpc::Status CoordinatorServiceImpl::RegisterExpertServer(grpc::ServerContext* ctx,
                                                           const moe::v1::RegisterExpertServerRequest* req,
                                                           moe::v1::RegisterExpertServerResponse* resp) {
+  if (grpc::Status d = Authorize(auth_, ctx, Role::kServer, "RegisterExpertServer"); !d.ok()) return d;
   return Reply(c_.RegisterExpertServer(*req), resp);
 }
 
-grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext*, const moe::v1::HeartbeatRequest* req,
+grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* ctx, const moe::v1::HeartbeatRequest* req,
                                                moe::v1::HeartbeatResponse* resp) {
+  if (!req->worker_id().empty()) {
+    if (grpc::Status d = Authorize(auth_, ctx, Role::kWorker, "Heartbeat"); !d.ok()) return d;
+  }
+  if (!req->server_id().empty()) {
+    if (grpc::Status d = Authorize(auth_, ctx, Role::kServer, "Heartbeat"); !d.ok()) return d;
+  }
   return Reply(c_.Heartbeat(*req), resp);
 }
 
-grpc::Status CoordinatorServiceImpl::ReportStats(grpc::ServerContext*, const moe::v1::ReportStatsRequest* req,
+grpc::Status CoordinatorServiceImpl::ReportStats(grpc::ServerContext* ctx, const moe::v1::ReportStatsRequest* req,
                                                  moe::v1::ReportStatsResponse*) {
+  if (grpc::Status d = Authorize(auth_, ctx, Role::kWorker, "ReportStats"); !d.ok()) return d;
   return ToGrpcStatus(c_.ReportStats(*req));
 }
 
 grpc::Status CoordinatorServiceImpl::WatchAssignments(grpc::ServerContext* ctx,
                                                       const moe::v1::WatchAssignmentsRequest* req,
                                                       grpc::ServerWriter<moe::v1::CacheAssignment>* writer) {
+  if (grpc::Status d = Authorize(auth_, ctx, Role::kWorker, "WatchAssignments"); !d.ok()) return d;
   absl::StatusOr<moe::v1::CacheAssignment> snapshot = c_.Snapshot(req->worker_id(), req->session());
   if (!snapshot.ok()) return ToGrpcStatus(snapshot.status());
   uint64_t sent = snapshot->version();
@@ -69,18 +84,21 @@ grpc::Status AdminServiceImpl::GetPopularity(grpc::ServerContext*, const moe::v1
   return Reply(c_.GetPopularity(*req), resp);
 }
 
-grpc::Status AdminServiceImpl::Rebalance(grpc::ServerContext*, const moe::v1::RebalanceRequest* req,
+grpc::Status AdminServiceImpl::Rebalance(grpc::ServerContext* ctx, const moe::v1::RebalanceRequest* req,
                                          moe::v1::RebalanceResponse* resp) {
+  if (grpc::Status d = Authorize(auth_, ctx, Role::kAdmin, "Rebalance"); !d.ok()) return d;
   return Reply(c_.Rebalance(req->dry_run()), resp);
 }
 
-grpc::Status AdminServiceImpl::PinExperts(grpc::ServerContext*, const moe::v1::PinRequest* req,
+grpc::Status AdminServiceImpl::PinExperts(grpc::ServerContext* ctx, const moe::v1::PinRequest* req,
                                           moe::v1::PinResponse* resp) {
+  if (grpc::Status d = Authorize(auth_, ctx, Role::kAdmin, "PinExperts"); !d.ok()) return d;
   return Reply(c_.Pin(*req, /*pin=*/true), resp);
 }
 
-grpc::Status AdminServiceImpl::UnpinExperts(grpc::ServerContext*, const moe::v1::PinRequest* req,
+grpc::Status AdminServiceImpl::UnpinExperts(grpc::ServerContext* ctx, const moe::v1::PinRequest* req,
                                             moe::v1::PinResponse* resp) {
+  if (grpc::Status d = Authorize(auth_, ctx, Role::kAdmin, "UnpinExperts"); !d.ok()) return d;
   return Reply(c_.Pin(*req, /*pin=*/false), resp);
 }
 
@@ -90,13 +108,15 @@ grpc::Status AdminServiceImpl::GetPolicy(grpc::ServerContext*, const moe::v1::Ge
   return grpc::Status::OK;
 }
 
-grpc::Status AdminServiceImpl::SetPolicy(grpc::ServerContext*, const moe::v1::SetPolicyRequest* req,
+grpc::Status AdminServiceImpl::SetPolicy(grpc::ServerContext* ctx, const moe::v1::SetPolicyRequest* req,
                                          moe::v1::PolicyParameters* resp) {
+  if (grpc::Status d = Authorize(auth_, ctx, Role::kAdmin, "SetPolicy"); !d.ok()) return d;
   return Reply(c_.SetPolicy(*req), resp);
 }
 
-grpc::Status AdminServiceImpl::Drain(grpc::ServerContext*, const moe::v1::DrainRequest* req,
+grpc::Status AdminServiceImpl::Drain(grpc::ServerContext* ctx, const moe::v1::DrainRequest* req,
                                      moe::v1::DrainResponse* resp) {
+  if (grpc::Status d = Authorize(auth_, ctx, Role::kAdmin, "Drain"); !d.ok()) return d;
   return Reply(c_.Drain(*req), resp);
 }
 

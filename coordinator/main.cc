@@ -3,7 +3,9 @@
 // and a copy budget), pushes versioned assignments, keeps the registry of
 // workers and CPU expert servers, and serves the admin API behind moectl
 // (moe.v1.CoordinatorService, moe.v1.AdminService, grpc.health.v1.Health,
-// server reflection), with Prometheus metrics on --metrics-port.
+// server reflection), with Prometheus metrics on --metrics-port. Callers are
+// authorized by role (coordinator/role_authorizer.h): mTLS certificate names,
+// the peer uid on --admin-socket, or loopback with --insecure-admin.
 #include <signal.h>
 
 #include <chrono>
@@ -11,6 +13,7 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
+#include "coordinator/admin_socket.h"
 #include "coordinator/coordinator.h"
 #include "coordinator/coordinator_metrics.h"
 #include "coordinator/coordinator_service.h"
@@ -25,13 +28,16 @@
 
 int main(int argc, char** argv) {
   moe::CoordinatorPolicy policy;
-  std::string listen = "0.0.0.0:50100", placement = moe::PlacementModeName(policy.placement), state_file;
+  std::string listen = moe::LoopbackListen(50100), placement = moe::PlacementModeName(policy.placement), state_file;
+  std::string admin_socket_path;
   double heartbeat_timeout = 5.0;
   int64_t heartbeat_interval_ms = 200, drain_seconds = 5;
   moe::FlagSet flags("moe-coordinator",
-                     "[--listen ADDR] [--state-file FILE] (--insecure | --tls-cert C --tls-key K [--tls-ca CA]) [flags]\n"
+                     "[--listen ADDR] [--state-file FILE] (--insecure | --tls-cert C --tls-key K [--tls-ca CA]) [--admin-socket PATH] [flags]\n"
                      "Coordinates the GPU workers' expert caches and the CPU expert servers; moectl talks to it.");
-  flags.String("listen", &listen, "gRPC address to listen on, host:port (port 0 picks a free port)");
+  flags.String("listen", &listen,
+               "gRPC address to listen on, host:port (loopback by default; port 0 picks a free port; a port "
+               "another process holds refuses the start)");
   flags.Double("half-life-seconds", &policy.half_life_seconds,
                "popularity half-life: a (token, expert) pair this old counts half");
   flags.String("placement", &placement,
@@ -54,9 +60,15 @@ int main(int argc, char** argv) {
                "JSON file of admin overrides (pins, policy, drains), written atomically and reloaded at start; "
                "empty: not persisted");
   flags.Int("drain-seconds", &drain_seconds, "on SIGTERM/SIGINT, how long open calls may take to finish");
+  flags.String("admin-socket", &admin_socket_path,
+               "also serve on this unix socket; its callers are identified by peer uid (uid:N in the "
+               "--*-identities lists), e.g. for moectl --coordinator unix:PATH without TLS");
+  moe::AuthorizationPolicy authorization = moe::AuthorizationPolicy::Defaults();
+  authorization.Register(flags);
   moe::ServiceFlags service_flags;
   service_flags.Register(flags);
   flags.Parse(argc, argv);
+  if (absl::Status st = authorization.Finish(); !st.ok()) flags.Fail(std::string(st.message()));
   if (absl::Status s = moe::ParsePlacementMode(placement, &policy.placement); !s.ok())
     flags.Fail(absl::StrCat("--", s.message()));
   if (!(policy.half_life_seconds > 0)) flags.Fail("--half-life-seconds must be > 0");
@@ -81,19 +93,28 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<moe::Coordinator>> coordinator = moe::Coordinator::Create(options);
   if (!coordinator.ok()) flags.Fail(std::string(coordinator.status().message()), 1);
 
-  moe::CoordinatorServiceImpl service(**coordinator);
-  moe::AdminServiceImpl admin(**coordinator);
+  const std::vector<uid_t> socket_uids = authorization.SocketUids();
+  moe::RoleAuthorizer authorizer(authorization);
+  moe::CoordinatorServiceImpl service(**coordinator, authorizer);
+  moe::AdminServiceImpl admin(**coordinator, authorizer);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(listen, *creds, &port);
   builder.RegisterService(&service);
   builder.RegisterService(&admin);
   moe::ConfigureServerBuilder(builder, 64u << 20);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
-  const std::string bound = moe::BoundAddress(listen, port);
+  absl::StatusOr<moe::ListeningServer> listening = moe::StartGrpcServer(builder, listen, *creds);
+  if (!listening.ok()) flags.Fail(std::string(listening.status().message()), 1);
+  std::unique_ptr<grpc::Server> server = std::move(listening->server);
+  const std::string bound = listening->address;
+  std::unique_ptr<moe::AdminSocket> admin_socket;
+  if (!admin_socket_path.empty()) {
+    absl::StatusOr<std::unique_ptr<moe::AdminSocket>> a =
+        moe::AdminSocket::Start(admin_socket_path, socket_uids, server.get(), &authorizer);
+    if (!a.ok()) flags.Fail(absl::StrCat("--admin-socket: ", a.status().message()), 1);
+    admin_socket = *std::move(a);
+    moe::LogInfo("coordinator", "admin socket unix:", admin_socket_path);
+  }
   (*coordinator)->Start();
   moe::CoordinatorMetrics metrics(moe::Metrics(), **coordinator);
   absl::StatusOr<std::unique_ptr<moe::MetricsHttpServer>> metrics_started =
@@ -116,6 +137,7 @@ int main(int argc, char** argv) {
   moe::LogInfo("coordinator", "signal ", sig, ": stopping");
   metrics_http.reset();
   (*coordinator)->Stop();  // ends the assignment streams (UNAVAILABLE): workers keep their last assignment
+  if (admin_socket) admin_socket->Stop();
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(drain_seconds));
   server->Wait();
   moe::LogInfo("coordinator", "stopped");

@@ -1,6 +1,7 @@
 #include "coordinator/state_file.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -41,9 +42,13 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
   const size_t slash = path.rfind('/');
   const std::string dir = slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash));
   const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // Owner-only (the overrides are the operator's): a fresh file, never one a
+  // crashed run or another user left at the temporary name.
+  unlink(tmp.c_str());
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (fd < 0) return Errno("cannot create", tmp);
-  absl::Status st = WriteAll(fd, contents, tmp);
+  absl::Status st = fchmod(fd, 0600) == 0 ? absl::OkStatus() : Errno("chmod 0600", tmp);
+  if (st.ok()) st = WriteAll(fd, contents, tmp);
   if (st.ok() && fsync(fd) != 0) st = Errno("fsync", tmp);
   if (close(fd) != 0 && st.ok()) st = Errno("close", tmp);
   if (st.ok() && rename(tmp.c_str(), path.c_str()) != 0) st = Errno("rename to", path);

@@ -30,7 +30,8 @@ struct AdminState {
 absl::StatusOr<AdminState> LoadAdminState(const std::string& path);
 absl::Status SaveAdminState(const std::string& path, const AdminState& state);
 
-// Replaces `path` with `contents` atomically (same directory temporary, fsync, rename).
+// Replaces `path` with `contents` atomically (same directory temporary, fsync,
+// rename); the file is mode 0600 (owner only).
 absl::Status WriteFileAtomically(const std::string& path, const std::string& contents);
 
 }  // namespace moe

@@ -7,7 +7,8 @@
 namespace moe {
 
 absl::Status ValidateRouting(const RoutingView& r, int num_experts,
-                             const std::function<bool(int)>& hosted) {
+                             const std::function<bool(int)>& hosted, absl::string_view ids_field,
+                             absl::string_view weights_field) {
   for (int t = 0; t < r.n; ++t) {
     const int32_t* ids = r.ids + static_cast<size_t>(t) * r.k;
     const float* w = r.weights + static_cast<size_t>(t) * r.k;
@@ -15,19 +16,19 @@ absl::Status ValidateRouting(const RoutingView& r, int num_experts,
       const int32_t e = ids[j];
       if (e == -1) continue;
       if (e < 0 || e >= num_experts)
-        return absl::InvalidArgumentError(absl::StrCat("expert_ids[", t, ",", j, "]: expert ", e,
+        return absl::InvalidArgumentError(absl::StrCat(ids_field, "[", t, ",", j, "]: expert ", e,
                                                        " out of range [0, ", num_experts, ")"));
       if (hosted && !hosted(e))
         return absl::InvalidArgumentError(
-            absl::StrCat("expert_ids[", t, ",", j, "]: expert ", e, " is not hosted by this server"));
+            absl::StrCat(ids_field, "[", t, ",", j, "]: expert ", e, " is not hosted by this server"));
       for (int i = 0; i < j; ++i) {
         if (ids[i] == e)
-          return absl::InvalidArgumentError(absl::StrCat("expert_ids[", t, ",", j, "]: expert ", e,
-                                                         " repeats expert_ids[", t, ",", i, "]"));
+          return absl::InvalidArgumentError(absl::StrCat(ids_field, "[", t, ",", j, "]: expert ", e,
+                                                         " repeats ", ids_field, "[", t, ",", i, "]"));
       }
       if (!std::isfinite(w[j]))
         return absl::InvalidArgumentError(
-            absl::StrCat("expert_weights[", t, ",", j, "]: weight is not finite"));
+            absl::StrCat(weights_field, "[", t, ",", j, "]: weight is not finite"));
     }
   }
   return absl::OkStatus();

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 
 namespace moe {
 
@@ -21,11 +22,14 @@ struct RoutingView {
   const float* weights = nullptr;
 };
 
-// InvalidArgument naming the field (expert_ids[t,j] / expert_weights[t,j]) when
-// an id is outside [0, num_experts) or not hosted, repeats within a token, or a
-// used pair's weight is NaN/Inf. `hosted` may be empty (all hosted).
+// InvalidArgument naming the field (expert_ids[t,j] / expert_weights[t,j], or
+// the caller's field names, e.g. a proto's batches[0].topk_ids) when an id is
+// outside [0, num_experts) or not hosted, repeats within a token, or a used
+// pair's weight is NaN/Inf. `hosted` may be empty (all hosted).
 absl::Status ValidateRouting(const RoutingView& r, int num_experts,
-                             const std::function<bool(int)>& hosted);
+                             const std::function<bool(int)>& hosted,
+                             absl::string_view ids_field = "expert_ids",
+                             absl::string_view weights_field = "expert_weights");
 
 // Pairs grouped by expert, experts in ascending order. Group g owns rows
 // [row_begin[g], row_begin[g] + count[g]); row_begin is a multiple of the

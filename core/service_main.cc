@@ -1,9 +1,66 @@
 #include "core/service_main.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 
 namespace moe {
+
+namespace {
+
+// Why `listen` cannot be bound, found by binding it ourselves the way gRPC
+// does (SO_REUSEADDR, no SO_REUSEPORT); "" when it can be.
+std::string BindFailure(const std::string& listen) {
+  const size_t colon = listen.rfind(':');
+  if (colon == std::string::npos) return "expected host:port";
+  std::string host = listen.substr(0, colon);
+  const std::string port = listen.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found); rc != 0)
+    return gai_strerror(rc);
+  std::string failure;
+  for (addrinfo* a = found; a != nullptr && failure.empty(); a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0) failure = std::strerror(errno);
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return failure;
+}
+
+}  // namespace
+
+std::string LoopbackListen(int port) { return absl::StrCat("127.0.0.1:", port); }
+
+absl::StatusOr<ListeningServer> StartGrpcServer(grpc::ServerBuilder& builder, const std::string& listen,
+                                                const std::shared_ptr<grpc::ServerCredentials>& creds) {
+  ListeningServer s;
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.AddListeningPort(listen, creds, &s.port);
+  s.server = builder.BuildAndStart();
+  if (s.server == nullptr || s.port == 0) {
+    if (s.server != nullptr) s.server->Shutdown();
+    const std::string why = BindFailure(listen);
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", listen, ": ",
+                                               why.empty() ? "gRPC could not start a listener there" : why));
+  }
+  s.address = BoundAddress(listen, s.port);
+  return s;
+}
 
 sigset_t BlockTerminationSignals() {
   sigset_t term;
@@ -32,7 +89,8 @@ void ServiceFlags::Register(FlagSet& flags, const std::string& peers) {
                  " (only on trusted networks; TLS flags are needed otherwise)");
   flags.Int("metrics-port", &metrics_port,
             "serve Prometheus metrics on http://ADDRESS:PORT/metrics (-1 = off, 0 = a free port, printed at start)");
-  flags.String("metrics-address", &metrics_address, "address the metrics endpoint binds to");
+  flags.String("metrics-address", &metrics_address,
+               "address the metrics endpoint binds to (loopback by default; e.g. 0.0.0.0 or the pod IP to be scraped)");
 }
 
 absl::Status ServiceFlags::Validate() const {

@@ -1,7 +1,8 @@
 // The few steps every server binary's main() shares (moe-expert-server,
 // moe-gpu-worker, moe-coordinator): the TLS and metrics flags, blocking
-// termination signals so main can sigwait for them, the address actually
-// bound, and the optional /metrics endpoint. Call from main() only.
+// termination signals so main can sigwait for them, starting the gRPC
+// listener on a port no other process shares, the address actually bound,
+// and the optional /metrics endpoint. Call from main() only.
 #pragma once
 
 #include <signal.h>
@@ -14,6 +15,7 @@
 #include "core/flags.h"
 #include "core/metrics_http.h"
 #include "core/transport/transport.h"
+#include "grpcpp/grpcpp.h"
 
 namespace moe {
 
@@ -22,7 +24,7 @@ namespace moe {
 struct ServiceFlags {
   TlsOptions tls;
   int64_t metrics_port = -1;  // -1 = off, 0 = a free port, N = N
-  std::string metrics_address = "0.0.0.0";
+  std::string metrics_address = "127.0.0.1";  // loopback unless asked
 
   // `peers`: who the binary also calls with the same TLS identity (e.g.
   // "expert servers"), or "" for a server that only serves.
@@ -30,6 +32,23 @@ struct ServiceFlags {
   // After Parse: InvalidArgument naming the flag.
   absl::Status Validate() const;
 };
+
+// The default listen address of a server binary: loopback, `port`.
+std::string LoopbackListen(int port);
+
+// A started gRPC server and the port it bound.
+struct ListeningServer {
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  std::string address;  // `listen` with the bound port
+};
+
+// Adds `listen` to `builder` with SO_REUSEPORT off (gRPC turns it on by
+// default, which lets a second process bind the same port and take half the
+// calls) and starts it. Unavailable with a one-line reason ("cannot listen on
+// ADDR: Address already in use") when the port is taken or cannot be bound.
+absl::StatusOr<ListeningServer> StartGrpcServer(grpc::ServerBuilder& builder, const std::string& listen,
+                                                const std::shared_ptr<grpc::ServerCredentials>& creds);
 
 // Blocks SIGTERM and SIGINT in this thread and every thread it starts later;
 // main waits for them with sigwait(&set, &sig).

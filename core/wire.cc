@@ -27,6 +27,11 @@ absl::StatusOr<DType> FromProtoDType(moe::v1::DType t) {
   }
 }
 
+std::string ProtoDTypeName(moe::v1::DType t) {
+  const std::string& name = moe::v1::DType_Name(t);
+  return name.empty() ? absl::StrCat("unknown value ", static_cast<int>(t)) : name;
+}
+
 void EncodeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,
                   moe::v1::Tensor* out) {
   out->set_dtype(ToProtoDType(dtype));
@@ -40,7 +45,7 @@ absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::str
   absl::StatusOr<DType> dt = FromProtoDType(t.dtype());
   if (!dt.ok() || *dt != want)
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: expected ", DTypeName(want), ", got ",
-                                                   moe::v1::DType_Name(t.dtype())));
+                                                   ProtoDTypeName(t.dtype())));
   if (t.shape_size() != static_cast<int>(want_shape.size()))
     return absl::InvalidArgumentError(absl::StrCat(field, ".shape: expected rank ", want_shape.size(),
                                                    ", got rank ", t.shape_size()));

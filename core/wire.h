@@ -19,6 +19,9 @@ namespace moe {
 
 moe::v1::DType ToProtoDType(DType t);
 absl::StatusOr<DType> FromProtoDType(moe::v1::DType t);
+// The proto's name of a dtype value, or "unknown value N" for one the proto
+// does not define (protobuf's own name is then empty).
+std::string ProtoDTypeName(moe::v1::DType t);
 
 // Fills `out` with dtype, shape and a copy of the bytes.
 void EncodeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,

@@ -57,7 +57,7 @@ absl::Status ExpertServiceImpl::Handle(const moe::v1::ForwardRequest& req,
     case moe::v1::DTYPE_BF16: out_dtype = DType::kBF16; break;
     case moe::v1::DTYPE_F32: out_dtype = DType::kF32; break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("output_dtype: ", moe::v1::DType_Name(req.output_dtype()),
+      return absl::InvalidArgumentError(absl::StrCat("output_dtype: ", ProtoDTypeName(req.output_dtype()),
                                                      " not supported (BF16 or F32)"));
   }
   std::vector<bf16_t> tok_copy;

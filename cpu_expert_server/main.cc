@@ -54,14 +54,16 @@ std::string RangeText(const std::vector<int>& v) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model, listen = "0.0.0.0:50051", layers_flag, experts_flag, numa = "auto", kernel_name = "auto";
+  std::string model, listen = moe::LoopbackListen(50051), layers_flag, experts_flag, numa = "auto", kernel_name = "auto";
   std::string shm_socket, shm_uids, coordinator, server_id;
   int64_t threads = 0, max_tokens = 8192, drain_seconds = 30, idle_spin_us = 50;
   moe::FlagSet flags("moe-expert-server",
                      "--model DIR|synthetic:PRESET[:layers=N][:seed=S] [--listen ADDR] [flags]\n"
                      "Serves the routed experts of an MoE model from CPU memory (moe.v1.ExpertService).");
   flags.String("model", &model, "checkpoint directory (config.json + safetensors) or synthetic:PRESET[:layers=N][:seed=S]");
-  flags.String("listen", &listen, "gRPC address to listen on, host:port (port 0 picks a free port)");
+  flags.String("listen", &listen,
+               "gRPC address to listen on, host:port (loopback by default; port 0 picks a free port; a port "
+               "another process holds refuses the start)");
   flags.String("layers", &layers_flag, "MoE layers to host, e.g. 3-10,12 (model layer indexes; default: all)");
   flags.String("experts", &experts_flag, "experts to host in every hosted layer, e.g. 0-63 (default: all)");
   flags.Int("threads", &threads, "compute threads (0 = one per core of the NUMA node)");
@@ -173,13 +175,13 @@ int main(int argc, char** argv) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(listen, *creds, &port);
   builder.RegisterService(&service);
   moe::ConfigureServerBuilder(builder, max_msg);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
-  const std::string bound = moe::BoundAddress(listen, port);
+  absl::StatusOr<moe::ListeningServer> listening = moe::StartGrpcServer(builder, listen, *creds);
+  if (!listening.ok()) flags.Fail(std::string(listening.status().message()), 1);
+  std::unique_ptr<grpc::Server> server = std::move(listening->server);
+  const int port = listening->port;
+  const std::string bound = listening->address;
   moe::LogInfo("server", "serving moe.v1.ExpertService on ", bound, " (max message ", max_msg, " bytes)");
   std::unique_ptr<moe::ShmServer> shm;
   if (!shm_socket.empty()) {

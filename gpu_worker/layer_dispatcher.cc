@@ -208,7 +208,10 @@ absl::Status LayerDispatcher::Init() {
   if (C == 0 && c.cache_gib > 0)
     C = static_cast<int>(c.cache_gib * (1ull << 30) / expert_bytes / std::max<size_t>(1, layers_.size()));
   if (C < 0) return absl::InvalidArgumentError("cache-experts-per-layer: must not be negative");
-  C = std::min(C, spec_.num_experts);
+  if (c.slots_per_layer > spec_.num_experts)  // asked for explicitly: never clamped silently
+    return absl::InvalidArgumentError(absl::StrCat("cache-experts-per-layer: ", c.slots_per_layer,
+                                                   " exceeds the model's ", spec_.num_experts, " experts per layer"));
+  C = std::min(C, spec_.num_experts);  // from --cache-gib: at most every expert
   const int temp = host_ != nullptr ? 2 * c.miss_buffers : 0;
   const uint64_t need = (static_cast<uint64_t>(C) * layers_.size() + temp) * expert_bytes;
   if (need > backend_->free_memory_bytes())

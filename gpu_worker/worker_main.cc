@@ -28,7 +28,7 @@
 
 int main(int argc, char** argv) {
   std::string model, servers_flag, device = "auto", policy, copy_mode = "auto", layers_flag;
-  std::string listen = "0.0.0.0:50061", coordinator, worker_id;
+  std::string listen = moe::LoopbackListen(50061), coordinator, worker_id;
   int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000;
   double cache_gib = 0;
   moe::FlagSet flags("moe-gpu-worker",
@@ -55,7 +55,9 @@ int main(int argc, char** argv) {
   flags.Int("max-top-k", &max_top_k, "largest k of the routing");
   flags.Int("cpu-threads", &cpu_threads, "cpu backend: compute threads (0 = all)");
   flags.Int("deadline-ms", &deadline_ms, "per-call deadline for the expert servers");
-  flags.String("listen", &listen, "gRPC address to listen on (port 0 picks a free port)");
+  flags.String("listen", &listen,
+               "gRPC address to listen on (loopback by default; port 0 picks a free port; a port another process "
+               "holds refuses the start)");
   moe::ServiceFlags service_flags;
   service_flags.Register(flags, "expert servers and the coordinator");
   flags.Parse(argc, argv);
@@ -110,18 +112,19 @@ int main(int argc, char** argv) {
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
   metrics_ptr.store(&metrics, std::memory_order_release);
   std::mutex mu;
-  moe::WorkerServiceImpl service(**session, mu, policy, o.servers, &metrics);
+  moe::WorkerServiceImpl service(**session, mu, policy, o.servers,
+                                 moe::WorkerLimits{o.max_tokens, o.max_top_k}, &metrics);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort(listen, *creds, &port);
   builder.RegisterService(&service);
   const uint64_t max_msg = 2ull * max_tokens * (2ull * (*session)->spec().hidden + 8 * max_top_k) + (1 << 20);
   moe::ConfigureServerBuilder(builder, max_msg);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr || port == 0) flags.Fail(absl::StrCat("cannot listen on ", listen), 1);
-  const std::string bound = moe::BoundAddress(listen, port);
+  absl::StatusOr<moe::ListeningServer> listening = moe::StartGrpcServer(builder, listen, *creds);
+  if (!listening.ok()) flags.Fail(std::string(listening.status().message()), 1);
+  std::unique_ptr<grpc::Server> server = std::move(listening->server);
+  const int port = listening->port;
+  const std::string bound = listening->address;
 
   // Coordinator: register, receive placements (applied between calls), report access counts.
   std::unique_ptr<moe::CoordinatorAgent> agent;

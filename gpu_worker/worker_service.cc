@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/routing.h"
 #include "core/wire.h"
 
 #include <algorithm>
@@ -10,8 +11,13 @@
 namespace moe {
 
 WorkerServiceImpl::WorkerServiceImpl(MoeSession& session, std::mutex& mu, std::string policy,
-                                     std::vector<std::string> servers, WorkerMetrics* metrics)
-    : session_(session), mu_(mu), policy_(std::move(policy)), servers_(std::move(servers)), metrics_(metrics) {}
+                                     std::vector<std::string> servers, WorkerLimits limits, WorkerMetrics* metrics)
+    : session_(session),
+      mu_(mu),
+      policy_(std::move(policy)),
+      servers_(std::move(servers)),
+      limits_(limits),
+      metrics_(metrics) {}
 
 void WorkerServiceImpl::OnAssignment(const AssignmentUpdate& update) {
   std::lock_guard<std::mutex> lock(queue_mu_);
@@ -62,6 +68,11 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
   const int n = req->batches_size();
   if (n < 1 || n > 2)
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("batches: ", n, " micro-batches (1 or 2)")));
+  // The layer as the expert server checks it (an index is never printed as a negative number).
+  const int num_layers = session_.spec().num_layers;
+  if (req->layer() >= static_cast<uint32_t>(num_layers))
+    return ToGrpcStatus(
+        absl::InvalidArgumentError(absl::StrCat("layer: ", req->layer(), " out of range [0, ", num_layers, ")")));
   struct Decoded {
     int T = 0, k = 0;
     TensorView hidden, ids, weights;
@@ -74,11 +85,24 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
     absl::StatusOr<TensorView> hidden = DecodeTensor(b.hidden(), f + "hidden", DType::kBF16, {-1, H});
     if (!hidden.ok()) return ToGrpcStatus(hidden.status());
     const int64_t T = hidden->shape[0];
+    // Codes as the expert server's for the same fault (ExpertServiceImpl::Handle).
+    if (T == 0) return ToGrpcStatus(absl::InvalidArgumentError(f + "hidden: empty micro-batch (0 tokens)"));
+    if (T > limits_.max_tokens)
+      return ToGrpcStatus(absl::OutOfRangeError(
+          absl::StrCat(f, "hidden: ", T, " tokens exceed max_tokens ", limits_.max_tokens)));
     absl::StatusOr<TensorView> ids = DecodeTensor(b.topk_ids(), f + "topk_ids", DType::kI32, {T, -1});
     if (!ids.ok()) return ToGrpcStatus(ids.status());
     const int64_t k = ids->shape[1];
+    if (k == 0 || k > limits_.max_top_k)
+      return ToGrpcStatus(absl::InvalidArgumentError(
+          absl::StrCat(f, "topk_ids.shape[1]: ", k, " pairs per token, must be in [1, ", limits_.max_top_k, "]")));
     absl::StatusOr<TensorView> w = DecodeTensor(b.topk_weights(), f + "topk_weights", DType::kF32, {T, k});
     if (!w.ok()) return ToGrpcStatus(w.status());
+    if (absl::Status st = ValidateRouting(RoutingView{static_cast<int>(T), static_cast<int>(k), ids->as<int32_t>(),
+                                                      w->as<float>()},
+                                          session_.spec().num_experts, {}, f + "topk_ids", f + "topk_weights");
+        !st.ok())
+      return ToGrpcStatus(st);
     d[i].T = static_cast<int>(T);
     d[i].k = static_cast<int>(k);
     d[i].hidden = *hidden;

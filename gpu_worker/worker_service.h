@@ -1,6 +1,8 @@
 // WorkerServiceImpl: moe.v1.WorkerService over one MoeSession — the GPU
 // worker's gRPC face for engines that do not link the client library.
-// Requests are validated (INVALID_ARGUMENT naming the field); calls are
+// Requests are validated as the expert server validates its own, with the
+// same codes (INVALID_ARGUMENT naming the field, OUT_OF_RANGE over
+// max_tokens) and this proto's field names (batches[i].topk_ids[t,j]); calls are
 // serialised on the session (one device, one dispatcher), and a request with
 // two micro-batches runs them overlapped (both submitted, then both completed).
 //
@@ -26,12 +28,18 @@
 
 namespace moe {
 
+// The session's per-call limits (SessionOptions::max_tokens / max_top_k).
+struct WorkerLimits {
+  int max_tokens = 1024;
+  int max_top_k = 8;
+};
+
 class WorkerServiceImpl final : public moe::v1::WorkerService::Service {
  public:
   // `session` must outlive the service. `mu` guards every use of the session
   // (the coordinator agent applies assignments under it, between calls).
   WorkerServiceImpl(MoeSession& session, std::mutex& mu, std::string policy,
-                    std::vector<std::string> servers, WorkerMetrics* metrics = nullptr);
+                    std::vector<std::string> servers, WorkerLimits limits, WorkerMetrics* metrics = nullptr);
 
   // Coordinator hook-up (optional): the agent to acknowledge versions to.
   void SetAgent(CoordinatorAgent* agent) { agent_ = agent; }
@@ -53,6 +61,7 @@ class WorkerServiceImpl final : public moe::v1::WorkerService::Service {
   std::mutex& mu_;
   std::string policy_;
   std::vector<std::string> servers_;
+  WorkerLimits limits_;
   WorkerMetrics* metrics_;
   CoordinatorAgent* agent_ = nullptr;
   std::mutex queue_mu_;

@@ -35,7 +35,7 @@ while [[ $# -gt 0 ]]; do
     tests)
       echo "## tests" | tee -a "$OUT/tests.txt"
       for t in device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test \
-               core_test expert_server_test shm_segment_test transport_test cost_model_test; do
+               core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test; do
         [[ -x $B/bin/$t ]] || continue
         timeout 300 "$B/bin/$t" > "/tmp/$t.log" 2>&1
         rc=$?

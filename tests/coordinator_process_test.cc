@@ -29,12 +29,14 @@ using testing::Scrape;
 using testing::Subprocess;
 using namespace std::chrono_literals;
 
-// Starts moe-coordinator (plaintext, loopback) and waits for its ready line
+// Starts moe-coordinator (plaintext, loopback, every role granted to loopback
+// callers with --insecure-admin; tests/hardening_test.cc covers the roles) and waits for its ready line
 // (and, with --metrics-port in args, the metrics line: its port in *metrics_port).
 std::string StartCoordinator(std::unique_ptr<Subprocess>* out, std::vector<std::string> args,
                              const std::string& listen = "127.0.0.1:0", int* metrics_port = nullptr) {
   args.push_back("--listen=" + listen);
   args.push_back("--insecure");
+  args.push_back("--insecure-admin");
   out->reset(new Subprocess(testing::BinaryPath("moe-coordinator"), args));
   const std::string line = (*out)->ReadLine(10s);
   const std::string key = "ready on ";

@@ -13,7 +13,10 @@
 //     coordinator restarted on the same port with the same state file still
 //     has every admin override (pin, policy, drain); the workers come back;
 //   - kill -9 of one of the two replica servers under continuous traffic:
-//     every call succeeds (failover to the replica).
+//     every call succeeds (failover to the replica);
+//   - the bounded soak: concurrent traffic on both workers while one server
+//     is SIGKILLed and restarted twice and the coordinator restarted once;
+//     zero wrong answers, every call accounted for, RSS growth < 5%.
 //
 // Every output is compared with the reference MoE (relative L2 error <= 1e-2)
 // on random activations and weights.
@@ -29,6 +32,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -91,6 +95,15 @@ std::string ReadFile(const std::string& path) {
   std::stringstream s;
   s << f.rdbuf();
   return s.str();
+}
+
+// Resident set size of a process in KiB (VmRSS), -1 if unreadable.
+long RssKib(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::strtol(line.c_str() + 6, nullptr, 10);
+  return -1;
 }
 
 std::string Tail(const std::string& s, size_t n = 3000) { return s.size() > n ? s.substr(s.size() - n) : s; }
@@ -220,14 +233,7 @@ class SystemTest : public ::testing::Test {
     ASSERT_NO_FATAL_FAILURE(StartCoordinator("127.0.0.1:0"));
     for (int i = 0; i < 2; ++i) {
       sockets_[i] = dir_.path() + "/s" + std::to_string(i + 1) + ".sock";
-      Process& s = servers_[i];
-      s.log = dir_.path() + "/server" + std::to_string(i + 1) + ".log";
-      s.proc = std::make_unique<Subprocess>(
-          testing::BinaryPath("moe-expert-server"),
-          std::vector<std::string>{std::string("--model=") + kModel, "--listen=127.0.0.1:0", "--insecure",
-                                   "--threads=1", "--shm-socket=" + sockets_[i], "--coordinator=" + coord_.addr,
-                                   "--server-id=" + ServerId(i), "--metrics-port=0", "--metrics-address=127.0.0.1"},
-          s.log);
+      LaunchServer(i);
     }
     for (Process& s : servers_) ASSERT_NO_FATAL_FAILURE(WaitReady(s, "moe-expert-server", true));
     for (int i = 0; i < 2; ++i) {
@@ -272,6 +278,20 @@ class SystemTest : public ::testing::Test {
   static std::string WorkerId(int i) { return absl::StrCat("w", i + 1); }
   static std::string ServerId(int i) { return absl::StrCat("s", i + 1); }
 
+  // Starts (or restarts) expert server i on its socket; WaitReady waits for it.
+  void LaunchServer(int i) {
+    Process& s = servers_[i];
+    s.log = dir_.path() + "/server" + std::to_string(i + 1) + ".log";
+    s.addr.clear();
+    s.metrics_port = -1;
+    s.proc = std::make_unique<Subprocess>(
+        testing::BinaryPath("moe-expert-server"),
+        std::vector<std::string>{std::string("--model=") + kModel, "--listen=127.0.0.1:0", "--insecure",
+                                 "--threads=1", "--shm-socket=" + sockets_[i], "--coordinator=" + coord_.addr,
+                                 "--server-id=" + ServerId(i), "--metrics-port=0", "--metrics-address=127.0.0.1"},
+        s.log);
+  }
+
   // Starts (or restarts) the coordinator at `listen` with the same state file.
   void StartCoordinator(const std::string& listen) {
     coord_.log = dir_.path() + "/coordinator.log";
@@ -279,7 +299,7 @@ class SystemTest : public ::testing::Test {
     coord_.metrics_port = -1;
     coord_.proc = std::make_unique<Subprocess>(
         testing::BinaryPath("moe-coordinator"),
-        std::vector<std::string>{"--listen=" + listen, "--insecure", "--rebalance-interval-seconds=0.3",
+        std::vector<std::string>{"--listen=" + listen, "--insecure", "--insecure-admin", "--rebalance-interval-seconds=0.3",
                                  "--half-life-seconds=1", "--heartbeat-interval-ms=100",
                                  "--heartbeat-timeout-seconds=1", "--state-file=" + state_file_, "--metrics-port=0",
                                  "--metrics-address=127.0.0.1"},
@@ -798,6 +818,126 @@ TEST_F(SystemTest, KillingOneReplicaServerLosesNoRequest) {
   ASSERT_EQ(r.code, 0) << r.err;
   const nlohmann::json j = nlohmann::json::parse(r.out);
   for (const auto& l : j["layers"]) EXPECT_EQ(l["routable_experts"], 32) << "s2 hosts every expert";
+}
+
+TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
+  // One traffic thread per worker, every answer checked against the reference.
+  std::atomic<bool> stop{false};
+  std::atomic<long> calls{0}, ok{0}, failed{0}, wrong{0};
+  std::mutex mu;
+  std::string first_problem;
+  std::vector<std::thread> threads;
+  for (int w = 0; w < 2; ++w)
+    threads.emplace_back([&, w] {
+      std::mt19937_64 rng(70 + w);
+      while (!stop.load()) {
+        for (int layer = 0; layer < 2 && !stop.load(); ++layer) {
+          Batch b = SkewedBatch(layer, rng, 0.5);  // plenty of misses for the servers
+          const CallResult c = Forward(*clients_[w], b, 10000);
+          ++calls;
+          if (!c.status.ok()) {
+            ++failed;  // the caller was told
+          } else if (!(c.error <= kTolerance) || c.pairs() != b.T * b.k) {
+            ++wrong;
+          } else {
+            ++ok;
+          }
+          if (!c.status.ok() || !(c.error <= kTolerance)) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (first_problem.empty())
+              first_problem = WorkerId(w) + " layer " + std::to_string(layer) + ": " + c.status.ToString() +
+                              " error " + std::to_string(c.error);
+          }
+        }
+      }
+    });
+  struct Joiner {
+    std::atomic<bool>& stop;
+    std::vector<std::thread>& t;
+    ~Joiner() {
+      stop = true;
+      for (auto& x : t)
+        if (x.joinable()) x.join();
+    }
+  } joiner{stop, threads};
+  auto wait_calls = [&](long n, std::chrono::milliseconds timeout) {
+    const long target = calls.load() + n;
+    const Clock::time_point end = Clock::now() + timeout;
+    while (calls.load() < target && Clock::now() < end) std::this_thread::sleep_for(5ms);
+    return calls.load() >= target;
+  };
+  // Traffic for `d`, never stalled for 5 s (a call that never returns would stall it).
+  auto hold = [&](std::chrono::milliseconds d) {
+    const Clock::time_point end = Clock::now() + d;
+    while (Clock::now() < end) {
+      if (!wait_calls(1, 5s)) return false;
+      std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
+          200ms, std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now())));
+    }
+    return true;
+  };
+  // The soak's length (CI: 40 s of traffic between the events, about a minute
+  // in all); MOE_SOAK_SECONDS overrides it, up to 90.
+  const char* env = std::getenv("MOE_SOAK_SECONDS");
+  const int soak_s = std::clamp(env != nullptr ? std::atoi(env) : 40, 4, 90);
+  const auto segment = std::chrono::milliseconds(soak_s * 1000 / 4);
+  const Clock::time_point t0 = Clock::now();
+  // Warm-up: every connection made, caches placed, allocators at steady state.
+  ASSERT_TRUE(wait_calls(80, 30s));
+  // The long-lived processes whose memory must stay flat: both workers and s2.
+  const std::vector<const Process*> watched = {&workers_[0], &workers_[1], &servers_[1]};
+  std::vector<long> rss_before;
+  for (const Process* p : watched) rss_before.push_back(RssKib(p->proc->pid()));
+
+  // s1 (where the misses go first) SIGKILLed and restarted on the same socket, twice.
+  for (int round = 0; round < 2; ++round) {
+    ASSERT_TRUE(hold(segment)) << "calls stalled before kill " << round + 1;
+    servers_[0].proc->Signal(SIGKILL);
+    ASSERT_NE(servers_[0].proc->Wait(5s), -1);
+    ASSERT_TRUE(wait_calls(20, 20s)) << "calls stalled after kill " << round + 1;
+    LaunchServer(0);
+    ASSERT_NO_FATAL_FAILURE(WaitReady(servers_[0], "moe-expert-server", true));
+    ASSERT_TRUE(WaitForStatus([](const nlohmann::json& s) { return StateOf(s, "s1") == "up"; }, 10s))
+        << "s1 did not come back after restart " << round + 1 << ": " << last_status_;
+    const double served = ServerRequests(0);
+    ASSERT_TRUE(wait_calls(40, 20s));
+    EXPECT_GT(ServerRequests(0), served) << "the restarted s1 takes misses again (round " << round + 1 << ")";
+  }
+  // The coordinator stopped and restarted on the same port and state file.
+  ASSERT_TRUE(hold(segment)) << "calls stalled before the coordinator restart";
+  const std::string addr = coord_.addr;
+  coord_.proc->Signal(SIGTERM);
+  ASSERT_NE(coord_.proc->Wait(10s), -1);
+  ASSERT_TRUE(wait_calls(20, 20s)) << "calls stalled without the coordinator";
+  ASSERT_NO_FATAL_FAILURE(StartCoordinator(addr));
+  ASSERT_TRUE(WaitForStatus([](const nlohmann::json& s) { return Count(s, "workers", "up") == 2 &&
+                                                                 Count(s, "servers", "up") == 2 && Synced(s) == 2; },
+                            15s))
+      << "the workers and servers did not all come back: " << last_status_;
+  ASSERT_TRUE(hold(segment)) << "calls stalled after the coordinator restart";
+  stop = true;
+  for (auto& t : threads) t.join();
+
+  std::vector<long> rss_after;
+  for (const Process* p : watched) rss_after.push_back(RssKib(p->proc->pid()));
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  // A lost call (one that never returns) would have stalled its thread: every
+  // wait_calls above is bounded and the joins completed.
+  std::printf("soak: %.0f s, %ld calls: %ld correct, %ld failed (reported to the caller), %ld wrong; "
+              "2 server kills + restarts, 1 coordinator restart\n",
+              seconds, calls.load(), ok.load(), failed.load(), wrong.load());
+  for (size_t i = 0; i < watched.size(); ++i) {
+    const char* name = i < 2 ? (i == 0 ? "w1" : "w2") : "s2";
+    std::printf("soak: rss %s %ld -> %ld KiB (%+.2f%%)\n", name, rss_before[i], rss_after[i],
+                100.0 * (rss_after[i] - rss_before[i]) / rss_before[i]);
+    ASSERT_GT(rss_before[i], 0);
+    EXPECT_LT(rss_after[i], rss_before[i] * 1.05) << name << " grew by more than 5%";
+  }
+  EXPECT_EQ(wrong.load(), 0) << first_problem;
+  EXPECT_EQ(failed.load(), 0) << "s2 replicates every expert: no call should fail; " << first_problem;
+  EXPECT_LT(seconds, 120);
+  RecordProperty("calls", static_cast<int>(calls.load()));
+  RecordProperty("failed", static_cast<int>(failed.load()));
 }
 
 }  // namespace

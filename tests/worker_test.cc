@@ -4,12 +4,15 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <random>
 
+#include "client/expert_client.h"
 #include "client/moe_session.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
@@ -67,12 +70,13 @@ class WorkerTest : public ::testing::Test {
   void SetUp() override {
     socket_ = dir_.path() + "/expert.sock";
     Subprocess* s = nullptr;
-    ASSERT_FALSE(testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1",
-                                                 "--shm-socket=" + socket_}).empty());
+    server_addr_ = testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1",
+                                                   "--shm-socket=" + socket_});
     server_.reset(s);
+    ASSERT_FALSE(server_addr_.empty());
   }
   TempDir dir_;
-  std::string socket_;
+  std::string socket_, server_addr_;
   std::unique_ptr<Subprocess> server_;
 };
 
@@ -190,7 +194,7 @@ TEST_F(WorkerTest, WorkerProcessServesForwardLayerOverGrpc) {
     moe::v1::ForwardLayerResponse resp;
     grpc::Status st = stub->ForwardLayer(&ctx, bad, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-    EXPECT_NE(st.error_message().find("expert_ids"), std::string::npos) << st.error_message();
+    EXPECT_NE(st.error_message().find("batches[0].topk_ids[1,1]"), std::string::npos) << st.error_message();
   }
   {
     grpc::ClientContext ctx;
@@ -212,6 +216,88 @@ TEST_F(WorkerTest, WorkerRefusesBadFlagsWithOneLine) {
   std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 1) << text;
   EXPECT_NE(text.find("policy"), std::string::npos) << text;
+}
+
+// The same bad input to the worker (WorkerService) and to the expert server
+// (ExpertService): the same status code, each naming the field in its own
+// proto's terms (the worker's batches[i].topk_ids is the server's expert_ids).
+TEST_F(WorkerTest, WorkerAndServerAgreeOnCodesAndFieldNames) {
+  Subprocess worker(testing::BinaryPath("moe-gpu-worker"),
+                    {std::string("--model=") + kModel, "--servers=unix://" + socket_, "--device=cpu",
+                     "--cache-experts-per-layer=2", "--cpu-threads=1", "--max-tokens=64", "--listen=127.0.0.1:0",
+                     "--insecure"});
+  const std::string line = worker.ReadLine(std::chrono::seconds(30));
+  ASSERT_NE(line.find("ready on "), std::string::npos) << line;
+  auto stub = moe::v1::WorkerService::NewStub(
+      grpc::CreateChannel(line.substr(line.find("ready on ") + 9), grpc::InsecureChannelCredentials()));
+  auto server = *ExpertClient::Connect(server_addr_, testing::PlaintextTls());
+
+  struct Case {
+    std::string what;
+    int T;            // tokens
+    uint32_t layer;
+    std::function<void(Batch&)> spoil;  // applied to a valid batch of T tokens, k = 2
+    int dtype = -1;   // >= 0: the tokens' dtype field on the wire
+    grpc::StatusCode code;
+    std::string worker_field, server_field;
+  };
+  const std::vector<Case> cases = {
+      {"no tokens", 0, 1, nullptr, -1, grpc::StatusCode::INVALID_ARGUMENT, "batches[0].hidden", "tokens"},
+      {"too many tokens", 8193, 1, nullptr, -1, grpc::StatusCode::OUT_OF_RANGE, "batches[0].hidden", "tokens"},
+      {"expert out of range", 3, 1, [](Batch& b) { b.ids[3] = 8; }, -1, grpc::StatusCode::INVALID_ARGUMENT,
+       "batches[0].topk_ids[1,1]", "expert_ids[1,1]"},
+      {"repeated expert", 3, 1, [](Batch& b) { b.ids[5] = b.ids[4]; }, -1, grpc::StatusCode::INVALID_ARGUMENT,
+       "batches[0].topk_ids[2,1]", "expert_ids[2,1]"},
+      {"NaN weight", 3, 1, [](Batch& b) { b.w[2] = std::nanf(""); }, -1, grpc::StatusCode::INVALID_ARGUMENT,
+       "batches[0].topk_weights[1,0]", "expert_weights[1,0]"},
+      {"layer 2^32-1", 3, 0xffffffffu, nullptr, -1, grpc::StatusCode::INVALID_ARGUMENT, "layer: 4294967295",
+       "layer: 4294967295"},
+      {"unknown dtype", 3, 1, nullptr, 77, grpc::StatusCode::INVALID_ARGUMENT,
+       "batches[0].hidden.dtype: expected BF16, got unknown value 77", "tokens.dtype: expected BF16, got unknown value 77"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    // The server's limit is its default --max-tokens (8192); the worker's is 64.
+    Batch b = RandomBatch(c.T == 8193 ? 65 : c.T, 2, 9);
+    Batch sb = RandomBatch(c.T, 2, 9);
+    if (c.spoil) {
+      c.spoil(b);
+      c.spoil(sb);
+    }
+    moe::v1::ForwardLayerRequest wreq;
+    wreq.set_layer(c.layer);
+    Encode(b, wreq.add_batches());
+    moe::v1::ForwardRequest sreq = ExpertClient::MakeRequest(
+        static_cast<int>(c.layer), sb.T, kH, sb.x.data(), RoutingView{sb.T, sb.k, sb.ids.data(), sb.w.data()});
+    sreq.set_layer(c.layer);
+    if (c.dtype >= 0) {
+      wreq.mutable_batches(0)->mutable_hidden()->set_dtype(static_cast<moe::v1::DType>(c.dtype));
+      sreq.mutable_tokens()->set_dtype(static_cast<moe::v1::DType>(c.dtype));
+    }
+    grpc::ClientContext ctx;
+    moe::v1::ForwardLayerResponse wresp;
+    const grpc::Status ws = stub->ForwardLayer(&ctx, wreq, &wresp);
+    moe::v1::ForwardResponse sresp;
+    const absl::Status ss = server->Call(sreq, &sresp);
+    EXPECT_EQ(ws.error_code(), c.code) << "worker: " << ws.error_message();
+    EXPECT_EQ(static_cast<int>(ss.code()), static_cast<int>(c.code)) << "server: " << ss;
+    EXPECT_EQ(ws.error_message().rfind(c.worker_field, 0), 0u) << "worker: " << ws.error_message();
+    EXPECT_EQ(std::string(ss.message()).rfind(c.server_field, 0), 0u) << "server: " << ss;
+  }
+  // Both keep serving.
+  Batch ok = RandomBatch(4, 2, 10);
+  moe::v1::ForwardLayerRequest wreq;
+  wreq.set_layer(1);
+  Encode(ok, wreq.add_batches());
+  grpc::ClientContext ctx;
+  moe::v1::ForwardLayerResponse wresp;
+  ASSERT_TRUE(stub->ForwardLayer(&ctx, wreq, &wresp).ok());
+  std::vector<bf16_t> out(ok.x.size());
+  std::memcpy(out.data(), wresp.outputs(0).data().data(), out.size() * 2);
+  EXPECT_LE(Error(1, ok, out.data()), 1e-2);
+  EXPECT_TRUE(server->Forward(ExpertClient::MakeRequest(1, ok.T, kH, ok.x.data(),
+                                                        RoutingView{ok.T, ok.k, ok.ids.data(), ok.w.data()}))
+                  .ok());
 }
 
 }  // namespace

@@ -5,6 +5,10 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "openssl/bio.h"
+#include "openssl/evp.h"
+#include "openssl/pem.h"
+#include "openssl/x509.h"
 
 namespace moe {
 
@@ -20,9 +24,43 @@ absl::StatusOr<std::string> ReadPem(const std::string& path, const char* flag) {
   return ss.str();
 }
 
+// A key that does not belong to its certificate would only surface as a
+// listener gRPC cannot start (or a handshake that fails): say so up front.
+absl::Status CheckKeyMatchesCertificate(const TlsOptions& tls, const std::string& cert_pem,
+                                        const std::string& key_pem) {
+  BIO* cb = BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size()));
+  X509* cert = cb != nullptr ? PEM_read_bio_X509(cb, nullptr, nullptr, nullptr) : nullptr;
+  BIO_free(cb);
+  BIO* kb = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
+  EVP_PKEY* key = kb != nullptr ? PEM_read_bio_PrivateKey(kb, nullptr, nullptr, nullptr) : nullptr;
+  BIO_free(kb);
+  absl::Status st;
+  if (cert == nullptr) {
+    st = absl::InvalidArgumentError(absl::StrCat("--tls-cert: '", tls.cert_file, "' holds no readable certificate"));
+  } else if (key == nullptr) {
+    st = absl::InvalidArgumentError(absl::StrCat("--tls-key: '", tls.key_file, "' holds no readable private key"));
+  } else if (X509_check_private_key(cert, key) != 1) {
+    st = absl::InvalidArgumentError(absl::StrCat("--tls-key: '", tls.key_file, "' does not match the certificate in '",
+                                                 tls.cert_file, "'"));
+  }
+  X509_free(cert);
+  EVP_PKEY_free(key);
+  return st;
+}
+
+// Plaintext asked for together with TLS material is a mistake the operator
+// must hear about, not a silent downgrade.
+absl::Status CheckNoConflict(const TlsOptions& tls) {
+  if (tls.insecure && (!tls.cert_file.empty() || !tls.key_file.empty() || !tls.ca_file.empty()))
+    return absl::InvalidArgumentError(
+        "--insecure conflicts with --tls-cert/--tls-key/--tls-ca: ask for plaintext or for TLS, not both");
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsOptions& tls) {
+  if (absl::Status st = CheckNoConflict(tls); !st.ok()) return st;
   if (tls.insecure) return grpc::InsecureChannelCredentials();
   if (tls.ca_file.empty())
     return absl::InvalidArgumentError("--tls-ca is required to verify the server (or ask for --insecure)");
@@ -35,6 +73,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
     if (!cert.ok()) return cert.status();
     absl::StatusOr<std::string> key = ReadPem(tls.key_file, "--tls-key");
     if (!key.ok()) return key.status();
+    if (absl::Status st = CheckKeyMatchesCertificate(tls, *cert, *key); !st.ok()) return st;
     o.pem_cert_chain = *cert;
     o.pem_private_key = *key;
   }
@@ -42,6 +81,7 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsOptions& tls) {
+  if (absl::Status st = CheckNoConflict(tls); !st.ok()) return st;
   if (tls.insecure) return grpc::InsecureServerCredentials();
   if (tls.cert_file.empty() || tls.key_file.empty())
     return absl::InvalidArgumentError("--tls-cert and --tls-key are required (or ask for --insecure)");
@@ -49,6 +89,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(c
   if (!cert.ok()) return cert.status();
   absl::StatusOr<std::string> key = ReadPem(tls.key_file, "--tls-key");
   if (!key.ok()) return key.status();
+  if (absl::Status st = CheckKeyMatchesCertificate(tls, *cert, *key); !st.ok()) return st;
   grpc::SslServerCredentialsOptions o(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
   o.pem_key_cert_pairs.push_back({*key, *cert});
   if (!tls.ca_file.empty()) {

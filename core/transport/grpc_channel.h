@@ -13,7 +13,7 @@
 namespace moe {
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsOptions& tls);
-// cert+key required unless insecure; with ca_file the server requires and
+// cert+key required unless insecure (insecure with any TLS file: InvalidArgument); with ca_file the server requires and
 // verifies client certificates (mTLS).
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsOptions& tls);
 

@@ -35,12 +35,14 @@ ShmServer::ShmServer(Options o, ShmHandler h) : opt_(std::move(o)), handler_(std
 
 absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(Options o, ShmHandler handler) {
   if (o.allowed_uids.empty()) o.allowed_uids.push_back(getuid());
+  // Other allowed uids cannot be expected to share our group: let them reach
+  // the socket and admit them by SO_PEERCRED, which is the check that counts.
+  const bool others = std::any_of(o.allowed_uids.begin(), o.allowed_uids.end(), [](uid_t u) { return u != getuid(); });
   std::unique_ptr<ShmServer> s(new ShmServer(std::move(o), std::move(handler)));
-  absl::StatusOr<int> fd = unix_socket::Listen(s->opt_.socket_path, 0660);
-  if (!fd.ok()) return fd.status();
-  s->listen_fd_ = *fd;
-  if (pipe2(s->wake_fd_, O_CLOEXEC) != 0) return absl::InternalError("pipe2 failed");
-  s->acceptor_ = std::thread([p = s.get()] { p->AcceptLoop(); });
+  absl::StatusOr<std::unique_ptr<unix_socket::Listener>> l =
+      unix_socket::Listener::Start(s->opt_.socket_path, others ? 0666 : 0660, [p = s.get()](int sock) { p->Accept(sock); });
+  if (!l.ok()) return l.status();
+  s->listener_ = *std::move(l);
   return s;
 }
 
@@ -48,56 +50,57 @@ ShmServer::~ShmServer() { Stop(); }
 
 void ShmServer::Stop() {
   if (stop_.exchange(true)) return;
-  if (wake_fd_[1] >= 0) (void)!write(wake_fd_[1], "x", 1);
-  if (acceptor_.joinable()) acceptor_.join();
+  if (listener_) listener_->Stop();  // no new connection from here; the socket file is gone
   std::list<std::unique_ptr<Connection>> conns;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& c : connections_) {
       if (c->seg) c->seg->MarkClosed(shm::Side::kServer);  // wakes its thread
+      shutdown(c->sock, SHUT_RDWR);                         // ends a handshake in progress
     }
     conns.swap(connections_);
   }
   for (auto& c : conns) {
     if (c->thread.joinable()) c->thread.join();
   }
-  if (listen_fd_ >= 0) {
-    close(listen_fd_);
-    unlink(opt_.socket_path.c_str());
+}
+
+void ShmServer::Accept(int sock) {
+  auto c = std::make_unique<Connection>();
+  c->sock = sock;
+  Connection* raw = c.get();
+  std::lock_guard<std::mutex> lock(mu_);
+  ReapFinished();
+  if (connections_.size() >= opt_.max_connections) {
+    LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", connections_.size(), " connections open");
+    return;  // ~Connection closes the socket
   }
-  for (int fd : wake_fd_) {
-    if (fd >= 0) close(fd);
+  // The handshake runs on the connection's thread: a client that stalls
+  // in its hello holds only itself, for at most handshake_timeout.
+  raw->thread = std::thread([this, raw] { RunConnection(raw); });
+  connections_.push_back(std::move(c));
+}
+
+void ShmServer::ReapFinished() {
+  for (auto it = connections_.begin(); it != connections_.end();) {
+    if ((*it)->done.load()) {
+      (*it)->thread.join();
+      it = connections_.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
-void ShmServer::AcceptLoop() {
-  while (!stop_.load()) {
-    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_[0], POLLIN, 0}};
-    if (poll(p, 2, -1) < 0 && errno != EINTR) break;
-    if (stop_.load()) break;
-    if (!(p[0].revents & POLLIN)) continue;
-    const int sock = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (sock < 0) continue;
-    auto c = std::make_unique<Connection>();
-    c->sock = sock;
-    if (absl::Status st = Handshake(c.get()); !st.ok()) {
-      LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", st.message());
-      continue;  // ~Connection closes the socket
-    }
-    Connection* raw = c.get();
+void ShmServer::RunConnection(Connection* c) {
+  if (absl::Status st = Handshake(c); !st.ok()) {
+    LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", st.message());
     std::lock_guard<std::mutex> lock(mu_);
-    // Reap connections whose client has left.
-    for (auto it = connections_.begin(); it != connections_.end();) {
-      if ((*it)->done.load()) {
-        (*it)->thread.join();
-        it = connections_.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    raw->thread = std::thread([this, raw] { Serve(raw); });
-    connections_.push_back(std::move(c));
+    shutdown(c->sock, SHUT_RDWR);
+    c->done.store(true);
+    return;
   }
+  Serve(c);
 }
 
 absl::Status ShmServer::Handshake(Connection* c) {
@@ -112,7 +115,8 @@ absl::Status ShmServer::Handshake(Connection* c) {
   // Read the hello before any refusal: closing a Unix socket with unread data
   // resets it, and the client would see ECONNRESET instead of our reason.
   ShmHello hello{};
-  if (absl::Status st = unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr, 2000); !st.ok()) return st;
+  if (absl::Status st = unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr,
+                                                  static_cast<int>(opt_.handshake_timeout.count())); !st.ok()) return st;
   absl::StatusOr<uid_t> uid = unix_socket::PeerUid(c->sock);
   if (!uid.ok()) return uid.status();
   if (std::find(opt_.allowed_uids.begin(), opt_.allowed_uids.end(), *uid) == opt_.allowed_uids.end())
@@ -142,7 +146,10 @@ absl::Status ShmServer::Handshake(Connection* c) {
   absl::StatusOr<shm::Segment> seg =
       shm::Segment::Create(c->base, c->bytes, hello.hidden, hello.max_tokens, hello.max_pairs, hello.slots);
   if (!seg.ok()) return refuse(seg.status());
-  c->seg = *seg;
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // Stop reads it
+    c->seg = *seg;
+  }
   reply.status_code = 0;
   reply.segment_bytes = c->bytes;
   return unix_socket::Send(c->sock, &reply, sizeof(reply), c->memfd);

@@ -1,8 +1,13 @@
 // ShmServer: the expert server's shared-memory endpoint. Listens on a Unix
-// socket (mode 0660); each connecting client (uid checked with SO_PEERCRED)
-// sends a Hello with the slot geometry it wants, gets a fresh memfd segment
-// (sealed against resizing) over SCM_RIGHTS, and from then on talks through
-// the segment's rings and doorbells. One thread per client validates each
+// socket (mode 0660, or 0666 when uids other than its own are allowed: the
+// uid check below is what admits a client); it refuses to start on a path
+// where a live server answers, replaces only a stale socket of its own uid,
+// and on Stop removes the socket file only while it is still its own. Each
+// connecting client (uid checked with SO_PEERCRED) sends a Hello with the
+// slot geometry it wants, within handshake_timeout, on the connection's own
+// thread (a slow or silent client never delays another), gets a fresh memfd
+// segment (sealed against resizing) over SCM_RIGHTS, and from then on talks
+// through the segment's rings and doorbells. That thread validates each
 // request slot (shm::ValidateRequestSlot), calls the handler, which writes the
 // output straight into the slot, and completes it. A client that goes away
 // (socket closed) has its segment unmapped and its thread ended.
@@ -24,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/transport/transport.h"
+#include "core/transport/unix_socket.h"
 
 namespace moe {
 
@@ -71,6 +77,10 @@ class ShmServer {
     // after the connection's last request (0: never), then it sleeps.
     std::chrono::microseconds max_client_poll{10000};
     uint32_t max_slots = 256;
+    // A client must complete its hello within this; connections beyond
+    // max_connections (handshaking or served) are closed at once.
+    std::chrono::milliseconds handshake_timeout{2000};
+    size_t max_connections = 256;
     // Called after every completed request (empty: nothing); must be cheap.
     std::function<void(const ShmRequestRecord&)> on_request;
   };
@@ -83,16 +93,16 @@ class ShmServer {
  private:
   struct Connection;
   ShmServer(Options o, ShmHandler h);
-  void AcceptLoop();
+  void Accept(int sock);  // the listener's thread
+  void ReapFinished();    // with mu_ held
+  void RunConnection(Connection* c);
   void Serve(Connection* c);
   absl::Status Handshake(Connection* c);
 
   Options opt_;
   ShmHandler handler_;
-  int listen_fd_ = -1;
-  int wake_fd_[2] = {-1, -1};  // self-pipe to stop accept()
+  std::unique_ptr<unix_socket::Listener> listener_;
   std::atomic<bool> stop_{false};
-  std::thread acceptor_;
   std::mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_;
 };

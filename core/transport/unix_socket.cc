@@ -1,5 +1,6 @@
 #include "core/transport/unix_socket.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -7,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -34,8 +36,26 @@ absl::StatusOr<int> Listen(const std::string& path, mode_t mode) {
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return Errno("socket");
   struct stat st;
-  if (lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) unlink(path.c_str());
-  // Create the socket file with no permissions for others from the start.
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      close(fd);
+      return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a socket"));
+    }
+    // A server that answers there is alive: never take its socket over.
+    if (absl::StatusOr<int> probe = Connect(path); probe.ok()) {
+      ::close(*probe);
+      close(fd);
+      return absl::AlreadyExistsError(absl::StrCat("a server already listens on ", path));
+    }
+    if (st.st_uid != geteuid()) {
+      close(fd);
+      return absl::PermissionDeniedError(
+          absl::StrCat(path, " is a stale socket of uid ", st.st_uid, "; not removing another user's file"));
+    }
+    unlink(path.c_str());  // stale: its server is gone
+  }
+  // Create the socket file with no permissions for others from the start; a
+  // concurrent starter that wins the race makes our bind fail (EADDRINUSE).
   const mode_t old = umask(0177);
   const int rc = bind(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr));
   umask(old);
@@ -44,10 +64,23 @@ absl::StatusOr<int> Listen(const std::string& path, mode_t mode) {
     return Errno(absl::StrCat("bind ", path));
   }
   if (chmod(path.c_str(), mode) != 0 || listen(fd, 64) != 0) {
+    absl::Status err = Errno(absl::StrCat("listen ", path));
+    unlink(path.c_str());
     close(fd);
-    return Errno(absl::StrCat("listen ", path));
+    return err;
   }
   return fd;
+}
+
+absl::StatusOr<SocketFileId> FileId(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return Errno(absl::StrCat("stat ", path));
+  return SocketFileId{st.st_dev, st.st_ino};
+}
+
+void UnlinkIfOwn(const std::string& path, const SocketFileId& id) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) == 0 && st.st_dev == id.dev && st.st_ino == id.ino) unlink(path.c_str());
 }
 
 absl::StatusOr<int> Connect(const std::string& path) {
@@ -92,25 +125,48 @@ absl::Status Send(int sock, const void* data, size_t len, int fd) {
 
 absl::Status Receive(int sock, void* data, size_t len, int* fd, int timeout_ms) {
   if (fd != nullptr) *fd = -1;
-  pollfd p{sock, POLLIN, 0};
-  const int r = poll(&p, 1, timeout_ms);
-  if (r == 0) return absl::DeadlineExceededError("no answer on the unix socket");
-  if (r < 0) return Errno("poll");
-  iovec iov{data, len};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof(control);
-  const ssize_t n = recvmsg(sock, &msg, MSG_WAITALL | MSG_CMSG_CLOEXEC);
-  if (n != static_cast<ssize_t>(len)) {
-    return n == 0 ? absl::UnavailableError("peer closed the unix socket") : Errno("recvmsg");
-  }
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS && fd != nullptr) {
-      std::memcpy(fd, CMSG_DATA(c), sizeof(int));
+  // One deadline for the whole message: a peer that sends part of it and
+  // stalls must not hold the caller longer than a silent one.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  size_t got = 0;
+  while (got < len) {
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
+    if (left <= 0)
+      return absl::DeadlineExceededError(
+          absl::StrCat("no complete answer on the unix socket within ", timeout_ms, " ms (", got, " of ", len, " bytes)"));
+    pollfd p{sock, POLLIN, 0};
+    const int r = poll(&p, 1, static_cast<int>(left));
+    if (r == 0) continue;
+    if (r < 0) {
+      if (errno == EINTR) continue;
+      return Errno("poll");
     }
+    iovec iov{static_cast<char*>(data) + got, len - got};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof(control);
+    const ssize_t n = recvmsg(sock, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+    if (n == 0) return absl::UnavailableError("peer closed the unix socket");
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
+      return Errno("recvmsg");
+    }
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+        int received = -1;
+        std::memcpy(&received, CMSG_DATA(c), sizeof(int));
+        if (fd != nullptr && *fd < 0) {
+          *fd = received;
+        } else {
+          ::close(received);  // unasked-for or a second fd: do not leak it
+        }
+      }
+    }
+    got += static_cast<size_t>(n);
   }
   return absl::OkStatus();
 }
@@ -119,6 +175,49 @@ bool PeerClosed(int sock) {
   pollfd p{sock, POLLRDHUP, 0};
   const int r = poll(&p, 1, 0);
   return r < 0 || (r > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0);
+}
+
+absl::StatusOr<std::unique_ptr<Listener>> Listener::Start(const std::string& path, mode_t mode,
+                                                         std::function<void(int fd)> on_accept, int extra_flags) {
+  std::unique_ptr<Listener> l(new Listener());
+  l->path_ = path;
+  l->on_accept_ = std::move(on_accept);
+  l->flags_ = SOCK_CLOEXEC | extra_flags;
+  absl::StatusOr<int> fd = Listen(path, mode);
+  if (!fd.ok()) return fd.status();
+  l->listen_fd_ = *fd;
+  absl::StatusOr<SocketFileId> id = FileId(path);
+  if (!id.ok()) return id.status();  // ~Listener closes the socket (and leaves a file it cannot identify)
+  l->file_ = *id;
+  if (pipe2(l->wake_fd_, O_CLOEXEC) != 0) return Errno("pipe2");
+  l->acceptor_ = std::thread([p = l.get()] { p->AcceptLoop(); });
+  return l;
+}
+
+Listener::~Listener() { Stop(); }
+
+void Listener::Stop() {
+  if (stop_.exchange(true)) return;
+  if (wake_fd_[1] >= 0) (void)!write(wake_fd_[1], "x", 1);
+  if (acceptor_.joinable()) acceptor_.join();
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    if (file_.ino != 0) UnlinkIfOwn(path_, file_);
+  }
+  for (int fd : wake_fd_) {
+    if (fd >= 0) close(fd);
+  }
+}
+
+void Listener::AcceptLoop() {
+  while (!stop_.load()) {
+    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_[0], POLLIN, 0}};
+    if (poll(p, 2, -1) < 0 && errno != EINTR) break;
+    if (stop_.load()) break;
+    if (!(p[0].revents & POLLIN)) continue;
+    const int sock = accept4(listen_fd_, nullptr, nullptr, flags_);
+    if (sock >= 0) on_accept_(sock);
+  }
 }
 
 }  // namespace moe::unix_socket

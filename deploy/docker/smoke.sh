@@ -37,7 +37,7 @@ for b in moe-coordinator moe-expert-server moe-gpu-worker moectl moe-expert-demo
   echo "smoke: $b --help: $(head -n1 "$dir/help.txt")"
 done
 
-moe-coordinator --insecure --listen "$coord" --state-file "$dir/coordinator.state" > "$dir/coordinator.log" 2>&1 &
+moe-coordinator --insecure --insecure-admin --listen "$coord" --state-file "$dir/coordinator.state" > "$dir/coordinator.log" 2>&1 &
 pids+=($!); wait_ready coordinator $!
 moe-expert-server --insecure --model "$model" --listen "$server" --shm-socket "$dir/expert.sock" \
   --threads 2 --coordinator "$coord" > "$dir/server.log" 2>&1 &

@@ -161,11 +161,29 @@ prometheus.io/path: /metrics
 {{- end }}
 {{- end }}
 
-{{/* --metrics-port flag. */}}
+{{/* --metrics-port flag, bound to the pod IP (the binaries default to loopback) so Prometheus can scrape it. */}}
 {{- define "moe.metricsArgs" -}}
 {{- if .Values.metrics.enabled -}}
 - --metrics-port={{ int .Values.metrics.port }}
+- --metrics-address={{ .Values.metrics.address }}
 {{- end }}
+{{- end }}
+
+{{/*
+The coordinator's role allow-lists (SECURITY.md). admin: empty keeps the
+binary's default (the coordinator's own uid on its admin socket: moectl via
+kubectl exec). worker and server: empty means any caller the listener admits
+(with TLS: any certificate the CA signed), since with one shared secret every
+component presents the same certificate; set them, with per-component
+secrets (tls.secretNames), to separate the roles.
+*/}}
+{{- define "moe.roleArgs" -}}
+{{- $r := .Values.coordinator.identities -}}
+{{- with $r.admin }}
+- --admin-identities={{ join "," . }}
+{{- end }}
+- --worker-identities={{ $r.worker | default (list "*") | join "," }}
+- --server-identities={{ $r.server | default (list "*") | join "," }}
 {{- end }}
 
 {{- define "moe.metricsPort" -}}
