@@ -115,8 +115,9 @@ absl::Status MoeSession::TakeStreamError() { return dispatcher_->TakeStreamError
 
 absl::Status MoeSession::Wait(Pending call, CallStats* stats) { return dispatcher_->Complete(call.ticket, stats); }
 
-absl::Status MoeSession::ApplyAssignment(int layer, const std::vector<int>& experts) {
-  return dispatcher_->ApplyAssignment(layer, experts);
+absl::Status MoeSession::ApplyAssignment(int layer, const std::vector<int>& experts,
+                                         const std::vector<int>& pinned) {
+  return dispatcher_->ApplyAssignment(layer, experts, pinned);
 }
 absl::Status MoeSession::FlushCopies() { return dispatcher_->FlushCopies(); }
 int MoeSession::PendingCopies() { return dispatcher_->PendingCopies(); }

@@ -114,8 +114,10 @@ class MoeSession {
                                       const float* topk_weights, bf16_t* out, void* cuda_stream);
   absl::Status TakeStreamError();
 
-  // Cache placement pushed from outside (coordinator or operator): between calls.
-  absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);
+  // Cache placement pushed from outside (coordinator or operator): between
+  // calls. `pinned` (a subset of `experts`) are never evicted by the
+  // worker's own admissions (predictive policy).
+  absl::Status ApplyAssignment(int layer, const std::vector<int>& experts, const std::vector<int>& pinned = {});
   absl::Status FlushCopies();
   int PendingCopies();
   uint64_t copies_started() const;

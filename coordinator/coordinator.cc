@@ -426,7 +426,7 @@ moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_
     total_bytes += plan.bytes[i];
     if (dry_run || p.workers[i].frozen) continue;
     WorkerEntry& w = *registry_->FindWorker(ids[i]);
-    const uint64_t v = registry_->Assign(w, plan.sets[i]);
+    const uint64_t v = registry_->Assign(w, plan.sets[i], p.workers[i].pinned);
     if (v == 0) continue;
     wp->set_version(v);
     ++updated;
@@ -665,7 +665,9 @@ absl::StatusOr<moe::v1::PinResponse> Coordinator::Pin(const moe::v1::PinRequest&
     for (uint32_t e : req.experts()) absl::StrAppend(&list, list.empty() ? "" : ",", e);
     LogInfo("coordinator", pin ? "pin" : "unpin", " layer ", req.layer(), " experts ", list, " on ",
             req.worker_id().empty() ? "every worker" : req.worker_id());
-    if (pin) RebalanceLocked(/*dry_run=*/false, /*pins_only=*/true, Now());
+    // A pin places its experts now; either way the workers learn the new pin
+    // set (an unpinned expert becomes evictable by their admissions).
+    RebalanceLocked(/*dry_run=*/false, /*pins_only=*/true, Now());
     for (const auto& [key, experts] : admin_.pins) {
       moe::v1::Pin* p = r.add_pins();
       p->set_worker_id(key.first);

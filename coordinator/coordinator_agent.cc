@@ -226,7 +226,7 @@ class CoordinatorAgent::Impl {
       for (const auto& la : msg.layers()) {
         if (la.layer() >= static_cast<uint32_t>(reg_.num_layers)) continue;
         delivered_[la.layer()] = ToInts(la.experts());
-        u.layers.push_back({static_cast<int>(la.layer()), delivered_[la.layer()]});
+        u.layers.push_back({static_cast<int>(la.layer()), delivered_[la.layer()], ToInts(la.pinned())});
       }
       if (msg.routes_changed()) {
         routes_.clear();

@@ -59,6 +59,7 @@ struct WorkerRegistration {
 struct LayerAssignment {
   int layer = 0;
   std::vector<int> experts;
+  std::vector<int> pinned;  // subset of experts the worker's admissions never evict
 };
 
 // A CPU expert server the worker may send misses to.

@@ -23,6 +23,7 @@ uint64_t Registry::RegisterWorker(const moe::v1::RegisterWorkerRequest& req, dou
   w.cached.assign(num_layers_, req.cached_layers().empty());
   for (uint32_t l : req.cached_layers()) w.cached[l] = true;
   w.sets.assign(num_layers_, {});
+  w.pinned.assign(num_layers_, {});
   for (const auto& la : req.current()) {
     if (!w.cached[la.layer()]) continue;
     w.sets[la.layer()].assign(la.experts().begin(), la.experts().end());
@@ -159,15 +160,23 @@ void Registry::RoutesChanged() {
   }
 }
 
-uint64_t Registry::Assign(WorkerEntry& w, const std::vector<std::vector<int>>& sets) {
+uint64_t Registry::Assign(WorkerEntry& w, const std::vector<std::vector<int>>& sets,
+                          const std::vector<std::vector<int>>& pinned) {
+  // Pins travel only for experts the set holds.
+  std::vector<std::vector<int>> pins(num_layers_);
+  for (int l = 0; l < num_layers_ && l < static_cast<int>(pinned.size()); ++l)
+    for (int e : pinned[l])
+      if (std::find(sets[l].begin(), sets[l].end(), e) != sets[l].end()) pins[l].push_back(e);
+  for (auto& p : pins) std::sort(p.begin(), p.end());
   std::vector<int> changed;
   for (int l = 0; l < num_layers_; ++l) {
-    if (w.cached[l] && sets[l] != w.sets[l]) changed.push_back(l);
+    if (w.cached[l] && (sets[l] != w.sets[l] || pins[l] != w.pinned[l])) changed.push_back(l);
   }
   if (changed.empty()) return 0;
   ++w.version;
   for (int l : changed) {
     w.sets[l] = sets[l];
+    w.pinned[l] = pins[l];
     w.layer_version[l] = w.version;
   }
   return w.version;
@@ -182,6 +191,7 @@ moe::v1::CacheAssignment Registry::Snapshot(const WorkerEntry& w) const {
     moe::v1::LayerAssignment* la = a.add_layers();
     la->set_layer(l);
     for (int e : w.sets[l]) la->add_experts(e);
+    for (int e : w.pinned[l]) la->add_pinned(e);
   }
   a.set_routes_changed(true);
   for (auto& r : Routes()) *a.add_routes() = std::move(r);
@@ -198,6 +208,7 @@ moe::v1::CacheAssignment Registry::Delta(const WorkerEntry& w, uint64_t after) c
     moe::v1::LayerAssignment* la = a.add_layers();
     la->set_layer(l);
     for (int e : w.sets[l]) la->add_experts(e);
+    for (int e : w.pinned[l]) la->add_pinned(e);
   }
   if (w.routes_version > after) {
     a.set_routes_changed(true);

@@ -32,6 +32,7 @@ struct WorkerEntry {
   uint64_t acked = 0;                    // newest version the worker applied
   std::vector<bool> cached;              // [layer]
   std::vector<std::vector<int>> sets;    // [layer] ascending
+  std::vector<std::vector<int>> pinned;  // [layer] ascending subset of sets (operator pins)
   std::vector<uint64_t> layer_version;   // [layer] version that last changed its set
   uint64_t routes_version = 0;           // version that last changed the routes
   uint64_t copies_issued = 0, bytes_issued = 0;
@@ -86,7 +87,10 @@ class Registry {
 
   // Issues new sets to a worker: bumps its version once if any layer changed.
   // Returns the new version, or 0 when nothing changed.
-  uint64_t Assign(WorkerEntry& w, const std::vector<std::vector<int>>& sets);
+  // `pinned` ([layer], ascending; empty = none) travels with the sets; a
+  // change of pins alone is a change of the layer.
+  uint64_t Assign(WorkerEntry& w, const std::vector<std::vector<int>>& sets,
+                  const std::vector<std::vector<int>>& pinned = {});
 
   // Snapshot of a worker's assignment (full); delta since `after` (layers and
   // routes changed after it). The delta is empty when w.version <= after.

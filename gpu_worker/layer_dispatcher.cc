@@ -501,10 +501,15 @@ absl::Status LayerDispatcher::SetServerEnabled(const std::string& address, bool 
   return absl::NotFoundError("servers: no server " + address);
 }
 
-absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>& experts) {
+absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>& experts,
+                                              const std::vector<int>& pinned) {
   if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not served by this worker"));
   if (host_ == nullptr) return absl::FailedPreconditionError("assignment: the worker holds no host copy of the experts");
+  for (int e : pinned)
+    if (std::find(experts.begin(), experts.end(), e) == experts.end())
+      return absl::InvalidArgumentError(absl::StrCat("pinned: expert ", e, " of layer ", layer, " is not in the assignment"));
+  cache_->SetPinned(layer, pinned);
   if (admission_ == nullptr) {
     absl::StatusOr<std::vector<SlotCopy>> copies = cache_->Assign(layer, experts);
     if (!copies.ok()) return copies.status();
@@ -538,8 +543,27 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
   for (int e : experts) {
     if (cache_->SlotOf(layer, e) >= 0 || next >= free_slots.size()) continue;
     const bool is_new = std::find(previous.begin(), previous.end(), e) == previous.end();
-    if (!is_new && held[free_slots[next]] >= 0) continue;  // evicted by admissions: only into an empty slot
+    // Evicted by admissions: back only into an empty slot (pins always come back).
+    if (!is_new && !cache_->pinned(layer, e) && held[free_slots[next]] >= 0) continue;
     absl::StatusOr<SlotCopy> copy = cache_->Replace(layer, free_slots[next++], e);
+    if (!copy.ok()) return copy.status();
+    copies.push_back(*copy);
+  }
+  // A pin still not resident (no free slot was left) takes the slot of an
+  // unpinned expert, one outside the assignment (an admission) first.
+  for (int e : pinned) {
+    if (cache_->SlotOf(layer, e) >= 0) continue;
+    const std::vector<int> now_held = cache_->SlotExperts(layer);
+    int victim = -1;
+    for (int pass = 0; pass < 2 && victim < 0; ++pass)
+      for (int s = 0; s < static_cast<int>(now_held.size()) && victim < 0; ++s) {
+        const int v = now_held[s];
+        if (v >= 0 && (cache_->pinned(layer, v) || cache_->ReadySlot(layer, v) != s)) continue;
+        if (pass == 0 && v >= 0 && wanted[v]) continue;
+        victim = s;
+      }
+    if (victim < 0) break;  // every slot pinned or loading: the next assignment retries
+    absl::StatusOr<SlotCopy> copy = cache_->Replace(layer, victim, e);
     if (!copy.ok()) return copy.status();
     copies.push_back(*copy);
   }

@@ -176,7 +176,11 @@ class LayerDispatcher {
 
   // Static placement: the resident set of `layer` becomes `experts`; copies
   // start now and each slot serves once its copy completed. Between calls.
-  absl::Status ApplyAssignment(int layer, const std::vector<int>& experts);
+  // Under the predictive policy the assignment is the long-horizon placement
+  // the admissions work inside; `pinned` (a subset of `experts`, e.g. the
+  // operator's pins from the coordinator) replaces the layer's pins: the
+  // admissions never evict them.
+  absl::Status ApplyAssignment(int layer, const std::vector<int>& experts, const std::vector<int>& pinned = {});
   // Engine hint (predictive policy): the router logits [T, num_experts] f32
   // (host memory) of `layer`'s coming call, computed by the engine on the
   // current hidden state; its top-k per token are prefetched with the hint's

@@ -45,7 +45,8 @@ int main(int argc, char** argv) {
   flags.String("policy", &policy,
                "cache policy: predictive (cost-model admissions with cross-layer prefetch, inside the\n"
                "      coordinator's placement), lru, lfru or static (placed by the coordinator / ApplyAssignment); "
-               "default: static with --coordinator, else predictive");
+               "default: predictive (with --coordinator: inside its placement, never evicting the\n"
+               "      operator's pins)");
   flags.String("coordinator", &coordinator, "coordinator address host:port: register, receive cache placements, report stats");
   flags.String("worker-id", &worker_id, "stable id of this worker at the coordinator (default: HOSTNAME:PORT)");
   flags.String("copy-mode", &copy_mode,
@@ -63,7 +64,7 @@ int main(int argc, char** argv) {
   flags.Parse(argc, argv);
   if (model.empty()) flags.Fail("--model is required (see --help)");
   if (servers_flag.empty()) flags.Fail("--servers is required (see --help)");
-  if (policy.empty()) policy = coordinator.empty() ? "predictive" : "static";
+  if (policy.empty()) policy = "predictive";
   if (absl::Status st = service_flags.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
   const moe::TlsOptions& tls = service_flags.tls;
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(tls);

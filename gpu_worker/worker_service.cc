@@ -37,7 +37,7 @@ void WorkerServiceImpl::ApplyPendingLocked() {
   }
   for (const AssignmentUpdate& u : updates) {
     for (const LayerAssignment& la : u.layers)
-      if (absl::Status st = session_.ApplyAssignment(la.layer, la.experts); !st.ok())
+      if (absl::Status st = session_.ApplyAssignment(la.layer, la.experts, la.pinned); !st.ok())
         LogWarning("worker", "assignment v", u.version, " layer ", la.layer, ": ", st.message());
     if (u.routes_changed) {
       // Servers the coordinator knows but does not route to (drained, down)

@@ -2,7 +2,7 @@
 # Runs on the GPU + AMX host: builds nothing. Unpacks the bundle made here by
 # scripts/device_bundle.sh and runs the phases named on the command line,
 # writing logs and tables to $OUT:
-#   tests                 every bundled test binary (cuda cases included)
+#   tests                 every bundled test binary (cuda cases included; TESTS="a b" picks some)
 #   moe_layer PRESET ARGS bench/moe_layer with those flags (e.g. moe_layer qwen3-30b-a3b --layers 24)
 #   transport, kernels    the transport and expert-kernel benchmarks
 #   latency                issue 14's set: transport, then moe_layer qwen3-30b-a3b (16 layers) at T=1 with every
@@ -34,8 +34,7 @@ while [[ $# -gt 0 ]]; do
   case $phase in
     tests)
       echo "## tests" | tee -a "$OUT/tests.txt"
-      for t in device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test \
-               core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test; do
+      for t in ${TESTS:-device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test}; do
         [[ -x $B/bin/$t ]] || continue
         timeout 300 "$B/bin/$t" > "/tmp/$t.log" 2>&1
         rc=$?

@@ -338,6 +338,13 @@ std::vector<int> Experts(const moe::v1::CacheAssignment& a, int layer) {
   return {};
 }
 
+std::vector<int> Pinned(const moe::v1::CacheAssignment& a, int layer) {
+  for (const auto& l : a.layers()) {
+    if (static_cast<int>(l.layer()) == layer) return std::vector<int>(l.pinned().begin(), l.pinned().end());
+  }
+  return {};
+}
+
 // Workers' per-layer cache activity (copies, bytes, prediction scores) shows
 // in the status as decayed rates and a precision; bad counts are refused.
 TEST_F(CoordinatorCore, StatusShowsPerLayerCacheActivity) {
@@ -600,6 +607,18 @@ TEST_F(CoordinatorCore, PinsPolicyAndDrainsSurviveARestart) {
   auto a = c->WaitForAssignment("w1", reg->session(), snap->version(), std::chrono::steady_clock::now());
   ASSERT_TRUE(a.ok() && a->has_value());
   EXPECT_EQ(Experts(**a, 1), (std::vector<int>{4}));
+  EXPECT_EQ(Pinned(**a, 1), (std::vector<int>{4})) << "pins travel with the assignment";
+  // Unpinning changes only the pins: the worker gets the layer again, unpinned.
+  const uint64_t v = (**a).version();
+  ASSERT_TRUE(c->Heartbeat(Beat("w1", reg->session(), v)).ok());
+  moe::v1::PinRequest unpin;
+  unpin.set_layer(1);
+  unpin.add_experts(4);
+  ASSERT_TRUE(c->Pin(unpin, false).ok());
+  auto b = c->WaitForAssignment("w1", reg->session(), v, std::chrono::steady_clock::now());
+  ASSERT_TRUE(b.ok() && b->has_value());
+  EXPECT_EQ(Experts(**b, 1), (std::vector<int>{4}));
+  EXPECT_TRUE(Pinned(**b, 1).empty());
 }
 
 TEST_F(CoordinatorCore, ReRegistrationKeepsVersionsGrowingAndResumesFromWhatTheWorkerHolds) {

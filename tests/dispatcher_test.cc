@@ -311,6 +311,52 @@ TEST_P(DispatcherTest, PredictiveTakesAssignmentsAsDeltas) {
   EXPECT_EQ(d->ApplyAssignment(1, {9}).code(), absl::StatusCode::kInvalidArgument);
 }
 
+// Operator pins travel with the coordinator's assignment: the predictive
+// admissions prefetch around them but never evict them. Without the pins the
+// same traffic evicts the assigned experts (the control half).
+TEST_P(DispatcherTest, PredictiveNeverEvictsAssignmentPins) {
+  const std::string addr = StartServer();
+  for (const bool pinned : {true, false}) {
+    SCOPED_TRACE(pinned ? "pinned" : "not pinned");
+    DispatcherConfig c = Config({addr});
+    c.slots_per_layer = 2;
+    host_.reset();
+    std::unique_ptr<LayerDispatcher> d = Make(c);
+    ASSERT_NE(d, nullptr);
+    ASSERT_TRUE(d->ApplyAssignment(2, {0, 1}, pinned ? std::vector<int>{0, 1} : std::vector<int>{}).ok());
+    ASSERT_TRUE(d->FlushCopies().ok());
+    std::vector<bf16_t> out;
+    CallStats st;
+    for (int pass = 0; pass < 8; ++pass) {  // layer 2 routes only to 5 and 6
+      Batch b1 = RandomBatch(6, 2, {2, 3}, 300 + pass), b2 = RandomBatch(6, 2, {5, 6}, 400 + pass);
+      ASSERT_TRUE(d->Forward(Call(1, b1, &out), &st).ok());
+      ASSERT_TRUE(d->FlushCopies().ok());
+      ASSERT_TRUE(d->Forward(Call(2, b2, &out), &st).ok());
+      EXPECT_LE(Error(2, b2, out), 1e-2);
+      ASSERT_TRUE(d->FlushCopies().ok());
+    }
+    const bool kept = d->cache().ReadySlot(2, 0) >= 0 && d->cache().ReadySlot(2, 1) >= 0;
+    EXPECT_EQ(kept, pinned);
+    if (pinned) {
+      EXPECT_EQ(d->admission()->counters(2).copies, 0u);
+    } else {
+      // The same assignment, now pinned (e.g. after a coordinator restart):
+      // the evicted pins come back even though the admissions hold the slots.
+      ASSERT_TRUE(d->ApplyAssignment(2, {0, 1}, {0, 1}).ok());
+      ASSERT_TRUE(d->FlushCopies().ok());
+      EXPECT_GE(d->cache().ReadySlot(2, 0), 0);
+      EXPECT_GE(d->cache().ReadySlot(2, 1), 0);
+    }
+  }
+  DispatcherConfig c = Config({addr});
+  host_.reset();
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  absl::Status bad = d->ApplyAssignment(2, {0, 1}, {3});
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("pinned"), std::string::npos) << bad;
+}
+
 // Point 4: experts with many tokens are copied and computed on the device;
 // the rest still goes to the CPU. kAlways is the copy-every-miss baseline.
 TEST_P(DispatcherTest, CopyInsteadOfComputeForExpertsWithManyTokens) {

@@ -261,7 +261,7 @@ class SystemTest : public ::testing::Test {
       ASSERT_TRUE(info.ok()) << info.status();
       ASSERT_EQ(info->device(), "cpu");
       ASSERT_EQ(info->slots_per_layer(), static_cast<uint32_t>(kSlots));
-      ASSERT_EQ(info->policy(), "static") << "a worker with --coordinator takes placements";
+      ASSERT_EQ(info->policy(), "predictive") << "the default: admissions inside the coordinator's placement";
     }
     // Everyone registered, and both workers applied their latest assignment
     // (the routes to both servers included: a route change is a new version).
@@ -899,8 +899,14 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
     ASSERT_NO_FATAL_FAILURE(WaitReady(servers_[0], "moe-expert-server", true));
     ASSERT_TRUE(WaitForStatus([](const nlohmann::json& s) { return StateOf(s, "s1") == "up"; }, 10s))
         << "s1 did not come back after restart " << round + 1 << ": " << last_status_;
+    // The workers retry s1 once their back-off (server_retry) has passed:
+    // wait for its misses by time, not by a count of calls (fast calls can
+    // outrun the back-off on an idle machine).
     const double served = ServerRequests(0);
     ASSERT_TRUE(wait_calls(40, 20s));
+    const auto s1_deadline = std::chrono::steady_clock::now() + 15s;
+    while (ServerRequests(0) <= served && std::chrono::steady_clock::now() < s1_deadline)
+      std::this_thread::sleep_for(50ms);
     EXPECT_GT(ServerRequests(0), served) << "the restarted s1 takes misses again (round " << round + 1 << ")";
   }
   // The coordinator stopped and restarted on the same port and state file.
