@@ -52,15 +52,18 @@ int main(int argc, char** argv) {
   std::unique_ptr<moe::ExpertClient> client;
   std::unique_ptr<moe::ExpertClient::StreamSession> stream;
   std::unique_ptr<moe::WorkerClient> worker_client;
+  // The target must run the model --model names (its reference is computed here).
+  auto check_model = [&](const moe::v1::ModelSpec& m, const char* who) {
+    if (m.hidden_size() != static_cast<uint32_t>(spec.hidden) || m.num_experts() != static_cast<uint32_t>(spec.num_experts))
+      flags.Fail(absl::StrCat("the ", who, " runs a different model than --model"), 1);
+  };
   if (worker.empty()) {
     absl::StatusOr<std::unique_ptr<moe::ExpertClient>> connected = moe::ExpertClient::Connect(server, tls);
     if (!connected.ok()) flags.Fail(std::string(connected.status().message()));
     client = std::move(*connected);
     absl::StatusOr<moe::v1::ServerInfo> info = client->GetInfo();
     if (!info.ok()) flags.Fail(absl::StrCat("GetInfo ", server, ": ", info.status().message()), 1);
-    if (info->model().hidden_size() != static_cast<uint32_t>(spec.hidden) ||
-        info->model().num_experts() != static_cast<uint32_t>(spec.num_experts))
-      flags.Fail("the server runs a different model than --model", 1);
+    check_model(info->model(), "server");
     layers.assign(info->hosted_layers().begin(), info->hosted_layers().end());
     experts.assign(info->hosted_experts().begin(), info->hosted_experts().end());
     std::printf("server %s: %s, kernel %s, %u threads, %.2f GiB of experts resident\n", server.c_str(),
@@ -87,9 +90,7 @@ int main(int argc, char** argv) {
     worker_client = std::move(*connected);
     absl::StatusOr<moe::v1::WorkerInfo> info = worker_client->GetInfo();
     if (!info.ok()) flags.Fail(absl::StrCat("GetWorkerInfo ", worker, ": ", info.status().message()), 1);
-    if (info->model().hidden_size() != static_cast<uint32_t>(spec.hidden) ||
-        info->model().num_experts() != static_cast<uint32_t>(spec.num_experts))
-      flags.Fail("the worker runs a different model than --model", 1);
+    check_model(info->model(), "worker");
     for (const moe::v1::LayerCacheInfo& l : info->layers()) layers.push_back(static_cast<int>(l.layer()));
     for (int e = 0; e < spec.num_experts; ++e) experts.push_back(e);
     std::printf("worker %s: %s, device %s, %u cache slots per layer, servers %s\n", worker.c_str(),
