@@ -74,6 +74,10 @@ phase "clean clone of $(git rev-parse --short HEAD) + ../shared"
 git clone -q --no-hardlinks "$repo" "$root/root/moe-expert-service"
 cp -a "$shared" "$root/root/shared"
 cp /etc/resolv.conf "$root/etc/resolv.conf"   # name resolution for apt inside the chroot
+# Every installed Debian machine has an /etc/hosts naming localhost (the
+# installer writes it; container runtimes inject one); mmdebstrap's tarball
+# has none, and without it "localhost" goes to DNS.
+[[ -f $root/etc/hosts ]] || printf '127.0.0.1\tlocalhost\n::1\t\tlocalhost ip6-localhost ip6-loopback\n' > "$root/etc/hosts"
 phase_done "clone"
 
 # ---- 3. the README's two commands, inside the chroot

@@ -514,7 +514,7 @@ TEST(Authorization, MtlsRolesComeFromCertificateNames) {
         testing::BinaryPath("moe-expert-server"),
         std::vector<std::string>{std::string("--model=") + kModel, "--threads=1", "--listen=127.0.0.1:0",
                                  "--tls-cert=" + d + "/" + who + ".pem", "--tls-key=" + d + "/" + who + ".key",
-                                 "--tls-ca=" + d + "/ca.pem", "--coordinator=localhost:" + std::to_string(PortOf(addr)),
+                                 "--tls-ca=" + d + "/ca.pem", "--coordinator=127.0.0.1:" + std::to_string(PortOf(addr)),
                                  "--server-id=" + id},
         d + "/" + id + ".log");
   };
