@@ -545,8 +545,11 @@ TEST_P(DispatcherTest, RatesAreReestimatedFromObservedCalls) {
   ASSERT_NE(d, nullptr);
   ASSERT_TRUE(d->cost_model().measured);
   EXPECT_EQ(d->cost_model().cpu.samples(), 0);
-  ASSERT_TRUE(Place(*d, 1, {0, 1}));  // two copies, timed
-  EXPECT_GE(d->cost_model().copy.samples() + static_cast<int>(d->cost_model().copy.observations()), 1);
+  // Two copies, timed. Whether they count depends on the clock: a copy found
+  // complete only at a later poll is an upper bound, kept only when it is
+  // below the current estimate (cost_model_test covers that rule), so the
+  // copy samples are not asserted here; the CPU samples below are exact.
+  ASSERT_TRUE(Place(*d, 1, {0, 1}));
   int cpu_pairs = 0;
   for (int i = 0; i < 24; ++i) {
     Batch x = RandomBatch(1, 2, {2, 3, 4, 5, 6, 7}, 300 + i);  // misses only, one token

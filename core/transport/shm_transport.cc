@@ -71,6 +71,7 @@ class ShmTransport final : public ExpertTransport {
 
   absl::StatusOr<StagedBatch> Stage(int n, int k, Clock::time_point deadline) override {
     std::unique_lock<std::mutex> lock(mu_);
+    if (!retired_.empty()) ReapRetiredLocked();
     if (!conn_ || conn_->dead.load()) {
       if (absl::Status st = ConnectLocked(); !st.ok()) return st;
     }
@@ -141,6 +142,7 @@ class ShmTransport final : public ExpertTransport {
   std::future<absl::Status> Submit(const MissBatch& b, bf16_t* out, Clock::time_point deadline) override {
     std::future<absl::Status> fut;
     std::unique_lock<std::mutex> lock(mu_);
+    if (!retired_.empty()) ReapRetiredLocked();
     if (!conn_ || conn_->dead.load()) {
       if (absl::Status st = ConnectLocked(); !st.ok()) return Ready(st);
     }
@@ -218,10 +220,11 @@ class ShmTransport final : public ExpertTransport {
     return p.get_future();
   }
 
-  absl::Status ConnectLocked() {
-    if (closing_) return absl::CancelledError("transport closed");
-    if (conn_) retired_.push_back(conn_);
-    // Join the completion threads of connections that are done (they no longer need mu_).
+  // Joins the completion threads of retired connections that are done (they
+  // no longer need mu_) and drops them, unmapping their segments once no
+  // staged slot holds them: a dead server's segment does not stay resident
+  // until the next reconnect.
+  void ReapRetiredLocked() {
     for (auto it = retired_.begin(); it != retired_.end();) {
       if ((*it)->finished) {
         (*it)->completer.join();
@@ -230,6 +233,12 @@ class ShmTransport final : public ExpertTransport {
         ++it;
       }
     }
+  }
+
+  absl::Status ConnectLocked() {
+    if (closing_) return absl::CancelledError("transport closed");
+    if (conn_) retired_.push_back(conn_);
+    ReapRetiredLocked();
     conn_.reset();
     auto c = std::make_shared<ShmConnection>();
     absl::StatusOr<int> sock = unix_socket::Connect(path_);
