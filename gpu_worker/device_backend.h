@@ -190,10 +190,13 @@ class DeviceBackend {
   virtual absl::Status SignalStream(void* stream) { return WaitStream(stream); }
 
   // Enqueues a capture-safe call (see HostPlannedCall) on call.stream;
-  // returns at once. Unimplemented on a backend without CUDA.
+  // returns at once. Only a backend with a CUDA device can: others refuse
+  // with FailedPrecondition (the same call on the cuda backend works).
   virtual absl::Status EnqueueHostPlanned(const HostPlannedCall& call) {
     (void)call;
-    return absl::UnimplementedError(absl::StrCat("capturable calls: the ", name(), " backend has no CUDA stream"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("capturable calls need the cuda backend (a CUDA stream to enqueue on); this is the ", name(),
+                     " backend"));
   }
 };
 
