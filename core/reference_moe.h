@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -35,6 +36,8 @@ class ReferenceMoe {
 // ||a - b|| / ||b|| over n values; +inf if a holds NaN/Inf.
 template <typename A, typename B>
 double RelativeL2Error(const A* a, const B* b, size_t n) {
+  static_assert(!std::is_same_v<A, bf16_t> && !std::is_same_v<B, bf16_t>,
+                "bf16_t is raw bits: widen with Bf16ToF32 before comparing");
   double num = 0, den = 0;
   for (size_t i = 0; i < n; ++i) {
     const double x = static_cast<double>(a[i]), y = static_cast<double>(b[i]);

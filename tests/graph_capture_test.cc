@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -101,7 +102,9 @@ class GraphCaptureTest : public ::testing::Test {
     EXPECT_TRUE(reference_->Forward<float>(layer, T, in.x.data(), RoutingView{T, k, in.ids.data(), in.w.data()},
                                            ref.data())
                     .ok());
-    return RelativeL2Error(out.data(), ref.data(), out.size());
+    std::vector<float> got(out.size());  // bf16_t is the raw 16 bits: widen before comparing
+    for (size_t i = 0; i < out.size(); ++i) got[i] = Bf16ToF32(out[i]);
+    return RelativeL2Error(got.data(), ref.data(), got.size());
   }
 
   testing::TempDir dir_;
@@ -124,8 +127,22 @@ TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
   ASSERT_TRUE(session_->ForwardLayer(L, T, k, b.hidden, b.ids, b.weights, b.out, MemoryKind::kDevice, &stats, stream_)
                   .ok());
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
-  EXPECT_LE(Error(L, b, T, k, in), 1e-2);
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "hits " << stats.hit_pairs << " cpu " << stats.cpu_pairs << " copied "
+                                         << stats.copied_pairs;
   EXPECT_EQ(stats.hit_pairs + stats.cpu_pairs + stats.copied_pairs, T * k);
+  // The inputs the engine stream produced are what the call saw.
+  std::vector<bf16_t> x(in.x.size());
+  ASSERT_CUDA(cudaMemcpy(x.data(), b.hidden, x.size() * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(0, std::memcmp(x.data(), in.x.data(), x.size() * 2));
+  // The same call without a stream, then with host pointers: same result.
+  ASSERT_TRUE(session_->ForwardLayer(L, T, k, b.hidden, b.ids, b.weights, b.out, MemoryKind::kDevice, &stats).ok());
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "device pointers, no stream";
+  std::vector<bf16_t> host_out(in.x.size());
+  ASSERT_TRUE(session_->ForwardLayer(L, T, k, in.x.data(), in.ids.data(), in.w.data(), host_out.data(),
+                                     MemoryKind::kHost, &stats)
+                  .ok());
+  ASSERT_CUDA(cudaMemcpy(b.out, host_out.data(), host_out.size() * 2, cudaMemcpyHostToDevice));
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "host pointers";
 }
 
 TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
