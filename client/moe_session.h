@@ -105,8 +105,9 @@ class MoeSession {
                                             void* cuda_stream = nullptr);
   absl::Status Wait(Pending call, CallStats* stats = nullptr);
 
-  // CUDA-graph-capturable call (cuda backend, device pointers, the engine's
-  // stream required): enqueued on `cuda_stream`, returns at once; see
+  // CUDA-graph-capturable call (cuda backend, device pointers; nullptr
+  // `cuda_stream` = the legacy default stream): enqueued on `cuda_stream`,
+  // returns at once; see
   // LayerDispatcher::EnqueueCapturable for the contract (warm up each layer
   // once outside a capture; run-time errors poison the output with NaN and
   // are returned by TakeStreamError).

@@ -107,6 +107,12 @@ struct HostPlannedCall {
   std::function<void(HostPlannedIo&)> plan, finish;
 };
 
+// CUDA's legacy default stream, `cudaStreamLegacy` ((cudaStream_t)0x1 in
+// driver_types.h), spelled here for code built without the CUDA headers. A
+// capturable call given no stream runs on it, as a CUDA call given stream 0
+// would (torch's current stream is 0 unless the engine set one).
+inline void* LegacyDefaultStream() { return reinterpret_cast<void*>(static_cast<uintptr_t>(1)); }
+
 class DeviceBackend {
  public:
   virtual ~DeviceBackend() = default;

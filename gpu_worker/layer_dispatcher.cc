@@ -1113,12 +1113,13 @@ absl::Status LayerDispatcher::TakeStreamError() {
   return st;
 }
 
-absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& call) {
+absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
+  LayerCall call = engine_call;
+  if (call.stream == nullptr) call.stream = LegacyDefaultStream();  // stream 0, as CUDA reads it
   if (call.layer < 0 || call.layer >= spec_.num_layers || layer_index_[call.layer] < 0)
     return absl::InvalidArgumentError(absl::StrCat("layer: ", call.layer, " is not an MoE layer served here"));
   if (call.kind != MemoryKind::kDevice || !backend_->has_device_memory())
     return absl::InvalidArgumentError("memory: capturable calls take device pointers (cuda backend)");
-  if (call.stream == nullptr) return absl::InvalidArgumentError("cuda_stream: capturable calls need the engine's stream");
   if (call.T < 1 || call.T > config_.max_tokens || call.k < 1 || call.k > config_.max_top_k)
     return absl::InvalidArgumentError(absl::StrCat("tokens/top_k: ", call.T, " x ", call.k, " is outside [1, ",
                                                    config_.max_tokens, "] x [1, ", config_.max_top_k, "]"));

@@ -170,6 +170,7 @@ class LayerDispatcher {
   // copy-instead, no failover, no admissions: place experts with
   // ApplyAssignment). A failure found at run time (server error, bad
   // routing) writes NaN into the output and is returned by TakeStreamError.
+  // A null call.stream is CUDA's legacy default stream (stream 0).
   absl::Status EnqueueCapturable(const LayerCall& call);
   // The first run-time error of capturable calls since the last call (OK if none).
   absl::Status TakeStreamError();

@@ -143,6 +143,14 @@ TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
                   .ok());
   ASSERT_CUDA(cudaMemcpy(b.out, host_out.data(), host_out.size() * 2, cudaMemcpyHostToDevice));
   EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "host pointers";
+  // A capturable call given no stream runs on the legacy default stream (stream 0,
+  // torch's current stream unless the engine set one), as a CUDA call would.
+  ASSERT_CUDA(cudaMemset(b.out, 0, sizeof(bf16_t) * T * session_->spec().hidden));
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, nullptr).ok());
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(session_->TakeStreamError().ok());
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "capturable call on stream 0";
 }
 
 TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
@@ -195,8 +203,6 @@ TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
 TEST_F(GraphCaptureTest, CapturableCallRefusesBadArguments) {
   const int T = 2, k = session_->spec().top_k, L = session_->spec().moe_layers[0];
   Buffers b = Alloc(T, k);
-  EXPECT_TRUE(absl::IsInvalidArgument(
-      session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, nullptr)));
   EXPECT_TRUE(absl::IsInvalidArgument(
       session_->ForwardLayerCapturable(0, T, k, b.hidden, b.ids, b.weights, b.out, stream_)));
   EXPECT_TRUE(absl::IsInvalidArgument(

@@ -6,15 +6,18 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "core/transport/unix_socket.h"
 
 namespace moe::shm {
 namespace {
@@ -520,6 +523,32 @@ TEST(ShmFuzz, RandomCorruptionOnlyYieldsStatuses) {
   EXPECT_GT(attach[1], 0);
   EXPECT_GT(request[0], 0);
   EXPECT_GT(request[1], 0);
+}
+
+
+// The control socket's Receive: a bounded wait times out naming the bytes it
+// got; a negative timeout waits as long as the data takes (the raw-socket
+// floor of bench/transport uses it); a closed peer ends either wait.
+TEST(UnixSocket, ReceiveTimeoutsAndUnboundedWait) {
+  int sv[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  char buf[8] = {};
+  absl::Status st = unix_socket::Receive(sv[0], buf, sizeof(buf), nullptr, 30);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(st)) << st;
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(80));
+    ASSERT_TRUE(unix_socket::Send(sv[1], "abcd", 4).ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(80));
+    ASSERT_TRUE(unix_socket::Send(sv[1], "efgh", 4).ok());
+  });
+  st = unix_socket::Receive(sv[0], buf, sizeof(buf), nullptr, -1);
+  late.join();
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(std::string(buf, 8), "abcdefgh");
+  close(sv[1]);
+  st = unix_socket::Receive(sv[0], buf, sizeof(buf), nullptr, -1);
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+  close(sv[0]);
 }
 
 }  // namespace

@@ -127,12 +127,16 @@ absl::Status Receive(int sock, void* data, size_t len, int* fd, int timeout_ms) 
   if (fd != nullptr) *fd = -1;
   // One deadline for the whole message: a peer that sends part of it and
   // stalls must not hold the caller longer than a silent one.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  // A negative timeout waits without limit (the peer's close still ends it).
+  const bool forever = timeout_ms < 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(forever ? 0 : timeout_ms);
   size_t got = 0;
   while (got < len) {
     const auto left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
-    if (left <= 0)
+        forever ? -1
+                : std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now())
+                      .count();
+    if (!forever && left <= 0)
       return absl::DeadlineExceededError(
           absl::StrCat("no complete answer on the unix socket within ", timeout_ms, " ms (", got, " of ", len, " bytes)"));
     pollfd p{sock, POLLIN, 0};

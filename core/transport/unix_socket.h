@@ -40,7 +40,7 @@ absl::StatusOr<uid_t> PeerUid(int sock);
 absl::Status Send(int sock, const void* data, size_t len, int fd = -1);
 // Receives exactly `len` bytes (or fails) within `timeout_ms` in total, however
 // the peer splits or withholds them (DeadlineExceeded then); an attached fd,
-// if any, goes to *fd (else -1).
+// if any, goes to *fd (else -1). timeout_ms < 0 waits without limit.
 absl::Status Receive(int sock, void* data, size_t len, int* fd, int timeout_ms);
 // True when the peer has closed its end (or the socket failed).
 bool PeerClosed(int sock);

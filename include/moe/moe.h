@@ -179,8 +179,9 @@ MOE_API moe_status moe_forward_async(moe_session* session, int32_t layer, int32_
                                      void* cuda_stream, int32_t* ticket);
 MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats* stats);
 
-/* A CUDA-graph-capturable forward (cuda backend; device pointers; the
- * engine's stream required): the whole call is enqueued on `cuda_stream` and
+/* A CUDA-graph-capturable forward (cuda backend; device pointers; a NULL
+ * `cuda_stream` is the legacy default stream, as in CUDA, which runs but
+ * cannot be captured): the whole call is enqueued on `cuda_stream` and
  * this returns at once, so it may be captured (cudaStreamBeginCapture /
  * torch.cuda.graph) and replayed with new contents of the same buffers. At
  * run/replay time host functions split hits from misses with the cache
