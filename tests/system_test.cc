@@ -237,7 +237,8 @@ class SystemTest : public ::testing::Test {
     setenv("MALLOC_ARENA_MAX", "2", 1);
     (void)Reference();
     state_file_ = dir_.path() + "/state.json";
-    ASSERT_NO_FATAL_FAILURE(StartCoordinator("127.0.0.1:0"));
+    // Below the ephemeral range: two tests kill the coordinator and restart it on its port.
+    ASSERT_NO_FATAL_FAILURE(StartCoordinator(absl::StrCat("127.0.0.1:", testing::ReservablePort())));
     for (int i = 0; i < 2; ++i) {
       sockets_[i] = dir_.path() + "/s" + std::to_string(i + 1) + ".sock";
       LaunchServer(i);

@@ -12,8 +12,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <random>
 
 namespace moe::testing {
 
@@ -81,6 +83,33 @@ std::string Scrape(int port) {
   }
   close(fd);
   return out;
+}
+
+int ReservablePort() {
+  int lo = 32768, hi = 60999;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d %d", &lo, &hi) != 2) lo = 32768;
+    std::fclose(f);
+  }
+  const int first = 10000, last = lo - 1;
+  if (last - first < 1000) return 0;
+  std::random_device rd;
+  std::mt19937 rng(rd());
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = first + static_cast<int>(rng() % static_cast<unsigned>(last - first + 1));
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));  // as gRPC binds
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 && listen(fd, 1) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  return 0;
 }
 
 }  // namespace moe::testing

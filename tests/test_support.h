@@ -43,4 +43,13 @@ std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& 
 // whole HTTP response, "" if none.
 std::string Scrape(int port);
 
+// A free loopback TCP port below the kernel's ephemeral range
+// (/proc/sys/net/ipv4/ip_local_port_range), for a listener that a test kills
+// and restarts on the same port: a port from bind(0) lies in the ephemeral
+// range, where any outgoing connection (ctest runs tests in parallel; the
+// agents keep redialling the dead address) may take it as its source port
+// and make the restart's bind fail. 0 (= let the kernel pick) when the range
+// leaves no room below it.
+int ReservablePort();
+
 }  // namespace moe::testing
