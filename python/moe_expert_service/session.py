@@ -63,6 +63,14 @@ def from_bf16_bits(b):
     return (np.ascontiguousarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def _current_raw_stream(torch, device_index):
+    """The cudaStream_t (an int) of torch's current stream on that device."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own Triton glue calls
+    if raw is not None:
+        return raw(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
 def _is_torch(x):
     return type(x).__module__.split(".")[0] == "torch" and hasattr(x, "data_ptr")
 
@@ -102,38 +110,39 @@ class _Call:
         return T, k
 
     def _torch(self, H, hidden, ids, weights, out):
+        # The hot path of every torch call: identity dtype checks, integer
+        # device indices, and the raw current stream (torch.cuda.current_stream
+        # builds a Stream object per call: most of the Python overhead on CUDA).
         import torch
-        named = {"hidden": hidden, "topk_ids": ids, "topk_weights": weights}
-        for name, x in named.items():
+        for name, x in (("topk_ids", ids), ("topk_weights", weights)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name}: expected a torch.Tensor like hidden, got {type(x).__name__}")
-        want = {"hidden": torch.bfloat16, "topk_ids": torch.int32, "topk_weights": torch.float32}
         if out is None:
             out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
         elif not isinstance(out, torch.Tensor):
             raise TypeError(f"out: expected a torch.Tensor like hidden, got {type(out).__name__}")
-        named["out"] = out
-        want["out"] = torch.bfloat16
-        for name, x in named.items():
-            if x.dtype != want[name]:
-                raise TypeError(f"{name}: expected dtype {want[name]}, got {x.dtype}")
-            if x.device != hidden.device:
+        dev = hidden.get_device()  # -1 on the CPU
+        for name, x, want in (("hidden", hidden, torch.bfloat16), ("topk_ids", ids, torch.int32),
+                              ("topk_weights", weights, torch.float32), ("out", out, torch.bfloat16)):
+            if x.dtype is not want:
+                raise TypeError(f"{name}: expected dtype {want}, got {x.dtype}")
+            if x.get_device() != dev or x.is_cuda != hidden.is_cuda:
                 raise ValueError(f"{name}: on {x.device}, hidden is on {hidden.device}")
         T, k = self._shapes(H, hidden, ids, weights)
         self._shape2("out", out, T, H)
-        for name, x in named.items():
+        for name, x in (("hidden", hidden), ("topk_ids", ids), ("topk_weights", weights), ("out", out)):
             if not x.is_contiguous():
                 raise ValueError(f"{name}: must be contiguous (call .contiguous())")
-        if hidden.device.type == "cuda":
+        if hidden.is_cuda:
             self.memory = _lib.MEMORY_DEVICE
-            self.stream = torch.cuda.current_stream(hidden.device).cuda_stream
-        elif hidden.device.type == "cpu":
+            self.stream = _current_raw_stream(torch, dev)
+        elif hidden.is_cpu:
             self.memory = _lib.MEMORY_HOST
             self.stream = None
         else:
             raise ValueError(f"hidden: device {hidden.device} is neither cpu nor cuda")
         self.T, self.k = T, k
-        self.ptrs = [x.data_ptr() for x in (hidden, ids, weights, out)]
+        self.ptrs = [hidden.data_ptr(), ids.data_ptr(), weights.data_ptr(), out.data_ptr()]
         self.keep = (hidden, ids, weights, out)
         self.result = out
         self.convert = None

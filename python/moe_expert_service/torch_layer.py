@@ -79,7 +79,7 @@ class MoeLayer(torch.nn.Module):
                              f"{self.hidden_size}")
         shape, dtype, device = hidden_states.shape, hidden_states.dtype, hidden_states.device
         x = hidden_states.reshape(-1, self.hidden_size)
-        if x.dtype != torch.bfloat16:
+        if x.dtype is not torch.bfloat16:
             x = x.to(torch.bfloat16)
         if not x.is_contiguous():
             x = x.contiguous()
@@ -89,9 +89,10 @@ class MoeLayer(torch.nn.Module):
         if not isinstance(topk_weights, torch.Tensor) or topk_weights.shape != topk_ids.shape:
             raise ValueError(f"topk_weights: expected shape {tuple(topk_ids.shape)}")
         ids, w = topk_ids, topk_weights
-        if ids.dtype != torch.int32 or ids.device != device or not ids.is_contiguous():
+        dev = x.get_device()
+        if ids.dtype is not torch.int32 or ids.get_device() != dev or not ids.is_contiguous():
             ids = ids.to(device=device, dtype=torch.int32).contiguous()
-        if w.dtype != torch.float32 or w.device != device or not w.is_contiguous():
+        if w.dtype is not torch.float32 or w.get_device() != dev or not w.is_contiguous():
             w = w.to(device=device, dtype=torch.float32).contiguous()
         host_only = device.type == "cuda" and self.session.info["device"] != "cuda"
         if self.capturable and device.type == "cuda" and not host_only:
@@ -114,7 +115,7 @@ class MoeLayer(torch.nn.Module):
                 self.last_stats = stats
             if host_only:
                 out = out.to(device)
-        if out.dtype != dtype:
+        if out.dtype is not dtype:
             out = out.to(dtype)
         return out.reshape(shape)
 
