@@ -11,6 +11,9 @@
 //                socket-based transport pays at least)
 //   shm          ExpertTransport::Submit (copies in and out of the segment)
 //   shm-staged   Stage / SubmitStaged / Release (zero copy: the producer writes the slot)
+//   *-polling    the same with SetPolling(2 ms) (both sides poll instead of
+//                sleeping; the worker's mode for calls of few tokens); left out
+//                below 4 hardware threads
 //   grpc-stream  one long-lived ForwardStream
 //   grpc-unary   one unary Forward per batch
 // Callers wait with AwaitResult (poll briefly, then block), as a GPU worker would.
@@ -152,17 +155,26 @@ int main(int argc, char** argv) {
   o.slots = 8;
   o.tls.insecure = true;
   o.max_message_bytes = 64 << 20;
-  struct Named { std::string name; std::unique_ptr<moe::ExpertTransport> t; bool staged; };
+  // "-polling": both sides poll (ExpertTransport::SetPolling, the mode the
+  // worker turns on for calls of few tokens) and the caller spins on the
+  // future, as LayerDispatcher does; the others sleep on futexes.
+  struct Named { std::string name; std::unique_ptr<moe::ExpertTransport> t; bool staged; bool polling; };
   std::vector<Named> transports;
-  for (const char* kind : {"shm", "shm-staged", "grpc-stream", "grpc-unary"}) {
+  const bool can_poll = std::thread::hardware_concurrency() >= 4;  // a poller per side needs spare cores
+  for (const char* kind : {"shm", "shm-staged", "shm-polling", "shm-staged-polling", "grpc-stream", "grpc-unary"}) {
+    const std::string k = kind;
+    const bool polling = k.find("-polling") != std::string::npos;
+    if (polling && !can_poll) continue;
     moe::TransportOptions to = o;
-    to.grpc_unary = std::string(kind) == "grpc-unary";
-    const bool shm = std::string(kind).rfind("shm", 0) == 0;
+    to.grpc_unary = k == "grpc-unary";
+    const bool shm = k.rfind("shm", 0) == 0;
     absl::StatusOr<std::unique_ptr<moe::ExpertTransport>> t =
         moe::ConnectTransport(shm ? "unix://" + sock : addr, to);
     if (!t.ok()) flags.Fail(absl::StrCat(kind, ": ", t.status().message()), 1);
-    transports.push_back({kind, *std::move(t), std::string(kind) == "shm-staged"});
+    if (polling) (*t)->SetPolling(std::chrono::milliseconds(2));
+    transports.push_back({k, *std::move(t), k.find("staged") != std::string::npos, polling});
   }
+  if (!can_poll) std::fprintf(stderr, "fewer than 4 hardware threads: the -polling rows are left out\n");
 
   const auto& cpu = moe::CpuFeatures::Get();
   std::printf("## Transport round trips (echo server in a separate process)\n\n");
@@ -216,6 +228,7 @@ int main(int argc, char** argv) {
     const moe::MissBatch batch{1, n, kTopK, x.data(), ids.data(), w.data()};
     for (Named& tr : transports) {
       lat.clear();
+      const auto spin = tr.polling ? std::chrono::microseconds(2000) : std::chrono::microseconds(200);  // 200: AwaitResult's default
       for (int i = 0; i < warmup + runs; ++i) {
         const auto t0 = std::chrono::steady_clock::now();
         absl::Status st;
@@ -227,13 +240,13 @@ int main(int argc, char** argv) {
             std::memcpy(s->expert_ids, ids.data(), ids.size() * 4);
             std::memcpy(s->expert_weights, w.data(), w.size() * 4);
             auto f = tr.t->SubmitStaged(*s, 1, t0 + std::chrono::seconds(10));
-            st = moe::AwaitResult(f);
+            st = moe::AwaitResult(f, spin);
             if (st.ok() && std::memcmp(s->output, x.data(), 64) != 0) st = absl::DataLossError("echo mismatch");
             tr.t->Release(*s);
           }
         } else {
           auto f = tr.t->Submit(batch, out.data(), t0 + std::chrono::seconds(10));
-          st = moe::AwaitResult(f);
+          st = moe::AwaitResult(f, spin);
           if (st.ok() && std::memcmp(out.data(), x.data(), out.size() * 2) != 0) st = absl::DataLossError("echo mismatch");
         }
         const auto t1 = std::chrono::steady_clock::now();
@@ -259,7 +272,7 @@ int main(int argc, char** argv) {
     std::vector<float> w;
     moe::RandomRouting(n, kTopK, kExperts, 4, 1.0, &ids, &w);
     for (Named& tr : transports) {
-      if (tr.staged) continue;
+      if (tr.staged || tr.polling) continue;
       // Callers poll only when there are cores to spare for them (not on a 2-core box).
       const auto caller_spin = std::thread::hardware_concurrency() >= 8 ? std::chrono::microseconds(200)
                                                                          : std::chrono::microseconds(0);
