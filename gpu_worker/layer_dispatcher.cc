@@ -138,6 +138,11 @@ struct LayerDispatcher::Impl {
     bool poisoned = false;
   };
   std::vector<std::unique_ptr<PlannedLayer>> planned;  // by served index
+  // Per server: its transport while connected and enabled, else null — what
+  // capturable host functions (CUDA's callback thread) route misses by, while
+  // the engine thread connects servers and drains them. Transports live as
+  // long as the dispatcher, so a pointer read here stays valid.
+  std::unique_ptr<std::atomic<ExpertTransport*>[]> routes;
   void* planned_stream = nullptr;                      // the engine's stream of capturable calls
   std::mutex stream_error_mu;
   absl::Status stream_error;
@@ -242,6 +247,8 @@ absl::Status LayerDispatcher::Init() {
 
   // Servers.
   absl::Status first_error;
+  impl_->routes = std::make_unique<std::atomic<ExpertTransport*>[]>(c.servers.size());
+  for (size_t i = 0; i < c.servers.size(); ++i) impl_->routes[i].store(nullptr);
   c.transport.hidden = spec_.hidden;
   c.transport.max_pairs_per_token = std::max(c.transport.max_pairs_per_token, c.max_top_k);
   for (const ExpertServerConfig& sc : c.servers) {
@@ -453,7 +460,13 @@ absl::Status LayerDispatcher::ConnectServer(size_t index) {
   }
   s.transport = *std::move(t);
   s.polling = std::chrono::microseconds(0);
+  PublishRoute(index);
   return absl::OkStatus();
+}
+
+void LayerDispatcher::PublishRoute(size_t index) {
+  const Server& s = impl_->servers[index];
+  impl_->routes[index].store(s.enabled ? s.transport.get() : nullptr, std::memory_order_release);
 }
 
 // Starts the copies the cache planned into slots of `layer`, on the copy
@@ -493,9 +506,10 @@ int LayerDispatcher::PendingCopies() {
 }
 
 absl::Status LayerDispatcher::SetServerEnabled(const std::string& address, bool enabled) {
-  for (Server& s : impl_->servers)
-    if (s.config.address == address) {
-      s.enabled = enabled;
+  for (size_t i = 0; i < impl_->servers.size(); ++i)
+    if (impl_->servers[i].config.address == address) {
+      impl_->servers[i].enabled = enabled;
+      PublishRoute(i);
       return absl::OkStatus();
     }
   return absl::NotFoundError("servers: no server " + address);
@@ -1175,16 +1189,19 @@ void LayerDispatcher::PlanCapturable(int layer, HostPlannedIo& io) {
     io.row_token[r] = pl.groups.token[r];
     io.row_weight[r] = pl.groups.weight[r];
   }
-  // Misses: per server (the first one hosting the expert), the tokens with
-  // their miss pairs, shipped now.
-  std::vector<int> ship_of(impl_->servers.size(), -1);
+  // Misses: per server (the first routable one hosting the expert), the
+  // tokens with their miss pairs, shipped now.
+  const size_t S = impl_->servers.size();
+  std::vector<ExpertTransport*> route(S);
+  for (size_t s = 0; s < S; ++s) route[s] = impl_->routes[s].load(std::memory_order_acquire);
+  std::vector<int> ship_of(S, -1);
   for (int t = 0; t < T; ++t) {
     for (int j = 0; j < k; ++j) {
       const int e = io.ids[t * k + j];
       if (e < 0 || pl.local_buffer[e] >= 0) continue;
       int server = -1;
-      for (size_t s = 0; s < impl_->servers.size() && server < 0; ++s)
-        if (impl_->servers[s].transport && impl_->servers[s].hosts[e]) server = static_cast<int>(s);
+      for (size_t s = 0; s < S && server < 0; ++s)
+        if (route[s] != nullptr && impl_->servers[s].hosts[e]) server = static_cast<int>(s);
       if (server < 0) {
         RecordStreamError(absl::UnavailableError(
             absl::StrCat("capturable call: no connected server hosts expert ", e, " of layer ", layer)));
@@ -1218,7 +1235,7 @@ void LayerDispatcher::PlanCapturable(int layer, HostPlannedIo& io) {
     b.tokens = sh.x.data();
     b.expert_ids = sh.ids.data();
     b.expert_weights = sh.weights.data();
-    sh.done = impl_->servers[sh.server].transport->Submit(b, sh.y.data(), deadline);
+    sh.done = route[sh.server]->Submit(b, sh.y.data(), deadline);
   }
 }
 

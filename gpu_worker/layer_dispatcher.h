@@ -219,6 +219,8 @@ class LayerDispatcher {
                                          const std::vector<int32_t>& tokens,
                                          const std::vector<float>& weights);
   void Abort(int ticket);
+  // Publishes server `index`'s transport (null while drained or unconnected) to capturable host functions.
+  void PublishRoute(size_t index);
   absl::Status ConnectServer(size_t index);  // (re)connects servers[index]
   absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies);
   int SlotBuffer(int layer, int slot) const;  // the backend buffer of a cache slot

@@ -38,7 +38,8 @@ class GraphCaptureTest : public ::testing::Test {
     server_.reset(s);
     SessionOptions o;
     o.model = kModel;
-    o.servers = {"unix://" + sock};
+    server_address_ = "unix://" + sock;
+    o.servers = {server_address_};
     o.device = "cuda";
     o.policy = "static";
     o.cache_experts_per_layer = 3;
@@ -114,6 +115,7 @@ class GraphCaptureTest : public ::testing::Test {
   std::unique_ptr<ReferenceMoe> reference_;
   cudaStream_t stream_ = nullptr;
   std::vector<Buffers> buffers_;
+  std::string server_address_;
 };
 
 TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
@@ -151,6 +153,21 @@ TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
   ASSERT_CUDA(cudaDeviceSynchronize());
   EXPECT_TRUE(session_->TakeStreamError().ok());
   EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "capturable call on stream 0";
+
+  // A drained server gets no capturable misses: with the only server
+  // disabled the call reports Unavailable and poisons the output (NaN); once
+  // enabled again the same call is right.
+  ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
+  ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  const absl::Status drained = session_->TakeStreamError();
+  EXPECT_TRUE(absl::IsUnavailable(drained)) << drained;
+  EXPECT_FALSE(Error(L, b, T, k, in) <= 1e-2) << "NaN output expected while the server is drained";
+  ASSERT_TRUE(session_->SetServerEnabled(server_address_, true).ok());
+  ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  EXPECT_TRUE(session_->TakeStreamError().ok());
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "after undrain";
 }
 
 TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
