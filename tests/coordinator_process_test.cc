@@ -344,7 +344,10 @@ TEST(CoordinatorProcess, KillAndRestartKeepsPinsAndTheAgentResyncs) {
   std::vector<std::string> args = kFastCoordinator;
   args.push_back(state);
   std::unique_ptr<Subprocess> coord;
-  const std::string addr = StartCoordinator(&coord, args);
+  // Below the ephemeral range, so no outgoing connection takes the port
+  // between the kill and the restart on it (see testing::ReservablePort).
+  const std::string addr =
+      StartCoordinator(&coord, args, "127.0.0.1:" + std::to_string(testing::ReservablePort()));
   ASSERT_FALSE(addr.empty());
   FakeWorker w;
   ASSERT_TRUE(w.Start(addr).ok());
