@@ -132,6 +132,8 @@ struct LayerDispatcher::Impl {
   struct PlannedLayer {
     std::unique_ptr<std::atomic<int32_t>[]> buffer_of;  // expert -> buffer of a Ready slot, or -1
     std::vector<int32_t> local_buffer, hit_ids;          // plan scratch (host-function thread only)
+    std::vector<ExpertTransport*> route;                 // plan scratch: the servers' routes at plan time
+    std::vector<int> ship_of;                            // plan scratch: server -> index in ships
     ExpertGroups groups;
     std::vector<PlannedShip> ships;                      // plan -> finish of the call in flight
     std::vector<float> acc;
@@ -1192,9 +1194,11 @@ void LayerDispatcher::PlanCapturable(int layer, HostPlannedIo& io) {
   // Misses: per server (the first routable one hosting the expert), the
   // tokens with their miss pairs, shipped now.
   const size_t S = impl_->servers.size();
-  std::vector<ExpertTransport*> route(S);
+  std::vector<ExpertTransport*>& route = pl.route;
+  route.resize(S);
   for (size_t s = 0; s < S; ++s) route[s] = impl_->routes[s].load(std::memory_order_acquire);
-  std::vector<int> ship_of(S, -1);
+  std::vector<int>& ship_of = pl.ship_of;
+  ship_of.assign(S, -1);
   for (int t = 0; t < T; ++t) {
     for (int j = 0; j < k; ++j) {
       const int e = io.ids[t * k + j];

@@ -216,6 +216,36 @@ CallResult Forward(WorkerClient& client, Batch& b, int timeout_ms = 20000) {
   return r;
 }
 
+// Background traffic of the kill/restart tests: the first failed or wrong
+// answer (for the final assertions' messages), and the threads stopped and
+// joined however the test leaves (a failed ASSERT included).
+class FirstProblem {
+ public:
+  void Note(const std::string& where, const CallResult& c) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (text_.empty()) text_ = where + ": " + c.status.ToString() + " error " + std::to_string(c.error);
+  }
+  std::string text() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return text_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::string text_;
+};
+
+struct TrafficThreads {
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> threads;
+  void Join() {
+    stop = true;
+    for (std::thread& t : threads)
+      if (t.joinable()) t.join();
+  }
+  ~TrafficThreads() { Join(); }
+};
+
 // ------------------------------------------------------------------ the system
 
 struct Process {
@@ -662,13 +692,12 @@ TEST_F(SystemTest, CoordinatorRestartKeepsOverridesAndWorkersKeepServing) {
       << last_status_;
 
   // Traffic on both workers from a background thread, through the kill and the restart.
-  std::atomic<bool> stop{false};
   std::atomic<int> calls{0}, failures{0}, wrong{0};
-  std::mutex mu;
-  std::string first_problem;
-  std::thread traffic([&] {
+  FirstProblem problem;
+  TrafficThreads traffic;  // declared last: joined before the counters go
+  traffic.threads.emplace_back([&] {
     std::mt19937_64 trng(33);
-    while (!stop.load()) {
+    while (!traffic.stop.load()) {
       for (int w = 0; w < 2; ++w)
         for (int layer = 0; layer < 2; ++layer) {
           Batch b = SkewedBatch(layer, trng);
@@ -676,10 +705,7 @@ TEST_F(SystemTest, CoordinatorRestartKeepsOverridesAndWorkersKeepServing) {
           ++calls;
           if (!c.status.ok() || !(c.error <= kTolerance)) {
             (c.status.ok() ? wrong : failures)++;
-            std::lock_guard<std::mutex> lock(mu);
-            if (first_problem.empty())
-              first_problem = WorkerId(w) + " layer " + std::to_string(layer) + ": " + c.status.ToString() +
-                              " error " + std::to_string(c.error);
+            problem.Note(WorkerId(w) + " layer " + std::to_string(layer), c);
           }
         }
     }
@@ -690,14 +716,6 @@ TEST_F(SystemTest, CoordinatorRestartKeepsOverridesAndWorkersKeepServing) {
     while (calls.load() < target && Clock::now() < end) std::this_thread::sleep_for(10ms);
     return calls.load() >= target;
   };
-  struct Stopper {
-    std::atomic<bool>& stop;
-    std::thread& t;
-    ~Stopper() {
-      stop = true;
-      if (t.joinable()) t.join();
-    }
-  } stopper{stop, traffic};
   ASSERT_TRUE(wait_calls(8, 10s));
 
   // kill -9: the workers keep answering, with their last assignment (the pin included).
@@ -742,10 +760,9 @@ TEST_F(SystemTest, CoordinatorRestartKeepsOverridesAndWorkersKeepServing) {
   EXPECT_EQ(Series(c, "moe_coordinator_workers{state=\"up\"}"), 2) << c;
   EXPECT_EQ(Series(c, "moe_coordinator_servers{state=\"drained\"}"), 1) << c;
 
-  stop = true;
-  traffic.join();
-  EXPECT_EQ(failures.load(), 0) << first_problem;
-  EXPECT_EQ(wrong.load(), 0) << first_problem;
+  traffic.Join();
+  EXPECT_EQ(failures.load(), 0) << problem.text();
+  EXPECT_EQ(wrong.load(), 0) << problem.text();
   EXPECT_GE(calls_while_down, 24);
   std::printf("%d calls, %d of them while the coordinator was down; 0 failed\n", calls.load(), calls_while_down);
   r = Moectl({"undrain", "s2"});
@@ -754,17 +771,15 @@ TEST_F(SystemTest, CoordinatorRestartKeepsOverridesAndWorkersKeepServing) {
 
 TEST_F(SystemTest, KillingOneReplicaServerLosesNoRequest) {
   // Continuous traffic through both workers, one thread each, every output checked.
-  std::atomic<bool> stop{false};
   std::atomic<int> calls[2] = {{0}, {0}}, failures{0}, wrong{0}, cpu_pairs_after_kill{0};
   std::atomic<bool> killed{false};
-  std::mutex mu;
-  std::string first_problem;
-  std::vector<std::thread> threads;
+  FirstProblem problem;
+  TrafficThreads traffic;
   for (int w = 0; w < 2; ++w)
-    threads.emplace_back([&, w] {
+    traffic.threads.emplace_back([&, w] {
       std::mt19937_64 rng(40 + w);
-      while (!stop.load()) {
-        for (int layer = 0; layer < 2 && !stop.load(); ++layer) {
+      while (!traffic.stop.load()) {
+        for (int layer = 0; layer < 2 && !traffic.stop.load(); ++layer) {
           Batch b = SkewedBatch(layer, rng, 0.5);  // plenty of misses for the servers
           const bool after = killed.load();
           const CallResult c = Forward(*clients_[w], b);
@@ -772,23 +787,11 @@ TEST_F(SystemTest, KillingOneReplicaServerLosesNoRequest) {
           if (c.status.ok() && after) cpu_pairs_after_kill += c.cpu;
           if (!c.status.ok() || !(c.error <= kTolerance)) {
             (c.status.ok() ? wrong : failures)++;
-            std::lock_guard<std::mutex> lock(mu);
-            if (first_problem.empty())
-              first_problem = WorkerId(w) + " layer " + std::to_string(layer) + ": " + c.status.ToString() +
-                              " error " + std::to_string(c.error);
+            problem.Note(WorkerId(w) + " layer " + std::to_string(layer), c);
           }
         }
       }
     });
-  struct Joiner {
-    std::atomic<bool>& stop;
-    std::vector<std::thread>& t;
-    ~Joiner() {
-      stop = true;
-      for (auto& x : t)
-        if (x.joinable()) x.join();
-    }
-  } joiner{stop, threads};
   auto wait_calls = [&](int n, std::chrono::milliseconds timeout) {
     const int t0 = calls[0].load() + n, t1 = calls[1].load() + n;
     const Clock::time_point end = Clock::now() + timeout;
@@ -808,11 +811,10 @@ TEST_F(SystemTest, KillingOneReplicaServerLosesNoRequest) {
   ASSERT_TRUE(WaitForStatus([](const nlohmann::json& s) { return StateOf(s, "s1") == "down"; }, 5s))
       << last_status_;
   ASSERT_TRUE(wait_calls(10, 15s)) << "calls stalled after the coordinator marked s1 down";
-  stop = true;
-  for (auto& t : threads) t.join();
+  traffic.Join();
 
-  EXPECT_EQ(failures.load(), 0) << first_problem;
-  EXPECT_EQ(wrong.load(), 0) << first_problem;
+  EXPECT_EQ(failures.load(), 0) << problem.text();
+  EXPECT_EQ(wrong.load(), 0) << problem.text();
   EXPECT_GT(cpu_pairs_after_kill.load(), 0);
   EXPECT_GT(ServerRequests(1), s2_before) << "the replica took over";
   double failovers = 0;
@@ -830,16 +832,14 @@ TEST_F(SystemTest, KillingOneReplicaServerLosesNoRequest) {
 
 TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   // One traffic thread per worker, every answer checked against the reference.
-  std::atomic<bool> stop{false};
   std::atomic<long> calls{0}, ok{0}, failed{0}, wrong{0};
-  std::mutex mu;
-  std::string first_problem;
-  std::vector<std::thread> threads;
+  FirstProblem problem;
+  TrafficThreads traffic;
   for (int w = 0; w < 2; ++w)
-    threads.emplace_back([&, w] {
+    traffic.threads.emplace_back([&, w] {
       std::mt19937_64 rng(70 + w);
-      while (!stop.load()) {
-        for (int layer = 0; layer < 2 && !stop.load(); ++layer) {
+      while (!traffic.stop.load()) {
+        for (int layer = 0; layer < 2 && !traffic.stop.load(); ++layer) {
           Batch b = SkewedBatch(layer, rng, 0.5);  // plenty of misses for the servers
           const CallResult c = Forward(*clients_[w], b, 10000);
           ++calls;
@@ -850,24 +850,10 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
           } else {
             ++ok;
           }
-          if (!c.status.ok() || !(c.error <= kTolerance)) {
-            std::lock_guard<std::mutex> lock(mu);
-            if (first_problem.empty())
-              first_problem = WorkerId(w) + " layer " + std::to_string(layer) + ": " + c.status.ToString() +
-                              " error " + std::to_string(c.error);
-          }
+          if (!c.status.ok() || !(c.error <= kTolerance)) problem.Note(WorkerId(w) + " layer " + std::to_string(layer), c);
         }
       }
     });
-  struct Joiner {
-    std::atomic<bool>& stop;
-    std::vector<std::thread>& t;
-    ~Joiner() {
-      stop = true;
-      for (auto& x : t)
-        if (x.joinable()) x.join();
-    }
-  } joiner{stop, threads};
   auto wait_calls = [&](long n, std::chrono::milliseconds timeout) {
     const long target = calls.load() + n;
     const Clock::time_point end = Clock::now() + timeout;
@@ -929,8 +915,7 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
                             15s))
       << "the workers and servers did not all come back: " << last_status_;
   ASSERT_TRUE(hold(segment)) << "calls stalled after the coordinator restart";
-  stop = true;
-  for (auto& t : threads) t.join();
+  traffic.Join();
 
   std::vector<long> rss_after;
   for (const Process* p : watched) rss_after.push_back(RssKib(p->proc->pid()));
@@ -947,8 +932,8 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
     ASSERT_GT(rss_before[i], 0);
     EXPECT_LT(rss_after[i], rss_before[i] * 1.05) << name << " grew by more than 5%";
   }
-  EXPECT_EQ(wrong.load(), 0) << first_problem;
-  EXPECT_EQ(failed.load(), 0) << "s2 replicates every expert: no call should fail; " << first_problem;
+  EXPECT_EQ(wrong.load(), 0) << problem.text();
+  EXPECT_EQ(failed.load(), 0) << "s2 replicates every expert: no call should fail; " << problem.text();
   EXPECT_LT(seconds, 120);
   RecordProperty("calls", static_cast<int>(calls.load()));
   RecordProperty("failed", static_cast<int>(failed.load()));

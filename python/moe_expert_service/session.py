@@ -63,12 +63,16 @@ def from_bf16_bits(b):
     return (np.ascontiguousarray(b, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+_raw_stream_fn = None  # looked up once: this runs on every CUDA call
+
+
 def _current_raw_stream(torch, device_index):
     """The cudaStream_t (an int) of torch's current stream on that device."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own Triton glue calls
-    if raw is not None:
-        return raw(device_index)
-    return torch.cuda.current_stream(device_index).cuda_stream
+    global _raw_stream_fn
+    if _raw_stream_fn is None:
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what torch's own Triton glue calls
+        _raw_stream_fn = raw if raw is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+    return _raw_stream_fn(device_index)
 
 
 def _is_torch(x):
