@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <string>
 
-#include "cpu_expert_server/compute_pool.h"
-#include "cpu_expert_server/numa_binding.h"
+#include "cpu_compute/compute_pool.h"
+#include "cpu_compute/numa_binding.h"
 
 namespace moe {
 

@@ -44,7 +44,7 @@
 #include "core/model_source.h"
 #include "core/subprocess.h"
 #include "core/synthetic_model.h"
-#include "cpu_expert_server/cpu_features.h"
+#include "cpu_compute/cpu_features.h"
 #include "gpu_worker/attention.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"

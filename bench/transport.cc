@@ -40,7 +40,7 @@
 #include "core/transport/shm_server.h"
 #include "core/transport/transport.h"
 #include "core/transport/unix_socket.h"
-#include "cpu_expert_server/cpu_features.h"
+#include "cpu_compute/cpu_features.h"
 #include "cpu_expert_server/expert_service.h"
 #include "grpcpp/grpcpp.h"
 

@@ -15,7 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "client/moe_session.h"
+#include "moe/engine.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
 #include "nlohmann/json.hpp"
@@ -230,7 +230,7 @@ moe_status moe_session_info(moe_session* session, moe_model_info* out) {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     if (out == nullptr) return Invalid("out: NULL");
     std::lock_guard<std::mutex> lock(session->mu);
-    const moe::ModelSpec& spec = session->session->spec();
+    const moe::ModelInfo& spec = session->session->model();
     *out = moe_model_info{};
     out->num_layers = spec.num_layers;
     out->num_moe_layers = static_cast<int32_t>(
@@ -254,7 +254,7 @@ moe_status moe_session_moe_layers(moe_session* session, int32_t* layers, int32_t
     if (capacity < 0 || (capacity > 0 && layers == nullptr)) return Invalid("layers: NULL with capacity > 0");
     std::lock_guard<std::mutex> lock(session->mu);
     const std::vector<int>& served =
-        session->options.layers.empty() ? session->session->spec().moe_layers : session->options.layers;
+        session->options.layers.empty() ? session->session->model().moe_layers : session->options.layers;
     *count = static_cast<int32_t>(served.size());
     for (int32_t i = 0; i < capacity && i < *count; ++i) layers[i] = served[i];
     return MOE_OK;

@@ -7,10 +7,9 @@
 #include <cstdint>
 #include <cstring>
 
-namespace moe {
+#include "moe/types.h"  // bf16_t
 
-// A bf16 value stored as its raw 16 bits.
-using bf16_t = uint16_t;
+namespace moe {
 
 inline float Bf16ToF32(bf16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;

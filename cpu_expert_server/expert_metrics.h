@@ -29,7 +29,7 @@
 
 #include "absl/status/status.h"
 #include "core/metrics.h"
-#include "cpu_expert_server/moe_executor.h"
+#include "cpu_compute/moe_executor.h"
 
 namespace moe {
 

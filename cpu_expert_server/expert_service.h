@@ -13,7 +13,7 @@
 
 #include "core/model_spec.h"
 #include "cpu_expert_server/expert_metrics.h"
-#include "cpu_expert_server/moe_executor.h"
+#include "cpu_compute/moe_executor.h"
 #include "moe/v1/expert.grpc.pb.h"
 
 namespace moe {

@@ -8,12 +8,12 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "cpu_expert_server/compute_pool.h"
-#include "cpu_expert_server/cpu_features.h"
-#include "cpu_expert_server/expert_kernel.h"
-#include "cpu_expert_server/expert_store.h"
-#include "cpu_expert_server/moe_executor.h"
-#include "cpu_expert_server/numa_binding.h"
+#include "cpu_compute/compute_pool.h"
+#include "cpu_compute/cpu_features.h"
+#include "cpu_compute/expert_kernel.h"
+#include "cpu_compute/expert_store.h"
+#include "cpu_compute/moe_executor.h"
+#include "cpu_compute/numa_binding.h"
 #include "gpu_worker/device_backend.h"
 
 namespace moe {

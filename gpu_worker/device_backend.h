@@ -35,10 +35,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/bf16.h"
+#include "moe/types.h"
 
 namespace moe {
-
-enum class MemoryKind { kHost, kDevice };
 
 struct BackendConfig {
   int hidden = 0;        // H

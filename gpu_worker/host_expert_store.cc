@@ -9,7 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "cpu_expert_server/numa_binding.h"
+#include "cpu_compute/numa_binding.h"
 
 namespace moe {
 

@@ -52,6 +52,7 @@
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/expert_cache.h"
 #include "gpu_worker/host_expert_store.h"
+#include "moe/types.h"
 
 namespace moe {
 
@@ -125,18 +126,6 @@ struct LayerCall {
   // after the stream's earlier work, and the stream's later work after the
   // output (DeviceBackend::WaitStream / SignalStream).
   void* stream = nullptr;
-};
-
-struct CallStats {
-  int hit_pairs = 0;
-  int cpu_pairs = 0;          // pairs computed by CPU expert servers
-  int cpu_experts = 0;        // distinct experts sent to CPU expert servers
-  int copied_pairs = 0;       // pairs computed on the device after a copy (incl. failover)
-  int copied_experts = 0;
-  int miss_tokens = 0;        // tokens shipped (summed over servers)
-  int failovers = 0;          // batches moved to another server or to copy
-  uint64_t bytes_shipped = 0; // activations + routing sent, partials received
-  double submit_s = 0, wait_s = 0;  // host time in Submit, and waiting in Complete
 };
 
 class LayerDispatcher {

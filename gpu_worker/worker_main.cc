@@ -13,13 +13,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "client/moe_session.h"
+#include "moe/engine.h"
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/service_main.h"
 #include "core/metrics.h"
 #include "core/metrics_http.h"
-#include "coordinator/coordinator_agent.h"
+#include "coordinator/agent/coordinator_agent.h"
 #include "core/transport/grpc_channel.h"
 #include "gpu_worker/worker_service.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -108,7 +108,7 @@ int main(int argc, char** argv) {
   if (!session.ok()) flags.Fail(std::string(session.status().message()), 1);
   moe::LogInfo("worker", (*session)->Describe());
 
-  const moe::ModelSpec& spec = (*session)->spec();
+  const moe::ModelInfo& spec = (*session)->model();
   const std::vector<int> served = o.layers.empty() ? spec.moe_layers : o.layers;
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
   metrics_ptr.store(&metrics, std::memory_order_release);
@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   builder.RegisterService(&service);
-  const uint64_t max_msg = 2ull * max_tokens * (2ull * (*session)->spec().hidden + 8 * max_top_k) + (1 << 20);
+  const uint64_t max_msg = 2ull * max_tokens * (2ull * (*session)->model().hidden + 8 * max_top_k) + (1 << 20);
   moe::ConfigureServerBuilder(builder, max_msg);
   absl::StatusOr<moe::ListeningServer> listening = moe::StartGrpcServer(builder, listen, *creds);
   if (!listening.ok()) flags.Fail(std::string(listening.status().message()), 1);
@@ -140,7 +140,7 @@ int main(int argc, char** argv) {
     reg.num_layers = spec.num_layers;
     reg.num_experts = spec.num_experts;
     reg.slots_per_layer = (*session)->slots_per_layer();
-    reg.expert_bytes = spec.ExpertBf16Bytes();
+    reg.expert_bytes = 6ull * spec.hidden * spec.intermediate;  // gate, up, down in bf16
     reg.cached_layers = served;
     absl::StatusOr<std::unique_ptr<moe::CoordinatorAgent>> a = moe::CoordinatorAgent::Start(
         coordinator, tls, reg, [&service](const moe::AssignmentUpdate& u) { service.OnAssignment(u); });

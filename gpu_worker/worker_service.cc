@@ -64,12 +64,12 @@ void WorkerServiceImpl::ApplyPendingLocked() {
 
 grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1::ForwardLayerRequest* req,
                                              moe::v1::ForwardLayerResponse* resp) {
-  const int H = session_.spec().hidden;
+  const int H = session_.model().hidden;
   const int n = req->batches_size();
   if (n < 1 || n > 2)
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("batches: ", n, " micro-batches (1 or 2)")));
   // The layer as the expert server checks it (an index is never printed as a negative number).
-  const int num_layers = session_.spec().num_layers;
+  const int num_layers = session_.model().num_layers;
   if (req->layer() >= static_cast<uint32_t>(num_layers))
     return ToGrpcStatus(
         absl::InvalidArgumentError(absl::StrCat("layer: ", req->layer(), " out of range [0, ", num_layers, ")")));
@@ -100,7 +100,7 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
     if (!w.ok()) return ToGrpcStatus(w.status());
     if (absl::Status st = ValidateRouting(RoutingView{static_cast<int>(T), static_cast<int>(k), ids->as<int32_t>(),
                                                       w->as<float>()},
-                                          session_.spec().num_experts, {}, f + "topk_ids", f + "topk_weights");
+                                          session_.model().num_experts, {}, f + "topk_ids", f + "topk_weights");
         !st.ok())
       return ToGrpcStatus(st);
     d[i].T = static_cast<int>(T);
@@ -153,7 +153,16 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
 grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v1::WorkerInfoRequest*,
                                               moe::v1::WorkerInfo* resp) {
   std::lock_guard<std::mutex> lock(mu_);
-  const ModelSpec& spec = session_.spec();
+  const ModelInfo& model = session_.model();
+  ModelSpec spec;  // the wire form of the session's model
+  spec.model_type = model.model_type;
+  spec.num_layers = model.num_layers;
+  spec.moe_layers = model.moe_layers;
+  spec.num_experts = model.num_experts;
+  spec.top_k = model.top_k;
+  spec.hidden = model.hidden;
+  spec.intermediate = model.intermediate;
+  spec.dtype = ParseDType(model.weight_dtype).value_or(DType::kBF16);
   ModelSpecToProto(spec, resp->mutable_model());
   resp->set_device(session_.device());
   resp->set_slots_per_layer(session_.slots_per_layer());
@@ -162,17 +171,17 @@ grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v
   for (int l : spec.moe_layers) {
     moe::v1::LayerCacheInfo* li = resp->add_layers();
     li->set_layer(l);
-    for (int e : session_.cache().SlotExperts(l)) li->add_slot_experts(e);
-    li->set_hit_rate(session_.cache().HitRate(l));
+    for (int e : session_.CachedExperts(l)) li->add_slot_experts(e);
+    li->set_hit_rate(session_.HitRate(l));
   }
-  resp->set_cost_model(session_.cost_model().Describe());
+  resp->set_cost_model(session_.DescribeCostModel());
   return grpc::Status::OK;
 }
 
 grpc::Status WorkerServiceImpl::ApplyAssignment(grpc::ServerContext*, const moe::v1::ApplyAssignmentRequest* req,
                                                 moe::v1::ApplyAssignmentResponse*) {
   std::vector<int> experts(req->experts().begin(), req->experts().end());
-  const int E = session_.spec().num_experts;
+  const int E = session_.model().num_experts;
   for (size_t i = 0; i < experts.size(); ++i)
     if (experts[i] >= E)
       return ToGrpcStatus(absl::InvalidArgumentError(

@@ -21,8 +21,8 @@
 #include <set>
 #include <string>
 
-#include "client/moe_session.h"
-#include "coordinator/coordinator_agent.h"
+#include "moe/engine.h"
+#include "coordinator/agent/coordinator_agent.h"
 #include "gpu_worker/worker_metrics.h"
 #include "moe/v1/worker.grpc.pb.h"
 

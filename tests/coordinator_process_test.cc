@@ -17,7 +17,7 @@
 #include <mutex>
 #include <thread>
 
-#include "coordinator/coordinator_agent.h"
+#include "coordinator/agent/coordinator_agent.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_support.h"

@@ -13,10 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "client/moe_session.h"
+#include "moe/engine.h"
 #include "core/model_source.h"
 #include "core/random_data.h"
 #include "core/reference_moe.h"
+#include "gpu_worker/device_backend.h"  // CudaAvailable
 #include "tests/test_support.h"
 
 namespace moe {
@@ -66,7 +67,7 @@ class GraphCaptureTest : public ::testing::Test {
   };
   Buffers Alloc(int T, int k) {
     Buffers b;
-    const int H = session_->spec().hidden;
+    const int H = session_->model().hidden;
     EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.hidden), sizeof(bf16_t) * T * H), cudaSuccess);
     EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.ids), sizeof(int32_t) * T * k), cudaSuccess);
     EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.weights), sizeof(float) * T * k), cudaSuccess);
@@ -88,15 +89,15 @@ class GraphCaptureTest : public ::testing::Test {
     std::vector<float> w;
   };
   void Fill(const Buffers& b, int T, int k, uint64_t seed, Inputs* in) {
-    const int H = session_->spec().hidden;
+    const int H = session_->model().hidden;
     in->x = RandomActivations(static_cast<size_t>(T) * H, seed);
-    RandomRouting(T, k, session_->spec().num_experts, seed + 1, 0, &in->ids, &in->w);
+    RandomRouting(T, k, session_->model().num_experts, seed + 1, 0, &in->ids, &in->w);
     ASSERT_CUDA(cudaMemcpyAsync(b.hidden, in->x.data(), in->x.size() * 2, cudaMemcpyHostToDevice, stream_));
     ASSERT_CUDA(cudaMemcpyAsync(b.ids, in->ids.data(), in->ids.size() * 4, cudaMemcpyHostToDevice, stream_));
     ASSERT_CUDA(cudaMemcpyAsync(b.weights, in->w.data(), in->w.size() * 4, cudaMemcpyHostToDevice, stream_));
   }
   double Error(int layer, const Buffers& b, int T, int k, const Inputs& in) {
-    const int H = session_->spec().hidden;
+    const int H = session_->model().hidden;
     std::vector<bf16_t> out(static_cast<size_t>(T) * H);
     EXPECT_EQ(cudaMemcpy(out.data(), b.out, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
     std::vector<float> ref(out.size());
@@ -119,7 +120,7 @@ class GraphCaptureTest : public ::testing::Test {
 };
 
 TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
-  const int T = 5, k = session_->spec().top_k, L = session_->spec().moe_layers[0];
+  const int T = 5, k = session_->model().top_k, L = session_->model().moe_layers[0];
   Buffers b = Alloc(T, k);
   ASSERT_TRUE(session_->ApplyAssignment(L, {0, 1, 2}).ok());
   ASSERT_TRUE(session_->FlushCopies().ok());
@@ -147,7 +148,7 @@ TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
   EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "host pointers";
   // A capturable call given no stream runs on the legacy default stream (stream 0,
   // torch's current stream unless the engine set one), as a CUDA call would.
-  ASSERT_CUDA(cudaMemset(b.out, 0, sizeof(bf16_t) * T * session_->spec().hidden));
+  ASSERT_CUDA(cudaMemset(b.out, 0, sizeof(bf16_t) * T * session_->model().hidden));
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
   ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, nullptr).ok());
   ASSERT_CUDA(cudaDeviceSynchronize());
@@ -171,8 +172,8 @@ TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
 }
 
 TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
-  const int T = 4, k = session_->spec().top_k;
-  const std::vector<int>& layers = session_->spec().moe_layers;
+  const int T = 4, k = session_->model().top_k;
+  const std::vector<int>& layers = session_->model().moe_layers;
   std::vector<Buffers> bufs;
   for (size_t i = 0; i < layers.size(); ++i) bufs.push_back(Alloc(T, k));
   // Warm-up outside the capture (allocates each layer's staging).
@@ -218,7 +219,7 @@ TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
 }
 
 TEST_F(GraphCaptureTest, CapturableCallRefusesBadArguments) {
-  const int T = 2, k = session_->spec().top_k, L = session_->spec().moe_layers[0];
+  const int T = 2, k = session_->model().top_k, L = session_->model().moe_layers[0];
   Buffers b = Alloc(T, k);
   EXPECT_TRUE(absl::IsInvalidArgument(
       session_->ForwardLayerCapturable(0, T, k, b.hidden, b.ids, b.weights, b.out, stream_)));

@@ -13,7 +13,7 @@
 #include <random>
 
 #include "client/expert_client.h"
-#include "client/moe_session.h"
+#include "moe/engine.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
 #include "core/transport/grpc_channel.h"

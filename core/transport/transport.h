@@ -19,6 +19,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
+#include "moe/types.h"
 
 namespace moe {
 
@@ -32,12 +33,6 @@ struct MissBatch {
   const bf16_t* tokens = nullptr;          // [n, H]
   const int32_t* expert_ids = nullptr;     // [n, k], -1 = unused slot
   const float* expert_weights = nullptr;   // [n, k]
-};
-
-struct TlsOptions {
-  std::string cert_file, key_file, ca_file;  // PEM; cert+key for mTLS, ca to verify the peer
-  bool insecure = false;                     // plaintext; must be asked for explicitly
-  std::string server_name_override;          // TLS name to verify instead of the host
 };
 
 struct TransportOptions {

@@ -1,9 +1,10 @@
-// Uses the installed client library the way an engine would: a session over a
-// model with no expert server reachable must fail cleanly, a bad device name
-// must be InvalidArgument. Prints "ok" when both hold.
+// Uses the installed engine library the way an engine would, through the
+// public header only: a session over a model with no expert server reachable
+// must fail cleanly, a bad device name must be InvalidArgument. Prints "ok"
+// when both hold.
 #include <cstdio>
 
-#include "client/moe_session.h"
+#include "moe/engine.h"
 
 int main() {
   moe::SessionOptions o;

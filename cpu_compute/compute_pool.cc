@@ -1,4 +1,4 @@
-#include "cpu_expert_server/compute_pool.h"
+#include "cpu_compute/compute_pool.h"
 
 #include <immintrin.h>
 #include <pthread.h>

@@ -10,9 +10,9 @@
 
 #include "absl/status/statusor.h"
 #include "core/model_source.h"
-#include "cpu_expert_server/compute_pool.h"
-#include "cpu_expert_server/expert_kernel.h"
-#include "cpu_expert_server/numa_binding.h"
+#include "cpu_compute/compute_pool.h"
+#include "cpu_compute/expert_kernel.h"
+#include "cpu_compute/numa_binding.h"
 
 namespace moe {
 

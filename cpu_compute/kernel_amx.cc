@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "cpu_expert_server/expert_kernel.h"
-#include "cpu_expert_server/simd_avx512.h"
+#include "cpu_compute/expert_kernel.h"
+#include "cpu_compute/simd_avx512.h"
 
 namespace moe {
 namespace {

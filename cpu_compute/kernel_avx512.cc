@@ -2,8 +2,8 @@
 // blocks of 16 columns in registers (16 accumulators).
 #include <immintrin.h>
 
-#include "cpu_expert_server/expert_kernel.h"
-#include "cpu_expert_server/simd_avx512.h"
+#include "cpu_compute/expert_kernel.h"
+#include "cpu_compute/simd_avx512.h"
 
 namespace moe {
 namespace {

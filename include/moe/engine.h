@@ -1,4 +1,9 @@
-// MoeSession: the engine-facing C++ API of moe-expert-service.
+// moe/engine.h — the C++ API an inference engine uses: MoeSession.
+//
+// Only what an engine needs: this header, moe/types.h and absl::Status. The
+// session's cache, dispatcher, cost model and transports stay behind it
+// (gpu_worker/); the C ABI over the same session is moe/moe.h (libmoe.so).
+// CMake: find_package(moe_expert_service) and link moe::engine.
 //
 // An inference engine opens one session per GPU (per model replica): it names
 // the model, the CPU expert servers, the device backend and the cache size.
@@ -47,18 +52,23 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "core/bf16.h"
-#include "core/model_spec.h"
-#include "core/transport/transport.h"
-#include "gpu_worker/device_backend.h"
-#include "gpu_worker/expert_cache.h"
-#include "gpu_worker/layer_dispatcher.h"
+#include "moe/types.h"
 
 namespace moe {
 
-class ModelSource;
-class HostExpertStore;
+// The model's MoE geometry, as the session read it from the checkpoint.
+struct ModelInfo {
+  std::string model_type;       // config.json "model_type", or the synthetic preset's
+  int num_layers = 0;           // decoder layers, dense ones included
+  std::vector<int> moe_layers;  // ascending; layers with routed experts
+  int num_experts = 0;          // routed experts per MoE layer
+  int top_k = 0;
+  int hidden = 0;               // H
+  int intermediate = 0;         // I, per expert
+  std::string weight_dtype;     // the checkpoint's expert weights, as safetensors names it: BF16, F16, F32
+};
 
 struct SessionOptions {
   std::string model;                   // checkpoint directory or synthetic:PRESET[:layers=N][:seed=S]
@@ -76,9 +86,11 @@ struct SessionOptions {
   TlsOptions tls;                      // for host:port servers
   std::chrono::milliseconds deadline{30000};
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
-  // Per-call access counts, e.g. for a coordinator agent (see DispatcherConfig::on_access).
+  // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
+  // all hits or all misses (e.g. a coordinator agent's access counts).
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
-  // Cache copies and prediction scores per layer (DispatcherConfig::on_cache_activity).
+  // Cache activity per layer: copies started (count, bytes), and the
+  // predictive policy's score of its prediction (experts predicted, used).
   std::function<void(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used)> on_cache_activity;
 };
 
@@ -86,8 +98,10 @@ class MoeSession {
  public:
   static absl::StatusOr<std::unique_ptr<MoeSession>> Open(const SessionOptions& options);
   ~MoeSession();
+  MoeSession(const MoeSession&) = delete;
+  MoeSession& operator=(const MoeSession&) = delete;
 
-  const ModelSpec& spec() const;
+  const ModelInfo& model() const;
   const char* device() const;  // "cuda" or "cpu"
 
   absl::Status ForwardLayer(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
@@ -107,10 +121,11 @@ class MoeSession {
 
   // CUDA-graph-capturable call (cuda backend, device pointers; nullptr
   // `cuda_stream` = the legacy default stream): enqueued on `cuda_stream`,
-  // returns at once; see
-  // LayerDispatcher::EnqueueCapturable for the contract (warm up each layer
-  // once outside a capture; run-time errors poison the output with NaN and
-  // are returned by TakeStreamError).
+  // returns at once. The placement is read when the graph runs, not when it
+  // was captured. Warm up each layer once outside a capture (the first call
+  // allocates); calls of one layer must not overlap; misses always go to a
+  // server (place experts with ApplyAssignment). Run-time errors poison the
+  // output with NaN and are returned by TakeStreamError.
   absl::Status ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                                       const float* topk_weights, bf16_t* out, void* cuda_stream);
   absl::Status TakeStreamError();
@@ -125,18 +140,18 @@ class MoeSession {
   // Stop / resume sending misses to one expert server (drain, server down).
   absl::Status SetServerEnabled(const std::string& address, bool enabled);
 
-  const ExpertCache& cache() const;
-  const CostModel& cost_model() const;
+  // The cache as it is now: experts in `layer`'s slots, the layer's hit rate
+  // so far, slots per layer; and the copy-vs-compute model in words.
+  std::vector<int> CachedExperts(int layer) const;
+  double HitRate(int layer) const;
   int slots_per_layer() const;
+  std::string DescribeCostModel() const;
   std::string Describe() const;
 
  private:
-  MoeSession() = default;
-  std::unique_ptr<ModelSource> source_;
-  std::unique_ptr<DeviceBackend> backend_;
-  std::unique_ptr<HostExpertStore> host_;
-  std::unique_ptr<LayerDispatcher> dispatcher_;
-  SessionOptions options_;
+  struct Rep;
+  explicit MoeSession(std::unique_ptr<Rep> rep);
+  std::unique_ptr<Rep> rep_;
 };
 
 }  // namespace moe

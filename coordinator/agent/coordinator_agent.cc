@@ -1,4 +1,4 @@
-#include "coordinator/coordinator_agent.h"
+#include "coordinator/agent/coordinator_agent.h"
 
 #include <unistd.h>
 

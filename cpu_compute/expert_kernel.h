@@ -25,7 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
-#include "cpu_expert_server/cpu_features.h"
+#include "cpu_compute/cpu_features.h"
 
 namespace moe {
 

@@ -1,4 +1,4 @@
-#include "cpu_expert_server/cpu_features.h"
+#include "cpu_compute/cpu_features.h"
 
 #include <cpuid.h>
 #include <sys/syscall.h>

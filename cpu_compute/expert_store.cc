@@ -1,4 +1,4 @@
-#include "cpu_expert_server/expert_store.h"
+#include "cpu_compute/expert_store.h"
 
 #include <atomic>
 #include <mutex>

@@ -1,4 +1,4 @@
-#include "cpu_expert_server/numa_binding.h"
+#include "cpu_compute/numa_binding.h"
 
 #include <hwloc.h>
 #include <sys/mman.h>

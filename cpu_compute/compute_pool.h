@@ -18,7 +18,7 @@
 #include <thread>
 #include <vector>
 
-#include "cpu_expert_server/numa_binding.h"
+#include "cpu_compute/numa_binding.h"
 
 namespace moe {
 

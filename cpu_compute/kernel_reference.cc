@@ -1,7 +1,7 @@
 // The portable kernel: plain loops over the packed layout, f32 accumulation.
 #include <cmath>
 
-#include "cpu_expert_server/expert_kernel.h"
+#include "cpu_compute/expert_kernel.h"
 
 namespace moe {
 namespace {

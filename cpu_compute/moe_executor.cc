@@ -1,4 +1,4 @@
-#include "cpu_expert_server/moe_executor.h"
+#include "cpu_compute/moe_executor.h"
 
 #include <chrono>
 #include <cstdlib>

@@ -1,4 +1,4 @@
-#include "cpu_expert_server/expert_kernel.h"
+#include "cpu_compute/expert_kernel.h"
 
 #include <cstring>
 

@@ -15,9 +15,9 @@
 #include "core/bf16.h"
 #include "core/routing.h"
 #include "core/tensor.h"
-#include "cpu_expert_server/compute_pool.h"
-#include "cpu_expert_server/expert_kernel.h"
-#include "cpu_expert_server/expert_store.h"
+#include "cpu_compute/compute_pool.h"
+#include "cpu_compute/expert_kernel.h"
+#include "cpu_compute/expert_store.h"
 
 namespace moe {
 

@@ -1,0 +1,149 @@
+// MoeSession (include/moe/engine.h): a model source, a device backend, the
+// host expert store and a LayerDispatcher, put together from SessionOptions.
+#include "moe/engine.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/model_source.h"
+#include "core/status_macros.h"
+#include "gpu_worker/device_backend.h"
+#include "gpu_worker/host_expert_store.h"
+#include "gpu_worker/layer_dispatcher.h"
+
+namespace moe {
+
+struct MoeSession::Rep {
+  SessionOptions options;
+  ModelInfo model;
+  std::unique_ptr<ModelSource> source;
+  std::unique_ptr<DeviceBackend> backend;
+  std::unique_ptr<HostExpertStore> host;
+  std::unique_ptr<LayerDispatcher> dispatcher;
+
+  ~Rep() {
+    dispatcher.reset();  // before the host store and backend it uses
+    host.reset();
+    backend.reset();
+  }
+};
+
+namespace {
+
+absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, const ModelSpec& spec) {
+  DispatcherConfig c;
+  c.layers = o.layers;
+  for (const std::string& text : o.servers) {
+    MOE_ASSIGN_OR_RETURN(ExpertServerConfig server, ParseExpertServer(text, spec.num_experts));
+    c.servers.push_back(std::move(server));
+  }
+  MOE_ASSIGN_OR_RETURN(c.policy, ParseCachePolicy(o.policy));
+  MOE_ASSIGN_OR_RETURN(c.copy_mode, ParseCopyMode(o.copy_mode));
+  c.slots_per_layer = o.cache_experts_per_layer;
+  c.cache_gib = o.cache_gib;
+  c.max_tokens = o.max_tokens;
+  c.max_top_k = o.max_top_k;
+  c.contexts = o.contexts;
+  c.deadline = o.deadline;
+  c.transport.tls = o.tls;
+  c.backend.cpu_threads = o.cpu_threads;
+  c.on_access = o.on_access;
+  c.on_cache_activity = o.on_cache_activity;
+  return c;
+}
+
+ModelInfo InfoOf(const ModelSpec& s) {
+  return ModelInfo{s.model_type, s.num_layers, s.moe_layers, s.num_experts, s.top_k,
+                   s.hidden,     s.intermediate, DTypeName(s.dtype)};
+}
+
+LayerCall MakeLayerCall(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
+                        const float* topk_weights, bf16_t* out, MemoryKind kind, void* cuda_stream) {
+  LayerCall call;
+  call.layer = layer;
+  call.T = T;
+  call.k = k;
+  call.hidden = hidden;
+  call.topk_ids = topk_ids;
+  call.topk_weights = topk_weights;
+  call.out = out;
+  call.kind = kind;
+  call.stream = cuda_stream;
+  return call;
+}
+
+}  // namespace
+
+MoeSession::MoeSession(std::unique_ptr<Rep> rep) : rep_(std::move(rep)) {}
+MoeSession::~MoeSession() = default;
+
+absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOptions& o) {
+  auto r = std::make_unique<Rep>();
+  r->options = o;
+  MOE_ASSIGN_OR_RETURN(r->source, OpenModel(o.model));
+  const ModelSpec& spec = r->source->spec();
+  r->model = InfoOf(spec);
+  MOE_ASSIGN_OR_RETURN(DispatcherConfig c, MakeDispatcherConfig(o, spec));
+  MOE_ASSIGN_OR_RETURN(r->backend, MakeDeviceBackend(o.device));
+  if (o.host_copy) {
+    const std::vector<int>& layers = o.layers.empty() ? spec.moe_layers : o.layers;
+    MOE_ASSIGN_OR_RETURN(r->host, HostExpertStore::Load(*r->source, layers, r->backend.get()));
+  }
+  MOE_ASSIGN_OR_RETURN(r->dispatcher, LayerDispatcher::Create(spec, *r->backend, r->host.get(), std::move(c)));
+  return std::unique_ptr<MoeSession>(new MoeSession(std::move(r)));
+}
+
+const ModelInfo& MoeSession::model() const { return rep_->model; }
+const char* MoeSession::device() const { return rep_->backend->name(); }
+
+absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hidden,
+                                      const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
+                                      MemoryKind kind, CallStats* stats, void* cuda_stream) {
+  MOE_ASSIGN_OR_RETURN(Pending p, ForwardLayerAsync(layer, T, k, hidden, topk_ids, topk_weights, out, kind,
+                                                    cuda_stream));
+  return Wait(p, stats);
+}
+
+absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int T, int k,
+                                                                  const bf16_t* hidden,
+                                                                  const int32_t* topk_ids,
+                                                                  const float* topk_weights, bf16_t* out,
+                                                                  MemoryKind kind, void* cuda_stream) {
+  MOE_ASSIGN_OR_RETURN(int ticket, rep_->dispatcher->Submit(MakeLayerCall(layer, T, k, hidden, topk_ids,
+                                                                          topk_weights, out, kind, cuda_stream)));
+  return Pending{ticket};
+}
+
+absl::Status MoeSession::ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden,
+                                                const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
+                                                void* cuda_stream) {
+  return rep_->dispatcher->EnqueueCapturable(
+      MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, MemoryKind::kDevice, cuda_stream));
+}
+
+absl::Status MoeSession::TakeStreamError() { return rep_->dispatcher->TakeStreamError(); }
+
+absl::Status MoeSession::Wait(Pending call, CallStats* stats) { return rep_->dispatcher->Complete(call.ticket, stats); }
+
+absl::Status MoeSession::ApplyAssignment(int layer, const std::vector<int>& experts,
+                                         const std::vector<int>& pinned) {
+  return rep_->dispatcher->ApplyAssignment(layer, experts, pinned);
+}
+absl::Status MoeSession::FlushCopies() { return rep_->dispatcher->FlushCopies(); }
+int MoeSession::PendingCopies() { return rep_->dispatcher->PendingCopies(); }
+uint64_t MoeSession::copies_started() const { return rep_->dispatcher->copies_started(); }
+absl::Status MoeSession::SetServerEnabled(const std::string& address, bool enabled) {
+  return rep_->dispatcher->SetServerEnabled(address, enabled);
+}
+std::vector<int> MoeSession::CachedExperts(int layer) const { return rep_->dispatcher->cache().SlotExperts(layer); }
+double MoeSession::HitRate(int layer) const { return rep_->dispatcher->cache().HitRate(layer); }
+int MoeSession::slots_per_layer() const { return rep_->dispatcher->slots_per_layer(); }
+std::string MoeSession::DescribeCostModel() const { return rep_->dispatcher->cost_model().Describe(); }
+
+std::string MoeSession::Describe() const {
+  return absl::StrCat(rep_->source->spec().Summary(), "; device ", rep_->backend->name(), "; cache ",
+                      rep_->dispatcher->slots_per_layer(), " experts/layer (", rep_->options.policy,
+                      "); servers [", absl::StrJoin(rep_->options.servers, ", "), "]; copy model: ",
+                      DescribeCostModel());
+}
+
+}  // namespace moe

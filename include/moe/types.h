@@ -1,0 +1,37 @@
+// moe/types.h — the small value types of the public C++ API (moe/engine.h),
+// also used by the internals that produce them. A leaf: includes nothing of
+// this project, so any layer may include it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace moe {
+
+// Activations and outputs are bf16, carried as their raw 16 bits.
+using bf16_t = std::uint16_t;
+
+// Where a call's tensors live: host memory, or the GPU's memory (cuda backend).
+enum class MemoryKind { kHost, kDevice };
+
+// TLS for gRPC connections (expert servers at host:port, the coordinator).
+struct TlsOptions {
+  std::string cert_file, key_file, ca_file;  // PEM; cert+key for mTLS, ca to verify the peer
+  bool insecure = false;                     // plaintext; must be asked for explicitly
+  std::string server_name_override;          // TLS name to verify instead of the host
+};
+
+// What one layer call did (optional out-parameter of the forward calls).
+struct CallStats {
+  int hit_pairs = 0;
+  int cpu_pairs = 0;          // pairs computed by CPU expert servers
+  int cpu_experts = 0;        // distinct experts sent to CPU expert servers
+  int copied_pairs = 0;       // pairs computed on the device after a copy (incl. failover)
+  int copied_experts = 0;
+  int miss_tokens = 0;        // tokens shipped (summed over servers)
+  int failovers = 0;          // batches moved to another server or to copy
+  uint64_t bytes_shipped = 0; // activations + routing sent, partials received
+  double submit_s = 0, wait_s = 0;  // host time in Submit, and waiting in Complete
+};
+
+}  // namespace moe

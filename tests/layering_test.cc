@@ -1,0 +1,152 @@
+// The layers of the source tree, checked on every #include "..." line:
+//
+//   core -> cpu_compute -> gpu_worker | cpu_expert_server -> coordinator -> client
+//
+// A file may include its own layer and the layers below it, never one above
+// and never across between the two process layers (gpu_worker and
+// cpu_expert_server). coordinator/agent (embedded by both process layers)
+// sits beside them but may include only core; it is the one part of
+// coordinator/ that the layers below may include. include/moe/ (the public
+// headers) and the generated protos (moe/v1/) are includable from anywhere;
+// the public headers include nothing of ours but each other. bench/, tests/
+// and python/ are outside the layers.
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gtest/gtest.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+
+enum class Layer { kPublic, kProto, kCore, kCpuCompute, kAgent, kGpuWorker, kCpuExpertServer, kCoordinator, kClient };
+
+const char* Name(Layer l) {
+  switch (l) {
+    case Layer::kPublic: return "include/moe (public)";
+    case Layer::kProto: return "moe/v1 (protos)";
+    case Layer::kCore: return "core";
+    case Layer::kCpuCompute: return "cpu_compute";
+    case Layer::kAgent: return "coordinator/agent";
+    case Layer::kGpuWorker: return "gpu_worker";
+    case Layer::kCpuExpertServer: return "cpu_expert_server";
+    case Layer::kCoordinator: return "coordinator";
+    case Layer::kClient: return "client";
+  }
+  return "?";
+}
+
+bool StartsWith(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
+
+// The layer of a path relative to the source root (a source file), or of an
+// include path (as written between the quotes). nullopt: not ours.
+std::optional<Layer> LayerOf(const std::string& path, bool is_include) {
+  if (is_include && StartsWith(path, "moe/v1/")) return Layer::kProto;
+  if (is_include ? StartsWith(path, "moe/") : StartsWith(path, "include/moe/")) return Layer::kPublic;
+  if (StartsWith(path, "core/")) return Layer::kCore;
+  if (StartsWith(path, "cpu_compute/")) return Layer::kCpuCompute;
+  if (StartsWith(path, "coordinator/agent/")) return Layer::kAgent;
+  if (StartsWith(path, "gpu_worker/")) return Layer::kGpuWorker;
+  if (StartsWith(path, "cpu_expert_server/")) return Layer::kCpuExpertServer;
+  if (StartsWith(path, "coordinator/")) return Layer::kCoordinator;
+  if (StartsWith(path, "client/")) return Layer::kClient;
+  return std::nullopt;
+}
+
+// What a layer may include (besides itself).
+std::vector<Layer> Allowed(Layer from) {
+  using L = Layer;
+  switch (from) {
+    case L::kPublic: return {};
+    case L::kProto: return {};
+    case L::kCore: return {L::kPublic, L::kProto};
+    case L::kCpuCompute: return {L::kPublic, L::kProto, L::kCore};
+    case L::kAgent: return {L::kPublic, L::kProto, L::kCore};
+    case L::kGpuWorker:
+    case L::kCpuExpertServer: return {L::kPublic, L::kProto, L::kCore, L::kCpuCompute, L::kAgent};
+    case L::kCoordinator:
+      return {L::kPublic, L::kProto, L::kCore, L::kCpuCompute, L::kAgent, L::kGpuWorker, L::kCpuExpertServer};
+    case L::kClient:
+      return {L::kPublic,    L::kProto,           L::kCore,       L::kCpuCompute,
+              L::kAgent,     L::kGpuWorker,       L::kCpuExpertServer, L::kCoordinator};
+  }
+  return {};
+}
+
+// An error naming the line when `file` (relative to the source root) may not
+// include `included`; nullopt when it may (or either is not ours).
+std::optional<std::string> CheckInclude(const std::string& file, int line, const std::string& included) {
+  const std::optional<Layer> from = LayerOf(file, false);
+  const std::optional<Layer> to = LayerOf(included, true);
+  if (!from || !to || *from == *to) return std::nullopt;
+  for (Layer ok : Allowed(*from))
+    if (ok == *to) return std::nullopt;
+  return absl::StrCat(file, ":", line, ": #include \"", included, "\": ", Name(*from), " may not include ",
+                      Name(*to));
+}
+
+std::vector<std::string> CheckTree(const fs::path& root, int* files_checked) {
+  static const std::regex kInclude(R"(^\s*#\s*include\s*"([^"]+)\")");
+  std::vector<std::string> errors;
+  *files_checked = 0;
+  for (const char* top : {"include", "core", "cpu_compute", "gpu_worker", "cpu_expert_server", "coordinator", "client"}) {
+    if (!fs::exists(root / top)) {
+      errors.push_back(absl::StrCat("missing layer folder ", top));
+      continue;
+    }
+    for (const fs::directory_entry& e : fs::recursive_directory_iterator(root / top)) {
+      const std::string ext = e.path().extension().string();
+      if (!e.is_regular_file() || (ext != ".h" && ext != ".cc" && ext != ".cu" && ext != ".cuh" && ext != ".c"))
+        continue;
+      ++*files_checked;
+      const std::string rel = fs::relative(e.path(), root).generic_string();
+      std::ifstream in(e.path());
+      std::string text;
+      std::smatch m;
+      for (int n = 1; std::getline(in, text); ++n)
+        if (std::regex_search(text, m, kInclude))
+          if (std::optional<std::string> err = CheckInclude(rel, n, m[1].str())) errors.push_back(*err);
+    }
+  }
+  return errors;
+}
+
+TEST(Layering, RulesRefuseUpwardAndCrossIncludes) {
+  // The checker itself: it must refuse what the layering forbids...
+  EXPECT_TRUE(CheckInclude("core/tensor.h", 3, "gpu_worker/expert_cache.h").has_value());
+  EXPECT_TRUE(CheckInclude("cpu_compute/moe_executor.cc", 1, "cpu_expert_server/expert_service.h").has_value());
+  EXPECT_TRUE(CheckInclude("gpu_worker/cpu_backend.cc", 1, "cpu_expert_server/expert_service.h").has_value());
+  EXPECT_TRUE(CheckInclude("cpu_expert_server/main.cc", 1, "gpu_worker/layer_dispatcher.h").has_value());
+  EXPECT_TRUE(CheckInclude("gpu_worker/worker_main.cc", 1, "coordinator/placement.h").has_value());
+  EXPECT_TRUE(CheckInclude("coordinator/agent/coordinator_agent.cc", 1, "cpu_compute/expert_kernel.h").has_value());
+  EXPECT_TRUE(CheckInclude("coordinator/placement.cc", 1, "client/expert_client.h").has_value());
+  EXPECT_TRUE(CheckInclude("include/moe/engine.h", 1, "core/bf16.h").has_value());
+  // ...naming the file, the line and both layers...
+  EXPECT_EQ(*CheckInclude("core/tensor.h", 3, "gpu_worker/expert_cache.h"),
+            "core/tensor.h:3: #include \"gpu_worker/expert_cache.h\": core may not include gpu_worker");
+  // ...and allow what it permits.
+  EXPECT_FALSE(CheckInclude("gpu_worker/cpu_backend.cc", 1, "cpu_compute/moe_executor.h").has_value());
+  EXPECT_FALSE(CheckInclude("gpu_worker/worker_main.cc", 1, "coordinator/agent/coordinator_agent.h").has_value());
+  EXPECT_FALSE(CheckInclude("cpu_expert_server/main.cc", 1, "coordinator/agent/coordinator_agent.h").has_value());
+  EXPECT_FALSE(CheckInclude("core/bf16.h", 1, "moe/types.h").has_value());
+  EXPECT_FALSE(CheckInclude("core/wire.h", 1, "moe/v1/expert.pb.h").has_value());
+  EXPECT_FALSE(CheckInclude("client/moe_c_api.cc", 1, "gpu_worker/device_backend.h").has_value());
+  EXPECT_FALSE(CheckInclude("coordinator/coordinator.cc", 1, "coordinator/agent/coordinator_agent.h").has_value());
+  EXPECT_FALSE(CheckInclude("tests/x.cc", 1, "client/expert_client.h").has_value());
+  EXPECT_FALSE(CheckInclude("core/x.cc", 1, "absl/status/status.h").has_value());
+}
+
+TEST(Layering, EveryIncludeInTheTreeFollowsTheLayers) {
+  int files = 0;
+  const std::vector<std::string> errors = CheckTree(MOE_SOURCE_DIR, &files);
+  EXPECT_GT(files, 100) << "the scan found too few sources under " << MOE_SOURCE_DIR;
+  EXPECT_TRUE(errors.empty()) << errors.size() << " include(s) break the layering:\n" << absl::StrJoin(errors, "\n");
+}
+
+}  // namespace
