@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace moe {
 namespace {
@@ -46,7 +47,7 @@ absl::StatusOr<std::unique_ptr<AdmissionPolicy>> AdmissionPolicy::Create(const A
 absl::StatusOr<std::vector<SlotCopy>> AdmissionPolicy::OnLayer(ExpertCache& cache, int layer, int T, int k,
                                                                const int32_t* ids, double now_s,
                                                                double link_free_s) {
-  if (absl::Status s = predictor_->Observe(layer, T, k, ids); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(predictor_->Observe(layer, T, k, ids));
   const int n = static_cast<int>(config_.layers.size());
   const int p = pos_[layer];
   if (last_pos_ >= 0 && p == (last_pos_ + 1) % n && now_s >= last_now_s_) {

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/model_spec.h"
+#include "core/status_macros.h"
 #include "gpu_worker/attention_weights.h"
 
 namespace moe {
@@ -31,7 +32,7 @@ absl::Status AttentionConfig::Validate() const {
                           {"num_layers", num_layers},
                           {"max_batch", max_batch},
                           {"max_seq", max_seq}}) {
-    if (absl::Status st = positive(field, v); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(positive(field, v));
   }
   if (num_heads % num_kv_heads != 0)
     return absl::InvalidArgumentError(
@@ -76,7 +77,7 @@ std::string AttentionConfig::Summary() const {
 
 absl::StatusOr<AttentionConfig> AttentionConfigFor(const ModelSpec& spec, int max_batch,
                                                    int max_seq, uint64_t seed) {
-  if (absl::Status st = spec.Validate(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(spec.Validate());
   AttentionConfig c;
   c.hidden = spec.hidden;
   c.num_experts = spec.num_experts;
@@ -111,7 +112,7 @@ absl::StatusOr<AttentionConfig> AttentionConfigFor(const ModelSpec& spec, int ma
       }
     }
   }
-  if (absl::Status st = c.Validate(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(c.Validate());
   return c;
 }
 
@@ -161,7 +162,7 @@ absl::StatusOr<std::unique_ptr<AttentionStep>> MakeAttentionStep(const std::stri
   if (backend != "cpu" && backend != "cuda")
     return absl::InvalidArgumentError(
         absl::StrCat("attention: unknown backend '", backend, "' (cpu or cuda)"));
-  if (absl::Status st = config.Validate(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(config.Validate());
   if (backend == "cpu") return MakeCpuAttentionStep(config);
 #ifdef MOE_HAVE_CUDA
   return MakeCudaAttentionStep(config);

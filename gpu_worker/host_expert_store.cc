@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "cpu_compute/numa_binding.h"
 
 namespace moe {
@@ -72,7 +73,7 @@ absl::StatusOr<std::unique_ptr<HostExpertStore>> HostExpertStore::Load(const Mod
   for (std::thread& t : pool) t.join();
   if (!first_error.ok()) return first_error;
   if (backend != nullptr) {
-    if (absl::Status st = backend->RegisterHost(store->base_, store->bytes_); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(backend->RegisterHost(store->base_, store->bytes_));
     store->backend_ = backend;
   }
   return store;
