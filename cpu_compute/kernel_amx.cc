@@ -45,35 +45,6 @@ inline void PrefetchTile(const std::byte* p) {
   for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * line), _MM_HINT_T0);
 }
 
-// The micro-kernel both projections share: tiles 0..3 = [a0; a1] (16 rows
-// each, row stride `lda` bytes) times the two packed weight panels b0, b1
-// (kblocks runs of 1 KiB each), over kblocks blocks of 32 bf16. Without `two`
-// only a0 is read (tiles 2 and 3 stay zero). Weights are prefetched ahead
-// when `prefetch` (the first row block streams them from DRAM).
-__attribute__((always_inline)) inline void TileProduct2x2(const bf16_t* a0, const bf16_t* a1, int lda, const std::byte* b0, const std::byte* b1,
-                           int kblocks, bool two, bool prefetch) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int kb = 0; kb < kblocks; ++kb) {
-    if (prefetch && kb + kPrefetchBlocks < kblocks) {
-      PrefetchTile(b0 + 1024 * (kb + kPrefetchBlocks));
-      PrefetchTile(b1 + 1024 * (kb + kPrefetchBlocks));
-    }
-    _tile_loadd(4, a0 + 32 * kb, lda);
-    _tile_loadd(6, b0 + 1024 * kb, 64);
-    _tile_loadd(7, b1 + 1024 * kb, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (two) {
-      _tile_loadd(5, a1 + 32 * kb, lda);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-}
-
 class AmxKernel final : public ExpertKernel {
  public:
   const char* name() const override { return "amx"; }
@@ -96,7 +67,26 @@ class AmxKernel final : public ExpertKernel {
         for (int c = cc; c < ce; ++c) {
           const std::byte* gb = packed + (2 * c) * blk;
           const std::byte* ub = gb + blk;
-          TileProduct2x2(x0, x1, ldx, gb, ub, kblocks, two, /*prefetch=*/mb == 0);
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int kb = 0; kb < kblocks; ++kb) {
+            if (mb == 0 && kb + kPrefetchBlocks < kblocks) {
+              PrefetchTile(gb + 1024 * (kb + kPrefetchBlocks));
+              PrefetchTile(ub + 1024 * (kb + kPrefetchBlocks));
+            }
+            _tile_loadd(4, x0 + 32 * kb, ldx);
+            _tile_loadd(6, gb + 1024 * kb, 64);
+            _tile_loadd(7, ub + 1024 * kb, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+              _tile_loadd(5, x1 + 32 * kb, ldx);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
           _tile_stored(0, t0, 64);
           _tile_stored(1, t1, 64);
           for (int r = 0; r < 16; ++r) {
@@ -144,7 +134,26 @@ class AmxKernel final : public ExpertKernel {
         const bool two = mb + 16 < m;
         const bf16_t* a0 = act + static_cast<size_t>(mb) * g.Ki;
         const bf16_t* a1 = a0 + static_cast<size_t>(16) * g.Ki;
-        TileProduct2x2(a0, a1, lda, b0, b1, kblocks, two, /*prefetch=*/mb == 0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int kb = 0; kb < kblocks; ++kb) {
+          if (mb == 0 && kb + kPrefetchBlocks < kblocks) {
+            PrefetchTile(b0 + 1024 * (kb + kPrefetchBlocks));
+            PrefetchTile(b1 + 1024 * (kb + kPrefetchBlocks));
+          }
+          _tile_loadd(4, a0 + 32 * kb, lda);
+          _tile_loadd(6, b0 + 1024 * kb, 64);
+          _tile_loadd(7, b1 + 1024 * kb, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (two) {
+            _tile_loadd(5, a1 + 32 * kb, lda);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
         _tile_stored(0, t0, 64);
         _tile_stored(1, t1, 64);
         scatter(mb, c);
