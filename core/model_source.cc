@@ -1,5 +1,7 @@
 #include "core/model_source.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -7,8 +9,11 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/log.h"
+#include "core/quantization.h"
 #include "core/safetensors.h"
+#include "core/status_macros.h"
 #include "core/synthetic_model.h"
 #include "nlohmann/json.hpp"
 
@@ -51,6 +56,10 @@ class SyntheticSource final : public ModelSource {
     GenerateExpertMatrix(uri_.seed, layer, expert, Projection::kGate, I, H, out->gate.data());
     GenerateExpertMatrix(uri_.seed, layer, expert, Projection::kUp, I, H, out->up.data());
     GenerateExpertMatrix(uri_.seed, layer, expert, Projection::kDown, H, I, out->down.data());
+    // A quantized synthetic model gives what its checkpoint (moe-make-model --dtype) gives back.
+    QuantizeDequantize(spec_.quant, I, H, out->gate.data());
+    QuantizeDequantize(spec_.quant, I, H, out->up.data());
+    QuantizeDequantize(spec_.quant, H, I, out->down.data());
     return absl::OkStatus();
   }
 
@@ -76,6 +85,120 @@ absl::Status ToBf16(const TensorInfo& t, size_t offset, size_t n, bf16_t* dst) {
       return absl::InvalidArgumentError(
           absl::StrCat(t.name, ": dtype ", DTypeName(t.dtype), " not supported (BF16, F16, F32)"));
   }
+}
+
+// n values of a scale tensor as f32 (BF16, F16, F32); InvalidArgument naming
+// it for another dtype or a value that is NaN, Inf or negative.
+absl::Status ScalesToF32(const TensorInfo& t, std::vector<float>* out) {
+  const size_t n = static_cast<size_t>(NumElements(t.shape));
+  out->resize(n);
+  switch (t.dtype) {
+    case DType::kF32: std::memcpy(out->data(), t.data, n * 4); break;
+    case DType::kBF16: Bf16ToF32(reinterpret_cast<const bf16_t*>(t.data), out->data(), n); break;
+    case DType::kF16:
+      for (size_t i = 0; i < n; ++i) (*out)[i] = F16ToF32(reinterpret_cast<const uint16_t*>(t.data)[i]);
+      break;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(t.name, ": dtype ", DTypeName(t.dtype), " not supported for scales (F32, BF16, F16)"));
+  }
+  for (float v : *out)
+    if (!std::isfinite(v) || v < 0)
+      return absl::InvalidArgumentError(absl::StrCat(t.name, ": holds a scale that is NaN, Inf or negative (", v, ")"));
+  return absl::OkStatus();
+}
+
+// The tensor `name` of `ckpt` with exactly this dtype and shape, else
+// NotFound / InvalidArgument naming it.
+absl::StatusOr<const TensorInfo*> FindTensor(const Checkpoint& ckpt, const std::string& name,
+                                             std::initializer_list<DType> dtypes, const std::vector<int64_t>& shape,
+                                             const std::string& why) {
+  const TensorInfo* t = ckpt.Find(name);
+  if (t == nullptr) return absl::NotFoundError(absl::StrCat("no tensor ", name, " (", why, ")"));
+  if (std::find(dtypes.begin(), dtypes.end(), t->dtype) == dtypes.end()) {
+    std::vector<std::string> names;
+    for (DType d : dtypes) names.push_back(DTypeName(d));
+    return absl::InvalidArgumentError(absl::StrCat(name, ": dtype ", DTypeName(t->dtype), ", expected ",
+                                                   absl::StrJoin(names, " or "), " (", why, ")"));
+  }
+  if (t->shape != shape)
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": shape ", ShapeString(t->shape), ", expected ", ShapeString(shape), " (", why, ")"));
+  return t;
+}
+
+// "X.weight" -> "X.<suffix>" (compressed-tensors names its parts after the module).
+std::string PartName(const std::string& weight_name, const char* suffix) {
+  const std::string base = weight_name.substr(0, weight_name.size() - std::string(".weight").size());
+  return absl::StrCat(base, ".", suffix);
+}
+
+// The tensor whose presence says an expert projection is in the checkpoint.
+std::string PrimaryTensorName(const QuantConfig& q, const std::string& weight_name) {
+  return q.scheme == WeightQuant::kInt4Group ? PartName(weight_name, "weight_packed") : weight_name;
+}
+
+// One [rows, cols] expert projection (its ".weight" name) as bf16, in the
+// checkpoint's format (plain, fp8 block-scaled, or int4 group-quantized).
+absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const std::string& name, int64_t rows,
+                            int64_t cols, bf16_t* dst) {
+  std::vector<float> scales;
+  switch (q.scheme) {
+    case WeightQuant::kNone: {
+      const TensorInfo* t = ckpt.Find(name);
+      if (t == nullptr) return absl::NotFoundError(absl::StrCat("no tensor ", name));
+      if (t->shape != std::vector<int64_t>{rows, cols})
+        return absl::InvalidArgumentError(
+            absl::StrCat(name, ": shape ", ShapeString(t->shape), ", expected [", rows, ",", cols, "]"));
+      return ToBf16(*t, 0, static_cast<size_t>(rows * cols), dst);
+    }
+    case WeightQuant::kFp8Block: {
+      const std::string why = "quantization_config: fp8";
+      MOE_ASSIGN_OR_RETURN(const TensorInfo* w, FindTensor(ckpt, name, {DType::kF8E4M3}, {rows, cols}, why));
+      MOE_ASSIGN_OR_RETURN(const TensorInfo* s,
+                           FindTensor(ckpt, name + "_scale_inv", {DType::kF32, DType::kBF16, DType::kF16},
+                                      {CeilDiv(rows, q.block_rows), CeilDiv(cols, q.block_cols)},
+                                      absl::StrCat(why, ", blocks ", q.block_rows, "x", q.block_cols)));
+      MOE_RETURN_IF_ERROR(ScalesToF32(*s, &scales));
+      DequantizeFp8Block(reinterpret_cast<const uint8_t*>(w->data), scales.data(), static_cast<int>(rows),
+                         static_cast<int>(cols), q.block_rows, q.block_cols, dst);
+      return absl::OkStatus();
+    }
+    case WeightQuant::kInt4Group: {
+      const std::string why = absl::StrCat("quantization_config: int4, group ", q.group_size);
+      MOE_ASSIGN_OR_RETURN(const TensorInfo* p, FindTensor(ckpt, PartName(name, "weight_packed"), {DType::kI32},
+                                                           {rows, CeilDiv(cols, 8)}, why));
+      MOE_ASSIGN_OR_RETURN(const TensorInfo* s,
+                           FindTensor(ckpt, PartName(name, "weight_scale"), {DType::kBF16, DType::kF16, DType::kF32},
+                                      {rows, CeilDiv(cols, q.group_size)}, why));
+      MOE_ASSIGN_OR_RETURN(const TensorInfo* shape,
+                           FindTensor(ckpt, PartName(name, "weight_shape"), {DType::kI64, DType::kI32}, {2}, why));
+      int64_t r0 = 0, c0 = 0;
+      if (shape->dtype == DType::kI64) {
+        std::memcpy(&r0, shape->data, 8);
+        std::memcpy(&c0, shape->data + 8, 8);
+      } else {
+        int32_t v[2];
+        std::memcpy(v, shape->data, 8);
+        r0 = v[0];
+        c0 = v[1];
+      }
+      if (r0 != rows || c0 != cols)
+        return absl::InvalidArgumentError(absl::StrCat(shape->name, ": says [", r0, ",", c0, "], the model needs [",
+                                                       rows, ",", cols, "]"));
+      MOE_RETURN_IF_ERROR(ScalesToF32(*s, &scales));
+      const int32_t* words = reinterpret_cast<const int32_t*>(p->data);
+      std::vector<int32_t> aligned;  // safetensors does not align tensors to their element size
+      if (reinterpret_cast<uintptr_t>(p->data) % alignof(int32_t) != 0) {
+        aligned.resize(p->nbytes / sizeof(int32_t));
+        std::memcpy(aligned.data(), p->data, p->nbytes);
+        words = aligned.data();
+      }
+      DequantizeInt4Group(words, scales.data(), static_cast<int>(rows), static_cast<int>(cols), q.group_size, dst);
+      return absl::OkStatus();
+    }
+  }
+  return absl::InternalError("unknown quantization scheme");
 }
 
 // Fused 3-D expert tensors of one layer (all experts in one tensor):
@@ -143,13 +266,9 @@ class CheckpointSource final : public ModelSource {
                           Want{Projection::kUp, &out->up, I, H, "up"},
                           Want{Projection::kDown, &out->down, H, I, "down"}}) {
       const std::string name = ExpertTensorName(spec_.naming, layer, expert, w.p);
-      const TensorInfo* t = ckpt_->Find(name);
-      if (t == nullptr) return absl::NotFoundError(absl::StrCat("checkpoint ", dir_, " has no tensor ", name));
-      if (t->shape != std::vector<int64_t>{w.rows, w.cols})
-        return absl::InvalidArgumentError(absl::StrCat(name, ": shape ", ShapeString(t->shape),
-                                                       ", expected [", w.rows, ",", w.cols, "]"));
-      if (absl::Status st = ToBf16(*t, 0, static_cast<size_t>(w.rows * w.cols), w.dst->data()); !st.ok()) return st;
-      if (absl::Status st = CheckFinite(*w.dst, layer, expert, w.what); !st.ok()) return st;
+      if (absl::Status st = ReadProjection(*ckpt_, spec_.quant, name, w.rows, w.cols, w.dst->data()); !st.ok())
+        return absl::Status(st.code(), absl::StrCat("checkpoint ", dir_, ": ", st.message()));
+      MOE_RETURN_IF_ERROR(CheckFinite(*w.dst, layer, expert, w.what));
     }
     return absl::OkStatus();
   }
@@ -205,20 +324,26 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
   std::vector<int> moe_layers;
   std::map<int, FusedExperts> fused;
   for (int l = 0; l < spec->num_layers; ++l) {
-    if ((*ckpt)->Find(ExpertTensorName(spec->naming, l, 0, Projection::kGate)) != nullptr) {
+    if ((*ckpt)->Find(PrimaryTensorName(spec->quant, ExpertTensorName(spec->naming, l, 0, Projection::kGate))) !=
+        nullptr) {
       moe_layers.push_back(l);
       continue;
     }
     absl::StatusOr<std::optional<FusedExperts>> f = FindFused(**ckpt, *spec, l);
     if (!f.ok()) return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", f.status().message()));
     if (f->has_value()) {
+      if (spec->quant.scheme != WeightQuant::kNone)
+        return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", (**f).gate_up->name,
+                                                       ": fused 3-D expert tensors with ", spec->quant.Describe(),
+                                                       " quantization are not supported (per-expert tensors are)"));
       moe_layers.push_back(l);
       fused[l] = **f;
     }
   }
   if (moe_layers.empty())
-    return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": no expert tensors named like ",
-                                                   ExpertTensorName(spec->naming, 0, 0, Projection::kGate)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model ", dir, ": no expert tensors named like ",
+                     PrimaryTensorName(spec->quant, ExpertTensorName(spec->naming, 0, 0, Projection::kGate))));
   if (moe_layers != spec->moe_layers)
     LogWarning("model", "config.json implies ", spec->moe_layers.size(), " MoE layers, checkpoint has ",
                moe_layers.size(), "; using the checkpoint's");

@@ -33,7 +33,8 @@ absl::Status ModelSpec::Validate() const {
 std::string ModelSpec::Summary() const {
   return absl::StrCat(model_type, ": ", num_layers, " layers (", moe_layers.size(), " MoE), ",
                       num_experts, " experts, top-", top_k, ", H=", hidden, ", I=", intermediate,
-                      ", ", DTypeName(dtype));
+                      ", ", DTypeName(dtype),
+                      quant.scheme == WeightQuant::kNone ? "" : absl::StrCat(", experts ", quant.Describe()));
 }
 
 std::string ExpertTensorName(ExpertNaming naming, int layer, int expert, Projection proj) {
@@ -84,6 +85,9 @@ absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config) {
   s.intermediate = *v;
   const std::string dtype = config.value("torch_dtype", std::string("bfloat16"));
   s.dtype = dtype == "float32" ? DType::kF32 : dtype == "float16" ? DType::kF16 : DType::kBF16;
+  absl::StatusOr<QuantConfig> quant = QuantConfigFromJson(config);
+  if (!quant.ok()) return quant.status();
+  s.quant = *quant;
 
   const int first_dense = config.value("first_k_dense_replace", 0);
   const int freq = std::max(1, config.value("moe_layer_freq", config.value("decoder_sparse_step", 1)));
@@ -112,6 +116,7 @@ nlohmann::json ConfigFromModelSpec(const ModelSpec& s) {
   j["hidden_size"] = s.hidden;
   j["num_experts_per_tok"] = s.top_k;
   j["torch_dtype"] = s.dtype == DType::kF32 ? "float32" : s.dtype == DType::kF16 ? "float16" : "bfloat16";
+  if (s.quant.scheme != WeightQuant::kNone) j["quantization_config"] = QuantConfigToJson(s.quant);
   const int first_dense = s.moe_layers.empty() ? 0 : s.moe_layers.front();
   if (s.naming == ExpertNaming::kBlockSparseMoe) {
     j["num_local_experts"] = s.num_experts;

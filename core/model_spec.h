@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/quantization.h"
 #include "core/tensor.h"
 #include "nlohmann/json_fwd.hpp"
 
@@ -30,7 +31,8 @@ struct ModelSpec {
   int top_k = 0;
   int hidden = 0;              // H
   int intermediate = 0;        // I, per expert
-  DType dtype = DType::kBF16;  // weight dtype in the checkpoint
+  DType dtype = DType::kBF16;  // weight dtype in the checkpoint (of unquantized ones; torch_dtype)
+  QuantConfig quant;           // how the checkpoint's expert weights are quantized (quantization_config)
   ExpertNaming naming = ExpertNaming::kMlpExperts;
 
   bool IsMoeLayer(int layer) const;

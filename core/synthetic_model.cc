@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/quantization.h"
 #include "core/safetensors.h"
 #include "nlohmann/json.hpp"
 
@@ -91,12 +92,15 @@ absl::StatusOr<SyntheticModelUri> ParseSyntheticUri(std::string_view uri_view) {
       ok = absl::SimpleAtoi(kv[1], &out.experts) && out.experts > 0 && out.experts <= 4096;
     } else if (ok && kv[0] == "top_k") {
       ok = absl::SimpleAtoi(kv[1], &out.top_k) && out.top_k > 0;
+    } else if (ok && kv[0] == "dtype") {
+      out.dtype = kv[1];
+      ok = out.dtype == "bf16" || out.dtype == "fp8" || out.dtype == "int4";
     } else {
       ok = false;
     }
     if (!ok)
       return absl::InvalidArgumentError(absl::StrCat("model URI '", uri, "': bad option '", parts[i],
-                                                     "' (expected layers=N, seed=S, experts=E or top_k=K)"));
+                                                     "' (expected layers=N, seed=S, experts=E, top_k=K or dtype=bf16|fp8|int4)"));
   }
   if (absl::StatusOr<ModelSpec> s = out.Spec(); !s.ok()) return s.status();
   return out;
@@ -107,6 +111,11 @@ absl::StatusOr<ModelSpec> SyntheticModelUri::Spec() const {
   if (!s.ok()) return s;
   if (experts > 0) s->num_experts = experts;
   if (top_k > 0) s->top_k = top_k;
+  if (!dtype.empty()) {
+    absl::StatusOr<WeightQuant> q = ParseWeightQuant(dtype);
+    if (!q.ok()) return absl::InvalidArgumentError(absl::StrCat("model URI: ", q.status().message()));
+    s->quant.scheme = *q;
+  }
   if (absl::Status st = s->Validate(); !st.ok())
     return absl::InvalidArgumentError(absl::StrCat("model URI: ", st.message()));
   return s;
@@ -143,40 +152,92 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& s
     out << config.dump(2) << "\n";
     if (!out) return absl::InternalError(absl::StrCat("cannot write ", dir, "/config.json"));
   }
-  struct Item { int layer, expert; Projection proj; };
+  // One tensor of the checkpoint: a part of (layer, expert, projection).
+  enum class Part { kWeight, kScaleInv, kPacked, kScale, kShape };
+  struct Item { int layer, expert; Projection proj; Part part; };
   std::vector<TensorSpec> specs;
   std::vector<Item> items;
-  const int64_t H = spec.hidden, I = spec.intermediate;
+  const QuantConfig& q = spec.quant;
   for (int l : spec.moe_layers) {
     for (int e = 0; e < spec.num_experts; ++e) {
       for (Projection p : {Projection::kGate, Projection::kUp, Projection::kDown}) {
-        std::vector<int64_t> shape = p == Projection::kDown ? std::vector<int64_t>{H, I}
-                                                            : std::vector<int64_t>{I, H};
-        specs.push_back({ExpertTensorName(spec.naming, l, e, p), spec.dtype, shape});
-        items.push_back({l, e, p});
+        const int64_t rows = p == Projection::kDown ? spec.hidden : spec.intermediate;
+        const int64_t cols = p == Projection::kDown ? spec.intermediate : spec.hidden;
+        const std::string name = ExpertTensorName(spec.naming, l, e, p);
+        const std::string base = name.substr(0, name.size() - std::string(".weight").size());
+        auto add = [&](std::string n, DType d, std::vector<int64_t> shape, Part part) {
+          specs.push_back({std::move(n), d, std::move(shape)});
+          items.push_back({l, e, p, part});
+        };
+        if (q.scheme == WeightQuant::kFp8Block) {
+          add(name, DType::kF8E4M3, {rows, cols}, Part::kWeight);
+          add(name + "_scale_inv", DType::kF32, {CeilDiv(rows, q.block_rows), CeilDiv(cols, q.block_cols)},
+              Part::kScaleInv);
+        } else if (q.scheme == WeightQuant::kInt4Group) {
+          add(base + ".weight_packed", DType::kI32, {rows, CeilDiv(cols, 8)}, Part::kPacked);
+          add(base + ".weight_scale", DType::kBF16, {rows, CeilDiv(cols, q.group_size)}, Part::kScale);
+          add(base + ".weight_shape", DType::kI64, {2}, Part::kShape);
+        } else {
+          add(name, spec.dtype, {rows, cols}, Part::kWeight);
+        }
       }
     }
   }
-  std::vector<bf16_t> tmp;
+  // The quantized parts of the projection last generated (its tensors are written one after another).
+  std::vector<bf16_t> w;
+  std::vector<uint8_t> fp8;
+  std::vector<int32_t> packed;
+  std::vector<float> scales;
+  int cached = -1;
   auto fill = [&](size_t idx, std::span<std::byte> dst) {
     const Item& it = items[idx];
     const int rows = it.proj == Projection::kDown ? spec.hidden : spec.intermediate;
     const int cols = it.proj == Projection::kDown ? spec.intermediate : spec.hidden;
     const size_t n = static_cast<size_t>(rows) * cols;
-    if (spec.dtype == DType::kBF16) {
-      GenerateExpertMatrix(seed, it.layer, it.expert, it.proj, rows, cols,
-                           reinterpret_cast<bf16_t*>(dst.data()));
-      return;
+    const int key = (it.layer * spec.num_experts + it.expert) * 3 + static_cast<int>(it.proj);
+    if (key != cached) {
+      w.resize(n);
+      GenerateExpertMatrix(seed, it.layer, it.expert, it.proj, rows, cols, w.data());
+      if (q.scheme == WeightQuant::kFp8Block) {
+        fp8.resize(n);
+        scales.resize(CeilDiv(rows, q.block_rows) * CeilDiv(cols, q.block_cols));
+        QuantizeFp8Block(w.data(), rows, cols, q.block_rows, q.block_cols, fp8.data(), scales.data());
+      } else if (q.scheme == WeightQuant::kInt4Group) {
+        packed.resize(rows * CeilDiv(cols, 8));
+        scales.resize(rows * CeilDiv(cols, q.group_size));
+        QuantizeInt4Group(w.data(), rows, cols, q.group_size, packed.data(), scales.data());
+      }
+      cached = key;
     }
-    tmp.resize(n);
-    GenerateExpertMatrix(seed, it.layer, it.expert, it.proj, rows, cols, tmp.data());
-    for (size_t i = 0; i < n; ++i) {
-      const float f = Bf16ToF32(tmp[i]);
-      if (spec.dtype == DType::kF32) {
-        std::memcpy(dst.data() + 4 * i, &f, 4);
-      } else {
-        const uint16_t h = F32ToF16(f);
-        std::memcpy(dst.data() + 2 * i, &h, 2);
+    switch (it.part) {
+      case Part::kScaleInv: std::memcpy(dst.data(), scales.data(), dst.size()); return;
+      case Part::kPacked: std::memcpy(dst.data(), packed.data(), dst.size()); return;
+      case Part::kScale:
+        for (size_t i = 0; i < scales.size(); ++i) {
+          const bf16_t b = F32ToBf16(scales[i]);  // exact: the quantizer rounded the scales to bf16
+          std::memcpy(dst.data() + 2 * i, &b, 2);
+        }
+        return;
+      case Part::kShape: {
+        const int64_t shape[2] = {rows, cols};
+        std::memcpy(dst.data(), shape, sizeof(shape));
+        return;
+      }
+      case Part::kWeight: break;
+    }
+    if (q.scheme == WeightQuant::kFp8Block) {
+      std::memcpy(dst.data(), fp8.data(), n);
+    } else if (spec.dtype == DType::kBF16) {
+      std::memcpy(dst.data(), w.data(), n * 2);
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        const float f = Bf16ToF32(w[i]);
+        if (spec.dtype == DType::kF32) {
+          std::memcpy(dst.data() + 4 * i, &f, 4);
+        } else {
+          const uint16_t h = F32ToF16(f);
+          std::memcpy(dst.data() + 2 * i, &h, 2);
+        }
       }
     }
   };

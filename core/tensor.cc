@@ -10,7 +10,7 @@ size_t DTypeSize(DType t) {
     case DType::kBF16: case DType::kF16: return 2;
     case DType::kF32: case DType::kI32: return 4;
     case DType::kF64: case DType::kI64: return 8;
-    case DType::kU8: return 1;
+    case DType::kU8: case DType::kF8E4M3: return 1;
   }
   return 0;
 }
@@ -24,13 +24,14 @@ const char* DTypeName(DType t) {
     case DType::kF64: return "F64";
     case DType::kI64: return "I64";
     case DType::kU8: return "U8";
+    case DType::kF8E4M3: return "F8_E4M3";
   }
   return "?";
 }
 
 absl::StatusOr<DType> ParseDType(std::string_view name) {
   for (DType t : {DType::kBF16, DType::kF16, DType::kF32, DType::kI32, DType::kF64,
-                  DType::kI64, DType::kU8}) {
+                  DType::kI64, DType::kU8, DType::kF8E4M3}) {
     if (name == DTypeName(t)) return t;
   }
   return absl::InvalidArgumentError(absl::StrCat("unsupported dtype '", std::string(name), "'"));

@@ -16,7 +16,7 @@
 
 namespace moe {
 
-enum class DType : uint8_t { kBF16, kF16, kF32, kI32, kF64, kI64, kU8 };
+enum class DType : uint8_t { kBF16, kF16, kF32, kI32, kF64, kI64, kU8, kF8E4M3 };
 
 // Bytes per element.
 size_t DTypeSize(DType t);

@@ -1,0 +1,305 @@
+// Quantized checkpoints (core/quantization.h): the FP8 E4M3 codec, the int4
+// packing as compressed-tensors defines it, quantize/dequantize error bounds,
+// quantization_config parsing, checkpoints in both formats written by
+// moe-make-model and read back (bit-identical to synthetic:...:dtype=), refusals
+// that name the tensor, and a real moe-expert-server computing on them.
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "client/expert_client.h"
+#include "core/model_source.h"
+#include "core/quantization.h"
+#include "core/random_data.h"
+#include "core/reference_moe.h"
+#include "core/synthetic_model.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/test_support.h"
+
+namespace moe {
+namespace {
+
+TEST(Fp8E4M3, DecodesKnownCodesAndRoundTripsEveryCode) {
+  EXPECT_EQ(Fp8E4M3ToF32(0x38), 1.0f);
+  EXPECT_EQ(Fp8E4M3ToF32(0xb8), -1.0f);
+  EXPECT_EQ(Fp8E4M3ToF32(0x7e), 448.0f);
+  EXPECT_EQ(Fp8E4M3ToF32(0x08), std::ldexp(1.0f, -6));  // smallest normal
+  EXPECT_EQ(Fp8E4M3ToF32(0x01), std::ldexp(1.0f, -9));  // smallest subnormal
+  EXPECT_EQ(Fp8E4M3ToF32(0x3c), 1.5f);
+  EXPECT_TRUE(std::isnan(Fp8E4M3ToF32(0x7f)));
+  EXPECT_TRUE(std::isnan(Fp8E4M3ToF32(0xff)));
+  int checked = 0;
+  for (int c = 0; c < 256; ++c) {
+    if ((c & 0x7f) == 0x7f) continue;
+    EXPECT_EQ(F32ToFp8E4M3(Fp8E4M3ToF32(static_cast<uint8_t>(c))), c) << "code " << c;
+    ++checked;
+  }
+  EXPECT_EQ(checked, 254);
+}
+
+TEST(Fp8E4M3, RoundsHalfToEvenAndSaturates) {
+  EXPECT_EQ(F32ToFp8E4M3(1.0625f), 0x38);   // halfway 1.0 / 1.125 -> even (1.0)
+  EXPECT_EQ(F32ToFp8E4M3(1.1875f), 0x3a);   // halfway 1.125 / 1.25 -> even (1.25)
+  EXPECT_EQ(F32ToFp8E4M3(1.07f), 0x39);     // nearer 1.125
+  EXPECT_EQ(F32ToFp8E4M3(1000.f), 0x7e);    // saturates to 448
+  EXPECT_EQ(F32ToFp8E4M3(-1e9f), 0xfe);
+  EXPECT_EQ(F32ToFp8E4M3(460.f), 0x7e);
+  EXPECT_EQ(F32ToFp8E4M3(std::ldexp(1.5f, -9)), 0x02);  // subnormal halfway 1/2 quanta -> even (2)
+  EXPECT_TRUE(std::isnan(Fp8E4M3ToF32(F32ToFp8E4M3(std::numeric_limits<float>::quiet_NaN()))));
+}
+
+TEST(Int4Group, PackingIsCompressedTensorsLayout) {
+  // One row of 16 values in two int32 words: value j of a word sits in bits
+  // [4j, 4j+4) as q + 8. Word 0 = 0x76543210 holds q = -8..-1, word 1 =
+  // 0xfedcba98 holds q = 0..7.
+  const int32_t packed[2] = {0x76543210, static_cast<int32_t>(0xfedcba98u)};
+  const float scales[2] = {0.5f, 2.0f};  // group 8: one scale per word
+  bf16_t out[16];
+  DequantizeInt4Group(packed, scales, 1, 16, 8, out);
+  for (int c = 0; c < 16; ++c) {
+    const float want = static_cast<float>(c - 8) * (c < 8 ? 0.5f : 2.0f);
+    EXPECT_EQ(Bf16ToF32(out[c]), want) << "column " << c;
+  }
+  // And the quantizer writes that layout.
+  std::vector<bf16_t> w(16);
+  for (int c = 0; c < 16; ++c) w[c] = F32ToBf16(static_cast<float>(c - 8) * 0.25f);  // q = c - 8 at scale 0.25...
+  int32_t q[2];
+  float s[1];
+  QuantizeInt4Group(w.data(), 1, 16, 16, q, s);
+  // ...but the symmetric scale is max|w| / 7.5 = 2 / 7.5, so check the round trip instead of the words.
+  std::vector<bf16_t> back(16);
+  DequantizeInt4Group(q, s, 1, 16, 16, back.data());
+  for (int c = 0; c < 16; ++c) EXPECT_NEAR(Bf16ToF32(back[c]), Bf16ToF32(w[c]), 0.5f * s[0] + 1e-6) << c;
+}
+
+double QuantError(const QuantConfig& q, int rows, int cols, uint64_t seed) {
+  std::vector<bf16_t> w = RandomActivations(static_cast<size_t>(rows) * cols, seed, 0.05f);
+  std::vector<bf16_t> d = w;
+  QuantizeDequantize(q, rows, cols, d.data());
+  std::vector<float> a(w.size()), b(w.size());
+  Bf16ToF32(d.data(), a.data(), a.size());
+  Bf16ToF32(w.data(), b.data(), b.size());
+  return RelativeL2Error(a.data(), b.data(), a.size());
+}
+
+TEST(Quantize, ErrorWithinTheFormatsResolutionOnPartialBlocks) {
+  QuantConfig fp8{WeightQuant::kFp8Block, 128, 128, 128};
+  QuantConfig int4{WeightQuant::kInt4Group, 128, 128, 128};
+  for (auto [rows, cols] : {std::pair{256, 384}, std::pair{200, 300}, std::pair{96, 80}}) {
+    const double e8 = QuantError(fp8, rows, cols, rows);
+    const double e4 = QuantError(int4, rows, cols, cols);
+    // fp8: 3 mantissa bits, ~2% rms; int4: 16 levels per group, ~7-9% rms on Gaussian data.
+    EXPECT_GT(e8, 1e-3) << rows << "x" << cols << ": no quantization happened";
+    EXPECT_LT(e8, 0.035) << rows << "x" << cols;
+    EXPECT_GT(e4, e8) << rows << "x" << cols;
+    EXPECT_LT(e4, 0.12) << rows << "x" << cols;
+  }
+}
+
+TEST(QuantConfig, ReadsFp8AndCompressedTensorsAndRefusesOthersByKey) {
+  auto parse = [](const char* text) { return QuantConfigFromJson(nlohmann::json::parse(text)); };
+  absl::StatusOr<QuantConfig> q = parse(R"({"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3",
+      "quant_method": "fp8", "weight_block_size": [128, 64]}})");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->scheme, WeightQuant::kFp8Block);
+  EXPECT_EQ(q->block_rows, 128);
+  EXPECT_EQ(q->block_cols, 64);
+  q = parse(R"({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+      "symmetric": true, "strategy": "group", "group_size": 32}}}, "ignore": ["lm_head"]}})");
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(q->scheme, WeightQuant::kInt4Group);
+  EXPECT_EQ(q->group_size, 32);
+  EXPECT_EQ(parse(R"({"torch_dtype": "bfloat16"})")->scheme, WeightQuant::kNone);
+  // Round trip of what moe-make-model writes.
+  for (const QuantConfig& c : {QuantConfig{WeightQuant::kFp8Block, 128, 128, 128},
+                               QuantConfig{WeightQuant::kInt4Group, 128, 128, 64}}) {
+    nlohmann::json j;
+    j["quantization_config"] = QuantConfigToJson(c);
+    absl::StatusOr<QuantConfig> back = QuantConfigFromJson(j);
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->Describe(), c.Describe());
+  }
+  struct Bad { const char* json; const char* key; };
+  for (const Bad& b : {Bad{R"({"quantization_config": {"quant_method": "awq"}})", "quant_method"},
+                       Bad{R"({"quantization_config": {"quant_method": "fp8"}})", "weight_block_size"},
+                       Bad{R"({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2",
+                              "weight_block_size": [128, 128]}})", "fmt"},
+                       Bad{R"({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                              "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "symmetric": true,
+                              "strategy": "group", "group_size": 128}}}}})", "num_bits"},
+                       Bad{R"({"quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                              "config_groups": {"g": {"weights": {"num_bits": 4, "type": "int", "symmetric": false,
+                              "strategy": "group", "group_size": 128}}}}})", "symmetric"},
+                       Bad{R"({"quantization_config": {"quant_method": "compressed-tensors",
+                              "format": "float-quantized"}})", "format"}}) {
+    absl::StatusOr<QuantConfig> r = parse(b.json);
+    ASSERT_FALSE(r.ok()) << b.json;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(b.key), std::string::npos) << r.status();
+  }
+}
+
+// Reads every expert of both models and compares them bit for bit.
+void ExpectSameWeights(const ModelSource& a, const ModelSource& b) {
+  ExpertWeights x, y;
+  for (int l : a.spec().moe_layers)
+    for (int e = 0; e < a.spec().num_experts; ++e) {
+      ASSERT_TRUE(a.ReadExpert(l, e, &x).ok());
+      ASSERT_TRUE(b.ReadExpert(l, e, &y).ok());
+      ASSERT_EQ(x.gate, y.gate) << l << "/" << e;
+      ASSERT_EQ(x.up, y.up) << l << "/" << e;
+      ASSERT_EQ(x.down, y.down) << l << "/" << e;
+    }
+}
+
+TEST(QuantizedCheckpoint, WrittenAndReadBackAsTheSyntheticModel) {
+  for (const char* dtype : {"fp8", "int4"}) {
+    SCOPED_TRACE(dtype);
+    testing::TempDir dir;
+    ModelSpec spec = *PresetSpec("tiny");
+    spec.quant.scheme = *ParseWeightQuant(dtype);
+    ASSERT_TRUE(WriteSyntheticCheckpoint(dir.path(), spec, 11, 16 << 10).ok());
+    absl::StatusOr<std::unique_ptr<ModelSource>> file = OpenModel(dir.path());
+    ASSERT_TRUE(file.ok()) << file.status();
+    EXPECT_EQ((*file)->spec().quant.scheme, spec.quant.scheme);
+    EXPECT_NE((*file)->spec().Summary().find(dtype), std::string::npos) << (*file)->spec().Summary();
+    absl::StatusOr<std::unique_ptr<ModelSource>> synth = OpenModel(absl::StrCat("synthetic:tiny:seed=11:dtype=", dtype));
+    ASSERT_TRUE(synth.ok()) << synth.status();
+    ExpectSameWeights(**file, **synth);
+    // Quantized, not a copy of the bf16 weights: close to them, not equal.
+    std::unique_ptr<ModelSource> plain = *OpenModel("synthetic:tiny:seed=11");
+    ExpertWeights q, p;
+    ASSERT_TRUE((*file)->ReadExpert(spec.moe_layers[0], 3, &q).ok());
+    ASSERT_TRUE(plain->ReadExpert(spec.moe_layers[0], 3, &p).ok());
+    EXPECT_NE(q.gate, p.gate);
+    std::vector<float> a(q.down.size()), b(p.down.size());
+    Bf16ToF32(q.down.data(), a.data(), a.size());
+    Bf16ToF32(p.down.data(), b.data(), b.size());
+    EXPECT_LT(RelativeL2Error(a.data(), b.data(), a.size()), std::string(dtype) == "fp8" ? 0.035 : 0.12);
+  }
+  EXPECT_FALSE(OpenModel("synthetic:tiny:dtype=int3").ok());
+}
+
+// Byte offset of a tensor's data in a single-file checkpoint.
+size_t TensorOffset(const std::string& file, const std::string& name) {
+  std::ifstream in(file, std::ios::binary);
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  std::string header(n, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(n));
+  return 8 + n + nlohmann::json::parse(header)[name]["data_offsets"][0].get<size_t>();
+}
+
+void Patch(const std::string& file, size_t offset, const void* bytes, size_t n) {
+  std::fstream f(file, std::ios::binary | std::ios::in | std::ios::out);
+  f.seekp(static_cast<std::streamoff>(offset));
+  f.write(static_cast<const char*>(bytes), static_cast<std::streamsize>(n));
+}
+
+// Writes a one-file tiny checkpoint of `dtype`, lets `corrupt` change it, and
+// returns what reading expert 0 of the first MoE layer says.
+absl::Status ReadCorrupted(const std::string& dtype,
+                           const std::function<void(const std::string& dir, const std::string& file)>& corrupt) {
+  testing::TempDir dir;
+  ModelSpec spec = *PresetSpec("tiny");
+  spec.quant.scheme = *ParseWeightQuant(dtype);
+  EXPECT_TRUE(WriteSyntheticCheckpoint(dir.path(), spec, 5, size_t{1} << 30).ok());
+  std::string file;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    if (e.path().extension() == ".safetensors") file = e.path().string();
+  corrupt(dir.path(), file);
+  absl::StatusOr<std::unique_ptr<ModelSource>> m = OpenModel(dir.path());
+  if (!m.ok()) return m.status();
+  ExpertWeights w;
+  return (*m)->ReadExpert(spec.moe_layers[0], 0, &w);
+}
+
+void EditConfig(const std::string& dir, const std::function<void(nlohmann::json&)>& edit) {
+  nlohmann::json j = nlohmann::json::parse(std::ifstream(dir + "/config.json"));
+  edit(j);
+  std::ofstream(dir + "/config.json") << j.dump();
+}
+
+TEST(QuantizedCheckpoint, InconsistentScalesAndShapesAreRefusedNamingTheTensor) {
+  const std::string gate = "model.layers.1.mlp.experts.0.gate_proj";
+  struct Case { std::string dtype, what, name; std::function<void(const std::string&, const std::string&)> corrupt; };
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t wrong_shape[2] = {80, 95};
+  std::vector<Case> cases = {
+      {"fp8", "block size disagrees with the scales", gate + ".weight_scale_inv",
+       [](const std::string& dir, const std::string&) {
+         EditConfig(dir, [](nlohmann::json& j) { j["quantization_config"]["weight_block_size"] = {32, 32}; });
+       }},
+      {"fp8", "NaN scale", gate + ".weight_scale_inv",
+       [&](const std::string&, const std::string& file) {
+         Patch(file, TensorOffset(file, gate + ".weight_scale_inv"), &nan, 4);
+       }},
+      {"int4", "group size disagrees with the scales", gate + ".weight_scale",
+       [](const std::string& dir, const std::string&) {
+         EditConfig(dir, [](nlohmann::json& j) {
+           j["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 16;
+         });
+       }},
+      {"int4", "weight_shape disagrees with the model", gate + ".weight_shape",
+       [&](const std::string&, const std::string& file) {
+         Patch(file, TensorOffset(file, gate + ".weight_shape"), wrong_shape, sizeof(wrong_shape));
+       }},
+      {"int4", "config says fp8 for int4 tensors", "gate_proj.weight",
+       [](const std::string& dir, const std::string&) {
+         EditConfig(dir, [](nlohmann::json& j) {
+           j["quantization_config"] = QuantConfigToJson(QuantConfig{WeightQuant::kFp8Block, 128, 128, 128});
+         });
+       }},
+  };
+  for (const Case& c : cases) {
+    absl::Status st = ReadCorrupted(c.dtype, c.corrupt);
+    EXPECT_FALSE(st.ok()) << c.what;
+    EXPECT_NE(st.message().find(c.name), std::string::npos) << c.what << ": " << st;
+  }
+}
+
+// The real path: moe-make-model writes the quantized checkpoint, a real
+// moe-expert-server loads it, and its outputs match the reference MoE over the
+// dequantized weights (bf16 tolerance), on random data.
+TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
+  for (const char* dtype : {"fp8", "int4"}) {
+    SCOPED_TRACE(dtype);
+    testing::TempDir dir;
+    const std::string out = dir.path() + "/m";
+    Subprocess make(testing::BinaryPath("moe-make-model"),
+                    {"--preset=tiny", "--seed=4", absl::StrCat("--dtype=", dtype), "--out=" + out});
+    ASSERT_EQ(make.Wait(std::chrono::seconds(60)), 0);
+    Subprocess* server = nullptr;
+    const std::string addr = testing::StartExpertServer(&server, {"--model=" + out, "--threads=2", "--max-tokens=64"});
+    std::unique_ptr<Subprocess> owned(server);
+    ASSERT_FALSE(addr.empty()) << "moe-expert-server did not start on the " << dtype << " checkpoint";
+    std::unique_ptr<ExpertClient> client = *ExpertClient::Connect(addr, testing::PlaintextTls());
+    std::unique_ptr<ModelSource> source = *OpenModel(out);
+    const int H = source->spec().hidden, n = 17, k = 2;
+    std::vector<bf16_t> x = RandomActivations(size_t(n) * H, 3);
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    RandomRouting(n, k, source->spec().num_experts, 4, 1.0, &ids, &w);
+    const RoutingView r{n, k, ids.data(), w.data()};
+    const int layer = source->spec().moe_layers[0];
+    absl::StatusOr<std::vector<bf16_t>> got = client->Forward(ExpertClient::MakeRequest(layer, n, H, x.data(), r, 1));
+    ASSERT_TRUE(got.ok()) << got.status();
+    std::vector<double> ref(size_t(n) * H);
+    ASSERT_TRUE(ReferenceMoe(*source).Forward<double>(layer, n, x.data(), r, ref.data()).ok());
+    std::vector<float> f(got->size());
+    Bf16ToF32(got->data(), f.data(), f.size());
+    double norm = 0;
+    for (float v : f) norm += double(v) * v;
+    EXPECT_GT(norm, 0) << "all-zero output";
+    EXPECT_LE(RelativeL2Error(f.data(), ref.data(), f.size()), 1e-2);
+  }
+}
+
+}  // namespace
+}  // namespace moe
