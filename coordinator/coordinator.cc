@@ -362,10 +362,7 @@ bool Coordinator::PinsMissingLocked() const {
   return false;
 }
 
-moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_only, double now) {
-  moe::v1::RebalanceResponse resp;
-  resp.set_dry_run(dry_run);
-  if (registry_ == nullptr) return resp;
+PlacementProblem Coordinator::PlacementProblemLocked(bool pins_only, double now, std::vector<std::string>* ids) const {
   const int nl = registry_->num_layers();
   PlacementProblem p;
   p.num_layers = nl;
@@ -376,10 +373,9 @@ moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_
   p.params.replicate_share = policy_.replicate_share;
   for (int l = 0; l < nl; ++l) p.global_popularity.push_back(popularity_->global().Layer(l, now));
   const double round_seconds = policy_.rebalance_interval_seconds > 0 ? policy_.rebalance_interval_seconds : 1.0;
-  std::vector<std::string> ids;
   for (const auto& [id, w] : registry_->workers()) {
     if (!w.up) continue;
-    ids.push_back(id);
+    ids->push_back(id);
     WorkerPlacementState s;
     s.id = id;
     s.slots_per_layer = static_cast<int>(w.caps.slots_per_layer());
@@ -399,6 +395,15 @@ moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_
     }
     p.workers.push_back(std::move(s));
   }
+  return p;
+}
+
+moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_only, double now) {
+  moe::v1::RebalanceResponse resp;
+  resp.set_dry_run(dry_run);
+  if (registry_ == nullptr) return resp;
+  std::vector<std::string> ids;
+  const PlacementProblem p = PlacementProblemLocked(pins_only, now, &ids);
   const PlacementPlan plan = PlanPlacement(p);
   for (const PlannedMove& m : plan.moves) {
     moe::v1::PlannedCopy* c = resp.add_copies();
@@ -435,21 +440,26 @@ moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_
   }
   if (!dry_run) {
     if (!pins_only) ++rebalances_;
-    // Rounds run several times a second: one log line per kLogEvery at most.
-    unlogged_.rounds += pins_only ? 0 : 1;
-    unlogged_.copies += plan.moves.size();
-    unlogged_.bytes += total_bytes;
-    unlogged_.updates += updated;
-    if (unlogged_.copies > 0 && (pins_only || now - last_round_log_ >= kRoundLogSeconds)) {
-      LogInfo("coordinator", pins_only ? "pins placed; " : "", "placement: ", unlogged_.copies, " copies (",
-              unlogged_.bytes, " bytes) in ", unlogged_.updates, " assignments over ", unlogged_.rounds,
-              " rounds; last: expected hit rate ", plan.hit_rate_before_all, " -> ", plan.hit_rate_after_all,
-              ", union coverage ", plan.coverage_before, " -> ", plan.coverage_after);
-      unlogged_ = {};
-      last_round_log_ = now;
-    }
+    LogRoundLocked(plan, pins_only, total_bytes, updated, now);
   }
   return resp;
+}
+
+void Coordinator::LogRoundLocked(const PlacementPlan& plan, bool pins_only, uint64_t bytes, size_t updated,
+                                 double now) {
+  // Rounds run several times a second: one log line per kRoundLogSeconds at most.
+  unlogged_.rounds += pins_only ? 0 : 1;
+  unlogged_.copies += plan.moves.size();
+  unlogged_.bytes += bytes;
+  unlogged_.updates += updated;
+  if (unlogged_.copies > 0 && (pins_only || now - last_round_log_ >= kRoundLogSeconds)) {
+    LogInfo("coordinator", pins_only ? "pins placed; " : "", "placement: ", unlogged_.copies, " copies (",
+            unlogged_.bytes, " bytes) in ", unlogged_.updates, " assignments over ", unlogged_.rounds,
+            " rounds; last: expected hit rate ", plan.hit_rate_before_all, " -> ", plan.hit_rate_after_all,
+            ", union coverage ", plan.coverage_before, " -> ", plan.coverage_after);
+    unlogged_ = {};
+    last_round_log_ = now;
+  }
 }
 
 void Coordinator::Tick() {
