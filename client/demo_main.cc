@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -115,13 +116,8 @@ void TokensFromCounts(const std::vector<ExpertAccess>& acc, int T, int k, std::v
     }
 }
 
-int Main(int argc, char** argv) {
+Options ParseFlags(FlagSet& flags, int argc, char** argv) {
   Options o;
-  FlagSet flags("moe-demo",
-                "[--preset demo] [--layers 8] [--steps 400] [--tokens 16] [--cache C] [--trace FILE]\n"
-                "Runs the coordinator, a CPU expert server (shm) and a GPU worker (cuda if present, else cpu),\n"
-                "drives a drifting routing workload (or a recorded trace) through the client library and\n"
-                "reports hit rates before/after rebalancing, the CPU's share of misses and the max error.");
   flags.String("preset", &o.preset, "model geometry (synthetic weights): demo, tiny, qwen3-30b-a3b, ...");
   flags.Int("layers", &o.layers, "MoE layers of the model");
   flags.Int("steps", &o.steps, "decode steps to drive (each: every layer once)");
@@ -143,26 +139,40 @@ int Main(int argc, char** argv) {
   flags.Parse(argc, argv);
   if (o.steps <= 0 || o.tokens <= 0 || o.layers <= 0 || o.check_every <= 0)
     flags.Fail("--steps, --tokens, --layers and --check-every must be > 0");
+  return o;
+}
 
-  // The routing: a drifting synthetic trace, or a recorded one.
+// The model and the routing the demo drives through it.
+struct Workload {
+  std::string uri;  // the model, for every process
+  std::unique_ptr<ModelSource> source;
   RoutingTrace trace;
-  std::string uri;
+  int steps = 0;  // steps driven: --steps, at most the trace's
+  int C = 0;      // cache slots per layer
+  int T = 0;      // tokens per call
+};
+
+// The routing: a drifting synthetic trace, or a recorded one; exits 1 when
+// the trace or the model cannot be read.
+Workload PrepareWorkload(const Options& o, const FlagSet& flags) {
+  Workload w;
   if (!o.trace.empty()) {
     absl::StatusOr<RoutingTrace> t = ReadRoutingTrace(o.trace);
     if (!t.ok()) flags.Fail(absl::StrCat("--trace: ", t.status().message()), 1);
-    trace = *std::move(t);
-    uri = absl::StrCat("synthetic:", o.preset, ":layers=", trace.num_layers, ":experts=", trace.num_experts,
-                       ":top_k=", trace.top_k, ":seed=", o.seed);
+    w.trace = *std::move(t);
+    w.uri = absl::StrCat("synthetic:", o.preset, ":layers=", w.trace.num_layers, ":experts=", w.trace.num_experts,
+                         ":top_k=", w.trace.top_k, ":seed=", o.seed);
   } else {
-    uri = absl::StrCat("synthetic:", o.preset, ":layers=", o.layers, ":seed=", o.seed);
+    w.uri = absl::StrCat("synthetic:", o.preset, ":layers=", o.layers, ":seed=", o.seed);
   }
-  absl::StatusOr<std::unique_ptr<ModelSource>> source = OpenModel(uri);
+  absl::StatusOr<std::unique_ptr<ModelSource>> source = OpenModel(w.uri);
   if (!source.ok()) flags.Fail(std::string(source.status().message()), 1);
-  const ModelSpec& spec = (*source)->spec();
-  const int E = spec.num_experts, K = spec.top_k, H = spec.hidden, L = static_cast<int>(spec.moe_layers.size());
+  w.source = *std::move(source);
+  const ModelSpec& spec = w.source->spec();
+  const int E = spec.num_experts, K = spec.top_k;
   if (o.trace.empty()) {
     SyntheticTraceOptions so;
-    so.num_layers = L;
+    so.num_layers = static_cast<int>(spec.moe_layers.size());
     so.num_experts = E;
     so.top_k = K;
     so.tokens_per_step = static_cast<int>(o.tokens);
@@ -171,164 +181,243 @@ int Main(int argc, char** argv) {
     so.drift_every = std::max<int>(1, static_cast<int>(o.steps / 8));
     so.drift_swaps = std::max(1, E / 8);
     so.seed = static_cast<uint64_t>(o.seed);
-    trace = GenerateRoutingTrace(so);
+    w.trace = GenerateRoutingTrace(so);
   }
-  const int steps = std::min<int>(static_cast<int>(o.steps), static_cast<int>(trace.steps.size()));
-  const int C = o.cache > 0 ? static_cast<int>(std::min<int64_t>(o.cache, E)) : std::max(1, E / 4);
+  w.steps = std::min<int>(static_cast<int>(o.steps), static_cast<int>(w.trace.steps.size()));
+  w.C = o.cache > 0 ? static_cast<int>(std::min<int64_t>(o.cache, E)) : std::max(1, E / 4);
   // A trace's step may hold any number of tokens; use the largest pair count / k, at least --tokens.
-  int T = static_cast<int>(o.tokens);
-  for (int s = 0; s < steps; ++s)
-    for (const auto& layer : trace.steps[s]) {
+  w.T = static_cast<int>(o.tokens);
+  for (int s = 0; s < w.steps; ++s)
+    for (const auto& layer : w.trace.steps[s]) {
       int pairs = 0;
       for (const ExpertAccess& a : layer) pairs += a.pairs;
-      T = std::max(T, (pairs + K - 1) / K);
+      w.T = std::max(w.T, (pairs + K - 1) / K);
     }
+  return w;
+}
 
-  // Processes.
-  char tmpl[] = "/tmp/moe_demo_XXXXXX";
-  const std::string dir = mkdtemp(tmpl);
-  const std::string sock = dir + "/expert.sock";
-  std::printf("moe-demo: model %s\n  %s; cache %d of %d experts per layer; %d steps x %d tokens\n", uri.c_str(),
-              spec.Summary().c_str(), C, E, steps, T);
+// The three processes the demo runs, in a temporary directory, and a client
+// of the GPU worker.
+struct Cluster {
+  std::string dir, sock, caddr;
   std::unique_ptr<Subprocess> coord, server, worker;
-  const std::string caddr = Start(&coord, FindBinary(o, "moe-coordinator", "coordinator"),
-                                  {"--listen=127.0.0.1:0", "--insecure", "--insecure-admin", "--rebalance-interval-seconds=0",
-                                   absl::StrCat("--half-life-seconds=", o.half_life_s), "--heartbeat-interval-ms=200",
-                                   "--state-file=" + dir + "/coordinator-state.json"},
-                                  dir + "/coordinator.log");
-  std::printf("  coordinator   %s\n", caddr.c_str());
-  const std::string saddr = Start(&server, FindBinary(o, "moe-expert-server", "cpu_expert_server"),
-                                  {"--model=" + uri, "--listen=127.0.0.1:0", "--insecure", "--shm-socket=" + sock,
-                                   "--threads=1", "--coordinator=" + caddr, "--server-id=demo-server"},
-                                  dir + "/expert-server.log");
-  std::printf("  expert server %s + unix://%s\n", saddr.c_str(), sock.c_str());
-  const std::string waddr = Start(&worker, FindBinary(o, "moe-gpu-worker", "gpu_worker"),
-                                  {"--model=" + uri, "--servers=unix://" + sock, "--coordinator=" + caddr,
-                                   "--worker-id=demo-worker", absl::StrCat("--cache-experts-per-layer=", C),
-                                   "--device=" + o.device, "--cpu-threads=1", absl::StrCat("--max-tokens=", T),
+  std::unique_ptr<WorkerClient> client;
+
+  // SIGTERM to each (SIGKILL after 20 s), then removes the directory.
+  void Stop() {
+    for (auto* p : {&worker, &server, &coord}) {
+      (*p)->Signal(SIGTERM);
+      if ((*p)->Wait(std::chrono::seconds(20)) == -1) (*p)->Signal(SIGKILL);
+    }
+    std::filesystem::remove_all(dir);
+  }
+};
+
+// Starts the coordinator, the expert server and the GPU worker, printing
+// where each serves; exits 1 when one does not start.
+Cluster StartCluster(const Options& o, const Workload& w) {
+  Cluster c;
+  char tmpl[] = "/tmp/moe_demo_XXXXXX";
+  c.dir = mkdtemp(tmpl);
+  c.sock = c.dir + "/expert.sock";
+  std::printf("moe-demo: model %s\n  %s; cache %d of %d experts per layer; %d steps x %d tokens\n", w.uri.c_str(),
+              w.source->spec().Summary().c_str(), w.C, w.source->spec().num_experts, w.steps, w.T);
+  c.caddr = Start(&c.coord, FindBinary(o, "moe-coordinator", "coordinator"),
+                  {"--listen=127.0.0.1:0", "--insecure", "--insecure-admin", "--rebalance-interval-seconds=0",
+                   absl::StrCat("--half-life-seconds=", o.half_life_s), "--heartbeat-interval-ms=200",
+                   "--state-file=" + c.dir + "/coordinator-state.json"},
+                  c.dir + "/coordinator.log");
+  std::printf("  coordinator   %s\n", c.caddr.c_str());
+  const std::string saddr = Start(&c.server, FindBinary(o, "moe-expert-server", "cpu_expert_server"),
+                                  {"--model=" + w.uri, "--listen=127.0.0.1:0", "--insecure", "--shm-socket=" + c.sock,
+                                   "--threads=1", "--coordinator=" + c.caddr, "--server-id=demo-server"},
+                                  c.dir + "/expert-server.log");
+  std::printf("  expert server %s + unix://%s\n", saddr.c_str(), c.sock.c_str());
+  const std::string waddr = Start(&c.worker, FindBinary(o, "moe-gpu-worker", "gpu_worker"),
+                                  {"--model=" + w.uri, "--servers=unix://" + c.sock, "--coordinator=" + c.caddr,
+                                   "--worker-id=demo-worker", absl::StrCat("--cache-experts-per-layer=", w.C),
+                                   "--device=" + o.device, "--cpu-threads=1", absl::StrCat("--max-tokens=", w.T),
                                    "--policy=" + o.policy,
                                    "--listen=127.0.0.1:0", "--insecure"},
-                                  dir + "/gpu-worker.log");
+                                  c.dir + "/gpu-worker.log");
   TlsOptions tls;
   tls.insecure = true;
   absl::StatusOr<std::unique_ptr<WorkerClient>> client = WorkerClient::Connect(waddr, tls);
   if (!client.ok()) Fail(std::string(client.status().message()));
-  absl::StatusOr<moe::v1::WorkerInfo> info = (*client)->GetInfo();
+  c.client = *std::move(client);
+  absl::StatusOr<moe::v1::WorkerInfo> info = c.client->GetInfo();
   if (!info.ok()) Fail(std::string(info.status().message()));
   std::printf("  GPU worker    %s (device %s, policy %s)\n\n", waddr.c_str(), info->device().c_str(), info->policy().c_str());
+  return c;
+}
 
-  // Drive.
-  ReferenceMoe reference(**source);
-  std::mt19937_64 rng(static_cast<uint64_t>(o.seed) * 7 + 1);
-  std::uniform_real_distribution<float> u(-1.0f, 1.0f), uw(0.1f, 1.0f);
-  std::vector<bf16_t> x(static_cast<size_t>(T) * H), out(x.size());
-  std::vector<int32_t> ids;
-  std::vector<float> w;
-  std::vector<double> ref;
+// What the drive measured.
+struct Tally {
+  explicit Tally(int layers) : hit(layers, {0, 0}), all(layers, {0, 0}) {}
   // Per layer and window (0: the first quarter, before any placement; 1: the last quarter).
-  std::vector<std::array<uint64_t, 2>> hit(L, {0, 0}), all(L, {0, 0});
-  // Modelled step time per window (StepTimeModel at the GPU host's rates,
-  // this model's expert size; copy contention not visible here).
-  StepTimeModel time_model;
-  time_model.expert_bytes = static_cast<double>(spec.ExpertBf16Bytes());
-  time_model.pair_seconds = 2.0 * (time_model.expert_bytes / 2.0) / 4.6e12;
-  std::array<double, 2> model_s = {0, 0};
+  std::vector<std::array<uint64_t, 2>> hit, all;
+  std::array<double, 2> model_s = {0, 0};  // modelled step time per window
   uint64_t cpu_pairs = 0, copied_pairs = 0, tokens_done = 0;
   double max_err = 0;
   int checks = 0;
-  const int before_end = std::max(1, steps / 4), after_begin = steps - std::max(1, steps / 4);
-  const Clock::time_point t0 = Clock::now();
-  Clock::time_point last_print = t0;
-  uint64_t recent_hits = 0, recent_all = 0;
-  const int rebalance_at = std::max(1, steps / 4);
-  for (int s = 0; s < steps; ++s) {
-    if (s == rebalance_at) {
-      // The operator (here: the demo) asks for the first placement, then
-      // turns on automatic rebalancing so the cache follows the drift.
-      std::printf("\n");
-      Moectl(o, caddr, {"rebalance"});
-      Moectl(o, caddr, {"policy", "set", absl::StrCat("rebalance_interval_seconds=", o.rebalance_s)});
-      std::printf("\n");
-    }
-    for (int li = 0; li < L; ++li) {
-      const int layer = spec.moe_layers[li];
-      TokensFromCounts(trace.steps[s][li], T, K, &ids);
-      w.resize(ids.size());
-      for (size_t i = 0; i < ids.size(); ++i) w[i] = ids[i] >= 0 ? uw(rng) : 0.0f;
-      for (bf16_t& v : x) v = F32ToBf16(u(rng));
-      WorkerBatch b{T, K, x.data(), ids.data(), w.data(), out.data(), {}};
-      if (absl::Status st = (*client)->ForwardLayer(layer, {&b}); !st.ok())
-        Fail(absl::StrCat("ForwardLayer(layer ", layer, ") failed: ", st.ToString()));
-      const uint64_t h = b.stats.hit_pairs(), a = h + b.stats.cpu_pairs() + b.stats.copied_pairs();
-      cpu_pairs += b.stats.cpu_pairs();
-      copied_pairs += b.stats.copied_pairs();
-      recent_hits += h;
-      recent_all += a;
-      const double layer_s = time_model.LayerSeconds(o.step_ms * 1e-3 / L, static_cast<int>(b.stats.cpu_experts()),
-                                                     b.stats.cpu_pairs(), 0.0);
-      if (s < before_end) {
-        hit[li][0] += h;
-        all[li][0] += a;
-        model_s[0] += layer_s;
-      } else if (s >= after_begin) {
-        hit[li][1] += h;
-        all[li][1] += a;
-        model_s[1] += layer_s;
-      }
-      if (s % o.check_every == 0) {
-        ref.resize(x.size());
-        if (absl::Status st = reference.Forward<double>(layer, T, x.data(), RoutingView{T, K, ids.data(), w.data()}, ref.data());
-            !st.ok())
-          Fail(st.ToString());
-        std::vector<float> got(out.size());
-        for (size_t i = 0; i < out.size(); ++i) got[i] = Bf16ToF32(out[i]);
-        max_err = std::max(max_err, RelativeL2Error(got.data(), ref.data(), ref.size()));
-        ++checks;
-      }
-    }
-    tokens_done += T;
-    const Clock::time_point now = Clock::now();
-    if (now - last_print > std::chrono::milliseconds(250) || s + 1 == steps) {
-      const double el = std::chrono::duration<double>(now - t0).count();
-      std::printf("\r  step %4d/%d | %8.0f tokens/s | hit rate %5.1f%% (recent) | max error %.2e   ", s + 1, steps,
-                  tokens_done / el, recent_all ? 100.0 * recent_hits / recent_all : 0.0, max_err);
-      std::fflush(stdout);
-      recent_hits = recent_all = 0;
-      last_print = now;
-    }
+  int before_end = 0, after_begin = 0;  // the windows: steps [0, before_end) and [after_begin, steps)
+  double elapsed = 0;
+};
+
+// Drives the workload's steps through the GPU worker, one ForwardLayer per
+// (step, layer), checking against the reference MoE every --check-every
+// steps; the demo asks for the first placement after a quarter of the steps.
+class Driver {
+ public:
+  Driver(const Options& o, const Workload& w, Cluster& cluster)
+      : o_(o), w_(w), spec_(w.source->spec()), cluster_(cluster), L_(static_cast<int>(spec_.moe_layers.size())),
+        reference_(*w.source), rng_(static_cast<uint64_t>(o.seed) * 7 + 1),
+        x_(static_cast<size_t>(w.T) * spec_.hidden), out_(x_.size()), tally_(L_) {
+    // Modelled step time per window (StepTimeModel at the GPU host's rates,
+    // this model's expert size; copy contention not visible here).
+    time_model_.expert_bytes = static_cast<double>(spec_.ExpertBf16Bytes());
+    time_model_.pair_seconds = 2.0 * (time_model_.expert_bytes / 2.0) / 4.6e12;
+    tally_.before_end = std::max(1, w.steps / 4);
+    tally_.after_begin = w.steps - std::max(1, w.steps / 4);
   }
-  const double elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  Tally Run() {
+    const Clock::time_point t0 = Clock::now();
+    Clock::time_point last_print = t0;
+    const int rebalance_at = std::max(1, w_.steps / 4);
+    for (int s = 0; s < w_.steps; ++s) {
+      if (s == rebalance_at) {
+        // The operator (here: the demo) asks for the first placement, then
+        // turns on automatic rebalancing so the cache follows the drift.
+        std::printf("\n");
+        Moectl(o_, cluster_.caddr, {"rebalance"});
+        Moectl(o_, cluster_.caddr, {"policy", "set", absl::StrCat("rebalance_interval_seconds=", o_.rebalance_s)});
+        std::printf("\n");
+      }
+      for (int li = 0; li < L_; ++li) ForwardLayer(s, li);
+      tally_.tokens_done += w_.T;
+      const Clock::time_point now = Clock::now();
+      if (now - last_print > std::chrono::milliseconds(250) || s + 1 == w_.steps) {
+        PrintProgress(s, std::chrono::duration<double>(now - t0).count());
+        last_print = now;
+      }
+    }
+    tally_.elapsed = std::chrono::duration<double>(Clock::now() - t0).count();
+    return tally_;
+  }
+
+ private:
+  void ForwardLayer(int s, int li) {
+    const int layer = spec_.moe_layers[li], T = w_.T, K = spec_.top_k;
+    TokensFromCounts(w_.trace.steps[s][li], T, K, &ids_);
+    w_weights_.resize(ids_.size());
+    for (size_t i = 0; i < ids_.size(); ++i) w_weights_[i] = ids_[i] >= 0 ? uw_(rng_) : 0.0f;
+    for (bf16_t& v : x_) v = F32ToBf16(u_(rng_));
+    WorkerBatch b{T, K, x_.data(), ids_.data(), w_weights_.data(), out_.data(), {}};
+    if (absl::Status st = cluster_.client->ForwardLayer(layer, {&b}); !st.ok())
+      Fail(absl::StrCat("ForwardLayer(layer ", layer, ") failed: ", st.ToString()));
+    const uint64_t h = b.stats.hit_pairs(), a = h + b.stats.cpu_pairs() + b.stats.copied_pairs();
+    tally_.cpu_pairs += b.stats.cpu_pairs();
+    tally_.copied_pairs += b.stats.copied_pairs();
+    recent_hits_ += h;
+    recent_all_ += a;
+    const double layer_s = time_model_.LayerSeconds(o_.step_ms * 1e-3 / L_, static_cast<int>(b.stats.cpu_experts()),
+                                                    b.stats.cpu_pairs(), 0.0);
+    const int window = s < tally_.before_end ? 0 : s >= tally_.after_begin ? 1 : -1;
+    if (window >= 0) {
+      tally_.hit[li][window] += h;
+      tally_.all[li][window] += a;
+      tally_.model_s[window] += layer_s;
+    }
+    if (s % o_.check_every == 0) Check(layer);
+  }
+
+  // The last call's output against the reference MoE.
+  void Check(int layer) {
+    const int T = w_.T, K = spec_.top_k;
+    ref_.resize(x_.size());
+    if (absl::Status st = reference_.Forward<double>(layer, T, x_.data(),
+                                                     RoutingView{T, K, ids_.data(), w_weights_.data()}, ref_.data());
+        !st.ok())
+      Fail(st.ToString());
+    std::vector<float> got(out_.size());
+    for (size_t i = 0; i < out_.size(); ++i) got[i] = Bf16ToF32(out_[i]);
+    tally_.max_err = std::max(tally_.max_err, RelativeL2Error(got.data(), ref_.data(), ref_.size()));
+    ++tally_.checks;
+  }
+
+  void PrintProgress(int s, double elapsed) {
+    std::printf("\r  step %4d/%d | %8.0f tokens/s | hit rate %5.1f%% (recent) | max error %.2e   ", s + 1, w_.steps,
+                tally_.tokens_done / elapsed, recent_all_ ? 100.0 * recent_hits_ / recent_all_ : 0.0,
+                tally_.max_err);
+    std::fflush(stdout);
+    recent_hits_ = recent_all_ = 0;
+  }
+
+  const Options& o_;
+  const Workload& w_;
+  const ModelSpec& spec_;
+  Cluster& cluster_;
+  const int L_;
+  ReferenceMoe reference_;
+  std::mt19937_64 rng_;
+  std::uniform_real_distribution<float> u_{-1.0f, 1.0f}, uw_{0.1f, 1.0f};
+  std::vector<bf16_t> x_, out_;
+  std::vector<int32_t> ids_;
+  std::vector<float> w_weights_;
+  std::vector<double> ref_;
+  StepTimeModel time_model_;
+  Tally tally_;
+  uint64_t recent_hits_ = 0, recent_all_ = 0;  // since the last progress line
+};
+
+// Per-layer hit rates before and after rebalancing, the modelled step time,
+// the CPU's share of misses and the largest error.
+void Report(const Options& o, const Workload& w, const Tally& t) {
+  const ModelSpec& spec = w.source->spec();
+  const int L = static_cast<int>(spec.moe_layers.size()), steps = w.steps;
   std::printf("\n\n  per-layer hit rate (GPU cache), before rebalancing (steps 1-%d) -> after (steps %d-%d):\n",
-              before_end, after_begin + 1, steps);
+              t.before_end, t.after_begin + 1, steps);
   uint64_t hb = 0, ab = 0, ha = 0, aa = 0;
   for (int li = 0; li < L; ++li) {
     std::printf("    layer %3d: %5.1f%% -> %5.1f%%\n", spec.moe_layers[li],
-                all[li][0] ? 100.0 * hit[li][0] / all[li][0] : 0.0, all[li][1] ? 100.0 * hit[li][1] / all[li][1] : 0.0);
-    hb += hit[li][0];
-    ab += all[li][0];
-    ha += hit[li][1];
-    aa += all[li][1];
+                t.all[li][0] ? 100.0 * t.hit[li][0] / t.all[li][0] : 0.0,
+                t.all[li][1] ? 100.0 * t.hit[li][1] / t.all[li][1] : 0.0);
+    hb += t.hit[li][0];
+    ab += t.all[li][0];
+    ha += t.hit[li][1];
+    aa += t.all[li][1];
   }
   const double before = ab ? 100.0 * hb / ab : 0, after = aa ? 100.0 * ha / aa : 0;
-  const uint64_t misses = cpu_pairs + copied_pairs;
+  const uint64_t misses = t.cpu_pairs + t.copied_pairs;
   std::printf("    all      : %5.1f%% -> %5.1f%%\n", before, after);
   std::printf("  modelled step time (device %g ms + CPU misses at 94 GB/s): %.2f ms -> %.2f ms\n", o.step_ms,
-              1e3 * model_s[0] / before_end, 1e3 * model_s[1] / std::max(1, steps - after_begin));
+              1e3 * t.model_s[0] / t.before_end, 1e3 * t.model_s[1] / std::max(1, steps - t.after_begin));
   std::printf("  misses served by the CPU expert server: %.1f%% (%llu of %llu; the rest copied to the GPU)\n",
-              misses ? 100.0 * cpu_pairs / misses : 0.0, static_cast<unsigned long long>(cpu_pairs),
+              misses ? 100.0 * t.cpu_pairs / misses : 0.0, static_cast<unsigned long long>(t.cpu_pairs),
               static_cast<unsigned long long>(misses));
-  std::printf("  max relative error vs the reference MoE: %.2e over %d checked calls (tolerance 1e-2)\n", max_err, checks);
-  std::printf("  %.1f s, %.0f tokens/s, %llu layer calls\n", elapsed, tokens_done / elapsed,
+  std::printf("  max relative error vs the reference MoE: %.2e over %d checked calls (tolerance 1e-2)\n", t.max_err,
+              t.checks);
+  std::printf("  %.1f s, %.0f tokens/s, %llu layer calls\n", t.elapsed, t.tokens_done / t.elapsed,
               static_cast<unsigned long long>(static_cast<uint64_t>(steps) * L));
+}
 
-  Moectl(o, caddr, {"status"});
-  for (auto* p : {&worker, &server, &coord}) {
-    (*p)->Signal(SIGTERM);
-    if ((*p)->Wait(std::chrono::seconds(20)) == -1) (*p)->Signal(SIGKILL);
-  }
-  std::filesystem::remove_all(dir);
-  if (!(max_err <= 1e-2)) {
-    std::fprintf(stderr, "moe-demo: max error %.3g exceeds 1e-2\n", max_err);
+int Main(int argc, char** argv) {
+  FlagSet flags("moe-demo",
+                "[--preset demo] [--layers 8] [--steps 400] [--tokens 16] [--cache C] [--trace FILE]\n"
+                "Runs the coordinator, a CPU expert server (shm) and a GPU worker (cuda if present, else cpu),\n"
+                "drives a drifting routing workload (or a recorded trace) through the client library and\n"
+                "reports hit rates before/after rebalancing, the CPU's share of misses and the max error.");
+  const Options o = ParseFlags(flags, argc, argv);
+  const Workload w = PrepareWorkload(o, flags);
+  Cluster cluster = StartCluster(o, w);
+  const Tally t = Driver(o, w, cluster).Run();
+  Report(o, w, t);
+
+  Moectl(o, cluster.caddr, {"status"});
+  cluster.Stop();
+  if (!(t.max_err <= 1e-2)) {
+    std::fprintf(stderr, "moe-demo: max error %.3g exceeds 1e-2\n", t.max_err);
     return 1;
   }
   std::printf("  all processes stopped; ok\n");

@@ -18,6 +18,7 @@
 #include "moe/engine.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
+#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
 struct moe_session {
@@ -89,7 +90,7 @@ absl::Status ReadList(const nlohmann::json& v, const std::string& key, std::vect
   out->clear();
   for (size_t i = 0; i < v.size(); ++i) {
     T x{};
-    if (absl::Status st = ReadOption(v[i], absl::StrCat(key, "[", i, "]"), &x); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(ReadOption(v[i], absl::StrCat(key, "[", i, "]"), &x));
     out->push_back(std::move(x));
   }
   return absl::OkStatus();

@@ -345,118 +345,150 @@ int FindCommand(int argc, char** argv) {
   return -1;
 }
 
-}  // namespace
+// The usage text of `command` ("" or "help": every command).
+std::string UsageOf(const std::string& command) {
+  const std::string globals = "--coordinator ADDR [--insecure | --tls-ca CA [--tls-cert C --tls-key K]] [--json]";
+  if (command.empty() || command == "help")
+    return absl::StrCat(globals, " COMMAND [flags]\nThe coordinator's admin command line.\n\n", kCommands);
+  if (command == "status") return globals + "\nWorkers, expert servers, per-layer hit rate and assignment versions.";
+  if (command == "popularity")
+    return globals + " --layer L [--top N] [--worker W]\nA layer's experts by decayed pair count, hottest first.";
+  if (command == "rebalance")
+    return globals + " [--dry-run]\nRuns a placement round now; --dry-run shows the copies it would make and the "
+           "hit rate it expects, changing nothing.";
+  if (command == "pin" || command == "unpin")
+    return globals + " --layer L --experts 1,5,9 [--worker W]\n" +
+           (command == "pin" ? "Keeps these experts cached in layer L of every worker (or of W); pins win over "
+                               "popularity and persist in the coordinator's state file."
+                             : "Removes pins (the experts stay until placement replaces them).");
+  if (command == "drain" || command == "undrain")
+    return globals + (command == "drain" ? " [--no-wait] [--wait-seconds N] SERVER\n" : " SERVER\n") +
+           (command == "drain" ? "Stops routing to an expert server, then waits until every worker stopped and its "
+                                 "in-flight work finished (exit 1 if that takes longer than --wait-seconds)."
+                               : "Routes to a drained expert server again.");
+  if (command == "policy")
+    return globals + " get | set KEY=VALUE [KEY=VALUE ...]\nPolicy keys: half_life_seconds, placement "
+           "(per-worker|union), copy_budget_gbps, hysteresis_margin, copy_cost_hits, replicate_share, "
+           "rebalance_interval_seconds.";
+  return "";
+}
 
-int main(int argc, char** argv) {
-  const int at = FindCommand(argc, argv);
-  const std::string command = at < 0 ? "" : argv[at];
-  if (!command.empty() && std::find(kCommandNames.begin(), kCommandNames.end(), command) == kCommandNames.end())
-    Die("", absl::StrCat("unknown command '", command, "' (see moectl --help)"), 2);
-
+// The flags of one moectl invocation.
+struct Invocation {
+  std::string command;
   std::string coordinator = "127.0.0.1:50100", tls_ca, tls_cert, tls_key, tls_server_name, worker, experts_text;
   bool insecure = false, json = false, dry_run = false, no_wait = false;
   double timeout_seconds = 5, wait_seconds = 30;
   int64_t layer = -1, top = 0;
-  const std::string globals = "--coordinator ADDR [--insecure | --tls-ca CA [--tls-cert C --tls-key K]] [--json]";
-  std::string usage;
-  if (command.empty() || command == "help") {
-    usage = absl::StrCat(globals, " COMMAND [flags]\nThe coordinator's admin command line.\n\n", kCommands);
-  } else if (command == "status") {
-    usage = globals + "\nWorkers, expert servers, per-layer hit rate and assignment versions.";
-  } else if (command == "popularity") {
-    usage = globals + " --layer L [--top N] [--worker W]\nA layer's experts by decayed pair count, hottest first.";
-  } else if (command == "rebalance") {
-    usage = globals + " [--dry-run]\nRuns a placement round now; --dry-run shows the copies it would make and the "
-            "hit rate it expects, changing nothing.";
-  } else if (command == "pin" || command == "unpin") {
-    usage = globals + " --layer L --experts 1,5,9 [--worker W]\n" +
-            (command == "pin" ? "Keeps these experts cached in layer L of every worker (or of W); pins win over "
-                                "popularity and persist in the coordinator's state file."
-                              : "Removes pins (the experts stay until placement replaces them).");
-  } else if (command == "drain" || command == "undrain") {
-    usage = globals + (command == "drain" ? " [--no-wait] [--wait-seconds N] SERVER\n" : " SERVER\n") +
-            (command == "drain" ? "Stops routing to an expert server, then waits until every worker stopped and its "
-                                  "in-flight work finished (exit 1 if that takes longer than --wait-seconds)."
-                                : "Routes to a drained expert server again.");
-  } else if (command == "policy") {
-    usage = globals + " get | set KEY=VALUE [KEY=VALUE ...]\nPolicy keys: half_life_seconds, placement "
-            "(per-worker|union), copy_budget_gbps, hysteresis_margin, copy_cost_hits, replicate_share, "
-            "rebalance_interval_seconds.";
-  }
-  moe::FlagSet flags(command.empty() ? "moectl" : "moectl " + command, usage);
-  flags.String("coordinator", &coordinator, "coordinator address, host:port, or unix:PATH (its --admin-socket)");
-  flags.Bool("insecure", &insecure,
+  std::vector<int> experts;       // --experts, parsed
+  std::vector<std::string> rest;  // positional arguments after the command
+};
+
+// The global flags and those of `inv->command`.
+void RegisterFlags(moe::FlagSet& flags, Invocation* inv) {
+  const std::string& command = inv->command;
+  flags.String("coordinator", &inv->coordinator, "coordinator address, host:port, or unix:PATH (its --admin-socket)");
+  flags.Bool("insecure", &inv->insecure,
              "plaintext gRPC (the coordinator runs with --insecure; mutations then need --insecure-admin there, "
              "or use --coordinator unix:PATH of its --admin-socket)");
-  flags.String("tls-ca", &tls_ca, "PEM CA bundle to verify the coordinator");
-  flags.String("tls-cert", &tls_cert, "PEM client certificate (mTLS)");
-  flags.String("tls-key", &tls_key, "PEM client key (mTLS)");
-  flags.String("tls-server-name", &tls_server_name, "TLS name to verify instead of the host");
-  flags.Bool("json", &json, "print the response as JSON (proto3 mapping, field names as in coordinator.proto)");
-  flags.Double("timeout-seconds", &timeout_seconds, "deadline of each call");
+  flags.String("tls-ca", &inv->tls_ca, "PEM CA bundle to verify the coordinator");
+  flags.String("tls-cert", &inv->tls_cert, "PEM client certificate (mTLS)");
+  flags.String("tls-key", &inv->tls_key, "PEM client key (mTLS)");
+  flags.String("tls-server-name", &inv->tls_server_name, "TLS name to verify instead of the host");
+  flags.Bool("json", &inv->json, "print the response as JSON (proto3 mapping, field names as in coordinator.proto)");
+  flags.Double("timeout-seconds", &inv->timeout_seconds, "deadline of each call");
   if (command == "popularity" || command == "pin" || command == "unpin") {
-    flags.Int("layer", &layer, "layer index (required)");
-    flags.String("worker", &worker, command == "popularity" ? "one worker's counts (default: all workers)"
-                                                            : "only this worker (default: every worker)");
+    flags.Int("layer", &inv->layer, "layer index (required)");
+    flags.String("worker", &inv->worker, command == "popularity" ? "one worker's counts (default: all workers)"
+                                                                 : "only this worker (default: every worker)");
   }
-  if (command == "popularity") flags.Int("top", &top, "show the N hottest (0 = all)");
-  if (command == "pin" || command == "unpin") flags.String("experts", &experts_text, "experts, e.g. 1,5,9 or 4-7 (required)");
-  if (command == "rebalance") flags.Bool("dry-run", &dry_run, "plan only: show the copies and the expected hit rate");
+  if (command == "popularity") flags.Int("top", &inv->top, "show the N hottest (0 = all)");
+  if (command == "pin" || command == "unpin")
+    flags.String("experts", &inv->experts_text, "experts, e.g. 1,5,9 or 4-7 (required)");
+  if (command == "rebalance") flags.Bool("dry-run", &inv->dry_run, "plan only: show the copies and the expected hit rate");
   if (command == "drain") {
-    flags.Bool("no-wait", &no_wait, "return once the drain is requested");
-    flags.Double("wait-seconds", &wait_seconds, "how long to wait for the drain to complete");
+    flags.Bool("no-wait", &inv->no_wait, "return once the drain is requested");
+    flags.Double("wait-seconds", &inv->wait_seconds, "how long to wait for the drain to complete");
   }
+}
+
+// After Parse: exits 2 with one line when the command's flags or arguments are wrong.
+void CheckFlags(const moe::FlagSet& flags, Invocation* inv) {
+  const std::string& command = inv->command;
+  if (!(inv->timeout_seconds > 0)) flags.Fail("--timeout-seconds must be > 0");
+  if (command == "popularity" || command == "pin" || command == "unpin") {
+    if (inv->layer < 0) flags.Fail("--layer is required (see --help)");
+    if (inv->top < 0) flags.Fail("--top must be >= 0");
+  }
+  if (command == "pin" || command == "unpin") {
+    if (inv->experts_text.empty()) flags.Fail("--experts is required (e.g. --experts 1,5,9)");
+    absl::StatusOr<std::vector<int>> e = moe::ParseIndexList(inv->experts_text, 1 << 20, "experts");
+    if (!e.ok()) flags.Fail(std::string(e.status().message()));
+    inv->experts = *e;
+  }
+  const bool takes_args = command == "drain" || command == "undrain" || command == "policy";
+  if (!takes_args && !inv->rest.empty()) flags.Fail(absl::StrCat("unexpected argument '", inv->rest[0], "'"));
+  if ((command == "drain" || command == "undrain") && inv->rest.size() != 1) flags.Fail("needs exactly one SERVER id");
+}
+
+// The admin stub on --coordinator; exits 2 when the TLS flags do not fit it.
+Context Connect(const moe::FlagSet& flags, const Invocation& inv) {
+  // The coordinator's --admin-socket is plaintext by nature: the kernel, not
+  // a certificate, tells the coordinator who is calling.
+  const bool unix_target = absl::StartsWith(inv.coordinator, "unix:");
+  if (unix_target && (!inv.tls_ca.empty() || !inv.tls_cert.empty() || !inv.tls_key.empty()))
+    flags.Fail("--coordinator unix:PATH is the admin socket (no TLS); drop --tls-ca/--tls-cert/--tls-key");
+  moe::TlsOptions tls{inv.tls_cert, inv.tls_key, inv.tls_ca, inv.insecure || unix_target, inv.tls_server_name};
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = moe::MakeChannel(inv.coordinator, 16u << 20, tls);
+  if (!channel.ok()) flags.Fail(std::string(channel.status().message()));
+  Context c;
+  c.command = inv.command;
+  c.stub = moe::v1::AdminService::NewStub(*channel);
+  c.timeout_seconds = inv.timeout_seconds;
+  c.json = inv.json;
+  c.tls_without_client_cert = !tls.insecure && inv.tls_cert.empty();
+  return c;
+}
+
+void Run(Context& c, const Invocation& inv) {
+  const std::string& command = inv.command;
+  if (command == "status") {
+    Status(c);
+  } else if (command == "popularity") {
+    Popularity(c, inv.layer, inv.top, inv.worker);
+  } else if (command == "rebalance") {
+    Rebalance(c, inv.dry_run);
+  } else if (command == "pin" || command == "unpin") {
+    Pin(c, command == "pin", inv.layer, inv.experts, inv.worker);
+  } else if (command == "drain" || command == "undrain") {
+    Drain(c, inv.rest[0], command == "undrain", !inv.no_wait, inv.wait_seconds);
+  } else if (command == "policy") {
+    Policy(c, inv.rest);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int at = FindCommand(argc, argv);
+  Invocation inv;
+  inv.command = at < 0 ? "" : argv[at];
+  const std::string& command = inv.command;
+  if (!command.empty() && std::find(kCommandNames.begin(), kCommandNames.end(), command) == kCommandNames.end())
+    Die("", absl::StrCat("unknown command '", command, "' (see moectl --help)"), 2);
+
+  moe::FlagSet flags(command.empty() ? "moectl" : "moectl " + command, UsageOf(command));
+  RegisterFlags(flags, &inv);
   std::vector<char*> args(argv, argv + argc);
   if (at > 0) args.erase(args.begin() + at);
-  std::vector<std::string> rest = flags.Parse(static_cast<int>(args.size()), args.data());
+  inv.rest = flags.Parse(static_cast<int>(args.size()), args.data());
   if (command.empty() || command == "help") {
     if (command.empty()) flags.Fail("no command (see moectl --help)");
     std::fputs(flags.HelpText().c_str(), stdout);
     return 0;
   }
-  if (!(timeout_seconds > 0)) flags.Fail("--timeout-seconds must be > 0");
-
-  std::vector<int> experts;
-  if (command == "popularity" || command == "pin" || command == "unpin") {
-    if (layer < 0) flags.Fail("--layer is required (see --help)");
-    if (top < 0) flags.Fail("--top must be >= 0");
-  }
-  if (command == "pin" || command == "unpin") {
-    if (experts_text.empty()) flags.Fail("--experts is required (e.g. --experts 1,5,9)");
-    absl::StatusOr<std::vector<int>> e = moe::ParseIndexList(experts_text, 1 << 20, "experts");
-    if (!e.ok()) flags.Fail(std::string(e.status().message()));
-    experts = *e;
-  }
-  const bool takes_args = command == "drain" || command == "undrain" || command == "policy";
-  if (!takes_args && !rest.empty()) flags.Fail(absl::StrCat("unexpected argument '", rest[0], "'"));
-  if ((command == "drain" || command == "undrain") && rest.size() != 1) flags.Fail("needs exactly one SERVER id");
-
-  // The coordinator's --admin-socket is plaintext by nature: the kernel, not
-  // a certificate, tells the coordinator who is calling.
-  const bool unix_target = absl::StartsWith(coordinator, "unix:");
-  if (unix_target && (!tls_ca.empty() || !tls_cert.empty() || !tls_key.empty()))
-    flags.Fail("--coordinator unix:PATH is the admin socket (no TLS); drop --tls-ca/--tls-cert/--tls-key");
-  moe::TlsOptions tls{tls_cert, tls_key, tls_ca, insecure || unix_target, tls_server_name};
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = moe::MakeChannel(coordinator, 16u << 20, tls);
-  if (!channel.ok()) flags.Fail(std::string(channel.status().message()));
-  Context c;
-  c.command = command;
-  c.stub = moe::v1::AdminService::NewStub(*channel);
-  c.timeout_seconds = timeout_seconds;
-  c.json = json;
-  c.tls_without_client_cert = !tls.insecure && tls_cert.empty();
-  if (command == "status") {
-    Status(c);
-  } else if (command == "popularity") {
-    Popularity(c, layer, top, worker);
-  } else if (command == "rebalance") {
-    Rebalance(c, dry_run);
-  } else if (command == "pin" || command == "unpin") {
-    Pin(c, command == "pin", layer, experts, worker);
-  } else if (command == "drain" || command == "undrain") {
-    Drain(c, rest[0], command == "undrain", !no_wait, wait_seconds);
-  } else if (command == "policy") {
-    Policy(c, rest);
-  }
+  CheckFlags(flags, &inv);
+  Context c = Connect(flags, inv);
+  Run(c, inv);
   return 0;
 }

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "core/transport/grpc_channel.h"
 #include "core/wire.h"
 
@@ -16,10 +17,8 @@ void SetDeadline(grpc::ClientContext* ctx, int timeout_ms) {
 
 absl::StatusOr<std::unique_ptr<WorkerClient>> WorkerClient::Connect(const std::string& address,
                                                                    const TlsOptions& tls) {
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> ch = MakeChannel(address, 512u << 20, tls);
-  if (!ch.ok()) return ch.status();
   auto c = std::unique_ptr<WorkerClient>(new WorkerClient());
-  c->channel_ = *std::move(ch);
+  MOE_ASSIGN_OR_RETURN(c->channel_, MakeChannel(address, 512u << 20, tls));
   c->stub_ = moe::v1::WorkerService::NewStub(c->channel_);
   return c;
 }

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 #include "grpcpp/server_posix.h"
 
 namespace moe {
@@ -15,10 +16,9 @@ absl::StatusOr<std::unique_ptr<AdminSocket>> AdminSocket::Start(const std::strin
                                                                grpc::Server* server, RoleAuthorizer* authorizer) {
   const bool others = std::any_of(uids.begin(), uids.end(), [](uid_t u) { return u != getuid(); });
   std::unique_ptr<AdminSocket> s(new AdminSocket(server, authorizer));
-  absl::StatusOr<std::unique_ptr<unix_socket::Listener>> l = unix_socket::Listener::Start(
-      path, others ? 0666 : 0600, [p = s.get()](int sock) { p->Accept(sock); }, SOCK_NONBLOCK);
-  if (!l.ok()) return l.status();
-  s->listener_ = *std::move(l);
+  MOE_ASSIGN_OR_RETURN(s->listener_, unix_socket::Listener::Start(
+                                         path, others ? 0666 : 0600, [p = s.get()](int sock) { p->Accept(sock); },
+                                         SOCK_NONBLOCK));
   return s;
 }
 

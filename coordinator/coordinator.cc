@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 
 namespace moe {
 
@@ -60,9 +61,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOpti
   if (!options.clock) options.clock = SteadySeconds;
   std::unique_ptr<Coordinator> c(new Coordinator(std::move(options)));
   if (!c->options_.state_file.empty()) {
-    absl::StatusOr<AdminState> st = LoadAdminState(c->options_.state_file);
-    if (!st.ok()) return st.status();
-    c->admin_ = *std::move(st);
+    MOE_ASSIGN_OR_RETURN(c->admin_, LoadAdminState(c->options_.state_file));
     for (const auto& [key, value] : c->admin_.policy) {
       absl::Status s = c->policy_.Set(key, value);
       if (!s.ok())
@@ -153,12 +152,12 @@ absl::Status Coordinator::CommitLocked(AdminState next) {
 // ---------------------------------------------------------------- registry
 
 absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(const moe::v1::RegisterWorkerRequest& req) {
-  if (absl::Status s = CheckId(req.worker_id(), "worker_id"); !s.ok()) return s;
-  if (absl::Status s = CheckGeometryFields(req.num_layers(), req.num_experts()); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(CheckId(req.worker_id(), "worker_id"));
+  MOE_RETURN_IF_ERROR(CheckGeometryFields(req.num_layers(), req.num_experts()));
   if (req.slots_per_layer() > req.num_experts())
     return absl::InvalidArgumentError(absl::StrCat("slots_per_layer: ", req.slots_per_layer(), " exceeds num_experts ",
                                                    req.num_experts()));
-  if (absl::Status s = CheckIndexes(req.cached_layers(), req.num_layers(), "cached_layers"); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(CheckIndexes(req.cached_layers(), req.num_layers(), "cached_layers"));
   std::vector<bool> seen_layer(req.num_layers(), false);
   for (int i = 0; i < req.current_size(); ++i) {
     const auto& la = req.current(i);
@@ -168,7 +167,7 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
           absl::StrCat(field, ".layer: ", la.layer(), " out of range [0, ", req.num_layers(), ")"));
     if (seen_layer[la.layer()]) return absl::InvalidArgumentError(absl::StrCat(field, ".layer: ", la.layer(), " listed twice"));
     seen_layer[la.layer()] = true;
-    if (absl::Status s = CheckIndexes(la.experts(), req.num_experts(), field + ".experts"); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(CheckIndexes(la.experts(), req.num_experts(), field + ".experts"));
     if (static_cast<uint32_t>(la.experts_size()) > req.slots_per_layer())
       return absl::InvalidArgumentError(absl::StrCat(field, ".experts: ", la.experts_size(), " experts for ",
                                                      req.slots_per_layer(), " slots"));
@@ -176,7 +175,7 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
   moe::v1::RegisterWorkerResponse resp;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status s = CheckGeometryLocked(req.num_layers(), req.num_experts()); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(CheckGeometryLocked(req.num_layers(), req.num_experts()));
     const bool known = registry_->FindWorker(req.worker_id()) != nullptr;
     resp.set_session(registry_->RegisterWorker(req, Now()));
     const WorkerEntry& w = *registry_->FindWorker(req.worker_id());
@@ -193,15 +192,15 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
 
 absl::StatusOr<moe::v1::RegisterExpertServerResponse> Coordinator::RegisterExpertServer(
     const moe::v1::RegisterExpertServerRequest& req) {
-  if (absl::Status s = CheckId(req.server_id(), "server_id"); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(CheckId(req.server_id(), "server_id"));
   if (req.address().empty()) return absl::InvalidArgumentError("address: must not be empty (host:port)");
-  if (absl::Status s = CheckGeometryFields(req.num_layers(), req.num_experts()); !s.ok()) return s;
-  if (absl::Status s = CheckIndexes(req.hosted_layers(), req.num_layers(), "hosted_layers"); !s.ok()) return s;
-  if (absl::Status s = CheckIndexes(req.hosted_experts(), req.num_experts(), "hosted_experts"); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(CheckGeometryFields(req.num_layers(), req.num_experts()));
+  MOE_RETURN_IF_ERROR(CheckIndexes(req.hosted_layers(), req.num_layers(), "hosted_layers"));
+  MOE_RETURN_IF_ERROR(CheckIndexes(req.hosted_experts(), req.num_experts(), "hosted_experts"));
   moe::v1::RegisterExpertServerResponse resp;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (absl::Status s = CheckGeometryLocked(req.num_layers(), req.num_experts()); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(CheckGeometryLocked(req.num_layers(), req.num_experts()));
     const bool draining = admin_.drains.count(req.server_id()) > 0;
     resp.set_session(registry_->RegisterServer(req, draining, Now()));
     resp.set_draining(draining);
@@ -277,25 +276,23 @@ absl::StatusOr<moe::v1::HeartbeatResponse> Coordinator::Heartbeat(const moe::v1:
     const double now = Now();
     if (!req.worker_id().empty()) {
       if (registry_ == nullptr) return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "' (register first)"));
-      absl::StatusOr<WorkerEntry*> w = registry_->Worker(req.worker_id(), req.session());
-      if (!w.ok()) return w.status();
-      if (absl::Status s = ValidateCounts(req.counts()); !s.ok()) return s;
-      if (!(*w)->up) LogInfo("coordinator", "worker ", req.worker_id(), " is back");
-      registry_->WorkerAlive(**w, now);
-      if (req.applied_version() > (*w)->acked && req.applied_version() <= (*w)->version)
-        (*w)->acked = req.applied_version();
+      MOE_ASSIGN_OR_RETURN(WorkerEntry* const w, registry_->Worker(req.worker_id(), req.session()));
+      MOE_RETURN_IF_ERROR(ValidateCounts(req.counts()));
+      if (!w->up) LogInfo("coordinator", "worker ", req.worker_id(), " is back");
+      registry_->WorkerAlive(*w, now);
+      if (req.applied_version() > w->acked && req.applied_version() <= w->version)
+        w->acked = req.applied_version();
       AddCountsLocked(req.worker_id(), req.counts(), now);
-      resp.set_latest_version((*w)->version);
+      resp.set_latest_version(w->version);
     } else {
       if (!req.counts().empty()) return absl::InvalidArgumentError("counts: only workers report counts");
       if (registry_ == nullptr) return absl::NotFoundError(absl::StrCat("server_id: unknown server '", req.server_id(), "' (register first)"));
-      absl::StatusOr<ServerEntry*> s = registry_->Server(req.server_id(), req.session());
-      if (!s.ok()) return s.status();
-      if (!(*s)->up) LogInfo("coordinator", "server ", req.server_id(), " is back");
-      registry_->ServerAlive(**s, now);
-      (*s)->inflight = req.inflight_requests();
-      resp.set_draining((*s)->draining);
-      resp.set_drained((*s)->drained);
+      MOE_ASSIGN_OR_RETURN(ServerEntry* const s, registry_->Server(req.server_id(), req.session()));
+      if (!s->up) LogInfo("coordinator", "server ", req.server_id(), " is back");
+      registry_->ServerAlive(*s, now);
+      s->inflight = req.inflight_requests();
+      resp.set_draining(s->draining);
+      resp.set_drained(s->drained);
     }
   }
   changed_.notify_all();
@@ -306,9 +303,8 @@ absl::Status Coordinator::ReportStats(const moe::v1::ReportStatsRequest& req) {
   std::lock_guard<std::mutex> lock(mu_);
   if (registry_ == nullptr)
     return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "' (register first)"));
-  absl::StatusOr<WorkerEntry*> w = registry_->Worker(req.worker_id(), req.session());
-  if (!w.ok()) return w.status();
-  if (absl::Status s = ValidateCounts(req.counts()); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(registry_->Worker(req.worker_id(), req.session()).status());
+  MOE_RETURN_IF_ERROR(ValidateCounts(req.counts()));
   AddCountsLocked(req.worker_id(), req.counts(), Now());
   return absl::OkStatus();
 }
@@ -318,9 +314,8 @@ absl::StatusOr<moe::v1::CacheAssignment> Coordinator::Snapshot(const std::string
   if (stopping_) return absl::UnavailableError("coordinator shutting down");
   if (registry_ == nullptr)
     return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", worker_id, "' (register first)"));
-  absl::StatusOr<WorkerEntry*> w = registry_->Worker(worker_id, session);
-  if (!w.ok()) return w.status();
-  return registry_->Snapshot(**w);
+  MOE_ASSIGN_OR_RETURN(WorkerEntry* const w, registry_->Worker(worker_id, session));
+  return registry_->Snapshot(*w);
 }
 
 absl::StatusOr<std::optional<moe::v1::CacheAssignment>> Coordinator::WaitForAssignment(
@@ -328,9 +323,8 @@ absl::StatusOr<std::optional<moe::v1::CacheAssignment>> Coordinator::WaitForAssi
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     if (stopping_) return absl::UnavailableError("coordinator shutting down");
-    absl::StatusOr<WorkerEntry*> w = registry_->Worker(worker_id, session);
-    if (!w.ok()) return w.status();
-    if ((*w)->version > after) return std::optional<moe::v1::CacheAssignment>(registry_->Delta(**w, after));
+    MOE_ASSIGN_OR_RETURN(WorkerEntry* const w, registry_->Worker(worker_id, session));
+    if (w->version > after) return std::optional<moe::v1::CacheAssignment>(registry_->Delta(*w, after));
     if (changed_.wait_until(lock, deadline) == std::cv_status::timeout) return std::nullopt;
   }
 }
@@ -362,10 +356,7 @@ bool Coordinator::PinsMissingLocked() const {
   return false;
 }
 
-moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_only, double now) {
-  moe::v1::RebalanceResponse resp;
-  resp.set_dry_run(dry_run);
-  if (registry_ == nullptr) return resp;
+PlacementProblem Coordinator::PlacementProblemLocked(bool pins_only, double now, std::vector<std::string>* ids) const {
   const int nl = registry_->num_layers();
   PlacementProblem p;
   p.num_layers = nl;
@@ -376,10 +367,9 @@ moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_
   p.params.replicate_share = policy_.replicate_share;
   for (int l = 0; l < nl; ++l) p.global_popularity.push_back(popularity_->global().Layer(l, now));
   const double round_seconds = policy_.rebalance_interval_seconds > 0 ? policy_.rebalance_interval_seconds : 1.0;
-  std::vector<std::string> ids;
   for (const auto& [id, w] : registry_->workers()) {
     if (!w.up) continue;
-    ids.push_back(id);
+    ids->push_back(id);
     WorkerPlacementState s;
     s.id = id;
     s.slots_per_layer = static_cast<int>(w.caps.slots_per_layer());
@@ -399,6 +389,15 @@ moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_
     }
     p.workers.push_back(std::move(s));
   }
+  return p;
+}
+
+moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_only, double now) {
+  moe::v1::RebalanceResponse resp;
+  resp.set_dry_run(dry_run);
+  if (registry_ == nullptr) return resp;
+  std::vector<std::string> ids;
+  const PlacementProblem p = PlacementProblemLocked(pins_only, now, &ids);
   const PlacementPlan plan = PlanPlacement(p);
   for (const PlannedMove& m : plan.moves) {
     moe::v1::PlannedCopy* c = resp.add_copies();
@@ -435,21 +434,26 @@ moe::v1::RebalanceResponse Coordinator::RebalanceLocked(bool dry_run, bool pins_
   }
   if (!dry_run) {
     if (!pins_only) ++rebalances_;
-    // Rounds run several times a second: one log line per kLogEvery at most.
-    unlogged_.rounds += pins_only ? 0 : 1;
-    unlogged_.copies += plan.moves.size();
-    unlogged_.bytes += total_bytes;
-    unlogged_.updates += updated;
-    if (unlogged_.copies > 0 && (pins_only || now - last_round_log_ >= kRoundLogSeconds)) {
-      LogInfo("coordinator", pins_only ? "pins placed; " : "", "placement: ", unlogged_.copies, " copies (",
-              unlogged_.bytes, " bytes) in ", unlogged_.updates, " assignments over ", unlogged_.rounds,
-              " rounds; last: expected hit rate ", plan.hit_rate_before_all, " -> ", plan.hit_rate_after_all,
-              ", union coverage ", plan.coverage_before, " -> ", plan.coverage_after);
-      unlogged_ = {};
-      last_round_log_ = now;
-    }
+    LogRoundLocked(plan, pins_only, total_bytes, updated, now);
   }
   return resp;
+}
+
+void Coordinator::LogRoundLocked(const PlacementPlan& plan, bool pins_only, uint64_t bytes, size_t updated,
+                                 double now) {
+  // Rounds run several times a second: one log line per kRoundLogSeconds at most.
+  unlogged_.rounds += pins_only ? 0 : 1;
+  unlogged_.copies += plan.moves.size();
+  unlogged_.bytes += bytes;
+  unlogged_.updates += updated;
+  if (unlogged_.copies > 0 && (pins_only || now - last_round_log_ >= kRoundLogSeconds)) {
+    LogInfo("coordinator", pins_only ? "pins placed; " : "", "placement: ", unlogged_.copies, " copies (",
+            unlogged_.bytes, " bytes) in ", unlogged_.updates, " assignments over ", unlogged_.rounds,
+            " rounds; last: expected hit rate ", plan.hit_rate_before_all, " -> ", plan.hit_rate_after_all,
+            ", union coverage ", plan.coverage_before, " -> ", plan.coverage_after);
+    unlogged_ = {};
+    last_round_log_ = now;
+  }
 }
 
 void Coordinator::Tick() {
@@ -633,7 +637,7 @@ absl::StatusOr<moe::v1::PinResponse> Coordinator::Pin(const moe::v1::PinRequest&
       return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer(),
                                                      " is not an MoE layer of any registered worker or server"));
     if (req.experts().empty()) return absl::InvalidArgumentError("experts: must not be empty");
-    if (absl::Status s = CheckIndexes(req.experts(), ne, "experts"); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(CheckIndexes(req.experts(), ne, "experts"));
     if (!req.worker_id().empty() && registry_->FindWorker(req.worker_id()) == nullptr)
       return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "'"));
     AdminState next = admin_;
@@ -660,7 +664,7 @@ absl::StatusOr<moe::v1::PinResponse> Coordinator::Pin(const moe::v1::PinRequest&
                                                          " slots of worker ", id));
       }
     }
-    if (absl::Status s = CommitLocked(std::move(next)); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(CommitLocked(std::move(next)));
     std::string list;
     for (uint32_t e : req.experts()) absl::StrAppend(&list, list.empty() ? "" : ",", e);
     LogInfo("coordinator", pin ? "pin" : "unpin", " layer ", req.layer(), " experts ", list, " on ",
@@ -690,11 +694,11 @@ absl::StatusOr<moe::v1::PolicyParameters> Coordinator::SetPolicy(const moe::v1::
   CoordinatorPolicy next_policy = policy_;
   AdminState next = admin_;
   for (const auto& [key, value] : req.values()) {
-    if (absl::Status s = next_policy.Set(key, value); !s.ok()) return s;
+    MOE_RETURN_IF_ERROR(next_policy.Set(key, value));
   }
   const std::map<std::string, std::string> text = next_policy.ToMap();
   for (const auto& [key, value] : req.values()) next.policy[key] = text.at(key);
-  if (absl::Status s = CommitLocked(std::move(next)); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(CommitLocked(std::move(next)));
   if (popularity_ != nullptr && next_policy.half_life_seconds != policy_.half_life_seconds)
     popularity_->SetHalfLife(next_policy.half_life_seconds, Now());
   policy_ = next_policy;
@@ -728,7 +732,7 @@ absl::StatusOr<moe::v1::DrainResponse> Coordinator::Drain(const moe::v1::DrainRe
       } else {
         next.drains.erase(req.server_id());
       }
-      if (absl::Status st = CommitLocked(std::move(next)); !st.ok()) return st;
+      MOE_RETURN_IF_ERROR(CommitLocked(std::move(next)));
       registry_->SetDraining(*s, draining);
       LogInfo("coordinator", draining ? "drain " : "undrain ", req.server_id(),
               draining ? ": no longer routed; waiting for workers and in-flight work" : ": routed again");

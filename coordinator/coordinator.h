@@ -86,6 +86,11 @@ class Coordinator {
                        const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts, double now);
   // One placement round over the live workers. pins_only: nothing but pins moves.
   moe::v1::RebalanceResponse RebalanceLocked(bool dry_run, bool pins_only, double now);
+  // The placement problem of the live workers at `now`; `ids` gets their ids
+  // in the order of PlacementProblem::workers.
+  PlacementProblem PlacementProblemLocked(bool pins_only, double now, std::vector<std::string>* ids) const;
+  // Logs a placement round (at most one line per kRoundLogSeconds, pin rounds always).
+  void LogRoundLocked(const PlacementPlan& plan, bool pins_only, uint64_t bytes, size_t updated, double now);
   bool PinsMissingLocked() const;
   std::vector<int> PinsOfLocked(const std::string& worker, int layer) const;
   // Writes `next` to the state file, then makes it the admin state.

@@ -183,7 +183,11 @@ const std::vector<double>& PlacementValues(const PlacementProblem& p, int worker
   return p.global_popularity[layer];
 }
 
-PlacementPlan PlanPlacement(const PlacementProblem& p) {
+namespace {
+
+// The plan before any move: every worker's resident sets, sorted, and the
+// rates and coverage they give.
+PlacementPlan CurrentPlacement(const PlacementProblem& p) {
   const int nw = static_cast<int>(p.workers.size());
   PlacementPlan plan;
   plan.sets.resize(nw);
@@ -198,103 +202,130 @@ PlacementPlan PlanPlacement(const PlacementProblem& p) {
   plan.bytes.assign(nw, 0);
   Rates(p, plan.sets, &plan.hit_rate_before, &plan.hit_rate_before_all);
   plan.coverage_before = Coverage(p, plan.sets);
+  return plan;
+}
 
+// The moves worth making in layer `l` of worker `w` against `plan.sets`, in
+// the order they would be taken: pins, then newcomers by value, each
+// replacing the least worth resident (or a free slot) while its extra
+// expected hits beat the copy cost plus the hysteresis margin. `union_target`
+// is the layer's target set for w in union mode (ignored otherwise).
+void LayerCandidates(const PlacementProblem& p, const PlacementPlan& plan, int w, int l,
+                     const std::vector<int>& union_target, std::vector<Candidate>* candidates, int* order) {
+  const int nw = static_cast<int>(p.workers.size());
+  const WorkerPlacementState& ws = p.workers[w];
+  const bool union_mode = p.params.mode == PlacementMode::kUnion;
+  const double margin = p.params.hysteresis_margin, cost = p.params.copy_cost_hits;
+  const std::vector<double>& values = union_mode ? p.global_popularity[l] : PlacementValues(p, w, l);
+  const std::vector<int>& held = plan.sets[w][l];
+  const std::vector<int> pins = EffectivePins(ws, l, values);
+  std::vector<int> target;
+  if (union_mode) {
+    target = union_target;
+  } else {
+    target = pins;
+    for (int e : Ranked(values, held)) {
+      if (static_cast<int>(target.size()) >= ws.slots_per_layer) break;
+      if (!Contains(target, e)) target.push_back(e);
+    }
+  }
+  // A resident's worth to this worker: 0 in union mode when another worker holds it too.
+  auto worth = [&](int e) {
+    if (union_mode) {
+      for (int o = 0; o < nw; ++o) {
+        if (o != w && Contains(plan.sets[o][l], e)) return 0.0;
+      }
+    }
+    return values[e];
+  };
+  std::vector<int> incoming;
+  for (int e : pins) {
+    if (!Contains(held, e)) incoming.push_back(e);
+  }
+  std::vector<int> rest;
+  for (int e : target) {
+    if (!Contains(held, e) && !Contains(pins, e)) rest.push_back(e);
+  }
+  std::sort(rest.begin(), rest.end(), [&](int a, int b) { return values[a] != values[b] ? values[a] > values[b] : a < b; });
+  incoming.insert(incoming.end(), rest.begin(), rest.end());
+  std::vector<int> victims;
+  for (int e : held) {
+    if (!Contains(target, e) && !Contains(pins, e)) victims.push_back(e);
+  }
+  std::vector<double> victim_worth(p.num_experts, 0.0);
+  for (int e : victims) victim_worth[e] = worth(e);
+  std::sort(victims.begin(), victims.end(), [&](int a, int b) {
+    return victim_worth[a] != victim_worth[b] ? victim_worth[a] < victim_worth[b] : a < b;
+  });
+  int free_slots = ws.slots_per_layer - static_cast<int>(held.size());
+  size_t next_victim = 0;
+  for (int c : incoming) {
+    const bool pinned = Contains(pins, c);
+    int victim = -1;
+    double victim_value = 0;
+    if (free_slots <= 0) {
+      if (next_victim >= victims.size()) break;
+      victim = victims[next_victim];
+      victim_value = victim_worth[victim];
+    }
+    if (!pinned && !(values[c] - victim_value > cost + margin * victim_value)) break;
+    if (victim >= 0) {
+      ++next_victim;
+    } else {
+      --free_slots;
+    }
+    candidates->push_back({PlannedMove{w, l, c, victim, values[c] - victim_value, pinned}, (*order)++});
+  }
+}
+
+// Applies worker `w`'s candidates to `plan` within its copy budget: pins
+// first, then by gain; a layer whose next move does not fit takes no more.
+void AcceptMoves(const PlacementProblem& p, int w, std::vector<Candidate> candidates, PlacementPlan* plan) {
+  const WorkerPlacementState& ws = p.workers[w];
+  // Pins first, then by gain; equal gains keep their layer order, so each
+  // layer's accepted moves are a prefix of its candidates.
+  std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
+    if (a.move.pinned != b.move.pinned) return a.move.pinned;
+    return a.move.gain > b.move.gain;
+  });
+  std::vector<bool> layer_closed(p.num_layers, false);
+  for (const Candidate& c : candidates) {
+    const PlannedMove& m = c.move;
+    if (layer_closed[m.layer]) continue;
+    if (!m.pinned && ws.budget_bytes != kUnlimitedBudget && plan->bytes[w] + ws.expert_bytes > ws.budget_bytes) {
+      layer_closed[m.layer] = true;
+      continue;
+    }
+    std::vector<int>& s = plan->sets[w][m.layer];
+    if (m.evicted >= 0) s.erase(std::find(s.begin(), s.end(), m.evicted));
+    s.push_back(m.expert);
+    plan->bytes[w] += ws.expert_bytes;
+    plan->moves.push_back(m);
+  }
+  for (auto& s : plan->sets[w]) std::sort(s.begin(), s.end());
+}
+
+}  // namespace
+
+PlacementPlan PlanPlacement(const PlacementProblem& p) {
+  const int nw = static_cast<int>(p.workers.size());
+  PlacementPlan plan = CurrentPlacement(p);
   const bool union_mode = p.params.mode == PlacementMode::kUnion;
   std::vector<std::vector<std::vector<int>>> union_targets;  // [layer][worker]
   if (union_mode) {
     for (int l = 0; l < p.num_layers; ++l) union_targets.push_back(UnionTargets(p, l, plan.sets));
   }
-  const double margin = p.params.hysteresis_margin, cost = p.params.copy_cost_hits;
-
+  static const std::vector<int> kNoTarget;
   for (int w = 0; w < nw; ++w) {
     const WorkerPlacementState& ws = p.workers[w];
     if (ws.frozen) continue;
     std::vector<Candidate> candidates;
+    int order = 0;
     for (int l = 0; l < p.num_layers; ++l) {
       if (!Caches(ws, l)) continue;
-      const std::vector<double>& values = union_mode ? p.global_popularity[l] : PlacementValues(p, w, l);
-      const std::vector<int>& held = plan.sets[w][l];
-      const std::vector<int> pins = EffectivePins(ws, l, values);
-      std::vector<int> target;
-      if (union_mode) {
-        target = union_targets[l][w];
-      } else {
-        target = pins;
-        for (int e : Ranked(values, held)) {
-          if (static_cast<int>(target.size()) >= ws.slots_per_layer) break;
-          if (!Contains(target, e)) target.push_back(e);
-        }
-      }
-      // A resident's worth to this worker: 0 in union mode when another worker holds it too.
-      auto worth = [&](int e) {
-        if (union_mode) {
-          for (int o = 0; o < nw; ++o) {
-            if (o != w && Contains(plan.sets[o][l], e)) return 0.0;
-          }
-        }
-        return values[e];
-      };
-      std::vector<int> incoming;
-      for (int e : pins) {
-        if (!Contains(held, e)) incoming.push_back(e);
-      }
-      std::vector<int> rest;
-      for (int e : target) {
-        if (!Contains(held, e) && !Contains(pins, e)) rest.push_back(e);
-      }
-      std::sort(rest.begin(), rest.end(), [&](int a, int b) { return values[a] != values[b] ? values[a] > values[b] : a < b; });
-      incoming.insert(incoming.end(), rest.begin(), rest.end());
-      std::vector<int> victims;
-      for (int e : held) {
-        if (!Contains(target, e) && !Contains(pins, e)) victims.push_back(e);
-      }
-      std::vector<double> victim_worth(p.num_experts, 0.0);
-      for (int e : victims) victim_worth[e] = worth(e);
-      std::sort(victims.begin(), victims.end(), [&](int a, int b) {
-        return victim_worth[a] != victim_worth[b] ? victim_worth[a] < victim_worth[b] : a < b;
-      });
-      int free_slots = ws.slots_per_layer - static_cast<int>(held.size());
-      size_t next_victim = 0;
-      int order = 0;
-      for (int c : incoming) {
-        const bool pinned = Contains(pins, c);
-        int victim = -1;
-        double victim_value = 0;
-        if (free_slots <= 0) {
-          if (next_victim >= victims.size()) break;
-          victim = victims[next_victim];
-          victim_value = victim_worth[victim];
-        }
-        if (!pinned && !(values[c] - victim_value > cost + margin * victim_value)) break;
-        if (victim >= 0) {
-          ++next_victim;
-        } else {
-          --free_slots;
-        }
-        candidates.push_back({PlannedMove{w, l, c, victim, values[c] - victim_value, pinned}, order++});
-      }
+      LayerCandidates(p, plan, w, l, union_mode ? union_targets[l][w] : kNoTarget, &candidates, &order);
     }
-    // Pins first, then by gain; equal gains keep their layer order, so each
-    // layer's accepted moves are a prefix of its candidates.
-    std::stable_sort(candidates.begin(), candidates.end(), [](const Candidate& a, const Candidate& b) {
-      if (a.move.pinned != b.move.pinned) return a.move.pinned;
-      return a.move.gain > b.move.gain;
-    });
-    std::vector<bool> layer_closed(p.num_layers, false);
-    for (const Candidate& c : candidates) {
-      const PlannedMove& m = c.move;
-      if (layer_closed[m.layer]) continue;
-      if (!m.pinned && ws.budget_bytes != kUnlimitedBudget && plan.bytes[w] + ws.expert_bytes > ws.budget_bytes) {
-        layer_closed[m.layer] = true;
-        continue;
-      }
-      std::vector<int>& s = plan.sets[w][m.layer];
-      if (m.evicted >= 0) s.erase(std::find(s.begin(), s.end(), m.evicted));
-      s.push_back(m.expert);
-      plan.bytes[w] += ws.expert_bytes;
-      plan.moves.push_back(m);
-    }
-    for (auto& s : plan.sets[w]) std::sort(s.begin(), s.end());
+    AcceptMoves(p, w, std::move(candidates), &plan);
   }
   Rates(p, plan.sets, &plan.hit_rate_after, &plan.hit_rate_after_all);
   plan.coverage_after = Coverage(p, plan.sets);

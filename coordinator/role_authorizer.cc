@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/status_macros.h"
 
 namespace moe {
 
@@ -75,8 +76,8 @@ void AuthorizationPolicy::Register(FlagSet& flags) {
 }
 
 absl::Status AuthorizationPolicy::Finish() {
-  if (absl::Status st = ParseList(admin_text_, "admin-identities", &admin); !st.ok()) return st;
-  if (absl::Status st = ParseList(worker_text_, "worker-identities", &worker); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(ParseList(admin_text_, "admin-identities", &admin));
+  MOE_RETURN_IF_ERROR(ParseList(worker_text_, "worker-identities", &worker));
   return ParseList(server_text_, "server-identities", &server);
 }
 

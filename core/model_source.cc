@@ -50,7 +50,7 @@ class SyntheticSource final : public ModelSource {
   const ModelSpec& spec() const override { return spec_; }
   std::string Describe() const override { return absl::StrCat(text_, " (generated in memory)"); }
   absl::Status ReadExpert(int layer, int expert, ExpertWeights* out) const override {
-    if (absl::Status st = CheckExpertIndex(spec_, layer, expert); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(CheckExpertIndex(spec_, layer, expert));
     out->Resize(spec_);
     const int H = spec_.hidden, I = spec_.intermediate;
     GenerateExpertMatrix(uri_.seed, layer, expert, Projection::kGate, I, H, out->gate.data());
@@ -257,7 +257,7 @@ class CheckpointSource final : public ModelSource {
     return absl::StrCat("checkpoint ", dir_, " (", ckpt_->num_tensors(), " tensors)");
   }
   absl::Status ReadExpert(int layer, int expert, ExpertWeights* out) const override {
-    if (absl::Status st = CheckExpertIndex(spec_, layer, expert); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(CheckExpertIndex(spec_, layer, expert));
     out->Resize(spec_);
     if (auto it = fused_.find(layer); it != fused_.end()) return ReadFused(it->second, layer, expert, out);
     const int64_t H = spec_.hidden, I = spec_.intermediate;
@@ -278,7 +278,7 @@ class CheckpointSource final : public ModelSource {
   absl::Status ReadFused(const FusedExperts& f, int layer, int expert, ExpertWeights* out) const {
     const size_t H = spec_.hidden, I = spec_.intermediate, e = static_cast<size_t>(expert);
     std::vector<bf16_t> slab(2 * I * H);
-    if (absl::Status st = ToBf16(*f.gate_up, e * 2 * I * H, slab.size(), slab.data()); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(ToBf16(*f.gate_up, e * 2 * I * H, slab.size(), slab.data()));
     if (!f.x_times_w) {  // [2I, H]: gate rows then up rows, already [I,H] each
       std::copy(slab.begin(), slab.begin() + I * H, out->gate.begin());
       std::copy(slab.begin() + I * H, slab.end(), out->up.begin());
@@ -291,15 +291,15 @@ class CheckpointSource final : public ModelSource {
         }
     }
     if (!f.x_times_w) {  // [H, I] as is
-      if (absl::Status st = ToBf16(*f.down, e * H * I, H * I, out->down.data()); !st.ok()) return st;
+      MOE_RETURN_IF_ERROR(ToBf16(*f.down, e * H * I, H * I, out->down.data()));
     } else {  // [I, H] -> [H, I]
       slab.resize(I * H);
-      if (absl::Status st = ToBf16(*f.down, e * I * H, I * H, slab.data()); !st.ok()) return st;
+      MOE_RETURN_IF_ERROR(ToBf16(*f.down, e * I * H, I * H, slab.data()));
       for (size_t i = 0; i < I; ++i)
         for (size_t h = 0; h < H; ++h) out->down[h * I + i] = slab[i * H + h];
     }
     for (auto [v, what] : {std::pair{&out->gate, "gate"}, std::pair{&out->up, "up"}, std::pair{&out->down, "down"}})
-      if (absl::Status st = CheckFinite(*v, layer, expert, what); !st.ok()) return st;
+      MOE_RETURN_IF_ERROR(CheckFinite(*v, layer, expert, what));
     return absl::OkStatus();
   }
 
@@ -317,19 +317,18 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
     return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": config.json is not valid JSON"));
   absl::StatusOr<ModelSpec> spec = ModelSpecFromConfig(config);
   if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", std::string(spec.status().message())));
-  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir);
-  if (!ckpt.ok()) return ckpt.status();
+  MOE_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir));
   // The tensors are the truth for which layers have experts (dense layers have none).
   // Per-expert tensors, or fused 3-D ones (FusedExperts).
   std::vector<int> moe_layers;
   std::map<int, FusedExperts> fused;
   for (int l = 0; l < spec->num_layers; ++l) {
-    if ((*ckpt)->Find(PrimaryTensorName(spec->quant, ExpertTensorName(spec->naming, l, 0, Projection::kGate))) !=
-        nullptr) {
+    const std::string gate = ExpertTensorName(spec->naming, l, 0, Projection::kGate);
+    if (ckpt->Find(PrimaryTensorName(spec->quant, gate)) != nullptr) {
       moe_layers.push_back(l);
       continue;
     }
-    absl::StatusOr<std::optional<FusedExperts>> f = FindFused(**ckpt, *spec, l);
+    absl::StatusOr<std::optional<FusedExperts>> f = FindFused(*ckpt, *spec, l);
     if (!f.ok()) return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", f.status().message()));
     if (f->has_value()) {
       if (spec->quant.scheme != WeightQuant::kNone)
@@ -348,7 +347,7 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
     LogWarning("model", "config.json implies ", spec->moe_layers.size(), " MoE layers, checkpoint has ",
                moe_layers.size(), "; using the checkpoint's");
   spec->moe_layers = std::move(moe_layers);
-  return std::unique_ptr<ModelSource>(new CheckpointSource(*std::move(spec), *std::move(ckpt), dir, std::move(fused)));
+  return std::unique_ptr<ModelSource>(new CheckpointSource(*std::move(spec), std::move(ckpt), dir, std::move(fused)));
 }
 
 }  // namespace
@@ -361,11 +360,9 @@ std::unique_ptr<ModelSource> MakeSyntheticSource(const ModelSpec& spec, uint64_t
 
 absl::StatusOr<std::unique_ptr<ModelSource>> OpenModel(const std::string& uri) {
   if (IsSyntheticUri(uri)) {
-    absl::StatusOr<SyntheticModelUri> u = ParseSyntheticUri(uri);
-    if (!u.ok()) return u.status();
-    absl::StatusOr<ModelSpec> spec = u->Spec();
-    if (!spec.ok()) return spec.status();
-    return std::unique_ptr<ModelSource>(new SyntheticSource(*std::move(spec), *u, uri));
+    MOE_ASSIGN_OR_RETURN(SyntheticModelUri u, ParseSyntheticUri(uri));
+    MOE_ASSIGN_OR_RETURN(ModelSpec spec, u.Spec());
+    return std::unique_ptr<ModelSource>(new SyntheticSource(std::move(spec), u, uri));
   }
   return OpenCheckpoint(uri);
 }

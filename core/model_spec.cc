@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace moe {
@@ -71,18 +72,11 @@ absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config) {
   ModelSpec s;
   s.model_type = config.value("model_type", std::string("unknown"));
   s.naming = NamingForModelType(s.model_type);
-  absl::StatusOr<int> v;
-  if (!(v = GetInt(config, {"num_hidden_layers"})).ok()) return v.status();
-  s.num_layers = *v;
-  if (!(v = GetInt(config, {"n_routed_experts", "num_experts", "num_local_experts"})).ok())
-    return v.status();
-  s.num_experts = *v;
-  if (!(v = GetInt(config, {"num_experts_per_tok"})).ok()) return v.status();
-  s.top_k = *v;
-  if (!(v = GetInt(config, {"hidden_size"})).ok()) return v.status();
-  s.hidden = *v;
-  if (!(v = GetInt(config, {"moe_intermediate_size", "intermediate_size"})).ok()) return v.status();
-  s.intermediate = *v;
+  MOE_ASSIGN_OR_RETURN(s.num_layers, GetInt(config, {"num_hidden_layers"}));
+  MOE_ASSIGN_OR_RETURN(s.num_experts, GetInt(config, {"n_routed_experts", "num_experts", "num_local_experts"}));
+  MOE_ASSIGN_OR_RETURN(s.top_k, GetInt(config, {"num_experts_per_tok"}));
+  MOE_ASSIGN_OR_RETURN(s.hidden, GetInt(config, {"hidden_size"}));
+  MOE_ASSIGN_OR_RETURN(s.intermediate, GetInt(config, {"moe_intermediate_size", "intermediate_size"}));
   const std::string dtype = config.value("torch_dtype", std::string("bfloat16"));
   s.dtype = dtype == "float32" ? DType::kF32 : dtype == "float16" ? DType::kF16 : DType::kBF16;
   absl::StatusOr<QuantConfig> quant = QuantConfigFromJson(config);
@@ -105,7 +99,7 @@ absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config) {
                                                           : (l + 1) % freq == 0;
     if (sparse) s.moe_layers.push_back(l);
   }
-  if (absl::Status st = s.Validate(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(s.Validate());
   return s;
 }
 

@@ -2,6 +2,8 @@
 
 #include <vector>
 
+#include "core/status_macros.h"
+
 namespace moe {
 
 absl::StatusOr<std::shared_ptr<const ExpertWeights>> ReferenceMoe::Weights(int layer, int expert) {
@@ -11,7 +13,7 @@ absl::StatusOr<std::shared_ptr<const ExpertWeights>> ReferenceMoe::Weights(int l
     if (it != cache_.end()) return it->second;
   }
   auto w = std::make_shared<ExpertWeights>();
-  if (absl::Status st = source_.ReadExpert(layer, expert, w.get()); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(source_.ReadExpert(layer, expert, w.get()));
   std::lock_guard<std::mutex> lock(mu_);
   return cache_.emplace(std::make_pair(layer, expert), std::move(w)).first->second;
 }
@@ -30,9 +32,8 @@ absl::Status ReferenceMoe::Forward(int layer, int n, const bf16_t* x, const Rout
       const int e = routing.ids[static_cast<size_t>(t) * routing.k + j];
       if (e < 0) continue;
       const Acc w = routing.weights[static_cast<size_t>(t) * routing.k + j];
-      absl::StatusOr<std::shared_ptr<const ExpertWeights>> ew = Weights(layer, e);
-      if (!ew.ok()) return ew.status();
-      const ExpertWeights& W = **ew;
+      MOE_ASSIGN_OR_RETURN(std::shared_ptr<const ExpertWeights> ew, Weights(layer, e));
+      const ExpertWeights& W = *ew;
       for (int i = 0; i < I; ++i) {
         Acc g = 0, u = 0;
         const bf16_t* gr = W.gate.data() + static_cast<size_t>(i) * H;

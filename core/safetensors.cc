@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace moe {
@@ -130,7 +131,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     f->size_ = static_cast<size_t>(st.st_size);
     ::madvise(p, f->size_, MADV_WILLNEED);
   }
-  if (absl::Status s = f->Parse(); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(f->Parse());
   return f;
 }
 
@@ -267,9 +268,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   }
   if (paths.empty()) return absl::NotFoundError(absl::StrCat(dir, ": no safetensors files"));
   for (const fs::path& p : paths) {
-    absl::StatusOr<std::unique_ptr<SafetensorsFile>> f = SafetensorsFile::Open(p.string());
-    if (!f.ok()) return f.status();
-    for (const TensorInfo& t : (*f)->tensors()) {
+    MOE_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> f, SafetensorsFile::Open(p.string()));
+    for (const TensorInfo& t : f->tensors()) {
       if (auto [it, inserted] = ckpt->by_name_.emplace(t.name, &t); !inserted) {
         auto owner = std::find_if(ckpt->files_.begin(), ckpt->files_.end(),
                                   [&](const auto& g) { return g->Find(t.name) != nullptr; });
@@ -277,7 +277,7 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
                                                        (*owner)->path(), " and ", p.string()));
       }
     }
-    ckpt->files_.push_back(*std::move(f));
+    ckpt->files_.push_back(std::move(f));
   }
   return ckpt;
 }

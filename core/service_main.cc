@@ -5,10 +5,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/transport/grpc_channel.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
 
 namespace moe {
 
@@ -42,6 +46,14 @@ std::string BindFailure(const std::string& listen) {
   return failure;
 }
 
+sigset_t TerminationSignals() {
+  sigset_t term;
+  sigemptyset(&term);
+  sigaddset(&term, SIGTERM);
+  sigaddset(&term, SIGINT);
+  return term;
+}
+
 }  // namespace
 
 std::string LoopbackListen(int port) { return absl::StrCat("127.0.0.1:", port); }
@@ -62,13 +74,31 @@ absl::StatusOr<ListeningServer> StartGrpcServer(grpc::ServerBuilder& builder, co
   return s;
 }
 
+void ListeningServer::Stop(std::chrono::seconds drain) {
+  server->Shutdown(std::chrono::system_clock::now() + drain);
+  server->Wait();
+}
+
+absl::StatusOr<ListeningServer> ServeGrpc(const GrpcServeOptions& options) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  for (grpc::Service* service : options.services) builder.RegisterService(service);
+  ConfigureServerBuilder(builder, options.max_message_bytes);
+  return StartGrpcServer(builder, options.listen, options.credentials);
+}
+
 sigset_t BlockTerminationSignals() {
-  sigset_t term;
-  sigemptyset(&term);
-  sigaddset(&term, SIGTERM);
-  sigaddset(&term, SIGINT);
+  sigset_t term = TerminationSignals();
   pthread_sigmask(SIG_BLOCK, &term, nullptr);
   return term;
+}
+
+int WaitForTerminationSignal() {
+  const sigset_t term = TerminationSignals();
+  int sig = 0;
+  sigwait(&term, &sig);
+  return sig;
 }
 
 std::string BoundAddress(const std::string& listen, int port) {
@@ -109,6 +139,14 @@ absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpoint(const st
   if (!m.ok()) return absl::Status(m.status().code(), absl::StrCat("--metrics-port: ", m.status().message()));
   LogInfo(component, "serving metrics on http://", flags.metrics_address, ":", (*m)->port(), "/metrics");
   return m;
+}
+
+void AnnounceReady(const std::string& binary, const std::string& address, const ServiceFlags& flags,
+                   const MetricsHttpServer* metrics) {
+  std::printf("%s ready on %s\n", binary.c_str(), address.c_str());
+  if (metrics != nullptr)
+    std::printf("%s metrics on %s:%d\n", binary.c_str(), flags.metrics_address.c_str(), metrics->port());
+  std::fflush(stdout);
 }
 
 }  // namespace moe

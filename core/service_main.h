@@ -1,15 +1,19 @@
 // The few steps every server binary's main() shares (moe-expert-server,
 // moe-gpu-worker, moe-coordinator): the TLS and metrics flags, blocking
-// termination signals so main can sigwait for them, starting the gRPC
-// listener on a port no other process shares, the address actually bound,
-// and the optional /metrics endpoint. Call from main() only.
+// termination signals and waiting for one, the one gRPC server bootstrap
+// (health, reflection, message limits, a listener on a port no other process
+// shares), the address actually bound, the optional /metrics endpoint and the
+// "ready" lines scripts wait for. Call from main() only (or from a server
+// class main() owns, such as ExpertServer).
 #pragma once
 
 #include <signal.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/flags.h"
@@ -41,7 +45,24 @@ struct ListeningServer {
   std::unique_ptr<grpc::Server> server;
   int port = 0;
   std::string address;  // `listen` with the bound port
+
+  // Stops taking calls, lets open ones finish for up to `drain` (then cancels
+  // them) and waits until the server is idle.
+  void Stop(std::chrono::seconds drain);
 };
+
+// What ServeGrpc serves, where, and how.
+struct GrpcServeOptions {
+  std::string listen;  // host:port; port 0 picks a free one
+  std::shared_ptr<grpc::ServerCredentials> credentials;  // MakeServerCredentials(ServiceFlags::tls)
+  uint64_t max_message_bytes = 0;  // see ConfigureServerBuilder
+  std::vector<grpc::Service*> services;  // not owned; must outlive the server
+};
+
+// The gRPC bootstrap of every server binary: `services` plus
+// grpc.health.v1.Health and server reflection, with the message limits of
+// ConfigureServerBuilder, started by StartGrpcServer (same errors).
+absl::StatusOr<ListeningServer> ServeGrpc(const GrpcServeOptions& options);
 
 // Adds `listen` to `builder` with SO_REUSEPORT off (gRPC turns it on by
 // default, which lets a second process bind the same port and take half the
@@ -51,8 +72,13 @@ absl::StatusOr<ListeningServer> StartGrpcServer(grpc::ServerBuilder& builder, co
                                                 const std::shared_ptr<grpc::ServerCredentials>& creds);
 
 // Blocks SIGTERM and SIGINT in this thread and every thread it starts later;
-// main waits for them with sigwait(&set, &sig).
+// main waits for them with WaitForTerminationSignal (or sigwait(&set, &sig)).
+// Call before starting any thread.
 sigset_t BlockTerminationSignals();
+
+// Waits until SIGTERM or SIGINT (blocked by BlockTerminationSignals) arrives;
+// returns the signal number.
+int WaitForTerminationSignal();
 
 // "host:port" of a listen address whose port was 0, with the port bound.
 std::string BoundAddress(const std::string& listen, int port);
@@ -61,5 +87,11 @@ std::string BoundAddress(const std::string& listen, int port);
 // Unavailable when the port cannot be bound. Logs the endpoint under `component`.
 absl::StatusOr<std::unique_ptr<MetricsHttpServer>> StartMetricsEndpoint(const std::string& component,
                                                                        const ServiceFlags& flags);
+
+// Prints the lines scripts and tests wait for on stdout and flushes it:
+// "BINARY ready on ADDRESS" and, when `metrics` is set, "BINARY metrics on
+// METRICS-ADDRESS:PORT" (the chosen port when --metrics-port was 0).
+void AnnounceReady(const std::string& binary, const std::string& address, const ServiceFlags& flags,
+                   const MetricsHttpServer* metrics);
 
 }  // namespace moe

@@ -11,6 +11,7 @@
 #include "absl/strings/str_split.h"
 #include "core/quantization.h"
 #include "core/safetensors.h"
+#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace moe {
@@ -141,7 +142,7 @@ void GenerateExpertMatrix(uint64_t seed, int layer, int expert, Projection proj,
 
 absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& spec, uint64_t seed,
                                       size_t max_shard_bytes) {
-  if (absl::Status st = spec.Validate(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(spec.Validate());
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", dir, ": ", ec.message()));

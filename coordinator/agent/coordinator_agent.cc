@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 #include "core/transport/grpc_channel.h"
 #include "core/wire.h"
 #include "moe/v1/coordinator.grpc.pb.h"
@@ -378,11 +379,10 @@ absl::StatusOr<std::unique_ptr<CoordinatorAgent>> CoordinatorAgent::Start(const 
     if (l < 0 || l >= reg.num_layers)
       return absl::InvalidArgumentError(absl::StrCat("cached_layers: ", l, " out of range [0, ", reg.num_layers, ")"));
   }
-  if (absl::Status s = CheckOptions(options); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(coordinator_address, kMaxMessageBytes, tls);
-  if (!channel.ok()) return channel.status();
+  MOE_RETURN_IF_ERROR(CheckOptions(options));
+  MOE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(coordinator_address, kMaxMessageBytes, tls));
   return std::unique_ptr<CoordinatorAgent>(new CoordinatorAgent(
-      std::make_unique<Impl>(coordinator_address, *channel, reg, std::move(on_assignment), options)));
+      std::make_unique<Impl>(coordinator_address, channel, reg, std::move(on_assignment), options)));
 }
 
 CoordinatorAgent::CoordinatorAgent(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -488,11 +488,10 @@ absl::StatusOr<std::unique_ptr<ExpertServerAgent>> ExpertServerAgent::Start(
   if (reg.address.empty()) return absl::InvalidArgumentError("address: must not be empty");
   if (reg.num_layers <= 0 || reg.num_experts <= 0)
     return absl::InvalidArgumentError("num_layers, num_experts: must be > 0");
-  if (absl::Status s = CheckOptions(options); !s.ok()) return s;
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(coordinator_address, kMaxMessageBytes, tls);
-  if (!channel.ok()) return channel.status();
+  MOE_RETURN_IF_ERROR(CheckOptions(options));
+  MOE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, MakeChannel(coordinator_address, kMaxMessageBytes, tls));
   return std::unique_ptr<ExpertServerAgent>(new ExpertServerAgent(
-      std::make_unique<Impl>(coordinator_address, *channel, reg, std::move(inflight), options)));
+      std::make_unique<Impl>(coordinator_address, channel, reg, std::move(inflight), options)));
 }
 
 ExpertServerAgent::ExpertServerAgent(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}

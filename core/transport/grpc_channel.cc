@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "openssl/bio.h"
 #include "openssl/evp.h"
 #include "openssl/pem.h"
@@ -60,42 +61,34 @@ absl::Status CheckNoConflict(const TlsOptions& tls) {
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsOptions& tls) {
-  if (absl::Status st = CheckNoConflict(tls); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(CheckNoConflict(tls));
   if (tls.insecure) return grpc::InsecureChannelCredentials();
   if (tls.ca_file.empty())
     return absl::InvalidArgumentError("--tls-ca is required to verify the server (or ask for --insecure)");
   grpc::SslCredentialsOptions o;
-  absl::StatusOr<std::string> ca = ReadPem(tls.ca_file, "--tls-ca");
-  if (!ca.ok()) return ca.status();
-  o.pem_root_certs = *ca;
+  MOE_ASSIGN_OR_RETURN(o.pem_root_certs, ReadPem(tls.ca_file, "--tls-ca"));
   if (!tls.cert_file.empty() || !tls.key_file.empty()) {
-    absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "--tls-cert");
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadPem(tls.key_file, "--tls-key");
-    if (!key.ok()) return key.status();
-    if (absl::Status st = CheckKeyMatchesCertificate(tls, *cert, *key); !st.ok()) return st;
-    o.pem_cert_chain = *cert;
-    o.pem_private_key = *key;
+    MOE_ASSIGN_OR_RETURN(std::string cert, ReadPem(tls.cert_file, "--tls-cert"));
+    MOE_ASSIGN_OR_RETURN(std::string key, ReadPem(tls.key_file, "--tls-key"));
+    MOE_RETURN_IF_ERROR(CheckKeyMatchesCertificate(tls, cert, key));
+    o.pem_cert_chain = cert;
+    o.pem_private_key = key;
   }
   return grpc::SslCredentials(o);
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsOptions& tls) {
-  if (absl::Status st = CheckNoConflict(tls); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(CheckNoConflict(tls));
   if (tls.insecure) return grpc::InsecureServerCredentials();
   if (tls.cert_file.empty() || tls.key_file.empty())
     return absl::InvalidArgumentError("--tls-cert and --tls-key are required (or ask for --insecure)");
-  absl::StatusOr<std::string> cert = ReadPem(tls.cert_file, "--tls-cert");
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPem(tls.key_file, "--tls-key");
-  if (!key.ok()) return key.status();
-  if (absl::Status st = CheckKeyMatchesCertificate(tls, *cert, *key); !st.ok()) return st;
+  MOE_ASSIGN_OR_RETURN(std::string cert, ReadPem(tls.cert_file, "--tls-cert"));
+  MOE_ASSIGN_OR_RETURN(std::string key, ReadPem(tls.key_file, "--tls-key"));
+  MOE_RETURN_IF_ERROR(CheckKeyMatchesCertificate(tls, cert, key));
   grpc::SslServerCredentialsOptions o(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
-  o.pem_key_cert_pairs.push_back({*key, *cert});
+  o.pem_key_cert_pairs.push_back({key, cert});
   if (!tls.ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPem(tls.ca_file, "--tls-ca");
-    if (!ca.ok()) return ca.status();
-    o.pem_root_certs = *ca;
+    MOE_ASSIGN_OR_RETURN(o.pem_root_certs, ReadPem(tls.ca_file, "--tls-ca"));
     o.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(o);
@@ -142,9 +135,8 @@ grpc::ChannelArguments MakeChannelArguments(uint64_t max_message_bytes, const Tl
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
                                                            uint64_t max_message_bytes,
                                                            const TlsOptions& tls) {
-  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds = MakeChannelCredentials(tls);
-  if (!creds.ok()) return creds.status();
-  return grpc::CreateCustomChannel(address, *creds, MakeChannelArguments(max_message_bytes, tls));
+  MOE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds, MakeChannelCredentials(tls));
+  return grpc::CreateCustomChannel(address, creds, MakeChannelArguments(max_message_bytes, tls));
 }
 
 }  // namespace moe

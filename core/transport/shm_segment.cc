@@ -13,6 +13,7 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -91,7 +92,7 @@ absl::StatusOr<Segment> Segment::Create(void* base, size_t bytes, uint32_t hidde
                                         uint32_t max_pairs, uint32_t num_slots) {
   if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kAlign != 0)
     return absl::InvalidArgumentError("segment: base must be non-null and 64-byte aligned");
-  if (absl::Status s = ValidateGeometryArgs(hidden, max_tokens, max_pairs, num_slots); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(ValidateGeometryArgs(hidden, max_tokens, max_pairs, num_slots));
   const SegmentGeometry g = Geometry(hidden, max_tokens, max_pairs, num_slots);
   if (bytes < g.total_bytes)
     return absl::InvalidArgumentError(
@@ -264,7 +265,7 @@ void WriteResponseStatus(const SlotView& s, const absl::Status& status) {
 
 absl::Status ValidateRequestSlot(const Segment& seg, uint32_t slot, int num_experts, int num_layers,
                                  ValidatedRequest* out, const std::function<bool(int)>& hosted) {
-  if (absl::Status s = seg.ValidateSlotIndex(slot); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(seg.ValidateSlotIndex(slot));
   const SegmentGeometry& g = seg.geometry();
   const SlotView v = seg.slot(slot);
   const uint64_t request_id = ReadOnce(v.header->request_id);
@@ -288,7 +289,7 @@ absl::Status ValidateRequestSlot(const Segment& seg, uint32_t slot, int num_expe
 }
 
 absl::Status ValidateResponseSlot(const Segment& seg, uint32_t slot, ValidatedResponse* out) {
-  if (absl::Status s = seg.ValidateSlotIndex(slot); !s.ok()) return s;
+  MOE_RETURN_IF_ERROR(seg.ValidateSlotIndex(slot));
   const SlotHeader& h = *seg.slot(slot).header;
   const int32_t code = ReadOnce(h.status_code);
   const uint32_t len = ReadOnce(h.message_len);

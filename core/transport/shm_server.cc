@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 #include "core/transport/shm_segment.h"
 #include "core/transport/unix_socket.h"
 
@@ -39,10 +40,8 @@ absl::StatusOr<std::unique_ptr<ShmServer>> ShmServer::Start(Options o, ShmHandle
   // the socket and admit them by SO_PEERCRED, which is the check that counts.
   const bool others = std::any_of(o.allowed_uids.begin(), o.allowed_uids.end(), [](uid_t u) { return u != getuid(); });
   std::unique_ptr<ShmServer> s(new ShmServer(std::move(o), std::move(handler)));
-  absl::StatusOr<std::unique_ptr<unix_socket::Listener>> l =
-      unix_socket::Listener::Start(s->opt_.socket_path, others ? 0666 : 0660, [p = s.get()](int sock) { p->Accept(sock); });
-  if (!l.ok()) return l.status();
-  s->listener_ = *std::move(l);
+  MOE_ASSIGN_OR_RETURN(s->listener_, unix_socket::Listener::Start(s->opt_.socket_path, others ? 0666 : 0660,
+                                                                 [p = s.get()](int sock) { p->Accept(sock); }));
   return s;
 }
 
@@ -115,12 +114,11 @@ absl::Status ShmServer::Handshake(Connection* c) {
   // Read the hello before any refusal: closing a Unix socket with unread data
   // resets it, and the client would see ECONNRESET instead of our reason.
   ShmHello hello{};
-  if (absl::Status st = unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr,
-                                                  static_cast<int>(opt_.handshake_timeout.count())); !st.ok()) return st;
-  absl::StatusOr<uid_t> uid = unix_socket::PeerUid(c->sock);
-  if (!uid.ok()) return uid.status();
-  if (std::find(opt_.allowed_uids.begin(), opt_.allowed_uids.end(), *uid) == opt_.allowed_uids.end())
-    return refuse(absl::PermissionDeniedError(absl::StrCat("uid ", *uid, " is not allowed on this socket")));
+  MOE_RETURN_IF_ERROR(unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr,
+                                           static_cast<int>(opt_.handshake_timeout.count())));
+  MOE_ASSIGN_OR_RETURN(const uid_t uid, unix_socket::PeerUid(c->sock));
+  if (std::find(opt_.allowed_uids.begin(), opt_.allowed_uids.end(), uid) == opt_.allowed_uids.end())
+    return refuse(absl::PermissionDeniedError(absl::StrCat("uid ", uid, " is not allowed on this socket")));
   if (hello.magic != kShmHelloMagic || hello.version != kShmProtocolVersion)
     return refuse(absl::InvalidArgumentError("hello: bad magic or protocol version"));
   if (static_cast<int>(hello.hidden) != opt_.hidden)

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace moe::unix_socket {
 
@@ -31,8 +32,7 @@ absl::StatusOr<sockaddr_un> Address(const std::string& path) {
 }  // namespace
 
 absl::StatusOr<int> Listen(const std::string& path, mode_t mode) {
-  absl::StatusOr<sockaddr_un> addr = Address(path);
-  if (!addr.ok()) return addr.status();
+  MOE_ASSIGN_OR_RETURN(const sockaddr_un addr, Address(path));
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return Errno("socket");
   struct stat st;
@@ -57,7 +57,7 @@ absl::StatusOr<int> Listen(const std::string& path, mode_t mode) {
   // Create the socket file with no permissions for others from the start; a
   // concurrent starter that wins the race makes our bind fail (EADDRINUSE).
   const mode_t old = umask(0177);
-  const int rc = bind(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr));
+  const int rc = bind(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr));
   umask(old);
   if (rc != 0) {
     close(fd);
@@ -84,11 +84,10 @@ void UnlinkIfOwn(const std::string& path, const SocketFileId& id) {
 }
 
 absl::StatusOr<int> Connect(const std::string& path) {
-  absl::StatusOr<sockaddr_un> addr = Address(path);
-  if (!addr.ok()) return addr.status();
+  MOE_ASSIGN_OR_RETURN(const sockaddr_un addr, Address(path));
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return Errno("socket");
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0) {
     absl::Status st = Errno(absl::StrCat("connect ", path));
     close(fd);
     return st;
@@ -187,12 +186,9 @@ absl::StatusOr<std::unique_ptr<Listener>> Listener::Start(const std::string& pat
   l->path_ = path;
   l->on_accept_ = std::move(on_accept);
   l->flags_ = SOCK_CLOEXEC | extra_flags;
-  absl::StatusOr<int> fd = Listen(path, mode);
-  if (!fd.ok()) return fd.status();
-  l->listen_fd_ = *fd;
-  absl::StatusOr<SocketFileId> id = FileId(path);
-  if (!id.ok()) return id.status();  // ~Listener closes the socket (and leaves a file it cannot identify)
-  l->file_ = *id;
+  MOE_ASSIGN_OR_RETURN(l->listen_fd_, Listen(path, mode));
+  // On failure ~Listener closes the socket (and leaves a file it cannot identify).
+  MOE_ASSIGN_OR_RETURN(l->file_, FileId(path));
   if (pipe2(l->wake_fd_, O_CLOEXEC) != 0) return Errno("pipe2");
   l->acceptor_ = std::thread([p = l.get()] { p->AcceptLoop(); });
   return l;
