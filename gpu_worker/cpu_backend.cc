@@ -77,14 +77,9 @@ class CpuBackend final : public DeviceBackend {
       return absl::InvalidArgumentError("backend config: negative sizes");
     config_ = c;
     const ExpertGeometry g = ExpertGeometry::For(c.hidden, c.intermediate);
-    if (absl::Status st = buffers_.Allocate(g, c.num_buffers); !st.ok()) return st;
-    absl::StatusOr<std::unique_ptr<ExpertKernel>> kernel =
-        MakeExpertKernel(c.cpu_kernel, CpuFeatures::Get());
-    if (!kernel.ok()) return kernel.status();
-    kernel_ = *std::move(kernel);
-    absl::StatusOr<std::unique_ptr<NumaBinding>> binding = NumaBinding::Create("auto", c.cpu_threads);
-    if (!binding.ok()) return binding.status();
-    binding_ = *std::move(binding);
+    MOE_RETURN_IF_ERROR(buffers_.Allocate(g, c.num_buffers));
+    MOE_ASSIGN_OR_RETURN(kernel_, MakeExpertKernel(c.cpu_kernel, CpuFeatures::Get()));
+    MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create("auto", c.cpu_threads));
     pool_ = std::make_unique<ComputePool>(*binding_);
     executor_ = std::make_unique<MoeExecutor>(buffers_, *kernel_, *pool_);
     contexts_.resize(c.contexts);
@@ -114,7 +109,7 @@ class CpuBackend final : public DeviceBackend {
   absl::Status WaitCompute(uint64_t) override { return absl::OkStatus(); }
 
   absl::Status BeginCall(int c, int T, const bf16_t* hidden, MemoryKind kind) override {
-    if (absl::Status st = CheckCall(c, T); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(CheckCall(c, T));
     if (kind != MemoryKind::kHost)
       return absl::InvalidArgumentError("hidden: the cpu backend has no device memory");
     Context& ctx = contexts_[c];

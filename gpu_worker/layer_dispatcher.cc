@@ -47,10 +47,8 @@ absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, in
   const std::string opt = text.substr(hash + 1);
   if (opt.rfind("experts=", 0) != 0)
     return absl::InvalidArgumentError("servers: unknown option '" + opt + "' (expected experts=LIST)");
-  absl::StatusOr<std::vector<int>> experts = ParseIndexList(opt.substr(8), num_experts, "servers");
-  if (!experts.ok()) return experts.status();
-  if (experts->empty()) return absl::InvalidArgumentError("servers: empty expert list in '" + text + "'");
-  s.experts = *std::move(experts);
+  MOE_ASSIGN_OR_RETURN(s.experts, ParseIndexList(opt.substr(8), num_experts, "servers"));
+  if (s.experts.empty()) return absl::InvalidArgumentError("servers: empty expert list in '" + text + "'");
   return s;
 }
 
@@ -183,7 +181,7 @@ absl::StatusOr<std::unique_ptr<LayerDispatcher>> LayerDispatcher::Create(const M
   d->host_ = host;
   d->config_ = std::move(config);
   d->impl_ = std::make_unique<Impl>();
-  if (absl::Status st = d->Init(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(d->Init());
   return d;
 }
 
@@ -487,7 +485,7 @@ absl::Status LayerDispatcher::ConnectServer(size_t index) {
   auto [base, bytes] = (*t)->HostMapping();
   if (base != nullptr) {
     // shm: gather straight into the segment's slots, read partials from them.
-    if (absl::Status st = backend_->RegisterHost(base, bytes); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(backend_->RegisterHost(base, bytes));
     s.registered = true;
     s.chunk_tokens = config_.transport.max_tokens_per_slot;
   } else {
@@ -515,7 +513,7 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
   // calls already enqueued on the engine's stream.
   PublishSlotMap(layer);
   if (impl_->planned_stream != nullptr)
-    if (absl::Status st = backend_->WaitStream(impl_->planned_stream); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(backend_->WaitStream(impl_->planned_stream));
   const uint64_t after = backend_->RecordCompute();
   for (size_t i = 0; i < copies.size(); ++i) {
     absl::StatusOr<uint64_t> f =
@@ -560,9 +558,8 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
       return absl::InvalidArgumentError(absl::StrCat("pinned: expert ", e, " of layer ", layer, " is not in the assignment"));
   cache_->SetPinned(layer, pinned);
   if (admission_ == nullptr) {
-    absl::StatusOr<std::vector<SlotCopy>> copies = cache_->Assign(layer, experts);
-    if (!copies.ok()) return copies.status();
-    return StartSlotCopies(layer, *copies);
+    MOE_ASSIGN_OR_RETURN(const std::vector<SlotCopy> copies, cache_->Assign(layer, experts));
+    return StartSlotCopies(layer, copies);
   }
   // predictive: the assignment is the long-horizon placement the admissions
   // work inside. Its newcomers take the slots of the experts it dropped (or
@@ -594,9 +591,8 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
     const bool is_new = std::find(previous.begin(), previous.end(), e) == previous.end();
     // Evicted by admissions: back only into an empty slot (pins always come back).
     if (!is_new && !cache_->pinned(layer, e) && held[free_slots[next]] >= 0) continue;
-    absl::StatusOr<SlotCopy> copy = cache_->Replace(layer, free_slots[next++], e);
-    if (!copy.ok()) return copy.status();
-    copies.push_back(*copy);
+    MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache_->Replace(layer, free_slots[next++], e));
+    copies.push_back(copy);
   }
   // A pin still not resident (no free slot was left) takes the slot of an
   // unpinned expert, one outside the assignment (an admission) first.
@@ -612,9 +608,8 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
         victim = s;
       }
     if (victim < 0) break;  // every slot pinned or loading: the next assignment retries
-    absl::StatusOr<SlotCopy> copy = cache_->Replace(layer, victim, e);
-    if (!copy.ok()) return copy.status();
-    copies.push_back(*copy);
+    MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache_->Replace(layer, victim, e));
+    copies.push_back(copy);
   }
   previous = experts;
   return StartSlotCopies(layer, copies);
@@ -1068,9 +1063,8 @@ absl::Status LayerDispatcher::ComputeShipmentOnDevice(int ticket, const ServerBa
 }
 
 absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
-  absl::StatusOr<int> ticket = Submit(call);
-  if (!ticket.ok()) return ticket.status();
-  return Complete(*ticket, stats);
+  MOE_ASSIGN_OR_RETURN(const int ticket, Submit(call));
+  return Complete(ticket, stats);
 }
 
 // ---------------------------------------------------------------------------
