@@ -368,7 +368,7 @@ class Benchmark {
   std::unique_ptr<ExpertStore> LoadStore(const ModelSource& source, int layer, int experts, double* seconds);
   // Relative L2 error of the executor's f32 output against ReferenceMoe<double>
   // on token rows `rows` of `batch`; records FAIL above kMaxError.
-  std::string Check(MoeExecutor& ex, ReferenceMoe& ref, const ForwardBatch& batch, int H,
+  std::string Check(MoeExecutor& ex, ReferenceMoe& ref, const MoeBatch& batch, int H,
                     std::vector<int> rows, const std::string& what);
   // Fills the derived columns of r (FLOPs, weight bytes) and keeps it.
   void Add(Result r, const ModelSpec& spec, double pairs, double distinct);
@@ -431,7 +431,7 @@ std::unique_ptr<ExpertStore> Benchmark::LoadStore(const ModelSource& source, int
   return store;
 }
 
-std::string Benchmark::Check(MoeExecutor& ex, ReferenceMoe& ref, const ForwardBatch& batch, int H,
+std::string Benchmark::Check(MoeExecutor& ex, ReferenceMoe& ref, const MoeBatch& batch, int H,
                              std::vector<int> rows, const std::string& what) {
   std::sort(rows.begin(), rows.end());
   rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
@@ -513,7 +513,7 @@ void Benchmark::PerExpertCases(const std::string& shape, const ModelSpec& spec, 
     base.tokens = m;
     std::vector<int32_t> ids(m, 0);
     const std::vector<float> weights(m, 1.0f);
-    const ForwardBatch batch{layer, m, tokens.data(), RoutingView{m, 1, ids.data(), weights.data()}};
+    const MoeBatch batch{layer, m, tokens.data(), RoutingView{m, 1, ids.data(), weights.data()}};
     out.resize(static_cast<size_t>(m) * H);
     for (size_t i = 0; i < kernels_.size(); ++i) {
       if (std::string(kernels_[i]->name()) == "reference" && m > kReferenceMaxTokens) continue;
@@ -624,7 +624,7 @@ void Benchmark::WholeLayerCases(const ModelSpec& spec, DnnlExpert& dnnl, const s
       pairs += groups.total_pairs / double(variants);
       distinct += groups.num_groups() / double(variants);
     }
-    std::vector<ForwardBatch> batches;
+    std::vector<MoeBatch> batches;
     for (const Routing& r : c.routings) batches.push_back({layer, n, tokens.data(), r.view()});
     out.resize(static_cast<size_t>(n) * spec.hidden);
     Result base;

@@ -270,7 +270,7 @@ class Bench {
           buf.Upload(ids, hid.data(), hid.size() * sizeof(int32_t));
           buf.Upload(w, hw.data(), hw.size() * sizeof(float));
           const Clock::time_point m0 = Clock::now();
-          Check(d->Forward(LayerCall{layer, T, k, x, ids, w, h, kind, {}}, &st[0]), "forward");
+          Check(d->Forward(LayerCall{MoeBatch{layer, T, x, RoutingView{T, k, ids, w}}, h, kind, {}}, &st[0]), "forward");
           layer_moe = Sec(m0);
         } else {
           // Micro-batch A's misses go out, then B's attention and hits run meanwhile.
@@ -280,13 +280,13 @@ class Bench {
           buf.Upload(ids, hid.data(), hid.size() * sizeof(int32_t));
           buf.Upload(w, hw.data(), hw.size() * sizeof(float));
           const Clock::time_point m0 = Clock::now();
-          const int ta = Value(d->Submit(LayerCall{layer, TA, k, x, ids, w, h, kind, {}}), "submit A");
+          const int ta = Value(d->Submit(LayerCall{MoeBatch{layer, TA, x, RoutingView{TA, k, ids, w}}, h, kind, {}}), "submit A");
           layer_moe += Sec(m0);
           Check(attn->Run(li, TB, pos.data() + TA, h + offB, x + offB, ids + offBk, w + offBk), "attention B");
           buf.Upload(ids + offBk, hid.data() + offBk, static_cast<size_t>(TB) * k * sizeof(int32_t));
           buf.Upload(w + offBk, hw.data() + offBk, static_cast<size_t>(TB) * k * sizeof(float));
           const Clock::time_point m1 = Clock::now();
-          const int tb = Value(d->Submit(LayerCall{layer, TB, k, x + offB, ids + offBk, w + offBk, h + offB, kind, {}}), "submit B");
+          const int tb = Value(d->Submit(LayerCall{MoeBatch{layer, TB, x + offB, RoutingView{TB, k, ids + offBk, w + offBk}}, h + offB, kind, {}}), "submit B");
           Check(d->Complete(ta, &st[0]), "complete A");
           Check(d->Complete(tb, &st[1]), "complete B");
           layer_moe += Sec(m1);

@@ -71,7 +71,7 @@ void RawSocketEcho(int fd) {
   spec.num_layers = kLayers;
   spec.num_experts = kExperts;
   spec.hidden = kHidden;
-  auto echo = [](const moe::ForwardBatch& b, moe::DType, void* out, moe::ForwardStats*) {
+  auto echo = [](const moe::MoeBatch& b, moe::DType, void* out, moe::ForwardStats*) {
     std::memcpy(out, b.tokens, size_t(b.n) * kHidden * 2);
     return absl::OkStatus();
   };
@@ -90,7 +90,7 @@ void RawSocketEcho(int fd) {
   so.num_layers = kLayers;
   so.num_experts = kExperts;
   so.max_slot_tokens = kMaxTokens;
-  auto shm = moe::ShmServer::Start(so, [](const moe::MissBatch& b, moe::bf16_t* out) {
+  auto shm = moe::ShmServer::Start(so, [](const moe::MoeBatch& b, moe::bf16_t* out) {
     std::memcpy(out, b.tokens, size_t(b.n) * kHidden * 2);
     return absl::OkStatus();
   });
@@ -225,7 +225,7 @@ int main(int argc, char** argv) {
     std::printf("| %d | %zu | memcpy | %.2f | %.2f | %.2f | 0 | - |\n", n, req_bytes, floor.p50, floor.p99, floor.mean);
     std::printf("| %d | %zu | unix-socket | %.2f | %.2f | %.2f | %.2f | 0 |\n", n, req_bytes, socket_floor.p50,
                 socket_floor.p99, socket_floor.mean, socket_floor.p50 - floor.p50);
-    const moe::MissBatch batch{1, n, kTopK, x.data(), ids.data(), w.data()};
+    const moe::MoeBatch batch{1, n, x.data(), moe::RoutingView{n, kTopK, ids.data(), w.data()}};
     for (Named& tr : transports) {
       lat.clear();
       const auto spin = tr.polling ? std::chrono::microseconds(2000) : std::chrono::microseconds(200);  // 200: AwaitResult's default
@@ -233,7 +233,7 @@ int main(int argc, char** argv) {
         const auto t0 = std::chrono::steady_clock::now();
         absl::Status st;
         if (tr.staged) {
-          absl::StatusOr<moe::StagedBatch> s = tr.t->Stage(n, kTopK, t0 + std::chrono::seconds(10));
+          absl::StatusOr<moe::StagingArea> s = tr.t->Stage(n, kTopK, t0 + std::chrono::seconds(10));
           if (!s.ok()) { st = s.status(); } else {
             // A producer writes straight into the slot (here from host memory; a GPU would DMA).
             std::memcpy(s->tokens, x.data(), x.size() * 2);
@@ -285,7 +285,7 @@ int main(int argc, char** argv) {
           std::vector<moe::bf16_t> out(x.size());
           while (std::chrono::steady_clock::now() < end) {
             const auto t0 = std::chrono::steady_clock::now();
-            auto f = tr.t->Submit(moe::MissBatch{1, n, kTopK, x.data(), ids.data(), w.data()}, out.data(),
+            auto f = tr.t->Submit(moe::MoeBatch{1, n, x.data(), moe::RoutingView{n, kTopK, ids.data(), w.data()}}, out.data(),
                                   t0 + std::chrono::seconds(10));
             if (!moe::AwaitResult(f, caller_spin).ok()) { ok = false; return; }
             lats[c].push_back(Us(std::chrono::steady_clock::now() - t0));

@@ -1,10 +1,12 @@
 #include "cpu_compute/moe_executor.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace moe {
 
@@ -42,7 +44,7 @@ void* MoeExecutor::Buffer::Reserve(size_t bytes) {
 MoeExecutor::MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool)
     : store_(store), kernel_(kernel), pool_(pool) {}
 
-absl::Status MoeExecutor::Validate(const ForwardBatch& b) const {
+absl::Status MoeExecutor::Validate(const MoeBatch& b) const {
   if (!store_.HostsLayer(b.layer))
     return absl::InvalidArgumentError(
         absl::StrCat("layer: ", b.layer, " is not an MoE layer hosted by this server"));
@@ -56,35 +58,73 @@ absl::Status MoeExecutor::Validate(const ForwardBatch& b) const {
                          [this](int e) { return store_.HostsExpert(e); });
 }
 
-absl::Status MoeExecutor::Forward(const ForwardBatch& b, DType out_dtype, void* out,
-                                  ForwardStats* stats) {
-  if (absl::Status st = Validate(b); !st.ok()) return st;
+namespace {
+absl::Status CheckOutputDType(DType out_dtype) {
   if (out_dtype != DType::kBF16 && out_dtype != DType::kF32)
     return absl::InvalidArgumentError("output_dtype: must be BF16 or F32");
-  const ExpertGeometry& g = store_.geometry();
-  const int H = g.H;
+  return absl::OkStatus();
+}
+
+// Groups as Run needs them: consistent arrays, each group on an aligned row
+// and clear of the next one's (the kernels write up to a whole row block),
+// row tokens in [-1, n).
+absl::Status CheckGroups(const ExpertGroups& gr, int n, int align) {
+  const size_t ng = gr.expert.size();
+  if (gr.row_begin.size() != ng || gr.count.size() != ng || gr.total_rows < 0 ||
+      gr.token.size() < static_cast<size_t>(gr.total_rows) || gr.weight.size() < static_cast<size_t>(gr.total_rows))
+    return absl::InvalidArgumentError("groups: inconsistent array sizes");
+  int64_t free_row = 0;
+  for (size_t g = 0; g < ng; ++g) {
+    const int64_t begin = gr.row_begin[g], count = gr.count[g];
+    if (begin < free_row || begin % align != 0 || count < 0 || begin + count > gr.total_rows)
+      return absl::InvalidArgumentError(absl::StrCat("groups: group ", g, " (rows ", begin, "+", count,
+                                                     ") overlaps, is misaligned (", align,
+                                                     ") or exceeds ", gr.total_rows, " rows"));
+    free_row = begin + (count + align - 1) / align * align;
+  }
+  for (int32_t r = 0; r < gr.total_rows; ++r)
+    if (gr.token[r] < -1 || gr.token[r] >= n)
+      return absl::InvalidArgumentError(absl::StrCat("groups: row ", r, " has token ", gr.token[r], " of ", n));
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out, ForwardStats* stats) {
+  MOE_RETURN_IF_ERROR(Validate(b));
+  MOE_RETURN_IF_ERROR(CheckOutputDType(out_dtype));
   const uint64_t t_queue = NowNs();
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t t_start = NowNs();
-
   GroupByExpert(b.routing, store_.num_experts(), kernel_.row_block(), &groups_);
-  const int ngroups = groups_.num_groups();
-  weights_.resize(ngroups);
-  for (int i = 0; i < ngroups; ++i) weights_[i] = store_.Find(b.layer, groups_.expert[i]);
+  return RunLocked(b.layer, b.n, b.tokens, groups_, nullptr, out_dtype, out, stats, t_queue, t_start);
+}
 
-  // Gate/up work units, split over threads by estimated cost (weights streamed
-  // plus rows computed), contiguous so each thread streams whole panels.
+absl::Status MoeExecutor::Run(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
+                              const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats) {
+  MOE_RETURN_IF_ERROR(CheckOutputDType(out_dtype));
+  if (n < 0) return absl::InvalidArgumentError("tokens: negative token count");
+  MOE_RETURN_IF_ERROR(CheckGroups(groups, n, kernel_.row_block()));
+  const uint64_t t_queue = NowNs();
+  std::lock_guard<std::mutex> lock(mu_);
+  return RunLocked(layer, n, tokens, groups, store_expert, out_dtype, out, stats, t_queue, NowNs());
+}
+
+// Gate/up work units, split over threads by estimated cost (weights streamed
+// plus rows computed), contiguous so each thread streams whole panels.
+void MoeExecutor::PlanUnits(const ExpertGroups& groups) {
+  const ExpertGeometry& g = store_.geometry();
+  const int ngroups = groups.num_groups();
   units_.clear();
   std::vector<int64_t>& cost = cost_;
   cost.clear();
   int64_t total_cost = 0;
   const int T = pool_.size();
   int64_t row_chunks = 0;
-  for (int i = 0; i < ngroups; ++i) row_chunks += (groups_.count[i] + kRowsPerUnit - 1) / kRowsPerUnit;
+  for (int i = 0; i < ngroups; ++i) row_chunks += (groups.count[i] + kRowsPerUnit - 1) / kRowsPerUnit;
   const int per_unit = row_chunks * g.gate_up_groups() >= int64_t{4} * kGroupsPerUnit * T ? kGroupsPerUnit : 1;
   for (int i = 0; i < ngroups; ++i) {
-    for (int r = 0; r < groups_.count[i]; r += kRowsPerUnit) {
-      const int re = std::min(groups_.count[i], r + kRowsPerUnit);
+    for (int r = 0; r < groups.count[i]; r += kRowsPerUnit) {
+      const int re = std::min(groups.count[i], r + kRowsPerUnit);
       const int m = (re - r + kernel_.row_block() - 1) / kernel_.row_block() * kernel_.row_block();
       for (int c = 0; c < g.gate_up_groups(); c += per_unit) {
         const int ce = std::min(g.gate_up_groups(), c + per_unit);
@@ -100,23 +140,41 @@ absl::Status MoeExecutor::Forward(const ForwardBatch& b, DType out_dtype, void* 
     while (u < static_cast<int>(units_.size()) && cost[u] <= limit) ++u;
     unit_bounds_[t] = t == T ? static_cast<int>(units_.size()) : u;
   }
+}
 
-  const size_t rows = static_cast<size_t>(groups_.total_rows);
+absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
+                                    const int32_t* store_expert, DType out_dtype, void* out,
+                                    ForwardStats* stats, uint64_t t_queue, uint64_t t_start) {
+  const ExpertGeometry& g = store_.geometry();
+  const int H = g.H;
+  const int ngroups = groups.num_groups();
+  weights_.resize(ngroups);
+  for (int i = 0; i < ngroups; ++i) {
+    const int e = store_expert != nullptr ? store_expert[i] : groups.expert[i];
+    weights_[i] = store_.Find(layer, e);
+    if (weights_[i] == nullptr)
+      return absl::InvalidArgumentError(absl::StrCat("groups: group ", i, " names expert ", e, " of layer ",
+                                                     layer, ", which is not loaded"));
+  }
+  PlanUnits(groups);
+
+  // Rows rounded up to the row block: a caller's last group may end unpadded.
+  const int align = kernel_.row_block();
+  const size_t rows = static_cast<size_t>((groups.total_rows + align - 1) / align * align);
   bf16_t* x = static_cast<bf16_t*>(x_buf_.Reserve(std::max<size_t>(1, rows * g.Kh * 2)));
   bf16_t* act = static_cast<bf16_t*>(act_buf_.Reserve(std::max<size_t>(1, rows * g.Ki * 2)));
   float* out32 = out_dtype == DType::kF32
                      ? static_cast<float*>(out)
-                     : static_cast<float*>(out_buf_.Reserve(std::max<size_t>(1, size_t(b.n) * H * 4)));
-  const int n = b.n;
+                     : static_cast<float*>(out_buf_.Reserve(std::max<size_t>(1, size_t(n) * H * 4)));
 
   pool_.Run([&](int t, int nt) {
     // Phase 0: gather each row's token (padding rows and columns zero).
     auto [r0, r1] = Split(static_cast<int>(rows), t, nt);
     for (int r = r0; r < r1; ++r) {
       bf16_t* dst = x + static_cast<size_t>(r) * g.Kh;
-      const int32_t tok = groups_.token[r];
+      const int32_t tok = r < groups.total_rows ? groups.token[r] : -1;
       if (tok >= 0) {
-        std::memcpy(dst, b.tokens + static_cast<size_t>(tok) * H, size_t(H) * 2);
+        std::memcpy(dst, tokens + static_cast<size_t>(tok) * H, size_t(H) * 2);
         std::memset(dst + H, 0, size_t(g.Kh - H) * 2);
       } else {
         std::memset(dst, 0, size_t(g.Kh) * 2);
@@ -126,7 +184,7 @@ absl::Status MoeExecutor::Forward(const ForwardBatch& b, DType out_dtype, void* 
     // Phase 1: act = silu(x W1^T) * (x W3^T), per (expert, column block).
     for (int u = unit_bounds_[t]; u < unit_bounds_[t + 1]; ++u) {
       const Unit& un = units_[u];
-      const size_t rb = size_t(groups_.row_begin[un.group]) + un.r0;
+      const size_t rb = size_t(groups.row_begin[un.group]) + un.r0;
       kernel_.GateUp(g, weights_[un.group], x + rb * g.Kh, un.r1 - un.r0, act + rb * g.Ki, un.c0, un.c1);
     }
     pool_.Barrier();
@@ -139,9 +197,9 @@ absl::Status MoeExecutor::Forward(const ForwardBatch& b, DType out_dtype, void* 
       std::memset(out32 + size_t(tok) * H + col0, 0, size_t(col1 - col0) * 4);
     }
     for (int i = 0; i < ngroups; ++i) {
-      const int rb = groups_.row_begin[i];
-      kernel_.DownAccumulate(g, weights_[i], act + size_t(rb) * g.Ki, groups_.count[i], groups_.token.data() + rb,
-                             groups_.weight.data() + rb, out32, H, c0, c1);
+      const int rb = groups.row_begin[i];
+      kernel_.DownAccumulate(g, weights_[i], act + size_t(rb) * g.Ki, groups.count[i], groups.token.data() + rb,
+                             groups.weight.data() + rb, out32, H, c0, c1);
     }
     if (out_dtype == DType::kBF16) {
       bf16_t* o = static_cast<bf16_t*>(out);
@@ -153,7 +211,7 @@ absl::Status MoeExecutor::Forward(const ForwardBatch& b, DType out_dtype, void* 
 
   if (stats != nullptr) {
     stats->distinct_experts = ngroups;
-    stats->pairs = groups_.total_pairs;
+    stats->pairs = groups.total_pairs;
     stats->queue_ns = t_start - t_queue;
     stats->compute_ns = NowNs() - t_start;
   }

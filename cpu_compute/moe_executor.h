@@ -2,7 +2,9 @@
 // on the CPU — validation, grouping by expert, gather, fused gate+up+SiLU,
 // fused down + weighted accumulation — spread over every compute thread.
 //
-// Forward() may be called from any number of threads; calls validate
+// Forward() = Validate + GroupByExpert + Run. Run() computes pairs a caller
+// already grouped (a GPU worker's cpu backend hands its hit groups as they
+// are). Both may be called from any number of threads; calls validate
 // concurrently and then run one at a time on the whole pool. Workspaces grow
 // to the largest batch seen and are reused: no allocation per token.
 #pragma once
@@ -13,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "core/bf16.h"
+#include "core/moe_batch.h"
 #include "core/routing.h"
 #include "core/tensor.h"
 #include "cpu_compute/compute_pool.h"
@@ -20,13 +23,6 @@
 #include "cpu_compute/expert_store.h"
 
 namespace moe {
-
-struct ForwardBatch {
-  int layer = 0;
-  int n = 0;                        // tokens
-  const bf16_t* tokens = nullptr;   // [n, H]
-  RoutingView routing;              // [n, k] ids and weights
-};
 
 struct ForwardStats {
   int distinct_experts = 0;
@@ -41,11 +37,24 @@ class MoeExecutor {
 
   // Checks the batch against what this server hosts (InvalidArgument naming
   // the field), without computing.
-  absl::Status Validate(const ForwardBatch& batch) const;
+  absl::Status Validate(const MoeBatch& batch) const;
 
   // Validates, then writes out[t] = sum_j w[t,j] FFN_e(x_t) as [n, H] of
   // out_dtype (kBF16 or kF32). Tokens without pairs get zeros.
-  absl::Status Forward(const ForwardBatch& batch, DType out_dtype, void* out, ForwardStats* stats);
+  absl::Status Forward(const MoeBatch& batch, DType out_dtype, void* out, ForwardStats* stats);
+
+  // The groups' rows of `n` tokens of `layer` ([n, H] bf16 `tokens`):
+  // out[t] = sum over rows r of token t of weight[r] FFN(x_t), zeros for
+  // tokens without rows, as Forward writes it. The groups come from
+  // GroupByExpert with row_align = row_align() (each group starts on an
+  // aligned row; row tokens in [-1, n), -1 = padding); group g computes the
+  // expert the store holds as (layer, store_expert[g]), or (layer,
+  // groups.expert[g]) when store_expert is null. InvalidArgument when a group
+  // or row is out of range, misaligned, or names an expert the store lacks.
+  absl::Status Run(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
+                   const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats);
+  // The row alignment Run needs (the kernel's row block).
+  int row_align() const { return kernel_.row_block(); }
 
  private:
   // Gate/up work: activation groups [c0, c1) of rows [r0, r1) of one expert group.
@@ -59,11 +68,18 @@ class MoeExecutor {
     size_t cap_ = 0;
   };
 
+  // Under mu_: splits the groups' gate/up work into units_ and unit_bounds_.
+  void PlanUnits(const ExpertGroups& groups);
+  // Under mu_: Run's computation, the groups already checked.
+  absl::Status RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
+                         const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats,
+                         uint64_t t_queue, uint64_t t_start);
+
   const PackedExperts& store_;
   const ExpertKernel& kernel_;
   ComputePool& pool_;
   std::mutex mu_;  // guards everything below (one batch at a time)
-  ExpertGroups groups_;
+  ExpertGroups groups_;                     // Forward's grouping
   std::vector<const std::byte*> weights_;  // per group
   std::vector<Unit> units_;
   std::vector<int64_t> cost_;               // cumulative cost per unit

@@ -63,7 +63,7 @@ absl::Status ExpertServiceImpl::Handle(const moe::v1::ForwardRequest& req,
   std::vector<bf16_t> tok_copy;
   std::vector<int32_t> id_copy;
   std::vector<float> w_copy;
-  ForwardBatch batch;
+  MoeBatch batch;
   batch.layer = static_cast<int>(req.layer());
   if (req.layer() >= static_cast<uint32_t>(spec_.num_layers))
     return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer(), " out of range [0, ", spec_.num_layers, ")"));

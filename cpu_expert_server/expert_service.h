@@ -21,7 +21,7 @@ namespace moe {
 // Computes one decoded, shape-checked batch into out ([n, H] of out_dtype).
 // The expert server passes MoeExecutor::Forward; benchmarks pass an echo.
 using BatchHandler =
-    std::function<absl::Status(const ForwardBatch& batch, DType out_dtype, void* out, ForwardStats* stats)>;
+    std::function<absl::Status(const MoeBatch& batch, DType out_dtype, void* out, ForwardStats* stats)>;
 
 struct ServiceLimits {
   int max_tokens_per_request = 8192;

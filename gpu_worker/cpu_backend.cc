@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "cpu_compute/compute_pool.h"
 #include "cpu_compute/cpu_features.h"
 #include "cpu_compute/expert_kernel.h"
@@ -67,6 +68,7 @@ class CpuBackend final : public DeviceBackend {
                              : ExpertGeometry::For(config_.hidden, config_.intermediate).packed_bytes();
   }
   size_t free_memory_bytes() const override { return AvailableMemoryBytes(); }
+  int hit_row_align() const override { return kernel_ ? kernel_->row_block() : 1; }
 
   absl::Status Init(const BackendConfig& c) override {
     if (c.hidden <= 0 || c.intermediate <= 0)
@@ -75,14 +77,9 @@ class CpuBackend final : public DeviceBackend {
       return absl::InvalidArgumentError("backend config: negative sizes");
     config_ = c;
     const ExpertGeometry g = ExpertGeometry::For(c.hidden, c.intermediate);
-    if (absl::Status st = buffers_.Allocate(g, c.num_buffers); !st.ok()) return st;
-    absl::StatusOr<std::unique_ptr<ExpertKernel>> kernel =
-        MakeExpertKernel(c.cpu_kernel, CpuFeatures::Get());
-    if (!kernel.ok()) return kernel.status();
-    kernel_ = *std::move(kernel);
-    absl::StatusOr<std::unique_ptr<NumaBinding>> binding = NumaBinding::Create("auto", c.cpu_threads);
-    if (!binding.ok()) return binding.status();
-    binding_ = *std::move(binding);
+    MOE_RETURN_IF_ERROR(buffers_.Allocate(g, c.num_buffers));
+    MOE_ASSIGN_OR_RETURN(kernel_, MakeExpertKernel(c.cpu_kernel, CpuFeatures::Get()));
+    MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create("auto", c.cpu_threads));
     pool_ = std::make_unique<ComputePool>(*binding_);
     executor_ = std::make_unique<MoeExecutor>(buffers_, *kernel_, *pool_);
     contexts_.resize(c.contexts);
@@ -112,7 +109,7 @@ class CpuBackend final : public DeviceBackend {
   absl::Status WaitCompute(uint64_t) override { return absl::OkStatus(); }
 
   absl::Status BeginCall(int c, int T, const bf16_t* hidden, MemoryKind kind) override {
-    if (absl::Status st = CheckCall(c, T); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(CheckCall(c, T));
     if (kind != MemoryKind::kHost)
       return absl::InvalidArgumentError("hidden: the cpu backend has no device memory");
     Context& ctx = contexts_[c];
@@ -141,34 +138,12 @@ class CpuBackend final : public DeviceBackend {
 
   absl::Status RunExperts(int c, const HitPlan& plan) override {
     Context& ctx = contexts_[c];
-    if (plan.num_groups == 0 || ctx.T == 0) return absl::OkStatus();
-    // The plan as routing [T, k'] over buffer ids, k' = most pairs of one token.
-    ctx.pairs_of.assign(ctx.T, 0);
-    for (int r = 0; r < plan.rows; ++r)
-      if (plan.token[r] >= 0) ++ctx.pairs_of[plan.token[r]];
-    const int k = std::max(1, *std::max_element(ctx.pairs_of.begin(), ctx.pairs_of.end()));
-    ctx.ids.assign(static_cast<size_t>(ctx.T) * k, -1);
-    ctx.weights.assign(static_cast<size_t>(ctx.T) * k, 0.0f);
-    std::fill(ctx.pairs_of.begin(), ctx.pairs_of.end(), 0);
-    for (int g = 0; g < plan.num_groups; ++g) {
-      for (int r = plan.row_begin[g]; r < plan.row_begin[g] + plan.count[g]; ++r) {
-        const int t = plan.token[r];
-        if (t < 0) continue;
-        if (t >= ctx.T)
-          return absl::InvalidArgumentError(absl::StrCat("token[", r, "]: ", t, " out of range"));
-        const size_t at = static_cast<size_t>(t) * k + ctx.pairs_of[t]++;
-        ctx.ids[at] = plan.buffer[g];
-        ctx.weights[at] = plan.weight[r];
-      }
-    }
-    ForwardBatch batch;
-    batch.layer = 0;
-    batch.n = ctx.T;
-    batch.tokens = ctx.x.data();
-    batch.routing = RoutingView{ctx.T, k, ctx.ids.data(), ctx.weights.data()};
+    if (plan.groups == nullptr || plan.groups->num_groups() == 0 || ctx.T == 0) return absl::OkStatus();
+    if (plan.buffer == nullptr) return absl::InvalidArgumentError("cpu backend: RunExperts: plan has no buffers");
+    // The groups as they are; the buffers are the experts of "layer 0".
     ForwardStats stats;
-    if (absl::Status st = executor_->Forward(batch, DType::kF32, ctx.partial.data(), &stats); !st.ok())
-      return st;
+    MOE_RETURN_IF_ERROR(executor_->Run(0, ctx.T, ctx.x.data(), *plan.groups, plan.buffer, DType::kF32,
+                                       ctx.partial.data(), &stats));
     const size_t n = static_cast<size_t>(ctx.T) * config_.hidden;
     for (size_t i = 0; i < n; ++i) ctx.accum[i] += ctx.partial[i];
     return absl::OkStatus();
@@ -203,8 +178,6 @@ class CpuBackend final : public DeviceBackend {
     int T = 0;
     std::vector<bf16_t> x;
     std::vector<float> accum, partial;
-    std::vector<int32_t> ids, pairs_of;
-    std::vector<float> weights;
   };
   absl::Status CheckCall(int c, int T) const {
     if (c < 0 || c >= static_cast<int>(contexts_.size()))

@@ -350,6 +350,7 @@ void CudaBackend::Defer(absl::Status st) {
   deferred_.Update(st);
 }
 
+// Long: one linear sequence of CUDA allocations and handle creations, each checked; kept whole (no GPU here to test a split).
 absl::Status CudaBackend::Init(const BackendConfig& config) {
   if (initialized_) return absl::FailedPreconditionError("cuda backend: Init called twice");
   if (config.hidden <= 0 || config.intermediate <= 0 || config.num_buffers < 0 ||
@@ -771,29 +772,32 @@ absl::StatusOr<uint64_t> CudaBackend::AddRows(int ctx, const int32_t* rows, int 
   return compute_fences_.Record(compute_);
 }
 
+// Long: validate, upload and launch share the plan's staging offsets; kept whole (no GPU here to test a split).
 absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
   absl::StatusOr<Context*> cs = ActiveContext(ctx);
   if (!cs.ok()) return cs.status();
   Context& c = **cs;
-  if (plan.num_groups < 0 || plan.rows < 0)
-    return absl::InvalidArgumentError("cuda backend: RunExperts: negative plan size");
-  if (plan.num_groups == 0 || plan.rows == 0) return absl::OkStatus();
-  if (plan.buffer == nullptr || plan.row_begin == nullptr || plan.count == nullptr ||
-      plan.token == nullptr || plan.weight == nullptr)
-    return absl::InvalidArgumentError("cuda backend: RunExperts: plan has null arrays");
+  if (plan.groups == nullptr) return absl::OkStatus();  // no hits
+  const ExpertGroups& gr = *plan.groups;
+  const int num_groups = gr.num_groups(), plan_rows = gr.total_rows;
+  if (plan_rows < 0 || gr.row_begin.size() != gr.expert.size() || gr.count.size() != gr.expert.size() ||
+      gr.token.size() < static_cast<size_t>(plan_rows) || gr.weight.size() < static_cast<size_t>(plan_rows))
+    return absl::InvalidArgumentError("cuda backend: RunExperts: inconsistent plan sizes");
+  if (num_groups == 0 || plan_rows == 0) return absl::OkStatus();
+  if (plan.buffer == nullptr) return absl::InvalidArgumentError("cuda backend: RunExperts: plan has null arrays");
 
   // Validate (an index out of range would fault on the device) and split the
   // groups between the grouped kernels and cuBLAS.
   small_groups_.clear();
   big_groups_.clear();
   int small_max = 0;
-  for (int g = 0; g < plan.num_groups; ++g) {
-    const cuda::GroupDesc d{plan.buffer[g], plan.row_begin[g], plan.count[g], 0};
+  for (int g = 0; g < num_groups; ++g) {
+    const cuda::GroupDesc d{plan.buffer[g], gr.row_begin[g], gr.count[g], 0};
     if (d.buffer < 0 || d.buffer >= config_.num_buffers || d.row_begin < 0 || d.count < 0 ||
-        d.count > plan.rows - d.row_begin) {
+        d.count > plan_rows - d.row_begin) {
       return absl::InvalidArgumentError(absl::StrCat(
           "cuda backend: RunExperts: group ", g, " (buffer ", d.buffer, ", rows ", d.row_begin,
-          "+", d.count, ") out of range (", config_.num_buffers, " buffers, ", plan.rows,
+          "+", d.count, ") out of range (", config_.num_buffers, " buffers, ", plan_rows,
           " rows)"));
     }
     if (d.count == 0) continue;
@@ -804,26 +808,26 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
       small_max = std::max(small_max, d.count);
     }
   }
-  for (int r = 0; r < plan.rows; ++r) {
-    if (plan.token[r] < -1 || plan.token[r] >= c.T) {
+  for (int r = 0; r < plan_rows; ++r) {
+    if (gr.token[r] < -1 || gr.token[r] >= c.T) {
       return absl::InvalidArgumentError(absl::StrCat("cuda backend: RunExperts: row ", r,
-                                                     " has token ", plan.token[r], ", call has ",
+                                                     " has token ", gr.token[r], ", call has ",
                                                      c.T, " tokens"));
     }
   }
   if (small_groups_.empty() && big_groups_.empty()) return absl::OkStatus();
-  if (absl::Status st = EnsurePlanRows(plan.rows); !st.ok()) return st;
+  if (absl::Status st = EnsurePlanRows(plan_rows); !st.ok()) return st;
 
   // One upload: token [rows], weight [rows], small group descriptors.
-  const size_t rows = plan.rows;
+  const size_t rows = plan_rows;
   const size_t token_off = 0;
   const size_t weight_off = RoundUp(rows * sizeof(int32_t), 16);
   const size_t groups_off = weight_off + RoundUp(rows * sizeof(float), 16);
   const size_t total = groups_off + small_groups_.size() * sizeof(cuda::GroupDesc);
   absl::StatusOr<Upload> u = Reserve(c, total);
   if (!u.ok()) return u.status();
-  std::memcpy(u->host + token_off, plan.token, rows * sizeof(int32_t));
-  std::memcpy(u->host + weight_off, plan.weight, rows * sizeof(float));
+  std::memcpy(u->host + token_off, gr.token.data(), rows * sizeof(int32_t));
+  std::memcpy(u->host + weight_off, gr.weight.data(), rows * sizeof(float));
   if (!small_groups_.empty())
     std::memcpy(u->host + groups_off, small_groups_.data(),
                 small_groups_.size() * sizeof(cuda::GroupDesc));

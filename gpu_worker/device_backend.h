@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/bf16.h"
+#include "core/routing.h"
 #include "moe/types.h"
 
 namespace moe {
@@ -53,20 +54,16 @@ struct BackendConfig {
   int cuda_device = 0;
 };
 
-// The hit work of one call, pairs grouped by expert buffer (host arrays; the
-// backend copies what it needs before the call returns). Group g computes
+// The hit work of one call: its pairs grouped by expert (GroupByExpert, each
+// group starting on a multiple of the backend's hit_row_align()) and the
+// expert buffer each group's expert sits in (host memory; the backend copies
+// what it needs before the call returns). Group g computes
 //   accum[token[r]] += weight[r] * FFN_buffer[g](x[token[r]])
 // for rows r in [row_begin[g], row_begin[g] + count[g]). token[r] == -1 marks
 // padding rows (skipped).
 struct HitPlan {
-  int num_groups = 0;
-  const int32_t* buffer = nullptr;     // [num_groups]
-  const int32_t* row_begin = nullptr;  // [num_groups]
-  const int32_t* count = nullptr;      // [num_groups]
-  int rows = 0;                        // total rows (incl. padding)
-  const int32_t* token = nullptr;      // [rows]
-  const float* weight = nullptr;       // [rows]
-  int max_count = 0;                   // max over count[]
+  const ExpertGroups* groups = nullptr;
+  const int32_t* buffer = nullptr;  // [groups->num_groups()]
 };
 
 // ---- capture-safe calls (CUDA graphs) -------------------------------------
@@ -167,6 +164,9 @@ class DeviceBackend {
   // fence after which `dst` is complete.
   virtual absl::StatusOr<uint64_t> GatherRows(int ctx, const int32_t* rows, int n,
                                               bf16_t* dst) = 0;
+  // The row alignment HitPlan groups need (GroupByExpert's row_align): the
+  // cpu backend computes them with the expert kernels' row blocks as they are.
+  virtual int hit_row_align() const { return 1; }
   // Enqueues the hit plan's expert FFNs, accumulating into the context's
   // accumulator. Buffers named by the plan must have been loaded (their copy
   // fences waited for by ComputeWaitCopy or WaitCopy).

@@ -158,27 +158,10 @@ void ExpertPredictor::PredictAhead(int from) {
   }
 }
 
-absl::Status ExpertPredictor::Observe(int layer, int T, int k, const int32_t* ids) {
-  if (layer < 0 || layer >= static_cast<int>(pos_.size()) || pos_[layer] < 0)
-    return absl::InvalidArgumentError(absl::StrCat("predictor: layer ", layer, " is not served"));
-  if (T < 0 || k < 0 || (T > 0 && k > 0 && ids == nullptr))
-    return absl::InvalidArgumentError("predictor: bad routing shape");
-  for (int64_t i = 0; i < static_cast<int64_t>(T) * k; ++i)
-    if (ids[i] < -1 || ids[i] >= e_)
-      return absl::InvalidArgumentError(absl::StrCat("predictor: expert id ", ids[i], " out of range"));
-  const int p = pos_[layer];
+// Scores position p's lag-1 prediction (and the engine's hint) against the
+// experts this run used.
+void ExpertPredictor::ScoreRun(int p, const std::vector<uint8_t>& used) {
   LayerState& s = state_[p];
-  std::vector<uint8_t> used(e_, 0);
-  std::vector<std::vector<int>> tokens(T);
-  for (int t = 0; t < T; ++t) {
-    for (int j = 0; j < k; ++j) {
-      const int e = ids[static_cast<size_t>(t) * k + j];
-      if (e < 0 || std::find(tokens[t].begin(), tokens[t].end(), e) != tokens[t].end()) continue;
-      tokens[t].push_back(e);
-      used[e] = 1;
-    }
-  }
-  // Score the lag-1 prediction of this run.
   if (s.valid[0]) {
     const std::vector<double>& prob = s.prob[0];
     const int m = static_cast<int>(std::lround(std::accumulate(prob.begin(), prob.end(), 0.0)));
@@ -202,7 +185,10 @@ absl::Status ExpertPredictor::Observe(int layer, int T, int k, const int32_t* id
       }
     s.has_hint = false;
   }
-  // Refit each lag's model on what this run routed to.
+}
+
+// Refits each lag's model of a position on what this run routed to.
+void ExpertPredictor::Refit(LayerState& s, const std::vector<uint8_t>& used) {
   const double forget = std::exp2(-1.0 / kFitHalfLife);
   for (int lag = 1; lag <= kMaxLag; ++lag) {
     if (!s.valid[lag - 1]) continue;
@@ -220,6 +206,30 @@ absl::Status ExpertPredictor::Observe(int layer, int T, int k, const int32_t* id
     Solve(f);
     s.valid[lag - 1] = false;
   }
+}
+
+absl::Status ExpertPredictor::Observe(int layer, int T, int k, const int32_t* ids) {
+  if (layer < 0 || layer >= static_cast<int>(pos_.size()) || pos_[layer] < 0)
+    return absl::InvalidArgumentError(absl::StrCat("predictor: layer ", layer, " is not served"));
+  if (T < 0 || k < 0 || (T > 0 && k > 0 && ids == nullptr))
+    return absl::InvalidArgumentError("predictor: bad routing shape");
+  for (int64_t i = 0; i < static_cast<int64_t>(T) * k; ++i)
+    if (ids[i] < -1 || ids[i] >= e_)
+      return absl::InvalidArgumentError(absl::StrCat("predictor: expert id ", ids[i], " out of range"));
+  const int p = pos_[layer];
+  LayerState& s = state_[p];
+  std::vector<uint8_t> used(e_, 0);
+  std::vector<std::vector<int>> tokens(T);
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < k; ++j) {
+      const int e = ids[static_cast<size_t>(t) * k + j];
+      if (e < 0 || std::find(tokens[t].begin(), tokens[t].end(), e) != tokens[t].end()) continue;
+      tokens[t].push_back(e);
+      used[e] = 1;
+    }
+  }
+  ScoreRun(p, used);
+  Refit(s, used);
   // Temporal state, then transitions from the positions observed before.
   const float df = static_cast<float>(std::exp2(-1.0 / kFastHalfLife));
   const float ds = static_cast<float>(std::exp2(-1.0 / kSlowHalfLife));

@@ -105,6 +105,8 @@ class ExpertPredictor {
   // position `from` route to each expert at from+lag.
   void Cross(int from, int lag, std::vector<double>* prob, std::vector<double>* pairs) const;
   void PredictAhead(int from);
+  void ScoreRun(int p, const std::vector<uint8_t>& used);  // Observe's steps
+  void Refit(LayerState& s, const std::vector<uint8_t>& used);
   void Learn(int from, int lag, int to);
   static void Solve(Fit& f);
 

@@ -14,6 +14,7 @@
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/routing.h"
+#include "core/status_macros.h"
 
 namespace moe {
 
@@ -26,6 +27,15 @@ bool IsServerFailure(const absl::Status& st) {
          absl::IsAborted(st);
 }
 
+// The batch a server computes for a shipment whose tokens were gathered into `tokens`.
+MoeBatch ShipmentBatch(int layer, const ServerBatch& b, const bf16_t* tokens) {
+  return MoeBatch{layer, b.n, tokens, RoutingView{b.n, b.k, b.ids.data(), b.weights.data()}};
+}
+
+// The fastest of several runs: the unloaded cost (a probe can only be slowed
+// down by noise — a page fault, a descheduled thread — never sped up).
+double Fastest(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
+
 }  // namespace
 
 absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, int num_experts) {
@@ -37,10 +47,8 @@ absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, in
   const std::string opt = text.substr(hash + 1);
   if (opt.rfind("experts=", 0) != 0)
     return absl::InvalidArgumentError("servers: unknown option '" + opt + "' (expected experts=LIST)");
-  absl::StatusOr<std::vector<int>> experts = ParseIndexList(opt.substr(8), num_experts, "servers");
-  if (!experts.ok()) return experts.status();
-  if (experts->empty()) return absl::InvalidArgumentError("servers: empty expert list in '" + text + "'");
-  s.experts = *std::move(experts);
+  MOE_ASSIGN_OR_RETURN(s.experts, ParseIndexList(opt.substr(8), num_experts, "servers"));
+  if (s.experts.empty()) return absl::InvalidArgumentError("servers: empty expert list in '" + text + "'");
   return s;
 }
 
@@ -65,17 +73,12 @@ struct Server {
   std::chrono::microseconds polling{0};  // the window last given to SetPolling
 };
 
-// One batch sent to one server.
+// One batch sent to one server: the plan's batch and its transport state.
 struct Shipment {
-  int server = -1;
-  int n = 0, k = 0;
-  std::vector<int32_t> rows;     // token of each batch row
-  std::vector<int32_t> ids;      // [n, k]
-  std::vector<float> weights;    // [n, k]
+  ServerBatch batch;             // batch.server: the server it is sent to (changes on failover)
   bool staged = false;
-  StagedBatch stage;
+  StagingArea stage;
   size_t host_offset = 0;        // non-staged: row offset into the context's send/recv buffers
-  int experts = 0, pairs = 0;    // distinct experts and pairs in the batch (the cost model's inputs)
   Clock::time_point sent{};      // handed to the transport
   std::future<absl::Status> done;
 };
@@ -109,15 +112,13 @@ struct LayerDispatcher::Impl {
   int temp_base = 0;
   std::vector<uint64_t> temp_fence;
   int temp_next[2] = {0, 0};
-  // Split scratch (per expert of a layer).
-  std::vector<int32_t> hit_count, miss_count, hit_slot;
-  std::vector<int> access_experts, access_pairs, missed, server_of;
-  std::vector<int32_t> rows, group_of;  // per server shipment rows; per expert hit group
-  std::vector<uint64_t> expert_mark;    // per expert: the shipment that last counted it
-  uint64_t mark_epoch = 0;
-  // Plan scratch.
-  std::vector<int32_t> plan_buffer, plan_begin, plan_count, plan_token;
-  std::vector<float> plan_weight;
+  // Split scratch: the plan of the call being submitted and its inputs.
+  MissPlan plan;
+  std::vector<int32_t> slot_buffer;     // per expert: the buffer of its Ready slot, or -1
+  std::vector<PlanServer> plan_servers;
+  std::vector<int> access_pairs;        // per accessed expert of the plan
+  ExpertGroups one_group;               // ComputeCopied's single group
+  ExpertGroups failover_groups;         // a failed shipment's pairs by expert
 
   // Capturable calls (EnqueueCapturable), per served layer, created on first
   // use. buffer_of is the slot map the host functions read at run time:
@@ -159,7 +160,7 @@ LayerDispatcher::~LayerDispatcher() {
   for (Context& ctx : impl_->contexts)
     for (Shipment& s : ctx.shipments) {
       if (s.done.valid()) s.done.wait();
-      if (s.staged) impl_->servers[s.server].transport->Release(s.stage);
+      if (s.staged) impl_->servers[s.batch.server].transport->Release(s.stage);
     }
   for (auto& p : impl_->pending) (void)backend_->WaitCopy(p.fence);
   for (Context& ctx : impl_->contexts) {
@@ -180,13 +181,28 @@ absl::StatusOr<std::unique_ptr<LayerDispatcher>> LayerDispatcher::Create(const M
   d->host_ = host;
   d->config_ = std::move(config);
   d->impl_ = std::make_unique<Impl>();
-  if (absl::Status st = d->Init(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(d->Init());
   return d;
 }
 
 absl::Status LayerDispatcher::Init() {
+  MOE_RETURN_IF_ERROR(CheckConfig());
+  MOE_RETURN_IF_ERROR(CreateCacheAndBackend());
+  MOE_RETURN_IF_ERROR(ConnectServers());
+  MOE_RETURN_IF_ERROR(AllocateContexts());
+  const DispatcherConfig& c = config_;
+  if (c.measure_rates && c.copy_mode == CopyMode::kAuto && host_ != nullptr && !impl_->servers.empty())
+    MOE_RETURN_IF_ERROR(MeasureRates());
+  assigned_.assign(layers_.size(), {});
+  if (c.policy == CachePolicyKind::kPredictive) MOE_RETURN_IF_ERROR(CreateAdmission());
+  return absl::OkStatus();
+}
+
+// The served layers and the config's limits; turns polling off where there
+// are too few cores for it.
+absl::Status LayerDispatcher::CheckConfig() {
   DispatcherConfig& c = config_;
-  if (absl::Status st = spec_.Validate(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(spec_.Validate());
   layers_ = c.layers.empty() ? spec_.moe_layers : c.layers;
   layer_index_.assign(spec_.num_layers, -1);
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -208,8 +224,13 @@ absl::Status LayerDispatcher::Init() {
   }
   if (c.servers.empty() && host_ == nullptr)
     return absl::InvalidArgumentError("servers: no expert server and no host copy of the experts");
+  return absl::OkStatus();
+}
 
-  // Cache size: explicit C, or from the memory budget.
+// The cache (C slots per layer: explicit, or from the memory budget) and the
+// backend sized for it plus the temporary miss buffers.
+absl::Status LayerDispatcher::CreateCacheAndBackend() {
+  const DispatcherConfig& c = config_;
   const size_t expert_bytes = spec_.ExpertBf16Bytes();
   int C = c.slots_per_layer;
   if (C == 0 && c.cache_gib > 0)
@@ -232,9 +253,7 @@ absl::Status LayerDispatcher::Init() {
   cc.slots_per_layer = C;
   cc.policy = c.policy;
   cc.lfru_half_life = c.lfru_half_life;
-  absl::StatusOr<std::unique_ptr<ExpertCache>> cache = ExpertCache::Create(cc);
-  if (!cache.ok()) return cache.status();
-  cache_ = *std::move(cache);
+  MOE_ASSIGN_OR_RETURN(cache_, ExpertCache::Create(cc));
 
   BackendConfig bc = c.backend;  // the device knobs; the sizes follow from the model and the cache
   bc.hidden = spec_.hidden;
@@ -243,11 +262,17 @@ absl::Status LayerDispatcher::Init() {
   bc.max_tokens = c.max_tokens;
   bc.max_top_k = c.max_top_k;
   bc.contexts = c.contexts;
-  if (absl::Status st = backend_->Init(bc); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(backend_->Init(bc));
   impl_->temp_base = C * static_cast<int>(layers_.size());
   impl_->temp_fence.assign(temp, 0);
+  return absl::OkStatus();
+}
 
-  // Servers.
+// Connects every configured server. One that cannot be reached now is
+// retried on later calls (after server_retry); the worker starts as long as
+// one server answers.
+absl::Status LayerDispatcher::ConnectServers() {
+  DispatcherConfig& c = config_;
   absl::Status first_error;
   impl_->routes = std::make_unique<std::atomic<ExpertTransport*>[]>(c.servers.size());
   for (size_t i = 0; i < c.servers.size(); ++i) impl_->routes[i].store(nullptr);
@@ -263,8 +288,6 @@ absl::Status LayerDispatcher::Init() {
       s.hosts[e] = true;
     }
     impl_->servers.push_back(std::move(s));
-    // A server that cannot be reached now is retried on later calls (after
-    // server_retry); the worker starts as long as one server answers.
     if (absl::Status st = ConnectServer(impl_->servers.size() - 1); !st.ok()) {
       if (!IsServerFailure(st) && !absl::IsNotFound(st) && !absl::IsFailedPrecondition(st)) return st;
       LogWarning("worker", "servers: ", sc.address, " unreachable (", st.message(), "); retrying later");
@@ -278,43 +301,42 @@ absl::Status LayerDispatcher::Init() {
     return absl::Status(first_error.code(), absl::StrCat("servers: no expert server is reachable; first: ",
                                                          impl_->servers.front().config.address, ": ",
                                                          first_error.message()));
+  return absl::OkStatus();
+}
+
+// The per-call contexts with their registered send/recv buffers, and the
+// per-expert scratch of the split.
+absl::Status LayerDispatcher::AllocateContexts() {
+  const DispatcherConfig& c = config_;
   impl_->contexts.resize(c.contexts);
   impl_->planned.resize(layers_.size());
   for (Context& ctx : impl_->contexts) {
     ctx.send.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
     ctx.recv.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
-    if (absl::Status st = backend_->RegisterHost(ctx.send.data(), ctx.send.size() * sizeof(bf16_t)); !st.ok())
-      return st;
-    if (absl::Status st = backend_->RegisterHost(ctx.recv.data(), ctx.recv.size() * sizeof(bf16_t)); !st.ok())
-      return st;
+    MOE_RETURN_IF_ERROR(backend_->RegisterHost(ctx.send.data(), ctx.send.size() * sizeof(bf16_t)));
+    MOE_RETURN_IF_ERROR(backend_->RegisterHost(ctx.recv.data(), ctx.recv.size() * sizeof(bf16_t)));
   }
-  const int E = spec_.num_experts;
-  impl_->hit_count.resize(E);
-  impl_->miss_count.resize(E);
-  impl_->hit_slot.resize(E);
-  impl_->expert_mark.assign(E, 0);
-  if (c.measure_rates && c.copy_mode == CopyMode::kAuto && host_ != nullptr && !impl_->servers.empty())
-    if (absl::Status st = MeasureRates(); !st.ok()) return st;
-  assigned_.assign(layers_.size(), {});
-  if (c.policy == CachePolicyKind::kPredictive) {
-    AdmissionConfig ac;
-    ac.layers = layers_;
-    ac.num_experts = E;
-    ac.expert_bytes = spec_.ExpertBf16Bytes();
-    ac.pass_budget_bytes = c.pass_budget_bytes;
-    if (cost_.measured) {
-      // A copy reads the expert's bytes from host DRAM, as the CPU does to
-      // compute it: the measured per-expert CPU time prices both.
-      ac.costs = {cost_.copy_s, cost_.cpu_expert_s, cost_.cpu_expert_s, cost_.cpu_pair_s};
-    } else {
-      // No measured rates: unit miss cost, copies admitted when the predicted
-      // use gains half a miss, no link timing.
-      ac.costs = {0.0, 0.5e-3, 1e-3, 0.0};
-    }
-    absl::StatusOr<std::unique_ptr<AdmissionPolicy>> a = AdmissionPolicy::Create(ac);
-    if (!a.ok()) return a.status();
-    admission_ = *std::move(a);
+  impl_->slot_buffer.resize(spec_.num_experts);
+  return absl::OkStatus();
+}
+
+// The predictive policy, priced with the measured rates when there are some.
+absl::Status LayerDispatcher::CreateAdmission() {
+  AdmissionConfig ac;
+  ac.layers = layers_;
+  ac.num_experts = spec_.num_experts;
+  ac.expert_bytes = spec_.ExpertBf16Bytes();
+  ac.pass_budget_bytes = config_.pass_budget_bytes;
+  if (cost_.measured) {
+    // A copy reads the expert's bytes from host DRAM, as the CPU does to
+    // compute it: the measured per-expert CPU time prices both.
+    ac.costs = {cost_.copy_s, cost_.cpu_expert_s, cost_.cpu_expert_s, cost_.cpu_pair_s};
+  } else {
+    // No measured rates: unit miss cost, copies admitted when the predicted
+    // use gains half a miss, no link timing.
+    ac.costs = {0.0, 0.5e-3, 1e-3, 0.0};
   }
+  MOE_ASSIGN_OR_RETURN(admission_, AdmissionPolicy::Create(ac));
   return absl::OkStatus();
 }
 
@@ -322,48 +344,58 @@ absl::Status LayerDispatcher::Init() {
 // Rates: one expert copied, one expert computed on the device at 1 and many
 // rows, and the first server's round trip for 1 and 2 experts and many tokens.
 absl::Status LayerDispatcher::MeasureRates() {
-  const int H = spec_.hidden, layer = layers_.front();
   const int rows = std::min(config_.max_tokens, 64);
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<bf16_t> x(static_cast<size_t>(rows) * H), y(x.size());
+  std::vector<bf16_t> x(static_cast<size_t>(rows) * spec_.hidden), y(x.size());
   for (bf16_t& v : x) v = F32ToBf16(dist(rng));
-  // The fastest of several runs: the unloaded cost (a probe can only be slowed
-  // down by noise — a page fault, a descheduled thread — never sped up).
-  auto fastest = [](const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); };
-  // Copy.
+  MOE_RETURN_IF_ERROR(MeasureDeviceRates(rows, x, y));
+  return MeasureServerRates(rows, x, y);
+}
+
+// One expert copied, one expert computed on the device at 1 and `rows` rows.
+absl::Status LayerDispatcher::MeasureDeviceRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y) {
+  const int layer = layers_.front();
   const int buf = impl_->temp_base;
   std::vector<double> t;
   for (int i = 0; i < 3; ++i) {
     const Clock::time_point t0 = Clock::now();
-    absl::StatusOr<uint64_t> f = backend_->LoadExpert(buf, host_->Find(layer, i % spec_.num_experts), 0);
-    if (!f.ok()) return f.status();
-    if (absl::Status st = backend_->WaitCopy(*f); !st.ok()) return st;
+    MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(buf, host_->Find(layer, i % spec_.num_experts), 0));
+    MOE_RETURN_IF_ERROR(backend_->WaitCopy(f));
     t.push_back(Seconds(Clock::now() - t0));
   }
-  cost_.copy_s = fastest(t);
-  // Device compute of one expert with m rows.
+  cost_.copy_s = Fastest(t);
   auto device_time = [&](int m) -> absl::StatusOr<double> {
-    std::vector<int32_t> buffer{buf}, begin{0}, count{m}, token(m);
-    std::vector<float> weight(m, 0.5f);
-    std::iota(token.begin(), token.end(), 0);
-    HitPlan p{1, buffer.data(), begin.data(), count.data(), m, token.data(), weight.data(), m};
+    ExpertGroups one;
+    one.expert = {0};
+    one.row_begin = {0};
+    one.count = {m};
+    one.token.resize(m);
+    std::iota(one.token.begin(), one.token.end(), 0);
+    one.weight.assign(m, 0.5f);
+    one.total_rows = one.total_pairs = m;
+    const HitPlan p{&one, &buf};
     std::vector<double> v;
     for (int i = 0; i < 5; ++i) {
       const Clock::time_point t0 = Clock::now();
-      if (absl::Status st = backend_->BeginCall(0, m, x.data(), MemoryKind::kHost); !st.ok()) return st;
-      if (absl::Status st = backend_->RunExperts(0, p); !st.ok()) return st;
-      if (absl::Status st = backend_->FinishCall(0, y.data(), MemoryKind::kHost); !st.ok()) return st;
+      MOE_RETURN_IF_ERROR(backend_->BeginCall(0, m, x.data(), MemoryKind::kHost));
+      MOE_RETURN_IF_ERROR(backend_->RunExperts(0, p));
+      MOE_RETURN_IF_ERROR(backend_->FinishCall(0, y.data(), MemoryKind::kHost));
       v.push_back(Seconds(Clock::now() - t0));
     }
-    return fastest(v);
+    return Fastest(v);
   };
-  absl::StatusOr<double> d1 = device_time(1), dm = device_time(rows);
-  if (!d1.ok()) return d1.status();
-  if (!dm.ok()) return dm.status();
-  cost_.device_row_s = std::max(0.0, (*dm - *d1) / std::max(1, rows - 1));
-  cost_.device_fixed_s = std::max(0.0, *d1 - cost_.device_row_s);
-  // CPU server round trips (the first server that answered at start).
+  MOE_ASSIGN_OR_RETURN(const double d1, device_time(1));
+  MOE_ASSIGN_OR_RETURN(const double dm, device_time(rows));
+  cost_.device_row_s = std::max(0.0, (dm - d1) / std::max(1, rows - 1));
+  cost_.device_fixed_s = std::max(0.0, d1 - cost_.device_row_s);
+  return absl::OkStatus();
+}
+
+// The first server that answered at start: round trips for 1 and 2 experts
+// and `rows` tokens. Sets cost_.measured when it could.
+absl::Status LayerDispatcher::MeasureServerRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y) {
+  const int layer = layers_.front();
   auto connected = std::find_if(impl_->servers.begin(), impl_->servers.end(),
                                 [](const Server& sv) { return sv.transport != nullptr; });
   if (connected == impl_->servers.end()) return absl::OkStatus();
@@ -386,22 +418,21 @@ absl::Status LayerDispatcher::MeasureRates() {
         ids[2 * t] = a;
         ids[2 * t + 1] = b;
       }
-      MissBatch batch{static_cast<uint32_t>(layer), m, 2, x.data(), ids.data(), w.data()};
+      const MoeBatch batch{layer, m, x.data(), RoutingView{m, 2, ids.data(), w.data()}};
       const Clock::time_point t0 = Clock::now();
       std::future<absl::Status> f = s.transport->Submit(batch, y.data(), Clock::now() + config_.deadline);
       if (absl::Status st = AwaitResult(f); !st.ok())
         return absl::Status(st.code(), absl::StrCat("servers: probing ", s.config.address, ": ", st.message()));
       v.push_back(Seconds(Clock::now() - t0));
     }
-    return fastest(v);
+    return Fastest(v);
   };
-  absl::StatusOr<double> c11 = cpu_time(1, 1), c12 = cpu_time(1, 2), cm1 = cpu_time(rows, 1);
-  if (!c11.ok()) return c11.status();
-  if (!c12.ok()) return c12.status();
-  if (!cm1.ok()) return cm1.status();
-  cost_.cpu_expert_s = std::max(0.0, *c12 - *c11);
-  cost_.cpu_pair_s = std::max(0.0, (*cm1 - *c11) / std::max(1, rows - 1));
-  cost_.cpu_call_s = std::max(0.0, *c11 - cost_.cpu_expert_s - cost_.cpu_pair_s);
+  MOE_ASSIGN_OR_RETURN(const double c11, cpu_time(1, 1));
+  MOE_ASSIGN_OR_RETURN(const double c12, cpu_time(1, 2));
+  MOE_ASSIGN_OR_RETURN(const double cm1, cpu_time(rows, 1));
+  cost_.cpu_expert_s = std::max(0.0, c12 - c11);
+  cost_.cpu_pair_s = std::max(0.0, (cm1 - c11) / std::max(1, rows - 1));
+  cost_.cpu_call_s = std::max(0.0, c11 - cost_.cpu_expert_s - cost_.cpu_pair_s);
   cost_.measured = true;
   return absl::OkStatus();
 }
@@ -454,7 +485,7 @@ absl::Status LayerDispatcher::ConnectServer(size_t index) {
   auto [base, bytes] = (*t)->HostMapping();
   if (base != nullptr) {
     // shm: gather straight into the segment's slots, read partials from them.
-    if (absl::Status st = backend_->RegisterHost(base, bytes); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(backend_->RegisterHost(base, bytes));
     s.registered = true;
     s.chunk_tokens = config_.transport.max_tokens_per_slot;
   } else {
@@ -482,7 +513,7 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
   // calls already enqueued on the engine's stream.
   PublishSlotMap(layer);
   if (impl_->planned_stream != nullptr)
-    if (absl::Status st = backend_->WaitStream(impl_->planned_stream); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(backend_->WaitStream(impl_->planned_stream));
   const uint64_t after = backend_->RecordCompute();
   for (size_t i = 0; i < copies.size(); ++i) {
     absl::StatusOr<uint64_t> f =
@@ -527,9 +558,8 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
       return absl::InvalidArgumentError(absl::StrCat("pinned: expert ", e, " of layer ", layer, " is not in the assignment"));
   cache_->SetPinned(layer, pinned);
   if (admission_ == nullptr) {
-    absl::StatusOr<std::vector<SlotCopy>> copies = cache_->Assign(layer, experts);
-    if (!copies.ok()) return copies.status();
-    return StartSlotCopies(layer, *copies);
+    MOE_ASSIGN_OR_RETURN(const std::vector<SlotCopy> copies, cache_->Assign(layer, experts));
+    return StartSlotCopies(layer, copies);
   }
   // predictive: the assignment is the long-horizon placement the admissions
   // work inside. Its newcomers take the slots of the experts it dropped (or
@@ -561,9 +591,8 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
     const bool is_new = std::find(previous.begin(), previous.end(), e) == previous.end();
     // Evicted by admissions: back only into an empty slot (pins always come back).
     if (!is_new && !cache_->pinned(layer, e) && held[free_slots[next]] >= 0) continue;
-    absl::StatusOr<SlotCopy> copy = cache_->Replace(layer, free_slots[next++], e);
-    if (!copy.ok()) return copy.status();
-    copies.push_back(*copy);
+    MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache_->Replace(layer, free_slots[next++], e));
+    copies.push_back(copy);
   }
   // A pin still not resident (no free slot was left) takes the slot of an
   // unpinned expert, one outside the assignment (an admission) first.
@@ -579,9 +608,8 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
         victim = s;
       }
     if (victim < 0) break;  // every slot pinned or loading: the next assignment retries
-    absl::StatusOr<SlotCopy> copy = cache_->Replace(layer, victim, e);
-    if (!copy.ok()) return copy.status();
-    copies.push_back(*copy);
+    MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache_->Replace(layer, victim, e));
+    copies.push_back(copy);
   }
   previous = experts;
   return StartSlotCopies(layer, copies);
@@ -600,209 +628,181 @@ absl::Status LayerDispatcher::HintRouterLogits(int layer, int T, int k, const fl
 absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   const Clock::time_point t_start = Clock::now();
   Impl& m = *impl_;
-  int ticket = -1;
-  for (size_t i = 0; i < m.contexts.size(); ++i)
-    if (!m.contexts[i].busy) {
-      ticket = static_cast<int>(i);
-      break;
-    }
-  if (ticket < 0)
-    return absl::ResourceExhaustedError(
-        absl::StrCat("contexts: ", m.contexts.size(), " calls already in flight"));
+  MOE_ASSIGN_OR_RETURN(const int ticket, FreeContext());
   // Validation: nothing is touched before the call is known to be sound.
-  if (call.layer < 0 || call.layer >= spec_.num_layers || layer_index_[call.layer] < 0)
-    return absl::InvalidArgumentError(absl::StrCat("layer: ", call.layer, " is not an MoE layer served here"));
-  if (call.T < 0 || call.T > config_.max_tokens)
-    return absl::InvalidArgumentError(
-        absl::StrCat("tokens: ", call.T, " is outside [0, ", config_.max_tokens, "]"));
-  if (call.T > 0 && (call.k < 1 || call.k > config_.max_top_k))
-    return absl::InvalidArgumentError(
-        absl::StrCat("topk_ids: k = ", call.k, " is outside [1, ", config_.max_top_k, "]"));
-  if (call.T > 0 && (call.hidden == nullptr || call.topk_ids == nullptr ||
-                     call.topk_weights == nullptr || call.out == nullptr))
-    return absl::InvalidArgumentError("hidden/topk_ids/topk_weights/out: null pointer");
-  if (call.kind == MemoryKind::kDevice && !backend_->has_device_memory())
-    return absl::InvalidArgumentError("kind: device pointers given to a backend without device memory");
+  MOE_RETURN_IF_ERROR(CheckCall(call));
   // The engine's earlier work on its stream (which produced hidden/routing)
   // comes before ours: an event wait, no host sync of that stream.
-  if (absl::Status st = backend_->WaitStream(call.stream); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(backend_->WaitStream(call.stream));
   Context& ctx = m.contexts[ticket];
-  const int T = call.T, k = std::max(call.k, 1), E = spec_.num_experts;
-  ctx.ids.resize(static_cast<size_t>(T) * k);
-  ctx.weights.resize(ctx.ids.size());
-  if (T > 0) {
-    if (call.kind == MemoryKind::kDevice) {
-      if (absl::Status st = backend_->RoutingToHost(call.topk_ids, call.topk_weights, T * k,
-                                                    ctx.ids.data(), ctx.weights.data());
-          !st.ok())
-        return st;
-    } else {
-      std::memcpy(ctx.ids.data(), call.topk_ids, ctx.ids.size() * sizeof(int32_t));
-      std::memcpy(ctx.weights.data(), call.topk_weights, ctx.weights.size() * sizeof(float));
-    }
-  }
+  MOE_RETURN_IF_ERROR(CopyRouting(call, ctx.ids, ctx.weights));
+  const int T = call.batch.n, k = std::max(call.batch.routing.k, 1);
   const RoutingView routing{T, k, ctx.ids.data(), ctx.weights.data()};
-  if (absl::Status st = ValidateRouting(routing, E, {}); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(ValidateRouting(routing, spec_.num_experts, {}));
 
   PollCopies();
-  CallStats& stats = ctx.stats;
-  stats = CallStats{};
+  ctx.stats = CallStats{};
+  MOE_RETURN_IF_ERROR(PlanCall(call.batch.layer, routing));
 
-  // Split.
-  std::fill(m.hit_count.begin(), m.hit_count.end(), 0);
-  std::fill(m.miss_count.begin(), m.miss_count.end(), 0);
-  for (int e = 0; e < E; ++e) m.hit_slot[e] = cache_->ReadySlot(call.layer, e);
-  for (size_t i = 0; i < ctx.ids.size(); ++i) {
-    const int e = ctx.ids[i];
-    if (e < 0) continue;
-    if (m.hit_slot[e] >= 0) ++m.hit_count[e];
-    else ++m.miss_count[e];
-  }
-  m.access_experts.clear();
-  m.access_pairs.clear();
-  m.missed.clear();
-  for (int e = 0; e < E; ++e) {
-    if (m.hit_count[e] + m.miss_count[e] == 0) continue;
-    m.access_experts.push_back(e);
-    m.access_pairs.push_back(m.hit_count[e] + m.miss_count[e]);
-    if (m.miss_count[e] > 0) m.missed.push_back(e);
-  }
-
-  // Which missed experts go to the device (copy) and which to which server.
-  const Clock::time_point now = Clock::now();
-  for (size_t i = 0; i < m.servers.size(); ++i) {
-    Server& sv = m.servers[i];
-    if (sv.transport == nullptr && sv.enabled && sv.down_until <= now && !m.missed.empty())
-      if (!ConnectServer(i).ok()) sv.down_until = now + config_.server_retry;
-  }
-  std::vector<int>& server_of = m.server_of;
-  server_of.assign(E, -1);  // missed experts: server index, or -1 = copy
-  for (int e : m.missed)
-    for (size_t s = 0; s < m.servers.size(); ++s)
-      if (m.servers[s].hosts[e] && m.servers[s].enabled && m.servers[s].transport != nullptr &&
-          m.servers[s].down_until <= now) {
-        server_of[e] = static_cast<int>(s);
-        break;
-      }
-  const bool can_copy = host_ != nullptr && !m.temp_fence.empty();
-  std::vector<int> copy_list, optional;
-  for (int e : m.missed) {
-    if (server_of[e] < 0 || config_.copy_mode == CopyMode::kAlways) {
-      if (!can_copy)
-        return absl::UnavailableError(absl::StrCat("servers: no expert server is up for expert ", e,
-                                                   " of layer ", call.layer,
-                                                   " and the worker cannot copy it to the device"));
-      copy_list.push_back(e);
-    } else {
-      optional.push_back(e);
-    }
-  }
-  if (can_copy && config_.copy_mode == CopyMode::kAuto && !optional.empty()) {
-    if (config_.copy_min_tokens > 0) {
-      for (int e : optional)
-        if (m.miss_count[e] >= config_.copy_min_tokens) copy_list.push_back(e);
-    } else if (cost_.measured) {
-      // Balance max(CPU time, copy + device time) with the online rates.
-      double dev = 0;
-      for (int e : m.access_experts)
-        if (m.hit_count[e] > 0) dev += cost_.DeviceSeconds(m.hit_count[e]);
-      for (int e : copy_list) dev += std::max(cost_.CopySeconds(), cost_.DeviceSeconds(m.miss_count[e]));
-      std::vector<CopyCandidate> candidates;
-      candidates.reserve(optional.size());
-      for (int e : optional) candidates.push_back({e, m.miss_count[e]});
-      for (int e : ChooseCopies(cost_, std::move(candidates), dev)) copy_list.push_back(e);
-    }
-  }
-  for (int e : copy_list) server_of[e] = -1;
-
-  if (absl::Status st = backend_->BeginCall(ticket, T, call.hidden, call.kind); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(backend_->BeginCall(ticket, T, call.batch.tokens, call.kind));
   ctx.busy = true;
   ctx.call = call;
   ctx.submitted = t_start;
   ctx.device_prior_s = -1;
-  if (m.missed.empty() && cost_.measured) {  // hits only: the device time is the call's time
+  if (m.plan.missed.empty() && cost_.measured) {  // hits only: the device time is the call's time
     ctx.device_prior_s = 0;
-    for (int e : m.access_experts) ctx.device_prior_s += cost_.DevicePrior(m.hit_count[e]);
+    for (int e : m.plan.accessed) ctx.device_prior_s += cost_.DevicePrior(m.plan.hit_pairs[e]);
   }
   ctx.deadline = t_start + (call.deadline.count() > 0 ? call.deadline : config_.deadline);
   ctx.shipments.clear();
-  absl::Status st = Dispatch(ticket, copy_list);
-  if (!st.ok()) {
+  if (absl::Status st = Dispatch(ticket); !st.ok()) {
     Abort(ticket);
     return st;
   }
-  stats.submit_s = Seconds(Clock::now() - t_start);
+  ctx.stats.submit_s = Seconds(Clock::now() - t_start);
   return ticket;
 }
 
+absl::StatusOr<int> LayerDispatcher::FreeContext() const {
+  for (size_t i = 0; i < impl_->contexts.size(); ++i)
+    if (!impl_->contexts[i].busy) return static_cast<int>(i);
+  return absl::ResourceExhaustedError(
+      absl::StrCat("contexts: ", impl_->contexts.size(), " calls already in flight"));
+}
+
+absl::Status LayerDispatcher::CheckCall(const LayerCall& call) const {
+  const MoeBatch& b = call.batch;
+  if (b.layer < 0 || b.layer >= spec_.num_layers || layer_index_[b.layer] < 0)
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", b.layer, " is not an MoE layer served here"));
+  if (b.n < 0 || b.n > config_.max_tokens)
+    return absl::InvalidArgumentError(
+        absl::StrCat("tokens: ", b.n, " is outside [0, ", config_.max_tokens, "]"));
+  if (b.routing.n != b.n)
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk_ids: ", b.routing.n, " rows for ", b.n, " tokens"));
+  if (b.n > 0 && (b.routing.k < 1 || b.routing.k > config_.max_top_k))
+    return absl::InvalidArgumentError(
+        absl::StrCat("topk_ids: k = ", b.routing.k, " is outside [1, ", config_.max_top_k, "]"));
+  if (b.n > 0 && (b.tokens == nullptr || b.routing.ids == nullptr || b.routing.weights == nullptr ||
+                  call.out == nullptr))
+    return absl::InvalidArgumentError("hidden/topk_ids/topk_weights/out: null pointer");
+  if (call.kind == MemoryKind::kDevice && !backend_->has_device_memory())
+    return absl::InvalidArgumentError("kind: device pointers given to a backend without device memory");
+  return absl::OkStatus();
+}
+
+// The call's routing in host memory (a copy of T*k ids/weights from the
+// device when it lives there).
+absl::Status LayerDispatcher::CopyRouting(const LayerCall& call, std::vector<int32_t>& ids,
+                                          std::vector<float>& weights) {
+  const RoutingView& r = call.batch.routing;
+  const int T = call.batch.n, k = std::max(r.k, 1);
+  ids.resize(static_cast<size_t>(T) * k);
+  weights.resize(ids.size());
+  if (T == 0) return absl::OkStatus();
+  if (call.kind == MemoryKind::kDevice)
+    return backend_->RoutingToHost(r.ids, r.weights, T * k, ids.data(), weights.data());
+  std::memcpy(ids.data(), r.ids, ids.size() * sizeof(int32_t));
+  std::memcpy(weights.data(), r.weights, weights.size() * sizeof(float));
+  return absl::OkStatus();
+}
+
+// The split of a validated routing of `layer` (PlanMisses) into impl_->plan,
+// against the slot map and the servers as they are now. Servers due a retry
+// are reconnected first when the call has misses.
+absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
+  Impl& m = *impl_;
+  const int E = spec_.num_experts;
+  for (int e = 0; e < E; ++e) {
+    const int slot = cache_->ReadySlot(layer, e);
+    m.slot_buffer[e] = slot >= 0 ? SlotBuffer(layer, slot) : -1;
+  }
+  bool any_miss = false;
+  for (size_t i = 0, n = static_cast<size_t>(routing.n) * routing.k; i < n && !any_miss; ++i)
+    any_miss = routing.ids[i] >= 0 && m.slot_buffer[routing.ids[i]] < 0;
+  const Clock::time_point now = Clock::now();
+  m.plan_servers.resize(m.servers.size());
+  for (size_t i = 0; i < m.servers.size(); ++i) {
+    Server& sv = m.servers[i];
+    if (sv.transport == nullptr && sv.enabled && sv.down_until <= now && any_miss)
+      if (!ConnectServer(i).ok()) sv.down_until = now + config_.server_retry;
+    m.plan_servers[i] = PlanServer{sv.enabled && sv.transport != nullptr && sv.down_until <= now, &sv.hosts,
+                                   sv.chunk_tokens};
+  }
+  MissPlanInput in;
+  in.layer = layer;
+  in.routing = routing;
+  in.num_experts = E;
+  in.slot_buffer = m.slot_buffer.data();
+  in.servers = m.plan_servers.data();
+  in.num_servers = static_cast<int>(m.plan_servers.size());
+  in.hit_row_align = backend_->hit_row_align();
+  in.copy_mode = config_.copy_mode;
+  in.can_copy = host_ != nullptr && !m.temp_fence.empty();
+  in.copy_min_tokens = config_.copy_min_tokens;
+  in.cost = &cost_;
+  return PlanMisses(in, &m.plan);
+}
+
 // Ships the CPU misses, enqueues the hits, the copied experts and the cache
-// admissions of a call whose routing Submit has split.
-absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_list_in) {
+// admissions of a call whose routing Submit has planned.
+absl::Status LayerDispatcher::Dispatch(int ticket) {
   Impl& m = *impl_;
   Context& ctx = m.contexts[ticket];
-  const LayerCall& call = ctx.call;
-  CallStats& stats = ctx.stats;
-  const int T = call.T, k = std::max(call.k, 1), E = spec_.num_experts, H = spec_.hidden;
-  const std::vector<int>& server_of = m.server_of;
-  std::vector<int> copy_list = copy_list_in;
-
-  for (int e : m.missed) stats.cpu_experts += server_of[e] >= 0;
-  // 1. Ship the CPU misses, per server, before any device compute is enqueued.
-  // host_offset: the shipment's first row in the context's send/recv buffers.
-  size_t offset = 0;
-  for (size_t s = 0; s < m.servers.size(); ++s) {
-    Server& server = m.servers[s];
-    auto mine = [&](int e) { return e >= 0 && m.hit_slot[e] < 0 && server_of[e] == static_cast<int>(s); };
-    std::vector<int32_t>& rows = m.rows;
-    rows.clear();
-    for (int t = 0; t < T; ++t)
-      for (int j = 0; j < k; ++j)
-        if (mine(ctx.ids[static_cast<size_t>(t) * k + j])) {
-          rows.push_back(t);
-          break;
-        }
-    for (size_t begin = 0; begin < rows.size(); begin += server.chunk_tokens) {
-      const int n = static_cast<int>(std::min<size_t>(server.chunk_tokens, rows.size() - begin));
-      Shipment sh;
-      sh.server = static_cast<int>(s);
-      sh.n = n;
-      sh.k = k;
-      sh.rows.assign(rows.begin() + begin, rows.begin() + begin + n);
-      sh.ids.assign(static_cast<size_t>(n) * k, -1);
-      sh.weights.assign(sh.ids.size(), 0.0f);
-      const uint64_t epoch = ++m.mark_epoch;
-      for (int i = 0; i < n; ++i)
-        for (int j = 0; j < k; ++j) {
-          const size_t src = static_cast<size_t>(sh.rows[i]) * k + j;
-          const int e = ctx.ids[src];
-          if (!mine(e)) continue;
-          sh.ids[static_cast<size_t>(i) * k + j] = e;
-          sh.weights[static_cast<size_t>(i) * k + j] = ctx.weights[src];
-          ++sh.pairs;
-          if (m.expert_mark[e] != epoch) {
-            m.expert_mark[e] = epoch;
-            ++sh.experts;
-          }
-        }
-      stats.cpu_pairs += sh.pairs;
-      sh.host_offset = offset;
-      offset += n;
-      stats.miss_tokens += n;
-      stats.bytes_shipped += static_cast<uint64_t>(n) * (2 * H * sizeof(bf16_t) + k * 8);
-      ctx.shipments.push_back(std::move(sh));
+  const int layer = ctx.call.batch.layer;
+  // 1. The CPU misses, per server, before any device compute is enqueued.
+  MOE_RETURN_IF_ERROR(ShipMisses(ticket));
+  // 2. Hits: one grouped launch over the cached experts, the plan's groups as they are.
+  if (m.plan.hits.num_groups() > 0) {
+    ctx.stats.hit_pairs = m.plan.hits.total_pairs;
+    MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, m.plan.hit_plan()));
+  }
+  // 3. Bookkeeping.
+  m.access_pairs.clear();
+  for (int e : m.plan.accessed) m.access_pairs.push_back(m.plan.hit_pairs[e] + m.plan.miss_pairs[e]);
+  cache_->RecordAccess(layer, m.plan.accessed, m.access_pairs);
+  if (config_.on_access)
+    for (int e : m.plan.accessed) {
+      if (m.plan.hit_pairs[e] > 0) config_.on_access(layer, e, m.plan.hit_pairs[e], true);
+      if (m.plan.miss_pairs[e] > 0) config_.on_access(layer, e, m.plan.miss_pairs[e], false);
     }
+  // 4. Copy-instead-of-compute.
+  MOE_RETURN_IF_ERROR(ComputeCopies(ticket));
+  // 5. Admissions for later calls (after the compute above, so an evicted
+  // slot is overwritten only once it was read).
+  return StartAdmissions(ticket);
+}
+
+// Turns the plan's server batches into the context's shipments and hands them
+// to the transports: gathered straight into the transport's memory (staged)
+// where it has some, else through the context's send buffer.
+absl::Status LayerDispatcher::ShipMisses(int ticket) {
+  Impl& m = *impl_;
+  Context& ctx = m.contexts[ticket];
+  CallStats& stats = ctx.stats;
+  const int H = spec_.hidden;
+  stats.cpu_experts += m.plan.cpu_experts;
+  size_t offset = 0;  // the shipment's first row in the context's send/recv buffers
+  for (ServerBatch& b : m.plan.batches) {
+    Shipment& sh = ctx.shipments.emplace_back();
+    stats.cpu_pairs += b.pairs;
+    stats.miss_tokens += b.n;
+    stats.bytes_shipped += static_cast<uint64_t>(b.n) * (2 * H * sizeof(bf16_t) + b.k * 8);
+    sh.host_offset = offset;
+    offset += b.n;
+    sh.batch = std::move(b);
   }
   const std::chrono::microseconds polling =
-      T <= config_.poll_max_tokens ? config_.poll_window : std::chrono::microseconds(0);
+      ctx.call.batch.n <= config_.poll_max_tokens ? config_.poll_window : std::chrono::microseconds(0);
   for (Shipment& sh : ctx.shipments) {
-    Server& server = m.servers[sh.server];
+    Server& server = m.servers[sh.batch.server];
     if (server.polling != polling) {
       server.transport->SetPolling(polling);
       server.polling = polling;
     }
     bf16_t* dst = nullptr;
     if (server.registered) {
-      absl::StatusOr<StagedBatch> staged = server.transport->Stage(sh.n, sh.k, ctx.deadline);
+      absl::StatusOr<StagingArea> staged = server.transport->Stage(sh.batch.n, sh.batch.k, ctx.deadline);
       if (staged.ok()) {
         sh.staged = true;
         sh.stage = *staged;
@@ -810,78 +810,42 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
       }
     }
     if (dst == nullptr) dst = ctx.send.data() + sh.host_offset * H;
-    absl::StatusOr<uint64_t> f = backend_->GatherRows(ticket, sh.rows.data(), sh.n, dst);
-    if (!f.ok()) return f.status();
-    if (absl::Status st = backend_->WaitCompute(*f); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(Gather(ticket, sh.batch.rows, dst));
     if (sh.staged) {
-      std::memcpy(sh.stage.expert_ids, sh.ids.data(), sh.ids.size() * sizeof(int32_t));
-      std::memcpy(sh.stage.expert_weights, sh.weights.data(), sh.weights.size() * sizeof(float));
+      std::memcpy(sh.stage.expert_ids, sh.batch.ids.data(), sh.batch.ids.size() * sizeof(int32_t));
+      std::memcpy(sh.stage.expert_weights, sh.batch.weights.data(), sh.batch.weights.size() * sizeof(float));
       sh.sent = Clock::now();
-      sh.done = server.transport->SubmitStaged(sh.stage, static_cast<uint32_t>(call.layer), ctx.deadline);
+      sh.done = server.transport->SubmitStaged(sh.stage, static_cast<uint32_t>(ctx.call.batch.layer), ctx.deadline);
     } else {
-      MissBatch b{static_cast<uint32_t>(call.layer), sh.n, sh.k, dst, sh.ids.data(), sh.weights.data()};
       sh.sent = Clock::now();
-      sh.done = server.transport->Submit(b, ctx.recv.data() + sh.host_offset * H, ctx.deadline);
+      sh.done = server.transport->Submit(ShipmentBatch(ctx.call.batch.layer, sh.batch, dst),
+                                         ctx.recv.data() + sh.host_offset * H, ctx.deadline);
     }
   }
+  return absl::OkStatus();
+}
 
-  // 2. Hits: one grouped launch over the cached experts.
-  m.plan_buffer.clear();
-  m.plan_begin.clear();
-  m.plan_count.clear();
-  std::vector<int32_t>& group_of = m.group_of;
-  group_of.assign(E, -1);
-  int rows = 0, max_count = 0;
-  for (int e : m.access_experts)
-    if (m.hit_count[e] > 0) {
-      group_of[e] = static_cast<int32_t>(m.plan_buffer.size());
-      m.plan_buffer.push_back(SlotBuffer(call.layer, m.hit_slot[e]));
-      m.plan_begin.push_back(rows);
-      m.plan_count.push_back(0);
-      rows += m.hit_count[e];
-      max_count = std::max(max_count, m.hit_count[e]);
-    }
-  if (rows > 0) {
-    m.plan_token.assign(rows, -1);
-    m.plan_weight.assign(rows, 0.0f);
-    for (size_t i = 0; i < ctx.ids.size(); ++i) {
-      const int e = ctx.ids[i];
-      if (e < 0 || m.hit_slot[e] < 0) continue;
-      const int g = group_of[e];
-      const int r = m.plan_begin[g] + m.plan_count[g]++;
-      m.plan_token[r] = static_cast<int32_t>(i / k);
-      m.plan_weight[r] = ctx.weights[i];
-    }
-    stats.hit_pairs = rows;
-    HitPlan plan{static_cast<int>(m.plan_buffer.size()), m.plan_buffer.data(), m.plan_begin.data(),
-                 m.plan_count.data(), rows, m.plan_token.data(), m.plan_weight.data(), max_count};
-    if (absl::Status st = backend_->RunExperts(ticket, plan); !st.ok()) return st;
-  }
+// The call's rows `rows` gathered into host memory `dst`, complete on return.
+absl::Status LayerDispatcher::Gather(int ticket, const std::vector<int32_t>& rows, bf16_t* dst) {
+  MOE_ASSIGN_OR_RETURN(const uint64_t f,
+                       backend_->GatherRows(ticket, rows.data(), static_cast<int>(rows.size()), dst));
+  return backend_->WaitCompute(f);
+}
 
-  // 3. Bookkeeping; copy-every-miss admits the copied experts into the cache
-  // (the plain LRU offload), computing them from their new slots.
-  cache_->RecordAccess(call.layer, m.access_experts, m.access_pairs);
-  if (config_.on_access)
-    for (int e : m.access_experts) {
-      if (m.hit_count[e] > 0) config_.on_access(call.layer, e, m.hit_count[e], true);
-      if (m.miss_count[e] > 0) config_.on_access(call.layer, e, m.miss_count[e], false);
-    }
-  auto pairs_of = [&](int e, std::vector<int32_t>* tokens, std::vector<float>* weights) {
-    for (size_t i = 0; i < ctx.ids.size(); ++i)
-      if (ctx.ids[i] == e) {
-        tokens->push_back(static_cast<int32_t>(i / k));
-        weights->push_back(ctx.weights[i]);
-      }
-  };
+// The plan's copied experts: under copy-every-miss admitted into the cache
+// (the plain LRU offload) and computed from their new slots; the rest through
+// the temporary buffers.
+absl::Status LayerDispatcher::ComputeCopies(int ticket) {
+  Impl& m = *impl_;
+  const MissPlan& plan = m.plan;
+  const int layer = m.contexts[ticket].call.batch.layer;
+  std::vector<int> copy_list = plan.copy_experts;
   if (config_.copy_mode == CopyMode::kAlways && config_.policy != CachePolicyKind::kStatic &&
       !copy_list.empty()) {
-    std::vector<SlotCopy> copies =
-        cache_->PlanAdmissions(call.layer, copy_list, static_cast<int>(copy_list.size()));
+    std::vector<SlotCopy> copies = cache_->PlanAdmissions(layer, copy_list, static_cast<int>(copy_list.size()));
     for (const SlotCopy& copy : copies) {
-      std::vector<int32_t> tokens;
-      std::vector<float> weights;
-      pairs_of(copy.expert, &tokens, &weights);
-      absl::StatusOr<uint64_t> f = ComputeCopied(ticket, copy.expert, SlotBuffer(call.layer, copy.slot), tokens, weights);
+      absl::StatusOr<uint64_t> f =
+          ComputeCopied(ticket, plan.copies, plan.copy_group(copy.expert), SlotBuffer(layer, copy.slot));
       if (!f.ok()) {
         cache_->AbortCopy(copy);
         return f.status();
@@ -891,66 +855,71 @@ absl::Status LayerDispatcher::Dispatch(int ticket, const std::vector<int>& copy_
       copy_list.erase(std::find(copy_list.begin(), copy_list.end(), copy.expert));
     }
   }
-  // 4. Copy-instead-of-compute through the temporary buffers.
-  for (int e : copy_list) {
-    std::vector<int32_t> tokens;
-    std::vector<float> weights;
-    pairs_of(e, &tokens, &weights);
-    absl::StatusOr<uint64_t> f = ComputeCopied(ticket, e, -1, tokens, weights);
-    if (!f.ok()) return f.status();
-  }
-  // 5. Admissions for later calls (after the compute above, so an evicted
-  // slot is overwritten only once it was read): predictive prefetches the
-  // next layers' predicted experts; lru/lfru admit this call's misses.
+  for (int e : copy_list) MOE_RETURN_IF_ERROR(ComputeCopied(ticket, plan.copies, plan.copy_group(e), -1).status());
+  return absl::OkStatus();
+}
+
+// Cache admissions after a call: predictive prefetches the next layers'
+// predicted experts; lru/lfru admit this call's misses.
+absl::Status LayerDispatcher::StartAdmissions(int ticket) {
+  Impl& m = *impl_;
+  Context& ctx = m.contexts[ticket];
+  const int layer = ctx.call.batch.layer;
   if (admission_ != nullptr && host_ != nullptr && config_.copy_mode != CopyMode::kAlways) {
     const double now = Seconds(Clock::now() - epoch_);
-    const PredictionQuality before = admission_->predictor().quality(call.layer);
-    absl::StatusOr<std::vector<SlotCopy>> planned =
-        admission_->OnLayer(*cache_, call.layer, T, k, ctx.ids.data(), now, std::max(now, link_free_s_));
-    if (!planned.ok()) return planned.status();
-    const PredictionQuality& after = admission_->predictor().quality(call.layer);
+    const PredictionQuality before = admission_->predictor().quality(layer);
+    MOE_ASSIGN_OR_RETURN(const std::vector<SlotCopy> planned,
+                         admission_->OnLayer(*cache_, layer, ctx.call.batch.n, std::max(ctx.call.batch.routing.k, 1),
+                                             ctx.ids.data(), now, std::max(now, link_free_s_)));
+    const PredictionQuality& after = admission_->predictor().quality(layer);
     if (config_.on_cache_activity && after.predicted > before.predicted)
-      config_.on_cache_activity(call.layer, 0, 0, after.predicted - before.predicted, after.correct - before.correct);
-    if (!planned->empty()) link_free_s_ = std::max(now, link_free_s_) + cost_.copy_s * planned->size();
+      config_.on_cache_activity(layer, 0, 0, after.predicted - before.predicted, after.correct - before.correct);
+    if (!planned.empty()) link_free_s_ = std::max(now, link_free_s_) + cost_.copy_s * planned.size();
     // Copies into the next layers' slots (StartSlotCopies orders them after
     // the compute recorded so far, so slots of earlier calls are read first).
-    for (const SlotCopy& copy : *planned)
-      if (absl::Status st = StartSlotCopies(copy.layer, {copy}); !st.ok()) return st;
+    for (const SlotCopy& copy : planned) MOE_RETURN_IF_ERROR(StartSlotCopies(copy.layer, {copy}));
   } else if (host_ != nullptr && config_.policy != CachePolicyKind::kStatic && admission_ == nullptr &&
-      config_.copy_mode != CopyMode::kAlways && !m.missed.empty() && config_.admissions_per_call > 0) {
-    std::vector<SlotCopy> copies = cache_->PlanAdmissions(call.layer, m.missed, config_.admissions_per_call);
-    if (absl::Status st = StartSlotCopies(call.layer, copies); !st.ok()) return st;
+             config_.copy_mode != CopyMode::kAlways && !m.plan.missed.empty() && config_.admissions_per_call > 0) {
+    std::vector<SlotCopy> copies = cache_->PlanAdmissions(layer, m.plan.missed, config_.admissions_per_call);
+    MOE_RETURN_IF_ERROR(StartSlotCopies(layer, copies));
   }
   return absl::OkStatus();
 }
 
-// Copies expert `expert` of the call's layer into `buffer` (-1: the next
-// temporary buffer of the layer's parity) and computes its pairs there.
-absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, int expert, int buffer,
-                                                        const std::vector<int32_t>& tokens,
-                                                        const std::vector<float>& weights) {
+// Copies the expert of group g of `groups` (of the call's layer) into
+// `buffer` (-1: the next temporary buffer of the layer's parity) and computes
+// the group's pairs there.
+absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const ExpertGroups& groups, int g,
+                                                        int buffer) {
   Impl& m = *impl_;
   Context& ctx = m.contexts[ticket];
+  const int layer = ctx.call.batch.layer, expert = groups.expert[g];
   int ti = -1;
   uint64_t after = 0;
   if (buffer < 0) {
-    const int parity = ctx.call.layer & 1;
+    const int parity = layer & 1;
     ti = parity * config_.miss_buffers + m.temp_next[parity]++ % config_.miss_buffers;
     buffer = m.temp_base + ti;
     after = m.temp_fence[ti];
   } else {
     after = backend_->RecordCompute();  // an evicted slot may still be read by earlier calls
   }
-  absl::StatusOr<uint64_t> f = backend_->LoadExpert(buffer, host_->Find(ctx.call.layer, expert), after);
-  if (!f.ok()) return f.status();
-  backend_->ComputeWaitCopy(*f);
-  const int32_t zero = 0, count = static_cast<int32_t>(tokens.size());
-  HitPlan plan{1, &buffer, &zero, &count, count, tokens.data(), weights.data(), count};
-  if (absl::Status st = backend_->RunExperts(ticket, plan); !st.ok()) return st;
+  MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(buffer, host_->Find(layer, expert), after));
+  backend_->ComputeWaitCopy(f);
+  // The group alone, from row 0 (aligned for any backend).
+  ExpertGroups& one = m.one_group;
+  const int32_t begin = groups.row_begin[g], count = groups.count[g];
+  one.expert.assign(1, expert);
+  one.row_begin.assign(1, 0);
+  one.count.assign(1, count);
+  one.token.assign(groups.token.begin() + begin, groups.token.begin() + begin + count);
+  one.weight.assign(groups.weight.begin() + begin, groups.weight.begin() + begin + count);
+  one.total_rows = one.total_pairs = count;
+  MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&one, &buffer}));
   if (ti >= 0) m.temp_fence[ti] = backend_->RecordCompute();
   ctx.stats.copied_pairs += count;
   ++ctx.stats.copied_experts;
-  return *f;
+  return f;
 }
 
 // Gives back everything a failed call holds; its output is discarded.
@@ -959,7 +928,7 @@ void LayerDispatcher::Abort(int ticket) {
   Context& ctx = m.contexts[ticket];
   for (Shipment& sh : ctx.shipments) {
     if (sh.done.valid()) sh.done.wait();
-    if (sh.staged) m.servers[sh.server].transport->Release(sh.stage);
+    if (sh.staged) m.servers[sh.batch.server].transport->Release(sh.stage);
   }
   ctx.shipments.clear();
   (void)backend_->FinishCall(ticket, nullptr, ctx.call.kind);
@@ -971,109 +940,9 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   if (ticket < 0 || ticket >= static_cast<int>(m.contexts.size()) || !m.contexts[ticket].busy)
     return absl::InvalidArgumentError(absl::StrCat("ticket: ", ticket, " is not a call in flight"));
   Context& ctx = m.contexts[ticket];
-  const int H = spec_.hidden;
   const Clock::time_point t0 = Clock::now();
-  absl::Status result;
   uint64_t last_fence = 0;
-
-  // Computes the pairs of a failed shipment on the device, expert by expert.
-  auto copy_shipment = [&](const Shipment& sh) -> absl::Status {
-    std::vector<int> experts;
-    for (int32_t e : sh.ids)
-      if (e >= 0) experts.push_back(e);
-    std::sort(experts.begin(), experts.end());
-    experts.erase(std::unique(experts.begin(), experts.end()), experts.end());
-    for (int e : experts) {
-      std::vector<int32_t> tokens;
-      std::vector<float> weights;
-      for (size_t i = 0; i < sh.ids.size(); ++i)
-        if (sh.ids[i] == e) {
-          tokens.push_back(sh.rows[i / sh.k]);
-          weights.push_back(sh.weights[i]);
-        }
-      absl::StatusOr<uint64_t> f = ComputeCopied(ticket, e, -1, tokens, weights);
-      if (!f.ok()) return f.status();
-    }
-    return absl::OkStatus();
-  };
-
-  int timed_server = -1;
-  for (Shipment& sh : ctx.shipments) {
-    // The first batch a server got in this call is timed for the cost model
-    // (later ones queue behind it); one already answered bounds it from above.
-    const bool timed = sh.server != timed_server;
-    timed_server = sh.server;
-    const bool ready = sh.done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-    // The transport's completion thread polls in decode; this thread spins
-    // only briefly (a core more would compete with the server's pool).
-    absl::Status st = AwaitResult(sh.done);
-    if (timed && st.ok()) cost_.ObserveCpu(sh.experts, sh.pairs, Seconds(Clock::now() - sh.sent), ready);
-    const bf16_t* partial = sh.staged ? sh.stage.output : ctx.recv.data() + sh.host_offset * H;
-    while (!st.ok() && result.ok()) {
-      if (!IsServerFailure(st)) {
-        result = st;  // the server rejected the batch: a bug or bad input, not a failover case
-        break;
-      }
-      ++ctx.stats.failovers;
-      m.servers[sh.server].down_until = Clock::now() + config_.server_retry;
-      if (sh.staged) {
-        m.servers[sh.server].transport->Release(sh.stage);
-        sh.staged = false;
-      }
-      // Another server hosting every expert of the batch?
-      int next = -1;
-      const Clock::time_point now = Clock::now();
-      for (size_t s = 0; s < m.servers.size() && next < 0; ++s) {
-        if (static_cast<int>(s) == sh.server || !m.servers[s].enabled || m.servers[s].transport == nullptr ||
-            m.servers[s].down_until > now)
-          continue;
-        bool all = true;
-        for (int32_t e : sh.ids) all = all && (e < 0 || m.servers[s].hosts[e]);
-        if (all) next = static_cast<int>(s);
-      }
-      if (next >= 0 && now < ctx.deadline) {
-        sh.server = next;
-        bf16_t* dst = ctx.send.data() + sh.host_offset * H;
-        absl::StatusOr<uint64_t> f = backend_->GatherRows(ticket, sh.rows.data(), sh.n, dst);
-        if (!f.ok()) {
-          result = f.status();
-          break;
-        }
-        if (absl::Status w = backend_->WaitCompute(*f); !w.ok()) {
-          result = w;
-          break;
-        }
-        MissBatch b{static_cast<uint32_t>(ctx.call.layer), sh.n, sh.k, dst, sh.ids.data(), sh.weights.data()};
-        bf16_t* out = ctx.recv.data() + sh.host_offset * H;
-        sh.done = m.servers[next].transport->Submit(b, out, ctx.deadline);
-        st = AwaitResult(sh.done);
-        partial = out;
-        continue;
-      }
-      if (host_ != nullptr && config_.copy_fallback && !m.temp_fence.empty()) {
-        if (absl::Status c = copy_shipment(sh); !c.ok()) {
-          result = c;
-          break;
-        }
-        for (int32_t e : sh.ids) ctx.stats.cpu_pairs -= e >= 0;  // computed on the device instead
-        partial = nullptr;  // computed on the device; nothing to add
-        st = absl::OkStatus();
-        break;
-      }
-      result = absl::UnavailableError(absl::StrCat(
-          "servers: ", m.servers[sh.server].config.address, " failed (", st.message(),
-          ") and no other server or device copy can take layer ", ctx.call.layer, "'s misses"));
-    }
-    if (!result.ok()) break;
-    if (partial != nullptr && sh.n > 0) {
-      absl::StatusOr<uint64_t> f = backend_->AddRows(ticket, sh.rows.data(), sh.n, partial);
-      if (!f.ok()) {
-        result = f.status();
-        break;
-      }
-      last_fence = *f;
-    }
-  }
+  const absl::Status result = AddPartials(ticket, &last_fence);
   // FinishCall waits for all of the call's device work, the reads of the
   // partial sums (AddRows) included: only then are the slots given back (one
   // sync per call instead of two).
@@ -1083,7 +952,7 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   if (absl::Status sig = backend_->SignalStream(ctx.call.stream); fin.ok()) fin = sig;
   for (Shipment& sh : ctx.shipments) {
     if (sh.done.valid()) sh.done.wait();  // failed-early calls: nothing may still write
-    if (sh.staged) m.servers[sh.server].transport->Release(sh.stage);
+    if (sh.staged) m.servers[sh.batch.server].transport->Release(sh.stage);
     sh.staged = false;
   }
   ctx.shipments.clear();
@@ -1098,10 +967,104 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   return fin;
 }
 
+// Waits for every shipment of the call (failing over those whose server
+// failed) and adds the servers' partial sums; *last_fence: the fence after
+// the last AddRows.
+absl::Status LayerDispatcher::AddPartials(int ticket, uint64_t* last_fence) {
+  Impl& m = *impl_;
+  Context& ctx = m.contexts[ticket];
+  int timed_server = -1;
+  for (size_t i = 0; i < ctx.shipments.size(); ++i) {
+    Shipment& sh = ctx.shipments[i];
+    // The first batch a server got in this call is timed for the cost model
+    // (later ones queue behind it); one already answered bounds it from above.
+    const bool timed = sh.batch.server != timed_server;
+    timed_server = sh.batch.server;
+    const bool ready = sh.done.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    // The transport's completion thread polls in decode; this thread spins
+    // only briefly (a core more would compete with the server's pool).
+    absl::Status st = AwaitResult(sh.done);
+    if (timed && st.ok())
+      cost_.ObserveCpu(sh.batch.experts, sh.batch.pairs, Seconds(Clock::now() - sh.sent), ready);
+    const bf16_t* partial = sh.staged ? sh.stage.output : ctx.recv.data() + sh.host_offset * spec_.hidden;
+    if (!st.ok()) MOE_RETURN_IF_ERROR(FailOver(ticket, i, std::move(st), &partial));
+    if (partial != nullptr && sh.batch.n > 0) {
+      MOE_ASSIGN_OR_RETURN(*last_fence, backend_->AddRows(ticket, sh.batch.rows.data(), sh.batch.n, partial));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Shipment `index` of the call failed with `st`. A server failure
+// (UNAVAILABLE / DEADLINE_EXCEEDED / ...) moves it to another server hosting
+// every expert of the batch, while the deadline allows, else computes it on
+// the device from host copies (copy_fallback), else is UNAVAILABLE; any other
+// error (the server rejected the batch: a bug or bad input) is returned as
+// is. On OK *partial is the output to add, null when computed on the device.
+absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st, const bf16_t** partial) {
+  Impl& m = *impl_;
+  Context& ctx = m.contexts[ticket];
+  Shipment& sh = ctx.shipments[index];
+  const int H = spec_.hidden;
+  while (!st.ok()) {
+    if (!IsServerFailure(st)) return st;
+    ++ctx.stats.failovers;
+    m.servers[sh.batch.server].down_until = Clock::now() + config_.server_retry;
+    if (sh.staged) {
+      m.servers[sh.batch.server].transport->Release(sh.stage);
+      sh.staged = false;
+    }
+    const Clock::time_point now = Clock::now();
+    const int next = OtherServerFor(sh.batch, now);
+    if (next >= 0 && now < ctx.deadline) {
+      sh.batch.server = next;
+      bf16_t* dst = ctx.send.data() + sh.host_offset * H;
+      MOE_RETURN_IF_ERROR(Gather(ticket, sh.batch.rows, dst));
+      bf16_t* out = ctx.recv.data() + sh.host_offset * H;
+      sh.done = m.servers[next].transport->Submit(ShipmentBatch(ctx.call.batch.layer, sh.batch, dst), out,
+                                                  ctx.deadline);
+      st = AwaitResult(sh.done);
+      *partial = out;
+      continue;
+    }
+    if (host_ != nullptr && config_.copy_fallback && !m.temp_fence.empty()) {
+      MOE_RETURN_IF_ERROR(ComputeShipmentOnDevice(ticket, sh.batch));
+      ctx.stats.cpu_pairs -= sh.batch.pairs;  // computed on the device instead
+      *partial = nullptr;                     // nothing to add
+      return absl::OkStatus();
+    }
+    return absl::UnavailableError(absl::StrCat(
+        "servers: ", m.servers[sh.batch.server].config.address, " failed (", st.message(),
+        ") and no other server or device copy can take layer ", ctx.call.batch.layer, "'s misses"));
+  }
+  return absl::OkStatus();
+}
+
+// Another usable server than the batch's own hosting every expert of it, or -1.
+int LayerDispatcher::OtherServerFor(const ServerBatch& b, Clock::time_point now) const {
+  for (size_t s = 0; s < impl_->servers.size(); ++s) {
+    const Server& sv = impl_->servers[s];
+    if (static_cast<int>(s) == b.server || !sv.enabled || sv.transport == nullptr || sv.down_until > now) continue;
+    bool all = true;
+    for (int32_t e : b.ids) all = all && (e < 0 || sv.hosts[e]);
+    if (all) return static_cast<int>(s);
+  }
+  return -1;
+}
+
+// A failed server batch computed on the device, expert by expert, from host copies.
+absl::Status LayerDispatcher::ComputeShipmentOnDevice(int ticket, const ServerBatch& b) {
+  ExpertGroups& groups = impl_->failover_groups;
+  GroupByExpert(RoutingView{b.n, b.k, b.ids.data(), b.weights.data()}, spec_.num_experts, 1, &groups);
+  for (int32_t& t : groups.token)
+    if (t >= 0) t = b.rows[t];  // batch rows -> the call's tokens
+  for (int g = 0; g < groups.num_groups(); ++g) MOE_RETURN_IF_ERROR(ComputeCopied(ticket, groups, g, -1).status());
+  return absl::OkStatus();
+}
+
 absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
-  absl::StatusOr<int> ticket = Submit(call);
-  if (!ticket.ok()) return ticket.status();
-  return Complete(*ticket, stats);
+  MOE_ASSIGN_OR_RETURN(const int ticket, Submit(call));
+  return Complete(ticket, stats);
 }
 
 // ---------------------------------------------------------------------------
@@ -1132,31 +1095,34 @@ absl::Status LayerDispatcher::TakeStreamError() {
 absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
   LayerCall call = engine_call;
   if (call.stream == nullptr) call.stream = LegacyDefaultStream();  // stream 0, as CUDA reads it
-  if (call.layer < 0 || call.layer >= spec_.num_layers || layer_index_[call.layer] < 0)
-    return absl::InvalidArgumentError(absl::StrCat("layer: ", call.layer, " is not an MoE layer served here"));
+  const MoeBatch& b = call.batch;
+  if (b.layer < 0 || b.layer >= spec_.num_layers || layer_index_[b.layer] < 0)
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", b.layer, " is not an MoE layer served here"));
   if (call.kind != MemoryKind::kDevice || !backend_->has_device_memory())
     return absl::InvalidArgumentError("memory: capturable calls take device pointers (cuda backend)");
-  if (call.T < 1 || call.T > config_.max_tokens || call.k < 1 || call.k > config_.max_top_k)
-    return absl::InvalidArgumentError(absl::StrCat("tokens/top_k: ", call.T, " x ", call.k, " is outside [1, ",
+  if (b.n < 1 || b.n > config_.max_tokens || b.routing.k < 1 || b.routing.k > config_.max_top_k)
+    return absl::InvalidArgumentError(absl::StrCat("tokens/top_k: ", b.n, " x ", b.routing.k, " is outside [1, ",
                                                    config_.max_tokens, "] x [1, ", config_.max_top_k, "]"));
-  std::unique_ptr<Impl::PlannedLayer>& pl = impl_->planned[layer_index_[call.layer]];
+  if (b.routing.n != b.n)
+    return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", b.routing.n, " rows for ", b.n, " tokens"));
+  std::unique_ptr<Impl::PlannedLayer>& pl = impl_->planned[layer_index_[b.layer]];
   if (!pl) {
     pl = std::make_unique<Impl::PlannedLayer>();
     pl->buffer_of = std::make_unique<std::atomic<int32_t>[]>(spec_.num_experts);
     PollCopies();
-    PublishSlotMap(call.layer);
+    PublishSlotMap(b.layer);
   }
   impl_->planned_stream = call.stream;
   HostPlannedCall hc;
-  hc.site = call.layer;
-  hc.T = call.T;
-  hc.k = call.k;
-  hc.hidden = call.hidden;
-  hc.ids = call.topk_ids;
-  hc.weights = call.topk_weights;
+  hc.site = b.layer;
+  hc.T = b.n;
+  hc.k = b.routing.k;
+  hc.hidden = b.tokens;
+  hc.ids = b.routing.ids;
+  hc.weights = b.routing.weights;
   hc.out = call.out;
   hc.stream = call.stream;
-  const int layer = call.layer;
+  const int layer = b.layer;
   hc.plan = [this, layer](HostPlannedIo& io) { PlanCapturable(layer, io); };
   hc.finish = [this, layer](HostPlannedIo& io) { FinishCapturable(layer, io); };
   return backend_->EnqueueHostPlanned(hc);
@@ -1232,13 +1198,7 @@ void LayerDispatcher::PlanCapturable(int layer, HostPlannedIo& io) {
   for (Impl::PlannedShip& sh : pl.ships) {
     const int n = static_cast<int>(sh.rows.size());
     sh.y.resize(static_cast<size_t>(n) * H);
-    MissBatch b;
-    b.layer = static_cast<uint32_t>(layer);
-    b.n = n;
-    b.k = k;
-    b.tokens = sh.x.data();
-    b.expert_ids = sh.ids.data();
-    b.expert_weights = sh.weights.data();
+    const MoeBatch b{layer, n, sh.x.data(), RoutingView{n, k, sh.ids.data(), sh.weights.data()}};
     sh.done = route[sh.server]->Submit(b, sh.y.data(), deadline);
   }
 }

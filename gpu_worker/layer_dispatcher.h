@@ -7,7 +7,9 @@
 //   1. routing to the host (a copy of T*k ids/weights when it lives on the
 //      device: the host needs it anyway for the transport and the counters),
 //      validated (InvalidArgument naming expert_ids/expert_weights);
-//   2. split: a pair is a hit when its expert is Ready in a cache slot;
+//   2. split (PlanMisses, miss_plan.h, a plain function of the routing, the
+//      slot map, the servers and the cost model): a pair is a hit when its
+//      expert is Ready in a cache slot;
 //   3. copy-instead-of-compute: missed experts whose tokens make copy +
 //      device compute cheaper than the CPU (CostModel: rates probed at Create,
 //      re-estimated online from the calls' observed times) are copied into temporary miss buffers — two sets, alternating by layer
@@ -46,12 +48,14 @@
 
 #include "absl/status/statusor.h"
 #include "core/model_spec.h"
+#include "core/moe_batch.h"
 #include "core/transport/transport.h"
 #include "gpu_worker/admission_policy.h"
 #include "gpu_worker/cost_model.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/expert_cache.h"
 #include "gpu_worker/host_expert_store.h"
+#include "gpu_worker/miss_plan.h"
 #include "moe/types.h"
 
 namespace moe {
@@ -64,11 +68,7 @@ struct ExpertServerConfig {
 // Parses "ADDRESS" or "ADDRESS#experts=0-31,40" (ParseIndexList syntax).
 absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, int num_experts);
 
-enum class CopyMode {
-  kAuto,     // copy an uncached expert when the measured rates say it pays
-  kNever,    // misses always go to the CPU (except failover)
-  kAlways,   // every miss is copied to the device (the plain "LRU offload" baseline)
-};
+// CopyMode (miss_plan.h): auto | never | always.
 absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name);
 
 struct DispatcherConfig {
@@ -110,15 +110,11 @@ struct DispatcherConfig {
   std::function<void(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used)> on_cache_activity;
 };
 
-// One layer call. hidden [T,H] bf16, topk_ids [T,k] i32 (-1 = unused),
-// topk_weights [T,k] f32, out [T,H] bf16; all in `kind` memory.
+// One layer call: the batch (T = batch.n tokens, hidden [T,H] bf16 in
+// batch.tokens, routing [T,k] i32 ids (-1 = unused) and f32 weights) and out
+// [T,H] bf16; all in `kind` memory.
 struct LayerCall {
-  int layer = 0;
-  int T = 0;
-  int k = 0;
-  const bf16_t* hidden = nullptr;
-  const int32_t* topk_ids = nullptr;
-  const float* topk_weights = nullptr;
+  MoeBatch batch;
   bf16_t* out = nullptr;
   MemoryKind kind = MemoryKind::kHost;
   std::chrono::milliseconds deadline{0};  // 0: the config's
@@ -200,13 +196,33 @@ class LayerDispatcher {
  private:
   struct Impl;
   LayerDispatcher() = default;
+  // Create: the steps of Init.
   absl::Status Init();
+  absl::Status CheckConfig();
+  absl::Status CreateCacheAndBackend();
+  absl::Status ConnectServers();
+  absl::Status AllocateContexts();
+  absl::Status CreateAdmission();
   absl::Status MeasureRates();
+  absl::Status MeasureDeviceRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y);
+  absl::Status MeasureServerRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y);
   void PollCopies();
-  absl::Status Dispatch(int ticket, const std::vector<int>& copy_list);
-  absl::StatusOr<uint64_t> ComputeCopied(int ticket, int expert, int buffer,
-                                         const std::vector<int32_t>& tokens,
-                                         const std::vector<float>& weights);
+  // Submit: the steps of a call until its work is enqueued.
+  absl::StatusOr<int> FreeContext() const;
+  absl::Status CheckCall(const LayerCall& call) const;
+  absl::Status CopyRouting(const LayerCall& call, std::vector<int32_t>& ids, std::vector<float>& weights);
+  absl::Status PlanCall(int layer, const RoutingView& routing);
+  absl::Status Dispatch(int ticket);
+  absl::Status ShipMisses(int ticket);
+  absl::Status Gather(int ticket, const std::vector<int32_t>& rows, bf16_t* dst);
+  absl::Status ComputeCopies(int ticket);
+  absl::Status StartAdmissions(int ticket);
+  absl::StatusOr<uint64_t> ComputeCopied(int ticket, const ExpertGroups& groups, int g, int buffer);
+  // Complete: the partial sums, and failover of a failed shipment.
+  absl::Status AddPartials(int ticket, uint64_t* last_fence);
+  absl::Status FailOver(int ticket, size_t index, absl::Status st, const bf16_t** partial);
+  int OtherServerFor(const ServerBatch& batch, Clock::time_point now) const;
+  absl::Status ComputeShipmentOnDevice(int ticket, const ServerBatch& batch);
   void Abort(int ticket);
   // Publishes server `index`'s transport (null while drained or unconnected) to capturable host functions.
   void PublishRoute(size_t index);

@@ -59,12 +59,7 @@ ModelInfo InfoOf(const ModelSpec& s) {
 LayerCall MakeLayerCall(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                         const float* topk_weights, bf16_t* out, MemoryKind kind, void* cuda_stream) {
   LayerCall call;
-  call.layer = layer;
-  call.T = T;
-  call.k = k;
-  call.hidden = hidden;
-  call.topk_ids = topk_ids;
-  call.topk_weights = topk_weights;
+  call.batch = MoeBatch{layer, T, hidden, RoutingView{T, k, topk_ids, topk_weights}};
   call.out = out;
   call.kind = kind;
   call.stream = cuda_stream;

@@ -86,18 +86,34 @@ struct Plan {
       weight.push_back(0.25f + 0.5f * static_cast<float>((seed * 7919 + i * 104729) % 1000) / 1000.f);
     }
   }
-  HitPlan View() const {
-    HitPlan p;
-    p.num_groups = static_cast<int>(buffer.size());
-    p.buffer = buffer.data();
-    p.row_begin = row_begin.data();
-    p.count = count.data();
-    p.rows = static_cast<int>(token.size());
-    p.token = token.data();
-    p.weight = weight.data();
-    p.max_count = count.empty() ? 0 : *std::max_element(count.begin(), count.end());
-    return p;
+  // The groups as a HitPlan, each group padded to a multiple of `align`
+  // rows (the backend's hit_row_align()).
+  HitPlan View(int align) const {
+    groups_.expert.clear();
+    groups_.row_begin.clear();
+    groups_.count.clear();
+    groups_.token.clear();
+    groups_.weight.clear();
+    for (size_t g = 0; g < buffer.size(); ++g) {
+      groups_.expert.push_back(static_cast<int32_t>(g));
+      groups_.row_begin.push_back(static_cast<int32_t>(groups_.token.size()));
+      groups_.count.push_back(count[g]);
+      groups_.token.insert(groups_.token.end(), token.begin() + row_begin[g], token.begin() + row_begin[g] + count[g]);
+      groups_.weight.insert(groups_.weight.end(), weight.begin() + row_begin[g], weight.begin() + row_begin[g] + count[g]);
+      while (groups_.token.size() % align != 0) {
+        groups_.token.push_back(-1);
+        groups_.weight.push_back(0.0f);
+      }
+    }
+    groups_.total_rows = static_cast<int32_t>(groups_.token.size());
+    groups_.total_pairs = 0;
+    for (int32_t t : groups_.token) groups_.total_pairs += t >= 0;
+    return HitPlan{&groups_, buffer.data()};
   }
+  int max_count() const { return count.empty() ? 0 : *std::max_element(count.begin(), count.end()); }
+
+ private:
+  mutable ExpertGroups groups_;
 };
 
 // The plan of a routing: T tokens x k experts (Zipf-skewed over `experts`
@@ -212,7 +228,7 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
     absl::Status st = backend_->BeginCall(ctx, T, x.data(), MemoryKind::kHost);
     EXPECT_TRUE(st.ok()) << st;
     for (const Plan& p : plans) {
-      st = backend_->RunExperts(ctx, p.View());
+      st = backend_->RunExperts(ctx, p.View(backend_->hit_row_align()));
       EXPECT_TRUE(st.ok()) << st;
     }
     st = backend_->FinishCall(ctx, out.data(), MemoryKind::kHost);
@@ -264,7 +280,7 @@ TEST_P(DeviceBackendTest, UnevenGroupsFromRouting) {
     // 64 tokens x top-4 over 12 Zipf-skewed experts: counts from 1 to > 32
     // (the cuda backend's cuBLAS path), every token receiving 4 experts.
     const Plan p = PlanFromRouting(64, 4, 12, 5);
-    ASSERT_GT(p.View().max_count, 32);
+    ASSERT_GT(p.max_count(), 32);
     ExpectMatches(64, {p}, 21, "routing plan");
     const Plan q = PlanFromRouting(9, 3, 12, 6);  // small groups only
     ExpectMatches(9, {q}, 22, "small routing plan");
@@ -369,7 +385,7 @@ TEST_P(DeviceBackendTest, AddRowsAddsPartials) {
   const std::vector<int32_t> rows = {4, 9, 0, 4};  // row 4 twice
   const std::vector<bf16_t> partial = RandomActivations(rows.size() * g.H, 83, 0.5f);
   ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
-  ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+  ASSERT_TRUE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok());
   absl::StatusOr<uint64_t> f =
       backend_->AddRows(0, rows.data(), static_cast<int>(rows.size()), partial.data());
   ASSERT_TRUE(f.ok()) << f.status();
@@ -419,7 +435,7 @@ TEST_P(DeviceBackendTest, BufferReusedAfterComputeFence) {
   // In one call: compute from buffer 0, then overwrite buffer 0 behind a
   // compute fence; the call's result must still be the old expert's.
   ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
-  ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+  ASSERT_TRUE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok());
   const uint64_t done = backend_->RecordCompute();
   std::vector<bf16_t> replacement = MakeExpert(kWide, 999);
   // Registered, so the cuda copy is asynchronous and only the fence holds it back.
@@ -447,8 +463,8 @@ TEST_P(DeviceBackendTest, TwoContextsInterleave) {
   const Plan p0 = PlanFromRouting(T0, 2, 4, 113), p1 = PlanFromRouting(T1, 3, 4, 114);
   ASSERT_TRUE(backend_->BeginCall(0, T0, x0.data(), MemoryKind::kHost).ok());
   ASSERT_TRUE(backend_->BeginCall(1, T1, x1.data(), MemoryKind::kHost).ok());
-  ASSERT_TRUE(backend_->RunExperts(1, p1.View()).ok());
-  ASSERT_TRUE(backend_->RunExperts(0, p0.View()).ok());
+  ASSERT_TRUE(backend_->RunExperts(1, p1.View(backend_->hit_row_align())).ok());
+  ASSERT_TRUE(backend_->RunExperts(0, p0.View(backend_->hit_row_align())).ok());
   std::vector<bf16_t> out0(static_cast<size_t>(T0) * kTiny.H), out1(static_cast<size_t>(T1) * kTiny.H);
   ASSERT_TRUE(backend_->FinishCall(1, out1.data(), MemoryKind::kHost).ok());
   ASSERT_TRUE(backend_->FinishCall(0, out0.data(), MemoryKind::kHost).ok());
@@ -482,7 +498,7 @@ TEST_P(DeviceBackendTest, RegisteredHostMemory) {
   ASSERT_TRUE(backend_->BeginCall(0, T, x, MemoryKind::kHost).ok());
   absl::StatusOr<uint64_t> gf = backend_->GatherRows(0, rows.data(), T, gathered);
   ASSERT_TRUE(gf.ok()) << gf.status();
-  ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+  ASSERT_TRUE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok());
   absl::StatusOr<uint64_t> af = backend_->AddRows(0, rows.data(), T, partial);
   ASSERT_TRUE(af.ok()) << af.status();
   ASSERT_TRUE(backend_->WaitCompute(*gf).ok());
@@ -538,7 +554,7 @@ TEST_P(DeviceBackendTest, DeviceMemoryCalls) {
   ASSERT_EQ(cudaMemcpy(dx.as<void>(), x.data(), n * sizeof(bf16_t), cudaMemcpyHostToDevice),
             cudaSuccess);
   ASSERT_TRUE(backend_->BeginCall(0, T, dx.as<bf16_t>(), MemoryKind::kDevice).ok());
-  ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+  ASSERT_TRUE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok());
   ASSERT_TRUE(backend_->FinishCall(0, dout.as<bf16_t>(), MemoryKind::kDevice).ok());
   std::vector<bf16_t> out(n);
   ASSERT_EQ(cudaMemcpy(out.data(), dout.as<void>(), n * sizeof(bf16_t), cudaMemcpyDeviceToHost),
@@ -577,7 +593,7 @@ TEST_P(DeviceBackendTest, RejectsOutOfRangeInput) {
   EXPECT_FALSE(backend_->AddRows(0, rows.data(), 1, dst.data()).ok()) << "row >= T";
   Plan p;
   p.AddGroup(0, {0, 4}, 1);
-  EXPECT_FALSE(backend_->RunExperts(0, p.View()).ok()) << "token >= T";
+  EXPECT_FALSE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok()) << "token >= T";
   std::vector<bf16_t> out(4 * kTiny.H);
   EXPECT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
 }
@@ -616,13 +632,13 @@ TEST_P(DeviceBackendTest, DISABLED_DecodeThroughput) {
       p.AddGroup(e, tokens, e);
     }
     ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
-    for (int i = 0; i < 3; ++i) ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok());
     ASSERT_TRUE(backend_->WaitCompute(backend_->RecordCompute()).ok());
     const int reps = 20;
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < reps; ++i) {
       for (int e = 0; e < experts; ++e) p.buffer[e] = (e + (i % 2) * experts) % buffers;
-      ASSERT_TRUE(backend_->RunExperts(0, p.View()).ok());
+      ASSERT_TRUE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok());
     }
     ASSERT_TRUE(backend_->WaitCompute(backend_->RecordCompute()).ok());
     const double s =

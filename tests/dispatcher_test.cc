@@ -144,12 +144,7 @@ class DispatcherTest : public ::testing::TestWithParam<Param> {
   static LayerCall Call(int layer, const Batch& b, std::vector<bf16_t>* out) {
     out->assign(static_cast<size_t>(b.T) * 96, F32ToBf16(123.0f));  // poison: every row must be written
     LayerCall c;
-    c.layer = layer;
-    c.T = b.T;
-    c.k = b.k;
-    c.hidden = b.x.data();
-    c.topk_ids = b.ids.data();
-    c.topk_weights = b.w.data();
+    c.batch = MoeBatch{layer, b.T, b.x.data(), RoutingView{b.T, b.k, b.ids.data(), b.w.data()}};
     c.out = out->data();
     return c;
   }
@@ -623,9 +618,9 @@ TEST_P(DispatcherTest, DevicePointersOnTheCudaBackend) {
     cudaMemcpy(w, b.w.data(), b.w.size() * 4, cudaMemcpyHostToDevice);
     std::vector<bf16_t> out;
     LayerCall call = Call(2, b, &out);
-    call.hidden = static_cast<const bf16_t*>(x);
-    call.topk_ids = static_cast<const int32_t*>(ids);
-    call.topk_weights = static_cast<const float*>(w);
+    call.batch.tokens = static_cast<const bf16_t*>(x);
+    call.batch.routing.ids = static_cast<const int32_t*>(ids);
+    call.batch.routing.weights = static_cast<const float*>(w);
     call.out = static_cast<bf16_t*>(o);
     call.kind = MemoryKind::kDevice;
     CallStats st;

@@ -87,7 +87,7 @@ void ExpectCorrectForward(ExpertTransport& t, uint64_t seed) {
   std::vector<float> w;
   RandomRouting(n, k, 8, seed + 1, 1.0, &ids, &w);
   std::vector<bf16_t> out(size_t(n) * kH);
-  absl::Status st = t.Submit(MissBatch{1, n, k, x.data(), ids.data(), w.data()}, out.data(), Clock::now() + 10s).get();
+  absl::Status st = t.Submit(MoeBatch{1, n, x.data(), RoutingView{n, k, ids.data(), w.data()}}, out.data(), Clock::now() + 10s).get();
   ASSERT_TRUE(st.ok()) << st;
   std::unique_ptr<ModelSource> src = *OpenModel(kModel);
   ReferenceMoe ref(*src);

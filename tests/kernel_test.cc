@@ -77,7 +77,7 @@ class KernelTest : public ::testing::TestWithParam<std::string> {
     std::vector<bf16_t> got16(size_t(n) * shape.H, F32ToBf16(NAN));
     std::fill(got.begin(), got.end(), std::numeric_limits<float>::quiet_NaN());
     ForwardStats stats;
-    ForwardBatch batch{1, n, x.data(), r};
+    MoeBatch batch{1, n, x.data(), r};
     absl::Status st = out_dtype == DType::kF32 ? exec.Forward(batch, DType::kF32, got.data(), &stats)
                                                : exec.Forward(batch, DType::kBF16, got16.data(), &stats);
     ASSERT_TRUE(st.ok()) << st;

@@ -384,7 +384,9 @@ struct Batch {
   std::vector<bf16_t> x;
   std::vector<int32_t> ids;
   std::vector<float> w;
-  MissBatch view() const { return MissBatch{layer, n, k, x.data(), ids.data(), w.data()}; }
+  MoeBatch view() const {
+    return MoeBatch{static_cast<int>(layer), n, x.data(), RoutingView{n, k, ids.data(), w.data()}};
+  }
 };
 
 // n tokens, 2 experts each, for `layer`.

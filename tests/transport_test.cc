@@ -36,8 +36,8 @@ struct Batch {
   std::vector<bf16_t> x;
   std::vector<int32_t> ids;
   std::vector<float> w;
-  MissBatch view(uint32_t layer = 1) const {
-    return MissBatch{layer, n, k, x.data(), ids.data(), w.data()};
+  MoeBatch view(int layer = 1) const {
+    return MoeBatch{layer, n, x.data(), RoutingView{n, k, ids.data(), w.data()}};
   }
 };
 
@@ -124,7 +124,7 @@ TEST_F(TransportTest, StagedBatchesAreZeroCopyAndMatchSubmit) {
     std::vector<bf16_t> expect(size_t(b.n) * kH);
     ASSERT_TRUE(t->Submit(b.view(), expect.data(), In(5000)).get().ok());
     for (int round = 0; round < 20; ++round) {  // more rounds than slots: Release returns them
-      absl::StatusOr<StagedBatch> s = t->Stage(b.n, b.k, In(5000));
+      absl::StatusOr<StagingArea> s = t->Stage(b.n, b.k, In(5000));
       ASSERT_TRUE(s.ok()) << kind << ": " << s.status();
       std::memcpy(s->tokens, b.x.data(), b.x.size() * 2);
       std::memcpy(s->expert_ids, b.ids.data(), b.ids.size() * 4);
@@ -308,7 +308,7 @@ class ShmPollingTest : public ::testing::Test {
     so.num_experts = 8;
     so.idle_spin = std::chrono::microseconds(0);
     so.max_client_poll = cap;
-    absl::StatusOr<std::unique_ptr<ShmServer>> srv = ShmServer::Start(so, [](const MissBatch& b, bf16_t* out) {
+    absl::StatusOr<std::unique_ptr<ShmServer>> srv = ShmServer::Start(so, [](const MoeBatch& b, bf16_t* out) {
       std::memcpy(out, b.tokens, size_t(b.n) * kH * sizeof(bf16_t));  // echo
       return absl::OkStatus();
     });

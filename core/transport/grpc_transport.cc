@@ -21,9 +21,8 @@
 namespace moe {
 namespace {
 
-void EncodeBatch(const MissBatch& b, int hidden, uint64_t id, moe::v1::ForwardRequest* req) {
-  EncodeForwardRequest(b.layer, b.n, hidden, b.tokens, RoutingView{b.n, b.k, b.expert_ids, b.expert_weights}, id,
-                       req);
+void EncodeBatch(const MoeBatch& b, int hidden, uint64_t id, moe::v1::ForwardRequest* req) {
+  EncodeForwardRequest(static_cast<uint32_t>(b.layer), b.n, hidden, b.tokens, b.routing, id, req);
 }
 
 std::chrono::system_clock::time_point ToSystem(Clock::time_point t) {
@@ -61,21 +60,21 @@ class GrpcTransport final : public ExpertTransport {
 
   const char* kind() const override { return unary_ ? "grpc-unary" : "grpc-stream"; }
 
-  absl::StatusOr<StagedBatch> Stage(int n, int k, Clock::time_point) override {
+  absl::StatusOr<StagingArea> Stage(int n, int k, Clock::time_point) override {
     if (n < 1 || k < 1) return absl::InvalidArgumentError("Stage: n and k must be >= 1");
     auto buf = std::make_unique<Staging>();
     buf->tokens.resize(size_t(n) * hidden_);
     buf->ids.resize(size_t(n) * k);
     buf->weights.resize(size_t(n) * k);
     buf->output.resize(size_t(n) * hidden_);
-    StagedBatch s{buf->tokens.data(), buf->ids.data(), buf->weights.data(), buf->output.data(), n, k, 0};
+    StagingArea s{buf->tokens.data(), buf->ids.data(), buf->weights.data(), buf->output.data(), n, k, 0};
     std::lock_guard<std::mutex> lock(mu_);
     s.handle = ++next_staging_;
     staging_[s.handle] = std::move(buf);
     return s;
   }
 
-  std::future<absl::Status> SubmitStaged(const StagedBatch& s, uint32_t layer, Clock::time_point deadline) override {
+  std::future<absl::Status> SubmitStaged(const StagingArea& s, uint32_t layer, Clock::time_point deadline) override {
     bf16_t* out;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -87,15 +86,16 @@ class GrpcTransport final : public ExpertTransport {
       }
       out = it->second->output.data();
     }
-    return Submit(MissBatch{layer, s.n, s.k, s.tokens, s.expert_ids, s.expert_weights}, out, deadline);
+    return Submit(MoeBatch{static_cast<int>(layer), s.n, s.tokens, RoutingView{s.n, s.k, s.expert_ids, s.expert_weights}},
+                  out, deadline);
   }
 
-  void Release(const StagedBatch& s) override {
+  void Release(const StagingArea& s) override {
     std::lock_guard<std::mutex> lock(mu_);
     staging_.erase(s.handle);
   }
 
-  std::future<absl::Status> Submit(const MissBatch& b, bf16_t* out, Clock::time_point deadline) override {
+  std::future<absl::Status> Submit(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) override {
     return unary_ ? SubmitUnary(b, out, deadline) : SubmitStream(b, out, deadline);
   }
 
@@ -108,7 +108,7 @@ class GrpcTransport final : public ExpertTransport {
     std::thread reader;
   };
 
-  std::future<absl::Status> SubmitStream(const MissBatch& b, bf16_t* out, Clock::time_point deadline) {
+  std::future<absl::Status> SubmitStream(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) {
     std::future<absl::Status> fut;
     std::lock_guard<std::mutex> lock(mu_);
     if (!stream_ || stream_->broken) OpenStreamLocked();
@@ -175,7 +175,7 @@ class GrpcTransport final : public ExpertTransport {
     uint64_t id = 0;
   };
 
-  std::future<absl::Status> SubmitUnary(const MissBatch& b, bf16_t* out, Clock::time_point deadline) {
+  std::future<absl::Status> SubmitUnary(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) {
     std::future<absl::Status> fut;
     auto* call = new UnaryCall();
     call->id = pending_.Add(out, b.n, 0, deadline, &fut);

@@ -173,13 +173,11 @@ void ShmServer::Serve(Connection* c) {
       absl::Status st = shm::ValidateRequestSlot(seg, *idx, opt_.num_experts, opt_.num_layers, &req, opt_.hosted);
       const bool valid = st.ok();
       if (valid) {
-        MissBatch b;
-        b.layer = req.layer;
+        MoeBatch b;
+        b.layer = static_cast<int>(req.layer);
         b.n = req.n_tokens;
-        b.k = req.k;
         b.tokens = slot.tokens;
-        b.expert_ids = req.ids.data();
-        b.expert_weights = req.weights.data();
+        b.routing = req.routing();
         st = handler_(b, slot.output);
       }
       shm::WriteResponseStatus(slot, st);

@@ -49,7 +49,7 @@ inline constexpr uint32_t kShmHelloMagic = 0x484d4f4d;  // "MOMH"
 inline constexpr uint32_t kShmProtocolVersion = 1;
 
 // Computes one request: writes [batch.n, H] bf16 into out.
-using ShmHandler = std::function<absl::Status(const MissBatch& batch, bf16_t* out)>;
+using ShmHandler = std::function<absl::Status(const MoeBatch& batch, bf16_t* out)>;
 
 // One request the server answered, for the caller's metrics.
 struct ShmRequestRecord {

@@ -69,7 +69,7 @@ class ShmTransport final : public ExpertTransport {
     return conn_ ? std::pair<void*, size_t>{conn_->base, conn_->bytes} : std::pair<void*, size_t>{nullptr, 0};
   }
 
-  absl::StatusOr<StagedBatch> Stage(int n, int k, Clock::time_point deadline) override {
+  absl::StatusOr<StagingArea> Stage(int n, int k, Clock::time_point deadline) override {
     std::unique_lock<std::mutex> lock(mu_);
     if (!retired_.empty()) ReapRetiredLocked();
     if (!conn_ || conn_->dead.load()) {
@@ -88,10 +88,10 @@ class ShmTransport final : public ExpertTransport {
     const shm::SlotView v = c->seg->slot(slot);
     const uint64_t handle = (c->generation << 32) | slot;
     staged_[handle] = StagedSlot{c, slot, n, k, false, false};
-    return StagedBatch{v.tokens, v.ids, v.weights, v.output, n, k, handle};
+    return StagingArea{v.tokens, v.ids, v.weights, v.output, n, k, handle};
   }
 
-  std::future<absl::Status> SubmitStaged(const StagedBatch& s, uint32_t layer, Clock::time_point deadline) override {
+  std::future<absl::Status> SubmitStaged(const StagingArea& s, uint32_t layer, Clock::time_point deadline) override {
     std::future<absl::Status> fut;
     std::lock_guard<std::mutex> lock(mu_);
     auto it = staged_.find(s.handle);
@@ -115,7 +115,7 @@ class ShmTransport final : public ExpertTransport {
     return fut;
   }
 
-  void Release(const StagedBatch& s) override {
+  void Release(const StagingArea& s) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = staged_.find(s.handle);
     if (it == staged_.end()) return;
@@ -139,7 +139,7 @@ class ShmTransport final : public ExpertTransport {
     return ConnectLocked();
   }
 
-  std::future<absl::Status> Submit(const MissBatch& b, bf16_t* out, Clock::time_point deadline) override {
+  std::future<absl::Status> Submit(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) override {
     std::future<absl::Status> fut;
     std::unique_lock<std::mutex> lock(mu_);
     if (!retired_.empty()) ReapRetiredLocked();
@@ -148,8 +148,8 @@ class ShmTransport final : public ExpertTransport {
     }
     std::shared_ptr<ShmConnection> c = conn_;
     const shm::SegmentGeometry& g = c->seg->geometry();
-    if (b.k < 1 || b.k > static_cast<int>(g.max_pairs))
-      return Ready(absl::InvalidArgumentError(absl::StrCat("expert_ids.shape[1]: ", b.k,
+    if (b.routing.k < 1 || b.routing.k > static_cast<int>(g.max_pairs))
+      return Ready(absl::InvalidArgumentError(absl::StrCat("expert_ids.shape[1]: ", b.routing.k,
                                                            " pairs per token, the segment holds ", g.max_pairs)));
     if (b.n < 1) return Ready(absl::InvalidArgumentError("tokens: empty batch (0 tokens)"));
     const int T = static_cast<int>(g.max_tokens);
@@ -175,9 +175,9 @@ class ShmTransport final : public ExpertTransport {
       batch.slots.push_back({slot, t0, n});
       const shm::SlotView v = c->seg->slot(slot);
       std::memcpy(v.tokens, b.tokens + size_t(t0) * opt_.hidden, size_t(n) * opt_.hidden * 2);
-      std::memcpy(v.ids, b.expert_ids + size_t(t0) * b.k, size_t(n) * b.k * 4);  // [n, k] row-major
-      std::memcpy(v.weights, b.expert_weights + size_t(t0) * b.k, size_t(n) * b.k * 4);
-      shm::WriteRequestHeader(v, id, b.layer, static_cast<uint32_t>(n), static_cast<uint32_t>(b.k));
+      std::memcpy(v.ids, b.routing.ids + size_t(t0) * b.routing.k, size_t(n) * b.routing.k * 4);  // [n, k] row-major
+      std::memcpy(v.weights, b.routing.weights + size_t(t0) * b.routing.k, size_t(n) * b.routing.k * 4);
+      shm::WriteRequestHeader(v, id, static_cast<uint32_t>(b.layer), static_cast<uint32_t>(n), static_cast<uint32_t>(b.routing.k));
       slot_batch_[{c->generation, slot}] = id;
       c->seg->TryPushSubmit(slot);  // cannot be full: at most num_slots slots are ever out
     }

@@ -1,5 +1,5 @@
-// ExpertTransport: how a GPU worker ships one layer's miss batch to a CPU
-// expert server and gets the partial output back. One interface, used by every
+// ExpertTransport: how a GPU worker ships one layer's miss batch (a MoeBatch)
+// to a CPU expert server and gets the partial output back. One interface, used by every
 // caller; two implementations picked by the address:
 //   unix:///path/to/socket  -> shared memory (same host; memfd ring, futex doorbells)
 //   host:port               -> gRPC (one long-lived ForwardStream per transport)
@@ -19,20 +19,25 @@
 
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
+#include "core/moe_batch.h"
 #include "moe/types.h"
 
 namespace moe {
 
 using Clock = std::chrono::steady_clock;
 
-// One layer's misses: n tokens with up to k (expert, weight) pairs each.
+// Transitional: the former name of a shipped batch, kept only so that
+// cpu_expert_server/main.cc's shm handler (which takes one) compiles until it
+// takes a MoeBatch; converts from one. Do not use in new code.
 struct MissBatch {
-  uint32_t layer = 0;
-  int n = 0;
-  int k = 0;
-  const bf16_t* tokens = nullptr;          // [n, H]
-  const int32_t* expert_ids = nullptr;     // [n, k], -1 = unused slot
-  const float* expert_weights = nullptr;   // [n, k]
+  MissBatch(const MoeBatch& b)  // NOLINT: implicit on purpose (see above)
+      : layer(static_cast<uint32_t>(b.layer)), n(b.n), k(b.routing.k), tokens(b.tokens),
+        expert_ids(b.routing.ids), expert_weights(b.routing.weights) {}
+  uint32_t layer;
+  int n, k;
+  const bf16_t* tokens;
+  const int32_t* expert_ids;
+  const float* expert_weights;
 };
 
 struct TransportOptions {
@@ -48,12 +53,13 @@ struct TransportOptions {
   std::chrono::milliseconds connect_timeout{5000};
 };
 
-// A batch staged in memory the transport owns, so a producer (e.g. a GPU
-// copy engine) writes the inputs exactly where the server will read them and
-// reads the output where the server wrote it. For shm these are a slot of the
-// shared segment itself — no host copy on either side; for gRPC they are
-// staging buffers that feed the message.
-struct StagedBatch {
+// Room for one batch in memory the transport owns (not a batch itself: the
+// caller fills it), so a producer (e.g. a GPU copy engine) writes the inputs
+// exactly where the server will read them and reads the output where the
+// server wrote it. For shm these are a slot of the shared segment itself — no
+// host copy on either side; for gRPC they are staging buffers that feed the
+// message.
+struct StagingArea {
   bf16_t* tokens = nullptr;          // [n, H]   filled by the caller
   int32_t* expert_ids = nullptr;     // [n, k]
   float* expert_weights = nullptr;   // [n, k]
@@ -71,17 +77,17 @@ class ExpertTransport {
   // most max_tokens_per_slot tokens: one slot), the caller fills it,
   // SubmitStaged() sends it, and Release() gives the room back (always call
   // it, also after an error or a deadline).
-  virtual absl::StatusOr<StagedBatch> Stage(int n, int k, Clock::time_point deadline) = 0;
-  virtual std::future<absl::Status> SubmitStaged(const StagedBatch& staged, uint32_t layer,
+  virtual absl::StatusOr<StagingArea> Stage(int n, int k, Clock::time_point deadline) = 0;
+  virtual std::future<absl::Status> SubmitStaged(const StagingArea& staged, uint32_t layer,
                                                  Clock::time_point deadline) = 0;
-  virtual void Release(const StagedBatch& staged) = 0;
+  virtual void Release(const StagingArea& staged) = 0;
   // The host memory staged batches live in, for cudaHostRegister (shm: the
   // whole mapped segment); {nullptr, 0} when it is not one fixed region.
   virtual std::pair<void*, size_t> HostMapping() const { return {nullptr, 0}; }
 
   // Copies the batch out before returning (the caller may reuse its buffers);
   // `out` ([n, H] bf16) must stay valid until the future is ready.
-  virtual std::future<absl::Status> Submit(const MissBatch& batch, bf16_t* out,
+  virtual std::future<absl::Status> Submit(const MoeBatch& batch, bf16_t* out,
                                            Clock::time_point deadline) = 0;
   virtual const char* kind() const = 0;  // "shm", "grpc-stream" or "grpc-unary"
 

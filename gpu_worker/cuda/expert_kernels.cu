@@ -293,6 +293,7 @@ __device__ __forceinline__ void LoadMmaBlock(const bf16_t* const (&wrow)[NMAT][2
   }
 }
 
+// Long: one kernel body (tile loop, fragment loads, MMA, epilogue) kept whole for the compiler's register allocation.
 template <int NT, bool kDown>
 __global__ void __launch_bounds__(kMmaThreads) GroupedMmaKernel(GroupedExpertArgs a, int tiles) {
   constexpr int NMAT = kDown ? 1 : 2;  // down, or gate and up

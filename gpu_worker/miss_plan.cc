@@ -1,0 +1,154 @@
+#include "gpu_worker/miss_plan.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace moe {
+
+namespace {
+
+// Pairs per expert, hit or missed, and the accessed / missed expert lists.
+void CountPairs(const MissPlanInput& in, MissPlan* p) {
+  const int E = in.num_experts;
+  p->hit_pairs.assign(E, 0);
+  p->miss_pairs.assign(E, 0);
+  for (size_t i = 0, n = static_cast<size_t>(in.routing.n) * in.routing.k; i < n; ++i) {
+    const int e = in.routing.ids[i];
+    if (e < 0) continue;
+    if (in.slot_buffer[e] >= 0) ++p->hit_pairs[e];
+    else ++p->miss_pairs[e];
+  }
+  p->accessed.clear();
+  p->missed.clear();
+  for (int e = 0; e < E; ++e) {
+    if (p->hit_pairs[e] + p->miss_pairs[e] == 0) continue;
+    p->accessed.push_back(e);
+    if (p->miss_pairs[e] > 0) p->missed.push_back(e);
+  }
+}
+
+// The routing with every pair whose expert fails `keep` unused, grouped by expert.
+template <typename Keep>
+void GroupPairs(const MissPlanInput& in, Keep keep, int row_align, MissPlan* p, ExpertGroups* out) {
+  const RoutingView& r = in.routing;
+  p->masked_ids.assign(r.ids, r.ids + static_cast<size_t>(r.n) * r.k);
+  for (int32_t& e : p->masked_ids)
+    if (e >= 0 && !keep(e)) e = -1;
+  GroupByExpert(RoutingView{r.n, r.k, p->masked_ids.data(), r.weights}, in.num_experts, row_align, out);
+}
+
+// Server choice and the copy-instead decision for the missed experts:
+// server_of[e] is the server of a missed expert, -1 for the copied ones.
+absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
+  std::vector<int>& server_of = p->server_of;
+  server_of.assign(in.num_experts, -1);
+  for (int e : p->missed)
+    for (int s = 0; s < in.num_servers; ++s) {
+      const PlanServer& sv = in.servers[s];
+      if (sv.up && sv.hosts != nullptr && (*sv.hosts)[e]) {
+        server_of[e] = s;
+        break;
+      }
+    }
+  std::vector<int>& copy = p->copy_experts;
+  copy.clear();
+  std::vector<int> optional;
+  for (int e : p->missed) {
+    if (server_of[e] < 0 || in.copy_mode == CopyMode::kAlways) {
+      if (!in.can_copy)
+        return absl::UnavailableError(absl::StrCat("servers: no expert server is up for expert ", e, " of layer ",
+                                                   in.layer, " and the worker cannot copy it to the device"));
+      copy.push_back(e);
+    } else {
+      optional.push_back(e);
+    }
+  }
+  if (in.can_copy && in.copy_mode == CopyMode::kAuto && !optional.empty()) {
+    if (in.copy_min_tokens > 0) {
+      for (int e : optional)
+        if (p->miss_pairs[e] >= in.copy_min_tokens) copy.push_back(e);
+    } else if (in.cost != nullptr && in.cost->measured) {
+      // Balance max(CPU time, copy + device time) with the online rates.
+      const CostModel& cost = *in.cost;
+      double dev = 0;
+      for (int e : p->accessed)
+        if (p->hit_pairs[e] > 0) dev += cost.DeviceSeconds(p->hit_pairs[e]);
+      for (int e : copy) dev += std::max(cost.CopySeconds(), cost.DeviceSeconds(p->miss_pairs[e]));
+      std::vector<CopyCandidate> candidates;
+      candidates.reserve(optional.size());
+      for (int e : optional) candidates.push_back({e, p->miss_pairs[e]});
+      for (int e : ChooseCopies(*in.cost, std::move(candidates), dev)) copy.push_back(e);
+    }
+  }
+  for (int e : copy) server_of[e] = -1;
+  p->cpu_experts = 0;
+  for (int e : p->missed) p->cpu_experts += server_of[e] >= 0;
+  return absl::OkStatus();
+}
+
+// Per server, the tokens with a pair of its experts, in batches of at most
+// chunk_tokens tokens.
+void BatchServerMisses(const MissPlanInput& in, MissPlan* p) {
+  const RoutingView& r = in.routing;
+  const int k = r.k;
+  p->expert_mark.resize(in.num_experts, 0);
+  p->batches.clear();
+  std::vector<int32_t> rows;
+  for (int s = 0; s < in.num_servers; ++s) {
+    auto mine = [&](int e) { return e >= 0 && in.slot_buffer[e] < 0 && p->server_of[e] == s; };
+    rows.clear();
+    for (int t = 0; t < r.n; ++t)
+      for (int j = 0; j < k; ++j)
+        if (mine(r.ids[static_cast<size_t>(t) * k + j])) {
+          rows.push_back(t);
+          break;
+        }
+    const size_t chunk = static_cast<size_t>(std::max(1, in.servers[s].chunk_tokens));
+    for (size_t begin = 0; begin < rows.size(); begin += chunk) {
+      const int n = static_cast<int>(std::min(chunk, rows.size() - begin));
+      ServerBatch& b = p->batches.emplace_back();
+      b.server = s;
+      b.n = n;
+      b.k = k;
+      b.rows.assign(rows.begin() + begin, rows.begin() + begin + n);
+      b.ids.assign(static_cast<size_t>(n) * k, -1);
+      b.weights.assign(b.ids.size(), 0.0f);
+      const uint64_t epoch = ++p->mark_epoch;
+      for (int i = 0; i < n; ++i)
+        for (int j = 0; j < k; ++j) {
+          const size_t src = static_cast<size_t>(b.rows[i]) * k + j;
+          const int e = r.ids[src];
+          if (!mine(e)) continue;
+          b.ids[static_cast<size_t>(i) * k + j] = e;
+          b.weights[static_cast<size_t>(i) * k + j] = r.weights[src];
+          ++b.pairs;
+          if (p->expert_mark[e] != epoch) {
+            p->expert_mark[e] = epoch;
+            ++b.experts;
+          }
+        }
+    }
+  }
+}
+
+}  // namespace
+
+int MissPlan::copy_group(int expert) const {
+  auto it = std::lower_bound(copies.expert.begin(), copies.expert.end(), expert);
+  return it != copies.expert.end() && *it == expert ? static_cast<int>(it - copies.expert.begin()) : -1;
+}
+
+absl::Status PlanMisses(const MissPlanInput& in, MissPlan* p) {
+  CountPairs(in, p);
+  MOE_RETURN_IF_ERROR(ChooseServersAndCopies(in, p));
+  BatchServerMisses(in, p);
+  GroupPairs(in, [&](int e) { return in.slot_buffer[e] >= 0; }, in.hit_row_align, p, &p->hits);
+  p->hit_buffer.resize(p->hits.num_groups());
+  for (int g = 0; g < p->hits.num_groups(); ++g) p->hit_buffer[g] = in.slot_buffer[p->hits.expert[g]];
+  GroupPairs(in, [&](int e) { return in.slot_buffer[e] < 0 && p->server_of[e] < 0; }, 1, p, &p->copies);
+  return absl::OkStatus();
+}
+
+}  // namespace moe

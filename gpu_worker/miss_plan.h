@@ -1,0 +1,93 @@
+// MissPlan: the split of one layer call's routing, decided before anything
+// runs — which pairs are hits (their expert is Ready in a cache slot), which
+// missed experts are copied to the device and computed there instead
+// (copy-instead-of-compute), and which go to which CPU expert server, in
+// batches the server's transport takes. PlanMisses is a plain function of its
+// inputs: no server, backend, cache or transport is touched (the cost model's
+// exploration counter is the one state it updates, through ChooseCopies), so
+// the dispatcher's decisions are testable on their own (miss_plan_test.cc).
+//
+// Thread-safety: none; a MissPlan is scratch of one caller, reused across
+// calls so steady-state plans do not reallocate.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/routing.h"
+#include "gpu_worker/cost_model.h"
+#include "gpu_worker/device_backend.h"
+
+namespace moe {
+
+enum class CopyMode {
+  kAuto,     // copy an uncached expert when the measured rates say it pays
+  kNever,    // misses always go to the CPU (except failover)
+  kAlways,   // every miss is copied to the device (the plain "LRU offload" baseline)
+};
+
+// One expert server as the plan sees it.
+struct PlanServer {
+  bool up = false;                           // enabled, connected and not waiting out a failure
+  const std::vector<bool>* hosts = nullptr;  // per expert: hosted (null: none)
+  int chunk_tokens = 1;                      // most tokens of one batch (>= 1)
+};
+
+struct MissPlanInput {
+  int layer = 0;                         // for error messages
+  RoutingView routing;                   // validated (ValidateRouting), host memory
+  int num_experts = 0;
+  const int32_t* slot_buffer = nullptr;  // [num_experts] backend buffer of the expert's Ready slot, -1: not cached
+  const PlanServer* servers = nullptr;   // [num_servers], in preference order
+  int num_servers = 0;
+  int hit_row_align = 1;                 // DeviceBackend::hit_row_align()
+  // Copy-instead-of-compute.
+  CopyMode copy_mode = CopyMode::kNever;
+  bool can_copy = false;        // the worker holds host copies and temporary device buffers
+  int copy_min_tokens = 0;      // auto: > 0 copies experts with at least this many miss pairs (no model)
+  CostModel* cost = nullptr;    // auto, copy_min_tokens == 0: ChooseCopies on it (null or unmeasured: none)
+};
+
+// The misses one server computes: one batch of at most its chunk_tokens
+// tokens, routed [n, k] like the call, -1 where a pair is not this server's.
+struct ServerBatch {
+  int server = -1;               // index into MissPlanInput::servers
+  int n = 0, k = 0;
+  std::vector<int32_t> rows;     // [n] the call's token of each batch row
+  std::vector<int32_t> ids;      // [n, k]
+  std::vector<float> weights;    // [n, k]
+  int experts = 0, pairs = 0;    // distinct experts and pairs (the cost model's inputs)
+};
+
+struct MissPlan {
+  ExpertGroups hits;                    // hit pairs by expert (row_align = hit_row_align)
+  std::vector<int32_t> hit_buffer;      // per hit group: the buffer of its slot
+  std::vector<int> copy_experts;        // experts computed on the device from host copies, in decision order
+  ExpertGroups copies;                  // their pairs by expert (row_align 1)
+  std::vector<ServerBatch> batches;     // server misses: by server (input order), then token order
+  std::vector<int> accessed;            // experts with pairs, ascending
+  std::vector<int> missed;              // of them those without a Ready slot
+  std::vector<int32_t> hit_pairs, miss_pairs;  // per expert
+  int cpu_experts = 0;                  // missed experts sent to a server
+
+  // The hit groups as the device computes them.
+  HitPlan hit_plan() const { return HitPlan{&hits, hit_buffer.data()}; }
+  // The group of a copied expert in `copies`, or -1.
+  int copy_group(int expert) const;
+
+  // Scratch.
+  std::vector<int32_t> masked_ids;
+  std::vector<int> server_of;
+  std::vector<uint64_t> expert_mark;
+  uint64_t mark_epoch = 0;
+};
+
+// Fills *plan. A missed expert goes to the first up server hosting it; it is
+// copied instead when no server is up for it, when copy_mode is kAlways, or
+// (kAuto) when it has copy_min_tokens miss pairs or ChooseCopies picks it.
+// Unavailable naming the expert and layer when it would have to be copied and
+// !can_copy.
+absl::Status PlanMisses(const MissPlanInput& in, MissPlan* plan);
+
+}  // namespace moe

@@ -1,0 +1,275 @@
+// PlanMisses: the hit / server / copy-instead split of one layer call, with no
+// server, backend or transport — hits grouped by expert with their buffers,
+// misses batched per server by the experts each hosts, drained servers
+// skipped, copies when no server can take an expert (or an error when the
+// worker cannot copy), the copy modes and the auto thresholds, unused slots.
+#include "gpu_worker/miss_plan.h"
+
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace moe {
+namespace {
+
+constexpr int kE = 8;
+
+// A routing, a slot map and servers, owned, for one plan.
+struct Case {
+  int n = 0, k = 0;
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+  std::vector<int32_t> slot_buffer = std::vector<int32_t>(kE, -1);
+  std::vector<std::vector<bool>> hosts;
+  std::vector<PlanServer> servers;
+  CostModel cost;
+  MissPlanInput in;
+
+  Case(int n_, int k_, std::vector<int32_t> ids_) : n(n_), k(k_), ids(std::move(ids_)) {
+    for (size_t i = 0; i < ids.size(); ++i) weights.push_back(0.1f * static_cast<float>(i + 1));
+  }
+  // A server hosting `experts` (empty: all), up or drained, batches of `chunk` tokens.
+  void AddServer(std::vector<int> experts, bool up = true, int chunk = 64) {
+    std::vector<bool> h(kE, experts.empty());
+    for (int e : experts) h[e] = true;
+    hosts.push_back(h);
+    servers.push_back(PlanServer{up, nullptr, chunk});
+  }
+  MissPlanInput& Input() {
+    for (size_t s = 0; s < servers.size(); ++s) servers[s].hosts = &hosts[s];
+    in.layer = 3;
+    in.routing = RoutingView{n, k, ids.data(), weights.data()};
+    in.num_experts = kE;
+    in.slot_buffer = slot_buffer.data();
+    in.servers = servers.data();
+    in.num_servers = static_cast<int>(servers.size());
+    return in;
+  }
+  absl::Status Plan(MissPlan* p) { return PlanMisses(Input(), p); }
+};
+
+// The (token, weight) rows of group g, padding skipped.
+std::vector<std::pair<int, float>> Rows(const ExpertGroups& g, int group) {
+  std::vector<std::pair<int, float>> rows;
+  for (int r = g.row_begin[group]; r < g.row_begin[group] + g.count[group]; ++r)
+    if (g.token[r] >= 0) rows.emplace_back(g.token[r], g.weight[r]);
+  return rows;
+}
+
+TEST(MissPlanTest, AllHitsAreGroupedByExpertWithTheirBuffers) {
+  // 3 tokens x top-2 over experts 1, 4, 6 (all cached).
+  Case s(3, 2, {4, 1, 1, 6, 4, 6});
+  s.slot_buffer[1] = 10;
+  s.slot_buffer[4] = 11;
+  s.slot_buffer[6] = 12;
+  s.AddServer({});
+  MissPlan p;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_TRUE(p.batches.empty());
+  EXPECT_TRUE(p.copy_experts.empty());
+  EXPECT_TRUE(p.missed.empty());
+  EXPECT_EQ(p.accessed, (std::vector<int>{1, 4, 6}));
+  ASSERT_EQ(p.hits.num_groups(), 3);
+  EXPECT_EQ(p.hits.expert, (std::vector<int32_t>{1, 4, 6}));
+  EXPECT_EQ(p.hit_buffer, (std::vector<int32_t>{10, 11, 12}));
+  EXPECT_EQ(Rows(p.hits, 0), (std::vector<std::pair<int, float>>{{0, 0.2f}, {1, 0.3f}}));
+  EXPECT_EQ(Rows(p.hits, 1), (std::vector<std::pair<int, float>>{{0, 0.1f}, {2, 0.5f}}));
+  EXPECT_EQ(Rows(p.hits, 2), (std::vector<std::pair<int, float>>{{1, 0.4f}, {2, 0.6f}}));
+  const HitPlan hp = p.hit_plan();
+  EXPECT_EQ(hp.groups, &p.hits);
+  EXPECT_EQ(hp.buffer, p.hit_buffer.data());
+  EXPECT_EQ(p.hit_pairs[4], 2);
+  EXPECT_EQ(p.miss_pairs[4], 0);
+}
+
+TEST(MissPlanTest, HitGroupsStartOnTheBackendsRowAlignment) {
+  Case s(3, 1, {2, 2, 5});
+  s.slot_buffer[2] = 0;
+  s.slot_buffer[5] = 1;
+  s.AddServer({});
+  MissPlan p;
+  s.in.hit_row_align = 16;  // e.g. the AMX kernel's row block
+  ASSERT_TRUE(s.Plan(&p).ok());
+  ASSERT_EQ(p.hits.num_groups(), 2);
+  EXPECT_EQ(p.hits.row_begin, (std::vector<int32_t>{0, 16}));
+  EXPECT_EQ(p.hits.count, (std::vector<int32_t>{2, 1}));
+  EXPECT_EQ(p.hits.total_pairs, 3);
+}
+
+TEST(MissPlanTest, AllMissesGoToOneServerInItsBatches) {
+  Case s(5, 2, {0, 3, 3, -1, 0, -1, 5, 0, 3, 5});
+  s.AddServer({}, true, /*chunk=*/2);
+  MissPlan p;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_EQ(p.hits.num_groups(), 0);
+  EXPECT_EQ(p.missed, (std::vector<int>{0, 3, 5}));
+  EXPECT_EQ(p.cpu_experts, 3);
+  ASSERT_EQ(p.batches.size(), 3u);  // 5 tokens in batches of 2
+  EXPECT_EQ(p.batches[0].rows, (std::vector<int32_t>{0, 1}));
+  EXPECT_EQ(p.batches[1].rows, (std::vector<int32_t>{2, 3}));
+  EXPECT_EQ(p.batches[2].rows, (std::vector<int32_t>{4}));
+  for (const ServerBatch& b : p.batches) {
+    EXPECT_EQ(b.server, 0);
+    EXPECT_EQ(b.k, 2);
+  }
+  // The batch routing is the call's, row for row.
+  EXPECT_EQ(p.batches[0].ids, (std::vector<int32_t>{0, 3, 3, -1}));
+  EXPECT_EQ(p.batches[0].weights, (std::vector<float>{0.1f, 0.2f, 0.3f, 0.0f}));
+  EXPECT_EQ(p.batches[1].ids, (std::vector<int32_t>{0, -1, 5, 0}));
+  EXPECT_EQ(p.batches[1].experts, 2);
+  EXPECT_EQ(p.batches[1].pairs, 3);
+  EXPECT_EQ(p.batches[2].ids, (std::vector<int32_t>{3, 5}));
+}
+
+TEST(MissPlanTest, ExpertsSplitAcrossServersByWhatTheyHost) {
+  // Experts 0-3 on server 0, 4-7 on server 1; expert 2 is cached.
+  Case s(3, 2, {1, 5, 2, 6, 7, 1});
+  s.slot_buffer[2] = 9;
+  s.AddServer({0, 1, 2, 3});
+  s.AddServer({4, 5, 6, 7});
+  MissPlan p;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  ASSERT_EQ(p.batches.size(), 2u);
+  EXPECT_EQ(p.batches[0].server, 0);
+  EXPECT_EQ(p.batches[0].rows, (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(p.batches[0].ids, (std::vector<int32_t>{1, -1, -1, 1}));
+  EXPECT_EQ(p.batches[1].server, 1);
+  EXPECT_EQ(p.batches[1].rows, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(p.batches[1].ids, (std::vector<int32_t>{-1, 5, -1, 6, 7, -1}));
+  ASSERT_EQ(p.hits.num_groups(), 1);
+  EXPECT_EQ(Rows(p.hits, 0), (std::vector<std::pair<int, float>>{{1, 0.3f}}));
+  // Both servers host everything: the first one up takes it all.
+  Case t(2, 1, {1, 6});
+  t.AddServer({});
+  t.AddServer({});
+  ASSERT_TRUE(t.Plan(&p).ok());
+  ASSERT_EQ(p.batches.size(), 1u);
+  EXPECT_EQ(p.batches[0].server, 0);
+}
+
+TEST(MissPlanTest, ADrainedServersExpertsGoToTheOtherOne) {
+  Case s(2, 2, {1, 5, 5, 6});
+  s.AddServer({}, /*up=*/false);
+  s.AddServer({1, 5, 6});
+  MissPlan p;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  ASSERT_EQ(p.batches.size(), 1u);
+  EXPECT_EQ(p.batches[0].server, 1);
+  EXPECT_EQ(p.batches[0].pairs, 4);
+  EXPECT_TRUE(p.copy_experts.empty());
+}
+
+TEST(MissPlanTest, AnExpertNoServerTakesIsCopiedOrFails) {
+  // Expert 7 is hosted by no server that is up.
+  Case s(2, 2, {1, 7, 7, -1});
+  s.AddServer({1, 2});
+  s.AddServer({7}, /*up=*/false);
+  s.in.copy_mode = CopyMode::kNever;  // never: still copied, there is no other way
+  s.in.can_copy = true;
+  MissPlan p;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_EQ(p.copy_experts, (std::vector<int>{7}));
+  ASSERT_EQ(p.copies.num_groups(), 1);
+  EXPECT_EQ(p.copy_group(7), 0);
+  EXPECT_EQ(p.copy_group(1), -1);
+  EXPECT_EQ(Rows(p.copies, 0), (std::vector<std::pair<int, float>>{{0, 0.2f}, {1, 0.3f}}));
+  ASSERT_EQ(p.batches.size(), 1u);
+  EXPECT_EQ(p.batches[0].ids, (std::vector<int32_t>{1, -1}));
+  EXPECT_EQ(p.cpu_experts, 1);
+  // Without host copies: Unavailable naming the expert and the layer.
+  s.in.can_copy = false;
+  const absl::Status st = s.Plan(&p);
+  EXPECT_TRUE(absl::IsUnavailable(st)) << st;
+  EXPECT_NE(st.message().find("expert 7 of layer 3"), absl::string_view::npos) << st;
+}
+
+TEST(MissPlanTest, CopyModes) {
+  Case s(4, 1, {2, 2, 2, 3});
+  s.AddServer({});
+  s.in.can_copy = true;
+  MissPlan p;
+  // never: everything to the server.
+  s.in.copy_mode = CopyMode::kNever;
+  s.in.copy_min_tokens = 1;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_TRUE(p.copy_experts.empty());
+  EXPECT_EQ(p.cpu_experts, 2);
+  // always: every miss copied, none shipped.
+  s.in.copy_mode = CopyMode::kAlways;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_EQ(p.copy_experts, (std::vector<int>{2, 3}));
+  EXPECT_TRUE(p.batches.empty());
+  EXPECT_EQ(p.cpu_experts, 0);
+  // always without host copies: an error even with a server up.
+  s.in.can_copy = false;
+  EXPECT_TRUE(absl::IsUnavailable(s.Plan(&p)));
+  s.in.can_copy = true;
+  // auto with a token threshold: experts with at least 3 miss pairs.
+  s.in.copy_mode = CopyMode::kAuto;
+  s.in.copy_min_tokens = 3;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_EQ(p.copy_experts, (std::vector<int>{2}));
+  ASSERT_EQ(p.batches.size(), 1u);
+  EXPECT_EQ(p.batches[0].rows, (std::vector<int32_t>{3}));
+  // auto with neither threshold nor a measured model: nothing copied.
+  s.in.copy_min_tokens = 0;
+  s.in.cost = &s.cost;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_TRUE(p.copy_experts.empty());
+  // auto with a model where the CPU is slow and copies are cheap: both
+  // experts move to the device, the one with most rows first.
+  s.cost.measured = true;
+  s.cost.copy_s = 1e-4;
+  s.cost.device_fixed_s = 1e-5;
+  s.cost.device_row_s = 1e-6;
+  s.cost.cpu_call_s = 1e-4;
+  s.cost.cpu_expert_s = 5e-3;
+  s.cost.cpu_pair_s = 1e-3;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_EQ(p.copy_experts, (std::vector<int>{2, 3}));
+  EXPECT_EQ(p.copies.expert, (std::vector<int32_t>{2, 3}));
+  EXPECT_TRUE(p.batches.empty());
+  // ... and a model where the CPU is much faster keeps both there.
+  s.cost = CostModel();
+  s.cost.measured = true;
+  s.cost.copy_s = 1.0;
+  s.cost.device_fixed_s = 1.0;
+  s.cost.cpu_expert_s = 1e-5;
+  s.cost.cpu_pair_s = 1e-6;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_TRUE(p.copy_experts.empty());
+  // auto without host copies: never copied.
+  s.in.can_copy = false;
+  s.in.copy_min_tokens = 1;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_TRUE(p.copy_experts.empty());
+}
+
+TEST(MissPlanTest, UnusedSlotsAndShortRowsAreSkipped) {
+  // k = 3 but most tokens use fewer pairs; token 2 uses none.
+  Case s(4, 3, {0, -1, -1, 4, 0, -1, -1, -1, -1, -1, 4, -1});
+  s.slot_buffer[0] = 3;
+  s.AddServer({});
+  MissPlan p;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_EQ(p.accessed, (std::vector<int>{0, 4}));
+  EXPECT_EQ(p.hit_pairs[0], 2);
+  EXPECT_EQ(p.miss_pairs[4], 2);
+  ASSERT_EQ(p.hits.num_groups(), 1);
+  EXPECT_EQ(Rows(p.hits, 0), (std::vector<std::pair<int, float>>{{0, 0.1f}, {1, 0.5f}}));
+  ASSERT_EQ(p.batches.size(), 1u);
+  EXPECT_EQ(p.batches[0].rows, (std::vector<int32_t>{1, 3}));  // token 2 ships nothing
+  EXPECT_EQ(p.batches[0].ids, (std::vector<int32_t>{4, -1, -1, -1, 4, -1}));
+  EXPECT_EQ(p.batches[0].pairs, 2);
+  EXPECT_EQ(p.batches[0].experts, 1);
+  // An empty call plans nothing.
+  Case e(0, 1, {});
+  e.AddServer({});
+  ASSERT_TRUE(e.Plan(&p).ok());
+  EXPECT_TRUE(p.accessed.empty());
+  EXPECT_TRUE(p.batches.empty());
+  EXPECT_EQ(p.hits.num_groups(), 0);
+}
+
+}  // namespace
+}  // namespace moe
