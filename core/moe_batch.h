@@ -19,8 +19,4 @@ struct MoeBatch {
   RoutingView routing;             // [n, k] ids (-1 = unused slot) and weights
 };
 
-// Transitional: the executor's former name for the batch. Kept only for
-// cpu_expert_server/main.cc until it spells MoeBatch; do not use in new code.
-using ForwardBatch = MoeBatch;
-
 }  // namespace moe

@@ -102,7 +102,7 @@ absl::Status ExpertServer::LoadExperts() {
   return absl::OkStatus();
 }
 
-absl::Status ExpertServer::Compute(const ForwardBatch& batch, DType out_dtype, void* out, ForwardStats* stats) {
+absl::Status ExpertServer::Compute(const MoeBatch& batch, DType out_dtype, void* out, ForwardStats* stats) {
   ForwardStats local;
   if (stats == nullptr) stats = &local;
   metrics_->BatchStarted();
@@ -138,7 +138,7 @@ absl::Status ExpertServer::ServeGrpcService() {
   const uint64_t max_msg = MaxMessageBytes(source_->spec(), limits);
   service_ = std::make_unique<ExpertServiceImpl>(
       source_->spec(),
-      [this](const ForwardBatch& b, DType dt, void* out, ForwardStats* stats) { return Compute(b, dt, out, stats); },
+      [this](const MoeBatch& b, DType dt, void* out, ForwardStats* stats) { return Compute(b, dt, out, stats); },
       limits, Info(max_msg), metrics_.get());
   MOE_ASSIGN_OR_RETURN(grpc_, ServeGrpc({options_.listen, options_.credentials, max_msg, {service_.get()}}));
   LogInfo("server", "serving moe.v1.ExpertService on ", grpc_.address, " (max message ", max_msg, " bytes)");
@@ -161,10 +161,8 @@ absl::Status ExpertServer::ServeSharedMemory() {
     metrics_->RecordRequest(ExpertServerMetrics::Transport::kShm, r.code, r.bytes_received, r.bytes_sent,
                             r.handle_ns);
   };
-  absl::StatusOr<std::unique_ptr<ShmServer>> shm = ShmServer::Start(so, [this](const MissBatch& b, bf16_t* out) {
-    ForwardBatch fb{static_cast<int>(b.layer), b.n, b.tokens, RoutingView{b.n, b.k, b.expert_ids, b.expert_weights}};
-    return Compute(fb, DType::kBF16, out, nullptr);
-  });
+  absl::StatusOr<std::unique_ptr<ShmServer>> shm = ShmServer::Start(
+      so, [this](const MoeBatch& b, bf16_t* out) { return Compute(b, DType::kBF16, out, nullptr); });
   if (!shm.ok()) return absl::Status(shm.status().code(), absl::StrCat("--shm-socket: ", shm.status().message()));
   shm_ = *std::move(shm);
   LogInfo("server", "serving shared memory on unix://", options_.shm_socket);

@@ -94,7 +94,7 @@ class ExpertServer {
   absl::Status StartCoordinatorAgent();
 
   // The one compute path of both transports, recorded in metrics_.
-  absl::Status Compute(const ForwardBatch& batch, DType out_dtype, void* out, ForwardStats* stats);
+  absl::Status Compute(const MoeBatch& batch, DType out_dtype, void* out, ForwardStats* stats);
   // What GetInfo answers.
   moe::v1::ServerInfo Info(uint64_t max_message_bytes) const;
 

@@ -52,6 +52,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "gpu_worker/cuda/cuda_check.h"
 #include "gpu_worker/cuda/kernels.h"
 #include "gpu_worker/device_backend.h"
@@ -248,6 +249,13 @@ class CudaBackend final : public DeviceBackend {
   absl::Status CheckRows(const Context& c, const int32_t* rows, int n, const char* what) const;
 
   absl::Status EnsurePlanRows(int rows);
+  // Init's steps, in order: the config and the device; streams, events,
+  // fences and cuBLAS; the scratch all contexts share; each context's state.
+  absl::Status CheckConfigAndDevice(const BackendConfig& config);
+  absl::Status CreateStreamsAndHandles();
+  absl::Status AllocateSharedScratch(size_t plan_rows);
+  absl::Status AllocateContexts(size_t max_tokens, size_t plan_rows);
+  absl::StatusOr<int> SplitHitGroups(const Context& c, const HitPlan& plan);
   absl::Status RunGemmGroup(Context& c, const cuda::GroupDesc& g, const int32_t* d_token,
                             const float* d_weight);
   // Device pointer through which a kernel may write [p, p + bytes) of host
@@ -350,8 +358,7 @@ void CudaBackend::Defer(absl::Status st) {
   deferred_.Update(st);
 }
 
-// Long: one linear sequence of CUDA allocations and handle creations, each checked; kept whole (no GPU here to test a split).
-absl::Status CudaBackend::Init(const BackendConfig& config) {
+absl::Status CudaBackend::CheckConfigAndDevice(const BackendConfig& config) {
   if (initialized_) return absl::FailedPreconditionError("cuda backend: Init called twice");
   if (config.hidden <= 0 || config.intermediate <= 0 || config.num_buffers < 0 ||
       config.max_tokens < 0 || config.max_top_k <= 0 || config.contexts <= 0) {
@@ -369,80 +376,71 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
   }
   device_ = config.cuda_device;
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::CreateStreamsAndHandles() {
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&compute_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&engine_ready_, cudaEventDisableTiming));
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&output_ready_, cudaEventDisableTiming));
+  MOE_RETURN_IF_ERROR(copy_fences_.Init(kFenceRingSize));
+  MOE_RETURN_IF_ERROR(compute_fences_.Init(kFenceRingSize));
+  MOE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&cublas_));
+  MOE_CUBLAS_RETURN_IF_ERROR(cublasSetStream(cublas_, compute_));
+  MOE_ASSIGN_OR_RETURN(cublas_workspace_, AllocDevice(kCublasWorkspaceBytes, "cuBLAS workspace"));
+  MOE_CUBLAS_RETURN_IF_ERROR(cublasSetWorkspace(cublas_, cublas_workspace_.get(), kCublasWorkspaceBytes));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::AllocateSharedScratch(size_t plan_rows) {
+  const size_t H = H_, I = I_;
+  MOE_RETURN_IF_ERROR(EnsurePlanRows(static_cast<int>(plan_rows)));
+  chunk_rows_ = static_cast<int>(std::min<size_t>(kGemmChunkRows, plan_rows));
+  MOE_ASSIGN_OR_RETURN(rows_bf16_, AllocDevice(chunk_rows_ * H * sizeof(bf16_t), "row scratch"));
+  MOE_ASSIGN_OR_RETURN(gemm_f32_, AllocDevice(chunk_rows_ * std::max(2 * I, H) * sizeof(float), "GEMM scratch"));
+  return absl::OkStatus();
+}
+
+// Per-context state. Staging: token + weight per plan row, a group descriptor
+// per buffer, a row list; twice over so a second upload within a call rarely waits.
+absl::Status CudaBackend::AllocateContexts(size_t max_tokens, size_t plan_rows) {
+  const size_t H = H_;
+  const size_t groups = std::max(config_.num_buffers, 64);
+  const size_t stage_bytes =
+      2 * RoundUp(plan_rows * (2 * sizeof(int32_t) + sizeof(float)) +
+                      groups * sizeof(cuda::GroupDesc) + 4 * kStageAlign,
+                  kStageAlign);
+  contexts_.resize(config_.contexts);
+  for (Context& c : contexts_) {
+    MOE_ASSIGN_OR_RETURN(c.x, AllocDevice(max_tokens * H * sizeof(bf16_t), "activations"));
+    MOE_ASSIGN_OR_RETURN(c.accum, AllocDevice(max_tokens * H * sizeof(float), "accumulator"));
+    MOE_ASSIGN_OR_RETURN(c.stage_dev, AllocDevice(stage_bytes, "plan staging"));
+    MOE_ASSIGN_OR_RETURN(c.stage_host, AllocPinned(stage_bytes));
+    c.stage_bytes = stage_bytes;
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.stage_event, cudaEventDisableTiming));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Init(const BackendConfig& config) {
+  MOE_RETURN_IF_ERROR(CheckConfigAndDevice(config));
   config_ = config;
   if (const char* v = std::getenv("MOE_CUDA_MAPPED_WRITE_MAX_BYTES"); v != nullptr)
     mapped_write_max_bytes_ = std::strtoull(v, nullptr, 10);
   H_ = config.hidden;
   I_ = config.intermediate;
-  const size_t H = H_, I = I_;
-  expert_elems_ = 3 * I * H;
+  expert_elems_ = 3 * static_cast<size_t>(I_) * static_cast<size_t>(H_);
   expert_stride_ = RoundUp(expert_elems_, kExpertAlignElems);
-
-  MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreate(&compute_));
-  MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
-  MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&engine_ready_, cudaEventDisableTiming));
-  MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&output_ready_, cudaEventDisableTiming));
-  if (absl::Status st = copy_fences_.Init(kFenceRingSize); !st.ok()) return st;
-  if (absl::Status st = compute_fences_.Init(kFenceRingSize); !st.ok()) return st;
-
-  MOE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&cublas_));
-  MOE_CUBLAS_RETURN_IF_ERROR(cublasSetStream(cublas_, compute_));
-  {
-    absl::StatusOr<DeviceMem> ws = AllocDevice(kCublasWorkspaceBytes, "cuBLAS workspace");
-    if (!ws.ok()) return ws.status();
-    cublas_workspace_ = std::move(*ws);
-  }
-  MOE_CUBLAS_RETURN_IF_ERROR(
-      cublasSetWorkspace(cublas_, cublas_workspace_.get(), kCublasWorkspaceBytes));
-
-  // Shared scratch.
+  MOE_RETURN_IF_ERROR(CreateStreamsAndHandles());
   const size_t max_tokens = std::max(config.max_tokens, 1);
   const size_t plan_rows = max_tokens * static_cast<size_t>(config.max_top_k);
-  if (absl::Status st = EnsurePlanRows(static_cast<int>(plan_rows)); !st.ok()) return st;
-  chunk_rows_ = static_cast<int>(std::min<size_t>(kGemmChunkRows, plan_rows));
-  {
-    absl::StatusOr<DeviceMem> rows = AllocDevice(chunk_rows_ * H * sizeof(bf16_t), "row scratch");
-    if (!rows.ok()) return rows.status();
-    rows_bf16_ = std::move(*rows);
-    absl::StatusOr<DeviceMem> gemm =
-        AllocDevice(chunk_rows_ * std::max(2 * I, H) * sizeof(float), "GEMM scratch");
-    if (!gemm.ok()) return gemm.status();
-    gemm_f32_ = std::move(*gemm);
-  }
-
-  // Per-context state. Staging: token + weight per plan row, a group
-  // descriptor per buffer, a row list; twice over so a second upload within a
-  // call rarely waits.
-  const size_t groups = std::max(config.num_buffers, 64);
-  const size_t stage_bytes =
-      2 * RoundUp(plan_rows * (2 * sizeof(int32_t) + sizeof(float)) +
-                      groups * sizeof(cuda::GroupDesc) + 4 * kStageAlign,
-                  kStageAlign);
-  contexts_.resize(config.contexts);
-  for (Context& c : contexts_) {
-    absl::StatusOr<DeviceMem> x = AllocDevice(max_tokens * H * sizeof(bf16_t), "activations");
-    if (!x.ok()) return x.status();
-    c.x = std::move(*x);
-    absl::StatusOr<DeviceMem> accum = AllocDevice(max_tokens * H * sizeof(float), "accumulator");
-    if (!accum.ok()) return accum.status();
-    c.accum = std::move(*accum);
-    absl::StatusOr<DeviceMem> stage = AllocDevice(stage_bytes, "plan staging");
-    if (!stage.ok()) return stage.status();
-    c.stage_dev = std::move(*stage);
-    absl::StatusOr<PinnedMem> h = AllocPinned(stage_bytes);
-    if (!h.ok()) return h.status();
-    c.stage_host = std::move(*h);
-    c.stage_bytes = stage_bytes;
-    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&c.stage_event, cudaEventDisableTiming));
-  }
-
+  MOE_RETURN_IF_ERROR(AllocateSharedScratch(plan_rows));
+  MOE_RETURN_IF_ERROR(AllocateContexts(max_tokens, plan_rows));
   // Expert buffers last: they take what is left.
   if (config.num_buffers > 0) {
     const size_t bytes = expert_stride_ * sizeof(bf16_t) * static_cast<size_t>(config.num_buffers);
-    absl::StatusOr<DeviceMem> m =
-        AllocDevice(bytes, absl::StrCat(config.num_buffers, " expert buffers").c_str());
-    if (!m.ok()) return m.status();
-    experts_ = std::move(*m);
+    MOE_ASSIGN_OR_RETURN(experts_, AllocDevice(bytes, absl::StrCat(config.num_buffers, " expert buffers").c_str()));
   }
   initialized_ = true;
   return absl::OkStatus();
@@ -520,7 +518,7 @@ void* CudaBackend::MappedForKernelWrite(void* p, size_t bytes) const {
 
 absl::StatusOr<uint64_t> CudaBackend::LoadExpert(int buffer, const bf16_t* src,
                                                  uint64_t after_compute) {
-  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Use());
   if (buffer < 0 || buffer >= config_.num_buffers || src == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("cuda backend: LoadExpert buffer ", buffer,
                                                    " of ", config_.num_buffers,
@@ -550,7 +548,7 @@ bool CudaBackend::CopyDone(uint64_t copy_fence) {
 }
 
 absl::Status CudaBackend::WaitCopy(uint64_t copy_fence) {
-  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Use());
   if (!copy_fences_.Issued(copy_fence))
     return absl::InvalidArgumentError(absl::StrCat("cuda backend: unknown copy fence ", copy_fence));
   if (cudaEvent_t e = copy_fences_.Pending(copy_fence); e != nullptr)
@@ -593,7 +591,7 @@ uint64_t CudaBackend::RecordCompute() {
 }
 
 absl::Status CudaBackend::WaitCompute(uint64_t compute_fence) {
-  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Use());
   if (!compute_fences_.Issued(compute_fence)) {
     return absl::InvalidArgumentError(
         absl::StrCat("cuda backend: unknown compute fence ", compute_fence));
@@ -604,7 +602,7 @@ absl::Status CudaBackend::WaitCompute(uint64_t compute_fence) {
 }
 
 absl::StatusOr<CudaBackend::Context*> CudaBackend::ActiveContext(int ctx) {
-  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Use());
   if (ctx < 0 || ctx >= static_cast<int>(contexts_.size()))
     return absl::InvalidArgumentError(absl::StrCat("cuda backend: context ", ctx, " of ",
                                                    contexts_.size()));
@@ -612,7 +610,7 @@ absl::StatusOr<CudaBackend::Context*> CudaBackend::ActiveContext(int ctx) {
   if (!c.active)
     return absl::FailedPreconditionError(
         absl::StrCat("cuda backend: context ", ctx, " has no call (BeginCall first)"));
-  if (absl::Status st = TakeDeferred(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(TakeDeferred());
   return &c;
 }
 
@@ -627,7 +625,7 @@ absl::Status CudaBackend::ResetStage(Context& c) {
 absl::StatusOr<CudaBackend::Upload> CudaBackend::Reserve(Context& c, size_t bytes) {
   bytes = RoundUp(std::max<size_t>(bytes, 1), kStageAlign);
   if (c.stage_used + bytes > c.stage_bytes) {
-    if (absl::Status st = ResetStage(c); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(ResetStage(c));
     if (bytes > c.stage_bytes) {
       // Grow. Queued kernels may still read the device arena.
       MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(compute_));
@@ -664,7 +662,7 @@ absl::StatusOr<const int32_t*> CudaBackend::UploadRows(Context& c, const int32_t
   absl::StatusOr<Upload> u = Reserve(c, static_cast<size_t>(n) * sizeof(int32_t));
   if (!u.ok()) return u.status();
   std::memcpy(u->host, rows, static_cast<size_t>(n) * sizeof(int32_t));
-  if (absl::Status st = Commit(c, *u); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Commit(c, *u));
   return reinterpret_cast<const int32_t*>(u->dev);
 }
 
@@ -682,7 +680,7 @@ absl::Status CudaBackend::CheckRows(const Context& c, const int32_t* rows, int n
 }
 
 absl::Status CudaBackend::BeginCall(int ctx, int T, const bf16_t* hidden, MemoryKind kind) {
-  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Use());
   if (ctx < 0 || ctx >= static_cast<int>(contexts_.size()))
     return absl::InvalidArgumentError(absl::StrCat("cuda backend: context ", ctx, " of ",
                                                    contexts_.size()));
@@ -691,9 +689,9 @@ absl::Status CudaBackend::BeginCall(int ctx, int T, const bf16_t* hidden, Memory
                                                    " tokens (max_tokens ", config_.max_tokens,
                                                    hidden == nullptr ? ", null input" : "", ")"));
   }
-  if (absl::Status st = TakeDeferred(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(TakeDeferred());
   Context& c = contexts_[ctx];
-  if (absl::Status st = ResetStage(c); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(ResetStage(c));
   c.active = false;
   if (T > 0) {
     const size_t n = static_cast<size_t>(T) * H_;
@@ -709,7 +707,7 @@ absl::Status CudaBackend::BeginCall(int ctx, int T, const bf16_t* hidden, Memory
 
 absl::Status CudaBackend::RoutingToHost(const int32_t* ids, const float* weights, int n,
                                         int32_t* host_ids, float* host_weights) {
-  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Use());
   if (n < 0) return absl::InvalidArgumentError("cuda backend: RoutingToHost of negative size");
   if (n == 0) return absl::OkStatus();
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host_ids, ids, static_cast<size_t>(n) * sizeof(int32_t),
@@ -726,7 +724,7 @@ absl::StatusOr<uint64_t> CudaBackend::GatherRows(int ctx, const int32_t* rows, i
   absl::StatusOr<Context*> cs = ActiveContext(ctx);
   if (!cs.ok()) return cs.status();
   Context& c = **cs;
-  if (absl::Status st = CheckRows(c, rows, n, "GatherRows"); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(CheckRows(c, rows, n, "GatherRows"));
   if (n > 0) {
     if (dst == nullptr) return absl::InvalidArgumentError("cuda backend: GatherRows into null");
     absl::StatusOr<const int32_t*> d_rows = UploadRows(c, rows, n);
@@ -754,7 +752,7 @@ absl::StatusOr<uint64_t> CudaBackend::AddRows(int ctx, const int32_t* rows, int 
   absl::StatusOr<Context*> cs = ActiveContext(ctx);
   if (!cs.ok()) return cs.status();
   Context& c = **cs;
-  if (absl::Status st = CheckRows(c, rows, n, "AddRows"); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(CheckRows(c, rows, n, "AddRows"));
   if (n > 0) {
     if (partial == nullptr) return absl::InvalidArgumentError("cuda backend: AddRows from null");
     absl::StatusOr<const int32_t*> d_rows = UploadRows(c, rows, n);
@@ -772,24 +770,19 @@ absl::StatusOr<uint64_t> CudaBackend::AddRows(int ctx, const int32_t* rows, int 
   return compute_fences_.Record(compute_);
 }
 
-// Long: validate, upload and launch share the plan's staging offsets; kept whole (no GPU here to test a split).
-absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
-  absl::StatusOr<Context*> cs = ActiveContext(ctx);
-  if (!cs.ok()) return cs.status();
-  Context& c = **cs;
-  if (plan.groups == nullptr) return absl::OkStatus();  // no hits
+// Validates the hit plan against the call (an index out of range would fault
+// on the device) and splits its groups between the grouped kernels
+// (small_groups_) and cuBLAS (big_groups_); returns the largest small group.
+absl::StatusOr<int> CudaBackend::SplitHitGroups(const Context& c, const HitPlan& plan) {
   const ExpertGroups& gr = *plan.groups;
   const int num_groups = gr.num_groups(), plan_rows = gr.total_rows;
   if (plan_rows < 0 || gr.row_begin.size() != gr.expert.size() || gr.count.size() != gr.expert.size() ||
       gr.token.size() < static_cast<size_t>(plan_rows) || gr.weight.size() < static_cast<size_t>(plan_rows))
     return absl::InvalidArgumentError("cuda backend: RunExperts: inconsistent plan sizes");
-  if (num_groups == 0 || plan_rows == 0) return absl::OkStatus();
-  if (plan.buffer == nullptr) return absl::InvalidArgumentError("cuda backend: RunExperts: plan has null arrays");
-
-  // Validate (an index out of range would fault on the device) and split the
-  // groups between the grouped kernels and cuBLAS.
   small_groups_.clear();
   big_groups_.clear();
+  if (num_groups == 0 || plan_rows == 0) return 0;
+  if (plan.buffer == nullptr) return absl::InvalidArgumentError("cuda backend: RunExperts: plan has null arrays");
   int small_max = 0;
   for (int g = 0; g < num_groups; ++g) {
     const cuda::GroupDesc d{plan.buffer[g], gr.row_begin[g], gr.count[g], 0};
@@ -815,8 +808,18 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
                                                      c.T, " tokens"));
     }
   }
+  return small_max;
+}
+
+absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
+  MOE_ASSIGN_OR_RETURN(Context * cs, ActiveContext(ctx));
+  Context& c = *cs;
+  if (plan.groups == nullptr) return absl::OkStatus();  // no hits
+  const ExpertGroups& gr = *plan.groups;
+  const int plan_rows = gr.total_rows;
+  MOE_ASSIGN_OR_RETURN(const int small_max, SplitHitGroups(c, plan));
   if (small_groups_.empty() && big_groups_.empty()) return absl::OkStatus();
-  if (absl::Status st = EnsurePlanRows(plan_rows); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(EnsurePlanRows(plan_rows));
 
   // One upload: token [rows], weight [rows], small group descriptors.
   const size_t rows = plan_rows;
@@ -824,16 +827,14 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
   const size_t weight_off = RoundUp(rows * sizeof(int32_t), 16);
   const size_t groups_off = weight_off + RoundUp(rows * sizeof(float), 16);
   const size_t total = groups_off + small_groups_.size() * sizeof(cuda::GroupDesc);
-  absl::StatusOr<Upload> u = Reserve(c, total);
-  if (!u.ok()) return u.status();
-  std::memcpy(u->host + token_off, gr.token.data(), rows * sizeof(int32_t));
-  std::memcpy(u->host + weight_off, gr.weight.data(), rows * sizeof(float));
+  MOE_ASSIGN_OR_RETURN(const Upload u, Reserve(c, total));
+  std::memcpy(u.host + token_off, gr.token.data(), rows * sizeof(int32_t));
+  std::memcpy(u.host + weight_off, gr.weight.data(), rows * sizeof(float));
   if (!small_groups_.empty())
-    std::memcpy(u->host + groups_off, small_groups_.data(),
-                small_groups_.size() * sizeof(cuda::GroupDesc));
-  if (absl::Status st = Commit(c, *u); !st.ok()) return st;
-  const int32_t* d_token = reinterpret_cast<const int32_t*>(u->dev + token_off);
-  const float* d_weight = reinterpret_cast<const float*>(u->dev + weight_off);
+    std::memcpy(u.host + groups_off, small_groups_.data(), small_groups_.size() * sizeof(cuda::GroupDesc));
+  MOE_RETURN_IF_ERROR(Commit(c, u));
+  const int32_t* d_token = reinterpret_cast<const int32_t*>(u.dev + token_off);
+  const float* d_weight = reinterpret_cast<const float*>(u.dev + weight_off);
 
   if (!small_groups_.empty()) {
     cuda::GroupedExpertArgs a;
@@ -841,7 +842,7 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
     a.expert_stride = expert_stride_;
     a.hidden = H_;
     a.intermediate = I_;
-    a.groups = reinterpret_cast<const cuda::GroupDesc*>(u->dev + groups_off);
+    a.groups = reinterpret_cast<const cuda::GroupDesc*>(u.dev + groups_off);
     a.num_groups = static_cast<int>(small_groups_.size());
     a.max_count = small_max;
     a.token = d_token;
@@ -853,7 +854,7 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
     MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedDown(a, compute_));
   }
   for (const cuda::GroupDesc& g : big_groups_) {
-    if (absl::Status st = RunGemmGroup(c, g, d_token, d_weight); !st.ok()) return st;
+    MOE_RETURN_IF_ERROR(RunGemmGroup(c, g, d_token, d_weight));
   }
   return absl::OkStatus();
 }
@@ -925,7 +926,7 @@ absl::Status CudaBackend::FinishCall(int ctx, bf16_t* out, MemoryKind kind) {
 
 absl::Status CudaBackend::WaitStream(void* stream) {
   if (stream == nullptr) return absl::OkStatus();
-  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Use());
   MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(engine_ready_, static_cast<cudaStream_t>(stream)));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, engine_ready_, 0));
   return absl::OkStatus();
@@ -933,7 +934,7 @@ absl::Status CudaBackend::WaitStream(void* stream) {
 
 absl::Status CudaBackend::SignalStream(void* stream) {
   if (stream == nullptr) return absl::OkStatus();
-  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Use());
   MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(output_ready_, compute_));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), output_ready_, 0));
   return absl::OkStatus();
@@ -998,7 +999,7 @@ void CUDART_CB CudaBackend::RunFinish(void* record) {
 }
 
 absl::Status CudaBackend::EnqueueHostPlanned(const HostPlannedCall& call) {
-  if (absl::Status st = Use(); !st.ok()) return st;
+  MOE_RETURN_IF_ERROR(Use());
   if (call.stream == nullptr) return absl::InvalidArgumentError("cuda_stream: a capturable call needs the engine's stream");
   if (call.T < 1 || call.T > config_.max_tokens || call.k < 1 || call.k > config_.max_top_k)
     return absl::InvalidArgumentError(absl::StrCat("tokens/top_k: ", call.T, " x ", call.k, " is outside [1, ",

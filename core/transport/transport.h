@@ -26,20 +26,6 @@ namespace moe {
 
 using Clock = std::chrono::steady_clock;
 
-// Transitional: the former name of a shipped batch, kept only so that
-// cpu_expert_server/main.cc's shm handler (which takes one) compiles until it
-// takes a MoeBatch; converts from one. Do not use in new code.
-struct MissBatch {
-  MissBatch(const MoeBatch& b)  // NOLINT: implicit on purpose (see above)
-      : layer(static_cast<uint32_t>(b.layer)), n(b.n), k(b.routing.k), tokens(b.tokens),
-        expert_ids(b.routing.ids), expert_weights(b.routing.weights) {}
-  uint32_t layer;
-  int n, k;
-  const bf16_t* tokens;
-  const int32_t* expert_ids;
-  const float* expert_weights;
-};
-
 struct TransportOptions {
   int hidden = 0;                  // H of the model (required)
   // shm: slot geometry the client asks the server for.
