@@ -158,9 +158,21 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   }
   PlanUnits(groups);
 
-  // Rows rounded up to the row block: a caller's last group may end unpadded.
+  // Rows rounded up to the row block: a caller's last group may end unpadded,
+  // and the kernels read whole row blocks of token/weight, so those get
+  // padding rows (token -1, weight 0) in scratch of our own.
   const int align = kernel_.row_block();
   const size_t rows = static_cast<size_t>((groups.total_rows + align - 1) / align * align);
+  const int32_t* token = groups.token.data();
+  const float* weight = groups.weight.data();
+  if (rows != static_cast<size_t>(groups.total_rows)) {
+    pad_token_.assign(groups.token.begin(), groups.token.begin() + groups.total_rows);
+    pad_token_.resize(rows, -1);
+    pad_weight_.assign(groups.weight.begin(), groups.weight.begin() + groups.total_rows);
+    pad_weight_.resize(rows, 0.0f);
+    token = pad_token_.data();
+    weight = pad_weight_.data();
+  }
   bf16_t* x = static_cast<bf16_t*>(x_buf_.Reserve(std::max<size_t>(1, rows * g.Kh * 2)));
   bf16_t* act = static_cast<bf16_t*>(act_buf_.Reserve(std::max<size_t>(1, rows * g.Ki * 2)));
   float* out32 = out_dtype == DType::kF32
@@ -172,7 +184,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     auto [r0, r1] = Split(static_cast<int>(rows), t, nt);
     for (int r = r0; r < r1; ++r) {
       bf16_t* dst = x + static_cast<size_t>(r) * g.Kh;
-      const int32_t tok = r < groups.total_rows ? groups.token[r] : -1;
+      const int32_t tok = token[r];
       if (tok >= 0) {
         std::memcpy(dst, tokens + static_cast<size_t>(tok) * H, size_t(H) * 2);
         std::memset(dst + H, 0, size_t(g.Kh - H) * 2);
@@ -198,8 +210,8 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     }
     for (int i = 0; i < ngroups; ++i) {
       const int rb = groups.row_begin[i];
-      kernel_.DownAccumulate(g, weights_[i], act + size_t(rb) * g.Ki, groups.count[i], groups.token.data() + rb,
-                             groups.weight.data() + rb, out32, H, c0, c1);
+      kernel_.DownAccumulate(g, weights_[i], act + size_t(rb) * g.Ki, groups.count[i], token + rb, weight + rb,
+                             out32, H, c0, c1);
     }
     if (out_dtype == DType::kBF16) {
       bf16_t* o = static_cast<bf16_t*>(out);
