@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Lists function bodies longer than N lines (default 80) in the production
+code (core, cpu_compute, gpu_worker, cpu_expert_server, coordinator, client).
+A function whose definition is directly preceded by a comment line starting
+with "// Long:" (the reason it stays whole) is allowed. With --check, exits 1
+when any function is listed (the ctest Style.FunctionsShortOrExplained).
+
+The scan is textual: a definition is a line at indentation <= 2 that ends with
+'{', is not a control statement, class or namespace, and whose signature holds
+'('; its body ends where the braces balance again."""
+import os
+import re
+import sys
+
+CONTROL = re.compile(r'^\s*(if|for|while|switch|else|do|try|catch|namespace|class|struct|enum|union|extern)\b')
+ROOTS = ["core", "cpu_compute", "gpu_worker", "cpu_expert_server", "coordinator", "client"]
+
+
+def strip(line):
+    line = re.sub(r'"(\\.|[^"\\])*"', '""', line)
+    line = re.sub(r"'(\\.|[^'\\])*'", "''", line)
+    return re.sub(r'//.*', '', line)
+
+
+def long_functions(path, limit):
+    lines = open(path, errors="replace").read().split("\n")
+    found, i = [], 0
+    while i < len(lines):
+        s = strip(lines[i])
+        is_def = (s.rstrip().endswith("{") and not CONTROL.match(s) and re.match(r"^( {0,2})\S", lines[i])
+                  and "=" not in s.split("(")[0] and ("(" in s or (i > 0 and ")" in strip(lines[i - 1]))))
+        if not is_def:
+            i += 1
+            continue
+        start = i  # the signature may begin a few lines up
+        while start > 0 and strip(lines[start - 1]).strip() and \
+                not strip(lines[start - 1]).rstrip().endswith((";", "}", "{")) and \
+                not lines[start - 1].strip().startswith(("#", "//")):
+            start -= 1
+        depth, k = 0, i
+        while k < len(lines):
+            t = strip(lines[k])
+            depth += t.count("{") - t.count("}")
+            if depth <= 0:
+                break
+            k += 1
+        n = k - i + 1
+        reason = start > 0 and lines[start - 1].strip().startswith("// Long:")
+        if n > limit and not reason:
+            found.append((n, f"{path}:{start + 1}", lines[start].strip()[:100]))
+        i = k + 1 if n > 3 else i + 1
+    return found
+
+
+def main(argv):
+    check = "--check" in argv
+    args = [a for a in argv if a != "--check"]
+    limit = int(args[0]) if args else 80
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    found = []
+    for top in ROOTS:
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            for f in sorted(files):
+                if f.endswith((".cc", ".cu", ".h")):
+                    path = os.path.join(dirpath, f)
+                    found += [(n, os.path.relpath(path, root) + loc[len(path):], sig)
+                              for n, loc, sig in long_functions(path, limit)]
+    for n, loc, sig in sorted(found, reverse=True):
+        print(f"{n:4d} lines  {loc}  {sig}")
+    if check and found:
+        print(f"{len(found)} function(s) over {limit} lines without a '// Long:' reason above them")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
