@@ -130,19 +130,30 @@ __device__ __forceinline__ void WarpGemv(const bf16_t* const (&w)[NMAT][J],
       }
 }
 
+// Where a thread of the grouped gemv kernels works: its block's group g,
+// its lane, and the first of the J output columns its warp owns (block b
+// handles group b / tiles and tile b % tiles of kGemvWarps * J columns).
+struct GemvPlace {
+  int g, lane, n0;
+};
+template <int J>
+__device__ __forceinline__ GemvPlace PlaceOf(int tiles) {
+  const int g = static_cast<int>(blockIdx.x) / tiles;
+  const int tile = static_cast<int>(blockIdx.x) - g * tiles;
+  const int warp = static_cast<int>(threadIdx.x) / kWarp;
+  return GemvPlace{g, static_cast<int>(threadIdx.x) % kWarp, (tile * kGemvWarps + warp) * J};
+}
+
 // Grid: num_groups * tiles blocks; block b handles group b / tiles and the
 // kGemvWarps * J intermediate columns of tile b % tiles.
 template <int M, int J, bool kVec>
 __global__ void __launch_bounds__(kGemvThreads) GroupedGateUpKernel(GroupedExpertArgs a,
                                                                     int tiles) {
-  const int g = static_cast<int>(blockIdx.x) / tiles;
-  const int tile = static_cast<int>(blockIdx.x) - g * tiles;
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const int warp = static_cast<int>(threadIdx.x) / kWarp;
+  const GemvPlace at = PlaceOf<J>(tiles);
+  const int lane = at.lane, n0 = at.n0;
   const int H = a.hidden, I = a.intermediate;
-  const int n0 = (tile * kGemvWarps + warp) * J;
   if (n0 >= I) return;  // whole warp; no block-level synchronization below
-  const GroupDesc gd = a.groups[g];
+  const GroupDesc gd = a.groups[at.g];
 
   const bf16_t* gate = a.experts + static_cast<size_t>(gd.buffer) * a.expert_stride;
   const bf16_t* up = gate + static_cast<size_t>(I) * H;
@@ -183,14 +194,11 @@ __global__ void __launch_bounds__(kGemvThreads) GroupedGateUpKernel(GroupedExper
 template <int M, int J, bool kVec>
 __global__ void __launch_bounds__(kGemvThreads) GroupedDownKernel(GroupedExpertArgs a,
                                                                   int tiles) {
-  const int g = static_cast<int>(blockIdx.x) / tiles;
-  const int tile = static_cast<int>(blockIdx.x) - g * tiles;
-  const int lane = static_cast<int>(threadIdx.x) % kWarp;
-  const int warp = static_cast<int>(threadIdx.x) / kWarp;
+  const GemvPlace at = PlaceOf<J>(tiles);
+  const int lane = at.lane, n0 = at.n0;
   const int H = a.hidden, I = a.intermediate;
-  const int n0 = (tile * kGemvWarps + warp) * J;
   if (n0 >= H) return;
-  const GroupDesc gd = a.groups[g];
+  const GroupDesc gd = a.groups[at.g];
 
   const bf16_t* down = a.experts + static_cast<size_t>(gd.buffer) * a.expert_stride +
                        2 * static_cast<size_t>(I) * H;
