@@ -127,15 +127,9 @@ absl::StatusOr<const TensorInfo*> FindTensor(const Checkpoint& ckpt, const std::
   return t;
 }
 
-// "X.weight" -> "X.<suffix>" (compressed-tensors names its parts after the module).
-std::string PartName(const std::string& weight_name, const char* suffix) {
-  const std::string base = weight_name.substr(0, weight_name.size() - std::string(".weight").size());
-  return absl::StrCat(base, ".", suffix);
-}
-
 // The tensor whose presence says an expert projection is in the checkpoint.
 std::string PrimaryTensorName(const QuantConfig& q, const std::string& weight_name) {
-  return q.scheme == WeightQuant::kInt4Group ? PartName(weight_name, "weight_packed") : weight_name;
+  return q.scheme == WeightQuant::kInt4Group ? QuantizedPartName(weight_name, "weight_packed") : weight_name;
 }
 
 // One [rows, cols] expert projection (its ".weight" name) as bf16, in the
@@ -166,13 +160,15 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
     }
     case WeightQuant::kInt4Group: {
       const std::string why = absl::StrCat("quantization_config: int4, group ", q.group_size);
-      MOE_ASSIGN_OR_RETURN(const TensorInfo* p, FindTensor(ckpt, PartName(name, "weight_packed"), {DType::kI32},
-                                                           {rows, CeilDiv(cols, 8)}, why));
-      MOE_ASSIGN_OR_RETURN(const TensorInfo* s,
-                           FindTensor(ckpt, PartName(name, "weight_scale"), {DType::kBF16, DType::kF16, DType::kF32},
-                                      {rows, CeilDiv(cols, q.group_size)}, why));
+      const std::string packed_name = QuantizedPartName(name, "weight_packed");
+      const std::string scale_name = QuantizedPartName(name, "weight_scale");
+      const std::string shape_name = QuantizedPartName(name, "weight_shape");
+      MOE_ASSIGN_OR_RETURN(const TensorInfo* p,
+                           FindTensor(ckpt, packed_name, {DType::kI32}, {rows, CeilDiv(cols, 8)}, why));
+      MOE_ASSIGN_OR_RETURN(const TensorInfo* s, FindTensor(ckpt, scale_name, {DType::kBF16, DType::kF16, DType::kF32},
+                                                           {rows, CeilDiv(cols, q.group_size)}, why));
       MOE_ASSIGN_OR_RETURN(const TensorInfo* shape,
-                           FindTensor(ckpt, PartName(name, "weight_shape"), {DType::kI64, DType::kI32}, {2}, why));
+                           FindTensor(ckpt, shape_name, {DType::kI64, DType::kI32}, {2}, why));
       int64_t r0 = 0, c0 = 0;
       if (shape->dtype == DType::kI64) {
         std::memcpy(&r0, shape->data, 8);

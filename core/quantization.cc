@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -97,6 +98,14 @@ nlohmann::json QuantConfigToJson(const QuantConfig& q) {
               {"ignore", {"lm_head"}}};
   }
   return nullptr;
+}
+
+std::string QuantizedPartName(const std::string& weight_name, const char* part) {
+  constexpr std::string_view kWeight = ".weight";
+  const size_t base = weight_name.size() >= kWeight.size() && weight_name.ends_with(kWeight)
+                          ? weight_name.size() - kWeight.size()
+                          : weight_name.size();
+  return absl::StrCat(weight_name.substr(0, base), ".", part);
 }
 
 absl::StatusOr<WeightQuant> ParseWeightQuant(const std::string& name) {

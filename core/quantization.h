@@ -54,6 +54,10 @@ uint8_t F32ToFp8E4M3(float f);
 // Tensor sizes of one quantized [rows, cols] weight.
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A part of a quantized projection, named after its module: "X.weight" ->
+// "X.<part>" (e.g. weight_packed, weight_scale, weight_shape).
+std::string QuantizedPartName(const std::string& weight_name, const char* part);
+
 // dst[r, c] = fp8(w[r, c]) * scale_inv[r / br, c / bc], as bf16.
 void DequantizeFp8Block(const uint8_t* w, const float* scale_inv, int rows, int cols, int br, int bc,
                         bf16_t* dst);

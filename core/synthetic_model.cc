@@ -165,7 +165,6 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& s
         const int64_t rows = p == Projection::kDown ? spec.hidden : spec.intermediate;
         const int64_t cols = p == Projection::kDown ? spec.intermediate : spec.hidden;
         const std::string name = ExpertTensorName(spec.naming, l, e, p);
-        const std::string base = name.substr(0, name.size() - std::string(".weight").size());
         auto add = [&](std::string n, DType d, std::vector<int64_t> shape, Part part) {
           specs.push_back({std::move(n), d, std::move(shape)});
           items.push_back({l, e, p, part});
@@ -175,9 +174,10 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& s
           add(name + "_scale_inv", DType::kF32, {CeilDiv(rows, q.block_rows), CeilDiv(cols, q.block_cols)},
               Part::kScaleInv);
         } else if (q.scheme == WeightQuant::kInt4Group) {
-          add(base + ".weight_packed", DType::kI32, {rows, CeilDiv(cols, 8)}, Part::kPacked);
-          add(base + ".weight_scale", DType::kBF16, {rows, CeilDiv(cols, q.group_size)}, Part::kScale);
-          add(base + ".weight_shape", DType::kI64, {2}, Part::kShape);
+          add(QuantizedPartName(name, "weight_packed"), DType::kI32, {rows, CeilDiv(cols, 8)}, Part::kPacked);
+          add(QuantizedPartName(name, "weight_scale"), DType::kBF16, {rows, CeilDiv(cols, q.group_size)},
+              Part::kScale);
+          add(QuantizedPartName(name, "weight_shape"), DType::kI64, {2}, Part::kShape);
         } else {
           add(name, spec.dtype, {rows, cols}, Part::kWeight);
         }

@@ -54,7 +54,8 @@ absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
     }
   std::vector<int>& copy = p->copy_experts;
   copy.clear();
-  std::vector<int> optional;
+  std::vector<int>& optional = p->optional_copies;
+  optional.clear();
   for (int e : p->missed) {
     if (server_of[e] < 0 || in.copy_mode == CopyMode::kAlways) {
       if (!in.can_copy)
@@ -95,7 +96,7 @@ void BatchServerMisses(const MissPlanInput& in, MissPlan* p) {
   const int k = r.k;
   p->expert_mark.resize(in.num_experts, 0);
   p->batches.clear();
-  std::vector<int32_t> rows;
+  std::vector<int32_t>& rows = p->server_rows;
   for (int s = 0; s < in.num_servers; ++s) {
     auto mine = [&](int e) { return e >= 0 && in.slot_buffer[e] < 0 && p->server_of[e] == s; };
     rows.clear();

@@ -76,9 +76,11 @@ struct MissPlan {
   // The group of a copied expert in `copies`, or -1.
   int copy_group(int expert) const;
 
-  // Scratch.
+  // Scratch, reused across calls (no allocation per decode call once warm).
   std::vector<int32_t> masked_ids;
   std::vector<int> server_of;
+  std::vector<int> optional_copies;   // missed experts a server could take
+  std::vector<int32_t> server_rows;   // one server's tokens
   std::vector<uint64_t> expert_mark;
   uint64_t mark_epoch = 0;
 };

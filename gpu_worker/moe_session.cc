@@ -52,8 +52,8 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
 }
 
 ModelInfo InfoOf(const ModelSpec& s) {
-  return ModelInfo{s.model_type, s.num_layers, s.moe_layers, s.num_experts, s.top_k,
-                   s.hidden,     s.intermediate, DTypeName(s.dtype)};
+  return ModelInfo{s.model_type, s.num_layers,   s.moe_layers,       s.num_experts,       s.top_k,
+                   s.hidden,     s.intermediate, DTypeName(s.dtype), s.ExpertBf16Bytes()};
 }
 
 LayerCall MakeLayerCall(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,

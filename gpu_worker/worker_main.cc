@@ -129,7 +129,7 @@ class CoordinatorLink {
     reg.num_layers = spec.num_layers;
     reg.num_experts = spec.num_experts;
     reg.slots_per_layer = session.slots_per_layer();
-    reg.expert_bytes = 6ull * spec.hidden * spec.intermediate;  // gate, up, down in bf16
+    reg.expert_bytes = spec.expert_bytes;
     reg.cached_layers = served;
     absl::StatusOr<std::unique_ptr<moe::CoordinatorAgent>> agent = moe::CoordinatorAgent::Start(
         f.coordinator, f.service.tls, reg, [&service](const moe::AssignmentUpdate& u) { service.OnAssignment(u); });

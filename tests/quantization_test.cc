@@ -65,13 +65,13 @@ TEST(Int4Group, PackingIsCompressedTensorsLayout) {
     const float want = static_cast<float>(c - 8) * (c < 8 ? 0.5f : 2.0f);
     EXPECT_EQ(Bf16ToF32(out[c]), want) << "column " << c;
   }
-  // And the quantizer writes that layout.
+  // The quantizer writes a layout the dequantizer reads back: with the
+  // symmetric scale max|w| / 7.5 every value comes back within half a step.
   std::vector<bf16_t> w(16);
-  for (int c = 0; c < 16; ++c) w[c] = F32ToBf16(static_cast<float>(c - 8) * 0.25f);  // q = c - 8 at scale 0.25...
+  for (int c = 0; c < 16; ++c) w[c] = F32ToBf16(static_cast<float>(c - 8) * 0.25f);
   int32_t q[2];
   float s[1];
   QuantizeInt4Group(w.data(), 1, 16, 16, q, s);
-  // ...but the symmetric scale is max|w| / 7.5 = 2 / 7.5, so check the round trip instead of the words.
   std::vector<bf16_t> back(16);
   DequantizeInt4Group(q, s, 1, 16, 16, back.data());
   for (int c = 0; c < 16; ++c) EXPECT_NEAR(Bf16ToF32(back[c]), Bf16ToF32(w[c]), 0.5f * s[0] + 1e-6) << c;

@@ -68,6 +68,7 @@ struct ModelInfo {
   int hidden = 0;               // H
   int intermediate = 0;         // I, per expert
   std::string weight_dtype;     // the checkpoint's expert weights, as safetensors names it: BF16, F16, F32
+  uint64_t expert_bytes = 0;    // one expert's gate, up and down as the session holds them (bf16)
 };
 
 struct SessionOptions {
