@@ -103,6 +103,9 @@ test_rc=0
 in_root "./scripts/test.sh" > "$work/test.log" 2>&1 || test_rc=$?
 phase_done "test.sh (exit $test_rc)"
 grep -E "tests passed|The following tests|Not Run|\*\*\*Skipped|Failed" "$work/test.log" | tail -40
+# A failing test's own words (gtest's "file:line: Failure" and what followed),
+# so a CI log shows why, not only which.
+grep -E -A8 ': Failure$|^\[  FAILED  \]' "$work/test.log" | head -120 || true
 summary=$(grep -E '^[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$work/test.log" || true)
 [[ $test_rc -eq 0 ]] || { echo "fresh-check: FAILED: ./scripts/test.sh exited $test_rc (log: $work/test.log)" >&2; exit 1; }
 [[ -n $summary ]] || { echo "fresh-check: FAILED: ctest's summary line is missing from $work/test.log" >&2; exit 1; }

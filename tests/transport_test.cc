@@ -282,6 +282,37 @@ int SegmentMappings(pid_t pid) {
   return n;
 }
 
+// A caller that gives up on a staged batch the server still holds releases
+// it (the slot stays the server's); if that server then dies, the client
+// must still unmap the dead connection's segment: no segment is kept per
+// server crash (the soak test saw worker RSS grow by one segment per kill).
+TEST_F(TransportTest, ClientUnmapsADeadServersSegmentAfterAReleasedStagedBatch) {
+  auto t = Connect("shm");
+  ASSERT_NE(t, nullptr);
+  ASSERT_EQ(SegmentMappings(getpid()), 1);
+  server_->Signal(SIGSTOP);
+  for (int i = 0; i < 500 && !AllThreadsStopped(server_->pid()); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  Batch b = MakeBatch(4, 2, 8);
+  absl::StatusOr<StagingArea> s = t->Stage(b.n, b.k, In(1000));
+  ASSERT_TRUE(s.ok()) << s.status();
+  std::memcpy(s->tokens, b.x.data(), b.x.size() * 2);
+  std::memcpy(s->expert_ids, b.ids.data(), b.ids.size() * 4);
+  std::memcpy(s->expert_weights, b.w.data(), b.w.size() * 4);
+  EXPECT_EQ(t->SubmitStaged(*s, 1, In(200)).get().code(), absl::StatusCode::kDeadlineExceeded);
+  t->Release(*s);  // the stopped server still owns the slot
+  server_->Signal(SIGKILL);
+  server_->Wait(std::chrono::seconds(10));
+  // The client notices the death, then retires the connection on its next call.
+  const auto end = Clock::now() + std::chrono::seconds(5);
+  std::vector<bf16_t> out(size_t(b.n) * kH);
+  while (SegmentMappings(getpid()) != 0 && Clock::now() < end) {
+    EXPECT_FALSE(t->Submit(b.view(), out.data(), In(200)).get().ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  }
+  EXPECT_EQ(SegmentMappings(getpid()), 0) << "the dead server's segment is still mapped";
+}
+
 TEST_F(TransportTest, ServerFreesTheSegmentOfAClientThatLeft) {
   EXPECT_EQ(SegmentMappings(server_->pid()), 0);
   {

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <condition_variable>
+#include <iterator>
 #include <cstring>
 #include <map>
 #include <thread>
@@ -322,6 +323,15 @@ class ShmTransport final : public ExpertTransport {
     }
     in_flight_.store(batches_.size());
     pending_.FailGeneration(c->generation, absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone")));
+    // Staged slots the caller already released (it gave up while the server
+    // still held them) would otherwise keep the dead connection, and its
+    // mapped segment, alive for good; slots it still holds go at its Release.
+    for (auto it = staged_.begin(); it != staged_.end();) {
+      it = it->second.conn == c && it->second.released ? staged_.erase(it) : std::next(it);
+    }
+    for (auto it = slot_batch_.begin(); it != slot_batch_.end();) {
+      it = it->first.first == c->generation ? slot_batch_.erase(it) : std::next(it);
+    }
     slots_cv_.notify_all();
     c->finished = true;
   }
