@@ -424,7 +424,7 @@ std::unique_ptr<ExpertStore> Benchmark::LoadStore(const ModelSource& source, int
                                                   double* seconds) {
   const Clock::time_point t0 = Clock::now();
   std::unique_ptr<ExpertStore> store = ValueOrDie(
-      ExpertStore::Load(source, HostedSet{{layer}, Iota(experts)}, *numa_, *pool_), "ExpertStore::Load");
+      ExpertStore::Load(source, ExpertGeometry::For(source.spec().hidden, source.spec().intermediate), HostedSet{{layer}, Iota(experts)}, *numa_, *pool_), "ExpertStore::Load");
   *seconds = Seconds(t0);
   LogInfo("bench", "packed ", experts, " experts (", Num(store->resident_bytes() / 1e9), " GB) in ",
           Num(*seconds), " s");

@@ -23,7 +23,9 @@ CpuFeatures Detect() {
   f.avx512f = b & (1u << 16);
   f.avx512bw = b & (1u << 30);
   f.avx512vl = b & (1u << 31);
+  f.avx512_vnni = c & (1u << 11);
   f.amx_bf16 = d & (1u << 22);
+  f.amx_int8 = d & (1u << 25);
   f.amx_tile = d & (1u << 24);
   unsigned a1 = 0, b1, c1, d1;
   if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) f.avx512_bf16 = a1 & (1u << 5);
@@ -62,8 +64,10 @@ std::string CpuFeatures::Summary() const {
   add(avx512bw, "avx512bw");
   add(avx512vl, "avx512vl");
   add(avx512_bf16, "avx512_bf16");
+  add(avx512_vnni, "avx512_vnni");
   add(amx_tile, "amx_tile");
   add(amx_bf16, "amx_bf16");
+  add(amx_int8, "amx_int8");
   if (amx_tile && !os_amx) s += " (amx not enabled by the OS)";
   return s.empty() ? "baseline x86-64" : s;
 }

@@ -1,71 +1,235 @@
 #include "cpu_compute/expert_kernel.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "cpu_compute/packed_layout.h"
 
 namespace moe {
 
+const char* WeightFormatName(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kBf16: return "bf16";
+    case WeightFormat::kInt8: return "int8";
+    case WeightFormat::kInt4: return "int4";
+  }
+  return "?";
+}
+
+namespace {
+int RoundUp(int v, int m) { return (v + m - 1) / m * m; }
+}  // namespace
+
 ExpertGeometry ExpertGeometry::For(int hidden, int intermediate) {
+  return For(hidden, intermediate, WeightFormat::kBf16);
+}
+
+ExpertGeometry ExpertGeometry::For(int hidden, int intermediate, WeightFormat format, int group) {
   ExpertGeometry g;
   g.H = hidden;
   g.I = intermediate;
-  g.Kh = (hidden + 31) / 32 * 32;
-  g.Ki = (intermediate + 31) / 32 * 32;
-  g.Hn = g.Kh;
+  g.format = format;
+  int k_align = 32;
+  if (format == WeightFormat::kInt8) k_align = 64;
+  if (format == WeightFormat::kInt4) {
+    g.group = group > 0 ? group : kDefaultInt4Group;
+    k_align = std::max(64, g.group);
+  }
+  g.Kh = RoundUp(hidden, k_align);
+  g.Ki = RoundUp(intermediate, k_align);
+  g.Hn = RoundUp(hidden, 32);
   return g;
+}
+
+size_t ExpertGeometry::block_bytes(int K) const {
+  switch (format) {
+    case WeightFormat::kBf16: return static_cast<size_t>(K) * 32;
+    case WeightFormat::kInt8: return static_cast<size_t>(K) * 16 + 128;
+    case WeightFormat::kInt4: return static_cast<size_t>(K) * 8 + static_cast<size_t>(K / group) * 64;
+  }
+  return 0;
+}
+
+KernelRows KernelRows::At(int row, int K) const {
+  KernelRows r;
+  const size_t off = static_cast<size_t>(row) * K;
+  if (bf16 != nullptr) r.bf16 = bf16 + off;
+  if (q != nullptr) r.q = q + 2 * off;
+  if (scale != nullptr) r.scale = scale + row;
+  if (sum64 != nullptr) r.sum64 = sum64 + static_cast<size_t>(2 * row) * (K / 64);
+  return r;
 }
 
 namespace {
 
-// Packs rows [n0, n0+16) of W [N, K] (row-major, K valid columns) into one
-// block of Kp/2 rows of 16 (even, odd) pairs; rows >= N and columns >= K are zero.
-void PackBlock(const bf16_t* w, int N, int K, int n0, int Kp, bf16_t* dst) {
+// W[n, k] of a row-major [N, K] matrix as f32, zero outside it.
+inline float At(const bf16_t* w, int N, int K, int n, int k) {
+  return n < N && k < K ? Bf16ToF32(w[static_cast<size_t>(n) * K + k]) : 0.0f;
+}
+
+// bf16: rows [n0, n0+16) of W [N, K] as Kp/2 rows of 16 (even, odd) pairs.
+void PackBf16Block(const bf16_t* w, int N, int K, int n0, int Kp, std::byte* out) {
+  bf16_t* dst = reinterpret_cast<bf16_t*>(out);
   for (int p = 0; p < Kp / 2; ++p) {
     for (int c = 0; c < 16; ++c) {
       const int n = n0 + c;
       for (int q = 0; q < 2; ++q) {
         const int k = 2 * p + q;
-        dst[(p * 16 + c) * 2 + q] = (n < N && k < K) ? w[static_cast<size_t>(n) * K + k] : 0;
+        dst[layout::Bf16Index(c, k)] = (n < N && k < K) ? w[static_cast<size_t>(n) * K + k] : 0;
       }
     }
   }
+}
+
+void PackInt8Block(const bf16_t* w, int N, int K, int n0, int Kp, std::byte* out) {
+  int8_t* q = reinterpret_cast<int8_t*>(out);
+  float* scale = reinterpret_cast<float*>(out + size_t(Kp) * 16);
+  int32_t* colsum = reinterpret_cast<int32_t*>(scale + 16);
+  for (int c = 0; c < 16; ++c) {
+    float amax = 0.0f;
+    for (int k = 0; k < K; ++k) amax = std::max(amax, std::fabs(At(w, N, K, n0 + c, k)));
+    const float s = amax / 127.0f;
+    scale[c] = s;
+    int32_t sum = 0;
+    for (int k = 0; k < Kp; ++k) {
+      const float v = At(w, N, K, n0 + c, k);
+      const int qi = s > 0 ? std::clamp(static_cast<int>(std::nearbyint(v / s)), -127, 127) : 0;
+      q[layout::Int8Offset(c, k)] = static_cast<int8_t>(qi);
+      sum += qi;
+    }
+    colsum[c] = sum;
+  }
+}
+
+void PackInt4Block(const bf16_t* w, int N, int K, int n0, int Kp, int group, std::byte* out) {
+  uint8_t* q = reinterpret_cast<uint8_t*>(out);
+  std::memset(q, 0x88, size_t(Kp) * 8);  // q = 0 everywhere (padding included)
+  float* scale = reinterpret_cast<float*>(out + size_t(Kp) * 8);
+  for (int gi = 0; gi < Kp / group; ++gi) {
+    for (int c = 0; c < 16; ++c) {
+      // The finest grid s * [-8, 7] that holds the group without clipping:
+      // an int4 checkpoint's own codes (dequantized at load) come back exactly.
+      float pos = 0.0f, neg = 0.0f;
+      for (int k = gi * group; k < (gi + 1) * group; ++k) {
+        const float v = At(w, N, K, n0 + c, k);
+        pos = std::max(pos, v);
+        neg = std::max(neg, -v);
+      }
+      const float s = std::max(pos / 7.0f, neg / 8.0f);
+      scale[gi * 16 + c] = s;
+      for (int k = gi * group; k < (gi + 1) * group; ++k) {
+        const float v = At(w, N, K, n0 + c, k);
+        const int qi = s > 0 ? std::clamp(static_cast<int>(std::nearbyint(v / s)), -8, 7) : 0;
+        bool high;
+        uint8_t& b = q[layout::Int4Offset(c, k, &high)];
+        b = high ? static_cast<uint8_t>((b & 0x0F) | ((qi + 8) << 4)) : static_cast<uint8_t>((b & 0xF0) | (qi + 8));
+      }
+    }
+  }
+}
+
+void PackBlock(const ExpertGeometry& g, const bf16_t* w, int N, int K, int n0, int Kp, std::byte* out) {
+  switch (g.format) {
+    case WeightFormat::kBf16: return PackBf16Block(w, N, K, n0, Kp, out);
+    case WeightFormat::kInt8: return PackInt8Block(w, N, K, n0, Kp, out);
+    case WeightFormat::kInt4: return PackInt4Block(w, N, K, n0, Kp, g.group, out);
+  }
+}
+
+void UnpackMatrix(const ExpertGeometry& g, const std::byte* blocks, int N, int K, int Kp, float* w) {
+  const size_t bb = g.block_bytes(Kp);
+  for (int n = 0; n < N; ++n)
+    for (int k = 0; k < K; ++k) w[size_t(n) * K + k] = layout::Value(g, blocks + (n / 16) * bb, Kp, n % 16, k);
 }
 
 }  // namespace
 
 void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, const bf16_t* down,
                 std::byte* dst) {
-  bf16_t* out = reinterpret_cast<bf16_t*>(dst);
-  const size_t blk = static_cast<size_t>(g.Kh) * 16;  // bf16 per gate/up block
+  const size_t gub = g.block_bytes(g.Kh), db = g.block_bytes(g.Ki);
   for (int c = 0; c < g.gate_up_groups(); ++c) {
-    PackBlock(gate, g.I, g.H, 16 * c, g.Kh, out + (2 * c) * blk);
-    PackBlock(up, g.I, g.H, 16 * c, g.Kh, out + (2 * c + 1) * blk);
+    PackBlock(g, gate, g.I, g.H, 16 * c, g.Kh, dst + (2 * c) * gub);
+    PackBlock(g, up, g.I, g.H, 16 * c, g.Kh, dst + (2 * c + 1) * gub);
   }
-  bf16_t* d = out + g.gate_up_bytes() / 2;
-  const size_t dblk = static_cast<size_t>(g.Ki) * 16;
-  for (int b = 0; b < g.Hn / 16; ++b) PackBlock(down, g.H, g.I, 16 * b, g.Ki, d + b * dblk);
+  std::byte* d = dst + g.gate_up_bytes();
+  for (int b = 0; b < g.Hn / 16; ++b) PackBlock(g, down, g.H, g.I, 16 * b, g.Ki, d + b * db);
 }
 
-absl::StatusOr<std::unique_ptr<ExpertKernel>> MakeExpertKernel(std::string_view name,
-                                                              const CpuFeatures& cpu) {
+void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate, float* up, float* down) {
+  const size_t gub = g.block_bytes(g.Kh);
+  // Gate and up blocks interleave: view each as its own sequence of blocks.
+  std::vector<std::byte> seq(static_cast<size_t>(g.gate_up_groups()) * gub);
+  for (int which = 0; which < 2; ++which) {
+    for (int c = 0; c < g.gate_up_groups(); ++c)
+      std::memcpy(seq.data() + c * gub, packed + (2 * c + which) * gub, gub);
+    UnpackMatrix(g, seq.data(), g.I, g.H, g.Kh, which == 0 ? gate : up);
+  }
+  UnpackMatrix(g, packed + g.gate_up_bytes(), g.H, g.I, g.Ki, down);
+}
+
+void QuantizeRowsScalar(const bf16_t* x, int m, int K, int8_t* q, float* scale, int32_t* sum64) {
+  for (int r = 0; r < m; ++r) {
+    const bf16_t* xr = x + size_t(r) * K;
+    float amax = 0.0f;
+    for (int k = 0; k < K; ++k) amax = std::max(amax, std::fabs(Bf16ToF32(xr[k])));
+    const float s = amax / 127.0f;
+    const float inv = s > 0 ? 1.0f / s : 0.0f;
+    scale[r] = s;
+    int8_t* hi = q + size_t(2 * r) * K;
+    int8_t* lo = hi + K;
+    for (int c = 0; c < K / 64; ++c) {
+      int32_t sh = 0, sl = 0;
+      for (int k = 64 * c; k < 64 * c + 64; ++k) {
+        const float v = Bf16ToF32(xr[k]) * inv;  // in [-127, 127]
+        const float h = std::nearbyint(v);
+        const int qh = static_cast<int>(h);
+        const int ql = std::clamp(static_cast<int>(std::nearbyint((v - h) * 254.0f)), -127, 127);
+        hi[k] = static_cast<int8_t>(qh);
+        lo[k] = static_cast<int8_t>(ql);
+        sh += qh;
+        sl += ql;
+      }
+      sum64[size_t(2 * r) * (K / 64) + c] = sh;
+      sum64[size_t(2 * r + 1) * (K / 64) + c] = sl;
+    }
+  }
+}
+
+void QuantizeRows(const bf16_t* x, int m, int K, int8_t* q, float* scale, int32_t* sum64) {
+  if (CpuFeatures::Get().HasAvx512Bf16()) return QuantizeRowsAvx512(x, m, K, q, scale, sum64);
+  QuantizeRowsScalar(x, m, K, q, scale, sum64);
+}
+
+absl::StatusOr<std::unique_ptr<ExpertKernel>> MakeExpertKernel(std::string_view name, const CpuFeatures& cpu,
+                                                              WeightFormat format) {
+  const bool bf16 = format == WeightFormat::kBf16;
+  const bool avx512 = bf16 ? cpu.HasAvx512Bf16() : cpu.HasAvx512Vnni();
+  const bool amx = bf16 ? cpu.HasAmxBf16() : cpu.HasAmxInt8();
+  const bool avx512_int8 = cpu.HasAvx512Vnni(), amx_int8 = cpu.HasAmxInt8();
   if (name == "auto") {
-    if (cpu.HasAmxBf16()) return MakeAmxKernel();
-    if (cpu.HasAvx512Bf16()) return MakeAvx512Kernel();
-    return MakeReferenceKernel();
+    std::unique_ptr<ExpertKernel> k;
+    if (amx) k = MakeAmxKernel(cpu.HasAmxBf16(), amx_int8);
+    if ((!k || !k->Supports(format)) && avx512) k = MakeAvx512Kernel(cpu.HasAvx512Bf16(), avx512_int8);
+    if (!k || !k->Supports(format)) k = MakeReferenceKernel();
+    return k;
   }
   if (name == "reference") return MakeReferenceKernel();
   if (name == "avx512") {
-    if (!cpu.HasAvx512Bf16())
-      return absl::FailedPreconditionError(
-          absl::StrCat("kernel avx512 needs AVX-512-BF16; this CPU has: ", cpu.Summary()));
-    return MakeAvx512Kernel();
+    if (!avx512)
+      return absl::FailedPreconditionError(absl::StrCat("kernel avx512 needs ", bf16 ? "AVX-512-BF16" : "AVX-512-VNNI",
+                                                        " for ", WeightFormatName(format),
+                                                        " weights; this CPU has: ", cpu.Summary()));
+    return MakeAvx512Kernel(cpu.HasAvx512Bf16(), avx512_int8);
   }
   if (name == "amx") {
-    if (!cpu.HasAmxBf16())
-      return absl::FailedPreconditionError(
-          absl::StrCat("kernel amx needs AMX-BF16 enabled by the OS; this CPU has: ", cpu.Summary()));
-    return MakeAmxKernel();
+    if (!amx)
+      return absl::FailedPreconditionError(absl::StrCat("kernel amx needs ", bf16 ? "AMX-BF16" : "AMX-INT8",
+                                                        " enabled by the OS for ", WeightFormatName(format),
+                                                        " weights; this CPU has: ", cpu.Summary()));
+    return MakeAmxKernel(cpu.HasAmxBf16(), amx_int8);
   }
   return absl::InvalidArgumentError(
       absl::StrCat("unknown kernel '", std::string(name), "' (auto, amx, avx512, reference)"));

@@ -13,18 +13,37 @@ size_t Stride(const ExpertGeometry& g) { return (g.packed_bytes() + 4095) / 4096
 std::string GiB(uint64_t b) { return absl::StrCat(static_cast<double>(b >> 20) / 1024.0, " GiB"); }
 }  // namespace
 
+absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype) {
+  auto at = [&](WeightFormat f, int group = 0) { return ExpertGeometry::For(spec.hidden, spec.intermediate, f, group); };
+  if (weight_dtype == "bf16") return at(WeightFormat::kBf16);
+  if (weight_dtype == "int8") return at(WeightFormat::kInt8);
+  const int ckpt_group = spec.quant.scheme == WeightQuant::kInt4Group && spec.quant.group_size % 64 == 0 ? spec.quant.group_size : 0;
+  if (weight_dtype == "int4") return at(WeightFormat::kInt4, ckpt_group);
+  if (weight_dtype == "auto") {
+    switch (spec.quant.scheme) {
+      case WeightQuant::kFp8Block: return at(WeightFormat::kInt8);
+      case WeightQuant::kInt4Group: return at(WeightFormat::kInt4, ckpt_group);
+      default: return at(WeightFormat::kBf16);
+    }
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("--weight-dtype: '", std::string(weight_dtype), "' is not one of auto, bf16, int8, int4"));
+}
+
 uint64_t ExpertStore::BytesNeeded(const ExpertGeometry& g, const HostedSet& hosted) {
   return static_cast<uint64_t>(Stride(g)) * hosted.layers.size() * hosted.experts.size();
 }
 
 absl::StatusOr<std::unique_ptr<ExpertStore>> ExpertStore::Load(const ModelSource& source,
-                                                               HostedSet hosted,
+                                                               const ExpertGeometry& geometry, HostedSet hosted,
                                                                const NumaBinding& numa,
                                                                ComputePool& pool) {
   const ModelSpec& spec = source.spec();
   std::unique_ptr<ExpertStore> s(new ExpertStore());
   s->numa_ = &numa;
-  s->geometry_ = ExpertGeometry::For(spec.hidden, spec.intermediate);
+  if (geometry.H != spec.hidden || geometry.I != spec.intermediate)
+    return absl::InvalidArgumentError(absl::StrCat("geometry: H=", geometry.H, " I=", geometry.I, " for ", spec.Summary()));
+  s->geometry_ = geometry;
   s->stride_ = Stride(s->geometry_);
   s->num_layers_ = spec.num_layers;
   s->num_experts_ = spec.num_experts;

@@ -36,16 +36,24 @@ class PackedExperts {
   virtual int num_experts() const = 0;
 };
 
+// The packed geometry a server stores `spec`'s experts in, from
+// --weight-dtype: "bf16", "int8", "int4" or "auto" (the checkpoint's
+// precision class: an fp8 checkpoint -> int8, an int4 one -> int4 with its
+// group size when a multiple of 64, else 128; anything else -> bf16).
+// InvalidArgument naming --weight-dtype for other values.
+absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype);
+
 class ExpertStore : public PackedExperts {
  public:
   // Bytes the packed weights of `hosted` occupy.
   static uint64_t BytesNeeded(const ExpertGeometry& g, const HostedSet& hosted);
 
-  // Checks that the packed weights fit in available memory (refusing with the
-  // bytes needed and available otherwise), then reads and packs every hosted
-  // expert. Any weight error (NaN/Inf, wrong shape, missing tensor) fails the load.
+  // Checks that the packed weights (in `geometry`'s format, see
+  // StorageGeometry) fit in available memory (refusing with the bytes needed
+  // and available otherwise), then reads and packs every hosted expert. Any
+  // weight error (NaN/Inf, wrong shape, missing tensor) fails the load.
   static absl::StatusOr<std::unique_ptr<ExpertStore>> Load(const ModelSource& source,
-                                                          HostedSet hosted,
+                                                          const ExpertGeometry& geometry, HostedSet hosted,
                                                           const NumaBinding& numa,
                                                           ComputePool& pool);
   ~ExpertStore() override;

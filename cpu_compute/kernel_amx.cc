@@ -47,11 +47,14 @@ inline void PrefetchTile(const std::byte* p) {
 
 class AmxKernel final : public ExpertKernel {
  public:
+  AmxKernel(bool bf16, bool int8) : bf16_(bf16), int8_(int8) {}
   const char* name() const override { return "amx"; }
   int row_block() const override { return 16; }
+  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : false; }
 
-  void GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act,
+  void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& xr, int m, bf16_t* act,
               int c0, int c1) const override {
+    const bf16_t* x = xr.bf16;
     if (m <= kAvx512MaxRows) return Avx512GateUp(g, packed, x, m, act, c0, c1);
     ConfigureTiles();
     const size_t blk = static_cast<size_t>(g.Kh) * 32;  // bytes per packed block
@@ -107,9 +110,10 @@ class AmxKernel final : public ExpertKernel {
     _tile_release();
   }
 
-  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
+  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
+    const bf16_t* act = ar.bf16;
     if (m <= kAvx512MaxRows) return Avx512DownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
     ConfigureTiles();
     const std::byte* d = packed + g.gate_up_bytes();
@@ -166,10 +170,13 @@ class AmxKernel final : public ExpertKernel {
     }
     _tile_release();
   }
+
+ private:
+  const bool bf16_, int8_;
 };
 
 }  // namespace
 
-std::unique_ptr<ExpertKernel> MakeAmxKernel() { return std::make_unique<AmxKernel>(); }
+std::unique_ptr<ExpertKernel> MakeAmxKernel(bool bf16, bool int8) { return std::make_unique<AmxKernel>(bf16, int8); }
 
 }  // namespace moe

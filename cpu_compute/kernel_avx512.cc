@@ -105,21 +105,61 @@ namespace {
 
 class Avx512Kernel final : public ExpertKernel {
  public:
+  Avx512Kernel(bool bf16, bool int8) : bf16_(bf16), int8_(int8) {}
   const char* name() const override { return "avx512"; }
   int row_block() const override { return 1; }
-  void GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act,
+  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : false; }
+  void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,
               int c0, int c1) const override {
-    Avx512GateUp(g, packed, x, m, act, c0, c1);
+    Avx512GateUp(g, packed, x.bf16, m, act, c0, c1);
   }
-  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
+  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
-    Avx512DownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
+    Avx512DownAccumulate(g, packed, act.bf16, m, token, weight, out, ldo, c0, c1);
   }
+
+ private:
+  const bool bf16_, int8_;
 };
 
 }  // namespace
 
-std::unique_ptr<ExpertKernel> MakeAvx512Kernel() { return std::make_unique<Avx512Kernel>(); }
+std::unique_ptr<ExpertKernel> MakeAvx512Kernel(bool bf16, bool int8) {
+  return std::make_unique<Avx512Kernel>(bf16, int8);
+}
+
+void QuantizeRowsAvx512(const bf16_t* x, int m, int K, int8_t* q, float* scale, int32_t* sum64) {
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as std::nearbyint
+  for (int r = 0; r < m; ++r) {
+    const bf16_t* xr = x + size_t(r) * K;
+    __m512 amax = _mm512_setzero_ps();
+    for (int k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(simd::LoadBf16(xr + k)));
+    const float s = _mm512_reduce_max_ps(amax) / 127.0f;
+    scale[r] = s;
+    const __m512 inv = _mm512_set1_ps(s > 0 ? 1.0f / s : 0.0f);
+    int8_t* hi = q + size_t(2 * r) * K;
+    int8_t* lo = hi + K;
+    int32_t* sh = sum64 + size_t(2 * r) * (K / 64);
+    int32_t* sl = sh + K / 64;
+    for (int c = 0; c < K / 64; ++c) {
+      __m512i shv = _mm512_setzero_si512(), slv = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        const int k = 64 * c + 16 * j;
+        const __m512 v = _mm512_mul_ps(simd::LoadBf16(xr + k), inv);
+        const __m512 h = _mm512_roundscale_ps(v, kRound);
+        const __m512i qh = _mm512_cvtps_epi32(h);
+        __m512i ql = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, h), _mm512_set1_ps(254.0f)), kRound);
+        ql = _mm512_max_epi32(_mm512_min_epi32(ql, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        shv = _mm512_add_epi32(shv, qh);
+        slv = _mm512_add_epi32(slv, ql);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + k), _mm512_cvtsepi32_epi8(qh));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + k), _mm512_cvtsepi32_epi8(ql));
+      }
+      sh[c] = _mm512_reduce_add_epi32(shv);
+      sl[c] = _mm512_reduce_add_epi32(slv);
+    }
+  }
+}
 
 }  // namespace moe

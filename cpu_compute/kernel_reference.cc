@@ -1,18 +1,44 @@
-// The portable kernel: plain loops over the packed layout, f32 accumulation.
+// The portable kernel: plain loops over the packed layouts. bf16: f32
+// accumulation. int8/int4: exact int32 dot products of the quantized
+// activation rows with the weight codes, scaled per row, channel (and group)
+// in f32 — the arithmetic the SIMD kernels must reproduce.
 #include <cmath>
 
 #include "cpu_compute/expert_kernel.h"
+#include "cpu_compute/packed_layout.h"
 
 namespace moe {
 namespace {
 
-// y[c] = sum_k x[k] * W[c, k] for the 16 rows c of one packed block.
-inline void BlockDot(const bf16_t* blk, const bf16_t* x, int Kp, float y[16]) {
-  for (int c = 0; c < 16; ++c) y[c] = 0.0f;
-  for (int p = 0; p < Kp / 2; ++p) {
-    const float x0 = Bf16ToF32(x[2 * p]), x1 = Bf16ToF32(x[2 * p + 1]);
-    const bf16_t* row = blk + p * 32;
-    for (int c = 0; c < 16; ++c) y[c] += Bf16ToF32(row[2 * c]) * x0 + Bf16ToF32(row[2 * c + 1]) * x1;
+// y[c] = sum_k x_r[k] * W[c, k] for the 16 channels c of one packed block
+// with Kp columns (row r of x).
+void BlockDot(const ExpertGeometry& g, const std::byte* blk, int Kp, const KernelRows& x, int r, float y[16]) {
+  if (g.format == WeightFormat::kBf16) {
+    const bf16_t* xr = x.bf16 + size_t(r) * Kp;
+    for (int c = 0; c < 16; ++c) {
+      float acc = 0.0f;
+      for (int k = 0; k < Kp; ++k) acc += layout::Value(g, blk, Kp, c, k) * Bf16ToF32(xr[k]);
+      y[c] = acc;
+    }
+    return;
+  }
+  const int8_t* hi = x.q + size_t(2 * r) * Kp;
+  const int8_t* lo = hi + Kp;
+  const float* scale = layout::Scales(g, blk, Kp);
+  const int group = g.format == WeightFormat::kInt8 ? Kp : g.group;
+  for (int c = 0; c < 16; ++c) {
+    float acc = 0.0f;
+    for (int k0 = 0; k0 < Kp; k0 += group) {
+      int32_t dh = 0, dl = 0;
+      for (int k = k0; k < k0 + group; ++k) {
+        const int w = layout::Code(g, blk, c, k);
+        dh += w * hi[k];
+        dl += w * lo[k];
+      }
+      const float dot = static_cast<float>(dh) + static_cast<float>(dl) * kLoScale;
+      acc += dot * scale[(g.format == WeightFormat::kInt8 ? 0 : (k0 / group) * 16) + c];
+    }
+    y[c] = acc * x.scale[r];
   }
 }
 
@@ -20,37 +46,35 @@ class ReferenceKernel final : public ExpertKernel {
  public:
   const char* name() const override { return "reference"; }
   int row_block() const override { return 1; }
+  bool Supports(WeightFormat) const override { return true; }
 
-  void GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act,
+  void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,
               int c0, int c1) const override {
-    const bf16_t* w = reinterpret_cast<const bf16_t*>(packed);
-    const size_t blk = static_cast<size_t>(g.Kh) * 16;
+    const size_t blk = g.block_bytes(g.Kh);
     float gv[16], uv[16];
     for (int c = c0; c < c1; ++c) {
       for (int r = 0; r < m; ++r) {
-        const bf16_t* xr = x + static_cast<size_t>(r) * g.Kh;
-        BlockDot(w + (2 * c) * blk, xr, g.Kh, gv);
-        BlockDot(w + (2 * c + 1) * blk, xr, g.Kh, uv);
+        BlockDot(g, packed + (2 * c) * blk, g.Kh, x, r, gv);
+        BlockDot(g, packed + (2 * c + 1) * blk, g.Kh, x, r, uv);
         for (int j = 0; j < 16; ++j) {
-          act[static_cast<size_t>(r) * g.Ki + 16 * c + j] =
-              F32ToBf16(gv[j] / (1.0f + std::exp(-gv[j])) * uv[j]);
+          act[static_cast<size_t>(r) * g.Ki + 16 * c + j] = F32ToBf16(gv[j] / (1.0f + std::exp(-gv[j])) * uv[j]);
         }
       }
     }
   }
 
-  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
+  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
-    const bf16_t* d = reinterpret_cast<const bf16_t*>(packed + g.gate_up_bytes());
-    const size_t blk = static_cast<size_t>(g.Ki) * 16;
+    const std::byte* d = packed + g.gate_up_bytes();
+    const size_t blk = g.block_bytes(g.Ki);
     float y[16];
     for (int c = c0; c < c1; ++c) {
       for (int half = 0; half < 2; ++half) {
         const int b = 2 * c + half;
         for (int r = 0; r < m; ++r) {
           if (token[r] < 0) continue;
-          BlockDot(d + b * blk, act + static_cast<size_t>(r) * g.Ki, g.Ki, y);
+          BlockDot(g, d + b * blk, g.Ki, act, r, y);
           float* o = out + static_cast<size_t>(token[r]) * ldo;
           for (int j = 0; j < 16; ++j) {
             const int col = 16 * b + j;

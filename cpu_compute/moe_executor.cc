@@ -178,6 +178,24 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   float* out32 = out_dtype == DType::kF32
                      ? static_cast<float*>(out)
                      : static_cast<float*>(out_buf_.Reserve(std::max<size_t>(1, size_t(n) * H * 4)));
+  // Integer weights: the kernels read the rows quantized (QuantizeRows).
+  KernelRows xin{x}, ain{act};
+  if (g.quantized()) {
+    auto reserve = [&](Buffer& b, size_t K, KernelRows* kr) {
+      // q [2 rows, K], scale [rows], sum64 [2 rows, K/64].
+      std::byte* p = static_cast<std::byte*>(b.Reserve(std::max<size_t>(1, rows * (2 * K + 4 + K / 8))));
+      kr->q = reinterpret_cast<int8_t*>(p);
+      kr->scale = reinterpret_cast<float*>(p + rows * 2 * K);
+      kr->sum64 = reinterpret_cast<int32_t*>(p + rows * (2 * K + 4));
+    };
+    reserve(xq_buf_, g.Kh, &xin);
+    reserve(actq_buf_, g.Ki, &ain);
+  }
+  auto quantize = [&](const bf16_t* src, int K, const KernelRows& dst, int r0, int r1) {
+    if (!g.quantized() || r0 >= r1) return;
+    QuantizeRows(src + size_t(r0) * K, r1 - r0, K, const_cast<int8_t*>(dst.q) + size_t(2 * r0) * K,
+                 const_cast<float*>(dst.scale) + r0, const_cast<int32_t*>(dst.sum64) + size_t(2 * r0) * (K / 64));
+  };
 
   pool_.Run([&](int t, int nt) {
     // Phase 0: gather each row's token (padding rows and columns zero).
@@ -192,14 +210,19 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
         std::memset(dst, 0, size_t(g.Kh) * 2);
       }
     }
+    quantize(x, g.Kh, xin, r0, r1);
     pool_.Barrier();
     // Phase 1: act = silu(x W1^T) * (x W3^T), per (expert, column block).
     for (int u = unit_bounds_[t]; u < unit_bounds_[t + 1]; ++u) {
       const Unit& un = units_[u];
-      const size_t rb = size_t(groups.row_begin[un.group]) + un.r0;
-      kernel_.GateUp(g, weights_[un.group], x + rb * g.Kh, un.r1 - un.r0, act + rb * g.Ki, un.c0, un.c1);
+      const int rb = groups.row_begin[un.group] + un.r0;
+      kernel_.GateUp(g, weights_[un.group], xin.At(rb, g.Kh), un.r1 - un.r0, act + size_t(rb) * g.Ki, un.c0, un.c1);
     }
     pool_.Barrier();
+    if (g.quantized()) {  // the down projection reads act quantized per row
+      quantize(act, g.Ki, ain, r0, r1);
+      pool_.Barrier();
+    }
     // Phase 2: each thread owns output columns [32*c0, 32*c1) of every token:
     // zero them, add every expert's weighted down projection, convert.
     auto [c0, c1] = Split(g.down_groups(), t, nt);
@@ -210,8 +233,8 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     }
     for (int i = 0; i < ngroups; ++i) {
       const int rb = groups.row_begin[i];
-      kernel_.DownAccumulate(g, weights_[i], act + size_t(rb) * g.Ki, groups.count[i], token + rb, weight + rb,
-                             out32, H, c0, c1);
+      kernel_.DownAccumulate(g, weights_[i], ain.At(rb, g.Ki), groups.count[i], token + rb, weight + rb, out32, H,
+                             c0, c1);
     }
     if (out_dtype == DType::kBF16) {
       bf16_t* o = static_cast<bf16_t*>(out);

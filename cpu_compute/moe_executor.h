@@ -85,6 +85,7 @@ class MoeExecutor {
   std::vector<int64_t> cost_;               // cumulative cost per unit
   std::vector<int> unit_bounds_;           // per thread, into units_
   Buffer x_buf_, act_buf_, out_buf_;
+  Buffer xq_buf_, actq_buf_;  // integer weights: x and act quantized per row (KernelRows)
   std::vector<int32_t> pad_token_;  // a caller's groups padded to whole row blocks
   std::vector<float> pad_weight_;
 };

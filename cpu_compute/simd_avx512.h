@@ -33,6 +33,12 @@ inline void StoreSiluMul(__m512 g, __m512 u, uint16_t* dst) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(a));
 }
 
+// 16 bf16 at p as f32.
+inline __m512 LoadBf16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // o[j] += w * y[j] for the lanes in `mask`.
 inline void AccumulateMasked(float* o, __mmask16 mask, float w, __m512 y) {
   const __m512 cur = _mm512_maskz_loadu_ps(mask, o);

@@ -75,23 +75,26 @@ absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
   MOE_ASSIGN_OR_RETURN(hosted_.experts,
                        IndexesOrAll(options_.experts, spec.num_experts, "experts", Iota(spec.num_experts)));
   const CpuFeatures& cpu = CpuFeatures::Get();
-  MOE_ASSIGN_OR_RETURN(kernel_, MakeExpertKernel(options_.kernel, cpu));
+  MOE_ASSIGN_OR_RETURN(geometry_, StorageGeometry(spec, options_.weight_dtype));
+  MOE_ASSIGN_OR_RETURN(kernel_, MakeExpertKernel(options_.kernel, cpu, geometry_.format));
   MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create(options_.numa_node, options_.threads));
   *option_at_fault = false;
 
   LogInfo("server", "model ", source_->Describe(), ": ", spec.Summary());
   LogInfo("server", binding_->Describe());
   LogInfo("server", "cpu: ", cpu.brand, "; isa: ", cpu.Summary(), "; kernel: ", kernel_->name());
-  const auto geometry = ExpertGeometry::For(spec.hidden, spec.intermediate);
   LogInfo("server", "hosting layers [", RangeText(hosted_.layers), "] experts [", RangeText(hosted_.experts),
-          "]: ", ExpertStore::BytesNeeded(geometry, hosted_), " bytes of packed weights");
+          "]: ", ExpertStore::BytesNeeded(geometry_, hosted_), " bytes of packed weights in ",
+          WeightFormatName(geometry_.format),
+          geometry_.format == WeightFormat::kInt4 ? absl::StrCat(" (group ", geometry_.group, ")") : std::string(),
+          " (checkpoint: ", spec.quant.Describe(), ")");
   return absl::OkStatus();
 }
 
 absl::Status ExpertServer::LoadExperts() {
   pool_ = std::make_unique<ComputePool>(*binding_, std::chrono::microseconds(options_.idle_spin_us));
   const auto t0 = std::chrono::steady_clock::now();
-  MOE_ASSIGN_OR_RETURN(store_, ExpertStore::Load(*source_, hosted_, *binding_, *pool_));
+  MOE_ASSIGN_OR_RETURN(store_, ExpertStore::Load(*source_, geometry_, hosted_, *binding_, *pool_));
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   LogInfo("server", "weights resident: ", store_->resident_bytes(), " bytes (", store_->resident_bytes() >> 20,
           " MiB) on NUMA node ", binding_->node(), ", packed in ", load_s, " s");

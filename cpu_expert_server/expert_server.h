@@ -45,6 +45,7 @@ struct ExpertServerOptions {
   std::string numa_node = "auto";         // --numa-node
   int threads = 0;                        // --threads; 0 = one per core of the node
   std::string kernel = "auto";            // --kernel
+  std::string weight_dtype = "auto";      // --weight-dtype
   int64_t idle_spin_us = 50;              // --idle-spin-us
   int max_tokens = 8192;                  // --max-tokens
   std::string shm_socket;                 // --shm-socket; "" = no shared memory
@@ -62,7 +63,7 @@ class ExpertServer {
   // the hosted experts and starts serving: gRPC, then shared memory, the
   // metrics endpoint and the coordinator agent, as the options ask. Logs each
   // step. On failure, *option_at_fault (when given) says whether an option
-  // did not fit the model or this machine (--layers, --experts, --kernel,
+  // did not fit the model or this machine (--layers, --experts, --kernel, --weight-dtype,
   // --numa-node, --threads: main exits 2, as for any bad flag) rather than
   // the model, the memory or the network (main exits 1).
   static absl::StatusOr<std::unique_ptr<ExpertServer>> Start(const ExpertServerOptions& options,
@@ -101,6 +102,7 @@ class ExpertServer {
   const ExpertServerOptions options_;
   std::unique_ptr<ModelSource> source_;
   HostedSet hosted_;
+  ExpertGeometry geometry_;  // the packed experts' layout and precision (--weight-dtype)
   std::unique_ptr<ExpertKernel> kernel_;
   std::unique_ptr<NumaBinding> binding_;
   std::unique_ptr<ComputePool> pool_;

@@ -1,7 +1,10 @@
-// Every expert kernel (amx, avx512, reference) through the real executor
-// (grouping, gather, fused gate+up+SiLU, fused down + weighted accumulation,
-// the pinned thread pool) against the f64 reference MoE, on random non-zero
-// data. Tolerance: relative L2 error <= 1e-2 (bf16 weights and activations).
+// Every expert kernel (amx, avx512, reference) in every storage format (bf16,
+// int8, int4) through the real executor (grouping, gather, activation
+// quantization, fused gate+up+SiLU, fused down + weighted accumulation, the
+// pinned thread pool) against an f64 reference MoE, on random non-zero data.
+// bf16: the reference MoE of the model, relative L2 error <= 1e-2. int8/int4:
+// the f64 MoE of the weights the packed experts stand for (UnpackExpert),
+// activation quantization included: <= 1e-2 (int8), <= 3e-2 (int4).
 // Kernels this CPU lacks are reported as skipped, by name.
 #include <cmath>
 #include <limits>
@@ -22,24 +25,67 @@
 namespace moe {
 namespace {
 
-constexpr double kTolerance = 1e-2;
+double Tolerance(WeightFormat f) { return f == WeightFormat::kInt4 ? 3e-2 : 1e-2; }
 
 struct Shape {
   int H, I, experts, k;
 };
 
-std::unique_ptr<ExpertKernel> KernelOrSkip(const std::string& name) {
-  absl::StatusOr<std::unique_ptr<ExpertKernel>> k = MakeExpertKernel(name, CpuFeatures::Get());
-  if (!k.ok()) return nullptr;
+std::unique_ptr<ExpertKernel> KernelOrSkip(const std::string& name, WeightFormat f) {
+  absl::StatusOr<std::unique_ptr<ExpertKernel>> k = MakeExpertKernel(name, CpuFeatures::Get(), f);
+  if (!k.ok() || !(*k)->Supports(f)) return nullptr;
   return *std::move(k);
 }
 
-class KernelTest : public ::testing::TestWithParam<std::string> {
+// out[t] = sum_j w[t,j] FFN_e(x_t) in f64 from the weights layer 1's packed
+// experts stand for (UnpackExpert).
+std::vector<double> DequantizedReference(const ExpertStore& store, int n, const std::vector<bf16_t>& x,
+                                         const RoutingView& r) {
+  const ExpertGeometry& g = store.geometry();
+  const int H = g.H, I = g.I;
+  std::vector<std::vector<float>> w(store.num_experts());
+  for (int e = 0; e < store.num_experts(); ++e) {
+    w[e].resize(size_t(3) * I * H);
+    UnpackExpert(g, store.Find(1, e), w[e].data(), w[e].data() + size_t(I) * H, w[e].data() + size_t(2) * I * H);
+  }
+  std::vector<double> out(size_t(n) * H, 0.0), a(I);
+  for (int t = 0; t < n; ++t) {
+    for (int j = 0; j < r.k; ++j) {
+      const int e = r.ids[size_t(t) * r.k + j];
+      if (e < 0) continue;
+      const float* gate = w[e].data();
+      const float* up = gate + size_t(I) * H;
+      const float* down = up + size_t(I) * H;
+      for (int i = 0; i < I; ++i) {
+        double gs = 0, us = 0;
+        for (int h = 0; h < H; ++h) {
+          const double xv = Bf16ToF32(x[size_t(t) * H + h]);
+          gs += gate[size_t(i) * H + h] * xv;
+          us += up[size_t(i) * H + h] * xv;
+        }
+        a[i] = gs / (1.0 + std::exp(-gs)) * us;
+      }
+      for (int h = 0; h < H; ++h) {
+        double y = 0;
+        for (int i = 0; i < I; ++i) y += down[size_t(h) * I + i] * a[i];
+        out[size_t(t) * H + h] += r.weights[size_t(t) * r.k + j] * y;
+      }
+    }
+  }
+  return out;
+}
+
+using KernelParam = std::tuple<std::string, WeightFormat>;
+
+class KernelTest : public ::testing::TestWithParam<KernelParam> {
  protected:
+  const std::string& name() const { return std::get<0>(GetParam()); }
+  WeightFormat format() const { return std::get<1>(GetParam()); }
+
   // Runs `n` random tokens through layer 1 of a random model of `shape` and
   // compares with the f64 reference; tokens t with t % 7 == 3 get no pairs.
   void Check(const Shape& shape, int n, int threads, DType out_dtype, uint64_t seed) {
-    std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(GetParam());
+    std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(name(), format());
     ASSERT_NE(kernel, nullptr);
     ModelSpec spec;
     spec.model_type = "test";
@@ -55,7 +101,8 @@ class KernelTest : public ::testing::TestWithParam<std::string> {
     ComputePool pool(**numa);
     HostedSet hosted{{1}, {}};
     for (int e = 0; e < shape.experts; ++e) hosted.experts.push_back(e);
-    absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(*source, hosted, **numa, pool);
+    const ExpertGeometry geometry = ExpertGeometry::For(shape.H, shape.I, format());
+    absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(*source, geometry, hosted, **numa, pool);
     ASSERT_TRUE(store.ok()) << store.status();
     MoeExecutor exec(**store, *kernel, pool);
 
@@ -69,8 +116,12 @@ class KernelTest : public ::testing::TestWithParam<std::string> {
     RoutingView r{n, shape.k, ids.data(), w.data()};
 
     std::vector<double> ref(size_t(n) * shape.H);
-    ReferenceMoe reference(*source);
-    ASSERT_TRUE(reference.Forward<double>(1, n, x.data(), r, ref.data()).ok());
+    if (format() == WeightFormat::kBf16) {
+      ReferenceMoe reference(*source);
+      ASSERT_TRUE(reference.Forward<double>(1, n, x.data(), r, ref.data()).ok());
+    } else {
+      ref = DequantizedReference(**store, n, x, r);
+    }
 
     // Poison the output: every element must be written.
     std::vector<float> got(size_t(n) * shape.H);
@@ -87,7 +138,8 @@ class KernelTest : public ::testing::TestWithParam<std::string> {
     }
     if (n == 0) return;
     const double err = RelativeL2Error(got.data(), ref.data(), got.size());
-    EXPECT_LE(err, kTolerance) << GetParam() << " H=" << shape.H << " I=" << shape.I << " n=" << n;
+    EXPECT_LE(err, Tolerance(format())) << name() << " " << WeightFormatName(format()) << " H=" << shape.H
+                                        << " I=" << shape.I << " n=" << n;
     RecordProperty("rel_error", std::to_string(err));
     CheckRunWithUnpaddedLastGroup(exec, shape, n, x, r, ref);
   }
@@ -114,14 +166,14 @@ class KernelTest : public ::testing::TestWithParam<std::string> {
     std::vector<float> run(size_t(n) * shape.H, std::numeric_limits<float>::quiet_NaN());
     absl::Status st = exec.Run(1, n, x.data(), groups, nullptr, DType::kF32, run.data(), nullptr);
     ASSERT_TRUE(st.ok()) << st;
-    EXPECT_LE(RelativeL2Error(run.data(), ref.data(), run.size()), kTolerance)
-        << GetParam() << " Run, unpadded last group, n=" << n;
+    EXPECT_LE(RelativeL2Error(run.data(), ref.data(), run.size()), Tolerance(format()))
+        << name() << " " << WeightFormatName(format()) << " Run, unpadded last group, n=" << n;
   }
 
   void SetUp() override {
-    if (KernelOrSkip(GetParam()) == nullptr)
-      GTEST_SKIP() << "kernel " << GetParam() << " needs an ISA this CPU lacks ("
-                   << CpuFeatures::Get().Summary() << ")";
+    if (KernelOrSkip(name(), format()) == nullptr)
+      GTEST_SKIP() << "kernel " << name() << " for " << WeightFormatName(format())
+                   << " weights needs an ISA this CPU lacks (" << CpuFeatures::Get().Summary() << ")";
   }
 };
 
@@ -152,8 +204,13 @@ TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
   Check({160, 112, 8, 2}, 12, 2, DType::kF32, 40);
 }
 
-INSTANTIATE_TEST_SUITE_P(Kernels, KernelTest, ::testing::Values("amx", "avx512", "reference"),
-                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+INSTANTIATE_TEST_SUITE_P(Kernels, KernelTest,
+                         ::testing::Combine(::testing::Values("amx", "avx512", "reference"),
+                                            ::testing::Values(WeightFormat::kBf16, WeightFormat::kInt8,
+                                                              WeightFormat::kInt4)),
+                         [](const ::testing::TestParamInfo<KernelParam>& p) {
+                           return std::get<0>(p.param) + "_" + WeightFormatName(std::get<1>(p.param));
+                         });
 
 TEST(KernelFactory, AutoPicksTheBestAvailableAndNamesErrors) {
   const CpuFeatures& cpu = CpuFeatures::Get();
@@ -175,10 +232,103 @@ TEST(ExpertStore, RefusesWhatDoesNotFit) {
   ComputePool pool(**numa);
   HostedSet all{(*src)->spec().moe_layers, {}};
   for (int e = 0; e < 256; ++e) all.experts.push_back(e);
-  absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(**src, all, **numa, pool);
+  absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(**src, ExpertGeometry::For((*src)->spec().hidden, (*src)->spec().intermediate), all, **numa, pool);
   ASSERT_EQ(store.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(store.status().message().find("bytes"), std::string::npos) << store.status();
   EXPECT_NE(store.status().message().find("available"), std::string::npos) << store.status();
+}
+
+// Packing quantizes within half a step: int8 per channel (scale = amax/127),
+// int4 per group (scale <= amax/7); UnpackExpert returns what the kernels use.
+TEST(ExpertPacking, IntegerFormatsRoundTripWithinHalfAStep) {
+  const int H = 200, I = 136;
+  std::unique_ptr<ModelSource> src = MakeSyntheticSource([] {
+    ModelSpec s;
+    s.model_type = "test";
+    s.num_layers = 1;
+    s.moe_layers = {0};
+    s.num_experts = 1;
+    s.top_k = 1;
+    s.hidden = 200;
+    s.intermediate = 136;
+    return s;
+  }(), 77);
+  ExpertWeights w;
+  ASSERT_TRUE(src->ReadExpert(0, 0, &w).ok());
+  for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4}) {
+    const ExpertGeometry g = ExpertGeometry::For(H, I, f, f == WeightFormat::kInt4 ? 64 : 0);
+    std::vector<std::byte> packed(g.packed_bytes() + 64);
+    std::byte* p = packed.data() + (64 - reinterpret_cast<uintptr_t>(packed.data()) % 64) % 64;
+    PackExpert(g, w.gate.data(), w.up.data(), w.down.data(), p);
+    std::vector<float> back(size_t(3) * I * H);
+    UnpackExpert(g, p, back.data(), back.data() + size_t(I) * H, back.data() + size_t(2) * I * H);
+    const bf16_t* orig[3] = {w.gate.data(), w.up.data(), w.down.data()};
+    for (int m = 0; m < 3; ++m) {
+      const int N = m < 2 ? I : H, K = m < 2 ? H : I;
+      const int group = f == WeightFormat::kInt4 ? g.group : K;
+      for (int n = 0; n < N; ++n) {
+        for (int k0 = 0; k0 < K; k0 += group) {
+          double amax = 0;
+          for (int k = k0; k < std::min(K, k0 + group); ++k) amax = std::max<double>(amax, std::fabs(Bf16ToF32(orig[m][size_t(n) * K + k])));
+          const double step = f == WeightFormat::kBf16 ? 0 : amax / (f == WeightFormat::kInt8 ? 127.0 : 7.0);
+          for (int k = k0; k < std::min(K, k0 + group); ++k) {
+            const double v = Bf16ToF32(orig[m][size_t(n) * K + k]);
+            ASSERT_LE(std::fabs(back[size_t(m) * I * H + size_t(n) * K + k] - v), step * 0.5 + 1e-6 * amax)
+                << WeightFormatName(f) << " matrix " << m << " (" << n << ", " << k << ")";
+          }
+        }
+      }
+    }
+  }
+}
+
+// The AVX-512 activation quantizer writes exactly what the scalar one does.
+TEST(ExpertPacking, QuantizeRowsAvx512MatchesScalar) {
+  if (!CpuFeatures::Get().HasAvx512Bf16()) GTEST_SKIP() << "QuantizeRowsAvx512 needs AVX-512 (this CPU: " << CpuFeatures::Get().Summary() << ")";
+  const int m = 5, K = 192;
+  std::vector<bf16_t> x = RandomActivations(size_t(m) * K, 91);
+  for (int k = 0; k < K; ++k) x[size_t(4) * K + k] = 0;  // an all-zero row
+  std::vector<int8_t> q1(2 * m * K), q2(2 * m * K);
+  std::vector<float> s1(m), s2(m);
+  std::vector<int32_t> u1(2 * m * K / 64), u2(2 * m * K / 64);
+  QuantizeRowsScalar(x.data(), m, K, q1.data(), s1.data(), u1.data());
+  QuantizeRowsAvx512(x.data(), m, K, q2.data(), s2.data(), u2.data());
+  EXPECT_EQ(q1, q2);
+  EXPECT_EQ(s1, s2);
+  EXPECT_EQ(u1, u2);
+  EXPECT_EQ(s1[4], 0.0f);
+  // hi + lo/254 rebuilds each row to ~15 bits.
+  for (int r = 0; r < 4; ++r)
+    for (int k = 0; k < K; ++k) {
+      const double v = s1[r] * (q1[size_t(2 * r) * K + k] + q1[size_t(2 * r + 1) * K + k] / 254.0);
+      ASSERT_NEAR(v, Bf16ToF32(x[size_t(r) * K + k]), s1[r] / 254.0 * 0.5 + 1e-7);
+    }
+}
+
+// --weight-dtype: auto follows the checkpoint; the memory check counts the packed size.
+TEST(ExpertStore, StorageGeometryFollowsTheFlagAndTheCheckpoint) {
+  ModelSpec spec;
+  spec.hidden = 7168;
+  spec.intermediate = 2048;
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kBf16);
+  spec.quant.scheme = WeightQuant::kFp8Block;
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt8);
+  EXPECT_EQ(StorageGeometry(spec, "bf16")->format, WeightFormat::kBf16);
+  spec.quant.scheme = WeightQuant::kInt4Group;
+  spec.quant.group_size = 64;
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt4);
+  EXPECT_EQ(StorageGeometry(spec, "auto")->group, 64);
+  spec.quant.group_size = 32;  // not a multiple of the 64-column chunk: the default group
+  EXPECT_EQ(StorageGeometry(spec, "int4")->group, ExpertGeometry::kDefaultInt4Group);
+  absl::StatusOr<ExpertGeometry> bad = StorageGeometry(spec, "fp16");
+  ASSERT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("--weight-dtype"), std::string::npos) << bad.status();
+  const HostedSet one{{0}, {0}};
+  const double bf16 = ExpertStore::BytesNeeded(*StorageGeometry(spec, "bf16"), one);
+  const double int8 = ExpertStore::BytesNeeded(*StorageGeometry(spec, "int8"), one);
+  const double int4 = ExpertStore::BytesNeeded(*StorageGeometry(spec, "int4"), one);
+  EXPECT_NEAR(int8 / bf16, 0.5, 0.01);
+  EXPECT_NEAR(int4 / bf16, 0.25 + 2.0 / 128, 0.002);  // 4 bits plus one f32 scale per group of 128
 }
 
 }  // namespace
