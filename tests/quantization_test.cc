@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <string>
@@ -17,6 +18,7 @@
 #include "core/random_data.h"
 #include "core/reference_moe.h"
 #include "core/synthetic_model.h"
+#include "cpu_compute/expert_store.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_support.h"
@@ -264,21 +266,29 @@ TEST(QuantizedCheckpoint, InconsistentScalesAndShapesAreRefusedNamingTheTensor) 
   }
 }
 
-// The real path: moe-make-model writes the quantized checkpoint, a real
-// moe-expert-server loads it, and its outputs match the reference MoE over the
-// dequantized weights (bf16 tolerance), on random data.
+// The real path: moe-make-model writes the checkpoint, a real
+// moe-expert-server loads it in the storage precision asked for
+// (--weight-dtype; auto: fp8 -> int8, int4 -> int4 with the checkpoint's own
+// codes) and its outputs match the reference MoE over the checkpoint's
+// dequantized weights within 1e-2, on random data.
 TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
-  for (const char* dtype : {"fp8", "int4"}) {
-    SCOPED_TRACE(dtype);
+  struct Case {
+    const char *dtype, *weight_dtype;
+    WeightFormat stored;
+  };
+  for (const Case& c : {Case{"fp8", "auto", WeightFormat::kInt8}, Case{"int4", "auto", WeightFormat::kInt4},
+                        Case{"fp8", "bf16", WeightFormat::kBf16}, Case{"bf16", "int8", WeightFormat::kInt8}}) {
+    SCOPED_TRACE(absl::StrCat(c.dtype, " checkpoint, --weight-dtype=", c.weight_dtype));
     testing::TempDir dir;
     const std::string out = dir.path() + "/m";
     Subprocess make(testing::BinaryPath("moe-make-model"),
-                    {"--preset=tiny", "--seed=4", absl::StrCat("--dtype=", dtype), "--out=" + out});
+                    {"--preset=tiny", "--seed=4", absl::StrCat("--dtype=", c.dtype), "--out=" + out});
     ASSERT_EQ(make.Wait(std::chrono::seconds(60)), 0);
     Subprocess* server = nullptr;
-    const std::string addr = testing::StartExpertServer(&server, {"--model=" + out, "--threads=2", "--max-tokens=64"});
+    const std::string addr = testing::StartExpertServer(
+        &server, {"--model=" + out, "--threads=2", "--max-tokens=64", absl::StrCat("--weight-dtype=", c.weight_dtype)});
     std::unique_ptr<Subprocess> owned(server);
-    ASSERT_FALSE(addr.empty()) << "moe-expert-server did not start on the " << dtype << " checkpoint";
+    ASSERT_FALSE(addr.empty()) << "moe-expert-server did not start";
     std::unique_ptr<ExpertClient> client = *ExpertClient::Connect(addr, testing::PlaintextTls());
     std::unique_ptr<ModelSource> source = *OpenModel(out);
     const int H = source->spec().hidden, n = 17, k = 2;
@@ -298,7 +308,24 @@ TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
     for (float v : f) norm += double(v) * v;
     EXPECT_GT(norm, 0) << "all-zero output";
     EXPECT_LE(RelativeL2Error(f.data(), ref.data(), f.size()), 1e-2);
+    // The server holds the packed size of the precision it was asked for.
+    absl::StatusOr<moe::v1::ServerInfo> info = client->GetInfo();
+    ASSERT_TRUE(info.ok()) << info.status();
+    HostedSet hosted{source->spec().moe_layers, {}};
+    for (int e = 0; e < source->spec().num_experts; ++e) hosted.experts.push_back(e);
+    EXPECT_EQ(info->weight_bytes(),
+              ExpertStore::BytesNeeded(ExpertGeometry::For(H, source->spec().intermediate, c.stored), hosted));
   }
+  // A precision the server does not store: exit 2, naming the flag.
+  testing::TempDir dir;
+  Subprocess bad(testing::BinaryPath("moe-expert-server"),
+                 {"--model=synthetic:tiny", "--weight-dtype=fp16", "--insecure", "--threads=1"}, dir.path() + "/err");
+  const int st = bad.Wait(std::chrono::seconds(30));
+  ASSERT_TRUE(WIFEXITED(st)) << st;
+  EXPECT_EQ(WEXITSTATUS(st), 2);
+  std::ifstream err(dir.path() + "/err");
+  const std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("--weight-dtype"), std::string::npos) << text;
 }
 
 }  // namespace
