@@ -50,10 +50,12 @@ class AmxKernel final : public ExpertKernel {
   AmxKernel(bool bf16, bool int8) : bf16_(bf16), int8_(int8) {}
   const char* name() const override { return "amx"; }
   int row_block() const override { return 16; }
-  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : false; }
+  // int8/int4 run on the AVX-512-VNNI path (AMX-INT8 has it); AMX-INT8 tiles (tdpbusd) are future work.
+  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : int8_; }
 
   void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& xr, int m, bf16_t* act,
               int c0, int c1) const override {
+    if (g.quantized()) return Avx512VnniGateUp(g, packed, xr, m, act, c0, c1);
     const bf16_t* x = xr.bf16;
     if (m <= kAvx512MaxRows) return Avx512GateUp(g, packed, x, m, act, c0, c1);
     ConfigureTiles();
@@ -113,6 +115,7 @@ class AmxKernel final : public ExpertKernel {
   void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
+    if (g.quantized()) return Avx512VnniDownAccumulate(g, packed, ar, m, token, weight, out, ldo, c0, c1);
     const bf16_t* act = ar.bf16;
     if (m <= kAvx512MaxRows) return Avx512DownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
     ConfigureTiles();

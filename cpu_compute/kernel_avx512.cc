@@ -1,8 +1,14 @@
-// AVX-512-BF16 kernel: vdpbf16ps over the packed layout, up to 8 rows x 2
-// blocks of 16 columns in registers (16 accumulators).
+// AVX-512 kernel. bf16: vdpbf16ps over the packed layout, up to 8 rows x 2
+// blocks of 16 columns in registers (16 accumulators). int8/int4: vpdpbusd
+// (AVX-512-VNNI) straight from the packed integer layouts, up to 4 rows (each
+// a hi and a lo int8 row) x 2 blocks in registers (16 int32 accumulators);
+// each 64-byte weight row is loaded once per row chunk.
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "cpu_compute/expert_kernel.h"
+#include "cpu_compute/packed_layout.h"
 #include "cpu_compute/simd_avx512.h"
 
 namespace moe {
@@ -55,20 +61,21 @@ void DownRows(const ExpertGeometry& g, const bf16_t* b0, const bf16_t* b1, const
   }
 }
 
-template <typename F>
+// f(r, R) for row chunks [r, r + R) covering [0, m): chunks of kMax rows,
+// then one of the remainder (R a compile-time constant).
+template <int R, typename F>
+inline void RemainderChunk(int n, int r, F& f) {
+  if constexpr (R > 0) {
+    if (n == R) return f(r, std::integral_constant<int, R>{});
+    RemainderChunk<R - 1>(n, r, f);
+  }
+}
+
+template <int kMax, typename F>
 inline void ForRowChunks(int m, F&& f) {
   int r = 0;
-  for (; r + kRows <= m; r += kRows) f(r, std::integral_constant<int, kRows>{});
-  switch (m - r) {
-    case 1: f(r, std::integral_constant<int, 1>{}); break;
-    case 2: f(r, std::integral_constant<int, 2>{}); break;
-    case 3: f(r, std::integral_constant<int, 3>{}); break;
-    case 4: f(r, std::integral_constant<int, 4>{}); break;
-    case 5: f(r, std::integral_constant<int, 5>{}); break;
-    case 6: f(r, std::integral_constant<int, 6>{}); break;
-    case 7: f(r, std::integral_constant<int, 7>{}); break;
-    default: break;
-  }
+  for (; r + kMax <= m; r += kMax) f(r, std::integral_constant<int, kMax>{});
+  RemainderChunk<kMax - 1>(m - r, r, f);
 }
 
 }  // namespace
@@ -80,7 +87,7 @@ void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t
     for (int c = c0; c < c1; ++c) {
       const bf16_t* gb = w + (2 * c) * blk;
       const bf16_t* ub = gb + blk;
-      ForRowChunks(m, [&](int r, auto R) {
+      ForRowChunks<kRows>(m, [&](int r, auto R) {
         GateUpRows<decltype(R)::value>(g, gb, ub, x + static_cast<size_t>(r) * g.Kh,
                                        act + static_cast<size_t>(r) * g.Ki, c);
       });
@@ -94,11 +101,165 @@ void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, cons
     for (int c = c0; c < c1; ++c) {
       const bf16_t* b0 = d + (2 * c) * blk;
       const bf16_t* b1 = b0 + blk;
-      ForRowChunks(m, [&](int r, auto R) {
+      ForRowChunks<kRows>(m, [&](int r, auto R) {
         DownRows<decltype(R)::value>(g, b0, b1, act + static_cast<size_t>(r) * g.Ki, token + r,
                                      weight + r, out, ldo, c);
       });
     }
+}
+
+namespace {
+
+// Rows of quantized activations per pass over a weight block pair (int8/int4).
+constexpr int kIntRows = 4;
+
+inline __m512i Broadcast4(const int8_t* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+// The exact dot product of a u8 x s8 accumulator, acc - corr, as f32.
+inline __m512 Corrected(__m512i acc, __m512i corr) { return _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, corr)); }
+inline int32_t ChunkSum(const int32_t* s, int n) {
+  int32_t sum = 0;
+  for (int c = 0; c < n; ++c) sum += s[c];
+  return sum;
+}
+
+// y[r][b] = x_r . block b for R quantized rows of x (Kp columns) and two int8
+// blocks: x's codes + 128 (u8) against the weights (s8), minus 128 x the
+// column sums; hi and lo dots combined in f32, scaled per channel and row.
+template <int R>
+inline void DotRowsInt8(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x,
+                        int Kp, __m512 y[kIntRows][2]) {
+  __m512i acc[R][2][2];  // [row][block][hi, lo]
+  for (int r = 0; r < R; ++r) acc[r][0][0] = acc[r][0][1] = acc[r][1][0] = acc[r][1][1] = _mm512_setzero_si512();
+  const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  for (int p = 0; p < Kp / 4; ++p) {  // weight row p: k = 4p .. 4p+3 of the 16 channels
+    const __m512i w0 = _mm512_loadu_si512(b0 + 64 * p);
+    const __m512i w1 = _mm512_loadu_si512(b1 + 64 * p);
+    _mm_prefetch(reinterpret_cast<const char*>(b0 + 64 * p + 1024), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b1 + 64 * p + 1024), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512i xv = _mm512_xor_si512(Broadcast4(x.q + size_t(2 * r + h) * Kp + 4 * p), bias);
+        acc[r][0][h] = _mm512_dpbusd_epi32(acc[r][0][h], xv, w0);
+        acc[r][1][h] = _mm512_dpbusd_epi32(acc[r][1][h], xv, w1);
+      }
+    }
+  }
+  const std::byte* blk[2] = {b0, b1};
+  for (int b = 0; b < 2; ++b) {
+    const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(layout::ColumnSums(blk[b], Kp)), 7);
+    const __m512 scale = _mm512_loadu_ps(layout::Scales(g, blk[b], Kp));
+    for (int r = 0; r < R; ++r) {
+      const __m512 dot = _mm512_fmadd_ps(Corrected(acc[r][b][1], corr), _mm512_set1_ps(kLoScale),
+                                         Corrected(acc[r][b][0], corr));
+      y[r][b] = _mm512_mul_ps(_mm512_mul_ps(dot, scale), _mm512_set1_ps(x.scale[r]));
+    }
+  }
+}
+
+// acc[r][b][hi, lo] = (x_r . (q + 8)) over one int4 group of two blocks: n
+// byte rows from w0/w1 (byte row j: k = 8j..8j+3 in the low nibbles,
+// 8j+4..8j+7 in the high ones), x at the group's first column.
+template <int R>
+inline void GroupDotInt4(const std::byte* w0, const std::byte* w1, const int8_t* x, int Kp, int n,
+                         __m512i acc[kIntRows][2][2]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int r = 0; r < R; ++r) acc[r][0][0] = acc[r][0][1] = acc[r][1][0] = acc[r][1][1] = _mm512_setzero_si512();
+  for (int j = 0; j < n; ++j) {
+    const __m512i v0 = _mm512_loadu_si512(w0 + 64 * j);
+    const __m512i v1 = _mm512_loadu_si512(w1 + 64 * j);
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + 64 * j + 1024), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + 64 * j + 1024), _MM_HINT_T0);
+    const __m512i l0 = _mm512_and_si512(v0, low4), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
+    const __m512i l1 = _mm512_and_si512(v1, low4), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const int8_t* xr = x + size_t(2 * r + h) * Kp + 8 * j;
+        const __m512i xl = Broadcast4(xr), xh = Broadcast4(xr + 4);
+        acc[r][0][h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][0][h], l0, xl), h0, xh);
+        acc[r][1][h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][1][h], l1, xl), h1, xh);
+      }
+    }
+  }
+}
+
+// DotRowsInt8's contract for two int4 blocks: per group, the u8 dots minus 8
+// x the group's sum of x codes (sum64), hi and lo combined in f32 and
+// accumulated with the group's scales; scaled per row at the end.
+template <int R>
+inline void DotRowsInt4(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x,
+                        int Kp, __m512 y[kIntRows][2]) {
+  const int chunks = Kp / 64;
+  const float* scales[2] = {layout::Scales(g, b0, Kp), layout::Scales(g, b1, Kp)};
+  __m512 f[kIntRows][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
+  __m512i acc[kIntRows][2][2];
+  for (int k0 = 0; k0 < Kp; k0 += g.group) {
+    GroupDotInt4<R>(b0 + size_t(k0) * 8, b1 + size_t(k0) * 8, x.q + k0, Kp, g.group / 8, acc);
+    for (int r = 0; r < R; ++r) {
+      const __m512i ch = _mm512_set1_epi32(8 * ChunkSum(x.sum64 + size_t(2 * r) * chunks + k0 / 64, g.group / 64));
+      const __m512i cl = _mm512_set1_epi32(8 * ChunkSum(x.sum64 + size_t(2 * r + 1) * chunks + k0 / 64, g.group / 64));
+      for (int b = 0; b < 2; ++b) {
+        const __m512 dot = _mm512_fmadd_ps(Corrected(acc[r][b][1], cl), _mm512_set1_ps(kLoScale),
+                                           Corrected(acc[r][b][0], ch));
+        f[r][b] = _mm512_fmadd_ps(dot, _mm512_loadu_ps(scales[b] + (k0 / g.group) * 16), f[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 s = _mm512_set1_ps(x.scale[r]);
+    y[r][0] = _mm512_mul_ps(f[r][0], s);
+    y[r][1] = _mm512_mul_ps(f[r][1], s);
+  }
+}
+
+template <int R>
+inline void DotRowsInt(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x,
+                       int Kp, __m512 y[kIntRows][2]) {
+  if (g.format == WeightFormat::kInt8) return DotRowsInt8<R>(g, b0, b1, x, Kp, y);
+  DotRowsInt4<R>(g, b0, b1, x, Kp, y);
+}
+
+}  // namespace
+
+void Avx512VnniGateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,
+                      int c0, int c1) {
+  const size_t bb = g.block_bytes(g.Kh);
+  for (int c = c0; c < c1; ++c) {
+    const std::byte* gb = packed + (2 * c) * bb;
+    const std::byte* ub = gb + bb;
+    ForRowChunks<kIntRows>(m, [&](int r, auto R) {
+      __m512 y[kIntRows][2];
+      DotRowsInt<decltype(R)::value>(g, gb, ub, x.At(r, g.Kh), g.Kh, y);
+      for (int i = 0; i < decltype(R)::value; ++i) {
+        simd::StoreSiluMul(y[i][0], y[i][1], act + static_cast<size_t>(r + i) * g.Ki + 16 * c);
+      }
+    });
+  }
+}
+
+void Avx512VnniDownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
+                              const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
+  const std::byte* d = packed + g.gate_up_bytes();
+  const size_t bb = g.block_bytes(g.Ki);
+  for (int c = c0; c < c1; ++c) {
+    const std::byte* b0 = d + (2 * c) * bb;
+    const std::byte* b1 = b0 + bb;
+    const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+    ForRowChunks<kIntRows>(m, [&](int r, auto R) {
+      __m512 y[kIntRows][2];
+      DotRowsInt<decltype(R)::value>(g, b0, b1, act.At(r, g.Ki), g.Ki, y);
+      for (int i = 0; i < decltype(R)::value; ++i) {
+        if (token[r + i] < 0) continue;
+        float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
+        simd::AccumulateMasked(o, m0, weight[r + i], y[i][0]);
+        simd::AccumulateMasked(o + 16, m1, weight[r + i], y[i][1]);
+      }
+    });
+  }
 }
 
 namespace {
@@ -108,14 +269,16 @@ class Avx512Kernel final : public ExpertKernel {
   Avx512Kernel(bool bf16, bool int8) : bf16_(bf16), int8_(int8) {}
   const char* name() const override { return "avx512"; }
   int row_block() const override { return 1; }
-  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : false; }
+  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : int8_; }
   void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,
               int c0, int c1) const override {
+    if (g.quantized()) return Avx512VnniGateUp(g, packed, x, m, act, c0, c1);
     Avx512GateUp(g, packed, x.bf16, m, act, c0, c1);
   }
   void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
+    if (g.quantized()) return Avx512VnniDownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
     Avx512DownAccumulate(g, packed, act.bf16, m, token, weight, out, ldo, c0, c1);
   }
 

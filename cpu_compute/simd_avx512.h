@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the avx512 and amx kernels (both files are built
-// with AVX-512-BF16 enabled). Internal header.
+// with AVX-512-BF16 and -VNNI enabled). Internal header.
 #pragma once
 
 #include <immintrin.h>
@@ -56,6 +56,7 @@ inline __mmask16 ColumnMask(int col0, int H) {
 
 namespace moe {
 struct ExpertGeometry;
+struct KernelRows;
 // The avx512 kernel's entry points (kernel_avx512.cc), also used by the amx
 // kernel for experts with very few rows, where 16-row tiles would mostly
 // multiply padding.
@@ -63,4 +64,10 @@ void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const uint16
                   uint16_t* act, int c0, int c1);
 void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
                           const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1);
+// Its AVX-512-VNNI entry points for int8/int4 experts (x, act quantized as
+// KernelRows describes); the amx kernel's path for those formats too.
+void Avx512VnniGateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m,
+                      uint16_t* act, int c0, int c1);
+void Avx512VnniDownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
+                              const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1);
 }  // namespace moe

@@ -212,6 +212,127 @@ INSTANTIATE_TEST_SUITE_P(Kernels, KernelTest,
                            return std::get<0>(p.param) + "_" + WeightFormatName(std::get<1>(p.param));
                          });
 
+// The avx512 kernel's int8/int4 paths (AVX-512-VNNI) called directly against
+// the reference kernel on the same packed experts and quantized rows, at row
+// counts around its 4-row chunks. Both compute the same exact int32 dot
+// products; only the f32 combination order differs (and GateUp's exp), so
+// DownAccumulate's f32 output (from the same act) matches within 1e-5
+// relative L2. GateUp stores bf16, where an f32 difference of ~1e-7 still
+// flips a rounding now and then (one flip alone can exceed any small L2
+// bound at m = 1): at most 1% of act elements may differ, each by one bf16
+// step (plus 1e-5 of the largest, for sums that cancel).
+class VnniDirectTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!CpuFeatures::Get().HasAvx512Vnni())
+      GTEST_SKIP() << "kernel avx512 for int8/int4 weights needs AVX-512-VNNI (this CPU: "
+                   << CpuFeatures::Get().Summary() << ")";
+    avx_ = KernelOrSkip("avx512", WeightFormat::kInt8);
+    ref_ = KernelOrSkip("reference", WeightFormat::kInt8);
+    ASSERT_NE(avx_, nullptr);
+    ASSERT_NE(ref_, nullptr);
+  }
+
+  // Quantized rows of m x K bf16 values (K a multiple of 64).
+  struct Rows {
+    std::vector<int8_t> q;
+    std::vector<float> scale;
+    std::vector<int32_t> sum64;
+    KernelRows Quantize(const bf16_t* x, int m, int K) {
+      q.resize(size_t(2) * m * K);
+      scale.resize(m);
+      sum64.resize(size_t(2) * m * (K / 64));
+      QuantizeRows(x, m, K, q.data(), scale.data(), sum64.data());
+      return KernelRows{nullptr, q.data(), scale.data(), sum64.data()};
+    }
+  };
+
+  void Check(int H, int I, WeightFormat f, int group, uint64_t seed) {
+    const ExpertGeometry g = ExpertGeometry::For(H, I, f, group);
+    const std::vector<bf16_t> gate = RandomActivations(size_t(I) * H, seed), up = RandomActivations(size_t(I) * H, seed + 1),
+                              down = RandomActivations(size_t(H) * I, seed + 2);
+    std::vector<std::byte> buf(g.packed_bytes() + 64);
+    std::byte* packed = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
+    PackExpert(g, gate.data(), up.data(), down.data(), packed);
+    for (int m : {1, 2, 3, 4, 5, 8, 9, 17}) {
+      SCOPED_TRACE(testing::Message() << WeightFormatName(f) << " H=" << H << " I=" << I << " group=" << g.group
+                                      << " m=" << m);
+      std::vector<bf16_t> x(size_t(m) * g.Kh, 0);
+      const std::vector<bf16_t> xs = RandomActivations(size_t(m) * H, seed + 3 + m);
+      for (int r = 0; r < m; ++r) std::copy_n(xs.data() + size_t(r) * H, H, x.data() + size_t(r) * g.Kh);
+      Rows xq, aq;
+      const KernelRows xr = xq.Quantize(x.data(), m, g.Kh);
+      // GateUp: the avx512 kernel in two column ranges, as the executor splits them.
+      std::vector<bf16_t> act_ref(size_t(m) * g.Ki), act(size_t(m) * g.Ki, F32ToBf16(NAN));
+      const int groups = g.gate_up_groups(), split = groups / 2;
+      ref_->GateUp(g, packed, xr, m, act_ref.data(), 0, groups);
+      avx_->GateUp(g, packed, xr, m, act.data(), 0, split);
+      avx_->GateUp(g, packed, xr, m, act.data(), split, groups);
+      std::vector<float> a32(act.size()), r32(act.size());
+      Bf16ToF32(act.data(), a32.data(), act.size());
+      Bf16ToF32(act_ref.data(), r32.data(), act.size());
+      float amax = 0;
+      for (float v : r32) amax = std::max(amax, std::fabs(v));
+      size_t differ = 0;
+      for (size_t i = 0; i < act.size(); ++i) {
+        ASSERT_LE(std::fabs(a32[i] - r32[i]), std::fabs(r32[i]) / 128 + 1e-5f * amax) << "act element " << i;
+        differ += act[i] != act_ref[i];
+      }
+      EXPECT_LE(differ, act.size() / 100) << "act elements not bit-equal";
+      CheckDown(g, packed, aq.Quantize(act_ref.data(), m, g.Ki), m, seed);
+    }
+  }
+
+  // DownAccumulate into rows of ldo > H floats holding random values; rows
+  // with r % 4 == 2 have no token. Compares what was added; the columns past
+  // H stay as they were.
+  void CheckDown(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m, uint64_t seed) {
+    const int ldo = g.H + 3;
+    std::vector<int32_t> token(m);
+    std::vector<float> weight(m);
+    for (int r = 0; r < m; ++r) {
+      token[r] = r % 4 == 2 ? -1 : m - 1 - r;
+      weight[r] = 0.25f + 0.125f * (r % 5);
+    }
+    const std::vector<bf16_t> init16 = RandomActivations(size_t(m) * ldo, seed + 7);
+    std::vector<float> init(init16.size());
+    Bf16ToF32(init16.data(), init.data(), init.size());
+    std::vector<float> out_ref = init, out = init;
+    const int groups = g.down_groups(), split = (groups + 1) / 2;
+    ref_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out_ref.data(), ldo, 0, groups);
+    avx_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out.data(), ldo, 0, split);
+    avx_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out.data(), ldo, split, groups);
+    std::vector<double> got, want;
+    for (int t = 0; t < m; ++t) {
+      for (int col = 0; col < ldo; ++col) {
+        const size_t i = size_t(t) * ldo + col;
+        if (col >= g.H) {
+          ASSERT_EQ(out[i], init[i]) << "column " << col << " past H=" << g.H << " written";
+          continue;
+        }
+        got.push_back(double(out[i]) - init[i]);
+        want.push_back(double(out_ref[i]) - init[i]);
+      }
+    }
+    EXPECT_LE(RelativeL2Error(got.data(), want.data(), got.size()), 1e-5);
+  }
+
+  std::unique_ptr<ExpertKernel> avx_, ref_;
+};
+
+TEST_F(VnniDirectTest, Int8MatchesReference) {
+  Check(200, 136, WeightFormat::kInt8, 0, 101);
+  Check(33, 17, WeightFormat::kInt8, 0, 102);
+  Check(320, 200, WeightFormat::kInt8, 0, 103);
+}
+
+TEST_F(VnniDirectTest, Int4MatchesReference) {
+  Check(200, 136, WeightFormat::kInt4, 0, 111);  // default group 128
+  Check(80, 48, WeightFormat::kInt4, 64, 112);
+  Check(33, 17, WeightFormat::kInt4, 0, 113);
+  Check(320, 200, WeightFormat::kInt4, 192, 114);
+}
+
 TEST(KernelFactory, AutoPicksTheBestAvailableAndNamesErrors) {
   const CpuFeatures& cpu = CpuFeatures::Get();
   absl::StatusOr<std::unique_ptr<ExpertKernel>> k = MakeExpertKernel("auto", cpu);
