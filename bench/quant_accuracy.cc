@@ -1,9 +1,14 @@
-// quant_accuracy: how far a quantized checkpoint's MoE output is from the bf16
-// model's — one MoE layer of a synthetic model, its weights as an fp8
-// (block 128x128) or int4 (compressed-tensors, group 128) checkpoint gives them
-// back (core/quantization.h), the reference MoE in f64 on random activations
-// and routing. Prints a Markdown table: cosine similarity, relative L2 error,
-// and the worst token's relative error, against the bf16 output.
+// quant_accuracy: how far quantized experts' MoE output is from the bf16
+// model's — one MoE layer of a synthetic model:
+//   - checkpoints: its weights as an fp8 (block 128x128) or int4
+//     (compressed-tensors, group 128) checkpoint gives them back
+//     (core/quantization.h), through the reference MoE in f64;
+//   - storage: the experts packed as a CPU server stores them (--weight-dtype
+//     int8 / int4, activations quantized per row by the executor) and
+//     computed by the real executor and kernel ("auto"), from the bf16 model
+//     and from the fp8 / int4 checkpoint (what --weight-dtype=auto serves).
+// Prints a Markdown table: cosine similarity, relative L2 error, and the worst
+// token's relative error, against the bf16 model's f64 reference output.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -15,11 +20,18 @@
 #include "core/model_source.h"
 #include "core/random_data.h"
 #include "core/reference_moe.h"
+#include "cpu_compute/compute_pool.h"
+#include "cpu_compute/expert_store.h"
+#include "cpu_compute/moe_executor.h"
+#include "cpu_compute/numa_binding.h"
 
 int main(int argc, char** argv) {
   std::string preset = "qwen3-30b-a3b";
   int64_t tokens = 64, seed = 1;
-  moe::FlagSet flags("quant_accuracy", "[flags]\nMoE output of fp8 / int4 checkpoints vs bf16 (reference MoE, f64).");
+  int64_t threads = 0;
+  moe::FlagSet flags("quant_accuracy",
+                     "[flags]\nMoE output of fp8 / int4 checkpoints and int8 / int4 storage vs bf16 (reference MoE, f64).");
+  flags.Int("threads", &threads, "executor threads (0 = one per core)");
   flags.String("preset", &preset, "model geometry (synthetic preset)");
   flags.Int("tokens", &tokens, "tokens of the batch");
   flags.Int("seed", &seed, "weights, activations and routing seed");
@@ -49,11 +61,7 @@ int main(int argc, char** argv) {
               spec.Summary().c_str(), layer, n, k, static_cast<long long>(seed));
   std::printf("| weights | cosine similarity | relative L2 error | worst token's relative error |\n");
   std::printf("| --- | --- | --- | --- |\n");
-  for (const char* dtype : {"fp8", "int4"}) {
-    absl::StatusOr<std::unique_ptr<moe::ModelSource>> q = moe::OpenModel(absl::StrCat(base, ":dtype=", dtype));
-    if (!q.ok()) flags.Fail(std::string(q.status().message()), 1);
-    std::vector<double> got;
-    forward(**q, &got);
+  auto report = [&](const std::string& what, const std::vector<double>& got) {
     double dot = 0, nq = 0, nr = 0, nd = 0, worst = 0;
     for (int t = 0; t < n; ++t) {
       double td = 0, tr = 0;
@@ -68,7 +76,42 @@ int main(int argc, char** argv) {
       nd += td;
       if (tr > 0) worst = std::max(worst, std::sqrt(td / tr));
     }
-    std::printf("| %s | %.6f | %.4f | %.4f |\n", dtype, dot / std::sqrt(nq * nr), std::sqrt(nd / nr), worst);
+    std::printf("| %s | %.6f | %.4f | %.4f |\n", what.c_str(), dot / std::sqrt(nq * nr), std::sqrt(nd / nr), worst);
+  };
+  // The experts of `layer` stored in `format` and run by the real executor.
+  absl::StatusOr<std::unique_ptr<moe::NumaBinding>> numa = moe::NumaBinding::Create("auto", static_cast<int>(threads));
+  if (!numa.ok()) flags.Fail(std::string(numa.status().message()), 1);
+  moe::ComputePool pool(**numa);
+  auto stored = [&](const moe::ModelSource& m, moe::WeightFormat format, std::string* kernel_name) {
+    moe::HostedSet hosted{{layer}, {}};
+    for (int e = 0; e < spec.num_experts; ++e) hosted.experts.push_back(e);
+    const moe::ExpertGeometry g = moe::ExpertGeometry::For(H, spec.intermediate, format);
+    absl::StatusOr<std::unique_ptr<moe::ExpertStore>> store = moe::ExpertStore::Load(m, g, hosted, **numa, pool);
+    absl::StatusOr<std::unique_ptr<moe::ExpertKernel>> kernel = moe::MakeExpertKernel("auto", moe::CpuFeatures::Get(), format);
+    if (!store.ok() || !kernel.ok()) flags.Fail(std::string((store.ok() ? kernel.status() : store.status()).message()), 1);
+    *kernel_name = (*kernel)->name();
+    moe::MoeExecutor exec(**store, **kernel, pool);
+    std::vector<float> out(static_cast<size_t>(n) * H);
+    absl::Status st = exec.Forward(moe::MoeBatch{layer, n, x.data(), routing}, moe::DType::kF32, out.data(), nullptr);
+    if (!st.ok()) flags.Fail(std::string(st.message()), 1);
+    return std::vector<double>(out.begin(), out.end());
+  };
+  for (const char* dtype : {"fp8", "int4"}) {
+    absl::StatusOr<std::unique_ptr<moe::ModelSource>> q = moe::OpenModel(absl::StrCat(base, ":dtype=", dtype));
+    if (!q.ok()) flags.Fail(std::string(q.status().message()), 1);
+    std::vector<double> got;
+    forward(**q, &got);
+    report(absl::StrCat(dtype, " checkpoint (reference MoE)"), got);
+  }
+  std::string kernel;
+  for (moe::WeightFormat f : {moe::WeightFormat::kBf16, moe::WeightFormat::kInt8, moe::WeightFormat::kInt4}) {
+    std::vector<double> got = stored(**bf16, f, &kernel);
+    report(absl::StrCat("bf16 model stored ", moe::WeightFormatName(f), " (", kernel, " kernel)"), got);
+  }
+  for (auto [dtype, f] : {std::pair{"fp8", moe::WeightFormat::kInt8}, std::pair{"int4", moe::WeightFormat::kInt4}}) {
+    std::unique_ptr<moe::ModelSource> q = *moe::OpenModel(absl::StrCat(base, ":dtype=", dtype));
+    std::vector<double> got = stored(*q, f, &kernel);
+    report(absl::StrCat(dtype, " checkpoint stored ", moe::WeightFormatName(f), " (", kernel, " kernel)"), got);
   }
   return 0;
 }
