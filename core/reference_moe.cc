@@ -33,23 +33,7 @@ absl::Status ReferenceMoe::Forward(int layer, int n, const bf16_t* x, const Rout
       if (e < 0) continue;
       const Acc w = routing.weights[static_cast<size_t>(t) * routing.k + j];
       MOE_ASSIGN_OR_RETURN(std::shared_ptr<const ExpertWeights> ew, Weights(layer, e));
-      const ExpertWeights& W = *ew;
-      for (int i = 0; i < I; ++i) {
-        Acc g = 0, u = 0;
-        const bf16_t* gr = W.gate.data() + static_cast<size_t>(i) * H;
-        const bf16_t* ur = W.up.data() + static_cast<size_t>(i) * H;
-        for (int h = 0; h < H; ++h) {
-          g += static_cast<Acc>(Bf16ToF32(gr[h])) * xf[h];
-          u += static_cast<Acc>(Bf16ToF32(ur[h])) * xf[h];
-        }
-        act[i] = g / (1 + std::exp(-g)) * u;
-      }
-      for (int h = 0; h < H; ++h) {
-        const bf16_t* dr = W.down.data() + static_cast<size_t>(h) * I;
-        Acc y = 0;
-        for (int i = 0; i < I; ++i) y += static_cast<Acc>(Bf16ToF32(dr[i])) * act[i];
-        o[h] += w * y;
-      }
+      AddExpertOutput<Acc>(ew->gate.data(), ew->up.data(), ew->down.data(), H, I, xf.data(), w, act.data(), o);
     }
   }
   return absl::OkStatus();

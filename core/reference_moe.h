@@ -12,10 +12,39 @@
 #include <utility>
 
 #include "absl/status/status.h"
+#include "core/bf16.h"
 #include "core/model_source.h"
 #include "core/routing.h"
 
 namespace moe {
+
+inline float WeightValue(bf16_t v) { return Bf16ToF32(v); }
+inline float WeightValue(float v) { return v; }
+
+// out[h] += w * Down(silu(Gate x) * Up x)[h] for one expert with row-major
+// weights of type W (bf16_t as checkpoints hold them, or float, e.g. what
+// packed integer experts stand for): gate/up [I, H], down [H, I]. act is
+// scratch of I values.
+template <typename Acc, typename W>
+void AddExpertOutput(const W* gate, const W* up, const W* down, int H, int I, const Acc* x, Acc w, Acc* act,
+                     Acc* out) {
+  for (int i = 0; i < I; ++i) {
+    Acc g = 0, u = 0;
+    const W* gr = gate + static_cast<size_t>(i) * H;
+    const W* ur = up + static_cast<size_t>(i) * H;
+    for (int h = 0; h < H; ++h) {
+      g += static_cast<Acc>(WeightValue(gr[h])) * x[h];
+      u += static_cast<Acc>(WeightValue(ur[h])) * x[h];
+    }
+    act[i] = g / (1 + std::exp(-g)) * u;
+  }
+  for (int h = 0; h < H; ++h) {
+    const W* dr = down + static_cast<size_t>(h) * I;
+    Acc y = 0;
+    for (int i = 0; i < I; ++i) y += static_cast<Acc>(WeightValue(dr[i])) * act[i];
+    out[h] += w * y;
+  }
+}
 
 class ReferenceMoe {
  public:

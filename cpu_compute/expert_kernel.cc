@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "cpu_compute/packed_layout.h"
@@ -139,10 +138,10 @@ void PackBlock(const ExpertGeometry& g, const bf16_t* w, int N, int K, int n0, i
   }
 }
 
-void UnpackMatrix(const ExpertGeometry& g, const std::byte* blocks, int N, int K, int Kp, float* w) {
-  const size_t bb = g.block_bytes(Kp);
+// W [N, K] from its packed blocks, block b at blocks + b * stride.
+void UnpackMatrix(const ExpertGeometry& g, const std::byte* blocks, size_t stride, int N, int K, int Kp, float* w) {
   for (int n = 0; n < N; ++n)
-    for (int k = 0; k < K; ++k) w[size_t(n) * K + k] = layout::Value(g, blocks + (n / 16) * bb, Kp, n % 16, k);
+    for (int k = 0; k < K; ++k) w[size_t(n) * K + k] = layout::Value(g, blocks + (n / 16) * stride, Kp, n % 16, k);
 }
 
 }  // namespace
@@ -159,15 +158,10 @@ void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, c
 }
 
 void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate, float* up, float* down) {
-  const size_t gub = g.block_bytes(g.Kh);
-  // Gate and up blocks interleave: view each as its own sequence of blocks.
-  std::vector<std::byte> seq(static_cast<size_t>(g.gate_up_groups()) * gub);
-  for (int which = 0; which < 2; ++which) {
-    for (int c = 0; c < g.gate_up_groups(); ++c)
-      std::memcpy(seq.data() + c * gub, packed + (2 * c + which) * gub, gub);
-    UnpackMatrix(g, seq.data(), g.I, g.H, g.Kh, which == 0 ? gate : up);
-  }
-  UnpackMatrix(g, packed + g.gate_up_bytes(), g.H, g.I, g.Ki, down);
+  const size_t gub = g.block_bytes(g.Kh);  // gate and up blocks interleave: every other block
+  UnpackMatrix(g, packed, 2 * gub, g.I, g.H, g.Kh, gate);
+  UnpackMatrix(g, packed + gub, 2 * gub, g.I, g.H, g.Kh, up);
+  UnpackMatrix(g, packed + g.gate_up_bytes(), g.block_bytes(g.Ki), g.H, g.I, g.Ki, down);
 }
 
 void QuantizeRowsScalar(const bf16_t* x, int m, int K, int8_t* q, float* scale, int32_t* sum64) {

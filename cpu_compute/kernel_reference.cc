@@ -36,7 +36,7 @@ void BlockDot(const ExpertGeometry& g, const std::byte* blk, int Kp, const Kerne
         dl += w * lo[k];
       }
       const float dot = static_cast<float>(dh) + static_cast<float>(dl) * kLoScale;
-      acc += dot * scale[(g.format == WeightFormat::kInt8 ? 0 : (k0 / group) * 16) + c];
+      acc += dot * scale[(k0 / group) * 16 + c];  // int8: one group, its per-channel scales
     }
     y[c] = acc * x.scale[r];
   }

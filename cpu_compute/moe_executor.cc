@@ -178,23 +178,27 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   float* out32 = out_dtype == DType::kF32
                      ? static_cast<float*>(out)
                      : static_cast<float*>(out_buf_.Reserve(std::max<size_t>(1, size_t(n) * H * 4)));
-  // Integer weights: the kernels read the rows quantized (QuantizeRows).
-  KernelRows xin{x}, ain{act};
+  // Integer weights: the kernels read the rows quantized (QuantizeRows):
+  // q [2 rows, K], scale [rows], sum64 [2 rows, K/64] per input.
+  struct Quantized {
+    int8_t* q = nullptr;
+    float* scale = nullptr;
+    int32_t* sum64 = nullptr;
+  } xq, aq;
+  auto reserve = [&](Buffer& b, size_t K, Quantized* dst) {
+    std::byte* p = static_cast<std::byte*>(b.Reserve(std::max<size_t>(1, rows * (2 * K + 4 + K / 8))));
+    *dst = {reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + rows * 2 * K),
+            reinterpret_cast<int32_t*>(p + rows * (2 * K + 4))};
+  };
   if (g.quantized()) {
-    auto reserve = [&](Buffer& b, size_t K, KernelRows* kr) {
-      // q [2 rows, K], scale [rows], sum64 [2 rows, K/64].
-      std::byte* p = static_cast<std::byte*>(b.Reserve(std::max<size_t>(1, rows * (2 * K + 4 + K / 8))));
-      kr->q = reinterpret_cast<int8_t*>(p);
-      kr->scale = reinterpret_cast<float*>(p + rows * 2 * K);
-      kr->sum64 = reinterpret_cast<int32_t*>(p + rows * (2 * K + 4));
-    };
-    reserve(xq_buf_, g.Kh, &xin);
-    reserve(actq_buf_, g.Ki, &ain);
+    reserve(xq_buf_, g.Kh, &xq);
+    reserve(actq_buf_, g.Ki, &aq);
   }
-  auto quantize = [&](const bf16_t* src, int K, const KernelRows& dst, int r0, int r1) {
+  const KernelRows xin{x, xq.q, xq.scale, xq.sum64}, ain{act, aq.q, aq.scale, aq.sum64};
+  auto quantize = [&](const bf16_t* src, int K, const Quantized& dst, int r0, int r1) {
     if (!g.quantized() || r0 >= r1) return;
-    QuantizeRows(src + size_t(r0) * K, r1 - r0, K, const_cast<int8_t*>(dst.q) + size_t(2 * r0) * K,
-                 const_cast<float*>(dst.scale) + r0, const_cast<int32_t*>(dst.sum64) + size_t(2 * r0) * (K / 64));
+    QuantizeRows(src + size_t(r0) * K, r1 - r0, K, dst.q + size_t(2 * r0) * K, dst.scale + r0,
+                 dst.sum64 + size_t(2 * r0) * (K / 64));
   };
 
   pool_.Run([&](int t, int nt) {
@@ -210,7 +214,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
         std::memset(dst, 0, size_t(g.Kh) * 2);
       }
     }
-    quantize(x, g.Kh, xin, r0, r1);
+    quantize(x, g.Kh, xq, r0, r1);
     pool_.Barrier();
     // Phase 1: act = silu(x W1^T) * (x W3^T), per (expert, column block).
     for (int u = unit_bounds_[t]; u < unit_bounds_[t + 1]; ++u) {
@@ -220,7 +224,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     }
     pool_.Barrier();
     if (g.quantized()) {  // the down projection reads act quantized per row
-      quantize(act, g.Ki, ain, r0, r1);
+      quantize(act, g.Ki, aq, r0, r1);
       pool_.Barrier();
     }
     // Phase 2: each thread owns output columns [32*c0, 32*c1) of every token:

@@ -48,28 +48,15 @@ std::vector<double> DequantizedReference(const ExpertStore& store, int n, const 
     w[e].resize(size_t(3) * I * H);
     UnpackExpert(g, store.Find(1, e), w[e].data(), w[e].data() + size_t(I) * H, w[e].data() + size_t(2) * I * H);
   }
-  std::vector<double> out(size_t(n) * H, 0.0), a(I);
+  std::vector<double> out(size_t(n) * H, 0.0), xf(H), act(I);
   for (int t = 0; t < n; ++t) {
+    for (int h = 0; h < H; ++h) xf[h] = Bf16ToF32(x[size_t(t) * H + h]);
     for (int j = 0; j < r.k; ++j) {
       const int e = r.ids[size_t(t) * r.k + j];
       if (e < 0) continue;
       const float* gate = w[e].data();
-      const float* up = gate + size_t(I) * H;
-      const float* down = up + size_t(I) * H;
-      for (int i = 0; i < I; ++i) {
-        double gs = 0, us = 0;
-        for (int h = 0; h < H; ++h) {
-          const double xv = Bf16ToF32(x[size_t(t) * H + h]);
-          gs += gate[size_t(i) * H + h] * xv;
-          us += up[size_t(i) * H + h] * xv;
-        }
-        a[i] = gs / (1.0 + std::exp(-gs)) * us;
-      }
-      for (int h = 0; h < H; ++h) {
-        double y = 0;
-        for (int i = 0; i < I; ++i) y += down[size_t(h) * I + i] * a[i];
-        out[size_t(t) * H + h] += r.weights[size_t(t) * r.k + j] * y;
-      }
+      AddExpertOutput<double>(gate, gate + size_t(I) * H, gate + size_t(2) * I * H, H, I, xf.data(),
+                              r.weights[size_t(t) * r.k + j], act.data(), out.data() + size_t(t) * H);
     }
   }
   return out;
