@@ -33,6 +33,10 @@ class BufferSet : public PackedExperts {
     if (base_ == nullptr)
       return absl::ResourceExhaustedError(absl::StrCat("cpu backend: cannot allocate ", bytes,
                                                        " bytes for ", n, " expert buffers"));
+    // Resident from the start, as device memory is: no first-touch page
+    // faults in a call, and a buffer first used late (the copy-instead
+    // buffers) does not show up as growth of a long-running worker.
+    std::memset(base_, 0, bytes);
     loaded_.assign(n, false);
     return absl::OkStatus();
   }

@@ -29,12 +29,14 @@
 #include <sys/socket.h>
 
 #include <algorithm>
+#include <cctype>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -104,6 +106,44 @@ long RssKib(pid_t pid) {
   while (std::getline(f, line))
     if (line.rfind("VmRSS:", 0) == 0) return std::strtol(line.c_str() + 6, nullptr, 10);
   return -1;
+}
+
+// Resident KiB per mapping name ("[heap]", "/memfd:moe-shm (deleted)", a
+// library, "[anon]" for unnamed ones) from /proc/<pid>/smaps.
+std::map<std::string, long> RssByMapping(pid_t pid) {
+  std::ifstream f("/proc/" + std::to_string(pid) + "/smaps");
+  std::map<std::string, long> out;
+  std::string line, name;
+  while (std::getline(f, line)) {
+    if (line.rfind("Rss:", 0) == 0) {
+      out[name] += std::strtol(line.c_str() + 4, nullptr, 10);
+    } else if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && line.find('-') != std::string::npos &&
+               line.find(':') > line.find(' ')) {
+      // "start-end perms offset dev inode   pathname"
+      std::istringstream h(line);
+      std::string field;
+      std::string inode;
+      for (int i = 0; i < 4; ++i) h >> field;
+      h >> inode;
+      name.clear();
+      std::getline(h >> std::ws, name);
+      if (name.empty()) name = "[anon]";
+      if (name.rfind("/memfd:", 0) == 0) name += " inode " + inode;  // one per segment
+    }
+  }
+  return out;
+}
+
+// The mappings whose resident size changed by 256 KiB or more, before -> after.
+std::string RssGrowth(const std::map<std::string, long>& before, const std::map<std::string, long>& after) {
+  std::string s;
+  std::map<std::string, long> all = before;
+  for (const auto& [name, kib] : after) all.emplace(name, 0);
+  for (const auto& [name, unused] : all) {
+    const long b = before.count(name) ? before.at(name) : 0, a = after.count(name) ? after.at(name) : 0;
+    if (std::abs(a - b) >= 256) s += "  " + name + ": " + std::to_string(b) + " -> " + std::to_string(a) + " KiB\n";
+  }
+  return s;
 }
 
 std::string Tail(const std::string& s, size_t n = 3000) { return s.size() > n ? s.substr(s.size() - n) : s; }
@@ -881,7 +921,11 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   // The long-lived processes whose memory must stay flat: both workers and s2.
   const std::vector<const Process*> watched = {&workers_[0], &workers_[1], &servers_[1]};
   std::vector<long> rss_before;
-  for (const Process* p : watched) rss_before.push_back(RssKib(p->proc->pid()));
+  std::vector<std::map<std::string, long>> maps_before;
+  for (const Process* p : watched) {
+    rss_before.push_back(RssKib(p->proc->pid()));
+    maps_before.push_back(RssByMapping(p->proc->pid()));
+  }
 
   // s1 (where the misses go first) SIGKILLed and restarted on the same socket, twice.
   for (int round = 0; round < 2; ++round) {
@@ -930,7 +974,8 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
     std::printf("soak: rss %s %ld -> %ld KiB (%+.2f%%)\n", name, rss_before[i], rss_after[i],
                 100.0 * (rss_after[i] - rss_before[i]) / rss_before[i]);
     ASSERT_GT(rss_before[i], 0);
-    EXPECT_LT(rss_after[i], rss_before[i] * 1.05) << name << " grew by more than 5%";
+    EXPECT_LT(rss_after[i], rss_before[i] * 1.05)
+        << name << " grew by more than 5%; resident by mapping:\n" << RssGrowth(maps_before[i], RssByMapping(watched[i]->proc->pid()));
   }
   EXPECT_EQ(wrong.load(), 0) << problem.text();
   EXPECT_EQ(failed.load(), 0) << "s2 replicates every expert: no call should fail; " << problem.text();
