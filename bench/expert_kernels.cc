@@ -1,29 +1,40 @@
 // expert_kernels: how fast the CPU expert kernels run through the real path
-// (ExpertStore-packed weights, MoeExecutor::Forward on the pinned ComputePool),
-// side by side with oneDNN's bf16 matmul and the DRAM read bandwidth measured
-// in the same run. Method: /work/shared/PERF.md ("How to benchmark").
+// (PackExpert-packed weights, MoeExecutor::Forward on the pinned ComputePool),
+// for each storage format of --formats (bf16, int8, int4), side by side with
+// oneDNN's matmuls (bf16 with bf16, int8 with int8) and the DRAM read bandwidth
+// measured in the same run. Method: /work/shared/PERF.md ("How to benchmark").
 //
 //  1. Machine: CPU brand and ISA, NUMA binding, threads, L3, oneDNN, date.
 //  2. DRAM read bandwidth: every pool thread (pinned) sums its slice of a
 //     --bw-gib buffer with AVX-512 loads; median of >= 5 runs; GB = 1e9 bytes.
+//  Then, per shape and format, with the kernels that Supports() the format:
 //  3. Per expert: m tokens all routed (k = 1) to one expert, rotated call by
-//     call over C packed copies with C x expert bytes >= max(1 GiB, 3 x L3), so
-//     weights come from DRAM. Each kernel is first checked against ReferenceMoe
-//     (f64) on random data: relative L2 error <= 1e-2, else FAIL and exit 1.
-//     oneDNN: gate+up as one matmul [m,H]x[H,2I], then down [m,I]x[I,H], bf16
-//     in and out, weights in the blocked layout oneDNN picks (reordered once),
-//     the same rotation over C copies. SiLU*mul is NOT timed for oneDNN (down
-//     reads a fixed random activation); our kernels include it.
+//     call over C copies with C x packed expert bytes >= max(1 GiB, 3 x L3), so
+//     weights come from DRAM. The copies are expert 0 of the model packed once
+//     by PackExpert in the format's geometry (ExpertGeometry::For(H, I, format),
+//     int4 group 128), then copied: same values, distinct memory. Each kernel
+//     is first checked on random data against an f64 reference (bf16:
+//     ReferenceMoe; int8/int4: the MoE of the weights the packed experts stand
+//     for, UnpackExpert, as kernel_test does): relative L2 error <= 1e-2
+//     (int4: 3e-2), else FAIL and exit 1.
+//     oneDNN (bf16): gate+up as one matmul [m,H]x[H,2I], then down [m,I]x[I,H],
+//     bf16 in and out, weights in the blocked layout oneDNN picks (reordered
+//     once), rotated over copies likewise. SiLU*mul is NOT timed for oneDNN
+//     (down reads a fixed random activation); our kernels include it.
+//     onednn-int8 (int8): the same two plain matmuls with u8 activations, s8
+//     weights and f32 out scaled per output channel: a plain int8 matmul, not
+//     our chain (no activation quantization, no hi/lo pair, no SiLU*mul).
 //  4. Whole layer: as many experts of one MoE layer as fit in 60% of
-//     MemAvailable (or --layer-experts) hosted in one store. decode = 8 tokens x
-//     top-8 over 64 distinct experts (spread; rotated over disjoint sets call by
-//     call); prefill = 512 tokens x top-8 uniform over all experts of the model,
-//     pairs to unhosted experts dropped (what a server hosting a subset sees).
-//     oneDNN: the per-expert matmuls looped over the distinct experts, weights
-//     from the per-expert rotation.
+//     MemAvailable (or --layer-experts) hosted in one ExpertStore in the
+//     format. decode = 8 tokens x top-8 over 64 distinct experts (spread;
+//     rotated over disjoint sets call by call); prefill = 512 tokens x top-8
+//     uniform over all experts of the model, pairs to unhosted experts dropped
+//     (what a server hosting a subset sees). oneDNN rows: the per-expert
+//     matmuls looped over the distinct experts, weights from the rotation.
 // Timing: 3 warm-up calls, then the median of >= 10 calls (5 with --quick)
-// lasting >= --min-seconds in total. FLOPs = 2 x pairs x 3 x H x I;
-// weight GB/s = distinct experts x 3 x H x I x 2 bytes / time.
+// lasting >= --min-seconds in total. FLOPs = 2 x pairs x 3 x H x I; weight
+// bytes per call = distinct experts x packed expert bytes (int scales and sums
+// included; oneDNN: its blocked weights), weight GB/s = those bytes / time.
 #include <immintrin.h>
 #include <unistd.h>
 
@@ -36,8 +47,10 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -70,13 +83,15 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr uint64_t kSeed = 2026;
 constexpr uint64_t kGiB = uint64_t{1} << 30;
-constexpr double kMaxError = 1e-2;
+constexpr double kMaxError = 1e-2, kMaxErrorInt4 = 3e-2;
 constexpr int kReferenceMaxTokens = 16;  // the scalar kernel is timed up to this m only
 constexpr int kDecodeTokens = 8, kDecodeExperts = 64, kPrefillTokens = 512, kTopK = 8;
 
 struct Options {
   std::string shapes = "deepseek-v3,qwen3-30b-a3b";
   std::string tokens = "1,4,16,64,256,1024";
+  std::string formats = "bf16";
+  std::vector<WeightFormat> format_list;  // --formats, parsed
   std::string kernels;
   std::string numa_node = "auto";
   std::string csv;
@@ -92,7 +107,7 @@ struct Options {
 
 // One measured configuration: a row of a Markdown table and of the CSV.
 struct Result {
-  std::string section, shape, case_name, impl;
+  std::string section, shape, case_name, format, impl;
   int tokens = 0;                      // m per expert, or tokens of the layer batch
   int hosted = 0;                      // experts hosted (whole layer)
   double distinct = 0;                 // experts touched per call
@@ -102,9 +117,9 @@ struct Result {
   std::string note;
 };
 
-// Set-up of one shape, for the shapes table.
+// Set-up of one shape in one format, for the shapes table.
 struct ShapeInfo {
-  std::string shape;
+  std::string shape, format;
   int H = 0, I = 0, copies = 0, hosted = 0, num_experts = 0;
   double expert_mb = 0, copies_load_s = 0, layer_load_s = 0;
 };
@@ -147,11 +162,39 @@ std::vector<int> ParseInts(const std::string& text, const char* flag) {
   return out;
 }
 
+// --formats: bf16, int8, int4 (comma list, each at most once, at least one).
+absl::StatusOr<std::vector<WeightFormat>> ParseFormats(const std::string& text) {
+  std::vector<WeightFormat> out;
+  for (const std::string& s : SplitList(text)) {
+    WeightFormat f;
+    if (s == "bf16") {
+      f = WeightFormat::kBf16;
+    } else if (s == "int8") {
+      f = WeightFormat::kInt8;
+    } else if (s == "int4") {
+      f = WeightFormat::kInt4;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat("--formats: unknown format '", s, "' (bf16, int8, int4)"));
+    }
+    if (std::find(out.begin(), out.end(), f) != out.end())
+      return absl::InvalidArgumentError(absl::StrCat("--formats: '", s, "' listed twice"));
+    out.push_back(f);
+  }
+  if (out.empty()) return absl::InvalidArgumentError("--formats: empty (a comma list of bf16, int8, int4)");
+  return out;
+}
+
 std::vector<int> Iota(int n) {
   std::vector<int> v(n);
   for (int i = 0; i < n; ++i) v[i] = i;
   return v;
 }
+
+// Copies (>= 2) of `bytes` that together hold at least `rotated` bytes.
+int CopiesFor(uint64_t rotated, uint64_t bytes) {
+  return static_cast<int>(std::max<uint64_t>(2, (rotated + bytes - 1) / bytes));
+}
+size_t Round4K(size_t bytes) { return (bytes + 4095) / 4096 * 4096; }
 
 // L3 bytes (per package) from sysconf, else sysfs; 0 if unknown.
 uint64_t L3CacheBytes() {
@@ -220,46 +263,122 @@ double MeasureDispatch(ComputePool& pool) {
 }
 
 // ---------------------------------------------------------------------------
+// Packed weights and the reference they are checked against
+
+// Copies (>= 2, `rotated` bytes' worth) of one expert packed by PackExpert in
+// geometry g, hosted as experts 0..copies-1 of `layer`: packed once, then
+// copied (same values, distinct memory, which is what matters for caching).
+class PackedCopies : public PackedExperts {
+ public:
+  PackedCopies(const ExpertGeometry& g, const ExpertWeights& w, int layer, uint64_t rotated,
+               const NumaBinding& numa, ComputePool& pool)
+      : g_(g),
+        layer_(layer),
+        copies_(CopiesFor(rotated, g.packed_bytes())),
+        stride_(Round4K(g.packed_bytes())),
+        buf_(numa, stride_ * copies_) {
+    std::memset(buf_.data(), 0, stride_);
+    PackExpert(g_, w.gate.data(), w.up.data(), w.down.data(), buf_.data());
+    pool.Run([&](int t, int nt) {
+      for (int c = 1 + t; c < copies_; c += nt) std::memcpy(buf_.data() + c * stride_, buf_.data(), stride_);
+    });
+  }
+  const ExpertGeometry& geometry() const override { return g_; }
+  const std::byte* Find(int layer, int expert) const override {
+    return HostsLayer(layer) && HostsExpert(expert) ? buf_.data() + expert * stride_ : nullptr;
+  }
+  bool HostsLayer(int layer) const override { return layer == layer_; }
+  bool HostsExpert(int expert) const override { return expert >= 0 && expert < copies_; }
+  int num_experts() const override { return copies_; }
+
+ private:
+  const ExpertGeometry g_;
+  const int layer_, copies_;
+  const size_t stride_;
+  NodeBuffer buf_;
+};
+
+// The f64 MoE output the executor is checked against: ReferenceMoe over the
+// model's weights for bf16 experts; for int8/int4 the MoE of the weights the
+// packed experts stand for (UnpackExpert, as kernel_test does), so the check
+// sees the kernel's error (activation quantization included), not the format's.
+class Reference {
+ public:
+  Reference(const ModelSource& source, const PackedExperts& packed) : moe_(source), packed_(packed) {}
+  double tolerance() const {
+    return packed_.geometry().format == WeightFormat::kInt4 ? kMaxErrorInt4 : kMaxError;
+  }
+  // out[H]: token x's output under its k pairs (ids -1: dropped).
+  void Row(int layer, const bf16_t* x, int k, const int32_t* ids, const float* weights, double* out) {
+    const ExpertGeometry& g = packed_.geometry();
+    if (!g.quantized()) {
+      DieIf(moe_.Forward<double>(layer, 1, x, RoutingView{1, k, ids, weights}, out), "ReferenceMoe");
+      return;
+    }
+    const int H = g.H, I = g.I;
+    w_.resize(size_t{3} * I * H);
+    xf_.resize(H);
+    act_.resize(I);
+    for (int h = 0; h < H; ++h) xf_[h] = Bf16ToF32(x[h]);
+    std::fill(out, out + H, 0.0);
+    float *gate = w_.data(), *up = gate + size_t{1} * I * H, *down = up + size_t{1} * I * H;
+    for (int j = 0; j < k; ++j) {
+      if (ids[j] < 0) continue;
+      UnpackExpert(g, packed_.Find(layer, ids[j]), gate, up, down);
+      AddExpertOutput<double>(gate, up, down, H, I, xf_.data(), weights[j], act_.data(), out);
+    }
+  }
+
+ private:
+  ReferenceMoe moe_;
+  const PackedExperts& packed_;
+  std::vector<float> w_;
+  std::vector<double> xf_, act_;
+};
+
+// ---------------------------------------------------------------------------
 // oneDNN side by side
 
-// oneDNN's plain bf16 matmuls for one expert shape, over `copies` weight copies
-// in the blocked layout oneDNN picks for m = 1 (expert 0 reordered once, then
-// copied: same values, distinct memory, which is what matters for caching).
-// Primitives for each m are made on first use; an m for which oneDNN would
-// pick another layout gets the copies' layout forced (dnnl::error if refused).
+// oneDNN's plain matmuls for one expert shape in one precision, over copies
+// (>= 2, `rotated` bytes' worth) of the weights in the blocked layout oneDNN
+// picks for m = 1 (copy 0 reordered once, then copied: same values, distinct
+// memory). Primitives for each m are made on first use; an m for which oneDNN
+// would pick another layout gets the copies' layout forced (dnnl::error if
+// refused). Either precision times gate+up [m,H]x[H,2I] then down [m,I]x[I,H]
+// back to back, without the SiLU*mul between them (down reads a fixed random
+// activation):
+//   kBf16  bf16 in and out; the expert's weights.
+//   kInt8  u8 in, s8 weights, f32 out scaled by one f32 per output channel
+//          (output scales set in the primitive, shared by the copies: oneDNN
+//          2.6 leaves brgemm for gemm:jit with runtime scales). Inputs and
+//          weights are random bytes: a plain int8 matmul pair, not our chain
+//          (no activation quantization, no hi/lo pair, no SiLU*mul).
 class DnnlExpert {
  public:
-  DnnlExpert(const ModelSource& source, int layer, int copies, const NumaBinding& numa, ComputePool& pool,
-             dnnl::engine& engine, dnnl::stream& stream)
-      : engine_(engine),
-        stream_(stream),
-        H_(source.spec().hidden),
-        I_(source.spec().intermediate),
-        copies_(copies) {
+  enum class Precision { kBf16, kInt8 };
+
+  DnnlExpert(Precision precision, const ExpertWeights& w, int H, int I, uint64_t rotated,
+             const NumaBinding& numa, ComputePool& pool, dnnl::engine& engine, dnnl::stream& stream)
+      : int8_(precision == Precision::kInt8), engine_(engine), stream_(stream), H_(H), I_(I) {
     gate_up_md_ = Desc(1, H_, 2 * I_, Any(H_, 2 * I_)).weights_desc();
     down_md_ = Desc(1, I_, H_, Any(I_, H_)).weights_desc();
-    ExpertWeights w;
-    DieIf(source.ReadExpert(layer, 0, &w), "oneDNN weights");
-    std::vector<bf16_t> gate_up(w.gate);  // W [2I, H] = gate rows, then up rows
-    gate_up.insert(gate_up.end(), w.up.begin(), w.up.end());
-    const size_t gu_bytes = (gate_up_md_.get_size() + 4095) / 4096 * 4096;
-    const size_t stride = gu_bytes + (down_md_.get_size() + 4095) / 4096 * 4096;
-    buf_ = std::make_unique<NodeBuffer>(numa, stride * copies);
-    for (int c = 0; c < copies; ++c) {
+    const size_t gu_bytes = Round4K(gate_up_md_.get_size());
+    const size_t stride = gu_bytes + Round4K(down_md_.get_size());
+    copies_ = CopiesFor(rotated, stride);
+    buf_ = std::make_unique<NodeBuffer>(numa, stride * copies_);
+    for (int c = 0; c < copies_; ++c) {
       gate_up_w_.emplace_back(gate_up_md_, engine_, buf_->data() + c * stride);
       down_w_.emplace_back(down_md_, engine_, buf_->data() + c * stride + gu_bytes);
     }
-    using tag = dnnl::memory::format_tag;
-    dnnl::memory plain_gu({{H_, 2 * I_}, dnnl::memory::data_type::bf16, tag::ba}, engine_, gate_up.data());
-    dnnl::memory plain_down({{I_, H_}, dnnl::memory::data_type::bf16, tag::ba}, engine_, w.down.data());
-    dnnl::reorder(plain_gu, gate_up_w_[0]).execute(stream_, plain_gu, gate_up_w_[0]);
-    dnnl::reorder(plain_down, down_w_[0]).execute(stream_, plain_down, down_w_[0]);
-    stream_.wait();
+    ReorderFirstCopy(w);
     pool.Run([&](int t, int nt) {
-      for (int c = 1 + t; c < copies; c += nt) std::memcpy(buf_->data() + c * stride, buf_->data(), stride);
+      for (int c = 1 + t; c < copies_; c += nt) std::memcpy(buf_->data() + c * stride, buf_->data(), stride);
     });
   }
 
+  const char* name() const { return int8_ ? "onednn-int8" : "oneDNN"; }
+  // Bytes of one copy's weights as oneDNN stores them (read per call).
+  double weight_bytes() const { return static_cast<double>(gate_up_md_.get_size() + down_md_.get_size()); }
   // The implementation oneDNN picked for m rows, e.g. "brg:avx512_core_amx_bf16".
   std::string Impl(int m) { return For(m).impl; }
   // Queues gate+up then down for m rows with weight copy `copy` (mod copies).
@@ -274,30 +393,75 @@ class DnnlExpert {
   void Wait() { stream_.wait(); }
 
  private:
+  using dt = dnnl::memory::data_type;
+  using tag = dnnl::memory::format_tag;
   struct Matmuls {
     dnnl::matmul gate_up, down;
     dnnl::memory src, mid, act, dst;
     std::string impl;
   };
 
-  static dnnl::memory::desc Any(int K, int N) {
-    return {{K, N}, dnnl::memory::data_type::bf16, dnnl::memory::format_tag::any};
-  }
+  dt SrcType() const { return int8_ ? dt::u8 : dt::bf16; }
+  dt WeightType() const { return int8_ ? dt::s8 : dt::bf16; }
+  dt DstType() const { return int8_ ? dt::f32 : dt::bf16; }
+  dnnl::memory::desc Any(int K, int N) const { return {{K, N}, WeightType(), tag::any}; }
   dnnl::matmul::primitive_desc Desc(int m, int K, int N, const dnnl::memory::desc& weights) {
-    const dnnl::memory::desc src({m, K}, dnnl::memory::data_type::bf16, dnnl::memory::format_tag::ab);
-    const dnnl::memory::desc dst({m, N}, dnnl::memory::data_type::bf16, dnnl::memory::format_tag::ab);
-    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, dst), engine_);
+    const dnnl::memory::desc src({m, K}, SrcType(), tag::ab);
+    const dnnl::memory::desc dst({m, N}, DstType(), tag::ab);
+    dnnl::primitive_attr attr;
+    if (int8_) attr.set_output_scales(1 << 1, Scales(N));
+    return dnnl::matmul::primitive_desc(dnnl::matmul::desc(src, weights, dst), attr, engine_);
   }
   // oneDNN's choice for m rows, or the copies' layout when it would choose another.
   dnnl::matmul::primitive_desc Pick(int m, int K, int N, const dnnl::memory::desc& layout) {
     dnnl::matmul::primitive_desc pd = Desc(m, K, N, Any(K, N));
     return pd.weights_desc() == layout ? pd : Desc(m, K, N, layout);
   }
+  // Copy 0 of the weights, reordered from plain W [N, K] (bf16: the expert's
+  // gate rows then up rows, and down; int8: random s8).
+  void ReorderFirstCopy(const ExpertWeights& w) {
+    std::vector<bf16_t> gate_up(w.gate);
+    gate_up.insert(gate_up.end(), w.up.begin(), w.up.end());
+    std::vector<uint8_t> gu8, down8;
+    void* gu_data = gate_up.data();
+    void* down_data = const_cast<bf16_t*>(w.down.data());
+    if (int8_) {
+      gu8 = RandomBytes(size_t{2} * I_ * H_, kSeed + 11);
+      down8 = RandomBytes(size_t{1} * I_ * H_, kSeed + 12);
+      gu_data = gu8.data();
+      down_data = down8.data();
+    }
+    dnnl::memory plain_gu({{H_, 2 * I_}, WeightType(), tag::ba}, engine_, gu_data);
+    dnnl::memory plain_down({{I_, H_}, WeightType(), tag::ba}, engine_, down_data);
+    dnnl::reorder(plain_gu, gate_up_w_[0]).execute(stream_, plain_gu, gate_up_w_[0]);
+    dnnl::reorder(plain_down, down_w_[0]).execute(stream_, plain_down, down_w_[0]);
+    stream_.wait();
+  }
+  static std::vector<uint8_t> RandomBytes(size_t n, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<uint8_t> v(n);
+    for (size_t i = 0; i < n; i += 8) {
+      const uint64_t r = rng();
+      std::memcpy(v.data() + i, &r, std::min<size_t>(8, n - i));
+    }
+    return v;
+  }
   dnnl::memory Random(const dnnl::memory::desc& md, uint64_t seed) {
     dnnl::memory mem(md, engine_);
-    const std::vector<bf16_t> v = RandomActivations(md.get_size() / 2, seed);
-    std::memcpy(mem.get_data_handle(), v.data(), md.get_size());
+    if (md.data_type() == dt::bf16) {
+      const std::vector<bf16_t> v = RandomActivations(md.get_size() / 2, seed);
+      std::memcpy(mem.get_data_handle(), v.data(), md.get_size());
+    } else {
+      const std::vector<uint8_t> v = RandomBytes(md.get_size(), seed);
+      std::memcpy(mem.get_data_handle(), v.data(), md.get_size());
+    }
     return mem;
+  }
+  // n per-channel scales around 1/127 (the values do not change the time).
+  static std::vector<float> Scales(int n) {
+    std::vector<float> s(n);
+    for (int i = 0; i < n; ++i) s[i] = (1.0f + (i % 7) / 8.0f) / 127.0f;
+    return s;
   }
   Matmuls& For(int m) {
     auto it = matmuls_.find(m);
@@ -315,9 +479,11 @@ class DnnlExpert {
     return matmuls_.emplace(m, std::move(mm)).first->second;
   }
 
+  const bool int8_;
   dnnl::engine& engine_;
   dnnl::stream& stream_;
-  const int H_, I_, copies_;
+  const int H_, I_;
+  int copies_ = 0;
   dnnl::memory::desc gate_up_md_, down_md_;
   std::unique_ptr<NodeBuffer> buf_;
   std::vector<dnnl::memory> gate_up_w_, down_w_;
@@ -334,6 +500,8 @@ struct Routing {
   std::vector<float> weights;
   RoutingView view() const { return {n, k, ids.data(), weights.data()}; }
 };
+
+using Kernels = std::vector<std::unique_ptr<ExpertKernel>>;
 
 class Benchmark {
  public:
@@ -361,23 +529,36 @@ class Benchmark {
   void SelectKernels();
   void PinOneDnnThreads();
   void RunShape(const std::string& shape);
-  void PerExpertCases(const std::string& shape, const ModelSpec& spec, const ModelSource& source,
-                      const ExpertStore& store, DnnlExpert& dnnl, const std::vector<bf16_t>& tokens);
-  void WholeLayerCases(const ModelSpec& spec, DnnlExpert& dnnl, const std::vector<bf16_t>& tokens,
+  void RunFormat(const ModelSpec& spec, const ModelSource& source, WeightFormat format, const Kernels& kernels,
+                 const std::vector<bf16_t>& tokens, ShapeInfo info);
+  std::unique_ptr<DnnlExpert> MakeDnnl(WeightFormat format, const ExpertWeights& w, const ModelSpec& spec);
+  void PerExpertCases(const ModelSpec& spec, const ModelSource& source, const Kernels& kernels,
+                      const PackedExperts& copies, DnnlExpert* dnnl, const std::vector<bf16_t>& tokens,
+                      const Result& base);
+  void WholeLayerCases(const ModelSpec& spec, const ModelSource& source, const Kernels& kernels,
+                       const ExpertGeometry& g, DnnlExpert* dnnl, const std::vector<bf16_t>& tokens,
                        ShapeInfo* info);
-  std::unique_ptr<ExpertStore> LoadStore(const ModelSource& source, int layer, int experts, double* seconds);
-  // Relative L2 error of the executor's f32 output against ReferenceMoe<double>
-  // on token rows `rows` of `batch`; records FAIL above kMaxError.
-  std::string Check(MoeExecutor& ex, ReferenceMoe& ref, const MoeBatch& batch, int H,
-                    std::vector<int> rows, const std::string& what);
+  void LayerCase(const ModelSpec& spec, const ExpertStore& store, Reference& ref, const Kernels& kernels,
+                 DnnlExpert* dnnl, const std::vector<bf16_t>& tokens, const std::vector<Routing>& routings,
+                 Result base);
+  std::unique_ptr<ExpertStore> LoadStore(const ModelSource& source, const ExpertGeometry& g, int layer,
+                                         int experts, double* seconds);
+  // Relative L2 error of the executor's f32 output against the reference on
+  // token rows `rows` of `batch`; records FAIL above the format's bound.
+  std::string Check(MoeExecutor& ex, Reference& ref, const MoeBatch& batch, int H, std::vector<int> rows,
+                    const std::string& what);
   // Fills the derived columns of r (FLOPs, weight bytes) and keeps it.
-  void Add(Result r, const ModelSpec& spec, double pairs, double distinct);
+  void Add(Result r, const ModelSpec& spec, double pairs, double distinct, double expert_bytes);
+  // Rows of one section, by shape (in --shapes order), then case, then m.
+  std::vector<const Result*> Sorted(const std::string& section) const;
+  void PrintSetup() const;
+  void WriteCsv() const;
 
   Options o_;
   const CpuFeatures& cpu_;
   std::unique_ptr<NumaBinding> numa_;
   std::unique_ptr<ComputePool> pool_;
-  std::vector<std::unique_ptr<ExpertKernel>> kernels_;
+  std::vector<std::pair<WeightFormat, Kernels>> kernels_;  // per format of --formats
   dnnl::engine engine_{dnnl::engine::kind::cpu, 0};
   dnnl::stream stream_{engine_};
   std::string onednn_threads_;
@@ -389,17 +570,30 @@ class Benchmark {
   int failures_ = 0;
 };
 
+// Per format, the kernels that Supports() it on this CPU: amx and avx512 (and
+// reference with --with-reference), or the --kernels named (each must).
 void Benchmark::SelectKernels() {
-  std::vector<std::string> names;
+  std::vector<std::string> names = SplitList(o_.kernels);
   if (o_.kernels.empty()) {
-    if (cpu_.HasAmxBf16()) names.push_back("amx");
-    if (cpu_.HasAvx512Bf16()) names.push_back("avx512");
+    names = {"amx", "avx512"};
     if (o_.with_reference) names.push_back("reference");
-  } else {
-    names = SplitList(o_.kernels);
   }
-  for (const std::string& n : names) kernels_.push_back(ValueOrDie(MakeExpertKernel(n, cpu_), "--kernels"));
-  if (kernels_.empty()) Die("no kernel to benchmark (this CPU has no AVX-512-BF16; add --with-reference)");
+  for (WeightFormat f : o_.format_list) {
+    Kernels kernels;
+    for (const std::string& n : names) {
+      absl::StatusOr<std::unique_ptr<ExpertKernel>> k = MakeExpertKernel(n, cpu_, f);
+      if (k.ok() && (*k)->Supports(f)) {
+        kernels.push_back(*std::move(k));
+      } else if (!o_.kernels.empty()) {
+        Die(absl::StrCat("--kernels: ", k.ok() ? absl::StrCat(n, " does not compute ", WeightFormatName(f))
+                                               : k.status().ToString()));
+      }
+    }
+    if (kernels.empty())
+      Die(absl::StrCat("no kernel to benchmark ", WeightFormatName(f), " weights (this CPU has ", cpu_.Summary(),
+                       "; add --with-reference)"));
+    kernels_.emplace_back(f, std::move(kernels));
+  }
 }
 
 // oneDNN (OpenMP build) gets as many threads as the pool: its workers 1..T-1
@@ -420,18 +614,18 @@ void Benchmark::PinOneDnnThreads() {
 #endif
 }
 
-std::unique_ptr<ExpertStore> Benchmark::LoadStore(const ModelSource& source, int layer, int experts,
-                                                  double* seconds) {
+std::unique_ptr<ExpertStore> Benchmark::LoadStore(const ModelSource& source, const ExpertGeometry& g, int layer,
+                                                  int experts, double* seconds) {
   const Clock::time_point t0 = Clock::now();
   std::unique_ptr<ExpertStore> store = ValueOrDie(
-      ExpertStore::Load(source, ExpertGeometry::For(source.spec().hidden, source.spec().intermediate), HostedSet{{layer}, Iota(experts)}, *numa_, *pool_), "ExpertStore::Load");
+      ExpertStore::Load(source, g, HostedSet{{layer}, Iota(experts)}, *numa_, *pool_), "ExpertStore::Load");
   *seconds = Seconds(t0);
-  LogInfo("bench", "packed ", experts, " experts (", Num(store->resident_bytes() / 1e9), " GB) in ",
-          Num(*seconds), " s");
+  LogInfo("bench", "packed ", experts, " experts ", WeightFormatName(g.format), " (",
+          Num(store->resident_bytes() / 1e9), " GB) in ", Num(*seconds), " s");
   return store;
 }
 
-std::string Benchmark::Check(MoeExecutor& ex, ReferenceMoe& ref, const MoeBatch& batch, int H,
+std::string Benchmark::Check(MoeExecutor& ex, Reference& ref, const MoeBatch& batch, int H,
                              std::vector<int> rows, const std::string& what) {
   std::sort(rows.begin(), rows.end());
   rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
@@ -443,25 +637,24 @@ std::string Benchmark::Check(MoeExecutor& ex, ReferenceMoe& ref, const MoeBatch&
   for (size_t i = 0; i < rows.size(); ++i) {
     const size_t r = rows[i];
     got.insert(got.end(), out.begin() + r * H, out.begin() + (r + 1) * H);
-    const RoutingView one{1, k, batch.routing.ids + r * k, batch.routing.weights + r * k};
-    DieIf(ref.Forward<double>(batch.layer, 1, batch.tokens + r * H, one, want.data() + i * H),
-          "ReferenceMoe");
+    ref.Row(batch.layer, batch.tokens + r * H, k, batch.routing.ids + r * k, batch.routing.weights + r * k,
+            want.data() + i * H);
   }
   const double err = RelativeL2Error(got.data(), want.data(), got.size());
-  if (err <= kMaxError) return absl::StrCat("err ", Num(err));
+  if (err <= ref.tolerance()) return absl::StrCat("err ", Num(err));
   ++failures_;
-  std::fprintf(stderr, "FAIL %s: relative error %g > %g against ReferenceMoe\n", what.c_str(), err,
-               kMaxError);
+  std::fprintf(stderr, "FAIL %s: relative error %g > %g against the reference\n", what.c_str(), err,
+               ref.tolerance());
   return absl::StrCat("FAIL err ", Num(err));
 }
 
-void Benchmark::Add(Result r, const ModelSpec& spec, double pairs, double distinct) {
+void Benchmark::Add(Result r, const ModelSpec& spec, double pairs, double distinct, double expert_bytes) {
   r.flops = 2.0 * pairs * 3.0 * spec.hidden * spec.intermediate;
   r.distinct = distinct;
-  r.weight_bytes = distinct * static_cast<double>(spec.ExpertBf16Bytes());
-  LogInfo("bench", r.shape, " ", r.case_name, " m=", r.tokens, " ", r.impl, ": ", Num(r.seconds * 1e3),
-          " ms, ", Num(r.weight_bytes / r.seconds / 1e9), " GB/s, ", Num(r.flops / r.seconds / 1e12),
-          " TFLOP/s (", r.runs, " runs) ", r.note);
+  r.weight_bytes = distinct * expert_bytes;
+  LogInfo("bench", r.shape, " ", r.case_name, " m=", r.tokens, " ", r.format, " ", r.impl, ": ",
+          Num(r.seconds * 1e3), " ms, ", Num(r.weight_bytes / r.seconds / 1e9), " GB/s, ",
+          Num(r.flops / r.seconds / 1e12), " TFLOP/s (", r.runs, " runs) ", r.note);
   results_.push_back(std::move(r));
 }
 
@@ -472,73 +665,99 @@ void Benchmark::RunShape(const std::string& shape) {
   info.H = spec.hidden;
   info.I = spec.intermediate;
   info.num_experts = spec.num_experts;
-  info.expert_mb = spec.ExpertBf16Bytes() / 1e6;
-  // Enough copies that the rotation does not fit in cache.
-  const uint64_t rotated = std::max(kGiB, 3 * l3_bytes_);
-  info.copies = static_cast<int>(
-      std::max<uint64_t>(2, (rotated + spec.ExpertBf16Bytes() - 1) / spec.ExpertBf16Bytes()));
-  ModelSpec copy_spec = spec;
-  copy_spec.num_experts = info.copies;
-  copy_spec.top_k = std::min(spec.top_k, info.copies);
-  const std::unique_ptr<ModelSource> copy_source = MakeSyntheticSource(copy_spec, kSeed);
+  const std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, kSeed);
   const std::vector<int> ms = ParseInts(o_.tokens, "tokens");
   const int max_rows = std::max(*std::max_element(ms.begin(), ms.end()), kPrefillTokens);
   const std::vector<bf16_t> tokens =
       RandomActivations(static_cast<size_t>(max_rows) * spec.hidden, kSeed + 1);
-  LogInfo("bench", shape, ": H=", spec.hidden, " I=", spec.intermediate, ", ", info.copies, " copies of ",
-          Num(info.expert_mb), " MB rotated (L3 ", l3_bytes_ >> 20, " MiB)");
+  for (const auto& [format, kernels] : kernels_) RunFormat(spec, *source, format, kernels, tokens, info);
+}
 
-  std::unique_ptr<ExpertStore> store =
-      LoadStore(*copy_source, spec.moe_layers.front(), info.copies, &info.copies_load_s);
-  DnnlExpert dnnl(*copy_source, spec.moe_layers.front(), info.copies, *numa_, *pool_, engine_, stream_);
-  PerExpertCases(shape, spec, *copy_source, *store, dnnl, tokens);
-  store.reset();
-  WholeLayerCases(spec, dnnl, tokens, &info);
+// oneDNN's side for a format: bf16 matmuls for bf16, int8 ones for int8, none
+// for int4 (or when oneDNN refuses).
+std::unique_ptr<DnnlExpert> Benchmark::MakeDnnl(WeightFormat format, const ExpertWeights& w,
+                                                const ModelSpec& spec) {
+  if (format == WeightFormat::kInt4) return nullptr;
+  const auto precision =
+      format == WeightFormat::kBf16 ? DnnlExpert::Precision::kBf16 : DnnlExpert::Precision::kInt8;
+  try {
+    return std::make_unique<DnnlExpert>(precision, w, spec.hidden, spec.intermediate,
+                                        std::max(kGiB, 3 * l3_bytes_), *numa_, *pool_, engine_, stream_);
+  } catch (const dnnl::error& e) {
+    LogWarning("bench", "oneDNN ", WeightFormatName(format), " skipped: ", e.what());
+    return nullptr;
+  }
+}
+
+void Benchmark::RunFormat(const ModelSpec& spec, const ModelSource& source, WeightFormat format,
+                          const Kernels& kernels, const std::vector<bf16_t>& tokens, ShapeInfo info) {
+  const int layer = spec.moe_layers.front();
+  const ExpertGeometry g = ExpertGeometry::For(spec.hidden, spec.intermediate, format);
+  info.format = WeightFormatName(format);
+  info.expert_mb = g.packed_bytes() / 1e6;
+  ExpertWeights w;
+  DieIf(source.ReadExpert(layer, 0, &w), "expert 0");
+  const std::unique_ptr<DnnlExpert> dnnl = MakeDnnl(format, w, spec);
+  {
+    // Enough copies that the rotation does not fit in cache.
+    const Clock::time_point t0 = Clock::now();
+    const PackedCopies copies(g, w, layer, std::max(kGiB, 3 * l3_bytes_), *numa_, *pool_);
+    info.copies = copies.num_experts();
+    info.copies_load_s = Seconds(t0);
+    LogInfo("bench", info.shape, " ", info.format, ": H=", spec.hidden, " I=", spec.intermediate, ", ",
+            info.copies, " copies of ", Num(info.expert_mb), " MB rotated (L3 ", l3_bytes_ >> 20, " MiB)");
+    Result base;
+    base.section = "expert";
+    base.shape = info.shape;
+    base.format = info.format;
+    base.case_name = "1 expert";
+    PerExpertCases(spec, source, kernels, copies, dnnl.get(), tokens, base);
+  }
+  WholeLayerCases(spec, source, kernels, g, dnnl.get(), tokens, &info);
   shapes_.push_back(info);
 }
 
-void Benchmark::PerExpertCases(const std::string& shape, const ModelSpec& spec, const ModelSource& source,
-                               const ExpertStore& store, DnnlExpert& dnnl,
-                               const std::vector<bf16_t>& tokens) {
-  const int layer = spec.moe_layers.front(), H = spec.hidden, copies = store.num_experts();
-  ReferenceMoe ref(source);
+void Benchmark::PerExpertCases(const ModelSpec& spec, const ModelSource& source, const Kernels& kernels,
+                               const PackedExperts& copies, DnnlExpert* dnnl, const std::vector<bf16_t>& tokens,
+                               const Result& base) {
+  const int layer = spec.moe_layers.front(), H = spec.hidden, n_copies = copies.num_experts();
+  const double expert_bytes = static_cast<double>(copies.geometry().packed_bytes());
+  Reference ref(source, copies);
   std::vector<std::unique_ptr<MoeExecutor>> executors;
-  for (const auto& k : kernels_) executors.push_back(std::make_unique<MoeExecutor>(store, *k, *pool_));
+  for (const auto& k : kernels) executors.push_back(std::make_unique<MoeExecutor>(copies, *k, *pool_));
   std::vector<bf16_t> out;
   for (int m : ParseInts(o_.tokens, "tokens")) {
-    Result base;
-    base.section = "expert";
-    base.shape = shape;
-    base.case_name = "1 expert";
-    base.tokens = m;
     std::vector<int32_t> ids(m, 0);
     const std::vector<float> weights(m, 1.0f);
     const MoeBatch batch{layer, m, tokens.data(), RoutingView{m, 1, ids.data(), weights.data()}};
     out.resize(static_cast<size_t>(m) * H);
-    for (size_t i = 0; i < kernels_.size(); ++i) {
-      if (std::string(kernels_[i]->name()) == "reference" && m > kReferenceMaxTokens) continue;
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      if (std::string(kernels[i]->name()) == "reference" && m > kReferenceMaxTokens) continue;
       Result r = base;
-      r.impl = kernels_[i]->name();
+      r.tokens = m;
+      r.impl = kernels[i]->name();
       std::fill(ids.begin(), ids.end(), 0);
       r.note = Check(*executors[i], ref, batch, H, {0, m / 2, m - 1},
-                     absl::StrCat(r.shape, " m=", m, " ", r.impl));
+                     absl::StrCat(r.shape, " ", r.format, " m=", m, " ", r.impl));
       std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
-        std::fill(ids.begin(), ids.end(), call % copies);
+        std::fill(ids.begin(), ids.end(), call % n_copies);
         DieIf(executors[i]->Forward(batch, DType::kBF16, out.data(), nullptr), "Forward");
       });
-      Add(std::move(r), spec, m, 1);
+      Add(std::move(r), spec, m, 1, expert_bytes);
     }
+    if (dnnl == nullptr) continue;
     Result r = base;
-    r.impl = "oneDNN";
+    r.tokens = m;
+    r.impl = dnnl->name();
     try {
-      r.note = dnnl.Impl(m);
+      r.note = dnnl->Impl(m);
       std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
-        dnnl.Run(m, call);
-        dnnl.Wait();
+        dnnl->Run(m, call);
+        dnnl->Wait();
       });
-      Add(std::move(r), spec, m, 1);
+      Add(std::move(r), spec, m, 1, dnnl->weight_bytes());
     } catch (const dnnl::error& e) {
-      LogWarning("bench", "oneDNN m=", m, ": ", e.what());
+      LogWarning("bench", r.impl, " m=", m, ": ", e.what());
     }
   }
 }
@@ -569,99 +788,96 @@ std::vector<Routing> PrefillRoutings(int num_experts, int hosted) {
   return out;
 }
 
-void Benchmark::WholeLayerCases(const ModelSpec& spec, DnnlExpert& dnnl, const std::vector<bf16_t>& tokens,
+void Benchmark::WholeLayerCases(const ModelSpec& spec, const ModelSource& source, const Kernels& kernels,
+                                const ExpertGeometry& g, DnnlExpert* dnnl, const std::vector<bf16_t>& tokens,
                                 ShapeInfo* info) {
   const int layer = spec.moe_layers.front();
   const std::string& shape = info->shape;
-  const uint64_t stride =
-      ExpertStore::BytesNeeded(ExpertGeometry::For(spec.hidden, spec.intermediate), HostedSet{{layer}, {0}});
+  const uint64_t stride = ExpertStore::BytesNeeded(g, HostedSet{{layer}, {0}});
   const uint64_t fit = static_cast<uint64_t>(0.6 * static_cast<double>(AvailableMemoryBytes())) / stride;
   const int hosted = o_.layer_experts > 0 ? std::min<int>(o_.layer_experts, spec.num_experts)
                                           : static_cast<int>(std::min<uint64_t>(spec.num_experts, fit));
   info->hosted = hosted;
   if (hosted < 1) {
-    LogWarning("bench", shape, ": whole-layer cases skipped: not one expert fits in 60% of MemAvailable");
+    LogWarning("bench", shape, " ", info->format,
+               ": whole-layer cases skipped: not one expert fits in 60% of MemAvailable");
     return;
   }
-  const std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, kSeed);
-  const std::unique_ptr<ExpertStore> store = LoadStore(*source, layer, hosted, &info->layer_load_s);
-  ReferenceMoe ref(*source);
-
-  struct Case {
-    const char* name;
-    std::vector<Routing> routings;
-  };
-  std::vector<Case> cases;
+  const std::unique_ptr<ExpertStore> store = LoadStore(source, g, layer, hosted, &info->layer_load_s);
+  Reference ref(source, *store);
+  Result base;
+  base.section = "layer";
+  base.shape = shape;
+  base.format = info->format;
+  base.hosted = hosted;
+  base.case_name = "decode";
   if (hosted >= kDecodeExperts) {
-    cases.push_back({"decode", DecodeRoutings(hosted)});
+    LayerCase(spec, *store, ref, kernels, dnnl, tokens, DecodeRoutings(hosted), base);
   } else {
     const std::string why =
         absl::StrCat("skipped: needs ", kDecodeExperts, " hosted experts, only ", hosted,
                      o_.layer_experts > 0 ? " (--layer-experts)" : " fit in 60% of MemAvailable");
-    LogWarning("bench", shape, ": decode ", why);
-    Result r;
-    r.section = "layer";
-    r.shape = shape;
-    r.case_name = "decode";
+    LogWarning("bench", shape, " ", info->format, ": decode ", why);
+    Result r = base;
     r.impl = "-";
     r.tokens = kDecodeTokens;
-    r.hosted = hosted;
     r.note = why;
     results_.push_back(r);
   }
-  cases.push_back({"prefill", PrefillRoutings(spec.num_experts, hosted)});
+  base.case_name = "prefill";
+  LayerCase(spec, *store, ref, kernels, dnnl, tokens, PrefillRoutings(spec.num_experts, hosted), base);
+}
 
-  std::vector<bf16_t> out;
+// One whole-layer case (base.case_name) over its routing variants, call by
+// call: every kernel, then the oneDNN loop when dnnl is given.
+void Benchmark::LayerCase(const ModelSpec& spec, const ExpertStore& store, Reference& ref,
+                          const Kernels& kernels, DnnlExpert* dnnl, const std::vector<bf16_t>& tokens,
+                          const std::vector<Routing>& routings, Result base) {
+  const int layer = spec.moe_layers.front(), n = routings.front().n;
+  const int variants = static_cast<int>(routings.size());
+  // Per variant, the rows of each distinct expert (for oneDNN) and the averages.
+  std::vector<std::vector<int>> counts(variants);
+  double pairs = 0, distinct = 0;
   ExpertGroups groups;
-  for (const Case& c : cases) {
-    const int n = c.routings.front().n, variants = static_cast<int>(c.routings.size());
-    // Per variant, the rows of each distinct expert (for oneDNN) and the averages.
-    std::vector<std::vector<int>> counts(variants);
-    double pairs = 0, distinct = 0;
-    for (int v = 0; v < variants; ++v) {
-      GroupByExpert(c.routings[v].view(), spec.num_experts, 1, &groups);
-      counts[v] = groups.count;
-      pairs += groups.total_pairs / double(variants);
-      distinct += groups.num_groups() / double(variants);
-    }
-    std::vector<MoeBatch> batches;
-    for (const Routing& r : c.routings) batches.push_back({layer, n, tokens.data(), r.view()});
-    out.resize(static_cast<size_t>(n) * spec.hidden);
-    Result base;
-    base.section = "layer";
-    base.shape = shape;
-    base.case_name = c.name;
-    base.tokens = n;
-    base.hosted = hosted;
-    for (const auto& kernel : kernels_) {
-      const bool reference = std::string(kernel->name()) == "reference";
-      if (reference && std::string(c.name) != "decode") continue;
-      MoeExecutor ex(*store, *kernel, *pool_);
-      Result r = base;
-      r.impl = kernel->name();
-      r.note =
-          Check(ex, ref, batches[0], spec.hidden, {0, n - 1}, absl::StrCat(shape, " ", c.name, " ", r.impl));
-      std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
-        DieIf(ex.Forward(batches[call % variants], DType::kBF16, out.data(), nullptr), "Forward");
-      });
-      Add(std::move(r), spec, pairs, distinct);
-    }
+  std::vector<MoeBatch> batches;
+  for (int v = 0; v < variants; ++v) {
+    GroupByExpert(routings[v].view(), spec.num_experts, 1, &groups);
+    counts[v] = groups.count;
+    pairs += groups.total_pairs / double(variants);
+    distinct += groups.num_groups() / double(variants);
+    batches.push_back({layer, n, tokens.data(), routings[v].view()});
+  }
+  std::vector<bf16_t> out(static_cast<size_t>(n) * spec.hidden);
+  base.tokens = n;
+  const bool decode = base.case_name == "decode";
+  for (const auto& kernel : kernels) {
+    if (std::string(kernel->name()) == "reference" && !decode) continue;
+    MoeExecutor ex(store, *kernel, *pool_);
     Result r = base;
-    r.impl = "oneDNN loop";
-    try {
-      for (const auto& v : counts) {
-        for (int m : v) dnnl.Impl(m);  // make every primitive before timing
-      }
-      int copy = 0;
-      std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
-        for (int m : counts[call % variants]) dnnl.Run(m, copy++);
-        dnnl.Wait();
-      });
-      r.note = dnnl.Impl(counts[0][0]);
-      Add(std::move(r), spec, pairs, distinct);
-    } catch (const dnnl::error& e) {
-      LogWarning("bench", "oneDNN ", c.name, ": ", e.what());
+    r.impl = kernel->name();
+    r.note = Check(ex, ref, batches[0], spec.hidden, {0, n - 1},
+                   absl::StrCat(r.shape, " ", r.format, " ", r.case_name, " ", r.impl));
+    std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
+      DieIf(ex.Forward(batches[call % variants], DType::kBF16, out.data(), nullptr), "Forward");
+    });
+    Add(std::move(r), spec, pairs, distinct, static_cast<double>(store.geometry().packed_bytes()));
+  }
+  if (dnnl == nullptr) return;
+  Result r = base;
+  r.impl = absl::StrCat(dnnl->name(), " loop");
+  try {
+    for (const auto& v : counts) {
+      for (int m : v) dnnl->Impl(m);  // make every primitive before timing
     }
+    int copy = 0;
+    std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
+      for (int m : counts[call % variants]) dnnl->Run(m, copy++);
+      dnnl->Wait();
+    });
+    r.note = dnnl->Impl(counts[0][0]);
+    Add(std::move(r), spec, pairs, distinct, dnnl->weight_bytes());
+  } catch (const dnnl::error& e) {
+    LogWarning("bench", r.impl, " ", r.case_name, ": ", e.what());
   }
 }
 
@@ -673,8 +889,27 @@ void PrintTable(const std::string& title, const std::vector<std::string>& header
   for (const auto& row : rows) std::printf("| %s |\n", absl::StrJoin(row, " | ").c_str());
 }
 
-int Benchmark::Report() const {
-  const double avail = AvailableMemoryBytes() / 1e9;
+std::vector<const Result*> Benchmark::Sorted(const std::string& section) const {
+  const std::vector<std::string> shapes = SplitList(o_.shapes);
+  auto key = [&](const Result* r) {
+    return std::make_tuple(std::find(shapes.begin(), shapes.end(), r->shape) - shapes.begin(), r->case_name,
+                           r->tokens);
+  };
+  std::vector<const Result*> v;
+  for (const Result& r : results_) {
+    if (r.section == section) v.push_back(&r);
+  }
+  std::stable_sort(v.begin(), v.end(), [&](const Result* a, const Result* b) { return key(a) < key(b); });
+  return v;
+}
+
+// The machine, DRAM bandwidth and shapes tables.
+void Benchmark::PrintSetup() const {
+  std::string kernels;
+  for (const auto& [format, ks] : kernels_) {
+    absl::StrAppend(&kernels, kernels.empty() ? "" : "; ", WeightFormatName(format), ": ",
+                    absl::StrJoin(ks, ", ", [](std::string* s, const auto& k) { s->append(k->name()); }));
+  }
   PrintTable("Machine", {"item", "value"},
              {{"date", UtcNow()},
               {"CPU", cpu_.brand},
@@ -682,11 +917,10 @@ int Benchmark::Report() const {
               {"topology", numa_->Describe()},
               {"command", o_.command},
               {"compute threads", absl::StrCat(pool_->size())},
-              {"kernels",
-               absl::StrJoin(kernels_, ", ", [](std::string* s, const auto& k) { s->append(k->name()); })},
+              {"kernels", kernels},
               {"ComputePool::Run, empty task", absl::StrCat(Num(dispatch_s_ * 1e6), " us (median of 1001)")},
               {"L3", absl::StrCat(l3_bytes_ >> 20, " MiB")},
-              {"memory available", absl::StrCat(Num(avail), " GB")},
+              {"memory available", absl::StrCat(Num(AvailableMemoryBytes() / 1e9), " GB")},
               {"oneDNN", absl::StrCat(dnnl_version()->major, ".", dnnl_version()->minor, ".",
                                       dnnl_version()->patch, ", ", onednn_threads_)}});
   std::vector<std::vector<std::string>> rows;
@@ -697,70 +931,76 @@ int Benchmark::Report() const {
   PrintTable("DRAM read bandwidth (median)", {"method", "GB/s", "runs", "detail"}, rows);
   rows.clear();
   for (const ShapeInfo& s : shapes_) {
-    rows.push_back({s.shape, absl::StrCat(s.H), absl::StrCat(s.I), Num(s.expert_mb), absl::StrCat(s.copies),
-                    Num(s.copies * s.expert_mb / 1e3), Num(s.copies_load_s),
+    rows.push_back({s.shape, s.format, absl::StrCat(s.H), absl::StrCat(s.I), Num(s.expert_mb),
+                    absl::StrCat(s.copies), Num(s.copies * s.expert_mb / 1e3), Num(s.copies_load_s),
                     absl::StrCat(s.hosted, " / ", s.num_experts), Num(s.layer_load_s)});
   }
   PrintTable("Shapes",
-             {"shape", "H", "I", "expert MB", "copies rotated", "rotated GB", "pack s",
+             {"shape", "format", "H", "I", "packed expert MB", "copies rotated", "rotated GB", "pack + copy s",
               "layer experts hosted", "layer pack s"},
              rows);
+}
 
+int Benchmark::Report() const {
+  PrintSetup();
   auto measured = [&](const Result& r, std::vector<std::string> row) {
     const double gbps = r.weight_bytes / r.seconds / 1e9;
-    for (const std::string& s : {Num(r.seconds * 1e3), Num(r.flops / r.seconds / 1e12), Num(gbps),
-                                 Num(100 * gbps / dram_gbps_), absl::StrCat(r.runs), r.note}) {
+    for (const std::string& s : {Num(r.weight_bytes / 1e6), Num(r.seconds * 1e3), Num(r.flops / r.seconds / 1e12),
+                                 Num(gbps), Num(100 * gbps / dram_gbps_), absl::StrCat(r.runs), r.note}) {
       row.push_back(s);
     }
     return row;
   };
-  rows.clear();
-  for (const Result& r : results_) {
-    if (r.section == "expert") rows.push_back(measured(r, {r.shape, absl::StrCat(r.tokens), r.impl}));
-  }
+  std::vector<std::vector<std::string>> rows;
+  for (const Result* r : Sorted("expert"))
+    rows.push_back(measured(*r, {r->shape, absl::StrCat(r->tokens), r->format, r->impl}));
   PrintTable("Per expert: m tokens -> 1 expert (k = 1), weights rotated over copies",
-             {"shape", "m", "impl", "ms", "TFLOP/s", "weight GB/s", "% DRAM", "runs", "check / oneDNN impl"},
+             {"shape", "m", "format", "impl", "weight MB/call", "ms", "TFLOP/s", "weight GB/s", "% DRAM", "runs",
+              "check / oneDNN impl"},
              rows);
   rows.clear();
-  for (const Result& r : results_) {
-    if (r.section != "layer") continue;
-    std::vector<std::string> row = {
-        r.shape,         r.case_name, absl::StrCat(r.tokens, "x", kTopK), absl::StrCat(r.hosted),
-        Num(r.distinct), r.impl};
-    if (r.seconds > 0) {
-      rows.push_back(measured(r, row));
+  for (const Result* r : Sorted("layer")) {
+    std::vector<std::string> row = {r->shape,         r->case_name, absl::StrCat(r->tokens, "x", kTopK),
+                                    absl::StrCat(r->hosted), Num(r->distinct), r->format, r->impl};
+    if (r->seconds > 0) {
+      rows.push_back(measured(*r, row));
     } else {
-      row.insert(row.end(), {"-", "-", "-", "-", "-", r.note});
+      row.insert(row.end(), {"-", "-", "-", "-", "-", "-", r->note});
       rows.push_back(row);
     }
   }
   PrintTable("Whole layer through MoeExecutor::Forward (oneDNN: per-expert matmuls looped)",
-             {"shape", "case", "tokens", "hosted", "experts/call", "impl", "ms", "TFLOP/s", "weight GB/s",
-              "% DRAM", "runs", "check / oneDNN impl"},
+             {"shape", "case", "tokens", "hosted", "experts/call", "format", "impl", "weight MB/call", "ms",
+              "TFLOP/s", "weight GB/s", "% DRAM", "runs", "check / oneDNN impl"},
              rows);
   std::printf(
-      "\nFLOPs = 2 x pairs x 3 x H x I; weight GB/s = distinct experts x 3 x H x I x 2 B / time; %% DRAM "
-      "of the %s GB/s measured above. oneDNN times gate+up [m,H]x[H,2I] and down [m,I]x[I,H] back to "
-      "back (bf16 in/out), without the SiLU*mul between them; our kernels include it. %% DRAM can pass 100: "
-      "the probe is one plain streaming sum, not an absolute ceiling.\n\n",
+      "\nFLOPs = 2 x pairs x 3 x H x I; weight MB/call = distinct experts x packed expert bytes (int8/int4 "
+      "scales and sums included; oneDNN: its blocked weights), weight GB/s = those bytes / time; %% DRAM of the "
+      "%s GB/s measured above. oneDNN times gate+up [m,H]x[H,2I] and down [m,I]x[I,H] back to back (bf16 in/out; "
+      "onednn-int8: u8 x s8 -> f32 with per-channel scales), without the SiLU*mul between them; our kernels "
+      "include it (int8/int4: and the activations' hi/lo quantization). %% DRAM can pass 100: the probe is one "
+      "plain streaming sum, not an absolute ceiling.\n\n",
       Num(dram_gbps_).c_str());
   if (failures_ > 0)
-    std::printf("\n**FAIL: %d kernel check(s) above the %g relative error bound**\n", failures_, kMaxError);
-
-  if (!o_.csv.empty()) {
-    std::ofstream csv(o_.csv);
-    csv << "section,shape,case,impl,tokens,hosted,experts_per_call,ms,tflops,weight_gbps,pct_dram,runs,"
-           "note\n";
-    for (const Result& r : results_) {
-      const double s = r.seconds > 0 ? r.seconds : NAN;
-      const double gbps = r.weight_bytes / s / 1e9;
-      csv << r.section << ',' << r.shape << ',' << r.case_name << ',' << r.impl << ',' << r.tokens << ','
-          << r.hosted << ',' << r.distinct << ',' << s * 1e3 << ',' << r.flops / s / 1e12 << ',' << gbps
-          << ',' << 100 * gbps / dram_gbps_ << ',' << r.runs << ",\"" << r.note << "\"\n";
-    }
-    if (!csv) Die(absl::StrCat("--csv: cannot write ", o_.csv));
-  }
+    std::printf("\n**FAIL: %d kernel check(s) above the relative error bound (%g; int4 %g)**\n", failures_,
+                kMaxError, kMaxErrorInt4);
+  if (!o_.csv.empty()) WriteCsv();
   return failures_ > 0 ? 1 : 0;
+}
+
+void Benchmark::WriteCsv() const {
+  std::ofstream csv(o_.csv);
+  csv << "section,shape,case,format,impl,tokens,hosted,experts_per_call,weight_bytes,ms,tflops,weight_gbps,"
+         "pct_dram,runs,note\n";
+  for (const Result& r : results_) {
+    const double s = r.seconds > 0 ? r.seconds : NAN;
+    const double gbps = r.weight_bytes / s / 1e9;
+    csv << r.section << ',' << r.shape << ',' << r.case_name << ',' << r.format << ',' << r.impl << ','
+        << r.tokens << ',' << r.hosted << ',' << r.distinct << ',' << r.weight_bytes << ',' << s * 1e3 << ','
+        << r.flops / s / 1e12 << ',' << gbps << ',' << 100 * gbps / dram_gbps_ << ',' << r.runs << ",\""
+        << r.note << "\"\n";
+  }
+  if (!csv) Die(absl::StrCat("--csv: cannot write ", o_.csv));
 }
 
 }  // namespace
@@ -772,15 +1012,18 @@ int main(int argc, char** argv) {
   moe::FlagSet flags(
       "expert_kernels",
       "Benchmarks the CPU expert kernels (amx, avx512[, reference]) through MoeExecutor::Forward\n"
-      "against oneDNN's bf16 matmul and the measured DRAM read bandwidth; prints Markdown\n"
-      "tables for bench/RESULTS.md. Smoke run: expert_kernels --quick --shapes qwen3-30b-a3b");
+      "in each storage format of --formats, against oneDNN's bf16 (and int8) matmul and the measured\n"
+      "DRAM read bandwidth; prints Markdown tables for bench/RESULTS.md.\n"
+      "Smoke run: expert_kernels --quick --shapes qwen3-30b-a3b --formats bf16,int8,int4");
   flags.Int("threads", &o.threads,
             "compute threads (0 = one per core of the NUMA node); oneDNN gets as many");
   flags.String("numa-node", &o.numa_node, "NUMA node to run and allocate on: auto or an index");
   flags.String("shapes", &o.shapes, "model presets whose expert geometry to use (comma list)");
   flags.String("tokens", &o.tokens, "tokens per expert m for the per-expert cases (comma list)");
+  flags.String("formats", &o.formats,
+               "storage formats of the packed experts: bf16, int8, int4 (comma list; int4 group 128)");
   flags.String("kernels", &o.kernels,
-               "kernels (amx, avx512, reference; comma list); empty = all this CPU has");
+               "kernels (amx, avx512, reference; comma list); empty = all this CPU has for each format");
   flags.Bool("with-reference", &o.with_reference, "also time the scalar reference kernel (m <= 16, decode)");
   flags.Bool("quick", &o.quick,
              "smoke run: m in 1,16,256, >= 5 runs, 0.05 s per case, 1 GiB bandwidth buffer");
@@ -792,6 +1035,9 @@ int main(int argc, char** argv) {
   flags.String("csv", &o.csv, "also write every row to this CSV file");
   if (!flags.Parse(argc, argv).empty()) flags.Fail("takes no positional arguments");
   o.command = absl::StrJoin(argv, argv + argc, " ");
+  absl::StatusOr<std::vector<moe::WeightFormat>> formats = moe::ParseFormats(o.formats);
+  if (!formats.ok()) flags.Fail(std::string(formats.status().message()));
+  o.format_list = *std::move(formats);
   if (o.quick) {
     o.min_runs = 5;
     if (o.tokens == defaults.tokens) o.tokens = "1,16,256";

@@ -17,6 +17,9 @@
 //              (measured copy time of a layer's experts, overlapped with the ceiling's compute)
 //   ideal      max(GPU time, CPU time at DRAM bandwidth): the ceiling's step, and the bytes
 //              of the experts ours missed in its cache over the measured DRAM bandwidth
+// The server stores its experts as --weight-dtype says (bf16, int8, int4: its
+// own flag); the worker's cache stays bf16. The ideal's CPU side counts the
+// server's packed bytes.
 // Times are medians over the timed steps, per decode step and per MoE layer.
 // With --runs N every configuration runs N times (a fresh dispatcher each, so
 // its start-up probe and online rates too); a time cell is then the median run
@@ -45,6 +48,7 @@
 #include "core/subprocess.h"
 #include "core/synthetic_model.h"
 #include "cpu_compute/cpu_features.h"
+#include "cpu_compute/expert_store.h"
 #include "gpu_worker/attention.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
@@ -188,6 +192,7 @@ class Buffers {
 
 struct Options {
   std::string preset = "qwen3-30b-a3b", device = "auto", server_bin, modes = "ceiling,ours,ours-dual,lru-copy,copy-all";
+  std::string weight_dtype = "bf16";  // the server's --weight-dtype
   int layers = 0, steps = 8, warmup = 3, server_threads = 0, context = 128, seed = 1;
   std::string batches = "1,8,32,128,1024", cache = "10,25,50,100";
   double zipf = 1.0, drift = 0.02, dram_gib = 4;
@@ -203,8 +208,10 @@ struct RunResult {
 
 class Bench {
  public:
-  Bench(const Options& o, const ModelSpec& spec, const std::string& shm, HostExpertStore* host, double dram_gbps)
-      : o_(o), spec_(spec), shm_(shm), host_(host), dram_gbps_(dram_gbps) {}
+  // server_expert_bytes: one expert as the server stores it (--weight-dtype).
+  Bench(const Options& o, const ModelSpec& spec, const std::string& shm, HostExpertStore* host, double dram_gbps,
+        double server_expert_bytes)
+      : o_(o), spec_(spec), shm_(shm), host_(host), dram_gbps_(dram_gbps), server_expert_bytes_(server_expert_bytes) {}
 
   // One configuration: a fresh backend + dispatcher, warm-up, timed steps.
   RunResult Run(int T, int C, CachePolicyKind policy, CopyMode copy, bool dual) {
@@ -302,7 +309,7 @@ class Bench {
             copied += s.copied_pairs;
             missed_experts += s.cpu_experts + s.copied_experts;
           }
-          cpu_floor += missed_experts * static_cast<double>(spec_.ExpertBf16Bytes()) / (dram_gbps_ * 1e9);
+          cpu_floor += missed_experts * server_expert_bytes_ / (dram_gbps_ * 1e9);
         }
       }
       if (timed) {
@@ -371,6 +378,7 @@ class Bench {
   std::string shm_;
   HostExpertStore* host_;
   double dram_gbps_;
+  double server_expert_bytes_;
   std::string cost_;
   std::unique_ptr<AttentionStep> attn_;
 };
@@ -423,7 +431,11 @@ int Main(int argc, char** argv) {
   int64_t runs = o.runs;
   flags.Int("runs", &runs, "runs of every configuration (fresh dispatcher each); cells show median [min-max]");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
+  flags.String("weight-dtype", &o.weight_dtype,
+               "the expert server's --weight-dtype: bf16, int8 or int4 (the worker's cache stays bf16)");
   flags.Parse(argc, argv);
+  if (o.weight_dtype != "bf16" && o.weight_dtype != "int8" && o.weight_dtype != "int4")
+    flags.Fail("--weight-dtype: '" + o.weight_dtype + "' is not one of bf16, int8, int4");
   o.steps = static_cast<int>(steps);
   o.warmup = static_cast<int>(warmup);
   o.context = static_cast<int>(context);
@@ -446,6 +458,7 @@ int Main(int argc, char** argv) {
   const std::string uri = absl::StrCat("synthetic:", o.preset, ":layers=", first_moe + layers, ":seed=", o.seed);
   std::unique_ptr<ModelSource> source = Value(OpenModel(uri), "model");
   const ModelSpec& spec = source->spec();
+  const ExpertGeometry server_geometry = Value(StorageGeometry(spec, o.weight_dtype), "--weight-dtype");
 
   // DRAM bandwidth, measured before the server starts.
   double dram_gbps = 0;
@@ -470,10 +483,11 @@ int Main(int argc, char** argv) {
   char dir_tmpl[] = "/tmp/moe_layer_XXXXXX";
   const std::string dir = mkdtemp(dir_tmpl);
   const std::string shm = dir + "/expert.sock";
-  LogInfo("bench", "model ", spec.Summary(), "; starting ", server_bin, " with ", o.server_threads, " threads");
+  LogInfo("bench", "model ", spec.Summary(), "; starting ", server_bin, " with ", o.server_threads, " threads, ",
+          o.weight_dtype, " experts");
   Subprocess server(server_bin, {"--model=" + uri, "--shm-socket=" + shm, "--insecure", "--listen=127.0.0.1:0",
                                  absl::StrCat("--threads=", o.server_threads), "--max-tokens=4096",
-                                 absl::StrCat("--idle-spin-us=", o.idle_spin_us)});
+                                 absl::StrCat("--idle-spin-us=", o.idle_spin_us), "--weight-dtype=" + o.weight_dtype});
   const std::string ready = server.ReadLine(std::chrono::minutes(10));
   if (ready.find("ready on") == std::string::npos) Die("expert server did not start");
 
@@ -492,18 +506,20 @@ int Main(int argc, char** argv) {
   std::unique_ptr<HostExpertStore> host = Value(HostExpertStore::Load(*source, spec.moe_layers, pin.get()), "host store");
   LogInfo("bench", "host expert store: ", host->bytes() >> 20, " MiB in ", Sec(h0), " s; DRAM ", dram_gbps, " GB/s");
 
-  Bench bench(o, spec, shm, host.get(), dram_gbps);
+  Bench bench(o, spec, shm, host.get(), dram_gbps, static_cast<double>(server_geometry.packed_bytes()));
   const std::vector<std::string> modes = absl::StrSplit(o.modes, ',', absl::SkipEmpty());
   auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
   const int L = static_cast<int>(spec.moe_layers.size());
   const double copy_all_layer = has("copy-all") ? bench.CopyAllLayer() : 0;
 
-  std::printf("\n### moe_layer: %s, %d MoE layers, backend %s, server %d threads over shm\n\n", o.preset.c_str(), L,
-              pin->name(), o.server_threads);
-  std::printf("DRAM read %.1f GB/s (%s); expert %.1f MB; Zipf %.2f, drift %.3f; %d warm-up + %d timed steps "
-              "(medians); context %d; %d run(s) per configuration%s.\n\n",
-              dram_gbps, dram_note.c_str(), spec.ExpertBf16Bytes() / 1e6, o.zipf, o.drift, o.warmup, o.steps,
-              o.context, o.runs, o.runs > 1 ? ", times as median [min-max] over the runs" : "");
+  std::printf("\n### moe_layer: %s, %d MoE layers, backend %s, server %d threads over shm, server weights %s\n\n",
+              o.preset.c_str(), L, pin->name(), o.server_threads, o.weight_dtype.c_str());
+  std::printf("DRAM read %.1f GB/s (%s); expert %.2f MB bf16 (worker), %.2f MB %s (server, the ideal's CPU bytes); "
+              "Zipf %.2f, drift %.3f; %d warm-up + %d timed steps (medians); context %d; %d run(s) per "
+              "configuration%s.\n\n",
+              dram_gbps, dram_note.c_str(), spec.ExpertBf16Bytes() / 1e6, server_geometry.packed_bytes() / 1e6,
+              o.weight_dtype.c_str(), o.zipf, o.drift, o.warmup, o.steps, o.context, o.runs,
+              o.runs > 1 ? ", times as median [min-max] over the runs" : "");
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | ideal step ms | ours/ideal | lru-copy/ours | hit | cpu | copied | ours submit/wait ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
