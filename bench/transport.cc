@@ -118,12 +118,14 @@ int main(int argc, char** argv) {
   int64_t iters = 10000, big_iters = 500, warmup = 200;
   double concurrent_seconds = 2.0;
   std::string sizes = "1,8,64,512";
+  std::string only = "shm,shm-staged,shm-polling,shm-staged-polling,grpc-stream,grpc-unary";
   moe::FlagSet flags("transport", "[flags]\nRound trips over shm, gRPC stream/unary vs an in-process memcpy floor.");
   flags.Int("iters", &iters, "timed round trips per (transport, n) for n <= 64");
   flags.Int("big-iters", &big_iters, "timed round trips for n > 64");
   flags.Int("warmup", &warmup, "untimed round trips first");
   flags.Double("concurrent-seconds", &concurrent_seconds, "duration of the 4-caller throughput run");
   flags.String("tokens", &sizes, "token counts n (comma list, <= 512)");
+  flags.String("transports", &only, "transports to time (comma list; memcpy and unix-socket always run)");
   flags.Parse(argc, argv);
   setvbuf(stdout, nullptr, _IOLBF, 0);  // rows appear as they are measured
   absl::StatusOr<std::vector<int>> ns = moe::ParseIndexList(sizes, kMaxTokens + 1, "tokens");
@@ -163,6 +165,7 @@ int main(int argc, char** argv) {
   const bool can_poll = std::thread::hardware_concurrency() >= 4;  // a poller per side needs spare cores
   for (const char* kind : {"shm", "shm-staged", "shm-polling", "shm-staged-polling", "grpc-stream", "grpc-unary"}) {
     const std::string k = kind;
+    if (("," + only + ",").find("," + k + ",") == std::string::npos) continue;
     const bool polling = k.find("-polling") != std::string::npos;
     if (polling && !can_poll) continue;
     moe::TransportOptions to = o;

@@ -40,19 +40,42 @@ void EncodeTensor(DType dtype, const std::vector<int64_t>& shape, const void* da
   out->set_data(static_cast<const char*>(data), NumElements(shape) * DTypeSize(dtype));
 }
 
-absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::string& field, DType want,
+namespace {
+WireTensor ViewOf(const moe::v1::Tensor& t) {
+  WireTensor w;
+  w.dtype = t.dtype();
+  w.shape.assign(t.shape().begin(), t.shape().end());
+  w.data = t.data().data();
+  w.bytes = t.data().size();
+  return w;
+}
+}  // namespace
+
+WireForwardRequest ViewOf(const moe::v1::ForwardRequest& req) {
+  WireForwardRequest w;
+  w.request_id = req.request_id();
+  w.layer = req.layer();
+  w.tokens = ViewOf(req.tokens());
+  w.expert_ids = ViewOf(req.expert_ids());
+  w.expert_weights = ViewOf(req.expert_weights());
+  w.output_dtype = req.output_dtype();
+  return w;
+}
+
+absl::StatusOr<TensorView> DecodeTensor(const WireTensor& t, const std::string& field, DType want,
                                         const std::vector<int64_t>& want_shape) {
-  absl::StatusOr<DType> dt = FromProtoDType(t.dtype());
+  const auto proto_dtype = static_cast<moe::v1::DType>(t.dtype);
+  absl::StatusOr<DType> dt = FromProtoDType(proto_dtype);
   if (!dt.ok() || *dt != want)
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: expected ", DTypeName(want), ", got ",
-                                                   ProtoDTypeName(t.dtype())));
-  if (t.shape_size() != static_cast<int>(want_shape.size()))
+                                                   ProtoDTypeName(proto_dtype)));
+  if (t.shape.size() != want_shape.size())
     return absl::InvalidArgumentError(absl::StrCat(field, ".shape: expected rank ", want_shape.size(),
-                                                   ", got rank ", t.shape_size()));
+                                                   ", got rank ", t.shape.size()));
   TensorView v;
   v.dtype = want;
-  for (int i = 0; i < t.shape_size(); ++i) {
-    const int64_t d = t.shape(i);
+  for (size_t i = 0; i < t.shape.size(); ++i) {
+    const int64_t d = t.shape[i];
     if (d < 0 || d > (int64_t{1} << 31))
       return absl::InvalidArgumentError(absl::StrCat(field, ".shape[", i, "]: bad size ", d));
     if (want_shape[i] >= 0 && d != want_shape[i])
@@ -60,12 +83,17 @@ absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::str
                                                      ", got ", d));
     v.shape.push_back(d);
   }
-  if (v.nbytes() != t.data().size())
-    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", t.data().size(), " bytes, shape ",
+  if (v.nbytes() != t.bytes)
+    return absl::InvalidArgumentError(absl::StrCat(field, ".data: ", t.bytes, " bytes, shape ",
                                                    ShapeString(v.shape), " of ", DTypeName(want),
                                                    " needs ", v.nbytes()));
-  v.data = t.data().data();
+  v.data = t.data;
   return v;
+}
+
+absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::string& field, DType want,
+                                        const std::vector<int64_t>& want_shape) {
+  return DecodeTensor(ViewOf(t), field, want, want_shape);
 }
 
 void EncodeForwardRequest(uint32_t layer, int n, int hidden, const bf16_t* tokens, const RoutingView& routing,

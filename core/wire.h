@@ -23,6 +23,23 @@ absl::StatusOr<DType> FromProtoDType(moe::v1::DType t);
 // does not define (protobuf's own name is then empty).
 std::string ProtoDTypeName(moe::v1::DType t);
 
+// A tensor as a message carries it (protobuf's or one parsed straight from
+// the wire): proto dtype value, shape, bytes (not owned).
+struct WireTensor {
+  int dtype = 0;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+// A ForwardRequest's fields, its tensors not owned.
+struct WireForwardRequest {
+  uint64_t request_id = 0;
+  uint32_t layer = 0;
+  WireTensor tokens, expert_ids, expert_weights;
+  int output_dtype = 0;
+};
+WireForwardRequest ViewOf(const moe::v1::ForwardRequest& req);
+
 // Fills `out` with dtype, shape and a copy of the bytes.
 void EncodeTensor(DType dtype, const std::vector<int64_t>& shape, const void* data,
                   moe::v1::Tensor* out);
@@ -30,6 +47,8 @@ void EncodeTensor(DType dtype, const std::vector<int64_t>& shape, const void* da
 // Checks `t` against the expected dtype and shape (-1 = any size in that
 // dimension) and that its byte size matches; returns a view of its bytes.
 // InvalidArgument naming `field` otherwise.
+absl::StatusOr<TensorView> DecodeTensor(const WireTensor& t, const std::string& field, DType want,
+                                        const std::vector<int64_t>& want_shape);
 absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::string& field, DType want,
                                         const std::vector<int64_t>& want_shape);
 

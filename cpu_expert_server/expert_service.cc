@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "core/wire.h"
 
 namespace moe {
@@ -17,7 +18,16 @@ uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits) {
 ExpertServiceImpl::ExpertServiceImpl(const ModelSpec& spec, BatchHandler handler,
                                      ServiceLimits limits, moe::v1::ServerInfo info,
                                      ExpertServerMetrics* metrics)
-    : spec_(spec), handler_(std::move(handler)), limits_(limits), info_(std::move(info)), metrics_(metrics) {}
+    : spec_(spec), handler_(std::move(handler)), limits_(limits), info_(std::move(info)), metrics_(metrics) {
+  // ForwardStream (method 1 of moe.v1.ExpertService, in the proto's order)
+  // served on raw ByteBuffers by a synchronous handler: the compute may block.
+  MarkMethodStreamed(1, new grpc::internal::BidiStreamingHandler<ExpertServiceImpl, grpc::ByteBuffer, grpc::ByteBuffer>(
+                            [](ExpertServiceImpl* self, grpc::ServerContext* ctx,
+                               grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
+                              return self->ForwardStreamRaw(ctx, stream);
+                            },
+                            this));
+}
 
 namespace {
 
@@ -30,122 +40,147 @@ const T* Aligned(const void* p, size_t count, std::vector<T>* copy) {
   return copy->data();
 }
 
+void FillStats(const ForwardStats& stats, moe::v1::ForwardStats* out) {
+  out->set_distinct_experts(stats.distinct_experts);
+  out->set_pairs(stats.pairs);
+  out->set_compute_ns(stats.compute_ns);
+  out->set_queue_ns(stats.queue_ns);
+}
+
 }  // namespace
 
-absl::Status ExpertServiceImpl::Handle(const moe::v1::ForwardRequest& req,
-                                       moe::v1::ForwardResponse* resp) {
+absl::Status ExpertServiceImpl::Prepare(const WireForwardRequest& req, Prepared* p) const {
   const int64_t H = spec_.hidden;
-  absl::StatusOr<TensorView> tokens = DecodeTensor(req.tokens(), "tokens", DType::kBF16, {-1, H});
-  if (!tokens.ok()) return tokens.status();
-  const int64_t n = tokens->shape[0];
+  MOE_ASSIGN_OR_RETURN(const TensorView tokens, DecodeTensor(req.tokens, "tokens", DType::kBF16, {-1, H}));
+  const int64_t n = tokens.shape[0];
   if (n == 0) return absl::InvalidArgumentError("tokens: empty batch (0 tokens)");
   if (n > limits_.max_tokens_per_request)
     return absl::OutOfRangeError(absl::StrCat("tokens: ", n, " tokens exceed max_tokens_per_request ",
                                               limits_.max_tokens_per_request));
-  absl::StatusOr<TensorView> ids = DecodeTensor(req.expert_ids(), "expert_ids", DType::kI32, {n, -1});
-  if (!ids.ok()) return ids.status();
-  const int64_t k = ids->shape[1];
+  MOE_ASSIGN_OR_RETURN(const TensorView ids, DecodeTensor(req.expert_ids, "expert_ids", DType::kI32, {n, -1}));
+  const int64_t k = ids.shape[1];
   if (k == 0 || k > spec_.num_experts)
     return absl::InvalidArgumentError(absl::StrCat("expert_ids.shape[1]: ", k, " pairs per token, must be in [1, ",
                                                    spec_.num_experts, "]"));
-  absl::StatusOr<TensorView> weights =
-      DecodeTensor(req.expert_weights(), "expert_weights", DType::kF32, {n, k});
-  if (!weights.ok()) return weights.status();
-  DType out_dtype;
-  switch (req.output_dtype()) {
+  MOE_ASSIGN_OR_RETURN(const TensorView weights,
+                       DecodeTensor(req.expert_weights, "expert_weights", DType::kF32, {n, k}));
+  switch (static_cast<moe::v1::DType>(req.output_dtype)) {
     case moe::v1::DTYPE_UNSPECIFIED:
-    case moe::v1::DTYPE_BF16: out_dtype = DType::kBF16; break;
-    case moe::v1::DTYPE_F32: out_dtype = DType::kF32; break;
+    case moe::v1::DTYPE_BF16: p->out_dtype = DType::kBF16; break;
+    case moe::v1::DTYPE_F32: p->out_dtype = DType::kF32; break;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("output_dtype: ", ProtoDTypeName(req.output_dtype()),
-                                                     " not supported (BF16 or F32)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "output_dtype: ", ProtoDTypeName(static_cast<moe::v1::DType>(req.output_dtype)), " not supported (BF16 or F32)"));
   }
-  std::vector<bf16_t> tok_copy;
-  std::vector<int32_t> id_copy;
-  std::vector<float> w_copy;
-  MoeBatch batch;
-  batch.layer = static_cast<int>(req.layer());
-  if (req.layer() >= static_cast<uint32_t>(spec_.num_layers))
-    return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer(), " out of range [0, ", spec_.num_layers, ")"));
-  batch.n = static_cast<int>(n);
-  batch.tokens = Aligned<bf16_t>(tokens->data, size_t(n * H), &tok_copy);
-  batch.routing = RoutingView{static_cast<int>(n), static_cast<int>(k),
-                              Aligned<int32_t>(ids->data, size_t(n * k), &id_copy),
-                              Aligned<float>(weights->data, size_t(n * k), &w_copy)};
+  if (req.layer >= static_cast<uint32_t>(spec_.num_layers))
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer, " out of range [0, ", spec_.num_layers, ")"));
+  p->n = n;
+  p->batch.layer = static_cast<int>(req.layer);
+  p->batch.n = static_cast<int>(n);
+  p->batch.tokens = Aligned<bf16_t>(tokens.data, size_t(n * H), &p->tok_copy);
+  p->batch.routing = RoutingView{static_cast<int>(n), static_cast<int>(k),
+                                 Aligned<int32_t>(ids.data, size_t(n * k), &p->id_copy),
+                                 Aligned<float>(weights.data, size_t(n * k), &p->w_copy)};
+  return absl::OkStatus();
+}
 
+absl::Status ExpertServiceImpl::Handle(const moe::v1::ForwardRequest& req,
+                                       moe::v1::ForwardResponse* resp) {
+  Prepared p;
+  MOE_RETURN_IF_ERROR(Prepare(ViewOf(req), &p));
+  const int64_t H = spec_.hidden;
   moe::v1::Tensor* out = resp->mutable_output();
-  out->set_dtype(ToProtoDType(out_dtype));
+  out->set_dtype(ToProtoDType(p.out_dtype));
   out->clear_shape();
-  out->add_shape(n);
+  out->add_shape(p.n);
   out->add_shape(H);
   std::string* data = out->mutable_data();
-  data->resize(size_t(n * H) * DTypeSize(out_dtype));
+  data->resize(size_t(p.n * H) * DTypeSize(p.out_dtype));
   ForwardStats stats;
-  if (absl::Status st = handler_(batch, out_dtype, data->data(), &stats); !st.ok()) {
+  if (absl::Status st = handler_(p.batch, p.out_dtype, data->data(), &stats); !st.ok()) {
     resp->clear_output();
     return st;
   }
   resp->set_request_id(req.request_id());
-  resp->mutable_stats()->set_distinct_experts(stats.distinct_experts);
-  resp->mutable_stats()->set_pairs(stats.pairs);
-  resp->mutable_stats()->set_compute_ns(stats.compute_ns);
-  resp->mutable_stats()->set_queue_ns(stats.queue_ns);
+  FillStats(stats, resp->mutable_stats());
   return absl::OkStatus();
-}
-
-absl::Status ExpertServiceImpl::HandleAndRecord(const moe::v1::ForwardRequest& req,
-                                                moe::v1::ForwardResponse* resp) {
-  if (metrics_ == nullptr) return Handle(req, resp);
-  const auto t0 = std::chrono::steady_clock::now();
-  absl::Status st = Handle(req, resp);
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-  // Payload bytes: the messages as serialized (gRPC framing and HTTP/2 not counted).
-  metrics_->RecordRequest(ExpertServerMetrics::Transport::kGrpc, st.code(), req.ByteSizeLong(),
-                          st.ok() ? resp->ByteSizeLong() : 0, static_cast<uint64_t>(ns));
-  return st;
 }
 
 grpc::Status ExpertServiceImpl::Forward(grpc::ServerContext*, const moe::v1::ForwardRequest* req,
                                         moe::v1::ForwardResponse* resp) {
-  return ToGrpcStatus(HandleAndRecord(*req, resp));
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::Status st = Handle(*req, resp);
+  if (metrics_ != nullptr) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    // Payload bytes: the messages as serialized (gRPC framing and HTTP/2 not counted).
+    metrics_->RecordRequest(ExpertServerMetrics::Transport::kGrpc, st.code(), req->ByteSizeLong(),
+                            st.ok() ? resp->ByteSizeLong() : 0, static_cast<uint64_t>(ns));
+  }
+  return ToGrpcStatus(st);
 }
 
-grpc::Status ExpertServiceImpl::ForwardStream(
-    grpc::ServerContext* ctx,
-    grpc::ServerReaderWriter<moe::v1::ForwardStreamResponse, moe::v1::ForwardRequest>* stream) {
-  moe::v1::ForwardRequest req;
-  moe::v1::ForwardStreamResponse resp;
+grpc::ByteBuffer ExpertServiceImpl::HandleStreamMessage(grpc::ByteBuffer& in, ForwardRequestStorage& storage,
+                                                        absl::Status* end_stream) {
+  const auto t0 = std::chrono::steady_clock::now();
+  WireForwardRequest req;
+  absl::Status st = ParseForwardRequest(in, storage, &req);
+  // Bytes that are no ForwardRequest and carry no id to answer to end the
+  // stream (the client cannot match an answer); any other error is answered.
+  if (!st.ok() && req.request_id == 0) *end_stream = st;
+  Prepared p;
+  if (st.ok()) st = Prepare(req, &p);
+  MessageBufferPool::Buffer out;
+  ForwardStats stats;
+  if (st.ok()) {
+    out = pool_->Get(size_t(p.n * spec_.hidden) * DTypeSize(p.out_dtype));
+    st = handler_(p.batch, p.out_dtype, out.data(), &stats);
+  }
+  moe::v1::ForwardStats proto_stats;
+  FillStats(stats, &proto_stats);
+  grpc::ByteBuffer answer =
+      EncodeForwardStreamResponse(req.request_id, st, p.out_dtype, p.n, spec_.hidden, std::move(out), proto_stats);
+  if (metrics_ != nullptr) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    metrics_->RecordRequest(ExpertServerMetrics::Transport::kGrpc, st.code(), in.Length(),
+                            st.ok() ? answer.Length() : 0, static_cast<uint64_t>(ns));
+  }
+  return answer;
+}
+
+grpc::Status ExpertServiceImpl::ForwardStreamRaw(grpc::ServerContext* ctx,
+                                                 grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
   {
     std::lock_guard<std::mutex> lock(streams_mu_);
     if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining");
     streams_[ctx] = false;
   }
+  ForwardRequestStorage storage;
+  grpc::Status result = grpc::Status::OK;
   for (;;) {
     {
       std::lock_guard<std::mutex> lock(streams_mu_);
       if (draining_) break;
       streams_[ctx] = true;  // idle: Drain() may cancel us while we wait
     }
-    const bool got = stream->Read(&req);
+    grpc::ByteBuffer in;
+    const bool got = stream->Read(&in);
     {
       std::lock_guard<std::mutex> lock(streams_mu_);
       streams_[ctx] = false;
     }
     if (!got) break;
-    resp.Clear();
-    resp.set_request_id(req.request_id());
-    absl::Status st = HandleAndRecord(req, resp.mutable_response());
-    resp.set_status_code(static_cast<int32_t>(st.code()));
-    if (!st.ok()) {
-      resp.set_status_message(std::string(st.message()));
-      resp.clear_response();
+    absl::Status end_stream;
+    grpc::ByteBuffer answer = HandleStreamMessage(in, storage, &end_stream);
+    if (!end_stream.ok()) {
+      result = ToGrpcStatus(end_stream);
+      break;
     }
-    if (!stream->Write(resp)) break;
+    if (!stream->Write(answer)) break;
   }
   std::lock_guard<std::mutex> lock(streams_mu_);
   streams_.erase(ctx);
   if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining");
-  return grpc::Status::OK;
+  return result;
 }
 
 void ExpertServiceImpl::Drain() {

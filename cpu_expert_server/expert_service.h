@@ -9,9 +9,12 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <vector>
 
 #include "core/model_spec.h"
+#include "core/transport/grpc_wire.h"
 #include "cpu_expert_server/expert_metrics.h"
 #include "cpu_compute/moe_executor.h"
 #include "moe/v1/expert.grpc.pb.h"
@@ -39,9 +42,10 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
 
   grpc::Status Forward(grpc::ServerContext* ctx, const moe::v1::ForwardRequest* req,
                        moe::v1::ForwardResponse* resp) override;
-  grpc::Status ForwardStream(
-      grpc::ServerContext* ctx,
-      grpc::ServerReaderWriter<moe::v1::ForwardStreamResponse, moe::v1::ForwardRequest>* stream) override;
+  // ForwardStream's messages as raw bytes (grpc_wire.h): the same wire
+  // format, without protobuf's copies of the tensors.
+  grpc::Status ForwardStreamRaw(grpc::ServerContext* ctx,
+                                grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream);
   grpc::Status GetInfo(grpc::ServerContext* ctx, const moe::v1::GetInfoRequest* req,
                        moe::v1::ServerInfo* resp) override;
 
@@ -55,8 +59,23 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   absl::Status Handle(const moe::v1::ForwardRequest& req, moe::v1::ForwardResponse* resp);
 
  private:
-  // Handle, recorded in metrics_ (when set).
-  absl::Status HandleAndRecord(const moe::v1::ForwardRequest& req, moe::v1::ForwardResponse* resp);
+  // A validated request: the batch (tensors aligned, copied if they were
+  // not) and the output dtype.
+  struct Prepared {
+    MoeBatch batch;
+    DType out_dtype = DType::kBF16;
+    int64_t n = 0;
+    std::vector<bf16_t> tok_copy;
+    std::vector<int32_t> id_copy;
+    std::vector<float> w_copy;
+  };
+  // Validates `req` (INVALID_ARGUMENT / OUT_OF_RANGE naming the field).
+  absl::Status Prepare(const WireForwardRequest& req, Prepared* out) const;
+  // One ForwardStream message in, its answer out (recorded in metrics_).
+  // Bytes that are no ForwardRequest and carry no request id to answer set
+  // *end_stream: the stream ends with that status.
+  grpc::ByteBuffer HandleStreamMessage(grpc::ByteBuffer& in, ForwardRequestStorage& storage,
+                                       absl::Status* end_stream);
 
   const ModelSpec& spec_;
   BatchHandler handler_;
@@ -66,6 +85,7 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   std::mutex streams_mu_;
   bool draining_ = false;
   std::map<grpc::ServerContext*, bool> streams_;  // open streams -> idle (blocked in Read)
+  std::shared_ptr<MessageBufferPool> pool_ = MessageBufferPool::Create(16);  // response buffers
 };
 
 }  // namespace moe

@@ -1,9 +1,14 @@
 // gRPC implementation of ExpertTransport: one long-lived bidirectional
-// ForwardStream per transport, requests matched to responses by request id,
-// one reader thread; or, with grpc_unary, one callback-API unary call per batch.
+// ForwardStream per transport, driven through gRPC's completion-queue async
+// API by one thread (Submit queues the message and returns; writes go out
+// one at a time in order, a read is always posted), requests matched to
+// responses by request id. Messages are raw ByteBuffers (grpc_wire.h): the
+// same bytes as protobuf's, tensors copied once each way. With grpc_unary,
+// one callback-API unary call per batch (protobuf messages).
 // A broken stream fails its in-flight requests with UNAVAILABLE and the next
 // Submit opens a new one (the channel reconnects underneath).
 #include <cstring>
+#include <deque>
 #include <map>
 #include <set>
 #include <thread>
@@ -13,6 +18,8 @@
 #include "core/log.h"
 #include "core/tensor.h"
 #include "core/transport/grpc_channel.h"
+#include "core/transport/grpc_wire.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "core/transport/pending_requests.h"
 #include "core/transport/transport.h"
 #include "core/wire.h"
@@ -36,6 +43,7 @@ class GrpcTransport final : public ExpertTransport {
       : address_(std::move(address)),
         channel_(std::move(channel)),
         stub_(moe::v1::ExpertService::NewStub(channel_)),
+        generic_(channel_),
         hidden_(o.hidden),
         unary_(o.grpc_unary) {}
 
@@ -50,7 +58,7 @@ class GrpcTransport final : public ExpertTransport {
     }
     for (auto& s : streams) {
       s->ctx.TryCancel();
-      if (s->reader.joinable()) s->reader.join();
+      if (s->driver.joinable()) s->driver.join();
     }
     // Unary calls still in flight hold a reference to nothing but their own
     // state; wait for them so their callbacks do not outlive pending_.
@@ -100,38 +108,63 @@ class GrpcTransport final : public ExpertTransport {
   }
 
  private:
+  // One ForwardStream and the thread that drives its completion queue.
   struct Stream {
     grpc::ClientContext ctx;
-    std::unique_ptr<grpc::ClientReaderWriter<moe::v1::ForwardRequest, moe::v1::ForwardStreamResponse>> rw;
+    grpc::CompletionQueue cq;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw;
     uint64_t generation = 0;
-    bool broken = false;  // guarded by GrpcTransport::mu_
-    std::thread reader;
+    // Guarded by GrpcTransport::mu_:
+    bool started = false;   // StartCall completed
+    bool broken = false;    // no new requests on this stream
+    bool writing = false;   // a Write is out
+    bool reading = false;   // a Read is out
+    bool finishing = false; // Finish called
+    std::deque<grpc::ByteBuffer> queue;  // messages not yet written
+    grpc::ByteBuffer in;    // the posted Read's message (driver thread)
+    grpc::Status status;    // Finish's
+    bool done = false;      // the driver thread has ended
+    std::thread driver;
   };
+  enum Op : intptr_t { kStart = 1, kWrite, kRead, kFinish };
+  static void* TagOf(Op op) { return reinterpret_cast<void*>(op); }
 
   std::future<absl::Status> SubmitStream(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) {
     std::future<absl::Status> fut;
     std::lock_guard<std::mutex> lock(mu_);
     if (!stream_ || stream_->broken) OpenStreamLocked();
     const uint64_t id = pending_.Add(out, b.n, stream_->generation, deadline, &fut);
-    request_.Clear();
-    EncodeBatch(b, hidden_, id, &request_);
-    if (!stream_->rw->Write(request_)) {
-      stream_->broken = true;
-      pending_.Complete(id, absl::UnavailableError(absl::StrCat("stream to ", address_, " is closed")));
-    }
+    stream_->queue.push_back(EncodeForwardRequestBuffer(static_cast<uint32_t>(b.layer), b.n, hidden_, b.tokens,
+                                                        b.routing, id, *pool_));
+    WriteNextLocked(*stream_);
     return fut;
+  }
+
+  // Starts the next queued write unless one is out (gRPC allows one at a time).
+  void WriteNextLocked(Stream& s) {
+    if (!s.started || s.writing || s.broken || s.queue.empty()) return;
+    s.writing = true;
+    s.rw->Write(s.queue.front(), TagOf(kWrite));  // the ByteBuffer's slices are referenced, not copied
+    s.queue.pop_front();
+  }
+
+  // Once broken with nothing out, asks for the stream's status.
+  void MaybeFinishLocked(Stream& s) {
+    if (!s.broken || s.finishing || s.writing || s.reading) return;
+    s.finishing = true;
+    s.rw->Finish(&s.status, TagOf(kFinish));
   }
 
   void OpenStreamLocked() {
     if (stream_) {
+      stream_->broken = true;
       stream_->ctx.TryCancel();
       retired_.push_back(stream_);
     }
-    // Join readers of streams that have finished.
+    // Join the drivers of streams that have ended.
     for (auto it = retired_.begin(); it != retired_.end();) {
-      if ((*it)->broken && (*it)->reader.joinable() && reader_done_.count((*it)->generation)) {
-        (*it)->reader.join();
-        reader_done_.erase((*it)->generation);
+      if ((*it)->done) {
+        (*it)->driver.join();
         it = retired_.erase(it);
       } else {
         ++it;
@@ -139,33 +172,65 @@ class GrpcTransport final : public ExpertTransport {
     }
     auto s = std::make_shared<Stream>();
     s->generation = ++generation_;
-    s->rw = stub_->ForwardStream(&s->ctx);
-    s->reader = std::thread([this, s] { ReadLoop(s); });
+    s->rw = generic_.PrepareCall(&s->ctx, "/moe.v1.ExpertService/ForwardStream", &s->cq);
+    s->rw->StartCall(TagOf(kStart));
+    s->driver = std::thread([this, s] { Drive(*s); });
     stream_ = s;
   }
 
-  void ReadLoop(std::shared_ptr<Stream> s) {
-    moe::v1::ForwardStreamResponse resp;
-    while (s->rw->Read(&resp)) {
-      std::optional<PendingRequests::Entry> e = pending_.Take(resp.request_id());
-      if (!e) continue;  // timed out already
-      absl::Status st = resp.status_code() == 0
-                            ? DecodeForwardOutput(resp.response(), e->n, hidden_, e->out)
-                            : absl::Status(static_cast<absl::StatusCode>(resp.status_code()), resp.status_message());
-      e->done.set_value(st);
-    }
-    {
+  void Drive(Stream& s) {
+    void* tag = nullptr;
+    bool ok = false;
+    while (s.cq.Next(&tag, &ok)) {
+      const Op op = static_cast<Op>(reinterpret_cast<intptr_t>(tag));
+      const bool corrupt = op == kRead && ok && !OnResponse(s.in);  // outside mu_: it copies the output
       std::lock_guard<std::mutex> lock(mu_);
-      s->broken = true;  // no Write after this point, so Finish may run
+      if (corrupt && !s.broken) {  // a server that sends garbage: drop the stream
+        s.broken = true;
+        s.ctx.TryCancel();
+      }
+      switch (op) {
+        case kStart:
+          s.started = true;
+          if (!ok) s.broken = true;
+          break;
+        case kWrite:
+          s.writing = false;
+          if (!ok) s.broken = true;
+          break;
+        case kRead:
+          s.reading = false;
+          if (!ok) s.broken = true;
+          break;
+        case kFinish:
+          s.cq.Shutdown();
+          continue;
+      }
+      if (!s.broken && !s.reading) {
+        s.in.Clear();
+        s.reading = true;
+        s.rw->Read(&s.in, TagOf(kRead));
+      }
+      WriteNextLocked(s);
+      MaybeFinishLocked(s);
     }
-    const grpc::Status fin = s->rw->Finish();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      reader_done_.insert(s->generation);
-    }
-    pending_.FailGeneration(s->generation,
+    pending_.FailGeneration(s.generation,
                             absl::UnavailableError(absl::StrCat("stream to ", address_, " ended: ",
-                                                                fin.ok() ? "closed" : fin.error_message())));
+                                                                s.status.ok() ? "closed" : s.status.error_message())));
+    std::lock_guard<std::mutex> lock(mu_);
+    s.done = true;
+  }
+
+  // Completes the request a response answers; false if it is no response.
+  bool OnResponse(grpc::ByteBuffer& message) {
+    StreamResponseInfo info;
+    if (!ScanForwardStreamResponse(message, &info).ok()) return false;
+    std::optional<PendingRequests::Entry> e = pending_.Take(info.request_id);
+    if (!e) return true;  // timed out already
+    e->done.set_value(info.status_code == 0
+                          ? CopyStreamResponseOutput(message, info, e->n, hidden_, e->out)
+                          : absl::Status(static_cast<absl::StatusCode>(info.status_code), info.status_message));
+    return true;
   }
 
   struct UnaryCall {
@@ -199,15 +264,15 @@ class GrpcTransport final : public ExpertTransport {
   const std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<moe::v1::ExpertService::Stub> stub_;
+  grpc::GenericStub generic_;
   const int hidden_;
   const bool unary_;
   PendingRequests pending_;
   std::mutex mu_;
   std::shared_ptr<Stream> stream_;
   std::vector<std::shared_ptr<Stream>> retired_;
-  std::set<uint64_t> reader_done_;
   uint64_t generation_ = 0;
-  moe::v1::ForwardRequest request_;  // reused under mu_
+  std::shared_ptr<MessageBufferPool> pool_ = MessageBufferPool::Create(8);  // request buffers
   int unary_in_flight_ = 0;
   struct Staging { std::vector<bf16_t> tokens, output; std::vector<int32_t> ids; std::vector<float> weights; };
   std::map<uint64_t, std::unique_ptr<Staging>> staging_;
