@@ -15,10 +15,12 @@
 //                sleeping; the worker's mode for calls of few tokens); left out
 //                below 4 hardware threads
 //   grpc-stream  one long-lived ForwardStream
+//   grpc-4streams  four ForwardStreams, batches spread round-robin (the same as
+//                grpc-stream for one caller; the concurrent runs differ)
 //   grpc-unary   one unary Forward per batch
 // Callers wait with AwaitResult (poll briefly, then block), as a GPU worker would.
 // p50 / p99 over --iters round trips (fewer for n = 512, see --big-iters), then
-// messages/s with 4 concurrent callers at n = 8.
+// messages/s and GB/s with 4 concurrent callers at n = 8 and n = 512.
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
@@ -112,13 +114,58 @@ Stats Summarize(std::vector<double>& us) {
 
 double Us(std::chrono::steady_clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 
+struct Named { std::string name; std::unique_ptr<moe::ExpertTransport> t; bool staged; bool polling; };
+
+// Messages/s (and GB/s each way) with 4 concurrent callers of n tokens, each
+// one batch at a time; false if a call failed.
+bool Concurrent(std::vector<Named>& transports, int n, double seconds) {
+  std::printf("\n## 4 concurrent callers, n = %d (each caller one batch at a time)\n\n"
+              "| transport | messages/s | GB/s each way | p50 us |\n| --- | --- | --- | --- |\n", n);
+  std::vector<moe::bf16_t> x = moe::RandomActivations(size_t(n) * kHidden, 3);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  moe::RandomRouting(n, kTopK, kExperts, 4, 1.0, &ids, &w);
+  const double bytes = double(x.size()) * 2 + double(ids.size()) * 8;
+  std::atomic<bool> ok{true};
+  for (Named& tr : transports) {
+    if (tr.staged || tr.polling) continue;
+    // Callers poll only when there are cores to spare for them (not on a 2-core box).
+    const auto caller_spin = std::thread::hardware_concurrency() >= 8 ? std::chrono::microseconds(200)
+                                                                       : std::chrono::microseconds(0);
+    std::atomic<int64_t> count{0};
+    std::vector<std::vector<double>> lats(4);
+    std::vector<std::thread> callers;
+    const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+    for (int c = 0; c < 4; ++c) {
+      callers.emplace_back([&, c] {
+        std::vector<moe::bf16_t> out(x.size());
+        while (std::chrono::steady_clock::now() < end) {
+          const auto t0 = std::chrono::steady_clock::now();
+          auto f = tr.t->Submit(moe::MoeBatch{1, n, x.data(), moe::RoutingView{n, kTopK, ids.data(), w.data()}},
+                                out.data(), t0 + std::chrono::seconds(10));
+          if (!moe::AwaitResult(f, caller_spin).ok()) { ok = false; return; }
+          lats[c].push_back(Us(std::chrono::steady_clock::now() - t0));
+          ++count;
+        }
+      });
+    }
+    for (auto& t : callers) t.join();
+    std::vector<double> all;
+    for (auto& l : lats) all.insert(all.end(), l.begin(), l.end());
+    if (all.empty()) continue;
+    std::printf("| %s | %.0f | %.2f | %.1f |\n", tr.name.c_str(), count.load() / seconds,
+                count.load() * bytes / seconds / 1e9, Summarize(all).p50);
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int64_t iters = 10000, big_iters = 500, warmup = 200;
   double concurrent_seconds = 2.0;
   std::string sizes = "1,8,64,512";
-  std::string only = "shm,shm-staged,shm-polling,shm-staged-polling,grpc-stream,grpc-unary";
+  std::string only = "shm,shm-staged,shm-polling,shm-staged-polling,grpc-stream,grpc-4streams,grpc-unary";
   moe::FlagSet flags("transport", "[flags]\nRound trips over shm, gRPC stream/unary vs an in-process memcpy floor.");
   flags.Int("iters", &iters, "timed round trips per (transport, n) for n <= 64");
   flags.Int("big-iters", &big_iters, "timed round trips for n > 64");
@@ -160,16 +207,17 @@ int main(int argc, char** argv) {
   // "-polling": both sides poll (ExpertTransport::SetPolling, the mode the
   // worker turns on for calls of few tokens) and the caller spins on the
   // future, as LayerDispatcher does; the others sleep on futexes.
-  struct Named { std::string name; std::unique_ptr<moe::ExpertTransport> t; bool staged; bool polling; };
   std::vector<Named> transports;
   const bool can_poll = std::thread::hardware_concurrency() >= 4;  // a poller per side needs spare cores
-  for (const char* kind : {"shm", "shm-staged", "shm-polling", "shm-staged-polling", "grpc-stream", "grpc-unary"}) {
+  for (const char* kind : {"shm", "shm-staged", "shm-polling", "shm-staged-polling", "grpc-stream", "grpc-4streams",
+                           "grpc-unary"}) {
     const std::string k = kind;
     if (("," + only + ",").find("," + k + ",") == std::string::npos) continue;
     const bool polling = k.find("-polling") != std::string::npos;
     if (polling && !can_poll) continue;
     moe::TransportOptions to = o;
     to.grpc_unary = k == "grpc-unary";
+    to.grpc_streams = k == "grpc-4streams" ? 4 : 1;
     const bool shm = k.rfind("shm", 0) == 0;
     absl::StatusOr<std::unique_ptr<moe::ExpertTransport>> t =
         moe::ConnectTransport(shm ? "unix://" + sock : addr, to);
@@ -267,41 +315,9 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::printf("\n## Messages/s with 4 concurrent callers (n = 8, each caller one batch at a time)\n\n| transport | messages/s | p50 us |\n| --- | --- | --- |\n");
-  {
-    const int n = 8;
-    std::vector<moe::bf16_t> x = moe::RandomActivations(size_t(n) * kHidden, 3);
-    std::vector<int32_t> ids;
-    std::vector<float> w;
-    moe::RandomRouting(n, kTopK, kExperts, 4, 1.0, &ids, &w);
-    for (Named& tr : transports) {
-      if (tr.staged || tr.polling) continue;
-      // Callers poll only when there are cores to spare for them (not on a 2-core box).
-      const auto caller_spin = std::thread::hardware_concurrency() >= 8 ? std::chrono::microseconds(200)
-                                                                         : std::chrono::microseconds(0);
-      std::atomic<int64_t> count{0};
-      std::vector<std::vector<double>> lats(4);
-      std::vector<std::thread> callers;
-      const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(concurrent_seconds);
-      for (int c = 0; c < 4; ++c) {
-        callers.emplace_back([&, c] {
-          std::vector<moe::bf16_t> out(x.size());
-          while (std::chrono::steady_clock::now() < end) {
-            const auto t0 = std::chrono::steady_clock::now();
-            auto f = tr.t->Submit(moe::MoeBatch{1, n, x.data(), moe::RoutingView{n, kTopK, ids.data(), w.data()}}, out.data(),
-                                  t0 + std::chrono::seconds(10));
-            if (!moe::AwaitResult(f, caller_spin).ok()) { ok = false; return; }
-            lats[c].push_back(Us(std::chrono::steady_clock::now() - t0));
-            ++count;
-          }
-        });
-      }
-      for (auto& t : callers) t.join();
-      std::vector<double> all;
-      for (auto& l : lats) all.insert(all.end(), l.begin(), l.end());
-      if (all.empty()) continue;
-      std::printf("| %s | %.0f | %.1f |\n", tr.name.c_str(), count.load() / concurrent_seconds, Summarize(all).p50);
-    }
+  for (int n : {8, kMaxTokens}) {
+    if (std::find(ns->begin(), ns->end(), n) == ns->end()) continue;
+    if (!Concurrent(transports, n, concurrent_seconds)) ok = false;
   }
   transports.clear();
   close(raw[0]);

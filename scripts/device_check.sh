@@ -10,7 +10,7 @@
 #                         25% cache (Zipf), 3 runs each (median [min-max])
 #   quant                 issue 12 point 6 (~2-4 min): expert_kernels --formats=bf16,int8,int4 on the qwen3-30b-a3b
 #                         shape (short timing: 0.2 s per case), then moe_layer qwen3-30b-a3b (16 layers, T=1,8,
-#                         cache 0,25%, 3 runs, ours) with the server storing int8, then int4 experts
+#                         cache 0,25%, 3 runs, ours) with the server storing bf16, int8, then int4 experts
 #   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
 #                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
 #                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
@@ -69,6 +69,7 @@ while [[ $# -gt 0 ]]; do
         --min-seconds=0.2 --bw-gib=2 > "$OUT/expert_kernels_quant.md" 2>> "$OUT/logs.txt"
       echo "kernels quant rc=$?"; cat "$OUT/expert_kernels_quant.md"
       bash "$0" \
+        moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 --modes=ours --weight-dtype=bf16 \
         moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 --modes=ours --weight-dtype=int8 \
         moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 --modes=ours --weight-dtype=int4 ;;
     python)

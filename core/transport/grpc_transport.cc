@@ -7,6 +7,7 @@
 // one callback-API unary call per batch (protobuf messages).
 // A broken stream fails its in-flight requests with UNAVAILABLE and the next
 // Submit opens a new one (the channel reconnects underneath).
+#include <algorithm>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -45,15 +46,16 @@ class GrpcTransport final : public ExpertTransport {
         stub_(moe::v1::ExpertService::NewStub(channel_)),
         generic_(channel_),
         hidden_(o.hidden),
-        unary_(o.grpc_unary) {}
+        unary_(o.grpc_unary),
+        streams_(static_cast<size_t>(std::max(1, o.grpc_streams))) {}
 
   ~GrpcTransport() override {
     std::vector<std::shared_ptr<Stream>> streams;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stream_) streams.push_back(stream_);
+      for (auto& s : streams_)
+        if (s) streams.push_back(std::move(s));
       streams.insert(streams.end(), retired_.begin(), retired_.end());
-      stream_.reset();
       retired_.clear();
     }
     for (auto& s : streams) {
@@ -132,11 +134,12 @@ class GrpcTransport final : public ExpertTransport {
   std::future<absl::Status> SubmitStream(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) {
     std::future<absl::Status> fut;
     std::lock_guard<std::mutex> lock(mu_);
-    if (!stream_ || stream_->broken) OpenStreamLocked();
-    const uint64_t id = pending_.Add(out, b.n, stream_->generation, deadline, &fut);
-    stream_->queue.push_back(EncodeForwardRequestBuffer(static_cast<uint32_t>(b.layer), b.n, hidden_, b.tokens,
-                                                        b.routing, id, *pool_));
-    WriteNextLocked(*stream_);
+    std::shared_ptr<Stream>& s = streams_[next_stream_++ % streams_.size()];
+    if (!s || s->broken) OpenStreamLocked(s);
+    const uint64_t id = pending_.Add(out, b.n, s->generation, deadline, &fut);
+    s->queue.push_back(EncodeForwardRequestBuffer(static_cast<uint32_t>(b.layer), b.n, hidden_, b.tokens,
+                                                  b.routing, id, *pool_));
+    WriteNextLocked(*s);
     return fut;
   }
 
@@ -155,11 +158,12 @@ class GrpcTransport final : public ExpertTransport {
     s.rw->Finish(&s.status, TagOf(kFinish));
   }
 
-  void OpenStreamLocked() {
-    if (stream_) {
-      stream_->broken = true;
-      stream_->ctx.TryCancel();
-      retired_.push_back(stream_);
+  // (Re)opens the stream in `slot`.
+  void OpenStreamLocked(std::shared_ptr<Stream>& slot) {
+    if (slot) {
+      slot->broken = true;
+      slot->ctx.TryCancel();
+      retired_.push_back(slot);
     }
     // Join the drivers of streams that have ended.
     for (auto it = retired_.begin(); it != retired_.end();) {
@@ -175,7 +179,7 @@ class GrpcTransport final : public ExpertTransport {
     s->rw = generic_.PrepareCall(&s->ctx, "/moe.v1.ExpertService/ForwardStream", &s->cq);
     s->rw->StartCall(TagOf(kStart));
     s->driver = std::thread([this, s] { Drive(*s); });
-    stream_ = s;
+    slot = s;
   }
 
   void Drive(Stream& s) {
@@ -269,7 +273,8 @@ class GrpcTransport final : public ExpertTransport {
   const bool unary_;
   PendingRequests pending_;
   std::mutex mu_;
-  std::shared_ptr<Stream> stream_;
+  std::vector<std::shared_ptr<Stream>> streams_;  // options' grpc_streams, opened on first use
+  size_t next_stream_ = 0;
   std::vector<std::shared_ptr<Stream>> retired_;
   uint64_t generation_ = 0;
   std::shared_ptr<MessageBufferPool> pool_ = MessageBufferPool::Create(8);  // request buffers
