@@ -120,15 +120,16 @@ class ExpertKernel {
  public:
   virtual ~ExpertKernel() = default;
   virtual const char* name() const = 0;
-  // Row granularity: each expert's gathered rows are padded to a multiple of it.
-  virtual int row_block() const = 0;
+  // Row granularity for experts packed in format f: each expert's gathered
+  // rows are padded to a multiple of it.
+  virtual int row_block(WeightFormat f) const = 0;
 
   // Whether this kernel computes experts packed in format f on this CPU.
   virtual bool Supports(WeightFormat f) const = 0;
 
   // act[r, 16c .. 16c+16) = bf16(silu(x_r . gate_c) * (x_r . up_c)) for all r < m
   // and activation groups c in [c0, c1). x has mp rows of Kh columns and act
-  // is [mp, Ki], where mp is m rounded up to row_block(); x's padding (rows >=
+  // is [mp, Ki], where mp is m rounded up to row_block(g.format); x's padding (rows >=
   // m, columns >= H) is zero. Rows in [m, mp) of act may be written.
   virtual void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m,
                       bf16_t* act, int c0, int c1) const = 0;

@@ -49,7 +49,9 @@ class AmxKernel final : public ExpertKernel {
  public:
   AmxKernel(bool bf16, bool int8) : bf16_(bf16), int8_(int8) {}
   const char* name() const override { return "amx"; }
-  int row_block() const override { return 16; }
+  // 16-row tiles for bf16; the integer formats run row by row (VNNI), where
+  // padding to 16 rows would only gather and quantize zeros.
+  int row_block(WeightFormat f) const override { return f == WeightFormat::kBf16 ? 16 : 1; }
   // int8/int4 run on the AVX-512-VNNI path (AMX-INT8 has it); AMX-INT8 tiles (tdpbusd) are future work.
   bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : int8_; }
 

@@ -268,7 +268,7 @@ class Avx512Kernel final : public ExpertKernel {
  public:
   Avx512Kernel(bool bf16, bool int8) : bf16_(bf16), int8_(int8) {}
   const char* name() const override { return "avx512"; }
-  int row_block() const override { return 1; }
+  int row_block(WeightFormat) const override { return 1; }
   bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : int8_; }
   void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,
               int c0, int c1) const override {

@@ -45,7 +45,7 @@ void BlockDot(const ExpertGeometry& g, const std::byte* blk, int Kp, const Kerne
 class ReferenceKernel final : public ExpertKernel {
  public:
   const char* name() const override { return "reference"; }
-  int row_block() const override { return 1; }
+  int row_block(WeightFormat) const override { return 1; }
   bool Supports(WeightFormat) const override { return true; }
 
   void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,

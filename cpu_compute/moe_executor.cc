@@ -95,7 +95,7 @@ absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out,
   const uint64_t t_queue = NowNs();
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t t_start = NowNs();
-  GroupByExpert(b.routing, store_.num_experts(), kernel_.row_block(), &groups_);
+  GroupByExpert(b.routing, store_.num_experts(), row_align(), &groups_);
   return RunLocked(b.layer, b.n, b.tokens, groups_, nullptr, out_dtype, out, stats, t_queue, t_start);
 }
 
@@ -103,7 +103,7 @@ absl::Status MoeExecutor::Run(int layer, int n, const bf16_t* tokens, const Expe
                               const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats) {
   MOE_RETURN_IF_ERROR(CheckOutputDType(out_dtype));
   if (n < 0) return absl::InvalidArgumentError("tokens: negative token count");
-  MOE_RETURN_IF_ERROR(CheckGroups(groups, n, kernel_.row_block()));
+  MOE_RETURN_IF_ERROR(CheckGroups(groups, n, row_align()));
   const uint64_t t_queue = NowNs();
   std::lock_guard<std::mutex> lock(mu_);
   return RunLocked(layer, n, tokens, groups, store_expert, out_dtype, out, stats, t_queue, NowNs());
@@ -125,7 +125,7 @@ void MoeExecutor::PlanUnits(const ExpertGroups& groups) {
   for (int i = 0; i < ngroups; ++i) {
     for (int r = 0; r < groups.count[i]; r += kRowsPerUnit) {
       const int re = std::min(groups.count[i], r + kRowsPerUnit);
-      const int m = (re - r + kernel_.row_block() - 1) / kernel_.row_block() * kernel_.row_block();
+      const int m = (re - r + row_align() - 1) / row_align() * row_align();
       for (int c = 0; c < g.gate_up_groups(); c += per_unit) {
         const int ce = std::min(g.gate_up_groups(), c + per_unit);
         units_.push_back({i, c, ce, r, re});
@@ -161,7 +161,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   // Rows rounded up to the row block: a caller's last group may end unpadded,
   // and the kernels read whole row blocks of token/weight, so those get
   // padding rows (token -1, weight 0) in scratch of our own.
-  const int align = kernel_.row_block();
+  const int align = row_align();
   const size_t rows = static_cast<size_t>((groups.total_rows + align - 1) / align * align);
   const int32_t* token = groups.token.data();
   const float* weight = groups.weight.data();

@@ -54,7 +54,7 @@ class MoeExecutor {
   absl::Status Run(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
                    const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats);
   // The row alignment Run needs (the kernel's row block).
-  int row_align() const { return kernel_.row_block(); }
+  int row_align() const { return kernel_.row_block(store_.geometry().format); }
 
  private:
   // Gate/up work: activation groups [c0, c1) of rows [r0, r1) of one expert group.

@@ -72,7 +72,7 @@ class CpuBackend final : public DeviceBackend {
                              : ExpertGeometry::For(config_.hidden, config_.intermediate).packed_bytes();
   }
   size_t free_memory_bytes() const override { return AvailableMemoryBytes(); }
-  int hit_row_align() const override { return kernel_ ? kernel_->row_block() : 1; }
+  int hit_row_align() const override { return executor_ ? executor_->row_align() : 1; }
 
   absl::Status Init(const BackendConfig& c) override {
     if (c.hidden <= 0 || c.intermediate <= 0)
