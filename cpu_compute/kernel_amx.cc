@@ -1,12 +1,18 @@
-// AMX-BF16 kernel. Tiles: 0-3 accumulators (2 row blocks x 2 column blocks),
-// 4-5 inputs (A: 16 rows x 32 bf16), 6-7 weights (B: one packed 1 KiB run).
-// Rows come in blocks of 16 (row_block); two row blocks share each B load.
+// AMX kernel. Tiles: 0-3 accumulators (2 row blocks x 2 column blocks),
+// 4-5 inputs (A), 6-7 weights (B: one packed 1 KiB run).
+// bf16: A is 16 rows x 32 bf16; rows come in blocks of 16 (row_block); two
+// row blocks share each B load.
+// int8/int4 (AMX-INT8, tdpbssd): A is 16 int8 rows x 64 k = 8 tokens' hi/lo
+// pairs (KernelRows); B is the int8 chunk as packed, or the int4 chunk
+// unpacked to int8 in registers. Groups of fewer than 8 rows (decode) and the
+// tail of a group run on the AVX-512-VNNI path.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "cpu_compute/expert_kernel.h"
+#include "cpu_compute/packed_layout.h"
 #include "cpu_compute/simd_avx512.h"
 
 namespace moe {
@@ -45,19 +51,142 @@ inline void PrefetchTile(const std::byte* p) {
   for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * line), _MM_HINT_T0);
 }
 
+// ---- AMX-INT8
+
+constexpr int kTileTokens = 8;  // tokens per A tile (16 int8 rows: hi, lo of each)
+
+// One int4 chunk (8 rows of 64 bytes, nibbles q + 8) as an int8 B tile: tile
+// row 2i is row i's low nibbles, 2i+1 its high ones.
+inline void UnpackInt4Tile(const std::byte* src, int8_t* dst) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  for (int i = 0; i < 8; ++i) {
+    const __m512i v = _mm512_loadu_si512(src + 64 * i);
+    _mm512_store_si512(dst + 128 * i, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
+    _mm512_store_si512(dst + 128 * i + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
+  }
+}
+
+// y[t][b] = (x_t . channels of block b), dequantized (weight and row scales),
+// for the 8 * tiles tokens of x (1 or 2 A tiles) and the blocks b0, b1 of K =
+// Kp. int32 tile sums per scale group (int8: the whole K; int4: g.group),
+// hi + lo / 254 in f32.
+void AmxIntDots(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x, int Kp,
+                int tiles, float (*y)[2][16], int8_t* unpack) {
+  const bool int4 = g.format == WeightFormat::kInt4;
+  const int chunks = Kp / 64, per_group = int4 ? g.group / 64 : chunks;
+  const float* scales[2] = {layout::Scales(g, b0, Kp), layout::Scales(g, b1, Kp)};
+  const int tokens = kTileTokens * tiles;
+  for (int t = 0; t < tokens; ++t)
+    for (int b = 0; b < 2; ++b) _mm512_store_ps(y[t][b], _mm512_setzero_ps());
+  alignas(64) int32_t c[4][256];
+  for (int k0 = 0; k0 < chunks; k0 += per_group) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int kb = k0; kb < k0 + per_group; ++kb) {
+      if (int4) {
+        UnpackInt4Tile(b0 + 512 * size_t(kb), unpack);
+        UnpackInt4Tile(b1 + 512 * size_t(kb), unpack + 1024);
+        _tile_loadd(6, unpack, 64);
+        _tile_loadd(7, unpack + 1024, 64);
+      } else {
+        _tile_loadd(6, b0 + 1024 * size_t(kb), 64);
+        _tile_loadd(7, b1 + 1024 * size_t(kb), 64);
+      }
+      _tile_loadd(4, x.q + 64 * size_t(kb), Kp);
+      _tile_dpbssd(0, 4, 6);
+      _tile_dpbssd(1, 4, 7);
+      if (tiles == 2) {
+        _tile_loadd(5, x.q + size_t(16) * Kp + 64 * size_t(kb), Kp);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    if (tiles == 2) {
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+    }
+    const int gi = int4 ? k0 / per_group : 0;
+    for (int b = 0; b < 2; ++b) {
+      const __m512 s = _mm512_loadu_ps(scales[b] + 16 * gi);
+      for (int t = 0; t < tokens; ++t) {
+        const int32_t* ct = c[2 * (t / kTileTokens) + b] + 32 * (t % kTileTokens);  // rows 2i (hi), 2i+1 (lo)
+        const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct + 16)), _mm512_set1_ps(kLoScale),
+                                           _mm512_cvtepi32_ps(_mm512_load_si512(ct)));
+        _mm512_store_ps(y[t][b], _mm512_fmadd_ps(dot, s, _mm512_load_ps(y[t][b])));
+      }
+    }
+  }
+  for (int t = 0; t < tokens; ++t)
+    for (int b = 0; b < 2; ++b) _mm512_store_ps(y[t][b], _mm512_mul_ps(_mm512_load_ps(y[t][b]), _mm512_set1_ps(x.scale[t])));
+}
+
+void AmxIntGateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,
+                  int c0, int c1) {
+  const int full = m / kTileTokens * kTileTokens;
+  if (full > 0) {
+    ConfigureTiles();
+    const size_t bb = g.block_bytes(g.Kh);
+    alignas(64) int8_t unpack[2048];
+    alignas(64) float y[16][2][16];
+    for (int c = c0; c < c1; ++c) {
+      const std::byte* gb = packed + (2 * c) * bb;
+      for (int r = 0; r < full; r += 2 * kTileTokens) {
+        const int tiles = r + 2 * kTileTokens <= full ? 2 : 1;
+        AmxIntDots(g, gb, gb + bb, x.At(r, g.Kh), g.Kh, tiles, y, unpack);
+        for (int i = 0; i < kTileTokens * tiles; ++i)
+          simd::StoreSiluMul(_mm512_load_ps(y[i][0]), _mm512_load_ps(y[i][1]), act + size_t(r + i) * g.Ki + 16 * c);
+      }
+    }
+    _tile_release();
+  }
+  if (full < m) Avx512VnniGateUp(g, packed, x.At(full, g.Kh), m - full, act + size_t(full) * g.Ki, c0, c1);
+}
+
+void AmxIntDownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
+                          const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
+  const int full = m / kTileTokens * kTileTokens;
+  if (full > 0) {
+    ConfigureTiles();
+    const std::byte* d = packed + g.gate_up_bytes();
+    const size_t bb = g.block_bytes(g.Ki);
+    alignas(64) int8_t unpack[2048];
+    alignas(64) float y[16][2][16];
+    for (int c = c0; c < c1; ++c) {
+      const std::byte* b0 = d + (2 * c) * bb;
+      const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+      for (int r = 0; r < full; r += 2 * kTileTokens) {
+        const int tiles = r + 2 * kTileTokens <= full ? 2 : 1;
+        AmxIntDots(g, b0, b0 + bb, act.At(r, g.Ki), g.Ki, tiles, y, unpack);
+        for (int i = 0; i < kTileTokens * tiles; ++i) {
+          if (token[r + i] < 0) continue;
+          float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
+          simd::AccumulateMasked(o, m0, weight[r + i], _mm512_load_ps(y[i][0]));
+          simd::AccumulateMasked(o + 16, m1, weight[r + i], _mm512_load_ps(y[i][1]));
+        }
+      }
+    }
+    _tile_release();
+  }
+  if (full < m)
+    Avx512VnniDownAccumulate(g, packed, act.At(full, g.Ki), m - full, token + full, weight + full, out, ldo, c0, c1);
+}
+
 class AmxKernel final : public ExpertKernel {
  public:
   AmxKernel(bool bf16, bool int8) : bf16_(bf16), int8_(int8) {}
   const char* name() const override { return "amx"; }
-  // 16-row tiles for bf16; the integer formats run row by row (VNNI), where
-  // padding to 16 rows would only gather and quantize zeros.
+  // 16-row tiles for bf16; the integer paths take any row count (8-token
+  // tiles, the rest on VNNI), so padding would only gather and quantize zeros.
   int row_block(WeightFormat f) const override { return f == WeightFormat::kBf16 ? 16 : 1; }
-  // int8/int4 run on the AVX-512-VNNI path (AMX-INT8 has it); AMX-INT8 tiles (tdpbusd) are future work.
   bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : int8_; }
 
   void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& xr, int m, bf16_t* act,
               int c0, int c1) const override {
-    if (g.quantized()) return Avx512VnniGateUp(g, packed, xr, m, act, c0, c1);
+    if (g.quantized()) return AmxIntGateUp(g, packed, xr, m, act, c0, c1);
     const bf16_t* x = xr.bf16;
     if (m <= kAvx512MaxRows) return Avx512GateUp(g, packed, x, m, act, c0, c1);
     ConfigureTiles();
@@ -117,7 +246,7 @@ class AmxKernel final : public ExpertKernel {
   void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
-    if (g.quantized()) return Avx512VnniDownAccumulate(g, packed, ar, m, token, weight, out, ldo, c0, c1);
+    if (g.quantized()) return AmxIntDownAccumulate(g, packed, ar, m, token, weight, out, ldo, c0, c1);
     const bf16_t* act = ar.bf16;
     if (m <= kAvx512MaxRows) return Avx512DownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
     ConfigureTiles();

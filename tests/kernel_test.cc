@@ -199,24 +199,25 @@ INSTANTIATE_TEST_SUITE_P(Kernels, KernelTest,
                            return std::get<0>(p.param) + "_" + WeightFormatName(std::get<1>(p.param));
                          });
 
-// The avx512 kernel's int8/int4 paths (AVX-512-VNNI) called directly against
-// the reference kernel on the same packed experts and quantized rows, at row
-// counts around its 4-row chunks. Both compute the same exact int32 dot
-// products; only the f32 combination order differs (and GateUp's exp), so
-// DownAccumulate's f32 output (from the same act) matches within 1e-5
-// relative L2. GateUp stores bf16, where an f32 difference of ~1e-7 still
-// flips a rounding now and then (one flip alone can exceed any small L2
-// bound at m = 1): at most 1% of act elements may differ, each by one bf16
-// step (plus 1e-5 of the largest, for sums that cancel).
-class VnniDirectTest : public ::testing::Test {
+// The int8/int4 paths of the avx512 kernel (AVX-512-VNNI) and of the amx
+// kernel (AMX-INT8 tiles of 8 tokens, the rest on VNNI) called directly
+// against the reference kernel on the same packed experts and quantized rows,
+// at row counts around the 4-row VNNI chunks and the 8/16-token tiles. All
+// compute the same exact int32 dot products; only the f32 combination order
+// differs (and GateUp's exp), so DownAccumulate's f32 output (from the same
+// act) matches within 1e-5 relative L2. GateUp stores bf16, where an f32
+// difference of ~1e-7 still flips a rounding now and then (one flip alone
+// can exceed any small L2 bound at m = 1): at most 1% of act elements may
+// differ, each by one bf16 step (plus 1e-5 of the largest, for sums that
+// cancel).
+class IntDirectTest : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
-    if (!CpuFeatures::Get().HasAvx512Vnni())
-      GTEST_SKIP() << "kernel avx512 for int8/int4 weights needs AVX-512-VNNI (this CPU: "
+    kernel_ = KernelOrSkip(GetParam(), WeightFormat::kInt8);
+    if (kernel_ == nullptr)
+      GTEST_SKIP() << "kernel " << GetParam() << " for int8/int4 weights needs an ISA this CPU lacks ("
                    << CpuFeatures::Get().Summary() << ")";
-    avx_ = KernelOrSkip("avx512", WeightFormat::kInt8);
     ref_ = KernelOrSkip("reference", WeightFormat::kInt8);
-    ASSERT_NE(avx_, nullptr);
     ASSERT_NE(ref_, nullptr);
   }
 
@@ -241,7 +242,7 @@ class VnniDirectTest : public ::testing::Test {
     std::vector<std::byte> buf(g.packed_bytes() + 64);
     std::byte* packed = buf.data() + (64 - reinterpret_cast<uintptr_t>(buf.data()) % 64) % 64;
     PackExpert(g, gate.data(), up.data(), down.data(), packed);
-    for (int m : {1, 2, 3, 4, 5, 8, 9, 17}) {
+    for (int m : {1, 2, 3, 4, 5, 8, 9, 16, 17, 24, 40}) {
       SCOPED_TRACE(testing::Message() << WeightFormatName(f) << " H=" << H << " I=" << I << " group=" << g.group
                                       << " m=" << m);
       std::vector<bf16_t> x(size_t(m) * g.Kh, 0);
@@ -249,12 +250,12 @@ class VnniDirectTest : public ::testing::Test {
       for (int r = 0; r < m; ++r) std::copy_n(xs.data() + size_t(r) * H, H, x.data() + size_t(r) * g.Kh);
       Rows xq, aq;
       const KernelRows xr = xq.Quantize(x.data(), m, g.Kh);
-      // GateUp: the avx512 kernel in two column ranges, as the executor splits them.
+      // GateUp: the kernel in two column ranges, as the executor splits them.
       std::vector<bf16_t> act_ref(size_t(m) * g.Ki), act(size_t(m) * g.Ki, F32ToBf16(NAN));
       const int groups = g.gate_up_groups(), split = groups / 2;
       ref_->GateUp(g, packed, xr, m, act_ref.data(), 0, groups);
-      avx_->GateUp(g, packed, xr, m, act.data(), 0, split);
-      avx_->GateUp(g, packed, xr, m, act.data(), split, groups);
+      kernel_->GateUp(g, packed, xr, m, act.data(), 0, split);
+      kernel_->GateUp(g, packed, xr, m, act.data(), split, groups);
       std::vector<float> a32(act.size()), r32(act.size());
       Bf16ToF32(act.data(), a32.data(), act.size());
       Bf16ToF32(act_ref.data(), r32.data(), act.size());
@@ -287,8 +288,8 @@ class VnniDirectTest : public ::testing::Test {
     std::vector<float> out_ref = init, out = init;
     const int groups = g.down_groups(), split = (groups + 1) / 2;
     ref_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out_ref.data(), ldo, 0, groups);
-    avx_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out.data(), ldo, 0, split);
-    avx_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out.data(), ldo, split, groups);
+    kernel_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out.data(), ldo, 0, split);
+    kernel_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out.data(), ldo, split, groups);
     std::vector<double> got, want;
     for (int t = 0; t < m; ++t) {
       for (int col = 0; col < ldo; ++col) {
@@ -304,21 +305,24 @@ class VnniDirectTest : public ::testing::Test {
     EXPECT_LE(RelativeL2Error(got.data(), want.data(), got.size()), 1e-5);
   }
 
-  std::unique_ptr<ExpertKernel> avx_, ref_;
+  std::unique_ptr<ExpertKernel> kernel_, ref_;  // kernel_: the one under test
 };
 
-TEST_F(VnniDirectTest, Int8MatchesReference) {
+TEST_P(IntDirectTest, Int8MatchesReference) {
   Check(200, 136, WeightFormat::kInt8, 0, 101);
   Check(33, 17, WeightFormat::kInt8, 0, 102);
   Check(320, 200, WeightFormat::kInt8, 0, 103);
 }
 
-TEST_F(VnniDirectTest, Int4MatchesReference) {
+TEST_P(IntDirectTest, Int4MatchesReference) {
   Check(200, 136, WeightFormat::kInt4, 0, 111);  // default group 128
   Check(80, 48, WeightFormat::kInt4, 64, 112);
   Check(33, 17, WeightFormat::kInt4, 0, 113);
   Check(320, 200, WeightFormat::kInt4, 192, 114);
 }
+
+INSTANTIATE_TEST_SUITE_P(Kernels, IntDirectTest, ::testing::Values("avx512", "amx"),
+                         [](const ::testing::TestParamInfo<const char*>& p) { return std::string(p.param); });
 
 TEST(KernelFactory, AutoPicksTheBestAvailableAndNamesErrors) {
   const CpuFeatures& cpu = CpuFeatures::Get();
