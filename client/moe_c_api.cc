@@ -132,6 +132,7 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     else if (key == "max_top_k") st = ReadOption(*it, key, &o.max_top_k);
     else if (key == "contexts") st = ReadOption(*it, key, &o.contexts);
     else if (key == "cpu_threads") st = ReadOption(*it, key, &o.cpu_threads);
+    else if (key == "grpc_streams") st = ReadOption(*it, key, &o.grpc_streams);
     else if (key == "layers") st = ReadList(*it, key, &o.layers);
     else if (key == "host_copy") st = ReadOption(*it, key, &o.host_copy);
     else if (key == "tls") st = ParseTls(*it, &o.tls);

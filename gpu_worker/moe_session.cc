@@ -45,6 +45,9 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
   c.contexts = o.contexts;
   c.deadline = o.deadline;
   c.transport.tls = o.tls;
+  if (o.grpc_streams < 1 || o.grpc_streams > 64)
+    return absl::InvalidArgumentError(absl::StrCat("grpc_streams: ", o.grpc_streams, " (1..64)"));
+  c.transport.grpc_streams = o.grpc_streams;
   c.backend.cpu_threads = o.cpu_threads;
   c.on_access = o.on_access;
   c.on_cache_activity = o.on_cache_activity;

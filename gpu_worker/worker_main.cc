@@ -39,7 +39,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   WorkerFlags f;
   moe::SessionOptions& o = f.session;
   std::string servers_flag, layers_flag;
-  int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000;
+  int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, grpc_streams = 1;
   o.policy.clear();  // --help shows no default: "" means predictive, said in the help text
   flags.String("model", &o.model, "checkpoint directory or synthetic:PRESET[:layers=N][:seed=S] (the servers' model)");
   flags.String("servers", &servers_flag,
@@ -61,6 +61,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.Int("max-top-k", &max_top_k, "largest k of the routing");
   flags.Int("cpu-threads", &cpu_threads, "cpu backend: compute threads (0 = all)");
   flags.Int("deadline-ms", &deadline_ms, "per-call deadline for the expert servers");
+  flags.Int("grpc-streams", &grpc_streams, "ForwardStreams per host:port expert server (1..64; batches round-robin)");
   flags.String("listen", &f.listen,
                "gRPC address to listen on (loopback by default; port 0 picks a free port; a port another process "
                "holds refuses the start)");
@@ -79,6 +80,8 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   o.max_top_k = static_cast<int>(max_top_k);
   o.cpu_threads = static_cast<int>(cpu_threads);
   o.deadline = std::chrono::milliseconds(deadline_ms);
+  if (grpc_streams < 1 || grpc_streams > 64) flags.Fail("--grpc-streams: " + std::to_string(grpc_streams) + " (1..64)");
+  o.grpc_streams = static_cast<int>(grpc_streams);
   o.tls = f.service.tls;
   if (!layers_flag.empty()) {
     absl::StatusOr<std::vector<int>> layers = moe::ParseIndexList(layers_flag, 1 << 20, "layers");

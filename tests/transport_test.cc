@@ -21,6 +21,8 @@
 #include "core/transport/shm_segment.h"
 #include "core/transport/shm_server.h"
 #include "core/transport/transport.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/test_support.h"
 
@@ -70,6 +72,7 @@ class TransportTest : public ::testing::Test {
   }
   std::unique_ptr<ExpertTransport> Connect(const std::string& which, TransportOptions o = Options()) {
     o.grpc_unary = which == "grpc-unary";
+    o.grpc_streams = which == "grpc-3streams" ? 3 : 1;
     absl::StatusOr<std::unique_ptr<ExpertTransport>> t =
         ConnectTransport(which == "shm" ? "unix://" + socket_ : addr_, o);
     EXPECT_TRUE(t.ok()) << which << ": " << t.status();
@@ -168,7 +171,7 @@ TEST_F(TransportTest, ServerErrorsAndOversizeBatchesComeBackAsStatus) {
 }
 
 TEST_F(TransportTest, ManyBatchesInFlightFromSeveralThreads) {
-  for (const char* kind : {"shm", "grpc-stream", "grpc-unary"}) {
+  for (const char* kind : {"shm", "grpc-stream", "grpc-3streams", "grpc-unary"}) {
     auto t = Connect(kind);
     ASSERT_NE(t, nullptr);
     std::atomic<int> bad{0};
@@ -193,6 +196,50 @@ TEST_F(TransportTest, ManyBatchesInFlightFromSeveralThreads) {
     for (auto& th : threads) th.join();
     EXPECT_EQ(bad.load(), 0) << kind;
   }
+}
+
+// A ForwardStream message that is no ForwardRequest (and so carries no id to
+// answer) ends that stream with INVALID_ARGUMENT; the server and other
+// streams go on.
+TEST_F(TransportTest, GarbageOnTheStreamEndsThatStreamOnly) {
+  auto healthy = Connect("grpc-stream");
+  ASSERT_NE(healthy, nullptr);
+  auto channel = grpc::CreateChannel(addr_, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  grpc::CompletionQueue cq;
+  auto next = [&cq](void* want) {
+    void* tag = nullptr;
+    bool ok = false;
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(tag, want);
+    return ok;
+  };
+  auto call = stub.PrepareCall(&ctx, "/moe.v1.ExpertService/ForwardStream", &cq);
+  call->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(next(reinterpret_cast<void*>(1)));
+  const std::string junk("\x1a\xff\xff\xff\x0f\x01", 6);  // a tokens tensor longer than the message
+  grpc::Slice slice(junk);
+  call->Write(grpc::ByteBuffer(&slice, 1), reinterpret_cast<void*>(2));
+  ASSERT_TRUE(next(reinterpret_cast<void*>(2)));
+  grpc::ByteBuffer reply;
+  call->Read(&reply, reinterpret_cast<void*>(3));
+  EXPECT_FALSE(next(reinterpret_cast<void*>(3))) << "no answer to bytes without a request id";
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(4));
+  ASSERT_TRUE(next(reinterpret_cast<void*>(4)));
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_NE(status.error_message().find("ForwardRequest"), std::string::npos) << status.error_message();
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+  // The other stream is unaffected.
+  Batch b = MakeBatch(5, 2, 77);
+  std::vector<bf16_t> out(size_t(b.n) * kH);
+  ASSERT_TRUE(healthy->Submit(b.view(), out.data(), In(10000)).get().ok());
+  EXPECT_LT(ErrorVsReference(b, out), 1e-2);
 }
 
 // kill -9 with batches in flight: each completes with UNAVAILABLE (or

@@ -204,18 +204,21 @@ TEST_F(WorkerTest, WorkerProcessServesForwardLayerOverGrpc) {
 }
 
 TEST_F(WorkerTest, WorkerRefusesBadFlagsWithOneLine) {
-  const std::string err = dir_.path() + "/worker.err";
-  Subprocess worker(testing::BinaryPath("moe-gpu-worker"),
-                    {std::string("--model=") + kModel, "--servers=unix://" + socket_, "--device=cpu",
-                     "--policy=bogus", "--insecure"},
-                    err);
-  const int status = worker.Wait(std::chrono::seconds(20));
-  ASSERT_TRUE(WIFEXITED(status));
-  EXPECT_NE(WEXITSTATUS(status), 0);
-  std::ifstream f(err);
-  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 1) << text;
-  EXPECT_NE(text.find("policy"), std::string::npos) << text;
+  for (auto [flag, named] : std::vector<std::pair<std::string, std::string>>{{"--policy=bogus", "policy"},
+                                                                             {"--grpc-streams=0", "--grpc-streams"}}) {
+    const std::string err = dir_.path() + "/worker" + named + ".err";
+    Subprocess worker(testing::BinaryPath("moe-gpu-worker"),
+                      {std::string("--model=") + kModel, "--servers=unix://" + socket_, "--device=cpu", flag,
+                       "--insecure"},
+                      err);
+    const int status = worker.Wait(std::chrono::seconds(20));
+    ASSERT_TRUE(WIFEXITED(status)) << flag;
+    EXPECT_NE(WEXITSTATUS(status), 0) << flag;
+    std::ifstream f(err);
+    std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    EXPECT_EQ(std::count(text.begin(), text.end(), '\n'), 1) << text;
+    EXPECT_NE(text.find(named), std::string::npos) << text;
+  }
 }
 
 // The same bad input to the worker (WorkerService) and to the expert server

@@ -85,6 +85,7 @@ struct SessionOptions {
   std::vector<int> layers;             // MoE layers this session serves (empty: all)
   bool host_copy = true;               // keep a host copy of the experts (copy-instead, failover)
   TlsOptions tls;                      // for host:port servers
+  int grpc_streams = 1;                // ForwardStreams per host:port server (batches round-robin)
   std::chrono::milliseconds deadline{30000};
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
   // Called once per (layer, expert) a call routes pairs to: `pairs` of them,

@@ -142,7 +142,7 @@ MOE_API const char* moe_status_name(int status);
  *   "cache_experts_per_layer" (int) or "cache_gib" (number)        (default 0)
  *   "policy"      "static" | "lru" | "lfru"                        (default "lru")
  *   "copy_mode"   "auto" | "never" | "always"                      (default "auto")
- *   "max_tokens", "max_top_k", "contexts", "cpu_threads" (int)
+ *   "max_tokens", "max_top_k", "contexts", "cpu_threads", "grpc_streams" (int)
  *   "layers"      (array of int) MoE layers served (default all)
  *   "host_copy"   (bool, default true) keep a host copy of the experts
  *   "deadline_ms" (int, default 30000)
