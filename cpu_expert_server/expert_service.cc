@@ -106,16 +106,20 @@ absl::Status ExpertServiceImpl::Handle(const moe::v1::ForwardRequest& req,
   return absl::OkStatus();
 }
 
+void ExpertServiceImpl::Record(const absl::Status& st, size_t in_bytes, size_t out_bytes,
+                               std::chrono::steady_clock::time_point t0) const {
+  if (metrics_ == nullptr) return;
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  // Payload bytes: the messages as serialized (gRPC framing and HTTP/2 not counted).
+  metrics_->RecordRequest(ExpertServerMetrics::Transport::kGrpc, st.code(), in_bytes, st.ok() ? out_bytes : 0,
+                          static_cast<uint64_t>(ns));
+}
+
 grpc::Status ExpertServiceImpl::Forward(grpc::ServerContext*, const moe::v1::ForwardRequest* req,
                                         moe::v1::ForwardResponse* resp) {
   const auto t0 = std::chrono::steady_clock::now();
   absl::Status st = Handle(*req, resp);
-  if (metrics_ != nullptr) {
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-    // Payload bytes: the messages as serialized (gRPC framing and HTTP/2 not counted).
-    metrics_->RecordRequest(ExpertServerMetrics::Transport::kGrpc, st.code(), req->ByteSizeLong(),
-                            st.ok() ? resp->ByteSizeLong() : 0, static_cast<uint64_t>(ns));
-  }
+  if (metrics_ != nullptr) Record(st, req->ByteSizeLong(), resp->ByteSizeLong(), t0);
   return ToGrpcStatus(st);
 }
 
@@ -139,11 +143,7 @@ grpc::ByteBuffer ExpertServiceImpl::HandleStreamMessage(grpc::ByteBuffer& in, Fo
   FillStats(stats, &proto_stats);
   grpc::ByteBuffer answer =
       EncodeForwardStreamResponse(req.request_id, st, p.out_dtype, p.n, spec_.hidden, std::move(out), proto_stats);
-  if (metrics_ != nullptr) {
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
-    metrics_->RecordRequest(ExpertServerMetrics::Transport::kGrpc, st.code(), in.Length(),
-                            st.ok() ? answer.Length() : 0, static_cast<uint64_t>(ns));
-  }
+  Record(st, in.Length(), answer.Length(), t0);
   return answer;
 }
 

@@ -6,6 +6,7 @@
 // once; that is safe.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -71,6 +72,9 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   };
   // Validates `req` (INVALID_ARGUMENT / OUT_OF_RANGE naming the field).
   absl::Status Prepare(const WireForwardRequest& req, Prepared* out) const;
+  // Records an answered request in metrics_ (when set): bytes in and out, time since t0.
+  void Record(const absl::Status& st, size_t in_bytes, size_t out_bytes,
+              std::chrono::steady_clock::time_point t0) const;
   // One ForwardStream message in, its answer out (recorded in metrics_).
   // Bytes that are no ForwardRequest and carry no request id to answer set
   // *end_stream: the stream ends with that status.

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/wire_format_lite.h"
 #include "grpcpp/support/proto_buffer_reader.h"
@@ -123,7 +124,7 @@ struct Writer {
 };
 
 // Bytes of a Tensor message's fields before its data: dtype and packed shape.
-void TensorHead(Writer& w, int dtype, const std::vector<int64_t>& shape, size_t data_bytes) {
+void TensorHead(Writer& w, int dtype, absl::Span<const int64_t> shape, size_t data_bytes) {
   w.VarintField(1, static_cast<uint64_t>(dtype));
   if (!shape.empty()) {
     size_t packed = 0;
@@ -134,16 +135,17 @@ void TensorHead(Writer& w, int dtype, const std::vector<int64_t>& shape, size_t 
   if (data_bytes > 0) w.LengthPrefix(3, data_bytes);
 }
 
-size_t TensorSize(int dtype, const std::vector<int64_t>& shape, size_t data_bytes) {
+size_t TensorSize(int dtype, absl::Span<const int64_t> shape, size_t data_bytes) {
   Writer count;
   TensorHead(count, dtype, shape, data_bytes);
   return count.n + data_bytes;
 }
 
 // A whole Tensor field (tag, length, message).
-void TensorField(Writer& w, int field, DType dtype, const std::vector<int64_t>& shape, const void* data) {
+void TensorField(Writer& w, int field, DType dtype, int64_t rows, int64_t cols, const void* data) {
   const int pd = ToProtoDType(dtype);
-  const size_t bytes = static_cast<size_t>(NumElements(shape)) * DTypeSize(dtype);
+  const int64_t shape[2] = {rows, cols};
+  const size_t bytes = static_cast<size_t>(rows * cols) * DTypeSize(dtype);
   w.LengthPrefix(field, TensorSize(pd, shape, bytes));
   TensorHead(w, pd, shape, bytes);
   w.Raw(data, bytes);
@@ -153,9 +155,9 @@ void ForwardRequestFields(Writer& w, uint32_t layer, int n, int hidden, const bf
                           const RoutingView& r, uint64_t id) {
   w.VarintField(1, id);
   w.VarintField(2, layer);
-  TensorField(w, 3, DType::kBF16, {n, hidden}, tokens);
-  TensorField(w, 4, DType::kI32, {r.n, r.k}, r.ids);
-  TensorField(w, 5, DType::kF32, {r.n, r.k}, r.weights);
+  TensorField(w, 3, DType::kBF16, n, hidden, tokens);
+  TensorField(w, 4, DType::kI32, r.n, r.k, r.ids);
+  TensorField(w, 5, DType::kF32, r.n, r.k, r.weights);
 }
 
 }  // namespace
@@ -183,7 +185,7 @@ grpc::ByteBuffer EncodeForwardStreamResponse(uint64_t request_id, const absl::St
     grpc::Slice s(r.SerializeAsString());
     return grpc::ByteBuffer(&s, 1);
   }
-  const std::vector<int64_t> shape = {n, hidden};
+  const int64_t shape[2] = {n, hidden};
   const int pd = ToProtoDType(out_dtype);
   const size_t data_bytes = static_cast<size_t>(n * hidden) * DTypeSize(out_dtype);
   const std::string stats_bytes = stats.SerializeAsString();
