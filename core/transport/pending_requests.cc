@@ -2,6 +2,10 @@
 
 namespace moe {
 
+namespace {
+constexpr auto kIdleRecheck = std::chrono::seconds(1);
+}  // namespace
+
 PendingRequests::PendingRequests() : reaper_([this] { Reap(); }) {}
 
 PendingRequests::~PendingRequests() {
@@ -25,7 +29,7 @@ uint64_t PendingRequests::Add(bf16_t* out, int n, uint64_t generation, Clock::ti
   e.generation = generation;
   e.deadline = deadline;
   *future = e.done.get_future();
-  cv_.notify_all();  // the reaper may need to wake earlier
+  if (deadline < reaper_wake_) cv_.notify_all();  // the reaper must wake earlier
   return id;
 }
 
@@ -73,11 +77,11 @@ void PendingRequests::Reap() {
         ++it;
       }
     }
-    if (next == Clock::time_point::max()) {
-      cv_.wait(lock);
-    } else {
-      cv_.wait_until(lock, next);
-    }
+    // With nothing pending, look again in a while: a request added meanwhile
+    // with a later deadline then needs no wake-up.
+    if (next == Clock::time_point::max()) next = now + kIdleRecheck;
+    reaper_wake_ = next;  // Add runs only while the reaper waits (it holds mu_ otherwise)
+    cv_.wait_until(lock, next);
   }
 }
 

@@ -50,6 +50,10 @@ class PendingRequests {
   std::condition_variable cv_;
   std::map<uint64_t, Entry> entries_;
   uint64_t next_id_ = 1;
+  // When the reaper wakes next on its own. Add wakes it only for an earlier
+  // deadline: a notify per request is a futex syscall and a thread wake-up on
+  // every round trip's critical path.
+  Clock::time_point reaper_wake_ = Clock::time_point::min();
   bool stop_ = false;
   std::thread reaper_;
 };

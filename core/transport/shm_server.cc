@@ -158,6 +158,7 @@ void ShmServer::Serve(Connection* c) {
   shm::ValidatedRequest req;
   auto& bell = seg.request_doorbell();
   Clock::time_point last_request{};
+  unix_socket::PeerClosedProbe peer(c->sock);
   while (!stop_.load()) {
     const uint32_t seen = bell.load(std::memory_order_acquire);
     bool worked = false;
@@ -196,7 +197,7 @@ void ShmServer::Serve(Connection* c) {
       }
       seg.RingResponse();
     }
-    if (seg.PeerClosed(shm::Side::kServer) || unix_socket::PeerClosed(c->sock)) break;
+    if (seg.PeerClosed(shm::Side::kServer) || peer.Closed()) break;
     // Spin a while before sleeping: in decode the next layer's batch follows
     // within microseconds; a client in polling mode asks for longer.
     if (!worked) {

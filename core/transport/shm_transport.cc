@@ -284,6 +284,7 @@ class ShmTransport final : public ExpertTransport {
     auto& bell = seg.response_doorbell();
     constexpr auto kInFlightSpin = std::chrono::microseconds(200);
     shm::ValidatedResponse resp;
+    unix_socket::PeerClosedProbe peer(c->sock);
     while (!c->dead.load()) {
       const uint32_t seen = bell.load(std::memory_order_acquire);
       bool worked = false;
@@ -295,7 +296,7 @@ class ShmTransport final : public ExpertTransport {
         }
         OnChunkDone(c, *idx, resp.status);
       }
-      if (seg.PeerClosed(shm::Side::kClient) || unix_socket::PeerClosed(c->sock)) c->dead.store(true);
+      if (seg.PeerClosed(shm::Side::kClient) || peer.Closed()) c->dead.store(true);
       // Spin while batches are out (the answer is microseconds away) — in
       // polling mode through the whole window, not only kInFlightSpin —
       // and sleep when none is (nothing can arrive; the server side polls

@@ -180,6 +180,15 @@ bool PeerClosed(int sock) {
   return r < 0 || (r > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0);
 }
 
+bool PeerClosedProbe::Closed() {
+  if (closed_) return true;
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_) return false;
+  next_ = now + every_;
+  closed_ = PeerClosed(sock_);
+  return closed_;
+}
+
 absl::StatusOr<std::unique_ptr<Listener>> Listener::Start(const std::string& path, mode_t mode,
                                                          std::function<void(int fd)> on_accept, int extra_flags) {
   std::unique_ptr<Listener> l(new Listener());

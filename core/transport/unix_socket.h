@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -44,6 +45,22 @@ absl::Status Send(int sock, const void* data, size_t len, int fd = -1);
 absl::Status Receive(int sock, void* data, size_t len, int* fd, int timeout_ms);
 // True when the peer has closed its end (or the socket failed).
 bool PeerClosed(int sock);
+
+// PeerClosed for a polling loop: asks the kernel at most once per `every`
+// (a syscall per message would sit on the round trip's critical path; under a
+// sandboxing kernel it costs several microseconds) and stays true once seen.
+class PeerClosedProbe {
+ public:
+  explicit PeerClosedProbe(int sock, std::chrono::microseconds every = std::chrono::milliseconds(1))
+      : sock_(sock), every_(every) {}
+  bool Closed();
+
+ private:
+  int sock_;
+  std::chrono::microseconds every_;
+  std::chrono::steady_clock::time_point next_{};
+  bool closed_ = false;
+};
 
 // A listening socket at `path` (Listen: a live socket there is refused, a
 // stale one of this uid replaced) whose accept thread hands every accepted
