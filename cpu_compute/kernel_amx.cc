@@ -51,6 +51,33 @@ inline void PrefetchTile(const std::byte* p) {
   for (int line = 0; line < 16; ++line) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * line), _MM_HINT_T0);
 }
 
+// The bf16 tile block both projections run: tiles 0/1 (+ 2/3 when `two`) accumulate rows
+// x0 (x1) of `ldx` bytes against the packed column blocks b0 and b1 over `kblocks` 32-k
+// blocks. `prefetch` reads ahead in the weights (the first row block of a chunk only).
+inline void AmxBf16Block(const bf16_t* x0, const bf16_t* x1, int ldx, const std::byte* b0,
+                         const std::byte* b1, int kblocks, bool two, bool prefetch) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int kb = 0; kb < kblocks; ++kb) {
+    if (prefetch && kb + kPrefetchBlocks < kblocks) {
+      PrefetchTile(b0 + 1024 * (kb + kPrefetchBlocks));
+      PrefetchTile(b1 + 1024 * (kb + kPrefetchBlocks));
+    }
+    _tile_loadd(4, x0 + 32 * kb, ldx);
+    _tile_loadd(6, b0 + 1024 * kb, 64);
+    _tile_loadd(7, b1 + 1024 * kb, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, x1 + 32 * kb, ldx);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
 // ---- AMX-INT8
 
 constexpr int kTileTokens = 8;  // tokens per A tile (16 int8 rows: hi, lo of each)
@@ -203,26 +230,7 @@ class AmxKernel final : public ExpertKernel {
         for (int c = cc; c < ce; ++c) {
           const std::byte* gb = packed + (2 * c) * blk;
           const std::byte* ub = gb + blk;
-          _tile_zero(0);
-          _tile_zero(1);
-          _tile_zero(2);
-          _tile_zero(3);
-          for (int kb = 0; kb < kblocks; ++kb) {
-            if (mb == 0 && kb + kPrefetchBlocks < kblocks) {
-              PrefetchTile(gb + 1024 * (kb + kPrefetchBlocks));
-              PrefetchTile(ub + 1024 * (kb + kPrefetchBlocks));
-            }
-            _tile_loadd(4, x0 + 32 * kb, ldx);
-            _tile_loadd(6, gb + 1024 * kb, 64);
-            _tile_loadd(7, ub + 1024 * kb, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-              _tile_loadd(5, x1 + 32 * kb, ldx);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
-          }
+          AmxBf16Block(x0, x1, ldx, gb, ub, kblocks, two, mb == 0);
           _tile_stored(0, t0, 64);
           _tile_stored(1, t1, 64);
           for (int r = 0; r < 16; ++r) {
@@ -272,26 +280,7 @@ class AmxKernel final : public ExpertKernel {
         const bool two = mb + 16 < m;
         const bf16_t* a0 = act + static_cast<size_t>(mb) * g.Ki;
         const bf16_t* a1 = a0 + static_cast<size_t>(16) * g.Ki;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int kb = 0; kb < kblocks; ++kb) {
-          if (mb == 0 && kb + kPrefetchBlocks < kblocks) {
-            PrefetchTile(b0 + 1024 * (kb + kPrefetchBlocks));
-            PrefetchTile(b1 + 1024 * (kb + kPrefetchBlocks));
-          }
-          _tile_loadd(4, a0 + 32 * kb, lda);
-          _tile_loadd(6, b0 + 1024 * kb, 64);
-          _tile_loadd(7, b1 + 1024 * kb, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          if (two) {
-            _tile_loadd(5, a1 + 32 * kb, lda);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-        }
+        AmxBf16Block(a0, a1, lda, b0, b1, kblocks, two, mb == 0);
         _tile_stored(0, t0, 64);
         _tile_stored(1, t1, 64);
         scatter(mb, c);
