@@ -235,7 +235,7 @@ bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::stead
     const Clock::time_point now = Clock::now();
     if (now >= deadline) return false;
     if (now < spin_until) {
-      for (int i = 0; i < 16; ++i) CpuRelax();
+      for (int i = 0; i < 2; ++i) CpuRelax();  // a pause is ~140 cycles on Sapphire Rapids
       continue;
     }
     const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - now).count();

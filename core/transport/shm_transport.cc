@@ -12,9 +12,10 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <iterator>
 #include <cstring>
+#include <iterator>
 #include <map>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -294,7 +295,7 @@ class ShmTransport final : public ExpertTransport {
           c->dead.store(true);  // a corrupt server: drop the connection
           break;
         }
-        OnChunkDone(c, *idx, resp.status);
+        if (std::optional<Fulfil> f = OnChunkDone(c, *idx, resp.status)) f->entry.done.set_value(f->status);
       }
       if (seg.PeerClosed(shm::Side::kClient) || peer.Closed()) c->dead.store(true);
       // Spin while batches are out (the answer is microseconds away) — in
@@ -337,20 +338,28 @@ class ShmTransport final : public ExpertTransport {
     c->finished = true;
   }
 
-  void OnChunkDone(const std::shared_ptr<ShmConnection>& c, uint32_t slot, const absl::Status& st) {
+  // A finished batch's promise, fulfilled by the completion thread once mu_ is
+  // released: a caller woken while mu_ is still held would block on it at once
+  // (Release, the next Stage) — a futex sleep and wake-up inside the round trip.
+  struct Fulfil {
+    PendingRequests::Entry entry;
+    absl::Status status;
+  };
+
+  std::optional<Fulfil> OnChunkDone(const std::shared_ptr<ShmConnection>& c, uint32_t slot, const absl::Status& st) {
     std::lock_guard<std::mutex> lock(mu_);
     auto sb = slot_batch_.find({c->generation, slot});
     if (sb == slot_batch_.end()) {  // a slot we did not submit: protocol error
       c->dead.store(true);
-      return;
+      return std::nullopt;
     }
     const uint64_t id = sb->second;
     slot_batch_.erase(sb);
     Batch& b = batches_[id];
     if (!st.ok() && b.status.ok()) b.status = st;
-    if (--b.remaining > 0) return;
+    if (--b.remaining > 0) return std::nullopt;
+    std::optional<PendingRequests::Entry> e = pending_.Take(id);  // nullopt: the caller gave up
     if (b.staged_handle != 0) {  // zero-copy: the output stays in the slot until Release
-      if (std::optional<PendingRequests::Entry> e = pending_.Take(id)) e->done.set_value(b.status);
       auto st = staged_.find(b.staged_handle);
       if (st != staged_.end()) {
         st->second.completed = true;
@@ -360,24 +369,22 @@ class ShmTransport final : public ExpertTransport {
           slots_cv_.notify_all();
         }
       }
-      batches_.erase(id);
-      in_flight_.store(batches_.size());
-      return;
-    }
-    // Last chunk: hand the output over (if the caller still waits), free the slots.
-    if (std::optional<PendingRequests::Entry> e = pending_.Take(id)) {
-      if (b.status.ok()) {
+    } else {
+      // Last chunk: hand the output over (if the caller still waits), free the slots.
+      if (e && b.status.ok()) {
         for (const Chunk& ch : b.slots) {
           std::memcpy(e->out + size_t(ch.t0) * opt_.hidden, c->seg->slot(ch.slot).output,
                       size_t(ch.n) * opt_.hidden * 2);
         }
       }
-      e->done.set_value(b.status);
+      for (const Chunk& ch : b.slots) c->free_slots.push_back(ch.slot);
+      slots_cv_.notify_all();
     }
-    for (const Chunk& ch : b.slots) c->free_slots.push_back(ch.slot);
+    absl::Status status = std::move(b.status);
     batches_.erase(id);
     in_flight_.store(batches_.size());
-    slots_cv_.notify_all();
+    if (!e) return std::nullopt;
+    return Fulfil{*std::move(e), std::move(status)};
   }
 
   const std::string path_;
