@@ -12,6 +12,8 @@
 //              places them; --admissions N adds lfru admissions per call) + misses on the CPU
 //              server + copy-instead when the measured rates say it pays
 //   ours-dual  the same with the batch as two micro-batches (B's work overlaps A's misses)
+//   ours-cpu   ours without copy-instead: every miss to the CPU server (what the copy
+//              decision buys or costs, in the same run)
 //   lru-copy   copy every miss to the device with LRU eviction (plain offloading)
 //   copy-all   stream every expert of every layer to the device each step
 //              (measured copy time of a layer's experts, overlapped with the ceiling's compute)
@@ -417,7 +419,7 @@ int Main(int argc, char** argv) {
   flags.Int("layers", &layers, "MoE layers (0: as many as fit twice in host memory: server + worker copy)");
   flags.String("batches", &o.batches, "tokens per decode step");
   flags.String("cache", &o.cache, "cache sizes, percent of each layer's experts");
-  flags.String("modes", &o.modes, "ceiling, ours, ours-dual, lru-copy, copy-all");
+  flags.String("modes", &o.modes, "ceiling, ours, ours-cpu, ours-dual, lru-copy, copy-all");
   flags.Int("steps", &steps, "timed decode steps per configuration");
   flags.Int("warmup", &warmup, "untimed steps first (the cache warms up)");
   flags.Int("server-threads", &threads, "expert server compute threads (0: all cores but one)");
@@ -521,10 +523,10 @@ int Main(int argc, char** argv) {
               dram_gbps, dram_note.c_str(), spec.ExpertBf16Bytes() / 1e6, server_geometry.packed_bytes() / 1e6,
               o.weight_dtype.c_str(), o.zipf, o.drift, o.warmup, o.steps, o.context, o.runs,
               o.runs > 1 ? ", times as median [min-max] over the runs" : "");
-  std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-dual step ms | lru-copy step ms | "
+  std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | ideal step ms | ours/ideal | fixed us/layer | lru-copy/ours | hit | cpu | copied | "
               "ours submit/wait ms |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   auto repeat = [&](int T, int C, CachePolicyKind policy, CopyMode copy, bool dual) {
     Runs r;
     for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual));
@@ -537,11 +539,13 @@ int Main(int argc, char** argv) {
     const double copy_all_step = ceil.step_s - ceil.moe_s + L * std::max(copy_all_layer, ceil.moe_s / L);
     for (int pct : Ints(o.cache)) {
       const int C = std::max(0, std::min(spec.num_experts, static_cast<int>(std::lround(pct / 100.0 * spec.num_experts))));
-      Runs ours_runs, dual_runs, lru_runs;
+      Runs ours_runs, dual_runs, lru_runs, cpu_runs;
       ours_runs.all.assign(1, RunResult{});
+      cpu_runs.all.assign(1, RunResult{});
       dual_runs.all.assign(1, RunResult{});
       lru_runs.all.assign(1, RunResult{});
       if (has("ours")) ours_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false);
+      if (has("ours-cpu")) cpu_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kNever, false);
       if (has("ours-dual") && T >= 2) dual_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true);
       if (has("lru-copy")) lru_runs = repeat(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false);
       const RunResult &ours = ours_runs.median(), &lru = lru_runs.median();
@@ -554,9 +558,10 @@ int Main(int argc, char** argv) {
       const double fixed_us = has("ours") ? (ours.step_s - ideal) / L * 1e6 : 0;
       auto opt = [](bool ran, const std::string& v) { return ran ? v : std::string("-"); };
       const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
-      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s |\n", T,
+      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s |\n", T,
                   pct, C, ceil_runs.Spread(&RunResult::step_s).c_str(), ours_runs.Spread(&RunResult::step_s).c_str(),
                   ours_runs.Spread(&RunResult::moe_s, 1.0 / L).c_str(),
+                  opt(has("ours-cpu"), cpu_runs.Spread(&RunResult::step_s)).c_str(),
                   opt(has("ours-dual") && T >= 2, dual_runs.Spread(&RunResult::step_s)).c_str(),
                   opt(has("lru-copy"), lru_runs.Spread(&RunResult::step_s)).c_str(),
                   opt(has("copy-all"), Ms(copy_all_step)).c_str(),

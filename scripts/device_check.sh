@@ -60,8 +60,8 @@ while [[ $# -gt 0 ]]; do
       timeout 300 "$B/bin/transport" > "$OUT/transport.md" 2>> "$OUT/logs.txt"; echo "transport rc=$?"; cat "$OUT/transport.md" ;;
     latency)
       bash "$0" transport \
-        moe_layer qwen3-30b-a3b --layers=16 --batches=1 --cache=0,100 --zipf=0 --runs=3 --modes=ceiling,ours \
-        moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=25 --runs=3 --modes=ceiling,ours ;;
+        moe_layer qwen3-30b-a3b --layers=16 --batches=1 --cache=0,100 --zipf=0 --runs=3 --modes=ceiling,ours,ours-cpu \
+        moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=25 --runs=3 --modes=ceiling,ours,ours-cpu ;;
     kernels)
       timeout 420 "$B/bin/expert_kernels" > "$OUT/expert_kernels.md" 2>> "$OUT/logs.txt"; echo "kernels rc=$?"; cat "$OUT/expert_kernels.md" ;;
     quant)
