@@ -3,9 +3,13 @@
 // expert server runs. Every call executes synchronously, so every fence it
 // returns is already complete.
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -102,12 +106,21 @@ class CpuBackend final : public DeviceBackend {
     if (buffer < 0 || buffer >= config_.num_buffers)
       return absl::InvalidArgumentError(absl::StrCat("buffer: ", buffer, " out of range"));
     const size_t ih = static_cast<size_t>(config_.intermediate) * config_.hidden;
+    const auto t0 = std::chrono::steady_clock::now();
     PackExpert(buffers_.geometry(), src, src + ih, src + 2 * ih, buffers_.Buffer(buffer));
     buffers_.MarkLoaded(buffer);
-    return ++copy_fence_;
+    const uint64_t fence = ++copy_fence_;
+    copy_times_[fence % copy_times_.size()] = {
+        fence, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()};
+    return fence;
   }
   bool CopyDone(uint64_t) override { return true; }
   absl::Status WaitCopy(uint64_t) override { return absl::OkStatus(); }
+  std::optional<double> CopySeconds(uint64_t fence) override {
+    const auto& [f, seconds] = copy_times_[fence % copy_times_.size()];
+    if (fence == 0 || f != fence) return std::nullopt;
+    return seconds;
+  }
   void ComputeWaitCopy(uint64_t) override {}
   uint64_t RecordCompute() override { return ++compute_fence_; }
   absl::Status WaitCompute(uint64_t) override { return absl::OkStatus(); }
@@ -200,6 +213,7 @@ class CpuBackend final : public DeviceBackend {
   std::unique_ptr<MoeExecutor> executor_;
   std::vector<Context> contexts_;
   uint64_t copy_fence_ = 0, compute_fence_ = 0;
+  std::array<std::pair<uint64_t, double>, 64> copy_times_{};  // fence % 64 -> (fence, seconds)
 };
 
 }  // namespace

@@ -94,12 +94,17 @@ class FenceRing {
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
   }
 
-  absl::Status Init(int size) {
+  // `timed`: the events also time (CopySeconds), else cudaEventDisableTiming.
+  absl::Status Init(int size, bool timed = false) {
     events_.resize(size, nullptr);
     for (cudaEvent_t& e : events_)
-      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&e, timed ? cudaEventDefault : cudaEventDisableTiming));
     return absl::OkStatus();
   }
+
+  // The id the next Record returns.
+  uint64_t next() const { return next_; }
+  size_t size() const { return events_.size(); }
 
   // A new fence after all work submitted to `stream` so far.
   absl::StatusOr<uint64_t> Record(cudaStream_t stream) {
@@ -178,6 +183,7 @@ class CudaBackend final : public DeviceBackend {
                                       uint64_t after_compute) override;
   bool CopyDone(uint64_t copy_fence) override;
   absl::Status WaitCopy(uint64_t copy_fence) override;
+  std::optional<double> CopySeconds(uint64_t copy_fence) override;
 
   void ComputeWaitCopy(uint64_t copy_fence) override;
   uint64_t RecordCompute() override;
@@ -280,7 +286,8 @@ class CudaBackend final : public DeviceBackend {
   // One event each suffices: a wait binds to the record that precedes it.
   cudaEvent_t engine_ready_ = nullptr;
   cudaEvent_t output_ready_ = nullptr;
-  FenceRing copy_fences_;
+  FenceRing copy_fences_;                 // timed: each ends a copy
+  std::vector<cudaEvent_t> copy_starts_;  // [fence % ring size]: recorded right before the copy
   FenceRing compute_fences_;
   cublasHandle_t cublas_ = nullptr;
   DeviceMem cublas_workspace_;
@@ -315,6 +322,8 @@ CudaBackend::~CudaBackend() {
   for (Context& c : contexts_)
     if (c.stage_event != nullptr) cudaEventDestroy(c.stage_event);
   if (cublas_ != nullptr) cublasDestroy(cublas_);
+  for (cudaEvent_t e : copy_starts_)
+    if (e != nullptr) cudaEventDestroy(e);
   if (engine_ready_ != nullptr) cudaEventDestroy(engine_ready_);
   if (output_ready_ != nullptr) cudaEventDestroy(output_ready_);
   // Members (memory, fence rings) are released after this body; streams last.
@@ -384,7 +393,9 @@ absl::Status CudaBackend::CreateStreamsAndHandles() {
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
   MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&engine_ready_, cudaEventDisableTiming));
   MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&output_ready_, cudaEventDisableTiming));
-  MOE_RETURN_IF_ERROR(copy_fences_.Init(kFenceRingSize));
+  MOE_RETURN_IF_ERROR(copy_fences_.Init(kFenceRingSize, /*timed=*/true));
+  copy_starts_.assign(kFenceRingSize, nullptr);
+  for (cudaEvent_t& e : copy_starts_) MOE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
   MOE_RETURN_IF_ERROR(compute_fences_.Init(kFenceRingSize));
   MOE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&cublas_));
   MOE_CUBLAS_RETURN_IF_ERROR(cublasSetStream(cublas_, compute_));
@@ -530,10 +541,29 @@ absl::StatusOr<uint64_t> CudaBackend::LoadExpert(int buffer, const bf16_t* src,
   }
   if (cudaEvent_t e = compute_fences_.Pending(after_compute); e != nullptr)
     MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_, e, 0));
+  // After the wait: the start event completes when the copy itself starts.
+  MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(copy_starts_[copy_fences_.next() % copy_starts_.size()], copy_));
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(buffer_ptr(buffer), src,
                                            expert_elems_ * sizeof(bf16_t),
                                            cudaMemcpyHostToDevice, copy_));
   return copy_fences_.Record(copy_);
+}
+
+std::optional<double> CudaBackend::CopySeconds(uint64_t copy_fence) {
+  if (!initialized_ || copy_fence == 0 || !copy_fences_.Issued(copy_fence)) return std::nullopt;
+  cudaEvent_t end = copy_fences_.Pending(copy_fence);
+  // Too old (its events are reused) or a fence older than the ring.
+  if (end == nullptr || copy_fence + copy_fences_.size() <= copy_fences_.next()) return std::nullopt;
+  if (cudaEventQuery(end) != cudaSuccess) {
+    cudaGetLastError();
+    return std::nullopt;
+  }
+  float ms = 0;
+  if (cudaEventElapsedTime(&ms, copy_starts_[copy_fence % copy_starts_.size()], end) != cudaSuccess) {
+    cudaGetLastError();
+    return std::nullopt;
+  }
+  return ms * 1e-3;
 }
 
 bool CudaBackend::CopyDone(uint64_t copy_fence) {

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -143,6 +144,11 @@ class DeviceBackend {
   virtual bool CopyDone(uint64_t copy_fence) = 0;
   // Blocks until the copy fence has completed; an error if the copy failed.
   virtual absl::Status WaitCopy(uint64_t copy_fence) = 0;
+  // How long the copy that `copy_fence` ends took on the copy queue itself
+  // (not counting the time it queued), once it completed; nullopt while it
+  // runs, or once the fence is too old to tell. What the copy cost model
+  // observes: a host clock only bounds a copy that was done before it looked.
+  virtual std::optional<double> CopySeconds(uint64_t copy_fence) = 0;
 
   // ---- compute queue (per context) ---------------------------------------
   // Makes later compute work of every context wait for `copy_fence`.

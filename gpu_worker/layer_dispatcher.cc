@@ -4,6 +4,7 @@
 #include <atomic>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -93,6 +94,7 @@ struct Context {
   // Per-call scratch reused across calls.
   std::vector<bf16_t> send, recv;  // non-staged transports: [max_tokens, H] each
   CallStats stats;
+  std::vector<uint64_t> copy_fences;  // the call's copy-instead copies, timed at Complete
   Clock::time_point submitted{};
   double device_prior_s = -1;  // prior device time of a hits-only call (-1: the call is not one)
 };
@@ -445,9 +447,13 @@ void LayerDispatcher::PollCopies() {
   const Clock::time_point now = Clock::now();
   for (size_t i = 0; i < pending.size(); ++i) {
     if (backend_->CopyDone(pending[i].fence)) {
-      // Done at some point before now (queued behind others, perhaps): an
-      // upper bound of the copy time.
-      cost_.ObserveCopy(Seconds(now - pending[i].start), true);
+      // The copy queue's own time when the backend tells it; else done at
+      // some point before now (queued behind others, perhaps): an upper bound.
+      if (std::optional<double> s = backend_->CopySeconds(pending[i].fence)) {
+        cost_.ObserveCopy(*s, false);
+      } else {
+        cost_.ObserveCopy(Seconds(now - pending[i].start), true);
+      }
       cache_->CompleteCopy(pending[i].copy);
       PublishSlotMap(pending[i].copy.layer);
     } else {
@@ -458,18 +464,28 @@ void LayerDispatcher::PollCopies() {
 }
 
 absl::Status LayerDispatcher::FlushCopies() {
-  // The copy queue runs them in order: one that was still running when its
-  // predecessor was seen done took (about) the time from then to its end.
-  Clock::time_point previous_done{};
+  // The copy queue runs them in order. A copy this thread waited for ended
+  // (about) when the wait returned, so its successor, if still running then,
+  // took the time from then to its own end. A copy already done when looked
+  // at ended some time before: only now - start bounds it (from above), and
+  // its end is no start for the next copy (which may have run long before we
+  // looked: measuring that one from now gave near-zero "upper bounds" that
+  // drove the copy estimate to a fifth of the truth on the GPU host).
+  Clock::time_point previous_end{};  // end of the previous copy when this thread saw it; zero: unknown
   for (auto& p : impl_->pending) {
     const bool done_before = backend_->CopyDone(p.fence);
     if (absl::Status st = backend_->WaitCopy(p.fence); !st.ok()) {
       cache_->AbortCopy(p.copy);
+      previous_end = {};
       continue;
     }
     const Clock::time_point done = Clock::now();
-    cost_.ObserveCopy(Seconds(done - std::max(p.start, previous_done)), done_before);
-    previous_done = done;
+    if (std::optional<double> s = backend_->CopySeconds(p.fence)) {
+      cost_.ObserveCopy(*s, false);
+    } else {
+      cost_.ObserveCopy(Seconds(done - std::max(p.start, previous_end)), done_before);
+    }
+    previous_end = done_before ? Clock::time_point{} : done;
     cache_->CompleteCopy(p.copy);
     PublishSlotMap(p.copy.layer);
   }
@@ -906,6 +922,7 @@ absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const Expert
   }
   MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(buffer, host_->Find(layer, expert), after));
   backend_->ComputeWaitCopy(f);
+  ctx.copy_fences.push_back(f);
   // The group alone, from row 0 (aligned for any backend).
   ExpertGroups& one = m.one_group;
   const int32_t begin = groups.row_begin[g], count = groups.count[g];
@@ -926,6 +943,7 @@ absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const Expert
 void LayerDispatcher::Abort(int ticket) {
   Impl& m = *impl_;
   Context& ctx = m.contexts[ticket];
+  ctx.copy_fences.clear();
   for (Shipment& sh : ctx.shipments) {
     if (sh.done.valid()) sh.done.wait();
     if (sh.staged) m.servers[sh.batch.server].transport->Release(sh.stage);
@@ -956,6 +974,13 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
     sh.staged = false;
   }
   ctx.shipments.clear();
+  // The copies the call computed from (all done: FinishCall waited for the
+  // compute that read them), timed on the copy queue: under load they take
+  // longer than the start-up probe's (PCIe and the CPU servers share DRAM).
+  for (uint64_t f : ctx.copy_fences) {
+    if (std::optional<double> s = backend_->CopySeconds(f)) cost_.ObserveCopy(*s, false);
+  }
+  ctx.copy_fences.clear();
   ctx.busy = false;
   const Clock::time_point end = Clock::now();
   // A hits-only call: Submit to here bounds the device time from above.

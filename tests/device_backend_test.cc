@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -538,6 +539,33 @@ TEST_P(DeviceBackendTest, FenceIdsIncreaseAndOldFencesAreDone) {
   }
   EXPECT_TRUE(backend_->WaitCopy(copy).ok());
   EXPECT_TRUE(backend_->CopyDone(copy));
+}
+
+// CopySeconds: the copy's own time once done (positive, and not more than
+// the host saw from its start to its end), nothing for fence 0, an unissued
+// fence or one too old to tell.
+TEST_P(DeviceBackendTest, CopySecondsTimesDoneCopies) {
+  ASSERT_NO_FATAL_FAILURE(Start(kTiny, 1));
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<uint64_t> f = backend_->LoadExpert(0, experts_[0].data(), 0);
+  ASSERT_TRUE(f.ok());
+  ASSERT_TRUE(backend_->WaitCopy(*f).ok());
+  const double host_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::optional<double> s = backend_->CopySeconds(*f);
+  ASSERT_TRUE(s.has_value());
+  EXPECT_GT(*s, 0);
+  EXPECT_LE(*s, host_s);
+  EXPECT_FALSE(backend_->CopySeconds(0).has_value());
+  EXPECT_FALSE(backend_->CopySeconds(*f + 1).has_value());
+  uint64_t last = *f;
+  for (int i = 0; i < 3000; ++i) {
+    absl::StatusOr<uint64_t> g = backend_->LoadExpert(0, experts_[0].data(), 0);
+    ASSERT_TRUE(g.ok());
+    last = *g;
+  }
+  ASSERT_TRUE(backend_->WaitCopy(last).ok());
+  EXPECT_FALSE(backend_->CopySeconds(*f).has_value()) << "a fence 3000 copies old";
+  EXPECT_TRUE(backend_->CopySeconds(last).has_value());
 }
 
 TEST_P(DeviceBackendTest, DeviceMemoryCalls) {
