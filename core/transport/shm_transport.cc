@@ -298,17 +298,23 @@ class ShmTransport final : public ExpertTransport {
         if (std::optional<Fulfil> f = OnChunkDone(c, *idx, resp.status)) f->entry.done.set_value(f->status);
       }
       if (seg.PeerClosed(shm::Side::kClient) || peer.Closed()) c->dead.store(true);
-      // Spin while batches are out (the answer is microseconds away), and in
-      // polling mode through the whole window even between batches: asleep,
-      // the next answer would wait for a futex wake-up (several microseconds,
-      // more than the rest of a small round trip). Otherwise sleep when none
-      // is out (nothing can arrive).
+      // Spin while batches are out (the answer is microseconds away) — in
+      // polling mode through the whole window, not only kInFlightSpin — and
+      // sleep when none is (nothing can arrive; the server side polls for the
+      // next batch). Spinning between batches too would save the futex
+      // wake-up of the next answer (staged n = 1 on the AMX host: 14 -> 4-7
+      // us in bench/transport), but end to end it takes the core that a
+      // same-host server's pool (all cores but one) needs: moe_layer at T = 1
+      // went from 15.1 to 17-29 ms per 16-layer step at 0% cache and from 8.1
+      // to 17-21 ms at 25%, with a spread of 2x between runs.
       if (!worked && !c->dead.load()) {
         const Clock::time_point now = Clock::now();
         std::chrono::nanoseconds spin(0);
-        if (in_flight_.load() > 0) spin = kInFlightSpin;
-        const Clock::time_point poll_until{Clock::duration(poll_until_ns_.load(std::memory_order_relaxed))};
-        if (poll_until > now) spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
+        if (in_flight_.load() > 0) {
+          spin = kInFlightSpin;
+          const Clock::time_point poll_until{Clock::duration(poll_until_ns_.load(std::memory_order_relaxed))};
+          if (poll_until > now) spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
+        }
         seg.WaitResponse(seen, now + std::chrono::milliseconds(20), spin);
       }
     }
