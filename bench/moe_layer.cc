@@ -422,7 +422,9 @@ int Main(int argc, char** argv) {
   flags.String("modes", &o.modes, "ceiling, ours, ours-cpu, ours-dual, lru-copy, copy-all");
   flags.Int("steps", &steps, "timed decode steps per configuration");
   flags.Int("warmup", &warmup, "untimed steps first (the cache warms up)");
-  flags.Int("server-threads", &threads, "expert server compute threads (0: all cores but one)");
+  flags.Int("server-threads", &threads,
+            "expert server compute threads (0: all cores but two: the worker's caller and its shm "
+            "completion thread spin in decode, and the server pins each compute thread to one core)");
   flags.Int("context", &context, "KV cache positions each sequence already has");
   flags.Double("zipf", &o.zipf, "Zipf exponent of expert popularity");
   flags.Double("drift", &o.drift, "share of adjacent popularity ranks swapped per step");
@@ -447,7 +449,13 @@ int Main(int argc, char** argv) {
   if (runs < 1) Die("--runs: must be at least 1");
   o.runs = static_cast<int>(runs);
   const int ncpu = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-  o.server_threads = threads > 0 ? static_cast<int>(threads) : std::max(1, ncpu - 1);
+  // All cores but two by default. The server pins its compute threads, one
+  // per core, and a parallel region waits for the slowest: a worker thread
+  // that lands on a pinned core halves that thread and stalls the region.
+  // With one core left, the worker's two hot threads (the caller and the shm
+  // completion thread, both spinning in decode) made runs bimodal on the AMX
+  // host (T = 1, 25% cache: 8 or 16 ms per step, 11-48 ms without copies).
+  o.server_threads = threads > 0 ? static_cast<int>(threads) : std::max(1, ncpu - 2);
 
   ModelSpec full = Value(PresetSpec(o.preset), "preset");
   if (layers <= 0) {
