@@ -447,13 +447,7 @@ void LayerDispatcher::PollCopies() {
   const Clock::time_point now = Clock::now();
   for (size_t i = 0; i < pending.size(); ++i) {
     if (backend_->CopyDone(pending[i].fence)) {
-      // The copy queue's own time when the backend tells it; else done at
-      // some point before now (queued behind others, perhaps): an upper bound.
-      if (std::optional<double> s = backend_->CopySeconds(pending[i].fence)) {
-        cost_.ObserveCopy(*s, false);
-      } else {
-        cost_.ObserveCopy(Seconds(now - pending[i].start), true);
-      }
+      ObserveCopy(pending[i].fence, Seconds(now - pending[i].start));
       cache_->CompleteCopy(pending[i].copy);
       PublishSlotMap(pending[i].copy.layer);
     } else {
@@ -463,29 +457,22 @@ void LayerDispatcher::PollCopies() {
   pending.resize(kept);
 }
 
+void LayerDispatcher::ObserveCopy(uint64_t fence, double host_s) {
+  if (std::optional<double> s = backend_->CopySeconds(fence)) {
+    cost_.ObserveCopy(*s, false);
+  } else {
+    // Done at some point before the host looked (queued behind others, perhaps).
+    cost_.ObserveCopy(host_s, true);
+  }
+}
+
 absl::Status LayerDispatcher::FlushCopies() {
-  // The copy queue runs them in order. A copy this thread waited for ended
-  // (about) when the wait returned, so its successor, if still running then,
-  // took the time from then to its own end. A copy already done when looked
-  // at ended some time before: only now - start bounds it (from above), and
-  // its end is no start for the next copy (which may have run long before we
-  // looked: measuring that one from now gave near-zero "upper bounds" that
-  // drove the copy estimate to a fifth of the truth on the GPU host).
-  Clock::time_point previous_end{};  // end of the previous copy when this thread saw it; zero: unknown
   for (auto& p : impl_->pending) {
-    const bool done_before = backend_->CopyDone(p.fence);
     if (absl::Status st = backend_->WaitCopy(p.fence); !st.ok()) {
       cache_->AbortCopy(p.copy);
-      previous_end = {};
       continue;
     }
-    const Clock::time_point done = Clock::now();
-    if (std::optional<double> s = backend_->CopySeconds(p.fence)) {
-      cost_.ObserveCopy(*s, false);
-    } else {
-      cost_.ObserveCopy(Seconds(done - std::max(p.start, previous_end)), done_before);
-    }
-    previous_end = done_before ? Clock::time_point{} : done;
+    ObserveCopy(p.fence, Seconds(Clock::now() - p.start));
     cache_->CompleteCopy(p.copy);
     PublishSlotMap(p.copy.layer);
   }
@@ -974,15 +961,13 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
     sh.staged = false;
   }
   ctx.shipments.clear();
+  ctx.busy = false;
+  const Clock::time_point end = Clock::now();
   // The copies the call computed from (all done: FinishCall waited for the
   // compute that read them), timed on the copy queue: under load they take
   // longer than the start-up probe's (PCIe and the CPU servers share DRAM).
-  for (uint64_t f : ctx.copy_fences) {
-    if (std::optional<double> s = backend_->CopySeconds(f)) cost_.ObserveCopy(*s, false);
-  }
+  for (uint64_t f : ctx.copy_fences) ObserveCopy(f, Seconds(end - ctx.submitted));
   ctx.copy_fences.clear();
-  ctx.busy = false;
-  const Clock::time_point end = Clock::now();
   // A hits-only call: Submit to here bounds the device time from above.
   if (ctx.device_prior_s > 0 && result.ok() && fin.ok())
     cost_.ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);

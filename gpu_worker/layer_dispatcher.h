@@ -207,6 +207,9 @@ class LayerDispatcher {
   absl::Status MeasureDeviceRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y);
   absl::Status MeasureServerRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y);
   void PollCopies();
+  // One finished copy for the cost model: its time on the copy queue when the
+  // backend tells it, else `host_s` from the host clock as an upper bound.
+  void ObserveCopy(uint64_t fence, double host_s);
   // Submit: the steps of a call until its work is enqueued.
   absl::StatusOr<int> FreeContext() const;
   absl::Status CheckCall(const LayerCall& call) const;

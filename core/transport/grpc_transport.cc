@@ -231,9 +231,7 @@ class GrpcTransport final : public ExpertTransport {
     if (!ScanForwardStreamResponse(message, &info).ok()) return false;
     std::optional<PendingRequests::Entry> e = pending_.Take(info.request_id);
     if (!e) return true;  // timed out already
-    // A code outside the canonical range (a misbehaving server) reads as UNKNOWN.
-    const auto code = info.status_code > 0 && info.status_code <= 16 ? static_cast<absl::StatusCode>(info.status_code)
-                                                                    : absl::StatusCode::kUnknown;
+    const absl::StatusCode code = StatusCodeFromWire(info.status_code, absl::StatusCode::kUnknown);
     e->done.set_value(info.status_code == 0 ? CopyStreamResponseOutput(message, info, e->n, hidden_, e->out)
                                             : absl::Status(code, info.status_message));
     return true;

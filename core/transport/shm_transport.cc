@@ -259,8 +259,7 @@ class ShmTransport final : public ExpertTransport {
     reply.message[sizeof(reply.message) - 1] = '\0';
     if (reply.magic != kShmHelloMagic || reply.status_code != 0 || fd < 0) {
       if (fd >= 0) close(fd);
-      const auto code = reply.status_code > 0 && reply.status_code <= 16 ? static_cast<absl::StatusCode>(reply.status_code)
-                                                                         : absl::StatusCode::kUnavailable;
+      const absl::StatusCode code = StatusCodeFromWire(reply.status_code, absl::StatusCode::kUnavailable);
       return absl::Status(code, absl::StrCat("expert server on ", path_, " refused: ", reply.message));
     }
     c->bytes = reply.segment_bytes;

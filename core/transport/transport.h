@@ -90,6 +90,12 @@ class ExpertTransport {
   virtual void SetPolling(std::chrono::microseconds window) { (void)window; }
 };
 
+// A status code a peer sent as a number: a canonical error code (1..16) as
+// itself, anything else (a misbehaving peer) as `otherwise`.
+inline absl::StatusCode StatusCodeFromWire(int64_t code, absl::StatusCode otherwise) {
+  return code >= 1 && code <= 16 ? static_cast<absl::StatusCode>(code) : otherwise;
+}
+
 // Waits for a transport future, polling it for up to `spin` first: a caller
 // with a core to spare (a GPU worker waiting for a decode layer's misses) saves
 // the scheduler wake-up, which costs more than a same-host round trip.
