@@ -4,15 +4,12 @@
 // row blocks share each B load.
 // int8/int4 (AMX-INT8, tdpbssd): A is 16 int8 rows x 64 k = 8 tokens' hi/lo
 // pairs (KernelRows); B is the int8 chunk as packed, or the int4 chunk
-// unpacked to int8 once per column pair of a call (all row blocks reuse it).
-// Groups of fewer than 8 rows (decode) and the
+// unpacked to int8 in registers. Groups of fewer than 8 rows (decode) and the
 // tail of a group run on the AVX-512-VNNI path.
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "cpu_compute/expert_kernel.h"
 #include "cpu_compute/packed_layout.h"
@@ -87,6 +84,11 @@ constexpr int kTileTokens = 8;  // tokens per A tile (16 int8 rows: hi, lo of ea
 
 // One int4 chunk (8 rows of 64 bytes, nibbles q + 8) as an int8 B tile: tile
 // row 2i is row i's low nibbles, 2i+1 its high ones.
+// AmxIntDots unpacks each chunk again for every 16-token row block, into 2 KiB
+// that stay in L1. Unpacking a column pair once per call and reusing it was
+// tried: its chunks (64 KiB at H = 2048) then come back from L2, and int4 at
+// m = 1024 fell to 0.76x int8 in one expert_kernels run on the AMX host
+// (this code: 1.13x and 1.28x in two others).
 inline void UnpackInt4Tile(const std::byte* src, int8_t* dst) {
   const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
   for (int i = 0; i < 8; ++i) {
@@ -96,37 +98,15 @@ inline void UnpackInt4Tile(const std::byte* src, int8_t* dst) {
   }
 }
 
-// The int8 B chunks of the column blocks b0, b1 (K = Kp): int8 blocks as
-// packed; int4 blocks unpacked once per column pair into `unpack` (16 * Kp
-// bytes per block: every 16-token row block of the call reuses them).
-struct IntBlocks {
-  const std::byte* w[2];  // Kp / 64 chunks of 1 KiB each
-  const float* scales[2];
-};
-
-IntBlocks PrepareIntBlocks(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, int Kp,
-                           std::vector<int8_t>& unpack) {
-  IntBlocks ib{{b0, b1}, {layout::Scales(g, b0, Kp), layout::Scales(g, b1, Kp)}};
-  if (g.format != WeightFormat::kInt4) return ib;
-  const int chunks = Kp / 64;
-  unpack.resize(size_t(2) * chunks * 1024 + 64);
-  int8_t* base = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(unpack.data()) + 63) & ~uintptr_t(63));
-  for (int b = 0; b < 2; ++b) {
-    int8_t* dst = base + size_t(b) * chunks * 1024;
-    for (int kb = 0; kb < chunks; ++kb) UnpackInt4Tile((b ? b1 : b0) + 512 * size_t(kb), dst + 1024 * size_t(kb));
-    ib.w[b] = reinterpret_cast<const std::byte*>(dst);
-  }
-  return ib;
-}
-
 // y[t][b] = (x_t . channels of block b), dequantized (weight and row scales),
-// for the 8 * tiles tokens of x (1 or 2 A tiles) and the int8 chunks of `ib`
-// (K = Kp). int32 tile sums per scale group (int8: the whole K; int4:
-// g.group), hi + lo / 254 in f32.
-void AmxIntDots(const ExpertGeometry& g, const IntBlocks& ib, const KernelRows& x, int Kp, int tiles,
-                float (*y)[2][16]) {
+// for the 8 * tiles tokens of x (1 or 2 A tiles) and the blocks b0, b1 of K =
+// Kp. int32 tile sums per scale group (int8: the whole K; int4: g.group),
+// hi + lo / 254 in f32.
+void AmxIntDots(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x, int Kp,
+                int tiles, float (*y)[2][16], int8_t* unpack) {
   const bool int4 = g.format == WeightFormat::kInt4;
   const int chunks = Kp / 64, per_group = int4 ? g.group / 64 : chunks;
+  const float* scales[2] = {layout::Scales(g, b0, Kp), layout::Scales(g, b1, Kp)};
   const int tokens = kTileTokens * tiles;
   for (int t = 0; t < tokens; ++t)
     for (int b = 0; b < 2; ++b) _mm512_store_ps(y[t][b], _mm512_setzero_ps());
@@ -137,8 +117,15 @@ void AmxIntDots(const ExpertGeometry& g, const IntBlocks& ib, const KernelRows& 
     _tile_zero(2);
     _tile_zero(3);
     for (int kb = k0; kb < k0 + per_group; ++kb) {
-      _tile_loadd(6, ib.w[0] + 1024 * size_t(kb), 64);
-      _tile_loadd(7, ib.w[1] + 1024 * size_t(kb), 64);
+      if (int4) {
+        UnpackInt4Tile(b0 + 512 * size_t(kb), unpack);
+        UnpackInt4Tile(b1 + 512 * size_t(kb), unpack + 1024);
+        _tile_loadd(6, unpack, 64);
+        _tile_loadd(7, unpack + 1024, 64);
+      } else {
+        _tile_loadd(6, b0 + 1024 * size_t(kb), 64);
+        _tile_loadd(7, b1 + 1024 * size_t(kb), 64);
+      }
       _tile_loadd(4, x.q + 64 * size_t(kb), Kp);
       _tile_dpbssd(0, 4, 6);
       _tile_dpbssd(1, 4, 7);
@@ -156,7 +143,7 @@ void AmxIntDots(const ExpertGeometry& g, const IntBlocks& ib, const KernelRows& 
     }
     const int gi = int4 ? k0 / per_group : 0;
     for (int b = 0; b < 2; ++b) {
-      const __m512 s = _mm512_loadu_ps(ib.scales[b] + 16 * gi);
+      const __m512 s = _mm512_loadu_ps(scales[b] + 16 * gi);
       for (int t = 0; t < tokens; ++t) {
         const int32_t* ct = c[2 * (t / kTileTokens) + b] + 32 * (t % kTileTokens);  // rows 2i (hi), 2i+1 (lo)
         const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct + 16)), _mm512_set1_ps(kLoScale),
@@ -169,25 +156,19 @@ void AmxIntDots(const ExpertGeometry& g, const IntBlocks& ib, const KernelRows& 
     for (int b = 0; b < 2; ++b) _mm512_store_ps(y[t][b], _mm512_mul_ps(_mm512_load_ps(y[t][b]), _mm512_set1_ps(x.scale[t])));
 }
 
-// Per compute thread: the unpacked int4 column pair (grows to the largest K once).
-std::vector<int8_t>& UnpackScratch() {
-  thread_local std::vector<int8_t> scratch;
-  return scratch;
-}
-
 void AmxIntGateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,
                   int c0, int c1) {
   const int full = m / kTileTokens * kTileTokens;
   if (full > 0) {
     ConfigureTiles();
     const size_t bb = g.block_bytes(g.Kh);
+    alignas(64) int8_t unpack[2048];
     alignas(64) float y[16][2][16];
     for (int c = c0; c < c1; ++c) {
       const std::byte* gb = packed + (2 * c) * bb;
-      const IntBlocks ib = PrepareIntBlocks(g, gb, gb + bb, g.Kh, UnpackScratch());
       for (int r = 0; r < full; r += 2 * kTileTokens) {
         const int tiles = r + 2 * kTileTokens <= full ? 2 : 1;
-        AmxIntDots(g, ib, x.At(r, g.Kh), g.Kh, tiles, y);
+        AmxIntDots(g, gb, gb + bb, x.At(r, g.Kh), g.Kh, tiles, y, unpack);
         for (int i = 0; i < kTileTokens * tiles; ++i)
           simd::StoreSiluMul(_mm512_load_ps(y[i][0]), _mm512_load_ps(y[i][1]), act + size_t(r + i) * g.Ki + 16 * c);
       }
@@ -204,14 +185,14 @@ void AmxIntDownAccumulate(const ExpertGeometry& g, const std::byte* packed, cons
     ConfigureTiles();
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t bb = g.block_bytes(g.Ki);
+    alignas(64) int8_t unpack[2048];
     alignas(64) float y[16][2][16];
     for (int c = c0; c < c1; ++c) {
       const std::byte* b0 = d + (2 * c) * bb;
-      const IntBlocks ib = PrepareIntBlocks(g, b0, b0 + bb, g.Ki, UnpackScratch());
       const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
       for (int r = 0; r < full; r += 2 * kTileTokens) {
         const int tiles = r + 2 * kTileTokens <= full ? 2 : 1;
-        AmxIntDots(g, ib, act.At(r, g.Ki), g.Ki, tiles, y);
+        AmxIntDots(g, b0, b0 + bb, act.At(r, g.Ki), g.Ki, tiles, y, unpack);
         for (int i = 0; i < kTileTokens * tiles; ++i) {
           if (token[r + i] < 0) continue;
           float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
