@@ -20,9 +20,12 @@
 //   ideal      max(GPU time, attention + CPU time at DRAM bandwidth): the ceiling's step, and
 //              its attention plus the bytes of the experts ours missed in its cache over the
 //              measured DRAM bandwidth; "fixed us/layer" is ours beyond the ideal, per layer
-// The server stores its experts as --weight-dtype says (bf16, int8, int4: its
-// own flag); the worker's cache stays bf16. The ideal's CPU side counts the
-// server's packed bytes.
+// The server stores its experts as --weight-dtype says (bf16, int8, int4) and
+// shares its packed store with the worker (one host copy; --share-host-copy
+// false: the worker packs its own), whose GPU cache holds the same format. A
+// cache of P% is P% of the GPU memory a bf16 cache of the layer would take,
+// so int8 / int4 caches hold ~2x / ~3.5x the experts. The ideal's CPU side
+// counts the server's packed bytes.
 // Times are medians over the timed steps, per decode step and per MoE layer.
 // With --runs N every configuration runs N times (a fresh dispatcher each, so
 // its start-up probe and online rates too); a time cell is then the median run
@@ -195,7 +198,8 @@ class Buffers {
 
 struct Options {
   std::string preset = "qwen3-30b-a3b", device = "auto", server_bin, modes = "ceiling,ours,ours-dual,lru-copy,copy-all";
-  std::string weight_dtype = "bf16";  // the server's --weight-dtype
+  std::string weight_dtype = "bf16";  // the server's --weight-dtype (and the worker's cache)
+  bool share_host_copy = true;
   int layers = 0, steps = 8, warmup = 3, server_threads = 0, context = 128, seed = 1;
   std::string batches = "1,8,32,128,1024", cache = "10,25,50,100";
   double zipf = 1.0, drift = 0.02, dram_gib = 4;
@@ -345,6 +349,8 @@ class Bench {
     bc.num_buffers = 4;
     bc.max_tokens = 1;
     bc.contexts = 1;
+    bc.format = host_->geometry().format;
+    bc.int4_group = host_->geometry().group;
     Check(backend->Init(bc), "backend init");
     std::vector<double> t;
     for (int rep = 0; rep < 3; ++rep) {
@@ -418,7 +424,7 @@ int Main(int argc, char** argv) {
   int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context;
   flags.Int("layers", &layers, "MoE layers (0: as many as fit twice in host memory: server + worker copy)");
   flags.String("batches", &o.batches, "tokens per decode step");
-  flags.String("cache", &o.cache, "cache sizes, percent of each layer's experts");
+  flags.String("cache", &o.cache, "cache sizes, percent of the GPU memory a bf16 cache of every expert would take");
   flags.String("modes", &o.modes, "ceiling, ours, ours-cpu, ours-dual, lru-copy, copy-all");
   flags.Int("steps", &steps, "timed decode steps per configuration");
   flags.Int("warmup", &warmup, "untimed steps first (the cache warms up)");
@@ -437,7 +443,9 @@ int Main(int argc, char** argv) {
   flags.Int("runs", &runs, "runs of every configuration (fresh dispatcher each); cells show median [min-max]");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
   flags.String("weight-dtype", &o.weight_dtype,
-               "the expert server's --weight-dtype: bf16, int8 or int4 (the worker's cache stays bf16)");
+               "the expert server's --weight-dtype and the worker's cache precision: bf16, int8 or int4");
+  flags.Bool("share-host-copy", &o.share_host_copy,
+             "the worker maps the server's packed store (one host copy); false: it packs its own");
   flags.Parse(argc, argv);
   if (o.weight_dtype != "bf16" && o.weight_dtype != "int8" && o.weight_dtype != "int4")
     flags.Fail("--weight-dtype: '" + o.weight_dtype + "' is not one of bf16, int8, int4");
@@ -459,7 +467,8 @@ int Main(int argc, char** argv) {
 
   ModelSpec full = Value(PresetSpec(o.preset), "preset");
   if (layers <= 0) {
-    const double per_layer = 2.0 * full.num_experts * full.ExpertBf16Bytes();
+    const ExpertGeometry g = Value(StorageGeometry(full, o.weight_dtype), "--weight-dtype");
+    const double per_layer = (o.share_host_copy ? 1.0 : 2.0) * full.num_experts * g.packed_bytes();
     const double avail = static_cast<double>(AvailableMemoryBytes());
     layers = std::max<int64_t>(1, static_cast<int64_t>(avail * 0.8 / per_layer));
     layers = std::min<int64_t>(layers, static_cast<int64_t>(full.moe_layers.size()));
@@ -514,8 +523,11 @@ int Main(int argc, char** argv) {
     Check(pin->Init(bc), "backend init");
   }
   const Clock::time_point h0 = Clock::now();
-  std::unique_ptr<HostExpertStore> host = Value(HostExpertStore::Load(*source, spec.moe_layers, pin.get()), "host store");
-  LogInfo("bench", "host expert store: ", host->bytes() >> 20, " MiB in ", Sec(h0), " s; DRAM ", dram_gbps, " GB/s");
+  std::unique_ptr<HostExpertStore> host =
+      Value(HostExpertStore::Open(*source, spec.moe_layers, {shm}, o.weight_dtype, o.share_host_copy, pin.get()),
+            "host store");
+  LogInfo("bench", "host expert store: ", host->shared() ? "shared with the server" : "own", ", ", host->bytes() >> 20,
+          " MiB of its own, in ", Sec(h0), " s; DRAM ", dram_gbps, " GB/s");
 
   Bench bench(o, spec, shm, host.get(), dram_gbps, static_cast<double>(server_geometry.packed_bytes()));
   const std::vector<std::string> modes = absl::StrSplit(o.modes, ',', absl::SkipEmpty());
@@ -525,11 +537,11 @@ int Main(int argc, char** argv) {
 
   std::printf("\n### moe_layer: %s, %d MoE layers, backend %s, server %d threads over shm, server weights %s\n\n",
               o.preset.c_str(), L, pin->name(), o.server_threads, o.weight_dtype.c_str());
-  std::printf("DRAM read %.1f GB/s (%s); expert %.2f MB bf16 (worker), %.2f MB %s (server, the ideal's CPU bytes); "
+  std::printf("DRAM read %.1f GB/s (%s); expert %.2f MB bf16, %.2f MB %s (server and GPU cache; the ideal's CPU bytes), host copy %s; "
               "Zipf %.2f, drift %.3f; %d warm-up + %d timed steps (medians); context %d; %d run(s) per "
               "configuration%s.\n\n",
               dram_gbps, dram_note.c_str(), spec.ExpertBf16Bytes() / 1e6, server_geometry.packed_bytes() / 1e6,
-              o.weight_dtype.c_str(), o.zipf, o.drift, o.warmup, o.steps, o.context, o.runs,
+              o.weight_dtype.c_str(), host->shared() ? "shared" : "own", o.zipf, o.drift, o.warmup, o.steps, o.context, o.runs,
               o.runs > 1 ? ", times as median [min-max] over the runs" : "");
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | ideal step ms | ours/ideal | fixed us/layer | lru-copy/ours | hit | cpu | copied | "
@@ -546,7 +558,11 @@ int Main(int argc, char** argv) {
     const RunResult& ceil = ceil_runs.median();
     const double copy_all_step = ceil.step_s - ceil.moe_s + L * std::max(copy_all_layer, ceil.moe_s / L);
     for (int pct : Ints(o.cache)) {
-      const int C = std::max(0, std::min(spec.num_experts, static_cast<int>(std::lround(pct / 100.0 * spec.num_experts))));
+      // pct% of the GPU memory a bf16 cache of every expert takes, in slots of the cache's format.
+      const double bf16_slot = static_cast<double>(pin->ExpertBytes(ExpertGeometry::For(spec.hidden, spec.intermediate)));
+      const double slot = static_cast<double>(pin->ExpertBytes(host->geometry()));
+      const int C = std::max(0, std::min(spec.num_experts,
+                                         static_cast<int>(std::lround(pct / 100.0 * spec.num_experts * bf16_slot / slot))));
       Runs ours_runs, dual_runs, lru_runs, cpu_runs;
       ours_runs.all.assign(1, RunResult{});
       cpu_runs.all.assign(1, RunResult{});

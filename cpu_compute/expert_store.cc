@@ -1,10 +1,17 @@
 #include "cpu_compute/expert_store.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 
 namespace moe {
 
@@ -37,7 +44,7 @@ uint64_t ExpertStore::BytesNeeded(const ExpertGeometry& g, const HostedSet& host
 absl::StatusOr<std::unique_ptr<ExpertStore>> ExpertStore::Load(const ModelSource& source,
                                                                const ExpertGeometry& geometry, HostedSet hosted,
                                                                const NumaBinding& numa,
-                                                               ComputePool& pool) {
+                                                               ComputePool& pool, bool shareable) {
   const ModelSpec& spec = source.spec();
   std::unique_ptr<ExpertStore> s(new ExpertStore());
   s->numa_ = &numa;
@@ -76,8 +83,9 @@ absl::StatusOr<std::unique_ptr<ExpertStore>> ExpertStore::Load(const ModelSource
                                                      numa.node(), " has ", GiB(node_mem)));
   s->bytes_ = need;
   s->hosted_ = std::move(hosted);
-  s->base_ = static_cast<std::byte*>(numa.Allocate(need));
-  if (s->base_ == nullptr) return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", GiB(need)));
+  s->base_ = static_cast<std::byte*>(shareable ? numa.AllocateShared(need, &s->fd_) : numa.Allocate(need));
+  if (s->base_ == nullptr)
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", GiB(need), ": ", std::strerror(errno)));
 
   // Pack in parallel: each pool thread (pinned to the node, so pages land there)
   // takes the next expert, reads it in row-major bf16 and packs it.
@@ -102,11 +110,90 @@ absl::StatusOr<std::unique_ptr<ExpertStore>> ExpertStore::Load(const ModelSource
     }
   });
   if (!error.ok()) return error;
+  // Readers map it read-only: no one may write, resize or reseal it from now on.
+  if (s->fd_ >= 0 &&
+      fcntl(s->fd_, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL) != 0)
+    return absl::InternalError(absl::StrCat("sealing the shared expert store: ", std::strerror(errno)));
   return s;
+}
+
+namespace {
+// The wire form of SharedStoreInfo (little-endian), then int32 layers, experts.
+struct SharedStoreHeader {
+  uint32_t magic, version;
+  int32_t hidden, intermediate, format, group;
+  uint64_t stride, bytes;
+  uint32_t num_layers, num_experts;
+};
+constexpr uint32_t kSharedStoreMagic = 0x53454f4d;  // "MOES"
+}  // namespace
+
+std::string ExpertStore::SharedInfo() const {
+  SharedStoreHeader h{kSharedStoreMagic, 1, geometry_.H, geometry_.I, static_cast<int32_t>(geometry_.format),
+                      geometry_.group, stride_, bytes_, static_cast<uint32_t>(hosted_.layers.size()),
+                      static_cast<uint32_t>(hosted_.experts.size())};
+  std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
+  for (const std::vector<int>* v : {&hosted_.layers, &hosted_.experts})
+    for (int x : *v) {
+      const int32_t i = x;
+      out.append(reinterpret_cast<const char*>(&i), sizeof(i));
+    }
+  return out;
+}
+
+int64_t SharedStoreInfo::Offset(int layer, int expert) const {
+  const auto l = std::lower_bound(layers.begin(), layers.end(), layer);
+  const auto e = std::lower_bound(experts.begin(), experts.end(), expert);
+  if (l == layers.end() || *l != layer || e == experts.end() || *e != expert) return -1;
+  return static_cast<int64_t>(((l - layers.begin()) * experts.size() + (e - experts.begin())) * stride);
+}
+
+absl::StatusOr<SharedStoreInfo> ParseSharedStoreInfo(std::string_view blob, const ModelSpec& spec,
+                                                     uint64_t store_bytes) {
+  SharedStoreHeader h;
+  if (blob.size() < sizeof(h)) return absl::InvalidArgumentError("shared store: description too short");
+  std::memcpy(&h, blob.data(), sizeof(h));
+  if (h.magic != kSharedStoreMagic || h.version != 1)
+    return absl::InvalidArgumentError("shared store: bad magic or version");
+  if (h.hidden != spec.hidden || h.intermediate != spec.intermediate)
+    return absl::InvalidArgumentError(absl::StrCat("shared store: hidden/intermediate ", h.hidden, "/", h.intermediate,
+                                                   ", the model has ", spec.hidden, "/", spec.intermediate));
+  if (h.format < 0 || h.format > static_cast<int>(WeightFormat::kInt4) ||
+      (h.format == static_cast<int>(WeightFormat::kInt4) && (h.group <= 0 || h.group % 64 != 0)))
+    return absl::InvalidArgumentError(absl::StrCat("shared store: format ", h.format, " group ", h.group));
+  SharedStoreInfo info;
+  info.geometry = ExpertGeometry::For(spec.hidden, spec.intermediate, static_cast<WeightFormat>(h.format), h.group);
+  info.stride = h.stride;
+  if (h.stride < info.geometry.packed_bytes() || h.stride % 64 != 0)
+    return absl::InvalidArgumentError(absl::StrCat("shared store: stride ", h.stride, " for experts of ",
+                                                   info.geometry.packed_bytes(), " bytes"));
+  if (blob.size() != sizeof(h) + 4ull * (uint64_t{h.num_layers} + h.num_experts))
+    return absl::InvalidArgumentError("shared store: description size does not match its counts");
+  const char* p = blob.data() + sizeof(h);
+  auto read = [&](uint32_t n, int limit, const char* what, std::vector<int>* out) -> absl::Status {
+    for (uint32_t i = 0; i < n; ++i, p += 4) {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      if (v < 0 || v >= limit || (!out->empty() && v <= out->back()))
+        return absl::InvalidArgumentError(absl::StrCat("shared store: ", what, " ", v, " out of range or order"));
+      out->push_back(v);
+    }
+    return absl::OkStatus();
+  };
+  MOE_RETURN_IF_ERROR(read(h.num_layers, spec.num_layers, "layer", &info.layers));
+  MOE_RETURN_IF_ERROR(read(h.num_experts, spec.num_experts, "expert", &info.experts));
+  const uint64_t table = uint64_t{h.num_layers} * h.num_experts * h.stride;
+  if (h.num_layers != 0 && table / h.num_layers / std::max<uint32_t>(h.num_experts, 1) != h.stride)
+    return absl::InvalidArgumentError("shared store: table size overflows");
+  if (table > store_bytes)
+    return absl::InvalidArgumentError(absl::StrCat("shared store: table needs ", table, " bytes, the memory has ",
+                                                   store_bytes));
+  return info;
 }
 
 ExpertStore::~ExpertStore() {
   if (numa_ != nullptr) numa_->Free(base_, bytes_);
+  if (fd_ >= 0) close(fd_);
 }
 
 const std::byte* ExpertStore::Find(int layer, int expert) const {

@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -43,6 +45,23 @@ class PackedExperts {
 // InvalidArgument naming --weight-dtype for other values.
 absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype);
 
+// How a server's packed store is described to a same-host GPU worker that
+// maps it (one host copy of the model): its geometry and table. Expert
+// (layers[i], experts[j]) sits at byte (i * experts.size() + j) * stride.
+struct SharedStoreInfo {
+  ExpertGeometry geometry;
+  uint64_t stride = 0;
+  std::vector<int> layers, experts;
+  // The expert's offset in the store, or -1 when it is not in it.
+  int64_t Offset(int layer, int expert) const;
+};
+// Checks a description received from a server against the model (`spec`)
+// and the size of the memory that came with it: the geometry is recomputed,
+// never trusted; layers and experts must be in range and ascending; the table
+// must fit in `store_bytes`. InvalidArgument naming the field otherwise.
+absl::StatusOr<SharedStoreInfo> ParseSharedStoreInfo(std::string_view blob, const ModelSpec& spec,
+                                                     uint64_t store_bytes);
+
 class ExpertStore : public PackedExperts {
  public:
   // Bytes the packed weights of `hosted` occupy.
@@ -52,10 +71,13 @@ class ExpertStore : public PackedExperts {
   // StorageGeometry) fit in available memory (refusing with the bytes needed
   // and available otherwise), then reads and packs every hosted expert. Any
   // weight error (NaN/Inf, wrong shape, missing tensor) fails the load.
+  // `shareable`: the store lives in a memfd, sealed read-only once packed,
+  // that shared_fd() hands to same-host GPU workers (SharedInfo() says
+  // what is where).
   static absl::StatusOr<std::unique_ptr<ExpertStore>> Load(const ModelSource& source,
                                                           const ExpertGeometry& geometry, HostedSet hosted,
                                                           const NumaBinding& numa,
-                                                          ComputePool& pool);
+                                                          ComputePool& pool, bool shareable = false);
   ~ExpertStore() override;
 
   const ExpertGeometry& geometry() const override { return geometry_; }
@@ -66,6 +88,9 @@ class ExpertStore : public PackedExperts {
   bool HostsExpert(int expert) const override;
   uint64_t resident_bytes() const { return bytes_; }
   int num_experts() const override { return num_experts_; }
+  // The sealed memfd of a shareable store (-1 otherwise) and its description.
+  int shared_fd() const { return fd_; }
+  std::string SharedInfo() const;
 
  private:
   ExpertStore() = default;
@@ -78,6 +103,7 @@ class ExpertStore : public PackedExperts {
   std::byte* base_ = nullptr;
   uint64_t bytes_ = 0;
   size_t stride_ = 0;             // bytes per packed expert (64-aligned)
+  int fd_ = -1;                   // shareable: the memfd the store lives in
 };
 
 }  // namespace moe

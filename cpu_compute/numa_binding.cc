@@ -2,6 +2,7 @@
 
 #include <hwloc.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -148,6 +149,29 @@ void* NumaBinding::Allocate(size_t bytes) const {
     if (p == MAP_FAILED) return nullptr;
   }
   madvise(p, bytes, MADV_HUGEPAGE);
+  return p;
+}
+
+void* NumaBinding::AllocateShared(size_t bytes, int* fd) const {
+  if (bytes == 0) bytes = 64;
+  *fd = memfd_create("moe-expert-store", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (*fd < 0) return nullptr;
+  void* p = MAP_FAILED;
+  if (ftruncate(*fd, static_cast<off_t>(bytes)) == 0)
+    p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    close(*fd);
+    *fd = -1;
+    errno = err;
+    return nullptr;
+  }
+  // Shared memory takes the mapping's policy for the pages it allocates.
+  if (node_ >= 0 && num_nodes_ > 1 && impl_->membind_ok &&
+      hwloc_set_area_membind(impl_->topo, p, bytes, impl_->nodeset, HWLOC_MEMBIND_BIND, HWLOC_MEMBIND_BYNODESET) != 0)
+    LogWarning("numa", "binding the shared expert store to node ", node_, " failed (", std::strerror(errno),
+               "); first-touch placement by the pinned threads");
+  madvise(p, bytes, MADV_HUGEPAGE);  // honoured where shmem huge pages are enabled
   return p;
 }
 

@@ -33,6 +33,10 @@ class NumaBinding {
   // Falls back to plain anonymous memory where binding is not supported.
   void* Allocate(size_t bytes) const;
   void Free(void* p, size_t bytes) const;
+  // The same in a memfd (sealable, mapped shared), so the memory can be
+  // handed to another process (SCM_RIGHTS). *fd is the caller's to close
+  // after Free. nullptr (errno set) on failure.
+  void* AllocateShared(size_t bytes, int* fd) const;
 
  private:
   NumaBinding() = default;

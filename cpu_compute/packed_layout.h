@@ -9,22 +9,9 @@
 
 #include "core/bf16.h"
 #include "cpu_compute/expert_kernel.h"
+#include "cpu_compute/packed_index.h"
 
 namespace moe::layout {
-
-// kBf16: W[c, k] is bf16 element ((k/2)*16 + c)*2 + k%2 of the block.
-inline size_t Bf16Index(int c, int k) { return (size_t(k / 2) * 16 + c) * 2 + k % 2; }
-
-// kInt8: byte offset of q[c, k] within the block's chunks.
-inline size_t Int8Offset(int c, int k) { return size_t(k / 64) * 1024 + ((k % 64) / 4) * 64 + c * 4 + k % 4; }
-
-// kInt4: byte offset of q[c, k]'s nibble, and whether it is the high one
-// (tile rows 2i and 2i+1 share byte row i).
-inline size_t Int4Offset(int c, int k, bool* high) {
-  const int row = (k % 64) / 4;
-  *high = row & 1;
-  return size_t(k / 64) * 512 + (row / 2) * 64 + c * 4 + k % 4;
-}
 
 // The integer code of (c, k) in a kInt8 or kInt4 block (int4: q in [-8, 7]).
 inline int Code(const ExpertGeometry& g, const std::byte* blk, int c, int k) {

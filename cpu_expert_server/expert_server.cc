@@ -94,7 +94,8 @@ absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
 absl::Status ExpertServer::LoadExperts() {
   pool_ = std::make_unique<ComputePool>(*binding_, std::chrono::microseconds(options_.idle_spin_us));
   const auto t0 = std::chrono::steady_clock::now();
-  MOE_ASSIGN_OR_RETURN(store_, ExpertStore::Load(*source_, geometry_, hosted_, *binding_, *pool_));
+  const bool shareable = options_.share_weights && !options_.shm_socket.empty();
+  MOE_ASSIGN_OR_RETURN(store_, ExpertStore::Load(*source_, geometry_, hosted_, *binding_, *pool_, shareable));
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   LogInfo("server", "weights resident: ", store_->resident_bytes(), " bytes (", store_->resident_bytes() >> 20,
           " MiB) on NUMA node ", binding_->node(), ", packed in ", load_s, " s");
@@ -159,6 +160,10 @@ absl::Status ExpertServer::ServeSharedMemory() {
   so.hosted = [this](int e) { return store_->HostsExpert(e); };
   so.allowed_uids = options_.shm_allowed_uids;
   so.max_slot_tokens = static_cast<uint32_t>(options_.max_tokens);
+  if (store_->shared_fd() >= 0) {
+    so.shared_store_fd = store_->shared_fd();
+    so.shared_store_info = store_->SharedInfo();
+  }
   so.idle_spin = std::chrono::microseconds(std::max<int64_t>(options_.idle_spin_us, 100));
   so.on_request = [this](const ShmRequestRecord& r) {
     metrics_->RecordRequest(ExpertServerMetrics::Transport::kShm, r.code, r.bytes_received, r.bytes_sent,

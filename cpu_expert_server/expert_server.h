@@ -50,6 +50,9 @@ struct ExpertServerOptions {
   int max_tokens = 8192;                  // --max-tokens
   std::string shm_socket;                 // --shm-socket; "" = no shared memory
   std::vector<uid_t> shm_allowed_uids;    // --shm-allow-uids; empty = this process's uid
+  // --share-weights: with --shm-socket, the packed experts live in a sealed
+  // memfd that same-host GPU workers map read-only (one host copy).
+  bool share_weights = true;
   std::string coordinator;                // --coordinator; "" = none
   std::string server_id;                  // --server-id; "" = HOSTNAME:PORT
   ServiceFlags service;                   // TLS (served and to the coordinator), metrics endpoint

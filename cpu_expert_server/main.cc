@@ -47,6 +47,9 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.Int("max-tokens", &max_tokens, "largest number of tokens accepted in one request");
   flags.Int("drain-seconds", &f.drain_seconds, "on SIGTERM/SIGINT, how long in-flight requests may take to finish");
   flags.String("shm-socket", &o.shm_socket, "also serve same-host clients over shared memory on this Unix socket (mode 0660)");
+  flags.Bool("share-weights", &o.share_weights,
+             "with --shm-socket: keep the packed experts in a sealed memfd that same-host GPU workers map "
+             "read-only, so worker and server hold the model once (default true)");
   flags.String("shm-allow-uids", &shm_uids, "uids allowed on the shm socket, comma list (default: this process's uid)");
   flags.String("coordinator", &o.coordinator, "coordinator address host:port: register what this server hosts and heartbeat");
   flags.String("server-id", &o.server_id, "stable id of this server at the coordinator (default: HOSTNAME:PORT)");

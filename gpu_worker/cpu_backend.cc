@@ -1,5 +1,5 @@
-// The cpu DeviceBackend: expert buffers in host memory, packed once at load
-// (PackExpert) and computed by the same MoeExecutor + ExpertKernel the CPU
+// The cpu DeviceBackend: expert buffers in host memory, in the packed layout
+// the host copy already holds (a copy is a memcpy) and computed by the same MoeExecutor + ExpertKernel the CPU
 // expert server runs. Every call executes synchronously, so every fence it
 // returns is already complete.
 #include <algorithm>
@@ -30,7 +30,7 @@ class BufferSet : public PackedExperts {
   ~BufferSet() override { std::free(base_); }
   absl::Status Allocate(const ExpertGeometry& g, int n) {
     geometry_ = g;
-    stride_ = (g.packed_bytes() + 63) / 64 * 64;
+    stride_ = Stride(g);
     count_ = n;
     const size_t bytes = std::max<size_t>(stride_ * static_cast<size_t>(n), 64);
     base_ = static_cast<std::byte*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
@@ -44,6 +44,7 @@ class BufferSet : public PackedExperts {
     loaded_.assign(n, false);
     return absl::OkStatus();
   }
+  static size_t Stride(const ExpertGeometry& g) { return (g.packed_bytes() + 63) / 64 * 64; }
   std::byte* Buffer(int b) { return base_ + stride_ * b; }
   void MarkLoaded(int b) { loaded_[b] = true; }
   size_t stride() const { return stride_; }
@@ -71,9 +72,9 @@ class CpuBackend final : public DeviceBackend {
  public:
   const char* name() const override { return "cpu"; }
   bool has_device_memory() const override { return false; }
-  size_t expert_bytes() const override {
-    return buffers_.stride() ? buffers_.stride()
-                             : ExpertGeometry::For(config_.hidden, config_.intermediate).packed_bytes();
+  size_t ExpertBytes(const ExpertGeometry& g) const override { return BufferSet::Stride(g); }
+  bool Supports(WeightFormat f) const override {
+    return MakeExpertKernel(config_.cpu_kernel, CpuFeatures::Get(), f).ok();
   }
   size_t free_memory_bytes() const override { return AvailableMemoryBytes(); }
   int hit_row_align() const override { return executor_ ? executor_->row_align() : 1; }
@@ -84,9 +85,8 @@ class CpuBackend final : public DeviceBackend {
     if (c.num_buffers < 0 || c.max_tokens < 0 || c.max_top_k <= 0 || c.contexts <= 0)
       return absl::InvalidArgumentError("backend config: negative sizes");
     config_ = c;
-    const ExpertGeometry g = ExpertGeometry::For(c.hidden, c.intermediate);
-    MOE_RETURN_IF_ERROR(buffers_.Allocate(g, c.num_buffers));
-    MOE_ASSIGN_OR_RETURN(kernel_, MakeExpertKernel(c.cpu_kernel, CpuFeatures::Get()));
+    MOE_ASSIGN_OR_RETURN(kernel_, MakeExpertKernel(c.cpu_kernel, CpuFeatures::Get(), c.format));
+    MOE_RETURN_IF_ERROR(buffers_.Allocate(GeometryOf(c), c.num_buffers));
     MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create("auto", c.cpu_threads));
     pool_ = std::make_unique<ComputePool>(*binding_);
     executor_ = std::make_unique<MoeExecutor>(buffers_, *kernel_, *pool_);
@@ -99,15 +99,14 @@ class CpuBackend final : public DeviceBackend {
     return absl::OkStatus();
   }
 
-  absl::Status RegisterHost(void*, size_t) override { return absl::OkStatus(); }
+  absl::Status RegisterHost(void*, size_t, bool) override { return absl::OkStatus(); }
   void UnregisterHost(void*) override {}
 
-  absl::StatusOr<uint64_t> LoadExpert(int buffer, const bf16_t* src, uint64_t) override {
-    if (buffer < 0 || buffer >= config_.num_buffers)
-      return absl::InvalidArgumentError(absl::StrCat("buffer: ", buffer, " out of range"));
-    const size_t ih = static_cast<size_t>(config_.intermediate) * config_.hidden;
+  absl::StatusOr<uint64_t> LoadExpert(int buffer, const std::byte* packed, uint64_t) override {
+    if (buffer < 0 || buffer >= config_.num_buffers || packed == nullptr)
+      return absl::InvalidArgumentError(absl::StrCat("buffer: ", buffer, packed == nullptr ? " from null" : " out of range"));
     const auto t0 = std::chrono::steady_clock::now();
-    PackExpert(buffers_.geometry(), src, src + ih, src + 2 * ih, buffers_.Buffer(buffer));
+    std::memcpy(buffers_.Buffer(buffer), packed, buffers_.geometry().packed_bytes());
     buffers_.MarkLoaded(buffer);
     const uint64_t fence = ++copy_fence_;
     copy_times_[fence % copy_times_.size()] = {

@@ -13,9 +13,14 @@
 // cudaEvents; a fence older than the ring is known complete (its event was
 // waited for before the slot was reused). Id 0 means "no fence".
 //
-// Memory. One cudaMalloc holds every expert buffer: gate [I,H], up [I,H],
-// down [H,I] row-major bf16 exactly as LoadExpert receives them, each buffer
-// padded to 256 bytes. Per context: activations [max_tokens, H] bf16, the f32
+// Memory. One cudaMalloc holds every expert buffer, each padded to 256
+// bytes. bf16 buffers hold gate [I,H], up [I,H], down [H,I] row-major (what
+// the bf16 kernels and cuBLAS read): LoadExpert copies the packed bf16 expert
+// into a staging buffer and LaunchUnpackExpert repacks it on the copy stream.
+// int8 / int4 buffers hold the packed expert byte for byte (a copy is one
+// memcpy of 1/2 or about 1/4 of the bf16 bytes) and the packed kernels read it;
+// a group too big for them is dequantized into a bf16 scratch expert first
+// and goes through cuBLAS. Per context: activations [max_tokens, H] bf16, the f32
 // accumulator [max_tokens, H], and a pinned host staging arena with a device
 // mirror for the plan/row arrays (bump-allocated per call; host bytes are
 // reused only after the event of the last upload out of them completed, device
@@ -64,6 +69,10 @@ namespace {
 // Groups with more rows than this run through cuBLAS; up to it, the grouped
 // kernels (measured faster than cuBLAS up to 64 rows, see above).
 constexpr int kGemmMinRows = 64;
+// The same for int8 / int4 buffers: the packed kernels take 8 rows per pass
+// and re-read the weights (from L2) for each pass; above this a group is
+// dequantized into bf16 once and goes to cuBLAS.
+constexpr int kPackedGemmMinRows = 32;
 // Rows of one cuBLAS piece; bounds the GEMM scratch to
 // kGemmChunkRows * (H * 2 + max(2I, H) * 4) bytes.
 constexpr int kGemmChunkRows = 2048;
@@ -172,14 +181,15 @@ class CudaBackend final : public DeviceBackend {
   const char* name() const override { return "cuda"; }
   bool has_device_memory() const override { return true; }
   // 0 before Init (the geometry is not known yet).
-  size_t expert_bytes() const override { return expert_stride_ * sizeof(bf16_t); }
+  size_t ExpertBytes(const ExpertGeometry& g) const override;
+  bool Supports(WeightFormat) const override { return true; }
   size_t free_memory_bytes() const override;
 
   absl::Status Init(const BackendConfig& config) override;
-  absl::Status RegisterHost(void* p, size_t bytes) override;
+  absl::Status RegisterHost(void* p, size_t bytes, bool read_only) override;
   void UnregisterHost(void* p) override;
 
-  absl::StatusOr<uint64_t> LoadExpert(int buffer, const bf16_t* src,
+  absl::StatusOr<uint64_t> LoadExpert(int buffer, const std::byte* packed,
                                       uint64_t after_compute) override;
   bool CopyDone(uint64_t copy_fence) override;
   absl::Status WaitCopy(uint64_t copy_fence) override;
@@ -264,20 +274,26 @@ class CudaBackend final : public DeviceBackend {
   absl::StatusOr<int> SplitHitGroups(const Context& c, const HitPlan& plan);
   absl::Status RunGemmGroup(Context& c, const cuda::GroupDesc& g, const int32_t* d_token,
                             const float* d_weight);
+  // The grouped launches (gate/up, then down) for `a`'s groups, in the
+  // buffers' format.
+  absl::Status LaunchGroups(cuda::GroupedExpertArgs a, cudaStream_t stream) const;
   // Device pointer through which a kernel may write [p, p + bytes) of host
   // memory, or nullptr (not registered/mapped, or too big to be worth it).
   void* MappedForKernelWrite(void* p, size_t bytes) const;
 
-  bf16_t* buffer_ptr(int b) const {
-    return static_cast<bf16_t*>(experts_.get()) + static_cast<size_t>(b) * expert_stride_;
-  }
+  uint8_t* slot(int b) const { return static_cast<uint8_t*>(experts_.get()) + static_cast<size_t>(b) * slot_bytes_; }
+  // A bf16 buffer (row-major).
+  bf16_t* buffer_ptr(int b) const { return reinterpret_cast<bf16_t*>(slot(b)); }
 
   int device_;
   bool initialized_ = false;
   BackendConfig config_;
   int H_ = 0, I_ = 0;
-  size_t expert_elems_ = 0;   // 3*I*H: what LoadExpert copies
-  size_t expert_stride_ = 0;  // expert_elems_ rounded up to kExpertAlignElems
+  ExpertGeometry geometry_;   // the buffers' storage format
+  cuda::PackedLayout layout_;  // geometry_ for the kernels
+  size_t slot_bytes_ = 0;     // bytes between buffers (ExpertBytes)
+  DeviceMem staging_;         // bf16: one packed expert, repacked into its buffer
+  DeviceMem unpacked_;        // int8 / int4: one expert as row-major bf16, for cuBLAS
 
   cudaStream_t compute_ = nullptr;
   cudaStream_t copy_ = nullptr;
@@ -332,6 +348,8 @@ CudaBackend::~CudaBackend() {
   rows_bf16_.reset();
   gemm_f32_.reset();
   experts_.reset();
+  staging_.reset();
+  unpacked_.reset();
   cublas_workspace_.reset();
   if (compute_ != nullptr) cudaStreamDestroy(compute_);
   if (copy_ != nullptr) cudaStreamDestroy(copy_);
@@ -441,20 +459,40 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
     mapped_write_max_bytes_ = std::strtoull(v, nullptr, 10);
   H_ = config.hidden;
   I_ = config.intermediate;
-  expert_elems_ = 3 * static_cast<size_t>(I_) * static_cast<size_t>(H_);
-  expert_stride_ = RoundUp(expert_elems_, kExpertAlignElems);
+  geometry_ = GeometryOf(config);
+  layout_.format = static_cast<int>(geometry_.format);
+  layout_.group = geometry_.group;
+  layout_.Kh = geometry_.Kh;
+  layout_.Ki = geometry_.Ki;
+  layout_.Hn = geometry_.Hn;
+  layout_.gate_up_block = geometry_.block_bytes(geometry_.Kh);
+  layout_.down_block = geometry_.block_bytes(geometry_.Ki);
+  layout_.gate_up_bytes = geometry_.gate_up_bytes();
+  slot_bytes_ = ExpertBytes(geometry_);
   MOE_RETURN_IF_ERROR(CreateStreamsAndHandles());
+  if (config.num_buffers > 0) {
+    if (geometry_.quantized()) {
+      MOE_ASSIGN_OR_RETURN(unpacked_, AllocDevice(3 * static_cast<size_t>(I_) * H_ * sizeof(bf16_t), "unpacked expert"));
+    } else {
+      MOE_ASSIGN_OR_RETURN(staging_, AllocDevice(geometry_.packed_bytes(), "expert staging"));
+    }
+  }
   const size_t max_tokens = std::max(config.max_tokens, 1);
   const size_t plan_rows = max_tokens * static_cast<size_t>(config.max_top_k);
   MOE_RETURN_IF_ERROR(AllocateSharedScratch(plan_rows));
   MOE_RETURN_IF_ERROR(AllocateContexts(max_tokens, plan_rows));
   // Expert buffers last: they take what is left.
   if (config.num_buffers > 0) {
-    const size_t bytes = expert_stride_ * sizeof(bf16_t) * static_cast<size_t>(config.num_buffers);
+    const size_t bytes = slot_bytes_ * static_cast<size_t>(config.num_buffers);
     MOE_ASSIGN_OR_RETURN(experts_, AllocDevice(bytes, absl::StrCat(config.num_buffers, " expert buffers").c_str()));
   }
   initialized_ = true;
   return absl::OkStatus();
+}
+
+size_t CudaBackend::ExpertBytes(const ExpertGeometry& g) const {
+  if (g.quantized()) return RoundUp(g.packed_bytes(), kExpertAlignElems * sizeof(bf16_t));
+  return RoundUp(3 * static_cast<size_t>(g.I) * g.H, kExpertAlignElems) * sizeof(bf16_t);
 }
 
 absl::Status CudaBackend::EnsurePlanRows(int rows) {
@@ -474,12 +512,13 @@ absl::Status CudaBackend::EnsurePlanRows(int rows) {
   return absl::OkStatus();
 }
 
-absl::Status CudaBackend::RegisterHost(void* p, size_t bytes) {
+absl::Status CudaBackend::RegisterHost(void* p, size_t bytes, bool read_only) {
   // Allowed before Init (the contract: a host store may be pinned first).
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   if (p == nullptr || bytes == 0)
     return absl::InvalidArgumentError("cuda backend: RegisterHost of an empty range");
-  const cudaError_t err = cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  const cudaError_t err = cudaHostRegister(
+      p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable | (read_only ? cudaHostRegisterReadOnly : 0u));
   if (err == cudaErrorHostMemoryAlreadyRegistered) {
     cudaGetLastError();
     return absl::AlreadyExistsError(absl::StrCat(
@@ -527,13 +566,13 @@ void* CudaBackend::MappedForKernelWrite(void* p, size_t bytes) const {
 
 // ---- copy queue ----------------------------------------------------------
 
-absl::StatusOr<uint64_t> CudaBackend::LoadExpert(int buffer, const bf16_t* src,
+absl::StatusOr<uint64_t> CudaBackend::LoadExpert(int buffer, const std::byte* packed,
                                                  uint64_t after_compute) {
   MOE_RETURN_IF_ERROR(Use());
-  if (buffer < 0 || buffer >= config_.num_buffers || src == nullptr) {
+  if (buffer < 0 || buffer >= config_.num_buffers || packed == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("cuda backend: LoadExpert buffer ", buffer,
                                                    " of ", config_.num_buffers,
-                                                   src == nullptr ? " from null" : ""));
+                                                   packed == nullptr ? " from null" : ""));
   }
   if (!compute_fences_.Issued(after_compute)) {
     return absl::InvalidArgumentError(
@@ -543,9 +582,16 @@ absl::StatusOr<uint64_t> CudaBackend::LoadExpert(int buffer, const bf16_t* src,
     MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(copy_, e, 0));
   // After the wait: the start event completes when the copy itself starts.
   MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(copy_starts_[copy_fences_.next() % copy_starts_.size()], copy_));
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(buffer_ptr(buffer), src,
-                                           expert_elems_ * sizeof(bf16_t),
-                                           cudaMemcpyHostToDevice, copy_));
+  if (geometry_.quantized()) {
+    MOE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(slot(buffer), packed, geometry_.packed_bytes(), cudaMemcpyHostToDevice, copy_));
+  } else {
+    // Stream order on copy_ keeps the next copy out of staging_ until this repack read it.
+    MOE_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(staging_.get(), packed, geometry_.packed_bytes(), cudaMemcpyHostToDevice, copy_));
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchUnpackExpert(static_cast<const uint8_t*>(staging_.get()), layout_, H_, I_,
+                                                      buffer_ptr(buffer), copy_));
+  }
   return copy_fences_.Record(copy_);
 }
 
@@ -824,7 +870,7 @@ absl::StatusOr<int> CudaBackend::SplitHitGroups(const Context& c, const HitPlan&
           " rows)"));
     }
     if (d.count == 0) continue;
-    if (d.count > kGemmMinRows) {
+    if (d.count > (geometry_.quantized() ? kPackedGemmMinRows : kGemmMinRows)) {
       big_groups_.push_back(d);
     } else {
       small_groups_.push_back(d);
@@ -868,8 +914,6 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
 
   if (!small_groups_.empty()) {
     cuda::GroupedExpertArgs a;
-    a.experts = static_cast<const bf16_t*>(experts_.get());
-    a.expert_stride = expert_stride_;
     a.hidden = H_;
     a.intermediate = I_;
     a.groups = reinterpret_cast<const cuda::GroupDesc*>(u.dev + groups_off);
@@ -880,12 +924,25 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
     a.x = static_cast<const bf16_t*>(c.x.get());
     a.act = static_cast<bf16_t*>(act_.get());
     a.accum = static_cast<float*>(c.accum.get());
-    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedGateUp(a, compute_));
-    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedDown(a, compute_));
+    MOE_RETURN_IF_ERROR(LaunchGroups(a, compute_));
   }
   for (const cuda::GroupDesc& g : big_groups_) {
     MOE_RETURN_IF_ERROR(RunGemmGroup(c, g, d_token, d_weight));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::LaunchGroups(cuda::GroupedExpertArgs a, cudaStream_t stream) const {
+  if (geometry_.quantized()) {
+    const cuda::PackedExperts p{static_cast<const uint8_t*>(experts_.get()), slot_bytes_, layout_};
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchPackedGateUp(a, p, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchPackedDown(a, p, stream));
+    return absl::OkStatus();
+  }
+  a.experts = static_cast<const bf16_t*>(experts_.get());
+  a.expert_stride = slot_bytes_ / sizeof(bf16_t);
+  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedGateUp(a, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedDown(a, stream));
   return absl::OkStatus();
 }
 
@@ -900,6 +957,11 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
 absl::Status CudaBackend::RunGemmGroup(Context& c, const cuda::GroupDesc& g,
                                        const int32_t* d_token, const float* d_weight) {
   const bf16_t* gate_up = buffer_ptr(g.buffer);  // [2I, H] row-major
+  if (geometry_.quantized()) {  // dequantized once for all the group's pieces
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchUnpackExpert(slot(g.buffer), layout_, H_, I_,
+                                                      static_cast<bf16_t*>(unpacked_.get()), compute_));
+    gate_up = static_cast<const bf16_t*>(unpacked_.get());
+  }
   const bf16_t* down = gate_up + 2 * static_cast<size_t>(I_) * H_;  // [H, I] row-major
   bf16_t* xg = static_cast<bf16_t*>(rows_bf16_.get());
   float* f32 = static_cast<float*>(gemm_f32_.get());
@@ -1083,8 +1145,6 @@ absl::Status CudaBackend::EnqueueHostPlanned(const HostPlannedCall& call) {
   float* accum = static_cast<float*>(s.d_accum.get());
   MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(accum, 0, n * sizeof(float), stream));
   cuda::GroupedExpertArgs a;
-  a.experts = buffer_ptr(0);
-  a.expert_stride = expert_stride_;
   a.hidden = H_;
   a.intermediate = I_;
   a.groups = static_cast<const cuda::GroupDesc*>(s.d_groups.get());
@@ -1095,8 +1155,7 @@ absl::Status CudaBackend::EnqueueHostPlanned(const HostPlannedCall& call) {
   a.x = call.hidden;
   a.act = static_cast<bf16_t*>(s.d_act.get());
   a.accum = accum;
-  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedGateUp(a, stream));
-  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGroupedDown(a, stream));
+  MOE_RETURN_IF_ERROR(LaunchGroups(a, stream));
   // The servers' partial sums (host node waits for them), merged, written out.
   MOE_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, &CudaBackend::RunFinish, rec.get()));
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_partial.get(), s.h_partial.get(), n * 2, cudaMemcpyHostToDevice, stream));

@@ -9,8 +9,12 @@
 // and the policies are written once against this interface.
 //
 // Memory model. The backend owns `num_buffers` expert buffers, each holding
-// one expert (gate [I,H], up [I,H], down [H,I]) in whatever layout its kernels
-// read; a buffer index is all the dispatcher knows. It also owns `contexts`
+// one expert (gate [I,H], up [I,H], down [H,I]) in the storage format of
+// BackendConfig::format (bf16, int8 or int4: the cache's precision) and
+// whatever layout its kernels read; a buffer index is all the dispatcher
+// knows. Experts arrive packed (PackExpert's layout, cpu_compute/expert_kernel.h),
+// as the host copy holds them (the CPU server's packed store, shared, or the
+// worker's own). It also owns `contexts`
 // independent per-call scratch areas (inputs, f32 accumulator, plan), so two
 // micro-batches can be in flight at once (dual-batch overlap).
 //
@@ -37,6 +41,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/bf16.h"
 #include "core/routing.h"
+#include "cpu_compute/expert_kernel.h"
 #include "moe/types.h"
 
 namespace moe {
@@ -48,6 +53,11 @@ struct BackendConfig {
   int max_tokens = 0;    // largest T of one call
   int max_top_k = 8;     // largest k of one call
   int contexts = 2;      // concurrent calls (micro-batches)
+  // The experts' storage format (the GPU cache's precision) and, for int4,
+  // the k per scale group: the buffers hold ExpertGeometry::For(hidden,
+  // intermediate, format, int4_group) experts.
+  WeightFormat format = WeightFormat::kBf16;
+  int int4_group = 0;
   // cpu backend
   int cpu_threads = 0;             // 0: every CPU this process may run on
   std::string cpu_kernel = "auto"; // amx | avx512 | reference | auto
@@ -62,6 +72,11 @@ struct BackendConfig {
 //   accum[token[r]] += weight[r] * FFN_buffer[g](x[token[r]])
 // for rows r in [row_begin[g], row_begin[g] + count[g]). token[r] == -1 marks
 // padding rows (skipped).
+// The packed geometry of a config's experts.
+inline ExpertGeometry GeometryOf(const BackendConfig& c) {
+  return ExpertGeometry::For(c.hidden, c.intermediate, c.format, c.int4_group);
+}
+
 struct HitPlan {
   const ExpertGroups* groups = nullptr;
   const int32_t* buffer = nullptr;  // [groups->num_groups()]
@@ -118,8 +133,11 @@ class DeviceBackend {
   // Memory the hidden/output pointers of a kDevice call live in; a cpu backend
   // has none (kDevice calls are refused by the dispatcher).
   virtual bool has_device_memory() const = 0;
-  // Bytes one expert buffer occupies.
-  virtual size_t expert_bytes() const = 0;
+  // Bytes one expert buffer of geometry `g` occupies (what a cache slot
+  // costs; known before Init).
+  virtual size_t ExpertBytes(const ExpertGeometry& g) const = 0;
+  // Whether this backend computes experts stored in format `f`.
+  virtual bool Supports(WeightFormat f) const = 0;
   // Bytes still free for expert buffers on this device (before Init: all of it).
   virtual size_t free_memory_bytes() const = 0;
 
@@ -129,16 +147,20 @@ class DeviceBackend {
   // Pins host memory for DMA (cudaHostRegister); the cpu backend does nothing.
   // Used for the host expert store and the shm segment of a transport, so
   // copies to and from them run at full PCIe rate with no bounce buffer.
-  virtual absl::Status RegisterHost(void* p, size_t bytes) = 0;
+  // `read_only`: memory mapped read-only (a server's shared expert store),
+  // which the device only reads.
+  virtual absl::Status RegisterHost(void* p, size_t bytes, bool read_only = false) = 0;
   virtual void UnregisterHost(void* p) = 0;
 
   // ---- copy queue --------------------------------------------------------
-  // Starts copying one expert from host memory into `buffer`: `src` holds
-  // gate [I,H], up [I,H], down [H,I] row-major bf16, back to back (3*I*H
-  // values). The copy first waits for compute fence `after_compute` (0: no
-  // wait), so a buffer still read by earlier compute is not overwritten.
-  // `src` must stay valid until the returned copy fence is done.
-  virtual absl::StatusOr<uint64_t> LoadExpert(int buffer, const bf16_t* src,
+  // Starts copying one expert from host memory into `buffer`: `packed` is
+  // the expert packed in the config's geometry (PackExpert; packed_bytes()
+  // bytes). Formats whose buffers use another layout are repacked on the
+  // device after the copy (the cuda backend's bf16 buffers are row-major).
+  // The copy first waits for compute fence `after_compute` (0: no wait), so
+  // a buffer still read by earlier compute is not overwritten. `packed` must
+  // stay valid until the returned copy fence is done.
+  virtual absl::StatusOr<uint64_t> LoadExpert(int buffer, const std::byte* packed,
                                               uint64_t after_compute) = 0;
   // True when the copy fence has completed (non-blocking).
   virtual bool CopyDone(uint64_t copy_fence) = 0;

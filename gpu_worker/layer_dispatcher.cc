@@ -233,7 +233,18 @@ absl::Status LayerDispatcher::CheckConfig() {
 // backend sized for it plus the temporary miss buffers.
 absl::Status LayerDispatcher::CreateCacheAndBackend() {
   const DispatcherConfig& c = config_;
-  const size_t expert_bytes = spec_.ExpertBf16Bytes();
+  BackendConfig bc = c.backend;  // the device knobs; the sizes follow from the model and the cache
+  bc.hidden = spec_.hidden;
+  bc.intermediate = spec_.intermediate;
+  if (host_ != nullptr) {  // the cache holds experts in the host copy's precision
+    bc.format = host_->geometry().format;
+    bc.int4_group = host_->geometry().group;
+  }
+  if (!backend_->Supports(bc.format))
+    return absl::FailedPreconditionError(absl::StrCat("the ", backend_->name(), " backend cannot compute ",
+                                                      WeightFormatName(bc.format), " experts"));
+  copy_bytes_ = GeometryOf(bc).packed_bytes();
+  const size_t expert_bytes = backend_->ExpertBytes(GeometryOf(bc));
   int C = c.slots_per_layer;
   if (C == 0 && c.cache_gib > 0)
     C = static_cast<int>(c.cache_gib * (1ull << 30) / expert_bytes / std::max<size_t>(1, layers_.size()));
@@ -257,9 +268,6 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   cc.lfru_half_life = c.lfru_half_life;
   MOE_ASSIGN_OR_RETURN(cache_, ExpertCache::Create(cc));
 
-  BackendConfig bc = c.backend;  // the device knobs; the sizes follow from the model and the cache
-  bc.hidden = spec_.hidden;
-  bc.intermediate = spec_.intermediate;
   bc.num_buffers = C * static_cast<int>(layers_.size()) + temp;
   bc.max_tokens = c.max_tokens;
   bc.max_top_k = c.max_top_k;
@@ -327,7 +335,7 @@ absl::Status LayerDispatcher::CreateAdmission() {
   AdmissionConfig ac;
   ac.layers = layers_;
   ac.num_experts = spec_.num_experts;
-  ac.expert_bytes = spec_.ExpertBf16Bytes();
+  ac.expert_bytes = copy_bytes_;
   ac.pass_budget_bytes = config_.pass_budget_bytes;
   if (cost_.measured) {
     // A copy reads the expert's bytes from host DRAM, as the CPU does to
@@ -527,7 +535,7 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
     }
     impl_->pending.push_back({copies[i], *f, Clock::now()});
     ++copies_started_;
-    if (config_.on_cache_activity) config_.on_cache_activity(layer, 1, spec_.ExpertBf16Bytes(), 0, 0);
+    if (config_.on_cache_activity) config_.on_cache_activity(layer, 1, copy_bytes_, 0, 0);
   }
   return absl::OkStatus();
 }

@@ -248,6 +248,7 @@ class LayerDispatcher {
   std::vector<int> layer_index_;  // model layer -> served index, or -1
   CostModel cost_;
   uint64_t copies_started_ = 0;
+  uint64_t copy_bytes_ = 0;  // bytes one expert copy moves (the host copy's packed expert)
   std::unique_ptr<AdmissionPolicy> admission_;
   std::vector<std::vector<int>> assigned_;  // [served index] last coordinator assignment (predictive)
   std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();

@@ -84,7 +84,13 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   MOE_ASSIGN_OR_RETURN(r->backend, MakeDeviceBackend(o.device));
   if (o.host_copy) {
     const std::vector<int>& layers = o.layers.empty() ? spec.moe_layers : o.layers;
-    MOE_ASSIGN_OR_RETURN(r->host, HostExpertStore::Load(*r->source, layers, r->backend.get()));
+    std::vector<std::string> unix_sockets;
+    for (const ExpertServerConfig& sc : c.servers)
+      if (sc.address.rfind("unix://", 0) == 0) unix_sockets.push_back(sc.address.substr(7));
+    MOE_ASSIGN_OR_RETURN(r->host, HostExpertStore::Open(*r->source, layers, unix_sockets, o.weight_dtype,
+                                                        o.share_host_copy, r->backend.get()));
+    c.backend.format = r->host->geometry().format;
+    c.backend.int4_group = r->host->geometry().group;
   }
   MOE_ASSIGN_OR_RETURN(r->dispatcher, LayerDispatcher::Create(spec, *r->backend, r->host.get(), std::move(c)));
   return std::unique_ptr<MoeSession>(new MoeSession(std::move(r)));

@@ -57,6 +57,12 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.String("copy-mode", &o.copy_mode,
                "uncached experts: auto (copy to the GPU when measured rates say it pays), never, always");
   flags.String("layers", &layers_flag, "MoE layers served (default: all)");
+  flags.String("weight-dtype", &o.weight_dtype,
+               "precision of the host copy and the GPU cache: auto (the same-host servers' when shared, else the "
+               "checkpoint's: fp8 -> int8, int4 -> int4, else bf16), bf16, int8 or int4");
+  flags.Bool("share-host-copy", &o.share_host_copy,
+             "map the same-host (unix://) servers' packed experts read-only instead of keeping an own host copy, "
+             "when they cover the served layers (default true)");
   flags.Int("max-tokens", &max_tokens, "largest number of tokens of one micro-batch");
   flags.Int("max-top-k", &max_top_k, "largest k of the routing");
   flags.Int("cpu-threads", &cpu_threads, "cpu backend: compute threads (0 = all)");
@@ -70,6 +76,8 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   if (o.model.empty()) flags.Fail("--model is required (see --help)");
   if (servers_flag.empty()) flags.Fail("--servers is required (see --help)");
   if (o.policy.empty()) o.policy = "predictive";
+  if (o.weight_dtype != "auto" && o.weight_dtype != "bf16" && o.weight_dtype != "int8" && o.weight_dtype != "int4")
+    flags.Fail("--weight-dtype: '" + o.weight_dtype + "' is not one of auto, bf16, int8, int4");
   if (absl::Status st = f.service.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(f.service.tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));

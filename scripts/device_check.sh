@@ -11,6 +11,8 @@
 #   quant                 issue 12 point 6 (~2-4 min): expert_kernels --formats=bf16,int8,int4 on the qwen3-30b-a3b
 #                         shape (short timing: 0.2 s per case), then moe_layer qwen3-30b-a3b (16 layers, T=1,8,
 #                         cache 0,25%, 3 runs, ours) with the server storing bf16, int8, then int4 experts
+#   gpu_quant             the cuda backend's grouped kernels at bf16 / int8 / int4 cache formats
+#                         (DISABLED_DecodeThroughput, DeepSeek-V3 experts): us per call, GB/s of stored weights
 #   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
 #                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
 #                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
@@ -37,7 +39,7 @@ while [[ $# -gt 0 ]]; do
   case $phase in
     tests)
       echo "## tests" | tee -a "$OUT/tests.txt"
-      for t in ${TESTS:-device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test miss_plan_test quantization_test grpc_wire_test}; do
+      for t in ${TESTS:-device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test miss_plan_test quantization_test grpc_wire_test shared_host_copy_test}; do
         [[ -x $B/bin/$t ]] || continue
         timeout 300 "$B/bin/$t" > "/tmp/$t.log" 2>&1
         rc=$?
@@ -72,6 +74,12 @@ while [[ $# -gt 0 ]]; do
         moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 --modes=ours --weight-dtype=bf16 \
         moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 --modes=ours --weight-dtype=int8 \
         moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 --modes=ours --weight-dtype=int4 ;;
+    gpu_quant)
+      # issue 12 point 4: the cuda backend's grouped kernels per cache format (DeepSeek-V3 experts, 32 per call)
+      for f in cuda cuda_int8 cuda_int4; do
+        timeout 300 "$B/bin/device_backend_test" --gtest_also_run_disabled_tests \
+          --gtest_filter="*DecodeThroughput/$f" 2>&1 | grep -E "GB/s|FAILED|OK" | tee -a "$OUT/gpu_quant.txt"
+      done ;;
     python)
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       echo "## python ($py)" | tee -a "$OUT/python.txt"

@@ -1,5 +1,9 @@
 // DeviceBackend conformance: every test runs against each backend ("cpu",
-// "cuda") and compares with a double-precision SwiGLU reference written here.
+// "cuda") in each storage format (bf16, int8, int4: "cuda_int8" is the cuda
+// backend with an int8 cache) and compares with a double-precision SwiGLU
+// reference written here, computed from the weights the packed experts stand
+// for (dequantized): relative L2 error <= 1e-2 for bf16 and int8, <= 3e-2
+// for int4.
 // Without a usable GPU the cuda instances are skipped (by name, with the
 // reason); on a GPU host the same tests are the cuda backend's self-check.
 #include <gtest/gtest.h>
@@ -30,7 +34,8 @@ namespace moe {
 namespace {
 
 constexpr uint64_t kWeightSeed = 20261122;
-constexpr double kTolerance = 1e-2;
+// The stated bound per storage format (the CPU kernels also quantize activations).
+double Tolerance(WeightFormat f) { return f == WeightFormat::kInt4 ? 3e-2 : 1e-2; }
 
 struct Geometry {
   int H, I;
@@ -41,33 +46,49 @@ constexpr Geometry kTiny{96, 80};
 constexpr Geometry kWide{512, 256};
 constexpr Geometry kOdd{100, 44};
 
-// gate [I,H], up [I,H], down [H,I] of synthetic expert `id`, back to back.
-std::vector<bf16_t> MakeExpert(const Geometry& g, int id) {
+// One expert as LoadExpert takes it (packed in the backend's format) and the
+// weights that stands for (gate [I,H], up [I,H], down [H,I] back to back, f32).
+struct Expert {
+  std::shared_ptr<std::byte> packed;  // 64-byte aligned
+  size_t packed_bytes = 0;
+  std::vector<float> w;
+  const std::byte* data() const { return packed.get(); }
+};
+
+// Synthetic expert `id`, packed in `format`.
+Expert MakeExpert(const Geometry& g, int id, WeightFormat format) {
   const size_t ih = static_cast<size_t>(g.I) * g.H;
-  std::vector<bf16_t> w(3 * ih);
-  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kGate, g.I, g.H, w.data());
-  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kUp, g.I, g.H, w.data() + ih);
-  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kDown, g.H, g.I, w.data() + 2 * ih);
-  return w;
+  std::vector<bf16_t> rows(3 * ih);
+  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kGate, g.I, g.H, rows.data());
+  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kUp, g.I, g.H, rows.data() + ih);
+  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kDown, g.H, g.I, rows.data() + 2 * ih);
+  const ExpertGeometry eg = ExpertGeometry::For(g.H, g.I, format);
+  Expert e;
+  e.packed_bytes = eg.packed_bytes();
+  e.packed.reset(static_cast<std::byte*>(std::aligned_alloc(64, (e.packed_bytes + 63) / 64 * 64)), std::free);
+  PackExpert(eg, rows.data(), rows.data() + ih, rows.data() + 2 * ih, e.packed.get());
+  e.w.resize(3 * ih);
+  UnpackExpert(eg, e.packed.get(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
+  return e;
 }
 
 // out[H] += w * down . (silu(gate . x) * (up . x)), all in double.
-void AddFfn(const Geometry& g, const std::vector<bf16_t>& e, const bf16_t* x, double w,
-            double* out) {
+void AddFfn(const Geometry& g, const Expert& ex, const bf16_t* x, double w, double* out) {
   const size_t ih = static_cast<size_t>(g.I) * g.H;
+  const std::vector<float>& e = ex.w;
   std::vector<double> xd(g.H), act(g.I);
   for (int h = 0; h < g.H; ++h) xd[h] = Bf16ToF32(x[h]);
   for (int i = 0; i < g.I; ++i) {
     double gate = 0, up = 0;
     for (int h = 0; h < g.H; ++h) {
-      gate += Bf16ToF32(e[static_cast<size_t>(i) * g.H + h]) * xd[h];
-      up += Bf16ToF32(e[ih + static_cast<size_t>(i) * g.H + h]) * xd[h];
+      gate += e[static_cast<size_t>(i) * g.H + h] * xd[h];
+      up += e[ih + static_cast<size_t>(i) * g.H + h] * xd[h];
     }
     act[i] = gate / (1.0 + std::exp(-gate)) * up;
   }
   for (int h = 0; h < g.H; ++h) {
     double y = 0;
-    for (int i = 0; i < g.I; ++i) y += Bf16ToF32(e[2 * ih + static_cast<size_t>(h) * g.I + i]) * act[i];
+    for (int i = 0; i < g.I; ++i) y += e[2 * ih + static_cast<size_t>(h) * g.I + i] * act[i];
     out[h] += w * y;
   }
 }
@@ -141,7 +162,7 @@ Plan PlanFromRouting(int T, int k, int experts, uint64_t seed) {
 }
 
 // ref[T*H] += the plan's FFNs of `x`, with buffer b holding experts[b].
-void AddReference(const Geometry& g, const std::vector<std::vector<bf16_t>>& experts,
+void AddReference(const Geometry& g, const std::vector<Expert>& experts,
                   const bf16_t* x, const Plan& p, double* ref) {
   for (size_t grp = 0; grp < p.buffer.size(); ++grp)
     for (int r = p.row_begin[grp]; r < p.row_begin[grp] + p.count[grp]; ++r) {
@@ -180,25 +201,18 @@ class DeviceArray {
 
 class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
  protected:
-  void SetUp() override { NewBackend(); }
-
-  // A fresh, uninitialized backend (the tests that loop over geometries call
-  // it per geometry; Init may be called once per backend).
-  void NewBackend() {
-    backend_.reset();
-    absl::StatusOr<std::unique_ptr<DeviceBackend>> b = MakeDeviceBackend(GetParam());
-    if (!b.ok()) {
-      if (GetParam() == "cuda") GTEST_SKIP() << "no CUDA device: " << b.status().message();
-      FAIL() << b.status();
-    }
-    backend_ = std::move(*b);
-    ASSERT_STREQ(backend_->name(), GetParam().c_str());
+  void SetUp() override {
+    const std::string param = GetParam();
+    const size_t us = param.find('_');
+    backend_name_ = param.substr(0, us);
+    const std::string fmt = us == std::string::npos ? "bf16" : param.substr(us + 1);
+    format_ = fmt == "int8" ? WeightFormat::kInt8 : fmt == "int4" ? WeightFormat::kInt4 : WeightFormat::kBf16;
+    tolerance_ = Tolerance(format_);
+    NewBackend();
   }
 
-  // Inits the backend for geometry g and loads `num_buffers` distinct experts
-  // (buffer b holds expert 100 + b), waiting for the copies.
-  void Start(const Geometry& g, int num_buffers, int max_tokens = 96, int max_top_k = 8) {
-    geometry_ = g;
+  // A config of geometry g in the test's format.
+  BackendConfig Config(const Geometry& g, int num_buffers, int max_tokens, int max_top_k = 8) const {
     BackendConfig c;
     c.hidden = g.H;
     c.intermediate = g.I;
@@ -207,10 +221,32 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
     c.max_top_k = max_top_k;
     c.contexts = 2;
     c.cpu_threads = 2;
-    ASSERT_TRUE(backend_->Init(c).ok());
+    c.format = format_;
+    return c;
+  }
+  Expert Make(const Geometry& g, int id) const { return MakeExpert(g, id, format_); }
+
+  // A fresh, uninitialized backend (the tests that loop over geometries call
+  // it per geometry; Init may be called once per backend).
+  void NewBackend() {
+    backend_.reset();
+    absl::StatusOr<std::unique_ptr<DeviceBackend>> b = MakeDeviceBackend(backend_name_);
+    if (!b.ok()) {
+      if (backend_name_ == "cuda") GTEST_SKIP() << "no CUDA device: " << b.status().message();
+      FAIL() << b.status();
+    }
+    backend_ = std::move(*b);
+    ASSERT_STREQ(backend_->name(), backend_name_.c_str());
+  }
+
+  // Inits the backend for geometry g and loads `num_buffers` distinct experts
+  // (buffer b holds expert 100 + b), waiting for the copies.
+  void Start(const Geometry& g, int num_buffers, int max_tokens = 96, int max_top_k = 8) {
+    geometry_ = g;
+    ASSERT_TRUE(backend_->Init(Config(g, num_buffers, max_tokens, max_top_k)).ok());
     experts_.clear();
     for (int b = 0; b < num_buffers; ++b) {
-      experts_.push_back(MakeExpert(g, 100 + b));
+      experts_.push_back(Make(g, 100 + b));
       absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, experts_.back().data(), 0);
       ASSERT_TRUE(f.ok()) << f.status();
       ASSERT_TRUE(backend_->WaitCopy(*f).ok());
@@ -252,12 +288,15 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
     const std::vector<bf16_t> x = Input(T, seed);
     const std::vector<bf16_t> out = Call(0, T, x, plans);
     const double err = ErrorVsReference(out, Reference(T, x, plans));
-    EXPECT_LE(err, kTolerance) << what << " (H=" << geometry_.H << ", I=" << geometry_.I
+    EXPECT_LE(err, tolerance_) << what << " (H=" << geometry_.H << ", I=" << geometry_.I
                                << ", T=" << T << ")";
   }
 
+  std::string backend_name_;
+  WeightFormat format_ = WeightFormat::kBf16;
+  double tolerance_ = 1e-2;
   Geometry geometry_{};
-  std::vector<std::vector<bf16_t>> experts_;
+  std::vector<Expert> experts_;
   std::unique_ptr<DeviceBackend> backend_;
 };
 
@@ -398,32 +437,26 @@ TEST_P(DeviceBackendTest, AddRowsAddsPartials) {
   for (size_t i = 0; i < rows.size(); ++i)
     for (int h = 0; h < g.H; ++h)
       ref[static_cast<size_t>(rows[i]) * g.H + h] += Bf16ToF32(partial[i * g.H + h]);
-  EXPECT_LE(ErrorVsReference(out, ref), kTolerance);
+  EXPECT_LE(ErrorVsReference(out, ref), tolerance_);
 }
 
 TEST_P(DeviceBackendTest, ComputeWaitsForCopyFence) {
   // Buffers loaded with no WaitCopy: ComputeWaitCopy alone orders the compute.
   const Geometry& g = kWide;
-  BackendConfig c;
-  c.hidden = g.H;
-  c.intermediate = g.I;
-  c.num_buffers = 4;
-  c.max_tokens = 32;
-  c.cpu_threads = 2;
-  ASSERT_TRUE(backend_->Init(c).ok());
+  ASSERT_TRUE(backend_->Init(Config(g, 4, 32)).ok());
   geometry_ = g;
   // Registered sources, so the cuda copies are truly asynchronous.
-  for (int b = 0; b < 4; ++b) experts_.push_back(MakeExpert(g, 200 + b));
+  for (int b = 0; b < 4; ++b) experts_.push_back(Make(g, 200 + b));
   for (int b = 0; b < 4; ++b) {
-    std::vector<bf16_t>& e = experts_[b];
-    ASSERT_TRUE(backend_->RegisterHost(e.data(), e.size() * sizeof(bf16_t)).ok());
+    Expert& e = experts_[b];
+    ASSERT_TRUE(backend_->RegisterHost(e.packed.get(), e.packed_bytes).ok());
     absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, e.data(), 0);
     ASSERT_TRUE(f.ok()) << f.status();
     backend_->ComputeWaitCopy(*f);
   }
   const Plan p = PlanFromRouting(32, 2, 4, 91);
   ExpectMatches(32, {p}, 92, "compute after ComputeWaitCopy");
-  for (std::vector<bf16_t>& e : experts_) backend_->UnregisterHost(e.data());
+  for (Expert& e : experts_) backend_->UnregisterHost(e.packed.get());
 }
 
 TEST_P(DeviceBackendTest, BufferReusedAfterComputeFence) {
@@ -438,15 +471,14 @@ TEST_P(DeviceBackendTest, BufferReusedAfterComputeFence) {
   ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
   ASSERT_TRUE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok());
   const uint64_t done = backend_->RecordCompute();
-  std::vector<bf16_t> replacement = MakeExpert(kWide, 999);
+  Expert replacement = Make(kWide, 999);
   // Registered, so the cuda copy is asynchronous and only the fence holds it back.
-  ASSERT_TRUE(
-      backend_->RegisterHost(replacement.data(), replacement.size() * sizeof(bf16_t)).ok());
+  ASSERT_TRUE(backend_->RegisterHost(replacement.packed.get(), replacement.packed_bytes).ok());
   absl::StatusOr<uint64_t> copy = backend_->LoadExpert(0, replacement.data(), done);
   ASSERT_TRUE(copy.ok()) << copy.status();
   std::vector<bf16_t> out(static_cast<size_t>(T) * kWide.H);
   ASSERT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
-  EXPECT_LE(ErrorVsReference(out, ref_old), kTolerance) << "copy overtook compute";
+  EXPECT_LE(ErrorVsReference(out, ref_old), tolerance_) << "copy overtook compute";
 
   // The next call sees the new expert once the copy is waited for.
   backend_->ComputeWaitCopy(*copy);
@@ -454,7 +486,7 @@ TEST_P(DeviceBackendTest, BufferReusedAfterComputeFence) {
   ExpectMatches(T, {p}, 101, "after reuse");
   ASSERT_TRUE(backend_->WaitCopy(*copy).ok());
   EXPECT_TRUE(backend_->CopyDone(*copy));
-  backend_->UnregisterHost(replacement.data());
+  backend_->UnregisterHost(replacement.packed.get());
 }
 
 TEST_P(DeviceBackendTest, TwoContextsInterleave) {
@@ -469,8 +501,8 @@ TEST_P(DeviceBackendTest, TwoContextsInterleave) {
   std::vector<bf16_t> out0(static_cast<size_t>(T0) * kTiny.H), out1(static_cast<size_t>(T1) * kTiny.H);
   ASSERT_TRUE(backend_->FinishCall(1, out1.data(), MemoryKind::kHost).ok());
   ASSERT_TRUE(backend_->FinishCall(0, out0.data(), MemoryKind::kHost).ok());
-  EXPECT_LE(ErrorVsReference(out0, Reference(T0, x0, {p0})), kTolerance);
-  EXPECT_LE(ErrorVsReference(out1, Reference(T1, x1, {p1})), kTolerance);
+  EXPECT_LE(ErrorVsReference(out0, Reference(T0, x0, {p0})), tolerance_);
+  EXPECT_LE(ErrorVsReference(out1, Reference(T1, x1, {p1})), tolerance_);
 }
 
 TEST_P(DeviceBackendTest, RegisteredHostMemory) {
@@ -513,7 +545,7 @@ TEST_P(DeviceBackendTest, RegisteredHostMemory) {
   for (int i = 0; i < T; ++i)
     for (int h = 0; h < g.H; ++h)
       ref[static_cast<size_t>(rows[i]) * g.H + h] += Bf16ToF32(partial[static_cast<size_t>(i) * g.H + h]);
-  EXPECT_LE(ErrorVsReference(std::vector<bf16_t>(out, out + n), ref), kTolerance);
+  EXPECT_LE(ErrorVsReference(std::vector<bf16_t>(out, out + n), ref), tolerance_);
   backend_->UnregisterHost(region.data());
 }
 
@@ -587,7 +619,7 @@ TEST_P(DeviceBackendTest, DeviceMemoryCalls) {
   std::vector<bf16_t> out(n);
   ASSERT_EQ(cudaMemcpy(out.data(), dout.as<void>(), n * sizeof(bf16_t), cudaMemcpyDeviceToHost),
             cudaSuccess);
-  EXPECT_LE(ErrorVsReference(out, Reference(T, x, {p})), kTolerance);
+  EXPECT_LE(ErrorVsReference(out, Reference(T, x, {p})), tolerance_);
 
   // Routing produced on the device comes back intact.
   const std::vector<int32_t> ids = {3, 1, 4, 1, 5, 9};
@@ -629,19 +661,15 @@ TEST_P(DeviceBackendTest, RejectsOutOfRangeInput) {
 // Not a correctness test: decode-shaped throughput of RunExperts on the GPU,
 // printed. Run on a GPU host with --gtest_also_run_disabled_tests.
 TEST_P(DeviceBackendTest, DISABLED_DecodeThroughput) {
-  if (GetParam() != "cuda") GTEST_SKIP() << "GPU throughput only";
-  const Geometry g{7168, 2048};  // one DeepSeek-V3 expert: 88 MB
+  if (backend_name_ != "cuda") GTEST_SKIP() << "GPU throughput only";
+  const Geometry g{7168, 2048};  // one DeepSeek-V3 expert: 88 MB in bf16
   const int buffers = 64, experts = 32;
-  BackendConfig c;
-  c.hidden = g.H;
-  c.intermediate = g.I;
-  c.num_buffers = buffers;
-  c.max_tokens = 512;
-  c.max_top_k = 8;
-  ASSERT_TRUE(backend_->Init(c).ok());
+  ASSERT_TRUE(backend_->Init(Config(g, buffers, 512)).ok());
   geometry_ = g;
+  std::vector<Expert> made;
+  for (int i = 0; i < 4; ++i) made.push_back(Make(g, i));
   for (int b = 0; b < buffers; ++b) {
-    const std::vector<bf16_t> e = MakeExpert(g, b % 4);
+    const Expert& e = made[b % 4];
     absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, e.data(), 0);
     ASSERT_TRUE(f.ok());
     ASSERT_TRUE(backend_->WaitCopy(*f).ok());
@@ -672,8 +700,8 @@ TEST_P(DeviceBackendTest, DISABLED_DecodeThroughput) {
     const double s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
     ASSERT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
-    const double bytes = 3.0 * g.H * g.I * 2 * experts;
-    std::printf("%s: %d experts x %3d rows: %8.1f us per RunExperts, %7.1f GB/s of weights\n",
+    const double bytes = static_cast<double>(made[0].packed_bytes) * experts;
+    std::printf("%s: %d experts x %3d rows: %8.1f us per RunExperts, %7.1f GB/s of stored weights\n",
                 GetParam().c_str(), experts, rows_per_expert, s * 1e6, bytes / s / 1e9);
   }
 }
@@ -683,7 +711,7 @@ TEST_P(DeviceBackendTest, DISABLED_DecodeThroughput) {
 // host with --gtest_also_run_disabled_tests; MOE_CUDA_MAPPED_WRITE_MAX_BYTES=0
 // forces the DMA path for registered memory, for comparison.
 TEST_P(DeviceBackendTest, DISABLED_HostTransferLatency) {
-  if (GetParam() != "cuda") GTEST_SKIP() << "GPU latency only";
+  if (backend_name_ != "cuda") GTEST_SKIP() << "GPU latency only";
   const Geometry g{7168, 2048};
   const int T = 256;
   BackendConfig c;
@@ -727,7 +755,8 @@ TEST_P(DeviceBackendTest, DISABLED_HostTransferLatency) {
   backend_->UnregisterHost(registered.data());
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendTest, ::testing::Values("cpu", "cuda"),
+INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendTest,
+                         ::testing::Values("cpu", "cuda", "cpu_int8", "cuda_int8", "cpu_int4", "cuda_int4"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

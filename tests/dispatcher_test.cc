@@ -125,7 +125,10 @@ class DispatcherTest : public ::testing::TestWithParam<Param> {
 
   std::unique_ptr<LayerDispatcher> Make(DispatcherConfig c, bool host_copy = true) {
     backend_ = *MakeDeviceBackend(backend_name());
-    if (host_copy) host_ = *HostExpertStore::Load(*source_, {1, 2}, backend_.get(), 2);
+    if (host_copy) {
+      const ExpertGeometry bf16 = ExpertGeometry::For(source_->spec().hidden, source_->spec().intermediate);
+      host_ = *HostExpertStore::Load(*source_, {1, 2}, bf16, backend_.get(), 2);
+    }
     absl::StatusOr<std::unique_ptr<LayerDispatcher>> d =
         LayerDispatcher::Create(source_->spec(), *backend_, host_copy ? host_.get() : nullptr, std::move(c));
     EXPECT_TRUE(d.ok()) << d.status();
@@ -638,7 +641,9 @@ TEST_P(DispatcherTest, DevicePointersOnTheCudaBackend) {
 TEST_P(DispatcherTest, CacheSizeFromMemoryBudget) {
   const std::string a = StartServer();
   DispatcherConfig c = Config({a});
-  const double expert = static_cast<double>(source_->spec().ExpertBf16Bytes());
+  // A slot as the backend stores a bf16 expert (the host copy's format here).
+  const double expert = static_cast<double>(
+      (*MakeDeviceBackend(backend_name()))->ExpertBytes(ExpertGeometry::For(source_->spec().hidden, source_->spec().intermediate)));
   c.cache_gib = 5 * 2 * expert / (1ull << 30);  // room for 5 experts in each of the 2 MoE layers
   std::unique_ptr<LayerDispatcher> d = Make(c);
   ASSERT_NE(d, nullptr);

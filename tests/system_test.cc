@@ -99,15 +99,6 @@ std::string ReadFile(const std::string& path) {
   return s.str();
 }
 
-// Resident set size of a process in KiB (VmRSS), -1 if unreadable.
-long RssKib(pid_t pid) {
-  std::ifstream f("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::strtol(line.c_str() + 6, nullptr, 10);
-  return -1;
-}
-
 // Resident KiB per mapping name ("[heap]", "/memfd:moe-shm (deleted)", a
 // library, "[anon]" for unnamed ones) from /proc/<pid>/smaps.
 std::map<std::string, long> RssByMapping(pid_t pid) {
@@ -132,6 +123,16 @@ std::map<std::string, long> RssByMapping(pid_t pid) {
     }
   }
   return out;
+}
+
+// Resident KiB of a process's own memory: every mapping but the servers'
+// shared expert stores (a worker maps them read-only; their pages are the
+// server's, resident once, and show up in the worker's RSS as it reads them).
+long OwnRssKib(pid_t pid) {
+  long kib = 0;
+  for (const auto& [name, k] : RssByMapping(pid))
+    if (name.rfind("/memfd:moe-expert-store", 0) != 0) kib += k;
+  return kib;
 }
 
 // The mappings whose resident size changed by 256 KiB or more, before -> after.
@@ -930,7 +931,7 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   std::vector<long> rss_before;
   std::vector<std::map<std::string, long>> maps_before;
   for (const Process* p : watched) {
-    rss_before.push_back(RssKib(p->proc->pid()));
+    rss_before.push_back(OwnRssKib(p->proc->pid()));
     maps_before.push_back(RssByMapping(p->proc->pid()));
   }
 
@@ -969,7 +970,7 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   traffic.Join();
 
   std::vector<long> rss_after;
-  for (const Process* p : watched) rss_after.push_back(RssKib(p->proc->pid()));
+  for (const Process* p : watched) rss_after.push_back(OwnRssKib(p->proc->pid()));
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   // A lost call (one that never returns) would have stalled its thread: every
   // wait_calls above is bounded and the joins completed.

@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -92,14 +93,28 @@ void ShmServer::ReapFinished() {
 }
 
 void ShmServer::RunConnection(Connection* c) {
-  if (absl::Status st = Handshake(c); !st.ok()) {
-    LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", st.message());
+  absl::Status st = Handshake(c);
+  if (!st.ok()) LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", st.message());
+  if (!st.ok() || !c->seg) {  // refused, or a store request (answered)
     std::lock_guard<std::mutex> lock(mu_);
     shutdown(c->sock, SHUT_RDWR);
     c->done.store(true);
     return;
   }
   Serve(c);
+}
+
+absl::Status ShmServer::SendSharedStore(Connection* c) {
+  ShmReply reply{};
+  reply.magic = kShmStoreMagic;
+  if (opt_.shared_store_fd < 0) {
+    reply.status_code = static_cast<int32_t>(absl::StatusCode::kFailedPrecondition);
+    std::snprintf(reply.message, sizeof(reply.message), "this server shares no expert store");
+    return unix_socket::Send(c->sock, &reply, sizeof(reply));
+  }
+  reply.segment_bytes = opt_.shared_store_info.size();
+  MOE_RETURN_IF_ERROR(unix_socket::Send(c->sock, &reply, sizeof(reply), opt_.shared_store_fd));
+  return unix_socket::Send(c->sock, opt_.shared_store_info.data(), opt_.shared_store_info.size());
 }
 
 absl::Status ShmServer::Handshake(Connection* c) {
@@ -119,6 +134,11 @@ absl::Status ShmServer::Handshake(Connection* c) {
   MOE_ASSIGN_OR_RETURN(const uid_t uid, unix_socket::PeerUid(c->sock));
   if (std::find(opt_.allowed_uids.begin(), opt_.allowed_uids.end(), uid) == opt_.allowed_uids.end())
     return refuse(absl::PermissionDeniedError(absl::StrCat("uid ", uid, " is not allowed on this socket")));
+  if (hello.magic == kShmStoreMagic && hello.version == kShmProtocolVersion) {
+    if (static_cast<int>(hello.hidden) != opt_.hidden)
+      return refuse(absl::InvalidArgumentError(absl::StrCat("hello.hidden: ", hello.hidden, ", the model has ", opt_.hidden)));
+    return SendSharedStore(c);
+  }
   if (hello.magic != kShmHelloMagic || hello.version != kShmProtocolVersion)
     return refuse(absl::InvalidArgumentError("hello: bad magic or protocol version"));
   if (static_cast<int>(hello.hidden) != opt_.hidden)
@@ -219,6 +239,44 @@ disconnect:
   close(c->memfd);
   c->memfd = -1;
   c->done.store(true);
+}
+
+absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, int hidden,
+                                               std::chrono::milliseconds timeout) {
+  MOE_ASSIGN_OR_RETURN(const int sock, unix_socket::Connect(socket_path));
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{sock};
+  const ShmHello hello{kShmStoreMagic, kShmProtocolVersion, static_cast<uint32_t>(hidden), 0, 0, 0};
+  MOE_RETURN_IF_ERROR(unix_socket::Send(sock, &hello, sizeof(hello)));
+  ShmReply reply{};
+  SharedStoreFd out;
+  MOE_RETURN_IF_ERROR(unix_socket::Receive(sock, &reply, sizeof(reply), &out.fd, static_cast<int>(timeout.count())));
+  struct FdGuard {
+    int* fd;
+    ~FdGuard() {
+      if (fd != nullptr && *fd >= 0) close(*fd);
+    }
+  } guard{&out.fd};
+  reply.message[sizeof(reply.message) - 1] = '\0';
+  if (reply.status_code != 0)
+    return absl::Status(StatusCodeFromWire(reply.status_code, absl::StatusCode::kUnavailable),
+                        absl::StrCat("expert server on ", socket_path, ": ", reply.message));
+  if (reply.magic != kShmStoreMagic || out.fd < 0)
+    return absl::UnavailableError(absl::StrCat("expert server on ", socket_path, ": no store in its answer"));
+  if (reply.segment_bytes > (uint64_t{1} << 20))
+    return absl::InvalidArgumentError(absl::StrCat("expert server on ", socket_path, ": store description of ",
+                                                   reply.segment_bytes, " bytes"));
+  out.info.resize(reply.segment_bytes);
+  if (!out.info.empty())
+    MOE_RETURN_IF_ERROR(unix_socket::Receive(sock, out.info.data(), out.info.size(), nullptr,
+                                             static_cast<int>(timeout.count())));
+  struct stat st {};
+  if (fstat(out.fd, &st) != 0) return absl::InternalError(absl::StrCat("fstat of the store: ", std::strerror(errno)));
+  out.bytes = static_cast<uint64_t>(st.st_size);
+  guard.fd = nullptr;
+  return out;
 }
 
 }  // namespace moe

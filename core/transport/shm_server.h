@@ -47,6 +47,23 @@ struct ShmReply {
 };
 inline constexpr uint32_t kShmHelloMagic = 0x484d4f4d;  // "MOMH"
 inline constexpr uint32_t kShmProtocolVersion = 1;
+// A hello with this magic (same struct; only `version` and `hidden` are read)
+// asks for the server's shared expert store instead of a segment: the reply
+// (magic kShmStoreMagic, segment_bytes = the description's length) carries
+// the store's sealed memfd, the description follows on the socket, and the
+// connection ends. A server without one refuses with FAILED_PRECONDITION.
+inline constexpr uint32_t kShmStoreMagic = 0x534d4f4d;  // "MOMS"
+
+// The client side of the store request: the memfd (the caller's to close)
+// and the server's description of what is where (opaque here; see
+// cpu_compute/expert_store.h, SharedStoreInfo).
+struct SharedStoreFd {
+  int fd = -1;
+  uint64_t bytes = 0;  // the memfd's size (fstat), not the server's word
+  std::string info;
+};
+absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, int hidden,
+                                               std::chrono::milliseconds timeout);
 
 // Computes one request: writes [batch.n, H] bf16 into out.
 using ShmHandler = std::function<absl::Status(const MoeBatch& batch, bf16_t* out)>;
@@ -81,6 +98,11 @@ class ShmServer {
     // max_connections (handshaking or served) are closed at once.
     std::chrono::milliseconds handshake_timeout{2000};
     size_t max_connections = 256;
+    // The expert store handed to clients that ask for it (kShmStoreMagic):
+    // a sealed memfd (not owned; valid while the server runs) and its
+    // description (at most 1 MiB). -1: none.
+    int shared_store_fd = -1;
+    std::string shared_store_info;
     // Called after every completed request (empty: nothing); must be cheap.
     std::function<void(const ShmRequestRecord&)> on_request;
   };
@@ -98,6 +120,8 @@ class ShmServer {
   void RunConnection(Connection* c);
   void Serve(Connection* c);
   absl::Status Handshake(Connection* c);
+  // Answers a store request (kShmStoreMagic) on c's socket.
+  absl::Status SendSharedStore(Connection* c);
 
   Options opt_;
   ShmHandler handler_;

@@ -53,6 +53,29 @@ struct GroupedExpertArgs {
   float* accum = nullptr;           // [T, H] f32 accumulator
 };
 
+// Experts in the CPU server's packed layout (cpu_compute/expert_kernel.h:
+// 16-channel blocks, gate and up blocks interleaved, then down's blocks; the
+// integer formats carry their scales in each block). A quantized GPU cache
+// keeps its slots in this layout, byte for byte what the host copy holds, so
+// a copy is one memcpy of the packed bytes. Filled from ExpertGeometry by the
+// backend (kernels.h stays free of the CPU headers).
+struct PackedLayout {
+  int format = 0;  // WeightFormat: 0 bf16, 1 int8, 2 int4
+  int group = 0;   // int4: k per scale group (a multiple of 64)
+  int Kh = 0, Ki = 0, Hn = 0;  // padded K of gate/up and of down; padded N of down
+  size_t gate_up_block = 0;    // bytes of one gate (or up) block, K = Kh
+  size_t down_block = 0;       // bytes of one down block, K = Ki
+  size_t gate_up_bytes = 0;    // offset of down's first block
+};
+
+// Packed experts computed by the grouped packed kernels: slot b at
+// packed + b * packed_stride bytes (256-byte aligned).
+struct PackedExperts {
+  const uint8_t* packed = nullptr;
+  size_t packed_stride = 0;
+  PackedLayout layout;
+};
+
 // Rows per pass of the CUDA-core grouped kernels (used for groups of at most
 // 4 rows, and for any group when H or I is not a multiple of 8). The
 // tensor-core variant takes up to 64 rows per pass. Bigger groups still work
@@ -70,6 +93,25 @@ cudaError_t LaunchGroupedGateUp(const GroupedExpertArgs& a, cudaStream_t stream)
 // accum[token[r], :] += weight[r] * (act[r, :] . down^T) for every non-padding
 // row r of every group (atomicAdd: several experts may add into one token).
 cudaError_t LaunchGroupedDown(const GroupedExpertArgs& a, cudaStream_t stream);
+
+// The grouped kernels for int8 / int4 packed experts: the same contract as
+// LaunchGroupedGateUp / LaunchGroupedDown (a.experts and a.expert_stride are
+// unused; `p` names the packed slots). Weights are read in their packed form
+// (16 bytes per lane per load, dequantized in registers: code * scale, f32
+// accumulation); activations stay bf16 (not quantized). Up to
+// kPackedRowsPerPass rows per pass; bigger groups loop, re-reading the
+// weights, so the backend sends groups above its threshold to cuBLAS after
+// LaunchUnpackExpert.
+inline constexpr int kPackedRowsPerPass = 8;
+cudaError_t LaunchPackedGateUp(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t stream);
+cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t stream);
+
+// dst = one packed expert (any format of `layout`) as row-major bf16 gate
+// [I,H], up [I,H], down [H,I] (the layout of a bf16 slot and of cuBLAS's
+// operands): the repack after a bf16 copy of the server's packed bytes, and
+// the dequantization of an int8 / int4 slot for a big group.
+cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout, int hidden,
+                               int intermediate, bf16_t* dst, cudaStream_t stream);
 
 // dst[i, :] = x[token[i], :] for i < n (zeros where token[i] == -1); dst is
 // [n, H] with row stride H, device or host-mapped memory.

@@ -84,6 +84,13 @@ struct SessionOptions {
   int contexts = 2;                    // calls in flight (micro-batches)
   std::vector<int> layers;             // MoE layers this session serves (empty: all)
   bool host_copy = true;               // keep a host copy of the experts (copy-instead, failover)
+  // The precision of the host copy and the GPU cache: auto (the same-host
+  // servers' when shared, else the checkpoint's class: fp8 -> int8, int4 ->
+  // int4, else bf16), bf16, int8 or int4.
+  std::string weight_dtype = "auto";
+  // Map the same-host (unix://) servers' packed stores read-only instead of
+  // keeping an own copy, when they cover the served layers (one host copy).
+  bool share_host_copy = true;
   TlsOptions tls;                      // for host:port servers
   int grpc_streams = 1;                // ForwardStreams per host:port server (batches round-robin)
   std::chrono::milliseconds deadline{30000};

@@ -1,0 +1,33 @@
+// Byte / element offsets inside one packed 16-channel block (the layouts
+// expert_kernel.h describes). Dependency-free and host/device, so the CUDA
+// kernels that read packed experts in GPU memory (gpu_worker/cuda) use the
+// same index math as the packer and the CPU kernels (packed_layout.h).
+#pragma once
+
+#include <cstddef>
+
+#if defined(__CUDACC__)
+#define MOE_HOST_DEVICE __host__ __device__
+#else
+#define MOE_HOST_DEVICE
+#endif
+
+namespace moe::layout {
+
+// kBf16: W[c, k] is bf16 element ((k/2)*16 + c)*2 + k%2 of the block.
+MOE_HOST_DEVICE inline size_t Bf16Index(int c, int k) { return (size_t(k / 2) * 16 + c) * 2 + k % 2; }
+
+// kInt8: byte offset of q[c, k] within the block's chunks.
+MOE_HOST_DEVICE inline size_t Int8Offset(int c, int k) {
+  return size_t(k / 64) * 1024 + ((k % 64) / 4) * 64 + c * 4 + k % 4;
+}
+
+// kInt4: byte offset of q[c, k]'s nibble, and whether it is the high one
+// (tile rows 2i and 2i+1 share byte row i).
+MOE_HOST_DEVICE inline size_t Int4Offset(int c, int k, bool* high) {
+  const int row = (k % 64) / 4;
+  *high = row & 1;
+  return size_t(k / 64) * 512 + (row / 2) * 64 + c * 4 + k % 4;
+}
+
+}  // namespace moe::layout

@@ -1,0 +1,366 @@
+// Kernels over experts in the CPU server's packed layout (kernels.h:
+// PackedLayout; the index math is cpu_compute/packed_index.h, shared with the
+// packer and the CPU kernels).
+//
+// The grouped packed kernels are weight-streaming GEMVs like the bf16 ones in
+// expert_kernels.cu, shaped by the layout: a block of 4 warps owns one
+// 16-channel packed block (gate and up together for gate/up, one down block
+// for down) of one group; its warps take every 4th 64-k chunk. A lane reads 16
+// bytes per load, which the layout makes 4 channels x 4 k (int8: one 64-byte
+// chunk row holds 4 k of all 16 channels) or 4 channels x 8 k (int4: a byte
+// holds tile rows 2i and 2i+1), so every lane keeps the same 4 channels and
+// the warp reduces over the 8 lanes that share them. Codes become f32 in
+// registers (byte_perm into the mantissa of 2^23, one subtract), scales are
+// applied per chunk (int4 groups) or in the epilogue (int8 channels).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu_compute/packed_index.h"
+#include "gpu_worker/cuda/kernels.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kWarp;
+constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2;  // WeightFormat
+constexpr int kElemwiseThreads = 256;
+constexpr int kMaxElemwiseBlocks = 8192;
+
+__device__ __forceinline__ float BfLo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float BfHi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ float BfF(bf16_t v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
+__device__ __forceinline__ bf16_t ToBf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+
+// Packed weights are read once per pass: keep them out of L1.
+__device__ __forceinline__ uint4 LoadPacked16(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// The 4 bytes of `u` as f32, each minus kBias: 0x4B0000bb is 2^23 + bb.
+template <int kBias>
+__device__ __forceinline__ void Bytes4(uint32_t u, float (&f)[4]) {
+  constexpr float kMagic = 8388608.f + kBias;
+  f[0] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540)) - kMagic;
+  f[1] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7541)) - kMagic;
+  f[2] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - kMagic;
+  f[3] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - kMagic;
+}
+
+// row[k .. k+4) as f32, zero at and past len. kVec: len % 4 == 0 and rows
+// 8-byte aligned, so an in-range quad is one load.
+template <bool kVec>
+__device__ __forceinline__ void Load4(const bf16_t* row, int k, int len, float (&v)[4]) {
+  if (kVec && k + 4 <= len) {
+    const uint2 r = __ldg(reinterpret_cast<const uint2*>(row + k));
+    v[0] = BfLo(r.x), v[1] = BfHi(r.x), v[2] = BfLo(r.y), v[3] = BfHi(r.y);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = k + i < len ? BfF(row[k + i]) : 0.f;
+  }
+}
+
+__device__ __forceinline__ float Dot4(const float (&w)[4], const float (&x)[4]) {
+  return fmaf(w[0], x[0], fmaf(w[1], x[1], fmaf(w[2], x[2], w[3] * x[3])));
+}
+
+// One warp's share of acc[mat][r][c] = sum_k W_mat[4cq + c, k] * x_r[k] over
+// the chunks ch = warp, warp + kWarps, ... of the NMAT blocks `blk` (Kp
+// columns), where cq = lane % 4; the int8 per-channel scale is left to the
+// caller, the int4 group scales are applied. Rows with xr[r] == nullptr are
+// skipped (warp-uniform).
+template <int kFmt, int M, int NMAT, bool kVec>
+__device__ __forceinline__ void PackedWarpDots(const uint8_t* const (&blk)[NMAT], int Kp, int group,
+                                               const bf16_t* const (&xr)[M], int len, int warp, int lane,
+                                               float (&acc)[NMAT][M][4]) {
+#pragma unroll
+  for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+    for (int r = 0; r < M; ++r)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[m][r][c] = 0.f;
+  const int cq = lane & 3;
+  const int chunks = Kp / 64;
+  for (int ch = warp; ch < chunks; ch += kWarps) {
+    if constexpr (kFmt == kFmtInt8) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int j = lane + kWarp * half;  // 16-byte unit of the 1 KiB chunk: row j / 4, channels 4 cq..
+        const int k = 64 * ch + 4 * (j >> 2);
+        float wf[NMAT][4][4];
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m) {
+          const uint4 w = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * j);
+          Bytes4<128>(w.x ^ 0x80808080u, wf[m][0]);
+          Bytes4<128>(w.y ^ 0x80808080u, wf[m][1]);
+          Bytes4<128>(w.z ^ 0x80808080u, wf[m][2]);
+          Bytes4<128>(w.w ^ 0x80808080u, wf[m][3]);
+        }
+#pragma unroll
+        for (int r = 0; r < M; ++r) {
+          if (xr[r] == nullptr) continue;
+          float xv[4];
+          Load4<kVec>(xr[r], k, len, xv);
+#pragma unroll
+          for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[m][r][c] += Dot4(wf[m][c], xv);
+        }
+      }
+    } else {
+      static_assert(kFmt == kFmtInt4);
+      const int k = 64 * ch + 8 * (lane >> 2);  // byte row lane / 4: k .. k+4 low nibbles, k+4 .. k+8 high
+      const size_t scale_off = static_cast<size_t>(Kp) * 8 + (static_cast<size_t>(64 * ch / group) * 16 + 4 * cq) * 4;
+      float lo[NMAT][4][4], hi[NMAT][4][4], s[NMAT][4];
+#pragma unroll
+      for (int m = 0; m < NMAT; ++m) {
+        const uint4 w = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 512 + 16 * lane);
+        const float4 sv = __ldg(reinterpret_cast<const float4*>(blk[m] + scale_off));
+        s[m][0] = sv.x, s[m][1] = sv.y, s[m][2] = sv.z, s[m][3] = sv.w;
+        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          Bytes4<8>(ws[c] & 0x0F0F0F0Fu, lo[m][c]);
+          Bytes4<8>((ws[c] >> 4) & 0x0F0F0F0Fu, hi[m][c]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < M; ++r) {
+        if (xr[r] == nullptr) continue;
+        float x0[4], x1[4];
+        Load4<kVec>(xr[r], k, len, x0);
+        Load4<kVec>(xr[r], k + 4, len, x1);
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[m][r][c] = fmaf(s[m][c], Dot4(lo[m][c], x0) + Dot4(hi[m][c], x1), acc[m][r][c]);
+      }
+    }
+  }
+}
+
+// Sums acc over the lanes that share its channels and leaves the warp's
+// partials in red[warp][m][r][16].
+template <int M, int NMAT>
+__device__ __forceinline__ void WarpToShared(float (&acc)[NMAT][M][4], int warp, int lane,
+                                             float (*red)[NMAT][M][16]) {
+#pragma unroll
+  for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+    for (int r = 0; r < M; ++r)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float v = acc[m][r][c];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (lane < 4) red[warp][m][r][4 * lane + c] = v;
+      }
+}
+
+// int8 blocks: the 16 per-channel scales after the Kp/64 chunks; int4: 1.
+template <int kFmt>
+__device__ __forceinline__ float ChannelScale(const uint8_t* blk, int Kp, int c) {
+  if constexpr (kFmt == kFmtInt8) return reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 16)[c];
+  return 1.f;
+}
+
+// Grid (ceil(I / 16), num_groups): block (b, g) computes intermediate
+// channels [16b, 16b + 16) of group g's rows, M rows per pass.
+template <int kFmt, int M, bool kVec>
+__global__ void __launch_bounds__(kThreads) PackedGateUpKernel(GroupedExpertArgs a, PackedExperts p) {
+  const GroupDesc gd = a.groups[blockIdx.y];
+  const int b = static_cast<int>(blockIdx.x);
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  const PackedLayout& l = p.layout;
+  const uint8_t* base = p.packed + static_cast<size_t>(gd.buffer) * p.packed_stride;
+  const uint8_t* const blk[2] = {base + static_cast<size_t>(2 * b) * l.gate_up_block,
+                                 base + static_cast<size_t>(2 * b + 1) * l.gate_up_block};
+  __shared__ float red[kWarps][2][M][16];
+  for (int pass = 0; pass < gd.count; pass += M) {
+    const bf16_t* xr[M];
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      const int t = pass + r < gd.count ? a.token[gd.row_begin + pass + r] : -1;
+      xr[r] = t >= 0 ? a.x + static_cast<size_t>(t) * a.hidden : nullptr;
+    }
+    float acc[2][M][4];
+    PackedWarpDots<kFmt, M, 2, kVec>(blk, l.Kh, l.group, xr, a.hidden, warp, lane, acc);
+    WarpToShared<M, 2>(acc, warp, lane, red);
+    __syncthreads();
+    for (int t = static_cast<int>(threadIdx.x); t < M * 16; t += kThreads) {
+      const int r = t / 16, c = t % 16, n = 16 * b + c, row = gd.row_begin + pass + r;
+      if (pass + r >= gd.count || n >= a.intermediate || a.token[row] < 0) continue;
+      float g = 0.f, u = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) g += red[w][0][r][c], u += red[w][1][r][c];
+      g *= ChannelScale<kFmt>(blk[0], l.Kh, c);
+      u *= ChannelScale<kFmt>(blk[1], l.Kh, c);
+      a.act[static_cast<size_t>(row) * a.intermediate + n] = ToBf16(g / (1.f + __expf(-g)) * u);
+    }
+    __syncthreads();
+  }
+}
+
+// Grid (ceil(H / 16), num_groups): block (b, g) adds output channels
+// [16b, 16b + 16) of group g's rows into the accumulator.
+template <int kFmt, int M, bool kVec>
+__global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a, PackedExperts p) {
+  const GroupDesc gd = a.groups[blockIdx.y];
+  const int b = static_cast<int>(blockIdx.x);
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  const PackedLayout& l = p.layout;
+  const uint8_t* const blk[1] = {p.packed + static_cast<size_t>(gd.buffer) * p.packed_stride + l.gate_up_bytes +
+                                 static_cast<size_t>(b) * l.down_block};
+  __shared__ float red[kWarps][1][M][16];
+  for (int pass = 0; pass < gd.count; pass += M) {
+    const bf16_t* xr[M];
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      const int row = gd.row_begin + pass + r;
+      const bool valid = pass + r < gd.count && a.token[row] >= 0;
+      xr[r] = valid ? a.act + static_cast<size_t>(row) * a.intermediate : nullptr;
+    }
+    float acc[1][M][4];
+    PackedWarpDots<kFmt, M, 1, kVec>(blk, l.Ki, l.group, xr, a.intermediate, warp, lane, acc);
+    WarpToShared<M, 1>(acc, warp, lane, red);
+    __syncthreads();
+    for (int t = static_cast<int>(threadIdx.x); t < M * 16; t += kThreads) {
+      const int r = t / 16, c = t % 16, n = 16 * b + c, row = gd.row_begin + pass + r;
+      if (pass + r >= gd.count || n >= a.hidden) continue;
+      const int token = a.token[row];
+      if (token < 0) continue;
+      float y = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) y += red[w][0][r][c];
+      y *= ChannelScale<kFmt>(blk[0], l.Ki, c);
+      atomicAdd(a.accum + static_cast<size_t>(token) * a.hidden + n, a.weight[row] * y);
+    }
+    __syncthreads();
+  }
+}
+
+// W[n, k] of the packed block `blk` (Kp columns) as f32.
+template <int kFmt>
+__device__ __forceinline__ float PackedValue(const uint8_t* blk, int Kp, int group, int c, int k) {
+  if constexpr (kFmt == kFmtBf16) {
+    return BfF(reinterpret_cast<const bf16_t*>(blk)[layout::Bf16Index(c, k)]);
+  } else if constexpr (kFmt == kFmtInt8) {
+    const int q = reinterpret_cast<const int8_t*>(blk)[layout::Int8Offset(c, k)];
+    return reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 16)[c] * static_cast<float>(q);
+  } else {
+    bool high;
+    const uint8_t v = blk[layout::Int4Offset(c, k, &high)];
+    const int q = (high ? v >> 4 : v & 0x0F) - 8;
+    const float* s = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 8);
+    return s[(k / group) * 16 + c] * static_cast<float>(q);
+  }
+}
+
+template <int kFmt>
+__global__ void UnpackExpertKernel(const uint8_t* __restrict__ packed, PackedLayout l, int H, int I,
+                                   bf16_t* __restrict__ dst) {
+  const size_t ih = static_cast<size_t>(I) * H;
+  for (size_t e = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; e < 3 * ih;
+       e += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int mat = static_cast<int>(e / ih);
+    const size_t rem = e - static_cast<size_t>(mat) * ih;
+    float v;
+    if (mat < 2) {  // gate / up [I, H]: blocks interleave
+      const int n = static_cast<int>(rem / H), k = static_cast<int>(rem % H);
+      v = PackedValue<kFmt>(packed + static_cast<size_t>(2 * (n / 16) + mat) * l.gate_up_block, l.Kh, l.group,
+                            n % 16, k);
+    } else {  // down [H, I]
+      const int n = static_cast<int>(rem / I), k = static_cast<int>(rem % I);
+      v = PackedValue<kFmt>(packed + l.gate_up_bytes + static_cast<size_t>(n / 16) * l.down_block, l.Ki, l.group,
+                            n % 16, k);
+    }
+    dst[e] = ToBf16(v);
+  }
+}
+
+// Rows per pass for the largest group: 1, 2, 4 or kPackedRowsPerPass.
+int PassRows(int max_count) {
+  if (max_count <= 1) return 1;
+  if (max_count <= 2) return 2;
+  if (max_count <= 4) return 4;
+  return kPackedRowsPerPass;
+}
+
+template <int kFmt, int M, bool kDown>
+cudaError_t LaunchPacked(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t s) {
+  const int channels = kDown ? a.hidden : a.intermediate;
+  const int len = kDown ? a.intermediate : a.hidden;
+  const dim3 grid((channels + 15) / 16, a.num_groups);
+  const bool vec = len % 4 == 0;
+  if constexpr (kDown) {
+    if (vec) PackedDownKernel<kFmt, M, true><<<grid, kThreads, 0, s>>>(a, p);
+    else PackedDownKernel<kFmt, M, false><<<grid, kThreads, 0, s>>>(a, p);
+  } else {
+    if (vec) PackedGateUpKernel<kFmt, M, true><<<grid, kThreads, 0, s>>>(a, p);
+    else PackedGateUpKernel<kFmt, M, false><<<grid, kThreads, 0, s>>>(a, p);
+  }
+  return cudaGetLastError();
+}
+
+template <int kFmt, bool kDown>
+cudaError_t LaunchPackedByRows(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t s) {
+  switch (PassRows(a.max_count)) {
+    case 1: return LaunchPacked<kFmt, 1, kDown>(a, p, s);
+    case 2: return LaunchPacked<kFmt, 2, kDown>(a, p, s);
+    case 4: return LaunchPacked<kFmt, 4, kDown>(a, p, s);
+    default: return LaunchPacked<kFmt, kPackedRowsPerPass, kDown>(a, p, s);
+  }
+}
+
+template <bool kDown>
+cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t s) {
+  if (a.num_groups == 0) return cudaSuccess;
+  switch (p.layout.format) {
+    case kFmtInt8: return LaunchPackedByRows<kFmtInt8, kDown>(a, p, s);
+    case kFmtInt4:
+      if (p.layout.group <= 0 || p.layout.group % 64 != 0) return cudaErrorInvalidValue;
+      return LaunchPackedByRows<kFmtInt4, kDown>(a, p, s);
+    default: return cudaErrorInvalidValue;  // bf16 slots are row-major: LaunchGrouped*
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchPackedGateUp(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t stream) {
+  return LaunchPackedByFormat<false>(a, p, stream);
+}
+
+cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t stream) {
+  return LaunchPackedByFormat<true>(a, p, stream);
+}
+
+cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout, int hidden, int intermediate,
+                               bf16_t* dst, cudaStream_t stream) {
+  const size_t n = 3 * static_cast<size_t>(hidden) * intermediate;
+  if (n == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(std::min<size_t>((n + kElemwiseThreads - 1) / kElemwiseThreads, kMaxElemwiseBlocks));
+  switch (layout.format) {
+    case kFmtBf16:
+      UnpackExpertKernel<kFmtBf16><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
+      break;
+    case kFmtInt8:
+      UnpackExpertKernel<kFmtInt8><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
+      break;
+    case kFmtInt4:
+      if (layout.group <= 0 || layout.group % 64 != 0) return cudaErrorInvalidValue;
+      UnpackExpertKernel<kFmtInt4><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace moe::cuda
