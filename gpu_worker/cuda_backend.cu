@@ -69,10 +69,13 @@ namespace {
 // Groups with more rows than this run through cuBLAS; up to it, the grouped
 // kernels (measured faster than cuBLAS up to 64 rows, see above).
 constexpr int kGemmMinRows = 64;
-// The same for int8 / int4 buffers: the packed kernels take 8 rows per pass
-// and re-read the weights (from L2) for each pass; above this a group is
-// dequantized into bf16 once and goes to cuBLAS.
-constexpr int kPackedGemmMinRows = 32;
+// The same for int8 / int4 buffers: the packed kernels run on CUDA cores,
+// 8 rows per pass, re-reading the weights (from L2) for each pass; above this
+// a group is dequantized into bf16 once and goes to cuBLAS. On the H100 with
+// DeepSeek-V3 experts the packed kernels took 2.2 ms for 32 experts x 8 rows
+// and 4.4 at 16, the dequantize + cuBLAS path about 250 us per expert with
+// the first unpack kernel (see bench/RESULTS.md, stop 14).
+constexpr int kPackedGemmMinRows = 16;
 // Rows of one cuBLAS piece; bounds the GEMM scratch to
 // kGemmChunkRows * (H * 2 + max(2I, H) * 4) bytes.
 constexpr int kGemmChunkRows = 2048;

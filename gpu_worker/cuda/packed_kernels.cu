@@ -71,11 +71,96 @@ __device__ __forceinline__ float Dot4(const float (&w)[4], const float (&x)[4]) 
   return fmaf(w[0], x[0], fmaf(w[1], x[1], fmaf(w[2], x[2], w[3] * x[3])));
 }
 
+// The registers one lane reads from one 64-k chunk of NMAT blocks: int8 two
+// 16-byte units (chunk rows lane / 4 and 8 + lane / 4), int4 one unit and the
+// group scales of its 4 channels.
+template <int kFmt, int NMAT>
+struct ChunkRegs {
+  static constexpr int kUnits = kFmt == kFmtInt8 ? 2 : 1;
+  uint4 w[NMAT][kUnits];
+  float4 s[NMAT];
+};
+
+template <int kFmt, int NMAT>
+__device__ __forceinline__ void LoadChunkRegs(const uint8_t* const (&blk)[NMAT], int ch, int Kp, int group, int lane,
+                                              ChunkRegs<kFmt, NMAT>& r) {
+#pragma unroll
+  for (int m = 0; m < NMAT; ++m) {
+    if constexpr (kFmt == kFmtInt8) {
+      r.w[m][0] = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * lane);
+      r.w[m][1] = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * (lane + kWarp));
+    } else {
+      r.w[m][0] = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 512 + 16 * lane);
+      const size_t off = static_cast<size_t>(Kp) * 8 + (static_cast<size_t>(64 * ch / group) * 16 + 4 * (lane & 3)) * 4;
+      r.s[m] = __ldg(reinterpret_cast<const float4*>(blk[m] + off));
+    }
+  }
+}
+
+// acc[m][r][c] += chunk ch of W_m[4cq + c, :] . x_r, cq = lane % 4 (int4
+// group scales applied; the int8 channel scale is the caller's).
+template <int kFmt, int M, int NMAT, bool kVec>
+__device__ __forceinline__ void AddChunk(const ChunkRegs<kFmt, NMAT>& cr, int ch, const bf16_t* const (&xr)[M],
+                                         int len, int lane, float (&acc)[NMAT][M][4]) {
+  if constexpr (kFmt == kFmtInt8) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int k = 64 * ch + 4 * ((lane + kWarp * half) >> 2);
+      float wf[NMAT][4][4];
+#pragma unroll
+      for (int m = 0; m < NMAT; ++m) {
+        const uint4 w = cr.w[m][half];
+        Bytes4<128>(w.x ^ 0x80808080u, wf[m][0]);
+        Bytes4<128>(w.y ^ 0x80808080u, wf[m][1]);
+        Bytes4<128>(w.z ^ 0x80808080u, wf[m][2]);
+        Bytes4<128>(w.w ^ 0x80808080u, wf[m][3]);
+      }
+#pragma unroll
+      for (int r = 0; r < M; ++r) {
+        if (xr[r] == nullptr) continue;
+        float xv[4];
+        Load4<kVec>(xr[r], k, len, xv);
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[m][r][c] += Dot4(wf[m][c], xv);
+      }
+    }
+  } else {
+    static_assert(kFmt == kFmtInt4);
+    const int k = 64 * ch + 8 * (lane >> 2);  // byte row lane / 4: k .. k+4 low nibbles, k+4 .. k+8 high
+    float lo[NMAT][4][4], hi[NMAT][4][4];
+#pragma unroll
+    for (int m = 0; m < NMAT; ++m) {
+      const uint32_t ws[4] = {cr.w[m][0].x, cr.w[m][0].y, cr.w[m][0].z, cr.w[m][0].w};
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        Bytes4<8>(ws[c] & 0x0F0F0F0Fu, lo[m][c]);
+        Bytes4<8>((ws[c] >> 4) & 0x0F0F0F0Fu, hi[m][c]);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < M; ++r) {
+      if (xr[r] == nullptr) continue;
+      float x0[4], x1[4];
+      Load4<kVec>(xr[r], k, len, x0);
+      Load4<kVec>(xr[r], k + 4, len, x1);
+#pragma unroll
+      for (int m = 0; m < NMAT; ++m) {
+        const float s[4] = {cr.s[m].x, cr.s[m].y, cr.s[m].z, cr.s[m].w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[m][r][c] = fmaf(s[c], Dot4(lo[m][c], x0) + Dot4(hi[m][c], x1), acc[m][r][c]);
+      }
+    }
+  }
+}
+
 // One warp's share of acc[mat][r][c] = sum_k W_mat[4cq + c, k] * x_r[k] over
 // the chunks ch = warp, warp + kWarps, ... of the NMAT blocks `blk` (Kp
 // columns), where cq = lane % 4; the int8 per-channel scale is left to the
 // caller, the int4 group scales are applied. Rows with xr[r] == nullptr are
-// skipped (warp-uniform).
+// skipped (warp-uniform). The next chunk's weights are loaded before this
+// one is computed, so the HBM latency hides behind the rows' arithmetic.
 template <int kFmt, int M, int NMAT, bool kVec>
 __device__ __forceinline__ void PackedWarpDots(const uint8_t* const (&blk)[NMAT], int Kp, int group,
                                                const bf16_t* const (&xr)[M], int len, int warp, int lane,
@@ -86,63 +171,14 @@ __device__ __forceinline__ void PackedWarpDots(const uint8_t* const (&blk)[NMAT]
     for (int r = 0; r < M; ++r)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[m][r][c] = 0.f;
-  const int cq = lane & 3;
   const int chunks = Kp / 64;
+  if (warp >= chunks) return;
+  ChunkRegs<kFmt, NMAT> cur, next;
+  LoadChunkRegs<kFmt, NMAT>(blk, warp, Kp, group, lane, cur);
   for (int ch = warp; ch < chunks; ch += kWarps) {
-    if constexpr (kFmt == kFmtInt8) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int j = lane + kWarp * half;  // 16-byte unit of the 1 KiB chunk: row j / 4, channels 4 cq..
-        const int k = 64 * ch + 4 * (j >> 2);
-        float wf[NMAT][4][4];
-#pragma unroll
-        for (int m = 0; m < NMAT; ++m) {
-          const uint4 w = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * j);
-          Bytes4<128>(w.x ^ 0x80808080u, wf[m][0]);
-          Bytes4<128>(w.y ^ 0x80808080u, wf[m][1]);
-          Bytes4<128>(w.z ^ 0x80808080u, wf[m][2]);
-          Bytes4<128>(w.w ^ 0x80808080u, wf[m][3]);
-        }
-#pragma unroll
-        for (int r = 0; r < M; ++r) {
-          if (xr[r] == nullptr) continue;
-          float xv[4];
-          Load4<kVec>(xr[r], k, len, xv);
-#pragma unroll
-          for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-            for (int c = 0; c < 4; ++c) acc[m][r][c] += Dot4(wf[m][c], xv);
-        }
-      }
-    } else {
-      static_assert(kFmt == kFmtInt4);
-      const int k = 64 * ch + 8 * (lane >> 2);  // byte row lane / 4: k .. k+4 low nibbles, k+4 .. k+8 high
-      const size_t scale_off = static_cast<size_t>(Kp) * 8 + (static_cast<size_t>(64 * ch / group) * 16 + 4 * cq) * 4;
-      float lo[NMAT][4][4], hi[NMAT][4][4], s[NMAT][4];
-#pragma unroll
-      for (int m = 0; m < NMAT; ++m) {
-        const uint4 w = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 512 + 16 * lane);
-        const float4 sv = __ldg(reinterpret_cast<const float4*>(blk[m] + scale_off));
-        s[m][0] = sv.x, s[m][1] = sv.y, s[m][2] = sv.z, s[m][3] = sv.w;
-        const uint32_t ws[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          Bytes4<8>(ws[c] & 0x0F0F0F0Fu, lo[m][c]);
-          Bytes4<8>((ws[c] >> 4) & 0x0F0F0F0Fu, hi[m][c]);
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < M; ++r) {
-        if (xr[r] == nullptr) continue;
-        float x0[4], x1[4];
-        Load4<kVec>(xr[r], k, len, x0);
-        Load4<kVec>(xr[r], k + 4, len, x1);
-#pragma unroll
-        for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[m][r][c] = fmaf(s[m][c], Dot4(lo[m][c], x0) + Dot4(hi[m][c], x1), acc[m][r][c]);
-      }
-    }
+    if (ch + kWarps < chunks) LoadChunkRegs<kFmt, NMAT>(blk, ch + kWarps, Kp, group, lane, next);
+    AddChunk<kFmt, M, NMAT, kVec>(cur, ch, xr, len, lane, acc);
+    cur = next;
   }
 }
 
@@ -264,6 +300,63 @@ __device__ __forceinline__ float PackedValue(const uint8_t* blk, int Kp, int gro
   }
 }
 
+// Values k .. k+8 of row c of the packed block `blk` (k % 8 == 0) as f32:
+// one or two 4-byte reads (int4: one word holds 4 low and 4 high nibbles).
+template <int kFmt>
+__device__ __forceinline__ void PackedValues8(const uint8_t* blk, int Kp, int group, int c, int k, float (&v)[8]) {
+  if constexpr (kFmt == kFmtBf16) {
+    const bf16_t* b = reinterpret_cast<const bf16_t*>(blk);
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {  // (k, k+1) pairs are adjacent
+      const uint32_t pair = *reinterpret_cast<const uint32_t*>(b + layout::Bf16Index(c, k + i));
+      v[i] = BfLo(pair), v[i + 1] = BfHi(pair);
+    }
+  } else if constexpr (kFmt == kFmtInt8) {
+    const float s = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 16)[c];
+    float a[4], b[4];
+    Bytes4<128>(*reinterpret_cast<const uint32_t*>(blk + layout::Int8Offset(c, k)) ^ 0x80808080u, a);
+    Bytes4<128>(*reinterpret_cast<const uint32_t*>(blk + layout::Int8Offset(c, k + 4)) ^ 0x80808080u, b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = s * a[i], v[4 + i] = s * b[i];
+  } else {
+    bool high;  // k % 8 == 0: tile row (k % 64) / 4 is even, so its low nibbles; k + 4 the high ones
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(blk + layout::Int4Offset(c, k, &high));
+    const float s = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 8)[(k / group) * 16 + c];
+    float a[4], b[4];
+    Bytes4<8>(w & 0x0F0F0F0Fu, a);
+    Bytes4<8>((w >> 4) & 0x0F0F0F0Fu, b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = s * a[i], v[4 + i] = s * b[i];
+  }
+}
+
+// H % 8 == 0 and I % 8 == 0: one thread writes 8 consecutive values (16 bytes).
+template <int kFmt>
+__global__ void UnpackExpert8Kernel(const uint8_t* __restrict__ packed, PackedLayout l, int H, int I,
+                                    bf16_t* __restrict__ dst) {
+  const size_t ih8 = static_cast<size_t>(I) * H / 8;
+  for (size_t e = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; e < 3 * ih8;
+       e += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int mat = static_cast<int>(e / ih8);
+    const size_t rem = (e - static_cast<size_t>(mat) * ih8) * 8;
+    float v[8];
+    if (mat < 2) {
+      const int n = static_cast<int>(rem / H), k = static_cast<int>(rem % H);
+      PackedValues8<kFmt>(packed + static_cast<size_t>(2 * (n / 16) + mat) * l.gate_up_block, l.Kh, l.group, n % 16, k, v);
+    } else {
+      const int n = static_cast<int>(rem / I), k = static_cast<int>(rem % I);
+      PackedValues8<kFmt>(packed + l.gate_up_bytes + static_cast<size_t>(n / 16) * l.down_block, l.Ki, l.group, n % 16, k, v);
+    }
+    uint4 o;
+    o.x = static_cast<uint32_t>(ToBf16(v[0])) | (static_cast<uint32_t>(ToBf16(v[1])) << 16);
+    o.y = static_cast<uint32_t>(ToBf16(v[2])) | (static_cast<uint32_t>(ToBf16(v[3])) << 16);
+    o.z = static_cast<uint32_t>(ToBf16(v[4])) | (static_cast<uint32_t>(ToBf16(v[5])) << 16);
+    o.w = static_cast<uint32_t>(ToBf16(v[6])) | (static_cast<uint32_t>(ToBf16(v[7])) << 16);
+    reinterpret_cast<uint4*>(dst)[e] = o;
+  }
+}
+
+// Any H, I: one value per thread.
 template <int kFmt>
 __global__ void UnpackExpertKernel(const uint8_t* __restrict__ packed, PackedLayout l, int H, int I,
                                    bf16_t* __restrict__ dst) {
@@ -346,7 +439,25 @@ cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout
                                bf16_t* dst, cudaStream_t stream) {
   const size_t n = 3 * static_cast<size_t>(hidden) * intermediate;
   if (n == 0) return cudaSuccess;
-  const int blocks = static_cast<int>(std::min<size_t>((n + kElemwiseThreads - 1) / kElemwiseThreads, kMaxElemwiseBlocks));
+  const bool by8 = hidden % 8 == 0 && intermediate % 8 == 0;
+  const size_t items = by8 ? n / 8 : n;
+  const int blocks = static_cast<int>(std::min<size_t>((items + kElemwiseThreads - 1) / kElemwiseThreads, kMaxElemwiseBlocks));
+  if (layout.format == kFmtInt4 && (layout.group <= 0 || layout.group % 64 != 0)) return cudaErrorInvalidValue;
+  if (by8) {
+    switch (layout.format) {
+      case kFmtBf16:
+        UnpackExpert8Kernel<kFmtBf16><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
+        break;
+      case kFmtInt8:
+        UnpackExpert8Kernel<kFmtInt8><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
+        break;
+      case kFmtInt4:
+        UnpackExpert8Kernel<kFmtInt4><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
+        break;
+      default: return cudaErrorInvalidValue;
+    }
+    return cudaGetLastError();
+  }
   switch (layout.format) {
     case kFmtBf16:
       UnpackExpertKernel<kFmtBf16><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
