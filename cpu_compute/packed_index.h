@@ -6,11 +6,7 @@
 
 #include <cstddef>
 
-#if defined(__CUDACC__)
-#define MOE_HOST_DEVICE __host__ __device__
-#else
-#define MOE_HOST_DEVICE
-#endif
+#include "core/host_device.h"
 
 namespace moe::layout {
 

@@ -13,13 +13,8 @@
 #include <vector>
 
 #include "core/bf16.h"
+#include "core/host_device.h"
 #include "gpu_worker/attention.h"
-
-#if defined(__CUDACC__)
-#define MOE_HOST_DEVICE __host__ __device__
-#else
-#define MOE_HOST_DEVICE
-#endif
 
 namespace moe {
 

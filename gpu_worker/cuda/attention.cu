@@ -38,11 +38,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "gpu_worker/attention.h"
+#include "gpu_worker/cuda/device_util.cuh"
 #include "gpu_worker/attention_weights.h"
 #include "gpu_worker/cuda/cuda_check.h"
 
 namespace moe {
 namespace {
+
+using cuda::ToBf16;
 
 constexpr int kNormThreads = 256;  // RmsNormKernel, ResidualNormKernel, RopeAppendKernel
 constexpr int kAttentionThreads =
@@ -51,10 +54,6 @@ constexpr int kAttentionTile = 64;  // DecodeAttentionKernel: positions per shar
 
 __device__ __forceinline__ float LoadBf16(const bf16_t* p, size_t i) {
   return __uint_as_float(static_cast<uint32_t>(p[i]) << 16);
-}
-
-__device__ __forceinline__ bf16_t ToBf16(float f) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
 }
 
 __device__ __forceinline__ float WarpSum(float v) {

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "gpu_worker/cuda/device_util.cuh"
 #include "gpu_worker/cuda/kernels.h"
 
 namespace moe::cuda {
@@ -24,27 +25,13 @@ constexpr int kGemvThreads = kGemvWarps * kWarp;
 constexpr int kElemwiseThreads = 256;  // block size of the element-wise kernels
 constexpr int kMaxElemwiseBlocks = 8192;  // grid-stride beyond this
 
-__device__ __forceinline__ float BfLo(uint32_t u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float BfHi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
-
-__device__ __forceinline__ bf16_t ToBf16(float f) {
-  return __bfloat16_as_ushort(__float2bfloat16_rn(f));
-}
 
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return static_cast<uint32_t>(ToBf16(lo)) | (static_cast<uint32_t>(ToBf16(hi)) << 16);
 }
 
-// A weight chunk: read exactly once per kernel, so keep it out of L1 and ask
-// L2 to fetch the surrounding 256 bytes (the next lanes' chunks). volatile:
-// the compiler must not hoist it out of the bounds checks that guard it.
-__device__ __forceinline__ uint4 LoadWeight16(const bf16_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
+// A weight chunk: read exactly once per kernel (device_util.cuh).
+__device__ __forceinline__ uint4 LoadWeight16(const bf16_t* p) { return LoadStream16(p); }
 
 // 8 consecutive bf16 of a row of length K from column k (k % 8 == 0, k < K).
 // kVec: one 16-byte load (K % 8 == 0, 16-byte aligned row). Otherwise element

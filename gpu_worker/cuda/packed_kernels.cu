@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "cpu_compute/packed_index.h"
+#include "gpu_worker/cuda/device_util.cuh"
 #include "gpu_worker/cuda/kernels.h"
 
 namespace moe::cuda {
@@ -30,19 +31,10 @@ constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2;  // WeightFormat
 constexpr int kElemwiseThreads = 256;
 constexpr int kMaxElemwiseBlocks = 8192;
 
-__device__ __forceinline__ float BfLo(uint32_t u) { return __uint_as_float(u << 16); }
-__device__ __forceinline__ float BfHi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
 __device__ __forceinline__ float BfF(bf16_t v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
-__device__ __forceinline__ bf16_t ToBf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 
-// Packed weights are read once per pass: keep them out of L1.
-__device__ __forceinline__ uint4 LoadPacked16(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+// Packed weights are read once per pass.
+__device__ __forceinline__ uint4 LoadPacked16(const uint8_t* p) { return LoadStream16(p); }
 
 // The 4 bytes of `u` as f32, each minus kBias: 0x4B0000bb is 2^23 + bb.
 template <int kBias>
