@@ -447,8 +447,7 @@ int Main(int argc, char** argv) {
   flags.Bool("share-host-copy", &o.share_host_copy,
              "the worker maps the server's packed store (one host copy); false: it packs its own");
   flags.Parse(argc, argv);
-  if (o.weight_dtype != "bf16" && o.weight_dtype != "int8" && o.weight_dtype != "int4")
-    flags.Fail("--weight-dtype: '" + o.weight_dtype + "' is not one of bf16, int8, int4");
+  if (absl::Status st = CheckWeightDtype(o.weight_dtype); !st.ok()) flags.Fail(std::string(st.message()));
   o.steps = static_cast<int>(steps);
   o.warmup = static_cast<int>(warmup);
   o.context = static_cast<int>(context);

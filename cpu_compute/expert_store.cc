@@ -20,21 +20,25 @@ size_t Stride(const ExpertGeometry& g) { return (g.packed_bytes() + 4095) / 4096
 std::string GiB(uint64_t b) { return absl::StrCat(static_cast<double>(b >> 20) / 1024.0, " GiB"); }
 }  // namespace
 
+absl::Status CheckWeightDtype(std::string_view weight_dtype) {
+  if (weight_dtype == "auto" || weight_dtype == "bf16" || weight_dtype == "int8" || weight_dtype == "int4")
+    return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("--weight-dtype: '", std::string(weight_dtype), "' is not one of auto, bf16, int8, int4"));
+}
+
 absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype) {
+  MOE_RETURN_IF_ERROR(CheckWeightDtype(weight_dtype));
   auto at = [&](WeightFormat f, int group = 0) { return ExpertGeometry::For(spec.hidden, spec.intermediate, f, group); };
   if (weight_dtype == "bf16") return at(WeightFormat::kBf16);
   if (weight_dtype == "int8") return at(WeightFormat::kInt8);
   const int ckpt_group = spec.quant.scheme == WeightQuant::kInt4Group && spec.quant.group_size % 64 == 0 ? spec.quant.group_size : 0;
   if (weight_dtype == "int4") return at(WeightFormat::kInt4, ckpt_group);
-  if (weight_dtype == "auto") {
-    switch (spec.quant.scheme) {
-      case WeightQuant::kFp8Block: return at(WeightFormat::kInt8);
-      case WeightQuant::kInt4Group: return at(WeightFormat::kInt4, ckpt_group);
-      default: return at(WeightFormat::kBf16);
-    }
+  switch (spec.quant.scheme) {  // auto
+    case WeightQuant::kFp8Block: return at(WeightFormat::kInt8);
+    case WeightQuant::kInt4Group: return at(WeightFormat::kInt4, ckpt_group);
+    default: return at(WeightFormat::kBf16);
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("--weight-dtype: '", std::string(weight_dtype), "' is not one of auto, bf16, int8, int4"));
 }
 
 uint64_t ExpertStore::BytesNeeded(const ExpertGeometry& g, const HostedSet& hosted) {
@@ -122,7 +126,7 @@ namespace {
 struct SharedStoreHeader {
   uint32_t magic, version;
   int32_t hidden, intermediate, format, group;
-  uint64_t stride, bytes;
+  uint64_t stride;
   uint32_t num_layers, num_experts;
 };
 constexpr uint32_t kSharedStoreMagic = 0x53454f4d;  // "MOES"
@@ -130,7 +134,7 @@ constexpr uint32_t kSharedStoreMagic = 0x53454f4d;  // "MOES"
 
 std::string ExpertStore::SharedInfo() const {
   SharedStoreHeader h{kSharedStoreMagic, 1, geometry_.H, geometry_.I, static_cast<int32_t>(geometry_.format),
-                      geometry_.group, stride_, bytes_, static_cast<uint32_t>(hosted_.layers.size()),
+                      geometry_.group, stride_, static_cast<uint32_t>(hosted_.layers.size()),
                       static_cast<uint32_t>(hosted_.experts.size())};
   std::string out(reinterpret_cast<const char*>(&h), sizeof(h));
   for (const std::vector<int>* v : {&hosted_.layers, &hosted_.experts})

@@ -44,6 +44,9 @@ class PackedExperts {
 // group size when a multiple of 64, else 128; anything else -> bf16).
 // InvalidArgument naming --weight-dtype for other values.
 absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype);
+// The check StorageGeometry makes of the name alone (for flag parsing, before
+// the model is open).
+absl::Status CheckWeightDtype(std::string_view weight_dtype);
 
 // How a server's packed store is described to a same-host GPU worker that
 // maps it (one host copy of the model): its geometry and table. Expert
@@ -87,6 +90,8 @@ class ExpertStore : public PackedExperts {
   bool HostsLayer(int layer) const override;
   bool HostsExpert(int expert) const override;
   uint64_t resident_bytes() const { return bytes_; }
+  // The whole store: resident_bytes() from here (what a GPU worker pins).
+  std::byte* data() const { return base_; }
   int num_experts() const override { return num_experts_; }
   // The sealed memfd of a shareable store (-1 otherwise) and its description.
   int shared_fd() const { return fd_; }

@@ -73,9 +73,6 @@ class CpuBackend final : public DeviceBackend {
   const char* name() const override { return "cpu"; }
   bool has_device_memory() const override { return false; }
   size_t ExpertBytes(const ExpertGeometry& g) const override { return BufferSet::Stride(g); }
-  bool Supports(WeightFormat f) const override {
-    return MakeExpertKernel(config_.cpu_kernel, CpuFeatures::Get(), f).ok();
-  }
   size_t free_memory_bytes() const override { return AvailableMemoryBytes(); }
   int hit_row_align() const override { return executor_ ? executor_->row_align() : 1; }
 

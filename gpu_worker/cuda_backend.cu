@@ -73,8 +73,8 @@ constexpr int kGemmMinRows = 64;
 // 8 rows per pass, re-reading the weights (from L2) for each pass; above this
 // a group is dequantized into bf16 once and goes to cuBLAS. On the H100 with
 // DeepSeek-V3 experts the packed kernels took 2.2 ms for 32 experts x 8 rows
-// and 4.4 at 16, the dequantize + cuBLAS path about 250 us per expert with
-// the first unpack kernel (see bench/RESULTS.md, stop 14).
+// and 4.4 at 16, the dequantize + cuBLAS path 5.0 (int8) / 3.2 ms (int4) for
+// 32 experts at any row count (bench/RESULTS.md, stop 14).
 constexpr int kPackedGemmMinRows = 16;
 // Rows of one cuBLAS piece; bounds the GEMM scratch to
 // kGemmChunkRows * (H * 2 + max(2I, H) * 4) bytes.
@@ -185,7 +185,6 @@ class CudaBackend final : public DeviceBackend {
   bool has_device_memory() const override { return true; }
   // 0 before Init (the geometry is not known yet).
   size_t ExpertBytes(const ExpertGeometry& g) const override;
-  bool Supports(WeightFormat) const override { return true; }
   size_t free_memory_bytes() const override;
 
   absl::Status Init(const BackendConfig& config) override;
@@ -467,7 +466,6 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
   layout_.group = geometry_.group;
   layout_.Kh = geometry_.Kh;
   layout_.Ki = geometry_.Ki;
-  layout_.Hn = geometry_.Hn;
   layout_.gate_up_block = geometry_.block_bytes(geometry_.Kh);
   layout_.down_block = geometry_.block_bytes(geometry_.Ki);
   layout_.gate_up_bytes = geometry_.gate_up_bytes();
@@ -937,7 +935,7 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
 
 absl::Status CudaBackend::LaunchGroups(cuda::GroupedExpertArgs a, cudaStream_t stream) const {
   if (geometry_.quantized()) {
-    const cuda::PackedExperts p{static_cast<const uint8_t*>(experts_.get()), slot_bytes_, layout_};
+    const cuda::PackedSlots p{static_cast<const uint8_t*>(experts_.get()), slot_bytes_, layout_};
     MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchPackedGateUp(a, p, stream));
     MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchPackedDown(a, p, stream));
     return absl::OkStatus();

@@ -136,8 +136,6 @@ class DeviceBackend {
   // Bytes one expert buffer of geometry `g` occupies (what a cache slot
   // costs; known before Init).
   virtual size_t ExpertBytes(const ExpertGeometry& g) const = 0;
-  // Whether this backend computes experts stored in format `f`.
-  virtual bool Supports(WeightFormat f) const = 0;
   // Bytes still free for expert buffers on this device (before Init: all of it).
   virtual size_t free_memory_bytes() const = 0;
 

@@ -67,8 +67,7 @@ absl::StatusOr<std::unique_ptr<HostExpertStore>> HostExpertStore::Load(const Mod
   for (size_t i = 0; i < layers.size(); ++i)
     for (int e = 0; e < spec.num_experts; ++e) store->table_[i * spec.num_experts + e] = store->own_->Find(layers[i], e);
   if (store->own_->resident_bytes() > 0)
-    MOE_RETURN_IF_ERROR(store->Register(const_cast<std::byte*>(store->own_->Find(store->own_->hosted().layers[0], 0)),
-                                        store->own_->resident_bytes(), false));
+    MOE_RETURN_IF_ERROR(store->Register(store->own_->data(), store->own_->resident_bytes(), /*read_only=*/false));
   return store;
 }
 

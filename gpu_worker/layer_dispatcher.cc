@@ -240,9 +240,6 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
     bc.format = host_->geometry().format;
     bc.int4_group = host_->geometry().group;
   }
-  if (!backend_->Supports(bc.format))
-    return absl::FailedPreconditionError(absl::StrCat("the ", backend_->name(), " backend cannot compute ",
-                                                      WeightFormatName(bc.format), " experts"));
   copy_bytes_ = GeometryOf(bc).packed_bytes();
   const size_t expert_bytes = backend_->ExpertBytes(GeometryOf(bc));
   int C = c.slots_per_layer;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_join.h"
 #include "core/model_source.h"
 #include "core/status_macros.h"
+#include "core/transport/transport.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/layer_dispatcher.h"
@@ -86,11 +87,10 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
     const std::vector<int>& layers = o.layers.empty() ? spec.moe_layers : o.layers;
     std::vector<std::string> unix_sockets;
     for (const ExpertServerConfig& sc : c.servers)
-      if (sc.address.rfind("unix://", 0) == 0) unix_sockets.push_back(sc.address.substr(7));
+      if (std::optional<std::string> path = UnixSocketPath(sc.address)) unix_sockets.push_back(*path);
+    // The dispatcher sizes the cache in the host copy's format.
     MOE_ASSIGN_OR_RETURN(r->host, HostExpertStore::Open(*r->source, layers, unix_sockets, o.weight_dtype,
                                                         o.share_host_copy, r->backend.get()));
-    c.backend.format = r->host->geometry().format;
-    c.backend.int4_group = r->host->geometry().group;
   }
   MOE_ASSIGN_OR_RETURN(r->dispatcher, LayerDispatcher::Create(spec, *r->backend, r->host.get(), std::move(c)));
   return std::unique_ptr<MoeSession>(new MoeSession(std::move(r)));

@@ -22,6 +22,7 @@
 #include "core/metrics_http.h"
 #include "coordinator/agent/coordinator_agent.h"
 #include "core/transport/grpc_channel.h"
+#include "cpu_compute/expert_store.h"
 #include "gpu_worker/worker_service.h"
 
 namespace {
@@ -76,8 +77,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   if (o.model.empty()) flags.Fail("--model is required (see --help)");
   if (servers_flag.empty()) flags.Fail("--servers is required (see --help)");
   if (o.policy.empty()) o.policy = "predictive";
-  if (o.weight_dtype != "auto" && o.weight_dtype != "bf16" && o.weight_dtype != "int8" && o.weight_dtype != "int4")
-    flags.Fail("--weight-dtype: '" + o.weight_dtype + "' is not one of auto, bf16, int8, int4");
+  if (absl::Status st = moe::CheckWeightDtype(o.weight_dtype); !st.ok()) flags.Fail(std::string(st.message()));
   if (absl::Status st = f.service.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(f.service.tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));

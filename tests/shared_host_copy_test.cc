@@ -31,6 +31,21 @@ namespace {
 
 // 2 MoE layers x 32 experts, top-4, H=512, I=256.
 const char kModel[] = "synthetic:demo:layers=2:seed=5";
+constexpr int kSlots = 16;  // cache slots per layer: experts 0..15 are placed
+
+// A moe-expert-server of kModel serving shared memory on `sock`, with
+// `extra` flags; the process is killed when the result goes away.
+struct ShmServerProcess {
+  std::unique_ptr<Subprocess> proc;
+  bool started = false;
+};
+ShmServerProcess StartShmServer(const std::string& sock, const std::vector<std::string>& extra) {
+  std::vector<std::string> args = {std::string("--model=") + kModel, "--shm-socket=" + sock};
+  args.insert(args.end(), extra.begin(), extra.end());
+  Subprocess* s = nullptr;
+  const std::string addr = testing::StartExpertServer(&s, args);
+  return {std::unique_ptr<Subprocess>(s), !addr.empty()};
+}
 
 // This process's memory in KiB: anonymous resident, and the size of the
 // mapped memfd expert stores (mapped, not resident: the cpu backend touches
@@ -67,11 +82,8 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     dtype_ = GetParam();
     sock_ = dir_.path() + "/experts.sock";
-    Subprocess* s = nullptr;
-    const std::string addr = testing::StartExpertServer(
-        &s, {std::string("--model=") + kModel, "--threads=2", "--shm-socket=" + sock_, "--weight-dtype=" + dtype_});
-    server_.reset(s);
-    ASSERT_FALSE(addr.empty()) << "expert server did not start";
+    server_ = StartShmServer(sock_, {"--threads=2", "--weight-dtype=" + dtype_});
+    ASSERT_TRUE(server_.started) << "expert server did not start";
     absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(kModel);
     ASSERT_TRUE(src.ok()) << src.status();
     source_ = *std::move(src);
@@ -81,7 +93,7 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
     SessionOptions o;
     o.model = kModel;
     o.servers = {"unix://" + sock_};
-    o.cache_experts_per_layer = 16;
+    o.cache_experts_per_layer = kSlots;
     o.policy = "static";
     o.copy_mode = "never";
     o.max_tokens = 16;
@@ -98,8 +110,8 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
   // from the dequantized weights.
   void ExpectCorrect(MoeSession& session) {
     const ModelSpec& spec = source_->spec();
-    std::vector<int> half(16);
-    for (int e = 0; e < 16; ++e) half[e] = e;
+    std::vector<int> half(kSlots);
+    for (int e = 0; e < kSlots; ++e) half[e] = e;
     for (int layer : spec.moe_layers) ASSERT_TRUE(session.ApplyAssignment(layer, half).ok());
     ASSERT_TRUE(session.FlushCopies().ok());
     const ExpertGeometry g = *StorageGeometry(spec, dtype_);
@@ -143,31 +155,34 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
     }
   }
 
+  // KiB of `per_layer` experts of every MoE layer, packed in the test's format.
+  long PackedKib(int per_layer) const {
+    const ModelSpec& spec = source_->spec();
+    const ExpertGeometry g = *StorageGeometry(spec, dtype_);
+    return static_cast<long>(g.packed_bytes() * spec.moe_layers.size() * per_layer / 1024);
+  }
+
   std::string dtype_, sock_;
   testing::TempDir dir_;
-  std::unique_ptr<Subprocess> server_;
+  ShmServerProcess server_;
   std::unique_ptr<ModelSource> source_;
 };
 
 TEST_P(SharedHostCopyTest, WorkerMapsTheServersStoreAndHoldsNoCopyOfItsOwn) {
-  const ModelSpec& spec = source_->spec();
-  const ExpertGeometry g = *StorageGeometry(spec, dtype_);
-  const long model_kib = static_cast<long>(g.packed_bytes() * spec.moe_layers.size() * spec.num_experts / 1024);
+  const long model_kib = PackedKib(source_->spec().num_experts);
   const Resident before = SelfResident();
   std::unique_ptr<MoeSession> shared = Open(/*share=*/true);
   ASSERT_NE(shared, nullptr);
   const Resident after = SelfResident();
   EXPECT_GE(after.store - before.store, model_kib * 9 / 10) << "the server's store is not mapped";
-  // The cpu backend's cache slots are anonymous memory too (16 per layer).
-  const long cache_kib = static_cast<long>(16 * spec.moe_layers.size() * g.packed_bytes() / 1024);
+  // The cpu backend's cache slots are anonymous memory too.
+  const long cache_kib = PackedKib(kSlots);
   EXPECT_LT(after.anon - before.anon, cache_kib + model_kib / 2) << "the worker packed a copy of its own";
   ASSERT_NO_FATAL_FAILURE(ExpectCorrect(*shared));
 }
 
 TEST_P(SharedHostCopyTest, WithoutSharingTheWorkerPacksItsOwnCopy) {
-  const ModelSpec& spec = source_->spec();
-  const ExpertGeometry g = *StorageGeometry(spec, dtype_);
-  const long model_kib = static_cast<long>(g.packed_bytes() * spec.moe_layers.size() * spec.num_experts / 1024);
+  const long model_kib = PackedKib(source_->spec().num_experts);
   const Resident before = SelfResident();
   std::unique_ptr<MoeSession> own = Open(/*share=*/false);
   ASSERT_NE(own, nullptr);
@@ -192,9 +207,9 @@ TEST(SharedStoreInfo, RefusesDescriptionsThatDoNotFitTheModelOrTheMemory) {
     struct {
       uint32_t magic, version;
       int32_t hidden, intermediate, format, group;
-      uint64_t stride, bytes;
+      uint64_t stride;
       uint32_t nl, ne;
-    } h{0x53454f4d, 1, hidden, spec.intermediate, format, 0, stride, 0, static_cast<uint32_t>(layers.size()),
+    } h{0x53454f4d, 1, hidden, spec.intermediate, format, 0, stride, static_cast<uint32_t>(layers.size()),
         static_cast<uint32_t>(experts.size())};
     std::string s(reinterpret_cast<const char*>(&h), sizeof(h));
     for (int32_t v : layers) s.append(reinterpret_cast<const char*>(&v), 4);
@@ -223,11 +238,8 @@ TEST(SharedStoreInfo, RefusesDescriptionsThatDoNotFitTheModelOrTheMemory) {
 TEST(SharedStoreInfo, ServerWithoutSharingRefusesTheStoreRequest) {
   testing::TempDir dir;
   const std::string sock = dir.path() + "/s.sock";
-  Subprocess* s = nullptr;
-  const std::string addr = testing::StartExpertServer(
-      &s, {std::string("--model=") + kModel, "--threads=1", "--shm-socket=" + sock, "--share-weights=false"});
-  std::unique_ptr<Subprocess> server(s);
-  ASSERT_FALSE(addr.empty());
+  const ShmServerProcess server = StartShmServer(sock, {"--threads=1", "--share-weights=false"});
+  ASSERT_TRUE(server.started);
   absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(kModel);
   ASSERT_TRUE(src.ok());
   absl::StatusOr<SharedStoreFd> fd = FetchSharedStore(sock, (*src)->spec().hidden, std::chrono::seconds(5));
@@ -244,11 +256,8 @@ TEST(SharedStoreInfo, ServerWithoutSharingRefusesTheStoreRequest) {
 TEST(SharedStoreInfo, TheStoreIsSealedReadOnly) {
   testing::TempDir dir;
   const std::string sock = dir.path() + "/s.sock";
-  Subprocess* s = nullptr;
-  const std::string addr =
-      testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1", "--shm-socket=" + sock});
-  std::unique_ptr<Subprocess> server(s);
-  ASSERT_FALSE(addr.empty());
+  const ShmServerProcess server = StartShmServer(sock, {"--threads=1"});
+  ASSERT_TRUE(server.started);
   absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(kModel);
   ASSERT_TRUE(src.ok());
   absl::StatusOr<SharedStoreFd> fd = FetchSharedStore(sock, (*src)->spec().hidden, std::chrono::seconds(5));

@@ -305,10 +305,15 @@ absl::Status AwaitResult(std::future<absl::Status>& f, std::chrono::nanoseconds 
   return f.get();
 }
 
+std::optional<std::string> UnixSocketPath(const std::string& address) {
+  constexpr const char kUnix[] = "unix://";
+  if (address.rfind(kUnix, 0) != 0) return std::nullopt;
+  return address.substr(sizeof(kUnix) - 1);
+}
+
 absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectTransport(const std::string& address,
                                                                  const TransportOptions& options) {
-  constexpr const char kUnix[] = "unix://";
-  if (address.rfind(kUnix, 0) == 0) return ConnectShmTransport(address.substr(sizeof(kUnix) - 1), options);
+  if (std::optional<std::string> path = UnixSocketPath(address)) return ConnectShmTransport(*path, options);
   return ConnectGrpcTransport(address, options);
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/status_macros.h"
@@ -244,21 +245,15 @@ disconnect:
 absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, int hidden,
                                                std::chrono::milliseconds timeout) {
   MOE_ASSIGN_OR_RETURN(const int sock, unix_socket::Connect(socket_path));
-  struct Closer {
-    int fd;
-    ~Closer() { close(fd); }
-  } closer{sock};
+  absl::Cleanup close_sock = [sock] { close(sock); };
   const ShmHello hello{kShmStoreMagic, kShmProtocolVersion, static_cast<uint32_t>(hidden), 0, 0, 0};
   MOE_RETURN_IF_ERROR(unix_socket::Send(sock, &hello, sizeof(hello)));
   ShmReply reply{};
   SharedStoreFd out;
   MOE_RETURN_IF_ERROR(unix_socket::Receive(sock, &reply, sizeof(reply), &out.fd, static_cast<int>(timeout.count())));
-  struct FdGuard {
-    int* fd;
-    ~FdGuard() {
-      if (fd != nullptr && *fd >= 0) close(*fd);
-    }
-  } guard{&out.fd};
+  absl::Cleanup close_fd = [&out] {  // on every error below
+    if (out.fd >= 0) close(out.fd);
+  };
   reply.message[sizeof(reply.message) - 1] = '\0';
   if (reply.status_code != 0)
     return absl::Status(StatusCodeFromWire(reply.status_code, absl::StatusCode::kUnavailable),
@@ -275,7 +270,7 @@ absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, i
   struct stat st {};
   if (fstat(out.fd, &st) != 0) return absl::InternalError(absl::StrCat("fstat of the store: ", std::strerror(errno)));
   out.bytes = static_cast<uint64_t>(st.st_size);
-  guard.fd = nullptr;
+  std::move(close_fd).Cancel();
   return out;
 }
 

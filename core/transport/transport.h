@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -101,6 +102,10 @@ inline absl::StatusCode StatusCodeFromWire(int64_t code, absl::StatusCode otherw
 // the scheduler wake-up, which costs more than a same-host round trip.
 absl::Status AwaitResult(std::future<absl::Status>& f,
                          std::chrono::nanoseconds spin = std::chrono::microseconds(200));
+
+// The socket path of a unix://PATH address (shared memory, same host);
+// nullopt for host:port.
+std::optional<std::string> UnixSocketPath(const std::string& address);
 
 // Picks the implementation from the address scheme (see above).
 absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectTransport(const std::string& address,

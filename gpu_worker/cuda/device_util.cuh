@@ -1,5 +1,5 @@
 // Device helpers the cuda backend's kernel files share (one definition each):
-// bf16 <-> f32 and the streaming 16-byte weight load.
+// launch constants, bf16 <-> f32 and the streaming 16-byte weight load.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,6 +9,10 @@
 #include "core/bf16.h"
 
 namespace moe::cuda {
+
+constexpr int kWarp = 32;
+constexpr int kElemwiseThreads = 256;     // block size of the element-wise kernels
+constexpr int kMaxElemwiseBlocks = 8192;  // grid-stride beyond this
 
 // The low / high bf16 of a 32-bit word as f32.
 __device__ __forceinline__ float BfLo(uint32_t u) { return __uint_as_float(u << 16); }

@@ -19,11 +19,8 @@
 namespace moe::cuda {
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kGemvWarps = 4;          // warps per block of the grouped kernels
 constexpr int kGemvThreads = kGemvWarps * kWarp;
-constexpr int kElemwiseThreads = 256;  // block size of the element-wise kernels
-constexpr int kMaxElemwiseBlocks = 8192;  // grid-stride beyond this
 
 
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {

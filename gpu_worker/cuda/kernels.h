@@ -62,7 +62,7 @@ struct GroupedExpertArgs {
 struct PackedLayout {
   int format = 0;  // WeightFormat: 0 bf16, 1 int8, 2 int4
   int group = 0;   // int4: k per scale group (a multiple of 64)
-  int Kh = 0, Ki = 0, Hn = 0;  // padded K of gate/up and of down; padded N of down
+  int Kh = 0, Ki = 0;          // padded K of gate/up and of down
   size_t gate_up_block = 0;    // bytes of one gate (or up) block, K = Kh
   size_t down_block = 0;       // bytes of one down block, K = Ki
   size_t gate_up_bytes = 0;    // offset of down's first block
@@ -70,7 +70,7 @@ struct PackedLayout {
 
 // Packed experts computed by the grouped packed kernels: slot b at
 // packed + b * packed_stride bytes (256-byte aligned).
-struct PackedExperts {
+struct PackedSlots {
   const uint8_t* packed = nullptr;
   size_t packed_stride = 0;
   PackedLayout layout;
@@ -103,8 +103,8 @@ cudaError_t LaunchGroupedDown(const GroupedExpertArgs& a, cudaStream_t stream);
 // weights, so the backend sends groups above its threshold to cuBLAS after
 // LaunchUnpackExpert.
 inline constexpr int kPackedRowsPerPass = 8;
-cudaError_t LaunchPackedGateUp(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t stream);
-cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t stream);
+cudaError_t LaunchPackedGateUp(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t stream);
+cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t stream);
 
 // dst = one packed expert (any format of `layout`) as row-major bf16 gate
 // [I,H], up [I,H], down [H,I] (the layout of a bf16 slot and of cuBLAS's

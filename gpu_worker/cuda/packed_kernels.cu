@@ -24,17 +24,9 @@
 namespace moe::cuda {
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
 constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2;  // WeightFormat
-constexpr int kElemwiseThreads = 256;
-constexpr int kMaxElemwiseBlocks = 8192;
-
-__device__ __forceinline__ float BfF(bf16_t v) { return __uint_as_float(static_cast<uint32_t>(v) << 16); }
-
-// Packed weights are read once per pass.
-__device__ __forceinline__ uint4 LoadPacked16(const uint8_t* p) { return LoadStream16(p); }
 
 // The 4 bytes of `u` as f32, each minus kBias: 0x4B0000bb is 2^23 + bb.
 template <int kBias>
@@ -55,7 +47,7 @@ __device__ __forceinline__ void Load4(const bf16_t* row, int k, int len, float (
     v[0] = BfLo(r.x), v[1] = BfHi(r.x), v[2] = BfLo(r.y), v[3] = BfHi(r.y);
   } else {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = k + i < len ? BfF(row[k + i]) : 0.f;
+    for (int i = 0; i < 4; ++i) v[i] = k + i < len ? BfLo(row[k + i]) : 0.f;
   }
 }
 
@@ -79,10 +71,10 @@ __device__ __forceinline__ void LoadChunkRegs(const uint8_t* const (&blk)[NMAT],
 #pragma unroll
   for (int m = 0; m < NMAT; ++m) {
     if constexpr (kFmt == kFmtInt8) {
-      r.w[m][0] = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * lane);
-      r.w[m][1] = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * (lane + kWarp));
+      r.w[m][0] = LoadStream16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * lane);
+      r.w[m][1] = LoadStream16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * (lane + kWarp));
     } else {
-      r.w[m][0] = LoadPacked16(blk[m] + static_cast<size_t>(ch) * 512 + 16 * lane);
+      r.w[m][0] = LoadStream16(blk[m] + static_cast<size_t>(ch) * 512 + 16 * lane);
       const size_t off = static_cast<size_t>(Kp) * 8 + (static_cast<size_t>(64 * ch / group) * 16 + 4 * (lane & 3)) * 4;
       r.s[m] = __ldg(reinterpret_cast<const float4*>(blk[m] + off));
     }
@@ -203,7 +195,7 @@ __device__ __forceinline__ float ChannelScale(const uint8_t* blk, int Kp, int c)
 // Grid (ceil(I / 16), num_groups): block (b, g) computes intermediate
 // channels [16b, 16b + 16) of group g's rows, M rows per pass.
 template <int kFmt, int M, bool kVec>
-__global__ void __launch_bounds__(kThreads) PackedGateUpKernel(GroupedExpertArgs a, PackedExperts p) {
+__global__ void __launch_bounds__(kThreads) PackedGateUpKernel(GroupedExpertArgs a, PackedSlots p) {
   const GroupDesc gd = a.groups[blockIdx.y];
   const int b = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
@@ -240,7 +232,7 @@ __global__ void __launch_bounds__(kThreads) PackedGateUpKernel(GroupedExpertArgs
 // Grid (ceil(H / 16), num_groups): block (b, g) adds output channels
 // [16b, 16b + 16) of group g's rows into the accumulator.
 template <int kFmt, int M, bool kVec>
-__global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a, PackedExperts p) {
+__global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a, PackedSlots p) {
   const GroupDesc gd = a.groups[blockIdx.y];
   const int b = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
@@ -275,23 +267,6 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
   }
 }
 
-// W[n, k] of the packed block `blk` (Kp columns) as f32.
-template <int kFmt>
-__device__ __forceinline__ float PackedValue(const uint8_t* blk, int Kp, int group, int c, int k) {
-  if constexpr (kFmt == kFmtBf16) {
-    return BfF(reinterpret_cast<const bf16_t*>(blk)[layout::Bf16Index(c, k)]);
-  } else if constexpr (kFmt == kFmtInt8) {
-    const int q = reinterpret_cast<const int8_t*>(blk)[layout::Int8Offset(c, k)];
-    return reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 16)[c] * static_cast<float>(q);
-  } else {
-    bool high;
-    const uint8_t v = blk[layout::Int4Offset(c, k, &high)];
-    const int q = (high ? v >> 4 : v & 0x0F) - 8;
-    const float* s = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 8);
-    return s[(k / group) * 16 + c] * static_cast<float>(q);
-  }
-}
-
 // Values k .. k+8 of row c of the packed block `blk` (k % 8 == 0) as f32:
 // one or two 4-byte reads (int4: one word holds 4 low and 4 high nibbles).
 template <int kFmt>
@@ -322,52 +297,46 @@ __device__ __forceinline__ void PackedValues8(const uint8_t* blk, int Kp, int gr
   }
 }
 
-// H % 8 == 0 and I % 8 == 0: one thread writes 8 consecutive values (16 bytes).
-template <int kFmt>
-__global__ void UnpackExpert8Kernel(const uint8_t* __restrict__ packed, PackedLayout l, int H, int I,
-                                    bf16_t* __restrict__ dst) {
-  const size_t ih8 = static_cast<size_t>(I) * H / 8;
-  for (size_t e = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; e < 3 * ih8;
-       e += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const int mat = static_cast<int>(e / ih8);
-    const size_t rem = (e - static_cast<size_t>(mat) * ih8) * 8;
-    float v[8];
-    if (mat < 2) {
-      const int n = static_cast<int>(rem / H), k = static_cast<int>(rem % H);
-      PackedValues8<kFmt>(packed + static_cast<size_t>(2 * (n / 16) + mat) * l.gate_up_block, l.Kh, l.group, n % 16, k, v);
-    } else {
-      const int n = static_cast<int>(rem / I), k = static_cast<int>(rem % I);
-      PackedValues8<kFmt>(packed + l.gate_up_bytes + static_cast<size_t>(n / 16) * l.down_block, l.Ki, l.group, n % 16, k, v);
-    }
-    uint4 o;
-    o.x = static_cast<uint32_t>(ToBf16(v[0])) | (static_cast<uint32_t>(ToBf16(v[1])) << 16);
-    o.y = static_cast<uint32_t>(ToBf16(v[2])) | (static_cast<uint32_t>(ToBf16(v[3])) << 16);
-    o.z = static_cast<uint32_t>(ToBf16(v[4])) | (static_cast<uint32_t>(ToBf16(v[5])) << 16);
-    o.w = static_cast<uint32_t>(ToBf16(v[6])) | (static_cast<uint32_t>(ToBf16(v[7])) << 16);
-    reinterpret_cast<uint4*>(dst)[e] = o;
-  }
-}
-
-// Any H, I: one value per thread.
+// One thread per 8 consecutive values of an output row (gate / up rows of H,
+// down rows of I): one or two reads of the packed block (PackedValues8; a
+// padded block always holds the whole group of 8), one 16-byte store when the
+// row length is a multiple of 8, else element stores up to the row's end.
 template <int kFmt>
 __global__ void UnpackExpertKernel(const uint8_t* __restrict__ packed, PackedLayout l, int H, int I,
                                    bf16_t* __restrict__ dst) {
-  const size_t ih = static_cast<size_t>(I) * H;
-  for (size_t e = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; e < 3 * ih;
+  const int H8 = (H + 7) / 8, I8 = (I + 7) / 8;
+  const size_t gate_up_items = 2 * static_cast<size_t>(I) * H8, items = gate_up_items + static_cast<size_t>(H) * I8;
+  for (size_t e = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; e < items;
        e += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const int mat = static_cast<int>(e / ih);
-    const size_t rem = e - static_cast<size_t>(mat) * ih;
-    float v;
-    if (mat < 2) {  // gate / up [I, H]: blocks interleave
-      const int n = static_cast<int>(rem / H), k = static_cast<int>(rem % H);
-      v = PackedValue<kFmt>(packed + static_cast<size_t>(2 * (n / 16) + mat) * l.gate_up_block, l.Kh, l.group,
-                            n % 16, k);
+    int n, k, K, Kp;
+    const uint8_t* blk;
+    size_t row;  // first value of the output row
+    if (e < gate_up_items) {  // gate (mat 0) / up (mat 1) [I, H]: their blocks interleave
+      const int mat = static_cast<int>(e / (static_cast<size_t>(I) * H8));
+      const size_t r = e - static_cast<size_t>(mat) * I * H8;
+      n = static_cast<int>(r / H8), k = 8 * static_cast<int>(r % H8), K = H, Kp = l.Kh;
+      blk = packed + static_cast<size_t>(2 * (n / 16) + mat) * l.gate_up_block;
+      row = (static_cast<size_t>(mat) * I + n) * H;
     } else {  // down [H, I]
-      const int n = static_cast<int>(rem / I), k = static_cast<int>(rem % I);
-      v = PackedValue<kFmt>(packed + l.gate_up_bytes + static_cast<size_t>(n / 16) * l.down_block, l.Ki, l.group,
-                            n % 16, k);
+      const size_t r = e - gate_up_items;
+      n = static_cast<int>(r / I8), k = 8 * static_cast<int>(r % I8), K = I, Kp = l.Ki;
+      blk = packed + l.gate_up_bytes + static_cast<size_t>(n / 16) * l.down_block;
+      row = 2 * static_cast<size_t>(I) * H + static_cast<size_t>(n) * I;
     }
-    dst[e] = ToBf16(v);
+    float v[8];
+    PackedValues8<kFmt>(blk, Kp, l.group, n % 16, k, v);
+    if (K % 8 == 0) {
+      uint4 o;
+      o.x = static_cast<uint32_t>(ToBf16(v[0])) | (static_cast<uint32_t>(ToBf16(v[1])) << 16);
+      o.y = static_cast<uint32_t>(ToBf16(v[2])) | (static_cast<uint32_t>(ToBf16(v[3])) << 16);
+      o.z = static_cast<uint32_t>(ToBf16(v[4])) | (static_cast<uint32_t>(ToBf16(v[5])) << 16);
+      o.w = static_cast<uint32_t>(ToBf16(v[6])) | (static_cast<uint32_t>(ToBf16(v[7])) << 16);
+      *reinterpret_cast<uint4*>(dst + row + k) = o;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (k + i < K) dst[row + k + i] = ToBf16(v[i]);
+    }
   }
 }
 
@@ -380,7 +349,7 @@ int PassRows(int max_count) {
 }
 
 template <int kFmt, int M, bool kDown>
-cudaError_t LaunchPacked(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t s) {
+cudaError_t LaunchPacked(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
   const int channels = kDown ? a.hidden : a.intermediate;
   const int len = kDown ? a.intermediate : a.hidden;
   const dim3 grid((channels + 15) / 16, a.num_groups);
@@ -396,7 +365,7 @@ cudaError_t LaunchPacked(const GroupedExpertArgs& a, const PackedExperts& p, cud
 }
 
 template <int kFmt, bool kDown>
-cudaError_t LaunchPackedByRows(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t s) {
+cudaError_t LaunchPackedByRows(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
   switch (PassRows(a.max_count)) {
     case 1: return LaunchPacked<kFmt, 1, kDown>(a, p, s);
     case 2: return LaunchPacked<kFmt, 2, kDown>(a, p, s);
@@ -406,7 +375,7 @@ cudaError_t LaunchPackedByRows(const GroupedExpertArgs& a, const PackedExperts& 
 }
 
 template <bool kDown>
-cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t s) {
+cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
   if (a.num_groups == 0) return cudaSuccess;
   switch (p.layout.format) {
     case kFmtInt8: return LaunchPackedByRows<kFmtInt8, kDown>(a, p, s);
@@ -419,37 +388,21 @@ cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedExperts
 
 }  // namespace
 
-cudaError_t LaunchPackedGateUp(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t stream) {
+cudaError_t LaunchPackedGateUp(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t stream) {
   return LaunchPackedByFormat<false>(a, p, stream);
 }
 
-cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedExperts& p, cudaStream_t stream) {
+cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t stream) {
   return LaunchPackedByFormat<true>(a, p, stream);
 }
 
 cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout, int hidden, int intermediate,
                                bf16_t* dst, cudaStream_t stream) {
-  const size_t n = 3 * static_cast<size_t>(hidden) * intermediate;
-  if (n == 0) return cudaSuccess;
-  const bool by8 = hidden % 8 == 0 && intermediate % 8 == 0;
-  const size_t items = by8 ? n / 8 : n;
-  const int blocks = static_cast<int>(std::min<size_t>((items + kElemwiseThreads - 1) / kElemwiseThreads, kMaxElemwiseBlocks));
+  const size_t items = 2 * static_cast<size_t>(intermediate) * ((hidden + 7) / 8) +
+                       static_cast<size_t>(hidden) * ((intermediate + 7) / 8);
+  if (items == 0) return cudaSuccess;
   if (layout.format == kFmtInt4 && (layout.group <= 0 || layout.group % 64 != 0)) return cudaErrorInvalidValue;
-  if (by8) {
-    switch (layout.format) {
-      case kFmtBf16:
-        UnpackExpert8Kernel<kFmtBf16><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
-        break;
-      case kFmtInt8:
-        UnpackExpert8Kernel<kFmtInt8><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
-        break;
-      case kFmtInt4:
-        UnpackExpert8Kernel<kFmtInt4><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
-        break;
-      default: return cudaErrorInvalidValue;
-    }
-    return cudaGetLastError();
-  }
+  const int blocks = static_cast<int>(std::min<size_t>((items + kElemwiseThreads - 1) / kElemwiseThreads, kMaxElemwiseBlocks));
   switch (layout.format) {
     case kFmtBf16:
       UnpackExpertKernel<kFmtBf16><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
@@ -458,7 +411,6 @@ cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout
       UnpackExpertKernel<kFmtInt8><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
       break;
     case kFmtInt4:
-      if (layout.group <= 0 || layout.group % 64 != 0) return cudaErrorInvalidValue;
       UnpackExpertKernel<kFmtInt4><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
       break;
     default: return cudaErrorInvalidValue;
