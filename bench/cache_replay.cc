@@ -10,6 +10,9 @@
 //   coordinator   the coordinator's real Popularity + PlanPlacement, fed the
 //                 counts a worker's heartbeats would carry, its assignments
 //                 applied through ExpertCache::Assign (the static policy)
+//   oracle        knows the future: after each layer run, Belady's resident set
+//                 for that layer's next run, prefetched over the same link
+//                 model (the reference every policy's distance is printed to)
 //   belady        the demand-admission optimum (bench/belady.h)
 //   best-static   the best fixed set per layer in hindsight
 //   ceiling       per step, the C experts with the most pairs (free prefetch):
@@ -31,7 +34,7 @@
 
 int main(int argc, char** argv) {
   std::string trace_path, cache_text = "25%",
-                          policies_text = "default,lru,lfu,lfru,coordinator,best-static,belady,ceiling";
+                          policies_text = "default,lru,lfu,lfru,coordinator,best-static,oracle,belady,ceiling";
   double step_ms = 100, pcie_gbps = 55, heartbeat_ms = 200, dram_gbps = 94, cpu_tflops = 4.6, pair_us = -1;
   int64_t expert_bytes = 3ll * 7168 * 2048 * 2;  // one DeepSeek-V3 expert in bf16
   bool per_layer = false;
@@ -41,13 +44,15 @@ int main(int argc, char** argv) {
                      "--trace FILE [--cache C|P%] [flags]\n"
                      "Replays a routing trace (bench/README.md: ours, or recorded vLLM routing; *.xz is read through\n"
                      "xz -dc) through the worker's default policy, lru, lfu, lfru, the coordinator's placement,\n"
-                     "the best fixed set, Belady's demand optimum and the ceiling; prints hit rates and modelled\n"
-                     "step times (defaults: the GPU host of shared/PERF.md).");
+                     "the best fixed set, the oracle, Belady's demand optimum and the ceiling; prints hit rates and\n"
+                     "modelled step times, and each policy's distance to the oracle\n"
+                     "(defaults: the GPU host of shared/PERF.md).");
   flags.String("trace", &trace_path, "routing trace file (required)");
   flags.String("cache", &cache_text, "cache slots per layer: a count, or a percentage of the experts (e.g. 25%)");
   flags.String("policies", &policies_text,
                "comma list of default (the worker's default), lru, lfu, lfru, coordinator, belady, best-static "
-               "(the best fixed set per layer in hindsight), ceiling (free prefetch of each step's top C)");
+               "(the best fixed set per layer in hindsight), oracle (future known, prefetch over the link), "
+               "ceiling (free prefetch of each step's top C)");
   flags.Double("step-ms", &step_ms, "device time of one trace step, all layers (attention, hits), without the CPU's\n"
               "      misses, which the model adds; the coordinator's time constants run on the modelled clock");
   flags.Double("dram-gbps", &dram_gbps, "CPU expert weight streaming rate, GB/s: a missed expert costs expert bytes / this\n"
@@ -128,20 +133,22 @@ int main(int argc, char** argv) {
     r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
     results.push_back(*std::move(r));
   }
-  const moe::PolicyResult* ceiling = nullptr;
-  for (const auto& r : results) {
-    if (r.name == "ceiling") ceiling = &r;
-  }
+  // Distances are to the oracle (future known, prefetch over the same link);
+  // without it in --policies, to the ceiling.
+  const moe::PolicyResult* ref = nullptr;
+  for (const auto& r : results)
+    if (r.name == "oracle" || (r.name == "ceiling" && ref == nullptr)) ref = &r;
+  const std::string ref_name = ref ? "vs " + ref->name : "vs -";
   const double steps = static_cast<double>(t.steps.size());
-  std::printf("%-12s %9s %10s %9s %9s %10s %11s %9s %7s %8s\n", "policy", "hit rate", "vs ceiling", "step ms",
-              "vs ceil", "copies", "copied", "pred prec", "recall", "replay");
+  std::printf("%-12s %9s %10s %9s %9s %10s %11s %9s %7s %8s\n", "policy", "hit rate", ref_name.c_str(), "step ms",
+              ref_name.c_str(), "copies", "copied", "pred prec", "recall", "replay");
   for (const auto& r : results) {
     const std::string step = r.model_seconds >= 0 ? absl::StrFormat("%.2f", 1e3 * r.model_seconds / steps) : "-";
-    const std::string step_vs = r.model_seconds >= 0 && ceiling && ceiling->model_seconds > 0
-                                    ? absl::StrFormat("%.2fx", r.model_seconds / ceiling->model_seconds)
+    const std::string step_vs = r.model_seconds >= 0 && ref && ref->model_seconds > 0
+                                    ? absl::StrFormat("%.2fx", r.model_seconds / ref->model_seconds)
                                     : "-";
     std::printf("%-12s %8.1f%% %10s %9s %9s %10llu %8.1f GB %9s %7s %7.2fs\n", r.name.c_str(), 100 * r.Rate(),
-                ceiling ? absl::StrFormat("%+.1f", 100 * (r.Rate() - ceiling->Rate())).c_str() : "-",
+                ref ? absl::StrFormat("%+.1f", 100 * (r.Rate() - ref->Rate())).c_str() : "-",
                 step.c_str(), step_vs.c_str(), static_cast<unsigned long long>(r.copies),
                 double(r.copies) * expert_bytes / 1e9,
                 r.precision >= 0 ? absl::StrFormat("%.1f%%", 100 * r.precision).c_str() : "-",

@@ -28,8 +28,8 @@ double PolicyResult::Rate() const { return TotalPairs() ? double(TotalHits()) / 
 double PolicyResult::LayerRate(int l) const { return pairs[l] ? double(hits[l]) / pairs[l] : 0.0; }
 
 const std::vector<std::string>& ReplayPolicies() {
-  static const std::vector<std::string> names = {"default", "lru",    "lfu",         "lfru",
-                                                 "coordinator", "belady", "best-static", "ceiling"};
+  static const std::vector<std::string> names = {"default", "lru",    "lfu",         "lfru",   "coordinator",
+                                                 "oracle",  "belady", "best-static", "ceiling"};
   return names;
 }
 
@@ -306,6 +306,68 @@ absl::StatusOr<PolicyResult> ReplayCoordinator(const RoutingTrace& t, const Repl
   return r;
 }
 
+// The oracle: knows the whole trace and prefetches under the same link model.
+// Right after layer l runs in step s it makes l's resident set for its next
+// run (step s+1) Belady's: a non-resident expert e replaces the resident v
+// whose next use lies farthest ahead, when e's next use comes sooner (ties:
+// more pairs at that use). Copies start at once, one link, FIFO; an expert
+// serves only once its copy landed, as for every online policy.
+absl::StatusOr<PolicyResult> ReplayOracle(const RoutingTrace& t, const ReplayConfig& c) {
+  PolicyResult r = NewResult(t, "oracle");
+  absl::StatusOr<std::unique_ptr<ExpertCache>> made = MakeCache(t, c, CachePolicyKind::kPredictive, c.lfru_half_life);
+  if (!made.ok()) return made.status();
+  ExpertCache& cache = **made;
+  const size_t S = t.steps.size();
+  const int E = t.num_experts;
+  // uses[l][e]: the steps that route layer l to e, ascending, with their pairs;
+  // cursor[l][e]: the first of them after the step being planned.
+  std::vector<std::vector<std::vector<std::pair<uint32_t, uint32_t>>>> uses(
+      t.num_layers, std::vector<std::vector<std::pair<uint32_t, uint32_t>>>(E));
+  for (size_t s = 0; s < S; ++s)
+    for (int l = 0; l < t.num_layers; ++l)
+      for (const ExpertAccess& a : t.steps[s][l])
+        uses[l][a.expert].push_back({static_cast<uint32_t>(s), static_cast<uint32_t>(a.pairs)});
+  std::vector<std::vector<size_t>> cursor(t.num_layers, std::vector<size_t>(E, 0));
+  std::vector<uint32_t> nu(E), np(E);
+  auto admit = [&](size_t s, int l, const LayerOutcome&, double, double) -> absl::StatusOr<std::vector<SlotCopy>> {
+    std::vector<SlotCopy> out;
+    for (int e = 0; e < E; ++e) {
+      const auto& u = uses[l][e];
+      size_t& i = cursor[l][e];
+      while (i < u.size() && u[i].first <= s) ++i;
+      nu[e] = i < u.size() ? u[i].first : static_cast<uint32_t>(S);
+      np[e] = i < u.size() ? u[i].second : 0;
+    }
+    // Sooner is better; at the same step, more pairs.
+    auto sooner = [&](int a, int b) { return nu[a] != nu[b] ? nu[a] < nu[b] : np[a] > np[b]; };
+    std::vector<int> wanted;
+    for (int e = 0; e < E; ++e)
+      if (cache.SlotOf(l, e) < 0 && nu[e] < S) wanted.push_back(e);
+    std::sort(wanted.begin(), wanted.end(), sooner);
+    std::vector<int> slots;  // Ready or empty slots, the farthest next use first
+    const std::vector<int> held = cache.SlotExperts(l);
+    for (int sl = 0; sl < static_cast<int>(held.size()); ++sl)
+      if (held[sl] < 0 || cache.ReadySlot(l, held[sl]) == sl) slots.push_back(sl);
+    std::sort(slots.begin(), slots.end(), [&](int a, int b) {
+      if (held[a] < 0 || held[b] < 0) return held[a] < 0 && held[b] >= 0;
+      return sooner(held[b], held[a]);
+    });
+    size_t v = 0;
+    for (int e : wanted) {
+      if (v >= slots.size()) break;
+      const int victim = held[slots[v]];
+      if (victim >= 0 && !sooner(e, victim)) break;
+      absl::StatusOr<SlotCopy> k = cache.Replace(l, slots[v++], e);
+      if (!k.ok()) return k.status();
+      out.push_back(*k);
+    }
+    return out;
+  };
+  absl::Status st = RunOnline(t, c, cache, admit, nullptr, r);
+  if (!st.ok()) return st;
+  return r;
+}
+
 PolicyResult ReplayBelady(const RoutingTrace& t, const ReplayConfig& c) {
   PolicyResult r = NewResult(t, "belady");
   r.model_seconds = -1;  // the flow gives totals, not per-step misses
@@ -367,6 +429,7 @@ absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c
   if (name == "default") return ReplayDefault(t, c);
   if (name == "lru" || name == "lfu" || name == "lfru") return ReplayOnline(t, c, name);
   if (name == "coordinator") return ReplayCoordinator(t, c);
+  if (name == "oracle") return ReplayOracle(t, c);
   if (name == "belady") return ReplayBelady(t, c);
   if (name == "best-static") {
     // The best fixed set per layer in hindsight, resident from the start.

@@ -1,6 +1,7 @@
 #include "gpu_worker/admission_policy.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <numeric>
 
@@ -40,6 +41,13 @@ absl::StatusOr<std::unique_ptr<AdmissionPolicy>> AdmissionPolicy::Create(const A
   for (size_t i = 0; i < c.layers.size(); ++i) a->pos_[c.layers[i]] = static_cast<int>(i);
   a->interval_s_.assign(c.layers.size(), 0.0);
   a->counters_.resize(c.layers.size());
+  a->residency_.resize(c.layers.size());
+  for (Residency& r : a->residency_) {
+    r.use.assign(c.num_experts, 0.0);
+    r.pairs.assign(c.num_experts, 0.0);
+    r.admitted.assign(c.num_experts, -1);
+    for (double later_runs : {0.0, 1.0, 3.0, 8.0}) r.shadows.push_back(Shadow{later_runs, std::vector<double>(c.num_experts, kNever)});
+  }
 
   return a;
 }
@@ -56,6 +64,10 @@ absl::StatusOr<std::vector<SlotCopy>> AdmissionPolicy::OnLayer(ExpertCache& cach
     iv = iv > 0 ? iv + kIntervalSmoothing * (dt - iv) : dt;
     if (dt > 0) busy_share_ += kIntervalSmoothing * (std::min(1.0, last_miss_s_ / dt) - busy_share_);
   }
+  // Until an eviction was measured, an admitted expert is expected to stay
+  // as many runs as the layer has slots (one replacement per run).
+  if (residency_[p].horizon <= 0) residency_[p].horizon = std::max(1, cache.config().slots_per_layer);
+  ObserveUse(p, T, k, ids, now_s);
   // This run's misses (the cache as the run finds it).
   {
     const AdmissionCosts& c = config_.costs;
@@ -84,55 +96,172 @@ absl::StatusOr<std::vector<SlotCopy>> AdmissionPolicy::OnLayer(ExpertCache& cach
   return out;
 }
 
+namespace {
+
+// Swaps for one target layer: `victims` (expert, or -1 for an empty slot)
+// least valuable first; `candidate(e)`: e may be copied in; `timing(i)`: the
+// i-th copy started now lands before the target runs (1), after it (0), or
+// cannot be started (-1). Replacing v by e gains the coming run's difference
+// (none for e when its copy lands late; v is gone at once) plus the later
+// runs': kept whole when e is the better resident, else bounded by one copy —
+// the one that would bring v back (rent or buy: a swap for the coming run
+// only costs the later runs no more than that). A swap is made when the gain
+// beats the copy's cost. Returns (expert, victim index) pairs in order.
+template <typename Candidate, typename Timing>
+std::vector<std::pair<int, int>> ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate,
+                                             double later_runs, double copy_cost, const std::vector<int>& victims,
+                                             Candidate candidate, Timing timing) {
+  std::vector<std::pair<int, int>> out;
+  const int E = static_cast<int>(next.size());
+  auto value = [&](int e) { return e < 0 ? 0.0 : next[e] + later_runs * rate[e]; };
+  auto gain = [&](int e, int v, bool in_time) {
+    const double now_gain = (in_time ? next[e] : 0.0) - (v >= 0 ? next[v] : 0.0);
+    const double later_gain = later_runs * (rate[e] - (v >= 0 ? rate[v] : 0.0));
+    return now_gain + (later_gain >= 0 ? later_gain : -std::min(-later_gain, copy_cost));
+  };
+  std::vector<int> candidates;
+  for (int e = 0; e < E; ++e)
+    if (candidate(e) && gain(e, -1, true) > copy_cost) candidates.push_back(e);
+  std::sort(candidates.begin(), candidates.end(), [&](int a, int b) { return value(a) > value(b); });
+  size_t v = 0;
+  for (int e : candidates) {
+    if (v >= victims.size()) break;
+    const int when = timing(static_cast<int>(out.size()));
+    if (when < 0) break;
+    if (gain(e, victims[v], when > 0) <= copy_cost) continue;  // a later candidate may still pay
+    out.push_back({e, static_cast<int>(v++)});
+  }
+  return out;
+}
+
+}  // namespace
+
 void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s, double start_s,
                            double* link_free_s, std::vector<SlotCopy>* out) {
   const AdmissionCosts& c = config_.costs;
   const double copy_cost = c.copy_dram_s * busy_share_;
+  const int tp = pos_[target];
+  Residency& res = residency_[tp];
   std::vector<double> pairs;
   const std::vector<double> prob = predictor_->Predict(target, lag, &pairs);
   const int E = config_.num_experts;
-  std::vector<double> value(E);
-  for (int e = 0; e < E; ++e) value[e] = prob[e] * c.miss_expert_s + pairs[e] * c.miss_pair_s;
-
-  std::vector<int> candidates;
-  for (int e = 0; e < E; ++e)
-    if (cache.SlotOf(target, e) < 0 && value[e] > copy_cost) candidates.push_back(e);
-  if (candidates.empty()) return;
-  std::sort(candidates.begin(), candidates.end(), [&](int a, int b) { return value[a] > value[b]; });
-  // Victims: empty slots first, then Ready unpinned experts, least valuable first.
-  struct Victim {
-    int slot;
-    double value;
-  };
-  std::vector<Victim> victims;
-  const std::vector<int> held = cache.SlotExperts(target);
-  for (int s = 0; s < static_cast<int>(held.size()); ++s) {
-    const int e = held[s];
-    if (e < 0) {
-      victims.push_back({s, 0.0});
-    } else if (cache.ReadySlot(target, e) == s && !cache.pinned(target, e)) {
-      victims.push_back({s, value[e]});
-    }
+  // next[e]: CPU time e saves at the target's coming run; rate[e]: at each run
+  // after it (the use rate over the residency horizon).
+  std::vector<double> next(E), rate(E);
+  for (int e = 0; e < E; ++e) {
+    next[e] = prob[e] * c.miss_expert_s + pairs[e] * c.miss_pair_s;
+    rate[e] = res.use[e] * c.miss_expert_s + res.pairs[e] * c.miss_pair_s;
   }
-  std::stable_sort(victims.begin(), victims.end(), [](const Victim& a, const Victim& b) { return a.value < b.value; });
-
-  AdmissionCounters& counters = counters_[pos_[target]];
-  size_t v = 0;
-  for (int e : candidates) {
-    if (v >= victims.size()) break;
-    if (value[e] - victims[v].value <= copy_cost) break;  // sorted: no later pair pays either
-    const double done = std::max(now_s, *link_free_s) + c.copy_s;
-    if (done > start_s) break;  // would land after the layer ran
-    if (config_.pass_budget_bytes > 0 && pass_bytes_ + config_.expert_bytes > config_.pass_budget_bytes) break;
-    absl::StatusOr<SlotCopy> copy = cache.Replace(target, victims[v].slot, e);
+  // A copy that lands after the target's coming run serves from the run after
+  // it; one the link cannot finish within a pass (the runs after) is not
+  // started — the queue would only delay copies that can land in time.
+  const double end_s = start_s + PassSeconds();
+  // How many later runs a swap is priced over is not known in advance: it
+  // depends on how predictable the layer's routing is beyond its next run.
+  // Shadows (bookkeeping-only caches of this layer, one per horizon, with
+  // their own link) make the same decisions with each horizon and score the
+  // CPU time their hits save less their copies' cost; the real cache follows
+  // the best of them.
+  const int C = cache.config().slots_per_layer;
+  for (Shadow& sh : res.shadows) {
+    std::vector<int> victims;
+    int held = 0;
+    for (int e = 0; e < E; ++e)
+      if (sh.ready[e] < kNever) {
+        ++held;
+        if (sh.ready[e] <= now_s) victims.push_back(e);
+      }
+    std::sort(victims.begin(), victims.end(), [&](int a, int b) { return next[a] + sh.later_runs * rate[a] < next[b] + sh.later_runs * rate[b]; });
+    victims.insert(victims.begin(), std::max(0, C - held), -1);
+    double link = std::max(now_s, sh.link_free_s);
+    auto timing = [&](int i) {
+      const double done = link + (i + 1) * c.copy_s;
+      return done > end_s ? -1 : done <= start_s ? 1 : 0;
+    };
+    const auto swaps = ChooseSwaps(next, rate, sh.later_runs, copy_cost, victims,
+                                   [&](int e) { return sh.ready[e] >= kNever; }, timing);
+    for (const auto& [e, vi] : swaps) {
+      link += c.copy_s;
+      sh.ready[e] = link;
+      if (victims[vi] >= 0) sh.ready[victims[vi]] = kNever;
+      sh.score -= copy_cost;
+    }
+    sh.link_free_s = link;
+  }
+  const Shadow& best = *std::max_element(res.shadows.begin(), res.shadows.end(),
+                                         [](const Shadow& a, const Shadow& b) { return a.score < b.score; });
+  // The real cache: victims are empty slots, then Ready unpinned experts, least valuable first.
+  std::vector<int> victim_slots, victims;
+  const std::vector<int> held = cache.SlotExperts(target);
+  for (int s = 0; s < static_cast<int>(held.size()); ++s)
+    if (held[s] < 0 || (cache.ReadySlot(target, held[s]) == s && !cache.pinned(target, held[s])))
+      victim_slots.push_back(s);
+  auto slot_value = [&](int s) { return held[s] < 0 ? -1.0 : next[held[s]] + best.later_runs * rate[held[s]]; };
+  std::stable_sort(victim_slots.begin(), victim_slots.end(), [&](int a, int b) { return slot_value(a) < slot_value(b); });
+  for (int s : victim_slots) victims.push_back(held[s]);
+  const double link = std::max(now_s, *link_free_s);
+  const bool budget = config_.pass_budget_bytes > 0;
+  auto timing = [&](int i) {
+    const double done = link + (i + 1) * c.copy_s;
+    if (budget && pass_bytes_ + (i + 1) * config_.expert_bytes > config_.pass_budget_bytes) return -1;
+    return done > end_s ? -1 : done <= start_s ? 1 : 0;
+  };
+  const auto swaps = ChooseSwaps(next, rate, best.later_runs, copy_cost, victims,
+                                 [&](int e) { return cache.SlotOf(target, e) < 0; }, timing);
+  AdmissionCounters& counters = counters_[tp];
+  for (const auto& [e, vi] : swaps) {
+    absl::StatusOr<SlotCopy> copy = cache.Replace(target, victim_slots[vi], e);
     if (!copy.ok()) continue;  // cannot happen for the slots chosen above; skip defensively
-    ++v;
-    *link_free_s = done;
+    if (copy->evicted >= 0) Evicted(tp, copy->evicted);
+    res.admitted[e] = static_cast<int64_t>(res.runs);
+    *link_free_s = std::max(now_s, *link_free_s) + c.copy_s;
     pass_bytes_ += config_.expert_bytes;
     ++counters.copies;
     counters.bytes += config_.expert_bytes;
     out->push_back(*copy);
   }
+}
+
+// Seconds of one forward pass (every served layer once), from the measured
+// layer intervals; infinity until every interval was measured.
+double AdmissionPolicy::PassSeconds() const {
+  double s = 0;
+  for (double iv : interval_s_) {
+    if (iv <= 0) return std::numeric_limits<double>::infinity();
+    s += iv;
+  }
+  return s;
+}
+
+void AdmissionPolicy::Evicted(int pos, int expert) {
+  Residency& r = residency_[pos];
+  const int64_t since = r.admitted[expert];
+  r.admitted[expert] = -1;
+  if (since < 0) return;  // resident before the policy saw it (an assignment)
+  const double runs = std::max(1.0, static_cast<double>(static_cast<int64_t>(r.runs) - since));
+  r.horizon += kResidencySmoothing * (runs - r.horizon);
+}
+
+// Use and pair rates of a layer's run, averaged over the residency horizon.
+void AdmissionPolicy::ObserveUse(int pos, int T, int k, const int32_t* ids, double now_s) {
+  Residency& r = residency_[pos];
+  std::vector<int>& pairs = scratch_pairs_;
+  pairs.assign(config_.num_experts, 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(T) * k; ++i)
+    if (ids[i] >= 0) ++pairs[ids[i]];
+  const double keep = std::exp2(-1.0 / std::max(1.0, r.horizon));
+  // The shadows' hits at this run: the CPU time their resident experts saved.
+  const AdmissionCosts& c = config_.costs;
+  for (Shadow& sh : r.shadows) {
+    sh.score *= kShadowKeep;
+    for (int e = 0; e < config_.num_experts; ++e)
+      if (pairs[e] > 0 && sh.ready[e] <= now_s) sh.score += c.miss_expert_s + pairs[e] * c.miss_pair_s;
+  }
+  for (int e = 0; e < config_.num_experts; ++e) {
+    r.use[e] = keep * r.use[e] + (1 - keep) * (pairs[e] > 0 ? 1.0 : 0.0);
+    r.pairs[e] = keep * r.pairs[e] + (1 - keep) * pairs[e];
+  }
+  ++r.runs;
 }
 
 }  // namespace moe

@@ -5,17 +5,30 @@
 //
 // On each run of layer l it predicts the next served layers l+1 and l+2 (in
 // run order; after the last layer the first of the next pass) and, for each,
-// swaps a resident expert v for a non-resident e only when
-//   value(e) - value(v) > the copy's cost,
-// where value(x) = P(x used at that run) * miss_expert_s + E[pairs of x] *
-// miss_pair_s is the CPU time x saves at that run when resident (later runs
-// are decided again, one layer ahead, with fresher routing). The copy's cost is
-// the host DRAM time its transfer takes from the CPU expert kernels
+// swaps a resident expert v for a non-resident e when what the swap gains
+// beats the copy's cost. The gain counts the CPU time e saves while resident,
+// not only at the target's coming run:
+//   next(x)  = P(x used at the coming run) * miss_expert_s + E[pairs] * miss_pair_s
+//   rate(x)  = the same per later run, from x's use and pair rates averaged
+//              over the measured residency of the layer's admissions
+//   gain     = next(e) - next(v) [next(e) counts only if the copy lands before
+//              the run] + H * (rate(e) - rate(v)), where a negative later part
+//              is bounded by one copy (the one that would bring v back: a swap
+//              for the coming run only, rent or buy).
+// H, the later runs a swap is priced over, depends on how predictable a layer
+// is beyond its next run; it is not a constant: per layer, shadow caches
+// (bookkeeping only, each with its own link) make the same decisions with H
+// = 0, 1, 3 and 8 and keep a decayed score of the CPU time their hits saved
+// less their copies' cost; the real cache uses the best shadow's H. An empty
+// slot is filled whenever an uncached expert pays for its copy. The copy's
+// cost is the host DRAM time its transfer takes from the CPU expert kernels
 // (copy_dram_s) times the measured share of time the CPU is busy with misses
-// (a copy while the CPU idles costs it nothing). A copy is started only if the link (one, FIFO, copy_s per
-// expert) finishes it before the target layer is expected to run — layer
-// intervals are measured online from the calls' clock — and only within the
-// per-pass PCIe byte budget. Pinned experts (coordinator / operator) are
+// (a copy while the CPU idles costs it nothing). The link is one FIFO of
+// copy_s per expert; a copy is started only if it completes within one pass
+// after the target's coming run (a copy that lands during later runs is fine;
+// one the link cannot finish by then would only delay timelier ones), and
+// only within the per-pass PCIe byte budget. Layer intervals are measured
+// online from the calls' clock. Pinned experts (coordinator / operator) are
 // never evicted and coordinator assignments (ExpertCache::Assign) stay the
 // long-horizon placement the admissions start from.
 //
@@ -92,14 +105,40 @@ class AdmissionPolicy {
 
  private:
   explicit AdmissionPolicy(const AdmissionConfig& c) : config_(c) {}
+  // What the policy knows of how long an admitted expert stays and how often
+  // each expert of a layer is used over that time.
+  // A bookkeeping-only copy of one layer's cache run with one pricing horizon.
+  struct Shadow {
+    double later_runs = 0;      // later runs a swap is priced over
+    std::vector<double> ready;  // per expert: when its copy lands, kNever: not held
+    double link_free_s = 0;
+    double score = 0;           // decayed CPU time saved by hits less copy costs
+  };
+  static constexpr double kNever = 1e300;
+  static constexpr double kShadowKeep = 0.985;  // per run of the layer: a half-life of ~46 runs
+  struct Residency {
+    std::vector<Shadow> shadows;
+    double horizon = 0;            // runs of the layer an admitted expert stays (EMA over evictions)
+    std::vector<double> use;       // per expert: share of runs that use it, averaged over the horizon
+    std::vector<double> pairs;     // per expert: pairs per run, likewise
+    std::vector<int64_t> admitted; // per expert: `runs` when this policy admitted it, -1: not by it
+    uint64_t runs = 0;
+  };
+  static constexpr double kResidencySmoothing = 0.125;  // EMA weight of one eviction's residency
+
   void Plan(ExpertCache& cache, int target, int lag, double now_s, double start_s, double* link_free_s,
             std::vector<SlotCopy>* out);
+  double PassSeconds() const;
+  void Evicted(int pos, int expert);
+  void ObserveUse(int pos, int T, int k, const int32_t* ids, double now_s);
 
   AdmissionConfig config_;
   std::unique_ptr<ExpertPredictor> predictor_;
   std::vector<int> pos_;            // model layer -> served position
   std::vector<double> interval_s_;  // [pos]: measured time from the previous layer's run to this one's
   std::vector<AdmissionCounters> counters_;
+  std::vector<Residency> residency_;  // [pos]
+  std::vector<int> scratch_pairs_;
   double last_now_s_ = -1;
   double last_miss_s_ = 0;    // CPU miss time of the previous layer run
   double busy_share_ = 1;     // measured share of time the CPU computes misses (starts pessimistic)

@@ -35,12 +35,24 @@ void OnlineScale::Observe(double predicted, double observed, bool upper_bound) {
   if (first || median > scale_ * (1 + deadband_) || median < scale_ / (1 + deadband_)) scale_ = median;
 }
 
+double CostModel::PairSeconds(double rows) const {
+  const auto& c = cpu_pair_curve;
+  if (c.empty()) return cpu_pair_s;
+  if (rows <= c.front().first) return c.front().second;
+  if (rows >= c.back().first) return c.back().second;
+  size_t i = 1;
+  while (c[i].first < rows) ++i;
+  const double f = std::log(rows / c[i - 1].first) / std::log(double(c[i].first) / c[i - 1].first);
+  return c[i - 1].second + f * (c[i].second - c[i - 1].second);
+}
+
 double CostModel::CpuPrior(int experts, int pairs) const {
-  return cpu_call_s + cpu_expert_s * experts + cpu_pair_s * pairs;
+  const double rows = experts > 0 ? double(pairs) / experts : pairs;
+  return cpu_call_s + cpu_expert_s * experts + PairSeconds(rows) * pairs;
 }
 
 double CostModel::CpuSeconds(int experts, int pairs, bool with_call) const {
-  return cpu.scale() * ((with_call ? cpu_call_s : 0) + cpu_expert_s * experts + cpu_pair_s * pairs);
+  return cpu.scale() * (CpuPrior(experts, pairs) - (with_call ? 0 : cpu_call_s));
 }
 
 double CostModel::CopySeconds() const { return copy.scale() * copy_s; }
@@ -67,11 +79,14 @@ void CostModel::ObserveDevice(double prior_seconds, double seconds, bool upper_b
 
 std::string CostModel::Describe() const {
   if (!measured) return "not measured";
+  std::string pairs;
+  for (const auto& [rows, s] : cpu_pair_curve) absl::StrAppendFormat(&pairs, "%s%d:%.4f", pairs.empty() ? "" : " ", rows, cpu.scale() * s * 1e3);
+  if (pairs.empty()) pairs = absl::StrFormat("%.4f", cpu.scale() * cpu_pair_s * 1e3);
   return absl::StrFormat(
       "copy %.3f ms/expert; device %.3f ms + %.4f ms/row; cpu %.3f ms/call + %.3f ms/expert + "
-      "%.4f ms/pair; online x%.3g cpu (%d samples), x%.3g copy (%d), x%.3g device (%d)",
+      "ms/pair at rows per expert {%s}; online x%.3g cpu (%d samples), x%.3g copy (%d), x%.3g device (%d)",
       CopySeconds() * 1e3, device.scale() * device_fixed_s * 1e3, device.scale() * device_row_s * 1e3,
-      cpu.scale() * cpu_call_s * 1e3, cpu.scale() * cpu_expert_s * 1e3, cpu.scale() * cpu_pair_s * 1e3,
+      cpu.scale() * cpu_call_s * 1e3, cpu.scale() * cpu_expert_s * 1e3, pairs,
       cpu.scale(), cpu.samples(), copy.scale(), copy.samples(), device.scale(), device.samples());
 }
 

@@ -17,6 +17,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace moe {
@@ -53,7 +54,12 @@ struct CostModel {
   double device_row_s = 0;
   double cpu_call_s = 0;      // CPU server: per call, per expert, per (token, expert) pair
   double cpu_expert_s = 0;
-  double cpu_pair_s = 0;
+  double cpu_pair_s = 0;      // per pair when cpu_pair_curve is empty
+  // Per pair at {rows of one expert, seconds}, rows ascending: a CPU kernel
+  // streams an expert's weights once per call, so its time per row falls
+  // several-fold from decode to prefill (AMX tiles fill up). Interpolated in
+  // log(rows); held flat beyond the ends.
+  std::vector<std::pair<int, double>> cpu_pair_curve;
   bool measured = false;
   // Online corrections of the priors.
   OnlineScale cpu, copy, device;
@@ -65,6 +71,8 @@ struct CostModel {
 
   // Predictions with the online corrections applied.
   double CpuSeconds(int experts, int pairs, bool with_call = true) const;
+  // CPU seconds per pair when an expert has `rows` rows (the prior, uncorrected).
+  double PairSeconds(double rows) const;
   double CopySeconds() const;
   double DeviceSeconds(int rows) const;
   // The prior alone (what an observation is compared with).

@@ -351,13 +351,18 @@ absl::Status LayerDispatcher::CreateAdmission() {
 // Rates: one expert copied, one expert computed on the device at 1 and many
 // rows, and the first server's round trip for 1 and 2 experts and many tokens.
 absl::Status LayerDispatcher::MeasureRates() {
-  const int rows = std::min(config_.max_tokens, 64);
+  // The CPU probe climbs to prompt-sized batches (its throughput per row grows
+  // several-fold from decode to prefill); the device probe stays at 64 rows.
+  int cpu_rows = std::min(config_.max_tokens, 1024);
+  for (const Server& sv : impl_->servers)
+    if (sv.transport != nullptr) cpu_rows = std::min(cpu_rows, std::max(1, sv.chunk_tokens));
+  const int rows = std::max(cpu_rows, std::min(config_.max_tokens, 64));
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<bf16_t> x(static_cast<size_t>(rows) * spec_.hidden), y(x.size());
   for (bf16_t& v : x) v = F32ToBf16(dist(rng));
-  MOE_RETURN_IF_ERROR(MeasureDeviceRates(rows, x, y));
-  return MeasureServerRates(rows, x, y);
+  MOE_RETURN_IF_ERROR(MeasureDeviceRates(std::min(config_.max_tokens, 64), x, y));
+  return MeasureServerRates(cpu_rows, x, y);
 }
 
 // One expert copied, one expert computed on the device at 1 and `rows` rows.
@@ -436,9 +441,14 @@ absl::Status LayerDispatcher::MeasureServerRates(int rows, const std::vector<bf1
   };
   MOE_ASSIGN_OR_RETURN(const double c11, cpu_time(1, 1));
   MOE_ASSIGN_OR_RETURN(const double c12, cpu_time(1, 2));
-  MOE_ASSIGN_OR_RETURN(const double cm1, cpu_time(rows, 1));
   cost_.cpu_expert_s = std::max(0.0, c12 - c11);
-  cost_.cpu_pair_s = std::max(0.0, (cm1 - c11) / std::max(1, rows - 1));
+  // Seconds per pair at 4, 16, 64, ... rows of one expert, up to `rows`.
+  cost_.cpu_pair_curve.clear();
+  for (int m = std::min(4, rows); m >= 2 && m <= rows; m = m * 4 > rows && m < rows ? rows : m * 4) {
+    MOE_ASSIGN_OR_RETURN(const double cm, cpu_time(m, 1));
+    cost_.cpu_pair_curve.push_back({m, std::max(0.0, (cm - c11) / (m - 1))});
+  }
+  cost_.cpu_pair_s = cost_.cpu_pair_curve.empty() ? 0.0 : cost_.cpu_pair_curve.front().second;
   cost_.cpu_call_s = std::max(0.0, c11 - cost_.cpu_expert_s - cost_.cpu_pair_s);
   cost_.measured = true;
   return absl::OkStatus();
