@@ -17,15 +17,44 @@
 //   lru-copy   copy every miss to the device with LRU eviction (plain offloading)
 //   copy-all   stream every expert of every layer to the device each step
 //              (measured copy time of a layer's experts, overlapped with the ceiling's compute)
-//   ideal      max(GPU time, attention + CPU time at DRAM bandwidth): the ceiling's step, and
-//              its attention plus the bytes of the experts ours missed in its cache over the
-//              measured DRAM bandwidth; "fixed us/layer" is ours beyond the ideal, per layer
+//   floor      a lower bound on ours' step under this run's measured rates (below, and
+//              "moe_layer's floor" in bench/README.md); "fixed us/layer" is ours beyond the
+//              floor, per layer call
 // The server stores its experts as --weight-dtype says (bf16, int8, int4) and
 // shares its packed store with the worker (one host copy; --share-host-copy
 // false: the worker packs its own), whose GPU cache holds the same format. A
 // cache of P% is P% of the GPU memory a bf16 cache of the layer would take,
-// so int8 / int4 caches hold ~2x / ~3.5x the experts. The ideal's CPU side
-// counts the server's packed bytes.
+// so int8 / int4 caches hold ~2x / ~3.5x the experts.
+//
+// The floor, per timed step of ours (the median over the steps is shown):
+// every layer call runs the attention (the ceiling run's step less its MoE
+// time, per call) and then its MoE. The call's uncached experts (those with
+// missed pairs: not Ready in ours' cache when the call was planned, as the
+// dispatcher's on_access reports them) must each be read once from host DRAM,
+// by the CPU server (share S) or by the copy engine (share C). Rates, all
+// measured in the same run: DRAM read bandwidth (dram); the host-to-device link
+// (pcie: a layer's experts' bytes over CopyAllLayer's time); the CPU server's
+// seconds per expert at m rows (cpu(m): a probe through the dispatcher's
+// transport less an empty batch's round trip, piecewise-linear in m); the GPU's MoE time per call (gpu: the
+// ceiling's, every expert resident). Copies for a later call may run during
+// an earlier one, so the link and DRAM are step-wide resources:
+//   floor = min over splits of max( sum_l [attn + max(gpu, cpu_l(S_l))],
+//                                   attn + sum_l copy_bytes(C_l) / pcie,
+//                                   sum_l (bytes(S_l) + bytes(C_l)) / dram )
+//   cpu_l(S) = max(bytes(S) / dram, sum_{e in S} cpu(rows_e)).
+// For a given number of CPU experts in a call the best S_l is the experts with
+// the fewest rows, and each call's term is convex in that number, so a greedy
+// walk (the next CPU expert is always the one that lengthens the first sum the
+// least) gives the best first sum for every total count; the floor is the
+// smallest max over those counts (all copied ... all on the CPU). It is a
+// bound under these rates, not a prediction.
+//
+// --chunk N: a batch of T > N tokens runs as ceil(T/N) calls of at most N
+// tokens per layer, each chunk through every layer in turn (as an engine
+// chunks a long prompt); a row is still the whole batch through all layers.
+// A chunk's attention is the decode attention of its rows (each row its own
+// sequence slot, at the step's position), not a prompt's causal attention.
+//
 // Times are medians over the timed steps, per decode step and per MoE layer.
 // With --runs N every configuration runs N times (a fresh dispatcher each, so
 // its start-up probe and online rates too); a time cell is then the median run
@@ -40,7 +69,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <queue>
 #include <random>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -48,6 +79,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/dram_bandwidth.h"
+#include "core/transport/transport.h"
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/model_source.h"
@@ -206,22 +238,166 @@ struct Options {
   int idle_spin_us = 2000;
   int admissions = 0;
   int runs = 1;
+  int chunk = 0;  // > 0: tokens per layer call (a larger batch runs as several calls)
+  // Tokens in one layer call of a batch of T.
+  int CallTokens(int T) const { return chunk > 0 ? std::min(T, chunk) : T; }
+  // Layer calls per step of a batch of T (per MoE layer).
+  int Chunks(int T) const { return T <= 0 ? 0 : (T + CallTokens(T) - 1) / CallTokens(T); }
+  // The largest call of any batch.
+  int MaxCallTokens() const {
+    int m = 1;
+    for (int T : Ints(batches)) m = std::max(m, CallTokens(T));
+    return m;
+  }
 };
 
-struct RunResult {
-  double step_s = 0, moe_s = 0, cpu_floor_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0;
-  double submit_s = 0, wait_s = 0;  // per layer call, medians
+// The CPU server's time per expert at m rows routed to it: batches of m rows
+// all routed to one expert (rotating over every layer's experts, so the
+// weights come from DRAM) through the transport the dispatcher uses, less an
+// empty batch (the same m rows, no expert) — the server's compute for one
+// expert, without the round trip a call pays once. Medians of kReps.
+struct CpuProbe {
+  static constexpr int kReps = 5;
+  std::vector<int> m;
+  std::vector<double> round_trip_s, empty_s;
+  std::vector<double> expert_s;  // max(0, round trip - empty), made nondecreasing in m (a suffix minimum)
+
+  // Seconds for one expert with `rows` rows: piecewise-linear between the
+  // probed m, linear in m at the largest m's rate beyond it.
+  double Seconds(int rows) const {
+    if (m.empty() || rows <= 0) return 0;
+    if (rows <= m.front()) return expert_s.front();
+    for (size_t i = 1; i < m.size(); ++i)
+      if (rows <= m[i])
+        return expert_s[i - 1] + (expert_s[i] - expert_s[i - 1]) * (rows - m[i - 1]) / (m[i] - m[i - 1]);
+    return expert_s.back() * rows / m.back();
+  }
 };
+
+CpuProbe ProbeCpu(const ModelSpec& spec, const std::string& shm, int max_m) {
+  TransportOptions to;
+  to.hidden = spec.hidden;
+  to.max_tokens_per_slot = max_m;
+  to.max_pairs_per_token = 1;
+  to.slots = 2;
+  std::unique_ptr<ExpertTransport> tr = Value(ConnectTransport("unix://" + shm, to), "probe transport");
+  // As the dispatcher polls for decode-sized calls on machines with the threads for it.
+  if (std::thread::hardware_concurrency() >= 8) tr->SetPolling(std::chrono::microseconds(2000));
+  std::vector<bf16_t> x(static_cast<size_t>(max_m) * spec.hidden), y(x.size());
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1, 1);
+  for (bf16_t& v : x) v = F32ToBf16(u(rng));
+  std::vector<int32_t> ids(max_m);
+  std::vector<float> w(max_m, 1.0f);
+  const int E = spec.num_experts, nl = static_cast<int>(spec.moe_layers.size());
+  int cursor = 0;
+  auto time = [&](int m, bool empty) {
+    std::vector<double> v;
+    for (int i = 0; i <= CpuProbe::kReps; ++i) {  // the first is not timed
+      const int j = cursor++;
+      const int layer = spec.moe_layers[(j / E) % nl];
+      std::fill(ids.begin(), ids.begin() + m, empty ? -1 : j % E);
+      const MoeBatch batch{layer, m, x.data(), RoutingView{m, 1, ids.data(), w.data()}};
+      const Clock::time_point t0 = Clock::now();
+      std::future<absl::Status> f = tr->Submit(batch, y.data(), Clock::now() + std::chrono::minutes(2));
+      Check(AwaitResult(f), "cpu probe");
+      if (i > 0) v.push_back(Sec(t0));
+    }
+    return Median(v);
+  };
+  CpuProbe p;
+  for (int m : {1, 4, 16, 64, 256, 1024})
+    if (m <= max_m) p.m.push_back(m);
+  if (p.m.back() < max_m && max_m > 1) p.m.push_back(max_m);
+  for (int m : p.m) {
+    p.round_trip_s.push_back(time(m, false));
+    p.empty_s.push_back(time(m, true));
+  }
+  p.expert_s.resize(p.m.size());
+  double low = 1e30;
+  for (size_t i = p.m.size(); i-- > 0;) {
+    low = std::min(low, std::max(0.0, p.round_trip_s[i] - p.empty_s[i]));
+    p.expert_s[i] = low;
+  }
+  return p;
+}
+
+// The rates the floor is computed with (see the top of this file).
+struct FloorRates {
+  double attn_s = 0, gpu_s = 0;           // per layer call: the ceiling's attention and MoE
+  double dram_Bps = 0, pcie_Bps = 0;      // bytes per second
+  double cpu_bytes = 0, copy_bytes = 0;   // one expert as the server reads it, as a copy moves it
+  const CpuProbe* cpu = nullptr;
+};
+
+// The floor of one step from the rows of each uncached expert of each of its
+// layer calls (`calls`: one entry per call, empty when the call had none).
+double StepFloor(const std::vector<std::vector<int>>& calls, const FloorRates& f) {
+  struct Split {
+    std::vector<double> prefix;  // CPU seconds of the call's n fewest-row experts
+    int n = 0;                   // of them on the CPU
+  };
+  std::vector<Split> split(calls.size());
+  auto dram_s = [&](double bytes) { return f.dram_Bps > 0 ? bytes / f.dram_Bps : 0.0; };
+  // One call's MoE time with its n fewest-row uncached experts on the CPU.
+  auto cost = [&](size_t l, int n) { return std::max({f.gpu_s, dram_s(n * f.cpu_bytes), split[l].prefix[n]}); };
+  using Step = std::pair<double, size_t>;  // added seconds, call
+  std::priority_queue<Step, std::vector<Step>, std::greater<Step>> next;
+  double first = 0;  // the sum over calls of attention + max(gpu, cpu)
+  int total = 0;
+  for (size_t l = 0; l < calls.size(); ++l) {
+    std::vector<int> rows = calls[l];
+    std::sort(rows.begin(), rows.end());
+    split[l].prefix.assign(1, 0.0);
+    for (int r : rows) split[l].prefix.push_back(split[l].prefix.back() + f.cpu->Seconds(r));
+    total += static_cast<int>(rows.size());
+    first += f.attn_s + cost(l, 0);
+    if (!rows.empty()) next.push({cost(l, 1) - cost(l, 0), l});
+  }
+  auto bound = [&](int on_cpu) {
+    const int copied = total - on_cpu;
+    const double link = copied == 0 ? 0 : f.pcie_Bps > 0 ? f.attn_s + copied * f.copy_bytes / f.pcie_Bps : 1e30;
+    return std::max({first, link, dram_s(on_cpu * f.cpu_bytes + copied * f.copy_bytes)});
+  };
+  double best = bound(0);
+  for (int on_cpu = 1; !next.empty(); ++on_cpu) {
+    const auto [added, l] = next.top();
+    next.pop();
+    first += added;
+    const int n = ++split[l].n;
+    if (n + 1 < static_cast<int>(split[l].prefix.size())) next.push({cost(l, n + 1) - cost(l, n), l});
+    best = std::min(best, bound(on_cpu));
+  }
+  return best;
+}
+
+// Per timed step, per layer call (in order), the rows of each expert the
+// call missed in the cache.
+using Uncached = std::vector<std::vector<int>>;
+
+struct RunResult {
+  double step_s = 0, moe_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0;
+  double submit_s = 0, wait_s = 0;  // per layer call, medians
+  std::vector<Uncached> uncached;   // per timed step
+  double floor_s = 0;               // set by Main from `uncached` (ours)
+};
+
+// The median over the timed steps of a run's floor.
+double RunFloor(const RunResult& r, const FloorRates& f) {
+  std::vector<double> v;
+  for (const Uncached& step : r.uncached) v.push_back(StepFloor(step, f));
+  return Median(v);
+}
 
 class Bench {
  public:
-  // server_expert_bytes: one expert as the server stores it (--weight-dtype).
-  Bench(const Options& o, const ModelSpec& spec, const std::string& shm, HostExpertStore* host, double dram_gbps,
-        double server_expert_bytes)
-      : o_(o), spec_(spec), shm_(shm), host_(host), dram_gbps_(dram_gbps), server_expert_bytes_(server_expert_bytes) {}
+  Bench(const Options& o, const ModelSpec& spec, const std::string& shm, HostExpertStore* host)
+      : o_(o), spec_(spec), shm_(shm), host_(host) {}
 
   // One configuration: a fresh backend + dispatcher, warm-up, timed steps.
+  // A step runs the batch through every layer, chunk by chunk (--chunk).
   RunResult Run(int T, int C, CachePolicyKind policy, CopyMode copy, bool dual) {
+    const int N = o_.CallTokens(T);
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
     DispatcherConfig c;
     c.servers.push_back(ExpertServerConfig{"unix://" + shm_, {}});
@@ -230,12 +406,16 @@ class Bench {
     c.slots_per_layer = C;
     c.policy = policy;
     c.copy_mode = copy;
-    c.max_tokens = T;
+    c.max_tokens = N;
     c.max_top_k = spec_.top_k;
     c.admissions_per_call = o_.admissions;
     c.miss_buffers = 4;
     c.measure_rates = copy == CopyMode::kAuto;
     c.deadline = std::chrono::milliseconds(120000);
+    // The floor's input: the rows of every expert a call missed in the cache.
+    c.on_access = [this](int, int, int pairs, bool hit) {
+      if (!hit && miss_rows_ != nullptr) miss_rows_->push_back(pairs);
+    };
     std::unique_ptr<LayerDispatcher> d = Value(LayerDispatcher::Create(spec_, *backend, host_, c), "dispatcher");
     ZipfRouter router(static_cast<int>(spec_.moe_layers.size()), spec_.num_experts, spec_.top_k, o_.zipf,
                       o_.drift, o_.seed);
@@ -246,90 +426,50 @@ class Bench {
       Check(d->ApplyAssignment(spec_.moe_layers[li], router.Hottest(static_cast<int>(li), C)), "assign");
     Check(d->FlushCopies(), "flush");
     const bool device_mem = backend->has_device_memory();
-    const MemoryKind kind = device_mem ? MemoryKind::kDevice : MemoryKind::kHost;
-    AttentionStep* attn = Attention(device_mem);
     Buffers buf(device_mem);
     const int H = spec_.hidden, k = spec_.top_k, L = static_cast<int>(spec_.moe_layers.size());
-    bf16_t* h = buf.Alloc<bf16_t>(static_cast<size_t>(T) * H);
-    bf16_t* x = buf.Alloc<bf16_t>(static_cast<size_t>(T) * H);
-    int32_t* ids = buf.Alloc<int32_t>(static_cast<size_t>(T) * k);
-    float* w = buf.Alloc<float>(static_cast<size_t>(T) * k);
+    Io io{d.get(), Attention(device_mem), &buf, device_mem ? MemoryKind::kDevice : MemoryKind::kHost,
+          buf.Alloc<bf16_t>(static_cast<size_t>(T) * H), buf.Alloc<bf16_t>(static_cast<size_t>(T) * H),
+          buf.Alloc<int32_t>(static_cast<size_t>(T) * k), buf.Alloc<float>(static_cast<size_t>(T) * k),
+          std::vector<int32_t>(static_cast<size_t>(T) * k), std::vector<float>(static_cast<size_t>(T) * k),
+          std::vector<int32_t>(T)};
     std::vector<bf16_t> h0(static_cast<size_t>(T) * H);
     std::mt19937 rng(3);
     std::uniform_real_distribution<float> u(-1, 1);
     for (bf16_t& v : h0) v = F32ToBf16(u(rng));
-    buf.Upload(h, h0.data(), h0.size() * sizeof(bf16_t));
-    std::vector<int32_t> hid(static_cast<size_t>(T) * k);
-    std::vector<float> hw(hid.size());
-    std::vector<int32_t> pos(T);
+    buf.Upload(io.h, h0.data(), h0.size() * sizeof(bf16_t));
 
     RunResult r;
-    std::vector<double> step_t, moe_t, cpu_floor_t, submit_t, wait_t;
+    std::vector<double> step_t, moe_t, submit_t, wait_t;
     uint64_t hits = 0, cpu = 0, copied = 0;
-    const int TA = dual ? T / 2 : T;
     for (int step = 0; step < o_.warmup + o_.steps; ++step) {
       const bool timed = step >= o_.warmup;
-      for (int t = 0; t < T; ++t) pos[t] = o_.context + step;
+      std::fill(io.pos.begin(), io.pos.end(), o_.context + step);
       router.Step();
-      double moe = 0, cpu_floor = 0;
+      Uncached* calls = timed ? &r.uncached.emplace_back() : nullptr;
+      double moe = 0;
       const Clock::time_point s0 = Clock::now();
-      for (int li = 0; li < L; ++li) {
-        const int layer = spec_.moe_layers[li];
-        // The routing of this layer (generated on the host, as the router's output would be on the device).
-        router.Route(li, T, hid.data(), hw.data());
-        CallStats st[2];
-        double layer_moe = 0;
-        if (!dual || TA == 0) {
-          Check(attn->Run(li, T, pos.data(), h, x, ids, w), "attention");
-          buf.Upload(ids, hid.data(), hid.size() * sizeof(int32_t));
-          buf.Upload(w, hw.data(), hw.size() * sizeof(float));
-          const Clock::time_point m0 = Clock::now();
-          Check(d->Forward(LayerCall{MoeBatch{layer, T, x, RoutingView{T, k, ids, w}}, h, kind, {}}, &st[0]), "forward");
-          layer_moe = Sec(m0);
-        } else {
-          // Micro-batch A's misses go out, then B's attention and hits run meanwhile.
-          const int TB = T - TA;
-          const size_t offB = static_cast<size_t>(TA) * H, offBk = static_cast<size_t>(TA) * k;
-          Check(attn->Run(li, TA, pos.data(), h, x, ids, w), "attention A");
-          buf.Upload(ids, hid.data(), hid.size() * sizeof(int32_t));
-          buf.Upload(w, hw.data(), hw.size() * sizeof(float));
-          const Clock::time_point m0 = Clock::now();
-          const int ta = Value(d->Submit(LayerCall{MoeBatch{layer, TA, x, RoutingView{TA, k, ids, w}}, h, kind, {}}), "submit A");
-          layer_moe += Sec(m0);
-          Check(attn->Run(li, TB, pos.data() + TA, h + offB, x + offB, ids + offBk, w + offBk), "attention B");
-          buf.Upload(ids + offBk, hid.data() + offBk, static_cast<size_t>(TB) * k * sizeof(int32_t));
-          buf.Upload(w + offBk, hw.data() + offBk, static_cast<size_t>(TB) * k * sizeof(float));
-          const Clock::time_point m1 = Clock::now();
-          const int tb = Value(d->Submit(LayerCall{MoeBatch{layer, TB, x + offB, RoutingView{TB, k, ids + offBk, w + offBk}}, h + offB, kind, {}}), "submit B");
-          Check(d->Complete(ta, &st[0]), "complete A");
-          Check(d->Complete(tb, &st[1]), "complete B");
-          layer_moe += Sec(m1);
-        }
-        moe += layer_moe;
-        if (timed) {
-          int missed_experts = 0;
+      for (int off = 0; off < T; off += N) {
+        for (int li = 0; li < L; ++li) {
+          CallStats st[2];
+          moe += Call(io, router, li, off, std::min(N, T - off), dual, st, calls);
+          if (!timed) continue;
           submit_t.push_back(st[0].submit_s + st[1].submit_s);
           wait_t.push_back(st[0].wait_s + st[1].wait_s);
           for (const CallStats& s : st) {
             hits += s.hit_pairs;
             cpu += s.cpu_pairs;
             copied += s.copied_pairs;
-            missed_experts += s.cpu_experts + s.copied_experts;
           }
-          cpu_floor += missed_experts * server_expert_bytes_ / (dram_gbps_ * 1e9);
         }
       }
       if (timed) {
         step_t.push_back(Sec(s0));
         moe_t.push_back(moe);
-        // The CPU side of the ideal: the bytes of every expert this run did
-        // not have cached (sent to the CPU or copied) over the DRAM bandwidth.
-        cpu_floor_t.push_back(cpu_floor);
       }
     }
     r.step_s = Median(step_t);
     r.moe_s = Median(moe_t);
-    r.cpu_floor_s = Median(cpu_floor_t);
     r.submit_s = Median(submit_t);
     r.wait_s = Median(wait_t);
     const double pairs = static_cast<double>(hits + cpu + copied);
@@ -365,11 +505,11 @@ class Bench {
   }
 
   // One attention step for every run (its weights and KV cache are large):
-  // sized for the largest batch, its cache prefilled once.
+  // sized for the largest call (a chunk's rows use sequence slots from 0),
+  // its cache prefilled once.
   AttentionStep* Attention(bool device_mem) {
     if (attn_ == nullptr) {
-      int max_T = 1;
-      for (int T : Ints(o_.batches)) max_T = std::max(max_T, T);
+      const int max_T = o_.MaxCallTokens();
       const int steps = o_.warmup + o_.steps;
       AttentionConfig ac = Value(AttentionConfigFor(spec_, max_T, o_.context + steps + 1, o_.seed), "attention config");
       attn_ = Value(MakeAttentionStep(device_mem ? "cuda" : "cpu", ac), "attention");
@@ -382,14 +522,74 @@ class Bench {
   const std::string& cost() const { return cost_; }
 
  private:
+  // One configuration's dispatcher, attention, buffers (the backend's memory:
+  // hidden states h, MoE input x, routing ids / w) and host routing.
+  struct Io {
+    LayerDispatcher* d;
+    AttentionStep* attn;
+    Buffers* buf;
+    MemoryKind kind;
+    bf16_t *h, *x;
+    int32_t* ids;
+    float* w;
+    std::vector<int32_t> hid;  // [T, k] the routing, generated on the host (the
+    std::vector<float> hw;     // router's output would be on the device)
+    std::vector<int32_t> pos;  // [T]
+  };
+
+  // Attention over rows [off, off + n) of layer index li (sequence slots
+  // 0..n-1), then this layer's routing of those rows to the device.
+  void Attend(Io& io, int li, int off, int n) {
+    const size_t oh = static_cast<size_t>(off) * spec_.hidden, ok = static_cast<size_t>(off) * spec_.top_k;
+    Check(io.attn->Run(li, n, io.pos.data() + off, io.h + oh, io.x + oh, io.ids + ok, io.w + ok), "attention");
+    io.buf->Upload(io.ids + ok, io.hid.data() + ok, static_cast<size_t>(n) * spec_.top_k * sizeof(int32_t));
+    io.buf->Upload(io.w + ok, io.hw.data() + ok, static_cast<size_t>(n) * spec_.top_k * sizeof(float));
+  }
+  LayerCall At(const Io& io, int layer, int off, int n) const {
+    const size_t oh = static_cast<size_t>(off) * spec_.hidden, ok = static_cast<size_t>(off) * spec_.top_k;
+    return LayerCall{MoeBatch{layer, n, io.x + oh, RoutingView{n, spec_.top_k, io.ids + ok, io.w + ok}}, io.h + oh,
+                     io.kind, {}};
+  }
+  // The next call's missed experts go to a new entry of `calls` (none when null).
+  void Record(Uncached* calls) { miss_rows_ = calls != nullptr ? &calls->emplace_back() : nullptr; }
+
+  // Rows [off, off + n) through layer index li: attention, then the MoE as one
+  // call or, dual, two micro-batches (A's misses go out, then B's attention
+  // and hits run meanwhile). Returns the MoE's seconds.
+  double Call(Io& io, ZipfRouter& router, int li, int off, int n, bool dual, CallStats st[2], Uncached* calls) {
+    const int layer = spec_.moe_layers[li], k = spec_.top_k;
+    router.Route(li, n, io.hid.data() + static_cast<size_t>(off) * k, io.hw.data() + static_cast<size_t>(off) * k);
+    const int na = dual ? n / 2 : n;
+    if (na == 0 || na == n) {
+      Attend(io, li, off, n);
+      Record(calls);
+      const Clock::time_point m0 = Clock::now();
+      Check(io.d->Forward(At(io, layer, off, n), &st[0]), "forward");
+      miss_rows_ = nullptr;
+      return Sec(m0);
+    }
+    Attend(io, li, off, na);
+    Record(calls);
+    const Clock::time_point m0 = Clock::now();
+    const int ta = Value(io.d->Submit(At(io, layer, off, na)), "submit A");
+    double moe = Sec(m0);
+    Attend(io, li, off + na, n - na);
+    Record(calls);
+    const Clock::time_point m1 = Clock::now();
+    const int tb = Value(io.d->Submit(At(io, layer, off + na, n - na)), "submit B");
+    miss_rows_ = nullptr;
+    Check(io.d->Complete(ta, &st[0]), "complete A");
+    Check(io.d->Complete(tb, &st[1]), "complete B");
+    return moe + Sec(m1);
+  }
+
   const Options& o_;
   const ModelSpec& spec_;
   std::string shm_;
   HostExpertStore* host_;
-  double dram_gbps_;
-  double server_expert_bytes_;
   std::string cost_;
   std::unique_ptr<AttentionStep> attn_;
+  std::vector<int>* miss_rows_ = nullptr;  // where on_access records the current call's missed experts
 };
 
 std::string Ms(double s) { return absl::StrFormat("%.3f", s * 1e3); }
@@ -414,12 +614,27 @@ struct Runs {
   }
 };
 
+// The CPU probe's table: m -> ms per expert and its TFLOP/s.
+void PrintProbe(const CpuProbe& probe, const ModelSpec& spec, const std::string& dtype) {
+  std::printf("CPU server per expert (the floor's CPU rate: m rows to one expert through the shm transport, less an "
+              "empty batch of m rows; medians of %d, %s weights; flops = 2*3*H*I*m):\n\n",
+              CpuProbe::kReps, dtype.c_str());
+  std::printf("| m | round trip ms | empty ms | ms per expert | TFLOP/s |\n|---|---|---|---|---|\n");
+  for (size_t i = 0; i < probe.m.size(); ++i) {
+    const double flops = 6.0 * spec.hidden * spec.intermediate * probe.m[i];
+    std::printf("| %d | %s | %s | %s | %s |\n", probe.m[i], Ms(probe.round_trip_s[i]).c_str(), Ms(probe.empty_s[i]).c_str(),
+                Ms(probe.expert_s[i]).c_str(),
+                probe.expert_s[i] > 0 ? absl::StrFormat("%.3f", flops / probe.expert_s[i] / 1e12).c_str() : "-");
+  }
+  std::printf("\n");
+}
+
 int Main(int argc, char** argv) {
   Options o;
   FlagSet flags("moe_layer",
                 "[--preset qwen3-30b-a3b] [--layers N] [--batches 1,8,...] [--cache 10,25,...]\n"
                 "End-to-end MoE decode steps on a GPU worker with a CPU expert server over shm; prints a\n"
-                "Markdown table (ours vs all-on-GPU, copy-every-miss LRU, copy-all-experts, and the ideal).");
+                "Markdown table (ours vs all-on-GPU, copy-every-miss LRU, copy-all-experts, and a floor).");
   flags.String("preset", &o.preset, "model geometry: qwen3-30b-a3b, deepseek-v3, mixtral-8x7b, tiny, ...");
   int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context;
   flags.Int("layers", &layers, "MoE layers (0: as many as fit twice in host memory: server + worker copy)");
@@ -432,6 +647,10 @@ int Main(int argc, char** argv) {
             "expert server compute threads (0: all cores but two: the worker's caller and its shm "
             "completion thread spin in decode, and the server pins each compute thread to one core)");
   flags.Int("context", &context, "KV cache positions each sequence already has");
+  int64_t chunk = 0;
+  flags.Int("chunk", &chunk,
+            "tokens per layer call: a larger batch runs as ceil(T/N) calls per layer, each chunk through every "
+            "layer (0: the whole batch in one call)");
   flags.Double("zipf", &o.zipf, "Zipf exponent of expert popularity");
   flags.Double("drift", &o.drift, "share of adjacent popularity ranks swapped per step");
   flags.String("device", &o.device, "worker backend: auto, cuda or cpu");
@@ -454,6 +673,8 @@ int Main(int argc, char** argv) {
   o.idle_spin_us = static_cast<int>(spin);
   o.admissions = static_cast<int>(admissions);
   if (runs < 1) Die("--runs: must be at least 1");
+  if (chunk < 0) Die("--chunk: must be at least 0");
+  o.chunk = static_cast<int>(chunk);
   o.runs = static_cast<int>(runs);
   const int ncpu = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   // All cores but two by default. The server pins its compute threads, one
@@ -528,22 +749,38 @@ int Main(int argc, char** argv) {
   LogInfo("bench", "host expert store: ", host->shared() ? "shared with the server" : "own", ", ", host->bytes() >> 20,
           " MiB of its own, in ", Sec(h0), " s; DRAM ", dram_gbps, " GB/s");
 
-  Bench bench(o, spec, shm, host.get(), dram_gbps, static_cast<double>(server_geometry.packed_bytes()));
+  Bench bench(o, spec, shm, host.get());
   const std::vector<std::string> modes = absl::StrSplit(o.modes, ',', absl::SkipEmpty());
   auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
   const int L = static_cast<int>(spec.moe_layers.size());
-  const double copy_all_layer = has("copy-all") ? bench.CopyAllLayer() : 0;
+  // The floor's rates: the link (a layer's experts over their copy time) and
+  // the server's compute per expert (rows up to the largest call, at most the
+  // server's --max-tokens).
+  const double copy_all_layer = bench.CopyAllLayer();
+  const double copy_bytes = static_cast<double>(host->geometry().packed_bytes());
+  const double pcie_gbps = copy_all_layer > 0 ? spec.num_experts * copy_bytes / copy_all_layer / 1e9 : 0;
+  const CpuProbe probe = ProbeCpu(spec, shm, std::min(o.MaxCallTokens(), 4096));
+  FloorRates rates;
+  rates.dram_Bps = dram_gbps * 1e9;
+  rates.pcie_Bps = pcie_gbps * 1e9;
+  rates.cpu_bytes = static_cast<double>(server_geometry.packed_bytes());
+  rates.copy_bytes = copy_bytes;
+  rates.cpu = &probe;
 
   std::printf("\n### moe_layer: %s, %d MoE layers, backend %s, server %d threads over shm, server weights %s\n\n",
               o.preset.c_str(), L, pin->name(), o.server_threads, o.weight_dtype.c_str());
-  std::printf("DRAM read %.1f GB/s (%s); expert %.2f MB bf16, %.2f MB %s (server and GPU cache; the ideal's CPU bytes), host copy %s; "
+  std::printf("DRAM read %.1f GB/s (%s); expert %.2f MB bf16, %.2f MB %s (server and GPU cache; the floor's bytes), host copy %s; "
               "Zipf %.2f, drift %.3f; %d warm-up + %d timed steps (medians); context %d; %d run(s) per "
-              "configuration%s.\n\n",
+              "configuration%s%s.\n\n",
               dram_gbps, dram_note.c_str(), spec.ExpertBf16Bytes() / 1e6, server_geometry.packed_bytes() / 1e6,
               o.weight_dtype.c_str(), host->shared() ? "shared" : "own", o.zipf, o.drift, o.warmup, o.steps, o.context, o.runs,
-              o.runs > 1 ? ", times as median [min-max] over the runs" : "");
+              o.runs > 1 ? ", times as median [min-max] over the runs" : "",
+              o.chunk > 0 ? absl::StrFormat("; batches in calls of at most %d tokens per layer (--chunk)", o.chunk).c_str() : "");
+  std::printf("Host-to-device copies %.1f GB/s (a layer's %d experts, %.2f MB, in %s ms; the floor's link rate).\n\n",
+              pcie_gbps, spec.num_experts, spec.num_experts * copy_bytes / 1e6, Ms(copy_all_layer).c_str());
+  PrintProbe(probe, spec, o.weight_dtype);
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
-              "copy-all step ms | ideal step ms | ours/ideal | fixed us/layer | lru-copy/ours | hit | cpu | copied | "
+              "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied | "
               "ours submit/wait ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   auto repeat = [&](int T, int C, CachePolicyKind policy, CopyMode copy, bool dual) {
@@ -555,7 +792,11 @@ int Main(int argc, char** argv) {
     // Ceiling: every expert resident, nothing missed.
     const Runs ceil_runs = repeat(T, spec.num_experts, CachePolicyKind::kStatic, CopyMode::kNever, false);
     const RunResult& ceil = ceil_runs.median();
-    const double copy_all_step = ceil.step_s - ceil.moe_s + L * std::max(copy_all_layer, ceil.moe_s / L);
+    // Layer calls per step: L, times the chunks of the batch.
+    const int calls = std::max(1, L * o.Chunks(T));
+    const double copy_all_step = ceil.step_s - ceil.moe_s + calls * std::max(copy_all_layer, ceil.moe_s / calls);
+    rates.attn_s = (ceil.step_s - ceil.moe_s) / calls;
+    rates.gpu_s = ceil.moe_s / calls;
     for (int pct : Ints(o.cache)) {
       // pct% of the GPU memory a bf16 cache of every expert takes, in slots of the cache's format.
       const double bf16_slot = static_cast<double>(pin->ExpertBytes(ExpertGeometry::For(spec.hidden, spec.intermediate)));
@@ -571,14 +812,13 @@ int Main(int argc, char** argv) {
       if (has("ours-cpu")) cpu_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kNever, false);
       if (has("ours-dual") && T >= 2) dual_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true);
       if (has("lru-copy")) lru_runs = repeat(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false);
+      // The floor of each run of ours, from its uncached experts (the top of
+      // this file); what ours takes beyond it, per layer call, is the worker's
+      // fixed cost (issue 14, point 4). Without ours: the ceiling's step.
+      for (RunResult& r : ours_runs.all) r.floor_s = has("ours") ? RunFloor(r, rates) : ceil.step_s;
       const RunResult &ours = ours_runs.median(), &lru = lru_runs.median();
-      // The ideal step: max(GPU time, attention + CPU time at DRAM bandwidth)
-      // — the ceiling's whole step (attention + every expert on the device),
-      // and the ceiling's attention (its step less its MoE) followed by ours'
-      // uncached experts' bytes over the measured bandwidth. What ours takes
-      // beyond it, per layer, is the worker's fixed cost (issue 14, point 4).
-      const double ideal = std::max(ceil.step_s, ceil.step_s - ceil.moe_s + ours.cpu_floor_s);
-      const double fixed_us = has("ours") ? (ours.step_s - ideal) / L * 1e6 : 0;
+      const double floor = ours.floor_s;
+      const double fixed_us = has("ours") ? (ours.step_s - floor) / calls * 1e6 : 0;
       auto opt = [](bool ran, const std::string& v) { return ran ? v : std::string("-"); };
       const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
       std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s |\n", T,
@@ -588,7 +828,7 @@ int Main(int argc, char** argv) {
                   opt(has("ours-dual") && T >= 2, dual_runs.Spread(&RunResult::step_s)).c_str(),
                   opt(has("lru-copy"), lru_runs.Spread(&RunResult::step_s)).c_str(),
                   opt(has("copy-all"), Ms(copy_all_step)).c_str(),
-                  Ms(ideal).c_str(), ours.step_s / ideal, fixed_us, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
+                  ours_runs.Spread(&RunResult::floor_s).c_str(), ours.step_s / floor, fixed_us, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
                   100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str());
       std::fflush(stdout);
     }
