@@ -98,15 +98,20 @@ std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candi
                    [](const CopyCandidate& a, const CopyCandidate& b) { return a.rows > b.rows; });
   double cpu = model.CpuSeconds(0, 0);
   for (const CopyCandidate& c : candidates) cpu += model.CpuSeconds(1, c.rows, false);
-  double dev = device_busy_s;
+  // The device side: copies queue on the link while the compute queue runs the
+  // experts already landed, so it lasts max(link time, compute time) (plus
+  // the first copy, which nothing hides).
+  double link = 0, compute = device_busy_s;
+  auto device_side = [&](double l, double c) { return l > 0 ? std::max(l + model.DeviceSeconds(1), c + model.CopySeconds()) : c; };
   for (size_t i = 0; i < candidates.size(); ++i) {
     const CopyCandidate& c = candidates[i];
     const double cpu_e = model.CpuSeconds(1, c.rows, false) + (i + 1 == candidates.size() ? model.CpuSeconds(0, 0) : 0);
-    // Copy and compute of successive experts overlap (copy queue vs compute queue).
-    const double dev_e = std::max(model.CopySeconds(), model.DeviceSeconds(c.rows));
-    if (std::max(cpu - cpu_e, dev + dev_e) > std::max(cpu, dev) - 0.25 * cpu_e) break;
+    const double dev_before = device_side(link, compute);
+    const double dev_after = device_side(link + model.CopySeconds(), compute + model.DeviceSeconds(c.rows));
+    if (std::max(cpu - cpu_e, dev_after) > std::max(cpu, dev_before) - 0.25 * cpu_e) break;
     cpu -= cpu_e;
-    dev += dev_e;
+    link += model.CopySeconds();
+    compute += model.DeviceSeconds(c.rows);
     chosen.push_back(c.expert);
   }
   // Exploration: a model that has not seen the CPU for a while keeps the

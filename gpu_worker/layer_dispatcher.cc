@@ -36,6 +36,10 @@ MoeBatch ShipmentBatch(int layer, const ServerBatch& b, const bf16_t* tokens) {
 // The fastest of several runs: the unloaded cost (a probe can only be slowed
 // down by noise — a page fault, a descheduled thread — never sped up).
 double Fastest(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()); }
+double Median(std::vector<double> v) {
+  std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+  return v[v.size() / 2];
+}
 
 }  // namespace
 
@@ -437,7 +441,7 @@ absl::Status LayerDispatcher::MeasureServerRates(int rows, const std::vector<bf1
         return absl::Status(st.code(), absl::StrCat("servers: probing ", s.config.address, ": ", st.message()));
       v.push_back(Seconds(Clock::now() - t0));
     }
-    return Fastest(v);
+    return Median(v);  // a probe at prompt sizes varies; the median, not the luckiest run
   };
   MOE_ASSIGN_OR_RETURN(const double c11, cpu_time(1, 1));
   MOE_ASSIGN_OR_RETURN(const double c12, cpu_time(1, 2));

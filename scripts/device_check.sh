@@ -13,6 +13,11 @@
 #                         cache 0,25%, 3 runs, ours) with the server storing bf16, int8, then int4 experts
 #   gpu_quant             the cuda backend's grouped kernels at bf16 / int8 / int4 cache formats
 #                         (DISABLED_DecodeThroughput, DeepSeek-V3 experts): us per call, GB/s of stored weights
+#   planner_decode        issue 21: moe_layer qwen3-30b-a3b (16 layers, bf16) decode T=1,8,32 at 25% cache, 3 runs,
+#                         ours vs ours-cpu vs copy-all vs the floor
+#   planner_prompt DTYPE  issue 21: moe_layer qwen3-30b-a3b (16 layers, --weight-dtype DTYPE) prompts of 512 and
+#                         2048 tokens, uniform routing (--zipf=0), cache 0 and 25%, 3 runs, then the llama.cpp peer
+#                         (bf16 -> bf16, int8 -> q8_0) in the same call; the peer folder is carried as .peer/llama
 #   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
 #                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
 #                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
@@ -80,6 +85,18 @@ while [[ $# -gt 0 ]]; do
         timeout 300 "$B/bin/device_backend_test" --gtest_also_run_disabled_tests \
           --gtest_filter="*DecodeThroughput/$f" 2>&1 | grep -E "GB/s|FAILED|OK" | tee -a "$OUT/gpu_quant.txt"
       done ;;
+    planner_decode)
+      bash "$0" moe_layer qwen3-30b-a3b --layers=16 --batches=1,8,32 --cache=25 --runs=3 \
+        --modes=ceiling,ours,ours-cpu,copy-all ;;
+    planner_prompt)
+      dtype=$1; shift
+      bash "$0" moe_layer qwen3-30b-a3b --layers=16 --batches=512,2048 --cache=0,25 --zipf=0 --runs=3 --steps=3 \
+        --warmup=1 --modes=ceiling,ours,ours-cpu,copy-all --weight-dtype="$dtype"
+      peer=.peer/llama/peer.sh
+      if [[ -f $peer ]]; then
+        OUT=$OUT timeout 300 bash "$peer" 16 "$([[ $dtype == int8 ]] && echo q8_0 || echo bf16)" > /dev/null 2>> "$OUT/logs.txt"
+        mv "$OUT/llama_peer.md" "$OUT/llama_peer_$dtype.md" 2>/dev/null; cat "$OUT/llama_peer_$dtype.md"
+      fi ;;
     python)
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       echo "## python ($py)" | tee -a "$OUT/python.txt"
