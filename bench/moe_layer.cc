@@ -376,7 +376,7 @@ double StepFloor(const std::vector<std::vector<int>>& calls, const FloorRates& f
 using Uncached = std::vector<std::vector<int>>;
 
 struct RunResult {
-  double step_s = 0, moe_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0, prefetched_share = 0;
+  double step_s = 0, moe_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0;
   double submit_s = 0, wait_s = 0;  // per layer call, medians
   std::vector<Uncached> uncached;   // per timed step
   double floor_s = 0;               // set by Main from `uncached` (ours)
@@ -409,7 +409,7 @@ class Bench {
     c.max_tokens = N;
     c.max_top_k = spec_.top_k;
     c.admissions_per_call = o_.admissions;
-    c.miss_buffers = 0;  // the worker's default: one layer's experts per parity (prefetch)
+    c.miss_buffers = 4;
     c.measure_rates = copy == CopyMode::kAuto;
     c.deadline = std::chrono::milliseconds(120000);
     // The floor's input: the rows of every expert a call missed in the cache.
@@ -441,7 +441,7 @@ class Bench {
 
     RunResult r;
     std::vector<double> step_t, moe_t, submit_t, wait_t;
-    uint64_t hits = 0, cpu = 0, copied = 0, prefetched = 0;
+    uint64_t hits = 0, cpu = 0, copied = 0;
     for (int step = 0; step < o_.warmup + o_.steps; ++step) {
       const bool timed = step >= o_.warmup;
       std::fill(io.pos.begin(), io.pos.end(), o_.context + step);
@@ -460,7 +460,6 @@ class Bench {
             hits += s.hit_pairs;
             cpu += s.cpu_pairs;
             copied += s.copied_pairs;
-            prefetched += s.prefetched_pairs;
           }
         }
       }
@@ -477,7 +476,6 @@ class Bench {
     r.hit_rate = pairs > 0 ? hits / pairs : 0;
     r.cpu_share = pairs > 0 ? cpu / pairs : 0;
     r.copied_share = pairs > 0 ? copied / pairs : 0;
-    r.prefetched_share = pairs > 0 ? prefetched / pairs : 0;
     if (d->cost_model().measured) cost_ = d->cost_model().Describe();
     return r;
   }
@@ -782,7 +780,7 @@ int Main(int argc, char** argv) {
               pcie_gbps, spec.num_experts, spec.num_experts * copy_bytes / 1e6, Ms(copy_all_layer).c_str());
   PrintProbe(probe, spec, o.weight_dtype);
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
-              "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied (prefetched) | "
+              "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied | "
               "ours submit/wait ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   auto repeat = [&](int T, int C, CachePolicyKind policy, CopyMode copy, bool dual) {
@@ -823,7 +821,7 @@ int Main(int argc, char** argv) {
       const double fixed_us = has("ours") ? (ours.step_s - floor) / calls * 1e6 : 0;
       auto opt = [](bool ran, const std::string& v) { return ran ? v : std::string("-"); };
       const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
-      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% (%.0f%%) | %s / %s |\n", T,
+      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s |\n", T,
                   pct, C, ceil_runs.Spread(&RunResult::step_s).c_str(), ours_runs.Spread(&RunResult::step_s).c_str(),
                   ours_runs.Spread(&RunResult::moe_s, 1.0 / L).c_str(),
                   opt(has("ours-cpu"), cpu_runs.Spread(&RunResult::step_s)).c_str(),
@@ -831,7 +829,7 @@ int Main(int argc, char** argv) {
                   opt(has("lru-copy"), lru_runs.Spread(&RunResult::step_s)).c_str(),
                   opt(has("copy-all"), Ms(copy_all_step)).c_str(),
                   ours_runs.Spread(&RunResult::floor_s).c_str(), ours.step_s / floor, fixed_us, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
-                  100 * ours.copied_share, 100 * ours.prefetched_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str());
+                  100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str());
       std::fflush(stdout);
     }
   }

@@ -118,15 +118,6 @@ struct LayerDispatcher::Impl {
   int temp_base = 0;
   std::vector<uint64_t> temp_fence;
   int temp_next[2] = {0, 0};
-  // Prefetch of the next layer's experts into temporary buffers, per parity:
-  // the layer it is for (-1: none), expert -> temp index or -1, the copies'
-  // fences by temp index, and which temp buffers it holds.
-  int prefetch_layer[2] = {-1, -1};
-  std::vector<int32_t> prefetch_buf[2];
-  std::vector<uint64_t> prefetch_fence;
-  std::vector<bool> temp_held;
-  std::vector<std::vector<int32_t>> last_pairs;  // [served index][expert]: pairs of the layer's last call
-  std::vector<bool> prefetched_now;              // per expert: computed from a prefetch in the call being planned
   // Split scratch: the plan of the call being submitted and its inputs.
   MissPlan plan;
   std::vector<int32_t> slot_buffer;     // per expert: the buffer of its Ready slot, or -1
@@ -229,7 +220,7 @@ absl::Status LayerDispatcher::CheckConfig() {
   if (c.max_tokens <= 0) return absl::InvalidArgumentError("max-tokens: must be positive");
   if (c.max_top_k <= 0) return absl::InvalidArgumentError("max-top-k: must be positive");
   if (c.contexts <= 0) return absl::InvalidArgumentError("contexts: must be positive");
-  if (c.miss_buffers < 0) return absl::InvalidArgumentError("miss-buffers: must not be negative (0: automatic)");
+  if (c.miss_buffers < 1) return absl::InvalidArgumentError("miss-buffers: must be at least 1");
   if (c.poll_window.count() < 0) return absl::InvalidArgumentError("poll-window: must not be negative");
   // Polling keeps three threads busy (this one, the transport's completion
   // thread, the server's connection thread): only where there are cores for it.
@@ -263,14 +254,7 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
     return absl::InvalidArgumentError(absl::StrCat("cache-experts-per-layer: ", c.slots_per_layer,
                                                    " exceeds the model's ", spec_.num_experts, " experts per layer"));
   C = std::min(C, spec_.num_experts);  // from --cache-gib: at most every expert
-  miss_buffers_ = c.miss_buffers;
-  if (miss_buffers_ == 0) {  // automatic: one layer's experts, within an eighth of the free memory
-    const uint64_t cache_bytes = static_cast<uint64_t>(C) * layers_.size() * expert_bytes;
-    const uint64_t free = backend_->free_memory_bytes();
-    const uint64_t share = free > cache_bytes ? (free - cache_bytes) / 8 : 0;
-    miss_buffers_ = std::max<int>(4, std::min<uint64_t>(spec_.num_experts, share / (2 * expert_bytes)));
-  }
-  const int temp = host_ != nullptr ? 2 * miss_buffers_ : 0;
+  const int temp = host_ != nullptr ? 2 * c.miss_buffers : 0;
   const uint64_t need = (static_cast<uint64_t>(C) * layers_.size() + temp) * expert_bytes;
   if (need > backend_->free_memory_bytes())
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -292,11 +276,6 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   MOE_RETURN_IF_ERROR(backend_->Init(bc));
   impl_->temp_base = C * static_cast<int>(layers_.size());
   impl_->temp_fence.assign(temp, 0);
-  impl_->prefetch_fence.assign(temp, 0);
-  impl_->temp_held.assign(temp, false);
-  for (auto& b : impl_->prefetch_buf) b.assign(spec_.num_experts, -1);
-  impl_->last_pairs.assign(layers_.size(), std::vector<int32_t>(spec_.num_experts, 0));
-  impl_->prefetched_now.assign(spec_.num_experts, false);
   return absl::OkStatus();
 }
 
@@ -692,8 +671,7 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   ctx.call = call;
   ctx.submitted = t_start;
   ctx.device_prior_s = -1;
-  // Hits only (none prefetched, whose copies the call may wait for): the device time is the call's time.
-  if (m.plan.missed.empty() && cost_.measured && m.prefetch_layer[call.batch.layer & 1] != call.batch.layer) {
+  if (m.plan.missed.empty() && cost_.measured) {  // hits only: the device time is the call's time
     ctx.device_prior_s = 0;
     for (int e : m.plan.accessed) ctx.device_prior_s += cost_.DevicePrior(m.plan.hit_pairs[e]);
   }
@@ -761,19 +739,6 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
     const int slot = cache_->ReadySlot(layer, e);
     m.slot_buffer[e] = slot >= 0 ? SlotBuffer(layer, slot) : -1;
   }
-  // The experts prefetched for this layer are computed from their temporary
-  // buffers, as hits; a prefetch for another layer of this parity is stale.
-  const int parity = layer & 1;
-  std::fill(m.prefetched_now.begin(), m.prefetched_now.end(), false);
-  if (m.prefetch_layer[parity] == layer) {
-    for (int e = 0; e < E; ++e)
-      if (m.prefetch_buf[parity][e] >= 0 && m.slot_buffer[e] < 0) {
-        m.slot_buffer[e] = m.temp_base + m.prefetch_buf[parity][e];
-        m.prefetched_now[e] = true;
-      }
-  } else if (m.prefetch_layer[parity] >= 0) {
-    ReleasePrefetch(parity, false);
-  }
   bool any_miss = false;
   for (size_t i = 0, n = static_cast<size_t>(routing.n) * routing.k; i < n && !any_miss; ++i)
     any_miss = routing.ids[i] >= 0 && m.slot_buffer[routing.ids[i]] < 0;
@@ -809,39 +774,22 @@ absl::Status LayerDispatcher::Dispatch(int ticket) {
   const int layer = ctx.call.batch.layer;
   // 1. The CPU misses, per server, before any device compute is enqueued.
   MOE_RETURN_IF_ERROR(ShipMisses(ticket));
-  // 2. Hits: one grouped launch over the cached experts, the plan's groups as
-  // they are, and the prefetched ones (after their copies).
-  const int parity = layer & 1;
-  const bool prefetched = m.prefetch_layer[parity] == layer;
+  // 2. Hits: one grouped launch over the cached experts, the plan's groups as they are.
   if (m.plan.hits.num_groups() > 0) {
     ctx.stats.hit_pairs = m.plan.hits.total_pairs;
-    for (int e : m.plan.accessed)
-      if (m.prefetched_now[e] && m.plan.hit_pairs[e] > 0) {
-        backend_->ComputeWaitCopy(m.prefetch_fence[m.prefetch_buf[parity][e]]);
-        ctx.stats.hit_pairs -= m.plan.hit_pairs[e];
-        ctx.stats.copied_pairs += m.plan.hit_pairs[e];
-        ++ctx.stats.copied_experts;
-        ctx.stats.prefetched_pairs += m.plan.hit_pairs[e];
-        ++ctx.stats.prefetched_experts;
-      }
     MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, m.plan.hit_plan()));
   }
-  if (prefetched) ReleasePrefetch(parity, true);
   // 3. Bookkeeping.
   m.access_pairs.clear();
   for (int e : m.plan.accessed) m.access_pairs.push_back(m.plan.hit_pairs[e] + m.plan.miss_pairs[e]);
   cache_->RecordAccess(layer, m.plan.accessed, m.access_pairs);
-  std::vector<int32_t>& last = m.last_pairs[layer_index_[layer]];
-  std::fill(last.begin(), last.end(), 0);
-  for (size_t i = 0; i < m.plan.accessed.size(); ++i) last[m.plan.accessed[i]] = m.access_pairs[i];
-  if (config_.on_access)  // a prefetched expert was not cached: its pairs count as misses
+  if (config_.on_access)
     for (int e : m.plan.accessed) {
-      if (m.plan.hit_pairs[e] > 0) config_.on_access(layer, e, m.plan.hit_pairs[e], !m.prefetched_now[e]);
+      if (m.plan.hit_pairs[e] > 0) config_.on_access(layer, e, m.plan.hit_pairs[e], true);
       if (m.plan.miss_pairs[e] > 0) config_.on_access(layer, e, m.plan.miss_pairs[e], false);
     }
-  // 4. Copy-instead-of-compute, then the next layer's prefetch behind it on the link.
+  // 4. Copy-instead-of-compute.
   MOE_RETURN_IF_ERROR(ComputeCopies(ticket));
-  MOE_RETURN_IF_ERROR(StartPrefetch(ticket));
   // 5. Admissions for later calls (after the compute above, so an evicted
   // slot is overwritten only once it was read).
   return StartAdmissions(ticket);
@@ -960,74 +908,6 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
   return absl::OkStatus();
 }
 
-// Prefetch: a call that copied experts (or computed prefetched ones) starts copying as many of the next
-// served layer's experts (those its last call routed most pairs to, not
-// cached) into that layer's temporary buffers, behind this call's copies on
-// the link; the next layer's call computes them as hits (PlanCall). At most
-// all buffers of the parity but one (copy-instead keeps one).
-absl::Status LayerDispatcher::StartPrefetch(int ticket) {
-  Impl& m = *impl_;
-  const Context& ctx = m.contexts[ticket];
-  // The experts this call copied, its own prefetched ones included (a prompt
-  // keeps streaming layer after layer).
-  int copied = static_cast<int>(m.plan.copy_experts.size());
-  for (int e : m.plan.accessed) copied += m.prefetched_now[e] && m.plan.hit_pairs[e] > 0;
-  if (copied == 0 || host_ == nullptr || m.temp_fence.empty() || config_.copy_mode == CopyMode::kNever) return absl::OkStatus();
-  const int idx = layer_index_[ctx.call.batch.layer];
-  const int next = layers_[(idx + 1) % layers_.size()];
-  const int parity = next & 1;
-  if (m.prefetch_layer[parity] == next) return absl::OkStatus();  // another micro-batch's call started it
-  if (m.prefetch_layer[parity] >= 0) ReleasePrefetch(parity, false);
-  const std::vector<int32_t>& pairs = m.last_pairs[(idx + 1) % layers_.size()];
-  std::vector<int> order;
-  for (int e = 0; e < spec_.num_experts; ++e)
-    if (pairs[e] > 0 && cache_->SlotOf(next, e) < 0) order.push_back(e);
-  const int n = std::min({copied, static_cast<int>(order.size()), miss_buffers_ - 1});
-  if (n <= 0) return absl::OkStatus();
-  std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int a, int b) { return pairs[a] > pairs[b]; });
-  m.prefetch_layer[parity] = next;
-  for (int i = 0; i < n; ++i) {
-    const int e = order[i];
-    const std::byte* packed = host_->Find(next, e);
-    if (packed == nullptr) break;  // not in the host copy: its misses go to the servers
-    const int ti = NextTempBuffer(parity);
-    MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(m.temp_base + ti, packed, m.temp_fence[ti]));
-    m.prefetch_fence[ti] = f;
-    m.temp_held[ti] = true;
-    m.prefetch_buf[parity][e] = ti;
-  }
-  const double now = Seconds(Clock::now() - epoch_);
-  link_free_s_ = std::max(now, link_free_s_) + cost_.copy_s * n;
-  return absl::OkStatus();
-}
-
-int LayerDispatcher::NextTempBuffer(int parity) {
-  Impl& m = *impl_;
-  for (int tries = 0; tries < miss_buffers_; ++tries) {
-    const int ti = parity * miss_buffers_ + m.temp_next[parity]++ % miss_buffers_;
-    if (!m.temp_held[ti]) return ti;
-  }
-  // Every buffer held by a prefetch (cannot happen: a prefetch leaves one):
-  // the prefetch of this parity is dropped.
-  ReleasePrefetch(parity, false);
-  return parity * miss_buffers_ + m.temp_next[parity]++ % miss_buffers_;
-}
-
-void LayerDispatcher::ReleasePrefetch(int parity, bool consumed) {
-  Impl& m = *impl_;
-  // Consumed: the buffers are free once the compute enqueued so far (the hits
-  // that read them) ran. Stale: nothing read them; the copy queue is FIFO, so a
-  // later copy into the buffer lands after the prefetch's.
-  const uint64_t after = consumed ? backend_->RecordCompute() : 0;
-  for (int32_t& ti : m.prefetch_buf[parity]) {
-    if (ti < 0) continue;
-    if (consumed) m.temp_fence[ti] = after;
-    m.temp_held[ti] = false;
-    ti = -1;
-  }
-  m.prefetch_layer[parity] = -1;
-}
-
 // Copies the expert of group g of `groups` (of the call's layer) into
 // `buffer` (-1: the next temporary buffer of the layer's parity) and computes
 // the group's pairs there.
@@ -1040,7 +920,7 @@ absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const Expert
   uint64_t after = 0;
   if (buffer < 0) {
     const int parity = layer & 1;
-    ti = NextTempBuffer(parity);
+    ti = parity * config_.miss_buffers + m.temp_next[parity]++ % config_.miss_buffers;
     buffer = m.temp_base + ti;
     after = m.temp_fence[ti];
   } else {

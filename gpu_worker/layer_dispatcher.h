@@ -18,13 +18,7 @@
 //   4. the remaining misses are gathered straight into the transport's memory
 //      (a shared-memory slot for shm) and submitted, per server, BEFORE the
 //      hits are enqueued, so the CPU works while the device computes hits;
-//   5. hits run as one grouped launch over the cached experts (and over the
-//      experts prefetched for this call into temporary buffers, below).
-// Prefetch: a call that copied experts (a prompt: copies win at many rows per
-// expert) starts copying as many of the next served layer's experts — those
-// its previous call routed most pairs to — into that layer's temporary
-// buffers right away, so the link works while this layer computes; the next
-// layer's call computes them as hits and splits the rest as usual.
+//   5. hits run as one grouped launch over the cached experts.
 // Complete waits for the servers' partial sums, adds them, and writes the
 // output. A failed server (UNAVAILABLE / DEADLINE_EXCEEDED) fails the batch
 // over to another server hosting its experts, else to copy-to-device from the
@@ -92,10 +86,7 @@ struct DispatcherConfig {
   int max_top_k = 8;
   int contexts = 2;                // calls in flight (micro-batches)
   int admissions_per_call = 4;     // lru/lfru: copies started per call
-  // Temporary miss buffers per layer parity (copy-instead, and the prefetch of
-  // the next layer's experts during a large call); 0: enough for one layer's
-  // experts, within an eighth of the device's free memory (at least 4).
-  int miss_buffers = 0;
+  int miss_buffers = 4;            // temporary miss buffers per layer parity
   CopyMode copy_mode = CopyMode::kAuto;
   int copy_min_tokens = 0;         // > 0: copy experts with at least this many tokens (no model)
   bool copy_fallback = true;       // failed servers: copy the experts to the device
@@ -229,11 +220,6 @@ class LayerDispatcher {
   absl::Status Gather(int ticket, const std::vector<int32_t>& rows, bf16_t* dst);
   absl::Status ComputeCopies(int ticket);
   absl::Status StartAdmissions(int ticket);
-  absl::Status StartPrefetch(int ticket);
-  // The next temporary buffer of `parity` not held by a prefetch (index into temp_fence).
-  int NextTempBuffer(int parity);
-  // Gives back the prefetch buffers of `parity` (consumed by a call, or stale).
-  void ReleasePrefetch(int parity, bool consumed);
   absl::StatusOr<uint64_t> ComputeCopied(int ticket, const ExpertGroups& groups, int g, int buffer);
   // Complete: the partial sums, and failover of a failed shipment.
   absl::Status AddPartials(int ticket, uint64_t* last_fence);
@@ -262,7 +248,6 @@ class LayerDispatcher {
   std::vector<int> layer_index_;  // model layer -> served index, or -1
   CostModel cost_;
   uint64_t copies_started_ = 0;
-  int miss_buffers_ = 0;  // per parity, resolved from the config
   uint64_t copy_bytes_ = 0;  // bytes one expert copy moves (the host copy's packed expert)
   std::unique_ptr<AdmissionPolicy> admission_;
   std::vector<std::vector<int>> assigned_;  // [served index] last coordinator assignment (predictive)

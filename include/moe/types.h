@@ -23,13 +23,11 @@ struct TlsOptions {
 
 // What one layer call did (optional out-parameter of the forward calls).
 struct CallStats {
-  int hit_pairs = 0;          // pairs of experts resident in the cache
+  int hit_pairs = 0;
   int cpu_pairs = 0;          // pairs computed by CPU expert servers
   int cpu_experts = 0;        // distinct experts sent to CPU expert servers
   int copied_pairs = 0;       // pairs computed on the device after a copy (incl. failover)
   int copied_experts = 0;
-  int prefetched_pairs = 0;   // of copied_pairs, those whose expert was copied during the previous layer's call
-  int prefetched_experts = 0;
   int miss_tokens = 0;        // tokens shipped (summed over servers)
   int failovers = 0;          // batches moved to another server or to copy
   uint64_t bytes_shipped = 0; // activations + routing sent, partials received
