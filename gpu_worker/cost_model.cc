@@ -90,7 +90,8 @@ std::string CostModel::Describe() const {
       cpu.scale(), cpu.samples(), copy.scale(), copy.samples(), device.scale(), device.samples());
 }
 
-std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s) {
+std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s,
+                              double link_busy_s) {
   std::vector<int> chosen;
   if (!model.measured || candidates.empty()) return chosen;
   // Most rows first: those gain most from the device's per-row speed.
@@ -98,16 +99,18 @@ std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candi
                    [](const CopyCandidate& a, const CopyCandidate& b) { return a.rows > b.rows; });
   double cpu = model.CpuSeconds(0, 0);
   for (const CopyCandidate& c : candidates) cpu += model.CpuSeconds(1, c.rows, false);
-  // The device side: copies queue on the link while the compute queue runs the
-  // experts already landed, so it lasts max(link time, compute time) (plus
-  // the first copy, which nothing hides).
-  double link = 0, compute = device_busy_s;
-  auto device_side = [&](double l, double c) { return l > 0 ? std::max(l + model.DeviceSeconds(1), c + model.CopySeconds()) : c; };
+  // The device side: copies queue on the link (behind its backlog) while the
+  // compute queue runs the experts already landed, so with copies it lasts
+  // max(link time, compute time) (plus the first copy, which nothing hides).
+  double link = std::max(0.0, link_busy_s), compute = device_busy_s;
+  auto device_side = [&](double l, double c, bool copies) {
+    return copies ? std::max(l + model.DeviceSeconds(1), c + model.CopySeconds()) : c;
+  };
   for (size_t i = 0; i < candidates.size(); ++i) {
     const CopyCandidate& c = candidates[i];
     const double cpu_e = model.CpuSeconds(1, c.rows, false) + (i + 1 == candidates.size() ? model.CpuSeconds(0, 0) : 0);
-    const double dev_before = device_side(link, compute);
-    const double dev_after = device_side(link + model.CopySeconds(), compute + model.DeviceSeconds(c.rows));
+    const double dev_before = device_side(link, compute, !chosen.empty());
+    const double dev_after = device_side(link + model.CopySeconds(), compute + model.DeviceSeconds(c.rows), true);
     if (std::max(cpu - cpu_e, dev_after) > std::max(cpu, dev_before) - 0.25 * cpu_e) break;
     cpu -= cpu_e;
     link += model.CopySeconds();

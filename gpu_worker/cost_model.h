@@ -103,6 +103,9 @@ struct CopyCandidate {
 // wrong copy costs PCIe and DRAM bandwidth). Never copies them all when the
 // model is due a CPU observation (CostModel::kExploreAfter) and updates that
 // counter. Returns the experts to copy; empty when !model.measured.
-std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s);
+// `link_busy_s`: the copy queue's backlog when the call starts (cache copies
+// of earlier calls), which the call's copies queue behind.
+std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s,
+                              double link_busy_s = 0);
 
 }  // namespace moe

@@ -763,6 +763,7 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
   in.can_copy = host_ != nullptr && !m.temp_fence.empty();
   in.copy_min_tokens = config_.copy_min_tokens;
   in.cost = &cost_;
+  in.link_busy_s = std::max(0.0, link_free_s_ - Seconds(Clock::now() - epoch_));
   return PlanMisses(in, &m.plan);
 }
 
@@ -878,6 +879,8 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
     }
   }
   for (int e : copy_list) MOE_RETURN_IF_ERROR(ComputeCopied(ticket, plan.copies, plan.copy_group(e), -1).status());
+  if (!plan.copy_experts.empty())  // the link is busy with them: later copies queue behind
+    link_free_s_ = std::max(Seconds(Clock::now() - epoch_), link_free_s_) + cost_.CopySeconds() * plan.copy_experts.size();
   return absl::OkStatus();
 }
 
@@ -896,7 +899,7 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
     const PredictionQuality& after = admission_->predictor().quality(layer);
     if (config_.on_cache_activity && after.predicted > before.predicted)
       config_.on_cache_activity(layer, 0, 0, after.predicted - before.predicted, after.correct - before.correct);
-    if (!planned.empty()) link_free_s_ = std::max(now, link_free_s_) + cost_.copy_s * planned.size();
+    if (!planned.empty()) link_free_s_ = std::max(now, link_free_s_) + cost_.CopySeconds() * planned.size();
     // Copies into the next layers' slots (StartSlotCopies orders them after
     // the compute recorded so far, so slots of earlier calls are read first).
     for (const SlotCopy& copy : planned) MOE_RETURN_IF_ERROR(StartSlotCopies(copy.layer, {copy}));

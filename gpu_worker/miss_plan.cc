@@ -80,7 +80,7 @@ absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
       std::vector<CopyCandidate> candidates;
       candidates.reserve(optional.size());
       for (int e : optional) candidates.push_back({e, p->miss_pairs[e]});
-      for (int e : ChooseCopies(*in.cost, std::move(candidates), dev)) copy.push_back(e);
+      for (int e : ChooseCopies(*in.cost, std::move(candidates), dev, in.link_busy_s)) copy.push_back(e);
     }
   }
   for (int e : copy) server_of[e] = -1;

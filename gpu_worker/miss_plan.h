@@ -47,6 +47,7 @@ struct MissPlanInput {
   bool can_copy = false;        // the worker holds host copies and temporary device buffers
   int copy_min_tokens = 0;      // auto: > 0 copies experts with at least this many miss pairs (no model)
   CostModel* cost = nullptr;    // auto, copy_min_tokens == 0: ChooseCopies on it (null or unmeasured: none)
+  double link_busy_s = 0;       // the copy queue's backlog now (cache copies of earlier calls)
 };
 
 // The misses one server computes: one batch of at most its chunk_tokens

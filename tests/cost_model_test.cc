@@ -178,6 +178,17 @@ TEST(ChooseCopiesTest, BusyDeviceKeepsMissesOnTheCpu) {
   EXPECT_TRUE(ChooseCopies(m, c, 1.0).empty());  // a second of hits already queued
 }
 
+// A copy queue already busy (cache copies of earlier calls) delays the call's
+// copies: with a backlog longer than the CPU would take, nothing is copied.
+TEST(ChooseCopiesTest, LinkBacklogKeepsMissesOnTheCpu) {
+  CostModel m = MispricedPrior();
+  m.cpu_expert_s = kTrueCpuExpert;
+  m.cpu_pair_s = 40e-6;
+  std::vector<CopyCandidate> c = {{9, 400}, {17, 300}};
+  EXPECT_EQ(ChooseCopies(m, c, 0, 0).size(), 2u);
+  EXPECT_TRUE(ChooseCopies(m, c, 0, 1.0).empty());  // a second of copies queued
+}
+
 // Noisy timings (+-30%, and 5% of calls stalled 20x) around a fixed truth
 // whose decision sits near the copy threshold: once the estimate settled, the
 // decision for the same routing keeps (the estimator's dead band keeps it from
