@@ -177,12 +177,16 @@ void Status(Context& c) {
   }
   if (r.layers().empty()) return;
   std::printf("\n");
-  Table l({"LAYER", "HIT RATE", "PAIRS (DECAYED)", "ROUTABLE EXPERTS", "PRED PRECISION", "COPIES/S", "PCIE MB/S"});
+  // Per layer, the planner's split of the pairs: cache hits, CPU servers,
+  // copied to the GPU for the call; cache copies (admissions and prefetches)
+  // per second, and the host->GPU link's busy share.
+  Table l({"LAYER", "HIT", "CPU", "COPIED", "PAIRS (DECAYED)", "ROUTABLE EXPERTS", "PRED PRECISION", "CACHE COPIES/S",
+           "PCIE MB/S", "PCIE BUSY"});
   for (const auto& x : r.layers()) {
-    l.Add({absl::StrCat(x.layer()), Percent(x.hit_rate()), Fixed(x.pairs()),
-           absl::StrCat(x.routable_experts(), "/", r.num_experts()),
+    l.Add({absl::StrCat(x.layer()), Percent(x.hit_rate()), Percent(x.cpu_share()), Percent(x.copied_share()),
+           Fixed(x.pairs()), absl::StrCat(x.routable_experts(), "/", r.num_experts()),
            x.prediction_precision() > 0 ? Percent(x.prediction_precision()) : "-", Fixed(x.copies_per_second()),
-           Fixed(x.pcie_bytes_per_second() / 1e6)});
+           Fixed(x.pcie_bytes_per_second() / 1e6), Percent(x.pcie_busy_share())});
   }
   l.Print();
 }

@@ -254,7 +254,9 @@ void Coordinator::AddCountsLocked(const std::string& worker,
       popularity_->Add(worker, c.layer(), c.experts(j), static_cast<double>(c.pairs(j)),
                        c.hits_size() ? static_cast<double>(c.hits(j)) : 0.0, now);
     }
-    if (c.cache_copies() || c.copy_bytes() || c.predicted()) {
+    double pairs = 0;
+    for (uint64_t p : c.pairs()) pairs += static_cast<double>(p);
+    if (c.cache_copies() || c.copy_bytes() || c.predicted() || pairs > 0 || c.link_microseconds()) {
       if (activity_.size() < static_cast<size_t>(registry_->num_layers())) activity_.resize(registry_->num_layers());
       LayerActivity& a = activity_[c.layer()];
       const double keep = std::exp2(-(now - a.at) / policy_.half_life_seconds);
@@ -262,6 +264,12 @@ void Coordinator::AddCountsLocked(const std::string& worker,
       a.bytes = a.bytes * keep + static_cast<double>(c.copy_bytes());
       a.predicted = a.predicted * keep + static_cast<double>(c.predicted());
       a.used = a.used * keep + static_cast<double>(std::min(c.predicted_used(), c.predicted()));
+      // The split: a report's CPU and copied pairs never count for more than its pairs.
+      const double cpu = std::min(static_cast<double>(c.cpu_pairs()), pairs);
+      a.pairs = a.pairs * keep + pairs;
+      a.cpu = a.cpu * keep + cpu;
+      a.copied = a.copied * keep + std::min(static_cast<double>(c.copied_pairs()), pairs - cpu);
+      a.link_s = a.link_s * keep + static_cast<double>(c.link_microseconds()) * 1e-6;
       a.at = now;
     }
   }
@@ -550,6 +558,9 @@ moe::v1::StatusResponse Coordinator::Status() {
       ls->set_prediction_precision(a.predicted > 0 ? a.used / a.predicted : 0.0);
       ls->set_copies_per_second(a.copies * per_second);
       ls->set_pcie_bytes_per_second(a.bytes * per_second);
+      ls->set_cpu_share(a.pairs > 0 ? a.cpu / a.pairs : 0.0);
+      ls->set_copied_share(a.pairs > 0 ? a.copied / a.pairs : 0.0);
+      ls->set_pcie_busy_share(a.link_s * per_second);
     }
     hits += h;
     pairs += n;

@@ -33,6 +33,13 @@ CoordinatorMetrics::CoordinatorMetrics(MetricsRegistry& r, Coordinator& coordina
                                     {"layer"})),
       pcie_bytes_per_second_(r.AddGauge("moe_coordinator_layer_pcie_bytes_per_second",
                                         "Decayed rate of host->GPU bytes those copies moved.", {"layer"})),
+      layer_split_(r.AddGauge("moe_coordinator_layer_pair_share",
+                              "Decayed share of the layer's pairs by where workers computed them: cpu (expert "
+                              "servers) or copied (to the GPU for the call); hits: moe_coordinator_layer_hit_rate.",
+                              {"layer", "where"})),
+      pcie_busy_share_(r.AddGauge("moe_coordinator_layer_pcie_busy_share",
+                                  "Decayed host->GPU link seconds per second of the layer's copies, all workers.",
+                                  {"layer"})),
       hit_rate_(r.AddGauge("moe_coordinator_hit_rate", "Decayed share of all pairs served from GPU caches.").Get()),
       rebalances_(r.AddCounter("moe_coordinator_rebalances_total", "Placement rounds run.").Get()),
       hook_(r.AddScrapeHook([this] { Refresh(); })) {}
@@ -63,6 +70,9 @@ void CoordinatorMetrics::Refresh() {
     prediction_precision_.WithLabels({layer})->Set(l.prediction_precision());
     copies_per_second_.WithLabels({layer})->Set(l.copies_per_second());
     pcie_bytes_per_second_.WithLabels({layer})->Set(l.pcie_bytes_per_second());
+    layer_split_.WithLabels({layer, "cpu"})->Set(l.cpu_share());
+    layer_split_.WithLabels({layer, "copied"})->Set(l.copied_share());
+    pcie_busy_share_.WithLabels({layer})->Set(l.pcie_busy_share());
   }
   hit_rate_->Set(st.overall_hit_rate());
   rebalances_->Increment(st.rebalances() - seen_rebalances_);

@@ -33,6 +33,8 @@ class CoordinatorMetrics {
   Family<Gauge>& prediction_precision_;
   Family<Gauge>& copies_per_second_;
   Family<Gauge>& pcie_bytes_per_second_;
+  Family<Gauge>& layer_split_;       // share of the layer's pairs by where they were computed
+  Family<Gauge>& pcie_busy_share_;
   Gauge* hit_rate_;
   Counter* rebalances_;
   // Last totals seen, to turn Status()'s running totals into counter increments.

@@ -546,7 +546,13 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
     }
     impl_->pending.push_back({copies[i], *f, Clock::now()});
     ++copies_started_;
-    if (config_.on_cache_activity) config_.on_cache_activity(layer, 1, copy_bytes_, 0, 0);
+    if (config_.on_activity) {
+      LayerActivity a;
+      a.cache_copies = 1;
+      a.copy_bytes = copy_bytes_;
+      a.link_seconds = cost_.measured ? cost_.CopySeconds() : 0.0;
+      config_.on_activity(layer, a);
+    }
   }
   return absl::OkStatus();
 }
@@ -791,6 +797,13 @@ absl::Status LayerDispatcher::Dispatch(int ticket) {
     }
   // 4. Copy-instead-of-compute.
   MOE_RETURN_IF_ERROR(ComputeCopies(ticket));
+  if (config_.on_activity && (ctx.stats.cpu_pairs > 0 || ctx.stats.copied_pairs > 0)) {
+    LayerActivity a;
+    a.cpu_pairs = static_cast<uint64_t>(ctx.stats.cpu_pairs);
+    a.copied_pairs = static_cast<uint64_t>(ctx.stats.copied_pairs);
+    a.link_seconds = cost_.measured ? cost_.CopySeconds() * ctx.stats.copied_experts : 0.0;
+    config_.on_activity(layer, a);
+  }
   // 5. Admissions for later calls (after the compute above, so an evicted
   // slot is overwritten only once it was read).
   return StartAdmissions(ticket);
@@ -897,8 +910,12 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
                          admission_->OnLayer(*cache_, layer, ctx.call.batch.n, std::max(ctx.call.batch.routing.k, 1),
                                              ctx.ids.data(), now, std::max(now, link_free_s_)));
     const PredictionQuality& after = admission_->predictor().quality(layer);
-    if (config_.on_cache_activity && after.predicted > before.predicted)
-      config_.on_cache_activity(layer, 0, 0, after.predicted - before.predicted, after.correct - before.correct);
+    if (config_.on_activity && after.predicted > before.predicted) {
+      LayerActivity a;
+      a.predicted = after.predicted - before.predicted;
+      a.predicted_used = after.correct - before.correct;
+      config_.on_activity(layer, a);
+    }
     if (!planned.empty()) link_free_s_ = std::max(now, link_free_s_) + cost_.CopySeconds() * planned.size();
     // Copies into the next layers' slots (StartSlotCopies orders them after
     // the compute recorded so far, so slots of earlier calls are read first).

@@ -104,10 +104,10 @@ struct DispatcherConfig {
   // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
   // all hits or all misses (e.g. CoordinatorAgent::RecordAccess). Optional.
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
-  // Cache activity, optional: a copy into `layer`'s slots started (copies,
-  // bytes), or the predictive policy scored its prediction of a run of
-  // `layer` (experts predicted, of them used).
-  std::function<void(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used)> on_cache_activity;
+  // Activity, optional (moe/types.h LayerActivity): a copy into `layer`'s
+  // slots started, the predictive policy scored its prediction of a run, or a
+  // call split its uncached pairs between the servers and copies.
+  std::function<void(int layer, const LayerActivity& activity)> on_activity;
 };
 
 // One layer call: the batch (T = batch.n tokens, hidden [T,H] bf16 in

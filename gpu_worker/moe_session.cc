@@ -51,7 +51,7 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
   c.transport.grpc_streams = o.grpc_streams;
   c.backend.cpu_threads = o.cpu_threads;
   c.on_access = o.on_access;
-  c.on_cache_activity = o.on_cache_activity;
+  c.on_activity = o.on_activity;
   return c;
 }
 

@@ -112,11 +112,9 @@ struct SessionHooks {
         if (moe::CoordinatorAgent* a = agent.load(std::memory_order_acquire))
           a->RecordAccess(layer, expert, static_cast<uint64_t>(pairs), hit);
       };
-    o.on_cache_activity = [this](int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t used) {
-      if (moe::WorkerMetrics* m = metrics.load(std::memory_order_acquire))
-        m->RecordCacheActivity(layer, copies, bytes, predicted, used);
-      if (moe::CoordinatorAgent* a = agent.load(std::memory_order_acquire))
-        a->RecordLayerActivity(layer, copies, bytes, predicted, used);
+    o.on_activity = [this](int layer, const moe::LayerActivity& activity) {
+      if (moe::WorkerMetrics* m = metrics.load(std::memory_order_acquire)) m->RecordActivity(layer, activity);
+      if (moe::CoordinatorAgent* a = agent.load(std::memory_order_acquire)) a->RecordLayerActivity(layer, activity);
     };
   }
 };

@@ -19,6 +19,10 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r, const std::vector<int>& layers,
                                  "experts the predictive policy predicted for the layer's runs, by whether the run "
                                  "used them (precision = used / all)",
                                  {"layer", "result"});
+  auto& link_us = r.AddCounter("moe_worker_layer_pcie_busy_microseconds_total",
+                               "host->GPU link time of the layer's copies (cache slots and copy-instead), from the "
+                               "online copy time; its rate is the link's busy share",
+                               {"layer"});
   for (int l : layers) {
     const std::string ls = std::to_string(l);
     layers_[l].hit = pairs.WithLabels({ls, "hit"});
@@ -29,6 +33,7 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r, const std::vector<int>& layers,
     layers_[l].copy_bytes = copy_bytes.WithLabels({ls});
     layers_[l].predicted = predicted.WithLabels({ls, "all"});
     layers_[l].predicted_used = predicted.WithLabels({ls, "used"});
+    layers_[l].link_us = link_us.WithLabels({ls});
   }
   miss_tokens_ = r.AddCounter("moe_worker_miss_tokens_total", "tokens shipped to CPU expert servers").Get();
   bytes_ = r.AddCounter("moe_worker_bytes_shipped_total",
@@ -58,13 +63,13 @@ void WorkerMetrics::RecordCall(int layer, int tokens, const CallStats& s, double
   wait_seconds_->Observe(s.wait_s);
 }
 
-void WorkerMetrics::RecordCacheActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted,
-                                        uint64_t used) {
+void WorkerMetrics::RecordActivity(int layer, const LayerActivity& a) {
   if (layer < 0 || layer >= static_cast<int>(layers_.size()) || layers_[layer].hit == nullptr) return;
-  layers_[layer].cache_copies->Increment(copies);
-  layers_[layer].copy_bytes->Increment(bytes);
-  layers_[layer].predicted->Increment(predicted);
-  layers_[layer].predicted_used->Increment(used);
+  layers_[layer].cache_copies->Increment(a.cache_copies);
+  layers_[layer].copy_bytes->Increment(a.copy_bytes);
+  layers_[layer].predicted->Increment(a.predicted);
+  layers_[layer].predicted_used->Increment(a.predicted_used);
+  if (a.link_seconds > 0) layers_[layer].link_us->Increment(static_cast<uint64_t>(a.link_seconds * 1e6 + 0.5));
 }
 
 }  // namespace moe

@@ -21,12 +21,13 @@ class WorkerMetrics {
   void SetCopies(uint64_t copies) { copies_->Set(static_cast<double>(copies)); }
   // Copies into `layer`'s cache slots and their bytes; experts predicted for
   // its runs and of them used (predictive policy).
-  void RecordCacheActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t used);
+  void RecordActivity(int layer, const LayerActivity& a);
 
  private:
   struct Layer {
     Counter *hit = nullptr, *cpu = nullptr, *copied = nullptr, *tokens = nullptr;
     Counter *cache_copies = nullptr, *copy_bytes = nullptr, *predicted = nullptr, *predicted_used = nullptr;
+    Counter* link_us = nullptr;
   };
   std::vector<Layer> layers_;  // by model layer index
   Counter *miss_tokens_, *bytes_, *failovers_, *calls_;

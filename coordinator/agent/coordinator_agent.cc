@@ -166,9 +166,11 @@ class CoordinatorAgent::Impl {
     pairs_[i].fetch_add(pairs, std::memory_order_relaxed);
     if (hit) hits_[i].fetch_add(pairs, std::memory_order_relaxed);
   }
-  void RecordLayerActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t used) {
+  void RecordLayerActivity(int layer, const LayerActivity& a) {
     if (layer < 0 || layer >= reg_.num_layers) return;
-    const uint64_t v[kActivityFields] = {copies, bytes, predicted, used};
+    const uint64_t link_us = a.link_seconds > 0 ? static_cast<uint64_t>(a.link_seconds * 1e6 + 0.5) : 0;
+    const uint64_t v[kActivityFields] = {a.cache_copies, a.copy_bytes, a.predicted, a.predicted_used,
+                                         a.cpu_pairs, a.copied_pairs, link_us};
     for (int f = 0; f < kActivityFields; ++f)
       if (v[f]) activity_[static_cast<size_t>(layer) * kActivityFields + f].fetch_add(v[f], std::memory_order_relaxed);
   }
@@ -279,6 +281,9 @@ class CoordinatorAgent::Impl {
       lc->set_copy_bytes(a[1]);
       lc->set_predicted(a[2]);
       lc->set_predicted_used(std::min(a[3], a[2]));
+      lc->set_cpu_pairs(a[4]);
+      lc->set_copied_pairs(a[5]);
+      lc->set_link_microseconds(a[6]);
     }
     grpc::ClientContext ctx;
     link_.SetDeadline(ctx);
@@ -353,7 +358,8 @@ class CoordinatorAgent::Impl {
   const size_t cells_;
   std::vector<std::atomic<uint64_t>> pairs_, hits_;        // recorded since the last collection
   std::vector<uint64_t> pending_pairs_, pending_hits_;    // collected, not yet acknowledged (session thread)
-  static constexpr int kActivityFields = 4;                // copies, bytes, predicted, predicted_used
+  // copies, bytes, predicted, predicted_used, cpu_pairs, copied_pairs, link microseconds
+  static constexpr int kActivityFields = 7;
   std::vector<std::atomic<uint64_t>> activity_;           // [layer][field] since the last collection
   std::vector<uint64_t> pending_activity_;                // collected, not yet acknowledged
   std::atomic<uint64_t> applied_{0}, received_{0};
@@ -391,9 +397,8 @@ void CoordinatorAgent::RecordAccess(int layer, int expert, uint64_t pairs, bool 
   impl_->RecordAccess(layer, expert, pairs, hit);
 }
 
-void CoordinatorAgent::RecordLayerActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted,
-                                           uint64_t predicted_used) {
-  impl_->RecordLayerActivity(layer, copies, bytes, predicted, predicted_used);
+void CoordinatorAgent::RecordLayerActivity(int layer, const LayerActivity& activity) {
+  impl_->RecordLayerActivity(layer, activity);
 }
 void CoordinatorAgent::MarkApplied(uint64_t version) { impl_->MarkApplied(version); }
 bool CoordinatorAgent::connected() const { return impl_->connected(); }

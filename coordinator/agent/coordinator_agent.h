@@ -30,6 +30,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/transport/transport.h"
+#include "moe/types.h"
 
 namespace moe {
 
@@ -98,9 +99,10 @@ class CoordinatorAgent {
   // `pairs` (token, expert) pairs of (layer, expert) in one forward pass, all
   // hits or all misses. Out-of-range indexes are ignored. Lock-free.
   void RecordAccess(int layer, int expert, uint64_t pairs, bool hit);
-  // Cache activity of `layer` (copies started, their bytes; experts predicted
-  // and of those used), reported with the next heartbeat. Lock-free.
-  void RecordLayerActivity(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used);
+  // Activity of `layer` (cache copies and bytes, experts predicted and used,
+  // pairs sent to the CPU and copied, link time), reported with the next
+  // heartbeat. Lock-free.
+  void RecordLayerActivity(int layer, const LayerActivity& activity);
   // The worker finished applying `version` (copies done, slot map swapped).
   // Sent as the acknowledgement in the next heartbeat.
   void MarkApplied(uint64_t version);

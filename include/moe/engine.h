@@ -98,9 +98,10 @@ struct SessionOptions {
   // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
   // all hits or all misses (e.g. a coordinator agent's access counts).
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
-  // Cache activity per layer: copies started (count, bytes), and the
-  // predictive policy's score of its prediction (experts predicted, used).
-  std::function<void(int layer, uint64_t copies, uint64_t bytes, uint64_t predicted, uint64_t predicted_used)> on_cache_activity;
+  // Activity per layer (moe/types.h LayerActivity): cache copies started,
+  // prediction scores, the split of each call's uncached pairs between the
+  // CPU servers and copies, and the link time its copies take.
+  std::function<void(int layer, const LayerActivity& activity)> on_activity;
 };
 
 class MoeSession {

@@ -21,6 +21,18 @@ struct TlsOptions {
   std::string server_name_override;          // TLS name to verify instead of the host
 };
 
+// One layer's activity as it happens (each field a delta since the last
+// report): copies into the cache's slots and their bytes, the predictive
+// policy's prediction score (experts predicted for a run, of them used), and
+// where a call's uncached pairs went — CPU expert servers, or copied to the
+// device — with the host->device link time of the copies (cache and call).
+struct LayerActivity {
+  uint64_t cache_copies = 0, copy_bytes = 0;
+  uint64_t predicted = 0, predicted_used = 0;
+  uint64_t cpu_pairs = 0, copied_pairs = 0;
+  double link_seconds = 0;
+};
+
 // What one layer call did (optional out-parameter of the forward calls).
 struct CallStats {
   int hit_pairs = 0;
