@@ -70,7 +70,7 @@ absl::StatusOr<std::vector<SlotCopy>> AdmissionPolicy::OnLayer(ExpertCache& cach
   ObserveUse(p, T, k, ids, now_s);
   // This run's misses (the cache as the run finds it).
   {
-    const AdmissionCosts& c = config_.costs;
+    const AdmissionCosts c = Costs();
     std::vector<int> pairs(config_.num_experts, 0);
     for (int64_t i = 0; i < static_cast<int64_t>(T) * k; ++i)
       if (ids[i] >= 0) ++pairs[ids[i]];
@@ -138,7 +138,7 @@ std::vector<std::pair<int, int>> ChooseSwaps(const std::vector<double>& next, co
 
 void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s, double start_s,
                            double* link_free_s, std::vector<SlotCopy>* out) {
-  const AdmissionCosts& c = config_.costs;
+  const AdmissionCosts c = Costs();
   const double copy_cost = c.copy_dram_s * busy_share_;
   const int tp = pos_[target];
   Residency& res = residency_[tp];
@@ -222,6 +222,15 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   }
 }
 
+AdmissionCosts AdmissionPolicy::Costs() const {
+  const CostModel* r = config_.live_rates;
+  if (r == nullptr || !r->measured) return config_.costs;
+  // A copy reads the expert's bytes from host DRAM, as the CPU does to
+  // compute it: the CPU's per-expert time prices both.
+  const double expert_s = r->cpu.scale() * r->cpu_expert_s;
+  return AdmissionCosts{r->CopySeconds(), expert_s, expert_s, r->cpu.scale() * r->PairSeconds(1)};
+}
+
 // Seconds of one forward pass (every served layer once), from the measured
 // layer intervals; infinity until every interval was measured.
 double AdmissionPolicy::PassSeconds() const {
@@ -251,7 +260,7 @@ void AdmissionPolicy::ObserveUse(int pos, int T, int k, const int32_t* ids, doub
     if (ids[i] >= 0) ++pairs[ids[i]];
   const double keep = std::exp2(-1.0 / std::max(1.0, r.horizon));
   // The shadows' hits at this run: the CPU time their resident experts saved.
-  const AdmissionCosts& c = config_.costs;
+  const AdmissionCosts c = Costs();
   for (Shadow& sh : r.shadows) {
     sh.score *= kShadowKeep;
     for (int e = 0; e < config_.num_experts; ++e)

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "gpu_worker/cost_model.h"
 #include "gpu_worker/expert_cache.h"
 #include "gpu_worker/expert_predictor.h"
 
@@ -76,6 +77,11 @@ struct AdmissionConfig {
   int num_experts = 0;
   uint64_t expert_bytes = 0;
   AdmissionCosts costs;
+  // The worker's measured rates (the copy-instead decision's, online
+  // corrections included): when set and measured, the costs above are
+  // re-read from it at every layer run, so admissions and copy-instead price
+  // with the same, current rates. Must outlive the policy.
+  const CostModel* live_rates = nullptr;
   // PCIe bytes the admissions may start per forward pass (all layers);
   // 0: only what the link completes in time bounds them.
   uint64_t pass_budget_bytes = 0;
@@ -129,6 +135,7 @@ class AdmissionPolicy {
   void Plan(ExpertCache& cache, int target, int lag, double now_s, double start_s, double* link_free_s,
             std::vector<SlotCopy>* out);
   double PassSeconds() const;
+  AdmissionCosts Costs() const;  // config_.costs, or the live rates
   void Evicted(int pos, int expert);
   void ObserveUse(int pos, int T, int k, const int32_t* ids, double now_s);
 

@@ -339,9 +339,8 @@ absl::Status LayerDispatcher::CreateAdmission() {
   ac.expert_bytes = copy_bytes_;
   ac.pass_budget_bytes = config_.pass_budget_bytes;
   if (cost_.measured) {
-    // A copy reads the expert's bytes from host DRAM, as the CPU does to
-    // compute it: the measured per-expert CPU time prices both.
-    ac.costs = {cost_.copy_s, cost_.cpu_expert_s, cost_.cpu_expert_s, cost_.cpu_pair_s};
+    ac.live_rates = &cost_;  // the copy-instead decision's rates, as they are corrected online
+    ac.costs = {cost_.copy_s, cost_.cpu_expert_s, cost_.cpu_expert_s, cost_.PairSeconds(1)};
   } else {
     // No measured rates: unit miss cost, copies admitted when the predicted
     // use gains half a miss, no link timing.

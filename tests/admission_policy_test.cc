@@ -246,5 +246,34 @@ TEST(AdmissionPolicy, AdmitsStableHotExpertsWhoseCopiesLandLate) {
   EXPECT_LT(late_copies, copies) << "a settled cache keeps copying";
 }
 
+
+// With the worker's live rates the policy prices with them as they are
+// corrected online: once the observed copy time says a copy takes longer than
+// a pass (the link could not finish it before the run after next), no copy
+// is started any more.
+TEST(AdmissionPolicy, FollowsTheLiveRatesOfTheCostModel) {
+  const int L = 4, E = 16, C = 4, k = 2;
+  CostModel live;
+  live.measured = true;
+  live.copy_s = 0.1e-3;
+  live.cpu_expert_s = 1e-3;
+  Rig r;
+  r.cache = *ExpertCache::Create(ExpertCacheConfig{L, E, C, CachePolicyKind::kPredictive, 64});
+  AdmissionConfig ac;
+  for (int l = 0; l < L; ++l) ac.layers.push_back(l);
+  ac.num_experts = E;
+  ac.expert_bytes = 1000;
+  ac.live_rates = &live;
+  r.policy = *AdmissionPolicy::Create(ac);
+  uint64_t copies = 0;
+  Drive(r, L, E, k, 100, 1e-3, 0.1e-3, &copies);
+  EXPECT_GT(copies, 0u);
+  for (int i = 0; i < 10; ++i) live.ObserveCopy(1.0, false);  // observed: 1000x the prior (the scale's bound)
+  ASSERT_GT(live.CopySeconds(), 0.05);  // 25 passes of 4 ms
+  uint64_t later = 0;
+  Drive(r, L, E, k, 50, 1e-3, 0.1e-3, &later);
+  EXPECT_EQ(later, 0u);
+}
+
 }  // namespace
 }  // namespace moe
