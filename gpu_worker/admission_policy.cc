@@ -10,6 +10,8 @@
 
 namespace moe {
 namespace {
+constexpr double kLongRuns = 64;  // the long-memory rates' half-life, in runs of the layer
+const double kLongKeep = std::exp2(-1.0 / kLongRuns);
 constexpr double kIntervalSmoothing = 0.25;  // EMA weight of a new layer-interval sample
 }  // namespace
 
@@ -46,7 +48,11 @@ absl::StatusOr<std::unique_ptr<AdmissionPolicy>> AdmissionPolicy::Create(const A
     r.use.assign(c.num_experts, 0.0);
     r.pairs.assign(c.num_experts, 0.0);
     r.admitted.assign(c.num_experts, -1);
-    for (double later_runs : {0.0, 1.0, 3.0, 8.0}) r.shadows.push_back(Shadow{later_runs, std::vector<double>(c.num_experts, kNever)});
+    r.use_long.assign(c.num_experts, 0.0);
+    r.pairs_long.assign(c.num_experts, 0.0);
+    for (auto [later_runs, long_memory] : {std::pair{0.0, false}, {1.0, false}, {3.0, false}, {8.0, false},
+                                            {8.0, true}, {24.0, true}})
+      r.shadows.push_back(Shadow{later_runs, long_memory, std::vector<double>(c.num_experts, kNever)});
   }
 
   return a;
@@ -147,10 +153,11 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   const int E = config_.num_experts;
   // next[e]: CPU time e saves at the target's coming run; rate[e]: at each run
   // after it (the use rate over the residency horizon).
-  std::vector<double> next(E), rate(E);
+  std::vector<double> next(E), rate_short(E), rate_long(E);
   for (int e = 0; e < E; ++e) {
     next[e] = prob[e] * c.miss_expert_s + pairs[e] * c.miss_pair_s;
-    rate[e] = res.use[e] * c.miss_expert_s + res.pairs[e] * c.miss_pair_s;
+    rate_short[e] = res.use[e] * c.miss_expert_s + res.pairs[e] * c.miss_pair_s;
+    rate_long[e] = res.use_long[e] * c.miss_expert_s + res.pairs_long[e] * c.miss_pair_s;
   }
   // A copy that lands after the target's coming run serves from the run after
   // it; one the link cannot finish within a pass (the runs after) is not
@@ -164,6 +171,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   // the best of them.
   const int C = cache.config().slots_per_layer;
   for (Shadow& sh : res.shadows) {
+    const std::vector<double>& rate = sh.long_memory ? rate_long : rate_short;
     std::vector<int> victims;
     int held = 0;
     for (int e = 0; e < E; ++e)
@@ -190,6 +198,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   }
   const Shadow& best = *std::max_element(res.shadows.begin(), res.shadows.end(),
                                          [](const Shadow& a, const Shadow& b) { return a.score < b.score; });
+  const std::vector<double>& rate = best.long_memory ? rate_long : rate_short;
   // The real cache: victims are empty slots, then Ready unpinned experts, least valuable first.
   std::vector<int> victim_slots, victims;
   const std::vector<int> held = cache.SlotExperts(target);
@@ -268,6 +277,8 @@ void AdmissionPolicy::ObserveUse(int pos, int T, int k, const int32_t* ids, doub
   }
   for (int e = 0; e < config_.num_experts; ++e) {
     r.use[e] = keep * r.use[e] + (1 - keep) * (pairs[e] > 0 ? 1.0 : 0.0);
+    r.use_long[e] = kLongKeep * r.use_long[e] + (1 - kLongKeep) * (pairs[e] > 0 ? 1.0 : 0.0);
+    r.pairs_long[e] = kLongKeep * r.pairs_long[e] + (1 - kLongKeep) * pairs[e];
     r.pairs[e] = keep * r.pairs[e] + (1 - keep) * pairs[e];
   }
   ++r.runs;

@@ -18,8 +18,10 @@
 // H, the later runs a swap is priced over, depends on how predictable a layer
 // is beyond its next run; it is not a constant: per layer, shadow caches
 // (bookkeeping only, each with its own link) make the same decisions with H
-// = 0, 1, 3 and 8 and keep a decayed score of the CPU time their hits saved
-// less their copies' cost; the real cache uses the best shadow's H. An empty
+// = 0, 1, 3 and 8 over rates averaged over the horizon, and H = 8 and 24
+// over rates averaged over 64 runs (a stable hot set), and keep a decayed
+// score of the CPU time their hits saved less their copies' cost; the real
+// cache uses the best shadow's H and rates. An empty
 // slot is filled whenever an uncached expert pays for its copy. The copy's
 // cost is the host DRAM time its transfer takes from the CPU expert kernels
 // (copy_dram_s) times the measured share of time the CPU is busy with misses
@@ -116,6 +118,7 @@ class AdmissionPolicy {
   // A bookkeeping-only copy of one layer's cache run with one pricing horizon.
   struct Shadow {
     double later_runs = 0;      // later runs a swap is priced over
+    bool long_memory = false;   // rates over 64 runs instead of the residency horizon
     std::vector<double> ready;  // per expert: when its copy lands, kNever: not held
     double link_free_s = 0;
     double score = 0;           // decayed CPU time saved by hits less copy costs
@@ -127,6 +130,7 @@ class AdmissionPolicy {
     double horizon = 0;            // runs of the layer an admitted expert stays (EMA over evictions)
     std::vector<double> use;       // per expert: share of runs that use it, averaged over the horizon
     std::vector<double> pairs;     // per expert: pairs per run, likewise
+    std::vector<double> use_long, pairs_long;  // the same over 64 runs (half-life)
     std::vector<int64_t> admitted; // per expert: `runs` when this policy admitted it, -1: not by it
     uint64_t runs = 0;
   };
