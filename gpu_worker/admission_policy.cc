@@ -170,7 +170,10 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   // CPU time their hits save less their copies' cost; the real cache follows
   // the best of them.
   const int C = cache.config().slots_per_layer;
+  // The shadows plan each layer once per run, one layer ahead (half the host
+  // time of planning them at every lag; their scores only rank them).
   for (Shadow& sh : res.shadows) {
+    if (lag != 1) break;
     const std::vector<double>& rate = sh.long_memory ? rate_long : rate_short;
     std::vector<int> victims;
     int held = 0;
