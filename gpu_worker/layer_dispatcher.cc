@@ -338,16 +338,10 @@ absl::Status LayerDispatcher::CreateAdmission() {
   ac.num_experts = spec_.num_experts;
   ac.expert_bytes = copy_bytes_;
   ac.pass_budget_bytes = config_.pass_budget_bytes;
-  if (cost_.measured) {
-    ac.live_rates = &cost_;  // the copy-instead decision's rates, as they are corrected online
-    ac.costs = {cost_.copy_s, cost_.cpu_expert_s, cost_.cpu_expert_s, cost_.PairSeconds(1)};
-  } else {
-    // No measured rates: unit miss cost, copies admitted when the predicted
-    // use gains half a miss, no link timing.
-    ac.costs = {0.0, 0.5e-3, 1e-3, 0.0};
-  }
-  MOE_ASSIGN_OR_RETURN(admission_, AdmissionPolicy::Create(ac));
-  return absl::OkStatus();
+  // Unmeasured rates: unit miss cost, copies admitted when the predicted use
+  // gains half a miss, no link timing. Measured: the planner's live rates.
+  ac.costs = {0.0, 0.5e-3, 1e-3, 0.0};
+  return planner_.EnableAdmissions(ac);
 }
 
 // ---------------------------------------------------------------------------
@@ -379,7 +373,7 @@ absl::Status LayerDispatcher::MeasureDeviceRates(int rows, const std::vector<bf1
     MOE_RETURN_IF_ERROR(backend_->WaitCopy(f));
     t.push_back(Seconds(Clock::now() - t0));
   }
-  cost_.copy_s = Fastest(t);
+  planner_.rates().copy_s = Fastest(t);
   auto device_time = [&](int m) -> absl::StatusOr<double> {
     ExpertGroups one;
     one.expert = {0};
@@ -402,13 +396,13 @@ absl::Status LayerDispatcher::MeasureDeviceRates(int rows, const std::vector<bf1
   };
   MOE_ASSIGN_OR_RETURN(const double d1, device_time(1));
   MOE_ASSIGN_OR_RETURN(const double dm, device_time(rows));
-  cost_.device_row_s = std::max(0.0, (dm - d1) / std::max(1, rows - 1));
-  cost_.device_fixed_s = std::max(0.0, d1 - cost_.device_row_s);
+  planner_.rates().device_row_s = std::max(0.0, (dm - d1) / std::max(1, rows - 1));
+  planner_.rates().device_fixed_s = std::max(0.0, d1 - planner_.rates().device_row_s);
   return absl::OkStatus();
 }
 
 // The first server that answered at start: round trips for 1 and 2 experts
-// and `rows` tokens. Sets cost_.measured when it could.
+// and `rows` tokens. Sets planner_.rates().measured when it could.
 absl::Status LayerDispatcher::MeasureServerRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y) {
   const int layer = layers_.front();
   auto connected = std::find_if(impl_->servers.begin(), impl_->servers.end(),
@@ -444,16 +438,16 @@ absl::Status LayerDispatcher::MeasureServerRates(int rows, const std::vector<bf1
   };
   MOE_ASSIGN_OR_RETURN(const double c11, cpu_time(1, 1));
   MOE_ASSIGN_OR_RETURN(const double c12, cpu_time(1, 2));
-  cost_.cpu_expert_s = std::max(0.0, c12 - c11);
+  planner_.rates().cpu_expert_s = std::max(0.0, c12 - c11);
   // Seconds per pair at 4, 16, 64, ... rows of one expert, up to `rows`.
-  cost_.cpu_pair_curve.clear();
+  planner_.rates().cpu_pair_curve.clear();
   for (int m = std::min(4, rows); m >= 2 && m <= rows; m = m * 4 > rows && m < rows ? rows : m * 4) {
     MOE_ASSIGN_OR_RETURN(const double cm, cpu_time(m, 1));
-    cost_.cpu_pair_curve.push_back({m, std::max(0.0, (cm - c11) / (m - 1))});
+    planner_.rates().cpu_pair_curve.push_back({m, std::max(0.0, (cm - c11) / (m - 1))});
   }
-  cost_.cpu_pair_s = cost_.cpu_pair_curve.empty() ? 0.0 : cost_.cpu_pair_curve.front().second;
-  cost_.cpu_call_s = std::max(0.0, c11 - cost_.cpu_expert_s - cost_.cpu_pair_s);
-  cost_.measured = true;
+  planner_.rates().cpu_pair_s = planner_.rates().cpu_pair_curve.empty() ? 0.0 : planner_.rates().cpu_pair_curve.front().second;
+  planner_.rates().cpu_call_s = std::max(0.0, c11 - planner_.rates().cpu_expert_s - planner_.rates().cpu_pair_s);
+  planner_.rates().measured = true;
   return absl::OkStatus();
 }
 
@@ -477,10 +471,10 @@ void LayerDispatcher::PollCopies() {
 
 void LayerDispatcher::ObserveCopy(uint64_t fence, double host_s) {
   if (std::optional<double> s = backend_->CopySeconds(fence)) {
-    cost_.ObserveCopy(*s, false);
+    planner_.rates().ObserveCopy(*s, false);
   } else {
     // Done at some point before the host looked (queued behind others, perhaps).
-    cost_.ObserveCopy(host_s, true);
+    planner_.rates().ObserveCopy(host_s, true);
   }
 }
 
@@ -549,10 +543,11 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
       LayerActivity a;
       a.cache_copies = 1;
       a.copy_bytes = copy_bytes_;
-      a.link_seconds = cost_.measured ? cost_.CopySeconds() : 0.0;
+      a.link_seconds = planner_.rates().measured ? planner_.rates().CopySeconds() : 0.0;
       config_.on_activity(layer, a);
     }
   }
+  planner_.CopiesQueued(static_cast<int>(copies.size()));
   return absl::OkStatus();
 }
 
@@ -584,7 +579,7 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
     if (std::find(experts.begin(), experts.end(), e) == experts.end())
       return absl::InvalidArgumentError(absl::StrCat("pinned: expert ", e, " of layer ", layer, " is not in the assignment"));
   cache_->SetPinned(layer, pinned);
-  if (admission_ == nullptr) {
+  if (planner_.admission() == nullptr) {
     MOE_ASSIGN_OR_RETURN(const std::vector<SlotCopy> copies, cache_->Assign(layer, experts));
     return StartSlotCopies(layer, copies);
   }
@@ -643,13 +638,13 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
 }
 
 absl::Status LayerDispatcher::HintRouterLogits(int layer, int T, int k, const float* router_logits) {
-  if (admission_ == nullptr)
+  if (planner_.admission() == nullptr)
     return absl::FailedPreconditionError("router_logits: hints need the predictive cache policy");
   if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
     return absl::InvalidArgumentError(absl::StrCat("router_logits: layer ", layer, " is not served by this worker"));
   if (T < 0 || T > config_.max_tokens)
     return absl::InvalidArgumentError(absl::StrCat("router_logits: T = ", T, " is outside [0, ", config_.max_tokens, "]"));
-  return admission_->predictor().Hint(layer, T, k, router_logits);
+  return planner_.admission()->predictor().Hint(layer, T, k, router_logits);
 }
 
 absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
@@ -676,9 +671,9 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   ctx.call = call;
   ctx.submitted = t_start;
   ctx.device_prior_s = -1;
-  if (m.plan.missed.empty() && cost_.measured) {  // hits only: the device time is the call's time
+  if (m.plan.missed.empty() && planner_.rates().measured) {  // hits only: the device time is the call's time
     ctx.device_prior_s = 0;
-    for (int e : m.plan.accessed) ctx.device_prior_s += cost_.DevicePrior(m.plan.hit_pairs[e]);
+    for (int e : m.plan.accessed) ctx.device_prior_s += planner_.rates().DevicePrior(m.plan.hit_pairs[e]);
   }
   ctx.deadline = t_start + (call.deadline.count() > 0 ? call.deadline : config_.deadline);
   ctx.shipments.clear();
@@ -767,9 +762,7 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
   in.copy_mode = config_.copy_mode;
   in.can_copy = host_ != nullptr && !m.temp_fence.empty();
   in.copy_min_tokens = config_.copy_min_tokens;
-  in.cost = &cost_;
-  in.link_busy_s = std::max(0.0, link_free_s_ - Seconds(Clock::now() - epoch_));
-  return PlanMisses(in, &m.plan);
+  return planner_.PlanCall(in, &m.plan);
 }
 
 // Ships the CPU misses, enqueues the hits, the copied experts and the cache
@@ -800,7 +793,7 @@ absl::Status LayerDispatcher::Dispatch(int ticket) {
     LayerActivity a;
     a.cpu_pairs = static_cast<uint64_t>(ctx.stats.cpu_pairs);
     a.copied_pairs = static_cast<uint64_t>(ctx.stats.copied_pairs);
-    a.link_seconds = cost_.measured ? cost_.CopySeconds() * ctx.stats.copied_experts : 0.0;
+    a.link_seconds = planner_.rates().measured ? planner_.rates().CopySeconds() * ctx.stats.copied_experts : 0.0;
     config_.on_activity(layer, a);
   }
   // 5. Admissions for later calls (after the compute above, so an evicted
@@ -891,8 +884,7 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
     }
   }
   for (int e : copy_list) MOE_RETURN_IF_ERROR(ComputeCopied(ticket, plan.copies, plan.copy_group(e), -1).status());
-  if (!plan.copy_experts.empty())  // the link is busy with them: later copies queue behind
-    link_free_s_ = std::max(Seconds(Clock::now() - epoch_), link_free_s_) + cost_.CopySeconds() * plan.copy_experts.size();
+  planner_.CopiesQueued(static_cast<int>(plan.copy_experts.size()));  // later copies queue behind them
   return absl::OkStatus();
 }
 
@@ -902,24 +894,22 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
   Impl& m = *impl_;
   Context& ctx = m.contexts[ticket];
   const int layer = ctx.call.batch.layer;
-  if (admission_ != nullptr && host_ != nullptr && config_.copy_mode != CopyMode::kAlways) {
-    const double now = Seconds(Clock::now() - epoch_);
-    const PredictionQuality before = admission_->predictor().quality(layer);
+  if (planner_.admission() != nullptr && host_ != nullptr && config_.copy_mode != CopyMode::kAlways) {
+    const PredictionQuality before = planner_.admission()->predictor().quality(layer);
     MOE_ASSIGN_OR_RETURN(const std::vector<SlotCopy> planned,
-                         admission_->OnLayer(*cache_, layer, ctx.call.batch.n, std::max(ctx.call.batch.routing.k, 1),
-                                             ctx.ids.data(), now, std::max(now, link_free_s_)));
-    const PredictionQuality& after = admission_->predictor().quality(layer);
+                         planner_.PlanAdmissions(*cache_, layer, ctx.call.batch.n,
+                                                 std::max(ctx.call.batch.routing.k, 1), ctx.ids.data()));
+    const PredictionQuality& after = planner_.admission()->predictor().quality(layer);
     if (config_.on_activity && after.predicted > before.predicted) {
       LayerActivity a;
       a.predicted = after.predicted - before.predicted;
       a.predicted_used = after.correct - before.correct;
       config_.on_activity(layer, a);
     }
-    if (!planned.empty()) link_free_s_ = std::max(now, link_free_s_) + cost_.CopySeconds() * planned.size();
     // Copies into the next layers' slots (StartSlotCopies orders them after
     // the compute recorded so far, so slots of earlier calls are read first).
     for (const SlotCopy& copy : planned) MOE_RETURN_IF_ERROR(StartSlotCopies(copy.layer, {copy}));
-  } else if (host_ != nullptr && config_.policy != CachePolicyKind::kStatic && admission_ == nullptr &&
+  } else if (host_ != nullptr && config_.policy != CachePolicyKind::kStatic && planner_.admission() == nullptr &&
              config_.copy_mode != CopyMode::kAlways && !m.plan.missed.empty() && config_.admissions_per_call > 0) {
     std::vector<SlotCopy> copies = cache_->PlanAdmissions(layer, m.plan.missed, config_.admissions_per_call);
     MOE_RETURN_IF_ERROR(StartSlotCopies(layer, copies));
@@ -1008,7 +998,7 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   ctx.copy_fences.clear();
   // A hits-only call: Submit to here bounds the device time from above.
   if (ctx.device_prior_s > 0 && result.ok() && fin.ok())
-    cost_.ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);
+    planner_.rates().ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);
   ctx.stats.wait_s = Seconds(end - t0);
   if (out_stats != nullptr) *out_stats = ctx.stats;
   if (!result.ok()) return result;
@@ -1033,7 +1023,7 @@ absl::Status LayerDispatcher::AddPartials(int ticket, uint64_t* last_fence) {
     // only briefly (a core more would compete with the server's pool).
     absl::Status st = AwaitResult(sh.done);
     if (timed && st.ok())
-      cost_.ObserveCpu(sh.batch.experts, sh.batch.pairs, Seconds(Clock::now() - sh.sent), ready);
+      planner_.rates().ObserveCpu(sh.batch.experts, sh.batch.pairs, Seconds(Clock::now() - sh.sent), ready);
     const bf16_t* partial = sh.staged ? sh.stage.output : ctx.recv.data() + sh.host_offset * spec_.hidden;
     if (!st.ok()) MOE_RETURN_IF_ERROR(FailOver(ticket, i, std::move(st), &partial));
     if (partial != nullptr && sh.batch.n > 0) {

@@ -7,9 +7,9 @@
 //   1. routing to the host (a copy of T*k ids/weights when it lives on the
 //      device: the host needs it anyway for the transport and the counters),
 //      validated (InvalidArgument naming expert_ids/expert_weights);
-//   2. split (PlanMisses, miss_plan.h, a plain function of the routing, the
-//      slot map, the servers and the cost model): a pair is a hit when its
-//      expert is Ready in a cache slot;
+//   2. split (Planner::PlanCall, planner.h: PlanMisses, a plain function of
+//      the routing, the slot map, the servers, the rates and the link's
+//      queue): a pair is a hit when its expert is Ready in a cache slot;
 //   3. copy-instead-of-compute: missed experts whose tokens make copy +
 //      device compute cheaper than the CPU (CostModel: rates probed at Create,
 //      re-estimated online from the calls' observed times) are copied into temporary miss buffers — two sets, alternating by layer
@@ -30,7 +30,7 @@
 // the CPU. Calls complete in any order.
 //
 // Cache: per MoE layer C slots (ExpertCache). predictive (the default) asks
-// AdmissionPolicy on every call which experts of the next layers to copy
+// the planner (AdmissionPolicy) on every call which experts of the next layers to copy
 // (cross-layer prediction, cost model, link timing) and takes coordinator
 // assignments as deltas inside which it admits; lru/lfru admit missed experts
 // after the call (copies on the copy queue, the slot used only once its copy
@@ -56,6 +56,7 @@
 #include "gpu_worker/expert_cache.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/miss_plan.h"
+#include "gpu_worker/planner.h"
 #include "moe/types.h"
 
 namespace moe {
@@ -175,7 +176,7 @@ class LayerDispatcher {
   absl::Status HintRouterLogits(int layer, int T, int k, const float* router_logits);
   // The predictive policy (null under another one): its predictor's quality
   // and per-layer copy counters.
-  const AdmissionPolicy* admission() const { return admission_.get(); }
+  const AdmissionPolicy* admission() const { return planner_.admission(); }
 
   // Waits for every cache copy in flight and makes the slots Ready.
   absl::Status FlushCopies();
@@ -188,7 +189,7 @@ class LayerDispatcher {
   absl::Status SetServerEnabled(const std::string& address, bool enabled);
 
   const ExpertCache& cache() const { return *cache_; }
-  const CostModel& cost_model() const { return cost_; }
+  const CostModel& cost_model() const { return planner_.rates(); }
   int slots_per_layer() const { return cache_->config().slots_per_layer; }
   const std::vector<int>& layers() const { return layers_; }
   uint64_t copies_started() const { return copies_started_; }
@@ -246,13 +247,10 @@ class LayerDispatcher {
   std::unique_ptr<ExpertCache> cache_;
   std::vector<int> layers_;
   std::vector<int> layer_index_;  // model layer -> served index, or -1
-  CostModel cost_;
+  Planner planner_;  // the split, copy-instead and admissions, their rates and the link queue
   uint64_t copies_started_ = 0;
   uint64_t copy_bytes_ = 0;  // bytes one expert copy moves (the host copy's packed expert)
-  std::unique_ptr<AdmissionPolicy> admission_;
   std::vector<std::vector<int>> assigned_;  // [served index] last coordinator assignment (predictive)
-  std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
-  double link_free_s_ = 0;  // when the copies started so far should be done (estimate, from epoch_)
 };
 
 }  // namespace moe

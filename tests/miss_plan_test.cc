@@ -4,6 +4,7 @@
 // skipped, copies when no server can take an expert (or an error when the
 // worker cannot copy), the copy modes and the auto thresholds, unused slots.
 #include "gpu_worker/miss_plan.h"
+#include "gpu_worker/planner.h"
 
 #include <vector>
 
@@ -272,4 +273,33 @@ TEST(MissPlanTest, UnusedSlotsAndShortRowsAreSkipped) {
 }
 
 }  // namespace
+
+// The planner prices a call's split with its own rates and link queue: the
+// same routing copies both experts on an idle link and keeps them on the CPU
+// while the link is booked far beyond what the CPU takes.
+TEST(PlannerTest, SplitQueuesBehindTheLinkBacklog) {
+  Case s(4, 1, {2, 2, 2, 3});
+  s.AddServer({});
+  s.in.can_copy = true;
+  s.in.copy_mode = CopyMode::kAuto;
+  Planner planner;
+  CostModel& r = planner.rates();
+  r.measured = true;
+  r.copy_s = 1e-4;
+  r.device_fixed_s = 1e-5;
+  r.device_row_s = 1e-6;
+  r.cpu_call_s = 1e-4;
+  r.cpu_expert_s = 5e-3;
+  r.cpu_pair_s = 1e-3;
+  EXPECT_EQ(planner.LinkBacklog(), 0.0);
+  MissPlan p;
+  ASSERT_TRUE(planner.PlanCall(s.Input(), &p).ok());
+  EXPECT_EQ(p.copy_experts, (std::vector<int>{2, 3}));
+  planner.CopiesQueued(1000);  // 1000 copies of 0.1 ms: 0.1 s of link
+  EXPECT_GT(planner.LinkBacklog(), 0.05);
+  ASSERT_TRUE(planner.PlanCall(s.Input(), &p).ok());
+  EXPECT_TRUE(p.copy_experts.empty());
+  EXPECT_EQ(p.cpu_experts, 2);
+}
+
 }  // namespace moe

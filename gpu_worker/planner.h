@@ -1,0 +1,68 @@
+// Planner: the GPU worker's one decision-maker for where each expert of a
+// layer call is computed, per call and across calls:
+//   - per call, the split (PlanMisses, miss_plan.h): hits (Ready in a cache
+//     slot), misses to CPU expert servers, and copy-instead — missed experts
+//     copied into temporary buffers and computed on the device when that
+//     shortens the call (ChooseCopies, cost_model.h);
+//   - across calls, the cache: which experts of the next layers to copy into
+//     slots (admissions and prefetches, AdmissionPolicy, admission_policy.h),
+//     priced over the time they stay resident.
+// Both price from one set of rates measured at start and corrected online
+// (CostModel: copy time, device time per rows, CPU time per expert and per
+// pair at that many rows) and one view of the host->device link: the time
+// its queue drains (copies of earlier calls, this call's copies, admissions),
+// which a call's copies queue behind and within which admissions must land.
+// The split and the admission choice are plain functions of their inputs
+// (routing, cache state, link queue, rates), unit-tested without servers
+// (miss_plan_test, cost_model_test, admission_policy_test); the Planner holds
+// the state between calls (rates, link queue, the admission policy).
+//
+// Not thread-safe: the dispatcher thread owns it.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "gpu_worker/admission_policy.h"
+#include "gpu_worker/cost_model.h"
+#include "gpu_worker/expert_cache.h"
+#include "gpu_worker/miss_plan.h"
+
+namespace moe {
+
+class Planner {
+ public:
+  // The rates: set by the dispatcher's start-up probe, corrected by its observations.
+  CostModel& rates() { return rates_; }
+  const CostModel& rates() const { return rates_; }
+
+  // The predictive cache policy (the default): admissions priced with these
+  // rates as they are corrected (or with `config.costs` when unmeasured).
+  absl::Status EnableAdmissions(AdmissionConfig config);
+  AdmissionPolicy* admission() { return admission_.get(); }
+  const AdmissionPolicy* admission() const { return admission_.get(); }
+
+  // The split of one call: `in` as the dispatcher fills it; the rates and the
+  // link's backlog are the planner's.
+  absl::Status PlanCall(MissPlanInput in, MissPlan* plan);
+  // The admissions after a call of `layer` with this routing ([T,k] ids):
+  // the copies to start now (their slots Loading in `cache`); the caller
+  // queues them (CopiesQueued).
+  absl::StatusOr<std::vector<SlotCopy>> PlanAdmissions(ExpertCache& cache, int layer, int T, int k,
+                                                       const int32_t* ids);
+  // `n` expert copies were queued on the link now (copy-instead, cache slots).
+  void CopiesQueued(int n);
+  // Seconds until the link's queue drains (0: idle), by the rates.
+  double LinkBacklog() const;
+
+ private:
+  double Now() const;
+  CostModel rates_;
+  std::unique_ptr<AdmissionPolicy> admission_;
+  std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
+  double link_free_s_ = 0;  // when the copies queued so far should be done (from epoch_)
+};
+
+}  // namespace moe
