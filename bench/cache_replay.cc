@@ -61,6 +61,11 @@ int main(int argc, char** argv) {
   flags.Double("pair-us", &pair_us, "CPU cost of one missed (token, expert) pair, us; < 0: from --cpu-tflops");
   flags.Int("expert-bytes", &expert_bytes, "bytes of one expert copy (default: a DeepSeek-V3 expert, bf16)");
   flags.Double("pcie-gbps", &pcie_gbps, "host->GPU copy bandwidth, GB/s (copies are serialised); 0: instant copies");
+  std::string rates_path;
+  flags.String("rates", &rates_path,
+               "rates measured on a machine (bench/moe_layer --rates-out FILE): its DRAM and link rates and the\n"
+               "      CPU time of one expert per rows, scaled to --expert-bytes, replace --dram-gbps, --pcie-gbps and\n"
+               "      the per-pair cost: the step model prices as moe_layer's floor does");
   flags.Double("lfru-half-life", &c.lfru_half_life, "LFRU decay half-life in accesses of a layer (ExpertCache's)");
   flags.Double("heartbeat-ms", &heartbeat_ms, "coordinator: counts reach it once per heartbeat");
   flags.Double("half-life-seconds", &c.policy.half_life_seconds, "coordinator: popularity half-life");
@@ -108,6 +113,11 @@ int main(int argc, char** argv) {
   c.heartbeat_seconds = heartbeat_ms / 1000.0;
   c.dram_bytes_per_second = dram_gbps * 1e9;
   c.pair_seconds = pair_us >= 0 ? pair_us * 1e-6 : 2.0 * (double(expert_bytes) / 2.0) / (cpu_tflops * 1e12);
+  if (!rates_path.empty()) {
+    if (absl::Status st = moe::LoadRates(rates_path, c.expert_bytes, &c); !st.ok()) flags.Fail(std::string(st.message()));
+    dram_gbps = c.dram_bytes_per_second / 1e9;
+    pcie_gbps = c.pcie_bytes_per_second / 1e9;
+  }
 
   uint64_t pairs = 0;
   for (int l = 0; l < t.num_layers; ++l) pairs += t.Pairs(l);
@@ -119,6 +129,11 @@ int main(int argc, char** argv) {
               "misses on the CPU: %.3f ms per expert (%g GB/s), %.2f us per pair\n",
               c.slots, t.num_experts, 100.0 * c.slots / t.num_experts, step_ms, expert_bytes / 1e6, pcie_gbps,
               expert_bytes / (dram_gbps * 1e9) * 1e3, dram_gbps, c.pair_seconds * 1e6);
+  if (!c.cpu_expert_curve.empty()) {
+    std::printf("CPU per missed expert (from %s, scaled to these experts): ", rates_path.c_str());
+    for (const auto& [m, sec] : c.cpu_expert_curve) std::printf("%d pairs %.3f ms; ", m, sec * 1e3);
+    std::printf("at least the DRAM time above\n");
+  }
   std::printf("coordinator: %s, half-life %g s, rebalance every %g s, copy budget %g GB/s, hysteresis margin %g, "
               "copy cost %g hits, heartbeat %g ms\n\n",
               moe::PlacementModeName(c.policy.placement), c.policy.half_life_seconds,

@@ -629,6 +629,18 @@ void PrintProbe(const CpuProbe& probe, const ModelSpec& spec, const std::string&
   std::printf("\n");
 }
 
+// The rates of this run for cache_replay --rates (bench/replay.h LoadRates).
+void WriteRates(const std::string& path, double dram_gbps, double pcie_gbps, double expert_bytes, const CpuProbe& probe) {
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) Die("--rates-out: cannot write " + path);
+  std::fprintf(f, "{\"dram_gbps\": %.3f, \"pcie_gbps\": %.3f, \"expert_bytes\": %.0f, \"cpu_expert_seconds\": [",
+               dram_gbps, pcie_gbps, expert_bytes);
+  for (size_t i = 0; i < probe.m.size(); ++i)
+    std::fprintf(f, "%s[%d, %.9f]", i ? ", " : "", probe.m[i], probe.expert_s[i]);
+  std::fprintf(f, "]}\n");
+  if (std::fclose(f) != 0) Die("--rates-out: cannot write " + path);
+}
+
 int Main(int argc, char** argv) {
   Options o;
   FlagSet flags("moe_layer",
@@ -647,6 +659,10 @@ int Main(int argc, char** argv) {
             "expert server compute threads (0: all cores but two: the worker's caller and its shm "
             "completion thread spin in decode, and the server pins each compute thread to one core)");
   flags.Int("context", &context, "KV cache positions each sequence already has");
+  std::string rates_out;
+  flags.String("rates-out", &rates_out,
+               "write the rates measured in this run (DRAM, link, the CPU probe) as JSON to this file, for "
+               "cache_replay --rates");
   int64_t chunk = 0;
   flags.Int("chunk", &chunk,
             "tokens per layer call: a larger batch runs as ceil(T/N) calls per layer, each chunk through every "
@@ -779,6 +795,7 @@ int Main(int argc, char** argv) {
   std::printf("Host-to-device copies %.1f GB/s (a layer's %d experts, %.2f MB, in %s ms; the floor's link rate).\n\n",
               pcie_gbps, spec.num_experts, spec.num_experts * copy_bytes / 1e6, Ms(copy_all_layer).c_str());
   PrintProbe(probe, spec, o.weight_dtype);
+  if (!rates_out.empty()) WriteRates(rates_out, dram_gbps, pcie_gbps, rates.cpu_bytes, probe);
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied | "
               "ours submit/wait ms |\n");

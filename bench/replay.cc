@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <deque>
+#include <fstream>
 #include <functional>
 #include <memory>
 
@@ -11,6 +12,7 @@
 #include "coordinator/popularity.h"
 #include "gpu_worker/admission_policy.h"
 #include "gpu_worker/expert_cache.h"
+#include "nlohmann/json.hpp"
 
 namespace moe {
 
@@ -74,21 +76,12 @@ StepTimeModel TimeModel(const ReplayConfig& c) {
   m.dram_bytes_per_second = c.dram_bytes_per_second;
   m.pcie_bytes_per_second = c.pcie_bytes_per_second;
   m.pair_seconds = c.pair_seconds;
+  m.cpu_expert_curve = c.cpu_expert_curve;
   return m;
 }
 
-// CPU time of one layer's misses (no contention).
-double MissSeconds(const ReplayConfig& c, int missed_experts, uint64_t missed_pairs) {
-  return TimeModel(c).MissSeconds(missed_experts, static_cast<double>(missed_pairs));
-}
 
-// Duration of a layer that starts at `start` with these misses while the link
-// is busy until `link_busy_until` (see the header's time model).
-double LayerSeconds(const ReplayConfig& c, int num_layers, int missed_experts, uint64_t missed_pairs, double start,
-                    double link_busy_until) {
-  return TimeModel(c).LayerSeconds(c.step_seconds / num_layers, missed_experts, static_cast<double>(missed_pairs),
-                                   link_busy_until - start);
-}
+
 
 absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, const ReplayConfig& c,
                                                        CachePolicyKind kind, double half_life) {
@@ -130,6 +123,14 @@ void CountHits(const ExpertCache& cache, int layer, const std::vector<ExpertAcce
   }
 }
 
+// CPU seconds of one layer run's missed experts, each at its own pairs.
+double CpuSeconds(const StepTimeModel& m, const LayerOutcome& o) {
+  double s = 0;
+  for (size_t i = 0; i < o.experts.size(); ++i)
+    if (!o.hit[i]) s += m.ExpertMissSeconds(static_cast<double>(o.pairs[i]));
+  return s;
+}
+
 PolicyResult NewResult(const RoutingTrace& t, const std::string& name) {
   return PolicyResult{name, std::vector<uint64_t>(t.num_layers), std::vector<uint64_t>(t.num_layers)};
 }
@@ -154,6 +155,7 @@ using StepEndFn = std::function<absl::Status(double now, CopyQueue& copies)>;
 absl::Status RunOnline(const RoutingTrace& t, const ReplayConfig& c, ExpertCache& cache, const AdmitFn& admit,
                        const StepEndFn& step_end, PolicyResult& r) {
   CopyQueue copies(cache, c);
+  const StepTimeModel model = TimeModel(c);
   LayerOutcome o;
   double now = 0;
   for (size_t s = 0; s < t.steps.size(); ++s) {
@@ -164,7 +166,7 @@ absl::Status RunOnline(const RoutingTrace& t, const ReplayConfig& c, ExpertCache
       absl::StatusOr<std::vector<SlotCopy>> planned = admit(s, l, o, now, std::max(now, copies.idle_at()));
       if (!planned.ok()) return planned.status();
       copies.Submit(*planned, now);
-      now += LayerSeconds(c, t.num_layers, static_cast<int>(o.missed.size()), o.missed_pairs, now, copies.idle_at());
+      now += model.LayerSecondsFromCpu(c.step_seconds / t.num_layers, CpuSeconds(model, o), copies.idle_at() - now);
     }
     if (step_end)
       if (absl::Status st = step_end(now, copies); !st.ok()) return st;
@@ -204,8 +206,11 @@ absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayCo
   ac.costs.copy_dram_s = c.dram_bytes_per_second > 0 && c.pcie_bytes_per_second > 0
                              ? double(c.expert_bytes) / c.dram_bytes_per_second
                              : 0.0;
-  ac.costs.miss_expert_s = MissSeconds(c, 1, 0);
-  ac.costs.miss_pair_s = c.pair_seconds;
+  const StepTimeModel model = TimeModel(c);
+  ac.costs.miss_expert_s = model.ExpertMissSeconds(c.cpu_expert_curve.empty() ? 0 : 1);
+  ac.costs.miss_pair_s = c.cpu_expert_curve.empty()
+                             ? c.pair_seconds
+                             : std::max(0.0, (model.ExpertMissSeconds(64) - model.ExpertMissSeconds(1)) / 63);
   absl::StatusOr<std::unique_ptr<AdmissionPolicy>> policy = AdmissionPolicy::Create(ac);
   if (!policy.ok()) return policy.status();
   ExpertCache& ec = **cache;
@@ -388,22 +393,21 @@ PolicyResult ReplayBelady(const RoutingTrace& t, const ReplayConfig& c) {
 template <typename HeldFn>
 PolicyResult ReplayOffline(const RoutingTrace& t, const ReplayConfig& c, const std::string& name, HeldFn held) {
   PolicyResult r = NewResult(t, name);
+  const StepTimeModel model = TimeModel(c);
   std::vector<bool> resident;
   for (size_t s = 0; s < t.steps.size(); ++s) {
     for (int l = 0; l < t.num_layers; ++l) {
       held(s, l, &resident);
-      int missed = 0;
-      uint64_t missed_pairs = 0;
+      double cpu_s = 0;
       for (const ExpertAccess& a : t.steps[s][l]) {
         r.pairs[l] += a.pairs;
         if (resident[a.expert]) {
           r.hits[l] += a.pairs;
         } else {
-          ++missed;
-          missed_pairs += a.pairs;
+          cpu_s += model.ExpertMissSeconds(static_cast<double>(a.pairs));
         }
       }
-      r.model_seconds += c.step_seconds / t.num_layers + MissSeconds(c, missed, missed_pairs);
+      r.model_seconds += c.step_seconds / t.num_layers + cpu_s;
     }
   }
   return r;
@@ -420,6 +424,37 @@ std::vector<bool> TopC(const std::vector<uint64_t>& counts, int slots) {
 }
 
 }  // namespace
+
+absl::Status LoadRates(const std::string& path, uint64_t expert_bytes, ReplayConfig* c) {
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("rates: cannot read ", path));
+  const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat("rates: ", path, " is not a JSON object"));
+  auto number = [&](const char* key) -> absl::StatusOr<double> {
+    if (!j.contains(key) || !j[key].is_number() || !(j[key].get<double>() > 0))
+      return absl::InvalidArgumentError(absl::StrCat("rates: ", path, ": ", key, " must be a number > 0"));
+    return j[key].get<double>();
+  };
+  absl::StatusOr<double> dram = number("dram_gbps"), pcie = number("pcie_gbps"), bytes = number("expert_bytes");
+  for (const auto* v : {&dram, &pcie, &bytes})
+    if (!v->ok()) return v->status();
+  const auto& curve = j.contains("cpu_expert_seconds") ? j["cpu_expert_seconds"] : nlohmann::json();
+  if (!curve.is_array() || curve.empty())
+    return absl::InvalidArgumentError(absl::StrCat("rates: ", path, ": cpu_expert_seconds must be a non-empty array"));
+  std::vector<std::pair<int, double>> points;
+  for (const auto& p : curve) {
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() || !p[1].is_number() || p[0].get<int>() < 1 ||
+        !(p[1].get<double>() >= 0) || (!points.empty() && p[0].get<int>() <= points.back().first))
+      return absl::InvalidArgumentError(absl::StrCat(
+          "rates: ", path, ": cpu_expert_seconds entries must be [rows >= 1, seconds >= 0], rows ascending"));
+    // A CPU expert's time grows with its size: the measured expert's scaled to this trace's.
+    points.push_back({p[0].get<int>(), p[1].get<double>() * double(expert_bytes) / *bytes});
+  }
+  c->dram_bytes_per_second = *dram * 1e9;
+  c->pcie_bytes_per_second = *pcie * 1e9;
+  c->cpu_expert_curve = std::move(points);
+  return absl::OkStatus();
+}
 
 absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c, const std::string& name) {
   if (c.slots < 0 || c.slots > t.num_experts)

@@ -40,6 +40,9 @@ struct ReplayConfig {
   double pcie_bytes_per_second = 55e9;  // 0: copies are instant
   double dram_bytes_per_second = 94e9;  // CPU expert weight streaming rate
   double pair_seconds = 0;            // CPU cost of one (token, expert) pair
+  // Measured CPU seconds of one expert at {pairs, seconds} (LoadRates): when
+  // set, a missed expert with m pairs costs max(bytes / dram, the curve at m).
+  std::vector<std::pair<int, double>> cpu_expert_curve;
   double lfru_half_life = 64;
   double heartbeat_seconds = 0.2;
   CoordinatorPolicy policy;
@@ -60,6 +63,13 @@ struct PolicyResult {
 
 // The policy names Replay accepts.
 const std::vector<std::string>& ReplayPolicies();
+// Rates measured on a machine (bench/moe_layer --rates-out FILE, JSON:
+// dram_gbps, pcie_gbps, expert_bytes and cpu_expert_seconds [[m, s], ...]):
+// sets c's DRAM and link rates and its CPU curve, scaled from the measured
+// expert's bytes to `expert_bytes` (a CPU expert's time grows with its size).
+// InvalidArgument naming the file and field on a bad file.
+absl::Status LoadRates(const std::string& path, uint64_t expert_bytes, ReplayConfig* c);
+
 // Replays `name` over `t`; InvalidArgument for an unknown name or bad config.
 absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c, const std::string& name);
 

@@ -16,13 +16,35 @@ constexpr double kIntervalSmoothing = 0.25;  // EMA weight of a new layer-interv
 }  // namespace
 
 double StepTimeModel::MissSeconds(int missed_experts, double missed_pairs) const {
+  if (missed_experts <= 0) return 0;
+  if (!cpu_expert_curve.empty()) return missed_experts * ExpertMissSeconds(missed_pairs / missed_experts);
   const double expert_s = dram_bytes_per_second > 0 ? expert_bytes / dram_bytes_per_second : 0.0;
   return missed_experts * expert_s + missed_pairs * pair_seconds;
 }
 
+double StepTimeModel::ExpertMissSeconds(double pairs) const {
+  const double stream_s = dram_bytes_per_second > 0 ? expert_bytes / dram_bytes_per_second : 0.0;
+  const auto& c = cpu_expert_curve;
+  if (c.empty()) return stream_s + pairs * pair_seconds;
+  double curve;
+  if (pairs <= c.front().first) {
+    curve = c.front().second;
+  } else if (pairs >= c.back().first) {
+    curve = c.back().second * pairs / c.back().first;  // linear beyond the largest point
+  } else {
+    size_t i = 1;
+    while (c[i].first < pairs) ++i;
+    curve = c[i - 1].second + (c[i].second - c[i - 1].second) * (pairs - c[i - 1].first) / (c[i].first - c[i - 1].first);
+  }
+  return std::max(stream_s, curve);
+}
+
 double StepTimeModel::LayerSeconds(double device_s, int missed_experts, double missed_pairs,
                                    double link_busy_s) const {
-  double cpu = MissSeconds(missed_experts, missed_pairs);
+  return LayerSecondsFromCpu(device_s, MissSeconds(missed_experts, missed_pairs), link_busy_s);
+}
+
+double StepTimeModel::LayerSecondsFromCpu(double device_s, double cpu, double link_busy_s) const {
   if (cpu > 0 && pcie_bytes_per_second > 0 && dram_bytes_per_second > 0)
     cpu += std::clamp(link_busy_s, 0.0, cpu) * pcie_bytes_per_second / dram_bytes_per_second;
   return device_s + cpu;

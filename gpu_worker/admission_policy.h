@@ -59,11 +59,20 @@ struct StepTimeModel {
   double dram_bytes_per_second = 94e9;
   double pcie_bytes_per_second = 55e9;  // 0: copies instant (no contention)
   double pair_seconds = 0;
+  // Measured CPU seconds of one missed expert at {pairs, seconds} points
+  // (pairs ascending; bench/moe_layer --rates-out): when set, a missed expert
+  // with m pairs costs max(expert_bytes / dram, the curve at m) instead of
+  // expert_bytes / dram + m * pair_seconds.
+  std::vector<std::pair<int, double>> cpu_expert_curve;
   // CPU time of these misses, without contention.
   double MissSeconds(int missed_experts, double missed_pairs) const;
+  // CPU time of one missed expert with `pairs` pairs.
+  double ExpertMissSeconds(double pairs) const;
   // One layer run: `device_s` plus the misses, with the link busy for
   // `link_busy_s` from the run's start.
   double LayerSeconds(double device_s, int missed_experts, double missed_pairs, double link_busy_s) const;
+  // The same from the misses' CPU seconds.
+  double LayerSecondsFromCpu(double device_s, double cpu_s, double link_busy_s) const;
 };
 
 // Seconds, from the worker's measured CostModel or the replay's flags.

@@ -200,5 +200,41 @@ TEST(Replay, DefaultBeatsBaselinesOnRecordedOlmoeTrace) {
   }
 }
 
+
+// Rates measured by moe_layer drive the step model: the CPU curve is scaled to
+// the trace's expert size, a missed expert costs at least its DRAM time, and a
+// bad file is refused naming the field.
+TEST(Replay, RatesFileDrivesTheStepModel) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/rates.json";
+  std::ofstream(path) << R"({"dram_gbps": 100, "pcie_gbps": 50, "expert_bytes": 1000000,)"
+                      << R"( "cpu_expert_seconds": [[1, 0.0001], [64, 0.001]]})";
+  ReplayConfig c;
+  ASSERT_TRUE(LoadRates(path, 2000000, &c).ok());
+  EXPECT_DOUBLE_EQ(c.dram_bytes_per_second, 100e9);
+  EXPECT_DOUBLE_EQ(c.pcie_bytes_per_second, 50e9);
+  ASSERT_EQ(c.cpu_expert_curve.size(), 2u);
+  EXPECT_DOUBLE_EQ(c.cpu_expert_curve[1].second, 0.002);  // twice the bytes, twice the time
+  // A trace whose every step misses one expert with 64 pairs (no cache): each
+  // layer run costs the device part plus the curve's 2 ms.
+  RoutingTrace t;
+  t.num_layers = 1;
+  t.num_experts = 4;
+  t.top_k = 1;
+  t.steps.assign(10, {{ExpertAccess{1, 64}}});
+  c.slots = 0;
+  c.expert_bytes = 2000000;
+  c.step_seconds = 0.01;
+  absl::StatusOr<PolicyResult> r = Replay(t, c, "best-static");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_NEAR(r->model_seconds, 10 * (0.01 + 0.002), 1e-9);
+  std::ofstream(path) << R"({"dram_gbps": 100, "expert_bytes": 1000000, "cpu_expert_seconds": [[1, 0.0001]]})";
+  absl::Status bad = LoadRates(path, 1, &c);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("pcie_gbps"), std::string::npos) << bad;
+  std::ofstream(path) << R"({"dram_gbps": 1, "pcie_gbps": 1, "expert_bytes": 1, "cpu_expert_seconds": [[4, 1], [2, 1]]})";
+  EXPECT_FALSE(LoadRates(path, 1, &c).ok());
+}
+
 }  // namespace
 }  // namespace moe
