@@ -135,14 +135,20 @@ PolicyResult NewResult(const RoutingTrace& t, const std::string& name) {
   return PolicyResult{name, std::vector<uint64_t>(t.num_layers), std::vector<uint64_t>(t.num_layers)};
 }
 
-// The layer's routing handed to the admission policy: the trace keeps per
-// step only each expert's pair count, not which token routed where, so the
-// step's distinct experts go as one row (exact for batch-1 decode traces; for
-// batches the predictor learns step-level transitions).
-void Routing(const std::vector<ExpertAccess>& acc, std::vector<int32_t>* ids, int* k) {
+// The layer's routing handed to the admission policy: the step's tokens with
+// their expert ids, as the worker sees them; a trace without per-token ids
+// gives the step's distinct experts as one row.
+void Routing(const RoutingTrace& t, size_t s, int l, std::vector<int32_t>* ids, int* T, int* k) {
   ids->clear();
-  for (const ExpertAccess& a : acc) ids->push_back(a.expert);
+  if (!t.tokens.empty() && !t.tokens[s][l].empty()) {
+    ids->assign(t.tokens[s][l].begin(), t.tokens[s][l].end());
+    *k = t.top_k;
+    *T = static_cast<int>(ids->size()) / t.top_k;
+    return;
+  }
+  for (const ExpertAccess& a : t.steps[s][l]) ids->push_back(a.expert);
   *k = static_cast<int>(ids->size());
+  *T = *k > 0 ? 1 : 0;
 }
 
 // The worker's per-call loop: at each layer run the copies completed by now
@@ -215,12 +221,12 @@ absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayCo
   if (!policy.ok()) return policy.status();
   ExpertCache& ec = **cache;
   std::vector<int32_t> ids;
-  int k = 0;
+  int T = 0, k = 0;
   absl::Status st = RunOnline(
       t, c, ec,
       [&](size_t s, int l, const LayerOutcome&, double now, double link_free) {
-        Routing(t.steps[s][l], &ids, &k);
-        return (*policy)->OnLayer(ec, l, k > 0 ? 1 : 0, k, ids.data(), now, link_free);
+        Routing(t, s, l, &ids, &T, &k);
+        return (*policy)->OnLayer(ec, l, T, std::max(k, 1), ids.data(), now, link_free);
       },
       nullptr, r);
   if (!st.ok()) return st;

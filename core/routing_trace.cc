@@ -43,6 +43,14 @@ absl::Status ForEachLine(const std::string& path, const std::function<absl::Stat
   return st;
 }
 
+// One layer's token lists as [T, top_k] ids, -1 padded (ids out of range too).
+void Tokens(const std::vector<std::vector<int>>& lists, int top_k, int num_experts, std::vector<int16_t>* out) {
+  out->assign(lists.size() * static_cast<size_t>(top_k), -1);
+  for (size_t t = 0; t < lists.size(); ++t)
+    for (size_t j = 0; j < lists[t].size() && j < static_cast<size_t>(top_k); ++j)
+      if (lists[t][j] >= 0 && lists[t][j] < num_experts) (*out)[t * top_k + j] = static_cast<int16_t>(lists[t][j]);
+}
+
 void Aggregate(const std::vector<int>& ids, int num_experts, std::vector<ExpertAccess>* out) {
   std::map<int, int> count;
   for (int e : ids) {
@@ -67,7 +75,7 @@ absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path) {
   t.source = path;
   enum class Kind { kUnknown, kOurs, kRecords } kind = Kind::kUnknown;
   // Ours: (step, layer) -> token lists. Records: (problem, token) -> layer -> experts.
-  std::map<int, std::map<int, std::vector<int>>> ours;
+  std::map<int, std::map<int, std::vector<std::vector<int>>>> ours;
   std::map<std::pair<int64_t, int64_t>, std::map<int, std::vector<int>>> records;
   int max_expert = -1, max_layer = -1;
   int64_t line_no = 0;
@@ -92,9 +100,10 @@ absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path) {
         if (kind != Kind::kOurs) return bad("\"topk\" line before the header line");
         const int step = j.at("step").get<int>(), layer = j.at("layer").get<int>();
         if (layer < 0 || layer >= t.num_layers) return bad(absl::StrCat("layer ", layer, " out of range"));
-        std::vector<int>& ids = ours[step][layer];
+        std::vector<std::vector<int>>& lists = ours[step][layer];
         for (const auto& token : j["topk"]) {
-          for (const auto& e : token) ids.push_back(e.get<int>());
+          lists.emplace_back();
+          for (const auto& e : token) lists.back().push_back(e.get<int>());
         }
         return absl::OkStatus();
       }
@@ -119,19 +128,34 @@ absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path) {
     return bad("neither a moe-routing-trace line nor a routing record");
   });
   if (!st.ok()) return st;
+  // Per-token ids are kept as int16 (the aggregated counts always).
+  auto keep_tokens = [&] { return t.num_experts <= 32767; };
   if (kind == Kind::kOurs) {
     for (auto& [step, layers] : ours) {
       std::vector<std::vector<ExpertAccess>> s(t.num_layers);
-      for (auto& [layer, ids] : layers) Aggregate(ids, t.num_experts, &s[layer]);
+      std::vector<std::vector<int16_t>> tok(t.num_layers);
+      std::vector<int> ids;
+      for (auto& [layer, lists] : layers) {
+        ids.clear();
+        for (const auto& l : lists) ids.insert(ids.end(), l.begin(), l.end());
+        Aggregate(ids, t.num_experts, &s[layer]);
+        if (keep_tokens()) Tokens(lists, t.top_k, t.num_experts, &tok[layer]);
+      }
       t.steps.push_back(std::move(s));
+      if (keep_tokens()) t.tokens.push_back(std::move(tok));
     }
   } else if (kind == Kind::kRecords) {
     t.num_layers = max_layer + 1;
     t.num_experts = max_expert + 1;
     for (auto& [key, layers] : records) {
       std::vector<std::vector<ExpertAccess>> s(t.num_layers);
-      for (auto& [layer, ids] : layers) Aggregate(ids, t.num_experts, &s[layer]);
+      std::vector<std::vector<int16_t>> tok(t.num_layers);
+      for (auto& [layer, ids] : layers) {
+        Aggregate(ids, t.num_experts, &s[layer]);
+        if (keep_tokens()) Tokens({ids}, t.top_k, t.num_experts, &tok[layer]);
+      }
       t.steps.push_back(std::move(s));
+      if (keep_tokens()) t.tokens.push_back(std::move(tok));
     }
   }
   if (t.steps.empty() || t.num_layers <= 0 || t.num_experts <= 0)
@@ -207,11 +231,13 @@ RoutingTrace GenerateRoutingTrace(const SyntheticTraceOptions& o) {
   t.top_k = o.top_k;
   t.source = "synthetic";
   t.steps.assign(o.steps, std::vector<std::vector<ExpertAccess>>(o.num_layers));
+  t.tokens.assign(o.steps, std::vector<std::vector<int16_t>>(o.num_layers));
   std::vector<int> ids;
   GenerateRoutingTrace(o, [&](int step, int layer, const std::vector<std::vector<int>>& topk) {
     ids.clear();
     for (const auto& token : topk) ids.insert(ids.end(), token.begin(), token.end());
     Aggregate(ids, o.num_experts, &t.steps[step][layer]);
+    Tokens(topk, o.top_k, o.num_experts, &t.tokens[step][layer]);
   });
   return t;
 }

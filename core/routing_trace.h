@@ -1,8 +1,9 @@
 // RoutingTrace: which experts every token of every decode step was routed to,
 // per MoE layer — the input of the cache-policy replay (bench/cache_replay),
 // the demo (moe-demo --trace) and the end-to-end benchmark (bench/moe_layer).
-// Kept aggregated: per step and layer, each distinct expert with its number of
-// (token, expert) pairs, which is all a cache policy sees.
+// Kept aggregated — per step and layer, each distinct expert with its number of
+// (token, expert) pairs, which is all a cache policy counts — and per token
+// (the ids each token routed to), which is what a worker's predictor sees.
 //
 // Files (documented in bench/README.md), optionally xz-compressed (*.xz, read
 // through `xz -dc`):
@@ -41,6 +42,9 @@ struct RoutingTrace {
   std::string source;  // what it was read or generated from
   // steps[s][l]: distinct experts routed to in layer l at step s, ascending.
   std::vector<std::vector<std::vector<ExpertAccess>>> steps;
+  // tokens[s][l]: the step's tokens' expert ids, [T, top_k] row-major, -1
+  // where a token routed to fewer (T may differ between steps).
+  std::vector<std::vector<std::vector<int16_t>>> tokens;
 
   uint64_t Pairs(int layer) const;
 };

@@ -119,6 +119,9 @@ TEST(RoutingTrace, SyntheticRoundTripAndRecordedFormat) {
         EXPECT_EQ(t->steps[s][l][i].expert, mem.steps[s][l][i].expert);
         EXPECT_EQ(t->steps[s][l][i].pairs, mem.steps[s][l][i].pairs);
       }
+      // Per token too: 5 tokens x top-2, the same ids as generated.
+      ASSERT_EQ(t->tokens[s][l].size(), 10u);
+      EXPECT_EQ(t->tokens[s][l], mem.tokens[s][l]);
     }
   }
   // Recorded vLLM routing: one record per (problem, layer, token).
@@ -134,6 +137,8 @@ TEST(RoutingTrace, SyntheticRoundTripAndRecordedFormat) {
   EXPECT_EQ(t->steps[0][0].size(), 2u);
   EXPECT_EQ(t->steps[1][1][0].pairs, 2);
   EXPECT_EQ(t->steps[2][0][0].expert, 1);
+  EXPECT_EQ(t->tokens[0][0], (std::vector<int16_t>{7, 1}));  // one token, its ids in order
+  EXPECT_TRUE(t->tokens[0][1].empty());                     // no record for layer 1 at (0, 0)
   std::ofstream(rec) << "{\"nonsense\": 1}\n";
   EXPECT_FALSE(ReadRoutingTrace(rec).ok());
   EXPECT_FALSE(ReadRoutingTrace(dir.path() + "/missing.jsonl").ok());
