@@ -18,6 +18,9 @@
 #   planner_prompt DTYPE  issue 21: moe_layer qwen3-30b-a3b (16 layers, --weight-dtype DTYPE) prompts of 512 and
 #                         2048 tokens, uniform routing (--zipf=0), cache 0 and 25%, 3 runs, then the llama.cpp peer
 #                         (bf16 -> bf16, int8 -> q8_0) in the same call; the peer folder is carried as .peer/llama
+#   planner_long DTYPE    issue 21's other prompt rows: moe_layer qwen3-30b-a3b (16 layers) at 8192 tokens in chunks
+#                         of 2048 (--chunk), and deepseek-v3 (4 layers) prompts of 512 and 2048 tokens, cache 0
+#                         and 25%, 3 runs each, --weight-dtype DTYPE (bf16, int8, int4), --rates-out to $OUT
 #   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
 #                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
 #                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
@@ -97,6 +100,14 @@ while [[ $# -gt 0 ]]; do
         OUT=$OUT timeout 300 bash "$peer" 16 "$([[ $dtype == int8 ]] && echo q8_0 || echo bf16)" > /dev/null 2>> "$OUT/logs.txt"
         mv "$OUT/llama_peer.md" "$OUT/llama_peer_$dtype.md" 2>/dev/null; cat "$OUT/llama_peer_$dtype.md"
       fi ;;
+    planner_long)
+      dtype=$1; shift
+      bash "$0" moe_layer qwen3-30b-a3b --layers=16 --batches=8192 --chunk=2048 --cache=0,25 --zipf=0 --runs=3 \
+        --steps=2 --warmup=1 --modes=ceiling,ours,ours-cpu,copy-all --weight-dtype="$dtype" \
+        --rates-out="$OUT/rates_qwen3_$dtype.json"
+      bash "$0" moe_layer deepseek-v3 --layers=4 --batches=512,2048 --cache=0,25 --zipf=0 --runs=3 --steps=3 \
+        --warmup=1 --modes=ceiling,ours,ours-cpu,copy-all --weight-dtype="$dtype" \
+        --rates-out="$OUT/rates_deepseek_$dtype.json" ;;
     python)
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       echo "## python ($py)" | tee -a "$OUT/python.txt"
