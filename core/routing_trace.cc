@@ -60,6 +60,41 @@ void Aggregate(const std::vector<int>& ids, int num_experts, std::vector<ExpertA
   for (auto [e, n] : count) out->push_back({e, n});
 }
 
+// The steps of our format, (step, layer) -> token lists, in step order; per
+// token ids kept as int16 (the aggregated counts always).
+void AddOurs(const std::map<int, std::map<int, std::vector<std::vector<int>>>>& ours, RoutingTrace* t) {
+  const bool keep_tokens = t->num_experts <= 32767;
+  for (const auto& [step, layers] : ours) {
+    std::vector<std::vector<ExpertAccess>> s(t->num_layers);
+    std::vector<std::vector<int16_t>> tok(t->num_layers);
+    std::vector<int> ids;
+    for (const auto& [layer, lists] : layers) {
+      ids.clear();
+      for (const auto& l : lists) ids.insert(ids.end(), l.begin(), l.end());
+      Aggregate(ids, t->num_experts, &s[layer]);
+      if (keep_tokens) Tokens(lists, t->top_k, t->num_experts, &tok[layer]);
+    }
+    t->steps.push_back(std::move(s));
+    if (keep_tokens) t->tokens.push_back(std::move(tok));
+  }
+}
+
+// The steps of recorded routing, (problem, token) -> layer -> experts: one token each.
+void AddRecords(const std::map<std::pair<int64_t, int64_t>, std::map<int, std::vector<int>>>& records,
+                RoutingTrace* t) {
+  const bool keep_tokens = t->num_experts <= 32767;
+  for (const auto& [key, layers] : records) {
+    std::vector<std::vector<ExpertAccess>> s(t->num_layers);
+    std::vector<std::vector<int16_t>> tok(t->num_layers);
+    for (const auto& [layer, ids] : layers) {
+      Aggregate(ids, t->num_experts, &s[layer]);
+      if (keep_tokens) Tokens({ids}, t->top_k, t->num_experts, &tok[layer]);
+    }
+    t->steps.push_back(std::move(s));
+    if (keep_tokens) t->tokens.push_back(std::move(tok));
+  }
+}
+
 }  // namespace
 
 uint64_t RoutingTrace::Pairs(int layer) const {
@@ -128,35 +163,12 @@ absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path) {
     return bad("neither a moe-routing-trace line nor a routing record");
   });
   if (!st.ok()) return st;
-  // Per-token ids are kept as int16 (the aggregated counts always).
-  auto keep_tokens = [&] { return t.num_experts <= 32767; };
   if (kind == Kind::kOurs) {
-    for (auto& [step, layers] : ours) {
-      std::vector<std::vector<ExpertAccess>> s(t.num_layers);
-      std::vector<std::vector<int16_t>> tok(t.num_layers);
-      std::vector<int> ids;
-      for (auto& [layer, lists] : layers) {
-        ids.clear();
-        for (const auto& l : lists) ids.insert(ids.end(), l.begin(), l.end());
-        Aggregate(ids, t.num_experts, &s[layer]);
-        if (keep_tokens()) Tokens(lists, t.top_k, t.num_experts, &tok[layer]);
-      }
-      t.steps.push_back(std::move(s));
-      if (keep_tokens()) t.tokens.push_back(std::move(tok));
-    }
+    AddOurs(ours, &t);
   } else if (kind == Kind::kRecords) {
     t.num_layers = max_layer + 1;
     t.num_experts = max_expert + 1;
-    for (auto& [key, layers] : records) {
-      std::vector<std::vector<ExpertAccess>> s(t.num_layers);
-      std::vector<std::vector<int16_t>> tok(t.num_layers);
-      for (auto& [layer, ids] : layers) {
-        Aggregate(ids, t.num_experts, &s[layer]);
-        if (keep_tokens()) Tokens({ids}, t.top_k, t.num_experts, &tok[layer]);
-      }
-      t.steps.push_back(std::move(s));
-      if (keep_tokens()) t.tokens.push_back(std::move(tok));
-    }
+    AddRecords(records, &t);
   }
   if (t.steps.empty() || t.num_layers <= 0 || t.num_experts <= 0)
     return absl::InvalidArgumentError(absl::StrCat("'", path, "': no routing in it"));
