@@ -178,7 +178,16 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
     MOE_RETURN_IF_ERROR(CheckGeometryLocked(req.num_layers(), req.num_experts()));
     const bool known = registry_->FindWorker(req.worker_id()) != nullptr;
     resp.set_session(registry_->RegisterWorker(req, Now()));
-    const WorkerEntry& w = *registry_->FindWorker(req.worker_id());
+    WorkerEntry& w = *registry_->FindWorker(req.worker_id());
+    // The operator's pins the worker still holds stay pinned in the snapshot
+    // it resumes from (after a coordinator restart, say): a snapshot without
+    // them would unpin them on the worker until the next placement round, and
+    // its admissions could evict them meanwhile.
+    for (int l = 0; l < static_cast<int>(w.sets.size()); ++l) {
+      for (int e : PinsOfLocked(req.worker_id(), l))
+        if (std::binary_search(w.sets[l].begin(), w.sets[l].end(), e)) w.pinned[l].push_back(e);
+      std::sort(w.pinned[l].begin(), w.pinned[l].end());
+    }
     LogInfo("coordinator", known ? "worker re-registered: " : "worker registered: ", req.worker_id(), " (",
             req.slots_per_layer(), " slots x ", req.cached_layers().empty() ? req.num_layers() : req.cached_layers_size(),
             " layers, ", req.expert_bytes(), " bytes/expert, holding version ", req.current_version(),

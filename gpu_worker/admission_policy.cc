@@ -232,6 +232,24 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
       victim_slots.push_back(s);
   auto slot_value = [&](int s) { return held[s] < 0 ? -1.0 : next[held[s]] + best.later_runs * rate[held[s]]; };
   std::stable_sort(victim_slots.begin(), victim_slots.end(), [&](int a, int b) { return slot_value(a) < slot_value(b); });
+  AdmissionCounters& counters = counters_[tp];
+  auto start = [&](int slot, int e) {
+    absl::StatusOr<SlotCopy> copy = cache.Replace(target, slot, e);
+    if (!copy.ok()) return;  // cannot happen for the slots chosen here; skip defensively
+    if (copy->evicted >= 0) Evicted(tp, copy->evicted);
+    res.admitted[e] = static_cast<int64_t>(res.runs);
+    *link_free_s = std::max(now_s, *link_free_s) + c.copy_s;
+    pass_bytes_ += config_.expert_bytes;
+    ++counters.copies;
+    counters.bytes += config_.expert_bytes;
+    out->push_back(*copy);
+  };
+  // Pins stay in force: a pinned expert that is not resident (its assignment
+  // found every slot loading) comes back first, into the least valuable slot.
+  size_t first = 0;
+  for (int e = 0; e < E && first < victim_slots.size(); ++e)
+    if (cache.pinned(target, e) && cache.SlotOf(target, e) < 0) start(victim_slots[first++], e);
+  victim_slots.erase(victim_slots.begin(), victim_slots.begin() + first);
   for (int s : victim_slots) victims.push_back(held[s]);
   const double link = std::max(now_s, *link_free_s);
   const bool budget = config_.pass_budget_bytes > 0;
@@ -242,18 +260,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   };
   const auto swaps = ChooseSwaps(next, rate, best.later_runs, copy_cost, victims,
                                  [&](int e) { return cache.SlotOf(target, e) < 0; }, timing);
-  AdmissionCounters& counters = counters_[tp];
-  for (const auto& [e, vi] : swaps) {
-    absl::StatusOr<SlotCopy> copy = cache.Replace(target, victim_slots[vi], e);
-    if (!copy.ok()) continue;  // cannot happen for the slots chosen above; skip defensively
-    if (copy->evicted >= 0) Evicted(tp, copy->evicted);
-    res.admitted[e] = static_cast<int64_t>(res.runs);
-    *link_free_s = std::max(now_s, *link_free_s) + c.copy_s;
-    pass_bytes_ += config_.expert_bytes;
-    ++counters.copies;
-    counters.bytes += config_.expert_bytes;
-    out->push_back(*copy);
-  }
+  for (const auto& [e, vi] : swaps) start(victim_slots[vi], e);
 }
 
 AdmissionCosts AdmissionPolicy::Costs() const {

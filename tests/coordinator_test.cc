@@ -652,6 +652,37 @@ TEST_F(CoordinatorCore, PinsPolicyAndDrainsSurviveARestart) {
   EXPECT_TRUE(Pinned(**b, 1).empty());
 }
 
+// A worker that resumes (after a coordinator restart) holding a pinned expert
+// gets a snapshot that keeps it pinned: without the pin its admissions could
+// evict the expert before the next placement round pinned it again (this was
+// SystemTest.CoordinatorRestartKeepsOverridesAndWorkersKeepServing's flake).
+TEST_F(CoordinatorCore, ResumingWorkerKeepsItsPinsInTheSnapshot) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/state.json";
+  {
+    auto c = Make(path);
+    ASSERT_TRUE(c->RegisterWorker(Worker("w1")).ok());
+    moe::v1::PinRequest pin;
+    pin.set_layer(1);
+    pin.add_experts(4);
+    ASSERT_TRUE(c->Pin(pin, true).ok());
+  }
+  auto c = Make(path);  // restarted with the state file
+  auto r = Worker("w1");
+  r.set_current_version(7);
+  auto* cur = r.add_current();
+  cur->set_layer(1);
+  cur->add_experts(4);
+  cur->add_experts(6);
+  auto reg = c->RegisterWorker(r);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  auto snap = c->Snapshot("w1", reg->session());
+  ASSERT_TRUE(snap.ok());
+  EXPECT_EQ(Experts(*snap, 1), (std::vector<int>{4, 6}));
+  EXPECT_EQ(Pinned(*snap, 1), (std::vector<int>{4}));
+  EXPECT_TRUE(Pinned(*snap, 0).empty());
+}
+
 TEST_F(CoordinatorCore, ReRegistrationKeepsVersionsGrowingAndResumesFromWhatTheWorkerHolds) {
   auto c = Make();
   auto r = Worker("w1");
