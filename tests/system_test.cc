@@ -563,6 +563,13 @@ TEST_F(SystemTest, SkewedTrafficMovesPlacementTowardHotExperts) {
     for (int i = 0; i < 3; ++i) ASSERT_TRUE(Round(rng, &h, &a));
     for (int w = 0; w < 2; ++w) share[w] = a[w] ? double(h[w]) / a[w] : 0;
     moved = share[0] > 0.5 && share[1] > 0.5 && EveryWorkerHolds(0, kHot[0]) && EveryWorkerHolds(1, kHot[1]);
+    // ... and the coordinator placed both layers on both workers: the
+    // workers' own admissions may have reached the hot sets first.
+    if (moved) {
+      const std::string c = Scrape(coord_.metrics_port);
+      for (int w = 0; w < 2; ++w)
+        moved = moved && Series(c, "moe_coordinator_copies_total{worker=\"" + WorkerId(w) + "\"}") >= 2 * kSlots;
+    }
   }
   ASSERT_TRUE(moved) << "after " << calls_ << " calls: hit share w1 " << share[0] << ", w2 " << share[1]
                      << "; w1 layer 0 " << Str(SlotExperts(0, 0)) << ", layer 1 " << Str(SlotExperts(0, 1))
