@@ -10,8 +10,9 @@
 
 namespace moe {
 namespace {
-constexpr double kLongRuns = 64;  // the long-memory rates' half-life, in runs of the layer
-const double kLongKeep = std::exp2(-1.0 / kLongRuns);
+// The fixed memories of the shadows' rates (half-lives, runs of the layer);
+// memory 0 is the measured residency horizon.
+constexpr double kMemoryRuns[] = {16, 64};
 constexpr double kIntervalSmoothing = 0.25;  // EMA weight of a new layer-interval sample
 }  // namespace
 
@@ -70,11 +71,13 @@ absl::StatusOr<std::unique_ptr<AdmissionPolicy>> AdmissionPolicy::Create(const A
     r.use.assign(c.num_experts, 0.0);
     r.pairs.assign(c.num_experts, 0.0);
     r.admitted.assign(c.num_experts, -1);
-    r.use_long.assign(c.num_experts, 0.0);
-    r.pairs_long.assign(c.num_experts, 0.0);
-    for (auto [later_runs, long_memory] : {std::pair{0.0, false}, {1.0, false}, {3.0, false}, {8.0, false},
-                                            {8.0, true}, {24.0, true}})
-      r.shadows.push_back(Shadow{later_runs, long_memory, std::vector<double>(c.num_experts, kNever)});
+    for (int m = 0; m < kMemories; ++m) {
+      r.use_mem[m].assign(c.num_experts, 0.0);
+      r.pairs_mem[m].assign(c.num_experts, 0.0);
+    }
+    for (auto [later_runs, memory] : {std::pair{0.0, 0}, {1.0, 0}, {3.0, 0}, {8.0, 0}, {8.0, 1}, {24.0, 1}, {8.0, 2},
+                                      {24.0, 2}})
+      r.shadows.push_back(Shadow{later_runs, memory, std::vector<double>(c.num_experts, kNever)});
   }
 
   return a;
@@ -175,11 +178,14 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   const int E = config_.num_experts;
   // next[e]: CPU time e saves at the target's coming run; rate[e]: at each run
   // after it (the use rate over the residency horizon).
-  std::vector<double> next(E), rate_short(E), rate_long(E);
+  std::vector<double> next(E);
+  std::vector<double> rates[kMemories + 1];  // [memory]: CPU time saved per later run
+  for (auto& r : rates) r.resize(E);
   for (int e = 0; e < E; ++e) {
     next[e] = prob[e] * c.miss_expert_s + pairs[e] * c.miss_pair_s;
-    rate_short[e] = res.use[e] * c.miss_expert_s + res.pairs[e] * c.miss_pair_s;
-    rate_long[e] = res.use_long[e] * c.miss_expert_s + res.pairs_long[e] * c.miss_pair_s;
+    rates[0][e] = res.use[e] * c.miss_expert_s + res.pairs[e] * c.miss_pair_s;
+    for (int m = 0; m < kMemories; ++m)
+      rates[m + 1][e] = res.use_mem[m][e] * c.miss_expert_s + res.pairs_mem[m][e] * c.miss_pair_s;
   }
   // A copy that lands after the target's coming run serves from the run after
   // it; one the link cannot finish within a pass (the runs after) is not
@@ -196,7 +202,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   // time of planning them at every lag; their scores only rank them).
   for (Shadow& sh : res.shadows) {
     if (lag != 1) break;
-    const std::vector<double>& rate = sh.long_memory ? rate_long : rate_short;
+    const std::vector<double>& rate = rates[sh.memory];
     std::vector<int> victims;
     int held = 0;
     for (int e = 0; e < E; ++e)
@@ -223,7 +229,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   }
   const Shadow& best = *std::max_element(res.shadows.begin(), res.shadows.end(),
                                          [](const Shadow& a, const Shadow& b) { return a.score < b.score; });
-  const std::vector<double>& rate = best.long_memory ? rate_long : rate_short;
+  const std::vector<double>& rate = rates[best.memory];
   // The real cache: victims are empty slots, then Ready unpinned experts, least valuable first.
   std::vector<int> victim_slots, victims;
   const std::vector<int> held = cache.SlotExperts(target);
@@ -299,6 +305,8 @@ void AdmissionPolicy::ObserveUse(int pos, int T, int k, const int32_t* ids, doub
   pairs.assign(config_.num_experts, 0);
   for (int64_t i = 0; i < static_cast<int64_t>(T) * k; ++i)
     if (ids[i] >= 0) ++pairs[ids[i]];
+  double keep_mem[kMemories];
+  for (int m = 0; m < kMemories; ++m) keep_mem[m] = std::exp2(-1.0 / kMemoryRuns[m]);
   const double keep = std::exp2(-1.0 / std::max(1.0, r.horizon));
   // The shadows' hits at this run: the CPU time their resident experts saved.
   const AdmissionCosts c = Costs();
@@ -309,8 +317,10 @@ void AdmissionPolicy::ObserveUse(int pos, int T, int k, const int32_t* ids, doub
   }
   for (int e = 0; e < config_.num_experts; ++e) {
     r.use[e] = keep * r.use[e] + (1 - keep) * (pairs[e] > 0 ? 1.0 : 0.0);
-    r.use_long[e] = kLongKeep * r.use_long[e] + (1 - kLongKeep) * (pairs[e] > 0 ? 1.0 : 0.0);
-    r.pairs_long[e] = kLongKeep * r.pairs_long[e] + (1 - kLongKeep) * pairs[e];
+    for (int m = 0; m < kMemories; ++m) {
+      r.use_mem[m][e] = keep_mem[m] * r.use_mem[m][e] + (1 - keep_mem[m]) * (pairs[e] > 0 ? 1.0 : 0.0);
+      r.pairs_mem[m][e] = keep_mem[m] * r.pairs_mem[m][e] + (1 - keep_mem[m]) * pairs[e];
+    }
     r.pairs[e] = keep * r.pairs[e] + (1 - keep) * pairs[e];
   }
   ++r.runs;

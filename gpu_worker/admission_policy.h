@@ -19,9 +19,10 @@
 // is beyond its next run; it is not a constant: per layer, shadow caches
 // (bookkeeping only, each with its own link) make the same decisions with H
 // = 0, 1, 3 and 8 over rates averaged over the horizon, and H = 8 and 24
-// over rates averaged over 64 runs (a stable hot set), and keep a decayed
-// score of the CPU time their hits saved less their copies' cost; the real
-// cache uses the best shadow's H and rates. An empty
+// over rates averaged over 16 and over 64 runs (a hot set that drifts
+// slowly, or is stable), and keep a decayed score of the CPU time their hits
+// saved less their copies' cost; the real cache uses the best shadow's H and
+// rates. An empty
 // slot is filled whenever an uncached expert pays for its copy. The copy's
 // cost is the host DRAM time its transfer takes from the CPU expert kernels
 // (copy_dram_s) times the measured share of time the CPU is busy with misses
@@ -127,19 +128,20 @@ class AdmissionPolicy {
   // A bookkeeping-only copy of one layer's cache run with one pricing horizon.
   struct Shadow {
     double later_runs = 0;      // later runs a swap is priced over
-    bool long_memory = false;   // rates over 64 runs instead of the residency horizon
+    int memory = 0;             // its rates: 0 over the residency horizon, 1 over 16 runs, 2 over 64
     std::vector<double> ready;  // per expert: when its copy lands, kNever: not held
     double link_free_s = 0;
     double score = 0;           // decayed CPU time saved by hits less copy costs
   };
   static constexpr double kNever = 1e300;
+  static constexpr int kMemories = 2;  // fixed rate memories beside the horizon (16 and 64 runs)
   static constexpr double kShadowKeep = 0.985;  // per run of the layer: a half-life of ~46 runs
   struct Residency {
     std::vector<Shadow> shadows;
     double horizon = 0;            // runs of the layer an admitted expert stays (EMA over evictions)
     std::vector<double> use;       // per expert: share of runs that use it, averaged over the horizon
     std::vector<double> pairs;     // per expert: pairs per run, likewise
-    std::vector<double> use_long, pairs_long;  // the same over 64 runs (half-life)
+    std::vector<double> use_mem[2], pairs_mem[2];  // the same over 16 and 64 runs (half-lives)
     std::vector<int64_t> admitted; // per expert: `runs` when this policy admitted it, -1: not by it
     uint64_t runs = 0;
   };
