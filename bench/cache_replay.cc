@@ -126,10 +126,12 @@ int main(int argc, char** argv) {
               t.steps.size(), t.num_layers, t.num_experts, t.top_k, static_cast<unsigned long long>(pairs),
               double(pairs) / t.steps.size() / t.num_layers, read_s);
   std::printf("cache: %d of %d experts per layer (%.0f%%); device step %g ms; copies of %.1f MB at %g GB/s;\n"
-              "misses on the CPU: %.3f ms per expert (%g GB/s), %.2f us per pair\n",
+              "misses on the CPU: %.3f ms per expert (%g GB/s)",
               c.slots, t.num_experts, 100.0 * c.slots / t.num_experts, step_ms, expert_bytes / 1e6, pcie_gbps,
-              expert_bytes / (dram_gbps * 1e9) * 1e3, dram_gbps, c.pair_seconds * 1e6);
+              expert_bytes / (dram_gbps * 1e9) * 1e3, dram_gbps);
+  if (c.cpu_expert_curve.empty()) std::printf(", %.2f us per pair\n", c.pair_seconds * 1e6);
   if (!c.cpu_expert_curve.empty()) {
+    std::printf("\n");
     std::printf("CPU per missed expert (from %s, scaled to these experts): ", rates_path.c_str());
     for (const auto& [m, sec] : c.cpu_expert_curve) std::printf("%d pairs %.3f ms; ", m, sec * 1e3);
     std::printf("at least the DRAM time above\n");

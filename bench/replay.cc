@@ -80,9 +80,6 @@ StepTimeModel TimeModel(const ReplayConfig& c) {
   return m;
 }
 
-
-
-
 absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, const ReplayConfig& c,
                                                        CachePolicyKind kind, double half_life) {
   ExpertCacheConfig cc;
@@ -98,7 +95,6 @@ absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, co
 struct LayerOutcome {
   std::vector<int> experts, pairs, missed;
   std::vector<bool> hit;
-  uint64_t missed_pairs = 0;
 };
 
 void CountHits(const ExpertCache& cache, int layer, const std::vector<ExpertAccess>& acc, PolicyResult& r,
@@ -107,7 +103,6 @@ void CountHits(const ExpertCache& cache, int layer, const std::vector<ExpertAcce
   o->pairs.clear();
   o->missed.clear();
   o->hit.clear();
-  o->missed_pairs = 0;
   for (const ExpertAccess& a : acc) {
     o->experts.push_back(a.expert);
     o->pairs.push_back(a.pairs);
@@ -117,7 +112,6 @@ void CountHits(const ExpertCache& cache, int layer, const std::vector<ExpertAcce
       r.hits[layer] += a.pairs;
     } else {
       o->missed.push_back(a.expert);
-      o->missed_pairs += a.pairs;
     }
     r.pairs[layer] += a.pairs;
   }
@@ -140,7 +134,7 @@ PolicyResult NewResult(const RoutingTrace& t, const std::string& name) {
 // gives the step's distinct experts as one row.
 void Routing(const RoutingTrace& t, size_t s, int l, std::vector<int32_t>* ids, int* T, int* k) {
   ids->clear();
-  if (!t.tokens.empty() && !t.tokens[s][l].empty()) {
+  if (t.top_k > 0 && s < t.tokens.size() && l < static_cast<int>(t.tokens[s].size()) && !t.tokens[s][l].empty()) {
     ids->assign(t.tokens[s][l].begin(), t.tokens[s][l].end());
     *k = t.top_k;
     *T = static_cast<int>(ids->size()) / t.top_k;
@@ -213,10 +207,14 @@ absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayCo
                              ? double(c.expert_bytes) / c.dram_bytes_per_second
                              : 0.0;
   const StepTimeModel model = TimeModel(c);
-  ac.costs.miss_expert_s = model.ExpertMissSeconds(c.cpu_expert_curve.empty() ? 0 : 1);
+  // Linear in the pairs as the worker's admission costs are: per expert and
+  // per pair, the curve's slope from 1 to 64 pairs (one expert with one pair
+  // costs what the curve says).
   ac.costs.miss_pair_s = c.cpu_expert_curve.empty()
                              ? c.pair_seconds
                              : std::max(0.0, (model.ExpertMissSeconds(64) - model.ExpertMissSeconds(1)) / 63);
+  ac.costs.miss_expert_s = c.cpu_expert_curve.empty() ? model.ExpertMissSeconds(0)
+                                                      : std::max(0.0, model.ExpertMissSeconds(1) - ac.costs.miss_pair_s);
   absl::StatusOr<std::unique_ptr<AdmissionPolicy>> policy = AdmissionPolicy::Create(ac);
   if (!policy.ok()) return policy.status();
   ExpertCache& ec = **cache;
@@ -436,12 +434,14 @@ absl::Status LoadRates(const std::string& path, uint64_t expert_bytes, ReplayCon
   if (!in) return absl::InvalidArgumentError(absl::StrCat("rates: cannot read ", path));
   const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError(absl::StrCat("rates: ", path, " is not a JSON object"));
-  auto number = [&](const char* key) -> absl::StatusOr<double> {
-    if (!j.contains(key) || !j[key].is_number() || !(j[key].get<double>() > 0))
-      return absl::InvalidArgumentError(absl::StrCat("rates: ", path, ": ", key, " must be a number > 0"));
+  // Rates in GB/s and bytes: within a factor of a million of any real machine's.
+  auto number = [&](const char* key, double lo, double hi) -> absl::StatusOr<double> {
+    if (!j.contains(key) || !j[key].is_number() || !(j[key].get<double>() >= lo && j[key].get<double>() <= hi))
+      return absl::InvalidArgumentError(absl::StrCat("rates: ", path, ": ", key, " must be a number in [", lo, ", ", hi, "]"));
     return j[key].get<double>();
   };
-  absl::StatusOr<double> dram = number("dram_gbps"), pcie = number("pcie_gbps"), bytes = number("expert_bytes");
+  absl::StatusOr<double> dram = number("dram_gbps", 1e-3, 1e6), pcie = number("pcie_gbps", 1e-3, 1e6),
+                         bytes = number("expert_bytes", 1, 1e12);
   for (const auto* v : {&dram, &pcie, &bytes})
     if (!v->ok()) return v->status();
   const auto& curve = j.contains("cpu_expert_seconds") ? j["cpu_expert_seconds"] : nlohmann::json();
@@ -449,10 +449,11 @@ absl::Status LoadRates(const std::string& path, uint64_t expert_bytes, ReplayCon
     return absl::InvalidArgumentError(absl::StrCat("rates: ", path, ": cpu_expert_seconds must be a non-empty array"));
   std::vector<std::pair<int, double>> points;
   for (const auto& p : curve) {
-    if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() || !p[1].is_number() || p[0].get<int>() < 1 ||
-        !(p[1].get<double>() >= 0) || (!points.empty() && p[0].get<int>() <= points.back().first))
+    if (!p.is_array() || p.size() != 2 || !p[0].is_number_integer() || !p[1].is_number() ||
+        p[0].get<int64_t>() < 1 || p[0].get<int64_t>() > 1000000 || !(p[1].get<double>() >= 0) ||
+        !(p[1].get<double>() < 1e6) || (!points.empty() && p[0].get<int>() <= points.back().first))
       return absl::InvalidArgumentError(absl::StrCat(
-          "rates: ", path, ": cpu_expert_seconds entries must be [rows >= 1, seconds >= 0], rows ascending"));
+          "rates: ", path, ": cpu_expert_seconds entries must be [rows in [1, 1000000], seconds in [0, 1e6)], rows ascending"));
     // A CPU expert's time grows with its size: the measured expert's scaled to this trace's.
     points.push_back({p[0].get<int>(), p[1].get<double>() * double(expert_bytes) / *bytes});
   }

@@ -179,7 +179,8 @@ void Status(Context& c) {
   std::printf("\n");
   // Per layer, the planner's split of the pairs: cache hits, CPU servers,
   // copied to the GPU for the call; cache copies (admissions and prefetches)
-  // per second, and the host->GPU link's busy share.
+  // per second, and the host->GPU link's busy share (summed over the workers'
+  // links: above 100% with several workers).
   Table l({"LAYER", "HIT", "CPU", "COPIED", "PAIRS (DECAYED)", "ROUTABLE EXPERTS", "PRED PRECISION", "CACHE COPIES/S",
            "PCIE MB/S", "PCIE BUSY"});
   for (const auto& x : r.layers()) {

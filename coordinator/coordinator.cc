@@ -267,7 +267,7 @@ void Coordinator::AddCountsLocked(const std::string& worker,
     for (uint64_t p : c.pairs()) pairs += static_cast<double>(p);
     if (c.cache_copies() || c.copy_bytes() || c.predicted() || pairs > 0 || c.link_microseconds()) {
       if (activity_.size() < static_cast<size_t>(registry_->num_layers())) activity_.resize(registry_->num_layers());
-      LayerActivity& a = activity_[c.layer()];
+      LayerActivitySums& a = activity_[c.layer()];
       const double keep = std::exp2(-(now - a.at) / policy_.half_life_seconds);
       a.copies = a.copies * keep + static_cast<double>(c.cache_copies());
       a.bytes = a.bytes * keep + static_cast<double>(c.copy_bytes());
@@ -561,7 +561,7 @@ moe::v1::StatusResponse Coordinator::Status() {
     ls->set_routable_experts(registry_->RoutableExperts(l));
     if (static_cast<size_t>(l) < activity_.size()) {
       // A decayed sum of a steady rate r tends to r * half-life / ln 2.
-      const LayerActivity& a = activity_[l];
+      const LayerActivitySums& a = activity_[l];
       const double keep = std::exp2(-(now - a.at) / policy_.half_life_seconds);
       const double per_second = keep * std::log(2.0) / policy_.half_life_seconds;
       ls->set_prediction_precision(a.predicted > 0 ? a.used / a.predicted : 0.0);

@@ -109,12 +109,12 @@ class Coordinator {
   std::unique_ptr<Registry> registry_;      // once the geometry is known
   std::unique_ptr<Popularity> popularity_;
   // Per layer, decayed (policy half-life) sums of the workers' cache activity.
-  struct LayerActivity {
+  struct LayerActivitySums {
     double copies = 0, bytes = 0, predicted = 0, used = 0;
     double pairs = 0, cpu = 0, copied = 0, link_s = 0;  // the split's pairs, link seconds
     double at = 0;  // time of the last decay
   };
-  std::vector<LayerActivity> activity_;
+  std::vector<LayerActivitySums> activity_;
   double last_rebalance_ = 0;
   uint64_t rebalances_ = 0;
   struct RoundCounters {

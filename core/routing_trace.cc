@@ -128,6 +128,9 @@ absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path) {
         t.num_layers = j.at("num_layers").get<int>();
         t.num_experts = j.at("num_experts").get<int>();
         t.top_k = j.at("top_k").get<int>();
+        if (t.num_layers < 1 || t.num_experts < 1 || t.num_layers > 100000 || t.num_experts > 1000000)
+          return bad("num_layers / num_experts out of range");
+        if (t.top_k < 1 || t.top_k > t.num_experts) return bad("top_k outside [1, num_experts]");
         if (j.contains("generator")) t.source += " " + j["generator"].dump();
         return absl::OkStatus();
       }
@@ -243,13 +246,13 @@ RoutingTrace GenerateRoutingTrace(const SyntheticTraceOptions& o) {
   t.top_k = o.top_k;
   t.source = "synthetic";
   t.steps.assign(o.steps, std::vector<std::vector<ExpertAccess>>(o.num_layers));
-  t.tokens.assign(o.steps, std::vector<std::vector<int16_t>>(o.num_layers));
+  if (o.num_experts <= 32767) t.tokens.assign(o.steps, std::vector<std::vector<int16_t>>(o.num_layers));
   std::vector<int> ids;
   GenerateRoutingTrace(o, [&](int step, int layer, const std::vector<std::vector<int>>& topk) {
     ids.clear();
     for (const auto& token : topk) ids.insert(ids.end(), token.begin(), token.end());
     Aggregate(ids, o.num_experts, &t.steps[step][layer]);
-    Tokens(topk, o.top_k, o.num_experts, &t.tokens[step][layer]);
+    if (o.num_experts <= 32767) Tokens(topk, o.top_k, o.num_experts, &t.tokens[step][layer]);
   });
   return t;
 }

@@ -13,6 +13,7 @@ namespace {
 // The fixed memories of the shadows' rates (half-lives, runs of the layer);
 // memory 0 is the measured residency horizon.
 constexpr double kMemoryRuns[] = {16, 64};
+const double kKeepMem[] = {std::exp2(-1.0 / kMemoryRuns[0]), std::exp2(-1.0 / kMemoryRuns[1])};
 constexpr double kIntervalSmoothing = 0.25;  // EMA weight of a new layer-interval sample
 }  // namespace
 
@@ -31,7 +32,7 @@ double StepTimeModel::ExpertMissSeconds(double pairs) const {
   if (pairs <= c.front().first) {
     curve = c.front().second;
   } else if (pairs >= c.back().first) {
-    curve = c.back().second * pairs / c.back().first;  // linear beyond the largest point
+    curve = c.back().second * pairs / c.back().first;  // proportional to the pairs beyond the largest point
   } else {
     size_t i = 1;
     while (c[i].first < pairs) ++i;
@@ -98,16 +99,18 @@ absl::StatusOr<std::vector<SlotCopy>> AdmissionPolicy::OnLayer(ExpertCache& cach
   // Until an eviction was measured, an admitted expert is expected to stay
   // as many runs as the layer has slots (one replacement per run).
   if (residency_[p].horizon <= 0) residency_[p].horizon = std::max(1, cache.config().slots_per_layer);
-  ObserveUse(p, T, k, ids, now_s);
-  // This run's misses (the cache as the run finds it).
+  ObserveUse(p, T, k, ids, now_s);  // fills scratch_pairs_ with this run's pairs per expert
+  // This run's misses (the cache as the run finds it); an expert this policy
+  // admitted that is gone (an assignment took its slot) gives no residency sample.
   {
     const AdmissionCosts c = Costs();
-    std::vector<int> pairs(config_.num_experts, 0);
-    for (int64_t i = 0; i < static_cast<int64_t>(T) * k; ++i)
-      if (ids[i] >= 0) ++pairs[ids[i]];
+    const std::vector<int>& pairs = scratch_pairs_;
+    Residency& r = residency_[p];
     last_miss_s_ = 0;
-    for (int e = 0; e < config_.num_experts; ++e)
+    for (int e = 0; e < config_.num_experts; ++e) {
       if (pairs[e] > 0 && cache.ReadySlot(layer, e) < 0) last_miss_s_ += c.miss_expert_s + pairs[e] * c.miss_pair_s;
+      if (r.admitted[e] >= 0 && cache.SlotOf(layer, e) < 0) r.admitted[e] = -1;
+    }
   }
   if (last_pos_ < 0 || p <= last_pos_) pass_bytes_ = 0;  // a new forward pass
   last_pos_ = p;
@@ -178,15 +181,20 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   const int E = config_.num_experts;
   // next[e]: CPU time e saves at the target's coming run; rate[e]: at each run
   // after it (the use rate over the residency horizon).
-  std::vector<double> next(E);
-  std::vector<double> rates[kMemories + 1];  // [memory]: CPU time saved per later run
-  for (auto& r : rates) r.resize(E);
-  for (int e = 0; e < E; ++e) {
-    next[e] = prob[e] * c.miss_expert_s + pairs[e] * c.miss_pair_s;
-    rates[0][e] = res.use[e] * c.miss_expert_s + res.pairs[e] * c.miss_pair_s;
-    for (int m = 0; m < kMemories; ++m)
-      rates[m + 1][e] = res.use_mem[m][e] * c.miss_expert_s + res.pairs_mem[m][e] * c.miss_pair_s;
+  // The shadows plan at lag 1 only (below): at lag 2 only the best one's rates are needed.
+  const Shadow& leader = *std::max_element(res.shadows.begin(), res.shadows.end(),
+                                           [](const Shadow& a, const Shadow& b) { return a.score < b.score; });
+  std::vector<double>& next = scratch_next_;
+  std::vector<double>* rates = scratch_rates_;  // [memory]: CPU time saved per later run
+  next.resize(E);
+  for (int m = 0; m <= kMemories; ++m) {
+    if (lag != 1 && m != leader.memory) continue;
+    const std::vector<double>& use = m == 0 ? res.use : res.use_mem[m - 1];
+    const std::vector<double>& per_run = m == 0 ? res.pairs : res.pairs_mem[m - 1];
+    rates[m].resize(E);
+    for (int e = 0; e < E; ++e) rates[m][e] = use[e] * c.miss_expert_s + per_run[e] * c.miss_pair_s;
   }
+  for (int e = 0; e < E; ++e) next[e] = prob[e] * c.miss_expert_s + pairs[e] * c.miss_pair_s;
   // A copy that lands after the target's coming run serves from the run after
   // it; one the link cannot finish within a pass (the runs after) is not
   // started — the queue would only delay copies that can land in time.
@@ -305,8 +313,6 @@ void AdmissionPolicy::ObserveUse(int pos, int T, int k, const int32_t* ids, doub
   pairs.assign(config_.num_experts, 0);
   for (int64_t i = 0; i < static_cast<int64_t>(T) * k; ++i)
     if (ids[i] >= 0) ++pairs[ids[i]];
-  double keep_mem[kMemories];
-  for (int m = 0; m < kMemories; ++m) keep_mem[m] = std::exp2(-1.0 / kMemoryRuns[m]);
   const double keep = std::exp2(-1.0 / std::max(1.0, r.horizon));
   // The shadows' hits at this run: the CPU time their resident experts saved.
   const AdmissionCosts c = Costs();
@@ -318,8 +324,8 @@ void AdmissionPolicy::ObserveUse(int pos, int T, int k, const int32_t* ids, doub
   for (int e = 0; e < config_.num_experts; ++e) {
     r.use[e] = keep * r.use[e] + (1 - keep) * (pairs[e] > 0 ? 1.0 : 0.0);
     for (int m = 0; m < kMemories; ++m) {
-      r.use_mem[m][e] = keep_mem[m] * r.use_mem[m][e] + (1 - keep_mem[m]) * (pairs[e] > 0 ? 1.0 : 0.0);
-      r.pairs_mem[m][e] = keep_mem[m] * r.pairs_mem[m][e] + (1 - keep_mem[m]) * pairs[e];
+      r.use_mem[m][e] = kKeepMem[m] * r.use_mem[m][e] + (1 - kKeepMem[m]) * (pairs[e] > 0 ? 1.0 : 0.0);
+      r.pairs_mem[m][e] = kKeepMem[m] * r.pairs_mem[m][e] + (1 - kKeepMem[m]) * pairs[e];
     }
     r.pairs[e] = keep * r.pairs[e] + (1 - keep) * pairs[e];
   }

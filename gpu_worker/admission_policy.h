@@ -61,7 +61,8 @@ struct StepTimeModel {
   double pcie_bytes_per_second = 55e9;  // 0: copies instant (no contention)
   double pair_seconds = 0;
   // Measured CPU seconds of one missed expert at {pairs, seconds} points
-  // (pairs ascending; bench/moe_layer --rates-out): when set, a missed expert
+  // (pairs ascending, interpolated linearly, proportional to the pairs beyond
+  // the last point; bench/moe_layer --rates-out): when set, a missed expert
   // with m pairs costs max(expert_bytes / dram, the curve at m) instead of
   // expert_bytes / dram + m * pair_seconds.
   std::vector<std::pair<int, double>> cpu_expert_curve;
@@ -123,8 +124,6 @@ class AdmissionPolicy {
 
  private:
   explicit AdmissionPolicy(const AdmissionConfig& c) : config_(c) {}
-  // What the policy knows of how long an admitted expert stays and how often
-  // each expert of a layer is used over that time.
   // A bookkeeping-only copy of one layer's cache run with one pricing horizon.
   struct Shadow {
     double later_runs = 0;      // later runs a swap is priced over
@@ -136,12 +135,14 @@ class AdmissionPolicy {
   static constexpr double kNever = 1e300;
   static constexpr int kMemories = 2;  // fixed rate memories beside the horizon (16 and 64 runs)
   static constexpr double kShadowKeep = 0.985;  // per run of the layer: a half-life of ~46 runs
+  // What the policy knows of how long an admitted expert stays and how often
+  // each expert of a layer is used over that time.
   struct Residency {
     std::vector<Shadow> shadows;
     double horizon = 0;            // runs of the layer an admitted expert stays (EMA over evictions)
     std::vector<double> use;       // per expert: share of runs that use it, averaged over the horizon
     std::vector<double> pairs;     // per expert: pairs per run, likewise
-    std::vector<double> use_mem[2], pairs_mem[2];  // the same over 16 and 64 runs (half-lives)
+    std::vector<double> use_mem[kMemories], pairs_mem[kMemories];  // the same over 16 and 64 runs (half-lives)
     std::vector<int64_t> admitted; // per expert: `runs` when this policy admitted it, -1: not by it
     uint64_t runs = 0;
   };
@@ -160,7 +161,8 @@ class AdmissionPolicy {
   std::vector<double> interval_s_;  // [pos]: measured time from the previous layer's run to this one's
   std::vector<AdmissionCounters> counters_;
   std::vector<Residency> residency_;  // [pos]
-  std::vector<int> scratch_pairs_;
+  std::vector<int> scratch_pairs_;                 // ObserveUse: this run's pairs per expert
+  std::vector<double> scratch_next_, scratch_rates_[kMemories + 1];  // Plan's values, reused
   double last_now_s_ = -1;
   double last_miss_s_ = 0;    // CPU miss time of the previous layer run
   double busy_share_ = 1;     // measured share of time the CPU computes misses (starts pessimistic)

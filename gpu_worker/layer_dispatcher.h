@@ -107,7 +107,9 @@ struct DispatcherConfig {
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
   // Activity, optional (moe/types.h LayerActivity): a copy into `layer`'s
   // slots started, the predictive policy scored its prediction of a run, or a
-  // call split its uncached pairs between the servers and copies.
+  // call split its uncached pairs between the servers and copies (as planned
+  // at Submit: pairs a failover later moves to the device stay counted as CPU
+  // pairs; CallStats has the final split).
   std::function<void(int layer, const LayerActivity& activity)> on_activity;
 };
 

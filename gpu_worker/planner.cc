@@ -11,10 +11,7 @@ double Planner::Now() const {
 }
 
 absl::Status Planner::EnableAdmissions(AdmissionConfig config) {
-  if (rates_.measured) {
-    config.live_rates = &rates_;  // the copy-instead decision's rates, as they are corrected online
-    config.costs = {rates_.copy_s, rates_.cpu_expert_s, rates_.cpu_expert_s, rates_.PairSeconds(1)};
-  }
+  if (rates_.measured) config.live_rates = &rates_;  // the copy-instead decision's rates, as they are corrected online
   MOE_ASSIGN_OR_RETURN(admission_, AdmissionPolicy::Create(config));
   return absl::OkStatus();
 }
