@@ -1,7 +1,8 @@
-// AdmissionPolicy: the GPU worker's default cache policy ("predictive") —
-// which experts to copy into the cache, when, and what to evict, decided per
-// layer run from the cost model and an ExpertPredictor. The dispatcher calls
-// it after each layer's routing is known; cache_replay drives the same code.
+// AdmissionPolicy: the GPU worker's default cache policy ("predictive"), the
+// across-calls half of the planner (gpu_worker/planner.h) — which experts to
+// copy into the cache, when, and what to evict, decided per layer run from the
+// planner's rates and an ExpertPredictor. The planner calls it after each
+// layer's routing is known; cache_replay drives the same code.
 //
 // On each run of layer l it predicts the next served layers l+1 and l+2 (in
 // run order; after the last layer the first of the next pass) and, for each,

@@ -1,7 +1,9 @@
-// CostModel: the rates behind the dispatcher's copy-instead-of-compute
-// decision — how long a CPU expert server takes for a batch, how long one
-// expert takes to copy host -> device, and how long the device takes to
-// compute one expert's rows — and the decision itself (ChooseCopies).
+// CostModel: the planner's rates (gpu_worker/planner.h) — how long a CPU
+// expert server takes for a batch (per call, per expert, and per pair at that
+// many rows per expert), how long one expert takes to copy host -> device, and
+// how long the device takes to compute one expert's rows — used by the
+// copy-instead-of-compute decision (ChooseCopies, here) and by the cache
+// admissions (AdmissionPolicy, through AdmissionConfig::live_rates).
 //
 // The rates probed at start-up are only a prior: a probe runs once, on a cold
 // server, and one bad sample mispriced a CPU expert 15x on the GPU host (and

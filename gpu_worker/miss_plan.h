@@ -1,4 +1,5 @@
-// MissPlan: the split of one layer call's routing, decided before anything
+// MissPlan: the split of one layer call's routing (the per-call half of the
+// planner, gpu_worker/planner.h), decided before anything
 // runs — which pairs are hits (their expert is Ready in a cache slot), which
 // missed experts are copied to the device and computed there instead
 // (copy-instead-of-compute), and which go to which CPU expert server, in
