@@ -4,7 +4,10 @@
 // MoE; concurrency, batches split over slots, server faults (kill -9, stop
 // answering, restart), peer-uid refusal, and an mTLS channel with certificates
 // generated here.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -21,6 +24,7 @@
 #include "core/transport/shm_segment.h"
 #include "core/transport/shm_server.h"
 #include "core/transport/transport.h"
+#include "core/transport/unix_socket.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -511,6 +515,72 @@ TEST(TransportSecurity, MutualTlsChannel) {
   o.tls = TlsOptions{};
   o.tls.insecure = true;
   EXPECT_FALSE(ConnectTransport(addr, o).ok());
+}
+
+
+// A same-host peer that hands out a segment it could resize (no seals), or
+// announces more bytes than its memfd holds, is refused at connect, naming
+// why — before anything is mapped, so its ftruncate cannot SIGBUS this
+// process. The real server's sealed segment is accepted (the tests above).
+TEST(ShmSegmentSeals, UnsealedOrShortSegmentsAreRefusedAtConnect) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/fake.sock";
+  absl::StatusOr<int> listening = unix_socket::Listen(path, 0600);
+  ASSERT_TRUE(listening.ok()) << listening.status();
+  // One connection per case: the fake server answers the hello with a memfd of
+  // `size` bytes announced as `announced`, sealed or not.
+  auto serve = [&](uint64_t size, uint64_t announced, bool sealed, uint32_t magic = kShmHelloMagic) {
+    return std::thread([&, size, announced, sealed, magic] {
+      const int c = accept(*listening, nullptr, nullptr);
+      if (c < 0) return;
+      ShmHello hello{};
+      int none = -1;
+      if (unix_socket::Receive(c, &hello, sizeof(hello), &none, 5000).ok()) {
+        const int fd = memfd_create("hostile-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        ASSERT_GE(fd, 0);
+        ASSERT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
+        if (sealed) ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+        ShmReply reply{};
+        reply.magic = magic;
+        reply.segment_bytes = announced;
+        EXPECT_TRUE(unix_socket::Send(c, &reply, sizeof(reply), fd).ok());
+        close(fd);
+        if (magic == kShmStoreMagic) {  // the store's description follows
+          const std::string info(announced, 'x');
+          EXPECT_TRUE(unix_socket::Send(c, info.data(), info.size()).ok());
+        }
+        char byte;
+        (void)!read(c, &byte, 1);  // until the client hangs up
+      }
+      close(c);
+    });
+  };
+  TransportOptions o = Options();
+  o.connect_timeout = std::chrono::milliseconds(5000);
+  {
+    std::thread t = serve(1 << 20, 1 << 20, /*sealed=*/false);
+    absl::StatusOr<std::unique_ptr<ExpertTransport>> tr = ConnectTransport("unix://" + path, o);
+    EXPECT_EQ(tr.status().code(), absl::StatusCode::kFailedPrecondition) << tr.status();
+    EXPECT_NE(tr.status().message().find("not sealed against resizing"), std::string::npos) << tr.status();
+    t.join();
+  }
+  {
+    std::thread t = serve(4096, 1 << 20, /*sealed=*/true);
+    absl::StatusOr<std::unique_ptr<ExpertTransport>> tr = ConnectTransport("unix://" + path, o);
+    EXPECT_EQ(tr.status().code(), absl::StatusCode::kInvalidArgument) << tr.status();
+    EXPECT_NE(tr.status().message().find("bytes announced"), std::string::npos) << tr.status();
+    t.join();
+  }
+  {
+    // A store request answered with an unsealed memfd: refused before the
+    // worker maps it as its host copy.
+    std::thread t = serve(1 << 20, 16, /*sealed=*/false, kShmStoreMagic);
+    absl::StatusOr<SharedStoreFd> store = FetchSharedStore(path, 64, std::chrono::milliseconds(5000));
+    EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition) << store.status();
+    EXPECT_NE(store.status().message().find("store: the memfd is not sealed"), std::string::npos) << store.status();
+    t.join();
+  }
+  close(*listening);
 }
 
 }  // namespace

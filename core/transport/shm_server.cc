@@ -270,6 +270,7 @@ absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, i
   struct stat st {};
   if (fstat(out.fd, &st) != 0) return absl::InternalError(absl::StrCat("fstat of the store: ", std::strerror(errno)));
   out.bytes = static_cast<uint64_t>(st.st_size);
+  MOE_RETURN_IF_ERROR(unix_socket::CheckResizeSealed(out.fd, out.bytes, absl::StrCat("expert server on ", socket_path, ": store")));
   std::move(close_fd).Cancel();
   return out;
 }

@@ -263,6 +263,11 @@ class ShmTransport final : public ExpertTransport {
       return absl::Status(code, absl::StrCat("expert server on ", path_, " refused: ", reply.message));
     }
     c->bytes = reply.segment_bytes;
+    if (absl::Status st = unix_socket::CheckResizeSealed(fd, c->bytes, absl::StrCat("expert server on ", path_, ": segment"));
+        !st.ok()) {
+      close(fd);
+      return st;
+    }
     c->base = mmap(nullptr, c->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     close(fd);
     if (c->base == MAP_FAILED) {

@@ -174,6 +174,20 @@ absl::Status Receive(int sock, void* data, size_t len, int* fd, int timeout_ms) 
   return absl::OkStatus();
 }
 
+absl::Status CheckResizeSealed(int fd, uint64_t bytes, const std::string& what) {
+  const int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) != (F_SEAL_SHRINK | F_SEAL_GROW))
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": the memfd is not sealed against resizing (F_SEAL_SHRINK and F_SEAL_GROW); the peer could shrink it "
+              "under the mapping"));
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat(what, ": fstat: ", std::strerror(errno)));
+  if (static_cast<uint64_t>(st.st_size) < bytes)
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": ", bytes, " bytes announced, the memfd holds ", static_cast<uint64_t>(st.st_size)));
+  return absl::OkStatus();
+}
+
 bool PeerClosed(int sock) {
   pollfd p{sock, POLLRDHUP, 0};
   const int r = poll(&p, 1, 0);

@@ -45,6 +45,11 @@ absl::Status Send(int sock, const void* data, size_t len, int fd = -1);
 absl::Status Receive(int sock, void* data, size_t len, int* fd, int timeout_ms);
 // True when the peer has closed its end (or the socket failed).
 bool PeerClosed(int sock);
+// A memfd a peer passed, before it is mapped for `bytes`: sealed against
+// resizing (F_SEAL_SHRINK and F_SEAL_GROW: the peer cannot shrink it under
+// the mapping, so no access can SIGBUS this process) and at least `bytes`
+// long. FailedPrecondition / InvalidArgument naming `what` otherwise.
+absl::Status CheckResizeSealed(int fd, uint64_t bytes, const std::string& what);
 
 // PeerClosed for a polling loop: asks the kernel at most once per `every`
 // (a syscall per message would sit on the round trip's critical path; under a
