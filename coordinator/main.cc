@@ -64,7 +64,8 @@ CoordinatorFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
                "a worker or expert server silent this long is marked down (a server's experts go to replicas)");
   flags.Int("heartbeat-interval-ms", &heartbeat_interval_ms, "heartbeat period asked of workers and servers");
   flags.String("state-file", &f.options.state_file,
-               "JSON file of admin overrides (pins, policy, drains), written atomically and reloaded at start; "
+               "JSON file of admin overrides (pins, policy, drains), written atomically (mode 0600) and reloaded "
+               "at start; a file that is a symbolic link, another uid's, or group/world writable refuses the start; "
                "empty: not persisted");
   flags.Int("drain-seconds", &f.drain_seconds, "on SIGTERM/SIGINT, how long open calls may take to finish");
   flags.String("admin-socket", &f.admin_socket,

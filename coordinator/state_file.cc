@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "nlohmann/json.hpp"
 
 namespace moe {
@@ -65,16 +66,49 @@ absl::Status WriteFileAtomically(const std::string& path, const std::string& con
   return absl::OkStatus();
 }
 
+namespace {
+
+// The state file holds admin decisions (pins, drains, the policy): only this
+// process's uid may have written it. Refused: a symbolic link (not followed),
+// anything but a regular file, another uid's file, a group- or
+// world-writable one.
+absl::Status CheckOwnership(int fd, const std::string& path) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0) return Errno("cannot stat state file", path);
+  if (!S_ISREG(st.st_mode))
+    return absl::FailedPreconditionError(absl::StrCat("state file '", path, "': not a regular file"));
+  if (st.st_uid != geteuid())
+    return absl::FailedPreconditionError(absl::StrCat("state file '", path, "': owned by uid ", st.st_uid,
+                                                      ", not this process's uid ", geteuid(), "; refusing to load it"));
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0)
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "state file '%s': mode %04o lets other users write it (chmod 600 it); refusing to load it", path,
+        static_cast<unsigned>(st.st_mode & 07777)));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<AdminState> LoadAdminState(const std::string& path) {
   AdminState state;
-  std::ifstream in(path);
-  if (!in) {
-    if (access(path.c_str(), F_OK) != 0 && errno == ENOENT) return state;
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) {
+    if (errno == ENOENT) return state;
+    if (errno == ELOOP)
+      return absl::FailedPreconditionError(absl::StrCat("state file '", path, "': a symbolic link; refusing to follow it"));
     return Errno("cannot read state file", path);
   }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  std::string text;
+  {
+    absl::Status owned = CheckOwnership(fd, path);
+    char buf[65536];
+    ssize_t n = 0;
+    while (owned.ok() && (n = read(fd, buf, sizeof(buf))) > 0) text.append(buf, static_cast<size_t>(n));
+    close(fd);
+    if (!owned.ok()) return owned;
+    if (n < 0) return Errno("cannot read state file", path);
+  }
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   auto bad = [&](const std::string& what) {
     return absl::DataLossError(absl::StrCat("state file '", path, "': ", what));
   };

@@ -10,10 +10,12 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <condition_variable>
+#include <fstream>
 #include <mutex>
 #include <thread>
 
@@ -54,12 +56,12 @@ struct CommandResult {
   std::string out, err;
 };
 
-// Runs moectl with `args`; collects stdout, stderr and the exit code.
-CommandResult Moectl(const std::vector<std::string>& args) {
+// Runs the project's binary `name` with `args`; collects stdout, stderr and the exit code.
+CommandResult RunBinary(const std::string& name, const std::vector<std::string>& args) {
   int out_pipe[2], err_pipe[2];
   CommandResult r;
   if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) return r;
-  const std::string bin = testing::BinaryPath("moectl");
+  const std::string bin = testing::BinaryPath(name);
   const pid_t pid = fork();
   if (pid == 0) {
     dup2(out_pipe[1], 1);
@@ -96,6 +98,8 @@ CommandResult Moectl(const std::vector<std::string>& args) {
   r.code = WIFEXITED(st) ? WEXITSTATUS(st) : -1;
   return r;
 }
+
+CommandResult Moectl(const std::vector<std::string>& args) { return RunBinary("moectl", args); }
 
 std::vector<std::string> With(const std::string& addr, std::vector<std::string> args) {
   args.insert(args.begin(), {"--coordinator", addr, "--insecure"});
@@ -464,6 +468,21 @@ TEST(CoordinatorProcess, SilentServerIsMarkedDownAndLeavesTheRoutes) {
   EXPECT_EQ(j["servers"][1]["server_id"], "s2");
   EXPECT_EQ(j["servers"][1]["state"], "down");
   EXPECT_EQ(j["layers"][0]["routable_experts"], 8);
+}
+
+
+// A state file another user could write is not loaded: moe-coordinator
+// refuses to start, exit != 0 with one line naming the file and why.
+TEST(CoordinatorProcess, StateFileOtherUsersCanWriteRefusesTheStart) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/state.json";
+  std::ofstream(path) << R"({"format": "moe-coordinator-state", "version": 1, "drains": ["s1"]})";
+  ASSERT_EQ(chmod(path.c_str(), 0666), 0);
+  CommandResult r = RunBinary("moe-coordinator", {"--listen=127.0.0.1:0", "--insecure", "--state-file=" + path});
+  EXPECT_NE(r.code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find(path), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("other users write it"), std::string::npos) << r.err;
+  EXPECT_TRUE(OneLine(r.err)) << r.err;
 }
 
 }  // namespace

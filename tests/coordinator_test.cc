@@ -4,6 +4,7 @@
 // (assignments and versions, validation naming the field, heartbeat expiry,
 // the drain protocol, persistence across a restart).
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cmath>
@@ -257,6 +258,36 @@ TEST(StateFile, MalformedFileIsAnErrorNamingIt) {
   EXPECT_NE(s.status().message().find(path), std::string::npos) << s.status();
   std::ofstream(path) << "not json";
   EXPECT_FALSE(LoadAdminState(path).ok());
+}
+
+// A state file another user could have planted or can still change is not
+// loaded (its pins, drains and policy would bypass the admin role): a
+// group- or world-writable file, a symbolic link (not followed), another
+// uid's file; each refused with a reason naming the file.
+TEST(StateFile, FilesOtherUsersCouldWriteAreRefused) {
+  testing::TempDir dir;
+  const std::string path = dir.path() + "/state.json";
+  AdminState s;
+  s.drains = {"s1"};
+  ASSERT_TRUE(SaveAdminState(path, s).ok());
+  ASSERT_TRUE(LoadAdminState(path).ok());
+  ASSERT_EQ(chmod(path.c_str(), 0666), 0);
+  absl::StatusOr<AdminState> writable = LoadAdminState(path);
+  EXPECT_EQ(writable.status().code(), absl::StatusCode::kFailedPrecondition) << writable.status();
+  EXPECT_NE(writable.status().message().find("mode 0666"), std::string::npos) << writable.status();
+  EXPECT_NE(writable.status().message().find(path), std::string::npos) << writable.status();
+  ASSERT_EQ(chmod(path.c_str(), 0600), 0);
+  const std::string link = dir.path() + "/link.json";
+  ASSERT_EQ(symlink(path.c_str(), link.c_str()), 0);
+  absl::StatusOr<AdminState> linked = LoadAdminState(link);
+  EXPECT_EQ(linked.status().code(), absl::StatusCode::kFailedPrecondition) << linked.status();
+  EXPECT_NE(linked.status().message().find("symbolic link"), std::string::npos) << linked.status();
+  if (geteuid() == 0) {  // only root can give the file to another uid
+    ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0);
+    absl::StatusOr<AdminState> foreign = LoadAdminState(path);
+    EXPECT_EQ(foreign.status().code(), absl::StatusCode::kFailedPrecondition) << foreign.status();
+    EXPECT_NE(foreign.status().message().find("owned by uid 65534"), std::string::npos) << foreign.status();
+  }
 }
 
 TEST(StateFile, ReplaceIsAtomicForConcurrentReaders) {

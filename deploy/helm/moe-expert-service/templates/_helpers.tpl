@@ -216,6 +216,10 @@ runAsNonRoot: true
 runAsUser: {{ int64 .Values.securityContext.runAsUser }}
 runAsGroup: {{ int64 .Values.securityContext.runAsGroup }}
 fsGroup: {{ int64 .Values.securityContext.fsGroup }}
+# Volume contents keep the modes their writers gave them (recursive group
+# rw is applied only when the volume's root does not match): the
+# coordinator refuses a group-writable state file.
+fsGroupChangePolicy: OnRootMismatch
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
