@@ -87,6 +87,7 @@
 #include "core/synthetic_model.h"
 #include "cpu_compute/cpu_features.h"
 #include "cpu_compute/expert_store.h"
+#include "gpu_worker/admission_policy.h"
 #include "gpu_worker/attention.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
@@ -262,16 +263,11 @@ struct CpuProbe {
   std::vector<double> round_trip_s, empty_s;
   std::vector<double> expert_s;  // max(0, round trip - empty), made nondecreasing in m (a suffix minimum)
 
-  // Seconds for one expert with `rows` rows: piecewise-linear between the
-  // probed m, linear in m at the largest m's rate beyond it.
-  double Seconds(int rows) const {
-    if (m.empty() || rows <= 0) return 0;
-    if (rows <= m.front()) return expert_s.front();
-    for (size_t i = 1; i < m.size(); ++i)
-      if (rows <= m[i])
-        return expert_s[i - 1] + (expert_s[i] - expert_s[i - 1]) * (rows - m[i - 1]) / (m[i] - m[i - 1]);
-    return expert_s.back() * rows / m.back();
-  }
+  std::vector<std::pair<int, double>> curve;  // {m, expert_s}: what cache_replay --rates reads
+
+  // Seconds for one expert with `rows` rows (CurveAt: linear between the
+  // probed m, proportional to the rows beyond the largest).
+  double Seconds(int rows) const { return rows <= 0 ? 0.0 : CurveAt(curve, rows); }
 };
 
 CpuProbe ProbeCpu(const ModelSpec& spec, const std::string& shm, int max_m) {
@@ -319,6 +315,7 @@ CpuProbe ProbeCpu(const ModelSpec& spec, const std::string& shm, int max_m) {
     low = std::min(low, std::max(0.0, p.round_trip_s[i] - p.empty_s[i]));
     p.expert_s[i] = low;
   }
+  for (size_t i = 0; i < p.m.size(); ++i) p.curve.push_back({p.m[i], p.expert_s[i]});
   return p;
 }
 
@@ -635,8 +632,8 @@ void WriteRates(const std::string& path, double dram_gbps, double pcie_gbps, dou
   if (f == nullptr) Die("--rates-out: cannot write " + path);
   std::fprintf(f, "{\"dram_gbps\": %.3f, \"pcie_gbps\": %.3f, \"expert_bytes\": %.0f, \"cpu_expert_seconds\": [",
                dram_gbps, pcie_gbps, expert_bytes);
-  for (size_t i = 0; i < probe.m.size(); ++i)
-    std::fprintf(f, "%s[%d, %.9f]", i ? ", " : "", probe.m[i], probe.expert_s[i]);
+  for (size_t i = 0; i < probe.curve.size(); ++i)
+    std::fprintf(f, "%s[%d, %.9f]", i ? ", " : "", probe.curve[i].first, probe.curve[i].second);
   std::fprintf(f, "]}\n");
   if (std::fclose(f) != 0) Die("--rates-out: cannot write " + path);
 }

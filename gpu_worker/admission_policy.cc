@@ -24,21 +24,19 @@ double StepTimeModel::MissSeconds(int missed_experts, double missed_pairs) const
   return missed_experts * expert_s + missed_pairs * pair_seconds;
 }
 
+double CurveAt(const std::vector<std::pair<int, double>>& c, double x) {
+  if (c.empty()) return 0;
+  if (x <= c.front().first) return c.front().second;
+  if (x >= c.back().first) return c.back().second * x / c.back().first;
+  size_t i = 1;
+  while (c[i].first < x) ++i;
+  return c[i - 1].second + (c[i].second - c[i - 1].second) * (x - c[i - 1].first) / (c[i].first - c[i - 1].first);
+}
+
 double StepTimeModel::ExpertMissSeconds(double pairs) const {
   const double stream_s = dram_bytes_per_second > 0 ? expert_bytes / dram_bytes_per_second : 0.0;
-  const auto& c = cpu_expert_curve;
-  if (c.empty()) return stream_s + pairs * pair_seconds;
-  double curve;
-  if (pairs <= c.front().first) {
-    curve = c.front().second;
-  } else if (pairs >= c.back().first) {
-    curve = c.back().second * pairs / c.back().first;  // proportional to the pairs beyond the largest point
-  } else {
-    size_t i = 1;
-    while (c[i].first < pairs) ++i;
-    curve = c[i - 1].second + (c[i].second - c[i - 1].second) * (pairs - c[i - 1].first) / (c[i].first - c[i - 1].first);
-  }
-  return std::max(stream_s, curve);
+  if (cpu_expert_curve.empty()) return stream_s + pairs * pair_seconds;
+  return std::max(stream_s, CurveAt(cpu_expert_curve, pairs));
 }
 
 double StepTimeModel::LayerSeconds(double device_s, int missed_experts, double missed_pairs,

@@ -50,6 +50,11 @@
 
 namespace moe {
 
+// The value at `x` of a curve of {x, value} points (x ascending): linear
+// between points, the first value below the first point, proportional to x
+// beyond the last (a CPU expert's time per rows, as probed); 0 when empty.
+double CurveAt(const std::vector<std::pair<int, double>>& curve, double x);
+
 // The step-time model of a layer run shared by cache_replay and moe-demo: the
 // device part plus the CPU's misses — a missed expert streams its bytes from
 // host DRAM, a missed pair costs pair_seconds — plus the host DRAM the copy
