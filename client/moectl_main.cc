@@ -355,7 +355,10 @@ std::string UsageOf(const std::string& command) {
   const std::string globals = "--coordinator ADDR [--insecure | --tls-ca CA [--tls-cert C --tls-key K]] [--json]";
   if (command.empty() || command == "help")
     return absl::StrCat(globals, " COMMAND [flags]\nThe coordinator's admin command line.\n\n", kCommands);
-  if (command == "status") return globals + "\nWorkers, expert servers, per-layer hit rate and assignment versions.";
+  if (command == "status")
+    return globals + "\nWorkers, expert servers and assignment versions; per layer the split of the pairs (HIT: GPU cache,\n"
+                     "CPU: expert servers, COPIED: copied to the GPU for the call), prediction precision, cache copies/s,\n"
+                     "PCIe bytes/s and the link's busy share (summed over the workers' links).";
   if (command == "popularity")
     return globals + " --layer L [--top N] [--worker W]\nA layer's experts by decayed pair count, hottest first.";
   if (command == "rebalance")
