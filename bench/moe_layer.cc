@@ -653,7 +653,7 @@ int Main(int argc, char** argv) {
   flags.Int("steps", &steps, "timed decode steps per configuration");
   flags.Int("warmup", &warmup, "untimed steps first (the cache warms up)");
   flags.Int("server-threads", &threads,
-            "expert server compute threads (0: all cores but two: the worker's caller and its shm "
+            "expert server compute threads (0: the server's default, all cores but max(2, cores/16): the worker's caller and its shm "
             "completion thread spin in decode, and the server pins each compute thread to one core)");
   flags.Int("context", &context, "KV cache positions each sequence already has");
   std::string rates_out;
@@ -689,14 +689,16 @@ int Main(int argc, char** argv) {
   if (chunk < 0) Die("--chunk: must be at least 0");
   o.chunk = static_cast<int>(chunk);
   o.runs = static_cast<int>(runs);
-  const int ncpu = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
-  // All cores but two by default. The server pins its compute threads, one
-  // per core, and a parallel region waits for the slowest: a worker thread
-  // that lands on a pinned core halves that thread and stalls the region.
-  // With one core left, the worker's two hot threads (the caller and the shm
-  // completion thread, both spinning in decode) made runs bimodal on the AMX
-  // host (T = 1, 25% cache: 8 or 16 ms per step, 11-48 ms without copies).
-  o.server_threads = threads > 0 ? static_cast<int>(threads) : std::max(1, ncpu - 2);
+  // The server's own default (ChooseDefaultThreads: an engine shares the
+  // host): all cores but max(2, cores / 16). The server pins its compute
+  // threads, one per core, and a parallel region waits for the slowest: a
+  // worker thread that lands on a pinned core halves that thread and stalls
+  // the region. With one core left, the worker's two hot threads (the caller
+  // and the shm completion thread, both spinning in decode) made runs bimodal
+  // on the AMX host (T = 1, 25% cache: 8 or 16 ms per step, 11-48 ms without
+  // copies).
+  o.server_threads = threads > 0 ? static_cast<int>(threads)
+                                 : static_cast<int>(Value(NumaBinding::Create("auto", 0, true), "numa")->cpus().size());
 
   ModelSpec full = Value(PresetSpec(o.preset), "preset");
   if (layers <= 0) {

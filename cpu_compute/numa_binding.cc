@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -38,8 +39,62 @@ uint64_t AvailableMemoryBytes() {
   return 0;
 }
 
-absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::string& node_flag,
-                                                                  int threads) {
+ThreadDefault ChooseDefaultThreads(int cores, bool whole_machine, bool same_host_engine, double cpu_quota) {
+  ThreadDefault d;
+  d.threads = std::max(cores, 1);
+  d.why = absl::StrCat("one per core of the node (", cores, ")");
+  if (same_host_engine && whole_machine) {
+    const int leave = std::max(2, cores / 16);
+    d.threads = std::max(1, cores - leave);
+    d.why = absl::StrCat(cores, " cores of the node less ", cores - d.threads,
+                         " left to the engine and GPU worker on this host (no CPU affinity set aside cores for them)");
+  }
+  if (cpu_quota > 0 && cpu_quota < d.threads) {
+    d.threads = std::max(1, static_cast<int>(cpu_quota));
+    d.why = absl::StrCat("the cgroup's CPU quota (", cpu_quota, " CPUs)");
+  }
+  return d;
+}
+
+namespace {
+
+// "max 100000" / "QUOTA PERIOD" -> CPUs (0: unlimited or unreadable).
+double ReadCpuMax(const std::string& path) {
+  std::ifstream in(path);
+  std::string quota;
+  double period = 0;
+  if (!(in >> quota >> period) || quota == "max" || period <= 0) return 0;
+  double q = 0;
+  if (!absl::SimpleAtod(quota, &q) || q <= 0) return 0;
+  return q / period;
+}
+
+}  // namespace
+
+double CgroupCpuQuota() {
+  std::ifstream self("/proc/self/cgroup");
+  std::string line;
+  double tightest = 0;
+  while (std::getline(self, line)) {
+    if (line.rfind("0::", 0) != 0) continue;  // the v2 hierarchy
+    std::string path = line.substr(3);
+    while (true) {
+      const double q = ReadCpuMax(absl::StrCat("/sys/fs/cgroup", path == "/" ? "" : path, "/cpu.max"));
+      if (q > 0 && (tightest == 0 || q < tightest)) tightest = q;
+      if (path.empty() || path == "/") break;
+      const size_t slash = path.find_last_of('/');
+      path = slash == 0 || slash == std::string::npos ? "/" : path.substr(0, slash);
+    }
+    return tightest;
+  }
+  std::ifstream q("/sys/fs/cgroup/cpu/cpu.cfs_quota_us"), p("/sys/fs/cgroup/cpu/cpu.cfs_period_us");
+  double quota = 0, period = 0;
+  if (q >> quota && p >> period && quota > 0 && period > 0) return quota / period;
+  return 0;
+}
+
+absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::string& node_flag, int threads,
+                                                                  bool same_host_engine) {
   std::unique_ptr<NumaBinding> b(new NumaBinding());
   b->impl_ = std::make_unique<Impl>();
   Impl& im = *b->impl_;
@@ -53,6 +108,10 @@ absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::stri
   hwloc_cpuset_t allowed = hwloc_bitmap_alloc();
   if (hwloc_get_cpubind(topo, allowed, HWLOC_CPUBIND_PROCESS) != 0 || hwloc_bitmap_iszero(allowed))
     hwloc_bitmap_copy(allowed, hwloc_topology_get_allowed_cpuset(topo));
+  // Against the kernel's count of online CPUs: inside a cpuset cgroup hwloc's
+  // own topology shows only the allowed CPUs.
+  const long online = sysconf(_SC_NPROCESSORS_ONLN);
+  const bool whole_machine = online <= 0 || hwloc_bitmap_weight(allowed) >= online;
 
   hwloc_obj_t node = nullptr;
   if (node_flag == "auto") {
@@ -105,7 +164,11 @@ absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::stri
   if (threads < 0 || threads > static_cast<int>(all.size()))
     return absl::InvalidArgumentError(absl::StrCat("--threads: ", threads, " exceeds the ", all.size(),
                                                    " CPUs usable on the chosen node"));
-  const int n = threads == 0 ? static_cast<int>(first_pus.size()) : threads;
+  const ThreadDefault chosen =
+      threads == 0 ? ChooseDefaultThreads(static_cast<int>(first_pus.size()), whole_machine, same_host_engine,
+                                          CgroupCpuQuota())
+                   : ThreadDefault{threads, "--threads"};
+  const int n = chosen.threads;
   b->cpus_.assign(all.begin(), all.begin() + n);
 
   hwloc_obj_t root = hwloc_get_root_obj(topo);
@@ -115,7 +178,8 @@ absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::stri
       " NUMA node(s), ", hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE), " cores, ",
       hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU), " PUs", model ? absl::StrCat(" (", model, ")") : "",
       "; total memory ", root->total_memory >> 20, " MiB; using node ", b->node_, " (",
-      b->node_memory_ >> 20, " MiB), ", n, " compute threads on PUs [", absl::StrJoin(b->cpus_, ","), "]");
+      b->node_memory_ >> 20, " MiB), ", n, " compute threads (", chosen.why, ") on PUs [",
+      absl::StrJoin(b->cpus_, ","), "]");
   return b;
 }
 

@@ -15,9 +15,11 @@ namespace moe {
 class NumaBinding {
  public:
   // node: "auto" (the node of the first CPU this process may run on) or a
-  // node index. threads: 0 = one per core of the node, else that many
-  // (one per core first, then hyperthreads). Errors name the flag.
-  static absl::StatusOr<std::unique_ptr<NumaBinding>> Create(const std::string& node, int threads);
+  // node index. threads: 0 = ChooseDefaultThreads (same_host_engine says
+  // whether an engine shares this host), else that many (one per core first,
+  // then hyperthreads). Errors name the flag.
+  static absl::StatusOr<std::unique_ptr<NumaBinding>> Create(const std::string& node, int threads,
+                                                             bool same_host_engine = false);
   ~NumaBinding();
 
   int node() const { return node_; }        // logical index; -1 if hwloc sees no NUMA node
@@ -47,6 +49,25 @@ class NumaBinding {
   std::vector<int> cpus_;
   uint64_t node_memory_ = 0;
 };
+
+// The compute threads of a process started without a thread count, and why.
+struct ThreadDefault {
+  int threads = 1;
+  std::string why;  // one phrase, for the start-up log and --help's promise
+};
+// cores: the chosen node's cores this process may run on. whole_machine: its
+// affinity (taskset, cgroup cpuset) allows every CPU of the machine, so no
+// one set cores aside for other processes. same_host_engine: an engine and
+// its GPU worker run on this host beside us (the server serves shared
+// memory). cpu_quota: the cgroup's CPU limit in CPUs (0: none). One thread
+// per core, less max(2, cores / 16) cores left to the engine's launch thread
+// and the worker's completion thread when they share this machine's cores
+// (measured through transformers on a 16-core host: all 16 cores ran decode
+// 2.5x slower than 14), capped by the quota; at least 1. Pure.
+ThreadDefault ChooseDefaultThreads(int cores, bool whole_machine, bool same_host_engine, double cpu_quota);
+// This process's cgroup CPU limit in CPUs (cgroup v2 cpu.max along its path,
+// the tightest; else v1 cpu.cfs_quota_us / cpu.cfs_period_us), 0 if none.
+double CgroupCpuQuota();
 
 // Bytes the kernel says can still be allocated (MemAvailable), 0 if unknown.
 uint64_t AvailableMemoryBytes();

@@ -77,7 +77,7 @@ absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
   const CpuFeatures& cpu = CpuFeatures::Get();
   MOE_ASSIGN_OR_RETURN(geometry_, StorageGeometry(spec, options_.weight_dtype));
   MOE_ASSIGN_OR_RETURN(kernel_, MakeExpertKernel(options_.kernel, cpu, geometry_.format));
-  MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create(options_.numa_node, options_.threads));
+  MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create(options_.numa_node, options_.threads, !options_.shm_socket.empty()));
   *option_at_fault = false;
 
   LogInfo("server", "model ", source_->Describe(), ": ", spec.Summary());

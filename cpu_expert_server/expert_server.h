@@ -43,7 +43,7 @@ struct ExpertServerOptions {
   std::string layers;                     // --layers text; "" = every MoE layer
   std::string experts;                    // --experts text; "" = every expert
   std::string numa_node = "auto";         // --numa-node
-  int threads = 0;                        // --threads; 0 = one per core of the node
+  int threads = 0;                        // --threads; 0 = ChooseDefaultThreads (cpu_compute/numa_binding.h)
   std::string kernel = "auto";            // --kernel
   std::string weight_dtype = "auto";      // --weight-dtype
   int64_t idle_spin_us = 50;              // --idle-spin-us

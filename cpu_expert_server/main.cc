@@ -35,7 +35,10 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
                "another process holds refuses the start)");
   flags.String("layers", &o.layers, "MoE layers to host, e.g. 3-10,12 (model layer indexes; default: all)");
   flags.String("experts", &o.experts, "experts to host in every hosted layer, e.g. 0-63 (default: all)");
-  flags.Int("threads", &threads, "compute threads (0 = one per core of the NUMA node)");
+  flags.Int("threads", &threads,
+            "compute threads. 0 (default) = one per core of the NUMA node, less max(2, cores/16) cores left to a "
+            "same-host engine and GPU worker when --shm-socket is served and no CPU affinity (taskset, cpuset) set "
+            "cores aside, capped by the cgroup CPU quota; the start-up log says how it chose");
   flags.String("numa-node", &o.numa_node, "NUMA node for threads and weight memory: auto (node of the first allowed CPU) or an index");
   flags.Int("idle-spin-us", &o.idle_spin_us,
             "how long idle compute threads (and shm connections) spin for the next batch before sleeping; "

@@ -184,7 +184,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen3-30B-A3B-geometry model")
     ap.add_argument("--server-bin", required=True, help="path of moe-expert-server")
-    ap.add_argument("--threads", type=int, default=0, help="expert-server compute threads (0: all)")
+    ap.add_argument("--threads", type=int, default=0, help="expert-server compute threads (0: the server's default, which leaves cores to this process)")
     ap.add_argument("--batch", default="1,8", help="decode batch sizes")
     ap.add_argument("--cache", default="0,0.25,0.5,1", help="fractions of each layer's experts cached on the GPU")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
