@@ -211,29 +211,22 @@ class CudaBackend final : public DeviceBackend {
   absl::Status FinishCall(int ctx, bf16_t* out, MemoryKind kind) override;
   absl::Status WaitStream(void* stream) override;
   absl::Status SignalStream(void* stream) override;
-  absl::Status EnqueueHostPlanned(const HostPlannedCall& call) override;
+  absl::Status EnqueueDevicePlanned(const DevicePlannedCall& call) override;
+  absl::StatusOr<void*> AllocMapped(size_t bytes) override;
+  void FreeMapped(void* p) override;
+  uint64_t DeviceAddress(const void* p) const override;
+  absl::Status ReadAccessCounts(std::vector<uint32_t>* counts) override;
+  bool StreamCapturing(void* stream) const override;
 
  private:
-  // Staging of one capture-safe call site (HostPlannedCall::site), sized for
+  // Device scratch of one device-planned call site (a layer), sized for
   // max_tokens x max_top_k; allocated by the site's first call, which must
   // not be captured (cudaMalloc is not capture-safe).
-  struct PlannedSite {
-    PinnedMem h_ids, h_weights, h_x, h_groups, h_token, h_row_weight, h_partial;
-    DeviceMem d_groups, d_token, d_row_weight, d_accum, d_partial, d_act, d_iota;
-    std::vector<int32_t> group_buffer, group_begin, group_count;  // plan's output, then packed
-    std::function<void(HostPlannedIo&)> plan, finish;
+  struct DeviceSite {
+    DeviceMem groups, row_token, row_weight, accum, act, miss_token, ships, done;
   };
-  // What one enqueued host function needs; one per (site, T, k), kept for
-  // the backend's lifetime so graph replays can still use it.
-  struct PlannedRecord {
-    PlannedSite* site = nullptr;
-    int T = 0, k = 0, hidden = 0;
-    HostPlannedIo io;
-  };
-  static void CUDART_CB RunPlan(void* record);
-  static void CUDART_CB RunFinish(void* record);
-  absl::StatusOr<PlannedSite*> Site(int site);
-
+  DeviceMem access_counts_;  // [device_sites, num_experts], from the first site on
+  absl::StatusOr<DeviceSite*> Site(int site);
   struct Context {
     DeviceMem x;      // [max_tokens, H] bf16 activations (also FinishCall's output staging)
     DeviceMem accum;  // [max_tokens, H] f32
@@ -328,8 +321,8 @@ class CudaBackend final : public DeviceBackend {
   size_t mapped_write_max_bytes_ = kMappedWriteMaxBytes;
   absl::Status deferred_;  // error of a void-returning call, reported by the next call
 
-  std::map<int, std::unique_ptr<PlannedSite>> planned_sites_;
-  std::map<std::tuple<int, int, int>, std::unique_ptr<PlannedRecord>> planned_records_;
+  std::map<int, std::unique_ptr<DeviceSite>> sites_;
+  std::map<void*, size_t> mapped_;  // AllocMapped
 };
 
 CudaBackend::~CudaBackend() {
@@ -337,6 +330,7 @@ CudaBackend::~CudaBackend() {
   if (compute_ != nullptr) cudaStreamSynchronize(compute_);
   if (copy_ != nullptr) cudaStreamSynchronize(copy_);
   for (const auto& [p, bytes] : registered_) cudaHostUnregister(p);
+  for (const auto& [p, bytes] : mapped_) cudaFreeHost(p);
   for (Context& c : contexts_)
     if (c.stage_event != nullptr) cudaEventDestroy(c.stage_event);
   if (cublas_ != nullptr) cublasDestroy(cublas_);
@@ -1033,65 +1027,91 @@ absl::Status CudaBackend::SignalStream(void* stream) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<CudaBackend::PlannedSite*> CudaBackend::Site(int site) {
-  auto it = planned_sites_.find(site);
-  if (it != planned_sites_.end()) return it->second.get();
+absl::StatusOr<CudaBackend::DeviceSite*> CudaBackend::Site(int site) {
+  auto it = sites_.find(site);
+  if (it != sites_.end()) return it->second.get();
   const size_t rows = static_cast<size_t>(config_.max_tokens) * config_.max_top_k;
   const size_t T = config_.max_tokens, H = H_, I = I_;
-  auto p = std::make_unique<PlannedSite>();
-  struct PinnedPart { PinnedMem* mem; size_t bytes; };
-  for (PinnedPart part : {PinnedPart{&p->h_ids, rows * 4}, PinnedPart{&p->h_weights, rows * 4},
-                          PinnedPart{&p->h_x, T * H * 2}, PinnedPart{&p->h_groups, rows * sizeof(cuda::GroupDesc)},
-                          PinnedPart{&p->h_token, rows * 4}, PinnedPart{&p->h_row_weight, rows * 4},
-                          PinnedPart{&p->h_partial, T * H * 2}}) {
-    absl::StatusOr<PinnedMem> m = AllocPinned(part.bytes);
-    if (!m.ok()) return m.status();
-    *part.mem = *std::move(m);
-  }
+  auto p = std::make_unique<DeviceSite>();
   struct DevicePart { DeviceMem* mem; size_t bytes; const char* what; };
-  for (DevicePart part : {DevicePart{&p->d_groups, rows * sizeof(cuda::GroupDesc), "capturable groups"},
-                          DevicePart{&p->d_token, rows * 4, "capturable rows"},
-                          DevicePart{&p->d_row_weight, rows * 4, "capturable weights"},
-                          DevicePart{&p->d_accum, T * H * 4, "capturable accumulator"},
-                          DevicePart{&p->d_partial, T * H * 2, "capturable partials"},
-                          DevicePart{&p->d_act, rows * I * 2, "capturable act"},
-                          DevicePart{&p->d_iota, T * 4, "capturable row ids"}}) {
+  for (DevicePart part : {DevicePart{&p->groups, rows * sizeof(cuda::GroupDesc), "capturable groups"},
+                          DevicePart{&p->row_token, rows * 4, "capturable rows"},
+                          DevicePart{&p->row_weight, rows * 4, "capturable weights"},
+                          DevicePart{&p->accum, T * H * 4, "capturable accumulator"},
+                          DevicePart{&p->act, rows * I * 2, "capturable act"},
+                          DevicePart{&p->miss_token, kMaxDeviceChannels * T * 4, "request rows"},
+                          DevicePart{&p->ships, kMaxDeviceChannels * sizeof(cuda::DeviceShip), "requests"},
+                          DevicePart{&p->done, kMaxDeviceChannels * 4, "ship counters"}}) {
     absl::StatusOr<DeviceMem> m = AllocDevice(part.bytes, part.what);
     if (!m.ok()) return m.status();
     *part.mem = *std::move(m);
   }
-  std::vector<int32_t> iota(T);
-  for (size_t i = 0; i < T; ++i) iota[i] = static_cast<int32_t>(i);
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(p->d_iota.get(), iota.data(), T * 4, cudaMemcpyHostToDevice));
-  p->group_buffer.resize(rows);
-  p->group_begin.resize(rows);
-  p->group_count.resize(rows);
-  PlannedSite* raw = p.get();
-  planned_sites_[site] = std::move(p);
+  const size_t counts_bytes = static_cast<size_t>(config_.device_sites) * config_.num_experts * 4;
+  if (!access_counts_) {
+    MOE_ASSIGN_OR_RETURN(access_counts_, AllocDevice(counts_bytes, "access counts"));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemset(access_counts_.get(), 0, counts_bytes));
+  }  MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->done.get(), 0, kMaxDeviceChannels * 4));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->ships.get(), 0, kMaxDeviceChannels * sizeof(cuda::DeviceShip)));
+  DeviceSite* raw = p.get();
+  sites_[site] = std::move(p);
   return raw;
 }
 
-void CUDART_CB CudaBackend::RunPlan(void* record) {
-  auto* r = static_cast<PlannedRecord*>(record);
-  PlannedSite& s = *r->site;
-  const int rows = r->T * r->k;
-  std::fill(s.group_count.begin(), s.group_count.begin() + rows, 0);
-  std::fill(s.group_buffer.begin(), s.group_buffer.begin() + rows, 0);
-  std::fill(s.group_begin.begin(), s.group_begin.begin() + rows, 0);
-  int32_t* token = static_cast<int32_t*>(s.h_token.get());
-  std::fill(token, token + rows, -1);
-  s.plan(r->io);
-  // Pack into the kernels' group descriptors (what the H2D copy after this node reads).
-  auto* g = static_cast<cuda::GroupDesc*>(s.h_groups.get());
-  for (int i = 0; i < rows; ++i) g[i] = cuda::GroupDesc{s.group_buffer[i], s.group_begin[i], s.group_count[i], 0};
+absl::StatusOr<void*> CudaBackend::AllocMapped(size_t bytes) {
+  MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  void* p = nullptr;
+  MOE_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&p, std::max<size_t>(bytes, 1), cudaHostAllocMapped | cudaHostAllocPortable));
+  std::memset(p, 0, bytes);
+  void* dev = nullptr;
+  if (cudaHostGetDevicePointer(&dev, p, 0) != cudaSuccess || dev != p) {
+    cudaGetLastError();
+    cudaFreeHost(p);
+    return absl::FailedPreconditionError(
+        "cuda backend: mapped host memory has another address on the device (no unified addressing)");
+  }
+  mapped_[p] = bytes;
+  return p;
 }
 
-void CUDART_CB CudaBackend::RunFinish(void* record) {
-  auto* r = static_cast<PlannedRecord*>(record);
-  r->site->finish(r->io);
+void CudaBackend::FreeMapped(void* p) {
+  if (mapped_.erase(p) == 0) return;
+  cudaSetDevice(device_);
+  cudaFreeHost(p);
 }
 
-absl::Status CudaBackend::EnqueueHostPlanned(const HostPlannedCall& call) {
+uint64_t CudaBackend::DeviceAddress(const void* p) const {
+  void* dev = nullptr;
+  if (cudaHostGetDevicePointer(&dev, const_cast<void*>(p), 0) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return reinterpret_cast<uint64_t>(dev);
+}
+
+absl::Status CudaBackend::ReadAccessCounts(std::vector<uint32_t>* counts) {
+  counts->clear();
+  if (!access_counts_) return absl::OkStatus();
+  MOE_RETURN_IF_ERROR(Use());
+  counts->resize(static_cast<size_t>(config_.device_sites) * config_.num_experts);
+  // On the copy stream: never ordered behind the engine's stream (a graph
+  // replay in flight may or may not be counted yet).
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts->data(), access_counts_.get(), counts->size() * 4,
+                                           cudaMemcpyDeviceToHost, copy_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(copy_));
+  return absl::OkStatus();
+}
+
+bool CudaBackend::StreamCapturing(void* stream) const {
+  if (stream == nullptr) return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return capture != cudaStreamCaptureStatusNone;
+}
+
+absl::Status CudaBackend::EnqueueDevicePlanned(const DevicePlannedCall& call) {
   MOE_RETURN_IF_ERROR(Use());
   if (call.stream == nullptr) return absl::InvalidArgumentError("cuda_stream: a capturable call needs the engine's stream");
   if (call.T < 1 || call.T > config_.max_tokens || call.k < 1 || call.k > config_.max_top_k)
@@ -1099,71 +1119,59 @@ absl::Status CudaBackend::EnqueueHostPlanned(const HostPlannedCall& call) {
                                                    config_.max_tokens, "] x [1, ", config_.max_top_k, "]"));
   if (call.hidden == nullptr || call.ids == nullptr || call.weights == nullptr || call.out == nullptr)
     return absl::InvalidArgumentError("hidden/topk_ids/topk_weights/out: null pointer");
-  if (!call.plan || !call.finish) return absl::InvalidArgumentError("capturable call: plan/finish hooks missing");
+  if (call.site < 0 || call.site >= config_.device_sites)
+    return absl::InvalidArgumentError(absl::StrCat("capturable call: site ", call.site, " outside [0, ",
+                                                   config_.device_sites, ")"));
+  if (call.tables.buffer_of == nullptr || call.tables.channel_of == nullptr || call.tables.errors == nullptr ||
+      call.num_channels < 0 || call.num_channels > kMaxDeviceChannels ||
+      (call.num_channels > 0 && call.channels == nullptr))
+    return absl::InvalidArgumentError("capturable call: routing tables missing");
   cudaStream_t stream = static_cast<cudaStream_t>(call.stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
-  if (capture != cudaStreamCaptureStatusNone && planned_sites_.count(call.site) == 0)
+  if (capture != cudaStreamCaptureStatusNone && sites_.count(call.site) == 0)
     return absl::FailedPreconditionError(absl::StrCat(
-        "capturable call: layer ", call.site, " was never run outside a capture (warm up once before capturing)"));
-  absl::StatusOr<PlannedSite*> site = Site(call.site);
-  if (!site.ok()) return site.status();
-  PlannedSite& s = **site;
-  s.plan = call.plan;
-  s.finish = call.finish;
-  std::unique_ptr<PlannedRecord>& rec = planned_records_[{call.site, call.T, call.k}];
-  if (!rec) {
-    rec = std::make_unique<PlannedRecord>();
-    rec->site = &s;
-    rec->T = call.T;
-    rec->k = call.k;
-    HostPlannedIo& io = rec->io;
-    io.T = call.T;
-    io.k = call.k;
-    io.hidden = H_;
-    io.ids = static_cast<const int32_t*>(s.h_ids.get());
-    io.weights = static_cast<const float*>(s.h_weights.get());
-    io.x = static_cast<const bf16_t*>(s.h_x.get());
-    io.group_buffer = s.group_buffer.data();
-    io.group_begin = s.group_begin.data();
-    io.group_count = s.group_count.data();
-    io.row_token = static_cast<int32_t*>(s.h_token.get());
-    io.row_weight = static_cast<float*>(s.h_row_weight.get());
-    io.partial = static_cast<bf16_t*>(s.h_partial.get());
-  }
+        "capturable call: layer ", call.layer, " was never run outside a capture (warm up once before capturing)"));
+  MOE_ASSIGN_OR_RETURN(DeviceSite * site, Site(call.site));
   const size_t rows = static_cast<size_t>(call.T) * call.k, n = static_cast<size_t>(call.T) * H_;
-  // Routing and activations to the host, then the split (host node).
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.h_ids.get(), call.ids, rows * 4, cudaMemcpyDeviceToHost, stream));
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.h_weights.get(), call.weights, rows * 4, cudaMemcpyDeviceToHost, stream));
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.h_x.get(), call.hidden, n * 2, cudaMemcpyDeviceToHost, stream));
-  MOE_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, &CudaBackend::RunPlan, rec.get()));
-  // The hits: one grouped launch sized for T*k groups of up to T rows.
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_groups.get(), s.h_groups.get(), rows * sizeof(cuda::GroupDesc),
-                                           cudaMemcpyHostToDevice, stream));
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_token.get(), s.h_token.get(), rows * 4, cudaMemcpyHostToDevice, stream));
-  MOE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(s.d_row_weight.get(), s.h_row_weight.get(), rows * 4, cudaMemcpyHostToDevice, stream));
-  float* accum = static_cast<float*>(s.d_accum.get());
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(accum, 0, n * sizeof(float), stream));
+  cuda::DevicePlanArgs d;
+  d.T = call.T;
+  d.k = call.k;
+  d.hidden = H_;
+  d.num_experts = config_.num_experts;
+  d.layer = call.layer;
+  d.num_channels = call.num_channels;
+  d.ids = call.ids;
+  d.weights = call.weights;
+  d.x = call.hidden;
+  d.tables = call.tables;
+  d.channels = call.channels;
+  d.counts = static_cast<unsigned int*>(access_counts_.get()) + static_cast<size_t>(call.site) * config_.num_experts;
+  d.groups = static_cast<cuda::GroupDesc*>(site->groups.get());
+  d.row_token = static_cast<int32_t*>(site->row_token.get());
+  d.row_weight = static_cast<float*>(site->row_weight.get());
+  d.miss_token = static_cast<int32_t*>(site->miss_token.get());
+  d.ships = static_cast<cuda::DeviceShip*>(site->ships.get());
+  d.done = static_cast<unsigned int*>(site->done.get());
+  d.accum = static_cast<float*>(site->accum.get());
+  d.timeout_ns = static_cast<uint64_t>(std::max<int64_t>(call.timeout.count(), 1));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.accum, 0, n * sizeof(float), stream));
+  // The split, then the misses shipped before the hits run.
+  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchDevicePlan(d, stream));
   cuda::GroupedExpertArgs a;
   a.hidden = H_;
   a.intermediate = I_;
-  a.groups = static_cast<const cuda::GroupDesc*>(s.d_groups.get());
+  a.groups = d.groups;
   a.num_groups = static_cast<int>(rows);
   a.max_count = call.T;  // an expert has at most one row per token
-  a.token = static_cast<const int32_t*>(s.d_token.get());
-  a.weight = static_cast<const float*>(s.d_row_weight.get());
+  a.token = d.row_token;
+  a.weight = d.row_weight;
   a.x = call.hidden;
-  a.act = static_cast<bf16_t*>(s.d_act.get());
-  a.accum = accum;
+  a.act = static_cast<bf16_t*>(site->act.get());
+  a.accum = d.accum;
   MOE_RETURN_IF_ERROR(LaunchGroups(a, stream));
-  // The servers' partial sums (host node waits for them), merged, written out.
-  MOE_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(stream, &CudaBackend::RunFinish, rec.get()));
-  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(s.d_partial.get(), s.h_partial.get(), n * 2, cudaMemcpyHostToDevice, stream));
-  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddBf16(static_cast<const bf16_t*>(s.d_partial.get()),
-                                                      static_cast<const int32_t*>(s.d_iota.get()), call.T, H_, accum,
-                                                      stream));
-  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchAccumToBf16(accum, n, call.out, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchDeviceCombine(d, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchAccumToBf16(d.accum, n, call.out, stream));
   return absl::OkStatus();
 }
 

@@ -30,6 +30,7 @@
 // Errors are returned as Status (CUDA errors carry the call and the CUDA message).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -42,6 +43,7 @@
 #include "core/bf16.h"
 #include "core/routing.h"
 #include "cpu_compute/expert_kernel.h"
+#include "gpu_worker/device_plan.h"
 #include "moe/types.h"
 
 namespace moe {
@@ -53,6 +55,8 @@ struct BackendConfig {
   int max_tokens = 0;    // largest T of one call
   int max_top_k = 8;     // largest k of one call
   int contexts = 2;      // concurrent calls (micro-batches)
+  int num_experts = 0;   // experts per layer (device-planned calls count accesses per expert)
+  int device_sites = 0;  // sites (layers) of device-planned calls: 0 <= DevicePlannedCall::site < this
   // The experts' storage format (the GPU cache's precision) and, for int4,
   // the k per scale group: the buffers hold ExpertGeometry::For(hidden,
   // intermediate, format, int4_group) experts.
@@ -82,41 +86,29 @@ struct HitPlan {
   const int32_t* buffer = nullptr;  // [groups->num_groups()]
 };
 
-// ---- capture-safe calls (CUDA graphs) -------------------------------------
-// A call whose whole work sits on the engine's stream, so it can be captured
-// into a CUDA graph and replayed: the routing and activations are copied to
-// pinned host memory, a host function (`plan`) splits hits from misses and
-// ships the misses, the hits run as one grouped launch sized for the worst
-// case (T*k groups; unused groups have count 0 and cost no weight reads), a
-// second host function (`finish`) waits for the servers' partial sums, and
-// the merge writes `out`. Nothing is decided at capture time except T and k.
-//
-// The host functions run on a CUDA driver thread and must not call CUDA.
-struct HostPlannedIo {
-  int T = 0, k = 0, hidden = 0;
-  const int32_t* ids = nullptr;    // [T*k] routing (copied from the device)
-  const float* weights = nullptr;  // [T*k]
-  const bf16_t* x = nullptr;       // [T, H] activations (copied from the device)
-  // Written by plan: hit groups, at most T*k (the rest count 0), and rows.
-  int32_t* group_buffer = nullptr;  // [T*k] expert buffer of the group
-  int32_t* group_begin = nullptr;   // [T*k] first row of the group
-  int32_t* group_count = nullptr;   // [T*k] rows of the group (0: unused)
-  int32_t* row_token = nullptr;     // [T*k] token of the row, -1 = padding
-  float* row_weight = nullptr;      // [T*k]
-  // Written by finish: the sum of the servers' partial outputs (zeros where none).
-  bf16_t* partial = nullptr;        // [T, H]
-};
-
-struct HostPlannedCall {
-  int site = 0;  // staging area (one per layer): calls of a site must not overlap
+// ---- device-planned calls (CUDA graphs and eager decode) -------------------
+// A call whose whole work sits on the engine's stream, decided by the GPU at
+// run time from host-mapped tables (gpu_worker/device_plan.h): the split into
+// hits and misses, the misses written into the CPU servers' shared-memory
+// slots and pushed on their device rings, the hits as one grouped launch
+// sized for T*k groups (unused groups have count 0 and cost no weight
+// reads), a bounded wait for the answers, their partial sums added, `out`
+// written. No host function and no host synchronisation: it may be captured
+// into a CUDA graph and replayed; each replay follows the tables as they are
+// then. Nothing is decided at enqueue time except T and k.
+struct DevicePlannedCall {
+  int site = 0;   // scratch of one layer: calls of a site must not overlap (one stream)
+  int layer = 0;  // the model layer (the requests' header)
   int T = 0, k = 0;
   const bf16_t* hidden = nullptr;  // device pointers (the engine's)
   const int32_t* ids = nullptr;
   const float* weights = nullptr;
   bf16_t* out = nullptr;
   void* stream = nullptr;          // the engine's cudaStream_t (may be capturing)
-  // Kept by the backend for the site's later replays.
-  std::function<void(HostPlannedIo&)> plan, finish;
+  DeviceLayerTables tables;        // host-mapped (AllocMapped)
+  const DeviceChannel* channels = nullptr;  // host-mapped [num_channels]
+  int num_channels = 0;
+  std::chrono::nanoseconds timeout{0};      // the longest wait for a server's answer
 };
 
 // CUDA's legacy default stream, `cudaStreamLegacy` ((cudaStream_t)0x1 in
@@ -219,15 +211,42 @@ class DeviceBackend {
                                    "cuda_stream: given to the ", name(), " backend, which has no CUDA device"));
   }
   virtual absl::Status SignalStream(void* stream) { return WaitStream(stream); }
+  // Whether `stream` is being captured into a CUDA graph (false without a device).
+  virtual bool StreamCapturing(void* stream) const {
+    (void)stream;
+    return false;
+  }
 
-  // Enqueues a capture-safe call (see HostPlannedCall) on call.stream;
-  // returns at once. Only a backend with a CUDA device can: others refuse
-  // with FailedPrecondition (the same call on the cuda backend works).
-  virtual absl::Status EnqueueHostPlanned(const HostPlannedCall& call) {
+  // Enqueues a device-planned call (see DevicePlannedCall) on call.stream;
+  // returns at once. The site's first call must not be captured (it
+  // allocates). Only a backend with a CUDA device can: others refuse with
+  // FailedPrecondition (the same call on the cuda backend works).
+  virtual absl::Status EnqueueDevicePlanned(const DevicePlannedCall& call) {
     (void)call;
     return absl::FailedPreconditionError(
         absl::StrCat("capturable calls need the cuda backend (a CUDA stream to enqueue on); this is the ", name(),
                      " backend"));
+  }
+  // Zeroed host memory the device reads and writes at the same address
+  // (the device-planned call's tables); freed with FreeMapped.
+  virtual absl::StatusOr<void*> AllocMapped(size_t bytes) {
+    (void)bytes;
+    return absl::FailedPreconditionError(absl::StrCat("the ", name(), " backend has no device to map memory for"));
+  }
+  virtual void FreeMapped(void* p) { (void)p; }
+  // The device address of host memory registered with RegisterHost (0: not registered).
+  virtual uint64_t DeviceAddress(const void* p) const {
+    (void)p;
+    return 0;
+  }
+  // Routed pairs per expert counted by the device-planned calls of each site
+  // since the first call (running totals, [device_sites * num_experts],
+  // site-major); empty before any call.
+  // Synchronous with the site's completed calls only: a call still on the
+  // engine's stream may or may not be counted yet.
+  virtual absl::Status ReadAccessCounts(std::vector<uint32_t>* counts) {
+    counts->clear();
+    return absl::OkStatus();
   }
 };
 

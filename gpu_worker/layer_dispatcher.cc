@@ -103,6 +103,49 @@ struct Context {
   double device_prior_s = -1;  // prior device time of a hits-only call (-1: the call is not one)
 };
 
+// A gRPC server's device rings, kept by the worker: the GPU pushes requests
+// into a local segment in host-mapped memory as it would into an shm
+// server's, and this thread moves each to the server through its transport
+// and the answer back. (An shm server works its own device rings.)
+struct Forwarder {
+  void* mem = nullptr;  // AllocMapped
+  std::optional<shm::Segment> seg;
+  std::atomic<ExpertTransport*> route{nullptr};  // null while drained or unconnected
+  std::atomic<bool> stop{false};
+  std::thread thread;
+};
+
+void RunForwarder(Forwarder* f, int num_experts, int num_layers, std::chrono::milliseconds deadline,
+                  std::chrono::nanoseconds poll) {
+  const shm::Segment& seg = *f->seg;
+  shm::ValidatedRequest req;
+  Clock::time_point last = Clock::now();
+  while (!f->stop.load(std::memory_order_acquire)) {
+    std::optional<uint32_t> idx = seg.TryPopDeviceSubmit();
+    if (!idx) {
+      const std::chrono::nanoseconds nap = shm::DeviceNap(Clock::now() - last, poll);
+      if (nap.count() > 0) std::this_thread::sleep_for(nap);
+      continue;
+    }
+    last = Clock::now();
+    if (!seg.ValidateSlotIndex(*idx).ok()) continue;  // our own GPU wrote it: cannot happen
+    const shm::SlotView slot = seg.slot(*idx);
+    absl::Status st = shm::ValidateRequestSlot(seg, *idx, num_experts, num_layers, &req);
+    if (st.ok()) {
+      ExpertTransport* t = f->route.load(std::memory_order_acquire);
+      if (t == nullptr) {
+        st = absl::UnavailableError("the server is drained or unconnected");
+      } else {
+        const MoeBatch b{static_cast<int>(req.layer), req.n_tokens, slot.tokens, req.routing()};
+        std::future<absl::Status> done = t->Submit(b, slot.output, Clock::now() + deadline);
+        st = AwaitResult(done);
+      }
+    }
+    shm::WriteResponseStatus(slot, st);
+    seg.TryPushDeviceComplete(*idx);
+  }
+}
+
 struct LayerDispatcher::Impl {
   std::vector<Server> servers;
   std::vector<Context> contexts;
@@ -126,33 +169,22 @@ struct LayerDispatcher::Impl {
   ExpertGroups one_group;               // ComputeCopied's single group
   ExpertGroups failover_groups;         // a failed shipment's pairs by expert
 
-  // Capturable calls (EnqueueCapturable), per served layer, created on first
-  // use. buffer_of is the slot map the host functions read at run time:
-  // written by the driving thread, read by CUDA's host-function thread.
-  struct PlannedShip {
-    int server = -1;
-    std::vector<int32_t> rows, ids;
-    std::vector<float> weights;
-    std::vector<bf16_t> x, y;
-    std::future<absl::Status> done;
-  };
-  struct PlannedLayer {
-    std::unique_ptr<std::atomic<int32_t>[]> buffer_of;  // expert -> buffer of a Ready slot, or -1
-    std::vector<int32_t> local_buffer, hit_ids;          // plan scratch (host-function thread only)
-    std::vector<ExpertTransport*> route;                 // plan scratch: the servers' routes at plan time
-    std::vector<int> ship_of;                            // plan scratch: server -> index in ships
-    ExpertGroups groups;
-    std::vector<PlannedShip> ships;                      // plan -> finish of the call in flight
-    std::vector<float> acc;
-    bool poisoned = false;
-  };
-  std::vector<std::unique_ptr<PlannedLayer>> planned;  // by served index
-  // Per server: its transport while connected and enabled, else null — what
-  // capturable host functions (CUDA's callback thread) route misses by, while
-  // the engine thread connects servers and drains them. Transports live as
-  // long as the dispatcher, so a pointer read here stays valid.
-  std::unique_ptr<std::atomic<ExpertTransport*>[]> routes;
-  void* planned_stream = nullptr;                      // the engine's stream of capturable calls
+  // Device-planned calls (EnqueueCapturable): the host-mapped tables the
+  // GPU reads at run time (gpu_worker/device_plan.h) — per served layer the
+  // slot map, the routes and the error records, and the channels: one per
+  // server that a call may ship to (an shm server's own device rings, or a
+  // Forwarder's for a gRPC server). Written by the driving thread only.
+  void* mapped = nullptr;                      // one AllocMapped block for all of them
+  DeviceChannel* channels = nullptr;           // [kMaxDeviceChannels]
+  std::vector<DeviceLayerTables> device_tables;  // by served index
+  std::vector<int> channel_of_server;          // server -> channel, -1: none (yet)
+  std::vector<uint64_t> channel_generation;    // server -> segment generation its channel shows
+  int num_channels = 0;
+  bool device_ready = false;                   // PrepareDevicePath ran
+  std::vector<std::unique_ptr<Forwarder>> forwarders;
+  std::vector<int> forwarder_of_server;        // server -> forwarder, -1: none (an shm server)
+  std::vector<uint32_t> counts_seen;           // device access counts already reported
+  void* planned_stream = nullptr;              // the engine's stream of capturable calls
   std::mutex stream_error_mu;
   absl::Status stream_error;
 };
@@ -162,6 +194,12 @@ LayerDispatcher::~LayerDispatcher() {
   // Capturable calls still on the engine's stream use this dispatcher's state.
   if (impl_->planned_stream != nullptr && backend_->WaitStream(impl_->planned_stream).ok())
     (void)backend_->WaitCompute(backend_->RecordCompute());
+  for (auto& f : impl_->forwarders) {
+    f->stop.store(true);
+    if (f->thread.joinable()) f->thread.join();
+    backend_->FreeMapped(f->mem);
+  }
+  if (impl_->mapped != nullptr) backend_->FreeMapped(impl_->mapped);
   // Drain in-flight copies so the backend is idle; release staged batches.
   for (Context& ctx : impl_->contexts)
     for (Shipment& s : ctx.shipments) {
@@ -196,6 +234,7 @@ absl::Status LayerDispatcher::Init() {
   MOE_RETURN_IF_ERROR(CreateCacheAndBackend());
   MOE_RETURN_IF_ERROR(ConnectServers());
   MOE_RETURN_IF_ERROR(AllocateContexts());
+  MOE_RETURN_IF_ERROR(AllocateDeviceTables());
   const DispatcherConfig& c = config_;
   if (c.measure_rates && c.copy_mode == CopyMode::kAuto && host_ != nullptr && !impl_->servers.empty())
     MOE_RETURN_IF_ERROR(MeasureRates());
@@ -273,6 +312,8 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   bc.max_tokens = c.max_tokens;
   bc.max_top_k = c.max_top_k;
   bc.contexts = c.contexts;
+  bc.num_experts = spec_.num_experts;
+  bc.device_sites = static_cast<int>(layers_.size());
   MOE_RETURN_IF_ERROR(backend_->Init(bc));
   impl_->temp_base = C * static_cast<int>(layers_.size());
   impl_->temp_fence.assign(temp, 0);
@@ -285,10 +326,12 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
 absl::Status LayerDispatcher::ConnectServers() {
   DispatcherConfig& c = config_;
   absl::Status first_error;
-  impl_->routes = std::make_unique<std::atomic<ExpertTransport*>[]>(c.servers.size());
-  for (size_t i = 0; i < c.servers.size(); ++i) impl_->routes[i].store(nullptr);
   c.transport.hidden = spec_.hidden;
   c.transport.max_pairs_per_token = std::max(c.transport.max_pairs_per_token, c.max_top_k);
+  // Two slots of every shm segment for the GPU's own requests (capturable
+  // calls): one in flight, the next one free even if a late answer still
+  // lands in the first.
+  if (backend_->has_device_memory() && c.transport.slots > 2) c.transport.device_slots = 2;
   for (const ExpertServerConfig& sc : c.servers) {
     Server s;
     s.config = sc;
@@ -320,7 +363,6 @@ absl::Status LayerDispatcher::ConnectServers() {
 absl::Status LayerDispatcher::AllocateContexts() {
   const DispatcherConfig& c = config_;
   impl_->contexts.resize(c.contexts);
-  impl_->planned.resize(layers_.size());
   for (Context& ctx : impl_->contexts) {
     ctx.send.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
     ctx.recv.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
@@ -513,8 +555,21 @@ absl::Status LayerDispatcher::ConnectServer(size_t index) {
 }
 
 void LayerDispatcher::PublishRoute(size_t index) {
-  const Server& s = impl_->servers[index];
-  impl_->routes[index].store(s.enabled ? s.transport.get() : nullptr, std::memory_order_release);
+  Impl& m = *impl_;
+  if (!m.device_ready) return;
+  const Server& sv = m.servers[index];
+  if (const int f = m.forwarder_of_server[index]; f >= 0)  // its requests go through the transport while enabled
+    m.forwarders[f]->route.store(sv.enabled ? sv.transport.get() : nullptr, std::memory_order_release);
+  // Each expert goes to the first enabled server hosting it that has a channel.
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    int32_t* channel_of = m.device_tables[li].channel_of;
+    for (int e = 0; e < spec_.num_experts; ++e) {
+      int c = -1;
+      for (size_t s = 0; s < m.servers.size() && c < 0; ++s)
+        if (m.servers[s].enabled && m.channel_of_server[s] >= 0 && m.servers[s].hosts[e]) c = m.channel_of_server[s];
+      __atomic_store_n(channel_of + e, c, __ATOMIC_RELEASE);
+    }
+  }
 }
 
 // Starts the copies the cache planned into slots of `layer`, on the copy
@@ -1105,32 +1160,153 @@ absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
   return Complete(ticket, stats);
 }
 
+
 // ---------------------------------------------------------------------------
-// Capturable calls (CUDA graphs).
+// Capturable calls (device-planned: CUDA graphs and decode).
 
 void LayerDispatcher::PublishSlotMap(int layer) {
-  if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0) return;
-  Impl::PlannedLayer* pl = impl_->planned[layer_index_[layer]].get();
-  if (pl == nullptr) return;
+  Impl& m = *impl_;
+  if (m.device_tables.empty() || layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0) return;
+  int32_t* buffer_of = m.device_tables[layer_index_[layer]].buffer_of;
   for (int e = 0; e < spec_.num_experts; ++e) {
     const int slot = cache_->ReadySlot(layer, e);
-    pl->buffer_of[e].store(slot >= 0 ? SlotBuffer(layer, slot) : -1, std::memory_order_release);
+    __atomic_store_n(buffer_of + e, slot >= 0 ? SlotBuffer(layer, slot) : -1, __ATOMIC_RELEASE);
   }
 }
 
-void LayerDispatcher::RecordStreamError(absl::Status st) {
-  std::lock_guard<std::mutex> lock(impl_->stream_error_mu);
-  if (impl_->stream_error.ok()) impl_->stream_error = std::move(st);
+// The tables in one host-mapped block: the channels, then per served layer
+// buffer_of [E], channel_of [E] and the error records. Allocated at Create
+// when the backend has a device (the slot map is published from the start).
+absl::Status LayerDispatcher::AllocateDeviceTables() {
+  Impl& m = *impl_;
+  if (!backend_->has_device_memory()) return absl::OkStatus();
+  const size_t E = spec_.num_experts, L = layers_.size();
+  const size_t per_layer = 2 * E * sizeof(int32_t) + (1 + kMaxDeviceChannels) * sizeof(DeviceError);
+  const size_t channel_bytes = kMaxDeviceChannels * sizeof(DeviceChannel);
+  absl::StatusOr<void*> mem = backend_->AllocMapped(channel_bytes + L * per_layer);
+  if (!mem.ok()) return absl::OkStatus();  // no mapped memory: capturable calls are refused by the backend
+  m.mapped = *mem;
+  auto* p = static_cast<uint8_t*>(m.mapped);
+  m.channels = reinterpret_cast<DeviceChannel*>(p);
+  p += channel_bytes;
+  m.device_tables.resize(L);
+  for (size_t li = 0; li < L; ++li) {
+    DeviceLayerTables& t = m.device_tables[li];
+    t.errors = reinterpret_cast<DeviceError*>(p);
+    p += (1 + kMaxDeviceChannels) * sizeof(DeviceError);
+    t.buffer_of = reinterpret_cast<int32_t*>(p);
+    p += E * sizeof(int32_t);
+    t.channel_of = reinterpret_cast<int32_t*>(p);
+    p += E * sizeof(int32_t);
+    for (size_t e = 0; e < E; ++e) t.buffer_of[e] = t.channel_of[e] = -1;
+  }
+  for (int l : layers_) PublishSlotMap(l);
+  return absl::OkStatus();
 }
 
-absl::Status LayerDispatcher::TakeStreamError() {
-  std::lock_guard<std::mutex> lock(impl_->stream_error_mu);
-  absl::Status st = std::move(impl_->stream_error);
-  impl_->stream_error = absl::OkStatus();
-  return st;
+// Points server `index`'s channel at its transport's current segment (an shm
+// server after a reconnect gets its new one, registered with the device).
+absl::Status LayerDispatcher::PublishChannel(size_t index) {
+  Impl& m = *impl_;
+  const int c = m.channel_of_server[index];
+  Server& sv = m.servers[index];
+  if (c < 0 || m.forwarder_of_server[index] >= 0 || sv.transport == nullptr) return absl::OkStatus();
+  std::optional<ExpertTransport::DeviceRings> rings = sv.transport->DeviceRingsOf();
+  if (!rings || rings->generation == m.channel_generation[index]) return absl::OkStatus();
+  void* base = rings->segment.base();
+  if (backend_->DeviceAddress(base) == 0) MOE_RETURN_IF_ERROR(backend_->RegisterHost(base, rings->bytes));
+  const uint64_t dev = backend_->DeviceAddress(base);
+  if (dev == 0) return absl::InternalError(absl::StrCat("servers: ", sv.config.address, ": segment not mapped for the device"));
+  rings->segment.SetDevicePoll(config_.poll_window);
+  FillChannel(rings->segment, dev, rings->first_slot, rings->slots, static_cast<uint32_t>(rings->generation),
+              &m.channels[c]);
+  m.channel_generation[index] = rings->generation;
+  return absl::OkStatus();
+}
+
+void LayerDispatcher::FillChannel(const shm::Segment& seg, uint64_t device_base, uint32_t first_slot,
+                                  uint32_t slots, uint32_t generation, DeviceChannel* out) {
+  const shm::SegmentGeometry& g = seg.geometry();
+  DeviceChannel ch;
+  ch.submit_ring = g.device_submit_ring_offset;
+  ch.complete_ring = g.device_complete_ring_offset;
+  ch.doorbell = offsetof(shm::SegmentHeader, request_doorbell);
+  ch.slots_offset = g.slots_offset;
+  ch.slot_stride = g.slot_stride;
+  ch.tokens_offset = g.tokens_offset;
+  ch.ids_offset = g.ids_offset;
+  ch.weights_offset = g.weights_offset;
+  ch.output_offset = g.output_offset;
+  ch.num_slots = g.num_slots;
+  ch.first_slot = first_slot;
+  ch.device_slots = slots;
+  ch.max_tokens = g.max_tokens;
+  ch.max_pairs = g.max_pairs;
+  ch.generation = generation;
+  ch.base = 0;
+  *out = ch;  // the fields first, then the base that turns the channel on
+  __atomic_store_n(&out->base, device_base, __ATOMIC_RELEASE);
+}
+
+// The first capturable call: one channel per server (an shm server's device
+// rings, else a forwarder), the routes published. Not while capturing (it
+// registers memory and starts threads); the backend refuses a first call in
+// a capture anyway.
+absl::Status LayerDispatcher::PrepareDevicePath() {
+  Impl& m = *impl_;
+  if (m.device_ready) return absl::OkStatus();
+  if (m.mapped == nullptr)
+    return absl::FailedPreconditionError("capturable calls need the cuda backend (host memory the GPU maps)");
+  if (m.servers.size() > static_cast<size_t>(kMaxDeviceChannels))
+    return absl::InvalidArgumentError(absl::StrCat("servers: capturable calls reach at most ", kMaxDeviceChannels,
+                                                   " servers; this worker has ", m.servers.size()));
+  const size_t S = m.servers.size();
+  m.channel_of_server.assign(S, -1);
+  m.forwarder_of_server.assign(S, -1);
+  m.channel_generation.assign(S, 0);
+  for (size_t s = 0; s < S; ++s) {
+    Server& sv = m.servers[s];
+    m.channel_of_server[s] = m.num_channels++;
+    const bool shm = sv.transport != nullptr ? sv.transport->DeviceRingsOf().has_value()
+                                             : UnixSocketPath(sv.config.address).has_value();
+    if (shm) {
+      MOE_RETURN_IF_ERROR(PublishChannel(s));  // an unconnected one once it connects
+      continue;
+    }
+    // A gRPC server: requests through a local segment and a forwarder thread.
+    const int k = std::max(config_.max_top_k, 1);
+    const shm::SegmentGeometry g = shm::Geometry(spec_.hidden, config_.max_tokens, k, 2);
+    auto f = std::make_unique<Forwarder>();
+    MOE_ASSIGN_OR_RETURN(f->mem, backend_->AllocMapped(g.total_bytes));
+    absl::StatusOr<shm::Segment> seg = shm::Segment::Create(f->mem, g.total_bytes, spec_.hidden, config_.max_tokens, k, 2);
+    if (!seg.ok()) {
+      backend_->FreeMapped(f->mem);
+      return seg.status();
+    }
+    f->seg = *seg;
+    FillChannel(*f->seg, reinterpret_cast<uint64_t>(f->mem), 0, 2, 1, &m.channels[m.channel_of_server[s]]);
+    f->route.store(sv.enabled ? sv.transport.get() : nullptr);
+    Forwarder* raw = f.get();
+    f->thread = std::thread(RunForwarder, raw, spec_.num_experts, spec_.num_layers, config_.deadline,
+                            std::chrono::nanoseconds(config_.poll_window));
+    m.forwarder_of_server[s] = static_cast<int>(m.forwarders.size());
+    m.forwarders.push_back(std::move(f));
+  }
+  m.device_ready = true;
+  for (size_t s = 0; s < S; ++s) PublishRoute(s);
+  return absl::OkStatus();
+}
+
+// The most tokens one capturable call may have: every request fits one slot.
+int LayerDispatcher::CapturableMaxTokens() const {
+  int n = config_.max_tokens;
+  for (const Server& sv : impl_->servers)
+    if (UnixSocketPath(sv.config.address)) n = std::min(n, config_.transport.max_tokens_per_slot);
+  return n;
 }
 
 absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
+  Impl& m = *impl_;
   LayerCall call = engine_call;
   if (call.stream == nullptr) call.stream = LegacyDefaultStream();  // stream 0, as CUDA reads it
   const MoeBatch& b = call.batch;
@@ -1138,132 +1314,126 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
     return absl::InvalidArgumentError(absl::StrCat("layer: ", b.layer, " is not an MoE layer served here"));
   if (call.kind != MemoryKind::kDevice || !backend_->has_device_memory())
     return absl::InvalidArgumentError("memory: capturable calls take device pointers (cuda backend)");
-  if (b.n < 1 || b.n > config_.max_tokens || b.routing.k < 1 || b.routing.k > config_.max_top_k)
-    return absl::InvalidArgumentError(absl::StrCat("tokens/top_k: ", b.n, " x ", b.routing.k, " is outside [1, ",
-                                                   config_.max_tokens, "] x [1, ", config_.max_top_k, "]"));
+  const int max_tokens = CapturableMaxTokens();
+  if (b.n < 1 || b.n > max_tokens || b.routing.k < 1 || b.routing.k > config_.max_top_k)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tokens/top_k: ", b.n, " x ", b.routing.k, " is outside [1, ", max_tokens, "] x [1, ", config_.max_top_k,
+        "] (a capturable call's misses fit one shared-memory slot per server; larger calls go through ForwardLayer)"));
   if (b.routing.n != b.n)
     return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", b.routing.n, " rows for ", b.n, " tokens"));
-  std::unique_ptr<Impl::PlannedLayer>& pl = impl_->planned[layer_index_[b.layer]];
-  if (!pl) {
-    pl = std::make_unique<Impl::PlannedLayer>();
-    pl->buffer_of = std::make_unique<std::atomic<int32_t>[]>(spec_.num_experts);
-    PollCopies();
-    PublishSlotMap(b.layer);
+  MOE_RETURN_IF_ERROR(PrepareDevicePath());
+  // A reconnected shm server's new segment (not while the engine captures:
+  // registering memory is not capture-safe; the next call outside does it).
+  for (size_t s = 0; s < m.servers.size(); ++s) {
+    Server& sv = m.servers[s];
+    if (m.forwarder_of_server[s] >= 0 || sv.transport == nullptr) continue;
+    std::optional<ExpertTransport::DeviceRings> rings = sv.transport->DeviceRingsOf();
+    if (rings && rings->generation != m.channel_generation[s] && !backend_->StreamCapturing(call.stream))
+      MOE_RETURN_IF_ERROR(PublishChannel(s));
   }
-  impl_->planned_stream = call.stream;
-  HostPlannedCall hc;
-  hc.site = b.layer;
-  hc.T = b.n;
-  hc.k = b.routing.k;
-  hc.hidden = b.tokens;
-  hc.ids = b.routing.ids;
-  hc.weights = b.routing.weights;
-  hc.out = call.out;
-  hc.stream = call.stream;
-  const int layer = b.layer;
-  hc.plan = [this, layer](HostPlannedIo& io) { PlanCapturable(layer, io); };
-  hc.finish = [this, layer](HostPlannedIo& io) { FinishCapturable(layer, io); };
-  return backend_->EnqueueHostPlanned(hc);
+  m.planned_stream = call.stream;
+  DevicePlannedCall dc;
+  dc.site = layer_index_[b.layer];
+  dc.layer = b.layer;
+  dc.T = b.n;
+  dc.k = b.routing.k;
+  dc.hidden = b.tokens;
+  dc.ids = b.routing.ids;
+  dc.weights = b.routing.weights;
+  dc.out = call.out;
+  dc.stream = call.stream;
+  dc.tables = m.device_tables[layer_index_[b.layer]];
+  dc.channels = m.channels;
+  dc.num_channels = m.num_channels;
+  dc.timeout = call.deadline.count() > 0 ? call.deadline : config_.deadline;
+  return backend_->EnqueueDevicePlanned(dc);
 }
 
-// Runs on CUDA's host-function thread: no CUDA calls, no cache_ access (the
-// published slot map only), transports are thread-safe.
-void LayerDispatcher::PlanCapturable(int layer, HostPlannedIo& io) {
-  Impl::PlannedLayer& pl = *impl_->planned[layer_index_[layer]];
-  const int T = io.T, k = io.k, E = spec_.num_experts, H = spec_.hidden;
-  pl.ships.clear();
-  pl.poisoned = false;
-  const RoutingView routing{T, k, io.ids, io.weights};
-  if (absl::Status st = ValidateRouting(routing, E, {}); !st.ok()) {
-    RecordStreamError(st);
-    pl.poisoned = true;  // no groups: the output becomes NaN in finish
-    return;
-  }
-  pl.local_buffer.resize(E);
-  for (int e = 0; e < E; ++e) pl.local_buffer[e] = pl.buffer_of[e].load(std::memory_order_acquire);
-  // Hits: the pairs whose expert has a Ready slot, grouped by expert.
-  pl.hit_ids.assign(io.ids, io.ids + static_cast<size_t>(T) * k);
-  for (int32_t& e : pl.hit_ids)
-    if (e >= 0 && pl.local_buffer[e] < 0) e = -1;
-  GroupByExpert(RoutingView{T, k, pl.hit_ids.data(), io.weights}, E, 1, &pl.groups);
-  for (int g = 0; g < pl.groups.num_groups(); ++g) {
-    io.group_buffer[g] = pl.local_buffer[pl.groups.expert[g]];
-    io.group_begin[g] = pl.groups.row_begin[g];
-    io.group_count[g] = pl.groups.count[g];
-  }
-  for (int r = 0; r < pl.groups.total_rows; ++r) {
-    io.row_token[r] = pl.groups.token[r];
-    io.row_weight[r] = pl.groups.weight[r];
-  }
-  // Misses: per server (the first routable one hosting the expert), the
-  // tokens with their miss pairs, shipped now.
-  const size_t S = impl_->servers.size();
-  std::vector<ExpertTransport*>& route = pl.route;
-  route.resize(S);
-  for (size_t s = 0; s < S; ++s) route[s] = impl_->routes[s].load(std::memory_order_acquire);
-  std::vector<int>& ship_of = pl.ship_of;
-  ship_of.assign(S, -1);
-  for (int t = 0; t < T; ++t) {
-    for (int j = 0; j < k; ++j) {
-      const int e = io.ids[t * k + j];
-      if (e < 0 || pl.local_buffer[e] >= 0) continue;
-      int server = -1;
-      for (size_t s = 0; s < S && server < 0; ++s)
-        if (route[s] != nullptr && impl_->servers[s].hosts[e]) server = static_cast<int>(s);
-      if (server < 0) {
-        RecordStreamError(absl::UnavailableError(
-            absl::StrCat("capturable call: no connected server hosts expert ", e, " of layer ", layer)));
-        pl.poisoned = true;
+absl::Status LayerDispatcher::TakeStreamError() {
+  Impl& m = *impl_;
+  CollectDeviceAccesses();
+  absl::Status first;
+  for (size_t li = 0; li < m.device_tables.size(); ++li) {
+    for (int w = 0; w <= kMaxDeviceChannels; ++w) {
+      DeviceError& e = m.device_tables[li].errors[w];
+      const int32_t code = __atomic_load_n(&e.code, __ATOMIC_ACQUIRE);
+      if (code == 0) continue;
+      const int layer = e.layer, detail = e.detail;
+      __atomic_store_n(&e.code, 0, __ATOMIC_RELEASE);
+      if (!first.ok()) continue;
+      const absl::StatusCode sc = StatusCodeFromWire(code, absl::StatusCode::kInternal);
+      if (w == 0) {
+        first = absl::Status(sc, sc == absl::StatusCode::kInvalidArgument
+                                     ? absl::StrCat("capturable call, layer ", layer, ": topk_ids/topk_weights: expert ",
+                                                    detail, " out of range or a weight not finite")
+                                 : sc == absl::StatusCode::kUnavailable && detail >= 0
+                                     ? absl::StrCat("capturable call, layer ", layer,
+                                                    ": no connected, enabled server hosts expert ", detail)
+                                     : absl::StrCat("capturable call, layer ", layer, ": a server's request (channel ",
+                                                    -1 - detail, ") could not be sent: ", absl::StatusCodeToString(sc)));
         continue;
       }
-      if (ship_of[server] < 0) {
-        ship_of[server] = static_cast<int>(pl.ships.size());
-        pl.ships.emplace_back();
-        pl.ships.back().server = server;
+      // A channel's error: the server's own message, or the timeout.
+      size_t server = 0;
+      while (server < m.servers.size() && m.channel_of_server[server] != w - 1) ++server;
+      const std::string address = server < m.servers.size() ? m.servers[server].config.address : "?";
+      std::string why = detail < 0 ? absl::StrCat("no answer within ", config_.deadline.count(), " ms") : "";
+      if (detail >= 0 && server < m.servers.size()) {
+        std::optional<shm::Segment> seg;
+        if (const int f = m.forwarder_of_server[server]; f >= 0) {
+          seg = m.forwarders[f]->seg;
+        } else if (auto rings = m.servers[server].transport->DeviceRingsOf()) {
+          seg = rings->segment;
+        }
+        shm::ValidatedResponse resp;
+        if (seg && shm::ValidateResponseSlot(*seg, static_cast<uint32_t>(detail), &resp).ok())
+          why = std::string(resp.status.message());
       }
-      Impl::PlannedShip& sh = pl.ships[ship_of[server]];
-      if (sh.rows.empty() || sh.rows.back() != t) {
-        sh.rows.push_back(t);
-        sh.ids.insert(sh.ids.end(), k, -1);
-        sh.weights.insert(sh.weights.end(), k, 0.0f);
-        sh.x.insert(sh.x.end(), io.x + static_cast<size_t>(t) * H, io.x + static_cast<size_t>(t + 1) * H);
+      first = absl::Status(sc, absl::StrCat("capturable call, layer ", layer, ", server ", address, ": ", why));
+      // A server that went away: reconnect now, so later calls ship to the
+      // new segment (or, if it stays down, its experts find no route and
+      // fail at once instead of waiting out the deadline every call).
+      if (server < m.servers.size() && m.forwarder_of_server[server] < 0 && m.servers[server].transport) {
+        if (m.servers[server].transport->Reconnect().ok()) {
+          (void)PublishChannel(server);
+        } else {
+          m.servers[server].down_until = Clock::now() + config_.server_retry;
+        }
       }
-      sh.ids[(sh.rows.size() - 1) * k + j] = e;
-      sh.weights[(sh.rows.size() - 1) * k + j] = io.weights[t * k + j];
     }
   }
-  const Clock::time_point deadline = Clock::now() + config_.deadline;
-  for (Impl::PlannedShip& sh : pl.ships) {
-    const int n = static_cast<int>(sh.rows.size());
-    sh.y.resize(static_cast<size_t>(n) * H);
-    const MoeBatch b{layer, n, sh.x.data(), RoutingView{n, k, sh.ids.data(), sh.weights.data()}};
-    sh.done = route[sh.server]->Submit(b, sh.y.data(), deadline);
-  }
+  return first;
 }
 
-void LayerDispatcher::FinishCapturable(int layer, HostPlannedIo& io) {
-  Impl::PlannedLayer& pl = *impl_->planned[layer_index_[layer]];
-  const int H = spec_.hidden;
-  const size_t n = static_cast<size_t>(io.T) * H;
-  pl.acc.assign(n, 0.0f);
-  for (Impl::PlannedShip& sh : pl.ships) {
-    absl::Status st = sh.done.valid() ? sh.done.get() : absl::InternalError("capturable call: shipment not sent");
-    if (!st.ok()) {
-      RecordStreamError(absl::Status(st.code(), absl::StrCat("capturable call, layer ", layer, ", server ",
-                                                             impl_->servers[sh.server].config.address, ": ",
-                                                             st.message())));
-      pl.poisoned = true;
-      continue;
+// Popularity from device-planned calls (graph replays included): the routed
+// pairs the GPU counted since the last look, reported as the eager path
+// reports its own (ExpertCache::RecordAccess, on_access: the coordinator).
+void LayerDispatcher::CollectDeviceAccesses() {
+  Impl& m = *impl_;
+  // Not while the engine captures: a synchronous copy would end its capture.
+  if (!m.device_ready || backend_->StreamCapturing(m.planned_stream)) return;
+  std::vector<uint32_t> counts;
+  const size_t E = spec_.num_experts, L = layers_.size();
+  if (!backend_->ReadAccessCounts(&counts).ok() || counts.size() != L * E) return;
+  m.counts_seen.resize(L * E, 0);
+  std::vector<int> experts, pairs;
+  for (size_t li = 0; li < L; ++li) {
+    experts.clear();
+    pairs.clear();
+    for (size_t e = 0; e < E; ++e) {
+      const uint32_t delta = counts[li * E + e] - m.counts_seen[li * E + e];  // wraps correctly
+      m.counts_seen[li * E + e] = counts[li * E + e];
+      if (delta == 0) continue;
+      experts.push_back(static_cast<int>(e));
+      pairs.push_back(static_cast<int>(std::min<uint32_t>(delta, 1u << 30)));
     }
-    for (size_t i = 0; i < sh.rows.size(); ++i) {
-      float* dst = pl.acc.data() + static_cast<size_t>(sh.rows[i]) * H;
-      const bf16_t* src = sh.y.data() + i * H;
-      for (int h = 0; h < H; ++h) dst[h] += Bf16ToF32(src[h]);
-    }
+    if (experts.empty()) continue;
+    const int layer = layers_[li];
+    cache_->RecordAccess(layer, experts, pairs);
+    if (config_.on_access)
+      for (size_t i = 0; i < experts.size(); ++i)
+        config_.on_access(layer, experts[i], pairs[i], cache_->ReadySlot(layer, experts[i]) >= 0);
   }
-  pl.ships.clear();
-  if (pl.poisoned) std::fill(pl.acc.begin(), pl.acc.end(), std::numeric_limits<float>::quiet_NaN());
-  F32ToBf16(pl.acc.data(), io.partial, n);
 }
 
 }  // namespace moe

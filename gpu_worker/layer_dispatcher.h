@@ -146,22 +146,32 @@ class LayerDispatcher {
   // Submit + Complete.
   absl::Status Forward(const LayerCall& call, CallStats* stats = nullptr);
 
-  // Capture-safe call (CUDA graphs): cuda backend, device pointers, T >= 1,
-  // call.stream required. The whole call is enqueued on call.stream and this
-  // returns at once (DeviceBackend::HostPlannedCall): at run (or graph
-  // replay) time a host function splits hits from misses with the slot map
-  // as it is then (not as it was at capture), ships the misses to the
-  // servers, a second one waits for their partial sums. The first call of a
+  // Capture-safe call (CUDA graphs): cuda backend, device pointers,
+  // 1 <= T <= one shm slot's tokens (TransportOptions::max_tokens_per_slot),
+  // call.stream (null: CUDA's legacy default stream). The whole call is
+  // enqueued on call.stream and this returns at once
+  // (DeviceBackend::DevicePlannedCall): at run (or graph replay) time the GPU
+  // splits hits from misses with the slot map and routes as they are then
+  // (host-mapped tables, gpu_worker/device_plan.h), writes each server's
+  // misses into its shared-memory slot and pushes it on the segment's device
+  // ring (a gRPC server's through a forwarder thread of this worker), runs the
+  // hits, waits (bounded by the call's deadline) for the answers and adds
+  // them. No host function, no host synchronisation. The first call of a
   // layer must not be captured (it allocates). Calls of one layer must not
   // overlap: enqueue them in order (the engine's decode stream; cache copies
   // wait for the latest stream used). Misses always go to a server (no
-  // copy-instead, no failover, no admissions: place experts with
-  // ApplyAssignment). A failure found at run time (server error, bad
-  // routing) writes NaN into the output and is returned by TakeStreamError.
-  // A null call.stream is CUDA's legacy default stream (stream 0).
+  // copy-instead; placements from ApplyAssignment and the coordinator; the
+  // GPU counts every routed pair, which TakeStreamError reports as the eager
+  // path does: RecordAccess, on_access). A failure found at run time (bad
+  // routing, no server, a server's error, no answer by the deadline) writes
+  // NaN into the affected tokens' output and is returned by TakeStreamError.
   absl::Status EnqueueCapturable(const LayerCall& call);
-  // The first run-time error of capturable calls since the last call (OK if none).
+  // The first run-time error of capturable calls since the last call (OK if
+  // none); also reports the accesses the GPU counted since the last call. A
+  // server that timed out is reconnected (or, if down, skipped) here.
   absl::Status TakeStreamError();
+  // The most tokens of one capturable call.
+  int CapturableMaxTokens() const;
 
   // Static placement: the resident set of `layer` becomes `experts`; copies
   // start now and each slot serves once its copy completed. Between calls.
@@ -230,16 +240,21 @@ class LayerDispatcher {
   int OtherServerFor(const ServerBatch& batch, Clock::time_point now) const;
   absl::Status ComputeShipmentOnDevice(int ticket, const ServerBatch& batch);
   void Abort(int ticket);
-  // Publishes server `index`'s transport (null while drained or unconnected) to capturable host functions.
+  // Capturable calls: republishes every expert's route after server `index`
+  // was drained, enabled or connected (channel_of: the first enabled server
+  // hosting it that has a channel).
   void PublishRoute(size_t index);
   absl::Status ConnectServer(size_t index);  // (re)connects servers[index]
   absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies);
   int SlotBuffer(int layer, int slot) const;  // the backend buffer of a cache slot
-  // Capturable calls: publishes `layer`'s Ready slots to the host functions.
+  // Capturable calls: publishes `layer`'s Ready slots to the GPU (buffer_of).
   void PublishSlotMap(int layer);
-  void PlanCapturable(int layer, HostPlannedIo& io);
-  void FinishCapturable(int layer, HostPlannedIo& io);
-  void RecordStreamError(absl::Status st);
+  absl::Status AllocateDeviceTables();
+  absl::Status PrepareDevicePath();
+  absl::Status PublishChannel(size_t index);
+  static void FillChannel(const shm::Segment& seg, uint64_t device_base, uint32_t first_slot, uint32_t slots,
+                          uint32_t generation, DeviceChannel* out);
+  void CollectDeviceAccesses();
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

@@ -94,7 +94,9 @@ TEST(ShmGeometry, AlignedAndSized) {
     EXPECT_EQ(g.submit_ring_offset, kHeaderBytes);
     EXPECT_GE(g.ring_bytes, sizeof(RingHeader) + 4u * s);
     EXPECT_EQ(g.complete_ring_offset, g.submit_ring_offset + g.ring_bytes);
-    EXPECT_EQ(g.slots_offset, g.complete_ring_offset + g.ring_bytes);
+    EXPECT_EQ(g.device_submit_ring_offset, g.complete_ring_offset + g.ring_bytes);
+    EXPECT_EQ(g.device_complete_ring_offset, g.device_submit_ring_offset + g.ring_bytes);
+    EXPECT_EQ(g.slots_offset, g.device_complete_ring_offset + g.ring_bytes);
     EXPECT_GE(g.tokens_offset, sizeof(SlotHeader));
     EXPECT_GE(g.ids_offset - g.tokens_offset, uint64_t{t} * h * 2);
     EXPECT_GE(g.weights_offset - g.ids_offset, uint64_t{t} * k * 4);

@@ -455,6 +455,84 @@ TEST_F(ShmPollingTest, ServerCapsTheClientsWindow) {
   for (int i = 0; i < 200; ++i) RoundTrip();
 }
 
+// Device rings (what a GPU works, shm_segment.h): a request pushed on the
+// device submit ring with no futex wake-up — as a GPU pushes it — is
+// answered on the device complete ring, right after other requests (the
+// server polls) and after a second of silence (it naps, never sleeps until
+// a doorbell); the host's Stage/Submit never hand out the device's slots.
+TEST_F(ShmPollingTest, DeviceRingRequestsNeedNoWakeUp) {
+  ShmServer::Options so;
+  so.socket_path = dir_.path() + "/dev.sock";
+  so.hidden = kH;
+  so.num_layers = 4;
+  so.num_experts = 8;
+  so.idle_spin = std::chrono::microseconds(0);
+  absl::StatusOr<std::unique_ptr<ShmServer>> srv = ShmServer::Start(so, [](const MoeBatch& b, bf16_t* out) {
+    for (size_t i = 0; i < size_t(b.n) * kH; ++i) out[i] = F32ToBf16(2.f * Bf16ToF32(b.tokens[i]));
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(srv.ok()) << srv.status();
+  TransportOptions o = Options();
+  o.device_slots = 2;
+  absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport("unix://" + so.socket_path, o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::optional<ExpertTransport::DeviceRings> rings = (*t)->DeviceRingsOf();
+  ASSERT_TRUE(rings.has_value());
+  EXPECT_EQ(rings->first_slot, static_cast<uint32_t>(o.slots - 2));
+  EXPECT_EQ(rings->slots, 2u);
+  const shm::Segment& seg = rings->segment;
+  const shm::SegmentGeometry& g = seg.geometry();
+  seg.SetDevicePoll(std::chrono::milliseconds(2));
+  auto* submit = reinterpret_cast<shm::RingHeader*>(seg.base() + g.device_submit_ring_offset);
+  auto* complete = reinterpret_cast<shm::RingHeader*>(seg.base() + g.device_complete_ring_offset);
+  auto* entries = reinterpret_cast<uint32_t*>(submit + 1);
+  uint64_t index = 0;
+  // Push one request as the GPU does (no RingRequest), wait for its answer.
+  auto device_round_trip = [&]() -> Clock::duration {
+    const uint32_t slot = rings->first_slot + static_cast<uint32_t>(index % rings->slots);
+    const shm::SlotView v = seg.slot(slot);
+    const Batch b = MakeBatch(3, 2, 40 + index);
+    std::memcpy(v.tokens, b.x.data(), b.x.size() * sizeof(bf16_t));
+    std::memcpy(v.ids, b.ids.data(), b.ids.size() * 4);
+    std::memcpy(v.weights, b.w.data(), b.w.size() * 4);
+    shm::WriteRequestHeader(v, index + 1, 1, 3, 2);
+    const Clock::time_point t0 = Clock::now();
+    __atomic_store_n(&entries[index % g.num_slots], slot, __ATOMIC_RELAXED);
+    submit->tail.store(index + 1, std::memory_order_release);
+    while (complete->tail.load(std::memory_order_acquire) <= index && Clock::now() - t0 < std::chrono::seconds(5))
+      std::this_thread::yield();
+    const Clock::duration took = Clock::now() - t0;
+    EXPECT_GT(complete->tail.load(), index) << "request " << index << " not answered";
+    EXPECT_EQ(v.header->status_code, 0);
+    for (size_t i = 0; i < b.x.size(); ++i) EXPECT_EQ(v.output[i], F32ToBf16(2.f * Bf16ToF32(b.x[i])));
+    complete->head.store(index + 1, std::memory_order_release);
+    ++index;
+    return took;
+  };
+  device_round_trip();  // the first one may find the server asleep on the futex (up to 50 ms)
+  for (int i = 0; i < 20; ++i)
+    EXPECT_LT(device_round_trip(), std::chrono::milliseconds(20)) << "inside the polling window";
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));  // past the poll and the short naps
+  EXPECT_LT(device_round_trip(), std::chrono::milliseconds(30)) << "after a second of silence";
+  EXPECT_EQ(header_, nullptr);  // (the fixture's own server is not used here)
+  // The host's staging never lands in the device's slots.
+  const uint8_t* device_lo = reinterpret_cast<const uint8_t*>(seg.slot(rings->first_slot).header);
+  for (int i = 0; i < 3 * o.slots; ++i) {
+    absl::StatusOr<StagingArea> st = (*t)->Stage(1, 1, In(1000));
+    ASSERT_TRUE(st.ok()) << st.status();
+    EXPECT_LT(reinterpret_cast<const uint8_t*>(st->tokens), device_lo);
+    (*t)->Release(*st);
+  }
+  const Batch b = MakeBatch(4, 2, 99);
+  std::vector<bf16_t> out(b.x.size());
+  std::future<absl::Status> f = (*t)->Submit(b.view(), out.data(), In(5000));
+  ASSERT_TRUE(AwaitResult(f).ok());
+  EXPECT_EQ(out[5], F32ToBf16(2.f * Bf16ToF32(b.x[5])));
+  // Bad options are refused.
+  o.device_slots = o.slots;
+  EXPECT_TRUE(absl::IsInvalidArgument(ConnectTransport("unix://" + so.socket_path, o).status()));
+}
+
 TEST(TransportSecurity, ShmRefusesPeersWhoseUidIsNotAllowed) {
   testing::TempDir dir;
   Subprocess* s = nullptr;
@@ -539,7 +617,9 @@ TEST(ShmSegmentSeals, UnsealedOrShortSegmentsAreRefusedAtConnect) {
         const int fd = memfd_create("hostile-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
         ASSERT_GE(fd, 0);
         ASSERT_EQ(ftruncate(fd, static_cast<off_t>(size)), 0);
-        if (sealed) ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+        if (sealed) {
+          ASSERT_EQ(fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW), 0);
+        }
         ShmReply reply{};
         reply.magic = magic;
         reply.segment_bytes = announced;

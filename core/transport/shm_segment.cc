@@ -76,7 +76,9 @@ SegmentGeometry Geometry(uint32_t hidden, uint32_t max_tokens, uint32_t max_pair
   g.ring_bytes = RoundUp(sizeof(RingHeader) + uint64_t{num_slots} * sizeof(uint32_t));
   g.submit_ring_offset = kHeaderBytes;
   g.complete_ring_offset = g.submit_ring_offset + g.ring_bytes;
-  g.slots_offset = g.complete_ring_offset + g.ring_bytes;
+  g.device_submit_ring_offset = g.complete_ring_offset + g.ring_bytes;
+  g.device_complete_ring_offset = g.device_submit_ring_offset + g.ring_bytes;
+  g.slots_offset = g.device_complete_ring_offset + g.ring_bytes;
   const uint64_t activations = uint64_t{max_tokens} * hidden * sizeof(bf16_t);
   const uint64_t pairs = uint64_t{max_tokens} * max_pairs;
   g.tokens_offset = RoundUp(sizeof(SlotHeader));
@@ -109,10 +111,14 @@ absl::StatusOr<Segment> Segment::Create(void* base, size_t bytes, uint32_t hidde
   h->slot_stride = g.slot_stride;
   h->submit_ring_offset = g.submit_ring_offset;
   h->complete_ring_offset = g.complete_ring_offset;
+  h->device_submit_ring_offset = g.device_submit_ring_offset;
+  h->device_complete_ring_offset = g.device_complete_ring_offset;
   h->slots_offset = g.slots_offset;
   h->total_bytes = g.total_bytes;
   new (p + g.submit_ring_offset) RingHeader{};
   new (p + g.complete_ring_offset) RingHeader{};
+  new (p + g.device_submit_ring_offset) RingHeader{};
+  new (p + g.device_complete_ring_offset) RingHeader{};
   for (uint32_t i = 0; i < num_slots; ++i) std::memset(p + g.slots_offset + i * g.slot_stride, 0, sizeof(SlotHeader));
   __atomic_store_n(&h->magic, kMagic, __ATOMIC_RELEASE);  // last: the header is complete
   return Segment(p, g);
@@ -140,6 +146,8 @@ absl::StatusOr<Segment> Segment::Attach(void* base, size_t bytes, uint32_t expec
   } fields[] = {{"slot_stride", ReadOnce(h.slot_stride), g.slot_stride},
                 {"submit_ring_offset", ReadOnce(h.submit_ring_offset), g.submit_ring_offset},
                 {"complete_ring_offset", ReadOnce(h.complete_ring_offset), g.complete_ring_offset},
+                {"device_submit_ring_offset", ReadOnce(h.device_submit_ring_offset), g.device_submit_ring_offset},
+                {"device_complete_ring_offset", ReadOnce(h.device_complete_ring_offset), g.device_complete_ring_offset},
                 {"slots_offset", ReadOnce(h.slots_offset), g.slots_offset},
                 {"total_bytes", ReadOnce(h.total_bytes), g.total_bytes}};
   for (const auto& f : fields)
@@ -224,6 +232,20 @@ std::chrono::steady_clock::time_point Segment::ClientPollUntil() const {
   const uint64_t ns = header()->client_poll_until_ns.load(std::memory_order_relaxed);
   return std::chrono::steady_clock::time_point(
       std::chrono::nanoseconds(static_cast<int64_t>(std::min<uint64_t>(ns, uint64_t{1} << 62))));
+}
+
+void Segment::SetDevicePoll(std::chrono::nanoseconds poll) const {
+  header()->device_poll_ns.store(static_cast<uint64_t>(std::max<int64_t>(1, poll.count())), std::memory_order_release);
+}
+
+std::chrono::nanoseconds Segment::DevicePoll() const {
+  const uint64_t ns = header()->device_poll_ns.load(std::memory_order_acquire);
+  return std::chrono::nanoseconds(static_cast<int64_t>(std::min<uint64_t>(ns, uint64_t{1} << 62)));
+}
+
+std::chrono::nanoseconds DeviceNap(std::chrono::nanoseconds idle, std::chrono::nanoseconds poll) {
+  if (idle < poll) return std::chrono::nanoseconds(0);
+  return std::chrono::nanoseconds(idle < std::chrono::seconds(1) ? kDeviceNapNs : kDeviceIdleNapNs);
 }
 
 bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline,
@@ -324,13 +346,13 @@ int ShmFuzzOne(const uint8_t* data, size_t size) {
   if (size > 0 && (data[0] & 0x80)) mapped -= std::min<size_t>(mapped, (data[0] & 0x7fu) * 64u);
   for (size_t i = 1; i + 3 <= size; i += 3) {
     const uint8_t region = data[i] % 4, off = data[i + 1], value = data[i + 2];
-    const uint32_t r = off >> 1;
+    const uint32_t r = off >> 2;
     size_t at;
     switch (region) {
       case 0: at = off % 128; break;  // header fields
       case 1: at = g.slots_offset + (off % S) * g.slot_stride + (off >> 2) % 32; break;  // slot headers
       case 2:  // head bytes [0,8), tail bytes [64,72), entry bytes [128,144) of either ring
-        at = g.submit_ring_offset + (off & 1) * g.ring_bytes + (r % 32 < 8 ? 0 : r % 32 < 16 ? 56 : 112) + r % 32;
+        at = g.submit_ring_offset + (off & 3) * g.ring_bytes + (r % 32 < 8 ? 0 : r % 32 < 16 ? 56 : 112) + r % 32;
         break;
       default: at = g.slots_offset + g.ids_offset + off % 96; break;  // slot 0 ids / weights
     }
@@ -351,7 +373,7 @@ int ShmFuzzOne(const uint8_t* data, size_t size) {
     }
   }
   for (int i = 0; i < 2 * static_cast<int>(S); ++i) {
-    for (std::optional<uint32_t> idx : {server->TryPopSubmit(), server->TryPopComplete()}) {
+    for (std::optional<uint32_t> idx : {server->TryPopSubmit(), server->TryPopComplete(), server->TryPopDeviceSubmit()}) {
       if (!idx) continue;
       if (server->ValidateSlotIndex(*idx).ok() != (*idx < S)) __builtin_trap();
       if (ValidateRequestSlot(*server, *idx, kExperts, kLayers, &req).ok()) {

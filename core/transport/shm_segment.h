@@ -4,6 +4,8 @@
 //   [0, 4 KiB)        SegmentHeader: magic, version, geometry, doorbells, closed flags
 //   submit ring       RingHeader + S u32 slot indices (client -> server)
 //   complete ring     RingHeader + S u32 slot indices (server -> client)
+//   device submit     RingHeader + S u32 slot indices (the client's GPU -> server)
+//   device complete   RingHeader + S u32 slot indices (server -> the client's GPU)
 //   S slots           SlotHeader, tokens [T,H] bf16, ids [T,K] i32,
 //                     weights [T,K] f32, output [T,H] bf16
 // Every region starts on a 64-byte boundary. A request of n tokens with k
@@ -17,6 +19,15 @@
 // client's bookkeeping. Each doorbell has a sleeper count: a waiter registers
 // before FUTEX_WAIT, and a ringer skips the wake syscall when nobody sleeps
 // (the common case while both sides poll).
+//
+// Device rings: a second submit/complete pair whose producer and consumer on
+// the client side is the client's GPU (kernels writing through the mapping),
+// which can ring no futex. The client reserves slots for them (its own
+// bookkeeping) and publishes `device_poll_ns` (> 0 once it uses them): after
+// each device request the server polls both submit rings that long (capped
+// by its own budget), and while the device ring was used in the last second it
+// never sleeps longer than kDeviceNapNs at a time (then kDeviceIdleNapNs), so
+// a request the GPU pushes is picked up without a wake-up call.
 //
 // Polling mode: the client publishes `client_poll_until_ns` (CLOCK_MONOTONIC,
 // the clock of std::chrono::steady_clock on Linux), e.g. now + 2 ms at every
@@ -53,7 +64,11 @@
 namespace moe::shm {
 
 inline constexpr uint64_t kMagic = 0x31304d4853454f4dull;  // "MOESHM01" in memory order
-inline constexpr uint32_t kVersion = 2;  // 2: doorbell sleeper counts, client polling deadline
+inline constexpr uint32_t kVersion = 3;  // 2: doorbell sleeper counts, client polling deadline; 3: device rings
+// Longest sleep of a server connection whose device ring is in use (see above):
+// within a second of the last request, then afterwards.
+inline constexpr int64_t kDeviceNapNs = 50'000;
+inline constexpr int64_t kDeviceIdleNapNs = 1'000'000;
 inline constexpr uint64_t kHeaderBytes = 4096;
 inline constexpr uint64_t kAlign = 64;
 inline constexpr uint32_t kMaxMessageLen = 200;
@@ -78,6 +93,8 @@ struct SegmentHeader {
   uint64_t slot_stride;
   uint64_t submit_ring_offset;
   uint64_t complete_ring_offset;
+  uint64_t device_submit_ring_offset;
+  uint64_t device_complete_ring_offset;
   uint64_t slots_offset;
   uint64_t total_bytes;
   alignas(64) std::atomic<uint32_t> request_doorbell;   // client -> server
@@ -87,6 +104,7 @@ struct SegmentHeader {
   alignas(64) std::atomic<uint32_t> request_sleepers;   // server threads in FUTEX_WAIT on request_doorbell
   alignas(64) std::atomic<uint32_t> response_sleepers;  // client threads in FUTEX_WAIT on response_doorbell
   alignas(64) std::atomic<uint64_t> client_poll_until_ns;  // polling mode (see above); 0 = off
+  std::atomic<uint64_t> device_poll_ns;                   // device rings in use (see above); 0 = not
 };
 static_assert(sizeof(SegmentHeader) <= kHeaderBytes);
 
@@ -113,6 +131,7 @@ struct SegmentGeometry {
   uint32_t hidden = 0, max_tokens = 0, max_pairs = 0, num_slots = 0;
   uint64_t header_bytes = 0;
   uint64_t submit_ring_offset = 0, complete_ring_offset = 0, ring_bytes = 0;
+  uint64_t device_submit_ring_offset = 0, device_complete_ring_offset = 0;
   uint64_t slots_offset = 0, slot_stride = 0;
   uint64_t tokens_offset = 0, ids_offset = 0, weights_offset = 0, output_offset = 0;
   uint64_t total_bytes = 0;
@@ -164,6 +183,13 @@ class Segment {
   std::optional<uint32_t> TryPopSubmit() const { return Pop(submit_ring()); }
   bool TryPushComplete(uint32_t slot) const { return Push(complete_ring(), slot); }
   std::optional<uint32_t> TryPopComplete() const { return Pop(complete_ring()); }
+  // The device pair (server side; the client's GPU works the other ends).
+  std::optional<uint32_t> TryPopDeviceSubmit() const { return Pop(ring(geo_.device_submit_ring_offset)); }
+  bool TryPushDeviceComplete(uint32_t slot) const { return Push(ring(geo_.device_complete_ring_offset), slot); }
+  // Client side: the device rings are in use; the server polls `poll` after each device request.
+  void SetDevicePoll(std::chrono::nanoseconds poll) const;
+  std::chrono::nanoseconds DevicePoll() const;  // untrusted on the server side
+  uint8_t* base() const { return base_; }
 
   std::atomic<uint32_t>& request_doorbell() const { return header()->request_doorbell; }
   std::atomic<uint32_t>& response_doorbell() const { return header()->response_doorbell; }
@@ -183,8 +209,9 @@ class Segment {
 
  private:
   Segment(uint8_t* base, const SegmentGeometry& geo) : base_(base), geo_(geo) {}
-  RingHeader* submit_ring() const { return reinterpret_cast<RingHeader*>(base_ + geo_.submit_ring_offset); }
-  RingHeader* complete_ring() const { return reinterpret_cast<RingHeader*>(base_ + geo_.complete_ring_offset); }
+  RingHeader* ring(uint64_t offset) const { return reinterpret_cast<RingHeader*>(base_ + offset); }
+  RingHeader* submit_ring() const { return ring(geo_.submit_ring_offset); }
+  RingHeader* complete_ring() const { return ring(geo_.complete_ring_offset); }
   bool Push(RingHeader* ring, uint32_t value) const;
   std::optional<uint32_t> Pop(RingHeader* ring) const;
 
@@ -204,6 +231,11 @@ void Ring(std::atomic<uint32_t>& word, std::atomic<uint32_t>* sleepers = nullptr
 bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::steady_clock::time_point deadline,
                   std::chrono::nanoseconds spin = std::chrono::microseconds(20),
                   std::atomic<uint32_t>* sleepers = nullptr);
+
+// How long a side that serves device rings may sleep now, `idle` after its
+// last request: 0 (keep polling) within `poll`, kDeviceNapNs within a
+// second, kDeviceIdleNapNs after that (see "Device rings" above).
+std::chrono::nanoseconds DeviceNap(std::chrono::nanoseconds idle, std::chrono::nanoseconds poll);
 
 // Slot header writers (plain stores; publish by pushing the index).
 void WriteRequestHeader(const SlotView& s, uint64_t request_id, uint32_t layer, uint32_t n_tokens, uint32_t k);

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -178,55 +179,84 @@ void ShmServer::Serve(Connection* c) {
   const shm::Segment& seg = *c->seg;
   shm::ValidatedRequest req;
   auto& bell = seg.request_doorbell();
-  Clock::time_point last_request{};
+  Clock::time_point last_request{}, last_device_request{};
+  bool device_naps = false;  // timer slack lowered for the device ring's short naps
   unix_socket::PeerClosedProbe peer(c->sock);
+  // Serves slot `idx` popped from the host (device = false) or the device
+  // submit ring and completes it on the matching ring; false: drop the client.
+  auto serve = [&](uint32_t idx, bool device) {
+    if (!seg.ValidateSlotIndex(idx).ok()) {
+      LogWarning("shm", "client wrote slot index ", idx, " out of range; dropping it");
+      return false;
+    }
+    const shm::SlotView slot = seg.slot(idx);
+    const Clock::time_point t0 = opt_.on_request ? Clock::now() : Clock::time_point();
+    absl::Status st = shm::ValidateRequestSlot(seg, idx, opt_.num_experts, opt_.num_layers, &req, opt_.hosted);
+    const bool valid = st.ok();
+    if (valid) {
+      MoeBatch b;
+      b.layer = static_cast<int>(req.layer);
+      b.n = req.n_tokens;
+      b.tokens = slot.tokens;
+      b.routing = req.routing();
+      st = handler_(b, slot.output);
+    }
+    shm::WriteResponseStatus(slot, st);
+    if (opt_.on_request) {
+      ShmRequestRecord r;
+      r.code = st.code();
+      const uint64_t token_bytes = uint64_t(req.n_tokens) * uint64_t(opt_.hidden) * sizeof(bf16_t);
+      if (valid) r.bytes_received = token_bytes + uint64_t(req.n_tokens) * uint64_t(req.k) * (sizeof(int32_t) + sizeof(float));
+      if (st.ok()) r.bytes_sent = token_bytes;
+      r.handle_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+      opt_.on_request(r);
+    }
+    if (!(device ? seg.TryPushDeviceComplete(idx) : seg.TryPushComplete(idx))) {
+      // More completions than slots: the client broke the protocol.
+      LogWarning("shm", "completion ring full; dropping the client");
+      return false;
+    }
+    if (!device) seg.RingResponse();  // the GPU polls its ring
+    return true;
+  };
   while (!stop_.load()) {
     const uint32_t seen = bell.load(std::memory_order_acquire);
     bool worked = false;
-    while (std::optional<uint32_t> idx = seg.TryPopSubmit()) {
-      worked = true;
-      last_request = Clock::now();
-      if (!seg.ValidateSlotIndex(*idx).ok()) {
-        LogWarning("shm", "client wrote slot index ", *idx, " out of range; dropping it");
-        goto disconnect;
+    for (bool more = true; more;) {
+      more = false;
+      if (std::optional<uint32_t> idx = seg.TryPopSubmit()) {
+        more = worked = true;
+        last_request = Clock::now();
+        if (!serve(*idx, false)) goto disconnect;
       }
-      const shm::SlotView slot = seg.slot(*idx);
-      const Clock::time_point t0 = opt_.on_request ? Clock::now() : Clock::time_point();
-      absl::Status st = shm::ValidateRequestSlot(seg, *idx, opt_.num_experts, opt_.num_layers, &req, opt_.hosted);
-      const bool valid = st.ok();
-      if (valid) {
-        MoeBatch b;
-        b.layer = static_cast<int>(req.layer);
-        b.n = req.n_tokens;
-        b.tokens = slot.tokens;
-        b.routing = req.routing();
-        st = handler_(b, slot.output);
+      if (std::optional<uint32_t> idx = seg.TryPopDeviceSubmit()) {
+        more = worked = true;
+        last_request = last_device_request = Clock::now();
+        if (!serve(*idx, true)) goto disconnect;
       }
-      shm::WriteResponseStatus(slot, st);
-      if (opt_.on_request) {
-        ShmRequestRecord r;
-        r.code = st.code();
-        const uint64_t token_bytes = uint64_t(req.n_tokens) * uint64_t(opt_.hidden) * sizeof(bf16_t);
-        if (valid) r.bytes_received = token_bytes + uint64_t(req.n_tokens) * uint64_t(req.k) * (sizeof(int32_t) + sizeof(float));
-        if (st.ok()) r.bytes_sent = token_bytes;
-        r.handle_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
-        opt_.on_request(r);
-      }
-      if (!seg.TryPushComplete(*idx)) {  // more completions than slots: the client broke the protocol
-        LogWarning("shm", "completion ring full; dropping the client");
-        goto disconnect;
-      }
-      seg.RingResponse();
     }
     if (seg.PeerClosed(shm::Side::kServer) || peer.Closed()) break;
     // Spin a while before sleeping: in decode the next layer's batch follows
-    // within microseconds; a client in polling mode asks for longer.
+    // within microseconds; a client in polling mode asks for longer. A client
+    // whose GPU pushes requests (device rings) cannot wake us: poll after its
+    // requests, and nap briefly instead of sleeping until a doorbell.
     if (!worked) {
       const Clock::time_point now = Clock::now();
       std::chrono::nanoseconds spin = opt_.idle_spin;
-      const Clock::time_point poll_until = std::min(seg.ClientPollUntil(), last_request + opt_.max_client_poll);
+      Clock::time_point poll_until = std::min(seg.ClientPollUntil(), last_request + opt_.max_client_poll);
+      Clock::time_point wake = now + std::chrono::milliseconds(50);
+      const std::chrono::nanoseconds device_poll = seg.DevicePoll();
+      if (device_poll.count() > 0) {
+        if (!device_naps) {
+          prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);  // 1 us: naps of kDeviceNapNs stay that short
+          device_naps = true;
+        }
+        const std::chrono::nanoseconds poll = std::min<std::chrono::nanoseconds>(device_poll, opt_.max_client_poll);
+        poll_until = std::max(poll_until, last_device_request + poll);
+        wake = now + std::max(shm::DeviceNap(now - last_request, poll), std::chrono::nanoseconds(shm::kDeviceNapNs));
+      }
       if (poll_until > now) spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
-      seg.WaitRequest(seen, now + std::chrono::milliseconds(50), spin);
+      seg.WaitRequest(seen, std::max(wake, now + spin), spin);
     }
   }
 disconnect:

@@ -66,6 +66,20 @@ class ShmTransport final : public ExpertTransport {
 
   const char* kind() const override { return "shm"; }
 
+  std::optional<DeviceRings> DeviceRingsOf() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!conn_ || opt_.device_slots <= 0) return std::nullopt;
+    const uint32_t S = conn_->seg->num_slots();
+    return DeviceRings{*conn_->seg, conn_->bytes, conn_->generation, S - static_cast<uint32_t>(opt_.device_slots),
+                       static_cast<uint32_t>(opt_.device_slots)};
+  }
+
+  absl::Status Reconnect() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (conn_ && !conn_->dead.load()) return absl::OkStatus();
+    return ConnectLocked();
+  }
+
   std::pair<void*, size_t> HostMapping() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return conn_ ? std::pair<void*, size_t>{conn_->base, conn_->bytes} : std::pair<void*, size_t>{nullptr, 0};
@@ -225,11 +239,14 @@ class ShmTransport final : public ExpertTransport {
   // Joins the completion threads of retired connections that are done (they
   // no longer need mu_) and drops them, unmapping their segments once no
   // staged slot holds them: a dead server's segment does not stay resident
-  // until the next reconnect.
+  // until the next reconnect. With device slots the segment stays mapped for
+  // the transport's life: a GPU may have the old segment's address in a call
+  // in flight (its writes must land in memory that is still ours).
   void ReapRetiredLocked() {
     for (auto it = retired_.begin(); it != retired_.end();) {
       if ((*it)->finished) {
         (*it)->completer.join();
+        if (opt_.device_slots > 0) device_kept_.push_back(*it);
         it = retired_.erase(it);
       } else {
         ++it;
@@ -277,7 +294,9 @@ class ShmTransport final : public ExpertTransport {
     absl::StatusOr<shm::Segment> seg = shm::Segment::Attach(c->base, c->bytes, static_cast<uint32_t>(opt_.hidden));
     if (!seg.ok()) return seg.status();
     c->seg = *seg;
-    for (uint32_t s = 0; s < c->seg->num_slots(); ++s) c->free_slots.push_back(s);
+    // The highest device_slots slots are the GPU's (DeviceRingsOf).
+    for (uint32_t s = 0; s + static_cast<uint32_t>(std::max(opt_.device_slots, 0)) < c->seg->num_slots(); ++s)
+      c->free_slots.push_back(s);
     c->generation = ++generation_;
     c->completer = std::thread([this, c] { CompleteLoop(c); });
     conn_ = c;
@@ -404,6 +423,7 @@ class ShmTransport final : public ExpertTransport {
   bool closing_ = false;
   std::shared_ptr<ShmConnection> conn_;
   std::vector<std::shared_ptr<ShmConnection>> retired_;
+  std::vector<std::shared_ptr<ShmConnection>> device_kept_;  // dead, still mapped (see ReapRetiredLocked)
   uint64_t generation_ = 0;
   std::map<uint64_t, Batch> batches_;
   std::atomic<size_t> in_flight_{0};  // batches_.size(), read by the completion thread
@@ -418,6 +438,9 @@ class ShmTransport final : public ExpertTransport {
 absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectShmTransport(const std::string& socket_path,
                                                                     const TransportOptions& o) {
   if (o.hidden <= 0) return absl::InvalidArgumentError("transport: hidden size must be set");
+  if (o.device_slots < 0 || o.device_slots >= o.slots)
+    return absl::InvalidArgumentError(absl::StrCat("transport: device_slots ", o.device_slots, " must be in [0, slots ",
+                                                   o.slots, ")"));
   auto t = std::make_unique<ShmTransport>(socket_path, o);
   if (absl::Status st = t->Open(); !st.ok()) return st;
   return std::unique_ptr<ExpertTransport>(std::move(t));

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
 #include "core/moe_batch.h"
+#include "core/transport/shm_segment.h"
 #include "moe/types.h"
 
 namespace moe {
@@ -33,6 +34,9 @@ struct TransportOptions {
   int max_tokens_per_slot = 256;
   int max_pairs_per_token = 8;
   int slots = 16;
+  // Slots kept for the client's GPU, which works the segment's device rings
+  // itself (ExpertTransport::DeviceRings); the others serve Stage / Submit.
+  int device_slots = 0;
   // gRPC
   TlsOptions tls;
   bool grpc_unary = false;         // unary Forward per batch instead of the stream
@@ -73,6 +77,21 @@ class ExpertTransport {
   // The host memory staged batches live in, for cudaHostRegister (shm: the
   // whole mapped segment); {nullptr, 0} when it is not one fixed region.
   virtual std::pair<void*, size_t> HostMapping() const { return {nullptr, 0}; }
+
+  // shm with TransportOptions::device_slots > 0: the connected segment for a
+  // GPU that works its device rings (shm_segment.h), the slots kept for it
+  // ([first_slot, first_slot + slots)) and the connection's generation
+  // (another segment after every reconnect); nullopt otherwise. The segment
+  // stays mapped while the transport lives, also after a reconnect.
+  struct DeviceRings {
+    shm::Segment segment;
+    size_t bytes = 0;
+    uint64_t generation = 0;
+    uint32_t first_slot = 0, slots = 0;
+  };
+  virtual std::optional<DeviceRings> DeviceRingsOf() const { return std::nullopt; }
+  // Connects again if the server went away (the next Submit would too); OK when connected.
+  virtual absl::Status Reconnect() { return absl::OkStatus(); }
 
   // Copies the batch out before returning (the caller may reuse its buffers);
   // `out` ([n, H] bf16) must stay valid until the future is ready.

@@ -24,6 +24,7 @@
 #include <cstdint>
 
 #include "core/bf16.h"
+#include "gpu_worker/device_plan.h"
 
 namespace moe::cuda {
 
@@ -134,5 +135,51 @@ cudaError_t LaunchScatterAddBf16(const bf16_t* partial, const int32_t* rows, int
 
 // out[i] = bf16(accum[i]) for i < n; out may be host-mapped.
 cudaError_t LaunchAccumToBf16(const float* accum, size_t n, bf16_t* out, cudaStream_t stream);
+
+// ---- the device-planned call (gpu_worker/cuda/device_plan.cu) --------------
+// One request a call ships to one channel (device scratch, per channel):
+// `slot` the device address of the slot, `index` its position on the device
+// submit ring, `rows` its tokens (0: nothing shipped).
+struct DeviceShip {
+  uint64_t slot;
+  uint64_t index;
+  int32_t rows;
+  uint32_t slot_index;
+};
+
+// Everything the three kernels of one call read and write. Device scratch is
+// the call site's (sized for T x k); tables and channels are host-mapped.
+struct DevicePlanArgs {
+  int T = 0, k = 0, hidden = 0, num_experts = 0, layer = 0, num_channels = 0;
+  const int32_t* ids = nullptr;      // [T, k] the engine's routing (device)
+  const float* weights = nullptr;    // [T, k]
+  const bf16_t* x = nullptr;         // [T, H] activations (device)
+  DeviceLayerTables tables;          // the layer's slot map, routes and error records
+  const DeviceChannel* channels = nullptr;  // [num_channels]
+  unsigned int* counts = nullptr;    // [num_experts] routed pairs per expert, accumulated (device; may be null)
+  GroupDesc* groups = nullptr;       // [T*k] the hit groups (count 0 past the last)
+  int32_t* row_token = nullptr;      // [T*k] token of each hit row
+  float* row_weight = nullptr;       // [T*k]
+  int32_t* miss_token = nullptr;     // [kMaxDeviceChannels * T] token of each request row
+  DeviceShip* ships = nullptr;       // [kMaxDeviceChannels]
+  unsigned int* done = nullptr;      // [kMaxDeviceChannels] zero at rest (the ship kernel resets it)
+  float* accum = nullptr;            // [T, H] zeroed before LaunchDevicePlan; NaN rows on errors
+  uint64_t timeout_ns = 0;           // how long LaunchDeviceCombine waits for an answer
+};
+
+// Shared memory the split needs (above 48 KiB the launcher opts in).
+size_t DevicePlanSharedBytes(int T, int k, int num_experts, int num_channels);
+// The split (one block): validates the routing (ids in [-1, E), finite
+// weights; else INVALID_ARGUMENT in the split's error record and the token's
+// accum row NaN), counts each routed expert, reads the slot map and the
+// routes, writes the hit groups, and each channel's request (routing rows
+// and header) into its next device slot; then the copy of the request's
+// token rows and the push on the device submit ring (+ doorbell) per channel.
+cudaError_t LaunchDevicePlan(const DevicePlanArgs& a, cudaStream_t stream);
+// Waits for each shipped request's answer (at most timeout_ns), adds its
+// partial sums into accum and pops the device complete ring; a timeout or
+// the server's error code goes to the channel's error record, and the
+// request's tokens become NaN.
+cudaError_t LaunchDeviceCombine(const DevicePlanArgs& a, cudaStream_t stream);
 
 }  // namespace moe::cuda

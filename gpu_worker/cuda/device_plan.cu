@@ -1,0 +1,403 @@
+// The device-planned call's kernels (contracts in kernels.h, tables in
+// gpu_worker/device_plan.h): the split of the routing into hit groups and
+// per-server miss requests, the requests written into the servers'
+// shared-memory slots and pushed on their device rings, and the bounded wait
+// for the answers with their partial sums added into the accumulator.
+//
+// Host memory (the tables, the segments) is read with cache-volatile loads
+// (__ldcv: fetched again every time; the host or the server changes it
+// between and during calls) and written with plain stores ordered by
+// __threadfence_system() before the store that publishes them (a ring's
+// tail), as the server's acquire load of that tail expects.
+#include <cuda_bf16.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "gpu_worker/cuda/device_util.cuh"
+#include "gpu_worker/cuda/kernels.h"
+
+namespace moe::cuda {
+namespace {
+
+constexpr int kPlanThreads = 512;    // one block splits the call
+constexpr int kShipBlocksPerChannel = 8;
+constexpr int kShipThreads = 256;
+// absl::StatusCode values the kernels report (status.h is host-only).
+constexpr int kInvalidArgument = 3, kDeadlineExceeded = 4, kResourceExhausted = 8, kUnavailable = 14;
+
+// RingHeader (core/transport/shm_segment.h): head at +0, tail at +64, entries at +128.
+__device__ __forceinline__ volatile uint64_t* RingHead(uint64_t ring) { return reinterpret_cast<volatile uint64_t*>(ring); }
+__device__ __forceinline__ volatile uint64_t* RingTail(uint64_t ring) { return reinterpret_cast<volatile uint64_t*>(ring + 64); }
+__device__ __forceinline__ volatile uint32_t* RingEntries(uint64_t ring) {
+  return reinterpret_cast<volatile uint32_t*>(ring + 128);
+}
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// SlotHeader (shm_segment.h): request_id u64, layer, n_tokens, k u32, status_code i32, message_len u32.
+struct SlotHeaderView {
+  uint64_t request_id;
+  uint32_t layer, n_tokens, k;
+  int32_t status_code;
+  uint32_t message_len;
+};
+
+// In-place exclusive prefix sum of data[0, n) in shared memory; returns the
+// total. Every thread of the block must call it (it synchronizes).
+__device__ int BlockExclusiveScan(int* data, int n, int* warp_sums, int* carry) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (threadIdx.x == 0) *carry = 0;
+  __syncthreads();
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int i = base + threadIdx.x;
+    const int v = i < n ? data[i] : 0;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      int s = lane < nwarps ? warp_sums[lane] : 0;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, s, o);
+        if (lane >= o) s += y;
+      }
+      if (lane < nwarps) warp_sums[lane] = s;
+    }
+    __syncthreads();
+    const int c = *carry;
+    if (i < n) data[i] = c + (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
+    __syncthreads();
+    if (threadIdx.x == 0) *carry = c + warp_sums[nwarps - 1];
+    __syncthreads();
+  }
+  return *carry;
+}
+
+// The first error of the block wins (code 0: none yet).
+__device__ __forceinline__ void Fail(int* err_code, int* err_detail, int code, int detail) {
+  if (atomicCAS(err_code, 0, code) == 0) *err_detail = detail;
+}
+
+// accum[t, :] = NaN: a token whose result cannot be complete is never silently wrong.
+__device__ void Poison(float* accum, int t, int H, int from, int step) {
+  for (int h = from; h < H; h += step) accum[static_cast<size_t>(t) * H + h] = __int_as_float(0x7fc00000);
+}
+
+__global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs a) {
+  extern __shared__ int smem[];
+  const int T = a.T, k = a.k, P = T * k, E = a.num_experts, C = a.num_channels, H = a.hidden;
+  int* s_cnt = smem;           // [E] hit pairs per expert
+  int* s_first = s_cnt + E;    // [E] first hit pair per expert
+  int* s_begin = s_first + E;  // [E] first plan row of the expert's group
+  int* s_fill = s_begin + E;   // [E] rows placed so far
+  int* s_kind = s_fill + E;    // [P] buffer (>= 0: hit), -1 miss, -2 skipped
+  int* s_ch = s_kind + P;      // [P] channel of a miss
+  int* s_scan = s_ch + P;      // [P] group index of a leader
+  int* s_scan2 = s_scan + P;   // [P] first row of a leader's group
+  int* s_row = s_scan2 + P;    // [C * T] token needs channel c -> its row in c's request
+  __shared__ int warp_sums[32], carry, err_code, err_detail;
+  __shared__ int s_rows[kMaxDeviceChannels];
+  __shared__ uint64_t s_tail[kMaxDeviceChannels], s_head[kMaxDeviceChannels], s_base[kMaxDeviceChannels];
+  __shared__ DeviceChannel s_chan[kMaxDeviceChannels];
+  const int tid = threadIdx.x, nt = blockDim.x;
+
+  if (tid == 0) err_code = err_detail = 0;
+  for (int e = tid; e < E; e += nt) {
+    s_cnt[e] = 0;
+    s_first[e] = INT_MAX;
+    s_fill[e] = 0;
+  }
+  for (int i = tid; i < C * T; i += nt) s_row[i] = 0;
+  for (int g = tid; g < P; g += nt) a.groups[g] = GroupDesc{0, 0, 0, 0};
+  if (tid < C) {
+    const uint64_t* src = reinterpret_cast<const uint64_t*>(a.channels + tid);
+    uint64_t* dst = reinterpret_cast<uint64_t*>(&s_chan[tid]);
+    for (size_t w = 0; w < sizeof(DeviceChannel) / 8; ++w) dst[w] = __ldcv(reinterpret_cast<const unsigned long long*>(src + w));
+    s_rows[tid] = 0;
+  }
+  __syncthreads();
+  if (tid < C) {
+    s_base[tid] = s_chan[tid].base;
+    if (s_base[tid] != 0) {
+      const uint64_t ring = s_base[tid] + s_chan[tid].submit_ring;
+      s_tail[tid] = *RingTail(ring);  // ours: the GPU is the ring's only producer
+      s_head[tid] = *RingHead(ring);  // the server's
+    }
+  }
+  __syncthreads();
+
+  // Each pair: a hit (its expert has a Ready slot), a miss for a channel, or skipped.
+  for (int p = tid; p < P; p += nt) {
+    const int e = a.ids[p], t = p / k;
+    const float w = a.weights[p];
+    s_kind[p] = -2;
+    if (e == -1) continue;  // no expert for this pair
+    if (e < -1 || e >= E || !isfinite(w)) {
+      Fail(&err_code, &err_detail, kInvalidArgument, e);
+      Poison(a.accum, t, H, 0, 1);
+      continue;
+    }
+    if (a.counts != nullptr) atomicAdd(a.counts + e, 1u);
+    const int b = __ldcv(a.tables.buffer_of + e);
+    if (b >= 0) {
+      s_kind[p] = b;
+      atomicAdd(s_cnt + e, 1);
+      atomicMin(s_first + e, p);
+      continue;
+    }
+    const int c = __ldcv(a.tables.channel_of + e);
+    if (c < 0 || c >= C || s_base[c] == 0) {
+      Fail(&err_code, &err_detail, kUnavailable, e);
+      Poison(a.accum, t, H, 0, 1);
+      continue;
+    }
+    s_kind[p] = -1;
+    s_ch[p] = c;
+    s_row[c * T + t] = 1;
+  }
+  __syncthreads();
+
+  // Hits: one group per expert, in order of first appearance.
+  for (int p = tid; p < P; p += nt) {
+    const bool leader = s_kind[p] >= 0 && s_first[a.ids[p]] == p;
+    s_scan[p] = leader ? 1 : 0;
+    s_scan2[p] = leader ? s_cnt[a.ids[p]] : 0;
+  }
+  __syncthreads();
+  BlockExclusiveScan(s_scan, P, warp_sums, &carry);
+  BlockExclusiveScan(s_scan2, P, warp_sums, &carry);
+  for (int p = tid; p < P; p += nt) {
+    if (s_kind[p] < 0) continue;
+    const int e = a.ids[p];
+    if (s_first[e] != p) continue;
+    s_begin[e] = s_scan2[p];
+    a.groups[s_scan[p]] = GroupDesc{s_kind[p], s_scan2[p], s_cnt[e], 0};
+  }
+  __syncthreads();
+  for (int p = tid; p < P; p += nt) {
+    if (s_kind[p] < 0) continue;
+    const int e = a.ids[p];
+    const int row = s_begin[e] + atomicAdd(s_fill + e, 1);
+    a.row_token[row] = p / k;
+    a.row_weight[row] = a.weights[p];
+  }
+
+  // Misses: per channel, the tokens with a pair for it, in token order.
+  for (int c = 0; c < C; ++c) {
+    const int n = BlockExclusiveScan(s_row + c * T, T, warp_sums, &carry);
+    if (tid == 0) s_rows[c] = n;
+  }
+  __syncthreads();
+  if (tid < C && s_rows[tid] > 0) {
+    const DeviceChannel& ch = s_chan[tid];
+    int code = 0;
+    if (s_rows[tid] > static_cast<int>(ch.max_tokens) || k > static_cast<int>(ch.max_pairs)) {
+      code = kResourceExhausted;  // the worker keeps capturable calls within a slot
+    } else if (s_tail[tid] - s_head[tid] >= ch.num_slots || ch.device_slots == 0) {
+      code = kUnavailable;  // the server stopped taking requests
+    }
+    if (code != 0) {
+      Fail(&err_code, &err_detail, code, -1 - tid);
+      s_rows[tid] = -s_rows[tid];  // poisoned below
+    }
+  }
+  __syncthreads();
+  for (int c = 0; c < C; ++c) {
+    const int n = s_rows[c];
+    if (n == 0) continue;
+    const int* row = s_row + c * T;
+    for (int t = tid; t < T; t += nt) {
+      const int next = t + 1 < T ? row[t + 1] : (n > 0 ? n : -n);
+      if (next == row[t]) continue;  // token t has no pair for c
+      if (n < 0) {
+        Poison(a.accum, t, H, 0, 1);
+      } else {
+        a.miss_token[c * T + row[t]] = t;
+      }
+    }
+  }
+  __syncthreads();
+  // The requests' routing rows: every entry written once, -1 where the pair
+  // is not this channel's.
+  for (int c = 0; c < C; ++c) {
+    const int n = s_rows[c];
+    if (n <= 0) continue;
+    const DeviceChannel& ch = s_chan[c];
+    const uint64_t index = s_tail[c];
+    const uint32_t slot = ch.first_slot + static_cast<uint32_t>(index % ch.device_slots);
+    const uint64_t sbase = s_base[c] + ch.slots_offset + static_cast<uint64_t>(slot) * ch.slot_stride;
+    int32_t* ids = reinterpret_cast<int32_t*>(sbase + ch.ids_offset);
+    float* weights = reinterpret_cast<float*>(sbase + ch.weights_offset);
+    for (int i = tid; i < n * k; i += nt) {
+      const int t = a.miss_token[c * T + i / k], p = t * k + i % k;
+      const bool mine = s_kind[p] == -1 && s_ch[p] == c;
+      ids[i] = mine ? a.ids[p] : -1;
+      weights[i] = mine ? a.weights[p] : 0.f;
+    }
+    if (tid == 0) {
+      volatile SlotHeaderView* h = reinterpret_cast<volatile SlotHeaderView*>(sbase);
+      h->request_id = index + 1;
+      h->layer = static_cast<uint32_t>(a.layer);
+      h->n_tokens = static_cast<uint32_t>(n);
+      h->k = static_cast<uint32_t>(k);
+      h->status_code = 0;
+      h->message_len = 0;
+      a.ships[c] = DeviceShip{sbase, index, n, slot};
+    }
+  }
+  if (tid < kMaxDeviceChannels && (tid >= C || s_rows[tid] <= 0)) a.ships[tid] = DeviceShip{0, 0, 0, 0};
+  __threadfence_system();  // the requests' rows and headers before the ship kernel publishes them
+  __syncthreads();
+  if (tid == 0 && err_code != 0) {
+    DeviceError* out = a.tables.errors;  // the split's record
+    out->detail = err_detail;
+    out->layer = a.layer;
+    __threadfence_system();
+    out->code = err_code;
+  }
+}
+
+// Copies each request's token rows into its slot, then the channel's last
+// block publishes the slot on the device submit ring and rings the doorbell.
+__global__ void __launch_bounds__(kShipThreads) DeviceShipKernel(DevicePlanArgs a) {
+  const int c = blockIdx.x;
+  const DeviceShip ship = a.ships[c];
+  if (ship.rows <= 0) return;  // uniform per channel: every block of it returns
+  const int H = a.hidden;
+  const uint64_t base = __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].base));
+  const uint64_t tokens_offset = __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].tokens_offset));
+  bf16_t* dst = reinterpret_cast<bf16_t*>(ship.slot + tokens_offset);
+  const bool vec = H % 8 == 0;
+  for (int r = blockIdx.y; r < ship.rows; r += gridDim.y) {
+    const bf16_t* src = a.x + static_cast<size_t>(a.miss_token[c * a.T + r]) * H;
+    bf16_t* d = dst + static_cast<size_t>(r) * H;
+    if (vec) {
+      for (int i = threadIdx.x; i < H / 8; i += blockDim.x)
+        reinterpret_cast<uint4*>(d)[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+    } else {
+      for (int i = threadIdx.x; i < H; i += blockDim.x) d[i] = src[i];
+    }
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (atomicAdd(a.done + c, 1u) != gridDim.y - 1) return;
+  a.done[c] = 0;  // the last block of the channel: publish
+  __threadfence_system();
+  const uint64_t ring = base + __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].submit_ring));
+  const uint32_t S = __ldcv(reinterpret_cast<const unsigned int*>(&a.channels[c].num_slots));
+  RingEntries(ring)[ship.index & (S - 1)] = ship.slot_index;
+  __threadfence_system();
+  *RingTail(ring) = ship.index + 1;
+  __threadfence_system();
+  // The doorbell word changes so a server spinning on it looks at the rings
+  // (it cannot wake a sleeping one: the server naps while the device rings are in use).
+  volatile uint32_t* bell = reinterpret_cast<volatile uint32_t*>(
+      base + __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].doorbell)));
+  *bell = *bell + 1;
+}
+
+// Waits (bounded) for each request's answer and adds its rows into accum;
+// on a timeout or the server's error the request's tokens become NaN and
+// the channel's error record says why.
+__global__ void __launch_bounds__(kShipThreads) DeviceCombineKernel(DevicePlanArgs a) {
+  const int c = blockIdx.x;
+  const DeviceShip ship = a.ships[c];
+  if (ship.rows <= 0) return;
+  const int H = a.hidden;
+  __shared__ int state;  // 0 answered OK, else the error code
+  __shared__ int status;
+  const uint64_t base = __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].base));
+  if (threadIdx.x == 0) {
+    const uint64_t ring = base + __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].complete_ring));
+    const uint64_t start = GlobalTimerNs();
+    state = 0;
+    while (*RingTail(ring) <= ship.index) {
+      if (GlobalTimerNs() - start > a.timeout_ns) {
+        state = kDeadlineExceeded;
+        break;
+      }
+      __nanosleep(200);
+    }
+    __threadfence_system();
+    status = 0;
+    if (state == 0) {
+      status = __ldcv(reinterpret_cast<const int*>(ship.slot + 20));  // SlotHeader::status_code
+      if (status != 0) state = status > 0 && status <= 16 ? status : kUnavailable;
+      if (blockIdx.y == 0) *RingHead(ring) = ship.index + 1;  // ours: the GPU is the only consumer
+    }
+    if (state != 0 && blockIdx.y == 0) {
+      DeviceError* out = a.tables.errors + 1 + c;
+      out->detail = state == kDeadlineExceeded ? -1 : static_cast<int32_t>(ship.slot_index);
+      out->layer = a.layer;
+      __threadfence_system();
+      out->code = state;
+    }
+  }
+  __syncthreads();
+  const uint64_t output_offset = __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].output_offset));
+  const bf16_t* out = reinterpret_cast<const bf16_t*>(ship.slot + output_offset);
+  for (int r = blockIdx.y; r < ship.rows; r += gridDim.y) {
+    const int t = a.miss_token[c * a.T + r];
+    if (state != 0) {
+      Poison(a.accum, t, H, threadIdx.x, blockDim.x);
+      continue;
+    }
+    float* acc = a.accum + static_cast<size_t>(t) * H;
+    const bf16_t* y = out + static_cast<size_t>(r) * H;
+    if (H % 8 == 0) {
+      for (int i = threadIdx.x; i < H / 8; i += blockDim.x) {
+        const uint4 v = __ldcv(reinterpret_cast<const uint4*>(y) + i);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          atomicAdd(acc + 8 * i + 2 * j, BfLo(w[j]));
+          atomicAdd(acc + 8 * i + 2 * j + 1, BfHi(w[j]));
+        }
+      }
+    } else {
+      for (int h = threadIdx.x; h < H; h += blockDim.x)
+        atomicAdd(acc + h, __uint_as_float(static_cast<uint32_t>(__ldcv(reinterpret_cast<const unsigned short*>(y + h))) << 16));
+    }
+  }
+}
+
+}  // namespace
+
+size_t DevicePlanSharedBytes(int T, int k, int num_experts, int num_channels) {
+  return sizeof(int) * (4 * static_cast<size_t>(num_experts) + 5 * static_cast<size_t>(T) * k +
+                        static_cast<size_t>(num_channels) * T);
+}
+
+cudaError_t LaunchDevicePlan(const DevicePlanArgs& a, cudaStream_t stream) {
+  if (a.T <= 0 || a.k <= 0) return cudaSuccess;
+  const size_t smem = DevicePlanSharedBytes(a.T, a.k, a.num_experts, a.num_channels);
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(DevicePlanKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  DevicePlanKernel<<<1, kPlanThreads, smem, stream>>>(a);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || a.num_channels == 0) return err;
+  DeviceShipKernel<<<dim3(a.num_channels, kShipBlocksPerChannel), kShipThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchDeviceCombine(const DevicePlanArgs& a, cudaStream_t stream) {
+  if (a.T <= 0 || a.k <= 0 || a.num_channels == 0) return cudaSuccess;
+  DeviceCombineKernel<<<dim3(a.num_channels, kShipBlocksPerChannel), kShipThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace moe::cuda
