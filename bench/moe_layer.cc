@@ -12,6 +12,10 @@
 //              places them; --admissions N adds lfru admissions per call) + misses on the CPU
 //              server + copy-instead when the measured rates say it pays
 //   ours-dual  the same with the batch as two micro-batches (B's work overlaps A's misses)
+//   ours-graph ours' placement (static: no admissions, no copy-instead) with every MoE call a
+//              device-planned capturable call replayed from a CUDA graph captured per layer
+//              (the split on the GPU, misses pushed on the server's device rings; the attention
+//              stays eager); its own floor and fixed us/layer
 //   ours-cpu   ours without copy-instead: every miss to the CPU server (what the copy
 //              decision buys or costs, in the same run)
 //   lru-copy   copy every miss to the device with LRU eviction (plain offloading)
@@ -64,6 +68,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -393,7 +398,7 @@ class Bench {
 
   // One configuration: a fresh backend + dispatcher, warm-up, timed steps.
   // A step runs the batch through every layer, chunk by chunk (--chunk).
-  RunResult Run(int T, int C, CachePolicyKind policy, CopyMode copy, bool dual) {
+  RunResult Run(int T, int C, CachePolicyKind policy, CopyMode copy, bool dual, bool graph = false) {
     const int N = o_.CallTokens(T);
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
     DispatcherConfig c;
@@ -414,6 +419,7 @@ class Bench {
       if (!hit && miss_rows_ != nullptr) miss_rows_->push_back(pairs);
     };
     std::unique_ptr<LayerDispatcher> d = Value(LayerDispatcher::Create(spec_, *backend, host_, c), "dispatcher");
+    graph_ = graph ? std::make_unique<Graphs>() : nullptr;
     ZipfRouter router(static_cast<int>(spec_.moe_layers.size()), spec_.num_experts, spec_.top_k, o_.zipf,
                       o_.drift, o_.seed);
     // A warm cache, as a long-running worker has: the C most popular experts of
@@ -464,7 +470,9 @@ class Bench {
         step_t.push_back(Sec(s0));
         moe_t.push_back(moe);
       }
+      if (graph) Check(d->TakeStreamError(), "graph step");
     }
+    graph_.reset();
     r.step_s = Median(step_t);
     r.moe_s = Median(moe_t);
     r.submit_s = Median(submit_t);
@@ -556,6 +564,7 @@ class Bench {
   double Call(Io& io, ZipfRouter& router, int li, int off, int n, bool dual, CallStats st[2], Uncached* calls) {
     const int layer = spec_.moe_layers[li], k = spec_.top_k;
     router.Route(li, n, io.hid.data() + static_cast<size_t>(off) * k, io.hw.data() + static_cast<size_t>(off) * k);
+    if (graph_ != nullptr) return GraphCall(io, li, off, n, st, calls);
     const int na = dual ? n / 2 : n;
     if (na == 0 || na == n) {
       Attend(io, li, off, n);
@@ -580,8 +589,65 @@ class Bench {
     return moe + Sec(m1);
   }
 
+  // ours-graph: one CUDA graph per (layer, tokens), captured after one eager
+  // enqueue of the same call, replayed on a stream of the bench's own.
+  struct Graphs {
+#ifdef MOE_HAVE_CUDA
+    cudaStream_t stream = nullptr;
+    std::map<std::pair<int, int>, cudaGraphExec_t> exec;
+    Graphs() {
+      if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) Die("cudaStreamCreate failed");
+    }
+    ~Graphs() {
+      for (auto& [key, e] : exec) cudaGraphExecDestroy(e);
+      cudaStreamDestroy(stream);
+    }
+#endif
+  };
+  double GraphCall(Io& io, int li, int off, int n, CallStats st[2], Uncached* calls) {
+#ifdef MOE_HAVE_CUDA
+    const int layer = spec_.moe_layers[li], k = spec_.top_k;
+    Attend(io, li, off, n);
+    if (calls != nullptr) {  // the floor's input: the rows of each expert this call misses
+      std::map<int, int> rows;
+      for (int i = 0; i < n * k; ++i) {
+        const int e = io.hid[static_cast<size_t>(off) * k + i];
+        if (e >= 0 && io.d->cache().ReadySlot(layer, e) < 0) ++rows[e];
+      }
+      std::vector<int>& v = calls->emplace_back();
+      for (const auto& [e, r] : rows) v.push_back(r);
+    }
+    for (int i = 0; i < n * k; ++i) {
+      const int e = io.hid[static_cast<size_t>(off) * k + i];
+      (e >= 0 && io.d->cache().ReadySlot(layer, e) >= 0 ? st[0].hit_pairs : st[0].cpu_pairs) += 1;
+    }
+    LayerCall call = At(io, layer, off, n);
+    call.stream = graph_->stream;
+    cudaGraphExec_t& exec = graph_->exec[{li, n}];
+    if (exec == nullptr) {
+      Check(io.d->EnqueueCapturable(call), "capturable warm-up");
+      if (cudaStreamSynchronize(graph_->stream) != cudaSuccess) Die("warm-up failed");
+      cudaGraph_t g = nullptr;
+      if (cudaStreamBeginCapture(graph_->stream, cudaStreamCaptureModeGlobal) != cudaSuccess) Die("capture");
+      Check(io.d->EnqueueCapturable(call), "capturable call");
+      if (cudaStreamEndCapture(graph_->stream, &g) != cudaSuccess || cudaGraphInstantiate(&exec, g, 0) != cudaSuccess)
+        Die("graph capture failed");
+      cudaGraphDestroy(g);
+    }
+    const Clock::time_point m0 = Clock::now();
+    if (cudaGraphLaunch(exec, graph_->stream) != cudaSuccess || cudaStreamSynchronize(graph_->stream) != cudaSuccess)
+      Die("graph replay failed");
+    return Sec(m0);
+#else
+    (void)io, (void)li, (void)off, (void)n, (void)st, (void)calls;
+    Die("ours-graph needs the cuda backend");
+    return 0;
+#endif
+  }
+
   const Options& o_;
   const ModelSpec& spec_;
+  std::unique_ptr<Graphs> graph_;  // ours-graph runs
   std::string shm_;
   HostExpertStore* host_;
   std::string cost_;
@@ -649,7 +715,7 @@ int Main(int argc, char** argv) {
   flags.Int("layers", &layers, "MoE layers (0: as many as fit twice in host memory: server + worker copy)");
   flags.String("batches", &o.batches, "tokens per decode step");
   flags.String("cache", &o.cache, "cache sizes, percent of the GPU memory a bf16 cache of every expert would take");
-  flags.String("modes", &o.modes, "ceiling, ours, ours-cpu, ours-dual, lru-copy, copy-all");
+  flags.String("modes", &o.modes, "ceiling, ours, ours-cpu, ours-dual, ours-graph, lru-copy, copy-all");
   flags.Int("steps", &steps, "timed decode steps per configuration");
   flags.Int("warmup", &warmup, "untimed steps first (the cache warms up)");
   flags.Int("server-threads", &threads,
@@ -797,11 +863,11 @@ int Main(int argc, char** argv) {
   if (!rates_out.empty()) WriteRates(rates_out, dram_gbps, pcie_gbps, rates.cpu_bytes, probe);
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied | "
-              "ours submit/wait ms |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  auto repeat = [&](int T, int C, CachePolicyKind policy, CopyMode copy, bool dual) {
+              "ours submit/wait ms | ours-graph step ms | graph MoE/layer ms | graph floor ms | graph/floor | graph fixed us/layer |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+  auto repeat = [&](int T, int C, CachePolicyKind policy, CopyMode copy, bool dual, bool graph = false) {
     Runs r;
-    for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual));
+    for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual, graph));
     return r;
   };
   for (int T : Ints(o.batches)) {
@@ -819,7 +885,8 @@ int Main(int argc, char** argv) {
       const double slot = static_cast<double>(pin->ExpertBytes(host->geometry()));
       const int C = std::max(0, std::min(spec.num_experts,
                                          static_cast<int>(std::lround(pct / 100.0 * spec.num_experts * bf16_slot / slot))));
-      Runs ours_runs, dual_runs, lru_runs, cpu_runs;
+      Runs ours_runs, dual_runs, lru_runs, cpu_runs, graph_runs;
+      graph_runs.all.assign(1, RunResult{});
       ours_runs.all.assign(1, RunResult{});
       cpu_runs.all.assign(1, RunResult{});
       dual_runs.all.assign(1, RunResult{});
@@ -828,6 +895,16 @@ int Main(int argc, char** argv) {
       if (has("ours-cpu")) cpu_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kNever, false);
       if (has("ours-dual") && T >= 2) dual_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true);
       if (has("lru-copy")) lru_runs = repeat(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false);
+      const bool graphs = has("ours-graph") && o.Chunks(T) == 1;
+      if (graphs) graph_runs = repeat(T, C, CachePolicyKind::kStatic, CopyMode::kNever, false, true);
+      for (RunResult& r : graph_runs.all) r.floor_s = graphs ? RunFloor(r, rates) : 0;
+      const RunResult& graph = graph_runs.median();
+      const std::string graph_cells =
+          graphs ? absl::StrFormat("%s | %s | %s | %.2f | %.0f", graph_runs.Spread(&RunResult::step_s),
+                                   graph_runs.Spread(&RunResult::moe_s, 1.0 / L),
+                                   graph_runs.Spread(&RunResult::floor_s), graph.step_s / graph.floor_s,
+                                   (graph.step_s - graph.floor_s) / calls * 1e6)
+                 : std::string("- | - | - | - | -");
       // The floor of each run of ours, from its uncached experts (the top of
       // this file); what ours takes beyond it, per layer call, is the worker's
       // fixed cost (issue 14, point 4). Without ours: the ceiling's step.
@@ -837,7 +914,7 @@ int Main(int argc, char** argv) {
       const double fixed_us = has("ours") ? (ours.step_s - floor) / calls * 1e6 : 0;
       auto opt = [](bool ran, const std::string& v) { return ran ? v : std::string("-"); };
       const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
-      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s |\n", T,
+      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s | %s |\n", T,
                   pct, C, ceil_runs.Spread(&RunResult::step_s).c_str(), ours_runs.Spread(&RunResult::step_s).c_str(),
                   ours_runs.Spread(&RunResult::moe_s, 1.0 / L).c_str(),
                   opt(has("ours-cpu"), cpu_runs.Spread(&RunResult::step_s)).c_str(),
@@ -845,7 +922,7 @@ int Main(int argc, char** argv) {
                   opt(has("lru-copy"), lru_runs.Spread(&RunResult::step_s)).c_str(),
                   opt(has("copy-all"), Ms(copy_all_step)).c_str(),
                   ours_runs.Spread(&RunResult::floor_s).c_str(), ours.step_s / floor, fixed_us, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
-                  100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str());
+                  100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str(), graph_cells.c_str());
       std::fflush(stdout);
     }
   }

@@ -213,6 +213,7 @@ class CudaBackend final : public DeviceBackend {
   absl::Status SignalStream(void* stream) override;
   absl::Status EnqueueDevicePlanned(const DevicePlannedCall& call) override;
   absl::StatusOr<void*> AllocMapped(size_t bytes) override;
+  absl::Status SetDeviceChannels(const DeviceChannel* channels, int n) override;
   void FreeMapped(void* p) override;
   uint64_t DeviceAddress(const void* p) const override;
   absl::Status ReadAccessCounts(std::vector<uint32_t>* counts) override;
@@ -226,6 +227,8 @@ class CudaBackend final : public DeviceBackend {
     DeviceMem groups, row_token, row_weight, accum, act, miss_token, ships, done;
   };
   DeviceMem access_counts_;  // [device_sites, num_experts], from the first site on
+  DeviceMem channels_, channel_state_;  // [kMaxDeviceChannels] DeviceChannel, DeviceChannelState
+  cudaStream_t table_stream_ = nullptr;  // SetDeviceChannels' uploads
   absl::StatusOr<DeviceSite*> Site(int site);
   struct Context {
     DeviceMem x;      // [max_tokens, H] bf16 activations (also FinishCall's output staging)
@@ -337,6 +340,7 @@ CudaBackend::~CudaBackend() {
   for (cudaEvent_t e : copy_starts_)
     if (e != nullptr) cudaEventDestroy(e);
   if (engine_ready_ != nullptr) cudaEventDestroy(engine_ready_);
+  if (table_stream_ != nullptr) cudaStreamDestroy(table_stream_);
   if (output_ready_ != nullptr) cudaEventDestroy(output_ready_);
   // Members (memory, fence rings) are released after this body; streams last.
   contexts_.clear();
@@ -1057,6 +1061,24 @@ absl::StatusOr<CudaBackend::DeviceSite*> CudaBackend::Site(int site) {
   return raw;
 }
 
+absl::Status CudaBackend::SetDeviceChannels(const DeviceChannel* channels, int n) {
+  MOE_RETURN_IF_ERROR(Use());
+  if (n < 0 || n > kMaxDeviceChannels) return absl::InvalidArgumentError(absl::StrCat("device channels: ", n));
+  if (!channels_) {
+    MOE_ASSIGN_OR_RETURN(channels_, AllocDevice(kMaxDeviceChannels * sizeof(DeviceChannel), "device channels"));
+    MOE_ASSIGN_OR_RETURN(channel_state_, AllocDevice(kMaxDeviceChannels * sizeof(cuda::DeviceChannelState), "channel state"));
+    MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&table_stream_, cudaStreamNonBlocking));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(channels_.get(), 0, kMaxDeviceChannels * sizeof(DeviceChannel), table_stream_));
+    MOE_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(channel_state_.get(), 0, kMaxDeviceChannels * sizeof(cuda::DeviceChannelState), table_stream_));
+  }
+  if (n > 0)
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(channels_.get(), channels, n * sizeof(DeviceChannel), cudaMemcpyHostToDevice,
+                                             table_stream_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(table_stream_));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<void*> CudaBackend::AllocMapped(size_t bytes) {
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   void* p = nullptr;
@@ -1123,9 +1145,8 @@ absl::Status CudaBackend::EnqueueDevicePlanned(const DevicePlannedCall& call) {
     return absl::InvalidArgumentError(absl::StrCat("capturable call: site ", call.site, " outside [0, ",
                                                    config_.device_sites, ")"));
   if (call.tables.buffer_of == nullptr || call.tables.channel_of == nullptr || call.tables.errors == nullptr ||
-      call.num_channels < 0 || call.num_channels > kMaxDeviceChannels ||
-      (call.num_channels > 0 && call.channels == nullptr))
-    return absl::InvalidArgumentError("capturable call: routing tables missing");
+      call.num_channels < 0 || call.num_channels > kMaxDeviceChannels || (call.num_channels > 0 && !channels_))
+    return absl::InvalidArgumentError("capturable call: routing tables missing (SetDeviceChannels first)");
   cudaStream_t stream = static_cast<cudaStream_t>(call.stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamIsCapturing(stream, &capture));
@@ -1145,7 +1166,8 @@ absl::Status CudaBackend::EnqueueDevicePlanned(const DevicePlannedCall& call) {
   d.weights = call.weights;
   d.x = call.hidden;
   d.tables = call.tables;
-  d.channels = call.channels;
+  d.channels = static_cast<const DeviceChannel*>(channels_.get());
+  d.channel_state = static_cast<cuda::DeviceChannelState*>(channel_state_.get());
   d.counts = static_cast<unsigned int*>(access_counts_.get()) + static_cast<size_t>(call.site) * config_.num_experts;
   d.groups = static_cast<cuda::GroupDesc*>(site->groups.get());
   d.row_token = static_cast<int32_t*>(site->row_token.get());

@@ -106,8 +106,7 @@ struct DevicePlannedCall {
   bf16_t* out = nullptr;
   void* stream = nullptr;          // the engine's cudaStream_t (may be capturing)
   DeviceLayerTables tables;        // host-mapped (AllocMapped)
-  const DeviceChannel* channels = nullptr;  // host-mapped [num_channels]
-  int num_channels = 0;
+  int num_channels = 0;            // of SetDeviceChannels' table
   std::chrono::nanoseconds timeout{0};      // the longest wait for a server's answer
 };
 
@@ -226,6 +225,14 @@ class DeviceBackend {
     return absl::FailedPreconditionError(
         absl::StrCat("capturable calls need the cuda backend (a CUDA stream to enqueue on); this is the ", name(),
                      " backend"));
+  }
+  // The channels device-planned calls ship to (device memory: a call reads
+  // them without a PCIe round trip); replaces the table, synchronously, on a
+  // stream of its own (not while a stream of the backend's device captures:
+  // call it between calls). At most kMaxDeviceChannels.
+  virtual absl::Status SetDeviceChannels(const DeviceChannel* channels, int n) {
+    (void)channels, (void)n;
+    return absl::FailedPreconditionError(absl::StrCat("the ", name(), " backend has no device"));
   }
   // Zeroed host memory the device reads and writes at the same address
   // (the device-planned call's tables); freed with FreeMapped.

@@ -74,6 +74,7 @@ struct Server {
   Clock::time_point down_until{};  // skipped until then after a failure
   bool enabled = true;             // false: drained / marked down by the coordinator
   bool registered = false;         // HostMapping registered with the backend
+  bool device_dead = false;        // capturable calls: gone and not reconnected (RefreshDeviceServers)
   int chunk_tokens = 0;            // most tokens per staged batch
   std::chrono::microseconds polling{0};  // the window last given to SetPolling
 };
@@ -175,7 +176,7 @@ struct LayerDispatcher::Impl {
   // server that a call may ship to (an shm server's own device rings, or a
   // Forwarder's for a gRPC server). Written by the driving thread only.
   void* mapped = nullptr;                      // one AllocMapped block for all of them
-  DeviceChannel* channels = nullptr;           // [kMaxDeviceChannels]
+  DeviceChannel* channels = nullptr;           // [kMaxDeviceChannels] (the backend's device copy is what calls read)
   std::vector<DeviceLayerTables> device_tables;  // by served index
   std::vector<int> channel_of_server;          // server -> channel, -1: none (yet)
   std::vector<uint64_t> channel_generation;    // server -> segment generation its channel shows
@@ -566,7 +567,8 @@ void LayerDispatcher::PublishRoute(size_t index) {
     for (int e = 0; e < spec_.num_experts; ++e) {
       int c = -1;
       for (size_t s = 0; s < m.servers.size() && c < 0; ++s)
-        if (m.servers[s].enabled && m.channel_of_server[s] >= 0 && m.servers[s].hosts[e]) c = m.channel_of_server[s];
+        if (m.servers[s].enabled && !m.servers[s].device_dead && m.channel_of_server[s] >= 0 && m.servers[s].hosts[e])
+          c = m.channel_of_server[s];
       __atomic_store_n(channel_of + e, c, __ATOMIC_RELEASE);
     }
   }
@@ -1221,7 +1223,7 @@ absl::Status LayerDispatcher::PublishChannel(size_t index) {
   FillChannel(rings->segment, dev, rings->first_slot, rings->slots, static_cast<uint32_t>(rings->generation),
               &m.channels[c]);
   m.channel_generation[index] = rings->generation;
-  return absl::OkStatus();
+  return m.device_ready ? backend_->SetDeviceChannels(m.channels, m.num_channels) : absl::OkStatus();
 }
 
 void LayerDispatcher::FillChannel(const shm::Segment& seg, uint64_t device_base, uint32_t first_slot,
@@ -1292,6 +1294,7 @@ absl::Status LayerDispatcher::PrepareDevicePath() {
     m.forwarder_of_server[s] = static_cast<int>(m.forwarders.size());
     m.forwarders.push_back(std::move(f));
   }
+  MOE_RETURN_IF_ERROR(backend_->SetDeviceChannels(m.channels, m.num_channels));
   m.device_ready = true;
   for (size_t s = 0; s < S; ++s) PublishRoute(s);
   return absl::OkStatus();
@@ -1343,7 +1346,6 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
   dc.out = call.out;
   dc.stream = call.stream;
   dc.tables = m.device_tables[layer_index_[b.layer]];
-  dc.channels = m.channels;
   dc.num_channels = m.num_channels;
   dc.timeout = call.deadline.count() > 0 ? call.deadline : config_.deadline;
   return backend_->EnqueueDevicePlanned(dc);
@@ -1390,19 +1392,30 @@ absl::Status LayerDispatcher::TakeStreamError() {
           why = std::string(resp.status.message());
       }
       first = absl::Status(sc, absl::StrCat("capturable call, layer ", layer, ", server ", address, ": ", why));
-      // A server that went away: reconnect now, so later calls ship to the
-      // new segment (or, if it stays down, its experts find no route and
-      // fail at once instead of waiting out the deadline every call).
-      if (server < m.servers.size() && m.forwarder_of_server[server] < 0 && m.servers[server].transport) {
-        if (m.servers[server].transport->Reconnect().ok()) {
-          (void)PublishChannel(server);
-        } else {
-          m.servers[server].down_until = Clock::now() + config_.server_retry;
-        }
-      }
     }
   }
+  RefreshDeviceServers();
   return first;
+}
+
+// Capturable calls: an shm server that went away is reconnected (its new
+// segment published to the GPU) or, while it stays down, left out of the
+// routes, so calls fail at once (or go to a replica) instead of waiting out
+// the deadline on a segment nobody serves. Not while the engine captures
+// (registering memory is not capture-safe).
+void LayerDispatcher::RefreshDeviceServers() {
+  Impl& m = *impl_;
+  if (!m.device_ready || backend_->StreamCapturing(m.planned_stream)) return;
+  const Clock::time_point now = Clock::now();
+  for (size_t s = 0; s < m.servers.size(); ++s) {
+    Server& sv = m.servers[s];
+    if (m.forwarder_of_server[s] >= 0 || sv.transport == nullptr) continue;
+    const bool was_dead = sv.device_dead;
+    if (sv.device_dead && sv.down_until > now) continue;
+    sv.device_dead = !sv.transport->Reconnect().ok() || !PublishChannel(s).ok();
+    if (sv.device_dead) sv.down_until = now + config_.server_retry;
+    if (sv.device_dead != was_dead) PublishRoute(s);
+  }
 }
 
 // Popularity from device-planned calls (graph replays included): the routed

@@ -255,6 +255,7 @@ class LayerDispatcher {
   static void FillChannel(const shm::Segment& seg, uint64_t device_base, uint32_t first_slot, uint32_t slots,
                           uint32_t generation, DeviceChannel* out);
   void CollectDeviceAccesses();
+  void RefreshDeviceServers();
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

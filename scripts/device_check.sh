@@ -21,6 +21,9 @@
 #   planner_long DTYPE    issue 21's other prompt rows: moe_layer qwen3-30b-a3b (16 layers) at 8192 tokens in chunks
 #                         of 2048 (--chunk), and deepseek-v3 (4 layers) prompts of 512 and 2048 tokens, cache 0
 #                         and 25%, 3 runs each, --weight-dtype DTYPE (bf16, int8, int4), --rates-out to $OUT
+#   graph_decode          issue 22: moe_layer qwen3-30b-a3b (16 layers, bf16) T=1,8 at 0 and 25% cache, 3 runs:
+#                         ours (eager) vs ours-graph (device-planned calls replayed from CUDA graphs), each
+#                         against its floor (fixed us/layer)
 #   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
 #                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
 #                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
@@ -108,6 +111,9 @@ while [[ $# -gt 0 ]]; do
       bash "$0" moe_layer deepseek-v3 --layers=4 --batches=512,2048 --cache=0,25 --zipf=0 --runs=3 --steps=3 \
         --warmup=1 --modes=ceiling,ours,ours-cpu,copy-all --weight-dtype="$dtype" \
         --rates-out="$OUT/rates_deepseek_$dtype.json" ;;
+    graph_decode)
+      bash "$0" moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 \
+        --modes=ceiling,ours,ours-graph ;;
     python)
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       echo "## python ($py)" | tee -a "$OUT/python.txt"

@@ -8,7 +8,10 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <csignal>
 #include <cstring>
+#include <map>
+#include <thread>
 #include <memory>
 #include <string>
 #include <vector>
@@ -31,26 +34,31 @@ class GraphCaptureTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!CudaAvailable()) GTEST_SKIP() << "needs a CUDA GPU (cuda backend)";
-    const std::string sock = dir_.path() + "/e.sock";
-    Subprocess* s = nullptr;
-    ASSERT_FALSE(testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1",
-                                                 "--shm-socket=" + sock})
-                     .empty());
-    server_.reset(s);
+    sock_ = dir_.path() + "/e.sock";
+    StartServer();
     SessionOptions o;
     o.model = kModel;
-    server_address_ = "unix://" + sock;
+    server_address_ = "unix://" + sock_;
     o.servers = {server_address_};
     o.device = "cuda";
     o.policy = "static";
     o.cache_experts_per_layer = 3;
     o.max_tokens = 8;
+    o.deadline = std::chrono::milliseconds(3000);  // a dead server costs a replay this long, not 30 s
+    o.on_access = [this](int layer, int expert, int pairs, bool) { accesses_[{layer, expert}] += pairs; };
     absl::StatusOr<std::unique_ptr<MoeSession>> session = MoeSession::Open(o);
     ASSERT_TRUE(session.ok()) << session.status();
     session_ = *std::move(session);
     source_ = *OpenModel(kModel);
     reference_ = std::make_unique<ReferenceMoe>(*source_);
     ASSERT_CUDA(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  void StartServer() {
+    Subprocess* s = nullptr;
+    ASSERT_FALSE(testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1",
+                                                 "--shm-socket=" + sock_})
+                     .empty());
+    server_.reset(s);
   }
   void TearDown() override {
     if (stream_ != nullptr) cudaStreamSynchronize(stream_);
@@ -116,8 +124,119 @@ class GraphCaptureTest : public ::testing::Test {
   std::unique_ptr<ReferenceMoe> reference_;
   cudaStream_t stream_ = nullptr;
   std::vector<Buffers> buffers_;
-  std::string server_address_;
+  std::string server_address_, sock_;
+  std::map<std::pair<int, int>, int> accesses_;  // (layer, expert) -> pairs reported through on_access
+
+  // Captures one decode step (every MoE layer, T tokens) into a graph after
+  // a warm-up call per layer; the caller destroys it.
+  cudaGraphExec_t CaptureStep(int T, std::vector<Buffers>* bufs, std::vector<Inputs>* in) {
+    const int k = session_->model().top_k;
+    const std::vector<int>& layers = session_->model().moe_layers;
+    for (size_t i = 0; i < layers.size(); ++i) bufs->push_back(Alloc(T, k));
+    in->resize(layers.size());
+    for (size_t i = 0; i < layers.size(); ++i) {
+      Fill((*bufs)[i], T, k, 500 + i, &(*in)[i]);
+      EXPECT_TRUE(session_->ForwardLayerCapturable(layers[i], T, k, (*bufs)[i].hidden, (*bufs)[i].ids,
+                                                   (*bufs)[i].weights, (*bufs)[i].out, stream_)
+                      .ok());
+    }
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    EXPECT_EQ(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal), cudaSuccess);
+    for (size_t i = 0; i < layers.size(); ++i)
+      EXPECT_TRUE(session_->ForwardLayerCapturable(layers[i], T, k, (*bufs)[i].hidden, (*bufs)[i].ids,
+                                                   (*bufs)[i].weights, (*bufs)[i].out, stream_)
+                      .ok());
+    EXPECT_EQ(cudaStreamEndCapture(stream_, &graph), cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    cudaGraphDestroy(graph);
+    return exec;
+  }
+  // Replays `exec` with step `step`'s inputs; true when every layer's output
+  // matches the reference (1e-2), false when any is off (NaN included).
+  bool Replay(cudaGraphExec_t exec, int step, int T, std::vector<Buffers>& bufs, std::vector<Inputs>& in) {
+    const int k = session_->model().top_k;
+    const std::vector<int>& layers = session_->model().moe_layers;
+    for (size_t i = 0; i < layers.size(); ++i) Fill(bufs[i], T, k, 7000 + 100 * step + i, &in[i]);
+    EXPECT_EQ(cudaGraphLaunch(exec, stream_), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    bool right = true;
+    for (size_t i = 0; i < layers.size(); ++i) right = right && Error(layers[i], bufs[i], T, k, in[i]) <= 1e-2;
+    return right;
+  }
 };
+
+// Popularity from graph replays: every routed pair the GPU counted reaches
+// on_access (the coordinator agent's hook) at TakeStreamError, hits and
+// misses alike, exactly once.
+TEST_F(GraphCaptureTest, CapturedReplaysReportEveryRoutedPair) {
+  const int T = 4;
+  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1, 2}).ok());
+  ASSERT_TRUE(session_->FlushCopies().ok());
+  std::vector<Buffers> bufs;
+  std::vector<Inputs> in;
+  cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
+  ASSERT_NE(exec, nullptr);
+  EXPECT_TRUE(session_->TakeStreamError().ok());  // collects the warm-up's accesses
+  accesses_.clear();
+  std::map<std::pair<int, int>, int> routed;
+  for (int step = 0; step < 5; ++step) {
+    EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
+    for (size_t i = 0; i < in.size(); ++i)
+      for (int32_t e : in[i].ids)
+        if (e >= 0) ++routed[{session_->model().moe_layers[i], e}];
+  }
+  EXPECT_TRUE(session_->TakeStreamError().ok());
+  EXPECT_EQ(accesses_, routed);
+  EXPECT_GT(session_->HitRate(session_->model().moe_layers[0]), 0.0);  // the cache's counters saw the hits too
+  cudaGraphExecDestroy(exec);
+}
+
+// Replays across a drained server and a killed one: never a hang, never a
+// silent wrong result (NaN and an error), and right again once the server
+// is back (the worker reconnects at TakeStreamError).
+TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
+  const int T = 2;
+  std::vector<Buffers> bufs;
+  std::vector<Inputs> in;
+  cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
+  ASSERT_NE(exec, nullptr);
+  EXPECT_TRUE(Replay(exec, 0, T, bufs, in));
+  EXPECT_TRUE(session_->TakeStreamError().ok());
+  // Drained: no route for the misses.
+  ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
+  EXPECT_FALSE(Replay(exec, 1, T, bufs, in));
+  EXPECT_TRUE(absl::IsUnavailable(session_->TakeStreamError()));
+  ASSERT_TRUE(session_->SetServerEnabled(server_address_, true).ok());
+  EXPECT_TRUE(Replay(exec, 2, T, bufs, in));
+  EXPECT_TRUE(session_->TakeStreamError().ok());
+  // Killed: the replay ends by the deadline with NaN and an error...
+  server_->Signal(SIGKILL);
+  server_->Wait(std::chrono::seconds(10));
+  const Clock::time_point t0 = Clock::now();
+  EXPECT_FALSE(Replay(exec, 3, T, bufs, in));
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(20));
+  const absl::Status dead = session_->TakeStreamError();
+  EXPECT_FALSE(dead.ok());
+  // ...later replays fail at once while it stays down (no route)...
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  (void)session_->TakeStreamError();
+  const Clock::time_point t1 = Clock::now();
+  EXPECT_FALSE(Replay(exec, 4, T, bufs, in));
+  EXPECT_LT(Clock::now() - t1, std::chrono::seconds(2)) << "a down server must not cost the deadline every replay";
+  EXPECT_TRUE(absl::IsUnavailable(session_->TakeStreamError()));
+  // ...and a restarted server serves the same graph again.
+  StartServer();
+  bool back = false;
+  for (int i = 0; i < 40 && !back; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    (void)session_->TakeStreamError();
+    back = Replay(exec, 5 + i, T, bufs, in);
+  }
+  EXPECT_TRUE(back) << "the restarted server was never used";
+  cudaGraphExecDestroy(exec);
+}
 
 TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
   const int T = 5, k = session_->model().top_k, L = session_->model().moe_layers[0];

@@ -4,11 +4,14 @@
 // shared-memory slots and pushed on their device rings, and the bounded wait
 // for the answers with their partial sums added into the accumulator.
 //
-// Host memory (the tables, the segments) is read with cache-volatile loads
-// (__ldcv: fetched again every time; the host or the server changes it
-// between and during calls) and written with plain stores ordered by
-// __threadfence_system() before the store that publishes them (a ring's
-// tail), as the server's acquire load of that tail expects.
+// Host memory (the slot map and routes, the segments) is read with
+// cache-volatile loads (__ldcv: fetched again every time; the host or the
+// server changes it between and during calls) and written with plain stores
+// ordered by __threadfence_system() before the store that publishes them (a
+// ring's tail), as the server's acquire load of that tail expects. A read of
+// host memory is a PCIe round trip (~1-2 us): the split issues the slot map
+// and route reads of all pairs at once, and nothing else it reads lives
+// there (the channels and the GPU's own ring indexes are in device memory).
 #include <cuda_bf16.h>
 
 #include <climits>
@@ -107,7 +110,7 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
   int* s_row = s_scan2 + P;    // [C * T] token needs channel c -> its row in c's request
   __shared__ int warp_sums[32], carry, err_code, err_detail;
   __shared__ int s_rows[kMaxDeviceChannels];
-  __shared__ uint64_t s_tail[kMaxDeviceChannels], s_head[kMaxDeviceChannels], s_base[kMaxDeviceChannels];
+  __shared__ uint64_t s_tail[kMaxDeviceChannels], s_base[kMaxDeviceChannels];
   __shared__ DeviceChannel s_chan[kMaxDeviceChannels];
   const int tid = threadIdx.x, nt = blockDim.x;
 
@@ -120,19 +123,15 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
   for (int i = tid; i < C * T; i += nt) s_row[i] = 0;
   for (int g = tid; g < P; g += nt) a.groups[g] = GroupDesc{0, 0, 0, 0};
   if (tid < C) {
-    const uint64_t* src = reinterpret_cast<const uint64_t*>(a.channels + tid);
-    uint64_t* dst = reinterpret_cast<uint64_t*>(&s_chan[tid]);
-    for (size_t w = 0; w < sizeof(DeviceChannel) / 8; ++w) dst[w] = __ldcv(reinterpret_cast<const unsigned long long*>(src + w));
+    s_chan[tid] = a.channels[tid];
     s_rows[tid] = 0;
-  }
-  __syncthreads();
-  if (tid < C) {
     s_base[tid] = s_chan[tid].base;
-    if (s_base[tid] != 0) {
-      const uint64_t ring = s_base[tid] + s_chan[tid].submit_ring;
-      s_tail[tid] = *RingTail(ring);  // ours: the GPU is the ring's only producer
-      s_head[tid] = *RingHead(ring);  // the server's
+    DeviceChannelState& st = a.channel_state[tid];
+    if (st.generation != s_chan[tid].generation) {  // a new segment: its rings start at 0
+      st.generation = s_chan[tid].generation;
+      st.pushed = st.answered = 0;
     }
+    s_tail[tid] = st.pushed;
   }
   __syncthreads();
 
@@ -149,13 +148,13 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
     }
     if (a.counts != nullptr) atomicAdd(a.counts + e, 1u);
     const int b = __ldcv(a.tables.buffer_of + e);
+    const int c = __ldcv(a.tables.channel_of + e);  // issued with the slot map's read: one round trip
     if (b >= 0) {
       s_kind[p] = b;
       atomicAdd(s_cnt + e, 1);
       atomicMin(s_first + e, p);
       continue;
     }
-    const int c = __ldcv(a.tables.channel_of + e);
     if (c < 0 || c >= C || s_base[c] == 0) {
       Fail(&err_code, &err_detail, kUnavailable, e);
       Poison(a.accum, t, H, 0, 1);
@@ -203,8 +202,8 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
     int code = 0;
     if (s_rows[tid] > static_cast<int>(ch.max_tokens) || k > static_cast<int>(ch.max_pairs)) {
       code = kResourceExhausted;  // the worker keeps capturable calls within a slot
-    } else if (s_tail[tid] - s_head[tid] >= ch.num_slots || ch.device_slots == 0) {
-      code = kUnavailable;  // the server stopped taking requests
+    } else if (ch.device_slots == 0 || s_tail[tid] - a.channel_state[tid].answered >= ch.device_slots) {
+      code = kUnavailable;  // earlier requests still unanswered hold every slot: the server stopped answering
     }
     if (code != 0) {
       Fail(&err_code, &err_detail, code, -1 - tid);
@@ -252,10 +251,23 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
       h->k = static_cast<uint32_t>(k);
       h->status_code = 0;
       h->message_len = 0;
-      a.ships[c] = DeviceShip{sbase, index, n, slot};
+      DeviceShip ship;
+      ship.slot = sbase;
+      ship.tokens = sbase + ch.tokens_offset;
+      ship.output = sbase + ch.output_offset;
+      ship.submit_ring = s_base[c] + ch.submit_ring;
+      ship.complete_ring = s_base[c] + ch.complete_ring;
+      ship.doorbell = s_base[c] + ch.doorbell;
+      ship.index = index;
+      ship.rows = n;
+      ship.slot_index = slot;
+      ship.num_slots = ch.num_slots;
+      ship.reserved = 0;
+      a.ships[c] = ship;
+      a.channel_state[c].pushed = index + 1;
     }
   }
-  if (tid < kMaxDeviceChannels && (tid >= C || s_rows[tid] <= 0)) a.ships[tid] = DeviceShip{0, 0, 0, 0};
+  if (tid < kMaxDeviceChannels && (tid >= C || s_rows[tid] <= 0)) a.ships[tid].rows = 0;
   __threadfence_system();  // the requests' rows and headers before the ship kernel publishes them
   __syncthreads();
   if (tid == 0 && err_code != 0) {
@@ -274,9 +286,7 @@ __global__ void __launch_bounds__(kShipThreads) DeviceShipKernel(DevicePlanArgs 
   const DeviceShip ship = a.ships[c];
   if (ship.rows <= 0) return;  // uniform per channel: every block of it returns
   const int H = a.hidden;
-  const uint64_t base = __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].base));
-  const uint64_t tokens_offset = __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].tokens_offset));
-  bf16_t* dst = reinterpret_cast<bf16_t*>(ship.slot + tokens_offset);
+  bf16_t* dst = reinterpret_cast<bf16_t*>(ship.tokens);
   const bool vec = H % 8 == 0;
   for (int r = blockIdx.y; r < ship.rows; r += gridDim.y) {
     const bf16_t* src = a.x + static_cast<size_t>(a.miss_token[c * a.T + r]) * H;
@@ -294,17 +304,14 @@ __global__ void __launch_bounds__(kShipThreads) DeviceShipKernel(DevicePlanArgs 
   if (atomicAdd(a.done + c, 1u) != gridDim.y - 1) return;
   a.done[c] = 0;  // the last block of the channel: publish
   __threadfence_system();
-  const uint64_t ring = base + __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].submit_ring));
-  const uint32_t S = __ldcv(reinterpret_cast<const unsigned int*>(&a.channels[c].num_slots));
-  RingEntries(ring)[ship.index & (S - 1)] = ship.slot_index;
+  RingEntries(ship.submit_ring)[ship.index & (ship.num_slots - 1)] = ship.slot_index;
   __threadfence_system();
-  *RingTail(ring) = ship.index + 1;
+  *RingTail(ship.submit_ring) = ship.index + 1;
   __threadfence_system();
   // The doorbell word changes so a server spinning on it looks at the rings
-  // (it cannot wake a sleeping one: the server naps while the device rings are in use).
-  volatile uint32_t* bell = reinterpret_cast<volatile uint32_t*>(
-      base + __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].doorbell)));
-  *bell = *bell + 1;
+  // (it cannot wake a sleeping one: the server naps while the device rings
+  // are in use). Any new value will do: no read back over PCIe.
+  *reinterpret_cast<volatile uint32_t*>(ship.doorbell) = static_cast<uint32_t>(ship.index) * 2654435761u + 1u;
 }
 
 // Waits (bounded) for each request's answer and adds its rows into accum;
@@ -316,25 +323,24 @@ __global__ void __launch_bounds__(kShipThreads) DeviceCombineKernel(DevicePlanAr
   if (ship.rows <= 0) return;
   const int H = a.hidden;
   __shared__ int state;  // 0 answered OK, else the error code
-  __shared__ int status;
-  const uint64_t base = __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].base));
   if (threadIdx.x == 0) {
-    const uint64_t ring = base + __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].complete_ring));
     const uint64_t start = GlobalTimerNs();
     state = 0;
-    while (*RingTail(ring) <= ship.index) {
+    while (*RingTail(ship.complete_ring) <= ship.index) {
       if (GlobalTimerNs() - start > a.timeout_ns) {
         state = kDeadlineExceeded;
         break;
       }
-      __nanosleep(200);
+      __nanosleep(100);
     }
     __threadfence_system();
-    status = 0;
     if (state == 0) {
-      status = __ldcv(reinterpret_cast<const int*>(ship.slot + 20));  // SlotHeader::status_code
+      const int status = __ldcv(reinterpret_cast<const int*>(ship.slot + 20));  // SlotHeader::status_code
       if (status != 0) state = status > 0 && status <= 16 ? status : kUnavailable;
-      if (blockIdx.y == 0) *RingHead(ring) = ship.index + 1;  // ours: the GPU is the only consumer
+      if (blockIdx.y == 0) {
+        *RingHead(ship.complete_ring) = ship.index + 1;  // ours: the GPU is the only consumer
+        a.channel_state[c].answered = ship.index + 1;
+      }
     }
     if (state != 0 && blockIdx.y == 0) {
       DeviceError* out = a.tables.errors + 1 + c;
@@ -345,8 +351,7 @@ __global__ void __launch_bounds__(kShipThreads) DeviceCombineKernel(DevicePlanAr
     }
   }
   __syncthreads();
-  const uint64_t output_offset = __ldcv(reinterpret_cast<const unsigned long long*>(&a.channels[c].output_offset));
-  const bf16_t* out = reinterpret_cast<const bf16_t*>(ship.slot + output_offset);
+  const bf16_t* out = reinterpret_cast<const bf16_t*>(ship.output);
   for (int r = blockIdx.y; r < ship.rows; r += gridDim.y) {
     const int t = a.miss_token[c * a.T + r];
     if (state != 0) {

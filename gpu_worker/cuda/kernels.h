@@ -137,14 +137,32 @@ cudaError_t LaunchScatterAddBf16(const bf16_t* partial, const int32_t* rows, int
 cudaError_t LaunchAccumToBf16(const float* accum, size_t n, bf16_t* out, cudaStream_t stream);
 
 // ---- the device-planned call (gpu_worker/cuda/device_plan.cu) --------------
-// One request a call ships to one channel (device scratch, per channel):
-// `slot` the device address of the slot, `index` its position on the device
-// submit ring, `rows` its tokens (0: nothing shipped).
+// One request a call ships to one channel (device scratch, per channel,
+// written by the split for the ship and combine kernels): device addresses of
+// its slot and of the channel's rings, its position on them, `rows` its
+// tokens (0: nothing shipped).
 struct DeviceShip {
-  uint64_t slot;
-  uint64_t index;
+  uint64_t slot;           // the slot's header
+  uint64_t tokens;         // its token rows
+  uint64_t output;         // its output rows
+  uint64_t submit_ring, complete_ring, doorbell;  // the channel's (device addresses)
+  uint64_t index;          // the request's position on the device rings
   int32_t rows;
   uint32_t slot_index;
+  uint32_t num_slots;
+  uint32_t reserved;
+};
+
+// What the GPU keeps per channel between calls (device memory, zero at
+// start): requests pushed and answers seen on the channel's current segment
+// (`generation`; both restart at 0 with a new one). The GPU is the device
+// rings' only producer and consumer on the worker's side, so it never reads
+// its own indexes back from host memory.
+struct DeviceChannelState {
+  uint64_t pushed;
+  uint64_t answered;
+  uint32_t generation;
+  uint32_t reserved;
 };
 
 // Everything the three kernels of one call read and write. Device scratch is
@@ -155,7 +173,8 @@ struct DevicePlanArgs {
   const float* weights = nullptr;    // [T, k]
   const bf16_t* x = nullptr;         // [T, H] activations (device)
   DeviceLayerTables tables;          // the layer's slot map, routes and error records
-  const DeviceChannel* channels = nullptr;  // [num_channels]
+  const DeviceChannel* channels = nullptr;  // [num_channels] (device memory: DeviceBackend::SetDeviceChannels)
+  DeviceChannelState* channel_state = nullptr;  // [kMaxDeviceChannels] (device)
   unsigned int* counts = nullptr;    // [num_experts] routed pairs per expert, accumulated (device; may be null)
   GroupDesc* groups = nullptr;       // [T*k] the hit groups (count 0 past the last)
   int32_t* row_token = nullptr;      // [T*k] token of each hit row
