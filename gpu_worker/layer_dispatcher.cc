@@ -1318,12 +1318,19 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
   if (call.kind != MemoryKind::kDevice || !backend_->has_device_memory())
     return absl::InvalidArgumentError("memory: capturable calls take device pointers (cuda backend)");
   const int max_tokens = CapturableMaxTokens();
+  // A call too large for the device's request slots (a prompt) is not being
+  // captured in practice: it runs as a stream-ordered eager call (the host
+  // path, where large T belongs). While capturing it cannot.
+  if (b.n > max_tokens && b.n <= config_.max_tokens && !backend_->StreamCapturing(call.stream)) return Forward(call);
   if (b.n < 1 || b.n > max_tokens || b.routing.k < 1 || b.routing.k > config_.max_top_k)
     return absl::InvalidArgumentError(absl::StrCat(
         "tokens/top_k: ", b.n, " x ", b.routing.k, " is outside [1, ", max_tokens, "] x [1, ", config_.max_top_k,
-        "] (a capturable call's misses fit one shared-memory slot per server; larger calls go through ForwardLayer)"));
+        "] (captured, a call's misses must fit one shared-memory request slot per server)"));
   if (b.routing.n != b.n)
     return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", b.routing.n, " rows for ", b.n, " tokens"));
+  if (!m.device_ready && backend_->StreamCapturing(call.stream))
+    return absl::FailedPreconditionError(absl::StrCat(
+        "capturable call: layer ", b.layer, " was never run outside a capture (warm up once before capturing)"));
   MOE_RETURN_IF_ERROR(PrepareDevicePath());
   // A reconnected shm server's new segment (not while the engine captures:
   // registering memory is not capture-safe; the next call outside does it).

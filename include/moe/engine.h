@@ -131,13 +131,24 @@ class MoeSession {
 
   // CUDA-graph-capturable call (cuda backend, device pointers; nullptr
   // `cuda_stream` = the legacy default stream): enqueued on `cuda_stream`,
-  // returns at once. The placement is read when the graph runs, not when it
-  // was captured. Warm up each layer once outside a capture (the first call
-  // allocates); calls of one layer must not overlap; misses always go to a
-  // server (place experts with ApplyAssignment). Run-time errors poison the
-  // output with NaN and are returned by TakeStreamError.
+  // returns at once; the GPU splits hits from misses, ships the misses to
+  // the servers through shared memory and adds their answers with no host
+  // step (README, "capturable"). The placement, drains and reconnects are
+  // read when the graph runs, not when it was captured. Warm up each layer
+  // once outside a capture (the first call allocates); calls of one layer
+  // must not overlap; misses always go to a server (place experts with
+  // ApplyAssignment). T above one request slot (256 tokens by default) runs
+  // as a stream-ordered eager call outside a capture and is refused inside
+  // one. Run-time errors (bad routing, no server, a server's error, no
+  // answer within the deadline) poison the affected tokens with NaN and are
+  // returned by TakeStreamError.
   absl::Status ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                                       const float* topk_weights, bf16_t* out, void* cuda_stream);
+  // The first run-time error of capturable calls since the last call; also
+  // reports the routed pairs the GPU counted since then to on_access and the
+  // cache (call it every few steps: it is how graph decode reaches the
+  // coordinator), and reconnects a server that went away. Not while this
+  // session's stream is being captured (it then reports errors only).
   absl::Status TakeStreamError();
 
   // Cache placement pushed from outside (coordinator or operator): between

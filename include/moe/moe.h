@@ -184,18 +184,25 @@ MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats
  * cannot be captured): the whole call is enqueued on `cuda_stream` and
  * this returns at once, so it may be captured (cudaStreamBeginCapture /
  * torch.cuda.graph) and replayed with new contents of the same buffers. At
- * run/replay time host functions split hits from misses with the cache
+ * run/replay time the GPU itself splits hits from misses with the cache
  * placement as it is then (moe_apply_assignment between replays is safe),
- * ship the misses to the CPU servers and wait for their partial sums; the
- * hits run in one grouped launch. Rules: run each layer once outside a
+ * writes the misses into the CPU servers' shared-memory request slots, runs
+ * the hits in one grouped launch and adds the servers' answers — no host
+ * function, no host synchronisation. Rules: run each layer once outside a
  * capture first (it allocates), keep the capturable calls of a session in
- * one stream order (cache copies wait for the latest stream used), call moe_flush_copies between replays to make new placements
- * serve. A failure at replay time (server down, bad routing) writes NaN into
- * `out` and is reported by moe_stream_error. */
+ * one stream order (cache copies wait for the latest stream used), call
+ * moe_flush_copies between replays to make new placements serve. A call
+ * larger than one request slot (256 tokens) runs as a stream-ordered eager
+ * call outside a capture and is refused inside one. A failure at replay time
+ * (server down or silent past the deadline, bad routing) writes NaN into the
+ * affected tokens of `out` and is reported by moe_stream_error. */
 MOE_API moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
                                           const void* hidden, const int32_t* topk_ids,
                                           const float* topk_weights, void* out, void* cuda_stream);
-/* The first run-time error of capturable calls since the last check (MOE_OK if none). */
+/* The first run-time error of capturable calls since the last check (MOE_OK
+ * if none). Also reports the expert accesses the GPU counted since the last
+ * check to the cache (and a coordinator), and reconnects a server that went
+ * away: call it every few decode steps, outside a capture. */
 MOE_API moe_status moe_stream_error(moe_session* session);
 
 /* The cached set of `layer` becomes experts[0..n) (copies start now; each

@@ -144,6 +144,31 @@ def graph_decode_tokens_per_s(model, batch, prompt_len, new_tokens, vocab):
     return batch * new_tokens / (time.perf_counter() - t0)
 
 
+def host_dram_read_gbps():
+    """Host DRAM read bandwidth as torch's CPU threads see it: the best of 5
+    sums over 2 GiB of f32 (what a floor of the experts' bytes is priced at)."""
+    x = torch.ones(1 << 29, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def floor_tokens_per_s(config, batch, frac, all_gpu_tokens_per_s, dram_gbps):
+    """Decode floor: the all-GPU step (attention and the rest, in a CUDA graph)
+    plus the bytes of the experts the step misses read once at host DRAM
+    speed. Routing taken as uniform (the random router): a layer's batch
+    touches E * (1 - (1 - k/E)^batch) experts, a fraction `frac` of them cached."""
+    E, k = config.num_experts, config.num_experts_per_tok
+    expert_bytes = 3 * config.hidden_size * config.moe_intermediate_size * 2
+    touched = E * (1 - (1 - k / E) ** batch)
+    missed_bytes = config.num_hidden_layers * touched * (1 - frac) * expert_bytes
+    step = batch / all_gpu_tokens_per_s + missed_bytes / (dram_gbps * 1e9)
+    return batch / step
+
+
 def forced_decode_logits(model, seq, prompt_len):
     """Logits (f32, [vocab]) of each generated step of `seq` ([1, n]): prefill of
     the prompt, then one token per step from `seq` with the KV cache."""
@@ -310,10 +335,18 @@ def main():
             say("| all-GPU transformers | " + " | ".join(
                 f"{decode_tokens_per_s(model, b, a.prompt, a.new_tokens, config.vocab_size):.1f}" for b in batches)
                 + " |")
-            say("| all-GPU transformers, decode step in a CUDA graph | " + " | ".join(
-                measure(graph_decode_tokens_per_s, model, b, a.prompt, a.new_tokens, config.vocab_size)
-                for b in batches) + " |")
+            all_gpu_graph = [measure(graph_decode_tokens_per_s, model, b, a.prompt, a.new_tokens, config.vocab_size)
+                             for b in batches]
+            say("| all-GPU transformers, decode step in a CUDA graph | " + " | ".join(all_gpu_graph) + " |")
+            dram = host_dram_read_gbps()
             for frac in [float(f) for f in a.cache.split(",")]:
+                try:
+                    say(f"| floor at {frac:.0%} cached: the all-GPU graph step + the missed experts' bytes at host "
+                        f"DRAM speed ({dram:.0f} GB/s read, uniform routing) | " + " | ".join(
+                            f"{floor_tokens_per_s(config, b, frac, float(g), dram):.1f}"
+                            for b, g in zip(batches, all_gpu_graph)) + " |")
+                except ValueError:  # the all-GPU graph row did not run: no floor
+                    pass
                 s = session(frac)
                 swap(s)
                 row = [decode_tokens_per_s(model, b, a.prompt, a.new_tokens, config.vocab_size) for b in batches]

@@ -277,7 +277,9 @@ class Session:
         return c.output()
 
     def check_stream(self):
-        """Raises the first run-time error of capturable calls since the last check."""
+        """Raises the first run-time error of capturable calls since the last check. Also hands
+        the expert accesses the GPU counted to the cache (popularity) and reconnects a server
+        that went away: call it every few decode steps, outside a capture."""
         _check(self._lib.moe_stream_error(self._h()))
 
     def apply_assignment(self, layer, experts):
