@@ -214,6 +214,7 @@ class CudaBackend final : public DeviceBackend {
   absl::Status EnqueueDevicePlanned(const DevicePlannedCall& call) override;
   absl::StatusOr<void*> AllocMapped(size_t bytes) override;
   absl::Status SetDeviceChannels(const DeviceChannel* channels, int n) override;
+  absl::Status SetHostExperts(int site, const std::vector<const std::byte*>& experts) override;
   void FreeMapped(void* p) override;
   uint64_t DeviceAddress(const void* p) const override;
   absl::Status ReadAccessCounts(std::vector<uint32_t>* counts) override;
@@ -229,7 +230,12 @@ class CudaBackend final : public DeviceBackend {
   DeviceMem access_counts_;  // [device_sites, num_experts], from the first site on
   DeviceMem channels_, channel_state_;  // [kMaxDeviceChannels] DeviceChannel, DeviceChannelState
   cudaStream_t table_stream_ = nullptr;  // SetDeviceChannels' uploads
+  DeviceMem host_experts_;               // [device_sites, num_experts] device addresses (SetHostExperts)
+  DeviceMem copies_, copy_count_;        // [kMaxDeviceCopies] DeviceCopy, the call's count
+  DeviceMem copy_staging_;               // bf16: [kMaxDeviceCopies] packed experts, unpacked into their buffers
+  absl::Status EnsureTableStream();
   absl::StatusOr<DeviceSite*> Site(int site);
+  cuda::DevicePlanArgs PlanArgs(const DevicePlannedCall& call, DeviceSite& site);
   struct Context {
     DeviceMem x;      // [max_tokens, H] bf16 activations (also FinishCall's output staging)
     DeviceMem accum;  // [max_tokens, H] f32
@@ -1056,9 +1062,45 @@ absl::StatusOr<CudaBackend::DeviceSite*> CudaBackend::Site(int site) {
     MOE_CUDA_RETURN_IF_ERROR(cudaMemset(access_counts_.get(), 0, counts_bytes));
   }  MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->done.get(), 0, kMaxDeviceChannels * 4));
   MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->ships.get(), 0, kMaxDeviceChannels * sizeof(cuda::DeviceShip)));
+  if (!copies_) {  // shared by the sites: their calls are ordered on one stream
+    MOE_ASSIGN_OR_RETURN(copies_, AllocDevice(kMaxDeviceCopies * sizeof(cuda::DeviceCopy), "device copies"));
+    MOE_ASSIGN_OR_RETURN(copy_count_, AllocDevice(sizeof(int), "device copy count"));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemset(copy_count_.get(), 0, sizeof(int)));
+    if (!geometry_.quantized()) {
+      MOE_ASSIGN_OR_RETURN(copy_staging_, AllocDevice(kMaxDeviceCopies * geometry_.packed_bytes(), "copy staging"));
+    }
+  }
   DeviceSite* raw = p.get();
   sites_[site] = std::move(p);
   return raw;
+}
+
+absl::Status CudaBackend::EnsureTableStream() {
+  if (table_stream_ == nullptr) MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&table_stream_, cudaStreamNonBlocking));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SetHostExperts(int site, const std::vector<const std::byte*>& experts) {
+  MOE_RETURN_IF_ERROR(Use());
+  if (site < 0 || site >= config_.device_sites || static_cast<int>(experts.size()) != config_.num_experts)
+    return absl::InvalidArgumentError(absl::StrCat("host experts: site ", site, ", ", experts.size(), " experts"));
+  MOE_RETURN_IF_ERROR(EnsureTableStream());
+  const size_t E = config_.num_experts;
+  if (!host_experts_) {
+    MOE_ASSIGN_OR_RETURN(host_experts_, AllocDevice(config_.device_sites * E * 8, "host expert addresses"));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(host_experts_.get(), 0, config_.device_sites * E * 8, table_stream_));
+  }
+  std::vector<uint64_t> addr(E);
+  for (size_t e = 0; e < E; ++e) {
+    addr[e] = experts[e] != nullptr ? DeviceAddress(experts[e]) : 0;
+    if (addr[e] == 0)
+      return absl::FailedPreconditionError(absl::StrCat("host experts: expert ", e, " of site ", site,
+                                                        " is not in memory registered with the device"));
+  }
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<uint64_t*>(host_experts_.get()) + site * E, addr.data(), E * 8,
+                                           cudaMemcpyHostToDevice, table_stream_));
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(table_stream_));
+  return absl::OkStatus();
 }
 
 absl::Status CudaBackend::SetDeviceChannels(const DeviceChannel* channels, int n) {
@@ -1067,7 +1109,7 @@ absl::Status CudaBackend::SetDeviceChannels(const DeviceChannel* channels, int n
   if (!channels_) {
     MOE_ASSIGN_OR_RETURN(channels_, AllocDevice(kMaxDeviceChannels * sizeof(DeviceChannel), "device channels"));
     MOE_ASSIGN_OR_RETURN(channel_state_, AllocDevice(kMaxDeviceChannels * sizeof(cuda::DeviceChannelState), "channel state"));
-    MOE_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&table_stream_, cudaStreamNonBlocking));
+    MOE_RETURN_IF_ERROR(EnsureTableStream());
     MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(channels_.get(), 0, kMaxDeviceChannels * sizeof(DeviceChannel), table_stream_));
     MOE_CUDA_RETURN_IF_ERROR(
         cudaMemsetAsync(channel_state_.get(), 0, kMaxDeviceChannels * sizeof(cuda::DeviceChannelState), table_stream_));
@@ -1133,6 +1175,52 @@ bool CudaBackend::StreamCapturing(void* stream) const {
   return capture != cudaStreamCaptureStatusNone;
 }
 
+// The kernels' view of one device-planned call at `site`.
+cuda::DevicePlanArgs CudaBackend::PlanArgs(const DevicePlannedCall& call, DeviceSite& site) {
+  cuda::DevicePlanArgs d;
+  d.T = call.T;
+  d.k = call.k;
+  d.hidden = H_;
+  d.num_experts = config_.num_experts;
+  d.layer = call.layer;
+  d.num_channels = call.num_channels;
+  d.ids = call.ids;
+  d.weights = call.weights;
+  d.x = call.hidden;
+  d.tables = call.tables;
+  d.channels = static_cast<const DeviceChannel*>(channels_.get());
+  d.channel_state = static_cast<cuda::DeviceChannelState*>(channel_state_.get());
+  d.counts = static_cast<unsigned int*>(access_counts_.get()) + static_cast<size_t>(call.site) * config_.num_experts;
+  d.groups = static_cast<cuda::GroupDesc*>(site.groups.get());
+  d.row_token = static_cast<int32_t*>(site.row_token.get());
+  d.row_weight = static_cast<float*>(site.row_weight.get());
+  d.miss_token = static_cast<int32_t*>(site.miss_token.get());
+  d.ships = static_cast<cuda::DeviceShip*>(site.ships.get());
+  d.done = static_cast<unsigned int*>(site.done.get());
+  d.accum = static_cast<float*>(site.accum.get());
+  d.timeout_ns = static_cast<uint64_t>(std::max<int64_t>(call.timeout.count(), 1));
+  const bool copies = call.copy_plan != nullptr && host_experts_ && call.copy_buffer_base >= 0 &&
+                      geometry_.packed_bytes() % 16 == 0 &&
+                      call.copy_buffer_base + kMaxDeviceCopies <= config_.num_buffers;
+  if (copies) {
+    d.copy_table = call.copy_plan->copy_count;
+    d.host_experts = static_cast<const uint64_t*>(host_experts_.get()) + static_cast<size_t>(call.site) * config_.num_experts;
+    d.max_copies = kMaxDeviceCopies;
+    d.copy_buffer_base = call.copy_buffer_base;
+    d.packed_bytes = geometry_.packed_bytes();
+    if (geometry_.quantized()) {  // the slots hold the packed bytes as they are
+      d.copy_dst = slot(call.copy_buffer_base);
+      d.copy_dst_stride = slot_bytes_;
+    } else {
+      d.copy_dst = static_cast<uint8_t*>(copy_staging_.get());
+      d.copy_dst_stride = geometry_.packed_bytes();
+    }
+  }
+  d.copies = static_cast<cuda::DeviceCopy*>(copies_.get());
+  d.copy_count = static_cast<int*>(copy_count_.get());
+  return d;
+}
+
 absl::Status CudaBackend::EnqueueDevicePlanned(const DevicePlannedCall& call) {
   MOE_RETURN_IF_ERROR(Use());
   if (call.stream == nullptr) return absl::InvalidArgumentError("cuda_stream: a capturable call needs the engine's stream");
@@ -1155,31 +1243,15 @@ absl::Status CudaBackend::EnqueueDevicePlanned(const DevicePlannedCall& call) {
         "capturable call: layer ", call.layer, " was never run outside a capture (warm up once before capturing)"));
   MOE_ASSIGN_OR_RETURN(DeviceSite * site, Site(call.site));
   const size_t rows = static_cast<size_t>(call.T) * call.k, n = static_cast<size_t>(call.T) * H_;
-  cuda::DevicePlanArgs d;
-  d.T = call.T;
-  d.k = call.k;
-  d.hidden = H_;
-  d.num_experts = config_.num_experts;
-  d.layer = call.layer;
-  d.num_channels = call.num_channels;
-  d.ids = call.ids;
-  d.weights = call.weights;
-  d.x = call.hidden;
-  d.tables = call.tables;
-  d.channels = static_cast<const DeviceChannel*>(channels_.get());
-  d.channel_state = static_cast<cuda::DeviceChannelState*>(channel_state_.get());
-  d.counts = static_cast<unsigned int*>(access_counts_.get()) + static_cast<size_t>(call.site) * config_.num_experts;
-  d.groups = static_cast<cuda::GroupDesc*>(site->groups.get());
-  d.row_token = static_cast<int32_t*>(site->row_token.get());
-  d.row_weight = static_cast<float*>(site->row_weight.get());
-  d.miss_token = static_cast<int32_t*>(site->miss_token.get());
-  d.ships = static_cast<cuda::DeviceShip*>(site->ships.get());
-  d.done = static_cast<unsigned int*>(site->done.get());
-  d.accum = static_cast<float*>(site->accum.get());
-  d.timeout_ns = static_cast<uint64_t>(std::max<int64_t>(call.timeout.count(), 1));
+  const cuda::DevicePlanArgs d = PlanArgs(call, *site);
+  const bool copies = d.max_copies > 0;
   MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(d.accum, 0, n * sizeof(float), stream));
   // The split, then the misses shipped before the hits run.
   MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchDevicePlan(d, stream));
+  if (copies && !geometry_.quantized())
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchUnpackExperts(d.copy_dst, d.copy_dst_stride, layout_, H_, I_,
+                                                       buffer_ptr(call.copy_buffer_base), slot_bytes_ / sizeof(bf16_t),
+                                                       d.copy_count, kMaxDeviceCopies, stream));
   cuda::GroupedExpertArgs a;
   a.hidden = H_;
   a.intermediate = I_;

@@ -108,6 +108,11 @@ struct DevicePlannedCall {
   DeviceLayerTables tables;        // host-mapped (AllocMapped)
   int num_channels = 0;            // of SetDeviceChannels' table
   std::chrono::nanoseconds timeout{0};      // the longest wait for a server's answer
+  // Copy-instead (device_plan.h DeviceCopyPlan; null: none): up to
+  // kMaxDeviceCopies missed experts copied from the host copy
+  // (SetHostExperts) into buffers copy_buffer_base + j and computed there.
+  const DeviceCopyPlan* copy_plan = nullptr;  // host-mapped
+  int copy_buffer_base = 0;
 };
 
 // CUDA's legacy default stream, `cudaStreamLegacy` ((cudaStream_t)0x1 in
@@ -232,6 +237,13 @@ class DeviceBackend {
   // call it between calls). At most kMaxDeviceChannels.
   virtual absl::Status SetDeviceChannels(const DeviceChannel* channels, int n) {
     (void)channels, (void)n;
+    return absl::FailedPreconditionError(absl::StrCat("the ", name(), " backend has no device"));
+  }
+  // Where device-planned calls of `site` find each expert of its layer in
+  // the host copy (registered memory, RegisterHost), for copy-instead; a
+  // synchronous upload like SetDeviceChannels. [num_experts] pointers.
+  virtual absl::Status SetHostExperts(int site, const std::vector<const std::byte*>& experts) {
+    (void)site, (void)experts;
     return absl::FailedPreconditionError(absl::StrCat("the ", name(), " backend has no device"));
   }
   // Zeroed host memory the device reads and writes at the same address

@@ -20,6 +20,10 @@ namespace moe {
 
 // CPU servers one device-planned call can ship to.
 inline constexpr int kMaxDeviceChannels = 8;
+// Experts one device-planned call may copy to the device instead of sending
+// them to a server, and the length of the planner's table of how many.
+inline constexpr int kMaxDeviceCopies = 4;
+inline constexpr int kDeviceCopyTable = 64;
 
 // One CPU server's device rings as the GPU addresses them. base == 0: the
 // channel is off (no experts route to it).
@@ -52,6 +56,15 @@ struct DeviceLayerTables {
   int32_t* buffer_of = nullptr;   // expert -> cache buffer of its Ready slot, -1: a miss
   int32_t* channel_of = nullptr;  // expert -> DeviceChannel index, -1: no server may take it
   DeviceError* errors = nullptr;  // [1 + kMaxDeviceChannels]
+};
+
+// Copy-instead for device-planned calls: copy_count[min(m, kDeviceCopyTable
+// - 1)] of a call's m missed experts (those with the most pairs; one no
+// server may take first) are copied over the link and computed on the
+// device, at most kMaxDeviceCopies. Host-mapped, shared by every layer;
+// written by the planner from its rates.
+struct DeviceCopyPlan {
+  int32_t copy_count[kDeviceCopyTable] = {};
 };
 
 }  // namespace moe

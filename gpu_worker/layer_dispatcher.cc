@@ -4,6 +4,7 @@
 #include <atomic>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <cstring>
 #include <numeric>
@@ -181,6 +182,8 @@ struct LayerDispatcher::Impl {
   std::vector<int> channel_of_server;          // server -> channel, -1: none (yet)
   std::vector<uint64_t> channel_generation;    // server -> segment generation its channel shows
   int num_channels = 0;
+  DeviceCopyPlan* copy_plan = nullptr;         // copy-instead of capturable calls (PublishCopyPlan)
+  int copy_buffer_base = -1;                   // their kMaxDeviceCopies buffers, -1: none (no host copy)
   bool device_ready = false;                   // PrepareDevicePath ran
   std::vector<std::unique_ptr<Forwarder>> forwarders;
   std::vector<int> forwarder_of_server;        // server -> forwarder, -1: none (an shm server)
@@ -295,7 +298,10 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
                                                    " exceeds the model's ", spec_.num_experts, " experts per layer"));
   C = std::min(C, spec_.num_experts);  // from --cache-gib: at most every expert
   const int temp = host_ != nullptr ? 2 * c.miss_buffers : 0;
-  const uint64_t need = (static_cast<uint64_t>(C) * layers_.size() + temp) * expert_bytes;
+  // Capturable calls' copy-instead buffers (their own: an eager call on the
+  // backend's stream may use the temporary ones at the same time).
+  const int device_copies = host_ != nullptr && backend_->has_device_memory() ? kMaxDeviceCopies : 0;
+  const uint64_t need = (static_cast<uint64_t>(C) * layers_.size() + temp + device_copies) * expert_bytes;
   if (need > backend_->free_memory_bytes())
     return absl::ResourceExhaustedError(absl::StrCat(
         "cache: ", C, " experts/layer x ", layers_.size(), " layers (+", temp, " miss buffers) need ",
@@ -309,7 +315,7 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   cc.lfru_half_life = c.lfru_half_life;
   MOE_ASSIGN_OR_RETURN(cache_, ExpertCache::Create(cc));
 
-  bc.num_buffers = C * static_cast<int>(layers_.size()) + temp;
+  bc.num_buffers = C * static_cast<int>(layers_.size()) + temp + device_copies;
   bc.max_tokens = c.max_tokens;
   bc.max_top_k = c.max_top_k;
   bc.contexts = c.contexts;
@@ -318,6 +324,7 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   MOE_RETURN_IF_ERROR(backend_->Init(bc));
   impl_->temp_base = C * static_cast<int>(layers_.size());
   impl_->temp_fence.assign(temp, 0);
+  impl_->copy_buffer_base = device_copies > 0 ? impl_->temp_base + temp : -1;
   return absl::OkStatus();
 }
 
@@ -1184,12 +1191,13 @@ absl::Status LayerDispatcher::AllocateDeviceTables() {
   if (!backend_->has_device_memory()) return absl::OkStatus();
   const size_t E = spec_.num_experts, L = layers_.size();
   const size_t per_layer = 2 * E * sizeof(int32_t) + (1 + kMaxDeviceChannels) * sizeof(DeviceError);
-  const size_t channel_bytes = kMaxDeviceChannels * sizeof(DeviceChannel);
+  const size_t channel_bytes = kMaxDeviceChannels * sizeof(DeviceChannel) + sizeof(DeviceCopyPlan);
   absl::StatusOr<void*> mem = backend_->AllocMapped(channel_bytes + L * per_layer);
   if (!mem.ok()) return absl::OkStatus();  // no mapped memory: capturable calls are refused by the backend
   m.mapped = *mem;
   auto* p = static_cast<uint8_t*>(m.mapped);
   m.channels = reinterpret_cast<DeviceChannel*>(p);
+  m.copy_plan = new (p + kMaxDeviceChannels * sizeof(DeviceChannel)) DeviceCopyPlan();
   p += channel_bytes;
   m.device_tables.resize(L);
   for (size_t li = 0; li < L; ++li) {
@@ -1295,6 +1303,18 @@ absl::Status LayerDispatcher::PrepareDevicePath() {
     m.forwarders.push_back(std::move(f));
   }
   MOE_RETURN_IF_ERROR(backend_->SetDeviceChannels(m.channels, m.num_channels));
+  if (m.copy_buffer_base >= 0) {  // copy-instead reads the host copy's experts
+    std::vector<const std::byte*> experts(spec_.num_experts);
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      for (int e = 0; e < spec_.num_experts; ++e) experts[e] = host_->Find(layers_[li], e);
+      if (absl::Status st = backend_->SetHostExperts(static_cast<int>(li), experts); !st.ok()) {
+        LogWarning("worker", "capturable calls copy nothing instead of computing: ", st.message());
+        m.copy_buffer_base = -1;
+        break;
+      }
+    }
+  }
+  PublishCopyPlan();
   m.device_ready = true;
   for (size_t s = 0; s < S; ++s) PublishRoute(s);
   return absl::OkStatus();
@@ -1355,6 +1375,10 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
   dc.tables = m.device_tables[layer_index_[b.layer]];
   dc.num_channels = m.num_channels;
   dc.timeout = call.deadline.count() > 0 ? call.deadline : config_.deadline;
+  if (m.copy_buffer_base >= 0) {
+    dc.copy_plan = m.copy_plan;
+    dc.copy_buffer_base = m.copy_buffer_base;
+  }
   return backend_->EnqueueDevicePlanned(dc);
 }
 
@@ -1402,7 +1426,37 @@ absl::Status LayerDispatcher::TakeStreamError() {
     }
   }
   RefreshDeviceServers();
+  PublishCopyPlan();
   return first;
+}
+
+// Copy-instead for capturable calls, from the planner's rates: of m missed
+// experts, the n the device takes minimises max(CPU time of the other m - n,
+// the link's n copies + the device's compute), taken only for a clear gain
+// (a quarter of an expert's CPU time, as ChooseCopies asks) — at most
+// kMaxDeviceCopies. copy_mode never (or no measured rates yet): none;
+// always: every missed expert up to the cap.
+void LayerDispatcher::PublishCopyPlan() {
+  Impl& m = *impl_;
+  if (m.copy_plan == nullptr) return;
+  const CostModel& r = planner_.rates();
+  for (int missed = 0; missed < kDeviceCopyTable; ++missed) {
+    int n = 0;
+    if (config_.copy_mode == CopyMode::kAlways) {
+      n = std::min(missed, kMaxDeviceCopies);
+    } else if (config_.copy_mode == CopyMode::kAuto && r.measured) {
+      const double cpu = r.CpuSeconds(1, 1, false), copy = r.CopySeconds(), dev = r.DeviceSeconds(1);
+      double best = missed * cpu;
+      for (int c = 1; c <= std::min(missed, kMaxDeviceCopies); ++c) {
+        const double t = std::max((missed - c) * cpu, c * copy + dev);
+        if (t < best - 0.25 * cpu) {
+          best = t;
+          n = c;
+        }
+      }
+    }
+    __atomic_store_n(&m.copy_plan->copy_count[missed], n, __ATOMIC_RELAXED);
+  }
 }
 
 // Capturable calls: an shm server that went away is reconnected (its new

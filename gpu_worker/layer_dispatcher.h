@@ -256,6 +256,7 @@ class LayerDispatcher {
                           uint32_t generation, DeviceChannel* out);
   void CollectDeviceAccesses();
   void RefreshDeviceServers();
+  void PublishCopyPlan();
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

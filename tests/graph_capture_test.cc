@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <csignal>
 #include <cstring>
 #include <map>
@@ -55,9 +56,9 @@ class GraphCaptureTest : public ::testing::Test {
   }
   void StartServer() {
     Subprocess* s = nullptr;
-    ASSERT_FALSE(testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1",
-                                                 "--shm-socket=" + sock_})
-                     .empty());
+    grpc_address_ = testing::StartExpertServer(&s, {std::string("--model=") + kModel, "--threads=1",
+                                                    "--shm-socket=" + sock_});
+    ASSERT_FALSE(grpc_address_.empty());
     server_.reset(s);
   }
   void TearDown() override {
@@ -124,7 +125,7 @@ class GraphCaptureTest : public ::testing::Test {
   std::unique_ptr<ReferenceMoe> reference_;
   cudaStream_t stream_ = nullptr;
   std::vector<Buffers> buffers_;
-  std::string server_address_, sock_;
+  std::string server_address_, sock_, grpc_address_;
   std::map<std::pair<int, int>, int> accesses_;  // (layer, expert) -> pairs reported through on_access
 
   // Captures one decode step (every MoE layer, T tokens) into a graph after
@@ -193,9 +194,42 @@ TEST_F(GraphCaptureTest, CapturedReplaysReportEveryRoutedPair) {
   cudaGraphExecDestroy(exec);
 }
 
+// A gRPC server in a captured step: its requests go through the worker's
+// forwarder thread (the GPU pushes them into a local segment), with results
+// equal to the reference across replays and a placement change.
+TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
+  SessionOptions o;
+  o.model = kModel;
+  o.servers = {grpc_address_};
+  o.device = "cuda";
+  o.policy = "static";
+  o.cache_experts_per_layer = 3;
+  o.max_tokens = 8;
+  o.deadline = std::chrono::milliseconds(3000);
+  absl::StatusOr<std::unique_ptr<MoeSession>> grpc_session = MoeSession::Open(o);
+  ASSERT_TRUE(grpc_session.ok()) << grpc_session.status();
+  session_ = *std::move(grpc_session);  // the fixture's helpers use session_
+  const int T = 3;
+  std::vector<Buffers> bufs;
+  std::vector<Inputs> in;
+  cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
+  ASSERT_NE(exec, nullptr);
+  for (int step = 0; step < 4; ++step) {
+    if (step == 2) {
+      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {3, 4, 5}).ok());
+      ASSERT_TRUE(session_->FlushCopies().ok());
+    }
+    EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
+    EXPECT_TRUE(session_->TakeStreamError().ok());
+  }
+  cudaGraphExecDestroy(exec);
+}
+
 // Replays across a drained server and a killed one: never a hang, never a
-// silent wrong result (NaN and an error), and right again once the server
-// is back (the worker reconnects at TakeStreamError).
+// silent wrong result (NaN and an error), the device computes the misses no
+// server may take (copied from the host copy: at most 4 per call, and a
+// step of T = 2, k = 2 misses at most 4 experts), and the server serves
+// again once it is back (the worker reconnects at TakeStreamError).
 TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
   const int T = 2;
   std::vector<Buffers> bufs;
@@ -204,10 +238,10 @@ TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
   ASSERT_NE(exec, nullptr);
   EXPECT_TRUE(Replay(exec, 0, T, bufs, in));
   EXPECT_TRUE(session_->TakeStreamError().ok());
-  // Drained: no route for the misses.
+  // Drained: no route for the misses; the device takes them.
   ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
-  EXPECT_FALSE(Replay(exec, 1, T, bufs, in));
-  EXPECT_TRUE(absl::IsUnavailable(session_->TakeStreamError()));
+  EXPECT_TRUE(Replay(exec, 1, T, bufs, in)) << "misses no server may take are computed on the device";
+  EXPECT_TRUE(session_->TakeStreamError().ok());
   ASSERT_TRUE(session_->SetServerEnabled(server_address_, true).ok());
   EXPECT_TRUE(Replay(exec, 2, T, bufs, in));
   EXPECT_TRUE(session_->TakeStreamError().ok());
@@ -219,13 +253,14 @@ TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(20));
   const absl::Status dead = session_->TakeStreamError();
   EXPECT_FALSE(dead.ok());
-  // ...later replays fail at once while it stays down (no route)...
+  // ...later replays, while it stays down, leave it out at once: the device
+  // computes its misses, with no wait for the deadline.
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   (void)session_->TakeStreamError();
   const Clock::time_point t1 = Clock::now();
-  EXPECT_FALSE(Replay(exec, 4, T, bufs, in));
+  EXPECT_TRUE(Replay(exec, 4, T, bufs, in));
   EXPECT_LT(Clock::now() - t1, std::chrono::seconds(2)) << "a down server must not cost the deadline every replay";
-  EXPECT_TRUE(absl::IsUnavailable(session_->TakeStreamError()));
+  EXPECT_TRUE(session_->TakeStreamError().ok());
   // ...and a restarted server serves the same graph again.
   StartServer();
   bool back = false;
@@ -235,6 +270,67 @@ TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
     back = Replay(exec, 5 + i, T, bufs, in);
   }
   EXPECT_TRUE(back) << "the restarted server was never used";
+  cudaGraphExecDestroy(exec);
+}
+
+// Copy-instead inside a captured step (copy mode always: up to 4 missed
+// experts per call copied from the host copy and computed on the device, the
+// rest on the server), with and without a cache, and a server drained: a
+// call missing more experts than the device may copy fails loudly.
+TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
+  SessionOptions o;
+  o.model = kModel;
+  o.servers = {server_address_};
+  o.device = "cuda";
+  o.policy = "static";
+  o.copy_mode = "always";
+  o.cache_experts_per_layer = 2;
+  o.max_tokens = 8;
+  o.deadline = std::chrono::milliseconds(3000);
+  o.on_access = [this](int layer, int expert, int pairs, bool) { accesses_[{layer, expert}] += pairs; };
+  absl::StatusOr<std::unique_ptr<MoeSession>> copying = MoeSession::Open(o);
+  ASSERT_TRUE(copying.ok()) << copying.status();
+  session_ = *std::move(copying);
+  const int T = 6;  // 12 pairs over 8 experts: usually more than 4 missed, so the server takes the rest
+  std::vector<Buffers> bufs;
+  std::vector<Inputs> in;
+  cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
+  ASSERT_NE(exec, nullptr);
+  EXPECT_TRUE(session_->TakeStreamError().ok());
+  accesses_.clear();
+  for (int step = 0; step < 4; ++step) {
+    if (step == 2) {
+      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {6, 7}).ok());
+      ASSERT_TRUE(session_->FlushCopies().ok());
+    }
+    EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
+    EXPECT_TRUE(session_->TakeStreamError().ok());
+  }
+  int pairs = 0;
+  for (const auto& [key, n] : accesses_) pairs += n;
+  EXPECT_EQ(pairs, 4 * T * session_->model().top_k * static_cast<int>(session_->model().moe_layers.size()));
+  // Drained with 6 missed experts routed: 4 on the device, 2 with no route.
+  ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
+  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1}).ok());
+  ASSERT_TRUE(session_->FlushCopies().ok());
+  const int k = session_->model().top_k;
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    in[i].x = RandomActivations(static_cast<size_t>(T) * session_->model().hidden, 31 + i);
+    in[i].ids.assign(static_cast<size_t>(T) * k, -1);
+    in[i].w.assign(static_cast<size_t>(T) * k, 0.5f);
+    for (int t = 0; t < T; ++t) in[i].ids[static_cast<size_t>(t) * k] = 2 + t;  // experts 2..7: all missed
+    ASSERT_CUDA(cudaMemcpy(bufs[i].hidden, in[i].x.data(), in[i].x.size() * 2, cudaMemcpyHostToDevice));
+    ASSERT_CUDA(cudaMemcpy(bufs[i].ids, in[i].ids.data(), in[i].ids.size() * 4, cudaMemcpyHostToDevice));
+    ASSERT_CUDA(cudaMemcpy(bufs[i].weights, in[i].w.data(), in[i].w.size() * 4, cudaMemcpyHostToDevice));
+  }
+  ASSERT_CUDA(cudaGraphLaunch(exec, stream_));
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  EXPECT_TRUE(absl::IsUnavailable(session_->TakeStreamError()));
+  std::vector<bf16_t> out(static_cast<size_t>(T) * session_->model().hidden);
+  ASSERT_CUDA(cudaMemcpy(out.data(), bufs[0].out, out.size() * 2, cudaMemcpyDeviceToHost));
+  int nan_rows = 0;
+  for (int t = 0; t < T; ++t) nan_rows += std::isnan(Bf16ToF32(out[static_cast<size_t>(t) * session_->model().hidden]));
+  EXPECT_EQ(nan_rows, 2) << "the two tokens whose expert neither the device nor a server took, and only them";
   cudaGraphExecDestroy(exec);
 }
 

@@ -175,6 +175,45 @@ absl::Status ShmServer::Handshake(Connection* c) {
   return unix_socket::Send(c->sock, &reply, sizeof(reply), c->memfd);
 }
 
+// Serves slot `idx` popped from the host (device = false) or the device
+// submit ring and completes it on the matching ring; false: drop the client.
+bool ShmServer::ServeSlot(Connection* c, uint32_t idx, bool device, shm::ValidatedRequest* req) {
+  const shm::Segment& seg = *c->seg;
+  if (!seg.ValidateSlotIndex(idx).ok()) {
+    LogWarning("shm", "client wrote slot index ", idx, " out of range; dropping it");
+    return false;
+  }
+  const shm::SlotView slot = seg.slot(idx);
+  const Clock::time_point t0 = opt_.on_request ? Clock::now() : Clock::time_point();
+  absl::Status st = shm::ValidateRequestSlot(seg, idx, opt_.num_experts, opt_.num_layers, req, opt_.hosted);
+  const bool valid = st.ok();
+  if (valid) {
+    MoeBatch b;
+    b.layer = static_cast<int>(req->layer);
+    b.n = req->n_tokens;
+    b.tokens = slot.tokens;
+    b.routing = req->routing();
+    st = handler_(b, slot.output);
+  }
+  shm::WriteResponseStatus(slot, st);
+  if (opt_.on_request) {
+    ShmRequestRecord r;
+    r.code = st.code();
+    const uint64_t token_bytes = uint64_t(req->n_tokens) * uint64_t(opt_.hidden) * sizeof(bf16_t);
+    if (valid) r.bytes_received = token_bytes + uint64_t(req->n_tokens) * uint64_t(req->k) * (sizeof(int32_t) + sizeof(float));
+    if (st.ok()) r.bytes_sent = token_bytes;
+    r.handle_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+    opt_.on_request(r);
+  }
+  if (!(device ? seg.TryPushDeviceComplete(idx) : seg.TryPushComplete(idx))) {
+    // More completions than slots: the client broke the protocol.
+    LogWarning("shm", "completion ring full; dropping the client");
+    return false;
+  }
+  if (!device) seg.RingResponse();  // the GPU polls its ring
+  return true;
+}
+
 void ShmServer::Serve(Connection* c) {
   const shm::Segment& seg = *c->seg;
   shm::ValidatedRequest req;
@@ -182,43 +221,6 @@ void ShmServer::Serve(Connection* c) {
   Clock::time_point last_request{}, last_device_request{};
   bool device_naps = false;  // timer slack lowered for the device ring's short naps
   unix_socket::PeerClosedProbe peer(c->sock);
-  // Serves slot `idx` popped from the host (device = false) or the device
-  // submit ring and completes it on the matching ring; false: drop the client.
-  auto serve = [&](uint32_t idx, bool device) {
-    if (!seg.ValidateSlotIndex(idx).ok()) {
-      LogWarning("shm", "client wrote slot index ", idx, " out of range; dropping it");
-      return false;
-    }
-    const shm::SlotView slot = seg.slot(idx);
-    const Clock::time_point t0 = opt_.on_request ? Clock::now() : Clock::time_point();
-    absl::Status st = shm::ValidateRequestSlot(seg, idx, opt_.num_experts, opt_.num_layers, &req, opt_.hosted);
-    const bool valid = st.ok();
-    if (valid) {
-      MoeBatch b;
-      b.layer = static_cast<int>(req.layer);
-      b.n = req.n_tokens;
-      b.tokens = slot.tokens;
-      b.routing = req.routing();
-      st = handler_(b, slot.output);
-    }
-    shm::WriteResponseStatus(slot, st);
-    if (opt_.on_request) {
-      ShmRequestRecord r;
-      r.code = st.code();
-      const uint64_t token_bytes = uint64_t(req.n_tokens) * uint64_t(opt_.hidden) * sizeof(bf16_t);
-      if (valid) r.bytes_received = token_bytes + uint64_t(req.n_tokens) * uint64_t(req.k) * (sizeof(int32_t) + sizeof(float));
-      if (st.ok()) r.bytes_sent = token_bytes;
-      r.handle_ns = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
-      opt_.on_request(r);
-    }
-    if (!(device ? seg.TryPushDeviceComplete(idx) : seg.TryPushComplete(idx))) {
-      // More completions than slots: the client broke the protocol.
-      LogWarning("shm", "completion ring full; dropping the client");
-      return false;
-    }
-    if (!device) seg.RingResponse();  // the GPU polls its ring
-    return true;
-  };
   while (!stop_.load()) {
     const uint32_t seen = bell.load(std::memory_order_acquire);
     bool worked = false;
@@ -227,12 +229,12 @@ void ShmServer::Serve(Connection* c) {
       if (std::optional<uint32_t> idx = seg.TryPopSubmit()) {
         more = worked = true;
         last_request = Clock::now();
-        if (!serve(*idx, false)) goto disconnect;
+        if (!ServeSlot(c, *idx, false, &req)) goto disconnect;
       }
       if (std::optional<uint32_t> idx = seg.TryPopDeviceSubmit()) {
         more = worked = true;
         last_request = last_device_request = Clock::now();
-        if (!serve(*idx, true)) goto disconnect;
+        if (!ServeSlot(c, *idx, true, &req)) goto disconnect;
       }
     }
     if (seg.PeerClosed(shm::Side::kServer) || peer.Closed()) break;

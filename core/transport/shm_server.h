@@ -119,6 +119,7 @@ class ShmServer {
   void ReapFinished();    // with mu_ held
   void RunConnection(Connection* c);
   void Serve(Connection* c);
+  bool ServeSlot(Connection* c, uint32_t idx, bool device, shm::ValidatedRequest* req);
   absl::Status Handshake(Connection* c);
   // Answers a store request (kShmStoreMagic) on c's socket.
   absl::Status SendSharedStore(Connection* c);

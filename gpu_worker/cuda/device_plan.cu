@@ -25,6 +25,7 @@ namespace {
 
 constexpr int kPlanThreads = 512;    // one block splits the call
 constexpr int kShipBlocksPerChannel = 8;
+constexpr int kCopyBlocksPerExpert = 64;
 constexpr int kShipThreads = 256;
 // absl::StatusCode values the kernels report (status.h is host-only).
 constexpr int kInvalidArgument = 3, kDeadlineExceeded = 4, kResourceExhausted = 8, kUnavailable = 14;
@@ -96,150 +97,223 @@ __device__ void Poison(float* accum, int t, int H, int from, int step) {
   for (int h = from; h < H; h += step) accum[static_cast<size_t>(t) * H + h] = __int_as_float(0x7fc00000);
 }
 
-__global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs a) {
-  extern __shared__ int smem[];
-  const int T = a.T, k = a.k, P = T * k, E = a.num_experts, C = a.num_channels, H = a.hidden;
-  int* s_cnt = smem;           // [E] hit pairs per expert
-  int* s_first = s_cnt + E;    // [E] first hit pair per expert
-  int* s_begin = s_first + E;  // [E] first plan row of the expert's group
-  int* s_fill = s_begin + E;   // [E] rows placed so far
-  int* s_kind = s_fill + E;    // [P] buffer (>= 0: hit), -1 miss, -2 skipped
-  int* s_ch = s_kind + P;      // [P] channel of a miss
-  int* s_scan = s_ch + P;      // [P] group index of a leader
-  int* s_scan2 = s_scan + P;   // [P] first row of a leader's group
-  int* s_row = s_scan2 + P;    // [C * T] token needs channel c -> its row in c's request
-  __shared__ int warp_sums[32], carry, err_code, err_detail;
-  __shared__ int s_rows[kMaxDeviceChannels];
-  __shared__ uint64_t s_tail[kMaxDeviceChannels], s_base[kMaxDeviceChannels];
-  __shared__ DeviceChannel s_chan[kMaxDeviceChannels];
-  const int tid = threadIdx.x, nt = blockDim.x;
+// The split's working state: per-expert and per-pair arrays in dynamic
+// shared memory (DevicePlanSharedBytes), the rest in static shared memory.
+struct PlanState {
+  int* cnt;    // [E] pairs per expert computed on the device (hits and copies)
+  int* first;  // [E] first such pair
+  int* begin;  // [E] first plan row of the expert's group
+  int* fill;   // [E] rows placed so far; then the rank of a missed expert
+  int* mcnt;   // [E] pairs per expert missed (for the CPU or a copy)
+  int* kind;   // [P] buffer (>= 0: on the device), -1 to a server, -2 skipped
+  int* ch;     // [P] channel of a pair sent to a server
+  int* scan;   // [P] scratch of the prefix sums
+  int* scan2;  // [P]
+  int* row;    // [C * T] token needs channel c -> its row in c's request
+  int* warp_sums;  // [32]
+  int* carry;
+  int* err_code;
+  int* err_detail;
+  int* rows;       // [kMaxDeviceChannels] rows of each channel's request (< 0: failed)
+  int* missed;     // distinct missed experts
+  int* unroutable; // of them, those no server may take
+  uint64_t* tail;  // [kMaxDeviceChannels] the request's ring index
+  uint64_t* base;  // [kMaxDeviceChannels]
+  DeviceChannel* chan;  // [kMaxDeviceChannels]
+  int* copy_table;      // [kDeviceCopyTable]
+};
 
-  if (tid == 0) err_code = err_detail = 0;
+// Zeroes the per-expert state and the hit groups; copies the channels and
+// the GPU's ring indexes (a new segment starts them at 0) and the copy table.
+__device__ void PlanInit(const DevicePlanArgs& a, PlanState& s) {
+  const int tid = threadIdx.x, nt = blockDim.x, E = a.num_experts, C = a.num_channels;
+  if (tid == 0) *s.err_code = *s.err_detail = *s.missed = *s.unroutable = 0;
   for (int e = tid; e < E; e += nt) {
-    s_cnt[e] = 0;
-    s_first[e] = INT_MAX;
-    s_fill[e] = 0;
+    s.cnt[e] = s.fill[e] = s.mcnt[e] = 0;
+    s.first[e] = INT_MAX;
   }
-  for (int i = tid; i < C * T; i += nt) s_row[i] = 0;
-  for (int g = tid; g < P; g += nt) a.groups[g] = GroupDesc{0, 0, 0, 0};
+  for (int i = tid; i < C * a.T; i += nt) s.row[i] = 0;
+  for (int g = tid; g < a.T * a.k; g += nt) a.groups[g] = GroupDesc{0, 0, 0, 0};
+  for (int i = tid; i < kDeviceCopyTable; i += nt) s.copy_table[i] = a.copy_table != nullptr ? __ldcv(a.copy_table + i) : 0;
   if (tid < C) {
-    s_chan[tid] = a.channels[tid];
-    s_rows[tid] = 0;
-    s_base[tid] = s_chan[tid].base;
+    s.chan[tid] = a.channels[tid];
+    s.rows[tid] = 0;
+    s.base[tid] = s.chan[tid].base;
     DeviceChannelState& st = a.channel_state[tid];
-    if (st.generation != s_chan[tid].generation) {  // a new segment: its rings start at 0
-      st.generation = s_chan[tid].generation;
+    if (st.generation != s.chan[tid].generation) {  // a new segment: its rings start at 0
+      st.generation = s.chan[tid].generation;
       st.pushed = st.answered = 0;
     }
-    s_tail[tid] = st.pushed;
+    s.tail[tid] = st.pushed;
   }
   __syncthreads();
+}
 
-  // Each pair: a hit (its expert has a Ready slot), a miss for a channel, or skipped.
-  for (int p = tid; p < P; p += nt) {
-    const int e = a.ids[p], t = p / k;
+// Each pair: on the device (its expert has a Ready slot), missed, or skipped
+// (-1 ids; bad ids and weights poison the token). Counts every routed pair.
+__device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
+  const int P = a.T * a.k, E = a.num_experts;
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    const int e = a.ids[p], t = p / a.k;
     const float w = a.weights[p];
-    s_kind[p] = -2;
+    s.kind[p] = -2;
     if (e == -1) continue;  // no expert for this pair
     if (e < -1 || e >= E || !isfinite(w)) {
-      Fail(&err_code, &err_detail, kInvalidArgument, e);
-      Poison(a.accum, t, H, 0, 1);
+      Fail(s.err_code, s.err_detail, kInvalidArgument, e);
+      Poison(a.accum, t, a.hidden, 0, 1);
       continue;
     }
     if (a.counts != nullptr) atomicAdd(a.counts + e, 1u);
     const int b = __ldcv(a.tables.buffer_of + e);
     const int c = __ldcv(a.tables.channel_of + e);  // issued with the slot map's read: one round trip
+    s.ch[p] = c;
     if (b >= 0) {
-      s_kind[p] = b;
-      atomicAdd(s_cnt + e, 1);
-      atomicMin(s_first + e, p);
-      continue;
+      s.kind[p] = b;
+      atomicAdd(s.cnt + e, 1);
+      atomicMin(s.first + e, p);
+    } else {
+      s.kind[p] = -1;
+      if (atomicAdd(s.mcnt + e, 1) == 0) atomicAdd(s.missed, 1);
+      s.begin[e] = c < 0 || c >= a.num_channels || s.base[c] == 0;  // no server may take it (ChooseCopies)
     }
-    if (c < 0 || c >= C || s_base[c] == 0) {
-      Fail(&err_code, &err_detail, kUnavailable, e);
-      Poison(a.accum, t, H, 0, 1);
-      continue;
-    }
-    s_kind[p] = -1;
-    s_ch[p] = c;
-    s_row[c * T + t] = 1;
   }
   __syncthreads();
+}
 
-  // Hits: one group per expert, in order of first appearance.
-  for (int p = tid; p < P; p += nt) {
-    const bool leader = s_kind[p] >= 0 && s_first[a.ids[p]] == p;
-    s_scan[p] = leader ? 1 : 0;
-    s_scan2[p] = leader ? s_cnt[a.ids[p]] : 0;
+// Copy-instead: the planner's table says how many of the call's missed
+// experts the device computes (copied from the host copy over the link while
+// the servers work); those with the most pairs (then the lowest id) go, and
+// an expert no server may take goes first. The rest go to their channel, or
+// poison their token when there is none.
+__device__ void ChooseCopies(const DevicePlanArgs& a, PlanState& s) {
+  const int P = a.T * a.k, E = a.num_experts, C = a.num_channels;
+  for (int e = threadIdx.x; e < E; e += blockDim.x)
+    if (s.mcnt[e] > 0 && s.begin[e]) atomicAdd(s.unroutable, 1);
+  __syncthreads();
+  const int M = *s.missed;
+  // The planner's count, and at least the experts no server may take (the
+  // device is their failover).
+  int n = max(s.copy_table[min(M, kDeviceCopyTable - 1)], *s.unroutable);
+  n = a.host_experts != nullptr ? min(min(n, M), a.max_copies) : 0;
+  // Rank of each missed expert: unroutable ones first, then by pairs, then id.
+  auto key = [&](int x) {  // larger first
+    return (static_cast<long long>(s.begin[x]) << 40) | (static_cast<long long>(s.mcnt[x]) << 20) | (E - x);
+  };
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    if (s.mcnt[e] == 0) continue;
+    const long long mine = key(e);
+    int rank = 0;
+    for (int x = 0; x < E; ++x) rank += s.mcnt[x] > 0 && key(x) > mine;
+    s.fill[e] = rank;
+    if (rank < n) a.copies[rank] = DeviceCopy{e, 0};
   }
   __syncthreads();
-  BlockExclusiveScan(s_scan, P, warp_sums, &carry);
-  BlockExclusiveScan(s_scan2, P, warp_sums, &carry);
-  for (int p = tid; p < P; p += nt) {
-    if (s_kind[p] < 0) continue;
-    const int e = a.ids[p];
-    if (s_first[e] != p) continue;
-    s_begin[e] = s_scan2[p];
-    a.groups[s_scan[p]] = GroupDesc{s_kind[p], s_scan2[p], s_cnt[e], 0};
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    if (s.kind[p] != -1) continue;
+    const int e = a.ids[p], t = p / a.k, rank = s.fill[e];
+    if (rank < n) {  // computed on the device from a copy
+      s.kind[p] = a.copy_buffer_base + rank;
+      atomicAdd(s.cnt + e, 1);
+      atomicMin(s.first + e, p);
+      continue;
+    }
+    const int c = s.ch[p];
+    if (c < 0 || c >= C || s.base[c] == 0) {
+      Fail(s.err_code, s.err_detail, kUnavailable, e);
+      Poison(a.accum, t, a.hidden, 0, 1);
+      s.kind[p] = -2;
+      continue;
+    }
+    s.row[c * a.T + t] = 1;
+  }
+  if (threadIdx.x == 0) *a.copy_count = n;
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) s.fill[e] = 0;
+  __syncthreads();
+}
+
+// The device's pairs (hits and copies): one group per expert, in order of
+// first appearance, each group's rows with their tokens and weights.
+__device__ void GroupOnDevice(const DevicePlanArgs& a, PlanState& s) {
+  const int P = a.T * a.k;
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    const bool leader = s.kind[p] >= 0 && s.first[a.ids[p]] == p;
+    s.scan[p] = leader ? 1 : 0;
+    s.scan2[p] = leader ? s.cnt[a.ids[p]] : 0;
   }
   __syncthreads();
-  for (int p = tid; p < P; p += nt) {
-    if (s_kind[p] < 0) continue;
+  BlockExclusiveScan(s.scan, P, s.warp_sums, s.carry);
+  BlockExclusiveScan(s.scan2, P, s.warp_sums, s.carry);
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    if (s.kind[p] < 0) continue;
     const int e = a.ids[p];
-    const int row = s_begin[e] + atomicAdd(s_fill + e, 1);
-    a.row_token[row] = p / k;
+    if (s.first[e] != p) continue;
+    s.begin[e] = s.scan2[p];
+    a.groups[s.scan[p]] = GroupDesc{s.kind[p], s.scan2[p], s.cnt[e], 0};
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    if (s.kind[p] < 0) continue;
+    const int e = a.ids[p];
+    const int row = s.begin[e] + atomicAdd(s.fill + e, 1);
+    a.row_token[row] = p / a.k;
     a.row_weight[row] = a.weights[p];
   }
+}
 
-  // Misses: per channel, the tokens with a pair for it, in token order.
+// Per channel, the tokens with a pair for it (in token order) become its
+// request: routing rows (-1 where a pair is not the channel's) and header
+// written into its next device slot; DeviceShip for the ship and combine
+// kernels. A request that cannot go (too big, or every device slot still
+// held by unanswered requests) poisons its tokens.
+__device__ void BuildRequests(const DevicePlanArgs& a, PlanState& s) {
+  const int tid = threadIdx.x, nt = blockDim.x, T = a.T, k = a.k, C = a.num_channels;
   for (int c = 0; c < C; ++c) {
-    const int n = BlockExclusiveScan(s_row + c * T, T, warp_sums, &carry);
-    if (tid == 0) s_rows[c] = n;
+    const int n = BlockExclusiveScan(s.row + c * T, T, s.warp_sums, s.carry);
+    if (tid == 0) s.rows[c] = n;
   }
   __syncthreads();
-  if (tid < C && s_rows[tid] > 0) {
-    const DeviceChannel& ch = s_chan[tid];
+  if (tid < C && s.rows[tid] > 0) {
+    const DeviceChannel& ch = s.chan[tid];
     int code = 0;
-    if (s_rows[tid] > static_cast<int>(ch.max_tokens) || k > static_cast<int>(ch.max_pairs)) {
+    if (s.rows[tid] > static_cast<int>(ch.max_tokens) || k > static_cast<int>(ch.max_pairs)) {
       code = kResourceExhausted;  // the worker keeps capturable calls within a slot
-    } else if (ch.device_slots == 0 || s_tail[tid] - a.channel_state[tid].answered >= ch.device_slots) {
+    } else if (ch.device_slots == 0 || s.tail[tid] - a.channel_state[tid].answered >= ch.device_slots) {
       code = kUnavailable;  // earlier requests still unanswered hold every slot: the server stopped answering
     }
     if (code != 0) {
-      Fail(&err_code, &err_detail, code, -1 - tid);
-      s_rows[tid] = -s_rows[tid];  // poisoned below
+      Fail(s.err_code, s.err_detail, code, -1 - tid);
+      s.rows[tid] = -s.rows[tid];  // poisoned below
     }
   }
   __syncthreads();
   for (int c = 0; c < C; ++c) {
-    const int n = s_rows[c];
+    const int n = s.rows[c];
     if (n == 0) continue;
-    const int* row = s_row + c * T;
+    const int* row = s.row + c * T;
     for (int t = tid; t < T; t += nt) {
       const int next = t + 1 < T ? row[t + 1] : (n > 0 ? n : -n);
       if (next == row[t]) continue;  // token t has no pair for c
       if (n < 0) {
-        Poison(a.accum, t, H, 0, 1);
+        Poison(a.accum, t, a.hidden, 0, 1);
       } else {
         a.miss_token[c * T + row[t]] = t;
       }
     }
   }
   __syncthreads();
-  // The requests' routing rows: every entry written once, -1 where the pair
-  // is not this channel's.
   for (int c = 0; c < C; ++c) {
-    const int n = s_rows[c];
+    const int n = s.rows[c];
     if (n <= 0) continue;
-    const DeviceChannel& ch = s_chan[c];
-    const uint64_t index = s_tail[c];
+    const DeviceChannel& ch = s.chan[c];
+    const uint64_t index = s.tail[c];
     const uint32_t slot = ch.first_slot + static_cast<uint32_t>(index % ch.device_slots);
-    const uint64_t sbase = s_base[c] + ch.slots_offset + static_cast<uint64_t>(slot) * ch.slot_stride;
+    const uint64_t sbase = s.base[c] + ch.slots_offset + static_cast<uint64_t>(slot) * ch.slot_stride;
     int32_t* ids = reinterpret_cast<int32_t*>(sbase + ch.ids_offset);
     float* weights = reinterpret_cast<float*>(sbase + ch.weights_offset);
     for (int i = tid; i < n * k; i += nt) {
       const int t = a.miss_token[c * T + i / k], p = t * k + i % k;
-      const bool mine = s_kind[p] == -1 && s_ch[p] == c;
+      const bool mine = s.kind[p] == -1 && s.ch[p] == c;
       ids[i] = mine ? a.ids[p] : -1;
       weights[i] = mine ? a.weights[p] : 0.f;
     }
@@ -255,9 +329,9 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
       ship.slot = sbase;
       ship.tokens = sbase + ch.tokens_offset;
       ship.output = sbase + ch.output_offset;
-      ship.submit_ring = s_base[c] + ch.submit_ring;
-      ship.complete_ring = s_base[c] + ch.complete_ring;
-      ship.doorbell = s_base[c] + ch.doorbell;
+      ship.submit_ring = s.base[c] + ch.submit_ring;
+      ship.complete_ring = s.base[c] + ch.complete_ring;
+      ship.doorbell = s.base[c] + ch.doorbell;
       ship.index = index;
       ship.rows = n;
       ship.slot_index = slot;
@@ -267,16 +341,74 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
       a.channel_state[c].pushed = index + 1;
     }
   }
-  if (tid < kMaxDeviceChannels && (tid >= C || s_rows[tid] <= 0)) a.ships[tid].rows = 0;
+  if (tid < kMaxDeviceChannels && (tid >= C || s.rows[tid] <= 0)) a.ships[tid].rows = 0;
   __threadfence_system();  // the requests' rows and headers before the ship kernel publishes them
   __syncthreads();
-  if (tid == 0 && err_code != 0) {
+}
+
+__global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs a) {
+  extern __shared__ int smem[];
+  const int P = a.T * a.k, E = a.num_experts;
+  __shared__ int warp_sums[32], carry, err_code, err_detail, missed, unroutable, rows[kMaxDeviceChannels];
+  __shared__ int copy_table[kDeviceCopyTable];
+  __shared__ uint64_t tail[kMaxDeviceChannels], base[kMaxDeviceChannels];
+  __shared__ DeviceChannel chan[kMaxDeviceChannels];
+  PlanState s;
+  s.cnt = smem;
+  s.first = s.cnt + E;
+  s.begin = s.first + E;
+  s.fill = s.begin + E;
+  s.mcnt = s.fill + E;
+  s.kind = s.mcnt + E;
+  s.ch = s.kind + P;
+  s.scan = s.ch + P;
+  s.scan2 = s.scan + P;
+  s.row = s.scan2 + P;
+  s.warp_sums = warp_sums;
+  s.carry = &carry;
+  s.err_code = &err_code;
+  s.err_detail = &err_detail;
+  s.rows = rows;
+  s.missed = &missed;
+  s.unroutable = &unroutable;
+  s.tail = tail;
+  s.base = base;
+  s.chan = chan;
+  s.copy_table = copy_table;
+  PlanInit(a, s);
+  ClassifyPairs(a, s);
+  ChooseCopies(a, s);
+  GroupOnDevice(a, s);
+  BuildRequests(a, s);
+  if (threadIdx.x == 0 && err_code != 0) {
     DeviceError* out = a.tables.errors;  // the split's record
     out->detail = err_detail;
     out->layer = a.layer;
     __threadfence_system();
     out->code = err_code;
   }
+}
+
+// The experts ChooseCopies picked, from the host copy over the link into
+// their device buffers (packed formats) or the staging they are unpacked
+// from (bf16): 16-byte loads through the mapping, many in flight per SM.
+__global__ void __launch_bounds__(kShipThreads) DeviceCopyKernel(DevicePlanArgs a) {
+  const int j = blockIdx.x;
+  if (j >= *a.copy_count) return;
+  const uint4* src = reinterpret_cast<const uint4*>(a.host_experts[a.copies[j].expert]);
+  uint4* dst = reinterpret_cast<uint4*>(a.copy_dst + j * a.copy_dst_stride);
+  const size_t n = a.packed_bytes / 16;
+  constexpr int kUnroll = 4;
+  const size_t step = static_cast<size_t>(gridDim.y) * blockDim.x;
+  size_t i = static_cast<size_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  for (; i + (kUnroll - 1) * step < n; i += kUnroll * step) {
+    uint4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = __ldcv(src + i + u * step);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) dst[i + u * step] = v[u];
+  }
+  for (; i < n; i += step) dst[i] = __ldcv(src + i);
 }
 
 // Copies each request's token rows into its slot, then the channel's last
@@ -380,7 +512,7 @@ __global__ void __launch_bounds__(kShipThreads) DeviceCombineKernel(DevicePlanAr
 }  // namespace
 
 size_t DevicePlanSharedBytes(int T, int k, int num_experts, int num_channels) {
-  return sizeof(int) * (4 * static_cast<size_t>(num_experts) + 5 * static_cast<size_t>(T) * k +
+  return sizeof(int) * (5 * static_cast<size_t>(num_experts) + 4 * static_cast<size_t>(T) * k +
                         static_cast<size_t>(num_channels) * T);
 }
 
@@ -394,9 +526,16 @@ cudaError_t LaunchDevicePlan(const DevicePlanArgs& a, cudaStream_t stream) {
   }
   DevicePlanKernel<<<1, kPlanThreads, smem, stream>>>(a);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || a.num_channels == 0) return err;
-  DeviceShipKernel<<<dim3(a.num_channels, kShipBlocksPerChannel), kShipThreads, 0, stream>>>(a);
-  return cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  if (a.num_channels > 0) {
+    DeviceShipKernel<<<dim3(a.num_channels, kShipBlocksPerChannel), kShipThreads, 0, stream>>>(a);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  if (a.max_copies > 0 && a.host_experts != nullptr) {
+    DeviceCopyKernel<<<dim3(a.max_copies, kCopyBlocksPerExpert), kShipThreads, 0, stream>>>(a);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 cudaError_t LaunchDeviceCombine(const DevicePlanArgs& a, cudaStream_t stream) {

@@ -113,6 +113,12 @@ cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedSlots& p, c
 // the dequantization of an int8 / int4 slot for a big group.
 cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout, int hidden,
                                int intermediate, bf16_t* dst, cudaStream_t stream);
+// The same for the first *count (device memory, read at run time) of
+// max_count bf16 experts: expert j from packed + j * packed_stride bytes into
+// dst + j * dst_stride values (the device-planned call's copies).
+cudaError_t LaunchUnpackExperts(const uint8_t* packed, size_t packed_stride, const PackedLayout& layout, int hidden,
+                                int intermediate, bf16_t* dst, size_t dst_stride, const int* count, int max_count,
+                                cudaStream_t stream);
 
 // dst[i, :] = x[token[i], :] for i < n (zeros where token[i] == -1); dst is
 // [n, H] with row stride H, device or host-mapped memory.
@@ -158,6 +164,12 @@ struct DeviceShip {
 // (`generation`; both restart at 0 with a new one). The GPU is the device
 // rings' only producer and consumer on the worker's side, so it never reads
 // its own indexes back from host memory.
+// An expert the split chose to compute on the device (copy-instead).
+struct DeviceCopy {
+  int32_t expert;
+  int32_t reserved;
+};
+
 struct DeviceChannelState {
   uint64_t pushed;
   uint64_t answered;
@@ -184,6 +196,21 @@ struct DevicePlanArgs {
   unsigned int* done = nullptr;      // [kMaxDeviceChannels] zero at rest (the ship kernel resets it)
   float* accum = nullptr;            // [T, H] zeroed before LaunchDevicePlan; NaN rows on errors
   uint64_t timeout_ns = 0;           // how long LaunchDeviceCombine waits for an answer
+  // Copy-instead (max_copies 0 or host_experts null: none): the table the
+  // planner publishes (host-mapped [kDeviceCopyTable]: missed experts -> how
+  // many of them the device computes), the layer's experts in the host copy
+  // (device addresses of the registered memory, [num_experts]), where copy j
+  // lands (copy_dst + j * copy_dst_stride bytes: the buffer itself, or the
+  // bf16 staging unpacked into it) and its buffer (copy_buffer_base + j).
+  const int32_t* copy_table = nullptr;
+  const uint64_t* host_experts = nullptr;
+  int max_copies = 0;
+  int copy_buffer_base = 0;
+  uint8_t* copy_dst = nullptr;
+  size_t copy_dst_stride = 0;
+  size_t packed_bytes = 0;           // one expert in the host copy
+  DeviceCopy* copies = nullptr;      // [max_copies] (device)
+  int* copy_count = nullptr;         // the call's copies (device)
 };
 
 // Shared memory the split needs (above 48 KiB the launcher opts in).

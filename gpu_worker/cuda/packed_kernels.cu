@@ -302,8 +302,12 @@ __device__ __forceinline__ void PackedValues8(const uint8_t* blk, int Kp, int gr
 // padded block always holds the whole group of 8), one 16-byte store when the
 // row length is a multiple of 8, else element stores up to the row's end.
 template <int kFmt>
-__global__ void UnpackExpertKernel(const uint8_t* __restrict__ packed, PackedLayout l, int H, int I,
-                                   bf16_t* __restrict__ dst) {
+__global__ void UnpackExpertKernel(const uint8_t* __restrict__ packed, size_t packed_stride, PackedLayout l, int H,
+                                   int I, bf16_t* __restrict__ dst, size_t dst_stride, const int* count) {
+  // blockIdx.y: the expert of a batch (LaunchUnpackExperts), `count` of them valid.
+  if (count != nullptr && static_cast<int>(blockIdx.y) >= *count) return;
+  packed += blockIdx.y * packed_stride;
+  dst += blockIdx.y * dst_stride;
   const int H8 = (H + 7) / 8, I8 = (I + 7) / 8;
   const size_t gate_up_items = 2 * static_cast<size_t>(I) * H8, items = gate_up_items + static_cast<size_t>(H) * I8;
   for (size_t e = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; e < items;
@@ -405,15 +409,33 @@ cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout
   const int blocks = static_cast<int>(std::min<size_t>((items + kElemwiseThreads - 1) / kElemwiseThreads, kMaxElemwiseBlocks));
   switch (layout.format) {
     case kFmtBf16:
-      UnpackExpertKernel<kFmtBf16><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
+      UnpackExpertKernel<kFmtBf16><<<blocks, kElemwiseThreads, 0, stream>>>(packed, 0, layout, hidden, intermediate, dst, 0, nullptr);
       break;
     case kFmtInt8:
-      UnpackExpertKernel<kFmtInt8><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
+      UnpackExpertKernel<kFmtInt8><<<blocks, kElemwiseThreads, 0, stream>>>(packed, 0, layout, hidden, intermediate, dst, 0, nullptr);
       break;
     case kFmtInt4:
-      UnpackExpertKernel<kFmtInt4><<<blocks, kElemwiseThreads, 0, stream>>>(packed, layout, hidden, intermediate, dst);
+      UnpackExpertKernel<kFmtInt4><<<blocks, kElemwiseThreads, 0, stream>>>(packed, 0, layout, hidden, intermediate, dst, 0, nullptr);
       break;
     default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchUnpackExperts(const uint8_t* packed, size_t packed_stride, const PackedLayout& layout, int hidden,
+                                int intermediate, bf16_t* dst, size_t dst_stride, const int* count, int max_count,
+                                cudaStream_t stream) {
+  const size_t items = 2 * static_cast<size_t>(intermediate) * ((hidden + 7) / 8) +
+                       static_cast<size_t>(hidden) * ((intermediate + 7) / 8);
+  if (items == 0 || max_count <= 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(std::min<size_t>((items + kElemwiseThreads - 1) / kElemwiseThreads, 1024)),
+                  static_cast<unsigned>(max_count));
+  switch (layout.format) {
+    case kFmtBf16:
+      UnpackExpertKernel<kFmtBf16><<<grid, kElemwiseThreads, 0, stream>>>(packed, packed_stride, layout, hidden,
+                                                                           intermediate, dst, dst_stride, count);
+      break;
+    default: return cudaErrorInvalidValue;  // integer slots hold the packed bytes as they are
   }
   return cudaGetLastError();
 }
