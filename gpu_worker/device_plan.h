@@ -22,7 +22,7 @@ namespace moe {
 inline constexpr int kMaxDeviceChannels = 8;
 // Experts one device-planned call may copy to the device instead of sending
 // them to a server, and the length of the planner's table of how many.
-inline constexpr int kMaxDeviceCopies = 4;
+inline constexpr int kMaxDeviceCopies = 16;
 inline constexpr int kDeviceCopyTable = 64;
 
 // One CPU server's device rings as the GPU addresses them. base == 0: the

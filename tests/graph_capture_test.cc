@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cstring>
 #include <map>
+#include <set>
 #include <thread>
 #include <memory>
 #include <string>
@@ -201,6 +202,7 @@ TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
   SessionOptions o;
   o.model = kModel;
   o.servers = {grpc_address_};
+  o.tls.insecure = true;  // the test server listens in plaintext on loopback
   o.device = "cuda";
   o.policy = "static";
   o.cache_experts_per_layer = 3;
@@ -227,8 +229,8 @@ TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
 
 // Replays across a drained server and a killed one: never a hang, never a
 // silent wrong result (NaN and an error), the device computes the misses no
-// server may take (copied from the host copy: at most 4 per call, and a
-// step of T = 2, k = 2 misses at most 4 experts), and the server serves
+// server may take (copied from the host copy: at most kMaxDeviceCopies per
+// call, and a step of T = 2, k = 2 misses at most 4 experts), and the server serves
 // again once it is back (the worker reconnects at TakeStreamError).
 TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
   const int T = 2;
@@ -273,25 +275,37 @@ TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
   cudaGraphExecDestroy(exec);
 }
 
-// Copy-instead inside a captured step (copy mode always: up to 4 missed
-// experts per call copied from the host copy and computed on the device, the
-// rest on the server), with and without a cache, and a server drained: a
-// call missing more experts than the device may copy fails loudly.
+// Copy-instead inside a captured step (copy mode always: up to
+// kMaxDeviceCopies missed experts per call copied from the host copy and
+// computed on the device, the rest on the server), with two placements; then
+// the server drained with more missed experts than the device may copy: the
+// tokens of the others fail loudly (NaN, Unavailable), only those. A model
+// with 32 experts (top-4) so that a call can miss more than the device takes.
 TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
+  constexpr char kWide[] = "synthetic:demo:layers=2:seed=3";
+  Subprocess* srv = nullptr;
+  const std::string wide_sock = dir_.path() + "/wide.sock";
+  ASSERT_FALSE(testing::StartExpertServer(&srv, {std::string("--model=") + kWide, "--threads=1",
+                                                  "--shm-socket=" + wide_sock})
+                   .empty());
+  std::unique_ptr<Subprocess> wide_server(srv);
   SessionOptions o;
-  o.model = kModel;
-  o.servers = {server_address_};
+  o.model = kWide;
+  o.servers = {"unix://" + wide_sock};
   o.device = "cuda";
   o.policy = "static";
   o.copy_mode = "always";
-  o.cache_experts_per_layer = 2;
+  o.cache_experts_per_layer = 4;
   o.max_tokens = 8;
   o.deadline = std::chrono::milliseconds(3000);
   o.on_access = [this](int layer, int expert, int pairs, bool) { accesses_[{layer, expert}] += pairs; };
   absl::StatusOr<std::unique_ptr<MoeSession>> copying = MoeSession::Open(o);
   ASSERT_TRUE(copying.ok()) << copying.status();
-  session_ = *std::move(copying);
-  const int T = 6;  // 12 pairs over 8 experts: usually more than 4 missed, so the server takes the rest
+  session_ = *std::move(copying);  // the fixture's helpers use session_, source_ and reference_
+  source_ = *OpenModel(kWide);
+  reference_ = std::make_unique<ReferenceMoe>(*source_);
+  const int T = 8, k = session_->model().top_k, E = session_->model().num_experts;
+  ASSERT_GT(T * k, kMaxDeviceCopies + 4);
   std::vector<Buffers> bufs;
   std::vector<Inputs> in;
   cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
@@ -300,7 +314,7 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   accesses_.clear();
   for (int step = 0; step < 4; ++step) {
     if (step == 2) {
-      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {6, 7}).ok());
+      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {20, 21, 22, 23}).ok());
       ASSERT_TRUE(session_->FlushCopies().ok());
     }
     EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
@@ -308,17 +322,21 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   }
   int pairs = 0;
   for (const auto& [key, n] : accesses_) pairs += n;
-  EXPECT_EQ(pairs, 4 * T * session_->model().top_k * static_cast<int>(session_->model().moe_layers.size()));
-  // Drained with 6 missed experts routed: 4 on the device, 2 with no route.
-  ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
-  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1}).ok());
+  EXPECT_EQ(pairs, 4 * T * k * static_cast<int>(session_->model().moe_layers.size()));
+  // Drained, every call missing kMaxDeviceCopies + 2 experts, one token each
+  // (tokens 0..7 take experts 4..27 in order, k pairs a token): the device
+  // copies the first kMaxDeviceCopies (lowest ids at equal pairs), the two
+  // left have no route.
+  ASSERT_TRUE(session_->SetServerEnabled("unix://" + wide_sock, false).ok());
+  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1, 2, 3}).ok());
   ASSERT_TRUE(session_->FlushCopies().ok());
-  const int k = session_->model().top_k;
+  const int missed = kMaxDeviceCopies + 2;
   for (size_t i = 0; i < bufs.size(); ++i) {
     in[i].x = RandomActivations(static_cast<size_t>(T) * session_->model().hidden, 31 + i);
     in[i].ids.assign(static_cast<size_t>(T) * k, -1);
-    in[i].w.assign(static_cast<size_t>(T) * k, 0.5f);
-    for (int t = 0; t < T; ++t) in[i].ids[static_cast<size_t>(t) * k] = 2 + t;  // experts 2..7: all missed
+    in[i].w.assign(static_cast<size_t>(T) * k, 0.25f);
+    for (int p = 0; p < missed; ++p) in[i].ids[p] = 4 + p;  // pair p: token p / k
+    ASSERT_LT(4 + missed, E);
     ASSERT_CUDA(cudaMemcpy(bufs[i].hidden, in[i].x.data(), in[i].x.size() * 2, cudaMemcpyHostToDevice));
     ASSERT_CUDA(cudaMemcpy(bufs[i].ids, in[i].ids.data(), in[i].ids.size() * 4, cudaMemcpyHostToDevice));
     ASSERT_CUDA(cudaMemcpy(bufs[i].weights, in[i].w.data(), in[i].w.size() * 4, cudaMemcpyHostToDevice));
@@ -326,127 +344,16 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   ASSERT_CUDA(cudaGraphLaunch(exec, stream_));
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
   EXPECT_TRUE(absl::IsUnavailable(session_->TakeStreamError()));
-  std::vector<bf16_t> out(static_cast<size_t>(T) * session_->model().hidden);
+  const int H = session_->model().hidden;
+  std::vector<bf16_t> out(static_cast<size_t>(T) * H);
   ASSERT_CUDA(cudaMemcpy(out.data(), bufs[0].out, out.size() * 2, cudaMemcpyDeviceToHost));
-  int nan_rows = 0;
-  for (int t = 0; t < T; ++t) nan_rows += std::isnan(Bf16ToF32(out[static_cast<size_t>(t) * session_->model().hidden]));
-  EXPECT_EQ(nan_rows, 2) << "the two tokens whose expert neither the device nor a server took, and only them";
+  std::set<int> poisoned, expected;
+  for (int t = 0; t < T; ++t)
+    if (std::isnan(Bf16ToF32(out[static_cast<size_t>(t) * H]))) poisoned.insert(t);
+  for (int p = kMaxDeviceCopies; p < missed; ++p) expected.insert(p / k);
+  EXPECT_EQ(poisoned, expected) << "the tokens of the experts neither the device nor a server took, and only them";
   cudaGraphExecDestroy(exec);
-}
-
-TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
-  const int T = 5, k = session_->model().top_k, L = session_->model().moe_layers[0];
-  Buffers b = Alloc(T, k);
-  ASSERT_TRUE(session_->ApplyAssignment(L, {0, 1, 2}).ok());
-  ASSERT_TRUE(session_->FlushCopies().ok());
-  Inputs in;
-  Fill(b, T, k, 7, &in);  // enqueued on the engine stream, not yet complete
-  CallStats stats;
-  ASSERT_TRUE(session_->ForwardLayer(L, T, k, b.hidden, b.ids, b.weights, b.out, MemoryKind::kDevice, &stats, stream_)
-                  .ok());
-  ASSERT_CUDA(cudaStreamSynchronize(stream_));
-  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "hits " << stats.hit_pairs << " cpu " << stats.cpu_pairs << " copied "
-                                         << stats.copied_pairs;
-  EXPECT_EQ(stats.hit_pairs + stats.cpu_pairs + stats.copied_pairs, T * k);
-  // The inputs the engine stream produced are what the call saw.
-  std::vector<bf16_t> x(in.x.size());
-  ASSERT_CUDA(cudaMemcpy(x.data(), b.hidden, x.size() * 2, cudaMemcpyDeviceToHost));
-  EXPECT_EQ(0, std::memcmp(x.data(), in.x.data(), x.size() * 2));
-  // The same call without a stream, then with host pointers: same result.
-  ASSERT_TRUE(session_->ForwardLayer(L, T, k, b.hidden, b.ids, b.weights, b.out, MemoryKind::kDevice, &stats).ok());
-  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "device pointers, no stream";
-  std::vector<bf16_t> host_out(in.x.size());
-  ASSERT_TRUE(session_->ForwardLayer(L, T, k, in.x.data(), in.ids.data(), in.w.data(), host_out.data(),
-                                     MemoryKind::kHost, &stats)
-                  .ok());
-  ASSERT_CUDA(cudaMemcpy(b.out, host_out.data(), host_out.size() * 2, cudaMemcpyHostToDevice));
-  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "host pointers";
-  // A capturable call given no stream runs on the legacy default stream (stream 0,
-  // torch's current stream unless the engine set one), as a CUDA call would.
-  ASSERT_CUDA(cudaMemset(b.out, 0, sizeof(bf16_t) * T * session_->model().hidden));
-  ASSERT_CUDA(cudaStreamSynchronize(stream_));
-  ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, nullptr).ok());
-  ASSERT_CUDA(cudaDeviceSynchronize());
-  EXPECT_TRUE(session_->TakeStreamError().ok());
-  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "capturable call on stream 0";
-
-  // A drained server gets no capturable misses: with the only server
-  // disabled the call reports Unavailable and poisons the output (NaN); once
-  // enabled again the same call is right.
-  ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
-  ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
-  ASSERT_CUDA(cudaStreamSynchronize(stream_));
-  const absl::Status drained = session_->TakeStreamError();
-  EXPECT_TRUE(absl::IsUnavailable(drained)) << drained;
-  EXPECT_FALSE(Error(L, b, T, k, in) <= 1e-2) << "NaN output expected while the server is drained";
-  ASSERT_TRUE(session_->SetServerEnabled(server_address_, true).ok());
-  ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
-  ASSERT_CUDA(cudaStreamSynchronize(stream_));
-  EXPECT_TRUE(session_->TakeStreamError().ok());
-  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "after undrain";
-}
-
-TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
-  const int T = 4, k = session_->model().top_k;
-  const std::vector<int>& layers = session_->model().moe_layers;
-  std::vector<Buffers> bufs;
-  for (size_t i = 0; i < layers.size(); ++i) bufs.push_back(Alloc(T, k));
-  // Warm-up outside the capture (allocates each layer's staging).
-  std::vector<Inputs> in(layers.size());
-  for (size_t i = 0; i < layers.size(); ++i) {
-    Fill(bufs[i], T, k, 100 + i, &in[i]);
-    ASSERT_TRUE(session_->ForwardLayerCapturable(layers[i], T, k, bufs[i].hidden, bufs[i].ids, bufs[i].weights,
-                                                 bufs[i].out, stream_)
-                    .ok());
-  }
-  ASSERT_CUDA(cudaStreamSynchronize(stream_));
-  for (size_t i = 0; i < layers.size(); ++i) EXPECT_LE(Error(layers[i], bufs[i], T, k, in[i]), 1e-2);
-
-  // Capture both layers into one graph.
-  cudaGraph_t graph = nullptr;
-  ASSERT_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
-  for (size_t i = 0; i < layers.size(); ++i)
-    ASSERT_TRUE(session_->ForwardLayerCapturable(layers[i], T, k, bufs[i].hidden, bufs[i].ids, bufs[i].weights,
-                                                 bufs[i].out, stream_)
-                    .ok());
-  ASSERT_CUDA(cudaStreamEndCapture(stream_, &graph));
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-
-  for (int step = 0; step < 6; ++step) {
-    if (step == 2) {  // placement changes between replays: all misses -> many hits
-      for (int l : layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1, 2}).ok());
-      ASSERT_TRUE(session_->FlushCopies().ok());
-    }
-    if (step == 4) {
-      for (int l : layers) ASSERT_TRUE(session_->ApplyAssignment(l, {5, 6, 7}).ok());
-      ASSERT_TRUE(session_->FlushCopies().ok());
-    }
-    for (size_t i = 0; i < layers.size(); ++i) Fill(bufs[i], T, k, 1000 * step + i, &in[i]);
-    ASSERT_CUDA(cudaGraphLaunch(exec, stream_));
-    ASSERT_CUDA(cudaStreamSynchronize(stream_));
-    for (size_t i = 0; i < layers.size(); ++i)
-      EXPECT_LE(Error(layers[i], bufs[i], T, k, in[i]), 1e-2) << "step " << step << " layer " << layers[i];
-    EXPECT_TRUE(session_->TakeStreamError().ok());
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-}
-
-TEST_F(GraphCaptureTest, CapturableCallRefusesBadArguments) {
-  const int T = 2, k = session_->model().top_k, L = session_->model().moe_layers[0];
-  Buffers b = Alloc(T, k);
-  EXPECT_TRUE(absl::IsInvalidArgument(
-      session_->ForwardLayerCapturable(0, T, k, b.hidden, b.ids, b.weights, b.out, stream_)));
-  EXPECT_TRUE(absl::IsInvalidArgument(
-      session_->ForwardLayerCapturable(L, 9, k, b.hidden, b.ids, b.weights, b.out, stream_)));
-  // A layer never run eagerly cannot be captured first.
-  cudaGraph_t graph = nullptr;
-  ASSERT_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
-  const absl::Status st = session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_);
-  cudaStreamEndCapture(stream_, &graph);
-  if (graph != nullptr) cudaGraphDestroy(graph);
-  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+  session_.reset();
 }
 
 }  // namespace
