@@ -356,5 +356,120 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   session_.reset();
 }
 
+TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
+  const int T = 5, k = session_->model().top_k, L = session_->model().moe_layers[0];
+  Buffers b = Alloc(T, k);
+  ASSERT_TRUE(session_->ApplyAssignment(L, {0, 1, 2}).ok());
+  ASSERT_TRUE(session_->FlushCopies().ok());
+  Inputs in;
+  Fill(b, T, k, 7, &in);  // enqueued on the engine stream, not yet complete
+  CallStats stats;
+  ASSERT_TRUE(session_->ForwardLayer(L, T, k, b.hidden, b.ids, b.weights, b.out, MemoryKind::kDevice, &stats, stream_)
+                  .ok());
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "hits " << stats.hit_pairs << " cpu " << stats.cpu_pairs << " copied "
+                                         << stats.copied_pairs;
+  EXPECT_EQ(stats.hit_pairs + stats.cpu_pairs + stats.copied_pairs, T * k);
+  // The inputs the engine stream produced are what the call saw.
+  std::vector<bf16_t> x(in.x.size());
+  ASSERT_CUDA(cudaMemcpy(x.data(), b.hidden, x.size() * 2, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(0, std::memcmp(x.data(), in.x.data(), x.size() * 2));
+  // The same call without a stream, then with host pointers: same result.
+  ASSERT_TRUE(session_->ForwardLayer(L, T, k, b.hidden, b.ids, b.weights, b.out, MemoryKind::kDevice, &stats).ok());
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "device pointers, no stream";
+  std::vector<bf16_t> host_out(in.x.size());
+  ASSERT_TRUE(session_->ForwardLayer(L, T, k, in.x.data(), in.ids.data(), in.w.data(), host_out.data(),
+                                     MemoryKind::kHost, &stats)
+                  .ok());
+  ASSERT_CUDA(cudaMemcpy(b.out, host_out.data(), host_out.size() * 2, cudaMemcpyHostToDevice));
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "host pointers";
+  // A capturable call given no stream runs on the legacy default stream (stream 0,
+  // torch's current stream unless the engine set one), as a CUDA call would.
+  ASSERT_CUDA(cudaMemset(b.out, 0, sizeof(bf16_t) * T * session_->model().hidden));
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, nullptr).ok());
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_TRUE(session_->TakeStreamError().ok());
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "capturable call on stream 0";
+
+  // A drained server gets no capturable misses: with the only server
+  // disabled the call reports Unavailable and poisons the output (NaN); once
+  // enabled again the same call is right.
+  ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
+  ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  const absl::Status drained = session_->TakeStreamError();
+  EXPECT_TRUE(absl::IsUnavailable(drained)) << drained;
+  EXPECT_FALSE(Error(L, b, T, k, in) <= 1e-2) << "NaN output expected while the server is drained";
+  ASSERT_TRUE(session_->SetServerEnabled(server_address_, true).ok());
+  ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  EXPECT_TRUE(session_->TakeStreamError().ok());
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "after undrain";
+}
+
+TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
+  const int T = 4, k = session_->model().top_k;
+  const std::vector<int>& layers = session_->model().moe_layers;
+  std::vector<Buffers> bufs;
+  for (size_t i = 0; i < layers.size(); ++i) bufs.push_back(Alloc(T, k));
+  // Warm-up outside the capture (allocates each layer's staging).
+  std::vector<Inputs> in(layers.size());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    Fill(bufs[i], T, k, 100 + i, &in[i]);
+    ASSERT_TRUE(session_->ForwardLayerCapturable(layers[i], T, k, bufs[i].hidden, bufs[i].ids, bufs[i].weights,
+                                                 bufs[i].out, stream_)
+                    .ok());
+  }
+  ASSERT_CUDA(cudaStreamSynchronize(stream_));
+  for (size_t i = 0; i < layers.size(); ++i) EXPECT_LE(Error(layers[i], bufs[i], T, k, in[i]), 1e-2);
+
+  // Capture both layers into one graph.
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
+  for (size_t i = 0; i < layers.size(); ++i)
+    ASSERT_TRUE(session_->ForwardLayerCapturable(layers[i], T, k, bufs[i].hidden, bufs[i].ids, bufs[i].weights,
+                                                 bufs[i].out, stream_)
+                    .ok());
+  ASSERT_CUDA(cudaStreamEndCapture(stream_, &graph));
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (int step = 0; step < 6; ++step) {
+    if (step == 2) {  // placement changes between replays: all misses -> many hits
+      for (int l : layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1, 2}).ok());
+      ASSERT_TRUE(session_->FlushCopies().ok());
+    }
+    if (step == 4) {
+      for (int l : layers) ASSERT_TRUE(session_->ApplyAssignment(l, {5, 6, 7}).ok());
+      ASSERT_TRUE(session_->FlushCopies().ok());
+    }
+    for (size_t i = 0; i < layers.size(); ++i) Fill(bufs[i], T, k, 1000 * step + i, &in[i]);
+    ASSERT_CUDA(cudaGraphLaunch(exec, stream_));
+    ASSERT_CUDA(cudaStreamSynchronize(stream_));
+    for (size_t i = 0; i < layers.size(); ++i)
+      EXPECT_LE(Error(layers[i], bufs[i], T, k, in[i]), 1e-2) << "step " << step << " layer " << layers[i];
+    EXPECT_TRUE(session_->TakeStreamError().ok());
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+TEST_F(GraphCaptureTest, CapturableCallRefusesBadArguments) {
+  const int T = 2, k = session_->model().top_k, L = session_->model().moe_layers[0];
+  Buffers b = Alloc(T, k);
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      session_->ForwardLayerCapturable(0, T, k, b.hidden, b.ids, b.weights, b.out, stream_)));
+  EXPECT_TRUE(absl::IsInvalidArgument(
+      session_->ForwardLayerCapturable(L, 9, k, b.hidden, b.ids, b.weights, b.out, stream_)));
+  // A layer never run eagerly cannot be captured first.
+  cudaGraph_t graph = nullptr;
+  ASSERT_CUDA(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
+  const absl::Status st = session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_);
+  cudaStreamEndCapture(stream_, &graph);
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  EXPECT_TRUE(absl::IsFailedPrecondition(st)) << st;
+}
+
 }  // namespace
 }  // namespace moe
