@@ -215,6 +215,7 @@ class CudaBackend final : public DeviceBackend {
   absl::StatusOr<void*> AllocMapped(size_t bytes) override;
   absl::Status SetDeviceChannels(const DeviceChannel* channels, int n) override;
   absl::Status SetHostExperts(int site, const std::vector<const std::byte*>& experts) override;
+  absl::StatusOr<double> ProbeDeviceCopy(const std::byte* packed) override;
   void FreeMapped(void* p) override;
   uint64_t DeviceAddress(const void* p) const override;
   absl::Status ReadAccessCounts(std::vector<uint32_t>* counts) override;
@@ -1101,6 +1102,32 @@ absl::Status CudaBackend::SetHostExperts(int site, const std::vector<const std::
                                            cudaMemcpyHostToDevice, table_stream_));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(table_stream_));
   return absl::OkStatus();
+}
+
+absl::StatusOr<double> CudaBackend::ProbeDeviceCopy(const std::byte* packed) {
+  MOE_RETURN_IF_ERROR(Use());
+  MOE_RETURN_IF_ERROR(EnsureTableStream());
+  const uint64_t src = packed != nullptr ? DeviceAddress(packed) : 0;
+  const size_t bytes = geometry_.packed_bytes() / 16 * 16;
+  if (src == 0 || bytes == 0) return absl::FailedPreconditionError("device copy probe: expert not in registered memory");
+  MOE_ASSIGN_OR_RETURN(DeviceMem dst, AllocDevice(bytes, "device copy probe"));
+  cudaEvent_t ev[2] = {nullptr, nullptr};
+  for (cudaEvent_t& e : ev) MOE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  double best = 0;
+  absl::Status st;
+  for (int rep = 0; rep < 3 && st.ok(); ++rep) {
+    st.Update(CudaStatus(cudaEventRecord(ev[0], table_stream_), "cudaEventRecord", __FILE__, __LINE__));
+    st.Update(CudaStatus(cuda::LaunchCopyFromHost(reinterpret_cast<const void*>(src), dst.get(), bytes, table_stream_),
+                         "LaunchCopyFromHost", __FILE__, __LINE__));
+    st.Update(CudaStatus(cudaEventRecord(ev[1], table_stream_), "cudaEventRecord", __FILE__, __LINE__));
+    float ms = 0;
+    if (st.ok()) st.Update(CudaStatus(cudaEventSynchronize(ev[1]), "cudaEventSynchronize", __FILE__, __LINE__));
+    if (st.ok()) st.Update(CudaStatus(cudaEventElapsedTime(&ms, ev[0], ev[1]), "cudaEventElapsedTime", __FILE__, __LINE__));
+    if (st.ok() && (rep == 0 || ms * 1e-3 < best)) best = ms * 1e-3;
+  }
+  for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  if (!st.ok()) return st;
+  return best;
 }
 
 absl::Status CudaBackend::SetDeviceChannels(const DeviceChannel* channels, int n) {

@@ -246,6 +246,13 @@ class DeviceBackend {
     (void)site, (void)experts;
     return absl::FailedPreconditionError(absl::StrCat("the ", name(), " backend has no device"));
   }
+  // Seconds the device-planned call's copy of one expert takes (the SMs
+  // reading `packed`, an expert of the host copy in registered memory, through
+  // the mapping: not the copy engine LoadExpert uses); the fastest of 3.
+  virtual absl::StatusOr<double> ProbeDeviceCopy(const std::byte* packed) {
+    (void)packed;
+    return absl::FailedPreconditionError(absl::StrCat("the ", name(), " backend has no device"));
+  }
   // Zeroed host memory the device reads and writes at the same address
   // (the device-planned call's tables); freed with FreeMapped.
   virtual absl::StatusOr<void*> AllocMapped(size_t bytes) {

@@ -184,6 +184,7 @@ struct LayerDispatcher::Impl {
   int num_channels = 0;
   DeviceCopyPlan* copy_plan = nullptr;         // copy-instead of capturable calls (PublishCopyPlan)
   int copy_buffer_base = -1;                   // their kMaxDeviceCopies buffers, -1: none (no host copy)
+  double device_copy_s = 0;                    // one expert copied by the SMs (ProbeDeviceCopy), 0: unknown
   bool device_ready = false;                   // PrepareDevicePath ran
   std::vector<std::unique_ptr<Forwarder>> forwarders;
   std::vector<int> forwarder_of_server;        // server -> forwarder, -1: none (an shm server)
@@ -1314,6 +1315,16 @@ absl::Status LayerDispatcher::PrepareDevicePath() {
       }
     }
   }
+  if (m.copy_buffer_base >= 0) {
+    absl::StatusOr<double> probe = backend_->ProbeDeviceCopy(host_->Find(layers_.front(), 0));
+    m.device_copy_s = probe.ok() ? *probe : 0;
+    if (probe.ok()) {
+      LogInfo("worker", "capturable calls copy an expert in ", absl::StrFormat("%.3f", *probe * 1e3),
+              " ms (SM reads over the link)");
+    } else {
+      LogWarning("worker", "capturable calls copy nothing instead of computing: ", probe.status().message());
+    }
+  }
   PublishCopyPlan();
   m.device_ready = true;
   for (size_t s = 0; s < S; ++s) PublishRoute(s);
@@ -1430,30 +1441,31 @@ absl::Status LayerDispatcher::TakeStreamError() {
   return first;
 }
 
-// Copy-instead for capturable calls, from the planner's rates: of m missed
-// experts, the n the device takes minimises max(CPU time of the other m - n,
-// the link's n copies + the device's compute), taken only for a clear gain
-// (a quarter of an expert's CPU time, as ChooseCopies asks) — at most
-// kMaxDeviceCopies. copy_mode never (or no measured rates yet): none;
-// always: every missed expert up to the cap.
+// Copy-instead for capturable calls: for each number m of missed experts,
+// how many the device takes — the planner's own decision (ChooseCopies) for
+// m experts of one row each (decode), with the link priced at what the
+// device-planned copy really costs (the SMs reading through the mapping,
+// probed once: slower than the copy engine the eager path's rate measures).
+// copy_mode never, no measured rates or no probe: none; always: every
+// missed expert up to kMaxDeviceCopies.
 void LayerDispatcher::PublishCopyPlan() {
   Impl& m = *impl_;
   if (m.copy_plan == nullptr) return;
-  const CostModel& r = planner_.rates();
+  CostModel model = planner_.rates();
+  const bool priced = model.measured && m.device_copy_s > 0;
+  if (priced) {
+    model.copy_s = m.device_copy_s;
+    model.copy = OnlineScale();
+  }
   for (int missed = 0; missed < kDeviceCopyTable; ++missed) {
     int n = 0;
     if (config_.copy_mode == CopyMode::kAlways) {
       n = std::min(missed, kMaxDeviceCopies);
-    } else if (config_.copy_mode == CopyMode::kAuto && r.measured) {
-      const double cpu = r.CpuSeconds(1, 1, false), copy = r.CopySeconds(), dev = r.DeviceSeconds(1);
-      double best = missed * cpu;
-      for (int c = 1; c <= std::min(missed, kMaxDeviceCopies); ++c) {
-        const double t = std::max((missed - c) * cpu, c * copy + dev);
-        if (t < best - 0.25 * cpu) {
-          best = t;
-          n = c;
-        }
-      }
+    } else if (config_.copy_mode == CopyMode::kAuto && priced && missed > 0) {
+      std::vector<CopyCandidate> candidates(missed);
+      for (int i = 0; i < missed; ++i) candidates[i] = CopyCandidate{i, 1};
+      model.calls_without_cpu_sample = 0;  // the table is not a call: no exploration
+      n = std::min(static_cast<int>(ChooseCopies(model, candidates, 0).size()), kMaxDeviceCopies);
     }
     __atomic_store_n(&m.copy_plan->copy_count[missed], n, __ATOMIC_RELAXED);
   }

@@ -392,12 +392,8 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
 // The experts ChooseCopies picked, from the host copy over the link into
 // their device buffers (packed formats) or the staging they are unpacked
 // from (bf16): 16-byte loads through the mapping, many in flight per SM.
-__global__ void __launch_bounds__(kShipThreads) DeviceCopyKernel(DevicePlanArgs a) {
-  const int j = blockIdx.x;
-  if (j >= *a.copy_count) return;
-  const uint4* src = reinterpret_cast<const uint4*>(a.host_experts[a.copies[j].expert]);
-  uint4* dst = reinterpret_cast<uint4*>(a.copy_dst + j * a.copy_dst_stride);
-  const size_t n = a.packed_bytes / 16;
+// One block's share (blockIdx.y of gridDim.y) of copying n 16-byte words.
+__device__ void CopyFromHost(const uint4* src, uint4* dst, size_t n) {
   constexpr int kUnroll = 4;
   const size_t step = static_cast<size_t>(gridDim.y) * blockDim.x;
   size_t i = static_cast<size_t>(blockIdx.y) * blockDim.x + threadIdx.x;
@@ -409,6 +405,17 @@ __global__ void __launch_bounds__(kShipThreads) DeviceCopyKernel(DevicePlanArgs 
     for (int u = 0; u < kUnroll; ++u) dst[i + u * step] = v[u];
   }
   for (; i < n; i += step) dst[i] = __ldcv(src + i);
+}
+
+__global__ void __launch_bounds__(kShipThreads) DeviceCopyKernel(DevicePlanArgs a) {
+  const int j = blockIdx.x;
+  if (j >= *a.copy_count) return;
+  CopyFromHost(reinterpret_cast<const uint4*>(a.host_experts[a.copies[j].expert]),
+               reinterpret_cast<uint4*>(a.copy_dst + j * a.copy_dst_stride), a.packed_bytes / 16);
+}
+
+__global__ void __launch_bounds__(kShipThreads) CopyFromHostKernel(const uint4* src, uint4* dst, size_t n) {
+  CopyFromHost(src, dst, n);
 }
 
 // Copies each request's token rows into its slot, then the channel's last
@@ -536,6 +543,13 @@ cudaError_t LaunchDevicePlan(const DevicePlanArgs& a, cudaStream_t stream) {
     if ((err = cudaGetLastError()) != cudaSuccess) return err;
   }
   return cudaSuccess;
+}
+
+cudaError_t LaunchCopyFromHost(const void* src, void* dst, size_t bytes, cudaStream_t stream) {
+  if (bytes % 16 != 0) return cudaErrorInvalidValue;
+  CopyFromHostKernel<<<dim3(1, kCopyBlocksPerExpert), kShipThreads, 0, stream>>>(static_cast<const uint4*>(src),
+                                                                                static_cast<uint4*>(dst), bytes / 16);
+  return cudaGetLastError();
 }
 
 cudaError_t LaunchDeviceCombine(const DevicePlanArgs& a, cudaStream_t stream) {

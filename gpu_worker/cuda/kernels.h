@@ -222,6 +222,11 @@ size_t DevicePlanSharedBytes(int T, int k, int num_experts, int num_channels);
 // and header) into its next device slot; then the copy of the request's
 // token rows and the push on the device submit ring (+ doorbell) per channel.
 cudaError_t LaunchDevicePlan(const DevicePlanArgs& a, cudaStream_t stream);
+// One expert as the device-planned call copies it (LaunchDevicePlan): `bytes`
+// (a multiple of 16) from host memory `src` (its device address) into `dst`,
+// by the SMs' loads through the mapping, with the same grid per expert. What
+// DeviceBackend::ProbeDeviceCopy times.
+cudaError_t LaunchCopyFromHost(const void* src, void* dst, size_t bytes, cudaStream_t stream);
 // Waits for each shipped request's answer (at most timeout_ns), adds its
 // partial sums into accum and pops the device complete ring; a timeout or
 // the server's error code goes to the channel's error record, and the
