@@ -393,14 +393,15 @@ TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
   EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "capturable call on stream 0";
 
   // A drained server gets no capturable misses: with the only server
-  // disabled the call reports Unavailable and poisons the output (NaN); once
-  // enabled again the same call is right.
+  // disabled the device computes them from the host copy (up to
+  // kMaxDeviceCopies experts a call; this call misses at most 5) — right, no
+  // error; once enabled again the same call is right too.
   ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
   ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
   const absl::Status drained = session_->TakeStreamError();
-  EXPECT_TRUE(absl::IsUnavailable(drained)) << drained;
-  EXPECT_FALSE(Error(L, b, T, k, in) <= 1e-2) << "NaN output expected while the server is drained";
+  EXPECT_TRUE(drained.ok()) << drained;
+  EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "the device computes a drained server's misses";
   ASSERT_TRUE(session_->SetServerEnabled(server_address_, true).ok());
   ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
