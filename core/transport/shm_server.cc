@@ -233,8 +233,10 @@ void ShmServer::Serve(Connection* c) {
       }
       if (std::optional<uint32_t> idx = seg.TryPopDeviceSubmit()) {
         more = worked = true;
-        last_request = last_device_request = Clock::now();
         if (!ServeSlot(c, *idx, true, &req)) goto disconnect;
+        // The poll window runs from the answer: the GPU's next request (the
+        // next layer's) follows it, however long this one took.
+        last_request = last_device_request = Clock::now();
       }
     }
     if (seg.PeerClosed(shm::Side::kServer) || peer.Closed()) break;
