@@ -46,6 +46,11 @@ class GraphCaptureTest : public ::testing::Test {
     o.policy = "static";
     o.cache_experts_per_layer = 3;
     o.max_tokens = 8;
+    // Misses go to the server (this tiny model's experts copy faster than the
+    // CPU computes them: copy-instead would take them all); the device still
+    // computes those no server may take. CapturedStepCopiesInsteadOfComputing
+    // covers copy-instead.
+    o.copy_mode = "never";
     o.deadline = std::chrono::milliseconds(3000);  // a dead server costs a replay this long, not 30 s
     o.on_access = [this](int layer, int expert, int pairs, bool) { accesses_[{layer, expert}] += pairs; };
     absl::StatusOr<std::unique_ptr<MoeSession>> session = MoeSession::Open(o);
@@ -203,6 +208,7 @@ TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
   o.model = kModel;
   o.servers = {grpc_address_};
   o.tls.insecure = true;  // the test server listens in plaintext on loopback
+  o.copy_mode = "never";  // every miss through the forwarder
   o.device = "cuda";
   o.policy = "static";
   o.cache_experts_per_layer = 3;
