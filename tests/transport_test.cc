@@ -5,6 +5,7 @@
 // answering, restart), peer-uid refusal, and an mTLS channel with certificates
 // generated here.
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -548,6 +549,106 @@ TEST(TransportSecurity, ShmRefusesPeersWhoseUidIsNotAllowed) {
   // Another uid is allowed: the socket is reachable (0666) and SO_PEERCRED
   // decides, as above (hardening_test: an allowed uid outside the group gets in).
   EXPECT_EQ(st.st_mode & 0777, 0666u);
+}
+
+// Peer credentials are checked at accept (issue 25, defect 5): a uid over
+// its cap, or one that may not use the socket, is refused with its reason
+// and holds no slot — silent connections of a disallowed neighbour cannot
+// starve an allowed user, and each refusal lets go within a quarter second.
+class ShmAcceptTest : public ::testing::Test {
+ protected:
+  std::unique_ptr<ShmServer> Start(std::vector<uid_t> allowed, size_t max_connections) {
+    ShmServer::Options so;
+    so.socket_path = dir_.path() + "/accept" + std::to_string(n_++) + ".sock";
+    so.hidden = kH;
+    so.num_layers = 4;
+    so.num_experts = 8;
+    so.allowed_uids = std::move(allowed);
+    so.max_connections = max_connections;
+    path_ = so.socket_path;
+    absl::StatusOr<std::unique_ptr<ShmServer>> srv =
+        ShmServer::Start(so, [](const MoeBatch&, bf16_t*) { return absl::OkStatus(); });
+    EXPECT_TRUE(srv.ok()) << srv.status();
+    return srv.ok() ? *std::move(srv) : nullptr;
+  }
+  // Opens n connections that never say hello; the caller closes them.
+  std::vector<int> Silent(int n) {
+    std::vector<int> socks;
+    for (int i = 0; i < n; ++i) {
+      absl::StatusOr<int> s = unix_socket::Connect(path_);
+      if (s.ok()) socks.push_back(*s);
+    }
+    return socks;
+  }
+  testing::TempDir dir_;
+  std::string path_;
+  int n_ = 0;
+};
+
+TEST_F(ShmAcceptTest, AUidOverItsCapIsRefusedWithTheReason) {
+  std::unique_ptr<ShmServer> srv = Start({getuid(), getuid() + 4242}, 8);  // 4 per uid
+  ASSERT_NE(srv, nullptr);
+  std::vector<int> held = Silent(4);
+  ASSERT_EQ(held.size(), 4u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport("unix://" + path_, Options());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kResourceExhausted) << t.status();
+  EXPECT_NE(t.status().message().find("cap"), std::string::npos) << t.status();
+  for (int s : held) close(s);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_TRUE(ConnectTransport("unix://" + path_, Options()).ok()) << "the uid's slots came back";
+}
+
+TEST_F(ShmAcceptTest, DisallowedSilentPeersLetGoAndHoldNoSlot) {
+  std::unique_ptr<ShmServer> srv = Start({getuid() + 4242}, 4);  // this process's uid is not allowed
+  ASSERT_NE(srv, nullptr);
+  std::vector<int> silent = Silent(100);
+  ASSERT_EQ(silent.size(), 100u);
+  // Every one is let go (refused or closed) well before the 2 s handshake timeout.
+  const Clock::time_point t0 = Clock::now();
+  for (int s : silent) {
+    char b;
+    pollfd p{s, POLLIN, 0};
+    EXPECT_EQ(poll(&p, 1, 1500), 1) << "a refused connection was held";
+    (void)recv(s, &b, 1, MSG_DONTWAIT);
+    close(s);
+  }
+  EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(1500));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport("unix://" + path_, Options());
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), absl::StatusCode::kPermissionDenied) << t.status();
+}
+
+// The defect as reported: another uid's silent connections while an allowed
+// user connects. Needs root (to be the other uid: a child drops to nobody).
+TEST_F(ShmAcceptTest, AllowedUserConnectsWhileADisallowedNeighbourFloods) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (a child process becomes uid 65534)";
+  ASSERT_EQ(chmod(dir_.path().c_str(), 0755), 0);  // nobody must reach the socket file
+  std::unique_ptr<ShmServer> srv = Start({getuid(), 65533}, 16);  // socket 0666: nobody may reach it
+  ASSERT_NE(srv, nullptr);
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  if (child == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(3);
+    std::vector<int> socks = Silent(300);
+    const char one = static_cast<char>(socks.size() > 0);
+    (void)!write(ready[1], &one, 1);
+    std::this_thread::sleep_for(std::chrono::seconds(5));
+    _exit(0);
+  }
+  char one = 0;
+  ASSERT_EQ(read(ready[0], &one, 1), 1);
+  ASSERT_EQ(one, 1) << "the neighbour could not connect";
+  int ok = 0;
+  for (int i = 0; i < 20; ++i) ok += ConnectTransport("unix://" + path_, Options()).ok();
+  EXPECT_EQ(ok, 20) << "an allowed user was refused while a disallowed neighbour flooded the socket";
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  close(ready[0]);
+  close(ready[1]);
 }
 
 TEST(TransportSecurity, ServerNeedsTlsOrAnExplicitInsecure) {

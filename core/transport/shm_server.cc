@@ -20,8 +20,13 @@
 
 namespace moe {
 
+// Connections refused at accept that may wait for their hello at once.
+constexpr size_t kMaxRefusing = 8;
+
 struct ShmServer::Connection {
   int sock = -1;
+  uid_t uid = 0;
+  absl::Status refused;  // not OK: refused at accept (RefuseAtAccept), holds no slot
   int memfd = -1;
   void* base = nullptr;
   size_t bytes = 0;
@@ -71,14 +76,52 @@ void ShmServer::Accept(int sock) {
   auto c = std::make_unique<Connection>();
   c->sock = sock;
   Connection* raw = c.get();
+  // Peer credentials first: a uid that may not use this socket never holds a slot.
+  const absl::StatusOr<uid_t> uid = unix_socket::PeerUid(sock);
   std::lock_guard<std::mutex> lock(mu_);
   ReapFinished();
-  if (connections_.size() >= opt_.max_connections) {
-    LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", connections_.size(), " connections open");
-    return;  // ~Connection closes the socket
+  if (!uid.ok()) return;  // ~Connection closes the socket
+  c->uid = *uid;
+  size_t served = 0, of_uid = 0;
+  for (const auto& other : connections_) {
+    if (!other->refused.ok()) continue;
+    ++served;
+    of_uid += other->uid == *uid;
   }
+  const size_t per_uid = opt_.max_connections_per_uid > 0
+                             ? opt_.max_connections_per_uid
+                             : std::max<size_t>(1, opt_.max_connections / std::max<size_t>(1, opt_.allowed_uids.size()));
+  if (std::find(opt_.allowed_uids.begin(), opt_.allowed_uids.end(), *uid) == opt_.allowed_uids.end())
+    return RefuseAtAccept(std::move(c), *uid,
+                          absl::PermissionDeniedError(absl::StrCat("uid ", *uid, " is not allowed on this socket")));
+  if (of_uid >= per_uid)
+    return RefuseAtAccept(std::move(c), *uid, absl::ResourceExhaustedError(absl::StrCat(
+                                                  "uid ", *uid, " holds ", of_uid, " connections, its cap on this socket")));
+  if (served >= opt_.max_connections)
+    return RefuseAtAccept(std::move(c), *uid, absl::ResourceExhaustedError(absl::StrCat(
+                                                  served, " connections open, the cap on this socket")));
   // The handshake runs on the connection's thread: a client that stalls
   // in its hello holds only itself, for at most handshake_timeout.
+  raw->thread = std::thread([this, raw] { RunConnection(raw); });
+  connections_.push_back(std::move(c));
+}
+
+void ShmServer::RefuseAtAccept(std::unique_ptr<Connection> c, uid_t uid, absl::Status why) {
+  RefusalLog& log = refusal_log_[uid];
+  const Clock::time_point now = Clock::now();
+  if (now - log.last >= std::chrono::seconds(1)) {
+    LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", why.message(),
+               log.suppressed > 0 ? absl::StrCat(" (and ", log.suppressed, " more refusals of uid ", uid, " since)") : "");
+    log.last = now;
+    log.suppressed = 0;
+  } else {
+    ++log.suppressed;
+  }
+  size_t refusing = 0;
+  for (const auto& other : connections_) refusing += !other->refused.ok();
+  if (refusing >= kMaxRefusing) return;  // ~Connection closes the socket: no reason, no wait
+  c->refused = std::move(why);
+  Connection* raw = c.get();
   raw->thread = std::thread([this, raw] { RunConnection(raw); });
   connections_.push_back(std::move(c));
 }
@@ -96,7 +139,8 @@ void ShmServer::ReapFinished() {
 
 void ShmServer::RunConnection(Connection* c) {
   absl::Status st = Handshake(c);
-  if (!st.ok()) LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", st.message());
+  // (Refusals at accept were logged there, rate-limited.)
+  if (!st.ok() && c->refused.ok()) LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", st.message());
   if (!st.ok() || !c->seg) {  // refused, or a store request (answered)
     std::lock_guard<std::mutex> lock(mu_);
     shutdown(c->sock, SHUT_RDWR);
@@ -129,10 +173,14 @@ absl::Status ShmServer::Handshake(Connection* c) {
     return st;
   };
   // Read the hello before any refusal: closing a Unix socket with unread data
-  // resets it, and the client would see ECONNRESET instead of our reason.
+  // resets it, and the client would see ECONNRESET instead of our reason. A
+  // connection refused at accept waits a short while only.
   ShmHello hello{};
-  MOE_RETURN_IF_ERROR(unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr,
-                                           static_cast<int>(opt_.handshake_timeout.count())));
+  const int wait_ms = static_cast<int>(c->refused.ok() ? opt_.handshake_timeout.count()
+                                                        : std::min<int64_t>(250, opt_.handshake_timeout.count()));
+  if (absl::Status st = unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr, wait_ms); !st.ok())
+    return c->refused.ok() ? st : c->refused;
+  if (!c->refused.ok()) return refuse(c->refused);
   MOE_ASSIGN_OR_RETURN(const uid_t uid, unix_socket::PeerUid(c->sock));
   if (std::find(opt_.allowed_uids.begin(), opt_.allowed_uids.end(), uid) == opt_.allowed_uids.end())
     return refuse(absl::PermissionDeniedError(absl::StrCat("uid ", uid, " is not allowed on this socket")));

@@ -21,6 +21,7 @@
 #include <chrono>
 #include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -95,9 +96,16 @@ class ShmServer {
     std::chrono::microseconds max_client_poll{10000};
     uint32_t max_slots = 256;
     // A client must complete its hello within this; connections beyond
-    // max_connections (handshaking or served) are closed at once.
+    // max_connections (handshaking or served) are refused.
     std::chrono::milliseconds handshake_timeout{2000};
     size_t max_connections = 256;
+    // Connections one uid may hold (handshaking or served); 0: max_connections
+    // split evenly over allowed_uids. Peer credentials (SO_PEERCRED) are
+    // checked at accept, before anything else: a uid that is not allowed, or
+    // over its cap, gets its refusal (one line; logged at most once a second
+    // per uid) and never holds a slot. At most kMaxRefusing such connections
+    // wait for their hello at a time; beyond that they are closed at once.
+    size_t max_connections_per_uid = 0;
     // The expert store handed to clients that ask for it (kShmStoreMagic):
     // a sealed memfd (not owned; valid while the server runs) and its
     // description (at most 1 MiB). -1: none.
@@ -116,6 +124,9 @@ class ShmServer {
   struct Connection;
   ShmServer(Options o, ShmHandler h);
   void Accept(int sock);  // the listener's thread
+  // Accept's refusal of `c` (refused at accept: counted in no cap but
+  // kMaxRefusing): rate-limited log, then the reply on c's own thread.
+  void RefuseAtAccept(std::unique_ptr<Connection> c, uid_t uid, absl::Status why);  // with mu_ held
   void ReapFinished();    // with mu_ held
   void RunConnection(Connection* c);
   void Serve(Connection* c);
@@ -130,6 +141,12 @@ class ShmServer {
   std::atomic<bool> stop_{false};
   std::mutex mu_;
   std::list<std::unique_ptr<Connection>> connections_;
+  // Refusals logged per uid: the last line's time and how many since (mu_).
+  struct RefusalLog {
+    std::chrono::steady_clock::time_point last{};
+    uint64_t suppressed = 0;
+  };
+  std::map<uid_t, RefusalLog> refusal_log_;
 };
 
 }  // namespace moe
