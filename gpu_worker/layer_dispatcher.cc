@@ -261,9 +261,16 @@ absl::Status LayerDispatcher::CheckConfig() {
       return absl::InvalidArgumentError(absl::StrCat("layers: ", l, " is not an MoE layer"));
     layer_index_[l] = static_cast<int>(i);
   }
-  if (c.max_tokens <= 0) return absl::InvalidArgumentError("max-tokens: must be positive");
-  if (c.max_top_k <= 0) return absl::InvalidArgumentError("max-top-k: must be positive");
-  if (c.contexts <= 0) return absl::InvalidArgumentError("contexts: must be positive");
+  // Every sizing option has a range (each call's scratch is allocated up
+  // front: an unbounded value would exhaust memory before any error).
+  struct Range { const char* name; int64_t value, lo, hi; };
+  for (const Range& r : {Range{"max-tokens", c.max_tokens, 1, kMaxCallTokens},
+                         Range{"max-top-k", c.max_top_k, 1, shm::kMaxPairsPerToken},
+                         Range{"contexts", c.contexts, 1, kMaxContexts}})
+    if (r.value < r.lo || r.value > r.hi)
+      return absl::InvalidArgumentError(absl::StrCat(r.name, ": ", r.value, " is outside [", r.lo, ", ", r.hi, "]"));
+  if (!(c.cache_gib >= 0 && c.cache_gib <= kMaxCacheGib))  // NaN too
+    return absl::InvalidArgumentError(absl::StrCat("cache-gib: ", c.cache_gib, " is outside [0, ", kMaxCacheGib, "]"));
   if (c.miss_buffers < 1) return absl::InvalidArgumentError("miss-buffers: must be at least 1");
   if (c.poll_window.count() < 0) return absl::InvalidArgumentError("poll-window: must not be negative");
   // Polling keeps three threads busy (this one, the transport's completion
@@ -305,7 +312,8 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   const uint64_t need = (static_cast<uint64_t>(C) * layers_.size() + temp + device_copies) * expert_bytes;
   if (need > backend_->free_memory_bytes())
     return absl::ResourceExhaustedError(absl::StrCat(
-        "cache: ", C, " experts/layer x ", layers_.size(), " layers (+", temp, " miss buffers) need ",
+        c.slots_per_layer == 0 && c.cache_gib > 0 ? absl::StrCat("cache-gib: ", c.cache_gib, " GiB asks for ") : "cache: ",
+        C, " experts/layer x ", layers_.size(), " layers (+", temp + device_copies, " miss buffers) need ",
         need, " bytes, the ", backend_->name(), " device has ", backend_->free_memory_bytes(), " free"));
 
   ExpertCacheConfig cc;

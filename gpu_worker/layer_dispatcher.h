@@ -72,6 +72,12 @@ absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, in
 // CopyMode (miss_plan.h): auto | never | always.
 absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name);
 
+// Upper bounds of the sizing options (CheckConfig refuses values outside
+// them naming the option): tokens of one call, calls in flight, GiB of cache.
+inline constexpr int64_t kMaxCallTokens = 1 << 16;
+inline constexpr int64_t kMaxContexts = 64;
+inline constexpr double kMaxCacheGib = 1 << 20;
+
 struct DispatcherConfig {
   std::vector<int> layers;         // MoE layers served (empty: all of the model's)
   std::vector<ExpertServerConfig> servers;

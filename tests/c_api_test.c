@@ -138,6 +138,19 @@ int main(void) {
         "wrong type refused");
   CHECK(strstr(moe_last_error(), "max_tokens") != NULL, "wrong type named");
   CHECK(moe_session_open("{\"servers\":[]}", &s) == MOE_INVALID_ARGUMENT, "missing model");
+  /* Sizing options have ranges, checked before anything is allocated (issue 25, defect 2). */
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"contexts\":100000}", &s) ==
+            MOE_INVALID_ARGUMENT && s == NULL,
+        "contexts out of range refused");
+  CHECK(strstr(moe_last_error(), "contexts") != NULL, "contexts named");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"cache_gib\":1e9}", &s) ==
+            MOE_INVALID_ARGUMENT && s == NULL,
+        "cache_gib out of range refused");
+  CHECK(strstr(moe_last_error(), "cache-gib") != NULL, "cache_gib named");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"max_tokens\":1000000000}", &s) ==
+            MOE_INVALID_ARGUMENT && s == NULL,
+        "max_tokens out of range refused");
+  CHECK(strstr(moe_last_error(), "max-tokens") != NULL, "max_tokens named");
   CHECK(moe_session_open(NULL, &s) == MOE_INVALID_ARGUMENT, "null options");
   CHECK(moe_session_open("{\"model\":\"" MODEL "\"}", NULL) == MOE_INVALID_ARGUMENT, "null out");
   CHECK(moe_forward(NULL, 1, 1, 1, NULL, NULL, NULL, NULL, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,

@@ -76,12 +76,12 @@ struct SessionOptions {
   std::vector<std::string> servers;    // "unix:///path.sock" or "host:port", optional "#experts=0-63"
   std::string device = "auto";         // auto | cuda | cpu
   int cache_experts_per_layer = 0;     // C; or derive it from cache_gib
-  double cache_gib = 0;
+  double cache_gib = 0;                // in [0, 1048576]
   std::string policy = "predictive";   // predictive | static | lru | lfru
   std::string copy_mode = "auto";      // auto | never | always
-  int max_tokens = 1024;               // largest T of one call
-  int max_top_k = 8;
-  int contexts = 2;                    // calls in flight (micro-batches)
+  int max_tokens = 1024;               // largest T of one call, in [1, 65536]
+  int max_top_k = 8;                   // in [1, 1024]
+  int contexts = 2;                    // calls in flight (micro-batches), in [1, 64]
   std::vector<int> layers;             // MoE layers this session serves (empty: all)
   bool host_copy = true;               // keep a host copy of the experts (copy-instead, failover)
   // The precision of the host copy and the GPU cache: auto (the same-host

@@ -139,10 +139,18 @@ MOE_API const char* moe_status_name(int status);
  *   "model"       (string, required) checkpoint directory or "synthetic:PRESET[:layers=N][:seed=S]"
  *   "servers"     (array of strings) "unix:///path.sock" or "host:port", optional "#experts=0-63"
  *   "device"      "auto" | "cuda" | "cpu"                          (default "auto")
- *   "cache_experts_per_layer" (int) or "cache_gib" (number)        (default 0)
- *   "policy"      "static" | "lru" | "lfru"                        (default "lru")
+ *   "cache_experts_per_layer" (int, <= the model's experts) or "cache_gib"
+ *                 (number in [0, 1048576])                         (default 0)
+ *   "policy"      "predictive" | "static" | "lru" | "lfru"         (default "predictive")
  *   "copy_mode"   "auto" | "never" | "always"                      (default "auto")
- *   "max_tokens", "max_top_k", "contexts", "cpu_threads", "grpc_streams" (int)
+ *   "max_tokens"  (int in [1, 65536], default 1024) largest T of one call
+ *   "max_top_k"   (int in [1, 1024], default 8)
+ *   "contexts"    (int in [1, 64], default 2) calls in flight
+ *   "cpu_threads", "grpc_streams" (int)
+ *   "weight_dtype" "auto" | "bf16" | "int8" | "int4" (default "auto": the
+ *                 same-host servers' when shared, else the checkpoint's class)
+ *   "share_host_copy" (bool, default true) map the same-host servers' stores
+ *                 instead of keeping an own copy
  *   "layers"      (array of int) MoE layers served (default all)
  *   "host_copy"   (bool, default true) keep a host copy of the experts
  *   "deadline_ms" (int, default 30000)

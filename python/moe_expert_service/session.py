@@ -209,8 +209,11 @@ def _stats_dict(s):
 
 class Session:
     """An open libmoe session; keyword arguments are the options of moe_session_open
-    (model, servers, device, cache_experts_per_layer, cache_gib, policy, copy_mode,
-    max_tokens, max_top_k, contexts, layers, host_copy, deadline_ms, cpu_threads, tls)."""
+    (include/moe/moe.h has their ranges and defaults): model, servers, device,
+    cache_experts_per_layer or cache_gib, policy ("predictive", the default, "static",
+    "lru", "lfru"), copy_mode, max_tokens, max_top_k, contexts, layers, host_copy,
+    weight_dtype, share_host_copy, deadline_ms, cpu_threads, grpc_streams, tls. A value
+    out of range raises MoeError naming the option."""
 
     def __init__(self, **options):
         self._lib = _lib.lib()
