@@ -226,7 +226,7 @@ class CudaBackend final : public DeviceBackend {
   // max_tokens x max_top_k; allocated by the site's first call, which must
   // not be captured (cudaMalloc is not capture-safe).
   struct DeviceSite {
-    DeviceMem groups, row_token, row_weight, accum, act, miss_token, ships, done;
+    DeviceMem groups, row_token, row_weight, accum, act, miss_token, ships, done, call_seq;
   };
   DeviceMem access_counts_;  // [device_sites, num_experts], from the first site on
   DeviceMem channels_, channel_state_;  // [kMaxDeviceChannels] DeviceChannel, DeviceChannelState
@@ -1052,7 +1052,8 @@ absl::StatusOr<CudaBackend::DeviceSite*> CudaBackend::Site(int site) {
                           DevicePart{&p->act, rows * I * 2, "capturable act"},
                           DevicePart{&p->miss_token, kMaxDeviceChannels * T * 4, "request rows"},
                           DevicePart{&p->ships, kMaxDeviceChannels * sizeof(cuda::DeviceShip), "requests"},
-                          DevicePart{&p->done, kMaxDeviceChannels * 4, "ship counters"}}) {
+                          DevicePart{&p->done, kMaxDeviceChannels * 4, "ship counters"},
+                          DevicePart{&p->call_seq, 4, "call sequence"}}) {
     absl::StatusOr<DeviceMem> m = AllocDevice(part.bytes, part.what);
     if (!m.ok()) return m.status();
     *part.mem = *std::move(m);
@@ -1062,6 +1063,7 @@ absl::StatusOr<CudaBackend::DeviceSite*> CudaBackend::Site(int site) {
     MOE_ASSIGN_OR_RETURN(access_counts_, AllocDevice(counts_bytes, "access counts"));
     MOE_CUDA_RETURN_IF_ERROR(cudaMemset(access_counts_.get(), 0, counts_bytes));
   }  MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->done.get(), 0, kMaxDeviceChannels * 4));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->call_seq.get(), 0, 4));
   MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->ships.get(), 0, kMaxDeviceChannels * sizeof(cuda::DeviceShip)));
   if (!copies_) {  // shared by the sites: their calls are ordered on one stream
     MOE_ASSIGN_OR_RETURN(copies_, AllocDevice(kMaxDeviceCopies * sizeof(cuda::DeviceCopy), "device copies"));
@@ -1224,6 +1226,7 @@ cuda::DevicePlanArgs CudaBackend::PlanArgs(const DevicePlannedCall& call, Device
   d.miss_token = static_cast<int32_t*>(site.miss_token.get());
   d.ships = static_cast<cuda::DeviceShip*>(site.ships.get());
   d.done = static_cast<unsigned int*>(site.done.get());
+  d.call_seq = static_cast<unsigned int*>(site.call_seq.get());
   d.accum = static_cast<float*>(site.accum.get());
   d.timeout_ns = static_cast<uint64_t>(std::max<int64_t>(call.timeout.count(), 1));
   const bool copies = call.copy_plan != nullptr && host_experts_ && call.copy_buffer_base >= 0 &&

@@ -56,6 +56,12 @@ struct DeviceLayerTables {
   int32_t* buffer_of = nullptr;   // expert -> cache buffer of its Ready slot, -1: a miss
   int32_t* channel_of = nullptr;  // expert -> DeviceChannel index, -1: no server may take it
   DeviceError* errors = nullptr;  // [1 + kMaxDeviceChannels]
+  // The routing of the layer's latest call, for the admissions the worker
+  // plans between steps (written by the GPU, read by the host as a seqlock):
+  // [0] sequence (0 while being written), [1] T, [2] k, [3] unused, then
+  // T*k ids; calls of more than routing_log_pairs pairs are not logged.
+  int32_t* routing_log = nullptr;
+  int32_t routing_log_pairs = 0;
 };
 
 // Copy-instead for device-planned calls: copy_count[min(m, kDeviceCopyTable

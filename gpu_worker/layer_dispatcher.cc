@@ -189,6 +189,7 @@ struct LayerDispatcher::Impl {
   std::vector<std::unique_ptr<Forwarder>> forwarders;
   std::vector<int> forwarder_of_server;        // server -> forwarder, -1: none (an shm server)
   std::vector<uint32_t> counts_seen;           // device access counts already reported
+  std::vector<int32_t> log_seen;               // per served layer: the routing log's last sequence planned from
   void* planned_stream = nullptr;              // the engine's stream of capturable calls
   std::mutex stream_error_mu;
   absl::Status stream_error;
@@ -1199,7 +1200,9 @@ absl::Status LayerDispatcher::AllocateDeviceTables() {
   Impl& m = *impl_;
   if (!backend_->has_device_memory()) return absl::OkStatus();
   const size_t E = spec_.num_experts, L = layers_.size();
-  const size_t per_layer = 2 * E * sizeof(int32_t) + (1 + kMaxDeviceChannels) * sizeof(DeviceError);
+  const size_t log_pairs = static_cast<size_t>(CapturableMaxTokens()) * config_.max_top_k;
+  const size_t per_layer =
+      2 * E * sizeof(int32_t) + (1 + kMaxDeviceChannels) * sizeof(DeviceError) + (4 + log_pairs) * sizeof(int32_t);
   const size_t channel_bytes = kMaxDeviceChannels * sizeof(DeviceChannel) + sizeof(DeviceCopyPlan);
   absl::StatusOr<void*> mem = backend_->AllocMapped(channel_bytes + L * per_layer);
   if (!mem.ok()) return absl::OkStatus();  // no mapped memory: capturable calls are refused by the backend
@@ -1217,6 +1220,9 @@ absl::Status LayerDispatcher::AllocateDeviceTables() {
     p += E * sizeof(int32_t);
     t.channel_of = reinterpret_cast<int32_t*>(p);
     p += E * sizeof(int32_t);
+    t.routing_log = reinterpret_cast<int32_t*>(p);
+    t.routing_log_pairs = static_cast<int32_t>(log_pairs);
+    p += (4 + log_pairs) * sizeof(int32_t);
     for (size_t e = 0; e < E; ++e) t.buffer_of[e] = t.channel_of[e] = -1;
   }
   for (int l : layers_) PublishSlotMap(l);
@@ -1446,7 +1452,46 @@ absl::Status LayerDispatcher::TakeStreamError() {
   }
   RefreshDeviceServers();
   PublishCopyPlan();
+  PlanDeviceAdmissions();
   return first;
+}
+
+// Admissions for capturable calls, planned between steps: each layer's
+// latest call (the GPU's routing log) goes through the planner in layer
+// order, as an eager call's routing does after its split (StartAdmissions):
+// the predictive policy's admissions, or lru / lfru's. Copies that completed
+// meanwhile are published first. Not while the engine captures.
+void LayerDispatcher::PlanDeviceAdmissions() {
+  Impl& m = *impl_;
+  if (!m.device_ready || host_ == nullptr || config_.copy_mode == CopyMode::kAlways ||
+      backend_->StreamCapturing(m.planned_stream))
+    return;
+  PollCopies();
+  m.log_seen.resize(layers_.size(), 0);
+  std::vector<int32_t> ids;
+  std::vector<int> missed;
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const DeviceLayerTables& t = m.device_tables[li];
+    const int32_t seq = __atomic_load_n(t.routing_log, __ATOMIC_ACQUIRE);
+    if (seq == 0 || seq == m.log_seen[li]) continue;  // being written, or seen
+    const int T = t.routing_log[1], k = t.routing_log[2];
+    if (T < 1 || k < 1 || static_cast<int64_t>(T) * k > t.routing_log_pairs) continue;
+    ids.assign(t.routing_log + 4, t.routing_log + 4 + static_cast<size_t>(T) * k);
+    if (__atomic_load_n(t.routing_log, __ATOMIC_ACQUIRE) != seq) continue;  // rewritten while read
+    m.log_seen[li] = seq;
+    const int layer = layers_[li];
+    if (planner_.admission() != nullptr) {
+      absl::StatusOr<std::vector<SlotCopy>> planned = planner_.PlanAdmissions(*cache_, layer, T, k, ids.data());
+      if (!planned.ok()) continue;
+      for (const SlotCopy& copy : *planned) (void)StartSlotCopies(copy.layer, {copy});
+    } else if (config_.policy != CachePolicyKind::kStatic && config_.admissions_per_call > 0) {
+      missed.clear();
+      for (int32_t e : ids)
+        if (e >= 0 && cache_->ReadySlot(layer, e) < 0 && std::find(missed.begin(), missed.end(), e) == missed.end())
+          missed.push_back(e);
+      (void)StartSlotCopies(layer, cache_->PlanAdmissions(layer, missed, config_.admissions_per_call));
+    }
+  }
 }
 
 // Copy-instead for capturable calls: for each number m of missed experts,

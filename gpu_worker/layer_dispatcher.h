@@ -263,6 +263,7 @@ class LayerDispatcher {
   void CollectDeviceAccesses();
   void RefreshDeviceServers();
   void PublishCopyPlan();
+  void PlanDeviceAdmissions();
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <cstring>
@@ -198,6 +199,59 @@ TEST_F(GraphCaptureTest, CapturedReplaysReportEveryRoutedPair) {
   EXPECT_EQ(accesses_, routed);
   EXPECT_GT(session_->HitRate(session_->model().moe_layers[0]), 0.0);  // the cache's counters saw the hits too
   cudaGraphExecDestroy(exec);
+}
+
+// Admissions from graph traffic, planned between steps: with an admitting
+// policy and an empty cache, replays of a step that keeps routing to the
+// same experts get them cached (TakeStreamError hands the GPU's routing log
+// to the planner), and the replays turn into hits — results right throughout.
+TEST_F(GraphCaptureTest, ReplaysAdmitTheExpertsTheyUse) {
+  for (const char* policy : {"lfru", "predictive"}) {
+    SessionOptions o;
+    o.model = kModel;
+    o.servers = {server_address_};
+    o.device = "cuda";
+    o.policy = policy;
+    o.copy_mode = "never";
+    o.cache_experts_per_layer = 3;
+    o.max_tokens = 8;
+    absl::StatusOr<std::unique_ptr<MoeSession>> admitting = MoeSession::Open(o);
+    ASSERT_TRUE(admitting.ok()) << admitting.status();
+    session_ = *std::move(admitting);
+    const int T = 2, k = session_->model().top_k, H = session_->model().hidden;
+    std::vector<Buffers> bufs;
+    std::vector<Inputs> in;
+    cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
+    ASSERT_NE(exec, nullptr);
+    const std::vector<int>& layers = session_->model().moe_layers;
+    for (int step = 0; step < 8; ++step) {
+      for (size_t i = 0; i < layers.size(); ++i) {  // every token routes to experts 4, 5 (token 0) and 5, 6 (token 1)
+        in[i].x = RandomActivations(static_cast<size_t>(T) * H, 900 + 10 * step + i);
+        in[i].ids = {4, 5, 5, 6};
+        in[i].w = {0.6f, 0.4f, 0.7f, 0.3f};
+        ASSERT_EQ(k, 2);
+        ASSERT_CUDA(cudaMemcpy(bufs[i].hidden, in[i].x.data(), in[i].x.size() * 2, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(bufs[i].ids, in[i].ids.data(), in[i].ids.size() * 4, cudaMemcpyHostToDevice));
+        ASSERT_CUDA(cudaMemcpy(bufs[i].weights, in[i].w.data(), in[i].w.size() * 4, cudaMemcpyHostToDevice));
+      }
+      ASSERT_CUDA(cudaGraphLaunch(exec, stream_));
+      ASSERT_CUDA(cudaStreamSynchronize(stream_));
+      for (size_t i = 0; i < layers.size(); ++i)
+        EXPECT_LE(Error(layers[i], bufs[i], T, k, in[i]), 1e-2) << policy << " step " << step;
+      EXPECT_TRUE(session_->TakeStreamError().ok()) << policy;
+      ASSERT_TRUE(session_->FlushCopies().ok());
+    }
+    for (int l : layers) {
+      std::vector<int> cached = session_->CachedExperts(l);
+      std::sort(cached.begin(), cached.end());
+      const std::vector<int> used = {4, 5, 6};
+      EXPECT_TRUE(std::includes(cached.begin(), cached.end(), used.begin(), used.end()))
+          << policy << ": layer " << l << " never admitted the experts its replays use";
+      EXPECT_GT(session_->HitRate(l), 0.0) << policy;
+    }
+    cudaGraphExecDestroy(exec);
+    session_.reset();
+  }
 }
 
 // A gRPC server in a captured step: its requests go through the worker's

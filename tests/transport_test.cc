@@ -377,6 +377,18 @@ TEST_F(TransportTest, ServerFreesTheSegmentOfAClientThatLeft) {
   EXPECT_EQ(SegmentMappings(server_->pid()), 0);
 }
 
+// In-process shm servers of the tests below: the tiny model's geometry at
+// `path`, no idle spin.
+ShmServer::Options TestServerOptions(const std::string& path) {
+  ShmServer::Options so;
+  so.socket_path = path;
+  so.hidden = kH;
+  so.num_layers = 4;
+  so.num_experts = 8;
+  so.idle_spin = std::chrono::microseconds(0);
+  return so;
+}
+
 // Polling mode through a real ShmServer and ShmTransport: while the client's
 // window is open the server's connection thread polls (it is not registered
 // as a sleeper on the request doorbell); past the window, past the server's
@@ -384,12 +396,7 @@ TEST_F(TransportTest, ServerFreesTheSegmentOfAClientThatLeft) {
 class ShmPollingTest : public ::testing::Test {
  protected:
   void StartServer(std::chrono::microseconds cap) {
-    ShmServer::Options so;
-    so.socket_path = dir_.path() + "/poll.sock";
-    so.hidden = kH;
-    so.num_layers = 4;
-    so.num_experts = 8;
-    so.idle_spin = std::chrono::microseconds(0);
+    ShmServer::Options so = TestServerOptions(dir_.path() + "/poll.sock");
     so.max_client_poll = cap;
     absl::StatusOr<std::unique_ptr<ShmServer>> srv = ShmServer::Start(so, [](const MoeBatch& b, bf16_t* out) {
       std::memcpy(out, b.tokens, size_t(b.n) * kH * sizeof(bf16_t));  // echo
@@ -462,12 +469,7 @@ TEST_F(ShmPollingTest, ServerCapsTheClientsWindow) {
 // server polls) and after a second of silence (it naps, never sleeps until
 // a doorbell); the host's Stage/Submit never hand out the device's slots.
 TEST_F(ShmPollingTest, DeviceRingRequestsNeedNoWakeUp) {
-  ShmServer::Options so;
-  so.socket_path = dir_.path() + "/dev.sock";
-  so.hidden = kH;
-  so.num_layers = 4;
-  so.num_experts = 8;
-  so.idle_spin = std::chrono::microseconds(0);
+  ShmServer::Options so = TestServerOptions(dir_.path() + "/dev.sock");
   absl::StatusOr<std::unique_ptr<ShmServer>> srv = ShmServer::Start(so, [](const MoeBatch& b, bf16_t* out) {
     for (size_t i = 0; i < size_t(b.n) * kH; ++i) out[i] = F32ToBf16(2.f * Bf16ToF32(b.tokens[i]));
     return absl::OkStatus();
@@ -558,11 +560,7 @@ TEST(TransportSecurity, ShmRefusesPeersWhoseUidIsNotAllowed) {
 class ShmAcceptTest : public ::testing::Test {
  protected:
   std::unique_ptr<ShmServer> Start(std::vector<uid_t> allowed, size_t max_connections) {
-    ShmServer::Options so;
-    so.socket_path = dir_.path() + "/accept" + std::to_string(n_++) + ".sock";
-    so.hidden = kH;
-    so.num_layers = 4;
-    so.num_experts = 8;
+    ShmServer::Options so = TestServerOptions(dir_.path() + "/accept" + std::to_string(n_++) + ".sock");
     so.allowed_uids = std::move(allowed);
     so.max_connections = max_connections;
     path_ = so.socket_path;

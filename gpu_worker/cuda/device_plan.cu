@@ -153,10 +153,17 @@ __device__ void PlanInit(const DevicePlanArgs& a, PlanState& s) {
 // (-1 ids; bad ids and weights poison the token). Counts every routed pair.
 __device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
   const int P = a.T * a.k, E = a.num_experts;
+  const bool log = a.tables.routing_log != nullptr && P <= a.tables.routing_log_pairs;
+  if (log && threadIdx.x == 0) {
+    a.tables.routing_log[0] = 0;  // being written
+    __threadfence_system();
+  }
+  __syncthreads();
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
     const int e = a.ids[p], t = p / a.k;
     const float w = a.weights[p];
     s.kind[p] = -2;
+    if (log && (e == -1 || e < -1 || e >= E)) a.tables.routing_log[4 + p] = -1;
     if (e == -1) continue;  // no expert for this pair
     if (e < -1 || e >= E || !isfinite(w)) {
       Fail(s.err_code, s.err_detail, kInvalidArgument, e);
@@ -164,6 +171,7 @@ __device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
       continue;
     }
     if (a.counts != nullptr) atomicAdd(a.counts + e, 1u);
+    if (log) a.tables.routing_log[4 + p] = e;
     const int b = __ldcv(a.tables.buffer_of + e);
     const int c = __ldcv(a.tables.channel_of + e);  // issued with the slot map's read: one round trip
     s.ch[p] = c;
@@ -177,7 +185,14 @@ __device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
       s.begin[e] = c < 0 || c >= a.num_channels || s.base[c] == 0;  // no server may take it (ChooseCopies)
     }
   }
+  __threadfence_system();
   __syncthreads();
+  if (log && threadIdx.x == 0) {
+    a.tables.routing_log[1] = a.T;
+    a.tables.routing_log[2] = a.k;
+    __threadfence_system();
+    a.tables.routing_log[0] = static_cast<int32_t>(atomicAdd(a.call_seq, 1u) % 0x7fffffffu) + 1;  // never 0
+  }
 }
 
 // Copy-instead: the planner's table says how many of the call's missed
