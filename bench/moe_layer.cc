@@ -12,9 +12,10 @@
 //              places them; --admissions N adds lfru admissions per call) + misses on the CPU
 //              server + copy-instead when the measured rates say it pays
 //   ours-dual  the same with the batch as two micro-batches (B's work overlaps A's misses)
-//   ours-graph ours' placement (static: no admissions, no copy-instead) with every MoE call a
+//   ours-graph ours (same placement, policy and copy mode) with every MoE call a
 //              device-planned capturable call replayed from a CUDA graph captured per layer
-//              (the split on the GPU, misses pushed on the server's device rings; the attention
+//              (the split and copy-instead on the GPU, misses pushed on the server's device
+//              rings, admissions planned between steps at TakeStreamError; the attention
 //              stays eager); its own floor and fixed us/layer
 //   ours-cpu   ours without copy-instead: every miss to the CPU server (what the copy
 //              decision buys or costs, in the same run)
@@ -896,7 +897,7 @@ int Main(int argc, char** argv) {
       if (has("ours-dual") && T >= 2) dual_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true);
       if (has("lru-copy")) lru_runs = repeat(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false);
       const bool graphs = has("ours-graph") && o.Chunks(T) == 1;
-      if (graphs) graph_runs = repeat(T, C, CachePolicyKind::kStatic, CopyMode::kNever, false, true);
+      if (graphs) graph_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false, true);
       for (RunResult& r : graph_runs.all) r.floor_s = graphs ? RunFloor(r, rates) : 0;
       const RunResult& graph = graph_runs.median();
       const std::string graph_cells =
