@@ -5,6 +5,7 @@
 #include <set>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 
@@ -176,7 +177,16 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
   {
     std::lock_guard<std::mutex> lock(mu_);
     MOE_RETURN_IF_ERROR(CheckGeometryLocked(req.num_layers(), req.num_experts()));
-    const bool known = registry_->FindWorker(req.worker_id()) != nullptr;
+    const WorkerEntry* held = registry_->FindWorker(req.worker_id());
+    const bool known = held != nullptr;
+    // A live worker's id is its own: taking it over needs its session (its
+    // re-registration), or waiting for its lease to run out.
+    if (held != nullptr && held->up && Now() - held->last_heartbeat < options_.heartbeat_timeout_seconds &&
+        req.session() != held->session)
+      return absl::AlreadyExistsError(absl::StrCat(
+          "worker_id: '", req.worker_id(), "' is held by a live worker (heard from ",
+          absl::StrFormat("%.1f", Now() - held->last_heartbeat), " s ago); re-register with its session, or after ",
+          options_.heartbeat_timeout_seconds, " s of silence"));
     resp.set_session(registry_->RegisterWorker(req, Now()));
     WorkerEntry& w = *registry_->FindWorker(req.worker_id());
     // The operator's pins the worker still holds stay pinned in the snapshot

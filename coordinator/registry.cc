@@ -7,9 +7,13 @@
 
 namespace moe {
 
-Registry::Registry(int num_layers, int num_experts) : num_layers_(num_layers), num_experts_(num_experts) {
+Registry::Registry(int num_layers, int num_experts) : num_layers_(num_layers), num_experts_(num_experts) {}
+
+// Sessions are credentials (a live worker's id is taken only with its
+// session): 64 random bits each, never 0, none derived from another.
+uint64_t Registry::NewSession() {
   std::random_device rd;
-  next_session_ = ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
+  return ((static_cast<uint64_t>(rd()) << 32) ^ rd()) | 1;
 }
 
 uint64_t Registry::RegisterWorker(const moe::v1::RegisterWorkerRequest& req, double now) {
@@ -17,7 +21,7 @@ uint64_t Registry::RegisterWorker(const moe::v1::RegisterWorkerRequest& req, dou
   const uint64_t old_version = w.version;
   w.caps = req;
   w.caps.clear_current();
-  w.session = next_session_++;
+  w.session = NewSession();
   w.up = true;
   w.last_heartbeat = now;
   w.cached.assign(num_layers_, req.cached_layers().empty());
@@ -42,7 +46,7 @@ uint64_t Registry::RegisterServer(const moe::v1::RegisterExpertServerRequest& re
   const bool was_routable = !fresh && Routable(s);
   const bool same_caps = !fresh && s.caps.SerializeAsString() == req.SerializeAsString();
   s.caps = req;
-  s.session = next_session_++;
+  s.session = NewSession();
   s.last_heartbeat = now;
   s.up = true;
   s.inflight = 0;

@@ -112,7 +112,7 @@ class Registry {
   int num_layers_, num_experts_;
   std::map<std::string, WorkerEntry> workers_;
   std::map<std::string, ServerEntry> servers_;
-  uint64_t next_session_;  // random start: sessions of a restarted coordinator never match old ones
+  static uint64_t NewSession();  // random: a restarted coordinator's never match old ones, none guessable
 };
 
 }  // namespace moe

@@ -714,6 +714,35 @@ TEST_F(CoordinatorCore, ResumingWorkerKeepsItsPinsInTheSnapshot) {
   EXPECT_TRUE(Pinned(*snap, 0).empty());
 }
 
+// Issue 25, defect 4: nobody takes over a live worker's id — not without its
+// session (its own re-registration), and not before its lease runs out —
+// so nobody can report (poison popularity) in its name.
+TEST_F(CoordinatorCore, ALiveWorkerIdIsTakenOnlyWithItsSessionOrAfterItsLease) {
+  auto c = Make();
+  auto reg = c->RegisterWorker(Worker("w1"));
+  ASSERT_TRUE(reg.ok());
+  auto impostor = Worker("w1");
+  absl::Status st = c->RegisterWorker(impostor).status();
+  EXPECT_EQ(st.code(), absl::StatusCode::kAlreadyExists) << st;
+  EXPECT_NE(st.message().find("worker_id"), std::string::npos) << st;
+  impostor.set_session(reg->session() + 2);  // a guess next to the real one
+  EXPECT_EQ(c->RegisterWorker(impostor).status().code(), absl::StatusCode::kAlreadyExists);
+  // The real session still reports; the impostor's attempts changed nothing.
+  moe::v1::ReportStatsRequest rs;
+  rs.set_worker_id("w1");
+  rs.set_session(reg->session());
+  EXPECT_TRUE(c->ReportStats(rs).ok());
+  // The worker itself re-registers with its session.
+  auto again = Worker("w1");
+  again.set_session(reg->session());
+  auto reg2 = c->RegisterWorker(again);
+  ASSERT_TRUE(reg2.ok()) << reg2.status();
+  EXPECT_NE(reg2->session(), reg->session() + 1) << "sessions are random, not a sequence";
+  // After its lease runs out (no heartbeat), the id is free again.
+  now_ += 6;  // past heartbeat_timeout_seconds (5)
+  EXPECT_TRUE(c->RegisterWorker(Worker("w1")).ok());
+}
+
 TEST_F(CoordinatorCore, ReRegistrationKeepsVersionsGrowingAndResumesFromWhatTheWorkerHolds) {
   auto c = Make();
   auto r = Worker("w1");
@@ -728,8 +757,10 @@ TEST_F(CoordinatorCore, ReRegistrationKeepsVersionsGrowingAndResumesFromWhatTheW
   ASSERT_TRUE(snap.ok());
   EXPECT_GT(snap->version(), 41u);
   EXPECT_EQ(Experts(*snap, 0), (std::vector<int>{2, 6}));
-  // The old session's stream ends when the worker registers again.
-  auto reg2 = c->RegisterWorker(Worker("w1"));
+  // The old session's stream ends when the worker registers again (with its session: its lease is live).
+  auto again = Worker("w1");
+  again.set_session(reg->session());
+  auto reg2 = c->RegisterWorker(again);
   ASSERT_TRUE(reg2.ok());
   EXPECT_EQ(c->WaitForAssignment("w1", reg->session(), 0, std::chrono::steady_clock::now()).status().code(),
             absl::StatusCode::kFailedPrecondition);

@@ -297,7 +297,8 @@ class CoordinatorAgent::Impl {
   }
 
   absl::Status Session(bool* registered) {
-    const moe::v1::RegisterWorkerRequest req = Registration();
+    moe::v1::RegisterWorkerRequest req = Registration();
+    req.set_session(last_session_);  // ours while our lease lives: the id stays ours
     moe::v1::RegisterWorkerResponse reg;
     {
       grpc::ClientContext ctx;
@@ -308,6 +309,7 @@ class CoordinatorAgent::Impl {
       if (!st.ok()) return FromGrpcStatus(st);
     }
     *registered = true;
+    last_session_ = reg.session();
     link_.sessions.fetch_add(1);
     const auto interval = HeartbeatInterval(link_.options(), reg.heartbeat_interval_ms());
     LogInfo(link_.who(), "registered (session ", reg.session(), ", holding version ", req.current_version(),
@@ -362,6 +364,7 @@ class CoordinatorAgent::Impl {
   static constexpr int kActivityFields = 7;
   std::vector<std::atomic<uint64_t>> activity_;           // [layer][field] since the last collection
   std::vector<uint64_t> pending_activity_;                // collected, not yet acknowledged
+  uint64_t last_session_ = 0;  // our latest session (session thread): re-registering with it keeps our id
   std::atomic<uint64_t> applied_{0}, received_{0};
   mutable std::mutex mu_;
   std::vector<std::vector<int>> delivered_;               // [layer] as of received_
