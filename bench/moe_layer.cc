@@ -17,6 +17,8 @@
 //              (the split and copy-instead on the GPU, misses pushed on the server's device
 //              rings, admissions planned between steps at TakeStreamError; the attention
 //              stays eager); its own floor and fixed us/layer
+//   ours-host  ours with every call on the host path (Submit + Complete), as eager calls ran
+//              before they took the device path (what one path for decode buys)
 //   ours-cpu   ours without copy-instead: every miss to the CPU server (what the copy
 //              decision buys or costs, in the same run)
 //   lru-copy   copy every miss to the device with LRU eviction (plain offloading)
@@ -415,6 +417,7 @@ class Bench {
     c.miss_buffers = 4;
     c.measure_rates = copy == CopyMode::kAuto;
     c.deadline = std::chrono::milliseconds(120000);
+    c.eager_on_device = !host_path_;
     // The floor's input: the rows of every expert a call missed in the cache.
     c.on_access = [this](int, int, int pairs, bool hit) {
       if (!hit && miss_rows_ != nullptr) miss_rows_->push_back(pairs);
@@ -649,6 +652,9 @@ class Bench {
   const Options& o_;
   const ModelSpec& spec_;
   std::unique_ptr<Graphs> graph_;  // ours-graph runs
+ public:
+  bool host_path_ = false;         // ours-host runs (DispatcherConfig::eager_on_device = false)
+ private:
   std::string shm_;
   HostExpertStore* host_;
   std::string cost_;
@@ -716,7 +722,7 @@ int Main(int argc, char** argv) {
   flags.Int("layers", &layers, "MoE layers (0: as many as fit twice in host memory: server + worker copy)");
   flags.String("batches", &o.batches, "tokens per decode step");
   flags.String("cache", &o.cache, "cache sizes, percent of the GPU memory a bf16 cache of every expert would take");
-  flags.String("modes", &o.modes, "ceiling, ours, ours-cpu, ours-dual, ours-graph, lru-copy, copy-all");
+  flags.String("modes", &o.modes, "ceiling, ours, ours-host, ours-cpu, ours-dual, ours-graph, lru-copy, copy-all");
   flags.Int("steps", &steps, "timed decode steps per configuration");
   flags.Int("warmup", &warmup, "untimed steps first (the cache warms up)");
   flags.Int("server-threads", &threads,
@@ -864,8 +870,9 @@ int Main(int argc, char** argv) {
   if (!rates_out.empty()) WriteRates(rates_out, dram_gbps, pcie_gbps, rates.cpu_bytes, probe);
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied | "
-              "ours submit/wait ms | ours-graph step ms | graph MoE/layer ms | graph floor ms | graph/floor | graph fixed us/layer |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "ours submit/wait ms | ours-graph step ms | graph MoE/layer ms | graph floor ms | graph/floor | graph fixed us/layer | "
+              "ours-host step ms |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   auto repeat = [&](int T, int C, CachePolicyKind policy, CopyMode copy, bool dual, bool graph = false) {
     Runs r;
     for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual, graph));
@@ -900,12 +907,19 @@ int Main(int argc, char** argv) {
       if (graphs) graph_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false, true);
       for (RunResult& r : graph_runs.all) r.floor_s = graphs ? RunFloor(r, rates) : 0;
       const RunResult& graph = graph_runs.median();
+      Runs host_runs;
+      if (has("ours-host")) {
+        bench.host_path_ = true;
+        host_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false);
+        bench.host_path_ = false;
+      }
       const std::string graph_cells =
           graphs ? absl::StrFormat("%s | %s | %s | %.2f | %.0f", graph_runs.Spread(&RunResult::step_s),
                                    graph_runs.Spread(&RunResult::moe_s, 1.0 / L),
                                    graph_runs.Spread(&RunResult::floor_s), graph.step_s / graph.floor_s,
                                    (graph.step_s - graph.floor_s) / calls * 1e6)
                  : std::string("- | - | - | - | -");
+      const std::string host_cell = has("ours-host") ? host_runs.Spread(&RunResult::step_s) : std::string("-");
       // The floor of each run of ours, from its uncached experts (the top of
       // this file); what ours takes beyond it, per layer call, is the worker's
       // fixed cost (issue 14, point 4). Without ours: the ceiling's step.
@@ -915,7 +929,7 @@ int Main(int argc, char** argv) {
       const double fixed_us = has("ours") ? (ours.step_s - floor) / calls * 1e6 : 0;
       auto opt = [](bool ran, const std::string& v) { return ran ? v : std::string("-"); };
       const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
-      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s | %s |\n", T,
+      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s | %s | %s |\n", T,
                   pct, C, ceil_runs.Spread(&RunResult::step_s).c_str(), ours_runs.Spread(&RunResult::step_s).c_str(),
                   ours_runs.Spread(&RunResult::moe_s, 1.0 / L).c_str(),
                   opt(has("ours-cpu"), cpu_runs.Spread(&RunResult::step_s)).c_str(),
@@ -923,7 +937,8 @@ int Main(int argc, char** argv) {
                   opt(has("lru-copy"), lru_runs.Spread(&RunResult::step_s)).c_str(),
                   opt(has("copy-all"), Ms(copy_all_step)).c_str(),
                   ours_runs.Spread(&RunResult::floor_s).c_str(), ours.step_s / floor, fixed_us, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
-                  100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str(), graph_cells.c_str());
+                  100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str(), graph_cells.c_str(),
+                  host_cell.c_str());
       std::fflush(stdout);
     }
   }

@@ -1219,7 +1219,9 @@ cuda::DevicePlanArgs CudaBackend::PlanArgs(const DevicePlannedCall& call, Device
   d.tables = call.tables;
   d.channels = static_cast<const DeviceChannel*>(channels_.get());
   d.channel_state = static_cast<cuda::DeviceChannelState*>(channel_state_.get());
-  d.counts = static_cast<unsigned int*>(access_counts_.get()) + static_cast<size_t>(call.site) * config_.num_experts;
+  d.counts = call.count_accesses
+                 ? static_cast<unsigned int*>(access_counts_.get()) + static_cast<size_t>(call.site) * config_.num_experts
+                 : nullptr;
   d.groups = static_cast<cuda::GroupDesc*>(site.groups.get());
   d.row_token = static_cast<int32_t*>(site.row_token.get());
   d.row_weight = static_cast<float*>(site.row_weight.get());

@@ -108,6 +108,7 @@ struct DevicePlannedCall {
   DeviceLayerTables tables;        // host-mapped (AllocMapped)
   int num_channels = 0;            // of SetDeviceChannels' table
   std::chrono::nanoseconds timeout{0};      // the longest wait for a server's answer
+  bool count_accesses = true;      // add the routed pairs to the site's counters (ReadAccessCounts)
   // Copy-instead (device_plan.h DeviceCopyPlan; null: none): up to
   // kMaxDeviceCopies missed experts copied from the host copy
   // (SetHostExperts) into buffers copy_buffer_base + j and computed there.

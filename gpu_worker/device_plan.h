@@ -24,6 +24,7 @@ inline constexpr int kMaxDeviceChannels = 8;
 // them to a server, and the length of the planner's table of how many.
 inline constexpr int kMaxDeviceCopies = 16;
 inline constexpr int kDeviceCopyTable = 64;
+inline constexpr int kRoutingLogHeader = 8;
 
 // One CPU server's device rings as the GPU addresses them. base == 0: the
 // channel is off (no experts route to it).
@@ -57,9 +58,12 @@ struct DeviceLayerTables {
   int32_t* channel_of = nullptr;  // expert -> DeviceChannel index, -1: no server may take it
   DeviceError* errors = nullptr;  // [1 + kMaxDeviceChannels]
   // The routing of the layer's latest call, for the admissions the worker
-  // plans between steps (written by the GPU, read by the host as a seqlock):
-  // [0] sequence (0 while being written), [1] T, [2] k, [3] unused, then
-  // T*k ids; calls of more than routing_log_pairs pairs are not logged.
+  // plans between steps and an eager call's stats (written by the GPU, read
+  // by the host as a seqlock): [0] sequence (0 while being written), [1] T,
+  // [2] k, [3] hit pairs, [4] pairs sent to servers, [5] pairs copied,
+  // [6] experts copied, [7] experts sent to servers, then from
+  // kRoutingLogHeader the T*k ids; calls of more than routing_log_pairs pairs
+  // are not logged.
   int32_t* routing_log = nullptr;
   int32_t routing_log_pairs = 0;
 };

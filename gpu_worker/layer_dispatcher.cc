@@ -1175,8 +1175,70 @@ absl::Status LayerDispatcher::ComputeShipmentOnDevice(int ticket, const ServerBa
 }
 
 absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
+  if (OnDevicePath(call)) return ForwardOnDevice(call, stats);
   MOE_ASSIGN_OR_RETURN(const int ticket, Submit(call));
   return Complete(ticket, stats);
+}
+
+// One path for decode: a call in device memory that fits the device's
+// request slots runs as the capturable call does (the split, the shipping,
+// copy-instead and the merge on the GPU), not captured; larger calls, host
+// memory and the cpu backend take the host path (Submit + Complete).
+bool LayerDispatcher::OnDevicePath(const LayerCall& call) const {
+  return config_.eager_on_device && impl_->mapped != nullptr && call.kind == MemoryKind::kDevice &&
+         backend_->has_device_memory() && call.batch.n >= 1 && call.batch.n <= CapturableMaxTokens() &&
+         call.batch.routing.k >= 1 && call.batch.routing.k <= config_.max_top_k &&
+         !backend_->StreamCapturing(call.stream != nullptr ? call.stream : LegacyDefaultStream());
+}
+
+// The device path of Forward: the capturable call, then a wait for the
+// stream, this layer's errors, and the call's accesses, stats and admissions
+// from the routing the GPU logged (the device's counters skip these calls:
+// they are reported here, once).
+absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* stats) {
+  Impl& m = *impl_;
+  const Clock::time_point t0 = Clock::now();
+  PollCopies();
+  LayerCall c = call;
+  if (c.stream == nullptr) c.stream = LegacyDefaultStream();
+  MOE_RETURN_IF_ERROR(EnqueueCapturable(c, /*count_accesses=*/false));
+  const Clock::time_point t1 = Clock::now();
+  MOE_RETURN_IF_ERROR(backend_->WaitStream(c.stream));
+  MOE_RETURN_IF_ERROR(backend_->WaitCompute(backend_->RecordCompute()));
+  const size_t li = static_cast<size_t>(layer_index_[call.batch.layer]);
+  const int32_t* log = m.device_tables[li].routing_log;
+  const int T = call.batch.n, k = call.batch.routing.k;
+  if (stats != nullptr) {
+    *stats = CallStats{};
+    stats->hit_pairs = log[3];
+    stats->cpu_pairs = log[4];
+    stats->copied_pairs = log[5];
+    stats->copied_experts = log[6];
+    stats->cpu_experts = log[7];
+    stats->submit_s = Seconds(t1 - t0);
+    stats->wait_s = Seconds(Clock::now() - t1);
+  }
+  const int32_t* ids = log + kRoutingLogHeader;
+  std::vector<int> experts, pairs;
+  for (int i = 0; i < T * k; ++i) {
+    const int e = ids[i];
+    if (e < 0) continue;
+    const auto at = std::find(experts.begin(), experts.end(), e);
+    if (at == experts.end()) {
+      experts.push_back(e);
+      pairs.push_back(1);
+    } else {
+      ++pairs[at - experts.begin()];
+    }
+  }
+  cache_->RecordAccess(call.batch.layer, experts, pairs);
+  if (config_.on_access)
+    for (size_t i = 0; i < experts.size(); ++i)
+      config_.on_access(call.batch.layer, experts[i], pairs[i], cache_->ReadySlot(call.batch.layer, experts[i]) >= 0);
+  if (m.log_seen.size() < layers_.size()) m.log_seen.resize(layers_.size(), 0);
+  m.log_seen[li] = log[0];
+  AdmitAfter(call.batch.layer, T, k, ids);
+  return TakeLayerError(li);
 }
 
 
@@ -1202,7 +1264,8 @@ absl::Status LayerDispatcher::AllocateDeviceTables() {
   const size_t E = spec_.num_experts, L = layers_.size();
   const size_t log_pairs = static_cast<size_t>(CapturableMaxTokens()) * config_.max_top_k;
   const size_t per_layer =
-      2 * E * sizeof(int32_t) + (1 + kMaxDeviceChannels) * sizeof(DeviceError) + (4 + log_pairs) * sizeof(int32_t);
+      2 * E * sizeof(int32_t) + (1 + kMaxDeviceChannels) * sizeof(DeviceError) +
+      (kRoutingLogHeader + log_pairs) * sizeof(int32_t);
   const size_t channel_bytes = kMaxDeviceChannels * sizeof(DeviceChannel) + sizeof(DeviceCopyPlan);
   absl::StatusOr<void*> mem = backend_->AllocMapped(channel_bytes + L * per_layer);
   if (!mem.ok()) return absl::OkStatus();  // no mapped memory: capturable calls are refused by the backend
@@ -1222,7 +1285,7 @@ absl::Status LayerDispatcher::AllocateDeviceTables() {
     p += E * sizeof(int32_t);
     t.routing_log = reinterpret_cast<int32_t*>(p);
     t.routing_log_pairs = static_cast<int32_t>(log_pairs);
-    p += (4 + log_pairs) * sizeof(int32_t);
+    p += (kRoutingLogHeader + log_pairs) * sizeof(int32_t);
     for (size_t e = 0; e < E; ++e) t.buffer_of[e] = t.channel_of[e] = -1;
   }
   for (int l : layers_) PublishSlotMap(l);
@@ -1353,7 +1416,7 @@ int LayerDispatcher::CapturableMaxTokens() const {
   return n;
 }
 
-absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
+absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call, bool count_accesses) {
   Impl& m = *impl_;
   LayerCall call = engine_call;
   if (call.stream == nullptr) call.stream = LegacyDefaultStream();  // stream 0, as CUDA reads it
@@ -1400,6 +1463,7 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
   dc.tables = m.device_tables[layer_index_[b.layer]];
   dc.num_channels = m.num_channels;
   dc.timeout = call.deadline.count() > 0 ? call.deadline : config_.deadline;
+  dc.count_accesses = count_accesses;
   if (m.copy_buffer_base >= 0) {
     dc.copy_plan = m.copy_plan;
     dc.copy_buffer_base = m.copy_buffer_base;
@@ -1408,51 +1472,60 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call) {
 }
 
 absl::Status LayerDispatcher::TakeStreamError() {
-  Impl& m = *impl_;
   CollectDeviceAccesses();
   absl::Status first;
-  for (size_t li = 0; li < m.device_tables.size(); ++li) {
-    for (int w = 0; w <= kMaxDeviceChannels; ++w) {
-      DeviceError& e = m.device_tables[li].errors[w];
-      const int32_t code = __atomic_load_n(&e.code, __ATOMIC_ACQUIRE);
-      if (code == 0) continue;
-      const int layer = e.layer, detail = e.detail;
-      __atomic_store_n(&e.code, 0, __ATOMIC_RELEASE);
-      if (!first.ok()) continue;
-      const absl::StatusCode sc = StatusCodeFromWire(code, absl::StatusCode::kInternal);
-      if (w == 0) {
-        first = absl::Status(sc, sc == absl::StatusCode::kInvalidArgument
-                                     ? absl::StrCat("capturable call, layer ", layer, ": topk_ids/topk_weights: expert ",
-                                                    detail, " out of range or a weight not finite")
-                                 : sc == absl::StatusCode::kUnavailable && detail >= 0
-                                     ? absl::StrCat("capturable call, layer ", layer,
-                                                    ": no connected, enabled server hosts expert ", detail)
-                                     : absl::StrCat("capturable call, layer ", layer, ": a server's request (channel ",
-                                                    -1 - detail, ") could not be sent: ", absl::StatusCodeToString(sc)));
-        continue;
-      }
-      // A channel's error: the server's own message, or the timeout.
-      size_t server = 0;
-      while (server < m.servers.size() && m.channel_of_server[server] != w - 1) ++server;
-      const std::string address = server < m.servers.size() ? m.servers[server].config.address : "?";
-      std::string why = detail < 0 ? absl::StrCat("no answer within ", config_.deadline.count(), " ms") : "";
-      if (detail >= 0 && server < m.servers.size()) {
-        std::optional<shm::Segment> seg;
-        if (const int f = m.forwarder_of_server[server]; f >= 0) {
-          seg = m.forwarders[f]->seg;
-        } else if (auto rings = m.servers[server].transport->DeviceRingsOf()) {
-          seg = rings->segment;
-        }
-        shm::ValidatedResponse resp;
-        if (seg && shm::ValidateResponseSlot(*seg, static_cast<uint32_t>(detail), &resp).ok())
-          why = std::string(resp.status.message());
-      }
-      first = absl::Status(sc, absl::StrCat("capturable call, layer ", layer, ", server ", address, ": ", why));
-    }
+  for (size_t li = 0; li < impl_->device_tables.size(); ++li) {
+    absl::Status st = TakeLayerError(li);
+    if (first.ok()) first = std::move(st);
   }
   RefreshDeviceServers();
   PublishCopyPlan();
   PlanDeviceAdmissions();
+  return first;
+}
+
+// The error records of served layer `li`'s device-planned calls (the split's
+// and each channel's), cleared; the first as a Status naming the layer and
+// what failed (a channel's: the server's own message, or the timeout).
+absl::Status LayerDispatcher::TakeLayerError(size_t li) {
+  Impl& m = *impl_;
+  absl::Status first;
+  for (int w = 0; w <= kMaxDeviceChannels; ++w) {
+    DeviceError& e = m.device_tables[li].errors[w];
+    const int32_t code = __atomic_load_n(&e.code, __ATOMIC_ACQUIRE);
+    if (code == 0) continue;
+    const int layer = e.layer, detail = e.detail;
+    __atomic_store_n(&e.code, 0, __ATOMIC_RELEASE);
+    if (!first.ok()) continue;
+    const absl::StatusCode sc = StatusCodeFromWire(code, absl::StatusCode::kInternal);
+    if (w == 0) {
+      first = absl::Status(sc, sc == absl::StatusCode::kInvalidArgument
+                                   ? absl::StrCat("capturable call, layer ", layer, ": topk_ids/topk_weights: expert ",
+                                                  detail, " out of range or a weight not finite")
+                               : sc == absl::StatusCode::kUnavailable && detail >= 0
+                                   ? absl::StrCat("capturable call, layer ", layer,
+                                                  ": no connected, enabled server hosts expert ", detail)
+                                   : absl::StrCat("capturable call, layer ", layer, ": a server's request (channel ",
+                                                  -1 - detail, ") could not be sent: ", absl::StatusCodeToString(sc)));
+      continue;
+    }
+    size_t server = 0;
+    while (server < m.servers.size() && m.channel_of_server[server] != w - 1) ++server;
+    const std::string address = server < m.servers.size() ? m.servers[server].config.address : "?";
+    std::string why = detail < 0 ? absl::StrCat("no answer within ", config_.deadline.count(), " ms") : "";
+    if (detail >= 0 && server < m.servers.size()) {
+      std::optional<shm::Segment> seg;
+      if (const int f = m.forwarder_of_server[server]; f >= 0) {
+        seg = m.forwarders[f]->seg;
+      } else if (auto rings = m.servers[server].transport->DeviceRingsOf()) {
+        seg = rings->segment;
+      }
+      shm::ValidatedResponse resp;
+      if (seg && shm::ValidateResponseSlot(*seg, static_cast<uint32_t>(detail), &resp).ok())
+        why = std::string(resp.status.message());
+    }
+    first = absl::Status(sc, absl::StrCat("capturable call, layer ", layer, ", server ", address, ": ", why));
+  }
   return first;
 }
 
@@ -1469,28 +1542,35 @@ void LayerDispatcher::PlanDeviceAdmissions() {
   PollCopies();
   m.log_seen.resize(layers_.size(), 0);
   std::vector<int32_t> ids;
-  std::vector<int> missed;
   for (size_t li = 0; li < layers_.size(); ++li) {
     const DeviceLayerTables& t = m.device_tables[li];
     const int32_t seq = __atomic_load_n(t.routing_log, __ATOMIC_ACQUIRE);
     if (seq == 0 || seq == m.log_seen[li]) continue;  // being written, or seen
     const int T = t.routing_log[1], k = t.routing_log[2];
     if (T < 1 || k < 1 || static_cast<int64_t>(T) * k > t.routing_log_pairs) continue;
-    ids.assign(t.routing_log + 4, t.routing_log + 4 + static_cast<size_t>(T) * k);
+    ids.assign(t.routing_log + kRoutingLogHeader, t.routing_log + kRoutingLogHeader + static_cast<size_t>(T) * k);
     if (__atomic_load_n(t.routing_log, __ATOMIC_ACQUIRE) != seq) continue;  // rewritten while read
     m.log_seen[li] = seq;
-    const int layer = layers_[li];
-    if (planner_.admission() != nullptr) {
-      absl::StatusOr<std::vector<SlotCopy>> planned = planner_.PlanAdmissions(*cache_, layer, T, k, ids.data());
-      if (!planned.ok()) continue;
-      for (const SlotCopy& copy : *planned) (void)StartSlotCopies(copy.layer, {copy});
-    } else if (config_.policy != CachePolicyKind::kStatic && config_.admissions_per_call > 0) {
-      missed.clear();
-      for (int32_t e : ids)
-        if (e >= 0 && cache_->ReadySlot(layer, e) < 0 && std::find(missed.begin(), missed.end(), e) == missed.end())
-          missed.push_back(e);
-      (void)StartSlotCopies(layer, cache_->PlanAdmissions(layer, missed, config_.admissions_per_call));
-    }
+    AdmitAfter(layers_[li], T, k, ids.data());
+  }
+}
+
+// The admissions after a call of `layer` with this routing (capturable and
+// eager device-planned calls): the predictive policy's, or lru / lfru's for
+// the call's missed experts. Needs the host copy; not under copy mode always.
+void LayerDispatcher::AdmitAfter(int layer, int T, int k, const int32_t* ids) {
+  if (host_ == nullptr || config_.copy_mode == CopyMode::kAlways) return;
+  if (planner_.admission() != nullptr) {
+    absl::StatusOr<std::vector<SlotCopy>> planned = planner_.PlanAdmissions(*cache_, layer, T, k, ids);
+    if (!planned.ok()) return;
+    for (const SlotCopy& copy : *planned) (void)StartSlotCopies(copy.layer, {copy});
+  } else if (config_.policy != CachePolicyKind::kStatic && config_.admissions_per_call > 0) {
+    std::vector<int> missed;
+    for (int i = 0; i < T * k; ++i)
+      if (ids[i] >= 0 && cache_->ReadySlot(layer, ids[i]) < 0 &&
+          std::find(missed.begin(), missed.end(), ids[i]) == missed.end())
+        missed.push_back(ids[i]);
+    (void)StartSlotCopies(layer, cache_->PlanAdmissions(layer, missed, config_.admissions_per_call));
   }
 }
 

@@ -105,6 +105,9 @@ struct DispatcherConfig {
   std::chrono::microseconds poll_window{2000};
   int poll_max_tokens = 64;
   bool measure_rates = true;       // probe PCIe / device / CPU rates at Create (the online model's prior)
+  // Forward of a device-memory call that fits the request slots runs on the
+  // device path (the capturable call, uncaptured); false: always the host path.
+  bool eager_on_device = true;
   // Device knobs passed to DeviceBackend::Init (cpu_threads, cpu_kernel,
   // cuda_device); its sizes (hidden, buffers, tokens, contexts) are set here.
   BackendConfig backend;
@@ -149,6 +152,10 @@ class LayerDispatcher {
   absl::StatusOr<int> Submit(const LayerCall& call);
   // Finishes the call of `ticket`: its output is written when this returns OK.
   absl::Status Complete(int ticket, CallStats* stats = nullptr);
+  // One call, done when this returns. A call in device memory on the cuda
+  // backend that fits one shared-memory request slot per server (decode)
+  // runs as EnqueueCapturable's device-planned call, not captured, and waits
+  // for its stream (DispatcherConfig::eager_on_device); anything else is
   // Submit + Complete.
   absl::Status Forward(const LayerCall& call, CallStats* stats = nullptr);
 
@@ -171,7 +178,7 @@ class LayerDispatcher {
   // path does: RecordAccess, on_access). A failure found at run time (bad
   // routing, no server, a server's error, no answer by the deadline) writes
   // NaN into the affected tokens' output and is returned by TakeStreamError.
-  absl::Status EnqueueCapturable(const LayerCall& call);
+  absl::Status EnqueueCapturable(const LayerCall& call, bool count_accesses = true);
   // The first run-time error of capturable calls since the last call (OK if
   // none); also reports the accesses the GPU counted since the last call. A
   // server that timed out is reconnected (or, if down, skipped) here.
@@ -264,6 +271,11 @@ class LayerDispatcher {
   void RefreshDeviceServers();
   void PublishCopyPlan();
   void PlanDeviceAdmissions();
+  void AdmitAfter(int layer, int T, int k, const int32_t* ids);
+  // Forward's device path (see Forward) and its checks.
+  bool OnDevicePath(const LayerCall& call) const;
+  absl::Status ForwardOnDevice(const LayerCall& call, CallStats* stats);
+  absl::Status TakeLayerError(size_t served_index);
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

@@ -102,9 +102,10 @@ const char* MoeSession::device() const { return rep_->backend->name(); }
 absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hidden,
                                       const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
                                       MemoryKind kind, CallStats* stats, void* cuda_stream) {
-  MOE_ASSIGN_OR_RETURN(Pending p, ForwardLayerAsync(layer, T, k, hidden, topk_ids, topk_weights, out, kind,
-                                                    cuda_stream));
-  return Wait(p, stats);
+  // Forward, not Submit + Wait: a decode-sized call in device memory takes
+  // the device path (LayerDispatcher::Forward).
+  return rep_->dispatcher->Forward(MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream),
+                                   stats);
 }
 
 absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int T, int k,

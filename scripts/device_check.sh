@@ -22,8 +22,8 @@
 #                         of 2048 (--chunk), and deepseek-v3 (4 layers) prompts of 512 and 2048 tokens, cache 0
 #                         and 25%, 3 runs each, --weight-dtype DTYPE (bf16, int8, int4), --rates-out to $OUT
 #   graph_decode          issue 22: moe_layer qwen3-30b-a3b (16 layers, bf16) T=1,8 at 0 and 25% cache, 3 runs:
-#                         ours (eager) vs ours-graph (device-planned calls replayed from CUDA graphs), each
-#                         against its floor (fixed us/layer)
+#                         ours (eager: the device path) vs ours-host (eager on the host path) vs ours-graph
+#                         (device-planned calls replayed from CUDA graphs), each against its floor
 #   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
 #                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
 #                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
@@ -113,7 +113,7 @@ while [[ $# -gt 0 ]]; do
         --rates-out="$OUT/rates_deepseek_$dtype.json" ;;
     graph_decode)
       bash "$0" moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 \
-        --modes=ceiling,ours,ours-graph ;;
+        --modes=ceiling,ours,ours-host,ours-graph ;;
     python)
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       echo "## python ($py)" | tee -a "$OUT/python.txt"

@@ -117,6 +117,7 @@ struct PlanState {
   int* rows;       // [kMaxDeviceChannels] rows of each channel's request (< 0: failed)
   int* missed;     // distinct missed experts
   int* unroutable; // of them, those no server may take
+  int* stats;      // [5] hit, server and copied pairs; copied and server experts (the routing log's)
   uint64_t* tail;  // [kMaxDeviceChannels] the request's ring index
   uint64_t* base;  // [kMaxDeviceChannels]
   DeviceChannel* chan;  // [kMaxDeviceChannels]
@@ -128,6 +129,7 @@ struct PlanState {
 __device__ void PlanInit(const DevicePlanArgs& a, PlanState& s) {
   const int tid = threadIdx.x, nt = blockDim.x, E = a.num_experts, C = a.num_channels;
   if (tid == 0) *s.err_code = *s.err_detail = *s.missed = *s.unroutable = 0;
+  if (tid < 5) s.stats[tid] = 0;
   for (int e = tid; e < E; e += nt) {
     s.cnt[e] = s.fill[e] = s.mcnt[e] = 0;
     s.first[e] = INT_MAX;
@@ -163,7 +165,7 @@ __device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
     const int e = a.ids[p], t = p / a.k;
     const float w = a.weights[p];
     s.kind[p] = -2;
-    if (log && (e == -1 || e < -1 || e >= E)) a.tables.routing_log[4 + p] = -1;
+    if (log && (e == -1 || e < -1 || e >= E)) a.tables.routing_log[kRoutingLogHeader + p] = -1;
     if (e == -1) continue;  // no expert for this pair
     if (e < -1 || e >= E || !isfinite(w)) {
       Fail(s.err_code, s.err_detail, kInvalidArgument, e);
@@ -171,7 +173,7 @@ __device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
       continue;
     }
     if (a.counts != nullptr) atomicAdd(a.counts + e, 1u);
-    if (log) a.tables.routing_log[4 + p] = e;
+    if (log) a.tables.routing_log[kRoutingLogHeader + p] = e;
     const int b = __ldcv(a.tables.buffer_of + e);
     const int c = __ldcv(a.tables.channel_of + e);  // issued with the slot map's read: one round trip
     s.ch[p] = c;
@@ -179,20 +181,14 @@ __device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
       s.kind[p] = b;
       atomicAdd(s.cnt + e, 1);
       atomicMin(s.first + e, p);
+      atomicAdd(s.stats + 0, 1);  // hit pairs
     } else {
       s.kind[p] = -1;
       if (atomicAdd(s.mcnt + e, 1) == 0) atomicAdd(s.missed, 1);
       s.begin[e] = c < 0 || c >= a.num_channels || s.base[c] == 0;  // no server may take it (ChooseCopies)
     }
   }
-  __threadfence_system();
   __syncthreads();
-  if (log && threadIdx.x == 0) {
-    a.tables.routing_log[1] = a.T;
-    a.tables.routing_log[2] = a.k;
-    __threadfence_system();
-    a.tables.routing_log[0] = static_cast<int32_t>(atomicAdd(a.call_seq, 1u) % 0x7fffffffu) + 1;  // never 0
-  }
 }
 
 // Copy-instead: the planner's table says how many of the call's missed
@@ -230,6 +226,7 @@ __device__ void ChooseCopies(const DevicePlanArgs& a, PlanState& s) {
       s.kind[p] = a.copy_buffer_base + rank;
       atomicAdd(s.cnt + e, 1);
       atomicMin(s.first + e, p);
+      atomicAdd(s.stats + 2, 1);  // copied pairs
       continue;
     }
     const int c = s.ch[p];
@@ -240,8 +237,13 @@ __device__ void ChooseCopies(const DevicePlanArgs& a, PlanState& s) {
       continue;
     }
     s.row[c * a.T + t] = 1;
+    atomicAdd(s.stats + 1, 1);  // pairs sent to servers
   }
-  if (threadIdx.x == 0) *a.copy_count = n;
+  if (threadIdx.x == 0) {
+    *a.copy_count = n;
+    s.stats[3] = n;
+    s.stats[4] = M - n;  // experts sent to servers (or, with no route, poisoned)
+  }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) s.fill[e] = 0;
   __syncthreads();
@@ -364,7 +366,7 @@ __device__ void BuildRequests(const DevicePlanArgs& a, PlanState& s) {
 __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs a) {
   extern __shared__ int smem[];
   const int P = a.T * a.k, E = a.num_experts;
-  __shared__ int warp_sums[32], carry, err_code, err_detail, missed, unroutable, rows[kMaxDeviceChannels];
+  __shared__ int warp_sums[32], carry, err_code, err_detail, missed, unroutable, rows[kMaxDeviceChannels], stats[5];
   __shared__ int copy_table[kDeviceCopyTable];
   __shared__ uint64_t tail[kMaxDeviceChannels], base[kMaxDeviceChannels];
   __shared__ DeviceChannel chan[kMaxDeviceChannels];
@@ -386,6 +388,7 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
   s.rows = rows;
   s.missed = &missed;
   s.unroutable = &unroutable;
+  s.stats = stats;
   s.tail = tail;
   s.base = base;
   s.chan = chan;
@@ -395,6 +398,14 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
   ChooseCopies(a, s);
   GroupOnDevice(a, s);
   BuildRequests(a, s);
+  if (threadIdx.x == 0 && a.tables.routing_log != nullptr && P <= a.tables.routing_log_pairs) {
+    int32_t* log = a.tables.routing_log;
+    log[1] = a.T;
+    log[2] = a.k;
+    for (int i = 0; i < 5; ++i) log[3 + i] = stats[i];
+    __threadfence_system();
+    log[0] = static_cast<int32_t>(atomicAdd(a.call_seq, 1u) % 0x7fffffffu) + 1;  // never 0
+  }
   if (threadIdx.x == 0 && err_code != 0) {
     DeviceError* out = a.tables.errors;  // the split's record
     out->detail = err_detail;
