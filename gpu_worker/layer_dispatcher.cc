@@ -181,6 +181,7 @@ struct LayerDispatcher::Impl {
   std::vector<DeviceLayerTables> device_tables;  // by served index
   std::vector<int> channel_of_server;          // server -> channel, -1: none (yet)
   std::vector<uint64_t> channel_generation;    // server -> segment generation its channel shows
+  std::vector<void*> channel_base;             // server -> that segment's mapping (registered with the device)
   int num_channels = 0;
   DeviceCopyPlan* copy_plan = nullptr;         // copy-instead of capturable calls (PublishCopyPlan)
   int copy_buffer_base = -1;                   // their kMaxDeviceCopies buffers, -1: none (no host copy)
@@ -1302,7 +1303,18 @@ absl::Status LayerDispatcher::PublishChannel(size_t index) {
   std::optional<ExpertTransport::DeviceRings> rings = sv.transport->DeviceRingsOf();
   if (!rings || rings->generation == m.channel_generation[index]) return absl::OkStatus();
   void* base = rings->segment.base();
+  if (m.channel_base[index] != nullptr && m.channel_base[index] != base) {
+    // The old segment (the server reconnected): once no call on the engine's
+    // stream can write to it, unregistered and unmapped.
+    if (m.planned_stream != nullptr) {
+      MOE_RETURN_IF_ERROR(backend_->WaitStream(m.planned_stream));
+      MOE_RETURN_IF_ERROR(backend_->WaitCompute(backend_->RecordCompute()));
+    }
+    backend_->UnregisterHost(m.channel_base[index]);
+    sv.transport->ReleaseDeviceSegments();
+  }
   if (backend_->DeviceAddress(base) == 0) MOE_RETURN_IF_ERROR(backend_->RegisterHost(base, rings->bytes));
+  m.channel_base[index] = base;
   const uint64_t dev = backend_->DeviceAddress(base);
   if (dev == 0) return absl::InternalError(absl::StrCat("servers: ", sv.config.address, ": segment not mapped for the device"));
   rings->segment.SetDevicePoll(config_.poll_window);
@@ -1352,6 +1364,7 @@ absl::Status LayerDispatcher::PrepareDevicePath() {
   m.channel_of_server.assign(S, -1);
   m.forwarder_of_server.assign(S, -1);
   m.channel_generation.assign(S, 0);
+  m.channel_base.assign(S, nullptr);
   for (size_t s = 0; s < S; ++s) {
     Server& sv = m.servers[s];
     m.channel_of_server[s] = m.num_channels++;

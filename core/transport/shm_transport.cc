@@ -74,6 +74,14 @@ class ShmTransport final : public ExpertTransport {
                        static_cast<uint32_t>(opt_.device_slots)};
   }
 
+  void ReleaseDeviceSegments() override {
+    std::vector<std::shared_ptr<ShmConnection>> drop;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      drop.swap(device_kept_);
+    }
+  }
+
   absl::Status Reconnect() override {
     std::lock_guard<std::mutex> lock(mu_);
     if (conn_ && !conn_->dead.load()) return absl::OkStatus();
@@ -239,9 +247,9 @@ class ShmTransport final : public ExpertTransport {
   // Joins the completion threads of retired connections that are done (they
   // no longer need mu_) and drops them, unmapping their segments once no
   // staged slot holds them: a dead server's segment does not stay resident
-  // until the next reconnect. With device slots the segment stays mapped for
-  // the transport's life: a GPU may have the old segment's address in a call
-  // in flight (its writes must land in memory that is still ours).
+  // until the next reconnect. With device slots the segment stays mapped
+  // until ReleaseDeviceSegments: a GPU may have the old segment's address in
+  // a call in flight (its writes must land in memory that is still ours).
   void ReapRetiredLocked() {
     for (auto it = retired_.begin(); it != retired_.end();) {
       if ((*it)->finished) {

@@ -81,8 +81,8 @@ class ExpertTransport {
   // shm with TransportOptions::device_slots > 0: the connected segment for a
   // GPU that works its device rings (shm_segment.h), the slots kept for it
   // ([first_slot, first_slot + slots)) and the connection's generation
-  // (another segment after every reconnect); nullopt otherwise. The segment
-  // stays mapped while the transport lives, also after a reconnect.
+  // (another segment after every reconnect); nullopt otherwise. A segment
+  // stays mapped after a reconnect until ReleaseDeviceSegments.
   struct DeviceRings {
     shm::Segment segment;
     size_t bytes = 0;
@@ -90,6 +90,9 @@ class ExpertTransport {
     uint32_t first_slot = 0, slots = 0;
   };
   virtual std::optional<DeviceRings> DeviceRingsOf() const { return std::nullopt; }
+  // Unmaps the segments of earlier connections kept for the GPU (call once
+  // no device work can still write to them).
+  virtual void ReleaseDeviceSegments() {}
   // Connects again if the server went away (the next Submit would too); OK when connected.
   virtual absl::Status Reconnect() { return absl::OkStatus(); }
 
