@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "moe/engine.h"
+#include "coordinator/agent/coordinator_agent.h"
 #include "core/model_source.h"
 #include "core/random_data.h"
 #include "core/reference_moe.h"
@@ -252,6 +253,87 @@ TEST_F(GraphCaptureTest, ReplaysAdmitTheExpertsTheyUse) {
     cudaGraphExecDestroy(exec);
     session_.reset();
   }
+}
+
+// Popularity from a captured worker reaches the coordinator: the session's
+// on_access feeds a real CoordinatorAgent (as moe-gpu-worker wires it) and a
+// real moe-coordinator ranks the experts the replays use on top.
+TEST_F(GraphCaptureTest, PopularityFromReplaysReachesTheCoordinator) {
+  Subprocess coordinator(testing::BinaryPath("moe-coordinator"),
+                         {"--listen=127.0.0.1:0", "--insecure", "--heartbeat-interval-ms=100",
+                          "--rebalance-interval-seconds=0.3", "--half-life-seconds=30"},
+                         dir_.path() + "/coordinator.log");
+  std::string addr;
+  for (int i = 0; i < 50 && addr.empty(); ++i) {
+    const std::string line = coordinator.ReadLine(std::chrono::seconds(10));
+    if (line.empty()) break;
+    if (const size_t at = line.find("ready on "); at != std::string::npos) addr = line.substr(at + 9);
+  }
+  ASSERT_FALSE(addr.empty()) << "moe-coordinator did not start";
+  WorkerRegistration reg;
+  reg.worker_id = "graph-worker";
+  reg.num_layers = session_->model().num_layers;
+  reg.num_experts = session_->model().num_experts;
+  reg.slots_per_layer = 3;
+  reg.expert_bytes = session_->model().expert_bytes;
+  TlsOptions tls;
+  tls.insecure = true;
+  absl::StatusOr<std::unique_ptr<CoordinatorAgent>> agent =
+      CoordinatorAgent::Start(addr, tls, reg, [](const AssignmentUpdate&) {});
+  ASSERT_TRUE(agent.ok()) << agent.status();
+  SessionOptions o;
+  o.model = kModel;
+  o.servers = {server_address_};
+  o.device = "cuda";
+  o.policy = "static";
+  o.copy_mode = "never";
+  o.cache_experts_per_layer = 3;
+  o.max_tokens = 8;
+  o.on_access = [a = agent->get()](int layer, int expert, int pairs, bool hit) {
+    a->RecordAccess(layer, expert, static_cast<uint64_t>(pairs), hit);
+  };
+  absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  session_ = *std::move(s);
+  const int T = 4, k = session_->model().top_k, H = session_->model().hidden;
+  ASSERT_EQ(k, 2);
+  std::vector<Buffers> bufs;
+  std::vector<Inputs> in;
+  cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
+  ASSERT_NE(exec, nullptr);
+  const int L = session_->model().moe_layers[0];
+  for (int step = 0; step < 20; ++step) {
+    for (size_t i = 0; i < bufs.size(); ++i) {  // every token: experts 6 and 7
+      in[i].x = RandomActivations(static_cast<size_t>(T) * H, 3000 + 10 * step + i);
+      in[i].ids.assign(static_cast<size_t>(T) * k, 6);
+      for (int t = 0; t < T; ++t) in[i].ids[static_cast<size_t>(t) * k + 1] = 7;
+      in[i].w.assign(static_cast<size_t>(T) * k, 0.5f);
+      ASSERT_CUDA(cudaMemcpy(bufs[i].hidden, in[i].x.data(), in[i].x.size() * 2, cudaMemcpyHostToDevice));
+      ASSERT_CUDA(cudaMemcpy(bufs[i].ids, in[i].ids.data(), in[i].ids.size() * 4, cudaMemcpyHostToDevice));
+      ASSERT_CUDA(cudaMemcpy(bufs[i].weights, in[i].w.data(), in[i].w.size() * 4, cudaMemcpyHostToDevice));
+    }
+    ASSERT_CUDA(cudaGraphLaunch(exec, stream_));
+    ASSERT_CUDA(cudaStreamSynchronize(stream_));
+    EXPECT_TRUE(session_->TakeStreamError().ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  // moectl's popularity of the first MoE layer: experts 6 and 7 on top.
+  std::string out;
+  bool top = false;
+  for (int i = 0; i < 30 && !top; ++i) {
+    Subprocess moectl(testing::BinaryPath("moectl"),
+                      {"--coordinator", addr, "--insecure", "--json", "popularity", "--layer", std::to_string(L),
+                       "--top", "2"});
+    out = moectl.ReadAll(std::chrono::seconds(10));
+    moectl.Wait(std::chrono::seconds(10));
+    const size_t e6 = out.find("\"expert\": 6"), e7 = out.find("\"expert\": 7");
+    const size_t e6c = out.find("\"expert\":6"), e7c = out.find("\"expert\":7");
+    top = (e6 != std::string::npos || e6c != std::string::npos) && (e7 != std::string::npos || e7c != std::string::npos);
+    if (!top) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_TRUE(top) << "the coordinator never ranked the replays' experts on top: " << out;
+  cudaGraphExecDestroy(exec);
+  session_.reset();
 }
 
 // A gRPC server in a captured step: its requests go through the worker's
