@@ -92,6 +92,9 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
     MOE_ASSIGN_OR_RETURN(r->host, HostExpertStore::Open(*r->source, layers, unix_sockets, o.weight_dtype,
                                                         o.share_host_copy, r->backend.get()));
   }
+  // What one expert copy moves: the host copy's packed expert (int8 / int4
+  // move ~1/2 / ~1/4 of bf16), which the coordinator's copy budget counts.
+  if (r->host) r->model.expert_bytes = r->host->geometry().packed_bytes();
   MOE_ASSIGN_OR_RETURN(r->dispatcher, LayerDispatcher::Create(spec, *r->backend, r->host.get(), std::move(c)));
   return std::unique_ptr<MoeSession>(new MoeSession(std::move(r)));
 }

@@ -178,6 +178,13 @@ TEST_P(SharedHostCopyTest, WorkerMapsTheServersStoreAndHoldsNoCopyOfItsOwn) {
   // The cpu backend's cache slots are anonymous memory too.
   const long cache_kib = PackedKib(kSlots);
   EXPECT_LT(after.anon - before.anon, cache_kib + model_kib / 2) << "the worker packed a copy of its own";
+  // What one copy moves, as the coordinator's copy budget counts it (issue 24):
+  // the packed expert of the cache's format, not the bf16 size.
+  const ExpertGeometry packed = *StorageGeometry(source_->spec(), dtype_);
+  EXPECT_EQ(shared->model().expert_bytes, packed.packed_bytes()) << dtype_;
+  if (dtype_ != "bf16") {
+    EXPECT_LT(shared->model().expert_bytes, source_->spec().ExpertBf16Bytes() * 6 / 10) << dtype_;
+  }
   ASSERT_NO_FATAL_FAILURE(ExpectCorrect(*shared));
 }
 

@@ -68,7 +68,8 @@ struct ModelInfo {
   int hidden = 0;               // H
   int intermediate = 0;         // I, per expert
   std::string weight_dtype;     // the checkpoint's expert weights, as safetensors names it: BF16, F16, F32
-  uint64_t expert_bytes = 0;    // one expert's gate, up and down as the session holds them (bf16)
+  uint64_t expert_bytes = 0;    // what one expert copy moves: packed in the host copy's format (bf16, int8 or
+                                // int4; bf16 without a host copy), the coordinator's copy budget counts it
 };
 
 struct SessionOptions {
