@@ -4,6 +4,7 @@
 #include <cmath>
 #include <set>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/log.h"
@@ -33,6 +34,32 @@ absl::Status CheckGeometryFields(uint32_t num_layers, uint32_t num_experts) {
 }
 
 // Every index < limit and no repeats; InvalidArgument naming field[i] otherwise.
+// host:port as workers dial it: a DNS name or IPv4 address (letters, digits,
+// '-', '.', no empty label) or a bracketed IPv6 address, and a port in
+// [1, 65535]. InvalidArgument naming `field` otherwise.
+absl::Status CheckHostPort(const std::string& addr, const char* field) {
+  auto bad = [&](const char* why) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": '", addr, "' is not host:port (", why, ")"));
+  };
+  const size_t colon = addr.rfind(':');
+  if (colon == std::string::npos || colon == 0) return bad("no host or no port");
+  const std::string host = addr.substr(0, colon), port = addr.substr(colon + 1);
+  int p = 0;
+  if (port.empty() || port.size() > 5 || !absl::SimpleAtoi(port, &p) || p < 1 || p > 65535 ||
+      port.find_first_not_of("0123456789") != std::string::npos)
+    return bad("port must be 1..65535");
+  if (host.front() == '[') {
+    if (host.back() != ']' || host.size() < 4 || host.find_first_not_of("0123456789abcdefABCDEF:.", 1) != host.size() - 1)
+      return bad("bad IPv6 address");
+    return absl::OkStatus();
+  }
+  if (host.size() > 253 || host.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-.") !=
+                               std::string::npos)
+    return bad("host has characters a name or address cannot have");
+  if (host.front() == '.' || host.back() == '.' || host.find("..") != std::string::npos) return bad("empty host label");
+  return absl::OkStatus();
+}
+
 absl::Status CheckIndexes(const google::protobuf::RepeatedField<uint32_t>& v, uint32_t limit,
                           const std::string& field) {
   std::vector<bool> seen(limit, false);
@@ -213,6 +240,7 @@ absl::StatusOr<moe::v1::RegisterExpertServerResponse> Coordinator::RegisterExper
     const moe::v1::RegisterExpertServerRequest& req) {
   MOE_RETURN_IF_ERROR(CheckId(req.server_id(), "server_id"));
   if (req.address().empty()) return absl::InvalidArgumentError("address: must not be empty (host:port)");
+  MOE_RETURN_IF_ERROR(CheckHostPort(req.address(), "address"));
   MOE_RETURN_IF_ERROR(CheckGeometryFields(req.num_layers(), req.num_experts()));
   MOE_RETURN_IF_ERROR(CheckIndexes(req.hosted_layers(), req.num_layers(), "hosted_layers"));
   MOE_RETURN_IF_ERROR(CheckIndexes(req.hosted_experts(), req.num_experts(), "hosted_experts"));

@@ -714,6 +714,25 @@ TEST_F(CoordinatorCore, ResumingWorkerKeepsItsPinsInTheSnapshot) {
   EXPECT_TRUE(Pinned(*snap, 0).empty());
 }
 
+// Issue 25: a server address workers could not dial is refused at
+// registration, naming the field, instead of being routed to.
+TEST_F(CoordinatorCore, MalformedServerAddressesAreRefused) {
+  auto c = Make();
+  for (const char* bad : {"127.0*0.1:2", "host", ":50051", "host:", "host:0", "host:65536", "host:5x", "a..b:1",
+                          "[::1:1", "ho st:1", "-:"}) {
+    auto s = Server("s1");
+    s.set_address(bad);
+    const absl::Status st = c->RegisterExpertServer(s).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad << ": " << st;
+    EXPECT_NE(st.message().find("address"), std::string::npos) << st;
+  }
+  for (const char* good : {"127.0.0.1:50051", "expert-0.moe.svc:1", "[::1]:8080", "localhost:65535"}) {
+    auto s = Server("s1");
+    s.set_address(good);
+    EXPECT_TRUE(c->RegisterExpertServer(s).ok()) << good;
+  }
+}
+
 // Issue 25, defect 4: nobody takes over a live worker's id — not without its
 // session (its own re-registration), and not before its lease runs out —
 // so nobody can report (poison popularity) in its name.
