@@ -63,7 +63,7 @@ void ShmServer::Stop() {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& c : connections_) {
       if (c->seg) c->seg->MarkClosed(shm::Side::kServer);  // wakes its thread
-      shutdown(c->sock, SHUT_RDWR);                         // ends a handshake in progress
+      if (c->sock >= 0) shutdown(c->sock, SHUT_RDWR);       // ends a handshake in progress
     }
     conns.swap(connections_);
   }
@@ -144,6 +144,8 @@ void ShmServer::RunConnection(Connection* c) {
   if (!st.ok() || !c->seg) {  // refused, or a store request (answered)
     std::lock_guard<std::mutex> lock(mu_);
     shutdown(c->sock, SHUT_RDWR);
+    close(c->sock);  // now, not when the connection is reaped at the next accept
+    c->sock = -1;
     c->done.store(true);
     return;
   }
@@ -321,6 +323,8 @@ disconnect:
   c->base = nullptr;
   close(c->memfd);
   c->memfd = -1;
+  close(c->sock);  // the socket too: a closed session holds no descriptor until the next accept
+  c->sock = -1;
   c->done.store(true);
 }
 
