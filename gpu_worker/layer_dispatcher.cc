@@ -76,6 +76,7 @@ struct Server {
   bool enabled = true;             // false: drained / marked down by the coordinator
   bool registered = false;         // HostMapping registered with the backend
   bool device_dead = false;        // capturable calls: gone and not reconnected (RefreshDeviceServers)
+  bool failing = false;            // failed over since its last answer (logged once per change)
   int chunk_tokens = 0;            // most tokens per staged batch
   std::chrono::microseconds polling{0};  // the window last given to SetPolling
 };
@@ -1100,6 +1101,13 @@ absl::Status LayerDispatcher::AddPartials(int ticket, uint64_t* last_fence) {
     if (timed && st.ok())
       planner_.rates().ObserveCpu(sh.batch.experts, sh.batch.pairs, Seconds(Clock::now() - sh.sent), ready);
     const bf16_t* partial = sh.staged ? sh.stage.output : ctx.recv.data() + sh.host_offset * spec_.hidden;
+    if (st.ok()) {
+      Server& sv = m.servers[sh.batch.server];
+      if (sv.failing) {  // once per state change, as its failure was
+        sv.failing = false;
+        LogInfo("worker", "servers: ", sv.config.address, " answers again; its misses go to it");
+      }
+    }
     if (!st.ok()) MOE_RETURN_IF_ERROR(FailOver(ticket, i, std::move(st), &partial));
     if (partial != nullptr && sh.batch.n > 0) {
       MOE_ASSIGN_OR_RETURN(*last_fence, backend_->AddRows(ticket, sh.batch.rows.data(), sh.batch.n, partial));
@@ -1119,6 +1127,15 @@ absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st
   Context& ctx = m.contexts[ticket];
   Shipment& sh = ctx.shipments[index];
   const int H = spec_.hidden;
+  // An operator must see a failover: logged once per server state change
+  // (and again when it answers: AddPartials); each one is counted in
+  // CallStats::failovers (moe_worker_failovers_total).
+  auto announce = [&](Server& failed, const absl::Status& why, const std::string& to) {
+    if (failed.failing) return;
+    failed.failing = true;
+    LogWarning("worker", "servers: ", failed.config.address, " failed (", why.message(), "); its misses go to ", to,
+               " until it answers again");
+  };
   while (!st.ok()) {
     if (!IsServerFailure(st)) return st;
     ++ctx.stats.failovers;
@@ -1130,6 +1147,7 @@ absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st
     const Clock::time_point now = Clock::now();
     const int next = OtherServerFor(sh.batch, now);
     if (next >= 0 && now < ctx.deadline) {
+      announce(m.servers[sh.batch.server], st, m.servers[next].config.address);
       sh.batch.server = next;
       bf16_t* dst = ctx.send.data() + sh.host_offset * H;
       MOE_RETURN_IF_ERROR(Gather(ticket, sh.batch.rows, dst));
@@ -1141,6 +1159,7 @@ absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st
       continue;
     }
     if (host_ != nullptr && config_.copy_fallback && !m.temp_fence.empty()) {
+      announce(m.servers[sh.batch.server], st, "the device (copies from the host copy)");
       MOE_RETURN_IF_ERROR(ComputeShipmentOnDevice(ticket, sh.batch));
       ctx.stats.cpu_pairs -= sh.batch.pairs;  // computed on the device instead
       *partial = nullptr;                     // nothing to add

@@ -2,9 +2,13 @@
 // (shm and gRPC): every mix of hits and misses vs the reference MoE, policies,
 // copy-instead-of-compute, dual-batch overlap, bad input and failover.
 #include <signal.h>
+#include <unistd.h>
+#include <fcntl.h>
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <set>
@@ -461,6 +465,39 @@ TEST_P(DispatcherTest, MissesAreSplitAcrossServersByHostedExperts) {
 
 // Point 7: a killed server fails over to a replica, else to copy-to-device,
 // else the call returns UNAVAILABLE by its deadline.
+// This process's stderr (where the log goes) into a file until Stop().
+class StderrCapture {
+ public:
+  explicit StderrCapture(std::string path) : path_(std::move(path)) {
+    std::fflush(stderr);
+    saved_ = dup(2);
+    const int fd = open(path_.c_str(), O_CREAT | O_TRUNC | O_WRONLY, 0600);
+    dup2(fd, 2);
+    close(fd);
+  }
+  std::string Stop() {
+    std::fflush(stderr);
+    dup2(saved_, 2);
+    close(saved_);
+    std::ifstream in(path_);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+
+ private:
+  std::string path_;
+  int saved_ = -1;
+};
+
+int CountLines(const std::string& text, const std::string& a, const std::string& b) {
+  int n = 0;
+  size_t from = 0;
+  for (size_t end; (end = text.find('\n', from)) != std::string::npos; from = end + 1) {
+    const std::string line = text.substr(from, end - from);
+    n += line.find(a) != std::string::npos && line.find(b) != std::string::npos;
+  }
+  return n;
+}
+
 TEST_P(DispatcherTest, FailoverToReplicaThenCopyThenUnavailable) {
   const std::string a = StartServer(), b = StartServer();
   DispatcherConfig c = Config({a, b});
@@ -471,6 +508,9 @@ TEST_P(DispatcherTest, FailoverToReplicaThenCopyThenUnavailable) {
   std::vector<bf16_t> out;
   CallStats st;
   ASSERT_TRUE(d->Forward(Call(1, x, &out), &st).ok());
+  // Each failover is logged once per server state change (issue 25), with where the misses go.
+  testing::TempDir logs;
+  StderrCapture capture(logs.path() + "/stderr");
   servers_[0]->Signal(SIGKILL);
   servers_[0]->Wait(std::chrono::seconds(5));
   for (int i = 0; i < 3; ++i) {
@@ -482,9 +522,12 @@ TEST_P(DispatcherTest, FailoverToReplicaThenCopyThenUnavailable) {
   servers_[1]->Wait(std::chrono::seconds(5));
   Batch z = RandomBatch(12, 2, AllExperts(), 70);
   absl::Status s = d->Forward(Call(1, z, &out), &st);
+  const std::string log = capture.Stop();
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_LE(Error(1, z, out), 1e-2);
   EXPECT_EQ(st.cpu_pairs + st.copied_pairs, 24);
+  EXPECT_EQ(CountLines(log, "servers: " + c.servers[0].address + " failed", "its misses go to"), 1) << log;
+  EXPECT_EQ(CountLines(log, "servers: " + c.servers[1].address + " failed", "the device"), 1) << log;
 }
 
 TEST_P(DispatcherTest, NoReplicaAndNoCopyIsUnavailableBeforeTheDeadline) {
