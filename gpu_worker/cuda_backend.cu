@@ -1248,6 +1248,8 @@ cuda::DevicePlanArgs CudaBackend::PlanArgs(const DevicePlannedCall& call, Device
       d.copy_dst_stride = geometry_.packed_bytes();
     }
   }
+  d.layout = layout_;
+  d.intermediate = I_;
   d.copies = static_cast<cuda::DeviceCopy*>(copies_.get());
   d.copy_count = static_cast<int*>(copy_count_.get());
   return d;

@@ -370,8 +370,8 @@ TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
 }
 
 // Replays across a drained server and a killed one: never a hang, never a
-// silent wrong result (NaN and an error), the device computes the misses no
-// server may take (copied from the host copy: at most kMaxDeviceCopies per
+// wrong result: the device computes a request nobody answered by the deadline
+// from the host copy, and the misses no server may take (copied from the host copy: at most kMaxDeviceCopies per
 // call, and a step of T = 2, k = 2 misses at most 4 experts), and the server serves
 // again once it is back (the worker reconnects at TakeStreamError).
 TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
@@ -389,14 +389,15 @@ TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
   ASSERT_TRUE(session_->SetServerEnabled(server_address_, true).ok());
   EXPECT_TRUE(Replay(exec, 2, T, bufs, in));
   EXPECT_TRUE(session_->TakeStreamError().ok());
-  // Killed: the replay ends by the deadline with NaN and an error...
+  // Killed: the replay waits out the deadline, then the device computes the
+  // requests nobody answered from the host copy (right, slowly; logged)...
   server_->Signal(SIGKILL);
   server_->Wait(std::chrono::seconds(10));
   const Clock::time_point t0 = Clock::now();
-  EXPECT_FALSE(Replay(exec, 3, T, bufs, in));
+  EXPECT_TRUE(Replay(exec, 3, T, bufs, in)) << "the timed-out requests are recomputed on the device";
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(20));
-  const absl::Status dead = session_->TakeStreamError();
-  EXPECT_FALSE(dead.ok());
+  EXPECT_GE(Clock::now() - t0, std::chrono::seconds(2)) << "the deadline (3 s) was not waited for";
+  EXPECT_TRUE(session_->TakeStreamError().ok());
   // ...later replays, while it stays down, leave it out at once: the device
   // computes its misses, with no wait for the deadline.
   std::this_thread::sleep_for(std::chrono::milliseconds(100));

@@ -349,11 +349,12 @@ __device__ void BuildRequests(const DevicePlanArgs& a, PlanState& s) {
       ship.submit_ring = s.base[c] + ch.submit_ring;
       ship.complete_ring = s.base[c] + ch.complete_ring;
       ship.doorbell = s.base[c] + ch.doorbell;
+      ship.ids = sbase + ch.ids_offset;
+      ship.weights = sbase + ch.weights_offset;
       ship.index = index;
       ship.rows = n;
       ship.slot_index = slot;
       ship.num_slots = ch.num_slots;
-      ship.reserved = 0;
       a.ships[c] = ship;
       a.channel_state[c].pushed = index + 1;
     }
@@ -479,6 +480,64 @@ __global__ void __launch_bounds__(kShipThreads) DeviceShipKernel(DevicePlanArgs 
   *reinterpret_cast<volatile uint32_t*>(ship.doorbell) = static_cast<uint32_t>(ship.index) * 2654435761u + 1u;
 }
 
+// accum[t] += w * FFN(x[t]) for the expert packed at `packed` in host memory
+// (registered, read through the mapping): the fallback when a server did not
+// answer. One block per pair; every thread of the block calls it.
+template <int kFmt>
+__device__ void ExpertFromHost(const DevicePlanArgs& a, const uint8_t* packed, int t, float w, float* act) {
+  const int H = a.hidden, I = a.intermediate;
+  const PackedLayout& l = a.layout;
+  const bf16_t* x = a.x + static_cast<size_t>(t) * H;
+  for (int n = threadIdx.x; n < I; n += blockDim.x) {
+    const uint8_t* gate = packed + static_cast<size_t>(2 * (n / 16)) * l.gate_up_block;
+    const uint8_t* up = gate + l.gate_up_block;
+    float g = 0.f, u = 0.f;
+    for (int k = 0; k < H; k += 8) {  // a padded block holds every group of 8
+      float vg[8], vu[8];
+      PackedValues8<kFmt>(gate, l.Kh, l.group, n % 16, k, vg);
+      PackedValues8<kFmt>(up, l.Kh, l.group, n % 16, k, vu);
+      for (int i = 0; i < 8 && k + i < H; ++i) {
+        const float xv = __uint_as_float(static_cast<uint32_t>(x[k + i]) << 16);
+        g = fmaf(vg[i], xv, g);
+        u = fmaf(vu[i], xv, u);
+      }
+    }
+    const float s = g / (1.f + __expf(-g)) * u;
+    act[n] = __uint_as_float(static_cast<uint32_t>(ToBf16(s)) << 16);  // bf16, as the expert kernels keep it
+  }
+  __syncthreads();
+  for (int n = threadIdx.x; n < H; n += blockDim.x) {
+    const uint8_t* down = packed + l.gate_up_bytes + static_cast<size_t>(n / 16) * l.down_block;
+    float y = 0.f;
+    for (int k = 0; k < I; k += 8) {
+      float v[8];
+      PackedValues8<kFmt>(down, l.Ki, l.group, n % 16, k, v);
+      for (int i = 0; i < 8 && k + i < I; ++i) y = fmaf(v[i], act[k + i], y);
+    }
+    atomicAdd(a.accum + static_cast<size_t>(t) * H + n, w * y);
+  }
+  __syncthreads();
+}
+
+// The pairs of channel c's request computed from the host copy, rows split
+// over the channel's blocks (the fallback of a request nobody answered).
+__device__ void RecomputeRequest(const DevicePlanArgs& a, const DeviceShip& ship, int c, float* act) {
+  for (int r = blockIdx.y; r < ship.rows; r += gridDim.y) {
+    const int t = a.miss_token[c * a.T + r];
+    for (int j = 0; j < a.k; ++j) {
+      const int e = __ldcv(reinterpret_cast<const int*>(ship.ids) + r * a.k + j);
+      const float w = __ldcv(reinterpret_cast<const float*>(ship.weights) + r * a.k + j);
+      if (e < 0 || e >= a.num_experts) continue;
+      const uint8_t* packed = reinterpret_cast<const uint8_t*>(a.host_experts[e]);
+      switch (a.layout.format) {
+        case kFmtInt8: ExpertFromHost<kFmtInt8>(a, packed, t, w, act); break;
+        case kFmtInt4: ExpertFromHost<kFmtInt4>(a, packed, t, w, act); break;
+        default: ExpertFromHost<kFmtBf16>(a, packed, t, w, act); break;
+      }
+    }
+  }
+}
+
 // Waits (bounded) for each request's answer and adds its rows into accum;
 // on a timeout or the server's error the request's tokens become NaN and
 // the channel's error record says why.
@@ -488,6 +547,8 @@ __global__ void __launch_bounds__(kShipThreads) DeviceCombineKernel(DevicePlanAr
   if (ship.rows <= 0) return;
   const int H = a.hidden;
   __shared__ int state;  // 0 answered OK, else the error code
+  __shared__ float act[kMaxFallbackIntermediate];  // the fallback's intermediate row
+  const bool fallback = a.host_experts != nullptr && a.intermediate <= kMaxFallbackIntermediate;
   if (threadIdx.x == 0) {
     const uint64_t start = GlobalTimerNs();
     state = 0;
@@ -509,13 +570,17 @@ __global__ void __launch_bounds__(kShipThreads) DeviceCombineKernel(DevicePlanAr
     }
     if (state != 0 && blockIdx.y == 0) {
       DeviceError* out = a.tables.errors + 1 + c;
-      out->detail = state == kDeadlineExceeded ? -1 : static_cast<int32_t>(ship.slot_index);
+      out->detail = state == kDeadlineExceeded ? (fallback ? -2 : -1) : static_cast<int32_t>(ship.slot_index);
       out->layer = a.layer;
       __threadfence_system();
       out->code = state;
     }
   }
   __syncthreads();
+  if (state == kDeadlineExceeded && fallback) {
+    RecomputeRequest(a, ship, c, act);
+    return;
+  }
   const bf16_t* out = reinterpret_cast<const bf16_t*>(ship.output);
   for (int r = blockIdx.y; r < ship.rows; r += gridDim.y) {
     const int t = a.miss_token[c * a.T + r];

@@ -152,6 +152,7 @@ struct DeviceShip {
   uint64_t tokens;         // its token rows
   uint64_t output;         // its output rows
   uint64_t submit_ring, complete_ring, doorbell;  // the channel's (device addresses)
+  uint64_t ids, weights;   // the request's routing rows in its slot
   uint64_t index;          // the request's position on the device rings
   int32_t rows;
   uint32_t slot_index;
@@ -212,7 +213,14 @@ struct DevicePlanArgs {
   size_t packed_bytes = 0;           // one expert in the host copy
   DeviceCopy* copies = nullptr;      // [max_copies] (device)
   int* copy_count = nullptr;         // the call's copies (device)
+  // The fallback of a request whose server did not answer in time: its pairs
+  // computed from the host copy (host_experts) through the mapping, when
+  // intermediate <= kMaxFallbackIntermediate; else its tokens are poisoned.
+  PackedLayout layout;               // the host copy's packed experts
+  int intermediate = 0;              // I
 };
+
+inline constexpr int kMaxFallbackIntermediate = 4096;
 
 // Shared memory the split needs (above 48 KiB the launcher opts in).
 size_t DevicePlanSharedBytes(int T, int k, int num_experts, int num_channels);
@@ -229,9 +237,11 @@ cudaError_t LaunchDevicePlan(const DevicePlanArgs& a, cudaStream_t stream);
 // DeviceBackend::ProbeDeviceCopy times.
 cudaError_t LaunchCopyFromHost(const void* src, void* dst, size_t bytes, cudaStream_t stream);
 // Waits for each shipped request's answer (at most timeout_ns), adds its
-// partial sums into accum and pops the device complete ring; a timeout or
-// the server's error code goes to the channel's error record, and the
-// request's tokens become NaN.
+// partial sums into accum and pops the device complete ring. On a timeout
+// the request's pairs are computed from the host copy instead (slowly:
+// weights read over the link), and the channel's record says so (detail
+// -2); without a host copy, or on the server's error code, the record gets
+// the error and the request's tokens become NaN.
 cudaError_t LaunchDeviceCombine(const DevicePlanArgs& a, cudaStream_t stream);
 
 }  // namespace moe::cuda

@@ -26,17 +26,7 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
-constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2;  // WeightFormat
 
-// The 4 bytes of `u` as f32, each minus kBias: 0x4B0000bb is 2^23 + bb.
-template <int kBias>
-__device__ __forceinline__ void Bytes4(uint32_t u, float (&f)[4]) {
-  constexpr float kMagic = 8388608.f + kBias;
-  f[0] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7540)) - kMagic;
-  f[1] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7541)) - kMagic;
-  f[2] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7542)) - kMagic;
-  f[3] = __uint_as_float(__byte_perm(u, 0x4B000000u, 0x7543)) - kMagic;
-}
 
 // row[k .. k+4) as f32, zero at and past len. kVec: len % 4 == 0 and rows
 // 8-byte aligned, so an in-range quad is one load.
@@ -267,35 +257,6 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
   }
 }
 
-// Values k .. k+8 of row c of the packed block `blk` (k % 8 == 0) as f32:
-// one or two 4-byte reads (int4: one word holds 4 low and 4 high nibbles).
-template <int kFmt>
-__device__ __forceinline__ void PackedValues8(const uint8_t* blk, int Kp, int group, int c, int k, float (&v)[8]) {
-  if constexpr (kFmt == kFmtBf16) {
-    const bf16_t* b = reinterpret_cast<const bf16_t*>(blk);
-#pragma unroll
-    for (int i = 0; i < 8; i += 2) {  // (k, k+1) pairs are adjacent
-      const uint32_t pair = *reinterpret_cast<const uint32_t*>(b + layout::Bf16Index(c, k + i));
-      v[i] = BfLo(pair), v[i + 1] = BfHi(pair);
-    }
-  } else if constexpr (kFmt == kFmtInt8) {
-    const float s = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 16)[c];
-    float a[4], b[4];
-    Bytes4<128>(*reinterpret_cast<const uint32_t*>(blk + layout::Int8Offset(c, k)) ^ 0x80808080u, a);
-    Bytes4<128>(*reinterpret_cast<const uint32_t*>(blk + layout::Int8Offset(c, k + 4)) ^ 0x80808080u, b);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = s * a[i], v[4 + i] = s * b[i];
-  } else {
-    bool high;  // k % 8 == 0: tile row (k % 64) / 4 is even, so its low nibbles; k + 4 the high ones
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(blk + layout::Int4Offset(c, k, &high));
-    const float s = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 8)[(k / group) * 16 + c];
-    float a[4], b[4];
-    Bytes4<8>(w & 0x0F0F0F0Fu, a);
-    Bytes4<8>((w >> 4) & 0x0F0F0F0Fu, b);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = s * a[i], v[4 + i] = s * b[i];
-  }
-}
 
 // One thread per 8 consecutive values of an output row (gate / up rows of H,
 // down rows of I): one or two reads of the packed block (PackedValues8; a
