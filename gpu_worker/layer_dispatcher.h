@@ -172,11 +172,15 @@ class LayerDispatcher {
   // them. No host function, no host synchronisation. The first call of a
   // layer must not be captured (it allocates). Calls of one layer must not
   // overlap: enqueue them in order (the engine's decode stream; cache copies
-  // wait for the latest stream used). Misses always go to a server (no
-  // copy-instead; placements from ApplyAssignment and the coordinator; the
-  // GPU counts every routed pair, which TakeStreamError reports as the eager
-  // path does: RecordAccess, on_access). A failure found at run time (bad
-  // routing, no server, a server's error, no answer by the deadline) writes
+  // wait for the latest stream used). The planner's copy-instead table
+  // (PublishCopyPlan) says how many missed experts the GPU copies from the
+  // host copy and computes itself; the GPU counts every routed pair and logs
+  // each layer's routing, which TakeStreamError reports as the eager path
+  // does (RecordAccess, on_access) and plans admissions from between steps.
+  // Calls with T above a request slot run eagerly outside a capture (Forward)
+  // and are refused inside one. A failure found at run time (bad
+  // routing, no server, a server's error; no answer by the deadline only
+  // without a host copy, which otherwise computes the request) writes
   // NaN into the affected tokens' output and is returned by TakeStreamError.
   absl::Status EnqueueCapturable(const LayerCall& call, bool count_accesses = true);
   // The first run-time error of capturable calls since the last call (OK if

@@ -144,9 +144,10 @@ class MoeSession {
   // must not overlap; misses always go to a server (place experts with
   // ApplyAssignment). T above one request slot (256 tokens by default) runs
   // as a stream-ordered eager call outside a capture and is refused inside
-  // one. Run-time errors (bad routing, no server, a server's error, no
-  // answer within the deadline) poison the affected tokens with NaN and are
-  // returned by TakeStreamError.
+  // one. Run-time errors (bad routing, no server for an expert the device
+  // cannot take, a server's error) poison the affected tokens with NaN and
+  // are returned by TakeStreamError; a request nobody answers by the
+  // deadline is computed on the device from the host copy (logged).
   absl::Status ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                                       const float* topk_weights, bf16_t* out, void* cuda_stream);
   // The first run-time error of capturable calls since the last call; also

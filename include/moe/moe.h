@@ -202,8 +202,11 @@ MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats
  * moe_flush_copies between replays to make new placements serve. A call
  * larger than one request slot (256 tokens) runs as a stream-ordered eager
  * call outside a capture and is refused inside one. A failure at replay time
- * (server down or silent past the deadline, bad routing) writes NaN into the
- * affected tokens of `out` and is reported by moe_stream_error. */
+ * (bad routing, no server for an expert the device cannot take, a server's
+ * error) writes NaN into the affected tokens of `out` and is reported by
+ * moe_stream_error; a server silent past the deadline has its requests
+ * computed on the device from the host copy (logged; NaN and an error
+ * without a host copy). */
 MOE_API moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
                                           const void* hidden, const int32_t* topk_ids,
                                           const float* topk_weights, void* out, void* cuda_stream);
