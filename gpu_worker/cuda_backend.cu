@@ -223,8 +223,8 @@ class CudaBackend final : public DeviceBackend {
 
  private:
   // Device scratch of one device-planned call site (a layer), sized for
-  // max_tokens x max_top_k; allocated by the site's first call, which must
-  // not be captured (cudaMalloc is not capture-safe).
+  // device_max_tokens x max_top_k; allocated by the site's first call, which
+  // must not be captured (cudaMalloc is not capture-safe).
   struct DeviceSite {
     DeviceMem groups, row_token, row_weight, accum, act, miss_token, ships, done, call_seq;
   };
@@ -236,6 +236,9 @@ class CudaBackend final : public DeviceBackend {
   DeviceMem copy_staging_;               // bf16: [kMaxDeviceCopies] packed experts, unpacked into their buffers
   absl::Status EnsureTableStream();
   absl::StatusOr<DeviceSite*> Site(int site);
+  int DeviceMaxTokens() const {
+    return config_.device_max_tokens > 0 ? std::min(config_.device_max_tokens, config_.max_tokens) : config_.max_tokens;
+  }
   cuda::DevicePlanArgs PlanArgs(const DevicePlannedCall& call, DeviceSite& site);
   struct Context {
     DeviceMem x;      // [max_tokens, H] bf16 activations (also FinishCall's output staging)
@@ -1041,8 +1044,7 @@ absl::Status CudaBackend::SignalStream(void* stream) {
 absl::StatusOr<CudaBackend::DeviceSite*> CudaBackend::Site(int site) {
   auto it = sites_.find(site);
   if (it != sites_.end()) return it->second.get();
-  const size_t rows = static_cast<size_t>(config_.max_tokens) * config_.max_top_k;
-  const size_t T = config_.max_tokens, H = H_, I = I_;
+  const size_t T = DeviceMaxTokens(), rows = T * config_.max_top_k, H = H_, I = I_;
   auto p = std::make_unique<DeviceSite>();
   struct DevicePart { DeviceMem* mem; size_t bytes; const char* what; };
   for (DevicePart part : {DevicePart{&p->groups, rows * sizeof(cuda::GroupDesc), "capturable groups"},
@@ -1062,7 +1064,8 @@ absl::StatusOr<CudaBackend::DeviceSite*> CudaBackend::Site(int site) {
   if (!access_counts_) {
     MOE_ASSIGN_OR_RETURN(access_counts_, AllocDevice(counts_bytes, "access counts"));
     MOE_CUDA_RETURN_IF_ERROR(cudaMemset(access_counts_.get(), 0, counts_bytes));
-  }  MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->done.get(), 0, kMaxDeviceChannels * 4));
+  }
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->done.get(), 0, kMaxDeviceChannels * 4));
   MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->call_seq.get(), 0, 4));
   MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->ships.get(), 0, kMaxDeviceChannels * sizeof(cuda::DeviceShip)));
   if (!copies_) {  // shared by the sites: their calls are ordered on one stream
@@ -1258,9 +1261,9 @@ cuda::DevicePlanArgs CudaBackend::PlanArgs(const DevicePlannedCall& call, Device
 absl::Status CudaBackend::EnqueueDevicePlanned(const DevicePlannedCall& call) {
   MOE_RETURN_IF_ERROR(Use());
   if (call.stream == nullptr) return absl::InvalidArgumentError("cuda_stream: a capturable call needs the engine's stream");
-  if (call.T < 1 || call.T > config_.max_tokens || call.k < 1 || call.k > config_.max_top_k)
+  if (call.T < 1 || call.T > DeviceMaxTokens() || call.k < 1 || call.k > config_.max_top_k)
     return absl::InvalidArgumentError(absl::StrCat("tokens/top_k: ", call.T, " x ", call.k, " is outside [1, ",
-                                                   config_.max_tokens, "] x [1, ", config_.max_top_k, "]"));
+                                                   DeviceMaxTokens(), "] x [1, ", config_.max_top_k, "]"));
   if (call.hidden == nullptr || call.ids == nullptr || call.weights == nullptr || call.out == nullptr)
     return absl::InvalidArgumentError("hidden/topk_ids/topk_weights/out: null pointer");
   if (call.site < 0 || call.site >= config_.device_sites)

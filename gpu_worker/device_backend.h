@@ -57,6 +57,7 @@ struct BackendConfig {
   int contexts = 2;      // concurrent calls (micro-batches)
   int num_experts = 0;   // experts per layer (device-planned calls count accesses per expert)
   int device_sites = 0;  // sites (layers) of device-planned calls: 0 <= DevicePlannedCall::site < this
+  int device_max_tokens = 0;  // largest T of a device-planned call (<= max_tokens; 0: max_tokens)
   // The experts' storage format (the GPU cache's precision) and, for int4,
   // the k per scale group: the buffers hold ExpertGeometry::For(hidden,
   // intermediate, format, int4_group) experts.

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
-#include <mutex>
 #include <new>
 #include <optional>
 #include <cstring>
@@ -193,8 +192,8 @@ struct LayerDispatcher::Impl {
   std::vector<uint32_t> counts_seen;           // device access counts already reported
   std::vector<int32_t> log_seen;               // per served layer: the routing log's last sequence planned from
   void* planned_stream = nullptr;              // the engine's stream of capturable calls
-  std::mutex stream_error_mu;
-  absl::Status stream_error;
+  int capturable_max_tokens = 0;               // CapturableMaxTokens, fixed at Create
+  std::vector<int> call_experts, call_pairs;   // ForwardOnDevice's accesses (scratch)
 };
 
 LayerDispatcher::~LayerDispatcher() {
@@ -333,6 +332,12 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   bc.contexts = c.contexts;
   bc.num_experts = spec_.num_experts;
   bc.device_sites = static_cast<int>(layers_.size());
+  // Device-planned calls fit one request slot of every shm server.
+  impl_->capturable_max_tokens = c.max_tokens;
+  for (const ExpertServerConfig& sc : c.servers)
+    if (UnixSocketPath(sc.address))
+      impl_->capturable_max_tokens = std::min(impl_->capturable_max_tokens, c.transport.max_tokens_per_slot);
+  bc.device_max_tokens = impl_->capturable_max_tokens;
   MOE_RETURN_IF_ERROR(backend_->Init(bc));
   impl_->temp_base = C * static_cast<int>(layers_.size());
   impl_->temp_fence.assign(temp, 0);
@@ -1239,7 +1244,10 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
     stats->wait_s = Seconds(Clock::now() - t1);
   }
   const int32_t* ids = log + kRoutingLogHeader;
-  std::vector<int> experts, pairs;
+  std::vector<int>& experts = m.call_experts;
+  std::vector<int>& pairs = m.call_pairs;
+  experts.clear();
+  pairs.clear();
   for (int i = 0; i < T * k; ++i) {
     const int e = ids[i];
     if (e < 0) continue;
@@ -1440,13 +1448,9 @@ absl::Status LayerDispatcher::PrepareDevicePath() {
   return absl::OkStatus();
 }
 
-// The most tokens one capturable call may have: every request fits one slot.
-int LayerDispatcher::CapturableMaxTokens() const {
-  int n = config_.max_tokens;
-  for (const Server& sv : impl_->servers)
-    if (UnixSocketPath(sv.config.address)) n = std::min(n, config_.transport.max_tokens_per_slot);
-  return n;
-}
+// The most tokens one capturable call may have: every request fits one slot
+// (computed once, by CreateCacheAndBackend: the servers do not change).
+int LayerDispatcher::CapturableMaxTokens() const { return impl_->capturable_max_tokens; }
 
 absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call, bool count_accesses) {
   Impl& m = *impl_;
@@ -1477,8 +1481,7 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call, bo
   for (size_t s = 0; s < m.servers.size(); ++s) {
     Server& sv = m.servers[s];
     if (m.forwarder_of_server[s] >= 0 || sv.transport == nullptr) continue;
-    std::optional<ExpertTransport::DeviceRings> rings = sv.transport->DeviceRingsOf();
-    if (rings && rings->generation != m.channel_generation[s] && !backend_->StreamCapturing(call.stream))
+    if (sv.transport->Generation() != m.channel_generation[s] && !backend_->StreamCapturing(call.stream))
       MOE_RETURN_IF_ERROR(PublishChannel(s));
   }
   m.planned_stream = call.stream;

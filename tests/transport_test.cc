@@ -517,7 +517,6 @@ TEST_F(ShmPollingTest, DeviceRingRequestsNeedNoWakeUp) {
     EXPECT_LT(device_round_trip(), std::chrono::milliseconds(20)) << "inside the polling window";
   std::this_thread::sleep_for(std::chrono::milliseconds(1200));  // past the poll and the short naps
   EXPECT_LT(device_round_trip(), std::chrono::milliseconds(30)) << "after a second of silence";
-  EXPECT_EQ(header_, nullptr);  // (the fixture's own server is not used here)
   // The host's staging never lands in the device's slots.
   const uint8_t* device_lo = reinterpret_cast<const uint8_t*>(seg.slot(rings->first_slot).header);
   for (int i = 0; i < 3 * o.slots; ++i) {

@@ -74,6 +74,8 @@ class ShmTransport final : public ExpertTransport {
                        static_cast<uint32_t>(opt_.device_slots)};
   }
 
+  uint64_t Generation() const override { return current_generation_.load(std::memory_order_acquire); }
+
   void ReleaseDeviceSegments() override {
     std::vector<std::shared_ptr<ShmConnection>> drop;
     {
@@ -306,6 +308,7 @@ class ShmTransport final : public ExpertTransport {
     for (uint32_t s = 0; s + static_cast<uint32_t>(std::max(opt_.device_slots, 0)) < c->seg->num_slots(); ++s)
       c->free_slots.push_back(s);
     c->generation = ++generation_;
+    current_generation_.store(c->generation, std::memory_order_release);
     c->completer = std::thread([this, c] { CompleteLoop(c); });
     conn_ = c;
     return absl::OkStatus();
@@ -433,6 +436,7 @@ class ShmTransport final : public ExpertTransport {
   std::vector<std::shared_ptr<ShmConnection>> retired_;
   std::vector<std::shared_ptr<ShmConnection>> device_kept_;  // dead, still mapped (see ReapRetiredLocked)
   uint64_t generation_ = 0;
+  std::atomic<uint64_t> current_generation_{0};  // generation_ of conn_, for Generation() without mu_
   std::map<uint64_t, Batch> batches_;
   std::atomic<size_t> in_flight_{0};  // batches_.size(), read by the completion thread
   std::atomic<int64_t> poll_window_ns_{0};  // SetPolling

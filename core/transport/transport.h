@@ -90,6 +90,9 @@ class ExpertTransport {
     uint32_t first_slot = 0, slots = 0;
   };
   virtual std::optional<DeviceRings> DeviceRingsOf() const { return std::nullopt; }
+  // The connection's generation (DeviceRings::generation) without a lock: a
+  // change says the device rings moved to another segment. 0: none.
+  virtual uint64_t Generation() const { return 0; }
   // Unmaps the segments of earlier connections kept for the GPU (call once
   // no device work can still write to them).
   virtual void ReleaseDeviceSegments() {}
