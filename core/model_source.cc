@@ -348,6 +348,51 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
 
 }  // namespace
 
+namespace {
+
+class SlicedSource final : public ModelSource {
+ public:
+  SlicedSource(std::unique_ptr<ModelSource> base, ExpertSlice slice, int begin, int end)
+      : base_(std::move(base)), slice_(slice), begin_(begin), end_(end) {
+    spec_ = base_->spec();
+    spec_.intermediate = end - begin;
+  }
+  const ModelSpec& spec() const override { return spec_; }
+  std::string Describe() const override {
+    return absl::StrCat(base_->Describe(), ", slice ", slice_.ToString(), " (intermediate rows ", begin_, "-", end_,
+                        " of ", base_->spec().intermediate, ")");
+  }
+  absl::Status ReadExpert(int layer, int expert, ExpertWeights* out) const override {
+    ExpertWeights& full = Scratch();
+    MOE_RETURN_IF_ERROR(base_->ReadExpert(layer, expert, &full));
+    const size_t H = static_cast<size_t>(spec_.hidden), I = static_cast<size_t>(base_->spec().intermediate);
+    const size_t n = static_cast<size_t>(end_ - begin_);
+    out->Resize(spec_);
+    std::copy_n(full.gate.begin() + begin_ * H, n * H, out->gate.begin());
+    std::copy_n(full.up.begin() + begin_ * H, n * H, out->up.begin());
+    for (size_t h = 0; h < H; ++h) std::copy_n(full.down.begin() + h * I + begin_, n, out->down.begin() + h * n);
+    return absl::OkStatus();
+  }
+
+ private:
+  static ExpertWeights& Scratch() {  // ReadExpert runs on several loader threads
+    thread_local ExpertWeights w;
+    return w;
+  }
+  std::unique_ptr<ModelSource> base_;
+  ModelSpec spec_;
+  ExpertSlice slice_;
+  int begin_, end_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelSource>> SliceModel(std::unique_ptr<ModelSource> base, ExpertSlice slice) {
+  if (slice.whole()) return base;
+  MOE_ASSIGN_OR_RETURN(const auto range, SliceRange(base->spec().intermediate, slice));
+  return std::unique_ptr<ModelSource>(new SlicedSource(std::move(base), slice, range.first, range.second));
+}
+
 std::unique_ptr<ModelSource> MakeSyntheticSource(const ModelSpec& spec, uint64_t seed) {
   SyntheticModelUri uri;
   uri.seed = seed;

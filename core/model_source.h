@@ -36,6 +36,12 @@ class ModelSource {
 // A synthetic model of any geometry (weights from GenerateExpertMatrix).
 std::unique_ptr<ModelSource> MakeSyntheticSource(const ModelSpec& spec, uint64_t seed);
 
+// `base` restricted to one slice of every expert (model_spec.h ExpertSlice):
+// its spec's intermediate is the slice's length and ReadExpert returns gate
+// and up rows [begin, end) and those columns of down. InvalidArgument when the
+// model's intermediate size cannot be cut that way (SliceRange).
+absl::StatusOr<std::unique_ptr<ModelSource>> SliceModel(std::unique_ptr<ModelSource> base, ExpertSlice slice);
+
 // Opens a checkpoint directory or a synthetic model URI.
 absl::StatusOr<std::unique_ptr<ModelSource>> OpenModel(const std::string& uri);
 

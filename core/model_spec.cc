@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/status_macros.h"
@@ -36,6 +37,31 @@ std::string ModelSpec::Summary() const {
                       num_experts, " experts, top-", top_k, ", H=", hidden, ", I=", intermediate,
                       ", ", DTypeName(dtype),
                       quant.scheme == WeightQuant::kNone ? "" : absl::StrCat(", experts ", quant.Describe()));
+}
+
+std::string ExpertSlice::ToString() const { return absl::StrCat(index, "/", count); }
+
+absl::StatusOr<ExpertSlice> ParseSlice(const std::string& text) {
+  ExpertSlice s;
+  const size_t slash = text.find('/');
+  if (slash == std::string::npos || !absl::SimpleAtoi(text.substr(0, slash), &s.index) ||
+      !absl::SimpleAtoi(text.substr(slash + 1), &s.count) || s.count < 1 || s.count > kMaxSlices || s.index < 0 ||
+      s.index >= s.count)
+    return absl::InvalidArgumentError(absl::StrCat("--slice: '", text, "' is not i/n with 0 <= i < n <= ", kMaxSlices));
+  return s;
+}
+
+absl::StatusOr<std::pair<int, int>> SliceRange(int intermediate, ExpertSlice s) {
+  if (s.count < 1 || s.count > kMaxSlices || s.index < 0 || s.index >= s.count)
+    return absl::InvalidArgumentError(absl::StrCat("slice ", s.ToString(), " out of range"));
+  if (s.whole()) return std::make_pair(0, intermediate);
+  const int unit = intermediate % 128 == 0 && intermediate / 128 >= s.count ? 128 : 64;
+  const int units = intermediate / unit;
+  if (intermediate % 64 != 0 || units < s.count)
+    return absl::InvalidArgumentError(absl::StrCat("slice ", s.ToString(), ": the intermediate size ", intermediate,
+                                                   " is not ", s.count, " or more multiples of 64"));
+  const auto at = [&](int i) { return static_cast<int>(static_cast<int64_t>(units) * i / s.count) * unit; };
+  return std::make_pair(at(s.index), at(s.index + 1));
 }
 
 std::string ExpertTensorName(ExpertNaming naming, int layer, int expert, Projection proj) {

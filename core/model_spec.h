@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -42,6 +43,29 @@ struct ModelSpec {
   absl::Status Validate() const;
   std::string Summary() const;
 };
+
+// One server's share of every expert (--slice i/n, "NUMA-aware expert tensor
+// parallelism"): rows [begin, end) of gate and up, the same columns of down.
+// FFN(x) = sum over the n slices of Down[:, s] silu(Gate[s] x) * (Up[s] x), so
+// the partial outputs of the n slice holders of one expert add up to the
+// whole expert's output. {0, 1} is the whole expert.
+struct ExpertSlice {
+  int index = 0;
+  int count = 1;
+  bool whole() const { return count == 1; }
+  bool operator==(const ExpertSlice&) const = default;
+  std::string ToString() const;  // "i/n"
+};
+// The most slices of one expert.
+inline constexpr int kMaxSlices = 8;
+// "i/n" with 0 <= i < n <= kMaxSlices; InvalidArgument naming --slice otherwise.
+absl::StatusOr<ExpertSlice> ParseSlice(const std::string& text);
+// [begin, end) of slice s of an intermediate dimension I, cut at multiples
+// of 128 (of 64 when I is not a multiple of 128: the packed layouts' and
+// int4 groups' unit), every slice within one unit of the others; the same
+// function on both ends of the wire. InvalidArgument when I is not a multiple
+// of 64 or has fewer units than s.count, or s is out of range.
+absl::StatusOr<std::pair<int, int>> SliceRange(int intermediate, ExpertSlice s);
 
 // Expert tensor name for the given naming scheme.
 std::string ExpertTensorName(ExpertNaming naming, int layer, int expert, Projection proj);

@@ -59,6 +59,9 @@ WireForwardRequest ViewOf(const moe::v1::ForwardRequest& req) {
   w.expert_ids = ViewOf(req.expert_ids());
   w.expert_weights = ViewOf(req.expert_weights());
   w.output_dtype = req.output_dtype();
+  if (req.slice_count() > 0)
+    w.slice = ExpertSlice{static_cast<int>(std::min<uint32_t>(req.slice_index(), 1u << 20)),
+                          static_cast<int>(std::min<uint32_t>(req.slice_count(), 1u << 20))};
   return w;
 }
 
@@ -97,8 +100,12 @@ absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::str
 }
 
 void EncodeForwardRequest(uint32_t layer, int n, int hidden, const bf16_t* tokens, const RoutingView& routing,
-                          uint64_t request_id, moe::v1::ForwardRequest* req) {
+                          uint64_t request_id, moe::v1::ForwardRequest* req, ExpertSlice slice) {
   req->set_request_id(request_id);
+  if (!slice.whole()) {
+    req->set_slice_index(static_cast<uint32_t>(slice.index));
+    req->set_slice_count(static_cast<uint32_t>(slice.count));
+  }
   req->set_layer(layer);
   EncodeTensor(DType::kBF16, {n, hidden}, tokens, req->mutable_tokens());
   EncodeTensor(DType::kI32, {routing.n, routing.k}, routing.ids, req->mutable_expert_ids());

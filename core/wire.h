@@ -37,6 +37,7 @@ struct WireForwardRequest {
   uint32_t layer = 0;
   WireTensor tokens, expert_ids, expert_weights;
   int output_dtype = 0;
+  ExpertSlice slice;  // slice_count 0 on the wire: whole
 };
 WireForwardRequest ViewOf(const moe::v1::ForwardRequest& req);
 
@@ -53,8 +54,9 @@ absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::str
                                         const std::vector<int64_t>& want_shape);
 
 // Fills `req` with one layer's batch: tokens [n, hidden] bf16 and the routing [n, k].
+// `slice`: the share of each expert the server is expected to hold.
 void EncodeForwardRequest(uint32_t layer, int n, int hidden, const bf16_t* tokens, const RoutingView& routing,
-                          uint64_t request_id, moe::v1::ForwardRequest* req);
+                          uint64_t request_id, moe::v1::ForwardRequest* req, ExpertSlice slice = {});
 // Copies a response's [n, hidden] output (BF16, or F32 converted to bf16) into
 // out; Internal error naming the problem if the response does not match.
 absl::Status DecodeForwardOutput(const moe::v1::ForwardResponse& resp, int n, int hidden, bf16_t* out);

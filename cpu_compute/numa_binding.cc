@@ -94,7 +94,10 @@ double CgroupCpuQuota() {
 }
 
 absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::string& node_flag, int threads,
-                                                                  bool same_host_engine) {
+                                                                  bool same_host_engine, int share_index,
+                                                                  int share_count) {
+  if (share_count < 1 || share_index < 0 || share_index >= share_count)
+    return absl::InvalidArgumentError(absl::StrCat("--slice: share ", share_index, " of ", share_count));
   std::unique_ptr<NumaBinding> b(new NumaBinding());
   b->impl_ = std::make_unique<Impl>();
   Impl& im = *b->impl_;
@@ -114,7 +117,17 @@ absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::stri
   const bool whole_machine = online <= 0 || hwloc_bitmap_weight(allowed) >= online;
 
   hwloc_obj_t node = nullptr;
-  if (node_flag == "auto") {
+  // Nodes own CPUs this process may run on, in order (a share's candidates).
+  std::vector<hwloc_obj_t> usable_nodes;
+  for (int i = 0; i < nnodes; ++i) {
+    hwloc_obj_t n = hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, i);
+    if (n->cpuset && hwloc_bitmap_intersects(n->cpuset, allowed)) usable_nodes.push_back(n);
+  }
+  const bool node_per_share = node_flag == "auto" && share_count > 1 &&
+                              static_cast<int>(usable_nodes.size()) >= share_count;
+  if (node_per_share) {
+    node = usable_nodes[share_index];
+  } else if (node_flag == "auto") {
     const int first = hwloc_bitmap_first(allowed);
     for (int i = 0; i < nnodes; ++i) {
       hwloc_obj_t n = hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, i);
@@ -168,8 +181,27 @@ absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::stri
       threads == 0 ? ChooseDefaultThreads(static_cast<int>(first_pus.size()), whole_machine, same_host_engine,
                                           CgroupCpuQuota())
                    : ThreadDefault{threads, "--threads"};
-  const int n = chosen.threads;
-  b->cpus_.assign(all.begin(), all.begin() + n);
+  int n = chosen.threads, lo = 0;
+  std::string share_why;
+  if (share_count > 1 && !node_per_share) {  // disjoint cores of one node
+    const int usable = static_cast<int>(all.size());
+    if (threads > 0) {
+      lo = share_index * threads;
+      if (lo + threads > usable) {  // too few cores for disjoint shares: they overlap (said in the log)
+        lo = lo % usable;
+        lo = std::min(lo, usable - threads);
+        share_why = "; too few cores: overlapping another share";
+      }
+    } else {
+      lo = share_index * chosen.threads / share_count;
+      n = std::max(1, (share_index + 1) * chosen.threads / share_count - lo);
+      lo = std::min(lo, static_cast<int>(all.size()) - n);
+    }
+    share_why = absl::StrCat("; share ", share_index, " of ", share_count, " of the node's cores", share_why);
+  } else if (node_per_share) {
+    share_why = absl::StrCat("; share ", share_index, " of ", share_count, ": one NUMA node each");
+  }
+  b->cpus_.assign(all.begin() + lo, all.begin() + lo + n);
 
   hwloc_obj_t root = hwloc_get_root_obj(topo);
   const char* model = hwloc_obj_get_info_by_name(hwloc_get_obj_by_type(topo, HWLOC_OBJ_PACKAGE, 0), "CPUModel");
@@ -178,7 +210,7 @@ absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::stri
       " NUMA node(s), ", hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE), " cores, ",
       hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU), " PUs", model ? absl::StrCat(" (", model, ")") : "",
       "; total memory ", root->total_memory >> 20, " MiB; using node ", b->node_, " (",
-      b->node_memory_ >> 20, " MiB), ", n, " compute threads (", chosen.why, ") on PUs [",
+      b->node_memory_ >> 20, " MiB), ", n, " compute threads (", chosen.why, share_why, ") on PUs [",
       absl::StrJoin(b->cpus_, ","), "]");
   return b;
 }

@@ -17,9 +17,16 @@ class NumaBinding {
   // node: "auto" (the node of the first CPU this process may run on) or a
   // node index. threads: 0 = ChooseDefaultThreads (same_host_engine says
   // whether an engine shares this host), else that many (one per core first,
-  // then hyperthreads). Errors name the flag.
+  // then hyperthreads). share_index / share_count: this process is one of
+  // share_count servers that split the machine (slices of one model,
+  // --slice): with "auto" and at least share_count NUMA nodes it takes node
+  // share_index; otherwise the node's cores are split into disjoint shares —
+  // the default thread count's cores (or `threads` cores each) — and it takes
+  // share share_index, so the servers together use what one would. Errors
+  // name the flag.
   static absl::StatusOr<std::unique_ptr<NumaBinding>> Create(const std::string& node, int threads,
-                                                             bool same_host_engine = false);
+                                                             bool same_host_engine = false, int share_index = 0,
+                                                             int share_count = 1);
   ~NumaBinding();
 
   int node() const { return node_; }        // logical index; -1 if hwloc sees no NUMA node

@@ -68,16 +68,24 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(const ExpertSe
 
 absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
   MOE_ASSIGN_OR_RETURN(source_, moe::OpenModel(options_.model));
-  const ModelSpec& spec = source_->spec();
+  model_spec_ = source_->spec();
   // From here on, an error is an option that does not fit the model or this machine.
   *option_at_fault = true;
+  if (absl::StatusOr<std::unique_ptr<ModelSource>> sliced = SliceModel(std::move(source_), options_.slice);
+      sliced.ok()) {
+    source_ = *std::move(sliced);
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("--slice: ", sliced.status().message()));
+  }
+  const ModelSpec& spec = source_->spec();
   MOE_ASSIGN_OR_RETURN(hosted_.layers, IndexesOrAll(options_.layers, spec.num_layers, "layers", spec.moe_layers));
   MOE_ASSIGN_OR_RETURN(hosted_.experts,
                        IndexesOrAll(options_.experts, spec.num_experts, "experts", Iota(spec.num_experts)));
   const CpuFeatures& cpu = CpuFeatures::Get();
   MOE_ASSIGN_OR_RETURN(geometry_, StorageGeometry(spec, options_.weight_dtype));
   MOE_ASSIGN_OR_RETURN(kernel_, MakeExpertKernel(options_.kernel, cpu, geometry_.format));
-  MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create(options_.numa_node, options_.threads, !options_.shm_socket.empty()));
+  MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create(options_.numa_node, options_.threads, !options_.shm_socket.empty(),
+                                                       options_.slice.index, options_.slice.count));
   *option_at_fault = false;
 
   LogInfo("server", "model ", source_->Describe(), ": ", spec.Summary());
@@ -94,7 +102,8 @@ absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
 absl::Status ExpertServer::LoadExperts() {
   pool_ = std::make_unique<ComputePool>(*binding_, std::chrono::microseconds(options_.idle_spin_us));
   const auto t0 = std::chrono::steady_clock::now();
-  const bool shareable = options_.share_weights && !options_.shm_socket.empty();
+  // A slice is no host copy a worker could compute whole experts from.
+  const bool shareable = options_.share_weights && !options_.shm_socket.empty() && options_.slice.whole();
   MOE_ASSIGN_OR_RETURN(store_, ExpertStore::Load(*source_, geometry_, hosted_, *binding_, *pool_, shareable));
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   LogInfo("server", "weights resident: ", store_->resident_bytes(), " bytes (", store_->resident_bytes() >> 20,
@@ -120,7 +129,9 @@ absl::Status ExpertServer::Compute(const MoeBatch& batch, DType out_dtype, void*
 
 moe::v1::ServerInfo ExpertServer::Info(uint64_t max_message_bytes) const {
   moe::v1::ServerInfo info;
-  ModelSpecToProto(source_->spec(), info.mutable_model());
+  ModelSpecToProto(model_spec_, info.mutable_model());
+  info.set_slice_index(static_cast<uint32_t>(options_.slice.index));
+  info.set_slice_count(static_cast<uint32_t>(options_.slice.count));
   for (int l : hosted_.layers) info.add_hosted_layers(l);
   for (int e : hosted_.experts) info.add_hosted_experts(e);
   info.set_kernel(std::string(kernel_->name()));
@@ -157,6 +168,7 @@ absl::Status ExpertServer::ServeSharedMemory() {
   so.hidden = spec.hidden;
   so.num_layers = spec.num_layers;
   so.num_experts = spec.num_experts;
+  so.slice = options_.slice;
   so.hosted = [this](int e) { return store_->HostsExpert(e); };
   so.allowed_uids = options_.shm_allowed_uids;
   so.max_slot_tokens = static_cast<uint32_t>(options_.max_tokens);

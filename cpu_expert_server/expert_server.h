@@ -42,6 +42,7 @@ struct ExpertServerOptions {
   std::string listen = LoopbackListen(50051);  // --listen
   std::string layers;                     // --layers text; "" = every MoE layer
   std::string experts;                    // --experts text; "" = every expert
+  ExpertSlice slice;                      // --slice i/n; {0, 1} = whole experts
   std::string numa_node = "auto";         // --numa-node
   int threads = 0;                        // --threads; 0 = ChooseDefaultThreads (cpu_compute/numa_binding.h)
   std::string kernel = "auto";            // --kernel
@@ -103,7 +104,8 @@ class ExpertServer {
   moe::v1::ServerInfo Info(uint64_t max_message_bytes) const;
 
   const ExpertServerOptions options_;
-  std::unique_ptr<ModelSource> source_;
+  std::unique_ptr<ModelSource> source_;  // sliced when options_.slice is
+  ModelSpec model_spec_;                 // the whole model's (what clients see)
   HostedSet hosted_;
   ExpertGeometry geometry_;  // the packed experts' layout and precision (--weight-dtype)
   std::unique_ptr<ExpertKernel> kernel_;

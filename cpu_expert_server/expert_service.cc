@@ -74,6 +74,11 @@ absl::Status ExpertServiceImpl::Prepare(const WireForwardRequest& req, Prepared*
   }
   if (req.layer >= static_cast<uint32_t>(spec_.num_layers))
     return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer, " out of range [0, ", spec_.num_layers, ")"));
+  const ExpertSlice mine{static_cast<int>(info_.slice_index()), std::max(1, static_cast<int>(info_.slice_count()))};
+  if (!(req.slice == mine))
+    return absl::FailedPreconditionError(absl::StrCat("slice_index/slice_count: this server holds slice ",
+                                                      mine.ToString(), " of every expert, the request expects ",
+                                                      req.slice.ToString()));
   p->n = n;
   p->batch.layer = static_cast<int>(req.layer);
   p->batch.n = static_cast<int>(n);

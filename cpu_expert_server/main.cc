@@ -27,7 +27,7 @@ struct Flags {
 Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   Flags f;
   moe::ExpertServerOptions& o = f.server;
-  std::string shm_uids;
+  std::string shm_uids, slice = "0/1";
   int64_t threads = 0, max_tokens = o.max_tokens;
   flags.String("model", &o.model, "checkpoint directory (config.json + safetensors) or synthetic:PRESET[:layers=N][:seed=S]");
   flags.String("listen", &o.listen,
@@ -35,6 +35,10 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
                "another process holds refuses the start)");
   flags.String("layers", &o.layers, "MoE layers to host, e.g. 3-10,12 (model layer indexes; default: all)");
   flags.String("experts", &o.experts, "experts to host in every hosted layer, e.g. 0-63 (default: all)");
+  flags.String("slice", &slice,
+               "i/n: hold slice i of n of every hosted expert's intermediate dimension (gate and up rows, down "
+               "columns), e.g. one server per NUMA node with 0/2 and 1/2, pinned to disjoint cores; GPU workers "
+               "send each token to one holder of every slice and add the partial outputs (default 0/1: whole)");
   flags.Int("threads", &threads,
             "compute threads. 0 (default) = one per core of the NUMA node, less max(2, cores/16) cores left to a "
             "same-host engine and GPU worker when --shm-socket is served and no CPU affinity (taskset, cpuset) set "
@@ -68,6 +72,11 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
     o.shm_allowed_uids.assign(uids->begin(), uids->end());
   }
   if (max_tokens <= 0) flags.Fail("--max-tokens must be > 0");
+  if (absl::StatusOr<moe::ExpertSlice> s = moe::ParseSlice(slice); s.ok()) {
+    o.slice = *s;
+  } else {
+    flags.Fail(std::string(s.status().message()));
+  }
   if (absl::Status st = o.service.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
   if (o.idle_spin_us < 0 || o.idle_spin_us > 1000000) flags.Fail("--idle-spin-us must be in [0, 1000000]");
   o.threads = static_cast<int>(threads);

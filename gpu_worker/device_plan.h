@@ -40,6 +40,10 @@ struct DeviceChannel {
   uint32_t max_tokens = 0;    // rows per slot
   uint32_t max_pairs = 0;
   uint32_t generation = 0;    // changes with the segment (a reconnect)
+  // The server holds rows [slice_begin, slice_end) of every expert's
+  // intermediate dimension (--slice; 0, 0: whole): the fallback of an
+  // unanswered request computes that share only.
+  int32_t slice_begin = 0, slice_end = 0;
 };
 
 // What went wrong in a call, per writer (the split, then one per channel):
@@ -53,9 +57,15 @@ struct DeviceError {
 };
 
 // One served layer's routing tables (host-mapped, [num_experts] each).
+// buffer_of's mark of an expert another rank of a tensor-parallel group
+// owns: its pairs are skipped (moe/types.h TensorParallelGroup).
+inline constexpr int32_t kNotThisRank = -2;
+
 struct DeviceLayerTables {
-  int32_t* buffer_of = nullptr;   // expert -> cache buffer of its Ready slot, -1: a miss
-  int32_t* channel_of = nullptr;  // expert -> DeviceChannel index, -1: no server may take it
+  int32_t* buffer_of = nullptr;   // expert -> cache buffer of its Ready slot, -1: a miss, kNotThisRank
+  // expert -> its route: a bitmask of DeviceChannel indexes (one channel, or
+  // one holder of every slice: RouteExpert), 0 or -1: no server may take it
+  int32_t* channel_of = nullptr;
   DeviceError* errors = nullptr;  // [1 + kMaxDeviceChannels]
   // The routing of the layer's latest call, for the admissions the worker
   // plans between steps and an eager call's stats (written by the GPU, read

@@ -71,6 +71,7 @@ struct Server {
   ExpertServerConfig config;
   std::unique_ptr<ExpertTransport> transport;
   std::vector<bool> hosts;        // per expert
+  ExpertSlice slice;               // its share of each expert (the transport's, once connected)
   Clock::time_point down_until{};  // skipped until then after a failure
   bool enabled = true;             // false: drained / marked down by the coordinator
   bool registered = false;         // HostMapping registered with the backend
@@ -104,6 +105,17 @@ struct Context {
   Clock::time_point submitted{};
   double device_prior_s = -1;  // prior device time of a hits-only call (-1: the call is not one)
 };
+
+// A context's send/recv buffers for `rows` rows (between its calls).
+absl::Status GrowHostBuffers(DeviceBackend& backend, int hidden, Context& ctx, size_t rows) {
+  for (std::vector<bf16_t>* b : {&ctx.send, &ctx.recv}) {
+    backend.UnregisterHost(b->data());
+    b->resize(rows * hidden);
+    b->shrink_to_fit();
+    MOE_RETURN_IF_ERROR(backend.RegisterHost(b->data(), b->size() * sizeof(bf16_t)));
+  }
+  return absl::OkStatus();
+}
 
 // A gRPC server's device rings, kept by the worker: the GPU pushes requests
 // into a local segment in host-mapped memory as it would into an shm
@@ -166,6 +178,7 @@ struct LayerDispatcher::Impl {
   // Split scratch: the plan of the call being submitted and its inputs.
   MissPlan plan;
   std::vector<int32_t> slot_buffer;     // per expert: the buffer of its Ready slot, or -1
+  std::vector<float> masked_logits;     // HintRouterLogits in a group: other ranks' experts out
   std::vector<PlanServer> plan_servers;
   std::vector<int> access_pairs;        // per accessed expert of the plan
   ExpertGroups one_group;               // ComputeCopied's single group
@@ -274,6 +287,9 @@ absl::Status LayerDispatcher::CheckConfig() {
   if (!(c.cache_gib >= 0 && c.cache_gib <= kMaxCacheGib))  // NaN too
     return absl::InvalidArgumentError(absl::StrCat("cache-gib: ", c.cache_gib, " is outside [0, ", kMaxCacheGib, "]"));
   if (c.miss_buffers < 1) return absl::InvalidArgumentError("miss-buffers: must be at least 1");
+  if (c.group.size < 1 || c.group.size > spec_.num_experts || c.group.rank < 0 || c.group.rank >= c.group.size)
+    return absl::InvalidArgumentError(absl::StrCat("group: rank ", c.group.rank, " of size ", c.group.size,
+                                                   " (need 0 <= rank < size <= ", spec_.num_experts, " experts)"));
   if (c.poll_window.count() < 0) return absl::InvalidArgumentError("poll-window: must not be negative");
   // Polling keeps three threads busy (this one, the transport's completion
   // thread, the server's connection thread): only where there are cores for it.
@@ -306,7 +322,8 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   if (c.slots_per_layer > spec_.num_experts)  // asked for explicitly: never clamped silently
     return absl::InvalidArgumentError(absl::StrCat("cache-experts-per-layer: ", c.slots_per_layer,
                                                    " exceeds the model's ", spec_.num_experts, " experts per layer"));
-  C = std::min(C, spec_.num_experts);  // from --cache-gib: at most every expert
+  // From --cache-gib: at most every expert (this rank's share in a group).
+  C = std::min(C, (spec_.num_experts + c.group.size - 1) / c.group.size);
   const int temp = host_ != nullptr ? 2 * c.miss_buffers : 0;
   // Capturable calls' copy-instead buffers (their own: an eager call on the
   // backend's stream may use the temporary ones at the same time).
@@ -357,6 +374,8 @@ absl::Status LayerDispatcher::ConnectServers() {
   // calls): one in flight, the next one free even if a late answer still
   // lands in the first.
   if (backend_->has_device_memory() && c.transport.slots > 2) c.transport.device_slots = 2;
+  if (c.servers.size() > static_cast<size_t>(kMaxPlanServers))
+    return absl::InvalidArgumentError(absl::StrCat("servers: at most ", kMaxPlanServers, ", got ", c.servers.size()));
   for (const ExpertServerConfig& sc : c.servers) {
     Server s;
     s.config = sc;
@@ -574,6 +593,8 @@ absl::Status LayerDispatcher::ConnectServer(size_t index) {
     s.chunk_tokens = config_.max_tokens;
   }
   s.transport = *std::move(t);
+  s.slice = s.transport->slice();
+  if (!s.slice.whole()) MOE_RETURN_IF_ERROR(SliceRange(spec_.intermediate, s.slice).status());
   s.polling = std::chrono::microseconds(0);
   PublishRoute(index);
   return absl::OkStatus();
@@ -585,15 +606,30 @@ void LayerDispatcher::PublishRoute(size_t index) {
   const Server& sv = m.servers[index];
   if (const int f = m.forwarder_of_server[index]; f >= 0)  // its requests go through the transport while enabled
     m.forwarders[f]->route.store(sv.enabled ? sv.transport.get() : nullptr, std::memory_order_release);
-  // Each expert goes to the first enabled server hosting it that has a channel.
+  // The server's share of each expert, for the fallback of its unanswered requests.
+  if (const int c = m.channel_of_server[index]; c >= 0 && sv.transport != nullptr) {
+    const std::pair<int, int> range =
+        sv.slice.whole() ? std::make_pair(0, 0) : SliceRange(spec_.intermediate, sv.slice).value_or(std::make_pair(0, 0));
+    if (m.channels[c].slice_begin != range.first || m.channels[c].slice_end != range.second) {
+      m.channels[c].slice_begin = range.first;
+      m.channels[c].slice_end = range.second;
+      if (absl::Status st = backend_->SetDeviceChannels(m.channels, m.num_channels); !st.ok())
+        LogWarning("worker", "servers: ", sv.config.address, ": cannot publish its slice: ", st.message());
+    }
+  }
+  // Each expert's route (RouteExpert) over the enabled, connected servers
+  // that have a channel; channel c is server c's.
+  std::vector<PlanServer> up(m.servers.size());
+  for (size_t s = 0; s < m.servers.size(); ++s) {
+    const Server& x = m.servers[s];
+    up[s] = PlanServer{x.enabled && !x.device_dead && x.transport != nullptr && m.channel_of_server[s] >= 0, &x.hosts,
+                       x.chunk_tokens, x.slice};
+  }
   for (size_t li = 0; li < layers_.size(); ++li) {
     int32_t* channel_of = m.device_tables[li].channel_of;
     for (int e = 0; e < spec_.num_experts; ++e) {
-      int c = -1;
-      for (size_t s = 0; s < m.servers.size() && c < 0; ++s)
-        if (m.servers[s].enabled && !m.servers[s].device_dead && m.channel_of_server[s] >= 0 && m.servers[s].hosts[e])
-          c = m.channel_of_server[s];
-      __atomic_store_n(channel_of + e, c, __ATOMIC_RELEASE);
+      const uint64_t route = RouteExpert(up.data(), static_cast<int>(up.size()), e);
+      __atomic_store_n(channel_of + e, route != 0 ? static_cast<int32_t>(route) : -1, __ATOMIC_RELEASE);
     }
   }
 }
@@ -656,6 +692,13 @@ absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>&
   if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not served by this worker"));
   if (host_ == nullptr) return absl::FailedPreconditionError("assignment: the worker holds no host copy of the experts");
+  for (const std::vector<int>* list : {&experts, &pinned})
+    for (int e : *list)
+      if (e >= 0 && e < spec_.num_experts && !Owns(layer, e))
+        return absl::InvalidArgumentError(absl::StrCat(list == &pinned ? "pinned" : "assignment", ": expert ", e,
+                                                       " of layer ", layer, " belongs to rank ",
+                                                       ExpertOwner(layer, e, config_.group.size), " of the group, not ",
+                                                       config_.group.rank));
   for (int e : pinned)
     if (std::find(experts.begin(), experts.end(), e) == experts.end())
       return absl::InvalidArgumentError(absl::StrCat("pinned: expert ", e, " of layer ", layer, " is not in the assignment"));
@@ -725,7 +768,13 @@ absl::Status LayerDispatcher::HintRouterLogits(int layer, int T, int k, const fl
     return absl::InvalidArgumentError(absl::StrCat("router_logits: layer ", layer, " is not served by this worker"));
   if (T < 0 || T > config_.max_tokens)
     return absl::InvalidArgumentError(absl::StrCat("router_logits: T = ", T, " is outside [0, ", config_.max_tokens, "]"));
-  return planner_.admission()->predictor().Hint(layer, T, k, router_logits);
+  if (config_.group.size <= 1) return planner_.admission()->predictor().Hint(layer, T, k, router_logits);
+  // Another rank's experts are never this cache's: they leave the hint.
+  std::vector<float>& masked = impl_->masked_logits;
+  masked.assign(router_logits, router_logits + static_cast<size_t>(std::max(T, 0)) * spec_.num_experts);
+  for (size_t i = 0; i < masked.size(); ++i)
+    if (!Owns(layer, static_cast<int>(i % spec_.num_experts))) masked[i] = -1e30f;  // finite: Hint refuses NaN/Inf
+  return planner_.admission()->predictor().Hint(layer, T, k, masked.data());
 }
 
 absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
@@ -742,6 +791,9 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   const int T = call.batch.n, k = std::max(call.batch.routing.k, 1);
   const RoutingView routing{T, k, ctx.ids.data(), ctx.weights.data()};
   MOE_RETURN_IF_ERROR(ValidateRouting(routing, spec_.num_experts, {}));
+  if (config_.group.size > 1)  // another rank computes these pairs
+    for (int32_t& e : ctx.ids)
+      if (e >= 0 && !Owns(call.batch.layer, e)) e = -1;
 
   PollCopies();
   ctx.stats = CallStats{};
@@ -830,7 +882,7 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
     if (sv.transport == nullptr && sv.enabled && sv.down_until <= now && any_miss)
       if (!ConnectServer(i).ok()) sv.down_until = now + config_.server_retry;
     m.plan_servers[i] = PlanServer{sv.enabled && sv.transport != nullptr && sv.down_until <= now, &sv.hosts,
-                                   sv.chunk_tokens};
+                                   sv.chunk_tokens, sv.slice};
   }
   MissPlanInput in;
   in.layer = layer;
@@ -891,10 +943,16 @@ absl::Status LayerDispatcher::ShipMisses(int ticket) {
   CallStats& stats = ctx.stats;
   const int H = spec_.hidden;
   stats.cpu_experts += m.plan.cpu_experts;
+  for (int e : m.plan.missed)  // once per pair, however many slice holders compute a share of it
+    if (m.plan.route_of[e] != 0) stats.cpu_pairs += m.plan.miss_pairs[e];
+  // A token travels to every server one of its pairs goes to (to each slice
+  // holder): the batches' rows may add up to more than the call's tokens.
+  size_t rows = 0;
+  for (const ServerBatch& b : m.plan.batches) rows += static_cast<size_t>(b.n);
+  if (rows * H > ctx.send.size()) MOE_RETURN_IF_ERROR(GrowHostBuffers(*backend_, H, ctx, rows));
   size_t offset = 0;  // the shipment's first row in the context's send/recv buffers
   for (ServerBatch& b : m.plan.batches) {
     Shipment& sh = ctx.shipments.emplace_back();
-    stats.cpu_pairs += b.pairs;
     stats.miss_tokens += b.n;
     stats.bytes_shipped += static_cast<uint64_t>(b.n) * (2 * H * sizeof(bf16_t) + b.k * 8);
     sh.host_offset = offset;
@@ -1163,6 +1221,15 @@ absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st
       *partial = out;
       continue;
     }
+    if (!m.servers[sh.batch.server].slice.whole()) {
+      // The other slices' partials of these pairs are (or will be) added:
+      // the device computes whole experts, so it cannot stand in for one share.
+      announce(m.servers[sh.batch.server], st, "another holder of its slice when one is up");
+      return absl::UnavailableError(absl::StrCat(
+          "servers: ", m.servers[sh.batch.server].config.address, " (slice ",
+          m.servers[sh.batch.server].slice.ToString(), ") failed (", st.message(), ") and no other server holds that "
+          "slice of layer ", ctx.call.batch.layer, "'s experts; later calls route around it"));
+    }
     if (host_ != nullptr && config_.copy_fallback && !m.temp_fence.empty()) {
       announce(m.servers[sh.batch.server], st, "the device (copies from the host copy)");
       MOE_RETURN_IF_ERROR(ComputeShipmentOnDevice(ticket, sh.batch));
@@ -1182,6 +1249,7 @@ int LayerDispatcher::OtherServerFor(const ServerBatch& b, Clock::time_point now)
   for (size_t s = 0; s < impl_->servers.size(); ++s) {
     const Server& sv = impl_->servers[s];
     if (static_cast<int>(s) == b.server || !sv.enabled || sv.transport == nullptr || sv.down_until > now) continue;
+    if (!(sv.slice == impl_->servers[b.server].slice)) continue;  // the same share of each expert, or none
     bool all = true;
     for (int32_t e : b.ids) all = all && (e < 0 || sv.hosts[e]);
     if (all) return static_cast<int>(s);
@@ -1279,7 +1347,8 @@ void LayerDispatcher::PublishSlotMap(int layer) {
   int32_t* buffer_of = m.device_tables[layer_index_[layer]].buffer_of;
   for (int e = 0; e < spec_.num_experts; ++e) {
     const int slot = cache_->ReadySlot(layer, e);
-    __atomic_store_n(buffer_of + e, slot >= 0 ? SlotBuffer(layer, slot) : -1, __ATOMIC_RELEASE);
+    const int32_t b = !Owns(layer, e) ? kNotThisRank : slot >= 0 ? SlotBuffer(layer, slot) : -1;
+    __atomic_store_n(buffer_of + e, b, __ATOMIC_RELEASE);
   }
 }
 
@@ -1370,6 +1439,8 @@ void LayerDispatcher::FillChannel(const shm::Segment& seg, uint64_t device_base,
   ch.max_tokens = g.max_tokens;
   ch.max_pairs = g.max_pairs;
   ch.generation = generation;
+  ch.slice_begin = out->slice_begin;  // the server's, set by PublishRoute
+  ch.slice_end = out->slice_end;
   ch.base = 0;
   *out = ch;  // the fields first, then the base that turns the channel on
   __atomic_store_n(&out->base, device_base, __ATOMIC_RELEASE);

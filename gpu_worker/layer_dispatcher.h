@@ -108,6 +108,10 @@ struct DispatcherConfig {
   // Forward of a device-memory call that fits the request slots runs on the
   // device path (the capturable call, uncaptured); false: always the host path.
   bool eager_on_device = true;
+  // Tensor parallelism (moe/types.h): this worker computes, caches and
+  // reports only the pairs of the experts its rank owns; a call's output is
+  // its rank's partial sum.
+  TensorParallelGroup group;
   // Device knobs passed to DeviceBackend::Init (cpu_threads, cpu_kernel,
   // cuda_device); its sizes (hidden, buffers, tokens, contexts) are set here.
   BackendConfig backend;
@@ -289,6 +293,10 @@ class LayerDispatcher {
   std::unique_ptr<ExpertCache> cache_;
   std::vector<int> layers_;
   std::vector<int> layer_index_;  // model layer -> served index, or -1
+  // This rank's expert of `layer` (always, outside a group).
+  bool Owns(int layer, int expert) const {
+    return config_.group.size <= 1 || ExpertOwner(layer, expert, config_.group.size) == config_.group.rank;
+  }
   Planner planner_;  // the split, copy-instead and admissions, their rates and the link queue
   uint64_t copies_started_ = 0;
   uint64_t copy_bytes_ = 0;  // bytes one expert copy moves (the host copy's packed expert)

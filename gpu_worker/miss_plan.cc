@@ -1,6 +1,7 @@
 #include "gpu_worker/miss_plan.h"
 
 #include <algorithm>
+#include <bit>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -40,24 +41,17 @@ void GroupPairs(const MissPlanInput& in, Keep keep, int row_align, MissPlan* p, 
 }
 
 // Server choice and the copy-instead decision for the missed experts:
-// server_of[e] is the server of a missed expert, -1 for the copied ones.
+// route_of[e] is the route of a missed expert, 0 for the copied ones.
 absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
-  std::vector<int>& server_of = p->server_of;
-  server_of.assign(in.num_experts, -1);
-  for (int e : p->missed)
-    for (int s = 0; s < in.num_servers; ++s) {
-      const PlanServer& sv = in.servers[s];
-      if (sv.up && sv.hosts != nullptr && (*sv.hosts)[e]) {
-        server_of[e] = s;
-        break;
-      }
-    }
+  std::vector<uint64_t>& route_of = p->route_of;
+  route_of.assign(in.num_experts, 0);
+  for (int e : p->missed) route_of[e] = RouteExpert(in.servers, in.num_servers, e);
   std::vector<int>& copy = p->copy_experts;
   copy.clear();
   std::vector<int>& optional = p->optional_copies;
   optional.clear();
   for (int e : p->missed) {
-    if (server_of[e] < 0 || in.copy_mode == CopyMode::kAlways) {
+    if (route_of[e] == 0 || in.copy_mode == CopyMode::kAlways) {
       if (!in.can_copy)
         return absl::UnavailableError(absl::StrCat("servers: no expert server is up for expert ", e, " of layer ",
                                                    in.layer, " and the worker cannot copy it to the device"));
@@ -83,9 +77,9 @@ absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
       for (int e : ChooseCopies(*in.cost, std::move(candidates), dev, in.link_busy_s)) copy.push_back(e);
     }
   }
-  for (int e : copy) server_of[e] = -1;
+  for (int e : copy) route_of[e] = 0;
   p->cpu_experts = 0;
-  for (int e : p->missed) p->cpu_experts += server_of[e] >= 0;
+  for (int e : p->missed) p->cpu_experts += route_of[e] != 0;
   return absl::OkStatus();
 }
 
@@ -98,7 +92,7 @@ void BatchServerMisses(const MissPlanInput& in, MissPlan* p) {
   p->batches.clear();
   std::vector<int32_t>& rows = p->server_rows;
   for (int s = 0; s < in.num_servers; ++s) {
-    auto mine = [&](int e) { return e >= 0 && in.slot_buffer[e] < 0 && p->server_of[e] == s; };
+    auto mine = [&](int e) { return e >= 0 && in.slot_buffer[e] < 0 && (p->route_of[e] >> s & 1) != 0; };
     rows.clear();
     for (int t = 0; t < r.n; ++t)
       for (int j = 0; j < k; ++j)
@@ -136,6 +130,28 @@ void BatchServerMisses(const MissPlanInput& in, MissPlan* p) {
 
 }  // namespace
 
+uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert) {
+  const auto holds = [&](int s) {
+    const PlanServer& sv = servers[s];
+    return sv.up && sv.hosts != nullptr && (*sv.hosts)[expert];
+  };
+  for (int s = 0; s < num_servers; ++s) {
+    if (!holds(s)) continue;
+    const ExpertSlice first = servers[s].slice;
+    if (first.whole()) return uint64_t{1} << s;
+    uint64_t route = 0;
+    for (int j = 0; j < first.count; ++j) {
+      for (int t = s; t < num_servers; ++t)  // earlier servers were not up or do not host it
+        if (holds(t) && servers[t].slice == ExpertSlice{j, first.count}) {
+          route |= uint64_t{1} << t;
+          break;
+        }
+    }
+    if (std::popcount(route) == first.count) return route;
+  }
+  return 0;
+}
+
 int MissPlan::copy_group(int expert) const {
   auto it = std::lower_bound(copies.expert.begin(), copies.expert.end(), expert);
   return it != copies.expert.end() && *it == expert ? static_cast<int>(it - copies.expert.begin()) : -1;
@@ -148,7 +164,7 @@ absl::Status PlanMisses(const MissPlanInput& in, MissPlan* p) {
   GroupPairs(in, [&](int e) { return in.slot_buffer[e] >= 0; }, in.hit_row_align, p, &p->hits);
   p->hit_buffer.resize(p->hits.num_groups());
   for (int g = 0; g < p->hits.num_groups(); ++g) p->hit_buffer[g] = in.slot_buffer[p->hits.expert[g]];
-  GroupPairs(in, [&](int e) { return in.slot_buffer[e] < 0 && p->server_of[e] < 0; }, 1, p, &p->copies);
+  GroupPairs(in, [&](int e) { return in.slot_buffer[e] < 0 && p->route_of[e] == 0; }, 1, p, &p->copies);
   return absl::OkStatus();
 }
 

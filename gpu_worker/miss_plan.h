@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "core/model_spec.h"
 #include "core/routing.h"
 #include "gpu_worker/cost_model.h"
 #include "gpu_worker/device_backend.h"
@@ -33,7 +34,19 @@ struct PlanServer {
   bool up = false;                           // enabled, connected and not waiting out a failure
   const std::vector<bool>* hosts = nullptr;  // per expert: hosted (null: none)
   int chunk_tokens = 1;                      // most tokens of one batch (>= 1)
+  ExpertSlice slice;                         // the share of each expert it computes (--slice)
 };
+
+// Servers one plan can address (routes are bitmasks of server indexes).
+inline constexpr int kMaxPlanServers = 64;
+
+// The servers a missed expert's pairs go to, as a bitmask of indexes into
+// `servers` (preference order), 0 when none can take it: the first up server
+// hosting it, alone when it holds whole experts; when it holds slice i/n, the
+// first up holder of every slice j/n of the expert together (their partial
+// outputs add up to the expert's), or, when a slice has no up holder, the
+// search goes on past it. num_servers <= kMaxPlanServers. Pure.
+uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert);
 
 struct MissPlanInput {
   int layer = 0;                         // for error messages
@@ -80,14 +93,14 @@ struct MissPlan {
 
   // Scratch, reused across calls (no allocation per decode call once warm).
   std::vector<int32_t> masked_ids;
-  std::vector<int> server_of;
+  std::vector<uint64_t> route_of;     // per expert: RouteExpert, 0 when copied
   std::vector<int> optional_copies;   // missed experts a server could take
   std::vector<int32_t> server_rows;   // one server's tokens
   std::vector<uint64_t> expert_mark;
   uint64_t mark_epoch = 0;
 };
 
-// Fills *plan. A missed expert goes to the first up server hosting it; it is
+// Fills *plan. A missed expert goes to its route (RouteExpert); it is
 // copied instead when no server is up for it, when copy_mode is kAlways, or
 // (kAuto) when it has copy_min_tokens miss pairs or ChooseCopies picks it.
 // Unavailable naming the expert and layer when it would have to be copied and

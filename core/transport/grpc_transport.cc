@@ -29,8 +29,8 @@
 namespace moe {
 namespace {
 
-void EncodeBatch(const MoeBatch& b, int hidden, uint64_t id, moe::v1::ForwardRequest* req) {
-  EncodeForwardRequest(static_cast<uint32_t>(b.layer), b.n, hidden, b.tokens, b.routing, id, req);
+void EncodeBatch(const MoeBatch& b, int hidden, uint64_t id, ExpertSlice slice, moe::v1::ForwardRequest* req) {
+  EncodeForwardRequest(static_cast<uint32_t>(b.layer), b.n, hidden, b.tokens, b.routing, id, req, slice);
 }
 
 std::chrono::system_clock::time_point ToSystem(Clock::time_point t) {
@@ -40,8 +40,10 @@ std::chrono::system_clock::time_point ToSystem(Clock::time_point t) {
 
 class GrpcTransport final : public ExpertTransport {
  public:
-  GrpcTransport(std::string address, std::shared_ptr<grpc::Channel> channel, const TransportOptions& o)
-      : address_(std::move(address)),
+  GrpcTransport(std::string address, std::shared_ptr<grpc::Channel> channel, const TransportOptions& o,
+                ExpertSlice slice)
+      : slice_(slice),
+        address_(std::move(address)),
         channel_(std::move(channel)),
         stub_(moe::v1::ExpertService::NewStub(channel_)),
         generic_(channel_),
@@ -69,6 +71,7 @@ class GrpcTransport final : public ExpertTransport {
   }
 
   const char* kind() const override { return unary_ ? "grpc-unary" : "grpc-stream"; }
+  ExpertSlice slice() const override { return slice_; }
 
   absl::StatusOr<StagingArea> Stage(int n, int k, Clock::time_point) override {
     if (n < 1 || k < 1) return absl::InvalidArgumentError("Stage: n and k must be >= 1");
@@ -138,7 +141,7 @@ class GrpcTransport final : public ExpertTransport {
     if (!s || s->broken) OpenStreamLocked(s);
     const uint64_t id = pending_.Add(out, b.n, s->generation, deadline, &fut);
     s->queue.push_back(EncodeForwardRequestBuffer(static_cast<uint32_t>(b.layer), b.n, hidden_, b.tokens,
-                                                  b.routing, id, *pool_));
+                                                  b.routing, id, *pool_, slice_));
     WriteNextLocked(*s);
     return fut;
   }
@@ -248,7 +251,7 @@ class GrpcTransport final : public ExpertTransport {
     std::future<absl::Status> fut;
     auto* call = new UnaryCall();
     call->id = pending_.Add(out, b.n, 0, deadline, &fut);
-    EncodeBatch(b, hidden_, call->id, &call->req);
+    EncodeBatch(b, hidden_, call->id, slice_, &call->req);
     call->ctx.set_deadline(ToSystem(deadline));
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -265,6 +268,7 @@ class GrpcTransport final : public ExpertTransport {
     return fut;
   }
 
+  const ExpertSlice slice_;
   const std::string address_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<moe::v1::ExpertService::Stub> stub_;
@@ -295,7 +299,25 @@ absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std:
   // Connect now, so a wrong address or credentials fail here, not on the first batch.
   if (!(*ch)->WaitForConnected(std::chrono::system_clock::now() + o.connect_timeout))
     return absl::UnavailableError(absl::StrCat("cannot connect to expert server ", address));
-  return std::unique_ptr<ExpertTransport>(new GrpcTransport(address, *std::move(ch), o));
+  // The share of each expert the server holds (ServerInfo.slice_*): every
+  // request says it expects that one, so a server restarted with another
+  // --slice refuses rather than answering as the old share.
+  ExpertSlice slice;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + o.connect_timeout);
+    moe::v1::ServerInfo info;
+    const grpc::Status st = moe::v1::ExpertService::NewStub(*ch)->GetInfo(&ctx, moe::v1::GetInfoRequest(), &info);
+    if (!st.ok())
+      return absl::Status(FromGrpcStatus(st).code(), absl::StrCat("expert server ", address, ": GetInfo: ", st.error_message()));
+    if (info.slice_count() > 1) {
+      if (info.slice_count() > static_cast<uint32_t>(kMaxSlices) || info.slice_index() >= info.slice_count())
+        return absl::InvalidArgumentError(absl::StrCat("expert server ", address, ": slice ", info.slice_index(), "/",
+                                                       info.slice_count(), " out of range"));
+      slice = ExpertSlice{static_cast<int>(info.slice_index()), static_cast<int>(info.slice_count())};
+    }
+  }
+  return std::unique_ptr<ExpertTransport>(new GrpcTransport(address, *std::move(ch), o, slice));
 }
 
 absl::Status AwaitResult(std::future<absl::Status>& f, std::chrono::nanoseconds spin) {

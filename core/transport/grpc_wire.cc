@@ -152,24 +152,28 @@ void TensorField(Writer& w, int field, DType dtype, int64_t rows, int64_t cols, 
 }
 
 void ForwardRequestFields(Writer& w, uint32_t layer, int n, int hidden, const bf16_t* tokens,
-                          const RoutingView& r, uint64_t id) {
+                          const RoutingView& r, uint64_t id, ExpertSlice slice) {
   w.VarintField(1, id);
   w.VarintField(2, layer);
   TensorField(w, 3, DType::kBF16, n, hidden, tokens);
   TensorField(w, 4, DType::kI32, r.n, r.k, r.ids);
   TensorField(w, 5, DType::kF32, r.n, r.k, r.weights);
+  if (!slice.whole()) {
+    if (slice.index != 0) w.VarintField(7, static_cast<uint64_t>(slice.index));
+    w.VarintField(8, static_cast<uint64_t>(slice.count));
+  }
 }
 
 }  // namespace
 
 grpc::ByteBuffer EncodeForwardRequestBuffer(uint32_t layer, int n, int hidden, const bf16_t* tokens,
                                             const RoutingView& routing, uint64_t request_id,
-                                            MessageBufferPool& pool) {
+                                            MessageBufferPool& pool, ExpertSlice share) {
   Writer count;
-  ForwardRequestFields(count, layer, n, hidden, tokens, routing, request_id);
+  ForwardRequestFields(count, layer, n, hidden, tokens, routing, request_id, share);
   MessageBufferPool::Buffer buf = pool.Get(count.n);
   Writer w{reinterpret_cast<uint8_t*>(buf.data())};
-  ForwardRequestFields(w, layer, n, hidden, tokens, routing, request_id);
+  ForwardRequestFields(w, layer, n, hidden, tokens, routing, request_id, share);
   grpc::Slice slice = buf.TakeSlice(count.n);
   return grpc::ByteBuffer(&slice, 1);
 }
@@ -291,11 +295,13 @@ absl::Status ParseForwardRequest(grpc::ByteBuffer& message, ForwardRequestStorag
     const int field = WFL::GetTagFieldNumber(tag);
     const auto type = WFL::GetTagWireType(tag);
     uint64_t v = 0;
-    if (type == WFL::WIRETYPE_VARINT && (field == 1 || field == 2 || field == 6)) {
+    if (type == WFL::WIRETYPE_VARINT && (field == 1 || field == 2 || field == 6 || field == 7 || field == 8)) {
       if (!in.ReadVarint64(&v)) { bad = "a truncated varint"; break; }
       if (field == 1) out->request_id = v;
       if (field == 2) out->layer = static_cast<uint32_t>(v);
       if (field == 6) out->output_dtype = static_cast<int>(v);
+      if (field == 7) out->slice.index = static_cast<int>(std::min<uint64_t>(v, 1u << 20));
+      if (field == 8 && v > 0) out->slice.count = static_cast<int>(std::min<uint64_t>(v, 1u << 20));
     } else if (type == WFL::WIRETYPE_LENGTH_DELIMITED && field >= 3 && field <= 5) {
       WireTensor* t = field == 3 ? &out->tokens : field == 4 ? &out->expert_ids : &out->expert_weights;
       std::vector<uint64_t>* s = field == 3 ? &storage.tokens : field == 4 ? &storage.expert_ids : &storage.expert_weights;

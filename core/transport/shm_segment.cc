@@ -91,7 +91,9 @@ SegmentGeometry Geometry(uint32_t hidden, uint32_t max_tokens, uint32_t max_pair
 }
 
 absl::StatusOr<Segment> Segment::Create(void* base, size_t bytes, uint32_t hidden, uint32_t max_tokens,
-                                        uint32_t max_pairs, uint32_t num_slots) {
+                                        uint32_t max_pairs, uint32_t num_slots, ExpertSlice slice) {
+  if (slice.count < 1 || slice.count > kMaxSlices || slice.index < 0 || slice.index >= slice.count)
+    return absl::InvalidArgumentError(absl::StrCat("segment: slice ", slice.index, "/", slice.count, " out of range"));
   if (base == nullptr || reinterpret_cast<uintptr_t>(base) % kAlign != 0)
     return absl::InvalidArgumentError("segment: base must be non-null and 64-byte aligned");
   MOE_RETURN_IF_ERROR(ValidateGeometryArgs(hidden, max_tokens, max_pairs, num_slots));
@@ -115,13 +117,15 @@ absl::StatusOr<Segment> Segment::Create(void* base, size_t bytes, uint32_t hidde
   h->device_complete_ring_offset = g.device_complete_ring_offset;
   h->slots_offset = g.slots_offset;
   h->total_bytes = g.total_bytes;
+  h->slice_index = static_cast<uint32_t>(slice.index);
+  h->slice_count = static_cast<uint32_t>(slice.count);
   new (p + g.submit_ring_offset) RingHeader{};
   new (p + g.complete_ring_offset) RingHeader{};
   new (p + g.device_submit_ring_offset) RingHeader{};
   new (p + g.device_complete_ring_offset) RingHeader{};
   for (uint32_t i = 0; i < num_slots; ++i) std::memset(p + g.slots_offset + i * g.slot_stride, 0, sizeof(SlotHeader));
   __atomic_store_n(&h->magic, kMagic, __ATOMIC_RELEASE);  // last: the header is complete
-  return Segment(p, g);
+  return Segment(p, g, slice);
 }
 
 absl::StatusOr<Segment> Segment::Attach(void* base, size_t bytes, uint32_t expected_hidden) {
@@ -153,7 +157,10 @@ absl::StatusOr<Segment> Segment::Attach(void* base, size_t bytes, uint32_t expec
   for (const auto& f : fields)
     if (f.stored != f.want) return bad(f.name, " ", f.stored, " disagrees with the geometry (", f.want, ")");
   if (bytes < g.total_bytes) return bad(bytes, " bytes mapped, the geometry needs ", g.total_bytes);
-  return Segment(static_cast<uint8_t*>(base), g);
+  const uint32_t si = ReadOnce(h.slice_index), sc = ReadOnce(h.slice_count);
+  if (sc < 1 || sc > static_cast<uint32_t>(kMaxSlices) || si >= sc)
+    return bad("slice ", si, "/", sc, " out of range (1 to ", kMaxSlices, " slices)");
+  return Segment(static_cast<uint8_t*>(base), g, ExpertSlice{static_cast<int>(si), static_cast<int>(sc)});
 }
 
 SlotView Segment::slot(uint32_t index) const {

@@ -59,12 +59,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
+#include "core/model_spec.h"
 #include "core/routing.h"
 
 namespace moe::shm {
 
 inline constexpr uint64_t kMagic = 0x31304d4853454f4dull;  // "MOESHM01" in memory order
-inline constexpr uint32_t kVersion = 3;  // 2: doorbell sleeper counts, client polling deadline; 3: device rings
+// 2: doorbell sleeper counts, client polling deadline; 3: device rings; 4: the server's expert slice
+inline constexpr uint32_t kVersion = 4;
 // Longest sleep of a server connection whose device ring is in use (see above):
 // within a second of the last request, then afterwards.
 inline constexpr int64_t kDeviceNapNs = 50'000;
@@ -97,6 +99,8 @@ struct SegmentHeader {
   uint64_t device_complete_ring_offset;
   uint64_t slots_offset;
   uint64_t total_bytes;
+  uint32_t slice_index;  // the server's share of every expert (ExpertSlice, core/model_spec.h)
+  uint32_t slice_count;  // 1: whole experts
   alignas(64) std::atomic<uint32_t> request_doorbell;   // client -> server
   alignas(64) std::atomic<uint32_t> response_doorbell;  // server -> client
   alignas(64) std::atomic<uint32_t> client_closed;
@@ -161,7 +165,7 @@ class Segment {
   // Server side: lays out a fresh segment over [base, base+bytes) (64-byte
   // aligned, bytes >= Geometry(...).total_bytes, memory not shared yet).
   static absl::StatusOr<Segment> Create(void* base, size_t bytes, uint32_t hidden, uint32_t max_tokens,
-                                        uint32_t max_pairs, uint32_t num_slots);
+                                        uint32_t max_pairs, uint32_t num_slots, ExpertSlice slice = {});
   // Client side: validates the whole header of a mapping received from the
   // server (magic, version, geometry recomputed from H/T/K/S equal to the
   // stored offsets and within `bytes`, H == expected_hidden); InvalidArgument
@@ -169,6 +173,8 @@ class Segment {
   static absl::StatusOr<Segment> Attach(void* base, size_t bytes, uint32_t expected_hidden);
 
   const SegmentGeometry& geometry() const { return geo_; }
+  // The server's share of every expert it hosts (checked at Attach).
+  ExpertSlice slice() const { return slice_; }
   uint32_t num_slots() const { return geo_.num_slots; }
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
 
@@ -208,7 +214,7 @@ class Segment {
   bool PeerClosed(Side self) const;
 
  private:
-  Segment(uint8_t* base, const SegmentGeometry& geo) : base_(base), geo_(geo) {}
+  Segment(uint8_t* base, const SegmentGeometry& geo, ExpertSlice slice) : base_(base), geo_(geo), slice_(slice) {}
   RingHeader* ring(uint64_t offset) const { return reinterpret_cast<RingHeader*>(base_ + offset); }
   RingHeader* submit_ring() const { return ring(geo_.submit_ring_offset); }
   RingHeader* complete_ring() const { return ring(geo_.complete_ring_offset); }
@@ -217,6 +223,7 @@ class Segment {
 
   uint8_t* base_;
   SegmentGeometry geo_;
+  ExpertSlice slice_;
 };
 
 // Doorbells. Usage (waiter): `seen = word.load(acquire)`, check the ring, and

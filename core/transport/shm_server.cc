@@ -214,7 +214,8 @@ absl::Status ShmServer::Handshake(Connection* c) {
     return refuse(absl::ResourceExhaustedError("cannot map the shared-memory segment"));
   }
   absl::StatusOr<shm::Segment> seg =
-      shm::Segment::Create(c->base, c->bytes, hello.hidden, hello.max_tokens, hello.max_pairs, hello.slots);
+      shm::Segment::Create(c->base, c->bytes, hello.hidden, hello.max_tokens, hello.max_pairs, hello.slots,
+                           opt_.slice);
   if (!seg.ok()) return refuse(seg.status());
   {
     std::lock_guard<std::mutex> lock(mu_);  // Stop reads it

@@ -85,6 +85,7 @@ class ShmServer {
     int num_layers = 0;
     int num_experts = 0;
     std::function<bool(int)> hosted;  // expert hosted? (empty: all)
+    ExpertSlice slice;                // the share of every expert it holds (told to clients in the segment)
     std::vector<uid_t> allowed_uids;  // empty: the server's own uid
     uint32_t max_slot_tokens = 4096;  // caps on what a client may ask for
     // How long a connection's thread spins for the next request before it

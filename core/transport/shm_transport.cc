@@ -75,6 +75,7 @@ class ShmTransport final : public ExpertTransport {
   }
 
   uint64_t Generation() const override { return current_generation_.load(std::memory_order_acquire); }
+  ExpertSlice slice() const override { return slice_; }
 
   void ReleaseDeviceSegments() override {
     std::vector<std::shared_ptr<ShmConnection>> drop;
@@ -303,6 +304,14 @@ class ShmTransport final : public ExpertTransport {
     }
     absl::StatusOr<shm::Segment> seg = shm::Segment::Attach(c->base, c->bytes, static_cast<uint32_t>(opt_.hidden));
     if (!seg.ok()) return seg.status();
+    // The share of each expert the server holds is fixed for the transport's
+    // life: a server restarted with another --slice is refused (its partials
+    // would be added as the old share's).
+    if (generation_ > 0 && !(seg->slice() == slice_))
+      return absl::FailedPreconditionError(absl::StrCat("expert server on ", path_, " now holds slice ",
+                                                        seg->slice().ToString(), " of every expert, was ",
+                                                        slice_.ToString(), "; restart the worker to use it"));
+    slice_ = seg->slice();
     c->seg = *seg;
     // The highest device_slots slots are the GPU's (DeviceRingsOf).
     for (uint32_t s = 0; s + static_cast<uint32_t>(std::max(opt_.device_slots, 0)) < c->seg->num_slots(); ++s)
@@ -436,6 +445,7 @@ class ShmTransport final : public ExpertTransport {
   std::vector<std::shared_ptr<ShmConnection>> retired_;
   std::vector<std::shared_ptr<ShmConnection>> device_kept_;  // dead, still mapped (see ReapRetiredLocked)
   uint64_t generation_ = 0;
+  ExpertSlice slice_;  // the server's, from the first segment (fixed after)
   std::atomic<uint64_t> current_generation_{0};  // generation_ of conn_, for Generation() without mu_
   std::map<uint64_t, Batch> batches_;
   std::atomic<size_t> in_flight_{0};  // batches_.size(), read by the completion thread

@@ -93,6 +93,11 @@ class ExpertTransport {
   // The connection's generation (DeviceRings::generation) without a lock: a
   // change says the device rings moved to another segment. 0: none.
   virtual uint64_t Generation() const { return 0; }
+  // The share of every expert the server holds (--slice; learned at connect:
+  // the shm segment's header, gRPC's GetInfo): its answers are partial
+  // outputs, one term of the sum over slices. Fixed for the transport's life;
+  // every request carries it and a server holding another share refuses it.
+  virtual ExpertSlice slice() const { return {}; }
   // Unmaps the segments of earlier connections kept for the GPU (call once
   // no device work can still write to them).
   virtual void ReleaseDeviceSegments() {}

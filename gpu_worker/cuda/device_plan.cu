@@ -106,7 +106,7 @@ struct PlanState {
   int* fill;   // [E] rows placed so far; then the rank of a missed expert
   int* mcnt;   // [E] pairs per expert missed (for the CPU or a copy)
   int* kind;   // [P] buffer (>= 0: on the device), -1 to a server, -2 skipped
-  int* ch;     // [P] channel of a pair sent to a server
+  int* ch;     // [P] route of a pair sent to a server (a bitmask of channels)
   int* scan;   // [P] scratch of the prefix sums
   int* scan2;  // [P]
   int* row;    // [C * T] token needs channel c -> its row in c's request
@@ -151,6 +151,14 @@ __device__ void PlanInit(const DevicePlanArgs& a, PlanState& s) {
   __syncthreads();
 }
 
+// A route every channel of which is on (channel_of: a bitmask, <= 0 none).
+__device__ bool Routable(int route, const PlanState& s, int C) {
+  if (route <= 0 || route >= (1 << C)) return false;
+  for (int c = 0; c < C; ++c)
+    if ((route >> c & 1) && s.base[c] == 0) return false;
+  return true;
+}
+
 // Each pair: on the device (its expert has a Ready slot), missed, or skipped
 // (-1 ids; bad ids and weights poison the token). Counts every routed pair.
 __device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
@@ -172,10 +180,14 @@ __device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
       Poison(a.accum, t, a.hidden, 0, 1);
       continue;
     }
-    if (a.counts != nullptr) atomicAdd(a.counts + e, 1u);
-    if (log) a.tables.routing_log[kRoutingLogHeader + p] = e;
     const int b = __ldcv(a.tables.buffer_of + e);
     const int c = __ldcv(a.tables.channel_of + e);  // issued with the slot map's read: one round trip
+    if (b == kNotThisRank) {  // another rank of the group computes this pair
+      if (log) a.tables.routing_log[kRoutingLogHeader + p] = -1;
+      continue;
+    }
+    if (a.counts != nullptr) atomicAdd(a.counts + e, 1u);
+    if (log) a.tables.routing_log[kRoutingLogHeader + p] = e;
     s.ch[p] = c;
     if (b >= 0) {
       s.kind[p] = b;
@@ -185,7 +197,7 @@ __device__ void ClassifyPairs(const DevicePlanArgs& a, PlanState& s) {
     } else {
       s.kind[p] = -1;
       if (atomicAdd(s.mcnt + e, 1) == 0) atomicAdd(s.missed, 1);
-      s.begin[e] = c < 0 || c >= a.num_channels || s.base[c] == 0;  // no server may take it (ChooseCopies)
+      s.begin[e] = !Routable(c, s, a.num_channels);  // no server may take it (ChooseCopies)
     }
   }
   __syncthreads();
@@ -229,14 +241,15 @@ __device__ void ChooseCopies(const DevicePlanArgs& a, PlanState& s) {
       atomicAdd(s.stats + 2, 1);  // copied pairs
       continue;
     }
-    const int c = s.ch[p];
-    if (c < 0 || c >= C || s.base[c] == 0) {
+    const int route = s.ch[p];
+    if (!Routable(route, s, C)) {
       Fail(s.err_code, s.err_detail, kUnavailable, e);
       Poison(a.accum, t, a.hidden, 0, 1);
       s.kind[p] = -2;
       continue;
     }
-    s.row[c * a.T + t] = 1;
+    for (int c = 0; c < C; ++c)  // every slice holder computes its share of the pair
+      if (route >> c & 1) s.row[c * a.T + t] = 1;
     atomicAdd(s.stats + 1, 1);  // pairs sent to servers
   }
   if (threadIdx.x == 0) {
@@ -330,7 +343,7 @@ __device__ void BuildRequests(const DevicePlanArgs& a, PlanState& s) {
     float* weights = reinterpret_cast<float*>(sbase + ch.weights_offset);
     for (int i = tid; i < n * k; i += nt) {
       const int t = a.miss_token[c * T + i / k], p = t * k + i % k;
-      const bool mine = s.kind[p] == -1 && s.ch[p] == c;
+      const bool mine = s.kind[p] == -1 && (s.ch[p] >> c & 1);
       ids[i] = mine ? a.ids[p] : -1;
       weights[i] = mine ? a.weights[p] : 0.f;
     }
@@ -481,14 +494,16 @@ __global__ void __launch_bounds__(kShipThreads) DeviceShipKernel(DevicePlanArgs 
 }
 
 // accum[t] += w * FFN(x[t]) for the expert packed at `packed` in host memory
-// (registered, read through the mapping): the fallback when a server did not
-// answer. One block per pair; every thread of the block calls it.
+// (registered, read through the mapping), rows [i0, i1) of its intermediate
+// dimension (a server's slice; 0, I: whole): the fallback when a server did
+// not answer. One block per pair; every thread of the block calls it.
 template <int kFmt>
-__device__ void ExpertFromHost(const DevicePlanArgs& a, const uint8_t* packed, int t, float w, float* act) {
-  const int H = a.hidden, I = a.intermediate;
+__device__ void ExpertFromHost(const DevicePlanArgs& a, const uint8_t* packed, int t, float w, int i0, int i1,
+                               float* act) {
+  const int H = a.hidden;
   const PackedLayout& l = a.layout;
   const bf16_t* x = a.x + static_cast<size_t>(t) * H;
-  for (int n = threadIdx.x; n < I; n += blockDim.x) {
+  for (int n = i0 + threadIdx.x; n < i1; n += blockDim.x) {
     const uint8_t* gate = packed + static_cast<size_t>(2 * (n / 16)) * l.gate_up_block;
     const uint8_t* up = gate + l.gate_up_block;
     float g = 0.f, u = 0.f;
@@ -503,16 +518,16 @@ __device__ void ExpertFromHost(const DevicePlanArgs& a, const uint8_t* packed, i
       }
     }
     const float s = g / (1.f + __expf(-g)) * u;
-    act[n] = __uint_as_float(static_cast<uint32_t>(ToBf16(s)) << 16);  // bf16, as the expert kernels keep it
+    act[n - i0] = __uint_as_float(static_cast<uint32_t>(ToBf16(s)) << 16);  // bf16, as the expert kernels keep it
   }
   __syncthreads();
   for (int n = threadIdx.x; n < H; n += blockDim.x) {
     const uint8_t* down = packed + l.gate_up_bytes + static_cast<size_t>(n / 16) * l.down_block;
     float y = 0.f;
-    for (int k = 0; k < I; k += 8) {
+    for (int k = i0; k < i1; k += 8) {  // slices start at multiples of 64
       float v[8];
       PackedValues8<kFmt>(down, l.Ki, l.group, n % 16, k, v);
-      for (int i = 0; i < 8 && k + i < I; ++i) y = fmaf(v[i], act[k + i], y);
+      for (int i = 0; i < 8 && k + i < i1; ++i) y = fmaf(v[i], act[k - i0 + i], y);
     }
     atomicAdd(a.accum + static_cast<size_t>(t) * H + n, w * y);
   }
@@ -522,6 +537,9 @@ __device__ void ExpertFromHost(const DevicePlanArgs& a, const uint8_t* packed, i
 // The pairs of channel c's request computed from the host copy, rows split
 // over the channel's blocks (the fallback of a request nobody answered).
 __device__ void RecomputeRequest(const DevicePlanArgs& a, const DeviceShip& ship, int c, float* act) {
+  const DeviceChannel& ch = a.channels[c];
+  const bool sliced = ch.slice_end > ch.slice_begin;
+  const int i0 = sliced ? ch.slice_begin : 0, i1 = sliced ? min(ch.slice_end, a.intermediate) : a.intermediate;
   for (int r = blockIdx.y; r < ship.rows; r += gridDim.y) {
     const int t = a.miss_token[c * a.T + r];
     for (int j = 0; j < a.k; ++j) {
@@ -530,9 +548,9 @@ __device__ void RecomputeRequest(const DevicePlanArgs& a, const DeviceShip& ship
       if (e < 0 || e >= a.num_experts) continue;
       const uint8_t* packed = reinterpret_cast<const uint8_t*>(a.host_experts[e]);
       switch (a.layout.format) {
-        case kFmtInt8: ExpertFromHost<kFmtInt8>(a, packed, t, w, act); break;
-        case kFmtInt4: ExpertFromHost<kFmtInt4>(a, packed, t, w, act); break;
-        default: ExpertFromHost<kFmtBf16>(a, packed, t, w, act); break;
+        case kFmtInt8: ExpertFromHost<kFmtInt8>(a, packed, t, w, i0, i1, act); break;
+        case kFmtInt4: ExpertFromHost<kFmtInt4>(a, packed, t, w, i0, i1, act); break;
+        default: ExpertFromHost<kFmtBf16>(a, packed, t, w, i0, i1, act); break;
       }
     }
   }

@@ -33,6 +33,26 @@ struct LayerActivity {
   double link_seconds = 0;
 };
 
+// A session's place in a tensor-parallel group: `size` GPUs (ranks) that all
+// see every token of the layer and whose engine sums the layer's outputs
+// (its all-reduce). Each rank computes only the (token, expert) pairs of the
+// experts it owns (ExpertOwner) — hits from its cache, misses on the CPU
+// servers — and returns that partial sum; every pair is computed by exactly
+// one rank, so the all-reduce yields the whole MoE output, and the ranks'
+// caches hold disjoint experts: together one cache of their summed memory,
+// at no communication beyond the all-reduce the engine already does.
+struct TensorParallelGroup {
+  int rank = 0;  // in [0, size)
+  int size = 1;  // 1: no group (every expert is this session's)
+};
+
+// The rank of a group of `size` that owns `expert` in model layer `layer`:
+// experts dealt round-robin, shifted by the layer so that no rank owns the
+// same ids (and so the same hot spots of a skewed router) in every layer.
+inline int ExpertOwner(int layer, int expert, int size) {
+  return size <= 1 ? 0 : static_cast<int>((static_cast<long long>(expert) + layer) % size);
+}
+
 // What one layer call did (optional out-parameter of the forward calls).
 struct CallStats {
   int hit_pairs = 0;
