@@ -247,6 +247,7 @@ struct Options {
   int idle_spin_us = 2000;
   int admissions = 0;
   int runs = 1;
+  int slices = 1;  // > 1: that many servers, each holding one slice of every expert (--slice i/n)
   int chunk = 0;  // > 0: tokens per layer call (a larger batch runs as several calls)
   // Tokens in one layer call of a batch of T.
   int CallTokens(int T) const { return chunk > 0 ? std::min(T, chunk) : T; }
@@ -396,8 +397,8 @@ double RunFloor(const RunResult& r, const FloorRates& f) {
 
 class Bench {
  public:
-  Bench(const Options& o, const ModelSpec& spec, const std::string& shm, HostExpertStore* host)
-      : o_(o), spec_(spec), shm_(shm), host_(host) {}
+  Bench(const Options& o, const ModelSpec& spec, std::vector<std::string> shm, HostExpertStore* host)
+      : o_(o), spec_(spec), shm_(std::move(shm)), host_(host) {}
 
   // One configuration: a fresh backend + dispatcher, warm-up, timed steps.
   // A step runs the batch through every layer, chunk by chunk (--chunk).
@@ -405,7 +406,7 @@ class Bench {
     const int N = o_.CallTokens(T);
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
     DispatcherConfig c;
-    c.servers.push_back(ExpertServerConfig{"unix://" + shm_, {}});
+    for (const std::string& s : shm_) c.servers.push_back(ExpertServerConfig{"unix://" + s, {}});
     c.transport.max_tokens_per_slot = 1024;
     c.transport.slots = 8;
     c.slots_per_layer = C;
@@ -655,7 +656,7 @@ class Bench {
  public:
   bool host_path_ = false;         // ours-host runs (DispatcherConfig::eager_on_device = false)
  private:
-  std::string shm_;
+  std::vector<std::string> shm_;  // one socket per server (per slice)
   HostExpertStore* host_;
   std::string cost_;
   std::unique_ptr<AttentionStep> attn_;
@@ -718,7 +719,7 @@ int Main(int argc, char** argv) {
                 "End-to-end MoE decode steps on a GPU worker with a CPU expert server over shm; prints a\n"
                 "Markdown table (ours vs all-on-GPU, copy-every-miss LRU, copy-all-experts, and a floor).");
   flags.String("preset", &o.preset, "model geometry: qwen3-30b-a3b, deepseek-v3, mixtral-8x7b, tiny, ...");
-  int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context;
+  int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context, slices = 1;
   flags.Int("layers", &layers, "MoE layers (0: as many as fit twice in host memory: server + worker copy)");
   flags.String("batches", &o.batches, "tokens per decode step");
   flags.String("cache", &o.cache, "cache sizes, percent of the GPU memory a bf16 cache of every expert would take");
@@ -746,6 +747,9 @@ int Main(int argc, char** argv) {
   flags.Int("admissions", &admissions, "ours: lfru cache admissions started per layer call");
   int64_t runs = o.runs;
   flags.Int("runs", &runs, "runs of every configuration (fresh dispatcher each); cells show median [min-max]");
+  flags.Int("slices", &slices,
+            "expert servers, each holding slice i of n of every expert's intermediate dimension on its share of "
+            "the cores (--server-threads / n threads each; default 1: one whole server)");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
   flags.String("weight-dtype", &o.weight_dtype,
                "the expert server's --weight-dtype and the worker's cache precision: bf16, int8 or int4");
@@ -759,6 +763,8 @@ int Main(int argc, char** argv) {
   o.idle_spin_us = static_cast<int>(spin);
   o.admissions = static_cast<int>(admissions);
   if (runs < 1) Die("--runs: must be at least 1");
+  if (slices < 1 || slices > kMaxSlices) Die("--slices: must be in [1, 8]");
+  o.slices = static_cast<int>(slices);
   if (chunk < 0) Die("--chunk: must be at least 0");
   o.chunk = static_cast<int>(chunk);
   o.runs = static_cast<int>(runs);
@@ -810,14 +816,25 @@ int Main(int argc, char** argv) {
   if (server_bin.empty()) Die("cannot find moe-expert-server (use --server-bin)");
   char dir_tmpl[] = "/tmp/moe_layer_XXXXXX";
   const std::string dir = mkdtemp(dir_tmpl);
-  const std::string shm = dir + "/expert.sock";
-  LogInfo("bench", "model ", spec.Summary(), "; starting ", server_bin, " with ", o.server_threads, " threads, ",
-          o.weight_dtype, " experts");
-  Subprocess server(server_bin, {"--model=" + uri, "--shm-socket=" + shm, "--insecure", "--listen=127.0.0.1:0",
-                                 absl::StrCat("--threads=", o.server_threads), "--max-tokens=4096",
-                                 absl::StrCat("--idle-spin-us=", o.idle_spin_us), "--weight-dtype=" + o.weight_dtype});
-  const std::string ready = server.ReadLine(std::chrono::minutes(10));
-  if (ready.find("ready on") == std::string::npos) Die("expert server did not start");
+  // --slices n: n servers of server_threads / n threads each, holding slice
+  // i/n of every expert on disjoint cores (the server's share of the node).
+  std::vector<std::string> sockets;
+  std::vector<std::unique_ptr<Subprocess>> servers;
+  const int per_server = std::max(1, o.server_threads / o.slices);
+  LogInfo("bench", "model ", spec.Summary(), "; starting ", o.slices, " x ", server_bin, " with ", per_server,
+          " threads, ", o.weight_dtype, " experts", o.slices > 1 ? " (sliced)" : "");
+  for (int i = 0; i < o.slices; ++i) {
+    sockets.push_back(absl::StrCat(dir, "/expert", i, ".sock"));
+    servers.push_back(std::make_unique<Subprocess>(
+        server_bin, std::vector<std::string>{"--model=" + uri, "--shm-socket=" + sockets.back(), "--insecure",
+                                             "--listen=127.0.0.1:0", absl::StrCat("--threads=", per_server),
+                                             "--max-tokens=4096", absl::StrCat("--idle-spin-us=", o.idle_spin_us),
+                                             "--weight-dtype=" + o.weight_dtype,
+                                             absl::StrCat("--slice=", i, "/", o.slices)}));
+    if (servers.back()->ReadLine(std::chrono::minutes(10)).find("ready on") == std::string::npos)
+      Die("expert server did not start");
+  }
+  const std::string& shm = sockets.front();
 
   // The worker's host copy of the experts (pinned through a backend kept alive for the run).
   std::unique_ptr<DeviceBackend> pin = Value(MakeDeviceBackend(o.device), "device");
@@ -837,7 +854,7 @@ int Main(int argc, char** argv) {
   LogInfo("bench", "host expert store: ", host->shared() ? "shared with the server" : "own", ", ", host->bytes() >> 20,
           " MiB of its own, in ", Sec(h0), " s; DRAM ", dram_gbps, " GB/s");
 
-  Bench bench(o, spec, shm, host.get());
+  Bench bench(o, spec, sockets, host.get());
   const std::vector<std::string> modes = absl::StrSplit(o.modes, ',', absl::SkipEmpty());
   auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
   const int L = static_cast<int>(spec.moe_layers.size());
@@ -943,8 +960,8 @@ int Main(int argc, char** argv) {
     }
   }
   std::printf("\ncopy model (last run): %s\n", bench.cost().c_str());
-  server.Signal(SIGTERM);
-  server.Wait(std::chrono::seconds(30));
+  for (auto& server : servers) server->Signal(SIGTERM);
+  for (auto& server : servers) server->Wait(std::chrono::seconds(30));
   std::filesystem::remove_all(dir);
   return 0;
 }

@@ -137,6 +137,8 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     else if (key == "host_copy") st = ReadOption(*it, key, &o.host_copy);
     else if (key == "weight_dtype") st = ReadOption(*it, key, &o.weight_dtype);
     else if (key == "share_host_copy") st = ReadOption(*it, key, &o.share_host_copy);
+    else if (key == "tp_rank") st = ReadOption(*it, key, &o.group.rank);
+    else if (key == "tp_size") st = ReadOption(*it, key, &o.group.size);
     else if (key == "tls") st = ParseTls(*it, &o.tls);
     else if (key == "deadline_ms") {
       int ms = 0;

@@ -186,6 +186,11 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
     return absl::InvalidArgumentError(absl::StrCat("slots_per_layer: ", req.slots_per_layer(), " exceeds num_experts ",
                                                    req.num_experts()));
   MOE_RETURN_IF_ERROR(CheckIndexes(req.cached_layers(), req.num_layers(), "cached_layers"));
+  if (req.tp_size() > req.num_experts())
+    return absl::InvalidArgumentError(absl::StrCat("tp_size: ", req.tp_size(), " exceeds num_experts ", req.num_experts()));
+  if (req.tp_rank() >= std::max(1u, req.tp_size()))
+    return absl::InvalidArgumentError(absl::StrCat("tp_rank: ", req.tp_rank(), " out of range [0, ",
+                                                   std::max(1u, req.tp_size()), ")"));
   std::vector<bool> seen_layer(req.num_layers(), false);
   for (int i = 0; i < req.current_size(); ++i) {
     const auto& la = req.current(i);
@@ -428,6 +433,7 @@ PlacementProblem Coordinator::PlacementProblemLocked(bool pins_only, double now,
     WorkerPlacementState s;
     s.id = id;
     s.slots_per_layer = static_cast<int>(w.caps.slots_per_layer());
+    s.group = TensorParallelGroup{static_cast<int>(w.caps.tp_rank()), std::max(1, static_cast<int>(w.caps.tp_size()))};
     s.expert_bytes = w.caps.expert_bytes();
     if (pins_only) {
       s.budget_bytes = 0;

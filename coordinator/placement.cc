@@ -9,6 +9,11 @@ namespace {
 
 bool Contains(const std::vector<int>& v, int e) { return std::find(v.begin(), v.end(), e) != v.end(); }
 
+// The worker may cache expert e of layer l (its rank's, in a tensor-parallel group).
+bool MayHold(const WorkerPlacementState& w, int l, int e) {
+  return w.group.size <= 1 || ExpertOwner(l, e, w.group.size) == w.group.rank;
+}
+
 double Sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
 
 const std::vector<int>& LayerOf(const std::vector<std::vector<int>>& per_layer, int layer) {
@@ -37,7 +42,7 @@ std::vector<int> EffectivePins(const WorkerPlacementState& w, int layer, const s
   std::sort(pins.begin(), pins.end());
   pins.erase(std::unique(pins.begin(), pins.end()), pins.end());
   pins.erase(std::remove_if(pins.begin(), pins.end(),
-                            [&](int e) { return e < 0 || e >= static_cast<int>(values.size()); }),
+                            [&](int e) { return e < 0 || e >= static_cast<int>(values.size()) || !MayHold(w, layer, e); }),
              pins.end());
   if (static_cast<int>(pins.size()) > w.slots_per_layer) {
     std::stable_sort(pins.begin(), pins.end(), [&](int a, int b) { return values[a] > values[b]; });
@@ -75,7 +80,7 @@ std::vector<std::vector<int>> UnionTargets(const PlacementProblem& p, int layer,
   for (int e : order) {
     if (!(total > 0) || g[e] / total < p.params.replicate_share) break;
     for (int w = 0; w < nw; ++w) {
-      if (room[w] > 0 && !Contains(target[w], e)) {
+      if (room[w] > 0 && !Contains(target[w], e) && MayHold(p.workers[w], layer, e)) {
         target[w].push_back(e);
         --room[w];
       }
@@ -88,17 +93,17 @@ std::vector<std::vector<int>> UnionTargets(const PlacementProblem& p, int layer,
     if (placed[e]) continue;
     int best = -1;
     for (int w = 0; w < nw; ++w) {
-      if (room[w] > 0 && Contains(sets[w][layer], e)) {
+      if (room[w] > 0 && Contains(sets[w][layer], e) && MayHold(p.workers[w], layer, e)) {
         best = w;
         break;
       }
     }
     if (best < 0) {
       for (int w = 0; w < nw; ++w) {
-        if (room[w] > 0 && (best < 0 || room[w] > room[best])) best = w;
+        if (room[w] > 0 && MayHold(p.workers[w], layer, e) && (best < 0 || room[w] > room[best])) best = w;
       }
     }
-    if (best < 0) break;
+    if (best < 0) continue;  // no worker with room may hold it (a group's other ranks are full)
     target[best].push_back(e);
     --room[best];
     placed[e] = true;
@@ -107,7 +112,7 @@ std::vector<std::vector<int>> UnionTargets(const PlacementProblem& p, int layer,
   for (int w = 0; w < nw; ++w) {
     for (int e : order) {
       if (room[w] == 0) break;
-      if (!Contains(target[w], e)) {
+      if (!Contains(target[w], e) && MayHold(p.workers[w], layer, e)) {
         target[w].push_back(e);
         --room[w];
       }
@@ -226,7 +231,7 @@ void LayerCandidates(const PlacementProblem& p, const PlacementPlan& plan, int w
     target = pins;
     for (int e : Ranked(values, held)) {
       if (static_cast<int>(target.size()) >= ws.slots_per_layer) break;
-      if (!Contains(target, e)) target.push_back(e);
+      if (!Contains(target, e) && MayHold(ws, l, e)) target.push_back(e);
     }
   }
   // A resident's worth to this worker: 0 in union mode when another worker holds it too.

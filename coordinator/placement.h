@@ -17,6 +17,9 @@
 //  - Copy budget: per worker, the admissible copies of all its layers are
 //    taken by gain, best first, while their bytes fit the budget.
 //  - Pins always win: they are placed first and are not charged to the budget.
+//  - A worker in a tensor-parallel group (its `group`) holds only the experts
+//    its rank owns (moe/types.h ExpertOwner): pins and targets of other
+//    ranks' experts are skipped, so the ranks' caches are disjoint.
 //
 // Pure and deterministic (ties go to the resident, then the lower expert id).
 #pragma once
@@ -27,6 +30,7 @@
 #include <vector>
 
 #include "coordinator/policy.h"
+#include "moe/types.h"
 
 namespace moe {
 
@@ -42,6 +46,7 @@ inline constexpr uint64_t kUnlimitedBudget = std::numeric_limits<uint64_t>::max(
 struct WorkerPlacementState {
   std::string id;
   int slots_per_layer = 0;
+  TensorParallelGroup group;                 // holds only its rank's experts (ExpertOwner)
   uint64_t expert_bytes = 0;
   uint64_t budget_bytes = kUnlimitedBudget;  // this round; pins are not charged
   bool frozen = false;                       // holds its set this round (e.g. copies still in flight)

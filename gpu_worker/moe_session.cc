@@ -50,6 +50,7 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
     return absl::InvalidArgumentError(absl::StrCat("grpc_streams: ", o.grpc_streams, " (1..64)"));
   c.transport.grpc_streams = o.grpc_streams;
   c.backend.cpu_threads = o.cpu_threads;
+  c.group = o.group;
   c.on_access = o.on_access;
   c.on_activity = o.on_activity;
   return c;

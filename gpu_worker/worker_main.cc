@@ -40,7 +40,8 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   WorkerFlags f;
   moe::SessionOptions& o = f.session;
   std::string servers_flag, layers_flag;
-  int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, grpc_streams = 1;
+  int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, grpc_streams = 1,
+          tp_rank = 0, tp_size = 1;
   o.policy.clear();  // --help shows no default: "" means predictive, said in the help text
   flags.String("model", &o.model, "checkpoint directory or synthetic:PRESET[:layers=N][:seed=S] (the servers' model)");
   flags.String("servers", &servers_flag,
@@ -58,6 +59,10 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.String("copy-mode", &o.copy_mode,
                "uncached experts: auto (copy to the GPU when measured rates say it pays), never, always");
   flags.String("layers", &layers_flag, "MoE layers served (default: all)");
+  flags.Int("tp-size", &tp_size,
+            "tensor parallelism: GPUs that each see every token and whose engine sums their outputs; this worker "
+            "computes and caches only its rank's experts (default 1: every expert)");
+  flags.Int("tp-rank", &tp_rank, "tensor parallelism: this worker's rank in [0, --tp-size)");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision of the host copy and the GPU cache: auto (the same-host servers' when shared, else the "
                "checkpoint's: fp8 -> int8, int4 -> int4, else bf16), bf16, int8 or int4");
@@ -90,6 +95,10 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   o.deadline = std::chrono::milliseconds(deadline_ms);
   if (grpc_streams < 1 || grpc_streams > 64) flags.Fail("--grpc-streams: " + std::to_string(grpc_streams) + " (1..64)");
   o.grpc_streams = static_cast<int>(grpc_streams);
+  if (tp_size < 1 || tp_size > 1024 || tp_rank < 0 || tp_rank >= tp_size)
+    flags.Fail("--tp-rank/--tp-size: need 0 <= rank < size <= 1024, got " + std::to_string(tp_rank) + "/" +
+               std::to_string(tp_size));
+  o.group = moe::TensorParallelGroup{static_cast<int>(tp_rank), static_cast<int>(tp_size)};
   o.tls = f.service.tls;
   if (!layers_flag.empty()) {
     absl::StatusOr<std::vector<int>> layers = moe::ParseIndexList(layers_flag, 1 << 20, "layers");
@@ -140,6 +149,7 @@ class CoordinatorLink {
     reg.slots_per_layer = session.slots_per_layer();
     reg.expert_bytes = spec.expert_bytes;
     reg.cached_layers = served;
+    reg.group = f.session.group;
     absl::StatusOr<std::unique_ptr<moe::CoordinatorAgent>> agent = moe::CoordinatorAgent::Start(
         f.coordinator, f.service.tls, reg, [&service](const moe::AssignmentUpdate& u) { service.OnAssignment(u); });
     if (!agent.ok()) return agent.status();

@@ -27,6 +27,11 @@
 #   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
 #                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
 #                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
+#   sliced                issue 26: moe_layer qwen3-30b-a3b (16 layers, bf16, every miss on the CPU: ours-cpu,
+#                         cache 0%) T=1,8,32 and a 512-token prompt, one server of N threads vs --slices 2 (two
+#                         servers of N/2 threads on disjoint cores, each holding half of every expert), 3 runs
+#   tp ARGS               issue 26: python/examples/transformers_tp.py ARGS on every GPU of the machine (needs 2):
+#                         one cache across the GPUs (tensor parallel, torch all-reduce) vs a cache per GPU
 #   usage (on the host): bash scripts/device_check.sh tests moe_layer qwen3-30b-a3b --layers 8
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -50,7 +55,7 @@ while [[ $# -gt 0 ]]; do
   case $phase in
     tests)
       echo "## tests" | tee -a "$OUT/tests.txt"
-      for t in ${TESTS:-device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test miss_plan_test quantization_test grpc_wire_test shared_host_copy_test}; do
+      for t in ${TESTS:-device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test miss_plan_test quantization_test grpc_wire_test shared_host_copy_test sliced_experts_test tensor_parallel_test}; do
         [[ -x $B/bin/$t ]] || continue
         timeout 300 "$B/bin/$t" > "/tmp/$t.log" 2>&1
         rc=$?
@@ -114,6 +119,20 @@ while [[ $# -gt 0 ]]; do
     graph_decode)
       bash "$0" moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 \
         --modes=ceiling,ours,ours-host,ours-graph ;;
+    sliced)
+      for s in 1 2; do
+        "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=16 --batches=1,8,32,512 --cache=0 --zipf=0 \
+          --modes=ours-cpu --runs=3 --slices=$s --server-bin "$B/bin/moe-expert-server" \
+          > "$OUT/sliced_$s.md" 2> "$OUT/sliced_$s.log"
+        echo "sliced $s rc=$?"; grep -E "^\|" "$OUT/sliced_$s.md" | head -8
+      done ;;
+    tp)
+      py=${PYTHON:-/opt/torch/.venv/bin/python3}
+      MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 580 "$py" "$B/python/examples/transformers_tp.py" \
+        --server-bin "$B/bin/moe-expert-server" --gpus "$(nvidia-smi -L | wc -l)" --out "$OUT/transformers_tp.md" "$@" \
+        > "$OUT/tp.txt" 2>&1
+      echo "transformers_tp rc=$?" | tee -a "$OUT/tp.txt"
+      grep -E "rc=|FAIL|Error|error|^\|" "$OUT/tp.txt" | tail -40; shift $# ;;
     python)
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       echo "## python ($py)" | tee -a "$OUT/python.txt"

@@ -201,6 +201,10 @@ class CoordinatorAgent::Impl {
     r.set_gpu_memory_bytes(reg_.gpu_memory_bytes);
     r.set_numa_node(reg_.numa_node);
     for (int l : reg_.cached_layers) r.add_cached_layers(l);
+    if (reg_.group.size > 1) {
+      r.set_tp_rank(static_cast<uint32_t>(reg_.group.rank));
+      r.set_tp_size(static_cast<uint32_t>(reg_.group.size));
+    }
     // What the worker holds or is moving to: placement resumes from it.
     std::lock_guard<std::mutex> lock(mu_);
     r.set_current_version(received_.load());

@@ -17,6 +17,10 @@
 //   auto session = moe::MoeSession::Open(o);           // StatusOr<unique_ptr<MoeSession>>
 //   (*session)->ForwardLayer(layer, T, k, hidden, topk_ids, topk_weights, out);
 //
+// Several GPUs with tensor parallelism: one session per rank with
+// SessionOptions::group; each returns its share and the engine's all-reduce
+// of the layer output adds them (examples/transformers_tp.py).
+//
 // Tensors: hidden [T,H] bf16, topk_ids [T,k] int32 (-1 = unused slot),
 // topk_weights [T,k] f32 (applied as given: renormalise them first if your
 // model does), out [T,H] bf16 = sum_j w[t,j] * FFN_{ids[t,j]}(hidden[t]).
@@ -96,6 +100,12 @@ struct SessionOptions {
   int grpc_streams = 1;                // ForwardStreams per host:port server (batches round-robin)
   std::chrono::milliseconds deadline{30000};
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
+  // Tensor parallelism over `group.size` GPUs (moe/types.h): open one session
+  // per rank, give every rank the same tokens and routing, and sum the ranks'
+  // outputs (the engine's own all-reduce): each call's `out` is this rank's
+  // partial sum — the pairs of the experts ExpertOwner gives it — and its
+  // cache holds only those experts, so the ranks' caches add up to one.
+  TensorParallelGroup group;
   // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
   // all hits or all misses (e.g. a coordinator agent's access counts).
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;

@@ -151,6 +151,12 @@ MOE_API const char* moe_status_name(int status);
  *                 same-host servers' when shared, else the checkpoint's class)
  *   "share_host_copy" (bool, default true) map the same-host servers' stores
  *                 instead of keeping an own copy
+ *   "tp_rank", "tp_size" (int, default 0 and 1) tensor parallelism: this
+ *                 session is rank tp_rank of tp_size GPUs that all see every
+ *                 token; it computes and caches only the experts its rank
+ *                 owns (moe/types.h ExpertOwner) and returns that partial
+ *                 sum: the ranks' outputs summed (the engine's all-reduce)
+ *                 are the layer's output
  *   "layers"      (array of int) MoE layers served (default all)
  *   "host_copy"   (bool, default true) keep a host copy of the experts
  *   "deadline_ms" (int, default 30000)

@@ -212,8 +212,10 @@ class Session:
     (include/moe/moe.h has their ranges and defaults): model, servers, device,
     cache_experts_per_layer or cache_gib, policy ("predictive", the default, "static",
     "lru", "lfru"), copy_mode, max_tokens, max_top_k, contexts, layers, host_copy,
-    weight_dtype, share_host_copy, deadline_ms, cpu_threads, grpc_streams, tls. A value
-    out of range raises MoeError naming the option."""
+    weight_dtype, share_host_copy, deadline_ms, cpu_threads, grpc_streams, tls, and
+    tp_rank / tp_size (tensor parallelism: this rank's partial sum; the ranks'
+    outputs summed by the engine's all-reduce are the layer's). A value out of range
+    raises MoeError naming the option."""
 
     def __init__(self, **options):
         self._lib = _lib.lib()
