@@ -124,6 +124,7 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     if (key == "model") { st = ReadOption(*it, key, &o.model); have_model = true; }
     else if (key == "servers") st = ReadList(*it, key, &o.servers);
     else if (key == "device") st = ReadOption(*it, key, &o.device);
+    else if (key == "cuda_device") st = ReadOption(*it, key, &o.cuda_device);
     else if (key == "cache_experts_per_layer") st = ReadOption(*it, key, &o.cache_experts_per_layer);
     else if (key == "cache_gib") st = ReadOption(*it, key, &o.cache_gib);
     else if (key == "policy") st = ReadOption(*it, key, &o.policy);

@@ -220,6 +220,15 @@ class CudaBackend final : public DeviceBackend {
   uint64_t DeviceAddress(const void* p) const override;
   absl::Status ReadAccessCounts(std::vector<uint32_t>* counts) override;
   bool StreamCapturing(void* stream) const override;
+  int ActivateDevice() override {
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current == device_) return -1;
+    cudaSetDevice(device_);
+    return current;
+  }
+  void RestoreDevice(int previous) override {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
 
  private:
   // Device scratch of one device-planned call site (a layer), sized for
@@ -406,12 +415,13 @@ absl::Status CudaBackend::CheckConfigAndDevice(const BackendConfig& config) {
   }
   int count = 0;
   MOE_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
-  if (config.cuda_device < 0 || config.cuda_device >= count) {
+  const int device = config.cuda_device >= 0 ? config.cuda_device : device_;  // -1: the creator's current GPU
+  if (device < 0 || device >= count) {
     return absl::InvalidArgumentError(absl::StrCat("cuda backend: cuda_device ",
-                                                   config.cuda_device, " but ", count,
+                                                   device, " but ", count,
                                                    " device(s) visible"));
   }
-  device_ = config.cuda_device;
+  device_ = device;
   MOE_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   return absl::OkStatus();
 }
@@ -1332,7 +1342,14 @@ std::unique_ptr<DeviceBackend> MakeCudaBackend(std::string* why) {
     if (why != nullptr) *why = reason;
     return nullptr;
   }
-  return std::make_unique<CudaBackend>(0);
+  // The creating thread's current GPU (Init may name another): what an
+  // engine that called cudaSetDevice / torch.cuda.set_device means.
+  int current = 0;
+  if (cudaGetDevice(&current) != cudaSuccess) {
+    cudaGetLastError();
+    current = 0;
+  }
+  return std::make_unique<CudaBackend>(current);
 }
 
 bool CudaAvailable() {

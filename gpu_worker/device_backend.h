@@ -66,8 +66,9 @@ struct BackendConfig {
   // cpu backend
   int cpu_threads = 0;             // 0: every CPU this process may run on
   std::string cpu_kernel = "auto"; // amx | avx512 | reference | auto
-  // cuda backend
-  int cuda_device = 0;
+  // cuda backend: the GPU; -1 = the calling thread's current device at Init
+  // (what an engine that called cudaSetDevice / torch.cuda.set_device means)
+  int cuda_device = -1;
 };
 
 // The hit work of one call: its pairs grouped by expert (GroupByExpert, each
@@ -217,6 +218,12 @@ class DeviceBackend {
                                    "cuda_stream: given to the ", name(), " backend, which has no CUDA device"));
   }
   virtual absl::Status SignalStream(void* stream) { return WaitStream(stream); }
+  // Makes the backend's GPU the calling thread's current device and returns
+  // the one it replaces (RestoreDevice gives it back); -1 and a no-op
+  // without a device or when it is current already. Several sessions on
+  // several GPUs can then be driven from one engine thread.
+  virtual int ActivateDevice() { return -1; }
+  virtual void RestoreDevice(int previous) { (void)previous; }
   // Whether `stream` is being captured into a CUDA graph (false without a device).
   virtual bool StreamCapturing(void* stream) const {
     (void)stream;

@@ -50,6 +50,7 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
     return absl::InvalidArgumentError(absl::StrCat("grpc_streams: ", o.grpc_streams, " (1..64)"));
   c.transport.grpc_streams = o.grpc_streams;
   c.backend.cpu_threads = o.cpu_threads;
+  c.backend.cuda_device = o.cuda_device;
   c.group = o.group;
   c.on_access = o.on_access;
   c.on_activity = o.on_activity;
@@ -60,6 +61,18 @@ ModelInfo InfoOf(const ModelSpec& s) {
   return ModelInfo{s.model_type, s.num_layers,   s.moe_layers,       s.num_experts,       s.top_k,
                    s.hidden,     s.intermediate, DTypeName(s.dtype), s.ExpertBf16Bytes()};
 }
+
+// The session's GPU current on the calling thread for one call, the
+// engine's own given back after it (no-op when they are the same).
+class DeviceScope {
+ public:
+  explicit DeviceScope(DeviceBackend& b) : backend_(b), previous_(b.ActivateDevice()) {}
+  ~DeviceScope() { backend_.RestoreDevice(previous_); }
+
+ private:
+  DeviceBackend& backend_;
+  int previous_;
+};
 
 LayerCall MakeLayerCall(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                         const float* topk_weights, bf16_t* out, MemoryKind kind, void* cuda_stream) {
@@ -106,6 +119,7 @@ const char* MoeSession::device() const { return rep_->backend->name(); }
 absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hidden,
                                       const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
                                       MemoryKind kind, CallStats* stats, void* cuda_stream) {
+  DeviceScope scope(*rep_->backend);
   // Forward, not Submit + Wait: a decode-sized call in device memory takes
   // the device path (LayerDispatcher::Forward).
   return rep_->dispatcher->Forward(MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream),
@@ -117,6 +131,7 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
                                                                   const int32_t* topk_ids,
                                                                   const float* topk_weights, bf16_t* out,
                                                                   MemoryKind kind, void* cuda_stream) {
+  DeviceScope scope(*rep_->backend);
   MOE_ASSIGN_OR_RETURN(int ticket, rep_->dispatcher->Submit(MakeLayerCall(layer, T, k, hidden, topk_ids,
                                                                           topk_weights, out, kind, cuda_stream)));
   return Pending{ticket};
@@ -125,22 +140,34 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
 absl::Status MoeSession::ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden,
                                                 const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
                                                 void* cuda_stream) {
+  DeviceScope scope(*rep_->backend);
   return rep_->dispatcher->EnqueueCapturable(
       MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, MemoryKind::kDevice, cuda_stream));
 }
 
-absl::Status MoeSession::TakeStreamError() { return rep_->dispatcher->TakeStreamError(); }
+absl::Status MoeSession::TakeStreamError() {
+  DeviceScope scope(*rep_->backend);
+  return rep_->dispatcher->TakeStreamError();
+}
 
-absl::Status MoeSession::Wait(Pending call, CallStats* stats) { return rep_->dispatcher->Complete(call.ticket, stats); }
+absl::Status MoeSession::Wait(Pending call, CallStats* stats) {
+  DeviceScope scope(*rep_->backend);
+  return rep_->dispatcher->Complete(call.ticket, stats);
+}
 
 absl::Status MoeSession::ApplyAssignment(int layer, const std::vector<int>& experts,
                                          const std::vector<int>& pinned) {
+  DeviceScope scope(*rep_->backend);
   return rep_->dispatcher->ApplyAssignment(layer, experts, pinned);
 }
-absl::Status MoeSession::FlushCopies() { return rep_->dispatcher->FlushCopies(); }
+absl::Status MoeSession::FlushCopies() {
+  DeviceScope scope(*rep_->backend);
+  return rep_->dispatcher->FlushCopies();
+}
 int MoeSession::PendingCopies() { return rep_->dispatcher->PendingCopies(); }
 uint64_t MoeSession::copies_started() const { return rep_->dispatcher->copies_started(); }
 absl::Status MoeSession::SetServerEnabled(const std::string& address, bool enabled) {
+  DeviceScope scope(*rep_->backend);
   return rep_->dispatcher->SetServerEnabled(address, enabled);
 }
 std::vector<int> MoeSession::CachedExperts(int layer) const { return rep_->dispatcher->cache().SlotExperts(layer); }

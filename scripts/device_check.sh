@@ -27,9 +27,10 @@
 #   python ARGS           the C ABI test, the Python package's tests (torch CUDA included),
 #                         bench/python_overhead.py and python/examples/transformers_offload.py ARGS
 #                         with ${PYTHON:-/opt/torch/.venv/bin/python3}
-#   sliced                issue 26: moe_layer qwen3-30b-a3b (16 layers, bf16, every miss on the CPU: ours-cpu,
-#                         cache 0%) T=1,8,32 and a 512-token prompt, one server of N threads vs --slices 2 (two
-#                         servers of N/2 threads on disjoint cores, each holding half of every expert), 3 runs
+#   sliced                issue 26: moe_layer qwen3-30b-a3b (LAYERS=16 layers, bf16, every miss on the CPU:
+#                         ours-cpu, cache 0%) T=1,8,32 and a 512-token prompt, one server of THREADS=16 threads vs
+#                         --slices 2 (two servers of 8 threads on disjoint cores, each holding half of every
+#                         expert), 3 runs
 #   tp ARGS               issue 26: python/examples/transformers_tp.py ARGS on every GPU of the machine (needs 2):
 #                         one cache across the GPUs (tensor parallel, torch all-reduce) vs a cache per GPU
 #   usage (on the host): bash scripts/device_check.sh tests moe_layer qwen3-30b-a3b --layers 8
@@ -121,8 +122,8 @@ while [[ $# -gt 0 ]]; do
         --modes=ceiling,ours,ours-host,ours-graph ;;
     sliced)
       for s in 1 2; do
-        "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=16 --batches=1,8,32,512 --cache=0 --zipf=0 \
-          --modes=ours-cpu --runs=3 --slices=$s --server-bin "$B/bin/moe-expert-server" \
+        "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=${LAYERS:-16} --batches=1,8,32,512 --cache=0 --zipf=0 \
+          --modes=ours-cpu --runs=3 --slices=$s --server-threads=${THREADS:-16} --server-bin "$B/bin/moe-expert-server" \
           > "$OUT/sliced_$s.md" 2> "$OUT/sliced_$s.log"
         echo "sliced $s rc=$?"; grep -E "^\|" "$OUT/sliced_$s.md" | head -8
       done ;;

@@ -80,6 +80,10 @@ struct SessionOptions {
   std::string model;                   // checkpoint directory or synthetic:PRESET[:layers=N][:seed=S]
   std::vector<std::string> servers;    // "unix:///path.sock" or "host:port", optional "#experts=0-63"
   std::string device = "auto";         // auto | cuda | cpu
+  // cuda: the GPU; -1 (default) = the opening thread's current device (after
+  // the engine's cudaSetDevice / torch.cuda.set_device). Calls make it
+  // current for their duration and give the caller's back.
+  int cuda_device = -1;
   int cache_experts_per_layer = 0;     // C; or derive it from cache_gib
   double cache_gib = 0;                // in [0, 1048576]
   std::string policy = "predictive";   // predictive | static | lru | lfru

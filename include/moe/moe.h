@@ -139,6 +139,7 @@ MOE_API const char* moe_status_name(int status);
  *   "model"       (string, required) checkpoint directory or "synthetic:PRESET[:layers=N][:seed=S]"
  *   "servers"     (array of strings) "unix:///path.sock" or "host:port", optional "#experts=0-63"
  *   "device"      "auto" | "cuda" | "cpu"                          (default "auto")
+ *   "cuda_device" (int, default -1: the opening thread's current GPU)
  *   "cache_experts_per_layer" (int, <= the model's experts) or "cache_gib"
  *                 (number in [0, 1048576])                         (default 0)
  *   "policy"      "predictive" | "static" | "lru" | "lfru"         (default "predictive")
