@@ -7,12 +7,17 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <algorithm>
+#include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/transport/grpc_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "google/protobuf/descriptor.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/support/server_interceptor.h"
 
 namespace moe {
 
@@ -45,6 +50,43 @@ std::string BindFailure(const std::string& listen) {
   freeaddrinfo(found);
   return failure;
 }
+
+// Bytes that do not parse as the method's request message: gRPC's protobuf
+// deserializer answers INTERNAL with the message's InitializationErrorString
+// (empty for proto3), before any handler runs. That is the client's fault,
+// not ours: the status leaves as INVALID_ARGUMENT naming the message type.
+// (No handler of ours returns INTERNAL with an empty message.)
+class UnparseableRequestInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit UnparseableRequestInterceptor(std::string method) : method_(std::move(method)) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status st = methods->GetSendStatus();
+      if (st.error_code() == grpc::StatusCode::INTERNAL && st.error_message().empty())
+        methods->ModifySendStatus(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, Describe()));
+    }
+    methods->Proceed();
+  }
+
+ private:
+  // "ForwardRequest: the request bytes do not parse (moe.v1.ExpertService/Forward)".
+  std::string Describe() const {
+    std::string name = method_.size() > 1 ? method_.substr(1) : method_;  // "/pkg.Service/Method"
+    std::replace(name.begin(), name.end(), '/', '.');
+    const google::protobuf::MethodDescriptor* m =
+        google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(name);
+    const std::string type = m != nullptr ? std::string(m->input_type()->name()) : "request";
+    return absl::StrCat(type, ": the request bytes do not parse as a ", type, " message (", method_, ")");
+  }
+  std::string method_;
+};
+
+class UnparseableRequestFactory final : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
+    return new UnparseableRequestInterceptor(info->method() != nullptr ? info->method() : "");
+  }
+};
 
 sigset_t TerminationSignals() {
   sigset_t term;
@@ -85,6 +127,9 @@ absl::StatusOr<ListeningServer> ServeGrpc(const GrpcServeOptions& options) {
   grpc::ServerBuilder builder;
   for (grpc::Service* service : options.services) builder.RegisterService(service);
   ConfigureServerBuilder(builder, options.max_message_bytes);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<UnparseableRequestFactory>());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   return StartGrpcServer(builder, options.listen, options.credentials);
 }
 

@@ -17,6 +17,7 @@
 
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <thread>
 
@@ -26,6 +27,10 @@
 #include "core/reference_moe.h"
 #include "core/transport/shm_server.h"
 #include "core/transport/transport.h"
+#include "grpcpp/create_channel.h"
+#include "moe/v1/expert.grpc.pb.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "tests/test_support.h"
 
@@ -566,6 +571,66 @@ TEST(Hardening, DenseLayerPinsAndOversizedCachesAreRefused) {
   EXPECT_NE(LastLine(big.err).find("cache-experts-per-layer: 99 exceeds the model's 8 experts per layer"),
             std::string::npos)
       << big.err;
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// Issue 25 point 2: bytes that do not parse as the method's request message
+// get INVALID_ARGUMENT naming the message type, on all three services (not
+// gRPC's INTERNAL with an empty message), and the process keeps serving.
+TEST(Hardening, UnparseableRequestBytesAreInvalidArgumentNamingTheMessageType) {
+  testing::TempDir dir;
+  const std::string sock = dir.path() + "/e.sock";
+  Subprocess* raw = nullptr;
+  const std::string expert = testing::StartExpertServer(
+      &raw, {std::string("--model=") + kModel, "--threads=1", "--shm-socket=" + sock});
+  std::unique_ptr<Subprocess> server(raw);
+  ASSERT_FALSE(expert.empty());
+  Subprocess worker(testing::BinaryPath("moe-gpu-worker"),
+                    {std::string("--model=") + kModel, "--servers=unix://" + sock, "--device=cpu", "--cpu-threads=1",
+                     "--listen=127.0.0.1:0", "--insecure"});
+  const std::string wline = worker.ReadLine(30s);
+  ASSERT_NE(wline.find("ready on "), std::string::npos) << wline;
+  const std::string wokr = wline.substr(wline.find("ready on ") + 9);
+  Subprocess coordinator(testing::BinaryPath("moe-coordinator"), {"--insecure", "--insecure-admin", "--listen=127.0.0.1:0"});
+  const std::string cline = coordinator.ReadLine(20s);
+  ASSERT_NE(cline.find("ready on "), std::string::npos) << cline;
+  const std::string coord = cline.substr(cline.find("ready on ") + 9);
+
+  // A length-delimited field 1 claiming more bytes than follow: no message parses it.
+  const std::string garbage("\x0a\xff\xff\xff\x0f\x01\x02", 7);
+  const struct {
+    std::string address, method, type;
+  } cases[] = {{expert, "/moe.v1.ExpertService/Forward", "ForwardRequest"},
+               {expert, "/moe.v1.ExpertService/GetInfo", "GetInfoRequest"},
+               {wokr, "/moe.v1.WorkerService/ForwardLayer", "ForwardLayerRequest"},
+               {wokr, "/moe.v1.WorkerService/ApplyAssignment", "ApplyAssignmentRequest"},
+               {coord, "/moe.v1.CoordinatorService/RegisterWorker", "RegisterWorkerRequest"},
+               {coord, "/moe.v1.CoordinatorService/Heartbeat", "HeartbeatRequest"},
+               {coord, "/moe.v1.AdminService/GetStatus", "StatusRequest"}};
+  for (const auto& c : cases) {
+    auto channel = grpc::CreateChannel(c.address, grpc::InsecureChannelCredentials());
+    grpc::GenericStub stub(channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 10s);
+    grpc::Slice slice(garbage);
+    grpc::ByteBuffer request(&slice, 1), response;
+    std::promise<grpc::Status> done;
+    stub.UnaryCall(&ctx, c.method, grpc::StubOptions(), &request, &response,
+                   [&done](grpc::Status st) { done.set_value(st); });
+    const grpc::Status st = done.get_future().get();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << c.method << ": " << st.error_message();
+    EXPECT_NE(st.error_message().find(c.type), std::string::npos) << c.method << ": " << st.error_message();
+  }
+  // Still serving: a well-formed GetInfo answers.
+  auto channel = grpc::CreateChannel(expert, grpc::InsecureChannelCredentials());
+  grpc::ClientContext ctx;
+  moe::v1::ServerInfo info;
+  EXPECT_TRUE(moe::v1::ExpertService::NewStub(channel)->GetInfo(&ctx, moe::v1::GetInfoRequest(), &info).ok());
 }
 
 }  // namespace
