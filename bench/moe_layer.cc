@@ -67,6 +67,7 @@
 // its start-up probe and online rates too); a time cell is then the median run
 // with its spread, "median [min-max]", and the other cells come from the
 // median run.
+#include <execinfo.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -102,6 +103,11 @@
 #include "gpu_worker/layer_dispatcher.h"
 #ifdef MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
+#endif
+#ifdef MOE_HAVE_NCCL
+#include <nccl.h>
+
+#include <barrier>
 #endif
 
 namespace moe {
@@ -248,6 +254,7 @@ struct Options {
   int admissions = 0;
   int runs = 1;
   int slices = 1;  // > 1: that many servers, each holding one slice of every expert (--slice i/n)
+  int tp = 1;      // > 1: that many GPUs, one cache over them vs a cache per GPU (RunTensorParallel)
   int chunk = 0;  // > 0: tokens per layer call (a larger batch runs as several calls)
   // Tokens in one layer call of a batch of T.
   int CallTokens(int T) const { return chunk > 0 ? std::min(T, chunk) : T; }
@@ -394,6 +401,146 @@ double RunFloor(const RunResult& r, const FloorRates& f) {
   for (const Uncached& step : r.uncached) v.push_back(StepFloor(step, f));
   return Median(v);
 }
+
+#ifdef MOE_HAVE_NCCL
+// --tp N: N GPUs of this machine serve one model as a tensor-parallel group
+// would, against the same CPU servers — every rank gets the same tokens and
+// routing (the same router seed) and its output of each layer is summed over
+// the ranks with ncclAllReduce on its stream, as the engine's all-reduce does.
+// "union": each rank a session of the group (its own experts, cached and
+// computed); "independent": each rank a whole session with the same cache
+// size computing every pair (a cache per GPU), all-reducing a buffer of the
+// same size as the engine's per-layer all-reduce would. A step is every
+// layer once, timed from a barrier to the slowest rank's end. MoE only (no
+// attention): what the caches change.
+struct TpResult {
+  double step_s = 0, hit = 0;
+};
+
+TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const std::vector<std::string>& sockets,
+                               HostExpertStore* host, std::vector<ncclComm_t>& comms, int T, int C, bool group) {
+  const int R = static_cast<int>(comms.size()), L = static_cast<int>(spec.moe_layers.size());
+  const int H = spec.hidden, k = spec.top_k;
+  std::barrier sync(R);
+  std::vector<double> step_t;
+  std::vector<uint64_t> hits(R, 0), pairs(R, 0);
+  auto rank_main = [&](int r) {
+    if (cudaSetDevice(r) != cudaSuccess) Die("cudaSetDevice");
+    std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend("cuda"), "device");
+    DispatcherConfig c;
+    for (const std::string& s : sockets) c.servers.push_back(ExpertServerConfig{"unix://" + s, {}});
+    c.transport.max_tokens_per_slot = 1024;
+    c.transport.slots = 8;
+    c.slots_per_layer = C;
+    c.max_tokens = T;
+    c.max_top_k = k;
+    c.miss_buffers = 4;
+    c.deadline = std::chrono::milliseconds(120000);
+    if (group) c.group = TensorParallelGroup{r, R};
+    std::unique_ptr<LayerDispatcher> d = Value(LayerDispatcher::Create(spec, *backend, host, c), "dispatcher");
+    ZipfRouter router(L, spec.num_experts, k, o.zipf, o.drift, o.seed);
+    for (int li = 0; li < L; ++li) {  // warm: the hottest experts this rank may hold
+      const int layer = spec.moe_layers[li];
+      std::vector<int> mine;
+      for (int e : router.Hottest(li, spec.num_experts))
+        if (static_cast<int>(mine.size()) < C && (!group || ExpertOwner(layer, e, R) == r)) mine.push_back(e);
+      Check(d->ApplyAssignment(layer, mine), "assign");
+    }
+    Check(d->FlushCopies(), "flush");
+    Buffers buf(true);
+    bf16_t* x = buf.Alloc<bf16_t>(static_cast<size_t>(T) * H);
+    bf16_t* out = buf.Alloc<bf16_t>(static_cast<size_t>(T) * H);
+    bf16_t* scratch = buf.Alloc<bf16_t>(static_cast<size_t>(T) * H);
+    int32_t* ids = buf.Alloc<int32_t>(static_cast<size_t>(T) * k);
+    float* w = buf.Alloc<float>(static_cast<size_t>(T) * k);
+    std::vector<bf16_t> h0(static_cast<size_t>(T) * H);
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> u(-1, 1);
+    for (bf16_t& v : h0) v = F32ToBf16(u(rng));
+    buf.Upload(x, h0.data(), h0.size() * sizeof(bf16_t));
+    std::vector<int32_t> hid(static_cast<size_t>(T) * k);
+    std::vector<float> hw(hid.size());
+    cudaStream_t stream = nullptr;
+    if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) Die("cudaStreamCreate");
+    for (int step = 0; step < o.warmup + o.steps; ++step) {
+      router.Step();
+      sync.arrive_and_wait();
+      const Clock::time_point s0 = Clock::now();
+      for (int li = 0; li < L; ++li) {
+        router.Route(li, T, hid.data(), hw.data());
+        buf.Upload(ids, hid.data(), hid.size() * sizeof(int32_t));
+        buf.Upload(w, hw.data(), hw.size() * sizeof(float));
+        LayerCall call;
+        call.batch = MoeBatch{spec.moe_layers[li], T, x, RoutingView{T, k, ids, w}};
+        call.out = out;
+        call.kind = MemoryKind::kDevice;
+        call.stream = stream;
+        CallStats st;
+        Check(d->Forward(call, &st), "forward");
+        // The layer's all-reduce: of the partial sums (union), or of a buffer
+        // of the same size (independent: the engine of a tensor-parallel
+        // model all-reduces every layer anyway, so both pay it and its sync).
+        if (ncclAllReduce(group ? out : scratch, group ? out : scratch, static_cast<size_t>(T) * H, ncclBfloat16,
+                          ncclSum, comms[r], stream) != ncclSuccess)
+          Die("ncclAllReduce");
+        if (cudaStreamSynchronize(stream) != cudaSuccess) Die("cudaStreamSynchronize");
+        if (step >= o.warmup) {
+          hits[r] += static_cast<uint64_t>(st.hit_pairs);
+          pairs[r] += static_cast<uint64_t>(st.hit_pairs + st.cpu_pairs + st.copied_pairs);
+        }
+      }
+      sync.arrive_and_wait();
+      if (r == 0 && step >= o.warmup) step_t.push_back(Sec(s0));
+    }
+    d.reset();  // it waits for its last call on the stream
+    cudaStreamDestroy(stream);
+  };
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < R; ++r) ranks.emplace_back(rank_main, r);
+  for (std::thread& t : ranks) t.join();
+  uint64_t h = 0, p = 0;  // the group's pairs: each computed once (union) or on every rank (independent)
+  for (int r = 0; r < R; ++r) {
+    h += hits[r];
+    p += pairs[r];
+  }
+  return TpResult{Median(step_t), p > 0 ? static_cast<double>(h) / static_cast<double>(p) : 0};
+}
+
+void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vector<std::string>& sockets,
+                       HostExpertStore* host) {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < o.tp)
+    Die(absl::StrCat("--tp ", o.tp, ": ", devices, " CUDA device(s) visible"));
+  std::vector<ncclComm_t> comms(o.tp);
+  std::vector<int> devs(o.tp);
+  for (int r = 0; r < o.tp; ++r) devs[r] = r;
+  if (ncclCommInitAll(comms.data(), o.tp, devs.data()) != ncclSuccess) Die("ncclCommInitAll");
+  std::printf("\n### moe_layer --tp %d: %s, %d MoE layers, one cache over the GPUs (union) vs a cache per GPU\n\n",
+              o.tp, o.preset.c_str(), static_cast<int>(spec.moe_layers.size()));
+  std::printf("| T | cache per GPU | independent step ms | union step ms | union / independent | independent hit | "
+              "union hit |\n|---|---|---|---|---|---|---|\n");
+  for (int T : Ints(o.batches))
+    for (int pct : Ints(o.cache)) {
+      const int C = pct * spec.num_experts / 100;
+      std::vector<double> ind_t, uni_t;
+      TpResult ind, uni;
+      for (int run = 0; run < o.runs; ++run) {
+        ind = RunTensorParallelOnce(o, spec, sockets, host, comms, T, C, false);
+        uni = RunTensorParallelOnce(o, spec, sockets, host, comms, T, C, true);
+        ind_t.push_back(ind.step_s);
+        uni_t.push_back(uni.step_s);
+      }
+      auto cell = [](std::vector<double> v) {
+        std::sort(v.begin(), v.end());
+        return absl::StrFormat("%.3f [%.3f-%.3f]", 1e3 * Median(v), 1e3 * v.front(), 1e3 * v.back());
+      };
+      std::printf("| %d | %d%% (%d) | %s | %s | %.2f | %.1f%% | %.1f%% |\n", T, pct, C, cell(ind_t).c_str(),
+                  cell(uni_t).c_str(), Median(uni_t) / Median(ind_t), 100 * ind.hit, 100 * uni.hit);
+      std::fflush(stdout);
+    }
+  for (ncclComm_t c : comms) ncclCommDestroy(c);
+}
+#endif  // MOE_HAVE_NCCL
 
 class Bench {
  public:
@@ -719,7 +866,7 @@ int Main(int argc, char** argv) {
                 "End-to-end MoE decode steps on a GPU worker with a CPU expert server over shm; prints a\n"
                 "Markdown table (ours vs all-on-GPU, copy-every-miss LRU, copy-all-experts, and a floor).");
   flags.String("preset", &o.preset, "model geometry: qwen3-30b-a3b, deepseek-v3, mixtral-8x7b, tiny, ...");
-  int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context, slices = 1;
+  int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context, slices = 1, tp = 1;
   flags.Int("layers", &layers, "MoE layers (0: as many as fit twice in host memory: server + worker copy)");
   flags.String("batches", &o.batches, "tokens per decode step");
   flags.String("cache", &o.cache, "cache sizes, percent of the GPU memory a bf16 cache of every expert would take");
@@ -750,6 +897,9 @@ int Main(int argc, char** argv) {
   flags.Int("slices", &slices,
             "expert servers, each holding slice i of n of every expert's intermediate dimension on its share of "
             "the cores (--server-threads / n threads each; default 1: one whole server)");
+  flags.Int("tp", &tp,
+            "GPUs: > 1 runs only the tensor-parallel comparison — every GPU the same tokens, one cache over them "
+            "(each rank its experts, ncclAllReduce of the outputs) vs a cache per GPU, per --batches and --cache");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
   flags.String("weight-dtype", &o.weight_dtype,
                "the expert server's --weight-dtype and the worker's cache precision: bf16, int8 or int4");
@@ -765,6 +915,12 @@ int Main(int argc, char** argv) {
   if (runs < 1) Die("--runs: must be at least 1");
   if (slices < 1 || slices > kMaxSlices) Die("--slices: must be in [1, 8]");
   o.slices = static_cast<int>(slices);
+#ifdef MOE_HAVE_NCCL
+  if (tp < 1 || tp > 64) Die("--tp: must be in [1, 64]");
+#else
+  if (tp != 1) Die("--tp: this build has no NCCL");
+#endif
+  o.tp = static_cast<int>(tp);
   if (chunk < 0) Die("--chunk: must be at least 0");
   o.chunk = static_cast<int>(chunk);
   o.runs = static_cast<int>(runs);
@@ -854,6 +1010,15 @@ int Main(int argc, char** argv) {
   LogInfo("bench", "host expert store: ", host->shared() ? "shared with the server" : "own", ", ", host->bytes() >> 20,
           " MiB of its own, in ", Sec(h0), " s; DRAM ", dram_gbps, " GB/s");
 
+#ifdef MOE_HAVE_NCCL
+  if (o.tp > 1) {
+    RunTensorParallel(o, spec, sockets, host.get());
+    for (auto& server : servers) server->Signal(SIGTERM);
+    for (auto& server : servers) server->Wait(std::chrono::seconds(30));
+    std::filesystem::remove_all(dir);
+    return 0;
+  }
+#endif
   Bench bench(o, spec, sockets, host.get());
   const std::vector<std::string> modes = absl::StrSplit(o.modes, ',', absl::SkipEmpty());
   auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
@@ -969,4 +1134,20 @@ int Main(int argc, char** argv) {
 }  // namespace
 }  // namespace moe
 
-int main(int argc, char** argv) { return moe::Main(argc, argv); }
+namespace {
+// A crash prints its raw stack, library and offset per frame (a benchmark
+// runs where no debugger is).
+void PrintStackAndDie(int sig) {
+  void* frames[64];
+  const int n = backtrace(frames, 64);
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  signal(SIGSEGV, PrintStackAndDie);
+  signal(SIGBUS, PrintStackAndDie);
+  return moe::Main(argc, argv);
+}
