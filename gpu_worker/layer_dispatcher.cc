@@ -67,6 +67,9 @@ absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name) {
 // ---------------------------------------------------------------------------
 // Internals: servers, per-call contexts, shipments.
 
+// How often a failed server's transport is asked whether it is connected again.
+constexpr std::chrono::milliseconds kReconnectPoll{20};
+
 struct Server {
   ExpertServerConfig config;
   std::unique_ptr<ExpertTransport> transport;
@@ -881,6 +884,12 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
     Server& sv = m.servers[i];
     if (sv.transport == nullptr && sv.enabled && sv.down_until <= now && any_miss)
       if (!ConnectServer(i).ok()) sv.down_until = now + config_.server_retry;
+    // A server that failed gets calls again once its transport says it is
+    // connected (a gRPC channel is asked to connect now), checked every
+    // kReconnectPoll — not a call sent into a channel still in back-off.
+    if (sv.transport != nullptr && sv.failing && sv.enabled && sv.down_until <= now &&
+        !sv.transport->Reconnect().ok())
+      sv.down_until = now + std::min<Clock::duration>(config_.server_retry, kReconnectPoll);
     m.plan_servers[i] = PlanServer{sv.enabled && sv.transport != nullptr && sv.down_until <= now, &sv.hosts,
                                    sv.chunk_tokens, sv.slice};
   }

@@ -98,7 +98,9 @@ struct DispatcherConfig {
   int copy_min_tokens = 0;         // > 0: copy experts with at least this many tokens (no model)
   bool copy_fallback = true;       // failed servers: copy the experts to the device
   std::chrono::milliseconds deadline{30000};  // per call
-  std::chrono::milliseconds server_retry{1000};  // a failed server is skipped this long
+  // A failed server is skipped this long, then tried again (a failed try is
+  // cheap: a dead socket or a channel in back-off fails at once).
+  std::chrono::milliseconds server_retry{250};
   // Decode polling: calls of at most poll_max_tokens tokens turn on the
   // transports' polling mode (ExpertTransport::SetPolling) with this window;
   // larger calls turn it off. Off on machines with fewer than 8 hardware threads.

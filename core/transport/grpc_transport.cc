@@ -73,6 +73,14 @@ class GrpcTransport final : public ExpertTransport {
   const char* kind() const override { return unary_ ? "grpc-unary" : "grpc-stream"; }
   ExpertSlice slice() const override { return slice_; }
 
+  // OK when the channel is connected; otherwise asks it to connect now (from
+  // IDLE; a channel in back-off tries at its next tick) and says UNAVAILABLE.
+  // Never blocks.
+  absl::Status Reconnect() override {
+    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return absl::OkStatus();
+    return absl::UnavailableError(absl::StrCat("expert server ", address_, ": not connected"));
+  }
+
   absl::StatusOr<StagingArea> Stage(int n, int k, Clock::time_point) override {
     if (n < 1 || k < 1) return absl::InvalidArgumentError("Stage: n and k must be >= 1");
     auto buf = std::make_unique<Staging>();
