@@ -1,5 +1,7 @@
 #include "cpu_expert_server/expert_service.h"
 
+#include <thread>
+
 #include <chrono>
 #include <cstring>
 #include <vector>
@@ -162,9 +164,12 @@ grpc::Status ExpertServiceImpl::ForwardStreamRaw(grpc::ServerContext* ctx,
   ForwardRequestStorage storage;
   grpc::Status result = grpc::Status::OK;
   for (;;) {
+    bool draining;
     {
       std::lock_guard<std::mutex> lock(streams_mu_);
-      if (draining_) break;
+      // Past the drain's grace no more requests are read: the stream ends
+      // UNAVAILABLE "server is draining" (below).
+      if (draining_ && std::chrono::steady_clock::now() - drain_started_ >= kDrainGrace) break;
       streams_[ctx] = true;  // idle: Drain() may cancel us while we wait
     }
     grpc::ByteBuffer in;
@@ -172,10 +177,14 @@ grpc::Status ExpertServiceImpl::ForwardStreamRaw(grpc::ServerContext* ctx,
     {
       std::lock_guard<std::mutex> lock(streams_mu_);
       streams_[ctx] = false;
+      draining = draining_;
     }
     if (!got) break;
     absl::Status end_stream;
-    grpc::ByteBuffer answer = HandleStreamMessage(in, storage, &end_stream);
+    // Draining: every request still arriving on the stream (queued behind the
+    // one being computed, or sent since) is answered UNAVAILABLE "server is
+    // draining", so the client knows to go elsewhere; none is left unanswered.
+    grpc::ByteBuffer answer = draining ? DrainingAnswer(in, storage) : HandleStreamMessage(in, storage, &end_stream);
     if (!end_stream.ok()) {
       result = ToGrpcStatus(end_stream);
       break;
@@ -188,9 +197,25 @@ grpc::Status ExpertServiceImpl::ForwardStreamRaw(grpc::ServerContext* ctx,
   return result;
 }
 
+grpc::ByteBuffer ExpertServiceImpl::DrainingAnswer(grpc::ByteBuffer& in, ForwardRequestStorage& storage) {
+  WireForwardRequest req;
+  (void)ParseForwardRequest(in, storage, &req);  // for its id; the request is not computed
+  return EncodeForwardStreamResponse(req.request_id, absl::UnavailableError("server is draining"), DType::kBF16, 0,
+                                     spec_.hidden, MessageBufferPool::Buffer(), moe::v1::ForwardStats());
+}
+
 void ExpertServiceImpl::Drain() {
+  {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    draining_ = true;
+    drain_started_ = std::chrono::steady_clock::now();
+  }
+  // Requests the clients sent before they saw the drain are still arriving:
+  // they get their UNAVAILABLE answers (ForwardStreamRaw) during this grace;
+  // then the streams waiting for more are ended (the gRPC server's shutdown
+  // would otherwise wait the whole drain deadline for them).
+  std::this_thread::sleep_for(kDrainGrace);
   std::lock_guard<std::mutex> lock(streams_mu_);
-  draining_ = true;
   for (auto& [ctx, idle] : streams_) {
     if (idle) ctx->TryCancel();
   }

@@ -50,10 +50,13 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   grpc::Status GetInfo(grpc::ServerContext* ctx, const moe::v1::GetInfoRequest* req,
                        moe::v1::ServerInfo* resp) override;
 
-  // Starts draining: open streams finish the request they are computing and
-  // then end with UNAVAILABLE ("draining"), idle ones end at once. Unary calls
-  // in flight complete. Call before grpc::Server::Shutdown.
+  // Starts draining: open streams finish the request they are computing;
+  // every request still arriving on them (queued behind it, or sent before the
+  // client saw the drain) is answered UNAVAILABLE "server is draining"; after
+  // kDrainGrace the streams waiting for more are ended. Unary calls in flight
+  // complete. Blocks for kDrainGrace. Call before grpc::Server::Shutdown.
   void Drain();
+  static constexpr std::chrono::milliseconds kDrainGrace{200};
 
   // The whole request path without gRPC: decode, validate, compute, encode.
   // Records no metrics.
@@ -78,6 +81,8 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   // One ForwardStream message in, its answer out (recorded in metrics_).
   // Bytes that are no ForwardRequest and carry no request id to answer set
   // *end_stream: the stream ends with that status.
+  // The UNAVAILABLE "server is draining" answer to a stream message.
+  grpc::ByteBuffer DrainingAnswer(grpc::ByteBuffer& in, ForwardRequestStorage& storage);
   grpc::ByteBuffer HandleStreamMessage(grpc::ByteBuffer& in, ForwardRequestStorage& storage,
                                        absl::Status* end_stream);
 
@@ -88,6 +93,7 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   ExpertServerMetrics* metrics_;
   std::mutex streams_mu_;
   bool draining_ = false;
+  std::chrono::steady_clock::time_point drain_started_{};  // guarded by streams_mu_
   std::map<grpc::ServerContext*, bool> streams_;  // open streams -> idle (blocked in Read)
   std::shared_ptr<MessageBufferPool> pool_ = MessageBufferPool::Create(16);  // response buffers
 };
