@@ -50,7 +50,9 @@
 #include "client/worker_client.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
+#include "moe/v1/coordinator.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_support.h"
 
@@ -941,13 +943,45 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
     rss_before.push_back(OwnRssKib(p->proc->pid()));
     maps_before.push_back(RssByMapping(p->proc->pid()));
   }
+  // A hostile neighbour (issue 25) for the whole soak: as another uid (when
+  // the test runs as root) it holds 64 silent connections on each server's
+  // shm socket (defect 5: the workers must still get their slots); it keeps
+  // registering with the live workers' ids at the coordinator (defect 4: every
+  // try refused while their leases live); and while s1 is down it serves s1's
+  // socket with unsealed segments it shrinks (defect 1: the workers must
+  // refuse them, not die of SIGBUS). Every answer is still checked.
+  testing::HostileNeighbour hostile;
+  if (geteuid() == 0) ASSERT_TRUE(hostile.HoldShmSlots({sockets_[0], sockets_[1]}, 64));
+  std::atomic<bool> stop_hijack{false};
+  std::atomic<int> hijack_tries{0}, hijacked{0};
+  std::thread hijacker([&] {
+    auto stub = moe::v1::CoordinatorService::NewStub(
+        grpc::CreateChannel(coord_.addr, grpc::InsecureChannelCredentials()));
+    for (int i = 0; !stop_hijack.load(); ++i) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + 2s);
+      moe::v1::RegisterWorkerRequest req;
+      req.set_worker_id(WorkerId(i % 2));
+      req.set_num_layers(3);
+      req.set_num_experts(8);
+      req.set_slots_per_layer(kSlots);
+      moe::v1::RegisterWorkerResponse resp;
+      const grpc::Status st = stub->RegisterWorker(&ctx, req, &resp);
+      ++hijack_tries;
+      if (st.ok()) ++hijacked;
+      std::this_thread::sleep_for(50ms);
+    }
+  });
 
   // s1 (where the misses go first) SIGKILLed and restarted on the same socket, twice.
   for (int round = 0; round < 2; ++round) {
     ASSERT_TRUE(hold(segment)) << "calls stalled before kill " << round + 1;
     servers_[0].proc->Signal(SIGKILL);
     ASSERT_NE(servers_[0].proc->Wait(5s), -1);
+    ASSERT_TRUE(hostile.ServeUnsealedSegments(sockets_[0]));
     ASSERT_TRUE(wait_calls(20, 20s)) << "calls stalled after kill " << round + 1;
+    ASSERT_TRUE(hold(1500ms)) << "calls stalled while the hostile neighbour held s1's socket";
+    hostile.StopServing();
     LaunchServer(0);
     ASSERT_NO_FATAL_FAILURE(WaitReady(servers_[0], "moe-expert-server", true));
     ASSERT_TRUE(WaitForStatus([](const nlohmann::json& s) { return StateOf(s, "s1") == "up"; }, 10s))
@@ -962,8 +996,12 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
       std::this_thread::sleep_for(50ms);
     EXPECT_GT(ServerRequests(0), served) << "the restarted s1 takes misses again (round " << round + 1 << ")";
   }
-  // The coordinator stopped and restarted on the same port and state file.
+  // The coordinator stopped and restarted on the same port and state file
+  // (the hijacker stops first: a restarted coordinator knows no lease until
+  // the workers register again, which is not the case defect 4 is about).
   ASSERT_TRUE(hold(segment)) << "calls stalled before the coordinator restart";
+  stop_hijack = true;
+  hijacker.join();
   const std::string addr = coord_.addr;
   coord_.proc->Signal(SIGTERM);
   ASSERT_NE(coord_.proc->Wait(10s), -1);
@@ -975,6 +1013,7 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
       << "the workers and servers did not all come back: " << last_status_;
   ASSERT_TRUE(hold(segment)) << "calls stalled after the coordinator restart";
   traffic.Join();
+  hostile.Stop();
 
   std::vector<long> rss_after;
   for (const Process* p : watched) rss_after.push_back(OwnRssKib(p->proc->pid()));
@@ -992,6 +1031,13 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
     EXPECT_LT(rss_after[i], rss_before[i] * 1.05)
         << name << " grew by more than 5%; resident by mapping:\n" << RssGrowth(maps_before[i], RssByMapping(watched[i]->proc->pid()));
   }
+  std::printf("soak: hostile neighbour: %d unsealed segments handed out (refused), %d/%d hijack tries succeeded, "
+              "64 silent connections per shm socket %s\n",
+              hostile.segments_handed_out(), hijacked.load(), hijack_tries.load(),
+              hostile.holds_as_other_uid() ? "held as uid 65534" : "not held (not root: no other uid to use)");
+  EXPECT_GT(hostile.segments_handed_out(), 0) << "the workers never came to the hostile s1";
+  EXPECT_GT(hijack_tries.load(), 10);
+  EXPECT_EQ(hijacked.load(), 0) << "a live worker's id was taken";
   EXPECT_EQ(wrong.load(), 0) << problem.text();
   EXPECT_EQ(failed.load(), 0) << "s2 replicates every expert: no call should fail; " << problem.text();
   EXPECT_LT(seconds, 120);

@@ -3,7 +3,9 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/time.h>
 #include <poll.h>
 #include <signal.h>
@@ -14,8 +16,12 @@
 
 #include <cstdio>
 #include <cstring>
+#include <cerrno>
 #include <filesystem>
 #include <random>
+
+#include "core/transport/shm_server.h"
+#include "core/transport/unix_socket.h"
 
 namespace moe::testing {
 
@@ -110,6 +116,91 @@ int ReservablePort() {
     if (free) return port;
   }
   return 0;
+}
+
+
+bool HostileNeighbour::ServeUnsealedSegments(const std::string& path) {
+  StopServing();
+  absl::StatusOr<int> fd = unix_socket::Listen(path, 0666);
+  if (!fd.ok()) return false;
+  path_ = path;
+  listen_fd_ = *fd;
+  stop_ = false;
+  server_ = std::thread([this] {
+    while (!stop_.load()) {
+      pollfd p{listen_fd_, POLLIN, 0};
+      if (poll(&p, 1, 50) <= 0) continue;
+      const int c = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) continue;
+      ShmHello hello{};
+      int none = -1;
+      if (unix_socket::Receive(c, &hello, sizeof(hello), &none, 2000).ok()) {
+        const int mem = memfd_create("hostile-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        if (mem >= 0 && ftruncate(mem, 64 << 20) == 0) {
+          ShmReply reply{};
+          reply.magic = hello.magic;  // a segment or a store, whichever was asked for
+          reply.segment_bytes = 64 << 20;
+          if (unix_socket::Send(c, &reply, sizeof(reply), mem).ok()) ++handed_out_;
+          (void)!ftruncate(mem, 0);  // shrunk under any mapping the client made
+        }
+        if (mem >= 0) close(mem);
+      }
+      close(c);
+    }
+  });
+  return true;
+}
+
+void HostileNeighbour::StopServing() {
+  stop_ = true;
+  if (server_.joinable()) server_.join();
+  if (listen_fd_ >= 0) {
+    close(listen_fd_);
+    listen_fd_ = -1;
+    unlink(path_.c_str());
+  }
+}
+
+bool HostileNeighbour::HoldShmSlots(const std::vector<std::string>& paths, int connections_each) {
+  other_uid_ = geteuid() == 0;
+  holder_ = fork();
+  if (holder_ < 0) return false;
+  if (holder_ == 0) {  // the child: only async-signal-safe work and plain syscalls from here
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(3);
+    std::vector<int> held(paths.size() * static_cast<size_t>(connections_each), -1);
+    for (;;) {
+      for (size_t i = 0; i < held.size(); ++i) {
+        if (held[i] >= 0) {  // closed by the server? then open another
+          char b;
+          if (recv(held[i], &b, 1, MSG_DONTWAIT) != 0 && errno == EAGAIN) continue;
+          close(held[i]);
+          held[i] = -1;
+        }
+        const std::string& path = paths[i / static_cast<size_t>(connections_each)];
+        const int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_un a{};
+        a.sun_family = AF_UNIX;
+        std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+        if (s >= 0 && connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
+          held[i] = s;  // silent: no hello
+        } else if (s >= 0) {
+          close(s);
+        }
+      }
+      usleep(20000);
+    }
+  }
+  return true;
+}
+
+void HostileNeighbour::Stop() {
+  StopServing();
+  if (holder_ > 0) {
+    kill(holder_, SIGKILL);
+    waitpid(holder_, nullptr, 0);
+    holder_ = -1;
+  }
 }
 
 }  // namespace moe::testing

@@ -4,8 +4,10 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/subprocess.h"
@@ -51,5 +53,43 @@ std::string Scrape(int port);
 // and make the restart's bind fail. 0 (= let the kernel pick) when the range
 // leaves no room below it.
 int ReservablePort();
+
+// A hostile same-host neighbour (issue 25), for soak tests. Each part runs
+// until Stop() or destruction and counts what it did.
+//  - ServeUnsealedSegments(path): listens on an shm socket path (one a
+//    killed server left, say) and answers every hello with a memfd that is
+//    not sealed, then shrinks it to 0 bytes: a client that mapped it would
+//    die of SIGBUS on its next access (defect 1).
+//  - HoldShmSlots(path, n): a child process — dropped to uid 65534 when run
+//    as root — opens n connections to the socket and keeps them silent,
+//    opening new ones as the server closes them (defect 5).
+class HostileNeighbour {
+ public:
+  HostileNeighbour() = default;
+  ~HostileNeighbour() { Stop(); }
+  HostileNeighbour(const HostileNeighbour&) = delete;
+  HostileNeighbour& operator=(const HostileNeighbour&) = delete;
+
+  // False (and nothing started) when the path cannot be listened on.
+  bool ServeUnsealedSegments(const std::string& path);
+  // Stops serving and removes the socket file (so a real server can bind it).
+  void StopServing();
+  int segments_handed_out() const { return handed_out_.load(); }
+
+  // False when the child cannot be started.
+  bool HoldShmSlots(const std::vector<std::string>& paths, int connections_each);
+  bool holds_as_other_uid() const { return other_uid_; }
+
+  void Stop();
+
+ private:
+  std::string path_;
+  int listen_fd_ = -1;
+  std::atomic<bool> stop_{false};
+  std::atomic<int> handed_out_{0};
+  std::thread server_;
+  pid_t holder_ = -1;
+  bool other_uid_ = false;
+};
 
 }  // namespace moe::testing
