@@ -402,6 +402,22 @@ double RunFloor(const RunResult& r, const FloorRates& f) {
   return Median(v);
 }
 
+// What every run's dispatcher starts from: the servers over shm (request
+// slots of 1024 tokens, 8 of them), C slots per layer, calls of up to
+// max_tokens tokens, a deadline no bench call reaches.
+DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, int C, int max_tokens, int top_k) {
+  DispatcherConfig c;
+  for (const std::string& s : sockets) c.servers.push_back(ExpertServerConfig{"unix://" + s, {}});
+  c.transport.max_tokens_per_slot = 1024;
+  c.transport.slots = 8;
+  c.slots_per_layer = C;
+  c.max_tokens = max_tokens;
+  c.max_top_k = top_k;
+  c.miss_buffers = 4;
+  c.deadline = std::chrono::milliseconds(120000);
+  return c;
+}
+
 #ifdef MOE_HAVE_NCCL
 // --tp N: N GPUs of this machine serve one model as a tensor-parallel group
 // would, against the same CPU servers — every rank gets the same tokens and
@@ -427,15 +443,7 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
   auto rank_main = [&](int r) {
     if (cudaSetDevice(r) != cudaSuccess) Die("cudaSetDevice");
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend("cuda"), "device");
-    DispatcherConfig c;
-    for (const std::string& s : sockets) c.servers.push_back(ExpertServerConfig{"unix://" + s, {}});
-    c.transport.max_tokens_per_slot = 1024;
-    c.transport.slots = 8;
-    c.slots_per_layer = C;
-    c.max_tokens = T;
-    c.max_top_k = k;
-    c.miss_buffers = 4;
-    c.deadline = std::chrono::milliseconds(120000);
+    DispatcherConfig c = BenchDispatcherConfig(sockets, C, T, k);
     if (group) c.group = TensorParallelGroup{r, R};
     std::unique_ptr<LayerDispatcher> d = Value(LayerDispatcher::Create(spec, *backend, host, c), "dispatcher");
     ZipfRouter router(L, spec.num_experts, k, o.zipf, o.drift, o.seed);
@@ -552,19 +560,11 @@ class Bench {
   RunResult Run(int T, int C, CachePolicyKind policy, CopyMode copy, bool dual, bool graph = false) {
     const int N = o_.CallTokens(T);
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
-    DispatcherConfig c;
-    for (const std::string& s : shm_) c.servers.push_back(ExpertServerConfig{"unix://" + s, {}});
-    c.transport.max_tokens_per_slot = 1024;
-    c.transport.slots = 8;
-    c.slots_per_layer = C;
+    DispatcherConfig c = BenchDispatcherConfig(shm_, C, N, spec_.top_k);
     c.policy = policy;
     c.copy_mode = copy;
-    c.max_tokens = N;
-    c.max_top_k = spec_.top_k;
     c.admissions_per_call = o_.admissions;
-    c.miss_buffers = 4;
     c.measure_rates = copy == CopyMode::kAuto;
-    c.deadline = std::chrono::milliseconds(120000);
     c.eager_on_device = !host_path_;
     // The floor's input: the rows of every expert a call missed in the cache.
     c.on_access = [this](int, int, int pairs, bool hit) {

@@ -15,9 +15,7 @@
 #include <thread>
 #include <tuple>
 
-#ifdef MOE_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
+#include "tests/device_call.h"
 
 #include "core/model_source.h"
 #include "core/reference_moe.h"
@@ -716,28 +714,21 @@ TEST_P(DispatcherTest, DevicePointersOnTheCudaBackend) {
   ASSERT_TRUE(Place(*d, 2, {1, 4, 6}));
   for (int T : {1, 37}) {
     Batch b = RandomBatch(T, 3, AllExperts(), 200 + T, /*holes=*/true);
-    void *x = nullptr, *ids = nullptr, *w = nullptr, *o = nullptr;
-    ASSERT_EQ(cudaMalloc(&x, b.x.size() * 2), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&ids, b.ids.size() * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&w, b.w.size() * 4), cudaSuccess);
-    ASSERT_EQ(cudaMalloc(&o, b.x.size() * 2), cudaSuccess);
-    cudaMemcpy(x, b.x.data(), b.x.size() * 2, cudaMemcpyHostToDevice);
-    cudaMemcpy(ids, b.ids.data(), b.ids.size() * 4, cudaMemcpyHostToDevice);
-    cudaMemcpy(w, b.w.data(), b.w.size() * 4, cudaMemcpyHostToDevice);
+    testing::DeviceCall dev(b.x, b.ids, b.w);
+    ASSERT_TRUE(dev.ok());
     std::vector<bf16_t> out;
     LayerCall call = Call(2, b, &out);
-    call.batch.tokens = static_cast<const bf16_t*>(x);
-    call.batch.routing.ids = static_cast<const int32_t*>(ids);
-    call.batch.routing.weights = static_cast<const float*>(w);
-    call.out = static_cast<bf16_t*>(o);
+    call.batch.tokens = dev.x();
+    call.batch.routing.ids = dev.ids();
+    call.batch.routing.weights = dev.weights();
+    call.out = dev.out();
     call.kind = MemoryKind::kDevice;
     CallStats st;
     absl::Status s = d->Forward(call, &st);
     ASSERT_TRUE(s.ok()) << s;
-    cudaMemcpy(out.data(), o, out.size() * 2, cudaMemcpyDeviceToHost);
+    out = dev.Output();
     EXPECT_LE(Error(2, b, out), 1e-2) << "T=" << T;
     EXPECT_GT(st.hit_pairs + st.cpu_pairs, 0);
-    for (void* p : {x, ids, w, o}) cudaFree(p);
   }
 }
 #endif

@@ -15,10 +15,6 @@
 #include <tuple>
 #include <vector>
 
-#ifdef MOE_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
-
 #include "client/expert_client.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
@@ -27,6 +23,7 @@
 #include "gpu_worker/layer_dispatcher.h"
 #include "gpu_worker/miss_plan.h"
 #include "gtest/gtest.h"
+#include "tests/device_call.h"
 #include "tests/test_support.h"
 
 namespace moe {
@@ -281,24 +278,15 @@ TEST_P(SlicedServersTest, DevicePathShipsToEverySliceAndRecomputesALostShare) {
     }
     for (int T : {1, 16}) {
       const Batch x = RandomBatch(T, 4, 300 + T + 10 * round);
-      void *dx = nullptr, *ids = nullptr, *w = nullptr, *o = nullptr;
-      ASSERT_EQ(cudaMalloc(&dx, x.x.size() * 2), cudaSuccess);
-      ASSERT_EQ(cudaMalloc(&ids, x.ids.size() * 4), cudaSuccess);
-      ASSERT_EQ(cudaMalloc(&w, x.w.size() * 4), cudaSuccess);
-      ASSERT_EQ(cudaMalloc(&o, x.x.size() * 2), cudaSuccess);
-      cudaMemcpy(dx, x.x.data(), x.x.size() * 2, cudaMemcpyHostToDevice);
-      cudaMemcpy(ids, x.ids.data(), x.ids.size() * 4, cudaMemcpyHostToDevice);
-      cudaMemcpy(w, x.w.data(), x.w.size() * 4, cudaMemcpyHostToDevice);
+      testing::DeviceCall dev(x.x, x.ids, x.w);
+      ASSERT_TRUE(dev.ok());
       LayerCall call;
-      call.batch = MoeBatch{1, T, static_cast<const bf16_t*>(dx),
-                            RoutingView{T, 4, static_cast<const int32_t*>(ids), static_cast<const float*>(w)}};
-      call.out = static_cast<bf16_t*>(o);
+      call.batch = MoeBatch{1, T, dev.x(), RoutingView{T, 4, dev.ids(), dev.weights()}};
+      call.out = dev.out();
       call.kind = MemoryKind::kDevice;
       CallStats st;
       absl::Status s = d->Forward(call, &st);
-      std::vector<bf16_t> out(x.x.size());
-      cudaMemcpy(out.data(), o, out.size() * 2, cudaMemcpyDeviceToHost);
-      for (void* p : {dx, ids, w, o}) cudaFree(p);
+      const std::vector<bf16_t> out = dev.Output();
       if (round == 1 && !s.ok()) {  // the call that met the dead server may report it; never a wrong sum
         EXPECT_TRUE(absl::IsUnavailable(s) || absl::IsDeadlineExceeded(s)) << s;
         continue;

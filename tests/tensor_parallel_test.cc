@@ -15,16 +15,13 @@
 #include <tuple>
 #include <vector>
 
-#ifdef MOE_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
-
 #include "coordinator/placement.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
 #include "gpu_worker/device_backend.h"
 #include "gtest/gtest.h"
 #include "moe/engine.h"
+#include "tests/device_call.h"
 #include "tests/test_support.h"
 
 namespace moe {
@@ -165,19 +162,12 @@ class TensorParallelTest : public ::testing::TestWithParam<std::tuple<std::strin
       EXPECT_TRUE(r.ok()) << r;
     } else {
 #ifdef MOE_HAVE_CUDA
-      void *x = nullptr, *ids = nullptr, *w = nullptr, *o = nullptr;
-      cudaMalloc(&x, b.x.size() * 2);
-      cudaMalloc(&ids, b.ids.size() * 4);
-      cudaMalloc(&w, b.w.size() * 4);
-      cudaMalloc(&o, b.x.size() * 2);
-      cudaMemcpy(x, b.x.data(), b.x.size() * 2, cudaMemcpyHostToDevice);
-      cudaMemcpy(ids, b.ids.data(), b.ids.size() * 4, cudaMemcpyHostToDevice);
-      cudaMemcpy(w, b.w.data(), b.w.size() * 4, cudaMemcpyHostToDevice);
-      absl::Status r = s.ForwardLayer(layer, b.T, kK, static_cast<const bf16_t*>(x), static_cast<const int32_t*>(ids),
-                                      static_cast<const float*>(w), static_cast<bf16_t*>(o), MemoryKind::kDevice, st);
+      testing::DeviceCall dev(b.x, b.ids, b.w);
+      EXPECT_TRUE(dev.ok());
+      absl::Status r =
+          s.ForwardLayer(layer, b.T, kK, dev.x(), dev.ids(), dev.weights(), dev.out(), MemoryKind::kDevice, st);
       EXPECT_TRUE(r.ok()) << r;
-      cudaMemcpy(out.data(), o, out.size() * 2, cudaMemcpyDeviceToHost);
-      for (void* p : {x, ids, w, o}) cudaFree(p);
+      out = dev.Output();
 #endif
     }
     std::vector<float> f(out.size());

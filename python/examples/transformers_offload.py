@@ -205,19 +205,24 @@ class ExpertServer:
         self.proc.wait(timeout=60)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def common_arguments(ap, cache, check_steps):
+    """The flags this example shares with transformers_tp.py."""
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen3-30B-A3B-geometry model")
     ap.add_argument("--server-bin", required=True, help="path of moe-expert-server")
     ap.add_argument("--threads", type=int, default=0, help="expert-server compute threads (0: the server's default, which leaves cores to this process)")
     ap.add_argument("--batch", default="1,8", help="decode batch sizes")
-    ap.add_argument("--cache", default="0,0.25,0.5,1", help="fractions of each layer's experts cached on the GPU")
+    ap.add_argument("--cache", default=cache, help="fractions of each layer's experts cached on each GPU")
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
-    ap.add_argument("--check-steps", type=int, default=32, help="generated steps whose logits are compared")
+    ap.add_argument("--check-steps", type=int, default=check_steps, help="generated steps compared")
+    ap.add_argument("--out", default="", help="also write the tables to this markdown file")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common_arguments(ap, cache="0,0.25,0.5,1", check_steps=32)
     ap.add_argument("--no-offload-baseline", action="store_true", help="skip transformers' CPU offload")
     ap.add_argument("--workdir", default="", help="checkpoint directory (default: a temporary one)")
-    ap.add_argument("--out", default="", help="also write the tables to this markdown file")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("transformers_offload: needs a CUDA GPU", file=sys.stderr)

@@ -38,8 +38,8 @@ import torch.nn.functional as F
 import moe_expert_service as moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from transformers_offload import (ExpertServer, decode_tokens_per_s, gate_weight_of, qwen3_30b_a3b_config,  # noqa: E402
-                                  rel, sparse_blocks)
+from transformers_offload import (ExpertServer, common_arguments, decode_tokens_per_s, gate_weight_of,  # noqa: E402
+                                  qwen3_30b_a3b_config, rel, sparse_blocks)
 
 
 class TensorParallelSparseMoeBlock(torch.nn.Module):
@@ -176,16 +176,8 @@ def rank_main(rank, a, ckpt, socket, result_file):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen3-30B-A3B-geometry model")
+    common_arguments(ap, cache="0.25", check_steps=16)
     ap.add_argument("--gpus", type=int, default=2, help="ranks (one GPU each)")
-    ap.add_argument("--server-bin", required=True, help="path of moe-expert-server")
-    ap.add_argument("--threads", type=int, default=0, help="expert-server compute threads (0: its default)")
-    ap.add_argument("--batch", default="1,8", help="decode batch sizes")
-    ap.add_argument("--cache", default="0.25", help="fractions of each layer's experts cached per GPU")
-    ap.add_argument("--prompt", type=int, default=16, help="prompt tokens")
-    ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
-    ap.add_argument("--check-steps", type=int, default=16, help="greedy tokens compared")
-    ap.add_argument("--out", default="", help="also write the tables to this markdown file")
     a = ap.parse_args()
     if torch.cuda.device_count() < a.gpus:
         print(f"transformers_tp: needs {a.gpus} CUDA GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
