@@ -1,8 +1,9 @@
-// MoeBatch: one batch on its way through the system — n tokens [n, H] bf16
-// and their [n, k] routing for one MoE layer. The one name for it everywhere:
-// a transport ships it (ExpertTransport::Submit), a server computes it
-// (MoeExecutor::Forward), a GPU worker's layer call carries it (LayerCall).
-// A view: it owns nothing, the caller keeps the arrays alive.
+// MoeBatch: n tokens [n, H] bf16 and their [n, k] routing for one MoE
+// layer, as a view (it owns nothing, the caller keeps the arrays alive). A
+// GPU worker's layer call carries one (LayerCall), a server computes one
+// (MoeExecutor::Forward) and ExpertTransport::Submit ships one; the main
+// worker path fills a transport's StagingArea in place instead (no copy) and
+// the server reads it back as a ValidatedRequest.
 #pragma once
 
 #include <cstdint>

@@ -140,6 +140,8 @@ void GenerateExpertMatrix(uint64_t seed, int layer, int expert, Projection proj,
   }
 }
 
+// Long: config.json, then every layer's tensors in each checkpoint format
+// (bf16, FP8 blocks, INT4 groups) into shards and their index, in file order.
 absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& spec, uint64_t seed,
                                       size_t max_shard_bytes) {
   MOE_RETURN_IF_ERROR(spec.Validate());

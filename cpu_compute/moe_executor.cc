@@ -142,6 +142,8 @@ void MoeExecutor::PlanUnits(const ExpertGroups& groups) {
   }
 }
 
+// Long: one parallel region (gather, gate/up, down) whose three phases share
+// the region's scratch and barriers; split, each would need them passed in.
 absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
                                     const int32_t* store_expert, DType out_dtype, void* out,
                                     ForwardStats* stats, uint64_t t_queue, uint64_t t_start) {

@@ -93,6 +93,72 @@ double CgroupCpuQuota() {
   return 0;
 }
 
+namespace {
+
+// "topology: 1 package(s), 1 NUMA node(s), 16 cores, 32 PUs (MODEL); total memory N MiB".
+std::string TopologySummary(hwloc_topology_t topo) {
+  hwloc_obj_t root = hwloc_get_root_obj(topo);
+  const char* model = hwloc_obj_get_info_by_name(hwloc_get_obj_by_type(topo, HWLOC_OBJ_PACKAGE, 0), "CPUModel");
+  return absl::StrCat("topology: ", hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PACKAGE), " package(s), ",
+                      hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE), " NUMA node(s), ",
+                      hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE), " cores, ",
+                      hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU), " PUs",
+                      model ? absl::StrCat(" (", model, ")") : "", "; total memory ", root->total_memory >> 20, " MiB");
+}
+
+// The PUs of `usable`: one per core first, then the remaining hyperthreads;
+// *cores: how many are first PUs of a core.
+std::vector<int> PusByCore(hwloc_topology_t topo, hwloc_const_cpuset_t usable, int* cores) {
+  std::vector<int> first_pus, sibling_pus;
+  const int ncores = hwloc_get_nbobjs_inside_cpuset_by_type(topo, usable, HWLOC_OBJ_CORE);
+  for (int c = 0; c < ncores; ++c) {
+    hwloc_obj_t core = hwloc_get_obj_inside_cpuset_by_type(topo, usable, HWLOC_OBJ_CORE, c);
+    bool first = true;
+    for (int pu = hwloc_bitmap_first(core->cpuset); pu >= 0; pu = hwloc_bitmap_next(core->cpuset, pu)) {
+      if (!hwloc_bitmap_isset(usable, pu)) continue;
+      (first ? first_pus : sibling_pus).push_back(pu);
+      first = false;
+    }
+  }
+  if (first_pus.empty()) {  // no core objects: use PUs as they come
+    for (int pu = hwloc_bitmap_first(usable); pu >= 0; pu = hwloc_bitmap_next(usable, pu)) first_pus.push_back(pu);
+  }
+  *cores = static_cast<int>(first_pus.size());
+  first_pus.insert(first_pus.end(), sibling_pus.begin(), sibling_pus.end());
+  return first_pus;
+}
+
+// The PUs of one of share_count servers sharing a node's `all` PUs (one per
+// core first): `threads` of them — with explicit threads, PUs [index *
+// threads, +threads) (overlapping another share when the node is too small:
+// said in *why); else its part of the default's `threads` — or all of
+// `threads` when each share has a node of its own.
+std::vector<int> ShareOfPus(const std::vector<int>& all, int threads, bool explicit_threads, int share_index,
+                            int share_count, bool node_per_share, std::string* why) {
+  int n = threads, lo = 0;
+  if (share_count > 1 && !node_per_share) {  // disjoint cores of one node
+    const int usable = static_cast<int>(all.size());
+    std::string overlap;
+    if (explicit_threads) {
+      lo = share_index * threads;
+      if (lo + threads > usable) {  // too few cores for disjoint shares
+        lo = std::min(lo % usable, usable - threads);
+        overlap = "; too few cores: overlapping another share";
+      }
+    } else {
+      lo = share_index * threads / share_count;
+      n = std::max(1, (share_index + 1) * threads / share_count - lo);
+      lo = std::min(lo, usable - n);
+    }
+    *why = absl::StrCat("; share ", share_index, " of ", share_count, " of the node's cores", overlap);
+  } else if (node_per_share) {
+    *why = absl::StrCat("; share ", share_index, " of ", share_count, ": one NUMA node each");
+  }
+  return std::vector<int>(all.begin() + lo, all.begin() + lo + n);
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::string& node_flag, int threads,
                                                                   bool same_host_engine, int share_index,
                                                                   int share_count) {
@@ -156,62 +222,23 @@ absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::stri
     return absl::InvalidArgumentError(absl::StrCat("--numa-node: node ", node_flag,
                                                    " has no CPU this process may run on"));
   }
-  // One PU per core first, then the remaining hyperthreads.
-  std::vector<int> first_pus, sibling_pus;
-  const int ncores = hwloc_get_nbobjs_inside_cpuset_by_type(topo, usable, HWLOC_OBJ_CORE);
-  for (int c = 0; c < ncores; ++c) {
-    hwloc_obj_t core = hwloc_get_obj_inside_cpuset_by_type(topo, usable, HWLOC_OBJ_CORE, c);
-    bool first = true;
-    for (int pu = hwloc_bitmap_first(core->cpuset); pu >= 0; pu = hwloc_bitmap_next(core->cpuset, pu)) {
-      if (!hwloc_bitmap_isset(usable, pu)) continue;
-      (first ? first_pus : sibling_pus).push_back(pu);
-      first = false;
-    }
-  }
-  if (first_pus.empty()) {  // no core objects: use PUs as they come
-    for (int pu = hwloc_bitmap_first(usable); pu >= 0; pu = hwloc_bitmap_next(usable, pu)) first_pus.push_back(pu);
-  }
+  int cores = 0;
+  const std::vector<int> all = PusByCore(topo, usable, &cores);
   hwloc_bitmap_free(usable);
-  std::vector<int> all = first_pus;
-  all.insert(all.end(), sibling_pus.begin(), sibling_pus.end());
   if (threads < 0 || threads > static_cast<int>(all.size()))
     return absl::InvalidArgumentError(absl::StrCat("--threads: ", threads, " exceeds the ", all.size(),
                                                    " CPUs usable on the chosen node"));
   const ThreadDefault chosen =
-      threads == 0 ? ChooseDefaultThreads(static_cast<int>(first_pus.size()), whole_machine, same_host_engine,
+      threads == 0 ? ChooseDefaultThreads(cores, whole_machine, same_host_engine,
                                           CgroupCpuQuota())
                    : ThreadDefault{threads, "--threads"};
-  int n = chosen.threads, lo = 0;
   std::string share_why;
-  if (share_count > 1 && !node_per_share) {  // disjoint cores of one node
-    const int usable = static_cast<int>(all.size());
-    if (threads > 0) {
-      lo = share_index * threads;
-      if (lo + threads > usable) {  // too few cores for disjoint shares: they overlap (said in the log)
-        lo = lo % usable;
-        lo = std::min(lo, usable - threads);
-        share_why = "; too few cores: overlapping another share";
-      }
-    } else {
-      lo = share_index * chosen.threads / share_count;
-      n = std::max(1, (share_index + 1) * chosen.threads / share_count - lo);
-      lo = std::min(lo, static_cast<int>(all.size()) - n);
-    }
-    share_why = absl::StrCat("; share ", share_index, " of ", share_count, " of the node's cores", share_why);
-  } else if (node_per_share) {
-    share_why = absl::StrCat("; share ", share_index, " of ", share_count, ": one NUMA node each");
-  }
-  b->cpus_.assign(all.begin() + lo, all.begin() + lo + n);
+  b->cpus_ = ShareOfPus(all, chosen.threads, threads > 0, share_index, share_count, node_per_share, &share_why);
+  const int n = static_cast<int>(b->cpus_.size());
 
-  hwloc_obj_t root = hwloc_get_root_obj(topo);
-  const char* model = hwloc_obj_get_info_by_name(hwloc_get_obj_by_type(topo, HWLOC_OBJ_PACKAGE, 0), "CPUModel");
-  im.describe = absl::StrCat(
-      "topology: ", hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PACKAGE), " package(s), ", nnodes,
-      " NUMA node(s), ", hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE), " cores, ",
-      hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU), " PUs", model ? absl::StrCat(" (", model, ")") : "",
-      "; total memory ", root->total_memory >> 20, " MiB; using node ", b->node_, " (",
-      b->node_memory_ >> 20, " MiB), ", n, " compute threads (", chosen.why, share_why, ") on PUs [",
-      absl::StrJoin(b->cpus_, ","), "]");
+  im.describe = absl::StrCat(TopologySummary(topo), "; using node ", b->node_, " (", b->node_memory_ >> 20, " MiB), ",
+                             n, " compute threads (", chosen.why, share_why, ") on PUs [",
+                             absl::StrJoin(b->cpus_, ","), "]");
   return b;
 }
 

@@ -205,16 +205,18 @@ grpc::ByteBuffer ExpertServiceImpl::DrainingAnswer(grpc::ByteBuffer& in, Forward
 }
 
 void ExpertServiceImpl::Drain() {
+  bool any_stream;
   {
     std::lock_guard<std::mutex> lock(streams_mu_);
     draining_ = true;
     drain_started_ = std::chrono::steady_clock::now();
+    any_stream = !streams_.empty();
   }
   // Requests the clients sent before they saw the drain are still arriving:
   // they get their UNAVAILABLE answers (ForwardStreamRaw) during this grace;
   // then the streams waiting for more are ended (the gRPC server's shutdown
   // would otherwise wait the whole drain deadline for them).
-  std::this_thread::sleep_for(kDrainGrace);
+  if (any_stream) std::this_thread::sleep_for(kDrainGrace);
   std::lock_guard<std::mutex> lock(streams_mu_);
   for (auto& [ctx, idle] : streams_) {
     if (idle) ctx->TryCancel();

@@ -168,6 +168,8 @@ std::vector<std::pair<int, int>> ChooseSwaps(const std::vector<double>& next, co
 
 }  // namespace
 
+// Long: the shadows' decisions and the real cache's swaps price the same
+// candidates with the same rates in one pass; kept together so they cannot drift.
 void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s, double start_s,
                            double* link_free_s, std::vector<SlotCopy>* out) {
   const AdmissionCosts c = Costs();

@@ -239,6 +239,8 @@ class CpuAttentionStep final : public AttentionStep {
     return absl::OkStatus();
   }
 
+  // Long: the bench model's attention layer as one sequence of launches on
+  // one stream (norm, QKV, RoPE, cache, attention, output, router), in order.
   absl::Status DoRun(int layer, int T, const int32_t* pos, bf16_t* h, bf16_t* moe_in,
                      int32_t* topk_ids, float* topk_weights) override {
     const AttentionConfig& c = config();

@@ -67,6 +67,8 @@ absl::Status ReferenceAttention::PrefillCache(int T, int len) {
   return absl::OkStatus();
 }
 
+// Long: the reference attention layer written out step by step in f64, as
+// the test checks the GPU one against it.
 absl::Status ReferenceAttention::Run(int layer, int T, const int32_t* pos, const bf16_t* h,
                                      Result* out) {
   const AttentionConfig& c = config_;

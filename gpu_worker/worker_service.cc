@@ -62,6 +62,8 @@ void WorkerServiceImpl::ApplyPendingLocked() {
   }
 }
 
+// Long: validation of every field in the proto's names, then the one or two
+// micro-batches started and completed in order; one request's whole path.
 grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1::ForwardLayerRequest* req,
                                              moe::v1::ForwardLayerResponse* resp) {
   const int H = session_.model().hidden;

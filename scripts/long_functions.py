@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Lists function bodies longer than N lines (default 80) in the production
 code (core, cpu_compute, gpu_worker, cpu_expert_server, coordinator, client).
-A function whose definition is directly preceded by a comment line starting
-with "// Long:" (the reason it stays whole) is allowed. With --check, exits 1
+A function whose definition is directly preceded by a comment block with a
+line starting with "// Long:" (the reason it stays whole) is allowed. With --check, exits 1
 when any function is listed (the ctest Style.FunctionsShortOrExplained).
 
-The scan is textual: a definition is a line at indentation <= 2 that ends with
-'{', is not a control statement, class or namespace, and whose signature holds
-'('; its body ends where the braces balance again."""
+The scan is textual: a definition is a line ending with '{' whose signature
+(that line and the lines above it back to the previous ';', '}', '{', ':' or
+blank line: a signature may wrap) starts at indentation <= 2, is not a
+control statement, class or namespace, and holds '('; its body ends where the
+braces balance again."""
 import os
 import re
 import sys
@@ -27,16 +29,23 @@ def long_functions(path, limit):
     found, i = [], 0
     while i < len(lines):
         s = strip(lines[i])
-        is_def = (s.rstrip().endswith("{") and not CONTROL.match(s) and re.match(r"^( {0,2})\S", lines[i])
-                  and "=" not in s.split("(")[0] and ("(" in s or (i > 0 and ")" in strip(lines[i - 1]))))
+        if not s.rstrip().endswith("{") or CONTROL.match(s):
+            i += 1
+            continue
+        start = i  # the signature may begin a few lines up (it wraps)
+        while start > 0 and strip(lines[start - 1]).strip() and \
+                not strip(lines[start - 1]).rstrip().endswith((";", "}", "{", ":")) and \
+                not lines[start - 1].strip().startswith(("#", "//")):
+            start -= 1
+        first = strip(lines[start])
+        signature = " ".join(strip(line) for line in lines[start:i + 1])
+        # The signature's first line decides the indentation (a wrapped
+        # signature's last line is indented under its parameters).
+        is_def = (re.match(r"^( {0,2})\S", lines[start]) and not CONTROL.match(first) and "(" in signature
+                  and "=" not in signature.split("(")[0])
         if not is_def:
             i += 1
             continue
-        start = i  # the signature may begin a few lines up
-        while start > 0 and strip(lines[start - 1]).strip() and \
-                not strip(lines[start - 1]).rstrip().endswith((";", "}", "{")) and \
-                not lines[start - 1].strip().startswith(("#", "//")):
-            start -= 1
         depth, k = 0, i
         while k < len(lines):
             t = strip(lines[k])
@@ -45,7 +54,11 @@ def long_functions(path, limit):
                 break
             k += 1
         n = k - i + 1
-        reason = start > 0 and lines[start - 1].strip().startswith("// Long:")
+        above = start - 1  # the comment block directly above the definition
+        reason = False
+        while above >= 0 and lines[above].strip().startswith("//"):
+            reason |= lines[above].strip().startswith("// Long:")
+            above -= 1
         if n > limit and not reason:
             found.append((n, f"{path}:{start + 1}", lines[start].strip()[:100]))
         i = k + 1 if n > 3 else i + 1

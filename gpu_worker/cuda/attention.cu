@@ -192,6 +192,8 @@ __device__ __forceinline__ float HighBf16(uint32_t w) { return __uint_as_float(w
 //            multiply-adds per head; accumulators stay in registers
 // kHeads (1, 2, 4 or 8) bounds the heads one thread handles in each phase;
 // see AttentionHeadsPerThread.
+// Long: one kernel whose phases (scores, softmax, weighted sum) share the
+// block's registers and shared memory; split into functions it would spill them.
 template <int kHeads>
 __global__ void __launch_bounds__(kAttentionThreads)
     DecodeAttentionKernel(const float* qkv, int qkv_n, const bf16_t* k_cache, const bf16_t* v_cache,
