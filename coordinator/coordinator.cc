@@ -179,7 +179,8 @@ absl::Status Coordinator::CommitLocked(AdminState next) {
 
 // ---------------------------------------------------------------- registry
 
-absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(const moe::v1::RegisterWorkerRequest& req) {
+absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(const moe::v1::RegisterWorkerRequest& req,
+                                                                          const std::string& identity) {
   MOE_RETURN_IF_ERROR(CheckId(req.worker_id(), "worker_id"));
   MOE_RETURN_IF_ERROR(CheckGeometryFields(req.num_layers(), req.num_experts()));
   if (req.slots_per_layer() > req.num_experts())
@@ -212,15 +213,19 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
     const WorkerEntry* held = registry_->FindWorker(req.worker_id());
     const bool known = held != nullptr;
     // A live worker's id is its own: taking it over needs its session (its
-    // re-registration), or waiting for its lease to run out.
+    // re-registration), its certificate (with mTLS: the same identity, e.g.
+    // the worker restarted and lost its session), or waiting for its lease
+    // to run out.
+    const bool same_certificate = !identity.empty() && held != nullptr && identity == held->identity;
     if (held != nullptr && held->up && Now() - held->last_heartbeat < options_.heartbeat_timeout_seconds &&
-        req.session() != held->session)
+        req.session() != held->session && !same_certificate)
       return absl::AlreadyExistsError(absl::StrCat(
           "worker_id: '", req.worker_id(), "' is held by a live worker (heard from ",
           absl::StrFormat("%.1f", Now() - held->last_heartbeat), " s ago); re-register with its session, or after ",
           options_.heartbeat_timeout_seconds, " s of silence"));
     resp.set_session(registry_->RegisterWorker(req, Now()));
     WorkerEntry& w = *registry_->FindWorker(req.worker_id());
+    w.identity = identity;
     // The operator's pins the worker still holds stay pinned in the snapshot
     // it resumes from (after a coordinator restart, say): a snapshot without
     // them would unpin them on the worker until the next placement round, and

@@ -54,7 +54,12 @@ class Coordinator {
   void Tick();
 
   // ---- CoordinatorService
-  absl::StatusOr<moe::v1::RegisterWorkerResponse> RegisterWorker(const moe::v1::RegisterWorkerRequest& req);
+  // `identity`: the caller's certificate names (RoleAuthorizer::
+  // CertificateIdentity), "" without mTLS. A live worker's id is taken over
+  // only with its session, by a caller with the same certificate identity (a
+  // restarted worker), or after its lease ran out.
+  absl::StatusOr<moe::v1::RegisterWorkerResponse> RegisterWorker(const moe::v1::RegisterWorkerRequest& req,
+                                                                 const std::string& identity = "");
   absl::StatusOr<moe::v1::RegisterExpertServerResponse> RegisterExpertServer(
       const moe::v1::RegisterExpertServerRequest& req);
   absl::StatusOr<moe::v1::HeartbeatResponse> Heartbeat(const moe::v1::HeartbeatRequest& req);

@@ -27,7 +27,7 @@ constexpr auto kWatchPoll = std::chrono::milliseconds(200);
 grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx, const moe::v1::RegisterWorkerRequest* req,
                                                     moe::v1::RegisterWorkerResponse* resp) {
   if (grpc::Status d = Authorize(auth_, ctx, Role::kWorker, "RegisterWorker"); !d.ok()) return d;
-  return Reply(c_.RegisterWorker(*req), resp);
+  return Reply(c_.RegisterWorker(*req, RoleAuthorizer::CertificateIdentity(*ctx)), resp);
 }
 
 grpc::Status CoordinatorServiceImpl::RegisterExpertServer(grpc::ServerContext* ctx,

@@ -26,6 +26,7 @@ namespace moe {
 struct WorkerEntry {
   moe::v1::RegisterWorkerRequest caps;  // as registered, without `current`
   uint64_t session = 0;
+  std::string identity;                  // the registering caller's certificate names ("" without mTLS)
   bool up = true;
   double last_heartbeat = 0;
   uint64_t version = 0;                  // newest assignment issued

@@ -106,6 +106,15 @@ const std::vector<std::string>& RoleAuthorizer::Allowed(Role role) const {
   return policy_.admin;
 }
 
+std::string RoleAuthorizer::CertificateIdentity(const grpc::ServerContext& ctx) {
+  std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
+  if (auth == nullptr || !auth->IsPeerAuthenticated()) return "";
+  std::vector<std::string> names;
+  for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME})
+    for (const grpc::string_ref& v : auth->FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
+  return absl::StrJoin(names, ",");
+}
+
 absl::Status RoleAuthorizer::Check(const grpc::ServerContext& ctx, Role role, absl::string_view rpc) const {
   const std::vector<std::string>& allowed = Allowed(role);
   const bool anyone = std::find(allowed.begin(), allowed.end(), "*") != allowed.end();

@@ -64,6 +64,9 @@ class RoleAuthorizer {
   void AddSocketPeer(const std::string& peer, uid_t uid);
   // OK when the caller of `rpc` holds `role`.
   absl::Status Check(const grpc::ServerContext& ctx, Role role, absl::string_view rpc) const;
+  // What the transport proves about the caller: its certificate names (CN,
+  // then SANs, joined by ","), "" for a caller without a verified certificate.
+  static std::string CertificateIdentity(const grpc::ServerContext& ctx);
 
  private:
   const std::vector<std::string>& Allowed(Role role) const;

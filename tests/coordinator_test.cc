@@ -762,6 +762,27 @@ TEST_F(CoordinatorCore, ALiveWorkerIdIsTakenOnlyWithItsSessionOrAfterItsLease) {
   EXPECT_TRUE(c->RegisterWorker(Worker("w1")).ok());
 }
 
+// With mTLS the worker's certificate is its credential too: a restarted
+// worker (no session any more) with the same certificate identity takes its
+// id back at once; a caller with another certificate, or none, does not.
+TEST_F(CoordinatorCore, ALiveWorkerIdIsTakenBackByTheSameCertificateOnly) {
+  auto c = Make();
+  auto reg = c->RegisterWorker(Worker("w1"), "worker-1,worker-1.moe.svc");
+  ASSERT_TRUE(reg.ok());
+  EXPECT_EQ(c->RegisterWorker(Worker("w1"), "worker-2").status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(c->RegisterWorker(Worker("w1"), "").status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(c->RegisterWorker(Worker("w1"), "worker-1").status().code(), absl::StatusCode::kAlreadyExists)
+      << "one name of the certificate is not the certificate";
+  auto back = c->RegisterWorker(Worker("w1"), "worker-1,worker-1.moe.svc");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_NE(back->session(), reg->session());
+  // The old session no longer reports for the id.
+  moe::v1::ReportStatsRequest rs;
+  rs.set_worker_id("w1");
+  rs.set_session(reg->session());
+  EXPECT_FALSE(c->ReportStats(rs).ok());
+}
+
 TEST_F(CoordinatorCore, ReRegistrationKeepsVersionsGrowingAndResumesFromWhatTheWorkerHolds) {
   auto c = Make();
   auto r = Worker("w1");
