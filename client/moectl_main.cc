@@ -152,9 +152,11 @@ void Status(Context& c) {
               r.policy().placement().c_str(), r.policy().half_life_seconds(), r.policy().rebalance_interval_seconds(),
               static_cast<unsigned long long>(r.rebalances()), r.policy().copy_budget_gbps());
   std::printf("\n");
-  Table w({"WORKER", "STATE", "SLOTS", "LAYERS", "VERSION", "ACKED", "HIT RATE", "COPIES", "COPIED", "HEARTBEAT"});
+  Table w({"WORKER", "STATE", "TP RANK", "SLOTS", "LAYERS", "VERSION", "ACKED", "HIT RATE", "COPIES", "COPIED",
+           "HEARTBEAT"});
   for (const auto& x : r.workers()) {
-    w.Add({x.worker_id(), x.state(), absl::StrCat(x.slots_per_layer()), absl::StrCat(x.cached_layers()),
+    w.Add({x.worker_id(), x.state(), x.tp_size() > 1 ? absl::StrCat(x.tp_rank(), "/", x.tp_size()) : "-",
+           absl::StrCat(x.slots_per_layer()), absl::StrCat(x.cached_layers()),
            absl::StrCat(x.assigned_version()), absl::StrCat(x.acked_version()), Percent(x.hit_rate()),
            absl::StrCat(x.copies_issued()), Bytes(x.bytes_issued()), Fixed(x.seconds_since_heartbeat()) + " s ago"});
   }
@@ -164,10 +166,11 @@ void Status(Context& c) {
     w.Print();
   }
   std::printf("\n");
-  Table s({"SERVER", "STATE", "ADDRESS", "SHM", "NUMA", "LAYERS", "EXPERTS", "IN FLIGHT", "HEARTBEAT"});
+  Table s({"SERVER", "STATE", "ADDRESS", "SHM", "NUMA", "LAYERS", "EXPERTS", "SLICE", "IN FLIGHT", "HEARTBEAT"});
   for (const auto& x : r.servers()) {
     s.Add({x.server_id(), x.state(), x.address(), x.shm_socket().empty() ? "-" : x.shm_socket(),
            absl::StrCat(x.numa_node()), absl::StrCat(x.hosted_layers()), absl::StrCat(x.hosted_experts()),
+           x.slice_count() > 1 ? absl::StrCat(x.slice_index(), "/", x.slice_count()) : "whole",
            absl::StrCat(x.inflight_requests()), Fixed(x.seconds_since_heartbeat()) + " s ago"});
   }
   if (r.servers().empty()) {

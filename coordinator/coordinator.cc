@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/model_spec.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 
@@ -254,6 +255,9 @@ absl::StatusOr<moe::v1::RegisterExpertServerResponse> Coordinator::RegisterExper
   MOE_RETURN_IF_ERROR(CheckGeometryFields(req.num_layers(), req.num_experts()));
   MOE_RETURN_IF_ERROR(CheckIndexes(req.hosted_layers(), req.num_layers(), "hosted_layers"));
   MOE_RETURN_IF_ERROR(CheckIndexes(req.hosted_experts(), req.num_experts(), "hosted_experts"));
+  if (req.slice_count() > static_cast<uint32_t>(kMaxSlices) || req.slice_index() >= std::max(1u, req.slice_count()))
+    return absl::InvalidArgumentError(absl::StrCat("slice_index/slice_count: ", req.slice_index(), "/",
+                                                   req.slice_count(), " is not i/n with i < n <= ", kMaxSlices));
   moe::v1::RegisterExpertServerResponse resp;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -570,6 +574,8 @@ moe::v1::StatusResponse Coordinator::Status() {
     ws->set_address(w.caps.address());
     ws->set_hostname(w.caps.hostname());
     ws->set_slots_per_layer(w.caps.slots_per_layer());
+    ws->set_tp_rank(w.caps.tp_rank());
+    ws->set_tp_size(w.caps.tp_size());
     ws->set_cached_layers(static_cast<uint32_t>(std::count(w.cached.begin(), w.cached.end(), true)));
     ws->set_expert_bytes(w.caps.expert_bytes());
     ws->set_gpu_memory_bytes(w.caps.gpu_memory_bytes());
@@ -597,6 +603,8 @@ moe::v1::StatusResponse Coordinator::Status() {
     ss->set_numa_node(s.caps.numa_node());
     ss->set_hosted_layers(s.caps.hosted_layers().empty() ? registry_->num_layers() : s.caps.hosted_layers_size());
     ss->set_hosted_experts(s.caps.hosted_experts().empty() ? registry_->num_experts() : s.caps.hosted_experts_size());
+    ss->set_slice_index(s.caps.slice_index());
+    ss->set_slice_count(s.caps.slice_count());
     ss->set_inflight_requests(s.inflight);
     ss->set_seconds_since_heartbeat(now - s.last_heartbeat);
   }

@@ -239,17 +239,35 @@ std::vector<moe::v1::ExpertServerRoute> Registry::Routes() const {
 }
 
 int Registry::RoutableExperts(int layer) const {
+  // An expert is routable when an up server holds it whole, or up servers
+  // hold every slice of it for one slice count (a worker needs all of them).
   std::vector<bool> served(num_experts_, false);
+  std::map<uint32_t, std::vector<std::vector<bool>>> slices;  // count -> [slice][expert]
   for (const auto& [id, s] : servers_) {
     if (!Routable(s)) continue;
     const auto& layers = s.caps.hosted_layers();
     if (!layers.empty() && std::find(layers.begin(), layers.end(), static_cast<uint32_t>(layer)) == layers.end())
       continue;
-    if (s.caps.hosted_experts().empty()) return num_experts_;
-    for (uint32_t e : s.caps.hosted_experts()) {
-      if (e < served.size()) served[e] = true;
+    const uint32_t count = std::max(1u, s.caps.slice_count());
+    std::vector<bool>* holds = &served;
+    if (count > 1) {
+      auto& by_slice = slices[count];
+      by_slice.resize(count, std::vector<bool>(num_experts_, false));
+      if (s.caps.slice_index() >= count) continue;
+      holds = &by_slice[s.caps.slice_index()];
+    }
+    for (int e = 0; e < num_experts_; ++e) {
+      const auto& hosted = s.caps.hosted_experts();
+      if (hosted.empty() || std::find(hosted.begin(), hosted.end(), static_cast<uint32_t>(e)) != hosted.end())
+        (*holds)[e] = true;
     }
   }
+  for (const auto& [count, by_slice] : slices)
+    for (int e = 0; e < num_experts_; ++e) {
+      bool all = true;
+      for (const std::vector<bool>& slice : by_slice) all = all && slice[e];
+      if (all) served[e] = true;
+    }
   return static_cast<int>(std::count(served.begin(), served.end(), true));
 }
 

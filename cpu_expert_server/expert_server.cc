@@ -204,6 +204,7 @@ absl::Status ExpertServer::StartCoordinatorAgent() {
   reg.num_experts = spec.num_experts;
   reg.hosted_layers = hosted_.layers;
   reg.hosted_experts = hosted_.experts;
+  reg.slice = options_.slice;
   reg.weight_bytes = store_->resident_bytes();
   reg.kernel = kernel_->name();
   absl::StatusOr<std::unique_ptr<ExpertServerAgent>> agent = ExpertServerAgent::Start(

@@ -550,6 +550,48 @@ moe::v1::RegisterExpertServerRequest Server(const std::string& id) {
   return r;
 }
 
+// Sliced servers (--slice): an expert is routable only while every slice of
+// it is up; status shows each server's slice and each worker's group.
+TEST_F(CoordinatorCore, SlicedExpertsAreRoutableOnlyWithEverySliceUp) {
+  auto c = Make();
+  auto reg = c->RegisterWorker(Worker("w1"));
+  ASSERT_TRUE(reg.ok());
+  auto half0 = Server("h0"), half1 = Server("h1");
+  half0.set_slice_count(2);
+  half1.set_slice_index(1);
+  half1.set_slice_count(2);
+  ASSERT_TRUE(c->RegisterExpertServer(half0).ok());
+  moe::v1::StatusResponse st = c->Status();
+  ASSERT_GT(st.layers_size(), 0);
+  EXPECT_EQ(st.layers(0).routable_experts(), 0u) << "slice 1 of 2 missing";
+  ASSERT_TRUE(c->RegisterExpertServer(half1).ok());
+  st = c->Status();
+  EXPECT_EQ(st.layers(0).routable_experts(), 8u);
+  for (const auto& s : st.servers()) {
+    EXPECT_EQ(s.slice_count(), 2u);
+    EXPECT_EQ(s.slice_index(), s.server_id() == "h1" ? 1u : 0u);
+  }
+  auto bad = Server("h2");
+  bad.set_slice_index(2);
+  bad.set_slice_count(2);
+  absl::Status refused = c->RegisterExpertServer(bad).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(refused)) << refused;
+  EXPECT_NE(refused.message().find("slice_index"), std::string::npos) << refused;
+  auto rank = Worker("w2");
+  rank.set_tp_rank(1);
+  rank.set_tp_size(2);
+  ASSERT_TRUE(c->RegisterWorker(rank).ok());
+  const moe::v1::StatusResponse after = c->Status();
+  int ranks = 0;
+  for (const auto& w : after.workers()) {
+    if (w.worker_id() != "w2") continue;
+    EXPECT_EQ(w.tp_rank(), 1u);
+    EXPECT_EQ(w.tp_size(), 2u);
+    ++ranks;
+  }
+  EXPECT_EQ(ranks, 1);
+}
+
 TEST_F(CoordinatorCore, SilentPeersGoDownAndLeaveTheRoutes) {
   auto c = Make();
   auto reg = c->RegisterWorker(Worker("w1"));

@@ -453,6 +453,10 @@ class ExpertServerAgent::Impl {
     req.set_num_experts(reg_.num_experts);
     for (int l : reg_.hosted_layers) req.add_hosted_layers(l);
     for (int e : reg_.hosted_experts) req.add_hosted_experts(e);
+    if (!reg_.slice.whole()) {
+      req.set_slice_index(static_cast<uint32_t>(reg_.slice.index));
+      req.set_slice_count(static_cast<uint32_t>(reg_.slice.count));
+    }
     req.set_weight_bytes(reg_.weight_bytes);
     req.set_kernel(reg_.kernel);
     moe::v1::RegisterExpertServerResponse reg;

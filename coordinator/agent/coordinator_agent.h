@@ -133,6 +133,7 @@ struct ExpertServerRegistration {
   std::vector<int> hosted_experts;  // empty = every expert
   uint64_t weight_bytes = 0;
   std::string kernel;
+  ExpertSlice slice;                // --slice
 };
 
 class ExpertServerAgent {
