@@ -52,6 +52,8 @@ class GrpcTransport final : public ExpertTransport {
         streams_(static_cast<size_t>(std::max(1, o.grpc_streams))) {}
 
   ~GrpcTransport() override {
+    stop_connector_ = true;
+    if (connector_.joinable()) connector_.join();
     std::vector<std::shared_ptr<Stream>> streams;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -76,8 +78,24 @@ class GrpcTransport final : public ExpertTransport {
   // OK when the channel is connected; otherwise asks it to connect now (from
   // IDLE; a channel in back-off tries at its next tick) and says UNAVAILABLE.
   // Never blocks.
+  // OK when the channel is connected; otherwise UNAVAILABLE at once, and a
+  // connector thread drives the channel's reconnection until it is: gRPC
+  // makes progress on a connection attempt only while someone polls for it
+  // (else its backup poller, every 5 s), so asking the channel to connect is
+  // not enough — a restarted server was seen ~2 s late that way.
   absl::Status Reconnect() override {
     if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(connector_mu_);
+    if (!connecting_.load()) {
+      if (connector_.joinable()) connector_.join();  // the last one ended (connected, then lost again)
+      connecting_ = true;
+      connector_ = std::thread([this] {
+        while (!stop_connector_.load() &&
+               !channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::milliseconds(100))) {
+        }
+        connecting_ = false;
+      });
+    }
     return absl::UnavailableError(absl::StrCat("expert server ", address_, ": not connected"));
   }
 
@@ -278,6 +296,9 @@ class GrpcTransport final : public ExpertTransport {
 
   const ExpertSlice slice_;
   const std::string address_;
+  std::mutex connector_mu_;  // Reconnect's connector thread
+  std::thread connector_;
+  std::atomic<bool> connecting_{false}, stop_connector_{false};
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<moe::v1::ExpertService::Stub> stub_;
   grpc::GenericStub generic_;
