@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "core/transport/shm_segment.h"
+#include "tests/shm_fuzz_one.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   return moe::shm::ShmFuzzOne(data, size);

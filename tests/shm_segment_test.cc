@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/transport/unix_socket.h"
+#include "tests/shm_fuzz_one.h"
 
 namespace moe::shm {
 namespace {

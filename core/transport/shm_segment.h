@@ -277,11 +277,4 @@ struct ValidatedResponse {
 // slot's well-formedness, out->status is what the server reported.
 absl::Status ValidateResponseSlot(const Segment& seg, uint32_t slot, ValidatedResponse* out);
 
-// Fuzz entry point (libFuzzer-compatible body; returns 0): lays out a small
-// segment in a local buffer with a valid request in slot 0, applies `data` as
-// byte patches to the header, rings and slot headers, then runs Attach,
-// ValidateSlotIndex on popped indices, ValidateRequestSlot and
-// ValidateResponseSlot, and traps if an accepted value breaks an invariant.
-int ShmFuzzOne(const uint8_t* data, size_t size);
-
 }  // namespace moe::shm
