@@ -89,14 +89,9 @@ class DispatcherTest : public ::testing::TestWithParam<Param> {
   // Starts one expert server (extra flags, e.g. --experts=0-3); returns the
   // address the worker should use for the test's transport.
   std::string StartServer(const std::vector<std::string>& extra = {}) {
-    const std::string sock = dir_.path() + "/s" + std::to_string(servers_.size()) + ".sock";
-    std::vector<std::string> args = {std::string("--model=") + kModel, "--threads=1", "--shm-socket=" + sock};
-    args.insert(args.end(), extra.begin(), extra.end());
-    Subprocess* s = nullptr;
-    const std::string addr = testing::StartExpertServer(&s, args);
-    servers_.emplace_back(s);
+    const std::string addr = testing::StartTestServer(servers_, dir_.path(), kModel, transport() == "shm", extra);
     EXPECT_FALSE(addr.empty());
-    return transport() == "shm" ? "unix://" + sock : addr;
+    return addr;
   }
 
   DispatcherConfig Config(const std::vector<std::string>& addresses) {

@@ -165,15 +165,9 @@ class SlicedServersTest : public ::testing::TestWithParam<std::tuple<std::string
 
   // A server with `extra` flags; the address the worker uses.
   std::string StartServer(const std::vector<std::string>& extra) {
-    const std::string sock = dir_.path() + "/s" + std::to_string(servers_.size()) + ".sock";
-    std::vector<std::string> args = {std::string("--model=") + kModel, "--threads=1", "--shm-socket=" + sock};
-    args.insert(args.end(), extra.begin(), extra.end());
-    Subprocess* s = nullptr;
-    const std::string addr = testing::StartExpertServer(&s, args);
-    servers_.emplace_back(s);
-    grpc_.push_back(addr);
+    const std::string addr = testing::StartTestServer(servers_, dir_.path(), kModel, shm(), extra);
     EXPECT_FALSE(addr.empty());
-    return shm() ? "unix://" + sock : addr;
+    return addr;
   }
 
   std::unique_ptr<LayerDispatcher> Make(const std::vector<std::string>& addresses) {
@@ -211,7 +205,6 @@ class SlicedServersTest : public ::testing::TestWithParam<std::tuple<std::string
 
   testing::TempDir dir_;
   std::vector<std::unique_ptr<Subprocess>> servers_;
-  std::vector<std::string> grpc_;
   std::unique_ptr<ModelSource> source_;
   std::unique_ptr<ReferenceMoe> reference_;
   std::unique_ptr<DeviceBackend> backend_;

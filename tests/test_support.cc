@@ -68,6 +68,20 @@ std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& 
   return at == std::string::npos ? "" : line.substr(at + key.size());
 }
 
+std::string StartTestServer(std::vector<std::unique_ptr<Subprocess>>& servers, const std::string& dir,
+                            const std::string& model, bool shm, const std::vector<std::string>& extra,
+                            std::string* grpc_address) {
+  const std::string sock = dir + "/s" + std::to_string(servers.size()) + ".sock";
+  std::vector<std::string> args = {"--model=" + model, "--threads=1", "--shm-socket=" + sock};
+  args.insert(args.end(), extra.begin(), extra.end());
+  Subprocess* s = nullptr;
+  const std::string addr = StartExpertServer(&s, args);
+  servers.emplace_back(s);
+  if (grpc_address != nullptr) *grpc_address = addr;
+  if (addr.empty()) return "";
+  return shm ? "unix://" + sock : addr;
+}
+
 std::string Scrape(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return "";

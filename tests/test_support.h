@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -40,6 +41,15 @@ using moe::Subprocess;
 // its "ready on ADDR" line; returns ADDR, or "" if it did not come up.
 std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& args,
                               const std::string& listen = "127.0.0.1:0");
+
+// One of a test's expert servers: moe-expert-server on `model` with one
+// thread, serving gRPC and shared memory on socket DIR/s<index>.sock, plus
+// `extra` flags; the server joins `servers`. Returns the address a worker
+// uses (unix://SOCKET when `shm`, else the gRPC address; "" when it did not
+// start) and the gRPC address in *grpc_address when given.
+std::string StartTestServer(std::vector<std::unique_ptr<Subprocess>>& servers, const std::string& dir,
+                            const std::string& model, bool shm, const std::vector<std::string>& extra = {},
+                            std::string* grpc_address = nullptr);
 
 // GET /metrics from 127.0.0.1:port over a plain socket (5 s timeouts); the
 // whole HTTP response, "" if none.
