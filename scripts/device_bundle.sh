@@ -14,7 +14,8 @@ default="cpu_expert_server/moe-expert-server gpu_worker/moe-gpu-worker core/moe-
   tests/cost_model_test tests/graph_capture_test client/libmoe.so tests/c_api_test
   coordinator/moe-coordinator client/moectl client/moe-demo tests/system_test tests/hardening_test
   tests/coordinator_process_test tests/admission_policy_test tests/miss_plan_test tests/quantization_test
-  tests/grpc_wire_test tests/shared_host_copy_test tests/sliced_experts_test tests/tensor_parallel_test"
+  tests/grpc_wire_test tests/shared_host_copy_test tests/sliced_experts_test tests/tensor_parallel_test
+  tests/nccl_group_test"
 for f in ${BINARIES:-$default}; do
   [[ -x "$b/$f" ]] || { echo "missing $b/$f (build it first)" >&2; exit 1; }
   cp "$b/$f" "$strip_dir/" && strip "$strip_dir/$(basename "$f")"

@@ -31,7 +31,9 @@
 // stream. The call's device work is ordered after what the engine enqueued on
 // it before the call, and the engine's later work on it sees the output; the
 // cuda backend does this with events (no cudaDeviceSynchronize, no host sync
-// of the engine's stream). The cpu backend refuses a stream.
+// of the engine's stream). The cpu backend refuses a stream. Close a session
+// before destroying a stream its calls used: closing waits for the session's
+// last device-planned call on it.
 //
 // Asynchronous use (dual-batch overlap): ForwardLayerAsync starts a call and
 // returns at once; Wait finishes it. Up to SessionOptions::contexts calls may
