@@ -659,7 +659,6 @@ TEST_P(DispatcherTest, RestartedServerTakesMissesAgainSoonAfterItsStart) {
   DispatcherConfig c = Config({a});
   c.admissions_per_call = 0;
   c.copy_mode = CopyMode::kNever;  // misses go to the server whenever it is up (copies only as failover)
-  c.backend.cpu_threads = 1;       // the cpu backend's pool leaves the restarting server a core
   std::unique_ptr<LayerDispatcher> d = Make(c);
   ASSERT_NE(d, nullptr);
   Batch x = RandomBatch(8, 2, AllExperts(), 131);
