@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <cerrno>
@@ -177,12 +178,23 @@ void HostileNeighbour::StopServing() {
 
 bool HostileNeighbour::HoldShmSlots(const std::vector<std::string>& paths, int connections_each) {
   other_uid_ = geteuid() == 0;
+  // Everything the child needs is made before the fork: this process has
+  // threads, and after fork() the child may only make system calls (a lock
+  // another thread held, malloc's say, stays held there for ever).
+  std::vector<sockaddr_un> addresses;
+  for (const std::string& path : paths) {
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+    addresses.push_back(a);
+  }
+  const size_t each = static_cast<size_t>(std::max(connections_each, 0));
+  std::vector<int> held(addresses.size() * each, -1);
   holder_ = fork();
   if (holder_ < 0) return false;
-  if (holder_ == 0) {  // the child: only async-signal-safe work and plain syscalls from here
+  if (holder_ == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(3);
-    std::vector<int> held(paths.size() * static_cast<size_t>(connections_each), -1);
     for (;;) {
       for (size_t i = 0; i < held.size(); ++i) {
         if (held[i] >= 0) {  // closed by the server? then open another
@@ -191,15 +203,12 @@ bool HostileNeighbour::HoldShmSlots(const std::vector<std::string>& paths, int c
           close(held[i]);
           held[i] = -1;
         }
-        const std::string& path = paths[i / static_cast<size_t>(connections_each)];
-        const int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        sockaddr_un a{};
-        a.sun_family = AF_UNIX;
-        std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
-        if (s >= 0 && connect(s, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
-          held[i] = s;  // silent: no hello
-        } else if (s >= 0) {
-          close(s);
+        const sockaddr_un& a = addresses[i / each];
+        const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (sock >= 0 && connect(sock, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) == 0) {
+          held[i] = sock;  // silent: no hello
+        } else if (sock >= 0) {
+          close(sock);
         }
       }
       usleep(20000);
