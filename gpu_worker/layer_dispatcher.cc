@@ -291,8 +291,9 @@ absl::Status LayerDispatcher::CheckConfig() {
     return absl::InvalidArgumentError(absl::StrCat("cache-gib: ", c.cache_gib, " is outside [0, ", kMaxCacheGib, "]"));
   if (c.miss_buffers < 1) return absl::InvalidArgumentError("miss-buffers: must be at least 1");
   if (c.group.size < 1 || c.group.size > spec_.num_experts || c.group.rank < 0 || c.group.rank >= c.group.size)
-    return absl::InvalidArgumentError(absl::StrCat("group: rank ", c.group.rank, " of size ", c.group.size,
-                                                   " (need 0 <= rank < size <= ", spec_.num_experts, " experts)"));
+    return absl::InvalidArgumentError(absl::StrCat("group (tp_rank, tp_size): rank ", c.group.rank, " of size ",
+                                                   c.group.size, " (need 0 <= rank < size <= ", spec_.num_experts,
+                                                   ", the model's experts)"));
   if (c.poll_window.count() < 0) return absl::InvalidArgumentError("poll-window: must not be negative");
   // Polling keeps three threads busy (this one, the transport's completion
   // thread, the server's connection thread): only where there are cores for it.

@@ -154,7 +154,7 @@ int main(void) {
   CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"tp_rank\":2,\"tp_size\":2}", &s) ==
             MOE_INVALID_ARGUMENT && s == NULL,
         "tp_rank outside the group refused");
-  CHECK(strstr(moe_last_error(), "group") != NULL, "tensor-parallel group named");
+  CHECK(strstr(moe_last_error(), "tp_rank") != NULL, "tp_rank named");
   CHECK(moe_session_open(NULL, &s) == MOE_INVALID_ARGUMENT, "null options");
   CHECK(moe_session_open("{\"model\":\"" MODEL "\"}", NULL) == MOE_INVALID_ARGUMENT, "null out");
   CHECK(moe_forward(NULL, 1, 1, 1, NULL, NULL, NULL, NULL, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,

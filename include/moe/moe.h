@@ -139,7 +139,8 @@ MOE_API const char* moe_status_name(int status);
  *   "model"       (string, required) checkpoint directory or "synthetic:PRESET[:layers=N][:seed=S]"
  *   "servers"     (array of strings) "unix:///path.sock" or "host:port", optional "#experts=0-63"
  *   "device"      "auto" | "cuda" | "cpu"                          (default "auto")
- *   "cuda_device" (int, default -1: the opening thread's current GPU)
+ *   "cuda_device" (int: -1, the default, for the opening thread's current GPU,
+ *                 or a visible device index)
  *   "cache_experts_per_layer" (int, <= the model's experts) or "cache_gib"
  *                 (number in [0, 1048576])                         (default 0)
  *   "policy"      "predictive" | "static" | "lru" | "lfru"         (default "predictive")
@@ -152,7 +153,8 @@ MOE_API const char* moe_status_name(int status);
  *                 same-host servers' when shared, else the checkpoint's class)
  *   "share_host_copy" (bool, default true) map the same-host servers' stores
  *                 instead of keeping an own copy
- *   "tp_rank", "tp_size" (int, default 0 and 1) tensor parallelism: this
+ *   "tp_rank", "tp_size" (int, default 0 and 1; 0 <= tp_rank < tp_size <=
+ *                 the model's experts) tensor parallelism: this
  *                 session is rank tp_rank of tp_size GPUs that all see every
  *                 token; it computes and caches only the experts its rank
  *                 owns (moe/types.h ExpertOwner) and returns that partial
