@@ -36,7 +36,7 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.String("layers", &o.layers, "MoE layers to host, e.g. 3-10,12 (model layer indexes; default: all)");
   flags.String("experts", &o.experts, "experts to host in every hosted layer, e.g. 0-63 (default: all)");
   flags.String("slice", &slice,
-               "i/n: hold slice i of n of every hosted expert's intermediate dimension (gate and up rows, down "
+               "i/n (0 <= i < n <= 8): hold slice i of n of every hosted expert's intermediate dimension (gate and up rows, down "
                "columns), e.g. one server per NUMA node with 0/2 and 1/2, pinned to disjoint cores; GPU workers "
                "send each token to one holder of every slice and add the partial outputs (default 0/1: whole)");
   flags.Int("threads", &threads,

@@ -61,7 +61,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.String("layers", &layers_flag, "MoE layers served (default: all)");
   flags.Int("tp-size", &tp_size,
             "tensor parallelism: GPUs that each see every token and whose engine sums their outputs; this worker "
-            "computes and caches only its rank's experts (default 1: every expert)");
+            "computes and caches only its rank's experts (1..1024, at most the model's experts; default 1: every expert)");
   flags.Int("tp-rank", &tp_rank, "tensor parallelism: this worker's rank in [0, --tp-size)");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision of the host copy and the GPU cache: auto (the same-host servers' when shared, else the "
