@@ -34,7 +34,6 @@ absl::Status CheckGeometryFields(uint32_t num_layers, uint32_t num_experts) {
   return absl::OkStatus();
 }
 
-// Every index < limit and no repeats; InvalidArgument naming field[i] otherwise.
 // host:port as workers dial it: a DNS name or IPv4 address (letters, digits,
 // '-', '.', no empty label) or a bracketed IPv6 address, and a port in
 // [1, 65535]. InvalidArgument naming `field` otherwise.
@@ -61,6 +60,7 @@ absl::Status CheckHostPort(const std::string& addr, const char* field) {
   return absl::OkStatus();
 }
 
+// Every index < limit and no repeats; InvalidArgument naming field[i] otherwise.
 absl::Status CheckIndexes(const google::protobuf::RepeatedField<uint32_t>& v, uint32_t limit,
                           const std::string& field) {
   std::vector<bool> seen(limit, false);

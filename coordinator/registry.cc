@@ -256,11 +256,10 @@ int Registry::RoutableExperts(int layer) const {
       if (s.caps.slice_index() >= count) continue;
       holds = &by_slice[s.caps.slice_index()];
     }
-    for (int e = 0; e < num_experts_; ++e) {
-      const auto& hosted = s.caps.hosted_experts();
-      if (hosted.empty() || std::find(hosted.begin(), hosted.end(), static_cast<uint32_t>(e)) != hosted.end())
-        (*holds)[e] = true;
-    }
+    const auto& hosted = s.caps.hosted_experts();
+    if (hosted.empty()) std::fill(holds->begin(), holds->end(), true);
+    for (uint32_t e : hosted)
+      if (e < holds->size()) (*holds)[e] = true;
   }
   for (const auto& [count, by_slice] : slices)
     for (int e = 0; e < num_experts_; ++e) {

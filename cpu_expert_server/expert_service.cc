@@ -1,9 +1,8 @@
 #include "cpu_expert_server/expert_service.h"
 
-#include <thread>
-
 #include <chrono>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -20,7 +19,12 @@ uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits) {
 ExpertServiceImpl::ExpertServiceImpl(const ModelSpec& spec, BatchHandler handler,
                                      ServiceLimits limits, moe::v1::ServerInfo info,
                                      ExpertServerMetrics* metrics)
-    : spec_(spec), handler_(std::move(handler)), limits_(limits), info_(std::move(info)), metrics_(metrics) {
+    : spec_(spec),
+      handler_(std::move(handler)),
+      limits_(limits),
+      info_(std::move(info)),
+      slice_{static_cast<int>(info_.slice_index()), std::max(1, static_cast<int>(info_.slice_count()))},
+      metrics_(metrics) {
   // ForwardStream (method 1 of moe.v1.ExpertService, in the proto's order)
   // served on raw ByteBuffers by a synchronous handler: the compute may block.
   MarkMethodStreamed(1, new grpc::internal::BidiStreamingHandler<ExpertServiceImpl, grpc::ByteBuffer, grpc::ByteBuffer>(
@@ -76,10 +80,9 @@ absl::Status ExpertServiceImpl::Prepare(const WireForwardRequest& req, Prepared*
   }
   if (req.layer >= static_cast<uint32_t>(spec_.num_layers))
     return absl::InvalidArgumentError(absl::StrCat("layer: ", req.layer, " out of range [0, ", spec_.num_layers, ")"));
-  const ExpertSlice mine{static_cast<int>(info_.slice_index()), std::max(1, static_cast<int>(info_.slice_count()))};
-  if (!(req.slice == mine))
+  if (!(req.slice == slice_))
     return absl::FailedPreconditionError(absl::StrCat("slice_index/slice_count: this server holds slice ",
-                                                      mine.ToString(), " of every expert, the request expects ",
+                                                      slice_.ToString(), " of every expert, the request expects ",
                                                       req.slice.ToString()));
   p->n = n;
   p->batch.layer = static_cast<int>(req.layer);

@@ -90,6 +90,7 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   BatchHandler handler_;
   ServiceLimits limits_;
   moe::v1::ServerInfo info_;
+  const ExpertSlice slice_;  // the share every request must expect (info_'s)
   ExpertServerMetrics* metrics_;
   std::mutex streams_mu_;
   bool draining_ = false;

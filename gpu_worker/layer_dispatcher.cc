@@ -210,6 +210,7 @@ struct LayerDispatcher::Impl {
   void* planned_stream = nullptr;              // the engine's stream of capturable calls
   int capturable_max_tokens = 0;               // CapturableMaxTokens, fixed at Create
   std::vector<int> call_experts, call_pairs;   // ForwardOnDevice's accesses (scratch)
+  std::vector<int32_t> call_count;             // [E] its pairs per expert, zero between calls
 };
 
 LayerDispatcher::~LayerDispatcher() {
@@ -1324,18 +1325,15 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
   const int32_t* ids = log + kRoutingLogHeader;
   std::vector<int>& experts = m.call_experts;
   std::vector<int>& pairs = m.call_pairs;
+  std::vector<int32_t>& count = m.call_count;
+  count.resize(spec_.num_experts, 0);
   experts.clear();
   pairs.clear();
-  for (int i = 0; i < T * k; ++i) {
-    const int e = ids[i];
-    if (e < 0) continue;
-    const auto at = std::find(experts.begin(), experts.end(), e);
-    if (at == experts.end()) {
-      experts.push_back(e);
-      pairs.push_back(1);
-    } else {
-      ++pairs[at - experts.begin()];
-    }
+  for (int i = 0; i < T * k; ++i)  // the log holds only ids in [-1, E)
+    if (const int e = ids[i]; e >= 0 && count[e]++ == 0) experts.push_back(e);
+  for (int e : experts) {
+    pairs.push_back(count[e]);
+    count[e] = 0;
   }
   cache_->RecordAccess(call.batch.layer, experts, pairs);
   if (config_.on_access)

@@ -75,9 +75,6 @@ class GrpcTransport final : public ExpertTransport {
   const char* kind() const override { return unary_ ? "grpc-unary" : "grpc-stream"; }
   ExpertSlice slice() const override { return slice_; }
 
-  // OK when the channel is connected; otherwise asks it to connect now (from
-  // IDLE; a channel in back-off tries at its next tick) and says UNAVAILABLE.
-  // Never blocks.
   // OK when the channel is connected; otherwise UNAVAILABLE at once, and a
   // connector thread drives the channel's reconnection until it is: gRPC
   // makes progress on a connection attempt only while someone polls for it

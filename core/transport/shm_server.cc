@@ -182,19 +182,13 @@ absl::Status ShmServer::Handshake(Connection* c) {
                                                         : std::min<int64_t>(250, opt_.handshake_timeout.count()));
   if (absl::Status st = unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr, wait_ms); !st.ok())
     return c->refused.ok() ? st : c->refused;
-  if (!c->refused.ok()) return refuse(c->refused);
-  MOE_ASSIGN_OR_RETURN(const uid_t uid, unix_socket::PeerUid(c->sock));
-  if (std::find(opt_.allowed_uids.begin(), opt_.allowed_uids.end(), uid) == opt_.allowed_uids.end())
-    return refuse(absl::PermissionDeniedError(absl::StrCat("uid ", uid, " is not allowed on this socket")));
-  if (hello.magic == kShmStoreMagic && hello.version == kShmProtocolVersion) {
-    if (static_cast<int>(hello.hidden) != opt_.hidden)
-      return refuse(absl::InvalidArgumentError(absl::StrCat("hello.hidden: ", hello.hidden, ", the model has ", opt_.hidden)));
-    return SendSharedStore(c);
-  }
-  if (hello.magic != kShmHelloMagic || hello.version != kShmProtocolVersion)
+  if (!c->refused.ok()) return refuse(c->refused);  // the uid was checked at accept (Accept)
+  const bool store_request = hello.magic == kShmStoreMagic;
+  if ((!store_request && hello.magic != kShmHelloMagic) || hello.version != kShmProtocolVersion)
     return refuse(absl::InvalidArgumentError("hello: bad magic or protocol version"));
   if (static_cast<int>(hello.hidden) != opt_.hidden)
     return refuse(absl::InvalidArgumentError(absl::StrCat("hello.hidden: ", hello.hidden, ", the model has ", opt_.hidden)));
+  if (store_request) return SendSharedStore(c);
   if (hello.max_tokens > opt_.max_slot_tokens || hello.slots > opt_.max_slots)
     return refuse(absl::OutOfRangeError(absl::StrCat("hello: asks for ", hello.slots, " slots of ", hello.max_tokens,
                                                      " tokens; this server allows ", opt_.max_slots, " of ",
