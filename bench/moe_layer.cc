@@ -78,6 +78,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <queue>
 #include <random>
 #include <thread>
@@ -101,6 +102,9 @@
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/layer_dispatcher.h"
+#ifdef MOE_HAVE_NCCL
+#include "gpu_worker/expert_parallel.h"
+#endif
 #ifdef MOE_HAVE_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -169,8 +173,12 @@ class ZipfRouter {
         std::swap(p[r], p[r + 1]);
       }
   }
+  // Samples tokens from a stream of their own from now on (the popularity
+  // and its drift stay the seed's): ranks of one model, different tokens.
+  void SeedSamples(uint64_t seed) { samples_.emplace(seed); }
   // ids/weights [T, k] for layer index li.
   void Route(int li, int T, int32_t* ids, float* w) {
+    std::mt19937_64& rng = samples_ ? *samples_ : rng_;
     std::uniform_real_distribution<double> u(0, 1);
     for (int t = 0; t < T; ++t) {
       float total = 0;
@@ -178,13 +186,13 @@ class ZipfRouter {
         int e;
         bool dup;
         do {
-          const int r = static_cast<int>(std::lower_bound(cdf_.begin(), cdf_.end(), u(rng_)) - cdf_.begin());
+          const int r = static_cast<int>(std::lower_bound(cdf_.begin(), cdf_.end(), u(rng)) - cdf_.begin());
           e = perm_[li][std::min(r, E_ - 1)];
           dup = false;
           for (int i = 0; i < j; ++i) dup |= ids[t * k_ + i] == e;
         } while (dup);
         ids[t * k_ + j] = e;
-        w[t * k_ + j] = static_cast<float>(0.2 + u(rng_));
+        w[t * k_ + j] = static_cast<float>(0.2 + u(rng));
         total += w[t * k_ + j];
       }
       for (int j = 0; j < k_; ++j) w[t * k_ + j] /= total;
@@ -195,6 +203,7 @@ class ZipfRouter {
   int E_, k_;
   double drift_;
   std::mt19937_64 rng_;
+  std::optional<std::mt19937_64> samples_;
   std::vector<std::vector<int>> perm_;
   std::vector<double> cdf_;
 };
@@ -255,6 +264,7 @@ struct Options {
   int runs = 1;
   int slices = 1;  // > 1: that many servers, each holding one slice of every expert (--slice i/n)
   int tp = 1;      // > 1: that many GPUs, one cache over them vs a cache per GPU (RunTensorParallel)
+  bool ep = false;  // with tp > 1: expert parallelism (each GPU its own tokens, exchanged over NCCL)
   int chunk = 0;  // > 0: tokens per layer call (a larger batch runs as several calls)
   // Tokens in one layer call of a batch of T.
   int CallTokens(int T) const { return chunk > 0 ? std::min(T, chunk) : T; }
@@ -426,9 +436,14 @@ DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, 
 // "union": each rank a session of the group (its own experts, cached and
 // computed); "independent": each rank a whole session with the same cache
 // size computing every pair (a cache per GPU), all-reducing a buffer of the
-// same size as the engine's per-layer all-reduce would. A step is every
-// layer once, timed from a barrier to the slowest rank's end. MoE only (no
-// attention): what the caches change.
+// same size as the engine's per-layer all-reduce would.
+// --ep N: expert parallelism — every rank its own T tokens (the same expert
+// popularity, its own samples). "union": the group's sessions exchange the
+// tokens over NCCL (ExpertParallel) and each computes its experts' pairs;
+// "independent": each rank computes all its tokens' pairs alone (data
+// parallelism, a cache per GPU), no communication.
+// A step is every layer once, timed from a barrier to the slowest rank's
+// end. MoE only (no attention): what the caches change.
 struct TpResult {
   double step_s = 0, hit = 0;
 };
@@ -438,15 +453,25 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
   const int R = static_cast<int>(comms.size()), L = static_cast<int>(spec.moe_layers.size());
   const int H = spec.hidden, k = spec.top_k;
   std::barrier sync(R);
+  const std::string ep_id = o.ep ? Value(NewGroupId(), "group id") : std::string();
   std::vector<double> step_t;
   std::vector<uint64_t> hits(R, 0), pairs(R, 0);
   auto rank_main = [&](int r) {
     if (cudaSetDevice(r) != cudaSuccess) Die("cudaSetDevice");
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend("cuda"), "device");
-    DispatcherConfig c = BenchDispatcherConfig(sockets, C, T, k);
-    if (group) c.group = TensorParallelGroup{r, R};
+    DispatcherConfig c = BenchDispatcherConfig(sockets, C, group && o.ep ? T * R : T, k);
+    if (group) c.group = TensorParallel(r, R);
+    if (group && o.ep) {
+      c.group.mode = GroupMode::kExpert;
+      c.group.id = ep_id;
+    }
     std::unique_ptr<LayerDispatcher> d = Value(LayerDispatcher::Create(spec, *backend, host, c), "dispatcher");
+    std::unique_ptr<ExpertParallel> ep;
+    if (group && o.ep)
+      ep = Value(ExpertParallel::Create(c.group, *d, spec.num_experts, H, T, k, std::chrono::milliseconds(120000)),
+                 "expert-parallel group");
     ZipfRouter router(L, spec.num_experts, k, o.zipf, o.drift, o.seed);
+    if (o.ep) router.SeedSamples(o.seed + 1000 * (r + 1));
     for (int li = 0; li < L; ++li) {  // warm: the hottest experts this rank may hold
       const int layer = spec.moe_layers[li];
       std::vector<int> mine;
@@ -484,7 +509,10 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
         call.kind = MemoryKind::kDevice;
         call.stream = stream;
         CallStats st;
-        Check(d->Forward(call, &st), "forward");
+        Check(ep != nullptr ? ep->Forward(call, &st) : d->Forward(call, &st), "forward");
+        if (o.ep) {  // expert parallelism: no all-reduce (each rank has its tokens' whole output)
+          if (cudaStreamSynchronize(stream) != cudaSuccess) Die("cudaStreamSynchronize");
+        } else
         // The layer's all-reduce: of the partial sums (union), or of a buffer
         // of the same size (independent: the engine of a tensor-parallel
         // model all-reduces every layer anyway, so both pay it and its sync).
@@ -500,6 +528,7 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
       sync.arrive_and_wait();
       if (r == 0 && step >= o.warmup) step_t.push_back(Sec(s0));
     }
+    ep.reset();
     d.reset();  // it waits for its last call on the stream
     cudaStreamDestroy(stream);
   };
@@ -523,8 +552,9 @@ void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vecto
   std::vector<int> devs(o.tp);
   for (int r = 0; r < o.tp; ++r) devs[r] = r;
   if (ncclCommInitAll(comms.data(), o.tp, devs.data()) != ncclSuccess) Die("ncclCommInitAll");
-  std::printf("\n### moe_layer --tp %d: %s, %d MoE layers, one cache over the GPUs (union) vs a cache per GPU\n\n",
-              o.tp, o.preset.c_str(), static_cast<int>(spec.moe_layers.size()));
+  std::printf("\n### moe_layer --%s %d: %s, %d MoE layers, one cache over the GPUs (union) vs a cache per GPU\n\n",
+              o.ep ? "ep" : "tp", o.tp, o.preset.c_str(), static_cast<int>(spec.moe_layers.size()));
+  if (o.ep) std::printf("T: tokens per GPU (each its own); union: NCCL token exchange (ExpertParallel)\n\n");
   std::printf("| T | cache per GPU | independent step ms | union step ms | union / independent | independent hit | "
               "union hit |\n|---|---|---|---|---|---|---|\n");
   for (int T : Ints(o.batches))
@@ -866,7 +896,7 @@ int Main(int argc, char** argv) {
                 "End-to-end MoE decode steps on a GPU worker with a CPU expert server over shm; prints a\n"
                 "Markdown table (ours vs all-on-GPU, copy-every-miss LRU, copy-all-experts, and a floor).");
   flags.String("preset", &o.preset, "model geometry: qwen3-30b-a3b, deepseek-v3, mixtral-8x7b, tiny, ...");
-  int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context, slices = 1, tp = 1;
+  int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context, slices = 1, tp = 1, ep = 1;
   flags.Int("layers", &layers, "MoE layers (0: as many as fit twice in host memory: server + worker copy)");
   flags.String("batches", &o.batches, "tokens per decode step");
   flags.String("cache", &o.cache, "cache sizes, percent of the GPU memory a bf16 cache of every expert would take");
@@ -897,6 +927,9 @@ int Main(int argc, char** argv) {
   flags.Int("slices", &slices,
             "expert servers, each holding slice i of n of every expert's intermediate dimension on its share of "
             "the cores (--server-threads / n threads each; default 1: one whole server)");
+  flags.Int("ep", &ep,
+            "GPUs: > 1 runs only the expert-parallel comparison — every GPU its own tokens, one cache over them "
+            "(tokens exchanged over NCCL) vs a cache per GPU, per --batches and --cache");
   flags.Int("tp", &tp,
             "GPUs: > 1 runs only the tensor-parallel comparison — every GPU the same tokens, one cache over them "
             "(each rank its experts, ncclAllReduce of the outputs) vs a cache per GPU, per --batches and --cache");
@@ -917,10 +950,13 @@ int Main(int argc, char** argv) {
   o.slices = static_cast<int>(slices);
 #ifdef MOE_HAVE_NCCL
   if (tp < 1 || tp > 64) Die("--tp: must be in [1, 64]");
+  if (ep < 1 || ep > 64) Die("--ep: must be in [1, 64]");
+  if (tp > 1 && ep > 1) Die("--tp and --ep: one of them");
 #else
-  if (tp != 1) Die("--tp: this build has no NCCL");
+  if (tp != 1 || ep != 1) Die("--tp / --ep: this build has no NCCL");
 #endif
-  o.tp = static_cast<int>(tp);
+  o.tp = static_cast<int>(std::max(tp, ep));
+  o.ep = ep > 1;
   if (chunk < 0) Die("--chunk: must be at least 0");
   o.chunk = static_cast<int>(chunk);
   o.runs = static_cast<int>(runs);

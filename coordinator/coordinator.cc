@@ -442,7 +442,7 @@ PlacementProblem Coordinator::PlacementProblemLocked(bool pins_only, double now,
     WorkerPlacementState s;
     s.id = id;
     s.slots_per_layer = static_cast<int>(w.caps.slots_per_layer());
-    s.group = TensorParallelGroup{static_cast<int>(w.caps.tp_rank()), std::max(1, static_cast<int>(w.caps.tp_size()))};
+    s.group = TensorParallel(static_cast<int>(w.caps.tp_rank()), std::max(1, static_cast<int>(w.caps.tp_size())));
     s.expert_bytes = w.caps.expert_bytes();
     if (pins_only) {
       s.budget_bytes = 0;

@@ -46,7 +46,7 @@ inline constexpr uint64_t kUnlimitedBudget = std::numeric_limits<uint64_t>::max(
 struct WorkerPlacementState {
   std::string id;
   int slots_per_layer = 0;
-  TensorParallelGroup group;                 // holds only its rank's experts (ExpertOwner)
+  ParallelGroup group;                 // holds only its rank's experts (ExpertOwner)
   uint64_t expert_bytes = 0;
   uint64_t budget_bytes = kUnlimitedBudget;  // this round; pins are not charged
   bool frozen = false;                       // holds its set this round (e.g. copies still in flight)

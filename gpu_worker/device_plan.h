@@ -58,7 +58,7 @@ struct DeviceError {
 
 // One served layer's routing tables (host-mapped, [num_experts] each).
 // buffer_of's mark of an expert another rank of a tensor-parallel group
-// owns: its pairs are skipped (moe/types.h TensorParallelGroup).
+// owns: its pairs are skipped (moe/types.h ParallelGroup).
 inline constexpr int32_t kNotThisRank = -2;
 
 struct DeviceLayerTables {

@@ -292,7 +292,9 @@ absl::Status LayerDispatcher::CheckConfig() {
     return absl::InvalidArgumentError(absl::StrCat("cache-gib: ", c.cache_gib, " is outside [0, ", kMaxCacheGib, "]"));
   if (c.miss_buffers < 1) return absl::InvalidArgumentError("miss-buffers: must be at least 1");
   if (c.group.size < 1 || c.group.size > spec_.num_experts || c.group.rank < 0 || c.group.rank >= c.group.size)
-    return absl::InvalidArgumentError(absl::StrCat("group (tp_rank, tp_size): rank ", c.group.rank, " of size ",
+    return absl::InvalidArgumentError(absl::StrCat(c.group.mode == GroupMode::kExpert ? "group (ep_rank, ep_size)"
+                                                                                      : "group (tp_rank, tp_size)",
+                                                   ": rank ", c.group.rank, " of size ",
                                                    c.group.size, " (need 0 <= rank < size <= ", spec_.num_experts,
                                                    ", the model's experts)"));
   if (c.poll_window.count() < 0) return absl::InvalidArgumentError("poll-window: must not be negative");
@@ -1358,6 +1360,11 @@ void LayerDispatcher::PublishSlotMap(int layer) {
     const int32_t b = !Owns(layer, e) ? kNotThisRank : slot >= 0 ? SlotBuffer(layer, slot) : -1;
     __atomic_store_n(buffer_of + e, b, __ATOMIC_RELEASE);
   }
+}
+
+void LayerDispatcher::LeaveGroup() {
+  config_.group = ParallelGroup{};
+  for (int layer : layers_) PublishSlotMap(layer);
 }
 
 // The tables in one host-mapped block: the channels, then per served layer

@@ -113,7 +113,7 @@ struct DispatcherConfig {
   // Tensor parallelism (moe/types.h): this worker computes, caches and
   // reports only the pairs of the experts its rank owns; a call's output is
   // its rank's partial sum.
-  TensorParallelGroup group;
+  ParallelGroup group;
   // Device knobs passed to DeviceBackend::Init (cpu_threads, cpu_kernel,
   // cuda_device); its sizes (hidden, buffers, tokens, contexts) are set here.
   BackendConfig backend;
@@ -222,6 +222,11 @@ class LayerDispatcher {
   // its experts go to other servers hosting them, else to the device.
   // NotFound for an unknown address.
   absl::Status SetServerEnabled(const std::string& address, bool enabled);
+
+  // Leaves the group (DispatcherConfig::group): every expert is this
+  // rank's again — the other ranks' become misses (or admissions) here. An
+  // expert-parallel rank calls it when a peer failed (ExpertParallel).
+  void LeaveGroup();
 
   const ExpertCache& cache() const { return *cache_; }
   const CostModel& cost_model() const { return planner_.rates(); }

@@ -8,6 +8,9 @@
 #include "core/status_macros.h"
 #include "core/transport/transport.h"
 #include "gpu_worker/device_backend.h"
+#ifdef MOE_HAVE_NCCL
+#include "gpu_worker/expert_parallel.h"
+#endif
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/layer_dispatcher.h"
 
@@ -20,8 +23,16 @@ struct MoeSession::Rep {
   std::unique_ptr<DeviceBackend> backend;
   std::unique_ptr<HostExpertStore> host;
   std::unique_ptr<LayerDispatcher> dispatcher;
+#ifdef MOE_HAVE_NCCL
+  std::unique_ptr<ExpertParallel> expert_parallel;  // group.mode kExpert: the token exchange
+#endif
+
+  bool expert_parallel_mode() const { return options.group.mode == GroupMode::kExpert && options.group.size > 1; }
 
   ~Rep() {
+#ifdef MOE_HAVE_NCCL
+    expert_parallel.reset();  // before the dispatcher it calls
+#endif
     dispatcher.reset();  // before the host store and backend it uses
     host.reset();
     backend.reset();
@@ -52,6 +63,14 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
   c.backend.cpu_threads = o.cpu_threads;
   c.backend.cuda_device = o.cuda_device;
   c.group = o.group;
+  if (o.group.mode == GroupMode::kExpert && o.group.size > 1) {
+    // The rank computes its own tokens and the ones its peers send it.
+    if (o.max_tokens >= 1 && o.max_tokens <= kMaxCallTokens &&
+        static_cast<int64_t>(o.max_tokens) * o.group.size > kMaxCallTokens)
+      return absl::InvalidArgumentError(absl::StrCat("max_tokens: ", o.max_tokens, " x ep_size ", o.group.size,
+                                                     " exceeds ", kMaxCallTokens, " tokens per batch"));
+    c.max_tokens = o.max_tokens * std::max(1, o.group.size);
+  }
   c.on_access = o.on_access;
   c.on_activity = o.on_activity;
   return c;
@@ -97,6 +116,13 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   r->model = InfoOf(spec);
   MOE_ASSIGN_OR_RETURN(DispatcherConfig c, MakeDispatcherConfig(o, spec));
   MOE_ASSIGN_OR_RETURN(r->backend, MakeDeviceBackend(o.device));
+  if (r->expert_parallel_mode()) {
+#ifndef MOE_HAVE_NCCL
+    return absl::FailedPreconditionError("group: expert-parallel groups need NCCL, and this build has none");
+#endif
+    if (!r->backend->has_device_memory())
+      return absl::FailedPreconditionError("group: an expert-parallel group needs the cuda device backend");
+  }
   if (o.host_copy) {
     const std::vector<int>& layers = o.layers.empty() ? spec.moe_layers : o.layers;
     std::vector<std::string> unix_sockets;
@@ -110,6 +136,14 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   // move ~1/2 / ~1/4 of bf16), which the coordinator's copy budget counts.
   if (r->host) r->model.expert_bytes = r->host->geometry().packed_bytes();
   MOE_ASSIGN_OR_RETURN(r->dispatcher, LayerDispatcher::Create(spec, *r->backend, r->host.get(), std::move(c)));
+#ifdef MOE_HAVE_NCCL
+  if (r->expert_parallel_mode()) {
+    DeviceScope scope(*r->backend);
+    MOE_ASSIGN_OR_RETURN(r->expert_parallel, ExpertParallel::Create(o.group, *r->dispatcher, spec.num_experts,
+                                                                    spec.hidden, o.max_tokens, o.max_top_k,
+                                                                    o.deadline));
+  }
+#endif
   return std::unique_ptr<MoeSession>(new MoeSession(std::move(r)));
 }
 
@@ -120,10 +154,27 @@ absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hid
                                       const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
                                       MemoryKind kind, CallStats* stats, void* cuda_stream) {
   DeviceScope scope(*rep_->backend);
+  const LayerCall call = MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream);
+#ifdef MOE_HAVE_NCCL
+  if (rep_->expert_parallel != nullptr) return rep_->expert_parallel->Forward(call, stats);
+#endif
   // Forward, not Submit + Wait: a decode-sized call in device memory takes
   // the device path (LayerDispatcher::Forward).
-  return rep_->dispatcher->Forward(MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream),
-                                   stats);
+  return rep_->dispatcher->Forward(call, stats);
+}
+
+absl::StatusOr<std::string> MoeSession::NewGroupId() {
+#ifdef MOE_HAVE_NCCL
+  return moe::NewGroupId();
+#else
+  return absl::FailedPreconditionError("group: expert-parallel groups need NCCL, and this build has none");
+#endif
+}
+
+absl::Status MoeSession::RefuseInExpertParallel(const char* method) const {
+  if (!rep_->expert_parallel_mode()) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      method, ": an expert-parallel session takes ForwardLayer calls only (every rank calls every layer)"));
 }
 
 absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int T, int k,
@@ -131,6 +182,7 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
                                                                   const int32_t* topk_ids,
                                                                   const float* topk_weights, bf16_t* out,
                                                                   MemoryKind kind, void* cuda_stream) {
+  MOE_RETURN_IF_ERROR(RefuseInExpertParallel("ForwardLayerAsync"));
   DeviceScope scope(*rep_->backend);
   MOE_ASSIGN_OR_RETURN(int ticket, rep_->dispatcher->Submit(MakeLayerCall(layer, T, k, hidden, topk_ids,
                                                                           topk_weights, out, kind, cuda_stream)));
@@ -140,6 +192,7 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
 absl::Status MoeSession::ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden,
                                                 const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
                                                 void* cuda_stream) {
+  MOE_RETURN_IF_ERROR(RefuseInExpertParallel("ForwardLayerCapturable"));
   DeviceScope scope(*rep_->backend);
   return rep_->dispatcher->EnqueueCapturable(
       MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, MemoryKind::kDevice, cuda_stream));

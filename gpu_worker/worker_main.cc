@@ -98,7 +98,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   if (tp_size < 1 || tp_size > 1024 || tp_rank < 0 || tp_rank >= tp_size)
     flags.Fail("--tp-rank/--tp-size: need 0 <= rank < size <= 1024, got " + std::to_string(tp_rank) + "/" +
                std::to_string(tp_size));
-  o.group = moe::TensorParallelGroup{static_cast<int>(tp_rank), static_cast<int>(tp_size)};
+  o.group = moe::TensorParallel(static_cast<int>(tp_rank), static_cast<int>(tp_size));
   o.tls = f.service.tls;
   if (!layers_flag.empty()) {
     absl::StatusOr<std::vector<int>> layers = moe::ParseIndexList(layers_flag, 1 << 20, "layers");

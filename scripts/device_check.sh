@@ -33,6 +33,8 @@
 #                         expert), 3 runs
 #   tp_bench              issue 26: moe_layer qwen3-30b-a3b (LAYERS=16 layers, bf16, Zipf routing) --tp 2: one
 #                         cache over two GPUs (ncclAllReduce) vs a cache per GPU, T=1,8,32,2048, 25% per GPU, 3 runs
+#   ep_bench              issue 26: the same --ep 2: each GPU its own T tokens, one cache over both GPUs with
+#                         the tokens exchanged over NCCL (ExpertParallel) vs a cache per GPU, T=1,8,32,512,2048
 #   tp ARGS               issue 26: python/examples/transformers_tp.py ARGS on every GPU of the machine (needs 2):
 #                         one cache across the GPUs (tensor parallel, torch all-reduce) vs a cache per GPU
 #   usage (on the host): bash scripts/device_check.sh tests moe_layer qwen3-30b-a3b --layers 8
@@ -133,6 +135,11 @@ while [[ $# -gt 0 ]]; do
       "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=${LAYERS:-16} --tp=2 --batches=1,8,32,2048 --cache=25 \
         --runs=3 --steps=5 --warmup=2 --server-bin "$B/bin/moe-expert-server" > "$OUT/tp_bench.md" 2> "$OUT/tp_bench.log"
       echo "tp_bench rc=$?"; grep -E "^\|" "$OUT/tp_bench.md"; tail -3 "$OUT/tp_bench.log" ;;
+    ep_bench)
+      "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=${LAYERS:-16} --ep=2 --batches=${BATCHES:-1,8,32,512,2048} \
+        --cache=25 --runs=3 --steps=5 --warmup=2 --server-bin "$B/bin/moe-expert-server" > "$OUT/ep_bench.md" \
+        2> "$OUT/ep_bench.log"
+      echo "ep_bench rc=$?"; grep -E "^\|" "$OUT/ep_bench.md"; tail -3 "$OUT/ep_bench.log" ;;
     tp)
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 580 "$py" "$B/python/examples/transformers_tp.py" \

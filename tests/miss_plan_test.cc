@@ -34,7 +34,7 @@ struct Case {
     std::vector<bool> h(kE, experts.empty());
     for (int e : experts) h[e] = true;
     hosts.push_back(h);
-    servers.push_back(PlanServer{up, nullptr, chunk});
+    servers.push_back(PlanServer{up, nullptr, chunk, ExpertSlice{}});
   }
   MissPlanInput& Input() {
     for (size_t s = 0; s < servers.size(); ++s) servers[s].hosts = &hosts[s];

@@ -1,17 +1,27 @@
-// The tensor-parallel contract with a real all-reduce (issue 26): one
-// session per GPU, each rank rank r of the group, every rank given the same
-// tokens; each returns its share and ncclAllReduce on its stream sums them —
-// the layer's output, equal to the reference MoE on every rank. Needs two
-// CUDA GPUs and NCCL: skipped by name otherwise (the CI machine has none).
+// Groups of GPUs over NCCL (issue 26), one session per GPU:
+// - tensor parallelism: every rank given the same tokens returns its share
+//   and ncclAllReduce on its stream sums them — the layer's output, equal to
+//   the reference MoE on every rank;
+// - expert parallelism: every rank its own tokens (different counts, none
+//   too), exchanged by the sessions within the call; each rank's output
+//   equals the reference of its tokens; a rank's bad input fails only its
+//   call; a peer that stops answering is left at the deadline and the
+//   survivor's outputs stay exact.
+// Needs two CUDA GPUs and NCCL: skipped by name otherwise (the CI machine
+// has none).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
 #include "gtest/gtest.h"
@@ -25,10 +35,44 @@ namespace {
 const char kModel[] = "synthetic:demo:layers=2:seed=41";  // H=512, 32 experts, top-4
 constexpr int kH = 512, kE = 32, kK = 4, kRanks = 2;
 
+// Random tokens and routing of one call, from `seed`.
+void Batch(uint64_t seed, int T, std::vector<bf16_t>* x, std::vector<int32_t>* ids, std::vector<float>* w) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> u(-1, 1), pw(0.1f, 1);
+  x->resize(static_cast<size_t>(T) * kH);
+  for (bf16_t& v : *x) v = F32ToBf16(u(rng));
+  ids->assign(static_cast<size_t>(T) * kK, -1);
+  w->assign(ids->size(), 0.f);
+  for (int t = 0; t < T; ++t) {
+    std::vector<int> pool(kE);
+    for (int e = 0; e < kE; ++e) pool[e] = e;
+    std::shuffle(pool.begin(), pool.end(), rng);
+    for (int j = 0; j < kK; ++j) {
+      (*ids)[t * kK + j] = pool[j];
+      (*w)[t * kK + j] = pw(rng);
+    }
+  }
+}
+
+// The relative error of a call's output against the f64 reference.
+double ErrorOf(ReferenceMoe& reference, int layer, int T, const std::vector<bf16_t>& x,
+               const std::vector<int32_t>& ids, const std::vector<float>& w, const std::vector<bf16_t>& out) {
+  std::vector<double> ref(out.size());
+  if (!reference.Forward<double>(layer, T, x.data(), RoutingView{T, kK, ids.data(), w.data()}, ref.data()).ok())
+    return 1e9;
+  std::vector<float> got(out.size());
+  for (size_t i = 0; i < out.size(); ++i) got[i] = Bf16ToF32(out[i]);
+  return RelativeL2Error(got.data(), ref.data(), ref.size());
+}
+
+bool HaveGpus(int n, int* found) {
+  *found = 0;
+  return cudaGetDeviceCount(found) == cudaSuccess && *found >= n;
+}
+
 TEST(NcclTensorParallel, TwoGpusAllReduceTheirSharesIntoTheLayer) {
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < kRanks)
-    GTEST_SKIP() << "needs " << kRanks << " CUDA GPUs, found " << devices;
+  if (!HaveGpus(kRanks, &devices)) GTEST_SKIP() << "needs " << kRanks << " CUDA GPUs, found " << devices;
   testing::TempDir dir;
   std::vector<std::unique_ptr<Subprocess>> servers;
   const std::string server = testing::StartTestServer(servers, dir.path(), kModel, /*shm=*/true);
@@ -39,25 +83,6 @@ TEST(NcclTensorParallel, TwoGpusAllReduceTheirSharesIntoTheLayer) {
   int devs[kRanks] = {0, 1};
   ASSERT_EQ(ncclCommInitAll(comms.data(), kRanks, devs), ncclSuccess);
 
-  // The same tokens and routing on both ranks, per (step, layer).
-  auto batch = [](int step, int layer, int T, std::vector<bf16_t>* x, std::vector<int32_t>* ids,
-                  std::vector<float>* w) {
-    std::mt19937_64 rng(1000 * step + layer);
-    std::uniform_real_distribution<float> u(-1, 1), pw(0.1f, 1);
-    x->resize(static_cast<size_t>(T) * kH);
-    for (bf16_t& v : *x) v = F32ToBf16(u(rng));
-    ids->assign(static_cast<size_t>(T) * kK, -1);
-    w->assign(ids->size(), 0.f);
-    for (int t = 0; t < T; ++t) {
-      std::vector<int> pool(kE);
-      for (int e = 0; e < kE; ++e) pool[e] = e;
-      std::shuffle(pool.begin(), pool.end(), rng);
-      for (int j = 0; j < kK; ++j) {
-        (*ids)[t * kK + j] = pool[j];
-        (*w)[t * kK + j] = pw(rng);
-      }
-    }
-  };
   std::vector<std::vector<double>> errors(kRanks);
   std::vector<std::string> failures(kRanks);
   auto rank_main = [&](int r) {
@@ -70,7 +95,7 @@ TEST(NcclTensorParallel, TwoGpusAllReduceTheirSharesIntoTheLayer) {
     o.policy = "lru";
     o.max_tokens = 512;
     o.max_top_k = kK;
-    o.group = TensorParallelGroup{r, kRanks};
+    o.group = TensorParallel(r, kRanks);
     absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(o);
     if (!s.ok()) {
       failures[r] = std::string(s.status().message());
@@ -84,7 +109,7 @@ TEST(NcclTensorParallel, TwoGpusAllReduceTheirSharesIntoTheLayer) {
         std::vector<bf16_t> x;
         std::vector<int32_t> ids;
         std::vector<float> w;
-        batch(step, layer, T, &x, &ids, &w);
+        Batch(1000 * step + layer, T, &x, &ids, &w);
         testing::DeviceCall dev(x, ids, w);
         absl::Status st = (*s)->ForwardLayer(layer, T, kK, dev.x(), dev.ids(), dev.weights(), dev.out(),
                                              MemoryKind::kDevice, nullptr, stream);
@@ -98,13 +123,7 @@ TEST(NcclTensorParallel, TwoGpusAllReduceTheirSharesIntoTheLayer) {
           failures[r] = "ncclAllReduce";
           return;
         }
-        const std::vector<bf16_t> out = dev.Output();
-        std::vector<double> ref(out.size());
-        if (!reference.Forward<double>(layer, T, x.data(), RoutingView{T, kK, ids.data(), w.data()}, ref.data()).ok())
-          failures[r] = "reference";
-        std::vector<float> got(out.size());
-        for (size_t i = 0; i < out.size(); ++i) got[i] = Bf16ToF32(out[i]);
-        errors[r].push_back(RelativeL2Error(got.data(), ref.data(), ref.size()));
+        errors[r].push_back(ErrorOf(reference, layer, T, x, ids, w, dev.Output()));
       }
     s->reset();  // before the stream its calls used (engine.h)
     cudaStreamDestroy(stream);
@@ -118,6 +137,192 @@ TEST(NcclTensorParallel, TwoGpusAllReduceTheirSharesIntoTheLayer) {
     EXPECT_EQ(errors[r].size(), 12u);
     for (double e : errors[r]) EXPECT_LE(e, 1e-2) << "rank " << r;
   }
+}
+
+
+// Expert parallelism: two ranks, each with its own tokens, one session per
+// GPU sharing a group id.
+class NcclExpertParallel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int devices = 0;
+    if (!HaveGpus(kRanks, &devices)) GTEST_SKIP() << "needs " << kRanks << " CUDA GPUs, found " << devices;
+    server_ = testing::StartTestServer(servers_, dir_.path(), kModel, /*shm=*/true);
+    ASSERT_FALSE(server_.empty());
+    absl::StatusOr<std::string> id = MoeSession::NewGroupId();
+    ASSERT_TRUE(id.ok()) << id.status();
+    id_ = *id;
+    source_ = *OpenModel(kModel);
+    reference_ = std::make_unique<ReferenceMoe>(*source_);
+  }
+
+  // Opens rank r's session on GPU r (collective: both ranks at once).
+  absl::StatusOr<std::unique_ptr<MoeSession>> Open(int r, std::chrono::milliseconds deadline) {
+    cudaSetDevice(r);
+    SessionOptions o;
+    o.model = kModel;
+    o.servers = {server_};
+    o.device = "cuda";
+    o.cache_experts_per_layer = 4;
+    o.policy = "lru";
+    o.max_tokens = 320;
+    o.max_top_k = kK;
+    o.deadline = deadline;
+    o.group.rank = r;
+    o.group.size = kRanks;
+    o.group.mode = GroupMode::kExpert;
+    o.group.id = id_;
+    return MoeSession::Open(o);
+  }
+
+  // One call of rank r with T tokens from `seed`; its error against the
+  // reference, or the call's status.
+  absl::StatusOr<double> Call(MoeSession& s, cudaStream_t stream, int layer, int T, uint64_t seed,
+                              bool bad_id = false) {
+    std::vector<bf16_t> x;
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    Batch(seed, T, &x, &ids, &w);
+    if (bad_id && T > 0) ids[0] = kE + 3;
+    testing::DeviceCall dev(x, ids, w);
+    absl::Status st = s.ForwardLayer(layer, T, kK, dev.x(), dev.ids(), dev.weights(), dev.out(), MemoryKind::kDevice,
+                                     nullptr, stream);
+    if (!st.ok()) return st;
+    if (cudaStreamSynchronize(stream) != cudaSuccess) return absl::InternalError("stream");
+    if (T == 0) return 0.0;
+    return ErrorOf(*reference_, layer, T, x, ids, w, dev.Output());
+  }
+
+  testing::TempDir dir_;
+  std::vector<std::unique_ptr<Subprocess>> servers_;
+  std::string server_, id_;
+  std::unique_ptr<ModelSource> source_;
+  std::unique_ptr<ReferenceMoe> reference_;
+};
+
+TEST_F(NcclExpertParallel, EachRanksTokensComeBackExactWithOneCacheOverBothGpus) {
+  // Tokens per (step, rank): the device path (batch within a request slot),
+  // the host path (above it), a rank with none.
+  const int kT[][kRanks] = {{1, 7}, {300, 2}, {0, 40}, {5, 0}, {250, 320}, {3, 3}};
+  std::vector<std::string> failures(kRanks);
+  std::vector<int> calls(kRanks, 0);
+  std::vector<std::vector<int>> cached(kRanks);
+  auto rank_main = [&](int r) {
+    absl::StatusOr<std::unique_ptr<MoeSession>> s = Open(r, std::chrono::milliseconds(20000));
+    if (!s.ok()) {
+      failures[r] = std::string(s.status().message());
+      return;
+    }
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    for (int step = 0; step < 6; ++step)
+      for (int layer : {0, 1}) {
+        absl::StatusOr<double> e = Call(**s, stream, layer, kT[step][r], 7000 * step + 100 * layer + r);
+        if (!e.ok()) failures[r] += absl::StrCat(" step ", step, ": ", e.status().message());
+        else if (*e > 1e-2) failures[r] += absl::StrCat(" step ", step, " layer ", layer, ": error ", *e);
+        else ++calls[r];
+      }
+    cached[r] = (*s)->CachedExperts(0);
+    // The async and capturable calls are refused in this mode.
+    EXPECT_TRUE(absl::IsFailedPrecondition((*s)->ForwardLayerAsync(0, 1, kK, nullptr, nullptr, nullptr, nullptr,
+                                                                    MemoryKind::kDevice, stream).status()));
+    s->reset();
+    cudaStreamDestroy(stream);
+  };
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kRanks; ++r) ranks.emplace_back(rank_main, r);
+  for (std::thread& t : ranks) t.join();
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_TRUE(failures[r].empty()) << "rank " << r << ":" << failures[r];
+    EXPECT_EQ(calls[r], 12) << "rank " << r;
+    // One cache over both GPUs: each holds only experts it owns.
+    EXPECT_FALSE(cached[r].empty()) << "rank " << r;
+    for (int e : cached[r]) {
+      if (e >= 0) {
+        EXPECT_EQ(ExpertOwner(0, e, kRanks), r) << "rank " << r << " caches expert " << e;
+      }
+    }
+  }
+}
+
+TEST_F(NcclExpertParallel, BadInputFailsOnlyItsRanksCall) {
+  std::vector<absl::Status> bad(kRanks);
+  std::vector<std::vector<double>> errors(kRanks);
+  std::vector<std::string> failures(kRanks);
+  auto rank_main = [&](int r) {
+    absl::StatusOr<std::unique_ptr<MoeSession>> s = Open(r, std::chrono::milliseconds(20000));
+    if (!s.ok()) {
+      failures[r] = std::string(s.status().message());
+      return;
+    }
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    for (int step = 0; step < 3; ++step) {
+      // Step 1: rank 0 routes a token to an expert that does not exist.
+      absl::StatusOr<double> e = Call(**s, stream, 0, 6, 500 * step + r, /*bad_id=*/step == 1 && r == 0);
+      if (step == 1 && r == 0) bad[r] = e.status();
+      else if (e.ok()) errors[r].push_back(*e);
+      else failures[r] += std::string(e.status().message());
+    }
+    s->reset();
+    cudaStreamDestroy(stream);
+  };
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kRanks; ++r) ranks.emplace_back(rank_main, r);
+  for (std::thread& t : ranks) t.join();
+  EXPECT_TRUE(absl::IsInvalidArgument(bad[0])) << bad[0];
+  EXPECT_NE(bad[0].message().find("topk_ids"), std::string::npos) << bad[0];
+  for (int r = 0; r < kRanks; ++r) {
+    EXPECT_TRUE(failures[r].empty()) << "rank " << r << ": " << failures[r];
+    EXPECT_EQ(errors[r].size(), r == 0 ? 2u : 3u);
+    for (double e : errors[r]) EXPECT_LE(e, 1e-2) << "rank " << r;
+  }
+}
+
+TEST_F(NcclExpertParallel, APeerThatStopsAnsweringIsLeftAtTheDeadline) {
+  constexpr auto kDeadline = std::chrono::milliseconds(3000);
+  std::atomic<bool> survivor_done{false};
+  std::vector<std::string> failures(kRanks);
+  std::vector<double> errors;
+  double stalled_call_s = 0, alone_call_s = 0;
+  auto rank_main = [&](int r) {
+    absl::StatusOr<std::unique_ptr<MoeSession>> s = Open(r, kDeadline);
+    if (!s.ok()) {
+      failures[r] = std::string(s.status().message());
+      return;
+    }
+    cudaStream_t stream = nullptr;
+    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    for (int step = 0; step < 2; ++step) {  // together
+      absl::StatusOr<double> e = Call(**s, stream, step % 2, 9, 900 * step + r);
+      if (!e.ok() || *e > 1e-2) failures[r] += absl::StrCat(" step ", step, " together");
+    }
+    if (r == 1) {  // rank 1's GPU "hangs": it never calls again while rank 0 runs
+      while (!survivor_done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    } else {
+      for (int step = 2; step < 5; ++step) {
+        const auto t0 = std::chrono::steady_clock::now();
+        absl::StatusOr<double> e = Call(**s, stream, step % 2, 9, 900 * step);
+        const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        (step == 2 ? stalled_call_s : alone_call_s) = sec;
+        if (!e.ok()) failures[0] += absl::StrCat(" step ", step, ": ", e.status().message());
+        else errors.push_back(*e);
+      }
+      survivor_done = true;
+    }
+    s->reset();
+    cudaStreamDestroy(stream);
+  };
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kRanks; ++r) ranks.emplace_back(rank_main, r);
+  for (std::thread& t : ranks) t.join();
+  for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(failures[r].empty()) << "rank " << r << ":" << failures[r];
+  ASSERT_EQ(errors.size(), 3u);
+  for (double e : errors) EXPECT_LE(e, 1e-2);  // the peer's experts computed on the CPU server: exact
+  // The stalled call waited for the deadline, not past it by much.
+  EXPECT_GE(stalled_call_s, 0.9 * std::chrono::duration<double>(kDeadline).count());
+  EXPECT_LE(stalled_call_s, std::chrono::duration<double>(kDeadline).count() + 2.0);
+  EXPECT_LE(alone_call_s, 1.0);  // alone afterwards: no more waits
 }
 
 }  // namespace

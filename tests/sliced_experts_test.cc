@@ -49,7 +49,9 @@ TEST(SliceRange, CutsAtMultiplesOf128Or64AndCoversTheDimension) {
         EXPECT_EQ(r->first % 64, 0);
         next = r->second;
       }
-      if (I / 64 >= n) EXPECT_EQ(next, I) << I << " " << n;
+      if (I / 64 >= n) {
+        EXPECT_EQ(next, I) << I << " " << n;
+      }
     }
   }
   EXPECT_EQ(*SliceRange(768, ExpertSlice{1, 2}), std::make_pair(384, 768));
@@ -290,7 +292,9 @@ TEST_P(SlicedServersTest, DevicePathShipsToEverySliceAndRecomputesALostShare) {
       std::vector<float> got(out.size());
       for (size_t i = 0; i < out.size(); ++i) got[i] = Bf16ToF32(out[i]);
       EXPECT_LE(RelativeL2Error(got.data(), ref.data(), ref.size()), 1e-2) << "T=" << T << " round " << round;
-      if (round == 0) EXPECT_EQ(st.cpu_pairs, T * 4);
+      if (round == 0) {
+        EXPECT_EQ(st.cpu_pairs, T * 4);
+      }
     }
   }
 }

@@ -951,7 +951,9 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   // socket with unsealed segments it shrinks (defect 1: the workers must
   // refuse them, not die of SIGBUS). Every answer is still checked.
   testing::HostileNeighbour hostile;
-  if (geteuid() == 0) ASSERT_TRUE(hostile.HoldShmSlots({sockets_[0], sockets_[1]}, 64));
+  if (geteuid() == 0) {
+    ASSERT_TRUE(hostile.HoldShmSlots({sockets_[0], sockets_[1]}, 64));
+  }
   std::atomic<bool> stop_hijack{false};
   std::atomic<int> hijack_tries{0}, hijacked{0};
   std::thread hijacker([&] {

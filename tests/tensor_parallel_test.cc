@@ -63,7 +63,7 @@ TEST(Placement, RanksOfAGroupGetDisjointSetsOfTheirOwnExperts) {
       WorkerPlacementState w;
       w.id = "rank" + std::to_string(r);
       w.slots_per_layer = 4;
-      w.group = TensorParallelGroup{r, 2};
+      w.group = TensorParallel(r, 2);
       w.cached = {true, true};
       w.resident.assign(2, {});
       w.pinned = {{0, 1}, {}};  // expert 1 of layer 0 is rank 1's
@@ -137,7 +137,7 @@ class TensorParallelTest : public ::testing::TestWithParam<std::tuple<std::strin
   const std::string& backend() const { return std::get<0>(GetParam()); }
   bool device_memory() const { return std::get<1>(GetParam()) == "device"; }
 
-  std::unique_ptr<MoeSession> Open(TensorParallelGroup group, int cache, const std::string& policy) {
+  std::unique_ptr<MoeSession> Open(ParallelGroup group, int cache, const std::string& policy) {
     SessionOptions o;
     o.model = kModel;
     o.servers = {address_};
@@ -193,7 +193,7 @@ TEST_P(TensorParallelTest, RanksPartialSumsAddUpToTheLayerAndTheirCachesAreDisjo
   constexpr int kRanks = 2, kCache = 4;
   std::vector<std::unique_ptr<MoeSession>> ranks;
   for (int r = 0; r < kRanks; ++r) {
-    ranks.push_back(Open(TensorParallelGroup{r, kRanks}, kCache, "lru"));
+    ranks.push_back(Open(TensorParallel(r, kRanks), kCache, "lru"));
     ASSERT_NE(ranks.back(), nullptr);
   }
   for (int step = 0; step < 12; ++step) {
@@ -236,8 +236,8 @@ TEST_P(TensorParallelTest, RanksPartialSumsAddUpToTheLayerAndTheirCachesAreDisjo
 }
 
 TEST(TensorParallelOptions, BadGroupsAreRefusedNamingTheField) {
-  for (TensorParallelGroup g : {TensorParallelGroup{2, 2}, TensorParallelGroup{-1, 2}, TensorParallelGroup{0, 0},
-                                TensorParallelGroup{0, kE + 1}}) {
+  for (ParallelGroup g : {TensorParallel(2, 2), TensorParallel(-1, 2), TensorParallel(0, 0),
+                                TensorParallel(0, kE + 1)}) {
     SessionOptions o;
     o.model = kModel;
     o.device = "cpu";
@@ -248,6 +248,23 @@ TEST(TensorParallelOptions, BadGroupsAreRefusedNamingTheField) {
     EXPECT_TRUE(absl::IsInvalidArgument(s.status())) << s.status();
     EXPECT_NE(s.status().message().find("tp_rank, tp_size"), std::string::npos) << s.status();
   }
+}
+
+// Expert parallelism needs the cuda backend (and NCCL): elsewhere Open
+// refuses it naming the group, before any communicator is made.
+TEST(ExpertParallelOptions, RefusedWithoutTheCudaBackendNamingTheGroup) {
+  SessionOptions o;
+  o.model = kModel;
+  o.device = "cpu";
+  o.servers = {"unix:///nonexistent.sock"};
+  o.group.rank = 0;
+  o.group.size = 2;
+  o.group.mode = GroupMode::kExpert;
+  o.group.id = std::string(256, '0');
+  absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(s.status())) << s.status();
+  EXPECT_NE(s.status().message().find("group"), std::string::npos) << s.status();
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, TensorParallelTest,

@@ -54,7 +54,7 @@ struct WorkerRegistration {
   uint64_t gpu_memory_bytes = 0;
   int numa_node = -1;
   std::vector<int> cached_layers; // MoE layers with a cache; empty = every layer
-  TensorParallelGroup group;      // caches only its rank's experts (moe/types.h)
+  ParallelGroup group;      // caches only its rank's experts (moe/types.h)
 };
 
 // A layer's new resident set (the whole set, ascending).

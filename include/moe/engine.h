@@ -17,9 +17,11 @@
 //   auto session = moe::MoeSession::Open(o);           // StatusOr<unique_ptr<MoeSession>>
 //   (*session)->ForwardLayer(layer, T, k, hidden, topk_ids, topk_weights, out);
 //
-// Several GPUs with tensor parallelism: one session per rank with
-// SessionOptions::group; each returns its share and the engine's all-reduce
-// of the layer output adds them (examples/transformers_tp.py).
+// Several GPUs, one cache: one session per rank with SessionOptions::group.
+// Tensor parallelism: each returns its share and the engine's all-reduce of
+// the layer output adds them (examples/transformers_tp.py). Expert
+// parallelism: each rank its own tokens; the sessions exchange them over NCCL
+// within the call (moe/types.h ParallelGroup).
 //
 // Tensors: hidden [T,H] bf16, topk_ids [T,k] int32 (-1 = unused slot),
 // topk_weights [T,k] f32 (applied as given: renormalise them first if your
@@ -106,12 +108,18 @@ struct SessionOptions {
   int grpc_streams = 1;                // ForwardStreams per host:port server (batches round-robin)
   std::chrono::milliseconds deadline{30000};
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
-  // Tensor parallelism over `group.size` GPUs (moe/types.h): open one session
-  // per rank, give every rank the same tokens and routing, and sum the ranks'
-  // outputs (the engine's own all-reduce): each call's `out` is this rank's
-  // partial sum — the pairs of the experts ExpertOwner gives it — and its
-  // cache holds only those experts, so the ranks' caches add up to one.
-  TensorParallelGroup group;
+  // A group of `group.size` GPUs holding one cache (moe/types.h
+  // ParallelGroup), one session per rank; each rank caches and computes only
+  // the experts ExpertOwner gives it, so the ranks' caches add up to one.
+  // kTensor (tensor parallelism): give every rank the same tokens and
+  // routing and sum the ranks' outputs (the engine's own all-reduce): each
+  // call's `out` is this rank's partial sum. kExpert (expert / data
+  // parallelism): each rank its own tokens; `group.id` from NewGroupId; the
+  // ranks open together, every rank calls ForwardLayer for every layer (T = 0
+  // too) with device memory, and `out` is the whole output of its tokens.
+  // max_tokens is one rank's call; the async and capturable calls are
+  // refused in this mode.
+  ParallelGroup group;
   // Called once per (layer, expert) a call routes pairs to: `pairs` of them,
   // all hits or all misses (e.g. a coordinator agent's access counts).
   std::function<void(int layer, int expert, int pairs, bool hit)> on_access;
@@ -127,6 +135,11 @@ class MoeSession {
   ~MoeSession();
   MoeSession(const MoeSession&) = delete;
   MoeSession& operator=(const MoeSession&) = delete;
+
+  // A new expert-parallel group id (ParallelGroup::id, 256 hex characters):
+  // made on one rank, handed to the others by the engine (NCCL's unique id).
+  // FailedPrecondition in a build without NCCL.
+  static absl::StatusOr<std::string> NewGroupId();
 
   const ModelInfo& model() const;
   const char* device() const;  // "cuda" or "cpu"
@@ -194,6 +207,7 @@ class MoeSession {
  private:
   struct Rep;
   explicit MoeSession(std::unique_ptr<Rep> rep);
+  absl::Status RefuseInExpertParallel(const char* method) const;
   std::unique_ptr<Rep> rep_;
 };
 

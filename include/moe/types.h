@@ -33,18 +33,38 @@ struct LayerActivity {
   double link_seconds = 0;
 };
 
-// A session's place in a tensor-parallel group: `size` GPUs (ranks) that all
-// see every token of the layer and whose engine sums the layer's outputs
-// (its all-reduce). Each rank computes only the (token, expert) pairs of the
-// experts it owns (ExpertOwner) — hits from its cache, misses on the CPU
-// servers — and returns that partial sum; every pair is computed by exactly
-// one rank, so the all-reduce yields the whole MoE output, and the ranks'
-// caches hold disjoint experts: together one cache of their summed memory,
-// at no communication beyond the all-reduce the engine already does.
-struct TensorParallelGroup {
+// A session's place in a group of `size` GPUs (ranks) that together hold one
+// expert cache: each rank caches and computes only the (token, expert) pairs
+// of the experts it owns (ExpertOwner) — hits from its cache, misses on the
+// CPU servers — so the ranks' caches hold disjoint experts, one cache of their
+// summed memory. Two modes:
+//   kTensor (tensor parallelism): every rank sees every token of the layer,
+//     returns its partial sum, and the engine's own all-reduce of the layer
+//     output adds them; no communication beyond that all-reduce.
+//   kExpert (expert / data parallelism): every rank has its own tokens; the
+//     session ships each token to the ranks that own one of its experts and
+//     adds their partial sums back (NCCL send/recv within the layer call), so
+//     each call returns the whole MoE output of this rank's tokens. Every rank
+//     must call every layer (a call with T = 0 too), in the same order. The
+//     communicator is made at Open from `id` (MoeSession::NewGroupId on one
+//     rank, handed to the others by the engine's own means, e.g.
+//     torch.distributed.broadcast_object_list); all ranks open together.
+//     A peer that does not answer by the session's deadline leaves the group:
+//     this rank then computes its own tokens alone (its cache, the CPU
+//     servers), never a wrong output.
+enum class GroupMode { kTensor, kExpert };
+struct ParallelGroup {
   int rank = 0;  // in [0, size)
   int size = 1;  // 1: no group (every expert is this session's)
+  GroupMode mode = GroupMode::kTensor;
+  std::string id;  // kExpert: the communicator's id (MoeSession::NewGroupId), the same on every rank
 };
+inline ParallelGroup TensorParallel(int rank, int size) {
+  ParallelGroup g;
+  g.rank = rank;
+  g.size = size;
+  return g;
+}
 
 // The rank of a group of `size` that owns `expert` in model layer `layer`:
 // experts dealt round-robin, shifted by the layer so that no rank owns the

@@ -1,0 +1,422 @@
+// ExpertParallel (gpu_worker/expert_parallel.h): the token exchange of an
+// expert-parallel group, NCCL send/recv around this rank's dispatcher.
+#include "gpu_worker/expert_parallel.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "core/routing.h"
+#include "core/status_macros.h"
+#include "gpu_worker/cuda/cuda_check.h"
+#include "gpu_worker/cuda/kernels.h"
+
+namespace moe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+absl::Status NcclError(ncclResult_t r, const char* what) {
+  return absl::UnavailableError(absl::StrCat("expert-parallel group: ", what, ": ", ncclGetErrorString(r)));
+}
+
+#define MOE_NCCL_RETURN_IF_ERROR(expr)                                     \
+  do {                                                                     \
+    const ncclResult_t moe_nccl_r_ = (expr);                               \
+    if (moe_nccl_r_ != ncclSuccess && moe_nccl_r_ != ncclInProgress)       \
+      return NcclError(moe_nccl_r_, #expr);                                \
+  } while (0)
+
+// Device memory freed with the owner.
+template <typename T>
+struct DeviceArray {
+  T* p = nullptr;
+  ~DeviceArray() {
+    if (p != nullptr) cudaFree(p);
+  }
+  absl::Status Alloc(size_t n) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+    return absl::OkStatus();
+  }
+};
+template <typename T>
+struct PinnedArray {
+  T* p = nullptr;
+  ~PinnedArray() {
+    if (p != nullptr) cudaFreeHost(p);
+  }
+  absl::Status Alloc(size_t n) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, std::max<size_t>(n, 1) * sizeof(T)));
+    return absl::OkStatus();
+  }
+};
+
+// What the ranks must agree on, compared at Create.
+struct Shape {
+  int32_t num_experts, hidden, max_tokens, max_top_k;
+};
+
+}  // namespace
+
+absl::StatusOr<std::string> NewGroupId() {
+  ncclUniqueId id;
+  if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) return NcclError(r, "ncclGetUniqueId");
+  return absl::BytesToHexString(absl::string_view(id.internal, sizeof(id.internal)));
+}
+
+struct ExpertParallel::Impl {
+  ParallelGroup group;
+  LayerDispatcher* local = nullptr;
+  int E = 0, H = 0, max_tokens = 0, kc = 0;  // kc: ids per token in the exchanged batch (max_top_k)
+  std::chrono::milliseconds deadline{0};
+  ncclComm_t comm = nullptr;
+  bool in_group = false;
+  cudaEvent_t done = nullptr;
+
+  // Sized for the worst case at Create: a token goes to every peer at most
+  // once, and every peer sends at most max_tokens.
+  DeviceArray<bf16_t> send_x, batch_x, batch_out, returned;
+  DeviceArray<int32_t> batch_ids, send_ids, send_token, own_rows, counts, all_counts, status_out, status_in;
+  DeviceArray<float> batch_w, send_w, accum;
+  PinnedArray<int32_t> h_ids, h_send_ids, h_send_token, h_own_rows, h_counts, h_all_counts, h_status_in;
+  PinnedArray<int32_t> h_status_out;
+  PinnedArray<float> h_w, h_send_w;
+
+  ~Impl() {
+    if (comm != nullptr) {
+      if (in_group) {
+        ncclCommFinalize(comm);
+        ncclResult_t st = ncclInProgress;
+        const Clock::time_point end = Clock::now() + std::chrono::seconds(5);
+        while (ncclCommGetAsyncError(comm, &st) == ncclSuccess && st == ncclInProgress && Clock::now() < end)
+          std::this_thread::yield();
+        if (st == ncclSuccess) ncclCommDestroy(comm);
+        else ncclCommAbort(comm);
+      } else {
+        ncclCommAbort(comm);
+      }
+    }
+    if (done != nullptr) cudaEventDestroy(done);
+  }
+
+  // Waits until the communicator's issued operations are enqueued (a
+  // non-blocking communicator returns ncclInProgress first).
+  absl::Status Settle(Clock::time_point end, const char* what) {
+    for (;;) {
+      ncclResult_t st = ncclSuccess;
+      MOE_NCCL_RETURN_IF_ERROR(ncclCommGetAsyncError(comm, &st));
+      if (st == ncclSuccess) return absl::OkStatus();
+      if (st != ncclInProgress) return NcclError(st, what);
+      if (Clock::now() >= end)
+        return absl::DeadlineExceededError(absl::StrCat("expert-parallel group: ", what, ": no peer by the deadline"));
+      std::this_thread::yield();
+    }
+  }
+
+  // Waits for the stream's work up to `done`, the peers' messages included,
+  // bounded by `end`; a communicator error ends the wait at once.
+  absl::Status WaitDone(cudaStream_t stream, Clock::time_point end, const char* what) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(done, stream));
+    int spins = 0;
+    for (;;) {
+      const cudaError_t q = cudaEventQuery(done);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) return CudaStatus(q, what, __FILE__, __LINE__);
+      ncclResult_t st = ncclSuccess;
+      if (ncclCommGetAsyncError(comm, &st) == ncclSuccess && st != ncclSuccess && st != ncclInProgress)
+        return NcclError(st, what);
+      if (Clock::now() >= end)
+        return absl::DeadlineExceededError(absl::StrCat("expert-parallel group: ", what, ": no peer by the deadline"));
+      if (++spins < 2000) std::this_thread::yield();
+      else std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+
+  absl::Status Allocate() {
+    const size_t S = group.size, T = max_tokens, peers = S - 1;
+    const size_t batch = T * S, send = T * peers;
+    MOE_RETURN_IF_ERROR(send_x.Alloc(send * H));
+    MOE_RETURN_IF_ERROR(send_ids.Alloc(send * kc));
+    MOE_RETURN_IF_ERROR(send_w.Alloc(send * kc));
+    MOE_RETURN_IF_ERROR(send_token.Alloc(send));
+    MOE_RETURN_IF_ERROR(returned.Alloc(send * H));
+    MOE_RETURN_IF_ERROR(batch_x.Alloc(batch * H));
+    MOE_RETURN_IF_ERROR(batch_ids.Alloc(batch * kc));
+    MOE_RETURN_IF_ERROR(batch_w.Alloc(batch * kc));
+    MOE_RETURN_IF_ERROR(batch_out.Alloc(batch * H));
+    MOE_RETURN_IF_ERROR(own_rows.Alloc(T));
+    MOE_RETURN_IF_ERROR(accum.Alloc(T * H));
+    MOE_RETURN_IF_ERROR(counts.Alloc(S));
+    MOE_RETURN_IF_ERROR(all_counts.Alloc(S * S));
+    MOE_RETURN_IF_ERROR(status_out.Alloc(S));
+    MOE_RETURN_IF_ERROR(status_in.Alloc(S));
+    MOE_RETURN_IF_ERROR(h_ids.Alloc(T * kc));
+    MOE_RETURN_IF_ERROR(h_w.Alloc(T * kc));
+    MOE_RETURN_IF_ERROR(h_send_ids.Alloc(send * kc));
+    MOE_RETURN_IF_ERROR(h_send_w.Alloc(send * kc));
+    MOE_RETURN_IF_ERROR(h_send_token.Alloc(send));
+    MOE_RETURN_IF_ERROR(h_own_rows.Alloc(T));
+    MOE_RETURN_IF_ERROR(h_counts.Alloc(S));
+    MOE_RETURN_IF_ERROR(h_all_counts.Alloc(S * S));
+    MOE_RETURN_IF_ERROR(h_status_out.Alloc(S));
+    MOE_RETURN_IF_ERROR(h_status_in.Alloc(S));
+    for (size_t t = 0; t < T; ++t) h_own_rows.p[t] = static_cast<int32_t>(t);
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(own_rows.p, h_own_rows.p, T * sizeof(int32_t), cudaMemcpyHostToDevice));
+    MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    return absl::OkStatus();
+  }
+
+  absl::Status Exchange(const LayerCall& call, CallStats* stats, absl::Status& input);
+  absl::Status Alone(const LayerCall& call, CallStats* stats, const absl::Status& why);
+};
+
+ExpertParallel::ExpertParallel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ExpertParallel::~ExpertParallel() = default;
+bool ExpertParallel::in_group() const { return impl_->in_group; }
+
+absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(const ParallelGroup& group,
+                                                                       LayerDispatcher& local, int num_experts,
+                                                                       int hidden, int max_tokens, int max_top_k,
+                                                                       std::chrono::milliseconds deadline) {
+  if (group.mode != GroupMode::kExpert || group.size < 2)
+    return absl::InvalidArgumentError("group: an expert-parallel group needs mode kExpert and size >= 2");
+  if (group.id.size() != 2 * sizeof(ncclUniqueId::internal) ||
+      !std::all_of(group.id.begin(), group.id.end(), [](char c) { return absl::ascii_isxdigit(c); }))
+    return absl::InvalidArgumentError(absl::StrCat("group.id: ", group.id.size(), " characters; need the ",
+                                                   2 * sizeof(ncclUniqueId::internal),
+                                                   "-character hex id of NewGroupId, the same on every rank"));
+  auto m = std::make_unique<Impl>();
+  m->group = group;
+  m->local = &local;
+  m->E = num_experts;
+  m->H = hidden;
+  m->max_tokens = max_tokens;
+  m->kc = max_top_k;
+  m->deadline = deadline;
+  MOE_RETURN_IF_ERROR(m->Allocate());
+  const std::string raw = absl::HexStringToBytes(group.id);
+  ncclUniqueId id;
+  std::memcpy(id.internal, raw.data(), sizeof(id.internal));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // every wait is ours, bounded by the deadline
+  MOE_NCCL_RETURN_IF_ERROR(ncclCommInitRankConfig(&m->comm, group.size, id, group.rank, &config));
+  const Clock::time_point end = Clock::now() + deadline;
+  MOE_RETURN_IF_ERROR(m->Settle(end, "ncclCommInitRank (every rank opens its session)"));
+  m->in_group = true;
+  // The ranks agree on the geometry and the call sizes (the buffers' and the
+  // batches' strides), or no rank opens.
+  const Shape mine{num_experts, hidden, max_tokens, max_top_k};
+  DeviceArray<Shape> d_shapes;
+  MOE_RETURN_IF_ERROR(d_shapes.Alloc(group.size));
+  std::vector<Shape> shapes(group.size);
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_shapes.p + group.rank, &mine, sizeof(Shape), cudaMemcpyHostToDevice));
+  MOE_NCCL_RETURN_IF_ERROR(ncclAllGather(d_shapes.p + group.rank, d_shapes.p, sizeof(Shape), ncclUint8, m->comm,
+                                         cudaStreamLegacy));
+  MOE_RETURN_IF_ERROR(m->Settle(end, "ncclAllGather"));
+  MOE_RETURN_IF_ERROR(m->WaitDone(cudaStreamLegacy, end, "ncclAllGather"));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(shapes.data(), d_shapes.p, shapes.size() * sizeof(Shape), cudaMemcpyDeviceToHost));
+  for (int r = 0; r < group.size; ++r)
+    if (std::memcmp(&shapes[r], &mine, sizeof(Shape)) != 0)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group: rank ", r, " opened with experts ", shapes[r].num_experts, ", hidden ", shapes[r].hidden,
+          ", max_tokens ", shapes[r].max_tokens, ", max_top_k ", shapes[r].max_top_k, "; rank ", group.rank,
+          " with ", num_experts, ", ", hidden, ", ", max_tokens, ", ", max_top_k, " (they must agree)"));
+  return std::unique_ptr<ExpertParallel>(new ExpertParallel(std::move(m)));
+}
+
+absl::Status ExpertParallel::Forward(const LayerCall& call, CallStats* stats) {
+  Impl& m = *impl_;
+  if (!m.in_group) return m.local->Forward(call, stats);
+  absl::Status input;  // this rank's bad input: it takes part with no tokens and returns this
+  absl::Status st = m.Exchange(call, stats, input);
+  if (st.ok()) return input;
+  // A peer (or the communicator) failed: leave the group and compute alone.
+  return m.Alone(call, stats, st);
+}
+
+absl::Status ExpertParallel::Impl::Alone(const LayerCall& call, CallStats* stats, const absl::Status& why) {
+  LogWarning("worker", "expert-parallel rank ", group.rank, " of ", group.size, " leaves the group (", why.message(),
+             "): its peers' experts become misses on the CPU servers");
+  ncclCommAbort(comm);
+  comm = nullptr;
+  in_group = false;
+  local->LeaveGroup();
+  return local->Forward(call, stats);
+}
+
+// Long: the six steps of the header, in order, each a few lines.
+absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* stats, absl::Status& input) {
+  const int S = group.size, me = group.rank;
+  const Clock::time_point end = Clock::now() + (call.deadline.count() > 0 ? call.deadline : deadline);
+  cudaStream_t stream = call.stream != nullptr ? static_cast<cudaStream_t>(call.stream) : cudaStreamLegacy;
+  const int k = call.batch.routing.k;
+  int T = call.batch.n;
+  // 1. This rank's routing on the host, checked: bad input takes part with
+  // no tokens.
+  if (call.kind != MemoryKind::kDevice) input = absl::InvalidArgumentError("kind: expert-parallel calls take device memory");
+  else if (T < 0 || T > max_tokens)
+    input = absl::InvalidArgumentError(absl::StrCat("T: ", T, " is outside [0, ", max_tokens, "] (max_tokens)"));
+  else if (T > 0 && (k < 1 || k > kc))
+    input = absl::InvalidArgumentError(absl::StrCat("k: ", k, " is outside [1, ", kc, "] (max_top_k)"));
+  else if (T > 0 && (call.batch.tokens == nullptr || call.batch.routing.ids == nullptr ||
+                     call.batch.routing.weights == nullptr || call.out == nullptr))
+    input = absl::InvalidArgumentError("hidden, topk_ids, topk_weights, out: must not be null");
+  if (!input.ok()) T = 0;
+  if (T > 0) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_ids.p, call.batch.routing.ids, sizeof(int32_t) * T * k,
+                                             cudaMemcpyDeviceToHost, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_w.p, call.batch.routing.weights, sizeof(float) * T * k,
+                                             cudaMemcpyDeviceToHost, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+    input = ValidateRouting(RoutingView{T, k, h_ids.p, h_w.p}, E, {}, "topk_ids", "topk_weights");
+    if (!input.ok()) T = 0;
+  }
+  // Each token to every peer owning one of its experts; ids and weights
+  // re-strided to kc (padding -1 / 0).
+  std::vector<int> sent(S, 0);
+  int n_send = 0;
+  for (int s = 0; s < S; ++s) {
+    if (s == me) continue;
+    for (int t = 0; t < T; ++t) {
+      bool needs = false;
+      for (int j = 0; j < k && !needs; ++j) {
+        const int e = h_ids.p[t * k + j];
+        needs = e >= 0 && ExpertOwner(call.batch.layer, e, S) == s;
+      }
+      if (!needs) continue;
+      h_send_token.p[n_send] = t;
+      for (int j = 0; j < kc; ++j) {
+        h_send_ids.p[n_send * kc + j] = j < k ? h_ids.p[t * k + j] : -1;
+        h_send_w.p[n_send * kc + j] = j < k ? h_w.p[t * k + j] : 0.f;
+      }
+      ++n_send, ++sent[s];
+    }
+  }
+  // The own tokens lead the batch (same stride kc); their ids reuse h_ids'
+  // tail-free layout only when k == kc, else they are re-strided in place
+  // from the back (kc >= k, so no row is overwritten before it is read).
+  for (int t = T - 1; t >= 0 && k != kc; --t)
+    for (int j = kc - 1; j >= 0; --j) {
+      h_ids.p[t * kc + j] = j < k ? h_ids.p[t * k + j] : -1;
+      h_w.p[t * kc + j] = j < k ? h_w.p[t * k + j] : 0.f;
+    }
+
+  // 2. The counts: all_counts[s * S + r] tokens go from s to r.
+  for (int s = 0; s < S; ++s) h_counts.p[s] = sent[s];
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts.p, h_counts.p, sizeof(int32_t) * S, cudaMemcpyHostToDevice, stream));
+  MOE_NCCL_RETURN_IF_ERROR(ncclAllGather(counts.p, all_counts.p, S, ncclInt32, comm, stream));
+  MOE_RETURN_IF_ERROR(Settle(end, "ncclAllGather of the counts"));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_all_counts.p, all_counts.p, sizeof(int32_t) * S * S,
+                                           cudaMemcpyDeviceToHost, stream));
+  MOE_RETURN_IF_ERROR(WaitDone(stream, end, "the token counts"));
+  std::vector<int> recv(S, 0), send_at(S, 0), recv_at(S, 0);
+  int R = 0;
+  for (int s = 0, so = 0; s < S; ++s) {
+    recv[s] = s == me ? 0 : h_all_counts.p[s * S + me];
+    if (recv[s] < 0 || recv[s] > max_tokens)
+      return absl::InternalError(absl::StrCat("expert-parallel group: rank ", s, " sends ", recv[s], " tokens"));
+    send_at[s] = so, so += sent[s];
+    recv_at[s] = T + R, R += recv[s];
+  }
+
+  // 3. The tokens out, the peers' in; the batch is [own T | received R].
+  if (T > 0) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(batch_x.p, call.batch.tokens, sizeof(bf16_t) * T * H,
+                                             cudaMemcpyDeviceToDevice, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(batch_ids.p, h_ids.p, sizeof(int32_t) * T * kc, cudaMemcpyHostToDevice, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(batch_w.p, h_w.p, sizeof(float) * T * kc, cudaMemcpyHostToDevice, stream));
+  }
+  if (n_send > 0) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(send_token.p, h_send_token.p, sizeof(int32_t) * n_send,
+                                             cudaMemcpyHostToDevice, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(send_ids.p, h_send_ids.p, sizeof(int32_t) * n_send * kc,
+                                             cudaMemcpyHostToDevice, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(send_w.p, h_send_w.p, sizeof(float) * n_send * kc,
+                                             cudaMemcpyHostToDevice, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchGatherRows(call.batch.tokens, H, send_token.p, n_send, send_x.p, stream));
+  }
+  MOE_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+  for (int s = 0; s < S; ++s) {
+    if (sent[s] > 0) {
+      const size_t a = send_at[s];
+      MOE_NCCL_RETURN_IF_ERROR(ncclSend(send_x.p + a * H, size_t(sent[s]) * H, ncclBfloat16, s, comm, stream));
+      MOE_NCCL_RETURN_IF_ERROR(ncclSend(send_ids.p + a * kc, size_t(sent[s]) * kc, ncclInt32, s, comm, stream));
+      MOE_NCCL_RETURN_IF_ERROR(ncclSend(send_w.p + a * kc, size_t(sent[s]) * kc, ncclFloat32, s, comm, stream));
+    }
+    if (recv[s] > 0) {
+      const size_t a = recv_at[s];
+      MOE_NCCL_RETURN_IF_ERROR(ncclRecv(batch_x.p + a * H, size_t(recv[s]) * H, ncclBfloat16, s, comm, stream));
+      MOE_NCCL_RETURN_IF_ERROR(ncclRecv(batch_ids.p + a * kc, size_t(recv[s]) * kc, ncclInt32, s, comm, stream));
+      MOE_NCCL_RETURN_IF_ERROR(ncclRecv(batch_w.p + a * kc, size_t(recv[s]) * kc, ncclFloat32, s, comm, stream));
+    }
+  }
+  MOE_NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+  MOE_RETURN_IF_ERROR(Settle(end, "the tokens' send/recv"));
+
+  // 4. This rank's share of the batch (the dispatcher skips the pairs of
+  // experts it does not own). Its failure is told to the peers that sent
+  // tokens: they fail those tokens rather than add a missing share.
+  absl::Status computed;
+  if (T + R > 0) {
+    LayerCall batch;
+    batch.batch = MoeBatch{call.batch.layer, T + R, batch_x.p, RoutingView{T + R, kc, batch_ids.p, batch_w.p}};
+    batch.out = batch_out.p;
+    batch.kind = MemoryKind::kDevice;
+    batch.deadline = std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now());
+    batch.stream = stream;
+    if (batch.deadline.count() <= 0) batch.deadline = std::chrono::milliseconds(1);
+    computed = local->Forward(batch, stats);
+  }
+  const int32_t code = static_cast<int32_t>(computed.code());
+  for (int s = 0; s < S; ++s) h_status_out.p[s] = code, h_status_in.p[s] = 0;
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(status_out.p, h_status_out.p, sizeof(int32_t) * S, cudaMemcpyHostToDevice, stream));
+
+  // 5. The partial sums back, each with its status word.
+  MOE_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+  for (int s = 0; s < S; ++s) {
+    if (recv[s] > 0) {
+      MOE_NCCL_RETURN_IF_ERROR(ncclSend(batch_out.p + size_t(recv_at[s]) * H, size_t(recv[s]) * H, ncclBfloat16, s,
+                                        comm, stream));
+      MOE_NCCL_RETURN_IF_ERROR(ncclSend(status_out.p + s, 1, ncclInt32, s, comm, stream));
+    }
+    if (sent[s] > 0) {
+      MOE_NCCL_RETURN_IF_ERROR(ncclRecv(returned.p + size_t(send_at[s]) * H, size_t(sent[s]) * H, ncclBfloat16, s,
+                                        comm, stream));
+      MOE_NCCL_RETURN_IF_ERROR(ncclRecv(status_in.p + s, 1, ncclInt32, s, comm, stream));
+    }
+  }
+  MOE_NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+  MOE_RETURN_IF_ERROR(Settle(end, "the partial sums' send/recv"));
+
+  // 6. out = own share + the peers' shares (f32, one rounding).
+  if (T > 0 && computed.ok()) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(accum.p, 0, sizeof(float) * T * H, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddBf16(batch_out.p, own_rows.p, T, H, accum.p, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddBf16(returned.p, send_token.p, n_send, H, accum.p, stream));
+  }
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_status_in.p, status_in.p, sizeof(int32_t) * S, cudaMemcpyDeviceToHost, stream));
+  MOE_RETURN_IF_ERROR(WaitDone(stream, end, "the partial sums"));
+  if (!computed.ok()) {
+    input = computed;
+    return absl::OkStatus();
+  }
+  for (int s = 0; s < S; ++s)
+    if (sent[s] > 0 && h_status_in.p[s] != 0) {
+      input = absl::Status(static_cast<absl::StatusCode>(h_status_in.p[s]),
+                           absl::StrCat("expert-parallel group: rank ", s, " could not compute its experts of layer ",
+                                        call.batch.layer, " for this rank's tokens (its log says why)"));
+      return absl::OkStatus();
+    }
+  if (T > 0) MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchAccumToBf16(accum.p, static_cast<size_t>(T) * H, call.out, stream));
+  return absl::OkStatus();
+}
+
+}  // namespace moe
