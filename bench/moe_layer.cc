@@ -445,7 +445,7 @@ DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, 
 // A step is every layer once, timed from a barrier to the slowest rank's
 // end. MoE only (no attention): what the caches change.
 struct TpResult {
-  double step_s = 0, hit = 0;
+  double step_s = 0, hit = 0, cpu = 0, copied = 0;  // shares of the routed pairs: hits, CPU servers, copies
 };
 
 TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const std::vector<std::string>& sockets,
@@ -455,7 +455,7 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
   std::barrier sync(R);
   const std::string ep_id = o.ep ? Value(NewGroupId(), "group id") : std::string();
   std::vector<double> step_t;
-  std::vector<uint64_t> hits(R, 0), pairs(R, 0);
+  std::vector<uint64_t> hits(R, 0), pairs(R, 0), cpu(R, 0), copied(R, 0);
   auto rank_main = [&](int r) {
     if (cudaSetDevice(r) != cudaSuccess) Die("cudaSetDevice");
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend("cuda"), "device");
@@ -522,6 +522,8 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
         if (cudaStreamSynchronize(stream) != cudaSuccess) Die("cudaStreamSynchronize");
         if (step >= o.warmup) {
           hits[r] += static_cast<uint64_t>(st.hit_pairs);
+          cpu[r] += static_cast<uint64_t>(st.cpu_pairs);
+          copied[r] += static_cast<uint64_t>(st.copied_pairs);
           pairs[r] += static_cast<uint64_t>(st.hit_pairs + st.cpu_pairs + st.copied_pairs);
         }
       }
@@ -535,12 +537,15 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
   std::vector<std::thread> ranks;
   for (int r = 0; r < R; ++r) ranks.emplace_back(rank_main, r);
   for (std::thread& t : ranks) t.join();
-  uint64_t h = 0, p = 0;  // the group's pairs: each computed once (union) or on every rank (independent)
+  uint64_t h = 0, p = 0, c = 0, y = 0;  // the group's pairs: each computed once (union) or on every rank (independent)
   for (int r = 0; r < R; ++r) {
     h += hits[r];
     p += pairs[r];
+    c += cpu[r];
+    y += copied[r];
   }
-  return TpResult{Median(step_t), p > 0 ? static_cast<double>(h) / static_cast<double>(p) : 0};
+  const double n = std::max<double>(1, static_cast<double>(p));
+  return TpResult{Median(step_t), static_cast<double>(h) / n, static_cast<double>(c) / n, static_cast<double>(y) / n};
 }
 
 void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vector<std::string>& sockets,
@@ -555,8 +560,8 @@ void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vecto
   std::printf("\n### moe_layer --%s %d: %s, %d MoE layers, one cache over the GPUs (union) vs a cache per GPU\n\n",
               o.ep ? "ep" : "tp", o.tp, o.preset.c_str(), static_cast<int>(spec.moe_layers.size()));
   if (o.ep) std::printf("T: tokens per GPU (each its own); union: NCCL token exchange (ExpertParallel)\n\n");
-  std::printf("| T | cache per GPU | independent step ms | union step ms | union / independent | independent hit | "
-              "union hit |\n|---|---|---|---|---|---|---|\n");
+  std::printf("| T | cache per GPU | independent step ms | union step ms | union / independent | independent hit / "
+              "cpu / copied | union hit / cpu / copied |\n|---|---|---|---|---|---|---|\n");
   for (int T : Ints(o.batches))
     for (int pct : Ints(o.cache)) {
       const int C = pct * spec.num_experts / 100;
@@ -572,8 +577,9 @@ void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vecto
         std::sort(v.begin(), v.end());
         return absl::StrFormat("%.3f [%.3f-%.3f]", 1e3 * Median(v), 1e3 * v.front(), 1e3 * v.back());
       };
-      std::printf("| %d | %d%% (%d) | %s | %s | %.2f | %.1f%% | %.1f%% |\n", T, pct, C, cell(ind_t).c_str(),
-                  cell(uni_t).c_str(), Median(uni_t) / Median(ind_t), 100 * ind.hit, 100 * uni.hit);
+      std::printf("| %d | %d%% (%d) | %s | %s | %.2f | %.1f / %.1f / %.1f%% | %.1f / %.1f / %.1f%% |\n", T, pct, C,
+                  cell(ind_t).c_str(), cell(uni_t).c_str(), Median(uni_t) / Median(ind_t), 100 * ind.hit,
+                  100 * ind.cpu, 100 * ind.copied, 100 * uni.hit, 100 * uni.cpu, 100 * uni.copied);
       std::fflush(stdout);
     }
   for (ncclComm_t c : comms) ncclCommDestroy(c);

@@ -140,6 +140,10 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     else if (key == "share_host_copy") st = ReadOption(*it, key, &o.share_host_copy);
     else if (key == "tp_rank") st = ReadOption(*it, key, &o.group.rank);
     else if (key == "tp_size") st = ReadOption(*it, key, &o.group.size);
+    else if (key == "ep_rank" || key == "ep_size") {
+      st = ReadOption(*it, key, key == "ep_rank" ? &o.group.rank : &o.group.size);
+      o.group.mode = moe::GroupMode::kExpert;
+    } else if (key == "group_id") st = ReadOption(*it, key, &o.group.id);
     else if (key == "tls") st = ParseTls(*it, &o.tls);
     else if (key == "deadline_ms") {
       int ms = 0;
@@ -152,6 +156,8 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     if (!st.ok()) return st;
   }
   if (!have_model || o.model.empty()) return absl::InvalidArgumentError("options.model: required");
+  if (o.group.mode == moe::GroupMode::kExpert && (j.contains("tp_rank") || j.contains("tp_size")))
+    return absl::InvalidArgumentError("options.tp_rank/tp_size and options.ep_rank/ep_size: one group, one mode");
   return o;
 }
 
@@ -363,6 +369,18 @@ moe_status moe_session_stats_get(moe_session* session, moe_session_stats* out) {
     *out = session->totals;
     out->cache_copies_started = static_cast<int64_t>(session->session->copies_started());
     out->cache_copies_pending = session->session->PendingCopies();
+    return MOE_OK;
+  });
+}
+
+moe_status moe_new_group_id(char* out, int32_t capacity) {
+  return Guard([&]() -> moe_status {
+    if (out == nullptr) return Invalid("out: NULL");
+    absl::StatusOr<std::string> id = moe::MoeSession::NewGroupId();
+    if (!id.ok()) return FromStatus(id.status());
+    if (capacity < static_cast<int32_t>(id->size()) + 1)
+      return Invalid(absl::StrCat("capacity: ", capacity, " bytes; the id takes ", id->size() + 1));
+    std::memcpy(out, id->c_str(), id->size() + 1);
     return MOE_OK;
   });
 }

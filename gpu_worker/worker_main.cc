@@ -24,6 +24,7 @@
 #include "core/transport/grpc_channel.h"
 #include "cpu_compute/expert_store.h"
 #include "gpu_worker/worker_service.h"
+#include "gpu_worker/worker_sessions.h"
 
 namespace {
 
@@ -32,6 +33,7 @@ struct WorkerFlags {
   std::string listen = moe::LoopbackListen(50061);
   std::string coordinator, worker_id;
   moe::ServiceFlags service;
+  int gpus = 1;
   std::shared_ptr<grpc::ServerCredentials> credentials;
 };
 
@@ -41,7 +43,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   moe::SessionOptions& o = f.session;
   std::string servers_flag, layers_flag;
   int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, grpc_streams = 1,
-          tp_rank = 0, tp_size = 1;
+          tp_rank = 0, tp_size = 1, gpus = 1;
   o.policy.clear();  // --help shows no default: "" means predictive, said in the help text
   flags.String("model", &o.model, "checkpoint directory or synthetic:PRESET[:layers=N][:seed=S] (the servers' model)");
   flags.String("servers", &servers_flag,
@@ -63,6 +65,11 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
             "tensor parallelism: GPUs that each see every token and whose engine sums their outputs; this worker "
             "computes and caches only its rank's experts (1..1024, at most the model's experts; default 1: every expert)");
   flags.Int("tp-rank", &tp_rank, "tensor parallelism: this worker's rank in [0, --tp-size)");
+  flags.Int("gpus", &gpus,
+            "GPUs this worker drives (0..N-1; default 1: the current one): N > 1 holds one cache over them (each GPU\n"
+            "      its share of the experts, --cache-* per GPU), splits each micro-batch's tokens across them and\n"
+            "      exchanges the tokens of a peer GPU's experts over NCCL; a GPU silent past --deadline-ms is left\n"
+            "      (its experts become CPU misses)");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision of the host copy and the GPU cache: auto (the same-host servers' when shared, else the "
                "checkpoint's: fp8 -> int8, int4 -> int4, else bf16), bf16, int8 or int4");
@@ -99,6 +106,9 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
     flags.Fail("--tp-rank/--tp-size: need 0 <= rank < size <= 1024, got " + std::to_string(tp_rank) + "/" +
                std::to_string(tp_size));
   o.group = moe::TensorParallel(static_cast<int>(tp_rank), static_cast<int>(tp_size));
+  if (gpus < 1 || gpus > 64) flags.Fail("--gpus: " + std::to_string(gpus) + " (1..64)");
+  if (gpus > 1 && tp_size > 1) flags.Fail("--gpus and --tp-size: a multi-GPU worker is its own group");
+  f.gpus = static_cast<int>(gpus);
   o.tls = f.service.tls;
   if (!layers_flag.empty()) {
     absl::StatusOr<std::vector<int>> layers = moe::ParseIndexList(layers_flag, 1 << 20, "layers");
@@ -134,11 +144,11 @@ struct SessionHooks {
 // ticker, unhooks the agent and leaves the coordinator.
 class CoordinatorLink {
  public:
-  static absl::StatusOr<std::unique_ptr<CoordinatorLink>> Start(const WorkerFlags& f, const moe::MoeSession& session,
+  static absl::StatusOr<std::unique_ptr<CoordinatorLink>> Start(const WorkerFlags& f, const moe::WorkerSessions& sessions,
                                                                const std::vector<int>& served,
                                                                const moe::ListeningServer& grpc,
                                                                moe::WorkerServiceImpl& service, SessionHooks& hooks) {
-    const moe::ModelInfo& spec = session.model();
+    const moe::ModelInfo& spec = sessions.primary().model();
     char host[256] = {};
     gethostname(host, sizeof host - 1);
     moe::WorkerRegistration reg;
@@ -146,7 +156,7 @@ class CoordinatorLink {
     reg.address = grpc.address;
     reg.num_layers = spec.num_layers;
     reg.num_experts = spec.num_experts;
-    reg.slots_per_layer = session.slots_per_layer();
+    reg.slots_per_layer = sessions.slots_per_layer();  // a multi-GPU worker: its GPUs' union
     reg.expert_bytes = spec.expert_bytes;
     reg.cached_layers = served;
     reg.group = f.session.group;
@@ -195,17 +205,18 @@ int main(int argc, char** argv) {
 
   SessionHooks hooks;
   hooks.Install(f.session, !f.coordinator.empty());
-  absl::StatusOr<std::unique_ptr<moe::MoeSession>> session = moe::MoeSession::Open(f.session);
-  if (!session.ok()) flags.Fail(std::string(session.status().message()), 1);
-  moe::LogInfo("worker", (*session)->Describe());
+  absl::StatusOr<std::unique_ptr<moe::WorkerSessions>> sessions = moe::WorkerSessions::Open(f.session, f.gpus);
+  if (!sessions.ok()) flags.Fail(std::string(sessions.status().message()), 1);
+  moe::LogInfo("worker", (*sessions)->primary().Describe(),
+               f.gpus > 1 ? absl::StrCat("; x ", f.gpus, " GPUs, one cache (expert-parallel)") : std::string());
 
   const moe::SessionOptions& o = f.session;
-  const moe::ModelInfo& spec = (*session)->model();
+  const moe::ModelInfo& spec = (*sessions)->primary().model();
   const std::vector<int> served = o.layers.empty() ? spec.moe_layers : o.layers;
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
   hooks.metrics.store(&metrics, std::memory_order_release);
   std::mutex mu;
-  moe::WorkerServiceImpl service(**session, mu, o.policy, o.servers, moe::WorkerLimits{o.max_tokens, o.max_top_k},
+  moe::WorkerServiceImpl service(**sessions, mu, o.policy, o.servers, moe::WorkerLimits{o.max_tokens, o.max_top_k},
                                  &metrics);
   const uint64_t max_msg = 2ull * o.max_tokens * (2ull * spec.hidden + 8 * o.max_top_k) + (1 << 20);
   absl::StatusOr<moe::ListeningServer> grpc = moe::ServeGrpc({f.listen, f.credentials, max_msg, {&service}});
@@ -214,7 +225,7 @@ int main(int argc, char** argv) {
   // Coordinator: register, receive placements (applied between calls), report access counts.
   std::unique_ptr<CoordinatorLink> link;
   if (!f.coordinator.empty()) {
-    absl::StatusOr<std::unique_ptr<CoordinatorLink>> l = CoordinatorLink::Start(f, **session, served, *grpc, service, hooks);
+    absl::StatusOr<std::unique_ptr<CoordinatorLink>> l = CoordinatorLink::Start(f, **sessions, served, *grpc, service, hooks);
     if (!l.ok()) flags.Fail(absl::StrCat("--coordinator: ", l.status().message()), 1);
     link = *std::move(l);
   }

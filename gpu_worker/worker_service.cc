@@ -10,9 +10,9 @@
 
 namespace moe {
 
-WorkerServiceImpl::WorkerServiceImpl(MoeSession& session, std::mutex& mu, std::string policy,
+WorkerServiceImpl::WorkerServiceImpl(WorkerSessions& sessions, std::mutex& mu, std::string policy,
                                      std::vector<std::string> servers, WorkerLimits limits, WorkerMetrics* metrics)
-    : session_(session),
+    : sessions_(sessions),
       mu_(mu),
       policy_(std::move(policy)),
       servers_(std::move(servers)),
@@ -37,7 +37,7 @@ void WorkerServiceImpl::ApplyPendingLocked() {
   }
   for (const AssignmentUpdate& u : updates) {
     for (const LayerAssignment& la : u.layers)
-      if (absl::Status st = session_.ApplyAssignment(la.layer, la.experts, la.pinned); !st.ok())
+      if (absl::Status st = sessions_.ApplyAssignment(la.layer, la.experts, la.pinned); !st.ok())
         LogWarning("worker", "assignment v", u.version, " layer ", la.layer, ": ", st.message());
     if (u.routes_changed) {
       // Servers the coordinator knows but does not route to (drained, down)
@@ -49,13 +49,13 @@ void WorkerServiceImpl::ApplyPendingLocked() {
         for (const ServerRoute& r : u.routes)
           routed |= base == r.address || (!r.shm_socket.empty() && base == "unix://" + r.shm_socket);
         if (routed) known_.insert(base);
-        if (known_.count(base) != 0) (void)session_.SetServerEnabled(base, routed);
+        if (known_.count(base) != 0) (void)sessions_.SetServerEnabled(base, routed);
       }
     }
     applied_version_ = std::max(applied_version_, u.version);
   }
   // Acknowledge once the copies of the applied assignment completed.
-  if (agent_ != nullptr && applied_version_ > acked_version_ && session_.PendingCopies() == 0) {
+  if (agent_ != nullptr && applied_version_ > acked_version_ && sessions_.PendingCopies() == 0) {
     agent_->MarkApplied(applied_version_);
     acked_version_ = applied_version_;
     if (metrics_ != nullptr) metrics_->SetAssignmentVersion(acked_version_);
@@ -66,12 +66,12 @@ void WorkerServiceImpl::ApplyPendingLocked() {
 // micro-batches started and completed in order; one request's whole path.
 grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1::ForwardLayerRequest* req,
                                              moe::v1::ForwardLayerResponse* resp) {
-  const int H = session_.model().hidden;
+  const int H = sessions_.primary().model().hidden;
   const int n = req->batches_size();
   if (n < 1 || n > 2)
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("batches: ", n, " micro-batches (1 or 2)")));
   // The layer as the expert server checks it (an index is never printed as a negative number).
-  const int num_layers = session_.model().num_layers;
+  const int num_layers = sessions_.primary().model().num_layers;
   if (req->layer() >= static_cast<uint32_t>(num_layers))
     return ToGrpcStatus(
         absl::InvalidArgumentError(absl::StrCat("layer: ", req->layer(), " out of range [0, ", num_layers, ")")));
@@ -102,7 +102,7 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
     if (!w.ok()) return ToGrpcStatus(w.status());
     if (absl::Status st = ValidateRouting(RoutingView{static_cast<int>(T), static_cast<int>(k), ids->as<int32_t>(),
                                                       w->as<float>()},
-                                          session_.model().num_experts, {}, f + "topk_ids", f + "topk_weights");
+                                          sessions_.primary().model().num_experts, {}, f + "topk_ids", f + "topk_weights");
         !st.ok())
       return ToGrpcStatus(st);
     d[i].T = static_cast<int>(T);
@@ -116,23 +116,34 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
   ApplyPendingLocked();
   const auto t0 = std::chrono::steady_clock::now();
   std::vector<MoeSession::Pending> pending;
+  std::vector<CallStats> done;  // a group's micro-batches, run one after the other
   absl::Status first;
   for (int i = 0; i < n && first.ok(); ++i) {
-    absl::StatusOr<MoeSession::Pending> p = session_.ForwardLayerAsync(
-        static_cast<int>(req->layer()), d[i].T, d[i].k, d[i].hidden.as<bf16_t>(), d[i].ids.as<int32_t>(),
-        d[i].weights.as<float>(), d[i].out.data());
-    if (!p.ok()) {
-      first = n == 1 ? p.status()
-                     : absl::Status(p.status().code(), absl::StrCat("batches[", i, "]: ", p.status().message()));
-      break;
+    const int layer = static_cast<int>(req->layer());
+    absl::Status st;
+    if (sessions_.size() > 1) {
+      done.emplace_back();
+      st = sessions_.Forward(layer, d[i].T, d[i].k, d[i].hidden.as<bf16_t>(), d[i].ids.as<int32_t>(),
+                             d[i].weights.as<float>(), d[i].out.data(), &done.back());
+    } else {
+      absl::StatusOr<MoeSession::Pending> p = sessions_.primary().ForwardLayerAsync(
+          layer, d[i].T, d[i].k, d[i].hidden.as<bf16_t>(), d[i].ids.as<int32_t>(), d[i].weights.as<float>(),
+          d[i].out.data());
+      if (p.ok()) pending.push_back(*p);
+      st = p.status();
     }
-    pending.push_back(*p);
+    if (!st.ok())
+      first = n == 1 ? st : absl::Status(st.code(), absl::StrCat("batches[", i, "]: ", st.message()));
   }
   for (size_t i = 0; i < pending.size(); ++i) {
     CallStats st;
-    absl::Status s = session_.Wait(pending[i], &st);
+    absl::Status s = sessions_.primary().Wait(pending[i], &st);
     if (!s.ok() && first.ok()) first = s;
-    if (s.ok() && metrics_ != nullptr)
+    if (s.ok()) done.push_back(st);
+  }
+  for (size_t i = 0; i < done.size() && first.ok(); ++i) {
+    const CallStats& st = done[i];
+    if (metrics_ != nullptr)
       metrics_->RecordCall(static_cast<int>(req->layer()), d[i].T, st,
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     moe::v1::LayerCallStats* ps = resp->add_stats();
@@ -142,7 +153,7 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
     ps->set_copied_pairs(st.copied_pairs);
     ps->set_miss_tokens(st.miss_tokens);
   }
-  if (metrics_ != nullptr) metrics_->SetCopies(session_.copies_started());
+  if (metrics_ != nullptr) metrics_->SetCopies(sessions_.copies_started());
   if (!first.ok()) {
     resp->Clear();
     return ToGrpcStatus(first);
@@ -155,7 +166,7 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
 grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v1::WorkerInfoRequest*,
                                               moe::v1::WorkerInfo* resp) {
   std::lock_guard<std::mutex> lock(mu_);
-  const ModelInfo& model = session_.model();
+  const ModelInfo& model = sessions_.primary().model();
   ModelSpec spec;  // the wire form of the session's model
   spec.model_type = model.model_type;
   spec.num_layers = model.num_layers;
@@ -166,30 +177,30 @@ grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v
   spec.intermediate = model.intermediate;
   spec.dtype = ParseDType(model.weight_dtype).value_or(DType::kBF16);
   ModelSpecToProto(spec, resp->mutable_model());
-  resp->set_device(session_.device());
-  resp->set_slots_per_layer(session_.slots_per_layer());
+  resp->set_device(sessions_.primary().device());
+  resp->set_slots_per_layer(sessions_.slots_per_layer());
   resp->set_policy(policy_);
   for (const std::string& s : servers_) resp->add_servers(s);
   for (int l : spec.moe_layers) {
     moe::v1::LayerCacheInfo* li = resp->add_layers();
     li->set_layer(l);
-    for (int e : session_.CachedExperts(l)) li->add_slot_experts(e);
-    li->set_hit_rate(session_.HitRate(l));
+    for (int e : sessions_.CachedExperts(l)) li->add_slot_experts(e);
+    li->set_hit_rate(sessions_.HitRate(l));
   }
-  resp->set_cost_model(session_.DescribeCostModel());
+  resp->set_cost_model(sessions_.primary().DescribeCostModel());
   return grpc::Status::OK;
 }
 
 grpc::Status WorkerServiceImpl::ApplyAssignment(grpc::ServerContext*, const moe::v1::ApplyAssignmentRequest* req,
                                                 moe::v1::ApplyAssignmentResponse*) {
   std::vector<int> experts(req->experts().begin(), req->experts().end());
-  const int E = session_.model().num_experts;
+  const int E = sessions_.primary().model().num_experts;
   for (size_t i = 0; i < experts.size(); ++i)
     if (experts[i] >= E)
       return ToGrpcStatus(absl::InvalidArgumentError(
           absl::StrCat("experts[", i, "]: ", experts[i], " out of range [0, ", E, ")")));
   std::lock_guard<std::mutex> lock(mu_);
-  return ToGrpcStatus(session_.ApplyAssignment(static_cast<int>(req->layer()), experts));
+  return ToGrpcStatus(sessions_.ApplyAssignment(static_cast<int>(req->layer()), experts));
 }
 
 }  // namespace moe

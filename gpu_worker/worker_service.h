@@ -1,10 +1,12 @@
-// WorkerServiceImpl: moe.v1.WorkerService over one MoeSession — the GPU
+// WorkerServiceImpl: moe.v1.WorkerService over the worker's sessions (one, or
+// one per GPU of a multi-GPU worker: gpu_worker/worker_sessions.h) — the GPU
 // worker's gRPC face for engines that do not link the client library.
 // Requests are validated as the expert server validates its own, with the
 // same codes (INVALID_ARGUMENT naming the field, OUT_OF_RANGE over
 // max_tokens) and this proto's field names (batches[i].topk_ids[t,j]); calls are
 // serialised on the session (one device, one dispatcher), and a request with
-// two micro-batches runs them overlapped (both submitted, then both completed).
+// two micro-batches runs them overlapped (both submitted, then both completed)
+// on one session, one after the other over a multi-GPU worker's group.
 //
 // With a coordinator: the agent's assignment updates are queued
 // (OnAssignment, agent thread) and applied between forward passes — before the
@@ -24,6 +26,7 @@
 #include "moe/engine.h"
 #include "coordinator/agent/coordinator_agent.h"
 #include "gpu_worker/worker_metrics.h"
+#include "gpu_worker/worker_sessions.h"
 #include "moe/v1/worker.grpc.pb.h"
 
 namespace moe {
@@ -36,9 +39,9 @@ struct WorkerLimits {
 
 class WorkerServiceImpl final : public moe::v1::WorkerService::Service {
  public:
-  // `session` must outlive the service. `mu` guards every use of the session
-  // (the coordinator agent applies assignments under it, between calls).
-  WorkerServiceImpl(MoeSession& session, std::mutex& mu, std::string policy,
+  // `sessions` must outlive the service. `mu` guards every use of them (the
+  // coordinator agent applies assignments under it, between calls).
+  WorkerServiceImpl(WorkerSessions& sessions, std::mutex& mu, std::string policy,
                     std::vector<std::string> servers, WorkerLimits limits, WorkerMetrics* metrics = nullptr);
 
   // Coordinator hook-up (optional): the agent to acknowledge versions to.
@@ -57,7 +60,7 @@ class WorkerServiceImpl final : public moe::v1::WorkerService::Service {
  private:
   void ApplyPendingLocked();  // with mu_ held
 
-  MoeSession& session_;
+  WorkerSessions& sessions_;
   std::mutex& mu_;
   std::string policy_;
   std::vector<std::string> servers_;

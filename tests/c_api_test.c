@@ -155,6 +155,24 @@ int main(void) {
             MOE_INVALID_ARGUMENT && s == NULL,
         "tp_rank outside the group refused");
   CHECK(strstr(moe_last_error(), "tp_rank") != NULL, "tp_rank named");
+  /* Expert parallelism: one mode per group; the cpu backend cannot take it. */
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"tp_size\":2,\"ep_size\":2}", &s) ==
+            MOE_INVALID_ARGUMENT && s == NULL,
+        "tp and ep together refused");
+  CHECK(strstr(moe_last_error(), "ep_rank/ep_size") != NULL, "tp/ep named");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"ep_rank\":0,\"ep_size\":2}", &s) ==
+            MOE_FAILED_PRECONDITION && s == NULL,
+        "ep on the cpu backend refused");
+  CHECK(strstr(moe_last_error(), "group") != NULL, "group named");
+  {
+    char id[257];
+    CHECK(moe_new_group_id(id, 10) != MOE_OK, "a short id buffer refused");
+    const moe_status st = moe_new_group_id(id, sizeof id);
+    /* NCCL builds make an id (256 hex characters); others say why not. */
+    CHECK(st == MOE_OK ? strlen(id) == 256 && strspn(id, "0123456789abcdef") == 256
+                       : st == MOE_FAILED_PRECONDITION || st == MOE_UNAVAILABLE,
+          "moe_new_group_id");
+  }
   CHECK(moe_session_open(NULL, &s) == MOE_INVALID_ARGUMENT, "null options");
   CHECK(moe_session_open("{\"model\":\"" MODEL "\"}", NULL) == MOE_INVALID_ARGUMENT, "null out");
   CHECK(moe_forward(NULL, 1, 1, 1, NULL, NULL, NULL, NULL, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,

@@ -6,13 +6,16 @@
 //   too), exchanged by the sessions within the call; each rank's output
 //   equals the reference of its tokens; a rank's bad input fails only its
 //   call; a peer that stops answering is left at the deadline and the
-//   survivor's outputs stay exact.
+//   survivor's outputs stay exact;
+// - a moe-gpu-worker process driving both GPUs (--gpus 2) serves
+//   WorkerService.ForwardLayer exactly, one cache over the two GPUs.
 // Needs two CUDA GPUs and NCCL: skipped by name otherwise (the CI machine
 // has none).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -23,6 +26,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/model_source.h"
+#include "core/wire.h"
+#include "grpcpp/grpcpp.h"
+#include "moe/v1/worker.grpc.pb.h"
 #include "core/reference_moe.h"
 #include "gtest/gtest.h"
 #include "moe/engine.h"
@@ -323,6 +329,64 @@ TEST_F(NcclExpertParallel, APeerThatStopsAnsweringIsLeftAtTheDeadline) {
   EXPECT_GE(stalled_call_s, 0.9 * std::chrono::duration<double>(kDeadline).count());
   EXPECT_LE(stalled_call_s, std::chrono::duration<double>(kDeadline).count() + 2.0);
   EXPECT_LE(alone_call_s, 1.0);  // alone afterwards: no more waits
+}
+
+
+// moe-gpu-worker --gpus 2: one process, one cache over both GPUs (the
+// experts split between them, tokens exchanged over NCCL), served over gRPC.
+TEST_F(NcclExpertParallel, MultiGpuWorkerServesOneCacheOverItsGpus) {
+  Subprocess worker(testing::BinaryPath("moe-gpu-worker"),
+                    {std::string("--model=") + kModel, "--servers=" + server_, "--device=cuda", "--gpus=2",
+                     "--cache-experts-per-layer=4", "--policy=static", "--max-tokens=300", "--max-top-k=4",
+                     "--listen=127.0.0.1:0", "--insecure"});
+  const std::string line = worker.ReadLine(std::chrono::seconds(60));
+  ASSERT_NE(line.find("ready on "), std::string::npos) << line;
+  auto stub = moe::v1::WorkerService::NewStub(
+      grpc::CreateChannel(line.substr(line.find("ready on ") + 9), grpc::InsecureChannelCredentials()));
+  {  // a placement for the whole worker: each GPU takes the experts it owns
+    grpc::ClientContext ctx;
+    moe::v1::ApplyAssignmentRequest req;
+    moe::v1::ApplyAssignmentResponse resp;
+    req.set_layer(1);
+    for (int e = 0; e < 8; ++e) req.add_experts(e);
+    grpc::Status st = stub->ApplyAssignment(&ctx, req, &resp);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  int hits = 0;
+  for (int round = 0; round < 4; ++round)
+    for (int T : {1, 37, 300}) {
+      std::vector<bf16_t> x;
+      std::vector<int32_t> ids;
+      std::vector<float> w;
+      Batch(31 * round + T, T, &x, &ids, &w);
+      moe::v1::ForwardLayerRequest req;
+      req.set_layer(1);
+      moe::v1::MicroBatch* m = req.add_batches();
+      EncodeTensor(DType::kBF16, {T, kH}, x.data(), m->mutable_hidden());
+      EncodeTensor(DType::kI32, {T, kK}, ids.data(), m->mutable_topk_ids());
+      EncodeTensor(DType::kF32, {T, kK}, w.data(), m->mutable_topk_weights());
+      grpc::ClientContext ctx;
+      moe::v1::ForwardLayerResponse resp;
+      grpc::Status st = stub->ForwardLayer(&ctx, req, &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      ASSERT_EQ(resp.outputs_size(), 1);
+      std::vector<bf16_t> out(x.size());
+      ASSERT_EQ(resp.outputs(0).data().size(), out.size() * sizeof(bf16_t));
+      std::memcpy(out.data(), resp.outputs(0).data().data(), out.size() * sizeof(bf16_t));
+      EXPECT_LE(ErrorOf(*reference_, 1, T, x, ids, w, out), 1e-2) << "T=" << T << " round " << round;
+      if (round == 3) hits += resp.stats(0).hit_pairs();
+    }
+  EXPECT_GT(hits, 0);
+  grpc::ClientContext ctx;
+  moe::v1::WorkerInfo info;
+  ASSERT_TRUE(stub->GetWorkerInfo(&ctx, moe::v1::WorkerInfoRequest(), &info).ok());
+  EXPECT_EQ(info.slots_per_layer(), 8u);  // 4 per GPU: one cache of both
+  for (const moe::v1::LayerCacheInfo& l : info.layers())
+    if (l.layer() == 1) {
+      std::vector<int> held(l.slot_experts().begin(), l.slot_experts().end());
+      std::sort(held.begin(), held.end());
+      EXPECT_EQ(held, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7}));  // no expert twice
+    }
 }
 
 }  // namespace

@@ -160,6 +160,15 @@ MOE_API const char* moe_status_name(int status);
  *                 owns (moe/types.h ExpertOwner) and returns that partial
  *                 sum: the ranks' outputs summed (the engine's all-reduce)
  *                 are the layer's output
+ *   "ep_rank", "ep_size", "group_id" (int, int, string) expert parallelism:
+ *                 this session is rank ep_rank of ep_size GPUs, each with its
+ *                 own tokens; group_id (moe_new_group_id on one rank, handed to
+ *                 the others) names the NCCL communicator. The ranks open
+ *                 together; every rank calls moe_forward (device memory) for
+ *                 every layer, T = 0 included, and gets its tokens' whole
+ *                 output; the sessions exchange tokens within the call. A peer
+ *                 silent past deadline_ms is left: its experts become CPU
+ *                 misses. Not with tp_rank/tp_size.
  *   "layers"      (array of int) MoE layers served (default all)
  *   "host_copy"   (bool, default true) keep a host copy of the experts
  *   "deadline_ms" (int, default 30000)
@@ -233,6 +242,11 @@ MOE_API moe_status moe_apply_assignment(moe_session* session, int32_t layer, con
 MOE_API moe_status moe_flush_copies(moe_session* session);
 
 MOE_API moe_status moe_session_stats_get(moe_session* session, moe_session_stats* out);
+
+/* A new expert-parallel group id (the "group_id" option): 256 hex
+ * characters and a NUL into `out` (capacity >= 257). MOE_FAILED_PRECONDITION
+ * in a build without NCCL. */
+MOE_API moe_status moe_new_group_id(char* out, int32_t capacity);
 
 /* One-line description of the session (model, device, cache, servers); the
  * text stays valid until the next call on this session. */

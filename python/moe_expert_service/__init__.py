@@ -3,11 +3,11 @@
 Session (numpy arrays or torch tensors), MoeLayer + select_experts (torch;
 imported only when torch is installed), MoeError. See python/README.md.
 """
-from .session import (InvalidArgumentError, MoeError, Pending, Session, from_bf16_bits, reference_forward,
-                      to_bf16_bits)
+from .session import (InvalidArgumentError, MoeError, Pending, Session, from_bf16_bits, new_group_id,
+                      reference_forward, to_bf16_bits)
 
 __version__ = "0.1.0"
-__all__ = ["Session", "Pending", "MoeError", "InvalidArgumentError", "reference_forward", "to_bf16_bits",
+__all__ = ["Session", "Pending", "MoeError", "InvalidArgumentError", "reference_forward", "new_group_id", "to_bf16_bits",
            "from_bf16_bits", "MoeLayer", "select_experts"]
 
 

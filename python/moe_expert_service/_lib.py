@@ -67,6 +67,7 @@ def _declare(lib):
         "moe_flush_copies": (ctypes.c_int, [VP]),
         "moe_session_stats_get": (ctypes.c_int, [VP, P(SessionStats)]),
         "moe_session_describe": (ctypes.c_char_p, [VP]),
+        "moe_new_group_id": (ctypes.c_int, [ctypes.c_char_p, I32]),
         "moe_forward_capturable": (ctypes.c_int, [VP, I32, I32, I32, VP, VP, VP, VP, VP]),
         "moe_stream_error": (ctypes.c_int, [VP]),
         "moe_reference_forward": (ctypes.c_int, [ctypes.c_char_p, I32, I32, I32, VP, VP, VP, VP]),

@@ -214,8 +214,11 @@ class Session:
     "lru", "lfru"), copy_mode, max_tokens, max_top_k, contexts, layers, host_copy,
     weight_dtype, share_host_copy, deadline_ms, cpu_threads, grpc_streams, tls, and
     tp_rank / tp_size (tensor parallelism: this rank's partial sum; the ranks'
-    outputs summed by the engine's all-reduce are the layer's). A value out of range
-    raises MoeError naming the option."""
+    outputs summed by the engine's all-reduce are the layer's), or ep_rank / ep_size /
+    group_id (expert parallelism: each rank its own tokens, exchanged over NCCL inside
+    forward; group_id from new_group_id() on one rank, e.g. handed over with
+    torch.distributed.broadcast_object_list; every rank calls forward for every layer
+    with CUDA tensors). A value out of range raises MoeError naming the option."""
 
     def __init__(self, **options):
         self._lib = _lib.lib()
@@ -320,6 +323,14 @@ class Session:
 
     def __del__(self):
         self.close()
+
+
+def new_group_id():
+    """A new expert-parallel group id (str) for Session(ep_rank=, ep_size=, group_id=)."""
+    import ctypes
+    buf = ctypes.create_string_buffer(257)
+    _check(_lib.lib().moe_new_group_id(buf, 257))
+    return buf.value.decode()
 
 
 def reference_forward(model, layer, hidden, topk_ids, topk_weights):
