@@ -530,6 +530,12 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
       sync.arrive_and_wait();
       if (r == 0 && step >= o.warmup) step_t.push_back(Sec(s0));
     }
+    if (ep != nullptr && r == 0) {
+      const ExpertParallel::StepTimes& t = ep->step_times();
+      const double n = std::max(1, t.calls) * 1e-6;
+      LogInfo("bench", "--ep T=", T, " rank 0, us per call: routing ", t.routing / n, ", counts ", t.counts / n,
+              ", send ", t.send / n, ", compute ", t.compute / n, ", back ", t.back / n, " (warm-up calls included)");
+    }
     ep.reset();
     d.reset();  // it waits for its last call on the stream
     cudaStreamDestroy(stream);

@@ -80,6 +80,7 @@ struct ExpertParallel::Impl {
   ncclComm_t comm = nullptr;
   bool in_group = false;
   cudaEvent_t done = nullptr;
+  StepTimes times;
 
   // Sized for the worst case at Create: a token goes to every peer at most
   // once, and every peer sends at most max_tokens.
@@ -181,6 +182,7 @@ struct ExpertParallel::Impl {
 ExpertParallel::ExpertParallel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ExpertParallel::~ExpertParallel() = default;
 bool ExpertParallel::in_group() const { return impl_->in_group; }
+const ExpertParallel::StepTimes& ExpertParallel::step_times() const { return impl_->times; }
 
 absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(const ParallelGroup& group,
                                                                        LayerDispatcher& local, int num_experts,
@@ -259,6 +261,13 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
   cudaStream_t stream = call.stream != nullptr ? static_cast<cudaStream_t>(call.stream) : cudaStreamLegacy;
   const int k = call.batch.routing.k;
   int T = call.batch.n;
+  Clock::time_point mark = Clock::now();
+  auto lap = [&mark](double& into) {
+    const Clock::time_point now = Clock::now();
+    into += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
+  ++times.calls;
   // 1. This rank's routing on the host, checked: bad input takes part with
   // no tokens.
   if (call.kind != MemoryKind::kDevice) input = absl::InvalidArgumentError("kind: expert-parallel calls take device memory");
@@ -309,6 +318,7 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
       h_w.p[t * kc + j] = j < k ? h_w.p[t * k + j] : 0.f;
     }
 
+  lap(times.routing);
   // 2. The counts: all_counts[s * S + r] tokens go from s to r.
   for (int s = 0; s < S; ++s) h_counts.p[s] = sent[s];
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts.p, h_counts.p, sizeof(int32_t) * S, cudaMemcpyHostToDevice, stream));
@@ -327,6 +337,7 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
     recv_at[s] = T + R, R += recv[s];
   }
 
+  lap(times.counts);
   // 3. The tokens out, the peers' in; the batch is [own T | received R].
   if (T > 0) {
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(batch_x.p, call.batch.tokens, sizeof(bf16_t) * T * H,
@@ -364,6 +375,7 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
   // 4. This rank's share of the batch (the dispatcher skips the pairs of
   // experts it does not own). Its failure is told to the peers that sent
   // tokens: they fail those tokens rather than add a missing share.
+  lap(times.send);
   absl::Status computed;
   if (T + R > 0) {
     LayerCall batch;
@@ -375,6 +387,7 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
     if (batch.deadline.count() <= 0) batch.deadline = std::chrono::milliseconds(1);
     computed = local->Forward(batch, stats);
   }
+  lap(times.compute);
   const int32_t code = static_cast<int32_t>(computed.code());
   for (int s = 0; s < S; ++s) h_status_out.p[s] = code, h_status_in.p[s] = 0;
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(status_out.p, h_status_out.p, sizeof(int32_t) * S, cudaMemcpyHostToDevice, stream));
@@ -404,6 +417,7 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
   }
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_status_in.p, status_in.p, sizeof(int32_t) * S, cudaMemcpyDeviceToHost, stream));
   MOE_RETURN_IF_ERROR(WaitDone(stream, end, "the partial sums"));
+  lap(times.back);
   if (!computed.ok()) {
     input = computed;
     return absl::OkStatus();

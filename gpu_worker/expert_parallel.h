@@ -70,6 +70,16 @@ class ExpertParallel {
   // False once a peer failed and this rank computes alone.
   bool in_group() const;
 
+  // Host time of the exchange's steps summed over the calls (seconds): the
+  // routing to the host, the counts' all-gather, enqueueing the tokens, the
+  // dispatcher's call (waiting for the peers' tokens included), the partial
+  // sums back and the sum.
+  struct StepTimes {
+    double routing = 0, counts = 0, send = 0, compute = 0, back = 0;
+    int calls = 0;
+  };
+  const StepTimes& step_times() const;
+
  private:
   struct Impl;
   explicit ExpertParallel(std::unique_ptr<Impl> impl);

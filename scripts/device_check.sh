@@ -137,9 +137,10 @@ while [[ $# -gt 0 ]]; do
       echo "tp_bench rc=$?"; grep -E "^\|" "$OUT/tp_bench.md"; tail -3 "$OUT/tp_bench.log" ;;
     ep_bench)
       "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=${LAYERS:-16} --ep=2 --batches=${BATCHES:-1,8,32,512,2048} \
-        --cache=25 --runs=3 --steps=5 --warmup=2 --server-bin "$B/bin/moe-expert-server" > "$OUT/ep_bench.md" \
-        2> "$OUT/ep_bench.log"
-      echo "ep_bench rc=$?"; grep -E "^\|" "$OUT/ep_bench.md"; tail -3 "$OUT/ep_bench.log" ;;
+        --cache=25 --runs=3 --steps=5 --warmup=2 ${SERVER_THREADS:+--server-threads=$SERVER_THREADS} \
+        --server-bin "$B/bin/moe-expert-server" > "$OUT/ep_bench${SERVER_THREADS:+_$SERVER_THREADS}.md" \
+        2> "$OUT/ep_bench${SERVER_THREADS:+_$SERVER_THREADS}.log"
+      echo "ep_bench rc=$?"; grep -E "^\|" "$OUT/ep_bench${SERVER_THREADS:+_$SERVER_THREADS}.md" ;;
     tp)
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 580 "$py" "$B/python/examples/transformers_tp.py" \
@@ -151,7 +152,7 @@ while [[ $# -gt 0 ]]; do
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       echo "## python ($py)" | tee -a "$OUT/python.txt"
       timeout 300 "$B/bin/c_api_test" >> "$OUT/python.txt" 2>&1; echo "c_api_test rc=$?" | tee -a "$OUT/python.txt"
-      for t in test_session test_torch_layer; do
+      for t in test_session test_torch_layer test_expert_parallel; do
         MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 300 "$py" "$B/python/tests/$t.py" >> "$OUT/python.txt" 2>&1
         echo "$t rc=$?" | tee -a "$OUT/python.txt"
       done
