@@ -209,7 +209,7 @@ def _stats_dict(s):
 
 class Session:
     """An open libmoe session; keyword arguments are the options of moe_session_open
-    (include/moe/moe.h has their ranges and defaults): model, servers, device,
+    (include/moe/moe.h has their ranges and defaults): model, servers, device, cuda_device,
     cache_experts_per_layer or cache_gib, policy ("predictive", the default, "static",
     "lru", "lfru"), copy_mode, max_tokens, max_top_k, contexts, layers, host_copy,
     weight_dtype, share_host_copy, deadline_ms, cpu_threads, grpc_streams, tls, and
