@@ -5,42 +5,122 @@
 #include <cstdio>
 #include <map>
 #include <random>
+#include <string_view>
+#include <vector>
+
+#include <lzma.h>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
 namespace moe {
 
 namespace {
 
-std::string ShellQuote(const std::string& s) {
-  std::string out = "'";
-  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
-  return out + "'";
-}
-
 bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// Reads `path` line by line (through `xz -dc` for *.xz).
-absl::Status ForEachLine(const std::string& path, const std::function<absl::Status(const std::string&)>& fn) {
-  const bool xz = EndsWith(path, ".xz");
-  FILE* f = xz ? popen(("xz -dc -- " + ShellQuote(path)).c_str(), "r") : fopen(path.c_str(), "r");
-  if (f == nullptr) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
-  std::string line;
-  char buf[1 << 16];
-  absl::Status st;
-  while (st.ok() && fgets(buf, sizeof(buf), f) != nullptr) {
-    line += buf;
-    if (line.back() != '\n' && !feof(f)) continue;
-    while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
-    if (!line.empty()) st = fn(line);
-    line.clear();
+// A trace file, through liblzma when it ends in .xz: read as a byte stream,
+// or written and finished (the xz stream's end) by Finish.
+class TraceFile {
+ public:
+  TraceFile(const std::string& path, bool write) : path_(path), write_(write), xz_(EndsWith(path, ".xz")) {
+    f_ = std::fopen(path.c_str(), write ? "wb" : "rb");
+    if (f_ != nullptr && xz_)
+      ok_ = (write ? lzma_easy_encoder(&z_, 6, LZMA_CHECK_CRC64) : lzma_stream_decoder(&z_, UINT64_MAX, 0)) == LZMA_OK;
+    else
+      ok_ = f_ != nullptr;
   }
-  const int rc = xz ? pclose(f) : fclose(f);
-  if (st.ok() && rc != 0) return absl::DataLossError(absl::StrCat("reading '", path, "' failed (", xz ? "xz -dc" : "read", " status ", rc, ")"));
-  return st;
+  ~TraceFile() {
+    if (xz_) lzma_end(&z_);
+    if (f_ != nullptr) std::fclose(f_);
+  }
+  TraceFile(const TraceFile&) = delete;
+  TraceFile& operator=(const TraceFile&) = delete;
+  bool ok() const { return ok_; }
+
+  // Up to `n` bytes into `out`; 0 at the end of the stream.
+  absl::StatusOr<size_t> Read(char* out, size_t n) {
+    if (!xz_) {
+      const size_t got = std::fread(out, 1, n, f_);
+      if (got == 0 && std::ferror(f_)) return absl::DataLossError(absl::StrCat("reading '", path_, "' failed"));
+      return got;
+    }
+    z_.next_out = reinterpret_cast<uint8_t*>(out);
+    z_.avail_out = n;
+    while (z_.avail_out == n && !done_) {
+      if (z_.avail_in == 0 && !std::feof(f_)) {
+        z_.next_in = in_;
+        z_.avail_in = std::fread(in_, 1, sizeof(in_), f_);
+      }
+      const lzma_ret r = lzma_code(&z_, z_.avail_in == 0 && std::feof(f_) ? LZMA_FINISH : LZMA_RUN);
+      if (r == LZMA_STREAM_END) done_ = true;
+      else if (r != LZMA_OK) return absl::DataLossError(absl::StrCat("'", path_, "': not a valid xz stream (liblzma ", r, ")"));
+    }
+    return n - z_.avail_out;
+  }
+
+  absl::Status Write(std::string_view data) { return Code(data, LZMA_RUN); }
+  // Ends the xz stream and flushes; the file is complete when this is OK.
+  absl::Status Finish() {
+    MOE_RETURN_IF_ERROR(Code({}, LZMA_FINISH));
+    if (std::fflush(f_) != 0) return absl::UnavailableError(absl::StrCat("writing '", path_, "' failed"));
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::Status Code(std::string_view data, lzma_action action) {
+    if (!xz_) {
+      if (std::fwrite(data.data(), 1, data.size(), f_) != data.size())
+        return absl::UnavailableError(absl::StrCat("writing '", path_, "' failed"));
+      return absl::OkStatus();
+    }
+    z_.next_in = reinterpret_cast<const uint8_t*>(data.data());
+    z_.avail_in = data.size();
+    for (;;) {
+      uint8_t out[1 << 16];
+      z_.next_out = out;
+      z_.avail_out = sizeof(out);
+      const lzma_ret r = lzma_code(&z_, action);
+      if (r != LZMA_OK && r != LZMA_STREAM_END)
+        return absl::InternalError(absl::StrCat("'", path_, "': xz compression failed (liblzma ", r, ")"));
+      const size_t n = sizeof(out) - z_.avail_out;
+      if (std::fwrite(out, 1, n, f_) != n) return absl::UnavailableError(absl::StrCat("writing '", path_, "' failed"));
+      if (action == LZMA_FINISH ? r == LZMA_STREAM_END : z_.avail_in == 0) return absl::OkStatus();
+    }
+  }
+
+  std::string path_;
+  bool write_, xz_, ok_ = false, done_ = false;
+  std::FILE* f_ = nullptr;
+  lzma_stream z_ = LZMA_STREAM_INIT;
+  uint8_t in_[1 << 16];
+};
+
+// Reads `path` line by line (decompressed when it ends in .xz).
+absl::Status ForEachLine(const std::string& path, const std::function<absl::Status(const std::string&)>& fn) {
+  TraceFile f(path, /*write=*/false);
+  if (!f.ok()) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  std::string line;
+  std::vector<char> buf(1 << 16);
+  for (;;) {
+    MOE_ASSIGN_OR_RETURN(const size_t n, f.Read(buf.data(), buf.size()));
+    if (n == 0) break;
+    for (size_t i = 0; i < n; ++i) {
+      if (buf[i] != '\n') {
+        line += buf[i];
+        continue;
+      }
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (!line.empty()) MOE_RETURN_IF_ERROR(fn(line));
+      line.clear();
+    }
+  }
+  if (!line.empty() && line.back() == '\r') line.pop_back();
+  if (!line.empty()) MOE_RETURN_IF_ERROR(fn(line));
+  return absl::OkStatus();
 }
 
 // One layer's token lists as [T, top_k] ids, -1 padded (ids out of range too).
@@ -258,9 +338,8 @@ RoutingTrace GenerateRoutingTrace(const SyntheticTraceOptions& o) {
 }
 
 absl::Status WriteSyntheticTrace(const SyntheticTraceOptions& o, const std::string& path) {
-  const bool xz = EndsWith(path, ".xz");
-  FILE* f = xz ? popen(("xz -c > " + ShellQuote(path)).c_str(), "w") : fopen(path.c_str(), "w");
-  if (f == nullptr) return absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
+  TraceFile f(path, /*write=*/true);
+  if (!f.ok()) return absl::UnavailableError(absl::StrCat("cannot write '", path, "'"));
   nlohmann::json header = {{"format", "moe-routing-trace"},
                            {"version", 1},
                            {"num_layers", o.num_layers},
@@ -275,8 +354,9 @@ absl::Status WriteSyntheticTrace(const SyntheticTraceOptions& o, const std::stri
                              {"burst_rate", o.burst_rate},
                              {"burst_steps", o.burst_steps},
                              {"seed", o.seed}}}};
-  std::fprintf(f, "%s\n", header.dump().c_str());
+  MOE_RETURN_IF_ERROR(f.Write(header.dump() + "\n"));
   std::string line;
+  absl::Status written;
   GenerateRoutingTrace(o, [&](int step, int layer, const std::vector<std::vector<int>>& topk) {
     line = absl::StrCat("{\"step\":", step, ",\"layer\":", layer, ",\"topk\":[");
     for (size_t t = 0; t < topk.size(); ++t) {
@@ -285,11 +365,10 @@ absl::Status WriteSyntheticTrace(const SyntheticTraceOptions& o, const std::stri
       line += "]";
     }
     line += "]}\n";
-    std::fputs(line.c_str(), f);
+    if (written.ok()) written = f.Write(line);
   });
-  const int rc = xz ? pclose(f) : fclose(f);
-  if (rc != 0) return absl::UnavailableError(absl::StrCat("writing '", path, "' failed (status ", rc, ")"));
-  return absl::OkStatus();
+  MOE_RETURN_IF_ERROR(written);
+  return f.Finish();
 }
 
 }  // namespace moe

@@ -7,27 +7,36 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <vector>
+
 namespace moe {
 
+// fork + execv rather than posix_spawn: the child must set PR_SET_PDEATHSIG
+// (a test's servers never outlive it), which posix_spawn cannot. Everything
+// the child touches is made before the fork — the argument vector, the
+// stderr file — so between fork and exec it only makes async-signal-safe
+// system calls (no allocation, no lock another thread may hold).
 Subprocess::Subprocess(const std::string& binary, const std::vector<std::string>& args,
                        const std::string& stderr_path) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return;
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(binary.c_str()));
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  const int err_fd =
+      stderr_path.empty() ? -1 : open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  const pid_t parent = getpid();
   pid_ = fork();
   if (pid_ == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);  // never outlive the test
+    if (getppid() != parent) _exit(127);  // the parent died before the line above
     dup2(fds[1], 1);
-    if (!stderr_path.empty()) {
-      const int fd = open(stderr_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-      if (fd >= 0) dup2(fd, 2);
-    }
-    std::vector<char*> argv;
-    argv.push_back(const_cast<char*>(binary.c_str()));
-    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-    argv.push_back(nullptr);
+    if (err_fd >= 0) dup2(err_fd, 2);
     execv(binary.c_str(), argv.data());
     _exit(127);
   }
+  if (err_fd >= 0) close(err_fd);
   close(fds[1]);
   out_fd_ = fds[0];
 }

@@ -1,6 +1,7 @@
 // The cache replay's offline optimum (bench/belady.h) on hand-checkable
 // traces and against an exhaustive search, and the trace reader/generator.
 #include <fstream>
+#include <iterator>
 #include <functional>
 #include <map>
 #include <random>
@@ -123,6 +124,25 @@ TEST(RoutingTrace, SyntheticRoundTripAndRecordedFormat) {
       ASSERT_EQ(t->tokens[s][l].size(), 10u);
       EXPECT_EQ(t->tokens[s][l], mem.tokens[s][l]);
     }
+  }
+  // Compressed (liblzma): the same trace back; a damaged stream is an error.
+  const std::string xz = dir.path() + "/t.jsonl.xz";
+  ASSERT_TRUE(WriteSyntheticTrace(o, xz).ok());
+  absl::StatusOr<RoutingTrace> tx = ReadRoutingTrace(xz);
+  ASSERT_TRUE(tx.ok()) << tx.status();
+  ASSERT_EQ(tx->steps.size(), t->steps.size());
+  for (size_t s = 0; s < mem.steps.size(); ++s)
+    for (int l = 0; l < 3; ++l) EXPECT_EQ(tx->tokens[s][l], mem.tokens[s][l]);
+  {
+    std::string bytes;
+    {
+      std::ifstream in(xz, std::ios::binary);
+      bytes.assign(std::istreambuf_iterator<char>(in), {});
+    }
+    ASSERT_GT(bytes.size(), 64u);
+    bytes[bytes.size() / 2] ^= 0x5a;
+    std::ofstream(xz, std::ios::binary) << bytes;
+    EXPECT_FALSE(ReadRoutingTrace(xz).ok());
   }
   // Recorded vLLM routing: one record per (problem, layer, token).
   const std::string rec = dir.path() + "/r.jsonl";
