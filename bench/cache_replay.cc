@@ -42,8 +42,8 @@ int main(int argc, char** argv) {
   std::string placement = moe::PlacementModeName(c.policy.placement);
   moe::FlagSet flags("cache_replay",
                      "--trace FILE [--cache C|P%] [flags]\n"
-                     "Replays a routing trace (bench/README.md: ours, or recorded vLLM routing; *.xz is read through\n"
-                     "xz -dc) through the worker's default policy, lru, lfu, lfru, the coordinator's placement,\n"
+                     "Replays a routing trace (bench/README.md: ours, or recorded vLLM routing; *.xz is read with\n"
+                     "liblzma) through the worker's default policy, lru, lfu, lfru, the coordinator's placement,\n"
                      "the best fixed set, the oracle, Belady's demand optimum and the ceiling; prints hit rates and\n"
                      "modelled step times, and each policy's distance to the oracle\n"
                      "(defaults: the GPU host of shared/PERF.md).");

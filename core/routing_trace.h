@@ -6,7 +6,7 @@
 // (the ids each token routed to), which is what a worker's predictor sees.
 //
 // Files (documented in bench/README.md), optionally xz-compressed (*.xz, read
-// through `xz -dc`):
+// and written through liblzma):
 //  - ours: a header line {"format":"moe-routing-trace","version":1,
 //    "num_layers":L,"num_experts":E,"top_k":K,...} then one line per (step,
 //    layer): {"step":S,"layer":L,"topk":[[e,e,...],...]} with one list of
