@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/routing_trace.h"
+#include "testing/routing_trace.h"
 
 namespace moe {
 

@@ -30,7 +30,7 @@
 #include "bench/replay.h"
 #include "coordinator/placement.h"
 #include "core/flags.h"
-#include "core/routing_trace.h"
+#include "testing/routing_trace.h"
 
 int main(int argc, char** argv) {
   std::string trace_path, cache_text = "25%",

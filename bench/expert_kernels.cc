@@ -64,7 +64,7 @@
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/model_source.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "core/routing.h"
 #include "core/synthetic_model.h"

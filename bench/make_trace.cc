@@ -3,7 +3,7 @@
 // bursts (bench/routing_trace.h says how).
 #include <cstdio>
 
-#include "core/routing_trace.h"
+#include "testing/routing_trace.h"
 #include "core/flags.h"
 
 int main(int argc, char** argv) {

@@ -85,6 +85,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/model/step_time_model.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
@@ -93,12 +94,12 @@
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/model_source.h"
-#include "core/subprocess.h"
+#include "testing/subprocess.h"
 #include "core/synthetic_model.h"
 #include "cpu_compute/cpu_features.h"
 #include "cpu_compute/expert_store.h"
 #include "gpu_worker/admission_policy.h"
-#include "gpu_worker/attention.h"
+#include "bench/model/attention.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/layer_dispatcher.h"

@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/flags.h"
 #include "core/model_source.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "cpu_compute/compute_pool.h"
 #include "cpu_compute/expert_store.h"

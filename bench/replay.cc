@@ -1,3 +1,4 @@
+#include "bench/model/step_time_model.h"
 #include "bench/replay.h"
 
 #include <algorithm>

@@ -29,7 +29,7 @@
 #include <vector>
 
 #include "coordinator/policy.h"
-#include "core/routing_trace.h"
+#include "testing/routing_trace.h"
 
 namespace moe {
 

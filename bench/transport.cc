@@ -37,7 +37,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/flags.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/transport/grpc_channel.h"
 #include "core/transport/shm_server.h"
 #include "core/transport/transport.h"

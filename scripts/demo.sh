@@ -14,8 +14,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${BUILD_DIR:-build}
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]] && [[ -x "$bin/client/moe-demo" ]]; then
-  sed -n '2,13p' "$0"; echo; exec "$bin/client/moe-demo" --help
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]] && [[ -x "$bin/demo/moe-demo" ]]; then
+  sed -n '2,13p' "$0"; echo; exec "$bin/demo/moe-demo" --help
 fi
 ./scripts/build.sh >/dev/null
-exec "$bin/client/moe-demo" "$@"
+exec "$bin/demo/moe-demo" "$@"

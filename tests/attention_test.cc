@@ -2,7 +2,7 @@
 // decode steps at varied positions after PrefillCache, hidden states, MoE
 // input and routing; argument checks; AttentionConfigFor. The cuda cases skip
 // (naming the reason) where no GPU is usable.
-#include "gpu_worker/attention.h"
+#include "bench/model/attention.h"
 
 #include <algorithm>
 #include <chrono>
@@ -14,10 +14,10 @@
 #include <vector>
 
 #include "core/model_spec.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "core/synthetic_model.h"
-#include "gpu_worker/attention_reference.h"
+#include "bench/model/attention_reference.h"
 #include "gtest/gtest.h"
 
 #ifdef MOE_HAVE_CUDA

@@ -9,7 +9,7 @@
 
 #include "bench/belady.h"
 #include "bench/replay.h"
-#include "core/routing_trace.h"
+#include "testing/routing_trace.h"
 #include "gtest/gtest.h"
 #include "tests/test_support.h"
 

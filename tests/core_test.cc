@@ -8,7 +8,7 @@
 #include "core/bf16.h"
 #include "core/flags.h"
 #include "core/model_source.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "core/routing.h"
 #include "core/safetensors.h"

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "core/bf16.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "core/synthetic_model.h"
 #include "gpu_worker/device_backend.h"

@@ -13,7 +13,7 @@
 
 #include "client/expert_client.h"
 #include "core/model_source.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "core/synthetic_model.h"
 #include "core/wire.h"

@@ -22,7 +22,7 @@
 #include "moe/engine.h"
 #include "coordinator/agent/coordinator_agent.h"
 #include "core/model_source.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "gpu_worker/device_backend.h"  // CudaAvailable
 #include "tests/test_support.h"

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "gtest/gtest.h"
 
 namespace moe {

@@ -23,7 +23,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/model_source.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "core/transport/shm_server.h"
 #include "core/transport/transport.h"

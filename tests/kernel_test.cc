@@ -12,7 +12,7 @@
 #include <string>
 
 #include "core/model_source.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "cpu_compute/compute_pool.h"
 #include "cpu_compute/cpu_features.h"

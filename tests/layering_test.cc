@@ -8,8 +8,10 @@
 // sits beside them but may include only core; it is the one part of
 // coordinator/ that the layers below may include. include/moe/ (the public
 // headers) and the generated protos (moe/v1/) are includable from anywhere;
-// the public headers include nothing of ours but each other. bench/, tests/
-// and python/ are outside the layers.
+// the public headers include nothing of ours but each other. bench/, tests/,
+// demo/ and python/ are outside the layers; testing/ (the helpers of tests,
+// benchmarks and demos) may include the layers, and bench/ and testing/ are
+// never included by a layer: production libraries hold production code.
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -25,7 +27,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-enum class Layer { kPublic, kProto, kCore, kCpuCompute, kAgent, kGpuWorker, kCpuExpertServer, kCoordinator, kClient };
+enum class Layer {
+  kPublic, kProto, kCore, kCpuCompute, kAgent, kGpuWorker, kCpuExpertServer, kCoordinator, kClient, kTesting, kBench
+};
 
 const char* Name(Layer l) {
   switch (l) {
@@ -38,6 +42,8 @@ const char* Name(Layer l) {
     case Layer::kCpuExpertServer: return "cpu_expert_server";
     case Layer::kCoordinator: return "coordinator";
     case Layer::kClient: return "client";
+    case Layer::kTesting: return "testing";
+    case Layer::kBench: return "bench";
   }
   return "?";
 }
@@ -56,6 +62,8 @@ std::optional<Layer> LayerOf(const std::string& path, bool is_include) {
   if (StartsWith(path, "cpu_expert_server/")) return Layer::kCpuExpertServer;
   if (StartsWith(path, "coordinator/")) return Layer::kCoordinator;
   if (StartsWith(path, "client/")) return Layer::kClient;
+  if (StartsWith(path, "testing/")) return Layer::kTesting;
+  if (StartsWith(path, "bench/")) return Layer::kBench;
   return std::nullopt;
 }
 
@@ -75,6 +83,12 @@ std::vector<Layer> Allowed(Layer from) {
     case L::kClient:
       return {L::kPublic,    L::kProto,           L::kCore,       L::kCpuCompute,
               L::kAgent,     L::kGpuWorker,       L::kCpuExpertServer, L::kCoordinator};
+    case L::kTesting:  // the helpers: any layer, never the benchmarks
+      return {L::kPublic,    L::kProto,     L::kCore,           L::kCpuCompute, L::kAgent,
+              L::kGpuWorker, L::kCpuExpertServer, L::kCoordinator, L::kClient};
+    case L::kBench:  // outside the layers: anything (not scanned)
+      return {L::kPublic,    L::kProto,     L::kCore,           L::kCpuCompute, L::kAgent,
+              L::kGpuWorker, L::kCpuExpertServer, L::kCoordinator, L::kClient, L::kTesting};
   }
   return {};
 }
@@ -95,7 +109,8 @@ std::vector<std::string> CheckTree(const fs::path& root, int* files_checked) {
   static const std::regex kInclude(R"(^\s*#\s*include\s*"([^"]+)\")");
   std::vector<std::string> errors;
   *files_checked = 0;
-  for (const char* top : {"include", "core", "cpu_compute", "gpu_worker", "cpu_expert_server", "coordinator", "client"}) {
+  for (const char* top :
+       {"include", "core", "cpu_compute", "gpu_worker", "cpu_expert_server", "coordinator", "client", "testing"}) {
     if (!fs::exists(root / top)) {
       errors.push_back(absl::StrCat("missing layer folder ", top));
       continue;
@@ -127,6 +142,11 @@ TEST(Layering, RulesRefuseUpwardAndCrossIncludes) {
   EXPECT_TRUE(CheckInclude("coordinator/agent/coordinator_agent.cc", 1, "cpu_compute/expert_kernel.h").has_value());
   EXPECT_TRUE(CheckInclude("coordinator/placement.cc", 1, "client/expert_client.h").has_value());
   EXPECT_TRUE(CheckInclude("include/moe/engine.h", 1, "core/bf16.h").has_value());
+  // Production code never includes the test helpers or the bench model.
+  EXPECT_TRUE(CheckInclude("core/model_source.cc", 1, "testing/random_data.h").has_value());
+  EXPECT_TRUE(CheckInclude("gpu_worker/layer_dispatcher.cc", 1, "bench/model/attention.h").has_value());
+  EXPECT_TRUE(CheckInclude("client/moe_c_api.cc", 1, "testing/subprocess.h").has_value());
+  EXPECT_TRUE(CheckInclude("testing/random_data.cc", 1, "bench/model/step_time_model.h").has_value());
   // ...naming the file, the line and both layers...
   EXPECT_EQ(*CheckInclude("core/tensor.h", 3, "gpu_worker/expert_cache.h"),
             "core/tensor.h:3: #include \"gpu_worker/expert_cache.h\": core may not include gpu_worker");
@@ -139,6 +159,9 @@ TEST(Layering, RulesRefuseUpwardAndCrossIncludes) {
   EXPECT_FALSE(CheckInclude("client/moe_c_api.cc", 1, "gpu_worker/device_backend.h").has_value());
   EXPECT_FALSE(CheckInclude("coordinator/coordinator.cc", 1, "coordinator/agent/coordinator_agent.h").has_value());
   EXPECT_FALSE(CheckInclude("tests/x.cc", 1, "client/expert_client.h").has_value());
+  EXPECT_FALSE(CheckInclude("demo/demo_main.cc", 1, "testing/routing_trace.h").has_value());
+  EXPECT_FALSE(CheckInclude("bench/moe_layer.cc", 1, "testing/subprocess.h").has_value());
+  EXPECT_FALSE(CheckInclude("testing/routing_trace.cc", 1, "core/status_macros.h").has_value());
   EXPECT_FALSE(CheckInclude("core/x.cc", 1, "absl/status/status.h").has_value());
 }
 

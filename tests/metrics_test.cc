@@ -19,7 +19,7 @@
 
 #include "core/metrics.h"
 #include "core/metrics_http.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/transport/transport.h"
 #include "gtest/gtest.h"
 #include "tests/test_support.h"

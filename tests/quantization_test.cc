@@ -15,7 +15,7 @@
 #include "client/expert_client.h"
 #include "core/model_source.h"
 #include "core/quantization.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "core/synthetic_model.h"
 #include "cpu_compute/expert_store.h"

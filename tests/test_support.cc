@@ -48,7 +48,7 @@ std::string BinaryPath(const std::string& name) {
   // (the GPU/AMX host runs the tests from such a bundle).
   if (const char* dir = getenv("MOE_BIN_DIR"); dir != nullptr && *dir != '\0')
     return std::string(dir) + "/" + name;
-  for (const char* sub : {"/cpu_expert_server/", "/core/", "/client/", "/bench/", "/gpu_worker/", "/coordinator/"}) {
+  for (const char* sub : {"/cpu_expert_server/", "/core/", "/client/", "/demo/", "/bench/", "/gpu_worker/", "/coordinator/"}) {
     std::string p = std::string(MOE_BIN_DIR) + sub + name;
     if (access(p.c_str(), X_OK) == 0) return p;
   }

@@ -11,7 +11,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/subprocess.h"
+#include "testing/subprocess.h"
 #include "core/transport/transport.h"
 
 namespace moe::testing {
@@ -33,7 +33,7 @@ class TempDir {
 // Path of one of our built executables (e.g. "moe-expert-server").
 std::string BinaryPath(const std::string& name);
 
-// Child processes: core/subprocess.h.
+// Child processes: testing/subprocess.h.
 using moe::Subprocess;
 
 

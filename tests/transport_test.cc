@@ -20,7 +20,7 @@
 #include <thread>
 
 #include "core/model_source.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "core/transport/shm_segment.h"
 #include "core/transport/shm_server.h"

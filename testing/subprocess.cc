@@ -1,4 +1,4 @@
-#include "core/subprocess.h"
+#include "testing/subprocess.h"
 
 #include <fcntl.h>
 #include <poll.h>

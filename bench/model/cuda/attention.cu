@@ -37,9 +37,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "gpu_worker/attention.h"
+#include "bench/model/attention.h"
 #include "gpu_worker/cuda/device_util.cuh"
-#include "gpu_worker/attention_weights.h"
+#include "bench/model/attention_weights.h"
 #include "gpu_worker/cuda/cuda_check.h"
 
 namespace moe {

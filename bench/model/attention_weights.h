@@ -14,7 +14,7 @@
 
 #include "core/bf16.h"
 #include "core/host_device.h"
-#include "gpu_worker/attention.h"
+#include "bench/model/attention.h"
 
 namespace moe {
 

@@ -1,7 +1,7 @@
 // AttentionConfig, the argument checks of AttentionStep, the factory, and the
 // cpu implementation (plain f32 loops over host memory, split across
 // std::threads; for machines without a GPU and for tests).
-#include "gpu_worker/attention.h"
+#include "bench/model/attention.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/model_spec.h"
 #include "core/status_macros.h"
-#include "gpu_worker/attention_weights.h"
+#include "bench/model/attention_weights.h"
 
 namespace moe {
 

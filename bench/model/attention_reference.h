@@ -19,8 +19,8 @@
 
 #include "absl/status/status.h"
 #include "core/bf16.h"
-#include "gpu_worker/attention.h"
-#include "gpu_worker/attention_weights.h"
+#include "bench/model/attention.h"
+#include "bench/model/attention_weights.h"
 
 namespace moe {
 

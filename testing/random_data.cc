@@ -1,4 +1,4 @@
-#include "core/random_data.h"
+#include "testing/random_data.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,4 +1,4 @@
-#include "gpu_worker/attention_reference.h"
+#include "bench/model/attention_reference.h"
 
 #include <algorithm>
 #include <cmath>

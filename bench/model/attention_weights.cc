@@ -1,4 +1,4 @@
-#include "gpu_worker/attention_weights.h"
+#include "bench/model/attention_weights.h"
 
 #include <algorithm>
 #include <cmath>

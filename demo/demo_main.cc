@@ -20,13 +20,14 @@
 #include <string>
 #include <vector>
 
+#include "bench/model/step_time_model.h"
 #include "absl/strings/str_cat.h"
 #include "client/worker_client.h"
 #include "core/flags.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
-#include "core/routing_trace.h"
-#include "core/subprocess.h"
+#include "testing/routing_trace.h"
+#include "testing/subprocess.h"
 #include "gpu_worker/admission_policy.h"
 
 namespace moe {
@@ -130,7 +131,7 @@ Options ParseFlags(FlagSet& flags, int argc, char** argv) {
   flags.String("policy", &o.policy, "GPU worker cache policy: predictive (inside the coordinator's placement), static, lru, lfru");
   flags.Double("model-step-ms", &o.step_ms,
                "modelled step time: the device part of a step (all layers); the CPU's misses are added at the GPU\n"
-               "      host's rates (gpu_worker/admission_policy.h StepTimeModel)");
+               "      host's rates (bench/model/step_time_model.h StepTimeModel)");
   flags.Int("check-every", &o.check_every, "compare with the reference MoE every N steps");
   flags.Double("rebalance-seconds", &o.rebalance_s, "coordinator rebalance interval");
   flags.Double("half-life-seconds", &o.half_life_s, "coordinator popularity half-life");

@@ -1,4 +1,4 @@
-#include "core/routing_trace.h"
+#include "testing/routing_trace.h"
 
 #include <algorithm>
 #include <cmath>

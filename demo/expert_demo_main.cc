@@ -16,7 +16,7 @@
 #include "client/worker_client.h"
 #include "core/flags.h"
 #include "core/model_source.h"
-#include "core/random_data.h"
+#include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "core/status_macros.h"
 
