@@ -35,29 +35,25 @@ absl::Status NcclError(ncclResult_t r, const char* what) {
       return NcclError(moe_nccl_r_, #expr);                                \
   } while (0)
 
-// Device memory freed with the owner.
-template <typename T>
-struct DeviceArray {
+// CUDA memory of n T's (device, or pinned host), freed with the owner.
+template <typename T, cudaError_t (*kAlloc)(void**, size_t), cudaError_t (*kFree)(void*)>
+struct CudaArray {
   T* p = nullptr;
-  ~DeviceArray() {
-    if (p != nullptr) cudaFree(p);
+  ~CudaArray() {
+    if (p != nullptr) kFree(p);
   }
   absl::Status Alloc(size_t n) {
-    MOE_CUDA_RETURN_IF_ERROR(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+    void* raw = nullptr;
+    MOE_CUDA_RETURN_IF_ERROR(kAlloc(&raw, std::max<size_t>(n, 1) * sizeof(T)));
+    p = static_cast<T*>(raw);
     return absl::OkStatus();
   }
 };
+cudaError_t MallocPinned(void** p, size_t bytes) { return cudaMallocHost(p, bytes); }
 template <typename T>
-struct PinnedArray {
-  T* p = nullptr;
-  ~PinnedArray() {
-    if (p != nullptr) cudaFreeHost(p);
-  }
-  absl::Status Alloc(size_t n) {
-    MOE_CUDA_RETURN_IF_ERROR(cudaMallocHost(&p, std::max<size_t>(n, 1) * sizeof(T)));
-    return absl::OkStatus();
-  }
-};
+using DeviceArray = CudaArray<T, cudaMalloc, cudaFree>;
+template <typename T>
+using PinnedArray = CudaArray<T, MallocPinned, cudaFreeHost>;
 
 // What the ranks must agree on, compared at Create.
 struct Shape {

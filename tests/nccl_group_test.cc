@@ -71,6 +71,20 @@ double ErrorOf(ReferenceMoe& reference, int layer, int T, const std::vector<bf16
   return RelativeL2Error(got.data(), ref.data(), ref.size());
 }
 
+// Rank r's session options on GPU r (made current: the session opens there).
+SessionOptions RankOptions(int r, const std::string& server, int max_tokens) {
+  cudaSetDevice(r);
+  SessionOptions o;
+  o.model = kModel;
+  o.servers = {server};
+  o.device = "cuda";
+  o.cache_experts_per_layer = 4;
+  o.policy = "lru";
+  o.max_tokens = max_tokens;
+  o.max_top_k = kK;
+  return o;
+}
+
 bool HaveGpus(int n, int* found) {
   *found = 0;
   return cudaGetDeviceCount(found) == cudaSuccess && *found >= n;
@@ -92,15 +106,7 @@ TEST(NcclTensorParallel, TwoGpusAllReduceTheirSharesIntoTheLayer) {
   std::vector<std::vector<double>> errors(kRanks);
   std::vector<std::string> failures(kRanks);
   auto rank_main = [&](int r) {
-    cudaSetDevice(r);  // the session opens on the current GPU
-    SessionOptions o;
-    o.model = kModel;
-    o.servers = {server};
-    o.device = "cuda";
-    o.cache_experts_per_layer = 4;
-    o.policy = "lru";
-    o.max_tokens = 512;
-    o.max_top_k = kK;
+    SessionOptions o = RankOptions(r, server, 512);
     o.group = TensorParallel(r, kRanks);
     absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(o);
     if (!s.ok()) {
@@ -164,15 +170,7 @@ class NcclExpertParallel : public ::testing::Test {
 
   // Opens rank r's session on GPU r (collective: both ranks at once).
   absl::StatusOr<std::unique_ptr<MoeSession>> Open(int r, std::chrono::milliseconds deadline) {
-    cudaSetDevice(r);
-    SessionOptions o;
-    o.model = kModel;
-    o.servers = {server_};
-    o.device = "cuda";
-    o.cache_experts_per_layer = 4;
-    o.policy = "lru";
-    o.max_tokens = 320;
-    o.max_top_k = kK;
+    SessionOptions o = RankOptions(r, server_, 320);
     o.deadline = deadline;
     o.group.rank = r;
     o.group.size = kRanks;
