@@ -208,18 +208,20 @@ grpc::ByteBuffer ExpertServiceImpl::DrainingAnswer(grpc::ByteBuffer& in, Forward
 }
 
 void ExpertServiceImpl::Drain() {
-  bool any_stream;
   {
     std::lock_guard<std::mutex> lock(streams_mu_);
     draining_ = true;
     drain_started_ = std::chrono::steady_clock::now();
-    any_stream = !streams_.empty();
   }
   // Requests the clients sent before they saw the drain are still arriving:
-  // they get their UNAVAILABLE answers (ForwardStreamRaw) during this grace;
-  // then the streams waiting for more are ended (the gRPC server's shutdown
-  // would otherwise wait the whole drain deadline for them).
-  if (any_stream) std::this_thread::sleep_for(kDrainGrace);
+  // they get their UNAVAILABLE answers (ForwardStreamRaw) during this grace —
+  // on the streams already open, and on streams gRPC accepted whose handler
+  // has not started yet (refused whole, UNAVAILABLE, when it starts; without
+  // the grace the server's shutdown would cancel them, and a busy host can
+  // take that long to start a handler). Then the streams waiting for more are
+  // ended (the gRPC server's shutdown would otherwise wait the whole drain
+  // deadline for them).
+  std::this_thread::sleep_for(kDrainGrace);
   std::lock_guard<std::mutex> lock(streams_mu_);
   for (auto& [ctx, idle] : streams_) {
     if (idle) ctx->TryCancel();
