@@ -14,15 +14,19 @@ packages=(
 # build stage, which builds no tests):
 # clang + libclang-rt-14-dev: the libFuzzer target (tests/shm_fuzz_main.cc);
 # python3 + numpy + pip + CPU torch: the Python package's tests (tests/python,
-# MoeLayer on CPU torch) and `pip install ./python`.
+# MoeLayer on CPU torch) and `pip install ./python`; python3-yaml and helm
+# (scripts/fetch-helm.sh, pinned and checksummed): the Helm chart's check.
 if [[ "${MOE_SKIP_TEST_DEPS:-0}" != 1 ]]; then
-  packages+=(clang libclang-rt-14-dev python3 python3-numpy python3-pip python3-torch)
+  packages+=(clang libclang-rt-14-dev python3 python3-numpy python3-pip python3-torch python3-yaml)
 fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-[[ ${#missing[@]} -eq 0 ]] && exit 0
+fetch_helm() {
+  [[ "${MOE_SKIP_TEST_DEPS:-0}" == 1 ]] || "$(dirname "$0")/fetch-helm.sh"
+}
+if [[ ${#missing[@]} -eq 0 ]]; then fetch_helm; exit 0; fi
 echo "installing: ${missing[*]}"
 SUDO=""
 [[ $(id -u) -ne 0 ]] && SUDO="sudo"
@@ -30,3 +34,4 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 echo "installed ${#missing[@]} package(s)"
+fetch_helm
