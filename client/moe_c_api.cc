@@ -25,7 +25,6 @@ struct moe_session {
   std::mutex mu;
   std::unique_ptr<moe::MoeSession> session;
   moe::SessionOptions options;
-  moe_session_stats totals{};
   std::string describe;
 };
 
@@ -173,27 +172,17 @@ moe_status CheckCall(int32_t memory) {
   return MOE_OK;
 }
 
-void Count(moe_session* s, const moe::CallStats& c, bool ok, double seconds, moe_call_stats* out) {
-  moe_session_stats& t = s->totals;
-  ++t.calls;
-  if (!ok) ++t.failed_calls;
-  t.hit_pairs += c.hit_pairs;
-  t.cpu_pairs += c.cpu_pairs;
-  t.copied_pairs += c.copied_pairs;
-  t.miss_tokens += c.miss_tokens;
-  t.failovers += c.failovers;
-  t.bytes_shipped += static_cast<int64_t>(c.bytes_shipped);
-  t.seconds += seconds;
-  if (out != nullptr) {
-    *out = moe_call_stats{};
-    out->hit_pairs = c.hit_pairs;
-    out->cpu_pairs = c.cpu_pairs;
-    out->copied_pairs = c.copied_pairs;
-    out->miss_tokens = c.miss_tokens;
-    out->failovers = c.failovers;
-    out->bytes_shipped = static_cast<int64_t>(c.bytes_shipped);
-    out->seconds = seconds;
-  }
+// A call's stats in the C struct.
+void Fill(const moe::CallStats& c, double seconds, moe_call_stats* out) {
+  if (out == nullptr) return;
+  *out = moe_call_stats{};
+  out->hit_pairs = c.hit_pairs;
+  out->cpu_pairs = c.cpu_pairs;
+  out->copied_pairs = c.copied_pairs;
+  out->miss_tokens = c.miss_tokens;
+  out->failovers = c.failovers;
+  out->bytes_shipped = static_cast<int64_t>(c.bytes_shipped);
+  out->seconds = seconds;
 }
 
 }  // namespace
@@ -246,8 +235,7 @@ moe_status moe_session_info(moe_session* session, moe_model_info* out) {
     const moe::ModelInfo& spec = session->session->model();
     *out = moe_model_info{};
     out->num_layers = spec.num_layers;
-    out->num_moe_layers = static_cast<int32_t>(
-        session->options.layers.empty() ? spec.moe_layers.size() : session->options.layers.size());
+    out->num_moe_layers = static_cast<int32_t>(session->session->served_layers().size());
     out->num_experts = spec.num_experts;
     out->top_k = spec.top_k;
     out->hidden = spec.hidden;
@@ -266,8 +254,7 @@ moe_status moe_session_moe_layers(moe_session* session, int32_t* layers, int32_t
     if (count == nullptr) return Invalid("count: NULL");
     if (capacity < 0 || (capacity > 0 && layers == nullptr)) return Invalid("layers: NULL with capacity > 0");
     std::lock_guard<std::mutex> lock(session->mu);
-    const std::vector<int>& served =
-        session->options.layers.empty() ? session->session->model().moe_layers : session->options.layers;
+    const std::vector<int>& served = session->session->served_layers();
     *count = static_cast<int32_t>(served.size());
     for (int32_t i = 0; i < capacity && i < *count; ++i) layers[i] = served[i];
     return MOE_OK;
@@ -286,7 +273,7 @@ moe_status moe_forward(moe_session* session, int32_t layer, int32_t tokens, int3
     absl::Status st = session->session->ForwardLayer(
         layer, tokens, top_k, static_cast<const moe::bf16_t*>(hidden), topk_ids, topk_weights,
         static_cast<moe::bf16_t*>(out), KindOf(memory), &c, cuda_stream);
-    Count(session, c, st.ok(), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), stats);
+    Fill(c, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), stats);
     return FromStatus(st);
   });
 }
@@ -302,10 +289,7 @@ moe_status moe_forward_async(moe_session* session, int32_t layer, int32_t tokens
     absl::StatusOr<moe::MoeSession::Pending> p = session->session->ForwardLayerAsync(
         layer, tokens, top_k, static_cast<const moe::bf16_t*>(hidden), topk_ids, topk_weights,
         static_cast<moe::bf16_t*>(out), KindOf(memory), cuda_stream);
-    if (!p.ok()) {
-      Count(session, moe::CallStats{}, false, 0, nullptr);
-      return FromStatus(p.status());
-    }
+    if (!p.ok()) return FromStatus(p.status());
     *ticket = p->ticket;
     return MOE_OK;
   });
@@ -318,8 +302,7 @@ moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats* stats)
     const auto t0 = std::chrono::steady_clock::now();
     moe::CallStats c;
     absl::Status st = session->session->Wait(moe::MoeSession::Pending{ticket}, &c);
-    Count(session, c, st.ok(), c.submit_s + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-          stats);
+    Fill(c, c.submit_s + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), stats);
     return FromStatus(st);
   });
 }
@@ -366,7 +349,17 @@ moe_status moe_session_stats_get(moe_session* session, moe_session_stats* out) {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     if (out == nullptr) return Invalid("out: NULL");
     std::lock_guard<std::mutex> lock(session->mu);
-    *out = session->totals;
+    const moe::SessionTotals t = session->session->totals();
+    *out = moe_session_stats{};
+    out->calls = static_cast<int64_t>(t.calls);
+    out->failed_calls = static_cast<int64_t>(t.failed_calls);
+    out->hit_pairs = static_cast<int64_t>(t.hit_pairs);
+    out->cpu_pairs = static_cast<int64_t>(t.cpu_pairs);
+    out->copied_pairs = static_cast<int64_t>(t.copied_pairs);
+    out->miss_tokens = static_cast<int64_t>(t.miss_tokens);
+    out->failovers = static_cast<int64_t>(t.failovers);
+    out->bytes_shipped = static_cast<int64_t>(t.bytes_shipped);
+    out->seconds = t.seconds;
     out->cache_copies_started = static_cast<int64_t>(session->session->copies_started());
     out->cache_copies_pending = session->session->PendingCopies();
     return MOE_OK;

@@ -2,6 +2,8 @@
 // host expert store and a LayerDispatcher, put together from SessionOptions.
 #include "moe/engine.h"
 
+#include <chrono>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/model_source.h"
@@ -23,6 +25,19 @@ struct MoeSession::Rep {
   std::unique_ptr<DeviceBackend> backend;
   std::unique_ptr<HostExpertStore> host;
   std::unique_ptr<LayerDispatcher> dispatcher;
+  SessionTotals totals;
+  // Adds one forward call (ForwardLayer, or an async call's Wait) to the totals.
+  void Count(const absl::Status& st, const CallStats& c, double seconds) {
+    ++totals.calls;
+    if (!st.ok()) ++totals.failed_calls;
+    totals.hit_pairs += static_cast<uint64_t>(c.hit_pairs);
+    totals.cpu_pairs += static_cast<uint64_t>(c.cpu_pairs);
+    totals.copied_pairs += static_cast<uint64_t>(c.copied_pairs);
+    totals.miss_tokens += static_cast<uint64_t>(c.miss_tokens);
+    totals.failovers += static_cast<uint64_t>(c.failovers);
+    totals.bytes_shipped += c.bytes_shipped;
+    totals.seconds += seconds;
+  }
 #ifdef MOE_HAVE_NCCL
   std::unique_ptr<ExpertParallel> expert_parallel;  // group.mode kExpert: the token exchange
 #endif
@@ -124,7 +139,7 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
       return absl::FailedPreconditionError("group: an expert-parallel group needs the cuda device backend");
   }
   if (o.host_copy) {
-    const std::vector<int>& layers = o.layers.empty() ? spec.moe_layers : o.layers;
+    const std::vector<int>& layers = o.layers.empty() ? spec.moe_layers : o.layers;  // checked by the dispatcher
     std::vector<std::string> unix_sockets;
     for (const ExpertServerConfig& sc : c.servers)
       if (std::optional<std::string> path = UnixSocketPath(sc.address)) unix_sockets.push_back(*path);
@@ -154,14 +169,25 @@ absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hid
                                       const int32_t* topk_ids, const float* topk_weights, bf16_t* out,
                                       MemoryKind kind, CallStats* stats, void* cuda_stream) {
   DeviceScope scope(*rep_->backend);
+  const auto t0 = std::chrono::steady_clock::now();
   const LayerCall call = MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream);
+  CallStats local;
+  CallStats* s = stats != nullptr ? stats : &local;
+  *s = CallStats{};
+  absl::Status st;
 #ifdef MOE_HAVE_NCCL
-  if (rep_->expert_parallel != nullptr) return rep_->expert_parallel->Forward(call, stats);
+  if (rep_->expert_parallel != nullptr) st = rep_->expert_parallel->Forward(call, s);
+  else
 #endif
   // Forward, not Submit + Wait: a decode-sized call in device memory takes
   // the device path (LayerDispatcher::Forward).
-  return rep_->dispatcher->Forward(call, stats);
+    st = rep_->dispatcher->Forward(call, s);
+  rep_->Count(st, *s, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return st;
 }
+
+const std::vector<int>& MoeSession::served_layers() const { return rep_->dispatcher->layers(); }
+SessionTotals MoeSession::totals() const { return rep_->totals; }
 
 absl::StatusOr<std::string> MoeSession::NewGroupId() {
 #ifdef MOE_HAVE_NCCL
@@ -184,9 +210,13 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
                                                                   MemoryKind kind, void* cuda_stream) {
   MOE_RETURN_IF_ERROR(RefuseInExpertParallel("ForwardLayerAsync"));
   DeviceScope scope(*rep_->backend);
-  MOE_ASSIGN_OR_RETURN(int ticket, rep_->dispatcher->Submit(MakeLayerCall(layer, T, k, hidden, topk_ids,
-                                                                          topk_weights, out, kind, cuda_stream)));
-  return Pending{ticket};
+  absl::StatusOr<int> ticket =
+      rep_->dispatcher->Submit(MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream));
+  if (!ticket.ok()) {  // a call that never started is a failed call
+    rep_->Count(ticket.status(), CallStats{}, 0);
+    return ticket.status();
+  }
+  return Pending{*ticket};
 }
 
 absl::Status MoeSession::ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden,
@@ -205,7 +235,13 @@ absl::Status MoeSession::TakeStreamError() {
 
 absl::Status MoeSession::Wait(Pending call, CallStats* stats) {
   DeviceScope scope(*rep_->backend);
-  return rep_->dispatcher->Complete(call.ticket, stats);
+  const auto t0 = std::chrono::steady_clock::now();
+  CallStats local;
+  CallStats* s = stats != nullptr ? stats : &local;
+  *s = CallStats{};
+  absl::Status st = rep_->dispatcher->Complete(call.ticket, s);
+  rep_->Count(st, *s, s->submit_s + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  return st;
 }
 
 absl::Status MoeSession::ApplyAssignment(int layer, const std::vector<int>& experts,

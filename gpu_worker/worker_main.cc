@@ -212,7 +212,7 @@ int main(int argc, char** argv) {
 
   const moe::SessionOptions& o = f.session;
   const moe::ModelInfo& spec = (*sessions)->primary().model();
-  const std::vector<int> served = o.layers.empty() ? spec.moe_layers : o.layers;
+  const std::vector<int> served = (*sessions)->primary().served_layers();
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
   hooks.metrics.store(&metrics, std::memory_order_release);
   std::mutex mu;

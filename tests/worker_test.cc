@@ -107,6 +107,14 @@ TEST_F(WorkerTest, SessionForwardsSyncAndAsync) {
   // Device pointers on a backend without device memory are refused, by name.
   absl::Status st = session.ForwardLayer(1, a.T, a.k, a.x.data(), a.ids.data(), a.w.data(), oa.data(), MemoryKind::kDevice);
   EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  // The session keeps its totals: 4 calls (one failed), every routed pair of
+  // the three good ones counted once, as a hit, on the CPU or copied.
+  const SessionTotals t = session.totals();
+  EXPECT_EQ(t.calls, 4u);
+  EXPECT_EQ(t.failed_calls, 1u);
+  EXPECT_EQ(t.hit_pairs + t.cpu_pairs + t.copied_pairs, static_cast<uint64_t>(2 * a.T * a.k + b.T * b.k));
+  EXPECT_GT(t.seconds, 0);
+  EXPECT_EQ(session.served_layers(), session.model().moe_layers);
 }
 
 TEST_F(WorkerTest, SessionRejectsBadOptions) {

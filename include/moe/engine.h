@@ -142,6 +142,11 @@ class MoeSession {
   static absl::StatusOr<std::string> NewGroupId();
 
   const ModelInfo& model() const;
+  // The MoE layers this session serves, ascending (SessionOptions::layers,
+  // or every MoE layer of the model).
+  const std::vector<int>& served_layers() const;
+  // The forward calls' totals since Open (moe/types.h SessionTotals).
+  SessionTotals totals() const;
   const char* device() const;  // "cuda" or "cpu"
 
   // One layer call, done when this returns. Device pointers on the cuda

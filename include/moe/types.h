@@ -86,4 +86,15 @@ struct CallStats {
   double submit_s = 0, wait_s = 0;  // host time in Submit, and waiting in Complete
 };
 
+// What a session's forward calls did since it opened (MoeSession::totals;
+// the C ABI's moe_session_stats): the calls, the failed ones, and the sums of
+// their CallStats and host seconds (in the call, plus the submit of an async
+// call's Wait). Capturable calls are not counted here (their pairs reach
+// on_access through TakeStreamError).
+struct SessionTotals {
+  uint64_t calls = 0, failed_calls = 0;
+  uint64_t hit_pairs = 0, cpu_pairs = 0, copied_pairs = 0, miss_tokens = 0, failovers = 0, bytes_shipped = 0;
+  double seconds = 0;
+};
+
 }  // namespace moe
