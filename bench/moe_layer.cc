@@ -655,8 +655,8 @@ class Bench {
           CallStats st[2];
           moe += Call(io, router, li, off, std::min(N, T - off), dual, st, calls);
           if (!timed) continue;
-          submit_t.push_back(st[0].submit_s + st[1].submit_s);
-          wait_t.push_back(st[0].wait_s + st[1].wait_s);
+          submit_t.push_back(st[0].submit_seconds + st[1].submit_seconds);
+          wait_t.push_back(st[0].wait_seconds + st[1].wait_seconds);
           for (const CallStats& s : st) {
             hits += s.hit_pairs;
             cpu += s.cpu_pairs;

@@ -172,17 +172,21 @@ moe_status CheckCall(int32_t memory) {
   return MOE_OK;
 }
 
-// A call's stats in the C struct.
-void Fill(const moe::CallStats& c, double seconds, moe_call_stats* out) {
+// A call's stats in the C struct (the same fields, moe/types.h CallStats).
+void Fill(const moe::CallStats& c, moe_call_stats* out) {
   if (out == nullptr) return;
   *out = moe_call_stats{};
   out->hit_pairs = c.hit_pairs;
   out->cpu_pairs = c.cpu_pairs;
+  out->cpu_experts = c.cpu_experts;
   out->copied_pairs = c.copied_pairs;
+  out->copied_experts = c.copied_experts;
   out->miss_tokens = c.miss_tokens;
   out->failovers = c.failovers;
   out->bytes_shipped = static_cast<int64_t>(c.bytes_shipped);
-  out->seconds = seconds;
+  out->seconds = c.seconds;
+  out->submit_seconds = c.submit_seconds;
+  out->wait_seconds = c.wait_seconds;
 }
 
 }  // namespace
@@ -268,12 +272,11 @@ moe_status moe_forward(moe_session* session, int32_t layer, int32_t tokens, int3
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     if (moe_status st = CheckCall(memory); st != MOE_OK) return st;
     std::lock_guard<std::mutex> lock(session->mu);
-    const auto t0 = std::chrono::steady_clock::now();
     moe::CallStats c;
     absl::Status st = session->session->ForwardLayer(
         layer, tokens, top_k, static_cast<const moe::bf16_t*>(hidden), topk_ids, topk_weights,
         static_cast<moe::bf16_t*>(out), KindOf(memory), &c, cuda_stream);
-    Fill(c, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), stats);
+    Fill(c, stats);
     return FromStatus(st);
   });
 }
@@ -299,10 +302,9 @@ moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats* stats)
   return Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     std::lock_guard<std::mutex> lock(session->mu);
-    const auto t0 = std::chrono::steady_clock::now();
     moe::CallStats c;
     absl::Status st = session->session->Wait(moe::MoeSession::Pending{ticket}, &c);
-    Fill(c, c.submit_s + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), stats);
+    Fill(c, stats);
     return FromStatus(st);
   });
 }

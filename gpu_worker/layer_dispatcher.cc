@@ -821,7 +821,7 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
     Abort(ticket);
     return st;
   }
-  ctx.stats.submit_s = Seconds(Clock::now() - t_start);
+  ctx.stats.submit_seconds = Seconds(Clock::now() - t_start);
   return ticket;
 }
 
@@ -1151,7 +1151,7 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   // A hits-only call: Submit to here bounds the device time from above.
   if (ctx.device_prior_s > 0 && result.ok() && fin.ok())
     planner_.rates().ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);
-  ctx.stats.wait_s = Seconds(end - t0);
+  ctx.stats.wait_seconds = Seconds(end - t0);
   if (out_stats != nullptr) *out_stats = ctx.stats;
   if (!result.ok()) return result;
   return fin;
@@ -1321,8 +1321,8 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
     stats->copied_pairs = log[5];
     stats->copied_experts = log[6];
     stats->cpu_experts = log[7];
-    stats->submit_s = Seconds(t1 - t0);
-    stats->wait_s = Seconds(Clock::now() - t1);
+    stats->submit_seconds = Seconds(t1 - t0);
+    stats->wait_seconds = Seconds(Clock::now() - t1);
   }
   const int32_t* ids = log + kRoutingLogHeader;
   std::vector<int>& experts = m.call_experts;

@@ -27,7 +27,7 @@ struct MoeSession::Rep {
   std::unique_ptr<LayerDispatcher> dispatcher;
   SessionTotals totals;
   // Adds one forward call (ForwardLayer, or an async call's Wait) to the totals.
-  void Count(const absl::Status& st, const CallStats& c, double seconds) {
+  void Count(const absl::Status& st, const CallStats& c) {
     ++totals.calls;
     if (!st.ok()) ++totals.failed_calls;
     totals.hit_pairs += static_cast<uint64_t>(c.hit_pairs);
@@ -36,7 +36,7 @@ struct MoeSession::Rep {
     totals.miss_tokens += static_cast<uint64_t>(c.miss_tokens);
     totals.failovers += static_cast<uint64_t>(c.failovers);
     totals.bytes_shipped += c.bytes_shipped;
-    totals.seconds += seconds;
+    totals.seconds += c.seconds;
   }
 #ifdef MOE_HAVE_NCCL
   std::unique_ptr<ExpertParallel> expert_parallel;  // group.mode kExpert: the token exchange
@@ -182,7 +182,8 @@ absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hid
   // Forward, not Submit + Wait: a decode-sized call in device memory takes
   // the device path (LayerDispatcher::Forward).
     st = rep_->dispatcher->Forward(call, s);
-  rep_->Count(st, *s, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  s->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  rep_->Count(st, *s);
   return st;
 }
 
@@ -213,7 +214,7 @@ absl::StatusOr<MoeSession::Pending> MoeSession::ForwardLayerAsync(int layer, int
   absl::StatusOr<int> ticket =
       rep_->dispatcher->Submit(MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, kind, cuda_stream));
   if (!ticket.ok()) {  // a call that never started is a failed call
-    rep_->Count(ticket.status(), CallStats{}, 0);
+    rep_->Count(ticket.status(), CallStats{});
     return ticket.status();
   }
   return Pending{*ticket};
@@ -240,7 +241,8 @@ absl::Status MoeSession::Wait(Pending call, CallStats* stats) {
   CallStats* s = stats != nullptr ? stats : &local;
   *s = CallStats{};
   absl::Status st = rep_->dispatcher->Complete(call.ticket, s);
-  rep_->Count(st, *s, s->submit_s + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  s->seconds = s->submit_seconds + std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  rep_->Count(st, *s);
   return st;
 }
 

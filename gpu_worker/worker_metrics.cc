@@ -60,7 +60,7 @@ void WorkerMetrics::RecordCall(int layer, int tokens, const CallStats& s, double
   failovers_->Increment(s.failovers);
   calls_->Increment();
   call_seconds_->Observe(seconds);
-  wait_seconds_->Observe(s.wait_s);
+  wait_seconds_->Observe(s.wait_seconds);
 }
 
 void WorkerMetrics::RecordActivity(int layer, const LayerActivity& a) {

@@ -147,11 +147,17 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
       metrics_->RecordCall(static_cast<int>(req->layer()), d[i].T, st,
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     moe::v1::LayerCallStats* ps = resp->add_stats();
-    ps->set_hit_pairs(st.hit_pairs);
-    ps->set_cpu_pairs(st.cpu_pairs);
+    ps->set_hit_pairs(static_cast<uint32_t>(st.hit_pairs));
+    ps->set_cpu_pairs(static_cast<uint32_t>(st.cpu_pairs));
     ps->set_cpu_experts(static_cast<uint32_t>(st.cpu_experts));
-    ps->set_copied_pairs(st.copied_pairs);
-    ps->set_miss_tokens(st.miss_tokens);
+    ps->set_copied_pairs(static_cast<uint32_t>(st.copied_pairs));
+    ps->set_copied_experts(static_cast<uint32_t>(st.copied_experts));
+    ps->set_miss_tokens(static_cast<uint32_t>(st.miss_tokens));
+    ps->set_failovers(static_cast<uint32_t>(st.failovers));
+    ps->set_bytes_shipped(st.bytes_shipped);
+    ps->set_seconds(st.seconds);
+    ps->set_submit_seconds(st.submit_seconds);
+    ps->set_wait_seconds(st.wait_seconds);
   }
   if (metrics_ != nullptr) metrics_->SetCopies(sessions_.copies_started());
   if (!first.ok()) {

@@ -149,8 +149,9 @@ absl::Status WorkerSessions::Forward(int layer, int T, int k, const bf16_t* hidd
       stats->miss_tokens += s.miss_tokens;
       stats->failovers += s.failovers;
       stats->bytes_shipped += s.bytes_shipped;
-      stats->submit_s = std::max(stats->submit_s, s.submit_s);
-      stats->wait_s = std::max(stats->wait_s, s.wait_s);
+      stats->seconds = std::max(stats->seconds, s.seconds);  // the GPUs' calls run side by side
+      stats->submit_seconds = std::max(stats->submit_seconds, s.submit_seconds);
+      stats->wait_seconds = std::max(stats->wait_seconds, s.wait_seconds);
     }
   }
   return absl::OkStatus();

@@ -51,7 +51,7 @@
 extern "C" {
 #endif
 
-#define MOE_ABI_VERSION 1
+#define MOE_ABI_VERSION 2
 
 #if defined(__GNUC__)
 #define MOE_API __attribute__((visibility("default")))
@@ -99,15 +99,20 @@ typedef struct moe_model_info {
   char device[16];        /* "cuda" or "cpu", NUL-terminated */
 } moe_model_info;
 
-/* What one call did (pairs = (token, expert) pairs). */
+/* What one call did (pairs = (token, expert) pairs): the fields of the C++
+ * moe::CallStats (moe/types.h), which says what each one counts. */
 typedef struct moe_call_stats {
   int64_t hit_pairs;      /* computed from the cache */
   int64_t cpu_pairs;      /* computed by CPU expert servers */
+  int64_t cpu_experts;    /* distinct experts sent to them */
   int64_t copied_pairs;   /* computed on the device after copying the expert */
+  int64_t copied_experts;
   int64_t miss_tokens;    /* tokens shipped to servers */
   int64_t failovers;
   int64_t bytes_shipped;
-  double seconds;         /* host time in the call (start + wait) */
+  double seconds;         /* host time of the call (an async call: start + wait) */
+  double submit_seconds;  /* of which: starting it (host path) */
+  double wait_seconds;    /* of which: waiting for the servers' answers */
 } moe_call_stats;
 
 /* Totals since the session opened. */

@@ -74,16 +74,21 @@ inline int ExpertOwner(int layer, int expert, int size) {
 }
 
 // What one layer call did (optional out-parameter of the forward calls).
+// The one stats record: the C ABI's moe_call_stats, the Python CallStats and
+// the worker proto's LayerCallStats carry these fields under these names
+// (Style.CallStatsAlike checks it).
 struct CallStats {
-  int hit_pairs = 0;
+  int hit_pairs = 0;          // pairs computed from the GPU cache
   int cpu_pairs = 0;          // pairs computed by CPU expert servers
   int cpu_experts = 0;        // distinct experts sent to CPU expert servers
   int copied_pairs = 0;       // pairs computed on the device after a copy (incl. failover)
-  int copied_experts = 0;
+  int copied_experts = 0;     // distinct experts copied for this call
   int miss_tokens = 0;        // tokens shipped (summed over servers)
   int failovers = 0;          // batches moved to another server or to copy
   uint64_t bytes_shipped = 0; // activations + routing sent, partials received
-  double submit_s = 0, wait_s = 0;  // host time in Submit, and waiting in Complete
+  double seconds = 0;         // host time of the call (an async call: its submit and its Wait)
+  double submit_seconds = 0;  // of which: in Submit (host path)
+  double wait_seconds = 0;    // of which: waiting for the misses' answers
 };
 
 // What a session's forward calls did since it opened (MoeSession::totals;
