@@ -244,7 +244,7 @@ moe_status moe_session_info(moe_session* session, moe_model_info* out) {
     out->top_k = spec.top_k;
     out->hidden = spec.hidden;
     out->intermediate = spec.intermediate;
-    out->cache_slots = session->session->slots_per_layer();
+    out->cache_slots = session->session->admin().slots_per_layer();
     out->max_tokens = session->options.max_tokens;
     out->max_top_k = session->options.max_top_k;
     std::strncpy(out->device, session->session->device(), sizeof(out->device) - 1);
@@ -334,7 +334,7 @@ moe_status moe_apply_assignment(moe_session* session, int32_t layer, const int32
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     if (n < 0 || (n > 0 && experts == nullptr)) return Invalid(absl::StrCat("experts: NULL or n = ", n, " < 0"));
     std::lock_guard<std::mutex> lock(session->mu);
-    return FromStatus(session->session->ApplyAssignment(layer, std::vector<int>(experts, experts + n)));
+    return FromStatus(session->session->admin().ApplyAssignment(layer, std::vector<int>(experts, experts + n)));
   });
 }
 
@@ -342,7 +342,7 @@ moe_status moe_flush_copies(moe_session* session) {
   return Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     std::lock_guard<std::mutex> lock(session->mu);
-    return FromStatus(session->session->FlushCopies());
+    return FromStatus(session->session->admin().FlushCopies());
   });
 }
 
@@ -362,8 +362,8 @@ moe_status moe_session_stats_get(moe_session* session, moe_session_stats* out) {
     out->failovers = static_cast<int64_t>(t.failovers);
     out->bytes_shipped = static_cast<int64_t>(t.bytes_shipped);
     out->seconds = t.seconds;
-    out->cache_copies_started = static_cast<int64_t>(session->session->copies_started());
-    out->cache_copies_pending = session->session->PendingCopies();
+    out->cache_copies_started = static_cast<int64_t>(session->session->admin().copies_started());
+    out->cache_copies_pending = session->session->admin().PendingCopies();
     return MOE_OK;
   });
 }
@@ -385,7 +385,7 @@ const char* moe_session_describe(moe_session* session) {
   (void)Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     std::lock_guard<std::mutex> lock(session->mu);
-    session->describe = session->session->Describe();
+    session->describe = session->session->admin().Describe();
     text = session->describe.c_str();
     return MOE_OK;
   });

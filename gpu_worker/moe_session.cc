@@ -120,7 +120,7 @@ LayerCall MakeLayerCall(int layer, int T, int k, const bf16_t* hidden, const int
 
 }  // namespace
 
-MoeSession::MoeSession(std::unique_ptr<Rep> rep) : rep_(std::move(rep)) {}
+MoeSession::MoeSession(std::unique_ptr<Rep> rep) : rep_(std::move(rep)), admin_(rep_.get()) {}
 MoeSession::~MoeSession() = default;
 
 absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOptions& o) {
@@ -246,31 +246,31 @@ absl::Status MoeSession::Wait(Pending call, CallStats* stats) {
   return st;
 }
 
-absl::Status MoeSession::ApplyAssignment(int layer, const std::vector<int>& experts,
+absl::Status MoeSession::Admin::ApplyAssignment(int layer, const std::vector<int>& experts,
                                          const std::vector<int>& pinned) {
   DeviceScope scope(*rep_->backend);
   return rep_->dispatcher->ApplyAssignment(layer, experts, pinned);
 }
-absl::Status MoeSession::FlushCopies() {
+absl::Status MoeSession::Admin::FlushCopies() {
   DeviceScope scope(*rep_->backend);
   return rep_->dispatcher->FlushCopies();
 }
-int MoeSession::PendingCopies() { return rep_->dispatcher->PendingCopies(); }
-uint64_t MoeSession::copies_started() const { return rep_->dispatcher->copies_started(); }
-absl::Status MoeSession::SetServerEnabled(const std::string& address, bool enabled) {
+int MoeSession::Admin::PendingCopies() { return rep_->dispatcher->PendingCopies(); }
+uint64_t MoeSession::Admin::copies_started() const { return rep_->dispatcher->copies_started(); }
+absl::Status MoeSession::Admin::SetServerEnabled(const std::string& address, bool enabled) {
   DeviceScope scope(*rep_->backend);
   return rep_->dispatcher->SetServerEnabled(address, enabled);
 }
-std::vector<int> MoeSession::CachedExperts(int layer) const { return rep_->dispatcher->cache().SlotExperts(layer); }
-double MoeSession::HitRate(int layer) const { return rep_->dispatcher->cache().HitRate(layer); }
-int MoeSession::slots_per_layer() const { return rep_->dispatcher->slots_per_layer(); }
-std::string MoeSession::DescribeCostModel() const { return rep_->dispatcher->cost_model().Describe(); }
+std::vector<int> MoeSession::Admin::CachedExperts(int layer) const { return rep_->dispatcher->cache().SlotExperts(layer); }
+double MoeSession::Admin::HitRate(int layer) const { return rep_->dispatcher->cache().HitRate(layer); }
+int MoeSession::Admin::slots_per_layer() const { return rep_->dispatcher->slots_per_layer(); }
+std::string MoeSession::Admin::DescribeCostModel() const { return rep_->dispatcher->cost_model().Describe(); }
 
-std::string MoeSession::Describe() const {
+std::string MoeSession::Admin::Describe() const {
   return absl::StrCat(rep_->source->spec().Summary(), "; device ", rep_->backend->name(), "; cache ",
                       rep_->dispatcher->slots_per_layer(), " experts/layer (", rep_->options.policy,
                       "); servers [", absl::StrJoin(rep_->options.servers, ", "), "]; copy model: ",
-                      DescribeCostModel());
+                      rep_->dispatcher->cost_model().Describe());
 }
 
 }  // namespace moe

@@ -207,7 +207,7 @@ int main(int argc, char** argv) {
   hooks.Install(f.session, !f.coordinator.empty());
   absl::StatusOr<std::unique_ptr<moe::WorkerSessions>> sessions = moe::WorkerSessions::Open(f.session, f.gpus);
   if (!sessions.ok()) flags.Fail(std::string(sessions.status().message()), 1);
-  moe::LogInfo("worker", (*sessions)->primary().Describe(),
+  moe::LogInfo("worker", (*sessions)->primary().admin().Describe(),
                f.gpus > 1 ? absl::StrCat("; x ", f.gpus, " GPUs, one cache (expert-parallel)") : std::string());
 
   const moe::SessionOptions& o = f.session;

@@ -193,7 +193,7 @@ grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v
     for (int e : sessions_.CachedExperts(l)) li->add_slot_experts(e);
     li->set_hit_rate(sessions_.HitRate(l));
   }
-  resp->set_cost_model(sessions_.primary().DescribeCostModel());
+  resp->set_cost_model(sessions_.primary().admin().DescribeCostModel());
   return grpc::Status::OK;
 }
 

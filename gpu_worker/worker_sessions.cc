@@ -162,47 +162,47 @@ absl::Status WorkerSessions::Forward(int layer, int T, int k, const bf16_t* hidd
 
 absl::Status WorkerSessions::ApplyAssignment(int layer, const std::vector<int>& experts,
                                              const std::vector<int>& pinned) {
-  if (size() == 1) return primary().ApplyAssignment(layer, experts, pinned);
+  if (size() == 1) return primary().admin().ApplyAssignment(layer, experts, pinned);
   const int N = size();
   for (int r = 0; r < N; ++r) {
     std::vector<int> mine, my_pins;
     for (int e : experts)
-      if (ExpertOwner(layer, e, N) == r && static_cast<int>(mine.size()) < sessions_[r]->slots_per_layer())
+      if (ExpertOwner(layer, e, N) == r && static_cast<int>(mine.size()) < sessions_[r]->admin().slots_per_layer())
         mine.push_back(e);
     for (int e : pinned)
       if (std::find(mine.begin(), mine.end(), e) != mine.end()) my_pins.push_back(e);
-    MOE_RETURN_IF_ERROR(sessions_[r]->ApplyAssignment(layer, mine, my_pins));
+    MOE_RETURN_IF_ERROR(sessions_[r]->admin().ApplyAssignment(layer, mine, my_pins));
   }
   return absl::OkStatus();
 }
 
 absl::Status WorkerSessions::SetServerEnabled(const std::string& address, bool enabled) {
-  for (auto& s : sessions_) MOE_RETURN_IF_ERROR(s->SetServerEnabled(address, enabled));
+  for (auto& s : sessions_) MOE_RETURN_IF_ERROR(s->admin().SetServerEnabled(address, enabled));
   return absl::OkStatus();
 }
 
 int WorkerSessions::PendingCopies() {
   int n = 0;
-  for (auto& s : sessions_) n += s->PendingCopies();
+  for (auto& s : sessions_) n += s->admin().PendingCopies();
   return n;
 }
 
 uint64_t WorkerSessions::copies_started() const {
   uint64_t n = 0;
-  for (const auto& s : sessions_) n += s->copies_started();
+  for (const auto& s : sessions_) n += s->admin().copies_started();
   return n;
 }
 
 int WorkerSessions::slots_per_layer() const {
   int n = 0;
-  for (const auto& s : sessions_) n += s->slots_per_layer();
+  for (const auto& s : sessions_) n += s->admin().slots_per_layer();
   return n;
 }
 
 std::vector<int> WorkerSessions::CachedExperts(int layer) const {
   std::vector<int> all;
   for (const auto& s : sessions_) {
-    const std::vector<int> e = s->CachedExperts(layer);
+    const std::vector<int> e = s->admin().CachedExperts(layer);
     all.insert(all.end(), e.begin(), e.end());
   }
   return all;
@@ -210,7 +210,7 @@ std::vector<int> WorkerSessions::CachedExperts(int layer) const {
 
 double WorkerSessions::HitRate(int layer) const {
   double sum = 0;
-  for (const auto& s : sessions_) sum += s->HitRate(layer);
+  for (const auto& s : sessions_) sum += s->admin().HitRate(layer);
   return sum / size();
 }
 

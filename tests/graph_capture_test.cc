@@ -181,8 +181,8 @@ class GraphCaptureTest : public ::testing::Test {
 // misses alike, exactly once.
 TEST_F(GraphCaptureTest, CapturedReplaysReportEveryRoutedPair) {
   const int T = 4;
-  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1, 2}).ok());
-  ASSERT_TRUE(session_->FlushCopies().ok());
+  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {0, 1, 2}).ok());
+  ASSERT_TRUE(session_->admin().FlushCopies().ok());
   std::vector<Buffers> bufs;
   std::vector<Inputs> in;
   cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
@@ -198,7 +198,7 @@ TEST_F(GraphCaptureTest, CapturedReplaysReportEveryRoutedPair) {
   }
   EXPECT_TRUE(session_->TakeStreamError().ok());
   EXPECT_EQ(accesses_, routed);
-  EXPECT_GT(session_->HitRate(session_->model().moe_layers[0]), 0.0);  // the cache's counters saw the hits too
+  EXPECT_GT(session_->admin().HitRate(session_->model().moe_layers[0]), 0.0);  // the cache's counters saw the hits too
   cudaGraphExecDestroy(exec);
 }
 
@@ -240,15 +240,15 @@ TEST_F(GraphCaptureTest, ReplaysAdmitTheExpertsTheyUse) {
       for (size_t i = 0; i < layers.size(); ++i)
         EXPECT_LE(Error(layers[i], bufs[i], T, k, in[i]), 1e-2) << policy << " step " << step;
       EXPECT_TRUE(session_->TakeStreamError().ok()) << policy;
-      ASSERT_TRUE(session_->FlushCopies().ok());
+      ASSERT_TRUE(session_->admin().FlushCopies().ok());
     }
     for (int l : layers) {
-      std::vector<int> cached = session_->CachedExperts(l);
+      std::vector<int> cached = session_->admin().CachedExperts(l);
       std::sort(cached.begin(), cached.end());
       const std::vector<int> used = {4, 5, 6};
       EXPECT_TRUE(std::includes(cached.begin(), cached.end(), used.begin(), used.end()))
           << policy << ": layer " << l << " never admitted the experts its replays use";
-      EXPECT_GT(session_->HitRate(l), 0.0) << policy;
+      EXPECT_GT(session_->admin().HitRate(l), 0.0) << policy;
     }
     cudaGraphExecDestroy(exec);
     session_.reset();
@@ -360,8 +360,8 @@ TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
   ASSERT_NE(exec, nullptr);
   for (int step = 0; step < 4; ++step) {
     if (step == 2) {
-      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {3, 4, 5}).ok());
-      ASSERT_TRUE(session_->FlushCopies().ok());
+      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {3, 4, 5}).ok());
+      ASSERT_TRUE(session_->admin().FlushCopies().ok());
     }
     EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
     EXPECT_TRUE(session_->TakeStreamError().ok());
@@ -383,10 +383,10 @@ TEST_F(GraphCaptureTest, ReplaysSurviveADrainedAndAKilledServer) {
   EXPECT_TRUE(Replay(exec, 0, T, bufs, in));
   EXPECT_TRUE(session_->TakeStreamError().ok());
   // Drained: no route for the misses; the device takes them.
-  ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
+  ASSERT_TRUE(session_->admin().SetServerEnabled(server_address_, false).ok());
   EXPECT_TRUE(Replay(exec, 1, T, bufs, in)) << "misses no server may take are computed on the device";
   EXPECT_TRUE(session_->TakeStreamError().ok());
-  ASSERT_TRUE(session_->SetServerEnabled(server_address_, true).ok());
+  ASSERT_TRUE(session_->admin().SetServerEnabled(server_address_, true).ok());
   EXPECT_TRUE(Replay(exec, 2, T, bufs, in));
   EXPECT_TRUE(session_->TakeStreamError().ok());
   // Killed: the replay waits out the deadline, then the device computes the
@@ -457,8 +457,8 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   accesses_.clear();
   for (int step = 0; step < 4; ++step) {
     if (step == 2) {
-      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {20, 21, 22, 23}).ok());
-      ASSERT_TRUE(session_->FlushCopies().ok());
+      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {20, 21, 22, 23}).ok());
+      ASSERT_TRUE(session_->admin().FlushCopies().ok());
     }
     EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
     EXPECT_TRUE(session_->TakeStreamError().ok());
@@ -470,9 +470,9 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   // (tokens 0..7 take experts 4..27 in order, k pairs a token): the device
   // copies the first kMaxDeviceCopies (lowest ids at equal pairs), the two
   // left have no route.
-  ASSERT_TRUE(session_->SetServerEnabled("unix://" + wide_sock, false).ok());
-  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1, 2, 3}).ok());
-  ASSERT_TRUE(session_->FlushCopies().ok());
+  ASSERT_TRUE(session_->admin().SetServerEnabled("unix://" + wide_sock, false).ok());
+  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {0, 1, 2, 3}).ok());
+  ASSERT_TRUE(session_->admin().FlushCopies().ok());
   const int missed = kMaxDeviceCopies + 2;
   for (size_t i = 0; i < bufs.size(); ++i) {
     in[i].x = RandomActivations(static_cast<size_t>(T) * session_->model().hidden, 31 + i);
@@ -502,8 +502,8 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
 TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
   const int T = 5, k = session_->model().top_k, L = session_->model().moe_layers[0];
   Buffers b = Alloc(T, k);
-  ASSERT_TRUE(session_->ApplyAssignment(L, {0, 1, 2}).ok());
-  ASSERT_TRUE(session_->FlushCopies().ok());
+  ASSERT_TRUE(session_->admin().ApplyAssignment(L, {0, 1, 2}).ok());
+  ASSERT_TRUE(session_->admin().FlushCopies().ok());
   Inputs in;
   Fill(b, T, k, 7, &in);  // enqueued on the engine stream, not yet complete
   CallStats stats;
@@ -539,13 +539,13 @@ TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
   // disabled the device computes them from the host copy (up to
   // kMaxDeviceCopies experts a call; this call misses at most 5) — right, no
   // error; once enabled again the same call is right too.
-  ASSERT_TRUE(session_->SetServerEnabled(server_address_, false).ok());
+  ASSERT_TRUE(session_->admin().SetServerEnabled(server_address_, false).ok());
   ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
   const absl::Status drained = session_->TakeStreamError();
   EXPECT_TRUE(drained.ok()) << drained;
   EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "the device computes a drained server's misses";
-  ASSERT_TRUE(session_->SetServerEnabled(server_address_, true).ok());
+  ASSERT_TRUE(session_->admin().SetServerEnabled(server_address_, true).ok());
   ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, stream_).ok());
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
   EXPECT_TRUE(session_->TakeStreamError().ok());
@@ -581,12 +581,12 @@ TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
 
   for (int step = 0; step < 6; ++step) {
     if (step == 2) {  // placement changes between replays: all misses -> many hits
-      for (int l : layers) ASSERT_TRUE(session_->ApplyAssignment(l, {0, 1, 2}).ok());
-      ASSERT_TRUE(session_->FlushCopies().ok());
+      for (int l : layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {0, 1, 2}).ok());
+      ASSERT_TRUE(session_->admin().FlushCopies().ok());
     }
     if (step == 4) {
-      for (int l : layers) ASSERT_TRUE(session_->ApplyAssignment(l, {5, 6, 7}).ok());
-      ASSERT_TRUE(session_->FlushCopies().ok());
+      for (int l : layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {5, 6, 7}).ok());
+      ASSERT_TRUE(session_->admin().FlushCopies().ok());
     }
     for (size_t i = 0; i < layers.size(); ++i) Fill(bufs[i], T, k, 1000 * step + i, &in[i]);
     ASSERT_CUDA(cudaGraphLaunch(exec, stream_));

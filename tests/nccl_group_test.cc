@@ -226,7 +226,7 @@ TEST_F(NcclExpertParallel, EachRanksTokensComeBackExactWithOneCacheOverBothGpus)
         else if (*e > 1e-2) failures[r] += absl::StrCat(" step ", step, " layer ", layer, ": error ", *e);
         else ++calls[r];
       }
-    cached[r] = (*s)->CachedExperts(0);
+    cached[r] = (*s)->admin().CachedExperts(0);
     // The async and capturable calls are refused in this mode.
     EXPECT_TRUE(absl::IsFailedPrecondition((*s)->ForwardLayerAsync(0, 1, kK, nullptr, nullptr, nullptr, nullptr,
                                                                     MemoryKind::kDevice, stream).status()));

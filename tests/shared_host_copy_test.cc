@@ -112,8 +112,8 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
     const ModelSpec& spec = source_->spec();
     std::vector<int> half(kSlots);
     for (int e = 0; e < kSlots; ++e) half[e] = e;
-    for (int layer : spec.moe_layers) ASSERT_TRUE(session.ApplyAssignment(layer, half).ok());
-    ASSERT_TRUE(session.FlushCopies().ok());
+    for (int layer : spec.moe_layers) ASSERT_TRUE(session.admin().ApplyAssignment(layer, half).ok());
+    ASSERT_TRUE(session.admin().FlushCopies().ok());
     const ExpertGeometry g = *StorageGeometry(spec, dtype_);
     const double tolerance = g.format == WeightFormat::kInt4 ? 3e-2 : 1e-2;
     std::mt19937 rng(11);

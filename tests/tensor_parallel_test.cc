@@ -213,14 +213,14 @@ TEST_P(TensorParallelTest, RanksPartialSumsAddUpToTheLayerAndTheirCachesAreDisjo
       EXPECT_EQ(pairs, b.T * kK);  // every pair computed exactly once
       EXPECT_LE(Error(layer, b, sum), 1e-2) << "step " << step << " layer " << layer;
     }
-    for (auto& r : ranks) ASSERT_TRUE(r->FlushCopies().ok());
+    for (auto& r : ranks) ASSERT_TRUE(r->admin().FlushCopies().ok());
   }
   // One cache of the ranks' summed size: each rank's experts are its own.
   for (int layer : {0, 1}) {
     std::set<int> all;
     size_t cached = 0;
     for (int r = 0; r < kRanks; ++r)
-      for (int e : ranks[r]->CachedExperts(layer)) {
+      for (int e : ranks[r]->admin().CachedExperts(layer)) {
         EXPECT_EQ(ExpertOwner(layer, e, kRanks), r) << "layer " << layer << " expert " << e;
         all.insert(e);
         ++cached;
@@ -230,7 +230,7 @@ TEST_P(TensorParallelTest, RanksPartialSumsAddUpToTheLayerAndTheirCachesAreDisjo
   }
   // Placement pushed from outside may not give a rank another rank's expert.
   const int foreign = ExpertOwner(0, 0, kRanks) == 0 ? 1 : 0;  // an expert of layer 0 rank 0 does not own
-  absl::Status s = ranks[0]->ApplyAssignment(0, {foreign});
+  absl::Status s = ranks[0]->admin().ApplyAssignment(0, {foreign});
   EXPECT_TRUE(absl::IsInvalidArgument(s)) << s;
   EXPECT_NE(s.message().find("belongs to rank"), std::string::npos) << s;
 }

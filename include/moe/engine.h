@@ -130,6 +130,8 @@ struct SessionOptions {
 };
 
 class MoeSession {
+  struct Rep;
+
  public:
   static absl::StatusOr<std::unique_ptr<MoeSession>> Open(const SessionOptions& options);
   ~MoeSession();
@@ -176,7 +178,7 @@ class MoeSession {
   // read when the graph runs, not when it was captured. Warm up each layer
   // once outside a capture (the first call allocates); calls of one layer
   // must not overlap; misses always go to a server (place experts with
-  // ApplyAssignment). T above one request slot (256 tokens by default) runs
+  // admin().ApplyAssignment). T above one request slot (256 tokens by default) runs
   // as a stream-ordered eager call outside a capture and is refused inside
   // one. Run-time errors (bad routing, no server for an expert the device
   // cannot take, a server's error) poison the affected tokens with NaN and
@@ -191,29 +193,42 @@ class MoeSession {
   // session's stream is being captured (it then reports errors only).
   absl::Status TakeStreamError();
 
-  // Cache placement pushed from outside (coordinator or operator): between
-  // calls. `pinned` (a subset of `experts`) are never evicted by the
-  // worker's own admissions (predictive policy).
-  absl::Status ApplyAssignment(int layer, const std::vector<int>& experts, const std::vector<int>& pinned = {});
-  absl::Status FlushCopies();
-  int PendingCopies();
-  uint64_t copies_started() const;
-  // Stop / resume sending misses to one expert server (drain, server down).
-  absl::Status SetServerEnabled(const std::string& address, bool enabled);
+  // The operator's side of the session — placement pushed from outside,
+  // drains, and what the cache looks like — apart from the forward calls an
+  // engine makes. Same threading rule as the session (between calls).
+  class Admin {
+   public:
+    // Cache placement pushed from outside (coordinator or operator): between
+    // calls. `pinned` (a subset of `experts`) are never evicted by the
+    // worker's own admissions (predictive policy).
+    absl::Status ApplyAssignment(int layer, const std::vector<int>& experts, const std::vector<int>& pinned = {});
+    absl::Status FlushCopies();
+    int PendingCopies();
+    uint64_t copies_started() const;
+    // Stop / resume sending misses to one expert server (drain, server down).
+    absl::Status SetServerEnabled(const std::string& address, bool enabled);
 
-  // The cache as it is now: experts in `layer`'s slots, the layer's hit rate
-  // so far, slots per layer; and the copy-vs-compute model in words.
-  std::vector<int> CachedExperts(int layer) const;
-  double HitRate(int layer) const;
-  int slots_per_layer() const;
-  std::string DescribeCostModel() const;
-  std::string Describe() const;
+    // The cache as it is now: experts in `layer`'s slots, the layer's hit rate
+    // so far, slots per layer; and the copy-vs-compute model in words.
+    std::vector<int> CachedExperts(int layer) const;
+    double HitRate(int layer) const;
+    int slots_per_layer() const;
+    std::string DescribeCostModel() const;
+    std::string Describe() const;
+
+   private:
+    friend class MoeSession;
+    explicit Admin(Rep* rep) : rep_(rep) {}
+    Rep* rep_;
+  };
+  Admin& admin() { return admin_; }
+  const Admin& admin() const { return admin_; }
 
  private:
-  struct Rep;
   explicit MoeSession(std::unique_ptr<Rep> rep);
   absl::Status RefuseInExpertParallel(const char* method) const;
   std::unique_ptr<Rep> rep_;
+  Admin admin_;
 };
 
 }  // namespace moe
