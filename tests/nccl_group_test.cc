@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -197,6 +198,28 @@ class NcclExpertParallel : public ::testing::Test {
     return ErrorOf(*reference_, layer, T, x, ids, w, dev.Output());
   }
 
+  // Runs body(rank, session, stream) on a thread per rank, each with its
+  // session (the ranks open together) and a stream of its own; a rank that
+  // cannot open says why in failures[rank].
+  void RunRanks(std::chrono::milliseconds deadline, std::vector<std::string>& failures,
+                const std::function<void(int, MoeSession&, cudaStream_t)>& body) {
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < kRanks; ++r)
+      ranks.emplace_back([&, r] {
+        absl::StatusOr<std::unique_ptr<MoeSession>> s = Open(r, deadline);
+        if (!s.ok()) {
+          failures[r] = std::string(s.status().message());
+          return;
+        }
+        cudaStream_t stream = nullptr;
+        cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        body(r, **s, stream);
+        s->reset();  // before the stream its calls used (engine.h)
+        cudaStreamDestroy(stream);
+      });
+    for (std::thread& t : ranks) t.join();
+  }
+
   testing::TempDir dir_;
   std::vector<std::unique_ptr<Subprocess>> servers_;
   std::string server_, id_;
@@ -211,31 +234,19 @@ TEST_F(NcclExpertParallel, EachRanksTokensComeBackExactWithOneCacheOverBothGpus)
   std::vector<std::string> failures(kRanks);
   std::vector<int> calls(kRanks, 0);
   std::vector<std::vector<int>> cached(kRanks);
-  auto rank_main = [&](int r) {
-    absl::StatusOr<std::unique_ptr<MoeSession>> s = Open(r, std::chrono::milliseconds(20000));
-    if (!s.ok()) {
-      failures[r] = std::string(s.status().message());
-      return;
-    }
-    cudaStream_t stream = nullptr;
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  RunRanks(std::chrono::milliseconds(20000), failures, [&](int r, MoeSession& s, cudaStream_t stream) {
     for (int step = 0; step < 6; ++step)
       for (int layer : {0, 1}) {
-        absl::StatusOr<double> e = Call(**s, stream, layer, kT[step][r], 7000 * step + 100 * layer + r);
+        absl::StatusOr<double> e = Call(s, stream, layer, kT[step][r], 7000 * step + 100 * layer + r);
         if (!e.ok()) failures[r] += absl::StrCat(" step ", step, ": ", e.status().message());
         else if (*e > 1e-2) failures[r] += absl::StrCat(" step ", step, " layer ", layer, ": error ", *e);
         else ++calls[r];
       }
-    cached[r] = (*s)->admin().CachedExperts(0);
+    cached[r] = s.admin().CachedExperts(0);
     // The async and capturable calls are refused in this mode.
-    EXPECT_TRUE(absl::IsFailedPrecondition((*s)->ForwardLayerAsync(0, 1, kK, nullptr, nullptr, nullptr, nullptr,
-                                                                    MemoryKind::kDevice, stream).status()));
-    s->reset();
-    cudaStreamDestroy(stream);
-  };
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < kRanks; ++r) ranks.emplace_back(rank_main, r);
-  for (std::thread& t : ranks) t.join();
+    EXPECT_TRUE(absl::IsFailedPrecondition(
+        s.ForwardLayerAsync(0, 1, kK, nullptr, nullptr, nullptr, nullptr, MemoryKind::kDevice, stream).status()));
+  });
   for (int r = 0; r < kRanks; ++r) {
     EXPECT_TRUE(failures[r].empty()) << "rank " << r << ":" << failures[r];
     EXPECT_EQ(calls[r], 12) << "rank " << r;
@@ -253,27 +264,15 @@ TEST_F(NcclExpertParallel, BadInputFailsOnlyItsRanksCall) {
   std::vector<absl::Status> bad(kRanks);
   std::vector<std::vector<double>> errors(kRanks);
   std::vector<std::string> failures(kRanks);
-  auto rank_main = [&](int r) {
-    absl::StatusOr<std::unique_ptr<MoeSession>> s = Open(r, std::chrono::milliseconds(20000));
-    if (!s.ok()) {
-      failures[r] = std::string(s.status().message());
-      return;
-    }
-    cudaStream_t stream = nullptr;
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  RunRanks(std::chrono::milliseconds(20000), failures, [&](int r, MoeSession& s, cudaStream_t stream) {
     for (int step = 0; step < 3; ++step) {
       // Step 1: rank 0 routes a token to an expert that does not exist.
-      absl::StatusOr<double> e = Call(**s, stream, 0, 6, 500 * step + r, /*bad_id=*/step == 1 && r == 0);
+      absl::StatusOr<double> e = Call(s, stream, 0, 6, 500 * step + r, /*bad_id=*/step == 1 && r == 0);
       if (step == 1 && r == 0) bad[r] = e.status();
       else if (e.ok()) errors[r].push_back(*e);
       else failures[r] += std::string(e.status().message());
     }
-    s->reset();
-    cudaStreamDestroy(stream);
-  };
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < kRanks; ++r) ranks.emplace_back(rank_main, r);
-  for (std::thread& t : ranks) t.join();
+  });
   EXPECT_TRUE(absl::IsInvalidArgument(bad[0])) << bad[0];
   EXPECT_NE(bad[0].message().find("topk_ids"), std::string::npos) << bad[0];
   for (int r = 0; r < kRanks; ++r) {
@@ -289,16 +288,9 @@ TEST_F(NcclExpertParallel, APeerThatStopsAnsweringIsLeftAtTheDeadline) {
   std::vector<std::string> failures(kRanks);
   std::vector<double> errors;
   double stalled_call_s = 0, alone_call_s = 0;
-  auto rank_main = [&](int r) {
-    absl::StatusOr<std::unique_ptr<MoeSession>> s = Open(r, kDeadline);
-    if (!s.ok()) {
-      failures[r] = std::string(s.status().message());
-      return;
-    }
-    cudaStream_t stream = nullptr;
-    cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  RunRanks(kDeadline, failures, [&](int r, MoeSession& s, cudaStream_t stream) {
     for (int step = 0; step < 2; ++step) {  // together
-      absl::StatusOr<double> e = Call(**s, stream, step % 2, 9, 900 * step + r);
+      absl::StatusOr<double> e = Call(s, stream, step % 2, 9, 900 * step + r);
       if (!e.ok() || *e > 1e-2) failures[r] += absl::StrCat(" step ", step, " together");
     }
     if (r == 1) {  // rank 1's GPU "hangs": it never calls again while rank 0 runs
@@ -306,7 +298,7 @@ TEST_F(NcclExpertParallel, APeerThatStopsAnsweringIsLeftAtTheDeadline) {
     } else {
       for (int step = 2; step < 5; ++step) {
         const auto t0 = std::chrono::steady_clock::now();
-        absl::StatusOr<double> e = Call(**s, stream, step % 2, 9, 900 * step);
+        absl::StatusOr<double> e = Call(s, stream, step % 2, 9, 900 * step);
         const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         (step == 2 ? stalled_call_s : alone_call_s) = sec;
         if (!e.ok()) failures[0] += absl::StrCat(" step ", step, ": ", e.status().message());
@@ -314,12 +306,7 @@ TEST_F(NcclExpertParallel, APeerThatStopsAnsweringIsLeftAtTheDeadline) {
       }
       survivor_done = true;
     }
-    s->reset();
-    cudaStreamDestroy(stream);
-  };
-  std::vector<std::thread> ranks;
-  for (int r = 0; r < kRanks; ++r) ranks.emplace_back(rank_main, r);
-  for (std::thread& t : ranks) t.join();
+  });
   for (int r = 0; r < kRanks; ++r) EXPECT_TRUE(failures[r].empty()) << "rank " << r << ":" << failures[r];
   ASSERT_EQ(errors.size(), 3u);
   for (double e : errors) EXPECT_LE(e, 1e-2);  // the peer's experts computed on the CPU server: exact
