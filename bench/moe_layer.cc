@@ -603,7 +603,7 @@ class Bench {
 
   // One configuration: a fresh backend + dispatcher, warm-up, timed steps.
   // A step runs the batch through every layer, chunk by chunk (--chunk).
-  RunResult Run(int T, int C, CachePolicyKind policy, CopyMode copy, bool dual, bool graph = false) {
+  RunResult Run(int T, int C, CachePolicy policy, CopyMode copy, bool dual, bool graph = false) {
     const int N = o_.CallTokens(T);
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
     DispatcherConfig c = BenchDispatcherConfig(shm_, C, N, spec_.top_k);
@@ -1107,14 +1107,14 @@ int Main(int argc, char** argv) {
               "ours submit/wait ms | ours-graph step ms | graph MoE/layer ms | graph floor ms | graph/floor | graph fixed us/layer | "
               "ours-host step ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-  auto repeat = [&](int T, int C, CachePolicyKind policy, CopyMode copy, bool dual, bool graph = false) {
+  auto repeat = [&](int T, int C, CachePolicy policy, CopyMode copy, bool dual, bool graph = false) {
     Runs r;
     for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual, graph));
     return r;
   };
   for (int T : Ints(o.batches)) {
     // Ceiling: every expert resident, nothing missed.
-    const Runs ceil_runs = repeat(T, spec.num_experts, CachePolicyKind::kStatic, CopyMode::kNever, false);
+    const Runs ceil_runs = repeat(T, spec.num_experts, CachePolicy::kStatic, CopyMode::kNever, false);
     const RunResult& ceil = ceil_runs.median();
     // Layer calls per step: L, times the chunks of the batch.
     const int calls = std::max(1, L * o.Chunks(T));
@@ -1133,18 +1133,18 @@ int Main(int argc, char** argv) {
       cpu_runs.all.assign(1, RunResult{});
       dual_runs.all.assign(1, RunResult{});
       lru_runs.all.assign(1, RunResult{});
-      if (has("ours")) ours_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false);
-      if (has("ours-cpu")) cpu_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kNever, false);
-      if (has("ours-dual") && T >= 2) dual_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, true);
-      if (has("lru-copy")) lru_runs = repeat(T, C, CachePolicyKind::kLru, CopyMode::kAlways, false);
+      if (has("ours")) ours_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kAuto, false);
+      if (has("ours-cpu")) cpu_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kNever, false);
+      if (has("ours-dual") && T >= 2) dual_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kAuto, true);
+      if (has("lru-copy")) lru_runs = repeat(T, C, CachePolicy::kLru, CopyMode::kAlways, false);
       const bool graphs = has("ours-graph") && o.Chunks(T) == 1;
-      if (graphs) graph_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false, true);
+      if (graphs) graph_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kAuto, false, true);
       for (RunResult& r : graph_runs.all) r.floor_s = graphs ? RunFloor(r, rates) : 0;
       const RunResult& graph = graph_runs.median();
       Runs host_runs;
       if (has("ours-host")) {
         bench.host_path_ = true;
-        host_runs = repeat(T, C, CachePolicyKind::kLfru, CopyMode::kAuto, false);
+        host_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kAuto, false);
         bench.host_path_ = false;
       }
       const std::string graph_cells =

@@ -82,7 +82,7 @@ StepTimeModel TimeModel(const ReplayConfig& c) {
 }
 
 absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, const ReplayConfig& c,
-                                                       CachePolicyKind kind, double half_life) {
+                                                       CachePolicy kind, double half_life) {
   ExpertCacheConfig cc;
   cc.num_layers = t.num_layers;
   cc.num_experts = t.num_experts;
@@ -179,7 +179,7 @@ absl::Status RunOnline(const RoutingTrace& t, const ReplayConfig& c, ExpertCache
 
 absl::StatusOr<PolicyResult> ReplayOnline(const RoutingTrace& t, const ReplayConfig& c, const std::string& name) {
   PolicyResult r = NewResult(t, name);
-  const CachePolicyKind kind = name == "lru" ? CachePolicyKind::kLru : CachePolicyKind::kLfru;
+  const CachePolicy kind = name == "lru" ? CachePolicy::kLru : CachePolicy::kLfru;
   absl::StatusOr<std::unique_ptr<ExpertCache>> cache = MakeCache(t, c, kind, name == "lfu" ? 1e300 : c.lfru_half_life);
   if (!cache.ok()) return cache.status();
   ExpertCache& ec = **cache;
@@ -197,7 +197,7 @@ absl::StatusOr<PolicyResult> ReplayOnline(const RoutingTrace& t, const ReplayCon
 // routing of each layer when it runs and the clock, as the dispatcher does.
 absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayConfig& c) {
   PolicyResult r = NewResult(t, "default");
-  absl::StatusOr<std::unique_ptr<ExpertCache>> cache = MakeCache(t, c, CachePolicyKind::kPredictive, c.lfru_half_life);
+  absl::StatusOr<std::unique_ptr<ExpertCache>> cache = MakeCache(t, c, CachePolicy::kPredictive, c.lfru_half_life);
   if (!cache.ok()) return cache.status();
   AdmissionConfig ac;
   for (int l = 0; l < t.num_layers; ++l) ac.layers.push_back(l);
@@ -243,7 +243,7 @@ absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayCo
 
 absl::StatusOr<PolicyResult> ReplayCoordinator(const RoutingTrace& t, const ReplayConfig& c) {
   PolicyResult r = NewResult(t, "coordinator");
-  absl::StatusOr<std::unique_ptr<ExpertCache>> made = MakeCache(t, c, CachePolicyKind::kStatic, c.lfru_half_life);
+  absl::StatusOr<std::unique_ptr<ExpertCache>> made = MakeCache(t, c, CachePolicy::kStatic, c.lfru_half_life);
   if (!made.ok()) return made.status();
   ExpertCache& cache = **made;
   const std::string worker = "replay";
@@ -324,7 +324,7 @@ absl::StatusOr<PolicyResult> ReplayCoordinator(const RoutingTrace& t, const Repl
 // serves only once its copy landed, as for every online policy.
 absl::StatusOr<PolicyResult> ReplayOracle(const RoutingTrace& t, const ReplayConfig& c) {
   PolicyResult r = NewResult(t, "oracle");
-  absl::StatusOr<std::unique_ptr<ExpertCache>> made = MakeCache(t, c, CachePolicyKind::kPredictive, c.lfru_half_life);
+  absl::StatusOr<std::unique_ptr<ExpertCache>> made = MakeCache(t, c, CachePolicy::kPredictive, c.lfru_half_life);
   if (!made.ok()) return made.status();
   ExpertCache& cache = **made;
   const size_t S = t.steps.size();

@@ -78,6 +78,16 @@ absl::Status ReadOption(const nlohmann::json& v, const std::string& key, double*
   *out = v.get<double>();
   return absl::OkStatus();
 }
+// A string option naming one of a SessionOptions choice's values.
+template <typename E>
+absl::Status ReadChoice(const nlohmann::json& v, const std::string& key, E* out,
+                        absl::StatusOr<E> (*parse)(const std::string&, const std::string&)) {
+  std::string name;
+  MOE_RETURN_IF_ERROR(ReadOption(v, key, &name));
+  MOE_ASSIGN_OR_RETURN(*out, parse(name, "options." + key));
+  return absl::OkStatus();
+}
+
 absl::Status ReadOption(const nlohmann::json& v, const std::string& key, bool* out) {
   if (!v.is_boolean()) return absl::InvalidArgumentError(absl::StrCat("options.", key, ": expected true or false"));
   *out = v.get<bool>();
@@ -122,12 +132,12 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     absl::Status st;
     if (key == "model") { st = ReadOption(*it, key, &o.model); have_model = true; }
     else if (key == "servers") st = ReadList(*it, key, &o.servers);
-    else if (key == "device") st = ReadOption(*it, key, &o.device);
+    else if (key == "device") st = ReadChoice(*it, key, &o.device, moe::ParseDeviceChoice);
     else if (key == "cuda_device") st = ReadOption(*it, key, &o.cuda_device);
     else if (key == "cache_experts_per_layer") st = ReadOption(*it, key, &o.cache_experts_per_layer);
     else if (key == "cache_gib") st = ReadOption(*it, key, &o.cache_gib);
-    else if (key == "policy") st = ReadOption(*it, key, &o.policy);
-    else if (key == "copy_mode") st = ReadOption(*it, key, &o.copy_mode);
+    else if (key == "policy") st = ReadChoice(*it, key, &o.policy, moe::ParseCachePolicy);
+    else if (key == "copy_mode") st = ReadChoice(*it, key, &o.copy_mode, moe::ParseCopyMode);
     else if (key == "max_tokens") st = ReadOption(*it, key, &o.max_tokens);
     else if (key == "max_top_k") st = ReadOption(*it, key, &o.max_top_k);
     else if (key == "contexts") st = ReadOption(*it, key, &o.contexts);
@@ -135,7 +145,7 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     else if (key == "grpc_streams") st = ReadOption(*it, key, &o.grpc_streams);
     else if (key == "layers") st = ReadList(*it, key, &o.layers);
     else if (key == "host_copy") st = ReadOption(*it, key, &o.host_copy);
-    else if (key == "weight_dtype") st = ReadOption(*it, key, &o.weight_dtype);
+    else if (key == "weight_dtype") st = ReadChoice(*it, key, &o.weight_dtype, moe::ParseWeightDtype);
     else if (key == "share_host_copy") st = ReadOption(*it, key, &o.share_host_copy);
     else if (key == "tp_rank") st = ReadOption(*it, key, &o.group.rank);
     else if (key == "tp_size") st = ReadOption(*it, key, &o.group.size);

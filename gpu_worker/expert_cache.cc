@@ -7,15 +7,6 @@
 
 namespace moe {
 
-absl::StatusOr<CachePolicyKind> ParseCachePolicy(const std::string& name) {
-  if (name == "static") return CachePolicyKind::kStatic;
-  if (name == "lru") return CachePolicyKind::kLru;
-  if (name == "lfru") return CachePolicyKind::kLfru;
-  if (name == "predictive") return CachePolicyKind::kPredictive;
-  return absl::InvalidArgumentError(
-      absl::StrCat("cache policy '", name, "': expected static, lru, lfru or predictive"));
-}
-
 absl::StatusOr<std::unique_ptr<ExpertCache>> ExpertCache::Create(const ExpertCacheConfig& c) {
   if (c.num_layers <= 0 || c.num_experts <= 0)
     return absl::InvalidArgumentError("expert cache: num_layers and num_experts must be > 0");
@@ -68,7 +59,7 @@ int ExpertCache::ChooseVictim(const Layer& l) const {
     if (slot.state == SlotState::kEmpty) return s;
     if (slot.state != SlotState::kReady || l.last_use[slot.expert] == l.tick) continue;  // in use by this access
     if (l.pinned[slot.expert]) continue;
-    const double key = config_.policy == CachePolicyKind::kLfru ? Score(l, slot.expert)
+    const double key = config_.policy == CachePolicy::kLfru ? Score(l, slot.expert)
                                                                 : static_cast<double>(l.last_use[slot.expert]);
     if (victim < 0 || key < best) {
       victim = s;
@@ -90,11 +81,11 @@ void ExpertCache::Evict(Layer& l, int slot) {
 
 std::vector<SlotCopy> ExpertCache::PlanAdmissions(int layer, const std::vector<int>& missed, int max_copies) {
   std::vector<SlotCopy> copies;
-  if (config_.policy == CachePolicyKind::kStatic || config_.policy == CachePolicyKind::kPredictive) return copies;
+  if (config_.policy == CachePolicy::kStatic || config_.policy == CachePolicy::kPredictive) return copies;
   Layer& l = layers_[layer];
   // Most valuable misses first (LFRU: by score; LRU: in the order given).
   std::vector<int> order = missed;
-  if (config_.policy == CachePolicyKind::kLfru) {
+  if (config_.policy == CachePolicy::kLfru) {
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return Score(l, a) > Score(l, b); });
   }
   for (int e : order) {
@@ -104,7 +95,7 @@ std::vector<SlotCopy> ExpertCache::PlanAdmissions(int layer, const std::vector<i
     if (slot < 0) break;
     const int old = l.slots[slot].expert;
     // LFRU admits a newcomer only if it is worth more than what it evicts.
-    if (config_.policy == CachePolicyKind::kLfru && old >= 0 && Score(l, e) <= Score(l, old)) continue;
+    if (config_.policy == CachePolicy::kLfru && old >= 0 && Score(l, e) <= Score(l, old)) continue;
     Evict(l, slot);
     l.slots[slot] = Slot{e, SlotState::kLoading};
     l.slot_of[e] = slot;

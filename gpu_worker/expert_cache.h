@@ -19,22 +19,20 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "moe/types.h"
 
 namespace moe {
 
 // kPredictive: the cache itself plans nothing; an AdmissionPolicy
 // (gpu_worker/admission_policy.h) chooses copies through Replace(), and
 // coordinator assignments (Assign) and pins still apply.
-enum class CachePolicyKind { kStatic, kLru, kLfru, kPredictive };
-
-// "static", "lru", "lfru" or "predictive".
-absl::StatusOr<CachePolicyKind> ParseCachePolicy(const std::string& name);
+// (The policy is moe/types.h CachePolicy.)
 
 struct ExpertCacheConfig {
   int num_layers = 0;       // layer indexes are model layer indexes in [0, num_layers)
   int num_experts = 0;
   int slots_per_layer = 0;  // C
-  CachePolicyKind policy = CachePolicyKind::kLru;
+  CachePolicy policy = CachePolicy::kLru;
   // LFRU: an expert's score is its token count with exponential decay of this
   // half-life, in accesses of the layer (so every layer ages at its own pace).
   double lfru_half_life = 64.0;

@@ -57,13 +57,6 @@ absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, in
   return s;
 }
 
-absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name) {
-  if (name == "auto") return CopyMode::kAuto;
-  if (name == "never") return CopyMode::kNever;
-  if (name == "always") return CopyMode::kAlways;
-  return absl::InvalidArgumentError("copy-mode: '" + name + "' is not auto, never or always");
-}
-
 // ---------------------------------------------------------------------------
 // Internals: servers, per-call contexts, shipments.
 
@@ -263,7 +256,7 @@ absl::Status LayerDispatcher::Init() {
   if (c.measure_rates && c.copy_mode == CopyMode::kAuto && host_ != nullptr && !impl_->servers.empty())
     MOE_RETURN_IF_ERROR(MeasureRates());
   assigned_.assign(layers_.size(), {});
-  if (c.policy == CachePolicyKind::kPredictive) MOE_RETURN_IF_ERROR(CreateAdmission());
+  if (c.policy == CachePolicy::kPredictive) MOE_RETURN_IF_ERROR(CreateAdmission());
   return absl::OkStatus();
 }
 
@@ -1020,7 +1013,7 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
   const MissPlan& plan = m.plan;
   const int layer = m.contexts[ticket].call.batch.layer;
   std::vector<int> copy_list = plan.copy_experts;
-  if (config_.copy_mode == CopyMode::kAlways && config_.policy != CachePolicyKind::kStatic &&
+  if (config_.copy_mode == CopyMode::kAlways && config_.policy != CachePolicy::kStatic &&
       !copy_list.empty()) {
     std::vector<SlotCopy> copies = cache_->PlanAdmissions(layer, copy_list, static_cast<int>(copy_list.size()));
     for (const SlotCopy& copy : copies) {
@@ -1061,7 +1054,7 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
     // Copies into the next layers' slots (StartSlotCopies orders them after
     // the compute recorded so far, so slots of earlier calls are read first).
     for (const SlotCopy& copy : planned) MOE_RETURN_IF_ERROR(StartSlotCopies(copy.layer, {copy}));
-  } else if (host_ != nullptr && config_.policy != CachePolicyKind::kStatic && planner_.admission() == nullptr &&
+  } else if (host_ != nullptr && config_.policy != CachePolicy::kStatic && planner_.admission() == nullptr &&
              config_.copy_mode != CopyMode::kAlways && !m.plan.missed.empty() && config_.admissions_per_call > 0) {
     std::vector<SlotCopy> copies = cache_->PlanAdmissions(layer, m.plan.missed, config_.admissions_per_call);
     MOE_RETURN_IF_ERROR(StartSlotCopies(layer, copies));
@@ -1690,7 +1683,7 @@ void LayerDispatcher::AdmitAfter(int layer, int T, int k, const int32_t* ids) {
     absl::StatusOr<std::vector<SlotCopy>> planned = planner_.PlanAdmissions(*cache_, layer, T, k, ids);
     if (!planned.ok()) return;
     for (const SlotCopy& copy : *planned) (void)StartSlotCopies(copy.layer, {copy});
-  } else if (config_.policy != CachePolicyKind::kStatic && config_.admissions_per_call > 0) {
+  } else if (config_.policy != CachePolicy::kStatic && config_.admissions_per_call > 0) {
     std::vector<int> missed;
     for (int i = 0; i < T * k; ++i)
       if (ids[i] >= 0 && cache_->ReadySlot(layer, ids[i]) < 0 &&

@@ -70,7 +70,6 @@ struct ExpertServerConfig {
 absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, int num_experts);
 
 // CopyMode (miss_plan.h): auto | never | always.
-absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name);
 
 // Upper bounds of the sizing options (CheckConfig refuses values outside
 // them naming the option): tokens of one call, calls in flight, GiB of cache.
@@ -84,7 +83,7 @@ struct DispatcherConfig {
   TransportOptions transport;      // hidden is set from the model
   int slots_per_layer = 0;         // C
   double cache_gib = 0;            // if > 0 and slots_per_layer == 0: C from this budget
-  CachePolicyKind policy = CachePolicyKind::kPredictive;
+  CachePolicy policy = CachePolicy::kPredictive;
   // predictive: PCIe bytes its admissions may start per forward pass; 0: what
   // the link completes before the target layer runs.
   uint64_t pass_budget_bytes = 0;

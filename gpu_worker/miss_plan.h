@@ -23,11 +23,7 @@
 
 namespace moe {
 
-enum class CopyMode {
-  kAuto,     // copy an uncached expert when the measured rates say it pays
-  kNever,    // misses always go to the CPU (except failover)
-  kAlways,   // every miss is copied to the device (the plain "LRU offload" baseline)
-};
+// (Uncached experts: moe/types.h CopyMode.)
 
 // One expert server as the plan sees it.
 struct PlanServer {

@@ -56,6 +56,41 @@ struct MoeSession::Rep {
 
 namespace {
 
+// One table per choice: its values and names, in the enum's order.
+template <typename E, size_t N>
+absl::StatusOr<E> ParseName(const std::string& name, const std::string& field, const char* const (&names)[N]) {
+  for (size_t i = 0; i < N; ++i)
+    if (name == names[i]) return static_cast<E>(i);
+  std::string all;
+  for (size_t i = 0; i < N; ++i) absl::StrAppend(&all, i == 0 ? "" : i + 1 == N ? " or " : ", ", names[i]);
+  return absl::InvalidArgumentError(absl::StrCat(field, ": '", name, "' is not ", all));
+}
+constexpr const char* kDeviceNames[] = {"auto", "cuda", "cpu"};
+constexpr const char* kPolicyNames[] = {"static", "lru", "lfru", "predictive"};
+constexpr const char* kCopyModeNames[] = {"auto", "never", "always"};
+constexpr const char* kWeightDtypeNames[] = {"auto", "bf16", "int8", "int4"};
+
+}  // namespace
+
+const char* Name(DeviceChoice v) { return kDeviceNames[static_cast<int>(v)]; }
+const char* Name(CachePolicy v) { return kPolicyNames[static_cast<int>(v)]; }
+const char* Name(CopyMode v) { return kCopyModeNames[static_cast<int>(v)]; }
+const char* Name(WeightDtype v) { return kWeightDtypeNames[static_cast<int>(v)]; }
+absl::StatusOr<DeviceChoice> ParseDeviceChoice(const std::string& name, const std::string& field) {
+  return ParseName<DeviceChoice>(name, field, kDeviceNames);
+}
+absl::StatusOr<CachePolicy> ParseCachePolicy(const std::string& name, const std::string& field) {
+  return ParseName<CachePolicy>(name, field, kPolicyNames);
+}
+absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name, const std::string& field) {
+  return ParseName<CopyMode>(name, field, kCopyModeNames);
+}
+absl::StatusOr<WeightDtype> ParseWeightDtype(const std::string& name, const std::string& field) {
+  return ParseName<WeightDtype>(name, field, kWeightDtypeNames);
+}
+
+namespace {
+
 absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, const ModelSpec& spec) {
   DispatcherConfig c;
   c.layers = o.layers;
@@ -63,8 +98,8 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
     MOE_ASSIGN_OR_RETURN(ExpertServerConfig server, ParseExpertServer(text, spec.num_experts));
     c.servers.push_back(std::move(server));
   }
-  MOE_ASSIGN_OR_RETURN(c.policy, ParseCachePolicy(o.policy));
-  MOE_ASSIGN_OR_RETURN(c.copy_mode, ParseCopyMode(o.copy_mode));
+  c.policy = o.policy;
+  c.copy_mode = o.copy_mode;
   c.slots_per_layer = o.cache_experts_per_layer;
   c.cache_gib = o.cache_gib;
   c.max_tokens = o.max_tokens;
@@ -130,7 +165,7 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   const ModelSpec& spec = r->source->spec();
   r->model = InfoOf(spec);
   MOE_ASSIGN_OR_RETURN(DispatcherConfig c, MakeDispatcherConfig(o, spec));
-  MOE_ASSIGN_OR_RETURN(r->backend, MakeDeviceBackend(o.device));
+  MOE_ASSIGN_OR_RETURN(r->backend, MakeDeviceBackend(Name(o.device)));
   if (r->expert_parallel_mode()) {
 #ifndef MOE_HAVE_NCCL
     return absl::FailedPreconditionError("group: expert-parallel groups need NCCL, and this build has none");
@@ -144,7 +179,7 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
     for (const ExpertServerConfig& sc : c.servers)
       if (std::optional<std::string> path = UnixSocketPath(sc.address)) unix_sockets.push_back(*path);
     // The dispatcher sizes the cache in the host copy's format.
-    MOE_ASSIGN_OR_RETURN(r->host, HostExpertStore::Open(*r->source, layers, unix_sockets, o.weight_dtype,
+    MOE_ASSIGN_OR_RETURN(r->host, HostExpertStore::Open(*r->source, layers, unix_sockets, Name(o.weight_dtype),
                                                         o.share_host_copy, r->backend.get()));
   }
   // What one expert copy moves: the host copy's packed expert (int8 / int4
@@ -268,7 +303,7 @@ std::string MoeSession::Admin::DescribeCostModel() const { return rep_->dispatch
 
 std::string MoeSession::Admin::Describe() const {
   return absl::StrCat(rep_->source->spec().Summary(), "; device ", rep_->backend->name(), "; cache ",
-                      rep_->dispatcher->slots_per_layer(), " experts/layer (", rep_->options.policy,
+                      rep_->dispatcher->slots_per_layer(), " experts/layer (", Name(rep_->options.policy),
                       "); servers [", absl::StrJoin(rep_->options.servers, ", "), "]; copy model: ",
                       rep_->dispatcher->cost_model().Describe());
 }

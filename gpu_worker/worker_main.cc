@@ -38,27 +38,28 @@ struct WorkerFlags {
 };
 
 // The command line as WorkerFlags; exits 2 with one line on a bad flag.
+// Long: one definition per flag (with its help text), then the checks.
 WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   WorkerFlags f;
   moe::SessionOptions& o = f.session;
-  std::string servers_flag, layers_flag;
+  std::string servers_flag, layers_flag, device = "auto", policy, copy_mode = "auto", weight_dtype = "auto";
   int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, grpc_streams = 1,
           tp_rank = 0, tp_size = 1, gpus = 1;
-  o.policy.clear();  // --help shows no default: "" means predictive, said in the help text
+  // --policy shows no default in --help: "" means predictive, said in its text.
   flags.String("model", &o.model, "checkpoint directory or synthetic:PRESET[:layers=N][:seed=S] (the servers' model)");
   flags.String("servers", &servers_flag,
                "expert servers, comma list of unix:///path.sock or host:port, each optionally #experts=LIST");
-  flags.String("device", &o.device, "device backend: auto (cuda if a GPU is usable, else cpu), cuda or cpu");
+  flags.String("device", &device, "device backend: auto (cuda if a GPU is usable, else cpu), cuda or cpu");
   flags.Int("cache-experts-per-layer", &cache_experts, "cache slots per MoE layer (C)");
   flags.Double("cache-gib", &o.cache_gib, "GPU memory for the cache, when --cache-experts-per-layer is 0");
-  flags.String("policy", &o.policy,
+  flags.String("policy", &policy,
                "cache policy: predictive (cost-model admissions with cross-layer prefetch, inside the\n"
                "      coordinator's placement), lru, lfru or static (placed by the coordinator / ApplyAssignment); "
                "default: predictive (with --coordinator: inside its placement, never evicting the\n"
                "      operator's pins)");
   flags.String("coordinator", &f.coordinator, "coordinator address host:port: register, receive cache placements, report stats");
   flags.String("worker-id", &f.worker_id, "stable id of this worker at the coordinator (default: HOSTNAME:PORT)");
-  flags.String("copy-mode", &o.copy_mode,
+  flags.String("copy-mode", &copy_mode,
                "uncached experts: auto (copy to the GPU when measured rates say it pays), never, always");
   flags.String("layers", &layers_flag, "MoE layers served (default: all)");
   flags.Int("tp-size", &tp_size,
@@ -70,7 +71,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
             "      its share of the experts, --cache-* per GPU), splits each micro-batch's tokens across them and\n"
             "      exchanges the tokens of a peer GPU's experts over NCCL; a GPU silent past --deadline-ms is left\n"
             "      (its experts become CPU misses)");
-  flags.String("weight-dtype", &o.weight_dtype,
+  flags.String("weight-dtype", &weight_dtype,
                "precision of the host copy and the GPU cache: auto (the same-host servers' when shared, else the "
                "checkpoint's: fp8 -> int8, int4 -> int4, else bf16), bf16, int8 or int4");
   flags.Bool("share-host-copy", &o.share_host_copy,
@@ -88,8 +89,14 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.Parse(argc, argv);
   if (o.model.empty()) flags.Fail("--model is required (see --help)");
   if (servers_flag.empty()) flags.Fail("--servers is required (see --help)");
-  if (o.policy.empty()) o.policy = "predictive";
-  if (absl::Status st = moe::CheckWeightDtype(o.weight_dtype); !st.ok()) flags.Fail(std::string(st.message()));
+  auto choice = [&flags](auto parsed) {  // one line naming the flag on a bad name
+    if (!parsed.ok()) flags.Fail(std::string(parsed.status().message()));
+    return *parsed;
+  };
+  o.device = choice(moe::ParseDeviceChoice(device, "--device"));
+  o.policy = choice(moe::ParseCachePolicy(policy.empty() ? "predictive" : policy, "--policy"));
+  o.copy_mode = choice(moe::ParseCopyMode(copy_mode, "--copy-mode"));
+  o.weight_dtype = choice(moe::ParseWeightDtype(weight_dtype, "--weight-dtype"));
   if (absl::Status st = f.service.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(f.service.tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
@@ -216,7 +223,7 @@ int main(int argc, char** argv) {
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
   hooks.metrics.store(&metrics, std::memory_order_release);
   std::mutex mu;
-  moe::WorkerServiceImpl service(**sessions, mu, o.policy, o.servers, moe::WorkerLimits{o.max_tokens, o.max_top_k},
+  moe::WorkerServiceImpl service(**sessions, mu, moe::Name(o.policy), o.servers, moe::WorkerLimits{o.max_tokens, o.max_top_k},
                                  &metrics);
   const uint64_t max_msg = 2ull * o.max_tokens * (2ull * spec.hidden + 8 * o.max_top_k) + (1 << 20);
   absl::StatusOr<moe::ListeningServer> grpc = moe::ServeGrpc({f.listen, f.credentials, max_msg, {&service}});

@@ -82,7 +82,7 @@ absl::StatusOr<std::unique_ptr<WorkerSessions>> WorkerSessions::Open(const Sessi
     return absl::FailedPreconditionError(absl::StrCat("gpus: ", gpus, " asked, ", visible, " CUDA GPU(s) visible"));
   if (o.group.size > 1)
     return absl::InvalidArgumentError("gpus: a multi-GPU worker is its own group (not with --tp-size)");
-  if (o.device == "cpu") return absl::InvalidArgumentError("gpus: a multi-GPU worker needs the cuda device backend");
+  if (o.device == DeviceChoice::kCpu) return absl::InvalidArgumentError("gpus: a multi-GPU worker needs the cuda device backend");
   MOE_ASSIGN_OR_RETURN(const std::string id, MoeSession::NewGroupId());
   const int per_gpu = (o.max_tokens + gpus - 1) / gpus;
   w->sessions_.resize(gpus);
@@ -91,7 +91,7 @@ absl::StatusOr<std::unique_ptr<WorkerSessions>> WorkerSessions::Open(const Sessi
   for (int r = 0; r < gpus; ++r)
     threads.emplace_back([&, r] {  // collective: the ranks open together
       SessionOptions ro = o;
-      ro.device = "cuda";
+      ro.device = DeviceChoice::kCuda;
       ro.cuda_device = r;
       ro.max_tokens = per_gpu;
       ro.group.rank = r;

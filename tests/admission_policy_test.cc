@@ -87,7 +87,7 @@ struct Rig {
 
 Rig MakeRig(int L, int E, int C, AdmissionCosts costs, uint64_t budget = 0) {
   Rig r;
-  ExpertCacheConfig cc{L, E, C, CachePolicyKind::kPredictive, 64};
+  ExpertCacheConfig cc{L, E, C, CachePolicy::kPredictive, 64};
   r.cache = *ExpertCache::Create(cc);
   AdmissionConfig ac;
   for (int l = 0; l < L; ++l) ac.layers.push_back(l);
@@ -264,7 +264,7 @@ TEST(AdmissionPolicy, FollowsTheLiveRatesOfTheCostModel) {
   live.copy_s = 0.1e-3;
   live.cpu_expert_s = 1e-3;
   Rig r;
-  r.cache = *ExpertCache::Create(ExpertCacheConfig{L, E, C, CachePolicyKind::kPredictive, 64});
+  r.cache = *ExpertCache::Create(ExpertCacheConfig{L, E, C, CachePolicy::kPredictive, 64});
   AdmissionConfig ac;
   for (int l = 0; l < L; ++l) ac.layers.push_back(l);
   ac.num_experts = E;

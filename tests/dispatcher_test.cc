@@ -108,7 +108,7 @@ class DispatcherTest : public ::testing::TestWithParam<Param> {
   // One expert server and a static cache of C slots per layer.
   DispatcherConfig StaticConfig(int C) {
     DispatcherConfig c = Config({StartServer()});
-    c.policy = CachePolicyKind::kStatic;
+    c.policy = CachePolicy::kStatic;
     c.slots_per_layer = C;
     return c;
   }
@@ -215,7 +215,7 @@ TEST_P(DispatcherTest, TokensWhoseExpertsAreAllMisses) {
 TEST_P(DispatcherTest, LruAdmitsMissedExpertsAfterTheirCopy) {
   const std::string addr = StartServer();
   DispatcherConfig c = Config({addr});
-  c.policy = CachePolicyKind::kLru;
+  c.policy = CachePolicy::kLru;
   c.slots_per_layer = 2;
   c.admissions_per_call = 2;
   std::unique_ptr<LayerDispatcher> d = Make(c);
@@ -248,7 +248,7 @@ TEST_P(DispatcherTest, LruAdmitsMissedExpertsAfterTheirCopy) {
 TEST_P(DispatcherTest, PredictivePrefetchesTheNextLayersExperts) {
   const std::string addr = StartServer();
   DispatcherConfig c = Config({addr});
-  ASSERT_EQ(c.policy, CachePolicyKind::kPredictive) << "the worker's default";
+  ASSERT_EQ(c.policy, CachePolicy::kPredictive) << "the worker's default";
   c.slots_per_layer = 2;
   std::unique_ptr<LayerDispatcher> d = Make(c);
   ASSERT_NE(d, nullptr);
@@ -278,7 +278,7 @@ TEST_P(DispatcherTest, PredictivePrefetchesTheNextLayersExperts) {
   EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.message().find("router_logits"), std::string::npos) << bad;
   EXPECT_EQ(d->HintRouterLogits(2, 1, 9, logits.data()).code(), absl::StatusCode::kInvalidArgument);
-  c.policy = CachePolicyKind::kLru;
+  c.policy = CachePolicy::kLru;
   d.reset();
   host_.reset();  // before Make replaces the backend it registered with
   std::unique_ptr<LayerDispatcher> lru = Make(c);
@@ -379,7 +379,7 @@ TEST_P(DispatcherTest, CopyInsteadOfComputeForExpertsWithManyTokens) {
 TEST_P(DispatcherTest, CopyEveryMissBaselineUsesNoServer) {
   const std::string addr = StartServer();
   DispatcherConfig c = Config({addr});
-  c.policy = CachePolicyKind::kLru;
+  c.policy = CachePolicy::kLru;
   c.slots_per_layer = 3;
   c.copy_mode = CopyMode::kAlways;
   std::unique_ptr<LayerDispatcher> d = Make(c);
@@ -569,7 +569,7 @@ TEST_P(DispatcherTest, RatesAreReestimatedFromObservedCalls) {
   const std::string a = StartServer();
   DispatcherConfig c = Config({a});
   c.measure_rates = true;
-  c.policy = CachePolicyKind::kStatic;
+  c.policy = CachePolicy::kStatic;
   c.slots_per_layer = 2;
   // Misses stay on the CPU (no copy beside them), so Complete waits for the
   // server's answer and times it exactly: an answer that was already back

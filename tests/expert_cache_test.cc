@@ -9,7 +9,7 @@
 namespace moe {
 namespace {
 
-std::unique_ptr<ExpertCache> Make(CachePolicyKind p, int slots = 2, double half_life = 64) {
+std::unique_ptr<ExpertCache> Make(CachePolicy p, int slots = 2, double half_life = 64) {
   ExpertCacheConfig c;
   c.num_layers = 2;
   c.num_experts = 8;
@@ -41,7 +41,7 @@ std::vector<int> Resident(const ExpertCache& c, int layer) {
 }
 
 TEST(ExpertCache, SlotIsUsedOnlyAfterItsCopyCompleted) {
-  auto c = Make(CachePolicyKind::kLru);
+  auto c = Make(CachePolicy::kLru);
   c->RecordAccess(0, {3}, {1});
   std::vector<SlotCopy> copies = c->PlanAdmissions(0, {3}, 8);
   ASSERT_EQ(copies.size(), 1u);
@@ -56,7 +56,7 @@ TEST(ExpertCache, SlotIsUsedOnlyAfterItsCopyCompleted) {
 }
 
 TEST(ExpertCache, LruEvictsTheLeastRecentlyUsed) {
-  auto c = Make(CachePolicyKind::kLru);
+  auto c = Make(CachePolicy::kLru);
   Step(*c, 0, {1});
   Step(*c, 0, {2});
   EXPECT_EQ(Resident(*c, 0), std::vector<int>({1, 2}));
@@ -71,8 +71,8 @@ TEST(ExpertCache, LruEvictsTheLeastRecentlyUsed) {
 }
 
 TEST(ExpertCache, LfruKeepsFrequentExpertsAgainstOneOffs) {
-  auto lru = Make(CachePolicyKind::kLru);
-  auto lfru = Make(CachePolicyKind::kLfru, 2, 1000);
+  auto lru = Make(CachePolicy::kLru);
+  auto lfru = Make(CachePolicy::kLfru, 2, 1000);
   for (auto* c : {lru.get(), lfru.get()}) {
     for (int i = 0; i < 10; ++i) Step(*c, 0, {1, 2});  // 1 and 2 are hot
     Step(*c, 0, {7});                                  // a one-off
@@ -86,7 +86,7 @@ TEST(ExpertCache, LfruKeepsFrequentExpertsAgainstOneOffs) {
 }
 
 TEST(ExpertCache, StaticAssignmentAndNoAdmissions) {
-  auto c = Make(CachePolicyKind::kStatic, 3);
+  auto c = Make(CachePolicy::kStatic, 3);
   absl::StatusOr<std::vector<SlotCopy>> copies = c->Assign(1, {4, 0, 6});
   ASSERT_TRUE(copies.ok());
   EXPECT_EQ(copies->size(), 3u);
@@ -110,7 +110,7 @@ TEST(ExpertCache, StaticAssignmentAndNoAdmissions) {
 }
 
 TEST(ExpertCache, CountsHitsAndMissesByPairs) {
-  auto c = Make(CachePolicyKind::kLru);
+  auto c = Make(CachePolicy::kLru);
   Step(*c, 0, {1});
   c->RecordAccess(0, {1, 2}, {5, 3});
   EXPECT_EQ(c->hits(0, 1), 5u);
@@ -121,13 +121,11 @@ TEST(ExpertCache, CountsHitsAndMissesByPairs) {
 }
 
 TEST(ExpertCache, RejectsBadConfigs) {
-  ExpertCacheConfig c{2, 8, 9, CachePolicyKind::kLru, 64};
+  ExpertCacheConfig c{2, 8, 9, CachePolicy::kLru, 64};
   EXPECT_FALSE(ExpertCache::Create(c).ok());
   c.slots_per_layer = 2;
   c.lfru_half_life = 0;
   EXPECT_FALSE(ExpertCache::Create(c).ok());
-  EXPECT_FALSE(ParseCachePolicy("fifo").ok());
-  EXPECT_EQ(*ParseCachePolicy("lfru"), CachePolicyKind::kLfru);
 }
 
 }  // namespace

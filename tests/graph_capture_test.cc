@@ -44,15 +44,15 @@ class GraphCaptureTest : public ::testing::Test {
     o.model = kModel;
     server_address_ = "unix://" + sock_;
     o.servers = {server_address_};
-    o.device = "cuda";
-    o.policy = "static";
+    o.device = DeviceChoice::kCuda;
+    o.policy = CachePolicy::kStatic;
     o.cache_experts_per_layer = 3;
     o.max_tokens = 8;
     // Misses go to the server (this tiny model's experts copy faster than the
     // CPU computes them: copy-instead would take them all); the device still
     // computes those no server may take. CapturedStepCopiesInsteadOfComputing
     // covers copy-instead.
-    o.copy_mode = "never";
+    o.copy_mode = CopyMode::kNever;
     o.deadline = std::chrono::milliseconds(3000);  // a dead server costs a replay this long, not 30 s
     o.on_access = [this](int layer, int expert, int pairs, bool) { accesses_[{layer, expert}] += pairs; };
     absl::StatusOr<std::unique_ptr<MoeSession>> session = MoeSession::Open(o);
@@ -211,9 +211,9 @@ TEST_F(GraphCaptureTest, ReplaysAdmitTheExpertsTheyUse) {
     SessionOptions o;
     o.model = kModel;
     o.servers = {server_address_};
-    o.device = "cuda";
-    o.policy = policy;
-    o.copy_mode = "never";
+    o.device = DeviceChoice::kCuda;
+    o.policy = *ParseCachePolicy(policy);
+    o.copy_mode = CopyMode::kNever;
     o.cache_experts_per_layer = 3;
     o.max_tokens = 8;
     absl::StatusOr<std::unique_ptr<MoeSession>> admitting = MoeSession::Open(o);
@@ -284,9 +284,9 @@ TEST_F(GraphCaptureTest, PopularityFromReplaysReachesTheCoordinator) {
   SessionOptions o;
   o.model = kModel;
   o.servers = {server_address_};
-  o.device = "cuda";
-  o.policy = "static";
-  o.copy_mode = "never";
+  o.device = DeviceChoice::kCuda;
+  o.policy = CachePolicy::kStatic;
+  o.copy_mode = CopyMode::kNever;
   o.cache_experts_per_layer = 3;
   o.max_tokens = 8;
   o.on_access = [a = agent->get()](int layer, int expert, int pairs, bool hit) {
@@ -344,9 +344,9 @@ TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
   o.model = kModel;
   o.servers = {grpc_address_};
   o.tls.insecure = true;  // the test server listens in plaintext on loopback
-  o.copy_mode = "never";  // every miss through the forwarder
-  o.device = "cuda";
-  o.policy = "static";
+  o.copy_mode = CopyMode::kNever;  // every miss through the forwarder
+  o.device = DeviceChoice::kCuda;
+  o.policy = CachePolicy::kStatic;
   o.cache_experts_per_layer = 3;
   o.max_tokens = 8;
   o.deadline = std::chrono::milliseconds(3000);
@@ -435,9 +435,9 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   SessionOptions o;
   o.model = kWide;
   o.servers = {"unix://" + wide_sock};
-  o.device = "cuda";
-  o.policy = "static";
-  o.copy_mode = "always";
+  o.device = DeviceChoice::kCuda;
+  o.policy = CachePolicy::kStatic;
+  o.copy_mode = CopyMode::kAlways;
   o.cache_experts_per_layer = 4;
   o.max_tokens = 8;
   o.deadline = std::chrono::milliseconds(3000);

@@ -78,9 +78,9 @@ SessionOptions RankOptions(int r, const std::string& server, int max_tokens) {
   SessionOptions o;
   o.model = kModel;
   o.servers = {server};
-  o.device = "cuda";
+  o.device = DeviceChoice::kCuda;
   o.cache_experts_per_layer = 4;
-  o.policy = "lru";
+  o.policy = CachePolicy::kLru;
   o.max_tokens = max_tokens;
   o.max_top_k = kK;
   return o;

@@ -94,11 +94,11 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
     o.model = kModel;
     o.servers = {"unix://" + sock_};
     o.cache_experts_per_layer = kSlots;
-    o.policy = "static";
-    o.copy_mode = "never";
+    o.policy = CachePolicy::kStatic;
+    o.copy_mode = CopyMode::kNever;
     o.max_tokens = 16;
     o.share_host_copy = share;
-    o.weight_dtype = dtype_;
+    o.weight_dtype = *ParseWeightDtype(dtype_);
     o.cpu_threads = 2;
     absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(o);
     EXPECT_TRUE(s.ok()) << s.status();

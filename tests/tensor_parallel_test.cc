@@ -141,9 +141,9 @@ class TensorParallelTest : public ::testing::TestWithParam<std::tuple<std::strin
     SessionOptions o;
     o.model = kModel;
     o.servers = {address_};
-    o.device = backend();
+    o.device = *ParseDeviceChoice(backend());
     o.cache_experts_per_layer = cache;
-    o.policy = policy;
+    o.policy = *ParseCachePolicy(policy);
     o.max_tokens = 64;
     o.max_top_k = kK;
     o.cpu_threads = 1;
@@ -240,7 +240,7 @@ TEST(TensorParallelOptions, BadGroupsAreRefusedNamingTheField) {
                                 TensorParallel(0, kE + 1)}) {
     SessionOptions o;
     o.model = kModel;
-    o.device = "cpu";
+    o.device = DeviceChoice::kCpu;
     o.servers = {"unix:///nonexistent.sock"};
     o.group = g;
     absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(o);
@@ -255,7 +255,7 @@ TEST(TensorParallelOptions, BadGroupsAreRefusedNamingTheField) {
 TEST(ExpertParallelOptions, RefusedWithoutTheCudaBackendNamingTheGroup) {
   SessionOptions o;
   o.model = kModel;
-  o.device = "cpu";
+  o.device = DeviceChoice::kCpu;
   o.servers = {"unix:///nonexistent.sock"};
   o.group.rank = 0;
   o.group.size = 2;

@@ -84,7 +84,7 @@ TEST_F(WorkerTest, SessionForwardsSyncAndAsync) {
   SessionOptions o;
   o.model = kModel;
   o.servers = {"unix://" + socket_};
-  o.device = "cpu";
+  o.device = DeviceChoice::kCpu;
   o.cache_experts_per_layer = 3;
   o.max_tokens = 64;
   o.cpu_threads = 1;
@@ -121,12 +121,15 @@ TEST_F(WorkerTest, SessionRejectsBadOptions) {
   SessionOptions o;
   o.model = kModel;
   o.servers = {"unix://" + socket_};
-  o.device = "tpu";
-  EXPECT_TRUE(absl::IsInvalidArgument(MoeSession::Open(o).status()));
-  o.device = "cpu";
-  o.policy = "fifo";
-  EXPECT_TRUE(absl::IsInvalidArgument(MoeSession::Open(o).status()));
-  o.policy = "lru";
+  // Names outside the choices are refused naming the field (the C ABI and the
+  // flags parse through these).
+  absl::StatusOr<DeviceChoice> tpu = ParseDeviceChoice("tpu");
+  EXPECT_TRUE(absl::IsInvalidArgument(tpu.status()));
+  EXPECT_NE(tpu.status().message().find("device: 'tpu' is not auto, cuda or cpu"), std::string::npos) << tpu.status();
+  EXPECT_TRUE(absl::IsInvalidArgument(ParseCachePolicy("fifo").status()));
+  EXPECT_EQ(*ParseCachePolicy(Name(CachePolicy::kLfru)), CachePolicy::kLfru);
+  o.device = DeviceChoice::kCpu;
+  o.policy = CachePolicy::kLru;
   o.servers = {"unix://" + dir_.path() + "/nobody.sock"};
   EXPECT_FALSE(MoeSession::Open(o).ok());
 }

@@ -80,27 +80,36 @@ struct ModelInfo {
                                 // int4; bf16 without a host copy), the coordinator's copy budget counts it
 };
 
+// The names of the SessionOptions choices (auto | cuda | cpu; static | lru |
+// lfru | predictive; auto | never | always; auto | bf16 | int8 | int4), and
+// their parsing: InvalidArgument naming `field` and the accepted names.
+const char* Name(DeviceChoice v);
+const char* Name(CachePolicy v);
+const char* Name(CopyMode v);
+const char* Name(WeightDtype v);
+absl::StatusOr<DeviceChoice> ParseDeviceChoice(const std::string& name, const std::string& field = "device");
+absl::StatusOr<CachePolicy> ParseCachePolicy(const std::string& name, const std::string& field = "policy");
+absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name, const std::string& field = "copy_mode");
+absl::StatusOr<WeightDtype> ParseWeightDtype(const std::string& name, const std::string& field = "weight_dtype");
+
 struct SessionOptions {
   std::string model;                   // checkpoint directory or synthetic:PRESET[:layers=N][:seed=S]
   std::vector<std::string> servers;    // "unix:///path.sock" or "host:port", optional "#experts=0-63"
-  std::string device = "auto";         // auto | cuda | cpu
+  DeviceChoice device = DeviceChoice::kAuto;
   // cuda: the GPU; -1 (default) = the opening thread's current device (after
   // the engine's cudaSetDevice / torch.cuda.set_device). Calls make it
   // current for their duration and give the caller's back.
   int cuda_device = -1;
   int cache_experts_per_layer = 0;     // C; or derive it from cache_gib
   double cache_gib = 0;                // in [0, 1048576]
-  std::string policy = "predictive";   // predictive | static | lru | lfru
-  std::string copy_mode = "auto";      // auto | never | always
+  CachePolicy policy = CachePolicy::kPredictive;
+  CopyMode copy_mode = CopyMode::kAuto;
   int max_tokens = 1024;               // largest T of one call, in [1, 65536]
   int max_top_k = 8;                   // in [1, 1024]
   int contexts = 2;                    // calls in flight (micro-batches), in [1, 64]
   std::vector<int> layers;             // MoE layers this session serves (empty: all)
   bool host_copy = true;               // keep a host copy of the experts (copy-instead, failover)
-  // The precision of the host copy and the GPU cache: auto (the same-host
-  // servers' when shared, else the checkpoint's class: fp8 -> int8, int4 ->
-  // int4, else bf16), bf16, int8 or int4.
-  std::string weight_dtype = "auto";
+  WeightDtype weight_dtype = WeightDtype::kAuto;  // the host copy's and the GPU cache's
   // Map the same-host (unix://) servers' packed stores read-only instead of
   // keeping an own copy, when they cover the served layers (one host copy).
   bool share_host_copy = true;

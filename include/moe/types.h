@@ -14,6 +14,22 @@ using bf16_t = std::uint16_t;
 // Where a call's tensors live: host memory, or the GPU's memory (cuda backend).
 enum class MemoryKind { kHost, kDevice };
 
+// A session's choices (SessionOptions); their names — as the C ABI's JSON,
+// the flags and the logs spell them — are Name() / Parse*() in moe/engine.h.
+// The device backend: cuda if a GPU is usable, else cpu (kAuto), or as named.
+enum class DeviceChoice { kAuto, kCuda, kCpu };
+// The cache policy: static (placed from outside), lru, lfru, or predictive
+// (cost-model admissions with cross-layer prefetch inside the placement).
+enum class CachePolicy { kStatic, kLru, kLfru, kPredictive };
+// Uncached experts: kAuto copies one to the GPU when the measured rates say
+// it pays, kNever sends every miss to the CPU (except failover), kAlways
+// copies every miss (the plain "LRU offload" baseline).
+enum class CopyMode { kAuto, kNever, kAlways };
+// The precision of the host copy and the GPU cache: kAuto (the same-host
+// servers' when shared, else the checkpoint's class: fp8 -> int8, int4 ->
+// int4, else bf16), or as named.
+enum class WeightDtype { kAuto, kBf16, kInt8, kInt4 };
+
 // TLS for gRPC connections (expert servers at host:port, the coordinator).
 struct TlsOptions {
   std::string cert_file, key_file, ca_file;  // PEM; cert+key for mTLS, ca to verify the peer
