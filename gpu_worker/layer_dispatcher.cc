@@ -23,9 +23,15 @@ namespace {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// A server this call cannot use: down, late, cancelled — or one that is up
+// but not usable as it is (FailedPrecondition: a shared-memory segment that
+// fails the worker's checks after a reconnect, e.g. one another process
+// serves on the server's socket; a server holding another slice). Each is
+// failed over like a server that went away, never returned to the caller
+// while another holder, a copy or the host copy can take the batch.
 bool IsServerFailure(const absl::Status& st) {
   return absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st) || absl::IsCancelled(st) ||
-         absl::IsAborted(st);
+         absl::IsAborted(st) || absl::IsFailedPrecondition(st);
 }
 
 // The batch a server computes for a shipment whose tokens were gathered into `tokens`.
@@ -387,7 +393,7 @@ absl::Status LayerDispatcher::ConnectServers() {
     }
     impl_->servers.push_back(std::move(s));
     if (absl::Status st = ConnectServer(impl_->servers.size() - 1); !st.ok()) {
-      if (!IsServerFailure(st) && !absl::IsNotFound(st) && !absl::IsFailedPrecondition(st)) return st;
+      if (!IsServerFailure(st) && !absl::IsNotFound(st)) return st;
       LogWarning("worker", "servers: ", sc.address, " unreachable (", st.message(), "); retrying later");
       impl_->servers.back().down_until = Clock::now() + c.server_retry;
       if (first_error.ok()) first_error = st;
