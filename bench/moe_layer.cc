@@ -513,13 +513,12 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
         call.stream = stream;
         CallStats st;
         Check(ep != nullptr ? ep->Forward(call, &st) : d->Forward(call, &st), "forward");
-        if (o.ep) {  // expert parallelism: no all-reduce (each rank has its tokens' whole output)
-          if (cudaStreamSynchronize(stream) != cudaSuccess) Die("cudaStreamSynchronize");
-        } else
-        // The layer's all-reduce: of the partial sums (union), or of a buffer
-        // of the same size (independent: the engine of a tensor-parallel
-        // model all-reduces every layer anyway, so both pay it and its sync).
-        if (ncclAllReduce(group ? out : scratch, group ? out : scratch, static_cast<size_t>(T) * H, ncclBfloat16,
+        // Tensor parallelism: the layer's all-reduce, of the partial sums
+        // (union) or of a buffer of the same size (independent: the engine of
+        // a tensor-parallel model all-reduces every layer anyway, so both pay
+        // it and its sync). Expert parallelism: none (each rank has its
+        // tokens' whole output).
+        if (!o.ep && ncclAllReduce(group ? out : scratch, group ? out : scratch, static_cast<size_t>(T) * H, ncclBfloat16,
                           ncclSum, comms[r], stream) != ncclSuccess)
           Die("ncclAllReduce");
         if (cudaStreamSynchronize(stream) != cudaSuccess) Die("cudaStreamSynchronize");
@@ -563,10 +562,12 @@ void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vecto
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < o.tp)
     Die(absl::StrCat("--tp ", o.tp, ": ", devices, " CUDA device(s) visible"));
-  std::vector<ncclComm_t> comms(o.tp);
+  // The all-reduce's communicators (--tp); with --ep each rank's
+  // ExpertParallel makes its own from a group id, and these stay null.
+  std::vector<ncclComm_t> comms(o.tp, nullptr);
   std::vector<int> devs(o.tp);
   for (int r = 0; r < o.tp; ++r) devs[r] = r;
-  if (ncclCommInitAll(comms.data(), o.tp, devs.data()) != ncclSuccess) Die("ncclCommInitAll");
+  if (!o.ep && ncclCommInitAll(comms.data(), o.tp, devs.data()) != ncclSuccess) Die("ncclCommInitAll");
   std::printf("\n### moe_layer --%s %d: %s, %d MoE layers, one cache over the GPUs (union) vs a cache per GPU\n\n",
               o.ep ? "ep" : "tp", o.tp, o.preset.c_str(), static_cast<int>(spec.moe_layers.size()));
   if (o.ep) std::printf("T: tokens per GPU (each its own); union: NCCL token exchange (ExpertParallel)\n\n");
@@ -592,7 +593,8 @@ void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vecto
                   100 * ind.cpu, 100 * ind.copied, 100 * uni.hit, 100 * uni.cpu, 100 * uni.copied);
       std::fflush(stdout);
     }
-  for (ncclComm_t c : comms) ncclCommDestroy(c);
+  for (ncclComm_t c : comms)
+    if (c != nullptr) ncclCommDestroy(c);
 }
 #endif  // MOE_HAVE_NCCL
 

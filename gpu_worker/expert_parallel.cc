@@ -83,9 +83,11 @@ struct ExpertParallel::Impl {
   DeviceArray<bf16_t> send_x, batch_x, batch_out, returned;
   DeviceArray<int32_t> batch_ids, send_ids, send_token, own_rows, counts, all_counts, status_out, status_in;
   DeviceArray<float> batch_w, send_w, accum;
-  PinnedArray<int32_t> h_ids, h_send_ids, h_send_token, h_own_rows, h_counts, h_all_counts, h_status_in;
+  PinnedArray<int32_t> h_ids, h_send_ids, h_send_token, h_counts, h_all_counts, h_status_in;
   PinnedArray<int32_t> h_status_out;
   PinnedArray<float> h_w, h_send_w;
+  // Per call, per peer: tokens sent and received, and where they start.
+  std::vector<int> sent, recv, send_at, recv_at;
 
   ~Impl() {
     if (comm != nullptr) {
@@ -160,13 +162,13 @@ struct ExpertParallel::Impl {
     MOE_RETURN_IF_ERROR(h_send_ids.Alloc(send * kc));
     MOE_RETURN_IF_ERROR(h_send_w.Alloc(send * kc));
     MOE_RETURN_IF_ERROR(h_send_token.Alloc(send));
-    MOE_RETURN_IF_ERROR(h_own_rows.Alloc(T));
     MOE_RETURN_IF_ERROR(h_counts.Alloc(S));
     MOE_RETURN_IF_ERROR(h_all_counts.Alloc(S * S));
     MOE_RETURN_IF_ERROR(h_status_out.Alloc(S));
     MOE_RETURN_IF_ERROR(h_status_in.Alloc(S));
-    for (size_t t = 0; t < T; ++t) h_own_rows.p[t] = static_cast<int32_t>(t);
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(own_rows.p, h_own_rows.p, T * sizeof(int32_t), cudaMemcpyHostToDevice));
+    std::vector<int32_t> iota(T);  // own_rows: token t's partial is row t of the batch
+    for (size_t t = 0; t < T; ++t) iota[t] = static_cast<int32_t>(t);
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(own_rows.p, iota.data(), T * sizeof(int32_t), cudaMemcpyHostToDevice));
     MOE_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     return absl::OkStatus();
   }
@@ -177,7 +179,6 @@ struct ExpertParallel::Impl {
 
 ExpertParallel::ExpertParallel(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ExpertParallel::~ExpertParallel() = default;
-bool ExpertParallel::in_group() const { return impl_->in_group; }
 const ExpertParallel::StepTimes& ExpertParallel::step_times() const { return impl_->times; }
 
 absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(const ParallelGroup& group,
@@ -286,7 +287,7 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
   }
   // Each token to every peer owning one of its experts; ids and weights
   // re-strided to kc (padding -1 / 0).
-  std::vector<int> sent(S, 0);
+  sent.assign(S, 0);
   int n_send = 0;
   for (int s = 0; s < S; ++s) {
     if (s == me) continue;
@@ -323,7 +324,9 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_all_counts.p, all_counts.p, sizeof(int32_t) * S * S,
                                            cudaMemcpyDeviceToHost, stream));
   MOE_RETURN_IF_ERROR(WaitDone(stream, end, "the token counts"));
-  std::vector<int> recv(S, 0), send_at(S, 0), recv_at(S, 0);
+  recv.assign(S, 0);
+  send_at.assign(S, 0);
+  recv_at.assign(S, 0);
   int R = 0;
   for (int s = 0, so = 0; s < S; ++s) {
     recv[s] = s == me ? 0 : h_all_counts.p[s * S + me];

@@ -67,9 +67,6 @@ class ExpertParallel {
   // computed (this rank's tokens and its peers').
   absl::Status Forward(const LayerCall& call, CallStats* stats = nullptr);
 
-  // False once a peer failed and this rank computes alone.
-  bool in_group() const;
-
   // Host time of the exchange's steps summed over the calls (seconds): the
   // routing to the host, the counts' all-gather, enqueueing the tokens, the
   // dispatcher's call (waiting for the peers' tokens included), the partial

@@ -271,7 +271,7 @@ absl::Status LayerDispatcher::Init() {
 absl::Status LayerDispatcher::CheckConfig() {
   DispatcherConfig& c = config_;
   MOE_RETURN_IF_ERROR(spec_.Validate());
-  layers_ = c.layers.empty() ? spec_.moe_layers : c.layers;
+  layers_ = ServedLayers(spec_, c.layers);
   layer_index_.assign(spec_.num_layers, -1);
   for (size_t i = 0; i < layers_.size(); ++i) {
     const int l = layers_[i];

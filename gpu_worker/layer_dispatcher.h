@@ -141,6 +141,13 @@ struct LayerCall {
   void* stream = nullptr;
 };
 
+// The MoE layers a worker serves: `requested` (DispatcherConfig::layers,
+// SessionOptions::layers), or every MoE layer of the model when it is empty.
+// The dispatcher checks them (LayerDispatcher::Create).
+inline const std::vector<int>& ServedLayers(const ModelSpec& spec, const std::vector<int>& requested) {
+  return requested.empty() ? spec.moe_layers : requested;
+}
+
 class LayerDispatcher {
  public:
   // `host` may be null (no copy-instead, no admissions, no copy fallback);

@@ -174,7 +174,7 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
       return absl::FailedPreconditionError("group: an expert-parallel group needs the cuda device backend");
   }
   if (o.host_copy) {
-    const std::vector<int>& layers = o.layers.empty() ? spec.moe_layers : o.layers;  // checked by the dispatcher
+    const std::vector<int>& layers = ServedLayers(spec, o.layers);
     std::vector<std::string> unix_sockets;
     for (const ExpertServerConfig& sc : c.servers)
       if (std::optional<std::string> path = UnixSocketPath(sc.address)) unix_sockets.push_back(*path);
