@@ -341,6 +341,7 @@ int FindCommand(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--") return i + 1 < argc ? i + 1 : -1;
+    if (a == "-h") continue;  // --help's short form
     if (a.rfind("--", 0) == 0) {
       const std::string name = a.substr(2);
       if (name.find('=') == std::string::npos &&

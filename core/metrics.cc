@@ -149,17 +149,41 @@ std::string EscapeLabelValue(std::string_view v) {
 
 // ---- Histogram ------------------------------------------------------------
 
-Histogram::Histogram(const std::vector<double>* bounds)
-    : bounds_(bounds), counts_(new std::atomic<uint64_t>[bounds->size() + 1]) {
-  for (size_t i = 0; i <= bounds->size(); ++i) counts_[i].store(0, std::memory_order_relaxed);
+Histogram::Histogram(const std::vector<double>* bounds) : bounds_(bounds) {
+  for (Shard& sh : shards_) {
+    sh.counts.reset(new std::atomic<uint64_t>[bounds->size() + 1]);
+    for (size_t i = 0; i <= bounds->size(); ++i) sh.counts[i].store(0, std::memory_order_relaxed);
+  }
 }
+
+namespace {
+// The calling thread's shard of every histogram: threads take them in turn.
+int ThreadShard(int shards) {
+  static std::atomic<unsigned> next{0};
+  thread_local const unsigned mine = next.fetch_add(1, std::memory_order_relaxed);
+  return static_cast<int>(mine % static_cast<unsigned>(shards));
+}
+}  // namespace
 
 void Histogram::Observe(double v) {
   // First bucket whose upper bound is >= v ("le"); past the end is +Inf, where NaN goes too.
   const size_t i = std::isnan(v) ? bounds_->size()
                                  : std::lower_bound(bounds_->begin(), bounds_->end(), v) - bounds_->begin();
-  counts_[i].fetch_add(1, std::memory_order_relaxed);
-  sum_.fetch_add(v, std::memory_order_relaxed);
+  Shard& sh = shards_[ThreadShard(kShards)];
+  sh.counts[i].fetch_add(1, std::memory_order_relaxed);
+  sh.sum.fetch_add(v, std::memory_order_relaxed);
+}
+
+uint64_t Histogram::bucket_count(size_t i) const {
+  uint64_t n = 0;
+  for (const Shard& sh : shards_) n += sh.counts[i].load(std::memory_order_relaxed);
+  return n;
+}
+
+double Histogram::sum() const {
+  double s = 0;
+  for (const Shard& sh : shards_) s += sh.sum.load(std::memory_order_relaxed);
+  return s;
 }
 
 uint64_t Histogram::count() const {

@@ -58,8 +58,11 @@ class alignas(64) Gauge {
 };
 
 // A distribution over fixed buckets (upper bounds, ascending; +Inf is
-// implicit). Observe() costs one bucket search and two relaxed atomics.
-class alignas(64) Histogram {
+// implicit). Observe() costs one bucket search and two relaxed atomics on
+// the calling thread's shard: threads observing the same series at once
+// (an expert server's compute threads) rarely share a cache line; the
+// readers sum the shards.
+class Histogram {
  public:
   explicit Histogram(const std::vector<double>* bounds);
   void Observe(double v);
@@ -67,15 +70,19 @@ class alignas(64) Histogram {
   void ObserveNanos(uint64_t ns) { Observe(static_cast<double>(ns) * 1e-9); }
 
   // Non-cumulative count of bucket i (i == bounds().size() is the +Inf bucket).
-  uint64_t bucket_count(size_t i) const { return counts_[i].load(std::memory_order_relaxed); }
+  uint64_t bucket_count(size_t i) const;
   uint64_t count() const;  // sum of every bucket
-  double sum() const { return sum_.load(std::memory_order_relaxed); }
+  double sum() const;
   const std::vector<double>& bounds() const { return *bounds_; }
 
  private:
+  static constexpr int kShards = 4;
+  struct alignas(64) Shard {
+    std::unique_ptr<std::atomic<uint64_t>[]> counts;
+    std::atomic<double> sum{0.0};
+  };
   const std::vector<double>* bounds_;  // owned by the family
-  std::unique_ptr<std::atomic<uint64_t>[]> counts_;
-  std::atomic<double> sum_{0.0};
+  Shard shards_[kShards];
 };
 
 // Latency buckets in seconds, 5 µs to 10 s (1-2.5-5 steps): 5e-6, 1e-5,

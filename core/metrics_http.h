@@ -1,23 +1,25 @@
-// MetricsHttpServer: a minimal HTTP/1.1 server that answers Prometheus
-// scrapes of a MetricsRegistry (core/metrics.h).
+// MetricsHttpServer: answers Prometheus scrapes of a MetricsRegistry
+// (core/metrics.h) over HTTP/1.1, served by cpp-httplib (Debian's
+// libcpp-httplib-dev).
 //
 //   GET /metrics (or HEAD; any query string)  200, text/plain; version=0.0.4
-//   another method on /metrics                405
+//   POST/PUT/PATCH/DELETE/OPTIONS on /metrics 405 (Allow: GET, HEAD)
 //   any other path                            404
-//   a malformed request line or header        400  (431 past 8 KiB of header)
+//   a malformed request line or header        400 (as the library judges it)
 //
-// One thread runs a poll(2) loop over the listening socket and every open
-// connection, all non-blocking: a slow or silent client never holds up
-// another one, and each connection is closed when it has been open for
-// `client_timeout` (answered or not). Each response ends the connection
-// ("Connection: close"). The process is never blocked: rendering takes the
-// registry's locks only briefly and the thread serves nothing else.
+// `threads` connections are served at once; more wait in the listen backlog.
+// A connection that sends nothing is closed after `client_timeout` rounded up
+// to whole seconds (the library counts its idle timeout in seconds); a
+// request whose bytes stop coming for `client_timeout` is dropped. Each
+// response ends the connection ("Connection: close"). Rendering takes the
+// registry's locks only briefly; the hot path (Increment/Observe) never
+// touches this server.
 //
-// Lifecycle: Start() binds and starts the thread; the destructor stops it,
-// closes every connection and joins. port() may be called from any thread.
+// Lifecycle: Start() binds and starts serving; the destructor stops it and
+// joins its threads, waiting at most the idle timeout for a connection that
+// is open and silent. port() may be called from any thread.
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -26,6 +28,10 @@
 #include "absl/status/statusor.h"
 #include "core/metrics.h"
 
+namespace httplib {
+class Server;
+}
+
 namespace moe {
 
 class MetricsHttpServer {
@@ -33,13 +39,13 @@ class MetricsHttpServer {
   struct Options {
     std::string address = "0.0.0.0";  // numeric IPv4/IPv6 address or host name to bind
     int port = 0;                      // 0: the kernel picks a free port (see port())
-    std::chrono::milliseconds client_timeout{5000};  // longest a connection stays open
-    int max_connections = 16;          // more wait in the listen backlog
+    std::chrono::milliseconds client_timeout{2000};  // see the header comment
+    int threads = 2;                   // connections served at once
   };
 
   // Binds address:port and starts serving `registry`, which must outlive the
-  // server. InvalidArgument for a bad address or port, Unavailable when the
-  // port cannot be bound.
+  // server. InvalidArgument for a bad address, port or thread count,
+  // Unavailable when the port cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const Options& options,
                                                                   const MetricsRegistry& registry = Metrics());
   ~MetricsHttpServer();
@@ -50,19 +56,10 @@ class MetricsHttpServer {
   int port() const { return port_; }
 
  private:
-  struct Connection;
-  MetricsHttpServer(const Options& options, const MetricsRegistry& registry);
-  void Loop();
-  // Reads what the connection has; sets its response once the request is complete.
-  void ReadRequest(Connection& c);
-  std::string Respond(const std::string& request_head) const;
+  MetricsHttpServer();
 
-  const Options options_;
-  const MetricsRegistry& registry_;
-  int listen_fd_ = -1;
-  int wake_fd_ = -1;  // eventfd: the destructor wakes the loop
+  std::unique_ptr<httplib::Server> http_;
   int port_ = 0;
-  std::atomic<bool> stop_{false};
   std::thread thread_;
 };
 

@@ -34,8 +34,8 @@ bool IsServerFailure(const absl::Status& st) {
          absl::IsAborted(st) || absl::IsFailedPrecondition(st);
 }
 
-// The batch a server computes for a shipment whose tokens were gathered into `tokens`.
-MoeBatch ShipmentBatch(int layer, const ServerBatch& b, const bf16_t* tokens) {
+// The batch a server computes for a sent batch whose tokens were gathered into `tokens`.
+MoeBatch GatheredBatch(int layer, const ServerBatch& b, const bf16_t* tokens) {
   return MoeBatch{layer, b.n, tokens, RoutingView{b.n, b.k, b.ids.data(), b.weights.data()}};
 }
 
@@ -64,7 +64,7 @@ absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, in
 }
 
 // ---------------------------------------------------------------------------
-// Internals: servers, per-call contexts, shipments.
+// Internals: servers, calls in flight, their sent batches.
 
 // How often a failed server's transport is asked whether it is connected again.
 constexpr std::chrono::milliseconds kReconnectPoll{20};
@@ -84,22 +84,22 @@ struct Server {
 };
 
 // One batch sent to one server: the plan's batch and its transport state.
-struct Shipment {
+struct SentBatch {
   ServerBatch batch;             // batch.server: the server it is sent to (changes on failover)
   bool staged = false;
   StagingArea stage;
   size_t host_offset = 0;        // non-staged: row offset into the context's send/recv buffers
-  Clock::time_point sent{};      // handed to the transport
+  Clock::time_point sent_at{};   // handed to the transport
   std::future<absl::Status> done;
 };
 
-struct Context {
+struct InFlightCall {
   bool busy = false;
   LayerCall call;
   Clock::time_point deadline;
   std::vector<int32_t> ids;      // host routing [T, k]
   std::vector<float> weights;
-  std::vector<Shipment> shipments;
+  std::vector<SentBatch> sent;
   // Per-call scratch reused across calls.
   std::vector<bf16_t> send, recv;  // non-staged transports: [max_tokens, H] each
   CallStats stats;
@@ -109,7 +109,7 @@ struct Context {
 };
 
 // A context's send/recv buffers for `rows` rows (between its calls).
-absl::Status GrowHostBuffers(DeviceBackend& backend, int hidden, Context& ctx, size_t rows) {
+absl::Status GrowHostBuffers(DeviceBackend& backend, int hidden, InFlightCall& ctx, size_t rows) {
   for (std::vector<bf16_t>* b : {&ctx.send, &ctx.recv}) {
     backend.UnregisterHost(b->data());
     b->resize(rows * hidden);
@@ -145,7 +145,7 @@ void RunForwarder(Forwarder* f, int num_experts, int num_layers, std::chrono::mi
     }
     last = Clock::now();
     if (!seg.ValidateSlotIndex(*idx).ok()) continue;  // our own GPU wrote it: cannot happen
-    const shm::SlotView slot = seg.slot(*idx);
+    const shm::RequestSlot slot = seg.slot(*idx);
     absl::Status st = shm::ValidateRequestSlot(seg, *idx, num_experts, num_layers, &req);
     if (st.ok()) {
       ExpertTransport* t = f->route.load(std::memory_order_acquire);
@@ -164,7 +164,7 @@ void RunForwarder(Forwarder* f, int num_experts, int num_layers, std::chrono::mi
 
 struct LayerDispatcher::Impl {
   std::vector<Server> servers;
-  std::vector<Context> contexts;
+  std::vector<InFlightCall> contexts;
   // Pending cache copies (lru/lfru admissions and static assignments).
   struct PendingCopy {
     SlotCopy copy;
@@ -184,7 +184,7 @@ struct LayerDispatcher::Impl {
   std::vector<PlanServer> plan_servers;
   std::vector<int> access_pairs;        // per accessed expert of the plan
   ExpertGroups one_group;               // ComputeCopied's single group
-  ExpertGroups failover_groups;         // a failed shipment's pairs by expert
+  ExpertGroups failover_groups;         // a failed sent batch's pairs by expert
 
   // Device-planned calls (EnqueueCapturable): the host-mapped tables the
   // GPU reads at run time (gpu_worker/device_plan.h) — per served layer the
@@ -224,13 +224,13 @@ LayerDispatcher::~LayerDispatcher() {
   }
   if (impl_->mapped != nullptr) backend_->FreeMapped(impl_->mapped);
   // Drain in-flight copies so the backend is idle; release staged batches.
-  for (Context& ctx : impl_->contexts)
-    for (Shipment& s : ctx.shipments) {
+  for (InFlightCall& ctx : impl_->contexts)
+    for (SentBatch& s : ctx.sent) {
       if (s.done.valid()) s.done.wait();
       if (s.staged) impl_->servers[s.batch.server].transport->Release(s.stage);
     }
   for (auto& p : impl_->pending) (void)backend_->WaitCopy(p.fence);
-  for (Context& ctx : impl_->contexts) {
+  for (InFlightCall& ctx : impl_->contexts) {
     if (!ctx.send.empty()) backend_->UnregisterHost(ctx.send.data());
     if (!ctx.recv.empty()) backend_->UnregisterHost(ctx.recv.data());
   }
@@ -413,7 +413,7 @@ absl::Status LayerDispatcher::ConnectServers() {
 absl::Status LayerDispatcher::AllocateContexts() {
   const DispatcherConfig& c = config_;
   impl_->contexts.resize(c.contexts);
-  for (Context& ctx : impl_->contexts) {
+  for (InFlightCall& ctx : impl_->contexts) {
     ctx.send.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
     ctx.recv.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
     MOE_RETURN_IF_ERROR(backend_->RegisterHost(ctx.send.data(), ctx.send.size() * sizeof(bf16_t)));
@@ -792,7 +792,7 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   // The engine's earlier work on its stream (which produced hidden/routing)
   // comes before ours: an event wait, no host sync of that stream.
   MOE_RETURN_IF_ERROR(backend_->WaitStream(call.stream));
-  Context& ctx = m.contexts[ticket];
+  InFlightCall& ctx = m.contexts[ticket];
   MOE_RETURN_IF_ERROR(CopyRouting(call, ctx.ids, ctx.weights));
   const int T = call.batch.n, k = std::max(call.batch.routing.k, 1);
   const RoutingView routing{T, k, ctx.ids.data(), ctx.weights.data()};
@@ -815,7 +815,7 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
     for (int e : m.plan.accessed) ctx.device_prior_s += planner_.rates().DevicePrior(m.plan.hit_pairs[e]);
   }
   ctx.deadline = t_start + (call.deadline.count() > 0 ? call.deadline : config_.deadline);
-  ctx.shipments.clear();
+  ctx.sent.clear();
   if (absl::Status st = Dispatch(ticket); !st.ok()) {
     Abort(ticket);
     return st;
@@ -914,7 +914,7 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
 // admissions of a call whose routing Submit has planned.
 absl::Status LayerDispatcher::Dispatch(int ticket) {
   Impl& m = *impl_;
-  Context& ctx = m.contexts[ticket];
+  InFlightCall& ctx = m.contexts[ticket];
   const int layer = ctx.call.batch.layer;
   // 1. The CPU misses, per server, before any device compute is enqueued.
   MOE_RETURN_IF_ERROR(ShipMisses(ticket));
@@ -946,12 +946,12 @@ absl::Status LayerDispatcher::Dispatch(int ticket) {
   return StartAdmissions(ticket);
 }
 
-// Turns the plan's server batches into the context's shipments and hands them
+// Turns the plan's server batches into the call's sent batches and hands them
 // to the transports: gathered straight into the transport's memory (staged)
 // where it has some, else through the context's send buffer.
 absl::Status LayerDispatcher::ShipMisses(int ticket) {
   Impl& m = *impl_;
-  Context& ctx = m.contexts[ticket];
+  InFlightCall& ctx = m.contexts[ticket];
   CallStats& stats = ctx.stats;
   const int H = spec_.hidden;
   stats.cpu_experts += m.plan.cpu_experts;
@@ -962,9 +962,9 @@ absl::Status LayerDispatcher::ShipMisses(int ticket) {
   size_t rows = 0;
   for (const ServerBatch& b : m.plan.batches) rows += static_cast<size_t>(b.n);
   if (rows * H > ctx.send.size()) MOE_RETURN_IF_ERROR(GrowHostBuffers(*backend_, H, ctx, rows));
-  size_t offset = 0;  // the shipment's first row in the context's send/recv buffers
+  size_t offset = 0;  // the batch's first row in the call's send/recv buffers
   for (ServerBatch& b : m.plan.batches) {
-    Shipment& sh = ctx.shipments.emplace_back();
+    SentBatch& sh = ctx.sent.emplace_back();
     stats.miss_tokens += b.n;
     stats.bytes_shipped += static_cast<uint64_t>(b.n) * (2 * H * sizeof(bf16_t) + b.k * 8);
     sh.host_offset = offset;
@@ -973,7 +973,7 @@ absl::Status LayerDispatcher::ShipMisses(int ticket) {
   }
   const std::chrono::microseconds polling =
       ctx.call.batch.n <= config_.poll_max_tokens ? config_.poll_window : std::chrono::microseconds(0);
-  for (Shipment& sh : ctx.shipments) {
+  for (SentBatch& sh : ctx.sent) {
     Server& server = m.servers[sh.batch.server];
     if (server.polling != polling) {
       server.transport->SetPolling(polling);
@@ -993,11 +993,11 @@ absl::Status LayerDispatcher::ShipMisses(int ticket) {
     if (sh.staged) {
       std::memcpy(sh.stage.expert_ids, sh.batch.ids.data(), sh.batch.ids.size() * sizeof(int32_t));
       std::memcpy(sh.stage.expert_weights, sh.batch.weights.data(), sh.batch.weights.size() * sizeof(float));
-      sh.sent = Clock::now();
+      sh.sent_at = Clock::now();
       sh.done = server.transport->SubmitStaged(sh.stage, static_cast<uint32_t>(ctx.call.batch.layer), ctx.deadline);
     } else {
-      sh.sent = Clock::now();
-      sh.done = server.transport->Submit(ShipmentBatch(ctx.call.batch.layer, sh.batch, dst),
+      sh.sent_at = Clock::now();
+      sh.done = server.transport->Submit(GatheredBatch(ctx.call.batch.layer, sh.batch, dst),
                                          ctx.recv.data() + sh.host_offset * H, ctx.deadline);
     }
   }
@@ -1043,7 +1043,7 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
 // predicted experts; lru/lfru admit this call's misses.
 absl::Status LayerDispatcher::StartAdmissions(int ticket) {
   Impl& m = *impl_;
-  Context& ctx = m.contexts[ticket];
+  InFlightCall& ctx = m.contexts[ticket];
   const int layer = ctx.call.batch.layer;
   if (planner_.admission() != nullptr && host_ != nullptr && config_.copy_mode != CopyMode::kAlways) {
     const PredictionQuality before = planner_.admission()->predictor().quality(layer);
@@ -1074,7 +1074,7 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
 absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const ExpertGroups& groups, int g,
                                                         int buffer) {
   Impl& m = *impl_;
-  Context& ctx = m.contexts[ticket];
+  InFlightCall& ctx = m.contexts[ticket];
   const int layer = ctx.call.batch.layer, expert = groups.expert[g];
   int ti = -1;
   uint64_t after = 0;
@@ -1108,13 +1108,13 @@ absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const Expert
 // Gives back everything a failed call holds; its output is discarded.
 void LayerDispatcher::Abort(int ticket) {
   Impl& m = *impl_;
-  Context& ctx = m.contexts[ticket];
+  InFlightCall& ctx = m.contexts[ticket];
   ctx.copy_fences.clear();
-  for (Shipment& sh : ctx.shipments) {
+  for (SentBatch& sh : ctx.sent) {
     if (sh.done.valid()) sh.done.wait();
     if (sh.staged) m.servers[sh.batch.server].transport->Release(sh.stage);
   }
-  ctx.shipments.clear();
+  ctx.sent.clear();
   (void)backend_->FinishCall(ticket, nullptr, ctx.call.kind);
   ctx.busy = false;
 }
@@ -1123,7 +1123,7 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   Impl& m = *impl_;
   if (ticket < 0 || ticket >= static_cast<int>(m.contexts.size()) || !m.contexts[ticket].busy)
     return absl::InvalidArgumentError(absl::StrCat("ticket: ", ticket, " is not a call in flight"));
-  Context& ctx = m.contexts[ticket];
+  InFlightCall& ctx = m.contexts[ticket];
   const Clock::time_point t0 = Clock::now();
   uint64_t last_fence = 0;
   const absl::Status result = AddPartials(ticket, &last_fence);
@@ -1134,12 +1134,12 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   if (!fin.ok() && last_fence != 0) (void)backend_->WaitCompute(last_fence);
   // The engine's later work on its stream sees the output.
   if (absl::Status sig = backend_->SignalStream(ctx.call.stream); fin.ok()) fin = sig;
-  for (Shipment& sh : ctx.shipments) {
+  for (SentBatch& sh : ctx.sent) {
     if (sh.done.valid()) sh.done.wait();  // failed-early calls: nothing may still write
     if (sh.staged) m.servers[sh.batch.server].transport->Release(sh.stage);
     sh.staged = false;
   }
-  ctx.shipments.clear();
+  ctx.sent.clear();
   ctx.busy = false;
   const Clock::time_point end = Clock::now();
   // The copies the call computed from (all done: FinishCall waited for the
@@ -1156,15 +1156,15 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   return fin;
 }
 
-// Waits for every shipment of the call (failing over those whose server
+// Waits for every sent batch of the call (failing over those whose server
 // failed) and adds the servers' partial sums; *last_fence: the fence after
 // the last AddRows.
 absl::Status LayerDispatcher::AddPartials(int ticket, uint64_t* last_fence) {
   Impl& m = *impl_;
-  Context& ctx = m.contexts[ticket];
+  InFlightCall& ctx = m.contexts[ticket];
   int timed_server = -1;
-  for (size_t i = 0; i < ctx.shipments.size(); ++i) {
-    Shipment& sh = ctx.shipments[i];
+  for (size_t i = 0; i < ctx.sent.size(); ++i) {
+    SentBatch& sh = ctx.sent[i];
     // The first batch a server got in this call is timed for the cost model
     // (later ones queue behind it); one already answered bounds it from above.
     const bool timed = sh.batch.server != timed_server;
@@ -1174,7 +1174,7 @@ absl::Status LayerDispatcher::AddPartials(int ticket, uint64_t* last_fence) {
     // only briefly (a core more would compete with the server's pool).
     absl::Status st = AwaitResult(sh.done);
     if (timed && st.ok())
-      planner_.rates().ObserveCpu(sh.batch.experts, sh.batch.pairs, Seconds(Clock::now() - sh.sent), ready);
+      planner_.rates().ObserveCpu(sh.batch.experts, sh.batch.pairs, Seconds(Clock::now() - sh.sent_at), ready);
     const bf16_t* partial = sh.staged ? sh.stage.output : ctx.recv.data() + sh.host_offset * spec_.hidden;
     if (st.ok()) {
       Server& sv = m.servers[sh.batch.server];
@@ -1191,7 +1191,7 @@ absl::Status LayerDispatcher::AddPartials(int ticket, uint64_t* last_fence) {
   return absl::OkStatus();
 }
 
-// Shipment `index` of the call failed with `st`. A server failure
+// SentBatch `index` of the call failed with `st`. A server failure
 // (UNAVAILABLE / DEADLINE_EXCEEDED / ...) moves it to another server hosting
 // every expert of the batch, while the deadline allows, else computes it on
 // the device from host copies (copy_fallback), else is UNAVAILABLE; any other
@@ -1199,8 +1199,8 @@ absl::Status LayerDispatcher::AddPartials(int ticket, uint64_t* last_fence) {
 // is. On OK *partial is the output to add, null when computed on the device.
 absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st, const bf16_t** partial) {
   Impl& m = *impl_;
-  Context& ctx = m.contexts[ticket];
-  Shipment& sh = ctx.shipments[index];
+  InFlightCall& ctx = m.contexts[ticket];
+  SentBatch& sh = ctx.sent[index];
   const int H = spec_.hidden;
   // An operator must see a failover: logged once per server state change
   // (and again when it answers: AddPartials); each one is counted in
@@ -1227,7 +1227,7 @@ absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st
       bf16_t* dst = ctx.send.data() + sh.host_offset * H;
       MOE_RETURN_IF_ERROR(Gather(ticket, sh.batch.rows, dst));
       bf16_t* out = ctx.recv.data() + sh.host_offset * H;
-      sh.done = m.servers[next].transport->Submit(ShipmentBatch(ctx.call.batch.layer, sh.batch, dst), out,
+      sh.done = m.servers[next].transport->Submit(GatheredBatch(ctx.call.batch.layer, sh.batch, dst), out,
                                                   ctx.deadline);
       st = AwaitResult(sh.done);
       *partial = out;
@@ -1244,7 +1244,7 @@ absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st
     }
     if (host_ != nullptr && config_.copy_fallback && !m.temp_fence.empty()) {
       announce(m.servers[sh.batch.server], st, "the device (copies from the host copy)");
-      MOE_RETURN_IF_ERROR(ComputeShipmentOnDevice(ticket, sh.batch));
+      MOE_RETURN_IF_ERROR(ComputeServerBatchOnDevice(ticket, sh.batch));
       ctx.stats.cpu_pairs -= sh.batch.pairs;  // computed on the device instead
       *partial = nullptr;                     // nothing to add
       return absl::OkStatus();
@@ -1270,7 +1270,7 @@ int LayerDispatcher::OtherServerFor(const ServerBatch& b, Clock::time_point now)
 }
 
 // A failed server batch computed on the device, expert by expert, from host copies.
-absl::Status LayerDispatcher::ComputeShipmentOnDevice(int ticket, const ServerBatch& b) {
+absl::Status LayerDispatcher::ComputeServerBatchOnDevice(int ticket, const ServerBatch& b) {
   ExpertGroups& groups = impl_->failover_groups;
   GroupByExpert(RoutingView{b.n, b.k, b.ids.data(), b.weights.data()}, spec_.num_experts, 1, &groups);
   for (int32_t& t : groups.token)

@@ -268,11 +268,11 @@ class LayerDispatcher {
   absl::Status ComputeCopies(int ticket);
   absl::Status StartAdmissions(int ticket);
   absl::StatusOr<uint64_t> ComputeCopied(int ticket, const ExpertGroups& groups, int g, int buffer);
-  // Complete: the partial sums, and failover of a failed shipment.
+  // Complete: the partial sums, and failover of a failed sent batch.
   absl::Status AddPartials(int ticket, uint64_t* last_fence);
   absl::Status FailOver(int ticket, size_t index, absl::Status st, const bf16_t** partial);
   int OtherServerFor(const ServerBatch& batch, Clock::time_point now) const;
-  absl::Status ComputeShipmentOnDevice(int ticket, const ServerBatch& batch);
+  absl::Status ComputeServerBatchOnDevice(int ticket, const ServerBatch& batch);
   void Abort(int ticket);
   // Capturable calls: republishes every expert's route after server `index`
   // was drained, enabled or connected (channel_of: the first enabled server

@@ -1,9 +1,11 @@
 // core: bf16/f16 conversions, model specs from config.json, expert naming,
 // synthetic models and checkpoints, model sources, routing, reference MoE.
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <sstream>
 
 #include "core/bf16.h"
 #include "core/flags.h"
@@ -359,6 +361,156 @@ TEST(Flags, IndexLists) {
   EXPECT_FALSE(ParseIndexList("3-12", 10, "layers").ok());
   EXPECT_FALSE(ParseIndexList("x", 10, "layers").ok());
   EXPECT_NE(ParseIndexList("5-3", 10, "experts").status().message().find("--experts"), std::string::npos);
+}
+
+// The flags of the FlagSet tests below, registered on `f`.
+struct TestFlags {
+  std::string name = "a";
+  int64_t count = 4;
+  double ratio = 0.5;
+  bool fast = false, share = true;
+
+  explicit TestFlags(FlagSet& f) {
+    f.String("name", &name, "a string");
+    f.Int("count", &count, "an integer");
+    f.Double("ratio", &ratio, "a double");
+    f.Bool("fast", &fast, "off by default");
+    f.Bool("share", &share, "on by default");
+  }
+};
+
+// f.Parse of "prog ARGS...".
+std::vector<std::string> ParseArgs(FlagSet& f, std::vector<std::string> args) {
+  std::string prog = "prog";
+  std::vector<char*> argv = {prog.data()};
+  for (std::string& a : args) argv.push_back(a.data());
+  return f.Parse(static_cast<int>(argv.size()), argv.data());
+}
+
+// Writes `text` to DIR/name and returns the path.
+std::string WriteFile(const testing::TempDir& dir, const std::string& name, const std::string& text) {
+  const std::string path = dir.path() + "/" + name;
+  std::ofstream(path) << text;
+  return path;
+}
+
+TEST(Flags, ValuesBooleansAndPositionals) {
+  FlagSet f("prog", "[flags] ARGS");
+  TestFlags v(f);
+  const std::vector<std::string> rest =
+      ParseArgs(f, {"one", "--name=x", "--count", "-7", "--ratio", "0.25", "--fast", "two", "--count=010", "-5",
+                    "--", "--share=false"});
+  EXPECT_EQ(v.name, "x");
+  EXPECT_EQ(v.count, 10);  // the last one counts; decimal, not octal
+  EXPECT_EQ(v.ratio, 0.25);
+  EXPECT_TRUE(v.fast);
+  EXPECT_TRUE(v.share);  // after "--": a positional
+  EXPECT_EQ(rest, std::vector<std::string>({"one", "two", "-5", "--share=false"}));
+
+  FlagSet g("prog", "");
+  TestFlags w(g);
+  EXPECT_TRUE(ParseArgs(g, {"--name=", "--fast=false", "--share=yes"}).empty());
+  EXPECT_EQ(w.name, "");  // "--name=" is empty, it does not take the next argument
+  EXPECT_FALSE(w.fast);
+  EXPECT_TRUE(w.share);
+}
+
+TEST(Flags, NoNameTurnsABooleanOff) {
+  FlagSet f("prog", "");
+  TestFlags v(f);
+  ParseArgs(f, {"--no-share", "--fast", "--no-fast"});
+  EXPECT_FALSE(v.share);
+  EXPECT_FALSE(v.fast);
+  FlagSet g("prog", "");
+  TestFlags w(g);
+  ParseArgs(g, {"--no-fast", "--fast"});
+  EXPECT_TRUE(w.fast);
+}
+
+TEST(Flags, CommandLineWinsOverConfigWhateverTheOrder) {
+  testing::TempDir dir;
+  const std::string config = WriteFile(
+      dir, "c.json", R"({"name": "file", "count": 9, "ratio": 2, "fast": true, "no-share": true})");
+  FlagSet f("prog", "");
+  TestFlags v(f);
+  ParseArgs(f, {"--count=1", "--config", config, "--name", "cli"});
+  EXPECT_EQ(v.name, "cli");
+  EXPECT_EQ(v.count, 1);
+  EXPECT_EQ(v.ratio, 2.0);
+  EXPECT_TRUE(v.fast);
+  EXPECT_FALSE(v.share);
+  FlagSet g("prog", "");
+  TestFlags w(g);
+  ParseArgs(g, {"--config=" + config, "--no-fast", "--share"});
+  EXPECT_EQ(w.name, "file");
+  EXPECT_EQ(w.count, 9);
+  EXPECT_FALSE(w.fast);
+  EXPECT_TRUE(w.share);
+}
+
+TEST(Flags, BadConfigFilesExit2WithOneLine) {
+  testing::TempDir dir;
+  const std::string unknown = WriteFile(dir, "unknown.json", R"({"count": 2, "bogus": 1})");
+  const std::string array = WriteFile(dir, "array.json", "[1, 2]");
+  const std::string bad_value = WriteFile(dir, "bad.json", R"({"count": "many"})");
+  const auto parse = [](const std::vector<std::string>& args) {
+    FlagSet f("prog", "");
+    TestFlags v(f);
+    ParseArgs(f, args);
+  };
+  EXPECT_EXIT(parse({"--config", unknown}), ::testing::ExitedWithCode(2),
+              "^prog: --config .*/unknown.json: unknown flag 'bogus'\n$");
+  EXPECT_EXIT(parse({"--config", array}), ::testing::ExitedWithCode(2),
+              "^prog: --config .*/array.json: not a JSON object\n$");
+  EXPECT_EXIT(parse({"--config", dir.path() + "/none.json"}), ::testing::ExitedWithCode(2),
+              "^prog: --config: cannot read '.*/none.json'\n$");
+  EXPECT_EXIT(parse({"--config="}), ::testing::ExitedWithCode(2), "^prog: --config: cannot read ''\n$");
+  EXPECT_EXIT(parse({"--config", bad_value}), ::testing::ExitedWithCode(2),
+              "^prog: --count: not an integer: 'many'\n$");
+}
+
+TEST(Flags, BadCommandLinesExit2WithOneLine) {
+  const auto parse = [](const std::vector<std::string>& args) {
+    FlagSet f("prog", "");
+    TestFlags v(f);
+    ParseArgs(f, args);
+  };
+  EXPECT_EXIT(parse({"--count=abc"}), ::testing::ExitedWithCode(2), "^prog: --count: not an integer: 'abc'\n$");
+  EXPECT_EXIT(parse({"--count", "1.5"}), ::testing::ExitedWithCode(2), "^prog: --count: not an integer: '1.5'\n$");
+  EXPECT_EXIT(parse({"--ratio=x"}), ::testing::ExitedWithCode(2), "^prog: --ratio: not a number: 'x'\n$");
+  EXPECT_EXIT(parse({"--fast=maybe"}), ::testing::ExitedWithCode(2), "^prog: --fast: not a boolean: 'maybe'\n$");
+  EXPECT_EXIT(parse({"--bogus=1"}), ::testing::ExitedWithCode(2), "^prog: unknown flag --bogus \\(see --help\\)\n$");
+  EXPECT_EXIT(parse({"-q"}), ::testing::ExitedWithCode(2), "^prog: unknown flag -q \\(see --help\\)\n$");
+  EXPECT_EXIT(parse({"--fast", "--count"}), ::testing::ExitedWithCode(2), "^prog: --count needs a value\n$");
+  for (const char* help : {"--help", "-h"}) {
+    EXPECT_EXIT((std::freopen("/dev/null", "w", stdout), parse({help})), ::testing::ExitedWithCode(0), "^$");
+  }
+}
+
+TEST(Flags, HelpShowsEveryFlagWithItsDefaultAndWrapsLongHelp) {
+  FlagSet f("prog", "[flags] FILE");
+  TestFlags v(f);
+  std::string long_help;
+  for (int i = 0; i < 30; ++i) long_help += "word" + std::to_string(i) + " ";
+  int64_t big = 7;
+  f.Int("big", &big, long_help);
+  std::string pre_wrapped = "x";
+  f.String("pre-wrapped", &pre_wrapped, "alpha beta\n      gamma\n\nnext paragraph");
+  const std::string text = f.HelpText();
+  EXPECT_EQ(text.rfind("Usage: prog [flags] FILE\n", 0), 0u) << text;
+  for (const char* line : {"  --name TEXT  (default: a)\n      a string\n", "  --count INT  (default: 4)\n",
+                           "  --ratio FLOAT  (default: 0.5)\n", "  --fast, --no-fast  (default: false)\n",
+                           "  --share, --no-share  (default: true)\n", "  --config FILE\n", "  -h, --help\n",
+                           "      alpha beta gamma\n\n      next paragraph\n"})
+    EXPECT_NE(text.find(line), std::string::npos) << line << "\n" << text;
+  std::istringstream lines(text);
+  int help_lines = 0;
+  for (std::string line; std::getline(lines, line);) {
+    EXPECT_LE(line.size(), 80u) << line;
+    help_lines += line.find("word") != std::string::npos;
+  }
+  EXPECT_GE(help_lines, 3) << text;
+  EXPECT_NE(text.find("word29"), std::string::npos);
 }
 
 }  // namespace

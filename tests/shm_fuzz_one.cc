@@ -16,7 +16,7 @@ int ShmFuzzOne(const uint8_t* data, size_t size) {
   auto* buf = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
   absl::StatusOr<Segment> server = Segment::Create(buf, g.total_bytes, H, T, K, S);
   if (!server.ok()) __builtin_trap();
-  const SlotView s0 = server->slot(0);
+  const RequestSlot s0 = server->slot(0);
   WriteRequestHeader(s0, 7, 1, T, K);
   for (uint32_t i = 0; i < T * K; ++i) {
     s0.ids[i] = static_cast<int32_t>(i % kExperts);

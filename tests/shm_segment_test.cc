@@ -74,7 +74,7 @@ std::optional<uint32_t> PopOrWait(Pop pop, std::atomic<uint32_t>& bell, Clock::t
   }
 }
 
-void FillValidRequest(const SlotView& s, uint32_t n, uint32_t k, int num_experts) {
+void FillValidRequest(const RequestSlot& s, uint32_t n, uint32_t k, int num_experts) {
   WriteRequestHeader(s, 42, 0, n, k);
   for (uint32_t t = 0; t < n; ++t)
     for (uint32_t j = 0; j < k; ++j) {
@@ -129,7 +129,7 @@ TEST(ShmSegment, CreateAndAttachShareMemory) {
   Pair p;
   ASSERT_NE(p.server_map, p.client_map);
   EXPECT_EQ(p.client.geometry(), p.server.geometry());
-  const SlotView c = p.client.slot(3), s = p.server.slot(3);
+  const RequestSlot c = p.client.slot(3), s = p.server.slot(3);
   FillValidRequest(c, 5, 2, 16);
   EXPECT_EQ(s.header->n_tokens, 5u);
   EXPECT_EQ(s.ids[3], c.ids[3]);
@@ -306,7 +306,7 @@ TEST(ShmSegment, TwoProcesses) {
     if (m == MAP_FAILED) _exit(10);
     absl::StatusOr<Segment> c = Segment::Attach(m, mem.bytes(), H);
     if (!c.ok()) _exit(11);
-    const SlotView s = c->slot(kSlot);
+    const RequestSlot s = c->slot(kSlot);
     FillValidRequest(s, kN, kK, kExperts);
     if (!c->TryPushSubmit(kSlot)) _exit(12);
     Ring(c->request_doorbell());
@@ -330,7 +330,7 @@ TEST(ShmSegment, TwoProcesses) {
     EXPECT_EQ(*idx, kSlot);
     EXPECT_EQ(req.n_tokens, int{kN});
     EXPECT_EQ(req.k, int{kK});
-    const SlotView s = server->slot(*idx);
+    const RequestSlot s = server->slot(*idx);
     for (int i = 0; i < req.n_tokens * int{H}; ++i) s.output[i] = F32ToBf16(2.0f * Bf16ToF32(s.tokens[i]));
     WriteResponseStatus(s, absl::OkStatus());
     served = server->TryPushComplete(*idx);
@@ -396,7 +396,7 @@ TEST(ShmAttach, RejectsBadHeaders) {
 TEST(ShmValidate, RequestSlot) {
   Pair p;
   constexpr int kExperts = 16, kLayers = 2;
-  const SlotView s = p.client.slot(2);
+  const RequestSlot s = p.client.slot(2);
   ValidatedRequest req;
   auto check = [&](const char* want) {
     const absl::Status st = ValidateRequestSlot(p.server, 2, kExperts, kLayers, &req);
@@ -448,7 +448,7 @@ TEST(ShmValidate, RequestSlot) {
 
 TEST(ShmValidate, ResponseSlotAndIndex) {
   Pair p;
-  const SlotView s = p.server.slot(1);
+  const RequestSlot s = p.server.slot(1);
   ValidatedResponse resp;
   WriteRequestHeader(s, 77, 0, 1, 1);
   WriteResponseStatus(s, absl::ResourceExhaustedError(std::string(500, 'x')));

@@ -500,7 +500,7 @@ TEST_F(ShmPollingTest, DeviceRingRequestsNeedNoWakeUp) {
   // Push one request as the GPU does (no RingRequest), wait for its answer.
   auto device_round_trip = [&]() -> Clock::duration {
     const uint32_t slot = rings->first_slot + static_cast<uint32_t>(index % rings->slots);
-    const shm::SlotView v = seg.slot(slot);
+    const shm::RequestSlot v = seg.slot(slot);
     const Batch b = MakeBatch(3, 2, 40 + index);
     std::memcpy(v.tokens, b.x.data(), b.x.size() * sizeof(bf16_t));
     std::memcpy(v.ids, b.ids.data(), b.ids.size() * 4);

@@ -163,10 +163,10 @@ absl::StatusOr<Segment> Segment::Attach(void* base, size_t bytes, uint32_t expec
   return Segment(static_cast<uint8_t*>(base), g, ExpertSlice{static_cast<int>(si), static_cast<int>(sc)});
 }
 
-SlotView Segment::slot(uint32_t index) const {
+RequestSlot Segment::slot(uint32_t index) const {
   assert(index < geo_.num_slots);
   uint8_t* s = base_ + geo_.slots_offset + (index & (geo_.num_slots - 1)) * geo_.slot_stride;
-  return SlotView{reinterpret_cast<SlotHeader*>(s), reinterpret_cast<bf16_t*>(s + geo_.tokens_offset),
+  return RequestSlot{reinterpret_cast<SlotHeader*>(s), reinterpret_cast<bf16_t*>(s + geo_.tokens_offset),
                   reinterpret_cast<int32_t*>(s + geo_.ids_offset), reinterpret_cast<float*>(s + geo_.weights_offset),
                   reinterpret_cast<bf16_t*>(s + geo_.output_offset)};
 }
@@ -276,7 +276,7 @@ bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::stead
   }
 }
 
-void WriteRequestHeader(const SlotView& s, uint64_t request_id, uint32_t layer, uint32_t n_tokens, uint32_t k) {
+void WriteRequestHeader(const RequestSlot& s, uint64_t request_id, uint32_t layer, uint32_t n_tokens, uint32_t k) {
   s.header->request_id = request_id;
   s.header->layer = layer;
   s.header->n_tokens = n_tokens;
@@ -285,7 +285,7 @@ void WriteRequestHeader(const SlotView& s, uint64_t request_id, uint32_t layer, 
   s.header->message_len = 0;
 }
 
-void WriteResponseStatus(const SlotView& s, const absl::Status& status) {
+void WriteResponseStatus(const RequestSlot& s, const absl::Status& status) {
   const size_t len = std::min<size_t>(status.message().size(), kMaxMessageLen);
   if (len > 0) std::memcpy(s.header->message, status.message().data(), len);
   s.header->message_len = static_cast<uint32_t>(len);
@@ -296,7 +296,7 @@ absl::Status ValidateRequestSlot(const Segment& seg, uint32_t slot, int num_expe
                                  ValidatedRequest* out, const std::function<bool(int)>& hosted) {
   MOE_RETURN_IF_ERROR(seg.ValidateSlotIndex(slot));
   const SegmentGeometry& g = seg.geometry();
-  const SlotView v = seg.slot(slot);
+  const RequestSlot v = seg.slot(slot);
   const uint64_t request_id = ReadOnce(v.header->request_id);
   const uint32_t layer = ReadOnce(v.header->layer), n = ReadOnce(v.header->n_tokens), k = ReadOnce(v.header->k);
   if (n == 0) return absl::InvalidArgumentError("n_tokens: empty batch (0 tokens)");

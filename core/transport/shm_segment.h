@@ -150,7 +150,7 @@ absl::Status ValidateGeometryArgs(uint32_t hidden, uint32_t max_tokens, uint32_t
 // limits nothing overflows).
 SegmentGeometry Geometry(uint32_t hidden, uint32_t max_tokens, uint32_t max_pairs, uint32_t num_slots);
 
-struct SlotView {
+struct RequestSlot {
   SlotHeader* header = nullptr;
   bf16_t* tokens = nullptr;   // [T,H]
   int32_t* ids = nullptr;     // [T,K]
@@ -179,7 +179,7 @@ class Segment {
   SegmentHeader* header() const { return reinterpret_cast<SegmentHeader*>(base_); }
 
   // Precondition: index < num_slots() (checked by assert; masked otherwise).
-  SlotView slot(uint32_t index) const;
+  RequestSlot slot(uint32_t index) const;
   // InvalidArgument unless index < num_slots(); use on every popped index.
   absl::Status ValidateSlotIndex(uint32_t index) const;
 
@@ -245,9 +245,9 @@ bool WaitDoorbell(std::atomic<uint32_t>& word, uint32_t seen, std::chrono::stead
 std::chrono::nanoseconds DeviceNap(std::chrono::nanoseconds idle, std::chrono::nanoseconds poll);
 
 // Slot header writers (plain stores; publish by pushing the index).
-void WriteRequestHeader(const SlotView& s, uint64_t request_id, uint32_t layer, uint32_t n_tokens, uint32_t k);
+void WriteRequestHeader(const RequestSlot& s, uint64_t request_id, uint32_t layer, uint32_t n_tokens, uint32_t k);
 // Writes code and message (truncated to kMaxMessageLen).
-void WriteResponseStatus(const SlotView& s, const absl::Status& status);
+void WriteResponseStatus(const RequestSlot& s, const absl::Status& status);
 
 // A request header and routing copied out of shared memory and validated.
 // The tokens stay in the slot (a racing client only garbles its own result).

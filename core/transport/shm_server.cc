@@ -228,7 +228,7 @@ bool ShmServer::ServeSlot(Connection* c, uint32_t idx, bool device, shm::Validat
     LogWarning("shm", "client wrote slot index ", idx, " out of range; dropping it");
     return false;
   }
-  const shm::SlotView slot = seg.slot(idx);
+  const shm::RequestSlot slot = seg.slot(idx);
   const Clock::time_point t0 = opt_.on_request ? Clock::now() : Clock::time_point();
   absl::Status st = shm::ValidateRequestSlot(seg, idx, opt_.num_experts, opt_.num_layers, req, opt_.hosted);
   const bool valid = st.ok();

@@ -112,7 +112,7 @@ class ShmTransport final : public ExpertTransport {
     if (c->dead.load()) return absl::UnavailableError(absl::StrCat("expert server on ", path_, " is gone"));
     const uint32_t slot = c->free_slots.back();
     c->free_slots.pop_back();
-    const shm::SlotView v = c->seg->slot(slot);
+    const shm::RequestSlot v = c->seg->slot(slot);
     const uint64_t handle = (c->generation << 32) | slot;
     staged_[handle] = StagedSlot{c, slot, n, k, false, false};
     return StagingArea{v.tokens, v.ids, v.weights, v.output, n, k, handle};
@@ -200,7 +200,7 @@ class ShmTransport final : public ExpertTransport {
       c->free_slots.pop_back();
       const int t0 = ch * T, n = std::min(T, b.n - t0);
       batch.slots.push_back({slot, t0, n});
-      const shm::SlotView v = c->seg->slot(slot);
+      const shm::RequestSlot v = c->seg->slot(slot);
       std::memcpy(v.tokens, b.tokens + size_t(t0) * opt_.hidden, size_t(n) * opt_.hidden * 2);
       std::memcpy(v.ids, b.routing.ids + size_t(t0) * b.routing.k, size_t(n) * b.routing.k * 4);  // [n, k] row-major
       std::memcpy(v.weights, b.routing.weights + size_t(t0) * b.routing.k, size_t(n) * b.routing.k * 4);
