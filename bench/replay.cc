@@ -32,7 +32,8 @@ double PolicyResult::LayerRate(int l) const { return pairs[l] ? double(hits[l]) 
 
 const std::vector<std::string>& ReplayPolicies() {
   static const std::vector<std::string> names = {"default", "lru",    "lfu",         "lfru",   "coordinator",
-                                                 "oracle",  "belady", "best-static", "ceiling"};
+                                                 "oracle",  "belady", "best-static", "best-static-cold",
+                                                 "ceiling"};
   return names;
 }
 
@@ -474,8 +475,10 @@ absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c
   if (name == "coordinator") return ReplayCoordinator(t, c);
   if (name == "oracle") return ReplayOracle(t, c);
   if (name == "belady") return ReplayBelady(t, c);
-  if (name == "best-static") {
-    // The best fixed set per layer in hindsight, resident from the start.
+  if (name == "best-static" || name == "best-static-cold") {
+    // The best fixed set per layer in hindsight, resident from the start; or
+    // (cold) each member from the step after its first use: what learning
+    // the set from the trace itself costs at least (no copy is priced).
     std::vector<std::vector<bool>> sets;
     for (int l = 0; l < t.num_layers; ++l) {
       std::vector<uint64_t> counts(t.num_experts, 0);
@@ -483,7 +486,14 @@ absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c
         for (const ExpertAccess& a : s[l]) counts[a.expert] += a.pairs;
       sets.push_back(TopC(counts, c.slots));
     }
-    return ReplayOffline(t, c, name, [&](size_t, int l, std::vector<bool>* held) { *held = sets[l]; });
+    if (name == "best-static")
+      return ReplayOffline(t, c, name, [&](size_t, int l, std::vector<bool>* held) { *held = sets[l]; });
+    std::vector<std::vector<bool>> seen(t.num_layers, std::vector<bool>(t.num_experts, false));
+    return ReplayOffline(t, c, name, [&](size_t s, int l, std::vector<bool>* held) {
+      held->assign(t.num_experts, false);
+      for (int e = 0; e < t.num_experts; ++e) (*held)[e] = sets[l][e] && seen[l][e];
+      for (const ExpertAccess& a : t.steps[s][l]) seen[l][a.expert] = true;  // after this run
+    });
   }
   if (name == "ceiling") {
     std::vector<uint64_t> counts(t.num_experts);

@@ -6,7 +6,8 @@
 // default (what the worker does by default: ExpertCache in `predictive` mode
 // driven by gpu_worker's AdmissionPolicy + ExpertPredictor, the same code the
 // dispatcher runs), belady (demand-admission optimum, bench/belady.h),
-// best-static (the best fixed set per layer in hindsight) and ceiling.
+// best-static (the best fixed set per layer in hindsight), best-static-cold
+// (that set, each member resident only after its first use) and ceiling.
 //
 // Time model (per step, layers in order): layer l lasts step_seconds/L (the
 // device's part: attention, hit experts) plus the CPU's misses, priced as

@@ -225,6 +225,26 @@ TEST(Replay, DefaultBeatsBaselinesOnRecordedOlmoeTrace) {
   }
 }
 
+// best-static-cold holds the same set as best-static, each member only after
+// the step that first used it: on a trace whose steps use experts 0, 1, 0, 1,
+// ... (one slot) best-static holds 0 from the start; cold misses step 0 too.
+TEST(Replay, BestStaticColdMissesEachMembersFirstUse) {
+  RoutingTrace t;
+  t.num_layers = 1;
+  t.num_experts = 4;
+  t.top_k = 1;
+  for (int s = 0; s < 10; ++s) t.steps.push_back({{ExpertAccess{s % 2 == 0 ? 0 : 1, 1}}});
+  t.steps.push_back({{ExpertAccess{0, 1}}});  // expert 0: 6 uses, expert 1: 5
+  ReplayConfig c;
+  c.slots = 1;
+  c.expert_bytes = 1000;
+  absl::StatusOr<PolicyResult> hot = Replay(t, c, "best-static"), cold = Replay(t, c, "best-static-cold");
+  ASSERT_TRUE(hot.ok() && cold.ok());
+  EXPECT_EQ(hot->TotalHits(), 6u);
+  EXPECT_EQ(cold->TotalHits(), 5u);  // step 0 is expert 0's first use
+  EXPECT_EQ(cold->TotalPairs(), 11u);
+  EXPECT_GT(cold->model_seconds, hot->model_seconds);
+}
 
 // Rates measured by moe_layer drive the step model: the CPU curve is scaled to
 // the trace's expert size, a missed expert costs at least its DRAM time, and a
