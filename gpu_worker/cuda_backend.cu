@@ -69,13 +69,11 @@ namespace {
 // Groups with more rows than this run through cuBLAS; up to it, the grouped
 // kernels (measured faster than cuBLAS up to 64 rows, see above).
 constexpr int kGemmMinRows = 64;
-// The same for int8 / int4 buffers: the packed kernels run on CUDA cores,
-// 8 rows per pass, re-reading the weights (from L2) for each pass; above this
-// a group is dequantized into bf16 once and goes to cuBLAS. On the H100 with
-// DeepSeek-V3 experts the packed kernels took 2.2 ms for 32 experts x 8 rows
-// and 4.4 at 16, the dequantize + cuBLAS path 5.0 (int8) / 3.2 ms (int4) for
-// 32 experts at any row count (bench/RESULTS.md, stop 14).
-constexpr int kPackedGemmMinRows = 16;
+// The same for int8 / int4 buffers: up to this the packed kernels run from
+// the packed bytes on tensor cores (64 rows per pass); above it a group is
+// dequantized into bf16 once and goes to cuBLAS (bench/gpu_experts,
+// bench/RESULTS.md).
+constexpr int kPackedGemmMinRows = 64;
 // Rows of one cuBLAS piece; bounds the GEMM scratch to
 // kGemmChunkRows * (H * 2 + max(2I, H) * 4) bytes.
 constexpr int kGemmChunkRows = 2048;

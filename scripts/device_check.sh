@@ -11,8 +11,9 @@
 #   quant                 issue 12 point 6 (~2-4 min): expert_kernels --formats=bf16,int8,int4 on the qwen3-30b-a3b
 #                         shape (short timing: 0.2 s per case), then moe_layer qwen3-30b-a3b (16 layers, T=1,8,
 #                         cache 0,25%, 3 runs, ours) with the server storing bf16, int8, then int4 experts
-#   gpu_quant             the cuda backend's grouped kernels at bf16 / int8 / int4 cache formats
-#                         (DISABLED_DecodeThroughput, DeepSeek-V3 experts): us per call, GB/s of stored weights
+#   gpu_quant ARGS        bench/gpu_experts ARGS: the cuda backend's hit experts at bf16 / int8 / int4 cache
+#                         formats, 1-128 rows per expert (DeepSeek-V3 and Qwen3-30B-A3B experts, 32 per call)
+#                         vs HBM and cuBLAS's GEMM rate, then GPU<->host row transfers (takes the rest of the line)
 #   planner_decode        issue 21: moe_layer qwen3-30b-a3b (16 layers, bf16) decode T=1,8,32 at 25% cache, 3 runs,
 #                         ours vs ours-cpu vs copy-all vs the floor
 #   planner_prompt DTYPE  issue 21: moe_layer qwen3-30b-a3b (16 layers, --weight-dtype DTYPE) prompts of 512 and
@@ -96,11 +97,9 @@ while [[ $# -gt 0 ]]; do
         moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 --modes=ours --weight-dtype=int8 \
         moe_layer qwen3-30b-a3b --layers=16 --batches=1,8 --cache=0,25 --runs=3 --modes=ours --weight-dtype=int4 ;;
     gpu_quant)
-      # issue 12 point 4: the cuda backend's grouped kernels per cache format (DeepSeek-V3 experts, 32 per call)
-      for f in cuda cuda_int8 cuda_int4; do
-        timeout 300 "$B/bin/device_backend_test" --gtest_also_run_disabled_tests \
-          --gtest_filter="*DecodeThroughput/$f" 2>&1 | grep -E "GB/s|FAILED|OK" | tee -a "$OUT/gpu_quant.txt"
-      done ;;
+      # issue 23 point 2: the cuda backend's hit experts per cache format (bench/gpu_experts), ARGS optional
+      timeout 540 "$B/bin/gpu_experts" "$@" 2>&1 | tee -a "$OUT/gpu_quant.txt"
+      set -- ;;
     planner_decode)
       bash "$0" moe_layer qwen3-30b-a3b --layers=16 --batches=1,8,32 --cache=25 --runs=3 \
         --modes=ceiling,ours,ours-cpu,copy-all ;;

@@ -327,6 +327,25 @@ TEST_P(DeviceBackendTest, UnevenGroupsFromRouting) {
   }
 }
 
+// Every group size the grouped kernels take (1 to 64 rows, the packed
+// formats' CUDA-core and tensor-core paths and their passes), on a model-sized
+// K loop and on sizes that are not multiples of 64 (padded chunks).
+TEST_P(DeviceBackendTest, EveryGroupSizeUpTo64Rows) {
+  for (const Geometry& g : {kWide, kTiny}) {
+    ASSERT_NO_FATAL_FAILURE(NewBackend());
+    ASSERT_NO_FATAL_FAILURE(Start(g, 3, /*max_tokens=*/64));
+    for (int rows : {1, 2, 3, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 48, 63, 64}) {
+      Plan p;
+      std::vector<int32_t> a(rows), b(rows);
+      for (int r = 0; r < rows; ++r) a[r] = (r * 5) % 64, b[r] = (r * 7 + 3) % 64;
+      p.AddGroup(0, a, 1);
+      p.AddGroup(2, b, 2);
+      p.AddGroup(1, {rows % 64}, 3);  // a one-row group beside them
+      ExpectMatches(64, {p}, 70 + rows, "groups of " + std::to_string(rows) + " rows");
+    }
+  }
+}
+
 TEST_P(DeviceBackendTest, HandBuiltGroups) {
   ASSERT_NO_FATAL_FAILURE(Start(kTiny, 6));
   const int T = 48;
@@ -656,103 +675,6 @@ TEST_P(DeviceBackendTest, RejectsOutOfRangeInput) {
   EXPECT_FALSE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok()) << "token >= T";
   std::vector<bf16_t> out(4 * kTiny.H);
   EXPECT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
-}
-
-// Not a correctness test: decode-shaped throughput of RunExperts on the GPU,
-// printed. Run on a GPU host with --gtest_also_run_disabled_tests.
-TEST_P(DeviceBackendTest, DISABLED_DecodeThroughput) {
-  if (backend_name_ != "cuda") GTEST_SKIP() << "GPU throughput only";
-  const Geometry g{7168, 2048};  // one DeepSeek-V3 expert: 88 MB in bf16
-  const int buffers = 64, experts = 32;
-  ASSERT_TRUE(backend_->Init(Config(g, buffers, 512)).ok());
-  geometry_ = g;
-  std::vector<Expert> made;
-  for (int i = 0; i < 4; ++i) made.push_back(Make(g, i));
-  for (int b = 0; b < buffers; ++b) {
-    const Expert& e = made[b % 4];
-    absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, e.data(), 0);
-    ASSERT_TRUE(f.ok());
-    ASSERT_TRUE(backend_->WaitCopy(*f).ok());
-  }
-  const int T = 512;
-  const std::vector<bf16_t> x = Input(T, 7);
-  std::vector<bf16_t> out(static_cast<size_t>(T) * g.H);
-  std::vector<int> sizes = {1, 2, 4, 8, 16, 24, 32, 33, 48, 64, 128};
-  if (const char* only = std::getenv("MOE_THROUGHPUT_ROWS")) sizes = {std::atoi(only)};
-  for (int rows_per_expert : sizes) {
-    Plan p;
-    for (int e = 0; e < experts; ++e) {
-      std::vector<int32_t> tokens(rows_per_expert);
-      for (int r = 0; r < rows_per_expert; ++r) tokens[r] = (e * 7 + r * 13) % T;
-      // Rotate over all buffers so consecutive runs do not hit L2.
-      p.AddGroup(e, tokens, e);
-    }
-    ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
-    for (int i = 0; i < 3; ++i) ASSERT_TRUE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok());
-    ASSERT_TRUE(backend_->WaitCompute(backend_->RecordCompute()).ok());
-    const int reps = 20;
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < reps; ++i) {
-      for (int e = 0; e < experts; ++e) p.buffer[e] = (e + (i % 2) * experts) % buffers;
-      ASSERT_TRUE(backend_->RunExperts(0, p.View(backend_->hit_row_align())).ok());
-    }
-    ASSERT_TRUE(backend_->WaitCompute(backend_->RecordCompute()).ok());
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
-    ASSERT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
-    const double bytes = static_cast<double>(made[0].packed_bytes) * experts;
-    std::printf("%s: %d experts x %3d rows: %8.1f us per RunExperts, %7.1f GB/s of stored weights\n",
-                GetParam().c_str(), experts, rows_per_expert, s * 1e6, bytes / s / 1e9);
-  }
-}
-
-// Not a correctness test: latency of moving rows between the GPU and host
-// memory (GatherRows / AddRows, registered vs pageable), printed. Run on a GPU
-// host with --gtest_also_run_disabled_tests; MOE_CUDA_MAPPED_WRITE_MAX_BYTES=0
-// forces the DMA path for registered memory, for comparison.
-TEST_P(DeviceBackendTest, DISABLED_HostTransferLatency) {
-  if (backend_name_ != "cuda") GTEST_SKIP() << "GPU latency only";
-  const Geometry g{7168, 2048};
-  const int T = 256;
-  BackendConfig c;
-  c.hidden = g.H;
-  c.intermediate = g.I;
-  c.num_buffers = 0;
-  c.max_tokens = T;
-  ASSERT_TRUE(backend_->Init(c).ok());
-  geometry_ = g;
-  const size_t n = static_cast<size_t>(T) * g.H;
-  std::vector<bf16_t> registered(2 * n), pageable(2 * n);
-  ASSERT_TRUE(backend_->RegisterHost(registered.data(), registered.size() * sizeof(bf16_t)).ok());
-  const std::vector<bf16_t> x = Input(T, 5);
-  ASSERT_TRUE(backend_->BeginCall(0, T, x.data(), MemoryKind::kHost).ok());
-  std::vector<int32_t> rows(T);
-  std::iota(rows.begin(), rows.end(), 0);
-  auto median_us = [&](auto&& op) {
-    std::vector<double> t;
-    for (int i = 0; i < 30; ++i) {
-      const auto t0 = std::chrono::steady_clock::now();
-      absl::StatusOr<uint64_t> f = op();
-      EXPECT_TRUE(f.ok());
-      EXPECT_TRUE(backend_->WaitCompute(*f).ok());
-      t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0)
-                      .count());
-    }
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-  };
-  for (int rn : {1, 8, 32, 256}) {
-    const double gr = median_us([&] { return backend_->GatherRows(0, rows.data(), rn, registered.data()); });
-    const double gp = median_us([&] { return backend_->GatherRows(0, rows.data(), rn, pageable.data()); });
-    const double ar = median_us([&] { return backend_->AddRows(0, rows.data(), rn, registered.data() + n); });
-    const double ap = median_us([&] { return backend_->AddRows(0, rows.data(), rn, pageable.data() + n); });
-    std::printf("%3d rows (%7zu B): GatherRows %6.1f us registered, %6.1f pageable; "
-                "AddRows %6.1f us registered, %6.1f pageable\n",
-                rn, static_cast<size_t>(rn) * g.H * 2, gr, gp, ar, ap);
-  }
-  std::vector<bf16_t> out(n);
-  ASSERT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
-  backend_->UnregisterHost(registered.data());
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendTest,

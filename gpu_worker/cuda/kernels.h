@@ -98,12 +98,15 @@ cudaError_t LaunchGroupedDown(const GroupedExpertArgs& a, cudaStream_t stream);
 // The grouped kernels for int8 / int4 packed experts: the same contract as
 // LaunchGroupedGateUp / LaunchGroupedDown (a.experts and a.expert_stride are
 // unused; `p` names the packed slots). Weights are read in their packed form
-// (16 bytes per lane per load, dequantized in registers: code * scale, f32
-// accumulation); activations stay bf16 (not quantized). Up to
-// kPackedRowsPerPass rows per pass; bigger groups loop, re-reading the
-// weights, so the backend sends groups above its threshold to cuBLAS after
-// LaunchUnpackExpert.
+// and dequantized in registers; activations stay bf16 (not quantized); f32
+// accumulation. When the largest group has at least kPackedMmaMinRows rows
+// (and H, I are multiples of 8) the codes become bf16 pairs for mma.sync
+// tensor cores, up to 64 rows per pass; otherwise CUDA cores compute
+// code * scale . x for up to kPackedRowsPerPass rows per pass. Bigger groups
+// loop, re-reading the weights, so the backend sends groups above its
+// threshold to cuBLAS after LaunchUnpackExpert.
 inline constexpr int kPackedRowsPerPass = 8;
+inline constexpr int kPackedMmaMinRows = 2;
 cudaError_t LaunchPackedGateUp(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t stream);
 cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t stream);
 

@@ -258,6 +258,228 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 }
 
 
+// ---- tensor-core variant (2 to 64 rows) -----------------------------------
+//
+// mma.sync.m16n8k16 (bf16 in, f32 accumulate) straight from the packed
+// bytes, dequantized in registers: the weights are the A operand (16
+// channels x 16 k), 8 of the group's rows the B operand (16 k x 8 rows). A
+// dot product does not depend on the order of k, nor the output on the
+// order of the mma's rows, so both are permuted to fit the packed layout:
+//   - mma row i is channel 2i (i < 8) or 2(i - 8) + 1 of the block, so lane
+//     (gid, tig) holds channels 2 gid and 2 gid + 1: 8 adjacent bytes of a
+//     chunk row (one 8-byte load for both);
+//   - int8: k-step s of a 64-k chunk takes chunk rows 4s .. 4s + 3, lane tig
+//     row 4s + tig, whose 4 bytes per channel are k = 16s + 4tig + {0..3};
+//     they fill the lane's k slots {2tig, 2tig+1} and {2tig+8, 2tig+9}, and
+//     the rows' activations at the same k are one 8-byte load;
+//   - int4: a byte row holds tile rows 2i (low nibbles) and 2i+1 (high):
+//     k-steps 2h and 2h+1 share byte row 4h + tig (low, then high nibbles),
+//     k = 32h + 8tig + {0..3} and + {4..7}: one 16-byte activation load.
+// A warp's weight load of one k-step reads 256 contiguous bytes. Codes
+// become f32 (byte_perm into 2^23's mantissa, one subtract) and bf16 pairs
+// (exact: |code| <= 128); int8 channel scales apply in the epilogue, int4
+// group scales (groups are multiples of 64) to each chunk's partial sums.
+// A block owns two 16-channel blocks — gate and up of one block (gate/up) or
+// two adjacent down blocks — so each activation fragment serves both; its
+// warps split the chunks and meet in shared memory.
+
+__device__ __forceinline__ uint2 LoadStream8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void MmaBf16x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                           uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The 4 codes of `u` (bytes, each minus kBias) as bf16 pairs: lo = bytes
+// 0, 1; hi = bytes 2, 3 (low halves first, as the mma reads a register).
+template <int kBias>
+__device__ __forceinline__ void CodesToBf16x2(uint32_t u, uint32_t& lo, uint32_t& hi) {
+  float f[4];
+  Bytes4<kBias>(u, f);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(f[0], f[1]), h = __floats2bfloat162_rn(f[2], f[3]);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+}
+
+constexpr int kMmaMats = 2;  // 16-channel blocks per thread block
+
+// Long: one kernel body (chunk loop, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
+template <int kFmt, int NT, bool kDown>
+__global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
+  constexpr int NMAT = kMmaMats;
+  __shared__ float red[kWarps][NMAT][NT][4][kWarp];
+  const GroupDesc gd = a.groups[blockIdx.y];
+  const int b = static_cast<int>(blockIdx.x);
+  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  const int gid = lane / 4, tig = lane % 4;
+  const PackedLayout& l = p.layout;
+  const int H = a.hidden, I = a.intermediate;
+  const int N = kDown ? H : I, len = kDown ? I : H, Kp = kDown ? l.Ki : l.Kh;
+  const uint8_t* base = p.packed + static_cast<size_t>(gd.buffer) * p.packed_stride;
+  const int nblocks = (N + 15) / 16;
+  // gate/up: gate and up of channel block b; down: channel blocks 2b, 2b + 1.
+  const uint8_t* blk[NMAT];
+  bool has[NMAT];
+#pragma unroll
+  for (int m = 0; m < NMAT; ++m) {
+    const int cb = kDown ? 2 * b + m : b;
+    has[m] = cb < nblocks;
+    blk[m] = kDown ? base + l.gate_up_bytes + static_cast<size_t>(has[m] ? cb : 0) * l.down_block
+                   : base + static_cast<size_t>(2 * b + m) * l.gate_up_block;
+  }
+  constexpr int kRowsPerChunk = kFmt == kFmtInt8 ? 4 : 2;  // 8-byte weight loads per matrix and chunk
+  constexpr size_t kChunkBytes = kFmt == kFmtInt8 ? 1024 : 512;
+  const int chunks = Kp / 64;
+  for (int pass = 0; pass < gd.count; pass += 8 * NT) {
+    const bf16_t* xrow[NT];
+    bool xvalid[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int r = pass + 8 * j + gid, row = gd.row_begin + r;
+      const int t = r < gd.count ? a.token[row] : -1;
+      xvalid[j] = t >= 0;
+      xrow[j] = kDown ? a.act + static_cast<size_t>(xvalid[j] ? row : gd.row_begin) * I
+                      : a.x + static_cast<size_t>(max(t, 0)) * H;
+    }
+    float acc[NMAT][NT][4];
+#pragma unroll
+    for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.f;
+    uint2 cur[NMAT][kRowsPerChunk], next[NMAT][kRowsPerChunk];
+    auto load = [&](int ch, uint2 (&w)[NMAT][kRowsPerChunk]) {
+#pragma unroll
+      for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+        for (int q = 0; q < kRowsPerChunk; ++q)
+          w[m][q] = has[m] ? LoadStream8(blk[m] + static_cast<size_t>(ch) * kChunkBytes + (4 * q + tig) * 64 + 8 * gid)
+                           : make_uint2(0, 0);
+    };
+    if (warp < chunks) load(warp, cur);
+    for (int ch = warp; ch < chunks; ch += kWarps) {
+      if (ch + kWarps < chunks) load(ch + kWarps, next);
+      float part[NMAT][NT][4];  // int4: this chunk's sums before its group scale (int8: unused)
+      if constexpr (kFmt == kFmtInt4) {
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[m][j][e] = 0.f;
+      }
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        uint32_t xa[NT], xb[NT];  // the rows' activations at this k-step's k
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int k = kFmt == kFmtInt8 ? 64 * ch + 16 * s + 4 * tig : 64 * ch + 32 * (s / 2) + 8 * tig + 4 * (s % 2);
+          if (xvalid[j] && k < len) {  // len % 8 == 0: a group of 4 is wholly in or out
+            const uint2 v = __ldg(reinterpret_cast<const uint2*>(xrow[j] + k));
+            xa[j] = v.x, xb[j] = v.y;
+          } else {
+            xa[j] = xb[j] = 0;
+          }
+        }
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m) {
+          uint32_t a0, a1, a2, a3;
+          if constexpr (kFmt == kFmtInt8) {
+            CodesToBf16x2<128>(cur[m][s].x ^ 0x80808080u, a0, a2);  // channel 2 gid
+            CodesToBf16x2<128>(cur[m][s].y ^ 0x80808080u, a1, a3);  // channel 2 gid + 1
+          } else {
+            const int sh = 4 * (s % 2);
+            CodesToBf16x2<8>((cur[m][s / 2].x >> sh) & 0x0F0F0F0Fu, a0, a2);
+            CodesToBf16x2<8>((cur[m][s / 2].y >> sh) & 0x0F0F0F0Fu, a1, a3);
+          }
+#pragma unroll
+          for (int j = 0; j < NT; ++j) MmaBf16x16(kFmt == kFmtInt8 ? acc[m][j] : part[m][j], a0, a1, a2, a3, xa[j], xb[j]);
+        }
+      }
+      if constexpr (kFmt == kFmtInt4) {
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m) {
+          const float* sc = reinterpret_cast<const float*>(blk[m] + static_cast<size_t>(Kp) * 8) + (64 * ch / l.group) * 16;
+          const float s0 = has[m] ? __ldg(sc + 2 * gid) : 0.f, s1 = has[m] ? __ldg(sc + 2 * gid + 1) : 0.f;
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            acc[m][j][0] = fmaf(s0, part[m][j][0], acc[m][j][0]);
+            acc[m][j][1] = fmaf(s0, part[m][j][1], acc[m][j][1]);
+            acc[m][j][2] = fmaf(s1, part[m][j][2], acc[m][j][2]);
+            acc[m][j][3] = fmaf(s1, part[m][j][3], acc[m][j][3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+        for (int q = 0; q < kRowsPerChunk; ++q) cur[m][q] = next[m][q];
+    }
+#pragma unroll
+    for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[warp][m][j][e][lane] = acc[m][j][e];
+    __syncthreads();
+    // C element e of lane l: mma row l/4 + 8 (e >= 2), i.e. channel 2 (l/4) + (e >= 2); row 2 (l%4) + (e & 1) of tile j.
+    for (int item = static_cast<int>(threadIdx.x); item < NT * 4 * kWarp; item += kThreads) {
+      const int j = item / (4 * kWarp), e = (item / kWarp) % 4, ln = item % kWarp;
+      const int c = 2 * (ln / 4) + (e >= 2 ? 1 : 0);
+      const int r = pass + 8 * j + 2 * (ln % 4) + (e & 1);
+      if (r >= gd.count) continue;
+      const int row = gd.row_begin + r, t = a.token[row];
+      if (t < 0) continue;
+      float v[NMAT];
+#pragma unroll
+      for (int m = 0; m < NMAT; ++m) {
+        v[m] = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) v[m] += red[w][m][j][e][ln];
+        if (has[m]) v[m] *= ChannelScale<kFmt>(blk[m], Kp, c);
+      }
+      if constexpr (kDown) {
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m) {
+          const int n = 16 * (2 * b + m) + c;
+          if (has[m] && n < N) atomicAdd(a.accum + static_cast<size_t>(t) * H + n, a.weight[row] * v[m]);
+        }
+      } else {
+        const int n = 16 * b + c;
+        if (n < N) a.act[static_cast<size_t>(row) * I + n] = ToBf16(v[0] / (1.f + __expf(-v[0])) * v[1]);
+      }
+    }
+    __syncthreads();  // `red` is rewritten by the next pass
+  }
+}
+
+template <int kFmt, int NT, bool kDown>
+cudaError_t LaunchPackedMma(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
+  const int nblocks = ((kDown ? a.hidden : a.intermediate) + 15) / 16;
+  const dim3 grid(kDown ? (nblocks + 1) / 2 : nblocks, a.num_groups);
+  PackedMmaKernel<kFmt, NT, kDown><<<grid, kThreads, 0, s>>>(a, p);
+  return cudaGetLastError();
+}
+
+// Rows per pass: 8, 16, 32 or 64 (the mma's n is 8 rows; fewer are padding).
+template <int kFmt, bool kDown>
+cudaError_t LaunchPackedMmaByRows(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
+  if (a.max_count <= 8) return LaunchPackedMma<kFmt, 1, kDown>(a, p, s);
+  if (a.max_count <= 16) return LaunchPackedMma<kFmt, 2, kDown>(a, p, s);
+  if (a.max_count <= 32) return LaunchPackedMma<kFmt, 4, kDown>(a, p, s);
+  return LaunchPackedMma<kFmt, 8, kDown>(a, p, s);
+}
+
+
 // One thread per 8 consecutive values of an output row (gate / up rows of H,
 // down rows of I): one or two reads of the packed block (PackedValues8; a
 // padded block always holds the whole group of 8), one 16-byte store when the
@@ -342,11 +564,13 @@ cudaError_t LaunchPackedByRows(const GroupedExpertArgs& a, const PackedSlots& p,
 template <bool kDown>
 cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
   if (a.num_groups == 0) return cudaSuccess;
+  const bool mma = a.max_count >= kPackedMmaMinRows && a.hidden % 8 == 0 && a.intermediate % 8 == 0;
   switch (p.layout.format) {
-    case kFmtInt8: return LaunchPackedByRows<kFmtInt8, kDown>(a, p, s);
+    case kFmtInt8:
+      return mma ? LaunchPackedMmaByRows<kFmtInt8, kDown>(a, p, s) : LaunchPackedByRows<kFmtInt8, kDown>(a, p, s);
     case kFmtInt4:
       if (p.layout.group <= 0 || p.layout.group % 64 != 0) return cudaErrorInvalidValue;
-      return LaunchPackedByRows<kFmtInt4, kDown>(a, p, s);
+      return mma ? LaunchPackedMmaByRows<kFmtInt4, kDown>(a, p, s) : LaunchPackedByRows<kFmtInt4, kDown>(a, p, s);
     default: return cudaErrorInvalidValue;  // bf16 slots are row-major: LaunchGrouped*
   }
 }

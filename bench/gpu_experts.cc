@@ -1,0 +1,321 @@
+// gpu_experts: the cuda backend's hit experts (RunExperts: the grouped
+// kernels up to 64 rows per expert, cuBLAS above) per storage format — bf16
+// slots, int8 and int4 packed slots — at 1 to 64 and more rows per expert,
+// against the bounds measured in the same run: HBM bandwidth (a device-to-
+// device copy) for the weight stream, cuBLAS's bf16 GEMM rate for the
+// tensor cores. Prints, per geometry and rows per expert, the median time of
+// one RunExperts over `--experts` experts (each in its own buffer, rotated
+// over twice as many buffers so that no run finds them in L2), min-max over
+// `--runs` runs, int8 / int4 time as a share of bf16's, and each format's
+// weight rate and FLOP rate against the bounds. Then the latency of moving
+// rows between the GPU and host memory (GatherRows / AddRows, registered vs
+// pageable; MOE_CUDA_MAPPED_WRITE_MAX_BYTES=0 forces the DMA path for
+// registered memory).
+//
+// Needs an NVIDIA GPU: exits 0 with a line saying so elsewhere.
+#include <cuda_runtime_api.h>
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_split.h"
+#include "core/bf16.h"
+#include "core/flags.h"
+#include "core/synthetic_model.h"
+#include "cpu_compute/expert_kernel.h"
+#include "gpu_worker/device_backend.h"
+#include "testing/random_data.h"
+
+namespace moe {
+namespace {
+
+struct Shape {
+  std::string name;
+  int H, I;
+};
+
+struct Packed {
+  std::shared_ptr<std::byte> bytes;
+  size_t size = 0;
+};
+
+// Synthetic expert `id` packed in `format`.
+Packed MakePacked(const Shape& s, int id, WeightFormat format) {
+  const size_t ih = static_cast<size_t>(s.I) * s.H;
+  std::vector<bf16_t> w(3 * ih);
+  GenerateExpertMatrix(20261126, 0, id, Projection::kGate, s.I, s.H, w.data());
+  GenerateExpertMatrix(20261126, 0, id, Projection::kUp, s.I, s.H, w.data() + ih);
+  GenerateExpertMatrix(20261126, 0, id, Projection::kDown, s.H, s.I, w.data() + 2 * ih);
+  const ExpertGeometry g = ExpertGeometry::For(s.H, s.I, format);
+  Packed p;
+  p.size = g.packed_bytes();
+  p.bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (p.size + 63) / 64 * 64)), std::free);
+  PackExpert(g, w.data(), w.data() + ih, w.data() + 2 * ih, p.bytes.get());
+  return p;
+}
+
+struct Stat {
+  double median = 0, lo = 0, hi = 0;
+};
+
+Stat Summarize(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.front(), v.back()};
+}
+
+#define BENCH_CUDA(x)                                                                 \
+  do {                                                                                \
+    cudaError_t e_ = (x);                                                             \
+    if (e_ != cudaSuccess) {                                                          \
+      std::fprintf(stderr, "gpu_experts: %s: %s\n", #x, cudaGetErrorString(e_));      \
+      std::exit(1);                                                                   \
+    }                                                                                 \
+  } while (0)
+
+// Device-to-device copy rate: reads + writes per second, the HBM bound.
+double HbmBytesPerSecond(int runs) {
+  const size_t bytes = size_t{1} << 30;
+  void *a = nullptr, *b = nullptr;
+  BENCH_CUDA(cudaMalloc(&a, bytes));
+  BENCH_CUDA(cudaMalloc(&b, bytes));
+  BENCH_CUDA(cudaMemset(a, 1, bytes));
+  std::vector<double> rates;
+  for (int r = 0; r < runs + 1; ++r) {
+    BENCH_CUDA(cudaDeviceSynchronize());
+    const auto t0 = std::chrono::steady_clock::now();
+    BENCH_CUDA(cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice));
+    BENCH_CUDA(cudaDeviceSynchronize());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) rates.push_back(2.0 * bytes / s);
+  }
+  cudaFree(a);
+  cudaFree(b);
+  return Summarize(rates).median;
+}
+
+// cuBLAS bf16 GEMM (f32 accumulate) at 8192^3: the tensor-core bound.
+double GemmFlopsPerSecond(int runs) {
+  const int n = 8192;
+  const size_t elems = static_cast<size_t>(n) * n;
+  void *a = nullptr, *b = nullptr, *c = nullptr;
+  BENCH_CUDA(cudaMalloc(&a, elems * 2));
+  BENCH_CUDA(cudaMalloc(&b, elems * 2));
+  BENCH_CUDA(cudaMalloc(&c, elems * 4));
+  BENCH_CUDA(cudaMemset(a, 0x3f, elems * 2));  // 0x3f3f: a finite bf16
+  BENCH_CUDA(cudaMemset(b, 0x3f, elems * 2));
+  cublasHandle_t h;
+  if (cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+    std::fprintf(stderr, "gpu_experts: cublasCreate failed\n");
+    std::exit(1);
+  }
+  const float one = 1.f, zero = 0.f;
+  std::vector<double> rates;
+  for (int r = 0; r < runs + 1; ++r) {
+    BENCH_CUDA(cudaDeviceSynchronize());
+    const auto t0 = std::chrono::steady_clock::now();
+    if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, a, CUDA_R_16BF, n, b, CUDA_R_16BF, n, &zero, c,
+                     CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS) {
+      std::fprintf(stderr, "gpu_experts: cublasGemmEx failed\n");
+      std::exit(1);
+    }
+    BENCH_CUDA(cudaDeviceSynchronize());
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (r > 0) rates.push_back(2.0 * n * double(n) * n / s);
+  }
+  cublasDestroy(h);
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(c);
+  return Summarize(rates).median;
+}
+
+struct Options {
+  int experts = 32, runs = 3, reps = 20;
+  std::vector<int> rows;
+};
+
+// Seconds of one RunExperts over o.experts experts with `rows` rows each,
+// per run (median of o.reps calls each), in `format`.
+std::map<int, Stat> TimeFormat(const Shape& s, WeightFormat format, const Options& o) {
+  std::unique_ptr<DeviceBackend> backend = *MakeDeviceBackend("cuda");
+  const int buffers = 2 * o.experts, max_rows = *std::max_element(o.rows.begin(), o.rows.end());
+  const int T = std::max(512, max_rows);
+  BackendConfig c;
+  c.hidden = s.H;
+  c.intermediate = s.I;
+  c.num_buffers = buffers;
+  c.max_tokens = T;
+  c.max_top_k = 8;
+  c.format = format;
+  if (absl::Status st = backend->Init(c); !st.ok()) {
+    std::fprintf(stderr, "gpu_experts: Init: %s\n", std::string(st.message()).c_str());
+    std::exit(1);
+  }
+  std::vector<Packed> made;
+  for (int i = 0; i < 4; ++i) made.push_back(MakePacked(s, i, format));
+  for (int b = 0; b < buffers; ++b) {
+    absl::StatusOr<uint64_t> f = backend->LoadExpert(b, made[b % 4].bytes.get(), 0);
+    if (!f.ok() || !backend->WaitCopy(*f).ok()) {
+      std::fprintf(stderr, "gpu_experts: LoadExpert failed\n");
+      std::exit(1);
+    }
+  }
+  const std::vector<bf16_t> x = RandomActivations(static_cast<size_t>(T) * s.H, 7);
+  std::vector<bf16_t> out(static_cast<size_t>(T) * s.H);
+  std::map<int, Stat> result;
+  for (int rows : o.rows) {
+    ExpertGroups g;
+    std::vector<int32_t> buffer(o.experts);
+    const int align = backend->hit_row_align();
+    for (int e = 0; e < o.experts; ++e) {
+      g.expert.push_back(e);
+      g.row_begin.push_back(static_cast<int32_t>(g.token.size()));
+      g.count.push_back(rows);
+      for (int r = 0; r < rows; ++r) {
+        g.token.push_back((e * 7 + r * 13) % T);
+        g.weight.push_back(0.5f);
+      }
+      while (g.token.size() % align != 0) g.token.push_back(-1), g.weight.push_back(0.f);
+    }
+    g.total_rows = static_cast<int32_t>(g.token.size());
+    g.total_pairs = o.experts * rows;
+    std::vector<double> per_run;
+    for (int run = 0; run < o.runs; ++run) {
+      if (!backend->BeginCall(0, T, x.data(), MemoryKind::kHost).ok()) std::exit(1);
+      std::vector<double> t;
+      for (int i = 0; i < o.reps + 2; ++i) {
+        for (int e = 0; e < o.experts; ++e) buffer[e] = (e + (i % 2) * o.experts) % buffers;
+        const auto t0 = std::chrono::steady_clock::now();
+        if (!backend->RunExperts(0, HitPlan{&g, buffer.data()}).ok()) std::exit(1);
+        if (!backend->WaitCompute(backend->RecordCompute()).ok()) std::exit(1);
+        if (i >= 2) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
+      if (!backend->FinishCall(0, out.data(), MemoryKind::kHost).ok()) std::exit(1);
+      per_run.push_back(Summarize(t).median);
+    }
+    result[rows] = Summarize(per_run);
+  }
+  return result;
+}
+
+// Median microseconds of GatherRows / AddRows of n rows to registered and
+// pageable host memory (DeepSeek-V3's H), printed as a table.
+void TransferLatency() {
+  const int H = 7168, T = 256;
+  std::unique_ptr<DeviceBackend> backend = *MakeDeviceBackend("cuda");
+  BackendConfig c;
+  c.hidden = H;
+  c.intermediate = 2048;
+  c.num_buffers = 0;
+  c.max_tokens = T;
+  if (!backend->Init(c).ok()) std::exit(1);
+  const size_t n = static_cast<size_t>(T) * H;
+  std::vector<bf16_t> registered(2 * n), pageable(2 * n);
+  if (!backend->RegisterHost(registered.data(), registered.size() * sizeof(bf16_t)).ok()) std::exit(1);
+  const std::vector<bf16_t> x = RandomActivations(n, 5);
+  if (!backend->BeginCall(0, T, x.data(), MemoryKind::kHost).ok()) std::exit(1);
+  std::vector<int32_t> rows(T);
+  for (int i = 0; i < T; ++i) rows[i] = i;
+  auto median_us = [&](auto&& op) {
+    std::vector<double> t;
+    for (int i = 0; i < 30; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      absl::StatusOr<uint64_t> f = op();
+      if (!f.ok() || !backend->WaitCompute(*f).ok()) std::exit(1);
+      t.push_back(std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count());
+    }
+    return Summarize(t).median;
+  };
+  std::printf("\n## Rows between GPU and host (H %d), median of 30\n\n"
+              "| rows | bytes | GatherRows registered us | pageable us | AddRows registered us | pageable us |\n"
+              "|---|---|---|---|---|---|\n", H);
+  for (int rn : {1, 8, 32, 256}) {
+    const double gr = median_us([&] { return backend->GatherRows(0, rows.data(), rn, registered.data()); });
+    const double gp = median_us([&] { return backend->GatherRows(0, rows.data(), rn, pageable.data()); });
+    const double ar = median_us([&] { return backend->AddRows(0, rows.data(), rn, registered.data() + n); });
+    const double ap = median_us([&] { return backend->AddRows(0, rows.data(), rn, pageable.data() + n); });
+    std::printf("| %d | %zu | %.1f | %.1f | %.1f | %.1f |\n", rn, static_cast<size_t>(rn) * H * 2, gr, gp, ar, ap);
+  }
+  std::vector<bf16_t> out(n);
+  if (!backend->FinishCall(0, out.data(), MemoryKind::kHost).ok()) std::exit(1);
+  backend->UnregisterHost(registered.data());
+}
+
+}  // namespace
+}  // namespace moe
+
+int main(int argc, char** argv) {
+  using namespace moe;
+  std::string shapes_text = "deepseek-v3,qwen3-30b-a3b", rows_text = "1,2,4,8,16,24,32,48,64,128";
+  int64_t experts = 32, runs = 3, reps = 20;
+  FlagSet flags("gpu_experts", "[--shapes LIST] [--rows LIST] [--experts N] [--runs N]\n"
+                               "The cuda backend's hit experts per storage format vs HBM and tensor-core bounds.");
+  flags.String("shapes", &shapes_text, "comma list of deepseek-v3 (H 7168, I 2048) and qwen3-30b-a3b (H 2048, I 768)");
+  flags.String("rows", &rows_text, "comma list of rows per expert");
+  flags.Int("experts", &experts, "experts per RunExperts");
+  flags.Int("runs", &runs, "runs per row (median and min-max are printed)");
+  flags.Int("reps", &reps, "calls per run (their median is the run's time)");
+  flags.Parse(argc, argv);
+  Options o;
+  o.experts = static_cast<int>(experts);
+  o.runs = static_cast<int>(runs);
+  o.reps = static_cast<int>(reps);
+  if (o.experts < 1 || o.experts > 256 || o.runs < 1 || o.reps < 1) flags.Fail("--experts in [1, 256], --runs and --reps >= 1");
+  for (absl::string_view r : absl::StrSplit(rows_text, ',')) {
+    const int v = std::atoi(std::string(r).c_str());
+    if (v < 1 || v > 512) flags.Fail("--rows: each entry in [1, 512]");
+    o.rows.push_back(v);
+  }
+  std::vector<Shape> shapes;
+  for (absl::string_view n : absl::StrSplit(shapes_text, ',')) {
+    if (n == "deepseek-v3") shapes.push_back({"deepseek-v3", 7168, 2048});
+    else if (n == "qwen3-30b-a3b") shapes.push_back({"qwen3-30b-a3b", 2048, 768});
+    else flags.Fail("--shapes: unknown shape '" + std::string(n) + "'");
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("gpu_experts: skipped (no CUDA device)\n");
+    return 0;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  const double hbm = HbmBytesPerSecond(o.runs), peak = GemmFlopsPerSecond(o.runs);
+  std::printf("# gpu_experts on %s: HBM (d2d copy) %.0f GB/s, cuBLAS bf16 GEMM 8192^3 %.0f TFLOP/s; "
+              "%d experts per call, median [min-max] of %d runs x %d calls\n",
+              prop.name, hbm / 1e9, peak / 1e12, o.experts, o.runs, o.reps);
+  for (const Shape& s : shapes) {
+    std::map<int, Stat> t[3];
+    const WeightFormat formats[3] = {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4};
+    double bytes[3];
+    for (int f = 0; f < 3; ++f) {
+      t[f] = TimeFormat(s, formats[f], o);
+      bytes[f] = static_cast<double>(ExpertGeometry::For(s.H, s.I, formats[f]).packed_bytes()) * o.experts;
+    }
+    std::printf("\n## %s (H %d, I %d)\n\n", s.name.c_str(), s.H, s.I);
+    std::printf("| rows/expert | bf16 us | int8 us | int4 us | int8/bf16 | int4/bf16 | bf16 / int8 / int4 %% of HBM | "
+                "bf16 / int8 / int4 %% of GEMM peak |\n|---|---|---|---|---|---|---|---|\n");
+    for (int rows : o.rows) {
+      const double flops = 2.0 * 3.0 * s.H * double(s.I) * rows * o.experts;
+      double pct_bw[3], pct_fl[3];
+      for (int f = 0; f < 3; ++f) {
+        pct_bw[f] = 100.0 * bytes[f] / t[f][rows].median / hbm;
+        pct_fl[f] = 100.0 * flops / t[f][rows].median / peak;
+      }
+      std::printf("| %d | %.0f [%.0f-%.0f] | %.0f [%.0f-%.0f] | %.0f [%.0f-%.0f] | %.2f | %.2f | %.0f / %.0f / %.0f | "
+                  "%.1f / %.1f / %.1f |\n",
+                  rows, t[0][rows].median * 1e6, t[0][rows].lo * 1e6, t[0][rows].hi * 1e6, t[1][rows].median * 1e6,
+                  t[1][rows].lo * 1e6, t[1][rows].hi * 1e6, t[2][rows].median * 1e6, t[2][rows].lo * 1e6,
+                  t[2][rows].hi * 1e6, t[1][rows].median / t[0][rows].median, t[2][rows].median / t[0][rows].median,
+                  pct_bw[0], pct_bw[1], pct_bw[2], pct_fl[0], pct_fl[1], pct_fl[2]);
+    }
+  }
+  TransferLatency();
+  return 0;
+}
