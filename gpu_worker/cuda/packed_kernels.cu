@@ -279,9 +279,12 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // become f32 (byte_perm into 2^23's mantissa, one subtract) and bf16 pairs
 // (exact: |code| <= 128); int8 channel scales apply in the epilogue, int4
 // group scales (groups are multiples of 64) to each chunk's partial sums.
-// A block owns two 16-channel blocks — gate and up of one block (gate/up) or
-// two adjacent down blocks — so each activation fragment serves both; its
-// warps split the chunks and meet in shared memory.
+// A block of 4 warps owns 64 output channels of down (a 16-channel block per
+// warp) or 32 of gate/up (warps 2i, 2i+1: gate and up of one block, which
+// meet in shared memory for silu(gate) * up). Each warp walks all of K; the
+// pass's activations of each 64-k chunk are staged once per block in shared
+// memory (cp.async, double-buffered, zeros past K and for padding rows) and
+// the next chunk's weights are loaded into registers while this one computes.
 
 __device__ __forceinline__ uint2 LoadStream8(const void* p) {
   uint2 v;
@@ -309,163 +312,168 @@ __device__ __forceinline__ void CodesToBf16x2(uint32_t u, uint32_t& lo, uint32_t
   hi = *reinterpret_cast<const uint32_t*>(&h);
 }
 
-constexpr int kMmaMats = 2;  // 16-channel blocks per thread block
 
-// Long: one kernel body (chunk loop, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
+// 16 bytes global -> shared, asynchronously; src_bytes 0 writes zeros.
+__device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commit_group;"); }
+template <int kPending>
+__device__ __forceinline__ void CopyAsyncWait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending)); }
+
+// Long: one kernel body (staging, chunk loop, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
 template <int kFmt, int NT, bool kDown>
 __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
-  constexpr int NMAT = kMmaMats;
-  __shared__ float red[kWarps][NMAT][NT][4][kWarp];
+  constexpr int kRows = 8 * NT;  // rows per pass
+  // 64-k chunks per stage: 2 KB of int8 or int4 weights per warp in flight
+  // (int4 at 64 rows: 1 KB, the shared buffers' bound).
+  constexpr int SC = kFmt == kFmtInt8 || NT > 4 ? 2 : 4;
+  constexpr int kStride = 64 * SC + 16;  // bf16 per shared row: + 16 makes the 8-byte reads conflict-free
+  __shared__ __align__(16) bf16_t xs[2][kRows][kStride];
+  __shared__ float up_out[kDown ? 1 : 2][NT][4][kWarp];
   const GroupDesc gd = a.groups[blockIdx.y];
   const int b = static_cast<int>(blockIdx.x);
-  const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / kWarp, lane = tid % kWarp;
   const int gid = lane / 4, tig = lane % 4;
   const PackedLayout& l = p.layout;
   const int H = a.hidden, I = a.intermediate;
   const int N = kDown ? H : I, len = kDown ? I : H, Kp = kDown ? l.Ki : l.Kh;
   const uint8_t* base = p.packed + static_cast<size_t>(gd.buffer) * p.packed_stride;
-  const int nblocks = (N + 15) / 16;
-  // gate/up: gate and up of channel block b; down: channel blocks 2b, 2b + 1.
-  const uint8_t* blk[NMAT];
-  bool has[NMAT];
-#pragma unroll
-  for (int m = 0; m < NMAT; ++m) {
-    const int cb = kDown ? 2 * b + m : b;
-    has[m] = cb < nblocks;
-    blk[m] = kDown ? base + l.gate_up_bytes + static_cast<size_t>(has[m] ? cb : 0) * l.down_block
-                   : base + static_cast<size_t>(2 * b + m) * l.gate_up_block;
-  }
-  constexpr int kRowsPerChunk = kFmt == kFmtInt8 ? 4 : 2;  // 8-byte weight loads per matrix and chunk
+  // This warp's matrix: down, channel block 4b + warp; gate/up, gate (even
+  // warps) or up (odd) of channel block 2b + warp / 2.
+  const int cb = kDown ? 4 * b + warp : 2 * b + warp / 2;
+  const bool has = cb < (N + 15) / 16;
+  const uint8_t* w = kDown ? base + l.gate_up_bytes + static_cast<size_t>(has ? cb : 0) * l.down_block
+                           : base + static_cast<size_t>(2 * (has ? cb : 0) + warp % 2) * l.gate_up_block;
+  constexpr int kLoads = kFmt == kFmtInt8 ? 4 : 2;  // 8-byte weight loads per lane and chunk
   constexpr size_t kChunkBytes = kFmt == kFmtInt8 ? 1024 : 512;
-  const int chunks = Kp / 64;
-  for (int pass = 0; pass < gd.count; pass += 8 * NT) {
-    const bf16_t* xrow[NT];
-    bool xvalid[NT];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int r = pass + 8 * j + gid, row = gd.row_begin + r;
-      const int t = r < gd.count ? a.token[row] : -1;
-      xvalid[j] = t >= 0;
-      xrow[j] = kDown ? a.act + static_cast<size_t>(xvalid[j] ? row : gd.row_begin) * I
-                      : a.x + static_cast<size_t>(max(t, 0)) * H;
-    }
-    float acc[NMAT][NT][4];
-#pragma unroll
-    for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.f;
-    uint2 cur[NMAT][kRowsPerChunk], next[NMAT][kRowsPerChunk];
-    auto load = [&](int ch, uint2 (&w)[NMAT][kRowsPerChunk]) {
-#pragma unroll
-      for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-        for (int q = 0; q < kRowsPerChunk; ++q)
-          w[m][q] = has[m] ? LoadStream8(blk[m] + static_cast<size_t>(ch) * kChunkBytes + (4 * q + tig) * 64 + 8 * gid)
-                           : make_uint2(0, 0);
+  const int chunks = Kp / 64, stages = (chunks + SC - 1) / SC;
+  for (int pass = 0; pass < gd.count; pass += kRows) {
+    // The pass's rows as 16-byte units of one stage's SC chunks, staged into xs[buf].
+    auto stage = [&](int st, int buf) {
+      for (int u = tid; u < kRows * 8 * SC; u += kThreads) {
+        const int r = u / (8 * SC), q = u % (8 * SC), k = 64 * SC * st + 8 * q, row = gd.row_begin + pass + r;
+        const int t = pass + r < gd.count ? a.token[row] : -1;
+        const bf16_t* src = kDown ? a.act + static_cast<size_t>(row) * I + k : a.x + static_cast<size_t>(max(t, 0)) * H + k;
+        const bool in = t >= 0 && k < len;  // len % 8 == 0: a unit is wholly in or out
+        CopyAsync16(&xs[buf][r][8 * q], in ? src : a.x, in ? 16 : 0);
+      }
+      CopyAsyncCommit();
     };
-    if (warp < chunks) load(warp, cur);
-    for (int ch = warp; ch < chunks; ch += kWarps) {
-      if (ch + kWarps < chunks) load(ch + kWarps, next);
-      float part[NMAT][NT][4];  // int4: this chunk's sums before its group scale (int8: unused)
+    uint2 cur[SC][kLoads], next[SC][kLoads];
+    auto load = [&](int st, uint2 (&q)[SC][kLoads]) {
+#pragma unroll
+      for (int c = 0; c < SC; ++c) {
+        const int ch = SC * st + c;
+#pragma unroll
+        for (int i = 0; i < kLoads; ++i)
+          q[c][i] = has && ch < chunks
+                        ? LoadStream8(w + static_cast<size_t>(ch) * kChunkBytes + (4 * i + tig) * 64 + 8 * gid)
+                        : make_uint2(0, 0);
+      }
+    };
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+    stage(0, 0);
+    load(0, cur);
+    for (int st = 0; st < stages; ++st) {
+      if (st + 1 < stages) {
+        stage(st + 1, (st + 1) & 1);
+        load(st + 1, next);
+        CopyAsyncWait<1>();
+      } else {
+        CopyAsyncWait<0>();
+      }
+      __syncthreads();
+#pragma unroll
+      for (int c = 0; c < SC; ++c) {
+      const int ch = SC * st + c;
+      if (ch >= chunks) break;
+      const bf16_t(*xc)[kStride] = xs[st & 1];
+      float part[NT][4];  // int4: this chunk's sums before its group scale (int8: unused)
       if constexpr (kFmt == kFmtInt4) {
 #pragma unroll
-        for (int m = 0; m < NMAT; ++m)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) part[m][j][e] = 0.f;
+          for (int e = 0; e < 4; ++e) part[j][e] = 0.f;
       }
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        uint32_t xa[NT], xb[NT];  // the rows' activations at this k-step's k
+        uint32_t a0, a1, a2, a3;
+        if constexpr (kFmt == kFmtInt8) {
+          CodesToBf16x2<128>(cur[c][s].x ^ 0x80808080u, a0, a2);  // channel 2 gid
+          CodesToBf16x2<128>(cur[c][s].y ^ 0x80808080u, a1, a3);  // channel 2 gid + 1
+        } else {
+          const int sh = 4 * (s % 2);
+          CodesToBf16x2<8>((cur[c][s / 2].x >> sh) & 0x0F0F0F0Fu, a0, a2);
+          CodesToBf16x2<8>((cur[c][s / 2].y >> sh) & 0x0F0F0F0Fu, a1, a3);
+        }
+        const int k = 64 * c + (kFmt == kFmtInt8 ? 16 * s + 4 * tig : 32 * (s / 2) + 8 * tig + 4 * (s % 2));
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          const int k = kFmt == kFmtInt8 ? 64 * ch + 16 * s + 4 * tig : 64 * ch + 32 * (s / 2) + 8 * tig + 4 * (s % 2);
-          if (xvalid[j] && k < len) {  // len % 8 == 0: a group of 4 is wholly in or out
-            const uint2 v = __ldg(reinterpret_cast<const uint2*>(xrow[j] + k));
-            xa[j] = v.x, xb[j] = v.y;
-          } else {
-            xa[j] = xb[j] = 0;
-          }
-        }
-#pragma unroll
-        for (int m = 0; m < NMAT; ++m) {
-          uint32_t a0, a1, a2, a3;
-          if constexpr (kFmt == kFmtInt8) {
-            CodesToBf16x2<128>(cur[m][s].x ^ 0x80808080u, a0, a2);  // channel 2 gid
-            CodesToBf16x2<128>(cur[m][s].y ^ 0x80808080u, a1, a3);  // channel 2 gid + 1
-          } else {
-            const int sh = 4 * (s % 2);
-            CodesToBf16x2<8>((cur[m][s / 2].x >> sh) & 0x0F0F0F0Fu, a0, a2);
-            CodesToBf16x2<8>((cur[m][s / 2].y >> sh) & 0x0F0F0F0Fu, a1, a3);
-          }
-#pragma unroll
-          for (int j = 0; j < NT; ++j) MmaBf16x16(kFmt == kFmtInt8 ? acc[m][j] : part[m][j], a0, a1, a2, a3, xa[j], xb[j]);
+          const uint2 xv = *reinterpret_cast<const uint2*>(&xc[8 * j + gid][k]);
+          MmaBf16x16(kFmt == kFmtInt8 ? acc[j] : part[j], a0, a1, a2, a3, xv.x, xv.y);
         }
       }
       if constexpr (kFmt == kFmtInt4) {
+        const float* sc = reinterpret_cast<const float*>(w + static_cast<size_t>(Kp) * 8) + (64 * ch / l.group) * 16;
+        const float s0 = has ? __ldg(sc + 2 * gid) : 0.f, s1 = has ? __ldg(sc + 2 * gid + 1) : 0.f;
 #pragma unroll
-        for (int m = 0; m < NMAT; ++m) {
-          const float* sc = reinterpret_cast<const float*>(blk[m] + static_cast<size_t>(Kp) * 8) + (64 * ch / l.group) * 16;
-          const float s0 = has[m] ? __ldg(sc + 2 * gid) : 0.f, s1 = has[m] ? __ldg(sc + 2 * gid + 1) : 0.f;
-#pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            acc[m][j][0] = fmaf(s0, part[m][j][0], acc[m][j][0]);
-            acc[m][j][1] = fmaf(s0, part[m][j][1], acc[m][j][1]);
-            acc[m][j][2] = fmaf(s1, part[m][j][2], acc[m][j][2]);
-            acc[m][j][3] = fmaf(s1, part[m][j][3], acc[m][j][3]);
-          }
+        for (int j = 0; j < NT; ++j) {
+          acc[j][0] = fmaf(s0, part[j][0], acc[j][0]);
+          acc[j][1] = fmaf(s0, part[j][1], acc[j][1]);
+          acc[j][2] = fmaf(s1, part[j][2], acc[j][2]);
+          acc[j][3] = fmaf(s1, part[j][3], acc[j][3]);
         }
       }
+      }
 #pragma unroll
-      for (int m = 0; m < NMAT; ++m)
+      for (int c = 0; c < SC; ++c)
 #pragma unroll
-        for (int q = 0; q < kRowsPerChunk; ++q) cur[m][q] = next[m][q];
+        for (int i = 0; i < kLoads; ++i) cur[c][i] = next[c][i];
+      __syncthreads();  // xs[st & 1] is staged again for stage st + 2
     }
+    // C element e of lane l: mma row l/4 + 8 (e >= 2), i.e. channel 2 (l/4) + (e >= 2); row 2 (l%4) + (e & 1) of tile j.
+    const float cs0 = has ? ChannelScale<kFmt>(w, Kp, 2 * gid) : 0.f, cs1 = has ? ChannelScale<kFmt>(w, Kp, 2 * gid + 1) : 0.f;
+    if constexpr (!kDown) {
+      if (warp % 2 == 1) {
 #pragma unroll
-    for (int m = 0; m < NMAT; ++m)
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) up_out[warp / 2][j][e][lane] = acc[j][e] * (e < 2 ? cs0 : cs1);
+      }
+      __syncthreads();
+    }
+    if (has && (kDown || warp % 2 == 0)) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) red[warp][m][j][e][lane] = acc[m][j][e];
-    __syncthreads();
-    // C element e of lane l: mma row l/4 + 8 (e >= 2), i.e. channel 2 (l/4) + (e >= 2); row 2 (l%4) + (e & 1) of tile j.
-    for (int item = static_cast<int>(threadIdx.x); item < NT * 4 * kWarp; item += kThreads) {
-      const int j = item / (4 * kWarp), e = (item / kWarp) % 4, ln = item % kWarp;
-      const int c = 2 * (ln / 4) + (e >= 2 ? 1 : 0);
-      const int r = pass + 8 * j + 2 * (ln % 4) + (e & 1);
-      if (r >= gd.count) continue;
-      const int row = gd.row_begin + r, t = a.token[row];
-      if (t < 0) continue;
-      float v[NMAT];
-#pragma unroll
-      for (int m = 0; m < NMAT; ++m) {
-        v[m] = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) v[m] += red[w][m][j][e][ln];
-        if (has[m]) v[m] *= ChannelScale<kFmt>(blk[m], Kp, c);
-      }
-      if constexpr (kDown) {
-#pragma unroll
-        for (int m = 0; m < NMAT; ++m) {
-          const int n = 16 * (2 * b + m) + c;
-          if (has[m] && n < N) atomicAdd(a.accum + static_cast<size_t>(t) * H + n, a.weight[row] * v[m]);
+        for (int e = 0; e < 4; ++e) {
+          const int r = pass + 8 * j + 2 * tig + (e & 1), n = 16 * cb + 2 * gid + (e >= 2 ? 1 : 0);
+          if (r >= gd.count || n >= N) continue;
+          const int row = gd.row_begin + r, t = a.token[row];
+          if (t < 0) continue;
+          const float v = acc[j][e] * (e < 2 ? cs0 : cs1);
+          if constexpr (kDown) {
+            atomicAdd(a.accum + static_cast<size_t>(t) * H + n, a.weight[row] * v);
+          } else {
+            const float u = up_out[warp / 2][j][e][lane];
+            a.act[static_cast<size_t>(row) * I + n] = ToBf16(v / (1.f + __expf(-v)) * u);
+          }
         }
-      } else {
-        const int n = 16 * b + c;
-        if (n < N) a.act[static_cast<size_t>(row) * I + n] = ToBf16(v[0] / (1.f + __expf(-v[0])) * v[1]);
-      }
     }
-    __syncthreads();  // `red` is rewritten by the next pass
+    if constexpr (!kDown) __syncthreads();  // up_out is rewritten by the next pass
   }
 }
 
 template <int kFmt, int NT, bool kDown>
 cudaError_t LaunchPackedMma(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
   const int nblocks = ((kDown ? a.hidden : a.intermediate) + 15) / 16;
-  const dim3 grid(kDown ? (nblocks + 1) / 2 : nblocks, a.num_groups);
+  const dim3 grid(kDown ? (nblocks + 3) / 4 : (nblocks + 1) / 2, a.num_groups);
   PackedMmaKernel<kFmt, NT, kDown><<<grid, kThreads, 0, s>>>(a, p);
   return cudaGetLastError();
 }
