@@ -277,7 +277,8 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 //     k = 32h + 8tig + {0..3} and + {4..7}: one 16-byte activation load.
 // A warp's weight load of one k-step reads 256 contiguous bytes. Codes
 // become f32 (byte_perm into 2^23's mantissa, one subtract) and bf16 pairs
-// (exact: |code| <= 128); int8 channel scales apply in the epilogue, int4
+// (exact: |code| <= 128; int4 nibbles straight into bf16 mantissas, see
+// NibblesToBf16x2); int8 channel scales apply in the epilogue, int4
 // group scales (groups are multiples of 64) to each chunk's partial sums.
 // A block of 4 warps owns 64 output channels of down (a 16-channel block per
 // warp) or 32 of gate/up (warps 2i, 2i+1: gate and up of one block, which
@@ -312,6 +313,22 @@ __device__ __forceinline__ void CodesToBf16x2(uint32_t u, uint32_t& lo, uint32_t
   hi = *reinterpret_cast<const uint32_t*>(&h);
 }
 
+
+// The nibbles at bit kShift (0: low, 4: high) of the 4 bytes of `u`, each
+// minus 8, as bf16 pairs: lo = bytes 0, 1; hi = bytes 2, 3. A nibble n in
+// the low mantissa bits of bf16 128 (0x4300) is 128 + n, exactly; one bf16x2
+// subtract of 136 leaves n - 8 (no f32 round trip).
+template <int kShift>
+__device__ __forceinline__ void NibblesToBf16x2(uint32_t u, uint32_t& lo, uint32_t& hi) {
+  const uint32_t v = kShift ? u >> kShift : u;
+  const uint32_t l = (__byte_perm(v, 0, 0x4140) & 0x000F000Fu) | 0x43004300u;
+  const uint32_t h = (__byte_perm(v, 0, 0x4342) & 0x000F000Fu) | 0x43004300u;
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.f, 136.f);
+  const __nv_bfloat162 lv = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&l), bias);
+  const __nv_bfloat162 hv = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&h), bias);
+  lo = *reinterpret_cast<const uint32_t*>(&lv);
+  hi = *reinterpret_cast<const uint32_t*>(&hv);
+}
 
 // 16 bytes global -> shared, asynchronously; src_bytes 0 writes zeros.
 __device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem, int src_bytes) {
@@ -362,15 +379,20 @@ __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a,
       CopyAsyncCommit();
     };
     uint2 cur[SC][kLoads], next[SC][kLoads];
-    auto load = [&](int st, uint2 (&q)[SC][kLoads]) {
+    float2 scur[SC], snext[SC];  // int4: each chunk's group scales of channels 2 gid, 2 gid + 1
+    auto load = [&](int st, uint2 (&q)[SC][kLoads], float2 (&sc)[SC]) {
 #pragma unroll
       for (int c = 0; c < SC; ++c) {
         const int ch = SC * st + c;
+        const bool in = has && ch < chunks;
 #pragma unroll
         for (int i = 0; i < kLoads; ++i)
-          q[c][i] = has && ch < chunks
-                        ? LoadStream8(w + static_cast<size_t>(ch) * kChunkBytes + (4 * i + tig) * 64 + 8 * gid)
-                        : make_uint2(0, 0);
+          q[c][i] = in ? LoadStream8(w + static_cast<size_t>(ch) * kChunkBytes + (4 * i + tig) * 64 + 8 * gid)
+                       : make_uint2(0, 0);
+        if constexpr (kFmt == kFmtInt4) {
+          const float* g = reinterpret_cast<const float*>(w + static_cast<size_t>(Kp) * 8) + (64 * ch / l.group) * 16;
+          sc[c] = in ? __ldg(reinterpret_cast<const float2*>(g + 2 * gid)) : make_float2(0.f, 0.f);
+        }
       }
     };
     float acc[NT][4];
@@ -379,11 +401,11 @@ __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a,
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
     stage(0, 0);
-    load(0, cur);
+    load(0, cur, scur);
     for (int st = 0; st < stages; ++st) {
       if (st + 1 < stages) {
         stage(st + 1, (st + 1) & 1);
-        load(st + 1, next);
+        load(st + 1, next, snext);
         CopyAsyncWait<1>();
       } else {
         CopyAsyncWait<0>();
@@ -408,9 +430,13 @@ __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a,
           CodesToBf16x2<128>(cur[c][s].x ^ 0x80808080u, a0, a2);  // channel 2 gid
           CodesToBf16x2<128>(cur[c][s].y ^ 0x80808080u, a1, a3);  // channel 2 gid + 1
         } else {
-          const int sh = 4 * (s % 2);
-          CodesToBf16x2<8>((cur[c][s / 2].x >> sh) & 0x0F0F0F0Fu, a0, a2);
-          CodesToBf16x2<8>((cur[c][s / 2].y >> sh) & 0x0F0F0F0Fu, a1, a3);
+          if (s % 2 == 0) {
+            NibblesToBf16x2<0>(cur[c][s / 2].x, a0, a2);
+            NibblesToBf16x2<0>(cur[c][s / 2].y, a1, a3);
+          } else {
+            NibblesToBf16x2<4>(cur[c][s / 2].x, a0, a2);
+            NibblesToBf16x2<4>(cur[c][s / 2].y, a1, a3);
+          }
         }
         const int k = 64 * c + (kFmt == kFmtInt8 ? 16 * s + 4 * tig : 32 * (s / 2) + 8 * tig + 4 * (s % 2));
 #pragma unroll
@@ -420,8 +446,7 @@ __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a,
         }
       }
       if constexpr (kFmt == kFmtInt4) {
-        const float* sc = reinterpret_cast<const float*>(w + static_cast<size_t>(Kp) * 8) + (64 * ch / l.group) * 16;
-        const float s0 = has ? __ldg(sc + 2 * gid) : 0.f, s1 = has ? __ldg(sc + 2 * gid + 1) : 0.f;
+        const float s0 = scur[c].x, s1 = scur[c].y;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           acc[j][0] = fmaf(s0, part[j][0], acc[j][0]);
@@ -432,9 +457,11 @@ __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a,
       }
       }
 #pragma unroll
-      for (int c = 0; c < SC; ++c)
+      for (int c = 0; c < SC; ++c) {
 #pragma unroll
         for (int i = 0; i < kLoads; ++i) cur[c][i] = next[c][i];
+        scur[c] = snext[c];
+      }
       __syncthreads();  // xs[st & 1] is staged again for stage st + 2
     }
     // C element e of lane l: mma row l/4 + 8 (e >= 2), i.e. channel 2 (l/4) + (e >= 2); row 2 (l%4) + (e & 1) of tile j.
