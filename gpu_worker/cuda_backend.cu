@@ -37,7 +37,9 @@
 // with gather / silu*mul / scatter-add kernels around it, in pieces of at most
 // kGemmChunkRows rows. On H100 with DeepSeek-V3 experts the grouped launches
 // read weights at 2.9-3.0 TB/s up to 16 rows per expert, 2.65 at 32, 1.76 at
-// 64; cuBLAS reached 1.5-1.6 TB/s at 33-128 rows.
+// 64; cuBLAS reached 1.5-1.6 TB/s at 33-128 rows. int8 / int4 slots take the
+// same shape through cuda/packed_kernels.cu (tensor cores from 2 rows, on the
+// packed bytes) up to kPackedGemmMinRows rows.
 //
 // Caller-visible asynchrony: BeginCall's copy of `hidden` is asynchronous when
 // `hidden` is device or pinned memory, so `hidden` must stay unchanged until

@@ -343,9 +343,11 @@ __device__ __forceinline__ void CopyAsyncWait() { asm volatile("cp.async.wait_gr
 template <int kFmt, int NT, bool kDown>
 __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
   constexpr int kRows = 8 * NT;  // rows per pass
-  // 64-k chunks per stage: 2 KB of int8 or int4 weights per warp in flight
-  // (int4 at 64 rows: 1 KB, the shared buffers' bound).
-  constexpr int SC = kFmt == kFmtInt8 || NT > 4 ? 2 : 4;
+  // 64-k chunks per stage: int8 4 KB of weights per warp in flight up to 16
+  // rows, 2 KB above; int4 2 KB up to 32 rows, 1 KB above (the shared
+  // buffers' bound). Measured on the H100 (bench/RESULTS.md, stop 19): more
+  // costs int4 occupancy (8 chunks: 549 instead of 400 us at 8 rows).
+  constexpr int SC = kFmt == kFmtInt8 ? (NT <= 2 ? 4 : 2) : (NT <= 4 ? 4 : 2);
   constexpr int kStride = 64 * SC + 16;  // bf16 per shared row: + 16 makes the 8-byte reads conflict-free
   __shared__ __align__(16) bf16_t xs[2][kRows][kStride];
   __shared__ float up_out[kDown ? 1 : 2][NT][4][kWarp];
