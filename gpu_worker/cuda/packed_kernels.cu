@@ -279,7 +279,8 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // become f32 (byte_perm into 2^23's mantissa, one subtract) and bf16 pairs
 // (exact: |code| <= 128; int4 nibbles straight into bf16 mantissas, see
 // NibblesToBf16x2); int8 channel scales apply in the epilogue, int4
-// group scales (groups are multiples of 64) to each chunk's partial sums.
+// group scales (groups are multiples of 64) to each chunk's partial sums
+// or, from 32 rows per pass, to the bf16 weights themselves.
 // A block of 4 warps owns 64 output channels of down (a 16-channel block per
 // warp) or 32 of gate/up (warps 2i, 2i+1: gate and up of one block, which
 // meet in shared memory for silu(gate) * up). Each warp walks all of K; the
@@ -330,6 +331,19 @@ __device__ __forceinline__ void NibblesToBf16x2(uint32_t u, uint32_t& lo, uint32
   hi = *reinterpret_cast<const uint32_t*>(&hv);
 }
 
+// The same, times the group scales (s, s) of their channel, rounded once to
+// bf16 (n - 8 is exact, the product is within 2^-9 of (n - 8) s): the mma
+// then sums scaled weights and no per-group rescaling of the sums is needed.
+template <int kShift>
+__device__ __forceinline__ void ScaledNibblesToBf16x2(uint32_t u, __nv_bfloat162 s, uint32_t& lo, uint32_t& hi) {
+  uint32_t l, h;
+  NibblesToBf16x2<kShift>(u, l, h);
+  const __nv_bfloat162 lv = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&l), s);
+  const __nv_bfloat162 hv = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&h), s);
+  lo = *reinterpret_cast<const uint32_t*>(&lv);
+  hi = *reinterpret_cast<const uint32_t*>(&hv);
+}
+
 // 16 bytes global -> shared, asynchronously; src_bytes 0 writes zeros.
 __device__ __forceinline__ void CopyAsync16(void* smem, const void* gmem, int src_bytes) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
@@ -348,6 +362,12 @@ __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a,
   // buffers' bound). Measured on the H100 (bench/RESULTS.md, stop 19): more
   // costs int4 occupancy (8 chunks: 549 instead of 400 us at 8 rows).
   constexpr int SC = kFmt == kFmtInt8 ? (NT <= 2 ? 4 : 2) : (NT <= 4 ? 4 : 2);
+  // int4 group scales: from 32 rows per pass multiplied into the bf16 weights
+  // (rounded once: within 2^-9 of (n - 8) s), which spares rescaling each
+  // chunk's sums per row (1159 instead of 1279 us at 64 rows, DeepSeek-V3);
+  // below, applied to the chunk's f32 sums (the multiply per weight costs
+  // more than it saves there: 420 instead of 410 us at 8 rows).
+  constexpr bool kScaled = NT >= 4;
   constexpr int kStride = 64 * SC + 16;  // bf16 per shared row: + 16 makes the 8-byte reads conflict-free
   __shared__ __align__(16) bf16_t xs[2][kRows][kStride];
   __shared__ float up_out[kDown ? 1 : 2][NT][4][kWarp];
@@ -418,8 +438,11 @@ __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a,
       const int ch = SC * st + c;
       if (ch >= chunks) break;
       const bf16_t(*xc)[kStride] = xs[st & 1];
-      float part[NT][4];  // int4: this chunk's sums before its group scale (int8: unused)
-      if constexpr (kFmt == kFmtInt4) {
+      // int4: the chunk's group scales of channels 2 gid and 2 gid + 1, as bf16
+      // pairs (kScaled) or applied to the chunk's sums `part` below.
+      const __nv_bfloat162 gs0 = __floats2bfloat162_rn(scur[c].x, scur[c].x), gs1 = __floats2bfloat162_rn(scur[c].y, scur[c].y);
+      float part[NT][4];
+      if constexpr (kFmt == kFmtInt4 && !kScaled) {
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -432,29 +455,37 @@ __global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a,
           CodesToBf16x2<128>(cur[c][s].x ^ 0x80808080u, a0, a2);  // channel 2 gid
           CodesToBf16x2<128>(cur[c][s].y ^ 0x80808080u, a1, a3);  // channel 2 gid + 1
         } else {
-          if (s % 2 == 0) {
-            NibblesToBf16x2<0>(cur[c][s / 2].x, a0, a2);
-            NibblesToBf16x2<0>(cur[c][s / 2].y, a1, a3);
+          const uint32_t w0 = cur[c][s / 2].x, w1 = cur[c][s / 2].y;
+          if constexpr (kScaled) {
+            if (s % 2 == 0) {
+              ScaledNibblesToBf16x2<0>(w0, gs0, a0, a2);
+              ScaledNibblesToBf16x2<0>(w1, gs1, a1, a3);
+            } else {
+              ScaledNibblesToBf16x2<4>(w0, gs0, a0, a2);
+              ScaledNibblesToBf16x2<4>(w1, gs1, a1, a3);
+            }
+          } else if (s % 2 == 0) {
+            NibblesToBf16x2<0>(w0, a0, a2);
+            NibblesToBf16x2<0>(w1, a1, a3);
           } else {
-            NibblesToBf16x2<4>(cur[c][s / 2].x, a0, a2);
-            NibblesToBf16x2<4>(cur[c][s / 2].y, a1, a3);
+            NibblesToBf16x2<4>(w0, a0, a2);
+            NibblesToBf16x2<4>(w1, a1, a3);
           }
         }
         const int k = 64 * c + (kFmt == kFmtInt8 ? 16 * s + 4 * tig : 32 * (s / 2) + 8 * tig + 4 * (s % 2));
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const uint2 xv = *reinterpret_cast<const uint2*>(&xc[8 * j + gid][k]);
-          MmaBf16x16(kFmt == kFmtInt8 ? acc[j] : part[j], a0, a1, a2, a3, xv.x, xv.y);
+          MmaBf16x16(kFmt == kFmtInt4 && !kScaled ? part[j] : acc[j], a0, a1, a2, a3, xv.x, xv.y);
         }
       }
-      if constexpr (kFmt == kFmtInt4) {
-        const float s0 = scur[c].x, s1 = scur[c].y;
+      if constexpr (kFmt == kFmtInt4 && !kScaled) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          acc[j][0] = fmaf(s0, part[j][0], acc[j][0]);
-          acc[j][1] = fmaf(s0, part[j][1], acc[j][1]);
-          acc[j][2] = fmaf(s1, part[j][2], acc[j][2]);
-          acc[j][3] = fmaf(s1, part[j][3], acc[j][3]);
+          acc[j][0] = fmaf(scur[c].x, part[j][0], acc[j][0]);
+          acc[j][1] = fmaf(scur[c].x, part[j][1], acc[j][1]);
+          acc[j][2] = fmaf(scur[c].y, part[j][2], acc[j][2]);
+          acc[j][3] = fmaf(scur[c].y, part[j][3], acc[j][3]);
         }
       }
       }
