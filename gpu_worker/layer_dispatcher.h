@@ -75,6 +75,9 @@ absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, in
 // them naming the option): tokens of one call, calls in flight, GiB of cache.
 inline constexpr int64_t kMaxCallTokens = 1 << 16;
 inline constexpr int64_t kMaxContexts = 64;
+// Forward's device path takes calls of at most this many pairs per expert of
+// the layer on average (LayerDispatcher::OnDevicePath).
+inline constexpr int kDevicePathPairsPerExpert = 1;
 inline constexpr double kMaxCacheGib = 1 << 20;
 
 struct DispatcherConfig {
@@ -106,8 +109,10 @@ struct DispatcherConfig {
   std::chrono::microseconds poll_window{2000};
   int poll_max_tokens = 64;
   bool measure_rates = true;       // probe PCIe / device / CPU rates at Create (the online model's prior)
-  // Forward of a device-memory call that fits the request slots runs on the
-  // device path (the capturable call, uncaptured); false: always the host path.
+  // Forward of a decode-shaped device-memory call (at most
+  // kDevicePathPairsPerExpert pairs per expert on average) that fits the
+  // request slots runs on the device path (the capturable call, uncaptured);
+  // false: always the host path.
   bool eager_on_device = true;
   // Tensor parallelism (moe/types.h): this worker computes, caches and
   // reports only the pairs of the experts its rank owns; a call's output is
@@ -164,8 +169,8 @@ class LayerDispatcher {
   absl::StatusOr<int> Submit(const LayerCall& call);
   // Finishes the call of `ticket`: its output is written when this returns OK.
   absl::Status Complete(int ticket, CallStats* stats = nullptr);
-  // One call, done when this returns. A call in device memory on the cuda
-  // backend that fits one shared-memory request slot per server (decode)
+  // One call, done when this returns. A decode-shaped call in device memory
+  // on the cuda backend that fits one shared-memory request slot per server
   // runs as EnqueueCapturable's device-planned call, not captured, and waits
   // for its stream (DispatcherConfig::eager_on_device); anything else is
   // Submit + Complete.

@@ -161,9 +161,10 @@ class MoeSession {
   const char* device() const;  // "cuda" or "cpu"
 
   // One layer call, done when this returns. Device pointers on the cuda
-  // backend with T within one request slot (256 tokens by default) run the
-  // capturable call's device path, uncaptured (see ForwardLayerCapturable);
-  // everything else splits on the host.
+  // backend with a decode-shaped call (T * k at most the layer's experts,
+  // T within one request slot: 256 tokens by default) run the capturable
+  // call's device path, uncaptured (see ForwardLayerCapturable); everything
+  // else splits on the host.
   absl::Status ForwardLayer(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                             const float* topk_weights, bf16_t* out,
                             MemoryKind kind = MemoryKind::kHost, CallStats* stats = nullptr,
