@@ -258,7 +258,7 @@ int main(int argc, char** argv) {
   FlagSet flags("gpu_experts", "[--shapes LIST] [--rows LIST] [--experts N] [--runs N]\n"
                                "The cuda backend's hit experts per storage format vs HBM and tensor-core bounds.");
   flags.String("shapes", &shapes_text, "comma list of deepseek-v3 (H 7168, I 2048) and qwen3-30b-a3b (H 2048, I 768)");
-  flags.String("rows", &rows_text, "comma list of rows per expert");
+  flags.String("rows", &rows_text, "rows per expert: a list such as 1,2,8-16 (each in [1, 512])");
   flags.Int("experts", &experts, "experts per RunExperts");
   flags.Int("runs", &runs, "runs per row (median and min-max are printed)");
   flags.Int("reps", &reps, "calls per run (their median is the run's time)");
@@ -268,11 +268,9 @@ int main(int argc, char** argv) {
   o.runs = static_cast<int>(runs);
   o.reps = static_cast<int>(reps);
   if (o.experts < 1 || o.experts > 256 || o.runs < 1 || o.reps < 1) flags.Fail("--experts in [1, 256], --runs and --reps >= 1");
-  for (absl::string_view r : absl::StrSplit(rows_text, ',')) {
-    const int v = std::atoi(std::string(r).c_str());
-    if (v < 1 || v > 512) flags.Fail("--rows: each entry in [1, 512]");
-    o.rows.push_back(v);
-  }
+  absl::StatusOr<std::vector<int>> rows = ParseIndexList(rows_text, 513, "rows");
+  if (!rows.ok() || rows->empty() || rows->front() < 1) flags.Fail("--rows: a list of counts in [1, 512], e.g. 1,8,16-64");
+  o.rows = *rows;
   std::vector<Shape> shapes;
   for (absl::string_view n : absl::StrSplit(shapes_text, ',')) {
     if (n == "deepseek-v3") shapes.push_back({"deepseek-v3", 7168, 2048});
