@@ -354,8 +354,11 @@ template <int kPending>
 __device__ __forceinline__ void CopyAsyncWait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending)); }
 
 // Long: one kernel body (staging, chunk loop, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
+// int4 up to 16 rows: at most 96 registers, 5 blocks per SM (issue-bound with
+// 4: 397 instead of 405 us at 8 rows, 463 instead of 487 at 16; 6 blocks
+// spill and lose).
 template <int kFmt, int NT, bool kDown>
-__global__ void __launch_bounds__(kThreads) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
+__global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
   constexpr int kRows = 8 * NT;  // rows per pass
   // 64-k chunks per stage: int8 4 KB of weights per warp in flight up to 16
   // rows, 2 KB above; int4 2 KB up to 32 rows, 1 KB above (the shared
