@@ -82,6 +82,7 @@ DramBandwidth MeasureDramBandwidth(const NumaBinding& numa, ComputePool& pool, d
   if (!(checksum > 0)) Die("DRAM bandwidth: the sum of ones is not positive");
   DramBandwidth r;
   r.gbps = gbps[kRuns / 2];
+  r.max_gbps = gbps.back();
   r.bytes = static_cast<double>(bytes);
   r.runs = kRuns;
   r.note = absl::StrCat(static_cast<double>(bytes) / kGiB, " GiB, ", T, " threads, min ", gbps.front(),

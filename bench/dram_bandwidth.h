@@ -30,6 +30,7 @@ class NodeBuffer {
 
 struct DramBandwidth {
   double gbps = 0;       // median GB/s
+  double max_gbps = 0;   // the best run's (what a lower bound may assume)
   double bytes = 0;      // buffer size
   int runs = 0;
   std::string note;      // size, threads, min / max
