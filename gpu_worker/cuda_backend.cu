@@ -72,10 +72,16 @@ namespace {
 // kernels (measured faster than cuBLAS up to 64 rows, see above).
 constexpr int kGemmMinRows = 64;
 // The same for int8 / int4 buffers: up to this the packed kernels run from
-// the packed bytes on tensor cores (64 rows per pass); above it a group is
-// dequantized into bf16 once and goes to cuBLAS (bench/gpu_experts,
-// bench/RESULTS.md).
-constexpr int kPackedGemmMinRows = 64;
+// the packed bytes on tensor cores (64 rows per pass, re-reading the packed
+// weights each pass); above it a group is dequantized into bf16 once and
+// goes to cuBLAS. Measured (bench/gpu_experts, H200, 32 experts, bench/
+// RESULTS.md stop 19): at 128 rows the packed path took 1959 / 2472 us
+// (DeepSeek-V3 int8 / int4) against 4500 / 3193 through cuBLAS, and 261 /
+// 328 against 1302 / 1279 (Qwen3-30B-A3B); at 256 rows 3948 / 4904 against
+// 5032 / 3718 and 494 / 636 against 1316 / 1303. Four passes keep int8 ahead
+// on both shapes; int4 loses up to a third on DeepSeek-V3 at 192-256 rows
+// there and wins 2-3x on Qwen3-30B-A3B.
+constexpr int kPackedGemmMinRows = 256;
 // Rows of one cuBLAS piece; bounds the GEMM scratch to
 // kGemmChunkRows * (H * 2 + max(2I, H) * 4) bytes.
 constexpr int kGemmChunkRows = 2048;

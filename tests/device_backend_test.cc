@@ -328,13 +328,15 @@ TEST_P(DeviceBackendTest, UnevenGroupsFromRouting) {
 }
 
 // Every group size the grouped kernels take (1 to 64 rows, the packed
-// formats' CUDA-core and tensor-core paths and their passes), on a model-sized
-// K loop and on sizes that are not multiples of 64 (padded chunks).
-TEST_P(DeviceBackendTest, EveryGroupSizeUpTo64Rows) {
+// formats' CUDA-core and tensor-core paths; then several 64-row passes, and
+// past the packed path's bound to cuBLAS), on a model-sized K loop and on
+// sizes that are not multiples of 64 (padded chunks). Groups above 64 rows
+// repeat tokens (T is 64): each row is its own pair.
+TEST_P(DeviceBackendTest, EveryGroupSizeUpTo64RowsAndPasses) {
   for (const Geometry& g : {kWide, kTiny}) {
     ASSERT_NO_FATAL_FAILURE(NewBackend());
-    ASSERT_NO_FATAL_FAILURE(Start(g, 3, /*max_tokens=*/64));
-    for (int rows : {1, 2, 3, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 48, 63, 64}) {
+    ASSERT_NO_FATAL_FAILURE(Start(g, 3, /*max_tokens=*/64, /*max_top_k=*/16));
+    for (int rows : {1, 2, 3, 7, 8, 9, 15, 16, 17, 24, 31, 32, 33, 40, 48, 63, 64, 65, 130, 256, 257}) {
       Plan p;
       std::vector<int32_t> a(rows), b(rows);
       for (int r = 0; r < rows; ++r) a[r] = (r * 5) % 64, b[r] = (r * 7 + 3) % 64;

@@ -103,8 +103,8 @@ cudaError_t LaunchGroupedDown(const GroupedExpertArgs& a, cudaStream_t stream);
 // (and H, I are multiples of 8) the codes become bf16 pairs for mma.sync
 // tensor cores, up to 64 rows per pass; otherwise CUDA cores compute
 // code * scale . x for up to kPackedRowsPerPass rows per pass. Bigger groups
-// loop, re-reading the weights, so the backend sends groups above its
-// threshold to cuBLAS after LaunchUnpackExpert.
+// loop, re-reading the weights; the backend sends groups above its threshold
+// (cuda_backend.cu: kPackedGemmMinRows) to cuBLAS after LaunchUnpackExpert.
 inline constexpr int kPackedRowsPerPass = 8;
 inline constexpr int kPackedMmaMinRows = 2;
 cudaError_t LaunchPackedGateUp(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t stream);
