@@ -437,8 +437,9 @@ absl::Status LayerDispatcher::CreateAdmission() {
 }
 
 // ---------------------------------------------------------------------------
-// Rates: one expert copied, one expert computed on the device at 1 and many
-// rows, and the first server's round trip for 1 and 2 experts and many tokens.
+// Rates: one expert copied, what one more expert adds to a device call at 1
+// and many rows, and the first server's round trip for 1 and 2 experts and
+// many tokens.
 absl::Status LayerDispatcher::MeasureRates() {
   // The CPU probe climbs to prompt-sized batches (its throughput per row grows
   // several-fold from decode to prefill); the device probe stays at 64 rows.
@@ -454,28 +455,40 @@ absl::Status LayerDispatcher::MeasureRates() {
   return MeasureServerRates(cpu_rows, x, y);
 }
 
-// One expert copied, one expert computed on the device at 1 and `rows` rows.
+// One expert copied; then what one more expert adds to a call on the device
+// at 1 and at `rows` rows: a call of n experts (the temporary buffers, each
+// loaded) less a call of one, over n - 1. A call's own cost (its activations'
+// transfers, launches, the host's wait) is the call's, not each copied
+// expert's: priced per expert, it made a probe of one expert per call say
+// 0.17 ms for a 128-row int8 expert the packed kernels compute in 0.008 ms,
+// and the planner kept prompts' experts on the CPU (bench/RESULTS.md, stop 19).
 absl::Status LayerDispatcher::MeasureDeviceRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y) {
   const int layer = layers_.front();
-  const int buf = impl_->temp_base;
+  const int n = std::max(1, std::min(2 * config_.miss_buffers, 8));  // temporary buffers used
   std::vector<double> t;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < std::max(3, n); ++i) {
     const Clock::time_point t0 = Clock::now();
-    MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(buf, host_->Find(layer, i % spec_.num_experts), 0));
+    MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(impl_->temp_base + i % n,
+                                                                 host_->Find(layer, i % spec_.num_experts), 0));
     MOE_RETURN_IF_ERROR(backend_->WaitCopy(f));
     t.push_back(Seconds(Clock::now() - t0));
   }
   planner_.rates().copy_s = Fastest(t);
-  auto device_time = [&](int m) -> absl::StatusOr<double> {
-    ExpertGroups one;
-    one.expert = {0};
-    one.row_begin = {0};
-    one.count = {m};
-    one.token.resize(m);
-    std::iota(one.token.begin(), one.token.end(), 0);
-    one.weight.assign(m, 0.5f);
-    one.total_rows = one.total_pairs = m;
-    const HitPlan p{&one, &buf};
+  std::vector<int32_t> buffers(n);
+  std::iota(buffers.begin(), buffers.end(), impl_->temp_base);
+  // The fastest of 5 calls of `experts` experts with m rows each (the same m tokens).
+  auto device_time = [&](int m, int experts) -> absl::StatusOr<double> {
+    ExpertGroups g;
+    for (int e = 0; e < experts; ++e) {
+      g.expert.push_back(e);
+      g.row_begin.push_back(static_cast<int32_t>(g.token.size()));
+      g.count.push_back(m);
+      for (int r = 0; r < m; ++r) g.token.push_back(r), g.weight.push_back(0.5f);
+      while (g.token.size() % backend_->hit_row_align() != 0) g.token.push_back(-1), g.weight.push_back(0.f);
+    }
+    g.total_rows = static_cast<int32_t>(g.token.size());
+    g.total_pairs = experts * m;
+    const HitPlan p{&g, buffers.data()};
     std::vector<double> v;
     for (int i = 0; i < 5; ++i) {
       const Clock::time_point t0 = Clock::now();
@@ -486,8 +499,15 @@ absl::Status LayerDispatcher::MeasureDeviceRates(int rows, const std::vector<bf1
     }
     return Fastest(v);
   };
-  MOE_ASSIGN_OR_RETURN(const double d1, device_time(1));
-  MOE_ASSIGN_OR_RETURN(const double dm, device_time(rows));
+  // Per extra expert at m rows; with one buffer, the whole call (an upper bound).
+  auto per_expert = [&](int m) -> absl::StatusOr<double> {
+    MOE_ASSIGN_OR_RETURN(const double one, device_time(m, 1));
+    if (n == 1) return one;
+    MOE_ASSIGN_OR_RETURN(const double all, device_time(m, n));
+    return std::max(1e-7, (all - one) / (n - 1));
+  };
+  MOE_ASSIGN_OR_RETURN(const double d1, per_expert(1));
+  MOE_ASSIGN_OR_RETURN(const double dm, per_expert(rows));
   planner_.rates().device_row_s = std::max(0.0, (dm - d1) / std::max(1, rows - 1));
   planner_.rates().device_fixed_s = std::max(0.0, d1 - planner_.rates().device_row_s);
   return absl::OkStatus();
