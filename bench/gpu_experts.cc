@@ -28,9 +28,9 @@
 #include "absl/strings/str_split.h"
 #include "core/bf16.h"
 #include "core/flags.h"
-#include "core/synthetic_model.h"
 #include "cpu_compute/expert_kernel.h"
 #include "gpu_worker/device_backend.h"
+#include "testing/packed_expert.h"
 #include "testing/random_data.h"
 
 namespace moe {
@@ -40,26 +40,6 @@ struct Shape {
   std::string name;
   int H, I;
 };
-
-struct Packed {
-  std::shared_ptr<std::byte> bytes;
-  size_t size = 0;
-};
-
-// Synthetic expert `id` packed in `format`.
-Packed MakePacked(const Shape& s, int id, WeightFormat format) {
-  const size_t ih = static_cast<size_t>(s.I) * s.H;
-  std::vector<bf16_t> w(3 * ih);
-  GenerateExpertMatrix(20261126, 0, id, Projection::kGate, s.I, s.H, w.data());
-  GenerateExpertMatrix(20261126, 0, id, Projection::kUp, s.I, s.H, w.data() + ih);
-  GenerateExpertMatrix(20261126, 0, id, Projection::kDown, s.H, s.I, w.data() + 2 * ih);
-  const ExpertGeometry g = ExpertGeometry::For(s.H, s.I, format);
-  Packed p;
-  p.size = g.packed_bytes();
-  p.bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (p.size + 63) / 64 * 64)), std::free);
-  PackExpert(g, w.data(), w.data() + ih, w.data() + 2 * ih, p.bytes.get());
-  return p;
-}
 
 struct Stat {
   double median = 0, lo = 0, hi = 0;
@@ -158,8 +138,8 @@ std::map<int, Stat> TimeFormat(const Shape& s, WeightFormat format, const Option
     std::fprintf(stderr, "gpu_experts: Init: %s\n", std::string(st.message()).c_str());
     std::exit(1);
   }
-  std::vector<Packed> made;
-  for (int i = 0; i < 4; ++i) made.push_back(MakePacked(s, i, format));
+  std::vector<PackedExpert> made;
+  for (int i = 0; i < 4; ++i) made.push_back(MakePackedExpert(s.H, s.I, format, 20261126, i));
   for (int b = 0; b < buffers; ++b) {
     absl::StatusOr<uint64_t> f = backend->LoadExpert(b, made[b % 4].bytes.get(), 0);
     if (!f.ok() || !backend->WaitCopy(*f).ok()) {

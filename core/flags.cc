@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "CLI/CLI.hpp"
@@ -46,20 +47,8 @@ class JsonConfig : public CLI::Config {
  public:
   explicit JsonConfig(const CLI::App* app) : app_(app) {}
 
-  // The flags given on the command line as a JSON object (CLI11's
-  // config_to_str; nothing here calls it).
-  std::string to_config(const CLI::App* app, bool default_also, bool, std::string) const override {
-    nlohmann::json j = nlohmann::json::object();
-    for (const CLI::Option* opt : app->get_options()) {
-      if (opt->get_lnames().empty() || !opt->get_configurable()) continue;
-      if (opt->count() > 0) {
-        j[opt->get_lnames()[0]] = opt->results().back();
-      } else if (default_also && !opt->get_default_str().empty()) {
-        j[opt->get_lnames()[0]] = opt->get_default_str();
-      }
-    }
-    return j.dump(2) + "\n";
-  }
+  // CLI::Config's writer (config_to_str): --config is only ever read here.
+  std::string to_config(const CLI::App*, bool, bool, std::string) const override { return {}; }
 
   std::vector<CLI::ConfigItem> from_config(std::istream& input) const override {
     ++files_read_;
@@ -217,6 +206,16 @@ struct FlagSet::Impl {
 
   // One line for a parse error (without the program name).
   std::string Message(const CLI::ParseError& e, const std::vector<std::string>& args) const;
+
+  // A flag that takes a value: `check` (none for strings) rewrites or refuses
+  // the text before CLI11 converts it; the last of repeated flags counts.
+  template <typename T>
+  void AddValueFlag(const std::string& name, T* value, const std::string& help, std::optional<CLI::Validator> check) {
+    CLI::Option* o = app.add_option("--" + name, *value, help)->capture_default_str();
+    if (check) o->transform(*check);
+    o->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    value_flags.push_back("--" + name);
+  }
 };
 
 std::string FlagSet::Impl::Message(const CLI::ParseError& e, const std::vector<std::string>& args) const {
@@ -249,24 +248,13 @@ FlagSet::FlagSet(std::string program, std::string usage)
 FlagSet::~FlagSet() = default;
 
 void FlagSet::String(const std::string& name, std::string* value, const std::string& help) {
-  impl_->app.add_option("--" + name, *value, help)
-      ->capture_default_str()
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  impl_->value_flags.push_back("--" + name);
+  impl_->AddValueFlag(name, value, help, std::nullopt);
 }
 void FlagSet::Int(const std::string& name, int64_t* value, const std::string& help) {
-  impl_->app.add_option("--" + name, *value, help)
-      ->capture_default_str()
-      ->transform(IntText())
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  impl_->value_flags.push_back("--" + name);
+  impl_->AddValueFlag(name, value, help, IntText());
 }
 void FlagSet::Double(const std::string& name, double* value, const std::string& help) {
-  impl_->app.add_option("--" + name, *value, help)
-      ->capture_default_str()
-      ->transform(DoubleText())
-      ->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  impl_->value_flags.push_back("--" + name);
+  impl_->AddValueFlag(name, value, help, DoubleText());
 }
 void FlagSet::Bool(const std::string& name, bool* value, const std::string& help) {
   impl_->app.add_flag("--" + name + ",!--no-" + name, *value, help)

@@ -21,9 +21,9 @@
 #include <vector>
 
 #include "core/bf16.h"
+#include "testing/packed_expert.h"
 #include "testing/random_data.h"
 #include "core/reference_moe.h"
-#include "core/synthetic_model.h"
 #include "gpu_worker/device_backend.h"
 
 #ifdef MOE_HAVE_CUDA
@@ -49,26 +49,18 @@ constexpr Geometry kOdd{100, 44};
 // One expert as LoadExpert takes it (packed in the backend's format) and the
 // weights that stands for (gate [I,H], up [I,H], down [H,I] back to back, f32).
 struct Expert {
-  std::shared_ptr<std::byte> packed;  // 64-byte aligned
-  size_t packed_bytes = 0;
+  PackedExpert packed;
   std::vector<float> w;
-  const std::byte* data() const { return packed.get(); }
+  const std::byte* data() const { return packed.data(); }
 };
 
 // Synthetic expert `id`, packed in `format`.
 Expert MakeExpert(const Geometry& g, int id, WeightFormat format) {
   const size_t ih = static_cast<size_t>(g.I) * g.H;
-  std::vector<bf16_t> rows(3 * ih);
-  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kGate, g.I, g.H, rows.data());
-  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kUp, g.I, g.H, rows.data() + ih);
-  GenerateExpertMatrix(kWeightSeed, 0, id, Projection::kDown, g.H, g.I, rows.data() + 2 * ih);
-  const ExpertGeometry eg = ExpertGeometry::For(g.H, g.I, format);
   Expert e;
-  e.packed_bytes = eg.packed_bytes();
-  e.packed.reset(static_cast<std::byte*>(std::aligned_alloc(64, (e.packed_bytes + 63) / 64 * 64)), std::free);
-  PackExpert(eg, rows.data(), rows.data() + ih, rows.data() + 2 * ih, e.packed.get());
+  e.packed = MakePackedExpert(g.H, g.I, format, kWeightSeed, id);
   e.w.resize(3 * ih);
-  UnpackExpert(eg, e.packed.get(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
+  UnpackExpert(ExpertGeometry::For(g.H, g.I, format), e.packed.data(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
   return e;
 }
 
@@ -470,14 +462,14 @@ TEST_P(DeviceBackendTest, ComputeWaitsForCopyFence) {
   for (int b = 0; b < 4; ++b) experts_.push_back(Make(g, 200 + b));
   for (int b = 0; b < 4; ++b) {
     Expert& e = experts_[b];
-    ASSERT_TRUE(backend_->RegisterHost(e.packed.get(), e.packed_bytes).ok());
+    ASSERT_TRUE(backend_->RegisterHost(e.packed.bytes.get(), e.packed.size).ok());
     absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, e.data(), 0);
     ASSERT_TRUE(f.ok()) << f.status();
     backend_->ComputeWaitCopy(*f);
   }
   const Plan p = PlanFromRouting(32, 2, 4, 91);
   ExpectMatches(32, {p}, 92, "compute after ComputeWaitCopy");
-  for (Expert& e : experts_) backend_->UnregisterHost(e.packed.get());
+  for (Expert& e : experts_) backend_->UnregisterHost(e.packed.bytes.get());
 }
 
 TEST_P(DeviceBackendTest, BufferReusedAfterComputeFence) {
@@ -494,7 +486,7 @@ TEST_P(DeviceBackendTest, BufferReusedAfterComputeFence) {
   const uint64_t done = backend_->RecordCompute();
   Expert replacement = Make(kWide, 999);
   // Registered, so the cuda copy is asynchronous and only the fence holds it back.
-  ASSERT_TRUE(backend_->RegisterHost(replacement.packed.get(), replacement.packed_bytes).ok());
+  ASSERT_TRUE(backend_->RegisterHost(replacement.packed.bytes.get(), replacement.packed.size).ok());
   absl::StatusOr<uint64_t> copy = backend_->LoadExpert(0, replacement.data(), done);
   ASSERT_TRUE(copy.ok()) << copy.status();
   std::vector<bf16_t> out(static_cast<size_t>(T) * kWide.H);
@@ -507,7 +499,7 @@ TEST_P(DeviceBackendTest, BufferReusedAfterComputeFence) {
   ExpectMatches(T, {p}, 101, "after reuse");
   ASSERT_TRUE(backend_->WaitCopy(*copy).ok());
   EXPECT_TRUE(backend_->CopyDone(*copy));
-  backend_->UnregisterHost(replacement.packed.get());
+  backend_->UnregisterHost(replacement.packed.bytes.get());
 }
 
 TEST_P(DeviceBackendTest, TwoContextsInterleave) {

@@ -1,6 +1,6 @@
 // Device helpers the cuda backend's kernel files share (one definition each):
-// launch constants, bf16 <-> f32, the streaming 16-byte weight load, and the
-// reads of values out of a packed 16-channel block.
+// launch constants, bf16 <-> f32, the streaming weight loads, the bf16 mma, and
+// the reads of values out of a packed 16-channel block.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -33,6 +33,23 @@ __device__ __forceinline__ uint4 LoadStream16(const void* p) {
   return v;
 }
 
+// 8 bytes of weights read exactly once per kernel (the packed tensor-core
+// kernels' per-lane unit), kept out of L1.
+__device__ __forceinline__ uint2 LoadStream8(const void* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+// d += A (16 x 16, a0..a3) . B (16 x 8, b0, b1): bf16 in, f32 accumulate.
+__device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
 constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2;  // WeightFormat
 

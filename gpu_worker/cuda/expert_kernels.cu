@@ -238,15 +238,6 @@ constexpr int kMmaThreads = kMmaWarps * kWarp;
 constexpr int kMmaCols = 16;  // output columns per block
 constexpr int kMmaK = 64;     // K per warp step
 
-__device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Word i (0..7) of 16 bf16 held as two uint4; i is a compile-time constant
 // in every use (unrolled loops), so this folds to a register.
 __device__ __forceinline__ uint32_t Word(const uint4 (&v)[2], int i) {

@@ -288,21 +288,6 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // memory (cp.async, double-buffered, zeros past K and for padding rows) and
 // the next chunk's weights are loaded into registers while this one computes.
 
-__device__ __forceinline__ uint2 LoadStream8(const void* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void MmaBf16x16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                           uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // The 4 codes of `u` (bytes, each minus kBias) as bf16 pairs: lo = bytes
 // 0, 1; hi = bytes 2, 3 (low halves first, as the mma reads a register).
 template <int kBias>
@@ -479,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const uint2 xv = *reinterpret_cast<const uint2*>(&xc[8 * j + gid][k]);
-          MmaBf16x16(kFmt == kFmtInt4 && !kScaled ? part[j] : acc[j], a0, a1, a2, a3, xv.x, xv.y);
+          MmaBf16(kFmt == kFmtInt4 && !kScaled ? part[j] : acc[j], a0, a1, a2, a3, xv.x, xv.y);
         }
       }
       if constexpr (kFmt == kFmtInt4 && !kScaled) {
