@@ -739,10 +739,18 @@ void Benchmark::PerExpertCases(const ModelSpec& spec, const ModelSource& source,
       std::fill(ids.begin(), ids.end(), 0);
       r.note = Check(*executors[i], ref, batch, H, {0, m / 2, m - 1},
                      absl::StrCat(r.shape, " ", r.format, " m=", m, " ", r.impl));
+      ForwardStats stats;
+      double phase[3] = {0, 0, 0};
       std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
         std::fill(ids.begin(), ids.end(), call % n_copies);
-        DieIf(executors[i]->Forward(batch, DType::kBF16, out.data(), nullptr), "Forward");
+        DieIf(executors[i]->Forward(batch, DType::kBF16, out.data(), &stats), "Forward");
+        phase[0] += stats.gather_ns;
+        phase[1] += stats.gate_up_ns;
+        phase[2] += stats.down_ns;
       });
+      const double all = std::max(1.0, phase[0] + phase[1] + phase[2]);
+      absl::StrAppend(&r.note, ", gather/gate-up/down ", Num(100 * phase[0] / all), "/", Num(100 * phase[1] / all),
+                      "/", Num(100 * phase[2] / all), "%");
       Add(std::move(r), spec, m, 1, expert_bytes);
     }
     if (dnnl == nullptr) continue;

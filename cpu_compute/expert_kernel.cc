@@ -52,9 +52,9 @@ size_t ExpertGeometry::block_bytes(int K) const {
   return 0;
 }
 
-KernelRows KernelRows::At(int row, int K) const {
+KernelRows KernelRows::At(int row, int ld, int K) const {
   KernelRows r;
-  const size_t off = static_cast<size_t>(row) * K;
+  const size_t off = static_cast<size_t>(row) * ld;
   if (bf16 != nullptr) r.bf16 = bf16 + off;
   if (q != nullptr) r.q = q + 2 * off;
   if (scale != nullptr) r.scale = scale + row;
@@ -164,16 +164,16 @@ void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate,
   UnpackMatrix(g, packed + g.gate_up_bytes(), g.block_bytes(g.Ki), g.H, g.I, g.Ki, down);
 }
 
-void QuantizeRowsScalar(const bf16_t* x, int m, int K, int8_t* q, float* scale, int32_t* sum64) {
+void QuantizeRowsScalar(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum64) {
   for (int r = 0; r < m; ++r) {
-    const bf16_t* xr = x + size_t(r) * K;
+    const bf16_t* xr = x + size_t(r) * ld;
     float amax = 0.0f;
     for (int k = 0; k < K; ++k) amax = std::max(amax, std::fabs(Bf16ToF32(xr[k])));
     const float s = amax / 127.0f;
     const float inv = s > 0 ? 1.0f / s : 0.0f;
     scale[r] = s;
-    int8_t* hi = q + size_t(2 * r) * K;
-    int8_t* lo = hi + K;
+    int8_t* hi = q + size_t(2 * r) * ld;
+    int8_t* lo = hi + ld;
     for (int c = 0; c < K / 64; ++c) {
       int32_t sh = 0, sl = 0;
       for (int k = 64 * c; k < 64 * c + 64; ++k) {
@@ -192,9 +192,9 @@ void QuantizeRowsScalar(const bf16_t* x, int m, int K, int8_t* q, float* scale, 
   }
 }
 
-void QuantizeRows(const bf16_t* x, int m, int K, int8_t* q, float* scale, int32_t* sum64) {
-  if (CpuFeatures::Get().HasAvx512Bf16()) return QuantizeRowsAvx512(x, m, K, q, scale, sum64);
-  QuantizeRowsScalar(x, m, K, q, scale, sum64);
+void QuantizeRows(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum64) {
+  if (CpuFeatures::Get().HasAvx512Bf16()) return QuantizeRowsAvx512(x, m, K, ld, q, scale, sum64);
+  QuantizeRowsScalar(x, m, K, ld, q, scale, sum64);
 }
 
 absl::StatusOr<std::unique_ptr<ExpertKernel>> MakeExpertKernel(std::string_view name, const CpuFeatures& cpu,

@@ -43,6 +43,11 @@ constexpr int kGateUpChunk = 2;
 // Experts with at most this many rows go to the AVX-512 path: a 16-row tile
 // would mostly multiply padding, and the loads are what matters there.
 constexpr int kAvx512MaxRows = 4;
+// The down projection walks its output groups in chunks whose weights (B)
+// take at most this much, so they stay in L2 while every row block passes
+// them; each row block of act is read once per chunk.
+constexpr size_t kDownPanelBytes = 512 << 10;
+inline int DownChunk(size_t block_bytes) { return std::max<int>(1, kDownPanelBytes / (2 * block_bytes)); }
 // Weight tiles are prefetched this many k-blocks ahead on the first pass over
 // a panel (decode streams weights from DRAM once).
 constexpr int kPrefetchBlocks = 4;
@@ -100,10 +105,10 @@ inline void UnpackInt4Tile(const std::byte* src, int8_t* dst) {
 
 // y[t][b] = (x_t . channels of block b), dequantized (weight and row scales),
 // for the 8 * tiles tokens of x (1 or 2 A tiles) and the blocks b0, b1 of K =
-// Kp. int32 tile sums per scale group (int8: the whole K; int4: g.group),
-// hi + lo / 254 in f32.
-void AmxIntDots(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x, int Kp,
-                int tiles, float (*y)[2][16], int8_t* unpack) {
+// Kp (int8 rows ld bytes apart). int32 tile sums per scale group (int8: the
+// whole K; int4: g.group), hi + lo / 254 in f32.
+void AmxIntDots(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x, int ld,
+                int Kp, int tiles, float (*y)[2][16], int8_t* unpack) {
   const bool int4 = g.format == WeightFormat::kInt4;
   const int chunks = Kp / 64, per_group = int4 ? g.group / 64 : chunks;
   const float* scales[2] = {layout::Scales(g, b0, Kp), layout::Scales(g, b1, Kp)};
@@ -126,11 +131,11 @@ void AmxIntDots(const ExpertGeometry& g, const std::byte* b0, const std::byte* b
         _tile_loadd(6, b0 + 1024 * size_t(kb), 64);
         _tile_loadd(7, b1 + 1024 * size_t(kb), 64);
       }
-      _tile_loadd(4, x.q + 64 * size_t(kb), Kp);
+      _tile_loadd(4, x.q + 64 * size_t(kb), ld);
       _tile_dpbssd(0, 4, 6);
       _tile_dpbssd(1, 4, 7);
       if (tiles == 2) {
-        _tile_loadd(5, x.q + size_t(16) * Kp + 64 * size_t(kb), Kp);
+        _tile_loadd(5, x.q + size_t(16) * ld + 64 * size_t(kb), ld);
         _tile_dpbssd(2, 5, 6);
         _tile_dpbssd(3, 5, 7);
       }
@@ -168,14 +173,14 @@ void AmxIntGateUp(const ExpertGeometry& g, const std::byte* packed, const Kernel
       const std::byte* gb = packed + (2 * c) * bb;
       for (int r = 0; r < full; r += 2 * kTileTokens) {
         const int tiles = r + 2 * kTileTokens <= full ? 2 : 1;
-        AmxIntDots(g, gb, gb + bb, x.At(r, g.Kh), g.Kh, tiles, y, unpack);
+        AmxIntDots(g, gb, gb + bb, x.At(r, g.ldx(), g.Kh), g.ldx(), g.Kh, tiles, y, unpack);
         for (int i = 0; i < kTileTokens * tiles; ++i)
-          simd::StoreSiluMul(_mm512_load_ps(y[i][0]), _mm512_load_ps(y[i][1]), act + size_t(r + i) * g.Ki + 16 * c);
+          simd::StoreSiluMul(_mm512_load_ps(y[i][0]), _mm512_load_ps(y[i][1]), act + size_t(r + i) * g.lda() + 16 * c);
       }
     }
     _tile_release();
   }
-  if (full < m) Avx512VnniGateUp(g, packed, x.At(full, g.Kh), m - full, act + size_t(full) * g.Ki, c0, c1);
+  if (full < m) Avx512VnniGateUp(g, packed, x.At(full, g.ldx(), g.Kh), m - full, act + size_t(full) * g.lda(), c0, c1);
 }
 
 void AmxIntDownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
@@ -187,24 +192,29 @@ void AmxIntDownAccumulate(const ExpertGeometry& g, const std::byte* packed, cons
     const size_t bb = g.block_bytes(g.Ki);
     alignas(64) int8_t unpack[2048];
     alignas(64) float y[16][2][16];
-    for (int c = c0; c < c1; ++c) {
-      const std::byte* b0 = d + (2 * c) * bb;
-      const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+    const int chunk = DownChunk(bb);
+    for (int cc = c0; cc < c1; cc += chunk) {
+      const int ce = std::min(c1, cc + chunk);
       for (int r = 0; r < full; r += 2 * kTileTokens) {
         const int tiles = r + 2 * kTileTokens <= full ? 2 : 1;
-        AmxIntDots(g, b0, b0 + bb, act.At(r, g.Ki), g.Ki, tiles, y, unpack);
-        for (int i = 0; i < kTileTokens * tiles; ++i) {
-          if (token[r + i] < 0) continue;
-          float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
-          simd::AccumulateMasked(o, m0, weight[r + i], _mm512_load_ps(y[i][0]));
-          simd::AccumulateMasked(o + 16, m1, weight[r + i], _mm512_load_ps(y[i][1]));
+        for (int c = cc; c < ce; ++c) {
+          const std::byte* b0 = d + (2 * c) * bb;
+          const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+          AmxIntDots(g, b0, b0 + bb, act.At(r, g.lda(), g.Ki), g.lda(), g.Ki, tiles, y, unpack);
+          for (int i = 0; i < kTileTokens * tiles; ++i) {
+            if (token[r + i] < 0) continue;
+            float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
+            simd::AccumulateMasked(o, m0, weight[r + i], _mm512_load_ps(y[i][0]));
+            simd::AccumulateMasked(o + 16, m1, weight[r + i], _mm512_load_ps(y[i][1]));
+          }
         }
       }
     }
     _tile_release();
   }
   if (full < m)
-    Avx512VnniDownAccumulate(g, packed, act.At(full, g.Ki), m - full, token + full, weight + full, out, ldo, c0, c1);
+    Avx512VnniDownAccumulate(g, packed, act.At(full, g.lda(), g.Ki), m - full, token + full, weight + full, out, ldo,
+                             c0, c1);
 }
 
 class AmxKernel final : public ExpertKernel {
@@ -224,14 +234,14 @@ class AmxKernel final : public ExpertKernel {
     ConfigureTiles();
     const size_t blk = static_cast<size_t>(g.Kh) * 32;  // bytes per packed block
     const int kblocks = g.Kh / 32;
-    const int ldx = g.Kh * 2;
+    const int ldx = g.ldx() * 2;
     alignas(64) float t0[256], t1[256];
     for (int cc = c0; cc < c1; cc += kGateUpChunk) {
       const int ce = std::min(c1, cc + kGateUpChunk);
       for (int mb = 0; mb < m; mb += 32) {
         const bool two = mb + 16 < m;
-        const bf16_t* x0 = x + static_cast<size_t>(mb) * g.Kh;
-        const bf16_t* x1 = x0 + static_cast<size_t>(16) * g.Kh;
+        const bf16_t* x0 = x + static_cast<size_t>(mb) * g.ldx();
+        const bf16_t* x1 = x0 + static_cast<size_t>(16) * g.ldx();
         for (int c = cc; c < ce; ++c) {
           const std::byte* gb = packed + (2 * c) * blk;
           const std::byte* ub = gb + blk;
@@ -240,14 +250,14 @@ class AmxKernel final : public ExpertKernel {
           _tile_stored(1, t1, 64);
           for (int r = 0; r < 16; ++r) {
             simd::StoreSiluMul(_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r),
-                               act + static_cast<size_t>(mb + r) * g.Ki + 16 * c);
+                               act + static_cast<size_t>(mb + r) * g.lda() + 16 * c);
           }
           if (two) {
             _tile_stored(2, t0, 64);
             _tile_stored(3, t1, 64);
             for (int r = 0; r < 16; ++r) {
               simd::StoreSiluMul(_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r),
-                                 act + static_cast<size_t>(mb + 16 + r) * g.Ki + 16 * c);
+                                 act + static_cast<size_t>(mb + 16 + r) * g.lda() + 16 * c);
             }
           }
         }
@@ -266,7 +276,7 @@ class AmxKernel final : public ExpertKernel {
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t blk = static_cast<size_t>(g.Ki) * 32;
     const int kblocks = g.Ki / 32;
-    const int lda = g.Ki * 2;
+    const int lda = g.lda() * 2;
     alignas(64) float t0[256], t1[256];
     auto scatter = [&](int row0, int c) {
       const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
@@ -278,21 +288,24 @@ class AmxKernel final : public ExpertKernel {
         simd::AccumulateMasked(o + 16, m1, weight[row0 + r], _mm512_load_ps(t1 + 16 * r));
       }
     };
-    for (int c = c0; c < c1; ++c) {
-      const std::byte* b0 = d + (2 * c) * blk;
-      const std::byte* b1 = b0 + blk;
+    const int chunk = DownChunk(blk);
+    for (int cc = c0; cc < c1; cc += chunk) {
+      const int ce = std::min(c1, cc + chunk);
       for (int mb = 0; mb < m; mb += 32) {
         const bool two = mb + 16 < m;
-        const bf16_t* a0 = act + static_cast<size_t>(mb) * g.Ki;
-        const bf16_t* a1 = a0 + static_cast<size_t>(16) * g.Ki;
-        AmxBf16Block(a0, a1, lda, b0, b1, kblocks, two, mb == 0);
-        _tile_stored(0, t0, 64);
-        _tile_stored(1, t1, 64);
-        scatter(mb, c);
-        if (two) {
-          _tile_stored(2, t0, 64);
-          _tile_stored(3, t1, 64);
-          scatter(mb + 16, c);
+        const bf16_t* a0 = act + static_cast<size_t>(mb) * g.lda();
+        const bf16_t* a1 = a0 + static_cast<size_t>(16) * g.lda();
+        for (int c = cc; c < ce; ++c) {
+          const std::byte* b0 = d + (2 * c) * blk;
+          AmxBf16Block(a0, a1, lda, b0, b0 + blk, kblocks, two, mb == 0);
+          _tile_stored(0, t0, 64);
+          _tile_stored(1, t1, 64);
+          scatter(mb, c);
+          if (two) {
+            _tile_stored(2, t0, 64);
+            _tile_stored(3, t1, 64);
+            scatter(mb + 16, c);
+          }
         }
       }
     }

@@ -43,15 +43,15 @@ template <int R>
 void GateUpRows(const ExpertGeometry& g, const bf16_t* gb, const bf16_t* ub, const bf16_t* x,
                 bf16_t* act, int c) {
   __m512 acc[kRows][2];
-  DotRows<R>(gb, ub, x, g.Kh, g.Kh, acc);
-  for (int r = 0; r < R; ++r) simd::StoreSiluMul(acc[r][0], acc[r][1], act + static_cast<size_t>(r) * g.Ki + 16 * c);
+  DotRows<R>(gb, ub, x, g.ldx(), g.Kh, acc);
+  for (int r = 0; r < R; ++r) simd::StoreSiluMul(acc[r][0], acc[r][1], act + static_cast<size_t>(r) * g.lda() + 16 * c);
 }
 
 template <int R>
 void DownRows(const ExpertGeometry& g, const bf16_t* b0, const bf16_t* b1, const bf16_t* act,
               const int32_t* token, const float* weight, float* out, int ldo, int c) {
   __m512 acc[kRows][2];
-  DotRows<R>(b0, b1, act, g.Ki, g.Ki, acc);
+  DotRows<R>(b0, b1, act, g.lda(), g.Ki, acc);
   const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
   for (int r = 0; r < R; ++r) {
     if (token[r] < 0) continue;
@@ -88,8 +88,8 @@ void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t
       const bf16_t* gb = w + (2 * c) * blk;
       const bf16_t* ub = gb + blk;
       ForRowChunks<kRows>(m, [&](int r, auto R) {
-        GateUpRows<decltype(R)::value>(g, gb, ub, x + static_cast<size_t>(r) * g.Kh,
-                                       act + static_cast<size_t>(r) * g.Ki, c);
+        GateUpRows<decltype(R)::value>(g, gb, ub, x + static_cast<size_t>(r) * g.ldx(),
+                                       act + static_cast<size_t>(r) * g.lda(), c);
       });
     }
 }
@@ -102,7 +102,7 @@ void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, cons
       const bf16_t* b0 = d + (2 * c) * blk;
       const bf16_t* b1 = b0 + blk;
       ForRowChunks<kRows>(m, [&](int r, auto R) {
-        DownRows<decltype(R)::value>(g, b0, b1, act + static_cast<size_t>(r) * g.Ki, token + r,
+        DownRows<decltype(R)::value>(g, b0, b1, act + static_cast<size_t>(r) * g.lda(), token + r,
                                      weight + r, out, ldo, c);
       });
     }
@@ -122,12 +122,12 @@ inline int32_t ChunkSum(const int32_t* s, int n) {
   return sum;
 }
 
-// y[r][b] = x_r . block b for R quantized rows of x (Kp columns) and two int8
+// y[r][b] = x_r . block b for R quantized rows of x (Kp columns, ld apart) and two int8
 // blocks: x's codes + 128 (u8) against the weights (s8), minus 128 x the
 // column sums; hi and lo dots combined in f32, scaled per channel and row.
 template <int R>
 inline void DotRowsInt8(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x,
-                        int Kp, __m512 y[kIntRows][2]) {
+                        int ld, int Kp, __m512 y[kIntRows][2]) {
   __m512i acc[R][2][2];  // [row][block][hi, lo]
   for (int r = 0; r < R; ++r) acc[r][0][0] = acc[r][0][1] = acc[r][1][0] = acc[r][1][1] = _mm512_setzero_si512();
   const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
@@ -140,7 +140,7 @@ inline void DotRowsInt8(const ExpertGeometry& g, const std::byte* b0, const std:
     for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const __m512i xv = _mm512_xor_si512(Broadcast4(x.q + size_t(2 * r + h) * Kp + 4 * p), bias);
+        const __m512i xv = _mm512_xor_si512(Broadcast4(x.q + size_t(2 * r + h) * ld + 4 * p), bias);
         acc[r][0][h] = _mm512_dpbusd_epi32(acc[r][0][h], xv, w0);
         acc[r][1][h] = _mm512_dpbusd_epi32(acc[r][1][h], xv, w1);
       }
@@ -162,7 +162,7 @@ inline void DotRowsInt8(const ExpertGeometry& g, const std::byte* b0, const std:
 // byte rows from w0/w1 (byte row j: k = 8j..8j+3 in the low nibbles,
 // 8j+4..8j+7 in the high ones), x at the group's first column.
 template <int R>
-inline void GroupDotInt4(const std::byte* w0, const std::byte* w1, const int8_t* x, int Kp, int n,
+inline void GroupDotInt4(const std::byte* w0, const std::byte* w1, const int8_t* x, int ld, int n,
                          __m512i acc[kIntRows][2][2]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) acc[r][0][0] = acc[r][0][1] = acc[r][1][0] = acc[r][1][1] = _mm512_setzero_si512();
@@ -177,7 +177,7 @@ inline void GroupDotInt4(const std::byte* w0, const std::byte* w1, const int8_t*
     for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
-        const int8_t* xr = x + size_t(2 * r + h) * Kp + 8 * j;
+        const int8_t* xr = x + size_t(2 * r + h) * ld + 8 * j;
         const __m512i xl = Broadcast4(xr), xh = Broadcast4(xr + 4);
         acc[r][0][h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][0][h], l0, xl), h0, xh);
         acc[r][1][h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][1][h], l1, xl), h1, xh);
@@ -191,14 +191,14 @@ inline void GroupDotInt4(const std::byte* w0, const std::byte* w1, const int8_t*
 // accumulated with the group's scales; scaled per row at the end.
 template <int R>
 inline void DotRowsInt4(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x,
-                        int Kp, __m512 y[kIntRows][2]) {
+                        int ld, int Kp, __m512 y[kIntRows][2]) {
   const int chunks = Kp / 64;
   const float* scales[2] = {layout::Scales(g, b0, Kp), layout::Scales(g, b1, Kp)};
   __m512 f[kIntRows][2];
   for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
   __m512i acc[kIntRows][2][2];
   for (int k0 = 0; k0 < Kp; k0 += g.group) {
-    GroupDotInt4<R>(b0 + size_t(k0) * 8, b1 + size_t(k0) * 8, x.q + k0, Kp, g.group / 8, acc);
+    GroupDotInt4<R>(b0 + size_t(k0) * 8, b1 + size_t(k0) * 8, x.q + k0, ld, g.group / 8, acc);
     for (int r = 0; r < R; ++r) {
       const __m512i ch = _mm512_set1_epi32(8 * ChunkSum(x.sum64 + size_t(2 * r) * chunks + k0 / 64, g.group / 64));
       const __m512i cl = _mm512_set1_epi32(8 * ChunkSum(x.sum64 + size_t(2 * r + 1) * chunks + k0 / 64, g.group / 64));
@@ -218,9 +218,9 @@ inline void DotRowsInt4(const ExpertGeometry& g, const std::byte* b0, const std:
 
 template <int R>
 inline void DotRowsInt(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x,
-                       int Kp, __m512 y[kIntRows][2]) {
-  if (g.format == WeightFormat::kInt8) return DotRowsInt8<R>(g, b0, b1, x, Kp, y);
-  DotRowsInt4<R>(g, b0, b1, x, Kp, y);
+                       int ld, int Kp, __m512 y[kIntRows][2]) {
+  if (g.format == WeightFormat::kInt8) return DotRowsInt8<R>(g, b0, b1, x, ld, Kp, y);
+  DotRowsInt4<R>(g, b0, b1, x, ld, Kp, y);
 }
 
 }  // namespace
@@ -233,9 +233,9 @@ void Avx512VnniGateUp(const ExpertGeometry& g, const std::byte* packed, const Ke
     const std::byte* ub = gb + bb;
     ForRowChunks<kIntRows>(m, [&](int r, auto R) {
       __m512 y[kIntRows][2];
-      DotRowsInt<decltype(R)::value>(g, gb, ub, x.At(r, g.Kh), g.Kh, y);
+      DotRowsInt<decltype(R)::value>(g, gb, ub, x.At(r, g.ldx(), g.Kh), g.ldx(), g.Kh, y);
       for (int i = 0; i < decltype(R)::value; ++i) {
-        simd::StoreSiluMul(y[i][0], y[i][1], act + static_cast<size_t>(r + i) * g.Ki + 16 * c);
+        simd::StoreSiluMul(y[i][0], y[i][1], act + static_cast<size_t>(r + i) * g.lda() + 16 * c);
       }
     });
   }
@@ -251,7 +251,7 @@ void Avx512VnniDownAccumulate(const ExpertGeometry& g, const std::byte* packed, 
     const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
     ForRowChunks<kIntRows>(m, [&](int r, auto R) {
       __m512 y[kIntRows][2];
-      DotRowsInt<decltype(R)::value>(g, b0, b1, act.At(r, g.Ki), g.Ki, y);
+      DotRowsInt<decltype(R)::value>(g, b0, b1, act.At(r, g.lda(), g.Ki), g.lda(), g.Ki, y);
       for (int i = 0; i < decltype(R)::value; ++i) {
         if (token[r + i] < 0) continue;
         float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
@@ -292,17 +292,17 @@ std::unique_ptr<ExpertKernel> MakeAvx512Kernel(bool bf16, bool int8) {
   return std::make_unique<Avx512Kernel>(bf16, int8);
 }
 
-void QuantizeRowsAvx512(const bf16_t* x, int m, int K, int8_t* q, float* scale, int32_t* sum64) {
+void QuantizeRowsAvx512(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum64) {
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as std::nearbyint
   for (int r = 0; r < m; ++r) {
-    const bf16_t* xr = x + size_t(r) * K;
+    const bf16_t* xr = x + size_t(r) * ld;
     __m512 amax = _mm512_setzero_ps();
     for (int k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(simd::LoadBf16(xr + k)));
     const float s = _mm512_reduce_max_ps(amax) / 127.0f;
     scale[r] = s;
     const __m512 inv = _mm512_set1_ps(s > 0 ? 1.0f / s : 0.0f);
-    int8_t* hi = q + size_t(2 * r) * K;
-    int8_t* lo = hi + K;
+    int8_t* hi = q + size_t(2 * r) * ld;
+    int8_t* lo = hi + ld;
     int32_t* sh = sum64 + size_t(2 * r) * (K / 64);
     int32_t* sl = sh + K / 64;
     for (int c = 0; c < K / 64; ++c) {

@@ -11,10 +11,11 @@ namespace moe {
 namespace {
 
 // y[c] = sum_k x_r[k] * W[c, k] for the 16 channels c of one packed block
-// with Kp columns (row r of x).
-void BlockDot(const ExpertGeometry& g, const std::byte* blk, int Kp, const KernelRows& x, int r, float y[16]) {
+// with Kp columns (row r of x; rows ld apart).
+void BlockDot(const ExpertGeometry& g, const std::byte* blk, int Kp, const KernelRows& x, int ld, int r,
+              float y[16]) {
   if (g.format == WeightFormat::kBf16) {
-    const bf16_t* xr = x.bf16 + size_t(r) * Kp;
+    const bf16_t* xr = x.bf16 + size_t(r) * ld;
     for (int c = 0; c < 16; ++c) {
       float acc = 0.0f;
       for (int k = 0; k < Kp; ++k) acc += layout::Value(g, blk, Kp, c, k) * Bf16ToF32(xr[k]);
@@ -22,8 +23,8 @@ void BlockDot(const ExpertGeometry& g, const std::byte* blk, int Kp, const Kerne
     }
     return;
   }
-  const int8_t* hi = x.q + size_t(2 * r) * Kp;
-  const int8_t* lo = hi + Kp;
+  const int8_t* hi = x.q + size_t(2 * r) * ld;
+  const int8_t* lo = hi + ld;
   const float* scale = layout::Scales(g, blk, Kp);
   const int group = g.format == WeightFormat::kInt8 ? Kp : g.group;
   for (int c = 0; c < 16; ++c) {
@@ -54,10 +55,10 @@ class ReferenceKernel final : public ExpertKernel {
     float gv[16], uv[16];
     for (int c = c0; c < c1; ++c) {
       for (int r = 0; r < m; ++r) {
-        BlockDot(g, packed + (2 * c) * blk, g.Kh, x, r, gv);
-        BlockDot(g, packed + (2 * c + 1) * blk, g.Kh, x, r, uv);
+        BlockDot(g, packed + (2 * c) * blk, g.Kh, x, g.ldx(), r, gv);
+        BlockDot(g, packed + (2 * c + 1) * blk, g.Kh, x, g.ldx(), r, uv);
         for (int j = 0; j < 16; ++j) {
-          act[static_cast<size_t>(r) * g.Ki + 16 * c + j] = F32ToBf16(gv[j] / (1.0f + std::exp(-gv[j])) * uv[j]);
+          act[static_cast<size_t>(r) * g.lda() + 16 * c + j] = F32ToBf16(gv[j] / (1.0f + std::exp(-gv[j])) * uv[j]);
         }
       }
     }
@@ -74,7 +75,7 @@ class ReferenceKernel final : public ExpertKernel {
         const int b = 2 * c + half;
         for (int r = 0; r < m; ++r) {
           if (token[r] < 0) continue;
-          BlockDot(g, d + b * blk, g.Ki, act, r, y);
+          BlockDot(g, d + b * blk, g.Ki, act, g.lda(), r, y);
           float* o = out + static_cast<size_t>(token[r]) * ldo;
           for (int j = 0; j < 16; ++j) {
             const int col = 16 * b + j;

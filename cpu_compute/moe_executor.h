@@ -29,6 +29,8 @@ struct ForwardStats {
   int pairs = 0;
   uint64_t queue_ns = 0;    // waiting for the pool
   uint64_t compute_ns = 0;
+  // compute_ns by phase: gather (+ quantize), gate/up, down (+ act quantize)
+  uint64_t gather_ns = 0, gate_up_ns = 0, down_ns = 0;
 };
 
 class MoeExecutor {
@@ -68,7 +70,7 @@ class MoeExecutor {
     size_t cap_ = 0;
   };
 
-  // Under mu_: splits the groups' gate/up work into units_ and unit_bounds_.
+  // Under mu_: splits the groups' gate/up work into units_.
   void PlanUnits(const ExpertGroups& groups);
   // Under mu_: Run's computation, the groups already checked.
   absl::Status RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
@@ -82,8 +84,6 @@ class MoeExecutor {
   ExpertGroups groups_;                     // Forward's grouping
   std::vector<const std::byte*> weights_;  // per group
   std::vector<Unit> units_;
-  std::vector<int64_t> cost_;               // cumulative cost per unit
-  std::vector<int> unit_bounds_;           // per thread, into units_
   Buffer x_buf_, act_buf_, out_buf_;
   Buffer xq_buf_, actq_buf_;  // integer weights: x and act quantized per row (KernelRows)
   std::vector<int32_t> pad_token_;  // a caller's groups padded to whole row blocks
