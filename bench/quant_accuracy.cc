@@ -9,9 +9,15 @@
 //     and from the fp8 / int4 checkpoint (what --weight-dtype=auto serves).
 // Prints a Markdown table: cosine similarity, relative L2 error, and the worst
 // token's relative error, against the bf16 model's f64 reference output.
+// Then a second table: what quantizing the activations alone costs (the
+// inputs of gate/up and of down, as int8 kernels must), mode by mode, for
+// Gaussian and heavy-tailed (Student's t, 3 degrees) activations: the hi/lo
+// pair the executor uses, one int8 row per token, and one int8 row per token
+// with a scale per block of K (llama.cpp's Q8_0 blocks are 32).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -24,6 +30,107 @@
 #include "cpu_compute/expert_store.h"
 #include "cpu_compute/moe_executor.h"
 #include "cpu_compute/numa_binding.h"
+
+namespace {
+
+// How an int8 kernel's activations approximate a row v of K values (in place).
+enum class ActQuant { kExact, kHiLo, kPerToken, kBlock32, kBlock64, kBlock128 };
+const char* ActQuantName(ActQuant q) {
+  switch (q) {
+    case ActQuant::kExact: return "exact";
+    case ActQuant::kHiLo: return "hi/lo int8 pair per token (the executor's)";
+    case ActQuant::kPerToken: return "int8 per token";
+    case ActQuant::kBlock32: return "int8 per token and 32-K block";
+    case ActQuant::kBlock64: return "int8 per token and 64-K block";
+    case ActQuant::kBlock128: return "int8 per token and 128-K block";
+  }
+  return "?";
+}
+void Quantize(ActQuant q, std::vector<double>& v) {
+  const int K = static_cast<int>(v.size());
+  int block = K;
+  if (q == ActQuant::kExact) return;
+  if (q == ActQuant::kBlock32) block = 32;
+  if (q == ActQuant::kBlock64) block = 64;
+  if (q == ActQuant::kBlock128) block = 128;
+  for (int b0 = 0; b0 < K; b0 += block) {
+    const int b1 = std::min(K, b0 + block);
+    double amax = 0;
+    for (int k = b0; k < b1; ++k) amax = std::max(amax, std::fabs(v[k]));
+    const double s = amax / 127;
+    if (s == 0) continue;
+    for (int k = b0; k < b1; ++k) {
+      const double h = std::nearbyint(v[k] / s);
+      if (q == ActQuant::kHiLo) {  // as QuantizeRows: lo = round((v/s - hi) * 254), clamped
+        const double lo = std::clamp(std::nearbyint((v[k] / s - h) * 254), -127.0, 127.0);
+        v[k] = s * (h + lo / 254);
+      } else {
+        v[k] = s * h;
+      }
+    }
+  }
+}
+
+// The second table: the f64 MoE of the model's weights with both activation
+// inputs (x, and silu(gate) * up) quantized per mode, against exact ones.
+void ActivationModes(const moe::ModelSource& model, int layer, int n, int64_t seed, const moe::RoutingView& r) {
+  const moe::ModelSpec& spec = model.spec();
+  const int H = spec.hidden, I = spec.intermediate;
+  std::printf("\n## Activation quantization alone: MoE output vs exact activations\n\n"
+              "Same layer, weights and routing; f64 throughout; both inputs (x into gate/up, silu(gate)*up into "
+              "down) quantized per mode; relative L2 error over the batch.\n\n"
+              "| activations | mode | relative L2 error |\n| --- | --- | --- |\n");
+  std::vector<moe::ExpertWeights> w(spec.num_experts);
+  for (int e = 0; e < spec.num_experts; ++e)
+    if (absl::Status st = model.ReadExpert(layer, e, &w[e]); !st.ok()) {
+      std::fprintf(stderr, "quant_accuracy: %s\n", std::string(st.message()).c_str());
+      std::exit(1);
+    }
+  for (const char* dist : {"Gaussian", "Student t (3 d.o.f.)"}) {
+    // Activations with the same scale as the first table's (unit variance).
+    std::mt19937_64 rng(static_cast<uint64_t>(seed) + 7);
+    std::normal_distribution<double> normal(0, 1);
+    std::student_t_distribution<double> t3(3);
+    std::vector<double> x(static_cast<size_t>(n) * H);
+    for (double& v : x) v = dist[0] == 'G' ? normal(rng) : t3(rng) / std::sqrt(3.0);
+    auto moe_out = [&](ActQuant q) {
+      std::vector<double> out(static_cast<size_t>(n) * H, 0.0), xt(H), act(I);
+      for (int t = 0; t < n; ++t) {
+        std::copy_n(x.begin() + static_cast<size_t>(t) * H, H, xt.begin());
+        Quantize(q, xt);
+        for (int j = 0; j < r.k; ++j) {
+          const int e = r.ids[static_cast<size_t>(t) * r.k + j];
+          if (e < 0) continue;
+          const moe::ExpertWeights& ew = w[e];
+          for (int i = 0; i < I; ++i) {
+            double g = 0, u = 0;
+            for (int h = 0; h < H; ++h) {
+              g += moe::Bf16ToF32(ew.gate[static_cast<size_t>(i) * H + h]) * xt[h];
+              u += moe::Bf16ToF32(ew.up[static_cast<size_t>(i) * H + h]) * xt[h];
+            }
+            act[i] = g / (1 + std::exp(-g)) * u;
+          }
+          Quantize(q, act);
+          const double wt = r.weights[static_cast<size_t>(t) * r.k + j];
+          for (int h = 0; h < H; ++h) {
+            double y = 0;
+            for (int i = 0; i < I; ++i) y += moe::Bf16ToF32(ew.down[static_cast<size_t>(h) * I + i]) * act[i];
+            out[static_cast<size_t>(t) * H + h] += wt * y;
+          }
+        }
+      }
+      return out;
+    };
+    const std::vector<double> exact = moe_out(ActQuant::kExact);
+    for (ActQuant q : {ActQuant::kHiLo, ActQuant::kPerToken, ActQuant::kBlock32, ActQuant::kBlock64,
+                       ActQuant::kBlock128}) {
+      const std::vector<double> got = moe_out(q);
+      std::printf("| %s | %s | %.4f |\n", dist, ActQuantName(q), moe::RelativeL2Error(got.data(), exact.data(), got.size()));
+    }
+  }
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   std::string preset = "qwen3-30b-a3b";
@@ -113,5 +220,6 @@ int main(int argc, char** argv) {
     std::vector<double> got = stored(*q, f, &kernel);
     report(absl::StrCat(dtype, " checkpoint stored ", moe::WeightFormatName(f), " (", kernel, " kernel)"), got);
   }
+  ActivationModes(**bf16, layer, n, seed, routing);
   return 0;
 }
