@@ -141,6 +141,7 @@ moe::v1::ServerInfo ExpertServer::Info(uint64_t max_message_bytes) const {
   info.mutable_numa()->set_num_nodes(binding_->num_nodes());
   for (int c : binding_->cpus()) info.mutable_numa()->add_cpus(c);
   info.set_weight_bytes(store_->resident_bytes());
+  info.set_weight_format(WeightFormatName(geometry_.format));
   info.set_max_tokens_per_request(static_cast<uint32_t>(options_.max_tokens));
   info.set_max_message_bytes(max_message_bytes);
   info.set_version(options_.version);

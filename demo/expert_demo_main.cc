@@ -80,9 +80,9 @@ class ExpertServerTarget final : public Target {
     CheckModel(flags, spec, info->model(), "server");
     layers.assign(info->hosted_layers().begin(), info->hosted_layers().end());
     experts.assign(info->hosted_experts().begin(), info->hosted_experts().end());
-    std::printf("server %s: %s, kernel %s, %u threads, %.2f GiB of experts resident\n", o.server.c_str(),
+    std::printf("server %s: %s, kernel %s, %u threads, %.2f GiB of %s experts resident\n", o.server.c_str(),
                 spec.Summary().c_str(), info->kernel().c_str(), info->threads(),
-                static_cast<double>(info->weight_bytes()) / (1ull << 30));
+                static_cast<double>(info->weight_bytes()) / (1ull << 30), info->weight_format().c_str());
     stream_ = client_->OpenStream();
   }
 

@@ -315,6 +315,7 @@ TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
     for (int e = 0; e < source->spec().num_experts; ++e) hosted.experts.push_back(e);
     EXPECT_EQ(info->weight_bytes(),
               ExpertStore::BytesNeeded(ExpertGeometry::For(H, source->spec().intermediate, c.stored), hosted));
+    EXPECT_EQ(info->weight_format(), WeightFormatName(c.stored));
   }
   // A precision the server does not store: exit 2, naming the flag.
   testing::TempDir dir;
