@@ -183,7 +183,9 @@ struct LayerDispatcher::Impl {
   std::vector<float> masked_logits;     // HintRouterLogits in a group: other ranks' experts out
   std::vector<PlanServer> plan_servers;
   std::vector<int> access_pairs;        // per accessed expert of the plan
-  ExpertGroups one_group;               // ComputeCopied's single group
+  ExpertGroups one_group;               // ComputeCopied's single group, ComputeCopiedInBuffers' launch
+  std::vector<int32_t> launch_buffers;  // ComputeCopiedInBuffers: the launch's buffer per group
+  std::vector<int> copy_groups;         // ComputeCopies: the temporary-buffer experts' groups
   ExpertGroups failover_groups;         // a failed sent batch's pairs by expert
 
   // Device-planned calls (EnqueueCapturable): the host-mapped tables the
@@ -1054,7 +1056,9 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
       copy_list.erase(std::find(copy_list.begin(), copy_list.end(), copy.expert));
     }
   }
-  for (int e : copy_list) MOE_RETURN_IF_ERROR(ComputeCopied(ticket, plan.copies, plan.copy_group(e), -1).status());
+  m.copy_groups.clear();
+  for (int e : copy_list) m.copy_groups.push_back(plan.copy_group(e));
+  MOE_RETURN_IF_ERROR(ComputeCopiedInBuffers(ticket, plan.copies, m.copy_groups));
   planner_.CopiesQueued(static_cast<int>(plan.copy_experts.size()));  // later copies queue behind them
   return absl::OkStatus();
 }
@@ -1096,16 +1100,7 @@ absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const Expert
   Impl& m = *impl_;
   InFlightCall& ctx = m.contexts[ticket];
   const int layer = ctx.call.batch.layer, expert = groups.expert[g];
-  int ti = -1;
-  uint64_t after = 0;
-  if (buffer < 0) {
-    const int parity = layer & 1;
-    ti = parity * config_.miss_buffers + m.temp_next[parity]++ % config_.miss_buffers;
-    buffer = m.temp_base + ti;
-    after = m.temp_fence[ti];
-  } else {
-    after = backend_->RecordCompute();  // an evicted slot may still be read by earlier calls
-  }
+  const uint64_t after = backend_->RecordCompute();  // an evicted slot may still be read by earlier calls
   MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(buffer, host_->Find(layer, expert), after));
   backend_->ComputeWaitCopy(f);
   ctx.copy_fences.push_back(f);
@@ -1119,10 +1114,62 @@ absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const Expert
   one.weight.assign(groups.weight.begin() + begin, groups.weight.begin() + begin + count);
   one.total_rows = one.total_pairs = count;
   MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&one, &buffer}));
-  if (ti >= 0) m.temp_fence[ti] = backend_->RecordCompute();
   ctx.stats.copied_pairs += count;
   ++ctx.stats.copied_experts;
   return f;
+}
+
+// The layer parity's temporary buffers split in two halves that launches
+// alternate between: a launch computes up to half of them at once, and the
+// next launch's copies land in the other half while it runs. One expert per
+// launch (before) left most of the device idle: at 128 rows per expert
+// (2048-token prompts) the copied experts' compute outlasted their copies,
+// and prompts mixing CPU work and copies ran slower than copying everything.
+absl::Status LayerDispatcher::ComputeCopiedInBuffers(int ticket, const ExpertGroups& groups,
+                                                     const std::vector<int>& gs) {
+  Impl& m = *impl_;
+  InFlightCall& ctx = m.contexts[ticket];
+  const int layer = ctx.call.batch.layer, parity = layer & 1, B = config_.miss_buffers;
+  const int per_launch = std::max(1, B / 2), halves = B >= 2 ? 2 : 1, align = backend_->hit_row_align();
+  ExpertGroups& launch = m.one_group;
+  for (size_t i0 = 0; i0 < gs.size(); i0 += per_launch) {
+    const size_t i1 = std::min(gs.size(), i0 + per_launch);
+    const int first = parity * B + (m.temp_next[parity]++ % halves) * per_launch;  // the half's first buffer
+    launch.expert.clear();
+    launch.row_begin.clear();
+    launch.count.clear();
+    launch.token.clear();
+    launch.weight.clear();
+    launch.total_pairs = 0;
+    m.launch_buffers.clear();
+    uint64_t last_copy = 0;
+    for (size_t i = i0; i < i1; ++i) {
+      const int g = gs[i], ti = first + static_cast<int>(i - i0);
+      const int32_t begin = groups.row_begin[g], count = groups.count[g];
+      MOE_ASSIGN_OR_RETURN(last_copy, backend_->LoadExpert(m.temp_base + ti, host_->Find(layer, groups.expert[g]),
+                                                           m.temp_fence[ti]));
+      ctx.copy_fences.push_back(last_copy);
+      m.launch_buffers.push_back(m.temp_base + ti);
+      launch.expert.push_back(groups.expert[g]);
+      launch.row_begin.push_back(static_cast<int32_t>(launch.token.size()));
+      launch.count.push_back(count);
+      launch.token.insert(launch.token.end(), groups.token.begin() + begin, groups.token.begin() + begin + count);
+      launch.weight.insert(launch.weight.end(), groups.weight.begin() + begin, groups.weight.begin() + begin + count);
+      while (launch.token.size() % align != 0) {  // the next group starts on an aligned row
+        launch.token.push_back(-1);
+        launch.weight.push_back(0.f);
+      }
+      launch.total_pairs += count;
+      ctx.stats.copied_pairs += count;
+      ++ctx.stats.copied_experts;
+    }
+    launch.total_rows = static_cast<int32_t>(launch.token.size());
+    backend_->ComputeWaitCopy(last_copy);  // copies land in order: the last covers the launch's
+    MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&launch, m.launch_buffers.data()}));
+    const uint64_t done = backend_->RecordCompute();
+    for (size_t i = i0; i < i1; ++i) m.temp_fence[first + static_cast<int>(i - i0)] = done;
+  }
+  return absl::OkStatus();
 }
 
 // Gives back everything a failed call holds; its output is discarded.
@@ -1295,8 +1342,9 @@ absl::Status LayerDispatcher::ComputeServerBatchOnDevice(int ticket, const Serve
   GroupByExpert(RoutingView{b.n, b.k, b.ids.data(), b.weights.data()}, spec_.num_experts, 1, &groups);
   for (int32_t& t : groups.token)
     if (t >= 0) t = b.rows[t];  // batch rows -> the call's tokens
-  for (int g = 0; g < groups.num_groups(); ++g) MOE_RETURN_IF_ERROR(ComputeCopied(ticket, groups, g, -1).status());
-  return absl::OkStatus();
+  std::vector<int> gs(groups.num_groups());
+  std::iota(gs.begin(), gs.end(), 0);
+  return ComputeCopiedInBuffers(ticket, groups, gs);
 }
 
 absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {

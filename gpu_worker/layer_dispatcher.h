@@ -272,7 +272,11 @@ class LayerDispatcher {
   absl::Status Gather(int ticket, const std::vector<int32_t>& rows, bf16_t* dst);
   absl::Status ComputeCopies(int ticket);
   absl::Status StartAdmissions(int ticket);
+  // One group of `groups` copied into cache buffer `buffer` and computed from it.
   absl::StatusOr<uint64_t> ComputeCopied(int ticket, const ExpertGroups& groups, int g, int buffer);
+  // Groups `gs` of `groups` copied into the temporary buffers and computed
+  // from them, several experts per launch.
+  absl::Status ComputeCopiedInBuffers(int ticket, const ExpertGroups& groups, const std::vector<int>& gs);
   // Complete: the partial sums, and failover of a failed sent batch.
   absl::Status AddPartials(int ticket, uint64_t* last_fence);
   absl::Status FailOver(int ticket, size_t index, absl::Status st, const bf16_t** partial);
