@@ -95,7 +95,8 @@ struct DispatcherConfig {
   int max_top_k = 8;
   int contexts = 2;                // calls in flight (micro-batches)
   int admissions_per_call = 4;     // lru/lfru: copies started per call
-  int miss_buffers = 4;            // temporary miss buffers per layer parity
+  int miss_buffers = 4;            // temporary miss buffers per layer parity (copied experts are
+                                   // computed half of them per launch while the other half loads)
   CopyMode copy_mode = CopyMode::kAuto;
   int copy_min_tokens = 0;         // > 0: copy experts with at least this many tokens (no model)
   bool copy_fallback = true;       // failed servers: copy the experts to the device
