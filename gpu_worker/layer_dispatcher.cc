@@ -478,8 +478,9 @@ absl::Status LayerDispatcher::MeasureDeviceRates(int rows, const std::vector<bf1
   planner_.rates().copy_s = Fastest(t);
   std::vector<int32_t> buffers(n);
   std::iota(buffers.begin(), buffers.end(), impl_->temp_base);
-  // The fastest of 5 calls of `experts` experts with m rows each (the same m tokens).
-  auto device_time = [&](int m, int experts) -> absl::StatusOr<double> {
+  // The fastest of 5 calls of `launches` launches of `experts` experts with m
+  // rows each (the same m tokens).
+  auto device_time = [&](int m, int experts, int launches) -> absl::StatusOr<double> {
     ExpertGroups g;
     for (int e = 0; e < experts; ++e) {
       g.expert.push_back(e);
@@ -495,18 +496,21 @@ absl::Status LayerDispatcher::MeasureDeviceRates(int rows, const std::vector<bf1
     for (int i = 0; i < 5; ++i) {
       const Clock::time_point t0 = Clock::now();
       MOE_RETURN_IF_ERROR(backend_->BeginCall(0, m, x.data(), MemoryKind::kHost));
-      MOE_RETURN_IF_ERROR(backend_->RunExperts(0, p));
+      for (int l = 0; l < launches; ++l) MOE_RETURN_IF_ERROR(backend_->RunExperts(0, p));
       MOE_RETURN_IF_ERROR(backend_->FinishCall(0, y.data(), MemoryKind::kHost));
       v.push_back(Seconds(Clock::now() - t0));
     }
     return Fastest(v);
   };
-  // Per extra expert at m rows; with one buffer, the whole call (an upper bound).
+  // Per copied expert at m rows, as ComputeCopiedInBuffers computes them: what
+  // one more launch of `per_launch` experts adds to a call, per expert. (The
+  // marginal expert of one grouped launch, measured before, cost ~1 us and
+  // hid a copied expert's device time from the planner.)
+  const int per_launch = std::min(n, std::max(1, config_.miss_buffers / 2));
   auto per_expert = [&](int m) -> absl::StatusOr<double> {
-    MOE_ASSIGN_OR_RETURN(const double one, device_time(m, 1));
-    if (n == 1) return one;
-    MOE_ASSIGN_OR_RETURN(const double all, device_time(m, n));
-    return std::max(1e-7, (all - one) / (n - 1));
+    MOE_ASSIGN_OR_RETURN(const double one, device_time(m, per_launch, 1));
+    MOE_ASSIGN_OR_RETURN(const double two, device_time(m, per_launch, 2));
+    return std::max(1e-7, (two - one) / per_launch);
   };
   MOE_ASSIGN_OR_RETURN(const double d1, per_expert(1));
   MOE_ASSIGN_OR_RETURN(const double dm, per_expert(rows));
