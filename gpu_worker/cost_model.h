@@ -52,7 +52,8 @@ class OnlineScale {
 struct CostModel {
   // Prior rates (seconds), measured at start-up.
   double copy_s = 0;          // one expert host -> device
-  double device_fixed_s = 0;  // device compute of one expert: fixed + per row
+  double device_fixed_s = 0;  // device compute of one copied expert, as the copy path launches
+                              // them (miss_buffers / 2 per launch): fixed + per row
   double device_row_s = 0;
   double cpu_call_s = 0;      // CPU server: per call, per expert, per (token, expert) pair
   double cpu_expert_s = 0;
