@@ -61,6 +61,16 @@ double CostModel::DevicePrior(int rows) const { return device_fixed_s + device_r
 
 double CostModel::DeviceSeconds(int rows) const { return device.scale() * DevicePrior(rows); }
 
+double CostModel::CopyDevicePrior(int rows) const {
+  if (copy_device_fixed_s == 0 && copy_device_row_s == 0) return DevicePrior(rows);
+  return copy_device_fixed_s + copy_device_row_s * rows;
+}
+
+double CostModel::CopyDeviceSeconds(int rows) const {
+  if (copy_device_fixed_s == 0 && copy_device_row_s == 0) return DeviceSeconds(rows);
+  return copy_device.scale() * CopyDevicePrior(rows);
+}
+
 void CostModel::ObserveCpu(int experts, int pairs, double seconds, bool upper_bound) {
   if (!measured) return;
   cpu.Observe(CpuPrior(experts, pairs), seconds, upper_bound);
@@ -77,17 +87,24 @@ void CostModel::ObserveDevice(double prior_seconds, double seconds, bool upper_b
   device.Observe(prior_seconds, seconds, upper_bound);
 }
 
+void CostModel::ObserveCopyDevice(double prior_seconds, double seconds) {
+  if (!measured) return;
+  copy_device.Observe(prior_seconds, seconds, false);
+}
+
 std::string CostModel::Describe() const {
   if (!measured) return "not measured";
   std::string pairs;
   for (const auto& [rows, s] : cpu_pair_curve) absl::StrAppendFormat(&pairs, "%s%d:%.4f", pairs.empty() ? "" : " ", rows, cpu.scale() * s * 1e3);
   if (pairs.empty()) pairs = absl::StrFormat("%.4f", cpu.scale() * cpu_pair_s * 1e3);
   return absl::StrFormat(
-      "copy %.3f ms/expert; device %.3f ms + %.4f ms/row; cpu %.3f ms/call + %.3f ms/expert + "
-      "ms/pair at rows per expert {%s}; online x%.3g cpu (%d samples), x%.3g copy (%d), x%.3g device (%d)",
+      "copy %.3f ms/expert; device %.3f ms + %.4f ms/row (hits), %.3f ms + %.4f ms/row (copied); cpu %.3f "
+      "ms/call + %.3f ms/expert + ms/pair at rows per expert {%s}; online x%.3g cpu (%d samples), x%.3g copy "
+      "(%d), x%.3g device (%d), x%.3g copied device (%d)",
       CopySeconds() * 1e3, device.scale() * device_fixed_s * 1e3, device.scale() * device_row_s * 1e3,
-      cpu.scale() * cpu_call_s * 1e3, cpu.scale() * cpu_expert_s * 1e3, pairs,
-      cpu.scale(), cpu.samples(), copy.scale(), copy.samples(), device.scale(), device.samples());
+      CopyDeviceSeconds(0) * 1e3, (CopyDeviceSeconds(1) - CopyDeviceSeconds(0)) * 1e3, cpu.scale() * cpu_call_s * 1e3,
+      cpu.scale() * cpu_expert_s * 1e3, pairs, cpu.scale(), cpu.samples(), copy.scale(), copy.samples(),
+      device.scale(), device.samples(), copy_device.scale(), copy_device.samples());
 }
 
 std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s,
@@ -104,17 +121,17 @@ std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candi
   // max(link time, compute time) (plus the first copy, which nothing hides).
   double link = std::max(0.0, link_busy_s), compute = device_busy_s;
   auto device_side = [&](double l, double c, bool copies) {
-    return copies ? std::max(l + model.DeviceSeconds(1), c + model.CopySeconds()) : c;
+    return copies ? std::max(l + model.CopyDeviceSeconds(1), c + model.CopySeconds()) : c;
   };
   for (size_t i = 0; i < candidates.size(); ++i) {
     const CopyCandidate& c = candidates[i];
     const double cpu_e = model.CpuSeconds(1, c.rows, false) + (i + 1 == candidates.size() ? model.CpuSeconds(0, 0) : 0);
     const double dev_before = device_side(link, compute, !chosen.empty());
-    const double dev_after = device_side(link + model.CopySeconds(), compute + model.DeviceSeconds(c.rows), true);
+    const double dev_after = device_side(link + model.CopySeconds(), compute + model.CopyDeviceSeconds(c.rows), true);
     if (std::max(cpu - cpu_e, dev_after) > std::max(cpu, dev_before) - 0.25 * cpu_e) break;
     cpu -= cpu_e;
     link += model.CopySeconds();
-    compute += model.DeviceSeconds(c.rows);
+    compute += model.CopyDeviceSeconds(c.rows);
     chosen.push_back(c.expert);
   }
   // Exploration: a model that has not seen the CPU for a while keeps the

@@ -52,9 +52,12 @@ class OnlineScale {
 struct CostModel {
   // Prior rates (seconds), measured at start-up.
   double copy_s = 0;          // one expert host -> device
-  double device_fixed_s = 0;  // device compute of one copied expert, as the copy path launches
-                              // them (miss_buffers / 2 per launch): fixed + per row
-  double device_row_s = 0;
+  double device_fixed_s = 0;  // device compute of one more expert in a grouped launch (the
+  double device_row_s = 0;    // hits): fixed + per row
+  // Device compute of one copied expert as the copy path launches them
+  // (miss_buffers / 2 per launch, several times fewer experts than a hit
+  // launch holds): fixed + per row. Both 0: the hits' rates stand in.
+  double copy_device_fixed_s = 0, copy_device_row_s = 0;
   double cpu_call_s = 0;      // CPU server: per call, per expert, per (token, expert) pair
   double cpu_expert_s = 0;
   double cpu_pair_s = 0;      // per pair when cpu_pair_curve is empty
@@ -65,7 +68,7 @@ struct CostModel {
   std::vector<std::pair<int, double>> cpu_pair_curve;
   bool measured = false;
   // Online corrections of the priors.
-  OnlineScale cpu, copy, device;
+  OnlineScale cpu, copy, device, copy_device;
   // Calls whose decision had CPU-eligible misses since the last CPU
   // observation; past kExploreAfter, ChooseCopies keeps one expert on the CPU
   // so a prior that overprices the CPU cannot starve its own correction.
@@ -78,9 +81,12 @@ struct CostModel {
   double PairSeconds(double rows) const;
   double CopySeconds() const;
   double DeviceSeconds(int rows) const;
+  // A copied expert's device compute at `rows` rows (copy_device_*).
+  double CopyDeviceSeconds(int rows) const;
   // The prior alone (what an observation is compared with).
   double CpuPrior(int experts, int pairs) const;
   double DevicePrior(int rows) const;
+  double CopyDevicePrior(int rows) const;
 
   // Records a timed CPU batch (`experts` distinct experts, `pairs` pairs).
   void ObserveCpu(int experts, int pairs, double seconds, bool upper_bound);
@@ -88,6 +94,9 @@ struct CostModel {
   void ObserveCopy(double seconds, bool upper_bound);
   // Device work of a call predicted from its rows per expert.
   void ObserveDevice(double prior_seconds, double seconds, bool upper_bound);
+  // One launch of copied experts, timed on the compute queue, against its
+  // prior (the sum of CopyDevicePrior over its experts).
+  void ObserveCopyDevice(double prior_seconds, double seconds);
 
   std::string Describe() const;
 };

@@ -202,6 +202,7 @@ class CudaBackend final : public DeviceBackend {
   bool CopyDone(uint64_t copy_fence) override;
   absl::Status WaitCopy(uint64_t copy_fence) override;
   std::optional<double> CopySeconds(uint64_t copy_fence) override;
+  std::optional<double> ComputeSeconds(uint64_t from, uint64_t to) override;
 
   void ComputeWaitCopy(uint64_t copy_fence) override;
   uint64_t RecordCompute() override;
@@ -440,7 +441,7 @@ absl::Status CudaBackend::CreateStreamsAndHandles() {
   MOE_RETURN_IF_ERROR(copy_fences_.Init(kFenceRingSize, /*timed=*/true));
   copy_starts_.assign(kFenceRingSize, nullptr);
   for (cudaEvent_t& e : copy_starts_) MOE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-  MOE_RETURN_IF_ERROR(compute_fences_.Init(kFenceRingSize));
+  MOE_RETURN_IF_ERROR(compute_fences_.Init(kFenceRingSize, /*timed=*/true));  // ComputeSeconds
   MOE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&cublas_));
   MOE_CUBLAS_RETURN_IF_ERROR(cublasSetStream(cublas_, compute_));
   MOE_ASSIGN_OR_RETURN(cublas_workspace_, AllocDevice(kCublasWorkspaceBytes, "cuBLAS workspace"));
@@ -631,6 +632,20 @@ std::optional<double> CudaBackend::CopySeconds(uint64_t copy_fence) {
   }
   float ms = 0;
   if (cudaEventElapsedTime(&ms, copy_starts_[copy_fence % copy_starts_.size()], end) != cudaSuccess) {
+    cudaGetLastError();
+    return std::nullopt;
+  }
+  return ms * 1e-3;
+}
+
+std::optional<double> CudaBackend::ComputeSeconds(uint64_t from, uint64_t to) {
+  if (!initialized_ || from == 0 || from >= to || !compute_fences_.Issued(to)) return std::nullopt;
+  cudaEvent_t start = compute_fences_.Pending(from), end = compute_fences_.Pending(to);
+  // A fence older than the ring: its event already stands for a newer one.
+  if (start == nullptr || end == nullptr || from + compute_fences_.size() <= compute_fences_.next())
+    return std::nullopt;
+  float ms = 0;
+  if (cudaEventQuery(end) != cudaSuccess || cudaEventElapsedTime(&ms, start, end) != cudaSuccess) {
     cudaGetLastError();
     return std::nullopt;
   }

@@ -175,6 +175,11 @@ class DeviceBackend {
   // A fence after all compute work submitted so far.
   virtual uint64_t RecordCompute() = 0;
   virtual absl::Status WaitCompute(uint64_t compute_fence) = 0;
+  // How long the compute queue took for the work submitted between compute
+  // fences `from` and `to` (from < to), once `to` completed; nullopt while it
+  // runs, or once a fence is too old to tell. What the copy path's device
+  // cost observes (CostModel::ObserveDevice).
+  virtual std::optional<double> ComputeSeconds(uint64_t from, uint64_t to) = 0;
 
   // Starts a call in scratch context `ctx`: copies the T x H bf16 activations
   // (`hidden`, in `kind` memory) into the context and zeroes its f32

@@ -104,6 +104,11 @@ struct InFlightCall {
   std::vector<bf16_t> send, recv;  // non-staged transports: [max_tokens, H] each
   CallStats stats;
   std::vector<uint64_t> copy_fences;  // the call's copy-instead copies, timed at Complete
+  struct CopyLaunch {
+    uint64_t start, done;  // compute fences around the launch
+    double prior_s;        // CostModel::CopyDevicePrior of its experts
+  };
+  std::vector<CopyLaunch> copy_launches;  // the call's launches of copied experts, timed at Complete
   Clock::time_point submitted{};
   double device_prior_s = -1;  // prior device time of a hits-only call (-1: the call is not one)
 };
@@ -502,20 +507,33 @@ absl::Status LayerDispatcher::MeasureDeviceRates(int rows, const std::vector<bf1
     }
     return Fastest(v);
   };
-  // Per copied expert at m rows, as ComputeCopiedInBuffers computes them: what
-  // one more launch of `per_launch` experts adds to a call, per expert. (The
-  // marginal expert of one grouped launch, measured before, cost ~1 us and
-  // hid a copied expert's device time from the planner.)
+  // Hits: one more expert in a grouped launch at m rows (with one buffer, the
+  // whole call: an upper bound).
+  auto per_hit = [&](int m) -> absl::StatusOr<double> {
+    MOE_ASSIGN_OR_RETURN(const double one, device_time(m, 1, 1));
+    if (n == 1) return one;
+    MOE_ASSIGN_OR_RETURN(const double all, device_time(m, n, 1));
+    return std::max(1e-7, (all - one) / (n - 1));
+  };
+  // Copied experts, as ComputeCopiedInBuffers launches them: what one more
+  // launch of `per_launch` experts adds to a call, per expert. (Priced as
+  // hits, a copied expert cost ~1 us and its device time was hidden from
+  // the planner.)
   const int per_launch = std::min(n, std::max(1, config_.miss_buffers / 2));
-  auto per_expert = [&](int m) -> absl::StatusOr<double> {
+  auto per_copied = [&](int m) -> absl::StatusOr<double> {
     MOE_ASSIGN_OR_RETURN(const double one, device_time(m, per_launch, 1));
     MOE_ASSIGN_OR_RETURN(const double two, device_time(m, per_launch, 2));
     return std::max(1e-7, (two - one) / per_launch);
   };
-  MOE_ASSIGN_OR_RETURN(const double d1, per_expert(1));
-  MOE_ASSIGN_OR_RETURN(const double dm, per_expert(rows));
-  planner_.rates().device_row_s = std::max(0.0, (dm - d1) / std::max(1, rows - 1));
-  planner_.rates().device_fixed_s = std::max(0.0, d1 - planner_.rates().device_row_s);
+  CostModel& r = planner_.rates();
+  MOE_ASSIGN_OR_RETURN(const double h1, per_hit(1));
+  MOE_ASSIGN_OR_RETURN(const double hm, per_hit(rows));
+  r.device_row_s = std::max(0.0, (hm - h1) / std::max(1, rows - 1));
+  r.device_fixed_s = std::max(0.0, h1 - r.device_row_s);
+  MOE_ASSIGN_OR_RETURN(const double c1, per_copied(1));
+  MOE_ASSIGN_OR_RETURN(const double cm, per_copied(rows));
+  r.copy_device_row_s = std::max(0.0, (cm - c1) / std::max(1, rows - 1));
+  r.copy_device_fixed_s = std::max(1e-7, c1 - r.copy_device_row_s);
   return absl::OkStatus();
 }
 
@@ -1169,8 +1187,14 @@ absl::Status LayerDispatcher::ComputeCopiedInBuffers(int ticket, const ExpertGro
     }
     launch.total_rows = static_cast<int32_t>(launch.token.size());
     backend_->ComputeWaitCopy(last_copy);  // copies land in order: the last covers the launch's
+    // The launch alone, timed on the compute queue (its start fence passes
+    // once the copies landed and the work before it is done).
+    const uint64_t start = backend_->RecordCompute();
     MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&launch, m.launch_buffers.data()}));
     const uint64_t done = backend_->RecordCompute();
+    double prior = 0;
+    for (int32_t count : launch.count) prior += planner_.rates().CopyDevicePrior(count);
+    ctx.copy_launches.push_back({start, done, prior});
     for (size_t i = i0; i < i1; ++i) m.temp_fence[first + static_cast<int>(i - i0)] = done;
   }
   return absl::OkStatus();
@@ -1181,6 +1205,7 @@ void LayerDispatcher::Abort(int ticket) {
   Impl& m = *impl_;
   InFlightCall& ctx = m.contexts[ticket];
   ctx.copy_fences.clear();
+  ctx.copy_launches.clear();
   for (SentBatch& sh : ctx.sent) {
     if (sh.done.valid()) sh.done.wait();
     if (sh.staged) m.servers[sh.batch.server].transport->Release(sh.stage);
@@ -1218,6 +1243,13 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   // longer than the start-up probe's (PCIe and the CPU servers share DRAM).
   for (uint64_t f : ctx.copy_fences) ObserveCopy(f, Seconds(end - ctx.submitted));
   ctx.copy_fences.clear();
+  // Their launches, timed on the compute queue: the copied experts' device
+  // cost, which the call's end time cannot separate from the link's.
+  if (result.ok() && fin.ok())
+    for (const InFlightCall::CopyLaunch& l : ctx.copy_launches)
+      if (std::optional<double> s = backend_->ComputeSeconds(l.start, l.done))
+        planner_.rates().ObserveCopyDevice(l.prior_s, *s);
+  ctx.copy_launches.clear();
   // A hits-only call: Submit to here bounds the device time from above.
   if (ctx.device_prior_s > 0 && result.ok() && fin.ok())
     planner_.rates().ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);

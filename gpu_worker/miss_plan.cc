@@ -70,7 +70,7 @@ absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
       double dev = 0;
       for (int e : p->accessed)
         if (p->hit_pairs[e] > 0) dev += cost.DeviceSeconds(p->hit_pairs[e]);
-      for (int e : copy) dev += std::max(cost.CopySeconds(), cost.DeviceSeconds(p->miss_pairs[e]));
+      for (int e : copy) dev += std::max(cost.CopySeconds(), cost.CopyDeviceSeconds(p->miss_pairs[e]));
       std::vector<CopyCandidate> candidates;
       candidates.reserve(optional.size());
       for (int e : optional) candidates.push_back({e, p->miss_pairs[e]});

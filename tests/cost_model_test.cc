@@ -101,6 +101,25 @@ std::vector<CopyCandidate> OneToken(int experts) {
   return c;
 }
 
+// A copied expert's device time is the copy path's (launches of a few
+// experts), not a hit's (one more expert in a big launch): when it outlasts
+// the CPU's, copying stops paying, and the launches' timings correct it.
+TEST(ChooseCopiesTest, CopiedExpertsArePricedAtTheCopyPathsDeviceRate) {
+  CostModel m = MispricedPrior();  // CPU 1.74 ms an expert, copies 0.4 ms, hits 21 us
+  std::vector<CopyCandidate> c;
+  for (int e = 0; e < 8; ++e) c.push_back({e, 64});
+  EXPECT_GE(ChooseCopies(m, c, 0).size(), 6u);  // no copy-path rate: the hits' stands in
+  m.copy_device_fixed_s = 3e-3;                  // each copied expert costs 3 ms on the device
+  m.copy_device_row_s = 1e-6;
+  EXPECT_NEAR(m.CopyDeviceSeconds(64), 3.064e-3, 1e-9);
+  const size_t slow = ChooseCopies(m, c, 0).size();
+  EXPECT_LE(slow, 3u);
+  // Launches timed at a tenth of the prior: the copies pay again.
+  for (int i = 0; i < 5; ++i) m.ObserveCopyDevice(2 * m.CopyDevicePrior(64), 0.2 * m.CopyDevicePrior(64));
+  EXPECT_NEAR(m.copy_device.scale(), 0.1, 1e-9);
+  EXPECT_GT(ChooseCopies(m, c, 0).size(), slow);
+}
+
 TEST(ChooseCopiesTest, NothingWithoutMeasuredRates) {
   CostModel m;
   EXPECT_TRUE(ChooseCopies(m, OneToken(8), 0).empty());
@@ -231,7 +250,8 @@ TEST(CostModelTest, ObservationsNeedAPrior) {
   m.ObserveCpu(1, 1, 1e-3, false);
   m.ObserveCopy(1e-3, false);
   m.ObserveDevice(1e-3, 1e-3, false);
-  EXPECT_EQ(m.cpu.samples() + m.copy.samples() + m.device.samples(), 0);
+  m.ObserveCopyDevice(1e-3, 1e-3);
+  EXPECT_EQ(m.cpu.samples() + m.copy.samples() + m.device.samples() + m.copy_device.samples(), 0);
   EXPECT_EQ(m.Describe(), "not measured");
 }
 

@@ -386,6 +386,7 @@ TEST_P(DispatcherTest, ManyCopiedExpertsPerCallAcrossLaunches) {
     DispatcherConfig c = StaticConfig(2);
     c.copy_min_tokens = 1;  // every missed expert is copied
     c.miss_buffers = buffers;
+    c.measure_rates = true;  // the start-up probe, which the launches' timings then correct
     host_.reset();  // the previous host copy is registered with the backend Make replaces
     std::unique_ptr<LayerDispatcher> d = Make(c);
     ASSERT_NE(d, nullptr);
@@ -402,6 +403,9 @@ TEST_P(DispatcherTest, ManyCopiedExpertsPerCallAcrossLaunches) {
       EXPECT_EQ(st.copied_experts, std::count(used.begin(), used.end(), true)) << "call " << i;
       EXPECT_EQ(st.cpu_pairs, 0);
     }
+    // Each launch of copied experts was timed on the compute queue.
+    ASSERT_TRUE(d->cost_model().measured);
+    EXPECT_GT(d->cost_model().copy_device.samples(), 0);
   }
 }
 
