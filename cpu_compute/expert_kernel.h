@@ -115,8 +115,8 @@ void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate,
 // pointers start at the call's row 0 (int8 row 0).
 constexpr float kLoScale = 1.0f / 254.0f;
 struct KernelRows {
-  const bf16_t* bf16 = nullptr;   // [m, K]
-  const int8_t* q = nullptr;      // [2m, K]: hi, lo of row 0, hi, lo of row 1, ...
+  const bf16_t* bf16 = nullptr;   // [m, ld]
+  const int8_t* q = nullptr;      // [2m, ld]: hi, lo of row 0, hi, lo of row 1, ...
   const float* scale = nullptr;   // [m]
   const int32_t* sum64 = nullptr; // [2m, K/64]
   KernelRows At(int row, int ld, int K) const;  // the same rows from `row` on
@@ -140,8 +140,9 @@ class ExpertKernel {
 
   // act[r, 16c .. 16c+16) = bf16(silu(x_r . gate_c) * (x_r . up_c)) for all r < m
   // and activation groups c in [c0, c1). x has mp rows of Kh columns (ldx()
-  // apart) and act mp rows of Ki columns (lda() apart), where mp is m rounded up to row_block(g.format); x's padding (rows >=
-  // m, columns >= H) is zero. Rows in [m, mp) of act may be written.
+  // apart) and act mp rows of Ki columns (lda() apart), where mp is m rounded
+  // up to row_block(g.format); x's padding (rows >= m, columns >= H) is zero.
+  // Rows in [m, mp) of act may be written.
   virtual void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m,
                       bf16_t* act, int c0, int c1) const = 0;
 

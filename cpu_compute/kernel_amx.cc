@@ -234,7 +234,7 @@ class AmxKernel final : public ExpertKernel {
     ConfigureTiles();
     const size_t blk = static_cast<size_t>(g.Kh) * 32;  // bytes per packed block
     const int kblocks = g.Kh / 32;
-    const int ldx = g.ldx() * 2;
+    const int ldx_bytes = g.ldx() * 2;
     alignas(64) float t0[256], t1[256];
     for (int cc = c0; cc < c1; cc += kGateUpChunk) {
       const int ce = std::min(c1, cc + kGateUpChunk);
@@ -245,7 +245,7 @@ class AmxKernel final : public ExpertKernel {
         for (int c = cc; c < ce; ++c) {
           const std::byte* gb = packed + (2 * c) * blk;
           const std::byte* ub = gb + blk;
-          AmxBf16Block(x0, x1, ldx, gb, ub, kblocks, two, mb == 0);
+          AmxBf16Block(x0, x1, ldx_bytes, gb, ub, kblocks, two, mb == 0);
           _tile_stored(0, t0, 64);
           _tile_stored(1, t1, 64);
           for (int r = 0; r < 16; ++r) {
@@ -276,7 +276,7 @@ class AmxKernel final : public ExpertKernel {
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t blk = static_cast<size_t>(g.Ki) * 32;
     const int kblocks = g.Ki / 32;
-    const int lda = g.lda() * 2;
+    const int lda_bytes = g.lda() * 2;
     alignas(64) float t0[256], t1[256];
     auto scatter = [&](int row0, int c) {
       const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
@@ -297,7 +297,7 @@ class AmxKernel final : public ExpertKernel {
         const bf16_t* a1 = a0 + static_cast<size_t>(16) * g.lda();
         for (int c = cc; c < ce; ++c) {
           const std::byte* b0 = d + (2 * c) * blk;
-          AmxBf16Block(a0, a1, lda, b0, b0 + blk, kblocks, two, mb == 0);
+          AmxBf16Block(a0, a1, lda_bytes, b0, b0 + blk, kblocks, two, mb == 0);
           _tile_stored(0, t0, 64);
           _tile_stored(1, t1, 64);
           scatter(mb, c);

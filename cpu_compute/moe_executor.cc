@@ -20,8 +20,9 @@ constexpr int kGroupsPerUnit = 4;
 // the AMX kernel's two row blocks).
 constexpr int kRowsPerUnit = 128;
 // Below this many rows per expert on average, the down phase takes output
-// columns in finer chunks (RunLocked).
+// columns in kDownChunksFewRows chunks per thread, else one (RunLocked).
 constexpr int kDownFewRowsPerExpert = 32;
+constexpr int kDownChunksFewRows = 3;
 
 uint64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -175,8 +176,9 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   bf16_t* act = static_cast<bf16_t*>(act_buf_.Reserve(std::max<size_t>(1, rows * lda * 2)));
   // Outputs accumulate in f32 rows of our own, one 64-byte line longer than
   // a multiple of 128 bytes: at ldo = H = 2048 every token's slice of a
-  // column chunk fell into the same few cache sets (8 KiB apart), and the
-  // down phase ran at a third of gate/up's rate. Each chunk is copied out
+  // column chunk fell into the same few cache sets (8 KiB apart). (Measured
+  // with the other changes of bench/RESULTS.md stop 20, not alone; the down
+  // phase's excess over gate/up's rate remains.) Each chunk is copied out
   // (converted to bf16, or as f32) at the end.
   const int ldo = g.Hn + 16;
   float* out32 = static_cast<float*>(out_buf_.Reserve(std::max<size_t>(1, size_t(n) * ldo * 4)));
@@ -211,7 +213,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   // slower at 1024 rows).
   std::atomic<int> next_unit{0}, next_down{0};
   const bool few_rows = groups.total_rows < kDownFewRowsPerExpert * std::max(1, ngroups);
-  const int down_chunk = std::max(1, g.down_groups() / ((few_rows ? 3 : 1) * pool_.size()));
+  const int down_chunk = std::max(1, g.down_groups() / ((few_rows ? kDownChunksFewRows : 1) * pool_.size()));
   // Phase ends: the last thread's arrival at the barrier (ForwardStats).
   std::atomic<uint64_t> phase_end[2] = {0, 0};
   auto arrive = [&](int p) {

@@ -61,15 +61,9 @@ double CostModel::DevicePrior(int rows) const { return device_fixed_s + device_r
 
 double CostModel::DeviceSeconds(int rows) const { return device.scale() * DevicePrior(rows); }
 
-double CostModel::CopyDevicePrior(int rows) const {
-  if (copy_device_fixed_s == 0 && copy_device_row_s == 0) return DevicePrior(rows);
-  return copy_device_fixed_s + copy_device_row_s * rows;
-}
+double CostModel::CopyDevicePrior(int rows) const { return copy_device_fixed_s + copy_device_row_s * rows; }
 
-double CostModel::CopyDeviceSeconds(int rows) const {
-  if (copy_device_fixed_s == 0 && copy_device_row_s == 0) return DeviceSeconds(rows);
-  return copy_device.scale() * CopyDevicePrior(rows);
-}
+double CostModel::CopyDeviceSeconds(int rows) const { return copy_device.scale() * CopyDevicePrior(rows); }
 
 void CostModel::ObserveCpu(int experts, int pairs, double seconds, bool upper_bound) {
   if (!measured) return;
@@ -102,7 +96,8 @@ std::string CostModel::Describe() const {
       "ms/call + %.3f ms/expert + ms/pair at rows per expert {%s}; online x%.3g cpu (%d samples), x%.3g copy "
       "(%d), x%.3g device (%d), x%.3g copied device (%d)",
       CopySeconds() * 1e3, device.scale() * device_fixed_s * 1e3, device.scale() * device_row_s * 1e3,
-      CopyDeviceSeconds(0) * 1e3, (CopyDeviceSeconds(1) - CopyDeviceSeconds(0)) * 1e3, cpu.scale() * cpu_call_s * 1e3,
+      copy_device.scale() * copy_device_fixed_s * 1e3, copy_device.scale() * copy_device_row_s * 1e3,
+      cpu.scale() * cpu_call_s * 1e3,
       cpu.scale() * cpu_expert_s * 1e3, pairs, cpu.scale(), cpu.samples(), copy.scale(), copy.samples(),
       device.scale(), device.samples(), copy_device.scale(), copy_device.samples());
 }

@@ -56,7 +56,7 @@ struct CostModel {
   double device_row_s = 0;    // hits): fixed + per row
   // Device compute of one copied expert as the copy path launches them
   // (miss_buffers / 2 per launch, several times fewer experts than a hit
-  // launch holds): fixed + per row. Both 0: the hits' rates stand in.
+  // launch holds): fixed + per row.
   double copy_device_fixed_s = 0, copy_device_row_s = 0;
   double cpu_call_s = 0;      // CPU server: per call, per expert, per (token, expert) pair
   double cpu_expert_s = 0;

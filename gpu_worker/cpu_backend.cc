@@ -118,12 +118,17 @@ class CpuBackend final : public DeviceBackend {
     return seconds;
   }
   void ComputeWaitCopy(uint64_t) override {}
-  uint64_t RecordCompute() override { return NextComputeFence(); }
+  uint64_t RecordCompute() override { return ++compute_fence_; }
   absl::Status WaitCompute(uint64_t) override { return absl::OkStatus(); }
-  // Compute is synchronous here: the time between two fences is the work's.
+  // Compute is synchronous here: the time between two marks is the work's.
+  uint64_t MarkCompute() override {
+    const uint64_t id = ++mark_;
+    marks_[id % marks_.size()] = {id, std::chrono::steady_clock::now()};
+    return id;
+  }
   std::optional<double> ComputeSeconds(uint64_t from, uint64_t to) override {
-    const auto& [f0, t0] = compute_times_[from % compute_times_.size()];
-    const auto& [f1, t1] = compute_times_[to % compute_times_.size()];
+    const auto& [f0, t0] = marks_[from % marks_.size()];
+    const auto& [f1, t1] = marks_[to % marks_.size()];
     if (from == 0 || from >= to || f0 != from || f1 != to) return std::nullopt;
     return std::chrono::duration<double>(t1 - t0).count();
   }
@@ -153,7 +158,7 @@ class CpuBackend final : public DeviceBackend {
       std::memcpy(dst + static_cast<size_t>(i) * H, ctx.x.data() + static_cast<size_t>(rows[i]) * H,
                   H * sizeof(bf16_t));
     }
-    return NextComputeFence();
+    return ++compute_fence_;
   }
 
   absl::Status RunExperts(int c, const HitPlan& plan) override {
@@ -179,7 +184,7 @@ class CpuBackend final : public DeviceBackend {
       const bf16_t* p = partial + static_cast<size_t>(i) * H;
       for (int h = 0; h < H; ++h) acc[h] += Bf16ToF32(p[h]);
     }
-    return NextComputeFence();
+    return ++compute_fence_;
   }
 
   absl::Status FinishCall(int c, bf16_t* out, MemoryKind kind) override {
@@ -217,13 +222,8 @@ class CpuBackend final : public DeviceBackend {
   std::vector<Context> contexts_;
   uint64_t copy_fence_ = 0, compute_fence_ = 0;
   std::array<std::pair<uint64_t, double>, 64> copy_times_{};  // fence % 64 -> (fence, seconds)
-  // fence % 64 -> (fence, when it was recorded)
-  std::array<std::pair<uint64_t, std::chrono::steady_clock::time_point>, 64> compute_times_{};
-  uint64_t NextComputeFence() {
-    const uint64_t f = ++compute_fence_;
-    compute_times_[f % compute_times_.size()] = {f, std::chrono::steady_clock::now()};
-    return f;
-  }
+  uint64_t mark_ = 0;
+  std::array<std::pair<uint64_t, std::chrono::steady_clock::time_point>, 64> marks_{};  // id % 64 -> (id, when)
 };
 
 }  // namespace

@@ -202,6 +202,7 @@ class CudaBackend final : public DeviceBackend {
   bool CopyDone(uint64_t copy_fence) override;
   absl::Status WaitCopy(uint64_t copy_fence) override;
   std::optional<double> CopySeconds(uint64_t copy_fence) override;
+  uint64_t MarkCompute() override;
   std::optional<double> ComputeSeconds(uint64_t from, uint64_t to) override;
 
   void ComputeWaitCopy(uint64_t copy_fence) override;
@@ -329,6 +330,7 @@ class CudaBackend final : public DeviceBackend {
   FenceRing copy_fences_;                 // timed: each ends a copy
   std::vector<cudaEvent_t> copy_starts_;  // [fence % ring size]: recorded right before the copy
   FenceRing compute_fences_;
+  FenceRing compute_marks_;  // timed: MarkCompute (the fences stay untimed, cheaper to wait on)
   cublasHandle_t cublas_ = nullptr;
   DeviceMem cublas_workspace_;
 
@@ -441,7 +443,8 @@ absl::Status CudaBackend::CreateStreamsAndHandles() {
   MOE_RETURN_IF_ERROR(copy_fences_.Init(kFenceRingSize, /*timed=*/true));
   copy_starts_.assign(kFenceRingSize, nullptr);
   for (cudaEvent_t& e : copy_starts_) MOE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-  MOE_RETURN_IF_ERROR(compute_fences_.Init(kFenceRingSize, /*timed=*/true));  // ComputeSeconds
+  MOE_RETURN_IF_ERROR(compute_fences_.Init(kFenceRingSize));
+  MOE_RETURN_IF_ERROR(compute_marks_.Init(kFenceRingSize, /*timed=*/true));
   MOE_CUBLAS_RETURN_IF_ERROR(cublasCreate(&cublas_));
   MOE_CUBLAS_RETURN_IF_ERROR(cublasSetStream(cublas_, compute_));
   MOE_ASSIGN_OR_RETURN(cublas_workspace_, AllocDevice(kCublasWorkspaceBytes, "cuBLAS workspace"));
@@ -638,11 +641,19 @@ std::optional<double> CudaBackend::CopySeconds(uint64_t copy_fence) {
   return ms * 1e-3;
 }
 
+uint64_t CudaBackend::MarkCompute() {
+  if (!initialized_ || !Use().ok()) return 0;
+  absl::StatusOr<uint64_t> id = compute_marks_.Record(compute_);
+  if (id.ok()) return *id;
+  cudaGetLastError();  // a mark only times: 0 means "not timed"
+  return 0;
+}
+
 std::optional<double> CudaBackend::ComputeSeconds(uint64_t from, uint64_t to) {
-  if (!initialized_ || from == 0 || from >= to || !compute_fences_.Issued(to)) return std::nullopt;
-  cudaEvent_t start = compute_fences_.Pending(from), end = compute_fences_.Pending(to);
-  // A fence older than the ring: its event already stands for a newer one.
-  if (start == nullptr || end == nullptr || from + compute_fences_.size() <= compute_fences_.next())
+  if (!initialized_ || from == 0 || from >= to || !compute_marks_.Issued(to)) return std::nullopt;
+  cudaEvent_t start = compute_marks_.Pending(from), end = compute_marks_.Pending(to);
+  // A mark older than the ring: its event already stands for a newer one.
+  if (start == nullptr || end == nullptr || from + compute_marks_.size() <= compute_marks_.next())
     return std::nullopt;
   float ms = 0;
   if (cudaEventQuery(end) != cudaSuccess || cudaEventElapsedTime(&ms, start, end) != cudaSuccess) {

@@ -175,10 +175,13 @@ class DeviceBackend {
   // A fence after all compute work submitted so far.
   virtual uint64_t RecordCompute() = 0;
   virtual absl::Status WaitCompute(uint64_t compute_fence) = 0;
-  // How long the compute queue took for the work submitted between compute
-  // fences `from` and `to` (from < to), once `to` completed; nullopt while it
-  // runs, or once a fence is too old to tell. What the copy path's device
-  // cost observes (CostModel::ObserveDevice).
+  // A timing mark on the compute queue (not a fence: nothing waits on it),
+  // passed once the work submitted before it is done.
+  virtual uint64_t MarkCompute() = 0;
+  // How long the compute queue took for the work submitted between marks
+  // `from` and `to` (from < to), once `to` passed; nullopt while it is
+  // pending, or once a mark is too old to tell. What the copy path's device
+  // cost observes (CostModel::ObserveCopyDevice).
   virtual std::optional<double> ComputeSeconds(uint64_t from, uint64_t to) = 0;
 
   // Starts a call in scratch context `ctx`: copies the T x H bf16 activations

@@ -105,7 +105,7 @@ struct InFlightCall {
   CallStats stats;
   std::vector<uint64_t> copy_fences;  // the call's copy-instead copies, timed at Complete
   struct CopyLaunch {
-    uint64_t start, done;  // compute fences around the launch
+    uint64_t start, end;   // compute-queue timing marks around the launch
     double prior_s;        // CostModel::CopyDevicePrior of its experts
   };
   std::vector<CopyLaunch> copy_launches;  // the call's launches of copied experts, timed at Complete
@@ -533,7 +533,7 @@ absl::Status LayerDispatcher::MeasureDeviceRates(int rows, const std::vector<bf1
   MOE_ASSIGN_OR_RETURN(const double c1, per_copied(1));
   MOE_ASSIGN_OR_RETURN(const double cm, per_copied(rows));
   r.copy_device_row_s = std::max(0.0, (cm - c1) / std::max(1, rows - 1));
-  r.copy_device_fixed_s = std::max(1e-7, c1 - r.copy_device_row_s);
+  r.copy_device_fixed_s = std::max(0.0, c1 - r.copy_device_row_s);
   return absl::OkStatus();
 }
 
@@ -1114,29 +1114,50 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
   return absl::OkStatus();
 }
 
-// Copies the expert of group g of `groups` (of the call's layer) into
-// `buffer` (-1: the next temporary buffer of the layer's parity) and computes
-// the group's pairs there.
+namespace {
+// A launch's groups: none yet.
+void ClearGroups(ExpertGroups& launch) {
+  launch.expert.clear();
+  launch.row_begin.clear();
+  launch.count.clear();
+  launch.token.clear();
+  launch.weight.clear();
+  launch.total_rows = launch.total_pairs = 0;
+}
+// Appends group g of `from` to `launch`, padded so that the next group starts
+// on a multiple of `align` rows.
+void AppendGroup(const ExpertGroups& from, int g, int align, ExpertGroups& launch) {
+  const int32_t begin = from.row_begin[g], count = from.count[g];
+  launch.expert.push_back(from.expert[g]);
+  launch.row_begin.push_back(static_cast<int32_t>(launch.token.size()));
+  launch.count.push_back(count);
+  launch.token.insert(launch.token.end(), from.token.begin() + begin, from.token.begin() + begin + count);
+  launch.weight.insert(launch.weight.end(), from.weight.begin() + begin, from.weight.begin() + begin + count);
+  while (launch.token.size() % align != 0) {
+    launch.token.push_back(-1);
+    launch.weight.push_back(0.f);
+  }
+  launch.total_rows = static_cast<int32_t>(launch.token.size());
+  launch.total_pairs += count;
+}
+}  // namespace
+
+// Copies the expert of group g of `groups` (of the call's layer) into cache
+// buffer `buffer` and computes the group's pairs there.
 absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const ExpertGroups& groups, int g,
                                                         int buffer) {
   Impl& m = *impl_;
   InFlightCall& ctx = m.contexts[ticket];
-  const int layer = ctx.call.batch.layer, expert = groups.expert[g];
+  const int layer = ctx.call.batch.layer;
   const uint64_t after = backend_->RecordCompute();  // an evicted slot may still be read by earlier calls
-  MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(buffer, host_->Find(layer, expert), after));
+  MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(buffer, host_->Find(layer, groups.expert[g]), after));
   backend_->ComputeWaitCopy(f);
   ctx.copy_fences.push_back(f);
-  // The group alone, from row 0 (aligned for any backend).
   ExpertGroups& one = m.one_group;
-  const int32_t begin = groups.row_begin[g], count = groups.count[g];
-  one.expert.assign(1, expert);
-  one.row_begin.assign(1, 0);
-  one.count.assign(1, count);
-  one.token.assign(groups.token.begin() + begin, groups.token.begin() + begin + count);
-  one.weight.assign(groups.weight.begin() + begin, groups.weight.begin() + begin + count);
-  one.total_rows = one.total_pairs = count;
+  ClearGroups(one);
+  AppendGroup(groups, g, 1, one);  // the group alone, from row 0 (aligned for any backend)
   MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&one, &buffer}));
-  ctx.stats.copied_pairs += count;
+  ctx.stats.copied_pairs += one.total_pairs;
   ++ctx.stats.copied_experts;
   return f;
 }
@@ -1157,44 +1178,29 @@ absl::Status LayerDispatcher::ComputeCopiedInBuffers(int ticket, const ExpertGro
   for (size_t i0 = 0; i0 < gs.size(); i0 += per_launch) {
     const size_t i1 = std::min(gs.size(), i0 + per_launch);
     const int first = parity * B + (m.temp_next[parity]++ % halves) * per_launch;  // the half's first buffer
-    launch.expert.clear();
-    launch.row_begin.clear();
-    launch.count.clear();
-    launch.token.clear();
-    launch.weight.clear();
-    launch.total_pairs = 0;
+    ClearGroups(launch);
     m.launch_buffers.clear();
     uint64_t last_copy = 0;
+    double prior = 0;
     for (size_t i = i0; i < i1; ++i) {
       const int g = gs[i], ti = first + static_cast<int>(i - i0);
-      const int32_t begin = groups.row_begin[g], count = groups.count[g];
       MOE_ASSIGN_OR_RETURN(last_copy, backend_->LoadExpert(m.temp_base + ti, host_->Find(layer, groups.expert[g]),
                                                            m.temp_fence[ti]));
       ctx.copy_fences.push_back(last_copy);
       m.launch_buffers.push_back(m.temp_base + ti);
-      launch.expert.push_back(groups.expert[g]);
-      launch.row_begin.push_back(static_cast<int32_t>(launch.token.size()));
-      launch.count.push_back(count);
-      launch.token.insert(launch.token.end(), groups.token.begin() + begin, groups.token.begin() + begin + count);
-      launch.weight.insert(launch.weight.end(), groups.weight.begin() + begin, groups.weight.begin() + begin + count);
-      while (launch.token.size() % align != 0) {  // the next group starts on an aligned row
-        launch.token.push_back(-1);
-        launch.weight.push_back(0.f);
-      }
-      launch.total_pairs += count;
-      ctx.stats.copied_pairs += count;
-      ++ctx.stats.copied_experts;
+      AppendGroup(groups, g, align, launch);
+      prior += planner_.rates().CopyDevicePrior(groups.count[g]);
     }
-    launch.total_rows = static_cast<int32_t>(launch.token.size());
+    ctx.stats.copied_pairs += launch.total_pairs;
+    ctx.stats.copied_experts += static_cast<int>(i1 - i0);
     backend_->ComputeWaitCopy(last_copy);  // copies land in order: the last covers the launch's
-    // The launch alone, timed on the compute queue (its start fence passes
+    // The launch alone, timed on the compute queue (its start mark passes
     // once the copies landed and the work before it is done).
-    const uint64_t start = backend_->RecordCompute();
+    const uint64_t start = backend_->MarkCompute();
     MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&launch, m.launch_buffers.data()}));
+    const uint64_t end = backend_->MarkCompute();
     const uint64_t done = backend_->RecordCompute();
-    double prior = 0;
-    for (int32_t count : launch.count) prior += planner_.rates().CopyDevicePrior(count);
-    ctx.copy_launches.push_back({start, done, prior});
+    ctx.copy_launches.push_back({start, end, prior});
     for (size_t i = i0; i < i1; ++i) m.temp_fence[first + static_cast<int>(i - i0)] = done;
   }
   return absl::OkStatus();
@@ -1247,7 +1253,7 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   // cost, which the call's end time cannot separate from the link's.
   if (result.ok() && fin.ok())
     for (const InFlightCall::CopyLaunch& l : ctx.copy_launches)
-      if (std::optional<double> s = backend_->ComputeSeconds(l.start, l.done))
+      if (std::optional<double> s = backend_->ComputeSeconds(l.start, l.end))
         planner_.rates().ObserveCopyDevice(l.prior_s, *s);
   ctx.copy_launches.clear();
   // A hits-only call: Submit to here bounds the device time from above.

@@ -86,8 +86,8 @@ CostModel MispricedPrior() {
   CostModel m;
   m.measured = true;
   m.copy_s = 0.4e-3;
-  m.device_fixed_s = 20e-6;
-  m.device_row_s = 1e-6;
+  m.device_fixed_s = m.copy_device_fixed_s = 20e-6;
+  m.device_row_s = m.copy_device_row_s = 1e-6;
   m.cpu_call_s = 0;
   m.cpu_expert_s = 1.74e-3;
   m.cpu_pair_s = 2e-6;
@@ -105,10 +105,10 @@ std::vector<CopyCandidate> OneToken(int experts) {
 // experts), not a hit's (one more expert in a big launch): when it outlasts
 // the CPU's, copying stops paying, and the launches' timings correct it.
 TEST(ChooseCopiesTest, CopiedExpertsArePricedAtTheCopyPathsDeviceRate) {
-  CostModel m = MispricedPrior();  // CPU 1.74 ms an expert, copies 0.4 ms, hits 21 us
+  CostModel m = MispricedPrior();  // CPU 1.74 ms an expert, copies 0.4 ms, copied compute 84 us
   std::vector<CopyCandidate> c;
   for (int e = 0; e < 8; ++e) c.push_back({e, 64});
-  EXPECT_GE(ChooseCopies(m, c, 0).size(), 6u);  // no copy-path rate: the hits' stands in
+  EXPECT_GE(ChooseCopies(m, c, 0).size(), 6u);  // a cheap copy path: the copies pay
   m.copy_device_fixed_s = 3e-3;                  // each copied expert costs 3 ms on the device
   m.copy_device_row_s = 1e-6;
   EXPECT_NEAR(m.CopyDeviceSeconds(64), 3.064e-3, 1e-9);

@@ -221,8 +221,8 @@ TEST(MissPlanTest, CopyModes) {
   // experts move to the device, the one with most rows first.
   s.cost.measured = true;
   s.cost.copy_s = 1e-4;
-  s.cost.device_fixed_s = 1e-5;
-  s.cost.device_row_s = 1e-6;
+  s.cost.copy_device_fixed_s = 1e-5;
+  s.cost.copy_device_row_s = 1e-6;
   s.cost.cpu_call_s = 1e-4;
   s.cost.cpu_expert_s = 5e-3;
   s.cost.cpu_pair_s = 1e-3;
@@ -234,7 +234,7 @@ TEST(MissPlanTest, CopyModes) {
   s.cost = CostModel();
   s.cost.measured = true;
   s.cost.copy_s = 1.0;
-  s.cost.device_fixed_s = 1.0;
+  s.cost.copy_device_fixed_s = 1.0;
   s.cost.cpu_expert_s = 1e-5;
   s.cost.cpu_pair_s = 1e-6;
   ASSERT_TRUE(s.Plan(&p).ok());
@@ -286,8 +286,8 @@ TEST(PlannerTest, SplitQueuesBehindTheLinkBacklog) {
   CostModel& r = planner.rates();
   r.measured = true;
   r.copy_s = 1e-4;
-  r.device_fixed_s = 1e-5;
-  r.device_row_s = 1e-6;
+  r.copy_device_fixed_s = 1e-5;
+  r.copy_device_row_s = 1e-6;
   r.cpu_call_s = 1e-4;
   r.cpu_expert_s = 5e-3;
   r.cpu_pair_s = 1e-3;
