@@ -162,7 +162,7 @@ std::vector<int> ParseInts(const std::string& text, const char* flag) {
   return out;
 }
 
-// --formats: bf16, int8, int4 (comma list, each at most once, at least one).
+// --formats: bf16, int8, int4, fp8 (comma list, each at most once, at least one).
 absl::StatusOr<std::vector<WeightFormat>> ParseFormats(const std::string& text) {
   std::vector<WeightFormat> out;
   for (const std::string& s : SplitList(text)) {
@@ -173,14 +173,16 @@ absl::StatusOr<std::vector<WeightFormat>> ParseFormats(const std::string& text) 
       f = WeightFormat::kInt8;
     } else if (s == "int4") {
       f = WeightFormat::kInt4;
+    } else if (s == "fp8") {
+      f = WeightFormat::kFp8;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("--formats: unknown format '", s, "' (bf16, int8, int4)"));
+      return absl::InvalidArgumentError(absl::StrCat("--formats: unknown format '", s, "' (bf16, int8, int4, fp8)"));
     }
     if (std::find(out.begin(), out.end(), f) != out.end())
       return absl::InvalidArgumentError(absl::StrCat("--formats: '", s, "' listed twice"));
     out.push_back(f);
   }
-  if (out.empty()) return absl::InvalidArgumentError("--formats: empty (a comma list of bf16, int8, int4)");
+  if (out.empty()) return absl::InvalidArgumentError("--formats: empty (a comma list of bf16, int8, int4, fp8)");
   return out;
 }
 
@@ -673,13 +675,14 @@ void Benchmark::RunShape(const std::string& shape) {
   for (const auto& [format, kernels] : kernels_) RunFormat(spec, *source, format, kernels, tokens, info);
 }
 
-// oneDNN's side for a format: bf16 matmuls for bf16, int8 ones for int8, none
-// for int4 (or when oneDNN refuses).
+// oneDNN's side for a format: bf16 matmuls for bf16 and fp8 (the bf16 weights
+// an fp8 expert stands for: what computing it without an fp8 kernel costs),
+// int8 ones for int8, none for int4 (or when oneDNN refuses).
 std::unique_ptr<DnnlExpert> Benchmark::MakeDnnl(WeightFormat format, const ExpertWeights& w,
                                                 const ModelSpec& spec) {
   if (format == WeightFormat::kInt4) return nullptr;
   const auto precision =
-      format == WeightFormat::kBf16 ? DnnlExpert::Precision::kBf16 : DnnlExpert::Precision::kInt8;
+      format == WeightFormat::kInt8 ? DnnlExpert::Precision::kInt8 : DnnlExpert::Precision::kBf16;
   try {
     return std::make_unique<DnnlExpert>(precision, w, spec.hidden, spec.intermediate,
                                         std::max(kGiB, 3 * l3_bytes_), *numa_, *pool_, engine_, stream_);

@@ -1,12 +1,12 @@
 // gpu_experts: the cuda backend's hit experts (RunExperts: the grouped
 // kernels up to 64 rows per expert, cuBLAS above) per storage format — bf16
-// slots, int8 and int4 packed slots — at 1 to 64 and more rows per expert,
+// slots, int8, int4 and fp8 packed slots — at 1 to 64 and more rows per expert,
 // against the bounds measured in the same run: HBM bandwidth (a device-to-
 // device copy) for the weight stream, cuBLAS's bf16 GEMM rate for the
 // tensor cores. Prints, per geometry and rows per expert, the median time of
 // one RunExperts over `--experts` experts (each in its own buffer, rotated
 // over twice as many buffers so that no run finds them in L2), min-max over
-// `--runs` runs, int8 / int4 time as a share of bf16's, and each format's
+// `--runs` runs, int8 / int4 / fp8 time as a share of bf16's, and each format's
 // weight rate and FLOP rate against the bounds. Then the latency of moving
 // rows between the GPU and host memory (GatherRows / AddRows, registered vs
 // pageable; MOE_CUDA_MAPPED_WRITE_MAX_BYTES=0 forces the DMA path for
@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "core/bf16.h"
 #include "core/flags.h"
@@ -269,29 +271,33 @@ int main(int argc, char** argv) {
               "%d experts per call, median [min-max] of %d runs x %d calls\n",
               prop.name, hbm / 1e9, peak / 1e12, o.experts, o.runs, o.reps);
   for (const Shape& s : shapes) {
-    std::map<int, Stat> t[3];
-    const WeightFormat formats[3] = {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4};
-    double bytes[3];
-    for (int f = 0; f < 3; ++f) {
+    constexpr int kF = 4;
+    const WeightFormat formats[kF] = {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kFp8};
+    std::map<int, Stat> t[kF];
+    double bytes[kF];
+    for (int f = 0; f < kF; ++f) {
       t[f] = TimeFormat(s, formats[f], o);
       bytes[f] = static_cast<double>(ExpertGeometry::For(s.H, s.I, formats[f]).packed_bytes()) * o.experts;
     }
     std::printf("\n## %s (H %d, I %d)\n\n", s.name.c_str(), s.H, s.I);
-    std::printf("| rows/expert | bf16 us | int8 us | int4 us | int8/bf16 | int4/bf16 | bf16 / int8 / int4 %% of HBM | "
-                "bf16 / int8 / int4 %% of GEMM peak |\n|---|---|---|---|---|---|---|---|\n");
+    std::printf("| rows/expert | bf16 us | int8 us | int4 us | fp8 us | int8/bf16 | int4/bf16 | fp8/bf16 | "
+                "bf16 / int8 / int4 / fp8 %% of HBM | bf16 / int8 / int4 / fp8 %% of GEMM peak |\n"
+                "|---|---|---|---|---|---|---|---|---|---|\n");
     for (int rows : o.rows) {
       const double flops = 2.0 * 3.0 * s.H * double(s.I) * rows * o.experts;
-      double pct_bw[3], pct_fl[3];
-      for (int f = 0; f < 3; ++f) {
-        pct_bw[f] = 100.0 * bytes[f] / t[f][rows].median / hbm;
-        pct_fl[f] = 100.0 * flops / t[f][rows].median / peak;
+      std::string line = absl::StrCat("| ", rows, " |");
+      for (int f = 0; f < kF; ++f)
+        absl::StrAppend(&line, absl::StrFormat(" %.0f [%.0f-%.0f] |", t[f][rows].median * 1e6, t[f][rows].lo * 1e6,
+                                               t[f][rows].hi * 1e6));
+      for (int f = 1; f < kF; ++f) absl::StrAppend(&line, absl::StrFormat(" %.2f |", t[f][rows].median / t[0][rows].median));
+      for (const bool bw : {true, false}) {
+        for (int f = 0; f < kF; ++f) {
+          const double pct = 100.0 * (bw ? bytes[f] / hbm : flops / peak) / t[f][rows].median;
+          absl::StrAppend(&line, f ? " / " : " ", bw ? absl::StrFormat("%.0f", pct) : absl::StrFormat("%.1f", pct));
+        }
+        absl::StrAppend(&line, " |");
       }
-      std::printf("| %d | %.0f [%.0f-%.0f] | %.0f [%.0f-%.0f] | %.0f [%.0f-%.0f] | %.2f | %.2f | %.0f / %.0f / %.0f | "
-                  "%.1f / %.1f / %.1f |\n",
-                  rows, t[0][rows].median * 1e6, t[0][rows].lo * 1e6, t[0][rows].hi * 1e6, t[1][rows].median * 1e6,
-                  t[1][rows].lo * 1e6, t[1][rows].hi * 1e6, t[2][rows].median * 1e6, t[2][rows].lo * 1e6,
-                  t[2][rows].hi * 1e6, t[1][rows].median / t[0][rows].median, t[2][rows].median / t[0][rows].median,
-                  pct_bw[0], pct_bw[1], pct_bw[2], pct_fl[0], pct_fl[1], pct_fl[2]);
+      std::printf("%s\n", line.c_str());
     }
   }
   TransferLatency();

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -43,6 +44,28 @@ absl::Status CheckFinite(const std::vector<bf16_t>& v, int layer, int expert, co
       absl::StrCat("layer ", layer, " expert ", expert, " ", what, " holds NaN or Inf weights"));
 }
 
+// E4M3 has no infinities; 0x7f and 0xff are its NaNs.
+absl::Status CheckFiniteFp8(const std::vector<uint8_t>& codes, int layer, int expert, const char* what) {
+  for (uint8_t c : codes)
+    if ((c & 0x7f) == 0x7f)
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer ", layer, " expert ", expert, " ", what, " holds NaN fp8 weights"));
+  return absl::OkStatus();
+}
+
+// p's shape and scale grid for a [rows, cols] projection quantized as q says.
+void ShapeFp8(const QuantConfig& q, int rows, int cols, Fp8Projection* p) {
+  p->rows = rows, p->cols = cols, p->br = q.block_rows, p->bc = q.block_cols, p->r0 = p->c0 = 0;
+  p->scale_cols = static_cast<int>(CeilDiv(cols, q.block_cols));
+  p->codes.resize(static_cast<size_t>(rows) * cols);
+  p->scale_inv.resize(static_cast<size_t>(CeilDiv(rows, q.block_rows)) * p->scale_cols);
+}
+
+absl::Status NotFp8(const ModelSpec& spec) {
+  return absl::FailedPreconditionError(absl::StrCat("the model's experts are not an fp8 checkpoint (quantization: ",
+                                                    spec.quant.Describe(), ")"));
+}
+
 class SyntheticSource final : public ModelSource {
  public:
   SyntheticSource(ModelSpec spec, SyntheticModelUri uri, std::string text)
@@ -60,6 +83,22 @@ class SyntheticSource final : public ModelSource {
     QuantizeDequantize(spec_.quant, I, H, out->gate.data());
     QuantizeDequantize(spec_.quant, I, H, out->up.data());
     QuantizeDequantize(spec_.quant, H, I, out->down.data());
+    return absl::OkStatus();
+  }
+  // The codes moe-make-model --dtype fp8 writes for this expert.
+  absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const override {
+    if (spec_.quant.scheme != WeightQuant::kFp8Block) return NotFp8(spec_);
+    MOE_RETURN_IF_ERROR(CheckExpertIndex(spec_, layer, expert));
+    const int H = spec_.hidden, I = spec_.intermediate;
+    std::vector<bf16_t> w;
+    for (auto [p, proj, rows, cols] : {std::tuple{&out->gate, Projection::kGate, I, H},
+                                       std::tuple{&out->up, Projection::kUp, I, H},
+                                       std::tuple{&out->down, Projection::kDown, H, I}}) {
+      ShapeFp8(spec_.quant, rows, cols, p);
+      w.resize(static_cast<size_t>(rows) * cols);
+      GenerateExpertMatrix(uri_.seed, layer, expert, proj, rows, cols, w.data());
+      QuantizeFp8Block(w.data(), rows, cols, p->br, p->bc, p->codes.data(), p->scale_inv.data());
+    }
     return absl::OkStatus();
   }
 
@@ -132,6 +171,20 @@ std::string PrimaryTensorName(const QuantConfig& q, const std::string& weight_na
   return q.scheme == WeightQuant::kInt4Group ? QuantizedPartName(weight_name, "weight_packed") : weight_name;
 }
 
+// An fp8 projection's codes and scale_inv tensors, checked against the
+// model's shape and block size.
+absl::StatusOr<std::pair<const TensorInfo*, const TensorInfo*>> FindFp8(const Checkpoint& ckpt, const QuantConfig& q,
+                                                                       const std::string& name, int64_t rows,
+                                                                       int64_t cols) {
+  const std::string why = "quantization_config: fp8";
+  MOE_ASSIGN_OR_RETURN(const TensorInfo* w, FindTensor(ckpt, name, {DType::kF8E4M3}, {rows, cols}, why));
+  MOE_ASSIGN_OR_RETURN(const TensorInfo* s,
+                       FindTensor(ckpt, name + "_scale_inv", {DType::kF32, DType::kBF16, DType::kF16},
+                                  {CeilDiv(rows, q.block_rows), CeilDiv(cols, q.block_cols)},
+                                  absl::StrCat(why, ", blocks ", q.block_rows, "x", q.block_cols)));
+  return std::pair{w, s};
+}
+
 // One [rows, cols] expert projection (its ".weight" name) as bf16, in the
 // checkpoint's format (plain, fp8 block-scaled, or int4 group-quantized).
 absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const std::string& name, int64_t rows,
@@ -147,12 +200,8 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
       return ToBf16(*t, 0, static_cast<size_t>(rows * cols), dst);
     }
     case WeightQuant::kFp8Block: {
-      const std::string why = "quantization_config: fp8";
-      MOE_ASSIGN_OR_RETURN(const TensorInfo* w, FindTensor(ckpt, name, {DType::kF8E4M3}, {rows, cols}, why));
-      MOE_ASSIGN_OR_RETURN(const TensorInfo* s,
-                           FindTensor(ckpt, name + "_scale_inv", {DType::kF32, DType::kBF16, DType::kF16},
-                                      {CeilDiv(rows, q.block_rows), CeilDiv(cols, q.block_cols)},
-                                      absl::StrCat(why, ", blocks ", q.block_rows, "x", q.block_cols)));
+      MOE_ASSIGN_OR_RETURN(const auto ws, FindFp8(ckpt, q, name, rows, cols));
+      const auto [w, s] = ws;
       MOE_RETURN_IF_ERROR(ScalesToF32(*s, &scales));
       DequantizeFp8Block(reinterpret_cast<const uint8_t*>(w->data), scales.data(), static_cast<int>(rows),
                          static_cast<int>(cols), q.block_rows, q.block_cols, dst);
@@ -268,6 +317,23 @@ class CheckpointSource final : public ModelSource {
     }
     return absl::OkStatus();
   }
+  absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const override {
+    if (spec_.quant.scheme != WeightQuant::kFp8Block) return NotFp8(spec_);
+    MOE_RETURN_IF_ERROR(CheckExpertIndex(spec_, layer, expert));
+    const int H = spec_.hidden, I = spec_.intermediate;
+    for (auto [p, proj, rows, cols, what] : {std::tuple{&out->gate, Projection::kGate, I, H, "gate"},
+                                             std::tuple{&out->up, Projection::kUp, I, H, "up"},
+                                             std::tuple{&out->down, Projection::kDown, H, I, "down"}}) {
+      const std::string name = ExpertTensorName(spec_.naming, layer, expert, proj);
+      absl::StatusOr<std::pair<const TensorInfo*, const TensorInfo*>> ws = FindFp8(*ckpt_, spec_.quant, name, rows, cols);
+      if (!ws.ok()) return absl::Status(ws.status().code(), absl::StrCat("checkpoint ", dir_, ": ", ws.status().message()));
+      ShapeFp8(spec_.quant, rows, cols, p);
+      std::memcpy(p->codes.data(), ws->first->data, p->codes.size());
+      MOE_RETURN_IF_ERROR(ScalesToF32(*ws->second, &p->scale_inv));
+      MOE_RETURN_IF_ERROR(CheckFiniteFp8(p->codes, layer, expert, what));
+    }
+    return absl::OkStatus();
+  }
 
  private:
   // Expert `expert` out of a layer's fused tensors, into gate [I,H], up [I,H], down [H,I].
@@ -373,6 +439,25 @@ class SlicedSource final : public ModelSource {
     for (size_t h = 0; h < H; ++h) std::copy_n(full.down.begin() + h * I + begin_, n, out->down.begin() + h * n);
     return absl::OkStatus();
   }
+  // The slice's rows of gate and up and columns of down; the scale grids
+  // stay whole, offset by the slice's start.
+  absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const override {
+    MOE_RETURN_IF_ERROR(base_->ReadExpertFp8(layer, expert, out));
+    const size_t H = static_cast<size_t>(spec_.hidden), I = static_cast<size_t>(base_->spec().intermediate);
+    const size_t n = static_cast<size_t>(end_ - begin_);
+    for (Fp8Projection* p : {&out->gate, &out->up}) {
+      p->codes.erase(p->codes.begin(), p->codes.begin() + begin_ * H);
+      p->codes.resize(n * H);
+      p->rows = static_cast<int>(n);
+      p->r0 += begin_;
+    }
+    Fp8Projection& d = out->down;
+    for (size_t h = 0; h < H; ++h) std::copy_n(d.codes.begin() + h * I + begin_, n, d.codes.begin() + h * n);
+    d.codes.resize(H * n);
+    d.cols = static_cast<int>(n);
+    d.c0 += begin_;
+    return absl::OkStatus();
+  }
 
  private:
   static ExpertWeights& Scratch() {  // ReadExpert runs on several loader threads
@@ -386,6 +471,8 @@ class SlicedSource final : public ModelSource {
 };
 
 }  // namespace
+
+absl::Status ModelSource::ReadExpertFp8(int, int, ExpertFp8*) const { return NotFp8(spec()); }
 
 absl::StatusOr<std::unique_ptr<ModelSource>> SliceModel(std::unique_ptr<ModelSource> base, ExpertSlice slice) {
   if (slice.whole()) return base;

@@ -21,6 +21,20 @@ struct ExpertWeights {
   void Resize(const ModelSpec& spec);
 };
 
+// One expert projection exactly as an FP8 checkpoint stores it: E4M3 codes
+// [rows, cols] and the f32 scale_inv grid of br x bc blocks;
+// w[r, c] = Fp8E4M3ToF32(code[r, c]) * Scale(r, c). A slice (SliceModel) keeps
+// the whole grid and offsets into it (r0, c0).
+struct Fp8Projection {
+  std::vector<uint8_t> codes;    // [rows, cols]
+  std::vector<float> scale_inv;  // [ceil(grid rows / br), scale_cols]
+  int rows = 0, cols = 0, br = 0, bc = 0, scale_cols = 0, r0 = 0, c0 = 0;
+  float Scale(int r, int c) const { return scale_inv[size_t((r + r0) / br) * scale_cols + (c + c0) / bc]; }
+};
+struct ExpertFp8 {
+  Fp8Projection gate, up, down;  // [I,H], [I,H], [H,I]
+};
+
 class ModelSource {
  public:
   virtual ~ModelSource() = default;
@@ -31,6 +45,10 @@ class ModelSource {
   // InvalidArgument when the layer is not an MoE layer, the expert is out of
   // range, a tensor has the wrong shape or dtype, or holds NaN/Inf.
   virtual absl::Status ReadExpert(int layer, int expert, ExpertWeights* out) const = 0;
+  // The same expert as the FP8 checkpoint's own codes and scales (what
+  // ReadExpert dequantizes). FailedPrecondition unless spec().quant is fp8
+  // block-scaled; otherwise ReadExpert's errors.
+  virtual absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const;
 };
 
 // A synthetic model of any geometry (weights from GenerateExpertMatrix).

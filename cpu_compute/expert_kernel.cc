@@ -5,6 +5,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/model_source.h"
+#include "core/quantization.h"
 #include "cpu_compute/packed_layout.h"
 
 namespace moe {
@@ -14,6 +16,7 @@ const char* WeightFormatName(WeightFormat f) {
     case WeightFormat::kBf16: return "bf16";
     case WeightFormat::kInt8: return "int8";
     case WeightFormat::kInt4: return "int4";
+    case WeightFormat::kFp8: return "fp8";
   }
   return "?";
 }
@@ -33,8 +36,8 @@ ExpertGeometry ExpertGeometry::For(int hidden, int intermediate, WeightFormat fo
   g.format = format;
   int k_align = 32;
   if (format == WeightFormat::kInt8) k_align = 64;
-  if (format == WeightFormat::kInt4) {
-    g.group = group > 0 ? group : kDefaultInt4Group;
+  if (format == WeightFormat::kInt4 || format == WeightFormat::kFp8) {
+    g.group = group > 0 ? group : format == WeightFormat::kInt4 ? kDefaultInt4Group : kDefaultFp8Group;
     k_align = std::max(64, g.group);
   }
   g.Kh = RoundUp(hidden, k_align);
@@ -48,6 +51,7 @@ size_t ExpertGeometry::block_bytes(int K) const {
     case WeightFormat::kBf16: return static_cast<size_t>(K) * 32;
     case WeightFormat::kInt8: return static_cast<size_t>(K) * 16 + 128;
     case WeightFormat::kInt4: return static_cast<size_t>(K) * 8 + static_cast<size_t>(K / group) * 64;
+    case WeightFormat::kFp8: return static_cast<size_t>(K) * 16 + static_cast<size_t>(K / group) * 64;
   }
   return 0;
 }
@@ -130,11 +134,43 @@ void PackInt4Block(const bf16_t* w, int N, int K, int n0, int Kp, int group, std
   }
 }
 
+// fp8 from bf16: per channel and group, scale = max|w| / 448 (E4M3's largest
+// finite value), codes rounded to nearest even.
+void PackFp8Block(const bf16_t* w, int N, int K, int n0, int Kp, int group, std::byte* out) {
+  uint8_t* q = reinterpret_cast<uint8_t*>(out);
+  float* scale = reinterpret_cast<float*>(out + size_t(Kp) * 16);
+  for (int gi = 0; gi < Kp / group; ++gi)
+    for (int c = 0; c < 16; ++c) {
+      float amax = 0.0f;
+      for (int k = gi * group; k < (gi + 1) * group; ++k) amax = std::max(amax, std::fabs(At(w, N, K, n0 + c, k)));
+      const float s = amax / 448.0f;
+      scale[gi * 16 + c] = s;
+      for (int k = gi * group; k < (gi + 1) * group; ++k)
+        q[layout::Int8Offset(c, k)] = s > 0 ? F32ToFp8E4M3(At(w, N, K, n0 + c, k) / s) : 0;
+    }
+}
+
 void PackBlock(const ExpertGeometry& g, const bf16_t* w, int N, int K, int n0, int Kp, std::byte* out) {
   switch (g.format) {
     case WeightFormat::kBf16: return PackBf16Block(w, N, K, n0, Kp, out);
     case WeightFormat::kInt8: return PackInt8Block(w, N, K, n0, Kp, out);
     case WeightFormat::kInt4: return PackInt4Block(w, N, K, n0, Kp, g.group, out);
+    case WeightFormat::kFp8: return PackFp8Block(w, N, K, n0, Kp, g.group, out);
+  }
+}
+
+// The checkpoint's codes of rows [n0, n0+16) of w, its scale per channel and
+// group (constant inside a group: PackExpertFp8 checks); padding is code 0,
+// scale 0.
+void CopyFp8Block(const Fp8Projection& w, int n0, int Kp, int group, std::byte* out) {
+  uint8_t* q = reinterpret_cast<uint8_t*>(out);
+  float* scale = reinterpret_cast<float*>(out + size_t(Kp) * 16);
+  for (int c = 0; c < 16; ++c) {
+    const int n = n0 + c;
+    for (int gi = 0; gi < Kp / group; ++gi)
+      scale[gi * 16 + c] = n < w.rows && gi * group < w.cols ? w.Scale(n, gi * group) : 0.0f;
+    for (int k = 0; k < Kp; ++k)
+      q[layout::Int8Offset(c, k)] = n < w.rows && k < w.cols ? w.codes[size_t(n) * w.cols + k] : 0;
   }
 }
 
@@ -155,6 +191,26 @@ void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, c
   }
   std::byte* d = dst + g.gate_up_bytes();
   for (int b = 0; b < g.Hn / 16; ++b) PackBlock(g, down, g.H, g.I, 16 * b, g.Ki, d + b * db);
+}
+
+absl::Status PackExpertFp8(const ExpertGeometry& g, const ExpertFp8& w, std::byte* dst) {
+  if (g.format != WeightFormat::kFp8) return absl::InvalidArgumentError("PackExpertFp8: geometry is not fp8");
+  for (const Fp8Projection* p : {&w.gate, &w.up, &w.down})
+    if (p->bc % g.group != 0 || p->c0 % g.group != 0)
+      return absl::InvalidArgumentError(absl::StrCat(
+          "fp8 experts: scale groups of ", g.group, " columns do not fit the checkpoint's blocks of ", p->bc,
+          " columns", p->c0 != 0 ? absl::StrCat(" from column ", p->c0) : "", " (use --weight-dtype int8)"));
+  if (w.gate.rows != g.I || w.gate.cols != g.H || w.up.rows != g.I || w.up.cols != g.H || w.down.rows != g.H ||
+      w.down.cols != g.I)
+    return absl::InvalidArgumentError(absl::StrCat("fp8 experts: shapes do not match H=", g.H, " I=", g.I));
+  const size_t gub = g.block_bytes(g.Kh), db = g.block_bytes(g.Ki);
+  for (int c = 0; c < g.gate_up_groups(); ++c) {
+    CopyFp8Block(w.gate, 16 * c, g.Kh, g.group, dst + (2 * c) * gub);
+    CopyFp8Block(w.up, 16 * c, g.Kh, g.group, dst + (2 * c + 1) * gub);
+  }
+  std::byte* d = dst + g.gate_up_bytes();
+  for (int b = 0; b < g.Hn / 16; ++b) CopyFp8Block(w.down, 16 * b, g.Ki, g.group, d + b * db);
+  return absl::OkStatus();
 }
 
 void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate, float* up, float* down) {
@@ -199,7 +255,7 @@ void QuantizeRows(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale
 
 absl::StatusOr<std::unique_ptr<ExpertKernel>> MakeExpertKernel(std::string_view name, const CpuFeatures& cpu,
                                                               WeightFormat format) {
-  const bool bf16 = format == WeightFormat::kBf16;
+  const bool bf16 = format == WeightFormat::kBf16 || format == WeightFormat::kFp8;  // fp8 runs as bf16 after conversion
   const bool avx512 = bf16 ? cpu.HasAvx512Bf16() : cpu.HasAvx512Vnni();
   const bool amx = bf16 ? cpu.HasAmxBf16() : cpu.HasAmxInt8();
   const bool avx512_int8 = cpu.HasAvx512Vnni(), amx_int8 = cpu.HasAmxInt8();

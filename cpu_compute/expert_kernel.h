@@ -5,7 +5,8 @@
 //   reference portable scalar code (any x86-64)
 //
 // All three read one packed weight layout per storage format (bf16, int8,
-// int4), written once at load by PackExpert (never at call time). The bf16
+// int4, fp8), written once at load by PackExpert / PackExpertFp8 (never at
+// call time). The bf16
 // layout stores a matrix W [N, K]
 // (y = W x) as N/16 blocks of 16 rows; inside a block, K/2 rows of 64 bytes,
 // row p holding (W[n,2p], W[n,2p+1]) for the block's 16 n. A 1 KiB run of 16
@@ -30,6 +31,8 @@
 
 namespace moe {
 
+struct ExpertFp8;  // core/model_source.h (kept out: CUDA files include this header)
+
 // How a packed expert stores its weights: the storage precision is a
 // property of the packed experts (ExpertGeometry::format), not of the
 // executor; one kernel object computes every format its CPU supports.
@@ -37,11 +40,14 @@ enum class WeightFormat : uint8_t {
   kBf16,  // bf16 pairs (layout above)
   kInt8,  // int8, one f32 scale per output channel (symmetric, q in [-127, 127])
   kInt4,  // int4, one f32 scale per output channel and group of `group` k (q in [-8, 7], scale = max(max/7, -min/8))
+  kFp8,   // OCP FP8 E4M3 codes, one f32 scale per output channel and group of `group` k: an FP8
+          // checkpoint's own bytes and block scales (PackExpertFp8), or bf16 weights quantized
+          // with scale = max|w| / 448 (PackExpert)
 };
-// "bf16", "int8", "int4".
+// "bf16", "int8", "int4", "fp8".
 const char* WeightFormatName(WeightFormat f);
 
-// The integer layouts (kInt8, kInt4). A matrix W [N, K] is N/16 blocks of 16
+// The byte layouts (kInt8, kInt4, kFp8). A matrix W [N, K] is N/16 blocks of 16
 // output channels; each block holds K/64 k-chunks, then its scales:
 //   kInt8 chunk: 16 rows of 64 bytes (1 KiB, one AMX int8 B tile): row p
 //        holds, for channels n = 0..15, the bytes W[n, 64c+4p .. 64c+4p+3].
@@ -51,7 +57,9 @@ const char* WeightFormatName(WeightFormat f);
 //        2i's byte b in its low nibble and tile row 2i+1's in its high nibble,
 //        each as q + 8 (0..15). After the chunks: K/group groups of 16 f32
 //        scales (group-major).
-// Block bytes: kInt8 16K + 128, kInt4 8K + 64 K/group; gate and up blocks
+//   kFp8 chunk: as kInt8's, each byte an E4M3 code. After the chunks: K/group
+//        groups of 16 f32 scales (group-major), as kInt4.
+// Block bytes: kInt8 16K + 128, kInt4 8K + 64 K/group, kFp8 16K + 64 K/group; gate and up blocks
 // interleave as in bf16 (gate block c, up block c), then down's Hn/16 blocks.
 // K (Kh, Ki) is padded to a multiple of 64 (and of `group`) with zeros.
 // W[n, k] = scale * q.
@@ -61,15 +69,20 @@ struct ExpertGeometry {
   int Ki = 0;  // I rounded up likewise: the K of down, the row stride of activations
   int Hn = 0;  // H rounded up to 32: the N of down
   WeightFormat format = WeightFormat::kBf16;
-  int group = 0;  // kInt4: k per scale group (a multiple of 64); else 0
+  int group = 0;  // kInt4, kFp8: k per scale group (a multiple of 64); else 0
 
   // bf16 geometry (the GPU worker's cache, and the default).
   static ExpertGeometry For(int hidden, int intermediate);
-  // Any format; `group` only for kInt4 (0: kDefaultInt4Group).
+  // Any format; `group` only for kInt4 and kFp8 (0: their default).
   static ExpertGeometry For(int hidden, int intermediate, WeightFormat format, int group = 0);
   static constexpr int kDefaultInt4Group = 128;
+  static constexpr int kDefaultFp8Group = 128;  // DeepSeek-V3's and Qwen3-FP8's 128x128 blocks
 
+  // Stored in a byte layout (not bf16 pairs).
   bool quantized() const { return format != WeightFormat::kBf16; }
+  // Multiplied with int8-quantized activations (KernelRows q): kInt8, kInt4.
+  // bf16 and fp8 weights meet bf16 activations.
+  bool int_activations() const { return format == WeightFormat::kInt8 || format == WeightFormat::kInt4; }
   // Activation column groups of 16 computed by GateUp (covers Ki).
   int gate_up_groups() const { return Ki / 16; }
   // Output column groups of 32 computed by DownAccumulate (covers Hn).
@@ -95,11 +108,16 @@ struct ExpertGeometry {
 // the integer formats. Padding is zero.
 void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, const bf16_t* down,
                 std::byte* dst);
+// Writes an FP8 checkpoint's expert (g.format == kFp8) with its own codes and
+// scales: no value changes. InvalidArgument when a scale group of g would
+// straddle two of the checkpoint's blocks (g.group must divide the block's
+// columns and the slice's first column).
+absl::Status PackExpertFp8(const ExpertGeometry& g, const ExpertFp8& w, std::byte* dst);
 // The weights a packed expert stands for (scale * q for the integer
 // formats), row-major f32: gate/up [I, H], down [H, I]. For references.
 void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate, float* up, float* down);
 
-// Activation rows as the kernels read them: bf16 rows for kBf16. For the
+// Activation rows as the kernels read them: bf16 rows for kBf16 and kFp8. For the
 // integer formats each row x is quantized per row into two int8 rows, hi and
 // lo (rows 2r and 2r+1 of q):
 //   s = max|x| / 127,  hi = round(x / s),  lo = round((x - s hi) / (s / 254)),

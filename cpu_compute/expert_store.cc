@@ -21,10 +21,11 @@ std::string GiB(uint64_t b) { return absl::StrCat(static_cast<double>(b >> 20) /
 }  // namespace
 
 absl::Status CheckWeightDtype(std::string_view weight_dtype) {
-  if (weight_dtype == "auto" || weight_dtype == "bf16" || weight_dtype == "int8" || weight_dtype == "int4")
+  if (weight_dtype == "auto" || weight_dtype == "bf16" || weight_dtype == "int8" || weight_dtype == "int4" ||
+      weight_dtype == "fp8")
     return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat("--weight-dtype: '", std::string(weight_dtype), "' is not one of auto, bf16, int8, int4"));
+      absl::StrCat("--weight-dtype: '", std::string(weight_dtype), "' is not one of auto, bf16, int8, int4, fp8"));
 }
 
 absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype) {
@@ -34,6 +35,15 @@ absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::strin
   if (weight_dtype == "int8") return at(WeightFormat::kInt8);
   const int ckpt_group = spec.quant.scheme == WeightQuant::kInt4Group && spec.quant.group_size % 64 == 0 ? spec.quant.group_size : 0;
   if (weight_dtype == "int4") return at(WeightFormat::kInt4, ckpt_group);
+  if (weight_dtype == "fp8") {
+    if (spec.quant.scheme != WeightQuant::kFp8Block) return at(WeightFormat::kFp8);
+    // The checkpoint's block columns are the scale groups (the codes are kept as they are).
+    if (spec.quant.block_cols % 64 != 0)
+      return absl::InvalidArgumentError(absl::StrCat("--weight-dtype fp8: the checkpoint's fp8 blocks are ",
+                                                     spec.quant.block_cols,
+                                                     " columns wide, the kernels need a multiple of 64 (use int8)"));
+    return at(WeightFormat::kFp8, spec.quant.block_cols);
+  }
   switch (spec.quant.scheme) {  // auto
     case WeightQuant::kFp8Block: return at(WeightFormat::kInt8);
     case WeightQuant::kInt4Group: return at(WeightFormat::kInt4, ckpt_group);
@@ -44,6 +54,21 @@ absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::strin
 uint64_t ExpertStore::BytesNeeded(const ExpertGeometry& g, const HostedSet& hosted) {
   return static_cast<uint64_t>(Stride(g)) * hosted.layers.size() * hosted.experts.size();
 }
+
+namespace {
+// Reads expert (l, e) and packs it at dst: an fp8 checkpoint stored as fp8
+// with its own codes and scales, anything else from its bf16 weights.
+absl::Status PackOne(const ModelSource& source, const ExpertGeometry& g, int l, int e, ExpertWeights* w,
+                     ExpertFp8* w8, std::byte* dst) {
+  if (g.format == WeightFormat::kFp8 && source.spec().quant.scheme == WeightQuant::kFp8Block) {
+    MOE_RETURN_IF_ERROR(source.ReadExpertFp8(l, e, w8));
+    return PackExpertFp8(g, *w8, dst);
+  }
+  MOE_RETURN_IF_ERROR(source.ReadExpert(l, e, w));
+  PackExpert(g, w->gate.data(), w->up.data(), w->down.data(), dst);
+  return absl::OkStatus();
+}
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<ExpertStore>> ExpertStore::Load(const ModelSource& source,
                                                                const ExpertGeometry& geometry, HostedSet hosted,
@@ -101,16 +126,17 @@ absl::StatusOr<std::unique_ptr<ExpertStore>> ExpertStore::Load(const ModelSource
   ExpertStore* store = s.get();
   pool.Run([&](int, int) {
     ExpertWeights w;
+    ExpertFp8 w8;
     for (size_t i; !failed.load() && (i = next.fetch_add(1)) < total;) {
       const int l = store->hosted_.layers[i / store->hosted_.experts.size()];
       const int e = store->hosted_.experts[i % store->hosted_.experts.size()];
-      if (absl::Status st = source.ReadExpert(l, e, &w); !st.ok()) {
+      if (absl::Status st = PackOne(source, store->geometry_, l, e, &w, &w8, store->base_ + i * store->stride_);
+          !st.ok()) {
         std::lock_guard<std::mutex> lock(err_mu);
         if (error.ok()) error = st;
         failed.store(true);
         return;
       }
-      PackExpert(store->geometry_, w.gate.data(), w.up.data(), w.down.data(), store->base_ + i * store->stride_);
     }
   });
   if (!error.ok()) return error;
@@ -162,8 +188,8 @@ absl::StatusOr<SharedStoreInfo> ParseSharedStoreInfo(std::string_view blob, cons
   if (h.hidden != spec.hidden || h.intermediate != spec.intermediate)
     return absl::InvalidArgumentError(absl::StrCat("shared store: hidden/intermediate ", h.hidden, "/", h.intermediate,
                                                    ", the model has ", spec.hidden, "/", spec.intermediate));
-  if (h.format < 0 || h.format > static_cast<int>(WeightFormat::kInt4) ||
-      (h.format == static_cast<int>(WeightFormat::kInt4) && (h.group <= 0 || h.group % 64 != 0)))
+  const bool grouped = h.format == static_cast<int>(WeightFormat::kInt4) || h.format == static_cast<int>(WeightFormat::kFp8);
+  if (h.format < 0 || h.format > static_cast<int>(WeightFormat::kFp8) || (grouped && (h.group <= 0 || h.group % 64 != 0)))
     return absl::InvalidArgumentError(absl::StrCat("shared store: format ", h.format, " group ", h.group));
   SharedStoreInfo info;
   info.geometry = ExpertGeometry::For(spec.hidden, spec.intermediate, static_cast<WeightFormat>(h.format), h.group);

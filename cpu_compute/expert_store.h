@@ -39,9 +39,12 @@ class PackedExperts {
 };
 
 // The packed geometry a server stores `spec`'s experts in, from
-// --weight-dtype: "bf16", "int8", "int4" or "auto" (the checkpoint's
+// --weight-dtype: "bf16", "int8", "int4", "fp8" or "auto" (the checkpoint's
 // precision class: an fp8 checkpoint -> int8, an int4 one -> int4 with its
-// group size when a multiple of 64, else 128; anything else -> bf16).
+// group size when a multiple of 64, else 128; anything else -> bf16). fp8
+// keeps an fp8 checkpoint's codes and block scales as they are (scale groups
+// = its block columns); other checkpoints are quantized to fp8 per channel
+// and 128 columns.
 // InvalidArgument naming --weight-dtype for other values.
 absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype);
 // The check StorageGeometry makes of the name alone (for flag parsing, before

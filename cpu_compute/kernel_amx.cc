@@ -6,6 +6,8 @@
 // pairs (KernelRows); B is the int8 chunk as packed, or the int4 chunk
 // unpacked to int8 in registers. Groups of fewer than 8 rows (decode) and the
 // tail of a group run on the AVX-512-VNNI path.
+// fp8: each panel's blocks converted to bf16 once per call of the kernel
+// (simd::Fp8BlocksToBf16, into a per-thread L2 scratch), then the bf16 tiles.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -79,6 +81,76 @@ inline void AmxBf16Block(const bf16_t* x0, const bf16_t* x1, int ldx, const std:
       _tile_loadd(5, x1 + 32 * kb, ldx);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
+// bf16 gate/up of activation groups [cc, ce) for all m rows (tiles
+// configured), their blocks consecutive from `pairs` (gate cc, up cc, gate
+// cc + 1, ...): each row block passes the panel while it stays in L2.
+void AmxBf16GateUpPanel(const ExpertGeometry& g, const std::byte* pairs, const bf16_t* x, int m, bf16_t* act,
+                        int cc, int ce) {
+  const size_t blk = static_cast<size_t>(g.Kh) * 32;
+  const int kblocks = g.Kh / 32;
+  const int ldx_bytes = g.ldx() * 2;
+  alignas(64) float t0[256], t1[256];
+  for (int mb = 0; mb < m; mb += 32) {
+    const bool two = mb + 16 < m;
+    const bf16_t* x0 = x + static_cast<size_t>(mb) * g.ldx();
+    const bf16_t* x1 = x0 + static_cast<size_t>(16) * g.ldx();
+    for (int c = cc; c < ce; ++c) {
+      const std::byte* gb = pairs + (2 * (c - cc)) * blk;
+      AmxBf16Block(x0, x1, ldx_bytes, gb, gb + blk, kblocks, two, mb == 0);
+      auto store = [&](int row0) {
+        for (int r = 0; r < 16; ++r)
+          simd::StoreSiluMul(_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r),
+                             act + static_cast<size_t>(row0 + r) * g.lda() + 16 * c);
+      };
+      _tile_stored(0, t0, 64);  // tile numbers are immediates
+      _tile_stored(1, t1, 64);
+      store(mb);
+      if (two) {
+        _tile_stored(2, t0, 64);
+        _tile_stored(3, t1, 64);
+        store(mb + 16);
+      }
+    }
+  }
+}
+
+// bf16 down projection of output groups [cc, ce) for all m rows (tiles
+// configured), their blocks consecutive from `blocks`, weighted into out.
+void AmxBf16DownPanel(const ExpertGeometry& g, const std::byte* blocks, const bf16_t* act, int m,
+                      const int32_t* token, const float* weight, float* out, int ldo, int cc, int ce) {
+  const size_t blk = static_cast<size_t>(g.Ki) * 32;
+  const int kblocks = g.Ki / 32;
+  const int lda_bytes = g.lda() * 2;
+  alignas(64) float t0[256], t1[256];
+  for (int mb = 0; mb < m; mb += 32) {
+    const bool two = mb + 16 < m;
+    const bf16_t* a0 = act + static_cast<size_t>(mb) * g.lda();
+    const bf16_t* a1 = a0 + static_cast<size_t>(16) * g.lda();
+    for (int c = cc; c < ce; ++c) {
+      const std::byte* b0 = blocks + (2 * (c - cc)) * blk;
+      AmxBf16Block(a0, a1, lda_bytes, b0, b0 + blk, kblocks, two, mb == 0);
+      const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+      auto scatter = [&](int row0) {
+        for (int r = 0; r < 16; ++r) {
+          const int32_t t = token[row0 + r];
+          if (t < 0) continue;
+          float* o = out + static_cast<size_t>(t) * ldo + 32 * c;
+          simd::AccumulateMasked(o, m0, weight[row0 + r], _mm512_load_ps(t0 + 16 * r));
+          simd::AccumulateMasked(o + 16, m1, weight[row0 + r], _mm512_load_ps(t1 + 16 * r));
+        }
+      };
+      _tile_stored(0, t0, 64);
+      _tile_stored(1, t1, 64);
+      scatter(mb);
+      if (two) {
+        _tile_stored(2, t0, 64);
+        _tile_stored(3, t1, 64);
+        scatter(mb + 16);
+      }
     }
   }
 }
@@ -223,45 +295,27 @@ class AmxKernel final : public ExpertKernel {
   const char* name() const override { return "amx"; }
   // 16-row tiles for bf16; the integer paths take any row count (8-token
   // tiles, the rest on VNNI), so padding would only gather and quantize zeros.
-  int row_block(WeightFormat f) const override { return f == WeightFormat::kBf16 ? 16 : 1; }
-  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : int8_; }
+  int row_block(WeightFormat f) const override { return f == WeightFormat::kBf16 || f == WeightFormat::kFp8 ? 16 : 1; }
+  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 || f == WeightFormat::kFp8 ? bf16_ : int8_; }
 
   void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& xr, int m, bf16_t* act,
               int c0, int c1) const override {
-    if (g.quantized()) return AmxIntGateUp(g, packed, xr, m, act, c0, c1);
-    const bf16_t* x = xr.bf16;
-    if (m <= kAvx512MaxRows) return Avx512GateUp(g, packed, x, m, act, c0, c1);
+    if (g.int_activations()) return AmxIntGateUp(g, packed, xr, m, act, c0, c1);
+    const bool fp8 = g.format == WeightFormat::kFp8;
+    if (m <= kAvx512MaxRows)
+      return fp8 ? Avx512Fp8GateUp(g, packed, xr.bf16, m, act, c0, c1) : Avx512GateUp(g, packed, xr.bf16, m, act, c0, c1);
     ConfigureTiles();
-    const size_t blk = static_cast<size_t>(g.Kh) * 32;  // bytes per packed block
-    const int kblocks = g.Kh / 32;
-    const int ldx_bytes = g.ldx() * 2;
-    alignas(64) float t0[256], t1[256];
+    const size_t blk = static_cast<size_t>(g.Kh) * 32;  // bytes per bf16 block
+    const size_t bb = g.block_bytes(g.Kh);              // per packed block
+    std::byte* scratch = fp8 ? simd::ThreadScratch(2 * kGateUpChunk * blk) : nullptr;
     for (int cc = c0; cc < c1; cc += kGateUpChunk) {
       const int ce = std::min(c1, cc + kGateUpChunk);
-      for (int mb = 0; mb < m; mb += 32) {
-        const bool two = mb + 16 < m;
-        const bf16_t* x0 = x + static_cast<size_t>(mb) * g.ldx();
-        const bf16_t* x1 = x0 + static_cast<size_t>(16) * g.ldx();
-        for (int c = cc; c < ce; ++c) {
-          const std::byte* gb = packed + (2 * c) * blk;
-          const std::byte* ub = gb + blk;
-          AmxBf16Block(x0, x1, ldx_bytes, gb, ub, kblocks, two, mb == 0);
-          _tile_stored(0, t0, 64);
-          _tile_stored(1, t1, 64);
-          for (int r = 0; r < 16; ++r) {
-            simd::StoreSiluMul(_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r),
-                               act + static_cast<size_t>(mb + r) * g.lda() + 16 * c);
-          }
-          if (two) {
-            _tile_stored(2, t0, 64);
-            _tile_stored(3, t1, 64);
-            for (int r = 0; r < 16; ++r) {
-              simd::StoreSiluMul(_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r),
-                                 act + static_cast<size_t>(mb + 16 + r) * g.lda() + 16 * c);
-            }
-          }
-        }
+      const std::byte* pairs = packed + (2 * cc) * bb;
+      if (fp8) {
+        simd::Fp8BlocksToBf16(pairs, bb, 2 * (ce - cc), g.Kh, g.group, reinterpret_cast<bf16_t*>(scratch));
+        pairs = scratch;
       }
+      AmxBf16GateUpPanel(g, pairs, xr.bf16, m, act, cc, ce);
     }
     _tile_release();
   }
@@ -269,45 +323,24 @@ class AmxKernel final : public ExpertKernel {
   void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
-    if (g.quantized()) return AmxIntDownAccumulate(g, packed, ar, m, token, weight, out, ldo, c0, c1);
-    const bf16_t* act = ar.bf16;
-    if (m <= kAvx512MaxRows) return Avx512DownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
+    if (g.int_activations()) return AmxIntDownAccumulate(g, packed, ar, m, token, weight, out, ldo, c0, c1);
+    const bool fp8 = g.format == WeightFormat::kFp8;
+    if (m <= kAvx512MaxRows)
+      return fp8 ? Avx512Fp8DownAccumulate(g, packed, ar.bf16, m, token, weight, out, ldo, c0, c1)
+                 : Avx512DownAccumulate(g, packed, ar.bf16, m, token, weight, out, ldo, c0, c1);
     ConfigureTiles();
     const std::byte* d = packed + g.gate_up_bytes();
-    const size_t blk = static_cast<size_t>(g.Ki) * 32;
-    const int kblocks = g.Ki / 32;
-    const int lda_bytes = g.lda() * 2;
-    alignas(64) float t0[256], t1[256];
-    auto scatter = [&](int row0, int c) {
-      const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
-      for (int r = 0; r < 16; ++r) {
-        const int32_t t = token[row0 + r];
-        if (t < 0) continue;
-        float* o = out + static_cast<size_t>(t) * ldo + 32 * c;
-        simd::AccumulateMasked(o, m0, weight[row0 + r], _mm512_load_ps(t0 + 16 * r));
-        simd::AccumulateMasked(o + 16, m1, weight[row0 + r], _mm512_load_ps(t1 + 16 * r));
-      }
-    };
+    const size_t blk = static_cast<size_t>(g.Ki) * 32, bb = g.block_bytes(g.Ki);
     const int chunk = DownChunk(blk);
+    std::byte* scratch = fp8 ? simd::ThreadScratch(2 * chunk * blk) : nullptr;
     for (int cc = c0; cc < c1; cc += chunk) {
       const int ce = std::min(c1, cc + chunk);
-      for (int mb = 0; mb < m; mb += 32) {
-        const bool two = mb + 16 < m;
-        const bf16_t* a0 = act + static_cast<size_t>(mb) * g.lda();
-        const bf16_t* a1 = a0 + static_cast<size_t>(16) * g.lda();
-        for (int c = cc; c < ce; ++c) {
-          const std::byte* b0 = d + (2 * c) * blk;
-          AmxBf16Block(a0, a1, lda_bytes, b0, b0 + blk, kblocks, two, mb == 0);
-          _tile_stored(0, t0, 64);
-          _tile_stored(1, t1, 64);
-          scatter(mb, c);
-          if (two) {
-            _tile_stored(2, t0, 64);
-            _tile_stored(3, t1, 64);
-            scatter(mb + 16, c);
-          }
-        }
+      const std::byte* blocks = d + (2 * cc) * bb;
+      if (fp8) {
+        simd::Fp8BlocksToBf16(blocks, bb, 2 * (ce - cc), g.Ki, g.group, reinterpret_cast<bf16_t*>(scratch));
+        blocks = scratch;
       }
+      AmxBf16DownPanel(g, blocks, ar.bf16, m, token, weight, out, ldo, cc, ce);
     }
     _tile_release();
   }

@@ -1,5 +1,6 @@
 // AVX-512 kernel. bf16: vdpbf16ps over the packed layout, up to 8 rows x 2
-// blocks of 16 columns in registers (16 accumulators). int8/int4: vpdpbusd
+// blocks of 16 columns in registers (16 accumulators). fp8: each block pair
+// converted to bf16 (simd::Fp8BlocksToBf16), then the bf16 path. int8/int4: vpdpbusd
 // (AVX-512-VNNI) straight from the packed integer layouts, up to 4 rows (each
 // a hi and a lo int8 row) x 2 blocks in registers (16 int32 accumulators);
 // each 64-byte weight row is loaded once per row chunk.
@@ -80,32 +81,63 @@ inline void ForRowChunks(int m, F&& f) {
 
 }  // namespace
 
+namespace {
+
+// Activation group c from its bf16 gate and up blocks (Kh columns).
+void GateUpPair(const ExpertGeometry& g, const bf16_t* gb, const bf16_t* ub, const bf16_t* x, int m, bf16_t* act,
+                int c) {
+  ForRowChunks<kRows>(m, [&](int r, auto R) {
+    GateUpRows<decltype(R)::value>(g, gb, ub, x + static_cast<size_t>(r) * g.ldx(),
+                                   act + static_cast<size_t>(r) * g.lda(), c);
+  });
+}
+
+// Output group c from its two bf16 down blocks (Ki columns).
+void DownPair(const ExpertGeometry& g, const bf16_t* b0, const bf16_t* b1, const bf16_t* act, int m,
+              const int32_t* token, const float* weight, float* out, int ldo, int c) {
+  ForRowChunks<kRows>(m, [&](int r, auto R) {
+    DownRows<decltype(R)::value>(g, b0, b1, act + static_cast<size_t>(r) * g.lda(), token + r, weight + r, out,
+                                 ldo, c);
+  });
+}
+
+}  // namespace
+
 void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act,
                   int c0, int c1) {
-    const bf16_t* w = reinterpret_cast<const bf16_t*>(packed);
-    const size_t blk = static_cast<size_t>(g.Kh) * 16;
-    for (int c = c0; c < c1; ++c) {
-      const bf16_t* gb = w + (2 * c) * blk;
-      const bf16_t* ub = gb + blk;
-      ForRowChunks<kRows>(m, [&](int r, auto R) {
-        GateUpRows<decltype(R)::value>(g, gb, ub, x + static_cast<size_t>(r) * g.ldx(),
-                                       act + static_cast<size_t>(r) * g.lda(), c);
-      });
-    }
+  const bf16_t* w = reinterpret_cast<const bf16_t*>(packed);
+  const size_t blk = static_cast<size_t>(g.Kh) * 16;
+  for (int c = c0; c < c1; ++c) GateUpPair(g, w + (2 * c) * blk, w + (2 * c + 1) * blk, x, m, act, c);
 }
 
 void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
                           const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
-    const bf16_t* d = reinterpret_cast<const bf16_t*>(packed + g.gate_up_bytes());
-    const size_t blk = static_cast<size_t>(g.Ki) * 16;
-    for (int c = c0; c < c1; ++c) {
-      const bf16_t* b0 = d + (2 * c) * blk;
-      const bf16_t* b1 = b0 + blk;
-      ForRowChunks<kRows>(m, [&](int r, auto R) {
-        DownRows<decltype(R)::value>(g, b0, b1, act + static_cast<size_t>(r) * g.lda(), token + r,
-                                     weight + r, out, ldo, c);
-      });
-    }
+  const bf16_t* d = reinterpret_cast<const bf16_t*>(packed + g.gate_up_bytes());
+  const size_t blk = static_cast<size_t>(g.Ki) * 16;
+  for (int c = c0; c < c1; ++c) DownPair(g, d + (2 * c) * blk, d + (2 * c + 1) * blk, act, m, token, weight, out, ldo, c);
+}
+
+// fp8: each group's two blocks converted to bf16 in a per-thread scratch
+// (64 KiB at K = 2048: L2), then the bf16 rows above.
+void Avx512Fp8GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act, int c0,
+                     int c1) {
+  const size_t bb = g.block_bytes(g.Kh), blk = static_cast<size_t>(g.Kh) * 16;
+  bf16_t* w = reinterpret_cast<bf16_t*>(simd::ThreadScratch(4 * blk));
+  for (int c = c0; c < c1; ++c) {
+    simd::Fp8BlocksToBf16(packed + (2 * c) * bb, bb, 2, g.Kh, g.group, w);
+    GateUpPair(g, w, w + blk, x, m, act, c);
+  }
+}
+
+void Avx512Fp8DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
+                             const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
+  const std::byte* d = packed + g.gate_up_bytes();
+  const size_t bb = g.block_bytes(g.Ki), blk = static_cast<size_t>(g.Ki) * 16;
+  bf16_t* w = reinterpret_cast<bf16_t*>(simd::ThreadScratch(4 * blk));
+  for (int c = c0; c < c1; ++c) {
+    simd::Fp8BlocksToBf16(d + (2 * c) * bb, bb, 2, g.Ki, g.group, w);
+    DownPair(g, w, w + blk, act, m, token, weight, out, ldo, c);
+  }
 }
 
 namespace {
@@ -269,16 +301,18 @@ class Avx512Kernel final : public ExpertKernel {
   Avx512Kernel(bool bf16, bool int8) : bf16_(bf16), int8_(int8) {}
   const char* name() const override { return "avx512"; }
   int row_block(WeightFormat) const override { return 1; }
-  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 ? bf16_ : int8_; }
+  bool Supports(WeightFormat f) const override { return f == WeightFormat::kBf16 || f == WeightFormat::kFp8 ? bf16_ : int8_; }
   void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,
               int c0, int c1) const override {
-    if (g.quantized()) return Avx512VnniGateUp(g, packed, x, m, act, c0, c1);
+    if (g.int_activations()) return Avx512VnniGateUp(g, packed, x, m, act, c0, c1);
+    if (g.format == WeightFormat::kFp8) return Avx512Fp8GateUp(g, packed, x.bf16, m, act, c0, c1);
     Avx512GateUp(g, packed, x.bf16, m, act, c0, c1);
   }
   void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
-    if (g.quantized()) return Avx512VnniDownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
+    if (g.int_activations()) return Avx512VnniDownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
+    if (g.format == WeightFormat::kFp8) return Avx512Fp8DownAccumulate(g, packed, act.bf16, m, token, weight, out, ldo, c0, c1);
     Avx512DownAccumulate(g, packed, act.bf16, m, token, weight, out, ldo, c0, c1);
   }
 

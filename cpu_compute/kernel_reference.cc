@@ -1,5 +1,5 @@
-// The portable kernel: plain loops over the packed layouts. bf16: f32
-// accumulation. int8/int4: exact int32 dot products of the quantized
+// The portable kernel: plain loops over the packed layouts. bf16, fp8: f32
+// accumulation of the exact weights (fp8: code x scale in f32). int8/int4: exact int32 dot products of the quantized
 // activation rows with the weight codes, scaled per row, channel (and group)
 // in f32 — the arithmetic the SIMD kernels must reproduce.
 #include <cmath>
@@ -14,7 +14,7 @@ namespace {
 // with Kp columns (row r of x; rows ld apart).
 void BlockDot(const ExpertGeometry& g, const std::byte* blk, int Kp, const KernelRows& x, int ld, int r,
               float y[16]) {
-  if (g.format == WeightFormat::kBf16) {
+  if (!g.int_activations()) {  // bf16, fp8: f32 weights x bf16 rows
     const bf16_t* xr = x.bf16 + size_t(r) * ld;
     for (int c = 0; c < 16; ++c) {
       float acc = 0.0f;

@@ -194,13 +194,13 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     *dst = {reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + rows * 2 * ld),
             reinterpret_cast<int32_t*>(p + rows * (2 * ld + 4))};
   };
-  if (g.quantized()) {
+  if (g.int_activations()) {
     reserve(xq_buf_, g.Kh, ldx, &xq);
     reserve(actq_buf_, g.Ki, lda, &aq);
   }
   const KernelRows xin{x, xq.q, xq.scale, xq.sum64}, ain{act, aq.q, aq.scale, aq.sum64};
   auto quantize = [&](const bf16_t* src, int K, int ld, const Quantized& dst, int r0, int r1) {
-    if (!g.quantized() || r0 >= r1) return;
+    if (!g.int_activations() || r0 >= r1) return;
     QuantizeRows(src + size_t(r0) * ld, r1 - r0, K, ld, dst.q + size_t(2 * r0) * ld, dst.scale + r0,
                  dst.sum64 + size_t(2 * r0) * (K / 64));
   };
@@ -248,7 +248,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     }
     arrive(1);
     pool_.Barrier();
-    if (g.quantized()) {  // the down projection reads act quantized per row
+    if (g.int_activations()) {  // the down projection reads act quantized per row
       quantize(act, g.Ki, lda, aq, r0, r1);
       pool_.Barrier();
     }

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/bf16.h"
+#include "core/quantization.h"
 #include "cpu_compute/expert_kernel.h"
 #include "cpu_compute/packed_index.h"
 
@@ -21,9 +22,9 @@ inline int Code(const ExpertGeometry& g, const std::byte* blk, int c, int k) {
   return (high ? b >> 4 : b & 0x0F) - 8;
 }
 
-// The scales of a block with Kp columns: kInt8 scale[c]; kInt4 scale[(k/group)*16 + c].
+// The scales of a block with Kp columns: kInt8 scale[c]; kInt4 and kFp8 scale[(k/group)*16 + c].
 inline const float* Scales(const ExpertGeometry& g, const std::byte* blk, int Kp) {
-  return reinterpret_cast<const float*>(blk + size_t(Kp) * (g.format == WeightFormat::kInt8 ? 16 : 8));
+  return reinterpret_cast<const float*>(blk + size_t(Kp) * (g.format == WeightFormat::kInt4 ? 8 : 16));
 }
 // kInt8: the 16 column sums of q after the scales.
 inline const int32_t* ColumnSums(const std::byte* blk, int Kp) {
@@ -37,6 +38,9 @@ inline float Value(const ExpertGeometry& g, const std::byte* blk, int Kp, int c,
     case WeightFormat::kInt8: return Scales(g, blk, Kp)[c] * static_cast<float>(Code(g, blk, c, k));
     case WeightFormat::kInt4:
       return Scales(g, blk, Kp)[(k / g.group) * 16 + c] * static_cast<float>(Code(g, blk, c, k));
+    case WeightFormat::kFp8:
+      return Scales(g, blk, Kp)[(k / g.group) * 16 + c] *
+             Fp8E4M3ToF32(reinterpret_cast<const uint8_t*>(blk)[Int8Offset(c, k)]);
   }
   return 0.0f;
 }

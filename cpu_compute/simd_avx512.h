@@ -6,6 +6,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 
 namespace moe::simd {
 
@@ -52,6 +54,55 @@ inline __mmask16 ColumnMask(int col0, int H) {
                      : valid <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << valid) - 1);
 }
 
+// kFp8 blocks (expert_kernel.h) as kBf16 blocks: `n` blocks of Kp columns,
+// `src_stride` bytes apart, into consecutive bf16 blocks at dst (Kp * 32
+// bytes each); each weight code x scale rounded once to bf16. E4M3 bits
+// become f16 bits exactly (sign, then exponent and mantissa shifted into
+// f16's: the value / 256, subnormals included), f16 -> f32 is exact, and the
+// 256 goes into the scale. A 64-byte chunk row (4 k of 16 channels) gives bf16
+// rows 2p and 2p + 1 (k pairs 4p, 4p+1 and 4p+2, 4p+3): even and odd dwords.
+inline void Fp8BlocksToBf16(const std::byte* src, size_t src_stride, int n, int Kp, int group, uint16_t* dst) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i lanes_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
+  const __m512i f16_bits = _mm512_set1_epi16(static_cast<short>(0xBF80));
+  for (int b = 0; b < n; ++b) {
+    const std::byte* blk = src + b * src_stride;
+    const float* scales = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 16);
+    uint16_t* out = dst + static_cast<size_t>(b) * Kp * 16;
+    for (int ch = 0; ch < Kp / 64; ++ch) {
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scales + (64 * ch / group) * 16), _mm512_set1_ps(256.0f));
+      const __m512 s_lo = _mm512_permutexvar_ps(lanes_lo, s), s_hi = _mm512_permutexvar_ps(lanes_hi, s);
+      for (int q = 0; q < 16; ++q) {
+        const __m512i v = _mm512_loadu_si512(blk + 1024 * ch + 64 * q);
+        // sign-extended code << 7: bit 15 the sign, 14 a copy of it (cleared), 13-7 exponent and mantissa
+        const __m512i lo = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v)), 7), f16_bits);
+        const __m512i hi =
+            _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1)), 7), f16_bits);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i row = _mm512_permutex2var_epi32(lo, h ? odd : even, hi);
+          const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(row)), s_lo);
+          const __m512 c = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(row, 1)), s_hi);
+          _mm512_storeu_si512(out + 32 * (32 * ch + 2 * q + h), (__m512i)_mm512_cvtne2ps_pbh(c, a));
+        }
+      }
+    }
+  }
+}
+
+// A 64-byte aligned per-thread scratch of at least `bytes` (grown, never shrunk).
+inline std::byte* ThreadScratch(size_t bytes) {
+  struct Free { void operator()(std::byte* p) const { std::free(p); } };
+  thread_local std::unique_ptr<std::byte, Free> buf;
+  thread_local size_t cap = 0;
+  if (bytes > cap) {
+    cap = (bytes + 4095) / 4096 * 4096;
+    buf.reset(static_cast<std::byte*>(std::aligned_alloc(64, cap)));
+  }
+  return buf.get();
+}
+
 }  // namespace moe::simd
 
 namespace moe {
@@ -64,6 +115,11 @@ void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const uint16
                   uint16_t* act, int c0, int c1);
 void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
                           const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1);
+// The same for fp8 experts (bf16 x, act).
+void Avx512Fp8GateUp(const ExpertGeometry& g, const std::byte* packed, const uint16_t* x, int m, uint16_t* act,
+                     int c0, int c1);
+void Avx512Fp8DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
+                             const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1);
 // Its AVX-512-VNNI entry points for int8/int4 experts (x, act quantized as
 // KernelRows describes); the amx kernel's path for those formats too.
 void Avx512VnniGateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m,

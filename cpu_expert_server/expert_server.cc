@@ -94,7 +94,7 @@ absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
   LogInfo("server", "hosting layers [", RangeText(hosted_.layers), "] experts [", RangeText(hosted_.experts),
           "]: ", ExpertStore::BytesNeeded(geometry_, hosted_), " bytes of packed weights in ",
           WeightFormatName(geometry_.format),
-          geometry_.format == WeightFormat::kInt4 ? absl::StrCat(" (group ", geometry_.group, ")") : std::string(),
+          geometry_.group > 0 ? absl::StrCat(" (group ", geometry_.group, ")") : std::string(),
           " (checkpoint: ", spec.quant.Describe(), ")");
   return absl::OkStatus();
 }

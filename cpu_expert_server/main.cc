@@ -50,7 +50,9 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.String("kernel", &o.kernel, "expert kernel: auto, amx, avx512 or reference");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision the experts are stored and computed in: auto (the checkpoint's: fp8 -> int8, "
-               "int4 -> int4, else bf16), bf16, int8 (per-channel scales) or int4 (per-group scales)");
+               "int4 -> int4, else bf16), bf16, int8 (per-channel scales), int4 (per-group scales) or fp8 "
+               "(an fp8 checkpoint's own codes and block scales, computed as bf16; other models quantized "
+               "per channel and 128 columns)");
   flags.Int("max-tokens", &max_tokens, "largest number of tokens accepted in one request");
   flags.Int("drain-seconds", &f.drain_seconds, "on SIGTERM/SIGINT, how long in-flight requests may take to finish");
   flags.String("shm-socket", &o.shm_socket, "also serve same-host clients over shared memory on this Unix socket (mode 0660)");

@@ -1,8 +1,8 @@
 // DeviceBackend conformance: every test runs against each backend ("cpu",
-// "cuda") in each storage format (bf16, int8, int4: "cuda_int8" is the cuda
+// "cuda") in each storage format (bf16, int8, int4, fp8: "cuda_int8" is the cuda
 // backend with an int8 cache) and compares with a double-precision SwiGLU
 // reference written here, computed from the weights the packed experts stand
-// for (dequantized): relative L2 error <= 1e-2 for bf16 and int8, <= 3e-2
+// for (dequantized): relative L2 error <= 1e-2 for bf16, int8 and fp8, <= 3e-2
 // for int4.
 // Without a usable GPU the cuda instances are skipped (by name, with the
 // reason); on a GPU host the same tests are the cuda backend's self-check.
@@ -198,7 +198,10 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
     const size_t us = param.find('_');
     backend_name_ = param.substr(0, us);
     const std::string fmt = us == std::string::npos ? "bf16" : param.substr(us + 1);
-    format_ = fmt == "int8" ? WeightFormat::kInt8 : fmt == "int4" ? WeightFormat::kInt4 : WeightFormat::kBf16;
+    format_ = fmt == "int8"   ? WeightFormat::kInt8
+              : fmt == "int4" ? WeightFormat::kInt4
+              : fmt == "fp8"  ? WeightFormat::kFp8
+                              : WeightFormat::kBf16;
     tolerance_ = Tolerance(format_);
     NewBackend();
   }
@@ -672,7 +675,8 @@ TEST_P(DeviceBackendTest, RejectsOutOfRangeInput) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendTest,
-                         ::testing::Values("cpu", "cuda", "cpu_int8", "cuda_int8", "cpu_int4", "cuda_int4"),
+                         ::testing::Values("cpu", "cuda", "cpu_int8", "cuda_int8", "cpu_int4", "cuda_int4", "cpu_fp8",
+                                           "cuda_fp8"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

@@ -1,5 +1,5 @@
 // Every expert kernel (amx, avx512, reference) in every storage format (bf16,
-// int8, int4) through the real executor (grouping, gather, activation
+// int8, int4, fp8) through the real executor (grouping, gather, activation
 // quantization, fused gate+up+SiLU, fused down + weighted accumulation, the
 // pinned thread pool) against an f64 reference MoE, on random non-zero data.
 // bf16: the reference MoE of the model, relative L2 error <= 1e-2. int8/int4:
@@ -12,6 +12,8 @@
 #include <string>
 
 #include "core/model_source.h"
+#include "core/quantization.h"
+#include "core/synthetic_model.h"
 #include "testing/random_data.h"
 #include "core/reference_moe.h"
 #include "cpu_compute/compute_pool.h"
@@ -37,16 +39,16 @@ std::unique_ptr<ExpertKernel> KernelOrSkip(const std::string& name, WeightFormat
   return *std::move(k);
 }
 
-// out[t] = sum_j w[t,j] FFN_e(x_t) in f64 from the weights layer 1's packed
-// experts stand for (UnpackExpert).
+// out[t] = sum_j w[t,j] FFN_e(x_t) in f64 from the weights layer `layer`'s
+// packed experts stand for (UnpackExpert).
 std::vector<double> DequantizedReference(const ExpertStore& store, int n, const std::vector<bf16_t>& x,
-                                         const RoutingView& r) {
+                                         const RoutingView& r, int layer = 1) {
   const ExpertGeometry& g = store.geometry();
   const int H = g.H, I = g.I;
   std::vector<std::vector<float>> w(store.num_experts());
   for (int e = 0; e < store.num_experts(); ++e) {
     w[e].resize(size_t(3) * I * H);
-    UnpackExpert(g, store.Find(1, e), w[e].data(), w[e].data() + size_t(I) * H, w[e].data() + size_t(2) * I * H);
+    UnpackExpert(g, store.Find(layer, e), w[e].data(), w[e].data() + size_t(I) * H, w[e].data() + size_t(2) * I * H);
   }
   std::vector<double> out(size_t(n) * H, 0.0), xf(H), act(I);
   for (int t = 0; t < n; ++t) {
@@ -194,10 +196,99 @@ TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
 INSTANTIATE_TEST_SUITE_P(Kernels, KernelTest,
                          ::testing::Combine(::testing::Values("amx", "avx512", "reference"),
                                             ::testing::Values(WeightFormat::kBf16, WeightFormat::kInt8,
-                                                              WeightFormat::kInt4)),
+                                                              WeightFormat::kInt4, WeightFormat::kFp8)),
                          [](const ::testing::TestParamInfo<KernelParam>& p) {
                            return std::get<0>(p.param) + "_" + WeightFormatName(std::get<1>(p.param));
                          });
+
+// An FP8 checkpoint stored as fp8 (--weight-dtype fp8) keeps its own codes and
+// block scales: every packed weight is exactly code x scale_inv of its block,
+// whole and sliced. Each kernel then computes it within 1e-2 of the f64 MoE
+// of those values (the SIMD kernels round code x scale to bf16 once).
+class Fp8Checkpoint : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (KernelOrSkip(GetParam(), WeightFormat::kFp8) == nullptr)
+      GTEST_SKIP() << "kernel " << GetParam() << " for fp8 weights needs an ISA this CPU lacks ("
+                   << CpuFeatures::Get().Summary() << ")";
+  }
+};
+
+TEST_P(Fp8Checkpoint, StoredExactlyAndComputedWithinBf16Rounding) {
+  for (const std::string uri : {"synthetic:tiny:seed=5:dtype=fp8", "synthetic:qwen3-30b-a3b:layers=1:experts=4:top_k=2:seed=6:dtype=fp8"}) {
+    SCOPED_TRACE(uri);
+    for (const ExpertSlice slice : {ExpertSlice{}, ExpertSlice{1, 2}}) {
+      absl::StatusOr<std::unique_ptr<ModelSource>> opened = OpenModel(uri);
+      ASSERT_TRUE(opened.ok()) << opened.status();
+      absl::StatusOr<std::unique_ptr<ModelSource>> sliced = SliceModel(*std::move(opened), slice);
+      if (!sliced.ok()) continue;  // tiny's intermediate size cannot be cut in two
+      const ModelSource& source = **sliced;
+      const ModelSpec& spec = source.spec();
+      absl::StatusOr<ExpertGeometry> g = StorageGeometry(spec, "fp8");
+      ASSERT_TRUE(g.ok()) << g.status();
+      ASSERT_EQ(g->format, WeightFormat::kFp8);
+      ASSERT_EQ(g->group, spec.quant.block_cols);
+      absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
+      ASSERT_TRUE(numa.ok()) << numa.status();
+      ComputePool pool(**numa);
+      const int layer = spec.moe_layers[0];
+      HostedSet hosted{{layer}, {}};
+      for (int e = 0; e < spec.num_experts; ++e) hosted.experts.push_back(e);
+      absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(source, *g, hosted, **numa, pool);
+      ASSERT_TRUE(store.ok()) << store.status();
+      const int H = spec.hidden, I = spec.intermediate;
+      std::vector<float> w(size_t(3) * H * I);
+      ExpertFp8 w8;
+      ExpertWeights wb;
+      for (int e = 0; e < spec.num_experts; ++e) {
+        ASSERT_TRUE(source.ReadExpertFp8(layer, e, &w8).ok());
+        ASSERT_TRUE(source.ReadExpert(layer, e, &wb).ok());
+        UnpackExpert(*g, (*store)->Find(layer, e), w.data(), w.data() + size_t(I) * H, w.data() + size_t(2) * I * H);
+        int64_t inexact = 0, off_checkpoint = 0;
+        size_t at = 0;
+        for (auto [p, b] : {std::pair{&w8.gate, &wb.gate}, std::pair{&w8.up, &wb.up}, std::pair{&w8.down, &wb.down}})
+          for (int r = 0; r < p->rows; ++r)
+            for (int c = 0; c < p->cols; ++c, ++at) {
+              const float want = Fp8E4M3ToF32(p->codes[size_t(r) * p->cols + c]) * p->Scale(r, c);
+              inexact += w[at] != want;
+              off_checkpoint += F32ToBf16(w[at]) != (*b)[size_t(r) * p->cols + c];  // what ReadExpert dequantizes
+            }
+        ASSERT_EQ(inexact, 0) << "expert " << e << ": packed weights differ from code x scale_inv";
+        ASSERT_EQ(off_checkpoint, 0) << "expert " << e << ": packed weights differ from the checkpoint's dequantized values";
+      }
+      const int n = 37, k = spec.top_k;
+      std::vector<bf16_t> x = RandomActivations(size_t(n) * H, 7);
+      std::vector<int32_t> ids;
+      std::vector<float> rw;
+      RandomRouting(n, k, spec.num_experts, 8, 0.8, &ids, &rw);
+      const RoutingView r{n, k, ids.data(), rw.data()};
+      const std::vector<double> ref = DequantizedReference(**store, n, x, r, layer);
+      std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(GetParam(), WeightFormat::kFp8);
+      MoeExecutor exec(**store, *kernel, pool);
+      std::vector<float> got(size_t(n) * H, NAN);
+      ASSERT_TRUE(exec.Forward(MoeBatch{layer, n, x.data(), r}, DType::kF32, got.data(), nullptr).ok());
+      const double err = RelativeL2Error(got.data(), ref.data(), got.size());
+      EXPECT_LE(err, 1e-2) << "slice " << slice.ToString();
+      EXPECT_GT(err, 0.0) << "identical to f64 to the last bit is not plausible";
+      RecordProperty("rel_error", std::to_string(err));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, Fp8Checkpoint, ::testing::Values("amx", "avx512", "reference"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+
+TEST(Fp8Checkpoint, BlocksTheKernelsCannotGroupAreRefused) {
+  ModelSpec spec = *PresetSpec("tiny");
+  spec.quant.scheme = WeightQuant::kFp8Block;
+  spec.quant.block_cols = 96;
+  absl::StatusOr<ExpertGeometry> g = StorageGeometry(spec, "fp8");
+  ASSERT_FALSE(g.ok());
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(g.status().message().find("--weight-dtype fp8"), std::string::npos) << g.status();
+  spec.quant.scheme = WeightQuant::kNone;  // a bf16 model is quantized per channel and 128 columns
+  EXPECT_EQ(StorageGeometry(spec, "fp8")->group, ExpertGeometry::kDefaultFp8Group);
+}
 
 // The int8/int4 paths of the avx512 kernel (AVX-512-VNNI) and of the amx
 // kernel (AMX-INT8 tiles of 8 tokens, the rest on VNNI) called directly

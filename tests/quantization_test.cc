@@ -269,7 +269,7 @@ TEST(QuantizedCheckpoint, InconsistentScalesAndShapesAreRefusedNamingTheTensor) 
 // The real path: moe-make-model writes the checkpoint, a real
 // moe-expert-server loads it in the storage precision asked for
 // (--weight-dtype; auto: fp8 -> int8, int4 -> int4 with the checkpoint's own
-// codes) and its outputs match the reference MoE over the checkpoint's
+// codes; fp8: an fp8 checkpoint's own codes and scales) and its outputs match the reference MoE over the checkpoint's
 // dequantized weights within 1e-2, on random data.
 TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
   struct Case {
@@ -277,7 +277,8 @@ TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
     WeightFormat stored;
   };
   for (const Case& c : {Case{"fp8", "auto", WeightFormat::kInt8}, Case{"int4", "auto", WeightFormat::kInt4},
-                        Case{"fp8", "bf16", WeightFormat::kBf16}, Case{"bf16", "int8", WeightFormat::kInt8}}) {
+                        Case{"fp8", "bf16", WeightFormat::kBf16}, Case{"bf16", "int8", WeightFormat::kInt8},
+                        Case{"fp8", "fp8", WeightFormat::kFp8}, Case{"bf16", "fp8", WeightFormat::kFp8}}) {
     SCOPED_TRACE(absl::StrCat(c.dtype, " checkpoint, --weight-dtype=", c.weight_dtype));
     testing::TempDir dir;
     const std::string out = dir.path() + "/m";
@@ -307,7 +308,11 @@ TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
     double norm = 0;
     for (float v : f) norm += double(v) * v;
     EXPECT_GT(norm, 0) << "all-zero output";
-    EXPECT_LE(RelativeL2Error(f.data(), ref.data(), f.size()), 1e-2);
+    // A bf16 model stored as fp8 is quantized (E4M3: 3 mantissa bits, ~2.5%
+    // RMS per weight); every other case keeps the checkpoint's values or
+    // quantizes to int8.
+    const bool requantized_fp8 = c.stored == WeightFormat::kFp8 && std::string(c.dtype) != "fp8";
+    EXPECT_LE(RelativeL2Error(f.data(), ref.data(), f.size()), requantized_fp8 ? 6e-2 : 1e-2);
     // The server holds the packed size of the precision it was asked for.
     absl::StatusOr<moe::v1::ServerInfo> info = client->GetInfo();
     ASSERT_TRUE(info.ok()) << info.status();

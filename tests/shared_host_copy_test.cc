@@ -199,7 +199,7 @@ TEST_P(SharedHostCopyTest, WithoutSharingTheWorkerPacksItsOwnCopy) {
   ASSERT_NO_FATAL_FAILURE(ExpectCorrect(*own));
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, SharedHostCopyTest, ::testing::Values("bf16", "int8", "int4"),
+INSTANTIATE_TEST_SUITE_P(Formats, SharedHostCopyTest, ::testing::Values("bf16", "int8", "int4", "fp8"),
                          [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
 
 // The store request and its description, hostile or wrong.

@@ -550,6 +550,7 @@ __device__ void RecomputeRequest(const DevicePlanArgs& a, const DeviceShip& ship
       switch (a.layout.format) {
         case kFmtInt8: ExpertFromHost<kFmtInt8>(a, packed, t, w, i0, i1, act); break;
         case kFmtInt4: ExpertFromHost<kFmtInt4>(a, packed, t, w, i0, i1, act); break;
+        case kFmtFp8: ExpertFromHost<kFmtFp8>(a, packed, t, w, i0, i1, act); break;
         default: ExpertFromHost<kFmtBf16>(a, packed, t, w, i0, i1, act); break;
       }
     }

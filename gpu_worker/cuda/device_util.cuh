@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 #include <cstdint>
 
@@ -51,7 +52,20 @@ __device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2;  // WeightFormat
+constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2, kFmtFp8 = 3;  // WeightFormat
+
+// The 4 E4M3 codes of `u` as f32, each exactly its value / 256: a code's bits
+// moved into an f16's (sign to bit 15, exponent and mantissa to bits 13-7)
+// make the f16 value / 2^8, subnormals included (no E4M3 code is NaN here: the
+// loader refuses them). Callers fold the 256 into the scale.
+__device__ __forceinline__ void Fp8x4(uint32_t u, float (&f)[4]) {
+  const uint32_t lo = __byte_perm(u, 0, 0x1404), hi = __byte_perm(u, 0, 0x3424);  // code << 8 in each half
+  const uint32_t hl = (lo & 0x80008000u) | ((lo >> 1) & 0x3F803F80u);
+  const uint32_t hh = (hi & 0x80008000u) | ((hi >> 1) & 0x3F803F80u);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&hl));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&hh));
+  f[0] = a.x, f[1] = a.y, f[2] = b.x, f[3] = b.y;
+}
 
 // The 4 bytes of `u` as f32, each minus kBias: 0x4B0000bb is 2^23 + bb.
 template <int kBias>
@@ -79,6 +93,13 @@ __device__ __forceinline__ void PackedValues8(const uint8_t* blk, int Kp, int gr
     float a[4], b[4];
     Bytes4<128>(*reinterpret_cast<const uint32_t*>(blk + layout::Int8Offset(c, k)) ^ 0x80808080u, a);
     Bytes4<128>(*reinterpret_cast<const uint32_t*>(blk + layout::Int8Offset(c, k + 4)) ^ 0x80808080u, b);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = s * a[i], v[4 + i] = s * b[i];
+  } else if constexpr (kFmt == kFmtFp8) {
+    const float s = 256.f * reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 16)[(k / group) * 16 + c];
+    float a[4], b[4];
+    Fp8x4(*reinterpret_cast<const uint32_t*>(blk + layout::Int8Offset(c, k)), a);
+    Fp8x4(*reinterpret_cast<const uint32_t*>(blk + layout::Int8Offset(c, k + 4)), b);
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = s * a[i], v[4 + i] = s * b[i];
   } else {

@@ -10,8 +10,10 @@
 // chunk row holds 4 k of all 16 channels) or 4 channels x 8 k (int4: a byte
 // holds tile rows 2i and 2i+1), so every lane keeps the same 4 channels and
 // the warp reduces over the 8 lanes that share them. Codes become f32 in
-// registers (byte_perm into the mantissa of 2^23, one subtract), scales are
-// applied per chunk (int4 groups) or in the epilogue (int8 channels).
+// registers (int8, int4: byte_perm into the mantissa of 2^23, one subtract;
+// fp8: its bits moved into an f16's, Fp8x4), scales are applied per chunk
+// (int4 groups; fp8 groups, to the weights) or in the epilogue (int8
+// channels). fp8 blocks have int8's byte layout and int4's group scales.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -50,7 +52,7 @@ __device__ __forceinline__ float Dot4(const float (&w)[4], const float (&x)[4]) 
 // group scales of its 4 channels.
 template <int kFmt, int NMAT>
 struct ChunkRegs {
-  static constexpr int kUnits = kFmt == kFmtInt8 ? 2 : 1;
+  static constexpr int kUnits = kFmt == kFmtInt4 ? 1 : 2;
   uint4 w[NMAT][kUnits];
   float4 s[NMAT];
 };
@@ -60,9 +62,13 @@ __device__ __forceinline__ void LoadChunkRegs(const uint8_t* const (&blk)[NMAT],
                                               ChunkRegs<kFmt, NMAT>& r) {
 #pragma unroll
   for (int m = 0; m < NMAT; ++m) {
-    if constexpr (kFmt == kFmtInt8) {
+    if constexpr (kFmt != kFmtInt4) {
       r.w[m][0] = LoadStream16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * lane);
       r.w[m][1] = LoadStream16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * (lane + kWarp));
+      if constexpr (kFmt == kFmtFp8) {
+        const size_t off = static_cast<size_t>(Kp) * 16 + (static_cast<size_t>(64 * ch / group) * 16 + 4 * (lane & 3)) * 4;
+        r.s[m] = __ldg(reinterpret_cast<const float4*>(blk[m] + off));
+      }
     } else {
       r.w[m][0] = LoadStream16(blk[m] + static_cast<size_t>(ch) * 512 + 16 * lane);
       const size_t off = static_cast<size_t>(Kp) * 8 + (static_cast<size_t>(64 * ch / group) * 16 + 4 * (lane & 3)) * 4;
@@ -76,7 +82,7 @@ __device__ __forceinline__ void LoadChunkRegs(const uint8_t* const (&blk)[NMAT],
 template <int kFmt, int M, int NMAT, bool kVec>
 __device__ __forceinline__ void AddChunk(const ChunkRegs<kFmt, NMAT>& cr, int ch, const bf16_t* const (&xr)[M],
                                          int len, int lane, float (&acc)[NMAT][M][4]) {
-  if constexpr (kFmt == kFmtInt8) {
+  if constexpr (kFmt == kFmtInt8 || kFmt == kFmtFp8) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int k = 64 * ch + 4 * ((lane + kWarp * half) >> 2);
@@ -84,10 +90,22 @@ __device__ __forceinline__ void AddChunk(const ChunkRegs<kFmt, NMAT>& cr, int ch
 #pragma unroll
       for (int m = 0; m < NMAT; ++m) {
         const uint4 w = cr.w[m][half];
-        Bytes4<128>(w.x ^ 0x80808080u, wf[m][0]);
-        Bytes4<128>(w.y ^ 0x80808080u, wf[m][1]);
-        Bytes4<128>(w.z ^ 0x80808080u, wf[m][2]);
-        Bytes4<128>(w.w ^ 0x80808080u, wf[m][3]);
+        if constexpr (kFmt == kFmtInt8) {
+          Bytes4<128>(w.x ^ 0x80808080u, wf[m][0]);
+          Bytes4<128>(w.y ^ 0x80808080u, wf[m][1]);
+          Bytes4<128>(w.z ^ 0x80808080u, wf[m][2]);
+          Bytes4<128>(w.w ^ 0x80808080u, wf[m][3]);
+        } else {  // fp8: codes x their group scale (x 256, Fp8x4)
+          Fp8x4(w.x, wf[m][0]);
+          Fp8x4(w.y, wf[m][1]);
+          Fp8x4(w.z, wf[m][2]);
+          Fp8x4(w.w, wf[m][3]);
+          const float s[4] = {256.f * cr.s[m].x, 256.f * cr.s[m].y, 256.f * cr.s[m].z, 256.f * cr.s[m].w};
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) wf[m][c][i] *= s[c];
+        }
       }
 #pragma unroll
       for (int r = 0; r < M; ++r) {
@@ -288,6 +306,16 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // memory (cp.async, double-buffered, zeros past K and for padding rows) and
 // the next chunk's weights are loaded into registers while this one computes.
 
+// The 4 E4M3 codes of `u` times s256 (the channel's group scale x 256,
+// Fp8x4), rounded once to bf16, as pairs: lo = bytes 0, 1; hi = bytes 2, 3.
+__device__ __forceinline__ void Fp8ToBf16x2(uint32_t u, float s256, uint32_t& lo, uint32_t& hi) {
+  float f[4];
+  Fp8x4(u, f);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(f[0] * s256, f[1] * s256), h = __floats2bfloat162_rn(f[2] * s256, f[3] * s256);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+}
+
 // The 4 codes of `u` (bytes, each minus kBias) as bf16 pairs: lo = bytes
 // 0, 1; hi = bytes 2, 3 (low halves first, as the mma reads a register).
 template <int kBias>
@@ -349,7 +377,8 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
   // rows, 2 KB above; int4 2 KB up to 32 rows, 1 KB above (the shared
   // buffers' bound). Measured on the H100 (bench/RESULTS.md, stop 19): more
   // costs int4 occupancy (8 chunks: 549 instead of 400 us at 8 rows).
-  constexpr int SC = kFmt == kFmtInt8 ? (NT <= 2 ? 4 : 2) : (NT <= 4 ? 4 : 2);
+  constexpr bool kBytes = kFmt != kFmtInt4;  // int8, fp8: a byte per weight
+  constexpr int SC = kBytes ? (NT <= 2 ? 4 : 2) : (NT <= 4 ? 4 : 2);
   // int4 group scales: from 32 rows per pass multiplied into the bf16 weights
   // (rounded once: within 2^-9 of (n - 8) s), which spares rescaling each
   // chunk's sums per row (1159 instead of 1279 us at 64 rows, DeepSeek-V3);
@@ -373,8 +402,8 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
   const bool has = cb < (N + 15) / 16;
   const uint8_t* w = kDown ? base + l.gate_up_bytes + static_cast<size_t>(has ? cb : 0) * l.down_block
                            : base + static_cast<size_t>(2 * (has ? cb : 0) + warp % 2) * l.gate_up_block;
-  constexpr int kLoads = kFmt == kFmtInt8 ? 4 : 2;  // 8-byte weight loads per lane and chunk
-  constexpr size_t kChunkBytes = kFmt == kFmtInt8 ? 1024 : 512;
+  constexpr int kLoads = kBytes ? 4 : 2;  // 8-byte weight loads per lane and chunk
+  constexpr size_t kChunkBytes = kBytes ? 1024 : 512;
   const int chunks = Kp / 64, stages = (chunks + SC - 1) / SC;
   for (int pass = 0; pass < gd.count; pass += kRows) {
     // The pass's rows as 16-byte units of one stage's SC chunks, staged into xs[buf].
@@ -389,7 +418,7 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
       CopyAsyncCommit();
     };
     uint2 cur[SC][kLoads], next[SC][kLoads];
-    float2 scur[SC], snext[SC];  // int4: each chunk's group scales of channels 2 gid, 2 gid + 1
+    float2 scur[SC], snext[SC];  // int4, fp8: each chunk's group scales of channels 2 gid, 2 gid + 1
     auto load = [&](int st, uint2 (&q)[SC][kLoads], float2 (&sc)[SC]) {
 #pragma unroll
       for (int c = 0; c < SC; ++c) {
@@ -399,8 +428,9 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
         for (int i = 0; i < kLoads; ++i)
           q[c][i] = in ? LoadStream8(w + static_cast<size_t>(ch) * kChunkBytes + (4 * i + tig) * 64 + 8 * gid)
                        : make_uint2(0, 0);
-        if constexpr (kFmt == kFmtInt4) {
-          const float* g = reinterpret_cast<const float*>(w + static_cast<size_t>(Kp) * 8) + (64 * ch / l.group) * 16;
+        if constexpr (kFmt == kFmtInt4 || kFmt == kFmtFp8) {
+          const float* g = reinterpret_cast<const float*>(w + static_cast<size_t>(Kp) * (kBytes ? 16 : 8)) +
+                           (64 * ch / l.group) * 16;
           sc[c] = in ? __ldg(reinterpret_cast<const float2*>(g + 2 * gid)) : make_float2(0.f, 0.f);
         }
       }
@@ -442,6 +472,9 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
         if constexpr (kFmt == kFmtInt8) {
           CodesToBf16x2<128>(cur[c][s].x ^ 0x80808080u, a0, a2);  // channel 2 gid
           CodesToBf16x2<128>(cur[c][s].y ^ 0x80808080u, a1, a3);  // channel 2 gid + 1
+        } else if constexpr (kFmt == kFmtFp8) {  // scaled weights, as int4 from 32 rows
+          Fp8ToBf16x2(cur[c][s].x, 256.f * scur[c].x, a0, a2);
+          Fp8ToBf16x2(cur[c][s].y, 256.f * scur[c].y, a1, a3);
         } else {
           const uint32_t w0 = cur[c][s / 2].x, w1 = cur[c][s / 2].y;
           if constexpr (kScaled) {
@@ -460,7 +493,7 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
             NibblesToBf16x2<4>(w1, a1, a3);
           }
         }
-        const int k = 64 * c + (kFmt == kFmtInt8 ? 16 * s + 4 * tig : 32 * (s / 2) + 8 * tig + 4 * (s % 2));
+        const int k = 64 * c + (kBytes ? 16 * s + 4 * tig : 32 * (s / 2) + 8 * tig + 4 * (s % 2));
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const uint2 xv = *reinterpret_cast<const uint2*>(&xc[8 * j + gid][k]);
@@ -627,6 +660,9 @@ cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedSlots& 
     case kFmtInt4:
       if (p.layout.group <= 0 || p.layout.group % 64 != 0) return cudaErrorInvalidValue;
       return mma ? LaunchPackedMmaByRows<kFmtInt4, kDown>(a, p, s) : LaunchPackedByRows<kFmtInt4, kDown>(a, p, s);
+    case kFmtFp8:
+      if (p.layout.group <= 0 || p.layout.group % 64 != 0) return cudaErrorInvalidValue;
+      return mma ? LaunchPackedMmaByRows<kFmtFp8, kDown>(a, p, s) : LaunchPackedByRows<kFmtFp8, kDown>(a, p, s);
     default: return cudaErrorInvalidValue;  // bf16 slots are row-major: LaunchGrouped*
   }
 }
@@ -646,7 +682,8 @@ cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout
   const size_t items = 2 * static_cast<size_t>(intermediate) * ((hidden + 7) / 8) +
                        static_cast<size_t>(hidden) * ((intermediate + 7) / 8);
   if (items == 0) return cudaSuccess;
-  if (layout.format == kFmtInt4 && (layout.group <= 0 || layout.group % 64 != 0)) return cudaErrorInvalidValue;
+  if ((layout.format == kFmtInt4 || layout.format == kFmtFp8) && (layout.group <= 0 || layout.group % 64 != 0))
+    return cudaErrorInvalidValue;
   const int blocks = static_cast<int>(std::min<size_t>((items + kElemwiseThreads - 1) / kElemwiseThreads, kMaxElemwiseBlocks));
   switch (layout.format) {
     case kFmtBf16:
@@ -657,6 +694,9 @@ cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout
       break;
     case kFmtInt4:
       UnpackExpertKernel<kFmtInt4><<<blocks, kElemwiseThreads, 0, stream>>>(packed, 0, layout, hidden, intermediate, dst, 0, nullptr);
+      break;
+    case kFmtFp8:
+      UnpackExpertKernel<kFmtFp8><<<blocks, kElemwiseThreads, 0, stream>>>(packed, 0, layout, hidden, intermediate, dst, 0, nullptr);
       break;
     default: return cudaErrorInvalidValue;
   }
