@@ -117,11 +117,66 @@ void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, cons
   for (int c = c0; c < c1; ++c) DownPair(g, d + (2 * c) * blk, d + (2 * c + 1) * blk, act, m, token, weight, out, ldo, c);
 }
 
-// fp8: each group's two blocks converted to bf16 in a per-thread scratch
-// (64 KiB at K = 2048: L2), then the bf16 rows above.
+namespace {
+
+// fp8 rows up to which the weights are converted in registers for each pass
+// (decode: each weight meets a row or two); above, a block pair is converted
+// once into a per-thread scratch (64 KiB at K = 2048: L2) and the bf16 rows
+// run on it.
+constexpr int kFp8DirectRows = 4;
+
+// acc[r][b] = x_r . block b for R <= kFp8DirectRows rows of x and two fp8
+// blocks of Kp columns: each 64-byte chunk row becomes two exact bf16 rows of
+// codes in registers (simd::Fp8RowToBf16Exact), vdpbf16ps sums a scale
+// group, and the group's per-channel scales multiply the f32 sums (no
+// rounding of code x scale).
+template <int R>
+inline void DotRowsFp8(const std::byte* b0, const std::byte* b1, const bf16_t* x, int ldx, int Kp, int group,
+                       __m512 acc[kRows][2]) {
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const float* s0 = reinterpret_cast<const float*>(b0 + static_cast<size_t>(Kp) * 16);
+  const float* s1 = reinterpret_cast<const float*>(b1 + static_cast<size_t>(Kp) * 16);
+  for (int k0 = 0; k0 < Kp; k0 += group) {
+    __m512 t[R][2];
+    for (int r = 0; r < R; ++r) t[r][0] = t[r][1] = _mm512_setzero_ps();
+    for (int k = k0; k < k0 + group; k += 4) {  // chunk row (k / 64, k % 64 / 4): k .. k+3 of the 16 channels
+      const size_t off = static_cast<size_t>(k) * 16;
+      _mm_prefetch(reinterpret_cast<const char*>(b0 + off + 1024), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b1 + off + 1024), _MM_HINT_T0);
+      __m512i w0e, w0o, w1e, w1o;
+      simd::Fp8RowToBf16Exact(b0 + off, w0e, w0o);
+      simd::Fp8RowToBf16Exact(b1 + off, w1e, w1o);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512bh xe = Pair(x + static_cast<size_t>(r) * ldx + k), xo = Pair(x + static_cast<size_t>(r) * ldx + k + 2);
+        t[r][0] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(t[r][0], xe, (__m512bh)w0e), xo, (__m512bh)w0o);
+        t[r][1] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(t[r][1], xe, (__m512bh)w1e), xo, (__m512bh)w1o);
+      }
+    }
+    const __m512 g0 = _mm512_loadu_ps(s0 + (k0 / group) * 16), g1 = _mm512_loadu_ps(s1 + (k0 / group) * 16);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(t[r][0], g0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(t[r][1], g1, acc[r][1]);
+    }
+  }
+}
+
+}  // namespace
+
 void Avx512Fp8GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t* x, int m, bf16_t* act, int c0,
                      int c1) {
   const size_t bb = g.block_bytes(g.Kh), blk = static_cast<size_t>(g.Kh) * 16;
+  if (m <= kFp8DirectRows) {
+    for (int c = c0; c < c1; ++c)
+      ForRowChunks<kFp8DirectRows>(m, [&](int r, auto R) {
+        __m512 acc[kRows][2];
+        DotRowsFp8<decltype(R)::value>(packed + (2 * c) * bb, packed + (2 * c + 1) * bb,
+                                       x + static_cast<size_t>(r) * g.ldx(), g.ldx(), g.Kh, g.group, acc);
+        for (int i = 0; i < decltype(R)::value; ++i)
+          simd::StoreSiluMul(acc[i][0], acc[i][1], act + static_cast<size_t>(r + i) * g.lda() + 16 * c);
+      });
+    return;
+  }
   bf16_t* w = reinterpret_cast<bf16_t*>(simd::ThreadScratch(4 * blk));
   for (int c = c0; c < c1; ++c) {
     simd::Fp8BlocksToBf16(packed + (2 * c) * bb, bb, 2, g.Kh, g.group, w);
@@ -133,6 +188,23 @@ void Avx512Fp8DownAccumulate(const ExpertGeometry& g, const std::byte* packed, c
                              const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
   const std::byte* d = packed + g.gate_up_bytes();
   const size_t bb = g.block_bytes(g.Ki), blk = static_cast<size_t>(g.Ki) * 16;
+  if (m <= kFp8DirectRows) {
+    for (int c = c0; c < c1; ++c) {
+      const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+      ForRowChunks<kFp8DirectRows>(m, [&](int r, auto R) {
+        __m512 acc[kRows][2];
+        DotRowsFp8<decltype(R)::value>(d + (2 * c) * bb, d + (2 * c + 1) * bb, act + static_cast<size_t>(r) * g.lda(),
+                                       g.lda(), g.Ki, g.group, acc);
+        for (int i = 0; i < decltype(R)::value; ++i) {
+          if (token[r + i] < 0) continue;
+          float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
+          simd::AccumulateMasked(o, m0, weight[r + i], acc[i][0]);
+          simd::AccumulateMasked(o + 16, m1, weight[r + i], acc[i][1]);
+        }
+      });
+    }
+    return;
+  }
   bf16_t* w = reinterpret_cast<bf16_t*>(simd::ThreadScratch(4 * blk));
   for (int c = c0; c < c1; ++c) {
     simd::Fp8BlocksToBf16(d + (2 * c) * bb, bb, 2, g.Ki, g.group, w);

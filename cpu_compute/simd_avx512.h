@@ -54,38 +54,87 @@ inline __mmask16 ColumnMask(int col0, int H) {
                      : valid <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << valid) - 1);
 }
 
-// kFp8 blocks (expert_kernel.h) as kBf16 blocks: `n` blocks of Kp columns,
-// `src_stride` bytes apart, into consecutive bf16 blocks at dst (Kp * 32
-// bytes each); each weight code x scale rounded once to bf16. E4M3 bits
-// become f16 bits exactly (sign, then exponent and mantissa shifted into
-// f16's: the value / 256, subnormals included), f16 -> f32 is exact, and the
-// 256 goes into the scale. A 64-byte chunk row (4 k of 16 channels) gives bf16
-// rows 2p and 2p + 1 (k pairs 4p, 4p+1 and 4p+2, 4p+3): even and odd dwords.
-inline void Fp8BlocksToBf16(const std::byte* src, size_t src_stride, int n, int Kp, int group, uint16_t* dst) {
+// The 16 scales of one fp8 block's group (x 256) in the lanes of a bf16
+// row's f32 halves: s_lo lane i is channel i / 2, s_hi channel 8 + i / 2.
+struct Fp8Scales {
+  __m512 lo, hi;
+  explicit Fp8Scales(const float* s16) {
+    const __m512i lanes = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(s16), _mm512_set1_ps(256.0f));
+    lo = _mm512_permutexvar_ps(lanes, s);
+    hi = _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(8)), s);
+  }
+};
+
+// One 64-byte fp8 chunk row (k = 4p .. 4p+3 of 16 channels) as the bf16 rows
+// 2p (k 4p, 4p+1) and 2p + 1 (k 4p+2, 4p+3): code x scale rounded once. E4M3
+// bits become f16 bits exactly (the sign-extended code << 7 puts the sign at
+// bit 15 and exponent and mantissa at bits 13-7; bit 14, a copy of the sign,
+// is cleared): the f16 is the value / 256, subnormals included, and f16 ->
+// f32 is exact; the 256 is in the scales.
+inline void Fp8RowToBf16(const std::byte* row, const Fp8Scales& s, __m512i& even_row, __m512i& odd_row) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512i lanes_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
   const __m512i f16_bits = _mm512_set1_epi16(static_cast<short>(0xBF80));
+  const __m512i v = _mm512_loadu_si512(row);
+  const __m512i lo = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v)), 7), f16_bits);
+  const __m512i hi = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1)), 7), f16_bits);
+  auto convert = [&](__m512i f16) {
+    const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(f16)), s.lo);
+    const __m512 c = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1)), s.hi);
+    return (__m512i)_mm512_cvtne2ps_pbh(c, a);
+  };
+  even_row = convert(_mm512_permutex2var_epi32(lo, even, hi));
+  odd_row = convert(_mm512_permutex2var_epi32(lo, odd, hi));
+}
+
+// Codes -> exact bf16 in integer ops (the decode path: no f32 round trip;
+// the scales go to the f32 sums, Fp8DotRows). 32 sign-extended codes s (one
+// per 16-bit lane): a normal code (exponent e > 0) is bf16 bits sign | (e +
+// 120) << 7 | m << 4 — (s << 4) keeps the sign at bit 15 and puts e, m at bits
+// 10-4, and adding 120 << 7 cannot carry into the sign. Zero and subnormal
+// codes (e = 0: m x 2^-9) are looked up (vpermw on m) in the rare vectors
+// that hold one.
+inline __m512i Fp8CodesToBf16(__m512i s) {
+  const __m512i w = _mm512_slli_epi16(s, 4);
+  const __m512i normal = _mm512_add_epi16(_mm512_and_si512(w, _mm512_set1_epi16(static_cast<short>(0x87F0))),
+                                          _mm512_set1_epi16(120 << 7));
+  const __mmask32 sub = _mm512_testn_epi16_mask(s, _mm512_set1_epi16(0x78));
+  if (sub == 0) return normal;
+  // bf16 of m x 2^-9, m = 0..7, indexed by bits 0-4 of s (e = 0: bits 3, 4 are zero).
+  alignas(64) static constexpr uint16_t kTiny[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
+  const __m512i lut = _mm512_load_si512(kTiny);
+  const __m512i tiny = _mm512_or_si512(_mm512_permutexvar_epi16(s, lut), _mm512_and_si512(w, _mm512_set1_epi16(static_cast<short>(0x8000))));
+  return _mm512_mask_mov_epi16(normal, sub, tiny);
+}
+
+// One 64-byte fp8 chunk row as the exact bf16 rows 2p and 2p + 1 (as
+// Fp8RowToBf16, without scales).
+inline void Fp8RowToBf16Exact(const std::byte* row, __m512i& even_row, __m512i& odd_row) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i v = _mm512_loadu_si512(row);
+  const __m512i lo = Fp8CodesToBf16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v)));
+  const __m512i hi = Fp8CodesToBf16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1)));
+  even_row = _mm512_permutex2var_epi32(lo, even, hi);
+  odd_row = _mm512_permutex2var_epi32(lo, odd, hi);
+}
+
+// kFp8 blocks (expert_kernel.h) as kBf16 blocks: `n` blocks of Kp columns,
+// `src_stride` bytes apart, into consecutive bf16 blocks at dst (Kp * 32
+// bytes each), Fp8RowToBf16 row by row.
+inline void Fp8BlocksToBf16(const std::byte* src, size_t src_stride, int n, int Kp, int group, uint16_t* dst) {
   for (int b = 0; b < n; ++b) {
     const std::byte* blk = src + b * src_stride;
     const float* scales = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 16);
     uint16_t* out = dst + static_cast<size_t>(b) * Kp * 16;
     for (int ch = 0; ch < Kp / 64; ++ch) {
-      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scales + (64 * ch / group) * 16), _mm512_set1_ps(256.0f));
-      const __m512 s_lo = _mm512_permutexvar_ps(lanes_lo, s), s_hi = _mm512_permutexvar_ps(lanes_hi, s);
+      const Fp8Scales s(scales + (64 * ch / group) * 16);
       for (int q = 0; q < 16; ++q) {
-        const __m512i v = _mm512_loadu_si512(blk + 1024 * ch + 64 * q);
-        // sign-extended code << 7: bit 15 the sign, 14 a copy of it (cleared), 13-7 exponent and mantissa
-        const __m512i lo = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v)), 7), f16_bits);
-        const __m512i hi =
-            _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1)), 7), f16_bits);
-        for (int h = 0; h < 2; ++h) {
-          const __m512i row = _mm512_permutex2var_epi32(lo, h ? odd : even, hi);
-          const __m512 a = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(row)), s_lo);
-          const __m512 c = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(row, 1)), s_hi);
-          _mm512_storeu_si512(out + 32 * (32 * ch + 2 * q + h), (__m512i)_mm512_cvtne2ps_pbh(c, a));
-        }
+        __m512i e, o;
+        Fp8RowToBf16(blk + 1024 * ch + 64 * q, s, e, o);
+        _mm512_storeu_si512(out + 32 * (32 * ch + 2 * q), e);
+        _mm512_storeu_si512(out + 32 * (32 * ch + 2 * q + 1), o);
       }
     }
   }

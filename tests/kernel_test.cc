@@ -256,7 +256,7 @@ TEST_P(Fp8Checkpoint, StoredExactlyAndComputedWithinBf16Rounding) {
         ASSERT_EQ(inexact, 0) << "expert " << e << ": packed weights differ from code x scale_inv";
         ASSERT_EQ(off_checkpoint, 0) << "expert " << e << ": packed weights differ from the checkpoint's dequantized values";
       }
-      const int n = 37, k = spec.top_k;
+      const int n = slice.whole() ? 37 : 3, k = spec.top_k;  // 3 tokens: decode-sized groups
       std::vector<bf16_t> x = RandomActivations(size_t(n) * H, 7);
       std::vector<int32_t> ids;
       std::vector<float> rw;
@@ -272,6 +272,51 @@ TEST_P(Fp8Checkpoint, StoredExactlyAndComputedWithinBf16Rounding) {
       EXPECT_GT(err, 0.0) << "identical to f64 to the last bit is not plausible";
       RecordProperty("rel_error", std::to_string(err));
     }
+  }
+}
+
+// Every E4M3 code (zero and the subnormals included) comes out of the
+// kernel's fp8 paths exactly: a one-hot activation row reads one column of
+// down, code x scale (a power of two, so that rounding code x scale to bf16 on
+// the many-rows path is exact too). 1 row: the decode path (codes converted in
+// registers); 8 rows: each panel converted once.
+TEST_P(Fp8Checkpoint, EveryCodeDecodesExactly) {
+  const int H = 64, I = 256;
+  const ExpertGeometry g = ExpertGeometry::For(H, I, WeightFormat::kFp8, 128);
+  ExpertFp8 w;
+  std::vector<uint8_t> codes;
+  for (int c = 0; c < 256; ++c)
+    if ((c & 0x7f) != 0x7f) codes.push_back(static_cast<uint8_t>(c));  // 0x7f, 0xff: NaN
+  for (auto [p, rows, cols] : {std::tuple{&w.gate, I, H}, std::tuple{&w.up, I, H}, std::tuple{&w.down, H, I}}) {
+    p->rows = rows, p->cols = cols, p->br = p->bc = 128, p->scale_cols = (cols + 127) / 128;
+    p->scale_inv.assign(size_t((rows + 127) / 128) * p->scale_cols, 0.125f);
+    p->codes.resize(size_t(rows) * cols);
+    for (size_t i = 0; i < p->codes.size(); ++i) p->codes[i] = codes[(i * 7) % codes.size()];
+  }
+  std::unique_ptr<std::byte, decltype(&std::free)> packed(
+      static_cast<std::byte*>(std::aligned_alloc(64, (g.packed_bytes() + 63) / 64 * 64)), &std::free);
+  ASSERT_TRUE(PackExpertFp8(g, w, packed.get()).ok());
+  std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(GetParam(), WeightFormat::kFp8);
+  const int rows = 16, ldo = g.Hn + 16;  // 16: the amx kernel's row block (rows past m are padding)
+  std::vector<bf16_t> act(size_t(rows) * g.lda());
+  std::vector<int32_t> token(rows, -1);
+  std::vector<float> weight(rows, 1.0f), out(size_t(rows) * ldo);
+  for (int m : {1, 8}) {
+    for (int r = 0; r < m; ++r) token[r] = r;
+    int64_t wrong = 0;
+    for (int k = 0; k < I; ++k) {
+      std::fill(act.begin(), act.end(), bf16_t{0});
+      for (int r = 0; r < m; ++r) act[size_t(r) * g.lda() + k] = F32ToBf16(1.0f);
+      std::fill(out.begin(), out.end(), 0.0f);
+      kernel->DownAccumulate(g, packed.get(), KernelRows{act.data()}, m, token.data(), weight.data(), out.data(), ldo,
+                             0, g.down_groups());
+      for (int r = 0; r < m; ++r)
+        for (int n = 0; n < H; ++n) {
+          const float want = Fp8E4M3ToF32(w.down.codes[size_t(n) * I + k]) * 0.125f;
+          wrong += out[size_t(r) * ldo + n] != want;
+        }
+    }
+    EXPECT_EQ(wrong, 0) << m << " rows: outputs that are not exactly code x scale";
   }
 }
 
