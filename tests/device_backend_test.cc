@@ -18,9 +18,11 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/bf16.h"
+#include "core/model_source.h"
 #include "testing/packed_expert.h"
 #include "testing/random_data.h"
 #include "core/reference_moe.h"
@@ -673,6 +675,67 @@ TEST_P(DeviceBackendTest, RejectsOutOfRangeInput) {
   std::vector<bf16_t> out(4 * kTiny.H);
   EXPECT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
 }
+
+// fp8 slots whose codes are all zero or subnormal (3/4) or the smallest
+// normals (exponent 1; random signs; scale_inv 2^7 makes them weights of
+// ordinary size), so that a code decoded wrongly moves the output (random
+// weights hold too few such codes for that). The weights are exact in bf16,
+// so the bound is 5e-3 (bf16 rounding of act and output only). Every path: 1
+// row (CUDA cores), 3-64 rows (tensor cores), 130 (the dequantized GEMM).
+class Fp8SmallCodesTest : public DeviceBackendTest {
+ protected:
+  Expert SmallCodes(const Geometry& g, int id) const {
+    ExpertFp8 w8;
+    uint64_t state = 0x9E3779B97F4A7C15ull * (id + 1);
+    for (auto [p, rows, cols] : {std::tuple{&w8.gate, g.I, g.H}, std::tuple{&w8.up, g.I, g.H}, std::tuple{&w8.down, g.H, g.I}}) {
+      p->rows = rows, p->cols = cols, p->br = p->bc = 128, p->scale_cols = (cols + 127) / 128;
+      p->scale_inv.assign(static_cast<size_t>((rows + 127) / 128) * p->scale_cols, 128.0f);
+      p->codes.resize(static_cast<size_t>(rows) * cols);
+      for (uint8_t& c : p->codes) {
+        state = state * 6364136223846793005ull + 1442695040888963407ull;
+        const uint32_t v = (state >> 33) % 32;
+        c = static_cast<uint8_t>(v < 24 ? v % 8 : 8 + v % 8);  // 3/4 zero or subnormal, 1/4 the smallest normals
+        if ((state >> 60) & 1) c |= 0x80;
+      }
+    }
+    const ExpertGeometry eg = ExpertGeometry::For(g.H, g.I, WeightFormat::kFp8);
+    Expert e;
+    e.packed.size = eg.packed_bytes();
+    e.packed.bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (e.packed.size + 63) / 64 * 64)), std::free);
+    EXPECT_TRUE(PackExpertFp8(eg, w8, e.packed.bytes.get()).ok());
+    const size_t ih = static_cast<size_t>(g.I) * g.H;
+    e.w.resize(3 * ih);
+    UnpackExpert(eg, e.data(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
+    return e;
+  }
+};
+
+TEST_P(Fp8SmallCodesTest, DecodeExactly) {
+  tolerance_ = 5e-3;
+  for (const Geometry& g : {kWide, kTiny}) {
+    ASSERT_NO_FATAL_FAILURE(NewBackend());
+    geometry_ = g;
+    ASSERT_TRUE(backend_->Init(Config(g, 2, 130)).ok());
+    experts_.clear();
+    for (int b = 0; b < 2; ++b) {
+      experts_.push_back(SmallCodes(g, b));
+      absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, experts_.back().data(), 0);
+      ASSERT_TRUE(f.ok()) << f.status();
+      ASSERT_TRUE(backend_->WaitCopy(*f).ok());
+    }
+    for (int rows : {1, 3, 8, 33, 64, 130}) {
+      Plan p;
+      std::vector<int32_t> a(rows), b(rows);
+      for (int r = 0; r < rows; ++r) a[r] = r, b[r] = (r * 7 + 3) % 130;
+      p.AddGroup(0, a, 1);
+      p.AddGroup(1, b, 2);
+      ExpectMatches(130, {p}, 90 + rows, "small fp8 codes, groups of " + std::to_string(rows) + " rows");
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Fp8SmallCodesTest, ::testing::Values("cpu_fp8", "cuda_fp8"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendTest,
                          ::testing::Values("cpu", "cuda", "cpu_int8", "cuda_int8", "cpu_int4", "cuda_int4", "cpu_fp8",

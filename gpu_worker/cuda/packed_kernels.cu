@@ -95,16 +95,11 @@ __device__ __forceinline__ void AddChunk(const ChunkRegs<kFmt, NMAT>& cr, int ch
           Bytes4<128>(w.y ^ 0x80808080u, wf[m][1]);
           Bytes4<128>(w.z ^ 0x80808080u, wf[m][2]);
           Bytes4<128>(w.w ^ 0x80808080u, wf[m][3]);
-        } else {  // fp8: codes x their group scale (x 256, Fp8x4)
+        } else {  // fp8: code / 256 (Fp8x4); the group scale x 256 multiplies the sums below
           Fp8x4(w.x, wf[m][0]);
           Fp8x4(w.y, wf[m][1]);
           Fp8x4(w.z, wf[m][2]);
           Fp8x4(w.w, wf[m][3]);
-          const float s[4] = {256.f * cr.s[m].x, 256.f * cr.s[m].y, 256.f * cr.s[m].z, 256.f * cr.s[m].w};
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) wf[m][c][i] *= s[c];
         }
       }
 #pragma unroll
@@ -113,9 +108,16 @@ __device__ __forceinline__ void AddChunk(const ChunkRegs<kFmt, NMAT>& cr, int ch
         float xv[4];
         Load4<kVec>(xr[r], k, len, xv);
 #pragma unroll
-        for (int m = 0; m < NMAT; ++m)
+        for (int m = 0; m < NMAT; ++m) {
+          if constexpr (kFmt == kFmtFp8) {
+            const float s[4] = {256.f * cr.s[m].x, 256.f * cr.s[m].y, 256.f * cr.s[m].z, 256.f * cr.s[m].w};
 #pragma unroll
-          for (int c = 0; c < 4; ++c) acc[m][r][c] += Dot4(wf[m][c], xv);
+            for (int c = 0; c < 4; ++c) acc[m][r][c] = fmaf(s[c], Dot4(wf[m][c], xv), acc[m][r][c]);
+          } else {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[m][r][c] += Dot4(wf[m][c], xv);
+          }
+        }
       }
     }
   } else {
@@ -306,14 +308,29 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // memory (cp.async, double-buffered, zeros past K and for padding rows) and
 // the next chunk's weights are loaded into registers while this one computes.
 
-// The 4 E4M3 codes of `u` times s256 (the channel's group scale x 256,
-// Fp8x4), rounded once to bf16, as pairs: lo = bytes 0, 1; hi = bytes 2, 3.
-__device__ __forceinline__ void Fp8ToBf16x2(uint32_t u, float s256, uint32_t& lo, uint32_t& hi) {
-  float f[4];
-  Fp8x4(u, f);
-  const __nv_bfloat162 l = __floats2bfloat162_rn(f[0] * s256, f[1] * s256), h = __floats2bfloat162_rn(f[2] * s256, f[3] * s256);
-  lo = *reinterpret_cast<const uint32_t*>(&l);
-  hi = *reinterpret_cast<const uint32_t*>(&h);
+// Two E4M3 codes, each in bits 8-15 of a 16-bit half of t, as their exact
+// bf16 values in integer ops: a normal code (exponent e > 0) is sign | (e +
+// 120) << 7 | m << 4 — t >> 4 puts e and m at bits 10-4 and adding 120 << 7
+// carries into neither the sign nor the other half. Zero and subnormal codes
+// (e = 0: m x 2^-9) take the rare branch.
+__device__ __forceinline__ uint32_t Fp8HalvesToBf16x2(uint32_t t) {
+  uint32_t v = ((t & 0x80008000u) | ((t >> 4) & 0x07F007F0u)) + 0x3C003C00u;
+  if ((t & 0x7800u) == 0 || (t & 0x78000000u) == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t code = (t >> (16 * h + 8)) & 0xFFu;
+      if ((code & 0x78u) != 0) continue;
+      const uint32_t b = ToBf16(static_cast<float>(code & 7u) * 0.001953125f) | ((code & 0x80u) << 8);
+      v = (v & ~(0xFFFFu << (16 * h))) | (b << (16 * h));
+    }
+  }
+  return v;
+}
+
+// The 4 E4M3 codes of `u` as exact bf16 pairs: lo = bytes 0, 1; hi = bytes 2, 3.
+__device__ __forceinline__ void Fp8ToBf16x2(uint32_t u, uint32_t& lo, uint32_t& hi) {
+  lo = Fp8HalvesToBf16x2(__byte_perm(u, 0, 0x1404));
+  hi = Fp8HalvesToBf16x2(__byte_perm(u, 0, 0x3424));
 }
 
 // The 4 codes of `u` (bytes, each minus kBias) as bf16 pairs: lo = bytes
@@ -385,6 +402,8 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
   // below, applied to the chunk's f32 sums (the multiply per weight costs
   // more than it saves there: 420 instead of 410 us at 8 rows).
   constexpr bool kScaled = NT >= 4;
+  // fp8: exact bf16 codes, the group scales applied to each chunk's sums.
+  constexpr bool kPartSums = (kFmt == kFmtInt4 && !kScaled) || kFmt == kFmtFp8;
   constexpr int kStride = 64 * SC + 16;  // bf16 per shared row: + 16 makes the 8-byte reads conflict-free
   __shared__ __align__(16) bf16_t xs[2][kRows][kStride];
   __shared__ float up_out[kDown ? 1 : 2][NT][4][kWarp];
@@ -460,7 +479,7 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
       // pairs (kScaled) or applied to the chunk's sums `part` below.
       const __nv_bfloat162 gs0 = __floats2bfloat162_rn(scur[c].x, scur[c].x), gs1 = __floats2bfloat162_rn(scur[c].y, scur[c].y);
       float part[NT][4];
-      if constexpr (kFmt == kFmtInt4 && !kScaled) {
+      if constexpr (kPartSums) {
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -472,9 +491,9 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
         if constexpr (kFmt == kFmtInt8) {
           CodesToBf16x2<128>(cur[c][s].x ^ 0x80808080u, a0, a2);  // channel 2 gid
           CodesToBf16x2<128>(cur[c][s].y ^ 0x80808080u, a1, a3);  // channel 2 gid + 1
-        } else if constexpr (kFmt == kFmtFp8) {  // scaled weights, as int4 from 32 rows
-          Fp8ToBf16x2(cur[c][s].x, 256.f * scur[c].x, a0, a2);
-          Fp8ToBf16x2(cur[c][s].y, 256.f * scur[c].y, a1, a3);
+        } else if constexpr (kFmt == kFmtFp8) {  // exact codes; scales on the chunk's sums
+          Fp8ToBf16x2(cur[c][s].x, a0, a2);
+          Fp8ToBf16x2(cur[c][s].y, a1, a3);
         } else {
           const uint32_t w0 = cur[c][s / 2].x, w1 = cur[c][s / 2].y;
           if constexpr (kScaled) {
@@ -497,10 +516,10 @@ __global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1)
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const uint2 xv = *reinterpret_cast<const uint2*>(&xc[8 * j + gid][k]);
-          MmaBf16(kFmt == kFmtInt4 && !kScaled ? part[j] : acc[j], a0, a1, a2, a3, xv.x, xv.y);
+          MmaBf16(kPartSums ? part[j] : acc[j], a0, a1, a2, a3, xv.x, xv.y);
         }
       }
-      if constexpr (kFmt == kFmtInt4 && !kScaled) {
+      if constexpr (kPartSums) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           acc[j][0] = fmaf(scur[c].x, part[j][0], acc[j][0]);
