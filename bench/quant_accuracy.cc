@@ -211,11 +211,13 @@ int main(int argc, char** argv) {
     report(absl::StrCat(dtype, " checkpoint (reference MoE)"), got);
   }
   std::string kernel;
-  for (moe::WeightFormat f : {moe::WeightFormat::kBf16, moe::WeightFormat::kInt8, moe::WeightFormat::kInt4}) {
+  for (moe::WeightFormat f :
+       {moe::WeightFormat::kBf16, moe::WeightFormat::kInt8, moe::WeightFormat::kInt4, moe::WeightFormat::kFp8}) {
     std::vector<double> got = stored(**bf16, f, &kernel);
     report(absl::StrCat("bf16 model stored ", moe::WeightFormatName(f), " (", kernel, " kernel)"), got);
   }
-  for (auto [dtype, f] : {std::pair{"fp8", moe::WeightFormat::kInt8}, std::pair{"int4", moe::WeightFormat::kInt4}}) {
+  for (auto [dtype, f] : {std::pair{"fp8", moe::WeightFormat::kInt8}, std::pair{"fp8", moe::WeightFormat::kFp8},
+                          std::pair{"int4", moe::WeightFormat::kInt4}}) {
     std::unique_ptr<moe::ModelSource> q = *moe::OpenModel(absl::StrCat(base, ":dtype=", dtype));
     std::vector<double> got = stored(*q, f, &kernel);
     report(absl::StrCat(dtype, " checkpoint stored ", moe::WeightFormatName(f), " (", kernel, " kernel)"), got);
