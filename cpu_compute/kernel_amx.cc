@@ -85,74 +85,59 @@ inline void AmxBf16Block(const bf16_t* x0, const bf16_t* x1, int ldx, const std:
   }
 }
 
-// bf16 gate/up of activation groups [cc, ce) for all m rows (tiles
-// configured), their blocks consecutive from `pairs` (gate cc, up cc, gate
-// cc + 1, ...): each row block passes the panel while it stays in L2.
-void AmxBf16GateUpPanel(const ExpertGeometry& g, const std::byte* pairs, const bf16_t* x, int m, bf16_t* act,
-                        int cc, int ce) {
-  const size_t blk = static_cast<size_t>(g.Kh) * 32;
-  const int kblocks = g.Kh / 32;
-  const int ldx_bytes = g.ldx() * 2;
+// The bf16 tile loop over output groups [cc, ce) for all m rows of x (rows
+// ld elements apart; tiles configured), the groups' block pairs consecutive
+// from `blocks` (blk bytes each, kblocks 32-k blocks): each row block passes
+// the panel while it stays in L2. emit(row0, c, t0, t1) takes each 16-row
+// result, t0 from block 2c of the pair, t1 from 2c + 1.
+template <typename Emit>
+void AmxBf16Panel(const std::byte* blocks, size_t blk, int kblocks, const bf16_t* x, int ld, int m, int cc, int ce,
+                  Emit&& emit) {
   alignas(64) float t0[256], t1[256];
   for (int mb = 0; mb < m; mb += 32) {
     const bool two = mb + 16 < m;
-    const bf16_t* x0 = x + static_cast<size_t>(mb) * g.ldx();
-    const bf16_t* x1 = x0 + static_cast<size_t>(16) * g.ldx();
+    const bf16_t* x0 = x + static_cast<size_t>(mb) * ld;
+    const bf16_t* x1 = x0 + static_cast<size_t>(16) * ld;
     for (int c = cc; c < ce; ++c) {
-      const std::byte* gb = pairs + (2 * (c - cc)) * blk;
-      AmxBf16Block(x0, x1, ldx_bytes, gb, gb + blk, kblocks, two, mb == 0);
-      auto store = [&](int row0) {
-        for (int r = 0; r < 16; ++r)
-          simd::StoreSiluMul(_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r),
-                             act + static_cast<size_t>(row0 + r) * g.lda() + 16 * c);
-      };
+      const std::byte* b0 = blocks + (2 * (c - cc)) * blk;
+      AmxBf16Block(x0, x1, ld * 2, b0, b0 + blk, kblocks, two, mb == 0);
       _tile_stored(0, t0, 64);  // tile numbers are immediates
       _tile_stored(1, t1, 64);
-      store(mb);
+      emit(mb, c, t0, t1);
       if (two) {
         _tile_stored(2, t0, 64);
         _tile_stored(3, t1, 64);
-        store(mb + 16);
+        emit(mb + 16, c, t0, t1);
       }
     }
   }
 }
 
-// bf16 down projection of output groups [cc, ce) for all m rows (tiles
-// configured), their blocks consecutive from `blocks`, weighted into out.
+// bf16 gate/up of activation groups [cc, ce) (gate cc, up cc, gate cc + 1, ... from `pairs`).
+void AmxBf16GateUpPanel(const ExpertGeometry& g, const std::byte* pairs, const bf16_t* x, int m, bf16_t* act,
+                        int cc, int ce) {
+  AmxBf16Panel(pairs, static_cast<size_t>(g.Kh) * 32, g.Kh / 32, x, g.ldx(), m, cc, ce,
+               [&](int row0, int c, const float* t0, const float* t1) {
+                 for (int r = 0; r < 16; ++r)
+                   simd::StoreSiluMul(_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r),
+                                      act + static_cast<size_t>(row0 + r) * g.lda() + 16 * c);
+               });
+}
+
+// bf16 down projection of output groups [cc, ce) (blocks 2cc, 2cc + 1, ... from `blocks`), weighted into out.
 void AmxBf16DownPanel(const ExpertGeometry& g, const std::byte* blocks, const bf16_t* act, int m,
                       const int32_t* token, const float* weight, float* out, int ldo, int cc, int ce) {
-  const size_t blk = static_cast<size_t>(g.Ki) * 32;
-  const int kblocks = g.Ki / 32;
-  const int lda_bytes = g.lda() * 2;
-  alignas(64) float t0[256], t1[256];
-  for (int mb = 0; mb < m; mb += 32) {
-    const bool two = mb + 16 < m;
-    const bf16_t* a0 = act + static_cast<size_t>(mb) * g.lda();
-    const bf16_t* a1 = a0 + static_cast<size_t>(16) * g.lda();
-    for (int c = cc; c < ce; ++c) {
-      const std::byte* b0 = blocks + (2 * (c - cc)) * blk;
-      AmxBf16Block(a0, a1, lda_bytes, b0, b0 + blk, kblocks, two, mb == 0);
-      const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
-      auto scatter = [&](int row0) {
-        for (int r = 0; r < 16; ++r) {
-          const int32_t t = token[row0 + r];
-          if (t < 0) continue;
-          float* o = out + static_cast<size_t>(t) * ldo + 32 * c;
-          simd::AccumulateMasked(o, m0, weight[row0 + r], _mm512_load_ps(t0 + 16 * r));
-          simd::AccumulateMasked(o + 16, m1, weight[row0 + r], _mm512_load_ps(t1 + 16 * r));
-        }
-      };
-      _tile_stored(0, t0, 64);
-      _tile_stored(1, t1, 64);
-      scatter(mb);
-      if (two) {
-        _tile_stored(2, t0, 64);
-        _tile_stored(3, t1, 64);
-        scatter(mb + 16);
-      }
-    }
-  }
+  AmxBf16Panel(blocks, static_cast<size_t>(g.Ki) * 32, g.Ki / 32, act, g.lda(), m, cc, ce,
+               [&](int row0, int c, const float* t0, const float* t1) {
+                 const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+                 for (int r = 0; r < 16; ++r) {
+                   const int32_t t = token[row0 + r];
+                   if (t < 0) continue;
+                   float* o = out + static_cast<size_t>(t) * ldo + 32 * c;
+                   simd::AccumulateMasked(o, m0, weight[row0 + r], _mm512_load_ps(t0 + 16 * r));
+                   simd::AccumulateMasked(o + 16, m1, weight[row0 + r], _mm512_load_ps(t1 + 16 * r));
+                 }
+               });
 }
 
 // ---- AMX-INT8
