@@ -272,6 +272,7 @@ struct Options {
   int tp = 1;      // > 1: that many GPUs, one cache over them vs a cache per GPU (RunTensorParallel)
   bool ep = false;  // with tp > 1: expert parallelism (each GPU its own tokens, exchanged over NCCL)
   int chunk = 0;  // > 0: tokens per layer call (a larger batch runs as several calls)
+  int miss_buffers = DispatcherConfig{}.miss_buffers;  // the dispatcher's temporary buffers per layer parity
   // Tokens in one layer call of a batch of T.
   int CallTokens(int T) const { return chunk > 0 ? std::min(T, chunk) : T; }
   // Layer calls per step of a batch of T (per MoE layer).
@@ -423,7 +424,8 @@ double RunFloor(const RunResult& r, const FloorRates& f) {
 // What every run's dispatcher starts from: the servers over shm (request
 // slots of 1024 tokens, 8 of them), C slots per layer, calls of up to
 // max_tokens tokens, a deadline no bench call reaches.
-DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, int C, int max_tokens, int top_k) {
+DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, int C, int max_tokens, int top_k,
+                                       int miss_buffers) {
   DispatcherConfig c;
   for (const std::string& s : sockets) c.servers.push_back(ExpertServerConfig{"unix://" + s, {}});
   c.transport.max_tokens_per_slot = 1024;
@@ -431,7 +433,7 @@ DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, 
   c.slots_per_layer = C;
   c.max_tokens = max_tokens;
   c.max_top_k = top_k;
-  c.miss_buffers = 4;
+  c.miss_buffers = miss_buffers;
   c.deadline = std::chrono::milliseconds(120000);
   return c;
 }
@@ -467,7 +469,7 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
   auto rank_main = [&](int r) {
     if (cudaSetDevice(r) != cudaSuccess) Die("cudaSetDevice");
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend("cuda"), "device");
-    DispatcherConfig c = BenchDispatcherConfig(sockets, C, group && o.ep ? T * R : T, k);
+    DispatcherConfig c = BenchDispatcherConfig(sockets, C, group && o.ep ? T * R : T, k, o.miss_buffers);
     if (group) c.group = TensorParallel(r, R);
     if (group && o.ep) {
       c.group.mode = GroupMode::kExpert;
@@ -615,7 +617,7 @@ class Bench {
   RunResult Run(int T, int C, CachePolicy policy, CopyMode copy, bool dual, bool graph = false) {
     const int N = o_.CallTokens(T);
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
-    DispatcherConfig c = BenchDispatcherConfig(shm_, C, N, spec_.top_k);
+    DispatcherConfig c = BenchDispatcherConfig(shm_, C, N, spec_.top_k, o_.miss_buffers);
     c.policy = policy;
     c.copy_mode = copy;
     c.admissions_per_call = o_.admissions;
@@ -982,6 +984,10 @@ int Main(int argc, char** argv) {
   flags.Int("server-idle-spin-us", &spin, "the expert server's --idle-spin-us (decode keeps it hot)");
   int64_t admissions = o.admissions;
   flags.Int("admissions", &admissions, "ours: lfru cache admissions started per layer call");
+  int64_t miss_buffers = o.miss_buffers;
+  flags.Int("miss-buffers", &miss_buffers,
+            "the worker's temporary buffers per layer parity for copied experts (0, the worker's default: 4-16 "
+            "by the expert's size)");
   int64_t runs = o.runs;
   flags.Int("runs", &runs, "runs of every configuration (fresh dispatcher each); cells show median [min-max]");
   flags.Int("slices", &slices,
@@ -1020,6 +1026,8 @@ int Main(int argc, char** argv) {
   if (chunk < 0) Die("--chunk: must be at least 0");
   o.chunk = static_cast<int>(chunk);
   o.runs = static_cast<int>(runs);
+  if (miss_buffers < 0 || miss_buffers > kMaxMissBuffers) flags.Fail("--miss-buffers must be in [0, 256]");
+  o.miss_buffers = static_cast<int>(miss_buffers);
   // The server's own default (ChooseDefaultThreads: an engine shares the
   // host): all cores but max(2, cores / 16). The server pins its compute
   // threads, one per core, and a parallel region waits for the slowest: a

@@ -296,7 +296,9 @@ absl::Status LayerDispatcher::CheckConfig() {
       return absl::InvalidArgumentError(absl::StrCat(r.name, ": ", r.value, " is outside [", r.lo, ", ", r.hi, "]"));
   if (!(c.cache_gib >= 0 && c.cache_gib <= kMaxCacheGib))  // NaN too
     return absl::InvalidArgumentError(absl::StrCat("cache-gib: ", c.cache_gib, " is outside [0, ", kMaxCacheGib, "]"));
-  if (c.miss_buffers < 1) return absl::InvalidArgumentError("miss-buffers: must be at least 1");
+  if (c.miss_buffers < 0 || c.miss_buffers > kMaxMissBuffers)
+    return absl::InvalidArgumentError(
+        absl::StrCat("miss-buffers: ", c.miss_buffers, " is outside [0, ", kMaxMissBuffers, "] (0: by the expert's size)"));
   if (c.group.size < 1 || c.group.size > spec_.num_experts || c.group.rank < 0 || c.group.rank >= c.group.size)
     return absl::InvalidArgumentError(absl::StrCat(c.group.mode == GroupMode::kExpert ? "group (ep_rank, ep_size)"
                                                                                       : "group (tp_rank, tp_size)",
@@ -337,6 +339,18 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
                                                    " exceeds the model's ", spec_.num_experts, " experts per layer"));
   // From --cache-gib: at most every expert (this rank's share in a group).
   C = std::min(C, (spec_.num_experts + c.group.size - 1) / c.group.size);
+  if (c.miss_buffers == 0) {
+    // Copied experts are computed miss_buffers / 2 per launch; on a GPU a
+    // launch of two small experts leaves most SMs idle (a Qwen3-30B-A3B int8
+    // prompt of 2048 tokens: 248-290 ms with 16 against 304-309 with 4,
+    // bench/RESULTS.md stop 21), so small experts get more buffers, within
+    // kAutoMissBufferBytes. The cpu backend computes them on the host's cores
+    // either way: 4.
+    config_.miss_buffers =
+        backend_->has_device_memory()
+            ? static_cast<int>(std::clamp<size_t>(kAutoMissBufferBytes / std::max<size_t>(1, expert_bytes), 4, 16))
+            : 4;
+  }
   const int temp = host_ != nullptr ? 2 * c.miss_buffers : 0;
   // Capturable calls' copy-instead buffers (their own: an eager call on the
   // backend's stream may use the temporary ones at the same time).

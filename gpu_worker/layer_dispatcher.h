@@ -75,6 +75,10 @@ absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, in
 // them naming the option): tokens of one call, calls in flight, GiB of cache.
 inline constexpr int64_t kMaxCallTokens = 1 << 16;
 inline constexpr int64_t kMaxContexts = 64;
+// Temporary miss buffers per layer parity: at most this many; by default
+// (miss_buffers 0) as many as this many bytes hold, 4 to 16.
+inline constexpr int64_t kMaxMissBuffers = 256;
+inline constexpr size_t kAutoMissBufferBytes = size_t{128} << 20;
 // Forward's device path takes calls of at most this many pairs per expert of
 // the layer on average (LayerDispatcher::OnDevicePath).
 inline constexpr int kDevicePathPairsPerExpert = 1;
@@ -95,8 +99,9 @@ struct DispatcherConfig {
   int max_top_k = 8;
   int contexts = 2;                // calls in flight (micro-batches)
   int admissions_per_call = 4;     // lru/lfru: copies started per call
-  int miss_buffers = 4;            // temporary miss buffers per layer parity (copied experts are
-                                   // computed half of them per launch while the other half loads)
+  int miss_buffers = 0;            // temporary miss buffers per layer parity (copied experts are
+                                   // computed half of them per launch while the other half loads);
+                                   // 0: 4 to 16, as many as kAutoMissBufferBytes holds
   CopyMode copy_mode = CopyMode::kAuto;
   int copy_min_tokens = 0;         // > 0: copy experts with at least this many tokens (no model)
   bool copy_fallback = true;       // failed servers: copy the experts to the device
