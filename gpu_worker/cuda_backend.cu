@@ -305,6 +305,16 @@ class CudaBackend final : public DeviceBackend {
   // Device pointer through which a kernel may write [p, p + bytes) of host
   // memory, or nullptr (not registered/mapped, or too big to be worth it).
   void* MappedForKernelWrite(void* p, size_t bytes) const;
+  // The device address of host memory [p, p + bytes) when it is pinned and
+  // mapped as one range (any size), else nullptr.
+  const void* MappedRange(const void* p, size_t bytes) const;
+  // A host-to-device upload on `stream` that does not queue on the copy
+  // engine: SMs read mapped pinned memory (16-byte units) — behind a layer's
+  // expert copies a DMA upload of a call's rows or partial sums waited for
+  // all of them (bench/RESULTS.md, stop 21). Unmapped or unaligned memory: a
+  // DMA copy. `mapped`: src's device address when the caller knows it.
+  absl::Status UploadFromHost(void* dst, const void* src, size_t bytes, cudaStream_t stream,
+                              const void* mapped = nullptr) const;
 
   uint8_t* slot(int b) const { return static_cast<uint8_t*>(experts_.get()) + static_cast<size_t>(b) * slot_bytes_; }
   // A bf16 buffer (row-major).
@@ -578,9 +588,14 @@ void CudaBackend::UnregisterHost(void* p) {
 
 void* CudaBackend::MappedForKernelWrite(void* p, size_t bytes) const {
   if (bytes == 0 || bytes > mapped_write_max_bytes_) return nullptr;
+  return const_cast<void*>(MappedRange(p, bytes));
+}
+
+const void* CudaBackend::MappedRange(const void* p, size_t bytes) const {
+  if (bytes == 0) return nullptr;
   cudaPointerAttributes first{}, last{};
   if (cudaPointerGetAttributes(&first, p) != cudaSuccess ||
-      cudaPointerGetAttributes(&last, static_cast<char*>(p) + bytes - 1) != cudaSuccess) {
+      cudaPointerGetAttributes(&last, static_cast<const char*>(p) + bytes - 1) != cudaSuccess) {
     cudaGetLastError();
     return nullptr;
   }
@@ -777,9 +792,22 @@ absl::StatusOr<CudaBackend::Upload> CudaBackend::Reserve(Context& c, size_t byte
   return u;
 }
 
+absl::Status CudaBackend::UploadFromHost(void* dst, const void* src, size_t bytes, cudaStream_t stream,
+                                         const void* mapped) const {
+  const bool aligned = bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+  if (aligned && mapped == nullptr) mapped = MappedRange(src, bytes);
+  if (aligned && mapped != nullptr) {
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchCopyFromHost(mapped, dst, bytes, stream));
+  } else {
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::Commit(Context& c, const Upload& u) {
-  MOE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(u.dev, u.host, u.bytes, cudaMemcpyHostToDevice, compute_));
+  // The stage is cudaHostAlloc'ed: under unified addressing its host address is its device address.
+  MOE_RETURN_IF_ERROR(UploadFromHost(u.dev, u.host, u.bytes, compute_, u.host));
   MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(c.stage_event, compute_));
   c.stage_event_recorded = true;
   return absl::OkStatus();
@@ -886,10 +914,12 @@ absl::StatusOr<uint64_t> CudaBackend::AddRows(int ctx, const int32_t* rows, int 
     if (!d_rows.ok()) return d_rows.status();
     const size_t row_bytes = static_cast<size_t>(H_) * sizeof(bf16_t);
     bf16_t* scratch = static_cast<bf16_t*>(rows_bf16_.get());
+    const bf16_t* mapped = static_cast<const bf16_t*>(MappedRange(partial, n * row_bytes));
     for (int off = 0; off < n; off += chunk_rows_) {
       const int m = std::min(chunk_rows_, n - off);
-      MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(scratch, partial + static_cast<size_t>(off) * H_,
-                                               m * row_bytes, cudaMemcpyHostToDevice, compute_));
+      const size_t at = static_cast<size_t>(off) * H_;
+      MOE_RETURN_IF_ERROR(UploadFromHost(scratch, partial + at, m * row_bytes, compute_,
+                                         mapped != nullptr ? mapped + at : nullptr));
       MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddBf16(
           scratch, *d_rows + off, m, H_, static_cast<float*>(c.accum.get()), compute_));
     }
