@@ -850,9 +850,12 @@ absl::Status CudaBackend::BeginCall(int ctx, int T, const bf16_t* hidden, Memory
   c.active = false;
   if (T > 0) {
     const size_t n = static_cast<size_t>(T) * H_;
-    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(
-        c.x.get(), hidden, n * sizeof(bf16_t),
-        kind == MemoryKind::kHost ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice, compute_));
+    if (kind == MemoryKind::kHost) {  // not behind queued expert copies when the caller's memory is registered
+      MOE_RETURN_IF_ERROR(UploadFromHost(c.x.get(), hidden, n * sizeof(bf16_t), compute_));
+    } else {
+      MOE_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(c.x.get(), hidden, n * sizeof(bf16_t), cudaMemcpyDeviceToDevice, compute_));
+    }
     MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(c.accum.get(), 0, n * sizeof(float), compute_));
   }
   c.T = T;
