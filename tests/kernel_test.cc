@@ -333,6 +333,25 @@ TEST(Fp8Checkpoint, BlocksTheKernelsCannotGroupAreRefused) {
   EXPECT_NE(g.status().message().find("--weight-dtype fp8"), std::string::npos) << g.status();
   spec.quant.scheme = WeightQuant::kNone;  // a bf16 model is quantized per channel and 128 columns
   EXPECT_EQ(StorageGeometry(spec, "fp8")->group, ExpertGeometry::kDefaultFp8Group);
+
+  // A slice whose first column of down falls inside a checkpoint block (192
+  // intermediate rows in 3 slices of 64): its scale groups would straddle two
+  // blocks, so the store refuses it, naming the way out.
+  spec.quant.scheme = WeightQuant::kFp8Block;
+  spec.quant.block_cols = 128;
+  spec.intermediate = 192;
+  absl::StatusOr<std::unique_ptr<ModelSource>> sliced = SliceModel(MakeSyntheticSource(spec, 3), ExpertSlice{1, 3});
+  ASSERT_TRUE(sliced.ok()) << sliced.status();
+  absl::StatusOr<ExpertGeometry> sg = StorageGeometry((*sliced)->spec(), "fp8");
+  ASSERT_TRUE(sg.ok()) << sg.status();
+  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 1);
+  ASSERT_TRUE(numa.ok()) << numa.status();
+  ComputePool pool(**numa);
+  absl::StatusOr<std::unique_ptr<ExpertStore>> store =
+      ExpertStore::Load(**sliced, *sg, HostedSet{{spec.moe_layers[0]}, {0}}, **numa, pool);
+  ASSERT_FALSE(store.ok());
+  EXPECT_EQ(store.status().code(), absl::StatusCode::kInvalidArgument) << store.status();
+  EXPECT_NE(store.status().message().find("--weight-dtype int8"), std::string::npos) << store.status();
 }
 
 // The int8/int4 paths of the avx512 kernel (AVX-512-VNNI) and of the amx
