@@ -360,6 +360,7 @@ class CudaBackend final : public DeviceBackend {
 
   std::map<void*, size_t> registered_;
   size_t mapped_write_max_bytes_ = kMappedWriteMaxBytes;
+  bool unified_addressing_ = false;  // host pinned memory is read by kernels at its host address
   absl::Status deferred_;  // error of a void-returning call, reported by the next call
 
   std::map<int, std::unique_ptr<DeviceSite>> sites_;
@@ -499,6 +500,9 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
     mapped_write_max_bytes_ = std::strtoull(v, nullptr, 10);
   H_ = config.hidden;
   I_ = config.intermediate;
+  int uva = 0;
+  MOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&uva, cudaDevAttrUnifiedAddressing, device_));
+  unified_addressing_ = uva != 0;
   geometry_ = GeometryOf(config);
   layout_.format = static_cast<int>(geometry_.format);
   layout_.group = geometry_.group;
@@ -807,7 +811,7 @@ absl::Status CudaBackend::UploadFromHost(void* dst, const void* src, size_t byte
 
 absl::Status CudaBackend::Commit(Context& c, const Upload& u) {
   // The stage is cudaHostAlloc'ed: under unified addressing its host address is its device address.
-  MOE_RETURN_IF_ERROR(UploadFromHost(u.dev, u.host, u.bytes, compute_, u.host));
+  MOE_RETURN_IF_ERROR(UploadFromHost(u.dev, u.host, u.bytes, compute_, unified_addressing_ ? u.host : nullptr));
   MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(c.stage_event, compute_));
   c.stage_event_recorded = true;
   return absl::OkStatus();
