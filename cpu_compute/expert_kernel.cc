@@ -203,6 +203,10 @@ absl::Status PackExpertFp8(const ExpertGeometry& g, const ExpertFp8& w, std::byt
   if (w.gate.rows != g.I || w.gate.cols != g.H || w.up.rows != g.I || w.up.cols != g.H || w.down.rows != g.H ||
       w.down.cols != g.I)
     return absl::InvalidArgumentError(absl::StrCat("fp8 experts: shapes do not match H=", g.H, " I=", g.I));
+  for (const Fp8Projection* p : {&w.gate, &w.up, &w.down})
+    for (float s : p->scale_inv)
+      if (!std::isfinite(s * 448.0f))  // E4M3's largest code times its scale
+        return absl::InvalidArgumentError(absl::StrCat("fp8 experts: scale_inv ", s, " makes weights overflow f32"));
   const size_t gub = g.block_bytes(g.Kh), db = g.block_bytes(g.Ki);
   for (int c = 0; c < g.gate_up_groups(); ++c) {
     CopyFp8Block(w.gate, 16 * c, g.Kh, g.group, dst + (2 * c) * gub);

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 
@@ -146,8 +147,13 @@ inline std::byte* ThreadScratch(size_t bytes) {
   thread_local std::unique_ptr<std::byte, Free> buf;
   thread_local size_t cap = 0;
   if (bytes > cap) {
-    cap = (bytes + 4095) / 4096 * 4096;
-    buf.reset(static_cast<std::byte*>(std::aligned_alloc(64, cap)));
+    const size_t want = (bytes + 4095) / 4096 * 4096;
+    buf.reset(static_cast<std::byte*>(std::aligned_alloc(64, want)));
+    if (buf == nullptr) {  // at most a few MiB per thread: out of memory is fatal here
+      std::fprintf(stderr, "moe: out of memory for a %zu-byte kernel scratch\n", want);
+      std::abort();
+    }
+    cap = want;
   }
   return buf.get();
 }

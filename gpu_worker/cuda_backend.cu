@@ -306,7 +306,8 @@ class CudaBackend final : public DeviceBackend {
   // memory, or nullptr (not registered/mapped, or too big to be worth it).
   void* MappedForKernelWrite(void* p, size_t bytes) const;
   // The device address of host memory [p, p + bytes) when it is pinned and
-  // mapped as one range (any size), else nullptr.
+  // mapped as one range, else nullptr; above mapped_write_max_bytes_ only
+  // within one range registered through RegisterHost.
   const void* MappedRange(const void* p, size_t bytes) const;
   // A host-to-device upload on `stream` that does not queue on the copy
   // engine: SMs read mapped pinned memory (16-byte units) — behind a layer's
@@ -597,6 +598,16 @@ void* CudaBackend::MappedForKernelWrite(void* p, size_t bytes) const {
 
 const void* CudaBackend::MappedRange(const void* p, size_t bytes) const {
   if (bytes == 0) return nullptr;
+  // Beyond the small sizes, only inside one range registered here: a range
+  // over two registrations with a gap between them passes the first/last
+  // check below, and an SM read of the gap would fault.
+  if (bytes > mapped_write_max_bytes_) {
+    auto it = registered_.upper_bound(const_cast<void*>(p));
+    if (it == registered_.begin()) return nullptr;
+    --it;
+    const char* begin = static_cast<const char*>(it->first);
+    if (static_cast<const char*>(p) < begin || static_cast<const char*>(p) + bytes > begin + it->second) return nullptr;
+  }
   cudaPointerAttributes first{}, last{};
   if (cudaPointerGetAttributes(&first, p) != cudaSuccess ||
       cudaPointerGetAttributes(&last, static_cast<const char*>(p) + bytes - 1) != cudaSuccess) {
