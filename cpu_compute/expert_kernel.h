@@ -65,8 +65,8 @@ const char* WeightFormatName(WeightFormat f);
 // W[n, k] = scale * q.
 struct ExpertGeometry {
   int H = 0, I = 0;
-  int Kh = 0;  // H rounded up (32 bf16; 64 and the group for int): the K of gate/up, the row stride of inputs
-  int Ki = 0;  // I rounded up likewise: the K of down, the row stride of activations
+  int Kh = 0;  // H rounded up (32 bf16; 64, and the group for int4/fp8): the K of gate/up
+  int Ki = 0;  // I rounded up likewise: the K of down
   int Hn = 0;  // H rounded up to 32: the N of down
   WeightFormat format = WeightFormat::kBf16;
   int group = 0;  // kInt4, kFp8: k per scale group (a multiple of 64); else 0
@@ -105,7 +105,7 @@ struct ExpertGeometry {
 
 // Writes the packed form of one expert (row-major bf16 gate/up [I,H], down [H,I])
 // into dst (geometry.packed_bytes() bytes, 64-byte aligned), quantizing for
-// the integer formats. Padding is zero.
+// the byte formats (int8, int4, fp8). Padding is zero.
 void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, const bf16_t* down,
                 std::byte* dst);
 // Writes an FP8 checkpoint's expert (g.format == kFp8) with its own codes and

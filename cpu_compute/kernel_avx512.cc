@@ -1,6 +1,8 @@
 // AVX-512 kernel. bf16: vdpbf16ps over the packed layout, up to 8 rows x 2
-// blocks of 16 columns in registers (16 accumulators). fp8: each block pair
-// converted to bf16 (simd::Fp8BlocksToBf16), then the bf16 path. int8/int4: vpdpbusd
+// blocks of 16 columns in registers (16 accumulators). fp8: up to
+// kFp8DirectRows rows, codes converted to exact bf16 in registers and the
+// group scales applied to the sums (DotRowsFp8); more rows, each block pair
+// converted once to bf16 (simd::Fp8BlocksToBf16) for the bf16 path. int8/int4: vpdpbusd
 // (AVX-512-VNNI) straight from the packed integer layouts, up to 4 rows (each
 // a hi and a lo int8 row) x 2 blocks in registers (16 int32 accumulators);
 // each 64-byte weight row is loaded once per row chunk.

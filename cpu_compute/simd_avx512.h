@@ -73,9 +73,15 @@ struct Fp8Scales {
 // bit 15 and exponent and mantissa at bits 13-7; bit 14, a copy of the sign,
 // is cleared): the f16 is the value / 256, subnormals included, and f16 ->
 // f32 is exact; the 256 is in the scales.
-inline void Fp8RowToBf16(const std::byte* row, const Fp8Scales& s, __m512i& even_row, __m512i& odd_row) {
+// lo and hi (channels 0-7 and 8-15, 4 k each as 16-bit values) as the rows of
+// k pairs (4p, 4p+1) and (4p+2, 4p+3) of the 16 channels: even and odd dwords.
+inline void SplitKPairs(__m512i lo, __m512i hi, __m512i& even_row, __m512i& odd_row) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  even_row = _mm512_permutex2var_epi32(lo, even, hi);
+  odd_row = _mm512_permutex2var_epi32(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+}
+
+inline void Fp8RowToBf16(const std::byte* row, const Fp8Scales& s, __m512i& even_row, __m512i& odd_row) {
   const __m512i f16_bits = _mm512_set1_epi16(static_cast<short>(0xBF80));
   const __m512i v = _mm512_loadu_si512(row);
   const __m512i lo = _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v)), 7), f16_bits);
@@ -85,12 +91,13 @@ inline void Fp8RowToBf16(const std::byte* row, const Fp8Scales& s, __m512i& even
     const __m512 c = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(f16, 1)), s.hi);
     return (__m512i)_mm512_cvtne2ps_pbh(c, a);
   };
-  even_row = convert(_mm512_permutex2var_epi32(lo, even, hi));
-  odd_row = convert(_mm512_permutex2var_epi32(lo, odd, hi));
+  SplitKPairs(lo, hi, even_row, odd_row);
+  even_row = convert(even_row);
+  odd_row = convert(odd_row);
 }
 
 // Codes -> exact bf16 in integer ops (the decode path: no f32 round trip;
-// the scales go to the f32 sums, Fp8DotRows). 32 sign-extended codes s (one
+// the scales go to the f32 sums, kernel_avx512.cc's DotRowsFp8). 32 sign-extended codes s (one
 // per 16-bit lane): a normal code (exponent e > 0) is bf16 bits sign | (e +
 // 120) << 7 | m << 4 — (s << 4) keeps the sign at bit 15 and puts e, m at bits
 // 10-4, and adding 120 << 7 cannot carry into the sign. Zero and subnormal
@@ -112,13 +119,9 @@ inline __m512i Fp8CodesToBf16(__m512i s) {
 // One 64-byte fp8 chunk row as the exact bf16 rows 2p and 2p + 1 (as
 // Fp8RowToBf16, without scales).
 inline void Fp8RowToBf16Exact(const std::byte* row, __m512i& even_row, __m512i& odd_row) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512i v = _mm512_loadu_si512(row);
-  const __m512i lo = Fp8CodesToBf16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v)));
-  const __m512i hi = Fp8CodesToBf16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1)));
-  even_row = _mm512_permutex2var_epi32(lo, even, hi);
-  odd_row = _mm512_permutex2var_epi32(lo, odd, hi);
+  SplitKPairs(Fp8CodesToBf16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(v))),
+              Fp8CodesToBf16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1))), even_row, odd_row);
 }
 
 // kFp8 blocks (expert_kernel.h) as kBf16 blocks: `n` blocks of Kp columns,

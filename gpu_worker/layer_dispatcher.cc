@@ -190,7 +190,7 @@ struct LayerDispatcher::Impl {
   std::vector<int> access_pairs;        // per accessed expert of the plan
   ExpertGroups one_group;               // ComputeCopied's single group, ComputeCopiedInBuffers' launch
   std::vector<int32_t> launch_buffers;  // ComputeCopiedInBuffers: the launch's buffer per group
-  std::vector<int> copy_groups;         // ComputeCopies: the temporary-buffer experts' groups
+  std::vector<int> copy_groups;         // ComputeCopiedInBuffers' groups (ComputeCopies, failover)
   ExpertGroups failover_groups;         // a failed sent batch's pairs by expert
 
   // Device-planned calls (EnqueueCapturable): the host-mapped tables the
@@ -1398,9 +1398,9 @@ absl::Status LayerDispatcher::ComputeServerBatchOnDevice(int ticket, const Serve
   GroupByExpert(RoutingView{b.n, b.k, b.ids.data(), b.weights.data()}, spec_.num_experts, 1, &groups);
   for (int32_t& t : groups.token)
     if (t >= 0) t = b.rows[t];  // batch rows -> the call's tokens
-  std::vector<int> gs(groups.num_groups());
-  std::iota(gs.begin(), gs.end(), 0);
-  return ComputeCopiedInBuffers(ticket, groups, gs);
+  impl_->copy_groups.resize(groups.num_groups());
+  std::iota(impl_->copy_groups.begin(), impl_->copy_groups.end(), 0);
+  return ComputeCopiedInBuffers(ticket, groups, impl_->copy_groups);
 }
 
 absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {

@@ -56,7 +56,7 @@ struct GroupedExpertArgs {
 
 // Experts in the CPU server's packed layout (cpu_compute/expert_kernel.h:
 // 16-channel blocks, gate and up blocks interleaved, then down's blocks; the
-// integer formats carry their scales in each block). A quantized GPU cache
+// byte formats (int8, int4, fp8) carry their scales in each block). A quantized GPU cache
 // keeps its slots in this layout, byte for byte what the host copy holds, so
 // a copy is one memcpy of the packed bytes. Filled from ExpertGeometry by the
 // backend (kernels.h stays free of the CPU headers).
