@@ -1032,7 +1032,7 @@ int main(int argc, char** argv) {
   flags.String("shapes", &o.shapes, "model presets whose expert geometry to use (comma list)");
   flags.String("tokens", &o.tokens, "tokens per expert m for the per-expert cases (comma list)");
   flags.String("formats", &o.formats,
-               "storage formats of the packed experts: bf16, int8, int4 (comma list; int4 group 128)");
+               "storage formats of the packed experts: bf16, int8, int4, fp8 (comma list; int4 and fp8 group 128)");
   flags.String("kernels", &o.kernels,
                "kernels (amx, avx512, reference; comma list); empty = all this CPU has for each format");
   flags.Bool("with-reference", &o.with_reference, "also time the scalar reference kernel (m <= 16, decode)");

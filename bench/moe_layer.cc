@@ -1001,7 +1001,7 @@ int Main(int argc, char** argv) {
             "(each rank its experts, ncclAllReduce of the outputs) vs a cache per GPU, per --batches and --cache");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
   flags.String("weight-dtype", &o.weight_dtype,
-               "the expert server's --weight-dtype and the worker's cache precision: bf16, int8 or int4");
+               "the expert server's --weight-dtype and the worker's cache precision: bf16, int8, int4 or fp8");
   flags.Bool("share-host-copy", &o.share_host_copy,
              "the worker maps the server's packed store (one host copy); false: it packs its own");
   flags.Parse(argc, argv);

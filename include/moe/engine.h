@@ -76,12 +76,12 @@ struct ModelInfo {
   int hidden = 0;               // H
   int intermediate = 0;         // I, per expert
   std::string weight_dtype;     // the checkpoint's expert weights, as safetensors names it: BF16, F16, F32
-  uint64_t expert_bytes = 0;    // what one expert copy moves: packed in the host copy's format (bf16, int8 or
-                                // int4; bf16 without a host copy), the coordinator's copy budget counts it
+  uint64_t expert_bytes = 0;    // what one expert copy moves: packed in the host copy's format (bf16, int8,
+                                // int4 or fp8; bf16 without a host copy), the coordinator's copy budget counts it
 };
 
 // The names of the SessionOptions choices (auto | cuda | cpu; static | lru |
-// lfru | predictive; auto | never | always; auto | bf16 | int8 | int4), and
+// lfru | predictive; auto | never | always; auto | bf16 | int8 | int4 | fp8), and
 // their parsing: InvalidArgument naming `field` and the accepted names.
 const char* Name(DeviceChoice v);
 const char* Name(CachePolicy v);
