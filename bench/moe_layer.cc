@@ -273,6 +273,7 @@ struct Options {
   bool ep = false;  // with tp > 1: expert parallelism (each GPU its own tokens, exchanged over NCCL)
   int chunk = 0;  // > 0: tokens per layer call (a larger batch runs as several calls)
   int miss_buffers = DispatcherConfig{}.miss_buffers;  // the dispatcher's temporary buffers per layer parity
+  bool prefetch = DispatcherConfig{}.prefetch;          // the next layer's experts copied during a prompt's call
   // Tokens in one layer call of a batch of T.
   int CallTokens(int T) const { return chunk > 0 ? std::min(T, chunk) : T; }
   // Layer calls per step of a batch of T (per MoE layer).
@@ -408,7 +409,7 @@ double StepFloor(const std::vector<std::vector<int>>& calls, const FloorRates& f
 using Uncached = std::vector<std::vector<int>>;
 
 struct RunResult {
-  double step_s = 0, moe_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0;
+  double step_s = 0, moe_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0, prefetched_share = 0;
   double submit_s = 0, wait_s = 0;  // per layer call, medians
   std::vector<Uncached> uncached;   // per timed step
   double floor_s = 0;               // set by Main from `uncached` (ours)
@@ -425,7 +426,7 @@ double RunFloor(const RunResult& r, const FloorRates& f) {
 // slots of 1024 tokens, 8 of them), C slots per layer, calls of up to
 // max_tokens tokens, a deadline no bench call reaches.
 DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, int C, int max_tokens, int top_k,
-                                       int miss_buffers) {
+                                       int miss_buffers, bool prefetch) {
   DispatcherConfig c;
   for (const std::string& s : sockets) c.servers.push_back(ExpertServerConfig{"unix://" + s, {}});
   c.transport.max_tokens_per_slot = 1024;
@@ -434,6 +435,7 @@ DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, 
   c.max_tokens = max_tokens;
   c.max_top_k = top_k;
   c.miss_buffers = miss_buffers;
+  c.prefetch = prefetch;
   c.deadline = std::chrono::milliseconds(120000);
   return c;
 }
@@ -469,7 +471,7 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
   auto rank_main = [&](int r) {
     if (cudaSetDevice(r) != cudaSuccess) Die("cudaSetDevice");
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend("cuda"), "device");
-    DispatcherConfig c = BenchDispatcherConfig(sockets, C, group && o.ep ? T * R : T, k, o.miss_buffers);
+    DispatcherConfig c = BenchDispatcherConfig(sockets, C, group && o.ep ? T * R : T, k, o.miss_buffers, o.prefetch);
     if (group) c.group = TensorParallel(r, R);
     if (group && o.ep) {
       c.group.mode = GroupMode::kExpert;
@@ -617,7 +619,7 @@ class Bench {
   RunResult Run(int T, int C, CachePolicy policy, CopyMode copy, bool dual, bool graph = false) {
     const int N = o_.CallTokens(T);
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
-    DispatcherConfig c = BenchDispatcherConfig(shm_, C, N, spec_.top_k, o_.miss_buffers);
+    DispatcherConfig c = BenchDispatcherConfig(shm_, C, N, spec_.top_k, o_.miss_buffers, o_.prefetch);
     c.policy = policy;
     c.copy_mode = copy;
     c.admissions_per_call = o_.admissions;
@@ -653,7 +655,7 @@ class Bench {
 
     RunResult r;
     std::vector<double> step_t, moe_t, submit_t, wait_t;
-    uint64_t hits = 0, cpu = 0, copied = 0;
+    uint64_t hits = 0, cpu = 0, copied = 0, prefetched = 0;
     for (int step = 0; step < o_.warmup + o_.steps; ++step) {
       const bool timed = step >= o_.warmup;
       std::fill(io.pos.begin(), io.pos.end(), o_.context + step);
@@ -672,6 +674,7 @@ class Bench {
             hits += s.hit_pairs;
             cpu += s.cpu_pairs;
             copied += s.copied_pairs;
+            prefetched += s.prefetched_pairs;
           }
         }
       }
@@ -690,6 +693,7 @@ class Bench {
     r.hit_rate = pairs > 0 ? hits / pairs : 0;
     r.cpu_share = pairs > 0 ? cpu / pairs : 0;
     r.copied_share = pairs > 0 ? copied / pairs : 0;
+    r.prefetched_share = pairs > 0 ? prefetched / pairs : 0;
     if (d->cost_model().measured) cost_ = d->cost_model().Describe();
     return r;
   }
@@ -988,6 +992,8 @@ int Main(int argc, char** argv) {
   flags.Int("miss-buffers", &miss_buffers,
             "the worker's temporary buffers per layer parity for copied experts (0, the worker's default: 4-16 "
             "by the expert's size)");
+  flags.Bool("prefetch", &o.prefetch,
+             "the worker copies the next layer's experts during a call that copies (the default; false for A/B)");
   int64_t runs = o.runs;
   flags.Int("runs", &runs, "runs of every configuration (fresh dispatcher each); cells show median [min-max]");
   flags.Int("slices", &slices,
@@ -1177,7 +1183,7 @@ int Main(int argc, char** argv) {
   PrintProbe(probe, spec, o.weight_dtype);
   if (!rates_out.empty()) WriteRates(rates_out, dram_gbps, pcie_gbps, rates.cpu_bytes, probe);
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
-              "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied | "
+              "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied (prefetched) | "
               "ours submit/wait ms | ours-graph step ms | graph MoE/layer ms | graph floor ms | graph/floor | graph fixed us/layer | "
               "ours-host step ms |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
@@ -1237,7 +1243,7 @@ int Main(int argc, char** argv) {
       const double fixed_us = has("ours") ? (ours.step_s - floor) / calls * 1e6 : 0;
       auto opt = [](bool ran, const std::string& v) { return ran ? v : std::string("-"); };
       const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
-      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% | %s / %s | %s | %s |\n", T,
+      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% (%.0f%%) | %s / %s | %s | %s |\n", T,
                   pct, C, ceil_runs.Spread(&RunResult::step_s).c_str(), ours_runs.Spread(&RunResult::step_s).c_str(),
                   ours_runs.Spread(&RunResult::moe_s, 1.0 / L).c_str(),
                   opt(has("ours-cpu"), cpu_runs.Spread(&RunResult::step_s)).c_str(),
@@ -1245,7 +1251,7 @@ int Main(int argc, char** argv) {
                   opt(has("lru-copy"), lru_runs.Spread(&RunResult::step_s)).c_str(),
                   opt(has("copy-all"), Ms(copy_all_step)).c_str(),
                   ours_runs.Spread(&RunResult::floor_s).c_str(), ours.step_s / floor, fixed_us, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
-                  100 * ours.copied_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str(), graph_cells.c_str(),
+                  100 * ours.copied_share, 100 * ours.prefetched_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str(), graph_cells.c_str(),
                   host_cell.c_str());
       std::fflush(stdout);
     }

@@ -182,6 +182,23 @@ struct LayerDispatcher::Impl {
   int temp_base = 0;
   std::vector<uint64_t> temp_fence;
   int temp_next[2] = {0, 0};
+  // Prefetch (StartPrefetch): per layer parity, the next served layer's
+  // experts copied during a call into that parity's prefetch buffers, which
+  // follow the temporary ones (prefetch_per_parity each; none without a host
+  // copy).
+  struct Prefetch {
+    int layer = -1;                // the layer they are for, -1: none
+    std::vector<int32_t> buffer;   // per expert: its prefetch buffer index, -1: not prefetched
+    uint64_t last_fence = 0;       // the last of its copies (copies land in order)
+  };
+  Prefetch prefetch[2];
+  int prefetch_base = -1;               // backend buffer of prefetch buffer 0, -1: no prefetch
+  int prefetch_per_parity = 0;
+  std::vector<uint64_t> prefetch_free;  // per prefetch buffer: the compute fence after which it may be overwritten
+  std::vector<std::vector<int32_t>> last_pairs;  // [served index][expert]: pairs of the layer's last host-path call
+  std::vector<int64_t> last_total;               // [served index]: that call's pairs
+  std::vector<bool> prefetched_now;              // per expert: computed from a prefetch in the call being planned
+  std::vector<int> prefetch_order;               // StartPrefetch's candidates (scratch)
   // Split scratch: the plan of the call being submitted and its inputs.
   MissPlan plan;
   std::vector<int32_t> slot_buffer;     // per expert: the buffer of its Ready slot, or -1
@@ -352,14 +369,26 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
             : 4;
   }
   const int temp = host_ != nullptr ? 2 * c.miss_buffers : 0;
+  // The prefetch of the next layer's experts (StartPrefetch): per parity as
+  // many as kAutoPrefetchBytes holds (enough to keep the link busy through
+  // the engine's work between two layer calls: a 2048-token prompt's
+  // attention), at least miss_buffers, at most kMaxPrefetchBuffers; the cpu
+  // backend, whose "copies" cross no link, miss_buffers.
+  const int prefetch_auto = static_cast<int>(
+      std::min<size_t>(kMaxPrefetchBuffers, kAutoPrefetchBytes / std::max<size_t>(1, expert_bytes)));
+  impl_->prefetch_per_parity =
+      host_ == nullptr || !c.prefetch ? 0
+      : backend_->has_device_memory() ? std::max(c.miss_buffers, prefetch_auto)
+                                      : c.miss_buffers;
+  const int prefetch = 2 * impl_->prefetch_per_parity;
   // Capturable calls' copy-instead buffers (their own: an eager call on the
   // backend's stream may use the temporary ones at the same time).
   const int device_copies = host_ != nullptr && backend_->has_device_memory() ? kMaxDeviceCopies : 0;
-  const uint64_t need = (static_cast<uint64_t>(C) * layers_.size() + temp + device_copies) * expert_bytes;
+  const uint64_t need = (static_cast<uint64_t>(C) * layers_.size() + temp + prefetch + device_copies) * expert_bytes;
   if (need > backend_->free_memory_bytes())
     return absl::ResourceExhaustedError(absl::StrCat(
         c.slots_per_layer == 0 && c.cache_gib > 0 ? absl::StrCat("cache-gib: ", c.cache_gib, " GiB asks for ") : "cache: ",
-        C, " experts/layer x ", layers_.size(), " layers (+", temp + device_copies, " miss buffers) need ",
+        C, " experts/layer x ", layers_.size(), " layers (+", temp + prefetch + device_copies, " miss buffers) need ",
         need, " bytes, the ", backend_->name(), " device has ", backend_->free_memory_bytes(), " free"));
 
   ExpertCacheConfig cc;
@@ -370,7 +399,7 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   cc.lfru_half_life = c.lfru_half_life;
   MOE_ASSIGN_OR_RETURN(cache_, ExpertCache::Create(cc));
 
-  bc.num_buffers = C * static_cast<int>(layers_.size()) + temp + device_copies;
+  bc.num_buffers = C * static_cast<int>(layers_.size()) + temp + prefetch + device_copies;
   bc.max_tokens = c.max_tokens;
   bc.max_top_k = c.max_top_k;
   bc.contexts = c.contexts;
@@ -385,7 +414,13 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   MOE_RETURN_IF_ERROR(backend_->Init(bc));
   impl_->temp_base = C * static_cast<int>(layers_.size());
   impl_->temp_fence.assign(temp, 0);
-  impl_->copy_buffer_base = device_copies > 0 ? impl_->temp_base + temp : -1;
+  impl_->prefetch_base = prefetch > 0 ? impl_->temp_base + temp : -1;
+  impl_->prefetch_free.assign(prefetch, 0);
+  for (Impl::Prefetch& p : impl_->prefetch) p.buffer.assign(spec_.num_experts, -1);
+  impl_->last_pairs.assign(layers_.size(), std::vector<int32_t>(spec_.num_experts, 0));
+  impl_->last_total.assign(layers_.size(), 0);
+  impl_->prefetched_now.assign(spec_.num_experts, false);
+  impl_->copy_buffer_base = device_copies > 0 ? impl_->temp_base + temp + prefetch : -1;
   return absl::OkStatus();
 }
 
@@ -868,7 +903,8 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   ctx.call = call;
   ctx.submitted = t_start;
   ctx.device_prior_s = -1;
-  if (m.plan.missed.empty() && planner_.rates().measured) {  // hits only: the device time is the call's time
+  // Hits only (none prefetched, whose copies the call may wait for): the device time is the call's time.
+  if (m.plan.missed.empty() && planner_.rates().measured && m.prefetch[call.batch.layer & 1].layer != call.batch.layer) {
     ctx.device_prior_s = 0;
     for (int e : m.plan.accessed) ctx.device_prior_s += planner_.rates().DevicePrior(m.plan.hit_pairs[e]);
   }
@@ -936,6 +972,19 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
     const int slot = cache_->ReadySlot(layer, e);
     m.slot_buffer[e] = slot >= 0 ? SlotBuffer(layer, slot) : -1;
   }
+  // The experts prefetched for this layer are computed from their prefetch
+  // buffers with the hits; a prefetch for another layer of the parity is stale.
+  std::fill(m.prefetched_now.begin(), m.prefetched_now.end(), false);
+  Impl::Prefetch& pf = m.prefetch[layer & 1];
+  if (pf.layer == layer) {
+    for (int e = 0; e < E; ++e)
+      if (pf.buffer[e] >= 0 && m.slot_buffer[e] < 0) {
+        m.slot_buffer[e] = m.prefetch_base + pf.buffer[e];
+        m.prefetched_now[e] = true;
+      }
+  } else if (pf.layer >= 0) {
+    ReleasePrefetch(layer & 1, false);
+  }
   bool any_miss = false;
   for (size_t i = 0, n = static_cast<size_t>(routing.n) * routing.k; i < n && !any_miss; ++i)
     any_miss = routing.ids[i] >= 0 && m.slot_buffer[routing.ids[i]] < 0;
@@ -976,27 +1025,55 @@ absl::Status LayerDispatcher::Dispatch(int ticket) {
   const int layer = ctx.call.batch.layer;
   // 1. The CPU misses, per server, before any device compute is enqueued.
   MOE_RETURN_IF_ERROR(ShipMisses(ticket));
-  // 2. Hits: one grouped launch over the cached experts, the plan's groups as they are.
+  // 2. Hits: one grouped launch over the cached experts, the plan's groups as
+  // they are, and the experts prefetched for this call (after their copies).
+  const int parity = layer & 1;
+  const bool prefetched = m.prefetch[parity].layer == layer;
   if (m.plan.hits.num_groups() > 0) {
     ctx.stats.hit_pairs = m.plan.hits.total_pairs;
-    MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, m.plan.hit_plan()));
+    bool wait = false;
+    for (int e : m.plan.accessed)
+      if (m.prefetched_now[e] && m.plan.hit_pairs[e] > 0) {
+        wait = true;
+        ctx.stats.hit_pairs -= m.plan.hit_pairs[e];
+        ctx.stats.copied_pairs += m.plan.hit_pairs[e];
+        ++ctx.stats.copied_experts;
+        ctx.stats.prefetched_pairs += m.plan.hit_pairs[e];
+        ++ctx.stats.prefetched_experts;
+      }
+    if (wait) backend_->ComputeWaitCopy(m.prefetch[parity].last_fence);
+    const absl::Status run = backend_->RunExperts(ticket, m.plan.hit_plan());
+    if (prefetched) ReleasePrefetch(parity, true);
+    MOE_RETURN_IF_ERROR(run);
+  } else if (prefetched) {
+    ReleasePrefetch(parity, true);
   }
   // 3. Bookkeeping.
   m.access_pairs.clear();
   for (int e : m.plan.accessed) m.access_pairs.push_back(m.plan.hit_pairs[e] + m.plan.miss_pairs[e]);
   cache_->RecordAccess(layer, m.plan.accessed, m.access_pairs);
-  if (config_.on_access)
+  std::vector<int32_t>& last = m.last_pairs[layer_index_[layer]];
+  std::fill(last.begin(), last.end(), 0);
+  int64_t total = 0;
+  for (size_t i = 0; i < m.plan.accessed.size(); ++i) {
+    last[m.plan.accessed[i]] = m.access_pairs[i];
+    total += m.access_pairs[i];
+  }
+  m.last_total[layer_index_[layer]] = total;
+  if (config_.on_access)  // a prefetched expert was not cached: its pairs count as misses
     for (int e : m.plan.accessed) {
-      if (m.plan.hit_pairs[e] > 0) config_.on_access(layer, e, m.plan.hit_pairs[e], true);
+      if (m.plan.hit_pairs[e] > 0) config_.on_access(layer, e, m.plan.hit_pairs[e], !m.prefetched_now[e]);
       if (m.plan.miss_pairs[e] > 0) config_.on_access(layer, e, m.plan.miss_pairs[e], false);
     }
-  // 4. Copy-instead-of-compute.
+  // 4. Copy-instead-of-compute, then the next layer's prefetch behind it on the link.
   MOE_RETURN_IF_ERROR(ComputeCopies(ticket));
+  MOE_ASSIGN_OR_RETURN(const int prefetches, StartPrefetch(ticket));
   if (config_.on_activity && (ctx.stats.cpu_pairs > 0 || ctx.stats.copied_pairs > 0)) {
     LayerActivity a;
     a.cpu_pairs = static_cast<uint64_t>(ctx.stats.cpu_pairs);
     a.copied_pairs = static_cast<uint64_t>(ctx.stats.copied_pairs);
-    a.link_seconds = planner_.rates().measured ? planner_.rates().CopySeconds() * ctx.stats.copied_experts : 0.0;
+    const int link_copies = static_cast<int>(m.plan.copy_experts.size()) + prefetches;
+    a.link_seconds = planner_.rates().measured ? planner_.rates().CopySeconds() * link_copies : 0.0;
     config_.on_activity(layer, a);
   }
   // 5. Admissions for later calls (after the compute above, so an evicted
@@ -1126,6 +1203,76 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
     MOE_RETURN_IF_ERROR(StartSlotCopies(layer, copies));
   }
   return absl::OkStatus();
+}
+
+// Prefetch, for prompts: a call that moved experts over the link (copied, or
+// computed from a prefetch) starts copying the next served layer's experts
+// into that layer's prefetch buffers right away, behind its own copies, so
+// the link keeps working while this layer computes, its CPU share finishes
+// and the next layer's attention runs; the next layer's call computes them
+// with its hits (PlanCall, Dispatch). Which and how many, from what the
+// planner did: at most as many as this call moved, and only experts whose
+// expected pairs in the next call (its last call's, scaled to this call's
+// size) are at least those of the least-used expert this call moved — an
+// expert the planner would copy too. Decode calls, whose experts the plan
+// leaves to the CPU servers, prefetch nothing. Returns the copies started.
+absl::StatusOr<int> LayerDispatcher::StartPrefetch(int ticket) {
+  Impl& m = *impl_;
+  const InFlightCall& ctx = m.contexts[ticket];
+  if (!config_.prefetch || m.prefetch_base < 0 || config_.copy_mode != CopyMode::kAuto) return 0;
+  int moved = 0;
+  int32_t least = std::numeric_limits<int32_t>::max();
+  for (int e : m.plan.copy_experts) {
+    ++moved;
+    least = std::min(least, m.plan.miss_pairs[e]);
+  }
+  for (int e : m.plan.accessed)
+    if (m.prefetched_now[e] && m.plan.hit_pairs[e] > 0) {
+      ++moved;
+      least = std::min(least, m.plan.hit_pairs[e]);
+    }
+  if (moved == 0) return 0;
+  const size_t index = layer_index_[ctx.call.batch.layer], next_index = (index + 1) % layers_.size();
+  const int next = layers_[next_index], parity = next & 1;
+  Impl::Prefetch& pf = m.prefetch[parity];
+  if (pf.layer == next) return 0;  // another micro-batch's call started it
+  if (pf.layer >= 0) ReleasePrefetch(parity, false);
+  if (m.last_total[next_index] == 0) return 0;
+  const double scale = static_cast<double>(m.last_total[index]) / static_cast<double>(m.last_total[next_index]);
+  const std::vector<int32_t>& last = m.last_pairs[next_index];
+  std::vector<int>& order = m.prefetch_order;
+  order.clear();
+  for (int e = 0; e < spec_.num_experts; ++e)
+    if (last[e] > 0 && last[e] * scale >= least && cache_->SlotOf(next, e) < 0 && host_->Find(next, e) != nullptr)
+      order.push_back(e);
+  const int n = std::min({moved, m.prefetch_per_parity, static_cast<int>(order.size())});
+  if (n <= 0) return 0;
+  std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int a, int b) { return last[a] > last[b]; });
+  pf.layer = next;
+  for (int i = 0; i < n; ++i) {
+    const int ti = parity * m.prefetch_per_parity + i;
+    MOE_ASSIGN_OR_RETURN(pf.last_fence, backend_->LoadExpert(m.prefetch_base + ti, host_->Find(next, order[i]),
+                                                             m.prefetch_free[ti]));
+    pf.buffer[order[i]] = ti;
+  }
+  planner_.CopiesQueued(n);
+  return n;
+}
+
+// Gives back the prefetch of `parity`: consumed by a call (its buffers free
+// once the compute enqueued so far, which reads them, has run) or stale
+// (nothing read them; copies land in order, so a later copy into one of them
+// lands after the prefetch's).
+void LayerDispatcher::ReleasePrefetch(int parity, bool consumed) {
+  Impl& m = *impl_;
+  Impl::Prefetch& pf = m.prefetch[parity];
+  const uint64_t after = consumed ? backend_->RecordCompute() : 0;
+  for (int32_t& ti : pf.buffer) {
+    if (ti < 0) continue;
+    if (consumed) m.prefetch_free[ti] = after;
+    ti = -1;
+  }
+  pf.layer = -1;
 }
 
 namespace {

@@ -18,7 +18,14 @@
 //   4. the remaining misses are gathered straight into the transport's memory
 //      (a shared-memory slot for shm) and submitted, per server, BEFORE the
 //      hits are enqueued, so the CPU works while the device computes hits;
-//   5. hits run as one grouped launch over the cached experts.
+//   5. hits run as one grouped launch over the cached experts (and over the
+//      experts prefetched for this call, below).
+// Prefetch (prompts): a call that copied experts starts copying the next
+// served layer's experts that its next call will copy too (those its last
+// call routed most pairs to, as many as this call copied, at most
+// kAutoPrefetchBytes' worth) into that layer's parity's prefetch buffers, so the link keeps
+// working while this layer finishes and the next layer's attention runs; the
+// next call computes them with its hits and splits the rest as usual.
 // Complete waits for the servers' partial sums, adds them, and writes the
 // output. A failed server (UNAVAILABLE / DEADLINE_EXCEEDED) fails the batch
 // over to another server hosting its experts, else to copy-to-device from the
@@ -79,6 +86,11 @@ inline constexpr int64_t kMaxContexts = 64;
 // (miss_buffers 0) as many as this many bytes hold, 4 to 16.
 inline constexpr int64_t kMaxMissBuffers = 256;
 inline constexpr size_t kAutoMissBufferBytes = size_t{128} << 20;
+// Prefetch buffers per layer parity (DispatcherConfig::prefetch) on a GPU:
+// as many as this many bytes hold, at least miss_buffers, at most
+// kMaxPrefetchBuffers (the cpu backend: miss_buffers).
+inline constexpr size_t kAutoPrefetchBytes = size_t{256} << 20;
+inline constexpr int kMaxPrefetchBuffers = 64;
 // Forward's device path takes calls of at most this many pairs per expert of
 // the layer on average (LayerDispatcher::OnDevicePath).
 inline constexpr int kDevicePathPairsPerExpert = 1;
@@ -101,8 +113,10 @@ struct DispatcherConfig {
   int admissions_per_call = 4;     // lru/lfru: copies started per call
   int miss_buffers = 0;            // temporary miss buffers per layer parity (copied experts are
                                    // computed half of them per launch while the other half loads);
-                                   // 0: 4 to 16, as many as kAutoMissBufferBytes holds
+                                   // 0: 4 to 16, as many as kAutoMissBufferBytes holds. The prefetch
+                                   // has buffers of its own (kAutoPrefetchBytes per parity)
   CopyMode copy_mode = CopyMode::kAuto;
+  bool prefetch = true;            // a call that copies experts starts copying the next layer's (StartPrefetch)
   int copy_min_tokens = 0;         // > 0: copy experts with at least this many tokens (no model)
   bool copy_fallback = true;       // failed servers: copy the experts to the device
   std::chrono::milliseconds deadline{30000};  // per call
@@ -278,6 +292,10 @@ class LayerDispatcher {
   absl::Status Gather(int ticket, const std::vector<int32_t>& rows, bf16_t* dst);
   absl::Status ComputeCopies(int ticket);
   absl::Status StartAdmissions(int ticket);
+  // The next served layer's experts copied into its prefetch buffers during
+  // this call (see the header comment); returns how many.
+  absl::StatusOr<int> StartPrefetch(int ticket);
+  void ReleasePrefetch(int parity, bool consumed);
   // One group of `groups` copied into cache buffer `buffer` and computed from it.
   absl::StatusOr<uint64_t> ComputeCopied(int ticket, const ExpertGroups& groups, int g, int buffer);
   // Groups `gs` of `groups` copied into the temporary buffers and computed

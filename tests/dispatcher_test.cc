@@ -376,6 +376,58 @@ TEST_P(DispatcherTest, CopyInsteadOfComputeForExpertsWithManyTokens) {
   EXPECT_EQ(st.cpu_pairs, 64);
 }
 
+// A call that copies experts starts copying the next served layer's experts
+// (those its last call routed as many pairs to as the copied ones got) during
+// its own compute; the next layer computes them from the prefetch buffers,
+// counted as copied and prefetched, with outputs equal to the reference; the
+// last served layer prefetches for the first. A prefetch the next call does
+// not use changes nothing, and an expert with fewer pairs than any copied one
+// is not prefetched.
+TEST_P(DispatcherTest, PrefetchesTheNextLayersExpertsWhenACallCopies) {
+  DispatcherConfig c = StaticConfig(1);
+  c.layers = {1, 2};
+  c.copy_min_tokens = 40;
+  c.miss_buffers = 4;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  auto heavy = [](int a, int b, int seed) {
+    Batch x = RandomBatch(64, 3, {0, 1, 4, 7}, seed);
+    for (int t = 0; t < 64; ++t) {
+      x.ids[t * 3] = a;
+      x.ids[t * 3 + 1] = b;
+    }
+    return x;
+  };
+  std::vector<bf16_t> out;
+  CallStats st;
+  for (int pass = 0; pass < 3; ++pass) {
+    const Batch b1 = heavy(2, 3, 10 + pass);
+    ASSERT_TRUE(d->Forward(Call(1, b1, &out), &st).ok());
+    EXPECT_LE(Error(1, b1, out), 1e-2);
+    EXPECT_EQ(st.copied_experts, 2);  // experts 2 and 3: every token
+    EXPECT_EQ(st.cpu_pairs, 64);      // 0, 1, 4, 7: 16 pairs each, never prefetched
+    EXPECT_EQ(st.prefetched_experts, pass == 0 ? 0 : 2) << "pass " << pass;  // by layer 2's call
+    // Layer 2: experts 5 and 6 on every token; from the second pass on they
+    // were prefetched while layer 1 ran.
+    const Batch b2 = heavy(5, 6, 20 + pass);
+    ASSERT_TRUE(d->Forward(Call(2, b2, &out), &st).ok());
+    EXPECT_LE(Error(2, b2, out), 1e-2) << "pass " << pass;
+    EXPECT_EQ(st.hit_pairs + st.cpu_pairs + st.copied_pairs, 64 * 3);
+    EXPECT_EQ(st.cpu_pairs, 64);
+    EXPECT_EQ(st.copied_experts, 2);
+    EXPECT_EQ(st.prefetched_experts, pass == 0 ? 0 : 2) << "pass " << pass;
+    EXPECT_EQ(st.prefetched_pairs, pass == 0 ? 0 : 128) << "pass " << pass;
+  }
+  // The prefetch of layer 2 (5 and 6) is not what its next call routes to.
+  const Batch b1 = heavy(2, 3, 40);
+  ASSERT_TRUE(d->Forward(Call(1, b1, &out), &st).ok());
+  const Batch other = RandomBatch(16, 2, {0, 1, 4, 7}, 41);
+  ASSERT_TRUE(d->Forward(Call(2, other, &out), &st).ok());
+  EXPECT_LE(Error(2, other, out), 1e-2);
+  EXPECT_EQ(st.prefetched_experts, 0);
+  EXPECT_EQ(st.cpu_pairs, 32);
+}
+
 // Many copied experts in one call go through the temporary buffers several
 // per launch, the launches alternating between the buffers' halves (an odd
 // count and one buffer per parity included); calls on both layer parities,

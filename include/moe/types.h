@@ -100,6 +100,8 @@ struct CallStats {
   int cpu_experts = 0;        // distinct experts sent to CPU expert servers
   int copied_pairs = 0;       // pairs computed on the device after a copy (incl. failover)
   int copied_experts = 0;     // distinct experts copied for this call
+  int prefetched_pairs = 0;   // of copied_pairs, those of experts copied during the previous layer's call
+  int prefetched_experts = 0;
   int miss_tokens = 0;        // tokens shipped (summed over servers)
   int failovers = 0;          // batches moved to another server or to copy
   uint64_t bytes_shipped = 0; // activations + routing sent, partials received
