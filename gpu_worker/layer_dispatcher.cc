@@ -198,7 +198,9 @@ struct LayerDispatcher::Impl {
   std::vector<std::vector<int32_t>> last_pairs;  // [served index][expert]: pairs of the layer's last host-path call
   std::vector<int64_t> last_total;               // [served index]: that call's pairs
   std::vector<bool> prefetched_now;              // per expert: computed from a prefetch in the call being planned
-  std::vector<int> prefetch_order;               // StartPrefetch's candidates (scratch)
+  std::vector<bool> prefetch_candidate;          // StartPrefetch: per expert, not cached and in the host copy
+  ExpertGroups prefetch_groups;                  // RunHits: the prefetched experts' launch
+  std::vector<int32_t> prefetch_launch_buffers;  // its buffer per group
   // Split scratch: the plan of the call being submitted and its inputs.
   MissPlan plan;
   std::vector<int32_t> slot_buffer;     // per expert: the buffer of its Ready slot, or -1
@@ -420,6 +422,7 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   impl_->last_pairs.assign(layers_.size(), std::vector<int32_t>(spec_.num_experts, 0));
   impl_->last_total.assign(layers_.size(), 0);
   impl_->prefetched_now.assign(spec_.num_experts, false);
+  impl_->prefetch_candidate.assign(spec_.num_experts, false);
   impl_->copy_buffer_base = device_copies > 0 ? impl_->temp_base + temp + prefetch : -1;
   return absl::OkStatus();
 }
@@ -895,6 +898,7 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
       if (e >= 0 && !Owns(call.batch.layer, e)) e = -1;
 
   PollCopies();
+  planner_.CallStarted();  // the link's idle window since the last call's own copies
   ctx.stats = CallStats{};
   MOE_RETURN_IF_ERROR(PlanCall(call.batch.layer, routing));
 
@@ -1025,29 +1029,13 @@ absl::Status LayerDispatcher::Dispatch(int ticket) {
   const int layer = ctx.call.batch.layer;
   // 1. The CPU misses, per server, before any device compute is enqueued.
   MOE_RETURN_IF_ERROR(ShipMisses(ticket));
-  // 2. Hits: one grouped launch over the cached experts, the plan's groups as
-  // they are, and the experts prefetched for this call (after their copies).
+  // 2. Hits: one grouped launch over the cached experts, then one over the
+  // experts prefetched for this call, after their copies (RunHits).
   const int parity = layer & 1;
   const bool prefetched = m.prefetch[parity].layer == layer;
-  if (m.plan.hits.num_groups() > 0) {
-    ctx.stats.hit_pairs = m.plan.hits.total_pairs;
-    bool wait = false;
-    for (int e : m.plan.accessed)
-      if (m.prefetched_now[e] && m.plan.hit_pairs[e] > 0) {
-        wait = true;
-        ctx.stats.hit_pairs -= m.plan.hit_pairs[e];
-        ctx.stats.copied_pairs += m.plan.hit_pairs[e];
-        ++ctx.stats.copied_experts;
-        ctx.stats.prefetched_pairs += m.plan.hit_pairs[e];
-        ++ctx.stats.prefetched_experts;
-      }
-    if (wait) backend_->ComputeWaitCopy(m.prefetch[parity].last_fence);
-    const absl::Status run = backend_->RunExperts(ticket, m.plan.hit_plan());
-    if (prefetched) ReleasePrefetch(parity, true);
-    MOE_RETURN_IF_ERROR(run);
-  } else if (prefetched) {
-    ReleasePrefetch(parity, true);
-  }
+  const absl::Status hits = RunHits(ticket);
+  if (prefetched) ReleasePrefetch(parity, true);
+  MOE_RETURN_IF_ERROR(hits);
   // 3. Bookkeeping.
   m.access_pairs.clear();
   for (int e : m.plan.accessed) m.access_pairs.push_back(m.plan.hit_pairs[e] + m.plan.miss_pairs[e]);
@@ -1067,6 +1055,7 @@ absl::Status LayerDispatcher::Dispatch(int ticket) {
     }
   // 4. Copy-instead-of-compute, then the next layer's prefetch behind it on the link.
   MOE_RETURN_IF_ERROR(ComputeCopies(ticket));
+  if (!m.plan.copy_experts.empty() || prefetched) planner_.OwnCopiesQueued();
   MOE_ASSIGN_OR_RETURN(const int prefetches, StartPrefetch(ticket));
   if (config_.on_activity && (ctx.stats.cpu_pairs > 0 || ctx.stats.copied_pairs > 0)) {
     LayerActivity a;
@@ -1210,7 +1199,7 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
 // into that layer's prefetch buffers right away, behind its own copies, so
 // the link keeps working while this layer computes, its CPU share finishes
 // and the next layer's attention runs; the next layer's call computes them
-// with its hits (PlanCall, Dispatch). Which and how many, from what the
+// after its cached hits (PlanCall, RunHits). Which and how many, from what the
 // planner did: at most as many as this call moved, and only experts whose
 // expected pairs in the next call (its last call's, scaled to this call's
 // size) are at least those of the least-used expert this call moved — an
@@ -1239,15 +1228,14 @@ absl::StatusOr<int> LayerDispatcher::StartPrefetch(int ticket) {
   if (pf.layer >= 0) ReleasePrefetch(parity, false);
   if (m.last_total[next_index] == 0) return 0;
   const double scale = static_cast<double>(m.last_total[index]) / static_cast<double>(m.last_total[next_index]);
-  const std::vector<int32_t>& last = m.last_pairs[next_index];
-  std::vector<int>& order = m.prefetch_order;
-  order.clear();
   for (int e = 0; e < spec_.num_experts; ++e)
-    if (last[e] > 0 && last[e] * scale >= least && cache_->SlotOf(next, e) < 0 && host_->Find(next, e) != nullptr)
-      order.push_back(e);
-  const int n = std::min({moved, m.prefetch_per_parity, static_cast<int>(order.size())});
-  if (n <= 0) return 0;
-  std::partial_sort(order.begin(), order.begin() + n, order.end(), [&](int a, int b) { return last[a] > last[b]; });
+    m.prefetch_candidate[e] = cache_->SlotOf(next, e) < 0 && host_->Find(next, e) != nullptr;
+  const CostModel& rates = planner_.rates();
+  const std::vector<int> order =
+      ChoosePrefetch(m.last_pairs[next_index], m.prefetch_candidate, scale, least, moved, m.prefetch_per_parity,
+                     planner_.PrefetchWindow(), rates.measured ? rates.CopySeconds() : 0.0);
+  const int n = static_cast<int>(order.size());
+  if (n == 0) return 0;
   pf.layer = next;
   for (int i = 0; i < n; ++i) {
     const int ti = parity * m.prefetch_per_parity + i;
@@ -1302,6 +1290,50 @@ void AppendGroup(const ExpertGroups& from, int g, int align, ExpertGroups& launc
   launch.total_pairs += count;
 }
 }  // namespace
+
+// The plan's hits: the cached experts' groups in one launch, which waits for
+// no copy; then, after their copies landed, the experts prefetched for this
+// call (PlanCall gave them their prefetch buffers as slots) in a launch of
+// their own, counted as copied and prefetched and timed as copied experts.
+absl::Status LayerDispatcher::RunHits(int ticket) {
+  Impl& m = *impl_;
+  InFlightCall& ctx = m.contexts[ticket];
+  const ExpertGroups& hits = m.plan.hits;
+  if (hits.num_groups() == 0) return absl::OkStatus();
+  bool any = false;
+  for (int g = 0; g < hits.num_groups() && !any; ++g) any = m.prefetched_now[hits.expert[g]];
+  ctx.stats.hit_pairs = hits.total_pairs;
+  if (!any) return backend_->RunExperts(ticket, m.plan.hit_plan());
+  const int align = backend_->hit_row_align();
+  ExpertGroups &cached = m.one_group, &fetched = m.prefetch_groups;
+  ClearGroups(cached);
+  ClearGroups(fetched);
+  m.launch_buffers.clear();
+  m.prefetch_launch_buffers.clear();
+  double prior = 0;
+  for (int g = 0; g < hits.num_groups(); ++g) {
+    if (!m.prefetched_now[hits.expert[g]]) {
+      AppendGroup(hits, g, align, cached);
+      m.launch_buffers.push_back(m.plan.hit_buffer[g]);
+      continue;
+    }
+    AppendGroup(hits, g, align, fetched);
+    m.prefetch_launch_buffers.push_back(m.plan.hit_buffer[g]);
+    prior += planner_.rates().CopyDevicePrior(hits.count[g]);
+    ctx.stats.hit_pairs -= hits.count[g];
+    ctx.stats.copied_pairs += hits.count[g];
+    ++ctx.stats.copied_experts;
+    ctx.stats.prefetched_pairs += hits.count[g];
+    ++ctx.stats.prefetched_experts;
+  }
+  if (cached.num_groups() > 0)
+    MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&cached, m.launch_buffers.data()}));
+  backend_->ComputeWaitCopy(m.prefetch[ctx.call.batch.layer & 1].last_fence);  // copies land in order
+  const uint64_t start = backend_->MarkCompute();
+  MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&fetched, m.prefetch_launch_buffers.data()}));
+  ctx.copy_launches.push_back({start, backend_->MarkCompute(), prior});
+  return absl::OkStatus();
+}
 
 // Copies the expert of group g of `groups` (of the call's layer) into cache
 // buffer `buffer` and computes the group's pairs there.
@@ -1585,6 +1617,7 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
   Impl& m = *impl_;
   const Clock::time_point t0 = Clock::now();
   PollCopies();
+  planner_.CallStarted();
   LayerCall c = call;
   if (c.stream == nullptr) c.stream = LegacyDefaultStream();
   MOE_RETURN_IF_ERROR(EnqueueCapturable(c, /*count_accesses=*/false));

@@ -18,14 +18,15 @@
 //   4. the remaining misses are gathered straight into the transport's memory
 //      (a shared-memory slot for shm) and submitted, per server, BEFORE the
 //      hits are enqueued, so the CPU works while the device computes hits;
-//   5. hits run as one grouped launch over the cached experts (and over the
-//      experts prefetched for this call, below).
+//   5. hits run as one grouped launch over the cached experts (then the
+//      experts prefetched for this call, below, once their copies landed).
 // Prefetch (prompts): a call that copied experts starts copying the next
 // served layer's experts that its next call will copy too (those its last
 // call routed most pairs to, as many as this call copied, at most
 // kAutoPrefetchBytes' worth) into that layer's parity's prefetch buffers, so the link keeps
 // working while this layer finishes and the next layer's attention runs; the
-// next call computes them with its hits and splits the rest as usual.
+// next call computes them in a launch of their own after its cached hits
+// (which never wait for a copy) and splits the rest as usual.
 // Complete waits for the servers' partial sums, adds them, and writes the
 // output. A failed server (UNAVAILABLE / DEADLINE_EXCEEDED) fails the batch
 // over to another server hosting its experts, else to copy-to-device from the
@@ -296,6 +297,7 @@ class LayerDispatcher {
   // this call (see the header comment); returns how many.
   absl::StatusOr<int> StartPrefetch(int ticket);
   void ReleasePrefetch(int parity, bool consumed);
+  absl::Status RunHits(int ticket);
   // One group of `groups` copied into cache buffer `buffer` and computed from it.
   absl::StatusOr<uint64_t> ComputeCopied(int ticket, const ExpertGroups& groups, int g, int buffer);
   // Groups `gs` of `groups` copied into the temporary buffers and computed

@@ -37,4 +37,29 @@ void Planner::CopiesQueued(int n) {
 
 double Planner::LinkBacklog() const { return std::max(0.0, link_free_s_ - Now()); }
 
+void Planner::OwnCopiesQueued() { own_free_s_ = std::max(Now(), link_free_s_); }
+
+void Planner::CallStarted() {
+  if (own_free_s_ < 0) return;
+  const double idle = std::max(0.0, Now() - own_free_s_);
+  window_s_ = 0.5 * window_s_ + 0.5 * idle;
+  own_free_s_ = -1;
+}
+
+std::vector<int> ChoosePrefetch(const std::vector<int32_t>& last_pairs, const std::vector<bool>& candidate,
+                                double scale, int32_t least, int moved, int buffers, double window_s,
+                                double copy_s) {
+  std::vector<int> order;
+  for (size_t e = 0; e < last_pairs.size(); ++e)
+    if (candidate[e] && last_pairs[e] > 0 && last_pairs[e] * scale >= least) order.push_back(static_cast<int>(e));
+  const double fit = copy_s > 0 ? std::floor(window_s / copy_s) : static_cast<double>(buffers);
+  const int n = static_cast<int>(std::min<double>({static_cast<double>(moved), static_cast<double>(buffers),
+                                                   static_cast<double>(order.size()), fit}));
+  if (n <= 0) return {};
+  std::partial_sort(order.begin(), order.begin() + n, order.end(),
+                    [&](int a, int b) { return last_pairs[a] != last_pairs[b] ? last_pairs[a] > last_pairs[b] : a < b; });
+  order.resize(n);
+  return order;
+}
+
 }  // namespace moe

@@ -6,7 +6,11 @@
 //     shortens the call (ChooseCopies, cost_model.h);
 //   - across calls, the cache: which experts of the next layers to copy into
 //     slots (admissions and prefetches, AdmissionPolicy, admission_policy.h),
-//     priced over the time they stay resident.
+//     priced over the time they stay resident;
+//   - across one call, for prompts: which experts of the next layer to copy
+//     into its prefetch buffers while this call finishes and the engine runs
+//     the next layer's attention (ChoosePrefetch), within the time the link
+//     would otherwise stand idle between two calls (observed online).
 // Both price from one set of rates measured at start and corrected online
 // (CostModel: copy time, device time per rows, CPU time per expert and per
 // pair at that many rows) and one view of the host->device link: the time
@@ -32,6 +36,19 @@
 
 namespace moe {
 
+// The experts of the next layer to prefetch during a call: a plain function.
+// Candidates (candidate[e]: not cached, in the host copy) whose expected
+// pairs in the next call — last_pairs[e] (that layer's last call) x scale
+// (this call's pairs over that call's) — reach `least` (the fewest pairs of an
+// expert this call moved over the link: one the planner would copy too),
+// most-used first; at most `moved` (this call's copies: the next call's
+// share of the link), `buffers`, and as many copies as fit the link's idle
+// window (window_s / copy_s: a prefetch beyond it would delay the next call's
+// own copies and its launch; copy_s 0, unmeasured rates: no such bound).
+std::vector<int> ChoosePrefetch(const std::vector<int32_t>& last_pairs, const std::vector<bool>& candidate,
+                                double scale, int32_t least, int moved, int buffers, double window_s,
+                                double copy_s);
+
 class Planner {
  public:
   // The rates: set by the dispatcher's start-up probe, corrected by its observations.
@@ -56,6 +73,13 @@ class Planner {
   void CopiesQueued(int n);
   // Seconds until the link's queue drains (0: idle), by the rates.
   double LinkBacklog() const;
+  // The link's idle window between calls: OwnCopiesQueued marks when a
+  // call's own copies (not a prefetch) will have landed; the next call's
+  // CallStarted observes the time from then to now (0 when the link was still
+  // busy). PrefetchWindow: their moving average, in seconds.
+  void OwnCopiesQueued();
+  void CallStarted();
+  double PrefetchWindow() const { return window_s_; }
 
  private:
   double Now() const;
@@ -63,6 +87,8 @@ class Planner {
   std::unique_ptr<AdmissionPolicy> admission_;
   std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
   double link_free_s_ = 0;  // when the copies queued so far should be done (from epoch_)
+  double own_free_s_ = -1;  // OwnCopiesQueued's mark, -1: none
+  double window_s_ = 0;
 };
 
 }  // namespace moe

@@ -6,6 +6,8 @@
 #include "gpu_worker/miss_plan.h"
 #include "gpu_worker/planner.h"
 
+#include <chrono>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -300,6 +302,42 @@ TEST(PlannerTest, SplitQueuesBehindTheLinkBacklog) {
   ASSERT_TRUE(planner.PlanCall(s.Input(), &p).ok());
   EXPECT_TRUE(p.copy_experts.empty());
   EXPECT_EQ(p.cpu_experts, 2);
+}
+
+// The prefetch choice: uncached candidates whose expected pairs reach the
+// least-used moved expert's, most-used first, bounded by this call's copies,
+// the buffers and the link's idle window.
+TEST(PlannerTest, PrefetchTakesTheExpertsTheNextCallWillCopyWithinTheIdleWindow) {
+  const std::vector<int32_t> last = {0, 10, 5, 20, 3, 8};
+  std::vector<bool> candidate(last.size(), true);
+  candidate[3] = false;  // cached
+  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 10, 10, 1.0, 0.25), (std::vector<int>{1, 5, 2}));
+  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 10, 10, 0.5, 0.25), (std::vector<int>{1, 5}));  // window: 2 copies
+  EXPECT_EQ(ChoosePrefetch(last, candidate, 0.5, 5, 10, 10, 1.0, 0.25), (std::vector<int>{1}));  // a smaller call
+  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 1, 10, 1.0, 0.25), (std::vector<int>{1}));   // one copy moved
+  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 10, 1, 1.0, 0.25), (std::vector<int>{1}));   // one buffer
+  EXPECT_TRUE(ChoosePrefetch(last, candidate, 1.0, 5, 10, 10, 0.0, 0.25).empty());              // the link never idles
+  EXPECT_TRUE(ChoosePrefetch(last, candidate, 1.0, 25, 10, 10, 1.0, 0.25).empty());             // none reaches least
+  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 10, 2, 0.0, 0.0), (std::vector<int>{1, 5}));  // unmeasured: buffers
+}
+
+// The idle window: from the mark of a call's own copies landing (the link
+// was idle, the rates unmeasured: now) to the next call, averaged; a call
+// without a mark observes nothing.
+TEST(PlannerTest, PrefetchWindowIsTheLinksIdleTimeBetweenCalls) {
+  Planner p;
+  EXPECT_EQ(p.PrefetchWindow(), 0.0);
+  p.OwnCopiesQueued();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  p.CallStarted();
+  const double w = p.PrefetchWindow();
+  EXPECT_GE(w, 0.0099);
+  EXPECT_LT(w, 1.0);
+  p.CallStarted();
+  EXPECT_EQ(p.PrefetchWindow(), w);
+  p.OwnCopiesQueued();
+  p.CallStarted();  // no idle time: the average halves
+  EXPECT_LT(p.PrefetchWindow(), 0.6 * w);
 }
 
 }  // namespace moe
