@@ -191,6 +191,8 @@ void Fill(const moe::CallStats& c, moe_call_stats* out) {
   out->cpu_experts = c.cpu_experts;
   out->copied_pairs = c.copied_pairs;
   out->copied_experts = c.copied_experts;
+  out->prefetched_pairs = c.prefetched_pairs;
+  out->prefetched_experts = c.prefetched_experts;
   out->miss_tokens = c.miss_tokens;
   out->failovers = c.failovers;
   out->bytes_shipped = static_cast<int64_t>(c.bytes_shipped);

@@ -338,6 +338,32 @@ absl::Status LayerDispatcher::CheckConfig() {
 
 // The cache (C slots per layer: explicit, or from the memory budget) and the
 // backend sized for it plus the temporary miss buffers.
+// The temporary miss buffers per parity (config_.miss_buffers when 0) and
+// the prefetch buffers per parity, for experts of `expert_bytes`.
+void LayerDispatcher::SizeMissBuffers(size_t expert_bytes) {
+  const size_t bytes = std::max<size_t>(1, expert_bytes);
+  if (config_.miss_buffers == 0) {
+    // Copied experts are computed miss_buffers / 2 per launch; on a GPU a
+    // launch of two small experts leaves most SMs idle (a Qwen3-30B-A3B int8
+    // prompt of 2048 tokens: 248-290 ms with 16 against 304-309 with 4,
+    // bench/RESULTS.md stop 21), so small experts get more buffers, within
+    // kAutoMissBufferBytes. The cpu backend computes them on the host's cores
+    // either way: 4.
+    config_.miss_buffers = backend_->has_device_memory()
+                               ? static_cast<int>(std::clamp<size_t>(kAutoMissBufferBytes / bytes, 4, 16))
+                               : 4;
+  }
+  // The prefetch of the next layer's experts (StartPrefetch): as many as
+  // kAutoPrefetchBytes holds (enough to keep the link busy through the
+  // engine's work between two layer calls: a 2048-token prompt's attention),
+  // at least miss_buffers, at most kMaxPrefetchBuffers; the cpu backend,
+  // whose "copies" cross no link, miss_buffers.
+  const int prefetch_auto = static_cast<int>(std::min<size_t>(kMaxPrefetchBuffers, kAutoPrefetchBytes / bytes));
+  impl_->prefetch_per_parity = host_ == nullptr || !config_.prefetch ? 0
+                               : backend_->has_device_memory()       ? std::max(config_.miss_buffers, prefetch_auto)
+                                                                      : config_.miss_buffers;
+}
+
 absl::Status LayerDispatcher::CreateCacheAndBackend() {
   const DispatcherConfig& c = config_;
   BackendConfig bc = c.backend;  // the device knobs; the sizes follow from the model and the cache
@@ -358,30 +384,8 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
                                                    " exceeds the model's ", spec_.num_experts, " experts per layer"));
   // From --cache-gib: at most every expert (this rank's share in a group).
   C = std::min(C, (spec_.num_experts + c.group.size - 1) / c.group.size);
-  if (c.miss_buffers == 0) {
-    // Copied experts are computed miss_buffers / 2 per launch; on a GPU a
-    // launch of two small experts leaves most SMs idle (a Qwen3-30B-A3B int8
-    // prompt of 2048 tokens: 248-290 ms with 16 against 304-309 with 4,
-    // bench/RESULTS.md stop 21), so small experts get more buffers, within
-    // kAutoMissBufferBytes. The cpu backend computes them on the host's cores
-    // either way: 4.
-    config_.miss_buffers =
-        backend_->has_device_memory()
-            ? static_cast<int>(std::clamp<size_t>(kAutoMissBufferBytes / std::max<size_t>(1, expert_bytes), 4, 16))
-            : 4;
-  }
+  SizeMissBuffers(expert_bytes);
   const int temp = host_ != nullptr ? 2 * c.miss_buffers : 0;
-  // The prefetch of the next layer's experts (StartPrefetch): per parity as
-  // many as kAutoPrefetchBytes holds (enough to keep the link busy through
-  // the engine's work between two layer calls: a 2048-token prompt's
-  // attention), at least miss_buffers, at most kMaxPrefetchBuffers; the cpu
-  // backend, whose "copies" cross no link, miss_buffers.
-  const int prefetch_auto = static_cast<int>(
-      std::min<size_t>(kMaxPrefetchBuffers, kAutoPrefetchBytes / std::max<size_t>(1, expert_bytes)));
-  impl_->prefetch_per_parity =
-      host_ == nullptr || !c.prefetch ? 0
-      : backend_->has_device_memory() ? std::max(c.miss_buffers, prefetch_auto)
-                                      : c.miss_buffers;
   const int prefetch = 2 * impl_->prefetch_per_parity;
   // Capturable calls' copy-instead buffers (their own: an eager call on the
   // backend's stream may use the temporary ones at the same time).

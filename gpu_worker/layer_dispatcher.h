@@ -273,6 +273,7 @@ class LayerDispatcher {
   absl::Status Init();
   absl::Status CheckConfig();
   absl::Status CreateCacheAndBackend();
+  void SizeMissBuffers(size_t expert_bytes);
   absl::Status ConnectServers();
   absl::Status AllocateContexts();
   absl::Status CreateAdmission();

@@ -152,6 +152,8 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
     ps->set_cpu_experts(static_cast<uint32_t>(st.cpu_experts));
     ps->set_copied_pairs(static_cast<uint32_t>(st.copied_pairs));
     ps->set_copied_experts(static_cast<uint32_t>(st.copied_experts));
+    ps->set_prefetched_pairs(static_cast<uint32_t>(st.prefetched_pairs));
+    ps->set_prefetched_experts(static_cast<uint32_t>(st.prefetched_experts));
     ps->set_miss_tokens(static_cast<uint32_t>(st.miss_tokens));
     ps->set_failovers(static_cast<uint32_t>(st.failovers));
     ps->set_bytes_shipped(st.bytes_shipped);

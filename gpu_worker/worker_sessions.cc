@@ -146,6 +146,8 @@ absl::Status WorkerSessions::Forward(int layer, int T, int k, const bf16_t* hidd
       stats->cpu_experts += s.cpu_experts;
       stats->copied_pairs += s.copied_pairs;
       stats->copied_experts += s.copied_experts;
+      stats->prefetched_pairs += s.prefetched_pairs;
+      stats->prefetched_experts += s.prefetched_experts;
       stats->miss_tokens += s.miss_tokens;
       stats->failovers += s.failovers;
       stats->bytes_shipped += s.bytes_shipped;

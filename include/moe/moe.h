@@ -51,7 +51,7 @@
 extern "C" {
 #endif
 
-#define MOE_ABI_VERSION 2
+#define MOE_ABI_VERSION 3
 
 #if defined(__GNUC__)
 #define MOE_API __attribute__((visibility("default")))
@@ -107,6 +107,8 @@ typedef struct moe_call_stats {
   int64_t cpu_experts;    /* distinct experts sent to them */
   int64_t copied_pairs;   /* computed on the device after copying the expert */
   int64_t copied_experts;
+  int64_t prefetched_pairs;   /* of copied_pairs: experts copied during the previous layer's call */
+  int64_t prefetched_experts;
   int64_t miss_tokens;    /* tokens shipped to servers */
   int64_t failovers;
   int64_t bytes_shipped;

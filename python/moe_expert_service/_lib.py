@@ -9,7 +9,7 @@ import ctypes.util
 import os
 import threading
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 MEMORY_HOST = 0
 MEMORY_DEVICE = 1
 
@@ -23,8 +23,8 @@ class ModelInfo(ctypes.Structure):
 class CallStats(ctypes.Structure):
     """moe_call_stats (include/moe/moe.h), the fields of moe::CallStats."""
     _fields_ = [(n, ctypes.c_int64) for n in (
-        "hit_pairs", "cpu_pairs", "cpu_experts", "copied_pairs", "copied_experts", "miss_tokens", "failovers",
-        "bytes_shipped")] + [(n, ctypes.c_double) for n in ("seconds", "submit_seconds", "wait_seconds")]
+        "hit_pairs", "cpu_pairs", "cpu_experts", "copied_pairs", "copied_experts", "prefetched_pairs",
+        "prefetched_experts", "miss_tokens", "failovers", "bytes_shipped")] + [(n, ctypes.c_double) for n in ("seconds", "submit_seconds", "wait_seconds")]
 
 
 class SessionStats(ctypes.Structure):
