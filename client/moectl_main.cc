@@ -181,14 +181,15 @@ void Status(Context& c) {
   if (r.layers().empty()) return;
   std::printf("\n");
   // Per layer, the planner's split of the pairs: cache hits, CPU servers,
-  // copied to the GPU for the call; cache copies (admissions and prefetches)
+  // copied to the GPU for the call (of which prefetched: copied while the
+  // layer before ran, a prompt's prefetch); cache copies (admissions and prefetches)
   // per second, and the host->GPU link's busy share (summed over the workers'
   // links: above 100% with several workers).
-  Table l({"LAYER", "HIT", "CPU", "COPIED", "PAIRS (DECAYED)", "ROUTABLE EXPERTS", "PRED PRECISION", "CACHE COPIES/S",
+  Table l({"LAYER", "HIT", "CPU", "COPIED", "PREFETCHED", "PAIRS (DECAYED)", "ROUTABLE EXPERTS", "PRED PRECISION", "CACHE COPIES/S",
            "PCIE MB/S", "PCIE BUSY"});
   for (const auto& x : r.layers()) {
     l.Add({absl::StrCat(x.layer()), Percent(x.hit_rate()), Percent(x.cpu_share()), Percent(x.copied_share()),
-           Fixed(x.pairs()), absl::StrCat(x.routable_experts(), "/", r.num_experts()),
+           Percent(x.prefetched_share()), Fixed(x.pairs()), absl::StrCat(x.routable_experts(), "/", r.num_experts()),
            x.prediction_precision() > 0 ? Percent(x.prediction_precision()) : "-", Fixed(x.copies_per_second()),
            Fixed(x.pcie_bytes_per_second() / 1e6), Percent(x.pcie_busy_share())});
   }

@@ -329,7 +329,9 @@ void Coordinator::AddCountsLocked(const std::string& worker,
       const double cpu = std::min(static_cast<double>(c.cpu_pairs()), pairs);
       a.pairs = a.pairs * keep + pairs;
       a.cpu = a.cpu * keep + cpu;
-      a.copied = a.copied * keep + std::min(static_cast<double>(c.copied_pairs()), pairs - cpu);
+      const double copied = std::min(static_cast<double>(c.copied_pairs()), pairs - cpu);
+      a.copied = a.copied * keep + copied;
+      a.prefetched = a.prefetched * keep + std::min(static_cast<double>(c.prefetched_pairs()), copied);
       a.link_s = a.link_s * keep + static_cast<double>(c.link_microseconds()) * 1e-6;
       a.at = now;
     }
@@ -626,6 +628,7 @@ moe::v1::StatusResponse Coordinator::Status() {
       ls->set_pcie_bytes_per_second(a.bytes * per_second);
       ls->set_cpu_share(a.pairs > 0 ? a.cpu / a.pairs : 0.0);
       ls->set_copied_share(a.pairs > 0 ? a.copied / a.pairs : 0.0);
+      ls->set_prefetched_share(a.pairs > 0 ? a.prefetched / a.pairs : 0.0);
       ls->set_pcie_busy_share(a.link_s * per_second);
     }
     hits += h;

@@ -116,7 +116,7 @@ class Coordinator {
   // Per layer, decayed (policy half-life) sums of the workers' cache activity.
   struct LayerActivitySums {
     double copies = 0, bytes = 0, predicted = 0, used = 0;
-    double pairs = 0, cpu = 0, copied = 0, link_s = 0;  // the split's pairs, link seconds
+    double pairs = 0, cpu = 0, copied = 0, prefetched = 0, link_s = 0;  // the split's pairs, link seconds
     double at = 0;  // time of the last decay
   };
   std::vector<LayerActivitySums> activity_;

@@ -1076,6 +1076,7 @@ absl::Status LayerDispatcher::Dispatch(int ticket) {
     LayerActivity a;
     a.cpu_pairs = static_cast<uint64_t>(ctx.stats.cpu_pairs);
     a.copied_pairs = static_cast<uint64_t>(ctx.stats.copied_pairs);
+    a.prefetched_pairs = static_cast<uint64_t>(ctx.stats.prefetched_pairs);
     const int link_copies = static_cast<int>(m.plan.copy_experts.size()) + prefetches;
     a.link_seconds = planner_.rates().measured ? planner_.rates().CopySeconds() * link_copies : 0.0;
     config_.on_activity(layer, a);

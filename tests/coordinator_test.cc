@@ -410,8 +410,9 @@ TEST_F(CoordinatorCore, StatusShowsPerLayerCacheActivity) {
 }
 
 // The planner's split per layer: of the pairs workers report, the shares the
-// CPU servers computed and that were copied to the GPU, and the link's busy
-// share; a report claiming more CPU or copied pairs than pairs counts as its pairs.
+// CPU servers computed and that were copied to the GPU (of which prefetched),
+// and the link's busy share; a report claiming more CPU, copied or prefetched
+// pairs than it can have counts as what it can have.
 TEST_F(CoordinatorCore, StatusShowsThePlannersSplitPerLayer) {
   auto c = Make();
   absl::StatusOr<moe::v1::RegisterWorkerResponse> reg = c->RegisterWorker(Worker("w1"));
@@ -420,12 +421,14 @@ TEST_F(CoordinatorCore, StatusShowsThePlannersSplitPerLayer) {
   Count(hb, 1, {{5, 6}, {6, 4}});  // 10 pairs, no hits
   hb.mutable_counts(0)->set_cpu_pairs(6);
   hb.mutable_counts(0)->set_copied_pairs(4);
+  hb.mutable_counts(0)->set_prefetched_pairs(3);
   hb.mutable_counts(0)->set_link_microseconds(2000000);
   ASSERT_TRUE(c->Heartbeat(hb).ok());
   moe::v1::StatusResponse st = c->Status();
   ASSERT_EQ(st.layers_size(), 2);
   EXPECT_DOUBLE_EQ(st.layers(1).cpu_share(), 0.6);
   EXPECT_DOUBLE_EQ(st.layers(1).copied_share(), 0.4);
+  EXPECT_DOUBLE_EQ(st.layers(1).prefetched_share(), 0.3);
   EXPECT_EQ(st.layers(1).hit_rate(), 0.0);
   EXPECT_GT(st.layers(1).pcie_busy_share(), 0.0);
   EXPECT_EQ(st.layers(0).cpu_share(), 0.0);
@@ -434,10 +437,12 @@ TEST_F(CoordinatorCore, StatusShowsThePlannersSplitPerLayer) {
   Count(over, 0, {{1, 2}});
   over.mutable_counts(0)->set_cpu_pairs(50);
   over.mutable_counts(0)->set_copied_pairs(50);
+  over.mutable_counts(0)->set_prefetched_pairs(50);
   ASSERT_TRUE(c->Heartbeat(over).ok());
   st = c->Status();
   EXPECT_DOUBLE_EQ(st.layers(0).cpu_share(), 1.0);
   EXPECT_DOUBLE_EQ(st.layers(0).copied_share(), 0.0);
+  EXPECT_DOUBLE_EQ(st.layers(0).prefetched_share(), 0.0);
 }
 
 TEST_F(CoordinatorCore, SnapshotThenDeltaTowardTheHotExperts) {

@@ -170,7 +170,7 @@ class CoordinatorAgent::Impl {
     if (layer < 0 || layer >= reg_.num_layers) return;
     const uint64_t link_us = a.link_seconds > 0 ? static_cast<uint64_t>(a.link_seconds * 1e6 + 0.5) : 0;
     const uint64_t v[kActivityFields] = {a.cache_copies, a.copy_bytes, a.predicted, a.predicted_used,
-                                         a.cpu_pairs, a.copied_pairs, link_us};
+                                         a.cpu_pairs, a.copied_pairs, link_us, a.prefetched_pairs};
     for (int f = 0; f < kActivityFields; ++f)
       if (v[f]) activity_[static_cast<size_t>(layer) * kActivityFields + f].fetch_add(v[f], std::memory_order_relaxed);
   }
@@ -288,6 +288,7 @@ class CoordinatorAgent::Impl {
       lc->set_cpu_pairs(a[4]);
       lc->set_copied_pairs(a[5]);
       lc->set_link_microseconds(a[6]);
+      lc->set_prefetched_pairs(a[7]);
     }
     grpc::ClientContext ctx;
     link_.SetDeadline(ctx);
@@ -364,8 +365,8 @@ class CoordinatorAgent::Impl {
   const size_t cells_;
   std::vector<std::atomic<uint64_t>> pairs_, hits_;        // recorded since the last collection
   std::vector<uint64_t> pending_pairs_, pending_hits_;    // collected, not yet acknowledged (session thread)
-  // copies, bytes, predicted, predicted_used, cpu_pairs, copied_pairs, link microseconds
-  static constexpr int kActivityFields = 7;
+  // copies, bytes, predicted, predicted_used, cpu_pairs, copied_pairs, link microseconds, prefetched_pairs
+  static constexpr int kActivityFields = 8;
   std::vector<std::atomic<uint64_t>> activity_;           // [layer][field] since the last collection
   std::vector<uint64_t> pending_activity_;                // collected, not yet acknowledged
   uint64_t last_session_ = 0;  // our latest session (session thread): re-registering with it keeps our id

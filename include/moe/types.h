@@ -47,6 +47,7 @@ struct LayerActivity {
   uint64_t cache_copies = 0, copy_bytes = 0;
   uint64_t predicted = 0, predicted_used = 0;
   uint64_t cpu_pairs = 0, copied_pairs = 0;
+  uint64_t prefetched_pairs = 0;  // of copied_pairs: copied during the previous layer's call (a prompt's prefetch)
   double link_seconds = 0;
 };
 
