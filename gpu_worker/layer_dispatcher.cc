@@ -386,11 +386,20 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   C = std::min(C, (spec_.num_experts + c.group.size - 1) / c.group.size);
   SizeMissBuffers(expert_bytes);
   const int temp = host_ != nullptr ? 2 * c.miss_buffers : 0;
-  const int prefetch = 2 * impl_->prefetch_per_parity;
   // Capturable calls' copy-instead buffers (their own: an eager call on the
   // backend's stream may use the temporary ones at the same time).
   const int device_copies = host_ != nullptr && backend_->has_device_memory() ? kMaxDeviceCopies : 0;
-  const uint64_t need = (static_cast<uint64_t>(C) * layers_.size() + temp + prefetch + device_copies) * expert_bytes;
+  const uint64_t base = (static_cast<uint64_t>(C) * layers_.size() + temp + device_copies) * expert_bytes;
+  // The prefetch gives way to a cache sized to the memory: fewer buffers (none at worst), not an error.
+  const uint64_t free = backend_->free_memory_bytes();
+  const uint64_t room = free > base ? (free - base) / (2 * expert_bytes) : 0;
+  if (static_cast<uint64_t>(impl_->prefetch_per_parity) > room) {
+    LogInfo("worker", "prefetch: ", room, " buffers per layer parity (of ", impl_->prefetch_per_parity,
+            ") beside the cache in the device's free memory");
+    impl_->prefetch_per_parity = static_cast<int>(room);
+  }
+  const int prefetch = 2 * impl_->prefetch_per_parity;
+  const uint64_t need = base + static_cast<uint64_t>(prefetch) * expert_bytes;
   if (need > backend_->free_memory_bytes())
     return absl::ResourceExhaustedError(absl::StrCat(
         c.slots_per_layer == 0 && c.cache_gib > 0 ? absl::StrCat("cache-gib: ", c.cache_gib, " GiB asks for ") : "cache: ",
