@@ -312,10 +312,11 @@ class CudaBackend final : public DeviceBackend {
   // A host-to-device upload on `stream` that does not queue on the copy
   // engine: SMs read mapped pinned memory (16-byte units) — behind a layer's
   // expert copies a DMA upload of a call's rows or partial sums waited for
-  // all of them (bench/RESULTS.md, stop 21). Unmapped or unaligned memory: a
-  // DMA copy. `mapped`: src's device address when the caller knows it.
+  // all of them (bench/RESULTS.md, stop 21). `mapped`: src's device address
+  // (MappedRange, resolved once by the caller), or nullptr for unmapped
+  // memory; unmapped or unaligned: a DMA copy.
   absl::Status UploadFromHost(void* dst, const void* src, size_t bytes, cudaStream_t stream,
-                              const void* mapped = nullptr) const;
+                              const void* mapped) const;
 
   uint8_t* slot(int b) const { return static_cast<uint8_t*>(experts_.get()) + static_cast<size_t>(b) * slot_bytes_; }
   // A bf16 buffer (row-major).
@@ -811,7 +812,6 @@ absl::Status CudaBackend::UploadFromHost(void* dst, const void* src, size_t byte
                                          const void* mapped) const {
   const bool aligned = bytes % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(dst) % 16 == 0;
-  if (aligned && mapped == nullptr) mapped = MappedRange(src, bytes);
   if (aligned && mapped != nullptr) {
     MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchCopyFromHost(mapped, dst, bytes, stream));
   } else {
@@ -822,7 +822,8 @@ absl::Status CudaBackend::UploadFromHost(void* dst, const void* src, size_t byte
 
 absl::Status CudaBackend::Commit(Context& c, const Upload& u) {
   // The stage is cudaHostAlloc'ed: under unified addressing its host address is its device address.
-  MOE_RETURN_IF_ERROR(UploadFromHost(u.dev, u.host, u.bytes, compute_, unified_addressing_ ? u.host : nullptr));
+  MOE_RETURN_IF_ERROR(
+      UploadFromHost(u.dev, u.host, u.bytes, compute_, unified_addressing_ ? u.host : MappedRange(u.host, u.bytes)));
   MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(c.stage_event, compute_));
   c.stage_event_recorded = true;
   return absl::OkStatus();
@@ -866,7 +867,8 @@ absl::Status CudaBackend::BeginCall(int ctx, int T, const bf16_t* hidden, Memory
   if (T > 0) {
     const size_t n = static_cast<size_t>(T) * H_;
     if (kind == MemoryKind::kHost) {  // not behind queued expert copies when the caller's memory is registered
-      MOE_RETURN_IF_ERROR(UploadFromHost(c.x.get(), hidden, n * sizeof(bf16_t), compute_));
+      const size_t bytes = n * sizeof(bf16_t);
+      MOE_RETURN_IF_ERROR(UploadFromHost(c.x.get(), hidden, bytes, compute_, MappedRange(hidden, bytes)));
     } else {
       MOE_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(c.x.get(), hidden, n * sizeof(bf16_t), cudaMemcpyDeviceToDevice, compute_));

@@ -199,6 +199,7 @@ struct LayerDispatcher::Impl {
   std::vector<int64_t> last_total;               // [served index]: that call's pairs
   std::vector<bool> prefetched_now;              // per expert: computed from a prefetch in the call being planned
   std::vector<bool> prefetch_candidate;          // StartPrefetch: per expert, not cached and in the host copy
+  std::vector<int> prefetch_order;               // StartPrefetch: ChoosePrefetch's choice (scratch)
   ExpertGroups prefetch_groups;                  // RunHits: the prefetched experts' launch
   std::vector<int32_t> prefetch_launch_buffers;  // its buffer per group
   // Split scratch: the plan of the call being submitted and its inputs.
@@ -336,8 +337,6 @@ absl::Status LayerDispatcher::CheckConfig() {
   return absl::OkStatus();
 }
 
-// The cache (C slots per layer: explicit, or from the memory budget) and the
-// backend sized for it plus the temporary miss buffers.
 // The temporary miss buffers per parity (config_.miss_buffers when 0) and
 // the prefetch buffers per parity, for experts of `expert_bytes`.
 void LayerDispatcher::SizeMissBuffers(size_t expert_bytes) {
@@ -364,6 +363,8 @@ void LayerDispatcher::SizeMissBuffers(size_t expert_bytes) {
                                                                       : config_.miss_buffers;
 }
 
+// The cache (C slots per layer: explicit, or from the memory budget) and the
+// backend sized for it plus the temporary miss, prefetch and device-copy buffers.
 absl::Status LayerDispatcher::CreateCacheAndBackend() {
   const DispatcherConfig& c = config_;
   BackendConfig bc = c.backend;  // the device knobs; the sizes follow from the model and the cache
@@ -1256,9 +1257,9 @@ absl::StatusOr<int> LayerDispatcher::StartPrefetch(int ticket) {
   for (int e = 0; e < spec_.num_experts; ++e)
     m.prefetch_candidate[e] = cache_->SlotOf(next, e) < 0 && host_->Find(next, e) != nullptr;
   const CostModel& rates = planner_.rates();
-  const std::vector<int> order =
-      ChoosePrefetch(m.last_pairs[next_index], m.prefetch_candidate, scale, least, moved, m.prefetch_per_parity,
-                     planner_.PrefetchWindow(), rates.measured ? rates.CopySeconds() : 0.0);
+  std::vector<int>& order = m.prefetch_order;
+  ChoosePrefetch(m.last_pairs[next_index], m.prefetch_candidate, scale, least, moved, m.prefetch_per_parity,
+                 planner_.PrefetchWindow(), rates.measured ? rates.CopySeconds() : 0.0, &order);
   const int n = static_cast<int>(order.size());
   if (n == 0) return 0;
   pf.layer = next;

@@ -22,8 +22,10 @@
 //      experts prefetched for this call, below, once their copies landed).
 // Prefetch (prompts): a call that copied experts starts copying the next
 // served layer's experts that its next call will copy too (those its last
-// call routed most pairs to, as many as this call copied, at most
-// kAutoPrefetchBytes' worth) into that layer's parity's prefetch buffers, so the link keeps
+// call routed most pairs to; at most as many as this call copied, as the
+// link copies in its idle time between two calls, observed online, and as
+// kAutoPrefetchBytes holds; Planner, ChoosePrefetch) into that layer's
+// parity's prefetch buffers, so the link keeps
 // working while this layer finishes and the next layer's attention runs; the
 // next call computes them in a launch of their own after its cached hits
 // (which never wait for a copy) and splits the rest as usual.

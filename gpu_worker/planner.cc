@@ -46,20 +46,22 @@ void Planner::CallStarted() {
   own_free_s_ = -1;
 }
 
-std::vector<int> ChoosePrefetch(const std::vector<int32_t>& last_pairs, const std::vector<bool>& candidate,
-                                double scale, int32_t least, int moved, int buffers, double window_s,
-                                double copy_s) {
-  std::vector<int> order;
+void ChoosePrefetch(const std::vector<int32_t>& last_pairs, const std::vector<bool>& candidate, double scale,
+                    int32_t least, int moved, int buffers, double window_s, double copy_s, std::vector<int>* out) {
+  std::vector<int>& order = *out;
+  order.clear();
   for (size_t e = 0; e < last_pairs.size(); ++e)
     if (candidate[e] && last_pairs[e] > 0 && last_pairs[e] * scale >= least) order.push_back(static_cast<int>(e));
   const double fit = copy_s > 0 ? std::floor(window_s / copy_s) : static_cast<double>(buffers);
   const int n = static_cast<int>(std::min<double>({static_cast<double>(moved), static_cast<double>(buffers),
                                                    static_cast<double>(order.size()), fit}));
-  if (n <= 0) return {};
+  if (n <= 0) {
+    order.clear();
+    return;
+  }
   std::partial_sort(order.begin(), order.begin() + n, order.end(),
                     [&](int a, int b) { return last_pairs[a] != last_pairs[b] ? last_pairs[a] > last_pairs[b] : a < b; });
   order.resize(n);
-  return order;
 }
 
 }  // namespace moe

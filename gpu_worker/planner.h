@@ -45,9 +45,9 @@ namespace moe {
 // share of the link), `buffers`, and as many copies as fit the link's idle
 // window (window_s / copy_s: a prefetch beyond it would delay the next call's
 // own copies and its launch; copy_s 0, unmeasured rates: no such bound).
-std::vector<int> ChoosePrefetch(const std::vector<int32_t>& last_pairs, const std::vector<bool>& candidate,
-                                double scale, int32_t least, int moved, int buffers, double window_s,
-                                double copy_s);
+// Writes them to *out (the caller's scratch: no allocation once warm).
+void ChoosePrefetch(const std::vector<int32_t>& last_pairs, const std::vector<bool>& candidate, double scale,
+                    int32_t least, int moved, int buffers, double window_s, double copy_s, std::vector<int>* out);
 
 class Planner {
  public:

@@ -307,18 +307,25 @@ TEST(PlannerTest, SplitQueuesBehindTheLinkBacklog) {
 // The prefetch choice: uncached candidates whose expected pairs reach the
 // least-used moved expert's, most-used first, bounded by this call's copies,
 // the buffers and the link's idle window.
+std::vector<int> Prefetch(const std::vector<int32_t>& last, const std::vector<bool>& candidate, double scale,
+                          int32_t least, int moved, int buffers, double window_s, double copy_s) {
+  std::vector<int> out = {99};  // scratch from an earlier call: replaced
+  ChoosePrefetch(last, candidate, scale, least, moved, buffers, window_s, copy_s, &out);
+  return out;
+}
+
 TEST(PlannerTest, PrefetchTakesTheExpertsTheNextCallWillCopyWithinTheIdleWindow) {
   const std::vector<int32_t> last = {0, 10, 5, 20, 3, 8};
   std::vector<bool> candidate(last.size(), true);
   candidate[3] = false;  // cached
-  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 10, 10, 1.0, 0.25), (std::vector<int>{1, 5, 2}));
-  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 10, 10, 0.5, 0.25), (std::vector<int>{1, 5}));  // window: 2 copies
-  EXPECT_EQ(ChoosePrefetch(last, candidate, 0.5, 5, 10, 10, 1.0, 0.25), (std::vector<int>{1}));  // a smaller call
-  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 1, 10, 1.0, 0.25), (std::vector<int>{1}));   // one copy moved
-  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 10, 1, 1.0, 0.25), (std::vector<int>{1}));   // one buffer
-  EXPECT_TRUE(ChoosePrefetch(last, candidate, 1.0, 5, 10, 10, 0.0, 0.25).empty());              // the link never idles
-  EXPECT_TRUE(ChoosePrefetch(last, candidate, 1.0, 25, 10, 10, 1.0, 0.25).empty());             // none reaches least
-  EXPECT_EQ(ChoosePrefetch(last, candidate, 1.0, 5, 10, 2, 0.0, 0.0), (std::vector<int>{1, 5}));  // unmeasured: buffers
+  EXPECT_EQ(Prefetch(last, candidate, 1.0, 5, 10, 10, 1.0, 0.25), (std::vector<int>{1, 5, 2}));
+  EXPECT_EQ(Prefetch(last, candidate, 1.0, 5, 10, 10, 0.5, 0.25), (std::vector<int>{1, 5}));  // window: 2 copies
+  EXPECT_EQ(Prefetch(last, candidate, 0.5, 5, 10, 10, 1.0, 0.25), (std::vector<int>{1}));  // a smaller call
+  EXPECT_EQ(Prefetch(last, candidate, 1.0, 5, 1, 10, 1.0, 0.25), (std::vector<int>{1}));   // one copy moved
+  EXPECT_EQ(Prefetch(last, candidate, 1.0, 5, 10, 1, 1.0, 0.25), (std::vector<int>{1}));   // one buffer
+  EXPECT_TRUE(Prefetch(last, candidate, 1.0, 5, 10, 10, 0.0, 0.25).empty());              // the link never idles
+  EXPECT_TRUE(Prefetch(last, candidate, 1.0, 25, 10, 10, 1.0, 0.25).empty());             // none reaches least
+  EXPECT_EQ(Prefetch(last, candidate, 1.0, 5, 10, 2, 0.0, 0.0), (std::vector<int>{1, 5}));  // unmeasured: buffers
 }
 
 // The idle window: from the mark of a call's own copies landing (the link
