@@ -51,7 +51,11 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
                "expert servers, comma list of unix:///path.sock or host:port, each optionally #experts=LIST");
   flags.String("device", &device, "device backend: auto (cuda if a GPU is usable, else cpu), cuda or cpu");
   flags.Int("cache-experts-per-layer", &cache_experts, "cache slots per MoE layer (C)");
-  flags.Double("cache-gib", &o.cache_gib, "GPU memory for the cache, when --cache-experts-per-layer is 0");
+  flags.Double("cache-gib", &o.cache_gib,
+               "GPU memory for the cache, when --cache-experts-per-layer is 0. Beside it the worker takes\n"
+               "      buffers for copied experts (2 x 4-16 experts, 256 MiB for small ones, and 16 for decode's\n"
+               "      device path) and for a prompt's prefetch of the next layer's experts (2 x 256 MiB, at least\n"
+               "      2 x 4 experts; fewer, or none, when the cache fills the device)");
   flags.String("policy", &policy,
                "cache policy: predictive (cost-model admissions with cross-layer prefetch, inside the\n"
                "      coordinator's placement), lru, lfru or static (placed by the coordinator / ApplyAssignment); "
