@@ -29,6 +29,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/model/step_time_model.h"
 #include "bench/replay.h"
 #include "coordinator/placement.h"
 #include "core/flags.h"
@@ -37,7 +38,8 @@
 int main(int argc, char** argv) {
   std::string trace_path, cache_text = "25%",
                           policies_text = "default,lru,lfu,lfru,coordinator,best-static,best-static-cold,oracle,belady,ceiling";
-  double step_ms = 100, pcie_gbps = 55, heartbeat_ms = 200, dram_gbps = 94, cpu_tflops = 4.6, pair_us = -1;
+  double step_ms = 100, pcie_gbps = 55, heartbeat_ms = 200, dram_gbps = 94, shared_gbps = 130, cpu_tflops = 4.6,
+         pair_us = -1;
   int64_t expert_bytes = 3ll * 7168 * 2048 * 2;  // one DeepSeek-V3 expert in bf16
   bool per_layer = false;
   moe::ReplayConfig c;
@@ -63,11 +65,16 @@ int main(int argc, char** argv) {
   flags.Double("pair-us", &pair_us, "CPU cost of one missed (token, expert) pair, us; < 0: from --cpu-tflops");
   flags.Int("expert-bytes", &expert_bytes, "bytes of one expert copy (default: a DeepSeek-V3 expert, bf16)");
   flags.Double("pcie-gbps", &pcie_gbps, "host->GPU copy bandwidth, GB/s (copies are serialised); 0: instant copies");
+  flags.Double("shared-gbps", &shared_gbps,
+               "host DRAM read by the CPU and the copy engine at once, GB/s: while a copy runs the CPU's misses\n"
+               "      stream min(dram, this - pcie) (default: the GPU host, the median of moe_layer's measurements);\n"
+               "      <= --dram-gbps: every byte a copy reads is taken from the CPU");
   std::string rates_path;
   flags.String("rates", &rates_path,
                "rates measured on a machine (bench/moe_layer --rates-out FILE): its DRAM and link rates and the\n"
-               "      CPU time of one expert per rows, scaled to --expert-bytes, replace --dram-gbps, --pcie-gbps and\n"
-               "      the per-pair cost: the step model prices as moe_layer's floor does");
+               "      CPU time of one expert per rows, scaled to --expert-bytes, replace --dram-gbps, --pcie-gbps,\n"
+               "      --shared-gbps (when the file has it) and the per-pair cost: the step model prices as moe_layer's\n"
+               "      floor does");
   flags.Double("lfru-half-life", &c.lfru_half_life, "LFRU decay half-life in accesses of a layer (ExpertCache's)");
   flags.Double("heartbeat-ms", &heartbeat_ms, "coordinator: counts reach it once per heartbeat");
   flags.Double("half-life-seconds", &c.policy.half_life_seconds, "coordinator: popularity half-life");
@@ -85,6 +92,7 @@ int main(int argc, char** argv) {
   if (expert_bytes <= 0) flags.Fail("--expert-bytes must be > 0");
   if (!(pcie_gbps >= 0)) flags.Fail("--pcie-gbps must be >= 0");
   if (!(dram_gbps > 0)) flags.Fail("--dram-gbps must be > 0");
+  if (!(shared_gbps > 0)) flags.Fail("--shared-gbps must be > 0");
   if (!(cpu_tflops > 0)) flags.Fail("--cpu-tflops must be > 0");
   std::vector<std::string> policies = absl::StrSplit(policies_text, ',', absl::SkipEmpty());
   if (policies.empty()) flags.Fail("--policies: empty");
@@ -114,11 +122,13 @@ int main(int argc, char** argv) {
   c.pcie_bytes_per_second = pcie_gbps * 1e9;
   c.heartbeat_seconds = heartbeat_ms / 1000.0;
   c.dram_bytes_per_second = dram_gbps * 1e9;
+  c.shared_bytes_per_second = shared_gbps * 1e9;
   c.pair_seconds = pair_us >= 0 ? pair_us * 1e-6 : 2.0 * (double(expert_bytes) / 2.0) / (cpu_tflops * 1e12);
   if (!rates_path.empty()) {
     if (absl::Status st = moe::LoadRates(rates_path, c.expert_bytes, &c); !st.ok()) flags.Fail(std::string(st.message()));
     dram_gbps = c.dram_bytes_per_second / 1e9;
     pcie_gbps = c.pcie_bytes_per_second / 1e9;
+    shared_gbps = c.shared_bytes_per_second / 1e9;
   }
 
   uint64_t pairs = 0;
@@ -127,10 +137,15 @@ int main(int argc, char** argv) {
   std::printf("  %zu steps x %d layers, %d experts, top-%d, %llu pairs (%.1f per step and layer); read in %.1f s\n",
               t.steps.size(), t.num_layers, t.num_experts, t.top_k, static_cast<unsigned long long>(pairs),
               double(pairs) / t.steps.size() / t.num_layers, read_s);
-  std::printf("cache: %d of %d experts per layer (%.0f%%); device step %g ms; copies of %.1f MB at %g GB/s;\n"
+  moe::StepTimeModel shared;
+  shared.dram_bytes_per_second = c.dram_bytes_per_second;
+  shared.pcie_bytes_per_second = c.pcie_bytes_per_second;
+  shared.shared_bytes_per_second = c.shared_bytes_per_second;
+  std::printf("cache: %d of %d experts per layer (%.0f%%); device step %g ms; copies of %.1f MB at %g GB/s, while one\n"
+              "runs the CPU's misses lose %.0f%% of their pace (DRAM shared at %g GB/s);\n"
               "misses on the CPU: %.3f ms per expert (%g GB/s)",
               c.slots, t.num_experts, 100.0 * c.slots / t.num_experts, step_ms, expert_bytes / 1e6, pcie_gbps,
-              expert_bytes / (dram_gbps * 1e9) * 1e3, dram_gbps);
+              100 * shared.CopyCpuShare(), shared_gbps, expert_bytes / (dram_gbps * 1e9) * 1e3, dram_gbps);
   if (c.cpu_expert_curve.empty()) std::printf(", %.2f us per pair\n", c.pair_seconds * 1e6);
   if (!c.cpu_expert_curve.empty()) {
     std::printf("\n");

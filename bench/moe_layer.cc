@@ -944,11 +944,13 @@ void PrintProbe(const CpuProbe& probe, const ModelSpec& spec, const std::string&
 }
 
 // The rates of this run for cache_replay --rates (bench/replay.h LoadRates).
-void WriteRates(const std::string& path, double dram_gbps, double pcie_gbps, double expert_bytes, const CpuProbe& probe) {
+void WriteRates(const std::string& path, double dram_gbps, double pcie_gbps, double shared_gbps, double expert_bytes,
+                const CpuProbe& probe) {
   std::FILE* f = std::fopen(path.c_str(), "w");
   if (f == nullptr) Die("--rates-out: cannot write " + path);
-  std::fprintf(f, "{\"dram_gbps\": %.3f, \"pcie_gbps\": %.3f, \"expert_bytes\": %.0f, \"cpu_expert_seconds\": [",
-               dram_gbps, pcie_gbps, expert_bytes);
+  std::fprintf(f, "{\"dram_gbps\": %.3f, \"pcie_gbps\": %.3f, \"shared_gbps\": %.3f, \"expert_bytes\": %.0f, "
+               "\"cpu_expert_seconds\": [",
+               dram_gbps, pcie_gbps, shared_gbps, expert_bytes);
   for (size_t i = 0; i < probe.curve.size(); ++i)
     std::fprintf(f, "%s[%d, %.9f]", i ? ", " : "", probe.curve[i].first, probe.curve[i].second);
   std::fprintf(f, "]}\n");
@@ -1181,7 +1183,7 @@ int Main(int argc, char** argv) {
               "DRAM rate: the larger of this and the CPU's best alone; the CPU's own term uses its best run).\n\n",
               cpu_beside_gbps, copy_beside_gbps, shared_gbps);
   PrintProbe(probe, spec, o.weight_dtype);
-  if (!rates_out.empty()) WriteRates(rates_out, dram_gbps, pcie_gbps, rates.cpu_bytes, probe);
+  if (!rates_out.empty()) WriteRates(rates_out, dram_gbps, pcie_gbps, shared_gbps, rates.cpu_bytes, probe);
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied (prefetched) | "
               "ours submit/wait ms | ours-graph step ms | graph MoE/layer ms | graph floor ms | graph/floor | graph fixed us/layer | "

@@ -77,6 +77,7 @@ StepTimeModel TimeModel(const ReplayConfig& c) {
   m.expert_bytes = static_cast<double>(c.expert_bytes);
   m.dram_bytes_per_second = c.dram_bytes_per_second;
   m.pcie_bytes_per_second = c.pcie_bytes_per_second;
+  m.shared_bytes_per_second = c.shared_bytes_per_second;
   m.pair_seconds = c.pair_seconds;
   m.cpu_expert_curve = c.cpu_expert_curve;
   return m;
@@ -205,10 +206,9 @@ absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayCo
   ac.num_experts = t.num_experts;
   ac.expert_bytes = c.expert_bytes;
   ac.costs.copy_s = c.pcie_bytes_per_second > 0 ? double(c.expert_bytes) / c.pcie_bytes_per_second : 0.0;
-  ac.costs.copy_dram_s = c.dram_bytes_per_second > 0 && c.pcie_bytes_per_second > 0
-                             ? double(c.expert_bytes) / c.dram_bytes_per_second
-                             : 0.0;
   const StepTimeModel model = TimeModel(c);
+  // A copy costs the CPU work it slows while both run: the model's share of its link time.
+  ac.costs.copy_dram_s = ac.costs.copy_s * model.CopyCpuShare();
   // Linear in the pairs as the worker's admission costs are: per expert and
   // per pair, the curve's slope from 1 to 64 pairs (one expert with one pair
   // costs what the curve says).
@@ -446,6 +446,8 @@ absl::Status LoadRates(const std::string& path, uint64_t expert_bytes, ReplayCon
                          bytes = number("expert_bytes", 1, 1e12);
   for (const auto* v : {&dram, &pcie, &bytes})
     if (!v->ok()) return v->status();
+  absl::StatusOr<double> shared = j.contains("shared_gbps") ? number("shared_gbps", 1e-3, 1e6) : c->shared_bytes_per_second / 1e9;
+  if (!shared.ok()) return shared.status();
   const auto& curve = j.contains("cpu_expert_seconds") ? j["cpu_expert_seconds"] : nlohmann::json();
   if (!curve.is_array() || curve.empty())
     return absl::InvalidArgumentError(absl::StrCat("rates: ", path, ": cpu_expert_seconds must be a non-empty array"));
@@ -461,6 +463,7 @@ absl::Status LoadRates(const std::string& path, uint64_t expert_bytes, ReplayCon
   }
   c->dram_bytes_per_second = *dram * 1e9;
   c->pcie_bytes_per_second = *pcie * 1e9;
+  c->shared_bytes_per_second = *shared * 1e9;
   c->cpu_expert_curve = std::move(points);
   return absl::OkStatus();
 }

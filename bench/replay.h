@@ -12,8 +12,9 @@
 // Time model (per step, layers in order): layer l lasts step_seconds/L (the
 // device's part: attention, hit experts) plus the CPU's misses, priced as
 // missed experts * expert_bytes / dram_bandwidth + missed pairs * pair_seconds,
-// plus the DRAM the copy engine takes from the CPU while both run (the link's
-// busy time overlapping the CPU work, times pcie / dram bandwidth). Copies go
+// plus the CPU work the copy engine's DRAM reads slow while both run (the
+// link's busy time overlapping the CPU work, times StepTimeModel::CopyCpuShare:
+// the CPU and the copy engine share shared_bytes_per_second). Copies go
 // over one link, FIFO, expert_bytes / pcie_bandwidth each, overlapped with
 // compute; an expert serves hits only once its copy completed.
 //
@@ -40,6 +41,8 @@ struct ReplayConfig {
   uint64_t expert_bytes = 0;
   double pcie_bytes_per_second = 55e9;  // 0: copies are instant
   double dram_bytes_per_second = 94e9;  // CPU expert weight streaming rate
+  // DRAM read by the CPU and the copy engine at once (StepTimeModel's).
+  double shared_bytes_per_second = 130e9;
   double pair_seconds = 0;            // CPU cost of one (token, expert) pair
   // Measured CPU seconds of one expert at {pairs, seconds} (LoadRates): when
   // set, a missed expert with m pairs costs max(bytes / dram, the curve at m).
@@ -65,9 +68,11 @@ struct PolicyResult {
 // The policy names Replay accepts.
 const std::vector<std::string>& ReplayPolicies();
 // Rates measured on a machine (bench/moe_layer --rates-out FILE, JSON:
-// dram_gbps, pcie_gbps, expert_bytes and cpu_expert_seconds [[m, s], ...]):
-// sets c's DRAM and link rates and its CPU curve, scaled from the measured
-// expert's bytes to `expert_bytes` (a CPU expert's time grows with its size).
+// dram_gbps, pcie_gbps, expert_bytes, cpu_expert_seconds [[m, s], ...] and,
+// optional, shared_gbps): sets c's DRAM, link and shared DRAM rates and its
+// CPU curve, scaled from the measured expert's bytes to `expert_bytes` (a CPU
+// expert's time grows with its size). A file without shared_gbps (written
+// before it existed) leaves c's shared rate as it was.
 // InvalidArgument naming the file and field on a bad file.
 absl::Status LoadRates(const std::string& path, uint64_t expert_bytes, ReplayConfig* c);
 

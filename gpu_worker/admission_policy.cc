@@ -247,10 +247,12 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
 AdmissionCosts AdmissionPolicy::Costs() const {
   const CostModel* r = config_.live_rates;
   if (r == nullptr || !r->measured) return config_.costs;
-  // A copy reads the expert's bytes from host DRAM, as the CPU does to
-  // compute it: the CPU's per-expert time prices both.
+  // A copy reads the expert's bytes from host DRAM beside the CPU servers:
+  // it costs them the share of their pace they lose while it runs, as
+  // measured; unmeasured, all of its bytes (the CPU's per-expert time).
   const double expert_s = r->cpu.scale() * r->cpu_expert_s;
-  return AdmissionCosts{r->CopySeconds(), expert_s, expert_s, r->cpu.scale() * r->PairSeconds(1)};
+  const double copy_cpu_s = r->copy_cpu_share >= 0 ? r->CopySeconds() * r->copy_cpu_share : expert_s;
+  return AdmissionCosts{r->CopySeconds(), copy_cpu_s, expert_s, r->cpu.scale() * r->PairSeconds(1)};
 }
 
 // Seconds of one forward pass (every served layer once), from the measured

@@ -25,9 +25,11 @@
 // saved less their copies' cost; the real cache uses the best shadow's H and
 // rates. An empty
 // slot is filled whenever an uncached expert pays for its copy. The copy's
-// cost is the host DRAM time its transfer takes from the CPU expert kernels
-// (copy_dram_s) times the measured share of time the CPU is busy with misses
-// (a copy while the CPU idles costs it nothing). The link is one FIFO of
+// cost is the CPU expert kernels' time its DRAM reads take (copy_dram_s: with
+// live rates, the link time times the share of their pace the CPU servers
+// were measured to lose beside copies, CostModel::copy_cpu_share) times the
+// measured share of time the CPU is busy with misses (a copy while the CPU
+// idles costs it nothing). The link is one FIFO of
 // copy_s per expert; a copy is started only if it completes within one pass
 // after the target's coming run (a copy that lands during later runs is fine;
 // one the link cannot finish by then would only delay timelier ones), and
@@ -53,7 +55,7 @@ namespace moe {
 // Seconds, from the worker's measured CostModel or the replay's flags.
 struct AdmissionCosts {
   double copy_s = 0;         // one expert over the host->device link
-  double copy_dram_s = 0;    // host DRAM time one copy's reads take from the CPU
+  double copy_dram_s = 0;    // CPU time one copy's DRAM reads take from the misses while both run
   double miss_expert_s = 0;  // CPU: one missed expert (its weights streamed from DRAM)
   double miss_pair_s = 0;    // CPU: one missed (token, expert) pair
 };
@@ -94,6 +96,8 @@ class AdmissionPolicy {
   const ExpertPredictor& predictor() const { return *predictor_; }
   const AdmissionCounters& counters(int layer) const { return counters_[pos_[layer]]; }
   const AdmissionConfig& config() const { return config_; }
+  // The costs it prices with now: config().costs, or the live rates.
+  AdmissionCosts Costs() const;
 
  private:
   explicit AdmissionPolicy(const AdmissionConfig& c) : config_(c) {}
@@ -124,7 +128,6 @@ class AdmissionPolicy {
   void Plan(ExpertCache& cache, int target, int lag, double now_s, double start_s, double* link_free_s,
             std::vector<SlotCopy>* out);
   double PassSeconds() const;
-  AdmissionCosts Costs() const;  // config_.costs, or the live rates
   void Evicted(int pos, int expert);
   void ObserveUse(int pos, int T, int k, const int32_t* ids, double now_s);
 

@@ -91,11 +91,14 @@ std::string CostModel::Describe() const {
   std::string pairs;
   for (const auto& [rows, s] : cpu_pair_curve) absl::StrAppendFormat(&pairs, "%s%d:%.4f", pairs.empty() ? "" : " ", rows, cpu.scale() * s * 1e3);
   if (pairs.empty()) pairs = absl::StrFormat("%.4f", cpu.scale() * cpu_pair_s * 1e3);
+  const std::string share =
+      copy_cpu_share >= 0 ? absl::StrFormat(" (the CPU loses %.0f%% of its pace beside it)", 100 * copy_cpu_share)
+                          : std::string(" (its cost to the CPU not measured)");
   return absl::StrFormat(
-      "copy %.3f ms/expert; device %.3f ms + %.4f ms/row (hits), %.3f ms + %.4f ms/row (copied); cpu %.3f "
+      "copy %.3f ms/expert%s; device %.3f ms + %.4f ms/row (hits), %.3f ms + %.4f ms/row (copied); cpu %.3f "
       "ms/call + %.3f ms/expert + ms/pair at rows per expert {%s}; online x%.3g cpu (%d samples), x%.3g copy "
       "(%d), x%.3g device (%d), x%.3g copied device (%d)",
-      CopySeconds() * 1e3, device.scale() * device_fixed_s * 1e3, device.scale() * device_row_s * 1e3,
+      CopySeconds() * 1e3, share, device.scale() * device_fixed_s * 1e3, device.scale() * device_row_s * 1e3,
       copy_device.scale() * copy_device_fixed_s * 1e3, copy_device.scale() * copy_device_row_s * 1e3,
       cpu.scale() * cpu_call_s * 1e3,
       cpu.scale() * cpu_expert_s * 1e3, pairs, cpu.scale(), cpu.samples(), copy.scale(), copy.samples(),

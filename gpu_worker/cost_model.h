@@ -66,6 +66,12 @@ struct CostModel {
   // several-fold from decode to prefill (AMX tiles fill up). Interpolated in
   // log(rows); held flat beyond the ends.
   std::vector<std::pair<int, double>> cpu_pair_curve;
+  // What a copy costs the CPU servers: the share of their pace they lose
+  // while the link copies (its DRAM reads beside theirs), measured at start
+  // (one token to several experts, alone and beside a stream of copies);
+  // < 0: not measured, a copy priced as if every byte it reads were taken
+  // from the CPU (one expert's CPU time: the bound).
+  double copy_cpu_share = -1;
   bool measured = false;
   // Online corrections of the priors.
   OnlineScale cpu, copy, device, copy_device;

@@ -282,6 +282,9 @@ class LayerDispatcher {
   absl::Status MeasureRates();
   absl::Status MeasureDeviceRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y);
   absl::Status MeasureServerRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y);
+  // CostModel::copy_cpu_share: `probe` (a CPU round trip, seconds) alone and
+  // beside a stream of copies of `layer`'s experts.
+  absl::Status MeasureCopyCpuShare(int layer, const std::function<absl::StatusOr<double>()>& probe);
   void PollCopies();
   // One finished copy for the cost model: its time on the copy queue when the
   // backend tells it, else `host_s` from the host clock as an upper bound.

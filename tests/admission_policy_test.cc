@@ -274,6 +274,12 @@ TEST(AdmissionPolicy, FollowsTheLiveRatesOfTheCostModel) {
   uint64_t copies = 0;
   Drive(r, L, E, k, 100, 1e-3, 0.1e-3, &copies);
   EXPECT_GT(copies, 0u);
+  // A copy costs the CPU its measured share of the link time; unmeasured, one
+  // expert's CPU time (all of its bytes taken from the CPU).
+  EXPECT_DOUBLE_EQ(r.policy->Costs().copy_dram_s, live.cpu_expert_s);
+  live.copy_cpu_share = 0.25;
+  EXPECT_DOUBLE_EQ(r.policy->Costs().copy_dram_s, 0.25 * live.CopySeconds());
+  live.copy_cpu_share = -1;
   for (int i = 0; i < 10; ++i) live.ObserveCopy(1.0, false);  // observed: 1000x the prior (the scale's bound)
   ASSERT_GT(live.CopySeconds(), 0.05);  // 25 passes of 4 ms
   uint64_t later = 0;

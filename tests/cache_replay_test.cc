@@ -8,6 +8,7 @@
 #include <set>
 
 #include "bench/belady.h"
+#include "bench/model/step_time_model.h"
 #include "bench/replay.h"
 #include "testing/routing_trace.h"
 #include "gtest/gtest.h"
@@ -279,6 +280,72 @@ TEST(Replay, RatesFileDrivesTheStepModel) {
   EXPECT_NE(bad.message().find("pcie_gbps"), std::string::npos) << bad;
   std::ofstream(path) << R"({"dram_gbps": 1, "pcie_gbps": 1, "expert_bytes": 1, "cpu_expert_seconds": [[4, 1], [2, 1]]})";
   EXPECT_FALSE(LoadRates(path, 1, &c).ok());
+  // The shared DRAM rate: read when the file has it, left as it was when not.
+  std::ofstream(path) << R"({"dram_gbps": 100, "pcie_gbps": 50, "shared_gbps": 120, "expert_bytes": 1,)"
+                      << R"( "cpu_expert_seconds": [[1, 0.001]]})";
+  ASSERT_TRUE(LoadRates(path, 1, &c).ok());
+  EXPECT_DOUBLE_EQ(c.shared_bytes_per_second, 120e9);
+  std::ofstream(path) << R"({"dram_gbps": 100, "pcie_gbps": 50, "shared_gbps": -3, "expert_bytes": 1,)"
+                      << R"( "cpu_expert_seconds": [[1, 0.001]]})";
+  bad = LoadRates(path, 1, &c);
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("shared_gbps"), std::string::npos) << bad;
+}
+
+// While the link copies, the CPU's misses stream min(dram, shared - pcie):
+// they lose (dram + pcie - shared) / dram of their pace, between nothing
+// (DRAM serves both in full) and pcie / dram (every byte of the copy taken
+// from the CPU, the bound without a measurement).
+TEST(StepTimeModel, CopiesSlowTheCpuOnlyBeyondTheSharedDramRate) {
+  StepTimeModel m;
+  m.dram_bytes_per_second = 100e9;
+  m.pcie_bytes_per_second = 50e9;
+  const double device = 0.001, cpu = 0.004;
+  m.shared_bytes_per_second = 100e9;  // no headroom: the copy's bytes all come from the CPU
+  EXPECT_DOUBLE_EQ(m.CopyCpuShare(), 0.5);
+  EXPECT_DOUBLE_EQ(m.LayerSecondsFromCpu(device, cpu, 0.002), device + cpu + 0.002 * 0.5);
+  EXPECT_DOUBLE_EQ(m.LayerSecondsFromCpu(device, cpu, 0.010), device + cpu + cpu * 0.5);  // overlap <= the CPU work
+  m.shared_bytes_per_second = 80e9;  // below the CPU alone: the same bound
+  EXPECT_DOUBLE_EQ(m.CopyCpuShare(), 0.5);
+  m.shared_bytes_per_second = 125e9;
+  EXPECT_DOUBLE_EQ(m.CopyCpuShare(), 0.25);
+  EXPECT_DOUBLE_EQ(m.LayerSecondsFromCpu(device, cpu, 0.002), device + cpu + 0.002 * 0.25);
+  m.shared_bytes_per_second = 200e9;  // room for both
+  EXPECT_DOUBLE_EQ(m.CopyCpuShare(), 0.0);
+  EXPECT_DOUBLE_EQ(m.LayerSecondsFromCpu(device, cpu, 0.002), device + cpu);
+  EXPECT_DOUBLE_EQ(m.LayerSecondsFromCpu(device, 0, 0.002), device);  // no CPU work, nothing lost
+  m.pcie_bytes_per_second = 0;  // instant copies
+  EXPECT_DOUBLE_EQ(m.CopyCpuShare(), 0.0);
+}
+
+// The replay prices copies with the same share: LRU on a trace that misses
+// every run (a new expert each run, one slot, so every run starts a copy) is
+// charged less CPU time the more DRAM the CPU and the copy engine share.
+TEST(Replay, SharedDramRateSetsWhatCopiesCostTheCpu) {
+  RoutingTrace t;
+  t.num_layers = 1;
+  t.num_experts = 20;
+  t.top_k = 1;
+  for (int s = 0; s < 20; ++s) t.steps.push_back({{ExpertAccess{s, 1}}});
+  ReplayConfig c;
+  c.slots = 1;
+  c.expert_bytes = 100000000;
+  c.step_seconds = 0.0005;
+  c.dram_bytes_per_second = 100e9;
+  c.pcie_bytes_per_second = 50e9;
+  double last = 0;
+  for (double shared : {100e9, 125e9, 150e9}) {
+    c.shared_bytes_per_second = shared;
+    absl::StatusOr<PolicyResult> r = Replay(t, c, "lru");
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->TotalHits(), 0u);
+    // 20 runs: the device part and one missed expert's DRAM time each, plus the share of the overlap.
+    const double floor = 20 * (c.step_seconds + 0.001);
+    EXPECT_GE(r->model_seconds, floor - 1e-12);
+    if (shared >= 150e9) EXPECT_NEAR(r->model_seconds, floor, 1e-12);
+    if (last > 0) EXPECT_LT(r->model_seconds, last);
+    last = r->model_seconds;
+  }
 }
 
 }  // namespace

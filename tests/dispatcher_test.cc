@@ -639,6 +639,16 @@ TEST_P(DispatcherTest, MeasuredRatesDriveTheCopyDecision) {
   ASSERT_TRUE(m.measured);
   EXPECT_GT(m.copy_s, 0);
   EXPECT_GT(m.cpu_call_s + m.cpu_expert_s + m.cpu_pair_s, 0);
+  // What a copy costs the CPU: measured beside real copies where the device
+  // has memory of its own (a share of the CPU's pace), else left unmeasured.
+  if (backend_name() == "cuda") {
+    EXPECT_GE(m.copy_cpu_share, 0.0);
+    EXPECT_LE(m.copy_cpu_share, 1.0);
+    EXPECT_NE(m.Describe().find("of its pace beside it"), std::string::npos) << m.Describe();
+  } else {
+    EXPECT_LT(m.copy_cpu_share, 0.0);
+    EXPECT_NE(m.Describe().find("not measured"), std::string::npos) << m.Describe();
+  }
   // Whatever the rates decide, the result is right.
   Batch x = RandomBatch(200, 2, {1, 2, 3}, 90);
   std::vector<bf16_t> out;

@@ -31,9 +31,15 @@ double StepTimeModel::LayerSeconds(double device_s, int missed_experts, double m
   return LayerSecondsFromCpu(device_s, MissSeconds(missed_experts, missed_pairs), link_busy_s);
 }
 
+double StepTimeModel::CopyCpuShare() const {
+  if (!(pcie_bytes_per_second > 0) || !(dram_bytes_per_second > 0)) return 0;
+  const double all = pcie_bytes_per_second / dram_bytes_per_second;  // every byte of the copy taken from the CPU
+  const double shared = std::max(shared_bytes_per_second, dram_bytes_per_second);
+  return std::clamp((dram_bytes_per_second + pcie_bytes_per_second - shared) / dram_bytes_per_second, 0.0, all);
+}
+
 double StepTimeModel::LayerSecondsFromCpu(double device_s, double cpu, double link_busy_s) const {
-  if (cpu > 0 && pcie_bytes_per_second > 0 && dram_bytes_per_second > 0)
-    cpu += std::clamp(link_busy_s, 0.0, cpu) * pcie_bytes_per_second / dram_bytes_per_second;
+  if (cpu > 0) cpu += std::clamp(link_busy_s, 0.0, cpu) * CopyCpuShare();
   return device_s + cpu;
 }
 

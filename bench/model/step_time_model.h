@@ -15,14 +15,22 @@ double CurveAt(const std::vector<std::pair<int, double>>& curve, double x);
 
 // The step-time model of a layer run shared by cache_replay and moe-demo: the
 // device part plus the CPU's misses — a missed expert streams its bytes from
-// host DRAM, a missed pair costs pair_seconds — plus the host DRAM the copy
-// engine takes from that CPU work while both run (the link's busy time
-// overlapping it, times pcie / dram bandwidth). Defaults: the GPU host
-// (shared/PERF.md: oneDNN AMX streams 94 GB/s of weights, PCIe 55 GB/s).
+// host DRAM, a missed pair costs pair_seconds — plus the CPU work lost to the
+// copy engine's DRAM reads while both run: the link's busy time overlapping
+// that work, times CopyCpuShare(). Host DRAM serves the CPU and the copy
+// engine together at shared_bytes_per_second (moe_layer measures it as the
+// floor's shared rate), so the CPU beside a copy streams min(dram, shared -
+// pcie) and loses only what the two ask beyond it. Defaults: the GPU host
+// (shared/PERF.md: oneDNN AMX streams 94 GB/s of weights, PCIe 55 GB/s; the
+// CPU and the copy engine at once 130 GB/s, about the median, 130.6, of the
+// 72 that moe_layer measured there in stop 22's runs, 110-164).
 struct StepTimeModel {
   double expert_bytes = 0;
   double dram_bytes_per_second = 94e9;
   double pcie_bytes_per_second = 55e9;  // 0: copies instant (no contention)
+  // DRAM read by the CPU and the copy engine at once; <= dram: a copy takes
+  // all its bytes from the CPU (the bound without a measurement).
+  double shared_bytes_per_second = 130e9;
   double pair_seconds = 0;
   // Measured CPU seconds of one missed expert at {pairs, seconds} points
   // (pairs ascending, interpolated linearly, proportional to the pairs beyond
@@ -39,6 +47,9 @@ struct StepTimeModel {
   double LayerSeconds(double device_s, int missed_experts, double missed_pairs, double link_busy_s) const;
   // The same from the misses' CPU seconds.
   double LayerSecondsFromCpu(double device_s, double cpu_s, double link_busy_s) const;
+  // The share of its time the CPU's miss work loses while the link copies:
+  // (dram + pcie - shared) / dram, within [0, pcie / dram]; 0 without copies.
+  double CopyCpuShare() const;
 };
 
 }  // namespace moe
