@@ -33,6 +33,7 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 // experts one token goes to when it measures what a copy costs the CPU.
 constexpr int kProbeRepeats = 9;
 constexpr int kShareProbeExperts = 8;
+constexpr size_t kShareCopiesQueued = 4;  // copies kept in flight beside that probe
 
 bool IsServerFailure(const absl::Status& st) {
   return absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st) || absl::IsCancelled(st) ||
@@ -670,8 +671,8 @@ absl::Status LayerDispatcher::MeasureServerRates(int rows, const std::vector<bf1
 // What a copy costs the CPU servers (CostModel::copy_cpu_share): one token to
 // several experts — their weights streamed from DRAM, as a decode's misses
 // are — alone, then while the copy engine streams experts into the temporary
-// buffers for twice as long as the probe should take; the share of its pace
-// the CPU lost is 1 - alone / beside. The H100 host's CPU read 68-121 GB/s
+// buffers until it is done; the share of its pace the CPU lost is
+// 1 - alone / beside. The H100 host's CPU read 68-121 GB/s
 // beside copies of 40-50 GB/s where it read 79-135 alone (moe_layer, stop 22):
 // pricing each copy as all of its bytes taken from the CPU kept the cache's
 // admissions from copies that paid. Needs device memory (a copy the host
@@ -681,25 +682,37 @@ absl::Status LayerDispatcher::MeasureCopyCpuShare(int layer, const std::function
   CostModel& r = planner_.rates();
   if (!backend_->has_device_memory() || m.temp_fence.empty() || host_ == nullptr || !(r.copy_s > 0))
     return absl::OkStatus();
+  std::vector<const std::byte*> sources;
+  for (int e = 0; e < spec_.num_experts; ++e)
+    if (const std::byte* src = host_->Find(layer, e); src != nullptr) sources.push_back(src);
+  if (sources.empty()) return absl::OkStatus();
   MOE_ASSIGN_OR_RETURN(const double alone, probe());
-  const int copies = static_cast<int>(std::clamp(std::ceil(2 * kProbeRepeats * alone / r.copy_s), 2.0, 1024.0));
+  // A thread of its own keeps a few copies queued until the probe is done (a
+  // backend whose LoadExpert waits for staging space cannot run ahead).
   const int buffers = static_cast<int>(m.temp_fence.size());
-  uint64_t last = 0;
-  for (int i = 0; i < copies; ++i) {
-    const std::byte* src = host_->Find(layer, i % spec_.num_experts);
-    if (src == nullptr) continue;
-    MOE_ASSIGN_OR_RETURN(last, backend_->LoadExpert(m.temp_base + i % buffers, src, 0));
-  }
-  if (last == 0) return absl::OkStatus();
-  MOE_ASSIGN_OR_RETURN(const double beside, probe());
-  const bool link_outlasted = !backend_->CopyDone(last);
-  MOE_RETURN_IF_ERROR(backend_->WaitCopy(last));
-  if (alone > 0 && beside > 0) r.copy_cpu_share = std::clamp(1.0 - alone / beside, 0.0, 1.0);
-  // Copies that ran dry before the probe ended overlapped only part of it:
-  // the share is then a lower bound (said, not hidden).
-  if (!link_outlasted)
-    LogInfo("dispatcher", "copy cost probe: the copies ended before the CPU probe did; the CPU's loss beside a copy, ",
-            100 * r.copy_cpu_share, "%, is a lower bound");
+  std::atomic<bool> stop{false};
+  absl::Status copied;
+  std::vector<uint64_t> fences;
+  std::thread copier([&] {
+    for (size_t i = 0; !stop.load(std::memory_order_relaxed); ++i) {
+      if (i >= kShareCopiesQueued) copied = backend_->WaitCopy(fences[i - kShareCopiesQueued]);
+      absl::StatusOr<uint64_t> f =
+          copied.ok() ? backend_->LoadExpert(m.temp_base + static_cast<int>(i % buffers), sources[i % sources.size()], 0)
+                      : absl::StatusOr<uint64_t>(copied);
+      if (!f.ok()) {
+        copied = f.status();
+        return;
+      }
+      fences.push_back(*f);
+    }
+  });
+  absl::StatusOr<double> beside = probe();
+  stop.store(true);
+  copier.join();
+  if (!fences.empty()) MOE_RETURN_IF_ERROR(backend_->WaitCopy(fences.back()));
+  MOE_RETURN_IF_ERROR(copied);
+  if (!beside.ok()) return beside.status();
+  if (alone > 0 && *beside > 0) r.copy_cpu_share = std::clamp(1.0 - alone / *beside, 0.0, 1.0);
   return absl::OkStatus();
 }
 
