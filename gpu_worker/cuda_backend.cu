@@ -29,15 +29,20 @@
 // GEMM outputs) is shared by the contexts: the single compute stream
 // serializes its users.
 //
-// RunExperts. Groups of at most kGemmMinRows rows go to two grouped launches
-// covering all of them (gate/up with silu*mul into act, down with the weighted
-// atomicAdd into the accumulator) that stream each expert's weights once
-// (CUDA cores for up to 2 rows, mma.sync above; see expert_kernels.cu);
-// bigger groups go to cuBLAS per group (bf16 in, f32 compute/out, tensor ops)
-// with gather / silu*mul / scatter-add kernels around it, in pieces of at most
+// RunExperts. Small groups go to two grouped launches covering all of them
+// (gate/up with silu*mul into act, down with the weighted atomicAdd into the
+// accumulator) that stream each expert's weights once per 64 rows (CUDA
+// cores for up to 2 rows, mma.sync above; see expert_kernels.cu); bigger
+// groups go to cuBLAS per group (bf16 in, f32 compute/out, tensor ops) with
+// gather / silu*mul / scatter-add kernels around it, in pieces of at most
 // kGemmChunkRows rows. On H100 with DeepSeek-V3 experts the grouped launches
 // read weights at 2.9-3.0 TB/s up to 16 rows per expert, 2.65 at 32, 1.76 at
-// 64; cuBLAS reached 1.5-1.6 TB/s at 33-128 rows. int8 / int4 slots take the
+// 64; cuBLAS reached 1.5-1.6 TB/s at 33-128 rows. Where bf16 groups switch
+// is measured at Init for the geometry (CalibrateGemmRows): five launches per
+// group cost a small expert more than its GEMM (Qwen3-30B-A3B, 128 rows: 33
+// us per expert through cuBLAS, 7.6 at 64 rows grouped; a 2048-token prompt's
+// hit launch took 4-5 ms of host time per layer, bench/RESULTS.md stop 23),
+// while DeepSeek-V3's experts are faster through cuBLAS from 128 rows. int8 / int4 slots take the
 // same shape through cuda/packed_kernels.cu (tensor cores from 2 rows, on the
 // packed bytes) up to kPackedGemmMinRows rows.
 //
@@ -59,6 +64,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "core/bf16.h"
+#include "core/log.h"
 #include "core/status_macros.h"
 #include "gpu_worker/cuda/cuda_check.h"
 #include "gpu_worker/cuda/kernels.h"
@@ -68,8 +75,10 @@ namespace moe {
 namespace {
 
 // ---- configuration (one place) -------------------------------------------
-// Groups with more rows than this run through cuBLAS; up to it, the grouped
-// kernels (measured faster than cuBLAS up to 64 rows, see above).
+// bf16 groups with more rows than this run through cuBLAS; up to it, the
+// grouped kernels (measured faster than cuBLAS up to 64 rows, see above).
+// CalibrateGemmRows raises it, doubling, while the grouped kernels stay
+// faster for this geometry.
 constexpr int kGemmMinRows = 64;
 // The same for int8 / int4 buffers: up to this the packed kernels run from
 // the packed bytes on tensor cores (64 rows per pass, re-reading the packed
@@ -294,6 +303,7 @@ class CudaBackend final : public DeviceBackend {
   // fences and cuBLAS; the scratch all contexts share; each context's state.
   absl::Status CheckConfigAndDevice(const BackendConfig& config);
   absl::Status CreateStreamsAndHandles();
+  absl::Status CalibrateGemmRows();
   absl::Status AllocateSharedScratch(size_t plan_rows);
   absl::Status AllocateContexts(size_t max_tokens, size_t plan_rows);
   absl::StatusOr<int> SplitHitGroups(const Context& c, const HitPlan& plan);
@@ -362,6 +372,7 @@ class CudaBackend final : public DeviceBackend {
 
   std::map<void*, size_t> registered_;
   size_t mapped_write_max_bytes_ = kMappedWriteMaxBytes;
+  int gemm_min_rows_ = kGemmMinRows;  // MOE_CUDA_GEMM_MIN_ROWS overrides it (read at Init; for tuning)
   bool unified_addressing_ = false;  // host pinned memory is read by kernels at its host address
   absl::Status deferred_;  // error of a void-returning call, reported by the next call
 
@@ -532,6 +543,76 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
     MOE_ASSIGN_OR_RETURN(experts_, AllocDevice(bytes, absl::StrCat(config.num_buffers, " expert buffers").c_str()));
   }
   initialized_ = true;
+  if (const char* v = std::getenv("MOE_CUDA_GEMM_MIN_ROWS"); v != nullptr) {
+    gemm_min_rows_ = std::max(1, std::atoi(v));
+    return absl::OkStatus();
+  }
+  return CalibrateGemmRows();
+}
+
+// The bf16 rows per group up to which the grouped kernels run: a call's
+// worth of experts (up to 16 buffers, whatever they hold: only the time
+// counts) at 128, 256, ... rows each, up to max_tokens, through the grouped
+// kernels and through cuBLAS on context 0 (median of 3 after one warm-up,
+// timed on the compute stream, so the host's launch pace counts too);
+// gemm_min_rows_ doubles while the grouped kernels are faster. Costs a few
+// milliseconds at start.
+absl::Status CudaBackend::CalibrateGemmRows() {
+  if (geometry_.quantized() || config_.num_buffers <= 0 || config_.contexts <= 0 ||
+      config_.max_tokens <= kGemmMinRows)
+    return absl::OkStatus();
+  const int max_rows = config_.max_tokens;
+  std::vector<bf16_t> x(static_cast<size_t>(max_rows) * H_, F32ToBf16(0.01f)), y(x.size());
+  ExpertGroups g;
+  const int n = std::min({config_.num_buffers, std::max(config_.max_top_k, 1), 16});
+  std::vector<int32_t> buffers(n);
+  for (int i = 0; i < n; ++i) buffers[i] = i;
+  cudaEvent_t ev[2] = {nullptr, nullptr};
+  for (cudaEvent_t& e : ev) MOE_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
+  auto time = [&](int rows, int threshold) -> absl::StatusOr<double> {
+    gemm_min_rows_ = threshold;
+    g = ExpertGroups{};
+    for (int e = 0; e < n; ++e) {
+      g.expert.push_back(e);
+      g.row_begin.push_back(e * rows);
+      g.count.push_back(rows);
+      for (int r = 0; r < rows; ++r) g.token.push_back(r), g.weight.push_back(1.f);
+    }
+    g.total_rows = g.total_pairs = n * rows;
+    MOE_RETURN_IF_ERROR(BeginCall(0, rows, x.data(), MemoryKind::kHost));
+    std::vector<double> v;
+    for (int i = 0; i < 4; ++i) {
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[0], compute_));
+      MOE_RETURN_IF_ERROR(RunExperts(0, HitPlan{&g, buffers.data()}));
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev[1], compute_));
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(ev[1]));
+      float ms = 0;
+      MOE_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+      if (i > 0) v.push_back(ms * 1e-3);
+    }
+    MOE_RETURN_IF_ERROR(FinishCall(0, y.data(), MemoryKind::kHost));
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  int chosen = kGemmMinRows;
+  absl::Status st;
+  std::string seen;
+  for (int rows = 2 * kGemmMinRows; rows <= max_rows && st.ok(); rows *= 2) {
+    absl::StatusOr<double> grouped = time(rows, rows), cublas = time(rows, rows - 1);
+    if (!grouped.ok() || !cublas.ok()) {
+      st = grouped.ok() ? cublas.status() : grouped.status();
+      break;
+    }
+    absl::StrAppend(&seen, seen.empty() ? "" : ", ", rows, " rows ", absl::SixDigits(*grouped * 1e6 / n), " / ",
+                    absl::SixDigits(*cublas * 1e6 / n), " us");
+    if (*grouped >= *cublas) break;
+    chosen = rows;
+  }
+  for (cudaEvent_t e : ev) cudaEventDestroy(e);
+  gemm_min_rows_ = chosen;
+  if (!st.ok()) return st;
+  LogInfo("cuda", "bf16 expert groups of up to ", chosen, " rows run in the grouped kernels, larger ones through "
+          "cuBLAS (per expert, ", n, " per launch, grouped / cuBLAS: ", seen, ")");
   return absl::OkStatus();
 }
 
@@ -971,7 +1052,7 @@ absl::StatusOr<int> CudaBackend::SplitHitGroups(const Context& c, const HitPlan&
           " rows)"));
     }
     if (d.count == 0) continue;
-    if (d.count > (geometry_.quantized() ? kPackedGemmMinRows : kGemmMinRows)) {
+    if (d.count > (geometry_.quantized() ? kPackedGemmMinRows : gemm_min_rows_)) {
       big_groups_.push_back(d);
     } else {
       small_groups_.push_back(d);

@@ -826,6 +826,7 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
   if (impl_->planned_stream != nullptr)
     MOE_RETURN_IF_ERROR(backend_->WaitStream(impl_->planned_stream));
   const uint64_t after = backend_->RecordCompute();
+  planner_.CopiesQueued(static_cast<int>(copies.size()));  // the link starts on them as they are enqueued
   for (size_t i = 0; i < copies.size(); ++i) {
     absl::StatusOr<uint64_t> f =
         backend_->LoadExpert(SlotBuffer(layer, copies[i].slot), host_->Find(layer, copies[i].expert), after);
@@ -843,7 +844,6 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
       config_.on_activity(layer, a);
     }
   }
-  planner_.CopiesQueued(static_cast<int>(copies.size()));
   return absl::OkStatus();
 }
 
@@ -1220,6 +1220,12 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
   Impl& m = *impl_;
   const MissPlan& plan = m.plan;
   const int layer = m.contexts[ticket].call.batch.layer;
+  // The link starts on them now, while the loops below are still enqueueing
+  // (a bf16 call's per-expert cuBLAS launches kept the host here for 4-5 ms
+  // at 2048 tokens; timed from the loops' end, the planner's link clock ran
+  // that far behind the link, and the prefetch window it measures shrank
+  // by as much: bench/RESULTS.md stop 23).
+  planner_.CopiesQueued(static_cast<int>(plan.copy_experts.size()));
   std::vector<int> copy_list = plan.copy_experts;
   if (config_.copy_mode == CopyMode::kAlways && config_.policy != CachePolicy::kStatic &&
       !copy_list.empty()) {
@@ -1238,9 +1244,7 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
   }
   m.copy_groups.clear();
   for (int e : copy_list) m.copy_groups.push_back(plan.copy_group(e));
-  MOE_RETURN_IF_ERROR(ComputeCopiedInBuffers(ticket, plan.copies, m.copy_groups));
-  planner_.CopiesQueued(static_cast<int>(plan.copy_experts.size()));  // later copies queue behind them
-  return absl::OkStatus();
+  return ComputeCopiedInBuffers(ticket, plan.copies, m.copy_groups);
 }
 
 // Cache admissions after a call: predictive prefetches the next layers'
