@@ -22,8 +22,9 @@ double CurveAt(const std::vector<std::pair<int, double>>& curve, double x);
 // floor's shared rate), so the CPU beside a copy streams min(dram, shared -
 // pcie) and loses only what the two ask beyond it. Defaults: the GPU host
 // (shared/PERF.md: oneDNN AMX streams 94 GB/s of weights, PCIe 55 GB/s; the
-// CPU and the copy engine at once 130 GB/s, about the median, 130.6, of the
-// 72 that moe_layer measured there in stop 22's runs, 110-164).
+// CPU and the copy engine at once 130 GB/s, about the median of moe_layer's
+// measurements there, 95-169 GB/s over the runs on record, bench/RESULTS.md
+// stop 23).
 struct StepTimeModel {
   double expert_bytes = 0;
   double dram_bytes_per_second = 94e9;
