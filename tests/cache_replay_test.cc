@@ -330,10 +330,10 @@ TEST(Replay, SharedDramRateSetsWhatCopiesCostTheCpu) {
   ReplayConfig c;
   c.slots = 1;
   c.expert_bytes = 100000000;
-  c.step_seconds = 0.0005;
   c.dram_bytes_per_second = 100e9;
-  c.pcie_bytes_per_second = 50e9;
   double last = 0;
+  c.pcie_bytes_per_second = 50e9;
+  c.step_seconds = 0.0005;
   for (double shared : {100e9, 125e9, 150e9}) {
     c.shared_bytes_per_second = shared;
     absl::StatusOr<PolicyResult> r = Replay(t, c, "lru");
@@ -342,8 +342,12 @@ TEST(Replay, SharedDramRateSetsWhatCopiesCostTheCpu) {
     // 20 runs: the device part and one missed expert's DRAM time each, plus the share of the overlap.
     const double floor = 20 * (c.step_seconds + 0.001);
     EXPECT_GE(r->model_seconds, floor - 1e-12);
-    if (shared >= 150e9) EXPECT_NEAR(r->model_seconds, floor, 1e-12);
-    if (last > 0) EXPECT_LT(r->model_seconds, last);
+    if (shared >= 150e9) {
+      EXPECT_NEAR(r->model_seconds, floor, 1e-12);
+    }
+    if (last > 0) {
+      EXPECT_LT(r->model_seconds, last);
+    }
     last = r->model_seconds;
   }
 }
