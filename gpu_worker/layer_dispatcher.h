@@ -90,10 +90,9 @@ inline constexpr int64_t kMaxContexts = 64;
 inline constexpr int64_t kMaxMissBuffers = 256;
 inline constexpr size_t kAutoMissBufferBytes = size_t{128} << 20;
 // Prefetch buffers per layer parity (DispatcherConfig::prefetch) on a GPU:
-// as many as this many bytes hold, at least miss_buffers, at most
-// kMaxPrefetchBuffers (the cpu backend: miss_buffers).
+// as many as this many bytes hold, at least miss_buffers, at most a layer's
+// experts (the cpu backend: miss_buffers).
 inline constexpr size_t kAutoPrefetchBytes = size_t{256} << 20;
-inline constexpr int kMaxPrefetchBuffers = 64;
 // Forward's device path takes calls of at most this many pairs per expert of
 // the layer on average (LayerDispatcher::OnDevicePath).
 inline constexpr int kDevicePathPairsPerExpert = 1;
