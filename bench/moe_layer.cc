@@ -694,7 +694,9 @@ class Bench {
     r.cpu_share = pairs > 0 ? cpu / pairs : 0;
     r.copied_share = pairs > 0 ? copied / pairs : 0;
     r.prefetched_share = pairs > 0 ? prefetched / pairs : 0;
-    if (d->cost_model().measured) cost_ = d->cost_model().Describe();
+    if (d->cost_model().measured)
+      cost_ = absl::StrFormat("%s; prefetch window %.3f ms", d->cost_model().Describe(),
+                              d->prefetch_window_seconds() * 1e3);
     return r;
   }
 

@@ -263,6 +263,8 @@ class LayerDispatcher {
 
   const ExpertCache& cache() const { return *cache_; }
   const CostModel& cost_model() const { return planner_.rates(); }
+  // The link's idle window between calls the prefetch is bounded by (Planner::PrefetchWindow), seconds.
+  double prefetch_window_seconds() const { return planner_.PrefetchWindow(); }
   int slots_per_layer() const { return cache_->config().slots_per_layer; }
   const std::vector<int>& layers() const { return layers_; }
   uint64_t copies_started() const { return copies_started_; }
