@@ -29,7 +29,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
-#include "bench/model/step_time_model.h"
 #include "bench/replay.h"
 #include "coordinator/placement.h"
 #include "core/flags.h"
@@ -137,15 +136,12 @@ int main(int argc, char** argv) {
   std::printf("  %zu steps x %d layers, %d experts, top-%d, %llu pairs (%.1f per step and layer); read in %.1f s\n",
               t.steps.size(), t.num_layers, t.num_experts, t.top_k, static_cast<unsigned long long>(pairs),
               double(pairs) / t.steps.size() / t.num_layers, read_s);
-  moe::StepTimeModel shared;
-  shared.dram_bytes_per_second = c.dram_bytes_per_second;
-  shared.pcie_bytes_per_second = c.pcie_bytes_per_second;
-  shared.shared_bytes_per_second = c.shared_bytes_per_second;
+  const moe::StepTimeModel model = moe::ReplayTimeModel(c);
   std::printf("cache: %d of %d experts per layer (%.0f%%); device step %g ms; copies of %.1f MB at %g GB/s, while one\n"
               "runs the CPU's misses lose %.0f%% of their pace (DRAM shared at %g GB/s);\n"
               "misses on the CPU: %.3f ms per expert (%g GB/s)",
               c.slots, t.num_experts, 100.0 * c.slots / t.num_experts, step_ms, expert_bytes / 1e6, pcie_gbps,
-              100 * shared.CopyCpuShare(), shared_gbps, expert_bytes / (dram_gbps * 1e9) * 1e3, dram_gbps);
+              100 * model.CopyCpuShare(), shared_gbps, expert_bytes / (dram_gbps * 1e9) * 1e3, dram_gbps);
   if (c.cpu_expert_curve.empty()) std::printf(", %.2f us per pair\n", c.pair_seconds * 1e6);
   if (!c.cpu_expert_curve.empty()) {
     std::printf("\n");

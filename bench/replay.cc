@@ -72,17 +72,6 @@ class CopyQueue {
   uint64_t count_ = 0;
 };
 
-StepTimeModel TimeModel(const ReplayConfig& c) {
-  StepTimeModel m;
-  m.expert_bytes = static_cast<double>(c.expert_bytes);
-  m.dram_bytes_per_second = c.dram_bytes_per_second;
-  m.pcie_bytes_per_second = c.pcie_bytes_per_second;
-  m.shared_bytes_per_second = c.shared_bytes_per_second;
-  m.pair_seconds = c.pair_seconds;
-  m.cpu_expert_curve = c.cpu_expert_curve;
-  return m;
-}
-
 absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, const ReplayConfig& c,
                                                        CachePolicy kind, double half_life) {
   ExpertCacheConfig cc;
@@ -158,7 +147,7 @@ using StepEndFn = std::function<absl::Status(double now, CopyQueue& copies)>;
 absl::Status RunOnline(const RoutingTrace& t, const ReplayConfig& c, ExpertCache& cache, const AdmitFn& admit,
                        const StepEndFn& step_end, PolicyResult& r) {
   CopyQueue copies(cache, c);
-  const StepTimeModel model = TimeModel(c);
+  const StepTimeModel model = ReplayTimeModel(c);
   LayerOutcome o;
   double now = 0;
   for (size_t s = 0; s < t.steps.size(); ++s) {
@@ -206,7 +195,7 @@ absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayCo
   ac.num_experts = t.num_experts;
   ac.expert_bytes = c.expert_bytes;
   ac.costs.copy_s = c.pcie_bytes_per_second > 0 ? double(c.expert_bytes) / c.pcie_bytes_per_second : 0.0;
-  const StepTimeModel model = TimeModel(c);
+  const StepTimeModel model = ReplayTimeModel(c);
   // A copy costs the CPU work it slows while both run: the model's share of its link time.
   ac.costs.copy_dram_s = ac.costs.copy_s * model.CopyCpuShare();
   // Linear in the pairs as the worker's admission costs are: per expert and
@@ -399,7 +388,7 @@ PolicyResult ReplayBelady(const RoutingTrace& t, const ReplayConfig& c) {
 template <typename HeldFn>
 PolicyResult ReplayOffline(const RoutingTrace& t, const ReplayConfig& c, const std::string& name, HeldFn held) {
   PolicyResult r = NewResult(t, name);
-  const StepTimeModel model = TimeModel(c);
+  const StepTimeModel model = ReplayTimeModel(c);
   std::vector<bool> resident;
   for (size_t s = 0; s < t.steps.size(); ++s) {
     for (int l = 0; l < t.num_layers; ++l) {
@@ -430,6 +419,17 @@ std::vector<bool> TopC(const std::vector<uint64_t>& counts, int slots) {
 }
 
 }  // namespace
+
+StepTimeModel ReplayTimeModel(const ReplayConfig& c) {
+  StepTimeModel m;
+  m.expert_bytes = static_cast<double>(c.expert_bytes);
+  m.dram_bytes_per_second = c.dram_bytes_per_second;
+  m.pcie_bytes_per_second = c.pcie_bytes_per_second;
+  m.shared_bytes_per_second = c.shared_bytes_per_second;
+  m.pair_seconds = c.pair_seconds;
+  m.cpu_expert_curve = c.cpu_expert_curve;
+  return m;
+}
 
 absl::Status LoadRates(const std::string& path, uint64_t expert_bytes, ReplayConfig* c) {
   std::ifstream in(path);

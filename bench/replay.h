@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/model/step_time_model.h"
 #include "coordinator/policy.h"
 #include "testing/routing_trace.h"
 
@@ -75,6 +76,9 @@ const std::vector<std::string>& ReplayPolicies();
 // before it existed) leaves c's shared rate as it was.
 // InvalidArgument naming the file and field on a bad file.
 absl::Status LoadRates(const std::string& path, uint64_t expert_bytes, ReplayConfig* c);
+
+// The step-time model a replay prices with: c's rates and expert bytes.
+StepTimeModel ReplayTimeModel(const ReplayConfig& c);
 
 // Replays `name` over `t`; InvalidArgument for an unknown name or bad config.
 absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c, const std::string& name);

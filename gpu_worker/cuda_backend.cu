@@ -562,7 +562,7 @@ absl::Status CudaBackend::CalibrateGemmRows() {
       config_.max_tokens <= kGemmMinRows)
     return absl::OkStatus();
   const int max_rows = config_.max_tokens;
-  std::vector<bf16_t> x(static_cast<size_t>(max_rows) * H_, F32ToBf16(0.01f)), y(x.size());
+  std::vector<bf16_t> x, y;  // the probe's tokens and output, as many rows as the size being timed
   ExpertGroups g;
   const int n = std::min({config_.num_buffers, std::max(config_.max_top_k, 1), 16});
   std::vector<int32_t> buffers(n);
@@ -579,6 +579,8 @@ absl::Status CudaBackend::CalibrateGemmRows() {
       for (int r = 0; r < rows; ++r) g.token.push_back(r), g.weight.push_back(1.f);
     }
     g.total_rows = g.total_pairs = n * rows;
+    x.resize(static_cast<size_t>(rows) * H_, F32ToBf16(0.01f));
+    y.resize(x.size());
     MOE_RETURN_IF_ERROR(BeginCall(0, rows, x.data(), MemoryKind::kHost));
     std::vector<double> v;
     for (int i = 0; i < 4; ++i) {

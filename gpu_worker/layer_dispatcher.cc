@@ -675,10 +675,10 @@ absl::Status LayerDispatcher::MeasureServerRates(int rows, const std::vector<bf1
 // several experts — their weights streamed from DRAM, as a decode's misses
 // are — alone, then while the copy engine streams experts into the temporary
 // buffers until it is done; the share of its pace the CPU lost is
-// 1 - alone / beside. The H100 host's CPU read 68-121 GB/s
-// beside copies of 40-50 GB/s where it read 79-135 alone (moe_layer, stop 22):
-// pricing each copy as all of its bytes taken from the CPU kept the cache's
-// admissions from copies that paid. Needs device memory (a copy the host
+// 1 - alone / beside. The H100 host's CPU read 57-125 GB/s beside copies of
+// 33-53 GB/s where it read 75-140 alone (moe_layer, 52 runs, bench/RESULTS.md
+// stop 23): pricing each copy as all of its bytes taken from the CPU kept the
+// cache's admissions from copies that paid. Needs device memory (a copy the host
 // thread makes itself cannot run beside the probe) and temporary buffers.
 absl::Status LayerDispatcher::MeasureCopyCpuShare(int layer, const std::function<absl::StatusOr<double>()>& probe) {
   Impl& m = *impl_;
