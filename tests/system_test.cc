@@ -565,12 +565,16 @@ TEST_F(SystemTest, SkewedTrafficMovesPlacementTowardHotExperts) {
     for (int i = 0; i < 3; ++i) ASSERT_TRUE(Round(rng, &h, &a));
     for (int w = 0; w < 2; ++w) share[w] = a[w] ? double(h[w]) / a[w] : 0;
     moved = share[0] > 0.5 && share[1] > 0.5 && EveryWorkerHolds(0, kHot[0]) && EveryWorkerHolds(1, kHot[1]);
-    // ... and the coordinator placed both layers on both workers: the
-    // workers' own admissions may have reached the hot sets first.
+    // ... and the coordinator placed both layers on both workers (the
+    // workers' own admissions may have reached the hot sets first) and has
+    // heard of the hits: they reach it with the workers' next heartbeat,
+    // which a loaded machine may delay past the rounds above.
     if (moved) {
       const std::string c = Scrape(coord_.metrics_port);
       for (int w = 0; w < 2; ++w)
         moved = moved && Series(c, "moe_coordinator_copies_total{worker=\"" + WorkerId(w) + "\"}") >= 2 * kSlots;
+      for (int layer = 0; layer < 2; ++layer)
+        moved = moved && Series(c, "moe_coordinator_layer_hit_rate{layer=\"" + std::to_string(layer) + "\"}") > 0;
     }
   }
   ASSERT_TRUE(moved) << "after " << calls_ << " calls: hit share w1 " << share[0] << ", w2 " << share[1]

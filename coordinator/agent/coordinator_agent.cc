@@ -295,8 +295,12 @@ class CoordinatorAgent::Impl {
     moe::v1::HeartbeatResponse resp;
     const grpc::Status st = link_.stub().Heartbeat(&ctx, hb, &resp);
     if (!st.ok()) return FromGrpcStatus(st);  // counts stay pending for the next attempt
-    std::fill(pending_pairs_.begin(), pending_pairs_.end(), 0);
-    std::fill(pending_hits_.begin(), pending_hits_.end(), 0);
+    // A hit whose pairs the exchange above missed (the two counters are read
+    // apart) stays pending until its pairs are sent, not dropped.
+    for (size_t i = 0; i < pending_pairs_.size(); ++i) {
+      pending_hits_[i] -= std::min(pending_hits_[i], pending_pairs_[i]);
+      pending_pairs_[i] = 0;
+    }
     std::fill(pending_activity_.begin(), pending_activity_.end(), 0);
     return absl::OkStatus();
   }
