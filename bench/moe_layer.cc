@@ -274,6 +274,7 @@ struct Options {
   int chunk = 0;  // > 0: tokens per layer call (a larger batch runs as several calls)
   int miss_buffers = DispatcherConfig{}.miss_buffers;  // the dispatcher's temporary buffers per layer parity
   bool prefetch = DispatcherConfig{}.prefetch;          // the next layer's experts copied during a prompt's call
+  int prefetch_buffers = 0;                             // its buffers per layer parity (0: the worker's default)
   // Tokens in one layer call of a batch of T.
   int CallTokens(int T) const { return chunk > 0 ? std::min(T, chunk) : T; }
   // Layer calls per step of a batch of T (per MoE layer).
@@ -426,7 +427,7 @@ double RunFloor(const RunResult& r, const FloorRates& f) {
 // slots of 1024 tokens, 8 of them), C slots per layer, calls of up to
 // max_tokens tokens, a deadline no bench call reaches.
 DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, int C, int max_tokens, int top_k,
-                                       int miss_buffers, bool prefetch) {
+                                       int miss_buffers, bool prefetch, int prefetch_buffers) {
   DispatcherConfig c;
   for (const std::string& s : sockets) c.servers.push_back(ExpertServerConfig{"unix://" + s, {}});
   c.transport.max_tokens_per_slot = 1024;
@@ -436,6 +437,7 @@ DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, 
   c.max_top_k = top_k;
   c.miss_buffers = miss_buffers;
   c.prefetch = prefetch;
+  c.prefetch_buffers = prefetch_buffers;
   c.deadline = std::chrono::milliseconds(120000);
   return c;
 }
@@ -471,7 +473,8 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
   auto rank_main = [&](int r) {
     if (cudaSetDevice(r) != cudaSuccess) Die("cudaSetDevice");
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend("cuda"), "device");
-    DispatcherConfig c = BenchDispatcherConfig(sockets, C, group && o.ep ? T * R : T, k, o.miss_buffers, o.prefetch);
+    DispatcherConfig c = BenchDispatcherConfig(sockets, C, group && o.ep ? T * R : T, k, o.miss_buffers, o.prefetch,
+                                               o.prefetch_buffers);
     if (group) c.group = TensorParallel(r, R);
     if (group && o.ep) {
       c.group.mode = GroupMode::kExpert;
@@ -619,7 +622,7 @@ class Bench {
   RunResult Run(int T, int C, CachePolicy policy, CopyMode copy, bool dual, bool graph = false) {
     const int N = o_.CallTokens(T);
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
-    DispatcherConfig c = BenchDispatcherConfig(shm_, C, N, spec_.top_k, o_.miss_buffers, o_.prefetch);
+    DispatcherConfig c = BenchDispatcherConfig(shm_, C, N, spec_.top_k, o_.miss_buffers, o_.prefetch, o_.prefetch_buffers);
     c.policy = policy;
     c.copy_mode = copy;
     c.admissions_per_call = o_.admissions;
@@ -998,6 +1001,10 @@ int Main(int argc, char** argv) {
             "by the expert's size)");
   flags.Bool("prefetch", &o.prefetch,
              "the worker copies the next layer's experts during a call that copies (the default; false for A/B)");
+  int64_t prefetch_buffers = o.prefetch_buffers;
+  flags.Int("prefetch-buffers", &prefetch_buffers,
+            "the worker's prefetch buffers per layer parity (0, the worker's default: as many as 256 MiB hold, at "
+            "most a layer's experts)");
   int64_t runs = o.runs;
   flags.Int("runs", &runs, "runs of every configuration (fresh dispatcher each); cells show median [min-max]");
   flags.Int("slices", &slices,
@@ -1038,6 +1045,8 @@ int Main(int argc, char** argv) {
   o.runs = static_cast<int>(runs);
   if (miss_buffers < 0 || miss_buffers > kMaxMissBuffers) flags.Fail("--miss-buffers must be in [0, 256]");
   o.miss_buffers = static_cast<int>(miss_buffers);
+  if (prefetch_buffers < 0 || prefetch_buffers > kMaxMissBuffers) flags.Fail("--prefetch-buffers must be in [0, 256]");
+  o.prefetch_buffers = static_cast<int>(prefetch_buffers);
   // The server's own default (ChooseDefaultThreads: an engine shares the
   // host): all cores but max(2, cores / 16). The server pins its compute
   // threads, one per core, and a parallel region waits for the slowest: a

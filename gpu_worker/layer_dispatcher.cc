@@ -322,6 +322,9 @@ absl::Status LayerDispatcher::CheckConfig() {
       return absl::InvalidArgumentError(absl::StrCat(r.name, ": ", r.value, " is outside [", r.lo, ", ", r.hi, "]"));
   if (!(c.cache_gib >= 0 && c.cache_gib <= kMaxCacheGib))  // NaN too
     return absl::InvalidArgumentError(absl::StrCat("cache-gib: ", c.cache_gib, " is outside [0, ", kMaxCacheGib, "]"));
+  if (c.prefetch_buffers < 0 || c.prefetch_buffers > kMaxMissBuffers)
+    return absl::InvalidArgumentError(absl::StrCat("prefetch-buffers: ", c.prefetch_buffers, " is outside [0, ",
+                                                   kMaxMissBuffers, "] (0: by the expert's size)"));
   if (c.miss_buffers < 0 || c.miss_buffers > kMaxMissBuffers)
     return absl::InvalidArgumentError(
         absl::StrCat("miss-buffers: ", c.miss_buffers, " is outside [0, ", kMaxMissBuffers, "] (0: by the expert's size)"));
@@ -365,10 +368,12 @@ void LayerDispatcher::SizeMissBuffers(size_t expert_bytes) {
   // Qwen3-30B-A3B to half a layer: 2048-token prompts 137.5 / 138.4 ms
   // against 121.8 / 122.1 with 128, bench/RESULTS.md stop 23); the cpu
   // backend, whose "copies" cross no link, miss_buffers.
-  const int prefetch_auto =
-      static_cast<int>(std::min<size_t>(static_cast<size_t>(spec_.num_experts), kAutoPrefetchBytes / bytes));
+  const int prefetch_auto = config_.prefetch_buffers > 0
+                                ? std::min(spec_.num_experts, config_.prefetch_buffers)
+                                : std::max<int>(config_.miss_buffers, std::min<size_t>(static_cast<size_t>(spec_.num_experts),
+                                                                                       kAutoPrefetchBytes / bytes));
   impl_->prefetch_per_parity = host_ == nullptr || !config_.prefetch ? 0
-                               : backend_->has_device_memory()       ? std::max(config_.miss_buffers, prefetch_auto)
+                               : backend_->has_device_memory()       ? prefetch_auto
                                                                       : config_.miss_buffers;
 }
 

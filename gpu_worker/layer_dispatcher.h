@@ -119,6 +119,8 @@ struct DispatcherConfig {
                                    // has buffers of its own (kAutoPrefetchBytes per parity)
   CopyMode copy_mode = CopyMode::kAuto;
   bool prefetch = true;            // a call that copies experts starts copying the next layer's (StartPrefetch)
+  int prefetch_buffers = 0;        // with prefetch on a GPU: its buffers per layer parity (at most a layer's
+                                   // experts); 0: as many as kAutoPrefetchBytes holds, at least miss_buffers
   int copy_min_tokens = 0;         // > 0: copy experts with at least this many tokens (no model)
   bool copy_fallback = true;       // failed servers: copy the experts to the device
   std::chrono::milliseconds deadline{30000};  // per call

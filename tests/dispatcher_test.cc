@@ -525,6 +525,18 @@ TEST_P(DispatcherTest, BadInputIsRejectedNamingTheField) {
   // The dispatcher is still healthy.
   ASSERT_TRUE(d->Forward(Call(1, b, &out)).ok());
   EXPECT_LE(Error(1, b, out), 1e-2);
+  // A config out of range is refused at Create, naming the option.
+  for (int field = 0; field < 2; ++field) {
+    DispatcherConfig c = Config({addr});
+    (field == 0 ? c.miss_buffers : c.prefetch_buffers) = static_cast<int>(kMaxMissBuffers) + 1;
+    std::unique_ptr<DeviceBackend> other = *MakeDeviceBackend(backend_name());
+    absl::StatusOr<std::unique_ptr<LayerDispatcher>> bad =
+        LayerDispatcher::Create(source_->spec(), *other, nullptr, std::move(c));
+    ASSERT_FALSE(bad.ok());
+    EXPECT_TRUE(absl::IsInvalidArgument(bad.status())) << bad.status();
+    EXPECT_NE(bad.status().message().find(field == 0 ? "miss-buffers" : "prefetch-buffers"), std::string::npos)
+        << bad.status();
+  }
 }
 
 // Two servers hosting halves of the experts: misses are split per server.
