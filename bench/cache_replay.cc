@@ -170,19 +170,20 @@ int main(int argc, char** argv) {
     if (r.name == "oracle" || (r.name == "ceiling" && ref == nullptr)) ref = &r;
   const std::string ref_name = ref ? "vs " + ref->name : "vs -";
   const double steps = static_cast<double>(t.steps.size());
-  std::printf("%-12s %9s %10s %9s %9s %10s %11s %9s %7s %8s\n", "policy", "hit rate", ref_name.c_str(), "step ms",
-              ref_name.c_str(), "copies", "copied", "pred prec", "recall", "replay");
+  std::printf("%-12s %9s %10s %9s %9s %10s %11s %9s %7s %8s %8s\n", "policy", "hit rate", ref_name.c_str(), "step ms",
+              ref_name.c_str(), "copies", "copied", "pred prec", "recall", "replay", "plan us");
   for (const auto& r : results) {
     const std::string step = r.model_seconds >= 0 ? absl::StrFormat("%.2f", 1e3 * r.model_seconds / steps) : "-";
     const std::string step_vs = r.model_seconds >= 0 && ref && ref->model_seconds > 0
                                     ? absl::StrFormat("%.2fx", r.model_seconds / ref->model_seconds)
                                     : "-";
-    std::printf("%-12s %8.1f%% %10s %9s %9s %10llu %8.1f GB %9s %7s %7.2fs\n", r.name.c_str(), 100 * r.Rate(),
+    std::printf("%-12s %8.1f%% %10s %9s %9s %10llu %8.1f GB %9s %7s %7.2fs %8s\n", r.name.c_str(), 100 * r.Rate(),
                 ref ? absl::StrFormat("%+.1f", 100 * (r.Rate() - ref->Rate())).c_str() : "-",
                 step.c_str(), step_vs.c_str(), static_cast<unsigned long long>(r.copies),
                 double(r.copies) * expert_bytes / 1e9,
                 r.precision >= 0 ? absl::StrFormat("%.1f%%", 100 * r.precision).c_str() : "-",
-                r.recall >= 0 ? absl::StrFormat("%.1f%%", 100 * r.recall).c_str() : "-", r.seconds);
+                r.recall >= 0 ? absl::StrFormat("%.1f%%", 100 * r.recall).c_str() : "-", r.seconds,
+                r.plan_us_per_run >= 0 ? absl::StrFormat("%.1f", r.plan_us_per_run).c_str() : "-");
   }
   if (per_layer) {
     std::printf("\nhit rate per layer (%%)\n%-6s", "layer");

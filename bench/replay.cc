@@ -2,6 +2,7 @@
 #include "bench/replay.h"
 
 #include <algorithm>
+#include <chrono>
 #include <deque>
 #include <fstream>
 #include <functional>
@@ -211,14 +212,21 @@ absl::StatusOr<PolicyResult> ReplayDefault(const RoutingTrace& t, const ReplayCo
   ExpertCache& ec = **cache;
   std::vector<int32_t> ids;
   int T = 0, k = 0;
+  double plan_s = 0;
+  uint64_t runs = 0;
   absl::Status st = RunOnline(
       t, c, ec,
       [&](size_t s, int l, const LayerOutcome&, double now, double link_free) {
         Routing(t, s, l, &ids, &T, &k);
-        return (*policy)->OnLayer(ec, l, T, std::max(k, 1), ids.data(), now, link_free);
+        const auto t0 = std::chrono::steady_clock::now();
+        auto planned = (*policy)->OnLayer(ec, l, T, std::max(k, 1), ids.data(), now, link_free);
+        plan_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        ++runs;
+        return planned;
       },
       nullptr, r);
   if (!st.ok()) return st;
+  r.plan_us_per_run = runs > 0 ? 1e6 * plan_s / static_cast<double>(runs) : 0.0;
   PredictionQuality q;
   for (int l = 0; l < t.num_layers; ++l) {
     const PredictionQuality& ql = (*policy)->predictor().quality(l);

@@ -60,6 +60,9 @@ struct PolicyResult {
   double model_seconds = 0;  // modelled time of all steps; < 0: not modelled
   double precision = -1, recall = -1;  // default: lag-1 prediction quality
   double seconds = 0;        // replay wall time
+  // default: host time in AdmissionPolicy::OnLayer per layer run (the
+  // worker's planning between a decode call and the next layer); < 0: none
+  double plan_us_per_run = -1;
   uint64_t TotalHits() const;
   uint64_t TotalPairs() const;
   double Rate() const;

@@ -43,7 +43,7 @@ absl::StatusOr<std::unique_ptr<AdmissionPolicy>> AdmissionPolicy::Create(const A
     }
     for (auto [later_runs, memory] : {std::pair{0.0, 0}, {1.0, 0}, {3.0, 0}, {8.0, 0}, {8.0, 1}, {24.0, 1}, {8.0, 2},
                                       {24.0, 2}})
-      r.shadows.push_back(Shadow{later_runs, memory, std::vector<double>(c.num_experts, kNever)});
+      r.shadows.push_back(Shadow{later_runs, memory, std::vector<double>(c.num_experts, kNever), {}});
   }
 
   return a;
@@ -105,32 +105,78 @@ namespace {
 // runs': kept whole when e is the better resident, else bounded by one copy —
 // the one that would bring v back (rent or buy: a swap for the coming run
 // only costs the later runs no more than that). A swap is made when the gain
-// beats the copy's cost. Returns (expert, victim index) pairs in order.
+// beats the copy's cost. Writes (expert, victim id) pairs in order to
+// `out`; `order` is scratch.
+//
+// The candidates are tried most valuable first (value = next + later_runs *
+// rate; ties: the lower id), but not all of them need sorting — this runs at
+// every layer run on the dispatcher's thread, between a decode call's
+// return and the next layer (issue 21's fixed cost per layer). A swap of e
+// for the current victim v needs gain > cost, and gain <= value(e) - value(v)
+// while the later runs' loss is within one copy, else gain <= next(e) -
+// next(v) - cost. So once a candidate's value is within a copy of v's (v's
+// value only grows), only candidates with next(e) > 2 cost can still pay:
+// the candidates come off a heap until then, and those few are sorted. The
+// victims, least valuable first (empty slots, key -1, before all; ties: the
+// lower id), come off a heap of their own as they are taken. `live`: the
+// experts whose value may exceed the copy's cost (the rest cannot pay).
 template <typename Candidate, typename Timing>
-std::vector<std::pair<int, int>> ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate,
-                                             double later_runs, double copy_cost, const std::vector<int>& victims,
-                                             Candidate candidate, Timing timing) {
-  std::vector<std::pair<int, int>> out;
-  const int E = static_cast<int>(next.size());
+void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, double later_runs,
+                 double copy_cost, const std::vector<int>& live, std::vector<AdmissionVictim>* victims,
+                 Candidate candidate, Timing timing, std::vector<std::pair<double, int>>* order,
+                 std::vector<std::pair<int, int>>* out) {
+  out->clear();
   auto value = [&](int e) { return e < 0 ? 0.0 : next[e] + later_runs * rate[e]; };
   auto gain = [&](int e, int v, bool in_time) {
     const double now_gain = (in_time ? next[e] : 0.0) - (v >= 0 ? next[v] : 0.0);
     const double later_gain = later_runs * (rate[e] - (v >= 0 ? rate[v] : 0.0));
     return now_gain + (later_gain >= 0 ? later_gain : -std::min(-later_gain, copy_cost));
   };
-  std::vector<int> candidates;
-  for (int e = 0; e < E; ++e)
-    if (candidate(e) && gain(e, -1, true) > copy_cost) candidates.push_back(e);
-  std::sort(candidates.begin(), candidates.end(), [&](int a, int b) { return value(a) > value(b); });
-  size_t v = 0;
-  for (int e : candidates) {
-    if (v >= victims.size()) break;
-    const int when = timing(static_cast<int>(out.size()));
-    if (when < 0) break;
-    if (gain(e, victims[v], when > 0) <= copy_cost) continue;  // a later candidate may still pay
-    out.push_back({e, static_cast<int>(v++)});
+  // Taking e alone (an empty slot, in time) gains value(e).
+  std::vector<std::pair<double, int>>& heap = *order;
+  heap.clear();
+  for (int e : live)
+    if (candidate(e))
+      if (const double ve = value(e); ve > copy_cost) heap.push_back({ve, e});
+  auto first = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  auto heap_less = [&](const std::pair<double, int>& a, const std::pair<double, int>& b) { return first(b, a); };
+  auto victim_after = [](const AdmissionVictim& a, const AdmissionVictim& b) {
+    return a.key != b.key ? a.key > b.key : a.id > b.id;
+  };
+  std::make_heap(victims->begin(), victims->end(), victim_after);
+  // Tries e against the current victim; false: stop (no victim or no link time left).
+  auto consider = [&](int e) {
+    if (victims->empty()) return false;
+    const int when = timing(static_cast<int>(out->size()));
+    if (when < 0) return false;
+    if (gain(e, victims->front().expert, when > 0) > copy_cost) {
+      out->push_back({e, victims->front().id});
+      std::pop_heap(victims->begin(), victims->end(), victim_after);
+      victims->pop_back();
+    }
+    return true;  // a later candidate may still pay
+  };
+  // Bounds above, with a margin for rounding.
+  auto slack = [&](double a, double b) { return 1e-9 * (std::abs(a) + std::abs(b) + copy_cost); };
+  std::make_heap(heap.begin(), heap.end(), heap_less);
+  while (!heap.empty()) {
+    const std::pair<double, int> top = heap.front();
+    if (!victims->empty()) {
+      const double vv = value(victims->front().expert);
+      if (top.first <= vv + copy_cost - slack(top.first, vv)) break;
+    }
+    std::pop_heap(heap.begin(), heap.end(), heap_less);
+    heap.pop_back();
+    if (!consider(top.second)) return;
   }
-  return out;
+  const double least_next = 2 * copy_cost - slack(copy_cost, 0);
+  heap.erase(std::remove_if(heap.begin(), heap.end(), [&](const auto& c) { return !(next[c.second] > least_next); }),
+             heap.end());
+  std::sort(heap.begin(), heap.end(), first);
+  for (const auto& c : heap)
+    if (!consider(c.second)) return;
 }
 
 }  // namespace
@@ -162,6 +208,17 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
     for (int e = 0; e < E; ++e) rates[m][e] = use[e] * c.miss_expert_s + per_run[e] * c.miss_pair_s;
   }
   for (int e = 0; e < E; ++e) next[e] = prob[e] * c.miss_expert_s + pairs[e] * c.miss_pair_s;
+  // The experts any horizon may value above a copy (most of a large layer's are not).
+  double longest = 0;
+  for (const Shadow& sh : res.shadows) longest = std::max(longest, sh.later_runs);
+  std::vector<int>& live = scratch_live_;
+  live.clear();
+  for (int e = 0; e < E; ++e) {
+    double rate_e = 0;
+    for (int m = 0; m <= kMemories; ++m)
+      if (lag == 1 || m == leader.memory) rate_e = std::max(rate_e, rates[m][e]);
+    if (next[e] + longest * rate_e > copy_cost) live.push_back(e);
+  }
   // A copy that lands after the target's coming run serves from the run after
   // it; one the link cannot finish within a pass (the runs after) is not
   // started — the queue would only delay copies that can land in time.
@@ -178,26 +235,28 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   for (Shadow& sh : res.shadows) {
     if (lag != 1) break;
     const std::vector<double>& rate = rates[sh.memory];
-    std::vector<int> victims;
-    int held = 0;
-    for (int e = 0; e < E; ++e)
-      if (sh.ready[e] < kNever) {
-        ++held;
-        if (sh.ready[e] <= now_s) victims.push_back(e);
-      }
-    std::sort(victims.begin(), victims.end(), [&](int a, int b) { return next[a] + sh.later_runs * rate[a] < next[b] + sh.later_runs * rate[b]; });
-    victims.insert(victims.begin(), std::max(0, C - held), -1);
+    std::vector<AdmissionVictim>& victims = scratch_victims_;
+    victims.clear();
+    for (int e : sh.held)
+      if (sh.ready[e] <= now_s) victims.push_back({next[e] + sh.later_runs * rate[e], e, e});
+    const size_t empty = C > static_cast<int>(sh.held.size()) ? C - sh.held.size() : 0;
+    victims.insert(victims.end(), empty, AdmissionVictim{-1, -1, -1});
     double link = std::max(now_s, sh.link_free_s);
     auto timing = [&](int i) {
       const double done = link + (i + 1) * c.copy_s;
       return done > end_s ? -1 : done <= start_s ? 1 : 0;
     };
-    const auto swaps = ChooseSwaps(next, rate, sh.later_runs, copy_cost, victims,
-                                   [&](int e) { return sh.ready[e] >= kNever; }, timing);
-    for (const auto& [e, vi] : swaps) {
+    ChooseSwaps(next, rate, sh.later_runs, copy_cost, live, &victims, [&](int e) { return sh.ready[e] >= kNever; },
+                timing, &scratch_order_, &scratch_swaps_);
+    for (const auto& [e, victim] : scratch_swaps_) {
       link += c.copy_s;
       sh.ready[e] = link;
-      if (victims[vi] >= 0) sh.ready[victims[vi]] = kNever;
+      if (victim >= 0) {
+        sh.ready[victim] = kNever;
+        *std::find(sh.held.begin(), sh.held.end(), victim) = e;
+      } else {
+        sh.held.push_back(e);
+      }
       sh.score -= copy_cost;
     }
     sh.link_free_s = link;
@@ -206,13 +265,12 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
                                          [](const Shadow& a, const Shadow& b) { return a.score < b.score; });
   const std::vector<double>& rate = rates[best.memory];
   // The real cache: victims are empty slots, then Ready unpinned experts, least valuable first.
-  std::vector<int> victim_slots, victims;
+  std::vector<int>& victim_slots = scratch_slots_;  // ascending
+  victim_slots.clear();
   const std::vector<int> held = cache.SlotExperts(target);
   for (int s = 0; s < static_cast<int>(held.size()); ++s)
     if (held[s] < 0 || (cache.ReadySlot(target, held[s]) == s && !cache.pinned(target, held[s])))
       victim_slots.push_back(s);
-  auto slot_value = [&](int s) { return held[s] < 0 ? -1.0 : next[held[s]] + best.later_runs * rate[held[s]]; };
-  std::stable_sort(victim_slots.begin(), victim_slots.end(), [&](int a, int b) { return slot_value(a) < slot_value(b); });
   AdmissionCounters& counters = counters_[tp];
   auto start = [&](int slot, int e) {
     absl::StatusOr<SlotCopy> copy = cache.Replace(target, slot, e);
@@ -227,11 +285,21 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   };
   // Pins stay in force: a pinned expert that is not resident (its assignment
   // found every slot loading) comes back first, into the least valuable slot.
+  auto slot_value = [&](int s) { return held[s] < 0 ? -1.0 : next[held[s]] + best.later_runs * rate[held[s]]; };
+  std::vector<AdmissionVictim>& victims = scratch_victims_;  // the slots, least valuable first (ties: the lower slot)
+  victims.clear();
+  for (int s : victim_slots) victims.push_back({slot_value(s), held[s], s});
+  auto victim_before = [](const AdmissionVictim& a, const AdmissionVictim& b) {
+    return a.key != b.key ? a.key < b.key : a.id < b.id;
+  };
   size_t first = 0;
-  for (int e = 0; e < E && first < victim_slots.size(); ++e)
-    if (cache.pinned(target, e) && cache.SlotOf(target, e) < 0) start(victim_slots[first++], e);
-  victim_slots.erase(victim_slots.begin(), victim_slots.begin() + first);
-  for (int s : victim_slots) victims.push_back(held[s]);
+  for (int e = 0; e < E; ++e)
+    if (cache.pinned(target, e) && cache.SlotOf(target, e) < 0) {
+      if (first == 0) std::sort(victims.begin(), victims.end(), victim_before);  // pins are rare
+      if (first >= victims.size()) break;
+      start(victims[first++].id, e);
+    }
+  victims.erase(victims.begin(), victims.begin() + static_cast<std::ptrdiff_t>(first));
   const double link = std::max(now_s, *link_free_s);
   const bool budget = config_.pass_budget_bytes > 0;
   auto timing = [&](int i) {
@@ -239,9 +307,9 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
     if (budget && pass_bytes_ + (i + 1) * config_.expert_bytes > config_.pass_budget_bytes) return -1;
     return done > end_s ? -1 : done <= start_s ? 1 : 0;
   };
-  const auto swaps = ChooseSwaps(next, rate, best.later_runs, copy_cost, victims,
-                                 [&](int e) { return cache.SlotOf(target, e) < 0; }, timing);
-  for (const auto& [e, vi] : swaps) start(victim_slots[vi], e);
+  ChooseSwaps(next, rate, best.later_runs, copy_cost, live, &victims,
+              [&](int e) { return cache.SlotOf(target, e) < 0; }, timing, &scratch_order_, &scratch_swaps_);
+  for (const auto& [e, slot] : scratch_swaps_) start(slot, e);
 }
 
 AdmissionCosts AdmissionPolicy::Costs() const {

@@ -60,6 +60,14 @@ struct AdmissionCosts {
   double miss_pair_s = 0;    // CPU: one missed (token, expert) pair
 };
 
+// A resident expert (or an empty slot: expert -1, key -1) a swap may evict,
+// valued `key`; `id` names it to the caller (expert or slot) and breaks ties.
+struct AdmissionVictim {
+  double key = 0;
+  int expert = -1;
+  int id = -1;
+};
+
 struct AdmissionConfig {
   std::vector<int> layers;  // served MoE layers, ascending
   int num_experts = 0;
@@ -106,6 +114,7 @@ class AdmissionPolicy {
     double later_runs = 0;      // later runs a swap is priced over
     int memory = 0;             // its rates: 0 over the residency horizon, 1 over 16 runs, 2 over 64
     std::vector<double> ready;  // per expert: when its copy lands, kNever: not held
+    std::vector<int> held;      // the experts it holds (ready < kNever), in no order
     double link_free_s = 0;
     double score = 0;           // decayed CPU time saved by hits less copy costs
   };
@@ -139,6 +148,10 @@ class AdmissionPolicy {
   std::vector<Residency> residency_;  // [pos]
   std::vector<int> scratch_pairs_;                 // ObserveUse: this run's pairs per expert
   std::vector<double> scratch_next_, scratch_rates_[kMemories + 1];  // Plan's values, reused
+  std::vector<std::pair<double, int>> scratch_order_;               // ChooseSwaps' candidates
+  std::vector<std::pair<int, int>> scratch_swaps_;                  // and its swaps
+  std::vector<AdmissionVictim> scratch_victims_;                    // and its victims
+  std::vector<int> scratch_slots_, scratch_live_;
   double last_now_s_ = -1;
   double last_miss_s_ = 0;    // CPU miss time of the previous layer run
   double busy_share_ = 1;     // measured share of time the CPU computes misses (starts pessimistic)

@@ -82,25 +82,45 @@ void ExpertPredictor::Solve(Fit& f) {
   for (int i = 0; i < kFeatures; ++i) f.w[i] = m[i][kFeatures] / m[i][i];
 }
 
+namespace {
+
+// Cross's inner loops, compiled for AVX-512, AVX2 and the baseline (the
+// loader picks one for the host).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void AddScaledRow(const float* row, float scale,
+                                                                               float* q, int n) {
+  for (int b = 0; b < n; ++b) q[b] += row[b] * scale;
+}
+__attribute__((target_clones("avx512f", "avx2", "default"))) void AddToken(const float* q, float scale, double* miss,
+                                                                           double* pairs, int n) {
+  for (int b = 0; b < n; ++b) {
+    const double qb = std::min(1.0, static_cast<double>(q[b] * scale));
+    miss[b] *= 1.0 - qb;
+    pairs[b] += qb;
+  }
+}
+
+}  // namespace
+
 void ExpertPredictor::Cross(int from, int lag, std::vector<double>* prob, std::vector<double>* pairs) const {
+  // Per token and target expert: a row of the transitions per expert of the
+  // token, each over its count (contiguous rows; this runs at every layer
+  // run, between a decode call and the next layer).
   prob->assign(e_, 0.0);
   pairs->assign(e_, 0.0);
-  std::vector<double> miss(e_, 1.0), q(e_);
+  std::vector<double>& miss = cross_miss_;
+  std::vector<float>& q = cross_q_;
+  miss.assign(e_, 1.0);
+  q.resize(e_);
   for (const std::vector<int>& tok : state_[from].tokens) {
-    std::fill(q.begin(), q.end(), 0.0);
+    std::fill(q.begin(), q.end(), 0.0f);
     int known = 0;
     for (int a : tok) {
       const float n = from_[(static_cast<size_t>(lag - 1) * n_ + from) * e_ + a];
       if (n <= 0) continue;
       ++known;
-      for (int b = 0; b < e_; ++b) q[b] += Trans(lag, from, a, b) / n;
+      AddScaledRow(&trans_[((static_cast<size_t>(lag - 1) * n_ + from) * e_ + a) * e_], 1.0f / n, q.data(), e_);
     }
-    if (known == 0) continue;
-    for (int b = 0; b < e_; ++b) {
-      const double qb = std::min(1.0, q[b] / known);
-      miss[b] *= 1.0 - qb;
-      (*pairs)[b] += qb;
-    }
+    if (known > 0) AddToken(q.data(), 1.0f / static_cast<float>(known), miss.data(), pairs->data(), e_);
   }
   for (int b = 0; b < e_; ++b) (*prob)[b] = 1.0 - miss[b];
 }
@@ -122,7 +142,7 @@ void ExpertPredictor::Learn(int from, int lag, int to) {
 }
 
 void ExpertPredictor::PredictAhead(int from) {
-  std::vector<double> c1, p1, c2, p2;
+  std::vector<double>&c1 = ahead_[0], &p1 = ahead_[1], &c2 = ahead_[2], &p2 = ahead_[3];
   // The position observed before `from`, when it is the one just before it in
   // the run order (the same forward pass, same tokens).
   const int before = recent_.size() >= 2 ? recent_[recent_.size() - 2] : -1;
@@ -193,15 +213,21 @@ void ExpertPredictor::Refit(LayerState& s, const std::vector<uint8_t>& used) {
   for (int lag = 1; lag <= kMaxLag; ++lag) {
     if (!s.valid[lag - 1]) continue;
     Fit& f = s.fit[lag - 1];
-    for (double& v : f.a) v *= forget;
-    for (double& v : f.b) v *= forget;
+    // This run's X^T X (one triangle: it is symmetric) and X^T used, in
+    // locals the compiler keeps in registers, then added to the decayed sums.
+    double a[kFeatures][kFeatures] = {}, b[kFeatures] = {};
     const std::vector<double>& x = s.features[lag - 1];
     for (int e = 0; e < e_; ++e) {
       const double* xe = &x[static_cast<size_t>(e) * kFeatures];
       for (int i = 0; i < kFeatures; ++i) {
-        f.b[i] += xe[i] * used[e];
-        for (int j = 0; j < kFeatures; ++j) f.a[i * kFeatures + j] += xe[i] * xe[j];
+        b[i] += xe[i] * used[e];
+        for (int j = 0; j <= i; ++j) a[i][j] += xe[i] * xe[j];
       }
+    }
+    for (int i = 0; i < kFeatures; ++i) {
+      f.b[i] = f.b[i] * forget + b[i];
+      for (int j = 0; j < kFeatures; ++j)
+        f.a[i * kFeatures + j] = f.a[i * kFeatures + j] * forget + (j <= i ? a[i][j] : a[j][i]);
     }
     Solve(f);
     s.valid[lag - 1] = false;
@@ -218,8 +244,13 @@ absl::Status ExpertPredictor::Observe(int layer, int T, int k, const int32_t* id
       return absl::InvalidArgumentError(absl::StrCat("predictor: expert id ", ids[i], " out of range"));
   const int p = pos_[layer];
   LayerState& s = state_[p];
-  std::vector<uint8_t> used(e_, 0);
-  std::vector<std::vector<int>> tokens(T);
+  std::vector<uint8_t>& used = scratch_used_;
+  used.assign(e_, 0);
+  // The tokens' distinct experts, into the rows the state held before (their
+  // capacity is reused: no allocation per run once warm).
+  std::vector<std::vector<int>>& tokens = scratch_tokens_;
+  tokens.resize(T);
+  for (std::vector<int>& tok : tokens) tok.clear();
   for (int t = 0; t < T; ++t) {
     for (int j = 0; j < k; ++j) {
       const int e = ids[static_cast<size_t>(t) * k + j];
@@ -238,7 +269,7 @@ absl::Status ExpertPredictor::Observe(int layer, int T, int k, const int32_t* id
     s.fast[e] = s.fast[e] * df + used[e] * (1 - df);
     s.slow[e] = s.slow[e] * ds + used[e] * (1 - ds);
   }
-  s.tokens = std::move(tokens);
+  std::swap(s.tokens, tokens);
   ++s.runs;
   for (int lag = 1; lag <= kMaxLag && lag <= static_cast<int>(recent_.size()); ++lag) {
     const int from = recent_[recent_.size() - lag];

@@ -114,6 +114,11 @@ class ExpertPredictor {
   int n_ = 0, e_ = 0;
   std::vector<int> pos_;  // model layer -> served position, or -1
   std::vector<float> trans_, from_;  // from_[(lag-1, p, a)]: tokens with a at p followed at p+lag
+  mutable std::vector<float> cross_q_;  // Cross's scratch
+  mutable std::vector<double> cross_miss_;
+  std::vector<double> ahead_[4];  // PredictAhead's scratch
+  std::vector<uint8_t> scratch_used_;  // Observe's
+  std::vector<std::vector<int>> scratch_tokens_;
   std::vector<LayerState> state_;
   std::vector<PredictionQuality> quality_;
   std::vector<int> recent_;  // positions observed, most recent last (at most kMaxLag + 1)
