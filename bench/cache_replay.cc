@@ -83,6 +83,10 @@ int main(int argc, char** argv) {
   flags.Double("copy-cost-hits", &c.policy.copy_cost_hits, "coordinator: cost of a copy in hits");
   flags.String("placement", &placement, "coordinator: per-worker or union (one worker here: the same but replication)");
   flags.Bool("per-layer", &per_layer, "also print every layer's hit rates");
+  int64_t batch = 1;
+  flags.Int("batch", &batch,
+            "replay the trace as this many sequences decoded together (continuous batching): step s holds the\n"
+            "      trace's steps s + j * (steps / batch), j < batch; 1: as recorded");
   flags.Parse(argc, argv);
   if (trace_path.empty()) flags.Fail("--trace is required (see --help)");
   if (absl::Status s = moe::ParsePlacementMode(placement, &c.policy.placement); !s.ok())
@@ -104,6 +108,12 @@ int main(int argc, char** argv) {
   const auto t0 = std::chrono::steady_clock::now();
   absl::StatusOr<moe::RoutingTrace> trace = moe::ReadRoutingTrace(trace_path);
   if (!trace.ok()) flags.Fail(std::string(trace.status().message()), 1);
+  if (batch != 1) {
+    if (batch < 1 || batch > static_cast<int64_t>(trace->steps.size()))
+      flags.Fail("--batch must be in [1, " + std::to_string(trace->steps.size()) + "] (the trace's steps)");
+    trace = moe::InterleaveSequences(*trace, static_cast<int>(batch));
+    if (!trace.ok()) flags.Fail(std::string(trace.status().message()), 1);
+  }
   const double read_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const moe::RoutingTrace& t = *trace;
   double v = 0;

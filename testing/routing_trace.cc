@@ -185,6 +185,44 @@ uint64_t RoutingTrace::Pairs(int layer) const {
   return n;
 }
 
+absl::StatusOr<RoutingTrace> InterleaveSequences(const RoutingTrace& t, int batch) {
+  const size_t S = t.steps.size();
+  if (batch < 1 || static_cast<size_t>(batch) > S)
+    return absl::InvalidArgumentError(absl::StrCat("batch: ", batch, " is outside [1, ", S, "] (the trace's steps)"));
+  RoutingTrace out;
+  out.num_layers = t.num_layers;
+  out.num_experts = t.num_experts;
+  out.top_k = t.top_k;
+  out.source = absl::StrCat(t.source, " as ", batch, " sequences");
+  out.steps.resize(S);
+  out.tokens.resize(S);
+  const size_t stride = S / static_cast<size_t>(batch);
+  std::vector<int> pairs(static_cast<size_t>(t.num_experts), 0);
+  for (size_t s = 0; s < S; ++s) {
+    out.steps[s].resize(static_cast<size_t>(t.num_layers));
+    out.tokens[s].resize(static_cast<size_t>(t.num_layers));
+    for (int l = 0; l < t.num_layers; ++l) {
+      std::vector<int16_t>& ids = out.tokens[s][l];
+      bool per_token = true;  // else the step keeps no token rows (a step-wide row is used)
+      for (int j = 0; j < batch; ++j) {
+        const size_t from = (s + static_cast<size_t>(j) * stride) % S;
+        for (const ExpertAccess& a : t.steps[from][l]) pairs[a.expert] += a.pairs;
+        const bool rows = from < t.tokens.size() && static_cast<size_t>(l) < t.tokens[from].size() &&
+                          !t.tokens[from][l].empty();
+        per_token = per_token && (rows || t.steps[from][l].empty());
+        if (rows) ids.insert(ids.end(), t.tokens[from][l].begin(), t.tokens[from][l].end());
+      }
+      if (!per_token) ids.clear();
+      for (int e = 0; e < t.num_experts; ++e)
+        if (pairs[e] > 0) {
+          out.steps[s][l].push_back({e, pairs[e]});
+          pairs[e] = 0;
+        }
+    }
+  }
+  return out;
+}
+
 absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path) {
   RoutingTrace t;
   t.source = path;

@@ -51,6 +51,12 @@ struct RoutingTrace {
 
 absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path);
 
+// A batch-1 trace replayed as `batch` sequences decoded together (continuous
+// batching): step s holds the tokens of steps s + j * floor(S / batch) mod S,
+// j < batch, in that order, and their accesses merged per expert. S steps,
+// `batch` times the pairs. InvalidArgument unless 1 <= batch <= S.
+absl::StatusOr<RoutingTrace> InterleaveSequences(const RoutingTrace& t, int batch);
+
 struct SyntheticTraceOptions {
   int num_layers = 8;
   int num_experts = 64;

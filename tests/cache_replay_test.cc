@@ -168,6 +168,42 @@ TEST(RoutingTrace, SyntheticRoundTripAndRecordedFormat) {
 // The ceiling bounds every policy: on random drifting traces (several seeds,
 // batch sizes, cache sizes, copy speeds) no policy hits more pairs than it,
 // nor models a shorter run of the trace.
+// A batch-1 trace as sequences decoded together: step s holds the steps
+// s + j * (S / batch), their tokens in that order and their accesses merged.
+TEST(RoutingTrace, InterleavedSequencesMergeStepsAStrideApart) {
+  RoutingTrace t;
+  t.num_layers = 1;
+  t.num_experts = 4;
+  t.top_k = 2;
+  const std::vector<std::vector<int16_t>> ids = {{0, 1}, {1, 2}, {3, 0}, {2, 3}, {0, 1}};
+  for (const auto& row : ids) {
+    t.steps.push_back({{{std::min(row[0], row[1]), 1}, {std::max(row[0], row[1]), 1}}});
+    t.tokens.push_back({row});
+  }
+  absl::StatusOr<RoutingTrace> b = InterleaveSequences(t, 2);  // stride 5 / 2 = 2
+  ASSERT_TRUE(b.ok()) << b.status();
+  ASSERT_EQ(b->steps.size(), 5u);
+  EXPECT_EQ(b->Pairs(0), 2 * t.Pairs(0));
+  // Step 1: steps 1 and 3, tokens {1,2} then {2,3}; expert 2 twice.
+  EXPECT_EQ(b->tokens[1][0], (std::vector<int16_t>{1, 2, 2, 3}));
+  ASSERT_EQ(b->steps[1][0].size(), 3u);
+  EXPECT_EQ(b->steps[1][0][0].expert, 1);
+  EXPECT_EQ(b->steps[1][0][1].expert, 2);
+  EXPECT_EQ(b->steps[1][0][1].pairs, 2);
+  EXPECT_EQ(b->steps[1][0][2].expert, 3);
+  // Step 4 wraps: steps 4 and 1.
+  EXPECT_EQ(b->tokens[4][0], (std::vector<int16_t>{0, 1, 1, 2}));
+  // Batch 1 is the trace itself; out of range is refused, naming the field.
+  absl::StatusOr<RoutingTrace> one = InterleaveSequences(t, 1);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->tokens, t.tokens);
+  for (int bad : {0, 6}) {
+    absl::StatusOr<RoutingTrace> r = InterleaveSequences(t, bad);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("batch"), std::string::npos) << r.status();
+  }
+}
+
 TEST(Replay, CeilingBoundsEveryPolicyOnRandomTraces) {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 6; ++trial) {
