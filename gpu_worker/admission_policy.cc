@@ -102,10 +102,10 @@ namespace {
 // i-th copy started now lands before the target runs (1), after it (0), or
 // cannot be started (-1). Replacing v by e gains the coming run's difference
 // (none for e when its copy lands late; v is gone at once) plus the later
-// runs': kept whole when e is the better resident, else bounded by one copy —
-// the one that would bring v back (rent or buy: a swap for the coming run
-// only costs the later runs no more than that). A swap is made when the gain
-// beats the copy's cost. Writes (expert, victim id) pairs in order to
+// runs': kept whole when e is the better resident, else bounded by
+// `undo_cost` (>= copy_cost), what bringing v back costs (rent or buy: a swap
+// for the coming run only costs the later runs no more than that). A swap is
+// made when the gain beats the copy's cost. Writes (expert, victim id) pairs in order to
 // `out`; `order` is scratch.
 //
 // The candidates are tried most valuable first (value = next + later_runs *
@@ -113,16 +113,16 @@ namespace {
 // every layer run on the dispatcher's thread, between a decode call's
 // return and the next layer (issue 21's fixed cost per layer). A swap of e
 // for the current victim v needs gain > cost, and gain <= value(e) - value(v)
-// while the later runs' loss is within one copy, else gain <= next(e) -
-// next(v) - cost. So once a candidate's value is within a copy of v's (v's
-// value only grows), only candidates with next(e) > 2 cost can still pay:
+// while the later runs' loss is within undo_cost, else gain <= next(e) -
+// next(v) - undo_cost. So once a candidate's value is within a copy of v's
+// (v's value only grows), only candidates with next(e) > 2 cost can still pay:
 // the candidates come off a heap until then, and those few are sorted. The
 // victims, least valuable first (empty slots, key -1, before all; ties: the
 // lower id), come off a heap of their own as they are taken. `live`: the
 // experts whose value may exceed the copy's cost (the rest cannot pay).
 template <typename Candidate, typename Timing>
 void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, double later_runs,
-                 double copy_cost, const std::vector<int>& live, std::vector<AdmissionVictim>* victims,
+                 double copy_cost, double undo_cost, const std::vector<int>& live, std::vector<AdmissionVictim>* victims,
                  Candidate candidate, Timing timing, std::vector<std::pair<double, int>>* order,
                  std::vector<std::pair<int, int>>* out) {
   out->clear();
@@ -130,7 +130,7 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
   auto gain = [&](int e, int v, bool in_time) {
     const double now_gain = (in_time ? next[e] : 0.0) - (v >= 0 ? next[v] : 0.0);
     const double later_gain = later_runs * (rate[e] - (v >= 0 ? rate[v] : 0.0));
-    return now_gain + (later_gain >= 0 ? later_gain : -std::min(-later_gain, copy_cost));
+    return now_gain + (later_gain >= 0 ? later_gain : -std::min(-later_gain, undo_cost));
   };
   // Taking e alone (an empty slot, in time) gains value(e).
   std::vector<std::pair<double, int>>& heap = *order;
@@ -187,6 +187,10 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
                            double* link_free_s, std::vector<SlotCopy>* out) {
   const AdmissionCosts c = Costs();
   const double copy_cost = c.copy_dram_s * busy_share_;
+  // Undoing a swap (bringing the victim back) costs a copy when the
+  // predictor foresees the victim's next use in time, else that use misses:
+  // at the layer's measured recall, copy + (1 - recall) x one missed expert.
+  const double undo_cost = copy_cost + (1.0 - predictor_->quality(target).recall()) * c.miss_expert_s;
   const int tp = pos_[target];
   Residency& res = residency_[tp];
   std::vector<double> pairs;
@@ -246,7 +250,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
       const double done = link + (i + 1) * c.copy_s;
       return done > end_s ? -1 : done <= start_s ? 1 : 0;
     };
-    ChooseSwaps(next, rate, sh.later_runs, copy_cost, live, &victims, [&](int e) { return sh.ready[e] >= kNever; },
+    ChooseSwaps(next, rate, sh.later_runs, copy_cost, undo_cost, live, &victims, [&](int e) { return sh.ready[e] >= kNever; },
                 timing, &scratch_order_, &scratch_swaps_);
     for (const auto& [e, victim] : scratch_swaps_) {
       link += c.copy_s;
@@ -307,7 +311,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
     if (budget && pass_bytes_ + (i + 1) * config_.expert_bytes > config_.pass_budget_bytes) return -1;
     return done > end_s ? -1 : done <= start_s ? 1 : 0;
   };
-  ChooseSwaps(next, rate, best.later_runs, copy_cost, live, &victims,
+  ChooseSwaps(next, rate, best.later_runs, copy_cost, undo_cost, live, &victims,
               [&](int e) { return cache.SlotOf(target, e) < 0; }, timing, &scratch_order_, &scratch_swaps_);
   for (const auto& [e, slot] : scratch_swaps_) start(slot, e);
 }

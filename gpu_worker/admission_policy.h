@@ -14,8 +14,10 @@
 //              over the measured residency of the layer's admissions
 //   gain     = next(e) - next(v) [next(e) counts only if the copy lands before
 //              the run] + H * (rate(e) - rate(v)), where a negative later part
-//              is bounded by one copy (the one that would bring v back: a swap
-//              for the coming run only, rent or buy).
+//              is bounded by what bringing v back costs (a swap for the coming
+//              run only, rent or buy): a copy when the predictor foresees v's
+//              next use in time, else that use misses — copy + (1 - recall) x
+//              one missed expert, recall the layer's measured lag-1 recall.
 // H, the later runs a swap is priced over, depends on how predictable a layer
 // is beyond its next run; it is not a constant: per layer, shadow caches
 // (bookkeeping only, each with its own link) make the same decisions with H
