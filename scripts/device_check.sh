@@ -19,6 +19,9 @@
 #   planner_prompt DTYPE  issue 21: moe_layer qwen3-30b-a3b (16 layers, --weight-dtype DTYPE) prompts of 512 and
 #                         2048 tokens, uniform routing (--zipf=0), cache 0 and 25%, 3 runs, then the llama.cpp peer
 #                         (bf16 -> bf16, int8 -> q8_0) in the same call; the peer folder is carried as .peer/llama
+#   prefetch_ab DTYPE     issue 21: moe_layer deepseek-v3 (4 layers) 2048-token prompts, cache 0 and 25%, 2 runs, ours
+#                         with the prompt prefetch's buffers per parity at the default (256 MiB: 6 int8 experts),
+#                         32 and 128 (--prefetch-buffers), each table's copy-model line (the prefetch window)
 #   planner_long DTYPE    issue 21's other prompt rows: moe_layer qwen3-30b-a3b (16 layers) at 8192 tokens in chunks
 #                         of 2048 (--chunk), and deepseek-v3 (4 layers) prompts of 512 and 2048 tokens, cache 0
 #                         and 25%, 3 runs each, --weight-dtype DTYPE (bf16, int8, int4), --rates-out to $OUT
@@ -112,6 +115,12 @@ while [[ $# -gt 0 ]]; do
         OUT=$OUT timeout 300 bash "$peer" 16 "$([[ $dtype == int8 ]] && echo q8_0 || echo bf16)" > /dev/null 2>> "$OUT/logs.txt"
         mv "$OUT/llama_peer.md" "$OUT/llama_peer_$dtype.md" 2>/dev/null; cat "$OUT/llama_peer_$dtype.md"
       fi ;;
+    prefetch_ab)
+      dtype=$1; shift
+      for pb in 0 32 128; do
+        bash "$0" moe_layer deepseek-v3 --layers=4 --batches=2048 --cache=0,25 --zipf=0 --runs=2 --steps=2 --warmup=1 \
+          --modes=ours --weight-dtype="$dtype" --prefetch-buffers=$pb
+      done ;;
     planner_long)
       dtype=$1; shift
       bash "$0" moe_layer qwen3-30b-a3b --layers=16 --batches=8192 --chunk=2048 --cache=0,25 --zipf=0 --runs=3 \
