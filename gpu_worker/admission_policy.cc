@@ -105,8 +105,8 @@ namespace {
 // runs': kept whole when e is the better resident, else bounded by
 // `undo_cost` (>= copy_cost), what bringing v back costs (rent or buy: a swap
 // for the coming run only costs the later runs no more than that). A swap is
-// made when the gain beats the copy's cost. Writes (expert, victim id) pairs in order to
-// `out`; `order` is scratch.
+// made when the gain beats the copy's cost. Writes (expert, victim id) pairs
+// in order to `out`; `order` is scratch.
 //
 // The candidates are tried most valuable first (value = next + later_runs *
 // rate; ties: the lower id), but not all of them need sorting — this runs at
@@ -122,9 +122,9 @@ namespace {
 // experts whose value may exceed the copy's cost (the rest cannot pay).
 template <typename Candidate, typename Timing>
 void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, double later_runs,
-                 double copy_cost, double undo_cost, const std::vector<int>& live, std::vector<AdmissionVictim>* victims,
-                 Candidate candidate, Timing timing, std::vector<std::pair<double, int>>* order,
-                 std::vector<std::pair<int, int>>* out) {
+                 double copy_cost, double undo_cost, const std::vector<int>& live,
+                 std::vector<AdmissionVictim>* victims, Candidate candidate, Timing timing,
+                 std::vector<std::pair<double, int>>* order, std::vector<std::pair<int, int>>* out) {
   out->clear();
   auto value = [&](int e) { return e < 0 ? 0.0 : next[e] + later_runs * rate[e]; };
   auto gain = [&](int e, int v, bool in_time) {
@@ -250,8 +250,8 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
       const double done = link + (i + 1) * c.copy_s;
       return done > end_s ? -1 : done <= start_s ? 1 : 0;
     };
-    ChooseSwaps(next, rate, sh.later_runs, copy_cost, undo_cost, live, &victims, [&](int e) { return sh.ready[e] >= kNever; },
-                timing, &scratch_order_, &scratch_swaps_);
+    ChooseSwaps(next, rate, sh.later_runs, copy_cost, undo_cost, live, &victims,
+                [&](int e) { return sh.ready[e] >= kNever; }, timing, &scratch_order_, &scratch_swaps_);
     for (const auto& [e, victim] : scratch_swaps_) {
       link += c.copy_s;
       sh.ready[e] = link;
