@@ -142,10 +142,25 @@ int main(int argc, char** argv) {
 
   uint64_t pairs = 0;
   for (int l = 0; l < t.num_layers; ++l) pairs += t.Pairs(l);
+  // Pairs of each (layer, expert)'s first step: a policy that starts empty
+  // misses them unless it guesses (best-static starts with its set resident).
+  uint64_t first_pairs = 0;
+  {
+    std::vector<bool> seen(static_cast<size_t>(t.num_layers) * t.num_experts, false);
+    for (const auto& step : t.steps)
+      for (int l = 0; l < t.num_layers; ++l)
+        for (const moe::ExpertAccess& a : step[l])
+          if (!seen[static_cast<size_t>(l) * t.num_experts + a.expert]) {
+            seen[static_cast<size_t>(l) * t.num_experts + a.expert] = true;
+            first_pairs += a.pairs;
+          }
+  }
   std::printf("trace: %s\n", t.source.c_str());
   std::printf("  %zu steps x %d layers, %d experts, top-%d, %llu pairs (%.1f per step and layer); read in %.1f s\n",
               t.steps.size(), t.num_layers, t.num_experts, t.top_k, static_cast<unsigned long long>(pairs),
               double(pairs) / t.steps.size() / t.num_layers, read_s);
+  std::printf("  first uses of each layer's experts: %.1f%% of the pairs (a policy that starts empty misses them)\n",
+              pairs ? 100.0 * double(first_pairs) / double(pairs) : 0.0);
   const moe::StepTimeModel model = moe::ReplayTimeModel(c);
   std::printf("cache: %d of %d experts per layer (%.0f%%); device step %g ms; copies of %.1f MB at %g GB/s, while one\n"
               "runs the CPU's misses lose %.0f%% of their pace (DRAM shared at %g GB/s);\n"
