@@ -118,13 +118,11 @@ namespace {
 // (v's value only grows), only candidates with next(e) > 2 cost can still pay:
 // the candidates come off a heap until then, and those few are sorted. The
 // victims, least valuable first (empty slots, key -1, before all; ties: the
-// lower id), come off a heap of their own as they are taken. `live`: the
-// experts whose value may exceed the copy's cost (the rest cannot pay).
+// lower id), come off a heap of their own as they are taken.
 template <typename Candidate, typename Timing>
 void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, double later_runs,
-                 double copy_cost, double undo_cost, const std::vector<int>& live,
-                 std::vector<AdmissionVictim>* victims, Candidate candidate, Timing timing,
-                 std::vector<std::pair<double, int>>* order, std::vector<std::pair<int, int>>* out) {
+                 double copy_cost, double undo_cost, std::vector<AdmissionVictim>* victims, Candidate candidate,
+                 Timing timing, std::vector<std::pair<double, int>>* order, std::vector<std::pair<int, int>>* out) {
   out->clear();
   auto value = [&](int e) { return e < 0 ? 0.0 : next[e] + later_runs * rate[e]; };
   auto gain = [&](int e, int v, bool in_time) {
@@ -135,7 +133,7 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
   // Taking e alone (an empty slot, in time) gains value(e).
   std::vector<std::pair<double, int>>& heap = *order;
   heap.clear();
-  for (int e : live)
+  for (int e = 0; e < static_cast<int>(next.size()); ++e)
     if (candidate(e))
       if (const double ve = value(e); ve > copy_cost) heap.push_back({ve, e});
   auto first = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
@@ -212,17 +210,6 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
     for (int e = 0; e < E; ++e) rates[m][e] = use[e] * c.miss_expert_s + per_run[e] * c.miss_pair_s;
   }
   for (int e = 0; e < E; ++e) next[e] = prob[e] * c.miss_expert_s + pairs[e] * c.miss_pair_s;
-  // The experts any horizon may value above a copy (most of a large layer's are not).
-  double longest = 0;
-  for (const Shadow& sh : res.shadows) longest = std::max(longest, sh.later_runs);
-  std::vector<int>& live = scratch_live_;
-  live.clear();
-  for (int e = 0; e < E; ++e) {
-    double rate_e = 0;
-    for (int m = 0; m <= kMemories; ++m)
-      if (lag == 1 || m == leader.memory) rate_e = std::max(rate_e, rates[m][e]);
-    if (next[e] + longest * rate_e > copy_cost) live.push_back(e);
-  }
   // A copy that lands after the target's coming run serves from the run after
   // it; one the link cannot finish within a pass (the runs after) is not
   // started — the queue would only delay copies that can land in time.
@@ -250,7 +237,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
       const double done = link + (i + 1) * c.copy_s;
       return done > end_s ? -1 : done <= start_s ? 1 : 0;
     };
-    ChooseSwaps(next, rate, sh.later_runs, copy_cost, undo_cost, live, &victims,
+    ChooseSwaps(next, rate, sh.later_runs, copy_cost, undo_cost, &victims,
                 [&](int e) { return sh.ready[e] >= kNever; }, timing, &scratch_order_, &scratch_swaps_);
     for (const auto& [e, victim] : scratch_swaps_) {
       link += c.copy_s;
@@ -311,7 +298,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
     if (budget && pass_bytes_ + (i + 1) * config_.expert_bytes > config_.pass_budget_bytes) return -1;
     return done > end_s ? -1 : done <= start_s ? 1 : 0;
   };
-  ChooseSwaps(next, rate, best.later_runs, copy_cost, undo_cost, live, &victims,
+  ChooseSwaps(next, rate, best.later_runs, copy_cost, undo_cost, &victims,
               [&](int e) { return cache.SlotOf(target, e) < 0; }, timing, &scratch_order_, &scratch_swaps_);
   for (const auto& [e, slot] : scratch_swaps_) start(slot, e);
 }

@@ -153,7 +153,7 @@ class AdmissionPolicy {
   std::vector<std::pair<double, int>> scratch_order_;               // ChooseSwaps' candidates
   std::vector<std::pair<int, int>> scratch_swaps_;                  // and its swaps
   std::vector<AdmissionVictim> scratch_victims_;                    // and its victims
-  std::vector<int> scratch_slots_, scratch_live_;
+  std::vector<int> scratch_slots_;
   double last_now_s_ = -1;
   double last_miss_s_ = 0;    // CPU miss time of the previous layer run
   double busy_share_ = 1;     // measured share of time the CPU computes misses (starts pessimistic)

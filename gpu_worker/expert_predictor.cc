@@ -118,7 +118,7 @@ void ExpertPredictor::Cross(int from, int lag, std::vector<double>* prob, std::v
       const float n = from_[(static_cast<size_t>(lag - 1) * n_ + from) * e_ + a];
       if (n <= 0) continue;
       ++known;
-      AddScaledRow(&trans_[((static_cast<size_t>(lag - 1) * n_ + from) * e_ + a) * e_], 1.0f / n, q.data(), e_);
+      AddScaledRow(&trans_[TransRowIndex(lag, from, a)], 1.0f / n, q.data(), e_);
     }
     if (known > 0) AddToken(q.data(), 1.0f / static_cast<float>(known), miss.data(), pairs->data(), e_);
   }

@@ -95,12 +95,10 @@ class ExpertPredictor {
   };
   explicit ExpertPredictor(const ExpertPredictorConfig& c);
   // Transition counts from served position p to p+lag (cyclic).
-  float& Trans(int lag, int p, int a, int b) {
-    return trans_[((static_cast<size_t>(lag - 1) * n_ + p) * e_ + a) * e_ + b];
-  }
-  float Trans(int lag, int p, int a, int b) const {
-    return trans_[((static_cast<size_t>(lag - 1) * n_ + p) * e_ + a) * e_ + b];
-  }
+  // Where the row of transitions from expert a at position p to each expert
+  // at p+lag starts in trans_.
+  size_t TransRowIndex(int lag, int p, int a) const { return ((static_cast<size_t>(lag - 1) * n_ + p) * e_ + a) * e_; }
+  float& Trans(int lag, int p, int a, int b) { return trans_[TransRowIndex(lag, p, a) + b]; }
   // Per-expert batch probability (and expected pairs) that the tokens of
   // position `from` route to each expert at from+lag.
   void Cross(int from, int lag, std::vector<double>* prob, std::vector<double>* pairs) const;

@@ -23,18 +23,18 @@ namespace {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
-// A server this call cannot use: down, late, cancelled — or one that is up
-// but not usable as it is (FailedPrecondition: a shared-memory segment that
-// fails the worker's checks after a reconnect, e.g. one another process
-// serves on the server's socket; a server holding another slice). Each is
-// failed over like a server that went away, never returned to the caller
-// while another holder, a copy or the host copy can take the batch.
 // The start-up CPU probe: round trips per size (their median), and the
 // experts one token goes to when it measures what a copy costs the CPU.
 constexpr int kProbeRepeats = 9;
 constexpr int kShareProbeExperts = 8;
 constexpr size_t kShareCopiesQueued = 4;  // copies kept in flight beside that probe
 
+// A server this call cannot use: down, late, cancelled — or one that is up
+// but not usable as it is (FailedPrecondition: a shared-memory segment that
+// fails the worker's checks after a reconnect, e.g. one another process
+// serves on the server's socket; a server holding another slice). Each is
+// failed over like a server that went away, never returned to the caller
+// while another holder, a copy or the host copy can take the batch.
 bool IsServerFailure(const absl::Status& st) {
   return absl::IsUnavailable(st) || absl::IsDeadlineExceeded(st) || absl::IsCancelled(st) ||
          absl::IsAborted(st) || absl::IsFailedPrecondition(st);
@@ -366,14 +366,15 @@ void LayerDispatcher::SizeMissBuffers(size_t expert_bytes) {
   // engine's work between two layer calls: a 2048-token prompt's attention),
   // at least miss_buffers, at most a layer's experts (a cap of 64 held int4
   // Qwen3-30B-A3B to half a layer: 2048-token prompts 137.5 / 138.4 ms
-  // against 121.8 / 122.1 with 128, bench/RESULTS.md stop 23); the cpu
-  // backend, whose "copies" cross no link, miss_buffers.
-  const int prefetch_auto = config_.prefetch_buffers > 0
-                                ? std::min(spec_.num_experts, config_.prefetch_buffers)
-                                : std::max<int>(config_.miss_buffers, std::min<size_t>(static_cast<size_t>(spec_.num_experts),
-                                                                                       kAutoPrefetchBytes / bytes));
+  // against 121.8 / 122.1 with 128, bench/RESULTS.md stop 23), or
+  // config_.prefetch_buffers when set; the cpu backend, whose "copies" cross
+  // no link, miss_buffers.
+  const int by_bytes =
+      static_cast<int>(std::min<size_t>(static_cast<size_t>(spec_.num_experts), kAutoPrefetchBytes / bytes));
+  const int on_gpu = config_.prefetch_buffers > 0 ? std::min(spec_.num_experts, config_.prefetch_buffers)
+                                                  : std::max(config_.miss_buffers, by_bytes);
   impl_->prefetch_per_parity = host_ == nullptr || !config_.prefetch ? 0
-                               : backend_->has_device_memory()       ? prefetch_auto
+                               : backend_->has_device_memory()       ? on_gpu
                                                                       : config_.miss_buffers;
 }
 

@@ -165,9 +165,6 @@ TEST(RoutingTrace, SyntheticRoundTripAndRecordedFormat) {
   EXPECT_FALSE(ReadRoutingTrace(dir.path() + "/missing.jsonl").ok());
 }
 
-// The ceiling bounds every policy: on random drifting traces (several seeds,
-// batch sizes, cache sizes, copy speeds) no policy hits more pairs than it,
-// nor models a shorter run of the trace.
 // A batch-1 trace as sequences decoded together: step s holds the steps
 // s + j * (S / batch), their tokens in that order and their accesses merged.
 TEST(RoutingTrace, InterleavedSequencesMergeStepsAStrideApart) {
@@ -204,6 +201,9 @@ TEST(RoutingTrace, InterleavedSequencesMergeStepsAStrideApart) {
   }
 }
 
+// The ceiling bounds every policy: on random drifting traces (several seeds,
+// batch sizes, cache sizes, copy speeds) no policy hits more pairs than it,
+// nor models a shorter run of the trace.
 TEST(Replay, CeilingBoundsEveryPolicyOnRandomTraces) {
   std::mt19937 rng(11);
   for (int trial = 0; trial < 6; ++trial) {
