@@ -11,12 +11,18 @@
 namespace moe {
 
 namespace {
-// Spins on `value` while it equals `old` for up to `spin`, then sleeps on its futex.
+// Spins on `value` while it equals `old` for up to `spin` (or until
+// *hot_until_ns, steady_clock ns, when later), then sleeps on its futex
+// (counted in *sleeps).
 template <typename T>
-void SpinThenWait(const std::atomic<T>& value, T old, std::chrono::microseconds spin) {
-  const auto spin_until = std::chrono::steady_clock::now() + spin;
+void SpinThenWait(const std::atomic<T>& value, T old, std::chrono::microseconds spin,
+                  const std::atomic<int64_t>* hot_until_ns = nullptr, std::atomic<uint64_t>* sleeps = nullptr) {
+  using Clock = std::chrono::steady_clock;
+  const int64_t spin_until = (Clock::now() + spin).time_since_epoch().count();
   while (value.load(std::memory_order_acquire) == old) {
-    if (std::chrono::steady_clock::now() > spin_until) {
+    const int64_t now = Clock::now().time_since_epoch().count();
+    if (now > spin_until && (hot_until_ns == nullptr || now > hot_until_ns->load(std::memory_order_relaxed))) {
+      if (sleeps != nullptr) sleeps->fetch_add(1, std::memory_order_relaxed);
       value.wait(old, std::memory_order_acquire);
     } else {
       _mm_pause();
@@ -44,11 +50,18 @@ void ComputePool::Worker(int index) {
   if (absl::Status st = binding_.BindCurrentThread(index); !st.ok()) LogWarning("pool", st.message());
   uint64_t seen = 0;
   for (;;) {
-    SpinThenWait(epoch_, seen, idle_spin_);
+    SpinThenWait(epoch_, seen, idle_spin_, &hot_until_ns_, &sleeps_);
     seen = epoch_.load(std::memory_order_acquire);
     if (stop_.load()) return;
     (*task_)(index, size_);
     if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == size_ - 1) done_.notify_one();
+  }
+}
+
+void ComputePool::KeepHotUntil(std::chrono::steady_clock::time_point until) {
+  const int64_t ns = until.time_since_epoch().count();
+  int64_t cur = hot_until_ns_.load(std::memory_order_relaxed);
+  while (cur < ns && !hot_until_ns_.compare_exchange_weak(cur, ns, std::memory_order_relaxed)) {
   }
 }
 

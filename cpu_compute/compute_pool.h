@@ -27,9 +27,10 @@ class ComputePool {
   using Task = std::function<void(int thread, int num_threads)>;
 
   // One compute thread per binding.cpus() entry. `binding` must outlive the pool.
-  // Idle threads spin `idle_spin` for the next region before sleeping: a
-  // server dedicated to decode keeps its threads hot between layers (the
-  // futex wake-up of every thread costs tens of microseconds).
+  // Idle threads spin `idle_spin` for the next region (or through
+  // KeepHotUntil's deadline) before sleeping: decode keeps the threads hot
+  // between layers (the futex wake-up of every thread costs tens of
+  // microseconds).
   explicit ComputePool(const NumaBinding& binding,
                        std::chrono::microseconds idle_spin = std::chrono::microseconds(50));
   ~ComputePool();
@@ -38,6 +39,14 @@ class ComputePool {
 
   int size() const { return size_; }
   void Run(const Task& task);
+  // Idle threads keep spinning (not sleeping) until at least `until`: a
+  // server whose client polls for its next request (a GPU's decode layers,
+  // a client in polling mode) keeps its threads hot for as long, whatever
+  // idle_spin says. Extends, never shortens, the current deadline.
+  void KeepHotUntil(std::chrono::steady_clock::time_point until);
+  // How many times an idle thread went to sleep on its futex (a later region
+  // pays its wake-up).
+  uint64_t sleeps() const { return sleeps_.load(std::memory_order_relaxed); }
   // Waits until every thread of the current region has reached it.
   void Barrier();
 
@@ -53,6 +62,8 @@ class ComputePool {
   std::atomic<uint64_t> epoch_{0};
   std::atomic<int> done_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<int64_t> hot_until_ns_{0};  // KeepHotUntil's deadline, steady_clock ns since its epoch
+  std::atomic<uint64_t> sleeps_{0};
   // Sense-reversing barrier.
   std::atomic<int> barrier_count_{0};
   std::atomic<uint32_t> barrier_sense_{0};

@@ -46,7 +46,8 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.String("numa-node", &o.numa_node, "NUMA node for threads and weight memory: auto (node of the first allowed CPU) or an index");
   flags.Int("idle-spin-us", &o.idle_spin_us,
             "how long idle compute threads (and shm connections) spin for the next batch before sleeping; "
-            "a server dedicated to decode keeps its threads hot between layers with e.g. 2000");
+            "while a same-host GPU worker polls for its next request (decode: its poll window, 2 ms after each "
+            "request) they stay hot through that window whatever this says");
   flags.String("kernel", &o.kernel, "expert kernel: auto, amx, avx512 or reference");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision the experts are stored and computed in: auto (the checkpoint's: fp8 -> int8, "

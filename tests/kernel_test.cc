@@ -6,10 +6,13 @@
 // the f64 MoE of the weights the packed experts stand for (UnpackExpert),
 // activation quantization included: <= 1e-2 (int8), <= 3e-2 (int4).
 // Kernels this CPU lacks are reported as skipped, by name.
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "core/model_source.h"
 #include "core/quantization.h"
@@ -322,6 +325,36 @@ TEST_P(Fp8Checkpoint, EveryCodeDecodesExactly) {
 
 INSTANTIATE_TEST_SUITE_P(Kernels, Fp8Checkpoint, ::testing::Values("amx", "avx512", "reference"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+
+// Idle compute threads sleep after idle_spin (here at once), and then each
+// region pays their futex wake-up; KeepHotUntil (what a server does while a
+// client polls for its next request) keeps them spinning through the
+// deadline, and they sleep again after it.
+TEST(ComputePool, KeepHotUntilKeepsIdleThreadsSpinning) {
+  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
+  ASSERT_TRUE(numa.ok()) << numa.status();
+  ComputePool pool(**numa, std::chrono::microseconds(0));
+  if (pool.size() < 2) GTEST_SKIP() << "one CPU: no idle compute thread";
+  std::atomic<int> ran{0};
+  const ComputePool::Task task = [&](int, int) { ran.fetch_add(1); };
+  const auto sleeps_reach = [&](uint64_t n) {
+    for (int i = 0; i < 2000 && pool.sleeps() < n; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    return pool.sleeps() >= n;
+  };
+  pool.Run(task);
+  EXPECT_TRUE(sleeps_reach(pool.size() - 1)) << "cold threads did not sleep";
+  const auto hot_for = std::chrono::milliseconds(300);
+  pool.KeepHotUntil(std::chrono::steady_clock::now() + hot_for);
+  pool.Run(task);  // wakes them; after it they stay hot
+  const uint64_t after_run = pool.sleeps();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(pool.sleeps(), after_run) << "a thread slept before the deadline";
+  pool.KeepHotUntil(std::chrono::steady_clock::now());  // never shortens
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(pool.sleeps(), after_run);
+  EXPECT_TRUE(sleeps_reach(after_run + pool.size() - 1)) << "threads spun past the deadline";
+  EXPECT_EQ(ran.load(), 2 * pool.size());
+}
 
 TEST(Fp8Checkpoint, BlocksTheKernelsCannotGroupAreRefused) {
   ModelSpec spec = *PresetSpec("tiny");

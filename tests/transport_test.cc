@@ -405,6 +405,11 @@ class ShmPollingTest : public ::testing::Test {
   void StartServer(std::chrono::microseconds cap) {
     ShmServer::Options so = TestServerOptions(dir_.path() + "/poll.sock");
     so.max_client_poll = cap;
+    so.on_poll = [this](Clock::time_point until) {  // the latest deadline the server kept its threads hot to
+      int64_t ns = until.time_since_epoch().count(), cur = hot_until_ns_.load();
+      while (cur < ns && !hot_until_ns_.compare_exchange_weak(cur, ns)) {
+      }
+    };
     absl::StatusOr<std::unique_ptr<ShmServer>> srv = ShmServer::Start(so, [](const MoeBatch& b, bf16_t* out) {
       std::memcpy(out, b.tokens, size_t(b.n) * kH * sizeof(bf16_t));  // echo
       return absl::OkStatus();
@@ -432,10 +437,13 @@ class ShmPollingTest : public ::testing::Test {
     return Clock::now() - from;
   }
 
+  Clock::time_point HotUntil() const { return Clock::time_point(Clock::duration(hot_until_ns_.load())); }
+
   testing::TempDir dir_;
   std::unique_ptr<ShmServer> server_;
   std::unique_ptr<ExpertTransport> transport_;
   shm::SegmentHeader* header_ = nullptr;
+  std::atomic<int64_t> hot_until_ns_{0};
 };
 
 TEST_F(ShmPollingTest, ServerPollsThroughTheWindowThenSleeps) {
@@ -443,12 +451,16 @@ TEST_F(ShmPollingTest, ServerPollsThroughTheWindowThenSleeps) {
   // Off: the server sleeps right after answering (idle spin 0).
   RoundTrip();
   EXPECT_LT(TimeUntilAsleep(Clock::now(), std::chrono::milliseconds(2000)), std::chrono::milliseconds(1000));
+  EXPECT_EQ(hot_until_ns_.load(), 0) << "no window, yet the server kept its compute threads hot";
   // On: still polling well inside the window...
   transport_->SetPolling(std::chrono::milliseconds(400));
   const Clock::time_point sent = Clock::now();
   RoundTrip();
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   EXPECT_FALSE(ServerAsleep()) << "the server slept inside the client's polling window";
+  // ...and it asked for its compute threads hot through the window (on_poll).
+  EXPECT_GE(HotUntil(), sent + std::chrono::milliseconds(300));
+  EXPECT_LE(HotUntil(), Clock::now() + std::chrono::milliseconds(400));
   // ...and asleep once it closed (a clean fall back, not a spin forever).
   const Clock::duration asleep_after = TimeUntilAsleep(sent, std::chrono::milliseconds(5000));
   EXPECT_GE(asleep_after, std::chrono::milliseconds(300));

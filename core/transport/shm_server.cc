@@ -304,7 +304,10 @@ void ShmServer::Serve(Connection* c) {
         poll_until = std::max(poll_until, last_device_request + poll);
         wake = now + std::max(shm::DeviceNap(now - last_request, poll), std::chrono::nanoseconds(shm::kDeviceNapNs));
       }
-      if (poll_until > now) spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
+      if (poll_until > now) {
+        spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
+        if (opt_.on_poll) opt_.on_poll(poll_until);
+      }
       seg.WaitRequest(seen, std::max(wake, now + spin), spin);
     }
   }

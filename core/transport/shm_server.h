@@ -95,6 +95,10 @@ class ShmServer {
     // keep polling until a deadline it sets; honoured for at most this long
     // after the connection's last request (0: never), then it sleeps.
     std::chrono::microseconds max_client_poll{10000};
+    // Called (from a connection's thread) whenever it polls for a client's
+    // next request until a deadline (the client's poll window, as above): the
+    // server keeps its compute threads hot as long (ComputePool::KeepHotUntil).
+    std::function<void(std::chrono::steady_clock::time_point)> on_poll;
     uint32_t max_slots = 256;
     // A client must complete its hello within this; connections beyond
     // max_connections (handshaking or served) are refused.
