@@ -1003,7 +1003,7 @@ int Main(int argc, char** argv) {
              "the worker copies the next layer's experts during a call that copies (the default; false for A/B)");
   int64_t prefetch_buffers = o.prefetch_buffers;
   flags.Int("prefetch-buffers", &prefetch_buffers,
-            "the worker's prefetch buffers per layer parity (0, the worker's default: as many as 256 MiB hold, at "
+            "the worker's prefetch buffers per layer parity (0, the worker's default: as many as 1 GiB holds, at "
             "most a layer's experts)");
   int64_t runs = o.runs;
   flags.Int("runs", &runs, "runs of every configuration (fresh dispatcher each); cells show median [min-max]");

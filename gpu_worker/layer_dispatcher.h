@@ -92,7 +92,7 @@ inline constexpr size_t kAutoMissBufferBytes = size_t{128} << 20;
 // Prefetch buffers per layer parity (DispatcherConfig::prefetch) on a GPU:
 // as many as this many bytes hold, at least miss_buffers, at most a layer's
 // experts (the cpu backend: miss_buffers).
-inline constexpr size_t kAutoPrefetchBytes = size_t{256} << 20;
+inline constexpr size_t kAutoPrefetchBytes = size_t{1} << 30;
 // Forward's device path takes calls of at most this many pairs per expert of
 // the layer on average (LayerDispatcher::OnDevicePath).
 inline constexpr int kDevicePathPairsPerExpert = 1;

@@ -54,7 +54,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.Double("cache-gib", &o.cache_gib,
                "GPU memory for the cache, when --cache-experts-per-layer is 0. Beside it the worker takes\n"
                "      buffers for copied experts (2 x 4-16 experts, 256 MiB for small ones, and 16 for decode's\n"
-               "      device path) and for a prompt's prefetch of the next layer's experts (2 x 256 MiB, at least\n"
+               "      device path) and for a prompt's prefetch of the next layer's experts (2 x 1 GiB, at least\n"
                "      2 x 4 experts; fewer, or none, when the cache fills the device)");
   flags.String("policy", &policy,
                "cache policy: predictive (cost-model admissions with cross-layer prefetch, inside the\n"

@@ -20,8 +20,9 @@
 #                         2048 tokens, uniform routing (--zipf=0), cache 0 and 25%, 3 runs, then the llama.cpp peer
 #                         (bf16 -> bf16, int8 -> q8_0) in the same call; the peer folder is carried as .peer/llama
 #   prefetch_ab DTYPE     issue 21: moe_layer deepseek-v3 (4 layers) 2048-token prompts, cache 0 and 25%, 2 runs, ours
-#                         with the prompt prefetch's buffers per parity at the default (256 MiB: 6 int8 experts),
-#                         32 and 128 (--prefetch-buffers), each table's copy-model line (the prefetch window)
+#                         with the prompt prefetch's buffers per parity at the default (1 GiB: 24 int8 experts),
+#                         6 (the 256 MiB of stop 24) and 48 (--prefetch-buffers), each table's copy-model line
+#                         (the prefetch window)
 #   planner_long DTYPE    issue 21's other prompt rows: moe_layer qwen3-30b-a3b (16 layers) at 8192 tokens in chunks
 #                         of 2048 (--chunk), and deepseek-v3 (4 layers) prompts of 512 and 2048 tokens, cache 0
 #                         and 25%, 3 runs each, --weight-dtype DTYPE (bf16, int8, int4), --rates-out to $OUT
@@ -117,7 +118,7 @@ while [[ $# -gt 0 ]]; do
       fi ;;
     prefetch_ab)
       dtype=$1; shift
-      for pb in 0 32 128; do
+      for pb in 0 6 48; do
         bash "$0" moe_layer deepseek-v3 --layers=4 --batches=2048 --cache=0,25 --zipf=0 --runs=2 --steps=2 --warmup=1 \
           --modes=ours --weight-dtype="$dtype" --prefetch-buffers=$pb
       done ;;

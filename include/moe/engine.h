@@ -103,7 +103,7 @@ struct SessionOptions {
   int cache_experts_per_layer = 0;     // C; or derive it from cache_gib
   double cache_gib = 0;                // in [0, 1048576]; beside it: buffers for copied experts (2 x 4-16
                                        // experts and 16 for the device path) and for a prompt's prefetch
-                                       // (2 x 256 MiB; fewer, or none, when the cache fills the device)
+                                       // (2 x 1 GiB; fewer, or none, when the cache fills the device)
   CachePolicy policy = CachePolicy::kPredictive;
   CopyMode copy_mode = CopyMode::kAuto;
   int max_tokens = 1024;               // largest T of one call, in [1, 65536]
