@@ -7,7 +7,11 @@
 // one RunExperts over `--experts` experts (each in its own buffer, rotated
 // over twice as many buffers so that no run finds them in L2), min-max over
 // `--runs` runs, int8 / int4 / fp8 time as a share of bf16's, and each format's
-// weight rate and FLOP rate against the bounds. Then the latency of moving
+// weight rate and FLOP rate against the bounds; then the kernels' own time: the
+// same calls enqueued back to back and timed on the GPU (CUDA events around
+// the run of calls, divided by their number), which leaves out what one call
+// costs the host (the plan's upload enqueued, two launches, the wait) while the
+// GPU would be idle. Then the latency of moving
 // rows between the GPU and host memory (GatherRows / AddRows, registered vs
 // pageable; MOE_CUDA_MAPPED_WRITE_MAX_BYTES=0 forces the DMA path for
 // registered memory).
@@ -22,6 +26,7 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -123,9 +128,14 @@ struct Options {
   std::vector<int> rows;
 };
 
+struct Timing {
+  std::map<int, Stat> call;  // one RunExperts + its wait, host clock (median of o.reps per run)
+  std::map<int, Stat> gpu;   // o.reps calls back to back, GPU time per call (per run)
+};
+
 // Seconds of one RunExperts over o.experts experts with `rows` rows each,
-// per run (median of o.reps calls each), in `format`.
-std::map<int, Stat> TimeFormat(const Shape& s, WeightFormat format, const Options& o) {
+// per run, in `format`: each call alone, and calls back to back on the GPU.
+Timing TimeFormat(const Shape& s, WeightFormat format, const Options& o) {
   std::unique_ptr<DeviceBackend> backend = *MakeDeviceBackend("cuda");
   const int buffers = 2 * o.experts, max_rows = *std::max_element(o.rows.begin(), o.rows.end());
   const int T = std::max(512, max_rows);
@@ -151,7 +161,7 @@ std::map<int, Stat> TimeFormat(const Shape& s, WeightFormat format, const Option
   }
   const std::vector<bf16_t> x = RandomActivations(static_cast<size_t>(T) * s.H, 7);
   std::vector<bf16_t> out(static_cast<size_t>(T) * s.H);
-  std::map<int, Stat> result;
+  Timing result;
   for (int rows : o.rows) {
     ExpertGroups g;
     std::vector<int32_t> buffer(o.experts);
@@ -168,21 +178,35 @@ std::map<int, Stat> TimeFormat(const Shape& s, WeightFormat format, const Option
     }
     g.total_rows = static_cast<int32_t>(g.token.size());
     g.total_pairs = o.experts * rows;
-    std::vector<double> per_run;
+    const auto run_experts = [&](int i) {
+      for (int e = 0; e < o.experts; ++e) buffer[e] = (e + (i % 2) * o.experts) % buffers;
+      if (!backend->RunExperts(0, HitPlan{&g, buffer.data()}).ok()) std::exit(1);
+    };
+    std::vector<double> per_run, gpu_per_run;
     for (int run = 0; run < o.runs; ++run) {
       if (!backend->BeginCall(0, T, x.data(), MemoryKind::kHost).ok()) std::exit(1);
       std::vector<double> t;
       for (int i = 0; i < o.reps + 2; ++i) {
-        for (int e = 0; e < o.experts; ++e) buffer[e] = (e + (i % 2) * o.experts) % buffers;
         const auto t0 = std::chrono::steady_clock::now();
-        if (!backend->RunExperts(0, HitPlan{&g, buffer.data()}).ok()) std::exit(1);
+        run_experts(i);
         if (!backend->WaitCompute(backend->RecordCompute()).ok()) std::exit(1);
         if (i >= 2) t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
       }
+      const uint64_t from = backend->MarkCompute();
+      for (int i = 0; i < o.reps; ++i) run_experts(i);
+      const uint64_t to = backend->MarkCompute();
+      if (!backend->WaitCompute(backend->RecordCompute()).ok()) std::exit(1);
+      const std::optional<double> gpu_s = backend->ComputeSeconds(from, to);
+      if (!gpu_s) {
+        std::fprintf(stderr, "gpu_experts: no GPU time for the calls back to back\n");
+        std::exit(1);
+      }
       if (!backend->FinishCall(0, out.data(), MemoryKind::kHost).ok()) std::exit(1);
       per_run.push_back(Summarize(t).median);
+      gpu_per_run.push_back(*gpu_s / o.reps);
     }
-    result[rows] = Summarize(per_run);
+    result.call[rows] = Summarize(per_run);
+    result.gpu[rows] = Summarize(gpu_per_run);
   }
   return result;
 }
@@ -230,6 +254,36 @@ void TransferLatency() {
   backend->UnregisterHost(registered.data());
 }
 
+
+constexpr int kF = 4;  // bf16, int8, int4, fp8
+
+// One table: per rows per expert, each format's time, its share of bf16's and
+// its rates against the bounds.
+void PrintTable(const Shape& s, const char* what, const std::map<int, Stat> (&t)[kF], const double (&bytes)[kF],
+                double hbm, double peak, const Options& o) {
+  std::printf("\n## %s (H %d, I %d)%s\n\n", s.name.c_str(), s.H, s.I, what);
+  std::printf("| rows/expert | bf16 us | int8 us | int4 us | fp8 us | int8/bf16 | int4/bf16 | fp8/bf16 | "
+              "bf16 / int8 / int4 / fp8 %% of HBM | bf16 / int8 / int4 / fp8 %% of GEMM peak |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n");
+  for (int rows : o.rows) {
+    const double flops = 2.0 * 3.0 * s.H * double(s.I) * rows * o.experts;
+    std::string line = absl::StrCat("| ", rows, " |");
+    for (int f = 0; f < kF; ++f)
+      absl::StrAppend(&line, absl::StrFormat(" %.0f [%.0f-%.0f] |", t[f].at(rows).median * 1e6, t[f].at(rows).lo * 1e6,
+                                             t[f].at(rows).hi * 1e6));
+    for (int f = 1; f < kF; ++f)
+      absl::StrAppend(&line, absl::StrFormat(" %.2f |", t[f].at(rows).median / t[0].at(rows).median));
+    for (const bool bw : {true, false}) {
+      for (int f = 0; f < kF; ++f) {
+        const double pct = 100.0 * (bw ? bytes[f] / hbm : flops / peak) / t[f].at(rows).median;
+        absl::StrAppend(&line, f ? " / " : " ", bw ? absl::StrFormat("%.0f", pct) : absl::StrFormat("%.1f", pct));
+      }
+      absl::StrAppend(&line, " |");
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
 }  // namespace
 }  // namespace moe
 
@@ -271,33 +325,18 @@ int main(int argc, char** argv) {
               "%d experts per call, median [min-max] of %d runs x %d calls\n",
               prop.name, hbm / 1e9, peak / 1e12, o.experts, o.runs, o.reps);
   for (const Shape& s : shapes) {
-    constexpr int kF = 4;
     const WeightFormat formats[kF] = {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kFp8};
-    std::map<int, Stat> t[kF];
+    Timing timing[kF];
     double bytes[kF];
     for (int f = 0; f < kF; ++f) {
-      t[f] = TimeFormat(s, formats[f], o);
+      timing[f] = TimeFormat(s, formats[f], o);
       bytes[f] = static_cast<double>(ExpertGeometry::For(s.H, s.I, formats[f]).packed_bytes()) * o.experts;
     }
-    std::printf("\n## %s (H %d, I %d)\n\n", s.name.c_str(), s.H, s.I);
-    std::printf("| rows/expert | bf16 us | int8 us | int4 us | fp8 us | int8/bf16 | int4/bf16 | fp8/bf16 | "
-                "bf16 / int8 / int4 / fp8 %% of HBM | bf16 / int8 / int4 / fp8 %% of GEMM peak |\n"
-                "|---|---|---|---|---|---|---|---|---|---|\n");
-    for (int rows : o.rows) {
-      const double flops = 2.0 * 3.0 * s.H * double(s.I) * rows * o.experts;
-      std::string line = absl::StrCat("| ", rows, " |");
-      for (int f = 0; f < kF; ++f)
-        absl::StrAppend(&line, absl::StrFormat(" %.0f [%.0f-%.0f] |", t[f][rows].median * 1e6, t[f][rows].lo * 1e6,
-                                               t[f][rows].hi * 1e6));
-      for (int f = 1; f < kF; ++f) absl::StrAppend(&line, absl::StrFormat(" %.2f |", t[f][rows].median / t[0][rows].median));
-      for (const bool bw : {true, false}) {
-        for (int f = 0; f < kF; ++f) {
-          const double pct = 100.0 * (bw ? bytes[f] / hbm : flops / peak) / t[f][rows].median;
-          absl::StrAppend(&line, f ? " / " : " ", bw ? absl::StrFormat("%.0f", pct) : absl::StrFormat("%.1f", pct));
-        }
-        absl::StrAppend(&line, " |");
-      }
-      std::printf("%s\n", line.c_str());
+    for (const bool gpu : {false, true}) {
+      std::map<int, Stat> t[kF];
+      for (int f = 0; f < kF; ++f) t[f] = gpu ? timing[f].gpu : timing[f].call;
+      PrintTable(s, gpu ? ": the kernels' own time (calls back to back, GPU time per call)" : ": one call and its wait",
+                 t, bytes, hbm, peak, o);
     }
   }
   TransferLatency();

@@ -13,7 +13,8 @@
 #                         cache 0,25%, 3 runs, ours) with the server storing bf16, int8, then int4 experts
 #   gpu_quant ARGS        bench/gpu_experts ARGS: the cuda backend's hit experts at bf16 / int8 / int4 cache
 #                         formats, 1-128 rows per expert (DeepSeek-V3 and Qwen3-30B-A3B experts, 32 per call)
-#                         vs HBM and cuBLAS's GEMM rate, then GPU<->host row transfers (takes the rest of the line)
+#                         vs HBM and cuBLAS's GEMM rate, one call and back to back (the kernels' GPU time), then
+#                         GPU<->host row transfers (takes the rest of the line)
 #   planner_decode        issue 21: moe_layer qwen3-30b-a3b (16 layers, bf16) decode T=1,8,32 at 25% cache, 3 runs,
 #                         ours vs ours-cpu vs copy-all vs the floor
 #   planner_prompt DTYPE  issue 21: moe_layer qwen3-30b-a3b (16 layers, --weight-dtype DTYPE) prompts of 512 and
