@@ -108,6 +108,7 @@
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/layer_dispatcher.h"
+#include "moe/engine.h"
 #ifdef MOE_HAVE_NCCL
 #include "gpu_worker/expert_parallel.h"
 #endif
@@ -261,6 +262,7 @@ class Buffers {
 struct Options {
   std::string preset = "qwen3-30b-a3b", device = "auto", server_bin, modes = "ceiling,ours,ours-dual,lru-copy,copy-all";
   std::string weight_dtype = "bf16";  // the server's --weight-dtype (and the worker's cache)
+  std::string policy = "lfru";        // ours' cache policy (ParseCachePolicy)
   bool share_host_copy = true;
   int layers = 0, steps = 8, warmup = 3, server_threads = 0, context = 128, seed = 1;
   std::string batches = "1,8,32,128,1024", cache = "10,25,50,100";
@@ -995,6 +997,9 @@ int Main(int argc, char** argv) {
   flags.Int("server-idle-spin-us", &spin, "the expert server's --idle-spin-us (decode keeps it hot)");
   int64_t admissions = o.admissions;
   flags.Int("admissions", &admissions, "ours: lfru cache admissions started per layer call");
+  flags.String("policy", &o.policy,
+               "ours' cache policy from the warm placement on: lfru (with --admissions per call; none by default), "
+               "lru, static, or predictive (the worker's default: cost-model admissions with cross-layer prefetch)");
   int64_t miss_buffers = o.miss_buffers;
   flags.Int("miss-buffers", &miss_buffers,
             "the worker's temporary buffers per layer parity for copied experts (0, the worker's default: 4-16 "
@@ -1028,6 +1033,8 @@ int Main(int argc, char** argv) {
   o.context = static_cast<int>(context);
   o.idle_spin_us = static_cast<int>(spin);
   o.admissions = static_cast<int>(admissions);
+  if (absl::StatusOr<CachePolicy> p = ParseCachePolicy(o.policy, "--policy"); !p.ok())
+    flags.Fail(std::string(p.status().message()));
   if (runs < 1) Die("--runs: must be at least 1");
   if (slices < 1 || slices > kMaxSlices) Die("--slices: must be in [1, 8]");
   o.slices = static_cast<int>(slices);
@@ -1205,6 +1212,7 @@ int Main(int argc, char** argv) {
     for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual, graph));
     return r;
   };
+  const CachePolicy ours_policy = *ParseCachePolicy(o.policy);
   for (int T : Ints(o.batches)) {
     // Ceiling: every expert resident, nothing missed.
     const Runs ceil_runs = repeat(T, spec.num_experts, CachePolicy::kStatic, CopyMode::kNever, false);
@@ -1226,18 +1234,18 @@ int Main(int argc, char** argv) {
       cpu_runs.all.assign(1, RunResult{});
       dual_runs.all.assign(1, RunResult{});
       lru_runs.all.assign(1, RunResult{});
-      if (has("ours")) ours_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kAuto, false);
-      if (has("ours-cpu")) cpu_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kNever, false);
-      if (has("ours-dual") && T >= 2) dual_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kAuto, true);
+      if (has("ours")) ours_runs = repeat(T, C, ours_policy, CopyMode::kAuto, false);
+      if (has("ours-cpu")) cpu_runs = repeat(T, C, ours_policy, CopyMode::kNever, false);
+      if (has("ours-dual") && T >= 2) dual_runs = repeat(T, C, ours_policy, CopyMode::kAuto, true);
       if (has("lru-copy")) lru_runs = repeat(T, C, CachePolicy::kLru, CopyMode::kAlways, false);
       const bool graphs = has("ours-graph") && o.Chunks(T) == 1;
-      if (graphs) graph_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kAuto, false, true);
+      if (graphs) graph_runs = repeat(T, C, ours_policy, CopyMode::kAuto, false, true);
       for (RunResult& r : graph_runs.all) r.floor_s = graphs ? RunFloor(r, rates) : 0;
       const RunResult& graph = graph_runs.median();
       Runs host_runs;
       if (has("ours-host")) {
         bench.host_path_ = true;
-        host_runs = repeat(T, C, CachePolicy::kLfru, CopyMode::kAuto, false);
+        host_runs = repeat(T, C, ours_policy, CopyMode::kAuto, false);
         bench.host_path_ = false;
       }
       const std::string graph_cells =
