@@ -9,8 +9,9 @@
 // Side by side, for every (batch, cache fraction):
 //   ceiling    all experts on the device (cache 100%, nothing missed)
 //   ours       a warm cache (each layer's hottest experts at the start, as the coordinator
-//              places them; --admissions N adds lfru admissions per call) + misses on the CPU
-//              server + copy-instead when the measured rates say it pays
+//              places them; under lfru, --admissions N adds admissions per call; --policy
+//              predictive runs the worker's default instead) + misses on the CPU server +
+//              copy-instead when the measured rates say it pays
 //   ours-dual  the same with the batch as two micro-batches (B's work overlaps A's misses)
 //   ours-graph ours (same placement, policy and copy mode) with every MoE call a
 //              device-planned capturable call replayed from a CUDA graph captured per layer
