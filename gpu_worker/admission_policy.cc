@@ -172,9 +172,15 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
   const double least_next = 2 * copy_cost - slack(copy_cost, 0);
   heap.erase(std::remove_if(heap.begin(), heap.end(), [&](const auto& c) { return !(next[c.second] > least_next); }),
              heap.end());
-  std::sort(heap.begin(), heap.end(), first);
-  for (const auto& c : heap)
-    if (!consider(c.second)) return;
+  // In the same order as a sort, but only as far as the victims and the link
+  // time last (most runs stop after a few).
+  std::make_heap(heap.begin(), heap.end(), heap_less);
+  while (!heap.empty()) {
+    const int e = heap.front().second;
+    std::pop_heap(heap.begin(), heap.end(), heap_less);
+    heap.pop_back();
+    if (!consider(e)) return;
+  }
 }
 
 }  // namespace
