@@ -324,6 +324,7 @@ class LayerDispatcher {
   void PublishRoute(size_t index);
   absl::Status ConnectServer(size_t index);  // (re)connects servers[index]
   absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies);
+  absl::Status StartPlannedCopies(const std::vector<SlotCopy>& planned);
   int SlotBuffer(int layer, int slot) const;  // the backend buffer of a cache slot
   // Capturable calls: publishes `layer`'s Ready slots to the GPU (buffer_of).
   void PublishSlotMap(int layer);
