@@ -254,7 +254,6 @@ void TransferLatency() {
   backend->UnregisterHost(registered.data());
 }
 
-
 constexpr int kF = 4;  // bf16, int8, int4, fp8
 
 // One table: per rows per expert, each format's time, its share of bf16's and

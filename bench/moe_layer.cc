@@ -263,7 +263,8 @@ class Buffers {
 struct Options {
   std::string preset = "qwen3-30b-a3b", device = "auto", server_bin, modes = "ceiling,ours,ours-dual,lru-copy,copy-all";
   std::string weight_dtype = "bf16";  // the server's --weight-dtype (and the worker's cache)
-  std::string policy = "lfru";        // ours' cache policy (ParseCachePolicy)
+  std::string policy = "lfru";        // ours' cache policy, as --policy names it
+  CachePolicy ours_policy = CachePolicy::kLfru;  // that policy, parsed
   bool share_host_copy = true;
   int layers = 0, steps = 8, warmup = 3, server_threads = 0, context = 128, seed = 1;
   std::string batches = "1,8,32,128,1024", cache = "10,25,50,100";
@@ -1034,8 +1035,11 @@ int Main(int argc, char** argv) {
   o.context = static_cast<int>(context);
   o.idle_spin_us = static_cast<int>(spin);
   o.admissions = static_cast<int>(admissions);
-  if (absl::StatusOr<CachePolicy> p = ParseCachePolicy(o.policy, "--policy"); !p.ok())
+  if (absl::StatusOr<CachePolicy> p = ParseCachePolicy(o.policy, "--policy"); p.ok()) {
+    o.ours_policy = *p;
+  } else {
     flags.Fail(std::string(p.status().message()));
+  }
   if (runs < 1) Die("--runs: must be at least 1");
   if (slices < 1 || slices > kMaxSlices) Die("--slices: must be in [1, 8]");
   o.slices = static_cast<int>(slices);
@@ -1186,8 +1190,10 @@ int Main(int argc, char** argv) {
   rates.copy_bytes = copy_bytes;
   rates.cpu = &probe;
 
-  std::printf("\n### moe_layer: %s, %d MoE layers, backend %s, server %d threads over shm, server weights %s\n\n",
-              o.preset.c_str(), L, pin->name(), o.server_threads, o.weight_dtype.c_str());
+  std::printf("\n### moe_layer: %s, %d MoE layers, backend %s, server %d threads over shm, server weights %s, "
+              "ours' policy %s%s\n\n",
+              o.preset.c_str(), L, pin->name(), o.server_threads, o.weight_dtype.c_str(), o.policy.c_str(),
+              o.ours_policy == CachePolicy::kLfru ? absl::StrCat(" (", o.admissions, " admissions per call)").c_str() : "");
   std::printf("DRAM read %.1f GB/s (%s); expert %.2f MB bf16, %.2f MB %s (server and GPU cache; the floor's bytes), host copy %s; "
               "Zipf %.2f, drift %.3f; %d warm-up + %d timed steps (medians); context %d; %d run(s) per "
               "configuration%s%s.\n\n",
@@ -1213,7 +1219,7 @@ int Main(int argc, char** argv) {
     for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual, graph));
     return r;
   };
-  const CachePolicy ours_policy = *ParseCachePolicy(o.policy);
+  const CachePolicy ours_policy = o.ours_policy;
   for (int T : Ints(o.batches)) {
     // Ceiling: every expert resident, nothing missed.
     const Runs ceil_runs = repeat(T, spec.num_experts, CachePolicy::kStatic, CopyMode::kNever, false);

@@ -6,6 +6,7 @@
 
 #include <chrono>
 
+#include "core/atomic_max.h"
 #include "core/log.h"
 
 namespace moe {
@@ -59,10 +60,7 @@ void ComputePool::Worker(int index) {
 }
 
 void ComputePool::KeepHotUntil(std::chrono::steady_clock::time_point until) {
-  const int64_t ns = until.time_since_epoch().count();
-  int64_t cur = hot_until_ns_.load(std::memory_order_relaxed);
-  while (cur < ns && !hot_until_ns_.compare_exchange_weak(cur, ns, std::memory_order_relaxed)) {
-  }
+  AtomicMax(hot_until_ns_, static_cast<int64_t>(until.time_since_epoch().count()), std::memory_order_relaxed);
 }
 
 void ComputePool::Run(const Task& task) {

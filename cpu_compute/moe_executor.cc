@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "core/atomic_max.h"
 #include "core/status_macros.h"
 
 namespace moe {
@@ -216,12 +217,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   const int down_chunk = std::max(1, g.down_groups() / ((few_rows ? kDownChunksFewRows : 1) * pool_.size()));
   // Phase ends: the last thread's arrival at the barrier (ForwardStats).
   std::atomic<uint64_t> phase_end[2] = {0, 0};
-  auto arrive = [&](int p) {
-    const uint64_t now = NowNs();
-    uint64_t prev = phase_end[p].load(std::memory_order_relaxed);
-    while (prev < now && !phase_end[p].compare_exchange_weak(prev, now, std::memory_order_relaxed)) {
-    }
-  };
+  auto arrive = [&](int p) { AtomicMax(phase_end[p], NowNs(), std::memory_order_relaxed); };
   pool_.Run([&](int t, int nt) {
     // Phase 0: gather each row's token (padding rows and columns zero).
     auto [r0, r1] = Split(static_cast<int>(rows), t, nt);

@@ -173,7 +173,7 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
   heap.erase(std::remove_if(heap.begin(), heap.end(), [&](const auto& c) { return !(next[c.second] > least_next); }),
              heap.end());
   // In the same order as a sort, but only as far as the victims and the link
-  // time last (most runs stop after a few).
+  // time last.
   std::make_heap(heap.begin(), heap.end(), heap_less);
   while (!heap.empty()) {
     const int e = heap.front().second;

@@ -363,16 +363,15 @@ void LayerDispatcher::SizeMissBuffers(size_t expert_bytes) {
   }
   // The prefetch of the next layer's experts (StartPrefetch): as many as
   // kAutoPrefetchBytes holds (enough to keep the link busy through the
-  // engine's work between two layer calls: a 2048-token prompt's attention
-  // and hits, 20-25 ms for DeepSeek-V3, ~0.9 GB of link), at least
-  // miss_buffers, at most a layer's experts (a cap of 64 held int4
-  // Qwen3-30B-A3B to half a layer: 2048-token prompts 137.5 / 138.4 ms
-  // against 121.8 / 122.1 with 128, bench/RESULTS.md stop 23; 256 MiB held
-  // DeepSeek-V3's int8 experts to 6 and 2% of the pairs: 2048-token prompts
-  // 720-779 / 377-389 ms at 0 / 25% cache against 695-699 / 323-327 with
-  // 1 GiB, stop 25), or
+  // engine's work between two layer calls: for a 2048-token DeepSeek-V3
+  // prompt the planner measured a window of 18-25 ms, 0.8-1.4 GB of link),
+  // at least miss_buffers, at most a layer's experts, or
   // config_.prefetch_buffers when set; the cpu backend, whose "copies" cross
-  // no link, miss_buffers.
+  // no link, miss_buffers. Measured (bench/RESULTS.md): a cap of 64 held int4
+  // Qwen3-30B-A3B to half a layer (2048-token prompts 137.5 / 138.4 ms
+  // against 121.8 / 122.1 with 128, stop 23); 256 MiB held DeepSeek-V3's
+  // int8 experts to 6 and 2% of the pairs (2048-token prompts 720-779 /
+  // 377-389 ms at 0 / 25% cache against 695-699 / 323-327 with 1 GiB, stop 25).
   const int by_bytes =
       static_cast<int>(std::min<size_t>(static_cast<size_t>(spec_.num_experts), kAutoPrefetchBytes / bytes));
   const int on_gpu = config_.prefetch_buffers > 0 ? std::min(spec_.num_experts, config_.prefetch_buffers)

@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/atomic_max.h"
 #include "core/model_source.h"
 #include "testing/random_data.h"
 #include "core/reference_moe.h"
@@ -406,9 +407,7 @@ class ShmPollingTest : public ::testing::Test {
     ShmServer::Options so = TestServerOptions(dir_.path() + "/poll.sock");
     so.max_client_poll = cap;
     so.on_poll = [this](Clock::time_point until) {  // the latest deadline the server kept its threads hot to
-      int64_t ns = until.time_since_epoch().count(), cur = hot_until_ns_.load();
-      while (cur < ns && !hot_until_ns_.compare_exchange_weak(cur, ns)) {
-      }
+      AtomicMax(hot_until_ns_, static_cast<int64_t>(until.time_since_epoch().count()));
     };
     absl::StatusOr<std::unique_ptr<ShmServer>> srv = ShmServer::Start(so, [](const MoeBatch& b, bf16_t* out) {
       std::memcpy(out, b.tokens, size_t(b.n) * kH * sizeof(bf16_t));  // echo

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "core/atomic_max.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "core/transport/grpc_channel.h"
@@ -174,11 +175,7 @@ class CoordinatorAgent::Impl {
     for (int f = 0; f < kActivityFields; ++f)
       if (v[f]) activity_[static_cast<size_t>(layer) * kActivityFields + f].fetch_add(v[f], std::memory_order_relaxed);
   }
-  void MarkApplied(uint64_t version) {
-    uint64_t cur = applied_.load();
-    while (version > cur && !applied_.compare_exchange_weak(cur, version)) {
-    }
-  }
+  void MarkApplied(uint64_t version) { AtomicMax(applied_, version); }
   bool connected() const { return link_.connected.load(); }
   uint64_t received_version() const { return received_.load(); }
   uint64_t applied_version() const { return applied_.load(); }
