@@ -100,6 +100,7 @@
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/model_source.h"
+#include "testing/routing_trace.h"
 #include "testing/subprocess.h"
 #include "core/synthetic_model.h"
 #include "cpu_compute/cpu_features.h"
@@ -151,9 +152,22 @@ std::vector<int> Ints(const std::string& text) {
   return v;
 }
 
+// Where each step's routing comes from (ZipfRouter or TraceRouter).
+class Routing {
+ public:
+  virtual ~Routing() = default;
+  // The c most used experts of layer index li (the warm placement a coordinator would make), ascending.
+  virtual std::vector<int> Hottest(int li, int c) const = 0;
+  // The next step.
+  virtual void Step() = 0;
+  // ids/weights [n, k] of rows [off, off + n) of this step's batch, layer index li.
+  virtual void Route(int li, int off, int n, int32_t* ids, float* w) = 0;
+};
+
 // Zipf routing with a drifting per-layer hot set: expert rank r has weight
 // 1/(r+1)^s; each step a fraction `drift` of adjacent ranks swap places.
-class ZipfRouter {
+// Every call draws new tokens (the rows' offset is not needed).
+class ZipfRouter final : public Routing {
  public:
   ZipfRouter(int layers, int experts, int k, double s, double drift, uint64_t seed)
       : E_(experts), k_(k), drift_(drift), rng_(seed), perm_(layers), cdf_(experts) {
@@ -167,12 +181,12 @@ class ZipfRouter {
     }
   }
   // The c most popular experts of layer index li right now.
-  std::vector<int> Hottest(int li, int c) const {
+  std::vector<int> Hottest(int li, int c) const override {
     std::vector<int> v(perm_[li].begin(), perm_[li].begin() + c);
     std::sort(v.begin(), v.end());
     return v;
   }
-  void Step() {
+  void Step() override {
     std::uniform_int_distribution<int> pick(0, E_ - 2);
     const int swaps = static_cast<int>(std::ceil(drift_ * E_));
     for (auto& p : perm_)
@@ -184,8 +198,7 @@ class ZipfRouter {
   // Samples tokens from a stream of their own from now on (the popularity
   // and its drift stay the seed's): ranks of one model, different tokens.
   void SeedSamples(uint64_t seed) { samples_.emplace(seed); }
-  // ids/weights [T, k] for layer index li.
-  void Route(int li, int T, int32_t* ids, float* w) {
+  void Route(int li, int /*off*/, int T, int32_t* ids, float* w) override {
     std::mt19937_64& rng = samples_ ? *samples_ : rng_;
     std::uniform_real_distribution<double> u(0, 1);
     for (int t = 0; t < T; ++t) {
@@ -214,6 +227,47 @@ class ZipfRouter {
   std::optional<std::mt19937_64> samples_;
   std::vector<std::vector<int>> perm_;
   std::vector<double> cdf_;
+};
+
+// A recorded trace (bench/README.md's formats) replayed as T sequences decoded
+// together (InterleaveSequences, as cache_replay --batch does): step s of the
+// run is step s mod S of the interleaved trace, whose layer li serves the
+// bench's layer index li. The trace records no gate weights: a token's
+// experts weigh the same. Hottest: the layer's most used experts over the
+// whole trace — the fixed set best in hindsight, the strongest start a
+// placement can give a policy that does not move it.
+class TraceRouter final : public Routing {
+ public:
+  explicit TraceRouter(RoutingTrace batched) : t_(std::move(batched)) {}
+  std::vector<int> Hottest(int li, int c) const override {
+    std::vector<uint64_t> pairs(t_.num_experts, 0);
+    for (const auto& step : t_.steps)
+      for (const ExpertAccess& a : step[li]) pairs[a.expert] += a.pairs;
+    std::vector<int> v(t_.num_experts);
+    for (int e = 0; e < t_.num_experts; ++e) v[e] = e;
+    std::stable_sort(v.begin(), v.end(), [&](int a, int b) { return pairs[a] > pairs[b]; });
+    v.resize(std::min<size_t>(v.size(), static_cast<size_t>(std::max(c, 0))));
+    std::sort(v.begin(), v.end());
+    return v;
+  }
+  void Step() override { step_ = (step_ + 1) % static_cast<int>(t_.steps.size()); }
+  void Route(int li, int off, int n, int32_t* ids, float* w) override {
+    const int k = t_.top_k;
+    const std::vector<int16_t>& tok = t_.tokens[step_][li];
+    for (int r = 0; r < n; ++r) {
+      int used = 0;
+      for (int j = 0; j < k; ++j) {
+        const size_t i = static_cast<size_t>(off + r) * k + j;
+        ids[r * k + j] = i < tok.size() ? tok[i] : -1;
+        used += ids[r * k + j] >= 0;
+      }
+      for (int j = 0; j < k; ++j) w[r * k + j] = ids[r * k + j] >= 0 ? 1.0f / static_cast<float>(used) : 0.0f;
+    }
+  }
+
+ private:
+  RoutingTrace t_;
+  int step_ = -1;  // Step() comes first
 };
 
 // Buffers in the backend's memory (device for cuda, host for cpu).
@@ -264,6 +318,8 @@ struct Options {
   std::string preset = "qwen3-30b-a3b", device = "auto", server_bin, modes = "ceiling,ours,ours-dual,lru-copy,copy-all";
   std::string weight_dtype = "bf16";  // the server's --weight-dtype (and the worker's cache)
   std::string policy = "lfru";        // ours' cache policy, as --policy names it
+  std::string trace;                  // --trace: recorded routing instead of the Zipf router
+  std::shared_ptr<const RoutingTrace> routing;  // that trace, read and checked against the model
   CachePolicy ours_policy = CachePolicy::kLfru;  // that policy, parsed
   bool share_host_copy = true;
   int layers = 0, steps = 8, warmup = 3, server_threads = 0, context = 128, seed = 1;
@@ -521,7 +577,7 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
       sync.arrive_and_wait();
       const Clock::time_point s0 = Clock::now();
       for (int li = 0; li < L; ++li) {
-        router.Route(li, T, hid.data(), hw.data());
+        router.Route(li, 0, T, hid.data(), hw.data());
         buf.Upload(ids, hid.data(), hid.size() * sizeof(int32_t));
         buf.Upload(w, hw.data(), hw.size() * sizeof(float));
         LayerCall call;
@@ -621,6 +677,15 @@ class Bench {
   Bench(const Options& o, const ModelSpec& spec, std::vector<std::string> shm, HostExpertStore* host)
       : o_(o), spec_(spec), shm_(std::move(shm)), host_(host) {}
 
+  // The routing of one configuration, from its first step: every mode of a
+  // batch sees the same tokens (the same seed, or the same trace steps).
+  std::unique_ptr<Routing> MakeRouting(int T) const {
+    if (o_.routing != nullptr)
+      return std::make_unique<TraceRouter>(Value(InterleaveSequences(*o_.routing, T), "--trace"));
+    return std::make_unique<ZipfRouter>(static_cast<int>(spec_.moe_layers.size()), spec_.num_experts, spec_.top_k,
+                                        o_.zipf, o_.drift, o_.seed);
+  }
+
   // One configuration: a fresh backend + dispatcher, warm-up, timed steps.
   // A step runs the batch through every layer, chunk by chunk (--chunk).
   RunResult Run(int T, int C, CachePolicy policy, CopyMode copy, bool dual, bool graph = false) {
@@ -638,8 +703,8 @@ class Bench {
     };
     std::unique_ptr<LayerDispatcher> d = Value(LayerDispatcher::Create(spec_, *backend, host_, c), "dispatcher");
     graph_ = graph ? std::make_unique<Graphs>() : nullptr;
-    ZipfRouter router(static_cast<int>(spec_.moe_layers.size()), spec_.num_experts, spec_.top_k, o_.zipf,
-                      o_.drift, o_.seed);
+    std::unique_ptr<Routing> routing = MakeRouting(T);
+    Routing& router = *routing;
     // A warm cache, as a long-running worker has: the C most popular experts of
     // each layer at the start (what a coordinator would place); the policy
     // takes it from there.
@@ -818,9 +883,9 @@ class Bench {
   // Rows [off, off + n) through layer index li: attention, then the MoE as one
   // call or, dual, two micro-batches (A's misses go out, then B's attention
   // and hits run meanwhile). Returns the MoE's seconds.
-  double Call(Io& io, ZipfRouter& router, int li, int off, int n, bool dual, CallStats st[2], Uncached* calls) {
+  double Call(Io& io, Routing& router, int li, int off, int n, bool dual, CallStats st[2], Uncached* calls) {
     const int layer = spec_.moe_layers[li], k = spec_.top_k;
-    router.Route(li, n, io.hid.data() + static_cast<size_t>(off) * k, io.hw.data() + static_cast<size_t>(off) * k);
+    router.Route(li, off, n, io.hid.data() + static_cast<size_t>(off) * k, io.hw.data() + static_cast<size_t>(off) * k);
     if (graph_ != nullptr) return GraphCall(io, li, off, n, st, calls);
     const int na = dual ? n / 2 : n;
     if (na == 0 || na == n) {
@@ -992,6 +1057,11 @@ int Main(int argc, char** argv) {
   flags.Int("chunk", &chunk,
             "tokens per layer call: a larger batch runs as ceil(T/N) calls per layer, each chunk through every "
             "layer (0: the whole batch in one call)");
+  flags.String("trace", &o.trace,
+               "routing from a recorded trace (bench/README.md's formats, e.g. ../shared/data/traces/*.jsonl.xz) "
+               "instead of the Zipf generator: a batch of T replays it as T sequences decoded together, its first "
+               "--layers layers; the warm placement is each layer's most used experts over the trace. Needs a "
+               "preset of the trace's geometry (olmoe-1b-7b, kimi-linear-48b, mixtral-8x7b)");
   flags.Double("zipf", &o.zipf, "Zipf exponent of expert popularity");
   flags.Double("drift", &o.drift, "share of adjacent popularity ranks swapped per step");
   flags.String("device", &o.device, "worker backend: auto, cuda or cpu");
@@ -1084,6 +1154,19 @@ int Main(int argc, char** argv) {
   std::unique_ptr<ModelSource> source = Value(OpenModel(uri), "model");
   const ModelSpec& spec = source->spec();
   const ExpertGeometry server_geometry = Value(StorageGeometry(spec, o.weight_dtype), "--weight-dtype");
+  if (!o.trace.empty()) {
+    if (o.tp > 1) Die("--trace: not with --tp / --ep");
+    RoutingTrace t = Value(ReadRoutingTrace(o.trace), "--trace");
+    const int L = static_cast<int>(spec.moe_layers.size());
+    if (t.num_experts != spec.num_experts || t.top_k != spec.top_k || t.num_layers < L)
+      Die(absl::StrCat("--trace: ", t.num_layers, " layers of ", t.num_experts, " experts, top-", t.top_k,
+                       "; --preset ", o.preset, " needs ", spec.num_experts, " experts, top-", spec.top_k, " and at least ",
+                       L, " layers"));
+    for (int T : Ints(o.batches))
+      if (T > static_cast<int>(t.steps.size()))
+        Die(absl::StrCat("--trace: batch ", T, " needs at least as many steps; the trace has ", t.steps.size()));
+    o.routing = std::make_shared<const RoutingTrace>(std::move(t));
+  }
 
   // DRAM bandwidth, measured before the server starts.
   double dram_gbps = 0, dram_max_gbps = 0;
@@ -1195,10 +1278,14 @@ int Main(int argc, char** argv) {
               o.preset.c_str(), L, pin->name(), o.server_threads, o.weight_dtype.c_str(), o.policy.c_str(),
               o.ours_policy == CachePolicy::kLfru ? absl::StrCat(" (", o.admissions, " admissions per call)").c_str() : "");
   std::printf("DRAM read %.1f GB/s (%s); expert %.2f MB bf16, %.2f MB %s (server and GPU cache; the floor's bytes), host copy %s; "
-              "Zipf %.2f, drift %.3f; %d warm-up + %d timed steps (medians); context %d; %d run(s) per "
+              "%s; %d warm-up + %d timed steps (medians); context %d; %d run(s) per "
               "configuration%s%s.\n\n",
               dram_gbps, dram_note.c_str(), spec.ExpertBf16Bytes() / 1e6, server_geometry.packed_bytes() / 1e6,
-              o.weight_dtype.c_str(), host->shared() ? "shared" : "own", o.zipf, o.drift, o.warmup, o.steps, o.context, o.runs,
+              o.weight_dtype.c_str(), host->shared() ? "shared" : "own",
+              o.routing != nullptr ? absl::StrFormat("routing of %s (%zu steps, as many sequences as tokens)",
+                                                     o.trace, o.routing->steps.size()).c_str()
+                                   : absl::StrFormat("Zipf %.2f, drift %.3f", o.zipf, o.drift).c_str(),
+              o.warmup, o.steps, o.context, o.runs,
               o.runs > 1 ? ", times as median [min-max] over the runs" : "",
               o.chunk > 0 ? absl::StrFormat("; batches in calls of at most %d tokens per layer (--chunk)", o.chunk).c_str() : "");
   std::printf("Host-to-device copies %.1f GB/s (a layer's %d experts, %.2f MB, in %s ms; the fastest of 3, %.1f GB/s, "

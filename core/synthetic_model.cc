@@ -33,6 +33,9 @@ constexpr Preset kPresets[] = {
     {"mixtral-8x7b", "mixtral", 32, 0, 8, 2, 4096, 14336},
     {"qwen3-30b-a3b", "qwen3_moe", 48, 0, 128, 8, 2048, 768},
     {"deepseek-v3", "deepseek_v3", 61, 3, 256, 8, 7168, 2048},
+    // The geometries of the recorded traces in ../shared/data/traces (bench/moe_layer --trace).
+    {"olmoe-1b-7b", "olmoe", 16, 0, 64, 8, 2048, 1024},
+    {"kimi-linear-48b", "kimi_linear", 27, 1, 256, 8, 2304, 1024},
 };
 
 inline uint64_t SplitMix64(uint64_t x) {

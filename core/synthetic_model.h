@@ -27,7 +27,8 @@ struct SyntheticModelUri {
   absl::StatusOr<ModelSpec> Spec() const;
 };
 
-// Names accepted by PresetSpec: tiny, tiny-mixtral, demo, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3.
+// Names accepted by PresetSpec: tiny, tiny-mixtral, demo, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3,
+// olmoe-1b-7b, kimi-linear-48b.
 std::vector<std::string> PresetNames();
 
 // The geometry of a preset, cut to its first `layers` decoder layers (-1 = all).
