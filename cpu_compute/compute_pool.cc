@@ -1,12 +1,12 @@
 #include "cpu_compute/compute_pool.h"
 
-#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 
 #include <chrono>
 
 #include "core/atomic_max.h"
+#include "core/cpu_relax.h"
 #include "core/log.h"
 
 namespace moe {
@@ -26,7 +26,7 @@ void SpinThenWait(const std::atomic<T>& value, T old, std::chrono::microseconds 
       if (sleeps != nullptr) sleeps->fetch_add(1, std::memory_order_relaxed);
       value.wait(old, std::memory_order_acquire);
     } else {
-      _mm_pause();
+      CpuRelax();
     }
   }
 }

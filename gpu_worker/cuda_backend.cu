@@ -217,6 +217,7 @@ class CudaBackend final : public DeviceBackend {
   void ComputeWaitCopy(uint64_t copy_fence) override;
   uint64_t RecordCompute() override;
   absl::Status WaitCompute(uint64_t compute_fence) override;
+  bool ComputeDone(uint64_t compute_fence) override;
 
   absl::Status BeginCall(int ctx, int T, const bf16_t* hidden, MemoryKind kind) override;
   absl::Status RoutingToHost(const int32_t* ids, const float* weights, int n, int32_t* host_ids,
@@ -840,6 +841,16 @@ absl::Status CudaBackend::WaitCompute(uint64_t compute_fence) {
   if (cudaEvent_t e = compute_fences_.Pending(compute_fence); e != nullptr)
     MOE_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(e));
   return TakeDeferred();
+}
+
+bool CudaBackend::ComputeDone(uint64_t compute_fence) {
+  if (!initialized_ || !compute_fences_.Issued(compute_fence)) return true;  // WaitCompute says why
+  cudaEvent_t e = compute_fences_.Pending(compute_fence);
+  if (e == nullptr) return true;
+  const cudaError_t err = cudaEventQuery(e);
+  if (err == cudaSuccess) return true;
+  cudaGetLastError();
+  return err != cudaErrorNotReady;
 }
 
 absl::StatusOr<CudaBackend::Context*> CudaBackend::ActiveContext(int ctx) {

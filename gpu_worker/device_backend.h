@@ -175,6 +175,9 @@ class DeviceBackend {
   // A fence after all compute work submitted so far.
   virtual uint64_t RecordCompute() = 0;
   virtual absl::Status WaitCompute(uint64_t compute_fence) = 0;
+  // True when the compute fence has completed or failed (non-blocking;
+  // WaitCompute reports the error).
+  virtual bool ComputeDone(uint64_t compute_fence) = 0;
   // A timing mark on the compute queue (not a fence: nothing waits on it),
   // passed once the work submitted before it is done.
   virtual uint64_t MarkCompute() = 0;

@@ -15,6 +15,7 @@
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/routing.h"
+#include "core/cpu_relax.h"
 #include "core/status_macros.h"
 
 namespace moe {
@@ -240,6 +241,10 @@ struct LayerDispatcher::Impl {
   std::vector<uint32_t> counts_seen;           // device access counts already reported
   std::vector<int32_t> log_seen;               // per served layer: the routing log's last sequence planned from
   void* planned_stream = nullptr;              // the engine's stream of capturable calls
+  // The engine enqueued capturable calls itself (graphs replay them at any
+  // time): cache copies wait for its stream, never only for one layer's reader.
+  bool engine_calls = false;
+  std::vector<uint64_t> last_reader;           // per served layer: its last eager device call's compute fence
   int capturable_max_tokens = 0;               // CapturableMaxTokens, fixed at Create
   std::vector<int> call_experts, call_pairs;   // ForwardOnDevice's accesses (scratch)
   std::vector<int32_t> call_count;             // [E] its pairs per expert, zero between calls
@@ -829,15 +834,17 @@ void LayerDispatcher::PublishRoute(size_t index) {
 // queue after all compute submitted so far (an evicted slot may still be read
 // by earlier calls). A failed start aborts it and every copy after it, so no
 // slot stays Loading.
-absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotCopy>& copies) {
+absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotCopy>& copies,
+                                              std::optional<uint64_t> after_fence) {
   if (copies.empty()) return absl::OkStatus();
   // Capturable calls: evicted experts leave the published slot map before
   // their buffers are overwritten, and the copies wait for the capturable
-  // calls already enqueued on the engine's stream.
+  // calls already enqueued on the engine's stream (or, given, for the one
+  // fence after which nothing reads the layer's slots).
   PublishSlotMap(layer);
-  if (impl_->planned_stream != nullptr)
+  if (!after_fence && impl_->planned_stream != nullptr)
     MOE_RETURN_IF_ERROR(backend_->WaitStream(impl_->planned_stream));
-  const uint64_t after = backend_->RecordCompute();
+  const uint64_t after = after_fence ? *after_fence : backend_->RecordCompute();
   planner_.CopiesQueued(static_cast<int>(copies.size()));  // the link starts on them as they are enqueued
   for (size_t i = 0; i < copies.size(); ++i) {
     absl::StatusOr<uint64_t> f =
@@ -864,14 +871,16 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
 // them, not one per copy (on the GPU host each start cost 11-26 us of the
 // decode's host time, bench/RESULTS.md stop 25). A layer whose start fails
 // aborts its copies not started; the others are still tried. The first error.
-absl::Status LayerDispatcher::StartPlannedCopies(const std::vector<SlotCopy>& planned) {
+absl::Status LayerDispatcher::StartPlannedCopies(const std::vector<SlotCopy>& planned, bool during_call) {
   absl::Status first;
   std::vector<SlotCopy> run;
   for (size_t i = 0; i < planned.size();) {
     size_t j = i + 1;
     while (j < planned.size() && planned[j].layer == planned[i].layer) ++j;
     run.assign(planned.begin() + static_cast<std::ptrdiff_t>(i), planned.begin() + static_cast<std::ptrdiff_t>(j));
-    if (absl::Status st = StartSlotCopies(planned[i].layer, run); first.ok()) first = std::move(st);
+    const std::optional<uint64_t> after =
+        during_call ? std::optional<uint64_t>(impl_->last_reader[layer_index_[planned[i].layer]]) : std::nullopt;
+    if (absl::Status st = StartSlotCopies(planned[i].layer, run, after); first.ok()) first = std::move(st);
     i = j;
   }
   return first;
@@ -1721,10 +1730,20 @@ bool LayerDispatcher::OnDevicePath(const LayerCall& call) const {
          !backend_->StreamCapturing(call.stream != nullptr ? call.stream : LegacyDefaultStream());
 }
 
-// The device path of Forward: the capturable call, then a wait for the
-// stream, this layer's errors, and the call's accesses, stats and admissions
-// from the routing the GPU logged (the device's counters skip these calls:
-// they are reported here, once).
+// The device path of Forward: the capturable call; the call's accesses,
+// stats and admissions from the routing the GPU logged (the device's
+// counters skip these calls: they are reported here, once); a wait for the
+// stream; this layer's errors.
+//
+// The plan kernel logs the routing before any expert runs, so the
+// admissions are planned and their copies started while the call's experts
+// run, not after: at decode speed a layer call is about as long as one
+// expert copy (OLMoE, H100: 0.3-0.8 ms against 0.25 ms), and copies started
+// after the call missed the next layer (bench/RESULTS.md, stop 26). Their
+// slots are read by no call in flight but this layer's own, so each layer's
+// copies wait only for its last call — unless the engine enqueues
+// capturable calls itself (graphs replay them at any time) or a host-path
+// call is in flight: then they wait for everything, after the call.
 absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* stats) {
   Impl& m = *impl_;
   const Clock::time_point t0 = Clock::now();
@@ -1732,23 +1751,19 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
   planner_.CallStarted();
   LayerCall c = call;
   if (c.stream == nullptr) c.stream = LegacyDefaultStream();
+  const size_t li = static_cast<size_t>(layer_index_[call.batch.layer]);
+  const int32_t before = m.device_ready ? __atomic_load_n(m.device_tables[li].routing_log, __ATOMIC_ACQUIRE) : 0;
   MOE_RETURN_IF_ERROR(EnqueueCapturable(c, /*count_accesses=*/false));
   const Clock::time_point t1 = Clock::now();
   MOE_RETURN_IF_ERROR(backend_->WaitStream(c.stream));
-  MOE_RETURN_IF_ERROR(backend_->WaitCompute(backend_->RecordCompute()));
-  const size_t li = static_cast<size_t>(layer_index_[call.batch.layer]);
+  const uint64_t done = backend_->RecordCompute();
+  bool host_calls = false;
+  for (const InFlightCall& ctx : m.contexts) host_calls |= ctx.busy;
+  m.last_reader[li] = done;
+  const bool during = !m.engine_calls && !host_calls && AwaitRoutingLog(li, before, done);
   const int32_t* log = m.device_tables[li].routing_log;
+  if (!during) MOE_RETURN_IF_ERROR(backend_->WaitCompute(done));
   const int T = call.batch.n, k = call.batch.routing.k;
-  if (stats != nullptr) {
-    *stats = CallStats{};
-    stats->hit_pairs = log[3];
-    stats->cpu_pairs = log[4];
-    stats->copied_pairs = log[5];
-    stats->copied_experts = log[6];
-    stats->cpu_experts = log[7];
-    stats->submit_seconds = Seconds(t1 - t0);
-    stats->wait_seconds = Seconds(Clock::now() - t1);
-  }
   const int32_t* ids = log + kRoutingLogHeader;
   std::vector<int>& experts = m.call_experts;
   std::vector<int>& pairs = m.call_pairs;
@@ -1768,8 +1783,38 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
       config_.on_access(call.batch.layer, experts[i], pairs[i], cache_->ReadySlot(call.batch.layer, experts[i]) >= 0);
   if (m.log_seen.size() < layers_.size()) m.log_seen.resize(layers_.size(), 0);
   m.log_seen[li] = log[0];
-  AdmitAfter(call.batch.layer, T, k, ids);
+  // The experts this call copies over the link (copy-instead, the SMs reading
+  // through the mapping) are still on it while the call runs: admissions
+  // queue behind them.
+  if (during) planner_.CopiesQueued(log[6]);
+  AdmitAfter(call.batch.layer, T, k, ids, during);
+  admissions_during_calls_ += during;
+  if (during) MOE_RETURN_IF_ERROR(backend_->WaitCompute(done));
+  if (stats != nullptr) {
+    *stats = CallStats{};
+    stats->hit_pairs = log[3];
+    stats->cpu_pairs = log[4];
+    stats->copied_pairs = log[5];
+    stats->copied_experts = log[6];
+    stats->cpu_experts = log[7];
+    stats->submit_seconds = Seconds(t1 - t0);
+    stats->wait_seconds = Seconds(Clock::now() - t1);
+  }
   return TakeLayerError(li);
+}
+
+bool LayerDispatcher::AwaitRoutingLog(size_t li, int32_t before, uint64_t done) {
+  const int32_t* log = impl_->device_tables[li].routing_log;
+  for (uint32_t spin = 0;; ++spin) {
+    const int32_t seq = __atomic_load_n(log, __ATOMIC_ACQUIRE);
+    if (seq != 0 && seq != before) return true;
+    // The call ended (or failed) without logging: the caller waits and reads as before.
+    if (spin % 64 == 63 && backend_->ComputeDone(done)) {
+      const int32_t last = __atomic_load_n(log, __ATOMIC_ACQUIRE);
+      return last != 0 && last != before;
+    }
+    CpuRelax();
+  }
 }
 
 
@@ -1812,6 +1857,7 @@ absl::Status LayerDispatcher::AllocateDeviceTables() {
   m.copy_plan = new (p + kMaxDeviceChannels * sizeof(DeviceChannel)) DeviceCopyPlan();
   p += channel_bytes;
   m.device_tables.resize(L);
+  m.last_reader.assign(L, 0);
   for (size_t li = 0; li < L; ++li) {
     DeviceLayerTables& t = m.device_tables[li];
     t.errors = reinterpret_cast<DeviceError*>(p);
@@ -1987,6 +2033,7 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call, bo
     return absl::FailedPreconditionError(absl::StrCat(
         "capturable call: layer ", b.layer, " was never run outside a capture (warm up once before capturing)"));
   MOE_RETURN_IF_ERROR(PrepareDevicePath());
+  m.engine_calls |= count_accesses;  // the engine's own call (ForwardOnDevice counts its accesses itself)
   // A reconnected shm server's new segment (not while the engine captures:
   // registering memory is not capture-safe; the next call outside does it).
   for (size_t s = 0; s < m.servers.size(); ++s) {
@@ -2109,19 +2156,21 @@ void LayerDispatcher::PlanDeviceAdmissions() {
 // The admissions after a call of `layer` with this routing (capturable and
 // eager device-planned calls): the predictive policy's, or lru / lfru's for
 // the call's missed experts. Needs the host copy; not under copy mode always.
-void LayerDispatcher::AdmitAfter(int layer, int T, int k, const int32_t* ids) {
+void LayerDispatcher::AdmitAfter(int layer, int T, int k, const int32_t* ids, bool during_call) {
   if (host_ == nullptr || config_.copy_mode == CopyMode::kAlways) return;
   if (planner_.admission() != nullptr) {
     absl::StatusOr<std::vector<SlotCopy>> planned = planner_.PlanAdmissions(*cache_, layer, T, k, ids);
     if (!planned.ok()) return;
-    (void)StartPlannedCopies(*planned);
+    (void)StartPlannedCopies(*planned, during_call);
   } else if (config_.policy != CachePolicy::kStatic && config_.admissions_per_call > 0) {
     std::vector<int> missed;
     for (int i = 0; i < T * k; ++i)
       if (ids[i] >= 0 && cache_->ReadySlot(layer, ids[i]) < 0 &&
           std::find(missed.begin(), missed.end(), ids[i]) == missed.end())
         missed.push_back(ids[i]);
-    (void)StartSlotCopies(layer, cache_->PlanAdmissions(layer, missed, config_.admissions_per_call));
+    const std::optional<uint64_t> after =
+        during_call ? std::optional<uint64_t>(impl_->last_reader[layer_index_[layer]]) : std::nullopt;
+    (void)StartSlotCopies(layer, cache_->PlanAdmissions(layer, missed, config_.admissions_per_call), after);
   }
 }
 

@@ -53,6 +53,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -196,8 +197,10 @@ class LayerDispatcher {
   // One call, done when this returns. A decode-shaped call in device memory
   // on the cuda backend that fits one shared-memory request slot per server
   // runs as EnqueueCapturable's device-planned call, not captured, and waits
-  // for its stream (DispatcherConfig::eager_on_device); anything else is
-  // Submit + Complete.
+  // for its stream (DispatcherConfig::eager_on_device); its admissions are
+  // planned from the routing the GPU logs before the experts run and their
+  // copies start while the call still runs (admissions_during_calls).
+  // Anything else is Submit + Complete.
   absl::Status Forward(const LayerCall& call, CallStats* stats = nullptr);
 
   // Capture-safe call (CUDA graphs): cuda backend, device pointers,
@@ -270,6 +273,9 @@ class LayerDispatcher {
   int slots_per_layer() const { return cache_->config().slots_per_layer; }
   const std::vector<int>& layers() const { return layers_; }
   uint64_t copies_started() const { return copies_started_; }
+  // Eager device-path calls whose admissions were planned and started while
+  // the call still ran (from the routing its plan kernel logs), not after it.
+  uint64_t admissions_during_calls() const { return admissions_during_calls_; }
 
  private:
   struct Impl;
@@ -323,8 +329,11 @@ class LayerDispatcher {
   // hosting it that has a channel).
   void PublishRoute(size_t index);
   absl::Status ConnectServer(size_t index);  // (re)connects servers[index]
-  absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies);
-  absl::Status StartPlannedCopies(const std::vector<SlotCopy>& planned);
+  // `after`: the compute fence the copies wait for (the layer's last reader,
+  // known on the eager device path); none: every call enqueued so far.
+  absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies,
+                               std::optional<uint64_t> after = std::nullopt);
+  absl::Status StartPlannedCopies(const std::vector<SlotCopy>& planned, bool during_call = false);
   int SlotBuffer(int layer, int slot) const;  // the backend buffer of a cache slot
   // Capturable calls: publishes `layer`'s Ready slots to the GPU (buffer_of).
   void PublishSlotMap(int layer);
@@ -337,7 +346,13 @@ class LayerDispatcher {
   void RefreshDeviceServers();
   void PublishCopyPlan();
   void PlanDeviceAdmissions();
-  void AdmitAfter(int layer, int T, int k, const int32_t* ids);
+  // during_call: planned while the eager device-path call of `layer` runs
+  // (its copies wait only for their own layer's last reader).
+  void AdmitAfter(int layer, int T, int k, const int32_t* ids, bool during_call = false);
+  // Eager device path: waits until the call of served layer `li` (compute
+  // fence `done`) logged its routing (sequence other than `before`); false
+  // when the call ended without a new log first.
+  bool AwaitRoutingLog(size_t li, int32_t before, uint64_t done);
   // Forward's device path (see Forward) and its checks.
   bool OnDevicePath(const LayerCall& call) const;
   absl::Status ForwardOnDevice(const LayerCall& call, CallStats* stats);
@@ -357,6 +372,7 @@ class LayerDispatcher {
   }
   Planner planner_;  // the split, copy-instead and admissions, their rates and the link queue
   uint64_t copies_started_ = 0;
+  uint64_t admissions_during_calls_ = 0;
   uint64_t copy_bytes_ = 0;  // bytes one expert copy moves (the host copy's packed expert)
   std::vector<std::vector<int>> assigned_;  // [served index] last coordinator assignment (predictive)
 };

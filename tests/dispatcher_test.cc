@@ -830,6 +830,83 @@ TEST_P(DispatcherTest, DevicePointersOnTheCudaBackend) {
     EXPECT_GT(st.hit_pairs + st.cpu_pairs, 0);
   }
 }
+
+// Decode on the eager device path: the admissions for the next layer are
+// planned from the routing the call's plan kernel logs and their copies start
+// while the call still runs (the server is stopped for 150 ms in the last
+// call), so the next layer, called right after, finds them Ready. Planned
+// after the call, as before, they would still be on the link. Layer 1's
+// pair predicts layer 2's (a pattern drawn at random each pass, so layer 2's
+// own history says nothing), and a third expert never cached in layer 1
+// keeps the server in every layer-1 call. Two tokens per call: decode-shaped
+// (at most kDevicePathPairsPerExpert pairs per expert of the layer).
+TEST_P(DispatcherTest, DevicePathStartsAdmissionsWhileTheCallRuns) {
+  if (backend_name() != "cuda") GTEST_SKIP() << "the eager device path needs the cuda backend";
+  const std::string addr = StartServer();
+  DispatcherConfig c = Config({addr});
+  c.slots_per_layer = 2;
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  const std::vector<int> first[2] = {{2, 3}, {0, 1}}, second[2] = {{5, 6}, {4, 7}};
+  std::mt19937 rng(7);
+  // Layer 1: each token the pattern's pair and one of 4..7; layer 2: the pattern's pair.
+  auto batches = [&](int p, uint64_t seed) {
+    Batch b1 = RandomBatch(2, 3, first[p], seed), b2 = RandomBatch(2, 2, second[p], seed + 1);
+    for (int t = 0; t < 2; ++t) {
+      b1.ids[t * 3 + 2] = 4 + static_cast<int>(rng() % 4);
+      b1.w[t * 3 + 2] = 0.5f;
+    }
+    return std::pair{b1, b2};
+  };
+  auto forward = [&](int layer, const Batch& b, CallStats* st) {
+    testing::DeviceCall dev(b.x, b.ids, b.w);
+    EXPECT_TRUE(dev.ok());
+    std::vector<bf16_t> out;
+    LayerCall call = Call(layer, b, &out);
+    call.batch.tokens = dev.x();
+    call.batch.routing.ids = dev.ids();
+    call.batch.routing.weights = dev.weights();
+    call.out = dev.out();
+    call.kind = MemoryKind::kDevice;
+    absl::Status s = d->Forward(call, st);
+    EXPECT_TRUE(s.ok()) << s;
+    EXPECT_LE(Error(layer, b, dev.Output()), 1e-2) << "layer " << layer;
+  };
+  CallStats st;
+  for (int pass = 0; pass < 24; ++pass) {
+    const auto [b1, b2] = batches(static_cast<int>(rng() % 2), 300 + 2 * pass);
+    forward(1, b1, &st);
+    ASSERT_TRUE(d->FlushCopies().ok());
+    forward(2, b2, &st);
+    ASSERT_TRUE(d->FlushCopies().ok());
+  }
+  const uint64_t during = d->admissions_during_calls();
+  EXPECT_GE(during, 40u) << "the device-path calls planned their admissions after the call";
+  // The other pattern in layer 2's slots, then a layer-1 call held up by the server.
+  int hits = 0;
+  for (int round = 0; round < 2; ++round) {
+    const int p = round;
+    const auto [other1, other2] = batches(1 - p, 500 + 2 * round);
+    forward(1, other1, &st);
+    ASSERT_TRUE(d->FlushCopies().ok());
+    forward(2, other2, &st);
+    ASSERT_TRUE(d->FlushCopies().ok());
+    const auto [b1, b2] = batches(p, 600 + 2 * round);
+    const pid_t server = servers_.back()->pid();
+    ASSERT_EQ(kill(server, SIGSTOP), 0);
+    std::thread resume([server] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      kill(server, SIGCONT);
+    });
+    forward(1, b1, &st);
+    resume.join();
+    EXPECT_GT(st.cpu_pairs, 0) << "layer 1's call must wait for the server";
+    forward(2, b2, &st);
+    hits += st.hit_pairs;
+  }
+  EXPECT_EQ(hits, 8) << "layer 2's predicted experts were not Ready right after layer 1's call";
+  EXPECT_GT(d->admissions_during_calls(), during);
+}
 #endif
 
 // --cache-gib: C follows from the memory budget (bf16 experts of every served layer).

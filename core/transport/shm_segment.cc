@@ -13,11 +13,8 @@
 #include <new>
 
 #include "absl/strings/str_cat.h"
+#include "core/cpu_relax.h"
 #include "core/status_macros.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 namespace moe::shm {
 namespace {
@@ -31,14 +28,6 @@ T ReadOnce(const T& field) {
 }
 
 uint32_t* RingEntries(RingHeader* ring) { return reinterpret_cast<uint32_t*>(ring + 1); }
-
-void CpuRelax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 long Futex(std::atomic<uint32_t>* word, int op, uint32_t val, const timespec* timeout) {
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, val, timeout, nullptr, 0);
