@@ -778,15 +778,19 @@ std::optional<double> CudaBackend::ComputeSeconds(uint64_t from, uint64_t to) {
   return ms * 1e-3;
 }
 
-bool CudaBackend::CopyDone(uint64_t copy_fence) {
-  if (!initialized_ || !copy_fences_.Issued(copy_fence)) return false;
-  cudaEvent_t e = copy_fences_.Pending(copy_fence);
+// Whether the work before event `e` (null: known complete) has finished or
+// failed (non-blocking; the waits report a failure).
+bool EventDone(cudaEvent_t e) {
   if (e == nullptr) return true;
   const cudaError_t err = cudaEventQuery(e);
   if (err == cudaSuccess) return true;
   cudaGetLastError();
-  // A failed copy is "done": WaitCopy reports the error.
   return err != cudaErrorNotReady;
+}
+
+bool CudaBackend::CopyDone(uint64_t copy_fence) {
+  if (!initialized_ || !copy_fences_.Issued(copy_fence)) return false;
+  return EventDone(copy_fences_.Pending(copy_fence));  // a failed copy is "done": WaitCopy reports the error
 }
 
 absl::Status CudaBackend::WaitCopy(uint64_t copy_fence) {
@@ -845,12 +849,7 @@ absl::Status CudaBackend::WaitCompute(uint64_t compute_fence) {
 
 bool CudaBackend::ComputeDone(uint64_t compute_fence) {
   if (!initialized_ || !compute_fences_.Issued(compute_fence)) return true;  // WaitCompute says why
-  cudaEvent_t e = compute_fences_.Pending(compute_fence);
-  if (e == nullptr) return true;
-  const cudaError_t err = cudaEventQuery(e);
-  if (err == cudaSuccess) return true;
-  cudaGetLastError();
-  return err != cudaErrorNotReady;
+  return EventDone(compute_fences_.Pending(compute_fence));
 }
 
 absl::StatusOr<CudaBackend::Context*> CudaBackend::ActiveContext(int ctx) {
