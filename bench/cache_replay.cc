@@ -75,6 +75,9 @@ int main(int argc, char** argv) {
                "      --shared-gbps (when the file has it) and the per-pair cost: the step model prices as moe_layer's\n"
                "      floor does");
   flags.Double("lfru-half-life", &c.lfru_half_life, "LFRU decay half-life in accesses of a layer (ExpertCache's)");
+  flags.Bool("warm", &c.warm,
+             "start the policies that run a cache (default, lru, lfu, lfru, coordinator, oracle) from each layer's "
+             "best fixed set, as moe_layer's warm placement does, instead of an empty cache");
   flags.Double("heartbeat-ms", &heartbeat_ms, "coordinator: counts reach it once per heartbeat");
   flags.Double("half-life-seconds", &c.policy.half_life_seconds, "coordinator: popularity half-life");
   flags.Double("rebalance-interval-seconds", &c.policy.rebalance_interval_seconds, "coordinator: placement period");

@@ -73,6 +73,30 @@ class CopyQueue {
   uint64_t count_ = 0;
 };
 
+// The C experts with the most pairs in `counts` (ties: lower id).
+std::vector<bool> TopC(const std::vector<uint64_t>& counts, int slots) {
+  std::vector<int> order(counts.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return counts[a] > counts[b]; });
+  std::vector<bool> out(counts.size(), false);
+  for (int i = 0; i < slots && i < static_cast<int>(order.size()); ++i) out[order[i]] = true;
+  return out;
+}
+
+// Per layer, the best fixed set in hindsight: its C experts with the most pairs over the trace.
+std::vector<std::vector<bool>> BestSets(const RoutingTrace& t, int slots) {
+  std::vector<std::vector<bool>> sets;
+  for (int l = 0; l < t.num_layers; ++l) {
+    std::vector<uint64_t> counts(t.num_experts, 0);
+    for (const auto& s : t.steps)
+      for (const ExpertAccess& a : s[l]) counts[a.expert] += a.pairs;
+    sets.push_back(TopC(counts, slots));
+  }
+  return sets;
+}
+
+// An online policy's cache: empty, or (ReplayConfig::warm) each layer's best
+// fixed set Ready from the start, as a coordinator's assignment leaves it.
 absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, const ReplayConfig& c,
                                                        CachePolicy kind, double half_life) {
   ExpertCacheConfig cc;
@@ -81,7 +105,18 @@ absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, co
   cc.slots_per_layer = c.slots;
   cc.policy = kind;
   cc.lfru_half_life = half_life;
-  return ExpertCache::Create(cc);
+  absl::StatusOr<std::unique_ptr<ExpertCache>> cache = ExpertCache::Create(cc);
+  if (!cache.ok() || !c.warm) return cache;
+  const std::vector<std::vector<bool>> sets = BestSets(t, c.slots);
+  for (int l = 0; l < t.num_layers; ++l) {
+    std::vector<int> set;
+    for (int e = 0; e < t.num_experts; ++e)
+      if (sets[l][e]) set.push_back(e);
+    absl::StatusOr<std::vector<SlotCopy>> copies = (*cache)->Assign(l, set);
+    if (!copies.ok()) return copies.status();
+    for (const SlotCopy& copy : *copies) (*cache)->CompleteCopy(copy);
+  }
+  return cache;
 }
 
 // One layer's accesses against the ready slots (what the dispatcher does).
@@ -416,16 +451,6 @@ PolicyResult ReplayOffline(const RoutingTrace& t, const ReplayConfig& c, const s
   return r;
 }
 
-// The C experts with the most pairs in `counts` (ties: lower id).
-std::vector<bool> TopC(const std::vector<uint64_t>& counts, int slots) {
-  std::vector<int> order(counts.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return counts[a] > counts[b]; });
-  std::vector<bool> out(counts.size(), false);
-  for (int i = 0; i < slots && i < static_cast<int>(order.size()); ++i) out[order[i]] = true;
-  return out;
-}
-
 }  // namespace
 
 StepTimeModel ReplayTimeModel(const ReplayConfig& c) {
@@ -490,13 +515,7 @@ absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c
     // The best fixed set per layer in hindsight, resident from the start; or
     // (cold) each member from the step after its first use: what learning
     // the set from the trace itself costs at least (no copy is priced).
-    std::vector<std::vector<bool>> sets;
-    for (int l = 0; l < t.num_layers; ++l) {
-      std::vector<uint64_t> counts(t.num_experts, 0);
-      for (const auto& s : t.steps)
-        for (const ExpertAccess& a : s[l]) counts[a.expert] += a.pairs;
-      sets.push_back(TopC(counts, c.slots));
-    }
+    const std::vector<std::vector<bool>> sets = BestSets(t, c.slots);
     if (name == "best-static")
       return ReplayOffline(t, c, name, [&](size_t, int l, std::vector<bool>* held) { *held = sets[l]; });
     std::vector<std::vector<bool>> seen(t.num_layers, std::vector<bool>(t.num_experts, false));

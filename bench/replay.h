@@ -49,6 +49,10 @@ struct ReplayConfig {
   // set, a missed expert with m pairs costs max(bytes / dram, the curve at m).
   std::vector<std::pair<int, double>> cpu_expert_curve;
   double lfru_half_life = 64;
+  // The policies that run a cache (default, lru, lfu, lfru, coordinator and
+  // the oracle) start from each layer's best fixed set Ready, as
+  // bench/moe_layer's warm placement does, instead of an empty cache.
+  bool warm = false;
   double heartbeat_seconds = 0.2;
   CoordinatorPolicy policy;
 };

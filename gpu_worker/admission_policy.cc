@@ -120,14 +120,23 @@ namespace {
 // victims, least valuable first (empty slots, key -1, before all; ties: the
 // lower id), come off a heap of their own as they are taken.
 template <typename Candidate, typename Timing>
-void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, double later_runs,
-                 double copy_cost, double undo_cost, std::vector<AdmissionVictim>* victims, Candidate candidate,
-                 Timing timing, std::vector<std::pair<double, int>>* order, std::vector<std::pair<int, int>>* out) {
+void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, const std::vector<double>& sd,
+                 double later_runs, double copy_cost, double undo_cost, std::vector<AdmissionVictim>* victims,
+                 Candidate candidate, Timing timing, std::vector<std::pair<double, int>>* order,
+                 std::vector<std::pair<int, int>>* out) {
   out->clear();
+  // The best of n candidates' noise alone reaches about sqrt(2 ln n) standard errors.
+  const double noise_z = std::sqrt(2 * std::log(std::max<double>(2, static_cast<double>(next.size()))));
   auto value = [&](int e) { return e < 0 ? 0.0 : next[e] + later_runs * rate[e]; };
+  // The later runs' gain counts only beyond the rates' standard error: rates
+  // estimated from a few dozen runs differ by noise, and swapping on noise
+  // replaces a better expert by a worse one as often as not (the winner's
+  // curse: on stationary routing every such swap is a loss).
   auto gain = [&](int e, int v, bool in_time) {
     const double now_gain = (in_time ? next[e] : 0.0) - (v >= 0 ? next[v] : 0.0);
-    const double later_gain = later_runs * (rate[e] - (v >= 0 ? rate[v] : 0.0));
+    double later_gain = later_runs * (rate[e] - (v >= 0 ? rate[v] : 0.0));
+    if (later_gain > 0)
+      later_gain = std::max(0.0, later_gain - noise_z * later_runs * std::hypot(sd[e], v >= 0 ? sd[v] : 0.0));
     return now_gain + (later_gain >= 0 ? later_gain : -std::min(-later_gain, undo_cost));
   };
   // Taking e alone (an empty slot, in time) gains value(e).
@@ -217,13 +226,30 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
                                            [](const Shadow& a, const Shadow& b) { return a.score < b.score; });
   std::vector<double>& next = scratch_next_;
   std::vector<double>* rates = scratch_rates_;  // [memory]: CPU time saved per later run
+  std::vector<double>* sds = scratch_sd_;       // [memory]: its standard error
   next.resize(E);
   for (int m = 0; m <= kMemories; ++m) {
     if (lag != 1 && m != leader.memory) continue;
     const std::vector<double>& use = m == 0 ? res.use : res.use_mem[m - 1];
     const std::vector<double>& per_run = m == 0 ? res.pairs : res.pairs_mem[m - 1];
+    // The use is an exponential average (keep k, from 0) of n runs' 0/1
+    // use: its weights sum to S = 1 - k^n and their squares to
+    // Q = (1-k)^2 (1 - k^2n) / (1 - k^2), so it has variance p (1 - p) Q for
+    // a use probability p, estimated from use / S over S^2 / Q runs with one
+    // use and one non-use added (never 0 or 1: a few runs prove nothing). The
+    // pairs are taken to follow the use.
+    const double keep = m == 0 ? std::exp2(-1.0 / std::max(1.0, res.horizon)) : kKeepMem[m - 1];
+    const double n = static_cast<double>(res.runs);
+    const double S = 1 - std::pow(keep, n), Q = (1 - keep) * (1 - keep) * (1 - std::pow(keep, 2 * n)) / (1 - keep * keep);
+    const double n_eff = Q > 0 ? S * S / Q : 0.0;
     rates[m].resize(E);
-    for (int e = 0; e < E; ++e) rates[m][e] = use[e] * c.miss_expert_s + per_run[e] * c.miss_pair_s;
+    sds[m].resize(E);
+    for (int e = 0; e < E; ++e) {
+      rates[m][e] = use[e] * c.miss_expert_s + per_run[e] * c.miss_pair_s;
+      const double per_use = use[e] > 0 ? rates[m][e] / use[e] : c.miss_expert_s;
+      const double p = S > 0 ? (n_eff * use[e] / S + 1) / (n_eff + 2) : 0.5;
+      sds[m][e] = per_use * std::sqrt(p * (1 - p) * Q);
+    }
   }
   for (int e = 0; e < E; ++e) next[e] = prob[e] * c.miss_expert_s + pairs[e] * c.miss_pair_s;
   // A copy that lands after the target's coming run serves from the run after
@@ -253,7 +279,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
       const double done = link + (i + 1) * c.copy_s;
       return done > end_s ? -1 : done <= start_s ? 1 : 0;
     };
-    ChooseSwaps(next, rate, sh.later_runs, copy_cost, undo_cost, &victims,
+    ChooseSwaps(next, rate, sds[sh.memory], sh.later_runs, copy_cost, undo_cost, &victims,
                 [&](int e) { return sh.ready[e] >= kNever; }, timing, &scratch_order_, &scratch_swaps_);
     for (const auto& [e, victim] : scratch_swaps_) {
       link += c.copy_s;
@@ -314,7 +340,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
     if (budget && pass_bytes_ + (i + 1) * config_.expert_bytes > config_.pass_budget_bytes) return -1;
     return done > end_s ? -1 : done <= start_s ? 1 : 0;
   };
-  ChooseSwaps(next, rate, best.later_runs, copy_cost, undo_cost, &victims,
+  ChooseSwaps(next, rate, sds[best.memory], best.later_runs, copy_cost, undo_cost, &victims,
               [&](int e) { return cache.SlotOf(target, e) < 0; }, timing, &scratch_order_, &scratch_swaps_);
   for (const auto& [e, slot] : scratch_swaps_) start(slot, e);
 }

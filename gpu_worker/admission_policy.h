@@ -25,7 +25,11 @@
 // over rates averaged over 16 and over 64 runs (a hot set that drifts
 // slowly, or is stable), and keep a decayed score of the CPU time their hits
 // saved less their copies' cost; the real cache uses the best shadow's H and
-// rates. An empty
+// rates. A positive later part counts only beyond the noise of the two rates
+// (their standard errors, from how many runs the averages hold, times
+// sqrt(2 ln E): what the best of E candidates' noise alone reaches), so a
+// swap is not made on estimation noise (on stationary routing every such
+// swap trades a better expert for a worse one). An empty
 // slot is filled whenever an uncached expert pays for its copy. The copy's
 // cost is the CPU expert kernels' time its DRAM reads take (copy_dram_s: with
 // live rates, the link time times the share of their pace the CPU servers
@@ -149,7 +153,7 @@ class AdmissionPolicy {
   std::vector<AdmissionCounters> counters_;
   std::vector<Residency> residency_;  // [pos]
   std::vector<int> scratch_pairs_;                 // ObserveUse: this run's pairs per expert
-  std::vector<double> scratch_next_, scratch_rates_[kMemories + 1];  // Plan's values, reused
+  std::vector<double> scratch_next_, scratch_rates_[kMemories + 1], scratch_sd_[kMemories + 1];  // Plan's values, reused
   std::vector<std::pair<double, int>> scratch_order_;               // ChooseSwaps' candidates
   std::vector<std::pair<int, int>> scratch_swaps_;                  // and its swaps
   std::vector<AdmissionVictim> scratch_victims_;                    // and its victims

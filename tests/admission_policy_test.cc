@@ -1,6 +1,7 @@
 // The worker's default cache policy: ExpertPredictor (online cross-layer
 // prediction, engine hints) and AdmissionPolicy (cost-driven copies under
 // time, byte budget and pins) over a real ExpertCache.
+#include <functional>
 #include <random>
 #include <set>
 
@@ -101,15 +102,19 @@ Rig MakeRig(int L, int E, int C, AdmissionCosts costs, uint64_t budget = 0) {
   return r;
 }
 
-// Runs `steps` passes of chain routing at `layer_s` per layer; copies complete
-// when the link (copy_s each, FIFO) finished them. Returns the hit rate.
-double Drive(Rig& r, int L, int E, int k, int steps, double layer_s, double copy_s, uint64_t* copies) {
+// One pass of routing: [layer][k] ids of one token.
+using StepFn = std::function<std::vector<std::vector<int32_t>>(std::mt19937&)>;
+
+// Runs `steps` passes of `step`'s routing at `layer_s` per layer; copies
+// complete when the link (copy_s each, FIFO) finished them. Returns the hit rate.
+double DriveWith(Rig& r, int L, int k, int steps, double layer_s, double copy_s, uint64_t* copies,
+                 const StepFn& step) {
   std::mt19937 rng(3);
   double now = 0, link = 0;
   std::vector<std::pair<double, SlotCopy>> pending;
   uint64_t hits = 0, pairs = 0;
   for (int s = 0; s < steps; ++s) {
-    auto ids = ChainStep(rng, L, E, 1, k);
+    auto ids = step(rng);
     for (int l = 0; l < L; ++l) {
       for (auto it = pending.begin(); it != pending.end();) {
         if (it->first <= now) {
@@ -134,6 +139,55 @@ double Drive(Rig& r, int L, int E, int k, int steps, double layer_s, double copy
     }
   }
   return double(hits) / double(pairs);
+}
+
+// The same over chain routing (ChainStep, one token).
+double Drive(Rig& r, int L, int E, int k, int steps, double layer_s, double copy_s, uint64_t* copies) {
+  return DriveWith(r, L, k, steps, layer_s, copy_s, copies,
+                   [&](std::mt19937& g) { return ChainStep(g, L, E, 1, k); });
+}
+
+// Stationary routing: every token draws its experts from one fixed
+// popularity (8 hot experts, 4 close behind at 0.8 of their weight, 20 rare).
+// Started from the 8 hot ones (the best set) with copies free to the CPU,
+// only noise in the measured rates can make a swap look worth it — and every
+// such swap trades a better expert for a worse one. The policy must keep
+// still: gains count only beyond the rates' standard error.
+TEST(AdmissionPolicy, KeepsTheBestSetOnStationaryRouting) {
+  const int L = 2, E = 32, C = 8, k = 2;
+  Rig r = MakeRig(L, E, C, {2.5e-3, 0.0, 1e-3, 0.0});
+  for (int l = 0; l < L; ++l) {
+    absl::StatusOr<std::vector<SlotCopy>> placed = r.cache->Assign(l, {0, 1, 2, 3, 4, 5, 6, 7});
+    ASSERT_TRUE(placed.ok()) << placed.status();
+    for (const SlotCopy& c : *placed) r.cache->CompleteCopy(c);
+  }
+  std::vector<double> weight(E, 0.05);
+  for (int e = 0; e < 12; ++e) weight[e] = e < 8 ? 1.0 : 0.8;
+  auto step = [&](std::mt19937& g) {
+    std::vector<std::vector<int32_t>> ids(L, std::vector<int32_t>(k));
+    for (int l = 0; l < L; ++l) {
+      std::discrete_distribution<int> pick(weight.begin(), weight.end());
+      ids[l][0] = pick(g);
+      do ids[l][1] = pick(g); while (ids[l][1] == ids[l][0]);
+    }
+    return ids;
+  };
+  uint64_t copies = 0;
+  const double rate = DriveWith(r, L, k, 600, 1e-3, 2.5e-3, &copies, step);
+  // The best set kept still, on the same routing.
+  std::mt19937 g(3);
+  uint64_t hits = 0, pairs = 0;
+  for (int s = 0; s < 600; ++s)
+    for (const auto& layer : step(g))
+      for (int32_t e : layer) {
+        ++pairs;
+        hits += e < 8;
+      }
+  // Measured (dev machine): 2 copies, 64.4% against the set's 65.3%. With the
+  // raw rates compared, 146 copies and 60.2%; with one standard error of
+  // margin and no small-sample variance, 53 and 60.5%.
+  EXPECT_LE(copies, 12u) << "more than 1% of the 1200 layer runs swapped";
+  EXPECT_GE(rate, double(hits) / double(pairs) - 0.02);
 }
 
 TEST(AdmissionPolicy, PrefetchesPredictedExpertsInTime) {

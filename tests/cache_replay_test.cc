@@ -283,6 +283,34 @@ TEST(Replay, BestStaticColdMissesEachMembersFirstUse) {
   EXPECT_GT(cold->model_seconds, hot->model_seconds);
 }
 
+// --warm: the policies that run a cache start from each layer's best fixed
+// set, Ready. One slot, expert 0 used at every step: cold, lru and the
+// default miss its first use (and the default may not have it at step 1
+// either); warm, every pair hits from the first step. The trace is not
+// changed, and the offline policies ignore the flag.
+TEST(Replay, WarmStartsFromTheBestFixedSet) {
+  RoutingTrace t;
+  t.num_layers = 2;
+  t.num_experts = 4;
+  t.top_k = 1;
+  for (int s = 0; s < 6; ++s) t.steps.push_back({{ExpertAccess{0, 1}}, {ExpertAccess{3, 1}}});
+  ReplayConfig c;
+  c.slots = 1;
+  c.expert_bytes = 1000;
+  for (const char* name : {"lru", "lfru", "default", "coordinator", "oracle"}) {
+    c.warm = false;
+    absl::StatusOr<PolicyResult> cold = Replay(t, c, name);
+    c.warm = true;
+    absl::StatusOr<PolicyResult> warm = Replay(t, c, name);
+    ASSERT_TRUE(cold.ok() && warm.ok()) << name;
+    EXPECT_LT(cold->TotalHits(), 12u) << name;
+    EXPECT_EQ(warm->TotalHits(), 12u) << name;
+    EXPECT_EQ(warm->TotalPairs(), 12u) << name;
+  }
+  c.warm = true;
+  EXPECT_EQ(Replay(t, c, "best-static-cold")->TotalHits(), 10u);
+}
+
 // Rates measured by moe_layer drive the step model: the CPU curve is scaled to
 // the trace's expert size, a missed expert costs at least its DRAM time, and a
 // bad file is refused naming the field.
