@@ -711,6 +711,7 @@ class Bench {
     for (size_t li = 0; li < spec_.moe_layers.size(); ++li)
       Check(d->ApplyAssignment(spec_.moe_layers[li], router.Hottest(static_cast<int>(li), C)), "assign");
     Check(d->FlushCopies(), "flush");
+    const uint64_t placed = d->copies_started();  // the warm placement's copies
     const bool device_mem = backend->has_device_memory();
     Buffers buf(device_mem);
     const int H = spec_.hidden, k = spec_.top_k, L = static_cast<int>(spec_.moe_layers.size());
@@ -767,8 +768,11 @@ class Bench {
     r.copied_share = pairs > 0 ? copied / pairs : 0;
     r.prefetched_share = pairs > 0 ? prefetched / pairs : 0;
     if (d->cost_model().measured)
-      cost_ = absl::StrFormat("%s; prefetch window %.3f ms", d->cost_model().Describe(),
-                              d->prefetch_window_seconds() * 1e3);
+      cost_ = absl::StrFormat("%s; prefetch window %.3f ms; %.1f cache copies per step, %llu layer calls planned "
+                              "their admissions while they ran",
+                              d->cost_model().Describe(), d->prefetch_window_seconds() * 1e3,
+                              static_cast<double>(d->copies_started() - placed) / std::max(1, o_.warmup + o_.steps),
+                              static_cast<unsigned long long>(d->admissions_during_calls()));
     return r;
   }
 
