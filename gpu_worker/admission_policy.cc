@@ -135,8 +135,10 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
   auto gain = [&](int e, int v, bool in_time) {
     const double now_gain = (in_time ? next[e] : 0.0) - (v >= 0 ? next[v] : 0.0);
     double later_gain = later_runs * (rate[e] - (v >= 0 ? rate[v] : 0.0));
-    if (later_gain > 0)
-      later_gain = std::max(0.0, later_gain - noise_z * later_runs * std::hypot(sd[e], v >= 0 ? sd[v] : 0.0));
+    if (later_gain > 0) {
+      const double noise = std::sqrt(sd[e] * sd[e] + (v >= 0 ? sd[v] * sd[v] : 0.0));
+      later_gain = std::max(0.0, later_gain - noise_z * later_runs * noise);
+    }
     return now_gain + (later_gain >= 0 ? later_gain : -std::min(-later_gain, undo_cost));
   };
   // Taking e alone (an empty slot, in time) gains value(e).
