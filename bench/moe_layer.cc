@@ -239,17 +239,7 @@ class ZipfRouter final : public Routing {
 class TraceRouter final : public Routing {
  public:
   explicit TraceRouter(RoutingTrace batched) : t_(std::move(batched)) {}
-  std::vector<int> Hottest(int li, int c) const override {
-    std::vector<uint64_t> pairs(t_.num_experts, 0);
-    for (const auto& step : t_.steps)
-      for (const ExpertAccess& a : step[li]) pairs[a.expert] += a.pairs;
-    std::vector<int> v(t_.num_experts);
-    for (int e = 0; e < t_.num_experts; ++e) v[e] = e;
-    std::stable_sort(v.begin(), v.end(), [&](int a, int b) { return pairs[a] > pairs[b]; });
-    v.resize(std::min<size_t>(v.size(), static_cast<size_t>(std::max(c, 0))));
-    std::sort(v.begin(), v.end());
-    return v;
-  }
+  std::vector<int> Hottest(int li, int c) const override { return BestFixedSet(t_, li, c); }
   void Step() override { step_ = (step_ + 1) % static_cast<int>(t_.steps.size()); }
   void Route(int li, int off, int n, int32_t* ids, float* w) override {
     const int k = t_.top_k;

@@ -83,15 +83,11 @@ std::vector<bool> TopC(const std::vector<uint64_t>& counts, int slots) {
   return out;
 }
 
-// Per layer, the best fixed set in hindsight: its C experts with the most pairs over the trace.
+// Per layer, the best fixed set in hindsight (BestFixedSet) as membership flags.
 std::vector<std::vector<bool>> BestSets(const RoutingTrace& t, int slots) {
-  std::vector<std::vector<bool>> sets;
-  for (int l = 0; l < t.num_layers; ++l) {
-    std::vector<uint64_t> counts(t.num_experts, 0);
-    for (const auto& s : t.steps)
-      for (const ExpertAccess& a : s[l]) counts[a.expert] += a.pairs;
-    sets.push_back(TopC(counts, slots));
-  }
+  std::vector<std::vector<bool>> sets(t.num_layers, std::vector<bool>(t.num_experts, false));
+  for (int l = 0; l < t.num_layers; ++l)
+    for (int e : BestFixedSet(t, l, slots)) sets[l][e] = true;
   return sets;
 }
 
@@ -107,12 +103,8 @@ absl::StatusOr<std::unique_ptr<ExpertCache>> MakeCache(const RoutingTrace& t, co
   cc.lfru_half_life = half_life;
   absl::StatusOr<std::unique_ptr<ExpertCache>> cache = ExpertCache::Create(cc);
   if (!cache.ok() || !c.warm) return cache;
-  const std::vector<std::vector<bool>> sets = BestSets(t, c.slots);
   for (int l = 0; l < t.num_layers; ++l) {
-    std::vector<int> set;
-    for (int e = 0; e < t.num_experts; ++e)
-      if (sets[l][e]) set.push_back(e);
-    absl::StatusOr<std::vector<SlotCopy>> copies = (*cache)->Assign(l, set);
+    absl::StatusOr<std::vector<SlotCopy>> copies = (*cache)->Assign(l, BestFixedSet(t, l, c.slots));
     if (!copies.ok()) return copies.status();
     for (const SlotCopy& copy : *copies) (*cache)->CompleteCopy(copy);
   }

@@ -834,17 +834,16 @@ void LayerDispatcher::PublishRoute(size_t index) {
 // queue after all compute submitted so far (an evicted slot may still be read
 // by earlier calls). A failed start aborts it and every copy after it, so no
 // slot stays Loading.
-absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotCopy>& copies,
-                                              std::optional<uint64_t> after_fence) {
+absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotCopy>& copies, bool during_call) {
   if (copies.empty()) return absl::OkStatus();
   // Capturable calls: evicted experts leave the published slot map before
   // their buffers are overwritten, and the copies wait for the capturable
-  // calls already enqueued on the engine's stream (or, given, for the one
-  // fence after which nothing reads the layer's slots).
+  // calls already enqueued on the engine's stream (during an eager device
+  // call: for the layer's last reader, after which nothing reads its slots).
   PublishSlotMap(layer);
-  if (!after_fence && impl_->planned_stream != nullptr)
+  if (!during_call && impl_->planned_stream != nullptr)
     MOE_RETURN_IF_ERROR(backend_->WaitStream(impl_->planned_stream));
-  const uint64_t after = after_fence ? *after_fence : backend_->RecordCompute();
+  const uint64_t after = during_call ? impl_->last_reader[layer_index_[layer]] : backend_->RecordCompute();
   planner_.CopiesQueued(static_cast<int>(copies.size()));  // the link starts on them as they are enqueued
   for (size_t i = 0; i < copies.size(); ++i) {
     absl::StatusOr<uint64_t> f =
@@ -878,9 +877,7 @@ absl::Status LayerDispatcher::StartPlannedCopies(const std::vector<SlotCopy>& pl
     size_t j = i + 1;
     while (j < planned.size() && planned[j].layer == planned[i].layer) ++j;
     run.assign(planned.begin() + static_cast<std::ptrdiff_t>(i), planned.begin() + static_cast<std::ptrdiff_t>(j));
-    const std::optional<uint64_t> after =
-        during_call ? std::optional<uint64_t>(impl_->last_reader[layer_index_[planned[i].layer]]) : std::nullopt;
-    if (absl::Status st = StartSlotCopies(planned[i].layer, run, after); first.ok()) first = std::move(st);
+    if (absl::Status st = StartSlotCopies(planned[i].layer, run, during_call); first.ok()) first = std::move(st);
     i = j;
   }
   return first;
@@ -2168,9 +2165,7 @@ void LayerDispatcher::AdmitAfter(int layer, int T, int k, const int32_t* ids, bo
       if (ids[i] >= 0 && cache_->ReadySlot(layer, ids[i]) < 0 &&
           std::find(missed.begin(), missed.end(), ids[i]) == missed.end())
         missed.push_back(ids[i]);
-    const std::optional<uint64_t> after =
-        during_call ? std::optional<uint64_t>(impl_->last_reader[layer_index_[layer]]) : std::nullopt;
-    (void)StartSlotCopies(layer, cache_->PlanAdmissions(layer, missed, config_.admissions_per_call), after);
+    (void)StartSlotCopies(layer, cache_->PlanAdmissions(layer, missed, config_.admissions_per_call), during_call);
   }
 }
 

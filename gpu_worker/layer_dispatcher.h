@@ -53,7 +53,6 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -329,10 +328,10 @@ class LayerDispatcher {
   // hosting it that has a channel).
   void PublishRoute(size_t index);
   absl::Status ConnectServer(size_t index);  // (re)connects servers[index]
-  // `after`: the compute fence the copies wait for (the layer's last reader,
-  // known on the eager device path); none: every call enqueued so far.
-  absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies,
-                               std::optional<uint64_t> after = std::nullopt);
+  // during_call: planned while an eager device-path call runs, the copies
+  // wait only for the layer's last reader (Impl::last_reader); else for
+  // every call enqueued so far.
+  absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies, bool during_call = false);
   absl::Status StartPlannedCopies(const std::vector<SlotCopy>& planned, bool during_call = false);
   int SlotBuffer(int layer, int slot) const;  // the backend buffer of a cache slot
   // Capturable calls: publishes `layer`'s Ready slots to the GPU (buffer_of).

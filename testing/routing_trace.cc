@@ -185,6 +185,18 @@ uint64_t RoutingTrace::Pairs(int layer) const {
   return n;
 }
 
+std::vector<int> BestFixedSet(const RoutingTrace& t, int layer, int slots) {
+  std::vector<uint64_t> pairs(t.num_experts, 0);
+  for (const auto& step : t.steps)
+    for (const ExpertAccess& a : step[layer]) pairs[a.expert] += a.pairs;
+  std::vector<int> v(t.num_experts);
+  for (int e = 0; e < t.num_experts; ++e) v[e] = e;
+  std::stable_sort(v.begin(), v.end(), [&](int a, int b) { return pairs[a] > pairs[b]; });
+  v.resize(std::min<size_t>(v.size(), static_cast<size_t>(std::max(slots, 0))));
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
 absl::StatusOr<RoutingTrace> InterleaveSequences(const RoutingTrace& t, int batch) {
   const size_t S = t.steps.size();
   if (batch < 1 || static_cast<size_t>(batch) > S)

@@ -57,6 +57,10 @@ absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path);
 // `batch` times the pairs. InvalidArgument unless 1 <= batch <= S.
 absl::StatusOr<RoutingTrace> InterleaveSequences(const RoutingTrace& t, int batch);
 
+// The fixed set best in hindsight for `layer`: its `slots` experts with the
+// most pairs over the whole trace (ties: the lower id), ascending.
+std::vector<int> BestFixedSet(const RoutingTrace& t, int layer, int slots);
+
 struct SyntheticTraceOptions {
   int num_layers = 8;
   int num_experts = 64;

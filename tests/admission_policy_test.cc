@@ -149,9 +149,10 @@ double Drive(Rig& r, int L, int E, int k, int steps, double layer_s, double copy
 
 // Stationary routing: every token draws its experts from one fixed
 // popularity (8 hot experts, 4 close behind at 0.8 of their weight, 20 rare).
-// Started from the 8 hot ones (the best set) with copies free to the CPU,
-// only noise in the measured rates can make a swap look worth it — and every
-// such swap trades a better expert for a worse one. The policy must keep
+// Started from the 8 hot ones (the best set), with copies free to the CPU
+// but landing only after both layers' next runs (so no swap pays for the
+// coming run), only noise in the measured rates can make a swap look worth
+// it — and every such swap trades a better expert for a worse one. The policy must keep
 // still: gains count only beyond the rates' standard error.
 TEST(AdmissionPolicy, KeepsTheBestSetOnStationaryRouting) {
   const int L = 2, E = 32, C = 8, k = 2;
