@@ -462,6 +462,8 @@ using Uncached = std::vector<std::vector<int>>;
 struct RunResult {
   double step_s = 0, moe_s = 0, hit_rate = 0, cpu_share = 0, copied_share = 0, prefetched_share = 0;
   double submit_s = 0, wait_s = 0;  // per layer call, medians
+  double copies_per_step = 0;       // cache copies (admissions) per timed step
+  double plan_s = 0;                // admission planning's host seconds per timed layer call
   std::vector<Uncached> uncached;   // per timed step
   double floor_s = 0;               // set by Main from `uncached` (ours)
 };
@@ -719,8 +721,15 @@ class Bench {
     RunResult r;
     std::vector<double> step_t, moe_t, submit_t, wait_t;
     uint64_t hits = 0, cpu = 0, copied = 0, prefetched = 0;
+    uint64_t copies_at_timed = placed;
+    double plan_at_timed = 0;
+    uint64_t calls_timed = 0;
     for (int step = 0; step < o_.warmup + o_.steps; ++step) {
       const bool timed = step >= o_.warmup;
+      if (step == o_.warmup) {
+        copies_at_timed = d->copies_started();
+        plan_at_timed = d->planning().seconds;
+      }
       std::fill(io.pos.begin(), io.pos.end(), o_.context + step);
       router.Step();
       Uncached* calls = timed ? &r.uncached.emplace_back() : nullptr;
@@ -748,6 +757,9 @@ class Bench {
       if (graph) Check(d->TakeStreamError(), "graph step");
     }
     graph_.reset();
+    calls_timed = static_cast<uint64_t>(o_.steps) * L * o_.Chunks(T);
+    r.copies_per_step = static_cast<double>(d->copies_started() - copies_at_timed) / std::max(1, o_.steps);
+    r.plan_s = (d->planning().seconds - plan_at_timed) / static_cast<double>(std::max<uint64_t>(1, calls_timed));
     r.step_s = Median(step_t);
     r.moe_s = Median(moe_t);
     r.submit_s = Median(submit_t);
@@ -757,12 +769,20 @@ class Bench {
     r.cpu_share = pairs > 0 ? cpu / pairs : 0;
     r.copied_share = pairs > 0 ? copied / pairs : 0;
     r.prefetched_share = pairs > 0 ? prefetched / pairs : 0;
-    if (d->cost_model().measured)
+    if (d->cost_model().measured) {
+      const PlanningStats& ps = d->planning();
       cost_ = absl::StrFormat("%s; prefetch window %.3f ms; %.1f cache copies per step, %llu layer calls planned "
-                              "their admissions while they ran",
+                              "their admissions while they ran; admission planning: %llu layer runs planned "
+                              "(%.1f us each, %llu of them outlasting their call), %llu not planned (cost on "
+                              "the path %.1f us per planning)",
                               d->cost_model().Describe(), d->prefetch_window_seconds() * 1e3,
                               static_cast<double>(d->copies_started() - placed) / std::max(1, o_.warmup + o_.steps),
-                              static_cast<unsigned long long>(d->admissions_during_calls()));
+                              static_cast<unsigned long long>(d->admissions_during_calls()),
+                              static_cast<unsigned long long>(ps.planned),
+                              ps.seconds / static_cast<double>(std::max<uint64_t>(1, ps.planned)) * 1e6,
+                              static_cast<unsigned long long>(ps.on_path), static_cast<unsigned long long>(ps.unplanned),
+                              ps.cost_s * 1e6);
+    }
     return r;
   }
 
@@ -987,12 +1007,14 @@ struct Runs {
     return all[order[order.size() / 2]];
   }
   // "median" for one run, "median [min-max]" (ms) for several.
-  std::string Spread(double RunResult::*field, double scale = 1) const {
+  // Seconds as ms (the default), or any value times `scale` with `digits` decimals.
+  std::string Spread(double RunResult::*field, double scale = 1, int digits = -1) const {
     std::vector<double> v;
     for (const RunResult& r : all) v.push_back(r.*field * scale);
     std::sort(v.begin(), v.end());
-    if (v.size() == 1) return Ms(v[0]);
-    return absl::StrFormat("%s [%s-%s]", Ms(v[v.size() / 2]), Ms(v.front()), Ms(v.back()));
+    auto f = [&](double x) { return digits < 0 ? Ms(x) : absl::StrFormat("%.*f", digits, x); };
+    if (v.size() == 1) return f(v[0]);
+    return absl::StrFormat("%s [%s-%s]", f(v[v.size() / 2]), f(v.front()), f(v.back()));
   }
 };
 
@@ -1293,8 +1315,8 @@ int Main(int argc, char** argv) {
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied (prefetched) | "
               "ours submit/wait ms | ours-graph step ms | graph MoE/layer ms | graph floor ms | graph/floor | graph fixed us/layer | "
-              "ours-host step ms |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "ours-host step ms | ours cache copies/step | ours plan us/call |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   auto repeat = [&](int T, int C, CachePolicy policy, CopyMode copy, bool dual, bool graph = false) {
     Runs r;
     for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual, graph));
@@ -1352,7 +1374,7 @@ int Main(int argc, char** argv) {
       const double fixed_us = has("ours") ? (ours.step_s - floor) / calls * 1e6 : 0;
       auto opt = [](bool ran, const std::string& v) { return ran ? v : std::string("-"); };
       const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
-      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% (%.0f%%) | %s / %s | %s | %s |\n", T,
+      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% (%.0f%%) | %s / %s | %s | %s | %s | %s |\n", T,
                   pct, C, ceil_runs.Spread(&RunResult::step_s).c_str(), ours_runs.Spread(&RunResult::step_s).c_str(),
                   ours_runs.Spread(&RunResult::moe_s, 1.0 / L).c_str(),
                   opt(has("ours-cpu"), cpu_runs.Spread(&RunResult::step_s)).c_str(),
@@ -1361,7 +1383,8 @@ int Main(int argc, char** argv) {
                   opt(has("copy-all"), Ms(copy_all_step)).c_str(),
                   ours_runs.Spread(&RunResult::floor_s).c_str(), ours.step_s / floor, fixed_us, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
                   100 * ours.copied_share, 100 * ours.prefetched_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str(), graph_cells.c_str(),
-                  host_cell.c_str());
+                  host_cell.c_str(), opt(has("ours"), ours_runs.Spread(&RunResult::copies_per_step, 1.0, 1)).c_str(),
+                  opt(has("ours"), ours_runs.Spread(&RunResult::plan_s, 1e6, 0)).c_str());
       std::fflush(stdout);
     }
   }

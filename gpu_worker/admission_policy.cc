@@ -51,7 +51,7 @@ absl::StatusOr<std::unique_ptr<AdmissionPolicy>> AdmissionPolicy::Create(const A
 
 absl::StatusOr<std::vector<SlotCopy>> AdmissionPolicy::OnLayer(ExpertCache& cache, int layer, int T, int k,
                                                                const int32_t* ids, double now_s,
-                                                               double link_free_s) {
+                                                               double link_free_s, double plan_cost_s) {
   MOE_RETURN_IF_ERROR(predictor_->Observe(layer, T, k, ids));
   const int n = static_cast<int>(config_.layers.size());
   const int p = pos_[layer];
@@ -80,6 +80,14 @@ absl::StatusOr<std::vector<SlotCopy>> AdmissionPolicy::OnLayer(ExpertCache& cach
   if (last_pos_ < 0 || p <= last_pos_) pass_bytes_ = 0;  // a new forward pass
   last_pos_ = p;
   last_now_s_ = now_s;
+  // Planned only once the misses could have paid for it (a bucket of one planning).
+  plan_credit_s_ = std::min(plan_credit_s_ + last_miss_s_, std::max(0.0, plan_cost_s));
+  if (plan_credit_s_ < plan_cost_s) {
+    ++unplanned_runs_;
+    return std::vector<SlotCopy>{};
+  }
+  plan_credit_s_ = 0;
+  ++planned_runs_;
 
   std::vector<SlotCopy> out;
   double until = 0;

@@ -44,6 +44,16 @@
 // never evicted and coordinator assignments (ExpertCache::Assign) stay the
 // long-horizon placement the admissions start from.
 //
+//
+// Planning is itself a cost: host time on the step's path when it outlasts
+// the layer call it overlaps (on a 16-core Xeon beside busy expert servers,
+// 200-250 us per run at 256 experts, more than a whole decode call at 95%
+// hits). A run is planned only when the CPU time that runs' misses took
+// since the last planning (the most any admission could have saved) covers
+// what one planning costs on the path (`plan_cost_s`, measured by the
+// caller); a run not planned still observes its routing (predictor, use
+// rates, shadows' hits). With plan_cost_s 0 every run plans.
+//
 // Not thread-safe: the dispatcher thread (or the replay) owns it.
 #pragma once
 
@@ -101,10 +111,15 @@ class AdmissionPolicy {
 
   // Layer `layer` runs now with this routing ([T,k], -1 = unused). `now_s`
   // and `link_free_s` (when the copy engine will have finished everything
-  // started so far) are on the caller's clock, in seconds. Returns the copies
-  // to start now, in order (their slots are Loading in `cache`).
+  // started so far) are on the caller's clock, in seconds; `plan_cost_s`:
+  // what one planning costs the step (see above; 0: plan every run).
+  // Returns the copies to start now, in order (their slots are Loading in
+  // `cache`); none when this run is not planned.
   absl::StatusOr<std::vector<SlotCopy>> OnLayer(ExpertCache& cache, int layer, int T, int k, const int32_t* ids,
-                                                double now_s, double link_free_s);
+                                                double now_s, double link_free_s, double plan_cost_s = 0);
+  // Layer runs planned, and not planned (their misses did not yet cover a planning), since start.
+  uint64_t planned_runs() const { return planned_runs_; }
+  uint64_t unplanned_runs() const { return unplanned_runs_; }
 
   ExpertPredictor& predictor() { return *predictor_; }
   const ExpertPredictor& predictor() const { return *predictor_; }
@@ -161,6 +176,8 @@ class AdmissionPolicy {
   double last_now_s_ = -1;
   double last_miss_s_ = 0;    // CPU miss time of the previous layer run
   double busy_share_ = 1;     // measured share of time the CPU computes misses (starts pessimistic)
+  double plan_credit_s_ = 0;  // misses' CPU time since the last planning, at most one planning's cost
+  uint64_t planned_runs_ = 0, unplanned_runs_ = 0;
   int last_pos_ = -1;
   uint64_t pass_bytes_ = 0;
 };

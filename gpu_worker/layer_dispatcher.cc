@@ -29,6 +29,7 @@ double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).coun
 constexpr int kProbeRepeats = 9;
 constexpr int kShareProbeExperts = 8;
 constexpr size_t kShareCopiesQueued = 4;  // copies kept in flight beside that probe
+constexpr int kShareSamples = 3;           // alternated alone / beside pairs (the median share)
 
 // A server this call cannot use: down, late, cancelled — or one that is up
 // but not usable as it is (FailedPrecondition: a shared-memory segment that
@@ -703,7 +704,24 @@ absl::Status LayerDispatcher::MeasureCopyCpuShare(int layer, const std::function
   for (int e = 0; e < spec_.num_experts; ++e)
     if (const std::byte* src = host_->Find(layer, e); src != nullptr) sources.push_back(src);
   if (sources.empty()) return absl::OkStatus();
-  MOE_ASSIGN_OR_RETURN(const double alone, probe());
+  // One sample: the probe alone, then beside copies. A shared host's pace
+  // drifts between probes (one pair read 10% on one start and 55% on the
+  // next, stop 27): the median of kShareSamples alternated pairs.
+  std::vector<double> shares;
+  for (int sample = 0; sample < kShareSamples; ++sample) {
+    MOE_ASSIGN_OR_RETURN(const double alone, probe());
+    MOE_ASSIGN_OR_RETURN(const double beside, ProbeBesideCopies(sources, probe));
+    if (alone > 0 && beside > 0) shares.push_back(std::clamp(1.0 - alone / beside, 0.0, 1.0));
+  }
+  if (!shares.empty()) r.copy_cpu_share = Median(shares);
+  return absl::OkStatus();
+}
+
+// `probe` while the copy engine streams `sources` into the temporary buffers
+// until it is done; its seconds.
+absl::StatusOr<double> LayerDispatcher::ProbeBesideCopies(const std::vector<const std::byte*>& sources,
+                                                          const std::function<absl::StatusOr<double>()>& probe) {
+  Impl& m = *impl_;
   // A thread of its own keeps a few copies queued until the probe is done (a
   // backend whose LoadExpert waits for staging space cannot run ahead).
   const int buffers = static_cast<int>(m.temp_fence.size());
@@ -728,9 +746,7 @@ absl::Status LayerDispatcher::MeasureCopyCpuShare(int layer, const std::function
   copier.join();
   if (!fences.empty()) MOE_RETURN_IF_ERROR(backend_->WaitCopy(fences.back()));
   MOE_RETURN_IF_ERROR(copied);
-  if (!beside.ok()) return beside.status();
-  if (alone > 0 && *beside > 0) r.copy_cpu_share = std::clamp(1.0 - alone / *beside, 0.0, 1.0);
-  return absl::OkStatus();
+  return beside;
 }
 
 // ---------------------------------------------------------------------------
@@ -1784,7 +1800,7 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
   // through the mapping) are still on it while the call runs: admissions
   // queue behind them.
   if (during) planner_.CopiesQueued(log[6]);
-  AdmitAfter(call.batch.layer, T, k, ids, during);
+  AdmitAfter(call.batch.layer, T, k, ids, during ? done : 0);
   admissions_during_calls_ += during;
   if (during) MOE_RETURN_IF_ERROR(backend_->WaitCompute(done));
   if (stats != nullptr) {
@@ -2153,12 +2169,13 @@ void LayerDispatcher::PlanDeviceAdmissions() {
 // The admissions after a call of `layer` with this routing (capturable and
 // eager device-planned calls): the predictive policy's, or lru / lfru's for
 // the call's missed experts. Needs the host copy; not under copy mode always.
-void LayerDispatcher::AdmitAfter(int layer, int T, int k, const int32_t* ids, bool during_call) {
+void LayerDispatcher::AdmitAfter(int layer, int T, int k, const int32_t* ids, uint64_t call_running) {
+  const bool during_call = call_running != 0;
   if (host_ == nullptr || config_.copy_mode == CopyMode::kAlways) return;
   if (planner_.admission() != nullptr) {
-    absl::StatusOr<std::vector<SlotCopy>> planned = planner_.PlanAdmissions(*cache_, layer, T, k, ids);
-    if (!planned.ok()) return;
-    (void)StartPlannedCopies(*planned, during_call);
+    absl::StatusOr<std::vector<SlotCopy>> planned = planner_.PlanAdmissions(
+        *cache_, layer, T, k, ids, [&] { return during_call && !backend_->ComputeDone(call_running); });
+    if (planned.ok()) (void)StartPlannedCopies(*planned, during_call);
   } else if (config_.policy != CachePolicy::kStatic && config_.admissions_per_call > 0) {
     std::vector<int> missed;
     for (int i = 0; i < T * k; ++i)

@@ -275,6 +275,8 @@ class LayerDispatcher {
   // Eager device-path calls whose admissions were planned and started while
   // the call still ran (from the routing its plan kernel logs), not after it.
   uint64_t admissions_during_calls() const { return admissions_during_calls_; }
+  // The predictive policy's planning since start (Planner::planning()).
+  const PlanningStats& planning() const { return planner_.planning(); }
 
  private:
   struct Impl;
@@ -293,6 +295,8 @@ class LayerDispatcher {
   // CostModel::copy_cpu_share: `probe` (a CPU round trip, seconds) alone and
   // beside a stream of copies of `layer`'s experts.
   absl::Status MeasureCopyCpuShare(int layer, const std::function<absl::StatusOr<double>()>& probe);
+  absl::StatusOr<double> ProbeBesideCopies(const std::vector<const std::byte*>& sources,
+                                           const std::function<absl::StatusOr<double>()>& probe);
   void PollCopies();
   // One finished copy for the cost model: its time on the copy queue when the
   // backend tells it, else `host_s` from the host clock as an upper bound.
@@ -345,9 +349,10 @@ class LayerDispatcher {
   void RefreshDeviceServers();
   void PublishCopyPlan();
   void PlanDeviceAdmissions();
-  // during_call: planned while the eager device-path call of `layer` runs
-  // (its copies wait only for their own layer's last reader).
-  void AdmitAfter(int layer, int T, int k, const int32_t* ids, bool during_call = false);
+  // call_running: the fence of the eager device-path call of `layer` that
+  // runs while this plans (its copies wait only for their own layer's last
+  // reader); 0: after the call.
+  void AdmitAfter(int layer, int T, int k, const int32_t* ids, uint64_t call_running = 0);
   // Eager device path: waits until the call of served layer `li` (compute
   // fence `done`) logged its routing (sequence other than `before`); false
   // when the call ended without a new log first.

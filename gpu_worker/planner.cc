@@ -5,6 +5,9 @@
 #include "core/status_macros.h"
 
 namespace moe {
+namespace {
+constexpr double kPlanCostSmoothing = 0.125;  // EMA weight of one planned run's cost on the path
+}  // namespace
 
 double Planner::Now() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_).count();
@@ -23,10 +26,25 @@ absl::Status Planner::PlanCall(MissPlanInput in, MissPlan* plan) {
 }
 
 absl::StatusOr<std::vector<SlotCopy>> Planner::PlanAdmissions(ExpertCache& cache, int layer, int T, int k,
-                                                             const int32_t* ids) {
+                                                             const int32_t* ids,
+                                                             const std::function<bool()>& call_running) {
   if (admission_ == nullptr) return std::vector<SlotCopy>{};
   const double now = Now();
-  return admission_->OnLayer(cache, layer, T, k, ids, now, std::max(now, link_free_s_));
+  const uint64_t planned = admission_->planned_runs();
+  absl::StatusOr<std::vector<SlotCopy>> copies =
+      admission_->OnLayer(cache, layer, T, k, ids, now, std::max(now, link_free_s_), plan_cost_s_);
+  if (admission_->planned_runs() > planned) {
+    const double took = Now() - now;
+    const bool overlapped = call_running && call_running();
+    plan_cost_s_ += kPlanCostSmoothing * ((overlapped ? 0.0 : took) - plan_cost_s_);
+    ++planning_.planned;
+    planning_.on_path += !overlapped;
+    planning_.seconds += took;
+  } else {
+    ++planning_.unplanned;
+  }
+  planning_.cost_s = plan_cost_s_;
+  return copies;
 }
 
 void Planner::CopiesQueued(int n) {

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -49,6 +50,15 @@ namespace moe {
 void ChoosePrefetch(const std::vector<int32_t>& last_pairs, const std::vector<bool>& candidate, double scale,
                     int32_t least, int moved, int buffers, double window_s, double copy_s, std::vector<int>* out);
 
+// The admissions' planning since start: layer runs planned (and the host
+// seconds they took), of them on the step's path (not overlapped by the call
+// they followed), and runs not planned (AdmissionPolicy's planning cost).
+struct PlanningStats {
+  uint64_t planned = 0, on_path = 0, unplanned = 0;
+  double seconds = 0;
+  double cost_s = 0;  // the current cost on the path per planning (moving average)
+};
+
 class Planner {
  public:
   // The rates: set by the dispatcher's start-up probe, corrected by its observations.
@@ -66,9 +76,14 @@ class Planner {
   absl::Status PlanCall(MissPlanInput in, MissPlan* plan);
   // The admissions after a call of `layer` with this routing ([T,k] ids):
   // the copies to start now (their slots Loading in `cache`); the caller
-  // queues them (CopiesQueued).
+  // queues them (CopiesQueued). The planning's own host time is measured
+  // here: on the step's path unless `call_running` (planning during the
+  // call) says the call had not ended when it finished; its moving average
+  // is the cost the policy weighs a planning against (AdmissionPolicy).
   absl::StatusOr<std::vector<SlotCopy>> PlanAdmissions(ExpertCache& cache, int layer, int T, int k,
-                                                       const int32_t* ids);
+                                                       const int32_t* ids,
+                                                       const std::function<bool()>& call_running = nullptr);
+  const PlanningStats& planning() const { return planning_; }
   // `n` expert copies were queued on the link now (copy-instead, cache slots).
   void CopiesQueued(int n);
   // Seconds until the link's queue drains (0: idle), by the rates.
@@ -89,6 +104,8 @@ class Planner {
   double link_free_s_ = 0;  // when the copies queued so far should be done (from epoch_)
   double own_free_s_ = -1;  // OwnCopiesQueued's mark, -1: none
   double window_s_ = 0;
+  double plan_cost_s_ = 0;  // the planning's cost on the step's path, seconds per planned run (moving average)
+  PlanningStats planning_;
 };
 
 }  // namespace moe

@@ -1,6 +1,7 @@
 // The worker's default cache policy: ExpertPredictor (online cross-layer
 // prediction, engine hints) and AdmissionPolicy (cost-driven copies under
 // time, byte budget and pins) over a real ExpertCache.
+#include <algorithm>
 #include <functional>
 #include <random>
 #include <set>
@@ -106,9 +107,11 @@ Rig MakeRig(int L, int E, int C, AdmissionCosts costs, uint64_t budget = 0) {
 using StepFn = std::function<std::vector<std::vector<int32_t>>(std::mt19937&)>;
 
 // Runs `steps` passes of `step`'s routing at `layer_s` per layer; copies
-// complete when the link (copy_s each, FIFO) finished them. Returns the hit rate.
+// complete when the link (copy_s each, FIFO) finished them; a planning costs
+// `plan_cost_s`. Returns the hit rate; *missed_experts: the (run, expert)
+// misses as each run found the cache.
 double DriveWith(Rig& r, int L, int k, int steps, double layer_s, double copy_s, uint64_t* copies,
-                 const StepFn& step) {
+                 const StepFn& step, double plan_cost_s = 0, uint64_t* missed_experts = nullptr) {
   std::mt19937 rng(3);
   double now = 0, link = 0;
   std::vector<std::pair<double, SlotCopy>> pending;
@@ -127,8 +130,11 @@ double DriveWith(Rig& r, int L, int k, int steps, double layer_s, double copy_s,
       for (int j = 0; j < k; ++j) {
         ++pairs;
         hits += r.cache->ReadySlot(l, ids[l][j]) >= 0;
+        if (missed_experts != nullptr && r.cache->ReadySlot(l, ids[l][j]) < 0 &&
+            std::find(ids[l].begin(), ids[l].begin() + j, ids[l][j]) == ids[l].begin() + j)
+          ++*missed_experts;
       }
-      auto planned = r.policy->OnLayer(*r.cache, l, 1, k, ids[l].data(), now, std::max(now, link));
+      auto planned = r.policy->OnLayer(*r.cache, l, 1, k, ids[l].data(), now, std::max(now, link), plan_cost_s);
       EXPECT_TRUE(planned.ok()) << planned.status();
       for (const SlotCopy& c : *planned) {
         link = std::max(link, now) + copy_s;
@@ -145,6 +151,38 @@ double DriveWith(Rig& r, int L, int k, int steps, double layer_s, double copy_s,
 double Drive(Rig& r, int L, int E, int k, int steps, double layer_s, double copy_s, uint64_t* copies) {
   return DriveWith(r, L, k, steps, layer_s, copy_s, copies,
                    [&](std::mt19937& g) { return ChainStep(g, L, E, 1, k); });
+}
+
+// Planning costs host time on the step's path: a run is planned only once
+// the misses since the last planning took as much CPU time as one planning
+// costs (the most admissions could have saved), so the plannings' total cost
+// never exceeds the misses' time; free planning plans every run.
+TEST(AdmissionPolicy, PlansOnlyWhenTheMissesCoverThePlanning) {
+  const int L = 4, E = 16, C = 4, k = 2, steps = 300;
+  const double miss_s = 1e-3;
+  auto chain = [&](std::mt19937& g) { return ChainStep(g, L, E, 1, k); };
+  Rig free_planning = MakeRig(L, E, C, {0.5e-3, 0.1e-3, miss_s, 0.0});
+  uint64_t copies_free = 0, missed_free = 0;
+  const double hit_free = DriveWith(free_planning, L, k, steps, 1e-3, 0.5e-3, &copies_free, chain, 0, &missed_free);
+  EXPECT_EQ(free_planning.policy->planned_runs(), uint64_t{L} * steps);
+  EXPECT_EQ(free_planning.policy->unplanned_runs(), 0u);
+  for (double cost_misses : {2.0, 6.0}) {
+    Rig r = MakeRig(L, E, C, {0.5e-3, 0.1e-3, miss_s, 0.0});
+    uint64_t copies = 0, missed = 0;
+    const double hit = DriveWith(r, L, k, steps, 1e-3, 0.5e-3, &copies, chain, cost_misses * miss_s, &missed);
+    const uint64_t planned = r.policy->planned_runs();
+    EXPECT_EQ(planned + r.policy->unplanned_runs(), uint64_t{L} * steps);
+    // Every planning was paid for by that many missed experts before it.
+    EXPECT_LE(static_cast<double>(planned) * cost_misses, static_cast<double>(missed) + 1e-6) << cost_misses;
+    // And no more were skipped than needed: a planning absorbs at most its
+    // cost plus one run's misses (k experts; the bucket holds one planning).
+    EXPECT_GE(static_cast<double>(planned + 1) * (cost_misses + k), static_cast<double>(missed)) << cost_misses;
+    EXPECT_LT(planned, uint64_t{L} * steps);
+    EXPECT_GT(planned, 0u);
+    // Planned less often, the policy still learns the chain and admits (fewer hits than free planning).
+    EXPECT_GT(copies, 0u);
+    EXPECT_LE(hit, hit_free + 0.02) << cost_misses;
+  }
 }
 
 // Stationary routing: every token draws its experts from one fixed
