@@ -114,7 +114,7 @@ namespace {
 // `undo_cost` (>= copy_cost), what bringing v back costs (rent or buy: a swap
 // for the coming run only costs the later runs no more than that). A swap is
 // made when the gain beats the copy's cost. Writes (expert, victim id) pairs
-// in order to `out`; `order` is scratch.
+// in order to `out`; `order` and `second` are scratch.
 //
 // The candidates are tried most valuable first (value = next + later_runs *
 // rate; ties: the lower id), but not all of them need sorting — this runs at
@@ -131,7 +131,7 @@ template <typename Candidate, typename Timing>
 void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, const std::vector<double>& sd,
                  double later_runs, double copy_cost, double undo_cost, std::vector<AdmissionVictim>* victims,
                  Candidate candidate, Timing timing, std::vector<std::pair<double, int>>* order,
-                 std::vector<std::pair<int, int>>* out) {
+                 std::vector<std::pair<double, int>>* second, std::vector<std::pair<int, int>>* out) {
   out->clear();
   // The best of n candidates' noise alone reaches about sqrt(2 ln n) standard errors.
   const double noise_z = std::sqrt(2 * std::log(std::max<double>(2, static_cast<double>(next.size()))));
@@ -149,20 +149,39 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
     }
     return now_gain + (later_gain >= 0 ? later_gain : -std::min(-later_gain, undo_cost));
   };
-  // Taking e alone (an empty slot, in time) gains value(e).
-  std::vector<std::pair<double, int>>& heap = *order;
-  heap.clear();
-  for (int e = 0; e < static_cast<int>(next.size()); ++e)
-    if (candidate(e))
-      if (const double ve = value(e); ve > copy_cost) heap.push_back({ve, e});
-  auto first = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  };
-  auto heap_less = [&](const std::pair<double, int>& a, const std::pair<double, int>& b) { return first(b, a); };
   auto victim_after = [](const AdmissionVictim& a, const AdmissionVictim& b) {
     return a.key != b.key ? a.key > b.key : a.id > b.id;
   };
   std::make_heap(victims->begin(), victims->end(), victim_after);
+  // Bounds above, with a margin for rounding.
+  auto slack = [&](double a, double b) { return 1e-9 * (std::abs(a) + std::abs(b) + copy_cost); };
+  const double least_next = 2 * copy_cost - slack(copy_cost, 0);
+  // Taking e alone (an empty slot, in time) gains value(e). A candidate whose
+  // value is within a copy of the least valuable victim's (victims' values
+  // only grow as they are taken) can never be taken in the first pass: it goes
+  // straight to the second pass's list if its next can pay there, and the
+  // heap holds only the few that can (most of a full layer's candidates are
+  // worth less than its worst resident).
+  const bool bounded = !victims->empty();
+  const double v0 = bounded ? value(victims->front().expert) : 0.0;
+  std::vector<std::pair<double, int>>& heap = *order;
+  std::vector<std::pair<double, int>>& later = *second;
+  heap.clear();
+  later.clear();
+  for (int e = 0; e < static_cast<int>(next.size()); ++e) {
+    if (!candidate(e)) continue;
+    const double ve = value(e);
+    if (!(ve > copy_cost)) continue;
+    if (bounded && ve <= v0 + copy_cost - slack(ve, v0)) {
+      if (next[e] > least_next) later.push_back({next[e], e});
+    } else {
+      heap.push_back({ve, e});
+    }
+  }
+  auto first = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
+    return a.first != b.first ? a.first > b.first : a.second < b.second;
+  };
+  auto heap_less = [&](const std::pair<double, int>& a, const std::pair<double, int>& b) { return first(b, a); };
   // Tries e against the current victim; false: stop (no victim or no link time left).
   auto consider = [&](int e) {
     if (victims->empty()) return false;
@@ -175,8 +194,6 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
     }
     return true;  // a later candidate may still pay
   };
-  // Bounds above, with a margin for rounding.
-  auto slack = [&](double a, double b) { return 1e-9 * (std::abs(a) + std::abs(b) + copy_cost); };
   std::make_heap(heap.begin(), heap.end(), heap_less);
   while (!heap.empty()) {
     const std::pair<double, int> top = heap.front();
@@ -194,10 +211,10 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
   // whose next is within a copy of the current victim's: no later one can pay
   // against it, and the victim changes only with a swap. (All of them, in
   // value order, were 48% of the planning: stop 25's profile.)
-  const double least_next = 2 * copy_cost - slack(copy_cost, 0);
   heap.erase(std::remove_if(heap.begin(), heap.end(), [&](const auto& c) { return !(next[c.second] > least_next); }),
              heap.end());
   for (auto& c : heap) c.first = next[c.second];
+  heap.insert(heap.end(), later.begin(), later.end());
   std::make_heap(heap.begin(), heap.end(), heap_less);
   while (!heap.empty()) {
     const int e = heap.front().second;
@@ -290,7 +307,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
       return done > end_s ? -1 : done <= start_s ? 1 : 0;
     };
     ChooseSwaps(next, rate, sds[sh.memory], sh.later_runs, copy_cost, undo_cost, &victims,
-                [&](int e) { return sh.ready[e] >= kNever; }, timing, &scratch_order_, &scratch_swaps_);
+                [&](int e) { return sh.ready[e] >= kNever; }, timing, &scratch_order_, &scratch_second_, &scratch_swaps_);
     for (const auto& [e, victim] : scratch_swaps_) {
       link += c.copy_s;
       sh.ready[e] = link;
@@ -351,7 +368,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
     return done > end_s ? -1 : done <= start_s ? 1 : 0;
   };
   ChooseSwaps(next, rate, sds[best.memory], best.later_runs, copy_cost, undo_cost, &victims,
-              [&](int e) { return cache.SlotOf(target, e) < 0; }, timing, &scratch_order_, &scratch_swaps_);
+              [&](int e) { return cache.SlotOf(target, e) < 0; }, timing, &scratch_order_, &scratch_second_, &scratch_swaps_);
   for (const auto& [e, slot] : scratch_swaps_) start(slot, e);
 }
 

@@ -169,7 +169,7 @@ class AdmissionPolicy {
   std::vector<Residency> residency_;  // [pos]
   std::vector<int> scratch_pairs_;                 // ObserveUse: this run's pairs per expert
   std::vector<double> scratch_next_, scratch_rates_[kMemories + 1], scratch_sd_[kMemories + 1];  // Plan's values, reused
-  std::vector<std::pair<double, int>> scratch_order_;               // ChooseSwaps' candidates
+  std::vector<std::pair<double, int>> scratch_order_, scratch_second_;  // ChooseSwaps' candidates
   std::vector<std::pair<int, int>> scratch_swaps_;                  // and its swaps
   std::vector<AdmissionVictim> scratch_victims_;                    // and its victims
   std::vector<int> scratch_slots_;
