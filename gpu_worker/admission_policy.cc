@@ -127,20 +127,22 @@ namespace {
 // the candidates come off a heap until then, and those few are sorted. The
 // victims, least valuable first (empty slots, key -1, before all; ties: the
 // lower id), come off a heap of their own as they are taken.
-template <typename Candidate, typename Timing>
-void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, const std::vector<double>& sd,
-                 double later_runs, double copy_cost, double undo_cost, std::vector<AdmissionVictim>* victims,
-                 Candidate candidate, Timing timing, std::vector<std::pair<double, int>>* order,
-                 std::vector<std::pair<double, int>>* second, std::vector<std::pair<int, int>>* out) {
-  out->clear();
+// What a swap is worth (ChooseSwaps): an expert's value (-1, an empty slot:
+// 0) and the gain of replacing v by e.
+struct SwapPricing {
+  const std::vector<double>& next;
+  const std::vector<double>& rate;
+  const std::vector<double>& sd;
+  double later_runs = 0, undo_cost = 0;
   // The best of n candidates' noise alone reaches about sqrt(2 ln n) standard errors.
-  const double noise_z = std::sqrt(2 * std::log(std::max<double>(2, static_cast<double>(next.size()))));
-  auto value = [&](int e) { return e < 0 ? 0.0 : next[e] + later_runs * rate[e]; };
+  double noise_z = std::sqrt(2 * std::log(std::max<double>(2, static_cast<double>(next.size()))));
+
+  double Value(int e) const { return e < 0 ? 0.0 : next[e] + later_runs * rate[e]; }
   // The later runs' gain counts only beyond the rates' standard error: rates
   // estimated from a few dozen runs differ by noise, and swapping on noise
   // replaces a better expert by a worse one as often as not (the winner's
   // curse: on stationary routing every such swap is a loss).
-  auto gain = [&](int e, int v, bool in_time) {
+  double Gain(int e, int v, bool in_time) const {
     const double now_gain = (in_time ? next[e] : 0.0) - (v >= 0 ? next[v] : 0.0);
     double later_gain = later_runs * (rate[e] - (v >= 0 ? rate[v] : 0.0));
     if (later_gain > 0) {
@@ -148,7 +150,22 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
       later_gain = std::max(0.0, later_gain - noise_z * later_runs * noise);
     }
     return now_gain + (later_gain >= 0 ? later_gain : -std::min(-later_gain, undo_cost));
-  };
+  }
+};
+
+// Heap order of (key, expert): the larger key first, ties the lower expert.
+bool HeapLess(const std::pair<double, int>& a, const std::pair<double, int>& b) {
+  return a.first != b.first ? a.first < b.first : a.second > b.second;
+}
+
+template <typename Candidate, typename Timing>
+void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, const std::vector<double>& sd,
+                 double later_runs, double copy_cost, double undo_cost, std::vector<AdmissionVictim>* victims,
+                 Candidate candidate, Timing timing, std::vector<std::pair<double, int>>* order,
+                 std::vector<std::pair<double, int>>* second, std::vector<std::pair<int, int>>* out) {
+  out->clear();
+  const SwapPricing pricing{next, rate, sd, later_runs, undo_cost};
+  auto value = [&](int e) { return pricing.Value(e); };
   auto victim_after = [](const AdmissionVictim& a, const AdmissionVictim& b) {
     return a.key != b.key ? a.key > b.key : a.id > b.id;
   };
@@ -178,30 +195,26 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
       heap.push_back({ve, e});
     }
   }
-  auto first = [](const std::pair<double, int>& a, const std::pair<double, int>& b) {
-    return a.first != b.first ? a.first > b.first : a.second < b.second;
-  };
-  auto heap_less = [&](const std::pair<double, int>& a, const std::pair<double, int>& b) { return first(b, a); };
   // Tries e against the current victim; false: stop (no victim or no link time left).
   auto consider = [&](int e) {
     if (victims->empty()) return false;
     const int when = timing(static_cast<int>(out->size()));
     if (when < 0) return false;
-    if (gain(e, victims->front().expert, when > 0) > copy_cost) {
+    if (pricing.Gain(e, victims->front().expert, when > 0) > copy_cost) {
       out->push_back({e, victims->front().id});
       std::pop_heap(victims->begin(), victims->end(), victim_after);
       victims->pop_back();
     }
     return true;  // a later candidate may still pay
   };
-  std::make_heap(heap.begin(), heap.end(), heap_less);
+  std::make_heap(heap.begin(), heap.end(), HeapLess);
   while (!heap.empty()) {
     const std::pair<double, int> top = heap.front();
     if (!victims->empty()) {
       const double vv = value(victims->front().expert);
       if (top.first <= vv + copy_cost - slack(top.first, vv)) break;
     }
-    std::pop_heap(heap.begin(), heap.end(), heap_less);
+    std::pop_heap(heap.begin(), heap.end(), HeapLess);
     heap.pop_back();
     if (!consider(top.second)) return;
   }
@@ -215,7 +228,7 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
              heap.end());
   for (auto& c : heap) c.first = next[c.second];
   heap.insert(heap.end(), later.begin(), later.end());
-  std::make_heap(heap.begin(), heap.end(), heap_less);
+  std::make_heap(heap.begin(), heap.end(), HeapLess);
   while (!heap.empty()) {
     const int e = heap.front().second;
     if (!victims->empty()) {
@@ -223,7 +236,7 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
       const double nv = v >= 0 ? next[v] : 0.0;
       if (next[e] <= nv + copy_cost - slack(next[e], nv)) return;
     }
-    std::pop_heap(heap.begin(), heap.end(), heap_less);
+    std::pop_heap(heap.begin(), heap.end(), HeapLess);
     heap.pop_back();
     if (!consider(e)) return;
   }
