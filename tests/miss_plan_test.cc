@@ -5,6 +5,7 @@
 // worker cannot copy), the copy modes and the auto thresholds, unused slots.
 #include "gpu_worker/miss_plan.h"
 #include "gpu_worker/planner.h"
+#include "gpu_worker/expert_cache.h"
 
 #include <chrono>
 #include <thread>
@@ -345,6 +346,40 @@ TEST(PlannerTest, PrefetchWindowIsTheLinksIdleTimeBetweenCalls) {
   p.OwnCopiesQueued();
   p.CallStarted();  // no idle time: the average halves
   EXPECT_LT(p.PrefetchWindow(), 0.6 * w);
+}
+
+// The admissions' planning is timed by the planner: a planning the call
+// outlasted costs the step nothing, one that outlasted the call costs its
+// host time; with misses worth next to nothing, a costly planning is then
+// not repeated until they pay for it (AdmissionPolicy's bucket).
+TEST(PlannerTest, PlanningCostCountsOnlyWhatOutlastsTheCall) {
+  const int L = 2, E = 8, C = 2, k = 2;
+  auto cache = ExpertCache::Create(ExpertCacheConfig{L, E, C, CachePolicy::kPredictive, 64});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  Planner p;
+  AdmissionConfig ac;
+  ac.layers = {0, 1};
+  ac.num_experts = E;
+  ac.expert_bytes = 1000;
+  ac.costs = {1e-3, 0.0, 1e-12, 0.0};  // a missed expert is worth 1 ps: no planning pays once it costs
+  ASSERT_TRUE(p.EnableAdmissions(ac).ok());
+  const int32_t ids[k] = {3, 5};
+  auto running = [] { return true; };
+  auto ended = [] { return false; };
+  for (int i = 0; i < 4; ++i) ASSERT_TRUE(p.PlanAdmissions(**cache, i % L, 1, k, ids, running).ok());
+  EXPECT_EQ(p.planning().planned, 4u);
+  EXPECT_EQ(p.planning().on_path, 0u);
+  EXPECT_EQ(p.planning().cost_s, 0.0);
+  EXPECT_GT(p.planning().seconds, 0.0);
+  ASSERT_TRUE(p.PlanAdmissions(**cache, 0, 1, k, ids, ended).ok());
+  EXPECT_EQ(p.planning().planned, 5u);
+  EXPECT_EQ(p.planning().on_path, 1u);
+  EXPECT_GT(p.planning().cost_s, 0.0);
+  // Now a planning costs more than the misses have saved: the next runs only observe.
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(p.PlanAdmissions(**cache, (i + 1) % L, 1, k, ids, ended).ok());
+  EXPECT_EQ(p.planning().planned, 5u);
+  EXPECT_EQ(p.planning().unplanned, 3u);
+  EXPECT_EQ(p.admission()->unplanned_runs(), 3u);
 }
 
 }  // namespace moe
