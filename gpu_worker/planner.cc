@@ -32,18 +32,18 @@ absl::StatusOr<std::vector<SlotCopy>> Planner::PlanAdmissions(ExpertCache& cache
   const double now = Now();
   const uint64_t planned = admission_->planned_runs();
   absl::StatusOr<std::vector<SlotCopy>> copies =
-      admission_->OnLayer(cache, layer, T, k, ids, now, std::max(now, link_free_s_), plan_cost_s_);
+      admission_->OnLayer(cache, layer, T, k, ids, now, std::max(now, link_free_s_), planning_.cost_s);
+  if (!copies.ok()) return copies;
   if (admission_->planned_runs() > planned) {
     const double took = Now() - now;
     const bool overlapped = call_running && call_running();
-    plan_cost_s_ += kPlanCostSmoothing * ((overlapped ? 0.0 : took) - plan_cost_s_);
+    planning_.cost_s += kPlanCostSmoothing * ((overlapped ? 0.0 : took) - planning_.cost_s);
     ++planning_.planned;
     planning_.on_path += !overlapped;
     planning_.seconds += took;
   } else {
     ++planning_.unplanned;
   }
-  planning_.cost_s = plan_cost_s_;
   return copies;
 }
 

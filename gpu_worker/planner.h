@@ -56,7 +56,7 @@ void ChoosePrefetch(const std::vector<int32_t>& last_pairs, const std::vector<bo
 struct PlanningStats {
   uint64_t planned = 0, on_path = 0, unplanned = 0;
   double seconds = 0;
-  double cost_s = 0;  // the current cost on the path per planning (moving average)
+  double cost_s = 0;  // what one planning costs the step's path, seconds (moving average of the planned runs)
 };
 
 class Planner {
@@ -104,8 +104,7 @@ class Planner {
   double link_free_s_ = 0;  // when the copies queued so far should be done (from epoch_)
   double own_free_s_ = -1;  // OwnCopiesQueued's mark, -1: none
   double window_s_ = 0;
-  double plan_cost_s_ = 0;  // the planning's cost on the step's path, seconds per planned run (moving average)
-  PlanningStats planning_;
+  PlanningStats planning_;  // cost_s: what a planning costs the step, weighed by the admission policy
 };
 
 }  // namespace moe
