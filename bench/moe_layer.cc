@@ -723,7 +723,6 @@ class Bench {
     uint64_t hits = 0, cpu = 0, copied = 0, prefetched = 0;
     uint64_t copies_at_timed = placed;
     double plan_at_timed = 0;
-    uint64_t calls_timed = 0;
     for (int step = 0; step < o_.warmup + o_.steps; ++step) {
       const bool timed = step >= o_.warmup;
       if (step == o_.warmup) {
@@ -757,7 +756,7 @@ class Bench {
       if (graph) Check(d->TakeStreamError(), "graph step");
     }
     graph_.reset();
-    calls_timed = static_cast<uint64_t>(o_.steps) * L * o_.Chunks(T);
+    const uint64_t calls_timed = static_cast<uint64_t>(o_.steps) * L * o_.Chunks(T);
     r.copies_per_step = static_cast<double>(d->copies_started() - copies_at_timed) / std::max(1, o_.steps);
     r.plan_s = (d->planning().seconds - plan_at_timed) / static_cast<double>(std::max<uint64_t>(1, calls_timed));
     r.step_s = Median(step_t);
@@ -770,13 +769,11 @@ class Bench {
     r.copied_share = pairs > 0 ? copied / pairs : 0;
     r.prefetched_share = pairs > 0 ? prefetched / pairs : 0;
     if (d->cost_model().measured) {
-      const PlanningStats& ps = d->planning();
-      cost_ = absl::StrFormat("%s; prefetch window %.3f ms; %.1f cache copies per step, %llu layer calls planned "
-                              "their admissions while they ran; admission planning: %llu layer runs planned "
-                              "(%.1f us each, %llu of them outlasting their call), %llu not planned (cost on "
-                              "the path %.1f us per planning)",
+      const PlanningStats ps = d->planning();
+      cost_ = absl::StrFormat("%s; prefetch window %.3f ms; %llu layer calls planned their admissions while they "
+                              "ran; admission planning: %llu layer runs planned (%.1f us each, %llu of them "
+                              "outlasting their call), %llu not planned (cost on the path %.1f us per planning)",
                               d->cost_model().Describe(), d->prefetch_window_seconds() * 1e3,
-                              static_cast<double>(d->copies_started() - placed) / std::max(1, o_.warmup + o_.steps),
                               static_cast<unsigned long long>(d->admissions_during_calls()),
                               static_cast<unsigned long long>(ps.planned),
                               ps.seconds / static_cast<double>(std::max<uint64_t>(1, ps.planned)) * 1e6,

@@ -73,13 +73,10 @@ class CopyQueue {
   uint64_t count_ = 0;
 };
 
-// The C experts with the most pairs in `counts` (ties: lower id).
+// The C experts with the most pairs in `counts` (MostUsed) as membership flags.
 std::vector<bool> TopC(const std::vector<uint64_t>& counts, int slots) {
-  std::vector<int> order(counts.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return counts[a] > counts[b]; });
   std::vector<bool> out(counts.size(), false);
-  for (int i = 0; i < slots && i < static_cast<int>(order.size()); ++i) out[order[i]] = true;
+  for (int e : MostUsed(counts, slots)) out[e] = true;
   return out;
 }
 

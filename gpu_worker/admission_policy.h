@@ -44,11 +44,10 @@
 // never evicted and coordinator assignments (ExpertCache::Assign) stay the
 // long-horizon placement the admissions start from.
 //
-//
 // Planning is itself a cost: host time on the step's path when it outlasts
 // the layer call it overlaps (on a 16-core Xeon beside busy expert servers,
 // 200-250 us per run at 256 experts, more than a whole decode call at 95%
-// hits). A run is planned only when the CPU time that runs' misses took
+// hits). A run is planned only when the CPU time the runs' misses took
 // since the last planning (the most any admission could have saved) covers
 // what one planning costs on the path (`plan_cost_s`, measured by the
 // caller); a run not planned still observes its routing (predictor, use

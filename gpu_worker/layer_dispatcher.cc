@@ -12,10 +12,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/cpu_relax.h"
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/routing.h"
-#include "core/cpu_relax.h"
 #include "core/status_macros.h"
 
 namespace moe {

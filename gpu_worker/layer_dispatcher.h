@@ -276,7 +276,7 @@ class LayerDispatcher {
   // the call still ran (from the routing its plan kernel logs), not after it.
   uint64_t admissions_during_calls() const { return admissions_during_calls_; }
   // The predictive policy's planning since start (Planner::planning()).
-  const PlanningStats& planning() const { return planner_.planning(); }
+  PlanningStats planning() const { return planner_.planning(); }
 
  private:
   struct Impl;

@@ -27,7 +27,7 @@ absl::Status Planner::PlanCall(MissPlanInput in, MissPlan* plan) {
 
 absl::StatusOr<std::vector<SlotCopy>> Planner::PlanAdmissions(ExpertCache& cache, int layer, int T, int k,
                                                              const int32_t* ids,
-                                                             const std::function<bool()>& call_running) {
+                                                             absl::FunctionRef<bool()> call_running) {
   if (admission_ == nullptr) return std::vector<SlotCopy>{};
   const double now = Now();
   const uint64_t planned = admission_->planned_runs();
@@ -36,15 +36,21 @@ absl::StatusOr<std::vector<SlotCopy>> Planner::PlanAdmissions(ExpertCache& cache
   if (!copies.ok()) return copies;
   if (admission_->planned_runs() > planned) {
     const double took = Now() - now;
-    const bool overlapped = call_running && call_running();
+    const bool overlapped = call_running();
     planning_.cost_s += kPlanCostSmoothing * ((overlapped ? 0.0 : took) - planning_.cost_s);
-    ++planning_.planned;
     planning_.on_path += !overlapped;
     planning_.seconds += took;
-  } else {
-    ++planning_.unplanned;
   }
   return copies;
+}
+
+PlanningStats Planner::planning() const {
+  PlanningStats s = planning_;
+  if (admission_ != nullptr) {
+    s.planned = admission_->planned_runs();
+    s.unplanned = admission_->unplanned_runs();
+  }
+  return s;
 }
 
 void Planner::CopiesQueued(int n) {

@@ -25,9 +25,10 @@
 #pragma once
 
 #include <chrono>
-#include <functional>
 #include <memory>
 #include <vector>
+
+#include "absl/functional/function_ref.h"
 
 #include "absl/status/statusor.h"
 #include "gpu_worker/admission_policy.h"
@@ -54,7 +55,7 @@ void ChoosePrefetch(const std::vector<int32_t>& last_pairs, const std::vector<bo
 // seconds they took), of them on the step's path (not overlapped by the call
 // they followed), and runs not planned (AdmissionPolicy's planning cost).
 struct PlanningStats {
-  uint64_t planned = 0, on_path = 0, unplanned = 0;
+  uint64_t planned = 0, on_path = 0, unplanned = 0;  // planned, unplanned: the policy's counts
   double seconds = 0;
   double cost_s = 0;  // what one planning costs the step's path, seconds (moving average of the planned runs)
 };
@@ -80,10 +81,10 @@ class Planner {
   // here: on the step's path unless `call_running` (planning during the
   // call) says the call had not ended when it finished; its moving average
   // is the cost the policy weighs a planning against (AdmissionPolicy).
-  absl::StatusOr<std::vector<SlotCopy>> PlanAdmissions(ExpertCache& cache, int layer, int T, int k,
-                                                       const int32_t* ids,
-                                                       const std::function<bool()>& call_running = nullptr);
-  const PlanningStats& planning() const { return planning_; }
+  absl::StatusOr<std::vector<SlotCopy>> PlanAdmissions(
+      ExpertCache& cache, int layer, int T, int k, const int32_t* ids,
+      absl::FunctionRef<bool()> call_running = [] { return false; });
+  PlanningStats planning() const;
   // `n` expert copies were queued on the link now (copy-instead, cache slots).
   void CopiesQueued(int n);
   // Seconds until the link's queue drains (0: idle), by the rates.
@@ -104,7 +105,7 @@ class Planner {
   double link_free_s_ = 0;  // when the copies queued so far should be done (from epoch_)
   double own_free_s_ = -1;  // OwnCopiesQueued's mark, -1: none
   double window_s_ = 0;
-  PlanningStats planning_;  // cost_s: what a planning costs the step, weighed by the admission policy
+  PlanningStats planning_;  // on_path, seconds, cost_s (what the admission policy weighs a planning against)
 };
 
 }  // namespace moe

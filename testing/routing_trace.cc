@@ -185,16 +185,20 @@ uint64_t RoutingTrace::Pairs(int layer) const {
   return n;
 }
 
-std::vector<int> BestFixedSet(const RoutingTrace& t, int layer, int slots) {
-  std::vector<uint64_t> pairs(t.num_experts, 0);
-  for (const auto& step : t.steps)
-    for (const ExpertAccess& a : step[layer]) pairs[a.expert] += a.pairs;
-  std::vector<int> v(t.num_experts);
-  for (int e = 0; e < t.num_experts; ++e) v[e] = e;
+std::vector<int> MostUsed(const std::vector<uint64_t>& pairs, int slots) {
+  std::vector<int> v(pairs.size());
+  for (size_t e = 0; e < v.size(); ++e) v[e] = static_cast<int>(e);
   std::stable_sort(v.begin(), v.end(), [&](int a, int b) { return pairs[a] > pairs[b]; });
   v.resize(std::min<size_t>(v.size(), static_cast<size_t>(std::max(slots, 0))));
   std::sort(v.begin(), v.end());
   return v;
+}
+
+std::vector<int> BestFixedSet(const RoutingTrace& t, int layer, int slots) {
+  std::vector<uint64_t> pairs(t.num_experts, 0);
+  for (const auto& step : t.steps)
+    for (const ExpertAccess& a : step[layer]) pairs[a.expert] += a.pairs;
+  return MostUsed(pairs, slots);
 }
 
 absl::StatusOr<RoutingTrace> InterleaveSequences(const RoutingTrace& t, int batch) {

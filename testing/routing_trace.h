@@ -57,8 +57,10 @@ absl::StatusOr<RoutingTrace> ReadRoutingTrace(const std::string& path);
 // `batch` times the pairs. InvalidArgument unless 1 <= batch <= S.
 absl::StatusOr<RoutingTrace> InterleaveSequences(const RoutingTrace& t, int batch);
 
-// The fixed set best in hindsight for `layer`: its `slots` experts with the
-// most pairs over the whole trace (ties: the lower id), ascending.
+// The `slots` experts with the most pairs in `pairs` (ties: the lower id), ascending.
+std::vector<int> MostUsed(const std::vector<uint64_t>& pairs, int slots);
+
+// The fixed set best in hindsight for `layer`: MostUsed over the whole trace.
 std::vector<int> BestFixedSet(const RoutingTrace& t, int layer, int slots);
 
 struct SyntheticTraceOptions {
