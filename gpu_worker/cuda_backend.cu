@@ -1480,6 +1480,7 @@ absl::Status CudaBackend::EnqueueDevicePlanned(const DevicePlannedCall& call) {
   a.groups = d.groups;
   a.num_groups = static_cast<int>(rows);
   a.max_count = call.T;  // an expert has at most one row per token
+  a.exact_groups = false;
   a.token = d.row_token;
   a.weight = d.row_weight;
   a.x = call.hidden;

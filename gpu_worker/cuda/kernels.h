@@ -52,6 +52,9 @@ struct GroupedExpertArgs {
   const bf16_t* x = nullptr;        // [T, H] activations of the call
   bf16_t* act = nullptr;            // [plan rows, I] intermediate, indexed by plan row
   float* accum = nullptr;           // [T, H] f32 accumulator
+  // false: num_groups only bounds the groups (a device-planned call's, most
+  // of them empty); the packed kernels then keep their full occupancy.
+  bool exact_groups = true;
 };
 
 // Experts in the CPU server's packed layout (cpu_compute/expert_kernel.h:
@@ -99,14 +102,14 @@ cudaError_t LaunchGroupedDown(const GroupedExpertArgs& a, cudaStream_t stream);
 // LaunchGroupedGateUp / LaunchGroupedDown (a.experts and a.expert_stride are
 // unused; `p` names the packed slots). Weights are read in their packed form
 // and dequantized in registers; activations stay bf16 (not quantized); f32
-// accumulation. When the largest group has at least kPackedMmaMinRows rows
-// (and H, I are multiples of 8) the codes become bf16 pairs for mma.sync
-// tensor cores, up to 64 rows per pass; otherwise CUDA cores compute
+// accumulation. When H and I are multiples of 8 the codes become bf16 pairs
+// for mma.sync tensor cores, 8 to 64 rows per pass (one row included: at one
+// row the tensor-core kernel streams the weights faster than the CUDA-core
+// one, bench/RESULTS.md stop 28); otherwise CUDA cores compute
 // code * scale . x for up to kPackedRowsPerPass rows per pass. Bigger groups
 // loop, re-reading the weights; the backend sends groups above its threshold
 // (cuda_backend.cu: kPackedGemmMinRows) to cuBLAS after LaunchUnpackExpert.
 inline constexpr int kPackedRowsPerPass = 8;
-inline constexpr int kPackedMmaMinRows = 2;
 cudaError_t LaunchPackedGateUp(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t stream);
 cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t stream);
 

@@ -2,8 +2,10 @@
 // PackedLayout; the index math is cpu_compute/packed_index.h, shared with the
 // packer and the CPU kernels).
 //
-// The grouped packed kernels are weight-streaming GEMVs like the bf16 ones in
-// expert_kernels.cu, shaped by the layout: a block of 4 warps owns one
+// Two kinds of grouped packed kernels: tensor-core ones (below, "tensor-core
+// variant") for every group when H and I are multiples of 8, and CUDA-core
+// weight-streaming GEMVs like the bf16 ones in expert_kernels.cu for other
+// shapes, shaped by the layout: a block of 4 warps owns one
 // 16-channel packed block (gate and up together for gate/up, one down block
 // for down) of one group; its warps take every 4th 64-k chunk. A lane reads 16
 // bytes per load, which the layout makes 4 channels x 4 k (int8: one 64-byte
@@ -278,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 }
 
 
-// ---- tensor-core variant (2 to 64 rows) -----------------------------------
+// ---- tensor-core variant (any group: 8 to 64 rows per pass) -----------------
 //
 // mma.sync.m16n8k16 (bf16 in, f32 accumulate) straight from the packed
 // bytes, dequantized in registers: the weights are the A operand (16
@@ -295,18 +297,50 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 //   - int4: a byte row holds tile rows 2i (low nibbles) and 2i+1 (high):
 //     k-steps 2h and 2h+1 share byte row 4h + tig (low, then high nibbles),
 //     k = 32h + 8tig + {0..3} and + {4..7}: one 16-byte activation load.
-// A warp's weight load of one k-step reads 256 contiguous bytes. Codes
-// become f32 (byte_perm into 2^23's mantissa, one subtract) and bf16 pairs
-// (exact: |code| <= 128; int4 nibbles straight into bf16 mantissas, see
-// NibblesToBf16x2); int8 channel scales apply in the epilogue, int4
+// Codes become f32 (byte_perm into 2^23's mantissa, one subtract) and bf16
+// pairs (exact: |code| <= 128; int4 nibbles straight into bf16 mantissas,
+// see NibblesToBf16x2); int8 channel scales apply in the epilogue, int4
 // group scales (groups are multiples of 64) to each chunk's partial sums
 // or, from 32 rows per pass, to the bf16 weights themselves.
-// A block of 4 warps owns 64 output channels of down (a 16-channel block per
-// warp) or 32 of gate/up (warps 2i, 2i+1: gate and up of one block, which
-// meet in shared memory for silu(gate) * up). Each warp walks all of K; the
-// pass's activations of each 64-k chunk are staged once per block in shared
-// memory (cp.async, double-buffered, zeros past K and for padding rows) and
-// the next chunk's weights are loaded into registers while this one computes.
+// A block of 4 warps owns 4 CB 16-channel matrix blocks: down, 64 CB output
+// channels (CB blocks per warp); gate/up, 32 CB (warps 2i, 2i+1: gate and
+// up of the same CB blocks, which meet in shared memory for silu(gate) * up).
+// With CB = 2 each activation fragment feeds two blocks' mma's, and the
+// block stages the pass's activations once for twice the channels. Each
+// warp walks all of K. The blocks' weights, their group scales and the
+// pass's activations move global -> shared with cp.async, kSC 64-k chunks
+// per stage, kStages - 1 stages ahead (bytes in flight that hold no
+// registers), and the warps read them with conflict-free 8- and 16-byte
+// loads (rows swizzled: WeightUnit, MmaTile::XSwizzle). Down starts during
+// gate/up's last blocks (a programmatic dependent launch: its first stages'
+// weights go out before it waits for act). Measured on the H100 (RESULTS
+// stop 28): 2-3x fewer instructions per weight than register-prefetched
+// loads with per-unit index math, and one row per group included, faster
+// than the CUDA-core kernel at one row.
+template <int kFmt, int NT>
+struct MmaTile {
+  static constexpr bool kBytes = kFmt != kFmtInt4;    // int8, fp8: a byte per weight
+  static constexpr bool kGrouped = kFmt != kFmtInt8;  // int4, fp8: group scales after the chunks
+  static constexpr int kRows = 8 * NT;                // rows per pass
+  static constexpr int CB = NT >= 2 ? 2 : 1;          // 16-channel blocks per warp
+  static constexpr int kSC = NT >= 8 ? 1 : 2;         // 64-k chunks per stage
+  static constexpr int kStages = NT >= 2 ? 3 : 4;     // the shared memory of 3 blocks per SM from 9 rows
+  static constexpr int kChunkBytes = kBytes ? 1024 : 512;
+  static constexpr int kSlots = kWarps * CB;  // 16-channel matrix blocks per thread block
+  static constexpr int kWBytes = kSlots * kSC * kChunkBytes;
+  static constexpr int kSBytes = kGrouped ? kSlots * kSC * 64 : 0;  // up to kSC group-scale rows per slot
+  static constexpr int kXBytes = kRows * kSC * 128;
+  static constexpr int kStageBytes = kWBytes + kSBytes + kXBytes;
+  static constexpr int kSmem = kStages * kStageBytes;
+  // Activation row r's 16-byte unit q sits at unit q ^ XSwizzle(r): the 8
+  // rows' 8-byte reads of one k-step (int8, fp8) or 16-byte reads (int4)
+  // then hit distinct banks.
+  __device__ static int XSwizzle(int r) { return kBytes ? (r & 3) << 1 : (r & 1) << 2; }
+};
+
+// Where 16-byte unit q (0..3) of chunk row r (64 bytes) sits in a staged
+// chunk: rows 4s .. 4s + 3 of one k-step's reads fill all 32 banks.
+__device__ __forceinline__ int WeightUnit(int r, int q) { return r * 64 + 16 * (q ^ (((r >> 1) & 1) << 1)); }
 
 // The 4 E4M3 codes of `u`, each / 256 (Fp8x4: exact, subnormals included),
 // as exact bf16 pairs: lo = bytes 0, 1; hi = bytes 2, 3. (Integer-only
@@ -370,200 +404,341 @@ __device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void CopyAsyncWait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending)); }
 
-// Long: one kernel body (staging, chunk loop, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
-// int4 up to 16 rows: at most 96 registers, 5 blocks per SM (issue-bound with
-// 4: 397 instead of 405 us at 8 rows, 463 instead of 487 at 16; 6 blocks
-// spill and lose).
+// Long: one kernel body (pipeline, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
+// 64 rows: at most 168 registers, 3 blocks per SM (int8 and int4 8-15% faster
+// than 2 blocks at 191-199 registers; fp8's conversion then spills).
 template <int kFmt, int NT, bool kDown>
-__global__ void __launch_bounds__(kThreads, kFmt == kFmtInt4 && NT <= 2 ? 5 : 1) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
-  constexpr int kRows = 8 * NT;  // rows per pass
-  // 64-k chunks per stage: int8 4 KB of weights per warp in flight up to 16
-  // rows, 2 KB above; int4 2 KB up to 32 rows, 1 KB above (the shared
-  // buffers' bound). Measured on the H100 (bench/RESULTS.md, stop 19): more
-  // costs int4 occupancy (8 chunks: 549 instead of 400 us at 8 rows).
-  constexpr bool kBytes = kFmt != kFmtInt4;  // int8, fp8: a byte per weight
-  constexpr int SC = kBytes ? (NT <= 2 ? 4 : 2) : (NT <= 4 ? 4 : 2);
+__global__ void __launch_bounds__(kThreads, NT >= 8 && kFmt != kFmtFp8 ? 3 : 1) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
+  using T = MmaTile<kFmt, NT>;
+  constexpr int CB = T::CB;
+  // down (the next launch) may start while this grid's last blocks run.
+  if constexpr (!kDown) asm volatile("griddepcontrol.launch_dependents;");
   // int4 group scales: from 32 rows per pass multiplied into the bf16 weights
   // (rounded once: within 2^-9 of (n - 8) s), which spares rescaling each
-  // chunk's sums per row (1159 instead of 1279 us at 64 rows, DeepSeek-V3);
-  // below, applied to the chunk's f32 sums (the multiply per weight costs
-  // more than it saves there: 420 instead of 410 us at 8 rows).
-  constexpr bool kScaled = NT >= 4;
+  // chunk's sums per row (1159 instead of 1279 us at 64 rows, DeepSeek-V3,
+  // stop 19); below, applied to the chunk's f32 sums.
+  constexpr bool kScaled = kFmt == kFmtInt4 && NT >= 4;
   // fp8: exact bf16 codes, the group scales applied to each chunk's sums.
   constexpr bool kPartSums = (kFmt == kFmtInt4 && !kScaled) || kFmt == kFmtFp8;
-  constexpr int kStride = 64 * SC + 16;  // bf16 per shared row: + 16 makes the 8-byte reads conflict-free
-  __shared__ __align__(16) bf16_t xs[2][kRows][kStride];
-  __shared__ float up_out[kDown ? 1 : 2][NT][4][kWarp];
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int tok[T::kRows];
   const GroupDesc gd = a.groups[blockIdx.y];
-  const int b = static_cast<int>(blockIdx.x);
   const int tid = static_cast<int>(threadIdx.x), warp = tid / kWarp, lane = tid % kWarp;
   const int gid = lane / 4, tig = lane % 4;
   const PackedLayout& l = p.layout;
   const int H = a.hidden, I = a.intermediate;
   const int N = kDown ? H : I, len = kDown ? I : H, Kp = kDown ? l.Ki : l.Kh;
+  const int nblocks = (N + 15) / 16, chunks = Kp / 64, stages = (chunks + T::kSC - 1) / T::kSC;
   const uint8_t* base = p.packed + static_cast<size_t>(gd.buffer) * p.packed_stride;
-  // This warp's matrix: down, channel block 4b + warp; gate/up, gate (even
-  // warps) or up (odd) of channel block 2b + warp / 2.
-  const int cb = kDown ? 4 * b + warp : 2 * b + warp / 2;
-  const bool has = cb < (N + 15) / 16;
-  const uint8_t* w = kDown ? base + l.gate_up_bytes + static_cast<size_t>(has ? cb : 0) * l.down_block
-                           : base + static_cast<size_t>(2 * (has ? cb : 0) + warp % 2) * l.gate_up_block;
-  constexpr int kLoads = kBytes ? 4 : 2;  // 8-byte weight loads per lane and chunk
-  constexpr size_t kChunkBytes = kBytes ? 1024 : 512;
-  const int chunks = Kp / 64, stages = (chunks + SC - 1) / SC;
-  for (int pass = 0; pass < gd.count; pass += kRows) {
-    // The pass's rows as 16-byte units of one stage's SC chunks, staged into xs[buf].
-    auto stage = [&](int st, int buf) {
-      for (int u = tid; u < kRows * 8 * SC; u += kThreads) {
-        const int r = u / (8 * SC), q = u % (8 * SC), k = 64 * SC * st + 8 * q, row = gd.row_begin + pass + r;
-        const int t = pass + r < gd.count ? a.token[row] : -1;
-        const bf16_t* src = kDown ? a.act + static_cast<size_t>(row) * I + k : a.x + static_cast<size_t>(max(t, 0)) * H + k;
-        const bool in = t >= 0 && k < len;  // len % 8 == 0: a unit is wholly in or out
-        CopyAsync16(&xs[buf][r][8 * q], in ? src : a.x, in ? 16 : 0);
-      }
-      CopyAsyncCommit();
-    };
-    uint2 cur[SC][kLoads], next[SC][kLoads];
-    float2 scur[SC], snext[SC];  // int4, fp8: each chunk's group scales of channels 2 gid, 2 gid + 1
-    auto load = [&](int st, uint2 (&q)[SC][kLoads], float2 (&sc)[SC]) {
+  // Slot i = warp * CB + cb: down, channel block 4 CB x + i; gate/up, gate
+  // (even warps) or up (odd) of channel block 2 CB x + (warp / 2) CB + cb.
+  const int bx = static_cast<int>(blockIdx.x);
+  auto slot_block = [&](int i) { return kDown ? kWarps * CB * bx + i : kWarps / 2 * CB * bx + (i / CB / 2) * CB + i % CB; };
+  auto slot_ptr = [&](int i) -> const uint8_t* {
+    const int c = min(slot_block(i), nblocks - 1);  // a block past N is staged as zeros, never written
+    return kDown ? base + l.gate_up_bytes + static_cast<size_t>(c) * l.down_block
+                 : base + static_cast<size_t>(2 * c + (i / CB) % 2) * l.gate_up_block;
+  };
+  // What this thread stages: its warp's own slots' weights (lane-strided
+  // 16-byte units of each chunk) and group-scale rows, and MX 16-byte units
+  // of the pass's activations (their rows' addresses set per pass).
+  const uint8_t* wsrc[CB];
+  bool wvalid[CB];
 #pragma unroll
-      for (int c = 0; c < SC; ++c) {
-        const int ch = SC * st + c;
-        const bool in = has && ch < chunks;
+  for (int cb = 0; cb < CB; ++cb) wvalid[cb] = slot_block(warp * CB + cb) < nblocks, wsrc[cb] = slot_ptr(warp * CB + cb);
+  constexpr int kPer = T::kChunkBytes / 16 / kWarp;  // a lane's units per chunk: 2 (int8, fp8), 1 (int4)
+  constexpr int MX = T::kRows * 8 * T::kSC / kThreads;
+  static_assert(MX >= 1 && T::kRows * 8 * T::kSC % kThreads == 0, "whole activation units per thread");
+  const bf16_t* xsrc[MX];
+  // The group-scale row of chunk ch (groups are multiples of 64 k): exact
+  // through the float reciprocal (ch + 0.5 lies >= 0.5 / (group / 64) from
+  // any integer multiple), no integer division per chunk.
+  const float inv_gpc = 64.f / static_cast<float>(max(l.group, 64));
+  auto group_row = [&](int ch) { return static_cast<int>((static_cast<float>(ch) + 0.5f) * inv_gpc); };
+  // Stage st's weights and scales and/or its activations (none past the
+  // last stage) into buffer st % kStages.
+  auto issue = [&](int st, bool weights, bool acts) {
+    uint8_t* buf = smem + (st % T::kStages) * T::kStageBytes;
+    if (weights && st < stages) {
+      uint8_t* wdst = buf + warp * CB * T::kSC * T::kChunkBytes;
 #pragma unroll
-        for (int i = 0; i < kLoads; ++i)
-          q[c][i] = in ? LoadStream8(w + static_cast<size_t>(ch) * kChunkBytes + (4 * i + tig) * 64 + 8 * gid)
-                       : make_uint2(0, 0);
-        if constexpr (kFmt == kFmtInt4 || kFmt == kFmtFp8) {
-          const float* g = reinterpret_cast<const float*>(w + static_cast<size_t>(Kp) * (kBytes ? 16 : 8)) +
-                           (64 * ch / l.group) * 16;
-          sc[c] = in ? __ldg(reinterpret_cast<const float2*>(g + 2 * gid)) : make_float2(0.f, 0.f);
+      for (int cb = 0; cb < CB; ++cb)
+#pragma unroll
+        for (int m = 0; m < T::kSC * kPer; ++m) {
+          const int c = m / kPer, rest = lane + kWarp * (m % kPer), ch = T::kSC * st + c;
+          const bool in = wvalid[cb] && ch < chunks;
+          CopyAsync16(wdst + (cb * T::kSC + c) * T::kChunkBytes + WeightUnit(rest / 4, rest % 4),
+                      in ? wsrc[cb] + static_cast<size_t>(ch) * T::kChunkBytes + 16 * rest : base, in ? 16 : 0);
         }
-      }
-    };
-    float acc[NT][4];
+      if constexpr (T::kGrouped) {  // the group-scale rows (16 f32) the stage's chunks use
+        if (lane < 4 * T::kSC) {
+          const int r0 = group_row(T::kSC * st), rr = lane / 4, q = lane % 4;
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-    stage(0, 0);
-    load(0, cur, scur);
-    for (int st = 0; st < stages; ++st) {
-      if (st + 1 < stages) {
-        stage(st + 1, (st + 1) & 1);
-        load(st + 1, next, snext);
-        CopyAsyncWait<1>();
-      } else {
-        CopyAsyncWait<0>();
-      }
-      __syncthreads();
-#pragma unroll
-      for (int c = 0; c < SC; ++c) {
-      const int ch = SC * st + c;
-      if (ch >= chunks) break;
-      const bf16_t(*xc)[kStride] = xs[st & 1];
-      // int4: the chunk's group scales of channels 2 gid and 2 gid + 1, as bf16
-      // pairs (kScaled) or applied to the chunk's sums `part` below.
-      const __nv_bfloat162 gs0 = __floats2bfloat162_rn(scur[c].x, scur[c].x), gs1 = __floats2bfloat162_rn(scur[c].y, scur[c].y);
-      float part[NT][4];
-      if constexpr (kPartSums) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) part[j][e] = 0.f;
-      }
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        uint32_t a0, a1, a2, a3;
-        if constexpr (kFmt == kFmtInt8) {
-          CodesToBf16x2<128>(cur[c][s].x ^ 0x80808080u, a0, a2);  // channel 2 gid
-          CodesToBf16x2<128>(cur[c][s].y ^ 0x80808080u, a1, a3);  // channel 2 gid + 1
-        } else if constexpr (kFmt == kFmtFp8) {  // exact codes / 256; 256 x the scales on the chunk's sums
-          Fp8ToBf16x2(cur[c][s].x, a0, a2);
-          Fp8ToBf16x2(cur[c][s].y, a1, a3);
-        } else {
-          const uint32_t w0 = cur[c][s / 2].x, w1 = cur[c][s / 2].y;
-          if constexpr (kScaled) {
-            if (s % 2 == 0) {
-              ScaledNibblesToBf16x2<0>(w0, gs0, a0, a2);
-              ScaledNibblesToBf16x2<0>(w1, gs1, a1, a3);
-            } else {
-              ScaledNibblesToBf16x2<4>(w0, gs0, a0, a2);
-              ScaledNibblesToBf16x2<4>(w1, gs1, a1, a3);
-            }
-          } else if (s % 2 == 0) {
-            NibblesToBf16x2<0>(w0, a0, a2);
-            NibblesToBf16x2<0>(w1, a1, a3);
-          } else {
-            NibblesToBf16x2<4>(w0, a0, a2);
-            NibblesToBf16x2<4>(w1, a1, a3);
+          for (int cb = 0; cb < CB; ++cb) {
+            const bool in = wvalid[cb] && (r0 + rr) * l.group < Kp;
+            const uint8_t* src = wsrc[cb] + static_cast<size_t>(Kp) * (T::kBytes ? 16 : 8) + (r0 + rr) * 64 + 16 * q;
+            CopyAsync16(buf + T::kWBytes + ((warp * CB + cb) * T::kSC + rr) * 64 + 16 * q, in ? src : base, in ? 16 : 0);
           }
         }
-        const int k = 64 * c + (kBytes ? 16 * s + 4 * tig : 32 * (s / 2) + 8 * tig + 4 * (s % 2));
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint2 xv = *reinterpret_cast<const uint2*>(&xc[8 * j + gid][k]);
-          MmaBf16(kPartSums ? part[j] : acc[j], a0, a1, a2, a3, xv.x, xv.y);
-        }
       }
-      if constexpr (kPartSums) {
-        const float s0 = kFmt == kFmtFp8 ? 256.f * scur[c].x : scur[c].x, s1 = kFmt == kFmtFp8 ? 256.f * scur[c].y : scur[c].y;
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          acc[j][0] = fmaf(s0, part[j][0], acc[j][0]);
-          acc[j][1] = fmaf(s0, part[j][1], acc[j][1]);
-          acc[j][2] = fmaf(s1, part[j][2], acc[j][2]);
-          acc[j][3] = fmaf(s1, part[j][3], acc[j][3]);
-        }
-      }
-      }
-#pragma unroll
-      for (int c = 0; c < SC; ++c) {
-#pragma unroll
-        for (int i = 0; i < kLoads; ++i) cur[c][i] = next[c][i];
-        scur[c] = snext[c];
-      }
-      __syncthreads();  // xs[st & 1] is staged again for stage st + 2
     }
-    // C element e of lane l: mma row l/4 + 8 (e >= 2), i.e. channel 2 (l/4) + (e >= 2); row 2 (l%4) + (e & 1) of tile j.
-    const float cs0 = has ? ChannelScale<kFmt>(w, Kp, 2 * gid) : 0.f, cs1 = has ? ChannelScale<kFmt>(w, Kp, 2 * gid + 1) : 0.f;
-    if constexpr (!kDown) {
-      if (warp % 2 == 1) {
+    if (acts && st < stages) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) up_out[warp / 2][j][e][lane] = acc[j][e] * (e < 2 ? cs0 : cs1);
+      for (int m = 0; m < MX; ++m) {
+        const int u = tid + kThreads * m, r = u / (8 * T::kSC), q = u % (8 * T::kSC), k = 64 * T::kSC * st;
+        const bool in = xsrc[m] != nullptr && k + 8 * q < len;  // len % 8 == 0: a unit is wholly in or out
+        CopyAsync16(buf + T::kWBytes + T::kSBytes + r * (128 * T::kSC) + 16 * (q ^ T::XSwizzle(r)),
+                    in ? xsrc[m] + k : a.x, in ? 16 : 0);
       }
-      __syncthreads();
     }
-    if (has && (kDown || warp % 2 == 0)) {
+  };
+  for (int pass = 0; pass < gd.count; pass += T::kRows) {
+    __syncthreads();  // the last pass's epilogue is done with tok and the buffers
+    for (int r = tid; r < T::kRows; r += kThreads) tok[r] = pass + r < gd.count ? a.token[gd.row_begin + pass + r] : -1;
+    __syncthreads();
+#pragma unroll
+    for (int m = 0; m < MX; ++m) {
+      const int u = tid + kThreads * m, r = u / (8 * T::kSC), k = 8 * (u % (8 * T::kSC)), t = tok[r];
+      xsrc[m] = t < 0 ? nullptr
+                      : kDown ? a.act + static_cast<size_t>(gd.row_begin + pass + r) * I + k
+                              : a.x + static_cast<size_t>(t) * H + k;
+    }
+    // The first stages' weights go out before down waits for gate/up's act
+    // (launched as its programmatic dependent, down starts during gate/up's
+    // tail; the wait is a no-op otherwise); one commit group for them all.
+    for (int st = 0; st < T::kStages - 1; ++st) issue(st, true, false);
+    if constexpr (kDown) asm volatile("griddepcontrol.wait;" ::: "memory");
+    for (int st = 0; st < T::kStages - 1; ++st) issue(st, false, true);
+    CopyAsyncCommit();
+    float acc[CB][NT][4];
+#pragma unroll
+    for (int cb = 0; cb < CB; ++cb)
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = pass + 8 * j + 2 * tig + (e & 1), n = 16 * cb + 2 * gid + (e >= 2 ? 1 : 0);
-          if (r >= gd.count || n >= N) continue;
-          const int row = gd.row_begin + r, t = a.token[row];
-          if (t < 0) continue;
-          const float v = acc[j][e] * (e < 2 ? cs0 : cs1);
-          if constexpr (kDown) {
-            atomicAdd(a.accum + static_cast<size_t>(t) * H + n, a.weight[row] * v);
-          } else {
-            const float u = up_out[warp / 2][j][e][lane];
-            a.act[static_cast<size_t>(row) * I + n] = ToBf16(v / (1.f + __expf(-v)) * u);
+        for (int e = 0; e < 4; ++e) acc[cb][j][e] = 0.f;
+    for (int st = 0; st < stages; ++st) {
+      if (st == 0) CopyAsyncWait<0>();  // the first stages' group
+      else CopyAsyncWait<T::kStages - 2>();
+      __syncthreads();  // stage st landed for every thread; buffer (st - 1) % kStages is free
+      issue(st + T::kStages - 1, true, true);
+      CopyAsyncCommit();
+      const uint8_t* buf = smem + (st % T::kStages) * T::kStageBytes;
+      const uint8_t* wb = buf + warp * CB * T::kSC * T::kChunkBytes;
+      const uint8_t* xb = buf + T::kWBytes + T::kSBytes;
+      const int r0 = T::kGrouped ? group_row(T::kSC * st) : 0;
+#pragma unroll
+      for (int c = 0; c < T::kSC; ++c) {
+        const int ch = T::kSC * st + c;
+        if (ch >= chunks) break;
+        float2 gsc[CB];  // int4, fp8: the chunk's group scales of channels 2 gid, 2 gid + 1
+#pragma unroll
+        for (int cb = 0; cb < CB; ++cb)
+          gsc[cb] = T::kGrouped ? *reinterpret_cast<const float2*>(buf + T::kWBytes + ((warp * CB + cb) * T::kSC + group_row(ch) - r0) * 64 + 8 * gid)
+                                : make_float2(1.f, 1.f);
+        float part[CB][NT][4];
+        if constexpr (kPartSums) {
+#pragma unroll
+          for (int cb = 0; cb < CB; ++cb)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) part[cb][j][e] = 0.f;
+        }
+        if constexpr (T::kBytes) {
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            uint2 xv[NT];
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+              xv[j] = *reinterpret_cast<const uint2*>(xb + (8 * j + gid) * (128 * T::kSC) +
+                                                      16 * ((8 * c + 2 * s + tig / 2) ^ T::XSwizzle(gid)) + 8 * (tig % 2));
+#pragma unroll
+            for (int cb = 0; cb < CB; ++cb) {
+              const uint2 wq = *reinterpret_cast<const uint2*>(wb + (cb * T::kSC + c) * T::kChunkBytes +
+                                                               WeightUnit(4 * s + tig, gid / 2) + 8 * (gid % 2));
+              uint32_t a0, a1, a2, a3;
+              if constexpr (kFmt == kFmtInt8) {
+                CodesToBf16x2<128>(wq.x ^ 0x80808080u, a0, a2);  // channel 2 gid
+                CodesToBf16x2<128>(wq.y ^ 0x80808080u, a1, a3);  // channel 2 gid + 1
+              } else {  // fp8: exact codes / 256; 256 x the scales on the chunk's sums
+                Fp8ToBf16x2(wq.x, a0, a2);
+                Fp8ToBf16x2(wq.y, a1, a3);
+              }
+#pragma unroll
+              for (int j = 0; j < NT; ++j) MmaBf16(kPartSums ? part[cb][j] : acc[cb][j], a0, a1, a2, a3, xv[j].x, xv[j].y);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            uint4 xv[NT];  // k = 64c + 32h + 8tig + {0..7}: low nibbles' k-step, then the high ones'
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+              xv[j] = *reinterpret_cast<const uint4*>(xb + (8 * j + gid) * (128 * T::kSC) +
+                                                      16 * ((8 * c + 4 * h + tig) ^ T::XSwizzle(gid)));
+#pragma unroll
+            for (int cb = 0; cb < CB; ++cb) {
+              const uint2 wq = *reinterpret_cast<const uint2*>(wb + (cb * T::kSC + c) * T::kChunkBytes +
+                                                               WeightUnit(4 * h + tig, gid / 2) + 8 * (gid % 2));
+              const __nv_bfloat162 gs0 = __floats2bfloat162_rn(gsc[cb].x, gsc[cb].x);
+              const __nv_bfloat162 gs1 = __floats2bfloat162_rn(gsc[cb].y, gsc[cb].y);
+#pragma unroll
+              for (int hi = 0; hi < 2; ++hi) {
+                uint32_t a0, a1, a2, a3;
+                if constexpr (kScaled) {
+                  if (hi == 0) {
+                    ScaledNibblesToBf16x2<0>(wq.x, gs0, a0, a2);
+                    ScaledNibblesToBf16x2<0>(wq.y, gs1, a1, a3);
+                  } else {
+                    ScaledNibblesToBf16x2<4>(wq.x, gs0, a0, a2);
+                    ScaledNibblesToBf16x2<4>(wq.y, gs1, a1, a3);
+                  }
+                } else if (hi == 0) {
+                  NibblesToBf16x2<0>(wq.x, a0, a2);
+                  NibblesToBf16x2<0>(wq.y, a1, a3);
+                } else {
+                  NibblesToBf16x2<4>(wq.x, a0, a2);
+                  NibblesToBf16x2<4>(wq.y, a1, a3);
+                }
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+                  MmaBf16(kPartSums ? part[cb][j] : acc[cb][j], a0, a1, a2, a3, hi ? xv[j].z : xv[j].x, hi ? xv[j].w : xv[j].y);
+              }
+            }
           }
         }
+        if constexpr (kPartSums) {
+#pragma unroll
+          for (int cb = 0; cb < CB; ++cb) {
+            const float m = kFmt == kFmtFp8 ? 256.f : 1.f, s0 = m * gsc[cb].x, s1 = m * gsc[cb].y;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              acc[cb][j][0] = fmaf(s0, part[cb][j][0], acc[cb][j][0]);
+              acc[cb][j][1] = fmaf(s0, part[cb][j][1], acc[cb][j][1]);
+              acc[cb][j][2] = fmaf(s1, part[cb][j][2], acc[cb][j][2]);
+              acc[cb][j][3] = fmaf(s1, part[cb][j][3], acc[cb][j][3]);
+            }
+          }
+        }
+      }
     }
-    if constexpr (!kDown) __syncthreads();  // up_out is rewritten by the next pass
+    CopyAsyncWait<0>();
+    __syncthreads();  // every warp is done with the buffers: up's sums meet gate's in them
+    // C element e of lane l: mma row l/4 + 8 (e >= 2), i.e. channel 2 (l/4) + (e >= 2); row 2 (l%4) + (e & 1) of tile j.
+    float* up_out = reinterpret_cast<float*>(smem);  // [kWarps / 2][CB][NT][4][kWarp]
+    if constexpr (!kDown) {
+      if (warp % 2 == 1) {
+#pragma unroll
+        for (int cb = 0; cb < CB; ++cb) {
+          const bool has = slot_block(warp * CB + cb) < nblocks;
+          const uint8_t* w = slot_ptr(warp * CB + cb);
+          const float cs0 = has ? ChannelScale<kFmt>(w, Kp, 2 * gid) : 0.f, cs1 = has ? ChannelScale<kFmt>(w, Kp, 2 * gid + 1) : 0.f;
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              up_out[((((warp / 2) * CB + cb) * NT + j) * 4 + e) * kWarp + lane] = acc[cb][j][e] * (e < 2 ? cs0 : cs1);
+        }
+      }
+      __syncthreads();
+    }
+    if (kDown || warp % 2 == 0) {
+#pragma unroll
+      for (int cb = 0; cb < CB; ++cb) {
+        const int blk = slot_block(warp * CB + cb);
+        if (blk >= nblocks) continue;
+        const uint8_t* w = slot_ptr(warp * CB + cb);
+        const float cs0 = ChannelScale<kFmt>(w, Kp, 2 * gid), cs1 = ChannelScale<kFmt>(w, Kp, 2 * gid + 1);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = 8 * j + 2 * tig + (e & 1), n = 16 * blk + 2 * gid + (e >= 2 ? 1 : 0);
+            const int t = tok[r];
+            if (t < 0 || n >= N) continue;
+            const int row = gd.row_begin + pass + r;
+            const float v = acc[cb][j][e] * (e < 2 ? cs0 : cs1);
+            if constexpr (kDown) {
+              atomicAdd(a.accum + static_cast<size_t>(t) * H + n, a.weight[row] * v);
+            } else {
+              const float u = up_out[((((warp / 2) * CB + cb) * NT + j) * 4 + e) * kWarp + lane];
+              a.act[static_cast<size_t>(row) * I + n] = ToBf16(v / (1.f + __expf(-v)) * u);
+            }
+          }
+      }
+    }
   }
 }
 
+// How many blocks of a kernel an SM holds, and the shared memory that holds
+// it to fewer: a memory-bound launch of `tiles` equal blocks takes about
+// ceil(tiles / (SMs x c)) waves of c blocks sharing each SM's bandwidth, so
+// its time goes as ceil(tiles / (SMs x c)) x c. With few tiles per SM (a
+// small model's 32 experts: 1.2 waves at the kernel's occupancy) a lower c
+// ends the waves evenly (2 waves of 3 instead of 1.2 of 5).
+struct WaveShape {
+  bool ok = false;
+  int sms = 0, max_blocks = 0, sm_smem = 0, reserved = 0, static_smem = 0, max_dynamic = 0;
+  int SmemForEvenWaves(long tiles, int smem) const {
+    int best = max_blocks;
+    long best_cost = (tiles + static_cast<long>(sms) * best - 1) / (static_cast<long>(sms) * best) * best;
+    for (int c = max_blocks - 1; c >= 3; --c) {  // 3 blocks (12 warps) still hide the latency
+      const long cost = (tiles + static_cast<long>(sms) * c - 1) / (static_cast<long>(sms) * c) * c;
+      if (cost < best_cost) best = c, best_cost = cost;
+    }
+    if (best == max_blocks) return smem;
+    const int padded = sm_smem / best - reserved - static_smem;  // c = best blocks fill the SM's shared memory
+    return std::min(std::max(smem, padded), max_dynamic);
+  }
+};
+template <class Kernel>
+WaveShape ShapeOf(Kernel kernel, int threads, int smem) {
+  WaveShape w;
+  int dev = 0;
+  cudaFuncAttributes attr{};
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaFuncGetAttributes(&attr, kernel) != cudaSuccess ||
+      cudaDeviceGetAttribute(&w.sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&w.sm_smem, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&w.reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&w.max_dynamic, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&w.max_blocks, kernel, threads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return w;
+  }
+  w.static_smem = static_cast<int>(attr.sharedSizeBytes);
+  w.max_dynamic -= w.static_smem;
+  w.ok = w.max_blocks >= 2;
+  return w;
+}
+
+// One launch of the tensor-core kernel: down as the programmatic dependent
+// of gate/up (PackedMmaKernel waits for act after its first weights), at the
+// occupancy whose waves end most evenly when the groups are known.
 template <int kFmt, int NT, bool kDown>
 cudaError_t LaunchPackedMma(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
-  const int nblocks = ((kDown ? a.hidden : a.intermediate) + 15) / 16;
-  const dim3 grid(kDown ? (nblocks + 3) / 4 : (nblocks + 1) / 2, a.num_groups);
-  PackedMmaKernel<kFmt, NT, kDown><<<grid, kThreads, 0, s>>>(a, p);
-  return cudaGetLastError();
+  using T = MmaTile<kFmt, NT>;
+  const int nblocks = ((kDown ? a.hidden : a.intermediate) + 15) / 16, per = (kDown ? kWarps : kWarps / 2) * T::CB;
+  const dim3 grid((nblocks + per - 1) / per, a.num_groups);
+  const auto kernel = PackedMmaKernel<kFmt, NT, kDown>;
+  static const WaveShape shape = ShapeOf(kernel, kThreads, T::kSmem);
+  const int smem = shape.ok && a.exact_groups ? shape.SmemForEvenWaves(static_cast<long>(grid.x) * grid.y, T::kSmem) : T::kSmem;
+  if (smem > 40 * 1024) {  // static shared memory (tok) counts too
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return err;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = kDown ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, a, p);
 }
 
 // Rows per pass: 8, 16, 32 or 64 (the mma's n is 8 rows; fewer are padding).
@@ -660,7 +835,7 @@ cudaError_t LaunchPackedByRows(const GroupedExpertArgs& a, const PackedSlots& p,
 template <bool kDown>
 cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
   if (a.num_groups == 0) return cudaSuccess;
-  const bool mma = a.max_count >= kPackedMmaMinRows && a.hidden % 8 == 0 && a.intermediate % 8 == 0;
+  const bool mma = a.hidden % 8 == 0 && a.intermediate % 8 == 0;
   switch (p.layout.format) {
     case kFmtInt8:
       return mma ? LaunchPackedMmaByRows<kFmtInt8, kDown>(a, p, s) : LaunchPackedByRows<kFmtInt8, kDown>(a, p, s);
