@@ -755,7 +755,6 @@ class Bench {
       }
       if (graph) Check(d->TakeStreamError(), "graph step");
     }
-    graph_.reset();
     const uint64_t calls_timed = static_cast<uint64_t>(o_.steps) * L * o_.Chunks(T);
     r.copies_per_step = static_cast<double>(d->copies_started() - copies_at_timed) / std::max(1, o_.steps);
     r.plan_s = (d->planning().seconds - plan_at_timed) / static_cast<double>(std::max<uint64_t>(1, calls_timed));
@@ -780,6 +779,8 @@ class Bench {
                               static_cast<unsigned long long>(ps.on_path), static_cast<unsigned long long>(ps.unplanned),
                               ps.cost_s * 1e6);
     }
+    d.reset();  // before the graphs' stream: the dispatcher's destructor waits for the stream's capturable calls
+    graph_.reset();
     return r;
   }
 
