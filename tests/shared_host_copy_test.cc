@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -24,6 +25,7 @@
 #include "core/transport/shm_server.h"
 #include "cpu_compute/expert_store.h"
 #include "moe/engine.h"
+#include "tests/device_call.h"
 #include "tests/test_support.h"
 
 namespace moe {
@@ -107,8 +109,16 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
 
   // Places experts 0..15 of both layers, runs batches whose tokens reach
   // cached and uncached experts, and checks them against the reference
-  // from the dequantized weights.
+  // from the dequantized weights: host memory (the host split), and on the
+  // cuda backend device memory too (the device-planned path: the GPU splits
+  // the call and runs the cache's packed experts on its tensor cores).
   void ExpectCorrect(MoeSession& session) {
+    ASSERT_NO_FATAL_FAILURE(ExpectCorrect(session, MemoryKind::kHost));
+#ifdef MOE_HAVE_CUDA
+    if (std::string(session.device()) == "cuda") ASSERT_NO_FATAL_FAILURE(ExpectCorrect(session, MemoryKind::kDevice));
+#endif
+  }
+  void ExpectCorrect(MoeSession& session, MemoryKind kind) {
     const ModelSpec& spec = source_->spec();
     std::vector<int> half(kSlots);
     for (int e = 0; e < kSlots; ++e) half[e] = e;
@@ -118,7 +128,9 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
     const double tolerance = g.format == WeightFormat::kInt4 ? 3e-2 : 1e-2;
     std::mt19937 rng(11);
     std::uniform_real_distribution<float> u(-1, 1), uw(0.1f, 1.0f);
-    const int T = 12, k = spec.top_k, H = spec.hidden, I = spec.intermediate;
+    const int k = spec.top_k, H = spec.hidden, I = spec.intermediate;
+    // The device path takes decode-shaped calls: T * k at most the experts.
+    const int T = kind == MemoryKind::kDevice ? std::min(12, spec.num_experts / k) : 12;
     for (int layer : spec.moe_layers) {
       std::vector<bf16_t> x(static_cast<size_t>(T) * H), out(x.size());
       for (bf16_t& v : x) v = F32ToBf16(u(rng));
@@ -130,7 +142,16 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
           w[t * k + j] = uw(rng);
         }
       CallStats stats;
-      ASSERT_TRUE(session.ForwardLayer(layer, T, k, x.data(), ids.data(), w.data(), out.data(), MemoryKind::kHost, &stats).ok());
+      if (kind == MemoryKind::kHost) {
+        ASSERT_TRUE(session.ForwardLayer(layer, T, k, x.data(), ids.data(), w.data(), out.data(), kind, &stats).ok());
+      } else {
+#ifdef MOE_HAVE_CUDA
+        testing::DeviceCall dev(x, ids, w);
+        ASSERT_TRUE(dev.ok());
+        ASSERT_TRUE(session.ForwardLayer(layer, T, k, dev.x(), dev.ids(), dev.weights(), dev.out(), kind, &stats).ok());
+        out = dev.Output();
+#endif
+      }
       EXPECT_GT(stats.hit_pairs, 0u) << "nothing ran from the cache";
       EXPECT_GT(stats.cpu_pairs, 0u) << "nothing ran on the server";
       // Reference: the packed experts' own values, in double.
@@ -151,7 +172,8 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
       }
       std::vector<float> got(out.size());
       Bf16ToF32(out.data(), got.data(), out.size());
-      EXPECT_LE(RelativeL2Error(got.data(), ref.data(), ref.size()), tolerance) << "layer " << layer << ", " << dtype_;
+      EXPECT_LE(RelativeL2Error(got.data(), ref.data(), ref.size()), tolerance)
+          << "layer " << layer << ", " << dtype_ << (kind == MemoryKind::kDevice ? ", device path" : "");
     }
   }
 
