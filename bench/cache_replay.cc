@@ -17,6 +17,9 @@
 //   best-static   the best fixed set per layer in hindsight
 //   best-static-cold  that set, each member resident only after its first
 //                 use (the least an online policy that learns the set pays)
+//   best-so-far   at each run the layer's most used experts of the runs
+//                 before it, copies free (follow the leader: an online
+//                 frequency policy's best)
 //   ceiling       per step, the C experts with the most pairs (free prefetch):
 //                 nothing scores above it
 #include <algorithm>
@@ -36,7 +39,7 @@
 
 int main(int argc, char** argv) {
   std::string trace_path, cache_text = "25%",
-                          policies_text = "default,lru,lfu,lfru,coordinator,best-static,best-static-cold,oracle,belady,ceiling";
+                          policies_text = "default,lru,lfu,lfru,coordinator,best-static,best-static-cold,best-so-far,oracle,belady,ceiling";
   double step_ms = 100, pcie_gbps = 55, heartbeat_ms = 200, dram_gbps = 94, shared_gbps = 130, cpu_tflops = 4.6,
          pair_us = -1;
   int64_t expert_bytes = 3ll * 7168 * 2048 * 2;  // one DeepSeek-V3 expert in bf16
@@ -54,7 +57,8 @@ int main(int argc, char** argv) {
   flags.String("cache", &cache_text, "cache slots per layer: a count, or a percentage of the experts (e.g. 25%)");
   flags.String("policies", &policies_text,
                "comma list of default (the worker's default), lru, lfu, lfru, coordinator, belady, best-static "
-               "(the best fixed set per layer in hindsight), best-static-cold (that set, each member only after its first use), oracle (future known, prefetch over the link), "
+               "(the best fixed set per layer in hindsight), best-static-cold (that set, each member only after its first use), best-so-far (each run, the most used of "
+               "the runs before, copies free), oracle (future known, prefetch over the link), "
                "ceiling (free prefetch of each step's top C)");
   flags.Double("step-ms", &step_ms, "device time of one trace step, all layers (attention, hits), without the CPU's\n"
               "      misses, which the model adds; the coordinator's time constants run on the modelled clock");

@@ -34,7 +34,7 @@ double PolicyResult::LayerRate(int l) const { return pairs[l] ? double(hits[l]) 
 const std::vector<std::string>& ReplayPolicies() {
   static const std::vector<std::string> names = {"default", "lru",    "lfu",         "lfru",   "coordinator",
                                                  "oracle",  "belady", "best-static", "best-static-cold",
-                                                 "ceiling"};
+                                                 "best-so-far", "ceiling"};
   return names;
 }
 
@@ -512,6 +512,18 @@ absl::StatusOr<PolicyResult> Replay(const RoutingTrace& t, const ReplayConfig& c
       held->assign(t.num_experts, false);
       for (int e = 0; e < t.num_experts; ++e) (*held)[e] = sets[l][e] && seen[l][e];
       for (const ExpertAccess& a : t.steps[s][l]) seen[l][a.expert] = true;  // after this run
+    });
+  }
+  if (name == "best-so-far") {
+    // At each run the layer's most used experts of the runs before it (pairs;
+    // follow the leader), resident at once, no copy priced: what an online
+    // frequency policy reaches at best, and what best-static gains from
+    // knowing the whole trace in advance.
+    std::vector<std::vector<uint64_t>> used(t.num_layers, std::vector<uint64_t>(t.num_experts, 0));
+    return ReplayOffline(t, c, name, [&](size_t s, int l, std::vector<bool>* held) {
+      *held = TopC(used[l], c.slots);
+      for (int e = 0; e < t.num_experts; ++e) (*held)[e] = (*held)[e] && used[l][e] > 0;  // none unseen
+      for (const ExpertAccess& a : t.steps[s][l]) used[l][a.expert] += a.pairs;  // after this run
     });
   }
   if (name == "ceiling") {

@@ -7,7 +7,8 @@
 // driven by gpu_worker's AdmissionPolicy + ExpertPredictor, the same code the
 // dispatcher runs), belady (demand-admission optimum, bench/belady.h),
 // best-static (the best fixed set per layer in hindsight), best-static-cold
-// (that set, each member resident only after its first use) and ceiling.
+// (that set, each member resident only after its first use), best-so-far (at
+// each run the most used experts of the runs before, copies free) and ceiling.
 //
 // Time model (per step, layers in order): layer l lasts step_seconds/L (the
 // device's part: attention, hit experts) plus the CPU's misses, priced as

@@ -283,6 +283,27 @@ TEST(Replay, BestStaticColdMissesEachMembersFirstUse) {
   EXPECT_GT(cold->model_seconds, hot->model_seconds);
 }
 
+// best-so-far holds, at each run, the most used experts of the runs before it
+// (ties: the lower id; nothing never used). One slot, uses 0 0 1 1 1 1 0:
+// nothing at run 0, then 0 (hit at run 1), 0 still at runs 2-4 (1's count
+// catches up with 0's 2 only after run 3, and the tie keeps 0), then 1 (hit
+// at run 5; run 6 misses): 2 hits where best-static ({1}) has 4.
+TEST(Replay, BestSoFarFollowsTheCountsOfTheRunsBefore) {
+  RoutingTrace t;
+  t.num_layers = 1;
+  t.num_experts = 4;
+  t.top_k = 1;
+  for (int e : {0, 0, 1, 1, 1, 1, 0}) t.steps.push_back({{ExpertAccess{e, 1}}});
+  ReplayConfig c;
+  c.slots = 1;
+  c.expert_bytes = 1000;
+  absl::StatusOr<PolicyResult> so_far = Replay(t, c, "best-so-far"), hindsight = Replay(t, c, "best-static");
+  ASSERT_TRUE(so_far.ok() && hindsight.ok());
+  EXPECT_EQ(so_far->TotalHits(), 2u);
+  EXPECT_EQ(hindsight->TotalHits(), 4u);
+  EXPECT_EQ(so_far->TotalPairs(), 7u);
+}
+
 // --warm: the policies that run a cache start from each layer's best fixed
 // set, Ready. One slot, expert 0 used at every step: cold, lru and the
 // default miss its first use (and the default may not have it at step 1
