@@ -407,12 +407,14 @@ __device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void CopyAsyncWait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending)); }
 
-// Long: one kernel body (pipeline, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
-// 64 rows: at most 168 registers, 3 blocks per SM (int8 and int4 8-15% faster
-// than 2 blocks at 191-199 registers; fp8's conversion then spills). int4 at
-// 32 rows: 128, 4 blocks (3-6% faster on Qwen3-30B-A3B; int8 and fp8 lose).
+// Blocks per SM the kernel's registers must allow. 64 rows: at most 168
+// registers, 3 blocks (int8 and int4 8-15% faster than 2 blocks at 191-199
+// registers; fp8's conversion then spills). int4 at 32 rows: 128, 4 blocks
+// (3-6% faster on Qwen3-30B-A3B; int8 and fp8 lose).
 template <int kFmt, int NT>
 constexpr int MmaMinBlocks() { return NT >= 8 && kFmt != kFmtFp8 ? 3 : NT == 4 && kFmt == kFmtInt4 ? 4 : 1; }
+
+// Long: one kernel body (pipeline, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
 template <int kFmt, int NT, bool kDown>
 __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
   using T = MmaTile<kFmt, NT>;
