@@ -265,16 +265,26 @@ TEST(Replay, DefaultBeatsBaselinesOnRecordedOlmoeTrace) {
 // best-static-cold holds the same set as best-static, each member only after
 // the step that first used it: on a trace whose steps use experts 0, 1, 0, 1,
 // ... (one slot) best-static holds 0 from the start; cold misses step 0 too.
-TEST(Replay, BestStaticColdMissesEachMembersFirstUse) {
+// One layer of 4 experts, one pair per step, of `experts` in order; replayed
+// with one slot.
+RoutingTrace OneLayerTrace(const std::vector<int>& experts) {
   RoutingTrace t;
   t.num_layers = 1;
   t.num_experts = 4;
   t.top_k = 1;
-  for (int s = 0; s < 10; ++s) t.steps.push_back({{ExpertAccess{s % 2 == 0 ? 0 : 1, 1}}});
-  t.steps.push_back({{ExpertAccess{0, 1}}});  // expert 0: 6 uses, expert 1: 5
+  for (int e : experts) t.steps.push_back({{ExpertAccess{e, 1}}});
+  return t;
+}
+ReplayConfig OneSlot() {
   ReplayConfig c;
   c.slots = 1;
   c.expert_bytes = 1000;
+  return c;
+}
+
+TEST(Replay, BestStaticColdMissesEachMembersFirstUse) {
+  const RoutingTrace t = OneLayerTrace({0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0});  // expert 0: 6 uses, expert 1: 5
+  const ReplayConfig c = OneSlot();
   absl::StatusOr<PolicyResult> hot = Replay(t, c, "best-static"), cold = Replay(t, c, "best-static-cold");
   ASSERT_TRUE(hot.ok() && cold.ok());
   EXPECT_EQ(hot->TotalHits(), 6u);
@@ -289,14 +299,8 @@ TEST(Replay, BestStaticColdMissesEachMembersFirstUse) {
 // catches up with 0's 2 only after run 3, and the tie keeps 0), then 1 (hit
 // at run 5; run 6 misses): 2 hits where best-static ({1}) has 4.
 TEST(Replay, BestSoFarFollowsTheCountsOfTheRunsBefore) {
-  RoutingTrace t;
-  t.num_layers = 1;
-  t.num_experts = 4;
-  t.top_k = 1;
-  for (int e : {0, 0, 1, 1, 1, 1, 0}) t.steps.push_back({{ExpertAccess{e, 1}}});
-  ReplayConfig c;
-  c.slots = 1;
-  c.expert_bytes = 1000;
+  const RoutingTrace t = OneLayerTrace({0, 0, 1, 1, 1, 1, 0});
+  const ReplayConfig c = OneSlot();
   absl::StatusOr<PolicyResult> so_far = Replay(t, c, "best-so-far"), hindsight = Replay(t, c, "best-static");
   ASSERT_TRUE(so_far.ok() && hindsight.ok());
   EXPECT_EQ(so_far->TotalHits(), 2u);
