@@ -228,6 +228,7 @@ class CudaBackend final : public DeviceBackend {
                                    const bf16_t* partial) override;
   absl::Status FinishCall(int ctx, bf16_t* out, MemoryKind kind) override;
   absl::Status WaitStream(void* stream) override;
+  absl::Status SynchronizeDevice() override;
   absl::Status SignalStream(void* stream) override;
   absl::Status EnqueueDevicePlanned(const DevicePlannedCall& call) override;
   absl::StatusOr<void*> AllocMapped(size_t bytes) override;
@@ -1215,6 +1216,12 @@ absl::Status CudaBackend::WaitStream(void* stream) {
   MOE_RETURN_IF_ERROR(Use());
   MOE_CUDA_RETURN_IF_ERROR(cudaEventRecord(engine_ready_, static_cast<cudaStream_t>(stream)));
   MOE_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(compute_, engine_ready_, 0));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::SynchronizeDevice() {
+  MOE_RETURN_IF_ERROR(Use());
+  MOE_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   return absl::OkStatus();
 }
 

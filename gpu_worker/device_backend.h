@@ -229,6 +229,11 @@ class DeviceBackend {
                                    "cuda_stream: given to the ", name(), " backend, which has no CUDA device"));
   }
   virtual absl::Status SignalStream(void* stream) { return WaitStream(stream); }
+  // Waits until the backend's GPU has finished all work enqueued on it, by
+  // any stream (graph replays of capturable calls included), touching no
+  // engine stream: what a dispatcher waits for when it is destroyed, as the
+  // engine may have destroyed its streams already. A no-op without a device.
+  virtual absl::Status SynchronizeDevice() { return absl::OkStatus(); }
   // Makes the backend's GPU the calling thread's current device and returns
   // the one it replaces (RestoreDevice gives it back); -1 and a no-op
   // without a device or when it is current already. Several sessions on

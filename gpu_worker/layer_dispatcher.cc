@@ -253,9 +253,10 @@ struct LayerDispatcher::Impl {
 
 LayerDispatcher::~LayerDispatcher() {
   if (!impl_) return;
-  // Capturable calls still on the engine's stream use this dispatcher's state.
-  if (impl_->planned_stream != nullptr && backend_->WaitStream(impl_->planned_stream).ok())
-    (void)backend_->WaitCompute(backend_->RecordCompute());
+  // Capturable calls (and their graphs' replays) still running use this
+  // dispatcher's state. The engine's stream may be gone by now: wait for the
+  // whole device instead of recording on it.
+  if (impl_->planned_stream != nullptr) (void)backend_->SynchronizeDevice();
   for (auto& f : impl_->forwarders) {
     f->stop.store(true);
     if (f->thread.joinable()) f->thread.join();

@@ -176,6 +176,25 @@ class GraphCaptureTest : public ::testing::Test {
   }
 };
 
+// The engine may destroy its stream before it closes the session: closing
+// waits for the device (a replay still running included) and never records
+// on the destroyed stream (it did, and crashed inside cuEventRecord).
+TEST_F(GraphCaptureTest, SessionClosesAfterTheEnginesStreamIsGone) {
+  const int T = 4;
+  std::vector<Buffers> bufs;
+  std::vector<Inputs> in;
+  cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
+  ASSERT_NE(exec, nullptr);
+  EXPECT_TRUE(Replay(exec, 0, T, bufs, in));
+  ASSERT_CUDA(cudaGraphLaunch(exec, stream_));  // still running, perhaps, when the stream goes
+  ASSERT_CUDA(cudaStreamDestroy(stream_));
+  stream_ = nullptr;
+  session_.reset();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  cudaGraphExecDestroy(exec);
+}
+
 // Popularity from graph replays: every routed pair the GPU counted reaches
 // on_access (the coordinator agent's hook) at TakeStreamError, hits and
 // misses alike, exactly once.

@@ -223,9 +223,9 @@ MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats
  * the hits in one grouped launch and adds the servers' answers — no host
  * function, no host synchronisation. Rules: run each layer once outside a
  * capture first (it allocates), keep the capturable calls of a session in
- * one stream order (cache copies wait for the latest stream used), keep
- * that stream alive until the session is closed (closing waits for its
- * calls), call moe_flush_copies between replays to make new placements serve. A call
+ * one stream order (cache copies wait for the latest stream used; closing
+ * the session waits for the device to finish them, so the stream may be
+ * destroyed first), call moe_flush_copies between replays to make new placements serve. A call
  * larger than one request slot (256 tokens) runs as a stream-ordered eager
  * call outside a capture and is refused inside one. A failure at replay time
  * (bad routing, no server for an expert the device cannot take, a server's
