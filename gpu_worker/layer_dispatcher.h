@@ -216,9 +216,10 @@ class LayerDispatcher {
   // layer must not be captured (it allocates). Calls of one layer must not
   // overlap: enqueue them in order (the engine's decode stream; cache copies
   // wait for the latest stream used). The dispatcher's destructor waits for
-  // the device to finish them (the engine may destroy its stream first). The planner's copy-instead table
-  // (PublishCopyPlan) says how many missed experts the GPU copies from the
-  // host copy and computes itself; the GPU counts every routed pair and logs
+  // the device to finish them (the engine may destroy its stream first).
+  // The planner's copy-instead table (PublishCopyPlan) says how many missed
+  // experts the GPU copies from the host copy and computes itself; the GPU
+  // counts every routed pair and logs
   // each layer's routing, which TakeStreamError reports as the eager path
   // does (RecordAccess, on_access) and plans admissions from between steps.
   // Calls with T above a request slot run eagerly outside a capture (Forward)

@@ -29,7 +29,6 @@
 #include <vector>
 
 #include "absl/functional/function_ref.h"
-
 #include "absl/status/statusor.h"
 #include "gpu_worker/admission_policy.h"
 #include "gpu_worker/cost_model.h"

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -114,8 +115,12 @@ class SharedHostCopyTest : public ::testing::TestWithParam<std::string> {
   // the call and runs the cache's packed experts on its tensor cores).
   void ExpectCorrect(MoeSession& session) {
     ASSERT_NO_FATAL_FAILURE(ExpectCorrect(session, MemoryKind::kHost));
+    if (std::string(session.device()) != "cuda") {
+      std::printf("%s: device-pointer pass not run (the %s backend; it needs cuda)\n", dtype_.c_str(), session.device());
+      return;
+    }
 #ifdef MOE_HAVE_CUDA
-    if (std::string(session.device()) == "cuda") ASSERT_NO_FATAL_FAILURE(ExpectCorrect(session, MemoryKind::kDevice));
+    ASSERT_NO_FATAL_FAILURE(ExpectCorrect(session, MemoryKind::kDevice));
 #endif
   }
   void ExpectCorrect(MoeSession& session, MemoryKind kind) {

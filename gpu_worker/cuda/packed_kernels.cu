@@ -717,7 +717,10 @@ WaveShape ShapeOf(Kernel kernel, int threads, int smem) {
   }
   w.static_smem = static_cast<int>(attr.sharedSizeBytes);
   w.max_dynamic -= w.static_smem;
-  w.ok = w.max_blocks >= 2;
+  // Opted in once for any padding SmemForEvenWaves returns: no attribute call per launch.
+  w.ok = w.max_blocks >= 2 &&
+         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, w.max_dynamic) == cudaSuccess;
+  cudaGetLastError();
   return w;
 }
 
@@ -732,7 +735,7 @@ cudaError_t LaunchPackedMma(const GroupedExpertArgs& a, const PackedSlots& p, cu
   const auto kernel = PackedMmaKernel<kFmt, NT, kDown>;
   static const WaveShape shape = ShapeOf(kernel, kThreads, T::kSmem);
   const int smem = shape.ok && a.exact_groups ? shape.SmemForEvenWaves(static_cast<long>(grid.x) * grid.y, T::kSmem) : T::kSmem;
-  if (smem > 40 * 1024) {  // static shared memory (tok) counts too
+  if (!shape.ok && smem > 40 * 1024) {  // static shared memory (tok) counts too; shape.ok: opted in already
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
   }
