@@ -7,6 +7,9 @@
 //  1. Machine: CPU brand and ISA, NUMA binding, threads, L3, oneDNN, date.
 //  2. DRAM read bandwidth: every pool thread (pinned) sums its slice of a
 //     --bw-gib buffer with AVX-512 loads; median of >= 5 runs; GB = 1e9 bytes.
+//     With AMX-BF16 (and not --no-peak): the bf16 kernels' ceiling, the bare
+//     2x2 tile loop (bench/amx_peak.h) with its operands in L1 or streamed
+//     from L2, at 1 thread, half and all of the pool's; median of 5 runs.
 //  Then, per shape and format, with the kernels that Supports() the format:
 //  3. Per expert: m tokens all routed (k = 1) to one expert, rotated call by
 //     call over C copies with C x packed expert bytes >= max(1 GiB, 3 x L3), so
@@ -74,6 +77,7 @@
 #include "cpu_compute/expert_store.h"
 #include "cpu_compute/moe_executor.h"
 #include "cpu_compute/numa_binding.h"
+#include "bench/amx_peak.h"
 #include "bench/dram_bandwidth.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -101,6 +105,7 @@ struct Options {
   double min_seconds = 0.5;
   bool quick = false;
   bool with_reference = false;
+  bool peak = true;
   int min_runs = 10;
   std::string command;  // for the report
 };
@@ -521,6 +526,7 @@ class Benchmark {
     results_.push_back(bw);
     LogInfo("bench", "DRAM read bandwidth ", Num(dram_gbps_), " GB/s (", bw.note, ")");
     dispatch_s_ = MeasureDispatch(*pool_);
+    if (cpu_.HasAmxBf16() && o_.peak) amx_peaks_ = MeasureAmxPeaks(*pool_, o_.quick ? 0.02 : 0.1);
     for (const std::string& shape : SplitList(o_.shapes)) RunShape(shape);
   }
 
@@ -567,6 +573,7 @@ class Benchmark {
   uint64_t l3_bytes_ = 0;
   double dram_gbps_ = 0;
   double dispatch_s_ = 0;
+  std::vector<AmxPeak> amx_peaks_;
   std::vector<Result> results_;
   std::vector<ShapeInfo> shapes_;
   int failures_ = 0;
@@ -743,17 +750,18 @@ void Benchmark::PerExpertCases(const ModelSpec& spec, const ModelSource& source,
       r.note = Check(*executors[i], ref, batch, H, {0, m / 2, m - 1},
                      absl::StrCat(r.shape, " ", r.format, " m=", m, " ", r.impl));
       ForwardStats stats;
-      double phase[3] = {0, 0, 0};
+      double phase[4] = {0, 0, 0, 0};
       std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
         std::fill(ids.begin(), ids.end(), call % n_copies);
         DieIf(executors[i]->Forward(batch, DType::kBF16, out.data(), &stats), "Forward");
         phase[0] += stats.gather_ns;
         phase[1] += stats.gate_up_ns;
         phase[2] += stats.down_ns;
+        phase[3] += stats.combine_ns;
       });
-      const double all = std::max(1.0, phase[0] + phase[1] + phase[2]);
-      absl::StrAppend(&r.note, ", gather/gate-up/down ", Num(100 * phase[0] / all), "/", Num(100 * phase[1] / all),
-                      "/", Num(100 * phase[2] / all), "%");
+      const double all = std::max(1.0, phase[0] + phase[1] + phase[2] + phase[3]);
+      absl::StrAppend(&r.note, ", gather/gate-up/down/combine ", Num(100 * phase[0] / all), "/",
+                      Num(100 * phase[1] / all), "/", Num(100 * phase[2] / all), "/", Num(100 * phase[3] / all), "%");
       Add(std::move(r), spec, m, 1, expert_bytes);
     }
     if (dnnl == nullptr) continue;
@@ -941,6 +949,13 @@ void Benchmark::PrintSetup() const {
   }
   PrintTable("DRAM read bandwidth (median)", {"method", "GB/s", "runs", "detail"}, rows);
   rows.clear();
+  for (const AmxPeak& p : amx_peaks_)
+    rows.push_back({p.operands, absl::StrCat(p.threads), Num(p.tflops), absl::StrCat(Num(p.min_tflops), "-", Num(p.max_tflops)),
+                    absl::StrCat(p.runs)});
+  if (!rows.empty())
+    PrintTable("AMX-BF16 tile loop alone (2x2 tiles, K = 2048; the ceiling of the bf16 kernels)",
+               {"operands", "threads", "TFLOP/s (median)", "min-max", "runs"}, rows);
+  rows.clear();
   for (const ShapeInfo& s : shapes_) {
     rows.push_back({s.shape, s.format, absl::StrCat(s.H), absl::StrCat(s.I), Num(s.expert_mb),
                     absl::StrCat(s.copies), Num(s.copies * s.expert_mb / 1e3), Num(s.copies_load_s),
@@ -1042,6 +1057,7 @@ int main(int argc, char** argv) {
             "experts hosted for the whole-layer cases (0 = all that fit in 60% of MemAvailable)");
   flags.Double("bw-gib", &o.bw_gib,
                "GiB read by the DRAM bandwidth measurement (clamped to 1/4 of MemAvailable)");
+  flags.Bool("peak", &o.peak, "measure the AMX-BF16 tile loop's TFLOP/s alone first (CPUs with AMX)");
   flags.Double("min-seconds", &o.min_seconds, "minimum total timed seconds per case");
   flags.String("csv", &o.csv, "also write every row to this CSV file");
   if (!flags.Parse(argc, argv).empty()) flags.Fail("takes no positional arguments");

@@ -13,8 +13,8 @@
 // such rows is exactly one AMX B tile (VNNI) and each 64-byte row one zmm for
 // vdpbf16ps. Gate and up are interleaved block by block (gate block j, then up
 // block j) so one pass computes both and applies silu(g)*u in registers
-// ("fused gate+up"); the down projection adds weight*y straight into the f32
-// output rows of the tokens ("fused weighted accumulation").
+// ("fused gate+up"); the down projection stores weight*y into one f32 row per
+// input row (MoeExecutor then sums each token's rows).
 //
 // Kernels are stateless and const: any number of threads may call them at once
 // on disjoint outputs. Driving them (grouping, threading) is MoeExecutor's job.
@@ -85,7 +85,7 @@ struct ExpertGeometry {
   bool int_activations() const { return format == WeightFormat::kInt8 || format == WeightFormat::kInt4; }
   // Activation column groups of 16 computed by GateUp (covers Ki).
   int gate_up_groups() const { return Ki / 16; }
-  // Output column groups of 32 computed by DownAccumulate (covers Hn).
+  // Output column groups of 32 computed by Down (covers Hn).
   int down_groups() const { return Hn / 32; }
   // Bytes of one packed 16-channel block of a matrix with K columns.
   size_t block_bytes(int K) const;
@@ -100,7 +100,7 @@ struct ExpertGeometry {
   // AMX host). Padding columns are never read.
   static constexpr int kRowPad = 64;
   int ldx() const { return Kh + kRowPad; }  // GateUp's input rows
-  int lda() const { return Ki + kRowPad; }  // act rows: GateUp's output, DownAccumulate's input
+  int lda() const { return Ki + kRowPad; }  // act rows: GateUp's output, Down's input
 };
 
 // Writes the packed form of one expert (row-major bf16 gate/up [I,H], down [H,I])
@@ -129,7 +129,7 @@ void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate,
 // row has s = 0. sum64 holds, per int8 row, the sum of its codes over every
 // 64-column chunk (what u8-weight dot products subtract). Rows are ld apart
 // (elements for bf16, bytes for each int8 row: ldx() for GateUp's input,
-// lda() for DownAccumulate's), sum64's rows K/64 apart (K = Kh, Ki);
+// lda() for Down's), sum64's rows K/64 apart (K = Kh, Ki);
 // pointers start at the call's row 0 (int8 row 0).
 constexpr float kLoScale = 1.0f / 254.0f;
 struct KernelRows {
@@ -165,12 +165,13 @@ class ExpertKernel {
                       bf16_t* act, int c0, int c1) const = 0;
 
   // For output groups c in [c0, c1) (columns [32c, 32c+32) clipped to H) and
-  // rows r < m with token[r] >= 0:  out[token[r] * ldo + col] += weight[r] * (act_r . down_col).
-  // act (rows of Ki columns, lda() apart), token and weight have mp rows as above
-  // (padding rows: token -1).
-  virtual void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act,
-                              int m, const int32_t* token, const float* weight, float* out,
-                              int ldo, int c0, int c1) const = 0;
+  // rows r < m:  out[r * ldo + col] = weight[r] * (act_r . down_col). act
+  // (rows of Ki columns, lda() apart) has mp rows as above; out's other rows
+  // and columns are not written. Each row gets its own output row: rows of
+  // one token (several experts) never write the same memory, so any split of
+  // rows and columns between threads is safe.
+  virtual void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
+                    const float* weight, float* out, int ldo, int c0, int c1) const = 0;
 };
 
 // "auto" picks amx, else avx512, else reference — the first that supports

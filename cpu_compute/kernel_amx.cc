@@ -126,16 +126,13 @@ void AmxBf16GateUpPanel(const ExpertGeometry& g, const std::byte* pairs, const b
 
 // bf16 down projection of output groups [cc, ce) (blocks 2cc, 2cc + 1, ... from `blocks`), weighted into out.
 void AmxBf16DownPanel(const ExpertGeometry& g, const std::byte* blocks, const bf16_t* act, int m,
-                      const int32_t* token, const float* weight, float* out, int ldo, int cc, int ce) {
+                      const float* weight, float* out, int ldo, int cc, int ce) {
   AmxBf16Panel(blocks, static_cast<size_t>(g.Ki) * 32, g.Ki / 32, act, g.lda(), m, cc, ce,
                [&](int row0, int c, const float* t0, const float* t1) {
                  const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
-                 for (int r = 0; r < 16; ++r) {
-                   const int32_t t = token[row0 + r];
-                   if (t < 0) continue;
-                   float* o = out + static_cast<size_t>(t) * ldo + 32 * c;
-                   simd::AccumulateMasked(o, m0, weight[row0 + r], _mm512_load_ps(t0 + 16 * r));
-                   simd::AccumulateMasked(o + 16, m1, weight[row0 + r], _mm512_load_ps(t1 + 16 * r));
+                 for (int r = 0, rows = std::min(16, m - row0); r < rows; ++r) {
+                   const __m512 y[2] = {_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r)};
+                   simd::StoreWeighted(out + static_cast<size_t>(row0 + r) * ldo + 32 * c, m0, m1, weight[row0 + r], y);
                  }
                });
 }
@@ -240,8 +237,8 @@ void AmxIntGateUp(const ExpertGeometry& g, const std::byte* packed, const Kernel
   if (full < m) Avx512VnniGateUp(g, packed, x.At(full, g.ldx(), g.Kh), m - full, act + size_t(full) * g.lda(), c0, c1);
 }
 
-void AmxIntDownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                          const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
+void AmxIntDown(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
+                          const float* weight, float* out, int ldo, int c0, int c1) {
   const int full = m / kTileTokens * kTileTokens;
   if (full > 0) {
     ConfigureTiles();
@@ -259,10 +256,8 @@ void AmxIntDownAccumulate(const ExpertGeometry& g, const std::byte* packed, cons
           const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
           AmxIntDots(g, b0, b0 + bb, act.At(r, g.lda(), g.Ki), g.lda(), g.Ki, tiles, y, unpack);
           for (int i = 0; i < kTileTokens * tiles; ++i) {
-            if (token[r + i] < 0) continue;
-            float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
-            simd::AccumulateMasked(o, m0, weight[r + i], _mm512_load_ps(y[i][0]));
-            simd::AccumulateMasked(o + 16, m1, weight[r + i], _mm512_load_ps(y[i][1]));
+            const __m512 yi[2] = {_mm512_load_ps(y[i][0]), _mm512_load_ps(y[i][1])};
+            simd::StoreWeighted(out + static_cast<size_t>(r + i) * ldo + 32 * c, m0, m1, weight[r + i], yi);
           }
         }
       }
@@ -270,7 +265,7 @@ void AmxIntDownAccumulate(const ExpertGeometry& g, const std::byte* packed, cons
     _tile_release();
   }
   if (full < m)
-    Avx512VnniDownAccumulate(g, packed, act.At(full, g.lda(), g.Ki), m - full, token + full, weight + full, out, ldo,
+    Avx512VnniDown(g, packed, act.At(full, g.lda(), g.Ki), m - full, weight + full, out + size_t(full) * ldo, ldo,
                              c0, c1);
 }
 
@@ -305,14 +300,14 @@ class AmxKernel final : public ExpertKernel {
     _tile_release();
   }
 
-  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m,
-                      const int32_t* token, const float* weight, float* out, int ldo, int c0,
+  void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m,
+                      const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
-    if (g.int_activations()) return AmxIntDownAccumulate(g, packed, ar, m, token, weight, out, ldo, c0, c1);
+    if (g.int_activations()) return AmxIntDown(g, packed, ar, m, weight, out, ldo, c0, c1);
     const bool fp8 = g.format == WeightFormat::kFp8;
     if (m <= kAvx512MaxRows)
-      return fp8 ? Avx512Fp8DownAccumulate(g, packed, ar.bf16, m, token, weight, out, ldo, c0, c1)
-                 : Avx512DownAccumulate(g, packed, ar.bf16, m, token, weight, out, ldo, c0, c1);
+      return fp8 ? Avx512Fp8Down(g, packed, ar.bf16, m, weight, out, ldo, c0, c1)
+                 : Avx512Down(g, packed, ar.bf16, m, weight, out, ldo, c0, c1);
     ConfigureTiles();
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t blk = static_cast<size_t>(g.Ki) * 32, bb = g.block_bytes(g.Ki);
@@ -325,7 +320,7 @@ class AmxKernel final : public ExpertKernel {
         simd::Fp8BlocksToBf16(blocks, bb, 2 * (ce - cc), g.Ki, g.group, reinterpret_cast<bf16_t*>(scratch));
         blocks = scratch;
       }
-      AmxBf16DownPanel(g, blocks, ar.bf16, m, token, weight, out, ldo, cc, ce);
+      AmxBf16DownPanel(g, blocks, ar.bf16, m, weight, out, ldo, cc, ce);
     }
     _tile_release();
   }

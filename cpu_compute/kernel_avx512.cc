@@ -52,16 +52,11 @@ void GateUpRows(const ExpertGeometry& g, const bf16_t* gb, const bf16_t* ub, con
 
 template <int R>
 void DownRows(const ExpertGeometry& g, const bf16_t* b0, const bf16_t* b1, const bf16_t* act,
-              const int32_t* token, const float* weight, float* out, int ldo, int c) {
+              const float* weight, float* out, int ldo, int c) {
   __m512 acc[kRows][2];
   DotRows<R>(b0, b1, act, g.lda(), g.Ki, acc);
   const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
-  for (int r = 0; r < R; ++r) {
-    if (token[r] < 0) continue;
-    float* o = out + static_cast<size_t>(token[r]) * ldo + 32 * c;
-    simd::AccumulateMasked(o, m0, weight[r], acc[r][0]);
-    simd::AccumulateMasked(o + 16, m1, weight[r], acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r) simd::StoreWeighted(out + static_cast<size_t>(r) * ldo + 32 * c, m0, m1, weight[r], acc[r]);
 }
 
 // f(r, R) for row chunks [r, r + R) covering [0, m): chunks of kMax rows,
@@ -96,10 +91,10 @@ void GateUpPair(const ExpertGeometry& g, const bf16_t* gb, const bf16_t* ub, con
 
 // Output group c from its two bf16 down blocks (Ki columns).
 void DownPair(const ExpertGeometry& g, const bf16_t* b0, const bf16_t* b1, const bf16_t* act, int m,
-              const int32_t* token, const float* weight, float* out, int ldo, int c) {
+              const float* weight, float* out, int ldo, int c) {
   ForRowChunks<kRows>(m, [&](int r, auto R) {
-    DownRows<decltype(R)::value>(g, b0, b1, act + static_cast<size_t>(r) * g.lda(), token + r, weight + r, out,
-                                 ldo, c);
+    DownRows<decltype(R)::value>(g, b0, b1, act + static_cast<size_t>(r) * g.lda(), weight + r,
+                                 out + static_cast<size_t>(r) * ldo, ldo, c);
   });
 }
 
@@ -112,11 +107,11 @@ void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t
   for (int c = c0; c < c1; ++c) GateUpPair(g, w + (2 * c) * blk, w + (2 * c + 1) * blk, x, m, act, c);
 }
 
-void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
-                          const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
+void Avx512Down(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
+                          const float* weight, float* out, int ldo, int c0, int c1) {
   const bf16_t* d = reinterpret_cast<const bf16_t*>(packed + g.gate_up_bytes());
   const size_t blk = static_cast<size_t>(g.Ki) * 16;
-  for (int c = c0; c < c1; ++c) DownPair(g, d + (2 * c) * blk, d + (2 * c + 1) * blk, act, m, token, weight, out, ldo, c);
+  for (int c = c0; c < c1; ++c) DownPair(g, d + (2 * c) * blk, d + (2 * c + 1) * blk, act, m, weight, out, ldo, c);
 }
 
 namespace {
@@ -186,8 +181,8 @@ void Avx512Fp8GateUp(const ExpertGeometry& g, const std::byte* packed, const bf1
   }
 }
 
-void Avx512Fp8DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
-                             const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
+void Avx512Fp8Down(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
+                             const float* weight, float* out, int ldo, int c0, int c1) {
   const std::byte* d = packed + g.gate_up_bytes();
   const size_t bb = g.block_bytes(g.Ki), blk = static_cast<size_t>(g.Ki) * 16;
   if (m <= kFp8DirectRows) {
@@ -197,12 +192,8 @@ void Avx512Fp8DownAccumulate(const ExpertGeometry& g, const std::byte* packed, c
         __m512 acc[kRows][2];
         DotRowsFp8<decltype(R)::value>(d + (2 * c) * bb, d + (2 * c + 1) * bb, act + static_cast<size_t>(r) * g.lda(),
                                        g.lda(), g.Ki, g.group, acc);
-        for (int i = 0; i < decltype(R)::value; ++i) {
-          if (token[r + i] < 0) continue;
-          float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
-          simd::AccumulateMasked(o, m0, weight[r + i], acc[i][0]);
-          simd::AccumulateMasked(o + 16, m1, weight[r + i], acc[i][1]);
-        }
+        for (int i = 0; i < decltype(R)::value; ++i)
+          simd::StoreWeighted(out + static_cast<size_t>(r + i) * ldo + 32 * c, m0, m1, weight[r + i], acc[i]);
       });
     }
     return;
@@ -210,7 +201,7 @@ void Avx512Fp8DownAccumulate(const ExpertGeometry& g, const std::byte* packed, c
   bf16_t* w = reinterpret_cast<bf16_t*>(simd::ThreadScratch(4 * blk));
   for (int c = c0; c < c1; ++c) {
     simd::Fp8BlocksToBf16(d + (2 * c) * bb, bb, 2, g.Ki, g.group, w);
-    DownPair(g, w, w + blk, act, m, token, weight, out, ldo, c);
+    DownPair(g, w, w + blk, act, m, weight, out, ldo, c);
   }
 }
 
@@ -347,8 +338,8 @@ void Avx512VnniGateUp(const ExpertGeometry& g, const std::byte* packed, const Ke
   }
 }
 
-void Avx512VnniDownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                              const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1) {
+void Avx512VnniDown(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
+                              const float* weight, float* out, int ldo, int c0, int c1) {
   const std::byte* d = packed + g.gate_up_bytes();
   const size_t bb = g.block_bytes(g.Ki);
   for (int c = c0; c < c1; ++c) {
@@ -358,12 +349,8 @@ void Avx512VnniDownAccumulate(const ExpertGeometry& g, const std::byte* packed, 
     ForRowChunks<kIntRows>(m, [&](int r, auto R) {
       __m512 y[kIntRows][2];
       DotRowsInt<decltype(R)::value>(g, b0, b1, act.At(r, g.lda(), g.Ki), g.lda(), g.Ki, y);
-      for (int i = 0; i < decltype(R)::value; ++i) {
-        if (token[r + i] < 0) continue;
-        float* o = out + static_cast<size_t>(token[r + i]) * ldo + 32 * c;
-        simd::AccumulateMasked(o, m0, weight[r + i], y[i][0]);
-        simd::AccumulateMasked(o + 16, m1, weight[r + i], y[i][1]);
-      }
+      for (int i = 0; i < decltype(R)::value; ++i)
+        simd::StoreWeighted(out + static_cast<size_t>(r + i) * ldo + 32 * c, m0, m1, weight[r + i], y[i]);
     });
   }
 }
@@ -382,12 +369,12 @@ class Avx512Kernel final : public ExpertKernel {
     if (g.format == WeightFormat::kFp8) return Avx512Fp8GateUp(g, packed, x.bf16, m, act, c0, c1);
     Avx512GateUp(g, packed, x.bf16, m, act, c0, c1);
   }
-  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                      const int32_t* token, const float* weight, float* out, int ldo, int c0,
+  void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
+                      const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
-    if (g.int_activations()) return Avx512VnniDownAccumulate(g, packed, act, m, token, weight, out, ldo, c0, c1);
-    if (g.format == WeightFormat::kFp8) return Avx512Fp8DownAccumulate(g, packed, act.bf16, m, token, weight, out, ldo, c0, c1);
-    Avx512DownAccumulate(g, packed, act.bf16, m, token, weight, out, ldo, c0, c1);
+    if (g.int_activations()) return Avx512VnniDown(g, packed, act, m, weight, out, ldo, c0, c1);
+    if (g.format == WeightFormat::kFp8) return Avx512Fp8Down(g, packed, act.bf16, m, weight, out, ldo, c0, c1);
+    Avx512Down(g, packed, act.bf16, m, weight, out, ldo, c0, c1);
   }
 
  private:

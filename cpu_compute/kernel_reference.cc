@@ -64,8 +64,8 @@ class ReferenceKernel final : public ExpertKernel {
     }
   }
 
-  void DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                      const int32_t* token, const float* weight, float* out, int ldo, int c0,
+  void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
+                      const float* weight, float* out, int ldo, int c0,
                       int c1) const override {
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t blk = g.block_bytes(g.Ki);
@@ -74,12 +74,11 @@ class ReferenceKernel final : public ExpertKernel {
       for (int half = 0; half < 2; ++half) {
         const int b = 2 * c + half;
         for (int r = 0; r < m; ++r) {
-          if (token[r] < 0) continue;
           BlockDot(g, d + b * blk, g.Ki, act, g.lda(), r, y);
-          float* o = out + static_cast<size_t>(token[r]) * ldo;
+          float* o = out + static_cast<size_t>(r) * ldo;
           for (int j = 0; j < 16; ++j) {
             const int col = 16 * b + j;
-            if (col < g.H) o[col] += weight[r] * y[j];
+            if (col < g.H) o[col] = weight[r] * y[j];
           }
         }
       }

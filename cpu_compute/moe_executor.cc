@@ -20,19 +20,17 @@ constexpr int kGroupsPerUnit = 4;
 // rows so a single hot expert still spreads over every thread (a multiple of 32,
 // the AMX kernel's two row blocks).
 constexpr int kRowsPerUnit = 128;
-// Below this many rows per expert on average, the down phase takes output
-// columns in kDownChunksFewRows chunks per thread, else one (RunLocked).
-constexpr int kDownFewRowsPerExpert = 32;
-constexpr int kDownChunksFewRows = 3;
+// Down units per thread the planner aims at, and the most output groups (of
+// 32 columns) one down unit takes (PlanUnits).
+constexpr int kDownUnitsPerThread = 8;
+constexpr int kMaxDownGroupsPerUnit = 8;
+// Rows per gather (and act quantization) claim; tokens per combine claim.
+constexpr int kGatherRows = 16;
+constexpr int kCombineTokens = 4;
 
 uint64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// [lo, hi) of `count` items for thread t of n: contiguous and balanced.
-inline std::pair<int, int> Split(int count, int t, int n) {
-  return {static_cast<int>(int64_t{count} * t / n), static_cast<int>(int64_t{count} * (t + 1) / n)};
 }
 }  // namespace
 
@@ -115,32 +113,74 @@ absl::Status MoeExecutor::Run(int layer, int n, const bf16_t* tokens, const Expe
   return RunLocked(layer, n, tokens, groups, store_expert, out_dtype, out, stats, t_queue, NowNs());
 }
 
-// Gate/up work units, each a whole weight panel (kGroupsPerUnit activation
-// groups) against at most kRowsPerUnit rows of one expert. Threads take them
-// in turn (RunLocked): cores of one host run at different speeds under AMX
-// (measured: a fixed, equal split left the fastest thread idle 25% of the
-// phase), so a static split by estimated cost waits for the slowest.
+// Work units, taken in turn by the threads (RunLocked): the cores of one
+// host run at different speeds under AMX (measured on the AMX host: in one
+// call, threads finished 3 to 11 of 96 equal gate/up units, and a fixed
+// split of the down projection, one column chunk per thread, ended 0.6-1.5
+// ms after it began), so every phase is split into several units per thread.
+//  - gate/up: a whole weight panel (kGroupsPerUnit activation groups) against
+//    at most kRowsPerUnit rows of one expert;
+//  - down: `down_groups` output groups of at most kRowsPerUnit rows of one
+//    expert, sized for about kDownUnitsPerThread units per thread. Each row
+//    has its own output row (ExpertKernel::Down), so units never write the
+//    same memory.
 void MoeExecutor::PlanUnits(const ExpertGroups& groups) {
   const ExpertGeometry& g = store_.geometry();
   const int ngroups = groups.num_groups();
   units_.clear();
+  down_units_.clear();
   const int T = pool_.size();
   int64_t row_chunks = 0;
   for (int i = 0; i < ngroups; ++i) row_chunks += (groups.count[i] + kRowsPerUnit - 1) / kRowsPerUnit;
   const int per_unit = row_chunks * g.gate_up_groups() >= int64_t{4} * kGroupsPerUnit * T ? kGroupsPerUnit : 1;
+  const int64_t want = int64_t{kDownUnitsPerThread} * T;
+  const int down_groups = static_cast<int>(
+      std::clamp<int64_t>(row_chunks * g.down_groups() / std::max<int64_t>(1, want), 1, kMaxDownGroupsPerUnit));
   for (int i = 0; i < ngroups; ++i) {
     for (int r = 0; r < groups.count[i]; r += kRowsPerUnit) {
       const int re = std::min(groups.count[i], r + kRowsPerUnit);
-      for (int c = 0; c < g.gate_up_groups(); c += per_unit) {
-        const int ce = std::min(g.gate_up_groups(), c + per_unit);
-        units_.push_back({i, c, ce, r, re});
-      }
+      for (int c = 0; c < g.gate_up_groups(); c += per_unit)
+        units_.push_back({i, c, std::min(g.gate_up_groups(), c + per_unit), r, re});
+      for (int c = 0; c < g.down_groups(); c += down_groups)
+        down_units_.push_back({i, c, std::min(g.down_groups(), c + down_groups), r, re});
     }
   }
 }
 
-// Long: one parallel region (gather, gate/up, down) whose three phases share
-// the region's scratch and barriers; split, each would need them passed in.
+// Each token's rows (CSR over row indexes) for the combine phase.
+void MoeExecutor::IndexTokenRows(int n, const int32_t* token, int rows) {
+  token_start_.assign(static_cast<size_t>(n) + 1, 0);
+  for (int r = 0; r < rows; ++r)
+    if (token[r] >= 0) ++token_start_[token[r] + 1];
+  for (int t = 0; t < n; ++t) token_start_[t + 1] += token_start_[t];
+  token_rows_.resize(token_start_[n]);
+  fill_.assign(token_start_.begin(), token_start_.end() - 1);
+  for (int r = 0; r < rows; ++r)
+    if (token[r] >= 0) token_rows_[fill_[token[r]]++] = r;
+}
+
+namespace {
+// out[col] = sum over `rows` of y[row * ldy + col] for col < H, as bf16 or f32
+// (zeros for no rows); acc is H floats of scratch.
+void SumRows(const float* y, int ldy, const int32_t* rows, int nrows, int H, DType out_dtype, void* out,
+             float* acc) {
+  float* dst = out_dtype == DType::kF32 ? static_cast<float*>(out) : acc;
+  if (nrows == 0) {
+    std::memset(dst, 0, size_t(H) * 4);
+  } else {
+    std::memcpy(dst, y + size_t(rows[0]) * ldy, size_t(H) * 4);
+    for (int j = 1; j < nrows; ++j) {
+      const float* src = y + size_t(rows[j]) * ldy;
+      for (int c = 0; c < H; ++c) dst[c] += src[c];
+    }
+  }
+  if (out_dtype == DType::kBF16) F32ToBf16(acc, static_cast<bf16_t*>(out), size_t(H));
+}
+}  // namespace
+
+// Long: one parallel region (gather, gate/up, down, combine) whose phases
+// share the region's scratch, counters and barriers; split, each would need
+// them passed in.
 absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
                                     const int32_t* store_expert, DType out_dtype, void* out,
                                     ForwardStats* stats, uint64_t t_queue, uint64_t t_start) {
@@ -158,13 +198,13 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   PlanUnits(groups);
 
   // Rows rounded up to the row block: a caller's last group may end unpadded,
-  // and the kernels read whole row blocks of token/weight, so those get
+  // and the kernels read whole row blocks of x and act, so those get
   // padding rows (token -1, weight 0) in scratch of our own.
   const int align = row_align();
-  const size_t rows = static_cast<size_t>((groups.total_rows + align - 1) / align * align);
+  const int rows = (groups.total_rows + align - 1) / align * align;
   const int32_t* token = groups.token.data();
   const float* weight = groups.weight.data();
-  if (rows != static_cast<size_t>(groups.total_rows)) {
+  if (rows != groups.total_rows) {
     pad_token_.assign(groups.token.begin(), groups.token.begin() + groups.total_rows);
     pad_token_.resize(rows, -1);
     pad_weight_.assign(groups.weight.begin(), groups.weight.begin() + groups.total_rows);
@@ -172,17 +212,17 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     token = pad_token_.data();
     weight = pad_weight_.data();
   }
+  IndexTokenRows(n, token, rows);
   const int ldx = g.ldx(), lda = g.lda();  // row strides (expert_kernel.h)
-  bf16_t* x = static_cast<bf16_t*>(x_buf_.Reserve(std::max<size_t>(1, rows * ldx * 2)));
-  bf16_t* act = static_cast<bf16_t*>(act_buf_.Reserve(std::max<size_t>(1, rows * lda * 2)));
-  // Outputs accumulate in f32 rows of our own, one 64-byte line longer than
-  // a multiple of 128 bytes: at ldo = H = 2048 every token's slice of a
-  // column chunk fell into the same few cache sets (8 KiB apart). (Measured
-  // with the other changes of bench/RESULTS.md stop 20, not alone; the down
-  // phase's excess over gate/up's rate remains.) Each chunk is copied out
-  // (converted to bf16, or as f32) at the end.
-  const int ldo = g.Hn + 16;
-  float* out32 = static_cast<float*>(out_buf_.Reserve(std::max<size_t>(1, size_t(n) * ldo * 4)));
+  bf16_t* x = static_cast<bf16_t*>(x_buf_.Reserve(std::max<size_t>(1, size_t(rows) * ldx * 2)));
+  bf16_t* act = static_cast<bf16_t*>(act_buf_.Reserve(std::max<size_t>(1, size_t(rows) * lda * 2)));
+  // Down writes each row's weighted output into f32 rows of y, one 64-byte
+  // line longer than a multiple of 128 bytes (at H = 2048, rows 8 KiB apart
+  // fell into the same few cache sets); the combine phase sums each token's
+  // rows into `out`.
+  const int ldy = g.Hn + 16;
+  float* y = static_cast<float*>(y_buf_.Reserve(std::max<size_t>(1, size_t(rows) * ldy * 4)));
+  float* acc = static_cast<float*>(acc_buf_.Reserve(size_t(pool_.size()) * (g.Hn + 16) * 4));
   // Integer weights: the kernels read the rows quantized (QuantizeRows):
   // q [2 rows, ld], scale [rows], sum64 [2 rows, K/64] per input.
   struct Quantized {
@@ -201,41 +241,36 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   }
   const KernelRows xin{x, xq.q, xq.scale, xq.sum64}, ain{act, aq.q, aq.scale, aq.sum64};
   auto quantize = [&](const bf16_t* src, int K, int ld, const Quantized& dst, int r0, int r1) {
-    if (!g.int_activations() || r0 >= r1) return;
     QuantizeRows(src + size_t(r0) * ld, r1 - r0, K, ld, dst.q + size_t(2 * r0) * ld, dst.scale + r0,
                  dst.sum64 + size_t(2 * r0) * (K / 64));
   };
 
-  // Work taken in turn: gate/up units, then down column chunks, each chunk
-  // reading every expert's act rows once. Few rows per expert (decode): the
-  // weights dominate and finer chunks balance the cores better (measured:
-  // 3 per thread 8-25% faster than 1 at 8 tokens x top-8); many rows: act
-  // dominates and one chunk per thread reads it least (3 per thread: 5-10%
-  // slower at 1024 rows).
-  std::atomic<int> next_unit{0}, next_down{0};
-  const bool few_rows = groups.total_rows < kDownFewRowsPerExpert * std::max(1, ngroups);
-  const int down_chunk = std::max(1, g.down_groups() / ((few_rows ? kDownChunksFewRows : 1) * pool_.size()));
-  // Phase ends: the last thread's arrival at the barrier (ForwardStats).
-  std::atomic<uint64_t> phase_end[2] = {0, 0};
-  auto arrive = [&](int p) { AtomicMax(phase_end[p], NowNs(), std::memory_order_relaxed); };
-  pool_.Run([&](int t, int nt) {
-    // Phase 0: gather each row's token (padding rows and columns zero).
-    auto [r0, r1] = Split(static_cast<int>(rows), t, nt);
+  // Every phase's work is taken in turn (PlanUnits); a phase ends when the
+  // last thread reaches its barrier (ForwardStats).
+  std::atomic<int> next_gather{0}, next_unit{0}, next_quant{0}, next_down{0}, next_token{0};
+  std::atomic<uint64_t> phase_end[3] = {0, 0, 0};
+  auto gather_rows = [&](bf16_t* dst0, int r0, int r1) {
     for (int r = r0; r < r1; ++r) {
-      bf16_t* dst = x + static_cast<size_t>(r) * ldx;
-      const int32_t tok = token[r];
-      if (tok >= 0) {
-        std::memcpy(dst, tokens + static_cast<size_t>(tok) * H, size_t(H) * 2);
+      bf16_t* dst = dst0 + size_t(r - r0) * ldx;
+      if (token[r] >= 0) {
+        std::memcpy(dst, tokens + static_cast<size_t>(token[r]) * H, size_t(H) * 2);
         std::memset(dst + H, 0, size_t(g.Kh - H) * 2);
       } else {
         std::memset(dst, 0, size_t(g.Kh) * 2);
       }
     }
-    quantize(x, g.Kh, ldx, xq, r0, r1);
+  };
+  auto arrive = [&](int p) { AtomicMax(phase_end[p], NowNs(), std::memory_order_relaxed); };
+  pool_.Run([&](int t, int) {
+    // Phase 0: gather each row's token (padding rows and columns zero).
+    for (int r0; (r0 = next_gather.fetch_add(kGatherRows, std::memory_order_relaxed)) < rows;) {
+      const int r1 = std::min(rows, r0 + kGatherRows);
+      gather_rows(x + size_t(r0) * ldx, r0, r1);
+      if (g.int_activations()) quantize(x, g.Kh, ldx, xq, r0, r1);
+    }
     arrive(0);
     pool_.Barrier();
-    // Phase 1: act = silu(x W1^T) * (x W3^T), per (expert, column block),
-    // units taken in turn.
+    // Phase 1: act = silu(x W1^T) * (x W3^T).
     for (int u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < static_cast<int>(units_.size());) {
       const Unit& un = units_[u];
       const int rb = groups.row_begin[un.group] + un.r0;
@@ -245,31 +280,26 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     arrive(1);
     pool_.Barrier();
     if (g.int_activations()) {  // the down projection reads act quantized per row
-      quantize(act, g.Ki, lda, aq, r0, r1);
+      for (int r0; (r0 = next_quant.fetch_add(kGatherRows, std::memory_order_relaxed)) < rows;)
+        quantize(act, g.Ki, lda, aq, r0, std::min(rows, r0 + kGatherRows));
       pool_.Barrier();
     }
-    // Phase 2: a thread takes output column chunks [32*c0, 32*c1) of every
-    // token in turn: zeroes them, adds every expert's weighted down
-    // projection, converts. A chunk is a column range nobody else writes.
-    for (int c0; (c0 = next_down.fetch_add(down_chunk, std::memory_order_relaxed)) < g.down_groups();) {
-      const int c1 = std::min(g.down_groups(), c0 + down_chunk);
-      const int col0 = 32 * c0, col1 = std::min(H, 32 * c1);
-      for (int tok = 0; tok < n; ++tok) {
-        std::memset(out32 + size_t(tok) * ldo + col0, 0, size_t(col1 - col0) * 4);
-      }
-      for (int i = 0; i < ngroups; ++i) {
-        const int rb = groups.row_begin[i];
-        kernel_.DownAccumulate(g, weights_[i], ain.At(rb, lda, g.Ki), groups.count[i], token + rb, weight + rb,
-                               out32, ldo, c0, c1);
-      }
-      for (int tok = 0; tok < n; ++tok) {
-        const float* src = out32 + size_t(tok) * ldo + col0;
-        if (out_dtype == DType::kBF16) {
-          F32ToBf16(src, static_cast<bf16_t*>(out) + size_t(tok) * H + col0, size_t(col1 - col0));
-        } else {
-          std::memcpy(static_cast<float*>(out) + size_t(tok) * H + col0, src, size_t(col1 - col0) * 4);
-        }
-      }
+    // Phase 2: y_r = weight_r * (act_r W2^T).
+    for (int u; (u = next_down.fetch_add(1, std::memory_order_relaxed)) < static_cast<int>(down_units_.size());) {
+      const Unit& un = down_units_[u];
+      const int rb = groups.row_begin[un.group] + un.r0;
+      kernel_.Down(g, weights_[un.group], ain.At(rb, lda, g.Ki), un.r1 - un.r0, weight + rb, y + size_t(rb) * ldy,
+                   ldy, un.c0, un.c1);
+    }
+    arrive(2);
+    pool_.Barrier();
+    // Phase 3: out_t = sum of token t's rows of y.
+    float* my_acc = acc + size_t(t) * (g.Hn + 16);
+    const size_t out_row = size_t(H) * (out_dtype == DType::kBF16 ? 2 : 4);
+    for (int t0; (t0 = next_token.fetch_add(kCombineTokens, std::memory_order_relaxed)) < n;) {
+      for (int tok = t0, te = std::min(n, t0 + kCombineTokens); tok < te; ++tok)
+        SumRows(y, ldy, token_rows_.data() + token_start_[tok], token_start_[tok + 1] - token_start_[tok], H,
+                out_dtype, static_cast<std::byte*>(out) + tok * out_row, my_acc);
     }
   });
 
@@ -279,10 +309,11 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     stats->queue_ns = t_start - t_queue;
     const uint64_t t_end = NowNs();
     stats->compute_ns = t_end - t_start;
-    const uint64_t t_gathered = phase_end[0].load(), t_gate_up = phase_end[1].load();
+    const uint64_t t_gathered = phase_end[0].load(), t_gate_up = phase_end[1].load(), t_down = phase_end[2].load();
     stats->gather_ns = t_gathered - t_start;
     stats->gate_up_ns = t_gate_up - t_gathered;
-    stats->down_ns = t_end - t_gate_up;
+    stats->down_ns = t_down - t_gate_up;
+    stats->combine_ns = t_end - t_down;
   }
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 // MoeExecutor: computes one MoE layer's partial output for a batch of tokens
 // on the CPU — validation, grouping by expert, gather, fused gate+up+SiLU,
-// fused down + weighted accumulation — spread over every compute thread.
+// down (weighted, one output row per routed pair), then each token's rows
+// summed — spread over every compute thread in units taken in turn.
 //
 // Forward() = Validate + GroupByExpert + Run. Run() computes pairs a caller
 // already grouped (a GPU worker's cpu backend hands its hit groups as they
@@ -29,8 +30,9 @@ struct ForwardStats {
   int pairs = 0;
   uint64_t queue_ns = 0;    // waiting for the pool
   uint64_t compute_ns = 0;
-  // compute_ns by phase: gather (+ quantize), gate/up, down (+ act quantize)
-  uint64_t gather_ns = 0, gate_up_ns = 0, down_ns = 0;
+  // compute_ns by phase: gather (+ quantize), gate/up, down (+ act quantize),
+  // combine (each token's rows summed into the output)
+  uint64_t gather_ns = 0, gate_up_ns = 0, down_ns = 0, combine_ns = 0;
 };
 
 class MoeExecutor {
@@ -59,7 +61,8 @@ class MoeExecutor {
   int row_align() const { return kernel_.row_block(store_.geometry().format); }
 
  private:
-  // Gate/up work: activation groups [c0, c1) of rows [r0, r1) of one expert group.
+  // Work of one expert group's rows [r0, r1): gate/up activation groups or
+  // down output groups [c0, c1).
   struct Unit { int group, c0, c1, r0, r1; };
   class Buffer {
    public:
@@ -70,8 +73,10 @@ class MoeExecutor {
     size_t cap_ = 0;
   };
 
-  // Under mu_: splits the groups' gate/up work into units_.
+  // Under mu_: splits the groups' gate/up work into units_, down's into down_units_.
   void PlanUnits(const ExpertGroups& groups);
+  // Under mu_: token_start_ / token_rows_, each token's rows (token[r], r < rows).
+  void IndexTokenRows(int n, const int32_t* token, int rows);
   // Under mu_: Run's computation, the groups already checked.
   absl::Status RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
                          const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats,
@@ -83,8 +88,9 @@ class MoeExecutor {
   std::mutex mu_;  // guards everything below (one batch at a time)
   ExpertGroups groups_;                     // Forward's grouping
   std::vector<const std::byte*> weights_;  // per group
-  std::vector<Unit> units_;
-  Buffer x_buf_, act_buf_, out_buf_;
+  std::vector<Unit> units_, down_units_;
+  std::vector<int32_t> token_start_, token_rows_, fill_;  // IndexTokenRows
+  Buffer x_buf_, act_buf_, y_buf_, acc_buf_;
   Buffer xq_buf_, actq_buf_;  // integer weights: x and act quantized per row (KernelRows)
   std::vector<int32_t> pad_token_;  // a caller's groups padded to whole row blocks
   std::vector<float> pad_weight_;

@@ -42,10 +42,12 @@ inline __m512 LoadBf16(const uint16_t* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// o[j] += w * y[j] for the lanes in `mask`.
-inline void AccumulateMasked(float* o, __mmask16 mask, float w, __m512 y) {
-  const __m512 cur = _mm512_maskz_loadu_ps(mask, o);
-  _mm512_mask_storeu_ps(o, mask, _mm512_fmadd_ps(_mm512_set1_ps(w), y, cur));
+// o[j] = w * y[0][j], o[16 + j] = w * y[1][j] for the lanes in m0, m1 (one
+// output group of 32 columns; Down's store).
+inline void StoreWeighted(float* o, __mmask16 m0, __mmask16 m1, float w, const __m512 y[2]) {
+  const __m512 wv = _mm512_set1_ps(w);
+  _mm512_mask_storeu_ps(o, m0, _mm512_mul_ps(wv, y[0]));
+  _mm512_mask_storeu_ps(o + 16, m1, _mm512_mul_ps(wv, y[1]));
 }
 
 // Lanes of columns [col0, col0+16) that are < H.
@@ -171,17 +173,17 @@ struct KernelRows;
 // multiply padding.
 void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const uint16_t* x, int m,
                   uint16_t* act, int c0, int c1);
-void Avx512DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
-                          const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1);
+void Avx512Down(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
+                          const float* weight, float* out, int ldo, int c0, int c1);
 // The same for fp8 experts (bf16 x, act).
 void Avx512Fp8GateUp(const ExpertGeometry& g, const std::byte* packed, const uint16_t* x, int m, uint16_t* act,
                      int c0, int c1);
-void Avx512Fp8DownAccumulate(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
-                             const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1);
+void Avx512Fp8Down(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
+                             const float* weight, float* out, int ldo, int c0, int c1);
 // Its AVX-512-VNNI entry points for int8/int4 experts (x, act quantized as
 // KernelRows describes); the amx kernel's path for those formats too.
 void Avx512VnniGateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m,
                       uint16_t* act, int c0, int c1);
-void Avx512VnniDownAccumulate(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                              const int32_t* token, const float* weight, float* out, int ldo, int c0, int c1);
+void Avx512VnniDown(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
+                              const float* weight, float* out, int ldo, int c0, int c1);
 }  // namespace moe

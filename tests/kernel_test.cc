@@ -1,7 +1,7 @@
 // Every expert kernel (amx, avx512, reference) in every storage format (bf16,
 // int8, int4, fp8) through the real executor (grouping, gather, activation
-// quantization, fused gate+up+SiLU, fused down + weighted accumulation, the
-// pinned thread pool) against an f64 reference MoE, on random non-zero data.
+// quantization, fused gate+up+SiLU, down (one weighted row per pair), the
+// per-token sum, the pinned thread pool) against an f64 reference MoE, on random non-zero data.
 // bf16: the reference MoE of the model, relative L2 error <= 1e-2. int8/int4:
 // the f64 MoE of the weights the packed experts stand for (UnpackExpert),
 // activation quantization included: <= 1e-2 (int8), <= 3e-2 (int4).
@@ -302,17 +302,14 @@ TEST_P(Fp8Checkpoint, EveryCodeDecodesExactly) {
   std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(GetParam(), WeightFormat::kFp8);
   const int rows = 16, ldo = g.Hn + 16;  // 16: the amx kernel's row block (rows past m are padding)
   std::vector<bf16_t> act(size_t(rows) * g.lda());
-  std::vector<int32_t> token(rows, -1);
   std::vector<float> weight(rows, 1.0f), out(size_t(rows) * ldo);
   for (int m : {1, 8}) {
-    for (int r = 0; r < m; ++r) token[r] = r;
     int64_t wrong = 0;
     for (int k = 0; k < I; ++k) {
       std::fill(act.begin(), act.end(), bf16_t{0});
       for (int r = 0; r < m; ++r) act[size_t(r) * g.lda() + k] = F32ToBf16(1.0f);
       std::fill(out.begin(), out.end(), 0.0f);
-      kernel->DownAccumulate(g, packed.get(), KernelRows{act.data()}, m, token.data(), weight.data(), out.data(), ldo,
-                             0, g.down_groups());
+      kernel->Down(g, packed.get(), KernelRows{act.data()}, m, weight.data(), out.data(), ldo, 0, g.down_groups());
       for (int r = 0; r < m; ++r)
         for (int n = 0; n < H; ++n) {
           const float want = Fp8E4M3ToF32(w.down.codes[size_t(n) * I + k]) * 0.125f;
@@ -392,7 +389,7 @@ TEST(Fp8Checkpoint, BlocksTheKernelsCannotGroupAreRefused) {
 // against the reference kernel on the same packed experts and quantized rows,
 // at row counts around the 4-row VNNI chunks and the 8/16-token tiles. All
 // compute the same exact int32 dot products; only the f32 combination order
-// differs (and GateUp's exp), so DownAccumulate's f32 output (from the same
+// differs (and GateUp's exp), so Down's f32 output (from the same
 // act) matches within 1e-5 relative L2. GateUp stores bf16, where an f32
 // difference of ~1e-7 still flips a rounding now and then (one flip alone
 // can exceed any small L2 bound at m = 1): at most 1% of act elements may
@@ -464,35 +461,31 @@ class IntDirectTest : public ::testing::TestWithParam<const char*> {
     }
   }
 
-  // DownAccumulate into rows of ldo > H floats holding random values; rows
-  // with r % 4 == 2 have no token. Compares what was added; the columns past
-  // H stay as they were.
+  // Down into rows of ldo > H floats holding random values, plus one row
+  // past m that must stay as it was; so must the columns past H.
   void CheckDown(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m, uint64_t seed) {
     const int ldo = g.H + 3;
-    std::vector<int32_t> token(m);
     std::vector<float> weight(m);
-    for (int r = 0; r < m; ++r) {
-      token[r] = r % 4 == 2 ? -1 : m - 1 - r;
-      weight[r] = 0.25f + 0.125f * (r % 5);
-    }
-    const std::vector<bf16_t> init16 = RandomActivations(size_t(m) * ldo, seed + 7);
+    for (int r = 0; r < m; ++r) weight[r] = 0.25f + 0.125f * (r % 5);
+    const std::vector<bf16_t> init16 = RandomActivations(size_t(m + 1) * ldo, seed + 7);
     std::vector<float> init(init16.size());
     Bf16ToF32(init16.data(), init.data(), init.size());
     std::vector<float> out_ref = init, out = init;
     const int groups = g.down_groups(), split = (groups + 1) / 2;
-    ref_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out_ref.data(), ldo, 0, groups);
-    kernel_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out.data(), ldo, 0, split);
-    kernel_->DownAccumulate(g, packed, ar, m, token.data(), weight.data(), out.data(), ldo, split, groups);
+    ref_->Down(g, packed, ar, m, weight.data(), out_ref.data(), ldo, 0, groups);
+    kernel_->Down(g, packed, ar, m, weight.data(), out.data(), ldo, 0, split);
+    kernel_->Down(g, packed, ar, m, weight.data(), out.data(), ldo, split, groups);
     std::vector<double> got, want;
-    for (int t = 0; t < m; ++t) {
+    for (int t = 0; t <= m; ++t) {
       for (int col = 0; col < ldo; ++col) {
         const size_t i = size_t(t) * ldo + col;
-        if (col >= g.H) {
-          ASSERT_EQ(out[i], init[i]) << "column " << col << " past H=" << g.H << " written";
+        if (col >= g.H || t == m) {
+          ASSERT_EQ(out[i], init[i]) << "row " << t << " column " << col << " (H=" << g.H << ", m=" << m
+                                     << ") written";
           continue;
         }
-        got.push_back(double(out[i]) - init[i]);
-        want.push_back(double(out_ref[i]) - init[i]);
+        got.push_back(out[i]);
+        want.push_back(out_ref[i]);
       }
     }
     EXPECT_LE(RelativeL2Error(got.data(), want.data(), got.size()), 1e-5);

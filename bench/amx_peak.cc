@@ -1,0 +1,131 @@
+#include "bench/amx_peak.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+namespace moe {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Where each k block's tiles are read from. A: two 16-row tiles per 32-k
+// block, rows `a_ld` bytes apart (64: each tile one contiguous 1 KiB);
+// `a_blocks` distinct k blocks (1: the same two tiles every time, L1). B: two
+// 1 KiB tiles per k block, `b_pairs` column pairs of kKBlocks blocks each
+// (1 pair of 1 block: L1).
+struct Placement {
+  const char* name;
+  int a_ld, a_blocks, b_pairs, b_blocks;
+};
+constexpr int kKBlocks = 64;  // K = 2048, Qwen3-30B-A3B's gate/up
+constexpr Placement kPlacements[] = {
+    {"A, B in L1", 64, 1, 1, 1},
+    {"A in L1, B from L2 (256 KiB)", 64, 1, 2, kKBlocks},
+    {"A packed and B from L2", 64, kKBlocks, 2, kKBlocks},
+    {"A rows 4224 B apart (the kernels' x) and B from L2", 4224, kKBlocks, 2, kKBlocks},
+};
+
+__attribute__((target("amx-tile,amx-bf16"))) void TileLoop(const std::byte* a, const std::byte* b,
+                                                             const Placement& p, int reps, float* sink) {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+  const size_t a_tile2 = static_cast<size_t>(16) * p.a_ld;  // second A tile: 16 rows further
+  for (int rep = 0; rep < reps; ++rep) {
+    for (int pair = 0; pair < p.b_pairs; ++pair) {
+      const std::byte* b0 = b + static_cast<size_t>(pair) * 2 * p.b_blocks * 1024;
+      const std::byte* b1 = b0 + static_cast<size_t>(p.b_blocks) * 1024;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int kb = 0; kb < kKBlocks; ++kb) {
+        const size_t ao = p.a_ld == 64 ? size_t(kb % p.a_blocks) * 2048 : size_t(kb % p.a_blocks) * 64;
+        const size_t bo = size_t(kb % p.b_blocks) * 1024;
+        _tile_loadd(4, a + ao, p.a_ld);
+        _tile_loadd(5, a + ao + (p.a_ld == 64 ? 1024 : a_tile2), p.a_ld);
+        _tile_loadd(6, b0 + bo, 64);
+        _tile_loadd(7, b1 + bo, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, sink, 64);
+      _tile_stored(3, sink + 256, 64);
+    }
+  }
+  _tile_release();
+}
+
+// Small random bf16 values (no zeros, no denormals).
+void FillBf16(std::byte* p, size_t bytes, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto* v = reinterpret_cast<uint16_t*>(p);
+  for (size_t i = 0; i < bytes / 2; ++i) v[i] = static_cast<uint16_t>(0x3c00 + (rng() & 0x3ff));
+}
+
+AmxPeak Measure(ComputePool& pool, const Placement& p, int threads, double seconds) {
+  const size_t a_bytes = p.a_ld == 64 ? size_t(p.a_blocks) * 2048 : size_t(32) * p.a_ld;
+  const size_t b_bytes = size_t(p.b_pairs) * 2 * p.b_blocks * 1024;
+  const double flops_per_rep = 2.0 * 4 * p.b_pairs * kKBlocks * 16 * 16 * 32;
+  int reps = 1;
+  std::vector<double> tflops;
+  for (int run = -1; run < 5; ++run) {
+    // Each thread times its own loop; the threads' rates add up (they run at once).
+    std::vector<double> rate(threads, 0.0);
+    pool.Run([&](int t, int) {
+      if (t >= threads) return;
+      auto* a = static_cast<std::byte*>(std::aligned_alloc(4096, (a_bytes + 4095) / 4096 * 4096));
+      auto* b = static_cast<std::byte*>(std::aligned_alloc(4096, (b_bytes + 4095) / 4096 * 4096));
+      alignas(64) float sink[512];
+      FillBf16(a, a_bytes, 17 + t);
+      FillBf16(b, b_bytes, 91 + t);
+      TileLoop(a, b, p, 1, sink);  // warm the caches
+      const Clock::time_point t0 = Clock::now();
+      TileLoop(a, b, p, reps, sink);
+      rate[t] = flops_per_rep * reps / std::chrono::duration<double>(Clock::now() - t0).count();
+      std::free(a);
+      std::free(b);
+    });
+    if (run < 0) {  // the first run sizes the later ones: about `seconds` each
+      reps = std::max(1, static_cast<int>(seconds * rate[0] / flops_per_rep));
+      continue;
+    }
+    double sum = 0;
+    for (double r : rate) sum += r;
+    tflops.push_back(sum / 1e12);
+  }
+  std::sort(tflops.begin(), tflops.end());
+  return {p.name, threads, tflops[tflops.size() / 2], tflops.front(), tflops.back(), static_cast<int>(tflops.size())};
+}
+
+}  // namespace
+
+std::vector<AmxPeak> MeasureAmxPeaks(ComputePool& pool, double seconds) {
+  std::vector<int> counts = {1};
+  if (pool.size() >= 4) counts.push_back(pool.size() / 2);
+  if (pool.size() > 1) counts.push_back(pool.size());
+  std::vector<AmxPeak> out;
+  for (const Placement& p : kPlacements)
+    for (int n : counts) out.push_back(Measure(pool, p, n, seconds));
+  return out;
+}
+
+}  // namespace moe
