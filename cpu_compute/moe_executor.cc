@@ -24,9 +24,15 @@ constexpr int kRowsPerUnit = 128;
 // 32 columns) one down unit takes (PlanUnits).
 constexpr int kDownUnitsPerThread = 8;
 constexpr int kMaxDownGroupsPerUnit = 8;
-// Rows per gather (and act quantization) claim; tokens per combine claim.
+// Rows per gather (and act quantization) claim: up to kGatherRows, fewer when
+// that would leave threads without about kClaimsPerThread claims (at 16 rows
+// a claim of 16 left one thread quantizing every row while 15 waited: 22% of a
+// DeepSeek-V3 int8 expert's call). At most kCombineTokens tokens per combine
+// claim, likewise.
 constexpr int kGatherRows = 16;
+constexpr int kClaimsPerThread = 4;
 constexpr int kCombineTokens = 4;
+constexpr int kCombineMinColumns = 256;
 
 uint64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -160,8 +166,9 @@ void MoeExecutor::IndexTokenRows(int n, const int32_t* token, int rows) {
 }
 
 namespace {
-// out[col] = sum over `rows` of y[row * ldy + col] for col < H, as bf16 or f32
-// (zeros for no rows); acc is H floats of scratch.
+// out[col] = sum over `rows` of y[row * ldy + col] for col < H (a column range:
+// y and out start at its first column), as bf16 or f32 (zeros for no rows);
+// acc is H floats of scratch.
 void SumRows(const float* y, int ldy, const int32_t* rows, int nrows, int H, DType out_dtype, void* out,
              float* acc) {
   float* dst = out_dtype == DType::kF32 ? static_cast<float*>(out) : acc;
@@ -248,6 +255,14 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   // Every phase's work is taken in turn (PlanUnits); a phase ends when the
   // last thread reaches its barrier (ForwardStats).
   std::atomic<int> next_gather{0}, next_unit{0}, next_quant{0}, next_down{0}, next_token{0};
+  const int claim = std::clamp(rows / (kClaimsPerThread * pool_.size()), 1, kGatherRows);
+  // The combine: few tokens (decode) split their columns too, in ranges of at
+  // least kCombineMinColumns.
+  const int col_chunks = std::clamp((kClaimsPerThread * pool_.size() + n - 1) / std::max(1, n), 1,
+                                    std::max(1, H / kCombineMinColumns));
+  const int col_width = ((H + col_chunks - 1) / col_chunks + 15) / 16 * 16;
+  const int tok_claim = col_chunks > 1 ? 1 : std::clamp(n / (kClaimsPerThread * pool_.size()), 1, kCombineTokens);
+  const int combine_units = (n + tok_claim - 1) / tok_claim * col_chunks;
   std::atomic<uint64_t> phase_end[3] = {0, 0, 0};
   auto gather_rows = [&](bf16_t* dst0, int r0, int r1) {
     for (int r = r0; r < r1; ++r) {
@@ -263,8 +278,8 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   auto arrive = [&](int p) { AtomicMax(phase_end[p], NowNs(), std::memory_order_relaxed); };
   pool_.Run([&](int t, int) {
     // Phase 0: gather each row's token (padding rows and columns zero).
-    for (int r0; (r0 = next_gather.fetch_add(kGatherRows, std::memory_order_relaxed)) < rows;) {
-      const int r1 = std::min(rows, r0 + kGatherRows);
+    for (int r0; (r0 = next_gather.fetch_add(claim, std::memory_order_relaxed)) < rows;) {
+      const int r1 = std::min(rows, r0 + claim);
       gather_rows(x + size_t(r0) * ldx, r0, r1);
       if (g.int_activations()) quantize(x, g.Kh, ldx, xq, r0, r1);
     }
@@ -280,8 +295,8 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     arrive(1);
     pool_.Barrier();
     if (g.int_activations()) {  // the down projection reads act quantized per row
-      for (int r0; (r0 = next_quant.fetch_add(kGatherRows, std::memory_order_relaxed)) < rows;)
-        quantize(act, g.Ki, lda, aq, r0, std::min(rows, r0 + kGatherRows));
+      for (int r0; (r0 = next_quant.fetch_add(claim, std::memory_order_relaxed)) < rows;)
+        quantize(act, g.Ki, lda, aq, r0, std::min(rows, r0 + claim));
       pool_.Barrier();
     }
     // Phase 2: y_r = weight_r * (act_r W2^T).
@@ -293,13 +308,15 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     }
     arrive(2);
     pool_.Barrier();
-    // Phase 3: out_t = sum of token t's rows of y.
+    // Phase 3: out_t = sum of token t's rows of y, in units of `tok_claim`
+    // tokens x one of `col_chunks` column ranges.
     float* my_acc = acc + size_t(t) * (g.Hn + 16);
-    const size_t out_row = size_t(H) * (out_dtype == DType::kBF16 ? 2 : 4);
-    for (int t0; (t0 = next_token.fetch_add(kCombineTokens, std::memory_order_relaxed)) < n;) {
-      for (int tok = t0, te = std::min(n, t0 + kCombineTokens); tok < te; ++tok)
-        SumRows(y, ldy, token_rows_.data() + token_start_[tok], token_start_[tok + 1] - token_start_[tok], H,
-                out_dtype, static_cast<std::byte*>(out) + tok * out_row, my_acc);
+    const size_t elem = out_dtype == DType::kBF16 ? 2 : 4;
+    for (int u; (u = next_token.fetch_add(1, std::memory_order_relaxed)) < combine_units;) {
+      const int t0 = u / col_chunks * tok_claim, c0 = u % col_chunks * col_width, c1 = std::min(H, c0 + col_width);
+      for (int tok = t0, te = std::min(n, t0 + tok_claim); tok < te; ++tok)
+        SumRows(y + c0, ldy, token_rows_.data() + token_start_[tok], token_start_[tok + 1] - token_start_[tok],
+                c1 - c0, out_dtype, static_cast<std::byte*>(out) + (size_t(tok) * H + c0) * elem, my_acc);
     }
   });
 

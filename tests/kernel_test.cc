@@ -186,6 +186,14 @@ TEST_P(KernelTest, ShapesNotMultiplesOf64) {
   Check({256, 192, 16, 8}, 40, 2, DType::kF32, 23);
 }
 
+// Few tokens: the executor sums each token's rows in column ranges spread over
+// the threads (H = 1000: ranges of 336 columns and a shorter last one); token
+// 3 has no pairs, so one range of zeros too.
+TEST_P(KernelTest, FewTokensSumTheirRowsInColumnRanges) {
+  Check({1000, 64, 4, 2}, 1, 2, DType::kBF16, 50);
+  Check({1000, 64, 4, 2}, 5, 2, DType::kF32, 51);
+}
+
 TEST_P(KernelTest, ManyTokensPerExpert) {
   // > 32 rows per expert exercises two-row-block tiles and row remainders.
   Check({128, 96, 4, 2}, 150, 2, DType::kBF16, 30);
