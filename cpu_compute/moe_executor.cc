@@ -221,7 +221,14 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   }
   IndexTokenRows(n, token, rows);
   const int ldx = g.ldx(), lda = g.lda();  // row strides (expert_kernel.h)
-  bf16_t* x = static_cast<bf16_t*>(x_buf_.Reserve(std::max<size_t>(1, size_t(rows) * ldx * 2)));
+  // Integer weights with no K padding quantize each token's row where the
+  // caller holds it: the kernels read only the quantized rows, and copying
+  // the bf16 rows first wrote as many bytes again into lines the previous
+  // call's threads had read (measured on the AMX host: 16 threads copying 4
+  // MiB take 2.2x as long when every thread has just read the destination).
+  const bool quantize_in_place = g.int_activations() && g.Kh == H;
+  bf16_t* x = quantize_in_place ? nullptr
+                                : static_cast<bf16_t*>(x_buf_.Reserve(std::max<size_t>(1, size_t(rows) * ldx * 2)));
   bf16_t* act = static_cast<bf16_t*>(act_buf_.Reserve(std::max<size_t>(1, size_t(rows) * lda * 2)));
   // Down writes each row's weighted output into f32 rows of y, one 64-byte
   // line longer than a multiple of 128 bytes (at H = 2048, rows 8 KiB apart
@@ -280,6 +287,20 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     // Phase 0: gather each row's token (padding rows and columns zero).
     for (int r0; (r0 = next_gather.fetch_add(claim, std::memory_order_relaxed)) < rows;) {
       const int r1 = std::min(rows, r0 + claim);
+      if (quantize_in_place) {
+        for (int r = r0; r < r1; ++r) {
+          if (token[r] >= 0) {
+            // (one row: ldx is only the hi -> lo distance in q)
+            QuantizeRows(tokens + size_t(token[r]) * H, 1, H, ldx, xq.q + size_t(2 * r) * ldx, xq.scale + r,
+                         xq.sum64 + size_t(2 * r) * (H / 64));
+          } else {
+            std::memset(xq.q + size_t(2 * r) * ldx, 0, size_t(2) * ldx);
+            xq.scale[r] = 0;
+            std::memset(xq.sum64 + size_t(2 * r) * (H / 64), 0, size_t(2) * (H / 64) * 4);
+          }
+        }
+        continue;
+      }
       gather_rows(x + size_t(r0) * ldx, r0, r1);
       if (g.int_activations()) quantize(x, g.Kh, ldx, xq, r0, r1);
     }
