@@ -7,7 +7,11 @@
 // already grouped (a GPU worker's cpu backend hands its hit groups as they
 // are). Both may be called from any number of threads; calls validate
 // concurrently and then run one at a time on the whole pool. Workspaces grow
-// to the largest batch seen and are reused: no allocation per token.
+// to the largest batch seen and are reused: no allocation per token. The
+// largest is the down projection's output, one f32 row of H + 16 per routed
+// pair (128 MiB for a 2048-token top-8 prompt of Qwen3-30B-A3B's shape); the
+// gathered bf16 rows (not kept for int8 / int4 weights whose K needs no
+// padding) take about half of that.
 #pragma once
 
 #include <cstdint>
