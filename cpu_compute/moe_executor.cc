@@ -119,11 +119,12 @@ absl::Status MoeExecutor::Run(int layer, int n, const bf16_t* tokens, const Expe
   return RunLocked(layer, n, tokens, groups, store_expert, out_dtype, out, stats, t_queue, NowNs());
 }
 
-// Work units, taken in turn by the threads (RunLocked): the cores of one
-// host run at different speeds under AMX (measured on the AMX host: in one
-// call, threads finished 3 to 11 of 96 equal gate/up units, and a fixed
-// split of the down projection, one column chunk per thread, ended 0.6-1.5
-// ms after it began), so every phase is split into several units per thread.
+// Work units, several per thread, which a thread takes from its own range
+// first and then from the others' (RunLocked): the cores of one host run at
+// different speeds under AMX (measured on the AMX host: in one call, threads
+// finished 3 to 11 of 96 equal gate/up units, and a fixed split of the down
+// projection, one column chunk per thread, ended 0.6-1.5 ms after it began),
+// so no fixed split of a phase ends when the average thread does.
 //  - gate/up: a whole weight panel (kGroupsPerUnit activation groups) against
 //    at most kRowsPerUnit rows of one expert;
 //  - down: `down_groups` output groups of at most kRowsPerUnit rows of one
@@ -142,13 +143,19 @@ void MoeExecutor::PlanUnits(const ExpertGroups& groups) {
   const int64_t want = int64_t{kDownUnitsPerThread} * T;
   const int down_groups = static_cast<int>(
       std::clamp<int64_t>(row_chunks * g.down_groups() / std::max<int64_t>(1, want), 1, kMaxDownGroupsPerUnit));
+  // Per expert, row chunks in pairs, each pair's column units in order: a
+  // run of consecutive units (what one thread takes first, RunLocked) shares
+  // rows (A) and weights (B) both.
+  constexpr int pair = 2;
   for (int i = 0; i < ngroups; ++i) {
-    for (int r = 0; r < groups.count[i]; r += kRowsPerUnit) {
-      const int re = std::min(groups.count[i], r + kRowsPerUnit);
+    for (int rp = 0; rp < groups.count[i]; rp += pair * kRowsPerUnit) {
+      const int rpe = std::min(groups.count[i], rp + pair * kRowsPerUnit);
       for (int c = 0; c < g.gate_up_groups(); c += per_unit)
-        units_.push_back({i, c, std::min(g.gate_up_groups(), c + per_unit), r, re});
+        for (int r = rp; r < rpe; r += kRowsPerUnit)
+          units_.push_back({i, c, std::min(g.gate_up_groups(), c + per_unit), r, std::min(rpe, r + kRowsPerUnit)});
       for (int c = 0; c < g.down_groups(); c += down_groups)
-        down_units_.push_back({i, c, std::min(g.down_groups(), c + down_groups), r, re});
+        for (int r = rp; r < rpe; r += kRowsPerUnit)
+          down_units_.push_back({i, c, std::min(g.down_groups(), c + down_groups), r, std::min(rpe, r + kRowsPerUnit)});
     }
   }
 }
@@ -261,7 +268,32 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
 
   // Every phase's work is taken in turn (PlanUnits); a phase ends when the
   // last thread reaches its barrier (ForwardStats).
-  std::atomic<int> next_gather{0}, next_unit{0}, next_quant{0}, next_down{0}, next_token{0};
+  std::atomic<int> next_gather{0}, next_quant{0}, next_token{0};
+  // Gate/up and down units: each thread first takes its own contiguous range
+  // of the units in order, then what is left of the others' ranges. Taking
+  // every unit from one shared counter gave a thread units of unrelated rows
+  // and weights one after another (all from L3 or other cores' caches): the
+  // 512-token layer ran 14.8 ms against 11.9 with ranges (bench/RESULTS.md
+  // stop 29, call 12).
+  const int T = pool_.size();
+  cursors_.resize(2 * T);
+  for (int p = 0; p < 2; ++p) {
+    const int total = static_cast<int>(p == 0 ? units_.size() : down_units_.size());
+    for (int t = 0; t < T; ++t) {
+      cursors_[p * T + t].next.store(int(int64_t{total} * t / T), std::memory_order_relaxed);
+      cursors_[p * T + t].end = int(int64_t{total} * (t + 1) / T);
+    }
+  }
+  // Thread t's next unit of phase p: its own range first, then the others' in turn; -1 when none is left.
+  auto take_unit = [&](int p, int t) {
+    for (int i = 0; i < T; ++i) {
+      Cursor& c = cursors_[p * T + (t + i) % T];
+      if (c.next.load(std::memory_order_relaxed) >= c.end) continue;
+      const int u = c.next.fetch_add(1, std::memory_order_relaxed);
+      if (u < c.end) return u;
+    }
+    return -1;
+  };
   const int claim = std::clamp(rows / (kClaimsPerThread * pool_.size()), 1, kGatherRows);
   // The combine: few tokens (decode) split their columns too, in ranges of at
   // least kCombineMinColumns.
@@ -307,7 +339,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     arrive(0);
     pool_.Barrier();
     // Phase 1: act = silu(x W1^T) * (x W3^T).
-    for (int u; (u = next_unit.fetch_add(1, std::memory_order_relaxed)) < static_cast<int>(units_.size());) {
+    for (int u; (u = take_unit(0, t)) >= 0;) {
       const Unit& un = units_[u];
       const int rb = groups.row_begin[un.group] + un.r0;
       kernel_.GateUp(g, weights_[un.group], xin.At(rb, ldx, g.Kh), un.r1 - un.r0, act + size_t(rb) * lda, un.c0,
@@ -321,7 +353,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
       pool_.Barrier();
     }
     // Phase 2: y_r = weight_r * (act_r W2^T).
-    for (int u; (u = next_down.fetch_add(1, std::memory_order_relaxed)) < static_cast<int>(down_units_.size());) {
+    for (int u; (u = take_unit(1, t)) >= 0;) {
       const Unit& un = down_units_[u];
       const int rb = groups.row_begin[un.group] + un.r0;
       kernel_.Down(g, weights_[un.group], ain.At(rb, lda, g.Ki), un.r1 - un.r0, weight + rb, y + size_t(rb) * ldy,

@@ -14,6 +14,7 @@
 // padding) take about half of that.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -93,6 +94,13 @@ class MoeExecutor {
   ExpertGroups groups_;                     // Forward's grouping
   std::vector<const std::byte*> weights_;  // per group
   std::vector<Unit> units_, down_units_;
+  struct Cursor {
+    alignas(64) std::atomic<int> next{0};
+    int end = 0;
+    Cursor() = default;
+    Cursor(const Cursor& o) : next(o.next.load()), end(o.end) {}
+  };
+  std::vector<Cursor> cursors_;  // per phase (gate/up, down) and thread: its range of the units
   std::vector<int32_t> token_start_, token_rows_, fill_;  // IndexTokenRows
   Buffer x_buf_, act_buf_, y_buf_, acc_buf_;
   Buffer xq_buf_, actq_buf_;  // integer weights: x and act quantized per row (KernelRows)
