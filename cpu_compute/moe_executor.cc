@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/atomic_max.h"
@@ -178,6 +180,8 @@ namespace {
 // acc is H floats of scratch.
 void SumRows(const float* y, int ldy, const int32_t* rows, int nrows, int H, DType out_dtype, void* out,
              float* acc) {
+  if (nrows == 1 && out_dtype == DType::kBF16)  // one row (k = 1 here): converted straight
+    return F32ToBf16(y + size_t(rows[0]) * ldy, static_cast<bf16_t*>(out), size_t(H));
   float* dst = out_dtype == DType::kF32 ? static_cast<float*>(out) : acc;
   if (nrows == 0) {
     std::memset(dst, 0, size_t(H) * 4);
@@ -268,32 +272,6 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
 
   // Every phase's work is taken in turn (PlanUnits); a phase ends when the
   // last thread reaches its barrier (ForwardStats).
-  std::atomic<int> next_gather{0}, next_quant{0}, next_token{0};
-  // Gate/up and down units: each thread first takes its own contiguous range
-  // of the units in order, then what is left of the others' ranges. Taking
-  // every unit from one shared counter gave a thread units of unrelated rows
-  // and weights one after another (all from L3 or other cores' caches): the
-  // 512-token layer ran 14.8 ms against 11.9 with ranges (bench/RESULTS.md
-  // stop 29, call 12).
-  const int T = pool_.size();
-  cursors_.resize(2 * T);
-  for (int p = 0; p < 2; ++p) {
-    const int total = static_cast<int>(p == 0 ? units_.size() : down_units_.size());
-    for (int t = 0; t < T; ++t) {
-      cursors_[p * T + t].next.store(int(int64_t{total} * t / T), std::memory_order_relaxed);
-      cursors_[p * T + t].end = int(int64_t{total} * (t + 1) / T);
-    }
-  }
-  // Thread t's next unit of phase p: its own range first, then the others' in turn; -1 when none is left.
-  auto take_unit = [&](int p, int t) {
-    for (int i = 0; i < T; ++i) {
-      Cursor& c = cursors_[p * T + (t + i) % T];
-      if (c.next.load(std::memory_order_relaxed) >= c.end) continue;
-      const int u = c.next.fetch_add(1, std::memory_order_relaxed);
-      if (u < c.end) return u;
-    }
-    return -1;
-  };
   const int claim = std::clamp(rows / (kClaimsPerThread * pool_.size()), 1, kGatherRows);
   // The combine: few tokens (decode) split their columns too, in ranges of at
   // least kCombineMinColumns.
@@ -302,6 +280,36 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   const int col_width = ((H + col_chunks - 1) / col_chunks + 15) / 16 * 16;
   const int tok_claim = col_chunks > 1 ? 1 : std::clamp(n / (kClaimsPerThread * pool_.size()), 1, kCombineTokens);
   const int combine_units = (n + tok_claim - 1) / tok_claim * col_chunks;
+  // Every phase's items are split into one contiguous range per thread; a
+  // thread takes claims from its own range first, then from what is left of
+  // the others'. Taking every gate/up and down unit from one shared counter
+  // gave a thread units of unrelated rows and weights one after another (all
+  // from L3 or other cores' caches): the 512-token layer ran 14.8 ms against
+  // 11.9 with ranges (bench/RESULTS.md stop 29, call 12). The ranges of the
+  // gather, gate/up, down and combine line up (thread t's rows, then units
+  // of about the same rows), so a thread mostly reads what it wrote.
+  enum Phase { kGather, kGateUp, kQuantize, kDown, kCombine, kPhases };
+  const int T = pool_.size();
+  const int totals[kPhases] = {rows, static_cast<int>(units_.size()), rows, static_cast<int>(down_units_.size()),
+                               combine_units};
+  const int steps[kPhases] = {claim, 1, claim, 1, 1};
+  cursors_.resize(size_t(kPhases) * T);
+  for (int p = 0; p < kPhases; ++p) {
+    for (int t = 0; t < T; ++t) {
+      cursors_[p * T + t].next.store(int(int64_t{totals[p]} * t / T), std::memory_order_relaxed);
+      cursors_[p * T + t].end = int(int64_t{totals[p]} * (t + 1) / T);
+    }
+  }
+  // Thread t's next claim [first, second) of phase p; first = -1 when none is left.
+  auto take = [&](int p, int t) -> std::pair<int, int> {
+    for (int i = 0; i < T; ++i) {
+      Cursor& c = cursors_[p * T + (t + i) % T];
+      if (c.next.load(std::memory_order_relaxed) >= c.end) continue;
+      const int u = c.next.fetch_add(steps[p], std::memory_order_relaxed);
+      if (u < c.end) return {u, std::min(c.end, u + steps[p])};
+    }
+    return {-1, -1};
+  };
   std::atomic<uint64_t> phase_end[3] = {0, 0, 0};
   auto gather_rows = [&](bf16_t* dst0, int r0, int r1) {
     for (int r = r0; r < r1; ++r) {
@@ -317,8 +325,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   auto arrive = [&](int p) { AtomicMax(phase_end[p], NowNs(), std::memory_order_relaxed); };
   pool_.Run([&](int t, int) {
     // Phase 0: gather each row's token (padding rows and columns zero).
-    for (int r0; (r0 = next_gather.fetch_add(claim, std::memory_order_relaxed)) < rows;) {
-      const int r1 = std::min(rows, r0 + claim);
+    for (auto [r0, r1] = take(kGather, t); r0 >= 0; std::tie(r0, r1) = take(kGather, t)) {
       if (quantize_in_place) {
         for (int r = r0; r < r1; ++r) {
           if (token[r] >= 0) {
@@ -339,7 +346,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     arrive(0);
     pool_.Barrier();
     // Phase 1: act = silu(x W1^T) * (x W3^T).
-    for (int u; (u = take_unit(0, t)) >= 0;) {
+    for (int u; (u = take(kGateUp, t).first) >= 0;) {
       const Unit& un = units_[u];
       const int rb = groups.row_begin[un.group] + un.r0;
       kernel_.GateUp(g, weights_[un.group], xin.At(rb, ldx, g.Kh), un.r1 - un.r0, act + size_t(rb) * lda, un.c0,
@@ -348,12 +355,12 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     arrive(1);
     pool_.Barrier();
     if (g.int_activations()) {  // the down projection reads act quantized per row
-      for (int r0; (r0 = next_quant.fetch_add(claim, std::memory_order_relaxed)) < rows;)
-        quantize(act, g.Ki, lda, aq, r0, std::min(rows, r0 + claim));
+      for (auto [r0, r1] = take(kQuantize, t); r0 >= 0; std::tie(r0, r1) = take(kQuantize, t))
+        quantize(act, g.Ki, lda, aq, r0, r1);
       pool_.Barrier();
     }
     // Phase 2: y_r = weight_r * (act_r W2^T).
-    for (int u; (u = take_unit(1, t)) >= 0;) {
+    for (int u; (u = take(kDown, t).first) >= 0;) {
       const Unit& un = down_units_[u];
       const int rb = groups.row_begin[un.group] + un.r0;
       kernel_.Down(g, weights_[un.group], ain.At(rb, lda, g.Ki), un.r1 - un.r0, weight + rb, y + size_t(rb) * ldy,
@@ -365,7 +372,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     // tokens x one of `col_chunks` column ranges.
     float* my_acc = acc + size_t(t) * (g.Hn + 16);
     const size_t elem = out_dtype == DType::kBF16 ? 2 : 4;
-    for (int u; (u = next_token.fetch_add(1, std::memory_order_relaxed)) < combine_units;) {
+    for (int u; (u = take(kCombine, t).first) >= 0;) {
       const int t0 = u / col_chunks * tok_claim, c0 = u % col_chunks * col_width, c1 = std::min(H, c0 + col_width);
       for (int tok = t0, te = std::min(n, t0 + tok_claim); tok < te; ++tok)
         SumRows(y + c0, ldy, token_rows_.data() + token_start_[tok], token_start_[tok + 1] - token_start_[tok],

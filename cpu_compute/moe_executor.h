@@ -100,7 +100,7 @@ class MoeExecutor {
     Cursor() = default;
     Cursor(const Cursor& o) : next(o.next.load()), end(o.end) {}
   };
-  std::vector<Cursor> cursors_;  // per phase (gate/up, down) and thread: its range of the units
+  std::vector<Cursor> cursors_;  // per phase and thread: its range of the phase's items
   std::vector<int32_t> token_start_, token_rows_, fill_;  // IndexTokenRows
   Buffer x_buf_, act_buf_, y_buf_, acc_buf_;
   Buffer xq_buf_, actq_buf_;  // integer weights: x and act quantized per row (KernelRows)
