@@ -270,8 +270,8 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
                  dst.sum64 + size_t(2 * r0) * (K / 64));
   };
 
-  // Every phase's work is taken in turn (PlanUnits); a phase ends when the
-  // last thread reaches its barrier (ForwardStats).
+  // Claim sizes (see kGatherRows, kCombineTokens). A phase ends when the last
+  // thread reaches its barrier (ForwardStats).
   const int claim = std::clamp(rows / (kClaimsPerThread * pool_.size()), 1, kGatherRows);
   // The combine: few tokens (decode) split their columns too, in ranges of at
   // least kCombineMinColumns.
