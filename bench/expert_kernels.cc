@@ -242,6 +242,23 @@ std::pair<double, int> TimeMedian(const Options& o, Call&& call) {
   return {s[s.size() / 2], static_cast<int>(s.size())};
 }
 
+// MoeExecutor's phase times (ForwardStats) summed over the timed calls.
+struct PhaseTimes {
+  double ns[4] = {0, 0, 0, 0};
+  void Add(const ForwardStats& s) {
+    ns[0] += s.gather_ns;
+    ns[1] += s.gate_up_ns;
+    ns[2] += s.down_ns;
+    ns[3] += s.combine_ns;
+  }
+  // ", gather/gate-up/down/combine a/b/c/d%" (shares of their sum).
+  std::string Note() const {
+    const double all = std::max(1.0, ns[0] + ns[1] + ns[2] + ns[3]);
+    return absl::StrCat(", gather/gate-up/down/combine ", Num(100 * ns[0] / all), "/", Num(100 * ns[1] / all), "/",
+                        Num(100 * ns[2] / all), "/", Num(100 * ns[3] / all), "%");
+  }
+};
+
 // DRAM read bandwidth (bench/dram_bandwidth.h)
 
 double MeasureDramBandwidth(const Options& o, const NumaBinding& numa, ComputePool& pool, bool avx512,
@@ -749,19 +766,14 @@ void Benchmark::PerExpertCases(const ModelSpec& spec, const ModelSource& source,
       std::fill(ids.begin(), ids.end(), 0);
       r.note = Check(*executors[i], ref, batch, H, {0, m / 2, m - 1},
                      absl::StrCat(r.shape, " ", r.format, " m=", m, " ", r.impl));
-      ForwardStats stats;
-      double phase[4] = {0, 0, 0, 0};
+      PhaseTimes phases;
       std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
         std::fill(ids.begin(), ids.end(), call % n_copies);
+        ForwardStats stats;
         DieIf(executors[i]->Forward(batch, DType::kBF16, out.data(), &stats), "Forward");
-        phase[0] += stats.gather_ns;
-        phase[1] += stats.gate_up_ns;
-        phase[2] += stats.down_ns;
-        phase[3] += stats.combine_ns;
+        phases.Add(stats);
       });
-      const double all = std::max(1.0, phase[0] + phase[1] + phase[2] + phase[3]);
-      absl::StrAppend(&r.note, ", gather/gate-up/down/combine ", Num(100 * phase[0] / all), "/",
-                      Num(100 * phase[1] / all), "/", Num(100 * phase[2] / all), "/", Num(100 * phase[3] / all), "%");
+      r.note += phases.Note();
       Add(std::move(r), spec, m, 1, expert_bytes);
     }
     if (dnnl == nullptr) continue;
@@ -876,9 +888,13 @@ void Benchmark::LayerCase(const ModelSpec& spec, const ExpertStore& store, Refer
     r.impl = kernel->name();
     r.note = Check(ex, ref, batches[0], spec.hidden, {0, n - 1},
                    absl::StrCat(r.shape, " ", r.format, " ", r.case_name, " ", r.impl));
+    PhaseTimes phases;
     std::tie(r.seconds, r.runs) = TimeMedian(o_, [&](int call) {
-      DieIf(ex.Forward(batches[call % variants], DType::kBF16, out.data(), nullptr), "Forward");
+      ForwardStats stats;
+      DieIf(ex.Forward(batches[call % variants], DType::kBF16, out.data(), &stats), "Forward");
+      phases.Add(stats);
     });
+    r.note += phases.Note();
     Add(std::move(r), spec, pairs, distinct, static_cast<double>(store.geometry().packed_bytes()));
   }
   if (dnnl == nullptr) return;
