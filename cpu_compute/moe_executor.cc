@@ -47,9 +47,11 @@ MoeExecutor::Buffer::~Buffer() { std::free(p_); }
 void* MoeExecutor::Buffer::Reserve(size_t bytes) {
   if (bytes <= cap_) return p_;
   std::free(p_);
+  cap_ = 0;
   // Grow with slack so a slightly larger batch does not reallocate.
-  cap_ = ((bytes + bytes / 4) + 4095) / 4096 * 4096;
-  p_ = std::aligned_alloc(64, cap_);
+  const size_t cap = ((bytes + bytes / 4) + 4095) / 4096 * 4096;
+  p_ = std::aligned_alloc(64, cap);
+  if (p_ != nullptr) cap_ = cap;
   return p_;
 }
 
@@ -257,12 +259,20 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   } xq, aq;
   auto reserve = [&](Buffer& b, size_t K, size_t ld, Quantized* dst) {
     std::byte* p = static_cast<std::byte*>(b.Reserve(std::max<size_t>(1, rows * (2 * ld + 4 + K / 8))));
+    if (p == nullptr) return;
     *dst = {reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + rows * 2 * ld),
             reinterpret_cast<int32_t*>(p + rows * (2 * ld + 4))};
   };
   if (g.int_activations()) {
     reserve(xq_buf_, g.Kh, ldx, &xq);
     reserve(actq_buf_, g.Ki, lda, &aq);
+  }
+  if ((x == nullptr && !quantize_in_place) || act == nullptr || y == nullptr || acc == nullptr ||
+      (g.int_activations() && (xq.q == nullptr || aq.q == nullptr))) {
+    const size_t bytes = size_t(rows) * (size_t(ldx) * 2 + size_t(lda) * 2 + size_t(ldy) * 4);
+    return absl::ResourceExhaustedError(absl::StrCat("tokens: the workspace for ", groups.total_rows,
+                                                     " routed pairs (about ", bytes >> 20,
+                                                     " MiB) could not be allocated"));
   }
   const KernelRows xin{x, xq.q, xq.scale, xq.sum64}, ain{act, aq.q, aq.scale, aq.sum64};
   auto quantize = [&](const bf16_t* src, int K, int ld, const Quantized& dst, int r0, int r1) {

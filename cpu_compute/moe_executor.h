@@ -11,7 +11,9 @@
 // largest is the down projection's output, one f32 row of H + 16 per routed
 // pair (128 MiB for a 2048-token top-8 prompt of Qwen3-30B-A3B's shape); the
 // gathered bf16 rows (not kept for int8 / int4 weights whose K needs no
-// padding) take about half of that.
+// padding) take about half of that. A batch whose workspace cannot be
+// allocated fails with ResourceExhausted ("tokens: ..."); smaller batches
+// still run.
 #pragma once
 
 #include <atomic>

@@ -6,7 +6,12 @@
 // the f64 MoE of the weights the packed experts stand for (UnpackExpert),
 // activation quantization included: <= 1e-2 (int8), <= 3e-2 (int4).
 // Kernels this CPU lacks are reported as skipped, by name.
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -202,6 +207,56 @@ TEST_P(KernelTest, ManyTokensPerExpert) {
 TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
   Check({160, 112, 8, 2}, 12, 1, DType::kF32, 40);
   Check({160, 112, 8, 2}, 12, 2, DType::kF32, 40);
+}
+
+// A batch whose workspace cannot be allocated is an error, not a crash; the
+// executor then still serves a batch that fits. The child process runs with
+// its address space limited to what it uses plus 48 MiB, and the large batch
+// needs about 100 MiB of workspace (8192 tokens x top-2, H = 1024).
+TEST(ExecutorWorkspace, TooLargeABatchIsResourceExhausted) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto run = [] {
+    ModelSpec spec;
+    spec.model_type = "test";
+    spec.num_layers = 2;
+    spec.moe_layers = {1};
+    spec.num_experts = 4;
+    spec.top_k = 2;
+    spec.hidden = 1024;
+    spec.intermediate = 64;
+    std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, 7);
+    absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
+    if (!numa.ok()) std::_Exit(2);
+    ComputePool pool(**numa);
+    HostedSet hosted{{1}, {0, 1, 2, 3}};
+    absl::StatusOr<std::unique_ptr<ExpertStore>> store =
+        ExpertStore::Load(*source, ExpertGeometry::For(1024, 64), hosted, **numa, pool);
+    absl::StatusOr<std::unique_ptr<ExpertKernel>> kernel = MakeExpertKernel("auto", CpuFeatures::Get());
+    if (!store.ok() || !kernel.ok()) std::_Exit(3);
+    MoeExecutor exec(**store, **kernel, pool);
+    const int big = 8192, small = 4;
+    const std::vector<bf16_t> x = RandomActivations(size_t(big) * 1024, 8);
+    std::vector<int32_t> ids(size_t(big) * 2);
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i % 4);
+    const std::vector<float> w(ids.size(), 0.5f);
+    std::vector<bf16_t> out(size_t(big) * 1024);
+    long pages = 0;
+    if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    if (pages <= 0) std::_Exit(4);
+    const rlim_t limit = rlim_t(pages) * rlim_t(sysconf(_SC_PAGESIZE)) + (rlim_t{48} << 20);
+    const rlimit rl{limit, limit};
+    if (setrlimit(RLIMIT_AS, &rl) != 0) std::_Exit(5);
+    const absl::Status st = exec.Forward({1, big, x.data(), RoutingView{big, 2, ids.data(), w.data()}}, DType::kBF16,
+                                         out.data(), nullptr);
+    if (st.code() != absl::StatusCode::kResourceExhausted || st.message().find("tokens:") != 0) std::_Exit(6);
+    const absl::Status ok = exec.Forward({1, small, x.data(), RoutingView{small, 2, ids.data(), w.data()}},
+                                         DType::kBF16, out.data(), nullptr);
+    std::_Exit(ok.ok() ? 0 : 7);
+  };
+  EXPECT_EXIT(run(), ::testing::ExitedWithCode(0), "");
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, KernelTest,
