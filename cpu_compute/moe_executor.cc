@@ -44,6 +44,12 @@ uint64_t NowNs() {
 
 MoeExecutor::Buffer::~Buffer() { std::free(p_); }
 
+void MoeExecutor::Buffer::Release() {
+  std::free(p_);
+  p_ = nullptr;
+  cap_ = 0;
+}
+
 void* MoeExecutor::Buffer::Reserve(size_t bytes) {
   if (bytes <= cap_) return p_;
   std::free(p_);
@@ -270,6 +276,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   if ((x == nullptr && !quantize_in_place) || act == nullptr || y == nullptr || acc == nullptr ||
       (g.int_activations() && (xq.q == nullptr || aq.q == nullptr))) {
     const size_t bytes = size_t(rows) * (size_t(ldx) * 2 + size_t(lda) * 2 + size_t(ldy) * 4);
+    for (Buffer* b : {&x_buf_, &act_buf_, &y_buf_, &acc_buf_, &xq_buf_, &actq_buf_}) b->Release();
     return absl::ResourceExhaustedError(absl::StrCat("tokens: the workspace for ", groups.total_rows,
                                                      " routed pairs (about ", bytes >> 20,
                                                      " MiB) could not be allocated"));

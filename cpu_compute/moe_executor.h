@@ -12,8 +12,8 @@
 // pair (128 MiB for a 2048-token top-8 prompt of Qwen3-30B-A3B's shape); the
 // gathered bf16 rows (not kept for int8 / int4 weights whose K needs no
 // padding) take about half of that. A batch whose workspace cannot be
-// allocated fails with ResourceExhausted ("tokens: ..."); smaller batches
-// still run.
+// allocated fails with ResourceExhausted ("tokens: ...") and gives every
+// workspace back; smaller batches still run.
 #pragma once
 
 #include <atomic>
@@ -74,7 +74,8 @@ class MoeExecutor {
   class Buffer {
    public:
     ~Buffer();
-    void* Reserve(size_t bytes);
+    void* Reserve(size_t bytes);  // nullptr when the allocation fails
+    void Release();
    private:
     void* p_ = nullptr;
     size_t cap_ = 0;

@@ -210,9 +210,10 @@ TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
 }
 
 // A batch whose workspace cannot be allocated is an error, not a crash; the
-// executor then still serves a batch that fits. The child process runs with
-// its address space limited to what it uses plus 48 MiB, and the large batch
-// needs about 100 MiB of workspace (8192 tokens x top-2, H = 1024).
+// executor then still serves the next batch. The child process runs the large
+// batch with its address space limited to what it uses plus 48 MiB (it needs
+// about 100 MiB of workspace: 8192 tokens x top-2, H = 1024), then lifts the
+// limit for a small one.
 TEST(ExecutorWorkspace, TooLargeABatchIsResourceExhausted) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   auto run = [] {
@@ -247,13 +248,20 @@ TEST(ExecutorWorkspace, TooLargeABatchIsResourceExhausted) {
     }
     if (pages <= 0) std::_Exit(4);
     const rlim_t limit = rlim_t(pages) * rlim_t(sysconf(_SC_PAGESIZE)) + (rlim_t{48} << 20);
-    const rlimit rl{limit, limit};
+    rlimit old{};
+    if (getrlimit(RLIMIT_AS, &old) != 0) std::_Exit(5);
+    const rlimit rl{limit, old.rlim_max};  // the soft limit only: lifted again below
     if (setrlimit(RLIMIT_AS, &rl) != 0) std::_Exit(5);
     const absl::Status st = exec.Forward({1, big, x.data(), RoutingView{big, 2, ids.data(), w.data()}}, DType::kBF16,
                                          out.data(), nullptr);
-    if (st.code() != absl::StatusCode::kResourceExhausted || st.message().find("tokens:") != 0) std::_Exit(6);
+    if (st.code() != absl::StatusCode::kResourceExhausted || st.message().find("tokens:") != 0) {
+      std::fprintf(stderr, "large batch: %s\n", st.ToString().c_str());
+      std::_Exit(6);
+    }
+    if (setrlimit(RLIMIT_AS, &old) != 0) std::_Exit(5);
     const absl::Status ok = exec.Forward({1, small, x.data(), RoutingView{small, 2, ids.data(), w.data()}},
                                          DType::kBF16, out.data(), nullptr);
+    if (!ok.ok()) std::fprintf(stderr, "small batch: %s\n", std::string(ok.message()).c_str());
     std::_Exit(ok.ok() ? 0 : 7);
   };
   EXPECT_EXIT(run(), ::testing::ExitedWithCode(0), "");
