@@ -41,6 +41,19 @@ struct Shape {
   int H, I, experts, k;
 };
 
+// A synthetic model's spec of `shape` whose only MoE layer is `moe_layer` (the last).
+ModelSpec TestSpec(const Shape& shape, int moe_layer = 1) {
+  ModelSpec spec;
+  spec.model_type = "test";
+  spec.num_layers = moe_layer + 1;
+  spec.moe_layers = {moe_layer};
+  spec.num_experts = shape.experts;
+  spec.top_k = shape.k;
+  spec.hidden = shape.H;
+  spec.intermediate = shape.I;
+  return spec;
+}
+
 std::unique_ptr<ExpertKernel> KernelOrSkip(const std::string& name, WeightFormat f) {
   absl::StatusOr<std::unique_ptr<ExpertKernel>> k = MakeExpertKernel(name, CpuFeatures::Get(), f);
   if (!k.ok() || !(*k)->Supports(f)) return nullptr;
@@ -84,14 +97,7 @@ class KernelTest : public ::testing::TestWithParam<KernelParam> {
   void Check(const Shape& shape, int n, int threads, DType out_dtype, uint64_t seed) {
     std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(name(), format());
     ASSERT_NE(kernel, nullptr);
-    ModelSpec spec;
-    spec.model_type = "test";
-    spec.num_layers = 2;
-    spec.moe_layers = {1};
-    spec.num_experts = shape.experts;
-    spec.top_k = shape.k;
-    spec.hidden = shape.H;
-    spec.intermediate = shape.I;
+    const ModelSpec spec = TestSpec(shape);
     std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, seed);
     absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", threads);
     ASSERT_TRUE(numa.ok()) << numa.status();
@@ -217,15 +223,7 @@ TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
 TEST(ExecutorWorkspace, TooLargeABatchIsResourceExhausted) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   auto run = [] {
-    ModelSpec spec;
-    spec.model_type = "test";
-    spec.num_layers = 2;
-    spec.moe_layers = {1};
-    spec.num_experts = 4;
-    spec.top_k = 2;
-    spec.hidden = 1024;
-    spec.intermediate = 64;
-    std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, 7);
+    std::unique_ptr<ModelSource> source = MakeSyntheticSource(TestSpec({1024, 64, 4, 2}), 7);
     absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
     if (!numa.ok()) std::_Exit(2);
     ComputePool pool(**numa);
@@ -637,17 +635,7 @@ TEST(ExpertStore, RefusesWhatDoesNotFit) {
 // int4 per group (scale <= amax/7); UnpackExpert returns what the kernels use.
 TEST(ExpertPacking, IntegerFormatsRoundTripWithinHalfAStep) {
   const int H = 200, I = 136;
-  std::unique_ptr<ModelSource> src = MakeSyntheticSource([] {
-    ModelSpec s;
-    s.model_type = "test";
-    s.num_layers = 1;
-    s.moe_layers = {0};
-    s.num_experts = 1;
-    s.top_k = 1;
-    s.hidden = 200;
-    s.intermediate = 136;
-    return s;
-  }(), 77);
+  std::unique_ptr<ModelSource> src = MakeSyntheticSource(TestSpec({H, I, 1, 1}, 0), 77);
   ExpertWeights w;
   ASSERT_TRUE(src->ReadExpert(0, 0, &w).ok());
   for (WeightFormat f : {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4}) {
