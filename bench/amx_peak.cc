@@ -5,21 +5,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <random>
+
+#include "cpu_compute/amx_tiles.h"
 
 namespace moe {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Where each k block's tiles are read from. A: two 16-row tiles per 32-k
 // block, rows `a_ld` bytes apart (64: each tile one contiguous 1 KiB);
@@ -40,12 +33,7 @@ constexpr Placement kPlacements[] = {
 
 __attribute__((target("amx-tile,amx-bf16"))) void TileLoop(const std::byte* a, const std::byte* b,
                                                              const Placement& p, int reps, float* sink) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  _tile_loadconfig(&cfg);
+  ConfigureAmxTiles();
   const size_t a_tile2 = static_cast<size_t>(16) * p.a_ld;  // second A tile: 16 rows further
   for (int rep = 0; rep < reps; ++rep) {
     for (int pair = 0; pair < p.b_pairs; ++pair) {

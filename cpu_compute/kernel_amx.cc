@@ -11,8 +11,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 
+#include "cpu_compute/amx_tiles.h"
 #include "cpu_compute/expert_kernel.h"
 #include "cpu_compute/packed_layout.h"
 #include "cpu_compute/simd_avx512.h"
@@ -20,24 +20,6 @@
 namespace moe {
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-inline void ConfigureTiles() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 // Weight groups of gate/up processed together so their B panels stay in L2
 // while all row blocks stream past them.
@@ -219,7 +201,7 @@ void AmxIntGateUp(const ExpertGeometry& g, const std::byte* packed, const Kernel
                   int c0, int c1) {
   const int full = m / kTileTokens * kTileTokens;
   if (full > 0) {
-    ConfigureTiles();
+    ConfigureAmxTiles();
     const size_t bb = g.block_bytes(g.Kh);
     alignas(64) int8_t unpack[2048];
     alignas(64) float y[16][2][16];
@@ -241,7 +223,7 @@ void AmxIntDown(const ExpertGeometry& g, const std::byte* packed, const KernelRo
                           const float* weight, float* out, int ldo, int c0, int c1) {
   const int full = m / kTileTokens * kTileTokens;
   if (full > 0) {
-    ConfigureTiles();
+    ConfigureAmxTiles();
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t bb = g.block_bytes(g.Ki);
     alignas(64) int8_t unpack[2048];
@@ -284,7 +266,7 @@ class AmxKernel final : public ExpertKernel {
     const bool fp8 = g.format == WeightFormat::kFp8;
     if (m <= kAvx512MaxRows)
       return fp8 ? Avx512Fp8GateUp(g, packed, xr.bf16, m, act, c0, c1) : Avx512GateUp(g, packed, xr.bf16, m, act, c0, c1);
-    ConfigureTiles();
+    ConfigureAmxTiles();
     const size_t blk = static_cast<size_t>(g.Kh) * 32;  // bytes per bf16 block
     const size_t bb = g.block_bytes(g.Kh);              // per packed block
     std::byte* scratch = fp8 ? simd::ThreadScratch(2 * kGateUpChunk * blk) : nullptr;
@@ -308,7 +290,7 @@ class AmxKernel final : public ExpertKernel {
     if (m <= kAvx512MaxRows)
       return fp8 ? Avx512Fp8Down(g, packed, ar.bf16, m, weight, out, ldo, c0, c1)
                  : Avx512Down(g, packed, ar.bf16, m, weight, out, ldo, c0, c1);
-    ConfigureTiles();
+    ConfigureAmxTiles();
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t blk = static_cast<size_t>(g.Ki) * 32, bb = g.block_bytes(g.Ki);
     const int chunk = DownChunk(blk);

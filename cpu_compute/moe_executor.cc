@@ -62,7 +62,7 @@ void* MoeExecutor::Buffer::Reserve(size_t bytes) {
 }
 
 MoeExecutor::MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool)
-    : store_(store), kernel_(kernel), pool_(pool) {}
+    : store_(store), kernel_(kernel), pool_(pool), cursors_(size_t(kPhases) * pool.size()) {}
 
 absl::Status MoeExecutor::Validate(const MoeBatch& b) const {
   if (!store_.HostsLayer(b.layer))
@@ -305,12 +305,11 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   // 11.9 with ranges (bench/RESULTS.md stop 29, call 12). The ranges of the
   // gather, gate/up, down and combine line up (thread t's rows, then units
   // of about the same rows), so a thread mostly reads what it wrote.
-  enum Phase { kGather, kGateUp, kQuantize, kDown, kCombine, kPhases };
+  enum Phase { kGather, kGateUp, kQuantize, kDown, kCombine };
   const int T = pool_.size();
   const int totals[kPhases] = {rows, static_cast<int>(units_.size()), rows, static_cast<int>(down_units_.size()),
                                combine_units};
   const int steps[kPhases] = {claim, 1, claim, 1, 1};
-  cursors_.resize(size_t(kPhases) * T);
   for (int p = 0; p < kPhases; ++p) {
     for (int t = 0; t < T; ++t) {
       cursors_[p * T + t].next.store(int(int64_t{totals[p]} * t / T), std::memory_order_relaxed);

@@ -1,7 +1,8 @@
 // MoeExecutor: computes one MoE layer's partial output for a batch of tokens
 // on the CPU — validation, grouping by expert, gather, fused gate+up+SiLU,
 // down (weighted, one output row per routed pair), then each token's rows
-// summed — spread over every compute thread in units taken in turn.
+// summed — spread over every compute thread in units, each thread taking its
+// own range of them first.
 //
 // Forward() = Validate + GroupByExpert + Run. Run() computes pairs a caller
 // already grouped (a GPU worker's cpu backend hands its hit groups as they
@@ -100,10 +101,9 @@ class MoeExecutor {
   struct Cursor {
     alignas(64) std::atomic<int> next{0};
     int end = 0;
-    Cursor() = default;
-    Cursor(const Cursor& o) : next(o.next.load()), end(o.end) {}
   };
-  std::vector<Cursor> cursors_;  // per phase and thread: its range of the phase's items
+  static constexpr int kPhases = 5;  // gather, gate/up, act quantization, down, combine (RunLocked)
+  std::vector<Cursor> cursors_;      // [phase][thread]: its range of the phase's items; sized once
   std::vector<int32_t> token_start_, token_rows_, fill_;  // IndexTokenRows
   Buffer x_buf_, act_buf_, y_buf_, acc_buf_;
   Buffer xq_buf_, actq_buf_;  // integer weights: x and act quantized per row (KernelRows)

@@ -1,0 +1,30 @@
+// The AMX tile configuration every AMX user here loads: palette 1, tiles 0-7
+// each 16 rows of 64 bytes (bf16: 16 x 32; int8: 16 x 64). Shared by the amx
+// kernel (kernel_amx.cc) and the tile-loop ceiling of bench/amx_peak.cc.
+// Call only where CpuFeatures::HasAmxBf16() or HasAmxInt8() holds.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace moe {
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) inline void ConfigureAmxTiles() {
+  AmxTileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+}  // namespace moe
