@@ -62,6 +62,69 @@ __attribute__((target("amx-tile,amx-bf16"))) void TileLoop(const std::byte* a, c
   _tile_release();
 }
 
+// The AMX-INT8 loop (tdpbssd) with single int8 activation rows (16 tokens per
+// A tile, 64 k per block: twice bf16's k per instruction) and the operands
+// placed as the kernels read them (A rows 4224 B apart, B from L2: 2 column
+// pairs, K = 2048). `scale_every` > 0: every that many 64-k blocks the four
+// int32 accumulator tiles leave the tiles and are added into f32 sums with a
+// scale per token and block (what activations quantized per token and per
+// block of K cost: the tile sums cannot carry a per-block scale); 0: the sums
+// stay in the tiles for the whole K (one scale per token).
+constexpr int kInt8Blocks = 32;  // K = 2048
+constexpr int kInt8Ld = 4224;
+
+__attribute__((target("amx-tile,amx-int8,avx512f"))) void Int8TileLoop(const std::byte* a, const std::byte* b,
+                                                                         int scale_every, int reps, float* sink) {
+  ConfigureAmxTiles();
+  alignas(64) int32_t c[4][256] = {};  // written by the tile stores
+  alignas(64) float y[4][256] = {};
+  alignas(64) float xs[32][kInt8Blocks];  // per token (two A tiles) and k block
+  for (int t = 0; t < 32; ++t)
+    for (int kb = 0; kb < kInt8Blocks; ++kb) xs[t][kb] = 1.0f + 0.001f * static_cast<float>(t + kb);
+  const size_t a_tile2 = static_cast<size_t>(16) * kInt8Ld;
+  for (int rep = 0; rep < reps; ++rep) {
+    for (int pair = 0; pair < 2; ++pair) {
+      const std::byte* b0 = b + static_cast<size_t>(pair) * 2 * kInt8Blocks * 1024;
+      const std::byte* b1 = b0 + static_cast<size_t>(kInt8Blocks) * 1024;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int kb = 0; kb < kInt8Blocks; ++kb) {
+        _tile_loadd(4, a + 64 * size_t(kb), kInt8Ld);
+        _tile_loadd(5, a + a_tile2 + 64 * size_t(kb), kInt8Ld);
+        _tile_loadd(6, b0 + 1024 * size_t(kb), 64);
+        _tile_loadd(7, b1 + 1024 * size_t(kb), 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        _tile_dpbssd(2, 5, 6);
+        _tile_dpbssd(3, 5, 7);
+        if (scale_every > 0 && (kb + 1) % scale_every == 0) {
+          _tile_stored(0, c[0], 64);
+          _tile_stored(1, c[1], 64);
+          _tile_stored(2, c[2], 64);
+          _tile_stored(3, c[3], 64);
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int i = 0; i < 4; ++i)
+            for (int r = 0; r < 16; ++r) {
+              const __m512 s = _mm512_set1_ps(xs[(i / 2) * 16 + r][kb]);
+              // (maskz: GCC 12 warns of the plain conversion's undefined source in a target function)
+              const __m512 sum = _mm512_maskz_cvtepi32_ps(0xFFFF, _mm512_load_si512(c[i] + 16 * r));
+              _mm512_store_ps(y[i] + 16 * r, _mm512_fmadd_ps(sum, s, _mm512_load_ps(y[i] + 16 * r)));
+            }
+        }
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(3, c[3], 64);
+    }
+  }
+  _tile_release();
+  sink[0] = y[0][0] + y[3][255] + static_cast<float>(c[0][0] + c[3][255]);
+}
+
 // Small random bf16 values (no zeros, no denormals).
 void FillBf16(std::byte* p, size_t bytes, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -69,10 +132,12 @@ void FillBf16(std::byte* p, size_t bytes, uint32_t seed) {
   for (size_t i = 0; i < bytes / 2; ++i) v[i] = static_cast<uint16_t>(0x3c00 + (rng() & 0x3ff));
 }
 
-AmxPeak Measure(ComputePool& pool, const Placement& p, int threads, double seconds) {
-  const size_t a_bytes = p.a_ld == 64 ? size_t(p.a_blocks) * 2048 : size_t(32) * p.a_ld;
-  const size_t b_bytes = size_t(p.b_pairs) * 2 * p.b_blocks * 1024;
-  const double flops_per_rep = 2.0 * 4 * p.b_pairs * kKBlocks * 16 * 16 * 32;
+// One loop's rate on `threads` threads: loop(a, b, reps, sink) does
+// `flops_per_rep` per rep on buffers of a_bytes and b_bytes (random bf16 or
+// int8 values, no zeros).
+template <typename Loop>
+AmxPeak Measure(ComputePool& pool, const char* name, size_t a_bytes, size_t b_bytes, double flops_per_rep,
+                int threads, double seconds, Loop&& loop) {
   int reps = 1;
   std::vector<double> tflops;
   for (int run = -1; run < 5; ++run) {
@@ -85,9 +150,9 @@ AmxPeak Measure(ComputePool& pool, const Placement& p, int threads, double secon
       alignas(64) float sink[512];
       FillBf16(a, a_bytes, 17 + t);
       FillBf16(b, b_bytes, 91 + t);
-      TileLoop(a, b, p, 1, sink);  // warm the caches
+      loop(a, b, 1, sink);  // warm the caches
       const Clock::time_point t0 = Clock::now();
-      TileLoop(a, b, p, reps, sink);
+      loop(a, b, reps, sink);
       rate[t] = flops_per_rep * reps / std::chrono::duration<double>(Clock::now() - t0).count();
       std::free(a);
       std::free(b);
@@ -101,18 +166,43 @@ AmxPeak Measure(ComputePool& pool, const Placement& p, int threads, double secon
     tflops.push_back(sum / 1e12);
   }
   std::sort(tflops.begin(), tflops.end());
-  return {p.name, threads, tflops[tflops.size() / 2], tflops.front(), tflops.back(), static_cast<int>(tflops.size())};
+  return {name, threads, tflops[tflops.size() / 2], tflops.front(), tflops.back(), static_cast<int>(tflops.size())};
 }
 
 }  // namespace
 
-std::vector<AmxPeak> MeasureAmxPeaks(ComputePool& pool, double seconds) {
+std::vector<AmxPeak> MeasureAmxPeaks(ComputePool& pool, double seconds, bool int8) {
   std::vector<int> counts = {1};
   if (pool.size() >= 4) counts.push_back(pool.size() / 2);
   if (pool.size() > 1) counts.push_back(pool.size());
   std::vector<AmxPeak> out;
-  for (const Placement& p : kPlacements)
-    for (int n : counts) out.push_back(Measure(pool, p, n, seconds));
+  for (const Placement& p : kPlacements) {
+    const size_t a_bytes = p.a_ld == 64 ? size_t(p.a_blocks) * 2048 : size_t(32) * p.a_ld;
+    const size_t b_bytes = size_t(p.b_pairs) * 2 * p.b_blocks * 1024;
+    const double flops = 2.0 * 4 * p.b_pairs * kKBlocks * 16 * 16 * 32;
+    for (int n : counts)
+      out.push_back(Measure(pool, p.name, a_bytes, b_bytes, flops, n, seconds,
+                            [&](const std::byte* a, const std::byte* b, int reps, float* sink) {
+                              TileLoop(a, b, p, reps, sink);
+                            }));
+  }
+  if (!int8) return out;
+  struct Int8Variant {
+    const char* name;
+    int scale_every;
+  };
+  constexpr Int8Variant kInt8[] = {
+      {"int8 (tdpbssd), A as the kernels' x, B from L2: one scale per token", 0},
+      {"int8, same: sums scaled per token and 128-K block", 2},
+      {"int8, same: sums scaled per token and 64-K block", 1},
+  };
+  const double int8_ops = 2.0 * 4 * 2 * kInt8Blocks * 16 * 16 * 64;
+  for (const Int8Variant& v : kInt8)
+    for (int n : counts)
+      out.push_back(Measure(pool, v.name, size_t(32) * kInt8Ld, size_t(2) * 2 * kInt8Blocks * 1024, int8_ops, n,
+                            seconds, [&](const std::byte* a, const std::byte* b, int reps, float* sink) {
+                              Int8TileLoop(a, b, v.scale_every, reps, sink);
+                            }));
   return out;
 }
 

@@ -10,6 +10,8 @@
 //     With AMX-BF16 (and not --no-peak): the bf16 kernels' ceiling, the bare
 //     2x2 tile loop (bench/amx_peak.h) with its operands in L1 or streamed
 //     from L2, at 1 thread, half and all of the pool's; median of 5 runs.
+//     With AMX-INT8 also the int8 loop with one activation row per token,
+//     its sums kept in the tiles or scaled per 128-K or 64-K block.
 //  Then, per shape and format, with the kernels that Supports() the format:
 //  3. Per expert: m tokens all routed (k = 1) to one expert, rotated call by
 //     call over C copies with C x packed expert bytes >= max(1 GiB, 3 x L3), so
@@ -30,7 +32,7 @@
 //  4. Whole layer: as many experts of one MoE layer as fit in 60% of
 //     MemAvailable (or --layer-experts) hosted in one ExpertStore in the
 //     format. decode = 8 tokens x top-8 over 64 distinct experts (spread;
-//     rotated over disjoint sets call by call); prefill = 512 tokens x top-8
+//     rotated over disjoint sets call by call); prefill = --prefill-tokens (512) x top-8
 //     uniform over all experts of the model, pairs to unhosted experts dropped
 //     (what a server hosting a subset sees). oneDNN rows: the per-expert
 //     matmuls looped over the distinct experts, weights from the rotation.
@@ -89,11 +91,12 @@ constexpr uint64_t kSeed = 2026;
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 constexpr double kMaxError = 1e-2, kMaxErrorInt4 = 3e-2;
 constexpr int kReferenceMaxTokens = 16;  // the scalar kernel is timed up to this m only
-constexpr int kDecodeTokens = 8, kDecodeExperts = 64, kPrefillTokens = 512, kTopK = 8;
+constexpr int kDecodeTokens = 8, kDecodeExperts = 64, kTopK = 8;
 
 struct Options {
   std::string shapes = "deepseek-v3,qwen3-30b-a3b";
   std::string tokens = "1,4,16,64,256,1024";
+  std::string prefill_tokens = "512";  // tokens of each whole-layer prefill case
   std::string formats = "bf16";
   std::vector<WeightFormat> format_list;  // --formats, parsed
   std::string kernels;
@@ -164,6 +167,7 @@ std::vector<int> ParseInts(const std::string& text, const char* flag) {
     if (!absl::SimpleAtoi(s, &v) || v <= 0) Die(absl::StrCat("--", flag, ": bad count '", s, "'"));
     out.push_back(v);
   }
+  if (out.empty()) Die(absl::StrCat("--", flag, ": empty list"));
   return out;
 }
 
@@ -543,7 +547,7 @@ class Benchmark {
     results_.push_back(bw);
     LogInfo("bench", "DRAM read bandwidth ", Num(dram_gbps_), " GB/s (", bw.note, ")");
     dispatch_s_ = MeasureDispatch(*pool_);
-    if (cpu_.HasAmxBf16() && o_.peak) amx_peaks_ = MeasureAmxPeaks(*pool_, o_.quick ? 0.02 : 0.1);
+    if (cpu_.HasAmxBf16() && o_.peak) amx_peaks_ = MeasureAmxPeaks(*pool_, o_.quick ? 0.02 : 0.1, cpu_.HasAmxInt8());
     for (const std::string& shape : SplitList(o_.shapes)) RunShape(shape);
   }
 
@@ -693,7 +697,8 @@ void Benchmark::RunShape(const std::string& shape) {
   info.num_experts = spec.num_experts;
   const std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, kSeed);
   const std::vector<int> ms = ParseInts(o_.tokens, "tokens");
-  const int max_rows = std::max(*std::max_element(ms.begin(), ms.end()), kPrefillTokens);
+  const std::vector<int> prefill = ParseInts(o_.prefill_tokens, "prefill-tokens");
+  const int max_rows = std::max(*std::max_element(ms.begin(), ms.end()), *std::max_element(prefill.begin(), prefill.end()));
   const std::vector<bf16_t> tokens =
       RandomActivations(static_cast<size_t>(max_rows) * spec.hidden, kSeed + 1);
   for (const auto& [format, kernels] : kernels_) RunFormat(spec, *source, format, kernels, tokens, info);
@@ -808,10 +813,10 @@ std::vector<Routing> DecodeRoutings(int hosted) {
 
 // prefill: uniform top-k over every expert of the model; pairs to experts this
 // server does not host (ids >= hosted) are dropped, as the coordinator would.
-std::vector<Routing> PrefillRoutings(int num_experts, int hosted) {
+std::vector<Routing> PrefillRoutings(int tokens, int num_experts, int hosted) {
   std::vector<Routing> out;
   for (int v = 0; v < 3; ++v) {
-    Routing r{kPrefillTokens, kTopK, {}, {}};
+    Routing r{tokens, kTopK, {}, {}};
     RandomRouting(r.n, r.k, num_experts, kSeed + 100 + v, 0.0, &r.ids, &r.weights);
     for (int32_t& e : r.ids) e = e < hosted ? e : -1;
     out.push_back(std::move(r));
@@ -856,7 +861,8 @@ void Benchmark::WholeLayerCases(const ModelSpec& spec, const ModelSource& source
     results_.push_back(r);
   }
   base.case_name = "prefill";
-  LayerCase(spec, *store, ref, kernels, dnnl, tokens, PrefillRoutings(spec.num_experts, hosted), base);
+  for (int n : ParseInts(o_.prefill_tokens, "prefill-tokens"))
+    LayerCase(spec, *store, ref, kernels, dnnl, tokens, PrefillRoutings(n, spec.num_experts, hosted), base);
 }
 
 // One whole-layer case (base.case_name) over its routing variants, call by
@@ -969,8 +975,9 @@ void Benchmark::PrintSetup() const {
     rows.push_back({p.operands, absl::StrCat(p.threads), Num(p.tflops), absl::StrCat(Num(p.min_tflops), "-", Num(p.max_tflops)),
                     absl::StrCat(p.runs)});
   if (!rows.empty())
-    PrintTable("AMX-BF16 tile loop alone (2x2 tiles, K = 2048; the ceiling of the bf16 kernels)",
-               {"operands", "threads", "TFLOP/s (median)", "min-max", "runs"}, rows);
+    PrintTable("AMX tile loops alone (2x2 tiles, K = 2048; the ceiling of the bf16 kernels; int8 rows: what one "
+               "int8 activation row per token would reach, TOPS)",
+               {"operands", "threads", "TFLOP/s or TOPS (median)", "min-max", "runs"}, rows);
   rows.clear();
   for (const ShapeInfo& s : shapes_) {
     rows.push_back({s.shape, s.format, absl::StrCat(s.H), absl::StrCat(s.I), Num(s.expert_mb),
@@ -1071,6 +1078,7 @@ int main(int argc, char** argv) {
              "smoke run: m in 1,16,256, >= 5 runs, 0.05 s per case, 1 GiB bandwidth buffer");
   flags.Int("layer-experts", &o.layer_experts,
             "experts hosted for the whole-layer cases (0 = all that fit in 60% of MemAvailable)");
+  flags.String("prefill-tokens", &o.prefill_tokens, "tokens of the whole-layer prefill cases, top-8 each (comma list)");
   flags.Double("bw-gib", &o.bw_gib,
                "GiB read by the DRAM bandwidth measurement (clamped to 1/4 of MemAvailable)");
   flags.Bool("peak", &o.peak, "measure the AMX-BF16 tile loop's TFLOP/s alone first (CPUs with AMX)");

@@ -10,7 +10,7 @@
 // Prints a Markdown table: cosine similarity, relative L2 error, and the worst
 // token's relative error, against the bf16 model's f64 reference output.
 // Then a second table: what quantizing the activations alone costs (the
-// inputs of gate/up and of down, as int8 kernels must), mode by mode, for
+// inputs of gate/up and of down, each alone and both, as int8 kernels must), mode by mode, for
 // Gaussian and heavy-tailed (Student's t, 3 degrees) activations: the hi/lo
 // pair the executor uses, one int8 row per token, and one int8 row per token
 // with a scale per block of K (llama.cpp's Q8_0 blocks are 32).
@@ -71,15 +71,16 @@ void Quantize(ActQuant q, std::vector<double>& v) {
   }
 }
 
-// The second table: the f64 MoE of the model's weights with both activation
-// inputs (x, and silu(gate) * up) quantized per mode, against exact ones.
+// The second table: the f64 MoE of the model's weights with its activation
+// inputs (x into gate/up, silu(gate) * up into down) quantized per mode, each
+// alone and both, against exact ones: which input a mode's error comes from.
 void ActivationModes(const moe::ModelSource& model, int layer, int n, int64_t seed, const moe::RoutingView& r) {
   const moe::ModelSpec& spec = model.spec();
   const int H = spec.hidden, I = spec.intermediate;
   std::printf("\n## Activation quantization alone: MoE output vs exact activations\n\n"
-              "Same layer, weights and routing; f64 throughout; both inputs (x into gate/up, silu(gate)*up into "
-              "down) quantized per mode; relative L2 error over the batch.\n\n"
-              "| activations | mode | relative L2 error |\n| --- | --- | --- |\n");
+              "Same layer, weights and routing; f64 throughout; x (into gate/up), silu(gate)*up (into down) or "
+              "both quantized per mode; relative L2 error over the batch.\n\n"
+              "| activations | mode | x only | silu(gate)*up only | both |\n| --- | --- | --- | --- | --- |\n");
   std::vector<moe::ExpertWeights> w(spec.num_experts);
   for (int e = 0; e < spec.num_experts; ++e)
     if (absl::Status st = model.ReadExpert(layer, e, &w[e]); !st.ok()) {
@@ -93,11 +94,11 @@ void ActivationModes(const moe::ModelSource& model, int layer, int n, int64_t se
     std::student_t_distribution<double> t3(3);
     std::vector<double> x(static_cast<size_t>(n) * H);
     for (double& v : x) v = dist[0] == 'G' ? normal(rng) : t3(rng) / std::sqrt(3.0);
-    auto moe_out = [&](ActQuant q) {
+    auto moe_out = [&](ActQuant qx, ActQuant qa) {
       std::vector<double> out(static_cast<size_t>(n) * H, 0.0), xt(H), act(I);
       for (int t = 0; t < n; ++t) {
         std::copy_n(x.begin() + static_cast<size_t>(t) * H, H, xt.begin());
-        Quantize(q, xt);
+        Quantize(qx, xt);
         for (int j = 0; j < r.k; ++j) {
           const int e = r.ids[static_cast<size_t>(t) * r.k + j];
           if (e < 0) continue;
@@ -110,7 +111,7 @@ void ActivationModes(const moe::ModelSource& model, int layer, int n, int64_t se
             }
             act[i] = g / (1 + std::exp(-g)) * u;
           }
-          Quantize(q, act);
+          Quantize(qa, act);
           const double wt = r.weights[static_cast<size_t>(t) * r.k + j];
           for (int h = 0; h < H; ++h) {
             double y = 0;
@@ -121,11 +122,15 @@ void ActivationModes(const moe::ModelSource& model, int layer, int n, int64_t se
       }
       return out;
     };
-    const std::vector<double> exact = moe_out(ActQuant::kExact);
+    const std::vector<double> exact = moe_out(ActQuant::kExact, ActQuant::kExact);
     for (ActQuant q : {ActQuant::kHiLo, ActQuant::kPerToken, ActQuant::kBlock32, ActQuant::kBlock64,
                        ActQuant::kBlock128}) {
-      const std::vector<double> got = moe_out(q);
-      std::printf("| %s | %s | %.4f |\n", dist, ActQuantName(q), moe::RelativeL2Error(got.data(), exact.data(), got.size()));
+      auto error = [&](ActQuant qx, ActQuant qa) {
+        const std::vector<double> got = moe_out(qx, qa);
+        return moe::RelativeL2Error(got.data(), exact.data(), got.size());
+      };
+      std::printf("| %s | %s | %.4f | %.4f | %.4f |\n", dist, ActQuantName(q), error(q, ActQuant::kExact),
+                  error(ActQuant::kExact, q), error(q, q));
     }
   }
 }
