@@ -58,7 +58,9 @@
 // walk (the next CPU expert is always the one that lengthens the first sum the
 // least) gives the best first sum for every total count; the floor is the
 // smallest max over those counts (all copied ... all on the CPU). It is a
-// bound under these rates, not a prediction.
+// bound under these rates, not a prediction. The last column sets the share
+// of the uncached pairs ours ran on the CPU beside the share the floor's best
+// split gives it (medians over the steps).
 //
 // --chunk N: a batch of T > N tokens runs as ceil(T/N) calls of at most N
 // tokens per layer, each chunk through every layer in turn (as an engine
@@ -414,9 +416,14 @@ struct FloorRates {
 };
 
 // The floor of one step from the rows of each uncached expert of each of its
-// layer calls (`calls`: one entry per call, empty when the call had none).
-double StepFloor(const std::vector<std::vector<int>>& calls, const FloorRates& f) {
+// layer calls (`calls`: one entry per call, empty when the call had none),
+// and the share of the uncached pairs its best split gives the CPU.
+struct Floor {
+  double seconds = 0, cpu_share = 0;
+};
+Floor StepFloor(const std::vector<std::vector<int>>& calls, const FloorRates& f) {
   struct Split {
+    std::vector<int> rows;       // the call's uncached experts' rows, ascending
     std::vector<double> prefix;  // CPU seconds of the call's n fewest-row experts
     int n = 0;                   // of them on the CPU
   };
@@ -428,11 +435,16 @@ double StepFloor(const std::vector<std::vector<int>>& calls, const FloorRates& f
   std::priority_queue<Step, std::vector<Step>, std::greater<Step>> next;
   double first = 0;  // the sum over calls of attention + max(gpu, cpu)
   int total = 0;
+  double pairs = 0;
   for (size_t l = 0; l < calls.size(); ++l) {
-    std::vector<int> rows = calls[l];
+    std::vector<int>& rows = split[l].rows;
+    rows = calls[l];
     std::sort(rows.begin(), rows.end());
     split[l].prefix.assign(1, 0.0);
-    for (int r : rows) split[l].prefix.push_back(split[l].prefix.back() + f.cpu->Seconds(r));
+    for (int r : rows) {
+      split[l].prefix.push_back(split[l].prefix.back() + f.cpu->Seconds(r));
+      pairs += r;
+    }
     total += static_cast<int>(rows.size());
     first += f.attn_s + cost(l, 0);
     if (!rows.empty()) next.push({cost(l, 1) - cost(l, 0), l});
@@ -443,14 +455,16 @@ double StepFloor(const std::vector<std::vector<int>>& calls, const FloorRates& f
     const double shared = on_cpu * f.cpu_bytes + copied * f.copy_bytes;
     return std::max({first, link, f.shared_Bps > 0 ? shared / f.shared_Bps : dram_s(shared)});
   };
-  double best = bound(0);
+  Floor best{bound(0), 0};
+  double cpu_pairs = 0;
   for (int on_cpu = 1; !next.empty(); ++on_cpu) {
     const auto [added, l] = next.top();
     next.pop();
     first += added;
     const int n = ++split[l].n;
+    cpu_pairs += split[l].rows[n - 1];
     if (n + 1 < static_cast<int>(split[l].prefix.size())) next.push({cost(l, n + 1) - cost(l, n), l});
-    best = std::min(best, bound(on_cpu));
+    if (const double b = bound(on_cpu); b < best.seconds) best = {b, pairs > 0 ? cpu_pairs / pairs : 0};
   }
   return best;
 }
@@ -465,14 +479,20 @@ struct RunResult {
   double copies_per_step = 0;       // cache copies (admissions) per timed step
   double plan_s = 0;                // admission planning's host seconds per timed layer call
   std::vector<Uncached> uncached;   // per timed step
-  double floor_s = 0;               // set by Main from `uncached` (ours)
+  double floor_s = 0;               // set by SetFloor from `uncached` (ours)
+  double floor_cpu_share = 0;       // of the uncached pairs, on the CPU in the floor's best split
 };
 
-// The median over the timed steps of a run's floor.
-double RunFloor(const RunResult& r, const FloorRates& f) {
-  std::vector<double> v;
-  for (const Uncached& step : r.uncached) v.push_back(StepFloor(step, f));
-  return Median(v);
+// The median over the timed steps of a run's floor, and of its CPU share.
+void SetFloor(RunResult& r, const FloorRates& f) {
+  std::vector<double> s, share;
+  for (const Uncached& step : r.uncached) {
+    const Floor fl = StepFloor(step, f);
+    s.push_back(fl.seconds);
+    share.push_back(fl.cpu_share);
+  }
+  r.floor_s = Median(s);
+  r.floor_cpu_share = Median(share);
 }
 
 // What every run's dispatcher starts from: the servers over shm (request
@@ -1313,8 +1333,8 @@ int Main(int argc, char** argv) {
   std::printf("| T | cache | ceiling step ms | ours step ms | ours MoE/layer ms | ours-cpu step ms | ours-dual step ms | lru-copy step ms | "
               "copy-all step ms | floor step ms | ours/floor | fixed us/layer | lru-copy/ours | hit | cpu | copied (prefetched) | "
               "ours submit/wait ms | ours-graph step ms | graph MoE/layer ms | graph floor ms | graph/floor | graph fixed us/layer | "
-              "ours-host step ms | ours cache copies/step | ours plan us/call |\n");
-  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "ours-host step ms | ours cache copies/step | ours plan us/call | misses on the cpu: ours / floor |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   auto repeat = [&](int T, int C, CachePolicy policy, CopyMode copy, bool dual, bool graph = false) {
     Runs r;
     for (int i = 0; i < o.runs; ++i) r.all.push_back(bench.Run(T, C, policy, copy, dual, graph));
@@ -1348,7 +1368,8 @@ int Main(int argc, char** argv) {
       if (has("lru-copy")) lru_runs = repeat(T, C, CachePolicy::kLru, CopyMode::kAlways, false);
       const bool graphs = has("ours-graph") && o.Chunks(T) == 1;
       if (graphs) graph_runs = repeat(T, C, ours_policy, CopyMode::kAuto, false, true);
-      for (RunResult& r : graph_runs.all) r.floor_s = graphs ? RunFloor(r, rates) : 0;
+      for (RunResult& r : graph_runs.all)
+        if (graphs) SetFloor(r, rates);
       const RunResult& graph = graph_runs.median();
       Runs host_runs;
       if (has("ours-host")) {
@@ -1366,13 +1387,20 @@ int Main(int argc, char** argv) {
       // The floor of each run of ours, from its uncached experts (the top of
       // this file); what ours takes beyond it, per layer call, is the worker's
       // fixed cost (issue 14, point 4). Without ours: the ceiling's step.
-      for (RunResult& r : ours_runs.all) r.floor_s = has("ours") ? RunFloor(r, rates) : ceil.step_s;
+      for (RunResult& r : ours_runs.all) {
+        if (has("ours")) SetFloor(r, rates);
+        else r.floor_s = ceil.step_s;
+      }
       const RunResult &ours = ours_runs.median(), &lru = lru_runs.median();
       const double floor = ours.floor_s;
       const double fixed_us = has("ours") ? (ours.step_s - floor) / calls * 1e6 : 0;
       auto opt = [](bool ran, const std::string& v) { return ran ? v : std::string("-"); };
       const std::string lru_ratio = has("lru-copy") ? absl::StrFormat("%.2f", lru.step_s / ours.step_s) : "-";
-      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% (%.0f%%) | %s / %s | %s | %s | %s | %s |\n", T,
+      const double missed = ours.cpu_share + ours.copied_share;
+      const std::string cpu_split =
+          has("ours") && missed > 0 ? absl::StrFormat("%.0f%% / %.0f%%", 100 * ours.cpu_share / missed, 100 * ours.floor_cpu_share)
+                                    : std::string("-");
+      std::printf("| %d | %d%% (%d) | %s | %s | %s | %s | %s | %s | %s | %s | %.2f | %.0f | %s | %.0f%% | %.0f%% | %.0f%% (%.0f%%) | %s / %s | %s | %s | %s | %s | %s |\n", T,
                   pct, C, ceil_runs.Spread(&RunResult::step_s).c_str(), ours_runs.Spread(&RunResult::step_s).c_str(),
                   ours_runs.Spread(&RunResult::moe_s, 1.0 / L).c_str(),
                   opt(has("ours-cpu"), cpu_runs.Spread(&RunResult::step_s)).c_str(),
@@ -1382,7 +1410,7 @@ int Main(int argc, char** argv) {
                   ours_runs.Spread(&RunResult::floor_s).c_str(), ours.step_s / floor, fixed_us, lru_ratio.c_str(), 100 * ours.hit_rate, 100 * ours.cpu_share,
                   100 * ours.copied_share, 100 * ours.prefetched_share, Ms(ours.submit_s).c_str(), Ms(ours.wait_s).c_str(), graph_cells.c_str(),
                   host_cell.c_str(), opt(has("ours"), ours_runs.Spread(&RunResult::copies_per_step, 1.0, 1)).c_str(),
-                  opt(has("ours"), ours_runs.Spread(&RunResult::plan_s, 1e6, 0)).c_str());
+                  opt(has("ours"), ours_runs.Spread(&RunResult::plan_s, 1e6, 0)).c_str(), cpu_split.c_str());
       std::fflush(stdout);
     }
   }
