@@ -30,16 +30,6 @@ void CountPairs(const MissPlanInput& in, MissPlan* p) {
   }
 }
 
-// The routing with every pair whose expert fails `keep` unused, grouped by expert.
-template <typename Keep>
-void GroupPairs(const MissPlanInput& in, Keep keep, int row_align, MissPlan* p, ExpertGroups* out) {
-  const RoutingView& r = in.routing;
-  p->masked_ids.assign(r.ids, r.ids + static_cast<size_t>(r.n) * r.k);
-  for (int32_t& e : p->masked_ids)
-    if (e >= 0 && !keep(e)) e = -1;
-  GroupByExpert(RoutingView{r.n, r.k, p->masked_ids.data(), r.weights}, in.num_experts, row_align, out);
-}
-
 // Server choice and the copy-instead decision for the missed experts:
 // route_of[e] is the route of a missed expert, 0 for the copied ones.
 absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
@@ -83,11 +73,70 @@ absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
   return absl::OkStatus();
 }
 
-// Per server, the tokens with a pair of its experts, in batches of at most
-// chunk_tokens tokens.
-void BatchServerMisses(const MissPlanInput& in, MissPlan* p) {
+// Lays out groups for the experts that `take` (ascending), each padded to
+// row_align rows, and sets next[e] to each one's first row (padding rows:
+// token -1, weight 0). The pairs are written by GroupAndBatch.
+template <typename Take>
+void LayOutGroups(const MissPlan& p, Take take, int row_align, ExpertGroups* g, std::vector<int32_t>* next) {
+  g->expert.clear();
+  g->row_begin.clear();
+  g->count.clear();
+  int32_t rows = 0, pairs = 0;
+  for (int e : p.accessed) {
+    if (!take(e)) continue;
+    const int32_t c = p.hit_pairs[e] + p.miss_pairs[e];
+    (*next)[e] = rows;
+    g->expert.push_back(e);
+    g->row_begin.push_back(rows);
+    g->count.push_back(c);
+    rows += (c + row_align - 1) / row_align * row_align;
+    pairs += c;
+  }
+  g->total_rows = rows;
+  g->total_pairs = pairs;
+  g->token.assign(rows, -1);
+  g->weight.assign(rows, 0.0f);
+}
+
+// One pass over the routing: each hit pair into its expert's hit group, each
+// copied one into its copy group (tokens ascending within a group), and per
+// token the servers its CPU pairs go to; then per server, the tokens with a
+// pair of its experts, in batches of at most chunk_tokens tokens.
+void GroupAndBatch(const MissPlanInput& in, MissPlan* p) {
   const RoutingView& r = in.routing;
   const int k = r.k;
+  std::vector<int32_t>& next_hit = p->hits.scratch;
+  std::vector<int32_t>& next_copy = p->copies.scratch;
+  next_hit.assign(in.num_experts, 0);
+  next_copy.assign(in.num_experts, 0);
+  LayOutGroups(*p, [&](int e) { return in.slot_buffer[e] >= 0; }, in.hit_row_align, &p->hits, &next_hit);
+  LayOutGroups(*p, [&](int e) { return in.slot_buffer[e] < 0 && p->route_of[e] == 0; }, 1, &p->copies, &next_copy);
+  std::vector<uint64_t>& servers_of = p->token_servers;
+  servers_of.assign(r.n, 0);
+  for (int t = 0; t < r.n; ++t) {
+    uint64_t mask = 0;
+    for (int j = 0; j < k; ++j) {
+      const size_t i = static_cast<size_t>(t) * k + j;
+      const int e = r.ids[i];
+      if (e < 0) continue;
+      ExpertGroups* g = nullptr;
+      int32_t* row = nullptr;
+      if (in.slot_buffer[e] >= 0) {
+        g = &p->hits;
+        row = &next_hit[e];
+      } else if (p->route_of[e] == 0) {
+        g = &p->copies;
+        row = &next_copy[e];
+      } else {
+        mask |= p->route_of[e];
+        continue;
+      }
+      g->token[*row] = t;
+      g->weight[*row] = r.weights[i];
+      ++*row;
+    }
+    servers_of[t] = mask;
+  }
   p->expert_mark.resize(in.num_experts, 0);
   p->batches.clear();
   std::vector<int32_t>& rows = p->server_rows;
@@ -95,11 +144,7 @@ void BatchServerMisses(const MissPlanInput& in, MissPlan* p) {
     auto mine = [&](int e) { return e >= 0 && in.slot_buffer[e] < 0 && (p->route_of[e] >> s & 1) != 0; };
     rows.clear();
     for (int t = 0; t < r.n; ++t)
-      for (int j = 0; j < k; ++j)
-        if (mine(r.ids[static_cast<size_t>(t) * k + j])) {
-          rows.push_back(t);
-          break;
-        }
+      if (servers_of[t] >> s & 1) rows.push_back(t);
     const size_t chunk = static_cast<size_t>(std::max(1, in.servers[s].chunk_tokens));
     for (size_t begin = 0; begin < rows.size(); begin += chunk) {
       const int n = static_cast<int>(std::min(chunk, rows.size() - begin));
@@ -160,11 +205,9 @@ int MissPlan::copy_group(int expert) const {
 absl::Status PlanMisses(const MissPlanInput& in, MissPlan* p) {
   CountPairs(in, p);
   MOE_RETURN_IF_ERROR(ChooseServersAndCopies(in, p));
-  BatchServerMisses(in, p);
-  GroupPairs(in, [&](int e) { return in.slot_buffer[e] >= 0; }, in.hit_row_align, p, &p->hits);
+  GroupAndBatch(in, p);
   p->hit_buffer.resize(p->hits.num_groups());
   for (int g = 0; g < p->hits.num_groups(); ++g) p->hit_buffer[g] = in.slot_buffer[p->hits.expert[g]];
-  GroupPairs(in, [&](int e) { return in.slot_buffer[e] < 0 && p->route_of[e] == 0; }, 1, p, &p->copies);
   return absl::OkStatus();
 }
 

@@ -88,8 +88,8 @@ struct MissPlan {
   int copy_group(int expert) const;
 
   // Scratch, reused across calls (no allocation per decode call once warm).
-  std::vector<int32_t> masked_ids;
   std::vector<uint64_t> route_of;     // per expert: RouteExpert, 0 when copied
+  std::vector<uint64_t> token_servers;  // per token: the servers its CPU pairs go to (bitmask)
   std::vector<int> optional_copies;   // missed experts a server could take
   std::vector<int32_t> server_rows;   // one server's tokens
   std::vector<uint64_t> expert_mark;
