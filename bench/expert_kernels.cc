@@ -1081,7 +1081,7 @@ int main(int argc, char** argv) {
   flags.String("prefill-tokens", &o.prefill_tokens, "tokens of the whole-layer prefill cases, top-8 each (comma list)");
   flags.Double("bw-gib", &o.bw_gib,
                "GiB read by the DRAM bandwidth measurement (clamped to 1/4 of MemAvailable)");
-  flags.Bool("peak", &o.peak, "measure the AMX-BF16 tile loop's TFLOP/s alone first (CPUs with AMX)");
+  flags.Bool("peak", &o.peak, "measure the AMX tile loops alone first: bf16 TFLOP/s, and int8 TOPS with AMX-INT8 (CPUs with AMX)");
   flags.Double("min-seconds", &o.min_seconds, "minimum total timed seconds per case");
   flags.String("csv", &o.csv, "also write every row to this CSV file");
   if (!flags.Parse(argc, argv).empty()) flags.Fail("takes no positional arguments");

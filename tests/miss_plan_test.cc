@@ -7,6 +7,7 @@
 #include "gpu_worker/planner.h"
 #include "gpu_worker/expert_cache.h"
 
+#include <algorithm>
 #include <chrono>
 #include <numeric>
 #include <random>
@@ -385,12 +386,13 @@ TEST(PlannerTest, PlanningCostCountsOnlyWhatOutlastsTheCall) {
 }
 
 
-// A prompt-sized call (2048 tokens, top-8 of 128 experts) with every kind of
-// expert: cached (hits, rows padded to 16), copied (at least 40 miss pairs),
-// and the rest on two servers that host overlapping halves. The plan's groups
-// and batches equal what grouping the routing masked per kind gives
-// (GroupByExpert, the reference) and what each server's share of the routing
-// is, row for row.
+// Prompt-sized calls (2048 tokens, top-8 of 128 experts) with every kind of
+// expert: cached (hits, rows padded to 16), copied (many miss pairs), and the
+// rest on two servers hosting overlapping ranges (the first takes the shared
+// ones). Planned twice into the same MissPlan with different caches: each
+// plan's groups equal what grouping the routing masked per kind gives
+// (GroupByExpert, the reference), and its batches each server's share of the
+// routing, row for row, with their pair and expert counts.
 TEST(MissPlanTest, APromptsSplitEqualsGroupingEachKindApart) {
   const int E = 128, n = 2048, k = 8, align = 16;
   std::mt19937 rng(7);
@@ -406,74 +408,86 @@ TEST(MissPlanTest, APromptsSplitEqualsGroupingEachKindApart) {
       weights[static_cast<size_t>(t) * k + j] = 0.001f * static_cast<float>(rng() % 1000 + 1);
     }
   }
-  std::vector<int32_t> slot(E, -1);
-  for (int e = 0; e < E; e += 5) slot[e] = 1000 + e;  // cached
   std::vector<bool> low(E, false), high(E, false);
   for (int e = 0; e < E; ++e) (e < 80 ? low : high)[e] = true;
   for (int e = 60; e < 80; ++e) high[e] = true;  // both host 60-79: the first (low) takes them
   std::vector<PlanServer> servers = {{true, &low, 700, ExpertSlice{}}, {true, &high, 700, ExpertSlice{}}};
-  MissPlanInput in;
-  in.routing = RoutingView{n, k, ids.data(), weights.data()};
-  in.num_experts = E;
-  in.slot_buffer = slot.data();
-  in.servers = servers.data();
-  in.num_servers = 2;
-  in.hit_row_align = align;
-  in.copy_mode = CopyMode::kAuto;
-  in.can_copy = true;
-  in.copy_min_tokens = 40;
-  MissPlan p;
-  ASSERT_TRUE(PlanMisses(in, &p).ok());
-  ASSERT_FALSE(p.copy_experts.empty());
-  ASSERT_GT(p.cpu_experts, 0);
-  // The reference: the routing with every pair of another kind unused, grouped.
-  auto kind = [&](int e) { return slot[e] >= 0 ? 0 : p.route_of[e] == 0 ? 1 : 2; };
-  auto masked = [&](int want, int server) {
-    std::vector<int32_t> m = ids;
-    for (int32_t& e : m)
-      if (e >= 0 && (kind(e) != want || (server >= 0 && (p.route_of[e] >> server & 1) == 0))) e = -1;
-    return m;
-  };
-  auto expect_groups = [&](const ExpertGroups& got, int want, int row_align) {
-    const std::vector<int32_t> m = masked(want, -1);
-    ExpertGroups ref;
-    GroupByExpert(RoutingView{n, k, m.data(), weights.data()}, E, row_align, &ref);
-    EXPECT_EQ(got.expert, ref.expert);
-    EXPECT_EQ(got.row_begin, ref.row_begin);
-    EXPECT_EQ(got.count, ref.count);
-    EXPECT_EQ(got.token, ref.token);
-    EXPECT_EQ(got.weight, ref.weight);
-    EXPECT_EQ(got.total_rows, ref.total_rows);
-    EXPECT_EQ(got.total_pairs, ref.total_pairs);
-  };
-  expect_groups(p.hits, 0, align);
-  expect_groups(p.copies, 1, 1);
-  for (int g = 0; g < p.hits.num_groups(); ++g) EXPECT_EQ(p.hit_buffer[g], slot[p.hits.expert[g]]);
-  // Each server's batches: its tokens in order, 700 at most per batch, the call's routing of its experts.
-  for (int s = 0; s < 2; ++s) {
-    const std::vector<int32_t> m = masked(2, s);
-    std::vector<int32_t> rows, got_rows, got_ids;
-    std::vector<float> got_w;
-    for (int t = 0; t < n; ++t)
-      for (int j = 0; j < k; ++j)
-        if (m[static_cast<size_t>(t) * k + j] >= 0) {
-          rows.push_back(t);
-          break;
-        }
-    for (const ServerBatch& b : p.batches) {
-      if (b.server != s) continue;
-      EXPECT_LE(b.n, 700);
-      got_rows.insert(got_rows.end(), b.rows.begin(), b.rows.end());
-      got_ids.insert(got_ids.end(), b.ids.begin(), b.ids.end());
-      got_w.insert(got_w.end(), b.weights.begin(), b.weights.end());
-    }
-    ASSERT_EQ(got_rows, rows) << "server " << s;
-    for (size_t i = 0; i < rows.size(); ++i)
-      for (int j = 0; j < k; ++j) {
-        const size_t src = static_cast<size_t>(rows[i]) * k + j, dst = i * k + j;
-        EXPECT_EQ(got_ids[dst], m[src]);
-        EXPECT_EQ(got_w[dst], m[src] >= 0 ? weights[src] : 0.0f);
+  MissPlan p;  // reused, as the dispatcher reuses its plan
+  for (auto [stride, copy_min] : {std::pair{5, 200}, std::pair{3, 150}}) {
+    SCOPED_TRACE(stride);
+    std::vector<int32_t> slot(E, -1);
+    for (int e = 0; e < E; e += stride) slot[e] = 1000 + e;  // cached
+    MissPlanInput in;
+    in.routing = RoutingView{n, k, ids.data(), weights.data()};
+    in.num_experts = E;
+    in.slot_buffer = slot.data();
+    in.servers = servers.data();
+    in.num_servers = 2;
+    in.hit_row_align = align;
+    in.copy_mode = CopyMode::kAuto;
+    in.can_copy = true;
+    in.copy_min_tokens = copy_min;
+    ASSERT_TRUE(PlanMisses(in, &p).ok());
+    ASSERT_FALSE(p.copy_experts.empty());
+    // The reference: the routing with every pair of another kind (or server) unused.
+    auto kind = [&](int e) { return slot[e] >= 0 ? 0 : p.route_of[e] == 0 ? 1 : 2; };
+    auto masked = [&](int want, int server) {
+      std::vector<int32_t> m = ids;
+      for (int32_t& e : m)
+        if (e >= 0 && (kind(e) != want || (server >= 0 && (p.route_of[e] >> server & 1) == 0))) e = -1;
+      return m;
+    };
+    auto expect_groups = [&](const ExpertGroups& got, int want, int row_align) {
+      const std::vector<int32_t> m = masked(want, -1);
+      ExpertGroups ref;
+      GroupByExpert(RoutingView{n, k, m.data(), weights.data()}, E, row_align, &ref);
+      EXPECT_EQ(got.expert, ref.expert);
+      EXPECT_EQ(got.row_begin, ref.row_begin);
+      EXPECT_EQ(got.count, ref.count);
+      EXPECT_EQ(got.token, ref.token);
+      EXPECT_EQ(got.weight, ref.weight);
+      EXPECT_EQ(got.total_rows, ref.total_rows);
+      EXPECT_EQ(got.total_pairs, ref.total_pairs);
+    };
+    expect_groups(p.hits, 0, align);
+    expect_groups(p.copies, 1, 1);
+    for (int g = 0; g < p.hits.num_groups(); ++g) EXPECT_EQ(p.hit_buffer[g], slot[p.hits.expert[g]]);
+    // Each server's batches: its tokens in order, at most 700 per batch, the call's routing of its experts.
+    for (int s = 0; s < 2; ++s) {
+      const std::vector<int32_t> m = masked(2, s);
+      std::vector<int32_t> rows, got_rows, got_ids;
+      std::vector<float> got_w;
+      for (int t = 0; t < n; ++t)
+        for (int j = 0; j < k; ++j)
+          if (m[static_cast<size_t>(t) * k + j] >= 0) {
+            rows.push_back(t);
+            break;
+          }
+      ASSERT_FALSE(rows.empty()) << "server " << s << " has no CPU experts: the case does not test it";
+      for (const ServerBatch& b : p.batches) {
+        if (b.server != s) continue;
+        EXPECT_LE(b.n, 700);
+        std::vector<int32_t> distinct;
+        int pairs = 0;
+        for (int32_t e : b.ids)
+          if (e >= 0) {
+            ++pairs;
+            if (std::find(distinct.begin(), distinct.end(), e) == distinct.end()) distinct.push_back(e);
+          }
+        EXPECT_EQ(b.pairs, pairs);
+        EXPECT_EQ(b.experts, static_cast<int>(distinct.size()));
+        got_rows.insert(got_rows.end(), b.rows.begin(), b.rows.end());
+        got_ids.insert(got_ids.end(), b.ids.begin(), b.ids.end());
+        got_w.insert(got_w.end(), b.weights.begin(), b.weights.end());
       }
+      ASSERT_EQ(got_rows, rows) << "server " << s;
+      for (size_t i = 0; i < rows.size(); ++i)
+        for (int j = 0; j < k; ++j) {
+          const size_t src = static_cast<size_t>(rows[i]) * k + j, dst = i * k + j;
+          EXPECT_EQ(got_ids[dst], m[src]);
+          EXPECT_EQ(got_w[dst], m[src] >= 0 ? weights[src] : 0.0f);
+        }
+    }
   }
 }
 
