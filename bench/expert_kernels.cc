@@ -1097,6 +1097,8 @@ int main(int argc, char** argv) {
   }
   if (o.bw_gib <= 0 || o.min_seconds < 0 || o.threads < 0 || o.layer_experts < 0)
     flags.Fail("negative or zero sizes");
+  moe::ParseInts(o.tokens, "tokens");  // a bad list fails here, before the probes run
+  moe::ParseInts(o.prefill_tokens, "prefill-tokens");
   moe::Benchmark bench(o);
   bench.Run();
   return bench.Report();
