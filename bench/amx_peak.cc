@@ -14,26 +14,47 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Where each k block's tiles are read from. A: two 16-row tiles per 32-k
-// block, rows `a_ld` bytes apart (64: each tile one contiguous 1 KiB);
-// `a_blocks` distinct k blocks (1: the same two tiles every time, L1). B: two
-// 1 KiB tiles per k block, `b_pairs` column pairs of kKBlocks blocks each
-// (1 pair of 1 block: L1).
+// Where each k block's tiles are read from. A: two 16-row tiles per k block,
+// rows `a_ld` bytes apart (64: each tile one contiguous 1 KiB); `a_blocks`
+// distinct k blocks (1: the same two tiles every time, L1). B: two 1 KiB
+// tiles per k block, `b_pairs` column pairs of `b_blocks` distinct blocks
+// each (1 pair of 1 block: L1). A bf16 tile holds 32 k and an int8 one 64 k in
+// the same 64 bytes per row, so one placement serves both loops; K = 2048
+// (Qwen3-30B-A3B's gate/up) is 64 bf16 or 32 int8 blocks.
 struct Placement {
   const char* name;
   int a_ld, a_blocks, b_pairs, b_blocks;
 };
-constexpr int kKBlocks = 64;  // K = 2048, Qwen3-30B-A3B's gate/up
+constexpr int kK = 2048;
+template <bool kInt8>
+constexpr int kBlocks = kK / (kInt8 ? 64 : 32);
 constexpr Placement kPlacements[] = {
     {"A, B in L1", 64, 1, 1, 1},
-    {"A in L1, B from L2 (256 KiB)", 64, 1, 2, kKBlocks},
-    {"A packed and B from L2", 64, kKBlocks, 2, kKBlocks},
-    {"A rows 4224 B apart (the kernels' x) and B from L2", 4224, kKBlocks, 2, kKBlocks},
+    {"A in L1, B from L2 (256 KiB)", 64, 1, 2, kBlocks<false>},
+    {"A packed and B from L2", 64, kBlocks<false>, 2, kBlocks<false>},
+    {"A rows 4224 B apart (the kernels' x) and B from L2", 4224, kBlocks<false>, 2, kBlocks<false>},
 };
+// The int8 loop with the operands placed as the kernels read them.
+constexpr Placement kInt8Placement = {"", 4224, kBlocks<true>, 2, kBlocks<true>};
 
-__attribute__((target("amx-tile,amx-bf16"))) void TileLoop(const std::byte* a, const std::byte* b,
-                                                             const Placement& p, int reps, float* sink) {
+// The 2x2 tile loop over K for every column pair, `reps` times: tdpbf16ps,
+// or with kInt8 tdpbssd (one int8 activation row per token: 16 tokens per A
+// tile, as bf16). `scale_every` > 0 (int8): every that many k blocks the four
+// int32 accumulator tiles leave the tiles and are added into f32 sums with a
+// scale per token and block (what activations quantized per token and per
+// block of K cost: a tile sum cannot carry a per-block scale); 0: the sums
+// stay in the tiles for the whole K (one scale per token).
+template <bool kInt8>
+__attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f"))) void TileLoop(const std::byte* a, const std::byte* b,
+                                                                              const Placement& p, int scale_every,
+                                                                              int reps, float* sink) {
+  constexpr int blocks = kBlocks<kInt8>;
   ConfigureAmxTiles();
+  alignas(64) int32_t c[4][256] = {};  // written by the tile stores
+  alignas(64) float y[4][256] = {};
+  alignas(64) float xs[32][blocks];  // per token (two A tiles) and k block
+  for (int t = 0; t < 32; ++t)
+    for (int kb = 0; kb < blocks; ++kb) xs[t][kb] = 1.0f + 0.001f * static_cast<float>(t + kb);
   const size_t a_tile2 = static_cast<size_t>(16) * p.a_ld;  // second A tile: 16 rows further
   for (int rep = 0; rep < reps; ++rep) {
     for (int pair = 0; pair < p.b_pairs; ++pair) {
@@ -43,63 +64,25 @@ __attribute__((target("amx-tile,amx-bf16"))) void TileLoop(const std::byte* a, c
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int kb = 0; kb < kKBlocks; ++kb) {
+      for (int kb = 0; kb < blocks; ++kb) {
         const size_t ao = p.a_ld == 64 ? size_t(kb % p.a_blocks) * 2048 : size_t(kb % p.a_blocks) * 64;
         const size_t bo = size_t(kb % p.b_blocks) * 1024;
         _tile_loadd(4, a + ao, p.a_ld);
         _tile_loadd(5, a + ao + (p.a_ld == 64 ? 1024 : a_tile2), p.a_ld);
         _tile_loadd(6, b0 + bo, 64);
         _tile_loadd(7, b1 + bo, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
-      _tile_stored(0, sink, 64);
-      _tile_stored(3, sink + 256, 64);
-    }
-  }
-  _tile_release();
-}
-
-// The AMX-INT8 loop (tdpbssd) with single int8 activation rows (16 tokens per
-// A tile, 64 k per block: twice bf16's k per instruction) and the operands
-// placed as the kernels read them (A rows 4224 B apart, B from L2: 2 column
-// pairs, K = 2048). `scale_every` > 0: every that many 64-k blocks the four
-// int32 accumulator tiles leave the tiles and are added into f32 sums with a
-// scale per token and block (what activations quantized per token and per
-// block of K cost: the tile sums cannot carry a per-block scale); 0: the sums
-// stay in the tiles for the whole K (one scale per token).
-constexpr int kInt8Blocks = 32;  // K = 2048
-constexpr int kInt8Ld = 4224;
-
-__attribute__((target("amx-tile,amx-int8,avx512f"))) void Int8TileLoop(const std::byte* a, const std::byte* b,
-                                                                         int scale_every, int reps, float* sink) {
-  ConfigureAmxTiles();
-  alignas(64) int32_t c[4][256] = {};  // written by the tile stores
-  alignas(64) float y[4][256] = {};
-  alignas(64) float xs[32][kInt8Blocks];  // per token (two A tiles) and k block
-  for (int t = 0; t < 32; ++t)
-    for (int kb = 0; kb < kInt8Blocks; ++kb) xs[t][kb] = 1.0f + 0.001f * static_cast<float>(t + kb);
-  const size_t a_tile2 = static_cast<size_t>(16) * kInt8Ld;
-  for (int rep = 0; rep < reps; ++rep) {
-    for (int pair = 0; pair < 2; ++pair) {
-      const std::byte* b0 = b + static_cast<size_t>(pair) * 2 * kInt8Blocks * 1024;
-      const std::byte* b1 = b0 + static_cast<size_t>(kInt8Blocks) * 1024;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int kb = 0; kb < kInt8Blocks; ++kb) {
-        _tile_loadd(4, a + 64 * size_t(kb), kInt8Ld);
-        _tile_loadd(5, a + a_tile2 + 64 * size_t(kb), kInt8Ld);
-        _tile_loadd(6, b0 + 1024 * size_t(kb), 64);
-        _tile_loadd(7, b1 + 1024 * size_t(kb), 64);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 4, 7);
-        _tile_dpbssd(2, 5, 6);
-        _tile_dpbssd(3, 5, 7);
-        if (scale_every > 0 && (kb + 1) % scale_every == 0) {
+        if constexpr (kInt8) {
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        } else {
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+        if (kInt8 && scale_every > 0 && (kb + 1) % scale_every == 0) {  // (constant false for bf16)
           _tile_stored(0, c[0], 64);
           _tile_stored(1, c[1], 64);
           _tile_stored(2, c[2], 64);
@@ -125,8 +108,9 @@ __attribute__((target("amx-tile,amx-int8,avx512f"))) void Int8TileLoop(const std
   sink[0] = y[0][0] + y[3][255] + static_cast<float>(c[0][0] + c[3][255]);
 }
 
-// Small random bf16 values (no zeros, no denormals).
-void FillBf16(std::byte* p, size_t bytes, uint32_t seed) {
+// Random operands, no zero bf16 values or denormals (the int8 loop only
+// times, its bytes need no care).
+void FillOperands(std::byte* p, size_t bytes, uint32_t seed) {
   std::mt19937 rng(seed);
   auto* v = reinterpret_cast<uint16_t*>(p);
   for (size_t i = 0; i < bytes / 2; ++i) v[i] = static_cast<uint16_t>(0x3c00 + (rng() & 0x3ff));
@@ -148,8 +132,8 @@ AmxPeak Measure(ComputePool& pool, const char* name, size_t a_bytes, size_t b_by
       auto* a = static_cast<std::byte*>(std::aligned_alloc(4096, (a_bytes + 4095) / 4096 * 4096));
       auto* b = static_cast<std::byte*>(std::aligned_alloc(4096, (b_bytes + 4095) / 4096 * 4096));
       alignas(64) float sink[512];
-      FillBf16(a, a_bytes, 17 + t);
-      FillBf16(b, b_bytes, 91 + t);
+      FillOperands(a, a_bytes, 17 + t);
+      FillOperands(b, b_bytes, 91 + t);
       loop(a, b, 1, sink);  // warm the caches
       const Clock::time_point t0 = Clock::now();
       loop(a, b, reps, sink);
@@ -176,33 +160,22 @@ std::vector<AmxPeak> MeasureAmxPeaks(ComputePool& pool, double seconds, bool int
   if (pool.size() >= 4) counts.push_back(pool.size() / 2);
   if (pool.size() > 1) counts.push_back(pool.size());
   std::vector<AmxPeak> out;
-  for (const Placement& p : kPlacements) {
+  auto measure = [&](const char* name, const Placement& p, bool is_int8, int scale_every) {
     const size_t a_bytes = p.a_ld == 64 ? size_t(p.a_blocks) * 2048 : size_t(32) * p.a_ld;
     const size_t b_bytes = size_t(p.b_pairs) * 2 * p.b_blocks * 1024;
-    const double flops = 2.0 * 4 * p.b_pairs * kKBlocks * 16 * 16 * 32;
+    const double flops = 2.0 * 4 * p.b_pairs * 16 * 16 * kK;  // 4 tiles of 16 x 16 outputs over K, per pair
     for (int n : counts)
-      out.push_back(Measure(pool, p.name, a_bytes, b_bytes, flops, n, seconds,
+      out.push_back(Measure(pool, name, a_bytes, b_bytes, flops, n, seconds,
                             [&](const std::byte* a, const std::byte* b, int reps, float* sink) {
-                              TileLoop(a, b, p, reps, sink);
+                              if (is_int8) TileLoop<true>(a, b, p, scale_every, reps, sink);
+                              else TileLoop<false>(a, b, p, 0, reps, sink);
                             }));
-  }
+  };
+  for (const Placement& p : kPlacements) measure(p.name, p, false, 0);
   if (!int8) return out;
-  struct Int8Variant {
-    const char* name;
-    int scale_every;
-  };
-  constexpr Int8Variant kInt8[] = {
-      {"int8 (tdpbssd), A as the kernels' x, B from L2: one scale per token", 0},
-      {"int8, same: sums scaled per token and 128-K block", 2},
-      {"int8, same: sums scaled per token and 64-K block", 1},
-  };
-  const double int8_ops = 2.0 * 4 * 2 * kInt8Blocks * 16 * 16 * 64;
-  for (const Int8Variant& v : kInt8)
-    for (int n : counts)
-      out.push_back(Measure(pool, v.name, size_t(32) * kInt8Ld, size_t(2) * 2 * kInt8Blocks * 1024, int8_ops, n,
-                            seconds, [&](const std::byte* a, const std::byte* b, int reps, float* sink) {
-                              Int8TileLoop(a, b, v.scale_every, reps, sink);
-                            }));
+  measure("int8 (tdpbssd), A as the kernels' x, B from L2: one scale per token", kInt8Placement, true, 0);
+  measure("int8, same: sums scaled per token and 128-K block", kInt8Placement, true, 2);
+  measure("int8, same: sums scaled per token and 64-K block", kInt8Placement, true, 1);
   return out;
 }
 

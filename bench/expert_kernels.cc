@@ -97,6 +97,7 @@ struct Options {
   std::string shapes = "deepseek-v3,qwen3-30b-a3b";
   std::string tokens = "1,4,16,64,256,1024";
   std::string prefill_tokens = "512";  // tokens of each whole-layer prefill case
+  std::vector<int> prefill_list;       // --prefill-tokens, parsed
   std::string formats = "bf16";
   std::vector<WeightFormat> format_list;  // --formats, parsed
   std::string kernels;
@@ -697,8 +698,8 @@ void Benchmark::RunShape(const std::string& shape) {
   info.num_experts = spec.num_experts;
   const std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, kSeed);
   const std::vector<int> ms = ParseInts(o_.tokens, "tokens");
-  const std::vector<int> prefill = ParseInts(o_.prefill_tokens, "prefill-tokens");
-  const int max_rows = std::max(*std::max_element(ms.begin(), ms.end()), *std::max_element(prefill.begin(), prefill.end()));
+  const int max_rows = std::max(*std::max_element(ms.begin(), ms.end()),
+                                *std::max_element(o_.prefill_list.begin(), o_.prefill_list.end()));
   const std::vector<bf16_t> tokens =
       RandomActivations(static_cast<size_t>(max_rows) * spec.hidden, kSeed + 1);
   for (const auto& [format, kernels] : kernels_) RunFormat(spec, *source, format, kernels, tokens, info);
@@ -861,7 +862,7 @@ void Benchmark::WholeLayerCases(const ModelSpec& spec, const ModelSource& source
     results_.push_back(r);
   }
   base.case_name = "prefill";
-  for (int n : ParseInts(o_.prefill_tokens, "prefill-tokens"))
+  for (int n : o_.prefill_list)
     LayerCase(spec, *store, ref, kernels, dnnl, tokens, PrefillRoutings(n, spec.num_experts, hosted), base);
 }
 
@@ -1098,7 +1099,7 @@ int main(int argc, char** argv) {
   if (o.bw_gib <= 0 || o.min_seconds < 0 || o.threads < 0 || o.layer_experts < 0)
     flags.Fail("negative or zero sizes");
   moe::ParseInts(o.tokens, "tokens");  // a bad list fails here, before the probes run
-  moe::ParseInts(o.prefill_tokens, "prefill-tokens");
+  o.prefill_list = moe::ParseInts(o.prefill_tokens, "prefill-tokens");
   moe::Benchmark bench(o);
   bench.Run();
   return bench.Report();

@@ -59,8 +59,8 @@
 // least) gives the best first sum for every total count; the floor is the
 // smallest max over those counts (all copied ... all on the CPU). It is a
 // bound under these rates, not a prediction. The last column sets the share
-// of the uncached pairs ours ran on the CPU beside the share the floor's best
-// split gives it (medians over the steps).
+// of the uncached pairs ours ran on the CPU (over the run) beside the share
+// the floor's best split gives it (the median over the steps).
 //
 // --chunk N: a batch of T > N tokens runs as ceil(T/N) calls of at most N
 // tokens per layer, each chunk through every layer in turn (as an engine

@@ -20,7 +20,6 @@
 namespace moe {
 namespace {
 
-
 // Weight groups of gate/up processed together so their B panels stay in L2
 // while all row blocks stream past them.
 constexpr int kGateUpChunk = 2;
@@ -220,7 +219,7 @@ void AmxIntGateUp(const ExpertGeometry& g, const std::byte* packed, const Kernel
 }
 
 void AmxIntDown(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                          const float* weight, float* out, int ldo, int c0, int c1) {
+                const float* weight, float* out, int ldo, int c0, int c1) {
   const int full = m / kTileTokens * kTileTokens;
   if (full > 0) {
     ConfigureAmxTiles();
@@ -248,7 +247,7 @@ void AmxIntDown(const ExpertGeometry& g, const std::byte* packed, const KernelRo
   }
   if (full < m)
     Avx512VnniDown(g, packed, act.At(full, g.lda(), g.Ki), m - full, weight + full, out + size_t(full) * ldo, ldo,
-                             c0, c1);
+                   c0, c1);
 }
 
 class AmxKernel final : public ExpertKernel {
@@ -282,9 +281,8 @@ class AmxKernel final : public ExpertKernel {
     _tile_release();
   }
 
-  void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m,
-                      const float* weight, float* out, int ldo, int c0,
-                      int c1) const override {
+  void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& ar, int m, const float* weight,
+            float* out, int ldo, int c0, int c1) const override {
     if (g.int_activations()) return AmxIntDown(g, packed, ar, m, weight, out, ldo, c0, c1);
     const bool fp8 = g.format == WeightFormat::kFp8;
     if (m <= kAvx512MaxRows)

@@ -108,7 +108,7 @@ void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t
 }
 
 void Avx512Down(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
-                          const float* weight, float* out, int ldo, int c0, int c1) {
+                const float* weight, float* out, int ldo, int c0, int c1) {
   const bf16_t* d = reinterpret_cast<const bf16_t*>(packed + g.gate_up_bytes());
   const size_t blk = static_cast<size_t>(g.Ki) * 16;
   for (int c = c0; c < c1; ++c) DownPair(g, d + (2 * c) * blk, d + (2 * c + 1) * blk, act, m, weight, out, ldo, c);
@@ -182,7 +182,7 @@ void Avx512Fp8GateUp(const ExpertGeometry& g, const std::byte* packed, const bf1
 }
 
 void Avx512Fp8Down(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
-                             const float* weight, float* out, int ldo, int c0, int c1) {
+                   const float* weight, float* out, int ldo, int c0, int c1) {
   const std::byte* d = packed + g.gate_up_bytes();
   const size_t bb = g.block_bytes(g.Ki), blk = static_cast<size_t>(g.Ki) * 16;
   if (m <= kFp8DirectRows) {
@@ -339,7 +339,7 @@ void Avx512VnniGateUp(const ExpertGeometry& g, const std::byte* packed, const Ke
 }
 
 void Avx512VnniDown(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                              const float* weight, float* out, int ldo, int c0, int c1) {
+                    const float* weight, float* out, int ldo, int c0, int c1) {
   const std::byte* d = packed + g.gate_up_bytes();
   const size_t bb = g.block_bytes(g.Ki);
   for (int c = c0; c < c1; ++c) {
@@ -369,9 +369,8 @@ class Avx512Kernel final : public ExpertKernel {
     if (g.format == WeightFormat::kFp8) return Avx512Fp8GateUp(g, packed, x.bf16, m, act, c0, c1);
     Avx512GateUp(g, packed, x.bf16, m, act, c0, c1);
   }
-  void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                      const float* weight, float* out, int ldo, int c0,
-                      int c1) const override {
+  void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m, const float* weight,
+            float* out, int ldo, int c0, int c1) const override {
     if (g.int_activations()) return Avx512VnniDown(g, packed, act, m, weight, out, ldo, c0, c1);
     if (g.format == WeightFormat::kFp8) return Avx512Fp8Down(g, packed, act.bf16, m, weight, out, ldo, c0, c1);
     Avx512Down(g, packed, act.bf16, m, weight, out, ldo, c0, c1);

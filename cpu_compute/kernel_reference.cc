@@ -64,9 +64,8 @@ class ReferenceKernel final : public ExpertKernel {
     }
   }
 
-  void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                      const float* weight, float* out, int ldo, int c0,
-                      int c1) const override {
+  void Down(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m, const float* weight,
+            float* out, int ldo, int c0, int c1) const override {
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t blk = g.block_bytes(g.Ki);
     float y[16];

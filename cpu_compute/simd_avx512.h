@@ -174,16 +174,16 @@ struct KernelRows;
 void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const uint16_t* x, int m,
                   uint16_t* act, int c0, int c1);
 void Avx512Down(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
-                          const float* weight, float* out, int ldo, int c0, int c1);
+                const float* weight, float* out, int ldo, int c0, int c1);
 // The same for fp8 experts (bf16 x, act).
 void Avx512Fp8GateUp(const ExpertGeometry& g, const std::byte* packed, const uint16_t* x, int m, uint16_t* act,
                      int c0, int c1);
 void Avx512Fp8Down(const ExpertGeometry& g, const std::byte* packed, const uint16_t* act, int m,
-                             const float* weight, float* out, int ldo, int c0, int c1);
+                   const float* weight, float* out, int ldo, int c0, int c1);
 // Its AVX-512-VNNI entry points for int8/int4 experts (x, act quantized as
 // KernelRows describes); the amx kernel's path for those formats too.
 void Avx512VnniGateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m,
                       uint16_t* act, int c0, int c1);
 void Avx512VnniDown(const ExpertGeometry& g, const std::byte* packed, const KernelRows& act, int m,
-                              const float* weight, float* out, int ldo, int c0, int c1);
+                    const float* weight, float* out, int ldo, int c0, int c1);
 }  // namespace moe

@@ -1,7 +1,8 @@
 // Every expert kernel (amx, avx512, reference) in every storage format (bf16,
 // int8, int4, fp8) through the real executor (grouping, gather, activation
 // quantization, fused gate+up+SiLU, down (one weighted row per pair), the
-// per-token sum, the pinned thread pool) against an f64 reference MoE, on random non-zero data.
+// per-token sum, the pinned thread pool) against an f64 reference MoE, on
+// random non-zero data.
 // bf16: the reference MoE of the model, relative L2 error <= 1e-2. int8/int4:
 // the f64 MoE of the weights the packed experts stand for (UnpackExpert),
 // activation quantization included: <= 1e-2 (int8), <= 3e-2 (int4).
@@ -10,10 +11,10 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cstdio>
-#include <cstdlib>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <memory>
 #include <string>
