@@ -47,6 +47,14 @@
 // completed); static takes assignments (ApplyAssignment) between calls.
 //
 // Thread-safety: none; one thread drives a dispatcher (and its backend).
+//
+// Files: layer_dispatcher.cc (Create and the steps of Init, the destructor,
+// LeaveGroup), rate_probes.cc (the start-up probes, MeasureRates),
+// server_failover.cc (connecting, routes, drains, FailOver), cache_copies.cc
+// (cache copies, assignments, hints, admissions), host_executor.cc (the host
+// path: Submit, Complete), device_executor.cc (Forward, the device-planned
+// calls and their host-mapped tables); dispatcher_internal.h (private) holds
+// Impl and the state they share.
 #pragma once
 
 #include <chrono>
