@@ -2,8 +2,8 @@
 // servers, calls in flight and their sent batches, the forwarders of
 // capturable calls, LayerDispatcher::Impl, and the small helpers its files
 // share. A private header: only the dispatcher's own .cc files include it
-// (layer_dispatcher.cc, rate_probes.cc, server_failover.cc, cache_copies.cc,
-// host_executor.cc, device_executor.cc); it is not installed.
+// (layer_dispatcher.cc, server_failover.cc, cache_copies.cc, host_executor.cc,
+// device_executor.cc); it is not installed.
 #pragma once
 
 #include <atomic>

@@ -1,7 +1,8 @@
 // LayerDispatcher (gpu_worker/layer_dispatcher.h): ParseExpertServer and the
 // dispatcher's life — Create and the steps of Init (the config's checks, the
-// cache and backend, the servers, the contexts, the admission policy), the
-// destructor, LeaveGroup. The other parts: see the header's top comment.
+// cache and backend, the servers, the contexts, the start-up probes
+// (rate_probes.h), the admission policy), the destructor, LeaveGroup. The
+// other parts: see the header's top comment.
 #include "gpu_worker/layer_dispatcher.h"
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include "core/log.h"
 #include "core/status_macros.h"
 #include "gpu_worker/dispatcher_internal.h"
+#include "gpu_worker/rate_probes.h"
 
 namespace moe {
 
@@ -300,6 +302,23 @@ absl::Status LayerDispatcher::AllocateContexts() {
   }
   impl_->slot_buffer.resize(spec_.num_experts);
   return absl::OkStatus();
+}
+
+absl::Status LayerDispatcher::MeasureRates() {
+  RateProbeSetup p;
+  p.backend = backend_;
+  p.host = host_;
+  p.layer = layers_.front();
+  p.num_experts = spec_.num_experts;
+  p.hidden = spec_.hidden;
+  p.max_tokens = config_.max_tokens;
+  p.miss_buffers = config_.miss_buffers;
+  p.temp_base = impl_->temp_base;
+  p.temp_buffers = static_cast<int>(impl_->temp_fence.size());
+  p.deadline = config_.deadline;
+  for (const Server& sv : impl_->servers)
+    p.servers.push_back(ProbeServer{sv.config.address, sv.transport.get(), &sv.hosts, sv.chunk_tokens});
+  return ProbeRates(p, planner_.rates());
 }
 
 // The predictive policy, priced with the measured rates when there are some.

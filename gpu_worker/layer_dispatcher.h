@@ -49,7 +49,7 @@
 // Thread-safety: none; one thread drives a dispatcher (and its backend).
 //
 // Files: layer_dispatcher.cc (Create and the steps of Init, the destructor,
-// LeaveGroup), rate_probes.cc (the start-up probes, MeasureRates),
+// LeaveGroup), rate_probes.h/.cc (the start-up probes behind MeasureRates),
 // server_failover.cc (connecting, routes, drains, FailOver), cache_copies.cc
 // (cache copies, assignments, hints, admissions), host_executor.cc (the host
 // path: Submit, Complete), device_executor.cc (Forward, the device-planned
@@ -299,14 +299,8 @@ class LayerDispatcher {
   absl::Status ConnectServers();
   absl::Status AllocateContexts();
   absl::Status CreateAdmission();
+  // The start-up probes (rate_probes.h) into planner_.rates().
   absl::Status MeasureRates();
-  absl::Status MeasureDeviceRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y);
-  absl::Status MeasureServerRates(int rows, const std::vector<bf16_t>& x, std::vector<bf16_t>& y);
-  // CostModel::copy_cpu_share: `probe` (a CPU round trip, seconds) alone and
-  // beside a stream of copies of `layer`'s experts.
-  absl::Status MeasureCopyCpuShare(int layer, const std::function<absl::StatusOr<double>()>& probe);
-  absl::StatusOr<double> ProbeBesideCopies(const std::vector<const std::byte*>& sources,
-                                           const std::function<absl::StatusOr<double>()>& probe);
   void PollCopies();
   // One finished copy for the cost model: its time on the copy queue when the
   // backend tells it, else `host_s` from the host clock as an upper bound.
