@@ -15,7 +15,7 @@ default="cpu_expert_server/moe-expert-server gpu_worker/moe-gpu-worker core/moe-
   coordinator/moe-coordinator client/moectl demo/moe-demo tests/system_test tests/hardening_test
   tests/coordinator_process_test tests/admission_policy_test tests/miss_plan_test tests/quantization_test
   tests/grpc_wire_test tests/shared_host_copy_test tests/sliced_experts_test tests/tensor_parallel_test
-  tests/nccl_group_test"
+  tests/nccl_group_test tests/step_floor_test"
 for f in ${BINARIES:-$default}; do
   [[ -x "$b/$f" ]] || { echo "missing $b/$f (build it first)" >&2; exit 1; }
   cp "$b/$f" "$strip_dir/" && strip "$strip_dir/$(basename "$f")"
@@ -27,6 +27,10 @@ cp -r python/moe_expert_service python/examples python/_build python/pyproject.t
 cp -r tests/python .bundle/dev/python/tests
 mkdir -p .bundle/dev/python/bench && cp bench/python_overhead.py .bundle/dev/python/bench/
 find .bundle/dev/python -name __pycache__ -prune -exec rm -rf {} +
+# The recorded routing traces (read where they lie, never kept in the repo) and
+# the benchmark of record's script (the `record` phase of device_check.sh).
+mkdir -p .bundle/dev/traces && cp ../shared/data/traces/*.jsonl.xz .bundle/dev/traces/
+cp scripts/bench_record.sh .bundle/dev/
 tar -C .bundle -cJf .bundle/dev.tar.xz dev
 echo "archive: .bundle/dev.tar.xz ($(du -sh .bundle/dev.tar.xz | cut -f1))"
 rm -rf "$strip_dir" .bundle/dev

@@ -41,6 +41,8 @@
 #                         cache over two GPUs (ncclAllReduce) vs a cache per GPU, T=1,8,32,2048, 25% per GPU, 3 runs
 #   ep_bench              issue 26: the same --ep 2: each GPU its own T tokens, one cache over both GPUs with
 #                         the tokens exchanged over NCCL (ExpertParallel) vs a cache per GPU, T=1,8,32,512,2048
+#   record [SETS]         the benchmark of record: scripts/bench_record.sh (recorded routing at each trace's
+#                         geometry, 48-layer Qwen3-30B-A3B, DeepSeek-V3) to $OUT/record.md; env as that script's
 #   tp ARGS               issue 26: python/examples/transformers_tp.py ARGS on every GPU of the machine (needs 2):
 #                         one cache across the GPUs (tensor parallel, torch all-reduce) vs a cache per GPU
 #   usage (on the host): bash scripts/device_check.sh tests moe_layer qwen3-30b-a3b --layers 8
@@ -66,7 +68,7 @@ while [[ $# -gt 0 ]]; do
   case $phase in
     tests)
       echo "## tests" | tee -a "$OUT/tests.txt"
-      for t in ${TESTS:-device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test miss_plan_test quantization_test grpc_wire_test shared_host_copy_test sliced_experts_test tensor_parallel_test nccl_group_test}; do
+      for t in ${TESTS:-device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test miss_plan_test step_floor_test quantization_test grpc_wire_test shared_host_copy_test sliced_experts_test tensor_parallel_test nccl_group_test}; do
         [[ -x $B/bin/$t ]] || continue
         timeout 300 "$B/bin/$t" > "/tmp/$t.log" 2>&1
         rc=$?
@@ -81,6 +83,9 @@ while [[ $# -gt 0 ]]; do
       timeout 580 "$B/bin/moe_layer" --preset "$preset" "${args[@]}" >> "$OUT/moe_layer.md" 2>> "$OUT/moe_layer.log"
       echo "moe_layer rc=$?" | tee -a "$OUT/moe_layer.md"
       tail -30 "$OUT/moe_layer.md" ;;
+    record)
+      # The benchmark of record (scripts/bench_record.sh) over the sets named after it (default: all).
+      BIN=$B/bin TRACES=$B/traces OUT=$OUT bash "$B/bench_record.sh" "$@"; echo "record rc=$?"; shift $# ;;
     demo)
       echo "## demo (cuda worker)" | tee -a "$OUT/demo.txt"
       timeout 300 "$B/bin/moe-demo" --bin-dir "$B/bin" "$@" 2>&1 | tr '\r' '\n' | grep -v "^  step" >> "$OUT/demo.txt"
