@@ -140,6 +140,17 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
   AdmitAfter(call.batch.layer, T, k, ids, during ? done : 0);
   admissions_during_calls_ += during;
   if (during) MOE_RETURN_IF_ERROR(backend_->WaitCompute(done));
+  // A call the model would have copied for: its time, for its shape (the
+  // table for that shape was what PublishCopyCount last wrote).
+  if (const int missed = log[6] + log[7]; m.copy_plan != nullptr && missed > 0 && missed < kDeviceCopyTable &&
+                                          m.model_copies[missed] > 0) {
+    CopyOutcomes& outcomes = planner_.device_outcomes();
+    const int bucket = CopyOutcomes::DeviceBucket(missed);
+    const CopyChoice choice = outcomes.Choose(bucket);
+    outcomes.Observe(bucket, choice, Seconds(Clock::now() - t0));
+    for (int n = 1; n < kDeviceCopyTable; ++n)
+      if (CopyOutcomes::DeviceBucket(n) == bucket) PublishCopyCount(n);
+  }
   if (stats != nullptr) {
     *stats = CallStats{};
     stats->hit_pairs = log[3];
@@ -497,8 +508,19 @@ void LayerDispatcher::PublishCopyPlan() {
       model.calls_without_cpu_sample = 0;  // the table is not a call: no exploration
       n = std::min(static_cast<int>(ChooseCopies(model, candidates, 0).size()), kMaxDeviceCopies);
     }
-    __atomic_store_n(&m.copy_plan->copy_count[missed], n, __ATOMIC_RELAXED);
+    m.model_copies[missed] = config_.copy_mode == CopyMode::kAuto ? n : 0;
+    PublishCopyCount(missed);
   }
+}
+
+// The device plan's copies for calls missing `missed` experts: the model's,
+// unless the outcomes of eager device-path calls of that shape (timed in
+// ForwardOnDevice) say the CPU alone was faster.
+void LayerDispatcher::PublishCopyCount(int missed) {
+  Impl& m = *impl_;
+  const int model = m.model_copies[missed];
+  const bool cpu = model > 0 && planner_.device_outcomes().Peek(CopyOutcomes::DeviceBucket(missed)) == CopyChoice::kCpu;
+  __atomic_store_n(&m.copy_plan->copy_count[missed], cpu ? 0 : model, __ATOMIC_RELAXED);
 }
 
 // Capturable calls: an shm server that went away is reconnected (its new

@@ -93,6 +93,10 @@ struct InFlightCall {
   std::vector<CopyLaunch> copy_launches;  // the call's launches of copied experts, timed at Complete
   Clock::time_point submitted{};
   double device_prior_s = -1;  // prior device time of a hits-only call (-1: the call is not one)
+  // The plan's copy-instead decision (MissPlan::outcome_bucket, -1: none),
+  // timed at Complete for the planner's CopyOutcomes.
+  int outcome_bucket = -1;
+  CopyChoice outcome_choice = CopyChoice::kModel;
 };
 
 // A gRPC server's device rings, kept by the worker: the GPU pushes requests
@@ -180,6 +184,9 @@ struct LayerDispatcher::Impl {
   std::vector<uint64_t> last_reader;           // per served layer: its last eager device call's compute fence
   int capturable_max_tokens = 0;               // CapturableMaxTokens, fixed at Create
   std::vector<int> call_experts, call_pairs;   // ForwardOnDevice's accesses (scratch)
+  // PublishCopyPlan: per missed count, the copies the cost model chose
+  // (copy_plan->copy_count holds them, or 0 where the outcomes overrule it).
+  std::vector<int> model_copies = std::vector<int>(kDeviceCopyTable, 0);
   std::vector<int32_t> call_count;             // [E] its pairs per expert, zero between calls
 };
 

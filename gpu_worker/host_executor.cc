@@ -55,6 +55,8 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   ctx.call = call;
   ctx.submitted = t_start;
   ctx.device_prior_s = -1;
+  ctx.outcome_bucket = m.plan.outcome_bucket;
+  ctx.outcome_choice = m.plan.outcome_choice;
   // Hits only (none prefetched, whose copies the call may wait for): the device time is the call's time.
   if (m.plan.missed.empty() && planner_.rates().measured && m.prefetch[call.batch.layer & 1].layer != call.batch.layer) {
     ctx.device_prior_s = 0;
@@ -576,6 +578,10 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   // A hits-only call: Submit to here bounds the device time from above.
   if (ctx.device_prior_s > 0 && result.ok() && fin.ok())
     planner_.rates().ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);
+  // A call whose copies the outcomes could have overruled: its time, for its shape.
+  if (ctx.outcome_bucket >= 0 && result.ok() && fin.ok())
+    planner_.host_outcomes().Observe(ctx.outcome_bucket, ctx.outcome_choice, Seconds(end - ctx.submitted));
+  ctx.outcome_bucket = -1;
   ctx.stats.wait_seconds = Seconds(end - t0);
   if (out_stats != nullptr) *out_stats = ctx.stats;
   if (!result.ok()) return result;

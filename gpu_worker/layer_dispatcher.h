@@ -287,6 +287,9 @@ class LayerDispatcher {
   uint64_t admissions_during_calls() const { return admissions_during_calls_; }
   // The predictive policy's planning since start (Planner::planning()).
   PlanningStats planning() const { return planner_.planning(); }
+  // The copy-instead decisions checked against their outcomes (host path, device path).
+  const CopyOutcomes& host_outcomes() const { return planner_.host_outcomes(); }
+  const CopyOutcomes& device_outcomes() const { return planner_.device_outcomes(); }
 
  private:
   struct Impl;
@@ -352,6 +355,7 @@ class LayerDispatcher {
   void CollectDeviceAccesses();
   void RefreshDeviceServers();
   void PublishCopyPlan();
+  void PublishCopyCount(int missed);
   void PlanDeviceAdmissions();
   // call_running: the fence of the eager device-path call of `layer` that
   // runs while this plans (its copies wait only for their own layer's last

@@ -40,6 +40,8 @@ absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
   copy.clear();
   std::vector<int>& optional = p->optional_copies;
   optional.clear();
+  p->outcome_bucket = -1;
+  p->outcome_choice = CopyChoice::kModel;
   for (int e : p->missed) {
     if (route_of[e] == 0 || in.copy_mode == CopyMode::kAlways) {
       if (!in.can_copy)
@@ -64,7 +66,16 @@ absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
       std::vector<CopyCandidate> candidates;
       candidates.reserve(optional.size());
       for (int e : optional) candidates.push_back({e, p->miss_pairs[e]});
-      for (int e : ChooseCopies(*in.cost, std::move(candidates), dev, in.link_busy_s)) copy.push_back(e);
+      int pairs = 0;
+      for (int e : optional) pairs += p->miss_pairs[e];
+      std::vector<int> chosen = ChooseCopies(*in.cost, std::move(candidates), dev, in.link_busy_s);
+      // The outcomes of earlier calls of this shape may overrule the model.
+      if (!chosen.empty() && in.outcomes != nullptr) {
+        p->outcome_bucket = CopyOutcomes::HostBucket(static_cast<int>(optional.size()), pairs);
+        p->outcome_choice = in.outcomes->Choose(p->outcome_bucket);
+        if (p->outcome_choice == CopyChoice::kCpu) chosen.clear();
+      }
+      copy.insert(copy.end(), chosen.begin(), chosen.end());
     }
   }
   for (int e : copy) route_of[e] = 0;

@@ -5,7 +5,8 @@
 // (copy-instead-of-compute), and which go to which CPU expert server, in
 // batches the server's transport takes. PlanMisses is a plain function of its
 // inputs: no server, backend, cache or transport is touched (the cost model's
-// exploration counter is the one state it updates, through ChooseCopies), so
+// exploration counter and the outcomes' exploration schedule are the state it
+// updates, through ChooseCopies and CopyOutcomes::Choose), so
 // the dispatcher's decisions are testable on their own (miss_plan_test.cc).
 //
 // Thread-safety: none; a MissPlan is scratch of one caller, reused across
@@ -18,6 +19,7 @@
 #include "absl/status/status.h"
 #include "core/model_spec.h"
 #include "core/routing.h"
+#include "gpu_worker/copy_outcomes.h"
 #include "gpu_worker/cost_model.h"
 #include "gpu_worker/device_backend.h"
 
@@ -58,6 +60,10 @@ struct MissPlanInput {
   int copy_min_tokens = 0;      // auto: > 0 copies experts with at least this many miss pairs (no model)
   CostModel* cost = nullptr;    // auto, copy_min_tokens == 0: ChooseCopies on it (null or unmeasured: none)
   double link_busy_s = 0;       // the copy queue's backlog now (cache copies of earlier calls)
+  // With `cost`: the outcomes of earlier calls of the same shape, which may
+  // send this call's misses to the servers although the model would copy
+  // some (CopyOutcomes::Choose). Null: the model decides alone.
+  CopyOutcomes* outcomes = nullptr;
 };
 
 // The misses one server computes: one batch of at most its chunk_tokens
@@ -81,6 +87,11 @@ struct MissPlan {
   std::vector<int> missed;              // of them those without a Ready slot
   std::vector<int32_t> hit_pairs, miss_pairs;  // per expert
   int cpu_experts = 0;                  // missed experts sent to a server
+  // The copy-instead decision this call made (the caller times the call and
+  // reports it: CopyOutcomes::Observe): its bucket, -1 when the model copied
+  // nothing a server could have taken (no decision), and the choice taken.
+  int outcome_bucket = -1;
+  CopyChoice outcome_choice = CopyChoice::kModel;
 
   // The hit groups as the device computes them.
   HitPlan hit_plan() const { return HitPlan{&hits, hit_buffer.data()}; }
@@ -98,7 +109,8 @@ struct MissPlan {
 
 // Fills *plan. A missed expert goes to its route (RouteExpert); it is
 // copied instead when no server is up for it, when copy_mode is kAlways, or
-// (kAuto) when it has copy_min_tokens miss pairs or ChooseCopies picks it.
+// (kAuto) when it has copy_min_tokens miss pairs or ChooseCopies picks it
+// and `outcomes` (when given) keeps the model's choice for the call's shape.
 // Unavailable naming the expert and layer when it would have to be copied and
 // !can_copy.
 absl::Status PlanMisses(const MissPlanInput& in, MissPlan* plan);

@@ -21,6 +21,7 @@ absl::Status Planner::EnableAdmissions(AdmissionConfig config) {
 
 absl::Status Planner::PlanCall(MissPlanInput in, MissPlan* plan) {
   in.cost = &rates_;
+  in.outcomes = &host_outcomes_;
   in.link_busy_s = LinkBacklog();
   return PlanMisses(in, plan);
 }

@@ -11,6 +11,10 @@
 //     into its prefetch buffers while this call finishes and the engine runs
 //     the next layer's attention (ChoosePrefetch), within the time the link
 //     would otherwise stand idle between two calls (observed online).
+// A copy-instead decision is also checked against what it led to
+// (CopyOutcomes): per call shape, calls where the model copied are timed
+// against calls of that shape sent wholly to the CPU, and a shape whose
+// copies came out slower stops copying (looking again now and then).
 // Both price from one set of rates measured at start and corrected online
 // (CostModel: copy time, device time per rows, CPU time per expert and per
 // pair at that many rows) and one view of the host->device link: the time
@@ -31,6 +35,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "gpu_worker/admission_policy.h"
+#include "gpu_worker/copy_outcomes.h"
 #include "gpu_worker/cost_model.h"
 #include "gpu_worker/expert_cache.h"
 #include "gpu_worker/miss_plan.h"
@@ -64,6 +69,13 @@ class Planner {
   // The rates: set by the dispatcher's start-up probe, corrected by its observations.
   CostModel& rates() { return rates_; }
   const CostModel& rates() const { return rates_; }
+
+  // What copy-instead decisions led to, per call shape: host-path calls
+  // (PlanCall consults it) and device-planned calls (their copy table).
+  CopyOutcomes& host_outcomes() { return host_outcomes_; }
+  CopyOutcomes& device_outcomes() { return device_outcomes_; }
+  const CopyOutcomes& host_outcomes() const { return host_outcomes_; }
+  const CopyOutcomes& device_outcomes() const { return device_outcomes_; }
 
   // The predictive cache policy (the default): admissions priced with these
   // rates as they are corrected (or with `config.costs` when unmeasured).
@@ -99,6 +111,7 @@ class Planner {
  private:
   double Now() const;
   CostModel rates_;
+  CopyOutcomes host_outcomes_, device_outcomes_;
   std::unique_ptr<AdmissionPolicy> admission_;
   std::chrono::steady_clock::time_point epoch_ = std::chrono::steady_clock::now();
   double link_free_s_ = 0;  // when the copies queued so far should be done (from epoch_)

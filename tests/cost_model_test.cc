@@ -1,6 +1,8 @@
 // The dispatcher's cost model without a server: the online estimator
-// (OnlineScale) and the copy-instead-of-compute decision (ChooseCopies).
+// (OnlineScale), the copy-instead-of-compute decision (ChooseCopies) and its
+// check against outcomes (CopyOutcomes).
 #include "gpu_worker/cost_model.h"
+#include "gpu_worker/copy_outcomes.h"
 
 #include <gtest/gtest.h>
 
@@ -261,6 +263,88 @@ TEST(CostModelTest, DescribeShowsTheCorrectedRates) {
   const std::string d = m.Describe();
   EXPECT_NE(d.find("0.11"), std::string::npos) << d;  // ~0.116 ms/expert
   EXPECT_NE(d.find("3 samples"), std::string::npos) << d;
+}
+
+// Simulated calls of one shape whose two choices take `model_s` / `cpu_s`
+// seconds (+-2% noise); returns how many of `calls` took each choice.
+struct Taken {
+  int model = 0, cpu = 0;
+};
+Taken RunOutcomes(CopyOutcomes& o, int bucket, int calls, double model_s, double cpu_s, std::mt19937& rng) {
+  std::uniform_real_distribution<double> noise(0.98, 1.02);
+  Taken t;
+  for (int i = 0; i < calls; ++i) {
+    const CopyChoice c = o.Choose(bucket);
+    (c == CopyChoice::kModel ? t.model : t.cpu) += 1;
+    o.Observe(bucket, c, (c == CopyChoice::kModel ? model_s : cpu_s) * noise(rng));
+  }
+  return t;
+}
+
+TEST(CopyOutcomesTest, CopiesThatLoseStopAndAreTriedLessAndLessOften) {
+  std::mt19937 rng(1);
+  CopyOutcomes o;
+  const int b = CopyOutcomes::DeviceBucket(2);
+  // Copying costs 7.6 ms where the CPU takes 3.7 (a Mixtral expert at one token).
+  const Taken first = RunOutcomes(o, b, 20, 7.6e-3, 3.7e-3, rng);
+  EXPECT_GE(first.cpu, 14);
+  EXPECT_EQ(o.vetoed_buckets(), 1);
+  const Taken later = RunOutcomes(o, b, 2000, 7.6e-3, 3.7e-3, rng);
+  EXPECT_LE(later.model, 10) << "explorations back off 8, 16, ... 512 calls apart";
+  EXPECT_GE(later.model, 3) << "but never stop";
+  EXPECT_NE(o.Describe().find("1 of 1 call shapes"), std::string::npos) << o.Describe();
+}
+
+TEST(CopyOutcomesTest, CopiesThatWinAreKept) {
+  std::mt19937 rng(2);
+  CopyOutcomes o;
+  const int b = CopyOutcomes::HostBucket(12, 12 * 256);
+  const Taken t = RunOutcomes(o, b, 2000, 20e-3, 31e-3, rng);
+  EXPECT_GE(t.model, 1985);
+  EXPECT_EQ(o.vetoed_buckets(), 0);
+}
+
+TEST(CopyOutcomesTest, WithinTheMarginTheModelDecides) {
+  std::mt19937 rng(3);
+  CopyOutcomes o;
+  const Taken t = RunOutcomes(o, 5, 1000, 1.01e-3, 1.0e-3, rng);
+  EXPECT_GE(t.model, 950);
+}
+
+TEST(CopyOutcomesTest, FollowsAChangeBackWithinTheLongestInterval) {
+  std::mt19937 rng(4);
+  CopyOutcomes o;
+  RunOutcomes(o, 7, 3000, 2e-3, 1e-3, rng);  // copies lose for a long time: explorations far apart
+  ASSERT_EQ(o.Peek(7), CopyChoice::kCpu);
+  // Then the link frees up: copies win. Within one longest interval (and the
+  // few explorations the average needs) the bucket copies again.
+  const Taken t = RunOutcomes(o, 7, 2 * CopyOutcomes::kExploreMax, 0.5e-3, 1e-3, rng);
+  EXPECT_EQ(o.Peek(7), CopyChoice::kModel);
+  EXPECT_GE(t.model, 16);
+}
+
+TEST(CopyOutcomesTest, BucketsAreIndependentAndPeekMatchesChoose) {
+  std::mt19937 rng(5);
+  CopyOutcomes o;
+  const int b1 = CopyOutcomes::DeviceBucket(1), b3 = CopyOutcomes::DeviceBucket(3);
+  ASSERT_NE(b1, b3);
+  EXPECT_EQ(b3, CopyOutcomes::DeviceBucket(4));
+  RunOutcomes(o, b1, 100, 2e-3, 1e-3, rng);
+  RunOutcomes(o, b3, 100, 1e-3, 2e-3, rng);
+  for (int i = 0; i < 300; ++i)
+    for (int b : {b1, b3}) {
+      const CopyChoice peek = o.Peek(b);
+      const CopyChoice c = o.Choose(b);
+      ASSERT_EQ(peek, c);
+      o.Observe(b, c, (c == CopyChoice::kModel) == (b == b1) ? 2e-3 : 1e-3);
+    }
+  EXPECT_EQ(o.vetoed_buckets(), 1);  // b1's copies lose, b3's win
+  EXPECT_EQ(o.Peek(CopyOutcomes::DeviceBucket(9)), CopyChoice::kModel);  // unseen: the model
+  EXPECT_EQ(CopyOutcomes::DeviceBucket(1 << 20), 15);
+  EXPECT_NE(CopyOutcomes::HostBucket(4, 4), CopyOutcomes::HostBucket(4, 64));
+  EXPECT_NE(CopyOutcomes::HostBucket(4, 64), CopyOutcomes::HostBucket(8, 128));
+  o.Observe(1, CopyChoice::kModel, -1);  // ignored
+  o.Observe(1, CopyChoice::kModel, std::numeric_limits<double>::quiet_NaN());
 }
 
 }  // namespace

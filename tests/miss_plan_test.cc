@@ -252,6 +252,45 @@ TEST(MissPlanTest, CopyModes) {
   EXPECT_TRUE(p.copy_experts.empty());
 }
 
+TEST(MissPlanTest, OutcomesOverruleTheModelsCopiesButNotForcedOnes) {
+  Case s(4, 1, {2, 2, 2, 3});
+  s.AddServer({0, 1, 2});  // expert 3: no server, always copied
+  s.in.can_copy = true;
+  s.in.copy_mode = CopyMode::kAuto;
+  s.in.cost = &s.cost;
+  s.cost.measured = true;  // the CPU slow, copies cheap: the model copies expert 2 too
+  s.cost.copy_s = 1e-4;
+  s.cost.copy_device_fixed_s = 1e-5;
+  s.cost.copy_device_row_s = 1e-6;
+  s.cost.cpu_call_s = 1e-4;
+  s.cost.cpu_expert_s = 5e-3;
+  s.cost.cpu_pair_s = 1e-3;
+  CopyOutcomes outcomes;
+  s.in.outcomes = &outcomes;
+  MissPlan p;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_EQ(p.copy_experts, (std::vector<int>{3, 2}));
+  const int bucket = CopyOutcomes::HostBucket(1, 3);
+  EXPECT_EQ(p.outcome_bucket, bucket);
+  EXPECT_EQ(p.outcome_choice, CopyChoice::kModel);
+  // Calls of this shape came out faster without the copy: the CPU gets expert 2.
+  for (int i = 0; i < CopyOutcomes::kMinSamples; ++i) {
+    outcomes.Observe(bucket, CopyChoice::kModel, 2e-3);
+    outcomes.Observe(bucket, CopyChoice::kCpu, 1e-3);
+  }
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_EQ(p.outcome_choice, CopyChoice::kCpu);
+  EXPECT_EQ(p.copy_experts, (std::vector<int>{3}));
+  ASSERT_EQ(p.batches.size(), 1u);
+  EXPECT_EQ(p.batches[0].rows, (std::vector<int32_t>{0, 1, 2}));
+  // A call the model sends wholly to the CPU is no decision.
+  s.cost.cpu_expert_s = 1e-6;
+  s.cost.cpu_pair_s = 1e-7;
+  s.cost.copy_s = 1.0;
+  ASSERT_TRUE(s.Plan(&p).ok());
+  EXPECT_EQ(p.outcome_bucket, -1);
+}
+
 TEST(MissPlanTest, UnusedSlotsAndShortRowsAreSkipped) {
   // k = 3 but most tokens use fewer pairs; token 2 uses none.
   Case s(4, 3, {0, -1, -1, 4, 0, -1, -1, -1, -1, -1, 4, -1});
