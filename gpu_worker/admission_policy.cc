@@ -20,7 +20,7 @@ constexpr double kIntervalSmoothing = 0.25;  // EMA weight of a new layer-interv
 absl::StatusOr<std::unique_ptr<AdmissionPolicy>> AdmissionPolicy::Create(const AdmissionConfig& c) {
   if (c.expert_bytes == 0) return absl::InvalidArgumentError("admission policy: expert_bytes must be > 0");
   const AdmissionCosts& k = c.costs;
-  for (double v : {k.copy_s, k.copy_dram_s, k.miss_expert_s, k.miss_pair_s})
+  for (double v : {k.copy_s, k.copy_dram_s, k.miss_expert_s, k.miss_pair_s, k.copy_call_s})
     if (!(v >= 0) || v == std::numeric_limits<double>::infinity())
       return absl::InvalidArgumentError("admission policy: costs must be finite and >= 0");
   ExpertPredictorConfig pc{c.layers, c.num_experts};
@@ -249,7 +249,7 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
 void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s, double start_s,
                            double* link_free_s, std::vector<SlotCopy>* out) {
   const AdmissionCosts c = Costs();
-  const double copy_cost = c.copy_dram_s * busy_share_;
+  const double copy_cost = c.copy_dram_s * busy_share_ + c.copy_call_s;
   // Undoing a swap (bringing the victim back) costs a copy when the
   // predictor foresees the victim's next use in time, else that use misses:
   // at the layer's measured recall, copy + (1 - recall) x one missed expert.
@@ -393,7 +393,8 @@ AdmissionCosts AdmissionPolicy::Costs() const {
   // measured; unmeasured, all of its bytes (the CPU's per-expert time).
   const double expert_s = r->cpu.scale() * r->cpu_expert_s;
   const double copy_cpu_s = r->copy_cpu_share >= 0 ? r->CopySeconds() * r->copy_cpu_share : expert_s;
-  return AdmissionCosts{r->CopySeconds(), copy_cpu_s, expert_s, r->cpu.scale() * r->PairSeconds(1)};
+  return AdmissionCosts{r->CopySeconds(), copy_cpu_s, expert_s, r->cpu.scale() * r->PairSeconds(1),
+                        r->overlap.delay_s()};
 }
 
 // Seconds of one forward pass (every served layer once), from the measured

@@ -35,7 +35,8 @@
 // live rates, the link time times the share of their pace the CPU servers
 // were measured to lose beside copies, CostModel::copy_cpu_share) times the
 // measured share of time the CPU is busy with misses (a copy while the CPU
-// idles costs it nothing). The link is one FIFO of
+// idles costs it nothing), plus the delay a copy was observed to add to the
+// calls it overlaps (copy_call_s: live rates, CostModel::overlap). The link is one FIFO of
 // copy_s per expert; a copy is started only if it completes within one pass
 // after the target's coming run (a copy that lands during later runs is fine;
 // one the link cannot finish by then would only delay timelier ones), and
@@ -73,6 +74,7 @@ struct AdmissionCosts {
   double copy_dram_s = 0;    // CPU time one copy's DRAM reads take from the misses while both run
   double miss_expert_s = 0;  // CPU: one missed expert (its weights streamed from DRAM)
   double miss_pair_s = 0;    // CPU: one missed (token, expert) pair
+  double copy_call_s = 0;    // what one copy delays the layer calls it overlaps (observed: CopyOverlap)
 };
 
 // A resident expert (or an empty slot: expert -1, key -1) a swap may evict,

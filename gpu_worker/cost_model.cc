@@ -35,6 +35,24 @@ void OnlineScale::Observe(double predicted, double observed, bool upper_bound) {
   if (first || median > scale_ * (1 + deadband_) || median < scale_ / (1 + deadband_)) scale_ = median;
 }
 
+void CopyOverlap::Observe(int bucket, bool beside_copies, double seconds) {
+  if (bucket < 0 || !(seconds > 0) || !std::isfinite(seconds)) return;
+  if (static_cast<size_t>(bucket) >= buckets_.size()) buckets_.resize(bucket + 1);
+  Side& side = beside_copies ? buckets_[bucket].second : buckets_[bucket].first;
+  side.mean = side.samples == 0 ? seconds : side.mean + kSmoothing * (seconds - side.mean);
+  ++side.samples;
+  ++observed_;
+  // The shapes' delays weighed by how often each was seen beside copies.
+  double sum = 0, weight = 0;
+  for (const auto& [without, beside] : buckets_) {
+    if (without.samples < kMinSamples || beside.samples < kMinSamples) continue;
+    const double w = std::min(beside.samples, 64);
+    sum += w * (beside.mean - without.mean);
+    weight += w;
+  }
+  delay_s_ = weight > 0 ? std::max(0.0, sum / weight) : 0.0;
+}
+
 double CostModel::PairSeconds(double rows) const {
   const auto& c = cpu_pair_curve;
   if (c.empty()) return cpu_pair_s;
@@ -97,12 +115,14 @@ std::string CostModel::Describe() const {
   return absl::StrFormat(
       "copy %.3f ms/expert%s; device %.3f ms + %.4f ms/row (hits), %.3f ms + %.4f ms/row (copied); cpu %.3f "
       "ms/call + %.3f ms/expert + ms/pair at rows per expert {%s}; online x%.3g cpu (%d samples), x%.3g copy "
-      "(%d), x%.3g device (%d), x%.3g copied device (%d)",
+      "(%d), x%.3g device (%d), x%.3g copied device (%d); a cache copy delays the calls beside it %.3f ms (%llu "
+      "calls observed)",
       CopySeconds() * 1e3, share, device.scale() * device_fixed_s * 1e3, device.scale() * device_row_s * 1e3,
       copy_device.scale() * copy_device_fixed_s * 1e3, copy_device.scale() * copy_device_row_s * 1e3,
       cpu.scale() * cpu_call_s * 1e3,
       cpu.scale() * cpu_expert_s * 1e3, pairs, cpu.scale(), cpu.samples(), copy.scale(), copy.samples(),
-      device.scale(), device.samples(), copy_device.scale(), copy_device.samples());
+      device.scale(), device.samples(), copy_device.scale(), copy_device.samples(), overlap.delay_s() * 1e3,
+      static_cast<unsigned long long>(overlap.observed()));
 }
 
 std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s,

@@ -49,6 +49,35 @@ class OnlineScale {
   uint64_t observations_ = 0;
 };
 
+// What a cache copy costs the layer calls it overlaps, as observed: per call
+// shape (CopyOutcomes::DeviceBucket of the call's missed experts) the
+// average call time with cache copies on the link and without; the delay is
+// their difference, averaged over the shapes seen both ways. A decode call
+// waits on the link for its servers' answers (read through mapped host
+// memory) and its own copies, so a copy beside it can cost the call far more
+// than its DRAM reads take from the CPU (GPU host, Kimi-Linear at one token:
+// calls beside copies ran 0.3 ms longer, about one expert's copy).
+class CopyOverlap {
+ public:
+  static constexpr int kMinSamples = 4;
+  static constexpr double kSmoothing = 0.125;
+  // A call of shape `bucket` took `seconds`, with cache copies beside it or not.
+  void Observe(int bucket, bool beside_copies, double seconds);
+  // The delay one call beside copies takes, seconds (0 until a shape was seen
+  // both ways kMinSamples times; never negative).
+  double delay_s() const { return delay_s_; }
+  uint64_t observed() const { return observed_; }
+
+ private:
+  struct Side {
+    double mean = 0;
+    int samples = 0;
+  };
+  std::vector<std::pair<Side, Side>> buckets_;  // {without, beside}
+  double delay_s_ = 0;
+  uint64_t observed_ = 0;
+};
+
 struct CostModel {
   // Prior rates (seconds), measured at start-up.
   double copy_s = 0;          // one expert host -> device
@@ -75,6 +104,8 @@ struct CostModel {
   bool measured = false;
   // Online corrections of the priors.
   OnlineScale cpu, copy, device, copy_device;
+  // What a cache copy costs the calls beside it (the admissions' price of a copy).
+  CopyOverlap overlap;
   // Calls whose decision had CPU-eligible misses since the last CPU
   // observation; past kExploreAfter, ChooseCopies keeps one expert on the CPU
   // so a prior that overprices the CPU cannot starve its own correction.

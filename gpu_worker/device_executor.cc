@@ -98,6 +98,9 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
   Impl& m = *impl_;
   const Clock::time_point t0 = Clock::now();
   PollCopies();
+  // Cache copies on the link beside this call (still in flight, or started during it below).
+  const bool copies_before = !m.pending.empty();
+  const uint64_t started_before = copies_started_;
   planner_.CallStarted();
   LayerCall c = call;
   if (c.stream == nullptr) c.stream = LegacyDefaultStream();
@@ -140,14 +143,19 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
   AdmitAfter(call.batch.layer, T, k, ids, during ? done : 0);
   admissions_during_calls_ += during;
   if (during) MOE_RETURN_IF_ERROR(backend_->WaitCompute(done));
+  const double took = Seconds(Clock::now() - t0);
+  const int missed = log[6] + log[7];
+  // What cache copies beside the call cost it (the admissions' price of a copy).
+  planner_.rates().overlap.Observe(CopyOutcomes::DeviceBucket(missed),
+                                   copies_before || copies_started_ != started_before, took);
   // A call the model would have copied for: its time, for its shape (the
   // table for that shape was what PublishCopyCount last wrote).
-  if (const int missed = log[6] + log[7]; m.copy_plan != nullptr && missed > 0 && missed < kDeviceCopyTable &&
-                                          m.model_copies[missed] > 0) {
+  if (config_.copy_mode == CopyMode::kAuto && m.copy_plan != nullptr && missed > 0 && missed < kDeviceCopyTable &&
+      m.model_copies[missed] > 0) {
     CopyOutcomes& outcomes = planner_.device_outcomes();
     const int bucket = CopyOutcomes::DeviceBucket(missed);
     const CopyChoice choice = outcomes.Choose(bucket);
-    outcomes.Observe(bucket, choice, Seconds(Clock::now() - t0));
+    outcomes.Observe(bucket, choice, took);
     for (int n = 1; n < kDeviceCopyTable; ++n)
       if (CopyOutcomes::DeviceBucket(n) == bucket) PublishCopyCount(n);
   }
@@ -508,7 +516,7 @@ void LayerDispatcher::PublishCopyPlan() {
       model.calls_without_cpu_sample = 0;  // the table is not a call: no exploration
       n = std::min(static_cast<int>(ChooseCopies(model, candidates, 0).size()), kMaxDeviceCopies);
     }
-    m.model_copies[missed] = config_.copy_mode == CopyMode::kAuto ? n : 0;
+    m.model_copies[missed] = n;
     PublishCopyCount(missed);
   }
 }
@@ -519,7 +527,8 @@ void LayerDispatcher::PublishCopyPlan() {
 void LayerDispatcher::PublishCopyCount(int missed) {
   Impl& m = *impl_;
   const int model = m.model_copies[missed];
-  const bool cpu = model > 0 && planner_.device_outcomes().Peek(CopyOutcomes::DeviceBucket(missed)) == CopyChoice::kCpu;
+  const bool cpu = config_.copy_mode == CopyMode::kAuto && model > 0 &&
+                   planner_.device_outcomes().Peek(CopyOutcomes::DeviceBucket(missed)) == CopyChoice::kCpu;
   __atomic_store_n(&m.copy_plan->copy_count[missed], cpu ? 0 : model, __ATOMIC_RELAXED);
 }
 

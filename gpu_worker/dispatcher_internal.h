@@ -97,6 +97,8 @@ struct InFlightCall {
   // timed at Complete for the planner's CopyOutcomes.
   int outcome_bucket = -1;
   CopyChoice outcome_choice = CopyChoice::kModel;
+  int missed_experts = 0;        // the plan's (CopyOverlap's shape)
+  bool beside_copies = false;    // cache copies were on the link when it was submitted
 };
 
 // A gRPC server's device rings, kept by the worker: the GPU pushes requests
@@ -184,8 +186,9 @@ struct LayerDispatcher::Impl {
   std::vector<uint64_t> last_reader;           // per served layer: its last eager device call's compute fence
   int capturable_max_tokens = 0;               // CapturableMaxTokens, fixed at Create
   std::vector<int> call_experts, call_pairs;   // ForwardOnDevice's accesses (scratch)
-  // PublishCopyPlan: per missed count, the copies the cost model chose
-  // (copy_plan->copy_count holds them, or 0 where the outcomes overrule it).
+  // PublishCopyPlan: per missed count, the copies the cost model (or copy
+  // mode always) chose; copy_plan->copy_count holds them, or 0 where the
+  // outcomes overrule the model.
   std::vector<int> model_copies = std::vector<int>(kDeviceCopyTable, 0);
   std::vector<int32_t> call_count;             // [E] its pairs per expert, zero between calls
 };

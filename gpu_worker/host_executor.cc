@@ -57,6 +57,8 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   ctx.device_prior_s = -1;
   ctx.outcome_bucket = m.plan.outcome_bucket;
   ctx.outcome_choice = m.plan.outcome_choice;
+  ctx.missed_experts = static_cast<int>(m.plan.missed.size());
+  ctx.beside_copies = !m.pending.empty();
   // Hits only (none prefetched, whose copies the call may wait for): the device time is the call's time.
   if (m.plan.missed.empty() && planner_.rates().measured && m.prefetch[call.batch.layer & 1].layer != call.batch.layer) {
     ctx.device_prior_s = 0;
@@ -578,6 +580,9 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   // A hits-only call: Submit to here bounds the device time from above.
   if (ctx.device_prior_s > 0 && result.ok() && fin.ok())
     planner_.rates().ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);
+  if (result.ok() && fin.ok())
+    planner_.rates().overlap.Observe(CopyOutcomes::DeviceBucket(ctx.missed_experts), ctx.beside_copies,
+                                     Seconds(end - ctx.submitted));
   // A call whose copies the outcomes could have overruled: its time, for its shape.
   if (ctx.outcome_bucket >= 0 && result.ok() && fin.ok())
     planner_.host_outcomes().Observe(ctx.outcome_bucket, ctx.outcome_choice, Seconds(end - ctx.submitted));

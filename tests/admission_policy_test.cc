@@ -380,5 +380,40 @@ TEST(AdmissionPolicy, FollowsTheLiveRatesOfTheCostModel) {
   EXPECT_EQ(later, 0u);
 }
 
+// A copy's observed delay to the calls beside it (CostModel::overlap) is part
+// of its price: the same routing and rates admit far fewer copies once calls
+// beside copies were seen to take longer than calls without.
+TEST(AdmissionPolicy, ACopysDelayToTheCallsBesideItIsPartOfItsPrice) {
+  const int L = 4, E = 16, C = 4, k = 2;
+  auto rig = [&](CostModel& live) {
+    live.measured = true;
+    live.copy_s = 0.1e-3;
+    live.cpu_expert_s = 1e-3;
+    live.copy_cpu_share = 0.1;
+    Rig r;
+    r.cache = *ExpertCache::Create(ExpertCacheConfig{L, E, C, CachePolicy::kPredictive, 64});
+    AdmissionConfig ac;
+    for (int l = 0; l < L; ++l) ac.layers.push_back(l);
+    ac.num_experts = E;
+    ac.expert_bytes = 1000;
+    ac.live_rates = &live;
+    r.policy = *AdmissionPolicy::Create(ac);
+    return r;
+  };
+  CostModel free_live, delayed_live;
+  Rig free_copies = rig(free_live), delayed = rig(delayed_live);
+  for (int i = 0; i < 2 * CopyOverlap::kMinSamples; ++i) {
+    delayed_live.overlap.Observe(2, false, 1e-3);
+    delayed_live.overlap.Observe(2, true, 21e-3);  // beside a copy: 20 ms longer
+  }
+  ASSERT_NEAR(delayed.policy->Costs().copy_call_s, 20e-3, 1e-9);
+  EXPECT_EQ(free_copies.policy->Costs().copy_call_s, 0.0);
+  uint64_t many = 0, few = 0;
+  Drive(free_copies, L, E, k, 100, 1e-3, 0.1e-3, &many);
+  Drive(delayed, L, E, k, 100, 1e-3, 0.1e-3, &few);
+  EXPECT_GT(many, 20u);
+  EXPECT_LT(few, many / 4);
+}
+
 }  // namespace
 }  // namespace moe

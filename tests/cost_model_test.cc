@@ -347,5 +347,30 @@ TEST(CopyOutcomesTest, BucketsAreIndependentAndPeekMatchesChoose) {
   o.Observe(1, CopyChoice::kModel, std::numeric_limits<double>::quiet_NaN());
 }
 
+TEST(CopyOverlapTest, TheDelayIsTheDifferenceOfTheShapesSeenBothWays) {
+  CopyOverlap o;
+  EXPECT_EQ(o.delay_s(), 0.0);
+  for (int i = 0; i < CopyOverlap::kMinSamples; ++i) {
+    o.Observe(1, false, 1e-3);
+    o.Observe(1, true, 1.3e-3);
+    o.Observe(4, false, 5e-3);  // seen without copies only: no weight
+  }
+  EXPECT_NEAR(o.delay_s(), 0.3e-3, 1e-12);
+  for (int i = 0; i < CopyOverlap::kMinSamples; ++i) {
+    o.Observe(3, false, 2e-3);
+    o.Observe(3, true, 2.1e-3);
+  }
+  EXPECT_NEAR(o.delay_s(), 0.2e-3, 1e-12);  // both shapes, weighed alike
+  CopyOverlap faster;  // calls beside copies that came out faster: no negative price
+  for (int i = 0; i < CopyOverlap::kMinSamples; ++i) {
+    faster.Observe(2, false, 2e-3);
+    faster.Observe(2, true, 1e-3);
+  }
+  EXPECT_EQ(faster.delay_s(), 0.0);
+  faster.Observe(-1, true, 1.0);
+  faster.Observe(2, true, std::numeric_limits<double>::infinity());
+  EXPECT_EQ(faster.observed(), 2u * CopyOverlap::kMinSamples);
+}
+
 }  // namespace
 }  // namespace moe
