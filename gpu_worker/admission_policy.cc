@@ -393,8 +393,10 @@ AdmissionCosts AdmissionPolicy::Costs() const {
   // measured; unmeasured, all of its bytes (the CPU's per-expert time).
   const double expert_s = r->cpu.scale() * r->cpu_expert_s;
   const double copy_cpu_s = r->copy_cpu_share >= 0 ? r->CopySeconds() * r->copy_cpu_share : expert_s;
-  return AdmissionCosts{r->CopySeconds(), copy_cpu_s, expert_s, r->cpu.scale() * r->PairSeconds(1),
-                        r->overlap.delay_s()};
+  // What a copy delays the calls beside it, as observed; until observed, its
+  // own link time (a decode call waits on that link for its answers).
+  const double call_s = r->overlap.learned() ? r->overlap.delay_s() : r->CopySeconds();
+  return AdmissionCosts{r->CopySeconds(), copy_cpu_s, expert_s, r->cpu.scale() * r->PairSeconds(1), call_s};
 }
 
 // Seconds of one forward pass (every served layer once), from the measured

@@ -36,7 +36,8 @@
 // were measured to lose beside copies, CostModel::copy_cpu_share) times the
 // measured share of time the CPU is busy with misses (a copy while the CPU
 // idles costs it nothing), plus the delay a copy was observed to add to the
-// calls it overlaps (copy_call_s: live rates, CostModel::overlap). The link is one FIFO of
+// calls it overlaps (copy_call_s: live rates, CostModel::overlap; until it is
+// observed, the copy's own link time). The link is one FIFO of
 // copy_s per expert; a copy is started only if it completes within one pass
 // after the target's coming run (a copy that lands during later runs is fine;
 // one the link cannot finish by then would only delay timelier ones), and

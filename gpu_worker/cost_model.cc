@@ -50,7 +50,8 @@ void CopyOverlap::Observe(int bucket, bool beside_copies, double seconds) {
     sum += w * (beside.mean - without.mean);
     weight += w;
   }
-  delay_s_ = weight > 0 ? std::max(0.0, sum / weight) : 0.0;
+  learned_ = weight > 0;
+  delay_s_ = learned_ ? std::max(0.0, sum / weight) : 0.0;
 }
 
 double CostModel::PairSeconds(double rows) const {

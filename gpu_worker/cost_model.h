@@ -66,6 +66,8 @@ class CopyOverlap {
   // The delay one call beside copies takes, seconds (0 until a shape was seen
   // both ways kMinSamples times; never negative).
   double delay_s() const { return delay_s_; }
+  // Some shape was seen both ways kMinSamples times (delay_s is a measurement).
+  bool learned() const { return learned_; }
   uint64_t observed() const { return observed_; }
 
  private:
@@ -75,6 +77,7 @@ class CopyOverlap {
   };
   std::vector<std::pair<Side, Side>> buckets_;  // {without, beside}
   double delay_s_ = 0;
+  bool learned_ = false;
   uint64_t observed_ = 0;
 };
 

@@ -373,6 +373,10 @@ TEST(AdmissionPolicy, FollowsTheLiveRatesOfTheCostModel) {
   live.copy_cpu_share = 0.25;
   EXPECT_DOUBLE_EQ(r.policy->Costs().copy_dram_s, 0.25 * live.CopySeconds());
   live.copy_cpu_share = -1;
+  for (int i = 0; i < CopyOverlap::kMinSamples; ++i) {  // copies beside calls cost them nothing
+    live.overlap.Observe(1, false, 1e-3);
+    live.overlap.Observe(1, true, 1e-3);
+  }
   for (int i = 0; i < 10; ++i) live.ObserveCopy(1.0, false);  // observed: 1000x the prior (the scale's bound)
   ASSERT_GT(live.CopySeconds(), 0.05);  // 25 passes of 4 ms
   uint64_t later = 0;
@@ -407,6 +411,12 @@ TEST(AdmissionPolicy, ACopysDelayToTheCallsBesideItIsPartOfItsPrice) {
     delayed_live.overlap.Observe(2, true, 21e-3);  // beside a copy: 20 ms longer
   }
   ASSERT_NEAR(delayed.policy->Costs().copy_call_s, 20e-3, 1e-9);
+  // Unobserved: the copy's own link time; observed to cost nothing: nothing.
+  EXPECT_DOUBLE_EQ(free_copies.policy->Costs().copy_call_s, free_live.CopySeconds());
+  for (int i = 0; i < CopyOverlap::kMinSamples; ++i) {
+    free_live.overlap.Observe(2, false, 1e-3);
+    free_live.overlap.Observe(2, true, 1e-3);
+  }
   EXPECT_EQ(free_copies.policy->Costs().copy_call_s, 0.0);
   uint64_t many = 0, few = 0;
   Drive(free_copies, L, E, k, 100, 1e-3, 0.1e-3, &many);
