@@ -160,16 +160,36 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
       if (CopyOutcomes::DeviceBucket(n) == bucket) PublishCopyCount(n);
   }
   if (stats != nullptr) {
-    *stats = CallStats{};
-    stats->hit_pairs = log[3];
-    stats->cpu_pairs = log[4];
-    stats->copied_pairs = log[5];
-    stats->copied_experts = log[6];
-    stats->cpu_experts = log[7];
+    *stats = LoggedStats(log);
     stats->submit_seconds = Seconds(t1 - t0);
     stats->wait_seconds = Seconds(Clock::now() - t1);
   }
   return TakeLayerError(li);
+}
+
+// The split a device-planned call logged (routing_log's header).
+CallStats LayerDispatcher::LoggedStats(const int32_t* log) {
+  CallStats stats;
+  stats.hit_pairs = log[3];
+  stats.cpu_pairs = log[4];
+  stats.copied_pairs = log[5];
+  stats.copied_experts = log[6];
+  stats.cpu_experts = log[7];
+  return stats;
+}
+
+absl::StatusOr<CallStats> LayerDispatcher::LastDeviceCall(int layer) const {
+  const Impl& m = *impl_;
+  if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not served"));
+  if (!m.device_ready) return absl::FailedPreconditionError("no device-planned call has run");
+  const int32_t* log = m.device_tables[layer_index_[layer]].routing_log;
+  const int32_t seq = __atomic_load_n(log, __ATOMIC_ACQUIRE);
+  if (seq == 0) return absl::FailedPreconditionError(absl::StrCat("layer ", layer, ": no call logged yet"));
+  CallStats stats = LoggedStats(log);
+  if (__atomic_load_n(log, __ATOMIC_ACQUIRE) != seq)
+    return absl::UnavailableError(absl::StrCat("layer ", layer, ": its log is being rewritten"));
+  return stats;
 }
 
 bool LayerDispatcher::AwaitRoutingLog(size_t li, int32_t before, uint64_t done) {

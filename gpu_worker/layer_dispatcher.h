@@ -242,6 +242,11 @@ class LayerDispatcher {
   absl::Status TakeStreamError();
   // The most tokens of one capturable call.
   int CapturableMaxTokens() const;
+  // The split of `layer`'s latest device-planned call as the GPU logged it
+  // (hit, CPU and copied pairs; copied and CPU experts; no times), once the
+  // call completed (e.g. after the engine synchronised its stream).
+  // FailedPrecondition before any such call of the layer.
+  absl::StatusOr<CallStats> LastDeviceCall(int layer) const;
 
   // Static placement: the resident set of `layer` becomes `experts`; copies
   // start now and each slot serves once its copy completed. Between calls.
@@ -369,6 +374,7 @@ class LayerDispatcher {
   bool OnDevicePath(const LayerCall& call) const;
   absl::Status ForwardOnDevice(const LayerCall& call, CallStats* stats);
   absl::Status TakeLayerError(size_t served_index);
+  static CallStats LoggedStats(const int32_t* log);
 
   std::unique_ptr<Impl> impl_;
   ModelSpec spec_;

@@ -828,7 +828,19 @@ TEST_P(DispatcherTest, DevicePointersOnTheCudaBackend) {
     out = dev.Output();
     EXPECT_LE(Error(2, b, out), 1e-2) << "T=" << T;
     EXPECT_GT(st.hit_pairs + st.cpu_pairs, 0);
+    // A decode-shaped call ran device-planned: the GPU's log of it is the
+    // split Forward reported (engines and the bench read it after replays).
+    if (T == 1) {
+      absl::StatusOr<CallStats> logged = d->LastDeviceCall(2);
+      ASSERT_TRUE(logged.ok()) << logged.status();
+      EXPECT_EQ(logged->hit_pairs, st.hit_pairs);
+      EXPECT_EQ(logged->cpu_pairs, st.cpu_pairs);
+      EXPECT_EQ(logged->cpu_experts, st.cpu_experts);
+      EXPECT_EQ(logged->hit_pairs + logged->cpu_pairs + logged->copied_pairs,
+                static_cast<int>(std::count_if(b.ids.begin(), b.ids.end(), [](int32_t e) { return e >= 0; })));
+    }
   }
+  EXPECT_TRUE(absl::IsInvalidArgument(d->LastDeviceCall(-1).status()));
 }
 
 // Decode on the eager device path: the admissions for the next layer are
