@@ -299,13 +299,17 @@ absl::Status MoeSession::Admin::SetServerEnabled(const std::string& address, boo
 std::vector<int> MoeSession::Admin::CachedExperts(int layer) const { return rep_->dispatcher->cache().SlotExperts(layer); }
 double MoeSession::Admin::HitRate(int layer) const { return rep_->dispatcher->cache().HitRate(layer); }
 int MoeSession::Admin::slots_per_layer() const { return rep_->dispatcher->slots_per_layer(); }
-std::string MoeSession::Admin::DescribeCostModel() const { return rep_->dispatcher->cost_model().Describe(); }
+std::string MoeSession::Admin::DescribeCostModel() const {
+  const LayerDispatcher& d = *rep_->dispatcher;
+  return absl::StrCat(d.cost_model().Describe(), "; copy outcomes: host path ", d.host_outcomes().Describe(),
+                      ", device path ", d.device_outcomes().Describe());
+}
 
 std::string MoeSession::Admin::Describe() const {
   return absl::StrCat(rep_->source->spec().Summary(), "; device ", rep_->backend->name(), "; cache ",
                       rep_->dispatcher->slots_per_layer(), " experts/layer (", Name(rep_->options.policy),
                       "); servers [", absl::StrJoin(rep_->options.servers, ", "), "]; copy model: ",
-                      rep_->dispatcher->cost_model().Describe());
+                      DescribeCostModel());
 }
 
 }  // namespace moe

@@ -350,9 +350,8 @@ TEST(AdmissionPolicy, AdmitsStableHotExpertsWhoseCopiesLandLate) {
 // corrected online: once the observed copy time says a copy takes longer than
 // a pass (the link could not finish it before the run after next), no copy
 // is started any more.
-TEST(AdmissionPolicy, FollowsTheLiveRatesOfTheCostModel) {
-  const int L = 4, E = 16, C = 4, k = 2;
-  CostModel live;
+// A policy pricing with `live` (measured: copies 0.1 ms, a CPU expert 1 ms).
+Rig MakeLiveRig(int L, int E, int C, CostModel& live) {
   live.measured = true;
   live.copy_s = 0.1e-3;
   live.cpu_expert_s = 1e-3;
@@ -364,6 +363,13 @@ TEST(AdmissionPolicy, FollowsTheLiveRatesOfTheCostModel) {
   ac.expert_bytes = 1000;
   ac.live_rates = &live;
   r.policy = *AdmissionPolicy::Create(ac);
+  return r;
+}
+
+TEST(AdmissionPolicy, FollowsTheLiveRatesOfTheCostModel) {
+  const int L = 4, E = 16, C = 4, k = 2;
+  CostModel live;
+  Rig r = MakeLiveRig(L, E, C, live);
   uint64_t copies = 0;
   Drive(r, L, E, k, 100, 1e-3, 0.1e-3, &copies);
   EXPECT_GT(copies, 0u);
@@ -389,23 +395,9 @@ TEST(AdmissionPolicy, FollowsTheLiveRatesOfTheCostModel) {
 // beside copies were seen to take longer than calls without.
 TEST(AdmissionPolicy, ACopysDelayToTheCallsBesideItIsPartOfItsPrice) {
   const int L = 4, E = 16, C = 4, k = 2;
-  auto rig = [&](CostModel& live) {
-    live.measured = true;
-    live.copy_s = 0.1e-3;
-    live.cpu_expert_s = 1e-3;
-    live.copy_cpu_share = 0.1;
-    Rig r;
-    r.cache = *ExpertCache::Create(ExpertCacheConfig{L, E, C, CachePolicy::kPredictive, 64});
-    AdmissionConfig ac;
-    for (int l = 0; l < L; ++l) ac.layers.push_back(l);
-    ac.num_experts = E;
-    ac.expert_bytes = 1000;
-    ac.live_rates = &live;
-    r.policy = *AdmissionPolicy::Create(ac);
-    return r;
-  };
   CostModel free_live, delayed_live;
-  Rig free_copies = rig(free_live), delayed = rig(delayed_live);
+  free_live.copy_cpu_share = delayed_live.copy_cpu_share = 0.1;
+  Rig free_copies = MakeLiveRig(L, E, C, free_live), delayed = MakeLiveRig(L, E, C, delayed_live);
   for (int i = 0; i < 2 * CopyOverlap::kMinSamples; ++i) {
     delayed_live.overlap.Observe(2, false, 1e-3);
     delayed_live.overlap.Observe(2, true, 21e-3);  // beside a copy: 20 ms longer

@@ -190,6 +190,19 @@ TEST(MissPlanTest, AnExpertNoServerTakesIsCopiedOrFails) {
   EXPECT_NE(st.message().find("expert 7 of layer 3"), absl::string_view::npos) << st;
 }
 
+// Measured rates where the CPU is slow and copies are cheap.
+CostModel SlowCpuCheapCopies() {
+  CostModel c;
+  c.measured = true;
+  c.copy_s = 1e-4;
+  c.copy_device_fixed_s = 1e-5;
+  c.copy_device_row_s = 1e-6;
+  c.cpu_call_s = 1e-4;
+  c.cpu_expert_s = 5e-3;
+  c.cpu_pair_s = 1e-3;
+  return c;
+}
+
 TEST(MissPlanTest, CopyModes) {
   Case s(4, 1, {2, 2, 2, 3});
   s.AddServer({});
@@ -225,13 +238,7 @@ TEST(MissPlanTest, CopyModes) {
   EXPECT_TRUE(p.copy_experts.empty());
   // auto with a model where the CPU is slow and copies are cheap: both
   // experts move to the device, the one with most rows first.
-  s.cost.measured = true;
-  s.cost.copy_s = 1e-4;
-  s.cost.copy_device_fixed_s = 1e-5;
-  s.cost.copy_device_row_s = 1e-6;
-  s.cost.cpu_call_s = 1e-4;
-  s.cost.cpu_expert_s = 5e-3;
-  s.cost.cpu_pair_s = 1e-3;
+  s.cost = SlowCpuCheapCopies();
   ASSERT_TRUE(s.Plan(&p).ok());
   EXPECT_EQ(p.copy_experts, (std::vector<int>{2, 3}));
   EXPECT_EQ(p.copies.expert, (std::vector<int32_t>{2, 3}));
@@ -258,13 +265,7 @@ TEST(MissPlanTest, OutcomesOverruleTheModelsCopiesButNotForcedOnes) {
   s.in.can_copy = true;
   s.in.copy_mode = CopyMode::kAuto;
   s.in.cost = &s.cost;
-  s.cost.measured = true;  // the CPU slow, copies cheap: the model copies expert 2 too
-  s.cost.copy_s = 1e-4;
-  s.cost.copy_device_fixed_s = 1e-5;
-  s.cost.copy_device_row_s = 1e-6;
-  s.cost.cpu_call_s = 1e-4;
-  s.cost.cpu_expert_s = 5e-3;
-  s.cost.cpu_pair_s = 1e-3;
+  s.cost = SlowCpuCheapCopies();  // the model copies expert 2 too
   CopyOutcomes outcomes;
   s.in.outcomes = &outcomes;
   MissPlan p;

@@ -221,7 +221,9 @@ class MoeSession {
     absl::Status SetServerEnabled(const std::string& address, bool enabled);
 
     // The cache as it is now: experts in `layer`'s slots, the layer's hit rate
-    // so far, slots per layer; and the copy-vs-compute model in words.
+    // so far, slots per layer; and the planner's learned rates in words (the
+    // copy-vs-compute model, what a cache copy delays the calls beside it, and
+    // the call shapes whose copies their outcomes overruled).
     std::vector<int> CachedExperts(int layer) const;
     double HitRate(int layer) const;
     int slots_per_layer() const;
