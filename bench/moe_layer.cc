@@ -1322,10 +1322,11 @@ int Main(int argc, char** argv) {
     bench.host_path_ = m.host_path;
     for (int i = 0; i < o.runs; ++i) {
       std::optional<RunResult> one = bench.Run(T, C, m.policy, m.copy, m.dual, m.graph, skipped);
-      if (!one) return std::nullopt;
+      if (!one) break;
       r.all.push_back(*std::move(one));
     }
     bench.host_path_ = false;
+    if (static_cast<int>(r.all.size()) < o.runs) return std::nullopt;
     // Two micro-batches overlap one's misses with the other's attention: the
     // floors (attention, then the MoE) do not describe that shape.
     for (RunResult& run : r.all)
