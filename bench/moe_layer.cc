@@ -1023,8 +1023,10 @@ int Main(int argc, char** argv) {
   Options o;
   FlagSet flags("moe_layer",
                 "[--preset qwen3-30b-a3b] [--layers N] [--batches 1,8,...] [--cache 10,25,...]\n"
-                "End-to-end MoE decode steps on a GPU worker with a CPU expert server over shm; prints a\n"
-                "Markdown table (ours vs all-on-GPU, copy-every-miss LRU, copy-all-experts, and a floor).");
+                "End-to-end MoE decode steps and prompts on a GPU worker with a CPU expert server over shm;\n"
+                "prints a Markdown table, a row per mode (ours: the worker's defaults; ours-graph, ours-cpu,\n"
+                "lru-copy, copy-all, all-on-GPU), each with its causal and oracle floors from the rates measured\n"
+                "in the same run, then ours beside its simpler modes. Exits 3 when a row beat its causal floor.");
   flags.String("preset", &o.preset, "model geometry: qwen3-30b-a3b, deepseek-v3, mixtral-8x7b, tiny, ...");
   int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context, slices = 1, tp = 1, ep = 1;
   flags.Int("layers", &layers,
