@@ -1,6 +1,7 @@
 #include "gpu_worker/cost_model.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 
 #include "absl/strings/str_format.h"
@@ -33,6 +34,13 @@ void OnlineScale::Observe(double predicted, double observed, bool upper_bound) {
   if (sorted.size() % 2 == 0) median = 0.5 * (median + *std::max_element(sorted.begin(), sorted.begin() + mid));
   const bool first = static_cast<int>(ratios_.size()) == min_samples_ && observations_ == static_cast<uint64_t>(min_samples_);
   if (first || median > scale_ * (1 + deadband_) || median < scale_ / (1 + deadband_)) scale_ = median;
+}
+
+int CopyOverlap::Shape(int tokens, int missed) {
+  const auto pow2 = [](int v) {
+    return v <= 0 ? 0 : std::min(15, static_cast<int>(std::bit_width(static_cast<unsigned>(v - 1))) + 1);
+  };
+  return 16 * pow2(tokens) + pow2(missed);
 }
 
 void CopyOverlap::Observe(int bucket, bool beside_copies, double seconds) {

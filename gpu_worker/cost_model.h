@@ -50,7 +50,7 @@ class OnlineScale {
 };
 
 // What a cache copy costs the layer calls it overlaps, as observed: per call
-// shape (CopyOutcomes::DeviceBucket of the call's missed experts) the
+// shape (Shape: the call's tokens and missed experts, in powers of two) the
 // average call time with cache copies on the link and without; the delay is
 // their difference, averaged over the shapes seen both ways. A decode call
 // waits on the link for its servers' answers (read through mapped host
@@ -61,6 +61,9 @@ class CopyOverlap {
  public:
   static constexpr int kMinSamples = 4;
   static constexpr double kSmoothing = 0.125;
+  // The shape of a call of `tokens` tokens missing `missed` experts: a prompt
+  // and a decode call never share one.
+  static int Shape(int tokens, int missed);
   // A call of shape `bucket` took `seconds`, with cache copies beside it or not.
   void Observe(int bucket, bool beside_copies, double seconds);
   // The delay one call beside copies takes, seconds (0 until a shape was seen

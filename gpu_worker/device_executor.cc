@@ -146,8 +146,8 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
   const double took = Seconds(Clock::now() - t0);
   const int missed = log[6] + log[7];
   // What cache copies beside the call cost it (the admissions' price of a copy).
-  planner_.rates().overlap.Observe(CopyOutcomes::DeviceBucket(missed),
-                                   copies_before || copies_started_ != started_before, took);
+  planner_.rates().overlap.Observe(CopyOverlap::Shape(T, missed), copies_before || copies_started_ != started_before,
+                                   took);
   // A call the model would have copied for: its time, for its shape (the
   // table for that shape was what PublishCopyCount last wrote).
   if (config_.copy_mode == CopyMode::kAuto && m.copy_plan != nullptr && missed > 0 && missed < kDeviceCopyTable &&

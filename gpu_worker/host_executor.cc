@@ -581,7 +581,7 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   if (ctx.device_prior_s > 0 && result.ok() && fin.ok())
     planner_.rates().ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);
   if (result.ok() && fin.ok())
-    planner_.rates().overlap.Observe(CopyOutcomes::DeviceBucket(ctx.missed_experts), ctx.beside_copies,
+    planner_.rates().overlap.Observe(CopyOverlap::Shape(ctx.call.batch.n, ctx.missed_experts), ctx.beside_copies,
                                      Seconds(end - ctx.submitted));
   // A call whose copies the outcomes could have overruled: its time, for its shape.
   if (ctx.outcome_bucket >= 0 && result.ok() && fin.ok())

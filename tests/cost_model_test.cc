@@ -370,6 +370,10 @@ TEST(CopyOverlapTest, TheDelayIsTheDifferenceOfTheShapesSeenBothWays) {
   faster.Observe(-1, true, 1.0);
   faster.Observe(2, true, std::numeric_limits<double>::infinity());
   EXPECT_EQ(faster.observed(), 2u * CopyOverlap::kMinSamples);
+  // Shapes: a decode call and a prompt missing as many experts never share one.
+  EXPECT_NE(CopyOverlap::Shape(1, 4), CopyOverlap::Shape(2048, 4));
+  EXPECT_EQ(CopyOverlap::Shape(3, 5), CopyOverlap::Shape(4, 8));
+  EXPECT_NE(CopyOverlap::Shape(4, 8), CopyOverlap::Shape(4, 9));
 }
 
 }  // namespace
