@@ -68,7 +68,6 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
-#include <queue>
 #include <random>
 #include <thread>
 #include <string>

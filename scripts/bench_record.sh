@@ -28,6 +28,7 @@ RUNS=${RUNS:-3}
 if [[ -z "${BIN:-}" ]]; then
   b=${BUILD_DIR:-build}
   BIN=$(mktemp -d)
+  trap 'rm -rf "$BIN"' EXIT
   ln -s "$PWD/$b/bench/moe_layer" "$BIN/moe_layer"
   ln -s "$PWD/$b/cpu_expert_server/moe-expert-server" "$BIN/moe-expert-server"
 fi

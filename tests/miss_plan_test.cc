@@ -329,14 +329,7 @@ TEST(PlannerTest, SplitQueuesBehindTheLinkBacklog) {
   s.in.can_copy = true;
   s.in.copy_mode = CopyMode::kAuto;
   Planner planner;
-  CostModel& r = planner.rates();
-  r.measured = true;
-  r.copy_s = 1e-4;
-  r.copy_device_fixed_s = 1e-5;
-  r.copy_device_row_s = 1e-6;
-  r.cpu_call_s = 1e-4;
-  r.cpu_expert_s = 5e-3;
-  r.cpu_pair_s = 1e-3;
+  planner.rates() = SlowCpuCheapCopies();
   EXPECT_EQ(planner.LinkBacklog(), 0.0);
   MissPlan p;
   ASSERT_TRUE(planner.PlanCall(s.Input(), &p).ok());
