@@ -67,6 +67,9 @@ absl::Status ReadOption(const nlohmann::json& v, const std::string& key, std::st
 }
 absl::Status ReadOption(const nlohmann::json& v, const std::string& key, int* out) {
   if (!v.is_number_integer()) return absl::InvalidArgumentError(absl::StrCat("options.", key, ": expected an integer"));
+  // 2^63 and above parse as unsigned: as int64 they read negative.
+  if (v.is_number_unsigned() && v.get<uint64_t>() > INT32_MAX)
+    return absl::InvalidArgumentError(absl::StrCat("options.", key, ": ", v.get<uint64_t>(), " is out of range"));
   const int64_t x = v.get<int64_t>();
   if (x < 0 || x > INT32_MAX) return absl::InvalidArgumentError(absl::StrCat("options.", key, ": ", x, " is out of range"));
   *out = static_cast<int>(x);

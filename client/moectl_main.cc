@@ -428,10 +428,16 @@ void RegisterFlags(moe::FlagSet& flags, Invocation* inv) {
 // After Parse: exits 2 with one line when the command's flags or arguments are wrong.
 void CheckFlags(const moe::FlagSet& flags, Invocation* inv) {
   const std::string& command = inv->command;
-  if (!(inv->timeout_seconds > 0)) flags.Fail("--timeout-seconds must be > 0");
+  if (!(inv->timeout_seconds > 0 && inv->timeout_seconds <= 86400))
+    flags.Fail(absl::StrCat("--timeout-seconds: ", inv->timeout_seconds, " is outside (0, 86400]"));
+  if (!(inv->wait_seconds >= 0 && inv->wait_seconds <= 86400))  // -1 drained without waiting
+    flags.Fail(absl::StrCat("--wait-seconds: ", inv->wait_seconds, " is outside [0, 86400]"));
   if (command == "popularity" || command == "pin" || command == "unpin") {
-    if (inv->layer < 0) flags.Fail("--layer is required (see --help)");
-    if (inv->top < 0) flags.Fail("--top must be >= 0");
+    if (inv->layer == -1) flags.Fail("--layer is required (see --help)");
+    // The wire's layer is 32 bits: 4294967297 was layer 1.
+    if (inv->layer < 0 || inv->layer > (1 << 20))
+      flags.Fail(absl::StrCat("--layer: ", inv->layer, " is outside [0, 1048576]"));
+    if (inv->top < 0 || inv->top > (1 << 20)) flags.Fail(absl::StrCat("--top: ", inv->top, " is outside [0, 1048576]"));
   }
   if (command == "pin" || command == "unpin") {
     if (inv->experts_text.empty()) flags.Fail("--experts is required (e.g. --experts 1,5,9)");

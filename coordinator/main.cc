@@ -67,7 +67,7 @@ CoordinatorFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
                "JSON file of admin overrides (pins, policy, drains), written atomically (mode 0600) and reloaded "
                "at start; a file that is a symbolic link, another uid's, or group/world writable refuses the start; "
                "empty: not persisted");
-  flags.Int("drain-seconds", &f.drain_seconds, "on SIGTERM/SIGINT, how long open calls may take to finish");
+  flags.Int("drain-seconds", &f.drain_seconds, "on SIGTERM/SIGINT, how long open calls may take to finish (0..3600)");
   flags.String("admin-socket", &f.admin_socket,
                "also serve on this unix socket; its callers are identified by peer uid (uid:N in the "
                "--*-identities lists), e.g. for moectl --coordinator unix:PATH without TLS");
@@ -75,12 +75,12 @@ CoordinatorFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   f.service.Register(flags);
   flags.Parse(argc, argv);
   if (absl::Status st = f.authorization.Finish(); !st.ok()) flags.Fail(std::string(st.message()));
+  if (absl::Status st = moe::CheckListenAddress(f.listen); !st.ok()) flags.Fail(std::string(st.message()));
   if (absl::Status s = moe::ParsePlacementMode(placement, &policy.placement); !s.ok())
     flags.Fail(absl::StrCat("--", s.message()));
-  if (!(policy.half_life_seconds > 0)) flags.Fail("--half-life-seconds must be > 0");
-  if (policy.hysteresis_margin < 0) flags.Fail("--hysteresis-margin must be >= 0");
-  if (policy.copy_cost_hits < 0) flags.Fail("--copy-cost-hits must be >= 0");
-  if (!(policy.replicate_share > 0)) flags.Fail("--replicate-share must be > 0");
+  if (absl::Status st = policy.Check(); !st.ok()) flags.Fail(std::string(st.message()));
+  if (f.drain_seconds < 0 || f.drain_seconds > 3600)
+    flags.Fail(absl::StrCat("--drain-seconds: ", f.drain_seconds, " is outside [0, 3600]"));
   if (!(heartbeat_timeout > 0)) flags.Fail("--heartbeat-timeout-seconds must be > 0");
   if (heartbeat_interval_ms <= 0) flags.Fail("--heartbeat-interval-ms must be > 0");
   if (absl::Status st = f.service.Validate(); !st.ok()) flags.Fail(std::string(st.message()));

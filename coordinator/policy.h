@@ -41,6 +41,11 @@ struct CoordinatorPolicy {
   // Automatic rebalance period; <= 0: rebalance only when asked (moectl).
   double rebalance_interval_seconds = 0.5;
 
+  // InvalidArgument naming the first parameter outside its range, by its key
+  // and its flag (half_life_seconds [0.01, 86400] s, hysteresis_margin
+  // [0, 1e6], copy_cost_hits [0, 1e12], replicate_share (0, 1],
+  // rebalance_interval_seconds <= 0 (off) or [0.01, 86400] s).
+  absl::Status Check() const;
   // Sets one parameter from text; InvalidArgument naming the key on an
   // unknown key or a bad value (the policy is unchanged then).
   absl::Status Set(const std::string& key, const std::string& value);

@@ -91,7 +91,10 @@ absl::Status CheckOwnership(int fd, const std::string& path) {
 
 absl::StatusOr<AdminState> LoadAdminState(const std::string& path) {
   AdminState state;
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  // O_NONBLOCK: a FIFO planted as the state file must not hang the start in
+  // open() waiting for a writer (CheckOwnership refuses it as not a regular
+  // file); reads of a regular file ignore the flag.
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) {
     if (errno == ENOENT) return state;
     if (errno == ELOOP)

@@ -11,8 +11,11 @@
 #include <memory>
 #include <vector>
 
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 #include "core/transport/grpc_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "google/protobuf/descriptor.h"
@@ -100,8 +103,26 @@ sigset_t TerminationSignals() {
 
 std::string LoopbackListen(int port) { return absl::StrCat("127.0.0.1:", port); }
 
+absl::Status CheckListenAddress(const std::string& listen) {
+  if (absl::StartsWith(listen, "unix:") && listen.size() > 5) return absl::OkStatus();
+  const size_t colon = listen.rfind(':');
+  const std::string host = colon == std::string::npos ? listen : listen.substr(0, colon);
+  const bool bracketed = absl::StartsWith(host, "[") && absl::EndsWith(host, "]");
+  if (colon == std::string::npos || (!bracketed && host.find(':') != std::string::npos))
+    return absl::InvalidArgumentError(absl::StrCat("--listen: '", listen,
+                                                   "' has no port (HOST:PORT, [IPv6]:PORT or unix:PATH)"));
+  const std::string port = listen.substr(colon + 1);
+  uint32_t value = 0;
+  if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos ||
+      !absl::SimpleAtoi(port, &value) || value > 65535)
+    return absl::InvalidArgumentError(
+        absl::StrCat("--listen: '", listen, "': port '", port, "' is not a number in [0, 65535]"));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<ListeningServer> StartGrpcServer(grpc::ServerBuilder& builder, const std::string& listen,
                                                 const std::shared_ptr<grpc::ServerCredentials>& creds) {
+  MOE_RETURN_IF_ERROR(CheckListenAddress(listen));
   ListeningServer s;
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(listen, creds, &s.port);

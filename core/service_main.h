@@ -64,10 +64,17 @@ struct GrpcServeOptions {
 // ConfigureServerBuilder, started by StartGrpcServer (same errors).
 absl::StatusOr<ListeningServer> ServeGrpc(const GrpcServeOptions& options);
 
+// InvalidArgument naming --listen unless `listen` is HOST:PORT (HOST a name,
+// an IPv4 address or [an IPv6 one], possibly empty: every interface) with a
+// decimal PORT in [0, 65535], or unix:PATH. gRPC itself takes a port above
+// 65535 modulo 65536 and a missing one as 443.
+absl::Status CheckListenAddress(const std::string& listen);
+
 // Adds `listen` to `builder` with SO_REUSEPORT off (gRPC turns it on by
 // default, which lets a second process bind the same port and take half the
 // calls) and starts it. Unavailable with a one-line reason ("cannot listen on
-// ADDR: Address already in use") when the port is taken or cannot be bound.
+// ADDR: Address already in use") when the port is taken or cannot be bound;
+// CheckListenAddress's error for an address that is none.
 absl::StatusOr<ListeningServer> StartGrpcServer(grpc::ServerBuilder& builder, const std::string& listen,
                                                 const std::shared_ptr<grpc::ServerCredentials>& creds);
 

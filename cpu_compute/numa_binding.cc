@@ -161,7 +161,7 @@ std::vector<int> ShareOfPus(const std::vector<int>& all, int threads, bool expli
 
 absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::string& node_flag, int threads,
                                                                   bool same_host_engine, int share_index,
-                                                                  int share_count) {
+                                                                  int share_count, const std::string& threads_name) {
   if (share_count < 1 || share_index < 0 || share_index >= share_count)
     return absl::InvalidArgumentError(absl::StrCat("--slice: share ", share_index, " of ", share_count));
   std::unique_ptr<NumaBinding> b(new NumaBinding());
@@ -226,12 +226,12 @@ absl::StatusOr<std::unique_ptr<NumaBinding>> NumaBinding::Create(const std::stri
   const std::vector<int> all = PusByCore(topo, usable, &cores);
   hwloc_bitmap_free(usable);
   if (threads < 0 || threads > static_cast<int>(all.size()))
-    return absl::InvalidArgumentError(absl::StrCat("--threads: ", threads, " exceeds the ", all.size(),
+    return absl::InvalidArgumentError(absl::StrCat(threads_name, ": ", threads, " exceeds the ", all.size(),
                                                    " CPUs usable on the chosen node"));
   const ThreadDefault chosen =
       threads == 0 ? ChooseDefaultThreads(cores, whole_machine, same_host_engine,
                                           CgroupCpuQuota())
-                   : ThreadDefault{threads, "--threads"};
+                   : ThreadDefault{threads, threads_name};
   std::string share_why;
   b->cpus_ = ShareOfPus(all, chosen.threads, threads > 0, share_index, share_count, node_per_share, &share_why);
   const int n = static_cast<int>(b->cpus_.size());

@@ -23,10 +23,12 @@ class NumaBinding {
   // share_index; otherwise the node's cores are split into disjoint shares —
   // the default thread count's cores (or `threads` cores each) — and it takes
   // share share_index, so the servers together use what one would. Errors
-  // name the flag.
+  // name the flag; `threads_name` is how the caller's users name `threads`
+  // (the worker's cpu backend: cpu_threads).
   static absl::StatusOr<std::unique_ptr<NumaBinding>> Create(const std::string& node, int threads,
                                                              bool same_host_engine = false, int share_index = 0,
-                                                             int share_count = 1);
+                                                             int share_count = 1,
+                                                             const std::string& threads_name = "--threads");
   ~NumaBinding();
 
   int node() const { return node_; }        // logical index; -1 if hwloc sees no NUMA node

@@ -14,6 +14,7 @@
 #include "core/log.h"
 #include "core/service_main.h"
 #include "core/transport/grpc_channel.h"
+#include "core/transport/shm_segment.h"
 #include "cpu_expert_server/expert_server.h"
 
 namespace {
@@ -54,8 +55,8 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
                "int4 -> int4, else bf16), bf16, int8 (per-channel scales), int4 (per-group scales) or fp8 "
                "(an fp8 checkpoint's own codes and block scales, computed as bf16; other models quantized "
                "per channel and 128 columns)");
-  flags.Int("max-tokens", &max_tokens, "largest number of tokens accepted in one request");
-  flags.Int("drain-seconds", &f.drain_seconds, "on SIGTERM/SIGINT, how long in-flight requests may take to finish");
+  flags.Int("max-tokens", &max_tokens, "largest number of tokens accepted in one request (1..65536)");
+  flags.Int("drain-seconds", &f.drain_seconds, "on SIGTERM/SIGINT, how long in-flight requests may take to finish (0..3600)");
   flags.String("shm-socket", &o.shm_socket, "also serve same-host clients over shared memory on this Unix socket (mode 0660)");
   flags.Bool("share-weights", &o.share_weights,
              "with --shm-socket: keep the packed experts in a sealed memfd that same-host GPU workers map "
@@ -66,6 +67,7 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   o.service.Register(flags);
   flags.Parse(argc, argv);
   if (o.model.empty()) flags.Fail("--model is required (see --help)");
+  if (absl::Status st = moe::CheckListenAddress(o.listen); !st.ok()) flags.Fail(std::string(st.message()));
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(o.service.tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
   o.credentials = *creds;
@@ -74,7 +76,12 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
     if (!uids.ok()) flags.Fail(std::string(uids.status().message()));
     o.shm_allowed_uids.assign(uids->begin(), uids->end());
   }
-  if (max_tokens <= 0) flags.Fail("--max-tokens must be > 0");
+  // One request's tokens fit one shm slot (and its gRPC message 2 GB):
+  // 2147483647 overflowed the message limit.
+  if (max_tokens < 1 || max_tokens > moe::shm::kMaxTokensPerSlot)
+    flags.Fail(absl::StrCat("--max-tokens: ", max_tokens, " is outside [1, ", moe::shm::kMaxTokensPerSlot, "]"));
+  if (f.drain_seconds < 0 || f.drain_seconds > 3600)
+    flags.Fail(absl::StrCat("--drain-seconds: ", f.drain_seconds, " is outside [0, 3600]"));
   if (absl::StatusOr<moe::ExpertSlice> s = moe::ParseSlice(slice); s.ok()) {
     o.slice = *s;
   } else {

@@ -84,7 +84,7 @@ class CpuBackend final : public DeviceBackend {
     config_ = c;
     MOE_ASSIGN_OR_RETURN(kernel_, MakeExpertKernel(c.cpu_kernel, CpuFeatures::Get(), c.format));
     MOE_RETURN_IF_ERROR(buffers_.Allocate(GeometryOf(c), c.num_buffers));
-    MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create("auto", c.cpu_threads));
+    MOE_ASSIGN_OR_RETURN(binding_, NumaBinding::Create("auto", c.cpu_threads, false, 0, 1, "cpu_threads (--cpu-threads)"));
     pool_ = std::make_unique<ComputePool>(*binding_);
     executor_ = std::make_unique<MoeExecutor>(buffers_, *kernel_, *pool_);
     contexts_.resize(c.contexts);

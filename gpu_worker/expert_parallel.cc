@@ -187,11 +187,8 @@ absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(const Par
                                                                        std::chrono::milliseconds deadline) {
   if (group.mode != GroupMode::kExpert || group.size < 2)
     return absl::InvalidArgumentError("group: an expert-parallel group needs mode kExpert and size >= 2");
-  if (group.id.size() != 2 * sizeof(ncclUniqueId::internal) ||
-      !std::all_of(group.id.begin(), group.id.end(), [](char c) { return absl::ascii_isxdigit(c); }))
-    return absl::InvalidArgumentError(absl::StrCat("group.id: ", group.id.size(), " characters; need the ",
-                                                   2 * sizeof(ncclUniqueId::internal),
-                                                   "-character hex id of NewGroupId, the same on every rank"));
+  static_assert(2 * sizeof(ncclUniqueId::internal) == kGroupIdHexChars);
+  MOE_RETURN_IF_ERROR(CheckParallelGroup(group, num_experts));
   auto m = std::make_unique<Impl>();
   m->group = group;
   m->local = &local;

@@ -11,6 +11,7 @@
 #include <thread>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "core/flags.h"
 #include "core/log.h"
@@ -19,6 +20,20 @@
 #include "gpu_worker/rate_probes.h"
 
 namespace moe {
+
+absl::Status CheckParallelGroup(const ParallelGroup& g, int num_experts) {
+  const bool ep = g.mode == GroupMode::kExpert;
+  if (g.size < 1 || g.size > num_experts || g.rank < 0 || g.rank >= g.size)
+    return absl::InvalidArgumentError(absl::StrCat(ep ? "group (ep_rank, ep_size)" : "group (tp_rank, tp_size)",
+                                                   ": rank ", g.rank, " of size ", g.size,
+                                                   " (need 0 <= rank < size <= ", num_experts, ", the model's experts)"));
+  if (ep && g.size > 1 &&
+      (g.id.size() != kGroupIdHexChars || !std::all_of(g.id.begin(), g.id.end(), absl::ascii_isxdigit)))
+    return absl::InvalidArgumentError(absl::StrCat("group.id (group_id): ", g.id.size(), " characters; need the ",
+                                                   kGroupIdHexChars,
+                                                   "-character hex id of NewGroupId, the same on every rank"));
+  return absl::OkStatus();
+}
 
 absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, int num_experts) {
   ExpertServerConfig s;
@@ -118,12 +133,7 @@ absl::Status LayerDispatcher::CheckConfig() {
   if (c.miss_buffers < 0 || c.miss_buffers > kMaxMissBuffers)
     return absl::InvalidArgumentError(
         absl::StrCat("miss-buffers: ", c.miss_buffers, " is outside [0, ", kMaxMissBuffers, "] (0: by the expert's size)"));
-  if (c.group.size < 1 || c.group.size > spec_.num_experts || c.group.rank < 0 || c.group.rank >= c.group.size)
-    return absl::InvalidArgumentError(absl::StrCat(c.group.mode == GroupMode::kExpert ? "group (ep_rank, ep_size)"
-                                                                                      : "group (tp_rank, tp_size)",
-                                                   ": rank ", c.group.rank, " of size ",
-                                                   c.group.size, " (need 0 <= rank < size <= ", spec_.num_experts,
-                                                   ", the model's experts)"));
+  MOE_RETURN_IF_ERROR(CheckParallelGroup(c.group, spec_.num_experts));
   if (c.poll_window.count() < 0) return absl::InvalidArgumentError("poll-window: must not be negative");
   // Polling keeps three threads busy (this one, the transport's completion
   // thread, the server's connection thread): only where there are cores for it.

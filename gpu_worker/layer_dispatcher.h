@@ -87,6 +87,16 @@ struct ExpertServerConfig {
 // Parses "ADDRESS" or "ADDRESS#experts=0-31,40" (ParseIndexList syntax).
 absl::StatusOr<ExpertServerConfig> ParseExpertServer(const std::string& text, int num_experts);
 
+// The hex characters of an expert-parallel group's id (ParallelGroup::id:
+// NCCL's 128-byte unique id).
+inline constexpr size_t kGroupIdHexChars = 256;
+
+// InvalidArgument naming the field unless 0 <= rank < size <= num_experts
+// and, for an expert-parallel group of size > 1, id is kGroupIdHexChars hex
+// characters. Checked before anything else about the group (a bad rank must
+// not be reported as a missing backend).
+absl::Status CheckParallelGroup(const ParallelGroup& group, int num_experts);
+
 // CopyMode (miss_plan.h): auto | never | always.
 
 // Upper bounds of the sizing options (CheckConfig refuses values outside

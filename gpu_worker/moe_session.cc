@@ -165,6 +165,7 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   const ModelSpec& spec = r->source->spec();
   r->model = InfoOf(spec);
   MOE_ASSIGN_OR_RETURN(DispatcherConfig c, MakeDispatcherConfig(o, spec));
+  MOE_RETURN_IF_ERROR(CheckParallelGroup(o.group, spec.num_experts));
   MOE_ASSIGN_OR_RETURN(r->backend, MakeDeviceBackend(Name(o.device)));
   if (r->expert_parallel_mode()) {
 #ifndef MOE_HAVE_NCCL

@@ -94,6 +94,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.Parse(argc, argv);
   if (o.model.empty()) flags.Fail("--model is required (see --help)");
   if (servers_flag.empty()) flags.Fail("--servers is required (see --help)");
+  if (absl::Status st = moe::CheckListenAddress(f.listen); !st.ok()) flags.Fail(std::string(st.message()));
   auto choice = [&flags](auto parsed) {  // one line naming the flag on a bad name
     if (!parsed.ok()) flags.Fail(std::string(parsed.status().message()));
     return *parsed;
@@ -106,7 +107,11 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(f.service.tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));
   f.credentials = *creds;
-  for (absl::string_view s : absl::StrSplit(servers_flag, ',', absl::SkipEmpty())) o.servers.emplace_back(s);
+  for (absl::string_view s : absl::StrSplit(servers_flag, ',')) {
+    if (s.empty())
+      flags.Fail(absl::StrCat("--servers: '", servers_flag, "' has an empty entry (a comma list of host:port or unix://PATH)"));
+    o.servers.emplace_back(s);
+  }
   o.cache_experts_per_layer = static_cast<int>(cache_experts);
   o.max_tokens = static_cast<int>(max_tokens);
   o.max_top_k = static_cast<int>(max_top_k);

@@ -143,6 +143,24 @@ int main(void) {
             MOE_INVALID_ARGUMENT && s == NULL,
         "contexts out of range refused");
   CHECK(strstr(moe_last_error(), "contexts") != NULL, "contexts named");
+  /* 2^63 parses as an unsigned JSON number: reported as given, not as a negative int64 (issue 47). */
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"contexts\":9223372036854775808}", &s) ==
+            MOE_INVALID_ARGUMENT && s == NULL,
+        "contexts 2^63 refused");
+  CHECK(strstr(moe_last_error(), "contexts: 9223372036854775808") != NULL, "contexts 2^63 reported as given");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"cpu_threads\":100000}", &s) ==
+            MOE_INVALID_ARGUMENT && s == NULL,
+        "cpu_threads beyond the machine refused");
+  CHECK(strstr(moe_last_error(), "cpu_threads") != NULL, "cpu_threads named (not --threads)");
+  /* A bad expert-parallel rank or id is named as such, not as a missing cuda backend. */
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"ep_rank\":5,\"ep_size\":2}", &s) ==
+            MOE_INVALID_ARGUMENT && s == NULL,
+        "ep_rank outside the group refused");
+  CHECK(strstr(moe_last_error(), "ep_rank") != NULL, "ep_rank named");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"ep_rank\":0,\"ep_size\":2,"
+                         "\"group_id\":\"zz\"}", &s) == MOE_INVALID_ARGUMENT && s == NULL,
+        "a malformed group_id refused");
+  CHECK(strstr(moe_last_error(), "group_id") != NULL, "group_id named");
   CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"cache_gib\":1e9}", &s) ==
             MOE_INVALID_ARGUMENT && s == NULL,
         "cache_gib out of range refused");
@@ -160,9 +178,16 @@ int main(void) {
             MOE_INVALID_ARGUMENT && s == NULL,
         "tp and ep together refused");
   CHECK(strstr(moe_last_error(), "ep_rank/ep_size") != NULL, "tp/ep named");
-  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"ep_rank\":0,\"ep_size\":2}", &s) ==
-            MOE_FAILED_PRECONDITION && s == NULL,
-        "ep on the cpu backend refused");
+  {
+    /* A well-formed group (rank, size and a 256-hex-character id) on the cpu backend. */
+    char opts[512];
+    char hex_id[257];
+    memset(hex_id, 'a', 256);
+    hex_id[256] = '\0';
+    snprintf(opts, sizeof opts, "{\"model\":\"%s\",\"device\":\"cpu\",\"ep_rank\":0,\"ep_size\":2,\"group_id\":\"%s\"}",
+             MODEL, hex_id);
+    CHECK(moe_session_open(opts, &s) == MOE_FAILED_PRECONDITION && s == NULL, "ep on the cpu backend refused");
+  }
   CHECK(strstr(moe_last_error(), "group") != NULL, "group named");
   {
     char id[257];

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <sstream>
 #include <thread>
 
@@ -282,6 +283,16 @@ TEST(StateFile, FilesOtherUsersCouldWriteAreRefused) {
   absl::StatusOr<AdminState> linked = LoadAdminState(link);
   EXPECT_EQ(linked.status().code(), absl::StatusCode::kFailedPrecondition) << linked.status();
   EXPECT_NE(linked.status().message().find("symbolic link"), std::string::npos) << linked.status();
+  // A FIFO is refused at once (an open() waiting for a writer hung the start).
+  const std::string fifo = dir.path() + "/fifo.json";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  auto loaded = std::make_shared<std::promise<absl::Status>>();
+  std::future<absl::Status> fifo_status = loaded->get_future();
+  std::thread([fifo, loaded] { loaded->set_value(LoadAdminState(fifo).status()); }).detach();
+  ASSERT_EQ(fifo_status.wait_for(std::chrono::seconds(5)), std::future_status::ready) << "loading a FIFO hangs";
+  const absl::Status fifo_st = fifo_status.get();
+  EXPECT_EQ(fifo_st.code(), absl::StatusCode::kFailedPrecondition) << fifo_st;
+  EXPECT_NE(fifo_st.message().find("not a regular file"), std::string::npos) << fifo_st;
   if (geteuid() == 0) {  // only root can give the file to another uid
     ASSERT_EQ(chown(path.c_str(), 65534, 65534), 0);
     absl::StatusOr<AdminState> foreign = LoadAdminState(path);
@@ -541,6 +552,11 @@ TEST_F(CoordinatorCore, BadInputIsInvalidArgumentNamingTheField) {
   moe::v1::SetPolicyRequest sp;
   (*sp.mutable_values())["half_life_seconds"] = "-1";
   expect_invalid(c->SetPolicy(sp).status(), "half_life_seconds");
+  sp.clear_values();
+  (*sp.mutable_values())["rebalance_interval_seconds"] = "1e-300";  // a rebalance every loop
+  expect_invalid(c->SetPolicy(sp).status(), "rebalance_interval_seconds (--rebalance-interval-seconds): 1e-300");
+  (*sp.mutable_values())["rebalance_interval_seconds"] = "0";  // off: valid
+  EXPECT_TRUE(c->SetPolicy(sp).ok());
   moe::v1::PopularityRequest pr;
   pr.set_layer(7);
   expect_invalid(c->GetPopularity(pr).status(), "layer");

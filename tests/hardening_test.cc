@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/model_source.h"
 #include "testing/random_data.h"
 #include "core/reference_moe.h"
@@ -631,6 +632,43 @@ TEST(Hardening, UnparseableRequestBytesAreInvalidArgumentNamingTheMessageType) {
   grpc::ClientContext ctx;
   moe::v1::ServerInfo info;
   EXPECT_TRUE(moe::v1::ExpertService::NewStub(channel)->GetInfo(&ctx, moe::v1::GetInfoRequest(), &info).ok());
+}
+
+
+// Issue 47's lesser items: values the binaries accepted (or reported wrong)
+// are refused at the start with exit 2 and one line naming the flag and the
+// value, before anything listens.
+TEST(Hardening, OutOfRangeFlagsAreRefusedNamingTheValue) {
+  testing::TempDir dir;
+  struct Case {
+    std::string binary;
+    std::vector<std::string> args;
+    std::string says;
+  };
+  const std::string model = std::string("--model=") + kModel;
+  const std::vector<Case> cases = {
+      {"moe-expert-server", {model, "--insecure", "--max-tokens=2147483647"}, "--max-tokens: 2147483647 is outside [1, 65536]"},
+      {"moe-expert-server", {model, "--insecure", "--drain-seconds=-1"}, "--drain-seconds: -1 is outside [0, 3600]"},
+      {"moe-expert-server", {model, "--insecure", "--listen=127.0.0.1:99999"}, "port '99999' is not a number in [0, 65535]"},
+      {"moe-expert-server", {model, "--insecure", "--listen=127.0.0.1:65536"}, "port '65536' is not a number in [0, 65535]"},
+      {"moe-expert-server", {model, "--insecure", "--listen=localhost"}, "--listen: 'localhost' has no port"},
+      {"moe-coordinator", {"--insecure", "--drain-seconds=-1"}, "--drain-seconds: -1 is outside [0, 3600]"},
+      {"moe-coordinator", {"--insecure", "--rebalance-interval-seconds=1e-300"},
+       "rebalance_interval_seconds (--rebalance-interval-seconds): 1e-300 is outside [0.01, 86400]"},
+      {"moe-coordinator", {"--insecure", "--listen=:99999"}, "port '99999' is not a number in [0, 65535]"},
+      {"moe-gpu-worker", {model, "--insecure", "--device=cpu", "--servers=,,,"}, "--servers: ',,,' has an empty entry"},
+      {"moe-gpu-worker", {model, "--insecure", "--device=cpu", "--servers=127.0.0.1:1", "--listen=127.0.0.1:70000"},
+       "port '70000' is not a number in [0, 65535]"},
+      {"moectl", {"popularity", "--insecure", "--layer=4294967297"}, "--layer: 4294967297 is outside [0, 1048576]"},
+      {"moectl", {"drain", "--insecure", "--wait-seconds=-1", "s1"}, "--wait-seconds: -1 is outside [0, 86400]"},
+  };
+  int i = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.binary + " " + absl::StrJoin(c.args, " "));
+    const Refusal r = RunToExit(c.binary, c.args, dir.path() + "/refusal." + std::to_string(i++) + ".err");
+    EXPECT_EQ(r.code, 2) << r.err;
+    EXPECT_NE(LastLine(r.err).find(c.says), std::string::npos) << r.err;
+  }
 }
 
 }  // namespace
