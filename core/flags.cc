@@ -298,4 +298,18 @@ std::vector<std::string> FlagSet::Parse(int argc, char** argv) {
   return impl_->positional;
 }
 
+std::string FormatIndexList(const std::vector<int>& v) {
+  if (v.empty()) return "none";
+  std::string out;
+  size_t i = 0;
+  while (i < v.size()) {
+    size_t j = i;
+    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
+    if (!out.empty()) out += ",";
+    out += j == i ? absl::StrCat(v[i]) : absl::StrCat(v[i], "-", v[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
 }  // namespace moe

@@ -40,6 +40,10 @@ namespace moe {
 absl::StatusOr<std::vector<int>> ParseIndexList(const std::string& text, int limit,
                                                 const std::string& flag);
 
+// The inverse of ParseIndexList for sorted indexes: "0-3,6" for
+// {0, 1, 2, 3, 6}; "none" when empty.
+std::string FormatIndexList(const std::vector<int>& sorted);
+
 class FlagSet {
  public:
   FlagSet(std::string program, std::string usage);

@@ -17,21 +17,6 @@ namespace moe {
 
 namespace {
 
-// "0-3,6" for {0, 1, 2, 3, 6}; "none" when empty.
-std::string RangeText(const std::vector<int>& v) {
-  if (v.empty()) return "none";
-  std::string out;
-  size_t i = 0;
-  while (i < v.size()) {
-    size_t j = i;
-    while (j + 1 < v.size() && v[j + 1] == v[j] + 1) ++j;
-    if (!out.empty()) out += ",";
-    out += j == i ? absl::StrCat(v[i]) : absl::StrCat(v[i], "-", v[j]);
-    i = j + 1;
-  }
-  return out;
-}
-
 // `text` as an index list below `limit` (errors name --NAME), or `all` when empty.
 absl::StatusOr<std::vector<int>> IndexesOrAll(const std::string& text, int limit, const char* name,
                                               std::vector<int> all) {
@@ -91,7 +76,7 @@ absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
   LogInfo("server", "model ", source_->Describe(), ": ", spec.Summary());
   LogInfo("server", binding_->Describe());
   LogInfo("server", "cpu: ", cpu.brand, "; isa: ", cpu.Summary(), "; kernel: ", kernel_->name());
-  LogInfo("server", "hosting layers [", RangeText(hosted_.layers), "] experts [", RangeText(hosted_.experts),
+  LogInfo("server", "hosting layers [", FormatIndexList(hosted_.layers), "] experts [", FormatIndexList(hosted_.experts),
           "]: ", ExpertStore::BytesNeeded(geometry_, hosted_), " bytes of packed weights in ",
           WeightFormatName(geometry_.format),
           geometry_.group > 0 ? absl::StrCat(" (group ", geometry_.group, ")") : std::string(),

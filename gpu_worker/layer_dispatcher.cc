@@ -296,7 +296,35 @@ absl::Status LayerDispatcher::ConnectServers() {
     return absl::Status(first_error.code(), absl::StrCat("servers: no expert server is reachable; first: ",
                                                          impl_->servers.front().config.address, ": ",
                                                          first_error.message()));
+  WarnOfIncompleteSlices();
   return absl::OkStatus();
+}
+
+// Experts that the reachable servers hold only as some of their slices (no
+// whole holder, a share with no holder): the servers cannot compute them, so
+// their misses go to the device copies, or fail without a host copy. An
+// operator who started `--slice 0/2` alone hears it at the start.
+void LayerDispatcher::WarnOfIncompleteSlices() const {
+  const std::vector<Server>& servers = impl_->servers;
+  std::vector<PlanServer> up(servers.size());
+  for (size_t s = 0; s < servers.size(); ++s)
+    up[s] = PlanServer{servers[s].transport != nullptr, &servers[s].hosts, servers[s].chunk_tokens, servers[s].slice};
+  std::vector<int> partial;
+  std::string shares;
+  for (int e = 0; e < spec_.num_experts; ++e) {
+    if (RouteExpert(up.data(), static_cast<int>(up.size()), e) != 0) continue;
+    std::string held;
+    for (const Server& sv : servers)
+      if (sv.transport != nullptr && sv.hosts[e]) absl::StrAppend(&held, held.empty() ? "" : ", ", sv.slice.ToString());
+    if (held.empty()) continue;  // no server holds any of it: the operator chose so (--experts)
+    if (partial.empty()) shares = held;
+    partial.push_back(e);
+  }
+  if (!partial.empty())
+    LogWarning("worker", "servers: experts [", FormatIndexList(partial), "] are held only in part (e.g. slices ",
+               shares, " of expert ", partial.front(), ") by the reachable servers: no server can compute them; "
+               "their misses go to ", host_ != nullptr && config_.copy_fallback ? "device copies" : "nowhere (fail)",
+               " until the missing slices' servers answer");
 }
 
 // The per-call contexts with their registered send/recv buffers, and the

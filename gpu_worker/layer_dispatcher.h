@@ -315,6 +315,7 @@ class LayerDispatcher {
   absl::Status CreateCacheAndBackend();
   void SizeMissBuffers(size_t expert_bytes);
   absl::Status ConnectServers();
+  void WarnOfIncompleteSlices() const;
   absl::Status AllocateContexts();
   absl::Status CreateAdmission();
   // The start-up probes (rate_probes.h) into planner_.rates().

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
@@ -338,6 +340,37 @@ TEST(SlicedServer, RefusesRequestsThatExpectAnotherShare) {
   Subprocess* tiny = nullptr;  // I = 80 cannot be cut at multiples of 64
   EXPECT_TRUE(testing::StartExpertServer(&tiny, {"--model=synthetic:tiny", "--slice=0/2"}).empty());
   delete tiny;
+}
+
+
+// Servers whose slices do not add up to an expert (one half running alone):
+// a worker says so at its start, naming the experts and the shares it found;
+// with every share up it says nothing.
+TEST(SlicedServer, AWorkerWarnsOfExpertsItsServersHoldOnlyInPart) {
+  testing::TempDir dir;
+  std::vector<std::unique_ptr<Subprocess>> servers;
+  std::vector<std::string> addresses;
+  for (const char* slice : {"--slice=1/2", "--slice=0/2"}) {
+    Subprocess* raw = nullptr;
+    addresses.push_back(testing::StartExpertServer(&raw, {std::string("--model=") + kModel, "--threads=1", slice}));
+    servers.emplace_back(raw);
+    ASSERT_FALSE(addresses.back().empty());
+  }
+  auto worker_log = [&](const std::string& servers_flag, const std::string& name) {
+    const std::string err = dir.path() + "/" + name + ".err";
+    Subprocess worker(testing::BinaryPath("moe-gpu-worker"),
+                      {std::string("--model=") + kModel, "--servers=" + servers_flag, "--device=cpu",
+                       "--cpu-threads=1", "--listen=127.0.0.1:0", "--insecure"},
+                      err);
+    const std::string line = worker.ReadLine(std::chrono::seconds(30));
+    EXPECT_NE(line.find("ready on "), std::string::npos) << line;
+    std::ifstream in(err);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string alone = worker_log(addresses[0], "alone");
+  EXPECT_NE(alone.find("are held only in part (e.g. slices 1/2 of expert 0)"), std::string::npos) << alone;
+  const std::string both = worker_log(addresses[0] + "," + addresses[1], "both");
+  EXPECT_EQ(both.find("held only in part"), std::string::npos) << both;
 }
 
 }  // namespace
