@@ -15,6 +15,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <fstream>
 #include <future>
@@ -270,6 +271,58 @@ TEST(Hardening, StalledAndSilentHandshakesAreTimedOutAndNeverDelayOthers) {
     close(fd);
   }
   RecordProperty("held_handshakes_closed", 2);
+}
+
+// An allowed uid that opens and drops shm connections as fast as it can
+// (issue 47: 72,935 log lines in 10 s, and 4 of 45 other handshakes failed
+// with EAGAIN): the server logs at most a line per second for it, and every
+// other client's handshake succeeds meanwhile.
+TEST(Hardening, ConnectionChurnFloodsNeitherTheLogNorOthersHandshakes) {
+  testing::TempDir dir;
+  const std::string sock = dir.path() + "/expert.sock";
+  const std::string err = dir.path() + "/server.err";
+  Subprocess server(testing::BinaryPath("moe-expert-server"),
+                    {std::string("--model=") + kModel, "--threads=1", "--shm-socket=" + sock, "--listen=127.0.0.1:0",
+                     "--insecure"},
+                    err);
+  ASSERT_NE(server.ReadLine(60s).find("ready on "), std::string::npos);
+  std::atomic<bool> stop{false};
+  std::atomic<int> churned{0};
+  std::vector<std::thread> churn;
+  for (int i = 0; i < 2; ++i)
+    churn.emplace_back([&] {
+      while (!stop.load()) {
+        const int fd = RawConnect(sock);
+        if (fd >= 0) {
+          close(fd);
+          ++churned;
+        }
+      }
+    });
+  const Clock::time_point t0 = Clock::now();
+  int handshakes = 0, failed = 0;
+  std::string first_failure;
+  while (Clock::now() - t0 < 4s) {
+    absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport("unix://" + sock, ShmOptions());
+    ++handshakes;
+    if (!t.ok()) {
+      if (failed++ == 0) first_failure = t.status().ToString();
+      continue;
+    }
+    ASSERT_NO_FATAL_FAILURE(ExpectCorrectForward(**t, handshakes));
+  }
+  stop = true;
+  for (std::thread& t : churn) t.join();
+  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::istringstream log(ReadFile(err));
+  int refusal_lines = 0;
+  for (std::string line; std::getline(log, line);) refusal_lines += line.find("refused a client") != std::string::npos;
+  std::printf("churn: %d connections dropped in %.1f s, %d refusal lines logged; %d/%d other handshakes failed\n",
+              churned.load(), seconds, refusal_lines, failed, handshakes);
+  EXPECT_GT(churned.load(), 100);
+  EXPECT_EQ(failed, 0) << first_failure;
+  EXPECT_GE(handshakes, 5);
+  EXPECT_LE(refusal_lines, static_cast<int>(seconds) + 2);
 }
 
 // ------------------------------------------------------- conflicting TLS flags

@@ -106,7 +106,10 @@ void ShmServer::Accept(int sock) {
   connections_.push_back(std::move(c));
 }
 
-void ShmServer::RefuseAtAccept(std::unique_ptr<Connection> c, uid_t uid, absl::Status why) {
+// At most one line per uid and second: a client that opens and drops
+// connections as fast as it can (an allowed uid too) cannot flood the log
+// (72,935 lines in 10 s were seen). mu_ held.
+void ShmServer::LogRefusal(uid_t uid, const absl::Status& why) {
   RefusalLog& log = refusal_log_[uid];
   const Clock::time_point now = Clock::now();
   if (now - log.last >= std::chrono::seconds(1)) {
@@ -117,6 +120,10 @@ void ShmServer::RefuseAtAccept(std::unique_ptr<Connection> c, uid_t uid, absl::S
   } else {
     ++log.suppressed;
   }
+}
+
+void ShmServer::RefuseAtAccept(std::unique_ptr<Connection> c, uid_t uid, absl::Status why) {
+  LogRefusal(uid, why);
   size_t refusing = 0;
   for (const auto& other : connections_) refusing += !other->refused.ok();
   if (refusing >= kMaxRefusing) return;  // ~Connection closes the socket: no reason, no wait
@@ -139,10 +146,9 @@ void ShmServer::ReapFinished() {
 
 void ShmServer::RunConnection(Connection* c) {
   absl::Status st = Handshake(c);
-  // (Refusals at accept were logged there, rate-limited.)
-  if (!st.ok() && c->refused.ok()) LogWarning("shm", "refused a client on ", opt_.socket_path, ": ", st.message());
   if (!st.ok() || !c->seg) {  // refused, or a store request (answered)
     std::lock_guard<std::mutex> lock(mu_);
+    if (!st.ok() && c->refused.ok()) LogRefusal(c->uid, st);  // (refusals at accept were logged there)
     shutdown(c->sock, SHUT_RDWR);
     close(c->sock);  // now, not when the connection is reaped at the next accept
     c->sock = -1;

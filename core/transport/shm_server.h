@@ -152,6 +152,7 @@ class ShmServer {
     uint64_t suppressed = 0;
   };
   std::map<uid_t, RefusalLog> refusal_log_;
+  void LogRefusal(uid_t uid, const absl::Status& why);
 };
 
 }  // namespace moe
