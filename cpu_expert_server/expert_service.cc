@@ -25,14 +25,37 @@ ExpertServiceImpl::ExpertServiceImpl(const ModelSpec& spec, BatchHandler handler
       info_(std::move(info)),
       slice_{static_cast<int>(info_.slice_index()), std::max(1, static_cast<int>(info_.slice_count()))},
       metrics_(metrics) {
-  // ForwardStream (method 1 of moe.v1.ExpertService, in the proto's order)
-  // served on raw ByteBuffers by a synchronous handler: the compute may block.
-  MarkMethodStreamed(1, new grpc::internal::BidiStreamingHandler<ExpertServiceImpl, grpc::ByteBuffer, grpc::ByteBuffer>(
-                            [](ExpertServiceImpl* self, grpc::ServerContext* ctx,
-                               grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
-                              return self->ForwardStreamRaw(ctx, stream);
-                            },
-                            this));
+  for (int i = 0; i < kStreamWorkers; ++i)
+    workers_.emplace_back([this] {
+      std::unique_lock<std::mutex> lock(jobs_mu_);
+      for (;;) {
+        jobs_cv_.wait(lock, [this] { return stop_workers_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // stopping, nothing left
+        std::function<void()> job = std::move(jobs_.front());
+        jobs_.pop_front();
+        lock.unlock();
+        job();
+        lock.lock();
+      }
+    });
+}
+
+// The gRPC server has shut down (every stream is done) before this runs.
+ExpertServiceImpl::~ExpertServiceImpl() {
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    stop_workers_ = true;
+  }
+  jobs_cv_.notify_all();
+  for (std::thread& t : workers_) t.join();
+}
+
+void ExpertServiceImpl::RunOnStreamWorker(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lock(jobs_mu_);
+    jobs_.push_back(std::move(job));
+  }
+  jobs_cv_.notify_one();
 }
 
 namespace {
@@ -157,47 +180,167 @@ grpc::ByteBuffer ExpertServiceImpl::HandleStreamMessage(grpc::ByteBuffer& in, Fo
   return answer;
 }
 
-grpc::Status ExpertServiceImpl::ForwardStreamRaw(grpc::ServerContext* ctx,
-                                                 grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream) {
-  {
-    std::lock_guard<std::mutex> lock(streams_mu_);
-    if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining");
-    streams_[ctx] = false;
-  }
-  ForwardRequestStorage storage;
-  grpc::Status result = grpc::Status::OK;
-  for (;;) {
-    bool draining;
+// One ForwardStream: read a request, compute it on a stream worker (or
+// answer it "draining"), write the answer, read the next. gRPC calls the
+// On* methods; Finish ends the stream once, after which OnDone frees it.
+// Decisions are taken under the service's streams_mu_, gRPC is called after
+// it is released (gRPC may run a reaction inline, within a Start* call).
+class ExpertServiceImpl::StreamReactor final : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  explicit StreamReactor(ExpertServiceImpl* service) : service_(service) {
+    Step step;
     {
-      std::lock_guard<std::mutex> lock(streams_mu_);
-      // Past the drain's grace no more requests are read: the stream ends
-      // UNAVAILABLE "server is draining" (below).
-      if (draining_ && std::chrono::steady_clock::now() - drain_started_ >= kDrainGrace) break;
-      streams_[ctx] = true;  // idle: Drain() may cancel us while we wait
+      std::lock_guard<std::mutex> lock(service_->streams_mu_);
+      if (service_->draining_) {
+        step = EndLocked(Draining());
+      } else {
+        service_->streams_.insert(this);
+        step = ReadLocked();
+      }
     }
-    grpc::ByteBuffer in;
-    const bool got = stream->Read(&in);
-    {
-      std::lock_guard<std::mutex> lock(streams_mu_);
-      streams_[ctx] = false;
-      draining = draining_;
-    }
-    if (!got) break;
-    absl::Status end_stream;
-    // Draining: every request still arriving on the stream (queued behind the
-    // one being computed, or sent since) is answered UNAVAILABLE "server is
-    // draining", so the client knows to go elsewhere; none is left unanswered.
-    grpc::ByteBuffer answer = draining ? DrainingAnswer(in, storage) : HandleStreamMessage(in, storage, &end_stream);
-    if (!end_stream.ok()) {
-      result = ToGrpcStatus(end_stream);
-      break;
-    }
-    if (!stream->Write(answer)) break;
+    Take(step);
   }
-  std::lock_guard<std::mutex> lock(streams_mu_);
-  streams_.erase(ctx);
-  if (draining_) return grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining");
-  return result;
+
+  void OnReadDone(bool ok) override {
+    Step step;
+    {
+      std::lock_guard<std::mutex> lock(service_->streams_mu_);
+      if (finished_) return;
+      if (!ok) {  // the client closed its side (or went away)
+        step = EndLocked(service_->draining_ ? Draining() : grpc::Status::OK);
+      } else if (service_->draining_) {
+        // A request still arriving (queued behind the one computed, or sent
+        // before the client saw the drain) is answered UNAVAILABLE "server is
+        // draining", so the client knows to go elsewhere.
+        out_ = service_->DrainingAnswer(in_, storage_);
+        step = WriteLocked();
+      } else {
+        computing_ = true;
+      }
+    }
+    if (step.what != Step::kNone) return Take(step);
+    service_->RunOnStreamWorker([this] {
+      absl::Status end_stream;
+      grpc::ByteBuffer answer = service_->HandleStreamMessage(in_, storage_, &end_stream);
+      Step next;
+      {
+        std::lock_guard<std::mutex> lock(service_->streams_mu_);
+        computing_ = false;
+        if (!end_stream.ok()) {  // bytes that are no request and carry no id: the stream ends
+          next = EndLocked(ToGrpcStatus(end_stream));
+        } else {
+          out_ = std::move(answer);
+          next = WriteLocked();
+        }
+      }
+      Take(next);
+    });
+  }
+
+  void OnWriteDone(bool ok) override {
+    Step step;
+    {
+      std::lock_guard<std::mutex> lock(service_->streams_mu_);
+      writing_ = false;
+      if (finished_) return;
+      if (!ok) {
+        step = EndLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stream broke while writing an answer"));
+      } else if (service_->DrainPastGrace()) {
+        step = EndLocked(Draining());
+      } else {
+        step = ReadLocked();
+      }
+    }
+    Take(step);
+  }
+
+  // Past the drain's grace: a stream waiting for its next request is to end
+  // UNAVAILABLE "server is draining" (true: call Finish below, without
+  // streams_mu_); one computing or writing ends after its answer
+  // (OnWriteDone). streams_mu_ held.
+  bool EndIfWaitingLocked() {
+    if (finished_ || computing_ || writing_) return false;
+    finished_ = true;
+    if (!issuing_read_) return true;
+    finish_when_issued_ = true;  // Take calls Finish once its StartRead returned
+    return false;
+  }
+  void FinishDraining() { Finish(Draining()); }
+
+  void OnDone() override {
+    {
+      std::lock_guard<std::mutex> lock(service_->streams_mu_);
+      service_->streams_.erase(this);
+      if (issuing_read_) {  // Take still reads our fields once StartRead returns: it deletes us
+        done_when_issued_ = true;
+        return;
+      }
+    }
+    delete this;
+  }
+
+ private:
+  struct Step {
+    enum What { kNone, kRead, kWrite, kFinish } what = kNone;
+    grpc::Status status;
+  };
+  static grpc::Status Draining() { return grpc::Status(grpc::StatusCode::UNAVAILABLE, "server is draining"); }
+  Step ReadLocked() { return Step{Step::kRead, {}}; }
+  Step WriteLocked() {
+    writing_ = true;
+    return Step{Step::kWrite, {}};
+  }
+  Step EndLocked(const grpc::Status& status) {
+    if (finished_) return Step{};
+    finished_ = true;
+    return Step{Step::kFinish, status};
+  }
+  void Take(const Step& step) {
+    switch (step.what) {
+      case Step::kNone: break;
+      case Step::kRead: {
+        // Drain may end the stream meanwhile: it leaves the Finish to us
+        // then, so that no read starts after it.
+        {
+          std::lock_guard<std::mutex> lock(service_->streams_mu_);
+          if (finished_) return;
+          issuing_read_ = true;
+        }
+        StartRead(&in_);
+        bool finish, done;
+        {
+          std::lock_guard<std::mutex> lock(service_->streams_mu_);
+          issuing_read_ = false;
+          finish = finish_when_issued_;
+          done = done_when_issued_;
+        }
+        if (done) {  // the read completed, the stream ended and OnDone ran meanwhile
+          delete this;
+          return;
+        }
+        if (finish) Finish(Draining());
+        break;
+      }
+      case Step::kWrite: StartWrite(&out_); break;
+      case Step::kFinish: Finish(step.status); break;
+    }
+  }
+
+  ExpertServiceImpl* const service_;
+  grpc::ByteBuffer in_, out_;
+  ForwardRequestStorage storage_;
+  // Guarded by service_->streams_mu_:
+  bool computing_ = false, writing_ = false, finished_ = false;
+  bool issuing_read_ = false, finish_when_issued_ = false, done_when_issued_ = false;
+};
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ExpertServiceImpl::ForwardStream(
+    grpc::CallbackServerContext*) {
+  return new StreamReactor(this);
+}
+
+bool ExpertServiceImpl::DrainPastGrace() const {
+  return draining_ && std::chrono::steady_clock::now() - drain_started_ >= kDrainGrace;
 }
 
 grpc::ByteBuffer ExpertServiceImpl::DrainingAnswer(grpc::ByteBuffer& in, ForwardRequestStorage& storage) {
@@ -222,10 +365,14 @@ void ExpertServiceImpl::Drain() {
   // ended (the gRPC server's shutdown would otherwise wait the whole drain
   // deadline for them).
   std::this_thread::sleep_for(kDrainGrace);
-  std::lock_guard<std::mutex> lock(streams_mu_);
-  for (auto& [ctx, idle] : streams_) {
-    if (idle) ctx->TryCancel();
+  std::vector<StreamReactor*> waiting;
+  {
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    for (StreamReactor* stream : streams_)
+      if (stream->EndIfWaitingLocked()) waiting.push_back(stream);
   }
+  // Each lives until its Finish (OnDone comes after it).
+  for (StreamReactor* stream : waiting) stream->FinishDraining();
 }
 
 grpc::Status ExpertServiceImpl::GetInfo(grpc::ServerContext*, const moe::v1::GetInfoRequest*,

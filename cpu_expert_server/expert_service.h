@@ -7,11 +7,14 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
+#include <set>
+#include <thread>
 #include <vector>
 
 #include "core/model_spec.h"
@@ -35,28 +38,39 @@ struct ServiceLimits {
 // (tokens, a full [n, num_experts] routing, framing), with headroom.
 uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits);
 
-class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
+// ForwardStream is served by callback reactors (StreamReactor): an open
+// stream holds no thread while it waits for its next request (a thread per
+// stream let one client's 3,000 idle streams cost the server 3,013 threads);
+// requests are computed by kStreamWorkers threads shared by every stream.
+class ExpertServiceImpl final : public moe::v1::ExpertService::WithRawCallbackMethod_ForwardStream<
+                                    moe::v1::ExpertService::Service> {
  public:
   // `metrics` (may be null: none recorded) must outlive the service.
   ExpertServiceImpl(const ModelSpec& spec, BatchHandler handler, ServiceLimits limits,
                     moe::v1::ServerInfo info, ExpertServerMetrics* metrics = nullptr);
+  ~ExpertServiceImpl() override;
 
   grpc::Status Forward(grpc::ServerContext* ctx, const moe::v1::ForwardRequest* req,
                        moe::v1::ForwardResponse* resp) override;
   // ForwardStream's messages as raw bytes (grpc_wire.h): the same wire
-  // format, without protobuf's copies of the tensors.
-  grpc::Status ForwardStreamRaw(grpc::ServerContext* ctx,
-                                grpc::ServerReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>* stream);
+  // format, without protobuf's copies of the tensors. One request of a
+  // stream at a time, answered in order.
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ForwardStream(
+      grpc::CallbackServerContext* ctx) override;
   grpc::Status GetInfo(grpc::ServerContext* ctx, const moe::v1::GetInfoRequest* req,
                        moe::v1::ServerInfo* resp) override;
 
   // Starts draining: open streams finish the request they are computing;
   // every request still arriving on them (queued behind it, or sent before the
   // client saw the drain) is answered UNAVAILABLE "server is draining"; after
-  // kDrainGrace the streams waiting for more are ended. Unary calls in flight
-  // complete. Blocks for kDrainGrace. Call before grpc::Server::Shutdown.
+  // kDrainGrace every stream ends with status UNAVAILABLE "server is
+  // draining" once its request in progress is answered (never CANCELLED).
+  // Unary calls in flight complete. Blocks for kDrainGrace. Call before
+  // grpc::Server::Shutdown.
   void Drain();
   static constexpr std::chrono::milliseconds kDrainGrace{200};
+  // Threads computing stream requests, shared by all streams.
+  static constexpr int kStreamWorkers = 16;
 
   // The whole request path without gRPC: decode, validate, compute, encode.
   // Records no metrics.
@@ -86,6 +100,11 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   grpc::ByteBuffer HandleStreamMessage(grpc::ByteBuffer& in, ForwardRequestStorage& storage,
                                        absl::Status* end_stream);
 
+  class StreamReactor;
+  // Runs `job` on a stream worker.
+  void RunOnStreamWorker(std::function<void()> job);
+  bool DrainPastGrace() const;  // streams_mu_ held
+
   const ModelSpec& spec_;
   BatchHandler handler_;
   ServiceLimits limits_;
@@ -95,7 +114,13 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::Service {
   std::mutex streams_mu_;
   bool draining_ = false;
   std::chrono::steady_clock::time_point drain_started_{};  // guarded by streams_mu_
-  std::map<grpc::ServerContext*, bool> streams_;  // open streams -> idle (blocked in Read)
+  std::set<StreamReactor*> streams_;  // open streams (guarded by streams_mu_)
+  // The stream workers and their queue.
+  std::mutex jobs_mu_;
+  std::condition_variable jobs_cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool stop_workers_ = false;
+  std::vector<std::thread> workers_;
   std::shared_ptr<MessageBufferPool> pool_ = MessageBufferPool::Create(16);  // response buffers
 };
 
