@@ -269,7 +269,7 @@ absl::StatusOr<PolicyResult> ReplayCoordinator(const RoutingTrace& t, const Repl
   if (!made.ok()) return made.status();
   ExpertCache& cache = **made;
   const std::string worker = "replay";
-  Popularity popularity(t.num_layers, t.num_experts, c.policy.half_life_seconds, 0.0);
+  Popularity popularity(t.num_layers, t.num_experts, c.policy.half_life_seconds);
   // Counts since the last heartbeat, [layer][expert] pairs and hits.
   std::vector<std::vector<uint64_t>> pending_pairs(t.num_layers, std::vector<uint64_t>(t.num_experts));
   std::vector<std::vector<uint64_t>> pending_hits = pending_pairs;
@@ -317,7 +317,7 @@ absl::StatusOr<PolicyResult> ReplayCoordinator(const RoutingTrace& t, const Repl
         std::vector<int> held = cache.SlotExperts(l);
         held.erase(std::remove(held.begin(), held.end(), -1), held.end());
         w.resident.push_back(held);
-        p.global_popularity.push_back(popularity.global().Layer(l, end));
+        p.global_popularity.push_back(popularity.Layer(l, end).counts);
         w.popularity.push_back(popularity.worker(worker) ? popularity.worker(worker)->Layer(l, end)
                                                          : std::vector<double>(t.num_experts, 0.0));
       }

@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "coordinator/routing_capacity.h"
 #include "core/model_spec.h"
 #include "core/log.h"
 #include "core/status_macros.h"
@@ -74,6 +75,7 @@ absl::Status CheckIndexes(const google::protobuf::RepeatedField<uint32_t>& v, ui
 }
 
 constexpr double kRoundLogSeconds = 10.0;
+constexpr double kCapLogSeconds = 10.0;  // at most one line this often about registrations over the cap
 
 double SteadySeconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -88,6 +90,20 @@ std::string ServerState(const ServerEntry& s) {
 
 absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOptions options) {
   if (!options.clock) options.clock = SteadySeconds;
+  if (!(options.heartbeat_timeout_seconds > 0))
+    return absl::InvalidArgumentError("heartbeat_timeout_seconds must be > 0");
+  if (options.purge_after_seconds == 0)
+    options.purge_after_seconds = std::max(300.0, 10 * options.heartbeat_timeout_seconds);
+  if (!(options.purge_after_seconds > options.heartbeat_timeout_seconds))
+    return absl::InvalidArgumentError(absl::StrCat("purge_after_seconds: ", options.purge_after_seconds,
+                                                   " must exceed heartbeat_timeout_seconds ",
+                                                   options.heartbeat_timeout_seconds));
+  if (options.max_registrations_per_peer < 1)
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_registrations_per_peer: ", options.max_registrations_per_peer, " must be >= 1"));
+  if (!(options.max_worker_tokens_per_second >= 1 && options.max_worker_tokens_per_second <= 1e12))
+    return absl::InvalidArgumentError(absl::StrCat("max_worker_tokens_per_second: ",
+                                                   options.max_worker_tokens_per_second, " is outside [1, 1e12]"));
   std::unique_ptr<Coordinator> c(new Coordinator(std::move(options)));
   if (!c->options_.state_file.empty()) {
     MOE_ASSIGN_OR_RETURN(c->admin_, LoadAdminState(c->options_.state_file));
@@ -105,7 +121,7 @@ absl::StatusOr<std::unique_ptr<Coordinator>> Coordinator::Create(CoordinatorOpti
   if (c->admin_.num_layers > 0) {
     c->registry_ = std::make_unique<Registry>(c->admin_.num_layers, c->admin_.num_experts);
     c->popularity_ = std::make_unique<Popularity>(c->admin_.num_layers, c->admin_.num_experts,
-                                                  c->policy_.half_life_seconds, c->Now());
+                                                  c->policy_.half_life_seconds);
   }
   return c;
 }
@@ -159,7 +175,7 @@ absl::Status Coordinator::CheckGeometryLocked(uint32_t num_layers, uint32_t num_
     return absl::OkStatus();
   }
   registry_ = std::make_unique<Registry>(num_layers, num_experts);
-  popularity_ = std::make_unique<Popularity>(num_layers, num_experts, policy_.half_life_seconds, Now());
+  popularity_ = std::make_unique<Popularity>(num_layers, num_experts, policy_.half_life_seconds);
   LogInfo("coordinator", "model geometry: ", num_layers, " layers x ", num_experts, " experts");
   AdminState next = admin_;
   next.num_layers = static_cast<int>(num_layers);
@@ -181,8 +197,15 @@ absl::Status Coordinator::CommitLocked(AdminState next) {
 // ---------------------------------------------------------------- registry
 
 absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(const moe::v1::RegisterWorkerRequest& req,
-                                                                          const std::string& identity) {
+                                                                          const std::string& identity,
+                                                                          const std::string& peer) {
   MOE_RETURN_IF_ERROR(CheckId(req.worker_id(), "worker_id"));
+  if (static_cast<double>(req.max_tokens_per_second()) > options_.max_worker_tokens_per_second)
+    return absl::InvalidArgumentError(absl::StrCat("max_tokens_per_second: ", req.max_tokens_per_second(),
+                                                   " exceeds the coordinator's --max-worker-tokens-per-second ",
+                                                   options_.max_worker_tokens_per_second));
+  if (req.top_k() > req.num_experts())
+    return absl::InvalidArgumentError(absl::StrCat("top_k: ", req.top_k(), " exceeds num_experts ", req.num_experts()));
   MOE_RETURN_IF_ERROR(CheckGeometryFields(req.num_layers(), req.num_experts()));
   if (req.slots_per_layer() > req.num_experts())
     return absl::InvalidArgumentError(absl::StrCat("slots_per_layer: ", req.slots_per_layer(), " exceeds num_experts ",
@@ -224,9 +247,15 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
           "worker_id: '", req.worker_id(), "' is held by a live worker (heard from ",
           absl::StrFormat("%.1f", Now() - held->last_heartbeat), " s ago); re-register with its session, or after ",
           options_.heartbeat_timeout_seconds, " s of silence"));
+    if (held == nullptr || held->peer != peer) MOE_RETURN_IF_ERROR(MakeRoomLocked(/*worker=*/true, peer));
     resp.set_session(registry_->RegisterWorker(req, Now()));
     WorkerEntry& w = *registry_->FindWorker(req.worker_id());
     w.identity = identity;
+    w.peer = peer;
+    if (!known) {
+      w.count_credit = kCountBurstSeconds;  // a new id starts with one burst; a known one keeps what it has
+      w.credit_at = Now();
+    }
     // The operator's pins the worker still holds stay pinned in the snapshot
     // it resumes from (after a coordinator restart, say): a snapshot without
     // them would unpin them on the worker until the next placement round, and
@@ -248,7 +277,7 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
 }
 
 absl::StatusOr<moe::v1::RegisterExpertServerResponse> Coordinator::RegisterExpertServer(
-    const moe::v1::RegisterExpertServerRequest& req) {
+    const moe::v1::RegisterExpertServerRequest& req, const std::string& peer) {
   MOE_RETURN_IF_ERROR(CheckId(req.server_id(), "server_id"));
   if (req.address().empty()) return absl::InvalidArgumentError("address: must not be empty (host:port)");
   MOE_RETURN_IF_ERROR(CheckHostPort(req.address(), "address"));
@@ -263,7 +292,10 @@ absl::StatusOr<moe::v1::RegisterExpertServerResponse> Coordinator::RegisterExper
     std::lock_guard<std::mutex> lock(mu_);
     MOE_RETURN_IF_ERROR(CheckGeometryLocked(req.num_layers(), req.num_experts()));
     const bool draining = admin_.drains.count(req.server_id()) > 0;
+    const ServerEntry* held = registry_->FindServer(req.server_id());
+    if (held == nullptr || held->peer != peer) MOE_RETURN_IF_ERROR(MakeRoomLocked(/*worker=*/false, peer));
     resp.set_session(registry_->RegisterServer(req, draining, Now()));
+    registry_->FindServer(req.server_id())->peer = peer;
     resp.set_draining(draining);
     LogInfo("coordinator", "expert server registered: ", req.server_id(), " at ", req.address(),
             req.shm_socket().empty() ? "" : " + unix://", req.shm_socket(), " (",
@@ -278,32 +310,79 @@ absl::StatusOr<moe::v1::RegisterExpertServerResponse> Coordinator::RegisterExper
   return resp;
 }
 
-absl::Status Coordinator::ValidateCounts(
-    const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts) const {
-  const uint32_t nl = registry_->num_layers(), ne = registry_->num_experts();
-  for (int i = 0; i < counts.size(); ++i) {
-    const auto& c = counts[i];
-    const std::string field = absl::StrCat("counts[", i, "]");
-    if (c.layer() >= nl)
-      return absl::InvalidArgumentError(absl::StrCat(field, ".layer: ", c.layer(), " out of range [0, ", nl, ")"));
-    if (c.pairs_size() != c.experts_size())
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".pairs: ", c.pairs_size(), " entries for ", c.experts_size(), " experts"));
-    if (c.hits_size() != 0 && c.hits_size() != c.experts_size())
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".hits: ", c.hits_size(), " entries for ", c.experts_size(), " experts"));
-    if (c.predicted_used() > c.predicted())
-      return absl::InvalidArgumentError(absl::StrCat(field, ".predicted_used: ", c.predicted_used(),
-                                                     " exceeds predicted ", c.predicted()));
-    for (int j = 0; j < c.experts_size(); ++j) {
-      if (c.experts(j) >= ne)
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ".experts[", j, "]: ", c.experts(j), " out of range [0, ", ne, ")"));
-      if (c.hits_size() != 0 && c.hits(j) > c.pairs(j))
-        return absl::InvalidArgumentError(
-            absl::StrCat(field, ".hits[", j, "]: ", c.hits(j), " exceeds pairs ", c.pairs(j)));
-    }
+absl::Status Coordinator::MakeRoomLocked(bool worker, const std::string& peer) {
+  const int cap = options_.max_registrations_per_peer;
+  const int held = worker ? registry_->WorkersOf(peer) : registry_->ServersOf(peer);
+  if (held < cap) return absl::OkStatus();
+  // At the cap: the peer's longest-silent registration that is down makes
+  // room (a restarted worker under a new id); with all of them live, refused.
+  const std::string down = worker ? registry_->LongestDownWorkerOf(peer) : registry_->LongestDownServerOf(peer);
+  if (!down.empty()) {
+    LogInfo("coordinator", worker ? "worker " : "server ", down, " (down) forgotten: ",
+            peer.empty() ? "its peer" : peer, " registers another at its cap of ", cap);
+    ForgetLocked(worker, down);
+    return absl::OkStatus();
   }
+  ++refused_registrations_;
+  const double now = Now();
+  ++unlogged_cap_refusals_;
+  if (now - last_cap_log_ >= kCapLogSeconds) {
+    LogWarning("coordinator", "refused ", unlogged_cap_refusals_, " registration(s) over the cap of ", cap,
+               " per peer (--max-registrations-per-peer); the last from ", peer.empty() ? "an unknown peer" : peer);
+    unlogged_cap_refusals_ = 0;
+    last_cap_log_ = now;
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      worker ? "worker_id" : "server_id", ": ", peer.empty() ? "this peer" : peer, " already holds ", held, " live ",
+      worker ? "worker" : "expert-server", " registrations, the cap (--max-registrations-per-peer ", cap,
+      "); one must stop heartbeating for --heartbeat-timeout-seconds (", options_.heartbeat_timeout_seconds,
+      ") before another id registers"));
+}
+
+void Coordinator::ForgetLocked(bool worker, const std::string& id) {
+  ++purged_registrations_;
+  if (worker) {
+    registry_->RemoveWorker(id);
+    popularity_->Remove(id);
+  } else {
+    registry_->RemoveServer(id);
+  }
+}
+
+absl::Status Coordinator::CheckCountsLocked(WorkerEntry& w,
+                                            const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts,
+                                            double now) {
+  RoutingCapacity capacity;
+  capacity.num_experts = registry_->num_experts();
+  capacity.tokens_per_second = w.caps.max_tokens_per_second() > 0
+                                   ? static_cast<double>(w.caps.max_tokens_per_second())
+                                   : options_.max_worker_tokens_per_second;
+  capacity.top_k = w.caps.top_k() > 0 ? static_cast<int>(w.caps.top_k()) : capacity.num_experts;
+  absl::StatusOr<RoutingDemand> demand = CheckCounts(counts, registry_->num_layers(), w.cached, capacity);
+  // The credit the worker has now: what it had, plus the time since, up to a burst.
+  const double credit = std::min(kCountBurstSeconds, w.count_credit + std::max(0.0, now - w.credit_at));
+  absl::Status refusal;
+  if (!demand.ok()) {
+    refusal = demand.status();
+  } else if (demand->seconds > credit) {
+    refusal = absl::InvalidArgumentError(absl::StrFormat(
+        "%s: %.6g %s exceed what worker '%s' could have routed since its last accepted report: %.3g s (its "
+        "credit, at most a %.0f s burst) at %.6g a second (max_tokens_per_second %.6g, top_k %d; the rate is at "
+        "most --max-worker-tokens-per-second)",
+        demand->field, demand->amount, demand->what, w.caps.worker_id(), credit, kCountBurstSeconds,
+        demand->per_second, capacity.tokens_per_second, capacity.top_k));
+  }
+  if (!refusal.ok()) {
+    ++refused_count_reports_;
+    if (!w.count_refusal_logged) {
+      LogWarning("coordinator", "refused the counts of worker ", w.caps.worker_id(), " (logged once per worker; ",
+                 "moe_coordinator_refused_count_reports_total counts them all): ", refusal.message());
+      w.count_refusal_logged = true;
+    }
+    return refusal;
+  }
+  w.count_credit = credit - demand->seconds;
+  w.credit_at = now;
   return absl::OkStatus();
 }
 
@@ -348,7 +427,7 @@ absl::StatusOr<moe::v1::HeartbeatResponse> Coordinator::Heartbeat(const moe::v1:
     if (!req.worker_id().empty()) {
       if (registry_ == nullptr) return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "' (register first)"));
       MOE_ASSIGN_OR_RETURN(WorkerEntry* const w, registry_->Worker(req.worker_id(), req.session()));
-      MOE_RETURN_IF_ERROR(ValidateCounts(req.counts()));
+      MOE_RETURN_IF_ERROR(CheckCountsLocked(*w, req.counts(), now));
       if (!w->up) LogInfo("coordinator", "worker ", req.worker_id(), " is back");
       registry_->WorkerAlive(*w, now);
       if (req.applied_version() > w->acked && req.applied_version() <= w->version)
@@ -374,9 +453,10 @@ absl::Status Coordinator::ReportStats(const moe::v1::ReportStatsRequest& req) {
   std::lock_guard<std::mutex> lock(mu_);
   if (registry_ == nullptr)
     return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "' (register first)"));
-  MOE_RETURN_IF_ERROR(registry_->Worker(req.worker_id(), req.session()).status());
-  MOE_RETURN_IF_ERROR(ValidateCounts(req.counts()));
-  AddCountsLocked(req.worker_id(), req.counts(), Now());
+  MOE_ASSIGN_OR_RETURN(WorkerEntry* const w, registry_->Worker(req.worker_id(), req.session()));
+  const double now = Now();
+  MOE_RETURN_IF_ERROR(CheckCountsLocked(*w, req.counts(), now));
+  AddCountsLocked(req.worker_id(), req.counts(), now);
   return absl::OkStatus();
 }
 
@@ -436,7 +516,7 @@ PlacementProblem Coordinator::PlacementProblemLocked(bool pins_only, double now,
   p.params.hysteresis_margin = policy_.hysteresis_margin;
   p.params.copy_cost_hits = policy_.copy_cost_hits;
   p.params.replicate_share = policy_.replicate_share;
-  for (int l = 0; l < nl; ++l) p.global_popularity.push_back(popularity_->global().Layer(l, now));
+  for (int l = 0; l < nl; ++l) p.global_popularity.push_back(popularity_->Layer(l, now).counts);
   const double round_seconds = policy_.rebalance_interval_seconds > 0 ? policy_.rebalance_interval_seconds : 1.0;
   for (const auto& [id, w] : registry_->workers()) {
     if (!w.up) continue;
@@ -534,6 +614,7 @@ void Coordinator::Tick() {
     if (registry_ == nullptr || stopping_) return;
     const double now = Now();
     LogEventsLocked(registry_->Expire(now, options_.heartbeat_timeout_seconds));
+    PurgeLocked(now);
     LogEventsLocked(registry_->UpdateDrains(now));
     if (PinsMissingLocked()) RebalanceLocked(/*dry_run=*/false, /*pins_only=*/true, now);
     if (policy_.rebalance_interval_seconds > 0 && now - last_rebalance_ >= policy_.rebalance_interval_seconds) {
@@ -542,6 +623,22 @@ void Coordinator::Tick() {
     }
   }
   changed_.notify_all();
+}
+
+void Coordinator::PurgeLocked(double now) {
+  const Registry::Purged purged = registry_->Purge(now, options_.purge_after_seconds);
+  for (const std::string& id : purged.workers) popularity_->Remove(id);
+  const size_t n = purged.workers.size() + purged.servers.size();
+  if (n == 0) return;
+  purged_registrations_ += n;
+  std::string ids;
+  size_t listed = 0;
+  for (const auto* list : {&purged.workers, &purged.servers})
+    for (const std::string& id : *list)
+      if (listed++ < 5) absl::StrAppend(&ids, ids.empty() ? "" : ", ", id);
+  LogInfo("coordinator", "forgot ", purged.workers.size(), " worker(s) and ", purged.servers.size(),
+          " server(s) silent for over ", options_.purge_after_seconds, " s (--purge-after-seconds): ", ids,
+          n > 5 ? ", ..." : "");
 }
 
 // ---------------------------------------------------------------- admin
@@ -566,6 +663,9 @@ moe::v1::StatusResponse Coordinator::Status() {
   r.set_uptime_seconds(now - started_);
   *r.mutable_policy() = PolicyProtoLocked();
   r.set_rebalances(rebalances_);
+  r.set_refused_count_reports(refused_count_reports_);
+  r.set_refused_registrations(refused_registrations_);
+  r.set_purged_registrations(purged_registrations_);
   if (registry_ == nullptr) return r;
   r.set_num_layers(registry_->num_layers());
   r.set_num_experts(registry_->num_experts());
@@ -613,7 +713,8 @@ moe::v1::StatusResponse Coordinator::Status() {
   double hits = 0, pairs = 0;
   for (int l = 0; l < registry_->num_layers(); ++l) {
     moe::v1::LayerStatus* ls = r.add_layers();
-    const double h = popularity_->global().LayerHits(l, now), n = popularity_->global().LayerPairs(l, now);
+    const Popularity::Combined combined = popularity_->Layer(l, now);
+    const double h = combined.hits, n = combined.pairs;
     ls->set_layer(l);
     ls->set_hit_rate(n > 0 ? h / n : 0.0);
     ls->set_pairs(n);
@@ -652,7 +753,7 @@ absl::StatusOr<moe::v1::PopularityResponse> Coordinator::GetPopularity(const moe
     if (const DecayedCounts* own = popularity_->worker(req.worker_id()); own != nullptr)
       counts = own->Layer(req.layer(), now);
   } else {
-    counts = popularity_->global().Layer(req.layer(), now);
+    counts = popularity_->Layer(req.layer(), now).counts;
   }
   double total = 0;
   for (double c : counts) total += c;
@@ -803,6 +904,17 @@ absl::StatusOr<moe::v1::DrainResponse> Coordinator::Drain(const moe::v1::DrainRe
     std::lock_guard<std::mutex> lock(mu_);
     if (req.server_id().empty()) return absl::InvalidArgumentError("server_id: must not be empty");
     ServerEntry* s = registry_ == nullptr ? nullptr : registry_->FindServer(req.server_id());
+    if (s == nullptr && req.cancel() && admin_.drains.count(req.server_id()) > 0) {
+      // A drained server that was forgotten (silent past --purge-after-seconds):
+      // lifting its persisted drain needs no registration.
+      AdminState next = admin_;
+      next.drains.erase(req.server_id());
+      MOE_RETURN_IF_ERROR(CommitLocked(std::move(next)));
+      LogInfo("coordinator", "undrain ", req.server_id(), ": not registered now; routed again once it registers");
+      r.set_server_id(req.server_id());
+      r.set_state("down");
+      return r;
+    }
     if (s == nullptr) return absl::NotFoundError(absl::StrCat("server_id: unknown server '", req.server_id(), "'"));
     const bool draining = !req.cancel();
     if (s->draining != draining) {

@@ -37,6 +37,16 @@ struct CoordinatorOptions {
   CoordinatorPolicy policy;               // defaults (flags); the state file's overrides win
   double heartbeat_timeout_seconds = 5.0;
   uint32_t heartbeat_interval_ms = 200;   // suggested to peers
+  // A worker or server silent this long (down since heartbeat_timeout) is
+  // forgotten with its counts and metric series; > heartbeat_timeout_seconds.
+  // 0: max(300, 10 x heartbeat_timeout_seconds).
+  double purge_after_seconds = 0;
+  // Worker registrations, and server registrations, one peer may hold
+  // (core/socket_peer.h keys; with mTLS its certificate names at its address).
+  int max_registrations_per_peer = 64;
+  // The routing rate a worker that declares none is held to, and the most one
+  // may declare (RegisterWorkerRequest.max_tokens_per_second).
+  double max_worker_tokens_per_second = 1e6;
   std::string state_file;                 // "" = overrides are not persisted
   std::string version = "dev";
   std::function<double()> clock;          // default: steady clock in seconds
@@ -58,10 +68,20 @@ class Coordinator {
   // CertificateIdentity), "" without mTLS. A live worker's id is taken over
   // only with its session, by a caller with the same certificate identity (a
   // restarted worker), or after its lease ran out.
+  // `peer`: who the caller is for the cap on registrations per peer
+  // (RoleAuthorizer::PeerIdentity). A new id beyond the cap replaces the
+  // peer's longest-silent registration that is down; with all of them live
+  // it is RESOURCE_EXHAUSTED naming the cap and its flag.
   absl::StatusOr<moe::v1::RegisterWorkerResponse> RegisterWorker(const moe::v1::RegisterWorkerRequest& req,
-                                                                 const std::string& identity = "");
+                                                                 const std::string& identity = "",
+                                                                 const std::string& peer = "");
   absl::StatusOr<moe::v1::RegisterExpertServerResponse> RegisterExpertServer(
-      const moe::v1::RegisterExpertServerRequest& req);
+      const moe::v1::RegisterExpertServerRequest& req, const std::string& peer = "");
+  // Heartbeat and ReportStats refuse counts that name a layer the worker does
+  // not cache, an expert out of range or twice, or more than the worker can
+  // have routed since its last accepted report (routing_capacity.h):
+  // INVALID_ARGUMENT naming the field, logged once per worker, counted in
+  // StatusResponse.refused_count_reports.
   absl::StatusOr<moe::v1::HeartbeatResponse> Heartbeat(const moe::v1::HeartbeatRequest& req);
   absl::Status ReportStats(const moe::v1::ReportStatsRequest& req);
   // The worker's full assignment now.
@@ -86,7 +106,15 @@ class Coordinator {
   double Now() const { return options_.clock(); }
   // Learns (or checks) the model geometry; creates the registry and popularity.
   absl::Status CheckGeometryLocked(uint32_t num_layers, uint32_t num_experts);
-  absl::Status ValidateCounts(const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts) const;
+  // OK when `counts` are valid and fit the worker's routing credit (then spent).
+  absl::Status CheckCountsLocked(WorkerEntry& w, const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts,
+                                 double now);
+  // OK when `peer` may hold one more worker (or server) registration, making
+  // room by forgetting its longest-silent down one; ResourceExhausted otherwise.
+  absl::Status MakeRoomLocked(bool worker, const std::string& peer);
+  void ForgetLocked(bool worker, const std::string& id);
+  // Forgets the peers silent for longer than purge_after_seconds.
+  void PurgeLocked(double now);
   void AddCountsLocked(const std::string& worker,
                        const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts, double now);
   // One placement round over the live workers. pins_only: nothing but pins moves.
@@ -126,6 +154,9 @@ class Coordinator {
     uint64_t rounds = 0, copies = 0, bytes = 0, updates = 0;
   } unlogged_;                              // placement rounds not logged yet
   double last_round_log_ = -1e300;
+  uint64_t refused_count_reports_ = 0, refused_registrations_ = 0, purged_registrations_ = 0;
+  uint64_t unlogged_cap_refusals_ = 0;
+  double last_cap_log_ = -1e300;
 
   std::mutex thread_mu_;
   std::condition_variable thread_cv_;

@@ -1,5 +1,7 @@
 #include "coordinator/coordinator_metrics.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace moe {
@@ -42,6 +44,17 @@ CoordinatorMetrics::CoordinatorMetrics(MetricsRegistry& r, Coordinator& coordina
                                   {"layer"})),
       hit_rate_(r.AddGauge("moe_coordinator_hit_rate", "Decayed share of all pairs served from GPU caches.").Get()),
       rebalances_(r.AddCounter("moe_coordinator_rebalances_total", "Placement rounds run.").Get()),
+      refused_count_reports_(r.AddCounter("moe_coordinator_refused_count_reports_total",
+                                          "Worker heartbeats and stats reports whose access counts were refused "
+                                          "(out of range, duplicated, or more than the worker could have routed).")
+                                 .Get()),
+      refused_registrations_(r.AddCounter("moe_coordinator_refused_registrations_total",
+                                          "Registrations refused at the cap per peer (--max-registrations-per-peer).")
+                                 .Get()),
+      purged_registrations_(r.AddCounter("moe_coordinator_purged_registrations_total",
+                                         "Worker and server registrations forgotten after their lease ran out "
+                                         "(--purge-after-seconds) or to make room at a peer's cap.")
+                                .Get()),
       hook_(r.AddScrapeHook([this] { Refresh(); })) {}
 
 void CoordinatorMetrics::Refresh() {
@@ -53,12 +66,31 @@ void CoordinatorMetrics::Refresh() {
     assigned_version_.WithLabels({w.worker_id()})->Set(static_cast<double>(w.assigned_version()));
     acked_version_.WithLabels({w.worker_id()})->Set(static_cast<double>(w.acked_version()));
     worker_hit_rate_.WithLabels({w.worker_id()})->Set(w.hit_rate());
+    // A total below the last one seen: the worker was forgotten and registered
+    // again between two scrapes (its totals restarted); the counter goes on.
     uint64_t& copies = seen_copies_[w.worker_id()];
-    copies_.WithLabels({w.worker_id()})->Increment(w.copies_issued() - copies);
+    copies_.WithLabels({w.worker_id()})->Increment(w.copies_issued() - std::min(copies, w.copies_issued()));
     copies = w.copies_issued();
     uint64_t& bytes = seen_bytes_[w.worker_id()];
-    copied_bytes_.WithLabels({w.worker_id()})->Increment(w.bytes_issued() - bytes);
+    copied_bytes_.WithLabels({w.worker_id()})->Increment(w.bytes_issued() - std::min(bytes, w.bytes_issued()));
     bytes = w.bytes_issued();
+  }
+  // The series of workers the coordinator forgot.
+  std::map<std::string, bool> listed;
+  for (const auto& w : st.workers()) listed[w.worker_id()] = true;
+  for (auto it = seen_copies_.begin(); it != seen_copies_.end();) {
+    if (listed.count(it->first) > 0) {
+      ++it;
+      continue;
+    }
+    const std::vector<std::string> labels = {it->first};
+    assigned_version_.Remove(labels);
+    acked_version_.Remove(labels);
+    worker_hit_rate_.Remove(labels);
+    copies_.Remove(labels);
+    copied_bytes_.Remove(labels);
+    seen_bytes_.erase(it->first);
+    it = seen_copies_.erase(it);
   }
   for (const auto& s : st.servers()) ++servers[s.state()];
   for (const auto& [state, n] : workers) workers_.WithLabels({state})->Set(n);
@@ -77,6 +109,12 @@ void CoordinatorMetrics::Refresh() {
   hit_rate_->Set(st.overall_hit_rate());
   rebalances_->Increment(st.rebalances() - seen_rebalances_);
   seen_rebalances_ = st.rebalances();
+  refused_count_reports_->Increment(st.refused_count_reports() - seen_refused_counts_);
+  seen_refused_counts_ = st.refused_count_reports();
+  refused_registrations_->Increment(st.refused_registrations() - seen_refused_registrations_);
+  seen_refused_registrations_ = st.refused_registrations();
+  purged_registrations_->Increment(st.purged_registrations() - seen_purged_);
+  seen_purged_ = st.purged_registrations();
 }
 
 }  // namespace moe

@@ -27,14 +27,14 @@ constexpr auto kWatchPoll = std::chrono::milliseconds(200);
 grpc::Status CoordinatorServiceImpl::RegisterWorker(grpc::ServerContext* ctx, const moe::v1::RegisterWorkerRequest* req,
                                                     moe::v1::RegisterWorkerResponse* resp) {
   if (grpc::Status d = Authorize(auth_, ctx, Role::kWorker, "RegisterWorker"); !d.ok()) return d;
-  return Reply(c_.RegisterWorker(*req, RoleAuthorizer::CertificateIdentity(*ctx)), resp);
+  return Reply(c_.RegisterWorker(*req, RoleAuthorizer::CertificateIdentity(*ctx), auth_.PeerIdentity(*ctx)), resp);
 }
 
 grpc::Status CoordinatorServiceImpl::RegisterExpertServer(grpc::ServerContext* ctx,
                                                           const moe::v1::RegisterExpertServerRequest* req,
                                                           moe::v1::RegisterExpertServerResponse* resp) {
   if (grpc::Status d = Authorize(auth_, ctx, Role::kServer, "RegisterExpertServer"); !d.ok()) return d;
-  return Reply(c_.RegisterExpertServer(*req), resp);
+  return Reply(c_.RegisterExpertServer(*req, auth_.PeerIdentity(*ctx)), resp);
 }
 
 grpc::Status CoordinatorServiceImpl::Heartbeat(grpc::ServerContext* ctx, const moe::v1::HeartbeatRequest* req,

@@ -42,6 +42,7 @@ CoordinatorFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   std::string placement = moe::PlacementModeName(policy.placement);
   double heartbeat_timeout = 5.0;
   int64_t heartbeat_interval_ms = 200;
+  int64_t max_registrations_per_peer = f.options.max_registrations_per_peer;
   flags.String("listen", &f.listen,
                "gRPC address to listen on, host:port (loopback by default; port 0 picks a free port; a port "
                "another process holds refuses the start)");
@@ -63,6 +64,18 @@ CoordinatorFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.Double("heartbeat-timeout-seconds", &heartbeat_timeout,
                "a worker or expert server silent this long is marked down (a server's experts go to replicas)");
   flags.Int("heartbeat-interval-ms", &heartbeat_interval_ms, "heartbeat period asked of workers and servers");
+  flags.Double("purge-after-seconds", &f.options.purge_after_seconds,
+               "a worker or expert server silent this long (down since --heartbeat-timeout-seconds) is forgotten: "
+               "its registration, access counts and metric series; must exceed --heartbeat-timeout-seconds; "
+               "0: the larger of 300 s and 10 x --heartbeat-timeout-seconds");
+  flags.Int("max-registrations-per-peer", &max_registrations_per_peer,
+            "worker ids, and server ids, one peer may hold at once (a local user by uid, a remote one by IP, with "
+            "mTLS its certificate at its address); a new id beyond it replaces the peer's longest-silent down one, "
+            "or, with all live, is refused RESOURCE_EXHAUSTED");
+  flags.Double("max-worker-tokens-per-second", &f.options.max_worker_tokens_per_second,
+               "the routing rate (tokens a second through one layer) a worker that declares none is held to, and "
+               "the most one may declare: a heartbeat's access counts beyond that rate x top-k since the worker's "
+               "last accepted report (plus a 30 s burst) are refused INVALID_ARGUMENT");
   flags.String("state-file", &f.options.state_file,
                "JSON file of admin overrides (pins, policy, drains), written atomically (mode 0600) and reloaded "
                "at start; a file that is a symbolic link, another uid's, or group/world writable refuses the start; "
@@ -83,6 +96,16 @@ CoordinatorFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
     flags.Fail(absl::StrCat("--drain-seconds: ", f.drain_seconds, " is outside [0, 3600]"));
   if (!(heartbeat_timeout > 0)) flags.Fail("--heartbeat-timeout-seconds must be > 0");
   if (heartbeat_interval_ms <= 0) flags.Fail("--heartbeat-interval-ms must be > 0");
+  if (f.options.purge_after_seconds != 0 &&
+      (!(f.options.purge_after_seconds > heartbeat_timeout) || !(f.options.purge_after_seconds <= 1e9)))
+    flags.Fail(absl::StrCat("--purge-after-seconds ", f.options.purge_after_seconds,
+                            " must exceed --heartbeat-timeout-seconds (", heartbeat_timeout, ") and be at most 1e9"));
+  if (max_registrations_per_peer < 1 || max_registrations_per_peer > 1000000)
+    flags.Fail(absl::StrCat("--max-registrations-per-peer ", max_registrations_per_peer, " is outside [1, 1000000]"));
+  if (!(f.options.max_worker_tokens_per_second >= 1 && f.options.max_worker_tokens_per_second <= 1e12))
+    flags.Fail(absl::StrCat("--max-worker-tokens-per-second ", f.options.max_worker_tokens_per_second,
+                            " is outside [1, 1e12]"));
+  f.options.max_registrations_per_peer = static_cast<int>(max_registrations_per_peer);
   if (absl::Status st = f.service.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = moe::MakeServerCredentials(f.service.tls);
   if (!creds.ok()) flags.Fail(std::string(creds.status().message()));

@@ -1,6 +1,8 @@
 #include "coordinator/popularity.h"
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
 
 namespace moe {
 
@@ -62,28 +64,57 @@ void DecayedCounts::SetHalfLife(double half_life_seconds, double now) {
   half_life_ = half_life_seconds;
 }
 
-Popularity::Popularity(int num_layers, int num_experts, double half_life_seconds, double now)
-    : num_layers_(num_layers),
-      num_experts_(num_experts),
-      half_life_(half_life_seconds),
-      global_(num_layers, num_experts, half_life_seconds, now) {}
+Popularity::Popularity(int num_layers, int num_experts, double half_life_seconds)
+    : num_layers_(num_layers), num_experts_(num_experts), half_life_(half_life_seconds) {}
 
 void Popularity::Add(const std::string& worker, int layer, int expert, double pairs, double hits, double now) {
-  global_.Add(layer, expert, pairs, hits, now);
   auto it = workers_.find(worker);
   if (it == workers_.end())
     it = workers_.emplace(worker, DecayedCounts(num_layers_, num_experts_, half_life_, now)).first;
   it->second.Add(layer, expert, pairs, hits, now);
 }
 
+void Popularity::Remove(const std::string& worker) { workers_.erase(worker); }
+
 const DecayedCounts* Popularity::worker(const std::string& worker) const {
   auto it = workers_.find(worker);
   return it == workers_.end() ? nullptr : &it->second;
 }
 
+Popularity::Combined Popularity::Layer(int layer, double now) const {
+  Combined out;
+  out.counts.assign(num_experts_, 0.0);
+  std::vector<std::pair<const DecayedCounts*, double>> reporting;  // (counts, layer pairs)
+  for (const auto& [id, c] : workers_) {
+    const double pairs = c.LayerPairs(layer, now);
+    if (pairs > 0) reporting.emplace_back(&c, pairs);
+  }
+  if (reporting.empty()) return out;
+  std::vector<double> totals;
+  for (const auto& r : reporting) totals.push_back(r.second);
+  std::nth_element(totals.begin(), totals.begin() + (totals.size() - 1) / 2, totals.end());
+  const double median = totals[(totals.size() - 1) / 2];  // the lower median
+  // Each worker's weight, then one scale for all: the combination keeps the
+  // workers' total pairs (thresholds in hits, copy_cost_hits, mean what they
+  // did), only how that total splits over the experts and into hits is weighted.
+  double total = 0, weighted = 0;
+  for (const auto& r : reporting) {
+    total += r.second;
+    weighted += std::min(r.second, median);
+  }
+  const double scale = total / weighted;
+  for (const auto& [c, pairs] : reporting) {
+    const double weight = scale * (pairs > median ? median / pairs : 1.0);
+    const std::vector<double> counts = c->Layer(layer, now);
+    for (int e = 0; e < num_experts_; ++e) out.counts[e] += weight * counts[e];
+    out.hits += weight * c->LayerHits(layer, now);
+  }
+  out.pairs = total;
+  return out;
+}
+
 void Popularity::SetHalfLife(double half_life_seconds, double now) {
   half_life_ = half_life_seconds;
-  global_.SetHalfLife(half_life_seconds, now);
   for (auto& [id, c] : workers_) c.SetHalfLife(half_life_seconds, now);
 }
 

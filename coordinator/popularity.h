@@ -1,6 +1,7 @@
 // Expert popularity: per (layer, expert), the number of (token, expert) pairs
 // routed to it, exponentially decayed with a half-life (a pair seen h seconds
-// ago counts 1/2, 2h ago 1/4, ...), kept globally and per worker; also the
+// ago counts 1/2, 2h ago 1/4, ...), kept per worker and combined across
+// workers (each weighing at most as much as the median worker); also the
 // decayed pairs and hits per layer, for hit rates. Time is passed in
 // explicitly (seconds on any monotonic clock) so tests and the cache replay
 // can drive it.
@@ -44,22 +45,44 @@ class DecayedCounts {
   std::vector<double> layer_pairs_, layer_hits_;  // [layer], scaled
 };
 
+// Per-worker counts, and their combination across workers. The combination
+// (what union placement, the fallback of per-worker placement, `moectl
+// popularity` and the layer hit rates read) weighs no worker beyond the
+// median worker: per layer, a worker whose decayed pairs exceed the lower
+// median of the workers' pairs there is scaled down to it, and the result is
+// scaled back to the workers' total pairs. How the total splits over the
+// experts (and into hits) is then no more one worker's than the median
+// worker's, however much it reports: with two workers, a half (issue 47: a
+// rogue's counts no longer steer placement or the hit rates); the total itself
+// stays the sum of the reports (which the coordinator bounds per worker,
+// routing_capacity.h). A worker that is removed (purged) leaves the
+// combination.
 class Popularity {
  public:
-  Popularity(int num_layers, int num_experts, double half_life_seconds, double now);
+  Popularity(int num_layers, int num_experts, double half_life_seconds);
 
-  // Counts of one worker's report: go to the global and to the worker's table.
+  // Counts of one worker's report.
   void Add(const std::string& worker, int layer, int expert, double pairs, double hits, double now);
-  const DecayedCounts& global() const { return global_; }
-  // nullptr if the worker never reported.
+  // Forgets the worker's counts.
+  void Remove(const std::string& worker);
+  // nullptr if the worker never reported (or was removed).
   const DecayedCounts* worker(const std::string& worker) const;
+
+  // One layer of the combination at `now`: the experts' counts [num_experts]
+  // (summing to `pairs`, the workers' total), and the hits among them.
+  struct Combined {
+    std::vector<double> counts;
+    double pairs = 0, hits = 0;
+  };
+  Combined Layer(int layer, double now) const;
+
   void SetHalfLife(double half_life_seconds, double now);
   double half_life() const { return half_life_; }
+  size_t num_workers() const { return workers_.size(); }
 
  private:
   int num_layers_, num_experts_;
   double half_life_;
-  DecayedCounts global_;
   std::map<std::string, DecayedCounts> workers_;
 };
 

@@ -121,6 +121,60 @@ std::vector<RegistryEvent> Registry::Expire(double now, double timeout) {
   return events;
 }
 
+Registry::Purged Registry::Purge(double now, double horizon) {
+  Purged purged;
+  for (const auto& [id, w] : workers_)
+    if (!w.up && now - w.last_heartbeat > horizon) purged.workers.push_back(id);
+  for (const auto& [id, s] : servers_)
+    if (!s.up && now - s.last_heartbeat > horizon) purged.servers.push_back(id);
+  for (const std::string& id : purged.workers) RemoveWorker(id);
+  for (const std::string& id : purged.servers) RemoveServer(id);
+  return purged;
+}
+
+void Registry::RemoveWorker(const std::string& id) {
+  workers_.erase(id);
+  for (auto& [sid, s] : servers_) s.drain_waits.erase(id);
+}
+
+void Registry::RemoveServer(const std::string& id) {
+  auto it = servers_.find(id);
+  if (it == servers_.end()) return;
+  const bool routable = Routable(it->second);
+  servers_.erase(it);
+  if (routable) RoutesChanged();
+}
+
+namespace {
+
+template <typename Map>
+int CountOf(const Map& entries, const std::string& peer) {
+  int n = 0;
+  for (const auto& [id, e] : entries) n += e.peer == peer ? 1 : 0;
+  return n;
+}
+
+template <typename Map>
+std::string LongestDownOf(const Map& entries, const std::string& peer) {
+  const std::string* found = nullptr;
+  double oldest = 0;
+  for (const auto& [id, e] : entries) {
+    if (e.peer != peer || e.up) continue;
+    if (found == nullptr || e.last_heartbeat < oldest) {
+      found = &id;
+      oldest = e.last_heartbeat;
+    }
+  }
+  return found == nullptr ? "" : *found;
+}
+
+}  // namespace
+
+int Registry::WorkersOf(const std::string& peer) const { return CountOf(workers_, peer); }
+int Registry::ServersOf(const std::string& peer) const { return CountOf(servers_, peer); }
+std::string Registry::LongestDownWorkerOf(const std::string& peer) const { return LongestDownOf(workers_, peer); }
+std::string Registry::LongestDownServerOf(const std::string& peer) const { return LongestDownOf(servers_, peer); }
+
 std::vector<std::string> Registry::DrainPending(const ServerEntry& s) const {
   std::vector<std::string> pending;
   for (const auto& [id, version] : s.drain_waits) {

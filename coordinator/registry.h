@@ -27,6 +27,7 @@ struct WorkerEntry {
   moe::v1::RegisterWorkerRequest caps;  // as registered, without `current`
   uint64_t session = 0;
   std::string identity;                  // the registering caller's certificate names ("" without mTLS)
+  std::string peer;                      // who holds the registration (its cap counts it)
   bool up = true;
   double last_heartbeat = 0;
   uint64_t version = 0;                  // newest assignment issued
@@ -37,11 +38,16 @@ struct WorkerEntry {
   std::vector<uint64_t> layer_version;   // [layer] version that last changed its set
   uint64_t routes_version = 0;           // version that last changed the routes
   uint64_t copies_issued = 0, bytes_issued = 0;
+  // Its counts: the routing seconds it may still report (routing_capacity.h),
+  // as of credit_at; whether a refusal of its counts was logged.
+  double count_credit = 0, credit_at = 0;
+  bool count_refusal_logged = false;
 };
 
 struct ServerEntry {
   moe::v1::RegisterExpertServerRequest caps;
   uint64_t session = 0;
+  std::string peer;                      // who holds the registration (its cap counts it)
   bool up = true;
   double last_heartbeat = 0;
   uint32_t inflight = 0;
@@ -79,6 +85,21 @@ class Registry {
 
   // Marks peers silent for longer than `timeout` down; returns what changed.
   std::vector<RegistryEvent> Expire(double now, double timeout);
+  // Forgets the workers and servers that are down and were silent for longer
+  // than `horizon` (their lease ran out long ago); returns their ids.
+  struct Purged {
+    std::vector<std::string> workers, servers;
+  };
+  Purged Purge(double now, double horizon);
+  void RemoveWorker(const std::string& id);
+  void RemoveServer(const std::string& id);
+
+  // Registrations `peer` holds; and of those down, the one silent longest
+  // ("" when none is down).
+  int WorkersOf(const std::string& peer) const;
+  int ServersOf(const std::string& peer) const;
+  std::string LongestDownWorkerOf(const std::string& peer) const;
+  std::string LongestDownServerOf(const std::string& peer) const;
   // Advances drains; returns the servers that became drained.
   std::vector<RegistryEvent> UpdateDrains(double now);
   // Starts or cancels a drain (the server must exist).

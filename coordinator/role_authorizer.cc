@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "core/socket_peer.h"
 #include "core/status_macros.h"
 
 namespace moe {
@@ -113,6 +114,19 @@ std::string RoleAuthorizer::CertificateIdentity(const grpc::ServerContext& ctx) 
   for (const char* property : {GRPC_X509_CN_PROPERTY_NAME, GRPC_X509_SAN_PROPERTY_NAME})
     for (const grpc::string_ref& v : auth->FindPropertyValues(property)) names.emplace_back(v.data(), v.size());
   return absl::StrJoin(names, ",");
+}
+
+std::string RoleAuthorizer::PeerIdentity(const grpc::ServerContext& ctx) const {
+  const std::string peer = ctx.peer();
+  if (absl::StartsWith(peer, kFdPeerPrefix)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = socket_peers_.find(peer);
+    return it == socket_peers_.end() ? "" : absl::StrCat(kUidPrefix, it->second);
+  }
+  const std::string address = PeerKeyOfGrpcPeer(peer);
+  const std::string certificate = CertificateIdentity(ctx);
+  if (certificate.empty()) return address;
+  return absl::StrCat("cert:", certificate, "@", address);
 }
 
 absl::Status RoleAuthorizer::Check(const grpc::ServerContext& ctx, Role role, absl::string_view rpc) const {

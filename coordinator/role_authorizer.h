@@ -67,6 +67,14 @@ class RoleAuthorizer {
   // What the transport proves about the caller: its certificate names (CN,
   // then SANs, joined by ","), "" for a caller without a verified certificate.
   static std::string CertificateIdentity(const grpc::ServerContext& ctx);
+  // Who the caller is, as the key of a per-peer limit (the coordinator's cap
+  // on registrations): "uid:N" on the admin socket; with a verified
+  // certificate, its names at its address ("cert:NAMES@ip:ADDR", so one
+  // certificate shared by the pods of a deployment is one peer per pod;
+  // "@uid:N" on loopback);
+  // otherwise core/socket_peer.h's key (a loopback caller's uid, anyone
+  // else's address).
+  std::string PeerIdentity(const grpc::ServerContext& ctx) const;
 
  private:
   const std::vector<std::string>& Allowed(Role role) const;

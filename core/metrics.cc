@@ -237,6 +237,12 @@ T* Family<T>::WithLabels(const std::vector<std::string>& values) {
 }
 
 template <typename T>
+bool Family<T>::Remove(const std::vector<std::string>& values) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return series_.erase(values) > 0;
+}
+
+template <typename T>
 void Family<T>::Render(std::string* out) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (series_.empty()) return;

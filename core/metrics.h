@@ -102,6 +102,11 @@ class Family {
   T* WithLabels(const std::vector<std::string>& values);
   // The only series of a family without labels.
   T* Get() { return WithLabels({}); }
+  // Drops the series with these label values (e.g. of a worker that is gone):
+  // it is no longer exported, and every pointer to it WithLabels returned is
+  // invalid — only an owner that looks its series up again after removing
+  // may call this. Returns whether there was one.
+  bool Remove(const std::vector<std::string>& values);
 
   const std::string& name() const { return name_; }
 

@@ -1,25 +1,40 @@
 // MetricsHttpServer: answers Prometheus scrapes of a MetricsRegistry
-// (core/metrics.h) over HTTP/1.1, served by cpp-httplib (Debian's
-// libcpp-httplib-dev).
+// (core/metrics.h) and health checks over HTTP/1.1.
 //
 //   GET /metrics (or HEAD; any query string)  200, text/plain; version=0.0.4
-//   POST/PUT/PATCH/DELETE/OPTIONS on /metrics 405 (Allow: GET, HEAD)
+//   GET /healthz (or HEAD)                    200, "ok"
+//   any other method on those paths           405 (Allow: GET, HEAD)
 //   any other path                            404
-//   a malformed request line or header        400 (as the library judges it)
+//   a malformed request line or header        400
+//   request headers over 8 KiB                431
+//   a peer over its connection cap, or the    503 (best effort), closed at once
+//   server at its connection limit
 //
-// `threads` connections are served at once; more wait in the listen backlog.
-// A connection that sends nothing is closed after `client_timeout` rounded up
-// to whole seconds (the library counts its idle timeout in seconds); a
-// request whose bytes stop coming for `client_timeout` is dropped. Each
-// response ends the connection ("Connection: close"). Rendering takes the
-// registry's locks only briefly; the hot path (Increment/Observe) never
-// touches this server.
+// Slow or hostile clients cannot hold it (issue 47): every connection has a
+// deadline for its whole request (line and headers), counted from accept and
+// not restarted by the bytes that do arrive — a client that sends one byte
+// every half second is closed when `request_timeout` is up, whatever it sent —
+// and a deadline for taking its response. At most `max_connections` are open
+// at once and at most `max_connections_per_peer` per peer are waiting for
+// their answer (core/socket_peer.h: a local user by uid, anyone else by IP
+// address), so one peer never holds the others' places, and /healthz and
+// /metrics stay answered while it tries. Each response ends the connection
+// ("Connection: close"); a request body is never read; an answered
+// connection lingers (reading and dropping what the client still sends) until
+// the client closes, for at most 1 s, and gives its place to a new one when
+// the server is at its limit.
 //
-// Lifecycle: Start() binds and starts serving; the destructor stops it and
-// joins its threads, waiting at most the idle timeout for a connection that
-// is open and silent. port() may be called from any thread.
+// One thread serves every connection (poll, non-blocking sockets): a
+// connection costs a descriptor, not a thread. Rendering takes the registry's
+// locks only briefly; the hot path (Increment/Observe) never touches this
+// server.
+//
+// Lifecycle: Start() binds and starts serving; the destructor closes every
+// connection at once and joins the thread. port() may be called from any
+// thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -28,10 +43,6 @@
 #include "absl/status/statusor.h"
 #include "core/metrics.h"
 
-namespace httplib {
-class Server;
-}
-
 namespace moe {
 
 class MetricsHttpServer {
@@ -39,12 +50,16 @@ class MetricsHttpServer {
   struct Options {
     std::string address = "0.0.0.0";  // numeric IPv4/IPv6 address or host name to bind
     int port = 0;                      // 0: the kernel picks a free port (see port())
-    std::chrono::milliseconds client_timeout{2000};  // see the header comment
-    int threads = 2;                   // connections served at once
+    // From accept to the end of the request's headers, whatever arrives meanwhile.
+    std::chrono::milliseconds request_timeout{2000};
+    // From the end of the request to the last byte of the response taken by the client.
+    std::chrono::milliseconds response_timeout{10000};
+    int max_connections = 64;          // open at once, [1, 1024]
+    int max_connections_per_peer = 4;  // open at once from one peer, [1, max_connections]
   };
 
   // Binds address:port and starts serving `registry`, which must outlive the
-  // server. InvalidArgument for a bad address, port or thread count,
+  // server. InvalidArgument for a bad address, port, timeout or limit,
   // Unavailable when the port cannot be bound.
   static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const Options& options,
                                                                   const MetricsRegistry& registry = Metrics());
@@ -54,12 +69,19 @@ class MetricsHttpServer {
 
   // The bound port (the chosen one when Options::port was 0).
   int port() const { return port_; }
+  // Connections closed at accept because their peer was at its cap or the
+  // server at its limit, since the start.
+  uint64_t refused_connections() const { return refused_.load(std::memory_order_relaxed); }
 
  private:
-  MetricsHttpServer();
+  class Loop;
+  MetricsHttpServer() = default;
 
-  std::unique_ptr<httplib::Server> http_;
   int port_ = 0;
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;  // eventfd: the destructor wakes the loop
+  std::atomic<uint64_t> refused_{0};
+  std::unique_ptr<Loop> loop_;
   std::thread thread_;
 };
 

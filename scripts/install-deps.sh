@@ -6,7 +6,7 @@ packages=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev libhwloc-dev liblzma-dev nlohmann-json3-dev
-  libcli11-dev libcpp-httplib-dev
+  libcli11-dev
   libgtest-dev libgmock-dev openssl xz-utils git ca-certificates
 )
 # ocl-icd-opencl-dev: Debian's libdnnl-dev only *recommends* it, but its CMake

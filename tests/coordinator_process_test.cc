@@ -3,7 +3,10 @@
 // this process, and the moectl binary: assignments follow the hot experts,
 // admin commands with their exit codes and JSON, bad input as one line on
 // stderr, kill -9 and restart with the state file (pins survive, the agent
-// resyncs and kept serving its last assignment meanwhile).
+// resyncs and kept serving its last assignment meanwhile), and issue 47's
+// bounds: registrations per local user capped and purged with their series,
+// refused counts dropped by the agent, /metrics answered while another user
+// holds slow connections.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -15,11 +18,14 @@
 #include <unistd.h>
 
 #include <condition_variable>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <thread>
 
 #include "coordinator/agent/coordinator_agent.h"
+#include "grpcpp/grpcpp.h"
+#include "moe/v1/coordinator.grpc.pb.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_support.h"
@@ -483,6 +489,198 @@ TEST(CoordinatorProcess, StateFileOtherUsersCanWriteRefusesTheStart) {
   EXPECT_NE(r.err.find(path), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("other users write it"), std::string::npos) << r.err;
   EXPECT_TRUE(OneLine(r.err)) << r.err;
+}
+
+// ---------------------------------------------------------------- issue 47
+
+// Resident memory of a process, in bytes (0 if unknown).
+uint64_t RssBytes(pid_t pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string key;
+  while (in >> key) {
+    if (key == "VmRSS:") {
+      uint64_t kb = 0;
+      in >> kb;
+      return kb * 1024;
+    }
+    std::getline(in, key);
+  }
+  return 0;
+}
+
+size_t Occurrences(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// Registers worker ids PREFIX-0 ... PREFIX-(n-1) over plain gRPC; returns how
+// many were accepted, and the first refusal in *refusal.
+int RegisterWorkers(const std::string& addr, const std::string& prefix, int n, grpc::Status* refusal) {
+  auto stub = moe::v1::CoordinatorService::NewStub(grpc::CreateChannel(addr, grpc::InsecureChannelCredentials()));
+  int ok = 0;
+  for (int i = 0; i < n; ++i) {
+    moe::v1::RegisterWorkerRequest r;
+    r.set_worker_id(prefix + "-" + std::to_string(i));
+    r.set_num_layers(2);
+    r.set_num_experts(8);
+    r.set_slots_per_layer(2);
+    moe::v1::RegisterWorkerResponse resp;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + 5s);
+    const grpc::Status st = stub->RegisterWorker(&ctx, r, &resp);
+    if (st.ok()) {
+      ++ok;
+    } else if (refusal != nullptr && refusal->ok()) {
+      *refusal = st;
+    }
+  }
+  return ok;
+}
+
+// Run by RegistrationsPerLocalUserAreCappedAndPurgedWithTheirSeries as
+// another uid (a re-exec of this binary): that user's registrations count
+// against its own cap, not the flooding user's.
+TEST(CoordinatorProcess, DISABLED_RegistersTenWorkersAsThisUid) {
+  const char* addr = std::getenv("MOE_TEST_COORDINATOR");
+  ASSERT_NE(addr, nullptr);
+  grpc::Status refusal;
+  EXPECT_EQ(RegisterWorkers(addr, "uid" + std::to_string(geteuid()), 10, &refusal), 10) << refusal.error_message();
+}
+
+// Issue 47, defect 2: one local user registering worker ids as fast as it
+// can (plaintext, where anyone holds the worker role) gets 64 (the default
+// --max-registrations-per-peer), then RESOURCE_EXHAUSTED naming the cap and
+// the flag; the coordinator's memory and /metrics stay bounded; another local
+// user still registers its own; silent registrations are forgotten after
+// --purge-after-seconds, their series with them, and room is made again.
+TEST(CoordinatorProcess, RegistrationsPerLocalUserAreCappedAndPurgedWithTheirSeries) {
+  std::unique_ptr<Subprocess> coord;
+  int metrics_port = -1;
+  const std::string addr = StartCoordinator(
+      &coord, {"--heartbeat-timeout-seconds=3", "--purge-after-seconds=4", "--metrics-port=0"}, "127.0.0.1:0",
+      &metrics_port);
+  ASSERT_FALSE(addr.empty());
+  ASSERT_GT(metrics_port, 0);
+  ASSERT_EQ(RegisterWorkers(addr, "first", 1, nullptr), 1);
+  const uint64_t rss_before = RssBytes(coord->pid());
+  grpc::Status refusal;
+  const auto t0 = std::chrono::steady_clock::now();
+  const int accepted = RegisterWorkers(addr, "flood", 2000, &refusal) + 1;
+  // (A registration that went down meanwhile, after 3 s, would make room for another.)
+  if (std::chrono::steady_clock::now() - t0 < 3s) {
+    EXPECT_EQ(accepted, 64);
+  }
+  EXPECT_EQ(refusal.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refusal.error_message();
+  EXPECT_NE(refusal.error_message().find("--max-registrations-per-peer 64"), std::string::npos)
+      << refusal.error_message();
+  EXPECT_NE(refusal.error_message().find("uid:" + std::to_string(geteuid())), std::string::npos)
+      << refusal.error_message();
+  const uint64_t rss_after = RssBytes(coord->pid());
+  EXPECT_LT(rss_after, rss_before + (16u << 20)) << rss_before << " -> " << rss_after << " bytes";
+  std::string m = Scrape(metrics_port);
+  EXPECT_LE(Occurrences(m, "worker=\""), 64u * 5) << m.size() << " bytes";
+  EXPECT_NE(m.find("moe_coordinator_refused_registrations_total " + std::to_string(2001 - accepted) + "\n"),
+            std::string::npos);
+  CommandResult status = Moectl(With(addr, {"status", "--json"}));
+  ASSERT_EQ(status.code, 0) << status.err;
+  EXPECT_LE(nlohmann::json::parse(status.out)["workers"].size(), 64u);
+  int others = 0;
+  if (geteuid() == 0) {  // a second local user, by re-running this binary as uid 65534
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+    const std::string env_addr = "MOE_TEST_COORDINATOR=" + addr;
+    const char* argv[] = {self.c_str(), "--gtest_also_run_disabled_tests",
+                          "--gtest_filter=CoordinatorProcess.DISABLED_RegistersTenWorkersAsThisUid", nullptr};
+    const char* envp[] = {env_addr.c_str(), nullptr};
+    const pid_t pid = fork();
+    if (pid == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(254);
+      execve(self.c_str(), const_cast<char* const*>(argv), const_cast<char* const*>(envp));
+      _exit(127);
+    }
+    ASSERT_GT(pid, 0);
+    int st = 0;
+    ASSERT_EQ(waitpid(pid, &st, 0), pid);
+    EXPECT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0) << "uid 65534's registrations were refused: " << st;
+    others = 10;
+  }
+  // Nobody heartbeats: down after 3 s, forgotten after 4 s, with their series.
+  nlohmann::json j;
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  do {
+    std::this_thread::sleep_for(200ms);
+    CommandResult st = Moectl(With(addr, {"status", "--json"}));
+    ASSERT_EQ(st.code, 0) << st.err;
+    j = nlohmann::json::parse(st.out);
+  } while (j.contains("workers") && !j["workers"].empty() && std::chrono::steady_clock::now() < deadline);
+  EXPECT_TRUE(!j.contains("workers") || j["workers"].empty()) << j.dump();
+  const uint64_t purged = static_cast<uint64_t>(accepted + others);
+  EXPECT_EQ(j["purged_registrations"], std::to_string(purged)) << j.dump();
+  m = Scrape(metrics_port);
+  EXPECT_EQ(Occurrences(m, "worker=\""), 0u) << m;
+  EXPECT_NE(m.find("moe_coordinator_purged_registrations_total " + std::to_string(purged) + "\n"), std::string::npos);
+  EXPECT_EQ(RegisterWorkers(addr, "after", 5, nullptr), 5) << "room again";
+}
+
+// Issue 47, defect 3, at the agent: counts the coordinator refuses (here
+// beyond --max-worker-tokens-per-second's burst) are dropped, not sent again
+// for ever; the session goes on and the next counts arrive.
+TEST(CoordinatorProcess, AgentDropsRefusedCountsAndStaysConnected) {
+  std::unique_ptr<Subprocess> coord;
+  std::vector<std::string> args = kFastCoordinator;
+  args.push_back("--max-worker-tokens-per-second=100");
+  const std::string addr = StartCoordinator(&coord, args);
+  ASSERT_FALSE(addr.empty());
+  FakeWorker w;
+  ASSERT_TRUE(w.Start(addr).ok());
+  ASSERT_TRUE(w.WaitFor([](auto& u, auto&) { return !u.empty(); }, 3s));
+  w.agent().RecordAccess(1, 5, 1000000, false);  // far beyond 100 tokens/s x 30 s
+  std::this_thread::sleep_for(300ms);
+  w.agent().RecordAccess(1, 6, 10, false);
+  nlohmann::json pop;
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  bool arrived = false;
+  while (!arrived && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(100ms);
+    CommandResult r = Moectl(With(addr, {"popularity", "--layer", "1", "--top", "1", "--json"}));
+    ASSERT_EQ(r.code, 0) << r.err;
+    pop = nlohmann::json::parse(r.out);
+    arrived = pop.contains("experts") && !pop["experts"].empty() && pop["experts"][0]["expert"] == 6 &&
+              pop["experts"][0].value("count", 0.0) > 0;
+  }
+  EXPECT_TRUE(arrived) << pop.dump();
+  EXPECT_EQ(w.agent().sessions(), 1) << "the refusal did not end the session";
+  CommandResult st = Moectl(With(addr, {"status", "--json"}));
+  ASSERT_EQ(st.code, 0) << st.err;
+  EXPECT_EQ(nlohmann::json::parse(st.out)["refused_count_reports"], "1") << st.out;
+}
+
+// Issue 47, defect 4, on the real coordinator: another local user (uid
+// 65534) holding eight slow connections to /metrics (a byte every 0.5 s,
+// reconnecting whenever closed) gets four in (its cap) and denies no scrape
+// of /metrics or /healthz, each answered within 1 s.
+TEST(CoordinatorProcess, SlowMetricsClientsOfAnotherUserDenyNoScrape) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (the slow client runs as uid 65534)";
+  std::unique_ptr<Subprocess> coord;
+  int metrics_port = -1;
+  const std::string addr = StartCoordinator(&coord, {"--metrics-port=0"}, "127.0.0.1:0", &metrics_port);
+  ASSERT_FALSE(addr.empty());
+  ASSERT_GT(metrics_port, 0);
+  const pid_t attacker = testing::SlowLorisChild(metrics_port, 8, 500ms, 4500ms);
+  ASSERT_GT(attacker, 0);
+  std::this_thread::sleep_for(300ms);
+  int ok = 0, tried = 0;
+  for (const auto end = std::chrono::steady_clock::now() + 3500ms; std::chrono::steady_clock::now() < end; ++tried) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string r = Scrape(metrics_port);
+    ok += r.rfind("HTTP/1.1 200 OK", 0) == 0 && std::chrono::steady_clock::now() - t0 < 1s ? 1 : 0;
+    std::this_thread::sleep_for(200ms);
+  }
+  int st = 0;
+  ASSERT_EQ(waitpid(attacker, &st, 0), attacker);
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_EQ(WEXITSTATUS(st), 4) << "connections the attacker held (254: could not become uid 65534)";
+  EXPECT_EQ(ok, tried);
 }
 
 }  // namespace

@@ -10,11 +10,13 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <future>
 #include <sstream>
 #include <thread>
 
 #include "coordinator/coordinator.h"
+#include "coordinator/coordinator_metrics.h"
 #include "coordinator/placement.h"
 #include "coordinator/popularity.h"
 #include "coordinator/state_file.h"
@@ -51,20 +53,47 @@ TEST(Popularity, StaysExactOverManyHalfLives) {
   EXPECT_TRUE(std::isfinite(c.LayerPairs(0, 5000.0)));
 }
 
-TEST(Popularity, GlobalAndPerWorkerAndHalfLifeChange) {
-  Popularity p(1, 3, 10.0, 0.0);
+TEST(Popularity, CombinedAndPerWorkerAndHalfLifeChange) {
+  Popularity p(1, 3, 10.0);
   p.Add("w1", 0, 0, 10, 0, 0.0);
   p.Add("w2", 0, 0, 30, 0, 0.0);
   p.Add("w2", 0, 2, 5, 0, 0.0);
-  EXPECT_DOUBLE_EQ(p.global().Count(0, 0, 0.0), 40.0);
   EXPECT_DOUBLE_EQ(p.worker("w1")->Count(0, 0, 0.0), 10.0);
   EXPECT_DOUBLE_EQ(p.worker("w2")->Count(0, 2, 0.0), 5.0);
   EXPECT_EQ(p.worker("w3"), nullptr);
+  // w2 (35 pairs) weighs as much as the median worker, w1 (10): scaled by
+  // 10/35; then everything by 45/20, back to the 45 pairs reported.
+  Popularity::Combined c = p.Layer(0, 0.0);
+  const double e0 = (10 + 30 * 10.0 / 35) * 45 / 20;
+  EXPECT_NEAR(c.counts[0], e0, 1e-9);
+  EXPECT_NEAR(c.counts[2], 5 * 10.0 / 35 * 45 / 20, 1e-9);
+  EXPECT_NEAR(c.pairs, 45.0, 1e-9);
+  EXPECT_NEAR(c.counts[0] + c.counts[2], c.pairs, 1e-9);
   // The counts as of now are kept; from now on they decay with the new half-life.
   p.SetHalfLife(1.0, 10.0);
-  EXPECT_NEAR(p.global().Count(0, 0, 10.0), 20.0, 1e-9);
-  EXPECT_NEAR(p.global().Count(0, 0, 11.0), 10.0, 1e-9);
+  EXPECT_NEAR(p.Layer(0, 10.0).counts[0], e0 / 2, 1e-9);
+  EXPECT_NEAR(p.Layer(0, 11.0).counts[0], e0 / 4, 1e-9);
   EXPECT_NEAR(p.worker("w1")->Count(0, 0, 11.0), 2.5, 1e-9);
+  // A removed worker leaves the combination.
+  p.Remove("w2");
+  EXPECT_EQ(p.worker("w2"), nullptr);
+  EXPECT_NEAR(p.Layer(0, 11.0).counts[0], 2.5, 1e-9);
+  EXPECT_EQ(p.Layer(0, 11.0).counts[2], 0.0);
+}
+
+// Issue 47, defect 3: however much one worker reports, it weighs at most as
+// much as the median worker in the combination that union placement, the
+// global popularity and the layer hit rates read.
+TEST(Popularity, NoWorkerWeighsMoreThanTheMedianWorker) {
+  Popularity p(1, 8, 10.0);
+  for (int w = 0; w < 3; ++w) p.Add("honest" + std::to_string(w), 0, w, 100, 80, 0.0);
+  p.Add("rogue", 0, 7, 1.8e19, 0, 0.0);
+  Popularity::Combined c = p.Layer(0, 0.0);
+  EXPECT_NEAR(c.counts[7] / c.pairs, 0.25, 1e-9) << "one of four workers: a quarter";
+  EXPECT_NEAR(c.hits / c.pairs, 0.6, 1e-9) << "the hit rate is the honest 0.8 diluted by a quarter, not 0";
+  for (int w = 0; w < 2; ++w) p.Remove("honest" + std::to_string(w));
+  c = p.Layer(0, 0.0);
+  EXPECT_NEAR(c.counts[7] / c.pairs, 0.5, 1e-9) << "with two workers, as heavy as the other one";
 }
 
 // ---------------------------------------------------------------- placement
@@ -333,13 +362,15 @@ TEST(StateFile, ReplaceIsAtomicForConcurrentReaders) {
 
 class CoordinatorCore : public ::testing::Test {
  protected:
-  std::unique_ptr<Coordinator> Make(const std::string& state_file = "") {
+  std::unique_ptr<Coordinator> Make(const std::string& state_file = "",
+                                    const std::function<void(CoordinatorOptions&)>& tweak = nullptr) {
     CoordinatorOptions o;
     o.policy.rebalance_interval_seconds = 1.0;
     o.policy.half_life_seconds = 10.0;
     o.policy.copy_budget_gbps = 0;  // unlimited
     o.heartbeat_timeout_seconds = 3.0;
     o.state_file = state_file;
+    if (tweak) tweak(o);
     o.clock = [this] { return now_; };
     absl::StatusOr<std::unique_ptr<Coordinator>> c = Coordinator::Create(o);
     EXPECT_TRUE(c.ok()) << c.status();
@@ -868,6 +899,212 @@ TEST_F(CoordinatorCore, ReRegistrationKeepsVersionsGrowingAndResumesFromWhatTheW
   EXPECT_EQ(c->WaitForAssignment("w1", reg->session(), 0, std::chrono::steady_clock::now()).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_GT(c->Snapshot("w1", reg2->session())->version(), snap->version());
+}
+
+// ---------------------------------------------------------------- issue 47: a bounded coordinator
+
+// Defect 3: access counts are checked against the geometry, the worker's MoE
+// layers and what it could have routed since its last accepted report (its
+// declared rate x top-k, a 30 s burst); a refusal names the field and is
+// counted, and nothing of the report is kept.
+TEST_F(CoordinatorCore, CountsBeyondWhatTheWorkerCouldRouteAreRefusedNamingTheField) {
+  auto c = Make();
+  auto expect_invalid = [](const absl::Status& s, const std::string& field) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(field), std::string::npos) << s;
+  };
+  auto r = Worker("w1");
+  r.set_max_tokens_per_second(1000);
+  r.set_top_k(2);
+  r.add_cached_layers(1);  // layer 0 is dense
+  auto reg = c->RegisterWorker(r);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  moe::v1::HeartbeatRequest hb = Beat("w1", reg->session(), 0);
+  Count(hb, 1, {{3, 1}});
+  hb.mutable_counts(0)->set_pairs(0, std::numeric_limits<uint64_t>::max());
+  expect_invalid(c->Heartbeat(hb).status(), "counts[0].pairs[0]");
+  hb = Beat("w1", reg->session(), 0);
+  Count(hb, 0, {{3, 1}});
+  expect_invalid(c->Heartbeat(hb).status(), "counts[0].layer: 0 is not an MoE layer");
+  hb = Beat("w1", reg->session(), 0);
+  Count(hb, 1, {{3, 1}, {5, 1}, {3, 1}});
+  expect_invalid(c->Heartbeat(hb).status(), "counts[0].experts[2]: 3 listed twice");
+  hb = Beat("w1", reg->session(), 0);
+  Count(hb, 1, {{3, 1}});
+  Count(hb, 1, {{4, 1}});
+  expect_invalid(c->Heartbeat(hb).status(), "counts[1].layer: 1 listed twice");
+  for (const char* field : {"cache_copies", "link_microseconds", "copy_bytes", "cpu_pairs"}) {
+    hb = Beat("w1", reg->session(), 0);
+    Count(hb, 1, {{3, 1}});
+    auto* lc = hb.mutable_counts(0);
+    const uint64_t huge = std::numeric_limits<uint64_t>::max();
+    if (std::string(field) == "cache_copies") lc->set_cache_copies(huge);
+    if (std::string(field) == "link_microseconds") lc->set_link_microseconds(huge);
+    if (std::string(field) == "copy_bytes") lc->set_copy_bytes(huge);
+    if (std::string(field) == "cpu_pairs") lc->set_cpu_pairs(huge);
+    expect_invalid(c->Heartbeat(hb).status(), field);
+  }
+  moe::v1::ReportStatsRequest rs;
+  rs.set_worker_id("w1");
+  rs.set_session(reg->session());
+  auto* rc = rs.add_counts();
+  rc->set_layer(1);
+  rc->add_experts(2);
+  rc->add_pairs(std::numeric_limits<uint64_t>::max());
+  expect_invalid(c->ReportStats(rs), "counts[0].pairs[0]");
+  moe::v1::StatusResponse st = c->Status();
+  EXPECT_EQ(st.refused_count_reports(), 9u);
+  EXPECT_EQ(st.layers(1).pairs(), 0.0) << "nothing of a refused report is kept";
+  EXPECT_EQ(st.layers(1).copies_per_second(), 0.0);
+  // Within the credit: a fresh worker may report one 30 s burst at once...
+  hb = Beat("w1", reg->session(), 0);
+  Count(hb, 1, {{3, 30000}, {4, 30000}});  // 1000 tokens/s x 30 s per expert, x top_k 2 in the layer
+  ASSERT_TRUE(c->Heartbeat(hb).ok());
+  // ...then nothing more until time passes...
+  hb = Beat("w1", reg->session(), 0);
+  Count(hb, 1, {{3, 1}});
+  expect_invalid(c->Heartbeat(hb).status(), "counts[0].pairs[0]");
+  // ...and then what that time allows: 1000 tokens a second, 2 experts each.
+  now_ += 1.0;
+  hb = Beat("w1", reg->session(), 0);
+  Count(hb, 1, {{3, 1000}, {4, 1000}, {5, 1}});
+  expect_invalid(c->Heartbeat(hb).status(), "counts[0].pairs:");
+  hb = Beat("w1", reg->session(), 0);
+  Count(hb, 1, {{3, 1000}, {4, 1000}});
+  ASSERT_TRUE(c->Heartbeat(hb).ok());
+  EXPECT_EQ(c->Status().refused_count_reports(), 11u);
+  // Declaring more than the coordinator allows, or a top_k beyond the experts, is refused.
+  r = Worker("w2");
+  r.set_max_tokens_per_second(2000000);
+  expect_invalid(c->RegisterWorker(r).status(), "max_tokens_per_second");
+  r = Worker("w2");
+  r.set_top_k(9);
+  expect_invalid(c->RegisterWorker(r).status(), "top_k");
+}
+
+// Defect 3: under union placement one worker's counts (however large) do
+// not steer the others' caches: they weigh as much as the median worker's.
+TEST_F(CoordinatorCore, UnionPlacementIsNotSteeredByOneWorkersCounts) {
+  auto c = Make("", [](CoordinatorOptions& o) {
+    o.policy.placement = PlacementMode::kUnion;
+    o.policy.replicate_share = 0.4;
+  });
+  std::map<std::string, uint64_t> session, version;
+  for (const std::string id : {"a", "b", "rogue"}) {
+    auto r = Worker(id);
+    if (id == "rogue") {
+      auto* cur = r.add_current();
+      cur->set_layer(1);
+      cur->add_experts(0);
+    }
+    auto reg = c->RegisterWorker(r);
+    ASSERT_TRUE(reg.ok()) << reg.status();
+    session[id] = reg->session();
+    version[id] = c->Snapshot(id, reg->session())->version();
+  }
+  for (const std::string id : {"a", "b"}) {
+    auto hb = Beat(id, session[id], version[id]);
+    Count(hb, 1, {{4, 40}, {5, 30}, {6, 20}, {7, 10}});
+    ASSERT_TRUE(c->Heartbeat(hb).ok());
+  }
+  auto hb = Beat("rogue", session["rogue"], version["rogue"]);
+  Count(hb, 1, {{0, 30000000}});  // all the credit a default worker has: 1e6 tokens/s x 30 s
+  ASSERT_TRUE(c->Heartbeat(hb).ok());
+  ASSERT_TRUE(c->Rebalance(false).ok());
+  for (const std::string id : {"a", "b"}) {
+    auto snap = c->Snapshot(id, session[id]);
+    ASSERT_TRUE(snap.ok());
+    const std::vector<int> set = Experts(*snap, 1);
+    EXPECT_EQ(std::count(set.begin(), set.end(), 0), 0) << id << " was given the rogue's expert";
+    EXPECT_EQ(set.size(), 2u) << id;
+  }
+  // The popularity it shows: the rogue's expert at a third of the layer, not all of it.
+  moe::v1::PopularityRequest pr;
+  pr.set_layer(1);
+  auto pop = c->GetPopularity(pr);
+  ASSERT_TRUE(pop.ok());
+  ASSERT_GT(pop->experts_size(), 0);
+  EXPECT_EQ(pop->experts(0).expert(), 0u);
+  EXPECT_NEAR(pop->experts(0).share(), 1.0 / 3, 1e-9);
+}
+
+// Defect 2: a peer holds at most --max-registrations-per-peer ids (workers,
+// and servers); beyond that a new id replaces the peer's longest-silent down
+// one, or is refused RESOURCE_EXHAUSTED naming the cap and its flag. Other
+// peers, and re-registrations of ids the peer holds, are not affected.
+TEST_F(CoordinatorCore, RegistrationsPerPeerAreCappedAndDownOnesMakeRoom) {
+  auto c = Make("", [](CoordinatorOptions& o) { o.max_registrations_per_peer = 3; });
+  std::map<std::string, uint64_t> session;
+  for (const std::string id : {"a", "b", "c"}) {
+    auto reg = c->RegisterWorker(Worker(id), "", "uid:1000");
+    ASSERT_TRUE(reg.ok()) << reg.status();
+    session[id] = reg->session();
+  }
+  absl::Status refused = c->RegisterWorker(Worker("d"), "", "uid:1000").status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("--max-registrations-per-peer 3"), std::string::npos) << refused;
+  EXPECT_NE(refused.message().find("uid:1000"), std::string::npos) << refused;
+  EXPECT_TRUE(c->RegisterWorker(Worker("e"), "", "uid:1001").ok()) << "another peer has its own cap";
+  auto again = Worker("a");
+  again.set_session(session["a"]);
+  auto a = c->RegisterWorker(again, "", "uid:1000");
+  ASSERT_TRUE(a.ok()) << "an id the peer holds registers again: " << a.status();
+  // Servers: the same cap, counted apart.
+  for (const std::string id : {"s1", "s2", "s3"})
+    ASSERT_TRUE(c->RegisterExpertServer(Server(id), "uid:1000").ok());
+  EXPECT_EQ(c->RegisterExpertServer(Server("s4"), "uid:1000").status().code(), absl::StatusCode::kResourceExhausted);
+  // b and c fall silent (down after the 3 s timeout); a keeps beating.
+  now_ += 2;
+  ASSERT_TRUE(c->Heartbeat(Beat("a", a->session(), 0)).ok());
+  now_ += 2;
+  c->Tick();
+  auto d = c->RegisterWorker(Worker("d"), "", "uid:1000");
+  ASSERT_TRUE(d.ok()) << d.status();
+  moe::v1::StatusResponse st = c->Status();
+  std::vector<std::string> ids;
+  for (const auto& w : st.workers()) ids.push_back(w.worker_id());
+  EXPECT_EQ(ids, (std::vector<std::string>{"a", "c", "d", "e"})) << "b (down, silent as long as c, first) made room";
+  EXPECT_EQ(st.refused_registrations(), 2u);
+  EXPECT_EQ(st.purged_registrations(), 1u);
+}
+
+// Leases run out: a peer silent for --purge-after-seconds is forgotten with
+// its counts and its metric series; a persisted drain of a forgotten server
+// can still be lifted; a forgotten worker registers afresh.
+TEST_F(CoordinatorCore, SilentPeersAreForgottenWithTheirCountsAndSeries) {
+  auto c = Make("", [](CoordinatorOptions& o) { o.purge_after_seconds = 10; });
+  MetricsRegistry registry;
+  CoordinatorMetrics metrics(registry, *c);
+  auto reg = c->RegisterWorker(Worker("w1"));
+  ASSERT_TRUE(reg.ok());
+  auto hb = Beat("w1", reg->session(), 0);
+  Count(hb, 1, {{5, 10}});
+  ASSERT_TRUE(c->Heartbeat(hb).ok());
+  ASSERT_TRUE(c->RegisterExpertServer(Server("s1")).ok());
+  moe::v1::DrainRequest d;
+  d.set_server_id("s1");
+  ASSERT_TRUE(c->Drain(d).ok());
+  EXPECT_NE(registry.Render().find("worker=\"w1\""), std::string::npos);
+  now_ += 5;  // down (3 s), not yet forgotten
+  c->Tick();
+  ASSERT_EQ(c->Status().workers_size(), 1);
+  EXPECT_EQ(c->Status().workers(0).state(), "down");
+  now_ += 6;  // 11 s of silence
+  c->Tick();
+  moe::v1::StatusResponse st = c->Status();
+  EXPECT_EQ(st.workers_size(), 0);
+  EXPECT_EQ(st.servers_size(), 0);
+  EXPECT_EQ(st.purged_registrations(), 2u);
+  EXPECT_EQ(st.layers(1).pairs(), 0.0) << "its counts went with it";
+  const std::string text = registry.Render();
+  EXPECT_EQ(text.find("worker=\"w1\""), std::string::npos) << text;
+  EXPECT_NE(text.find("moe_coordinator_purged_registrations_total 2\n"), std::string::npos) << text;
+  EXPECT_EQ(c->Heartbeat(Beat("w1", reg->session(), 0)).status().code(), absl::StatusCode::kNotFound);
+  d.set_cancel(true);
+  auto undrained = c->Drain(d);
+  ASSERT_TRUE(undrained.ok()) << undrained.status();
+  EXPECT_EQ(undrained->state(), "down");
+  EXPECT_TRUE(c->RegisterWorker(Worker("w1")).ok());
 }
 
 }  // namespace

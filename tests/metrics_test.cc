@@ -1,12 +1,15 @@
 // Metrics: the registry's exposition text (exact, with labels, escaping and
 // histograms), exact totals under concurrent updates, the /metrics HTTP
-// server over real sockets (200/404/405/400/431, silent and slow clients,
-// many connections, shutdown with a client connected), and the real
+// server over real sockets (200/404/405/400/431, /healthz, silent and slow
+// clients, the whole-request deadline, slow-loris connections from one peer
+// that deny nobody else, the per-peer cap, many connections, shutdown with a
+// client connected), the peer keys of core/socket_peer.h, and the real
 // moe-expert-server scraped over HTTP after gRPC and shared-memory requests.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -19,6 +22,7 @@
 
 #include "core/metrics.h"
 #include "core/metrics_http.h"
+#include "core/socket_peer.h"
 #include "testing/random_data.h"
 #include "core/transport/transport.h"
 #include "gtest/gtest.h"
@@ -240,7 +244,7 @@ class MetricsHttpTest : public ::testing::Test {
     registry_.AddCounter("scrapes_total", "Test counter.", {"kind"}).WithLabels({"a"})->Increment(7);
     MetricsHttpServer::Options o;
     o.address = "127.0.0.1";
-    o.client_timeout = milliseconds(500);
+    o.request_timeout = milliseconds(500);
     auto s = MetricsHttpServer::Start(o, registry_);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = *std::move(s);
@@ -288,17 +292,50 @@ TEST_F(MetricsHttpTest, OtherPathsMethodsAndMalformedRequests) {
 TEST_F(MetricsHttpTest, SilentClientDoesNotBlockOthersAndIsClosedAfterTheTimeout) {
   const int silent = ConnectTo(server_->port());
   ASSERT_GE(silent, 0);
-  // While it sits there (holding one of the two threads), others are served at once.
+  // While it sits there, others are served at once.
   const auto t0 = SteadyClock::now();
   for (int i = 0; i < 3; ++i)
     EXPECT_EQ(StatusLineOf(Exchange(server_->port(), "GET /metrics HTTP/1.1\r\n\r\n")), "HTTP/1.1 200 OK");
   EXPECT_LT(SteadyClock::now() - t0, milliseconds(400));
-  // The server drops it after client_timeout (500 ms, counted in whole seconds: 1 s), without an answer.
+  // The server drops it when request_timeout (500 ms) is up, without an answer.
   bool closed = false;
   EXPECT_EQ(ReadUntilClosed(silent, milliseconds(4000), &closed), "");
   EXPECT_TRUE(closed);
-  EXPECT_GE(SteadyClock::now() - t0, milliseconds(900));
+  EXPECT_GE(SteadyClock::now() - t0, milliseconds(450));
+  EXPECT_LT(SteadyClock::now() - t0, milliseconds(1500));
   close(silent);
+}
+
+// Issue 47, defect 4: the deadline covers the whole request from accept; the
+// bytes that do arrive do not restart it (an idle timer would keep this
+// client, which sends a byte every 100 ms and never ends its headers, for ever).
+TEST_F(MetricsHttpTest, TricklingClientIsClosedAtTheRequestDeadline) {
+  const int fd = ConnectTo(server_->port());
+  ASSERT_GE(fd, 0);
+  const auto t0 = SteadyClock::now();
+  const std::string request = "GET /metrics HTTP/1.1\r\nX-Slow: " + std::string(1000, 'a');
+  bool closed = false;
+  std::string got;
+  for (size_t i = 0; i < request.size() && !closed && SteadyClock::now() - t0 < milliseconds(5000); ++i) {
+    if (send(fd, &request[i], 1, MSG_NOSIGNAL) != 1) break;
+    got += ReadUntilClosed(fd, milliseconds(100), &closed);
+  }
+  if (!closed) got += ReadUntilClosed(fd, milliseconds(100), &closed);
+  const auto lived = SteadyClock::now() - t0;
+  EXPECT_TRUE(closed) << "still open after 5 s of trickling";
+  EXPECT_GE(lived, milliseconds(450));
+  EXPECT_LT(lived, milliseconds(1500)) << "request_timeout is 500 ms";
+  EXPECT_EQ(got.find("200 OK"), std::string::npos) << got;
+  close(fd);
+}
+
+TEST_F(MetricsHttpTest, HealthzAnswersOk) {
+  const std::string r = Exchange(server_->port(), "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+  EXPECT_EQ(StatusLineOf(r), "HTTP/1.1 200 OK");
+  EXPECT_EQ(Body(r), "ok\n");
+  EXPECT_EQ(Body(Exchange(server_->port(), "HEAD /healthz HTTP/1.1\r\n\r\n")), "");
+  const std::string post = Exchange(server_->port(), "POST /healthz HTTP/1.1\r\nContent-Length: 0\r\n\r\n");
+  EXPECT_EQ(StatusLineOf(post), "HTTP/1.1 405 Method Not Allowed");
 }
 
 TEST_F(MetricsHttpTest, SlowClientSendingByteByByteIsServed) {
@@ -315,11 +352,12 @@ TEST_F(MetricsHttpTest, SlowClientSendingByteByByteIsServed) {
 TEST_F(MetricsHttpTest, ManySequentialAndConcurrentConnections) {
   for (int i = 0; i < 100; ++i)
     ASSERT_EQ(StatusLineOf(Exchange(server_->port(), "GET /metrics HTTP/1.1\r\n\r\n")), "HTTP/1.1 200 OK") << i;
+  // As many at once as one peer may have open (the default cap, 4).
   std::atomic<int> ok{0};
   std::vector<std::thread> ts;
-  for (int t = 0; t < 8; ++t) {
+  for (int t = 0; t < 4; ++t) {
     ts.emplace_back([&] {
-      for (int i = 0; i < 20; ++i)
+      for (int i = 0; i < 40; ++i)
         ok += StatusLineOf(Exchange(server_->port(), "GET /metrics HTTP/1.1\r\n\r\n")) == "HTTP/1.1 200 OK";
     });
   }
@@ -355,8 +393,130 @@ TEST(MetricsHttp, PortInUseAndBadPortAreErrors) {
   o.address = "no-such-host.invalid";
   EXPECT_EQ(MetricsHttpServer::Start(o, r).status().code(), absl::StatusCode::kInvalidArgument);
   o.address = "127.0.0.1";
-  o.threads = 0;
+  o.max_connections = 0;
   EXPECT_EQ(MetricsHttpServer::Start(o, r).status().code(), absl::StatusCode::kInvalidArgument);
+  o.max_connections = 8;
+  o.max_connections_per_peer = 9;
+  EXPECT_EQ(MetricsHttpServer::Start(o, r).status().code(), absl::StatusCode::kInvalidArgument);
+  o.max_connections_per_peer = 4;
+  o.request_timeout = milliseconds(0);
+  EXPECT_EQ(MetricsHttpServer::Start(o, r).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// One scrape of `path`: true when it got a 200 within `bound`.
+bool ScrapedWithin(int port, const std::string& path, milliseconds bound) {
+  const auto t0 = SteadyClock::now();
+  const std::string r = Exchange(port, "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n", bound);
+  return StatusLineOf(r) == "HTTP/1.1 200 OK" && SteadyClock::now() - t0 < bound;
+}
+
+// Issue 47, defect 4: eight connections that send a byte every 0.5 s (the
+// default deadlines and limits, with the per-peer cap raised so that this
+// uid's attack gets all its connections in) hold no one else: every scrape of
+// /metrics and /healthz in the meantime is answered within 1 s.
+TEST(MetricsHttp, SlowLorisConnectionsDelayNoOtherScrape) {
+  MetricsRegistry r;
+  r.AddCounter("x_total", "X.").Get()->Increment();
+  MetricsHttpServer::Options o;
+  o.address = "127.0.0.1";
+  o.max_connections_per_peer = 16;
+  auto s = MetricsHttpServer::Start(o, r);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const int port = (*s)->port();
+  std::thread attack([port] { EXPECT_EQ(testing::SlowLoris(port, 8, milliseconds(500), milliseconds(4000)), 8); });
+  std::this_thread::sleep_for(milliseconds(300));
+  std::atomic<int> ok{0}, tried{0};
+  std::vector<std::thread> scrapers;
+  for (int t = 0; t < 4; ++t) {
+    scrapers.emplace_back([&, t] {
+      for (int i = 0; i < 6; ++i) {
+        ++tried;
+        ok += ScrapedWithin(port, t % 2 ? "/healthz" : "/metrics", milliseconds(1000)) ? 1 : 0;
+        std::this_thread::sleep_for(milliseconds(400));
+      }
+    });
+  }
+  for (auto& t : scrapers) t.join();
+  attack.join();
+  EXPECT_EQ(ok.load(), tried.load());
+}
+
+// Issue 47, defect 4, with a second local user: the attacker (uid 65534, a
+// child process) opens 8 slow connections; only 4 get in (the per-peer cap,
+// the others answered 503 at once), and this uid's scrapes are answered
+// within 1 s all along. The peer of a loopback connection is its socket's
+// owner, not 127.0.0.1, so the attacker's cap is not ours.
+TEST(MetricsHttp, APeerAtItsCapIsRefusedAndOtherUsersAreServed) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root (a child process becomes uid 65534)";
+  MetricsRegistry r;
+  r.AddCounter("x_total", "X.").Get()->Increment();
+  MetricsHttpServer::Options o;
+  o.address = "127.0.0.1";
+  auto s = MetricsHttpServer::Start(o, r);
+  ASSERT_TRUE(s.ok()) << s.status();
+  const int port = (*s)->port();
+  const pid_t pid = testing::SlowLorisChild(port, 8, milliseconds(500), milliseconds(4000));
+  ASSERT_GT(pid, 0);
+  std::this_thread::sleep_for(milliseconds(300));
+  int ok = 0, tried = 0;
+  for (const auto end = SteadyClock::now() + milliseconds(3500); SteadyClock::now() < end; ++tried) {
+    ok += ScrapedWithin(port, tried % 2 ? "/healthz" : "/metrics", milliseconds(1000)) ? 1 : 0;
+    std::this_thread::sleep_for(milliseconds(200));
+  }
+  int st = 0;
+  ASSERT_EQ(waitpid(pid, &st, 0), pid);
+  ASSERT_TRUE(WIFEXITED(st));
+  EXPECT_EQ(WEXITSTATUS(st), 4) << "connections the attacker held (254: could not become uid 65534)";
+  EXPECT_EQ(ok, tried);
+  EXPECT_GE((*s)->refused_connections(), 4u);
+}
+
+// The peer keys: a loopback connection is its socket's owner; other
+// addresses are themselves, whatever the port; unknown forms are "".
+TEST(SocketPeer, LoopbackPeersAreTheirUidOthersTheirAddress) {
+  EXPECT_EQ(PeerKeyOfGrpcPeer("ipv4:10.1.2.3:5000"), "ip:10.1.2.3");
+  EXPECT_EQ(PeerKeyOfGrpcPeer("ipv4:10.1.2.3:6000"), "ip:10.1.2.3");
+  EXPECT_EQ(PeerKeyOfGrpcPeer("ipv6:[2001:db8::1]:5000"), "ip:2001:db8::1");
+  EXPECT_EQ(PeerKeyOfGrpcPeer("ipv6:[::ffff:10.0.0.7]:5000"), "ip:10.0.0.7");
+  EXPECT_EQ(PeerKeyOfGrpcPeer("ipv6:[fe80::1%25eth0]:5000"), "ip:fe80::1");
+  for (const char* unknown : {"unix:/tmp/x.sock", "fd:7", "ipv4:1.2.3.4", "ipv4:nonsense:1", "ipv6:::1:5", ""})
+    EXPECT_EQ(PeerKeyOfGrpcPeer(unknown), "") << unknown;
+  // A real loopback connection: its client end belongs to this uid.
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const int client = ConnectTo(ntohs(a.sin_port));
+  ASSERT_GE(client, 0);
+  sockaddr_in peer{};
+  len = sizeof(peer);
+  const int accepted = accept(listener, reinterpret_cast<sockaddr*>(&peer), &len);
+  ASSERT_GE(accepted, 0);
+  const std::string uid = "uid:" + std::to_string(geteuid());
+  EXPECT_EQ(PeerKey(reinterpret_cast<sockaddr*>(&peer), len), uid);
+  EXPECT_EQ(PeerKeyOfGrpcPeer("ipv4:127.0.0.1:" + std::to_string(ntohs(peer.sin_port))), uid);
+  close(accepted);
+  close(client);
+  // A dual-stack client (an AF_INET6 socket with the v4-mapped address, as
+  // gRPC's clients have) is found in the IPv6 table.
+  const int client6 = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(client6, 0);
+  sockaddr_in6 to{};
+  to.sin6_family = AF_INET6;
+  to.sin6_port = a.sin_port;
+  ASSERT_EQ(inet_pton(AF_INET6, "::ffff:127.0.0.1", &to.sin6_addr), 1);
+  ASSERT_EQ(connect(client6, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
+  len = sizeof(peer);
+  const int accepted6 = accept(listener, reinterpret_cast<sockaddr*>(&peer), &len);
+  ASSERT_GE(accepted6, 0);
+  EXPECT_EQ(PeerKey(reinterpret_cast<sockaddr*>(&peer), len), uid);
+  close(accepted6);
+  close(client6);
+  close(listener);
 }
 
 // ---- The expert server, scraped -------------------------------------------

@@ -106,6 +106,56 @@ std::string Scrape(int port) {
   return out;
 }
 
+int SlowLoris(int port, int n, std::chrono::milliseconds every, std::chrono::milliseconds how_long) {
+  constexpr int kMax = 64;
+  n = std::min(std::max(n, 0), kMax);
+  int fds[kMax];
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  auto open_one = [&a] {
+    const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd >= 0 && connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) != 0) {
+      close(fd);
+      return -1;
+    }
+    return fd;
+  };
+  auto answered_or_closed = [](int fd) {
+    pollfd p{fd, POLLIN, 0};
+    return fd < 0 || poll(&p, 1, 0) != 0;
+  };
+  for (int i = 0; i < n; ++i) fds[i] = open_one();
+  usleep(100000);
+  int held = 0;
+  for (int i = 0; i < n; ++i) held += answered_or_closed(fds[i]) ? 0 : 1;
+  static const char kHead[] = "GET /metrics HTTP/1.1\r\nX-Slow: ";
+  const auto end = std::chrono::steady_clock::now() + how_long;
+  for (size_t step = 0; std::chrono::steady_clock::now() < end; ++step) {
+    const char byte = step < sizeof(kHead) - 1 ? kHead[step] : 'a';
+    for (int i = 0; i < n; ++i) {
+      if (answered_or_closed(fds[i])) {
+        if (fds[i] >= 0) close(fds[i]);
+        fds[i] = open_one();
+      }
+      if (fds[i] >= 0) (void)!send(fds[i], &byte, 1, MSG_NOSIGNAL);
+    }
+    usleep(static_cast<useconds_t>(every.count() * 1000));
+  }
+  for (int i = 0; i < n; ++i)
+    if (fds[i] >= 0) close(fds[i]);
+  return held;
+}
+
+pid_t SlowLorisChild(int port, int n, std::chrono::milliseconds every, std::chrono::milliseconds how_long) {
+  const pid_t pid = fork();
+  if (pid != 0) return pid;
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (geteuid() == 0 && (setgid(65534) != 0 || setuid(65534) != 0)) _exit(254);
+  _exit(SlowLoris(port, n, every, how_long));
+}
+
 int ReservablePort() {
   int lo = 32768, hi = 60999;
   if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {

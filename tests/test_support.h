@@ -55,6 +55,18 @@ std::string StartTestServer(std::vector<std::unique_ptr<Subprocess>>& servers, c
 // whole HTTP response, "" if none.
 std::string Scrape(int port);
 
+// A slow-loris client (issue 47): `n` (at most 64) TCP connections to
+// 127.0.0.1:port that each send one byte of a request that never ends every
+// `every`, each opened again as soon as the server closes it, for
+// `how_long`. Returns how many of the first `n` the server let in (did not
+// answer or close at once). Makes only system calls (no allocation), so a
+// child forked from a threaded process may run it.
+int SlowLoris(int port, int n, std::chrono::milliseconds every, std::chrono::milliseconds how_long);
+// SlowLoris in a child process, dropped to uid 65534 when run as root (a
+// second local user); returns its pid (-1 when fork fails). Its exit status is
+// SlowLoris's result, 254 when it could not change its uid.
+pid_t SlowLorisChild(int port, int n, std::chrono::milliseconds every, std::chrono::milliseconds how_long);
+
 // A free loopback TCP port below the kernel's ephemeral range
 // (/proc/sys/net/ipv4/ip_local_port_range), for a listener that a test kills
 // and restarts on the same port: a port from bind(0) lies in the ephemeral

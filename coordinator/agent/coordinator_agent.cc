@@ -202,6 +202,8 @@ class CoordinatorAgent::Impl {
       r.set_tp_rank(static_cast<uint32_t>(reg_.group.rank));
       r.set_tp_size(static_cast<uint32_t>(reg_.group.size));
     }
+    r.set_max_tokens_per_second(reg_.max_tokens_per_second);
+    if (reg_.top_k > 0) r.set_top_k(static_cast<uint32_t>(std::min(reg_.top_k, reg_.num_experts)));
     // What the worker holds or is moving to: placement resumes from it.
     std::lock_guard<std::mutex> lock(mu_);
     r.set_current_version(received_.load());
@@ -291,7 +293,19 @@ class CoordinatorAgent::Impl {
     link_.SetDeadline(ctx);
     moe::v1::HeartbeatResponse resp;
     const grpc::Status st = link_.stub().Heartbeat(&ctx, hb, &resp);
-    if (!st.ok()) return FromGrpcStatus(st);  // counts stay pending for the next attempt
+    const bool counts_refused = st.error_code() == grpc::StatusCode::INVALID_ARGUMENT &&
+                                st.error_message().rfind("counts", 0) == 0;
+    if (!st.ok() && !counts_refused) return FromGrpcStatus(st);  // counts stay pending for the next attempt
+    if (counts_refused) {
+      // Sending them again would be refused again (e.g. a backlog beyond what
+      // the coordinator accepts after an outage): they are dropped, the
+      // session goes on; popularity rebuilds from the next ones.
+      if (!counts_refusal_logged_)
+        LogWarning(link_.who(), "the coordinator refused our access counts; dropped (logged once): ",
+                   st.error_message());
+      counts_refusal_logged_ = true;
+      std::fill(pending_hits_.begin(), pending_hits_.end(), 0);
+    }
     // A hit whose pairs the exchange above missed (the two counters are read
     // apart) stays pending until its pairs are sent, not dropped.
     for (size_t i = 0; i < pending_pairs_.size(); ++i) {
@@ -371,6 +385,7 @@ class CoordinatorAgent::Impl {
   std::vector<std::atomic<uint64_t>> activity_;           // [layer][field] since the last collection
   std::vector<uint64_t> pending_activity_;                // collected, not yet acknowledged
   uint64_t last_session_ = 0;  // our latest session (session thread): re-registering with it keeps our id
+  bool counts_refusal_logged_ = false;  // session thread
   std::atomic<uint64_t> applied_{0}, received_{0};
   mutable std::mutex mu_;
   std::vector<std::vector<int>> delivered_;               // [layer] as of received_

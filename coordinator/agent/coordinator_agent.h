@@ -8,7 +8,9 @@
 // exponential back-off and the worker keeps serving on its last assignment;
 // when the coordinator is back the agent registers again, reporting what the
 // worker holds, and receives a fresh snapshot (resync). Counts recorded
-// meanwhile are kept and sent then.
+// meanwhile are kept and sent then; counts the coordinator refuses (e.g.
+// more than the worker's declared capacity could have routed, issue 47) are
+// dropped, logged once, and the session goes on.
 //
 // ExpertServerAgent (CPU expert server): registers what the server hosts and
 // heartbeats with its in-flight request count; tells the server whether an
@@ -55,6 +57,11 @@ struct WorkerRegistration {
   int numa_node = -1;
   std::vector<int> cached_layers; // MoE layers with a cache; empty = every layer
   ParallelGroup group;      // caches only its rank's experts (moe/types.h)
+  // What it can route (the coordinator bounds its counts by it): tokens a
+  // second through one layer, 0 = the coordinator's default; experts per
+  // token (e.g. --max-top-k), 0 = unknown.
+  uint64_t max_tokens_per_second = 0;
+  int top_k = 0;
 };
 
 // A layer's new resident set (the whole set, ascending).
