@@ -27,6 +27,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 
 #include <algorithm>
 #include <cctype>
@@ -34,6 +35,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -47,6 +49,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/worker_client.h"
 #include "core/model_source.h"
 #include "core/reference_moe.h"
@@ -891,6 +894,109 @@ TEST_F(SystemTest, KillingOneReplicaServerLosesNoRequest) {
   for (const auto& l : j["layers"]) EXPECT_EQ(l["routable_experts"], 32) << "s2 hosts every expert";
 }
 
+// Issue 47's hostile neighbour, round four: run by the soak as a second
+// local user (a re-exec of this binary as uid 65534) for MOE_HOSTILE_SECONDS.
+// It floods the coordinator with new worker ids, registers one of its own
+// and reports impossible access counts for it (2^64-1 pairs, a layer the
+// model lacks, duplicates), holds slow-loris connections on every /metrics endpoint in
+// MOE_HOSTILE_METRICS_PORTS and opens and drops connections on the shm
+// sockets in MOE_HOSTILE_SHM (not allowed there: refused at accept). It
+// prints what it did; it fails when a bound did not hold from its side: more
+// than the per-peer cap of its ids accepted, an impossible count accepted.
+TEST(HostileNeighbour, DISABLED_RoundFourAttacksAsThisUid) {
+  const char* coord = std::getenv("MOE_HOSTILE_COORDINATOR");
+  const char* ports_env = std::getenv("MOE_HOSTILE_METRICS_PORTS");
+  const char* shm_env = std::getenv("MOE_HOSTILE_SHM");
+  const char* seconds_env = std::getenv("MOE_HOSTILE_SECONDS");
+  ASSERT_TRUE(coord != nullptr && ports_env != nullptr && shm_env != nullptr && seconds_env != nullptr);
+  const auto until = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(std::atof(seconds_env) * 1000));
+  std::vector<std::thread> attacks;
+  std::atomic<int> registered{0}, refused_registrations{0}, poison_tries{0}, poison_accepted{0}, churned{0};
+  attacks.emplace_back([&] {  // registrations as fast as they come back
+    auto stub = moe::v1::CoordinatorService::NewStub(grpc::CreateChannel(coord, grpc::InsecureChannelCredentials()));
+    for (int i = 0; Clock::now() < until; ++i) {
+      moe::v1::RegisterWorkerRequest r;
+      r.set_worker_id(absl::StrCat("flood-", getpid(), "-", i));
+      r.set_num_layers(Model().spec().num_layers);
+      r.set_num_experts(Model().spec().num_experts);
+      r.set_slots_per_layer(2);
+      moe::v1::RegisterWorkerResponse resp;
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + 2s);
+      const grpc::Status st = stub->RegisterWorker(&ctx, r, &resp);
+      ++(st.ok() ? registered : refused_registrations);
+      if (!st.ok() && refused_registrations.load() == 1) std::printf("first refusal: %s\n", st.error_message().c_str());
+    }
+  });
+  attacks.emplace_back([&] {  // one id of its own, with poisoned counts
+    auto stub = moe::v1::CoordinatorService::NewStub(grpc::CreateChannel(coord, grpc::InsecureChannelCredentials()));
+    moe::v1::RegisterWorkerRequest r;
+    r.set_worker_id(absl::StrCat("rogue-", getpid()));
+    r.set_num_layers(Model().spec().num_layers);
+    r.set_num_experts(Model().spec().num_experts);
+    r.set_slots_per_layer(2);
+    while (Clock::now() < until) {
+      moe::v1::RegisterWorkerResponse resp;
+      grpc::ClientContext rc;
+      rc.set_deadline(std::chrono::system_clock::now() + 2s);
+      if (!stub->RegisterWorker(&rc, r, &resp).ok()) {  // the flood may hold its cap: wait for room
+        std::this_thread::sleep_for(100ms);
+        continue;
+      }
+      for (int kind = 0; kind < 3 && Clock::now() < until; ++kind) {
+        moe::v1::HeartbeatRequest h;
+        h.set_worker_id(r.worker_id());
+        h.set_session(resp.session());
+        moe::v1::LayerCounts* c = h.add_counts();
+        c->set_layer(kind == 1 ? Model().spec().num_layers : 1);  // no such layer
+        c->add_experts(3);
+        c->add_pairs(kind == 0 ? ~uint64_t{0} : 5);
+        c->add_hits(0);
+        if (kind == 2) {  // expert 3 twice
+          c->add_experts(3);
+          c->add_pairs(5);
+          c->add_hits(0);
+        }
+        moe::v1::HeartbeatResponse hr;
+        grpc::ClientContext hc;
+        hc.set_deadline(std::chrono::system_clock::now() + 2s);
+        ++poison_tries;
+        if (stub->Heartbeat(&hc, h, &hr).ok()) ++poison_accepted;
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+  });
+  for (absl::string_view port : absl::StrSplit(ports_env, ',', absl::SkipEmpty())) {
+    const int p = std::atoi(std::string(port).c_str());
+    attacks.emplace_back([p, until] {  // 8 slow-loris connections, renewed until the end
+      while (Clock::now() < until)
+        testing::SlowLoris(p, 8, 700ms, std::chrono::duration_cast<std::chrono::milliseconds>(until - Clock::now()));
+    });
+  }
+  for (absl::string_view path : absl::StrSplit(shm_env, ',', absl::SkipEmpty()))
+    attacks.emplace_back([path = std::string(path), until, &churned] {
+      while (Clock::now() < until) {
+        const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        sockaddr_un a{};
+        a.sun_family = AF_UNIX;
+        std::snprintf(a.sun_path, sizeof a.sun_path, "%s", path.c_str());
+        if (connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) == 0) ++churned;
+        close(fd);
+        if (churned.load() % 64 == 0) std::this_thread::sleep_for(1ms);
+      }
+    });
+  for (std::thread& t : attacks) t.join();
+  std::printf("hostile round four (uid %d): %d worker ids accepted, %d refused; %d/%d impossible count reports "
+              "accepted; %d shm connections opened and dropped\n",
+              static_cast<int>(geteuid()), registered.load(), refused_registrations.load(), poison_accepted.load(),
+              poison_tries.load(), churned.load());
+  // (The soak checks the registry: its ids that went down make room for new
+  // ones, but it never holds more than the per-peer cap.)
+  EXPECT_GT(refused_registrations.load(), 0);
+  EXPECT_GT(poison_tries.load(), 0);
+  EXPECT_EQ(poison_accepted.load(), 0);
+}
+
 TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   // One traffic thread per worker, every answer checked against the reference.
   std::atomic<long> calls{0}, ok{0}, failed{0}, wrong{0};
@@ -958,6 +1064,53 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   if (geteuid() == 0) {
     ASSERT_TRUE(hostile.HoldShmSlots({sockets_[0], sockets_[1]}, 64));
   }
+  // Round four (issue 47), as uid 65534 until the coordinator restart: a
+  // registration flood, impossible access counts, slow-loris connections on
+  // every /metrics endpoint, shm connection churn. Meanwhile every /healthz
+  // answers within 1 s and the coordinator's memory stays bounded.
+  pid_t round_four = -1;
+  const uint64_t coordinator_rss_before = OwnRssKib(coord_.proc->pid());
+  if (geteuid() == 0) {
+    const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+    const std::vector<std::string> env = {
+        "MOE_HOSTILE_COORDINATOR=" + coord_.addr,
+        absl::StrCat("MOE_HOSTILE_METRICS_PORTS=", coord_.metrics_port, ",", servers_[0].metrics_port, ",",
+                     servers_[1].metrics_port, ",", workers_[0].metrics_port),
+        "MOE_HOSTILE_SHM=" + sockets_[0] + "," + sockets_[1],
+        absl::StrCat("MOE_HOSTILE_SECONDS=", 2.5 * segment.count() / 1000.0)};
+    const char* argv[] = {self.c_str(), "--gtest_also_run_disabled_tests",
+                          "--gtest_filter=HostileNeighbour.DISABLED_RoundFourAttacksAsThisUid", nullptr};
+    std::vector<const char*> envp;
+    for (const std::string& e : env) envp.push_back(e.c_str());
+    envp.push_back(nullptr);
+    round_four = fork();
+    if (round_four == 0) {
+      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(254);
+      execve(self.c_str(), const_cast<char* const*>(argv), const_cast<char* const*>(envp.data()));
+      _exit(127);
+    }
+    ASSERT_GT(round_four, 0);
+  }
+  std::atomic<bool> stop_health{false};
+  std::atomic<int> health_checks{0}, health_failures{0};
+  std::string health_failure;
+  std::mutex health_mu;
+  std::thread health([&] {
+    while (!stop_health.load()) {
+      for (const Process* p : {&coord_, &servers_[1], &workers_[0], &workers_[1]}) {
+        const int port = p->metrics_port;
+        const Clock::time_point h0 = Clock::now();
+        const std::string r = testing::HttpGet(port, "/healthz", 1000);
+        ++health_checks;
+        if (r.find(" 200 ") == std::string::npos || Clock::now() - h0 > 1s) {
+          ++health_failures;
+          std::lock_guard<std::mutex> lock(health_mu);
+          if (health_failure.empty()) health_failure = absl::StrCat("port ", port, ": '", r.substr(0, 60), "'");
+        }
+      }
+      std::this_thread::sleep_for(200ms);
+    }
+  });
   std::atomic<bool> stop_hijack{false};
   std::atomic<int> hijack_tries{0}, hijacked{0};
   std::thread hijacker([&] {
@@ -968,8 +1121,8 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
       ctx.set_deadline(std::chrono::system_clock::now() + 2s);
       moe::v1::RegisterWorkerRequest req;
       req.set_worker_id(WorkerId(i % 2));
-      req.set_num_layers(3);
-      req.set_num_experts(8);
+      req.set_num_layers(Model().spec().num_layers);  // the model's geometry: refused for the id alone
+      req.set_num_experts(Model().spec().num_experts);
       req.set_slots_per_layer(kSlots);
       moe::v1::RegisterWorkerResponse resp;
       const grpc::Status st = stub->RegisterWorker(&ctx, req, &resp);
@@ -1008,6 +1161,16 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   ASSERT_TRUE(hold(segment)) << "calls stalled before the coordinator restart";
   stop_hijack = true;
   hijacker.join();
+  stop_health = true;
+  size_t registrations = 0;
+  ASSERT_TRUE(WaitForStatus([&](const nlohmann::json& j) {
+    registrations = j.contains("workers") ? j["workers"].size() : 0;
+    return true;
+  }, 5s));
+  health.join();
+  int round_four_status = 0;
+  if (round_four > 0) ASSERT_EQ(waitpid(round_four, &round_four_status, 0), round_four);
+  const uint64_t coordinator_rss_after = OwnRssKib(coord_.proc->pid());
   const std::string addr = coord_.addr;
   coord_.proc->Signal(SIGTERM);
   ASSERT_NE(coord_.proc->Wait(10s), -1);
@@ -1048,6 +1211,20 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   EXPECT_GT(hostile.segments_handed_out(), 0) << "the workers never came to the hostile s1";
   EXPECT_GT(hijack_tries.load(), 10);
   EXPECT_EQ(hijacked.load(), 0) << "a live worker's id was taken";
+  std::printf("soak: round four %s; coordinator rss %llu -> %llu KiB; %d/%d /healthz answered within 1 s\n",
+              round_four > 0 ? "ran as uid 65534" : "not run (not root: no other uid to use)",
+              static_cast<unsigned long long>(coordinator_rss_before),
+              static_cast<unsigned long long>(coordinator_rss_after), health_checks.load() - health_failures.load(),
+              health_checks.load());
+  if (round_four > 0)
+    EXPECT_TRUE(WIFEXITED(round_four_status) && WEXITSTATUS(round_four_status) == 0)
+        << "round four's attacker saw a bound fail (its output is above): " << round_four_status;
+  EXPECT_EQ(health_failures.load(), 0) << health_failure;
+  EXPECT_GT(health_checks.load(), 20);
+  EXPECT_LT(coordinator_rss_after, coordinator_rss_before + 32 * 1024) << "the coordinator grew under the flood";
+  std::printf("soak: %zu worker registrations at the coordinator under the flood\n", registrations);
+  if (round_four > 0)  // ours and the neighbour's, its at most --max-registrations-per-peer
+    EXPECT_LE(registrations, 2u + 64u + 1u);
   EXPECT_EQ(wrong.load(), 0) << problem.text();
   EXPECT_EQ(failed.load(), 0) << "s2 replicates every expert: no call should fail; " << problem.text();
   EXPECT_LT(seconds, 120);

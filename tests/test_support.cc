@@ -83,10 +83,12 @@ std::string StartTestServer(std::vector<std::unique_ptr<Subprocess>>& servers, c
   return shm ? "unix://" + sock : addr;
 }
 
-std::string Scrape(int port) {
+std::string Scrape(int port) { return HttpGet(port, "/metrics", 5000); }
+
+std::string HttpGet(int port, const std::string& path, int timeout_ms) {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return "";
-  timeval tv{5, 0};
+  timeval tv{timeout_ms / 1000, (timeout_ms % 1000) * 1000};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   sockaddr_in a{};
@@ -95,7 +97,7 @@ std::string Scrape(int port) {
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   std::string out;
   if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0) {
-    const std::string req = "GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+    const std::string req = "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
     if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
       char buf[8192];
       ssize_t n;

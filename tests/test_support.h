@@ -54,6 +54,9 @@ std::string StartTestServer(std::vector<std::unique_ptr<Subprocess>>& servers, c
 // GET /metrics from 127.0.0.1:port over a plain socket (5 s timeouts); the
 // whole HTTP response, "" if none.
 std::string Scrape(int port);
+// GET `path` from 127.0.0.1:port, each socket operation bounded by
+// `timeout_ms`; the whole HTTP response, "" if none.
+std::string HttpGet(int port, const std::string& path, int timeout_ms);
 
 // A slow-loris client (issue 47): `n` (at most 64) TCP connections to
 // 127.0.0.1:port that each send one byte of a request that never ends every
