@@ -10,9 +10,9 @@
 //   coordinator   the coordinator's real Popularity + PlanPlacement, fed the
 //                 counts a worker's heartbeats would carry, its assignments
 //                 applied through ExpertCache::Assign (the static policy)
-//   oracle        knows the future: after each layer run, Belady's resident set
-//                 for that layer's next run, prefetched over the same link
-//                 model (the reference every policy's distance is printed to)
+//   belady-prefetch  knows the future: after each layer run, Belady's
+//                 resident set for that layer's next run, prefetched over the
+//                 same link model (a strong heuristic, not a bound)
 //   belady        the demand-admission optimum (bench/belady.h)
 //   best-static   the best fixed set per layer in hindsight
 //   best-static-cold  that set, each member resident only after its first
@@ -20,8 +20,10 @@
 //   best-so-far   at each run the layer's most used experts of the runs
 //                 before it, copies free (follow the leader: an online
 //                 frequency policy's best)
-//   ceiling       per step, the C experts with the most pairs (free prefetch):
-//                 nothing scores above it
+//   oracle        the bound: per step, any C experts resident (free
+//                 prefetch): the C largest pair counts hit, the C costliest
+//                 misses are saved. Every policy's distance is printed to it,
+//                 and cache_replay exits 3 naming a policy that beats it.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -39,7 +41,7 @@
 
 int main(int argc, char** argv) {
   std::string trace_path, cache_text = "25%",
-                          policies_text = "default,lru,lfu,lfru,coordinator,best-static,best-static-cold,best-so-far,oracle,belady,ceiling";
+                          policies_text = "default,lru,lfu,lfru,coordinator,best-static,best-static-cold,best-so-far,belady-prefetch,belady,oracle";
   double step_ms = 100, pcie_gbps = 55, heartbeat_ms = 200, dram_gbps = 94, shared_gbps = 130, cpu_tflops = 4.6,
          pair_us = -1;
   int64_t expert_bytes = 3ll * 7168 * 2048 * 2;  // one DeepSeek-V3 expert in bf16
@@ -50,16 +52,16 @@ int main(int argc, char** argv) {
                      "--trace FILE [--cache C|P%] [flags]\n"
                      "Replays a routing trace (bench/README.md: ours, or recorded vLLM routing; *.xz is read with\n"
                      "liblzma) through the worker's default policy, lru, lfu, lfru, the coordinator's placement,\n"
-                     "the best fixed set, the oracle, Belady's demand optimum and the ceiling; prints hit rates and\n"
-                     "modelled step times, and each policy's distance to the oracle\n"
+                     "the best fixed set, Belady's prefetch and demand optimum and the oracle bound; prints hit rates and\n"
+                     "modelled step times, and each policy's distance to the oracle (exit 3 if one beats it)\n"
                      "(defaults: the GPU host of shared/PERF.md).");
   flags.String("trace", &trace_path, "routing trace file (required)");
   flags.String("cache", &cache_text, "cache slots per layer: a count, or a percentage of the experts (e.g. 25%)");
   flags.String("policies", &policies_text,
                "comma list of default (the worker's default), lru, lfu, lfru, coordinator, belady, best-static "
                "(the best fixed set per layer in hindsight), best-static-cold (that set, each member only after its first use), best-so-far (each run, the most used of "
-               "the runs before, copies free), oracle (future known, prefetch over the link), "
-               "ceiling (free prefetch of each step's top C)");
+               "the runs before, copies free), belady-prefetch (future known, prefetch over the link), "
+               "oracle (the bound: free prefetch of each step's best C)");
   flags.Double("step-ms", &step_ms, "device time of one trace step, all layers (attention, hits), without the CPU's\n"
               "      misses, which the model adds; the coordinator's time constants run on the modelled clock");
   flags.Double("dram-gbps", &dram_gbps, "CPU expert weight streaming rate, GB/s: a missed expert costs expert bytes / this\n"
@@ -80,7 +82,7 @@ int main(int argc, char** argv) {
                "      floor does");
   flags.Double("lfru-half-life", &c.lfru_half_life, "LFRU decay half-life in accesses of a layer (ExpertCache's)");
   flags.Bool("warm", &c.warm,
-             "start the policies that run a cache (default, lru, lfu, lfru, coordinator, oracle) from each layer's "
+             "start the policies that run a cache (default, lru, lfu, lfru, coordinator, belady-prefetch) from each layer's "
              "best fixed set, as moe_layer's warm placement does, instead of an empty cache");
   flags.Double("heartbeat-ms", &heartbeat_ms, "coordinator: counts reach it once per heartbeat");
   flags.Double("half-life-seconds", &c.policy.half_life_seconds, "coordinator: popularity half-life");
@@ -195,11 +197,10 @@ int main(int argc, char** argv) {
     r->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - s0).count();
     results.push_back(*std::move(r));
   }
-  // Distances are to the oracle (future known, prefetch over the same link);
-  // without it in --policies, to the ceiling.
+  // Distances are to the oracle, the bound (when in --policies).
   const moe::PolicyResult* ref = nullptr;
   for (const auto& r : results)
-    if (r.name == "oracle" || (r.name == "ceiling" && ref == nullptr)) ref = &r;
+    if (r.name == "oracle") ref = &r;
   const std::string ref_name = ref ? "vs " + ref->name : "vs -";
   const double steps = static_cast<double>(t.steps.size());
   std::printf("%-12s %9s %10s %9s %9s %10s %11s %9s %7s %8s %8s\n", "policy", "hit rate", ref_name.c_str(), "step ms",
@@ -226,6 +227,19 @@ int main(int argc, char** argv) {
       for (const auto& r : results) std::printf(" %11.1f", 100 * r.LayerRate(l));
       std::printf("\n");
     }
+  }
+  // A policy that beats the bound is a bug in the bound (or in the replay).
+  std::vector<std::string> beaten;
+  for (const auto& r : results) {
+    if (ref == nullptr || &r == ref) continue;
+    if (r.TotalHits() > ref->TotalHits() ||
+        (r.model_seconds >= 0 && r.model_seconds < ref->model_seconds * (1 - 1e-9)))
+      beaten.push_back(r.name);
+  }
+  if (!beaten.empty()) {
+    std::fprintf(stderr, "cache_replay: %s beat%s the oracle, which bounds every policy: a bug in the bound\n",
+                 absl::StrJoin(beaten, ", ").c_str(), beaten.size() == 1 ? "s" : "");
+    return 3;
   }
   return 0;
 }

@@ -8,7 +8,9 @@
 // dispatcher runs), belady (demand-admission optimum, bench/belady.h),
 // best-static (the best fixed set per layer in hindsight), best-static-cold
 // (that set, each member resident only after its first use), best-so-far (at
-// each run the most used experts of the runs before, copies free) and ceiling.
+// each run the most used experts of the runs before, copies free),
+// belady-prefetch (the future known, Belady's set for each layer's next run
+// prefetched over the link: a strong heuristic, not a bound) and oracle.
 //
 // Time model (per step, layers in order): layer l lasts step_seconds/L (the
 // device's part: attention, hit experts) plus the CPU's misses, priced as
@@ -19,10 +21,12 @@
 // over one link, FIFO, expert_bytes / pcie_bandwidth each, overlapped with
 // compute; an expert serves hits only once its copy completed.
 //
-// ceiling: per step and layer, the C experts with the most pairs are resident
-// (any expert may be pre-loaded, copies free and instant). No C-slot cache
-// can hit more pairs in any step, nor miss fewer experts, so its hit rate and
-// (without copy contention) its modelled step time bound every policy above.
+// oracle: a bound on every policy. Per step and layer any C experts are
+// resident (copies free and instant): its hits are the run's C largest pair
+// counts, its time the device part plus the CPU time of every missed expert
+// but the C costliest. No C-slot cache can hit more pairs in any step, nor
+// (copies only add time) model a shorter one; cache_replay fails, naming the
+// policy, when one does.
 //
 // Not thread-safe; a replay is a pure function of its inputs.
 #pragma once
@@ -51,7 +55,7 @@ struct ReplayConfig {
   std::vector<std::pair<int, double>> cpu_expert_curve;
   double lfru_half_life = 64;
   // The policies that run a cache (default, lru, lfu, lfru, coordinator and
-  // the oracle) start from each layer's best fixed set Ready, as
+  // belady-prefetch) start from each layer's best fixed set Ready, as
   // bench/moe_layer's warm placement does, instead of an empty cache.
   bool warm = false;
   double heartbeat_seconds = 0.2;
