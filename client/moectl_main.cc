@@ -164,6 +164,31 @@ void Status(Context& c) {
     std::printf("no workers\n");
   } else {
     w.Print();
+    // What each worker's planner learned (its last heartbeat's rates).
+    Table p({"WORKER", "PLANNER", "COPY MS/EXPERT", "CPU MS/EXPERT", "CPU MS/CALL", "DEVICE MS/ROW",
+             "COPY DELAY MS", "COPYING CALLS", "VETOED SHAPES"});
+    bool any = false;
+    for (const auto& x : r.workers()) {
+      const auto& m = x.planner_rates();
+      if (m.empty()) continue;
+      any = true;
+      auto ms = [&m](const char* key) {
+        auto it = m.find(key);
+        return it == m.end() ? std::string("-") : absl::StrFormat("%.3f", it->second * 1e3);
+      };
+      auto count = [&m](const char* key) {
+        auto it = m.find(key);
+        return it == m.end() ? std::string("-") : absl::StrCat(static_cast<uint64_t>(it->second));
+      };
+      const bool measured = m.count("measured") && m.at("measured") > 0;
+      p.Add({x.worker_id(), measured ? "measured" : "priors", ms("copy_seconds"), ms("cpu_expert_seconds"),
+             ms("cpu_call_seconds"), ms("device_row_seconds"), ms("copy_delay_seconds"), count("copy_calls_observed"),
+             count("vetoed_call_shapes")});
+    }
+    if (any) {
+      std::printf("\n");
+      p.Print();
+    }
   }
   std::printf("\n");
   Table s({"SERVER", "STATE", "ADDRESS", "SHM", "NUMA", "LAYERS", "EXPERTS", "SLICE", "IN FLIGHT", "HEARTBEAT"});

@@ -428,11 +428,20 @@ absl::StatusOr<moe::v1::HeartbeatResponse> Coordinator::Heartbeat(const moe::v1:
       if (registry_ == nullptr) return absl::NotFoundError(absl::StrCat("worker_id: unknown worker '", req.worker_id(), "' (register first)"));
       MOE_ASSIGN_OR_RETURN(WorkerEntry* const w, registry_->Worker(req.worker_id(), req.session()));
       MOE_RETURN_IF_ERROR(CheckCountsLocked(*w, req.counts(), now));
+      // A report, not an input to any decision: bounded, and kept as given.
+      if (req.planner_rates_size() > 32)
+        return absl::InvalidArgumentError(absl::StrCat("planner_rates: ", req.planner_rates_size(), " entries (at most 32)"));
+      for (const auto& [name, value] : req.planner_rates())
+        if (name.empty() || name.size() > 64 || !std::isfinite(value))
+          return absl::InvalidArgumentError(absl::StrCat("planner_rates: entry '", name.substr(0, 64),
+                                                         "' (names of 1-64 characters, finite values)"));
       if (!w->up) LogInfo("coordinator", "worker ", req.worker_id(), " is back");
       registry_->WorkerAlive(*w, now);
       if (req.applied_version() > w->acked && req.applied_version() <= w->version)
         w->acked = req.applied_version();
       AddCountsLocked(req.worker_id(), req.counts(), now);
+      if (!req.planner_rates().empty())
+        w->planner_rates = std::map<std::string, double>(req.planner_rates().begin(), req.planner_rates().end());
       resp.set_latest_version(w->version);
     } else {
       if (!req.counts().empty()) return absl::InvalidArgumentError("counts: only workers report counts");
@@ -686,6 +695,7 @@ moe::v1::StatusResponse Coordinator::Status() {
     ws->set_seconds_since_heartbeat(now - w.last_heartbeat);
     ws->set_copies_issued(w.copies_issued);
     ws->set_bytes_issued(w.bytes_issued);
+    ws->mutable_planner_rates()->insert(w.planner_rates.begin(), w.planner_rates.end());
     if (const DecayedCounts* own = popularity_->worker(id); own != nullptr) {
       double hits = 0, pairs = 0;
       for (int l = 0; l < registry_->num_layers(); ++l) {

@@ -38,6 +38,7 @@ struct WorkerEntry {
   std::vector<uint64_t> layer_version;   // [layer] version that last changed its set
   uint64_t routes_version = 0;           // version that last changed the routes
   uint64_t copies_issued = 0, bytes_issued = 0;
+  std::map<std::string, double> planner_rates;  // its last heartbeat's
   // Its counts: the routing seconds it may still report (routing_capacity.h),
   // as of credit_at; whether a refusal of its counts was logged.
   double count_credit = 0, credit_at = 0;

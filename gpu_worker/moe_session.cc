@@ -306,6 +306,20 @@ std::string MoeSession::Admin::DescribeCostModel() const {
                       ", device path ", d.device_outcomes().Describe());
 }
 
+std::map<std::string, double> MoeSession::Admin::PlannerRates() const {
+  const LayerDispatcher& d = *rep_->dispatcher;
+  const CostModel& m = d.cost_model();
+  return {{"measured", m.measured ? 1.0 : 0.0},
+          {"copy_seconds", m.CopySeconds()},
+          {"cpu_call_seconds", m.cpu.scale() * m.cpu_call_s},
+          {"cpu_expert_seconds", m.cpu.scale() * m.cpu_expert_s},
+          {"device_row_seconds", m.device.scale() * m.device_row_s},
+          {"copy_delay_seconds", m.overlap.delay_s()},
+          {"copy_calls_observed", static_cast<double>(d.host_outcomes().observed() + d.device_outcomes().observed())},
+          {"vetoed_call_shapes", static_cast<double>(d.host_outcomes().vetoed_buckets() +
+                                                     d.device_outcomes().vetoed_buckets())}};
+}
+
 std::string MoeSession::Admin::Describe() const {
   return absl::StrCat(rep_->source->spec().Summary(), "; device ", rep_->backend->name(), "; cache ",
                       rep_->dispatcher->slots_per_layer(), " experts/layer (", Name(rep_->options.policy),

@@ -234,6 +234,12 @@ int main(int argc, char** argv) {
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
   hooks.metrics.store(&metrics, std::memory_order_release);
   std::mutex mu;
+  // The planner's learned rates, read at each scrape between calls (the
+  // session is used under `mu`).
+  const moe::MetricsRegistry::Hook planner_rates = moe::Metrics().AddScrapeHook([&] {
+    std::lock_guard<std::mutex> lock(mu);
+    metrics.SetPlannerRates((*sessions)->primary().admin().PlannerRates());
+  });
   moe::WorkerServiceImpl service(**sessions, mu, moe::Name(o.policy), o.servers, moe::WorkerLimits{o.max_tokens, o.max_top_k},
                                  &metrics);
   const uint64_t max_msg = 2ull * o.max_tokens * (2ull * spec.hidden + 8 * o.max_top_k) + (1 << 20);

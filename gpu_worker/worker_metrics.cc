@@ -46,6 +46,12 @@ WorkerMetrics::WorkerMetrics(MetricsRegistry& r, const std::vector<int>& layers,
                                  "time a call waited for expert servers' partial sums (transport + CPU kernels)").Get();
   version_ = r.AddGauge("moe_worker_assignment_version", "coordinator assignment version applied").Get();
   copies_ = r.AddGauge("moe_worker_cache_copies", "expert copies into cache slots started since start").Get();
+  planner_rates_ = &r.AddGauge("moe_worker_planner_rate",
+                               "the planner's learned rates (seconds; counts for *_observed and *_shapes)", {"rate"});
+}
+
+void WorkerMetrics::SetPlannerRates(const std::map<std::string, double>& rates) {
+  for (const auto& [name, value] : rates) planner_rates_->WithLabels({name})->Set(value);
 }
 
 void WorkerMetrics::RecordCall(int layer, int tokens, const CallStats& s, double seconds) {

@@ -1,10 +1,13 @@
 // WorkerMetrics: the GPU worker's Prometheus series (core/metrics.h) — pairs
 // per layer by where they were computed (hit / cpu / copied), miss tokens,
 // bytes shipped, layer-call and miss-wait latency histograms, failovers, the
-// applied assignment version and cache copies. Recording is lock-free.
+// applied assignment version and cache copies, and the planner's learned
+// rates. Recording is lock-free.
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "core/metrics.h"
@@ -22,6 +25,9 @@ class WorkerMetrics {
   // Copies into `layer`'s cache slots and their bytes; experts predicted for
   // its runs and of them used (predictive policy).
   void RecordActivity(int layer, const LayerActivity& a);
+  // The planner's learned rates (MoeSession::Admin::PlannerRates), as
+  // moe_worker_planner_rate{rate=NAME}.
+  void SetPlannerRates(const std::map<std::string, double>& rates);
 
  private:
   struct Layer {
@@ -33,6 +39,7 @@ class WorkerMetrics {
   Counter *miss_tokens_, *bytes_, *failovers_, *calls_;
   Histogram *call_seconds_, *wait_seconds_;
   Gauge *version_, *copies_;
+  Family<Gauge>* planner_rates_;
 };
 
 }  // namespace moe

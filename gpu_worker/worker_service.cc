@@ -27,6 +27,12 @@ void WorkerServiceImpl::OnAssignment(const AssignmentUpdate& update) {
 void WorkerServiceImpl::Tick() {
   std::lock_guard<std::mutex> lock(mu_);
   ApplyPendingLocked();
+  // The planner's learned rates, for the coordinator's status (once a second).
+  const auto now = std::chrono::steady_clock::now();
+  if (agent_ != nullptr && now - rates_sent_ >= std::chrono::seconds(1)) {
+    agent_->SetPlannerRates(sessions_.primary().admin().PlannerRates());
+    rates_sent_ = now;
+  }
 }
 
 void WorkerServiceImpl::ApplyPendingLocked() {

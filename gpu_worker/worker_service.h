@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <chrono>
 #include <deque>
 #include <mutex>
 #include <set>
@@ -67,6 +68,7 @@ class WorkerServiceImpl final : public moe::v1::WorkerService::Service {
   WorkerLimits limits_;
   WorkerMetrics* metrics_;
   CoordinatorAgent* agent_ = nullptr;
+  std::chrono::steady_clock::time_point rates_sent_{};  // planner rates last handed to agent_ (mu_)
   std::mutex queue_mu_;
   std::deque<AssignmentUpdate> queue_;
   uint64_t applied_version_ = 0, acked_version_ = 0;

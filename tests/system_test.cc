@@ -557,6 +557,18 @@ TEST_F(SystemTest, SkewedTrafficMovesPlacementTowardHotExperts) {
   const double cpu_before = Series(m0, "moe_worker_pairs_total{layer=\"0\",result=\"cpu\"}");
   EXPECT_EQ(hits_before, 0) << m0;
   EXPECT_GT(cpu_before, 0) << m0;
+  // The planner's learned rates are exported (issue 43 point 6), and reach
+  // the coordinator's status with the heartbeats (moectl status's PLANNER table).
+  for (const char* rate : {"measured", "copy_seconds", "cpu_expert_seconds", "copy_delay_seconds", "vetoed_call_shapes"})
+    EXPECT_NE(m0.find(absl::StrCat("moe_worker_planner_rate{rate=\"", rate, "\"}")), std::string::npos) << rate << "\n"
+                                                                                                      << m0;
+  EXPECT_TRUE(WaitForStatus([](const nlohmann::json& j) {
+    int with_rates = 0;
+    for (const auto& w : j.value("workers", nlohmann::json::array()))
+      with_rates += w.contains("planner_rates") && w["planner_rates"].contains("copy_seconds") &&
+                    w["planner_rates"].contains("vetoed_call_shapes");
+    return with_rates == 2;
+  }, 10s)) << "the workers' planner rates never reached the coordinator: " << last_status_;
 
   // Skewed traffic until both workers cache every layer's hot experts and the
   // last rounds' hit share is above 50% on both (bounded).

@@ -176,6 +176,10 @@ class CoordinatorAgent::Impl {
       if (v[f]) activity_[static_cast<size_t>(layer) * kActivityFields + f].fetch_add(v[f], std::memory_order_relaxed);
   }
   void MarkApplied(uint64_t version) { AtomicMax(applied_, version); }
+  void SetPlannerRates(std::map<std::string, double> rates) {
+    std::lock_guard<std::mutex> lock(mu_);
+    planner_rates_ = std::move(rates);
+  }
   bool connected() const { return link_.connected.load(); }
   uint64_t received_version() const { return received_.load(); }
   uint64_t applied_version() const { return applied_.load(); }
@@ -253,6 +257,10 @@ class CoordinatorAgent::Impl {
     hb.set_worker_id(reg_.worker_id);
     hb.set_session(session);
     hb.set_applied_version(applied_.load());
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      hb.mutable_planner_rates()->insert(planner_rates_.begin(), planner_rates_.end());
+    }
     const int ne = reg_.num_experts;
     for (int l = 0; l < reg_.num_layers; ++l) {
       moe::v1::LayerCounts* lc = nullptr;
@@ -390,6 +398,7 @@ class CoordinatorAgent::Impl {
   mutable std::mutex mu_;
   std::vector<std::vector<int>> delivered_;               // [layer] as of received_
   std::vector<ServerRoute> routes_;
+  std::map<std::string, double> planner_rates_;  // sent with every heartbeat (mu_)
   std::thread thread_;
 };
 
@@ -425,6 +434,9 @@ void CoordinatorAgent::RecordLayerActivity(int layer, const LayerActivity& activ
   impl_->RecordLayerActivity(layer, activity);
 }
 void CoordinatorAgent::MarkApplied(uint64_t version) { impl_->MarkApplied(version); }
+void CoordinatorAgent::SetPlannerRates(std::map<std::string, double> rates) {
+  impl_->SetPlannerRates(std::move(rates));
+}
 bool CoordinatorAgent::connected() const { return impl_->connected(); }
 uint64_t CoordinatorAgent::received_version() const { return impl_->received_version(); }
 uint64_t CoordinatorAgent::applied_version() const { return impl_->applied_version(); }

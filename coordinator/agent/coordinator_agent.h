@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -114,6 +115,9 @@ class CoordinatorAgent {
   // The worker finished applying `version` (copies done, slot map swapped).
   // Sent as the acknowledgement in the next heartbeat.
   void MarkApplied(uint64_t version);
+  // The worker's planner rates (MoeSession::Admin::PlannerRates), sent with
+  // every heartbeat from now on.
+  void SetPlannerRates(std::map<std::string, double> rates);
 
   bool connected() const;            // registered, with a live assignment stream
   uint64_t received_version() const; // newest version handed to the callback

@@ -56,6 +56,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -229,6 +230,15 @@ class MoeSession {
     int slots_per_layer() const;
     std::string DescribeCostModel() const;
     std::string Describe() const;
+    // The planner's learned rates as numbers, by name (the worker exports
+    // them as moe_worker_planner_rate{rate=NAME} and reports them to the
+    // coordinator, whose `moectl status` shows them): copy_seconds (one
+    // expert host -> device), cpu_call_seconds and cpu_expert_seconds (a CPU
+    // server's cost per call and per missed expert), device_row_seconds (one
+    // hit row), copy_delay_seconds (what a cache copy adds to the calls beside
+    // it), copy_calls_observed, vetoed_call_shapes (call shapes whose copies
+    // their outcomes overruled), and measured (1 once the start-up probes ran).
+    std::map<std::string, double> PlannerRates() const;
 
    private:
     friend class MoeSession;
