@@ -29,6 +29,7 @@
 #include "coordinator/popularity.h"
 #include "coordinator/registry.h"
 #include "coordinator/state_file.h"
+#include "core/model_identity.h"
 #include "moe/v1/coordinator.pb.h"
 
 namespace moe {
@@ -86,6 +87,11 @@ class Coordinator {
   double Now() const { return options_.clock(); }
   // Learns (or checks) the model geometry; creates the registry and popularity.
   absl::Status CheckGeometryLocked(uint32_t num_layers, uint32_t num_experts);
+  // One coordinator serves one model: FailedPrecondition naming
+  // model_identity, both identities and both models when a live (up) worker
+  // or server other than `peer` itself (its earlier registration) registered
+  // another model. 0 (a peer that reports none) is not checked.
+  absl::Status CheckModelLocked(const ModelIdentity& model, const std::string& peer, bool peer_is_worker) const;
   absl::Status ValidateCounts(const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts) const;
   void AddCountsLocked(const std::string& worker,
                        const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts, double now);

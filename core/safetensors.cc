@@ -287,6 +287,12 @@ const TensorInfo* Checkpoint::Find(std::string_view name) const {
   return it == by_name_.end() ? nullptr : it->second;
 }
 
+std::pair<const std::string*, int64_t> Checkpoint::Locate(const TensorInfo& t) const {
+  for (const auto& f : files_)
+    if (const int64_t off = f->OffsetOf(t.data); off >= 0) return {&f->path(), off};
+  return {nullptr, -1};
+}
+
 std::vector<std::string> Checkpoint::names() const {
   std::vector<std::string> out;
   out.reserve(by_name_.size());

@@ -172,6 +172,7 @@ class CoordinatorLink {
     reg.expert_bytes = spec.expert_bytes;
     reg.cached_layers = served;
     reg.group = f.session.group;
+    reg.model = moe::ModelIdentity{spec.identity, f.session.model};
     absl::StatusOr<std::unique_ptr<moe::CoordinatorAgent>> agent = moe::CoordinatorAgent::Start(
         f.coordinator, f.service.tls, reg, [&service](const moe::AssignmentUpdate& u) { service.OnAssignment(u); });
     if (!agent.ok()) return agent.status();

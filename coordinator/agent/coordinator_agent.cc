@@ -202,6 +202,8 @@ class CoordinatorAgent::Impl {
       r.set_tp_rank(static_cast<uint32_t>(reg_.group.rank));
       r.set_tp_size(static_cast<uint32_t>(reg_.group.size));
     }
+    r.set_model_identity(reg_.model.digest);
+    r.set_model_path(reg_.model.model);
     // What the worker holds or is moving to: placement resumes from it.
     std::lock_guard<std::mutex> lock(mu_);
     r.set_current_version(received_.load());
@@ -461,6 +463,8 @@ class ExpertServerAgent::Impl {
     }
     req.set_weight_bytes(reg_.weight_bytes);
     req.set_kernel(reg_.kernel);
+    req.set_model_identity(reg_.model.digest);
+    req.set_model_path(reg_.model.model);
     moe::v1::RegisterExpertServerResponse reg;
     {
       grpc::ClientContext ctx;

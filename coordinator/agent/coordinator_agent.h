@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/model_identity.h"
 #include "core/transport/transport.h"
 #include "moe/types.h"
 
@@ -55,6 +56,7 @@ struct WorkerRegistration {
   int numa_node = -1;
   std::vector<int> cached_layers; // MoE layers with a cache; empty = every layer
   ParallelGroup group;      // caches only its rank's experts (moe/types.h)
+  ModelIdentity model;      // its model (core/model_identity.h); the coordinator refuses another live model's
 };
 
 // A layer's new resident set (the whole set, ascending).
@@ -134,6 +136,7 @@ struct ExpertServerRegistration {
   uint64_t weight_bytes = 0;
   std::string kernel;
   ExpertSlice slice;                // --slice
+  ModelIdentity model;              // its model (core/model_identity.h); the coordinator refuses another live model's
 };
 
 class ExpertServerAgent {
