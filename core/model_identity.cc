@@ -1,15 +1,12 @@
 #include "core/model_identity.h"
 
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <map>
 #include <thread>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -105,22 +102,12 @@ uint64_t DigestExpertTensors(const std::vector<uint64_t>& header, const std::vec
     int fd;  // -1: hash the mapping
     int64_t offset;
   };
-  std::map<std::string, int> fds;  // the files read(2) reads from
-  absl::Cleanup close_fds = [&fds] {
-    for (const auto& [path, fd] : fds)
-      if (fd >= 0) close(fd);
-  };
   std::vector<Chunk> chunks;
   std::vector<size_t> first_chunk(tensors.size() + 1, 0);
   for (size_t t = 0; t < tensors.size(); ++t) {
     first_chunk[t] = chunks.size();
     const StoredTensor& s = tensors[t];
-    int fd = -1;
-    if (s.path != nullptr && s.offset >= 0) {
-      auto [it, fresh] = fds.try_emplace(*s.path, -1);
-      if (fresh) it->second = open(s.path->c_str(), O_RDONLY | O_CLOEXEC);
-      fd = it->second;
-    }
+    const int fd = s.offset >= 0 ? s.fd : -1;
     for (size_t off = 0; off < s.nbytes; off += kIdentityChunkBytes)
       chunks.push_back({s.data + off, std::min(kIdentityChunkBytes, s.nbytes - off), fd,
                         s.offset + static_cast<int64_t>(off)});

@@ -72,16 +72,16 @@ absl::Status ModelMismatchError(const ModelIdentity& ours, const ModelIdentity& 
 bool IsModelMismatch(const absl::Status& st);
 
 // One expert tensor as its checkpoint stores it, for DigestExpertTensors:
-// its bytes at `data` (a mapping), also at `offset` of the file `path` when
-// path is set — read(2) from there (a page-cached file reads ~4x faster than
-// a fresh mapping faults in, measured on the 2-core VM), the mapping when the
-// file cannot be read.
+// its bytes at `data` (a mapping), also at `offset` of the open file `fd` when
+// fd >= 0 — read(2) from there (a page-cached file reads ~4x faster than a
+// fresh mapping faults in, measured on the 2-core VM), the mapping when the
+// read fails.
 struct StoredTensor {
   DType dtype = DType::kBF16;
   std::vector<int64_t> shape;
   const std::byte* data = nullptr;
   size_t nbytes = 0;
-  const std::string* path = nullptr;
+  int fd = -1;
   int64_t offset = -1;
 };
 

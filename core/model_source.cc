@@ -364,8 +364,8 @@ class CheckpointSource final : public ModelSource {
         tensors.push_back(StoredTensor{DType::kU8, {}, nullptr, 0});
         return;
       }
-      const auto [path, offset] = ckpt_->Locate(*t);
-      tensors.push_back(StoredTensor{t->dtype, t->shape, t->data, t->nbytes, path, offset});
+      const auto [fd, offset] = ckpt_->Locate(*t);
+      tensors.push_back(StoredTensor{t->dtype, t->shape, t->data, t->nbytes, fd, offset});
     };
     for (int l : spec_.moe_layers) {
       if (auto it = fused_.find(l); it != fused_.end()) {
