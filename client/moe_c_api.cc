@@ -263,6 +263,7 @@ moe_status moe_session_info(moe_session* session, moe_model_info* out) {
     out->max_tokens = session->options.max_tokens;
     out->max_top_k = session->options.max_top_k;
     std::strncpy(out->device, session->session->device(), sizeof(out->device) - 1);
+    out->identity = spec.identity;
     return MOE_OK;
   });
 }

@@ -19,11 +19,18 @@ namespace {
 constexpr uint32_t kMaxLayers = 4096;
 constexpr uint32_t kMaxExperts = 65536;
 constexpr size_t kMaxIdLength = 256;
+constexpr size_t kMaxModelPathLength = 4096;  // PATH_MAX
 
 absl::Status CheckId(const std::string& id, const char* field) {
   if (id.empty()) return absl::InvalidArgumentError(absl::StrCat(field, ": must not be empty"));
   if (id.size() > kMaxIdLength)
     return absl::InvalidArgumentError(absl::StrCat(field, ": longer than ", kMaxIdLength, " characters"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckModelPath(const std::string& path) {
+  if (path.size() > kMaxModelPathLength)
+    return absl::InvalidArgumentError(absl::StrCat("model_path: longer than ", kMaxModelPathLength, " characters"));
   return absl::OkStatus();
 }
 
@@ -185,6 +192,27 @@ absl::Status Coordinator::CheckGeometryLocked(uint32_t num_layers, uint32_t num_
   return absl::OkStatus();
 }
 
+absl::Status Coordinator::CheckModelLocked(const ModelIdentity& model, const std::string& peer,
+                                          bool peer_is_worker) const {
+  if (model.digest == 0) return absl::OkStatus();
+  auto refuse = [&](const char* kind, const std::string& id, const auto& caps) {
+    const ModelIdentity live{caps.model_identity(), caps.model_path()};
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model_identity: ", peer_is_worker ? "worker '" : "expert server '", peer, "' serves ", model.ToString(),
+        ", the live ", kind, " '", id, "' serves ", live.ToString(),
+        "; one coordinator serves one model (another registers once no live worker or server holds this one)"));
+  };
+  for (const auto& [id, w] : registry_->workers())
+    if (w.up && !(peer_is_worker && id == peer) && w.caps.model_identity() != 0 &&
+        w.caps.model_identity() != model.digest)
+      return refuse("worker", id, w.caps);
+  for (const auto& [id, s] : registry_->servers())
+    if (s.up && !(!peer_is_worker && id == peer) && s.caps.model_identity() != 0 &&
+        s.caps.model_identity() != model.digest)
+      return refuse("expert server", id, s.caps);
+  return absl::OkStatus();
+}
+
 absl::Status Coordinator::CommitLocked(AdminState next) {
   if (!options_.state_file.empty()) {
     absl::Status s = SaveAdminState(options_.state_file, next);
@@ -206,6 +234,7 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
                                                    options_.max_worker_tokens_per_second));
   if (req.top_k() > req.num_experts())
     return absl::InvalidArgumentError(absl::StrCat("top_k: ", req.top_k(), " exceeds num_experts ", req.num_experts()));
+  MOE_RETURN_IF_ERROR(CheckModelPath(req.model_path()));
   MOE_RETURN_IF_ERROR(CheckGeometryFields(req.num_layers(), req.num_experts()));
   if (req.slots_per_layer() > req.num_experts())
     return absl::InvalidArgumentError(absl::StrCat("slots_per_layer: ", req.slots_per_layer(), " exceeds num_experts ",
@@ -234,6 +263,7 @@ absl::StatusOr<moe::v1::RegisterWorkerResponse> Coordinator::RegisterWorker(cons
   {
     std::lock_guard<std::mutex> lock(mu_);
     MOE_RETURN_IF_ERROR(CheckGeometryLocked(req.num_layers(), req.num_experts()));
+    MOE_RETURN_IF_ERROR(CheckModelLocked(ModelIdentity{req.model_identity(), req.model_path()}, req.worker_id(), true));
     const WorkerEntry* held = registry_->FindWorker(req.worker_id());
     const bool known = held != nullptr;
     // A live worker's id is its own: taking it over needs its session (its
@@ -281,6 +311,7 @@ absl::StatusOr<moe::v1::RegisterExpertServerResponse> Coordinator::RegisterExper
   MOE_RETURN_IF_ERROR(CheckId(req.server_id(), "server_id"));
   if (req.address().empty()) return absl::InvalidArgumentError("address: must not be empty (host:port)");
   MOE_RETURN_IF_ERROR(CheckHostPort(req.address(), "address"));
+  MOE_RETURN_IF_ERROR(CheckModelPath(req.model_path()));
   MOE_RETURN_IF_ERROR(CheckGeometryFields(req.num_layers(), req.num_experts()));
   MOE_RETURN_IF_ERROR(CheckIndexes(req.hosted_layers(), req.num_layers(), "hosted_layers"));
   MOE_RETURN_IF_ERROR(CheckIndexes(req.hosted_experts(), req.num_experts(), "hosted_experts"));
@@ -291,6 +322,8 @@ absl::StatusOr<moe::v1::RegisterExpertServerResponse> Coordinator::RegisterExper
   {
     std::lock_guard<std::mutex> lock(mu_);
     MOE_RETURN_IF_ERROR(CheckGeometryLocked(req.num_layers(), req.num_experts()));
+    MOE_RETURN_IF_ERROR(
+        CheckModelLocked(ModelIdentity{req.model_identity(), req.model_path()}, req.server_id(), false));
     const bool draining = admin_.drains.count(req.server_id()) > 0;
     const ServerEntry* held = registry_->FindServer(req.server_id());
     if (held == nullptr || held->peer != peer) MOE_RETURN_IF_ERROR(MakeRoomLocked(/*worker=*/false, peer));

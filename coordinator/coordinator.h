@@ -29,6 +29,7 @@
 #include "coordinator/popularity.h"
 #include "coordinator/registry.h"
 #include "coordinator/state_file.h"
+#include "core/model_identity.h"
 #include "moe/v1/coordinator.pb.h"
 
 namespace moe {
@@ -115,6 +116,11 @@ class Coordinator {
   void ForgetLocked(bool worker, const std::string& id);
   // Forgets the peers silent for longer than purge_after_seconds.
   void PurgeLocked(double now);
+  // One coordinator serves one model: FailedPrecondition naming
+  // model_identity, both identities and both models when a live (up) worker
+  // or server other than `peer` itself (its earlier registration) registered
+  // another model. 0 (a peer that reports none) is not checked.
+  absl::Status CheckModelLocked(const ModelIdentity& model, const std::string& peer, bool peer_is_worker) const;
   void AddCountsLocked(const std::string& worker,
                        const google::protobuf::RepeatedPtrField<moe::v1::LayerCounts>& counts, double now);
   // One placement round over the live workers. pins_only: nothing but pins moves.

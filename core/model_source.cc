@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/log.h"
+#include "core/model_identity.h"
 #include "core/quantization.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
@@ -66,6 +67,15 @@ absl::Status NotFp8(const ModelSpec& spec) {
                                                     spec.quant.Describe(), ")"));
 }
 
+// The geometry every identity covers, after a tag naming the form.
+std::vector<uint64_t> IdentityHeader(const char* form, const ModelSpec& spec) {
+  std::vector<uint64_t> h = {Hash64(form, std::strlen(form)), static_cast<uint64_t>(spec.hidden),
+                             static_cast<uint64_t>(spec.intermediate), static_cast<uint64_t>(spec.num_experts),
+                             spec.moe_layers.size()};
+  for (int l : spec.moe_layers) h.push_back(static_cast<uint64_t>(l));
+  return h;
+}
+
 class SyntheticSource final : public ModelSource {
  public:
   SyntheticSource(ModelSpec spec, SyntheticModelUri uri, std::string text)
@@ -100,6 +110,17 @@ class SyntheticSource final : public ModelSource {
       QuantizeFp8Block(w.data(), rows, cols, p->br, p->bc, p->codes.data(), p->scale_inv.data());
     }
     return absl::OkStatus();
+  }
+  // The weights are a pure function of the generator, the seed, the geometry
+  // and the quantization: the identity is theirs, computed without a weight.
+  uint64_t Identity() const override {
+    std::vector<uint64_t> h = IdentityHeader("synthetic-v1 (GenerateExpertMatrix)", spec_);
+    const char* dtype = DTypeName(spec_.dtype);
+    h.insert(h.end(), {uri_.seed, Hash64(dtype, std::strlen(dtype)), static_cast<uint64_t>(spec_.quant.scheme),
+                       static_cast<uint64_t>(spec_.quant.block_rows), static_cast<uint64_t>(spec_.quant.block_cols),
+                       static_cast<uint64_t>(spec_.quant.group_size)});
+    const uint64_t d = Hash64(h.data(), h.size() * sizeof(uint64_t));
+    return d != 0 ? d : 1;
   }
 
  private:
@@ -334,6 +355,42 @@ class CheckpointSource final : public ModelSource {
     }
     return absl::OkStatus();
   }
+  // The stored bytes of every tensor ReadExpert / ReadExpertFp8 read, in
+  // (layer, expert, projection, part) order; a fused layer's two tensors.
+  uint64_t Identity() const override {
+    std::vector<StoredTensor> tensors;
+    auto add = [&](const TensorInfo* t) {  // a missing one (ReadExpert refuses it) as an empty U8 record
+      if (t == nullptr) {
+        tensors.push_back(StoredTensor{DType::kU8, {}, nullptr, 0});
+        return;
+      }
+      const auto [fd, offset] = ckpt_->Locate(*t);
+      tensors.push_back(StoredTensor{t->dtype, t->shape, t->data, t->nbytes, fd, offset});
+    };
+    for (int l : spec_.moe_layers) {
+      if (auto it = fused_.find(l); it != fused_.end()) {
+        add(it->second.gate_up);
+        add(it->second.down);
+        continue;
+      }
+      for (int e = 0; e < spec_.num_experts; ++e)
+        for (Projection p : {Projection::kGate, Projection::kUp, Projection::kDown}) {
+          const std::string name = ExpertTensorName(spec_.naming, l, e, p);
+          switch (spec_.quant.scheme) {
+            case WeightQuant::kNone: add(ckpt_->Find(name)); break;
+            case WeightQuant::kFp8Block:
+              add(ckpt_->Find(name));
+              add(ckpt_->Find(name + "_scale_inv"));
+              break;
+            case WeightQuant::kInt4Group:
+              for (const char* part : {"weight_packed", "weight_scale", "weight_shape"})
+                add(ckpt_->Find(QuantizedPartName(name, part)));
+              break;
+          }
+        }
+    }
+    return DigestExpertTensors(IdentityHeader("checkpoint-v1 (stored expert tensors)", spec_), tensors);
+  }
 
  private:
   // Expert `expert` out of a layer's fused tensors, into gate [I,H], up [I,H], down [H,I].
@@ -458,6 +515,8 @@ class SlicedSource final : public ModelSource {
     d.c0 += begin_;
     return absl::OkStatus();
   }
+  // The whole model's: the slice is a share of it, checked on its own.
+  uint64_t Identity() const override { return base_->Identity(); }
 
  private:
   static ExpertWeights& Scratch() {  // ReadExpert runs on several loader threads

@@ -49,6 +49,12 @@ class ModelSource {
   // ReadExpert dequantizes). FailedPrecondition unless spec().quant is fp8
   // block-scaled; otherwise ReadExpert's errors.
   virtual absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const;
+  // The digest of the experts' content (core/model_identity.h says what it
+  // covers): equal for two sources of one model, different for another seed,
+  // a fine-tune, a requantization. A checkpoint's costs one read of its
+  // expert tensors, hashed on every core (a page-cached checkpoint at memory
+  // speed); a synthetic model's is immediate. Never 0.
+  virtual uint64_t Identity() const = 0;
 };
 
 // A synthetic model of any geometry (weights from GenerateExpertMatrix).

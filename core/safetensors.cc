@@ -132,11 +132,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     ::madvise(p, f->size_, MADV_WILLNEED);
   }
   MOE_RETURN_IF_ERROR(f->Parse());
+  f->fd_ = fd.fd;  // kept for read(2) (fd()): the file mapped, even if its path is replaced meanwhile
+  fd.fd = -1;
   return f;
 }
 
 SafetensorsFile::~SafetensorsFile() {
   if (base_ != nullptr) ::munmap(const_cast<std::byte*>(base_), size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 absl::Status SafetensorsFile::Parse() {
@@ -285,6 +288,12 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
 const TensorInfo* Checkpoint::Find(std::string_view name) const {
   auto it = by_name_.find(name);
   return it == by_name_.end() ? nullptr : it->second;
+}
+
+std::pair<int, int64_t> Checkpoint::Locate(const TensorInfo& t) const {
+  for (const auto& f : files_)
+    if (const int64_t off = f->OffsetOf(t.data); off >= 0) return {f->fd(), off};
+  return {-1, -1};
 }
 
 std::vector<std::string> Checkpoint::names() const {

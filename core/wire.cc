@@ -62,6 +62,7 @@ WireForwardRequest ViewOf(const moe::v1::ForwardRequest& req) {
   if (req.slice_count() > 0)
     w.slice = ExpertSlice{static_cast<int>(std::min<uint32_t>(req.slice_index(), 1u << 20)),
                           static_cast<int>(std::min<uint32_t>(req.slice_count(), 1u << 20))};
+  w.model_identity = req.model_identity();
   return w;
 }
 
@@ -100,8 +101,10 @@ absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::str
 }
 
 void EncodeForwardRequest(uint32_t layer, int n, int hidden, const bf16_t* tokens, const RoutingView& routing,
-                          uint64_t request_id, moe::v1::ForwardRequest* req, ExpertSlice slice) {
+                          uint64_t request_id, moe::v1::ForwardRequest* req, ExpertSlice slice,
+                          uint64_t model_identity) {
   req->set_request_id(request_id);
+  req->set_model_identity(model_identity);
   if (!slice.whole()) {
     req->set_slice_index(static_cast<uint32_t>(slice.index));
     req->set_slice_count(static_cast<uint32_t>(slice.count));

@@ -38,6 +38,7 @@ struct WireForwardRequest {
   WireTensor tokens, expert_ids, expert_weights;
   int output_dtype = 0;
   ExpertSlice slice;  // slice_count 0 on the wire: whole
+  uint64_t model_identity = 0;  // the client's model (0: not checked)
 };
 WireForwardRequest ViewOf(const moe::v1::ForwardRequest& req);
 
@@ -54,9 +55,11 @@ absl::StatusOr<TensorView> DecodeTensor(const moe::v1::Tensor& t, const std::str
                                         const std::vector<int64_t>& want_shape);
 
 // Fills `req` with one layer's batch: tokens [n, hidden] bf16 and the routing [n, k].
-// `slice`: the share of each expert the server is expected to hold.
+// `slice`: the share of each expert the server is expected to hold;
+// `model_identity`: the model the client computes with (0: none checked).
 void EncodeForwardRequest(uint32_t layer, int n, int hidden, const bf16_t* tokens, const RoutingView& routing,
-                          uint64_t request_id, moe::v1::ForwardRequest* req, ExpertSlice slice = {});
+                          uint64_t request_id, moe::v1::ForwardRequest* req, ExpertSlice slice = {},
+                          uint64_t model_identity = 0);
 // Copies a response's [n, hidden] output (BF16, or F32 converted to bf16) into
 // out; Internal error naming the problem if the response does not match.
 absl::Status DecodeForwardOutput(const moe::v1::ForwardResponse& resp, int n, int hidden, bf16_t* out);

@@ -54,6 +54,10 @@ absl::StatusOr<std::unique_ptr<ExpertServer>> ExpertServer::Start(const ExpertSe
 absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
   MOE_ASSIGN_OR_RETURN(source_, moe::OpenModel(options_.model));
   model_spec_ = source_->spec();
+  // Before slicing: the identity is the whole model's.
+  const auto t0 = std::chrono::steady_clock::now();
+  identity_ = ModelIdentity{source_->Identity(), options_.model};
+  const double identity_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // From here on, an error is an option that does not fit the model or this machine.
   *option_at_fault = true;
   if (absl::StatusOr<std::unique_ptr<ModelSource>> sliced = SliceModel(std::move(source_), options_.slice);
@@ -73,7 +77,8 @@ absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
                                                        options_.slice.index, options_.slice.count));
   *option_at_fault = false;
 
-  LogInfo("server", "model ", source_->Describe(), ": ", spec.Summary());
+  LogInfo("server", "model ", source_->Describe(), ": ", spec.Summary(), "; identity ", IdentityHex(identity_.digest),
+          " (computed in ", identity_s, " s)");
   LogInfo("server", binding_->Describe());
   LogInfo("server", "cpu: ", cpu.brand, "; isa: ", cpu.Summary(), "; kernel: ", kernel_->name());
   LogInfo("server", "hosting layers [", FormatIndexList(hosted_.layers), "] experts [", FormatIndexList(hosted_.experts),
@@ -130,6 +135,8 @@ moe::v1::ServerInfo ExpertServer::Info(uint64_t max_message_bytes) const {
   info.set_max_tokens_per_request(static_cast<uint32_t>(options_.max_tokens));
   info.set_max_message_bytes(max_message_bytes);
   info.set_version(options_.version);
+  info.set_model_identity(identity_.digest);
+  info.set_model_path(identity_.model);
   return info;
 }
 
@@ -156,6 +163,7 @@ absl::Status ExpertServer::ServeSharedMemory() {
   so.num_experts = spec.num_experts;
   so.slice = options_.slice;
   so.hosted = [this](int e) { return store_->HostsExpert(e); };
+  so.model = identity_;
   so.allowed_uids = options_.shm_allowed_uids;
   so.max_slot_tokens = static_cast<uint32_t>(options_.max_tokens);
   if (store_->shared_fd() >= 0) {
@@ -194,6 +202,7 @@ absl::Status ExpertServer::StartCoordinatorAgent() {
   reg.slice = options_.slice;
   reg.weight_bytes = store_->resident_bytes();
   reg.kernel = kernel_->name();
+  reg.model = identity_;
   absl::StatusOr<std::unique_ptr<ExpertServerAgent>> agent = ExpertServerAgent::Start(
       options_.coordinator, options_.service.tls, reg, [this] { return in_flight_.load(std::memory_order_relaxed); });
   if (!agent.ok())

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "coordinator/agent/coordinator_agent.h"
 #include "core/metrics_http.h"
+#include "core/model_identity.h"
 #include "core/model_source.h"
 #include "core/service_main.h"
 #include "core/transport/shm_server.h"
@@ -106,6 +107,7 @@ class ExpertServer {
   const ExpertServerOptions options_;
   std::unique_ptr<ModelSource> source_;  // sliced when options_.slice is
   ModelSpec model_spec_;                 // the whole model's (what clients see)
+  ModelIdentity identity_;               // the whole model's (core/model_identity.h), told in every handshake
   HostedSet hosted_;
   ExpertGeometry geometry_;  // the packed experts' layout and precision (--weight-dtype)
   std::unique_ptr<ExpertKernel> kernel_;

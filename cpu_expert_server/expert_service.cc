@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/model_identity.h"
 #include "core/status_macros.h"
 #include "core/wire.h"
 
@@ -107,6 +108,11 @@ absl::Status ExpertServiceImpl::Prepare(const WireForwardRequest& req, Prepared*
     return absl::FailedPreconditionError(absl::StrCat("slice_index/slice_count: this server holds slice ",
                                                       slice_.ToString(), " of every expert, the request expects ",
                                                       req.slice.ToString()));
+  if (req.model_identity != 0 && req.model_identity != info_.model_identity())
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model identity: this expert server serves ",
+        ModelIdentity{info_.model_identity(), info_.model_path()}.ToString(), ", the request is for model ",
+        IdentityHex(req.model_identity), " (model_identity); the experts of two models are never mixed"));
   p->n = n;
   p->batch.layer = static_cast<int>(req.layer);
   p->batch.n = static_cast<int>(n);

@@ -72,6 +72,7 @@ absl::StatusOr<std::unique_ptr<HostExpertStore>> HostExpertStore::Load(const Mod
 }
 
 absl::StatusOr<std::unique_ptr<HostExpertStore>> HostExpertStore::Attach(const ModelSpec& spec,
+                                                                         const ModelIdentity& model,
                                                                          const std::vector<int>& layers,
                                                                          const std::vector<std::string>& unix_sockets,
                                                                          DeviceBackend* backend,
@@ -84,7 +85,7 @@ absl::StatusOr<std::unique_ptr<HostExpertStore>> HostExpertStore::Attach(const M
   store->table_.assign(layers.size() * spec.num_experts, nullptr);
   for (size_t s = 0; s < unix_sockets.size(); ++s) {
     const std::string& path = unix_sockets[s];
-    MOE_ASSIGN_OR_RETURN(SharedStoreFd fd, FetchSharedStore(path, spec.hidden, timeout));
+    MOE_ASSIGN_OR_RETURN(SharedStoreFd fd, FetchSharedStore(path, spec.hidden, model, timeout));
     absl::StatusOr<SharedStoreInfo> info = ParseSharedStoreInfo(fd.info, spec, fd.bytes);
     if (!info.ok()) {
       close(fd.fd);
@@ -120,6 +121,7 @@ absl::StatusOr<std::unique_ptr<HostExpertStore>> HostExpertStore::Attach(const M
 }
 
 absl::StatusOr<std::unique_ptr<HostExpertStore>> HostExpertStore::Open(const ModelSource& source,
+                                                                       const ModelIdentity& model,
                                                                        const std::vector<int>& layers,
                                                                        const std::vector<std::string>& unix_sockets,
                                                                        const std::string& weight_dtype, bool share,
@@ -127,7 +129,7 @@ absl::StatusOr<std::unique_ptr<HostExpertStore>> HostExpertStore::Open(const Mod
   MOE_ASSIGN_OR_RETURN(const ExpertGeometry own_geometry, StorageGeometry(source.spec(), weight_dtype));
   if (share && !unix_sockets.empty()) {
     absl::StatusOr<std::unique_ptr<HostExpertStore>> shared =
-        Attach(source.spec(), layers, unix_sockets, backend, std::chrono::milliseconds(5000));
+        Attach(source.spec(), model, layers, unix_sockets, backend, std::chrono::milliseconds(5000));
     if (shared.ok() && weight_dtype != "auto" && (*shared)->geometry_.format != own_geometry.format)
       shared = absl::FailedPreconditionError(absl::StrCat("the servers store ", WeightFormatName((*shared)->geometry_.format),
                                                           ", --weight-dtype asks for ", weight_dtype));

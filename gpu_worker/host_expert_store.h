@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/model_identity.h"
 #include "core/model_source.h"
 #include "cpu_compute/expert_kernel.h"
 #include "gpu_worker/device_backend.h"
@@ -40,20 +41,22 @@ class HostExpertStore {
                                                               const ExpertGeometry& geometry,
                                                               DeviceBackend* backend, int threads = 0);
   // Shared: maps the stores of the servers on `unix_sockets` (paths). All
-  // must share one geometry and together hold every expert of `layers`;
-  // FailedPrecondition saying what is missing otherwise (or when a server
-  // shares no store), InvalidArgument when a description does not fit the
-  // model.
-  static absl::StatusOr<std::unique_ptr<HostExpertStore>> Attach(const ModelSpec& spec,
+  // must serve `model` (the worker's: a store of another model is never
+  // mapped; ModelMismatchError, core/model_identity.h), share one geometry and
+  // together hold every expert of `layers`; FailedPrecondition saying what is
+  // missing otherwise (or when a server shares no store), InvalidArgument when
+  // a description does not fit the model.
+  static absl::StatusOr<std::unique_ptr<HostExpertStore>> Attach(const ModelSpec& spec, const ModelIdentity& model,
                                                                 const std::vector<int>& layers,
                                                                 const std::vector<std::string>& unix_sockets,
                                                                 DeviceBackend* backend,
                                                                 std::chrono::milliseconds timeout);
   // The worker's host copy: shared when `share` and the servers on
-  // `unix_sockets` cover `layers` in the asked precision, else its own.
+  // `unix_sockets` serve `model` (source's identity) and cover `layers` in
+  // the asked precision, else its own.
   // weight_dtype: auto (shared: the servers'; own: StorageGeometry's auto),
   // bf16, int8 or int4.
-  static absl::StatusOr<std::unique_ptr<HostExpertStore>> Open(const ModelSource& source,
+  static absl::StatusOr<std::unique_ptr<HostExpertStore>> Open(const ModelSource& source, const ModelIdentity& model,
                                                               const std::vector<int>& layers,
                                                               const std::vector<std::string>& unix_sockets,
                                                               const std::string& weight_dtype, bool share,

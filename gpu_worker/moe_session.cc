@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/log.h"
+#include "core/model_identity.h"
 #include "core/model_source.h"
 #include "core/status_macros.h"
 #include "core/transport/transport.h"
@@ -164,8 +166,16 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   MOE_ASSIGN_OR_RETURN(r->source, OpenModel(o.model));
   const ModelSpec& spec = r->source->spec();
   r->model = InfoOf(spec);
+  // Every server's model must be this one (checked at each connect and in
+  // each request), also when the host copy is the servers' shared one.
+  const auto t0 = std::chrono::steady_clock::now();
+  const ModelIdentity identity{r->source->Identity(), o.model};
+  r->model.identity = identity.digest;
+  LogInfo("worker", "model ", o.model, ": identity ", IdentityHex(identity.digest), " (computed in ",
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s)");
   MOE_ASSIGN_OR_RETURN(DispatcherConfig c, MakeDispatcherConfig(o, spec));
   MOE_RETURN_IF_ERROR(CheckParallelGroup(o.group, spec.num_experts));
+  c.transport.model = identity;
   MOE_ASSIGN_OR_RETURN(r->backend, MakeDeviceBackend(Name(o.device)));
   if (r->expert_parallel_mode()) {
 #ifndef MOE_HAVE_NCCL
@@ -180,8 +190,8 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
     for (const ExpertServerConfig& sc : c.servers)
       if (std::optional<std::string> path = UnixSocketPath(sc.address)) unix_sockets.push_back(*path);
     // The dispatcher sizes the cache in the host copy's format.
-    MOE_ASSIGN_OR_RETURN(r->host, HostExpertStore::Open(*r->source, layers, unix_sockets, Name(o.weight_dtype),
-                                                        o.share_host_copy, r->backend.get()));
+    MOE_ASSIGN_OR_RETURN(r->host, HostExpertStore::Open(*r->source, identity, layers, unix_sockets,
+                                                        Name(o.weight_dtype), o.share_host_copy, r->backend.get()));
   }
   // What one expert copy moves: the host copy's packed expert (int8 / int4
   // move ~1/2 / ~1/4 of bf16), which the coordinator's copy budget counts.

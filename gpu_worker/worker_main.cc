@@ -178,6 +178,7 @@ class CoordinatorLink {
     reg.cached_layers = served;
     reg.group = f.session.group;
     reg.top_k = f.session.max_top_k;  // routed experts per token never exceed it (WorkerService refuses more)
+    reg.model = moe::ModelIdentity{spec.identity, f.session.model};
     absl::StatusOr<std::unique_ptr<moe::CoordinatorAgent>> agent = moe::CoordinatorAgent::Start(
         f.coordinator, f.service.tls, reg, [&service](const moe::AssignmentUpdate& u) { service.OnAssignment(u); });
     if (!agent.ok()) return agent.status();

@@ -202,6 +202,7 @@ grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v
     li->set_hit_rate(sessions_.HitRate(l));
   }
   resp->set_cost_model(sessions_.primary().admin().DescribeCostModel());
+  resp->set_model_identity(model.identity);
   return grpc::Status::OK;
 }
 

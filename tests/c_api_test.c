@@ -214,6 +214,7 @@ int main(void) {
            "{\"model\":\"" MODEL "\",\"servers\":[\"%s\"],\"device\":\"cpu\",\"policy\":\"static\",\"copy_mode\":\"never\","
            "\"cache_experts_per_layer\":2,\"max_tokens\":16,\"cpu_threads\":1,\"tls\":{\"insecure\":true}}",
            address);
+  uint64_t identity = 0; /* the model's content identity: the same through either transport */
   for (int v = 0; v < 2; ++v) {
     s = NULL;
     moe_status st = moe_session_open(opts[v], &s);
@@ -222,6 +223,9 @@ int main(void) {
     moe_model_info info;
     CHECK(moe_session_info(s, &info) == MOE_OK, "info");
     CHECK(strcmp(info.device, "cpu") == 0 && info.cache_slots == 2 && info.max_tokens == 16, "info fields");
+    CHECK(info.identity != 0 && (identity == 0 || info.identity == identity), "info.identity %llx",
+          (unsigned long long)info.identity);
+    identity = info.identity;
     int32_t layers[8], nl = 0;
     CHECK(moe_session_moe_layers(s, layers, 8, &nl) == MOE_OK && nl >= 1, "moe layers");
     const int H = info.hidden, E = info.num_experts, k = info.top_k, T = 5, L = layers[0];
@@ -328,6 +332,16 @@ int main(void) {
     free(hidden), free(out), free(out2), free(ref), free(hidden2), free(ref2);
     moe_session_close(s);
   }
+
+  /* A session of another model than its server's is refused, naming the model identities. */
+  char other[1024];
+  snprintf(other, sizeof other,
+           "{\"model\":\"synthetic:tiny:seed=6\",\"servers\":[\"unix://%s\"],\"device\":\"cpu\",\"cpu_threads\":1}",
+           sock);
+  s = NULL;
+  CHECK(moe_session_open(other, &s) == MOE_FAILED_PRECONDITION && s == NULL &&
+            strstr(moe_last_error(), "model identity") != NULL && strstr(moe_last_error(), MODEL) != NULL,
+        "another model refused: %s", moe_last_error());
 
   /* A session whose server is not there fails to open, cleanly. */
   char missing[1024];

@@ -57,9 +57,11 @@ TEST(GrpcWire, RequestBytesAreProtobufsAndParseBack) {
            {1, 1, 8, 0, 0}, {3, 4, 64, 5, 1}, {17, 8, 200, 47, uint64_t{1} << 40}, {256, 8, 512, 1, 77}}) {
     SCOPED_TRACE(testing::Message() << "n=" << n << " k=" << k << " H=" << H);
     const Batch b = RandomBatch(n, k, H, n * 31 + k);
+    const uint64_t model = n == 1 ? 0 : 0xfedcba9876543210ull ^ static_cast<uint64_t>(n);  // fixed64; 0 left out
     moe::v1::ForwardRequest proto;
-    EncodeForwardRequest(layer, n, H, b.tokens.data(), b.routing(), id, &proto);
-    grpc::ByteBuffer ours = EncodeForwardRequestBuffer(layer, n, H, b.tokens.data(), b.routing(), id, *pool);
+    EncodeForwardRequest(layer, n, H, b.tokens.data(), b.routing(), id, &proto, {}, model);
+    grpc::ByteBuffer ours =
+        EncodeForwardRequestBuffer(layer, n, H, b.tokens.data(), b.routing(), id, *pool, {}, model);
     const std::string theirs = proto.SerializeAsString();
     EXPECT_EQ(Bytes(ours), theirs);
     // Protobuf's bytes, cut into awkward slices, parse to the same tensors.
@@ -69,6 +71,7 @@ TEST(GrpcWire, RequestBytesAreProtobufsAndParseBack) {
       WireForwardRequest req;
       ASSERT_TRUE(ParseForwardRequest(in, storage, &req).ok());
       EXPECT_EQ(req.request_id, id);
+      EXPECT_EQ(req.model_identity, model);
       EXPECT_EQ(req.layer, layer);
       EXPECT_EQ(req.tokens.dtype, moe::v1::DTYPE_BF16);
       EXPECT_EQ(req.tokens.shape, (std::vector<int64_t>{n, H}));

@@ -239,8 +239,8 @@ TEST(Hardening, StalledAndSilentHandshakesAreTimedOutAndNeverDelayOthers) {
   ASSERT_FALSE(addr.empty());
 
   // Hostile clients: 10 of the hello's bytes then nothing, and nothing at all.
-  ShmHello hello{kShmHelloMagic, kShmProtocolVersion, kH, 16, 4, 4};
-  static_assert(sizeof(hello) == 24);
+  const ShmHello hello = MakeShmHello(kShmHelloMagic, kH, 16, 4, 4, ModelIdentity{});
+  static_assert(sizeof(hello) > 10);
   const int partial = RawConnect(sock);
   ASSERT_GE(partial, 0);
   ASSERT_EQ(write(partial, &hello, 10), 10);
@@ -364,7 +364,7 @@ int HelloAs(uid_t uid, const std::string& sock) {
     if (setgid(uid) != 0 || setuid(uid) != 0) _exit(254);
     const int fd = RawConnect(sock);
     if (fd < 0) _exit(255);
-    ShmHello hello{kShmHelloMagic, kShmProtocolVersion, kH, 16, 4, 4};
+    const ShmHello hello = MakeShmHello(kShmHelloMagic, kH, 16, 4, 4, ModelIdentity{});
     ShmReply reply{};
     if (write(fd, &hello, sizeof hello) != sizeof hello) _exit(253);
     size_t got = 0;

@@ -276,11 +276,12 @@ TEST(SharedStoreInfo, ServerWithoutSharingRefusesTheStoreRequest) {
   ASSERT_TRUE(server.started);
   absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(kModel);
   ASSERT_TRUE(src.ok());
-  absl::StatusOr<SharedStoreFd> fd = FetchSharedStore(sock, (*src)->spec().hidden, std::chrono::seconds(5));
+  absl::StatusOr<SharedStoreFd> fd =
+      FetchSharedStore(sock, (*src)->spec().hidden, ModelIdentity{}, std::chrono::seconds(5));
   ASSERT_FALSE(fd.ok());
   EXPECT_EQ(fd.status().code(), absl::StatusCode::kFailedPrecondition) << fd.status();
   // The wrong hidden size is refused by name.
-  absl::StatusOr<SharedStoreFd> bad = FetchSharedStore(sock, 3, std::chrono::seconds(5));
+  absl::StatusOr<SharedStoreFd> bad = FetchSharedStore(sock, 3, ModelIdentity{}, std::chrono::seconds(5));
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("hidden"), std::string::npos) << bad.status();
 }
@@ -294,7 +295,8 @@ TEST(SharedStoreInfo, TheStoreIsSealedReadOnly) {
   ASSERT_TRUE(server.started);
   absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(kModel);
   ASSERT_TRUE(src.ok());
-  absl::StatusOr<SharedStoreFd> fd = FetchSharedStore(sock, (*src)->spec().hidden, std::chrono::seconds(5));
+  absl::StatusOr<SharedStoreFd> fd =
+      FetchSharedStore(sock, (*src)->spec().hidden, ModelIdentity{}, std::chrono::seconds(5));
   ASSERT_TRUE(fd.ok()) << fd.status();
   EXPECT_TRUE(ParseSharedStoreInfo(fd->info, (*src)->spec(), fd->bytes).ok());
   void* w = mmap(nullptr, fd->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd->fd, 0);

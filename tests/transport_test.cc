@@ -810,7 +810,8 @@ TEST(ShmSegmentSeals, UnsealedOrShortSegmentsAreRefusedAtConnect) {
     // A store request answered with an unsealed memfd: refused before the
     // worker maps it as its host copy.
     std::thread t = serve(1 << 20, 16, /*sealed=*/false, kShmStoreMagic);
-    absl::StatusOr<SharedStoreFd> store = FetchSharedStore(path, 64, std::chrono::milliseconds(5000));
+    absl::StatusOr<SharedStoreFd> store =
+        FetchSharedStore(path, 64, ModelIdentity{}, std::chrono::milliseconds(5000));
     EXPECT_EQ(store.status().code(), absl::StatusCode::kFailedPrecondition) << store.status();
     EXPECT_NE(store.status().message().find("store: the memfd is not sealed"), std::string::npos) << store.status();
     t.join();

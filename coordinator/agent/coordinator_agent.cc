@@ -208,6 +208,8 @@ class CoordinatorAgent::Impl {
     }
     r.set_max_tokens_per_second(reg_.max_tokens_per_second);
     if (reg_.top_k > 0) r.set_top_k(static_cast<uint32_t>(std::min(reg_.top_k, reg_.num_experts)));
+    r.set_model_identity(reg_.model.digest);
+    r.set_model_path(reg_.model.model);
     // What the worker holds or is moving to: placement resumes from it.
     std::lock_guard<std::mutex> lock(mu_);
     r.set_current_version(received_.load());
@@ -488,6 +490,8 @@ class ExpertServerAgent::Impl {
     }
     req.set_weight_bytes(reg_.weight_bytes);
     req.set_kernel(reg_.kernel);
+    req.set_model_identity(reg_.model.digest);
+    req.set_model_path(reg_.model.model);
     moe::v1::RegisterExpertServerResponse reg;
     {
       grpc::ClientContext ctx;

@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "core/status_macros.h"
 #include "core/tensor.h"
 #include "core/transport/grpc_channel.h"
 #include "core/transport/grpc_wire.h"
@@ -43,6 +44,7 @@ class GrpcTransport final : public ExpertTransport {
   GrpcTransport(std::string address, std::shared_ptr<grpc::Channel> channel, const TransportOptions& o,
                 ExpertSlice slice)
       : slice_(slice),
+        model_(o.model),
         address_(std::move(address)),
         channel_(std::move(channel)),
         stub_(moe::v1::ExpertService::NewStub(channel_)),
@@ -164,7 +166,7 @@ class GrpcTransport final : public ExpertTransport {
     if (!s || s->broken) OpenStreamLocked(s);
     const uint64_t id = pending_.Add(out, b.n, s->generation, deadline, &fut);
     s->queue.push_back(EncodeForwardRequestBuffer(static_cast<uint32_t>(b.layer), b.n, hidden_, b.tokens,
-                                                  b.routing, id, *pool_, slice_));
+                                                  b.routing, id, *pool_, slice_, model_.digest));
     WriteNextLocked(*s);
     return fut;
   }
@@ -259,8 +261,16 @@ class GrpcTransport final : public ExpertTransport {
     if (!e) return true;  // timed out already
     const absl::StatusCode code = StatusCodeFromWire(info.status_code, absl::StatusCode::kUnknown);
     e->done.set_value(info.status_code == 0 ? CopyStreamResponseOutput(message, info, e->n, hidden_, e->out)
-                                            : absl::Status(code, info.status_message));
+                                            : WithOurModel(absl::Status(code, info.status_message)));
     return true;
+  }
+
+  // A server's refusal of our model (it restarted with another --model under
+  // this address, since our GetInfo) names its side; this adds ours.
+  absl::Status WithOurModel(absl::Status st) const {
+    if (!IsModelMismatch(st)) return st;
+    return absl::Status(st.code(), absl::StrCat(st.message(), " [this worker: ", model_.ToString(), "; expert server ",
+                                                address_, "]"));
   }
 
   struct UnaryCall {
@@ -275,6 +285,7 @@ class GrpcTransport final : public ExpertTransport {
     auto* call = new UnaryCall();
     call->id = pending_.Add(out, b.n, 0, deadline, &fut);
     EncodeBatch(b, hidden_, call->id, slice_, &call->req);
+    call->req.set_model_identity(model_.digest);
     call->ctx.set_deadline(ToSystem(deadline));
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -282,7 +293,8 @@ class GrpcTransport final : public ExpertTransport {
     }
     stub_->async()->Forward(&call->ctx, &call->req, &call->resp, [this, call](grpc::Status st) {
       if (std::optional<PendingRequests::Entry> e = pending_.Take(call->id)) {
-        e->done.set_value(st.ok() ? DecodeForwardOutput(call->resp, e->n, hidden_, e->out) : FromGrpcStatus(st));
+        e->done.set_value(st.ok() ? DecodeForwardOutput(call->resp, e->n, hidden_, e->out)
+                                  : WithOurModel(FromGrpcStatus(st)));
       }
       delete call;
       std::lock_guard<std::mutex> lock(mu_);
@@ -292,6 +304,7 @@ class GrpcTransport final : public ExpertTransport {
   }
 
   const ExpertSlice slice_;
+  const ModelIdentity model_;  // every request carries its digest; the server refuses another model's
   const std::string address_;
   std::mutex connector_mu_;  // Reconnect's connector thread
   std::thread connector_;
@@ -342,6 +355,11 @@ absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std:
                                                        info.slice_count(), " out of range"));
       slice = ExpertSlice{static_cast<int>(info.slice_index()), static_cast<int>(info.slice_count())};
     }
+    // The server's model must be ours (every request carries our identity
+    // too, so a server restarted with another --model is refused as well).
+    if (o.model.digest != 0)
+      MOE_RETURN_IF_ERROR(CheckSameModel(o.model, ModelIdentity{info.model_identity(), info.model_path()}, "this worker",
+                                         absl::StrCat("the expert server at ", address)));
   }
   return std::unique_ptr<ExpertTransport>(new GrpcTransport(address, *std::move(ch), o, slice));
 }

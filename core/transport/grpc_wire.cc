@@ -117,6 +117,13 @@ struct Writer {
     Varint(Tag(field, WFL::WIRETYPE_VARINT));
     Varint(v);
   }
+  // A fixed64 field, left out when zero.
+  void Fixed64Field(int field, uint64_t v) {
+    if (v == 0) return;
+    Varint(Tag(field, WFL::WIRETYPE_FIXED64));
+    if (p != nullptr) p = CodedOutputStream::WriteLittleEndian64ToArray(v, p);
+    n += 8;
+  }
   void LengthPrefix(int field, size_t len) {
     Varint(Tag(field, WFL::WIRETYPE_LENGTH_DELIMITED));
     Varint(len);
@@ -152,7 +159,7 @@ void TensorField(Writer& w, int field, DType dtype, int64_t rows, int64_t cols, 
 }
 
 void ForwardRequestFields(Writer& w, uint32_t layer, int n, int hidden, const bf16_t* tokens,
-                          const RoutingView& r, uint64_t id, ExpertSlice slice) {
+                          const RoutingView& r, uint64_t id, ExpertSlice slice, uint64_t model_identity) {
   w.VarintField(1, id);
   w.VarintField(2, layer);
   TensorField(w, 3, DType::kBF16, n, hidden, tokens);
@@ -162,18 +169,19 @@ void ForwardRequestFields(Writer& w, uint32_t layer, int n, int hidden, const bf
     if (slice.index != 0) w.VarintField(7, static_cast<uint64_t>(slice.index));
     w.VarintField(8, static_cast<uint64_t>(slice.count));
   }
+  w.Fixed64Field(9, model_identity);
 }
 
 }  // namespace
 
 grpc::ByteBuffer EncodeForwardRequestBuffer(uint32_t layer, int n, int hidden, const bf16_t* tokens,
                                             const RoutingView& routing, uint64_t request_id,
-                                            MessageBufferPool& pool, ExpertSlice share) {
+                                            MessageBufferPool& pool, ExpertSlice share, uint64_t model_identity) {
   Writer count;
-  ForwardRequestFields(count, layer, n, hidden, tokens, routing, request_id, share);
+  ForwardRequestFields(count, layer, n, hidden, tokens, routing, request_id, share, model_identity);
   MessageBufferPool::Buffer buf = pool.Get(count.n);
   Writer w{reinterpret_cast<uint8_t*>(buf.data())};
-  ForwardRequestFields(w, layer, n, hidden, tokens, routing, request_id, share);
+  ForwardRequestFields(w, layer, n, hidden, tokens, routing, request_id, share, model_identity);
   grpc::Slice slice = buf.TakeSlice(count.n);
   return grpc::ByteBuffer(&slice, 1);
 }
@@ -302,6 +310,9 @@ absl::Status ParseForwardRequest(grpc::ByteBuffer& message, ForwardRequestStorag
       if (field == 6) out->output_dtype = static_cast<int>(v);
       if (field == 7) out->slice.index = static_cast<int>(std::min<uint64_t>(v, 1u << 20));
       if (field == 8 && v > 0) out->slice.count = static_cast<int>(std::min<uint64_t>(v, 1u << 20));
+    } else if (type == WFL::WIRETYPE_FIXED64 && field == 9) {
+      if (!in.ReadLittleEndian64(&v)) { bad = "a truncated fixed64"; break; }
+      out->model_identity = v;
     } else if (type == WFL::WIRETYPE_LENGTH_DELIMITED && field >= 3 && field <= 5) {
       WireTensor* t = field == 3 ? &out->tokens : field == 4 ? &out->expert_ids : &out->expert_weights;
       std::vector<uint64_t>* s = field == 3 ? &storage.tokens : field == 4 ? &storage.expert_ids : &storage.expert_weights;

@@ -70,7 +70,8 @@ class MessageBufferPool : public std::enable_shared_from_this<MessageBufferPool>
 // EncodeForwardRequest's message, in one slice.
 grpc::ByteBuffer EncodeForwardRequestBuffer(uint32_t layer, int n, int hidden, const bf16_t* tokens,
                                             const RoutingView& routing, uint64_t request_id,
-                                            MessageBufferPool& pool, ExpertSlice slice = {});
+                                            MessageBufferPool& pool, ExpertSlice slice = {},
+                                            uint64_t model_identity = 0);
 
 // Storage a parsed request's tensors are copied into (8-byte aligned; reused
 // from request to request).

@@ -161,6 +161,8 @@ void ShmServer::RunConnection(Connection* c) {
 absl::Status ShmServer::SendSharedStore(Connection* c) {
   ShmReply reply{};
   reply.magic = kShmStoreMagic;
+  reply.model_identity = opt_.model.digest;
+  std::snprintf(reply.model, sizeof(reply.model), "%s", opt_.model.model.c_str());
   if (opt_.shared_store_fd < 0) {
     reply.status_code = static_cast<int32_t>(absl::StatusCode::kFailedPrecondition);
     std::snprintf(reply.message, sizeof(reply.message), "this server shares no expert store");
@@ -169,6 +171,33 @@ absl::Status ShmServer::SendSharedStore(Connection* c) {
   reply.segment_bytes = opt_.shared_store_info.size();
   MOE_RETURN_IF_ERROR(unix_socket::Send(c->sock, &reply, sizeof(reply), opt_.shared_store_fd));
   return unix_socket::Send(c->sock, opt_.shared_store_info.data(), opt_.shared_store_info.size());
+}
+
+ShmHello MakeShmHello(uint32_t magic, int hidden, uint32_t max_tokens, uint32_t max_pairs, uint32_t slots,
+                      const ModelIdentity& model) {
+  ShmHello hello{};
+  hello.magic = magic;
+  hello.version = kShmProtocolVersion;
+  hello.hidden = static_cast<uint32_t>(hidden);
+  hello.max_tokens = max_tokens;
+  hello.max_pairs = max_pairs;
+  hello.slots = slots;
+  hello.model_identity = model.digest;
+  std::snprintf(hello.model, sizeof(hello.model), "%s", model.model.c_str());
+  return hello;
+}
+
+std::string ShmModelText(const char (&text)[kShmModelTextBytes]) {
+  std::string out(text, strnlen(text, kShmModelTextBytes));
+  for (char& ch : out)
+    if (ch < 0x20 || ch > 0x7e) ch = '?';  // a peer's bytes go into our log lines
+  return out;
+}
+
+absl::Status CheckShmReplyModel(const ShmReply& reply, const ModelIdentity& ours, const std::string& socket_path) {
+  if (ours.digest == 0 || (reply.status_code != 0 && reply.model_identity == 0)) return absl::OkStatus();
+  return CheckSameModel(ours, ModelIdentity{reply.model_identity, ShmModelText(reply.model)}, "this worker",
+                        absl::StrCat("the expert server on unix://", socket_path));
 }
 
 absl::Status ShmServer::Handshake(Connection* c) {
@@ -189,11 +218,19 @@ absl::Status ShmServer::Handshake(Connection* c) {
   if (absl::Status st = unix_socket::Receive(c->sock, &hello, sizeof(hello), nullptr, wait_ms); !st.ok())
     return c->refused.ok() ? st : c->refused;
   if (!c->refused.ok()) return refuse(c->refused);  // the uid was checked at accept (Accept)
+  // An allowed client learns our model, so that it can name it when it refuses us.
+  reply.model_identity = opt_.model.digest;
+  std::snprintf(reply.model, sizeof(reply.model), "%s", opt_.model.model.c_str());
   const bool store_request = hello.magic == kShmStoreMagic;
   if ((!store_request && hello.magic != kShmHelloMagic) || hello.version != kShmProtocolVersion)
     return refuse(absl::InvalidArgumentError("hello: bad magic or protocol version"));
   if (static_cast<int>(hello.hidden) != opt_.hidden)
     return refuse(absl::InvalidArgumentError(absl::StrCat("hello.hidden: ", hello.hidden, ", the model has ", opt_.hidden)));
+  // A client of another model (a worker whose --model is not ours) gets no
+  // segment and no store: its cached hits and our misses would not add up.
+  if (hello.model_identity != 0 && hello.model_identity != opt_.model.digest)
+    return refuse(ModelMismatchError(opt_.model, ModelIdentity{hello.model_identity, ShmModelText(hello.model)},
+                                     "this expert server", absl::StrCat("the client (uid ", c->uid, ")")));
   if (store_request) return SendSharedStore(c);
   if (hello.max_tokens > opt_.max_slot_tokens || hello.slots > opt_.max_slots)
     return refuse(absl::OutOfRangeError(absl::StrCat("hello: asks for ", hello.slots, " slots of ", hello.max_tokens,
@@ -332,11 +369,11 @@ disconnect:
   c->done.store(true);
 }
 
-absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, int hidden,
+absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, int hidden, const ModelIdentity& model,
                                                std::chrono::milliseconds timeout) {
   MOE_ASSIGN_OR_RETURN(const int sock, unix_socket::Connect(socket_path));
   absl::Cleanup close_sock = [sock] { close(sock); };
-  const ShmHello hello{kShmStoreMagic, kShmProtocolVersion, static_cast<uint32_t>(hidden), 0, 0, 0};
+  const ShmHello hello = MakeShmHello(kShmStoreMagic, hidden, 0, 0, 0, model);
   MOE_RETURN_IF_ERROR(unix_socket::Send(sock, &hello, sizeof(hello)));
   ShmReply reply{};
   SharedStoreFd out;
@@ -345,6 +382,7 @@ absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, i
     if (out.fd >= 0) close(out.fd);
   };
   reply.message[sizeof(reply.message) - 1] = '\0';
+  MOE_RETURN_IF_ERROR(CheckShmReplyModel(reply, model, socket_path));  // a store of another model is never mapped
   if (reply.status_code != 0)
     return absl::Status(StatusCodeFromWire(reply.status_code, absl::StatusCode::kUnavailable),
                         absl::StrCat("expert server on ", socket_path, ": ", reply.message));

@@ -4,7 +4,8 @@
 // where a live server answers, replaces only a stale socket of its own uid,
 // and on Stop removes the socket file only while it is still its own. Each
 // connecting client (uid checked with SO_PEERCRED) sends a Hello with the
-// slot geometry it wants, within handshake_timeout, on the connection's own
+// slot geometry it wants and its model identity (one of another model than
+// Options::model is refused), within handshake_timeout, on the connection's own
 // thread (a slow or silent client never delays another), gets a fresh memfd
 // segment (sealed against resizing) over SCM_RIGHTS, and from then on talks
 // through the segment's rings and doorbells. That thread validates each
@@ -34,20 +35,40 @@
 
 namespace moe {
 
-// Handshake messages on the socket (little-endian, fixed size).
+// Handshake messages on the socket (little-endian, fixed size). Both carry
+// their side's model (core/model_identity.h): the server refuses a hello
+// whose model_identity is another model's (0: the client asserts none), and
+// the client refuses a reply whose model_identity is not its own model's
+// (CheckShmReplyModel), each naming both identities and both models.
+inline constexpr size_t kShmModelTextBytes = 256;  // the model's --model, NUL-terminated, cut to fit
 struct ShmHello {
   uint32_t magic;  // kShmHelloMagic
   uint32_t version;
   uint32_t hidden, max_tokens, max_pairs, slots;
+  uint64_t model_identity;
+  char model[kShmModelTextBytes];
 };
 struct ShmReply {
   uint32_t magic;
   int32_t status_code;  // 0: the segment fd is attached
   uint64_t segment_bytes;
   char message[200];
+  uint64_t model_identity;  // the server's (0 in a refusal at accept: the uid is not told)
+  char model[kShmModelTextBytes];
 };
 inline constexpr uint32_t kShmHelloMagic = 0x484d4f4d;  // "MOMH"
-inline constexpr uint32_t kShmProtocolVersion = 1;
+// 2: the hello and the reply carry their side's model identity.
+inline constexpr uint32_t kShmProtocolVersion = 2;
+
+// A hello for `model` (its text cut to fit).
+ShmHello MakeShmHello(uint32_t magic, int hidden, uint32_t max_tokens, uint32_t max_pairs, uint32_t slots,
+                      const ModelIdentity& model);
+// The model text a peer wrote: up to its NUL, other than printable ASCII as '?'.
+std::string ShmModelText(const char (&text)[kShmModelTextBytes]);
+// The client's check of a reply from the server on `socket_path` against its
+// own model (none when ours.digest is 0). A refusal that tells no model (the
+// uid was refused at accept) is left to the caller to report.
+absl::Status CheckShmReplyModel(const ShmReply& reply, const ModelIdentity& ours, const std::string& socket_path);
 // A hello with this magic (same struct; only `version` and `hidden` are read)
 // asks for the server's shared expert store instead of a segment: the reply
 // (magic kShmStoreMagic, segment_bytes = the description's length) carries
@@ -63,7 +84,8 @@ struct SharedStoreFd {
   uint64_t bytes = 0;  // the memfd's size (fstat), not the server's word
   std::string info;
 };
-absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, int hidden,
+// `model`: the client's (checked as a segment's hello is; digest 0: not checked).
+absl::StatusOr<SharedStoreFd> FetchSharedStore(const std::string& socket_path, int hidden, const ModelIdentity& model,
                                                std::chrono::milliseconds timeout);
 
 // Computes one request: writes [batch.n, H] bf16 into out.
@@ -85,6 +107,7 @@ class ShmServer {
     int num_layers = 0;
     int num_experts = 0;
     std::function<bool(int)> hosted;  // expert hosted? (empty: all)
+    ModelIdentity model;              // the served model: told in every reply, a hello of another refused
     ExpertSlice slice;                // the share of every expert it holds (told to clients in the segment)
     std::vector<uid_t> allowed_uids;  // empty: the server's own uid
     uint32_t max_slot_tokens = 4096;  // caps on what a client may ask for

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "core/transport/pending_requests.h"
 #include "core/transport/shm_segment.h"
 #include "core/transport/shm_server.h"
@@ -274,9 +275,9 @@ class ShmTransport final : public ExpertTransport {
     absl::StatusOr<int> sock = unix_socket::Connect(path_);
     if (!sock.ok()) return absl::UnavailableError(absl::StrCat("expert server on ", path_, ": ", sock.status().message()));
     c->sock = *sock;
-    ShmHello hello{kShmHelloMagic, kShmProtocolVersion, static_cast<uint32_t>(opt_.hidden),
-                   static_cast<uint32_t>(opt_.max_tokens_per_slot), static_cast<uint32_t>(opt_.max_pairs_per_token),
-                   static_cast<uint32_t>(opt_.slots)};
+    const ShmHello hello = MakeShmHello(kShmHelloMagic, opt_.hidden, static_cast<uint32_t>(opt_.max_tokens_per_slot),
+                                        static_cast<uint32_t>(opt_.max_pairs_per_token),
+                                        static_cast<uint32_t>(opt_.slots), opt_.model);
     if (absl::Status st = unix_socket::Send(c->sock, &hello, sizeof(hello)); !st.ok()) return st;
     ShmReply reply{};
     int fd = -1;
@@ -287,12 +288,21 @@ class ShmTransport final : public ExpertTransport {
     reply.message[sizeof(reply.message) - 1] = '\0';
     if (reply.magic != kShmHelloMagic || reply.status_code != 0 || fd < 0) {
       if (fd >= 0) close(fd);
+      // A refusal of our model is told with both sides' (the server's 200
+      // bytes of message may not hold two paths).
+      if (reply.magic == kShmHelloMagic) MOE_RETURN_IF_ERROR(CheckShmReplyModel(reply, opt_.model, path_));
       const absl::StatusCode code = StatusCodeFromWire(reply.status_code, absl::StatusCode::kUnavailable);
       return absl::Status(code, absl::StrCat("expert server on ", path_, " refused: ", reply.message));
     }
     c->bytes = reply.segment_bytes;
     if (absl::Status st = unix_socket::CheckResizeSealed(fd, c->bytes, absl::StrCat("expert server on ", path_, ": segment"));
         !st.ok()) {
+      close(fd);
+      return st;
+    }
+    // The server's model must be ours, at every (re)connect: one restarted
+    // with another --model under this socket is refused too.
+    if (absl::Status st = CheckShmReplyModel(reply, opt_.model, path_); !st.ok()) {
       close(fd);
       return st;
     }

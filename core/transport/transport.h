@@ -20,6 +20,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
+#include "core/model_identity.h"
 #include "core/moe_batch.h"
 #include "core/transport/shm_segment.h"
 #include "moe/types.h"
@@ -30,6 +31,12 @@ using Clock = std::chrono::steady_clock;
 
 struct TransportOptions {
   int hidden = 0;                  // H of the model (required)
+  // The model this client computes with (a GPU worker's own --model). Sent in
+  // the shm hello and in every gRPC request and checked against the server's
+  // (the shm reply, GetInfo) at every (re)connect: a server of another model is
+  // refused, naming both identities and both models (core/model_identity.h).
+  // digest 0: nothing checked (a client with no model of its own: a benchmark).
+  ModelIdentity model;
   // shm: slot geometry the client asks the server for.
   int max_tokens_per_slot = 256;
   int max_pairs_per_token = 8;

@@ -79,6 +79,9 @@ struct ModelInfo {
   std::string weight_dtype;     // the checkpoint's expert weights, as safetensors names it: BF16, F16, F32
   uint64_t expert_bytes = 0;    // what one expert copy moves: packed in the host copy's format (bf16, int8,
                                 // int4 or fp8; bf16 without a host copy), the coordinator's copy budget counts it
+  uint64_t identity = 0;        // the experts' content identity (a digest of the checkpoint's stored expert
+                                // bytes, or of a synthetic model's definition); every expert server must
+                                // report the same one (ServerInfo.model_identity), or the session refuses it
 };
 
 // The names of the SessionOptions choices (auto | cuda | cpu; static | lru |

@@ -51,7 +51,7 @@
 extern "C" {
 #endif
 
-#define MOE_ABI_VERSION 3
+#define MOE_ABI_VERSION 4
 
 #if defined(__GNUC__)
 #define MOE_API __attribute__((visibility("default")))
@@ -97,6 +97,8 @@ typedef struct moe_model_info {
   int32_t max_tokens;     /* largest T of one call */
   int32_t max_top_k;      /* largest k of one call */
   char device[16];        /* "cuda" or "cpu", NUL-terminated */
+  uint64_t identity;      /* the experts' content identity (moe::ModelInfo::identity); every expert
+                           * server reports the same one or the session refuses it */
 } moe_model_info;
 
 /* What one call did (pairs = (token, expert) pairs): the fields of the C++

@@ -9,7 +9,7 @@ import ctypes.util
 import os
 import threading
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 MEMORY_HOST = 0
 MEMORY_DEVICE = 1
 
@@ -17,7 +17,7 @@ MEMORY_DEVICE = 1
 class ModelInfo(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int32) for n in (
         "num_layers", "num_moe_layers", "num_experts", "top_k", "hidden", "intermediate",
-        "cache_slots", "max_tokens", "max_top_k")] + [("device", ctypes.c_char * 16)]
+        "cache_slots", "max_tokens", "max_top_k")] + [("device", ctypes.c_char * 16), ("identity", ctypes.c_uint64)]
 
 
 class CallStats(ctypes.Structure):

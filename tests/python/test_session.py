@@ -42,6 +42,7 @@ class SessionTest(unittest.TestCase):
             with self.open(transport) as s:
                 H, E, k = s.info["hidden"], s.info["num_experts"], s.info["top_k"]
                 self.assertEqual(s.info["device"], "cpu")
+                self.assertNotEqual(s.info["identity"], 0)
                 for layer in s.moe_layers:
                     x, ids, w = env.random_call(rng, 7, H, k, E)
                     stats = {}
@@ -55,6 +56,14 @@ class SessionTest(unittest.TestCase):
                     # The library's own reference agrees with numpy too.
                     ref = moe.reference_forward(self.model, layer, x, ids, w)
                     self.assertLessEqual(env.rel_error(ref, env.numpy_moe(self.tensors, layer, xb, ids, w)), 1e-3)
+
+    def test_a_session_of_another_model_is_refused(self):
+        # The server serves the checkpoint of seed 7; a session on seed 8 of the same geometry must not mix them.
+        for transport in ("shm", "grpc"):
+            with self.assertRaises(moe.MoeError) as e:
+                self.open(transport, model="synthetic:tiny:seed=8")
+            self.assertIn("model identity", str(e.exception))
+            self.assertIn(self.model, str(e.exception))
 
     def test_raw_bf16_bits_in_and_out(self):
         rng = np.random.default_rng(2)
