@@ -15,7 +15,7 @@ default="cpu_expert_server/moe-expert-server gpu_worker/moe-gpu-worker core/moe-
   coordinator/moe-coordinator client/moectl demo/moe-demo tests/system_test tests/hardening_test
   tests/coordinator_process_test tests/admission_policy_test tests/miss_plan_test tests/quantization_test
   tests/grpc_wire_test tests/shared_host_copy_test tests/sliced_experts_test tests/tensor_parallel_test
-  tests/nccl_group_test tests/step_floor_test"
+  tests/nccl_group_test tests/step_floor_test tests/model_identity_test tests/cache_replay_test tests/coordinator_test tests/metrics_test"
 for f in ${BINARIES:-$default}; do
   [[ -x "$b/$f" ]] || { echo "missing $b/$f (build it first)" >&2; exit 1; }
   cp "$b/$f" "$strip_dir/" && strip "$strip_dir/$(basename "$f")"

@@ -68,7 +68,7 @@ while [[ $# -gt 0 ]]; do
   case $phase in
     tests)
       echo "## tests" | tee -a "$OUT/tests.txt"
-      for t in ${TESTS:-device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test miss_plan_test step_floor_test quantization_test grpc_wire_test shared_host_copy_test sliced_experts_test tensor_parallel_test nccl_group_test}; do
+      for t in ${TESTS:-device_backend_test graph_capture_test attention_test dispatcher_test worker_test system_test coordinator_process_test expert_cache_test kernel_test core_test expert_server_test shm_segment_test transport_test cost_model_test hardening_test miss_plan_test step_floor_test quantization_test grpc_wire_test shared_host_copy_test sliced_experts_test tensor_parallel_test nccl_group_test model_identity_test cache_replay_test coordinator_test metrics_test}; do
         [[ -x $B/bin/$t ]] || continue
         timeout 300 "$B/bin/$t" > "/tmp/$t.log" 2>&1
         rc=$?
