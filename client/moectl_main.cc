@@ -135,6 +135,35 @@ struct Context {
   }
 };
 
+// What each worker's planner learned (its last heartbeat's rates), one row per
+// worker that reported them.
+void PrintPlannerRates(const moe::v1::StatusResponse& r) {
+  Table p({"WORKER", "PLANNER", "COPY MS/EXPERT", "CPU MS/EXPERT", "CPU MS/CALL", "DEVICE MS/ROW",
+           "COPY DELAY MS", "COPYING CALLS", "VETOED SHAPES"});
+  bool any = false;
+  for (const auto& x : r.workers()) {
+    const auto& m = x.planner_rates();
+    if (m.empty()) continue;
+    any = true;
+    auto ms = [&m](const char* key) {
+      auto it = m.find(key);
+      return it == m.end() ? std::string("-") : absl::StrFormat("%.3f", it->second * 1e3);
+    };
+    auto count = [&m](const char* key) {
+      auto it = m.find(key);
+      return it == m.end() ? std::string("-") : absl::StrCat(static_cast<uint64_t>(it->second));
+    };
+    const bool measured = m.count("measured") && m.at("measured") > 0;
+    p.Add({x.worker_id(), measured ? "measured" : "priors", ms("copy_seconds"), ms("cpu_expert_seconds"),
+           ms("cpu_call_seconds"), ms("device_row_seconds"), ms("copy_delay_seconds"), count("copy_calls_observed"),
+           count("vetoed_call_shapes")});
+  }
+  if (any) {
+    std::printf("\n");
+    p.Print();
+  }
+}
+
 void Status(Context& c) {
   grpc::ClientContext ctx;
   c.Deadline(ctx);
@@ -164,31 +193,7 @@ void Status(Context& c) {
     std::printf("no workers\n");
   } else {
     w.Print();
-    // What each worker's planner learned (its last heartbeat's rates).
-    Table p({"WORKER", "PLANNER", "COPY MS/EXPERT", "CPU MS/EXPERT", "CPU MS/CALL", "DEVICE MS/ROW",
-             "COPY DELAY MS", "COPYING CALLS", "VETOED SHAPES"});
-    bool any = false;
-    for (const auto& x : r.workers()) {
-      const auto& m = x.planner_rates();
-      if (m.empty()) continue;
-      any = true;
-      auto ms = [&m](const char* key) {
-        auto it = m.find(key);
-        return it == m.end() ? std::string("-") : absl::StrFormat("%.3f", it->second * 1e3);
-      };
-      auto count = [&m](const char* key) {
-        auto it = m.find(key);
-        return it == m.end() ? std::string("-") : absl::StrCat(static_cast<uint64_t>(it->second));
-      };
-      const bool measured = m.count("measured") && m.at("measured") > 0;
-      p.Add({x.worker_id(), measured ? "measured" : "priors", ms("copy_seconds"), ms("cpu_expert_seconds"),
-             ms("cpu_call_seconds"), ms("device_row_seconds"), ms("copy_delay_seconds"), count("copy_calls_observed"),
-             count("vetoed_call_shapes")});
-    }
-    if (any) {
-      std::printf("\n");
-      p.Print();
-    }
+    PrintPlannerRates(r);
   }
   std::printf("\n");
   Table s({"SERVER", "STATE", "ADDRESS", "SHM", "NUMA", "LAYERS", "EXPERTS", "SLICE", "IN FLIGHT", "HEARTBEAT"});

@@ -697,6 +697,34 @@ moe::v1::PolicyParameters Coordinator::PolicyProtoLocked() const {
   return p;
 }
 
+void Coordinator::FillWorkerStatusLocked(const std::string& id, const WorkerEntry& w, double now,
+                                         moe::v1::WorkerStatus* ws) const {
+  ws->set_worker_id(id);
+  ws->set_state(w.up ? "up" : "down");
+  ws->set_address(w.caps.address());
+  ws->set_hostname(w.caps.hostname());
+  ws->set_slots_per_layer(w.caps.slots_per_layer());
+  ws->set_tp_rank(w.caps.tp_rank());
+  ws->set_tp_size(w.caps.tp_size());
+  ws->set_cached_layers(static_cast<uint32_t>(std::count(w.cached.begin(), w.cached.end(), true)));
+  ws->set_expert_bytes(w.caps.expert_bytes());
+  ws->set_gpu_memory_bytes(w.caps.gpu_memory_bytes());
+  ws->set_assigned_version(w.version);
+  ws->set_acked_version(w.acked);
+  ws->set_seconds_since_heartbeat(now - w.last_heartbeat);
+  ws->set_copies_issued(w.copies_issued);
+  ws->set_bytes_issued(w.bytes_issued);
+  ws->mutable_planner_rates()->insert(w.planner_rates.begin(), w.planner_rates.end());
+  if (const DecayedCounts* own = popularity_->worker(id); own != nullptr) {
+    double hits = 0, pairs = 0;
+    for (int l = 0; l < registry_->num_layers(); ++l) {
+      hits += own->LayerHits(l, now);
+      pairs += own->LayerPairs(l, now);
+    }
+    ws->set_hit_rate(pairs > 0 ? hits / pairs : 0.0);
+  }
+}
+
 moe::v1::StatusResponse Coordinator::Status() {
   std::lock_guard<std::mutex> lock(mu_);
   const double now = Now();
@@ -711,33 +739,7 @@ moe::v1::StatusResponse Coordinator::Status() {
   if (registry_ == nullptr) return r;
   r.set_num_layers(registry_->num_layers());
   r.set_num_experts(registry_->num_experts());
-  for (const auto& [id, w] : registry_->workers()) {
-    moe::v1::WorkerStatus* ws = r.add_workers();
-    ws->set_worker_id(id);
-    ws->set_state(w.up ? "up" : "down");
-    ws->set_address(w.caps.address());
-    ws->set_hostname(w.caps.hostname());
-    ws->set_slots_per_layer(w.caps.slots_per_layer());
-    ws->set_tp_rank(w.caps.tp_rank());
-    ws->set_tp_size(w.caps.tp_size());
-    ws->set_cached_layers(static_cast<uint32_t>(std::count(w.cached.begin(), w.cached.end(), true)));
-    ws->set_expert_bytes(w.caps.expert_bytes());
-    ws->set_gpu_memory_bytes(w.caps.gpu_memory_bytes());
-    ws->set_assigned_version(w.version);
-    ws->set_acked_version(w.acked);
-    ws->set_seconds_since_heartbeat(now - w.last_heartbeat);
-    ws->set_copies_issued(w.copies_issued);
-    ws->set_bytes_issued(w.bytes_issued);
-    ws->mutable_planner_rates()->insert(w.planner_rates.begin(), w.planner_rates.end());
-    if (const DecayedCounts* own = popularity_->worker(id); own != nullptr) {
-      double hits = 0, pairs = 0;
-      for (int l = 0; l < registry_->num_layers(); ++l) {
-        hits += own->LayerHits(l, now);
-        pairs += own->LayerPairs(l, now);
-      }
-      ws->set_hit_rate(pairs > 0 ? hits / pairs : 0.0);
-    }
-  }
+  for (const auto& [id, w] : registry_->workers()) FillWorkerStatusLocked(id, w, now, r.add_workers());
   for (const auto& [id, s] : registry_->servers()) {
     moe::v1::ServerStatus* ss = r.add_servers();
     ss->set_server_id(id);

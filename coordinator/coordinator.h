@@ -113,6 +113,9 @@ class Coordinator {
   // OK when `peer` may hold one more worker (or server) registration, making
   // room by forgetting its longest-silent down one; ResourceExhausted otherwise.
   absl::Status MakeRoomLocked(bool worker, const std::string& peer);
+  // One worker's row of Status().
+  void FillWorkerStatusLocked(const std::string& id, const WorkerEntry& w, double now,
+                              moe::v1::WorkerStatus* ws) const;
   void ForgetLocked(bool worker, const std::string& id);
   // Forgets the peers silent for longer than purge_after_seconds.
   void PurgeLocked(double now);
