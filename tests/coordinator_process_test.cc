@@ -587,17 +587,8 @@ TEST(CoordinatorProcess, RegistrationsPerLocalUserAreCappedAndPurgedWithTheirSer
   EXPECT_LE(nlohmann::json::parse(status.out)["workers"].size(), 64u);
   int others = 0;
   if (geteuid() == 0) {  // a second local user, by re-running this binary as uid 65534
-    const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-    const std::string env_addr = "MOE_TEST_COORDINATOR=" + addr;
-    const char* argv[] = {self.c_str(), "--gtest_also_run_disabled_tests",
-                          "--gtest_filter=CoordinatorProcess.DISABLED_RegistersTenWorkersAsThisUid", nullptr};
-    const char* envp[] = {env_addr.c_str(), nullptr};
-    const pid_t pid = fork();
-    if (pid == 0) {
-      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(254);
-      execve(self.c_str(), const_cast<char* const*>(argv), const_cast<char* const*>(envp));
-      _exit(127);
-    }
+    const pid_t pid = testing::RunThisTestAsOtherUser("CoordinatorProcess.DISABLED_RegistersTenWorkersAsThisUid",
+                                                      {"MOE_TEST_COORDINATOR=" + addr});
     ASSERT_GT(pid, 0);
     int st = 0;
     ASSERT_EQ(waitpid(pid, &st, 0), pid);

@@ -1083,24 +1083,13 @@ TEST_F(SystemTest, SoakWithServerKillsAndCoordinatorRestart) {
   pid_t round_four = -1;
   const uint64_t coordinator_rss_before = OwnRssKib(coord_.proc->pid());
   if (geteuid() == 0) {
-    const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-    const std::vector<std::string> env = {
-        "MOE_HOSTILE_COORDINATOR=" + coord_.addr,
-        absl::StrCat("MOE_HOSTILE_METRICS_PORTS=", coord_.metrics_port, ",", servers_[0].metrics_port, ",",
-                     servers_[1].metrics_port, ",", workers_[0].metrics_port),
-        "MOE_HOSTILE_SHM=" + sockets_[0] + "," + sockets_[1],
-        absl::StrCat("MOE_HOSTILE_SECONDS=", 2.5 * segment.count() / 1000.0)};
-    const char* argv[] = {self.c_str(), "--gtest_also_run_disabled_tests",
-                          "--gtest_filter=HostileNeighbour.DISABLED_RoundFourAttacksAsThisUid", nullptr};
-    std::vector<const char*> envp;
-    for (const std::string& e : env) envp.push_back(e.c_str());
-    envp.push_back(nullptr);
-    round_four = fork();
-    if (round_four == 0) {
-      if (setgid(65534) != 0 || setuid(65534) != 0) _exit(254);
-      execve(self.c_str(), const_cast<char* const*>(argv), const_cast<char* const*>(envp.data()));
-      _exit(127);
-    }
+    round_four = testing::RunThisTestAsOtherUser(
+        "HostileNeighbour.DISABLED_RoundFourAttacksAsThisUid",
+        {"MOE_HOSTILE_COORDINATOR=" + coord_.addr,
+         absl::StrCat("MOE_HOSTILE_METRICS_PORTS=", coord_.metrics_port, ",", servers_[0].metrics_port, ",",
+                      servers_[1].metrics_port, ",", workers_[0].metrics_port),
+         "MOE_HOSTILE_SHM=" + sockets_[0] + "," + sockets_[1],
+         absl::StrCat("MOE_HOSTILE_SECONDS=", 2.5 * segment.count() / 1000.0)});
     ASSERT_GT(round_four, 0);
   }
   std::atomic<bool> stop_health{false};

@@ -108,6 +108,24 @@ std::string HttpGet(int port, const std::string& path, int timeout_ms) {
   return out;
 }
 
+pid_t RunThisTestAsOtherUser(const std::string& filter, const std::vector<std::string>& extra_env) {
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  const std::string filter_arg = "--gtest_filter=" + filter;
+  const char* argv[] = {self.c_str(), "--gtest_also_run_disabled_tests", filter_arg.c_str(), nullptr};
+  // Everything built before fork: the child of a threaded process only makes system calls.
+  std::vector<const char*> envp;
+  for (char** e = environ; *e != nullptr; ++e) envp.push_back(*e);
+  for (const std::string& e : extra_env) envp.push_back(e.c_str());
+  envp.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(254);
+    execve(self.c_str(), const_cast<char* const*>(argv), const_cast<char* const*>(envp.data()));
+    _exit(127);
+  }
+  return pid;
+}
+
 int SlowLoris(int port, int n, std::chrono::milliseconds every, std::chrono::milliseconds how_long) {
   constexpr int kMax = 64;
   n = std::min(std::max(n, 0), kMax);

@@ -70,6 +70,13 @@ int SlowLoris(int port, int n, std::chrono::milliseconds every, std::chrono::mil
 // SlowLoris's result, 254 when it could not change its uid.
 pid_t SlowLorisChild(int port, int n, std::chrono::milliseconds every, std::chrono::milliseconds how_long);
 
+// Runs this test binary again as uid/gid 65534 (a second local user; call
+// only as root) with --gtest_filter=`filter` (disabled tests allowed), this
+// process's environment (LD_LIBRARY_PATH and the like) plus `extra_env`
+// ("NAME=value"). Returns the child's pid (-1 when fork fails); its exit
+// status is the test's, 254 when it could not change its uid.
+pid_t RunThisTestAsOtherUser(const std::string& filter, const std::vector<std::string>& extra_env);
+
 // A free loopback TCP port below the kernel's ephemeral range
 // (/proc/sys/net/ipv4/ip_local_port_range), for a listener that a test kills
 // and restarts on the same port: a port from bind(0) lies in the ephemeral
