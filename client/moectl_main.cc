@@ -174,7 +174,8 @@ void Status(Context& c) {
   if (r.num_layers() == 0) {
     std::printf("no worker or expert server has registered yet\n");
   } else {
-    std::printf("model %u layers x %u experts; overall hit rate %s\n", r.num_layers(), r.num_experts(),
+    std::printf("model %u layers x %u experts%s; overall hit rate %s\n", r.num_layers(), r.num_experts(),
+                r.model_identity().empty() ? "" : absl::StrCat(", identity ", r.model_identity()).c_str(),
                 Percent(r.overall_hit_rate()).c_str());
   }
   std::printf("placement %s, half-life %g s, rebalance every %g s (%llu so far), copy budget %g GB/s\n",

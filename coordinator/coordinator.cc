@@ -739,6 +739,13 @@ moe::v1::StatusResponse Coordinator::Status() {
   if (registry_ == nullptr) return r;
   r.set_num_layers(registry_->num_layers());
   r.set_num_experts(registry_->num_experts());
+  // One model (CheckModelLocked): any live peer that reported it names it.
+  for (const auto& [id, s] : registry_->servers())
+    if (s.up && s.caps.model_identity() != 0 && r.model_identity().empty())
+      r.set_model_identity(ModelIdentity{s.caps.model_identity(), s.caps.model_path()}.ToString());
+  for (const auto& [id, w] : registry_->workers())
+    if (w.up && w.caps.model_identity() != 0 && r.model_identity().empty())
+      r.set_model_identity(ModelIdentity{w.caps.model_identity(), w.caps.model_path()}.ToString());
   for (const auto& [id, w] : registry_->workers()) FillWorkerStatusLocked(id, w, now, r.add_workers());
   for (const auto& [id, s] : registry_->servers()) {
     moe::v1::ServerStatus* ss = r.add_servers();

@@ -567,8 +567,9 @@ TEST_F(SystemTest, SkewedTrafficMovesPlacementTowardHotExperts) {
     for (const auto& w : j.value("workers", nlohmann::json::array()))
       with_rates += w.contains("planner_rates") && w["planner_rates"].contains("copy_seconds") &&
                     w["planner_rates"].contains("vetoed_call_shapes");
-    return with_rates == 2;
-  }, 10s)) << "the workers' planner rates never reached the coordinator: " << last_status_;
+    // And the model every peer serves, by identity (issue 47 point 1).
+    return with_rates == 2 && j.value("model_identity", std::string()).find(kModel) != std::string::npos;
+  }, 10s)) << "the workers' planner rates or the model's identity never reached the coordinator: " << last_status_;
 
   // Skewed traffic until both workers cache every layer's hot experts and the
   // last rounds' hit share is above 50% on both (bounded).
