@@ -859,6 +859,57 @@ TEST_P(DispatcherTest, DevicePointersOnTheCudaBackend) {
   EXPECT_TRUE(absl::IsInvalidArgument(d->LastDeviceCall(-1).status()));
 }
 
+// Issue 43 point 4: one plan, two executors. The same decode-shaped calls,
+// once from host memory (the host executor) and once from device pointers
+// (the device executor, device-planned: the GPU logs its split), carry out
+// the same split — the same hit, CPU and copied pairs and experts — with
+// misses never copied and always copied, and give the reference's output.
+TEST_P(DispatcherTest, BothExecutorsCarryOutTheSamePlan) {
+  if (backend_name() != "cuda") GTEST_SKIP() << "the device executor needs the cuda backend";
+  for (const CopyMode mode : {CopyMode::kNever, CopyMode::kAlways}) {
+    SCOPED_TRACE(mode == CopyMode::kNever ? "copy mode never" : "copy mode always");
+    DispatcherConfig c = StaticConfig(3);
+    c.copy_mode = mode;
+    c.admissions_per_call = 0;
+    std::unique_ptr<LayerDispatcher> d = Make(c);
+    ASSERT_NE(d, nullptr);
+    ASSERT_TRUE(Place(*d, 2, {1, 4, 6}));
+    for (int T : {1, 2}) {
+      Batch b = RandomBatch(T, 3, AllExperts(), 300 + T);
+      std::vector<bf16_t> host_out;
+      CallStats host;
+      ASSERT_TRUE(d->Forward(Call(2, b, &host_out), &host).ok());
+      testing::DeviceCall dev(b.x, b.ids, b.w);
+      ASSERT_TRUE(dev.ok());
+      std::vector<bf16_t> unused;
+      LayerCall call = Call(2, b, &unused);
+      call.batch.tokens = dev.x();
+      call.batch.routing.ids = dev.ids();
+      call.batch.routing.weights = dev.weights();
+      call.out = dev.out();
+      call.kind = MemoryKind::kDevice;
+      CallStats device;
+      ASSERT_TRUE(d->Forward(call, &device).ok());
+      const std::vector<bf16_t> device_out = dev.Output();
+      absl::StatusOr<CallStats> logged = d->LastDeviceCall(2);
+      ASSERT_TRUE(logged.ok()) << "the device call was not device-planned: " << logged.status();
+      SCOPED_TRACE(absl::StrCat("T=", T));
+      EXPECT_EQ(host.hit_pairs, device.hit_pairs);
+      EXPECT_EQ(host.cpu_pairs, device.cpu_pairs);
+      EXPECT_EQ(host.cpu_experts, device.cpu_experts);
+      EXPECT_EQ(host.copied_pairs, device.copied_pairs);
+      EXPECT_EQ(host.copied_experts, device.copied_experts);
+      EXPECT_EQ(logged->hit_pairs, device.hit_pairs);
+      EXPECT_EQ(logged->cpu_pairs, device.cpu_pairs);
+      EXPECT_EQ(logged->copied_pairs, device.copied_pairs);
+      if (mode == CopyMode::kNever) EXPECT_EQ(host.copied_pairs, 0);
+      if (mode == CopyMode::kAlways) EXPECT_EQ(host.cpu_pairs, 0);
+      EXPECT_LE(Error(2, b, host_out), 1e-2);
+      EXPECT_LE(Error(2, b, device_out), 1e-2);
+    }
+  }
+}
+
 // Decode on the eager device path: the admissions for the next layer are
 // planned from the routing the call's plan kernel logs and their copies start
 // while the call still runs (the server is stopped for 150 ms in the last
