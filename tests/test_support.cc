@@ -13,6 +13,8 @@
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <cstdlib>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -108,8 +110,33 @@ std::string HttpGet(int port, const std::string& path, int timeout_ms) {
   return out;
 }
 
+namespace {
+// A copy of this test binary that another uid can run: the build tree may lie
+// where it cannot (a checkout under /root, mode 0700, as in fresh-check's
+// chroot: the re-exec failed with exit 127). The tests link only system
+// libraries. Removed when this process exits.
+std::string CopyOfThisBinaryForOthers() {
+  static const std::string copy = [] {
+    char dir[] = "/tmp/moe-other-uid-XXXXXX";
+    if (mkdtemp(dir) == nullptr || chmod(dir, 0755) != 0) return std::string();
+    const std::string path = std::string(dir) + "/test";
+    std::error_code ec;
+    std::filesystem::copy_file("/proc/self/exe", path, ec);
+    if (ec || chmod(path.c_str(), 0755) != 0) return std::string();
+    static const std::string to_remove = dir;
+    std::atexit([] {
+      std::error_code ignored;
+      std::filesystem::remove_all(to_remove, ignored);
+    });
+    return path;
+  }();
+  return copy;
+}
+}  // namespace
+
 pid_t RunThisTestAsOtherUser(const std::string& filter, const std::vector<std::string>& extra_env) {
-  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  const std::string copy = CopyOfThisBinaryForOthers();
+  const std::string self = copy.empty() ? std::filesystem::read_symlink("/proc/self/exe").string() : copy;
   const std::string filter_arg = "--gtest_filter=" + filter;
   const char* argv[] = {self.c_str(), "--gtest_also_run_disabled_tests", filter_arg.c_str(), nullptr};
   // Everything built before fork: the child of a threaded process only makes system calls.
