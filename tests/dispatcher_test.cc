@@ -152,6 +152,17 @@ class DispatcherTest : public ::testing::TestWithParam<Param> {
     return c;
   }
 
+#ifdef MOE_HAVE_CUDA
+  // `b` as a call on device pointers: dev's copies of its tensors.
+  static LayerCall DeviceLayerCall(int layer, const Batch& b, const testing::DeviceCall& dev) {
+    LayerCall c;
+    c.batch = MoeBatch{layer, b.T, dev.x(), RoutingView{b.T, b.k, dev.ids(), dev.weights()}};
+    c.out = dev.out();
+    c.kind = MemoryKind::kDevice;
+    return c;
+  }
+#endif
+
   static ModelSource* source_;
   static ReferenceMoe* reference_;
   TempDir dir_;
@@ -832,14 +843,8 @@ TEST_P(DispatcherTest, DevicePointersOnTheCudaBackend) {
     testing::DeviceCall dev(b.x, b.ids, b.w);
     ASSERT_TRUE(dev.ok());
     std::vector<bf16_t> out;
-    LayerCall call = Call(2, b, &out);
-    call.batch.tokens = dev.x();
-    call.batch.routing.ids = dev.ids();
-    call.batch.routing.weights = dev.weights();
-    call.out = dev.out();
-    call.kind = MemoryKind::kDevice;
     CallStats st;
-    absl::Status s = d->Forward(call, &st);
+    absl::Status s = d->Forward(DeviceLayerCall(2, b, dev), &st);
     ASSERT_TRUE(s.ok()) << s;
     out = dev.Output();
     EXPECT_LE(Error(2, b, out), 1e-2) << "T=" << T;
@@ -881,15 +886,8 @@ TEST_P(DispatcherTest, BothExecutorsCarryOutTheSamePlan) {
       ASSERT_TRUE(d->Forward(Call(2, b, &host_out), &host).ok());
       testing::DeviceCall dev(b.x, b.ids, b.w);
       ASSERT_TRUE(dev.ok());
-      std::vector<bf16_t> unused;
-      LayerCall call = Call(2, b, &unused);
-      call.batch.tokens = dev.x();
-      call.batch.routing.ids = dev.ids();
-      call.batch.routing.weights = dev.weights();
-      call.out = dev.out();
-      call.kind = MemoryKind::kDevice;
       CallStats device;
-      ASSERT_TRUE(d->Forward(call, &device).ok());
+      ASSERT_TRUE(d->Forward(DeviceLayerCall(2, b, dev), &device).ok());
       const std::vector<bf16_t> device_out = dev.Output();
       absl::StatusOr<CallStats> logged = d->LastDeviceCall(2);
       ASSERT_TRUE(logged.ok()) << "the device call was not device-planned: " << logged.status();
@@ -940,14 +938,7 @@ TEST_P(DispatcherTest, DevicePathStartsAdmissionsWhileTheCallRuns) {
   auto forward = [&](int layer, const Batch& b, CallStats* st) {
     testing::DeviceCall dev(b.x, b.ids, b.w);
     EXPECT_TRUE(dev.ok());
-    std::vector<bf16_t> out;
-    LayerCall call = Call(layer, b, &out);
-    call.batch.tokens = dev.x();
-    call.batch.routing.ids = dev.ids();
-    call.batch.routing.weights = dev.weights();
-    call.out = dev.out();
-    call.kind = MemoryKind::kDevice;
-    absl::Status s = d->Forward(call, st);
+    absl::Status s = d->Forward(DeviceLayerCall(layer, b, dev), st);
     EXPECT_TRUE(s.ok()) << s;
     EXPECT_LE(Error(layer, b, dev.Output()), 1e-2) << "layer " << layer;
   };
