@@ -53,6 +53,11 @@ struct CoordinatorOptions {
   std::function<double()> clock;          // default: steady clock in seconds
 };
 
+// Every index < limit and no repeats; InvalidArgument naming field[i]
+// otherwise (the requests' layer and expert lists).
+absl::Status CheckIndexes(const google::protobuf::RepeatedField<uint32_t>& v, uint32_t limit,
+                          const std::string& field);
+
 class Coordinator {
  public:
   // Loads the state file (a malformed one is an error naming it).
