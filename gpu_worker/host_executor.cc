@@ -168,7 +168,7 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
   in.num_servers = static_cast<int>(m.plan_servers.size());
   in.hit_row_align = backend_->hit_row_align();
   in.copy_mode = config_.copy_mode;
-  in.can_copy = host_ != nullptr && !m.temp_fence.empty();
+  in.can_copy = CanCopyMisses();
   in.copy_min_tokens = config_.copy_min_tokens;
   return planner_.PlanCall(in, &m.plan);
 }

@@ -304,6 +304,10 @@ absl::Status LayerDispatcher::ConnectServers() {
 // whole holder, a share with no holder): the servers cannot compute them, so
 // their misses go to the device copies, or fail without a host copy. An
 // operator who started `--slice 0/2` alone hears it at the start.
+// Misses can be copied to the device for the call: a host copy and
+// temporary buffers to copy them into.
+bool LayerDispatcher::CanCopyMisses() const { return host_ != nullptr && !impl_->temp_fence.empty(); }
+
 void LayerDispatcher::WarnOfIncompleteSlices() const {
   const std::vector<Server>& servers = impl_->servers;
   std::vector<PlanServer> up(servers.size());
@@ -323,7 +327,7 @@ void LayerDispatcher::WarnOfIncompleteSlices() const {
   if (!partial.empty())
     LogWarning("worker", "servers: experts [", FormatIndexList(partial), "] are held only in part (e.g. slices ",
                shares, " of expert ", partial.front(), ") by the reachable servers: no server can compute them; "
-               "their misses go to ", host_ != nullptr && config_.copy_fallback ? "device copies" : "nowhere (fail)",
+               "their misses go to ", CanCopyMisses() ? "device copies" : "nowhere (fail)",
                " until the missing slices' servers answer");
 }
 

@@ -316,6 +316,7 @@ class LayerDispatcher {
   void SizeMissBuffers(size_t expert_bytes);
   absl::Status ConnectServers();
   void WarnOfIncompleteSlices() const;
+  bool CanCopyMisses() const;
   absl::Status AllocateContexts();
   absl::Status CreateAdmission();
   // The start-up probes (rate_probes.h) into planner_.rates().
