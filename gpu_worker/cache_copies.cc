@@ -205,9 +205,8 @@ absl::Status LayerDispatcher::HintRouterLogits(int layer, int T, int k, const fl
 
 // Cache admissions after a call: predictive prefetches the next layers'
 // predicted experts; lru/lfru admit this call's misses.
-absl::Status LayerDispatcher::StartAdmissions(int ticket) {
+absl::Status LayerDispatcher::StartAdmissions(InFlightCall& ctx) {
   Impl& m = *impl_;
-  InFlightCall& ctx = m.contexts[ticket];
   const int layer = ctx.call.batch.layer;
   if (planner_.admission() != nullptr && host_ != nullptr && config_.copy_mode != CopyMode::kAlways) {
     const PredictionQuality before = planner_.admission()->predictor().quality(layer);
@@ -225,8 +224,8 @@ absl::Status LayerDispatcher::StartAdmissions(int ticket) {
     // the compute recorded so far, so slots of earlier calls are read first).
     MOE_RETURN_IF_ERROR(StartPlannedCopies(planned));
   } else if (host_ != nullptr && config_.policy != CachePolicy::kStatic && planner_.admission() == nullptr &&
-             config_.copy_mode != CopyMode::kAlways && !m.plan.missed.empty() && config_.admissions_per_call > 0) {
-    std::vector<SlotCopy> copies = cache_->PlanAdmissions(layer, m.plan.missed, config_.admissions_per_call);
+             config_.copy_mode != CopyMode::kAlways && !ctx.plan.missed.empty() && config_.admissions_per_call > 0) {
+    std::vector<SlotCopy> copies = cache_->PlanAdmissions(layer, ctx.plan.missed, config_.admissions_per_call);
     MOE_RETURN_IF_ERROR(StartSlotCopies(layer, copies));
   }
   return absl::OkStatus();

@@ -75,9 +75,17 @@ struct SentBatch {
   std::future<absl::Status> done;
 };
 
+// One layer call from its plan to its merge: Submit plans it (its MissPlan),
+// the host executor carries the plan out (its sent batches, copies and
+// launches), and Complete combines the partial sums and times the outcome.
+// The dispatcher keeps `contexts` of them and reuses their buffers; `context`
+// is the call's index there, which the backend's per-call buffers
+// (DeviceBackend::BeginCall) and the engine's ticket are.
 struct InFlightCall {
+  int context = 0;
   bool busy = false;
   LayerCall call;
+  MissPlan plan;                 // Submit's split of this call
   Clock::time_point deadline;
   std::vector<int32_t> ids;      // host routing [T, k]
   std::vector<float> weights;
@@ -93,11 +101,6 @@ struct InFlightCall {
   std::vector<CopyLaunch> copy_launches;  // the call's launches of copied experts, timed at Complete
   Clock::time_point submitted{};
   double device_prior_s = -1;  // prior device time of a hits-only call (-1: the call is not one)
-  // The plan's copy-instead decision (MissPlan::outcome_bucket, -1: none),
-  // timed at Complete for the planner's CopyOutcomes.
-  int outcome_bucket = -1;
-  CopyChoice outcome_choice = CopyChoice::kModel;
-  int missed_experts = 0;        // the plan's (CopyOverlap's shape)
   bool beside_copies = false;    // cache copies were on the link when it was submitted
 };
 
@@ -148,8 +151,7 @@ struct LayerDispatcher::Impl {
   std::vector<int> prefetch_order;               // StartPrefetch: ChoosePrefetch's choice (scratch)
   ExpertGroups prefetch_groups;                  // RunHits: the prefetched experts' launch
   std::vector<int32_t> prefetch_launch_buffers;  // its buffer per group
-  // Split scratch: the plan of the call being submitted and its inputs.
-  MissPlan plan;
+  // Split scratch: the inputs of the plan of the call being submitted.
   std::vector<int32_t> slot_buffer;     // per expert: the buffer of its Ready slot, or -1
   std::vector<float> masked_logits;     // HintRouterLogits in a group: other ranks' experts out
   std::vector<PlanServer> plan_servers;

@@ -30,13 +30,13 @@ absl::Status GrowHostBuffers(DeviceBackend& backend, int hidden, InFlightCall& c
 absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   const Clock::time_point t_start = Clock::now();
   Impl& m = *impl_;
-  MOE_ASSIGN_OR_RETURN(const int ticket, FreeContext());
+  MOE_ASSIGN_OR_RETURN(InFlightCall * free, FreeContext());
+  InFlightCall& ctx = *free;
   // Validation: nothing is touched before the call is known to be sound.
   MOE_RETURN_IF_ERROR(CheckCall(call));
   // The engine's earlier work on its stream (which produced hidden/routing)
   // comes before ours: an event wait, no host sync of that stream.
   MOE_RETURN_IF_ERROR(backend_->WaitStream(call.stream));
-  InFlightCall& ctx = m.contexts[ticket];
   MOE_RETURN_IF_ERROR(CopyRouting(call, ctx.ids, ctx.weights));
   const int T = call.batch.n, k = std::max(call.batch.routing.k, 1);
   const RoutingView routing{T, k, ctx.ids.data(), ctx.weights.data()};
@@ -48,35 +48,32 @@ absl::StatusOr<int> LayerDispatcher::Submit(const LayerCall& call) {
   PollCopies();
   planner_.CallStarted();  // the link's idle window since the last call's own copies
   ctx.stats = CallStats{};
-  MOE_RETURN_IF_ERROR(PlanCall(call.batch.layer, routing));
+  MOE_RETURN_IF_ERROR(PlanCall(call.batch.layer, routing, ctx.plan));
 
-  MOE_RETURN_IF_ERROR(backend_->BeginCall(ticket, T, call.batch.tokens, call.kind));
+  MOE_RETURN_IF_ERROR(backend_->BeginCall(ctx.context, T, call.batch.tokens, call.kind));
   ctx.busy = true;
   ctx.call = call;
   ctx.submitted = t_start;
   ctx.device_prior_s = -1;
-  ctx.outcome_bucket = m.plan.outcome_bucket;
-  ctx.outcome_choice = m.plan.outcome_choice;
-  ctx.missed_experts = static_cast<int>(m.plan.missed.size());
   ctx.beside_copies = !m.pending.empty();
   // Hits only (none prefetched, whose copies the call may wait for): the device time is the call's time.
-  if (m.plan.missed.empty() && planner_.rates().measured && m.prefetch[call.batch.layer & 1].layer != call.batch.layer) {
+  if (ctx.plan.missed.empty() && planner_.rates().measured && m.prefetch[call.batch.layer & 1].layer != call.batch.layer) {
     ctx.device_prior_s = 0;
-    for (int e : m.plan.accessed) ctx.device_prior_s += planner_.rates().DevicePrior(m.plan.hit_pairs[e]);
+    for (int e : ctx.plan.accessed) ctx.device_prior_s += planner_.rates().DevicePrior(ctx.plan.hit_pairs[e]);
   }
   ctx.deadline = t_start + (call.deadline.count() > 0 ? call.deadline : config_.deadline);
   ctx.sent.clear();
-  if (absl::Status st = Dispatch(ticket); !st.ok()) {
-    Abort(ticket);
+  if (absl::Status st = Dispatch(ctx); !st.ok()) {
+    Abort(ctx);
     return st;
   }
   ctx.stats.submit_seconds = Seconds(Clock::now() - t_start);
-  return ticket;
+  return ctx.context;
 }
 
-absl::StatusOr<int> LayerDispatcher::FreeContext() const {
-  for (size_t i = 0; i < impl_->contexts.size(); ++i)
-    if (!impl_->contexts[i].busy) return static_cast<int>(i);
+absl::StatusOr<InFlightCall*> LayerDispatcher::FreeContext() {
+  for (InFlightCall& c : impl_->contexts)
+    if (!c.busy) return &c;
   return absl::ResourceExhaustedError(
       absl::StrCat("contexts: ", impl_->contexts.size(), " calls already in flight"));
 }
@@ -118,10 +115,10 @@ absl::Status LayerDispatcher::CopyRouting(const LayerCall& call, std::vector<int
   return absl::OkStatus();
 }
 
-// The split of a validated routing of `layer` (PlanMisses) into impl_->plan,
+// The split of a validated routing of `layer` (PlanMisses) into `plan`,
 // against the slot map and the servers as they are now. Servers due a retry
 // are reconnected first when the call has misses.
-absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
+absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing, MissPlan& plan) {
   Impl& m = *impl_;
   const int E = spec_.num_experts;
   for (int e = 0; e < E; ++e) {
@@ -170,77 +167,75 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing) {
   in.copy_mode = config_.copy_mode;
   in.can_copy = CanCopyMisses();
   in.copy_min_tokens = config_.copy_min_tokens;
-  return planner_.PlanCall(in, &m.plan);
+  return planner_.PlanCall(in, &plan);
 }
 
 // Ships the CPU misses, enqueues the hits, the copied experts and the cache
 // admissions of a call whose routing Submit has planned.
-absl::Status LayerDispatcher::Dispatch(int ticket) {
+absl::Status LayerDispatcher::Dispatch(InFlightCall& ctx) {
   Impl& m = *impl_;
-  InFlightCall& ctx = m.contexts[ticket];
   const int layer = ctx.call.batch.layer;
   // 1. The CPU misses, per server, before any device compute is enqueued.
-  MOE_RETURN_IF_ERROR(ShipMisses(ticket));
+  MOE_RETURN_IF_ERROR(ShipMisses(ctx));
   // 2. Hits: one grouped launch over the cached experts, then one over the
   // experts prefetched for this call, after their copies (RunHits).
   const int parity = layer & 1;
   const bool prefetched = m.prefetch[parity].layer == layer;
-  const absl::Status hits = RunHits(ticket);
+  const absl::Status hits = RunHits(ctx);
   if (prefetched) ReleasePrefetch(parity, true);
   MOE_RETURN_IF_ERROR(hits);
   // 3. Bookkeeping.
   m.access_pairs.clear();
-  for (int e : m.plan.accessed) m.access_pairs.push_back(m.plan.hit_pairs[e] + m.plan.miss_pairs[e]);
-  cache_->RecordAccess(layer, m.plan.accessed, m.access_pairs);
+  for (int e : ctx.plan.accessed) m.access_pairs.push_back(ctx.plan.hit_pairs[e] + ctx.plan.miss_pairs[e]);
+  cache_->RecordAccess(layer, ctx.plan.accessed, m.access_pairs);
   std::vector<int32_t>& last = m.last_pairs[layer_index_[layer]];
   std::fill(last.begin(), last.end(), 0);
   int64_t total = 0;
-  for (size_t i = 0; i < m.plan.accessed.size(); ++i) {
-    last[m.plan.accessed[i]] = m.access_pairs[i];
+  for (size_t i = 0; i < ctx.plan.accessed.size(); ++i) {
+    last[ctx.plan.accessed[i]] = m.access_pairs[i];
     total += m.access_pairs[i];
   }
   m.last_total[layer_index_[layer]] = total;
   if (config_.on_access)  // a prefetched expert was not cached: its pairs count as misses
-    for (int e : m.plan.accessed) {
-      if (m.plan.hit_pairs[e] > 0) config_.on_access(layer, e, m.plan.hit_pairs[e], !m.prefetched_now[e]);
-      if (m.plan.miss_pairs[e] > 0) config_.on_access(layer, e, m.plan.miss_pairs[e], false);
+    for (int e : ctx.plan.accessed) {
+      if (ctx.plan.hit_pairs[e] > 0) config_.on_access(layer, e, ctx.plan.hit_pairs[e], !m.prefetched_now[e]);
+      if (ctx.plan.miss_pairs[e] > 0) config_.on_access(layer, e, ctx.plan.miss_pairs[e], false);
     }
   // 4. Copy-instead-of-compute, then the next layer's prefetch behind it on the link.
-  MOE_RETURN_IF_ERROR(ComputeCopies(ticket));
-  if (!m.plan.copy_experts.empty() || prefetched) planner_.OwnCopiesQueued();
-  MOE_ASSIGN_OR_RETURN(const int prefetches, StartPrefetch(ticket));
+  MOE_RETURN_IF_ERROR(ComputeCopies(ctx));
+  if (!ctx.plan.copy_experts.empty() || prefetched) planner_.OwnCopiesQueued();
+  MOE_ASSIGN_OR_RETURN(const int prefetches, StartPrefetch(ctx));
   if (config_.on_activity && (ctx.stats.cpu_pairs > 0 || ctx.stats.copied_pairs > 0)) {
     LayerActivity a;
     a.cpu_pairs = static_cast<uint64_t>(ctx.stats.cpu_pairs);
     a.copied_pairs = static_cast<uint64_t>(ctx.stats.copied_pairs);
     a.prefetched_pairs = static_cast<uint64_t>(ctx.stats.prefetched_pairs);
-    const int link_copies = static_cast<int>(m.plan.copy_experts.size()) + prefetches;
+    const int link_copies = static_cast<int>(ctx.plan.copy_experts.size()) + prefetches;
     a.link_seconds = planner_.rates().measured ? planner_.rates().CopySeconds() * link_copies : 0.0;
     config_.on_activity(layer, a);
   }
   // 5. Admissions for later calls (after the compute above, so an evicted
   // slot is overwritten only once it was read).
-  return StartAdmissions(ticket);
+  return StartAdmissions(ctx);
 }
 
 // Turns the plan's server batches into the call's sent batches and hands them
 // to the transports: gathered straight into the transport's memory (staged)
 // where it has some, else through the context's send buffer.
-absl::Status LayerDispatcher::ShipMisses(int ticket) {
+absl::Status LayerDispatcher::ShipMisses(InFlightCall& ctx) {
   Impl& m = *impl_;
-  InFlightCall& ctx = m.contexts[ticket];
   CallStats& stats = ctx.stats;
   const int H = spec_.hidden;
-  stats.cpu_experts += m.plan.cpu_experts;
-  for (int e : m.plan.missed)  // once per pair, however many slice holders compute a share of it
-    if (m.plan.route_of[e] != 0) stats.cpu_pairs += m.plan.miss_pairs[e];
+  stats.cpu_experts += ctx.plan.cpu_experts;
+  for (int e : ctx.plan.missed)  // once per pair, however many slice holders compute a share of it
+    if (ctx.plan.route_of[e] != 0) stats.cpu_pairs += ctx.plan.miss_pairs[e];
   // A token travels to every server one of its pairs goes to (to each slice
   // holder): the batches' rows may add up to more than the call's tokens.
   size_t rows = 0;
-  for (const ServerBatch& b : m.plan.batches) rows += static_cast<size_t>(b.n);
+  for (const ServerBatch& b : ctx.plan.batches) rows += static_cast<size_t>(b.n);
   if (rows * H > ctx.send.size()) MOE_RETURN_IF_ERROR(GrowHostBuffers(*backend_, H, ctx, rows));
   size_t offset = 0;  // the batch's first row in the call's send/recv buffers
-  for (ServerBatch& b : m.plan.batches) {
+  for (ServerBatch& b : ctx.plan.batches) {
     SentBatch& sh = ctx.sent.emplace_back();
     stats.miss_tokens += b.n;
     stats.bytes_shipped += static_cast<uint64_t>(b.n) * (2 * H * sizeof(bf16_t) + b.k * 8);
@@ -266,7 +261,7 @@ absl::Status LayerDispatcher::ShipMisses(int ticket) {
       }
     }
     if (dst == nullptr) dst = ctx.send.data() + sh.host_offset * H;
-    MOE_RETURN_IF_ERROR(Gather(ticket, sh.batch.rows, dst));
+    MOE_RETURN_IF_ERROR(Gather(ctx, sh.batch.rows, dst));
     if (sh.staged) {
       std::memcpy(sh.stage.expert_ids, sh.batch.ids.data(), sh.batch.ids.size() * sizeof(int32_t));
       std::memcpy(sh.stage.expert_weights, sh.batch.weights.data(), sh.batch.weights.size() * sizeof(float));
@@ -282,19 +277,19 @@ absl::Status LayerDispatcher::ShipMisses(int ticket) {
 }
 
 // The call's rows `rows` gathered into host memory `dst`, complete on return.
-absl::Status LayerDispatcher::Gather(int ticket, const std::vector<int32_t>& rows, bf16_t* dst) {
+absl::Status LayerDispatcher::Gather(InFlightCall& ctx, const std::vector<int32_t>& rows, bf16_t* dst) {
   MOE_ASSIGN_OR_RETURN(const uint64_t f,
-                       backend_->GatherRows(ticket, rows.data(), static_cast<int>(rows.size()), dst));
+                       backend_->GatherRows(ctx.context, rows.data(), static_cast<int>(rows.size()), dst));
   return backend_->WaitCompute(f);
 }
 
 // The plan's copied experts: under copy-every-miss admitted into the cache
 // (the plain LRU offload) and computed from their new slots; the rest through
 // the temporary buffers.
-absl::Status LayerDispatcher::ComputeCopies(int ticket) {
+absl::Status LayerDispatcher::ComputeCopies(InFlightCall& ctx) {
   Impl& m = *impl_;
-  const MissPlan& plan = m.plan;
-  const int layer = m.contexts[ticket].call.batch.layer;
+  const MissPlan& plan = ctx.plan;
+  const int layer = ctx.call.batch.layer;
   // The link starts on them now, while the loops below are still enqueueing
   // (a bf16 call's per-expert cuBLAS launches kept the host here for 4-5 ms
   // at 2048 tokens; timed from the loops' end, the planner's link clock ran
@@ -307,7 +302,7 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
     std::vector<SlotCopy> copies = cache_->PlanAdmissions(layer, copy_list, static_cast<int>(copy_list.size()));
     for (const SlotCopy& copy : copies) {
       absl::StatusOr<uint64_t> f =
-          ComputeCopied(ticket, plan.copies, plan.copy_group(copy.expert), SlotBuffer(layer, copy.slot));
+          ComputeCopied(ctx, plan.copies, plan.copy_group(copy.expert), SlotBuffer(layer, copy.slot));
       if (!f.ok()) {
         cache_->AbortCopy(copy);
         return f.status();
@@ -319,7 +314,7 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
   }
   m.copy_groups.clear();
   for (int e : copy_list) m.copy_groups.push_back(plan.copy_group(e));
-  return ComputeCopiedInBuffers(ticket, plan.copies, m.copy_groups);
+  return ComputeCopiedInBuffers(ctx, plan.copies, m.copy_groups);
 }
 
 // Prefetch, for prompts: a call that moved experts over the link (copied, or
@@ -333,20 +328,19 @@ absl::Status LayerDispatcher::ComputeCopies(int ticket) {
 // size) are at least those of the least-used expert this call moved — an
 // expert the planner would copy too. Decode calls, whose experts the plan
 // leaves to the CPU servers, prefetch nothing. Returns the copies started.
-absl::StatusOr<int> LayerDispatcher::StartPrefetch(int ticket) {
+absl::StatusOr<int> LayerDispatcher::StartPrefetch(InFlightCall& ctx) {
   Impl& m = *impl_;
-  const InFlightCall& ctx = m.contexts[ticket];
   if (!config_.prefetch || m.prefetch_base < 0 || config_.copy_mode != CopyMode::kAuto) return 0;
   int moved = 0;
   int32_t least = std::numeric_limits<int32_t>::max();
-  for (int e : m.plan.copy_experts) {
+  for (int e : ctx.plan.copy_experts) {
     ++moved;
-    least = std::min(least, m.plan.miss_pairs[e]);
+    least = std::min(least, ctx.plan.miss_pairs[e]);
   }
-  for (int e : m.plan.accessed)
-    if (m.prefetched_now[e] && m.plan.hit_pairs[e] > 0) {
+  for (int e : ctx.plan.accessed)
+    if (m.prefetched_now[e] && ctx.plan.hit_pairs[e] > 0) {
       ++moved;
-      least = std::min(least, m.plan.hit_pairs[e]);
+      least = std::min(least, ctx.plan.hit_pairs[e]);
     }
   if (moved == 0) return 0;
   const size_t index = layer_index_[ctx.call.batch.layer], next_index = (index + 1) % layers_.size();
@@ -423,15 +417,14 @@ void AppendGroup(const ExpertGroups& from, int g, int align, ExpertGroups& launc
 // no copy; then, after their copies landed, the experts prefetched for this
 // call (PlanCall gave them their prefetch buffers as slots) in a launch of
 // their own, counted as copied and prefetched and timed as copied experts.
-absl::Status LayerDispatcher::RunHits(int ticket) {
+absl::Status LayerDispatcher::RunHits(InFlightCall& ctx) {
   Impl& m = *impl_;
-  InFlightCall& ctx = m.contexts[ticket];
-  const ExpertGroups& hits = m.plan.hits;
+  const ExpertGroups& hits = ctx.plan.hits;
   if (hits.num_groups() == 0) return absl::OkStatus();
   bool any = false;
   for (int g = 0; g < hits.num_groups() && !any; ++g) any = m.prefetched_now[hits.expert[g]];
   ctx.stats.hit_pairs = hits.total_pairs;
-  if (!any) return backend_->RunExperts(ticket, m.plan.hit_plan());
+  if (!any) return backend_->RunExperts(ctx.context, ctx.plan.hit_plan());
   const int align = backend_->hit_row_align();
   ExpertGroups &cached = m.one_group, &fetched = m.prefetch_groups;
   ClearGroups(cached);
@@ -442,11 +435,11 @@ absl::Status LayerDispatcher::RunHits(int ticket) {
   for (int g = 0; g < hits.num_groups(); ++g) {
     if (!m.prefetched_now[hits.expert[g]]) {
       AppendGroup(hits, g, align, cached);
-      m.launch_buffers.push_back(m.plan.hit_buffer[g]);
+      m.launch_buffers.push_back(ctx.plan.hit_buffer[g]);
       continue;
     }
     AppendGroup(hits, g, align, fetched);
-    m.prefetch_launch_buffers.push_back(m.plan.hit_buffer[g]);
+    m.prefetch_launch_buffers.push_back(ctx.plan.hit_buffer[g]);
     prior += planner_.rates().CopyDevicePrior(hits.count[g]);
     ctx.stats.hit_pairs -= hits.count[g];
     ctx.stats.copied_pairs += hits.count[g];
@@ -455,20 +448,19 @@ absl::Status LayerDispatcher::RunHits(int ticket) {
     ++ctx.stats.prefetched_experts;
   }
   if (cached.num_groups() > 0)
-    MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&cached, m.launch_buffers.data()}));
+    MOE_RETURN_IF_ERROR(backend_->RunExperts(ctx.context, HitPlan{&cached, m.launch_buffers.data()}));
   backend_->ComputeWaitCopy(m.prefetch[ctx.call.batch.layer & 1].last_fence);  // copies land in order
   const uint64_t start = backend_->MarkCompute();
-  MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&fetched, m.prefetch_launch_buffers.data()}));
+  MOE_RETURN_IF_ERROR(backend_->RunExperts(ctx.context, HitPlan{&fetched, m.prefetch_launch_buffers.data()}));
   ctx.copy_launches.push_back({start, backend_->MarkCompute(), prior});
   return absl::OkStatus();
 }
 
 // Copies the expert of group g of `groups` (of the call's layer) into cache
 // buffer `buffer` and computes the group's pairs there.
-absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const ExpertGroups& groups, int g,
+absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(InFlightCall& ctx, const ExpertGroups& groups, int g,
                                                         int buffer) {
   Impl& m = *impl_;
-  InFlightCall& ctx = m.contexts[ticket];
   const int layer = ctx.call.batch.layer;
   const uint64_t after = backend_->RecordCompute();  // an evicted slot may still be read by earlier calls
   MOE_ASSIGN_OR_RETURN(const uint64_t f, backend_->LoadExpert(buffer, host_->Find(layer, groups.expert[g]), after));
@@ -477,7 +469,7 @@ absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const Expert
   ExpertGroups& one = m.one_group;
   ClearGroups(one);
   AppendGroup(groups, g, 1, one);  // the group alone, from row 0 (aligned for any backend)
-  MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&one, &buffer}));
+  MOE_RETURN_IF_ERROR(backend_->RunExperts(ctx.context, HitPlan{&one, &buffer}));
   ctx.stats.copied_pairs += one.total_pairs;
   ++ctx.stats.copied_experts;
   return f;
@@ -489,10 +481,9 @@ absl::StatusOr<uint64_t> LayerDispatcher::ComputeCopied(int ticket, const Expert
 // launch (before) left most of the device idle: at 128 rows per expert
 // (2048-token prompts) the copied experts' compute outlasted their copies,
 // and prompts mixing CPU work and copies ran slower than copying everything.
-absl::Status LayerDispatcher::ComputeCopiedInBuffers(int ticket, const ExpertGroups& groups,
+absl::Status LayerDispatcher::ComputeCopiedInBuffers(InFlightCall& ctx, const ExpertGroups& groups,
                                                      const std::vector<int>& gs) {
   Impl& m = *impl_;
-  InFlightCall& ctx = m.contexts[ticket];
   const int layer = ctx.call.batch.layer, parity = layer & 1, B = config_.miss_buffers;
   const int per_launch = std::max(1, B / 2), halves = B >= 2 ? 2 : 1, align = backend_->hit_row_align();
   ExpertGroups& launch = m.one_group;
@@ -518,7 +509,7 @@ absl::Status LayerDispatcher::ComputeCopiedInBuffers(int ticket, const ExpertGro
     // The launch alone, timed on the compute queue (its start mark passes
     // once the copies landed and the work before it is done).
     const uint64_t start = backend_->MarkCompute();
-    MOE_RETURN_IF_ERROR(backend_->RunExperts(ticket, HitPlan{&launch, m.launch_buffers.data()}));
+    MOE_RETURN_IF_ERROR(backend_->RunExperts(ctx.context, HitPlan{&launch, m.launch_buffers.data()}));
     const uint64_t end = backend_->MarkCompute();
     const uint64_t done = backend_->RecordCompute();
     ctx.copy_launches.push_back({start, end, prior});
@@ -528,9 +519,8 @@ absl::Status LayerDispatcher::ComputeCopiedInBuffers(int ticket, const ExpertGro
 }
 
 // Gives back everything a failed call holds; its output is discarded.
-void LayerDispatcher::Abort(int ticket) {
+void LayerDispatcher::Abort(InFlightCall& ctx) {
   Impl& m = *impl_;
-  InFlightCall& ctx = m.contexts[ticket];
   ctx.copy_fences.clear();
   ctx.copy_launches.clear();
   for (SentBatch& sh : ctx.sent) {
@@ -538,7 +528,7 @@ void LayerDispatcher::Abort(int ticket) {
     if (sh.staged) m.servers[sh.batch.server].transport->Release(sh.stage);
   }
   ctx.sent.clear();
-  (void)backend_->FinishCall(ticket, nullptr, ctx.call.kind);
+  (void)backend_->FinishCall(ctx.context, nullptr, ctx.call.kind);
   ctx.busy = false;
 }
 
@@ -549,11 +539,11 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   InFlightCall& ctx = m.contexts[ticket];
   const Clock::time_point t0 = Clock::now();
   uint64_t last_fence = 0;
-  const absl::Status result = AddPartials(ticket, &last_fence);
+  const absl::Status result = AddPartials(ctx, &last_fence);
   // FinishCall waits for all of the call's device work, the reads of the
   // partial sums (AddRows) included: only then are the slots given back (one
   // sync per call instead of two).
-  absl::Status fin = backend_->FinishCall(ticket, result.ok() ? ctx.call.out : nullptr, ctx.call.kind);
+  absl::Status fin = backend_->FinishCall(ctx.context, result.ok() ? ctx.call.out : nullptr, ctx.call.kind);
   if (!fin.ok() && last_fence != 0) (void)backend_->WaitCompute(last_fence);
   // The engine's later work on its stream sees the output.
   if (absl::Status sig = backend_->SignalStream(ctx.call.stream); fin.ok()) fin = sig;
@@ -581,12 +571,11 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
   if (ctx.device_prior_s > 0 && result.ok() && fin.ok())
     planner_.rates().ObserveDevice(ctx.device_prior_s, Seconds(end - ctx.submitted), true);
   if (result.ok() && fin.ok())
-    planner_.rates().overlap.Observe(CopyOverlap::Shape(ctx.call.batch.n, ctx.missed_experts), ctx.beside_copies,
+    planner_.rates().overlap.Observe(CopyOverlap::Shape(ctx.call.batch.n, static_cast<int>(ctx.plan.missed.size())), ctx.beside_copies,
                                      Seconds(end - ctx.submitted));
   // A call whose copies the outcomes could have overruled: its time, for its shape.
-  if (ctx.outcome_bucket >= 0 && result.ok() && fin.ok())
-    planner_.host_outcomes().Observe(ctx.outcome_bucket, ctx.outcome_choice, Seconds(end - ctx.submitted));
-  ctx.outcome_bucket = -1;
+  if (ctx.plan.outcome_bucket >= 0 && result.ok() && fin.ok())
+    planner_.host_outcomes().Observe(ctx.plan.outcome_bucket, ctx.plan.outcome_choice, Seconds(end - ctx.submitted));
   ctx.stats.wait_seconds = Seconds(end - t0);
   if (out_stats != nullptr) *out_stats = ctx.stats;
   if (!result.ok()) return result;
@@ -596,9 +585,8 @@ absl::Status LayerDispatcher::Complete(int ticket, CallStats* out_stats) {
 // Waits for every sent batch of the call (failing over those whose server
 // failed) and adds the servers' partial sums; *last_fence: the fence after
 // the last AddRows.
-absl::Status LayerDispatcher::AddPartials(int ticket, uint64_t* last_fence) {
+absl::Status LayerDispatcher::AddPartials(InFlightCall& ctx, uint64_t* last_fence) {
   Impl& m = *impl_;
-  InFlightCall& ctx = m.contexts[ticket];
   int timed_server = -1;
   for (size_t i = 0; i < ctx.sent.size(); ++i) {
     SentBatch& sh = ctx.sent[i];
@@ -620,9 +608,9 @@ absl::Status LayerDispatcher::AddPartials(int ticket, uint64_t* last_fence) {
         LogInfo("worker", "servers: ", sv.config.address, " answers again; its misses go to it");
       }
     }
-    if (!st.ok()) MOE_RETURN_IF_ERROR(FailOver(ticket, i, std::move(st), &partial));
+    if (!st.ok()) MOE_RETURN_IF_ERROR(FailOver(ctx, i, std::move(st), &partial));
     if (partial != nullptr && sh.batch.n > 0) {
-      MOE_ASSIGN_OR_RETURN(*last_fence, backend_->AddRows(ticket, sh.batch.rows.data(), sh.batch.n, partial));
+      MOE_ASSIGN_OR_RETURN(*last_fence, backend_->AddRows(ctx.context, sh.batch.rows.data(), sh.batch.n, partial));
     }
   }
   return absl::OkStatus();

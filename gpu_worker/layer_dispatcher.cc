@@ -336,7 +336,9 @@ void LayerDispatcher::WarnOfIncompleteSlices() const {
 absl::Status LayerDispatcher::AllocateContexts() {
   const DispatcherConfig& c = config_;
   impl_->contexts.resize(c.contexts);
-  for (InFlightCall& ctx : impl_->contexts) {
+  for (size_t i = 0; i < impl_->contexts.size(); ++i) {
+    InFlightCall& ctx = impl_->contexts[i];
+    ctx.context = static_cast<int>(i);
     ctx.send.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
     ctx.recv.resize(static_cast<size_t>(c.max_tokens) * spec_.hidden);
     MOE_RETURN_IF_ERROR(backend_->RegisterHost(ctx.send.data(), ctx.send.size() * sizeof(bf16_t)));

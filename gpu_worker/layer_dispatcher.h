@@ -195,6 +195,8 @@ inline const std::vector<int>& ServedLayers(const ModelSpec& spec, const std::ve
   return requested.empty() ? spec.moe_layers : requested;
 }
 
+struct InFlightCall;  // a call in flight (dispatcher_internal.h)
+
 class LayerDispatcher {
  public:
   // `host` may be null (no copy-instead, no admissions, no copy fallback);
@@ -326,31 +328,31 @@ class LayerDispatcher {
   // backend tells it, else `host_s` from the host clock as an upper bound.
   void ObserveCopy(uint64_t fence, double host_s);
   // Submit: the steps of a call until its work is enqueued.
-  absl::StatusOr<int> FreeContext() const;
+  absl::StatusOr<InFlightCall*> FreeContext();
   absl::Status CheckCall(const LayerCall& call) const;
   absl::Status CopyRouting(const LayerCall& call, std::vector<int32_t>& ids, std::vector<float>& weights);
-  absl::Status PlanCall(int layer, const RoutingView& routing);
-  absl::Status Dispatch(int ticket);
-  absl::Status ShipMisses(int ticket);
-  absl::Status Gather(int ticket, const std::vector<int32_t>& rows, bf16_t* dst);
-  absl::Status ComputeCopies(int ticket);
-  absl::Status StartAdmissions(int ticket);
+  absl::Status PlanCall(int layer, const RoutingView& routing, MissPlan& plan);
+  absl::Status Dispatch(InFlightCall& ctx);
+  absl::Status ShipMisses(InFlightCall& ctx);
+  absl::Status Gather(InFlightCall& ctx, const std::vector<int32_t>& rows, bf16_t* dst);
+  absl::Status ComputeCopies(InFlightCall& ctx);
+  absl::Status StartAdmissions(InFlightCall& ctx);
   // The next served layer's experts copied into its prefetch buffers during
   // this call (see the header comment); returns how many.
-  absl::StatusOr<int> StartPrefetch(int ticket);
+  absl::StatusOr<int> StartPrefetch(InFlightCall& ctx);
   void ReleasePrefetch(int parity, bool consumed);
-  absl::Status RunHits(int ticket);
+  absl::Status RunHits(InFlightCall& ctx);
   // One group of `groups` copied into cache buffer `buffer` and computed from it.
-  absl::StatusOr<uint64_t> ComputeCopied(int ticket, const ExpertGroups& groups, int g, int buffer);
+  absl::StatusOr<uint64_t> ComputeCopied(InFlightCall& ctx, const ExpertGroups& groups, int g, int buffer);
   // Groups `gs` of `groups` copied into the temporary buffers and computed
   // from them, several experts per launch.
-  absl::Status ComputeCopiedInBuffers(int ticket, const ExpertGroups& groups, const std::vector<int>& gs);
+  absl::Status ComputeCopiedInBuffers(InFlightCall& ctx, const ExpertGroups& groups, const std::vector<int>& gs);
   // Complete: the partial sums, and failover of a failed sent batch.
-  absl::Status AddPartials(int ticket, uint64_t* last_fence);
-  absl::Status FailOver(int ticket, size_t index, absl::Status st, const bf16_t** partial);
+  absl::Status AddPartials(InFlightCall& ctx, uint64_t* last_fence);
+  absl::Status FailOver(InFlightCall& ctx, size_t index, absl::Status st, const bf16_t** partial);
   int OtherServerFor(const ServerBatch& batch, Clock::time_point now) const;
-  absl::Status ComputeServerBatchOnDevice(int ticket, const ServerBatch& batch);
-  void Abort(int ticket);
+  absl::Status ComputeServerBatchOnDevice(InFlightCall& ctx, const ServerBatch& batch);
+  void Abort(InFlightCall& ctx);
   // Capturable calls: republishes every expert's route after server `index`
   // was drained, enabled or connected (channel_of: the first enabled server
   // hosting it that has a channel).

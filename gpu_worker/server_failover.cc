@@ -86,9 +86,8 @@ absl::Status LayerDispatcher::SetServerEnabled(const std::string& address, bool 
 // the device from host copies (copy_fallback), else is UNAVAILABLE; any other
 // error (the server rejected the batch: a bug or bad input) is returned as
 // is. On OK *partial is the output to add, null when computed on the device.
-absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st, const bf16_t** partial) {
+absl::Status LayerDispatcher::FailOver(InFlightCall& ctx, size_t index, absl::Status st, const bf16_t** partial) {
   Impl& m = *impl_;
-  InFlightCall& ctx = m.contexts[ticket];
   SentBatch& sh = ctx.sent[index];
   const int H = spec_.hidden;
   // An operator must see a failover: logged once per server state change
@@ -114,7 +113,7 @@ absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st
       announce(m.servers[sh.batch.server], st, m.servers[next].config.address);
       sh.batch.server = next;
       bf16_t* dst = ctx.send.data() + sh.host_offset * H;
-      MOE_RETURN_IF_ERROR(Gather(ticket, sh.batch.rows, dst));
+      MOE_RETURN_IF_ERROR(Gather(ctx, sh.batch.rows, dst));
       bf16_t* out = ctx.recv.data() + sh.host_offset * H;
       sh.done = m.servers[next].transport->Submit(GatheredBatch(ctx.call.batch.layer, sh.batch, dst), out,
                                                   ctx.deadline);
@@ -133,7 +132,7 @@ absl::Status LayerDispatcher::FailOver(int ticket, size_t index, absl::Status st
     }
     if (host_ != nullptr && config_.copy_fallback && !m.temp_fence.empty()) {
       announce(m.servers[sh.batch.server], st, "the device (copies from the host copy)");
-      MOE_RETURN_IF_ERROR(ComputeServerBatchOnDevice(ticket, sh.batch));
+      MOE_RETURN_IF_ERROR(ComputeServerBatchOnDevice(ctx, sh.batch));
       ctx.stats.cpu_pairs -= sh.batch.pairs;  // computed on the device instead
       *partial = nullptr;                     // nothing to add
       return absl::OkStatus();
@@ -159,14 +158,14 @@ int LayerDispatcher::OtherServerFor(const ServerBatch& b, Clock::time_point now)
 }
 
 // A failed server batch computed on the device, expert by expert, from host copies.
-absl::Status LayerDispatcher::ComputeServerBatchOnDevice(int ticket, const ServerBatch& b) {
+absl::Status LayerDispatcher::ComputeServerBatchOnDevice(InFlightCall& ctx, const ServerBatch& b) {
   ExpertGroups& groups = impl_->failover_groups;
   GroupByExpert(RoutingView{b.n, b.k, b.ids.data(), b.weights.data()}, spec_.num_experts, 1, &groups);
   for (int32_t& t : groups.token)
     if (t >= 0) t = b.rows[t];  // batch rows -> the call's tokens
   impl_->copy_groups.resize(groups.num_groups());
   std::iota(impl_->copy_groups.begin(), impl_->copy_groups.end(), 0);
-  return ComputeCopiedInBuffers(ticket, groups, impl_->copy_groups);
+  return ComputeCopiedInBuffers(ctx, groups, impl_->copy_groups);
 }
 
 }  // namespace moe
