@@ -11,13 +11,20 @@
 #     qwen3-decode              48 layers, Zipf routing, T = 1, 8 at 25%, with the ceiling
 #     qwen3-prompt              48 layers, prompts of 512/2048/8192 tokens (chunks of 2048), 0/25%
 #     deepseek                  4 layers, T = 1, 8 and prompts of 512/2048, 25%
+#     llama                     beside the llama.cpp peer in this call: Qwen3-30B-A3B at LLAMA_LAYERS (16)
+#                               layers, uniform routing (the peer's), decode T = 1, 8, 32 and prompts of
+#                               512/2048 at 0/25%; then ../shared/peers/llama/peer.sh on the same geometry
+#                               (bf16, or Q8_0 for DTYPE=int8) and bench/peer_join.py's table of both
+#                               with llama.cpp / causal floor beside each row (not in the default sets)
 #
 # Environment: BIN (the folder holding moe_layer and moe-expert-server;
 # default: the build tree), TRACES (default ../shared/data/traces), OUT
 # (default /tmp/bench_record: record.md gets one table per run, in order,
 # and record.log the runs' logs), DTYPE (bf16; int8, int4: the experts'
 # format), RUNS (3), and per set <SET>_LAYERS / <SET>_BATCHES / <SET>_CACHE
-# (e.g. KIMI_LAYERS=13: fewer layers than memory allows, to fit a time budget).
+# (e.g. KIMI_LAYERS=13: fewer layers than memory allows, to fit a time budget); for
+# `llama`: PEER (peer.sh; default ../shared/peers/llama/peer.sh), JOIN (default
+# bench/peer_join.py) and PYTHON (default /opt/torch/.venv/bin/python3, else python3).
 # Prints each run's summary and exits non-zero when any run failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,9 +76,35 @@ for set in "${sets[@]}"; do
     qwen3-prompt) run qwen3-prompt qwen3-30b-a3b 48 512,2048,8192 0,25 --zipf=0 --chunk=2048 --steps=2 --warmup=1 \
                     --modes=ours,ours-cpu,lru-copy,copy-all ;;
     deepseek) run deepseek deepseek-v3 4 1,8,512,2048 25 --zipf=0 --steps=3 --warmup=1 --modes=ceiling,$modes ;;
-    *) echo "bench_record: unknown set '$set' (olmoe mixtral kimi qwen3-decode qwen3-prompt deepseek)" >&2; exit 2 ;;
+    llama)
+      peer=${PEER:-../shared/peers/llama/peer.sh} join=${JOIN:-bench/peer_join.py}
+      py=${PYTHON:-/opt/torch/.venv/bin/python3}; [[ -x $py ]] || py=python3
+      case $DTYPE in bf16) ptype=bf16 ;; int8) ptype=q8_0 ;;
+        *) echo "bench_record: llama: no peer format for DTYPE=$DTYPE (bf16, int8)" >&2; failed=1; continue ;; esac
+      [[ -f $peer && -f $join ]] || { echo "bench_record: llama: no $peer or $join" >&2; failed=1; continue; }
+      layers=${LLAMA_LAYERS:-16}
+      run llama-decode qwen3-30b-a3b "$layers" 1,8,32 0,25 --zipf=0 --modes=ours,ours-graph,ours-cpu
+      run llama-prompt qwen3-30b-a3b "$layers" 512,2048 0,25 --zipf=0 --steps=2 --warmup=1 --modes=ours,ours-cpu
+      OUT=$OUT timeout "${RUN_TIMEOUT:-1200}" bash "$peer" "$layers" "$ptype" > /dev/null 2>> "$OUT/record.log"
+      if [[ -s $OUT/llama_peer.md ]]; then
+        mv "$OUT/llama_peer.md" "$OUT/llama_peer_$ptype.md"
+        for sec in llama-decode llama-prompt; do
+          for mode in ours ours-graph; do
+            [[ $sec == llama-prompt && $mode == ours-graph ]] && continue
+            { echo "## $sec beside llama.cpp ($ptype, $layers layers, same call): $mode"
+              "$py" "$join" "$OUT/record.md" "$OUT/llama_peer_$ptype.md" --section="$sec ($DTYPE)" --mode=$mode \
+                2>> "$OUT/record.log" || failed=1; } > "$OUT/join.md"
+            cat "$OUT/join.md" >> "$OUT/record.md"; cat "$OUT/join.md" >> "$OUT/peer_join.md"
+          done
+        done
+        cat "$OUT/llama_peer_$ptype.md"
+      else
+        echo "bench_record: the llama.cpp peer printed nothing (see $OUT/record.log)" | tee -a "$OUT/record.md"; failed=1
+      fi ;;
+    *) echo "bench_record: unknown set '$set' (olmoe mixtral kimi qwen3-decode qwen3-prompt deepseek llama)" >&2; exit 2 ;;
   esac
 done
 # The headline: each run's line, its exit, and its summary rows (ours beside its simpler modes).
 awk -F'|' '/^## / || / rc=/ || (NF == 8 && $2 ~ /^ [0-9]+ $/)' "$OUT/record.md"
+[[ -f $OUT/peer_join.md ]] && cat "$OUT/peer_join.md"
 exit $failed

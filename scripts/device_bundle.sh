@@ -30,7 +30,9 @@ find .bundle/dev/python -name __pycache__ -prune -exec rm -rf {} +
 # The recorded routing traces (read where they lie, never kept in the repo) and
 # the benchmark of record's script (the `record` phase of device_check.sh).
 mkdir -p .bundle/dev/traces && cp ../shared/data/traces/*.jsonl.xz .bundle/dev/traces/
-cp scripts/bench_record.sh .bundle/dev/
+cp scripts/bench_record.sh bench/peer_join.py .bundle/dev/
+# The llama.cpp peer (the record's `llama` set runs it in the same call).
+mkdir -p .bundle/dev/peer && cp -r ../shared/peers/llama .bundle/dev/peer/
 tar -C .bundle -cJf .bundle/dev.tar.xz dev
 echo "archive: .bundle/dev.tar.xz ($(du -sh .bundle/dev.tar.xz | cut -f1))"
 rm -rf "$strip_dir" .bundle/dev

@@ -85,7 +85,8 @@ while [[ $# -gt 0 ]]; do
       tail -30 "$OUT/moe_layer.md" ;;
     record)
       # The benchmark of record (scripts/bench_record.sh) over the sets named after it (default: all).
-      BIN=$B/bin TRACES=$B/traces OUT=$OUT bash "$B/bench_record.sh" "$@"; echo "record rc=$?"; shift $# ;;
+      BIN=$B/bin TRACES=$B/traces PEER=$B/peer/llama/peer.sh JOIN=$B/peer_join.py OUT=$OUT \
+        bash "$B/bench_record.sh" "$@"; echo "record rc=$?"; shift $# ;;
     demo)
       echo "## demo (cuda worker)" | tee -a "$OUT/demo.txt"
       timeout 300 "$B/bin/moe-demo" --bin-dir "$B/bin" "$@" 2>&1 | tr '\r' '\n' | grep -v "^  step" >> "$OUT/demo.txt"
