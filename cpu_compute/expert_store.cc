@@ -35,8 +35,13 @@ absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::strin
   if (weight_dtype == "int8") return at(WeightFormat::kInt8);
   const int ckpt_group = spec.quant.scheme == WeightQuant::kInt4Group && spec.quant.group_size % 64 == 0 ? spec.quant.group_size : 0;
   if (weight_dtype == "int4") return at(WeightFormat::kInt4, ckpt_group);
+  // auto on an fp8 checkpoint: its own codes and scales (exact), unless its
+  // blocks are too narrow for the kernels' scale groups (then int8).
+  const bool fp8_ckpt = spec.quant.scheme == WeightQuant::kFp8Block;
+  if (weight_dtype == "auto" && fp8_ckpt)
+    return spec.quant.block_cols % 64 == 0 ? at(WeightFormat::kFp8, spec.quant.block_cols) : at(WeightFormat::kInt8);
   if (weight_dtype == "fp8") {
-    if (spec.quant.scheme != WeightQuant::kFp8Block) return at(WeightFormat::kFp8);
+    if (!fp8_ckpt) return at(WeightFormat::kFp8);
     // The checkpoint's block columns are the scale groups (the codes are kept as they are).
     if (spec.quant.block_cols % 64 != 0)
       return absl::InvalidArgumentError(absl::StrCat("--weight-dtype fp8: the checkpoint's fp8 blocks are ",
@@ -44,11 +49,8 @@ absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::strin
                                                      " columns wide, the kernels need a multiple of 64 (use int8)"));
     return at(WeightFormat::kFp8, spec.quant.block_cols);
   }
-  switch (spec.quant.scheme) {  // auto
-    case WeightQuant::kFp8Block: return at(WeightFormat::kInt8);
-    case WeightQuant::kInt4Group: return at(WeightFormat::kInt4, ckpt_group);
-    default: return at(WeightFormat::kBf16);
-  }
+  // auto, other checkpoints
+  return spec.quant.scheme == WeightQuant::kInt4Group ? at(WeightFormat::kInt4, ckpt_group) : at(WeightFormat::kBf16);
 }
 
 uint64_t ExpertStore::BytesNeeded(const ExpertGeometry& g, const HostedSet& hosted) {

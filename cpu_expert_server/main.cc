@@ -51,7 +51,7 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
             "request) they stay hot through that window whatever this says");
   flags.String("kernel", &o.kernel, "expert kernel: auto, amx, avx512 or reference");
   flags.String("weight-dtype", &o.weight_dtype,
-               "precision the experts are stored and computed in: auto (the checkpoint's: fp8 -> int8, "
+               "precision the experts are stored and computed in: auto (the checkpoint's: fp8 -> fp8, exact; "
                "int4 -> int4, else bf16), bf16, int8 (per-channel scales), int4 (per-group scales) or fp8 "
                "(an fp8 checkpoint's own codes and block scales, computed as bf16; other models quantized "
                "per channel and 128 columns)");

@@ -695,7 +695,10 @@ TEST(ExpertStore, StorageGeometryFollowsTheFlagAndTheCheckpoint) {
   spec.hidden = 7168;
   spec.intermediate = 2048;
   EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kBf16);
-  spec.quant.scheme = WeightQuant::kFp8Block;
+  spec.quant.scheme = WeightQuant::kFp8Block;  // its own codes and 128-column block scales: exact
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kFp8);
+  EXPECT_EQ(StorageGeometry(spec, "auto")->group, 128);
+  spec.quant.block_cols = 96;  // too narrow for the kernels' scale groups: int8
   EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt8);
   EXPECT_EQ(StorageGeometry(spec, "bf16")->format, WeightFormat::kBf16);
   spec.quant.scheme = WeightQuant::kInt4Group;

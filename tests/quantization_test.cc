@@ -268,15 +268,15 @@ TEST(QuantizedCheckpoint, InconsistentScalesAndShapesAreRefusedNamingTheTensor) 
 
 // The real path: moe-make-model writes the checkpoint, a real
 // moe-expert-server loads it in the storage precision asked for
-// (--weight-dtype; auto: fp8 -> int8, int4 -> int4 with the checkpoint's own
-// codes; fp8: an fp8 checkpoint's own codes and scales) and its outputs match the reference MoE over the checkpoint's
+// (--weight-dtype; auto: fp8 -> fp8 and int4 -> int4 with the checkpoint's own
+// codes and scales; fp8: an fp8 checkpoint's own codes and scales) and its outputs match the reference MoE over the checkpoint's
 // dequantized weights within 1e-2, on random data.
 TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
   struct Case {
     const char *dtype, *weight_dtype;
     WeightFormat stored;
   };
-  for (const Case& c : {Case{"fp8", "auto", WeightFormat::kInt8}, Case{"int4", "auto", WeightFormat::kInt4},
+  for (const Case& c : {Case{"fp8", "auto", WeightFormat::kFp8}, Case{"fp8", "int8", WeightFormat::kInt8}, Case{"int4", "auto", WeightFormat::kInt4},
                         Case{"fp8", "bf16", WeightFormat::kBf16}, Case{"bf16", "int8", WeightFormat::kInt8},
                         Case{"fp8", "fp8", WeightFormat::kFp8}, Case{"bf16", "fp8", WeightFormat::kFp8}}) {
     SCOPED_TRACE(absl::StrCat(c.dtype, " checkpoint, --weight-dtype=", c.weight_dtype));
