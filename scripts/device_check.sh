@@ -168,7 +168,7 @@ while [[ $# -gt 0 ]]; do
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       echo "## python ($py)" | tee -a "$OUT/python.txt"
       timeout 300 "$B/bin/c_api_test" >> "$OUT/python.txt" 2>&1; echo "c_api_test rc=$?" | tee -a "$OUT/python.txt"
-      for t in test_session test_torch_layer test_expert_parallel; do
+      for t in test_session test_torch_layer test_expert_parallel test_hf_backend; do
         MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 300 "$py" "$B/python/tests/$t.py" >> "$OUT/python.txt" 2>&1
         echo "$t rc=$?" | tee -a "$OUT/python.txt"
       done

@@ -3,11 +3,13 @@
 
 Builds a Qwen3-MoE model with Qwen3-30B-A3B geometry and --layers decoder
 layers (random init, bf16, on the GPU), saves it with save_pretrained, starts
-moe-expert-server on that very checkpoint (shared memory), swaps every sparse
-MoE block for a drop-in that keeps the block's router in torch and computes
-the experts through MoeLayer (GPU cache + CPU expert server), and runs greedy
-generate(). Prints (and writes to --out) markdown tables:
-  - correctness: per-layer outputs vs the original blocks (relative error,
+moe-expert-server on that very checkpoint (shared memory) and loads it again
+through the `moe_expert_service` experts backend of transformers
+(moe_expert_service.hf: from_pretrained with experts_implementation=
+"moe_expert_service", then attach() per cache setting; the expert weights are
+never loaded by transformers), and runs greedy generate(). Prints (and writes
+to --out) markdown tables:
+  - correctness: per-layer outputs vs the all-GPU model's blocks (relative error,
     must be <= 1e-2) and the logits of the first --check-steps generated
     steps (teacher-forced on the all-GPU model's greedy tokens) vs the all-GPU
     model and vs an f32 copy of it;
@@ -27,15 +29,14 @@ import copy
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 import moe_expert_service as moe
+import moe_expert_service.hf as moe_hf
 
 
 def qwen3_30b_a3b_config(layers):
@@ -45,35 +46,6 @@ def qwen3_30b_a3b_config(layers):
         num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
         max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=False)
-
-
-class OffloadedSparseMoeBlock(torch.nn.Module):
-    """Drop-in for a transformers sparse-MoE block: the block's router (gate
-    weight, top-k, normalisation) stays in torch, the experts go to MoeLayer.
-    Returns what the original block returned (hidden, or (hidden, router_logits))."""
-
-    def __init__(self, session, layer, gate_weight, top_k, renormalize, returns_logits, capturable=False):
-        super().__init__()
-        self.moe = moe.MoeLayer(session, layer, capturable=capturable)
-        self.gate_weight = torch.nn.Parameter(gate_weight.detach().clone(), requires_grad=False)
-        self.top_k, self.renormalize, self.returns_logits = top_k, renormalize, returns_logits
-
-    def forward(self, hidden_states):
-        shape = hidden_states.shape
-        x = hidden_states.reshape(-1, shape[-1])
-        logits = F.linear(x, self.gate_weight)
-        ids, w = moe.select_experts(logits, self.top_k, renormalize=self.renormalize)
-        y = self.moe(x, ids, w).reshape(shape)
-        return (y, logits) if self.returns_logits else y
-
-
-def sparse_blocks(model):
-    return [(i, layer.mlp) for i, layer in enumerate(model.model.layers)]
-
-
-def gate_weight_of(block):
-    gate = block.gate
-    return gate.weight if hasattr(gate, "weight") else gate.linear.weight
 
 
 def rel(a, b):
@@ -188,23 +160,6 @@ def measure(fn, *args):
         return f"did not run: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}"
 
 
-class ExpertServer:
-    def __init__(self, binary, model_dir, workdir, threads):
-        self.socket = os.path.join(workdir, "expert.sock")
-        args = [binary, "--insecure", f"--model={model_dir}", "--listen=127.0.0.1:0", f"--shm-socket={self.socket}"]
-        if threads:
-            args.append(f"--threads={threads}")
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=sys.stderr, text=True)
-        for line in self.proc.stdout:
-            if "ready on " in line:
-                return
-        raise RuntimeError("moe-expert-server did not come up (see its log above)")
-
-    def close(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-
-
 def common_arguments(ap, cache, check_steps):
     """The flags this example shares with transformers_tp.py."""
     ap.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen3-30B-A3B-geometry model")
@@ -251,48 +206,30 @@ def main():
     names = sorted(f for f in os.listdir(ckpt))
     say(f"save_pretrained wrote: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
 
-    server = ExpertServer(a.server_bin, ckpt, work, a.threads)
+    server = moe_hf.ExpertServer(ckpt, server_bin=a.server_bin, threads=a.threads)
     failed = False
     try:
-        blocks = sparse_blocks(model)
-        E, k = config.num_experts, config.num_experts_per_tok
-        probe = torch.randn(1, 4, config.hidden_size, device="cuda", dtype=torch.bfloat16)
-        with torch.no_grad():
-            returns_logits = isinstance(blocks[0][1](probe), tuple)
+        servers = [f"unix://{server.socket}"]
 
-        def session(frac):
-            return moe.Session(model=ckpt, servers=[f"unix://{server.socket}"], device="cuda",
-                               cache_experts_per_layer=int(round(frac * E)), policy="static", max_tokens=512,
-                               max_top_k=k)
+        def attach(frac, capturable=False):
+            return moe_hf.attach(ours, servers=servers, cache=frac, policy="static", max_tokens=512,
+                                 capturable=capturable)
 
-        def swap(s, capturable=False):
-            for i, blk in blocks:
-                s.apply_assignment(i, list(range(s.info["cache_slots"])))
-                model.model.layers[i].mlp = OffloadedSparseMoeBlock(
-                    s, i, gate_weight_of(blk), k, config.norm_topk_prob, returns_logits, capturable)
-            s.flush_copies()
-
-        def restore():
-            for i, blk in blocks:
-                model.model.layers[i].mlp = blk
+        ours = moe_hf.from_pretrained(ckpt, model_class=Qwen3MoeForCausalLM, servers=servers, cache=0.25,
+                                      policy="static", max_tokens=512, dtype=torch.bfloat16).eval()
 
         # ---- correctness --------------------------------------------------
         say("\n### correctness\n\n| check | value | bound |\n|---|---|---|")
-        s = session(0.25)
         worst = 0.0
         with torch.no_grad():
-            for i, blk in blocks:
+            for i in range(a.layers):
                 x = torch.randn(2, 8, config.hidden_size, device="cuda", dtype=torch.bfloat16)
-                ref = blk(x)
+                ref, got = model.model.layers[i].mlp(x), ours.model.layers[i].mlp(x)
                 ref = ref[0] if isinstance(ref, tuple) else ref
-                drop = OffloadedSparseMoeBlock(s, i, gate_weight_of(blk), k, config.norm_topk_prob, returns_logits)
-                s.apply_assignment(i, list(range(s.info["cache_slots"])))
-                s.flush_copies()
-                got = drop(x)
                 got = got[0] if isinstance(got, tuple) else got
                 worst = max(worst, rel(got, ref))
         failed |= worst > 1e-2
-        say(f"| per-layer MoE output vs original block (max over {len(blocks)} layers, 25% cached) | {worst:.2e} | 1e-2 |")
+        say(f"| per-layer MoE output vs original block (max over {a.layers} layers, 25% cached) | {worst:.2e} | 1e-2 |")
         # Logits: greedy generate() of the all-GPU model gives the token sequence;
         # then the all-GPU model, ours and an f32 copy of the all-GPU model decode
         # that same sequence step by step (teacher forcing, KV cache, T=1 per
@@ -306,10 +243,8 @@ def main():
         with torch.no_grad():
             seq = model.generate(prompt, **kw).sequences
             l_ref = forced_decode_logits(model, seq, a.prompt)
-            swap(s)
-            g_our = model.generate(prompt, **kw).sequences
-            l_our = forced_decode_logits(model, seq, a.prompt)
-            restore()
+            g_our = ours.generate(prompt, **kw).sequences
+            l_our = forced_decode_logits(ours, seq, a.prompt)
             ref32 = copy.deepcopy(model).float()
             l_f32 = forced_decode_logits(ref32, seq, a.prompt)
             del ref32
@@ -327,10 +262,9 @@ def main():
         say(f"| same, all-GPU bf16 vs an f32 copy of the model (the bf16 floor) | {f_ref:.2e} | |")
         say(f"| same, ours vs the f32 copy | {f_our:.2e} | {bound:.1e} (max(1e-2, 2x floor)) |")
         say(f"| greedy tokens of our generate() equal to all-GPU's | {same}/{a.check_steps} | |")
-        st = s.stats()
+        st = ours.moe_expert_service.session.stats()
         say(f"| session counters (25% cache) | hits {st['hit_pairs']}, CPU {st['cpu_pairs']}, copied "
             f"{st['copied_pairs']} pairs | |")
-        s.close()
 
         # ---- speed --------------------------------------------------------
         batches = [int(b) for b in a.batch.split(",")]
@@ -352,27 +286,22 @@ def main():
                             for b, g in zip(batches, all_gpu_graph)) + " |")
                 except ValueError:  # the all-GPU graph row did not run: no floor
                     pass
-                s = session(frac)
-                swap(s)
-                row = [decode_tokens_per_s(model, b, a.prompt, a.new_tokens, config.vocab_size) for b in batches]
-                restore()
+                s = attach(frac).session
+                row = [decode_tokens_per_s(ours, b, a.prompt, a.new_tokens, config.vocab_size) for b in batches]
                 st = s.stats()
                 pairs = max(st["hit_pairs"] + st["cpu_pairs"] + st["copied_pairs"], 1)
                 say(f"| ours, {frac:.0%} cached, eager (hit rate {st['hit_pairs'] / pairs:.0%}) | "
                     + " | ".join(f"{r:.1f}" for r in row) + " |")
-                s.close()
-                s = session(frac)
-                swap(s, capturable=True)
-                row = [measure(graph_decode_tokens_per_s, model, b, a.prompt, a.new_tokens, config.vocab_size)
+                s = attach(frac, capturable=True).session
+                row = [measure(graph_decode_tokens_per_s, ours, b, a.prompt, a.new_tokens, config.vocab_size)
                        for b in batches]
-                restore()
                 try:
                     s.check_stream()
                 except moe.MoeError as e:
                     row = [f"replay error: {e}" for _ in batches]
                 say(f"| ours, {frac:.0%} cached, decode step in a CUDA graph | " + " | ".join(row) + " |")
-                s.close()
-        model = blocks = None  # frees the all-GPU model (the closures above see None)
+        ours.moe_expert_service.close()
+        model = ours = None  # frees the all-GPU model (the closures above see None)
         torch.cuda.empty_cache()
         if not a.no_offload_baseline:
             try:

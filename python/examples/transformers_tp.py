@@ -38,8 +38,17 @@ import torch.nn.functional as F
 import moe_expert_service as moe
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from transformers_offload import (ExpertServer, common_arguments, decode_tokens_per_s, gate_weight_of,  # noqa: E402
-                                  qwen3_30b_a3b_config, rel, sparse_blocks)
+from transformers_offload import common_arguments, decode_tokens_per_s, qwen3_30b_a3b_config, rel  # noqa: E402
+from moe_expert_service.hf import ExpertServer  # noqa: E402
+
+
+def sparse_blocks(model):
+    return [(i, layer.mlp) for i, layer in enumerate(model.model.layers)]
+
+
+def gate_weight_of(block):
+    gate = block.gate
+    return gate.weight if hasattr(gate, "weight") else gate.linear.weight
 
 
 class TensorParallelSparseMoeBlock(torch.nn.Module):
@@ -193,7 +202,7 @@ def main():
     model.save_pretrained(ckpt, safe_serialization=True)
     del model
     torch.cuda.empty_cache()
-    server = ExpertServer(a.server_bin, ckpt, work, a.threads)
+    server = ExpertServer(ckpt, server_bin=a.server_bin, threads=a.threads)
     result = os.path.join(work, "result.md")
     try:
         mp.spawn(rank_main, args=(a, ckpt, server.socket, result), nprocs=a.gpus, join=True)

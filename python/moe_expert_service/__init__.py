@@ -1,7 +1,8 @@
 """moe-expert-service from Python: ctypes over libmoe.so (include/moe/moe.h).
 
 Session (numpy arrays or torch tensors), MoeLayer + select_experts (torch;
-imported only when torch is installed), MoeError. See python/README.md.
+imported only when torch is installed), MoeError; moe_expert_service.hf: the
+transformers experts backend. See python/README.md.
 """
 from .session import (InvalidArgumentError, MoeError, Pending, Session, from_bf16_bits, new_group_id,
                       reference_forward, to_bf16_bits)

@@ -315,6 +315,9 @@ class Session:
             self._lib.moe_session_close(self._handle)
             self._handle = None
 
+    def __deepcopy__(self, memo):  # a handle: a copied model shares it (and closes it once)
+        return self
+
     def __enter__(self):
         return self
 

@@ -1,0 +1,464 @@
+"""The `moe_expert_service` experts backend of Hugging Face transformers (5.x ExpertsInterface).
+
+    import moe_expert_service.hf as moe_hf
+    model = moe_hf.from_pretrained("path/to/checkpoint", cache=0.25)      # starts a server on it
+    model.generate(...)
+
+or, in transformers' own words plus one call:
+
+    moe_hf.register()
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="moe_expert_service",
+                                                 dtype=torch.bfloat16, device_map="cuda")
+    moe_hf.attach(model, servers=["unix:///run/moe/expert.sock"], cache=0.25)
+
+transformers 5 routes every MoE model class whose experts module carries
+`@use_experts_implementation` through `ExpertsInterface`: the block computes
+its router in torch and calls `experts(hidden [T,H], top_k_index [T,k],
+top_k_weights [T,k])`. register() adds our function under the name
+`moe_expert_service`; it hands the call to a MoeLayer (GPU cache of hot experts
++ CPU expert servers over shared memory). from_pretrained() passes no unknown
+keyword arguments to a model's __init__, so our options travel through
+attach() (which from_pretrained() of this module calls for you).
+
+A model built with experts_implementation="moe_expert_service" has no expert
+weights: register() hooks PreTrainedModel.post_init so that such a model's
+experts modules drop gate_up_proj / down_proj before loading, the checkpoint's
+expert tensors become unexpected keys and are never read; the expert server
+reads the checkpoint itself and the session maps its host copy (one copy in
+host memory, none on the GPU beyond the cache). A family whose experts math is
+not ours is refused there, with one line naming the family and why.
+
+Which families are ours is read from the installed transformers (families()):
+an experts class decorated with the defaults (gated, concatenated [gate; up],
+[E, out, in] weights, no bias), no _apply_gate of its own, the shared eager
+forward (sum_j w_j * down(act(gate x) * up x)), and at load SiLU as act_fn.
+
+Thread-safety: register() and attach() once per process / model, from one
+thread; the forward is as thread-safe as the Session under it.
+"""
+import ast
+import inspect
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+
+BACKEND = "moe_expert_service"
+
+# The eager experts forward of transformers 5.x that every servable family shares:
+# out[t] = sum_j w[t,j] * down_e(act(gate_e x_t) * up_e x_t), gate_up_proj [E, 2I, H]
+# (gate rows first), down_proj [E, H, I]. Compared as an AST (formatting and comments
+# do not count; a change of the math or of its names makes a family "its own forward").
+_SHARED_FORWARD = '''
+def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    final_hidden_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts)
+        expert_mask = expert_mask.permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        current_state = hidden_states[token_idx]
+        gate, up = nn.functional.linear(current_state, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
+        current_hidden_states = self.act_fn(gate) * up
+        current_hidden_states = nn.functional.linear(current_hidden_states, self.down_proj[expert_idx])
+        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
+    return final_hidden_states
+'''
+_DECORATOR_DEFAULTS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+_DECORATOR_REASONS = {"has_gate": "no gate projection (up, act, down)", "has_bias": "biases",
+                      "is_transposed": "transposed weights (x @ W)", "is_concatenated": "interleaved gate/up"}
+_WEIGHTS = ("gate_up_proj", "down_proj")
+
+
+def _forward_dump(fn_node):
+    body = fn_node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:]  # a docstring does not count
+    return ast.dump(ast.Module(body=body, type_ignores=[]))
+
+
+_SHARED_DUMP = _forward_dump(ast.parse(_SHARED_FORWARD).body[0])
+
+
+def _class_reason(node):
+    """Why the experts class `node` (an ast.ClassDef decorated with use_experts_implementation)
+    is not ours, or None when it is (up to its activation, checked at load)."""
+    reasons = []
+    for dec in node.decorator_list:
+        if isinstance(dec, ast.Call):
+            for kw in dec.keywords:
+                try:
+                    value = ast.literal_eval(kw.value)
+                except ValueError:
+                    value = None
+                if kw.arg in _DECORATOR_DEFAULTS and value != _DECORATOR_DEFAULTS[kw.arg]:
+                    reasons.append(_DECORATOR_REASONS[kw.arg])
+    methods = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+    if "_apply_gate" in methods:
+        reasons.append("its own gate (_apply_gate, e.g. a clamped SwiGLU)")
+    if "forward" not in methods or _forward_dump(methods["forward"]) != _SHARED_DUMP:
+        reasons.append("its own experts forward")
+    init = methods.get("__init__")
+    params = set()
+    if init is not None:
+        for n in ast.walk(init):
+            if isinstance(n, ast.Assign) and "Parameter(" in ast.unparse(n.value):
+                params |= {t.attr for t in n.targets if isinstance(t, ast.Attribute)}
+    if params != set(_WEIGHTS):
+        reasons.append(f"parameters {sorted(params)} (ours: {list(_WEIGHTS)})")
+    return ", ".join(dict.fromkeys(reasons)) or None
+
+
+def _is_decorated(node):
+    return any("use_experts_implementation" in ast.unparse(d) for d in node.decorator_list)
+
+
+def families():
+    """{family (transformers' models/ directory name): None if we serve it, else why not},
+    read from the installed transformers' sources: every modeling module that uses
+    @use_experts_implementation. Serving also needs SiLU as the activation (checked at load)."""
+    import transformers
+    root = os.path.join(os.path.dirname(transformers.__file__), "models")
+    out = {}
+    for family in sorted(os.listdir(root)):
+        path = os.path.join(root, family, f"modeling_{family}.py")
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as f:
+            src = f.read()
+        if "@use_experts_implementation" not in src:
+            continue
+        reasons = [f"{n.name}: {r}" for n in ast.parse(src).body
+                   if isinstance(n, ast.ClassDef) and _is_decorated(n) and (r := _class_reason(n)) is not None]
+        out[family] = "; ".join(reasons) or None
+    return out
+
+
+_class_reasons = {}  # experts class -> reason or None (its source read once)
+
+
+def unservable_reason(experts):
+    """Why the experts module `experts` cannot be served by us, or None."""
+    cls = type(experts)
+    if cls not in _class_reasons:
+        try:
+            src = inspect.getsource(sys.modules[cls.__module__])
+            node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+            _class_reasons[cls] = _class_reason(node)
+        except (OSError, TypeError, KeyError, StopIteration) as e:
+            _class_reasons[cls] = f"its source cannot be read ({type(e).__name__})"
+    reason = _class_reasons[cls]
+    if reason is not None:
+        return reason
+    import torch
+    act = getattr(experts, "act_fn", None)
+    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+            or act is torch.nn.functional.silu):
+        return f"activation {getattr(act, '__name__', type(act).__name__)} (ours: SiLU)"
+    return None
+
+
+def _is_experts(module):
+    return all(hasattr(module, a) for a in _DECORATOR_DEFAULTS) and hasattr(type(module).forward, "__wrapped__") \
+        and hasattr(module, "config")
+
+
+def _family(module):
+    return getattr(module.config, "model_type", None) or type(module).__name__
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def experts_modules(model):
+    """[(name, layer index, experts module)] of `model`, in order."""
+    out = []
+    for name, m in model.named_modules():
+        if _is_experts(m):
+            found = _LAYER.findall(name + ".")
+            out.append((name, int(found[-1]) if found else None, m))
+    return out
+
+
+def _drop_expert_weights(model):
+    """PreTrainedModel.post_init, after transformers' own: a model built for this backend
+    gives its experts' weights up (they are never loaded) or is refused."""
+    mods = [(n, i, m) for n, i, m in experts_modules(model) if m.config._experts_implementation == BACKEND]
+    for name, layer, m in mods:
+        if m.__dict__.get("_moe_dropped"):
+            continue
+        reason = unservable_reason(m)
+        if reason is not None:
+            raise ValueError(f"{BACKEND}: cannot serve the experts of {_family(m)} ({type(m).__name__}): {reason}")
+        if layer is None:
+            raise ValueError(f"{BACKEND}: {_family(m)}: experts module {name!r} is not under a 'layers.N' list")
+        for w in _WEIGHTS:
+            m.register_parameter(w, None)
+        m._is_hf_initialized = True  # nothing left for transformers' weight initialisation
+        m.__dict__["_moe_dropped"] = True
+    if mods:
+        ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+        ignore = set(ignore or ())
+        ignore.add(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")  # the checkpoint's expert tensors
+        model._keys_to_ignore_on_load_unexpected = ignore
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    layer = self.__dict__.get("_moe_layer")
+    if layer is None:
+        raise RuntimeError(f"{BACKEND}: the experts of {_family(self)} have no session: call "
+                           "moe_expert_service.hf.attach(model, ...) after from_pretrained, or load with "
+                           "moe_expert_service.hf.from_pretrained")
+    return layer(hidden_states, top_k_index, top_k_weights)
+
+
+_registered = False
+_register_lock = threading.Lock()
+
+
+def register():
+    """Adds the `moe_expert_service` backend to transformers' ExpertsInterface (and the
+    post_init hook that keeps expert weights out of models built for it). Idempotent."""
+    global _registered
+    with _register_lock:
+        if _registered:
+            return
+        try:
+            from transformers.integrations.moe import ExpertsInterface
+            from transformers.modeling_utils import PreTrainedModel
+        except ImportError as e:
+            raise ImportError(f"{BACKEND}: transformers with ExpertsInterface (5.x) is needed: {e}") from e
+        if hasattr(ExpertsInterface, "register"):
+            ExpertsInterface.register(BACKEND, _experts_forward)
+        else:
+            ExpertsInterface._global_mapping[BACKEND] = _experts_forward
+        original = PreTrainedModel.post_init
+
+        def post_init(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            _drop_expert_weights(self)
+            return result
+
+        post_init.__wrapped__ = original
+        PreTrainedModel.post_init = post_init
+        _registered = True
+
+
+def _server_binary(server_bin):
+    if server_bin:
+        return server_bin
+    if os.environ.get("MOE_SERVER"):
+        return os.environ["MOE_SERVER"]
+    found = shutil.which("moe-expert-server")
+    if found:
+        return found
+    from . import _lib
+    lib = getattr(_lib.lib(), "_name", "")
+    beside = os.path.join(os.path.dirname(os.path.abspath(lib)), "moe-expert-server") if lib else ""
+    if beside and os.path.exists(beside):
+        return beside
+    raise FileNotFoundError(f"{BACKEND}: moe-expert-server not found: pass server_bin=, set MOE_SERVER or put it on "
+                            "PATH (or pass servers=[...] of running servers)")
+
+
+class ExpertServer:
+    """moe-expert-server started on a checkpoint, serving this host over shared memory
+    (`socket`, a unix socket) and loopback gRPC; its log goes to `log` (a file). close()
+    stops it."""
+
+    def __init__(self, checkpoint, server_bin=None, threads=0, weight_dtype="auto", family=None):
+        self.dir = tempfile.mkdtemp(prefix="moe_hf_")
+        self.socket = os.path.join(self.dir, "expert.sock")
+        self.log = os.path.join(self.dir, "server.log")
+        args = [_server_binary(server_bin), "--insecure", f"--model={checkpoint}", "--listen=127.0.0.1:0",
+                f"--shm-socket={self.socket}"]
+        if threads:
+            args.append(f"--threads={int(threads)}")
+        if weight_dtype and weight_dtype != "auto":
+            args.append(f"--weight-dtype={weight_dtype}")
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True)
+        ready = False
+        for line in self.proc.stdout:
+            if "ready on " in line:
+                ready = True
+                break
+        if not ready:
+            with open(self.log, errors="replace") as f:
+                lines = [x.strip() for x in f if x.strip()]
+            why = next((x for x in reversed(lines) if " E " in x or "rror" in x), lines[-1] if lines else "no log")
+            self.close()
+            raise RuntimeError(f"{BACKEND}: {family or 'model'}: moe-expert-server cannot serve {checkpoint}: {why}")
+        threading.Thread(target=self._drain, daemon=True).start()  # its later output must not block it
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _drain(self):
+        try:
+            for _ in self.proc.stdout:
+                pass
+        except (ValueError, OSError, AttributeError):  # closed by close()
+            pass
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class Offload:
+    """What attach() put on a model (model.moe_expert_service): the session, the server it
+    started (if any) and the layers. close() ends both."""
+
+    def __init__(self, session, server, layers):
+        self.session, self.server, self.layers = session, server, layers
+
+    def __deepcopy__(self, memo):  # a copied model shares the session and the server
+        return self
+
+    def check_stream(self):
+        """Raises the first replay-time error of CUDA-graph steps (call between replays)."""
+        self.session.check_stream()
+
+    def close(self):
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+
+def _close_quietly(offload):
+    try:
+        offload.close()
+    except Exception:  # at interpreter exit: nothing left to report to
+        pass
+
+
+def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_gib=None, policy="predictive",
+           weight_dtype="auto", capturable=False, max_tokens=1024, checkpoint=None, server_bin=None, server_threads=0,
+           device=None, **session_options):
+    """Serves `model`'s experts through moe-expert-service; returns the Offload (also
+    model.moe_expert_service). servers: addresses of running expert servers on the
+    checkpoint ("unix:///...sock", "host:port"), or None to start one on `checkpoint`
+    (default: the directory the model was loaded from). cache: fraction of each layer's
+    experts cached on the GPU (or cache_experts_per_layer / cache_gib). policy, weight_dtype,
+    max_tokens and other keyword arguments: Session options. capturable: the decode step
+    may be captured in a CUDA graph (warm up once eagerly first). A model loaded with
+    another experts backend gives its expert weights up here."""
+    import torch
+    from .session import Session
+    from .torch_layer import MoeLayer
+    register()
+    mods = experts_modules(model)
+    if not mods:
+        raise ValueError(f"{BACKEND}: {type(model).__name__} has no experts module of transformers' ExpertsInterface")
+    for name, layer, m in mods:
+        reason = unservable_reason(m)
+        if reason is not None:
+            raise ValueError(f"{BACKEND}: cannot serve the experts of {_family(m)} ({type(m).__name__}): {reason}")
+        if layer is None:
+            raise ValueError(f"{BACKEND}: {_family(m)}: experts module {name!r} is not under a 'layers.N' list")
+    layers = [layer for _, layer, _ in mods]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{BACKEND}: {_family(mods[0][2])}: experts in more than one layer stack (layers {layers}); "
+                         "one stack per model is served")
+    checkpoint = checkpoint or getattr(model.config, "name_or_path", None) or getattr(model.config, "_name_or_path", "")
+    if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "config.json")):
+        raise ValueError(f"checkpoint: {checkpoint!r} is not a local checkpoint directory (pass checkpoint=)")
+    first = mods[0][2]
+    E = int(first.num_experts)
+    k = int(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                    "num_experts_per_tok", 8))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    options = dict(model=checkpoint, device=device, policy=policy, weight_dtype=weight_dtype,
+                   max_tokens=int(max_tokens), max_top_k=max(k, 1), **session_options)
+    if cache_experts_per_layer is not None:
+        options["cache_experts_per_layer"] = int(cache_experts_per_layer)
+    elif cache_gib is not None:
+        options["cache_gib"] = float(cache_gib)
+    else:
+        if not 0.0 <= float(cache) <= 1.0:
+            raise ValueError(f"cache: {cache} is outside [0, 1] (a fraction of each layer's experts)")
+        options["cache_experts_per_layer"] = int(round(float(cache) * E))
+    server = None
+    if servers is None:
+        server = ExpertServer(checkpoint, server_bin=server_bin, threads=server_threads, weight_dtype=weight_dtype,
+                              family=_family(first))
+        servers = [f"unix://{server.socket}"]
+    options["servers"] = list(servers)
+    try:
+        session = Session(**options)
+        info = session.info
+        want = (E, int(first.hidden_dim), int(first.intermediate_dim))
+        got = (info["num_experts"], info["hidden"], info["intermediate"])
+        if got != want:
+            raise ValueError(f"{BACKEND}: checkpoint {checkpoint}: experts, hidden, intermediate {got}, the model's "
+                             f"are {want}")
+        missing = sorted(set(layers) - set(session.moe_layers))
+        if missing:
+            raise ValueError(f"{BACKEND}: checkpoint {checkpoint}: MoE layers {session.moe_layers}, the model has "
+                             f"experts in layers {missing} too")
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
+    if policy == "static":  # a static cache serves what it is given: the first slots
+        for layer in layers:
+            session.apply_assignment(layer, list(range(info["cache_slots"])))
+        session.flush_copies()
+    for _, layer, m in mods:
+        m.__dict__["_moe_layer"] = MoeLayer(session, layer, capturable=capturable)
+        for w in _WEIGHTS:
+            if isinstance(getattr(m, w, None), torch.nn.Parameter):
+                m.register_parameter(w, None)  # a model loaded another way: its copy goes
+        m.__dict__["_moe_dropped"] = True
+    if model.config._experts_implementation != BACKEND:
+        model.set_experts_implementation(BACKEND)
+    offload = Offload(session, server, layers)
+    old = model.__dict__.get("moe_expert_service")
+    if isinstance(old, Offload):
+        old.close()
+    model.__dict__["moe_expert_service"] = offload
+    weakref.finalize(model, _close_quietly, offload)
+    return offload
+
+
+def from_pretrained(path, model_class=None, servers=None, cache=0.25, policy="predictive", weight_dtype="auto",
+                    capturable=False, max_tokens=1024, server_bin=None, server_threads=0, session_options=None,
+                    **hf_kwargs):
+    """model_class (default AutoModelForCausalLM).from_pretrained(path, experts_implementation=
+    "moe_expert_service", **hf_kwargs) (device_map defaults to "cuda" when there is a GPU),
+    then attach() with our options (servers=None: start a server on `path`)."""
+    import torch
+    register()
+    if model_class is None:
+        from transformers import AutoModelForCausalLM as model_class
+    hf_kwargs.setdefault("device_map", "cuda" if torch.cuda.is_available() else "cpu")
+    hf_kwargs["experts_implementation"] = BACKEND
+    model = model_class.from_pretrained(path, **hf_kwargs)
+    attach(model, servers=servers, cache=cache, policy=policy, weight_dtype=weight_dtype, capturable=capturable,
+           max_tokens=max_tokens, checkpoint=path, server_bin=server_bin, server_threads=server_threads,
+           **(session_options or {}))
+    return model
+
