@@ -15,6 +15,11 @@
 //               layers). Not the names, the sharding or config.json: a copy or
 //               a re-sharded checkpoint is the same model; a fine-tune, another
 //               seed, a requantization or another file dtype is another.
+//   gguf        the stored bytes of each MoE layer's three expert tensors
+//               (blk.{l}.ffn_{gate,up,down}_exps.weight: all its experts'
+//               blocks, as the file holds them) with their ggml types and
+//               dims, and the geometry. Not the metadata nor the other
+//               tensors. The same weights as safetensors are another form.
 //   synthetic   the definition its weights are a pure function of: the
 //               generator, the seed, the geometry and the quantization
 //               (synthetic:tiny and synthetic:tiny:layers=3 are one model).
@@ -47,7 +52,7 @@ namespace moe {
 uint64_t Hash64(const void* data, size_t n, uint64_t seed = 0);
 
 // What a process serves: the digest and the model as it was given
-// (--model: a checkpoint directory or a synthetic: URI), for messages.
+// (--model: a checkpoint directory, a GGUF file or a synthetic: URI), for messages.
 struct ModelIdentity {
   uint64_t digest = 0;  // 0: unknown (a peer that reports none)
   std::string model;

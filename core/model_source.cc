@@ -11,6 +11,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/gguf.h"
+#include "core/gguf_model.h"
 #include "core/log.h"
 #include "core/model_identity.h"
 #include "core/quantization.h"
@@ -28,8 +30,6 @@ void ExpertWeights::Resize(const ModelSpec& spec) {
   down.resize(n);
 }
 
-namespace {
-
 absl::Status CheckExpertIndex(const ModelSpec& spec, int layer, int expert) {
   if (!spec.IsMoeLayer(layer))
     return absl::InvalidArgumentError(absl::StrCat("layer ", layer, " is not an MoE layer"));
@@ -44,6 +44,16 @@ absl::Status CheckFinite(const std::vector<bf16_t>& v, int layer, int expert, co
   return absl::InvalidArgumentError(
       absl::StrCat("layer ", layer, " expert ", expert, " ", what, " holds NaN or Inf weights"));
 }
+
+std::vector<uint64_t> ModelIdentityHeader(const char* form, const ModelSpec& spec) {
+  std::vector<uint64_t> h = {Hash64(form, std::strlen(form)), static_cast<uint64_t>(spec.hidden),
+                             static_cast<uint64_t>(spec.intermediate), static_cast<uint64_t>(spec.num_experts),
+                             spec.moe_layers.size()};
+  for (int l : spec.moe_layers) h.push_back(static_cast<uint64_t>(l));
+  return h;
+}
+
+namespace {
 
 // E4M3 has no infinities; 0x7f and 0xff are its NaNs.
 absl::Status CheckFiniteFp8(const std::vector<uint8_t>& codes, int layer, int expert, const char* what) {
@@ -65,15 +75,6 @@ void ShapeFp8(const QuantConfig& q, int rows, int cols, Fp8Projection* p) {
 absl::Status NotFp8(const ModelSpec& spec) {
   return absl::FailedPreconditionError(absl::StrCat("the model's experts are not an fp8 checkpoint (quantization: ",
                                                     spec.quant.Describe(), ")"));
-}
-
-// The geometry every identity covers, after a tag naming the form.
-std::vector<uint64_t> IdentityHeader(const char* form, const ModelSpec& spec) {
-  std::vector<uint64_t> h = {Hash64(form, std::strlen(form)), static_cast<uint64_t>(spec.hidden),
-                             static_cast<uint64_t>(spec.intermediate), static_cast<uint64_t>(spec.num_experts),
-                             spec.moe_layers.size()};
-  for (int l : spec.moe_layers) h.push_back(static_cast<uint64_t>(l));
-  return h;
 }
 
 class SyntheticSource final : public ModelSource {
@@ -114,7 +115,7 @@ class SyntheticSource final : public ModelSource {
   // The weights are a pure function of the generator, the seed, the geometry
   // and the quantization: the identity is theirs, computed without a weight.
   uint64_t Identity() const override {
-    std::vector<uint64_t> h = IdentityHeader("synthetic-v1 (GenerateExpertMatrix)", spec_);
+    std::vector<uint64_t> h = ModelIdentityHeader("synthetic-v1 (GenerateExpertMatrix)", spec_);
     const char* dtype = DTypeName(spec_.dtype);
     h.insert(h.end(), {uri_.seed, Hash64(dtype, std::strlen(dtype)), static_cast<uint64_t>(spec_.quant.scheme),
                        static_cast<uint64_t>(spec_.quant.block_rows), static_cast<uint64_t>(spec_.quant.block_cols),
@@ -263,6 +264,7 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
       DequantizeInt4Group(words, scales.data(), static_cast<int>(rows), static_cast<int>(cols), q.group_size, dst);
       return absl::OkStatus();
     }
+    case WeightQuant::kGgufBlock: break;  // no safetensors checkpoint declares it (QuantConfigFromJson)
   }
   return absl::InternalError("unknown quantization scheme");
 }
@@ -386,10 +388,11 @@ class CheckpointSource final : public ModelSource {
               for (const char* part : {"weight_packed", "weight_scale", "weight_shape"})
                 add(ckpt_->Find(QuantizedPartName(name, part)));
               break;
+            case WeightQuant::kGgufBlock: break;  // no safetensors checkpoint declares it
           }
         }
     }
-    return DigestExpertTensors(IdentityHeader("checkpoint-v1 (stored expert tensors)", spec_), tensors);
+    return DigestExpertTensors(ModelIdentityHeader("checkpoint-v1 (stored expert tensors)", spec_), tensors);
   }
 
  private:
@@ -551,6 +554,7 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenModel(const std::string& uri) {
     MOE_ASSIGN_OR_RETURN(ModelSpec spec, u.Spec());
     return std::unique_ptr<ModelSource>(new SyntheticSource(std::move(spec), u, uri));
   }
+  if (LooksLikeGguf(uri)) return OpenGgufModel(uri);
   return OpenCheckpoint(uri);
 }
 

@@ -1,14 +1,16 @@
 // ModelSource: where expert weights come from — a safetensors checkpoint
-// directory (config.json + shards) or a synthetic model built in memory
-// ("synthetic:PRESET[:layers=N][:seed=S]"). Every consumer (the expert server's
+// directory (config.json + shards), a GGUF file (core/gguf_model.h) or a
+// synthetic model built in memory ("synthetic:PRESET[:layers=N][:seed=S]"). Every consumer (the expert server's
 // packer, the reference MoE, benchmarks) reads weights through it, as row-major
 // bf16. All methods are thread-safe after OpenModel returns.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
 #include "core/model_spec.h"
@@ -66,7 +68,17 @@ std::unique_ptr<ModelSource> MakeSyntheticSource(const ModelSpec& spec, uint64_t
 // model's intermediate size cannot be cut that way (SliceRange).
 absl::StatusOr<std::unique_ptr<ModelSource>> SliceModel(std::unique_ptr<ModelSource> base, ExpertSlice slice);
 
-// Opens a checkpoint directory or a synthetic model URI.
+// Opens a synthetic model URI, a GGUF file (a path ending in .gguf, or a file
+// starting with the GGUF magic; core/gguf_model.h) or a checkpoint directory.
 absl::StatusOr<std::unique_ptr<ModelSource>> OpenModel(const std::string& uri);
+
+// For ModelSource implementations. InvalidArgument unless `layer` is an MoE
+// layer of `spec` and `expert` one of its experts.
+absl::Status CheckExpertIndex(const ModelSpec& spec, int layer, int expert);
+// InvalidArgument naming (layer, expert, what) when v holds NaN or Inf.
+absl::Status CheckFinite(const std::vector<bf16_t>& v, int layer, int expert, const char* what);
+// The geometry every identity covers (H, I, E, the MoE layers), after a tag
+// naming the form (core/model_identity.h).
+std::vector<uint64_t> ModelIdentityHeader(const char* form, const ModelSpec& spec);
 
 }  // namespace moe

@@ -15,6 +15,7 @@ std::string QuantConfig::Describe() const {
     case WeightQuant::kNone: return "none";
     case WeightQuant::kFp8Block: return absl::StrCat("fp8 (block ", block_rows, "x", block_cols, ")");
     case WeightQuant::kInt4Group: return absl::StrCat("int4 (group ", group_size, ")");
+    case WeightQuant::kGgufBlock: return absl::StrCat("gguf ", gguf_types);
   }
   return "?";
 }
@@ -96,6 +97,7 @@ nlohmann::json QuantConfigToJson(const QuantConfig& q) {
                    {{"num_bits", 4}, {"type", "int"}, {"symmetric", true}, {"strategy", "group"},
                     {"group_size", q.group_size}}}}}}},
               {"ignore", {"lm_head"}}};
+    case WeightQuant::kGgufBlock: return {{"quant_method", "gguf"}, {"types", q.gguf_types}};
   }
   return nullptr;
 }

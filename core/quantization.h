@@ -13,7 +13,10 @@
 //          [rows, ceil(cols/g)] (BF16/F16/F32); `X.weight_shape` [rows, cols];
 //          w = q * scale of its group of g columns.
 //
-// X is the projection's name without ".weight". Pure functions; thread-safe.
+// X is the projection's name without ".weight". A GGUF file's block-quantized
+// experts (Q8_0, Q4_K, Q6_K; core/gguf.h) are a third scheme, kGgufBlock: its
+// source gives their dequantized values and `gguf_bits` their precision class.
+// Pure functions; thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -25,13 +28,18 @@
 
 namespace moe {
 
-enum class WeightQuant { kNone, kFp8Block, kInt4Group };
+enum class WeightQuant { kNone, kFp8Block, kInt4Group, kGgufBlock };
 
 struct QuantConfig {
   WeightQuant scheme = WeightQuant::kNone;
   int block_rows = 128, block_cols = 128;  // fp8: weight_block_size
   int group_size = 128;                    // int4: columns per scale
-  // "none", "fp8 (block 128x128)", "int4 (group 128)".
+  // gguf: the widest expert tensor type's precision (4: Q4_K only; 8: Q8_0 or
+  // Q6_K; 16: a float type among them) and the types ("Q4_K+Q6_K").
+  // --weight-dtype auto stores < 16 as int8 (expert_store.h StorageGeometry).
+  int gguf_bits = 0;
+  std::string gguf_types = "";
+  // "none", "fp8 (block 128x128)", "int4 (group 128)", "gguf Q8_0".
   std::string Describe() const;
 };
 
@@ -41,7 +49,8 @@ struct QuantConfig {
 // values.
 absl::StatusOr<QuantConfig> QuantConfigFromJson(const nlohmann::json& config);
 // The "quantization_config" object QuantConfigFromJson maps back to `q`
-// (null for kNone).
+// (null for kNone; {"quant_method": "gguf", ...} for kGgufBlock, which no
+// config.json declares and QuantConfigFromJson refuses).
 nlohmann::json QuantConfigToJson(const QuantConfig& q);
 // "bf16", "f16", "f32" (no quantization) or "fp8", "int4"; InvalidArgument otherwise.
 absl::StatusOr<WeightQuant> ParseWeightQuant(const std::string& name);

@@ -1,10 +1,5 @@
 #include "core/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
@@ -17,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/mapped_file.h"
 #include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -28,14 +24,6 @@ using Json = nlohmann::json;
 
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;  // same cap as the reference reader
 constexpr char kIndexName[] = "model.safetensors.index.json";
-
-// Closes a file descriptor on scope exit.
-struct FdCloser {
-  int fd;
-  ~FdCloser() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 // A JSON integer as int64/uint64, or nullopt if it is not an integer in range.
 std::optional<int64_t> JsonInt64(const Json& j) {
@@ -68,79 +56,20 @@ std::string ShardName(size_t k, size_t n) {
   return absl::StrFormat("model-%05d-of-%05d.safetensors", k + 1, n);
 }
 
-absl::Status WriteAll(int fd, const void* p, size_t n, const std::string& path) {
-  const char* c = static_cast<const char*>(p);
-  while (n > 0) {
-    ssize_t w = ::write(fd, c, std::min<size_t>(n, size_t{1} << 30));
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      return absl::ErrnoToStatus(errno, absl::StrCat("write ", path));
-    }
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
-  return absl::OkStatus();
-}
-
-// A file written under "<path>.tmp" and renamed to `path` by Commit; removed if
-// never committed.
-class AtomicFile {
- public:
-  explicit AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {}
-  ~AtomicFile() {
-    if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(tmp_.c_str());
-  }
-  absl::Status Open() {
-    fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    return fd_ < 0 ? absl::ErrnoToStatus(errno, absl::StrCat("create ", tmp_)) : absl::OkStatus();
-  }
-  absl::Status Write(const void* p, size_t n) { return WriteAll(fd_, p, n, tmp_); }
-  absl::Status Commit() {
-    if (::fsync(fd_) != 0) return absl::ErrnoToStatus(errno, absl::StrCat("fsync ", tmp_));
-    int rc = ::close(fd_);
-    fd_ = -1;
-    if (rc != 0) return absl::ErrnoToStatus(errno, absl::StrCat("close ", tmp_));
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
-      return absl::ErrnoToStatus(errno, absl::StrCat("rename ", tmp_, " -> ", path_));
-    committed_ = true;
-    return absl::OkStatus();
-  }
-
- private:
-  std::string path_, tmp_;
-  int fd_ = -1;
-  bool committed_ = false;
-};
-
 }  // namespace
 
 // ---------------------------------------------------------------- SafetensorsFile
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
-  FdCloser fd{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  if (fd.fd < 0) return absl::ErrnoToStatus(errno, absl::StrCat("open ", path));
-  struct stat st;
-  if (::fstat(fd.fd, &st) != 0) return absl::ErrnoToStatus(errno, absl::StrCat("stat ", path));
-  if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError(absl::StrCat(path, ": not a regular file"));
   std::unique_ptr<SafetensorsFile> f(new SafetensorsFile(path));
-  if (st.st_size > 0) {
-    void* p = ::mmap(nullptr, static_cast<size_t>(st.st_size), PROT_READ, MAP_PRIVATE, fd.fd, 0);
-    if (p == MAP_FAILED) return absl::ErrnoToStatus(errno, absl::StrCat("mmap ", path));
-    f->base_ = static_cast<const std::byte*>(p);
-    f->size_ = static_cast<size_t>(st.st_size);
-    ::madvise(p, f->size_, MADV_WILLNEED);
-  }
+  MOE_ASSIGN_OR_RETURN(f->file_, MappedFile::Open(path));
+  f->base_ = f->file_->data();
+  f->size_ = f->file_->size();
   MOE_RETURN_IF_ERROR(f->Parse());
-  f->fd_ = fd.fd;  // kept for read(2) (fd()): the file mapped, even if its path is replaced meanwhile
-  fd.fd = -1;
   return f;
 }
 
-SafetensorsFile::~SafetensorsFile() {
-  if (base_ != nullptr) ::munmap(const_cast<std::byte*>(base_), size_);
-  if (fd_ >= 0) ::close(fd_);
-}
+SafetensorsFile::~SafetensorsFile() = default;
 
 absl::Status SafetensorsFile::Parse() {
   auto bad = [this](const auto&... parts) {
@@ -378,10 +307,7 @@ absl::Status WriteCheckpoint(const std::string& dir, const std::vector<TensorSpe
   if (s.ok()) s = out.Commit();
   if (!s.ok()) return s;
 
-  // Make the renames durable.
-  FdCloser dfd{::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC)};
-  if (dfd.fd < 0 || ::fsync(dfd.fd) != 0) return absl::ErrnoToStatus(errno, absl::StrCat("fsync ", dir));
-  return absl::OkStatus();
+  return SyncDirectory(dir);  // makes the renames durable
 }
 
 }  // namespace moe

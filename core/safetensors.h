@@ -23,6 +23,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/mapped_file.h"
 #include "core/tensor.h"
 
 namespace moe {
@@ -52,18 +53,16 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }  // "__metadata__"
   const std::string& path() const { return path_; }
   // The open file (read-only; valid while this object lives), for read(2).
-  int fd() const { return fd_; }
+  int fd() const { return file_->fd(); }
   // The file offset of the bytes at `p`, or -1 when p is not in this file's mapping.
-  int64_t OffsetOf(const std::byte* p) const {
-    return p >= base_ && p < base_ + size_ ? static_cast<int64_t>(p - base_) : -1;
-  }
+  int64_t OffsetOf(const std::byte* p) const { return file_->OffsetOf(p); }
 
  private:
   explicit SafetensorsFile(std::string path) : path_(std::move(path)) {}
   absl::Status Parse();
 
   std::string path_;
-  int fd_ = -1;
+  std::unique_ptr<MappedFile> file_;
   const std::byte* base_ = nullptr;
   size_t size_ = 0;
   std::vector<TensorInfo> tensors_;

@@ -49,7 +49,11 @@ absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::strin
                                                      " columns wide, the kernels need a multiple of 64 (use int8)"));
     return at(WeightFormat::kFp8, spec.quant.block_cols);
   }
-  // auto, other checkpoints
+  // auto, other checkpoints. A GGUF's block-quantized experts: int8, Q4_K
+  // included (int4's symmetric groups of >= 64 cannot hold Q4_K's asymmetric
+  // sub-blocks of 32: 0.12 relative error, int8 0.8e-2).
+  if (spec.quant.scheme == WeightQuant::kGgufBlock)
+    return spec.quant.gguf_bits < 16 ? at(WeightFormat::kInt8) : at(WeightFormat::kBf16);
   return spec.quant.scheme == WeightQuant::kInt4Group ? at(WeightFormat::kInt4, ckpt_group) : at(WeightFormat::kBf16);
 }
 

@@ -45,7 +45,12 @@ class PackedExperts {
 // requantizing fp8 to per-channel int8 misses the 1e-2 bound, 1.14e-2 on
 // DeepSeek-V3-shaped experts, though it decodes ~1.4x faster on the CPU; ask
 // for int8 to trade that accuracy for speed); an int4 one -> int4 with its
-// group size when a multiple of 64, else 128; anything else -> bf16). fp8
+// group size when a multiple of 64, else 128; a GGUF's block-quantized
+// experts (Q8_0, Q6_K, Q4_K) -> int8, per-channel scales: a re-quantization
+// of their per-32 / per-16 block scales, ~0.8e-2 relative error; Q4_K too,
+// as int4's symmetric groups of >= 64 cannot hold its asymmetric sub-blocks
+// of 32 (0.12 as int4: ask --weight-dtype int4 to trade that for memory);
+// anything else -> bf16). fp8
 // keeps an fp8 checkpoint's codes and block scales as they are (scale groups
 // = its block columns); other checkpoints are quantized to fp8 per channel
 // and 128 columns.

@@ -39,7 +39,7 @@ namespace moe {
 // checks that need no model (max_tokens > 0, idle_spin_us range, the TLS
 // flags) are main's; Start checks the rest against the model and this machine.
 struct ExpertServerOptions {
-  std::string model;                      // --model: checkpoint directory or synthetic:PRESET...
+  std::string model;                      // --model: checkpoint directory, FILE.gguf or synthetic:PRESET...
   std::string listen = LoopbackListen(50051);  // --listen
   std::string layers;                     // --layers text; "" = every MoE layer
   std::string experts;                    // --experts text; "" = every expert

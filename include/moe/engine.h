@@ -97,7 +97,7 @@ absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name, const std::strin
 absl::StatusOr<WeightDtype> ParseWeightDtype(const std::string& name, const std::string& field = "weight_dtype");
 
 struct SessionOptions {
-  std::string model;                   // checkpoint directory or synthetic:PRESET[:layers=N][:seed=S]
+  std::string model;                   // checkpoint directory, FILE.gguf or synthetic:PRESET[:layers=N][:seed=S]
   std::vector<std::string> servers;    // "unix:///path.sock" or "host:port", optional "#experts=0-63"
   DeviceChoice device = DeviceChoice::kAuto;
   // cuda: the GPU; -1 (default) = the opening thread's current device (after

@@ -145,7 +145,7 @@ MOE_API const char* moe_last_error(void);
 MOE_API const char* moe_status_name(int status);
 
 /* Opens a session. `options_json` is a JSON object:
- *   "model"       (string, required) checkpoint directory or "synthetic:PRESET[:layers=N][:seed=S]"
+ *   "model"       (string, required) checkpoint directory, FILE.gguf or "synthetic:PRESET[:layers=N][:seed=S]"
  *   "servers"     (array of strings) "unix:///path.sock" or "host:port", optional "#experts=0-63"
  *   "device"      "auto" | "cuda" | "cpu"                          (default "auto")
  *   "cuda_device" (int: -1, the default, for the opening thread's current GPU,
