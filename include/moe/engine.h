@@ -190,16 +190,19 @@ class MoeSession {
   // `cuda_stream` = the legacy default stream): enqueued on `cuda_stream`,
   // returns at once; the GPU splits hits from misses, ships the misses to
   // the servers through shared memory and adds their answers with no host
-  // step (README, "capturable"). The placement, drains and reconnects are
-  // read when the graph runs, not when it was captured. Warm up each layer
-  // once outside a capture (the first call allocates); calls of one layer
-  // must not overlap; misses always go to a server (place experts with
-  // admin().ApplyAssignment). T above one request slot (256 tokens by default) runs
-  // as a stream-ordered eager call outside a capture and is refused inside
-  // one. Run-time errors (bad routing, no server for an expert the device
-  // cannot take, a server's error) poison the affected tokens with NaN and
-  // are returned by TakeStreamError; a request nobody answers by the
-  // deadline is computed on the device from the host copy (logged).
+  // step (docs/engine-api.md, "Capturable calls"). The placement, drains and
+  // reconnects are read when the graph runs, not when it was captured. Warm
+  // up each layer once outside a capture (the first call allocates); calls of
+  // one layer must not overlap. Misses go to the servers, except those the
+  // planner's copy-instead table picks and those no server may take: the
+  // device copies them from the host copy and computes them itself, at most
+  // 16 experts a call (place experts for good with admin().ApplyAssignment).
+  // T above one request slot (256 tokens by default) runs as a
+  // stream-ordered eager call outside a capture and is refused inside one.
+  // Run-time errors (bad routing, no server for an expert the device cannot
+  // take, a server's error) poison the affected tokens with NaN and are
+  // returned by TakeStreamError; a request nobody answers by the deadline is
+  // computed on the device from the host copy (logged).
   absl::Status ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                                       const float* topk_weights, bf16_t* out, void* cuda_stream);
   // The first run-time error of capturable calls since the last call; also
