@@ -6,6 +6,7 @@
 // once; that is safe.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -41,7 +42,9 @@ uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits);
 // ForwardStream is served by callback reactors (StreamReactor): an open
 // stream holds no thread while it waits for its next request (a thread per
 // stream let one client's 3,000 idle streams cost the server 3,013 threads);
-// requests are computed by kStreamWorkers threads shared by every stream.
+// requests are computed by kStreamWorkers threads shared by every stream,
+// except small ones (kInlineRequestBytes), of which up to kInlineRequests at
+// once are computed on the gRPC callback thread that read them (no hand-off).
 class ExpertServiceImpl final : public moe::v1::ExpertService::WithRawCallbackMethod_ForwardStream<
                                     moe::v1::ExpertService::Service> {
  public:
@@ -71,6 +74,11 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::WithRawCallbackMe
   static constexpr std::chrono::milliseconds kDrainGrace{200};
   // Threads computing stream requests, shared by all streams.
   static constexpr int kStreamWorkers = 16;
+  // Requests of at most this many bytes (~17 tokens at H = 7168) are
+  // computed where gRPC delivered them, up to kInlineRequests at once
+  // across all streams (a bound on gRPC threads held by computation).
+  static constexpr size_t kInlineRequestBytes = 256 << 10;
+  static constexpr int kInlineRequests = 4;
 
   // The whole request path without gRPC: decode, validate, compute, encode.
   // Records no metrics.
@@ -104,6 +112,9 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::WithRawCallbackMe
   // Runs `job` on a stream worker.
   void RunOnStreamWorker(std::function<void()> job);
   bool DrainPastGrace() const;  // streams_mu_ held
+  // Claims one of the kInlineRequests places (false: all taken).
+  bool TryEnterInline();
+  std::atomic<int> inline_requests_{0};
 
   const ModelSpec& spec_;
   BatchHandler handler_;

@@ -3,7 +3,9 @@
 // API by one thread (Submit queues the message and returns; writes go out
 // one at a time in order, a read is always posted), requests matched to
 // responses by request id. Messages are raw ByteBuffers (grpc_wire.h): the
-// same bytes as protobuf's, tensors copied once each way. With grpc_unary,
+// same bytes as protobuf's; a request's tokens are copied once on their way
+// out by Submit and not at all by SubmitStaged (gRPC writes them from the
+// staging area), the output once on its way in. With grpc_unary,
 // one callback-API unary call per batch (protobuf messages).
 // A broken stream fails its in-flight requests with UNAVAILABLE and the next
 // Submit opens a new one (the channel reconnects underneath).
@@ -100,7 +102,7 @@ class GrpcTransport final : public ExpertTransport {
 
   absl::StatusOr<StagingArea> Stage(int n, int k, Clock::time_point) override {
     if (n < 1 || k < 1) return absl::InvalidArgumentError("Stage: n and k must be >= 1");
-    auto buf = std::make_unique<Staging>();
+    auto buf = std::make_shared<Staging>();
     buf->tokens.resize(size_t(n) * hidden_);
     buf->ids.resize(size_t(n) * k);
     buf->weights.resize(size_t(n) * k);
@@ -112,8 +114,10 @@ class GrpcTransport final : public ExpertTransport {
     return s;
   }
 
+  // The stream sends the staged tokens without copying them: gRPC holds
+  // the staging area (not freed by Release) until it has written them.
   std::future<absl::Status> SubmitStaged(const StagingArea& s, uint32_t layer, Clock::time_point deadline) override {
-    bf16_t* out;
+    std::shared_ptr<Staging> staged;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = staging_.find(s.handle);
@@ -122,10 +126,11 @@ class GrpcTransport final : public ExpertTransport {
         p.set_value(absl::InvalidArgumentError("SubmitStaged: unknown or released handle"));
         return p.get_future();
       }
-      out = it->second->output.data();
+      staged = it->second;
     }
-    return Submit(MoeBatch{static_cast<int>(layer), s.n, s.tokens, RoutingView{s.n, s.k, s.expert_ids, s.expert_weights}},
-                  out, deadline);
+    const MoeBatch b{static_cast<int>(layer), s.n, s.tokens, RoutingView{s.n, s.k, s.expert_ids, s.expert_weights}};
+    bf16_t* out = staged->output.data();
+    return unary_ ? SubmitUnary(b, out, deadline) : SubmitStream(b, out, deadline, std::move(staged));
   }
 
   void Release(const StagingArea& s) override {
@@ -159,14 +164,17 @@ class GrpcTransport final : public ExpertTransport {
   enum Op : intptr_t { kStart = 1, kWrite, kRead, kFinish };
   static void* TagOf(Op op) { return reinterpret_cast<void*>(op); }
 
-  std::future<absl::Status> SubmitStream(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) {
+  // With `tokens_owner`, b.tokens are lent to gRPC (EncodeForwardRequestBuffer).
+  std::future<absl::Status> SubmitStream(const MoeBatch& b, bf16_t* out, Clock::time_point deadline,
+                                         std::shared_ptr<const void> tokens_owner = nullptr) {
     std::future<absl::Status> fut;
     std::lock_guard<std::mutex> lock(mu_);
     std::shared_ptr<Stream>& s = streams_[next_stream_++ % streams_.size()];
     if (!s || s->broken) OpenStreamLocked(s);
     const uint64_t id = pending_.Add(out, b.n, s->generation, deadline, &fut);
     s->queue.push_back(EncodeForwardRequestBuffer(static_cast<uint32_t>(b.layer), b.n, hidden_, b.tokens,
-                                                  b.routing, id, *pool_, slice_, model_.digest));
+                                                  b.routing, id, *pool_, slice_, model_.digest,
+                                                  std::move(tokens_owner)));
     WriteNextLocked(*s);
     return fut;
   }
@@ -323,7 +331,7 @@ class GrpcTransport final : public ExpertTransport {
   std::shared_ptr<MessageBufferPool> pool_ = MessageBufferPool::Create(8);  // request buffers
   int unary_in_flight_ = 0;
   struct Staging { std::vector<bf16_t> tokens, output; std::vector<int32_t> ids; std::vector<float> weights; };
-  std::map<uint64_t, std::unique_ptr<Staging>> staging_;
+  std::map<uint64_t, std::shared_ptr<Staging>> staging_;
   uint64_t next_staging_ = 0;
   std::condition_variable unary_cv_;
 };
