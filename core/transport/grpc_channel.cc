@@ -155,7 +155,7 @@ void ConfigureServerBuilder(grpc::ServerBuilder& builder, uint64_t max_message_b
   SetDataPathArgs([&](const char* name, int v) { builder.AddChannelArgument(name, v); });
 }
 
-grpc::ChannelArguments MakeChannelArguments(uint64_t max_message_bytes, const TlsOptions& tls) {
+grpc::ChannelArguments MakeChannelArguments(uint64_t max_message_bytes, const TlsOptions& tls, bool own_connection) {
   KeepFreedMessageMemory();
   grpc::ChannelArguments args;
   const int max = static_cast<int>(std::min<uint64_t>(max_message_bytes, INT32_MAX));
@@ -178,14 +178,15 @@ grpc::ChannelArguments MakeChannelArguments(uint64_t max_message_bytes, const Tl
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 500);
   SetDataPathArgs([&](const char* name, int v) { args.SetInt(name, v); });
   if (!tls.server_name_override.empty()) args.SetSslTargetNameOverride(tls.server_name_override);
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return args;
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
                                                            uint64_t max_message_bytes,
-                                                           const TlsOptions& tls) {
+                                                           const TlsOptions& tls, bool own_connection) {
   MOE_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> creds, MakeChannelCredentials(tls));
-  return grpc::CreateCustomChannel(address, creds, MakeChannelArguments(max_message_bytes, tls));
+  return grpc::CreateCustomChannel(address, creds, MakeChannelArguments(max_message_bytes, tls, own_connection));
 }
 
 }  // namespace moe
