@@ -1,5 +1,8 @@
 #include "cpu_expert_server/expert_service.h"
 
+#include <pthread.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <thread>
@@ -28,6 +31,7 @@ ExpertServiceImpl::ExpertServiceImpl(const ModelSpec& spec, BatchHandler handler
       metrics_(metrics) {
   for (int i = 0; i < kStreamWorkers; ++i)
     workers_.emplace_back([this] {
+      pthread_setname_np(pthread_self(), "moe-stream");
       std::unique_lock<std::mutex> lock(jobs_mu_);
       for (;;) {
         jobs_cv_.wait(lock, [this] { return stop_workers_ || !jobs_.empty(); });
@@ -244,9 +248,9 @@ class ExpertServiceImpl::StreamReactor final : public grpc::ServerBidiReactor<gr
     };
     // A small request is computed right here, on gRPC's callback thread: the
     // hand-off to a stream worker (a queue and a thread wake-up) cost
-    // ~40-60 us of a ~120 us round trip. Only kInlineRequests at once, so
-    // that no client can hold more of gRPC's threads than that; the rest go
-    // to the workers.
+    // ~40-60 us of a ~120 us round trip. Only InlineRequestLimit() at once,
+    // so that computation never holds all of gRPC's threads; the rest go to
+    // the workers.
     if (in_.Length() <= kInlineRequestBytes && service_->TryEnterInline()) {
       compute();
       service_->inline_requests_.fetch_sub(1, std::memory_order_relaxed);
@@ -357,8 +361,13 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* ExpertServiceImpl::
   return new StreamReactor(this);
 }
 
+int ExpertServiceImpl::InlineRequestLimit() {
+  return std::clamp(static_cast<int>(std::thread::hardware_concurrency()) / 4, 1, 4);
+}
+
 bool ExpertServiceImpl::TryEnterInline() {
-  if (inline_requests_.fetch_add(1, std::memory_order_relaxed) < kInlineRequests) return true;
+  static const int limit = InlineRequestLimit();
+  if (inline_requests_.fetch_add(1, std::memory_order_relaxed) < limit) return true;
   inline_requests_.fetch_sub(1, std::memory_order_relaxed);
   return false;
 }
