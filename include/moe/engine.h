@@ -120,7 +120,7 @@ struct SessionOptions {
   // keeping an own copy, when they cover the served layers (one host copy).
   bool share_host_copy = true;
   TlsOptions tls;                      // for host:port servers
-  int grpc_streams = 1;                // ForwardStreams per host:port server (batches round-robin)
+  int grpc_streams = 1;                // ForwardStreams per host:port server (a connection each; batches round-robin)
   std::chrono::milliseconds deadline{30000};
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
   // A group of `group.size` GPUs holding one cache (moe/types.h
