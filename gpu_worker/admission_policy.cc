@@ -205,6 +205,8 @@ bool HeapLess(const std::pair<double, int>& a, const std::pair<double, int>& b) 
   return a.first != b.first ? a.first < b.first : a.second > b.second;
 }
 
+// Long: its two passes share the pricing, the victims' heap and the
+// candidates' ranks; split, each would take all of them as arguments.
 template <typename Candidate, typename Timing>
 void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, const std::vector<double>& sd,
                  double later_runs, double copy_cost, double undo_cost, std::vector<AdmissionVictim>* victims,
