@@ -24,12 +24,12 @@ namespace moe {
 absl::Status CheckParallelGroup(const ParallelGroup& g, int num_experts) {
   const bool ep = g.mode == GroupMode::kExpert;
   if (g.size < 1 || g.size > num_experts || g.rank < 0 || g.rank >= g.size)
-    return absl::InvalidArgumentError(absl::StrCat(ep ? "group (ep_rank, ep_size)" : "group (tp_rank, tp_size)",
+    return absl::InvalidArgumentError(absl::StrCat("group (rank, size; mode ", ep ? "expert" : "tensor", ")",
                                                    ": rank ", g.rank, " of size ", g.size,
                                                    " (need 0 <= rank < size <= ", num_experts, ", the model's experts)"));
   if (ep && g.size > 1 &&
       (g.id.size() != kGroupIdHexChars || !std::all_of(g.id.begin(), g.id.end(), absl::ascii_isxdigit)))
-    return absl::InvalidArgumentError(absl::StrCat("group.id (group_id): ", g.id.size(), " characters; need the ",
+    return absl::InvalidArgumentError(absl::StrCat("group.id: ", g.id.size(), " characters; need the ",
                                                    kGroupIdHexChars,
                                                    "-character hex id of NewGroupId, the same on every rank"));
   return absl::OkStatus();

@@ -85,16 +85,19 @@ struct ModelInfo {
 };
 
 // The names of the SessionOptions choices (auto | cuda | cpu; static | lru |
-// lfru | predictive; auto | never | always; auto | bf16 | int8 | int4 | fp8), and
-// their parsing: InvalidArgument naming `field` and the accepted names.
+// lfru | predictive; auto | never | always; auto | bf16 | int8 | int4 | fp8;
+// tensor | expert), and their parsing: InvalidArgument naming `field` and the
+// accepted names.
 const char* Name(DeviceChoice v);
 const char* Name(CachePolicy v);
 const char* Name(CopyMode v);
 const char* Name(WeightDtype v);
+const char* Name(GroupMode v);
 absl::StatusOr<DeviceChoice> ParseDeviceChoice(const std::string& name, const std::string& field = "device");
 absl::StatusOr<CachePolicy> ParseCachePolicy(const std::string& name, const std::string& field = "policy");
 absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name, const std::string& field = "copy_mode");
 absl::StatusOr<WeightDtype> ParseWeightDtype(const std::string& name, const std::string& field = "weight_dtype");
+absl::StatusOr<GroupMode> ParseGroupMode(const std::string& name, const std::string& field = "group.mode");
 
 struct SessionOptions {
   std::string model;                   // checkpoint directory or synthetic:PRESET[:layers=N][:seed=S]
@@ -158,7 +161,16 @@ class MoeSession {
   // FailedPrecondition in a build without NCCL.
   static absl::StatusOr<std::string> NewGroupId();
 
-  const ModelInfo& model() const;
+  // The oracle every backend is checked against, for an engine's own tests:
+  // the reference MoE (plain loops, f32 accumulate) over the weights of
+  // `model` (SessionOptions::model's syntax); host memory, `out` [T,H] f32.
+  // Slow (small checks); the last model opened is kept (thread-safe).
+  static absl::Status ReferenceForward(const std::string& model, int layer, int T, int k, const bf16_t* hidden,
+                                       const int32_t* topk_ids, const float* topk_weights, float* out);
+
+  const ModelInfo& model_info() const;
+  // The options the session was opened with.
+  const SessionOptions& options() const;
   // The MoE layers this session serves, ascending (SessionOptions::layers,
   // or every MoE layer of the model).
   const std::vector<int>& served_layers() const;
