@@ -7,7 +7,8 @@ RECORD_MD: moe_layer's markdown (scripts/bench_record.sh's record.md; with
 --section, only the tables after the "## NAME" heading up to the next one).
 LLAMA_PEER_MD: ../shared/peers/llama/peer.sh's llama_peer.md on the same
 geometry (Qwen3-30B-A3B, same layers). For every moe_layer row whose T the peer
-measured — T = 1 from llama-bench's tg32 (one sequence), T = 8 / 32 from
+measured — T = 1 from llama-bench's tg32 (one sequence; rows with the
+experts on the CPU, -ot exps=CPU, only), T = 8 / 32 from
 llama-batched-bench (B sequences: a step is B / S_TG), prompts of 512 / 2048
 tokens from llama-bench's pp (the best of its ubatches) — it prints the
 mode's step (--mode, default ours: the worker's defaults), the
@@ -43,9 +44,13 @@ def peer_steps(lines):
     steps = {}
     for head, rows in md_tables(lines):
         if "test" in head and "t/s" in head:  # llama-bench
-            ti, si = head.index("test"), head.index("t/s")
+            if "ot" not in head:  # every weight on the GPU: not the offload being compared
+                continue
+            ti, si, oi = head.index("test"), head.index("t/s"), head.index("ot")
             for r in rows:
                 m = re.fullmatch(r"(tg|pp)(\d+)", r[ti])
+                if "exps=CPU" not in r[oi]:
+                    continue
                 tps = first_number(r[si])
                 if not m or not tps:
                     continue

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Python-call overhead per MoE layer call: the same call through (1) the C
 ABI called straight with prepared pointers (ctypes; the C++ call plus one
-foreign call), (2) Session.forward with numpy arrays, (3) MoeLayer with torch
+foreign call), (2) Session.forward_layer with numpy arrays, (3) MoeLayer with torch
 tensors (CPU, and CUDA with the current stream when a GPU is there), (4) a
 capturable call (CUDA). Every expert cached (all hits) on a synthetic model,
 so the service's own work is small and the wrapper's share shows. Prints a
@@ -52,14 +52,14 @@ def main():
             break
     try:
         probe = moe.Session(model=model, device="cpu", host_copy=False, servers=[f"unix://{sock}"])
-        E = probe.info["num_experts"]
+        E = probe.model_info["num_experts"]
         probe.close()
         s = moe.Session(model=model, servers=[f"unix://{sock}"], device=a.device, policy="static",
                         cache_experts_per_layer=E, max_tokens=max(a.tokens, 8), cpu_threads=1)
-        L = s.moe_layers[0]
+        L = s.served_layers[0]
         s.apply_assignment(L, range(E))
         s.flush_copies()
-        H, k, T = s.info["hidden"], s.info["top_k"], a.tokens
+        H, k, T = s.model_info["hidden"], s.model_info["top_k"], a.tokens
         rng = np.random.default_rng(0)
         x = moe.to_bf16_bits(rng.standard_normal((T, H)).astype(np.float32))
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
@@ -68,10 +68,10 @@ def main():
         lib = _lib.lib()
         ptrs = [x.ctypes.data, ids.ctypes.data, w.ctypes.data, out.ctypes.data]
         rows = []
-        raw = timed(lambda: lib.moe_forward(s._handle, L, T, k, *ptrs, 0, None, None), a.iters)
+        raw = timed(lambda: lib.moe_forward_layer(s._handle, L, T, k, *ptrs, 0, None, None), a.iters)
         rows.append(("C ABI via ctypes, prepared pointers (host memory)", raw, 0.0))
-        t = timed(lambda: s.forward(L, x, ids, w, out=out), a.iters)
-        rows.append(("Session.forward, numpy", t, t - raw))
+        t = timed(lambda: s.forward_layer(L, x, ids, w, out=out), a.iters)
+        rows.append(("Session.forward_layer, numpy", t, t - raw))
         try:
             import torch
             m = moe.MoeLayer(s, L)
@@ -79,12 +79,12 @@ def main():
                 torch.from_numpy(w)
             t = timed(lambda: m(xt, it, wt), a.iters)
             rows.append(("MoeLayer, torch CPU tensors", t, t - raw))
-            if torch.cuda.is_available() and s.info["device"] == "cuda":
+            if torch.cuda.is_available() and s.device == "cuda":
                 xc, ic, wc = xt.cuda(), it.cuda(), wt.cuda()
                 oc = torch.empty_like(xc)
                 stream = torch.cuda.current_stream().cuda_stream
                 dp = [xc.data_ptr(), ic.data_ptr(), wc.data_ptr(), oc.data_ptr()]
-                raw_d = timed(lambda: lib.moe_forward(s._handle, L, T, k, *dp, 1, ctypes.c_void_p(stream), None),
+                raw_d = timed(lambda: lib.moe_forward_layer(s._handle, L, T, k, *dp, 1, ctypes.c_void_p(stream), None),
                               a.iters)
                 rows.append(("C ABI via ctypes, device pointers + stream", raw_d, 0.0))
                 t = timed(lambda: m(xc, ic, wc), a.iters)
@@ -94,14 +94,14 @@ def main():
                 def cap():
                     mc(xc, ic, wc)
                     torch.cuda.current_stream().synchronize()
-                rawc = timed(lambda: (lib.moe_forward_capturable(s._handle, L, T, k, *dp, ctypes.c_void_p(stream)),
+                rawc = timed(lambda: (lib.moe_forward_layer_capturable(s._handle, L, T, k, *dp, ctypes.c_void_p(stream)),
                                       torch.cuda.current_stream().synchronize()), a.iters)
                 rows.append(("C ABI capturable call + stream sync", rawc, 0.0))
                 t = timed(cap, a.iters)
                 rows.append(("MoeLayer(capturable=True) + stream sync", t, t - rawc))
         except ImportError:
             rows.append(("MoeLayer (torch not installed)", float("nan"), float("nan")))
-        print(f"## python_overhead: {model}, T={T}, k={k}, all experts cached, device {s.info['device']}")
+        print(f"## python_overhead: {model}, T={T}, k={k}, all experts cached, device {s.device}")
         print(f"{platform.node()}: {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
               f"Python {platform.python_version()}\n")
         print("| call | us/call | Python over the C ABI call (us) |\n|---|---|---|")

@@ -5,6 +5,7 @@
 // Thread-safety: each moe_session carries a mutex; every call on it holds it.
 #include "moe/moe.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -16,16 +17,14 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "moe/engine.h"
-#include "core/model_source.h"
-#include "core/reference_moe.h"
 #include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
 struct moe_session {
   std::mutex mu;
   std::unique_ptr<moe::MoeSession> session;
-  moe::SessionOptions options;
-  std::string describe;
+  std::vector<int32_t> moe_layers;  // moe_model_info.moe_layers points here
+  std::string text;                 // what moe_session_describe / moe_session_options returned last
 };
 
 namespace {
@@ -124,6 +123,21 @@ absl::Status ParseTls(const nlohmann::json& v, moe::TlsOptions* tls) {
   return absl::OkStatus();
 }
 
+absl::Status ParseGroup(const nlohmann::json& v, moe::ParallelGroup* group) {
+  if (!v.is_object()) return absl::InvalidArgumentError("options.group: expected an object");
+  for (auto it = v.begin(); it != v.end(); ++it) {
+    const std::string key = "group." + it.key();
+    absl::Status st;
+    if (it.key() == "rank") st = ReadOption(*it, key, &group->rank);
+    else if (it.key() == "size") st = ReadOption(*it, key, &group->size);
+    else if (it.key() == "mode") st = ReadChoice(*it, key, &group->mode, moe::ParseGroupMode);
+    else if (it.key() == "id") st = ReadOption(*it, key, &group->id);
+    else st = absl::InvalidArgumentError(absl::StrCat("options.", key, ": unknown option"));
+    if (!st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return absl::InvalidArgumentError("options_json: not valid JSON");
@@ -150,12 +164,7 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     else if (key == "host_copy") st = ReadOption(*it, key, &o.host_copy);
     else if (key == "weight_dtype") st = ReadChoice(*it, key, &o.weight_dtype, moe::ParseWeightDtype);
     else if (key == "share_host_copy") st = ReadOption(*it, key, &o.share_host_copy);
-    else if (key == "tp_rank") st = ReadOption(*it, key, &o.group.rank);
-    else if (key == "tp_size") st = ReadOption(*it, key, &o.group.size);
-    else if (key == "ep_rank" || key == "ep_size") {
-      st = ReadOption(*it, key, key == "ep_rank" ? &o.group.rank : &o.group.size);
-      o.group.mode = moe::GroupMode::kExpert;
-    } else if (key == "group_id") st = ReadOption(*it, key, &o.group.id);
+    else if (key == "group") st = ParseGroup(*it, &o.group);
     else if (key == "tls") st = ParseTls(*it, &o.tls);
     else if (key == "deadline_ms") {
       int ms = 0;
@@ -168,9 +177,55 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     if (!st.ok()) return st;
   }
   if (!have_model || o.model.empty()) return absl::InvalidArgumentError("options.model: required");
-  if (o.group.mode == moe::GroupMode::kExpert && (j.contains("tp_rank") || j.contains("tp_size")))
-    return absl::InvalidArgumentError("options.tp_rank/tp_size and options.ep_rank/ep_size: one group, one mode");
   return o;
+}
+
+// The options under the keys ParseOptions reads (moe_session_options).
+nlohmann::json OptionsJson(const moe::SessionOptions& o) {
+  nlohmann::json j = {
+      {"model", o.model},
+      {"servers", o.servers},
+      {"device", moe::Name(o.device)},
+      {"cuda_device", o.cuda_device},
+      {"cache_experts_per_layer", o.cache_experts_per_layer},
+      {"cache_gib", o.cache_gib},
+      {"policy", moe::Name(o.policy)},
+      {"copy_mode", moe::Name(o.copy_mode)},
+      {"max_tokens", o.max_tokens},
+      {"max_top_k", o.max_top_k},
+      {"contexts", o.contexts},
+      {"cpu_threads", o.cpu_threads},
+      {"grpc_streams", o.grpc_streams},
+      {"layers", o.layers},
+      {"host_copy", o.host_copy},
+      {"weight_dtype", moe::Name(o.weight_dtype)},
+      {"share_host_copy", o.share_host_copy},
+      {"group", {{"rank", o.group.rank}, {"size", o.group.size}, {"mode", moe::Name(o.group.mode)}, {"id", o.group.id}}},
+      {"tls",
+       {{"cert_file", o.tls.cert_file},
+        {"key_file", o.tls.key_file},
+        {"ca_file", o.tls.ca_file},
+        {"server_name_override", o.tls.server_name_override},
+        {"insecure", o.tls.insecure}}},
+      {"deadline_ms", o.deadline.count()},
+  };
+  return j;
+}
+
+// Copies `text` into a fixed C string field, NUL-terminated (cut if longer).
+template <size_t N>
+void CopyText(const std::string& text, char (&field)[N]) {
+  std::strncpy(field, text.c_str(), N - 1);
+  field[N - 1] = '\0';
+}
+
+// Writes up to `capacity` of `values` into `out`; *count = all of them.
+moe_status CopyList(const std::vector<int>& values, int32_t* out, int32_t capacity, int32_t* count, const char* name) {
+  if (count == nullptr) return Invalid("count: NULL");
+  if (capacity < 0 || (capacity > 0 && out == nullptr)) return Invalid(absl::StrCat(name, ": NULL with capacity > 0"));
+  *count = static_cast<int32_t>(values.size());
+  for (int32_t i = 0; i < capacity && i < *count; ++i) out[i] = values[i];
+  return MOE_OK;
 }
 
 moe_status CheckSession(moe_session* s) { return s == nullptr || !s->session ? Invalid("session: NULL") : MOE_OK; }
@@ -232,8 +287,9 @@ moe_status moe_session_open(const char* options_json, moe_session** out) {
     absl::StatusOr<std::unique_ptr<moe::MoeSession>> session = moe::MoeSession::Open(*o);
     if (!session.ok()) return FromStatus(session.status());
     auto s = std::make_unique<moe_session>();
-    s->options = *std::move(o);
     s->session = *std::move(session);
+    const std::vector<int>& moe_layers = s->session->model_info().moe_layers;
+    s->moe_layers.assign(moe_layers.begin(), moe_layers.end());
     *out = s.release();
     return MOE_OK;
   });
@@ -246,42 +302,59 @@ void moe_session_close(moe_session* session) {
   });
 }
 
-moe_status moe_session_info(moe_session* session, moe_model_info* out) {
+moe_status moe_session_model_info(moe_session* session, moe_model_info* out) {
   return Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     if (out == nullptr) return Invalid("out: NULL");
     std::lock_guard<std::mutex> lock(session->mu);
-    const moe::ModelInfo& spec = session->session->model();
+    const moe::ModelInfo& m = session->session->model_info();
     *out = moe_model_info{};
-    out->num_layers = spec.num_layers;
-    out->num_moe_layers = static_cast<int32_t>(session->session->served_layers().size());
-    out->num_experts = spec.num_experts;
-    out->top_k = spec.top_k;
-    out->hidden = spec.hidden;
-    out->intermediate = spec.intermediate;
-    out->cache_slots = session->session->admin().slots_per_layer();
-    out->max_tokens = session->options.max_tokens;
-    out->max_top_k = session->options.max_top_k;
-    std::strncpy(out->device, session->session->device(), sizeof(out->device) - 1);
-    out->identity = spec.identity;
+    CopyText(m.model_type, out->model_type);
+    out->num_layers = m.num_layers;
+    out->num_moe_layers = static_cast<int32_t>(session->moe_layers.size());
+    out->moe_layers = session->moe_layers.data();
+    out->num_experts = m.num_experts;
+    out->top_k = m.top_k;
+    out->hidden = m.hidden;
+    out->intermediate = m.intermediate;
+    CopyText(m.weight_dtype, out->weight_dtype);
+    out->expert_bytes = m.expert_bytes;
+    out->identity = m.identity;
     return MOE_OK;
   });
 }
 
-moe_status moe_session_moe_layers(moe_session* session, int32_t* layers, int32_t capacity, int32_t* count) {
+moe_status moe_session_served_layers(moe_session* session, int32_t* layers, int32_t capacity, int32_t* count) {
   return Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
-    if (count == nullptr) return Invalid("count: NULL");
-    if (capacity < 0 || (capacity > 0 && layers == nullptr)) return Invalid("layers: NULL with capacity > 0");
     std::lock_guard<std::mutex> lock(session->mu);
-    const std::vector<int>& served = session->session->served_layers();
-    *count = static_cast<int32_t>(served.size());
-    for (int32_t i = 0; i < capacity && i < *count; ++i) layers[i] = served[i];
-    return MOE_OK;
+    return CopyList(session->session->served_layers(), layers, capacity, count, "layers");
   });
 }
 
-moe_status moe_forward(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k, const void* hidden,
+const char* moe_session_device(moe_session* session) {
+  const char* device = "";
+  (void)Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    device = session->session->device();
+    return MOE_OK;
+  });
+  return device;
+}
+
+const char* moe_session_options(moe_session* session) {
+  const char* text = "";
+  (void)Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    session->text = OptionsJson(session->session->options()).dump();
+    text = session->text.c_str();
+    return MOE_OK;
+  });
+  return text;
+}
+
+moe_status moe_forward_layer(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k, const void* hidden,
                        const int32_t* topk_ids, const float* topk_weights, void* out, int32_t memory,
                        void* cuda_stream, moe_call_stats* stats) {
   return Guard([&]() -> moe_status {
@@ -297,7 +370,7 @@ moe_status moe_forward(moe_session* session, int32_t layer, int32_t tokens, int3
   });
 }
 
-moe_status moe_forward_async(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
+moe_status moe_forward_layer_async(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
                              const void* hidden, const int32_t* topk_ids, const float* topk_weights, void* out,
                              int32_t memory, void* cuda_stream, int32_t* ticket) {
   return Guard([&]() -> moe_status {
@@ -325,7 +398,7 @@ moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats* stats)
   });
 }
 
-moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
+moe_status moe_forward_layer_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
                                   const void* hidden, const int32_t* topk_ids, const float* topk_weights, void* out,
                                   void* cuda_stream) {
   return Guard([&]() -> moe_status {
@@ -337,7 +410,7 @@ moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t t
   });
 }
 
-moe_status moe_stream_error(moe_session* session) {
+moe_status moe_take_stream_error(moe_session* session) {
   return Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     std::lock_guard<std::mutex> lock(session->mu);
@@ -345,12 +418,16 @@ moe_status moe_stream_error(moe_session* session) {
   });
 }
 
-moe_status moe_apply_assignment(moe_session* session, int32_t layer, const int32_t* experts, int32_t n) {
+moe_status moe_apply_assignment(moe_session* session, int32_t layer, const int32_t* experts, int32_t n,
+                                const int32_t* pinned, int32_t n_pinned) {
   return Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     if (n < 0 || (n > 0 && experts == nullptr)) return Invalid(absl::StrCat("experts: NULL or n = ", n, " < 0"));
+    if (n_pinned < 0 || (n_pinned > 0 && pinned == nullptr))
+      return Invalid(absl::StrCat("pinned: NULL or n_pinned = ", n_pinned, " < 0"));
     std::lock_guard<std::mutex> lock(session->mu);
-    return FromStatus(session->session->admin().ApplyAssignment(layer, std::vector<int>(experts, experts + n)));
+    return FromStatus(session->session->admin().ApplyAssignment(layer, std::vector<int>(experts, experts + n),
+                                                                std::vector<int>(pinned, pinned + n_pinned)));
   });
 }
 
@@ -362,13 +439,57 @@ moe_status moe_flush_copies(moe_session* session) {
   });
 }
 
-moe_status moe_session_stats_get(moe_session* session, moe_session_stats* out) {
+moe_status moe_set_server_enabled(moe_session* session, const char* address, int32_t enabled) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    if (address == nullptr) return Invalid("address: NULL");
+    std::lock_guard<std::mutex> lock(session->mu);
+    return FromStatus(session->session->admin().SetServerEnabled(address, enabled != 0));
+  });
+}
+
+moe_status moe_cached_experts(moe_session* session, int32_t layer, int32_t* experts, int32_t capacity,
+                              int32_t* count) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    std::lock_guard<std::mutex> lock(session->mu);
+    const std::vector<int>& served = session->session->served_layers();
+    if (std::find(served.begin(), served.end(), layer) == served.end())
+      return Invalid(absl::StrCat("layer: ", layer, " is not an MoE layer this session serves"));
+    return CopyList(session->session->admin().CachedExperts(layer), experts, capacity, count, "experts");
+  });
+}
+
+moe_status moe_hit_rate(moe_session* session, int32_t layer, double* out) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    if (out == nullptr) return Invalid("out: NULL");
+    std::lock_guard<std::mutex> lock(session->mu);
+    const std::vector<int>& served = session->session->served_layers();
+    if (std::find(served.begin(), served.end(), layer) == served.end())
+      return Invalid(absl::StrCat("layer: ", layer, " is not an MoE layer this session serves"));
+    *out = session->session->admin().HitRate(layer);
+    return MOE_OK;
+  });
+}
+
+moe_status moe_slots_per_layer(moe_session* session, int32_t* out) {
+  return Guard([&]() -> moe_status {
+    if (moe_status st = CheckSession(session); st != MOE_OK) return st;
+    if (out == nullptr) return Invalid("out: NULL");
+    std::lock_guard<std::mutex> lock(session->mu);
+    *out = session->session->admin().slots_per_layer();
+    return MOE_OK;
+  });
+}
+
+moe_status moe_totals(moe_session* session, moe_session_totals* out) {
   return Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     if (out == nullptr) return Invalid("out: NULL");
     std::lock_guard<std::mutex> lock(session->mu);
     const moe::SessionTotals t = session->session->totals();
-    *out = moe_session_stats{};
+    *out = moe_session_totals{};
     out->calls = static_cast<int64_t>(t.calls);
     out->failed_calls = static_cast<int64_t>(t.failed_calls);
     out->hit_pairs = static_cast<int64_t>(t.hit_pairs);
@@ -377,9 +498,9 @@ moe_status moe_session_stats_get(moe_session* session, moe_session_stats* out) {
     out->miss_tokens = static_cast<int64_t>(t.miss_tokens);
     out->failovers = static_cast<int64_t>(t.failovers);
     out->bytes_shipped = static_cast<int64_t>(t.bytes_shipped);
-    out->seconds = t.seconds;
     out->cache_copies_started = static_cast<int64_t>(session->session->admin().copies_started());
     out->cache_copies_pending = session->session->admin().PendingCopies();
+    out->seconds = t.seconds;
     return MOE_OK;
   });
 }
@@ -401,8 +522,8 @@ const char* moe_session_describe(moe_session* session) {
   (void)Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     std::lock_guard<std::mutex> lock(session->mu);
-    session->describe = session->session->admin().Describe();
-    text = session->describe.c_str();
+    session->text = session->session->admin().Describe();
+    text = session->text.c_str();
     return MOE_OK;
   });
   return text;
@@ -412,30 +533,9 @@ moe_status moe_reference_forward(const char* model, int32_t layer, int32_t token
                                  const int32_t* topk_ids, const float* topk_weights, float* out) {
   return Guard([&]() -> moe_status {
     if (model == nullptr) return Invalid("model: NULL");
-    if (tokens < 0) return Invalid(absl::StrCat("tokens: ", tokens, " < 0"));
-    if (tokens > 0 && (top_k < 1 || hidden == nullptr || topk_ids == nullptr || topk_weights == nullptr ||
-                       out == nullptr))
-      return Invalid("top_k/hidden/topk_ids/topk_weights/out: k < 1 or NULL pointer");
-    static std::mutex mu;
-    static std::string opened;
-    static std::unique_ptr<moe::ModelSource> source;
-    static std::unique_ptr<moe::ReferenceMoe> reference;
-    std::lock_guard<std::mutex> lock(mu);
-    if (!source || opened != model) {
-      reference.reset();
-      source.reset();
-      absl::StatusOr<std::unique_ptr<moe::ModelSource>> s = moe::OpenModel(model);
-      if (!s.ok()) return FromStatus(s.status());
-      source = *std::move(s);
-      reference = std::make_unique<moe::ReferenceMoe>(*source);
-      opened = model;
-    }
-    if (layer < 0 || !source->spec().IsMoeLayer(layer))
-      return Invalid(absl::StrCat("layer: ", layer, " is not an MoE layer of ", model));
-    const moe::RoutingView routing{tokens, top_k, topk_ids, topk_weights};
-    if (absl::Status st = moe::ValidateRouting(routing, source->spec().num_experts, {}); !st.ok())
-      return FromStatus(st);
-    return FromStatus(reference->Forward<float>(layer, tokens, static_cast<const moe::bf16_t*>(hidden), routing, out));
+    return FromStatus(moe::MoeSession::ReferenceForward(model, layer, tokens, top_k,
+                                                        static_cast<const moe::bf16_t*>(hidden), topk_ids,
+                                                        topk_weights, out));
   });
 }
 

@@ -1,6 +1,7 @@
 // MOE_HOST_DEVICE: marks small inline functions that host code and CUDA
-// device code share (the packed-expert index math, the demo attention's
-// seeded values), so both compute with one definition.
+// device code share (the packed-expert index math, the seeded values of the
+// benchmark model's attention, bench/model/attention_weights.h), so both
+// compute with one definition.
 #pragma once
 
 #if defined(__CUDACC__)

@@ -273,6 +273,8 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
 //   {prefix}gate_up_proj  [E, 2I, H]  (transformers' in-memory layout, rows = outputs)
 //                      or [E, H, 2I]  (Llama 4 / GPT-OSS: x @ W; GPT-OSS interleaves gate/up columns)
 //   {prefix}down_proj     [E, H, I]   or [E, I, H] respectively
+// or, as Granite MoE checkpoints name them, model.layers.{l}.block_sparse_moe.
+// input_linear.weight [E, 2I, H] (gate rows first) and output_linear.weight [E, H, I].
 // The orientation is read from down_proj's shape (x @ W when it is [E, I, H]
 // and I != H).
 struct FusedExperts {
@@ -291,13 +293,19 @@ std::string FusedPrefix(ExpertNaming naming, int layer) {
 // naming the tensor when their shapes do not fit the model.
 absl::StatusOr<std::optional<FusedExperts>> FindFused(const Checkpoint& ckpt, const ModelSpec& spec, int layer) {
   const std::string prefix = FusedPrefix(spec.naming, layer);
+  std::string gate_up = prefix + "gate_up_proj", down = prefix + "down_proj";
+  if (spec.naming == ExpertNaming::kBlockSparseMoe && ckpt.Find(gate_up) == nullptr && ckpt.Find(down) == nullptr) {
+    const std::string granite = absl::StrCat("model.layers.", layer, ".block_sparse_moe.");
+    gate_up = granite + "input_linear.weight";
+    down = granite + "output_linear.weight";
+  }
   FusedExperts f;
-  f.gate_up = ckpt.Find(prefix + "gate_up_proj");
-  f.down = ckpt.Find(prefix + "down_proj");
+  f.gate_up = ckpt.Find(gate_up);
+  f.down = ckpt.Find(down);
   if (f.gate_up == nullptr && f.down == nullptr) return std::optional<FusedExperts>();
   const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
   if (f.gate_up == nullptr || f.down == nullptr)
-    return absl::InvalidArgumentError(absl::StrCat(prefix, "gate_up_proj and ", prefix, "down_proj: only one present"));
+    return absl::InvalidArgumentError(absl::StrCat(gate_up, " and ", down, ": only one present"));
   using Shape = std::vector<int64_t>;
   if (f.down->shape == Shape{E, H, I}) {
     f.x_times_w = false;
@@ -440,31 +448,43 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
   absl::StatusOr<ModelSpec> spec = ModelSpecFromConfig(config);
   if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", std::string(spec.status().message())));
   MOE_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir));
-  // The tensors are the truth for which layers have experts (dense layers have none).
-  // Per-expert tensors, or fused 3-D ones (FusedExperts).
+  // The tensors are the truth for which layers have experts (dense layers have none)
+  // and how they are named: per-expert tensors, or fused 3-D ones (FusedExperts),
+  // under the naming the model type implies, else the other one (families whose
+  // checkpoints keep Mixtral's block_sparse_moe names, e.g. PhiMoE, MiniMax, Granite).
   std::vector<int> moe_layers;
   std::map<int, FusedExperts> fused;
-  for (int l = 0; l < spec->num_layers; ++l) {
-    const std::string gate = ExpertTensorName(spec->naming, l, 0, Projection::kGate);
-    if (ckpt->Find(PrimaryTensorName(spec->quant, gate)) != nullptr) {
-      moe_layers.push_back(l);
-      continue;
+  const ExpertNaming implied = spec->naming;
+  for (ExpertNaming naming : {implied, implied == ExpertNaming::kMlpExperts ? ExpertNaming::kBlockSparseMoe
+                                                                              : ExpertNaming::kMlpExperts}) {
+    spec->naming = naming;
+    for (int l = 0; l < spec->num_layers; ++l) {
+      const std::string gate = ExpertTensorName(spec->naming, l, 0, Projection::kGate);
+      if (ckpt->Find(PrimaryTensorName(spec->quant, gate)) != nullptr) {
+        moe_layers.push_back(l);
+        continue;
+      }
+      absl::StatusOr<std::optional<FusedExperts>> f = FindFused(*ckpt, *spec, l);
+      if (!f.ok()) return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", f.status().message()));
+      if (f->has_value()) {
+        if (spec->quant.scheme != WeightQuant::kNone)
+          return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", (**f).gate_up->name,
+                                                         ": fused 3-D expert tensors with ", spec->quant.Describe(),
+                                                         " quantization are not supported (per-expert tensors are)"));
+        moe_layers.push_back(l);
+        fused[l] = **f;
+      }
     }
-    absl::StatusOr<std::optional<FusedExperts>> f = FindFused(*ckpt, *spec, l);
-    if (!f.ok()) return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", f.status().message()));
-    if (f->has_value()) {
-      if (spec->quant.scheme != WeightQuant::kNone)
-        return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", (**f).gate_up->name,
-                                                       ": fused 3-D expert tensors with ", spec->quant.Describe(),
-                                                       " quantization are not supported (per-expert tensors are)"));
-      moe_layers.push_back(l);
-      fused[l] = **f;
-    }
+    if (!moe_layers.empty()) break;
   }
   if (moe_layers.empty())
     return absl::InvalidArgumentError(
         absl::StrCat("model ", dir, ": no expert tensors named like ",
-                     PrimaryTensorName(spec->quant, ExpertTensorName(spec->naming, 0, 0, Projection::kGate))));
+                     PrimaryTensorName(spec->quant, ExpertTensorName(implied, 0, 0, Projection::kGate)), " or ",
+                     PrimaryTensorName(spec->quant, ExpertTensorName(implied == ExpertNaming::kMlpExperts
+                                                                         ? ExpertNaming::kBlockSparseMoe
+                                                                         : ExpertNaming::kMlpExperts,
+                                                                     0, 0, Projection::kGate))));
   if (moe_layers != spec->moe_layers)
     LogWarning("model", "config.json implies ", spec->moe_layers.size(), " MoE layers, checkpoint has ",
                moe_layers.size(), "; using the checkpoint's");

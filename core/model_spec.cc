@@ -82,10 +82,19 @@ ExpertNaming NamingForModelType(const std::string& model_type) {
 
 namespace {
 
+// The first of `keys` holding an integer, or a list of equal integers (a
+// per-layer value that is the same for every layer, e.g. Hunyuan's moe_topk).
 absl::StatusOr<int> GetInt(const nlohmann::json& j, std::initializer_list<const char*> keys) {
   for (const char* k : keys) {
     auto it = j.find(k);
-    if (it != j.end() && it->is_number_integer()) return it->get<int>();
+    if (it == j.end()) continue;
+    if (it->is_number_integer()) return it->get<int>();
+    if (it->is_array() && !it->empty() && (*it)[0].is_number_integer()) {
+      const auto first = (*it)[0];
+      if (std::all_of(it->begin(), it->end(), [&](const nlohmann::json& v) { return v == first; }))
+        return first.get<int>();
+      return absl::InvalidArgumentError(absl::StrCat("config.json: ", k, ": differs between layers (not supported)"));
+    }
   }
   return absl::InvalidArgumentError(
       absl::StrCat("config.json: missing integer ", absl::StrJoin(keys, " / ")));
@@ -99,8 +108,11 @@ absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config) {
   s.model_type = config.value("model_type", std::string("unknown"));
   s.naming = NamingForModelType(s.model_type);
   MOE_ASSIGN_OR_RETURN(s.num_layers, GetInt(config, {"num_hidden_layers"}));
-  MOE_ASSIGN_OR_RETURN(s.num_experts, GetInt(config, {"n_routed_experts", "num_experts", "num_local_experts"}));
-  MOE_ASSIGN_OR_RETURN(s.top_k, GetInt(config, {"num_experts_per_tok"}));
+  // The names the MoE families of transformers use (DeepSeek, Qwen, Mixtral,
+  // ERNIE 4.5, Hunyuan, ...).
+  MOE_ASSIGN_OR_RETURN(s.num_experts,
+                       GetInt(config, {"n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"}));
+  MOE_ASSIGN_OR_RETURN(s.top_k, GetInt(config, {"num_experts_per_tok", "moe_k", "moe_topk"}));
   MOE_ASSIGN_OR_RETURN(s.hidden, GetInt(config, {"hidden_size"}));
   MOE_ASSIGN_OR_RETURN(s.intermediate, GetInt(config, {"moe_intermediate_size", "intermediate_size"}));
   const std::string dtype = config.value("torch_dtype", std::string("bfloat16"));

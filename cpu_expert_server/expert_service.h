@@ -6,6 +6,7 @@
 // once; that is safe.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -41,7 +42,10 @@ uint64_t MaxMessageBytes(const ModelSpec& spec, const ServiceLimits& limits);
 // ForwardStream is served by callback reactors (StreamReactor): an open
 // stream holds no thread while it waits for its next request (a thread per
 // stream let one client's 3,000 idle streams cost the server 3,013 threads);
-// requests are computed by kStreamWorkers threads shared by every stream.
+// requests are computed by kStreamWorkers threads shared by every stream,
+// except small ones (kInlineRequestBytes), of which up to InlineRequestLimit()
+// at once are computed on the gRPC callback thread that read them (no
+// hand-off). Worker threads are named "moe-stream".
 class ExpertServiceImpl final : public moe::v1::ExpertService::WithRawCallbackMethod_ForwardStream<
                                     moe::v1::ExpertService::Service> {
  public:
@@ -71,6 +75,15 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::WithRawCallbackMe
   static constexpr std::chrono::milliseconds kDrainGrace{200};
   // Threads computing stream requests, shared by all streams.
   static constexpr int kStreamWorkers = 16;
+  // Requests of at most this many bytes (~17 tokens at H = 7168) are
+  // computed where gRPC delivered them, up to InlineRequestLimit() at once
+  // across all streams.
+  static constexpr size_t kInlineRequestBytes = 256 << 10;
+  // A quarter of the hardware threads, 1 to 4: at most half of the threads
+  // gRPC 1.51 polls and runs callbacks on (half the cores, at least 2), so
+  // that computation never holds all of them and every stream's reads go
+  // on; a hostile client holds no more than that.
+  static int InlineRequestLimit();
 
   // The whole request path without gRPC: decode, validate, compute, encode.
   // Records no metrics.
@@ -104,6 +117,9 @@ class ExpertServiceImpl final : public moe::v1::ExpertService::WithRawCallbackMe
   // Runs `job` on a stream worker.
   void RunOnStreamWorker(std::function<void()> job);
   bool DrainPastGrace() const;  // streams_mu_ held
+  // Claims one of the InlineRequestLimit() places (false: all taken).
+  bool TryEnterInline();
+  std::atomic<int> inline_requests_{0};
 
   const ModelSpec& spec_;
   BatchHandler handler_;

@@ -127,6 +127,29 @@ namespace {
 // the candidates come off a heap until then, and those few are sorted. The
 // victims, least valuable first (empty slots, key -1, before all; ties: the
 // lower id), come off a heap of their own as they are taken.
+// The standard normal quantile at p in (0, 1) (Acklam's rational
+// approximation, relative error below 1.2e-9).
+double NormalQuantile(double p) {
+  static const double a[] = {-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
+                             1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00};
+  static const double b[] = {-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+                             6.680131188771972e+01, -1.328068155288572e+01};
+  static const double c[] = {-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+                             -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00};
+  static const double d[] = {7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+                             3.754408661907416e+00};
+  constexpr double kLow = 0.02425;
+  if (p < kLow) {
+    const double q = std::sqrt(-2 * std::log(p));
+    return (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+           ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+  }
+  if (p > 1 - kLow) return -NormalQuantile(1 - p);
+  const double q = p - 0.5, r = q * q;
+  return (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q /
+         (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1);
+}
+
 // What a swap is worth (ChooseSwaps): an expert's value (-1, an empty slot:
 // 0) and the gain of replacing v by e.
 struct SwapPricing {
@@ -134,20 +157,44 @@ struct SwapPricing {
   const std::vector<double>& rate;
   const std::vector<double>& sd;
   double later_runs = 0, undo_cost = 0;
-  // The best of n candidates' noise alone reaches about sqrt(2 ln n) standard errors.
-  double noise_z = std::sqrt(2 * std::log(std::max<double>(2, static_cast<double>(next.size()))));
+  int candidates = 0;  // the experts ChooseSwaps may copy in
+  double mean_rate = 0;  // the layer's average rate (over all its experts)
+
+  // A swap: the best of n candidates' noise alone reaches about sqrt(2 ln n)
+  // standard errors (and the victim, the least of the residents' estimates,
+  // is biased the other way): the difference must clear that.
+  double SwapNoiseZ() const { return std::sqrt(2 * std::log(std::max(2.0, static_cast<double>(candidates)))); }
+  // A fill of an empty slot: how far noise alone lifts the r-th best (r >= 1)
+  // of the n candidates' estimates above their true rates, in standard
+  // errors: the normal quantile at 1 - r / (n + 1) (the median's: 0). The
+  // candidates are taken best first, so the r-th one considered carries the
+  // r-th best's inflation: the first of many is discounted most, and filling
+  // half the free slots of a layer from its estimates is not.
+  double NoiseZ(int rank) const {
+    const double q = 1.0 - static_cast<double>(rank) / (std::max(candidates, rank) + 1.0);
+    return q > 0.5 ? NormalQuantile(q) : 0.0;
+  }
 
   double Value(int e) const { return e < 0 ? 0.0 : next[e] + later_runs * rate[e]; }
   // The later runs' gain counts only beyond the rates' standard error: rates
   // estimated from a few dozen runs differ by noise, and swapping on noise
   // replaces a better expert by a worse one as often as not (the winner's
   // curse: on stationary routing every such swap is a loss).
-  double Gain(int e, int v, bool in_time) const {
+  double Gain(int e, int v, bool in_time, int rank) const {
     const double now_gain = (in_time ? next[e] : 0.0) - (v >= 0 ? next[v] : 0.0);
-    double later_gain = later_runs * (rate[e] - (v >= 0 ? rate[v] : 0.0));
+    if (v < 0) {
+      // Into an empty slot: e's rate, its excess over the layer's mean
+      // discounted by the noise of the rank it was picked at (the mean of
+      // all the layer's experts is itself well known; an expert of a layer
+      // that routes evenly is worth its share of the routing, not nothing).
+      const double excess = rate[e] - mean_rate;
+      const double est = excess > 0 ? mean_rate + std::max(0.0, excess - NoiseZ(rank) * sd[e]) : rate[e];
+      return now_gain + later_runs * est;
+    }
+    double later_gain = later_runs * (rate[e] - rate[v]);
     if (later_gain > 0) {
-      const double noise = std::sqrt(sd[e] * sd[e] + (v >= 0 ? sd[v] * sd[v] : 0.0));
-      later_gain = std::max(0.0, later_gain - noise_z * later_runs * noise);
+      const double noise = std::sqrt(sd[e] * sd[e] + sd[v] * sd[v]);
+      later_gain = std::max(0.0, later_gain - SwapNoiseZ() * later_runs * noise);
     }
     return now_gain + (later_gain >= 0 ? later_gain : -std::min(-later_gain, undo_cost));
   }
@@ -158,13 +205,16 @@ bool HeapLess(const std::pair<double, int>& a, const std::pair<double, int>& b) 
   return a.first != b.first ? a.first < b.first : a.second > b.second;
 }
 
+// Long: its two passes share the pricing, the victims' heap and the
+// candidates' ranks; split, each would take all of them as arguments.
 template <typename Candidate, typename Timing>
 void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rate, const std::vector<double>& sd,
                  double later_runs, double copy_cost, double undo_cost, std::vector<AdmissionVictim>* victims,
                  Candidate candidate, Timing timing, std::vector<std::pair<double, int>>* order,
                  std::vector<std::pair<double, int>>* second, std::vector<std::pair<int, int>>* out) {
   out->clear();
-  const SwapPricing pricing{next, rate, sd, later_runs, undo_cost};
+  SwapPricing pricing{next, rate, sd, later_runs, undo_cost};
+  for (double r : rate) pricing.mean_rate += r / static_cast<double>(rate.size());
   auto value = [&](int e) { return pricing.Value(e); };
   auto victim_after = [](const AdmissionVictim& a, const AdmissionVictim& b) {
     return a.key != b.key ? a.key > b.key : a.id > b.id;
@@ -187,6 +237,7 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
   later.clear();
   for (int e = 0; e < static_cast<int>(next.size()); ++e) {
     if (!candidate(e)) continue;
+    ++pricing.candidates;
     const double ve = value(e);
     if (!(ve > copy_cost)) continue;
     if (bounded && ve <= v0 + copy_cost - slack(ve, v0)) {
@@ -196,11 +247,12 @@ void ChooseSwaps(const std::vector<double>& next, const std::vector<double>& rat
     }
   }
   // Tries e against the current victim; false: stop (no victim or no link time left).
+  int considered = 0;  // the rank of the candidate tried (best first)
   auto consider = [&](int e) {
     if (victims->empty()) return false;
     const int when = timing(static_cast<int>(out->size()));
     if (when < 0) return false;
-    if (pricing.Gain(e, victims->front().expert, when > 0) > copy_cost) {
+    if (pricing.Gain(e, victims->front().expert, when > 0, ++considered) > copy_cost) {
       out->push_back({e, victims->front().id});
       std::pop_heap(victims->begin(), victims->end(), victim_after);
       victims->pop_back();

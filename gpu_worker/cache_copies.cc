@@ -89,7 +89,7 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
 // The admissions' copies (grouped by layer, as the planner lists them): one
 // StartSlotCopies per layer's run of copies — one stream wait and fence for
 // them, not one per copy (on the GPU host each start cost 11-26 us of the
-// decode's host time, bench/RESULTS.md stop 25). A layer whose start fails
+// decode's host time). A layer whose start fails
 // aborts its copies not started; the others are still tried. The first error.
 absl::Status LayerDispatcher::StartPlannedCopies(const std::vector<SlotCopy>& planned, bool during_call) {
   absl::Status first;

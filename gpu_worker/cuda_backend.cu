@@ -1,5 +1,7 @@
 // The cuda DeviceBackend (contract: device_backend.h). Host orchestration
-// only; the kernels live in gpu_worker/cuda/expert_kernels.cu.
+// only; the kernels live in gpu_worker/cuda/ (declared in kernels.h: the bf16
+// grouped kernels in expert_kernels.cu, the packed int8/int4/fp8 ones in
+// packed_kernels.cu, the capturable call's plan in device_plan.cu).
 //
 // Streams. One compute stream serves every context (calls of two contexts
 // interleave on it in submission order), one copy stream serves LoadExpert.
@@ -41,7 +43,7 @@
 // is measured at Init for the geometry (CalibrateGemmRows): five launches per
 // group cost a small expert more than its GEMM (Qwen3-30B-A3B, 128 rows: 33
 // us per expert through cuBLAS, 7.6 at 64 rows grouped; a 2048-token prompt's
-// hit launch took 4-5 ms of host time per layer, bench/RESULTS.md stop 23),
+// hit launch took 4-5 ms of host time per layer; H100 host),
 // while DeepSeek-V3's experts are faster through cuBLAS from 128 rows. int8 / int4 slots take the
 // same shape through cuda/packed_kernels.cu (tensor cores from 2 rows, on the
 // packed bytes) up to kPackedGemmMinRows rows.
@@ -83,8 +85,8 @@ constexpr int kGemmMinRows = 64;
 // The same for int8 / int4 buffers: up to this the packed kernels run from
 // the packed bytes on tensor cores (64 rows per pass, re-reading the packed
 // weights each pass); above it a group is dequantized into bf16 once and
-// goes to cuBLAS. Measured (bench/gpu_experts, H200, 32 experts, bench/
-// RESULTS.md stop 19): at 128 rows the packed path took 1959 / 2472 us
+// goes to cuBLAS. Measured (bench/gpu_experts, H200, 32 experts): at 128 rows
+// the packed path took 1959 / 2472 us
 // (DeepSeek-V3 int8 / int4) against 4500 / 3193 through cuBLAS, and 261 /
 // 328 against 1302 / 1279 (Qwen3-30B-A3B); at 256 rows 3948 / 4904 against
 // 5032 / 3718 and 494 / 636 against 1316 / 1303. Four passes keep int8 ahead
@@ -324,7 +326,7 @@ class CudaBackend final : public DeviceBackend {
   // A host-to-device upload on `stream` that does not queue on the copy
   // engine: SMs read mapped pinned memory (16-byte units) — behind a layer's
   // expert copies a DMA upload of a call's rows or partial sums waited for
-  // all of them (bench/RESULTS.md, stop 21). `mapped`: src's device address
+  // all of them (H100 host). `mapped`: src's device address
   // (MappedRange, resolved once by the caller), or nullptr for unmapped
   // memory; unmapped or unaligned: a DMA copy.
   absl::Status UploadFromHost(void* dst, const void* src, size_t bytes, cudaStream_t stream,

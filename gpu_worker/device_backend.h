@@ -50,7 +50,7 @@ namespace moe {
 
 struct BackendConfig {
   int hidden = 0;        // H
-  int intermediate = 0;  // I (moe_intermediate of one expert)
+  int intermediate = 0;  // I (moe_intermediate_size: one expert's)
   int num_buffers = 0;   // expert buffers to allocate
   int max_tokens = 0;    // largest T of one call
   int max_top_k = 8;     // largest k of one call

@@ -67,7 +67,7 @@ absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
 // expert of the layer on average — the device plan prices each missed
 // expert as one row and copies at most kMaxDeviceCopies of them, where the
 // host planner prices each expert at its rows. Measured on the H100
-// (bench/RESULTS.md, stop 19; Qwen3-30B-A3B: 128 experts, top-8; 16 layers,
+// (Qwen3-30B-A3B: 128 experts, top-8; 16 layers,
 // no cache, uniform routing), device path / host path, ms per step: bf16
 // 8 tokens (0.5 pairs per expert) 59 / 67, 32 tokens (2) 165 / 134, 512
 // tokens 268 / 203; int8 8 tokens 33 / 35, 32 tokens 85 / 75.
@@ -89,7 +89,7 @@ bool LayerDispatcher::OnDevicePath(const LayerCall& call) const {
 // admissions are planned and their copies started while the call's experts
 // run, not after: at decode speed a layer call is about as long as one
 // expert copy (OLMoE, H100: 0.3-0.8 ms against 0.25 ms), and copies started
-// after the call missed the next layer (bench/RESULTS.md, stop 26). Their
+// after the call missed the next layer. Their
 // slots are read by no call in flight but this layer's own, so each layer's
 // copies wait only for its last call — unless the engine enqueues
 // capturable calls itself (graphs replay them at any time) or a host-path

@@ -294,7 +294,7 @@ absl::Status LayerDispatcher::ComputeCopies(InFlightCall& ctx) {
   // (a bf16 call's per-expert cuBLAS launches kept the host here for 4-5 ms
   // at 2048 tokens; timed from the loops' end, the planner's link clock ran
   // that far behind the link, and the prefetch window it measures shrank
-  // by as much: bench/RESULTS.md stop 23).
+  // by as much; H100 host).
   planner_.CopiesQueued(static_cast<int>(plan.copy_experts.size()));
   std::vector<int> copy_list = plan.copy_experts;
   if (config_.copy_mode == CopyMode::kAlways && config_.policy != CachePolicy::kStatic &&

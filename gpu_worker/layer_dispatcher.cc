@@ -24,12 +24,12 @@ namespace moe {
 absl::Status CheckParallelGroup(const ParallelGroup& g, int num_experts) {
   const bool ep = g.mode == GroupMode::kExpert;
   if (g.size < 1 || g.size > num_experts || g.rank < 0 || g.rank >= g.size)
-    return absl::InvalidArgumentError(absl::StrCat(ep ? "group (ep_rank, ep_size)" : "group (tp_rank, tp_size)",
+    return absl::InvalidArgumentError(absl::StrCat("group (rank, size; mode ", ep ? "expert" : "tensor", ")",
                                                    ": rank ", g.rank, " of size ", g.size,
                                                    " (need 0 <= rank < size <= ", num_experts, ", the model's experts)"));
   if (ep && g.size > 1 &&
       (g.id.size() != kGroupIdHexChars || !std::all_of(g.id.begin(), g.id.end(), absl::ascii_isxdigit)))
-    return absl::InvalidArgumentError(absl::StrCat("group.id (group_id): ", g.id.size(), " characters; need the ",
+    return absl::InvalidArgumentError(absl::StrCat("group.id: ", g.id.size(), " characters; need the ",
                                                    kGroupIdHexChars,
                                                    "-character hex id of NewGroupId, the same on every rank"));
   return absl::OkStatus();
@@ -154,7 +154,7 @@ void LayerDispatcher::SizeMissBuffers(size_t expert_bytes) {
     // Copied experts are computed miss_buffers / 2 per launch; on a GPU a
     // launch of two small experts leaves most SMs idle (a Qwen3-30B-A3B int8
     // prompt of 2048 tokens: 248-290 ms with 16 against 304-309 with 4,
-    // bench/RESULTS.md stop 21), so small experts get more buffers, within
+    // H100 host), so small experts get more buffers, within
     // kAutoMissBufferBytes. The cpu backend computes them on the host's cores
     // either way: 4.
     config_.miss_buffers = backend_->has_device_memory()
@@ -167,11 +167,11 @@ void LayerDispatcher::SizeMissBuffers(size_t expert_bytes) {
   // prompt the planner measured a window of 18-25 ms, 0.8-1.4 GB of link),
   // at least miss_buffers, at most a layer's experts, or
   // config_.prefetch_buffers when set; the cpu backend, whose "copies" cross
-  // no link, miss_buffers. Measured (bench/RESULTS.md): a cap of 64 held int4
+  // no link, miss_buffers. Measured on the H100 host: a cap of 64 held int4
   // Qwen3-30B-A3B to half a layer (2048-token prompts 137.5 / 138.4 ms
-  // against 121.8 / 122.1 with 128, stop 23); 256 MiB held DeepSeek-V3's
+  // against 121.8 / 122.1 with 128); 256 MiB held DeepSeek-V3's
   // int8 experts to 6 and 2% of the pairs (2048-token prompts 720-779 /
-  // 377-389 ms at 0 / 25% cache against 695-699 / 323-327 with 1 GiB, stop 25).
+  // 377-389 ms at 0 / 25% cache against 695-699 / 323-327 with 1 GiB).
   const int by_bytes =
       static_cast<int>(std::min<size_t>(static_cast<size_t>(spec_.num_experts), kAutoPrefetchBytes / bytes));
   const int on_gpu = config_.prefetch_buffers > 0 ? std::min(spec_.num_experts, config_.prefetch_buffers)

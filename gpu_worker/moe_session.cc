@@ -3,12 +3,15 @@
 #include "moe/engine.h"
 
 #include <chrono>
+#include <mutex>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/log.h"
 #include "core/model_identity.h"
 #include "core/model_source.h"
+#include "core/reference_moe.h"
+#include "core/routing.h"
 #include "core/status_macros.h"
 #include "core/transport/transport.h"
 #include "gpu_worker/device_backend.h"
@@ -71,6 +74,7 @@ constexpr const char* kDeviceNames[] = {"auto", "cuda", "cpu"};
 constexpr const char* kPolicyNames[] = {"static", "lru", "lfru", "predictive"};
 constexpr const char* kCopyModeNames[] = {"auto", "never", "always"};
 constexpr const char* kWeightDtypeNames[] = {"auto", "bf16", "int8", "int4", "fp8"};
+constexpr const char* kGroupModeNames[] = {"tensor", "expert"};
 
 }  // namespace
 
@@ -78,6 +82,7 @@ const char* Name(DeviceChoice v) { return kDeviceNames[static_cast<int>(v)]; }
 const char* Name(CachePolicy v) { return kPolicyNames[static_cast<int>(v)]; }
 const char* Name(CopyMode v) { return kCopyModeNames[static_cast<int>(v)]; }
 const char* Name(WeightDtype v) { return kWeightDtypeNames[static_cast<int>(v)]; }
+const char* Name(GroupMode v) { return kGroupModeNames[static_cast<int>(v)]; }
 absl::StatusOr<DeviceChoice> ParseDeviceChoice(const std::string& name, const std::string& field) {
   return ParseName<DeviceChoice>(name, field, kDeviceNames);
 }
@@ -89,6 +94,9 @@ absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name, const std::strin
 }
 absl::StatusOr<WeightDtype> ParseWeightDtype(const std::string& name, const std::string& field) {
   return ParseName<WeightDtype>(name, field, kWeightDtypeNames);
+}
+absl::StatusOr<GroupMode> ParseGroupMode(const std::string& name, const std::string& field) {
+  return ParseName<GroupMode>(name, field, kGroupModeNames);
 }
 
 namespace {
@@ -119,7 +127,7 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
     // The rank computes its own tokens and the ones its peers send it.
     if (o.max_tokens >= 1 && o.max_tokens <= kMaxCallTokens &&
         static_cast<int64_t>(o.max_tokens) * o.group.size > kMaxCallTokens)
-      return absl::InvalidArgumentError(absl::StrCat("max_tokens: ", o.max_tokens, " x ep_size ", o.group.size,
+      return absl::InvalidArgumentError(absl::StrCat("max_tokens: ", o.max_tokens, " x group.size ", o.group.size,
                                                      " exceeds ", kMaxCallTokens, " tokens per batch"));
     c.max_tokens = o.max_tokens * std::max(1, o.group.size);
   }
@@ -208,7 +216,8 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   return std::unique_ptr<MoeSession>(new MoeSession(std::move(r)));
 }
 
-const ModelInfo& MoeSession::model() const { return rep_->model; }
+const ModelInfo& MoeSession::model_info() const { return rep_->model; }
+const SessionOptions& MoeSession::options() const { return rep_->options; }
 const char* MoeSession::device() const { return rep_->backend->name(); }
 
 absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hidden,
@@ -235,6 +244,30 @@ absl::Status MoeSession::ForwardLayer(int layer, int T, int k, const bf16_t* hid
 
 const std::vector<int>& MoeSession::served_layers() const { return rep_->dispatcher->layers(); }
 SessionTotals MoeSession::totals() const { return rep_->totals; }
+
+absl::Status MoeSession::ReferenceForward(const std::string& model, int layer, int T, int k, const bf16_t* hidden,
+                                          const int32_t* topk_ids, const float* topk_weights, float* out) {
+  if (T < 0) return absl::InvalidArgumentError(absl::StrCat("T: ", T, " < 0"));
+  if (T > 0 && (k < 1 || hidden == nullptr || topk_ids == nullptr || topk_weights == nullptr || out == nullptr))
+    return absl::InvalidArgumentError("k/hidden/topk_ids/topk_weights/out: k < 1 or NULL pointer");
+  static std::mutex mu;
+  static std::string opened;
+  static std::unique_ptr<ModelSource> source;
+  static std::unique_ptr<ReferenceMoe> reference;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!source || opened != model) {
+    reference.reset();
+    source.reset();
+    MOE_ASSIGN_OR_RETURN(source, OpenModel(model));
+    reference = std::make_unique<ReferenceMoe>(*source);
+    opened = model;
+  }
+  if (layer < 0 || !source->spec().IsMoeLayer(layer))
+    return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not an MoE layer of ", model));
+  const RoutingView routing{T, k, topk_ids, topk_weights};
+  MOE_RETURN_IF_ERROR(ValidateRouting(routing, source->spec().num_experts, {}));
+  return reference->Forward<float>(layer, T, hidden, routing, out);
+}
 
 absl::StatusOr<std::string> MoeSession::NewGroupId() {
 #ifdef MOE_HAVE_NCCL

@@ -78,7 +78,7 @@ namespace {
 // transfers, launches, the host's wait) is the call's, not each copied
 // expert's: priced per expert, it made a probe of one expert per call say
 // 0.17 ms for a 128-row int8 expert the packed kernels compute in 0.008 ms,
-// and the planner kept prompts' experts on the CPU (bench/RESULTS.md, stop 19).
+// and the planner kept prompts' experts on the CPU (H100 host, Qwen3-30B-A3B).
 absl::Status MeasureDeviceRates(const RateProbeSetup& setup, int rows, const std::vector<bf16_t>& x,
                                 std::vector<bf16_t>& y, CostModel& rates) {
   const int layer = setup.layer;
@@ -186,7 +186,7 @@ absl::Status MeasureServerRates(const RateProbeSetup& setup, int rows, const std
   // every other term is priced against these two, and a transient
   // disturbance of the shared host in one of them (a 2 ms round trip instead
   // of 0.1) once made the whole curve "2 ms per call, nothing per expert or
-  // row" (bench/RESULTS.md, stop 22); the lower of the two medians is kept.
+  // row" (H100 host); the lower of the two medians is kept.
   MOE_ASSIGN_OR_RETURN(double c11, cpu_time(1, 1));
   MOE_ASSIGN_OR_RETURN(double c12, cpu_time(1, 2));
   // Seconds per pair at 4, 16, 64, ... rows of one expert, up to `rows`.
@@ -214,8 +214,8 @@ absl::Status MeasureServerRates(const RateProbeSetup& setup, int rows, const std
 // are — alone, then while the copy engine streams experts into the temporary
 // buffers until it is done; the share of its pace the CPU lost is
 // 1 - alone / beside. The H100 host's CPU read 57-125 GB/s beside copies of
-// 33-53 GB/s where it read 75-140 alone (moe_layer, 52 runs, bench/RESULTS.md
-// stop 23): pricing each copy as all of its bytes taken from the CPU kept the
+// 33-53 GB/s where it read 75-140 alone (moe_layer, 52 runs): pricing each
+// copy as all of its bytes taken from the CPU kept the
 // cache's admissions from copies that paid. Needs device memory (a copy the host
 // thread makes itself cannot run beside the probe) and temporary buffers.
 absl::Status MeasureCopyCpuShare(const RateProbeSetup& setup, int layer,

@@ -165,7 +165,7 @@ class CoordinatorLink {
                                                                const std::vector<int>& served,
                                                                const moe::ListeningServer& grpc,
                                                                moe::WorkerServiceImpl& service, SessionHooks& hooks) {
-    const moe::ModelInfo& spec = sessions.primary().model();
+    const moe::ModelInfo& spec = sessions.primary().model_info();
     char host[256] = {};
     gethostname(host, sizeof host - 1);
     moe::WorkerRegistration reg;
@@ -230,7 +230,7 @@ int main(int argc, char** argv) {
                f.gpus > 1 ? absl::StrCat("; x ", f.gpus, " GPUs, one cache (expert-parallel)") : std::string());
 
   const moe::SessionOptions& o = f.session;
-  const moe::ModelInfo& spec = (*sessions)->primary().model();
+  const moe::ModelInfo& spec = (*sessions)->primary().model_info();
   const std::vector<int> served = (*sessions)->primary().served_layers();
   moe::WorkerMetrics metrics(moe::Metrics(), served, spec.num_layers);
   hooks.metrics.store(&metrics, std::memory_order_release);

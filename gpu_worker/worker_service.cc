@@ -72,12 +72,12 @@ void WorkerServiceImpl::ApplyPendingLocked() {
 // micro-batches started and completed in order; one request's whole path.
 grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1::ForwardLayerRequest* req,
                                              moe::v1::ForwardLayerResponse* resp) {
-  const int H = sessions_.primary().model().hidden;
+  const int H = sessions_.primary().model_info().hidden;
   const int n = req->batches_size();
   if (n < 1 || n > 2)
     return ToGrpcStatus(absl::InvalidArgumentError(absl::StrCat("batches: ", n, " micro-batches (1 or 2)")));
   // The layer as the expert server checks it (an index is never printed as a negative number).
-  const int num_layers = sessions_.primary().model().num_layers;
+  const int num_layers = sessions_.primary().model_info().num_layers;
   if (req->layer() >= static_cast<uint32_t>(num_layers))
     return ToGrpcStatus(
         absl::InvalidArgumentError(absl::StrCat("layer: ", req->layer(), " out of range [0, ", num_layers, ")")));
@@ -108,7 +108,7 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
     if (!w.ok()) return ToGrpcStatus(w.status());
     if (absl::Status st = ValidateRouting(RoutingView{static_cast<int>(T), static_cast<int>(k), ids->as<int32_t>(),
                                                       w->as<float>()},
-                                          sessions_.primary().model().num_experts, {}, f + "topk_ids", f + "topk_weights");
+                                          sessions_.primary().model_info().num_experts, {}, f + "topk_ids", f + "topk_weights");
         !st.ok())
       return ToGrpcStatus(st);
     d[i].T = static_cast<int>(T);
@@ -180,7 +180,7 @@ grpc::Status WorkerServiceImpl::ForwardLayer(grpc::ServerContext*, const moe::v1
 grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v1::WorkerInfoRequest*,
                                               moe::v1::WorkerInfo* resp) {
   std::lock_guard<std::mutex> lock(mu_);
-  const ModelInfo& model = sessions_.primary().model();
+  const ModelInfo& model = sessions_.primary().model_info();
   ModelSpec spec;  // the wire form of the session's model
   spec.model_type = model.model_type;
   spec.num_layers = model.num_layers;
@@ -209,7 +209,7 @@ grpc::Status WorkerServiceImpl::GetWorkerInfo(grpc::ServerContext*, const moe::v
 grpc::Status WorkerServiceImpl::ApplyAssignment(grpc::ServerContext*, const moe::v1::ApplyAssignmentRequest* req,
                                                 moe::v1::ApplyAssignmentResponse*) {
   std::vector<int> experts(req->experts().begin(), req->experts().end());
-  const int E = sessions_.primary().model().num_experts;
+  const int E = sessions_.primary().model_info().num_experts;
   for (size_t i = 0; i < experts.size(); ++i)
     if (experts[i] >= E)
       return ToGrpcStatus(absl::InvalidArgumentError(

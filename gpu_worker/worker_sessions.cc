@@ -109,7 +109,7 @@ absl::StatusOr<std::unique_ptr<WorkerSessions>> WorkerSessions::Open(const Sessi
     auto rank = std::make_unique<Rank>();
     rank->device = r;
     rank->max_tokens = per_gpu;
-    MOE_RETURN_IF_ERROR(rank->Allocate(w->sessions_[r]->model().hidden, o.max_top_k));
+    MOE_RETURN_IF_ERROR(rank->Allocate(w->sessions_[r]->model_info().hidden, o.max_top_k));
     w->ranks_.push_back(std::move(rank));
   }
   return w;
@@ -121,7 +121,7 @@ absl::Status WorkerSessions::Forward(int layer, int T, int k, const bf16_t* hidd
   if (ranks_.empty())
     return primary().ForwardLayer(layer, T, k, hidden, topk_ids, topk_weights, out, MemoryKind::kHost, stats);
 #ifdef MOE_HAVE_NCCL
-  const int N = size(), H = primary().model().hidden;
+  const int N = size(), H = primary().model_info().hidden;
   const int per = (T + N - 1) / N;
   if (per > ranks_[0]->max_tokens)
     return absl::InvalidArgumentError(absl::StrCat("T: ", T, " tokens exceed max_tokens ", ranks_[0]->max_tokens * N));

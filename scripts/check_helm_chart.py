@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
 """The Helm chart, checked by helm itself: `helm lint` and `helm template` of
 deploy/helm/moe-expert-service with its default values and with every values
-file under deploy/helm/examples (among them a multi-NUMA, TLS-on one), then
+file under deploy/helm/examples (among them a multi-NUMA, TLS-on one and a
+remote expert pool), then
 the rendered objects against the values that made them:
   - one coordinator Deployment (with its Service and state PVC), a worker
     Service and the `helm test` Pod;
   - one expert-server DaemonSet per expertServers.numaNodes entry, each
     Guaranteed (integer CPUs, requests = limits), with --slice i/n when
     expertServers.slice is on;
-  - worker.perNode worker DaemonSets, each asking worker.gpus GPUs;
+  - worker.perNode worker DaemonSets, each asking worker.gpus GPUs, listing
+    the node's sockets (worker.localServers) or, for a remote pool, only the
+    servers' Services, with no socket volume and no wait for local servers;
+    the configured affinities on workers and servers;
   - TLS on: every container gets --tls-cert/--tls-key/--tls-ca and the
     secret's volume; off: --insecure and no TLS volume;
 and that bad values fail to render with a message naming the value.
@@ -106,10 +110,29 @@ def check(values_file):
             want(f"--slice={i}/{len(nodes)}" in args or f"--slice {i}/{len(nodes)}" in args,
                  f"{o['metadata']['name']}: no --slice {i}/{len(nodes)}")
     want(len(workers) == int(values["worker"]["perNode"]), f"{len(workers)} worker DaemonSets, perNode {values['worker']['perNode']}")
+    w, es = values["worker"], values["expertServers"]
+    svc_addrs = [f"-expert-numa{int(n['node'])}.moe.svc.cluster.local:{int(es['port'])}" for n in nodes]
     for o in workers:
-        _, cs = containers(o)
+        pod, cs = containers(o)
         gpus = str(cs[0].get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
-        want(gpus == str(values["worker"]["gpus"]), f"{o['metadata']['name']}: {gpus} GPUs, want {values['worker']['gpus']}")
+        want(gpus == str(w["gpus"]), f"{o['metadata']['name']}: {gpus} GPUs, want {w['gpus']}")
+        servers = next((a.split("=", 1)[1].split(",") for a in cs[0].get("args") or [] if a.startswith("--servers=")), [])
+        local = [a for a in servers if a.startswith("unix://")]
+        inits = [c["name"] for c in pod.get("initContainers") or []]
+        if w.get("localServers", True):
+            want(len(local) == len(nodes), f"{o['metadata']['name']}: {len(local)} local sockets for {len(nodes)} servers")
+        else:  # a remote pool: the Services only, nothing of the node's sockets
+            want(not local and not inits and all(v.get("name") != "shm-sockets" for v in pod.get("volumes", [])),
+                 f"{o['metadata']['name']}: localServers false but sockets {local}, init containers {inits}")
+        if not w.get("localServers", True) or w.get("remoteFallback"):
+            want(all(any(a.split("#")[0].endswith(sa) for a in servers) for sa in svc_addrs),
+                 f"{o['metadata']['name']}: --servers {servers} lack the Services {svc_addrs}")
+        if w.get("affinity"):
+            want(pod.get("affinity") == w["affinity"], f"{o['metadata']['name']}: affinity not as worker.affinity")
+    for o in experts:
+        pod, _ = containers(o)
+        if es.get("affinity"):
+            want(pod.get("affinity") == es["affinity"], f"{o['metadata']['name']}: affinity not as expertServers.affinity")
     secret = values["tls"]["secretName"]
     for o in kinds.get("Deployment", []) + ds + kinds.get("Pod", []):
         pod, cs = containers(o)
@@ -130,7 +153,8 @@ for f in [None] + sorted(glob.glob(os.path.join(root, "deploy/helm/examples/*.ya
 # Bad values fail to render, naming the value.
 with tempfile.TemporaryDirectory() as tmp:
     for text, named in (("expertServers:\n  numaNodes:\n    - node: 0\n      memory: 8Gi\n", "cpus"),
-                        ("expertServers:\n  numaBinding: sideways\n", "numaBinding")):
+                        ("expertServers:\n  numaBinding: sideways\n", "numaBinding"),
+                        ("worker:\n  localServers: false\n", "expertServers.service.enabled")):
         bad = os.path.join(tmp, "bad.yaml")
         with open(bad, "w") as f:
             f.write(text)

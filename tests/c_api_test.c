@@ -153,14 +153,23 @@ int main(void) {
         "cpu_threads beyond the machine refused");
   CHECK(strstr(moe_last_error(), "cpu_threads") != NULL, "cpu_threads named (not --threads)");
   /* A bad expert-parallel rank or id is named as such, not as a missing cuda backend. */
-  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"ep_rank\":5,\"ep_size\":2}", &s) ==
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\","
+                         "\"group\":{\"rank\":5,\"size\":2,\"mode\":\"expert\"}}", &s) == MOE_INVALID_ARGUMENT && s == NULL,
+        "a rank outside the group refused");
+  CHECK(strstr(moe_last_error(), "group (rank, size; mode expert)") != NULL, "group rank named");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\","
+                         "\"group\":{\"rank\":0,\"size\":2,\"mode\":\"expert\",\"id\":\"zz\"}}", &s) ==
+                MOE_INVALID_ARGUMENT && s == NULL,
+        "a malformed group id refused");
+  CHECK(strstr(moe_last_error(), "group.id") != NULL, "group.id named");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"group\":{\"mode\":\"data\"}}", &s) ==
             MOE_INVALID_ARGUMENT && s == NULL,
-        "ep_rank outside the group refused");
-  CHECK(strstr(moe_last_error(), "ep_rank") != NULL, "ep_rank named");
-  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"ep_rank\":0,\"ep_size\":2,"
-                         "\"group_id\":\"zz\"}", &s) == MOE_INVALID_ARGUMENT && s == NULL,
-        "a malformed group_id refused");
-  CHECK(strstr(moe_last_error(), "group_id") != NULL, "group_id named");
+        "an unknown group mode refused");
+  CHECK(strstr(moe_last_error(), "options.group.mode") != NULL, "group.mode named");
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"group\":{\"ranks\":2}}", &s) ==
+            MOE_INVALID_ARGUMENT && s == NULL,
+        "an unknown group key refused");
+  CHECK(strstr(moe_last_error(), "options.group.ranks") != NULL, "group key named");
   CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"cache_gib\":1e9}", &s) ==
             MOE_INVALID_ARGUMENT && s == NULL,
         "cache_gib out of range refused");
@@ -169,22 +178,19 @@ int main(void) {
             MOE_INVALID_ARGUMENT && s == NULL,
         "max_tokens out of range refused");
   CHECK(strstr(moe_last_error(), "max-tokens") != NULL, "max_tokens named");
-  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"tp_rank\":2,\"tp_size\":2}", &s) ==
+  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"group\":{\"rank\":2,\"size\":2}}", &s) ==
             MOE_INVALID_ARGUMENT && s == NULL,
-        "tp_rank outside the group refused");
-  CHECK(strstr(moe_last_error(), "tp_rank") != NULL, "tp_rank named");
-  /* Expert parallelism: one mode per group; the cpu backend cannot take it. */
-  CHECK(moe_session_open("{\"model\":\"" MODEL "\",\"device\":\"cpu\",\"tp_size\":2,\"ep_size\":2}", &s) ==
-            MOE_INVALID_ARGUMENT && s == NULL,
-        "tp and ep together refused");
-  CHECK(strstr(moe_last_error(), "ep_rank/ep_size") != NULL, "tp/ep named");
+        "a tensor-parallel rank outside the group refused");
+  CHECK(strstr(moe_last_error(), "group (rank, size; mode tensor)") != NULL, "tensor group named");
+  /* Expert parallelism: the cpu backend cannot take it. */
   {
     /* A well-formed group (rank, size and a 256-hex-character id) on the cpu backend. */
     char opts[512];
     char hex_id[257];
     memset(hex_id, 'a', 256);
     hex_id[256] = '\0';
-    snprintf(opts, sizeof opts, "{\"model\":\"%s\",\"device\":\"cpu\",\"ep_rank\":0,\"ep_size\":2,\"group_id\":\"%s\"}",
+    snprintf(opts, sizeof opts,
+             "{\"model\":\"%s\",\"device\":\"cpu\",\"group\":{\"rank\":0,\"size\":2,\"mode\":\"expert\",\"id\":\"%s\"}}",
              MODEL, hex_id);
     CHECK(moe_session_open(opts, &s) == MOE_FAILED_PRECONDITION && s == NULL, "ep on the cpu backend refused");
   }
@@ -200,7 +206,7 @@ int main(void) {
   }
   CHECK(moe_session_open(NULL, &s) == MOE_INVALID_ARGUMENT, "null options");
   CHECK(moe_session_open("{\"model\":\"" MODEL "\"}", NULL) == MOE_INVALID_ARGUMENT, "null out");
-  CHECK(moe_forward(NULL, 1, 1, 1, NULL, NULL, NULL, NULL, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,
+  CHECK(moe_forward_layer(NULL, 1, 1, 1, NULL, NULL, NULL, NULL, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,
         "null session");
   moe_session_close(NULL);
 
@@ -221,13 +227,26 @@ int main(void) {
     CHECK(st == MOE_OK && s != NULL, "open session %d: %s", v, moe_status_name(st));
     if (s == NULL) continue;
     moe_model_info info;
-    CHECK(moe_session_info(s, &info) == MOE_OK, "info");
-    CHECK(strcmp(info.device, "cpu") == 0 && info.cache_slots == 2 && info.max_tokens == 16, "info fields");
+    CHECK(moe_session_model_info(s, &info) == MOE_OK, "model info");
+    CHECK(strcmp(info.model_type, "deepseek_v3") == 0 && info.num_moe_layers >= 1 && info.moe_layers != NULL &&
+              info.hidden > 0 && info.intermediate > 0 && info.weight_dtype[0] != '\0' &&
+              info.expert_bytes > 0,
+          "model info fields: type %s, %d MoE layers, dtype %s", info.model_type, info.num_moe_layers,
+          info.weight_dtype);
+    int32_t slots = 0;
+    CHECK(moe_slots_per_layer(s, &slots) == MOE_OK && slots == 2, "slots per layer %d", slots);
+    CHECK(strcmp(moe_session_device(s), "cpu") == 0, "device %s", moe_session_device(s));
+    CHECK(strcmp(moe_session_device(NULL), "") == 0, "device of no session");
+    CHECK(strstr(moe_session_options(s), "\"max_tokens\":16") != NULL &&
+              strstr(moe_session_options(s), "\"policy\":\"static\"") != NULL,
+          "options %s", moe_session_options(s));
     CHECK(info.identity != 0 && (identity == 0 || info.identity == identity), "info.identity %llx",
           (unsigned long long)info.identity);
     identity = info.identity;
     int32_t layers[8], nl = 0;
-    CHECK(moe_session_moe_layers(s, layers, 8, &nl) == MOE_OK && nl >= 1, "moe layers");
+    CHECK(moe_session_served_layers(s, layers, 8, &nl) == MOE_OK && nl >= 1 && nl == info.num_moe_layers &&
+              layers[0] == info.moe_layers[0],
+          "served layers");
     const int H = info.hidden, E = info.num_experts, k = info.top_k, T = 5, L = layers[0];
     uint16_t* hidden = malloc(sizeof(uint16_t) * T * H);
     uint16_t* out = malloc(sizeof(uint16_t) * T * H);
@@ -239,7 +258,7 @@ int main(void) {
     /* All misses (nothing assigned yet): the CPU server computes them. */
     random_call(T, H, k, E, hidden, ids, w);
     moe_call_stats cs;
-    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, &cs) == MOE_OK, "forward");
+    CHECK(moe_forward_layer(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, &cs) == MOE_OK, "forward");
     CHECK(moe_reference_forward(MODEL, L, T, k, hidden, ids, w, ref) == MOE_OK, "reference");
     double err = rel_error(out, ref, T * H);
     CHECK(err <= 1e-2, "session %d forward vs reference: rel error %g", v, err);
@@ -248,13 +267,21 @@ int main(void) {
 
     /* Assign experts 0 and 1: their pairs become hits, the output stays exact. */
     const int32_t assign[2] = {0, 1};
-    CHECK(moe_apply_assignment(s, L, assign, 2) == MOE_OK, "assign");
+    CHECK(moe_apply_assignment(s, L, assign, 2, assign, 1) == MOE_OK, "assign (expert 0 pinned)");
     CHECK(moe_flush_copies(s) == MOE_OK, "flush");
+    {
+      int32_t cached[8], nc = 0;
+      CHECK(moe_cached_experts(s, L, cached, 8, &nc) == MOE_OK && nc == 2 &&
+                ((cached[0] == 0 && cached[1] == 1) || (cached[0] == 1 && cached[1] == 0)),
+            "cached experts: %d", nc);
+      CHECK(moe_cached_experts(s, 0, cached, 8, &nc) == MOE_INVALID_ARGUMENT && strstr(moe_last_error(), "layer"),
+            "cached experts of a dense layer refused");
+    }
     for (int t = 0; t < T; ++t) ids[t * k] = t % 2; /* every token uses expert 0 or 1 first */
     for (int t = 0; t < T; ++t)
       for (int j = 1; j < k; ++j)
         if (ids[t * k + j] == ids[t * k]) ids[t * k + j] = 2 + (j % (E - 2));
-    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, &cs) == MOE_OK, "forward 2");
+    CHECK(moe_forward_layer(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, &cs) == MOE_OK, "forward 2");
     CHECK(moe_reference_forward(MODEL, L, T, k, hidden, ids, w, ref) == MOE_OK, "reference 2");
     err = rel_error(out, ref, T * H);
     CHECK(err <= 1e-2, "after assignment: rel error %g", err);
@@ -268,8 +295,8 @@ int main(void) {
     float* ref2 = malloc(sizeof(float) * T * H);
     random_call(T, H, k, E, hidden2, ids2, w2);
     int32_t a = -1, b = -1;
-    CHECK(moe_forward_async(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, &a) == MOE_OK, "async a");
-    CHECK(moe_forward_async(s, nl > 1 ? layers[1] : L, T, k, hidden2, ids2, w2, out2, MOE_MEMORY_HOST, NULL, &b) ==
+    CHECK(moe_forward_layer_async(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, &a) == MOE_OK, "async a");
+    CHECK(moe_forward_layer_async(s, nl > 1 ? layers[1] : L, T, k, hidden2, ids2, w2, out2, MOE_MEMORY_HOST, NULL, &b) ==
               MOE_OK,
           "async b");
     CHECK(moe_wait(s, b, NULL) == MOE_OK, "wait b");
@@ -279,50 +306,57 @@ int main(void) {
     CHECK(rel_error(out2, ref2, T * H) <= 1e-2, "async b vs reference: %g", rel_error(out2, ref2, T * H));
 
     /* Bad arguments: clear errors naming the argument, the session keeps working. */
-    CHECK(moe_forward(s, 0, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+    CHECK(moe_forward_layer(s, 0, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
               strstr(moe_last_error(), "layer") != NULL,
           "dense layer refused");
     int32_t bad_ids[5 * 8];
     memcpy(bad_ids, ids, sizeof bad_ids);
     bad_ids[3] = E + 7;
-    CHECK(moe_forward(s, L, T, k, hidden, bad_ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+    CHECK(moe_forward_layer(s, L, T, k, hidden, bad_ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
               strstr(moe_last_error(), "expert_ids") != NULL,
           "expert id out of range refused");
     float bad_w[5 * 8];
     memcpy(bad_w, w, sizeof bad_w);
     bad_w[1] = NAN;
-    CHECK(moe_forward(s, L, T, k, hidden, ids, bad_w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+    CHECK(moe_forward_layer(s, L, T, k, hidden, ids, bad_w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
               strstr(moe_last_error(), "expert_weights") != NULL,
           "NaN weight refused");
-    CHECK(moe_forward(s, L, 17, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+    CHECK(moe_forward_layer(s, L, 17, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT &&
               strstr(moe_last_error(), "tokens") != NULL,
           "T over max_tokens refused");
-    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, 7, NULL, NULL) == MOE_INVALID_ARGUMENT &&
+    CHECK(moe_forward_layer(s, L, T, k, hidden, ids, w, out, 7, NULL, NULL) == MOE_INVALID_ARGUMENT &&
               strstr(moe_last_error(), "memory") != NULL,
           "bad memory kind refused");
-    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_DEVICE, NULL, NULL) == MOE_INVALID_ARGUMENT,
+    CHECK(moe_forward_layer(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_DEVICE, NULL, NULL) == MOE_INVALID_ARGUMENT,
           "device memory on the cpu backend refused");
     int dummy_stream;
-    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, &dummy_stream, NULL) ==
+    CHECK(moe_forward_layer(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, &dummy_stream, NULL) ==
                   MOE_INVALID_ARGUMENT &&
               strstr(moe_last_error(), "cuda_stream") != NULL,
           "a CUDA stream on the cpu backend refused");
-    CHECK(moe_forward(s, L, T, k, NULL, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,
+    CHECK(moe_forward_layer(s, L, T, k, NULL, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_INVALID_ARGUMENT,
           "null hidden refused");
     CHECK(moe_wait(s, 99, NULL) != MOE_OK, "unknown ticket refused");
-    CHECK(moe_forward_capturable(s, L, T, k, hidden, ids, w, out, &dummy_stream) == MOE_INVALID_ARGUMENT &&
+    CHECK(moe_forward_layer_capturable(s, L, T, k, hidden, ids, w, out, &dummy_stream) == MOE_INVALID_ARGUMENT &&
               strstr(moe_last_error(), "memory") != NULL,
           "capturable call on the cpu backend refused");
-    CHECK(moe_stream_error(s) == MOE_OK, "no stream error");
-    CHECK(moe_apply_assignment(s, L, NULL, 3) == MOE_INVALID_ARGUMENT, "null assignment refused");
+    CHECK(moe_take_stream_error(s) == MOE_OK, "no stream error");
+    CHECK(moe_apply_assignment(s, L, NULL, 3, NULL, 0) == MOE_INVALID_ARGUMENT, "null assignment refused");
+    CHECK(moe_apply_assignment(s, L, assign, 2, NULL, 1) == MOE_INVALID_ARGUMENT &&
+              strstr(moe_last_error(), "pinned") != NULL,
+          "null pinned refused");
     const int32_t bad_assign[1] = {E};
-    CHECK(moe_apply_assignment(s, L, bad_assign, 1) == MOE_INVALID_ARGUMENT, "unknown expert in assignment");
-    CHECK(moe_forward(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_OK &&
+    CHECK(moe_apply_assignment(s, L, bad_assign, 1, NULL, 0) == MOE_INVALID_ARGUMENT, "unknown expert in assignment");
+    double hit_rate = -1;
+    CHECK(moe_hit_rate(s, L, &hit_rate) == MOE_OK && hit_rate > 0 && hit_rate <= 1, "hit rate %g", hit_rate);
+    CHECK(moe_set_server_enabled(s, "unix:///no/such.sock", 0) != MOE_OK, "an unknown server refused");
+    CHECK(moe_set_server_enabled(s, NULL, 0) == MOE_INVALID_ARGUMENT, "a NULL server refused");
+    CHECK(moe_forward_layer(s, L, T, k, hidden, ids, w, out, MOE_MEMORY_HOST, NULL, NULL) == MOE_OK &&
               rel_error(out, ref, T * H) <= 1e-2,
           "still exact after errors");
 
-    moe_session_stats totals;
-    CHECK(moe_session_stats_get(s, &totals) == MOE_OK, "stats");
+    moe_session_totals totals;
+    CHECK(moe_totals(s, &totals) == MOE_OK, "totals");
     CHECK(totals.hit_pairs >= 2 * T && totals.cpu_pairs >= T * k && totals.miss_tokens >= T &&
               totals.cache_copies_started == 2 && totals.cache_copies_pending == 0 && totals.failed_calls >= 7,
           "totals: calls %lld failed %lld hits %lld cpu %lld copies %lld", (long long)totals.calls,

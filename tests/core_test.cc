@@ -163,6 +163,43 @@ TEST(ModelSource, CheckpointMatchesSyntheticInEveryDtype) {
   }
 }
 
+// A family whose model type implies the other naming but whose checkpoint
+// keeps Mixtral's (PhiMoE, MiniMax): the tensors decide. And the config keys of
+// other families (ERNIE 4.5: moe_num_experts / moe_k; Hunyuan: per-layer lists).
+TEST(ModelSource, NamingFromTheTensorsAndOtherFamiliesConfigKeys) {
+  testing::TempDir dir;
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-mixtral");
+  ASSERT_TRUE(spec.ok());
+  ASSERT_TRUE(WriteSyntheticCheckpoint(dir.path(), *spec, 2, 1 << 20).ok());
+  nlohmann::json config = ConfigFromModelSpec(*spec);
+  config["model_type"] = "phimoe";
+  std::ofstream(dir.path() + "/config.json") << config.dump();
+  absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(dir.path());
+  ASSERT_TRUE(src.ok()) << src.status();
+  EXPECT_EQ((*src)->spec().naming, ExpertNaming::kBlockSparseMoe);
+  EXPECT_EQ((*src)->spec().moe_layers, spec->moe_layers);
+  ExpertWeights got, want;
+  ASSERT_TRUE((*src)->ReadExpert(1, 3, &got).ok());
+  ASSERT_TRUE((*OpenModel("synthetic:tiny-mixtral:seed=2"))->ReadExpert(1, 3, &want).ok());
+  EXPECT_EQ(got.down, want.down);
+
+  nlohmann::json ernie = {{"model_type", "ernie4_5_moe"}, {"num_hidden_layers", 4}, {"hidden_size", 64},
+                          {"moe_intermediate_size", 32}, {"moe_num_experts", 8}, {"moe_k", 2}};
+  absl::StatusOr<ModelSpec> e = ModelSpecFromConfig(ernie);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ(e->num_experts, 8);
+  EXPECT_EQ(e->top_k, 2);
+  nlohmann::json hunyuan = {{"model_type", "hunyuan_v1_moe"}, {"num_hidden_layers", 2}, {"hidden_size", 64},
+                            {"intermediate_size", 32}, {"num_experts", 8}, {"moe_topk", {2, 2}}};
+  absl::StatusOr<ModelSpec> h = ModelSpecFromConfig(hunyuan);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->top_k, 2);
+  hunyuan["moe_topk"] = {2, 4};  // differs per layer: refused, naming the key
+  h = ModelSpecFromConfig(hunyuan);
+  ASSERT_FALSE(h.ok());
+  EXPECT_NE(h.status().message().find("moe_topk"), std::string::npos) << h.status();
+}
+
 TEST(ModelSource, MixtralNamingCheckpoint) {
   testing::TempDir dir;
   absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-mixtral");
@@ -185,9 +222,18 @@ TEST(ModelSource, LoadsFusedThreeDExpertTensors) {
   ASSERT_TRUE(syn.ok());
   const ModelSpec& spec = (*syn)->spec();
   const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
-  struct Layout { const char* model_type; bool x_times_w, interleaved; };
-  for (Layout lay : {Layout{"qwen3_moe", false, false}, Layout{"llama4_text", true, false},
-                     Layout{"gpt_oss", true, true}}) {
+  // Under the naming the model type implies, or the other one (PhiMoE keeps
+  // Mixtral's block_sparse_moe module; Granite names them input/output_linear).
+  struct Layout {
+    const char *model_type, *module, *gate_up, *down;
+    bool x_times_w, interleaved;
+  };
+  for (Layout lay : {Layout{"qwen3_moe", "mlp.experts.", "gate_up_proj", "down_proj", false, false},
+                     Layout{"llama4_text", "mlp.experts.", "gate_up_proj", "down_proj", true, false},
+                     Layout{"gpt_oss", "mlp.experts.", "gate_up_proj", "down_proj", true, true},
+                     Layout{"phimoe", "block_sparse_moe.experts.", "gate_up_proj", "down_proj", false, false},
+                     Layout{"granitemoe", "block_sparse_moe.", "input_linear.weight", "output_linear.weight", false,
+                            false}}) {
     SCOPED_TRACE(lay.model_type);
     testing::TempDir dir;
     nlohmann::json config = ConfigFromModelSpec(spec);
@@ -195,10 +241,10 @@ TEST(ModelSource, LoadsFusedThreeDExpertTensors) {
     std::ofstream(dir.path() + "/config.json") << config.dump();
     std::vector<TensorSpec> specs;
     for (int l : spec.moe_layers) {
-      const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
-      specs.push_back({p + "gate_up_proj", DType::kBF16,
+      const std::string p = "model.layers." + std::to_string(l) + "." + lay.module;
+      specs.push_back({p + lay.gate_up, DType::kBF16,
                        lay.x_times_w ? std::vector<int64_t>{E, H, 2 * I} : std::vector<int64_t>{E, 2 * I, H}});
-      specs.push_back({p + "down_proj", DType::kBF16,
+      specs.push_back({p + lay.down, DType::kBF16,
                        lay.x_times_w ? std::vector<int64_t>{E, I, H} : std::vector<int64_t>{E, H, I}});
     }
     ASSERT_TRUE(WriteCheckpoint(dir.path(), specs, 1 << 20, [&](size_t i, std::span<std::byte> dst) {

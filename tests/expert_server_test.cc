@@ -6,7 +6,12 @@
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <pthread.h>
+
+#include <algorithm>
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -15,6 +20,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/expert_client.h"
+#include "core/transport/grpc_channel.h"
+#include "core/transport/transport.h"
+#include "cpu_expert_server/expert_service.h"
 #include "core/model_source.h"
 #include "testing/random_data.h"
 #include "core/reference_moe.h"
@@ -484,6 +492,78 @@ TEST(ExpertServerProcess, IdleStreamsHoldNoThreads) {
   std::printf("idle streams: %d open, server threads %d -> %d\n", kIdle, before, after);
   EXPECT_LE(after - before, 16) << "threads grew with idle streams";
   for (auto& st : streams) (void)st->Finish();
+}
+
+}  // namespace
+}  // namespace moe
+
+namespace moe {
+namespace {
+
+// Small stream requests are computed on gRPC's own callback threads, but
+// never more than InlineRequestLimit() at once: the rest go to the stream
+// workers and every stream is served while those threads are held (a limit
+// as large as gRPC's callback threads would leave no thread to read the other
+// streams, and this test would hang to its deadline instead).
+TEST(ExpertServiceThreads, SmallRequestsOnGrpcThreadsAreBounded) {
+  ModelSpec spec;
+  spec.num_layers = 2;
+  spec.num_experts = 8;
+  spec.hidden = 64;
+  const int limit = ExpertServiceImpl::InlineRequestLimit();
+  const int requests = limit + 6;  // more than gRPC's threads may hold, fewer than the 16 workers
+  std::mutex mu;
+  std::condition_variable cv;
+  int running = 0, on_grpc = 0, most_on_grpc = 0;
+  bool release = false;
+  BatchHandler handler = [&](const MoeBatch& b, DType, void* out, ForwardStats*) {
+    char name[16] = {};
+    pthread_getname_np(pthread_self(), name, sizeof(name));
+    const bool worker = std::string(name) == "moe-stream";
+    std::unique_lock<std::mutex> lock(mu);
+    ++running;
+    if (!worker) most_on_grpc = std::max(most_on_grpc, ++on_grpc);
+    cv.notify_all();
+    cv.wait(lock, [&] { return release; });
+    if (!worker) --on_grpc;
+    std::memset(out, 0, size_t(b.n) * 64 * sizeof(bf16_t));
+    return absl::OkStatus();
+  };
+  ExpertServiceImpl service(spec, handler, ServiceLimits(), moe::v1::ServerInfo());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  ConfigureServerBuilder(builder, 16 << 20);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  TransportOptions o;
+  o.hidden = 64;
+  o.tls.insecure = true;
+  o.grpc_streams = requests;  // a stream each: a stream computes one request at a time
+  absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectGrpcTransport(absl::StrCat("127.0.0.1:", port), o);
+  ASSERT_TRUE(t.ok()) << t.status();
+  std::vector<bf16_t> x(64, bf16_t{});
+  std::vector<int32_t> ids = {1};
+  std::vector<float> w = {1.0f};
+  std::vector<std::vector<bf16_t>> outs(requests, std::vector<bf16_t>(64));
+  std::vector<std::future<absl::Status>> done;
+  const auto deadline = Clock::now() + std::chrono::seconds(20);
+  for (int i = 0; i < requests; ++i)
+    done.push_back((*t)->Submit(MoeBatch{1, 1, x.data(), RoutingView{1, 1, ids.data(), w.data()}}, outs[i].data(),
+                                deadline));
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return running == requests; }))
+        << running << " of " << requests << " requests started while " << on_grpc << " held gRPC's threads";
+    EXPECT_GE(most_on_grpc, 1) << "no small request was computed where gRPC delivered it";
+    EXPECT_LE(most_on_grpc, limit);
+    release = true;
+  }
+  cv.notify_all();
+  for (auto& f : done) EXPECT_TRUE(f.get().ok());
+  t->reset();
+  server->Shutdown();
 }
 
 }  // namespace

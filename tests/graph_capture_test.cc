@@ -84,7 +84,7 @@ class GraphCaptureTest : public ::testing::Test {
   };
   Buffers Alloc(int T, int k) {
     Buffers b;
-    const int H = session_->model().hidden;
+    const int H = session_->model_info().hidden;
     EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.hidden), sizeof(bf16_t) * T * H), cudaSuccess);
     EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.ids), sizeof(int32_t) * T * k), cudaSuccess);
     EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&b.weights), sizeof(float) * T * k), cudaSuccess);
@@ -106,15 +106,15 @@ class GraphCaptureTest : public ::testing::Test {
     std::vector<float> w;
   };
   void Fill(const Buffers& b, int T, int k, uint64_t seed, Inputs* in) {
-    const int H = session_->model().hidden;
+    const int H = session_->model_info().hidden;
     in->x = RandomActivations(static_cast<size_t>(T) * H, seed);
-    RandomRouting(T, k, session_->model().num_experts, seed + 1, 0, &in->ids, &in->w);
+    RandomRouting(T, k, session_->model_info().num_experts, seed + 1, 0, &in->ids, &in->w);
     ASSERT_CUDA(cudaMemcpyAsync(b.hidden, in->x.data(), in->x.size() * 2, cudaMemcpyHostToDevice, stream_));
     ASSERT_CUDA(cudaMemcpyAsync(b.ids, in->ids.data(), in->ids.size() * 4, cudaMemcpyHostToDevice, stream_));
     ASSERT_CUDA(cudaMemcpyAsync(b.weights, in->w.data(), in->w.size() * 4, cudaMemcpyHostToDevice, stream_));
   }
   double Error(int layer, const Buffers& b, int T, int k, const Inputs& in) {
-    const int H = session_->model().hidden;
+    const int H = session_->model_info().hidden;
     std::vector<bf16_t> out(static_cast<size_t>(T) * H);
     EXPECT_EQ(cudaMemcpy(out.data(), b.out, out.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
     std::vector<float> ref(out.size());
@@ -139,8 +139,8 @@ class GraphCaptureTest : public ::testing::Test {
   // Captures one decode step (every MoE layer, T tokens) into a graph after
   // a warm-up call per layer; the caller destroys it.
   cudaGraphExec_t CaptureStep(int T, std::vector<Buffers>* bufs, std::vector<Inputs>* in) {
-    const int k = session_->model().top_k;
-    const std::vector<int>& layers = session_->model().moe_layers;
+    const int k = session_->model_info().top_k;
+    const std::vector<int>& layers = session_->model_info().moe_layers;
     for (size_t i = 0; i < layers.size(); ++i) bufs->push_back(Alloc(T, k));
     in->resize(layers.size());
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -165,8 +165,8 @@ class GraphCaptureTest : public ::testing::Test {
   // Replays `exec` with step `step`'s inputs; true when every layer's output
   // matches the reference (1e-2), false when any is off (NaN included).
   bool Replay(cudaGraphExec_t exec, int step, int T, std::vector<Buffers>& bufs, std::vector<Inputs>& in) {
-    const int k = session_->model().top_k;
-    const std::vector<int>& layers = session_->model().moe_layers;
+    const int k = session_->model_info().top_k;
+    const std::vector<int>& layers = session_->model_info().moe_layers;
     for (size_t i = 0; i < layers.size(); ++i) Fill(bufs[i], T, k, 7000 + 100 * step + i, &in[i]);
     EXPECT_EQ(cudaGraphLaunch(exec, stream_), cudaSuccess);
     EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
@@ -200,7 +200,7 @@ TEST_F(GraphCaptureTest, SessionClosesAfterTheEnginesStreamIsGone) {
 // misses alike, exactly once.
 TEST_F(GraphCaptureTest, CapturedReplaysReportEveryRoutedPair) {
   const int T = 4;
-  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {0, 1, 2}).ok());
+  for (int l : session_->model_info().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {0, 1, 2}).ok());
   ASSERT_TRUE(session_->admin().FlushCopies().ok());
   std::vector<Buffers> bufs;
   std::vector<Inputs> in;
@@ -213,11 +213,11 @@ TEST_F(GraphCaptureTest, CapturedReplaysReportEveryRoutedPair) {
     EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
     for (size_t i = 0; i < in.size(); ++i)
       for (int32_t e : in[i].ids)
-        if (e >= 0) ++routed[{session_->model().moe_layers[i], e}];
+        if (e >= 0) ++routed[{session_->model_info().moe_layers[i], e}];
   }
   EXPECT_TRUE(session_->TakeStreamError().ok());
   EXPECT_EQ(accesses_, routed);
-  EXPECT_GT(session_->admin().HitRate(session_->model().moe_layers[0]), 0.0);  // the cache's counters saw the hits too
+  EXPECT_GT(session_->admin().HitRate(session_->model_info().moe_layers[0]), 0.0);  // the cache's counters saw the hits too
   cudaGraphExecDestroy(exec);
 }
 
@@ -238,12 +238,12 @@ TEST_F(GraphCaptureTest, ReplaysAdmitTheExpertsTheyUse) {
     absl::StatusOr<std::unique_ptr<MoeSession>> admitting = MoeSession::Open(o);
     ASSERT_TRUE(admitting.ok()) << admitting.status();
     session_ = *std::move(admitting);
-    const int T = 2, k = session_->model().top_k, H = session_->model().hidden;
+    const int T = 2, k = session_->model_info().top_k, H = session_->model_info().hidden;
     std::vector<Buffers> bufs;
     std::vector<Inputs> in;
     cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
     ASSERT_NE(exec, nullptr);
-    const std::vector<int>& layers = session_->model().moe_layers;
+    const std::vector<int>& layers = session_->model_info().moe_layers;
     for (int step = 0; step < 8; ++step) {
       for (size_t i = 0; i < layers.size(); ++i) {  // every token routes to experts 4, 5 (token 0) and 5, 6 (token 1)
         in[i].x = RandomActivations(static_cast<size_t>(T) * H, 900 + 10 * step + i);
@@ -291,10 +291,10 @@ TEST_F(GraphCaptureTest, PopularityFromReplaysReachesTheCoordinator) {
   ASSERT_FALSE(addr.empty()) << "moe-coordinator did not start";
   WorkerRegistration reg;
   reg.worker_id = "graph-worker";
-  reg.num_layers = session_->model().num_layers;
-  reg.num_experts = session_->model().num_experts;
+  reg.num_layers = session_->model_info().num_layers;
+  reg.num_experts = session_->model_info().num_experts;
   reg.slots_per_layer = 3;
-  reg.expert_bytes = session_->model().expert_bytes;
+  reg.expert_bytes = session_->model_info().expert_bytes;
   TlsOptions tls;
   tls.insecure = true;
   absl::StatusOr<std::unique_ptr<CoordinatorAgent>> agent =
@@ -314,13 +314,13 @@ TEST_F(GraphCaptureTest, PopularityFromReplaysReachesTheCoordinator) {
   absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(o);
   ASSERT_TRUE(s.ok()) << s.status();
   session_ = *std::move(s);
-  const int T = 4, k = session_->model().top_k, H = session_->model().hidden;
+  const int T = 4, k = session_->model_info().top_k, H = session_->model_info().hidden;
   ASSERT_EQ(k, 2);
   std::vector<Buffers> bufs;
   std::vector<Inputs> in;
   cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
   ASSERT_NE(exec, nullptr);
-  const int L = session_->model().moe_layers[0];
+  const int L = session_->model_info().moe_layers[0];
   for (int step = 0; step < 20; ++step) {
     for (size_t i = 0; i < bufs.size(); ++i) {  // every token: experts 6 and 7
       in[i].x = RandomActivations(static_cast<size_t>(T) * H, 3000 + 10 * step + i);
@@ -379,7 +379,7 @@ TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
   ASSERT_NE(exec, nullptr);
   for (int step = 0; step < 4; ++step) {
     if (step == 2) {
-      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {3, 4, 5}).ok());
+      for (int l : session_->model_info().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {3, 4, 5}).ok());
       ASSERT_TRUE(session_->admin().FlushCopies().ok());
     }
     EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
@@ -466,7 +466,7 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   session_ = *std::move(copying);  // the fixture's helpers use session_, source_ and reference_
   source_ = *OpenModel(kWide);
   reference_ = std::make_unique<ReferenceMoe>(*source_);
-  const int T = 8, k = session_->model().top_k, E = session_->model().num_experts;
+  const int T = 8, k = session_->model_info().top_k, E = session_->model_info().num_experts;
   ASSERT_GT(T * k, kMaxDeviceCopies + 4);
   std::vector<Buffers> bufs;
   std::vector<Inputs> in;
@@ -476,7 +476,7 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   accesses_.clear();
   for (int step = 0; step < 4; ++step) {
     if (step == 2) {
-      for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {20, 21, 22, 23}).ok());
+      for (int l : session_->model_info().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {20, 21, 22, 23}).ok());
       ASSERT_TRUE(session_->admin().FlushCopies().ok());
     }
     EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
@@ -484,17 +484,17 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   }
   int pairs = 0;
   for (const auto& [key, n] : accesses_) pairs += n;
-  EXPECT_EQ(pairs, 4 * T * k * static_cast<int>(session_->model().moe_layers.size()));
+  EXPECT_EQ(pairs, 4 * T * k * static_cast<int>(session_->model_info().moe_layers.size()));
   // Drained, every call missing kMaxDeviceCopies + 2 experts, one token each
   // (tokens 0..7 take experts 4..27 in order, k pairs a token): the device
   // copies the first kMaxDeviceCopies (lowest ids at equal pairs), the two
   // left have no route.
   ASSERT_TRUE(session_->admin().SetServerEnabled("unix://" + wide_sock, false).ok());
-  for (int l : session_->model().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {0, 1, 2, 3}).ok());
+  for (int l : session_->model_info().moe_layers) ASSERT_TRUE(session_->admin().ApplyAssignment(l, {0, 1, 2, 3}).ok());
   ASSERT_TRUE(session_->admin().FlushCopies().ok());
   const int missed = kMaxDeviceCopies + 2;
   for (size_t i = 0; i < bufs.size(); ++i) {
-    in[i].x = RandomActivations(static_cast<size_t>(T) * session_->model().hidden, 31 + i);
+    in[i].x = RandomActivations(static_cast<size_t>(T) * session_->model_info().hidden, 31 + i);
     in[i].ids.assign(static_cast<size_t>(T) * k, -1);
     in[i].w.assign(static_cast<size_t>(T) * k, 0.25f);
     for (int p = 0; p < missed; ++p) in[i].ids[p] = 4 + p;  // pair p: token p / k
@@ -506,7 +506,7 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
   ASSERT_CUDA(cudaGraphLaunch(exec, stream_));
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
   EXPECT_TRUE(absl::IsUnavailable(session_->TakeStreamError()));
-  const int H = session_->model().hidden;
+  const int H = session_->model_info().hidden;
   std::vector<bf16_t> out(static_cast<size_t>(T) * H);
   ASSERT_CUDA(cudaMemcpy(out.data(), bufs[0].out, out.size() * 2, cudaMemcpyDeviceToHost));
   std::set<int> poisoned, expected;
@@ -519,7 +519,7 @@ TEST_F(GraphCaptureTest, CapturedStepCopiesInsteadOfComputing) {
 }
 
 TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
-  const int T = 5, k = session_->model().top_k, L = session_->model().moe_layers[0];
+  const int T = 5, k = session_->model_info().top_k, L = session_->model_info().moe_layers[0];
   Buffers b = Alloc(T, k);
   ASSERT_TRUE(session_->admin().ApplyAssignment(L, {0, 1, 2}).ok());
   ASSERT_TRUE(session_->admin().FlushCopies().ok());
@@ -547,7 +547,7 @@ TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
   EXPECT_LE(Error(L, b, T, k, in), 1e-2) << "host pointers";
   // A capturable call given no stream runs on the legacy default stream (stream 0,
   // torch's current stream unless the engine set one), as a CUDA call would.
-  ASSERT_CUDA(cudaMemset(b.out, 0, sizeof(bf16_t) * T * session_->model().hidden));
+  ASSERT_CUDA(cudaMemset(b.out, 0, sizeof(bf16_t) * T * session_->model_info().hidden));
   ASSERT_CUDA(cudaStreamSynchronize(stream_));
   ASSERT_TRUE(session_->ForwardLayerCapturable(L, T, k, b.hidden, b.ids, b.weights, b.out, nullptr).ok());
   ASSERT_CUDA(cudaDeviceSynchronize());
@@ -572,8 +572,8 @@ TEST_F(GraphCaptureTest, StreamOrderedEagerCallOnANonBlockingStream) {
 }
 
 TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
-  const int T = 4, k = session_->model().top_k;
-  const std::vector<int>& layers = session_->model().moe_layers;
+  const int T = 4, k = session_->model_info().top_k;
+  const std::vector<int>& layers = session_->model_info().moe_layers;
   std::vector<Buffers> bufs;
   for (size_t i = 0; i < layers.size(); ++i) bufs.push_back(Alloc(T, k));
   // Warm-up outside the capture (allocates each layer's staging).
@@ -619,7 +619,7 @@ TEST_F(GraphCaptureTest, CapturedDecodeStepReplaysWithNewInputsAndPlacements) {
 }
 
 TEST_F(GraphCaptureTest, CapturableCallRefusesBadArguments) {
-  const int T = 2, k = session_->model().top_k, L = session_->model().moe_layers[0];
+  const int T = 2, k = session_->model_info().top_k, L = session_->model_info().moe_layers[0];
   Buffers b = Alloc(T, k);
   EXPECT_TRUE(absl::IsInvalidArgument(
       session_->ForwardLayerCapturable(0, T, k, b.hidden, b.ids, b.weights, b.out, stream_)));

@@ -64,6 +64,15 @@ TEST(GrpcWire, RequestBytesAreProtobufsAndParseBack) {
         EncodeForwardRequestBuffer(layer, n, H, b.tokens.data(), b.routing(), id, *pool, {}, model);
     const std::string theirs = proto.SerializeAsString();
     EXPECT_EQ(Bytes(ours), theirs);
+    {  // The tokens lent, not copied: the same bytes, the owner held until the message is gone.
+      auto owner = std::make_shared<int>(0);
+      grpc::ByteBuffer lent = EncodeForwardRequestBuffer(layer, n, H, b.tokens.data(), b.routing(), id, *pool, {},
+                                                          model, owner);
+      EXPECT_EQ(Bytes(lent), theirs);
+      EXPECT_EQ(owner.use_count(), 2);
+      lent.Clear();
+      EXPECT_EQ(owner.use_count(), 1);
+    }
     // Protobuf's bytes, cut into awkward slices, parse to the same tensors.
     for (std::vector<size_t> cuts : {std::vector<size_t>{}, {1, 1, 3, 7}, {13, 4096, 5}, {2, 2, 2, 2, 2, 2, 2, 2, 2}}) {
       grpc::ByteBuffer in = Sliced(theirs, cuts);

@@ -280,7 +280,7 @@ TEST_F(ModelIdentityProcess, WorkerOfTheSameModelIsAcceptedAndRight) {
     SCOPED_TRACE(server);
     absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(Options(*model_, server));
     ASSERT_TRUE(s.ok()) << s.status();
-    EXPECT_EQ((*s)->model().identity, m);
+    EXPECT_EQ((*s)->model_info().identity, m);
     for (uint64_t seed : {1, 2, 3}) {
       Call c(seed);
       std::vector<bf16_t> out(c.x.size());

@@ -208,9 +208,9 @@ TEST_P(SharedHostCopyTest, WorkerMapsTheServersStoreAndHoldsNoCopyOfItsOwn) {
   // What one copy moves, as the coordinator's copy budget counts it (issue 24):
   // the packed expert of the cache's format, not the bf16 size.
   const ExpertGeometry packed = *StorageGeometry(source_->spec(), dtype_);
-  EXPECT_EQ(shared->model().expert_bytes, packed.packed_bytes()) << dtype_;
+  EXPECT_EQ(shared->model_info().expert_bytes, packed.packed_bytes()) << dtype_;
   if (dtype_ != "bf16") {
-    EXPECT_LT(shared->model().expert_bytes, source_->spec().ExpertBf16Bytes() * 6 / 10) << dtype_;
+    EXPECT_LT(shared->model_info().expert_bytes, source_->spec().ExpertBf16Bytes() * 6 / 10) << dtype_;
   }
   ASSERT_NO_FATAL_FAILURE(ExpectCorrect(*shared));
 }

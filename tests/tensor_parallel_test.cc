@@ -246,7 +246,7 @@ TEST(TensorParallelOptions, BadGroupsAreRefusedNamingTheField) {
     absl::StatusOr<std::unique_ptr<MoeSession>> s = MoeSession::Open(o);
     ASSERT_FALSE(s.ok());
     EXPECT_TRUE(absl::IsInvalidArgument(s.status())) << s.status();
-    EXPECT_NE(s.status().message().find("tp_rank, tp_size"), std::string::npos) << s.status();
+    EXPECT_NE(s.status().message().find("group (rank, size; mode tensor)"), std::string::npos) << s.status();
   }
 }
 

@@ -126,7 +126,7 @@ TEST_F(TransportTest, AllTransportsAgreeWithEachOtherAndTheReference) {
 // The zero-copy path: inputs written straight into transport memory (for shm,
 // the shared segment itself) and the output read from there.
 TEST_F(TransportTest, StagedBatchesAreZeroCopyAndMatchSubmit) {
-  for (const char* kind : {"shm", "grpc-stream"}) {
+  for (const char* kind : {"shm", "grpc-stream", "grpc-3streams"}) {
     auto t = Connect(kind);
     ASSERT_NE(t, nullptr);
     Batch b = MakeBatch(10, 2, 55);
@@ -151,6 +151,36 @@ TEST_F(TransportTest, StagedBatchesAreZeroCopyAndMatchSubmit) {
   }
   auto shm = Connect("shm");
   EXPECT_EQ(shm->Stage(17, 2, In(1000)).status().code(), absl::StatusCode::kInvalidArgument);  // > one slot
+}
+
+// Established TCP connections of this network namespace to `port` (either end).
+int ConnectionsTo(int port) {
+  int count = 0;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream f(line);
+      std::string sl, local, remote, state;
+      f >> sl >> local >> remote >> state;
+      const auto port_of = [](const std::string& a) { return std::stoi(a.substr(a.rfind(':') + 1), nullptr, 16); };
+      if (state == "01" && port_of(remote) == port) ++count;
+    }
+  }
+  return count;
+}
+
+TEST_F(TransportTest, EachStreamHasAConnectionOfItsOwn) {
+  const int port = std::stoi(addr_.substr(addr_.rfind(':') + 1));
+  const int before = ConnectionsTo(port);
+  auto t = Connect("grpc-3streams");
+  ASSERT_NE(t, nullptr);
+  Batch b = MakeBatch(4, 2, 9);
+  std::vector<bf16_t> out(size_t(b.n) * kH);
+  for (int i = 0; i < 6; ++i) ASSERT_TRUE(t->Submit(b.view(), out.data(), In(5000)).get().ok());
+  // Three streams, three connections (gRPC would otherwise put them all on one).
+  EXPECT_EQ(ConnectionsTo(port) - before, 3);
 }
 
 TEST_F(TransportTest, ServerErrorsAndOversizeBatchesComeBackAsStatus) {

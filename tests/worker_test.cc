@@ -114,7 +114,7 @@ TEST_F(WorkerTest, SessionForwardsSyncAndAsync) {
   EXPECT_EQ(t.failed_calls, 1u);
   EXPECT_EQ(t.hit_pairs + t.cpu_pairs + t.copied_pairs, static_cast<uint64_t>(2 * a.T * a.k + b.T * b.k));
   EXPECT_GT(t.seconds, 0);
-  EXPECT_EQ(session.served_layers(), session.model().moe_layers);
+  EXPECT_EQ(session.served_layers(), session.model_info().moe_layers);
 }
 
 TEST_F(WorkerTest, SessionRejectsBadOptions) {

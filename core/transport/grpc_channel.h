@@ -27,11 +27,16 @@ void KeepFreedMessageMemory();
 // flow-control windows sized for activation messages.
 void ConfigureServerBuilder(grpc::ServerBuilder& builder, uint64_t max_message_bytes);
 
-grpc::ChannelArguments MakeChannelArguments(uint64_t max_message_bytes, const TlsOptions& tls);
+// own_connection: the channel opens a connection of its own rather than
+// sharing one with every channel of the process to the same address (gRPC's
+// global subchannel pool): streams on separate connections are read, parsed
+// and written by separate threads, not one after another.
+grpc::ChannelArguments MakeChannelArguments(uint64_t max_message_bytes, const TlsOptions& tls,
+                                            bool own_connection = false);
 
 // A channel to `address` with the above; never blocks.
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address,
                                                            uint64_t max_message_bytes,
-                                                           const TlsOptions& tls);
+                                                           const TlsOptions& tls, bool own_connection = false);
 
 }  // namespace moe

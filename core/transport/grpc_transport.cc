@@ -1,9 +1,12 @@
-// gRPC implementation of ExpertTransport: one long-lived bidirectional
-// ForwardStream per transport, driven through gRPC's completion-queue async
-// API by one thread (Submit queues the message and returns; writes go out
-// one at a time in order, a read is always posted), requests matched to
-// responses by request id. Messages are raw ByteBuffers (grpc_wire.h): the
-// same bytes as protobuf's, tensors copied once each way. With grpc_unary,
+// gRPC implementation of ExpertTransport: long-lived bidirectional
+// ForwardStreams (grpc_streams of them, each on a connection of its own),
+// each driven through gRPC's completion-queue async API by one thread
+// (Submit queues the message and returns; writes go out one at a time in
+// order, a read is always posted), requests matched to responses by request
+// id. Messages are raw ByteBuffers (grpc_wire.h): the
+// same bytes as protobuf's; a request's tokens are copied once on their way
+// out by Submit and not at all by SubmitStaged (gRPC writes them from the
+// staging area), the output once on its way in. With grpc_unary,
 // one callback-API unary call per batch (protobuf messages).
 // A broken stream fails its in-flight requests with UNAVAILABLE and the next
 // Submit opens a new one (the channel reconnects underneath).
@@ -41,17 +44,19 @@ std::chrono::system_clock::time_point ToSystem(Clock::time_point t) {
 
 class GrpcTransport final : public ExpertTransport {
  public:
-  GrpcTransport(std::string address, std::shared_ptr<grpc::Channel> channel, const TransportOptions& o,
+  // `channels`: one per stream (at least one); unary calls use the first.
+  GrpcTransport(std::string address, std::vector<std::shared_ptr<grpc::Channel>> channels, const TransportOptions& o,
                 ExpertSlice slice)
       : slice_(slice),
         model_(o.model),
         address_(std::move(address)),
-        channel_(std::move(channel)),
-        stub_(moe::v1::ExpertService::NewStub(channel_)),
-        generic_(channel_),
+        channels_(std::move(channels)),
+        stub_(moe::v1::ExpertService::NewStub(channels_[0])),
         hidden_(o.hidden),
         unary_(o.grpc_unary),
-        streams_(static_cast<size_t>(std::max(1, o.grpc_streams))) {}
+        streams_(channels_.size()) {
+    for (const auto& ch : channels_) generics_.push_back(std::make_unique<grpc::GenericStub>(ch));
+  }
 
   ~GrpcTransport() override {
     stop_connector_ = true;
@@ -77,21 +82,24 @@ class GrpcTransport final : public ExpertTransport {
   const char* kind() const override { return unary_ ? "grpc-unary" : "grpc-stream"; }
   ExpertSlice slice() const override { return slice_; }
 
-  // OK when the channel is connected; otherwise UNAVAILABLE at once, and a
-  // connector thread drives the channel's reconnection until it is: gRPC
+  // OK when every channel is connected; otherwise UNAVAILABLE at once, and a
+  // connector thread drives the channels' reconnection until they are: gRPC
   // makes progress on a connection attempt only while someone polls for it
   // (else its backup poller, every 5 s), so asking the channel to connect is
   // not enough — a restarted server was seen ~2 s late that way.
   absl::Status Reconnect() override {
-    if (channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY) return absl::OkStatus();
+    bool ready = true;
+    for (const auto& ch : channels_) ready = ch->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY && ready;
+    if (ready) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(connector_mu_);
     if (!connecting_.load()) {
       if (connector_.joinable()) connector_.join();  // the last one ended (connected, then lost again)
       connecting_ = true;
       connector_ = std::thread([this] {
-        while (!stop_connector_.load() &&
-               !channel_->WaitForConnected(std::chrono::system_clock::now() + std::chrono::milliseconds(100))) {
-        }
+        for (const auto& ch : channels_)
+          while (!stop_connector_.load() &&
+                 !ch->WaitForConnected(std::chrono::system_clock::now() + std::chrono::milliseconds(100))) {
+          }
         connecting_ = false;
       });
     }
@@ -100,7 +108,7 @@ class GrpcTransport final : public ExpertTransport {
 
   absl::StatusOr<StagingArea> Stage(int n, int k, Clock::time_point) override {
     if (n < 1 || k < 1) return absl::InvalidArgumentError("Stage: n and k must be >= 1");
-    auto buf = std::make_unique<Staging>();
+    auto buf = std::make_shared<Staging>();
     buf->tokens.resize(size_t(n) * hidden_);
     buf->ids.resize(size_t(n) * k);
     buf->weights.resize(size_t(n) * k);
@@ -112,8 +120,10 @@ class GrpcTransport final : public ExpertTransport {
     return s;
   }
 
+  // The stream sends the staged tokens without copying them: gRPC holds
+  // the staging area (not freed by Release) until it has written them.
   std::future<absl::Status> SubmitStaged(const StagingArea& s, uint32_t layer, Clock::time_point deadline) override {
-    bf16_t* out;
+    std::shared_ptr<Staging> staged;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = staging_.find(s.handle);
@@ -122,10 +132,11 @@ class GrpcTransport final : public ExpertTransport {
         p.set_value(absl::InvalidArgumentError("SubmitStaged: unknown or released handle"));
         return p.get_future();
       }
-      out = it->second->output.data();
+      staged = it->second;
     }
-    return Submit(MoeBatch{static_cast<int>(layer), s.n, s.tokens, RoutingView{s.n, s.k, s.expert_ids, s.expert_weights}},
-                  out, deadline);
+    const MoeBatch b{static_cast<int>(layer), s.n, s.tokens, RoutingView{s.n, s.k, s.expert_ids, s.expert_weights}};
+    bf16_t* out = staged->output.data();
+    return unary_ ? SubmitUnary(b, out, deadline) : SubmitStream(b, out, deadline, std::move(staged));
   }
 
   void Release(const StagingArea& s) override {
@@ -159,14 +170,18 @@ class GrpcTransport final : public ExpertTransport {
   enum Op : intptr_t { kStart = 1, kWrite, kRead, kFinish };
   static void* TagOf(Op op) { return reinterpret_cast<void*>(op); }
 
-  std::future<absl::Status> SubmitStream(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) {
+  // With `tokens_owner`, b.tokens are lent to gRPC (EncodeForwardRequestBuffer).
+  std::future<absl::Status> SubmitStream(const MoeBatch& b, bf16_t* out, Clock::time_point deadline,
+                                         std::shared_ptr<const void> tokens_owner = nullptr) {
     std::future<absl::Status> fut;
     std::lock_guard<std::mutex> lock(mu_);
-    std::shared_ptr<Stream>& s = streams_[next_stream_++ % streams_.size()];
-    if (!s || s->broken) OpenStreamLocked(s);
+    const size_t slot = next_stream_++ % streams_.size();
+    std::shared_ptr<Stream>& s = streams_[slot];
+    if (!s || s->broken) OpenStreamLocked(s, *generics_[slot]);
     const uint64_t id = pending_.Add(out, b.n, s->generation, deadline, &fut);
     s->queue.push_back(EncodeForwardRequestBuffer(static_cast<uint32_t>(b.layer), b.n, hidden_, b.tokens,
-                                                  b.routing, id, *pool_, slice_, model_.digest));
+                                                  b.routing, id, *pool_, slice_, model_.digest,
+                                                  std::move(tokens_owner)));
     WriteNextLocked(*s);
     return fut;
   }
@@ -186,8 +201,8 @@ class GrpcTransport final : public ExpertTransport {
     s.rw->Finish(&s.status, TagOf(kFinish));
   }
 
-  // (Re)opens the stream in `slot`.
-  void OpenStreamLocked(std::shared_ptr<Stream>& slot) {
+  // (Re)opens the stream in `slot`, on `stub`'s channel.
+  void OpenStreamLocked(std::shared_ptr<Stream>& slot, grpc::GenericStub& stub) {
     if (slot) {
       slot->broken = true;
       slot->ctx.TryCancel();
@@ -204,7 +219,7 @@ class GrpcTransport final : public ExpertTransport {
     }
     auto s = std::make_shared<Stream>();
     s->generation = ++generation_;
-    s->rw = generic_.PrepareCall(&s->ctx, "/moe.v1.ExpertService/ForwardStream", &s->cq);
+    s->rw = stub.PrepareCall(&s->ctx, "/moe.v1.ExpertService/ForwardStream", &s->cq);
     s->rw->StartCall(TagOf(kStart));
     s->driver = std::thread([this, s] { Drive(*s); });
     slot = s;
@@ -309,21 +324,21 @@ class GrpcTransport final : public ExpertTransport {
   std::mutex connector_mu_;  // Reconnect's connector thread
   std::thread connector_;
   std::atomic<bool> connecting_{false}, stop_connector_{false};
-  std::shared_ptr<grpc::Channel> channel_;
+  const std::vector<std::shared_ptr<grpc::Channel>> channels_;  // a connection per stream
   std::unique_ptr<moe::v1::ExpertService::Stub> stub_;
-  grpc::GenericStub generic_;
+  std::vector<std::unique_ptr<grpc::GenericStub>> generics_;  // one per channel
   const int hidden_;
   const bool unary_;
   PendingRequests pending_;
   std::mutex mu_;
-  std::vector<std::shared_ptr<Stream>> streams_;  // options' grpc_streams, opened on first use
+  std::vector<std::shared_ptr<Stream>> streams_;  // one per channel, opened on first use
   size_t next_stream_ = 0;
   std::vector<std::shared_ptr<Stream>> retired_;
   uint64_t generation_ = 0;
   std::shared_ptr<MessageBufferPool> pool_ = MessageBufferPool::Create(8);  // request buffers
   int unary_in_flight_ = 0;
   struct Staging { std::vector<bf16_t> tokens, output; std::vector<int32_t> ids; std::vector<float> weights; };
-  std::map<uint64_t, std::unique_ptr<Staging>> staging_;
+  std::map<uint64_t, std::shared_ptr<Staging>> staging_;
   uint64_t next_staging_ = 0;
   std::condition_variable unary_cv_;
 };
@@ -333,11 +348,22 @@ class GrpcTransport final : public ExpertTransport {
 absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std::string& address,
                                                                      const TransportOptions& o) {
   if (o.hidden <= 0) return absl::InvalidArgumentError("transport: hidden size must be set");
-  absl::StatusOr<std::shared_ptr<grpc::Channel>> ch = MakeChannel(address, o.max_message_bytes, o.tls);
-  if (!ch.ok()) return ch.status();
+  // A connection per stream (unary calls: one): streams sharing one
+  // connection are read, parsed and written one after another by gRPC.
+  const int connections = o.grpc_unary ? 1 : std::max(1, o.grpc_streams);
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < connections; ++i) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> c =
+        MakeChannel(address, o.max_message_bytes, o.tls, /*own_connection=*/true);
+    if (!c.ok()) return c.status();
+    channels.push_back(*std::move(c));
+  }
+  const std::shared_ptr<grpc::Channel>& ch = channels[0];
   // Connect now, so a wrong address or credentials fail here, not on the first batch.
-  if (!(*ch)->WaitForConnected(std::chrono::system_clock::now() + o.connect_timeout))
-    return absl::UnavailableError(absl::StrCat("cannot connect to expert server ", address));
+  const auto connect_by = std::chrono::system_clock::now() + o.connect_timeout;
+  for (const auto& c : channels)
+    if (!c->WaitForConnected(connect_by))
+      return absl::UnavailableError(absl::StrCat("cannot connect to expert server ", address));
   // The share of each expert the server holds (ServerInfo.slice_*): every
   // request says it expects that one, so a server restarted with another
   // --slice refuses rather than answering as the old share.
@@ -346,7 +372,7 @@ absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std:
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + o.connect_timeout);
     moe::v1::ServerInfo info;
-    const grpc::Status st = moe::v1::ExpertService::NewStub(*ch)->GetInfo(&ctx, moe::v1::GetInfoRequest(), &info);
+    const grpc::Status st = moe::v1::ExpertService::NewStub(ch)->GetInfo(&ctx, moe::v1::GetInfoRequest(), &info);
     if (!st.ok())
       return absl::Status(FromGrpcStatus(st).code(), absl::StrCat("expert server ", address, ": GetInfo: ", st.error_message()));
     if (info.slice_count() > 1) {
@@ -361,7 +387,7 @@ absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std:
       MOE_RETURN_IF_ERROR(CheckSameModel(o.model, ModelIdentity{info.model_identity(), info.model_path()}, "this worker",
                                          absl::StrCat("the expert server at ", address)));
   }
-  return std::unique_ptr<ExpertTransport>(new GrpcTransport(address, *std::move(ch), o, slice));
+  return std::unique_ptr<ExpertTransport>(new GrpcTransport(address, std::move(channels), o, slice));
 }
 
 absl::Status AwaitResult(std::future<absl::Status>& f, std::chrono::nanoseconds spin) {

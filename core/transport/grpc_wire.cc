@@ -158,11 +158,20 @@ void TensorField(Writer& w, int field, DType dtype, int64_t rows, int64_t cols, 
   w.Raw(data, bytes);
 }
 
-void ForwardRequestFields(Writer& w, uint32_t layer, int n, int hidden, const bf16_t* tokens,
-                          const RoutingView& r, uint64_t id, ExpertSlice slice, uint64_t model_identity) {
+// A ForwardRequest's fields in order, in two parts around the tokens'
+// bytes: Head (request id, layer, the tokens tensor up to its data) and Tail
+// (routing, slice, model identity).
+void ForwardRequestHead(Writer& w, uint32_t layer, int n, int hidden, uint64_t id) {
   w.VarintField(1, id);
   w.VarintField(2, layer);
-  TensorField(w, 3, DType::kBF16, n, hidden, tokens);
+  const int pd = ToProtoDType(DType::kBF16);
+  const int64_t shape[2] = {n, hidden};
+  const size_t bytes = size_t(n) * size_t(hidden) * sizeof(bf16_t);
+  w.LengthPrefix(3, TensorSize(pd, shape, bytes));
+  TensorHead(w, pd, shape, bytes);
+}
+
+void ForwardRequestTail(Writer& w, const RoutingView& r, ExpertSlice slice, uint64_t model_identity) {
   TensorField(w, 4, DType::kI32, r.n, r.k, r.ids);
   TensorField(w, 5, DType::kF32, r.n, r.k, r.weights);
   if (!slice.whole()) {
@@ -176,14 +185,34 @@ void ForwardRequestFields(Writer& w, uint32_t layer, int n, int hidden, const bf
 
 grpc::ByteBuffer EncodeForwardRequestBuffer(uint32_t layer, int n, int hidden, const bf16_t* tokens,
                                             const RoutingView& routing, uint64_t request_id,
-                                            MessageBufferPool& pool, ExpertSlice share, uint64_t model_identity) {
-  Writer count;
-  ForwardRequestFields(count, layer, n, hidden, tokens, routing, request_id, share, model_identity);
-  MessageBufferPool::Buffer buf = pool.Get(count.n);
-  Writer w{reinterpret_cast<uint8_t*>(buf.data())};
-  ForwardRequestFields(w, layer, n, hidden, tokens, routing, request_id, share, model_identity);
-  grpc::Slice slice = buf.TakeSlice(count.n);
-  return grpc::ByteBuffer(&slice, 1);
+                                            MessageBufferPool& pool, ExpertSlice share, uint64_t model_identity,
+                                            std::shared_ptr<const void> tokens_owner) {
+  const size_t token_bytes = size_t(n) * size_t(hidden) * sizeof(bf16_t);
+  Writer head_size, tail_size;
+  ForwardRequestHead(head_size, layer, n, hidden, request_id);
+  ForwardRequestTail(tail_size, routing, share, model_identity);
+  if (tokens_owner == nullptr || token_bytes == 0) {  // one slice, the tokens copied into it
+    MessageBufferPool::Buffer buf = pool.Get(head_size.n + token_bytes + tail_size.n);
+    Writer w{reinterpret_cast<uint8_t*>(buf.data())};
+    ForwardRequestHead(w, layer, n, hidden, request_id);
+    w.Raw(tokens, token_bytes);
+    ForwardRequestTail(w, routing, share, model_identity);
+    grpc::Slice slice = buf.TakeSlice(w.n);
+    return grpc::ByteBuffer(&slice, 1);
+  }
+  // Three slices: the head and tail in pooled buffers, the tokens where
+  // they are, their owner held until gRPC releases the slice.
+  MessageBufferPool::Buffer head = pool.Get(head_size.n), tail = pool.Get(tail_size.n);
+  Writer hw{reinterpret_cast<uint8_t*>(head.data())}, tw{reinterpret_cast<uint8_t*>(tail.data())};
+  ForwardRequestHead(hw, layer, n, hidden, request_id);
+  ForwardRequestTail(tw, routing, share, model_identity);
+  auto* owner = new std::shared_ptr<const void>(std::move(tokens_owner));
+  grpc::Slice slices[3] = {
+      head.TakeSlice(hw.n),
+      grpc::Slice(const_cast<bf16_t*>(tokens), token_bytes,
+                  [](void* o) { delete static_cast<std::shared_ptr<const void>*>(o); }, owner),
+      tail.TakeSlice(tw.n)};
+  return grpc::ByteBuffer(slices, 3);
 }
 
 grpc::ByteBuffer EncodeForwardStreamResponse(uint64_t request_id, const absl::Status& status, DType out_dtype,

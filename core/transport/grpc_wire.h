@@ -3,8 +3,9 @@
 // grpc::ByteBuffer slices. The bytes are exactly protobuf's: a peer built on
 // the generated classes reads and writes the same messages. What is saved is
 // protobuf's intermediate std::string copies (and their page faults): a
-// tensor is copied once when sent (into a pooled buffer gRPC takes as a
-// slice) and once when received (out of gRPC's slices into its destination).
+// tensor is copied at most once when sent (into a pooled buffer gRPC takes
+// as a slice; not at all when its memory can be lent to gRPC) and once when
+// received (out of gRPC's slices into its destination).
 // Malformed input is an error naming what is wrong, never a crash.
 #pragma once
 
@@ -67,11 +68,16 @@ class MessageBufferPool : public std::enable_shared_from_this<MessageBufferPool>
 };
 
 // A ForwardRequest: the same bytes as protobuf's serialization of
-// EncodeForwardRequest's message, in one slice.
+// EncodeForwardRequest's message. Without `tokens_owner`, one slice with the
+// tokens copied in. With it, the tokens are not copied: their slice points
+// at `tokens`, which must stay unchanged until gRPC releases it (after the
+// write completes, possibly after the answer arrived); `tokens_owner` is
+// held until then, so the memory outlives every use.
 grpc::ByteBuffer EncodeForwardRequestBuffer(uint32_t layer, int n, int hidden, const bf16_t* tokens,
                                             const RoutingView& routing, uint64_t request_id,
                                             MessageBufferPool& pool, ExpertSlice slice = {},
-                                            uint64_t model_identity = 0);
+                                            uint64_t model_identity = 0,
+                                            std::shared_ptr<const void> tokens_owner = nullptr);
 
 // Storage a parsed request's tensors are copied into (8-byte aligned; reused
 // from request to request).

@@ -313,8 +313,8 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // registers), and the warps read them with conflict-free 8- and 16-byte
 // loads (rows swizzled: WeightUnit, MmaTile::XSwizzle). Down starts during
 // gate/up's last blocks (a programmatic dependent launch: its first stages'
-// weights go out before it waits for act). Measured on the H100 (RESULTS
-// stop 28): 2-3x fewer instructions per weight than register-prefetched
+// weights go out before it waits for act). Measured on the H100: 2-3x fewer
+// instructions per weight than register-prefetched
 // loads with per-unit index math, and one row per group included, faster
 // than the CUDA-core kernel at one row.
 template <int kFmt, int NT>
@@ -348,7 +348,7 @@ __device__ __forceinline__ int WeightUnit(int r, int q) { return r * 64 + 16 * (
 // The 4 E4M3 codes of `u`, each / 256 (Fp8x4: exact, subnormals included),
 // as exact bf16 pairs: lo = bytes 0, 1; hi = bytes 2, 3. (Integer-only
 // conversion straight to bf16 was tried: its branch for zero and subnormal
-// codes cost 1.6x at 2-64 rows on the H100, RESULTS stop 21.)
+// codes cost 1.6x at 2-64 rows on the H100.)
 __device__ __forceinline__ void Fp8ToBf16x2(uint32_t u, uint32_t& lo, uint32_t& hi) {
   float f[4];
   Fp8x4(u, f);

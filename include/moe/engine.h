@@ -85,16 +85,19 @@ struct ModelInfo {
 };
 
 // The names of the SessionOptions choices (auto | cuda | cpu; static | lru |
-// lfru | predictive; auto | never | always; auto | bf16 | int8 | int4 | fp8), and
-// their parsing: InvalidArgument naming `field` and the accepted names.
+// lfru | predictive; auto | never | always; auto | bf16 | int8 | int4 | fp8;
+// tensor | expert), and their parsing: InvalidArgument naming `field` and the
+// accepted names.
 const char* Name(DeviceChoice v);
 const char* Name(CachePolicy v);
 const char* Name(CopyMode v);
 const char* Name(WeightDtype v);
+const char* Name(GroupMode v);
 absl::StatusOr<DeviceChoice> ParseDeviceChoice(const std::string& name, const std::string& field = "device");
 absl::StatusOr<CachePolicy> ParseCachePolicy(const std::string& name, const std::string& field = "policy");
 absl::StatusOr<CopyMode> ParseCopyMode(const std::string& name, const std::string& field = "copy_mode");
 absl::StatusOr<WeightDtype> ParseWeightDtype(const std::string& name, const std::string& field = "weight_dtype");
+absl::StatusOr<GroupMode> ParseGroupMode(const std::string& name, const std::string& field = "group.mode");
 
 struct SessionOptions {
   std::string model;                   // checkpoint directory, FILE.gguf or synthetic:PRESET[:layers=N][:seed=S]
@@ -120,7 +123,7 @@ struct SessionOptions {
   // keeping an own copy, when they cover the served layers (one host copy).
   bool share_host_copy = true;
   TlsOptions tls;                      // for host:port servers
-  int grpc_streams = 1;                // ForwardStreams per host:port server (batches round-robin)
+  int grpc_streams = 1;                // ForwardStreams per host:port server (a connection each; batches round-robin)
   std::chrono::milliseconds deadline{30000};
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
   // A group of `group.size` GPUs holding one cache (moe/types.h
@@ -158,7 +161,16 @@ class MoeSession {
   // FailedPrecondition in a build without NCCL.
   static absl::StatusOr<std::string> NewGroupId();
 
-  const ModelInfo& model() const;
+  // The oracle every backend is checked against, for an engine's own tests:
+  // the reference MoE (plain loops, f32 accumulate) over the weights of
+  // `model` (SessionOptions::model's syntax); host memory, `out` [T,H] f32.
+  // Slow (small checks); the last model opened is kept (thread-safe).
+  static absl::Status ReferenceForward(const std::string& model, int layer, int T, int k, const bf16_t* hidden,
+                                       const int32_t* topk_ids, const float* topk_weights, float* out);
+
+  const ModelInfo& model_info() const;
+  // The options the session was opened with.
+  const SessionOptions& options() const;
   // The MoE layers this session serves, ascending (SessionOptions::layers,
   // or every MoE layer of the model).
   const std::vector<int>& served_layers() const;
@@ -190,16 +202,19 @@ class MoeSession {
   // `cuda_stream` = the legacy default stream): enqueued on `cuda_stream`,
   // returns at once; the GPU splits hits from misses, ships the misses to
   // the servers through shared memory and adds their answers with no host
-  // step (README, "capturable"). The placement, drains and reconnects are
-  // read when the graph runs, not when it was captured. Warm up each layer
-  // once outside a capture (the first call allocates); calls of one layer
-  // must not overlap; misses always go to a server (place experts with
-  // admin().ApplyAssignment). T above one request slot (256 tokens by default) runs
-  // as a stream-ordered eager call outside a capture and is refused inside
-  // one. Run-time errors (bad routing, no server for an expert the device
-  // cannot take, a server's error) poison the affected tokens with NaN and
-  // are returned by TakeStreamError; a request nobody answers by the
-  // deadline is computed on the device from the host copy (logged).
+  // step (docs/engine-api.md, "Capturable calls"). The placement, drains and
+  // reconnects are read when the graph runs, not when it was captured. Warm
+  // up each layer once outside a capture (the first call allocates); calls of
+  // one layer must not overlap. Misses go to the servers, except those the
+  // planner's copy-instead table picks and those no server may take: the
+  // device copies them from the host copy and computes them itself, at most
+  // 16 experts a call (place experts for good with admin().ApplyAssignment).
+  // T above one request slot (256 tokens by default) runs as a
+  // stream-ordered eager call outside a capture and is refused inside one.
+  // Run-time errors (bad routing, no server for an expert the device cannot
+  // take, a server's error) poison the affected tokens with NaN and are
+  // returned by TakeStreamError; a request nobody answers by the deadline is
+  // computed on the device from the host copy (logged).
   absl::Status ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                                       const float* topk_weights, bf16_t* out, void* cuda_stream);
   // The first run-time error of capturable calls since the last call; also

@@ -9,7 +9,7 @@
  *   moe_session* s;
  *   if (moe_session_open("{\"model\":\"synthetic:tiny\",\"servers\":[\"unix:///run/moe.sock\"]}", &s))
  *     fprintf(stderr, "%s\n", moe_last_error());
- *   moe_forward(s, layer, T, k, hidden, topk_ids, topk_weights, out, MOE_MEMORY_HOST, NULL, NULL);
+ *   moe_forward_layer(s, layer, T, k, hidden, topk_ids, topk_weights, out, MOE_MEMORY_HOST, NULL, NULL);
  *   moe_session_close(s);
  *
  * Tensors: hidden [T,H] bf16 (raw uint16 bits), topk_ids [T,k] int32 (-1 =
@@ -37,9 +37,24 @@
  * thread / GPU for parallelism. moe_session_close must not race with other
  * calls on the same session.
  *
+ * Names: every operation has the name of its C++ counterpart (moe/engine.h
+ * MoeSession and MoeSession::Admin) in snake case with a moe_ or moe_session_
+ * prefix, and the Python Session's method of the same name
+ * (scripts/check_api_names.py checks the three surfaces alike).
+ *
  * Versioning: MOE_ABI_VERSION changes when a signature or struct changes
  * incompatibly; moe_abi_version() returns the library's. Structs are only
- * ever extended at the end.
+ * ever extended at the end. Version 5 gave the functions their C++ names
+ * (moe_forward -> moe_forward_layer, moe_forward_async ->
+ * moe_forward_layer_async, moe_forward_capturable ->
+ * moe_forward_layer_capturable, moe_stream_error -> moe_take_stream_error,
+ * moe_session_info -> moe_session_model_info, moe_session_moe_layers ->
+ * moe_session_served_layers, moe_session_stats_get -> moe_totals),
+ * moe_model_info the fields of moe::ModelInfo (the session's own facts are
+ * moe_session_device, moe_slots_per_layer and moe_session_options), the
+ * "group" option in place of tp_* / ep_* / group_id, `pinned` in
+ * moe_apply_assignment, and added moe_set_server_enabled,
+ * moe_cached_experts and moe_hit_rate.
  */
 #ifndef MOE_MOE_H_
 #define MOE_MOE_H_
@@ -51,7 +66,7 @@
 extern "C" {
 #endif
 
-#define MOE_ABI_VERSION 4
+#define MOE_ABI_VERSION 5
 
 #if defined(__GNUC__)
 #define MOE_API __attribute__((visibility("default")))
@@ -85,20 +100,23 @@ enum { MOE_MEMORY_HOST = 0, MOE_MEMORY_DEVICE = 1 };
 
 typedef struct moe_session moe_session;
 
-/* The model a session serves. */
+/* The model a session serves: the fields of the C++ moe::ModelInfo
+ * (moe/engine.h), which says what each one holds. Strings are NUL-terminated
+ * (longer ones cut). */
 typedef struct moe_model_info {
-  int32_t num_layers;     /* decoder layers, dense ones included */
-  int32_t num_moe_layers; /* layers with routed experts (moe_session_moe_layers lists them) */
-  int32_t num_experts;    /* routed experts per MoE layer */
-  int32_t top_k;          /* the model's k (calls may use any k <= max_top_k) */
-  int32_t hidden;         /* H */
-  int32_t intermediate;   /* I of one expert */
-  int32_t cache_slots;    /* experts cached per layer */
-  int32_t max_tokens;     /* largest T of one call */
-  int32_t max_top_k;      /* largest k of one call */
-  char device[16];        /* "cuda" or "cpu", NUL-terminated */
-  uint64_t identity;      /* the experts' content identity (moe::ModelInfo::identity); every expert
-                           * server reports the same one or the session refuses it */
+  char model_type[64];      /* config.json "model_type", or the synthetic preset's */
+  int32_t num_layers;       /* decoder layers, dense ones included */
+  int32_t num_moe_layers;   /* entries of moe_layers */
+  const int32_t* moe_layers; /* ascending; the model's layers with routed experts (owned by the
+                              * session, valid until moe_session_close) */
+  int32_t num_experts;      /* routed experts per MoE layer */
+  int32_t top_k;            /* the model's k (calls may use any k <= the "max_top_k" option) */
+  int32_t hidden;           /* H */
+  int32_t intermediate;     /* I of one expert */
+  char weight_dtype[16];    /* the checkpoint's expert weights, as safetensors names them (BF16, ...) */
+  uint64_t expert_bytes;    /* what one expert copy moves (packed as the host copy keeps it) */
+  uint64_t identity;        /* the experts' content identity; every expert server reports the same
+                             * one or the session refuses it */
 } moe_model_info;
 
 /* What one call did (pairs = (token, expert) pairs): the fields of the C++
@@ -119,8 +137,9 @@ typedef struct moe_call_stats {
   double wait_seconds;    /* of which: waiting for the servers' answers */
 } moe_call_stats;
 
-/* Totals since the session opened. */
-typedef struct moe_session_stats {
+/* Totals since the session opened: the fields of the C++ moe::SessionTotals,
+ * and the cache copies of MoeSession::Admin copies_started / PendingCopies. */
+typedef struct moe_session_totals {
   int64_t calls;
   int64_t failed_calls;
   int64_t hit_pairs;
@@ -132,7 +151,7 @@ typedef struct moe_session_stats {
   int64_t cache_copies_started; /* expert copies into cache slots */
   int64_t cache_copies_pending; /* of those, still in flight */
   double seconds;
-} moe_session_stats;
+} moe_session_totals;
 
 /* MOE_ABI_VERSION of the loaded library. */
 MOE_API int moe_abi_version(void);
@@ -162,22 +181,22 @@ MOE_API const char* moe_status_name(int status);
  *                 same-host servers' when shared, else the checkpoint's class)
  *   "share_host_copy" (bool, default true) map the same-host servers' stores
  *                 instead of keeping an own copy
- *   "tp_rank", "tp_size" (int, default 0 and 1; 0 <= tp_rank < tp_size <=
- *                 the model's experts) tensor parallelism: this
- *                 session is rank tp_rank of tp_size GPUs that all see every
- *                 token; it computes and caches only the experts its rank
- *                 owns (moe/types.h ExpertOwner) and returns that partial
- *                 sum: the ranks' outputs summed (the engine's all-reduce)
- *                 are the layer's output
- *   "ep_rank", "ep_size", "group_id" (int, int, string) expert parallelism:
- *                 this session is rank ep_rank of ep_size GPUs, each with its
- *                 own tokens; group_id (moe_new_group_id on one rank, handed to
+ *   "group"       {"rank": int, "size": int, "mode": "tensor" | "expert", "id": string}
+ *                 (moe/types.h ParallelGroup; default rank 0 of size 1, mode tensor;
+ *                 0 <= rank < size <= the model's experts): this
+ *                 session is rank `rank` of `size` GPUs holding one cache; it
+ *                 computes and caches only the experts its rank owns
+ *                 (moe/types.h ExpertOwner). "tensor" (tensor parallelism):
+ *                 every rank sees every token and returns its partial sum;
+ *                 the ranks' outputs summed (the engine's all-reduce) are the
+ *                 layer's output. "expert" (expert parallelism): each rank its
+ *                 own tokens; "id" (moe_new_group_id on one rank, handed to
  *                 the others) names the NCCL communicator. The ranks open
- *                 together; every rank calls moe_forward (device memory) for
- *                 every layer, T = 0 included, and gets its tokens' whole
+ *                 together; every rank calls moe_forward_layer (device memory)
+ *                 for every layer, T = 0 included, and gets its tokens' whole
  *                 output; the sessions exchange tokens within the call. A peer
  *                 silent past deadline_ms is left: its experts become CPU
- *                 misses. Not with tp_rank/tp_size.
+ *                 misses.
  *   "layers"      (array of int) MoE layers served (default all)
  *   "host_copy"   (bool, default true) keep a host copy of the experts
  *   "deadline_ms" (int, default 30000)
@@ -190,28 +209,37 @@ MOE_API moe_status moe_session_open(const char* options_json, moe_session** out)
  * first). NULL is ignored. */
 MOE_API void moe_session_close(moe_session* session);
 
-MOE_API moe_status moe_session_info(moe_session* session, moe_model_info* out);
+/* The model the session serves (MoeSession::model_info). */
+MOE_API moe_status moe_session_model_info(moe_session* session, moe_model_info* out);
 
-/* Writes up to `capacity` MoE layer indexes into `layers`; *count gets the
- * number of MoE layers served (may exceed capacity). */
-MOE_API moe_status moe_session_moe_layers(moe_session* session, int32_t* layers, int32_t capacity,
-                                          int32_t* count);
+/* Writes up to `capacity` indexes of the MoE layers this session serves into
+ * `layers`, ascending; *count gets their number (may exceed capacity). */
+MOE_API moe_status moe_session_served_layers(moe_session* session, int32_t* layers, int32_t capacity,
+                                             int32_t* count);
+
+/* The device backend: "cuda" or "cpu" ("" for a NULL session). Static text. */
+MOE_API const char* moe_session_device(moe_session* session);
+
+/* The session's options as a JSON object with the keys of moe_session_open,
+ * defaults filled in (e.g. "max_tokens", "max_top_k"); the text stays valid
+ * until the next call on this session ("" on error, see moe_last_error). */
+MOE_API const char* moe_session_options(moe_session* session);
 
 /* One MoE layer, synchronous for the host when memory is MOE_MEMORY_HOST;
  * stream-ordered on `cuda_stream` otherwise (see above). `stats` may be NULL. */
-MOE_API moe_status moe_forward(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
-                               const void* hidden, const int32_t* topk_ids,
-                               const float* topk_weights, void* out, int32_t memory,
-                               void* cuda_stream, moe_call_stats* stats);
+MOE_API moe_status moe_forward_layer(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
+                                     const void* hidden, const int32_t* topk_ids,
+                                     const float* topk_weights, void* out, int32_t memory,
+                                     void* cuda_stream, moe_call_stats* stats);
 
 /* Starts a call and returns at once with its ticket; moe_wait finishes it
  * (exactly once per ticket). Up to "contexts" calls may be in flight, so the
  * engine can run another micro-batch's attention while this one's misses are
  * computed on the CPU. Buffers must stay valid until moe_wait returned. */
-MOE_API moe_status moe_forward_async(moe_session* session, int32_t layer, int32_t tokens,
-                                     int32_t top_k, const void* hidden, const int32_t* topk_ids,
-                                     const float* topk_weights, void* out, int32_t memory,
-                                     void* cuda_stream, int32_t* ticket);
+MOE_API moe_status moe_forward_layer_async(moe_session* session, int32_t layer, int32_t tokens,
+                                           int32_t top_k, const void* hidden, const int32_t* topk_ids,
+                                           const float* topk_weights, void* out, int32_t memory,
+                                           void* cuda_stream, int32_t* ticket);
 MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats* stats);
 
 /* A CUDA-graph-capturable forward (cuda backend; device pointers; a NULL
@@ -232,28 +260,45 @@ MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats
  * call outside a capture and is refused inside one. A failure at replay time
  * (bad routing, no server for an expert the device cannot take, a server's
  * error) writes NaN into the affected tokens of `out` and is reported by
- * moe_stream_error; a server silent past the deadline has its requests
+ * moe_take_stream_error; a server silent past the deadline has its requests
  * computed on the device from the host copy (logged; NaN and an error
  * without a host copy). */
-MOE_API moe_status moe_forward_capturable(moe_session* session, int32_t layer, int32_t tokens, int32_t top_k,
-                                          const void* hidden, const int32_t* topk_ids,
-                                          const float* topk_weights, void* out, void* cuda_stream);
+MOE_API moe_status moe_forward_layer_capturable(moe_session* session, int32_t layer, int32_t tokens,
+                                                int32_t top_k, const void* hidden, const int32_t* topk_ids,
+                                                const float* topk_weights, void* out, void* cuda_stream);
 /* The first run-time error of capturable calls since the last check (MOE_OK
  * if none). Also reports the expert accesses the GPU counted since the last
  * check to the cache (and a coordinator), and reconnects a server that went
  * away: call it every few decode steps, outside a capture. */
-MOE_API moe_status moe_stream_error(moe_session* session);
+MOE_API moe_status moe_take_stream_error(moe_session* session);
 
 /* The cached set of `layer` becomes experts[0..n) (copies start now; each
- * slot serves once its copy completed). Between calls. */
+ * slot serves once its copy completed). pinned[0..n_pinned), a subset of
+ * `experts` (NULL when n_pinned is 0), are never evicted by the session's own
+ * admissions (predictive policy). Between calls. */
 MOE_API moe_status moe_apply_assignment(moe_session* session, int32_t layer, const int32_t* experts,
-                                        int32_t n);
+                                        int32_t n, const int32_t* pinned, int32_t n_pinned);
 /* Waits until every cache copy in flight has completed. */
 MOE_API moe_status moe_flush_copies(moe_session* session);
 
-MOE_API moe_status moe_session_stats_get(moe_session* session, moe_session_stats* out);
+/* Stops (enabled = 0) or resumes sending misses to the expert server at
+ * `address` (as given in "servers"): a drain, a server taken down. */
+MOE_API moe_status moe_set_server_enabled(moe_session* session, const char* address, int32_t enabled);
 
-/* A new expert-parallel group id (the "group_id" option): 256 hex
+/* Writes the experts in `layer`'s cache slots (resident or loading), by slot
+ * (-1 = an empty slot), into `experts`, up to `capacity`; *count gets the
+ * number of slots (may exceed capacity). */
+MOE_API moe_status moe_cached_experts(moe_session* session, int32_t layer, int32_t* experts, int32_t capacity,
+                                      int32_t* count);
+/* The fraction of `layer`'s routed pairs served from the cache so far. */
+MOE_API moe_status moe_hit_rate(moe_session* session, int32_t layer, double* out);
+/* The cache's slots per layer (experts cached per layer). */
+MOE_API moe_status moe_slots_per_layer(moe_session* session, int32_t* out);
+
+/* Totals since the session opened (MoeSession::totals). */
+MOE_API moe_status moe_totals(moe_session* session, moe_session_totals* out);
+
+/* A new expert-parallel group id (the "group" option's "id"): 256 hex
  * characters and a NUL into `out` (capacity >= 257). MOE_FAILED_PRECONDITION
  * in a build without NCCL. */
 MOE_API moe_status moe_new_group_id(char* out, int32_t capacity);
@@ -264,8 +309,9 @@ MOE_API const char* moe_session_describe(moe_session* session);
 
 /* The reference MoE (plain loops, f32 accumulate) over the weights of
  * `model` (the syntax of the "model" option), for an engine's own tests: the
- * oracle every backend is checked against. Host memory; out is [T,H] float32.
- * Slow (meant for small checks); the last model opened is kept. */
+ * oracle every backend is checked against (MoeSession::ReferenceForward).
+ * Host memory; out is [T,H] float32. Slow (meant for small checks); the last
+ * model opened is kept. */
 MOE_API moe_status moe_reference_forward(const char* model, int32_t layer, int32_t tokens, int32_t top_k,
                                          const void* hidden, const int32_t* topk_ids,
                                          const float* topk_weights, float* out);

@@ -112,7 +112,7 @@ struct CallStats {
 };
 
 // What a session's forward calls did since it opened (MoeSession::totals;
-// the C ABI's moe_session_stats): the calls, the failed ones, and the sums of
+// the C ABI's moe_totals): the calls, the failed ones, and the sums of
 // their CallStats and host seconds (in the call, plus the submit of an async
 // call's Wait). Capturable calls are not counted here (their pairs reach
 // on_access through TakeStreamError).

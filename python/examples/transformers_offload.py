@@ -262,7 +262,7 @@ def main():
         say(f"| same, all-GPU bf16 vs an f32 copy of the model (the bf16 floor) | {f_ref:.2e} | |")
         say(f"| same, ours vs the f32 copy | {f_our:.2e} | {bound:.1e} (max(1e-2, 2x floor)) |")
         say(f"| greedy tokens of our generate() equal to all-GPU's | {same}/{a.check_steps} | |")
-        st = ours.moe_expert_service.session.stats()
+        st = ours.moe_expert_service.session.totals()
         say(f"| session counters (25% cache) | hits {st['hit_pairs']}, CPU {st['cpu_pairs']}, copied "
             f"{st['copied_pairs']} pairs | |")
 
@@ -288,7 +288,7 @@ def main():
                     pass
                 s = attach(frac).session
                 row = [decode_tokens_per_s(ours, b, a.prompt, a.new_tokens, config.vocab_size) for b in batches]
-                st = s.stats()
+                st = s.totals()
                 pairs = max(st["hit_pairs"] + st["cpu_pairs"] + st["copied_pairs"], 1)
                 say(f"| ours, {frac:.0%} cached, eager (hit rate {st['hit_pairs'] / pairs:.0%}) | "
                     + " | ".join(f"{r:.1f}" for r in row) + " |")
@@ -296,7 +296,7 @@ def main():
                 row = [measure(graph_decode_tokens_per_s, ours, b, a.prompt, a.new_tokens, config.vocab_size)
                        for b in batches]
                 try:
-                    s.check_stream()
+                    s.take_stream_error()
                 except moe.MoeError as e:
                     row = [f"replay error: {e}" for _ in batches]
                 say(f"| ours, {frac:.0%} cached, decode step in a CUDA graph | " + " | ".join(row) + " |")

@@ -6,7 +6,7 @@ layers (random init, bf16), saves it, starts moe-expert-server on it (shared
 memory), and runs --gpus ranks (torch.distributed, NCCL). Every rank holds the
 model's attention and router (replicated here: the MoE contract is what is
 shown) and sees every token; its sparse MoE blocks compute through a session
-opened with tp_rank / tp_size, which returns the partial sum of the experts
+opened with group={"rank", "size"} (tensor parallelism), which returns the partial sum of the experts
 its rank owns (moe/types.h ExpertOwner: hits from its cache, misses on the
 CPU server), and torch's all-reduce adds the ranks' partials — the union of
 the GPUs' caches is one cache, at no communication beyond that all-reduce.
@@ -99,7 +99,7 @@ def rank_main(rank, a, ckpt, socket, result_file):
         opts = dict(model=ckpt, servers=[f"unix://{socket}"], device="cuda",
                     cache_experts_per_layer=int(round(frac * E)), max_tokens=512, max_top_k=k)
         if tp:
-            opts.update(tp_rank=rank, tp_size=world)
+            opts.update(group={"rank": rank, "size": world})
         return moe.Session(**opts)
 
     def swap(s, tp):
@@ -145,7 +145,7 @@ def rank_main(rank, a, ckpt, socket, result_file):
         same += 1
     say(f"| greedy tokens of generate() with the ranks' caches equal to the all-GPU model's | "
         f"{same}/{a.check_steps} | |")
-    st = s.stats()
+    st = s.totals()
     own = st["hit_pairs"] + st["cpu_pairs"] + st["copied_pairs"]
     say(f"| rank 0 session counters: pairs of its own experts / hits | {own} / {st['hit_pairs']} | |")
     s.close()
@@ -161,10 +161,10 @@ def rank_main(rank, a, ckpt, socket, result_file):
             swap(s, tp)
             with torch.no_grad():
                 decode_tokens_per_s(model, 1, a.prompt, a.new_tokens, config.vocab_size)  # warms the caches
-                before = s.stats()
+                before = s.totals()
                 rows = [decode_tokens_per_s(model, b, a.prompt, a.new_tokens, config.vocab_size) for b in batches]
             restore()
-            st = s.stats()
+            st = s.totals()
             hits = st["hit_pairs"] - before["hit_pairs"]
             pairs = max(hits + st["cpu_pairs"] - before["cpu_pairs"] + st["copied_pairs"] - before["copied_pairs"], 1)
             name = (f"one cache: {world} ranks x {int(round(frac * E))} slots/layer, each rank its experts, "

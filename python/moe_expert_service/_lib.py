@@ -9,15 +9,17 @@ import ctypes.util
 import os
 import threading
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 MEMORY_HOST = 0
 MEMORY_DEVICE = 1
 
 
 class ModelInfo(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int32) for n in (
-        "num_layers", "num_moe_layers", "num_experts", "top_k", "hidden", "intermediate",
-        "cache_slots", "max_tokens", "max_top_k")] + [("device", ctypes.c_char * 16), ("identity", ctypes.c_uint64)]
+    """moe_model_info (include/moe/moe.h), the fields of moe::ModelInfo."""
+    _fields_ = [("model_type", ctypes.c_char * 64), ("num_layers", ctypes.c_int32), ("num_moe_layers", ctypes.c_int32),
+                ("moe_layers", ctypes.POINTER(ctypes.c_int32))] + [(n, ctypes.c_int32) for n in (
+                    "num_experts", "top_k", "hidden", "intermediate")] + [
+                ("weight_dtype", ctypes.c_char * 16), ("expert_bytes", ctypes.c_uint64), ("identity", ctypes.c_uint64)]
 
 
 class CallStats(ctypes.Structure):
@@ -27,7 +29,8 @@ class CallStats(ctypes.Structure):
         "prefetched_experts", "miss_tokens", "failovers", "bytes_shipped")] + [(n, ctypes.c_double) for n in ("seconds", "submit_seconds", "wait_seconds")]
 
 
-class SessionStats(ctypes.Structure):
+class SessionTotals(ctypes.Structure):
+    """moe_session_totals (include/moe/moe.h), the fields of moe::SessionTotals."""
     _fields_ = [(n, ctypes.c_int64) for n in (
         "calls", "failed_calls", "hit_pairs", "cpu_pairs", "copied_pairs", "miss_tokens", "failovers",
         "bytes_shipped", "cache_copies_started", "cache_copies_pending")] + [("seconds", ctypes.c_double)]
@@ -59,18 +62,24 @@ def _declare(lib):
         "moe_status_name": (ctypes.c_char_p, [ctypes.c_int]),
         "moe_session_open": (ctypes.c_int, [ctypes.c_char_p, P(VP)]),
         "moe_session_close": (None, [VP]),
-        "moe_session_info": (ctypes.c_int, [VP, P(ModelInfo)]),
-        "moe_session_moe_layers": (ctypes.c_int, [VP, P(I32), I32, P(I32)]),
-        "moe_forward": (ctypes.c_int, [VP, I32, I32, I32, VP, VP, VP, VP, I32, VP, P(CallStats)]),
-        "moe_forward_async": (ctypes.c_int, [VP, I32, I32, I32, VP, VP, VP, VP, I32, VP, P(I32)]),
+        "moe_session_model_info": (ctypes.c_int, [VP, P(ModelInfo)]),
+        "moe_session_served_layers": (ctypes.c_int, [VP, P(I32), I32, P(I32)]),
+        "moe_session_device": (ctypes.c_char_p, [VP]),
+        "moe_session_options": (ctypes.c_char_p, [VP]),
+        "moe_forward_layer": (ctypes.c_int, [VP, I32, I32, I32, VP, VP, VP, VP, I32, VP, P(CallStats)]),
+        "moe_forward_layer_async": (ctypes.c_int, [VP, I32, I32, I32, VP, VP, VP, VP, I32, VP, P(I32)]),
         "moe_wait": (ctypes.c_int, [VP, I32, P(CallStats)]),
-        "moe_apply_assignment": (ctypes.c_int, [VP, I32, P(I32), I32]),
+        "moe_apply_assignment": (ctypes.c_int, [VP, I32, P(I32), I32, P(I32), I32]),
         "moe_flush_copies": (ctypes.c_int, [VP]),
-        "moe_session_stats_get": (ctypes.c_int, [VP, P(SessionStats)]),
+        "moe_set_server_enabled": (ctypes.c_int, [VP, ctypes.c_char_p, I32]),
+        "moe_cached_experts": (ctypes.c_int, [VP, I32, P(I32), I32, P(I32)]),
+        "moe_hit_rate": (ctypes.c_int, [VP, I32, P(ctypes.c_double)]),
+        "moe_slots_per_layer": (ctypes.c_int, [VP, P(I32)]),
+        "moe_totals": (ctypes.c_int, [VP, P(SessionTotals)]),
         "moe_session_describe": (ctypes.c_char_p, [VP]),
         "moe_new_group_id": (ctypes.c_int, [ctypes.c_char_p, I32]),
-        "moe_forward_capturable": (ctypes.c_int, [VP, I32, I32, I32, VP, VP, VP, VP, VP]),
-        "moe_stream_error": (ctypes.c_int, [VP]),
+        "moe_forward_layer_capturable": (ctypes.c_int, [VP, I32, I32, I32, VP, VP, VP, VP, VP]),
+        "moe_take_stream_error": (ctypes.c_int, [VP]),
         "moe_reference_forward": (ctypes.c_int, [ctypes.c_char_p, I32, I32, I32, VP, VP, VP, VP]),
     }
     for name, (restype, argtypes) in sig.items():

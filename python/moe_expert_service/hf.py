@@ -334,9 +334,9 @@ class Offload:
     def __deepcopy__(self, memo):  # a copied model shares the session and the server
         return self
 
-    def check_stream(self):
+    def take_stream_error(self):
         """Raises the first replay-time error of CUDA-graph steps (call between replays)."""
-        self.session.check_stream()
+        self.session.take_stream_error()
 
     def close(self):
         if self.session is not None:
@@ -409,15 +409,15 @@ def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_
     options["servers"] = list(servers)
     try:
         session = Session(**options)
-        info = session.info
+        info = session.model_info
         want = (E, int(first.hidden_dim), int(first.intermediate_dim))
         got = (info["num_experts"], info["hidden"], info["intermediate"])
         if got != want:
             raise ValueError(f"{BACKEND}: checkpoint {checkpoint}: experts, hidden, intermediate {got}, the model's "
                              f"are {want}")
-        missing = sorted(set(layers) - set(session.moe_layers))
+        missing = sorted(set(layers) - set(session.served_layers))
         if missing:
-            raise ValueError(f"{BACKEND}: checkpoint {checkpoint}: MoE layers {session.moe_layers}, the model has "
+            raise ValueError(f"{BACKEND}: checkpoint {checkpoint}: MoE layers {session.served_layers}, the model has "
                              f"experts in layers {missing} too")
     except BaseException:
         if server is not None:
@@ -425,7 +425,7 @@ def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_
         raise
     if policy == "static":  # a static cache serves what it is given: the first slots
         for layer in layers:
-            session.apply_assignment(layer, list(range(info["cache_slots"])))
+            session.apply_assignment(layer, list(range(session.slots_per_layer())))
         session.flush_copies()
     for _, layer, m in mods:
         m.__dict__["_moe_layer"] = MoeLayer(session, layer, capturable=capturable)

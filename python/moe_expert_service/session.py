@@ -3,9 +3,12 @@
     from moe_expert_service import Session
     s = Session(model="synthetic:tiny", servers=["unix:///run/moe/expert.sock"], device="cpu",
                 cache_experts_per_layer=2)
-    out = s.forward(layer, hidden, topk_ids, topk_weights)
+    out = s.forward_layer(layer, hidden, topk_ids, topk_weights)
 
-Arguments (T tokens, top-k routing, H = s.info["hidden"]):
+The names are those of the C++ MoeSession (include/moe/engine.h) in snake case
+and of the C ABI's moe_* functions (scripts/check_api_names.py keeps them so).
+
+Arguments (T tokens, top-k routing, H = s.model_info["hidden"]):
   hidden        [T,H]  torch.bfloat16 tensor, or numpy float32 (converted to bf16) / uint16 (raw bf16 bits)
   topk_ids      [T,k]  int32 (-1 = unused slot)
   topk_weights  [T,k]  float32 (applied as given)
@@ -88,7 +91,7 @@ class _Call:
     the objects whose memory they point into (kept alive until the call ends)."""
 
     def __init__(self, session, hidden, topk_ids, topk_weights, out):
-        H = session.info["hidden"]
+        H = session.model_info["hidden"]
         if _is_torch(hidden):
             self._torch(H, hidden, topk_ids, topk_weights, out)
         elif _is_numpy(hidden):
@@ -196,7 +199,7 @@ class _Call:
 
 
 class Pending:
-    """A started call (Session.forward_async); pass it to Session.wait once."""
+    """A started call (Session.forward_layer_async); pass it to Session.wait once."""
 
     def __init__(self, ticket, call):
         self.ticket = ticket
@@ -207,18 +210,32 @@ def _stats_dict(s):
     return {name: getattr(s, name) for name, _ in s._fields_}
 
 
+def _model_info_dict(info):
+    """moe_model_info as the dict Session.model_info: its fields, strings decoded, moe_layers a
+    list (which carries its length: no num_moe_layers)."""
+    d = {name: getattr(info, name) for name, _ in info._fields_ if name != "num_moe_layers"}
+    d.update(model_type=info.model_type.decode(), weight_dtype=info.weight_dtype.decode(),
+             moe_layers=list(info.moe_layers[: info.num_moe_layers]) if info.num_moe_layers > 0 else [])
+    return d
+
+
 class Session:
     """An open libmoe session; keyword arguments are the options of moe_session_open
     (include/moe/moe.h has their ranges and defaults): model, servers, device, cuda_device,
     cache_experts_per_layer or cache_gib, policy ("predictive", the default, "static",
     "lru", "lfru"), copy_mode, max_tokens, max_top_k, contexts, layers, host_copy,
     weight_dtype, share_host_copy, deadline_ms, cpu_threads, grpc_streams, tls, and
-    tp_rank / tp_size (tensor parallelism: this rank's partial sum; the ranks'
-    outputs summed by the engine's all-reduce are the layer's), or ep_rank / ep_size /
-    group_id (expert parallelism: each rank its own tokens, exchanged over NCCL inside
-    forward; group_id from new_group_id() on one rank, e.g. handed over with
-    torch.distributed.broadcast_object_list; every rank calls forward for every layer
-    with CUDA tensors). A value out of range raises MoeError naming the option."""
+    group, a dict {"rank", "size", "mode", "id"}: mode "tensor" (the default; tensor
+    parallelism: this rank's partial sum; the ranks' outputs summed by the engine's
+    all-reduce are the layer's) or "expert" (expert parallelism: each rank its own
+    tokens, exchanged over NCCL inside forward_layer; "id" from new_group_id() on one
+    rank, e.g. handed over with torch.distributed.broadcast_object_list; every rank
+    calls forward_layer for every layer with CUDA tensors). A value out of range
+    raises MoeError naming the option.
+
+    Read at open: model_info (a dict of moe_model_info's fields, the C++ ModelInfo;
+    moe_layers a list), served_layers (the MoE layers this session serves), device
+    ("cuda" or "cpu") and options (the options with their defaults filled in)."""
 
     def __init__(self, **options):
         self._lib = _lib.lib()
@@ -227,38 +244,46 @@ class Session:
         _check(self._lib.moe_session_open(json.dumps(options).encode(), ctypes.byref(handle)))
         self._handle = handle
         info = _lib.ModelInfo()
-        _check(self._lib.moe_session_info(self._handle, ctypes.byref(info)))
-        self.info = {name: getattr(info, name) for name, _ in info._fields_}
-        self.info["device"] = info.device.decode()
+        _check(self._lib.moe_session_model_info(self._handle, ctypes.byref(info)))
+        self.model_info = _model_info_dict(info)
+        self.served_layers = self._list(self._lib.moe_session_served_layers, self._handle)
+        self.device = self._lib.moe_session_device(self._handle).decode()
+        self.options = json.loads(self._lib.moe_session_options(self._handle).decode())
+
+    @staticmethod
+    def _list(fn, *args):
+        """The int32 list a moe_* function writes with (buffer, capacity, count)."""
+        import ctypes
         n = ctypes.c_int32()
-        layers = (ctypes.c_int32 * 4096)()
-        _check(self._lib.moe_session_moe_layers(self._handle, layers, 4096, ctypes.byref(n)))
-        self.moe_layers = list(layers[: min(n.value, 4096)])
+        _check(fn(*args, None, 0, ctypes.byref(n)))
+        buf = (ctypes.c_int32 * max(n.value, 1))()
+        _check(fn(*args, buf, n.value, ctypes.byref(n)))
+        return list(buf[: n.value])
 
     def _h(self):
         if self._handle is None:
             raise ValueError("session: closed")
         return self._handle
 
-    def forward(self, layer, hidden, topk_ids, topk_weights, out=None, stats=None):
+    def forward_layer(self, layer, hidden, topk_ids, topk_weights, out=None, stats=None):
         """out[t] = sum_j topk_weights[t,j] * FFN_{topk_ids[t,j]}(hidden[t]); returns out.
         `stats`, if a dict, receives the call's counters."""
         import ctypes
         c = _Call(self, hidden, topk_ids, topk_weights, out)
         cs = _lib.CallStats() if stats is not None else None
-        _check(self._lib.moe_forward(self._h(), int(layer), c.T, c.k, *c.ptrs, c.memory, c.stream,
+        _check(self._lib.moe_forward_layer(self._h(), int(layer), c.T, c.k, *c.ptrs, c.memory, c.stream,
                                      ctypes.byref(cs) if cs is not None else None))
         if cs is not None:
             stats.update(_stats_dict(cs))
         return c.output()
 
-    def forward_async(self, layer, hidden, topk_ids, topk_weights, out=None):
+    def forward_layer_async(self, layer, hidden, topk_ids, topk_weights, out=None):
         """Starts a call; returns a Pending for wait(). The arrays are kept alive until then."""
         import ctypes
         c = _Call(self, hidden, topk_ids, topk_weights, out)
         ticket = ctypes.c_int32(-1)
-        _check(self._lib.moe_forward_async(self._h(), int(layer), c.T, c.k, *c.ptrs, c.memory, c.stream,
-                                           ctypes.byref(ticket)))
+        _check(self._lib.moe_forward_layer_async(self._h(), int(layer), c.T, c.k, *c.ptrs, c.memory, c.stream,
+                                                 ctypes.byref(ticket)))
         return Pending(ticket.value, c)
 
     def wait(self, pending, stats=None):
@@ -273,41 +298,69 @@ class Session:
             stats.update(_stats_dict(cs))
         return call.output()
 
-    def forward_capturable(self, layer, hidden, topk_ids, topk_weights, out=None):
+    def forward_layer_capturable(self, layer, hidden, topk_ids, topk_weights, out=None):
         """A CUDA-graph-capturable call (torch CUDA tensors, cuda backend): enqueued on the
         current torch CUDA stream, returns `out` at once (filled in stream order). Run each
         layer once outside a capture first; replays read the cache placement as it is then.
-        Errors found at replay time write NaN and are raised by check_stream()."""
+        Errors found at replay time write NaN and are raised by take_stream_error()."""
         c = _Call(self, hidden, topk_ids, topk_weights, out)
         if c.memory != _lib.MEMORY_DEVICE:
             raise ValueError("hidden: capturable calls take CUDA tensors")
-        _check(self._lib.moe_forward_capturable(self._h(), int(layer), c.T, c.k, *c.ptrs, c.stream))
+        _check(self._lib.moe_forward_layer_capturable(self._h(), int(layer), c.T, c.k, *c.ptrs, c.stream))
         return c.output()
 
-    def check_stream(self):
-        """Raises the first run-time error of capturable calls since the last check. Also hands
+    def take_stream_error(self):
+        """Raises the first run-time error of capturable calls since the last call. Also hands
         the expert accesses the GPU counted to the cache (popularity) and reconnects a server
         that went away: call it every few decode steps, outside a capture."""
-        _check(self._lib.moe_stream_error(self._h()))
+        _check(self._lib.moe_take_stream_error(self._h()))
 
-    def apply_assignment(self, layer, experts):
-        """The cached set of `layer` becomes `experts` (copies start now)."""
+    def apply_assignment(self, layer, experts, pinned=()):
+        """The cached set of `layer` becomes `experts` (copies start now); `pinned`, a subset
+        of them, are never evicted by the session's own admissions (predictive policy)."""
         import ctypes
         experts = [int(e) for e in experts]
+        pinned = [int(e) for e in pinned]
         arr = (ctypes.c_int32 * max(len(experts), 1))(*experts)
-        _check(self._lib.moe_apply_assignment(self._h(), int(layer), arr, len(experts)))
+        pin = (ctypes.c_int32 * max(len(pinned), 1))(*pinned)
+        _check(self._lib.moe_apply_assignment(self._h(), int(layer), arr, len(experts), pin, len(pinned)))
 
     def flush_copies(self):
+        """Waits until every cache copy in flight has completed."""
         _check(self._lib.moe_flush_copies(self._h()))
 
-    def stats(self):
-        """Totals since the session opened (dict)."""
+    def set_server_enabled(self, address, enabled):
+        """Stops (False) or resumes (True) sending misses to the expert server at `address`
+        (as given in servers): a drain, a server taken down."""
+        _check(self._lib.moe_set_server_enabled(self._h(), str(address).encode(), 1 if enabled else 0))
+
+    def cached_experts(self, layer):
+        """The experts in `layer`'s cache slots (resident or loading), by slot: -1 = empty."""
+        return self._list(self._lib.moe_cached_experts, self._h(), int(layer))
+
+    def hit_rate(self, layer):
+        """The fraction of `layer`'s routed pairs served from the cache so far."""
         import ctypes
-        s = _lib.SessionStats()
-        _check(self._lib.moe_session_stats_get(self._h(), ctypes.byref(s)))
+        rate = ctypes.c_double()
+        _check(self._lib.moe_hit_rate(self._h(), int(layer), ctypes.byref(rate)))
+        return rate.value
+
+    def slots_per_layer(self):
+        """The cache's slots per layer (experts cached per layer)."""
+        import ctypes
+        n = ctypes.c_int32()
+        _check(self._lib.moe_slots_per_layer(self._h(), ctypes.byref(n)))
+        return n.value
+
+    def totals(self):
+        """The forward calls' totals since the session opened (dict of moe_session_totals)."""
+        import ctypes
+        s = _lib.SessionTotals()
+        _check(self._lib.moe_totals(self._h(), ctypes.byref(s)))
         return _stats_dict(s)
 
     def describe(self):
+        """One line: model, device, cache, servers."""
         return self._lib.moe_session_describe(self._h()).decode()
 
     def close(self):
@@ -329,7 +382,7 @@ class Session:
 
 
 def new_group_id():
-    """A new expert-parallel group id (str) for Session(ep_rank=, ep_size=, group_id=)."""
+    """A new expert-parallel group id (str): Session(group={"mode": "expert", "id": ...})."""
     import ctypes
     buf = ctypes.create_string_buffer(257)
     _check(_lib.lib().moe_new_group_id(buf, 257))

@@ -10,7 +10,7 @@ topk_ids [T,k], topk_weights [T,k]); leading dimensions are flattened, other
 dtypes are converted to bf16 and back, int64 ids / half weights converted,
 calls larger than the session's max_tokens are split. CUDA tensors run on the
 current torch CUDA stream (cuda backend); with capturable=True they go through
-Session.forward_capturable, so a decode step can be captured in a CUDA graph
+Session.forward_layer_capturable, so a decode step can be captured in a CUDA graph
 (torch.cuda.graph) after one eager warm-up step. On a cpu-backend session, CUDA
 inputs are copied to the host and the result back (for machines without the
 cuda backend; slow).
@@ -59,15 +59,15 @@ class MoeLayer(torch.nn.Module):
         super().__init__()
         if not isinstance(session, Session):
             raise TypeError(f"session: expected a moe_expert_service.Session, got {type(session).__name__}")
-        if layer not in session.moe_layers:
-            raise ValueError(f"layer: {layer} is not an MoE layer served by the session ({session.moe_layers})")
+        if layer not in session.served_layers:
+            raise ValueError(f"layer: {layer} is not an MoE layer served by the session ({session.served_layers})")
         self.session = session
         self.layer = int(layer)
-        self.hidden_size = session.info["hidden"]
-        self.max_tokens = session.info["max_tokens"]
+        self.hidden_size = session.model_info["hidden"]
+        self.max_tokens = session.options["max_tokens"]
         self.record_stats = False  # True: last_stats holds the counters of the last (eager) call
         self.last_stats = {}
-        # capturable: CUDA inputs go through Session.forward_capturable (the
+        # capturable: CUDA inputs go through Session.forward_layer_capturable (the
         # decode step can then be captured in a CUDA graph; T <= max_tokens).
         self.capturable = bool(capturable)
 
@@ -94,22 +94,22 @@ class MoeLayer(torch.nn.Module):
             ids = ids.to(device=device, dtype=torch.int32).contiguous()
         if w.dtype is not torch.float32 or w.get_device() != dev or not w.is_contiguous():
             w = w.to(device=device, dtype=torch.float32).contiguous()
-        host_only = device.type == "cuda" and self.session.info["device"] != "cuda"
+        host_only = device.type == "cuda" and self.session.device != "cuda"
         if self.capturable and device.type == "cuda" and not host_only:
             if T > self.max_tokens:
                 raise ValueError(f"hidden_states: {T} tokens, a capturable call takes at most {self.max_tokens}")
-            out = self.session.forward_capturable(self.layer, x, ids, w)
+            out = self.session.forward_layer_capturable(self.layer, x, ids, w)
         else:
             if host_only:
                 x, ids, w = x.cpu(), ids.cpu(), w.cpu()
             stats = {} if self.record_stats else None
             if T <= self.max_tokens:
-                out = self.session.forward(self.layer, x, ids, w, stats=stats)
+                out = self.session.forward_layer(self.layer, x, ids, w, stats=stats)
             else:
                 out = torch.empty_like(x)
                 for start in range(0, T, self.max_tokens):
                     end = min(T, start + self.max_tokens)
-                    self.session.forward(self.layer, x[start:end], ids[start:end], w[start:end], out=out[start:end],
+                    self.session.forward_layer(self.layer, x[start:end], ids[start:end], w[start:end], out=out[start:end],
                                          stats=stats)
             if stats is not None:
                 self.last_stats = stats
@@ -120,4 +120,4 @@ class MoeLayer(torch.nn.Module):
         return out.reshape(shape)
 
     def extra_repr(self):
-        return f"layer={self.layer}, hidden_size={self.hidden_size}, device={self.session.info['device']}"
+        return f"layer={self.layer}, hidden_size={self.hidden_size}, device={self.session.device}"

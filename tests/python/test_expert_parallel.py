@@ -1,7 +1,7 @@
 """Expert parallelism from Python: two processes (torch.multiprocessing), one
 GPU each, one group id made on rank 0 (new_group_id) and handed to rank 1
 with torch.distributed; each rank its own tokens (a rank with none too), the
-sessions exchange them over NCCL inside forward, and each rank's output is
+sessions exchange them over NCCL inside forward_layer, and each rank's output is
 checked against a float64 numpy MoE over the checkpoint. Without torch the
 test exits 77 (ctest: skipped); without two CUDA GPUs it reports itself
 skipped by name."""
@@ -35,8 +35,8 @@ def rank_main(rank, model, socket, rendezvous, errors):
     dist.broadcast_object_list(gid, src=0)
     tensors = env.load_safetensors(model)
     s = moe.Session(model=model, servers=[f"unix://{socket}"], device="cuda", cache_experts_per_layer=2,
-                    policy="lru", max_tokens=32, ep_rank=rank, ep_size=RANKS, group_id=gid[0])
-    info = s.info
+                    policy="lru", max_tokens=32, group={"rank": rank, "size": RANKS, "mode": "expert", "id": gid[0]})
+    info = s.model_info
     rng = np.random.default_rng(100 + rank)
     worst = 0.0
     for T in TOKENS[rank]:
@@ -45,7 +45,7 @@ def rank_main(rank, model, socket, rendezvous, errors):
         else:  # a rank with no tokens still takes part
             x = np.zeros((0, info["hidden"]), np.float32)
             ids, w = np.zeros((0, info["top_k"]), np.int32), np.zeros((0, info["top_k"]), np.float32)
-        out = s.forward(1, torch.from_numpy(x).to("cuda", torch.bfloat16), torch.from_numpy(ids).cuda(),
+        out = s.forward_layer(1, torch.from_numpy(x).to("cuda", torch.bfloat16), torch.from_numpy(ids).cuda(),
                         torch.from_numpy(w).cuda())
         torch.cuda.synchronize()
         if T == 0:

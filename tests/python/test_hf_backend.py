@@ -234,12 +234,17 @@ class HfBackendTest(unittest.TestCase):
         del ref
         ours = self.load(fam, cache=0.5, capturable=True)
         print(f"all-GPU reference: graph {ref_graph}, eager {ref_eager}", flush=True)
-        got, want = graph_decode(ours, prompt), static_decode(ours, prompt)
-        ours.moe_expert_service.check_stream()
+        got, eager = graph_decode(ours, prompt), static_decode(ours, prompt)
+        ours.moe_expert_service.take_stream_error()
         ours.moe_expert_service.close()
-        print(f"qwen3_moe CUDA graph decode: {got} (eager static-cache steps {want})", flush=True)
-        self.assertEqual(ref_graph, ref_eager, "the capture procedure itself (all-GPU model)")
-        self.assertEqual(got, want)
+        print(f"qwen3_moe CUDA graph decode: {got} (eager static-cache steps {eager})", flush=True)
+        # Ours against the all-GPU model through the same steps: the captured decode step
+        # replays our device-planned calls (the split, the servers' answers, the merge on
+        # the GPU) and must give the all-GPU model's tokens. (On transformers 5.17 this
+        # capture procedure's tokens differ from eager static-cache stepping for the
+        # all-GPU model too: a property of the procedure, the same for both.)
+        self.assertEqual(got, ref_graph, "CUDA-graph decode: ours vs the all-GPU model")
+        self.assertEqual(eager, ref_eager, "static-cache decode: ours vs the all-GPU model")
 
 
 def graph_decode(model, prompt):

@@ -40,13 +40,13 @@ class SessionTest(unittest.TestCase):
         rng = np.random.default_rng(1)
         for transport in ("shm", "grpc"):
             with self.open(transport) as s:
-                H, E, k = s.info["hidden"], s.info["num_experts"], s.info["top_k"]
-                self.assertEqual(s.info["device"], "cpu")
-                self.assertNotEqual(s.info["identity"], 0)
-                for layer in s.moe_layers:
+                H, E, k = s.model_info["hidden"], s.model_info["num_experts"], s.model_info["top_k"]
+                self.assertEqual(s.device, "cpu")
+                self.assertNotEqual(s.model_info["identity"], 0)
+                for layer in s.served_layers:
                     x, ids, w = env.random_call(rng, 7, H, k, E)
                     stats = {}
-                    y = s.forward(layer, x, ids, w, stats=stats)
+                    y = s.forward_layer(layer, x, ids, w, stats=stats)
                     self.assertEqual(y.dtype, np.float32)
                     self.assertEqual(y.shape, (7, H))
                     xb = moe.from_bf16_bits(moe.to_bf16_bits(x))  # the bf16 inputs the service saw
@@ -68,47 +68,65 @@ class SessionTest(unittest.TestCase):
     def test_raw_bf16_bits_in_and_out(self):
         rng = np.random.default_rng(2)
         with self.open() as s:
-            H, E, k = s.info["hidden"], s.info["num_experts"], s.info["top_k"]
+            H, E, k = s.model_info["hidden"], s.model_info["num_experts"], s.model_info["top_k"]
             x, ids, w = env.random_call(rng, 4, H, k, E)
             bits = moe.to_bf16_bits(x)
             out = np.zeros((4, H), dtype=np.uint16)
-            r = s.forward(s.moe_layers[0], bits, ids, w, out=out)
+            r = s.forward_layer(s.served_layers[0], bits, ids, w, out=out)
             self.assertIs(r, out)
-            ref = env.numpy_moe(self.tensors, s.moe_layers[0], moe.from_bf16_bits(bits), ids, w)
+            ref = env.numpy_moe(self.tensors, s.served_layers[0], moe.from_bf16_bits(bits), ids, w)
             self.assertLessEqual(env.rel_error(moe.from_bf16_bits(out), ref), 1e-2)
 
     def test_assignment_turns_misses_into_hits_and_stays_exact(self):
         rng = np.random.default_rng(3)
         with self.open() as s:
-            H, E, k = s.info["hidden"], s.info["num_experts"], s.info["top_k"]
-            layer = s.moe_layers[-1]
+            H, E, k = s.model_info["hidden"], s.model_info["num_experts"], s.model_info["top_k"]
+            layer = s.served_layers[-1]
             x, ids, w = env.random_call(rng, 6, H, k, E)
             s.apply_assignment(layer, [int(ids[0, 0]), int(ids[1, 0])])
             s.flush_copies()
             stats = {}
-            y = s.forward(layer, x, ids, w, stats=stats)
+            y = s.forward_layer(layer, x, ids, w, stats=stats)
             want_hits = int(np.isin(ids, [ids[0, 0], ids[1, 0]]).sum())
             self.assertEqual(stats["hit_pairs"], want_hits)
             self.assertEqual(stats["hit_pairs"] + stats["cpu_pairs"] + stats["copied_pairs"], 6 * k)
             xb = moe.from_bf16_bits(moe.to_bf16_bits(x))
             self.assertLessEqual(env.rel_error(y, env.numpy_moe(self.tensors, layer, xb, ids, w)), 1e-2)
-            totals = s.stats()
+            totals = s.totals()
             self.assertEqual(totals["calls"], 1)
             self.assertEqual(totals["hit_pairs"], want_hits)
             self.assertEqual(totals["cache_copies_started"], 2)
             self.assertIn("cpu", s.describe())
 
+    def test_cache_and_session_facts_under_the_cpp_names(self):
+        with self.open() as s:
+            E, layer = s.model_info["num_experts"], s.served_layers[0]
+            self.assertEqual(s.model_info["moe_layers"], s.served_layers)
+            self.assertTrue(s.model_info["model_type"] and s.model_info["weight_dtype"])
+            self.assertGreater(s.model_info["expert_bytes"], 0)
+            self.assertEqual((s.options["max_tokens"], s.options["policy"]), (32, "static"))
+            self.assertEqual(s.slots_per_layer(), 2)
+            s.apply_assignment(layer, [0, 1], pinned=[1])
+            s.flush_copies()
+            self.assertEqual(sorted(s.cached_experts(layer)), [0, 1])
+            self.assertEqual(s.hit_rate(layer), 0.0)
+            with self.assertRaises(moe.InvalidArgumentError):
+                s.apply_assignment(layer, [0], pinned=[E + 1])
+            with self.assertRaises(moe.MoeError):
+                s.set_server_enabled("unix:///no/such.sock", False)
+            s.set_server_enabled(f"unix://{self.server.socket}", True)
+
     def test_async_calls_complete_in_any_order(self):
         rng = np.random.default_rng(4)
         with self.open(contexts=2) as s:
-            H, E, k = s.info["hidden"], s.info["num_experts"], s.info["top_k"]
-            la, lb = s.moe_layers[0], s.moe_layers[-1]
+            H, E, k = s.model_info["hidden"], s.model_info["num_experts"], s.model_info["top_k"]
+            la, lb = s.served_layers[0], s.served_layers[-1]
             a = env.random_call(rng, 5, H, k, E)
             b = env.random_call(rng, 3, H, k, E)
-            pa = s.forward_async(la, *a)
-            pb = s.forward_async(lb, *b)
+            pa = s.forward_layer_async(la, *a)
+            pb = s.forward_layer_async(lb, *b)
             with self.assertRaises(moe.MoeError) as busy:  # only 2 contexts
-                s.forward_async(la, *a)
+                s.forward_layer_async(la, *a)
             self.assertEqual(busy.exception.status, "RESOURCE_EXHAUSTED")
             yb = s.wait(pb)
             ya = s.wait(pa)
@@ -121,26 +139,26 @@ class SessionTest(unittest.TestCase):
     def test_bad_arguments_raise_naming_the_argument(self):
         rng = np.random.default_rng(5)
         with self.open() as s:
-            H, E, k = s.info["hidden"], s.info["num_experts"], s.info["top_k"]
-            L = s.moe_layers[0]
+            H, E, k = s.model_info["hidden"], s.model_info["num_experts"], s.model_info["top_k"]
+            L = s.served_layers[0]
             x, ids, w = env.random_call(rng, 3, H, k, E)
             cases = [
-                (TypeError, "hidden", lambda: s.forward(L, x.astype(np.float64), ids, w)),
-                (TypeError, "hidden", lambda: s.forward(L, [[0.0] * H], ids, w)),
-                (ValueError, "hidden", lambda: s.forward(L, x[:, :H - 1], ids, w)),
-                (ValueError, "hidden", lambda: s.forward(L, np.asfortranarray(x), ids, w)),
-                (TypeError, "topk_ids", lambda: s.forward(L, x, ids.astype(np.int64), w)),
-                (ValueError, "topk_ids", lambda: s.forward(L, x, ids[:2], w)),
-                (TypeError, "topk_weights", lambda: s.forward(L, x, ids, w.astype(np.float64))),
-                (ValueError, "topk_weights", lambda: s.forward(L, x, ids, w[:, :1])),
-                (ValueError, "topk_ids", lambda: s.forward(L, x, np.asfortranarray(ids), w)),
-                (TypeError, "out", lambda: s.forward(L, x, ids, w, out=np.zeros((3, H), np.float32))),
-                (moe.InvalidArgumentError, "layer", lambda: s.forward(0, x, ids, w)),
-                (moe.InvalidArgumentError, "expert_ids", lambda: s.forward(L, x, np.full_like(ids, E + 3), w)),
+                (TypeError, "hidden", lambda: s.forward_layer(L, x.astype(np.float64), ids, w)),
+                (TypeError, "hidden", lambda: s.forward_layer(L, [[0.0] * H], ids, w)),
+                (ValueError, "hidden", lambda: s.forward_layer(L, x[:, :H - 1], ids, w)),
+                (ValueError, "hidden", lambda: s.forward_layer(L, np.asfortranarray(x), ids, w)),
+                (TypeError, "topk_ids", lambda: s.forward_layer(L, x, ids.astype(np.int64), w)),
+                (ValueError, "topk_ids", lambda: s.forward_layer(L, x, ids[:2], w)),
+                (TypeError, "topk_weights", lambda: s.forward_layer(L, x, ids, w.astype(np.float64))),
+                (ValueError, "topk_weights", lambda: s.forward_layer(L, x, ids, w[:, :1])),
+                (ValueError, "topk_ids", lambda: s.forward_layer(L, x, np.asfortranarray(ids), w)),
+                (TypeError, "out", lambda: s.forward_layer(L, x, ids, w, out=np.zeros((3, H), np.float32))),
+                (moe.InvalidArgumentError, "layer", lambda: s.forward_layer(0, x, ids, w)),
+                (moe.InvalidArgumentError, "expert_ids", lambda: s.forward_layer(L, x, np.full_like(ids, E + 3), w)),
                 (moe.InvalidArgumentError, "expert_weights",
-                 lambda: s.forward(L, x, ids, np.full_like(w, np.nan))),
+                 lambda: s.forward_layer(L, x, ids, np.full_like(w, np.nan))),
                 (moe.InvalidArgumentError, "tokens",
-                 lambda: s.forward(L, np.zeros((33, H), np.float32), np.zeros((33, k), np.int32),
+                 lambda: s.forward_layer(L, np.zeros((33, H), np.float32), np.zeros((33, k), np.int32),
                                    np.ones((33, k), np.float32))),
                 (moe.InvalidArgumentError, "expert", lambda: s.apply_assignment(L, [E + 1])),
             ]
@@ -150,9 +168,9 @@ class SessionTest(unittest.TestCase):
                 self.assertIn(word, str(cm.exception))
             # Still exact afterwards.
             xb = moe.from_bf16_bits(moe.to_bf16_bits(x))
-            self.assertLessEqual(env.rel_error(s.forward(L, x, ids, w),
+            self.assertLessEqual(env.rel_error(s.forward_layer(L, x, ids, w),
                                                env.numpy_moe(self.tensors, L, xb, ids, w)), 1e-2)
-            self.assertGreaterEqual(s.stats()["failed_calls"], 4)
+            self.assertGreaterEqual(s.totals()["failed_calls"], 4)
         with self.assertRaises(moe.InvalidArgumentError) as cm:
             moe.Session(model=self.model, cache_slots=3)
         self.assertIn("cache_slots", str(cm.exception))
@@ -162,7 +180,7 @@ class SessionTest(unittest.TestCase):
         s = self.open()
         s.close()
         with self.assertRaises(ValueError):
-            s.forward(L, x, ids, w)
+            s.forward_layer(L, x, ids, w)
 
 
 if __name__ == "__main__":

@@ -60,11 +60,11 @@ class TorchLayerTest(unittest.TestCase):
 
     def test_layer_matches_reference_with_batching_and_dtypes(self):
         torch.manual_seed(0)
-        H = self.session.info["hidden"]
-        for layer in self.session.moe_layers:
+        H = self.session.model_info["hidden"]
+        for layer in self.session.served_layers:
             m = moe.MoeLayer(self.session, layer)
             x = torch.randn(2, 9, H, dtype=torch.float32, device=self.device)  # 18 tokens > max_tokens 8: split
-            ids, w = moe.select_experts(torch.randn(18, self.session.info["num_experts"]), 2)
+            ids, w = moe.select_experts(torch.randn(18, self.session.model_info["num_experts"]), 2)
             y = m(x, ids, w)
             self.assertEqual(y.shape, x.shape)
             self.assertEqual(y.dtype, torch.float32)
@@ -74,19 +74,19 @@ class TorchLayerTest(unittest.TestCase):
             self.assertLessEqual(float(err), 1e-2)
 
     def test_session_forward_checks_tensors(self):
-        H = self.session.info["hidden"]
-        L = self.session.moe_layers[0]
+        H = self.session.model_info["hidden"]
+        L = self.session.served_layers[0]
         x = torch.randn(3, H).to(torch.bfloat16)
         ids = torch.zeros(3, 2, dtype=torch.int32)
         ids[:, 1] = 1
         w = torch.ones(3, 2)
         cases = [
-            (TypeError, "hidden", lambda: self.session.forward(L, x.float(), ids, w)),
-            (TypeError, "topk_ids", lambda: self.session.forward(L, x, ids.long(), w)),
-            (TypeError, "topk_weights", lambda: self.session.forward(L, x, ids, w.half())),
-            (ValueError, "hidden", lambda: self.session.forward(L, torch.randn(H, 3).to(torch.bfloat16).t(), ids, w)),
-            (ValueError, "topk_weights", lambda: self.session.forward(L, x, ids, w[:2])),
-            (TypeError, "topk_ids", lambda: self.session.forward(L, x, ids.numpy(), w)),
+            (TypeError, "hidden", lambda: self.session.forward_layer(L, x.float(), ids, w)),
+            (TypeError, "topk_ids", lambda: self.session.forward_layer(L, x, ids.long(), w)),
+            (TypeError, "topk_weights", lambda: self.session.forward_layer(L, x, ids, w.half())),
+            (ValueError, "hidden", lambda: self.session.forward_layer(L, torch.randn(H, 3).to(torch.bfloat16).t(), ids, w)),
+            (ValueError, "topk_weights", lambda: self.session.forward_layer(L, x, ids, w[:2])),
+            (TypeError, "topk_ids", lambda: self.session.forward_layer(L, x, ids.numpy(), w)),
         ]
         for exc, word, fn in cases:
             with self.assertRaises(exc, msg=word) as cm:
@@ -97,13 +97,13 @@ class TorchLayerTest(unittest.TestCase):
 
     @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU")
     def test_cuda_tensors_on_a_side_stream_are_stream_ordered(self):
-        H = self.session.info["hidden"]
-        L = self.session.moe_layers[0]
+        H = self.session.model_info["hidden"]
+        L = self.session.served_layers[0]
         m = moe.MoeLayer(self.session, L)
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             x = torch.randn(4, H, device="cuda").to(torch.bfloat16) * 3  # produced on the side stream
-            ids, w = moe.select_experts(torch.randn(4, self.session.info["num_experts"], device="cuda"), 2)
+            ids, w = moe.select_experts(torch.randn(4, self.session.model_info["num_experts"], device="cuda"), 2)
             y = m(x, ids, w) + 0  # consumed on the side stream
         side.synchronize()
         ref = torch_moe(self.tensors, L, x.float().cpu(), ids.cpu(), w.cpu())
@@ -112,8 +112,8 @@ class TorchLayerTest(unittest.TestCase):
 
     @unittest.skipUnless(torch.cuda.is_available(), "needs a CUDA GPU")
     def test_capturable_layer_in_a_cuda_graph_follows_new_inputs_and_placements(self):
-        H, E = self.session.info["hidden"], self.session.info["num_experts"]
-        L = self.session.moe_layers[-1]
+        H, E = self.session.model_info["hidden"], self.session.model_info["num_experts"]
+        L = self.session.served_layers[-1]
         m = moe.MoeLayer(self.session, L, capturable=True)
         x = torch.zeros(3, H, device="cuda", dtype=torch.bfloat16)
         logits = torch.zeros(3, E, device="cuda")
@@ -137,7 +137,7 @@ class TorchLayerTest(unittest.TestCase):
             ref = torch_moe(self.tensors, L, x.float().cpu(), ids.cpu(), w.cpu())
             err = (y.double().cpu() - ref).norm() / ref.norm()
             self.assertLessEqual(float(err), 1e-2, f"replay {step}")
-        self.session.check_stream()
+        self.session.take_stream_error()
 
 
 if __name__ == "__main__":
