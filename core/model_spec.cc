@@ -112,7 +112,16 @@ absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config) {
   // ERNIE 4.5, Hunyuan, ...).
   MOE_ASSIGN_OR_RETURN(s.num_experts,
                        GetInt(config, {"n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"}));
-  MOE_ASSIGN_OR_RETURN(s.top_k, GetInt(config, {"num_experts_per_tok", "moe_k", "moe_topk"}));
+  // Families that carry two of these (Hunyuan: num_experts_per_tok 1 beside
+  // the moe_topk its router uses) get the largest: the server takes calls of
+  // up to top_k experts per token.
+  s.top_k = 0;
+  for (const char* key : {"num_experts_per_tok", "moe_k", "moe_topk"})
+    if (absl::StatusOr<int> k = GetInt(config, {key}); k.ok()) s.top_k = std::max(s.top_k, *k);
+    else if (config.contains(key)) return k.status();
+  if (s.top_k == 0) {
+    MOE_ASSIGN_OR_RETURN(s.top_k, GetInt(config, {"num_experts_per_tok", "moe_k", "moe_topk"}));
+  }
   MOE_ASSIGN_OR_RETURN(s.hidden, GetInt(config, {"hidden_size"}));
   MOE_ASSIGN_OR_RETURN(s.intermediate, GetInt(config, {"moe_intermediate_size", "intermediate_size"}));
   const std::string dtype = config.value("torch_dtype", std::string("bfloat16"));

@@ -194,6 +194,10 @@ TEST(ModelSource, NamingFromTheTensorsAndOtherFamiliesConfigKeys) {
   absl::StatusOr<ModelSpec> h = ModelSpecFromConfig(hunyuan);
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_EQ(h->top_k, 2);
+  hunyuan["num_experts_per_tok"] = 1;  // both keys, as Hunyuan's config has them: its router's moe_topk
+  h = ModelSpecFromConfig(hunyuan);
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_EQ(h->top_k, 2);
   hunyuan["moe_topk"] = {2, 4};  // differs per layer: refused, naming the key
   h = ModelSpecFromConfig(hunyuan);
   ASSERT_FALSE(h.ok());
