@@ -141,18 +141,6 @@ def floor_tokens_per_s(config, batch, frac, all_gpu_tokens_per_s, dram_gbps):
     return batch / step
 
 
-def forced_decode_logits(model, seq, prompt_len):
-    """Logits (f32, [vocab]) of each generated step of `seq` ([1, n]): prefill of
-    the prompt, then one token per step from `seq` with the KV cache."""
-    out = model(input_ids=seq[:, :prompt_len], use_cache=True)
-    cache, logits = out.past_key_values, [out.logits[0, -1].float()]
-    for p in range(prompt_len, seq.shape[1] - 1):
-        out = model(input_ids=seq[:, p:p + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        logits.append(out.logits[0, -1].float())
-    return logits
-
-
 def measure(fn, *args):
     try:
         return f"{fn(*args):.1f}"
@@ -242,11 +230,11 @@ def main():
                   eos_token_id=None, return_dict_in_generate=True)
         with torch.no_grad():
             seq = model.generate(prompt, **kw).sequences
-            l_ref = forced_decode_logits(model, seq, a.prompt)
+            l_ref = moe_hf.teacher_forced_logits(model, seq, a.prompt)
             g_our = ours.generate(prompt, **kw).sequences
-            l_our = forced_decode_logits(ours, seq, a.prompt)
+            l_our = moe_hf.teacher_forced_logits(ours, seq, a.prompt)
             ref32 = copy.deepcopy(model).float()
-            l_f32 = forced_decode_logits(ref32, seq, a.prompt)
+            l_f32 = moe_hf.teacher_forced_logits(ref32, seq, a.prompt)
             del ref32
             torch.cuda.empty_cache()
         same = 0

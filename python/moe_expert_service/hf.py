@@ -462,3 +462,15 @@ def from_pretrained(path, model_class=None, servers=None, cache=0.25, policy="pr
            **(session_options or {}))
     return model
 
+
+def teacher_forced_logits(model, seq, prompt_len):
+    """f32 logits ([vocab] each) of every generated step of `seq` ([1, n]): the prompt's
+    prefill, then one token per step taken from `seq` with the KV cache — to compare an
+    offloaded model's outputs with a reference on the same tokens."""
+    out = model(input_ids=seq[:, :prompt_len], use_cache=True)
+    cache, logits = out.past_key_values, [out.logits[0, -1].float()]
+    for p in range(prompt_len, seq.shape[1] - 1):
+        out = model(input_ids=seq[:, p:p + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits.append(out.logits[0, -1].float())
+    return logits

@@ -61,17 +61,6 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def forced_logits(model, seq):
-    """f32 logits of every generated step of seq [1, n], teacher-forced with the KV cache."""
-    out = model(input_ids=seq[:, :PROMPT], use_cache=True)
-    cache, logits = out.past_key_values, [out.logits[0, -1].float()]
-    for p in range(PROMPT, seq.shape[1] - 1):
-        out = model(input_ids=seq[:, p:p + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        logits.append(out.logits[0, -1].float())
-    return logits
-
-
 def generate(model, prompt):
     return model.generate(prompt, do_sample=False, max_new_tokens=STEPS, min_new_tokens=STEPS, pad_token_id=0,
                           eos_token_id=None)
@@ -210,7 +199,7 @@ class HfBackendTest(unittest.TestCase):
             if same < STEPS:  # the reference's bf16 noise: logits bound against an f32 copy
                 ref32 = fam.cls.from_pretrained(fam.ckpt, dtype=torch.float32, device_map=DEV,
                                                 experts_implementation="eager").eval()
-                l_ref, l_our, l_32 = forced_logits(fam.ref, seq), forced_logits(ours, seq), forced_logits(ref32, seq)
+                l_ref, l_our, l_32 = (moe_hf.teacher_forced_logits(m, seq, PROMPT) for m in (fam.ref, ours, ref32))
                 floor = max(rel(a, b) for a, b in zip(l_ref, l_32))
                 off = max(rel(a, b) for a, b in zip(l_our, l_32))
                 bound = max(1e-2, 2 * floor)
