@@ -271,7 +271,7 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
 
 // Fused 3-D expert tensors of one layer (all experts in one tensor):
 //   {prefix}gate_up_proj  [E, 2I, H]  (transformers' in-memory layout, rows = outputs)
-//                      or [E, H, 2I]  (Llama 4 / GPT-OSS: x @ W; GPT-OSS interleaves gate/up columns)
+//                      or [E, H, 2I]  (Llama 4: x @ W; GPT-OSS's interleaved columns are refused with its family)
 //   {prefix}down_proj     [E, H, I]   or [E, I, H] respectively
 // or, as Granite MoE checkpoints name them, model.layers.{l}.block_sparse_moe.
 // input_linear.weight [E, 2I, H] (gate rows first) and output_linear.weight [E, H, I].
@@ -281,7 +281,6 @@ struct FusedExperts {
   const TensorInfo* gate_up = nullptr;
   const TensorInfo* down = nullptr;
   bool x_times_w = false;    // [E, H, 2I] / [E, I, H]
-  bool interleaved = false;  // gate = even columns, up = odd (GPT-OSS)
 };
 
 std::string FusedPrefix(ExpertNaming naming, int layer) {
@@ -319,7 +318,6 @@ absl::StatusOr<std::optional<FusedExperts>> FindFused(const Checkpoint& ckpt, co
   if (f.gate_up->shape != want)
     return absl::InvalidArgumentError(
         absl::StrCat(f.gate_up->name, ": shape ", ShapeString(f.gate_up->shape), ", expected ", ShapeString(want)));
-  f.interleaved = f.x_times_w && spec.model_type.rfind("gpt_oss", 0) == 0;
   return std::optional<FusedExperts>(f);
 }
 
@@ -412,12 +410,11 @@ class CheckpointSource final : public ModelSource {
     if (!f.x_times_w) {  // [2I, H]: gate rows then up rows, already [I,H] each
       std::copy(slab.begin(), slab.begin() + I * H, out->gate.begin());
       std::copy(slab.begin() + I * H, slab.end(), out->up.begin());
-    } else {  // [H, 2I]: transpose; gate/up columns concatenated or interleaved
+    } else {  // [H, 2I]: transpose; gate/up columns concatenated
       for (size_t h = 0; h < H; ++h)
         for (size_t i = 0; i < I; ++i) {
-          const size_t g = f.interleaved ? 2 * i : i, u = f.interleaved ? 2 * i + 1 : I + i;
-          out->gate[i * H + h] = slab[h * 2 * I + g];
-          out->up[i * H + h] = slab[h * 2 * I + u];
+          out->gate[i * H + h] = slab[h * 2 * I + i];
+          out->up[i * H + h] = slab[h * 2 * I + I + i];
         }
     }
     if (!f.x_times_w) {  // [H, I] as is
@@ -447,6 +444,11 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
     return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": config.json is not valid JSON"));
   absl::StatusOr<ModelSpec> spec = ModelSpecFromConfig(config);
   if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", std::string(spec.status().message())));
+  // A family whose expert math is not ours is refused, not served wrong.
+  if (spec->model_type.rfind("gpt_oss", 0) == 0)
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model ", dir, ": gpt_oss: its experts' math (biases, a clamped SwiGLU: alpha 1.702, limit 7) is not one "
+        "this service computes yet"));
   MOE_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir));
   // The tensors are the truth for which layers have experts (dense layers have none)
   // and how they are named: per-expert tensors, or fused 3-D ones (FusedExperts),
@@ -485,6 +487,25 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
                                                                          ? ExpertNaming::kBlockSparseMoe
                                                                          : ExpertNaming::kMlpExperts,
                                                                      0, 0, Projection::kGate))));
+  // Expert biases (any family): the kernels compute W x without them.
+  for (int l : moe_layers) {
+    std::vector<std::string> biases;
+    if (auto f = fused.find(l); f != fused.end()) {
+      for (const TensorInfo* t : {f->second.gate_up, f->second.down})
+        biases.push_back(t->name.size() > 7 && t->name.compare(t->name.size() - 7, 7, ".weight") == 0
+                             ? t->name.substr(0, t->name.size() - 7) + ".bias"
+                             : t->name + "_bias");
+    } else {
+      for (Projection p : {Projection::kGate, Projection::kUp, Projection::kDown}) {
+        const std::string w = ExpertTensorName(spec->naming, l, 0, p);
+        biases.push_back(w.substr(0, w.size() - 7) + ".bias");
+      }
+    }
+    for (const std::string& b : biases)
+      if (ckpt->Find(b) != nullptr)
+        return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", b,
+                                                       ": expert biases are not computed by this service"));
+  }
   if (moe_layers != spec->moe_layers)
     LogWarning("model", "config.json implies ", spec->moe_layers.size(), " MoE layers, checkpoint has ",
                moe_layers.size(), "; using the checkpoint's");

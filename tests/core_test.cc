@@ -230,14 +230,12 @@ TEST(ModelSource, LoadsFusedThreeDExpertTensors) {
   // Mixtral's block_sparse_moe module; Granite names them input/output_linear).
   struct Layout {
     const char *model_type, *module, *gate_up, *down;
-    bool x_times_w, interleaved;
+    bool x_times_w;
   };
-  for (Layout lay : {Layout{"qwen3_moe", "mlp.experts.", "gate_up_proj", "down_proj", false, false},
-                     Layout{"llama4_text", "mlp.experts.", "gate_up_proj", "down_proj", true, false},
-                     Layout{"gpt_oss", "mlp.experts.", "gate_up_proj", "down_proj", true, true},
-                     Layout{"phimoe", "block_sparse_moe.experts.", "gate_up_proj", "down_proj", false, false},
-                     Layout{"granitemoe", "block_sparse_moe.", "input_linear.weight", "output_linear.weight", false,
-                            false}}) {
+  for (Layout lay : {Layout{"qwen3_moe", "mlp.experts.", "gate_up_proj", "down_proj", false},
+                     Layout{"llama4_text", "mlp.experts.", "gate_up_proj", "down_proj", true},
+                     Layout{"phimoe", "block_sparse_moe.experts.", "gate_up_proj", "down_proj", false},
+                     Layout{"granitemoe", "block_sparse_moe.", "input_linear.weight", "output_linear.weight", false}}) {
     SCOPED_TRACE(lay.model_type);
     testing::TempDir dir;
     nlohmann::json config = ConfigFromModelSpec(spec);
@@ -267,9 +265,8 @@ TEST(ModelSource, LoadsFusedThreeDExpertTensors) {
                           x[r * H + h] = w.gate[r * H + h];
                           x[(I + r) * H + h] = w.up[r * H + h];
                         } else {
-                          const int64_t g = lay.interleaved ? 2 * r : r, u = lay.interleaved ? 2 * r + 1 : I + r;
-                          x[h * 2 * I + g] = w.gate[r * H + h];
-                          x[h * 2 * I + u] = w.up[r * H + h];
+                          x[h * 2 * I + r] = w.gate[r * H + h];
+                          x[h * 2 * I + I + r] = w.up[r * H + h];
                         }
                       }
                   }
@@ -286,6 +283,32 @@ TEST(ModelSource, LoadsFusedThreeDExpertTensors) {
         EXPECT_EQ(got.up, want.up) << "layer " << l << " expert " << e;
         EXPECT_EQ(got.down, want.down) << "layer " << l << " expert " << e;
       }
+  }
+  // GPT-OSS (its experts carry biases and a clamped SwiGLU) and any expert
+  // biases are refused in one line naming the family or the tensor: served
+  // as plain SwiGLU experts they would be wrong.
+  for (const char* model_type : {"gpt_oss", "qwen3_moe"}) {
+    testing::TempDir dir;
+    nlohmann::json config = ConfigFromModelSpec(spec);
+    config["model_type"] = model_type;
+    std::ofstream(dir.path() + "/config.json") << config.dump();
+    std::vector<TensorSpec> specs;
+    for (int l : spec.moe_layers) {
+      const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
+      specs.push_back({p + "gate_up_proj", DType::kBF16, {E, 2 * I, H}});
+      specs.push_back({p + "gate_up_proj_bias", DType::kBF16, {E, 2 * I}});
+      specs.push_back({p + "down_proj", DType::kBF16, {E, H, I}});
+    }
+    ASSERT_TRUE(WriteCheckpoint(dir.path(), specs, 1 << 20, [](size_t, std::span<std::byte> d) {
+                  std::fill(d.begin(), d.end(), std::byte{0x3c});
+                }).ok());
+    absl::StatusOr<std::unique_ptr<ModelSource>> refused = OpenModel(dir.path());
+    ASSERT_FALSE(refused.ok()) << model_type;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.status().message().find(std::string(model_type) == "gpt_oss" ? "gpt_oss" : "gate_up_proj_bias"),
+              std::string::npos)
+        << refused.status();
+    EXPECT_EQ(refused.status().message().find('\n'), std::string::npos);
   }
   // A fused tensor of the wrong shape refuses the model, naming it.
   testing::TempDir dir;
