@@ -174,7 +174,8 @@ void Status(Context& c) {
   if (r.num_layers() == 0) {
     std::printf("no worker or expert server has registered yet\n");
   } else {
-    std::printf("model %u layers x %u experts%s; overall hit rate %s\n", r.num_layers(), r.num_experts(),
+    std::printf("model %s%u layers x %u experts%s; overall hit rate %s\n",
+                r.model_type().empty() ? "" : (r.model_type() + ", ").c_str(), r.num_layers(), r.num_experts(),
                 r.model_identity().empty() ? "" : absl::StrCat(", identity ", r.model_identity()).c_str(),
                 Percent(r.overall_hit_rate()).c_str());
   }
@@ -197,12 +198,13 @@ void Status(Context& c) {
     PrintPlannerRates(r);
   }
   std::printf("\n");
-  Table s({"SERVER", "STATE", "ADDRESS", "SHM", "NUMA", "LAYERS", "EXPERTS", "SLICE", "IN FLIGHT", "HEARTBEAT"});
+  Table s({"SERVER", "STATE", "ADDRESS", "SHM", "NUMA", "LAYERS", "EXPERTS", "SLICE", "FORMAT", "IN FLIGHT",
+           "HEARTBEAT"});
   for (const auto& x : r.servers()) {
     s.Add({x.server_id(), x.state(), x.address(), x.shm_socket().empty() ? "-" : x.shm_socket(),
            absl::StrCat(x.numa_node()), absl::StrCat(x.hosted_layers()), absl::StrCat(x.hosted_experts()),
            x.slice_count() > 1 ? absl::StrCat(x.slice_index(), "/", x.slice_count()) : "whole",
-           absl::StrCat(x.inflight_requests()), Fixed(x.seconds_since_heartbeat()) + " s ago"});
+           x.weight_format().empty() ? "-" : x.weight_format(), absl::StrCat(x.inflight_requests()), Fixed(x.seconds_since_heartbeat()) + " s ago"});
   }
   if (r.servers().empty()) {
     std::printf("no expert servers\n");

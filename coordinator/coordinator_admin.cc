@@ -85,6 +85,8 @@ moe::v1::StatusResponse Coordinator::Status() {
   for (const auto& [id, w] : registry_->workers())
     if (w.up && w.caps.model_identity() != 0 && r.model_identity().empty())
       r.set_model_identity(ModelIdentity{w.caps.model_identity(), w.caps.model_path()}.ToString());
+  for (const auto& [id, s] : registry_->servers())
+    if (s.up && !s.caps.model_type().empty() && r.model_type().empty()) r.set_model_type(s.caps.model_type());
   for (const auto& [id, w] : registry_->workers()) FillWorkerStatusLocked(id, w, now, r.add_workers());
   for (const auto& [id, s] : registry_->servers()) {
     moe::v1::ServerStatus* ss = r.add_servers();
@@ -93,6 +95,7 @@ moe::v1::StatusResponse Coordinator::Status() {
     ss->set_address(s.caps.address());
     ss->set_shm_socket(s.caps.shm_socket());
     ss->set_hostname(s.caps.hostname());
+    ss->set_weight_format(s.caps.weight_format());
     ss->set_numa_node(s.caps.numa_node());
     ss->set_hosted_layers(s.caps.hosted_layers().empty() ? registry_->num_layers() : s.caps.hosted_layers_size());
     ss->set_hosted_experts(s.caps.hosted_experts().empty() ? registry_->num_experts() : s.caps.hosted_experts_size());

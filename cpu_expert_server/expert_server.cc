@@ -203,6 +203,8 @@ absl::Status ExpertServer::StartCoordinatorAgent() {
   reg.weight_bytes = store_->resident_bytes();
   reg.kernel = kernel_->name();
   reg.model = identity_;
+  reg.model_type = spec.model_type;
+  reg.weight_format = std::string(WeightFormatName(geometry_.format));
   absl::StatusOr<std::unique_ptr<ExpertServerAgent>> agent = ExpertServerAgent::Start(
       options_.coordinator, options_.service.tls, reg, [this] { return in_flight_.load(std::memory_order_relaxed); });
   if (!agent.ok())

@@ -249,6 +249,8 @@ TEST(CoordinatorProcess, MoectlCommandsExitCodesJsonAndOneLineErrors) {
   sreg.address = "127.0.0.1:1";
   sreg.num_layers = 2;
   sreg.num_experts = 8;
+  sreg.model_type = "qwen3_moe";
+  sreg.weight_format = "int8";
   AgentOptions o;
   o.min_backoff = 50ms;
   auto server = ExpertServerAgent::Start(addr, testing::PlaintextTls(), sreg, [] { return 0u; }, o);
@@ -306,6 +308,10 @@ TEST(CoordinatorProcess, MoectlCommandsExitCodesJsonAndOneLineErrors) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("w1"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("s1"), std::string::npos) << r.out;
+  // The model's family and each server's storage format (issue 46 point 5).
+  EXPECT_NE(r.out.find("model qwen3_moe, 2 layers x 8 experts"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("FORMAT"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("int8"), std::string::npos) << r.out;
 
   // Bad input: non-zero exit, one line on stderr naming the problem.
   struct Bad {

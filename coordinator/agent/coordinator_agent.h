@@ -148,6 +148,8 @@ struct ExpertServerRegistration {
   std::string kernel;
   ExpertSlice slice;                // --slice
   ModelIdentity model;              // its model (core/model_identity.h); the coordinator refuses another live model's
+  std::string model_type;           // its model's family (ModelSpec::model_type), for operators
+  std::string weight_format;        // the stored experts' format (bf16, int8, int4, fp8), for operators
 };
 
 class ExpertServerAgent {
