@@ -79,8 +79,8 @@ struct SentBatch {
 // the host executor carries the plan out (its sent batches, copies and
 // launches), and Complete combines the partial sums and times the outcome.
 // The dispatcher keeps `contexts` of them and reuses their buffers; `context`
-// is the call's index there, which the backend's per-call buffers
-// (DeviceBackend::BeginCall) and the engine's ticket are.
+// is the call's index there, which is also the engine's ticket and the index
+// of the backend's per-call buffers (DeviceBackend::BeginCall).
 struct InFlightCall {
   int context = 0;
   bool busy = false;
