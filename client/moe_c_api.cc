@@ -229,6 +229,13 @@ moe_status CopyList(const std::vector<int>& values, int32_t* out, int32_t capaci
 }
 
 moe_status CheckSession(moe_session* s) { return s == nullptr || !s->session ? Invalid("session: NULL") : MOE_OK; }
+// InvalidArgument naming the layer unless the session serves it (the caller holds s->mu).
+moe_status CheckServedLayer(moe_session* s, int32_t layer) {
+  const std::vector<int>& served = s->session->served_layers();
+  if (std::find(served.begin(), served.end(), layer) == served.end())
+    return Invalid(absl::StrCat("layer: ", layer, " is not an MoE layer this session serves"));
+  return MOE_OK;
+}
 
 moe::MemoryKind KindOf(int32_t memory) {
   return memory == MOE_MEMORY_DEVICE ? moe::MemoryKind::kDevice : moe::MemoryKind::kHost;
@@ -453,9 +460,7 @@ moe_status moe_cached_experts(moe_session* session, int32_t layer, int32_t* expe
   return Guard([&]() -> moe_status {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     std::lock_guard<std::mutex> lock(session->mu);
-    const std::vector<int>& served = session->session->served_layers();
-    if (std::find(served.begin(), served.end(), layer) == served.end())
-      return Invalid(absl::StrCat("layer: ", layer, " is not an MoE layer this session serves"));
+    if (moe_status st = CheckServedLayer(session, layer); st != MOE_OK) return st;
     return CopyList(session->session->admin().CachedExperts(layer), experts, capacity, count, "experts");
   });
 }
@@ -465,9 +470,7 @@ moe_status moe_hit_rate(moe_session* session, int32_t layer, double* out) {
     if (moe_status st = CheckSession(session); st != MOE_OK) return st;
     if (out == nullptr) return Invalid("out: NULL");
     std::lock_guard<std::mutex> lock(session->mu);
-    const std::vector<int>& served = session->session->served_layers();
-    if (std::find(served.begin(), served.end(), layer) == served.end())
-      return Invalid(absl::StrCat("layer: ", layer, " is not an MoE layer this session serves"));
+    if (moe_status st = CheckServedLayer(session, layer); st != MOE_OK) return st;
     *out = session->session->admin().HitRate(layer);
     return MOE_OK;
   });
