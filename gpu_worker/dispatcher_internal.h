@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "core/moe_batch.h"
-#include "core/routing.h"
-#include "core/transport/shm_segment.h"
-#include "core/transport/transport.h"
+#include "model/moe_batch.h"
+#include "model/routing.h"
+#include "transport/shm_segment.h"
+#include "transport/transport.h"
 #include "gpu_worker/device_plan.h"
 #include "gpu_worker/layer_dispatcher.h"
 #include "gpu_worker/miss_plan.h"

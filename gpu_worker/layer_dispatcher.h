@@ -65,9 +65,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/model_spec.h"
-#include "core/moe_batch.h"
-#include "core/transport/transport.h"
+#include "model/model_spec.h"
+#include "model/moe_batch.h"
+#include "transport/transport.h"
 #include "gpu_worker/admission_policy.h"
 #include "gpu_worker/cost_model.h"
 #include "gpu_worker/device_backend.h"

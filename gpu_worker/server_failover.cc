@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
-#include "core/routing.h"
+#include "model/routing.h"
 #include "core/status_macros.h"
 #include "gpu_worker/dispatcher_internal.h"
 #include "gpu_worker/layer_dispatcher.h"

@@ -23,8 +23,8 @@
 #include <filesystem>
 #include <random>
 
-#include "core/transport/shm_server.h"
-#include "core/transport/unix_socket.h"
+#include "transport/shm_server.h"
+#include "transport/unix_socket.h"
 
 namespace moe::testing {
 
@@ -50,7 +50,7 @@ std::string BinaryPath(const std::string& name) {
   // (the GPU/AMX host runs the tests from such a bundle).
   if (const char* dir = getenv("MOE_BIN_DIR"); dir != nullptr && *dir != '\0')
     return std::string(dir) + "/" + name;
-  for (const char* sub : {"/cpu_expert_server/", "/core/", "/client/", "/demo/", "/bench/", "/gpu_worker/", "/coordinator/"}) {
+  for (const char* sub : {"/expert_server/", "/model/", "/client/", "/demo/", "/bench/", "/gpu_worker/", "/coordinator/"}) {
     std::string p = std::string(MOE_BIN_DIR) + sub + name;
     if (access(p.c_str(), X_OK) == 0) return p;
   }

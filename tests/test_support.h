@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "testing/subprocess.h"
-#include "core/transport/transport.h"
+#include "transport/transport.h"
 
 namespace moe::testing {
 
