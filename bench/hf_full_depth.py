@@ -25,7 +25,7 @@ Prints (and appends to --out) markdown tables:
 Exit 1 when a correctness bound is missed.
 
   MOE_LIBRARY=.../libmoe.so PYTHONPATH=python /opt/torch/.venv/bin/python3 bench/hf_full_depth.py \\
-      --model qwen3 --layers 48 --server-bin build/cpu_expert_server/moe-expert-server --workdir /tmp/hf48
+      --model qwen3 --layers 48 --server-bin build/expert_server/moe-expert-server --workdir /tmp/hf48
 """
 import argparse
 import contextlib
