@@ -66,13 +66,13 @@ def gpu_used_gib():
 
 
 def proc_mem_gib(pid="self"):
-    """VmRSS, VmHWM and RssShmem of a process, GiB."""
+    """VmRSS, VmHWM, RssAnon, RssFile and RssShmem of a process, GiB."""
     out = {}
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 k, _, v = line.partition(":")
-                if k in ("VmRSS", "VmHWM", "RssShmem"):
+                if k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
                     out[k] = int(v.split()[0]) / 2**20
     except OSError:
         pass
@@ -235,6 +235,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=16, help="prompt tokens before decode")
     ap.add_argument("--new-tokens", type=int, default=32, help="decode steps timed")
     ap.add_argument("--check-steps", type=int, default=16)
+    ap.add_argument("--warm-steps", type=int, default=32, help="untimed graph replays before the timed ones")
+    ap.add_argument("--no-eager", dest="eager", action="store_false", help="skip our eager decode rows")
     ap.add_argument("--offload-tokens", type=int, default=2, help="decode steps timed for transformers' offload "
                     "(0: skip it)")
     ap.add_argument("--workdir", required=True, help="where the checkpoint is written (removed at the end)")
@@ -340,41 +342,51 @@ def main():
         torch.cuda.empty_cache()
         base = gpu_used_gib()
         say(f"| (the all-GPU model freed: GPU in use {base:.1f} GiB, ours' non-expert weights and CUDA context) | | |")
+        def split(before, after):
+            """The split of the pairs between two totals; a captured step's calls are not in the
+            session's totals: then the cache's own hit rate so far (mean over the layers)."""
+            d = {key: after[key] - before[key] for key in ("hit_pairs", "cpu_pairs", "copied_pairs")}
+            n = sum(d.values())
+            if n == 0:
+                rates = [s.hit_rate(i) for i in s.served_layers]
+                return f"cache hit rate so far {sum(rates) / max(len(rates), 1):.0%}"
+            return f"hits {d['hit_pairs'] / n:.0%}, CPU {d['cpu_pairs'] / n:.0%}, copied {d['copied_pairs'] / n:.0%}"
+
         with torch.no_grad():
             for frac in fracs:
                 if left() < 60:
                     say(f"| ours, {frac:.0%} cached | skipped: {left():.0f} s left of --deadline-s |")
                     continue
-                s = moe_hf.attach(ours, servers=servers, cache=frac, max_tokens=2048).session
-                row = [decode_tokens_per_s(ours, b, a.prompt, a.new_tokens, config.vocab_size) for b in batches]
-                st = s.totals()
-                pairs = max(st["hit_pairs"] + st["cpu_pairs"] + st["copied_pairs"], 1)
-                say(f"| ours, {frac:.0%} cached, eager (hits {st['hit_pairs'] / pairs:.0%}) | "
-                    + " | ".join(f"{r:.1f}" for r in row) + f" | {gpu_used_gib():.1f} |")
+                # One session per cache size, as an engine holds it: eager decode, the prompts,
+                # then the decode step captured in a CUDA graph (the cache warm from what ran before).
+                s = moe_hf.attach(ours, servers=servers, cache=frac, max_tokens=2048, capturable=True).session
+                if a.eager:
+                    before = s.totals()
+                    row = [decode_tokens_per_s(ours, b, a.prompt, a.new_tokens, config.vocab_size) for b in batches]
+                    say(f"| ours, {frac:.0%} cached, eager (pairs: {split(before, s.totals())}) | "
+                        + " | ".join(f"{r:.1f}" for r in row) + f" | {gpu_used_gib():.1f} |")
                 before = s.totals()
                 row = [measure(prompt_tokens_per_s, ours, T, config.vocab_size) for T in prompts]
-                after = s.totals()
-                d = {key: after[key] - before[key] for key in ("hit_pairs", "cpu_pairs", "copied_pairs")}
-                n = max(sum(d.values()), 1)
-                prompt_rows.append((f"ours, {frac:.0%} cached (pairs: hits {d['hit_pairs'] / n:.0%}, CPU "
-                                    f"{d['cpu_pairs'] / n:.0%}, copied {d['copied_pairs'] / n:.0%})", row))
-                s = moe_hf.attach(ours, servers=servers, cache=frac, max_tokens=2048, capturable=True).session
-                row = [measure(graph_decode_tokens_per_s, ours, b, a.prompt, a.new_tokens, config.vocab_size)
-                       for b in batches]
+                prompt_rows.append((f"ours, {frac:.0%} cached (pairs: {split(before, s.totals())})", row))
+                before = s.totals()
+                row = [measure(graph_decode_tokens_per_s, ours, b, a.prompt, a.new_tokens, config.vocab_size,
+                               a.warm_steps) for b in batches]
                 try:
                     s.take_stream_error()
                 except Exception as e:  # noqa: BLE001 (the row says why)
                     row = [f"replay error: {e}" for _ in batches]
-                say(f"| ours, {frac:.0%} cached, graph | " + " | ".join(row) + f" | {gpu_used_gib():.1f} |")
+                say(f"| ours, {frac:.0%} cached, graph, after {a.warm_steps} untimed steps (pairs: "
+                    f"{split(before, s.totals())}) | " + " | ".join(row) + f" | {gpu_used_gib():.1f} |")
         say("\n### prompt tokens/s (one sequence, one forward)\n\n| configuration | "
             + " | ".join(f"{T} tokens" for T in prompts) + " |")
         say("|---|" + "---|" * len(prompts))
         for name, row in prompt_rows:
             say(f"| {name} | " + " | ".join(row) + " |")
         me, sm = proc_mem_gib(), proc_mem_gib(server.proc.pid)
-        say(f"\nhost memory: this process peak RSS {me.get('VmHWM', 0):.1f} GiB (of it shared with the server "
-            f"{me.get('RssShmem', 0):.1f}); the server RSS {sm.get('VmRSS', 0):.1f} GiB (peak "
-            f"{sm.get('VmHWM', 0):.1f}, shared host copy {sm.get('RssShmem', 0):.1f})")
+        say(f"\nhost memory, GiB: this process RSS {me.get('VmRSS', 0):.1f} = its own {me.get('RssAnon', 0):.1f} + "
+            f"the server's shared host copy {me.get('RssShmem', 0):.1f} + mapped checkpoint files "
+            f"{me.get('RssFile', 0):.1f} (page cache); the server RSS {sm.get('VmRSS', 0):.1f} = its own "
+            f"{sm.get('RssAnon', 0):.1f} + the host copy {sm.get('RssShmem', 0):.1f}")
         ours.moe_expert_service.close()
         ours = None
     finally:

@@ -54,7 +54,13 @@ absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::strin
   // sub-blocks of 32: 0.12 relative error, int8 0.8e-2).
   if (spec.quant.scheme == WeightQuant::kGgufBlock)
     return spec.quant.gguf_bits < 16 ? at(WeightFormat::kInt8) : at(WeightFormat::kBf16);
-  return spec.quant.scheme == WeightQuant::kInt4Group ? at(WeightFormat::kInt4, ckpt_group) : at(WeightFormat::kBf16);
+  // An int4 checkpoint: its own groups when the kernels' 64-column chunks
+  // hold whole groups; narrower groups (Kimi-K2's 32) as int8, which holds
+  // them to bf16 rounding (re-quantizing into int4 groups of 128 was 8.2e-2
+  // off the checkpoint's values on a DeepSeek-V3-geometry layer).
+  if (spec.quant.scheme == WeightQuant::kInt4Group)
+    return ckpt_group > 0 ? at(WeightFormat::kInt4, ckpt_group) : at(WeightFormat::kInt8);
+  return at(WeightFormat::kBf16);
 }
 
 uint64_t ExpertStore::BytesNeeded(const ExpertGeometry& g, const HostedSet& hosted) {

@@ -707,6 +707,7 @@ TEST(ExpertStore, StorageGeometryFollowsTheFlagAndTheCheckpoint) {
   EXPECT_EQ(StorageGeometry(spec, "auto")->group, 64);
   spec.quant.group_size = 32;  // not a multiple of the 64-column chunk: the default group
   EXPECT_EQ(StorageGeometry(spec, "int4")->group, ExpertGeometry::kDefaultInt4Group);
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt8);  // not re-quantized into int4 groups of 128
   absl::StatusOr<ExpertGeometry> bad = StorageGeometry(spec, "fp16");
   ASSERT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("--weight-dtype"), std::string::npos) << bad.status();

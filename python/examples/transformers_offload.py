@@ -83,12 +83,13 @@ def make_static_cache(model, batch, length):
     raise RuntimeError("StaticCache: " + "; ".join(errors))
 
 
-def graph_decode_tokens_per_s(model, batch, prompt_len, new_tokens, vocab):
+def graph_decode_tokens_per_s(model, batch, prompt_len, new_tokens, vocab, warm_steps=0):
     """Greedy decode with each step captured once in a CUDA graph (StaticCache,
-    torch.cuda.graph) and replayed: tokens/s over new_tokens steps."""
+    torch.cuda.graph) and replayed: tokens/s over new_tokens steps, timed after
+    warm_steps untimed replays (an offloaded model's cache fills as it decodes)."""
     torch.manual_seed(1)
     ids = torch.randint(0, vocab, (batch, prompt_len), device="cuda")
-    cache = make_static_cache(model, batch, prompt_len + new_tokens + 8)
+    cache = make_static_cache(model, batch, prompt_len + warm_steps + new_tokens + 8)
     out = model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(prompt_len, device="cuda"),
                 use_cache=True)
     tok = out.logits[:, -1:].argmax(-1)
@@ -106,9 +107,13 @@ def graph_decode_tokens_per_s(model, batch, prompt_len, new_tokens, vocab):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         logits = step()
+    for i in range(warm_steps):
+        pos.fill_(prompt_len + i)
+        graph.replay()
+        tok.copy_(logits[:, -1:].argmax(-1))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for i in range(new_tokens):
+    for i in range(warm_steps, warm_steps + new_tokens):
         pos.fill_(prompt_len + i)
         graph.replay()
         tok.copy_(logits[:, -1:].argmax(-1))
