@@ -211,9 +211,60 @@ TEST_P(KernelTest, ManyTokensPerExpert) {
   Check({128, 96, 4, 2}, 150, 2, DType::kBF16, 30);
 }
 
+// GPT-OSS's expert shape (H = I = 2880: 90 MXFP4 scale blocks per row),
+// against the f64 MoE of the stored values; mxfp4 only (the other formats'
+// real shapes run in bench/quant_accuracy and the server tests).
+TEST_P(KernelTest, GptOssShapeMxfp4) {
+  if (format() != WeightFormat::kMxfp4) GTEST_SKIP() << "mxfp4 only";
+  Check({2880, 2880, 4, 2}, 6, 2, DType::kBF16, 60);
+}
+
 TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
   Check({160, 112, 8, 2}, 12, 1, DType::kF32, 40);
   Check({160, 112, 8, 2}, 12, 2, DType::kF32, 40);
+}
+
+// A bf16 model quantized to MXFP4 on load (--weight-dtype mxfp4: OCP scale,
+// round to nearest) against the bf16 model's own f64 MoE, at H = I = 2880.
+// E2M1 has 8 magnitudes per sign: on these weights (uniform in a block) its
+// per-weight RMS error is ~14% (int4 with a scale per 32: ~7%), and the MoE's
+// relative error compounds it over gate, up and down: 0.19 measured (AVX-512
+// and reference alike: 1.7e-3 of it is the kernels' own, against the stored
+// values) — far above the 3e-2 that issue 46 asks of 4-bit formats, which no
+// 4-bit code with one scale per 32 meets on such weights. The bounds check
+// that the quantizer did what the format allows, not more.
+TEST(Mxfp4Quantization, Bf16ModelQuantizedOnLoadAgainstTheBf16Model) {
+  const Shape shape{2880, 2880, 4, 2};
+  const ModelSpec spec = TestSpec(shape);
+  std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, 70);
+  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
+  ASSERT_TRUE(numa.ok()) << numa.status();
+  ComputePool pool(**numa);
+  absl::StatusOr<ExpertGeometry> g = StorageGeometry(spec, "mxfp4");
+  ASSERT_TRUE(g.ok()) << g.status();
+  absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(*source, *g, HostedSet{{1}, {0, 1, 2, 3}}, **numa, pool);
+  ASSERT_TRUE(store.ok()) << store.status();
+  std::unique_ptr<ExpertKernel> kernel = *MakeExpertKernel("auto", CpuFeatures::Get(), WeightFormat::kMxfp4);
+  MoeExecutor exec(**store, *kernel, pool);
+  const int n = 6;
+  const std::vector<bf16_t> x = RandomActivations(size_t(n) * shape.H, 71);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  RandomRouting(n, shape.k, shape.experts, 72, 0.0, &ids, &w);
+  const RoutingView r{n, shape.k, ids.data(), w.data()};
+  std::vector<float> got(size_t(n) * shape.H);
+  ASSERT_TRUE(exec.Forward({1, n, x.data(), r}, DType::kF32, got.data(), nullptr).ok());
+  std::vector<double> bf16_ref(got.size());
+  ASSERT_TRUE(ReferenceMoe(*source).Forward<double>(1, n, x.data(), r, bf16_ref.data()).ok());
+  const std::vector<double> stored_ref = DequantizedReference(**store, n, x, r);
+  const double vs_stored = RelativeL2Error(got.data(), stored_ref.data(), got.size());
+  const double vs_bf16 = RelativeL2Error(got.data(), bf16_ref.data(), got.size());
+  std::printf("mxfp4 on load, H = I = 2880, kernel %s: %.3g vs the stored values, %.3g vs the bf16 model\n",
+              kernel->name(), vs_stored, vs_bf16);
+  RecordProperty("rel_error_vs_bf16", std::to_string(vs_bf16));
+  EXPECT_LE(vs_stored, 1e-2);
+  EXPECT_GT(vs_bf16, 0.05);  // quantized, not the bf16 weights
+  EXPECT_LE(vs_bf16, 0.22);
 }
 
 // A batch whose workspace cannot be allocated is an error, not a crash; the
