@@ -153,10 +153,7 @@ inline int AmxKStep(const ExpertGeometry& g) { return g.format == WeightFormat::
 // The 16 channels' scales of group gi (int8: gi = 0, its per-channel scales;
 // mxfp4: 2^(e - 127) / 2, its codes being doubled).
 inline __m512 AmxGroupScales(const ExpertGeometry& g, const std::byte* blk, int Kp, int gi) {
-  if (g.format == WeightFormat::kMxfp4) {
-    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(layout::Mxfp4Exponents(blk, Kp) + 16 * gi)));
-    return _mm512_scalef_ps(_mm512_set1_ps(0.5f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(127))));
-  }
+  if (g.format == WeightFormat::kMxfp4) return simd::Mxfp4HalfScales(layout::Mxfp4Exponents(blk, Kp) + 16 * gi);
   return _mm512_loadu_ps(layout::Scales(g, blk, Kp) + 16 * gi);
 }
 

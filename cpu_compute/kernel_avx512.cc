@@ -315,10 +315,7 @@ inline void GroupDotNibbles(const std::byte* w0, const std::byte* w1, const int8
 // mxfp4's 2^(e - 127) / 2 (its codes are doubled), exact through vscalefps.
 template <bool kMx>
 inline __m512 GroupScales(const ExpertGeometry& g, const std::byte* blk, int Kp, int gi) {
-  if constexpr (kMx) {
-    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(layout::Mxfp4Exponents(blk, Kp) + 16 * gi)));
-    return _mm512_scalef_ps(_mm512_set1_ps(0.5f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(127))));
-  }
+  if constexpr (kMx) return simd::Mxfp4HalfScales(layout::Mxfp4Exponents(blk, Kp) + 16 * gi);
   return _mm512_loadu_ps(layout::Scales(g, blk, Kp) + 16 * gi);
 }
 

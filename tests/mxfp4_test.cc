@@ -189,6 +189,7 @@ TEST(Mxfp4Checkpoint, PerExpertTensorsReadExactlyAndStoredNatively) {
   absl::StatusOr<ExpertGeometry> g = StorageGeometry((*file)->spec(), "auto");
   ASSERT_TRUE(g.ok());
   EXPECT_EQ(g->format, WeightFormat::kMxfp4);
+  EXPECT_STREQ(WeightFormatName(g->format), "mxfp4");  // what servers register and moectl status shows (FORMAT)
   ExpectStoredExactly(**file, *g);
 }
 
@@ -288,10 +289,13 @@ TEST(Mxfp4Checkpoint, BadBlocksAndScalesAreRefusedNamingTheTensor) {
   const absl::StatusOr<std::unique_ptr<ModelSource>> m = OpenModel(dir.path());
   EXPECT_EQ(m.status().code(), absl::StatusCode::kInvalidArgument) << m.status();
   EXPECT_NE(m.status().message().find(p + "gate_up_proj_scales"), std::string::npos) << m.status();
-  // Input columns that are not whole blocks of 32.
+  // Input columns that are not whole blocks of 32: no such checkpoint or synthetic model.
   ModelSpec odd = spec;
   odd.hidden = 80;
-  EXPECT_FALSE(WriteSyntheticCheckpoint(dir.path() + "/odd", odd, 1, 1 << 20).ok());
+  const absl::Status write = WriteSyntheticCheckpoint(dir.path() + "/odd", odd, 1, 1 << 20);
+  EXPECT_EQ(write.code(), absl::StatusCode::kInvalidArgument) << write;
+  EXPECT_NE(write.message().find("blocks of 32"), std::string::npos) << write;
+  EXPECT_EQ(OpenModel("synthetic:tiny:dtype=mxfp4").status().code(), absl::StatusCode::kInvalidArgument);  // I = 80
 }
 
 // A GGUF of MXFP4 experts: decoded into the same native storage, its values
