@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <random>
 
-#include "cpu_compute/amx_tiles.h"
+#include "expert_compute/amx_tiles.h"
 
 namespace moe {
 namespace {

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu_compute/compute_pool.h"
+#include "expert_compute/compute_pool.h"
 
 namespace moe {
 

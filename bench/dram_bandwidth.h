@@ -7,8 +7,8 @@
 #include <cstddef>
 #include <string>
 
-#include "cpu_compute/compute_pool.h"
-#include "cpu_compute/numa_binding.h"
+#include "expert_compute/compute_pool.h"
+#include "expert_compute/numa_binding.h"
 
 namespace moe {
 

@@ -35,7 +35,7 @@
 #include "absl/strings/str_split.h"
 #include "core/bf16.h"
 #include "core/flags.h"
-#include "cpu_compute/expert_kernel.h"
+#include "expert_compute/expert_kernel.h"
 #include "gpu_worker/device_backend.h"
 #include "testing/packed_expert.h"
 #include "testing/random_data.h"

@@ -80,15 +80,15 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/dram_bandwidth.h"
-#include "core/transport/transport.h"
+#include "transport/transport.h"
 #include "core/flags.h"
 #include "core/log.h"
-#include "core/model_source.h"
+#include "model/model_source.h"
 #include "testing/routing_trace.h"
 #include "testing/subprocess.h"
-#include "core/synthetic_model.h"
-#include "cpu_compute/cpu_features.h"
-#include "cpu_compute/expert_store.h"
+#include "model/synthetic_model.h"
+#include "expert_compute/cpu_features.h"
+#include "expert_compute/expert_store.h"
 #include "gpu_worker/admission_policy.h"
 #include "bench/model/attention.h"
 #include "gpu_worker/device_backend.h"
@@ -1186,7 +1186,7 @@ int Main(int argc, char** argv) {
   std::string server_bin = o.server_bin;
   if (server_bin.empty()) {
     const std::filesystem::path self = std::filesystem::canonical("/proc/self/exe").parent_path();
-    for (const auto& p : {self / "moe-expert-server", self / ".." / "cpu_expert_server" / "moe-expert-server"})
+    for (const auto& p : {self / "moe-expert-server", self / ".." / "expert_server" / "moe-expert-server"})
       if (std::filesystem::exists(p)) server_bin = p.string();
   }
   if (server_bin.empty()) Die("cannot find moe-expert-server (use --server-bin)");

@@ -7,8 +7,8 @@ capturable call (CUDA). Every expert cached (all hits) on a synthetic model,
 so the service's own work is small and the wrapper's share shows. Prints a
 markdown table with the machine; the target is <= 20 us of Python over (1).
 
-  MOE_LIBRARY=build/client/libmoe.so PYTHONPATH=python python3 bench/python_overhead.py \
-      --server-bin build/cpu_expert_server/moe-expert-server [--preset qwen3-30b-a3b --layers 2]
+  MOE_LIBRARY=build/c_api/libmoe.so PYTHONPATH=python python3 bench/python_overhead.py \
+      --server-bin build/expert_server/moe-expert-server [--preset qwen3-30b-a3b --layers 2]
 """
 import argparse
 import ctypes

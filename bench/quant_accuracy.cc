@@ -2,7 +2,7 @@
 // model's — one MoE layer of a synthetic model:
 //   - checkpoints: its weights as an fp8 (block 128x128) or int4
 //     (compressed-tensors, group 128) checkpoint gives them back
-//     (core/quantization.h), through the reference MoE in f64;
+//     (model/quantization.h), through the reference MoE in f64;
 //   - storage: the experts packed as a CPU server stores them (--weight-dtype
 //     int8 / int4, activations quantized per row by the executor) and
 //     computed by the real executor and kernel ("auto"), from the bf16 model
@@ -23,13 +23,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/flags.h"
-#include "core/model_source.h"
+#include "model/model_source.h"
 #include "testing/random_data.h"
-#include "core/reference_moe.h"
-#include "cpu_compute/compute_pool.h"
-#include "cpu_compute/expert_store.h"
-#include "cpu_compute/moe_executor.h"
-#include "cpu_compute/numa_binding.h"
+#include "model/reference_moe.h"
+#include "expert_compute/compute_pool.h"
+#include "expert_compute/expert_store.h"
+#include "expert_compute/moe_executor.h"
+#include "expert_compute/numa_binding.h"
 
 namespace {
 

@@ -7,7 +7,7 @@
 // times, for n tokens of H = 7168 bf16 with top-8 routing:
 //   memcpy       the request's and the response's bytes copied once in process (the floor)
 //   unix-socket  the same bytes through a Unix stream socket to the child and back
-//                (core/transport/unix_socket Send/Receive: a second floor, what any
+//                (transport/unix_socket Send/Receive: a second floor, what any
 //                socket-based transport pays at least)
 //   tcp-socket   the same through a loopback TCP connection (TCP_NODELAY): what
 //                any transport over TCP, gRPC's included, pays at least
@@ -51,12 +51,12 @@
 #include "core/flags.h"
 #include "testing/random_data.h"
 #include "testing/test_certificates.h"
-#include "core/transport/grpc_channel.h"
-#include "core/transport/shm_server.h"
-#include "core/transport/transport.h"
-#include "core/transport/unix_socket.h"
-#include "cpu_compute/cpu_features.h"
-#include "cpu_expert_server/expert_service.h"
+#include "transport/grpc_channel.h"
+#include "transport/shm_server.h"
+#include "transport/transport.h"
+#include "transport/unix_socket.h"
+#include "expert_compute/cpu_features.h"
+#include "expert_server/expert_service.h"
 #include "grpcpp/grpcpp.h"
 
 namespace {

@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "core/tensor.h"
-#include "core/transport/grpc_channel.h"
-#include "core/wire.h"
+#include "transport/grpc_channel.h"
+#include "transport/wire.h"
 #include "grpcpp/grpcpp.h"
 
 namespace moe {

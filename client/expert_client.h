@@ -12,8 +12,8 @@
 
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
-#include "core/routing.h"
-#include "core/transport/transport.h"
+#include "model/routing.h"
+#include "transport/transport.h"
 #include "moe/v1/expert.grpc.pb.h"
 
 namespace moe {

@@ -17,7 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_format.h"
 #include "core/flags.h"
-#include "core/transport/grpc_channel.h"
+#include "transport/grpc_channel.h"
 #include "google/protobuf/util/json_util.h"
 #include "moe/v1/coordinator.grpc.pb.h"
 

@@ -5,8 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
-#include "core/transport/grpc_channel.h"
-#include "core/wire.h"
+#include "transport/grpc_channel.h"
+#include "transport/wire.h"
 
 namespace moe {
 namespace {

@@ -10,7 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
-#include "core/transport/transport.h"
+#include "transport/transport.h"
 #include "moe/v1/worker.grpc.pb.h"
 
 namespace moe {

@@ -15,7 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "coordinator/role_authorizer.h"
-#include "core/transport/unix_socket.h"
+#include "transport/unix_socket.h"
 #include "grpcpp/grpcpp.h"
 
 namespace moe {

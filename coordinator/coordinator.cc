@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "coordinator/routing_capacity.h"
-#include "core/model_spec.h"
+#include "model/model_spec.h"
 #include "core/log.h"
 #include "core/status_macros.h"
 

@@ -29,7 +29,7 @@
 #include "coordinator/popularity.h"
 #include "coordinator/registry.h"
 #include "coordinator/state_file.h"
-#include "core/model_identity.h"
+#include "model/model_identity.h"
 #include "moe/v1/coordinator.pb.h"
 
 namespace moe {
@@ -43,7 +43,7 @@ struct CoordinatorOptions {
   // 0: max(300, 10 x heartbeat_timeout_seconds).
   double purge_after_seconds = 0;
   // Worker registrations, and server registrations, one peer may hold
-  // (core/socket_peer.h keys; with mTLS its certificate names at its address).
+  // (process/socket_peer.h keys; with mTLS its certificate names at its address).
   int max_registrations_per_peer = 64;
   // The routing rate a worker that declares none is held to, and the most one
   // may declare (RegisterWorkerRequest.max_tokens_per_second).

@@ -10,7 +10,7 @@
 #include "absl/strings/str_format.h"
 #include "coordinator/coordinator.h"
 #include "core/log.h"
-#include "core/model_spec.h"
+#include "model/model_spec.h"
 #include "core/status_macros.h"
 
 namespace moe {

@@ -1,6 +1,6 @@
 #include "coordinator/coordinator_service.h"
 
-#include "core/wire.h"
+#include "transport/wire.h"
 
 namespace moe {
 

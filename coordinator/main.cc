@@ -19,9 +19,9 @@
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/metrics.h"
-#include "core/metrics_http.h"
-#include "core/service_main.h"
-#include "core/transport/grpc_channel.h"
+#include "process/metrics_http.h"
+#include "process/service_main.h"
+#include "transport/grpc_channel.h"
 
 namespace {
 

@@ -10,7 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
-#include "core/socket_peer.h"
+#include "process/socket_peer.h"
 #include "core/status_macros.h"
 
 namespace moe {

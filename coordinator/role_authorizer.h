@@ -72,7 +72,7 @@ class RoleAuthorizer {
   // certificate, its names at its address ("cert:NAMES@ip:ADDR", so one
   // certificate shared by the pods of a deployment is one peer per pod;
   // "@uid:N" on loopback);
-  // otherwise core/socket_peer.h's key (a loopback caller's uid, anyone
+  // otherwise process/socket_peer.h's key (a loopback caller's uid, anyone
   // else's address).
   std::string PeerIdentity(const grpc::ServerContext& ctx) const;
 

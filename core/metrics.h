@@ -1,6 +1,6 @@
 // Metrics: a small, thread-safe registry of counters, gauges and histograms,
 // rendered in the Prometheus text exposition format 0.0.4 (served over HTTP
-// by MetricsHttpServer, core/metrics_http.h).
+// by MetricsHttpServer, process/metrics_http.h).
 //
 // A metric *family* has a name, a help text, a type and label names; each set
 // of label values is one *series*. Families and series are created rarely (at

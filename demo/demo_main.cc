@@ -24,8 +24,8 @@
 #include "absl/strings/str_cat.h"
 #include "client/worker_client.h"
 #include "core/flags.h"
-#include "core/model_source.h"
-#include "core/reference_moe.h"
+#include "model/model_source.h"
+#include "model/reference_moe.h"
 #include "testing/routing_trace.h"
 #include "testing/subprocess.h"
 #include "gpu_worker/admission_policy.h"
@@ -229,7 +229,7 @@ Cluster StartCluster(const Options& o, const Workload& w) {
                    "--state-file=" + c.dir + "/coordinator-state.json"},
                   c.dir + "/coordinator.log");
   std::printf("  coordinator   %s\n", c.caddr.c_str());
-  const std::string saddr = Start(&c.server, FindBinary(o, "moe-expert-server", "cpu_expert_server"),
+  const std::string saddr = Start(&c.server, FindBinary(o, "moe-expert-server", "expert_server"),
                                   {"--model=" + w.uri, "--listen=127.0.0.1:0", "--insecure", "--shm-socket=" + c.sock,
                                    "--threads=1", "--coordinator=" + c.caddr, "--server-id=demo-server"},
                                   c.dir + "/expert-server.log");

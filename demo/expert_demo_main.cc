@@ -15,9 +15,9 @@
 #include "client/expert_client.h"
 #include "client/worker_client.h"
 #include "core/flags.h"
-#include "core/model_source.h"
+#include "model/model_source.h"
 #include "testing/random_data.h"
-#include "core/reference_moe.h"
+#include "model/reference_moe.h"
 #include "core/status_macros.h"
 
 namespace moe {

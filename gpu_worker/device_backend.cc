@@ -12,11 +12,11 @@ bool CudaAvailable() { return false; }
 #endif
 
 absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeDeviceBackend(const std::string& name) {
-  if (name == "cpu") return MakeCpuBackend();
+  if (name == "cpu") return MakeHostMemoryBackend();
   if (name == "cuda" || name == "auto") {
     std::string why;
     if (std::unique_ptr<DeviceBackend> b = MakeCudaBackend(&why)) return b;
-    if (name == "auto") return MakeCpuBackend();
+    if (name == "auto") return MakeHostMemoryBackend();
     return absl::FailedPreconditionError("device: cuda backend unavailable: " + why);
   }
   return absl::InvalidArgumentError("device: unknown backend '" + name + "' (auto, cuda or cpu)");

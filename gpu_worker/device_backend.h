@@ -12,7 +12,7 @@
 // one expert (gate [I,H], up [I,H], down [H,I]) in the storage format of
 // BackendConfig::format (bf16, int8 or int4: the cache's precision) and
 // whatever layout its kernels read; a buffer index is all the dispatcher
-// knows. Experts arrive packed (PackExpert's layout, cpu_compute/expert_kernel.h),
+// knows. Experts arrive packed (PackExpert's layout, expert_compute/expert_kernel.h),
 // as the host copy holds them (the CPU server's packed store, shared, or the
 // worker's own). It also owns `contexts`
 // independent per-call scratch areas (inputs, f32 accumulator, plan), so two
@@ -41,8 +41,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "core/bf16.h"
-#include "core/routing.h"
-#include "cpu_compute/expert_kernel.h"
+#include "model/routing.h"
+#include "expert_compute/expert_kernel.h"
 #include "gpu_worker/device_plan.h"
 #include "moe/types.h"
 
@@ -307,7 +307,7 @@ class DeviceBackend {
 absl::StatusOr<std::unique_ptr<DeviceBackend>> MakeDeviceBackend(const std::string& name);
 
 // Implementations; the factory is their only caller.
-std::unique_ptr<DeviceBackend> MakeCpuBackend();
+std::unique_ptr<DeviceBackend> MakeHostMemoryBackend();
 // nullptr with *why set when CUDA is not compiled in or no device is usable.
 std::unique_ptr<DeviceBackend> MakeCudaBackend(std::string* why);
 // Whether a CUDA device is usable (false when built without CUDA).

@@ -6,6 +6,7 @@
 // device_executor.cc); it is not installed.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -16,10 +17,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "core/moe_batch.h"
-#include "core/routing.h"
-#include "core/transport/shm_segment.h"
-#include "core/transport/transport.h"
+#include "model/moe_batch.h"
+#include "model/routing.h"
+#include "transport/shm_segment.h"
+#include "transport/transport.h"
 #include "gpu_worker/device_plan.h"
 #include "gpu_worker/layer_dispatcher.h"
 #include "gpu_worker/miss_plan.h"
@@ -87,6 +88,11 @@ struct InFlightCall {
   LayerCall call;
   MissPlan plan;                 // Submit's split of this call
   Clock::time_point deadline;
+  // When a batch sent now to a server must be answered: `server_deadline`
+  // (DispatcherConfig) from now, never past the call's deadline.
+  Clock::time_point ServerDeadline(std::chrono::milliseconds server_deadline) const {
+    return std::min(deadline, Clock::now() + server_deadline);
+  }
   std::vector<int32_t> ids;      // host routing [T, k]
   std::vector<float> weights;
   std::vector<SentBatch> sent;

@@ -14,7 +14,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
-#include "core/routing.h"
+#include "model/routing.h"
 #include "core/status_macros.h"
 #include "gpu_worker/cuda/cuda_check.h"
 #include "gpu_worker/cuda/kernels.h"

@@ -9,10 +9,10 @@
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "core/transport/shm_server.h"
-#include "cpu_compute/compute_pool.h"
-#include "cpu_compute/expert_store.h"
-#include "cpu_compute/numa_binding.h"
+#include "transport/shm_server.h"
+#include "expert_compute/compute_pool.h"
+#include "expert_compute/expert_store.h"
+#include "expert_compute/numa_binding.h"
 
 namespace moe {
 

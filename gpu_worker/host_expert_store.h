@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/model_identity.h"
-#include "core/model_source.h"
-#include "cpu_compute/expert_kernel.h"
+#include "model/model_identity.h"
+#include "model/model_source.h"
+#include "expert_compute/expert_kernel.h"
 #include "gpu_worker/device_backend.h"
 
 namespace moe {
@@ -42,7 +42,7 @@ class HostExpertStore {
                                                               DeviceBackend* backend, int threads = 0);
   // Shared: maps the stores of the servers on `unix_sockets` (paths). All
   // must serve `model` (the worker's: a store of another model is never
-  // mapped; ModelMismatchError, core/model_identity.h), share one geometry and
+  // mapped; ModelMismatchError, model/model_identity.h), share one geometry and
   // together hold every expert of `layers`; FailedPrecondition saying what is
   // missing otherwise (or when a server shares no store), InvalidArgument when
   // a description does not fit the model.

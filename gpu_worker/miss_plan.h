@@ -17,8 +17,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "core/model_spec.h"
-#include "core/routing.h"
+#include "model/model_spec.h"
+#include "model/routing.h"
 #include "gpu_worker/copy_outcomes.h"
 #include "gpu_worker/cost_model.h"
 #include "gpu_worker/device_backend.h"

@@ -8,12 +8,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/log.h"
-#include "core/model_identity.h"
-#include "core/model_source.h"
-#include "core/reference_moe.h"
-#include "core/routing.h"
+#include "model/model_identity.h"
+#include "model/model_source.h"
+#include "model/reference_moe.h"
+#include "model/routing.h"
 #include "core/status_macros.h"
-#include "core/transport/transport.h"
+#include "transport/transport.h"
 #include "gpu_worker/device_backend.h"
 #ifdef MOE_HAVE_NCCL
 #include "gpu_worker/expert_parallel.h"
@@ -116,6 +116,7 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
   c.max_top_k = o.max_top_k;
   c.contexts = o.contexts;
   c.deadline = o.deadline;
+  c.server_deadline = o.server_deadline;
   c.transport.tls = o.tls;
   if (o.grpc_streams < 1 || o.grpc_streams > 64)
     return absl::InvalidArgumentError(absl::StrCat("grpc_streams: ", o.grpc_streams, " (1..64)"));

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
-#include "core/transport/transport.h"
+#include "transport/transport.h"
 #include "gpu_worker/cost_model.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"

@@ -2,8 +2,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
-#include "core/routing.h"
-#include "core/wire.h"
+#include "model/routing.h"
+#include "transport/wire.h"
 
 #include <algorithm>
 #include <chrono>

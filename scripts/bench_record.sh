@@ -37,7 +37,7 @@ if [[ -z "${BIN:-}" ]]; then
   BIN=$(mktemp -d)
   trap 'rm -rf "$BIN"' EXIT
   ln -s "$PWD/$b/bench/moe_layer" "$BIN/moe_layer"
-  ln -s "$PWD/$b/cpu_expert_server/moe-expert-server" "$BIN/moe-expert-server"
+  ln -s "$PWD/$b/expert_server/moe-expert-server" "$BIN/moe-expert-server"
 fi
 for f in moe_layer moe-expert-server; do
   [[ -x $BIN/$f ]] || { echo "bench_record: no $BIN/$f (build first, or set BIN)" >&2; exit 2; }

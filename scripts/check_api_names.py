@@ -136,7 +136,7 @@ py_totals = [name for name, _ in _lib.SessionTotals._fields_]
 
 # ---- C++ SessionOptions vs the keys moe_session_open accepts ---------------
 
-c_api = read("client/moe_c_api.cc")
+c_api = read("c_api/moe_c_api.cc")
 option_keys = {
     "options": set(re.findall(r'\bkey == "(\w+)"', c_api)),
     "group": set(re.findall(r'it\.key\(\) == "(\w+)"', braced(c_api, r"absl::Status ParseGroup\([^)]*\)"))),

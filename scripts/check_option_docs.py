@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The session options are documented where users read them: checks that the
-keys moe_session_open accepts (client/moe_c_api.cc: key == "..."), the list in
+keys moe_session_open accepts (c_api/moe_c_api.cc: key == "..."), the list in
 include/moe/moe.h's moe_session_open comment and the Python Session docstring
 (python/moe_expert_service/session.py) name the same options. Exit 1 with the
 differences; 0 when they agree.
@@ -21,7 +21,7 @@ def read(path):
 
 
 # Accepted: every key the C ABI's option parser compares against.
-accepted = set(re.findall(r'key == "([a-z_0-9]+)"', read("client/moe_c_api.cc")))
+accepted = set(re.findall(r'key == "([a-z_0-9]+)"', read("c_api/moe_c_api.cc")))
 
 # moe.h: the comment block above moe_session_open. Documented keys are the
 # quoted names that open an option line (` *   "key"`), with the names listed

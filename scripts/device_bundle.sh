@@ -7,11 +7,11 @@ cd "$(dirname "$0")/.."
 b=${BUILD_DIR:-build}
 rm -rf .bundle/dev .bundle/dev.tar.xz
 strip_dir=$(mktemp -d)
-default="cpu_expert_server/moe-expert-server gpu_worker/moe-gpu-worker core/moe-make-model demo/moe-expert-demo
+default="expert_server/moe-expert-server gpu_worker/moe-gpu-worker model/moe-make-model demo/moe-expert-demo
   bench/expert_kernels bench/transport bench/moe_layer bench/gpu_experts
   tests/kernel_test tests/expert_server_test tests/core_test tests/transport_test tests/shm_segment_test
   tests/device_backend_test tests/attention_test tests/dispatcher_test tests/worker_test tests/expert_cache_test
-  tests/cost_model_test tests/graph_capture_test client/libmoe.so tests/c_api_test
+  tests/cost_model_test tests/graph_capture_test c_api/libmoe.so tests/c_api_test
   coordinator/moe-coordinator client/moectl demo/moe-demo tests/system_test tests/hardening_test
   tests/coordinator_process_test tests/admission_policy_test tests/miss_plan_test tests/quantization_test
   tests/grpc_wire_test tests/shared_host_copy_test tests/sliced_experts_test tests/tensor_parallel_test
@@ -25,7 +25,7 @@ done
 mkdir -p .bundle/dev/python
 cp -r python/moe_expert_service python/examples python/_build python/pyproject.toml .bundle/dev/python/
 cp -r tests/python .bundle/dev/python/tests
-mkdir -p .bundle/dev/python/bench && cp bench/python_overhead.py .bundle/dev/python/bench/
+mkdir -p .bundle/dev/python/bench && cp bench/python_overhead.py bench/hf_full_depth.py .bundle/dev/python/bench/
 find .bundle/dev/python -name __pycache__ -prune -exec rm -rf {} +
 # The recorded routing traces (read where they lie, never kept in the repo) and
 # the benchmark of record's script (the `record` phase of device_check.sh).

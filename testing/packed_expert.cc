@@ -3,7 +3,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "core/synthetic_model.h"
+#include "model/synthetic_model.h"
 
 namespace moe {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "cpu_compute/expert_kernel.h"
+#include "expert_compute/expert_kernel.h"
 
 namespace moe {
 

@@ -13,10 +13,10 @@
 #include <tuple>
 #include <vector>
 
-#include "core/model_spec.h"
+#include "model/model_spec.h"
 #include "testing/random_data.h"
-#include "core/reference_moe.h"
-#include "core/synthetic_model.h"
+#include "model/reference_moe.h"
+#include "model/synthetic_model.h"
 #include "bench/model/attention_reference.h"
 #include "gtest/gtest.h"
 

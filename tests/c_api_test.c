@@ -84,7 +84,7 @@ static pid_t start_server(const char* socket_path, char* address, size_t cap) {
   char bin[4096];
   const char* dir = getenv("MOE_BIN_DIR");
   if (dir != NULL) snprintf(bin, sizeof bin, "%s/moe-expert-server", dir);
-  else snprintf(bin, sizeof bin, "%s/cpu_expert_server/moe-expert-server", MOE_BUILD_DIR);
+  else snprintf(bin, sizeof bin, "%s/expert_server/moe-expert-server", MOE_BUILD_DIR);
   int fds[2];
   if (pipe(fds) != 0) return -1;
   pid_t pid = fork();

@@ -22,10 +22,10 @@
 #include <vector>
 
 #include "core/bf16.h"
-#include "core/model_source.h"
+#include "model/model_source.h"
 #include "testing/packed_expert.h"
 #include "testing/random_data.h"
-#include "core/reference_moe.h"
+#include "model/reference_moe.h"
 #include "gpu_worker/device_backend.h"
 
 #ifdef MOE_HAVE_CUDA

@@ -17,8 +17,8 @@
 
 #include "tests/device_call.h"
 
-#include "core/model_source.h"
-#include "core/reference_moe.h"
+#include "model/model_source.h"
+#include "model/reference_moe.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/layer_dispatcher.h"

@@ -1,4 +1,4 @@
-// GGUF (core/gguf.h, core/gguf_model.h): the block codecs against hand-made
+// GGUF (model/gguf.h, model/gguf_model.h): the block codecs against hand-made
 // blocks, the container reader on files our writer makes and on hand-built
 // hostile ones (every refusal names the key or tensor), moe-make-model's GGUF
 // read back bit-identical to the synthetic model, architectures and types we
@@ -19,12 +19,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "client/expert_client.h"
-#include "core/gguf.h"
-#include "core/gguf_model.h"
-#include "core/model_source.h"
-#include "core/reference_moe.h"
-#include "core/synthetic_model.h"
-#include "cpu_compute/expert_store.h"
+#include "model/gguf.h"
+#include "model/gguf_model.h"
+#include "model/model_source.h"
+#include "model/reference_moe.h"
+#include "model/synthetic_model.h"
+#include "expert_compute/expert_store.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gtest/gtest.h"
 #include "testing/random_data.h"

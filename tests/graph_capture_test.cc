@@ -21,9 +21,9 @@
 
 #include "moe/engine.h"
 #include "coordinator/agent/coordinator_agent.h"
-#include "core/model_source.h"
+#include "model/model_source.h"
 #include "testing/random_data.h"
-#include "core/reference_moe.h"
+#include "model/reference_moe.h"
 #include "gpu_worker/device_backend.h"  // CudaAvailable
 #include "tests/test_support.h"
 

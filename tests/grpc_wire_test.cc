@@ -2,7 +2,7 @@
 // byte protobuf's (so clients and servers built on the generated classes
 // interoperate), parses protobuf's bytes however gRPC slices them, refuses
 // malformed bytes with an error (never a crash), and recycles its buffers.
-#include "core/transport/grpc_wire.h"
+#include "transport/grpc_wire.h"
 
 #include <cstring>
 #include <random>

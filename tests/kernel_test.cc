@@ -20,17 +20,17 @@
 #include <string>
 #include <thread>
 
-#include "core/model_source.h"
-#include "core/quantization.h"
-#include "core/synthetic_model.h"
+#include "model/model_source.h"
+#include "model/quantization.h"
+#include "model/synthetic_model.h"
 #include "testing/random_data.h"
-#include "core/reference_moe.h"
-#include "cpu_compute/compute_pool.h"
-#include "cpu_compute/cpu_features.h"
-#include "cpu_compute/expert_kernel.h"
-#include "cpu_compute/expert_store.h"
-#include "cpu_compute/moe_executor.h"
-#include "cpu_compute/numa_binding.h"
+#include "model/reference_moe.h"
+#include "expert_compute/compute_pool.h"
+#include "expert_compute/cpu_features.h"
+#include "expert_compute/expert_kernel.h"
+#include "expert_compute/expert_store.h"
+#include "expert_compute/moe_executor.h"
+#include "expert_compute/numa_binding.h"
 #include "gtest/gtest.h"
 
 namespace moe {

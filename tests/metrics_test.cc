@@ -3,7 +3,7 @@
 // server over real sockets (200/404/405/400/431, /healthz, silent and slow
 // clients, the whole-request deadline, slow-loris connections from one peer
 // that deny nobody else, the per-peer cap, many connections, shutdown with a
-// client connected), the peer keys of core/socket_peer.h, and the real
+// client connected), the peer keys of process/socket_peer.h, and the real
 // moe-expert-server scraped over HTTP after gRPC and shared-memory requests.
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -21,10 +21,10 @@
 #include <thread>
 
 #include "core/metrics.h"
-#include "core/metrics_http.h"
-#include "core/socket_peer.h"
+#include "process/metrics_http.h"
+#include "process/socket_peer.h"
 #include "testing/random_data.h"
-#include "core/transport/transport.h"
+#include "transport/transport.h"
 #include "gtest/gtest.h"
 #include "tests/test_support.h"
 

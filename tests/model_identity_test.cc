@@ -1,5 +1,5 @@
 // Model identity (issue 47, point 1): every expert server and GPU worker
-// derives a content identity of its experts (core/model_identity.h) and a
+// derives a content identity of its experts (model/model_identity.h) and a
 // mismatch is refused in every handshake, naming both identities and both
 // models. The digest in process (it changes with one stored byte, not with
 // the sharding, the slice or the spelling of a synthetic URI; pinned, so a
@@ -28,13 +28,13 @@
 #include "absl/strings/str_cat.h"
 #include "client/expert_client.h"
 #include "coordinator/coordinator.h"
-#include "core/model_identity.h"
-#include "core/model_source.h"
-#include "core/reference_moe.h"
-#include "core/synthetic_model.h"
-#include "core/transport/shm_server.h"
-#include "core/transport/transport.h"
-#include "core/transport/unix_socket.h"
+#include "model/model_identity.h"
+#include "model/model_source.h"
+#include "model/reference_moe.h"
+#include "model/synthetic_model.h"
+#include "transport/shm_server.h"
+#include "transport/transport.h"
+#include "transport/unix_socket.h"
 #include "gtest/gtest.h"
 #include "moe/engine.h"
 #include "nlohmann/json.hpp"

@@ -1,4 +1,4 @@
-// MXFP4 (core/quantization.h): the E2M1 / E8M0 codecs and the OCP scale
+// MXFP4 (model/quantization.h): the E2M1 / E8M0 codecs and the OCP scale
 // choice, GPT-OSS's `X_blocks` / `X_scales` layout and GGUF's MXFP4 blocks
 // against hand-computed values (gguf-py's decoding needs numpy, which this
 // machine lacks: its bit formula is ported below instead), checkpoints
@@ -15,15 +15,15 @@
 #include <string>
 #include <vector>
 
-#include "core/gguf.h"
-#include "core/gguf_model.h"
-#include "core/model_source.h"
-#include "core/quantization.h"
-#include "core/safetensors.h"
-#include "core/synthetic_model.h"
-#include "cpu_compute/compute_pool.h"
-#include "cpu_compute/expert_store.h"
-#include "cpu_compute/numa_binding.h"
+#include "model/gguf.h"
+#include "model/gguf_model.h"
+#include "model/model_source.h"
+#include "model/quantization.h"
+#include "model/safetensors.h"
+#include "model/synthetic_model.h"
+#include "expert_compute/compute_pool.h"
+#include "expert_compute/expert_store.h"
+#include "expert_compute/numa_binding.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_support.h"

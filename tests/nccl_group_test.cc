@@ -26,11 +26,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/model_source.h"
-#include "core/wire.h"
+#include "model/model_source.h"
+#include "transport/wire.h"
 #include "grpcpp/grpcpp.h"
 #include "moe/v1/worker.grpc.pb.h"
-#include "core/reference_moe.h"
+#include "model/reference_moe.h"
 #include "gtest/gtest.h"
 #include "moe/engine.h"
 #include "tests/device_call.h"

@@ -1,4 +1,4 @@
-// Quantized checkpoints (core/quantization.h): the FP8 E4M3 codec, the int4
+// Quantized checkpoints (model/quantization.h): the FP8 E4M3 codec, the int4
 // packing as compressed-tensors defines it, quantize/dequantize error bounds,
 // quantization_config parsing, checkpoints in both formats written by
 // moe-make-model and read back (bit-identical to synthetic:...:dtype=), refusals
@@ -13,12 +13,12 @@
 #include <vector>
 
 #include "client/expert_client.h"
-#include "core/model_source.h"
-#include "core/quantization.h"
+#include "model/model_source.h"
+#include "model/quantization.h"
 #include "testing/random_data.h"
-#include "core/reference_moe.h"
-#include "core/synthetic_model.h"
-#include "cpu_compute/expert_store.h"
+#include "model/reference_moe.h"
+#include "model/synthetic_model.h"
+#include "expert_compute/expert_store.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tests/test_support.h"

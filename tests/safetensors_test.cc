@@ -1,4 +1,4 @@
-#include "core/safetensors.h"
+#include "model/safetensors.h"
 
 #include <stdlib.h>
 

@@ -21,10 +21,10 @@
 #include <string>
 #include <vector>
 
-#include "core/model_source.h"
-#include "core/reference_moe.h"
-#include "core/transport/shm_server.h"
-#include "cpu_compute/expert_store.h"
+#include "model/model_source.h"
+#include "model/reference_moe.h"
+#include "transport/shm_server.h"
+#include "expert_compute/expert_store.h"
 #include "moe/engine.h"
 #include "tests/device_call.h"
 #include "tests/test_support.h"

@@ -4,7 +4,7 @@
 #include <optional>
 #include <vector>
 
-#include "core/transport/shm_segment.h"
+#include "transport/shm_segment.h"
 
 namespace moe::shm {
 

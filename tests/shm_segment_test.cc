@@ -1,7 +1,7 @@
 // Tests of the shared-memory segment: layout, Create/Attach over a real memfd
 // mapped twice, SPSC rings, futex doorbells (threads and a forked process),
 // validation of untrusted headers and slots, and a bounded random fuzz.
-#include "core/transport/shm_segment.h"
+#include "transport/shm_segment.h"
 
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "core/transport/unix_socket.h"
+#include "transport/unix_socket.h"
 #include "tests/shm_fuzz_one.h"
 
 namespace moe::shm {

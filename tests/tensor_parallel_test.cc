@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "coordinator/placement.h"
-#include "core/model_source.h"
-#include "core/reference_moe.h"
+#include "model/model_source.h"
+#include "model/reference_moe.h"
 #include "gpu_worker/device_backend.h"
 #include "gtest/gtest.h"
 #include "moe/engine.h"

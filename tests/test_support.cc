@@ -23,8 +23,8 @@
 #include <filesystem>
 #include <random>
 
-#include "core/transport/shm_server.h"
-#include "core/transport/unix_socket.h"
+#include "transport/shm_server.h"
+#include "transport/unix_socket.h"
 
 namespace moe::testing {
 
@@ -50,7 +50,7 @@ std::string BinaryPath(const std::string& name) {
   // (the GPU/AMX host runs the tests from such a bundle).
   if (const char* dir = getenv("MOE_BIN_DIR"); dir != nullptr && *dir != '\0')
     return std::string(dir) + "/" + name;
-  for (const char* sub : {"/cpu_expert_server/", "/core/", "/client/", "/demo/", "/bench/", "/gpu_worker/", "/coordinator/"}) {
+  for (const char* sub : {"/expert_server/", "/model/", "/client/", "/demo/", "/bench/", "/gpu_worker/", "/coordinator/"}) {
     std::string p = std::string(MOE_BIN_DIR) + sub + name;
     if (access(p.c_str(), X_OK) == 0) return p;
   }
@@ -58,13 +58,13 @@ std::string BinaryPath(const std::string& name) {
 }
 
 std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& args,
-                              const std::string& listen) {
+                              const std::string& listen, int netns_fd) {
   std::vector<std::string> a = args;
   a.push_back("--listen=" + listen);
   bool tls = false;
   for (const auto& x : args) tls |= x.rfind("--tls-", 0) == 0;
   if (!tls) a.push_back("--insecure");
-  *out = new Subprocess(BinaryPath("moe-expert-server"), a);
+  *out = new Subprocess(BinaryPath("moe-expert-server"), a, "", netns_fd);
   const std::string line = (*out)->ReadLine(std::chrono::seconds(120));
   const std::string key = "ready on ";
   const size_t at = line.find(key);

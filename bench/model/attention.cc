@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/model_spec.h"
+#include "model/model_spec.h"
 #include "core/status_macros.h"
 #include "bench/model/attention_weights.h"
 

@@ -48,7 +48,7 @@
 
 namespace moe {
 
-// core/model_spec.h (not included here: it needs C++20, and nvcc compiles this
+// model/model_spec.h (not included here: it needs C++20, and nvcc compiles this
 // header as C++17).
 struct ModelSpec;
 

@@ -11,8 +11,8 @@
 #include "core/atomic_max.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "core/transport/grpc_channel.h"
-#include "core/wire.h"
+#include "transport/grpc_channel.h"
+#include "transport/wire.h"
 #include "moe/v1/coordinator.grpc.pb.h"
 
 namespace moe {

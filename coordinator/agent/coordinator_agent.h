@@ -32,8 +32,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/model_identity.h"
-#include "core/transport/transport.h"
+#include "model/model_identity.h"
+#include "transport/transport.h"
 #include "moe/types.h"
 
 namespace moe {
@@ -64,7 +64,7 @@ struct WorkerRegistration {
   // token (e.g. --max-top-k), 0 = unknown.
   uint64_t max_tokens_per_second = 0;
   int top_k = 0;
-  ModelIdentity model;      // its model (core/model_identity.h); the coordinator refuses another live model's
+  ModelIdentity model;      // its model (model/model_identity.h); the coordinator refuses another live model's
 };
 
 // A layer's new resident set (the whole set, ascending).
@@ -147,7 +147,7 @@ struct ExpertServerRegistration {
   uint64_t weight_bytes = 0;
   std::string kernel;
   ExpertSlice slice;                // --slice
-  ModelIdentity model;              // its model (core/model_identity.h); the coordinator refuses another live model's
+  ModelIdentity model;              // its model (model/model_identity.h); the coordinator refuses another live model's
   std::string model_type;           // its model's family (ModelSpec::model_type), for operators
   std::string weight_format;        // the stored experts' format (bf16, int8, int4, fp8), for operators
 };

@@ -30,7 +30,7 @@ constexpr int kShipThreads = 256;
 // absl::StatusCode values the kernels report (status.h is host-only).
 constexpr int kInvalidArgument = 3, kDeadlineExceeded = 4, kResourceExhausted = 8, kUnavailable = 14;
 
-// RingHeader (core/transport/shm_segment.h): head at +0, tail at +64, entries at +128.
+// RingHeader (transport/shm_segment.h): head at +0, tail at +64, entries at +128.
 __device__ __forceinline__ volatile uint64_t* RingHead(uint64_t ring) { return reinterpret_cast<volatile uint64_t*>(ring); }
 __device__ __forceinline__ volatile uint64_t* RingTail(uint64_t ring) { return reinterpret_cast<volatile uint64_t*>(ring + 64); }
 __device__ __forceinline__ volatile uint32_t* RingEntries(uint64_t ring) {

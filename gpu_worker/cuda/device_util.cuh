@@ -9,7 +9,7 @@
 #include <cstdint>
 
 #include "core/bf16.h"
-#include "cpu_compute/packed_index.h"
+#include "expert_compute/packed_index.h"
 
 namespace moe::cuda {
 

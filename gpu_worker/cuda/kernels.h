@@ -58,7 +58,7 @@ struct GroupedExpertArgs {
   bool exact_groups = true;
 };
 
-// Experts in the CPU server's packed layout (cpu_compute/expert_kernel.h:
+// Experts in the CPU server's packed layout (expert_compute/expert_kernel.h:
 // 16-channel blocks, gate and up blocks interleaved, then down's blocks; the
 // byte formats (int8, int4, fp8, mxfp4) carry their scales in each block). A quantized GPU cache
 // keeps its slots in this layout, byte for byte what the host copy holds, so

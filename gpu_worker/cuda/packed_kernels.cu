@@ -1,5 +1,5 @@
 // Kernels over experts in the CPU server's packed layout (kernels.h:
-// PackedLayout; the index math is cpu_compute/packed_index.h, shared with the
+// PackedLayout; the index math is expert_compute/packed_index.h, shared with the
 // packer and the CPU kernels).
 //
 // Two kinds of grouped packed kernels: tensor-core ones (below, "tensor-core
@@ -26,7 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cpu_compute/packed_index.h"
+#include "expert_compute/packed_index.h"
 #include "gpu_worker/cuda/device_util.cuh"
 #include "gpu_worker/cuda/kernels.h"
 

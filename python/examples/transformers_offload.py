@@ -22,7 +22,7 @@ to --out) markdown tables:
 Exit 1 when a correctness bound is missed.
 
   MOE_LIBRARY=.../libmoe.so PYTHONPATH=python /opt/torch/.venv/bin/python3 \
-      python/examples/transformers_offload.py --server-bin build/cpu_expert_server/moe-expert-server
+      python/examples/transformers_offload.py --server-bin build/expert_server/moe-expert-server
 """
 import argparse
 import copy

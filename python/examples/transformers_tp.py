@@ -21,7 +21,7 @@ Prints (rank 0; and writes to --out) markdown tables:
 Exit 1 when a correctness bound is missed.
 
   MOE_LIBRARY=.../libmoe.so PYTHONPATH=python /opt/torch/.venv/bin/python3 \\
-      python/examples/transformers_tp.py --server-bin build/cpu_expert_server/moe-expert-server --gpus 2
+      python/examples/transformers_tp.py --server-bin build/expert_server/moe-expert-server --gpus 2
 """
 import argparse
 import os

@@ -20,7 +20,7 @@ def binary(name, subdir):
 
 
 def make_model(directory, preset="tiny", seed=7):
-    subprocess.run([binary("moe-make-model", "core"), f"--preset={preset}", f"--out={directory}",
+    subprocess.run([binary("moe-make-model", "model"), f"--preset={preset}", f"--out={directory}",
                     f"--seed={seed}"], check=True, stdout=subprocess.DEVNULL)
     return directory
 
@@ -85,7 +85,7 @@ class ExpertServer:
         self.dir = tempfile.mkdtemp(prefix="moe_py_")
         self.socket = os.path.join(self.dir, "expert.sock")
         self.proc = subprocess.Popen(
-            [binary("moe-expert-server", "cpu_expert_server"), "--insecure", f"--model={model}", "--threads=1",
+            [binary("moe-expert-server", "expert_server"), "--insecure", f"--model={model}", "--threads=1",
              "--listen=127.0.0.1:0", f"--shm-socket={self.socket}"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         self.address = None

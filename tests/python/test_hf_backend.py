@@ -114,7 +114,7 @@ class HfBackendTest(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = tempfile.TemporaryDirectory()
         moe_hf.register()
-        cls.server_bin = env.binary("moe-expert-server", "cpu_expert_server")
+        cls.server_bin = env.binary("moe-expert-server", "expert_server")
 
     @classmethod
     def tearDownClass(cls):

@@ -1,0 +1,414 @@
+#include "expert_compute/moe_executor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <tuple>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/atomic_max.h"
+#include "core/status_macros.h"
+
+namespace moe {
+
+namespace {
+// Activation groups (16 columns each) per gate/up work unit, when there are
+// enough units to keep every thread busy; else one group per unit.
+constexpr int kGroupsPerUnit = 4;
+// Rows of one expert per gate/up unit: large prefill groups are also split by
+// rows so a single hot expert still spreads over every thread (a multiple of 32,
+// the AMX kernel's two row blocks).
+constexpr int kRowsPerUnit = 128;
+// Down units per thread the planner aims at, and the most output groups (of
+// 32 columns) one down unit takes (PlanUnits).
+constexpr int kDownUnitsPerThread = 8;
+constexpr int kMaxDownGroupsPerUnit = 8;
+// Rows per gather (and act quantization) claim: up to kGatherRows, fewer when
+// that would leave threads without about kClaimsPerThread claims (at 16 rows
+// a claim of 16 left one thread quantizing every row while 15 waited: 22% of a
+// DeepSeek-V3 int8 expert's call). At most kCombineTokens tokens per combine
+// claim, likewise.
+constexpr int kGatherRows = 16;
+constexpr int kClaimsPerThread = 4;
+constexpr int kCombineTokens = 4;
+constexpr int kCombineMinColumns = 256;
+
+uint64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+MoeExecutor::Buffer::~Buffer() { std::free(p_); }
+
+void MoeExecutor::Buffer::Release() {
+  std::free(p_);
+  p_ = nullptr;
+  cap_ = 0;
+}
+
+void* MoeExecutor::Buffer::Reserve(size_t bytes) {
+  if (bytes <= cap_) return p_;
+  std::free(p_);
+  cap_ = 0;
+  // Grow with slack so a slightly larger batch does not reallocate.
+  const size_t cap = ((bytes + bytes / 4) + 4095) / 4096 * 4096;
+  p_ = std::aligned_alloc(64, cap);
+  if (p_ != nullptr) cap_ = cap;
+  return p_;
+}
+
+MoeExecutor::MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool)
+    : store_(store), kernel_(kernel), pool_(pool), cursors_(size_t(kPhases) * pool.size()) {}
+
+absl::Status MoeExecutor::Validate(const MoeBatch& b) const {
+  if (!store_.HostsLayer(b.layer))
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer: ", b.layer, " is not an MoE layer hosted by this server"));
+  if (b.n < 0) return absl::InvalidArgumentError("tokens: negative token count");
+  if (b.routing.n != b.n)
+    return absl::InvalidArgumentError(
+        absl::StrCat("expert_ids: ", b.routing.n, " rows for ", b.n, " tokens"));
+  if (b.n > 0 && b.routing.k <= 0)
+    return absl::InvalidArgumentError("expert_ids: need at least one column (k >= 1)");
+  return ValidateRouting(b.routing, store_.num_experts(),
+                         [this](int e) { return store_.HostsExpert(e); });
+}
+
+namespace {
+absl::Status CheckOutputDType(DType out_dtype) {
+  if (out_dtype != DType::kBF16 && out_dtype != DType::kF32)
+    return absl::InvalidArgumentError("output_dtype: must be BF16 or F32");
+  return absl::OkStatus();
+}
+
+// Groups as Run needs them: consistent arrays, each group on an aligned row
+// and clear of the next one's (the kernels write up to a whole row block),
+// row tokens in [-1, n).
+absl::Status CheckGroups(const ExpertGroups& gr, int n, int align) {
+  const size_t ng = gr.expert.size();
+  if (gr.row_begin.size() != ng || gr.count.size() != ng || gr.total_rows < 0 ||
+      gr.token.size() < static_cast<size_t>(gr.total_rows) || gr.weight.size() < static_cast<size_t>(gr.total_rows))
+    return absl::InvalidArgumentError("groups: inconsistent array sizes");
+  int64_t free_row = 0;
+  for (size_t g = 0; g < ng; ++g) {
+    const int64_t begin = gr.row_begin[g], count = gr.count[g];
+    if (begin < free_row || begin % align != 0 || count < 0 || begin + count > gr.total_rows)
+      return absl::InvalidArgumentError(absl::StrCat("groups: group ", g, " (rows ", begin, "+", count,
+                                                     ") overlaps, is misaligned (", align,
+                                                     ") or exceeds ", gr.total_rows, " rows"));
+    free_row = begin + (count + align - 1) / align * align;
+  }
+  for (int32_t r = 0; r < gr.total_rows; ++r)
+    if (gr.token[r] < -1 || gr.token[r] >= n)
+      return absl::InvalidArgumentError(absl::StrCat("groups: row ", r, " has token ", gr.token[r], " of ", n));
+  return absl::OkStatus();
+}
+}  // namespace
+
+absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out, ForwardStats* stats) {
+  MOE_RETURN_IF_ERROR(Validate(b));
+  MOE_RETURN_IF_ERROR(CheckOutputDType(out_dtype));
+  const uint64_t t_queue = NowNs();
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t t_start = NowNs();
+  GroupByExpert(b.routing, store_.num_experts(), row_align(), &groups_);
+  return RunLocked(b.layer, b.n, b.tokens, groups_, nullptr, out_dtype, out, stats, t_queue, t_start);
+}
+
+absl::Status MoeExecutor::Run(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
+                              const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats) {
+  MOE_RETURN_IF_ERROR(CheckOutputDType(out_dtype));
+  if (n < 0) return absl::InvalidArgumentError("tokens: negative token count");
+  MOE_RETURN_IF_ERROR(CheckGroups(groups, n, row_align()));
+  const uint64_t t_queue = NowNs();
+  std::lock_guard<std::mutex> lock(mu_);
+  return RunLocked(layer, n, tokens, groups, store_expert, out_dtype, out, stats, t_queue, NowNs());
+}
+
+// Work units, several per thread, which a thread takes from its own range
+// first and then from the others' (RunLocked): the cores of one host run at
+// different speeds under AMX (measured on the AMX host: in one call, threads
+// finished 3 to 11 of 96 equal gate/up units, and a fixed split of the down
+// projection, one column chunk per thread, ended 0.6-1.5 ms after it began),
+// so no fixed split of a phase ends when the average thread does.
+//  - gate/up: a whole weight panel (kGroupsPerUnit activation groups) against
+//    at most kRowsPerUnit rows of one expert;
+//  - down: `down_groups` output groups of at most kRowsPerUnit rows of one
+//    expert, sized for about kDownUnitsPerThread units per thread. Each row
+//    has its own output row (ExpertKernel::Down), so units never write the
+//    same memory.
+void MoeExecutor::PlanUnits(const ExpertGroups& groups) {
+  const ExpertGeometry& g = store_.geometry();
+  const int ngroups = groups.num_groups();
+  units_.clear();
+  down_units_.clear();
+  const int T = pool_.size();
+  int64_t row_chunks = 0;
+  for (int i = 0; i < ngroups; ++i) row_chunks += (groups.count[i] + kRowsPerUnit - 1) / kRowsPerUnit;
+  const int per_unit = row_chunks * g.gate_up_groups() >= int64_t{4} * kGroupsPerUnit * T ? kGroupsPerUnit : 1;
+  const int64_t want = int64_t{kDownUnitsPerThread} * T;
+  const int down_groups = static_cast<int>(
+      std::clamp<int64_t>(row_chunks * g.down_groups() / std::max<int64_t>(1, want), 1, kMaxDownGroupsPerUnit));
+  // Per expert, row chunks in pairs, each pair's column units in order: a
+  // run of consecutive units (what one thread takes first, RunLocked) shares
+  // rows (A) and weights (B) both.
+  constexpr int pair = 2;
+  for (int i = 0; i < ngroups; ++i) {
+    for (int rp = 0; rp < groups.count[i]; rp += pair * kRowsPerUnit) {
+      const int rpe = std::min(groups.count[i], rp + pair * kRowsPerUnit);
+      for (int c = 0; c < g.gate_up_groups(); c += per_unit)
+        for (int r = rp; r < rpe; r += kRowsPerUnit)
+          units_.push_back({i, c, std::min(g.gate_up_groups(), c + per_unit), r, std::min(rpe, r + kRowsPerUnit)});
+      for (int c = 0; c < g.down_groups(); c += down_groups)
+        for (int r = rp; r < rpe; r += kRowsPerUnit)
+          down_units_.push_back({i, c, std::min(g.down_groups(), c + down_groups), r, std::min(rpe, r + kRowsPerUnit)});
+    }
+  }
+}
+
+// Each token's rows (CSR over row indexes) for the combine phase.
+void MoeExecutor::IndexTokenRows(int n, const int32_t* token, int rows) {
+  token_start_.assign(static_cast<size_t>(n) + 1, 0);
+  for (int r = 0; r < rows; ++r)
+    if (token[r] >= 0) ++token_start_[token[r] + 1];
+  for (int t = 0; t < n; ++t) token_start_[t + 1] += token_start_[t];
+  token_rows_.resize(token_start_[n]);
+  fill_.assign(token_start_.begin(), token_start_.end() - 1);
+  for (int r = 0; r < rows; ++r)
+    if (token[r] >= 0) token_rows_[fill_[token[r]]++] = r;
+}
+
+namespace {
+// out[col] = sum over `rows` of y[row * ldy + col] for col < H (a column range:
+// y and out start at its first column), as bf16 or f32 (zeros for no rows);
+// acc is H floats of scratch.
+void SumRows(const float* y, int ldy, const int32_t* rows, int nrows, int H, DType out_dtype, void* out,
+             float* acc) {
+  if (nrows == 1 && out_dtype == DType::kBF16)  // one row (k = 1 here): converted straight
+    return F32ToBf16(y + size_t(rows[0]) * ldy, static_cast<bf16_t*>(out), size_t(H));
+  float* dst = out_dtype == DType::kF32 ? static_cast<float*>(out) : acc;
+  if (nrows == 0) {
+    std::memset(dst, 0, size_t(H) * 4);
+  } else {
+    std::memcpy(dst, y + size_t(rows[0]) * ldy, size_t(H) * 4);
+    for (int j = 1; j < nrows; ++j) {
+      const float* src = y + size_t(rows[j]) * ldy;
+      for (int c = 0; c < H; ++c) dst[c] += src[c];
+    }
+  }
+  if (out_dtype == DType::kBF16) F32ToBf16(acc, static_cast<bf16_t*>(out), size_t(H));
+}
+}  // namespace
+
+// Long: one parallel region (gather, gate/up, down, combine) whose phases
+// share the region's scratch, counters and barriers; split, each would need
+// them passed in.
+absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
+                                    const int32_t* store_expert, DType out_dtype, void* out,
+                                    ForwardStats* stats, uint64_t t_queue, uint64_t t_start) {
+  const ExpertGeometry& g = store_.geometry();
+  const int H = g.H;
+  const int ngroups = groups.num_groups();
+  weights_.resize(ngroups);
+  for (int i = 0; i < ngroups; ++i) {
+    const int e = store_expert != nullptr ? store_expert[i] : groups.expert[i];
+    weights_[i] = store_.Find(layer, e);
+    if (weights_[i] == nullptr)
+      return absl::InvalidArgumentError(absl::StrCat("groups: group ", i, " names expert ", e, " of layer ",
+                                                     layer, ", which is not loaded"));
+  }
+  PlanUnits(groups);
+
+  // Rows rounded up to the row block: a caller's last group may end unpadded,
+  // and the kernels read whole row blocks of x and act, so those get
+  // padding rows (token -1, weight 0) in scratch of our own.
+  const int align = row_align();
+  const int rows = (groups.total_rows + align - 1) / align * align;
+  const int32_t* token = groups.token.data();
+  const float* weight = groups.weight.data();
+  if (rows != groups.total_rows) {
+    pad_token_.assign(groups.token.begin(), groups.token.begin() + groups.total_rows);
+    pad_token_.resize(rows, -1);
+    pad_weight_.assign(groups.weight.begin(), groups.weight.begin() + groups.total_rows);
+    pad_weight_.resize(rows, 0.0f);
+    token = pad_token_.data();
+    weight = pad_weight_.data();
+  }
+  IndexTokenRows(n, token, rows);
+  const int ldx = g.ldx(), lda = g.lda();  // row strides (expert_kernel.h)
+  // Integer weights with no K padding quantize each token's row where the
+  // caller holds it: the kernels read only the quantized rows, and copying
+  // the bf16 rows first wrote as many bytes again into lines the previous
+  // call's threads had read (measured on the AMX host: 16 threads copying 4
+  // MiB take 2.2x as long when every thread has just read the destination).
+  const bool quantize_in_place = g.int_activations() && g.Kh == H;
+  bf16_t* x = quantize_in_place ? nullptr
+                                : static_cast<bf16_t*>(x_buf_.Reserve(std::max<size_t>(1, size_t(rows) * ldx * 2)));
+  bf16_t* act = static_cast<bf16_t*>(act_buf_.Reserve(std::max<size_t>(1, size_t(rows) * lda * 2)));
+  // Down writes each row's weighted output into f32 rows of y, one 64-byte
+  // line longer than a multiple of 128 bytes (at H = 2048, rows 8 KiB apart
+  // fell into the same few cache sets); the combine phase sums each token's
+  // rows into `out`.
+  const int ldy = g.Hn + 16;
+  float* y = static_cast<float*>(y_buf_.Reserve(std::max<size_t>(1, size_t(rows) * ldy * 4)));
+  float* acc = static_cast<float*>(acc_buf_.Reserve(size_t(pool_.size()) * (g.Hn + 16) * 4));
+  // Integer weights: the kernels read the rows quantized (QuantizeRows):
+  // q [2 rows, ld], scale [rows], sum32 [2 rows, K/32] per input.
+  struct Quantized {
+    int8_t* q = nullptr;
+    float* scale = nullptr;
+    int32_t* sum32 = nullptr;
+  } xq, aq;
+  auto reserve = [&](Buffer& b, size_t K, size_t ld, Quantized* dst) {
+    std::byte* p = static_cast<std::byte*>(b.Reserve(std::max<size_t>(1, rows * (2 * ld + 4 + K / 4))));
+    if (p == nullptr) return;
+    *dst = {reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + rows * 2 * ld),
+            reinterpret_cast<int32_t*>(p + rows * (2 * ld + 4))};
+  };
+  if (g.int_activations()) {
+    reserve(xq_buf_, g.Kh, ldx, &xq);
+    reserve(actq_buf_, g.Ki, lda, &aq);
+  }
+  if ((x == nullptr && !quantize_in_place) || act == nullptr || y == nullptr || acc == nullptr ||
+      (g.int_activations() && (xq.q == nullptr || aq.q == nullptr))) {
+    const size_t bytes = size_t(rows) * (size_t(ldx) * 2 + size_t(lda) * 2 + size_t(ldy) * 4);
+    for (Buffer* b : {&x_buf_, &act_buf_, &y_buf_, &acc_buf_, &xq_buf_, &actq_buf_}) b->Release();
+    return absl::ResourceExhaustedError(absl::StrCat("tokens: the workspace for ", groups.total_rows,
+                                                     " routed pairs (about ", bytes >> 20,
+                                                     " MiB) could not be allocated"));
+  }
+  const KernelRows xin{x, xq.q, xq.scale, xq.sum32}, ain{act, aq.q, aq.scale, aq.sum32};
+  auto quantize = [&](const bf16_t* src, int K, int ld, const Quantized& dst, int r0, int r1) {
+    QuantizeRows(src + size_t(r0) * ld, r1 - r0, K, ld, dst.q + size_t(2 * r0) * ld, dst.scale + r0,
+                 dst.sum32 + size_t(2 * r0) * (K / 32));
+  };
+
+  // Claim sizes (see kGatherRows, kCombineTokens). A phase ends when the last
+  // thread reaches its barrier (ForwardStats).
+  const int claim = std::clamp(rows / (kClaimsPerThread * pool_.size()), 1, kGatherRows);
+  // The combine: few tokens (decode) split their columns too, in ranges of at
+  // least kCombineMinColumns.
+  const int col_chunks = std::clamp((kClaimsPerThread * pool_.size() + n - 1) / std::max(1, n), 1,
+                                    std::max(1, H / kCombineMinColumns));
+  const int col_width = ((H + col_chunks - 1) / col_chunks + 15) / 16 * 16;
+  const int tok_claim = col_chunks > 1 ? 1 : std::clamp(n / (kClaimsPerThread * pool_.size()), 1, kCombineTokens);
+  const int combine_units = (n + tok_claim - 1) / tok_claim * col_chunks;
+  // Every phase's items are split into one contiguous range per thread; a
+  // thread takes claims from its own range first, then from what is left of
+  // the others'. Taking every gate/up and down unit from one shared counter
+  // gave a thread units of unrelated rows and weights one after another (all
+  // from L3 or other cores' caches): the 512-token layer ran 14.8 ms against
+  // 11.9 with ranges (AMX host, 16 threads, Qwen3-30B-A3B bf16). The ranges of the
+  // gather, gate/up, down and combine line up (thread t's rows, then units
+  // of about the same rows), so a thread mostly reads what it wrote.
+  enum Phase { kGather, kGateUp, kQuantize, kDown, kCombine };
+  const int T = pool_.size();
+  const int totals[kPhases] = {rows, static_cast<int>(units_.size()), rows, static_cast<int>(down_units_.size()),
+                               combine_units};
+  const int steps[kPhases] = {claim, 1, claim, 1, 1};
+  for (int p = 0; p < kPhases; ++p) {
+    for (int t = 0; t < T; ++t) {
+      cursors_[p * T + t].next.store(int(int64_t{totals[p]} * t / T), std::memory_order_relaxed);
+      cursors_[p * T + t].end = int(int64_t{totals[p]} * (t + 1) / T);
+    }
+  }
+  // Thread t's next claim [first, second) of phase p; first = -1 when none is left.
+  auto take = [&](int p, int t) -> std::pair<int, int> {
+    for (int i = 0; i < T; ++i) {
+      Cursor& c = cursors_[p * T + (t + i) % T];
+      if (c.next.load(std::memory_order_relaxed) >= c.end) continue;
+      const int u = c.next.fetch_add(steps[p], std::memory_order_relaxed);
+      if (u < c.end) return {u, std::min(c.end, u + steps[p])};
+    }
+    return {-1, -1};
+  };
+  std::atomic<uint64_t> phase_end[3] = {0, 0, 0};
+  auto gather_rows = [&](bf16_t* dst0, int r0, int r1) {
+    for (int r = r0; r < r1; ++r) {
+      bf16_t* dst = dst0 + size_t(r - r0) * ldx;
+      if (token[r] >= 0) {
+        std::memcpy(dst, tokens + static_cast<size_t>(token[r]) * H, size_t(H) * 2);
+        std::memset(dst + H, 0, size_t(g.Kh - H) * 2);
+      } else {
+        std::memset(dst, 0, size_t(g.Kh) * 2);
+      }
+    }
+  };
+  auto arrive = [&](int p) { AtomicMax(phase_end[p], NowNs(), std::memory_order_relaxed); };
+  pool_.Run([&](int t, int) {
+    // Phase 0: gather each row's token (padding rows and columns zero).
+    for (auto [r0, r1] = take(kGather, t); r0 >= 0; std::tie(r0, r1) = take(kGather, t)) {
+      if (quantize_in_place) {
+        for (int r = r0; r < r1; ++r) {
+          if (token[r] >= 0) {
+            // (one row: ldx is only the hi -> lo distance in q)
+            QuantizeRows(tokens + size_t(token[r]) * H, 1, H, ldx, xq.q + size_t(2 * r) * ldx, xq.scale + r,
+                         xq.sum32 + size_t(2 * r) * (H / 32));
+          } else {
+            std::memset(xq.q + size_t(2 * r) * ldx, 0, size_t(2) * ldx);
+            xq.scale[r] = 0;
+            std::memset(xq.sum32 + size_t(2 * r) * (H / 32), 0, size_t(2) * (H / 32) * 4);
+          }
+        }
+        continue;
+      }
+      gather_rows(x + size_t(r0) * ldx, r0, r1);
+      if (g.int_activations()) quantize(x, g.Kh, ldx, xq, r0, r1);
+    }
+    arrive(0);
+    pool_.Barrier();
+    // Phase 1: act = silu(x W1^T) * (x W3^T).
+    for (int u; (u = take(kGateUp, t).first) >= 0;) {
+      const Unit& un = units_[u];
+      const int rb = groups.row_begin[un.group] + un.r0;
+      kernel_.GateUp(g, weights_[un.group], xin.At(rb, ldx, g.Kh), un.r1 - un.r0, act + size_t(rb) * lda, un.c0,
+                     un.c1);
+    }
+    arrive(1);
+    pool_.Barrier();
+    if (g.int_activations()) {  // the down projection reads act quantized per row
+      for (auto [r0, r1] = take(kQuantize, t); r0 >= 0; std::tie(r0, r1) = take(kQuantize, t))
+        quantize(act, g.Ki, lda, aq, r0, r1);
+      pool_.Barrier();
+    }
+    // Phase 2: y_r = weight_r * (act_r W2^T).
+    for (int u; (u = take(kDown, t).first) >= 0;) {
+      const Unit& un = down_units_[u];
+      const int rb = groups.row_begin[un.group] + un.r0;
+      kernel_.Down(g, weights_[un.group], ain.At(rb, lda, g.Ki), un.r1 - un.r0, weight + rb, y + size_t(rb) * ldy,
+                   ldy, un.c0, un.c1);
+    }
+    arrive(2);
+    pool_.Barrier();
+    // Phase 3: out_t = sum of token t's rows of y, in units of `tok_claim`
+    // tokens x one of `col_chunks` column ranges.
+    float* my_acc = acc + size_t(t) * (g.Hn + 16);
+    const size_t elem = out_dtype == DType::kBF16 ? 2 : 4;
+    for (int u; (u = take(kCombine, t).first) >= 0;) {
+      const int t0 = u / col_chunks * tok_claim, c0 = u % col_chunks * col_width, c1 = std::min(H, c0 + col_width);
+      for (int tok = t0, te = std::min(n, t0 + tok_claim); tok < te; ++tok)
+        SumRows(y + c0, ldy, token_rows_.data() + token_start_[tok], token_start_[tok + 1] - token_start_[tok],
+                c1 - c0, out_dtype, static_cast<std::byte*>(out) + (size_t(tok) * H + c0) * elem, my_acc);
+    }
+  });
+
+  if (stats != nullptr) {
+    stats->distinct_experts = ngroups;
+    stats->pairs = groups.total_pairs;
+    stats->queue_ns = t_start - t_queue;
+    const uint64_t t_end = NowNs();
+    stats->compute_ns = t_end - t_start;
+    const uint64_t t_gathered = phase_end[0].load(), t_gate_up = phase_end[1].load(), t_down = phase_end[2].load();
+    stats->gather_ns = t_gathered - t_start;
+    stats->gate_up_ns = t_gate_up - t_gathered;
+    stats->down_ns = t_down - t_gate_up;
+    stats->combine_ns = t_end - t_down;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moe

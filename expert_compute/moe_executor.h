@@ -1,0 +1,114 @@
+// MoeExecutor: computes one MoE layer's partial output for a batch of tokens
+// on the CPU — validation, grouping by expert, gather, fused gate+up+SiLU,
+// down (weighted, one output row per routed pair), then each token's rows
+// summed — spread over every compute thread in units, each thread taking its
+// own range of them first.
+//
+// Forward() = Validate + GroupByExpert + Run. Run() computes pairs a caller
+// already grouped (a GPU worker's cpu backend hands its hit groups as they
+// are). Both may be called from any number of threads; calls validate
+// concurrently and then run one at a time on the whole pool. Workspaces grow
+// to the largest batch seen and are reused: no allocation per token. The
+// largest is the down projection's output, one f32 row of H + 16 per routed
+// pair (128 MiB for a 2048-token top-8 prompt of Qwen3-30B-A3B's shape); the
+// gathered bf16 rows (not kept for int8 / int4 weights whose K needs no
+// padding) take about half of that. A batch whose workspace cannot be
+// allocated fails with ResourceExhausted ("tokens: ...") and gives every
+// workspace back; smaller batches still run.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "core/bf16.h"
+#include "model/moe_batch.h"
+#include "model/routing.h"
+#include "core/tensor.h"
+#include "expert_compute/compute_pool.h"
+#include "expert_compute/expert_kernel.h"
+#include "expert_compute/expert_store.h"
+
+namespace moe {
+
+struct ForwardStats {
+  int distinct_experts = 0;
+  int pairs = 0;
+  uint64_t queue_ns = 0;    // waiting for the pool
+  uint64_t compute_ns = 0;
+  // compute_ns by phase: gather (+ quantize), gate/up, down (+ act quantize),
+  // combine (each token's rows summed into the output)
+  uint64_t gather_ns = 0, gate_up_ns = 0, down_ns = 0, combine_ns = 0;
+};
+
+class MoeExecutor {
+ public:
+  MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool);
+
+  // Checks the batch against what this server hosts (InvalidArgument naming
+  // the field), without computing.
+  absl::Status Validate(const MoeBatch& batch) const;
+
+  // Validates, then writes out[t] = sum_j w[t,j] FFN_e(x_t) as [n, H] of
+  // out_dtype (kBF16 or kF32). Tokens without pairs get zeros.
+  absl::Status Forward(const MoeBatch& batch, DType out_dtype, void* out, ForwardStats* stats);
+
+  // The groups' rows of `n` tokens of `layer` ([n, H] bf16 `tokens`):
+  // out[t] = sum over rows r of token t of weight[r] FFN(x_t), zeros for
+  // tokens without rows, as Forward writes it. The groups come from
+  // GroupByExpert with row_align = row_align() (each group starts on an
+  // aligned row; row tokens in [-1, n), -1 = padding); group g computes the
+  // expert the store holds as (layer, store_expert[g]), or (layer,
+  // groups.expert[g]) when store_expert is null. InvalidArgument when a group
+  // or row is out of range, misaligned, or names an expert the store lacks.
+  absl::Status Run(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
+                   const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats);
+  // The row alignment Run needs (the kernel's row block).
+  int row_align() const { return kernel_.row_block(store_.geometry().format); }
+
+ private:
+  // Work of one expert group's rows [r0, r1): gate/up activation groups or
+  // down output groups [c0, c1).
+  struct Unit { int group, c0, c1, r0, r1; };
+  class Buffer {
+   public:
+    ~Buffer();
+    void* Reserve(size_t bytes);  // nullptr when the allocation fails
+    void Release();
+   private:
+    void* p_ = nullptr;
+    size_t cap_ = 0;
+  };
+
+  // Under mu_: splits the groups' gate/up work into units_, down's into down_units_.
+  void PlanUnits(const ExpertGroups& groups);
+  // Under mu_: token_start_ / token_rows_, each token's rows (token[r], r < rows).
+  void IndexTokenRows(int n, const int32_t* token, int rows);
+  // Under mu_: Run's computation, the groups already checked.
+  absl::Status RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
+                         const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats,
+                         uint64_t t_queue, uint64_t t_start);
+
+  const PackedExperts& store_;
+  const ExpertKernel& kernel_;
+  ComputePool& pool_;
+  std::mutex mu_;  // guards everything below (one batch at a time)
+  ExpertGroups groups_;                     // Forward's grouping
+  std::vector<const std::byte*> weights_;  // per group
+  std::vector<Unit> units_, down_units_;
+  struct Cursor {
+    alignas(64) std::atomic<int> next{0};
+    int end = 0;
+  };
+  static constexpr int kPhases = 5;  // gather, gate/up, act quantization, down, combine (RunLocked)
+  std::vector<Cursor> cursors_;      // [phase][thread]: its range of the phase's items; sized once
+  std::vector<int32_t> token_start_, token_rows_, fill_;  // IndexTokenRows
+  Buffer x_buf_, act_buf_, y_buf_, acc_buf_;
+  Buffer xq_buf_, actq_buf_;  // integer weights: x and act quantized per row (KernelRows)
+  std::vector<int32_t> pad_token_;  // a caller's groups padded to whole row blocks
+  std::vector<float> pad_weight_;
+};
+
+}  // namespace moe

@@ -1,0 +1,84 @@
+// ModelSource: where expert weights come from — a safetensors checkpoint
+// directory (config.json + shards), a GGUF file (model/gguf_model.h) or a
+// synthetic model built in memory ("synthetic:PRESET[:layers=N][:seed=S]"). Every consumer (the expert server's
+// packer, the reference MoE, benchmarks) reads weights through it, as row-major
+// bf16. All methods are thread-safe after OpenModel returns.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/bf16.h"
+#include "model/model_spec.h"
+
+namespace moe {
+
+// Row-major bf16 weights of one expert: gate [I,H], up [I,H], down [H,I].
+struct ExpertWeights {
+  std::vector<bf16_t> gate, up, down;
+  void Resize(const ModelSpec& spec);
+};
+
+// One expert projection exactly as an FP8 checkpoint stores it: E4M3 codes
+// [rows, cols] and the f32 scale_inv grid of br x bc blocks;
+// w[r, c] = Fp8E4M3ToF32(code[r, c]) * Scale(r, c). A slice (SliceModel) keeps
+// the whole grid and offsets into it (r0, c0).
+struct Fp8Projection {
+  std::vector<uint8_t> codes;    // [rows, cols]
+  std::vector<float> scale_inv;  // [ceil(grid rows / br), scale_cols]
+  int rows = 0, cols = 0, br = 0, bc = 0, scale_cols = 0, r0 = 0, c0 = 0;
+  float Scale(int r, int c) const { return scale_inv[size_t((r + r0) / br) * scale_cols + (c + c0) / bc]; }
+};
+struct ExpertFp8 {
+  Fp8Projection gate, up, down;  // [I,H], [I,H], [H,I]
+};
+
+class ModelSource {
+ public:
+  virtual ~ModelSource() = default;
+  virtual const ModelSpec& spec() const = 0;
+  // Where the weights come from, for logs.
+  virtual std::string Describe() const = 0;
+  // Fills `out` (resized as needed) with expert `expert` of MoE layer `layer`.
+  // InvalidArgument when the layer is not an MoE layer, the expert is out of
+  // range, a tensor has the wrong shape or dtype, or holds NaN/Inf.
+  virtual absl::Status ReadExpert(int layer, int expert, ExpertWeights* out) const = 0;
+  // The same expert as the FP8 checkpoint's own codes and scales (what
+  // ReadExpert dequantizes). FailedPrecondition unless spec().quant is fp8
+  // block-scaled; otherwise ReadExpert's errors.
+  virtual absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const;
+  // The digest of the experts' content (model/model_identity.h says what it
+  // covers): equal for two sources of one model, different for another seed,
+  // a fine-tune, a requantization. A checkpoint's costs one read of its
+  // expert tensors, hashed on every core (a page-cached checkpoint at memory
+  // speed); a synthetic model's is immediate. Never 0.
+  virtual uint64_t Identity() const = 0;
+};
+
+// A synthetic model of any geometry (weights from GenerateExpertMatrix).
+std::unique_ptr<ModelSource> MakeSyntheticSource(const ModelSpec& spec, uint64_t seed);
+
+// `base` restricted to one slice of every expert (model_spec.h ExpertSlice):
+// its spec's intermediate is the slice's length and ReadExpert returns gate
+// and up rows [begin, end) and those columns of down. InvalidArgument when the
+// model's intermediate size cannot be cut that way (SliceRange).
+absl::StatusOr<std::unique_ptr<ModelSource>> SliceModel(std::unique_ptr<ModelSource> base, ExpertSlice slice);
+
+// Opens a synthetic model URI, a GGUF file (a path ending in .gguf, or a file
+// starting with the GGUF magic; model/gguf_model.h) or a checkpoint directory.
+absl::StatusOr<std::unique_ptr<ModelSource>> OpenModel(const std::string& uri);
+
+// For ModelSource implementations. InvalidArgument unless `layer` is an MoE
+// layer of `spec` and `expert` one of its experts.
+absl::Status CheckExpertIndex(const ModelSpec& spec, int layer, int expert);
+// InvalidArgument naming (layer, expert, what) when v holds NaN or Inf.
+absl::Status CheckFinite(const std::vector<bf16_t>& v, int layer, int expert, const char* what);
+// The geometry every identity covers (H, I, E, the MoE layers), after a tag
+// naming the form (model/model_identity.h).
+std::vector<uint64_t> ModelIdentityHeader(const char* form, const ModelSpec& spec);
+
+}  // namespace moe

@@ -1,0 +1,23 @@
+// MoeBatch: n tokens [n, H] bf16 and their [n, k] routing for one MoE
+// layer, as a view (it owns nothing, the caller keeps the arrays alive). A
+// GPU worker's layer call carries one (LayerCall), a server computes one
+// (MoeExecutor::Forward) and ExpertTransport::Submit ships one; the main
+// worker path fills a transport's StagingArea in place instead (no copy) and
+// the server reads it back as a ValidatedRequest.
+#pragma once
+
+#include <cstdint>
+
+#include "core/bf16.h"
+#include "model/routing.h"
+
+namespace moe {
+
+struct MoeBatch {
+  int layer = 0;
+  int n = 0;                       // tokens; routing.n must equal it (MoeExecutor::Validate checks)
+  const bf16_t* tokens = nullptr;  // [n, H]
+  RoutingView routing;             // [n, k] ids (-1 = unused slot) and weights
+};
+
+}  // namespace moe

@@ -1,0 +1,412 @@
+// gRPC implementation of ExpertTransport: long-lived bidirectional
+// ForwardStreams (grpc_streams of them, each on a connection of its own),
+// each driven through gRPC's completion-queue async API by one thread
+// (Submit queues the message and returns; writes go out one at a time in
+// order, a read is always posted), requests matched to responses by request
+// id. Messages are raw ByteBuffers (grpc_wire.h): the
+// same bytes as protobuf's; a request's tokens are copied once on their way
+// out by Submit and not at all by SubmitStaged (gRPC writes them from the
+// staging area), the output once on its way in. With grpc_unary,
+// one callback-API unary call per batch (protobuf messages).
+// A broken stream fails its in-flight requests with UNAVAILABLE and the next
+// Submit opens a new one (the channel reconnects underneath).
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/log.h"
+#include "core/status_macros.h"
+#include "core/tensor.h"
+#include "transport/grpc_channel.h"
+#include "transport/grpc_wire.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "transport/pending_requests.h"
+#include "transport/transport.h"
+#include "transport/wire.h"
+#include "moe/v1/expert.grpc.pb.h"
+
+namespace moe {
+namespace {
+
+void EncodeBatch(const MoeBatch& b, int hidden, uint64_t id, ExpertSlice slice, moe::v1::ForwardRequest* req) {
+  EncodeForwardRequest(static_cast<uint32_t>(b.layer), b.n, hidden, b.tokens, b.routing, id, req, slice);
+}
+
+std::chrono::system_clock::time_point ToSystem(Clock::time_point t) {
+  return std::chrono::system_clock::now() +
+         std::chrono::duration_cast<std::chrono::system_clock::duration>(t - Clock::now());
+}
+
+class GrpcTransport final : public ExpertTransport {
+ public:
+  // `channels`: one per stream (at least one); unary calls use the first.
+  GrpcTransport(std::string address, std::vector<std::shared_ptr<grpc::Channel>> channels, const TransportOptions& o,
+                ExpertSlice slice)
+      : slice_(slice),
+        model_(o.model),
+        address_(std::move(address)),
+        channels_(std::move(channels)),
+        stub_(moe::v1::ExpertService::NewStub(channels_[0])),
+        hidden_(o.hidden),
+        unary_(o.grpc_unary),
+        streams_(channels_.size()) {
+    for (const auto& ch : channels_) generics_.push_back(std::make_unique<grpc::GenericStub>(ch));
+  }
+
+  ~GrpcTransport() override {
+    stop_connector_ = true;
+    if (connector_.joinable()) connector_.join();
+    std::vector<std::shared_ptr<Stream>> streams;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto& s : streams_)
+        if (s) streams.push_back(std::move(s));
+      streams.insert(streams.end(), retired_.begin(), retired_.end());
+      retired_.clear();
+    }
+    for (auto& s : streams) {
+      s->ctx.TryCancel();
+      if (s->driver.joinable()) s->driver.join();
+    }
+    // Unary calls still in flight hold a reference to nothing but their own
+    // state; wait for them so their callbacks do not outlive pending_.
+    std::unique_lock<std::mutex> lock(mu_);
+    unary_cv_.wait(lock, [&] { return unary_in_flight_ == 0; });
+  }
+
+  const char* kind() const override { return unary_ ? "grpc-unary" : "grpc-stream"; }
+  ExpertSlice slice() const override { return slice_; }
+
+  // OK when every channel is connected; otherwise UNAVAILABLE at once, and a
+  // connector thread drives the channels' reconnection until they are: gRPC
+  // makes progress on a connection attempt only while someone polls for it
+  // (else its backup poller, every 5 s), so asking the channel to connect is
+  // not enough — a restarted server was seen ~2 s late that way.
+  absl::Status Reconnect() override {
+    bool ready = true;
+    for (const auto& ch : channels_) ready = ch->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY && ready;
+    if (ready) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(connector_mu_);
+    if (!connecting_.load()) {
+      if (connector_.joinable()) connector_.join();  // the last one ended (connected, then lost again)
+      connecting_ = true;
+      connector_ = std::thread([this] {
+        for (const auto& ch : channels_)
+          while (!stop_connector_.load() &&
+                 !ch->WaitForConnected(std::chrono::system_clock::now() + std::chrono::milliseconds(100))) {
+          }
+        connecting_ = false;
+      });
+    }
+    return absl::UnavailableError(absl::StrCat("expert server ", address_, ": not connected"));
+  }
+
+  absl::StatusOr<StagingArea> Stage(int n, int k, Clock::time_point) override {
+    if (n < 1 || k < 1) return absl::InvalidArgumentError("Stage: n and k must be >= 1");
+    auto buf = std::make_shared<Staging>();
+    buf->tokens.resize(size_t(n) * hidden_);
+    buf->ids.resize(size_t(n) * k);
+    buf->weights.resize(size_t(n) * k);
+    buf->output.resize(size_t(n) * hidden_);
+    StagingArea s{buf->tokens.data(), buf->ids.data(), buf->weights.data(), buf->output.data(), n, k, 0};
+    std::lock_guard<std::mutex> lock(mu_);
+    s.handle = ++next_staging_;
+    staging_[s.handle] = std::move(buf);
+    return s;
+  }
+
+  // The stream sends the staged tokens without copying them: gRPC holds
+  // the staging area (not freed by Release) until it has written them.
+  std::future<absl::Status> SubmitStaged(const StagingArea& s, uint32_t layer, Clock::time_point deadline) override {
+    std::shared_ptr<Staging> staged;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = staging_.find(s.handle);
+      if (it == staging_.end()) {
+        std::promise<absl::Status> p;
+        p.set_value(absl::InvalidArgumentError("SubmitStaged: unknown or released handle"));
+        return p.get_future();
+      }
+      staged = it->second;
+    }
+    const MoeBatch b{static_cast<int>(layer), s.n, s.tokens, RoutingView{s.n, s.k, s.expert_ids, s.expert_weights}};
+    bf16_t* out = staged->output.data();
+    return unary_ ? SubmitUnary(b, out, deadline) : SubmitStream(b, out, deadline, std::move(staged));
+  }
+
+  void Release(const StagingArea& s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    staging_.erase(s.handle);
+  }
+
+  std::future<absl::Status> Submit(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) override {
+    return unary_ ? SubmitUnary(b, out, deadline) : SubmitStream(b, out, deadline);
+  }
+
+ private:
+  // One ForwardStream and the thread that drives its completion queue.
+  struct Stream {
+    grpc::ClientContext ctx;
+    grpc::CompletionQueue cq;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> rw;
+    uint64_t generation = 0;
+    // Guarded by GrpcTransport::mu_:
+    bool started = false;   // StartCall completed
+    bool broken = false;    // no new requests on this stream
+    bool writing = false;   // a Write is out
+    bool reading = false;   // a Read is out
+    bool finishing = false; // Finish called
+    std::deque<grpc::ByteBuffer> queue;  // messages not yet written
+    grpc::ByteBuffer in;    // the posted Read's message (driver thread)
+    grpc::Status status;    // Finish's
+    bool done = false;      // the driver thread has ended
+    std::thread driver;
+  };
+  enum Op : intptr_t { kStart = 1, kWrite, kRead, kFinish };
+  static void* TagOf(Op op) { return reinterpret_cast<void*>(op); }
+
+  // With `tokens_owner`, b.tokens are lent to gRPC (EncodeForwardRequestBuffer).
+  std::future<absl::Status> SubmitStream(const MoeBatch& b, bf16_t* out, Clock::time_point deadline,
+                                         std::shared_ptr<const void> tokens_owner = nullptr) {
+    std::future<absl::Status> fut;
+    std::lock_guard<std::mutex> lock(mu_);
+    const size_t slot = next_stream_++ % streams_.size();
+    std::shared_ptr<Stream>& s = streams_[slot];
+    if (!s || s->broken) OpenStreamLocked(s, *generics_[slot]);
+    const uint64_t id = pending_.Add(out, b.n, s->generation, deadline, &fut);
+    s->queue.push_back(EncodeForwardRequestBuffer(static_cast<uint32_t>(b.layer), b.n, hidden_, b.tokens,
+                                                  b.routing, id, *pool_, slice_, model_.digest,
+                                                  std::move(tokens_owner)));
+    WriteNextLocked(*s);
+    return fut;
+  }
+
+  // Starts the next queued write unless one is out (gRPC allows one at a time).
+  void WriteNextLocked(Stream& s) {
+    if (!s.started || s.writing || s.broken || s.queue.empty()) return;
+    s.writing = true;
+    s.rw->Write(s.queue.front(), TagOf(kWrite));  // the ByteBuffer's slices are referenced, not copied
+    s.queue.pop_front();
+  }
+
+  // Once broken with nothing out, asks for the stream's status.
+  void MaybeFinishLocked(Stream& s) {
+    if (!s.broken || s.finishing || s.writing || s.reading) return;
+    s.finishing = true;
+    s.rw->Finish(&s.status, TagOf(kFinish));
+  }
+
+  // (Re)opens the stream in `slot`, on `stub`'s channel.
+  void OpenStreamLocked(std::shared_ptr<Stream>& slot, grpc::GenericStub& stub) {
+    if (slot) {
+      slot->broken = true;
+      slot->ctx.TryCancel();
+      retired_.push_back(slot);
+    }
+    // Join the drivers of streams that have ended.
+    for (auto it = retired_.begin(); it != retired_.end();) {
+      if ((*it)->done) {
+        (*it)->driver.join();
+        it = retired_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto s = std::make_shared<Stream>();
+    s->generation = ++generation_;
+    s->rw = stub.PrepareCall(&s->ctx, "/moe.v1.ExpertService/ForwardStream", &s->cq);
+    s->rw->StartCall(TagOf(kStart));
+    s->driver = std::thread([this, s] { Drive(*s); });
+    slot = s;
+  }
+
+  void Drive(Stream& s) {
+    void* tag = nullptr;
+    bool ok = false;
+    while (s.cq.Next(&tag, &ok)) {
+      const Op op = static_cast<Op>(reinterpret_cast<intptr_t>(tag));
+      const bool corrupt = op == kRead && ok && !OnResponse(s.in);  // outside mu_: it copies the output
+      std::lock_guard<std::mutex> lock(mu_);
+      if (corrupt && !s.broken) {  // a server that sends garbage: drop the stream
+        s.broken = true;
+        s.ctx.TryCancel();
+      }
+      switch (op) {
+        case kStart:
+          s.started = true;
+          if (!ok) s.broken = true;
+          break;
+        case kWrite:
+          s.writing = false;
+          if (!ok) s.broken = true;
+          break;
+        case kRead:
+          s.reading = false;
+          if (!ok) s.broken = true;
+          break;
+        case kFinish:
+          s.cq.Shutdown();
+          continue;
+      }
+      if (!s.broken && !s.reading) {
+        s.in.Clear();
+        s.reading = true;
+        s.rw->Read(&s.in, TagOf(kRead));
+      }
+      WriteNextLocked(s);
+      MaybeFinishLocked(s);
+    }
+    pending_.FailGeneration(s.generation,
+                            absl::UnavailableError(absl::StrCat("stream to ", address_, " ended: ",
+                                                                s.status.ok() ? "closed" : s.status.error_message())));
+    std::lock_guard<std::mutex> lock(mu_);
+    s.done = true;
+  }
+
+  // Completes the request a response answers; false if it is no response.
+  bool OnResponse(grpc::ByteBuffer& message) {
+    StreamResponseInfo info;
+    if (!ScanForwardStreamResponse(message, &info).ok()) return false;
+    std::optional<PendingRequests::Entry> e = pending_.Take(info.request_id);
+    if (!e) return true;  // timed out already
+    const absl::StatusCode code = StatusCodeFromWire(info.status_code, absl::StatusCode::kUnknown);
+    e->done.set_value(info.status_code == 0 ? CopyStreamResponseOutput(message, info, e->n, hidden_, e->out)
+                                            : WithOurModel(absl::Status(code, info.status_message)));
+    return true;
+  }
+
+  // A server's refusal of our model (it restarted with another --model under
+  // this address, since our GetInfo) names its side; this adds ours.
+  absl::Status WithOurModel(absl::Status st) const {
+    if (!IsModelMismatch(st)) return st;
+    return absl::Status(st.code(), absl::StrCat(st.message(), " [this worker: ", model_.ToString(), "; expert server ",
+                                                address_, "]"));
+  }
+
+  struct UnaryCall {
+    grpc::ClientContext ctx;
+    moe::v1::ForwardRequest req;
+    moe::v1::ForwardResponse resp;
+    uint64_t id = 0;
+  };
+
+  std::future<absl::Status> SubmitUnary(const MoeBatch& b, bf16_t* out, Clock::time_point deadline) {
+    std::future<absl::Status> fut;
+    auto* call = new UnaryCall();
+    call->id = pending_.Add(out, b.n, 0, deadline, &fut);
+    EncodeBatch(b, hidden_, call->id, slice_, &call->req);
+    call->req.set_model_identity(model_.digest);
+    call->ctx.set_deadline(ToSystem(deadline));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++unary_in_flight_;
+    }
+    stub_->async()->Forward(&call->ctx, &call->req, &call->resp, [this, call](grpc::Status st) {
+      if (std::optional<PendingRequests::Entry> e = pending_.Take(call->id)) {
+        e->done.set_value(st.ok() ? DecodeForwardOutput(call->resp, e->n, hidden_, e->out)
+                                  : WithOurModel(FromGrpcStatus(st)));
+      }
+      delete call;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--unary_in_flight_ == 0) unary_cv_.notify_all();
+    });
+    return fut;
+  }
+
+  const ExpertSlice slice_;
+  const ModelIdentity model_;  // every request carries its digest; the server refuses another model's
+  const std::string address_;
+  std::mutex connector_mu_;  // Reconnect's connector thread
+  std::thread connector_;
+  std::atomic<bool> connecting_{false}, stop_connector_{false};
+  const std::vector<std::shared_ptr<grpc::Channel>> channels_;  // a connection per stream
+  std::unique_ptr<moe::v1::ExpertService::Stub> stub_;
+  std::vector<std::unique_ptr<grpc::GenericStub>> generics_;  // one per channel
+  const int hidden_;
+  const bool unary_;
+  PendingRequests pending_;
+  std::mutex mu_;
+  std::vector<std::shared_ptr<Stream>> streams_;  // one per channel, opened on first use
+  size_t next_stream_ = 0;
+  std::vector<std::shared_ptr<Stream>> retired_;
+  uint64_t generation_ = 0;
+  std::shared_ptr<MessageBufferPool> pool_ = MessageBufferPool::Create(8);  // request buffers
+  int unary_in_flight_ = 0;
+  struct Staging { std::vector<bf16_t> tokens, output; std::vector<int32_t> ids; std::vector<float> weights; };
+  std::map<uint64_t, std::shared_ptr<Staging>> staging_;
+  uint64_t next_staging_ = 0;
+  std::condition_variable unary_cv_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std::string& address,
+                                                                     const TransportOptions& o) {
+  if (o.hidden <= 0) return absl::InvalidArgumentError("transport: hidden size must be set");
+  // A connection per stream (unary calls: one): streams sharing one
+  // connection are read, parsed and written one after another by gRPC.
+  const int connections = o.grpc_unary ? 1 : std::max(1, o.grpc_streams);
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  for (int i = 0; i < connections; ++i) {
+    absl::StatusOr<std::shared_ptr<grpc::Channel>> c =
+        MakeChannel(address, o.max_message_bytes, o.tls, /*own_connection=*/true);
+    if (!c.ok()) return c.status();
+    channels.push_back(*std::move(c));
+  }
+  const std::shared_ptr<grpc::Channel>& ch = channels[0];
+  // Connect now, so a wrong address or credentials fail here, not on the first batch.
+  const auto connect_by = std::chrono::system_clock::now() + o.connect_timeout;
+  for (const auto& c : channels)
+    if (!c->WaitForConnected(connect_by))
+      return absl::UnavailableError(absl::StrCat("cannot connect to expert server ", address));
+  // The share of each expert the server holds (ServerInfo.slice_*): every
+  // request says it expects that one, so a server restarted with another
+  // --slice refuses rather than answering as the old share.
+  ExpertSlice slice;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + o.connect_timeout);
+    moe::v1::ServerInfo info;
+    const grpc::Status st = moe::v1::ExpertService::NewStub(ch)->GetInfo(&ctx, moe::v1::GetInfoRequest(), &info);
+    if (!st.ok())
+      return absl::Status(FromGrpcStatus(st).code(), absl::StrCat("expert server ", address, ": GetInfo: ", st.error_message()));
+    if (info.slice_count() > 1) {
+      if (info.slice_count() > static_cast<uint32_t>(kMaxSlices) || info.slice_index() >= info.slice_count())
+        return absl::InvalidArgumentError(absl::StrCat("expert server ", address, ": slice ", info.slice_index(), "/",
+                                                       info.slice_count(), " out of range"));
+      slice = ExpertSlice{static_cast<int>(info.slice_index()), static_cast<int>(info.slice_count())};
+    }
+    // The server's model must be ours (every request carries our identity
+    // too, so a server restarted with another --model is refused as well).
+    if (o.model.digest != 0)
+      MOE_RETURN_IF_ERROR(CheckSameModel(o.model, ModelIdentity{info.model_identity(), info.model_path()}, "this worker",
+                                         absl::StrCat("the expert server at ", address)));
+  }
+  return std::unique_ptr<ExpertTransport>(new GrpcTransport(address, std::move(channels), o, slice));
+}
+
+absl::Status AwaitResult(std::future<absl::Status>& f, std::chrono::nanoseconds spin) {
+  const auto until = Clock::now() + spin;
+  while (f.wait_for(std::chrono::seconds(0)) != std::future_status::ready && Clock::now() < until) {
+  }
+  return f.get();
+}
+
+std::optional<std::string> UnixSocketPath(const std::string& address) {
+  constexpr const char kUnix[] = "unix://";
+  if (address.rfind(kUnix, 0) != 0) return std::nullopt;
+  return address.substr(sizeof(kUnix) - 1);
+}
+
+absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectTransport(const std::string& address,
+                                                                 const TransportOptions& options) {
+  if (std::optional<std::string> path = UnixSocketPath(address)) return ConnectShmTransport(*path, options);
+  return ConnectGrpcTransport(address, options);
+}
+
+}  // namespace moe
