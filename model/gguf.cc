@@ -222,11 +222,12 @@ void DequantizeGgml(GgmlType type, const std::byte* src, int64_t n, float* dst) 
       return;
     case GgmlType::kMXFP4:  // e (E8M0), 16 bytes: values i (low nibble) and i + 16 (high)
       for (int64_t b = 0; b < n / 32; ++b, src += 17) {
-        const float d = E8M0ToF32(static_cast<uint8_t>(src[0]));
+        // ggml's integer table of doubled values and halved scale (code 8 is +0 there, not -0)
+        const float d = 0.5f * E8M0ToF32(static_cast<uint8_t>(src[0]));
         for (int i = 0; i < 16; ++i) {
           const uint8_t q = static_cast<uint8_t>(src[1 + i]);
-          dst[b * 32 + i] = E2M1ToF32(q & 0xF) * d;
-          dst[b * 32 + 16 + i] = E2M1ToF32(q >> 4) * d;
+          dst[b * 32 + i] = static_cast<float>(kE2M1Doubled[q & 0xF]) * d;
+          dst[b * 32 + 16 + i] = static_cast<float>(kE2M1Doubled[q >> 4]) * d;
         }
       }
       return;

@@ -104,6 +104,7 @@ TEST(GgufMxfp4, DecodesAsGgufPyAndHandComputedBlocks) {
     EXPECT_EQ(v[i], 4.0f * kE2M1[i]) << i;
     EXPECT_EQ(v[16 + i], 4.0f * kE2M1[15 - i]) << 16 + i;
   }
+  EXPECT_FALSE(std::signbit(v[8])) << "code 8: ggml's +0 (GPT-OSS's safetensors table has -0)";
   EXPECT_EQ(GgmlBlock(static_cast<uint32_t>(GgmlType::kMXFP4)), (std::pair<int, int>{32, 17}));
   // gguf-py's dequantize_blocks, every exponent and code (subnormal scales included).
   std::vector<std::byte> all(256 * 17);
@@ -115,8 +116,11 @@ TEST(GgufMxfp4, DecodesAsGgufPyAndHandComputedBlocks) {
   DequantizeGgml(GgmlType::kMXFP4, all.data(), 255 * 32, out.data());
   for (int e = 0; e < 255; ++e)
     for (int i = 0; i < 16; ++i) {
-      ASSERT_EQ(out[size_t(e) * 32 + i], kE2M1Doubled[(i + e) % 16] * GgmlE8m0Half(static_cast<uint8_t>(e))) << e;
-      ASSERT_EQ(out[size_t(e) * 32 + 16 + i], kE2M1Doubled[i] * GgmlE8m0Half(static_cast<uint8_t>(e))) << e;
+      // bit for bit (the sign of zero included)
+      ASSERT_EQ(std::bit_cast<uint32_t>(out[size_t(e) * 32 + i]),
+                std::bit_cast<uint32_t>(kE2M1Doubled[(i + e) % 16] * GgmlE8m0Half(static_cast<uint8_t>(e)))) << e;
+      ASSERT_EQ(std::bit_cast<uint32_t>(out[size_t(e) * 32 + 16 + i]),
+                std::bit_cast<uint32_t>(kE2M1Doubled[i] * GgmlE8m0Half(static_cast<uint8_t>(e)))) << e;
     }
   // Our writer's blocks decode back to the values they were made from when those are MXFP4 values.
   std::vector<float> x(64);
@@ -322,11 +326,12 @@ TEST(GgufMxfp4, ExpertsStoredNativelyWithTheirValues) {
   ExpertWeights w;
   ASSERT_TRUE((*m)->ReadExpert(spec.moe_layers[0], 2, &w).ok());
   for (int64_t i = 0; i < n; ++i) ASSERT_EQ(Bf16ToF32(w.down[i]), f[i]) << i;
-  // ... and the same as the safetensors checkpoint of the same seed (one quantizer).
+  // ... and the same values as the safetensors checkpoint of the same seed (one
+  // quantizer; a zero code's sign aside: ggml decodes code 8 as +0, GPT-OSS's table as -0).
   std::unique_ptr<ModelSource> synth = *OpenModel("synthetic:demo:layers=1:experts=4:top_k=2:seed=9:dtype=mxfp4");
   ExpertWeights s;
   ASSERT_TRUE(synth->ReadExpert(spec.moe_layers[0], 2, &s).ok());
-  EXPECT_EQ(w.down, s.down);
+  for (int64_t i = 0; i < n; ++i) ASSERT_EQ(Bf16ToF32(w.down[i]), Bf16ToF32(s.down[i])) << i;
   ExpectStoredExactly(**m, *g);
 }
 
