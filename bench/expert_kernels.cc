@@ -172,7 +172,7 @@ std::vector<int> ParseInts(const std::string& text, const char* flag) {
   return out;
 }
 
-// --formats: bf16, int8, int4, fp8 (comma list, each at most once, at least one).
+// --formats: bf16, int8, int4, fp8, mxfp4 (comma list, each at most once, at least one).
 absl::StatusOr<std::vector<WeightFormat>> ParseFormats(const std::string& text) {
   std::vector<WeightFormat> out;
   for (const std::string& s : SplitList(text)) {
@@ -185,14 +185,16 @@ absl::StatusOr<std::vector<WeightFormat>> ParseFormats(const std::string& text) 
       f = WeightFormat::kInt4;
     } else if (s == "fp8") {
       f = WeightFormat::kFp8;
+    } else if (s == "mxfp4") {
+      f = WeightFormat::kMxfp4;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("--formats: unknown format '", s, "' (bf16, int8, int4, fp8)"));
+      return absl::InvalidArgumentError(absl::StrCat("--formats: unknown format '", s, "' (bf16, int8, int4, fp8, mxfp4)"));
     }
     if (std::find(out.begin(), out.end(), f) != out.end())
       return absl::InvalidArgumentError(absl::StrCat("--formats: '", s, "' listed twice"));
     out.push_back(f);
   }
-  if (out.empty()) return absl::InvalidArgumentError("--formats: empty (a comma list of bf16, int8, int4, fp8)");
+  if (out.empty()) return absl::InvalidArgumentError("--formats: empty (a comma list of bf16, int8, int4, fp8, mxfp4)");
   return out;
 }
 
@@ -707,10 +709,10 @@ void Benchmark::RunShape(const std::string& shape) {
 
 // oneDNN's side for a format: bf16 matmuls for bf16 and fp8 (the bf16 weights
 // an fp8 expert stands for: what computing it without an fp8 kernel costs),
-// int8 ones for int8, none for int4 (or when oneDNN refuses).
+// int8 ones for int8, none for int4 and mxfp4 (or when oneDNN refuses).
 std::unique_ptr<DnnlExpert> Benchmark::MakeDnnl(WeightFormat format, const ExpertWeights& w,
                                                 const ModelSpec& spec) {
-  if (format == WeightFormat::kInt4) return nullptr;
+  if (format == WeightFormat::kInt4 || format == WeightFormat::kMxfp4) return nullptr;
   const auto precision =
       format == WeightFormat::kInt8 ? DnnlExpert::Precision::kInt8 : DnnlExpert::Precision::kBf16;
   try {
@@ -1071,7 +1073,7 @@ int main(int argc, char** argv) {
   flags.String("shapes", &o.shapes, "model presets whose expert geometry to use (comma list)");
   flags.String("tokens", &o.tokens, "tokens per expert m for the per-expert cases (comma list)");
   flags.String("formats", &o.formats,
-               "storage formats of the packed experts: bf16, int8, int4, fp8 (comma list; int4 and fp8 group 128)");
+               "storage formats of the packed experts: bf16, int8, int4, fp8, mxfp4 (comma list; int4 and fp8 group 128, mxfp4 32)");
   flags.String("kernels", &o.kernels,
                "kernels (amx, avx512, reference; comma list); empty = all this CPU has for each format");
   flags.Bool("with-reference", &o.with_reference, "also time the scalar reference kernel (m <= 16, decode)");

@@ -1,5 +1,5 @@
 // The AMX tile configuration every AMX user here loads: palette 1, tiles 0-7
-// each 16 rows of 64 bytes (bf16: 16 x 32; int8: 16 x 64). Shared by the amx
+// each 16 rows of 64 bytes (bf16: 16 x 32; int8: 16 x 64) by default. Shared by the amx
 // kernel (kernel_amx.cc) and the tile-loop ceiling of bench/amx_peak.cc.
 // Call only where CpuFeatures::HasAmxBf16() or HasAmxInt8() holds.
 #pragma once
@@ -18,12 +18,17 @@ struct alignas(64) AmxTileConfig {
   uint8_t rows[16] = {};
 };
 
-__attribute__((target("amx-tile"))) inline void ConfigureAmxTiles() {
+// k_bytes < 64 (int8 only; the amx kernel's mxfp4 uses 32): tiles 4-5 (A)
+// are 16 rows of k_bytes, tiles 6-7 (B) k_bytes / 4 rows of 64, so one
+// tdpbssd sums k_bytes k (one MXFP4 scale block); tiles 0-3 are unchanged.
+__attribute__((target("amx-tile"))) inline void ConfigureAmxTiles(int k_bytes = 64) {
   AmxTileConfig cfg;
   for (int i = 0; i < 8; ++i) {
     cfg.colsb[i] = 64;
     cfg.rows[i] = 16;
   }
+  cfg.colsb[4] = cfg.colsb[5] = static_cast<uint16_t>(k_bytes);
+  cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(k_bytes / 4);
   _tile_loadconfig(&cfg);
 }
 

@@ -17,6 +17,7 @@ const char* WeightFormatName(WeightFormat f) {
     case WeightFormat::kInt8: return "int8";
     case WeightFormat::kInt4: return "int4";
     case WeightFormat::kFp8: return "fp8";
+    case WeightFormat::kMxfp4: return "mxfp4";
   }
   return "?";
 }
@@ -40,6 +41,10 @@ ExpertGeometry ExpertGeometry::For(int hidden, int intermediate, WeightFormat fo
     g.group = group > 0 ? group : format == WeightFormat::kInt4 ? kDefaultInt4Group : kDefaultFp8Group;
     k_align = std::max(64, g.group);
   }
+  if (format == WeightFormat::kMxfp4) {
+    g.group = kMxfp4Block;
+    k_align = 64;  // int4's 64-k chunks
+  }
   g.Kh = RoundUp(hidden, k_align);
   g.Ki = RoundUp(intermediate, k_align);
   g.Hn = RoundUp(hidden, 32);
@@ -52,6 +57,7 @@ size_t ExpertGeometry::block_bytes(int K) const {
     case WeightFormat::kInt8: return static_cast<size_t>(K) * 16 + 128;
     case WeightFormat::kInt4: return static_cast<size_t>(K) * 8 + static_cast<size_t>(K / group) * 64;
     case WeightFormat::kFp8: return static_cast<size_t>(K) * 16 + static_cast<size_t>(K / group) * 64;
+    case WeightFormat::kMxfp4: return static_cast<size_t>(K) * 8 + layout::Mxfp4ScaleBytes(K);
   }
   return 0;
 }
@@ -62,7 +68,7 @@ KernelRows KernelRows::At(int row, int ld, int K) const {
   if (bf16 != nullptr) r.bf16 = bf16 + off;
   if (q != nullptr) r.q = q + 2 * off;
   if (scale != nullptr) r.scale = scale + row;
-  if (sum64 != nullptr) r.sum64 = sum64 + static_cast<size_t>(2 * row) * (K / 64);
+  if (sum32 != nullptr) r.sum32 = sum32 + static_cast<size_t>(2 * row) * (K / 32);
   return r;
 }
 
@@ -134,6 +140,31 @@ void PackInt4Block(const bf16_t* w, int N, int K, int n0, int Kp, int group, std
   }
 }
 
+// mxfp4 from bf16: per channel and 32 k, the OCP scale (Mxfp4ScaleFor) and
+// codes rounded to nearest. An MXFP4 checkpoint's values (dequantized at load,
+// exact in bf16) come back exactly: the scale its largest code implies may be
+// smaller than the stored one by up to 2^3, and every code times that power
+// of two is again a code. Padding: code 0, exponent 127.
+void PackMxfp4Block(const bf16_t* w, int N, int K, int n0, int Kp, std::byte* out) {
+  uint8_t* q = reinterpret_cast<uint8_t*>(out);
+  std::memset(q, 0, size_t(Kp) * 8 + layout::Mxfp4ScaleBytes(Kp));
+  uint8_t* scale = q + size_t(Kp) * 8;
+  float v[kMxfp4Block];
+  uint8_t codes[kMxfp4Block];
+  for (int gi = 0; gi < Kp / kMxfp4Block; ++gi)
+    for (int c = 0; c < 16; ++c) {
+      const int k0 = gi * kMxfp4Block;
+      for (int j = 0; j < kMxfp4Block; ++j) v[j] = At(w, N, K, n0 + c, k0 + j);
+      scale[gi * 16 + c] = QuantizeMxfp4Block(v, codes);
+      for (int k = k0; k < k0 + kMxfp4Block; ++k) {
+        const uint8_t code = codes[k - k0];
+        bool high;
+        uint8_t& b = q[layout::Int4Offset(c, k, &high)];
+        b = high ? static_cast<uint8_t>((b & 0x0F) | (code << 4)) : static_cast<uint8_t>((b & 0xF0) | code);
+      }
+    }
+}
+
 // fp8 from bf16: per channel and group, scale = max|w| / 448 (E4M3's largest
 // finite value), codes rounded to nearest even.
 void PackFp8Block(const bf16_t* w, int N, int K, int n0, int Kp, int group, std::byte* out) {
@@ -156,6 +187,7 @@ void PackBlock(const ExpertGeometry& g, const bf16_t* w, int N, int K, int n0, i
     case WeightFormat::kInt8: return PackInt8Block(w, N, K, n0, Kp, out);
     case WeightFormat::kInt4: return PackInt4Block(w, N, K, n0, Kp, g.group, out);
     case WeightFormat::kFp8: return PackFp8Block(w, N, K, n0, Kp, g.group, out);
+    case WeightFormat::kMxfp4: return PackMxfp4Block(w, N, K, n0, Kp, out);
   }
 }
 
@@ -224,7 +256,7 @@ void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate,
   UnpackMatrix(g, packed + g.gate_up_bytes(), g.block_bytes(g.Ki), g.H, g.I, g.Ki, down);
 }
 
-void QuantizeRowsScalar(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum64) {
+void QuantizeRowsScalar(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum32) {
   for (int r = 0; r < m; ++r) {
     const bf16_t* xr = x + size_t(r) * ld;
     float amax = 0.0f;
@@ -234,9 +266,9 @@ void QuantizeRowsScalar(const bf16_t* x, int m, int K, int ld, int8_t* q, float*
     scale[r] = s;
     int8_t* hi = q + size_t(2 * r) * ld;
     int8_t* lo = hi + ld;
-    for (int c = 0; c < K / 64; ++c) {
+    for (int c = 0; c < K / 32; ++c) {
       int32_t sh = 0, sl = 0;
-      for (int k = 64 * c; k < 64 * c + 64; ++k) {
+      for (int k = 32 * c; k < 32 * c + 32; ++k) {
         const float v = Bf16ToF32(xr[k]) * inv;  // in [-127, 127]
         const float h = std::nearbyint(v);
         const int qh = static_cast<int>(h);
@@ -246,20 +278,20 @@ void QuantizeRowsScalar(const bf16_t* x, int m, int K, int ld, int8_t* q, float*
         sh += qh;
         sl += ql;
       }
-      sum64[size_t(2 * r) * (K / 64) + c] = sh;
-      sum64[size_t(2 * r + 1) * (K / 64) + c] = sl;
+      sum32[size_t(2 * r) * (K / 32) + c] = sh;
+      sum32[size_t(2 * r + 1) * (K / 32) + c] = sl;
     }
   }
 }
 
-void QuantizeRows(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum64) {
-  if (CpuFeatures::Get().HasAvx512Bf16()) return QuantizeRowsAvx512(x, m, K, ld, q, scale, sum64);
-  QuantizeRowsScalar(x, m, K, ld, q, scale, sum64);
+void QuantizeRows(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum32) {
+  if (CpuFeatures::Get().HasAvx512Bf16()) return QuantizeRowsAvx512(x, m, K, ld, q, scale, sum32);
+  QuantizeRowsScalar(x, m, K, ld, q, scale, sum32);
 }
 
 absl::StatusOr<std::unique_ptr<ExpertKernel>> MakeExpertKernel(std::string_view name, const CpuFeatures& cpu,
                                                               WeightFormat format) {
-  const bool bf16 = format == WeightFormat::kBf16 || format == WeightFormat::kFp8;  // fp8 runs as bf16 after conversion
+  const bool bf16 = format == WeightFormat::kBf16 || format == WeightFormat::kFp8;  // fp8 runs as bf16 after conversion; mxfp4 as int4
   const bool avx512 = bf16 ? cpu.HasAvx512Bf16() : cpu.HasAvx512Vnni();
   const bool amx = bf16 ? cpu.HasAmxBf16() : cpu.HasAmxInt8();
   const bool avx512_int8 = cpu.HasAvx512Vnni(), amx_int8 = cpu.HasAmxInt8();

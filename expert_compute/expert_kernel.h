@@ -5,7 +5,7 @@
 //   reference portable scalar code (any x86-64)
 //
 // All three read one packed weight layout per storage format (bf16, int8,
-// int4, fp8), written once at load by PackExpert / PackExpertFp8 (never at
+// int4, fp8, mxfp4), written once at load by PackExpert / PackExpertFp8 (never at
 // call time). The bf16
 // layout stores a matrix W [N, K]
 // (y = W x) as N/16 blocks of 16 rows; inside a block, K/2 rows of 64 bytes,
@@ -43,8 +43,11 @@ enum class WeightFormat : uint8_t {
   kFp8,   // OCP FP8 E4M3 codes, one f32 scale per output channel and group of `group` k: an FP8
           // checkpoint's own bytes and block scales (PackExpertFp8), or bf16 weights quantized
           // with scale = max|w| / 448 (PackExpert)
+  kMxfp4, // OCP MXFP4: E2M1 codes (int4's nibble layout), one E8M0 byte per output channel and
+          // 32 k (group 32): 4.25 bits per weight. Computed as int4 is (int8 activations), the
+          // nibbles mapped to 2 x E2M1 (integers in [-12, 12]) and the scale halved.
 };
-// "bf16", "int8", "int4", "fp8".
+// "bf16", "int8", "int4", "fp8", "mxfp4".
 const char* WeightFormatName(WeightFormat f);
 
 // The byte layouts (kInt8, kInt4, kFp8). A matrix W [N, K] is N/16 blocks of 16
@@ -59,7 +62,11 @@ const char* WeightFormatName(WeightFormat f);
 //        scales (group-major).
 //   kFp8 chunk: as kInt8's, each byte an E4M3 code. After the chunks: K/group
 //        groups of 16 f32 scales (group-major), as kInt4.
-// Block bytes: kInt8 16K + 128, kInt4 8K + 64 K/group, kFp8 16K + 64 K/group; gate and up blocks
+//   kMxfp4 chunk: as kInt4's, each nibble an E2M1 code (sign bit 3). After
+//        the chunks: K/32 groups of 16 E8M0 bytes (group-major), padded to a
+//        multiple of 64 bytes. W[n, k] = E2M1(code) * 2^(e - 127).
+// Block bytes: kInt8 16K + 128, kInt4 8K + 64 K/group, kFp8 16K + 64 K/group,
+// kMxfp4 8K + K/2 rounded up to 64; gate and up blocks
 // interleave as in bf16 (gate block c, up block c), then down's Hn/16 blocks.
 // K (Kh, Ki) is padded to a multiple of 64 (and of `group`) with zeros.
 // W[n, k] = scale * q.
@@ -69,20 +76,24 @@ struct ExpertGeometry {
   int Ki = 0;  // I rounded up likewise: the K of down
   int Hn = 0;  // H rounded up to 32: the N of down
   WeightFormat format = WeightFormat::kBf16;
-  int group = 0;  // kInt4, kFp8: k per scale group (a multiple of 64); else 0
+  int group = 0;  // kInt4, kFp8: k per scale group (a multiple of 64); kMxfp4: 32; else 0
 
   // bf16 geometry (the GPU worker's cache, and the default).
   static ExpertGeometry For(int hidden, int intermediate);
-  // Any format; `group` only for kInt4 and kFp8 (0: their default).
+  // Any format; `group` only for kInt4 and kFp8 (0: their default; kMxfp4's is 32).
   static ExpertGeometry For(int hidden, int intermediate, WeightFormat format, int group = 0);
   static constexpr int kDefaultInt4Group = 128;
   static constexpr int kDefaultFp8Group = 128;  // DeepSeek-V3's and Qwen3-FP8's 128x128 blocks
 
   // Stored in a byte layout (not bf16 pairs).
   bool quantized() const { return format != WeightFormat::kBf16; }
-  // Multiplied with int8-quantized activations (KernelRows q): kInt8, kInt4.
-  // bf16 and fp8 weights meet bf16 activations.
-  bool int_activations() const { return format == WeightFormat::kInt8 || format == WeightFormat::kInt4; }
+  // Multiplied with int8-quantized activations (KernelRows q): kInt8, kInt4,
+  // kMxfp4. bf16 and fp8 weights meet bf16 activations.
+  bool int_activations() const {
+    return format == WeightFormat::kInt8 || format == WeightFormat::kInt4 || format == WeightFormat::kMxfp4;
+  }
+  // kInt4 and kMxfp4: nibbles in kInt4's layout, scales per group of k.
+  bool nibbles() const { return format == WeightFormat::kInt4 || format == WeightFormat::kMxfp4; }
   // Activation column groups of 16 computed by GateUp (covers Ki).
   int gate_up_groups() const { return Ki / 16; }
   // Output column groups of 32 computed by Down (covers Hn).
@@ -126,24 +137,25 @@ void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate,
 // (per-token int8) costs 1-2.5% relative error at real shapes; the pair keeps
 // the kernels within the weights' own quantization error, and the second dot
 // product is free where decode is bound by reading the weights. An all-zero
-// row has s = 0. sum64 holds, per int8 row, the sum of its codes over every
-// 64-column chunk (what u8-weight dot products subtract). Rows are ld apart
+// row has s = 0. sum32 holds, per int8 row, the sum of its codes over every
+// 32-column chunk (what u8-weight dot products subtract: int4 per group of
+// >= 64, mxfp4 per 32). Rows are ld apart
 // (elements for bf16, bytes for each int8 row: ldx() for GateUp's input,
-// lda() for Down's), sum64's rows K/64 apart (K = Kh, Ki);
+// lda() for Down's), sum32's rows K/32 apart (K = Kh, Ki);
 // pointers start at the call's row 0 (int8 row 0).
 constexpr float kLoScale = 1.0f / 254.0f;
 struct KernelRows {
   const bf16_t* bf16 = nullptr;   // [m, ld]
   const int8_t* q = nullptr;      // [2m, ld]: hi, lo of row 0, hi, lo of row 1, ...
   const float* scale = nullptr;   // [m]
-  const int32_t* sum64 = nullptr; // [2m, K/64]
+  const int32_t* sum32 = nullptr; // [2m, K/32]
   KernelRows At(int row, int ld, int K) const;  // the same rows from `row` on
 };
 
 // Quantizes rows r < m of x (K bf16 columns, K a multiple of 64, rows ld
 // apart) as KernelRows describes, q's int8 rows ld bytes apart (AVX-512 when
 // the CPU has it). Thread-safe on disjoint rows.
-void QuantizeRows(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum64);
+void QuantizeRows(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum32);
 
 class ExpertKernel {
  public:
@@ -187,7 +199,7 @@ std::unique_ptr<ExpertKernel> MakeReferenceKernel();
 std::unique_ptr<ExpertKernel> MakeAvx512Kernel(bool bf16, bool int8);
 std::unique_ptr<ExpertKernel> MakeAmxKernel(bool bf16, bool int8);
 // QuantizeRows' two implementations (kernel_avx512.cc and expert_kernel.cc).
-void QuantizeRowsAvx512(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum64);
-void QuantizeRowsScalar(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum64);
+void QuantizeRowsAvx512(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum32);
+void QuantizeRowsScalar(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum32);
 
 }  // namespace moe

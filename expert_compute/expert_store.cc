@@ -22,10 +22,10 @@ std::string GiB(uint64_t b) { return absl::StrCat(static_cast<double>(b >> 20) /
 
 absl::Status CheckWeightDtype(std::string_view weight_dtype) {
   if (weight_dtype == "auto" || weight_dtype == "bf16" || weight_dtype == "int8" || weight_dtype == "int4" ||
-      weight_dtype == "fp8")
+      weight_dtype == "fp8" || weight_dtype == "mxfp4")
     return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("--weight-dtype: '", std::string(weight_dtype), "' is not one of auto, bf16, int8, int4, fp8"));
+  return absl::InvalidArgumentError(absl::StrCat("--weight-dtype: '", std::string(weight_dtype),
+                                                 "' is not one of auto, bf16, int8, int4, fp8, mxfp4"));
 }
 
 absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype) {
@@ -33,6 +33,10 @@ absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::strin
   auto at = [&](WeightFormat f, int group = 0) { return ExpertGeometry::For(spec.hidden, spec.intermediate, f, group); };
   if (weight_dtype == "bf16") return at(WeightFormat::kBf16);
   if (weight_dtype == "int8") return at(WeightFormat::kInt8);
+  // mxfp4: any checkpoint quantized per 32 k (an MXFP4 one's values come back exactly).
+  const bool mxfp4_ckpt = spec.quant.scheme == WeightQuant::kMxfp4 ||
+                          (spec.quant.scheme == WeightQuant::kGgufBlock && spec.quant.gguf_mxfp4);
+  if (weight_dtype == "mxfp4" || (weight_dtype == "auto" && mxfp4_ckpt)) return at(WeightFormat::kMxfp4);
   const int ckpt_group = spec.quant.scheme == WeightQuant::kInt4Group && spec.quant.group_size % 64 == 0 ? spec.quant.group_size : 0;
   if (weight_dtype == "int4") return at(WeightFormat::kInt4, ckpt_group);
   // auto on an fp8 checkpoint: its own codes and scales (exact), unless its
@@ -201,7 +205,9 @@ absl::StatusOr<SharedStoreInfo> ParseSharedStoreInfo(std::string_view blob, cons
     return absl::InvalidArgumentError(absl::StrCat("shared store: hidden/intermediate ", h.hidden, "/", h.intermediate,
                                                    ", the model has ", spec.hidden, "/", spec.intermediate));
   const bool grouped = h.format == static_cast<int>(WeightFormat::kInt4) || h.format == static_cast<int>(WeightFormat::kFp8);
-  if (h.format < 0 || h.format > static_cast<int>(WeightFormat::kFp8) || (grouped && (h.group <= 0 || h.group % 64 != 0)))
+  const bool mxfp4 = h.format == static_cast<int>(WeightFormat::kMxfp4);
+  if (h.format < 0 || h.format > static_cast<int>(WeightFormat::kMxfp4) ||
+      (grouped && (h.group <= 0 || h.group % 64 != 0)) || (mxfp4 && h.group != kMxfp4Block))
     return absl::InvalidArgumentError(absl::StrCat("shared store: format ", h.format, " group ", h.group));
   SharedStoreInfo info;
   info.geometry = ExpertGeometry::For(spec.hidden, spec.intermediate, static_cast<WeightFormat>(h.format), h.group);

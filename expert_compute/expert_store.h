@@ -39,8 +39,10 @@ class PackedExperts {
 };
 
 // The packed geometry a server stores `spec`'s experts in, from
-// --weight-dtype: "bf16", "int8", "int4", "fp8" or "auto" (the checkpoint's
-// precision class: an fp8 checkpoint -> fp8, its own codes and block scales,
+// --weight-dtype: "bf16", "int8", "int4", "fp8", "mxfp4" or "auto" (the
+// checkpoint's precision class: an MXFP4 checkpoint (safetensors, or a GGUF
+// whose experts are all MXFP4) -> mxfp4, 4.25 bits per weight, its values
+// exact; an fp8 checkpoint -> fp8, its own codes and block scales,
 // exact (int8 when its blocks are not a multiple of 64 columns wide:
 // requantizing fp8 to per-channel int8 misses the 1e-2 bound, 1.14e-2 on
 // DeepSeek-V3-shaped experts, though it decodes ~1.4x faster on the CPU; ask
@@ -53,7 +55,8 @@ class PackedExperts {
 // anything else -> bf16). fp8
 // keeps an fp8 checkpoint's codes and block scales as they are (scale groups
 // = its block columns); other checkpoints are quantized to fp8 per channel
-// and 128 columns.
+// and 128 columns. mxfp4 quantizes any other checkpoint per 32 columns with
+// the OCP scale (model/quantization.h Mxfp4ScaleFor), round to nearest.
 // InvalidArgument naming --weight-dtype for other values.
 absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype);
 // The check StorageGeometry makes of the name alone (for flag parsing, before

@@ -2,9 +2,13 @@
 // 4-5 inputs (A), 6-7 weights (B: one packed 1 KiB run).
 // bf16: A is 16 rows x 32 bf16; rows come in blocks of 16 (row_block); two
 // row blocks share each B load.
-// int8/int4 (AMX-INT8, tdpbssd): A is 16 int8 rows x 64 k = 8 tokens' hi/lo
-// pairs (KernelRows); B is the int8 chunk as packed, or the int4 chunk
-// unpacked to int8 in registers. Groups of fewer than 8 rows (decode) and the
+// int8/int4/mxfp4 (AMX-INT8, tdpbssd): A is 16 int8 rows x 64 k = 8 tokens'
+// hi/lo pairs (KernelRows); B is the int8 chunk as packed, or the nibble
+// chunk unpacked to int8 in registers (int4: q; mxfp4: 2 x E2M1, integers in
+// [-12, 12], so the int8 products are exact and only the power-of-two block
+// scale, applied to each block's int32 sums, is left). mxfp4's scale blocks
+// are 32 k: its tiles are configured 32 k deep (ConfigureAmxTiles(32)), one
+// tdpbssd per scale block. Groups of fewer than 8 rows (decode) and the
 // tail of a group run on the AVX-512-VNNI path.
 // fp8: each panel's blocks converted to bf16 once per call of the kernel
 // (simd::Fp8BlocksToBf16, into a per-thread L2 scratch), then the bf16 tiles.
@@ -12,6 +16,7 @@
 
 #include <algorithm>
 
+#include "model/quantization.h"
 #include "expert_compute/amx_tiles.h"
 #include "expert_compute/expert_kernel.h"
 #include "expert_compute/packed_layout.h"
@@ -122,55 +127,74 @@ void AmxBf16DownPanel(const ExpertGeometry& g, const std::byte* blocks, const bf
 
 constexpr int kTileTokens = 8;  // tokens per A tile (16 int8 rows: hi, lo of each)
 
-// One int4 chunk (8 rows of 64 bytes, nibbles q + 8) as an int8 B tile: tile
-// row 2i is row i's low nibbles, 2i+1 its high ones.
+// One nibble chunk (8 rows of 64 bytes) as an int8 B tile: tile row 2i is
+// row i's low nibbles, 2i+1 its high ones; int4 (q + 8) -> q, mxfp4 (E2M1
+// code) -> 2 x its value (vpshufb).
 // AmxIntDots unpacks each chunk again for every 16-token row block, into 2 KiB
 // that stay in L1. Unpacking a column pair once per call and reusing it was
 // tried: its chunks (64 KiB at H = 2048) then come back from L2, and int4 at
 // m = 1024 fell to 0.76x int8 in one expert_kernels run on the AMX host
 // (this code: 1.13x and 1.28x in two others).
-inline void UnpackInt4Tile(const std::byte* src, int8_t* dst) {
-  const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+inline void UnpackNibbleTile(const std::byte* src, bool mxfp4, int8_t* dst) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  alignas(16) int8_t table[16];
+  for (int i = 0; i < 16; ++i) table[i] = static_cast<int8_t>(mxfp4 ? kE2M1Doubled[i] : i - 8);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(table)));
   for (int i = 0; i < 8; ++i) {
     const __m512i v = _mm512_loadu_si512(src + 64 * i);
-    _mm512_store_si512(dst + 128 * i, _mm512_sub_epi8(_mm512_and_si512(v, low4), eight));
-    _mm512_store_si512(dst + 128 * i + 64, _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(v, 4), low4), eight));
+    _mm512_store_si512(dst + 128 * i, _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low4)));
+    _mm512_store_si512(dst + 128 * i + 64, _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)));
   }
+}
+
+// The k per tdpbssd of a format's AMX path: 32 for mxfp4 (its scale block), else 64.
+inline int AmxKStep(const ExpertGeometry& g) { return g.format == WeightFormat::kMxfp4 ? 32 : 64; }
+
+// The 16 channels' scales of group gi (int8: gi = 0, its per-channel scales;
+// mxfp4: 2^(e - 127) / 2, its codes being doubled).
+inline __m512 AmxGroupScales(const ExpertGeometry& g, const std::byte* blk, int Kp, int gi) {
+  if (g.format == WeightFormat::kMxfp4) return simd::Mxfp4HalfScales(layout::Mxfp4Exponents(blk, Kp) + 16 * gi);
+  return _mm512_loadu_ps(layout::Scales(g, blk, Kp) + 16 * gi);
 }
 
 // y[t][b] = (x_t . channels of block b), dequantized (weight and row scales),
 // for the 8 * tiles tokens of x (1 or 2 A tiles) and the blocks b0, b1 of K =
-// Kp (int8 rows ld bytes apart). int32 tile sums per scale group (int8: the
-// whole K; int4: g.group), hi + lo / 254 in f32.
+// Kp (int8 rows ld bytes apart; tiles configured ConfigureAmxTiles(AmxKStep(g))).
+// int32 tile sums per scale group (int8: the whole K; int4: g.group; mxfp4:
+// 32), hi + lo / 254 in f32.
 void AmxIntDots(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x, int ld,
                 int Kp, int tiles, float (*y)[2][16], int8_t* unpack) {
-  const bool int4 = g.format == WeightFormat::kInt4;
-  const int chunks = Kp / 64, per_group = int4 ? g.group / 64 : chunks;
-  const float* scales[2] = {layout::Scales(g, b0, Kp), layout::Scales(g, b1, Kp)};
+  const bool nibbles = g.nibbles();
+  const int step = AmxKStep(g);  // k per tdpbssd
+  const int steps = Kp / step, per_group = nibbles ? g.group / step : steps;
   const int tokens = kTileTokens * tiles;
   for (int t = 0; t < tokens; ++t)
     for (int b = 0; b < 2; ++b) _mm512_store_ps(y[t][b], _mm512_setzero_ps());
   alignas(64) int32_t c[4][256];
-  for (int k0 = 0; k0 < chunks; k0 += per_group) {
+  for (int k0 = 0; k0 < steps; k0 += per_group) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int kb = k0; kb < k0 + per_group; ++kb) {
-      if (int4) {
-        UnpackInt4Tile(b0 + 512 * size_t(kb), unpack);
-        UnpackInt4Tile(b1 + 512 * size_t(kb), unpack + 1024);
-        _tile_loadd(6, unpack, 64);
-        _tile_loadd(7, unpack + 1024, 64);
+      const int k = kb * step;
+      if (nibbles) {
+        // A 64-k chunk unpacks to 16 tile rows of 4 k; a 32-k step takes its half.
+        if (k % 64 == 0) {
+          UnpackNibbleTile(b0 + 8 * size_t(k), g.format == WeightFormat::kMxfp4, unpack);
+          UnpackNibbleTile(b1 + 8 * size_t(k), g.format == WeightFormat::kMxfp4, unpack + 1024);
+        }
+        _tile_loadd(6, unpack + 16 * (k % 64), 64);
+        _tile_loadd(7, unpack + 1024 + 16 * (k % 64), 64);
       } else {
-        _tile_loadd(6, b0 + 1024 * size_t(kb), 64);
-        _tile_loadd(7, b1 + 1024 * size_t(kb), 64);
+        _tile_loadd(6, b0 + 16 * size_t(k), 64);
+        _tile_loadd(7, b1 + 16 * size_t(k), 64);
       }
-      _tile_loadd(4, x.q + 64 * size_t(kb), ld);
+      _tile_loadd(4, x.q + size_t(k), ld);
       _tile_dpbssd(0, 4, 6);
       _tile_dpbssd(1, 4, 7);
       if (tiles == 2) {
-        _tile_loadd(5, x.q + size_t(16) * ld + 64 * size_t(kb), ld);
+        _tile_loadd(5, x.q + size_t(16) * ld + size_t(k), ld);
         _tile_dpbssd(2, 5, 6);
         _tile_dpbssd(3, 5, 7);
       }
@@ -181,9 +205,10 @@ void AmxIntDots(const ExpertGeometry& g, const std::byte* b0, const std::byte* b
       _tile_stored(2, c[2], 64);
       _tile_stored(3, c[3], 64);
     }
-    const int gi = int4 ? k0 / per_group : 0;
+    const int gi = nibbles ? k0 / per_group : 0;
+    const std::byte* blk[2] = {b0, b1};
     for (int b = 0; b < 2; ++b) {
-      const __m512 s = _mm512_loadu_ps(scales[b] + 16 * gi);
+      const __m512 s = AmxGroupScales(g, blk[b], Kp, gi);
       for (int t = 0; t < tokens; ++t) {
         const int32_t* ct = c[2 * (t / kTileTokens) + b] + 32 * (t % kTileTokens);  // rows 2i (hi), 2i+1 (lo)
         const __m512 dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(ct + 16)), _mm512_set1_ps(kLoScale),
@@ -200,7 +225,7 @@ void AmxIntGateUp(const ExpertGeometry& g, const std::byte* packed, const Kernel
                   int c0, int c1) {
   const int full = m / kTileTokens * kTileTokens;
   if (full > 0) {
-    ConfigureAmxTiles();
+    ConfigureAmxTiles(AmxKStep(g));
     const size_t bb = g.block_bytes(g.Kh);
     alignas(64) int8_t unpack[2048];
     alignas(64) float y[16][2][16];
@@ -222,7 +247,7 @@ void AmxIntDown(const ExpertGeometry& g, const std::byte* packed, const KernelRo
                 const float* weight, float* out, int ldo, int c0, int c1) {
   const int full = m / kTileTokens * kTileTokens;
   if (full > 0) {
-    ConfigureAmxTiles();
+    ConfigureAmxTiles(AmxKStep(g));
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t bb = g.block_bytes(g.Ki);
     alignas(64) int8_t unpack[2048];

@@ -2,14 +2,18 @@
 // blocks of 16 columns in registers (16 accumulators). fp8: up to
 // kFp8DirectRows rows, codes converted to exact bf16 in registers and the
 // group scales applied to the sums (DotRowsFp8); more rows, each block pair
-// converted once to bf16 (simd::Fp8BlocksToBf16) for the bf16 path. int8/int4: vpdpbusd
+// converted once to bf16 (simd::Fp8BlocksToBf16) for the bf16 path. int8/int4/mxfp4: vpdpbusd
 // (AVX-512-VNNI) straight from the packed integer layouts, up to 4 rows (each
 // a hi and a lo int8 row) x 2 blocks in registers (16 int32 accumulators);
-// each 64-byte weight row is loaded once per row chunk.
+// each 64-byte weight row is loaded once per row chunk. int4 and mxfp4 share
+// one path: nibbles as u8 weights (mxfp4's mapped by vpshufb to 2 x E2M1 + 12),
+// the offset times the group's sum of x codes subtracted, group scales (f32,
+// or mxfp4's E8M0 exponents) applied to the group's sums.
 #include <immintrin.h>
 
 #include <type_traits>
 
+#include "model/quantization.h"
 #include "expert_compute/expert_kernel.h"
 #include "expert_compute/packed_layout.h"
 #include "expert_compute/simd_avx512.h"
@@ -255,21 +259,45 @@ inline void DotRowsInt8(const ExpertGeometry& g, const std::byte* b0, const std:
   }
 }
 
-// acc[r][b][hi, lo] = (x_r . (q + 8)) over one int4 group of two blocks: n
-// byte rows from w0/w1 (byte row j: k = 8j..8j+3 in the low nibbles,
-// 8j+4..8j+7 in the high ones), x at the group's first column.
-template <int R>
-inline void GroupDotInt4(const std::byte* w0, const std::byte* w1, const int8_t* x, int ld, int n,
-                         __m512i acc[kIntRows][2][2]) {
+// The u8 weight each nibble stands for in the nibble formats' dot products,
+// and the offset subtracted from it: int4 the nibble itself (q + 8), mxfp4
+// 2 x E2M1 + 12 (0..24; vpshufb's table, one copy per 128-bit lane).
+template <bool kMx>
+struct NibbleCodes {
+  static constexpr int kOffset = kMx ? 12 : 8;
+  static __m512i Table() {
+    if constexpr (kMx) {
+      alignas(16) int8_t t[16];
+      for (int i = 0; i < 16; ++i) t[i] = static_cast<int8_t>(kE2M1Doubled[i] + kOffset);
+      return _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+    }
+    return _mm512_setzero_si512();
+  }
+  static __m512i Map(__m512i nibbles, __m512i table) {
+    if constexpr (kMx) return _mm512_shuffle_epi8(table, nibbles);
+    return nibbles;
+  }
+};
+
+// acc[r][b][hi, lo] = (x_r . (q + offset)) over one group of two nibble
+// blocks: n byte rows from w0/w1 (byte row j: k = 8j..8j+3 in the low
+// nibbles, 8j+4..8j+7 in the high ones), x at the group's first column.
+template <int R, bool kMx>
+inline void GroupDotNibbles(const std::byte* w0, const std::byte* w1, const int8_t* x, int ld, int n,
+                            __m512i acc[kIntRows][2][2]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i table = NibbleCodes<kMx>::Table();
   for (int r = 0; r < R; ++r) acc[r][0][0] = acc[r][0][1] = acc[r][1][0] = acc[r][1][1] = _mm512_setzero_si512();
   for (int j = 0; j < n; ++j) {
     const __m512i v0 = _mm512_loadu_si512(w0 + 64 * j);
     const __m512i v1 = _mm512_loadu_si512(w1 + 64 * j);
     _mm_prefetch(reinterpret_cast<const char*>(w0 + 64 * j + 1024), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w1 + 64 * j + 1024), _MM_HINT_T0);
-    const __m512i l0 = _mm512_and_si512(v0, low4), h0 = _mm512_and_si512(_mm512_srli_epi16(v0, 4), low4);
-    const __m512i l1 = _mm512_and_si512(v1, low4), h1 = _mm512_and_si512(_mm512_srli_epi16(v1, 4), low4);
+    using Codes = NibbleCodes<kMx>;
+    const __m512i l0 = Codes::Map(_mm512_and_si512(v0, low4), table);
+    const __m512i h0 = Codes::Map(_mm512_and_si512(_mm512_srli_epi16(v0, 4), low4), table);
+    const __m512i l1 = Codes::Map(_mm512_and_si512(v1, low4), table);
+    const __m512i h1 = Codes::Map(_mm512_and_si512(_mm512_srli_epi16(v1, 4), low4), table);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
@@ -283,26 +311,36 @@ inline void GroupDotInt4(const std::byte* w0, const std::byte* w1, const int8_t*
   }
 }
 
-// DotRowsInt8's contract for two int4 blocks: per group, the u8 dots minus 8
-// x the group's sum of x codes (sum64), hi and lo combined in f32 and
-// accumulated with the group's scales; scaled per row at the end.
-template <int R>
-inline void DotRowsInt4(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x,
-                        int ld, int Kp, __m512 y[kIntRows][2]) {
-  const int chunks = Kp / 64;
-  const float* scales[2] = {layout::Scales(g, b0, Kp), layout::Scales(g, b1, Kp)};
+// The 16 channels' scales of group gi of a nibble block: int4's f32, or
+// mxfp4's 2^(e - 127) / 2 (its codes are doubled), exact through vscalefps.
+template <bool kMx>
+inline __m512 GroupScales(const ExpertGeometry& g, const std::byte* blk, int Kp, int gi) {
+  if constexpr (kMx) return simd::Mxfp4HalfScales(layout::Mxfp4Exponents(blk, Kp) + 16 * gi);
+  return _mm512_loadu_ps(layout::Scales(g, blk, Kp) + 16 * gi);
+}
+
+// DotRowsInt8's contract for two nibble blocks (int4, mxfp4): per group, the
+// u8 dots minus the offset x the group's sum of x codes (sum32), hi and lo
+// combined in f32 and accumulated with the group's scales; scaled per row at
+// the end.
+template <int R, bool kMx>
+inline void DotRowsNibbles(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x,
+                           int ld, int Kp, __m512 y[kIntRows][2]) {
+  constexpr int kOffset = NibbleCodes<kMx>::kOffset;
+  const int sums = Kp / 32, per_group = g.group / 32;
   __m512 f[kIntRows][2];
   for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm512_setzero_ps();
   __m512i acc[kIntRows][2][2];
   for (int k0 = 0; k0 < Kp; k0 += g.group) {
-    GroupDotInt4<R>(b0 + size_t(k0) * 8, b1 + size_t(k0) * 8, x.q + k0, ld, g.group / 8, acc);
+    GroupDotNibbles<R, kMx>(b0 + size_t(k0) * 8, b1 + size_t(k0) * 8, x.q + k0, ld, g.group / 8, acc);
+    const __m512 s[2] = {GroupScales<kMx>(g, b0, Kp, k0 / g.group), GroupScales<kMx>(g, b1, Kp, k0 / g.group)};
     for (int r = 0; r < R; ++r) {
-      const __m512i ch = _mm512_set1_epi32(8 * ChunkSum(x.sum64 + size_t(2 * r) * chunks + k0 / 64, g.group / 64));
-      const __m512i cl = _mm512_set1_epi32(8 * ChunkSum(x.sum64 + size_t(2 * r + 1) * chunks + k0 / 64, g.group / 64));
+      const __m512i ch = _mm512_set1_epi32(kOffset * ChunkSum(x.sum32 + size_t(2 * r) * sums + k0 / 32, per_group));
+      const __m512i cl = _mm512_set1_epi32(kOffset * ChunkSum(x.sum32 + size_t(2 * r + 1) * sums + k0 / 32, per_group));
       for (int b = 0; b < 2; ++b) {
         const __m512 dot = _mm512_fmadd_ps(Corrected(acc[r][b][1], cl), _mm512_set1_ps(kLoScale),
                                            Corrected(acc[r][b][0], ch));
-        f[r][b] = _mm512_fmadd_ps(dot, _mm512_loadu_ps(scales[b] + (k0 / g.group) * 16), f[r][b]);
+        f[r][b] = _mm512_fmadd_ps(dot, s[b], f[r][b]);
       }
     }
   }
@@ -317,7 +355,8 @@ template <int R>
 inline void DotRowsInt(const ExpertGeometry& g, const std::byte* b0, const std::byte* b1, const KernelRows& x,
                        int ld, int Kp, __m512 y[kIntRows][2]) {
   if (g.format == WeightFormat::kInt8) return DotRowsInt8<R>(g, b0, b1, x, ld, Kp, y);
-  DotRowsInt4<R>(g, b0, b1, x, ld, Kp, y);
+  if (g.format == WeightFormat::kMxfp4) return DotRowsNibbles<R, true>(g, b0, b1, x, ld, Kp, y);
+  DotRowsNibbles<R, false>(g, b0, b1, x, ld, Kp, y);
 }
 
 }  // namespace
@@ -386,7 +425,7 @@ std::unique_ptr<ExpertKernel> MakeAvx512Kernel(bool bf16, bool int8) {
   return std::make_unique<Avx512Kernel>(bf16, int8);
 }
 
-void QuantizeRowsAvx512(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum64) {
+void QuantizeRowsAvx512(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum32) {
   constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;  // half to even, as std::nearbyint
   for (int r = 0; r < m; ++r) {
     const bf16_t* xr = x + size_t(r) * ld;
@@ -397,12 +436,12 @@ void QuantizeRowsAvx512(const bf16_t* x, int m, int K, int ld, int8_t* q, float*
     const __m512 inv = _mm512_set1_ps(s > 0 ? 1.0f / s : 0.0f);
     int8_t* hi = q + size_t(2 * r) * ld;
     int8_t* lo = hi + ld;
-    int32_t* sh = sum64 + size_t(2 * r) * (K / 64);
-    int32_t* sl = sh + K / 64;
-    for (int c = 0; c < K / 64; ++c) {
+    int32_t* sh = sum32 + size_t(2 * r) * (K / 32);
+    int32_t* sl = sh + K / 32;
+    for (int c = 0; c < K / 32; ++c) {
       __m512i shv = _mm512_setzero_si512(), slv = _mm512_setzero_si512();
-      for (int j = 0; j < 4; ++j) {
-        const int k = 64 * c + 16 * j;
+      for (int j = 0; j < 2; ++j) {
+        const int k = 32 * c + 16 * j;
         const __m512 v = _mm512_mul_ps(simd::LoadBf16(xr + k), inv);
         const __m512 h = _mm512_roundscale_ps(v, kRound);
         const __m512i qh = _mm512_cvtps_epi32(h);

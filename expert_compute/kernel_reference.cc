@@ -1,7 +1,8 @@
 // The portable kernel: plain loops over the packed layouts. bf16, fp8: f32
-// accumulation of the exact weights (fp8: code x scale in f32). int8/int4: exact int32 dot products of the quantized
-// activation rows with the weight codes, scaled per row, channel (and group)
-// in f32 — the arithmetic the SIMD kernels must reproduce.
+// accumulation of the exact weights (fp8: code x scale in f32). int8/int4/mxfp4:
+// exact int32 dot products of the quantized activation rows with the weight
+// codes (mxfp4: 2 x E2M1), scaled per row, channel (and group) in f32 — the
+// arithmetic the SIMD kernels must reproduce.
 #include <cmath>
 
 #include "expert_compute/expert_kernel.h"
@@ -25,8 +26,8 @@ void BlockDot(const ExpertGeometry& g, const std::byte* blk, int Kp, const Kerne
   }
   const int8_t* hi = x.q + size_t(2 * r) * ld;
   const int8_t* lo = hi + ld;
-  const float* scale = layout::Scales(g, blk, Kp);
-  const int group = g.format == WeightFormat::kInt8 ? Kp : g.group;
+  const bool grouped = g.format != WeightFormat::kInt8;
+  const int group = grouped ? g.group : Kp;
   for (int c = 0; c < 16; ++c) {
     float acc = 0.0f;
     for (int k0 = 0; k0 < Kp; k0 += group) {
@@ -37,7 +38,8 @@ void BlockDot(const ExpertGeometry& g, const std::byte* blk, int Kp, const Kerne
         dl += w * lo[k];
       }
       const float dot = static_cast<float>(dh) + static_cast<float>(dl) * kLoScale;
-      acc += dot * scale[(k0 / group) * 16 + c];  // int8: one group, its per-channel scales
+      // int8: one group, its per-channel scales
+      acc += dot * (grouped ? layout::GroupScale(g, blk, Kp, c, k0) : layout::Scales(g, blk, Kp)[c]);
     }
     y[c] = acc * x.scale[r];
   }

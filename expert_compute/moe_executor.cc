@@ -257,14 +257,14 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
   float* y = static_cast<float*>(y_buf_.Reserve(std::max<size_t>(1, size_t(rows) * ldy * 4)));
   float* acc = static_cast<float*>(acc_buf_.Reserve(size_t(pool_.size()) * (g.Hn + 16) * 4));
   // Integer weights: the kernels read the rows quantized (QuantizeRows):
-  // q [2 rows, ld], scale [rows], sum64 [2 rows, K/64] per input.
+  // q [2 rows, ld], scale [rows], sum32 [2 rows, K/32] per input.
   struct Quantized {
     int8_t* q = nullptr;
     float* scale = nullptr;
-    int32_t* sum64 = nullptr;
+    int32_t* sum32 = nullptr;
   } xq, aq;
   auto reserve = [&](Buffer& b, size_t K, size_t ld, Quantized* dst) {
-    std::byte* p = static_cast<std::byte*>(b.Reserve(std::max<size_t>(1, rows * (2 * ld + 4 + K / 8))));
+    std::byte* p = static_cast<std::byte*>(b.Reserve(std::max<size_t>(1, rows * (2 * ld + 4 + K / 4))));
     if (p == nullptr) return;
     *dst = {reinterpret_cast<int8_t*>(p), reinterpret_cast<float*>(p + rows * 2 * ld),
             reinterpret_cast<int32_t*>(p + rows * (2 * ld + 4))};
@@ -281,10 +281,10 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
                                                      " routed pairs (about ", bytes >> 20,
                                                      " MiB) could not be allocated"));
   }
-  const KernelRows xin{x, xq.q, xq.scale, xq.sum64}, ain{act, aq.q, aq.scale, aq.sum64};
+  const KernelRows xin{x, xq.q, xq.scale, xq.sum32}, ain{act, aq.q, aq.scale, aq.sum32};
   auto quantize = [&](const bf16_t* src, int K, int ld, const Quantized& dst, int r0, int r1) {
     QuantizeRows(src + size_t(r0) * ld, r1 - r0, K, ld, dst.q + size_t(2 * r0) * ld, dst.scale + r0,
-                 dst.sum64 + size_t(2 * r0) * (K / 64));
+                 dst.sum32 + size_t(2 * r0) * (K / 32));
   };
 
   // Claim sizes (see kGatherRows, kCombineTokens). A phase ends when the last
@@ -347,11 +347,11 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
           if (token[r] >= 0) {
             // (one row: ldx is only the hi -> lo distance in q)
             QuantizeRows(tokens + size_t(token[r]) * H, 1, H, ldx, xq.q + size_t(2 * r) * ldx, xq.scale + r,
-                         xq.sum64 + size_t(2 * r) * (H / 64));
+                         xq.sum32 + size_t(2 * r) * (H / 32));
           } else {
             std::memset(xq.q + size_t(2 * r) * ldx, 0, size_t(2) * ldx);
             xq.scale[r] = 0;
-            std::memset(xq.sum64 + size_t(2 * r) * (H / 64), 0, size_t(2) * (H / 64) * 4);
+            std::memset(xq.sum32 + size_t(2 * r) * (H / 32), 0, size_t(2) * (H / 32) * 4);
           }
         }
         continue;

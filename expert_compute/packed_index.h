@@ -26,4 +26,8 @@ MOE_HOST_DEVICE inline size_t Int4Offset(int c, int k, bool* high) {
   return size_t(k / 64) * 512 + (row / 2) * 64 + c * 4 + k % 4;
 }
 
+// kMxfp4: bytes of a block's E8M0 scales (K/32 groups of 16), padded so the
+// next block starts 64-byte aligned.
+MOE_HOST_DEVICE inline size_t Mxfp4ScaleBytes(int K) { return (size_t(K) / 2 + 63) / 64 * 64; }
+
 }  // namespace moe::layout

@@ -146,6 +146,13 @@ inline void Fp8BlocksToBf16(const std::byte* src, size_t src_stride, int n, int 
   }
 }
 
+// 16 MXFP4 E8M0 exponents as the f32 scales 2^(e - 127) / 2 (the kernels'
+// E2M1 codes are doubled), exact for every e < 255 through vscalefps.
+inline __m512 Mxfp4HalfScales(const uint8_t* e16) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e16)));
+  return _mm512_scalef_ps(_mm512_set1_ps(0.5f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(127))));
+}
+
 // A 64-byte aligned per-thread scratch of at least `bytes` (grown, never shrunk).
 inline std::byte* ThreadScratch(size_t bytes) {
   struct Free { void operator()(std::byte* p) const { std::free(p); } };

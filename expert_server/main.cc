@@ -52,9 +52,11 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.String("kernel", &o.kernel, "expert kernel: auto, amx, avx512 or reference");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision the experts are stored and computed in: auto (the checkpoint's: fp8 -> fp8, exact; "
-               "int4 -> int4, else bf16), bf16, int8 (per-channel scales), int4 (per-group scales) or fp8 "
-               "(an fp8 checkpoint's own codes and block scales, computed as bf16; other models quantized "
-               "per channel and 128 columns)");
+               "int4 -> int4; mxfp4 (safetensors or an all-MXFP4 GGUF) -> mxfp4, exact; else bf16), bf16, int8 "
+               "(per-channel scales), int4 (per-group scales), fp8 (an fp8 checkpoint's own codes and block "
+               "scales, computed as bf16; other models quantized per channel and 128 columns) or mxfp4 (OCP "
+               "MXFP4: E2M1 with an E8M0 scale per 32 columns, 4.25 bits per weight; other models quantized "
+               "round-to-nearest)");
   flags.Int("max-tokens", &max_tokens, "largest number of tokens accepted in one request (1..65536)");
   flags.Int("drain-seconds", &f.drain_seconds, "on SIGTERM/SIGINT, how long in-flight requests may take to finish (0..3600)");
   flags.String("shm-socket", &o.shm_socket, "also serve same-host clients over shared memory on this Unix socket (mode 0660)");

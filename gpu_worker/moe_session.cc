@@ -73,7 +73,7 @@ absl::StatusOr<E> ParseName(const std::string& name, const std::string& field, c
 constexpr const char* kDeviceNames[] = {"auto", "cuda", "cpu"};
 constexpr const char* kPolicyNames[] = {"static", "lru", "lfru", "predictive"};
 constexpr const char* kCopyModeNames[] = {"auto", "never", "always"};
-constexpr const char* kWeightDtypeNames[] = {"auto", "bf16", "int8", "int4", "fp8"};
+constexpr const char* kWeightDtypeNames[] = {"auto", "bf16", "int8", "int4", "fp8", "mxfp4"};
 constexpr const char* kGroupModeNames[] = {"tensor", "expert"};
 
 }  // namespace

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/bf16.h"
+#include "model/quantization.h"
 #include "core/status_macros.h"
 
 namespace moe {
@@ -169,7 +170,7 @@ const char* GgmlTypeName(uint32_t type) {
 bool GgmlTypeDecoded(uint32_t type) {
   switch (static_cast<GgmlType>(type)) {
     case GgmlType::kF32: case GgmlType::kF16: case GgmlType::kBF16: case GgmlType::kQ8_0: case GgmlType::kQ4_K:
-    case GgmlType::kQ6_K: return true;
+    case GgmlType::kQ6_K: case GgmlType::kMXFP4: return true;
   }
   return false;
 }
@@ -216,6 +217,17 @@ void DequantizeGgml(GgmlType type, const std::byte* src, int64_t n, float* dst) 
           const float d1 = d * static_cast<float>(sc), m1 = dmin * static_cast<float>(m);
           const uint8_t* q = qs + 32 * (j / 2);
           for (int i = 0; i < 32; ++i) y[32 * j + i] = d1 * static_cast<float>((q[i] >> (4 * (j % 2))) & 0xF) - m1;
+        }
+      }
+      return;
+    case GgmlType::kMXFP4:  // e (E8M0), 16 bytes: values i (low nibble) and i + 16 (high)
+      for (int64_t b = 0; b < n / 32; ++b, src += 17) {
+        // ggml's integer table of doubled values and halved scale (code 8 is +0 there, not -0)
+        const float d = 0.5f * E8M0ToF32(static_cast<uint8_t>(src[0]));
+        for (int i = 0; i < 16; ++i) {
+          const uint8_t q = static_cast<uint8_t>(src[1 + i]);
+          dst[b * 32 + i] = static_cast<float>(kE2M1Doubled[q & 0xF]) * d;
+          dst[b * 32 + 16 + i] = static_cast<float>(kE2M1Doubled[q >> 4]) * d;
         }
       }
       return;
@@ -318,6 +330,16 @@ void QuantizeQ6K(const float* src, int64_t n, std::byte* dst) {
   }
 }
 
+// MXFP4 blocks of 32: the OCP scale of the block's largest magnitude, each
+// value's nearest E2M1 code (model/quantization.h).
+void QuantizeMxfp4Blocks(const float* src, int64_t n, std::byte* dst) {
+  uint8_t codes[32];
+  for (int64_t b = 0; b < n / 32; ++b, dst += 17) {
+    dst[0] = std::byte{QuantizeMxfp4Block(src + b * 32, codes)};
+    for (int i = 0; i < 16; ++i) dst[1 + i] = std::byte(static_cast<uint8_t>(codes[i] | codes[16 + i] << 4));
+  }
+}
+
 }  // namespace
 
 void QuantizeGgml(GgmlType type, const float* src, int64_t n, std::byte* dst) {
@@ -333,6 +355,7 @@ void QuantizeGgml(GgmlType type, const float* src, int64_t n, std::byte* dst) {
       }
       return;
     case GgmlType::kQ8_0: QuantizeQ8_0(src, n, dst); return;
+    case GgmlType::kMXFP4: QuantizeMxfp4Blocks(src, n, dst); return;
     case GgmlType::kQ4_K: QuantizeQ4K(src, n, dst); return;
     case GgmlType::kQ6_K: QuantizeQ6K(src, n, dst); return;
   }

@@ -10,7 +10,10 @@
 // InvalidArgument naming the file and the key or tensor, never a crash. Its
 // GgufTensors point straight into the mapping. WriteGguf streams a file to
 // disk tensor by tensor. The ggml block codecs here (F32, F16, BF16, Q8_0,
-// Q4_K, Q6_K) follow ggml's reference dequantize_row_* (gguf-py quants.py).
+// Q4_K, Q6_K, MXFP4) follow ggml's reference dequantize_row_* (gguf-py
+// quants.py). An MXFP4 block is 17 bytes: the E8M0 exponent e, then 16 bytes
+// whose low nibbles are values 0-15 and high nibbles values 16-31, each an
+// E2M1 code; value = E2M1 * 2^(e - 127) (ggml: doubled E2M1 * 2^(e - 128)).
 //
 // Thread-safety: GgufFile is immutable after Open; the free functions are pure.
 #pragma once
@@ -33,7 +36,7 @@
 namespace moe {
 
 // ggml tensor types by their GGUF ids (the ones the expert path decodes).
-enum class GgmlType : uint32_t { kF32 = 0, kF16 = 1, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30 };
+enum class GgmlType : uint32_t { kF32 = 0, kF16 = 1, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kBF16 = 30, kMXFP4 = 39 };
 
 // ggml's name of a type id ("Q4_K", "IQ2_XXS", ...); nullptr for an id ggml
 // does not define.
@@ -52,7 +55,9 @@ void DequantizeGgml(GgmlType type, const std::byte* src, int64_t n, float* dst);
 // GgmlRowBytes(type, n) bytes. Q8_0 is ggml's reference quantizer (bit-exact);
 // Q4_K and Q6_K a plain one (min/max of each sub-block, scales rounded to the
 // 6/8-bit codes the format stores), not ggml's iterative search: valid
-// blocks, somewhat coarser.
+// blocks, somewhat coarser. MXFP4: the OCP scale and nearest E2M1 as
+// model/quantization.h (gguf-py's too, but for exact ties, which it breaks
+// toward the lower code, and an all-zero block's exponent).
 void QuantizeGgml(GgmlType type, const float* src, int64_t n, std::byte* dst);
 
 // One metadata value. Arrays keep their element type and count only (the

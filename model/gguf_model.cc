@@ -38,7 +38,7 @@ std::string ExpertTensor(int layer, Projection p) {
 // A type's precision (quantization.h gguf_bits).
 int TypeBits(uint32_t t) {
   switch (static_cast<GgmlType>(t)) {
-    case GgmlType::kQ4_K: return 4;
+    case GgmlType::kQ4_K: case GgmlType::kMXFP4: return 4;
     case GgmlType::kQ8_0: case GgmlType::kQ6_K: return 8;
     default: return 16;
   }
@@ -170,7 +170,7 @@ absl::StatusOr<std::unique_ptr<ModelSource>> Open(std::unique_ptr<GgufFile> file
       if (t[k] == nullptr) return absl::InvalidArgumentError(absl::StrCat("no tensor ", name, " (layer ", l, " has gate experts)"));
       if (!GgmlTypeDecoded(t[k]->type))
         return absl::InvalidArgumentError(absl::StrCat(name, ": type ", GgmlTypeName(t[k]->type),
-                                                       " is not one this service reads (F32, F16, BF16, Q8_0, Q4_K, Q6_K)"));
+                                                       " is not one this service reads (F32, F16, BF16, Q8_0, Q4_K, Q6_K, MXFP4)"));
       if (t[k]->dims != dims)
         return absl::InvalidArgumentError(absl::StrCat(name, ": dims ", ShapeString(t[k]->dims), ", expected ",
                                                        ShapeString(dims), " (embedding_length, expert_feed_forward_length, expert_count)"));
@@ -205,6 +205,7 @@ absl::StatusOr<std::unique_ptr<ModelSource>> Open(std::unique_ptr<GgufFile> file
     spec.quant.scheme = WeightQuant::kGgufBlock;
     spec.quant.gguf_bits = bits;
     spec.quant.gguf_types = absl::StrJoin(names, "+");
+    spec.quant.gguf_mxfp4 = types == std::set<uint32_t>{static_cast<uint32_t>(GgmlType::kMXFP4)};
   }
   MOE_RETURN_IF_ERROR(spec.Validate());
   return std::unique_ptr<ModelSource>(new GgufSource(std::move(spec), std::move(file), arch, routing, std::move(tensors)));
@@ -230,9 +231,10 @@ absl::StatusOr<GgmlType> ParseGgmlType(const std::string& name) {
   std::string n = name;
   for (char& c : n) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   for (auto [s, t] : {std::pair{"bf16", GgmlType::kBF16}, std::pair{"f16", GgmlType::kF16}, std::pair{"f32", GgmlType::kF32},
-                      std::pair{"q8_0", GgmlType::kQ8_0}, std::pair{"q4_k", GgmlType::kQ4_K}, std::pair{"q6_k", GgmlType::kQ6_K}})
+                      std::pair{"q8_0", GgmlType::kQ8_0}, std::pair{"q4_k", GgmlType::kQ4_K}, std::pair{"q6_k", GgmlType::kQ6_K},
+                      std::pair{"mxfp4", GgmlType::kMXFP4}})
     if (n == s) return t;
-  return absl::InvalidArgumentError(absl::StrCat("GGUF type '", name, "' is not one we write (bf16, f16, f32, q8_0, q4_k, q6_k)"));
+  return absl::InvalidArgumentError(absl::StrCat("GGUF type '", name, "' is not one we write (bf16, f16, f32, q8_0, q4_k, q6_k, mxfp4)"));
 }
 
 absl::Status WriteSyntheticGguf(const std::string& path, const ModelSpec& spec, uint64_t seed, GgmlType type) {

@@ -14,7 +14,7 @@ int main(int argc, char** argv) {
   int64_t layers = -1, seed = 0, shard_mib = 2048;
   moe::FlagSet flags("moe-make-model",
                      "--preset NAME --out DIR|FILE.gguf [--layers N] [--seed S] [--shard-mib M] [--format safetensors|gguf]\n"
-                     "      [--dtype bf16|f16|f32|fp8|int4 | (gguf) bf16|f16|f32|q8_0|q4_k|q6_k]\n"
+                     "      [--dtype bf16|f16|f32|fp8|int4|mxfp4 | (gguf) bf16|f16|f32|q8_0|q4_k|q6_k|mxfp4]\n"
                      "Writes a synthetic checkpoint with seeded random expert weights: a safetensors directory\n"
                      "(config.json + shards) or a GGUF file holding the experts and the preset's architecture metadata\n"
                      "(qwen3moe, deepseek2, olmoe, kimi-linear, llama for Mixtral), which --model FILE.gguf reads.\n"
@@ -27,8 +27,11 @@ int main(int argc, char** argv) {
   flags.Int("shard-mib", &shard_mib, "maximum tensor data per shard file, MiB (safetensors)");
   flags.String("dtype", &dtype,
                "expert weights in the files. safetensors: bf16, f16, f32, or quantized as real checkpoints are:\n"
-               "      fp8 (E4M3, 128x128 block scales, like DeepSeek-V3) or int4 (compressed-tensors pack-quantized,\n"
-               "      group 128). gguf: bf16, f16, f32, q8_0 (H and I multiples of 32), q4_k or q6_k (multiples of 256)");
+               "      fp8 (E4M3, 128x128 block scales, like DeepSeek-V3), int4 (compressed-tensors pack-quantized,\n"
+               "      group 128) or mxfp4 (OCP MXFP4 as GPT-OSS publishes it: X_blocks [rows, cols/32, 16] E2M1\n"
+               "      nibbles, low first, and X_scales [rows, cols/32] E8M0; quantization_config quant_method mxfp4;\n"
+               "      H and I multiples of 32). gguf: bf16, f16, f32, q8_0 or mxfp4 (H and I multiples of 32),\n"
+               "      q4_k or q6_k (multiples of 256)");
   flags.Parse(argc, argv);
   if (out.empty()) flags.Fail("--out is required");
   if (layers == 0 || layers < -1) flags.Fail("--layers must be a positive number or -1");
@@ -47,7 +50,8 @@ int main(int argc, char** argv) {
     else if (dtype == "f16") spec->dtype = moe::DType::kF16;
     else if (dtype == "fp8") spec->quant.scheme = moe::WeightQuant::kFp8Block;
     else if (dtype == "int4") spec->quant.scheme = moe::WeightQuant::kInt4Group;
-    else if (dtype != "bf16") flags.Fail("--dtype must be bf16, f16, f32, fp8 or int4 (q8_0, q4_k, q6_k: --format gguf)");
+    else if (dtype == "mxfp4") spec->quant.scheme = moe::WeightQuant::kMxfp4;
+    else if (dtype != "bf16") flags.Fail("--dtype must be bf16, f16, f32, fp8, int4 or mxfp4 (q8_0, q4_k, q6_k: --format gguf)");
     st = moe::WriteSyntheticCheckpoint(out, *spec, static_cast<uint64_t>(seed), static_cast<size_t>(shard_mib) << 20);
   }
   if (!st.ok()) flags.Fail(std::string(st.message()), 1);

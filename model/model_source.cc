@@ -190,7 +190,33 @@ absl::StatusOr<const TensorInfo*> FindTensor(const Checkpoint& ckpt, const std::
 
 // The tensor whose presence says an expert projection is in the checkpoint.
 std::string PrimaryTensorName(const QuantConfig& q, const std::string& weight_name) {
+  if (q.scheme == WeightQuant::kMxfp4) return Mxfp4PartName(weight_name, "blocks");
   return q.scheme == WeightQuant::kInt4Group ? QuantizedPartName(weight_name, "weight_packed") : weight_name;
+}
+
+// An MXFP4 projection's blocks and scales (U8 [lead..., rows, cols/32, 16] and
+// [lead..., rows, cols/32]; `lead` is {E} for fused 3-D experts), checked
+// against the model's shape; the scales hold no NaN (255). InvalidArgument
+// naming the tensor otherwise.
+absl::StatusOr<std::pair<const TensorInfo*, const TensorInfo*>> FindMxfp4(const Checkpoint& ckpt,
+                                                                         const std::string& name,
+                                                                         std::vector<int64_t> lead, int64_t rows,
+                                                                         int64_t cols) {
+  const std::string why = "quantization_config: mxfp4";
+  const std::string blocks = Mxfp4PartName(name, "blocks"), scales = Mxfp4PartName(name, "scales");
+  if (cols % kMxfp4Block != 0)
+    return absl::InvalidArgumentError(absl::StrCat(blocks, ": the model's ", cols, " input columns are not a multiple of ",
+                                                   kMxfp4Block, " (", why, ")"));
+  std::vector<int64_t> sshape = lead;
+  sshape.insert(sshape.end(), {rows, cols / kMxfp4Block});
+  std::vector<int64_t> bshape = sshape;
+  bshape.push_back(kMxfp4Block / 2);
+  MOE_ASSIGN_OR_RETURN(const TensorInfo* b, FindTensor(ckpt, blocks, {DType::kU8}, bshape, why));
+  MOE_ASSIGN_OR_RETURN(const TensorInfo* s, FindTensor(ckpt, scales, {DType::kU8}, sshape, why));
+  const uint8_t* e = reinterpret_cast<const uint8_t*>(s->data);
+  if (const uint8_t* nan = std::find(e, e + s->nbytes, uint8_t{255}); nan != e + s->nbytes)
+    return absl::InvalidArgumentError(absl::StrCat(scales, ": holds the E8M0 NaN code 255 at element ", nan - e));
+  return std::pair{b, s};
 }
 
 // An fp8 projection's codes and scale_inv tensors, checked against the
@@ -264,6 +290,12 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
       DequantizeInt4Group(words, scales.data(), static_cast<int>(rows), static_cast<int>(cols), q.group_size, dst);
       return absl::OkStatus();
     }
+    case WeightQuant::kMxfp4: {
+      MOE_ASSIGN_OR_RETURN(const auto bs, FindMxfp4(ckpt, name, {}, rows, cols));
+      DequantizeMxfp4(reinterpret_cast<const uint8_t*>(bs.first->data), reinterpret_cast<const uint8_t*>(bs.second->data),
+                      static_cast<int>(rows), static_cast<int>(cols), dst);
+      return absl::OkStatus();
+    }
     case WeightQuant::kGgufBlock: break;  // no safetensors checkpoint declares it (QuantConfigFromJson)
   }
   return absl::InternalError("unknown quantization scheme");
@@ -276,10 +308,15 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
 // or, as Granite MoE checkpoints name them, model.layers.{l}.block_sparse_moe.
 // input_linear.weight [E, 2I, H] (gate rows first) and output_linear.weight [E, H, I].
 // The orientation is read from down_proj's shape (x @ W when it is [E, I, H]
-// and I != H).
+// and I != H). MXFP4 (GPT-OSS's naming): {prefix}gate_up_proj_blocks
+// [E, 2I, H/32, 16] + _scales [E, 2I, H/32] and {prefix}down_proj_blocks
+// [E, H, I/32, 16] + _scales [E, H, I/32]; blocks run along the input, so rows
+// are outputs (gate rows first).
 struct FusedExperts {
-  const TensorInfo* gate_up = nullptr;
+  const TensorInfo* gate_up = nullptr;  // mxfp4: the blocks
   const TensorInfo* down = nullptr;
+  const TensorInfo* gate_up_scales = nullptr;  // mxfp4 only
+  const TensorInfo* down_scales = nullptr;
   bool x_times_w = false;    // [E, H, 2I] / [E, I, H]
 };
 
@@ -293,6 +330,15 @@ std::string FusedPrefix(ExpertNaming naming, int layer) {
 absl::StatusOr<std::optional<FusedExperts>> FindFused(const Checkpoint& ckpt, const ModelSpec& spec, int layer) {
   const std::string prefix = FusedPrefix(spec.naming, layer);
   std::string gate_up = prefix + "gate_up_proj", down = prefix + "down_proj";
+  if (spec.quant.scheme == WeightQuant::kMxfp4) {
+    if (ckpt.Find(Mxfp4PartName(gate_up, "blocks")) == nullptr && ckpt.Find(Mxfp4PartName(down, "blocks")) == nullptr)
+      return std::optional<FusedExperts>();
+    const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+    FusedExperts f;
+    MOE_ASSIGN_OR_RETURN(std::tie(f.gate_up, f.gate_up_scales), FindMxfp4(ckpt, gate_up, {E}, 2 * I, H));
+    MOE_ASSIGN_OR_RETURN(std::tie(f.down, f.down_scales), FindMxfp4(ckpt, down, {E}, H, I));
+    return std::optional<FusedExperts>(f);
+  }
   if (spec.naming == ExpertNaming::kBlockSparseMoe && ckpt.Find(gate_up) == nullptr && ckpt.Find(down) == nullptr) {
     const std::string granite = absl::StrCat("model.layers.", layer, ".block_sparse_moe.");
     gate_up = granite + "input_linear.weight";
@@ -379,6 +425,10 @@ class CheckpointSource final : public ModelSource {
       if (auto it = fused_.find(l); it != fused_.end()) {
         add(it->second.gate_up);
         add(it->second.down);
+        if (it->second.gate_up_scales != nullptr) {
+          add(it->second.gate_up_scales);
+          add(it->second.down_scales);
+        }
         continue;
       }
       for (int e = 0; e < spec_.num_experts; ++e)
@@ -394,6 +444,10 @@ class CheckpointSource final : public ModelSource {
               for (const char* part : {"weight_packed", "weight_scale", "weight_shape"})
                 add(ckpt_->Find(QuantizedPartName(name, part)));
               break;
+            case WeightQuant::kMxfp4:
+              add(ckpt_->Find(Mxfp4PartName(name, "blocks")));
+              add(ckpt_->Find(Mxfp4PartName(name, "scales")));
+              break;
             case WeightQuant::kGgufBlock: break;  // no safetensors checkpoint declares it
           }
         }
@@ -406,6 +460,21 @@ class CheckpointSource final : public ModelSource {
   absl::Status ReadFused(const FusedExperts& f, int layer, int expert, ExpertWeights* out) const {
     const size_t H = spec_.hidden, I = spec_.intermediate, e = static_cast<size_t>(expert);
     std::vector<bf16_t> slab(2 * I * H);
+    if (f.gate_up_scales != nullptr) {  // mxfp4: [2I, H] and [H, I] from 32-value blocks (16 bytes + 1 scale)
+      auto read = [&](const TensorInfo* b, const TensorInfo* s, size_t rows, size_t cols, bf16_t* dst) {
+        const size_t n = rows * cols;
+        DequantizeMxfp4(reinterpret_cast<const uint8_t*>(b->data) + e * n / 2,
+                        reinterpret_cast<const uint8_t*>(s->data) + e * n / kMxfp4Block, static_cast<int>(rows),
+                        static_cast<int>(cols), dst);
+      };
+      read(f.gate_up, f.gate_up_scales, 2 * I, H, slab.data());
+      std::copy(slab.begin(), slab.begin() + I * H, out->gate.begin());
+      std::copy(slab.begin() + I * H, slab.end(), out->up.begin());
+      read(f.down, f.down_scales, H, I, out->down.data());
+      for (auto [v, what] : {std::pair{&out->gate, "gate"}, std::pair{&out->up, "up"}, std::pair{&out->down, "down"}})
+        MOE_RETURN_IF_ERROR(CheckFinite(*v, layer, expert, what));
+      return absl::OkStatus();
+    }
     MOE_RETURN_IF_ERROR(ToBf16(*f.gate_up, e * 2 * I * H, slab.size(), slab.data()));
     if (!f.x_times_w) {  // [2I, H]: gate rows then up rows, already [I,H] each
       std::copy(slab.begin(), slab.begin() + I * H, out->gate.begin());
@@ -469,7 +538,7 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
       absl::StatusOr<std::optional<FusedExperts>> f = FindFused(*ckpt, *spec, l);
       if (!f.ok()) return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", f.status().message()));
       if (f->has_value()) {
-        if (spec->quant.scheme != WeightQuant::kNone)
+        if (spec->quant.scheme != WeightQuant::kNone && spec->quant.scheme != WeightQuant::kMxfp4)
           return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", (**f).gate_up->name,
                                                          ": fused 3-D expert tensors with ", spec->quant.Describe(),
                                                          " quantization are not supported (per-expert tensors are)"));

@@ -22,6 +22,9 @@ absl::Status ModelSpec::Validate() const {
         absl::StrCat("model: top_k ", top_k, " must be in [1, num_experts=", num_experts, "]"));
   if (hidden <= 0 || intermediate <= 0)
     return absl::InvalidArgumentError("model: hidden_size and intermediate size must be > 0");
+  if (quant.scheme == WeightQuant::kMxfp4 && (hidden % kMxfp4Block != 0 || intermediate % kMxfp4Block != 0))
+    return absl::InvalidArgumentError(absl::StrCat("model: mxfp4 experts need hidden_size and intermediate size in whole "
+                                                   "blocks of ", kMxfp4Block, " (H=", hidden, ", I=", intermediate, ")"));
   if (moe_layers.empty()) return absl::InvalidArgumentError("model: no MoE layers");
   for (int l : moe_layers) {
     if (l < 0 || l >= num_layers)

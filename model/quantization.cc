@@ -16,6 +16,7 @@ std::string QuantConfig::Describe() const {
     case WeightQuant::kFp8Block: return absl::StrCat("fp8 (block ", block_rows, "x", block_cols, ")");
     case WeightQuant::kInt4Group: return absl::StrCat("int4 (group ", group_size, ")");
     case WeightQuant::kGgufBlock: return absl::StrCat("gguf ", gguf_types);
+    case WeightQuant::kMxfp4: return "mxfp4";
   }
   return "?";
 }
@@ -78,7 +79,8 @@ absl::StatusOr<QuantConfig> QuantConfigFromJson(const nlohmann::json& config) {
   const std::string method = q->value("quant_method", std::string());
   if (method == "fp8") return Fp8FromJson(*q);
   if (method == "compressed-tensors") return CompressedTensorsFromJson(*q);
-  return Bad("quant_method", absl::StrCat("'", method, "' not supported (fp8, compressed-tensors)"));
+  if (method == "mxfp4") return QuantConfig{.scheme = WeightQuant::kMxfp4};
+  return Bad("quant_method", absl::StrCat("'", method, "' not supported (fp8, compressed-tensors, mxfp4)"));
 }
 
 nlohmann::json QuantConfigToJson(const QuantConfig& q) {
@@ -98,6 +100,7 @@ nlohmann::json QuantConfigToJson(const QuantConfig& q) {
                     {"group_size", q.group_size}}}}}}},
               {"ignore", {"lm_head"}}};
     case WeightQuant::kGgufBlock: return {{"quant_method", "gguf"}, {"types", q.gguf_types}};
+    case WeightQuant::kMxfp4: return {{"quant_method", "mxfp4"}};  // as GPT-OSS's config.json
   }
   return nullptr;
 }
@@ -110,11 +113,18 @@ std::string QuantizedPartName(const std::string& weight_name, const char* part) 
   return absl::StrCat(weight_name.substr(0, base), ".", part);
 }
 
+std::string Mxfp4PartName(const std::string& weight_name, const char* part) {
+  constexpr std::string_view kWeight = ".weight";
+  const size_t base = weight_name.ends_with(kWeight) ? weight_name.size() - kWeight.size() : weight_name.size();
+  return absl::StrCat(weight_name.substr(0, base), "_", part);
+}
+
 absl::StatusOr<WeightQuant> ParseWeightQuant(const std::string& name) {
   if (name == "fp8") return WeightQuant::kFp8Block;
   if (name == "int4") return WeightQuant::kInt4Group;
+  if (name == "mxfp4") return WeightQuant::kMxfp4;
   if (name == "bf16" || name == "f16" || name == "f32") return WeightQuant::kNone;
-  return absl::InvalidArgumentError(absl::StrCat("dtype '", name, "' not supported (bf16, f16, f32, fp8, int4)"));
+  return absl::InvalidArgumentError(absl::StrCat("dtype '", name, "' not supported (bf16, f16, f32, fp8, int4, mxfp4)"));
 }
 
 float Fp8E4M3ToF32(uint8_t v) {
@@ -175,6 +185,65 @@ void DequantizeInt4Group(const int32_t* packed, const float* scales, int rows, i
   }
 }
 
+uint8_t F32ToE2M1(float v) {
+  const uint8_t sign = std::signbit(v) ? 8 : 0;
+  const float a = std::fabs(v);
+  // Midpoints between the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; at a tie the
+  // even code (mantissa bit 0) wins, as round-to-nearest-even does.
+  static constexpr float kMid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  uint8_t m = 0;
+  while (m < 7 && (a > kMid[m] || (a == kMid[m] && (m & 1) == 1))) ++m;
+  return sign | m;
+}
+
+float E8M0ToF32(uint8_t e) {
+  return e == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, static_cast<int>(e) - 127);
+}
+
+uint8_t Mxfp4ScaleFor(float amax) {
+  if (!(amax > 0) || !std::isfinite(amax)) return 127;
+  int e;
+  std::frexp(amax, &e);  // amax = m * 2^e, m in [0.5, 1): floor(log2 amax) = e - 1
+  return static_cast<uint8_t>(std::clamp(e - 1 - 2 + 127, 0, 254));
+}
+
+void DequantizeMxfp4(const uint8_t* blocks, const uint8_t* scales, int rows, int cols, bf16_t* dst) {
+  const int nb = cols / kMxfp4Block;
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < nb; ++b) {
+      const size_t i = static_cast<size_t>(r) * nb + b;
+      const float s = E8M0ToF32(scales[i]);
+      const uint8_t* q = blocks + i * 16;
+      bf16_t* d = dst + i * kMxfp4Block;
+      for (int j = 0; j < 16; ++j) {
+        d[2 * j] = F32ToBf16(E2M1ToF32(q[j] & 0xf) * s);
+        d[2 * j + 1] = F32ToBf16(E2M1ToF32(q[j] >> 4) * s);
+      }
+    }
+}
+
+uint8_t QuantizeMxfp4Block(const float* v, uint8_t* codes) {
+  float amax = 0;
+  for (int j = 0; j < kMxfp4Block; ++j) amax = std::max(amax, std::fabs(v[j]));
+  const uint8_t e = Mxfp4ScaleFor(amax);
+  const float inv = 1.0f / E8M0ToF32(e);  // a power of two: exact
+  for (int j = 0; j < kMxfp4Block; ++j) codes[j] = F32ToE2M1(v[j] * inv);
+  return e;
+}
+
+void QuantizeMxfp4(const bf16_t* w, int rows, int cols, uint8_t* blocks, uint8_t* scales) {
+  const int nb = cols / kMxfp4Block;
+  float v[kMxfp4Block];
+  uint8_t codes[kMxfp4Block];
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < nb; ++b) {
+      const size_t i = static_cast<size_t>(r) * nb + b;
+      Bf16ToF32(w + i * kMxfp4Block, v, kMxfp4Block);
+      scales[i] = QuantizeMxfp4Block(v, codes);
+      for (int j = 0; j < 16; ++j) blocks[i * 16 + j] = static_cast<uint8_t>(codes[2 * j] | codes[2 * j + 1] << 4);
+    }
+}
+
 void QuantizeFp8Block(const bf16_t* w, int rows, int cols, int br, int bc, uint8_t* q, float* scale_inv) {
   const int64_t sr = CeilDiv(rows, br), sc = CeilDiv(cols, bc);
   for (int64_t bi = 0; bi < sr; ++bi)
@@ -225,6 +294,10 @@ void QuantizeDequantize(const QuantConfig& q, int rows, int cols, bf16_t* w) {
     std::vector<float> s(rows * CeilDiv(cols, q.group_size));
     QuantizeInt4Group(w, rows, cols, q.group_size, p.data(), s.data());
     DequantizeInt4Group(p.data(), s.data(), rows, cols, q.group_size, w);
+  } else if (q.scheme == WeightQuant::kMxfp4) {
+    std::vector<uint8_t> b(static_cast<size_t>(rows) * cols / 2), s(static_cast<size_t>(rows) * cols / kMxfp4Block);
+    QuantizeMxfp4(w, rows, cols, b.data(), s.data());
+    DequantizeMxfp4(b.data(), s.data(), rows, cols, w);
   }
 }
 

@@ -98,13 +98,13 @@ absl::StatusOr<SyntheticModelUri> ParseSyntheticUri(std::string_view uri_view) {
       ok = absl::SimpleAtoi(kv[1], &out.top_k) && out.top_k > 0;
     } else if (ok && kv[0] == "dtype") {
       out.dtype = kv[1];
-      ok = out.dtype == "bf16" || out.dtype == "fp8" || out.dtype == "int4";
+      ok = out.dtype == "bf16" || out.dtype == "fp8" || out.dtype == "int4" || out.dtype == "mxfp4";
     } else {
       ok = false;
     }
     if (!ok)
       return absl::InvalidArgumentError(absl::StrCat("model URI '", uri, "': bad option '", parts[i],
-                                                     "' (expected layers=N, seed=S, experts=E, top_k=K or dtype=bf16|fp8|int4)"));
+                                                     "' (expected layers=N, seed=S, experts=E, top_k=K or dtype=bf16|fp8|int4|mxfp4)"));
   }
   if (absl::StatusOr<ModelSpec> s = out.Spec(); !s.ok()) return s.status();
   return out;
@@ -159,7 +159,7 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& s
     if (!out) return absl::InternalError(absl::StrCat("cannot write ", dir, "/config.json"));
   }
   // One tensor of the checkpoint: a part of (layer, expert, projection).
-  enum class Part { kWeight, kScaleInv, kPacked, kScale, kShape };
+  enum class Part { kWeight, kScaleInv, kPacked, kScale, kShape, kMxBlocks, kMxScales };
   struct Item { int layer, expert; Projection proj; Part part; };
   std::vector<TensorSpec> specs;
   std::vector<Item> items;
@@ -183,6 +183,9 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& s
           add(QuantizedPartName(name, "weight_scale"), DType::kBF16, {rows, CeilDiv(cols, q.group_size)},
               Part::kScale);
           add(QuantizedPartName(name, "weight_shape"), DType::kI64, {2}, Part::kShape);
+        } else if (q.scheme == WeightQuant::kMxfp4) {
+          add(Mxfp4PartName(name, "blocks"), DType::kU8, {rows, cols / kMxfp4Block, kMxfp4Block / 2}, Part::kMxBlocks);
+          add(Mxfp4PartName(name, "scales"), DType::kU8, {rows, cols / kMxfp4Block}, Part::kMxScales);
         } else {
           add(name, spec.dtype, {rows, cols}, Part::kWeight);
         }
@@ -191,7 +194,7 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& s
   }
   // The quantized parts of the projection last generated (its tensors are written one after another).
   std::vector<bf16_t> w;
-  std::vector<uint8_t> fp8;
+  std::vector<uint8_t> fp8, mx_blocks, mx_scales;
   std::vector<int32_t> packed;
   std::vector<float> scales;
   int cached = -1;
@@ -212,12 +215,18 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& s
         packed.resize(rows * CeilDiv(cols, 8));
         scales.resize(rows * CeilDiv(cols, q.group_size));
         QuantizeInt4Group(w.data(), rows, cols, q.group_size, packed.data(), scales.data());
+      } else if (q.scheme == WeightQuant::kMxfp4) {
+        mx_blocks.resize(n / 2);
+        mx_scales.resize(n / kMxfp4Block);
+        QuantizeMxfp4(w.data(), rows, cols, mx_blocks.data(), mx_scales.data());
       }
       cached = key;
     }
     switch (it.part) {
       case Part::kScaleInv: std::memcpy(dst.data(), scales.data(), dst.size()); return;
       case Part::kPacked: std::memcpy(dst.data(), packed.data(), dst.size()); return;
+      case Part::kMxBlocks: std::memcpy(dst.data(), mx_blocks.data(), dst.size()); return;
+      case Part::kMxScales: std::memcpy(dst.data(), mx_scales.data(), dst.size()); return;
       case Part::kScale:
         for (size_t i = 0; i < scales.size(); ++i) {
           const bf16_t b = F32ToBf16(scales[i]);  // exact: the quantizer rounded the scales to bf16

@@ -22,7 +22,7 @@ struct SyntheticModelUri {
   uint64_t seed = 0;
   int experts = -1;    // override the preset's routed experts per layer
   int top_k = -1;      // override the preset's top-k
-  std::string dtype;   // bf16 (default), fp8 or int4: the weights a checkpoint of that format gives back
+  std::string dtype;   // bf16 (default), fp8, int4 or mxfp4: the weights a checkpoint of that format gives back
   // The preset's geometry with the overrides above applied.
   absl::StatusOr<ModelSpec> Spec() const;
 };
@@ -36,7 +36,7 @@ absl::StatusOr<ModelSpec> PresetSpec(std::string_view preset, int layers = -1);
 
 // True iff `uri` starts with "synthetic:".
 bool IsSyntheticUri(std::string_view uri);
-// Parses "synthetic:PRESET[:layers=N][:seed=S][:experts=E][:top_k=K][:dtype=bf16|fp8|int4]".
+// Parses "synthetic:PRESET[:layers=N][:seed=S][:experts=E][:top_k=K][:dtype=bf16|fp8|int4|mxfp4]".
 absl::StatusOr<SyntheticModelUri> ParseSyntheticUri(std::string_view uri);
 
 // Fills `dst` with the rows x cols row-major bf16 matrix of (seed, layer, expert, proj).
@@ -47,7 +47,8 @@ void GenerateExpertMatrix(uint64_t seed, int layer, int expert, Projection proj,
 // MoE layer of `spec`, with weights from GenerateExpertMatrix: in spec.dtype, or
 // quantized as spec.quant says, in the real formats (model/quantization.h: fp8
 // `weight` + `weight_scale_inv`, int4 compressed-tensors `weight_packed` +
-// `weight_scale` + `weight_shape`, and the matching quantization_config).
+// `weight_scale` + `weight_shape`, mxfp4 GPT-OSS's `X_blocks` + `X_scales`
+// per expert, and the matching quantization_config).
 absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& spec, uint64_t seed,
                                       size_t max_shard_bytes);
 

@@ -1,9 +1,9 @@
 // DeviceBackend conformance: every test runs against each backend ("cpu",
-// "cuda") in each storage format (bf16, int8, int4, fp8: "cuda_int8" is the cuda
+// "cuda") in each storage format (bf16, int8, int4, fp8, mxfp4: "cuda_int8" is the cuda
 // backend with an int8 cache) and compares with a double-precision SwiGLU
 // reference written here, computed from the weights the packed experts stand
-// for (dequantized): relative L2 error <= 1e-2 for bf16, int8 and fp8, <= 3e-2
-// for int4.
+// for (dequantized): relative L2 error <= 1e-2 for bf16, int8, fp8 and mxfp4,
+// <= 3e-2 for int4.
 // Without a usable GPU the cuda instances are skipped (by name, with the
 // reason); on a GPU host the same tests are the cuda backend's self-check.
 #include <gtest/gtest.h>
@@ -203,6 +203,7 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
     format_ = fmt == "int8"   ? WeightFormat::kInt8
               : fmt == "int4" ? WeightFormat::kInt4
               : fmt == "fp8"  ? WeightFormat::kFp8
+              : fmt == "mxfp4" ? WeightFormat::kMxfp4
                               : WeightFormat::kBf16;
     tolerance_ = Tolerance(format_);
     NewBackend();
@@ -739,7 +740,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, Fp8SmallCodesTest, ::testing::Values("cpu_fp8
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendTest,
                          ::testing::Values("cpu", "cuda", "cpu_int8", "cuda_int8", "cpu_int4", "cuda_int4", "cpu_fp8",
-                                           "cuda_fp8"),
+                                           "cuda_fp8", "cpu_mxfp4", "cuda_mxfp4"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

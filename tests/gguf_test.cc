@@ -487,8 +487,8 @@ TEST(GgufCrossCheck, OurReaderAgreesWithGgufPy) {
     CrossCheck(py, gguf_py, model, 0, 77, dir.path());
   }
   std::filesystem::remove(model);
-  // 2. Our writer's k-quants and BF16, read by gguf-py.
-  for (GgmlType t : {GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kBF16}) {
+  // 2. Our writer's k-quants, MXFP4 and BF16, read by gguf-py.
+  for (GgmlType t : {GgmlType::kQ4_K, GgmlType::kQ6_K, GgmlType::kMXFP4, GgmlType::kBF16}) {
     SCOPED_TRACE(GgmlTypeName(static_cast<uint32_t>(t)));
     ModelSpec spec = *PresetSpec("demo", 2);
     const std::string path = dir.path() + "/ours.gguf";

@@ -1,11 +1,11 @@
 // Every expert kernel (amx, avx512, reference) in every storage format (bf16,
-// int8, int4, fp8) through the real executor (grouping, gather, activation
+// int8, int4, fp8, mxfp4) through the real executor (grouping, gather, activation
 // quantization, fused gate+up+SiLU, down (one weighted row per pair), the
 // per-token sum, the pinned thread pool) against an f64 reference MoE, on
 // random non-zero data.
 // bf16: the reference MoE of the model, relative L2 error <= 1e-2. int8/int4:
 // the f64 MoE of the weights the packed experts stand for (UnpackExpert),
-// activation quantization included: <= 1e-2 (int8), <= 3e-2 (int4).
+// activation quantization included: <= 1e-2 (int8, mxfp4), <= 3e-2 (int4).
 // Kernels this CPU lacks are reported as skipped, by name.
 #include <sys/resource.h>
 #include <unistd.h>
@@ -211,9 +211,60 @@ TEST_P(KernelTest, ManyTokensPerExpert) {
   Check({128, 96, 4, 2}, 150, 2, DType::kBF16, 30);
 }
 
+// GPT-OSS's expert shape (H = I = 2880: 90 MXFP4 scale blocks per row),
+// against the f64 MoE of the stored values; mxfp4 only (the other formats'
+// real shapes run in bench/quant_accuracy and the server tests).
+TEST_P(KernelTest, GptOssShapeMxfp4) {
+  if (format() != WeightFormat::kMxfp4) GTEST_SKIP() << "mxfp4 only";
+  Check({2880, 2880, 4, 2}, 6, 2, DType::kBF16, 60);
+}
+
 TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
   Check({160, 112, 8, 2}, 12, 1, DType::kF32, 40);
   Check({160, 112, 8, 2}, 12, 2, DType::kF32, 40);
+}
+
+// A bf16 model quantized to MXFP4 on load (--weight-dtype mxfp4: OCP scale,
+// round to nearest) against the bf16 model's own f64 MoE, at H = I = 2880.
+// E2M1 has 8 magnitudes per sign: on these weights (uniform in a block) its
+// per-weight RMS error is ~14% (int4 with a scale per 32: ~7%), and the MoE's
+// relative error compounds it over gate, up and down: 0.19 measured (AVX-512
+// and reference alike: 1.7e-3 of it is the kernels' own, against the stored
+// values) — far above the 3e-2 that issue 46 asks of 4-bit formats, which no
+// 4-bit code with one scale per 32 meets on such weights. The bounds check
+// that the quantizer did what the format allows, not more.
+TEST(Mxfp4Quantization, Bf16ModelQuantizedOnLoadAgainstTheBf16Model) {
+  const Shape shape{2880, 2880, 4, 2};
+  const ModelSpec spec = TestSpec(shape);
+  std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, 70);
+  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
+  ASSERT_TRUE(numa.ok()) << numa.status();
+  ComputePool pool(**numa);
+  absl::StatusOr<ExpertGeometry> g = StorageGeometry(spec, "mxfp4");
+  ASSERT_TRUE(g.ok()) << g.status();
+  absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(*source, *g, HostedSet{{1}, {0, 1, 2, 3}}, **numa, pool);
+  ASSERT_TRUE(store.ok()) << store.status();
+  std::unique_ptr<ExpertKernel> kernel = *MakeExpertKernel("auto", CpuFeatures::Get(), WeightFormat::kMxfp4);
+  MoeExecutor exec(**store, *kernel, pool);
+  const int n = 6;
+  const std::vector<bf16_t> x = RandomActivations(size_t(n) * shape.H, 71);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  RandomRouting(n, shape.k, shape.experts, 72, 0.0, &ids, &w);
+  const RoutingView r{n, shape.k, ids.data(), w.data()};
+  std::vector<float> got(size_t(n) * shape.H);
+  ASSERT_TRUE(exec.Forward({1, n, x.data(), r}, DType::kF32, got.data(), nullptr).ok());
+  std::vector<double> bf16_ref(got.size());
+  ASSERT_TRUE(ReferenceMoe(*source).Forward<double>(1, n, x.data(), r, bf16_ref.data()).ok());
+  const std::vector<double> stored_ref = DequantizedReference(**store, n, x, r);
+  const double vs_stored = RelativeL2Error(got.data(), stored_ref.data(), got.size());
+  const double vs_bf16 = RelativeL2Error(got.data(), bf16_ref.data(), got.size());
+  std::printf("mxfp4 on load, H = I = 2880, kernel %s: %.3g vs the stored values, %.3g vs the bf16 model\n",
+              kernel->name(), vs_stored, vs_bf16);
+  RecordProperty("rel_error_vs_bf16", std::to_string(vs_bf16));
+  EXPECT_LE(vs_stored, 1e-2);
+  EXPECT_GT(vs_bf16, 0.05);  // quantized, not the bf16 weights
+  EXPECT_LE(vs_bf16, 0.22);
 }
 
 // A batch whose workspace cannot be allocated is an error, not a crash; the
@@ -269,7 +320,8 @@ TEST(ExecutorWorkspace, TooLargeABatchIsResourceExhausted) {
 INSTANTIATE_TEST_SUITE_P(Kernels, KernelTest,
                          ::testing::Combine(::testing::Values("amx", "avx512", "reference"),
                                             ::testing::Values(WeightFormat::kBf16, WeightFormat::kInt8,
-                                                              WeightFormat::kInt4, WeightFormat::kFp8)),
+                                                              WeightFormat::kInt4, WeightFormat::kFp8,
+                                                              WeightFormat::kMxfp4)),
                          [](const ::testing::TestParamInfo<KernelParam>& p) {
                            return std::get<0>(p.param) + "_" + WeightFormatName(std::get<1>(p.param));
                          });
@@ -480,13 +532,13 @@ class IntDirectTest : public ::testing::TestWithParam<const char*> {
   struct Rows {
     std::vector<int8_t> q;
     std::vector<float> scale;
-    std::vector<int32_t> sum64;
+    std::vector<int32_t> sum32;
     KernelRows Quantize(const bf16_t* x, int m, int K, int ld) {
       q.resize(size_t(2) * m * ld);
       scale.resize(m);
-      sum64.resize(size_t(2) * m * (K / 64));
-      QuantizeRows(x, m, K, ld, q.data(), scale.data(), sum64.data());
-      return KernelRows{nullptr, q.data(), scale.data(), sum64.data()};
+      sum32.resize(size_t(2) * m * (K / 32));
+      QuantizeRows(x, m, K, ld, q.data(), scale.data(), sum32.data());
+      return KernelRows{nullptr, q.data(), scale.data(), sum32.data()};
     }
   };
 
@@ -526,7 +578,11 @@ class IntDirectTest : public ::testing::TestWithParam<const char*> {
         ASSERT_LE(std::fabs(a32[i] - r32[i]), std::fabs(r32[i]) / 128 + 1e-5f * amax) << "act element " << i;
         differ += act[i] != act_ref[i];
       }
-      EXPECT_LE(differ, act.size() / 100) << "act elements not bit-equal";
+      // Over many scale groups (K = 2880: 90 of mxfp4's, 45 of int4's at group
+      // 64) the two f32 orders differ enough to flip ~5% of the bf16 roundings
+      // of small elements (int4 measured alike); each element's bound above and
+      // Down's 1e-5 still hold there.
+      EXPECT_LE(differ, act.size() / (g.Kh <= 512 ? 100 : 10)) << "act elements not bit-equal";
       CheckDown(g, packed, aq.Quantize(act_ref.data(), m, g.Ki, g.lda()), m, seed);
     }
   }
@@ -575,6 +631,15 @@ TEST_P(IntDirectTest, Int4MatchesReference) {
   Check(80, 48, WeightFormat::kInt4, 64, 112);
   Check(33, 17, WeightFormat::kInt4, 0, 113);
   Check(320, 200, WeightFormat::kInt4, 192, 114);
+}
+
+// mxfp4 (group 32, E8M0 scales): the vpshufb-mapped nibbles on VNNI and the
+// 32-k-deep int8 tiles on AMX against the reference's exact int32 sums; H =
+// I = 2880 is GPT-OSS's (45 chunks of 64, 90 scale blocks).
+TEST_P(IntDirectTest, Mxfp4MatchesReference) {
+  Check(200, 136, WeightFormat::kMxfp4, 0, 121);
+  Check(33, 17, WeightFormat::kMxfp4, 0, 122);
+  Check(2880, 2880, WeightFormat::kMxfp4, 0, 123);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, IntDirectTest, ::testing::Values("avx512", "amx"),
@@ -674,13 +739,19 @@ TEST(ExpertPacking, QuantizeRowsAvx512MatchesScalar) {
   for (int k = 0; k < K; ++k) x[size_t(4) * K + k] = 0;  // an all-zero row
   std::vector<int8_t> q1(2 * m * K), q2(2 * m * K);
   std::vector<float> s1(m), s2(m);
-  std::vector<int32_t> u1(2 * m * K / 64), u2(2 * m * K / 64);
+  std::vector<int32_t> u1(2 * m * K / 32), u2(2 * m * K / 32);
   QuantizeRowsScalar(x.data(), m, K, K, q1.data(), s1.data(), u1.data());
   QuantizeRowsAvx512(x.data(), m, K, K, q2.data(), s2.data(), u2.data());
   EXPECT_EQ(q1, q2);
   EXPECT_EQ(s1, s2);
   EXPECT_EQ(u1, u2);
   EXPECT_EQ(s1[4], 0.0f);
+  for (int r = 0; r < 2 * m; ++r)  // sum32: each 32-column chunk's codes
+    for (int c = 0; c < K / 32; ++c) {
+      int32_t sum = 0;
+      for (int k = 32 * c; k < 32 * c + 32; ++k) sum += q1[size_t(r) * K + k];
+      ASSERT_EQ(u1[size_t(r) * (K / 32) + c], sum) << "row " << r << " chunk " << c;
+    }
   // hi + lo/254 rebuilds each row to ~15 bits.
   for (int r = 0; r < 4; ++r)
     for (int k = 0; k < K; ++k) {
@@ -717,6 +788,21 @@ TEST(ExpertStore, StorageGeometryFollowsTheFlagAndTheCheckpoint) {
   const double int4 = ExpertStore::BytesNeeded(*StorageGeometry(spec, "int4"), one);
   EXPECT_NEAR(int8 / bf16, 0.5, 0.01);
   EXPECT_NEAR(int4 / bf16, 0.25 + 2.0 / 128, 0.002);  // 4 bits plus one f32 scale per group of 128
+  // mxfp4: asked for, or kept from an MXFP4 checkpoint (safetensors, or a GGUF of MXFP4 experts only).
+  EXPECT_EQ(StorageGeometry(spec, "mxfp4")->format, WeightFormat::kMxfp4);
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt4);
+  spec.quant = QuantConfig{.scheme = WeightQuant::kMxfp4};
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kMxfp4);
+  EXPECT_EQ(StorageGeometry(spec, "auto")->group, 32);
+  spec.quant = QuantConfig{.scheme = WeightQuant::kGgufBlock, .gguf_bits = 4, .gguf_types = "MXFP4", .gguf_mxfp4 = true};
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kMxfp4);
+  spec.quant.gguf_mxfp4 = false;  // MXFP4 beside another type: the int8 of any GGUF block type
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt8);
+  // 4.25 bits per weight: 4-bit codes and one byte per 32 (H = I = 2880, GPT-OSS's).
+  spec.hidden = spec.intermediate = 2880;
+  const double bf16_oss = ExpertStore::BytesNeeded(*StorageGeometry(spec, "bf16"), one);
+  const double mx_oss = ExpertStore::BytesNeeded(*StorageGeometry(spec, "mxfp4"), one);
+  EXPECT_NEAR(mx_oss / bf16_oss, 4.25 / 16, 0.003);
 }
 
 }  // namespace

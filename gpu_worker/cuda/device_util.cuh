@@ -52,7 +52,25 @@ __device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1,
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2, kFmtFp8 = 3;  // WeightFormat
+constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2, kFmtFp8 = 3, kFmtMxfp4 = 4;  // WeightFormat
+
+// The 4 E2M1 codes in the low nibbles of u's bytes (high nibbles zero) as
+// f32, each twice its value (0, 1, 2, 3, 4, 6, 8, 12 and negatives): the
+// magnitude looked up by __byte_perm in a table of 8 bytes, the sign (bit 3)
+// moved to the f32's. Callers fold the 1/2 into the scale (Mxfp4Scale).
+__device__ __forceinline__ void Mxfp4x4(uint32_t u, float (&f)[4]) {
+  const uint32_t m = u & 0x07070707u, t = m | (m >> 4);
+  const uint32_t mag = __byte_perm(0x03020100u, 0x0C080604u, (t & 0xFFu) | ((t >> 8) & 0xFF00u));
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    f[i] = __uint_as_float(__float_as_uint(static_cast<float>((mag >> (8 * i)) & 0xFFu)) | (((u >> (8 * i + 3)) & 1u) << 31));
+}
+
+// An E8M0 exponent's 2^(e - 127) / 2 (Mxfp4x4's codes are doubled), exact
+// for every e < 255 (e = 0: 2^-128, an f32 subnormal).
+__device__ __forceinline__ float Mxfp4Scale(uint32_t e) {
+  return 0.5f * (e != 0 ? __uint_as_float(e << 23) : __uint_as_float(0x00400000u));
+}
 
 // The 4 E4M3 codes of `u` as f32, each exactly its value / 256: a code's bits
 // moved into an f16's (sign to bit 15, exponent and mantissa to bits 13-7)
@@ -105,10 +123,16 @@ __device__ __forceinline__ void PackedValues8(const uint8_t* blk, int Kp, int gr
   } else {
     bool high;  // k % 8 == 0: tile row (k % 64) / 4 is even, so its low nibbles; k + 4 the high ones
     const uint32_t w = *reinterpret_cast<const uint32_t*>(blk + layout::Int4Offset(c, k, &high));
-    const float s = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 8)[(k / group) * 16 + c];
-    float a[4], b[4];
-    Bytes4<8>(w & 0x0F0F0F0Fu, a);
-    Bytes4<8>((w >> 4) & 0x0F0F0F0Fu, b);
+    float s, a[4], b[4];
+    if constexpr (kFmt == kFmtMxfp4) {  // E8M0 exponents after the chunks, one per 32 k
+      s = Mxfp4Scale(blk[static_cast<size_t>(Kp) * 8 + (k / 32) * 16 + c]);
+      Mxfp4x4(w & 0x0F0F0F0Fu, a);
+      Mxfp4x4((w >> 4) & 0x0F0F0F0Fu, b);
+    } else {
+      s = reinterpret_cast<const float*>(blk + static_cast<size_t>(Kp) * 8)[(k / group) * 16 + c];
+      Bytes4<8>(w & 0x0F0F0F0Fu, a);
+      Bytes4<8>((w >> 4) & 0x0F0F0F0Fu, b);
+    }
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = s * a[i], v[4 + i] = s * b[i];
   }

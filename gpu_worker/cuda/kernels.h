@@ -60,13 +60,13 @@ struct GroupedExpertArgs {
 
 // Experts in the CPU server's packed layout (expert_compute/expert_kernel.h:
 // 16-channel blocks, gate and up blocks interleaved, then down's blocks; the
-// byte formats (int8, int4, fp8) carry their scales in each block). A quantized GPU cache
+// byte formats (int8, int4, fp8, mxfp4) carry their scales in each block). A quantized GPU cache
 // keeps its slots in this layout, byte for byte what the host copy holds, so
 // a copy is one memcpy of the packed bytes. Filled from ExpertGeometry by the
 // backend (kernels.h stays free of the CPU headers).
 struct PackedLayout {
-  int format = 0;  // WeightFormat: 0 bf16, 1 int8, 2 int4, 3 fp8
-  int group = 0;   // int4, fp8: k per scale group (a multiple of 64)
+  int format = 0;  // WeightFormat: 0 bf16, 1 int8, 2 int4, 3 fp8, 4 mxfp4
+  int group = 0;   // int4, fp8: k per scale group (a multiple of 64); mxfp4: 32
   int Kh = 0, Ki = 0;          // padded K of gate/up and of down
   size_t gate_up_block = 0;    // bytes of one gate (or up) block, K = Kh
   size_t down_block = 0;       // bytes of one down block, K = Ki
@@ -99,7 +99,7 @@ cudaError_t LaunchGroupedGateUp(const GroupedExpertArgs& a, cudaStream_t stream)
 // row r of every group (atomicAdd: several experts may add into one token).
 cudaError_t LaunchGroupedDown(const GroupedExpertArgs& a, cudaStream_t stream);
 
-// The grouped kernels for int8 / int4 / fp8 packed experts: the same contract as
+// The grouped kernels for int8 / int4 / fp8 / mxfp4 packed experts: the same contract as
 // LaunchGroupedGateUp / LaunchGroupedDown (a.experts and a.expert_stride are
 // unused; `p` names the packed slots). Weights are read in their packed form
 // and dequantized in registers; activations stay bf16 (not quantized); f32

@@ -16,6 +16,11 @@
 // fp8: its bits moved into an f16's, Fp8x4), scales are applied per chunk
 // (int4 groups; fp8 groups, to the weights) or in the epilogue (int8
 // channels). fp8 blocks have int8's byte layout and int4's group scales.
+// mxfp4 blocks have int4's nibble layout and computation, E2M1 codes turned
+// into (doubled) values by a byte lookup (Mxfp4x4), and an E8M0 scale per 32
+// k: a lane's 8 k lie in one scale block. mxfp4 runs on the CUDA-core
+// kernels at every group size up to the backend's cuBLAS threshold (the
+// tensor-core variant's group-scale rows assume groups of >= 64 k).
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -50,11 +55,11 @@ __device__ __forceinline__ float Dot4(const float (&w)[4], const float (&x)[4]) 
 }
 
 // The registers one lane reads from one 64-k chunk of NMAT blocks: int8 two
-// 16-byte units (chunk rows lane / 4 and 8 + lane / 4), int4 one unit and the
-// group scales of its 4 channels.
+// 16-byte units (chunk rows lane / 4 and 8 + lane / 4), int4 and mxfp4 one
+// unit and the group scales of its 4 channels.
 template <int kFmt, int NMAT>
 struct ChunkRegs {
-  static constexpr int kUnits = kFmt == kFmtInt4 ? 1 : 2;
+  static constexpr int kUnits = kFmt == kFmtInt4 || kFmt == kFmtMxfp4 ? 1 : 2;
   uint4 w[NMAT][kUnits];
   float4 s[NMAT];
 };
@@ -64,7 +69,7 @@ __device__ __forceinline__ void LoadChunkRegs(const uint8_t* const (&blk)[NMAT],
                                               ChunkRegs<kFmt, NMAT>& r) {
 #pragma unroll
   for (int m = 0; m < NMAT; ++m) {
-    if constexpr (kFmt != kFmtInt4) {
+    if constexpr (kFmt != kFmtInt4 && kFmt != kFmtMxfp4) {
       r.w[m][0] = LoadStream16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * lane);
       r.w[m][1] = LoadStream16(blk[m] + static_cast<size_t>(ch) * 1024 + 16 * (lane + kWarp));
       if constexpr (kFmt == kFmtFp8) {
@@ -73,8 +78,15 @@ __device__ __forceinline__ void LoadChunkRegs(const uint8_t* const (&blk)[NMAT],
       }
     } else {
       r.w[m][0] = LoadStream16(blk[m] + static_cast<size_t>(ch) * 512 + 16 * lane);
-      const size_t off = static_cast<size_t>(Kp) * 8 + (static_cast<size_t>(64 * ch / group) * 16 + 4 * (lane & 3)) * 4;
-      r.s[m] = __ldg(reinterpret_cast<const float4*>(blk[m] + off));
+      if constexpr (kFmt == kFmtMxfp4) {  // the 4 exponents of the lane's channels in its 32-k block
+        const size_t off = static_cast<size_t>(Kp) * 8 + static_cast<size_t>(2 * ch + (lane >> 4)) * 16 + 4 * (lane & 3);
+        const uint32_t e = __ldg(reinterpret_cast<const uint32_t*>(blk[m] + off));
+        r.s[m] = make_float4(Mxfp4Scale(e & 0xFFu), Mxfp4Scale((e >> 8) & 0xFFu), Mxfp4Scale((e >> 16) & 0xFFu),
+                             Mxfp4Scale(e >> 24));
+      } else {
+        const size_t off = static_cast<size_t>(Kp) * 8 + (static_cast<size_t>(64 * ch / group) * 16 + 4 * (lane & 3)) * 4;
+        r.s[m] = __ldg(reinterpret_cast<const float4*>(blk[m] + off));
+      }
     }
   }
 }
@@ -123,7 +135,7 @@ __device__ __forceinline__ void AddChunk(const ChunkRegs<kFmt, NMAT>& cr, int ch
       }
     }
   } else {
-    static_assert(kFmt == kFmtInt4);
+    static_assert(kFmt == kFmtInt4 || kFmt == kFmtMxfp4);
     const int k = 64 * ch + 8 * (lane >> 2);  // byte row lane / 4: k .. k+4 low nibbles, k+4 .. k+8 high
     float lo[NMAT][4][4], hi[NMAT][4][4];
 #pragma unroll
@@ -131,8 +143,13 @@ __device__ __forceinline__ void AddChunk(const ChunkRegs<kFmt, NMAT>& cr, int ch
       const uint32_t ws[4] = {cr.w[m][0].x, cr.w[m][0].y, cr.w[m][0].z, cr.w[m][0].w};
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        Bytes4<8>(ws[c] & 0x0F0F0F0Fu, lo[m][c]);
-        Bytes4<8>((ws[c] >> 4) & 0x0F0F0F0Fu, hi[m][c]);
+        if constexpr (kFmt == kFmtMxfp4) {
+          Mxfp4x4(ws[c] & 0x0F0F0F0Fu, lo[m][c]);
+          Mxfp4x4((ws[c] >> 4) & 0x0F0F0F0Fu, hi[m][c]);
+        } else {
+          Bytes4<8>(ws[c] & 0x0F0F0F0Fu, lo[m][c]);
+          Bytes4<8>((ws[c] >> 4) & 0x0F0F0F0Fu, hi[m][c]);
+        }
       }
     }
 #pragma unroll
@@ -856,6 +873,9 @@ cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedSlots& 
     case kFmtFp8:
       if (p.layout.group <= 0 || p.layout.group % 64 != 0) return cudaErrorInvalidValue;
       return mma ? LaunchPackedMmaByRows<kFmtFp8, kDown>(a, p, s) : LaunchPackedByRows<kFmtFp8, kDown>(a, p, s);
+    case kFmtMxfp4:
+      if (p.layout.group != 32) return cudaErrorInvalidValue;
+      return LaunchPackedByRows<kFmtMxfp4, kDown>(a, p, s);
     default: return cudaErrorInvalidValue;  // bf16 slots are row-major: LaunchGrouped*
   }
 }
@@ -877,6 +897,7 @@ cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout
   if (items == 0) return cudaSuccess;
   if ((layout.format == kFmtInt4 || layout.format == kFmtFp8) && (layout.group <= 0 || layout.group % 64 != 0))
     return cudaErrorInvalidValue;
+  if (layout.format == kFmtMxfp4 && layout.group != 32) return cudaErrorInvalidValue;
   const int blocks = static_cast<int>(std::min<size_t>((items + kElemwiseThreads - 1) / kElemwiseThreads, kMaxElemwiseBlocks));
   switch (layout.format) {
     case kFmtBf16:
@@ -890,6 +911,9 @@ cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout
       break;
     case kFmtFp8:
       UnpackExpertKernel<kFmtFp8><<<blocks, kElemwiseThreads, 0, stream>>>(packed, 0, layout, hidden, intermediate, dst, 0, nullptr);
+      break;
+    case kFmtMxfp4:
+      UnpackExpertKernel<kFmtMxfp4><<<blocks, kElemwiseThreads, 0, stream>>>(packed, 0, layout, hidden, intermediate, dst, 0, nullptr);
       break;
     default: return cudaErrorInvalidValue;
   }

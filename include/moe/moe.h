@@ -177,7 +177,7 @@ MOE_API const char* moe_status_name(int status);
  *   "max_top_k"   (int in [1, 1024], default 8)
  *   "contexts"    (int in [1, 64], default 2) calls in flight
  *   "cpu_threads", "grpc_streams" (int)
- *   "weight_dtype" "auto" | "bf16" | "int8" | "int4" | "fp8" (default "auto": the
+ *   "weight_dtype" "auto" | "bf16" | "int8" | "int4" | "fp8" | "mxfp4" (default "auto": the
  *                 same-host servers' when shared, else the checkpoint's class)
  *   "share_host_copy" (bool, default true) map the same-host servers' stores
  *                 instead of keeping an own copy
