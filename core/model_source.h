@@ -17,9 +17,14 @@
 
 namespace moe {
 
-// Row-major bf16 weights of one expert: gate [I,H], up [I,H], down [H,I].
+// Row-major bf16 weights of one expert: gate [I,H], up [I,H], down [H,I],
+// and its biases when spec.expert_biases (gate [I], up [I], down [H]; empty
+// otherwise). A slice's down bias is the whole expert's in slice 0 and zero
+// in the others, so the slices' outputs still add up to the expert's.
 struct ExpertWeights {
   std::vector<bf16_t> gate, up, down;
+  std::vector<bf16_t> gate_bias, up_bias, down_bias;
+  bool has_biases() const { return !down_bias.empty(); }
   void Resize(const ModelSpec& spec);
 };
 
