@@ -34,7 +34,11 @@ struct ExpertActivation {
   static constexpr ExpertActivation ClampedSwiglu(float alpha, float limit) {
     return ExpertActivation{ActivationKind::kClampedSwiglu, alpha, limit};
   }
-  bool operator==(const ExpertActivation&) const = default;
+  // Spelled out: the CUDA files are C++17.
+  constexpr bool operator==(const ExpertActivation& o) const {
+    return kind == o.kind && alpha == o.alpha && limit == o.limit;
+  }
+  constexpr bool operator!=(const ExpertActivation& o) const { return !(*this == o); }
 };
 
 namespace activation_internal {

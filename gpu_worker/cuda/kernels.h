@@ -73,7 +73,7 @@ struct GroupedExpertArgs {
 
 // The byte offset of a bf16 expert buffer's biases: after its three
 // matrices, 16-byte aligned.
-inline constexpr size_t Bf16BiasOffset(int hidden, int intermediate) {
+MOE_HOST_DEVICE inline constexpr size_t Bf16BiasOffset(int hidden, int intermediate) {
   return (3 * static_cast<size_t>(hidden) * intermediate * sizeof(bf16_t) + 15) / 16 * 16;
 }
 
