@@ -37,6 +37,7 @@ absl::StatusOr<std::unique_ptr<AdmissionPolicy>> AdmissionPolicy::Create(const A
     r.use.assign(c.num_experts, 0.0);
     r.pairs.assign(c.num_experts, 0.0);
     r.admitted.assign(c.num_experts, -1);
+    r.rent.assign(c.num_experts, 0.0);
     for (int m = 0; m < kMemories; ++m) {
       r.use_mem[m].assign(c.num_experts, 0.0);
       r.pairs_mem[m].assign(c.num_experts, 0.0);
@@ -73,7 +74,11 @@ absl::StatusOr<std::vector<SlotCopy>> AdmissionPolicy::OnLayer(ExpertCache& cach
     Residency& r = residency_[p];
     last_miss_s_ = 0;
     for (int e = 0; e < config_.num_experts; ++e) {
-      if (pairs[e] > 0 && cache.ReadySlot(layer, e) < 0) last_miss_s_ += c.miss_expert_s + pairs[e] * c.miss_pair_s;
+      if (pairs[e] > 0 && cache.ReadySlot(layer, e) < 0) {
+        const double miss_s = c.miss_expert_s + pairs[e] * c.miss_pair_s;
+        last_miss_s_ += miss_s;
+        if (cache.SlotOf(layer, e) < 0) r.rent[e] += miss_s;
+      }
       if (r.admitted[e] >= 0 && cache.SlotOf(layer, e) < 0) r.admitted[e] = -1;
     }
   }
@@ -402,6 +407,7 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
     if (!copy.ok()) return;  // cannot happen for the slots chosen here; skip defensively
     if (copy->evicted >= 0) Evicted(tp, copy->evicted);
     res.admitted[e] = static_cast<int64_t>(res.runs);
+    res.rent[e] = 0;
     *link_free_s = std::max(now_s, *link_free_s) + c.copy_s;
     pass_bytes_ += config_.expert_bytes;
     ++counters.copies;
@@ -425,8 +431,10 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
       start(victims[first++].id, e);
     }
   victims.erase(victims.begin(), victims.begin() + static_cast<std::ptrdiff_t>(first));
-  const double link = std::max(now_s, *link_free_s);
   const bool budget = config_.pass_budget_bytes > 0;
+  FillByRent(cache, target, copy_cost, std::max(now_s, *link_free_s), end_s, &victims, &scratch_swaps_);
+  for (const auto& [slot, e] : scratch_swaps_) start(slot, e);
+  const double link = std::max(now_s, *link_free_s);
   auto timing = [&](int i) {
     const double done = link + (i + 1) * c.copy_s;
     if (budget && pass_bytes_ + (i + 1) * config_.expert_bytes > config_.pass_budget_bytes) return -1;
@@ -435,6 +443,37 @@ void AdmissionPolicy::Plan(ExpertCache& cache, int target, int lag, double now_s
   ChooseSwaps(next, rate, sds[best.memory], best.later_runs, copy_cost, undo_cost, &victims,
               [&](int e) { return cache.SlotOf(target, e) < 0; }, timing, &scratch_order_, &scratch_second_, &scratch_swaps_);
   for (const auto& [e, slot] : scratch_swaps_) start(slot, e);
+}
+
+// Ski rental for the empty slots among `victims`: uncached experts whose rent
+// (the CPU time their misses took while out of the cache) reached the copy's
+// cost, most rent first, while the link (free at `link_s`) lands each copy
+// within the pass after the target's run (by `end_s`) and the pass's byte
+// budget allows. Writes (slot, expert) pairs to `fills`; their slots leave `victims`.
+void AdmissionPolicy::FillByRent(const ExpertCache& cache, int target, double copy_cost, double link_s, double end_s,
+                                 std::vector<AdmissionVictim>* victims, std::vector<std::pair<int, int>>* fills) {
+  fills->clear();
+  const std::vector<double>& rent = residency_[pos_[target]].rent;
+  std::vector<std::pair<double, int>>& due = scratch_order_;
+  due.clear();
+  for (int e = 0; e < config_.num_experts; ++e)
+    if (rent[e] > 0 && rent[e] >= copy_cost && cache.SlotOf(target, e) < 0) due.push_back({rent[e], e});
+  if (due.empty()) return;
+  std::sort(due.begin(), due.end(), [](const auto& a, const auto& b) { return HeapLess(b, a); });
+  const double copy_s = Costs().copy_s;
+  uint64_t bytes = pass_bytes_;
+  size_t next = 0;
+  for (auto v = victims->begin(); v != victims->end() && next < due.size();) {
+    if (v->expert >= 0) {
+      ++v;
+      continue;
+    }
+    link_s += copy_s;
+    bytes += config_.expert_bytes;
+    if (link_s > end_s || (config_.pass_budget_bytes > 0 && bytes > config_.pass_budget_bytes)) return;
+    fills->push_back({v->id, due[next++].second});
+    v = victims->erase(v);
+  }
 }
 
 AdmissionCosts AdmissionPolicy::Costs() const {

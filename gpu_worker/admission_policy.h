@@ -30,7 +30,16 @@
 // sqrt(2 ln E): what the best of E candidates' noise alone reaches), so a
 // swap is not made on estimation noise (on stationary routing every such
 // swap trades a better expert for a worse one). An empty
-// slot is filled whenever an uncached expert pays for its copy. The copy's
+// slot is filled whenever an uncached expert pays for its copy over the
+// priced horizon, or (ski rental: how long the session runs is not known)
+// once the CPU time its misses took since it was last out of the cache — the
+// rent paid — reaches the copy's cost: a free slot must not stay empty
+// because no horizon the policy prices covers a copy's price on evenly routed
+// layers (a cold cache under transformers' backend kept 0 hits over 100
+// decode steps of a Qwen3-30B-A3B geometry: the copy's cost, its link time
+// until a copy is observed, exceeded 24 runs of a 1-in-16 expert's misses).
+// Buying when the rent paid equals the price is within 2x of the best
+// decision in hindsight, whatever the session's length. The copy's
 // cost is the CPU expert kernels' time its DRAM reads take (copy_dram_s: with
 // live rates, the link time times the share of their pace the CPU servers
 // were measured to lose beside copies, CostModel::copy_cpu_share) times the
@@ -153,6 +162,7 @@ class AdmissionPolicy {
     std::vector<double> pairs;     // per expert: pairs per run, likewise
     std::vector<double> use_mem[kMemories], pairs_mem[kMemories];  // the same over 16 and 64 runs (half-lives)
     std::vector<int64_t> admitted; // per expert: `runs` when this policy admitted it, -1: not by it
+    std::vector<double> rent;      // per expert: CPU time its misses took since it last left (or never was in) the cache
     uint64_t runs = 0;
   };
   static constexpr double kResidencySmoothing = 0.125;  // EMA weight of one eviction's residency
@@ -161,6 +171,8 @@ class AdmissionPolicy {
             std::vector<SlotCopy>* out);
   double PassSeconds() const;
   void Evicted(int pos, int expert);
+  void FillByRent(const ExpertCache& cache, int target, double copy_cost, double link_s, double end_s,
+                  std::vector<AdmissionVictim>* victims, std::vector<std::pair<int, int>>* fills);
   void ObserveUse(int pos, int T, int k, const int32_t* ids, double now_s);
 
   AdmissionConfig config_;

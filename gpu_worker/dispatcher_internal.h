@@ -6,6 +6,7 @@
 // device_executor.cc); it is not installed.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -87,6 +88,11 @@ struct InFlightCall {
   LayerCall call;
   MissPlan plan;                 // Submit's split of this call
   Clock::time_point deadline;
+  // When a batch sent now to a server must be answered: `server_deadline`
+  // (DispatcherConfig) from now, never past the call's deadline.
+  Clock::time_point ServerDeadline(std::chrono::milliseconds server_deadline) const {
+    return std::min(deadline, Clock::now() + server_deadline);
+  }
   std::vector<int32_t> ids;      // host routing [T, k]
   std::vector<float> weights;
   std::vector<SentBatch> sent;

@@ -252,8 +252,9 @@ absl::Status LayerDispatcher::ShipMisses(InFlightCall& ctx) {
       server.polling = polling;
     }
     bf16_t* dst = nullptr;
+    const Clock::time_point answer_by = ctx.ServerDeadline(config_.server_deadline);
     if (server.registered) {
-      absl::StatusOr<StagingArea> staged = server.transport->Stage(sh.batch.n, sh.batch.k, ctx.deadline);
+      absl::StatusOr<StagingArea> staged = server.transport->Stage(sh.batch.n, sh.batch.k, answer_by);
       if (staged.ok()) {
         sh.staged = true;
         sh.stage = *staged;
@@ -266,11 +267,11 @@ absl::Status LayerDispatcher::ShipMisses(InFlightCall& ctx) {
       std::memcpy(sh.stage.expert_ids, sh.batch.ids.data(), sh.batch.ids.size() * sizeof(int32_t));
       std::memcpy(sh.stage.expert_weights, sh.batch.weights.data(), sh.batch.weights.size() * sizeof(float));
       sh.sent_at = Clock::now();
-      sh.done = server.transport->SubmitStaged(sh.stage, static_cast<uint32_t>(ctx.call.batch.layer), ctx.deadline);
+      sh.done = server.transport->SubmitStaged(sh.stage, static_cast<uint32_t>(ctx.call.batch.layer), answer_by);
     } else {
       sh.sent_at = Clock::now();
       sh.done = server.transport->Submit(GatheredBatch(ctx.call.batch.layer, sh.batch, dst),
-                                         ctx.recv.data() + sh.host_offset * H, ctx.deadline);
+                                         ctx.recv.data() + sh.host_offset * H, answer_by);
     }
   }
   return absl::OkStatus();

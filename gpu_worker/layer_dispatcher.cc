@@ -135,6 +135,7 @@ absl::Status LayerDispatcher::CheckConfig() {
         absl::StrCat("miss-buffers: ", c.miss_buffers, " is outside [0, ", kMaxMissBuffers, "] (0: by the expert's size)"));
   MOE_RETURN_IF_ERROR(CheckParallelGroup(c.group, spec_.num_experts));
   if (c.poll_window.count() < 0) return absl::InvalidArgumentError("poll-window: must not be negative");
+  if (c.server_deadline.count() <= 0) return absl::InvalidArgumentError("server-deadline: must be positive");
   // Polling keeps three threads busy (this one, the transport's completion
   // thread, the server's connection thread): only where there are cores for it.
   if (c.poll_window.count() > 0 && std::thread::hardware_concurrency() < 8) {

@@ -142,6 +142,12 @@ struct DispatcherConfig {
   int copy_min_tokens = 0;         // > 0: copy experts with at least this many tokens (no model)
   bool copy_fallback = true;       // failed servers: copy the experts to the device
   std::chrono::milliseconds deadline{30000};  // per call
+  // Per server batch: a server that has not answered one of a call's batches
+  // this long after it was sent has failed (a stalled server, a link gone
+  // silent), and the batch fails over (FailOver: another holder of its
+  // experts, else the device) with what is left of the call's deadline.
+  // Bounded by the call's deadline; must be > 0.
+  std::chrono::milliseconds server_deadline{10000};
   // A failed server is skipped this long, then tried again (a failed try is
   // cheap: a dead socket or a channel in back-off fails at once).
   std::chrono::milliseconds server_retry{250};

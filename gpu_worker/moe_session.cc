@@ -116,6 +116,7 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
   c.max_top_k = o.max_top_k;
   c.contexts = o.contexts;
   c.deadline = o.deadline;
+  c.server_deadline = o.server_deadline;
   c.transport.tls = o.tls;
   if (o.grpc_streams < 1 || o.grpc_streams > 64)
     return absl::InvalidArgumentError(absl::StrCat("grpc_streams: ", o.grpc_streams, " (1..64)"));

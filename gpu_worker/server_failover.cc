@@ -81,8 +81,9 @@ absl::Status LayerDispatcher::SetServerEnabled(const std::string& address, bool 
 }
 
 // SentBatch `index` of the call failed with `st`. A server failure
-// (UNAVAILABLE / DEADLINE_EXCEEDED / ...) moves it to another server hosting
-// every expert of the batch, while the deadline allows, else computes it on
+// (UNAVAILABLE / DEADLINE_EXCEEDED: no answer within server_deadline / ...)
+// moves it to another server hosting every expert of the batch, while the
+// call's deadline allows, else computes it on
 // the device from host copies (copy_fallback), else is UNAVAILABLE; any other
 // error (the server rejected the batch: a bug or bad input) is returned as
 // is. On OK *partial is the output to add, null when computed on the device.
@@ -116,7 +117,7 @@ absl::Status LayerDispatcher::FailOver(InFlightCall& ctx, size_t index, absl::St
       MOE_RETURN_IF_ERROR(Gather(ctx, sh.batch.rows, dst));
       bf16_t* out = ctx.recv.data() + sh.host_offset * H;
       sh.done = m.servers[next].transport->Submit(GatheredBatch(ctx.call.batch.layer, sh.batch, dst), out,
-                                                  ctx.deadline);
+                                                  ctx.ServerDeadline(config_.server_deadline));
       st = AwaitResult(sh.done);
       *partial = out;
       continue;

@@ -43,7 +43,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   WorkerFlags f;
   moe::SessionOptions& o = f.session;
   std::string servers_flag, layers_flag, device = "auto", policy, copy_mode = "auto", weight_dtype = "auto";
-  int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, grpc_streams = 1,
+  int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, server_deadline_ms = 10000, grpc_streams = 1,
           tp_rank = 0, tp_size = 1, gpus = 1;
   // --policy shows no default in --help: "" means predictive, said in its text.
   flags.String("model", &o.model, "checkpoint directory, FILE.gguf or synthetic:PRESET[:layers=N][:seed=S] (the servers' model)");
@@ -86,6 +86,9 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.Int("max-top-k", &max_top_k, "largest k of the routing");
   flags.Int("cpu-threads", &cpu_threads, "cpu backend: compute threads (0 = all)");
   flags.Int("deadline-ms", &deadline_ms, "per-call deadline for the expert servers");
+  flags.Int("server-deadline-ms", &server_deadline_ms,
+            "a server silent this long on one batch has failed: the batch goes to another server holding its "
+            "experts (or the device) within --deadline-ms");
   flags.Int("grpc-streams", &grpc_streams, "ForwardStreams per host:port expert server (1..64; batches round-robin)");
   flags.String("listen", &f.listen,
                "gRPC address to listen on (loopback by default; port 0 picks a free port; a port another process "
@@ -117,6 +120,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   o.max_top_k = static_cast<int>(max_top_k);
   o.cpu_threads = static_cast<int>(cpu_threads);
   o.deadline = std::chrono::milliseconds(deadline_ms);
+  o.server_deadline = std::chrono::milliseconds(server_deadline_ms);
   if (grpc_streams < 1 || grpc_streams > 64) flags.Fail("--grpc-streams: " + std::to_string(grpc_streams) + " (1..64)");
   o.grpc_streams = static_cast<int>(grpc_streams);
   if (tp_size < 1 || tp_size > 1024 || tp_rank < 0 || tp_rank >= tp_size)

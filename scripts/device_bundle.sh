@@ -25,7 +25,7 @@ done
 mkdir -p .bundle/dev/python
 cp -r python/moe_expert_service python/examples python/_build python/pyproject.toml .bundle/dev/python/
 cp -r tests/python .bundle/dev/python/tests
-mkdir -p .bundle/dev/python/bench && cp bench/python_overhead.py .bundle/dev/python/bench/
+mkdir -p .bundle/dev/python/bench && cp bench/python_overhead.py bench/hf_full_depth.py .bundle/dev/python/bench/
 find .bundle/dev/python -name __pycache__ -prune -exec rm -rf {} +
 # The recorded routing traces (read where they lie, never kept in the repo) and
 # the benchmark of record's script (the `record` phase of device_check.sh).

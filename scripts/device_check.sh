@@ -43,8 +43,14 @@
 #                         the tokens exchanged over NCCL (ExpertParallel) vs a cache per GPU, T=1,8,32,512,2048
 #   record [SETS]         the benchmark of record: scripts/bench_record.sh (recorded routing at each trace's
 #                         geometry, 48-layer Qwen3-30B-A3B, DeepSeek-V3) to $OUT/record.md; env as that script's
+#   hf_full MODEL LAYERS  bench/hf_full_depth.py: a whole model (qwen3: Qwen3-30B-A3B geometry, bf16; deepseek:
+#                         DeepSeek-V3 geometry with Kimi-K2-format int4 experts) saved on this host and loaded through
+#                         transformers' experts backend: correctness, decode/prompt tokens/s, memory, transformers'
+#                         offload (HF_ARGS: more flags; HF_WORK: checkpoint directory, removed after)
 #   tp ARGS               issue 26: python/examples/transformers_tp.py ARGS on every GPU of the machine (needs 2):
 #                         one cache across the GPUs (tensor parallel, torch all-reduce) vs a cache per GPU
+#   Python from the working tree instead of the bundle: PYDIR=python PYTESTDIR=tests/python
+#   HF_SCRIPT=bench/hf_full_depth.py
 #   usage (on the host): bash scripts/device_check.sh tests moe_layer qwen3-30b-a3b --layers 8
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -168,10 +174,11 @@ while [[ $# -gt 0 ]]; do
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       echo "## python ($py)" | tee -a "$OUT/python.txt"
       timeout 300 "$B/bin/c_api_test" >> "$OUT/python.txt" 2>&1; echo "c_api_test rc=$?" | tee -a "$OUT/python.txt"
-      for t in test_session test_torch_layer test_expert_parallel test_hf_backend; do
-        MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 300 "$py" "$B/python/tests/$t.py" >> "$OUT/python.txt" 2>&1
+      for t in ${PYTESTS:-test_session test_torch_layer test_expert_parallel test_hf_backend}; do
+        MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=${PYDIR:-$B/python} timeout 300 "$py" "${PYTESTDIR:-$B/python/tests}/$t.py" >> "$OUT/python.txt" 2>&1
         echo "$t rc=$?" | tee -a "$OUT/python.txt"
       done
+      [[ -n ${PYTESTS:-} ]] && { grep -E "rc=|FAIL|Error|error:" "$OUT/python.txt" | tail -40; continue; }
       MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 300 "$py" "$B/python/bench/python_overhead.py" \
         --server-bin "$B/bin/moe-expert-server" --preset qwen3-30b-a3b --layers 2 > "$OUT/python_overhead.md" 2>> "$OUT/python.txt"
       echo "python_overhead rc=$?" | tee -a "$OUT/python.txt"; cat "$OUT/python_overhead.md"
@@ -179,6 +186,15 @@ while [[ $# -gt 0 ]]; do
         --server-bin "$B/bin/moe-expert-server" --out "$OUT/transformers_offload.md" "$@" >> "$OUT/python.txt" 2>&1
       echo "transformers_offload rc=$?" | tee -a "$OUT/python.txt"
       grep -E "rc=|FAIL|Error|error:|^\|" "$OUT/python.txt" | tail -40; shift $# ;;
+    hf_full)
+      # hf_full MODEL LAYERS: bench/hf_full_depth.py (a whole model through transformers' experts backend;
+      # extra flags in HF_ARGS, checkpoint under HF_WORK)
+      py=${PYTHON:-/opt/torch/.venv/bin/python3}; model=$1; layers=$2; shift 2
+      df -h "${HF_WORK:-/tmp/hf_work}" 2>/dev/null | tail -1; mkdir -p "${HF_WORK:-/tmp/hf_work}"
+      MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=${PYDIR:-$B/python} timeout ${HF_TIMEOUT:-590} "$py" "${HF_SCRIPT:-$B/python/bench/hf_full_depth.py}" \
+        --model "$model" --layers "$layers" --server-bin "$B/bin/moe-expert-server" --workdir "${HF_WORK:-/tmp/hf_work}" \
+        --out "$OUT/hf_full_depth.md" ${HF_ARGS:-} > "$OUT/hf_full_depth_$model.log" 2>&1
+      echo "hf_full_depth $model $layers rc=$?"; tail -5 "$OUT/hf_full_depth_$model.log"; rm -rf "${HF_WORK:-/tmp/hf_work}" ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
 done

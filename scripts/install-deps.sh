@@ -16,9 +16,10 @@ packages=(
 # clang + libclang-rt-14-dev: the libFuzzer target (tests/shm_fuzz_main.cc);
 # python3 + numpy + pip + CPU torch: the Python package's tests (tests/python,
 # MoeLayer on CPU torch) and `pip install ./python`; python3-yaml and helm
-# (scripts/fetch-helm.sh, pinned and checksummed): the Helm chart's check.
+# (scripts/fetch-helm.sh, pinned and checksummed): the Helm chart's check;
+# iproute2 (`ip`): the veth links of tests/netns_test.cc.
 if [[ "${MOE_SKIP_TEST_DEPS:-0}" != 1 ]]; then
-  packages+=(clang libclang-rt-14-dev python3 python3-numpy python3-pip python3-torch python3-yaml)
+  packages+=(clang libclang-rt-14-dev python3 python3-numpy python3-pip python3-torch python3-yaml iproute2)
 fi
 missing=()
 for p in "${packages[@]}"; do

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -17,7 +18,7 @@ namespace moe {
 // stderr file — so between fork and exec it only makes async-signal-safe
 // system calls (no allocation, no lock another thread may hold).
 Subprocess::Subprocess(const std::string& binary, const std::vector<std::string>& args,
-                       const std::string& stderr_path) {
+                       const std::string& stderr_path, int netns_fd) {
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return;
   std::vector<char*> argv;
@@ -33,6 +34,7 @@ Subprocess::Subprocess(const std::string& binary, const std::vector<std::string>
     if (getppid() != parent) _exit(127);  // the parent died before the line above
     dup2(fds[1], 1);
     if (err_fd >= 0) dup2(err_fd, 2);
+    if (netns_fd >= 0 && setns(netns_fd, CLONE_NEWNET) != 0) _exit(126);
     execv(binary.c_str(), argv.data());
     _exit(127);
   }

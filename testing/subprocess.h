@@ -16,8 +16,10 @@ namespace moe {
 class Subprocess {
  public:
   // stderr_path: where the child's stderr goes (appended); "" = inherited.
+  // netns_fd: a network namespace (an open /proc/.../ns/net) the child joins
+  // before exec; -1 = this thread's (testing/network_namespace.h).
   Subprocess(const std::string& binary, const std::vector<std::string>& args,
-             const std::string& stderr_path = "");
+             const std::string& stderr_path = "", int netns_fd = -1);
   ~Subprocess();
   pid_t pid() const { return pid_; }
   // Next stdout line, or "" after timeout / EOF.

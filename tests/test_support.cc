@@ -58,13 +58,13 @@ std::string BinaryPath(const std::string& name) {
 }
 
 std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& args,
-                              const std::string& listen) {
+                              const std::string& listen, int netns_fd) {
   std::vector<std::string> a = args;
   a.push_back("--listen=" + listen);
   bool tls = false;
   for (const auto& x : args) tls |= x.rfind("--tls-", 0) == 0;
   if (!tls) a.push_back("--insecure");
-  *out = new Subprocess(BinaryPath("moe-expert-server"), a);
+  *out = new Subprocess(BinaryPath("moe-expert-server"), a, "", netns_fd);
   const std::string line = (*out)->ReadLine(std::chrono::seconds(120));
   const std::string key = "ready on ";
   const size_t at = line.find(key);

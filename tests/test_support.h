@@ -37,10 +37,11 @@ std::string BinaryPath(const std::string& name);
 using moe::Subprocess;
 
 
-// Starts moe-expert-server with `args` plus --listen 127.0.0.1:0 and waits for
-// its "ready on ADDR" line; returns ADDR, or "" if it did not come up.
+// Starts moe-expert-server with `args` plus --listen `listen` (in network
+// namespace `netns_fd`, -1: this one) and waits for its "ready on ADDR"
+// line; returns ADDR, or "" if it did not come up.
 std::string StartExpertServer(Subprocess** out, const std::vector<std::string>& args,
-                              const std::string& listen = "127.0.0.1:0");
+                              const std::string& listen = "127.0.0.1:0", int netns_fd = -1);
 
 // One of a test's expert servers: moe-expert-server on `model` with one
 // thread, serving gRPC and shared memory on socket DIR/s<index>.sock, plus

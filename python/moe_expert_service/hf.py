@@ -354,6 +354,23 @@ def _close_quietly(offload):
         pass
 
 
+# The names families give the number of experts a token is routed to (Hunyuan's moe_topk may be
+# a list, one per layer). "top_k" is left out: older configs carry it as a sampling default.
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "experts_per_token")
+
+
+def _top_k(config):
+    """The most experts any layer of `config` routes a token to (8 when no key names it)."""
+    ks = []
+    for key in _TOP_K_KEYS:
+        v = getattr(config, key, None)
+        if isinstance(v, int) and not isinstance(v, bool):
+            ks.append(v)
+        elif isinstance(v, (list, tuple)) and v and all(isinstance(x, int) for x in v):
+            ks.append(max(v))
+    return max(ks) if ks else 8
+
+
 def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_gib=None, policy="predictive",
            weight_dtype="auto", capturable=False, max_tokens=1024, checkpoint=None, server_bin=None, server_threads=0,
            device=None, **session_options):
@@ -387,8 +404,7 @@ def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_
         raise ValueError(f"checkpoint: {checkpoint!r} is not a local checkpoint directory (pass checkpoint=)")
     first = mods[0][2]
     E = int(first.num_experts)
-    k = int(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-                    "num_experts_per_tok", 8))
+    k = _top_k(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     options = dict(model=checkpoint, device=device, policy=policy, weight_dtype=weight_dtype,
@@ -444,18 +460,61 @@ def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_
     return offload
 
 
+# Tensor-name endings of quantized weights (compressed-tensors, fp8 block scales, MXFP4, GPTQ/AWQ).
+_QUANTIZED_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_scale_inv",
+                    "_blocks", "_scales", "qweight", "qzeros", "scales")
+
+
+def _checkpoint_tensor_names(path):
+    """Every tensor name of a safetensors checkpoint directory (read from the files' headers)."""
+    import json
+    import struct
+    names = []
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            with open(os.path.join(path, f), "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                names += [k for k in json.loads(fh.read(n)) if k != "__metadata__"]
+    return names
+
+
+def _config_without_expert_quantization(path, trust_remote_code=False):
+    """The checkpoint's config without its quantization_config when only expert tensors are
+    quantized (Kimi-K2's int4, an MXFP4 GPT-OSS, a checkpoint written by moe-make-model): the
+    experts are the server's, so transformers has nothing to dequantize and must not need the
+    quantization's package. None when there is nothing to strip (no quantization, or tensors
+    outside the experts are quantized too: transformers' own quantizer handles those)."""
+    from transformers import AutoConfig
+    if not os.path.isfile(os.path.join(str(path), "config.json")):
+        return None
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if getattr(config, "quantization_config", None) is None:
+        return None
+    quantized = [n for n in _checkpoint_tensor_names(path) if n.endswith(_QUANTIZED_PARTS)]
+    if not quantized or any(".experts." not in n for n in quantized):
+        return None
+    delattr(config, "quantization_config")
+    return config
+
+
 def from_pretrained(path, model_class=None, servers=None, cache=0.25, policy="predictive", weight_dtype="auto",
                     capturable=False, max_tokens=1024, server_bin=None, server_threads=0, session_options=None,
                     **hf_kwargs):
     """model_class (default AutoModelForCausalLM).from_pretrained(path, experts_implementation=
     "moe_expert_service", **hf_kwargs) (device_map defaults to "cuda" when there is a GPU),
-    then attach() with our options (servers=None: start a server on `path`)."""
+    then attach() with our options (servers=None: start a server on `path`). A checkpoint
+    whose only quantized tensors are experts (e.g. Kimi-K2's int4) loads without transformers'
+    quantizer: the server reads the experts in their own format."""
     import torch
     register()
     if model_class is None:
         from transformers import AutoModelForCausalLM as model_class
     hf_kwargs.setdefault("device_map", "cuda" if torch.cuda.is_available() else "cpu")
     hf_kwargs["experts_implementation"] = BACKEND
+    if "config" not in hf_kwargs:
+        config = _config_without_expert_quantization(path, hf_kwargs.get("trust_remote_code", False))
+        if config is not None:
+            hf_kwargs["config"] = config
     model = model_class.from_pretrained(path, **hf_kwargs)
     attach(model, servers=servers, cache=cache, policy=policy, weight_dtype=weight_dtype, capturable=capturable,
            max_tokens=max_tokens, checkpoint=path, server_bin=server_bin, server_threads=server_threads,
