@@ -171,6 +171,11 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
       st = ReadOption(*it, key, &ms);
       if (st.ok() && ms == 0) st = absl::InvalidArgumentError("options.deadline_ms: must be > 0");
       o.deadline = std::chrono::milliseconds(ms);
+    } else if (key == "server_deadline_ms") {
+      int ms = 0;
+      st = ReadOption(*it, key, &ms);
+      if (st.ok() && ms == 0) st = absl::InvalidArgumentError("options.server_deadline_ms: must be > 0");
+      o.server_deadline = std::chrono::milliseconds(ms);
     } else {
       st = absl::InvalidArgumentError(absl::StrCat("options.", key, ": unknown option"));
     }
@@ -208,6 +213,7 @@ nlohmann::json OptionsJson(const moe::SessionOptions& o) {
         {"server_name_override", o.tls.server_name_override},
         {"insecure", o.tls.insecure}}},
       {"deadline_ms", o.deadline.count()},
+      {"server_deadline_ms", o.server_deadline.count()},
   };
   return j;
 }
@@ -327,6 +333,8 @@ moe_status moe_session_model_info(moe_session* session, moe_model_info* out) {
     CopyText(m.weight_dtype, out->weight_dtype);
     out->expert_bytes = m.expert_bytes;
     out->identity = m.identity;
+    CopyText(m.expert_math, out->expert_math);
+    CopyText(m.routing, out->routing);
     return MOE_OK;
   });
 }

@@ -49,6 +49,10 @@ absl::Status CheckFinite(const std::vector<bf16_t>& v, int layer, int expert, co
       absl::StrCat("layer ", layer, " expert ", expert, " ", what, " holds NaN or Inf weights"));
 }
 
+ModelIdentity IdentityOf(const ModelSource& source, const std::string& model) {
+  return ModelIdentity{source.Identity(), model, ExpertMathName(source.spec()), RoutingModeName(source.spec().routing)};
+}
+
 std::vector<uint64_t> ModelIdentityHeader(const char* form, const ModelSpec& spec) {
   std::vector<uint64_t> h = {Hash64(form, std::strlen(form)), static_cast<uint64_t>(spec.hidden),
                              static_cast<uint64_t>(spec.intermediate), static_cast<uint64_t>(spec.num_experts),

@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
+#include "core/model_identity.h"
 #include "core/model_spec.h"
 
 namespace moe {
@@ -63,6 +64,11 @@ class ModelSource {
   // speed); a synthetic model's is immediate. Never 0.
   virtual uint64_t Identity() const = 0;
 };
+
+// What a process serving `source` as --model `model` tells its peers
+// (core/model_identity.h): Identity() and the spec's expert math and routing.
+// Computes Identity(): see its cost above.
+ModelIdentity IdentityOf(const ModelSource& source, const std::string& model);
 
 // A synthetic model of any geometry (weights from GenerateExpertMatrix).
 std::unique_ptr<ModelSource> MakeSyntheticSource(const ModelSpec& spec, uint64_t seed);
