@@ -1225,7 +1225,7 @@ int Main(int argc, char** argv) {
   }
   const Clock::time_point h0 = Clock::now();
   std::unique_ptr<HostExpertStore> host =
-      Value(HostExpertStore::Open(*source, ModelIdentity{source->Identity(), uri}, spec.moe_layers, {shm}, o.weight_dtype,
+      Value(HostExpertStore::Open(*source, IdentityOf(*source, uri), spec.moe_layers, {shm}, o.weight_dtype,
                                   o.share_host_copy, pin.get()),
             "host store");
   LogInfo("bench", "host expert store: ", host->shared() ? "shared with the server" : "own", ", ", host->bytes() >> 20,

@@ -333,6 +333,8 @@ moe_status moe_session_model_info(moe_session* session, moe_model_info* out) {
     CopyText(m.weight_dtype, out->weight_dtype);
     out->expert_bytes = m.expert_bytes;
     out->identity = m.identity;
+    CopyText(m.expert_math, out->expert_math);
+    CopyText(m.routing, out->routing);
     return MOE_OK;
   });
 }

@@ -174,8 +174,11 @@ void Status(Context& c) {
   if (r.num_layers() == 0) {
     std::printf("no worker or expert server has registered yet\n");
   } else {
+    std::string family = r.model_type();
+    if (!r.expert_math().empty())
+      absl::StrAppend(&family, family.empty() ? "" : " ", "(", r.expert_math(), ", ", r.routing(), " routing)");
     std::printf("model %s%u layers x %u experts%s; overall hit rate %s\n",
-                r.model_type().empty() ? "" : (r.model_type() + ", ").c_str(), r.num_layers(), r.num_experts(),
+                family.empty() ? "" : (family + ", ").c_str(), r.num_layers(), r.num_experts(),
                 r.model_identity().empty() ? "" : absl::StrCat(", identity ", r.model_identity()).c_str(),
                 Percent(r.overall_hit_rate()).c_str());
   }

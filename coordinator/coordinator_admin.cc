@@ -86,7 +86,11 @@ moe::v1::StatusResponse Coordinator::Status() {
     if (w.up && w.caps.model_identity() != 0 && r.model_identity().empty())
       r.set_model_identity(ModelIdentity{w.caps.model_identity(), w.caps.model_path()}.ToString());
   for (const auto& [id, s] : registry_->servers())
-    if (s.up && !s.caps.model_type().empty() && r.model_type().empty()) r.set_model_type(s.caps.model_type());
+    if (s.up && !s.caps.model_type().empty() && r.model_type().empty()) {
+      r.set_model_type(s.caps.model_type());
+      r.set_expert_math(s.caps.expert_math());
+      r.set_routing(s.caps.routing());
+    }
   for (const auto& [id, w] : registry_->workers()) FillWorkerStatusLocked(id, w, now, r.add_workers());
   for (const auto& [id, s] : registry_->servers()) {
     moe::v1::ServerStatus* ss = r.add_servers();

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "model/model_source.h"
@@ -214,8 +215,17 @@ void UnpackMatrix(const ExpertGeometry& g, const std::byte* blocks, size_t strid
 
 }  // namespace
 
-void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, const bf16_t* down,
+void PackBiases(const ExpertGeometry& g, const bf16_t* gate_bias, const bf16_t* up_bias, const bf16_t* down_bias,
                 std::byte* dst) {
+  float* b = reinterpret_cast<float*>(dst);
+  for (auto [src, n, at, len] : {std::tuple{gate_bias, g.I, 0, g.Ki}, std::tuple{up_bias, g.I, g.Ki, g.Ki},
+                                 std::tuple{down_bias, g.H, 2 * g.Ki, g.Hn}})
+    for (int i = 0; i < len; ++i) b[at + i] = src != nullptr && i < n ? Bf16ToF32(src[i]) : 0.0f;
+}
+
+void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, const bf16_t* down,
+                std::byte* dst, const bf16_t* gate_bias, const bf16_t* up_bias, const bf16_t* down_bias) {
+  if (g.biases) PackBiases(g, gate_bias, up_bias, down_bias, dst + g.gate_up_bytes() + g.down_bytes());
   const size_t gub = g.block_bytes(g.Kh), db = g.block_bytes(g.Ki);
   for (int c = 0; c < g.gate_up_groups(); ++c) {
     PackBlock(g, gate, g.I, g.H, 16 * c, g.Kh, dst + (2 * c) * gub);
@@ -249,11 +259,17 @@ absl::Status PackExpertFp8(const ExpertGeometry& g, const ExpertFp8& w, std::byt
   return absl::OkStatus();
 }
 
-void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate, float* up, float* down) {
+void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate, float* up, float* down,
+                  float* const* biases) {
   const size_t gub = g.block_bytes(g.Kh);  // gate and up blocks interleave: every other block
   UnpackMatrix(g, packed, 2 * gub, g.I, g.H, g.Kh, gate);
   UnpackMatrix(g, packed + gub, 2 * gub, g.I, g.H, g.Kh, up);
   UnpackMatrix(g, packed + g.gate_up_bytes(), g.block_bytes(g.Ki), g.H, g.I, g.Ki, down);
+  if (const float* b = g.bias(packed); b != nullptr && biases != nullptr) {
+    std::copy_n(b, g.I, biases[0]);
+    std::copy_n(b + g.Ki, g.I, biases[1]);
+    std::copy_n(b + 2 * g.Ki, g.H, biases[2]);
+  }
 }
 
 void QuantizeRowsScalar(const bf16_t* x, int m, int K, int ld, int8_t* q, float* scale, int32_t* sum32) {

@@ -14,7 +14,10 @@
 // vdpbf16ps. Gate and up are interleaved block by block (gate block j, then up
 // block j) so one pass computes both and applies silu(g)*u in registers
 // ("fused gate+up"); the down projection stores weight*y into one f32 row per
-// input row (MoeExecutor then sums each token's rows).
+// input row (MoeExecutor then sums each token's rows). The activation and the
+// biases are the model's (ExpertGeometry::activation, ::biases): one epilogue
+// for every format and kernel (simd_avx512.h's GateUpEpilogue / DownEpilogue,
+// the scalar ActivateGateUp).
 //
 // Kernels are stateless and const: any number of threads may call them at once
 // on disjoint outputs. Driving them (grouping, threading) is MoeExecutor's job.
@@ -28,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
 #include "expert_compute/cpu_features.h"
+#include "core/expert_activation.h"
 
 namespace moe {
 
@@ -68,6 +72,8 @@ const char* WeightFormatName(WeightFormat f);
 // Block bytes: kInt8 16K + 128, kInt4 8K + 64 K/group, kFp8 16K + 64 K/group,
 // kMxfp4 8K + K/2 rounded up to 64; gate and up blocks
 // interleave as in bf16 (gate block c, up block c), then down's Hn/16 blocks.
+// Experts with biases (ExpertGeometry::biases, every format) end with them
+// in f32: gate [Ki], up [Ki], down [Hn], zero past I and H (bias_bytes()).
 // K (Kh, Ki) is padded to a multiple of 64 (and of `group`) with zeros.
 // W[n, k] = scale * q.
 struct ExpertGeometry {
@@ -77,6 +83,12 @@ struct ExpertGeometry {
   int Hn = 0;  // H rounded up to 32: the N of down
   WeightFormat format = WeightFormat::kBf16;
   int group = 0;  // kInt4, kFp8: k per scale group (a multiple of 64); kMxfp4: 32; else 0
+  // The model's expert math (ModelSpec::activation, ::expert_biases): what
+  // GateUp's epilogue applies, and whether each packed expert ends with its
+  // biases (added to gate and up before the activation, to down's output
+  // before the routing weight). Default: SiLU, no biases.
+  ExpertActivation activation;
+  bool biases = false;
 
   // bf16 geometry (the GPU worker's cache, and the default).
   static ExpertGeometry For(int hidden, int intermediate);
@@ -102,7 +114,19 @@ struct ExpertGeometry {
   size_t block_bytes(int K) const;
   size_t gate_up_bytes() const { return 2 * static_cast<size_t>(gate_up_groups()) * block_bytes(Kh); }
   size_t down_bytes() const { return static_cast<size_t>(Hn / 16) * block_bytes(Ki); }
-  size_t packed_bytes() const { return gate_up_bytes() + down_bytes(); }
+  size_t bias_bytes() const { return biases ? (2 * static_cast<size_t>(Ki) + Hn) * sizeof(float) : 0; }
+  size_t packed_bytes() const { return gate_up_bytes() + down_bytes() + bias_bytes(); }
+  // A packed expert's f32 biases (gate; up at + Ki; down at + 2 Ki), or null without.
+  const float* bias(const std::byte* packed) const {
+    return biases ? reinterpret_cast<const float*>(packed + gate_up_bytes() + down_bytes()) : nullptr;
+  }
+  // The same geometry for a model's experts: its activation and biases.
+  ExpertGeometry WithExpertMath(const ExpertActivation& a, bool with_biases) const {
+    ExpertGeometry g = *this;
+    g.activation = a;
+    g.biases = with_biases;
+    return g;
+  }
 
   // Row strides of the rows the kernels read and write (KernelRows, act):
   // K plus kRowPad elements (bytes for the int8 rows), so that a 16-row AMX
@@ -116,17 +140,27 @@ struct ExpertGeometry {
 
 // Writes the packed form of one expert (row-major bf16 gate/up [I,H], down [H,I])
 // into dst (geometry.packed_bytes() bytes, 64-byte aligned), quantizing for
-// the byte formats (int8, int4, fp8). Padding is zero.
+// the byte formats (int8, int4, fp8). Padding is zero. With g.biases, the
+// biases (gate/up [I], down [H]; bf16, kept exactly in f32) follow; without,
+// they are ignored (may be null).
 void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, const bf16_t* down,
+                std::byte* dst, const bf16_t* gate_bias = nullptr, const bf16_t* up_bias = nullptr,
+                const bf16_t* down_bias = nullptr);
+// Writes g.bias_bytes() of biases at `dst` (a packed expert's bias(), as
+// PackExpert lays them out). Null biases are zeros.
+void PackBiases(const ExpertGeometry& g, const bf16_t* gate_bias, const bf16_t* up_bias, const bf16_t* down_bias,
                 std::byte* dst);
 // Writes an FP8 checkpoint's expert (g.format == kFp8) with its own codes and
-// scales: no value changes. InvalidArgument when a scale group of g would
+// scales: no value changes (biases, when g has them, by PackBiases after it). InvalidArgument when a scale group of g would
 // straddle two of the checkpoint's blocks (g.group must divide the block's
 // columns and the slice's first column).
 absl::Status PackExpertFp8(const ExpertGeometry& g, const ExpertFp8& w, std::byte* dst);
 // The weights a packed expert stands for (scale * q for the integer
-// formats), row-major f32: gate/up [I, H], down [H, I]. For references.
-void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate, float* up, float* down);
+// formats), row-major f32: gate/up [I, H], down [H, I]; with g.biases and a
+// non-null `biases`, its biases gate [I], up [I], down [H] into biases[0..2].
+// For references.
+void UnpackExpert(const ExpertGeometry& g, const std::byte* packed, float* gate, float* up, float* down,
+                  float* const* biases = nullptr);
 
 // Activation rows as the kernels read them: bf16 rows for kBf16 and kFp8. For the
 // integer formats each row x is quantized per row into two int8 rows, hi and
@@ -168,7 +202,8 @@ class ExpertKernel {
   // Whether this kernel computes experts packed in format f on this CPU.
   virtual bool Supports(WeightFormat f) const = 0;
 
-  // act[r, 16c .. 16c+16) = bf16(silu(x_r . gate_c) * (x_r . up_c)) for all r < m
+  // act[r, 16c .. 16c+16) = bf16(ActivateGateUp(g.activation, x_r . gate_c + bg_c,
+  // x_r . up_c + bu_c)) (core/expert_activation.h; biases when g.biases) for all r < m
   // and activation groups c in [c0, c1). x has mp rows of Kh columns (ldx()
   // apart) and act mp rows of Ki columns (lda() apart), where mp is m rounded
   // up to row_block(g.format); x's padding (rows >= m, columns >= H) is zero.
@@ -177,7 +212,8 @@ class ExpertKernel {
                       bf16_t* act, int c0, int c1) const = 0;
 
   // For output groups c in [c0, c1) (columns [32c, 32c+32) clipped to H) and
-  // rows r < m:  out[r * ldo + col] = weight[r] * (act_r . down_col). act
+  // rows r < m:  out[r * ldo + col] = weight[r] * (act_r . down_col + bd_col)
+  // (bd: the down bias when g.biases, else 0). act
   // (rows of Ki columns, lda() apart) has mp rows as above; out's other rows
   // and columns are not written. Each row gets its own output row: rows of
   // one token (several experts) never write the same memory, so any split of

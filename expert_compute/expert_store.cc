@@ -30,7 +30,9 @@ absl::Status CheckWeightDtype(std::string_view weight_dtype) {
 
 absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::string_view weight_dtype) {
   MOE_RETURN_IF_ERROR(CheckWeightDtype(weight_dtype));
-  auto at = [&](WeightFormat f, int group = 0) { return ExpertGeometry::For(spec.hidden, spec.intermediate, f, group); };
+  auto at = [&](WeightFormat f, int group = 0) {
+    return ExpertGeometry::For(spec.hidden, spec.intermediate, f, group).WithExpertMath(spec.activation, spec.expert_biases);
+  };
   if (weight_dtype == "bf16") return at(WeightFormat::kBf16);
   if (weight_dtype == "int8") return at(WeightFormat::kInt8);
   // mxfp4: any checkpoint quantized per 32 k (an MXFP4 one's values come back exactly).
@@ -78,10 +80,15 @@ absl::Status PackOne(const ModelSource& source, const ExpertGeometry& g, int l, 
                      ExpertFp8* w8, std::byte* dst) {
   if (g.format == WeightFormat::kFp8 && source.spec().quant.scheme == WeightQuant::kFp8Block) {
     MOE_RETURN_IF_ERROR(source.ReadExpertFp8(l, e, w8));
-    return PackExpertFp8(g, *w8, dst);
+    MOE_RETURN_IF_ERROR(PackExpertFp8(g, *w8, dst));
+    if (!g.biases) return absl::OkStatus();
+    MOE_RETURN_IF_ERROR(source.ReadExpert(l, e, w));  // the biases, which are not fp8
+    PackBiases(g, w->gate_bias.data(), w->up_bias.data(), w->down_bias.data(), dst + g.gate_up_bytes() + g.down_bytes());
+    return absl::OkStatus();
   }
   MOE_RETURN_IF_ERROR(source.ReadExpert(l, e, w));
-  PackExpert(g, w->gate.data(), w->up.data(), w->down.data(), dst);
+  PackExpert(g, w->gate.data(), w->up.data(), w->down.data(), dst, w->gate_bias.data(), w->up_bias.data(),
+             w->down_bias.data());
   return absl::OkStatus();
 }
 }  // namespace
@@ -93,8 +100,10 @@ absl::StatusOr<std::unique_ptr<ExpertStore>> ExpertStore::Load(const ModelSource
   const ModelSpec& spec = source.spec();
   std::unique_ptr<ExpertStore> s(new ExpertStore());
   s->numa_ = &numa;
-  if (geometry.H != spec.hidden || geometry.I != spec.intermediate)
-    return absl::InvalidArgumentError(absl::StrCat("geometry: H=", geometry.H, " I=", geometry.I, " for ", spec.Summary()));
+  if (geometry.H != spec.hidden || geometry.I != spec.intermediate || geometry.biases != spec.expert_biases ||
+      geometry.activation != spec.activation)
+    return absl::InvalidArgumentError(absl::StrCat("geometry: H=", geometry.H, " I=", geometry.I,
+                                                   geometry.biases ? " with biases" : "", " for ", spec.Summary()));
   s->geometry_ = geometry;
   s->stride_ = Stride(s->geometry_);
   s->num_layers_ = spec.num_layers;
@@ -210,7 +219,8 @@ absl::StatusOr<SharedStoreInfo> ParseSharedStoreInfo(std::string_view blob, cons
       (grouped && (h.group <= 0 || h.group % 64 != 0)) || (mxfp4 && h.group != kMxfp4Block))
     return absl::InvalidArgumentError(absl::StrCat("shared store: format ", h.format, " group ", h.group));
   SharedStoreInfo info;
-  info.geometry = ExpertGeometry::For(spec.hidden, spec.intermediate, static_cast<WeightFormat>(h.format), h.group);
+  info.geometry = ExpertGeometry::For(spec.hidden, spec.intermediate, static_cast<WeightFormat>(h.format), h.group)
+                      .WithExpertMath(spec.activation, spec.expert_biases);
   info.stride = h.stride;
   if (h.stride < info.geometry.packed_bytes() || h.stride % 64 != 0)
     return absl::InvalidArgumentError(absl::StrCat("shared store: stride ", h.stride, " for experts of ",

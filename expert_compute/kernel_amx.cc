@@ -99,26 +99,29 @@ void AmxBf16Panel(const std::byte* blocks, size_t blk, int kblocks, const bf16_t
   }
 }
 
-// bf16 gate/up of activation groups [cc, ce) (gate cc, up cc, gate cc + 1, ... from `pairs`).
-void AmxBf16GateUpPanel(const ExpertGeometry& g, const std::byte* pairs, const bf16_t* x, int m, bf16_t* act,
-                        int cc, int ce) {
+// bf16 gate/up of activation groups [cc, ce) (gate cc, up cc, gate cc + 1, ... from `pairs`) of the
+// expert packed at `packed` (its epilogue: activation, biases).
+void AmxBf16GateUpPanel(const ExpertGeometry& g, const std::byte* packed, const std::byte* pairs, const bf16_t* x,
+                        int m, bf16_t* act, int cc, int ce) {
   AmxBf16Panel(pairs, static_cast<size_t>(g.Kh) * 32, g.Kh / 32, x, g.ldx(), m, cc, ce,
                [&](int row0, int c, const float* t0, const float* t1) {
+                 const simd::GateUpEpilogue ep(g, packed, c);
                  for (int r = 0; r < 16; ++r)
-                   simd::StoreSiluMul(_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r),
-                                      act + static_cast<size_t>(row0 + r) * g.lda() + 16 * c);
+                   ep.Store(_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r),
+                            act + static_cast<size_t>(row0 + r) * g.lda() + 16 * c);
                });
 }
 
-// bf16 down projection of output groups [cc, ce) (blocks 2cc, 2cc + 1, ... from `blocks`), weighted into out.
-void AmxBf16DownPanel(const ExpertGeometry& g, const std::byte* blocks, const bf16_t* act, int m,
-                      const float* weight, float* out, int ldo, int cc, int ce) {
+// bf16 down projection of output groups [cc, ce) (blocks 2cc, 2cc + 1, ... from `blocks`) of the expert
+// packed at `packed`, weighted into out.
+void AmxBf16DownPanel(const ExpertGeometry& g, const std::byte* packed, const std::byte* blocks, const bf16_t* act,
+                      int m, const float* weight, float* out, int ldo, int cc, int ce) {
   AmxBf16Panel(blocks, static_cast<size_t>(g.Ki) * 32, g.Ki / 32, act, g.lda(), m, cc, ce,
                [&](int row0, int c, const float* t0, const float* t1) {
-                 const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+                 const simd::DownEpilogue ep(g, packed, c);
                  for (int r = 0, rows = std::min(16, m - row0); r < rows; ++r) {
                    const __m512 y[2] = {_mm512_load_ps(t0 + 16 * r), _mm512_load_ps(t1 + 16 * r)};
-                   simd::StoreWeighted(out + static_cast<size_t>(row0 + r) * ldo + 32 * c, m0, m1, weight[row0 + r], y);
+                   ep.Store(out + static_cast<size_t>(row0 + r) * ldo + 32 * c, weight[row0 + r], y);
                  }
                });
 }
@@ -231,11 +234,12 @@ void AmxIntGateUp(const ExpertGeometry& g, const std::byte* packed, const Kernel
     alignas(64) float y[16][2][16];
     for (int c = c0; c < c1; ++c) {
       const std::byte* gb = packed + (2 * c) * bb;
+      const simd::GateUpEpilogue ep(g, packed, c);
       for (int r = 0; r < full; r += 2 * kTileTokens) {
         const int tiles = r + 2 * kTileTokens <= full ? 2 : 1;
         AmxIntDots(g, gb, gb + bb, x.At(r, g.ldx(), g.Kh), g.ldx(), g.Kh, tiles, y, unpack);
         for (int i = 0; i < kTileTokens * tiles; ++i)
-          simd::StoreSiluMul(_mm512_load_ps(y[i][0]), _mm512_load_ps(y[i][1]), act + size_t(r + i) * g.lda() + 16 * c);
+          ep.Store(_mm512_load_ps(y[i][0]), _mm512_load_ps(y[i][1]), act + size_t(r + i) * g.lda() + 16 * c);
       }
     }
     _tile_release();
@@ -259,11 +263,11 @@ void AmxIntDown(const ExpertGeometry& g, const std::byte* packed, const KernelRo
         const int tiles = r + 2 * kTileTokens <= full ? 2 : 1;
         for (int c = cc; c < ce; ++c) {
           const std::byte* b0 = d + (2 * c) * bb;
-          const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+          const simd::DownEpilogue ep(g, packed, c);
           AmxIntDots(g, b0, b0 + bb, act.At(r, g.lda(), g.Ki), g.lda(), g.Ki, tiles, y, unpack);
           for (int i = 0; i < kTileTokens * tiles; ++i) {
             const __m512 yi[2] = {_mm512_load_ps(y[i][0]), _mm512_load_ps(y[i][1])};
-            simd::StoreWeighted(out + static_cast<size_t>(r + i) * ldo + 32 * c, m0, m1, weight[r + i], yi);
+            ep.Store(out + static_cast<size_t>(r + i) * ldo + 32 * c, weight[r + i], yi);
           }
         }
       }
@@ -301,7 +305,7 @@ class AmxKernel final : public ExpertKernel {
         simd::Fp8BlocksToBf16(pairs, bb, 2 * (ce - cc), g.Kh, g.group, reinterpret_cast<bf16_t*>(scratch));
         pairs = scratch;
       }
-      AmxBf16GateUpPanel(g, pairs, xr.bf16, m, act, cc, ce);
+      AmxBf16GateUpPanel(g, packed, pairs, xr.bf16, m, act, cc, ce);
     }
     _tile_release();
   }
@@ -325,7 +329,7 @@ class AmxKernel final : public ExpertKernel {
         simd::Fp8BlocksToBf16(blocks, bb, 2 * (ce - cc), g.Ki, g.group, reinterpret_cast<bf16_t*>(scratch));
         blocks = scratch;
       }
-      AmxBf16DownPanel(g, blocks, ar.bf16, m, weight, out, ldo, cc, ce);
+      AmxBf16DownPanel(g, packed, blocks, ar.bf16, m, weight, out, ldo, cc, ce);
     }
     _tile_release();
   }

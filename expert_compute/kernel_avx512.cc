@@ -48,19 +48,18 @@ inline void DotRows(const bf16_t* b0, const bf16_t* b1, const bf16_t* x, int ldx
 
 template <int R>
 void GateUpRows(const ExpertGeometry& g, const bf16_t* gb, const bf16_t* ub, const bf16_t* x,
-                bf16_t* act, int c) {
+                bf16_t* act, int c, const simd::GateUpEpilogue& ep) {
   __m512 acc[kRows][2];
   DotRows<R>(gb, ub, x, g.ldx(), g.Kh, acc);
-  for (int r = 0; r < R; ++r) simd::StoreSiluMul(acc[r][0], acc[r][1], act + static_cast<size_t>(r) * g.lda() + 16 * c);
+  for (int r = 0; r < R; ++r) ep.Store(acc[r][0], acc[r][1], act + static_cast<size_t>(r) * g.lda() + 16 * c);
 }
 
 template <int R>
 void DownRows(const ExpertGeometry& g, const bf16_t* b0, const bf16_t* b1, const bf16_t* act,
-              const float* weight, float* out, int ldo, int c) {
+              const float* weight, float* out, int ldo, int c, const simd::DownEpilogue& ep) {
   __m512 acc[kRows][2];
   DotRows<R>(b0, b1, act, g.lda(), g.Ki, acc);
-  const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
-  for (int r = 0; r < R; ++r) simd::StoreWeighted(out + static_cast<size_t>(r) * ldo + 32 * c, m0, m1, weight[r], acc[r]);
+  for (int r = 0; r < R; ++r) ep.Store(out + static_cast<size_t>(r) * ldo + 32 * c, weight[r], acc[r]);
 }
 
 // f(r, R) for row chunks [r, r + R) covering [0, m): chunks of kMax rows,
@@ -86,19 +85,19 @@ namespace {
 
 // Activation group c from its bf16 gate and up blocks (Kh columns).
 void GateUpPair(const ExpertGeometry& g, const bf16_t* gb, const bf16_t* ub, const bf16_t* x, int m, bf16_t* act,
-                int c) {
+                int c, const simd::GateUpEpilogue& ep) {
   ForRowChunks<kRows>(m, [&](int r, auto R) {
     GateUpRows<decltype(R)::value>(g, gb, ub, x + static_cast<size_t>(r) * g.ldx(),
-                                   act + static_cast<size_t>(r) * g.lda(), c);
+                                   act + static_cast<size_t>(r) * g.lda(), c, ep);
   });
 }
 
 // Output group c from its two bf16 down blocks (Ki columns).
 void DownPair(const ExpertGeometry& g, const bf16_t* b0, const bf16_t* b1, const bf16_t* act, int m,
-              const float* weight, float* out, int ldo, int c) {
+              const float* weight, float* out, int ldo, int c, const simd::DownEpilogue& ep) {
   ForRowChunks<kRows>(m, [&](int r, auto R) {
     DownRows<decltype(R)::value>(g, b0, b1, act + static_cast<size_t>(r) * g.lda(), weight + r,
-                                 out + static_cast<size_t>(r) * ldo, ldo, c);
+                                 out + static_cast<size_t>(r) * ldo, ldo, c, ep);
   });
 }
 
@@ -108,14 +107,16 @@ void Avx512GateUp(const ExpertGeometry& g, const std::byte* packed, const bf16_t
                   int c0, int c1) {
   const bf16_t* w = reinterpret_cast<const bf16_t*>(packed);
   const size_t blk = static_cast<size_t>(g.Kh) * 16;
-  for (int c = c0; c < c1; ++c) GateUpPair(g, w + (2 * c) * blk, w + (2 * c + 1) * blk, x, m, act, c);
+  for (int c = c0; c < c1; ++c)
+    GateUpPair(g, w + (2 * c) * blk, w + (2 * c + 1) * blk, x, m, act, c, simd::GateUpEpilogue(g, packed, c));
 }
 
 void Avx512Down(const ExpertGeometry& g, const std::byte* packed, const bf16_t* act, int m,
                 const float* weight, float* out, int ldo, int c0, int c1) {
   const bf16_t* d = reinterpret_cast<const bf16_t*>(packed + g.gate_up_bytes());
   const size_t blk = static_cast<size_t>(g.Ki) * 16;
-  for (int c = c0; c < c1; ++c) DownPair(g, d + (2 * c) * blk, d + (2 * c + 1) * blk, act, m, weight, out, ldo, c);
+  for (int c = c0; c < c1; ++c)
+    DownPair(g, d + (2 * c) * blk, d + (2 * c + 1) * blk, act, m, weight, out, ldo, c, simd::DownEpilogue(g, packed, c));
 }
 
 namespace {
@@ -168,20 +169,22 @@ void Avx512Fp8GateUp(const ExpertGeometry& g, const std::byte* packed, const bf1
                      int c1) {
   const size_t bb = g.block_bytes(g.Kh), blk = static_cast<size_t>(g.Kh) * 16;
   if (m <= kFp8DirectRows) {
-    for (int c = c0; c < c1; ++c)
+    for (int c = c0; c < c1; ++c) {
+      const simd::GateUpEpilogue ep(g, packed, c);
       ForRowChunks<kFp8DirectRows>(m, [&](int r, auto R) {
         __m512 acc[kRows][2];
         DotRowsFp8<decltype(R)::value>(packed + (2 * c) * bb, packed + (2 * c + 1) * bb,
                                        x + static_cast<size_t>(r) * g.ldx(), g.ldx(), g.Kh, g.group, acc);
         for (int i = 0; i < decltype(R)::value; ++i)
-          simd::StoreSiluMul(acc[i][0], acc[i][1], act + static_cast<size_t>(r + i) * g.lda() + 16 * c);
+          ep.Store(acc[i][0], acc[i][1], act + static_cast<size_t>(r + i) * g.lda() + 16 * c);
       });
+    }
     return;
   }
   bf16_t* w = reinterpret_cast<bf16_t*>(simd::ThreadScratch(4 * blk));
   for (int c = c0; c < c1; ++c) {
     simd::Fp8BlocksToBf16(packed + (2 * c) * bb, bb, 2, g.Kh, g.group, w);
-    GateUpPair(g, w, w + blk, x, m, act, c);
+    GateUpPair(g, w, w + blk, x, m, act, c, simd::GateUpEpilogue(g, packed, c));
   }
 }
 
@@ -191,13 +194,13 @@ void Avx512Fp8Down(const ExpertGeometry& g, const std::byte* packed, const bf16_
   const size_t bb = g.block_bytes(g.Ki), blk = static_cast<size_t>(g.Ki) * 16;
   if (m <= kFp8DirectRows) {
     for (int c = c0; c < c1; ++c) {
-      const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+      const simd::DownEpilogue ep(g, packed, c);
       ForRowChunks<kFp8DirectRows>(m, [&](int r, auto R) {
         __m512 acc[kRows][2];
         DotRowsFp8<decltype(R)::value>(d + (2 * c) * bb, d + (2 * c + 1) * bb, act + static_cast<size_t>(r) * g.lda(),
                                        g.lda(), g.Ki, g.group, acc);
         for (int i = 0; i < decltype(R)::value; ++i)
-          simd::StoreWeighted(out + static_cast<size_t>(r + i) * ldo + 32 * c, m0, m1, weight[r + i], acc[i]);
+          ep.Store(out + static_cast<size_t>(r + i) * ldo + 32 * c, weight[r + i], acc[i]);
       });
     }
     return;
@@ -205,7 +208,7 @@ void Avx512Fp8Down(const ExpertGeometry& g, const std::byte* packed, const bf16_
   bf16_t* w = reinterpret_cast<bf16_t*>(simd::ThreadScratch(4 * blk));
   for (int c = c0; c < c1; ++c) {
     simd::Fp8BlocksToBf16(d + (2 * c) * bb, bb, 2, g.Ki, g.group, w);
-    DownPair(g, w, w + blk, act, m, weight, out, ldo, c);
+    DownPair(g, w, w + blk, act, m, weight, out, ldo, c, simd::DownEpilogue(g, packed, c));
   }
 }
 
@@ -367,11 +370,12 @@ void Avx512VnniGateUp(const ExpertGeometry& g, const std::byte* packed, const Ke
   for (int c = c0; c < c1; ++c) {
     const std::byte* gb = packed + (2 * c) * bb;
     const std::byte* ub = gb + bb;
+    const simd::GateUpEpilogue ep(g, packed, c);
     ForRowChunks<kIntRows>(m, [&](int r, auto R) {
       __m512 y[kIntRows][2];
       DotRowsInt<decltype(R)::value>(g, gb, ub, x.At(r, g.ldx(), g.Kh), g.ldx(), g.Kh, y);
       for (int i = 0; i < decltype(R)::value; ++i) {
-        simd::StoreSiluMul(y[i][0], y[i][1], act + static_cast<size_t>(r + i) * g.lda() + 16 * c);
+        ep.Store(y[i][0], y[i][1], act + static_cast<size_t>(r + i) * g.lda() + 16 * c);
       }
     });
   }
@@ -384,12 +388,12 @@ void Avx512VnniDown(const ExpertGeometry& g, const std::byte* packed, const Kern
   for (int c = c0; c < c1; ++c) {
     const std::byte* b0 = d + (2 * c) * bb;
     const std::byte* b1 = b0 + bb;
-    const __mmask16 m0 = simd::ColumnMask(32 * c, g.H), m1 = simd::ColumnMask(32 * c + 16, g.H);
+    const simd::DownEpilogue ep(g, packed, c);
     ForRowChunks<kIntRows>(m, [&](int r, auto R) {
       __m512 y[kIntRows][2];
       DotRowsInt<decltype(R)::value>(g, b0, b1, act.At(r, g.lda(), g.Ki), g.lda(), g.Ki, y);
       for (int i = 0; i < decltype(R)::value; ++i)
-        simd::StoreWeighted(out + static_cast<size_t>(r + i) * ldo + 32 * c, m0, m1, weight[r + i], y[i]);
+        ep.Store(out + static_cast<size_t>(r + i) * ldo + 32 * c, weight[r + i], y[i]);
     });
   }
 }

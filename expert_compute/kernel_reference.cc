@@ -54,13 +54,15 @@ class ReferenceKernel final : public ExpertKernel {
   void GateUp(const ExpertGeometry& g, const std::byte* packed, const KernelRows& x, int m, bf16_t* act,
               int c0, int c1) const override {
     const size_t blk = g.block_bytes(g.Kh);
+    const float* bias = g.bias(packed);
     float gv[16], uv[16];
     for (int c = c0; c < c1; ++c) {
       for (int r = 0; r < m; ++r) {
         BlockDot(g, packed + (2 * c) * blk, g.Kh, x, g.ldx(), r, gv);
         BlockDot(g, packed + (2 * c + 1) * blk, g.Kh, x, g.ldx(), r, uv);
         for (int j = 0; j < 16; ++j) {
-          act[static_cast<size_t>(r) * g.lda() + 16 * c + j] = F32ToBf16(gv[j] / (1.0f + std::exp(-gv[j])) * uv[j]);
+          if (bias != nullptr) gv[j] += bias[16 * c + j], uv[j] += bias[g.Ki + 16 * c + j];
+          act[static_cast<size_t>(r) * g.lda() + 16 * c + j] = F32ToBf16(ActivateGateUp(g.activation, gv[j], uv[j]));
         }
       }
     }
@@ -70,6 +72,7 @@ class ReferenceKernel final : public ExpertKernel {
             float* out, int ldo, int c0, int c1) const override {
     const std::byte* d = packed + g.gate_up_bytes();
     const size_t blk = g.block_bytes(g.Ki);
+    const float* bias = g.bias(packed);
     float y[16];
     for (int c = c0; c < c1; ++c) {
       for (int half = 0; half < 2; ++half) {
@@ -79,7 +82,7 @@ class ReferenceKernel final : public ExpertKernel {
           float* o = out + static_cast<size_t>(r) * ldo;
           for (int j = 0; j < 16; ++j) {
             const int col = 16 * b + j;
-            if (col < g.H) o[col] = weight[r] * y[j];
+            if (col < g.H) o[col] = weight[r] * (bias != nullptr ? y[j] + bias[2 * g.Ki + col] : y[j]);
           }
         }
       }

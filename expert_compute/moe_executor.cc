@@ -361,7 +361,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     }
     arrive(0);
     pool_.Barrier();
-    // Phase 1: act = silu(x W1^T) * (x W3^T).
+    // Phase 1: act = activation(x W1^T + b1, x W3^T + b3) (the kernels' epilogue; SiLU for most families).
     for (int u; (u = take(kGateUp, t).first) >= 0;) {
       const Unit& un = units_[u];
       const int rb = groups.row_begin[un.group] + un.r0;

@@ -10,6 +10,9 @@
 #include <cstdlib>
 #include <memory>
 
+#include "core/expert_activation.h"
+#include "expert_compute/expert_kernel.h"
+
 namespace moe::simd {
 
 // exp(x) to ~1e-7 relative: range reduction to [-ln2/2, ln2/2], degree-6 polynomial, scalef.
@@ -56,6 +59,63 @@ inline __mmask16 ColumnMask(int col0, int H) {
   return valid >= 16 ? static_cast<__mmask16>(0xffff)
                      : valid <= 0 ? static_cast<__mmask16>(0) : static_cast<__mmask16>((1u << valid) - 1);
 }
+
+// The model's gate+up epilogue for activation group c (columns 16c ..
+// 16c+15) of one expert: its biases added when it has them, the activation
+// (ExpertGeometry::activation) applied lane by lane as ActivateGateUp
+// (core/expert_activation.h) computes it, the bf16 result stored. A SiLU
+// expert without biases stores exactly StoreSiluMul's bits.
+class GateUpEpilogue {
+ public:
+  GateUpEpilogue(const ExpertGeometry& g, const std::byte* packed, int c) : a_(g.activation) {
+    if (const float* b = g.bias(packed); b != nullptr) {
+      gate_bias_ = _mm512_loadu_ps(b + 16 * c);
+      up_bias_ = _mm512_loadu_ps(b + g.Ki + 16 * c);
+      biased_ = true;
+    }
+  }
+  void Store(__m512 g, __m512 u, uint16_t* dst) const {
+    if (biased_) g = _mm512_add_ps(g, gate_bias_), u = _mm512_add_ps(u, up_bias_);
+    if (a_.kind == ActivationKind::kSilu) return StoreSiluMul(g, u, dst);
+    // g' = min(g, limit), u' = clamp(u, -limit, limit): g' / (1 + exp(-alpha g')) * (u' + 1).
+    const __m512 limit = _mm512_set1_ps(a_.limit);
+    g = _mm512_min_ps(g, limit);
+    u = _mm512_max_ps(_mm512_min_ps(u, limit), _mm512_sub_ps(_mm512_setzero_ps(), limit));
+    const __m512 den = _mm512_add_ps(_mm512_set1_ps(1.0f), Exp(_mm512_mul_ps(_mm512_set1_ps(-a_.alpha), g)));
+    const __m512 a = _mm512_mul_ps(_mm512_div_ps(g, den), _mm512_add_ps(u, _mm512_set1_ps(1.0f)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(a));
+  }
+
+ private:
+  ExpertActivation a_;
+  bool biased_ = false;
+  __m512 gate_bias_, up_bias_;
+};
+
+// Down's epilogue for output group c (columns 32c .. 32c+31, those < H): y
+// plus the expert's down bias when it has one, times the row's routing
+// weight (StoreWeighted's store).
+class DownEpilogue {
+ public:
+  DownEpilogue(const ExpertGeometry& g, const std::byte* packed, int c)
+      : m0_(ColumnMask(32 * c, g.H)), m1_(ColumnMask(32 * c + 16, g.H)) {
+    if (const float* b = g.bias(packed); b != nullptr) {
+      bias_[0] = _mm512_loadu_ps(b + 2 * g.Ki + 32 * c);
+      bias_[1] = _mm512_loadu_ps(b + 2 * g.Ki + 32 * c + 16);
+      biased_ = true;
+    }
+  }
+  void Store(float* o, float w, const __m512 y[2]) const {
+    if (!biased_) return StoreWeighted(o, m0_, m1_, w, y);
+    const __m512 yb[2] = {_mm512_add_ps(y[0], bias_[0]), _mm512_add_ps(y[1], bias_[1])};
+    StoreWeighted(o, m0_, m1_, w, yb);
+  }
+
+ private:
+  __mmask16 m0_, m1_;
+  bool biased_ = false;
+  __m512 bias_[2];
+};
 
 // The 16 scales of one fp8 block's group (x 256) in the lanes of a bf16
 // row's f32 halves: s_lo lane i is channel i / 2, s_hi channel 8 + i / 2.

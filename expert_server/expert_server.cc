@@ -56,7 +56,7 @@ absl::Status ExpertServer::OpenModel(bool* option_at_fault) {
   model_spec_ = source_->spec();
   // Before slicing: the identity is the whole model's.
   const auto t0 = std::chrono::steady_clock::now();
-  identity_ = ModelIdentity{source_->Identity(), options_.model};
+  identity_ = IdentityOf(*source_, options_.model);
   const double identity_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // From here on, an error is an option that does not fit the model or this machine.
   *option_at_fault = true;

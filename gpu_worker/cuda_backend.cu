@@ -528,11 +528,13 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
   layout_.gate_up_block = geometry_.block_bytes(geometry_.Kh);
   layout_.down_block = geometry_.block_bytes(geometry_.Ki);
   layout_.gate_up_bytes = geometry_.gate_up_bytes();
+  layout_.bias_offset = geometry_.gate_up_bytes() + geometry_.down_bytes();
+  layout_.bias_bytes = geometry_.bias_bytes();
   slot_bytes_ = ExpertBytes(geometry_);
   MOE_RETURN_IF_ERROR(CreateStreamsAndHandles());
   if (config.num_buffers > 0) {
     if (geometry_.quantized()) {
-      MOE_ASSIGN_OR_RETURN(unpacked_, AllocDevice(3 * static_cast<size_t>(I_) * H_ * sizeof(bf16_t), "unpacked expert"));
+      MOE_ASSIGN_OR_RETURN(unpacked_, AllocDevice(cuda::Bf16BiasOffset(H_, I_) + geometry_.bias_bytes(), "unpacked expert"));
     } else {
       MOE_ASSIGN_OR_RETURN(staging_, AllocDevice(geometry_.packed_bytes(), "expert staging"));
     }
@@ -624,6 +626,7 @@ absl::Status CudaBackend::CalibrateGemmRows() {
 
 size_t CudaBackend::ExpertBytes(const ExpertGeometry& g) const {
   if (g.quantized()) return RoundUp(g.packed_bytes(), kExpertAlignElems * sizeof(bf16_t));
+  if (g.biases) return RoundUp(cuda::Bf16BiasOffset(g.H, g.I) + g.bias_bytes(), kExpertAlignElems * sizeof(bf16_t));
   return RoundUp(3 * static_cast<size_t>(g.I) * g.H, kExpertAlignElems) * sizeof(bf16_t);
 }
 
@@ -1130,6 +1133,9 @@ absl::Status CudaBackend::RunExperts(int ctx, const HitPlan& plan) {
 }
 
 absl::Status CudaBackend::LaunchGroups(cuda::GroupedExpertArgs a, cudaStream_t stream) const {
+  a.activation = geometry_.activation;
+  a.bias_ld = geometry_.Ki;
+  a.bias_offset = !geometry_.biases ? 0 : geometry_.quantized() ? layout_.bias_offset : cuda::Bf16BiasOffset(H_, I_);
   if (geometry_.quantized()) {
     const cuda::PackedSlots p{static_cast<const uint8_t*>(experts_.get()), slot_bytes_, layout_};
     MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchPackedGateUp(a, p, stream));
@@ -1146,9 +1152,9 @@ absl::Status CudaBackend::LaunchGroups(cuda::GroupedExpertArgs a, cudaStream_t s
 // One big group through cuBLAS, in pieces of at most chunk_rows_ rows:
 //   xg = x[token]                       (gather)
 //   gu = xg . [gate; up]^T              (one GEMM: gate and up are adjacent)
-//   act = bf16(silu(gu[:, :I]) * gu[:, I:])
+//   act = bf16(activation(gu[:, :I] + bg, gu[:, I:] + bu))
 //   y = act . down^T                    (into the same f32 scratch)
-//   accum[token] += weight * y          (scatter-add)
+//   accum[token] += weight * (y + bd)   (scatter-add; biases when the experts have them)
 // cuBLAS is column-major: a row-major [r, c] matrix is a column-major [c, r]
 // one, so each product is computed transposed (C^T = B^T A^T).
 absl::Status CudaBackend::RunGemmGroup(Context& c, const cuda::GroupDesc& g,
@@ -1160,6 +1166,9 @@ absl::Status CudaBackend::RunGemmGroup(Context& c, const cuda::GroupDesc& g,
     gate_up = static_cast<const bf16_t*>(unpacked_.get());
   }
   const bf16_t* down = gate_up + 2 * static_cast<size_t>(I_) * H_;  // [H, I] row-major
+  const float* bias = geometry_.biases ? reinterpret_cast<const float*>(reinterpret_cast<const uint8_t*>(gate_up) +
+                                                                        cuda::Bf16BiasOffset(H_, I_))
+                                       : nullptr;
   bf16_t* xg = static_cast<bf16_t*>(rows_bf16_.get());
   float* f32 = static_cast<float*>(gemm_f32_.get());
   const float one = 1.f, zero = 0.f;
@@ -1174,13 +1183,15 @@ absl::Status CudaBackend::RunGemmGroup(Context& c, const cuda::GroupDesc& g,
                                             gate_up, CUDA_R_16BF, H_, xg, CUDA_R_16BF, H_, &zero,
                                             f32, CUDA_R_32F, 2 * I_, CUBLAS_COMPUTE_32F,
                                             CUBLAS_GEMM_DEFAULT));
-    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchSiluMul(f32, n, I_, act, compute_));
+    MOE_CUDA_RETURN_IF_ERROR(
+        cuda::LaunchActivate(f32, n, I_, geometry_.activation, bias, geometry_.Ki, act, compute_));
     // y^T [H, n] = down [H, I] . act^T [I, n]
     MOE_CUBLAS_RETURN_IF_ERROR(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, H_, n, I_, &one,
                                             down, CUDA_R_16BF, I_, act, CUDA_R_16BF, I_, &zero,
                                             f32, CUDA_R_32F, H_, CUBLAS_COMPUTE_32F,
                                             CUBLAS_GEMM_DEFAULT));
     MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddF32(f32, d_token + r0, d_weight + r0, n, H_,
+                                                       bias != nullptr ? bias + 2 * geometry_.Ki : nullptr,
                                                        static_cast<float*>(c.accum.get()),
                                                        compute_));
   }
@@ -1446,6 +1457,7 @@ cuda::DevicePlanArgs CudaBackend::PlanArgs(const DevicePlannedCall& call, Device
     }
   }
   d.layout = layout_;
+  d.activation = geometry_.activation;
   d.intermediate = I_;
   d.copies = static_cast<cuda::DeviceCopy*>(copies_.get());
   d.copy_count = static_cast<int*>(copy_count_.get());

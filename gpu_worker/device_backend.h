@@ -59,10 +59,13 @@ struct BackendConfig {
   int device_sites = 0;  // sites (layers) of device-planned calls: 0 <= DevicePlannedCall::site < this
   int device_max_tokens = 0;  // largest T of a device-planned call (<= max_tokens; 0: max_tokens)
   // The experts' storage format (the GPU cache's precision) and, for int4,
-  // the k per scale group: the buffers hold ExpertGeometry::For(hidden,
-  // intermediate, format, int4_group) experts.
+  // the k per scale group: the buffers hold GeometryOf(config) experts.
   WeightFormat format = WeightFormat::kBf16;
   int int4_group = 0;
+  // The model's expert math (ModelSpec::activation, ::expert_biases): every
+  // format's buffers then end with the experts' f32 biases (ExpertGeometry).
+  ExpertActivation activation;
+  bool biases = false;
   // cpu backend
   int cpu_threads = 0;             // 0: every CPU this process may run on
   std::string cpu_kernel = "auto"; // amx | avx512 | reference | auto
@@ -80,7 +83,7 @@ struct BackendConfig {
 // padding rows (skipped).
 // The packed geometry of a config's experts.
 inline ExpertGeometry GeometryOf(const BackendConfig& c) {
-  return ExpertGeometry::For(c.hidden, c.intermediate, c.format, c.int4_group);
+  return ExpertGeometry::For(c.hidden, c.intermediate, c.format, c.int4_group).WithExpertMath(c.activation, c.biases);
 }
 
 struct HitPlan {

@@ -189,6 +189,8 @@ absl::Status LayerDispatcher::CreateCacheAndBackend() {
   BackendConfig bc = c.backend;  // the device knobs; the sizes follow from the model and the cache
   bc.hidden = spec_.hidden;
   bc.intermediate = spec_.intermediate;
+  bc.activation = spec_.activation;
+  bc.biases = spec_.expert_biases;
   if (host_ != nullptr) {  // the cache holds experts in the host copy's precision
     bc.format = host_->geometry().format;
     bc.int4_group = host_->geometry().group;

@@ -138,8 +138,10 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
 }
 
 ModelInfo InfoOf(const ModelSpec& s) {
-  return ModelInfo{s.model_type, s.num_layers,   s.moe_layers,       s.num_experts,       s.top_k,
-                   s.hidden,     s.intermediate, DTypeName(s.dtype), s.ExpertBf16Bytes()};
+  return ModelInfo{s.model_type,      s.num_layers,         s.moe_layers,
+                   s.num_experts,     s.top_k,              s.hidden,
+                   s.intermediate,    DTypeName(s.dtype),   s.ExpertBf16Bytes(),
+                   /*identity=*/0,    ExpertMathName(s),    RoutingModeName(s.routing)};
 }
 
 // The session's GPU current on the calling thread for one call, the
@@ -178,7 +180,7 @@ absl::StatusOr<std::unique_ptr<MoeSession>> MoeSession::Open(const SessionOption
   // Every server's model must be this one (checked at each connect and in
   // each request), also when the host copy is the servers' shared one.
   const auto t0 = std::chrono::steady_clock::now();
-  const ModelIdentity identity{r->source->Identity(), o.model};
+  const ModelIdentity identity = IdentityOf(*r->source, o.model);
   r->model.identity = identity.digest;
   LogInfo("worker", "model ", o.model, ": identity ", IdentityHex(identity.digest), " (computed in ",
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), " s)");

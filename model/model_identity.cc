@@ -75,17 +75,37 @@ std::string ModelIdentity::ToString() const {
   return absl::StrCat(IdentityHex(digest), " (", model.empty() ? std::string("model not reported") : model, ")");
 }
 
+namespace {
+
+// True iff both report their math and it differs.
+bool MathDiffers(const ModelIdentity& a, const ModelIdentity& b) {
+  const bool reported = !a.expert_math.empty() && !b.expert_math.empty();
+  return reported && (a.expert_math != b.expert_math || a.routing != b.routing);
+}
+
+}  // namespace
+
 absl::Status ModelMismatchError(const ModelIdentity& ours, const ModelIdentity& theirs, absl::string_view our_side,
                                 absl::string_view their_side) {
+  if (MathDiffers(ours, theirs))
+    return absl::FailedPreconditionError(absl::StrCat(
+        kMismatchPrefix, our_side, " serves ", ours.ToString(), ", ", their_side, " serves ", theirs.ToString(),
+        "; their expert math differs: ", our_side, " computes ", ours.expert_math, " with ", ours.routing,
+        " routing, ", their_side, " computes ", theirs.expert_math, " with ", theirs.routing,
+        " routing (their config.json differ: model_type or swiglu_limit); the experts of two models are never mixed"));
   return absl::FailedPreconditionError(absl::StrCat(
       kMismatchPrefix, our_side, " serves ", ours.ToString(), ", ", their_side, " serves ", theirs.ToString(),
       theirs.digest == 0 ? "; a peer that reports no model identity cannot be checked (an older version?)"
                          : "; the experts of two models are never mixed: give both the same --model"));
 }
 
+bool SameModel(const ModelIdentity& ours, const ModelIdentity& theirs) {
+  return ours.digest != 0 && ours.digest == theirs.digest && !MathDiffers(ours, theirs);
+}
+
 absl::Status CheckSameModel(const ModelIdentity& ours, const ModelIdentity& theirs, absl::string_view our_side,
                             absl::string_view their_side) {
-  if (ours.digest != 0 && ours.digest == theirs.digest) return absl::OkStatus();
+  if (SameModel(ours, theirs)) return absl::OkStatus();
   return ModelMismatchError(ours, theirs, our_side, their_side);
 }
 

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -51,11 +52,22 @@ namespace moe {
 // XXH64 of `n` bytes at `data` with `seed`.
 uint64_t Hash64(const void* data, size_t n, uint64_t seed = 0);
 
-// What a process serves: the digest and the model as it was given
-// (--model: a checkpoint directory, a GGUF file or a synthetic: URI), for messages.
+// What a process serves: the digest, the model as it was given (--model: a
+// checkpoint directory, a GGUF file or a synthetic: URI), for messages, and
+// what its experts compute: the expert math (ExpertMathName,
+// model/model_spec.h) and the router's mode (RoutingModeName). The math comes
+// from config.json (model_type, swiglu_limit), which a checkpoint's digest
+// does not cover: two copies of one checkpoint whose configs disagree have
+// one digest and compute different layers, so the math is compared beside it.
 struct ModelIdentity {
+  ModelIdentity() = default;
+  ModelIdentity(uint64_t digest, std::string model, std::string expert_math = "", std::string routing = "")
+      : digest(digest), model(std::move(model)), expert_math(std::move(expert_math)), routing(std::move(routing)) {}
+
   uint64_t digest = 0;  // 0: unknown (a peer that reports none)
   std::string model;
+  std::string expert_math;  // "" : not reported (not compared)
+  std::string routing;      // "" : not reported (not compared)
   // "0123456789abcdef (MODEL)"; "none (MODEL)" when unknown.
   std::string ToString() const;
 };
@@ -63,11 +75,16 @@ struct ModelIdentity {
 // 16 lowercase hex digits; "none" for 0.
 std::string IdentityHex(uint64_t digest);
 
-// OK when `theirs` is `ours`' model (equal digests, both known); otherwise
-// FailedPrecondition "model identity: <our_side> serves D1 (M1), <their_side>
-// serves D2 (M2); ..." — a peer that reports none is refused too, as a peer
-// whose model cannot be checked. `our_side` / `their_side` name the two ends
-// ("this worker", "the expert server on unix:///run/s.sock").
+// True iff `theirs` is `ours`' model: equal digests, both known, and the same
+// expert math and routing where both report them.
+bool SameModel(const ModelIdentity& ours, const ModelIdentity& theirs);
+// OK when SameModel; otherwise FailedPrecondition "model identity: <our_side>
+// serves D1 (M1), <their_side> serves D2 (M2); ..." — naming both sides'
+// expert math and routing when those differ ("... computes
+// clamped_swiglu(alpha=1.702, limit=7)+bias with topk_softmax routing, ...")
+// — a peer that reports no digest is refused too, as a peer whose model
+// cannot be checked. `our_side` / `their_side` name the two ends ("this
+// worker", "the expert server on unix:///run/s.sock").
 absl::Status CheckSameModel(const ModelIdentity& ours, const ModelIdentity& theirs, absl::string_view our_side,
                             absl::string_view their_side);
 // The FailedPrecondition above, for a caller that already knows they differ.

@@ -28,6 +28,10 @@ void ExpertWeights::Resize(const ModelSpec& spec) {
   gate.resize(n);
   up.resize(n);
   down.resize(n);
+  const bool b = spec.expert_biases;
+  gate_bias.resize(b ? spec.intermediate : 0);
+  up_bias.resize(b ? spec.intermediate : 0);
+  down_bias.resize(b ? spec.hidden : 0);
 }
 
 absl::Status CheckExpertIndex(const ModelSpec& spec, int layer, int expert) {
@@ -43,6 +47,10 @@ absl::Status CheckFinite(const std::vector<bf16_t>& v, int layer, int expert, co
   if (AllFiniteBf16(v.data(), v.size())) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("layer ", layer, " expert ", expert, " ", what, " holds NaN or Inf weights"));
+}
+
+ModelIdentity IdentityOf(const ModelSource& source, const std::string& model) {
+  return ModelIdentity{source.Identity(), model, ExpertMathName(source.spec()), RoutingModeName(source.spec().routing)};
 }
 
 std::vector<uint64_t> ModelIdentityHeader(const char* form, const ModelSpec& spec) {
@@ -90,6 +98,11 @@ class SyntheticSource final : public ModelSource {
     GenerateExpertMatrix(uri_.seed, layer, expert, Projection::kGate, I, H, out->gate.data());
     GenerateExpertMatrix(uri_.seed, layer, expert, Projection::kUp, I, H, out->up.data());
     GenerateExpertMatrix(uri_.seed, layer, expert, Projection::kDown, H, I, out->down.data());
+    if (spec_.expert_biases) {
+      GenerateExpertBias(uri_.seed, layer, expert, Projection::kGate, I, out->gate_bias.data());
+      GenerateExpertBias(uri_.seed, layer, expert, Projection::kUp, I, out->up_bias.data());
+      GenerateExpertBias(uri_.seed, layer, expert, Projection::kDown, H, out->down_bias.data());
+    }
     // A quantized synthetic model gives what its checkpoint (moe-make-model --dtype) gives back.
     QuantizeDequantize(spec_.quant, I, H, out->gate.data());
     QuantizeDequantize(spec_.quant, I, H, out->up.data());
@@ -117,9 +130,11 @@ class SyntheticSource final : public ModelSource {
   uint64_t Identity() const override {
     std::vector<uint64_t> h = ModelIdentityHeader("synthetic-v1 (GenerateExpertMatrix)", spec_);
     const char* dtype = DTypeName(spec_.dtype);
+    const std::string math = ExpertMathName(spec_);
     h.insert(h.end(), {uri_.seed, Hash64(dtype, std::strlen(dtype)), static_cast<uint64_t>(spec_.quant.scheme),
                        static_cast<uint64_t>(spec_.quant.block_rows), static_cast<uint64_t>(spec_.quant.block_cols),
                        static_cast<uint64_t>(spec_.quant.group_size)});
+    if (spec_.activation != ExpertActivation{} || spec_.expert_biases) h.push_back(Hash64(math.data(), math.size()));
     const uint64_t d = Hash64(h.data(), h.size() * sizeof(uint64_t));
     return d != 0 ? d : 1;
   }
@@ -303,7 +318,7 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
 
 // Fused 3-D expert tensors of one layer (all experts in one tensor):
 //   {prefix}gate_up_proj  [E, 2I, H]  (transformers' in-memory layout, rows = outputs)
-//                      or [E, H, 2I]  (Llama 4: x @ W; GPT-OSS's interleaved columns are refused with its family)
+//                      or [E, H, 2I]  (Llama 4, GPT-OSS: x @ W; GPT-OSS interleaves the gate and up columns)
 //   {prefix}down_proj     [E, H, I]   or [E, I, H] respectively
 // or, as Granite MoE checkpoints name them, model.layers.{l}.block_sparse_moe.
 // input_linear.weight [E, 2I, H] (gate rows first) and output_linear.weight [E, H, I].
@@ -312,12 +327,18 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
 // [E, 2I, H/32, 16] + _scales [E, 2I, H/32] and {prefix}down_proj_blocks
 // [E, H, I/32, 16] + _scales [E, H, I/32]; blocks run along the input, so rows
 // are outputs (gate rows first).
+// and I != H); GPT-OSS's is always x @ W (its H = I). Families whose experts
+// carry biases (spec.expert_biases: GPT-OSS) add {prefix}gate_up_proj_bias
+// [E, 2I] (interleaved like the columns) and {prefix}down_proj_bias [E, H].
 struct FusedExperts {
   const TensorInfo* gate_up = nullptr;  // mxfp4: the blocks
   const TensorInfo* down = nullptr;
   const TensorInfo* gate_up_scales = nullptr;  // mxfp4 only
   const TensorInfo* down_scales = nullptr;
+  const TensorInfo* gate_up_bias = nullptr;  // spec.expert_biases only
+  const TensorInfo* down_bias = nullptr;
   bool x_times_w = false;    // [E, H, 2I] / [E, I, H]
+  bool interleaved = false;  // gate = even columns, up = odd (GPT-OSS)
 };
 
 std::string FusedPrefix(ExpertNaming naming, int layer) {
@@ -352,7 +373,12 @@ absl::StatusOr<std::optional<FusedExperts>> FindFused(const Checkpoint& ckpt, co
   if (f.gate_up == nullptr || f.down == nullptr)
     return absl::InvalidArgumentError(absl::StrCat(gate_up, " and ", down, ": only one present"));
   using Shape = std::vector<int64_t>;
-  if (f.down->shape == Shape{E, H, I}) {
+  if (IsGptOss(spec.model_type)) {
+    f.x_times_w = f.interleaved = true;
+    if (f.down->shape != Shape{E, I, H})
+      return absl::InvalidArgumentError(absl::StrCat(f.down->name, ": shape ", ShapeString(f.down->shape),
+                                                     ", expected ", ShapeString(Shape{E, I, H}), " (gpt_oss)"));
+  } else if (f.down->shape == Shape{E, H, I}) {
     f.x_times_w = false;
   } else if (f.down->shape == Shape{E, I, H}) {
     f.x_times_w = true;
@@ -364,6 +390,12 @@ absl::StatusOr<std::optional<FusedExperts>> FindFused(const Checkpoint& ckpt, co
   if (f.gate_up->shape != want)
     return absl::InvalidArgumentError(
         absl::StrCat(f.gate_up->name, ": shape ", ShapeString(f.gate_up->shape), ", expected ", ShapeString(want)));
+  if (spec.expert_biases) {
+    const std::string why = absl::StrCat(spec.model_type, " experts carry biases");
+    const std::initializer_list<DType> dtypes = {DType::kBF16, DType::kF16, DType::kF32};
+    MOE_ASSIGN_OR_RETURN(f.gate_up_bias, FindTensor(ckpt, gate_up + "_bias", dtypes, {E, 2 * I}, why));
+    MOE_ASSIGN_OR_RETURN(f.down_bias, FindTensor(ckpt, down + "_bias", dtypes, {E, H}, why));
+  }
   return std::optional<FusedExperts>(f);
 }
 
@@ -428,6 +460,9 @@ class CheckpointSource final : public ModelSource {
         if (it->second.gate_up_scales != nullptr) {
           add(it->second.gate_up_scales);
           add(it->second.down_scales);
+        if (it->second.gate_up_bias != nullptr) {
+          add(it->second.gate_up_bias);
+          add(it->second.down_bias);
         }
         continue;
       }
@@ -479,12 +514,21 @@ class CheckpointSource final : public ModelSource {
     if (!f.x_times_w) {  // [2I, H]: gate rows then up rows, already [I,H] each
       std::copy(slab.begin(), slab.begin() + I * H, out->gate.begin());
       std::copy(slab.begin() + I * H, slab.end(), out->up.begin());
-    } else {  // [H, 2I]: transpose; gate/up columns concatenated
+    } else {  // [H, 2I]: transpose; gate/up columns concatenated or interleaved
       for (size_t h = 0; h < H; ++h)
         for (size_t i = 0; i < I; ++i) {
-          out->gate[i * H + h] = slab[h * 2 * I + i];
-          out->up[i * H + h] = slab[h * 2 * I + I + i];
+          const size_t g = f.interleaved ? 2 * i : i, u = f.interleaved ? 2 * i + 1 : I + i;
+          out->gate[i * H + h] = slab[h * 2 * I + g];
+          out->up[i * H + h] = slab[h * 2 * I + u];
         }
+    }
+    if (f.gate_up_bias != nullptr) {  // [2I], laid out as the columns
+      MOE_RETURN_IF_ERROR(ToBf16(*f.gate_up_bias, e * 2 * I, 2 * I, slab.data()));
+      for (size_t i = 0; i < I; ++i) {
+        out->gate_bias[i] = slab[f.interleaved ? 2 * i : i];
+        out->up_bias[i] = slab[f.interleaved ? 2 * i + 1 : I + i];
+      }
+      MOE_RETURN_IF_ERROR(ToBf16(*f.down_bias, e * H, H, out->down_bias.data()));
     }
     if (!f.x_times_w) {  // [H, I] as is
       MOE_RETURN_IF_ERROR(ToBf16(*f.down, e * H * I, H * I, out->down.data()));
@@ -494,7 +538,9 @@ class CheckpointSource final : public ModelSource {
       for (size_t i = 0; i < I; ++i)
         for (size_t h = 0; h < H; ++h) out->down[h * I + i] = slab[i * H + h];
     }
-    for (auto [v, what] : {std::pair{&out->gate, "gate"}, std::pair{&out->up, "up"}, std::pair{&out->down, "down"}})
+    for (auto [v, what] : {std::pair{&out->gate, "gate"}, std::pair{&out->up, "up"}, std::pair{&out->down, "down"},
+                           std::pair{&out->gate_bias, "gate bias"}, std::pair{&out->up_bias, "up bias"},
+                           std::pair{&out->down_bias, "down bias"}})
       MOE_RETURN_IF_ERROR(CheckFinite(*v, layer, expert, what));
     return absl::OkStatus();
   }
@@ -513,11 +559,6 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
     return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": config.json is not valid JSON"));
   absl::StatusOr<ModelSpec> spec = ModelSpecFromConfig(config);
   if (!spec.ok()) return absl::InvalidArgumentError(absl::StrCat("model ", dir, ": ", std::string(spec.status().message())));
-  // A family whose expert math is not ours is refused, not served wrong.
-  if (spec->model_type.rfind("gpt_oss", 0) == 0)
-    return absl::InvalidArgumentError(absl::StrCat(
-        "model ", dir, ": gpt_oss: its experts' math (biases, a clamped SwiGLU: alpha 1.702, limit 7) is not one "
-        "this service computes yet"));
   MOE_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> ckpt, Checkpoint::Open(dir));
   // The tensors are the truth for which layers have experts (dense layers have none)
   // and how they are named: per-expert tensors, or fused 3-D ones (FusedExperts),
@@ -556,8 +597,14 @@ absl::StatusOr<std::unique_ptr<ModelSource>> OpenCheckpoint(const std::string& d
                                                                          ? ExpertNaming::kBlockSparseMoe
                                                                          : ExpertNaming::kMlpExperts,
                                                                      0, 0, Projection::kGate))));
-  // Expert biases (any family): the kernels compute W x without them.
-  for (int l : moe_layers) {
+  // Expert biases of a family without them (spec.expert_biases false) are
+  // refused: served as W x they would be wrong. A family with them
+  // (GPT-OSS) has its fused experts, their biases checked by FindFused.
+  if (spec->expert_biases && fused.size() != moe_layers.size())
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model ", dir, ": ", ExpertTensorName(spec->naming, moe_layers.front(), 0, Projection::kGate), ": ",
+        spec->model_type, " experts are read from fused gate_up_proj / down_proj tensors with their biases"));
+  for (int l : spec->expert_biases ? std::vector<int>{} : moe_layers) {
     std::vector<std::string> biases;
     if (auto f = fused.find(l); f != fused.end()) {
       for (const TensorInfo* t : {f->second.gate_up, f->second.down})
@@ -607,6 +654,12 @@ class SlicedSource final : public ModelSource {
     std::copy_n(full.gate.begin() + begin_ * H, n * H, out->gate.begin());
     std::copy_n(full.up.begin() + begin_ * H, n * H, out->up.begin());
     for (size_t h = 0; h < H; ++h) std::copy_n(full.down.begin() + h * I + begin_, n, out->down.begin() + h * n);
+    if (full.has_biases()) {  // the down bias once: in slice 0's partial sum
+      std::copy_n(full.gate_bias.begin() + begin_, n, out->gate_bias.begin());
+      std::copy_n(full.up_bias.begin() + begin_, n, out->up_bias.begin());
+      if (slice_.index == 0) out->down_bias = full.down_bias;
+      else std::fill(out->down_bias.begin(), out->down_bias.end(), bf16_t{0});
+    }
     return absl::OkStatus();
   }
   // The slice's rows of gate and up and columns of down; the scale grids

@@ -13,13 +13,19 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
+#include "model/model_identity.h"
 #include "model/model_spec.h"
 
 namespace moe {
 
-// Row-major bf16 weights of one expert: gate [I,H], up [I,H], down [H,I].
+// Row-major bf16 weights of one expert: gate [I,H], up [I,H], down [H,I],
+// and its biases when spec.expert_biases (gate [I], up [I], down [H]; empty
+// otherwise). A slice's down bias is the whole expert's in slice 0 and zero
+// in the others, so the slices' outputs still add up to the expert's.
 struct ExpertWeights {
   std::vector<bf16_t> gate, up, down;
+  std::vector<bf16_t> gate_bias, up_bias, down_bias;
+  bool has_biases() const { return !down_bias.empty(); }
   void Resize(const ModelSpec& spec);
 };
 
@@ -58,6 +64,11 @@ class ModelSource {
   // speed); a synthetic model's is immediate. Never 0.
   virtual uint64_t Identity() const = 0;
 };
+
+// What a process serving `source` as --model `model` tells its peers
+// (model/model_identity.h): Identity() and the spec's expert math and routing.
+// Computes Identity(): see its cost above.
+ModelIdentity IdentityOf(const ModelSource& source, const std::string& model);
 
 // A synthetic model of any geometry (weights from GenerateExpertMatrix).
 std::unique_ptr<ModelSource> MakeSyntheticSource(const ModelSpec& spec, uint64_t seed);

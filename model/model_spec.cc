@@ -1,6 +1,7 @@
 #include "model/model_spec.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -39,6 +40,7 @@ std::string ModelSpec::Summary() const {
   return absl::StrCat(model_type, ": ", num_layers, " layers (", moe_layers.size(), " MoE), ",
                       num_experts, " experts, top-", top_k, ", H=", hidden, ", I=", intermediate,
                       ", ", DTypeName(dtype),
+                      activation == ExpertActivation{} && !expert_biases ? "" : absl::StrCat(", ", ExpertMathName(*this)),
                       quant.scheme == WeightQuant::kNone ? "" : absl::StrCat(", experts ", quant.Describe()));
 }
 
@@ -76,6 +78,35 @@ std::string ExpertTensorName(ExpertNaming naming, int layer, int expert, Project
   const char* p = proj == Projection::kGate ? "gate_proj" : proj == Projection::kUp ? "up_proj"
                                                                                      : "down_proj";
   return absl::StrCat("model.layers.", layer, ".mlp.experts.", expert, ".", p, ".weight");
+}
+
+bool IsGptOss(const std::string& model_type) { return model_type.rfind("gpt_oss", 0) == 0; }
+
+absl::Status ExpertMathForModelType(const nlohmann::json& config, ModelSpec* spec) {
+  if (!IsGptOss(spec->model_type)) {
+    spec->activation = ExpertActivation::Silu();
+    spec->expert_biases = false;
+    spec->routing = RoutingMode::kSoftmaxTopK;
+    return absl::OkStatus();
+  }
+  float limit = ExpertActivation::kGptOssLimit;
+  if (auto it = config.find("swiglu_limit"); it != config.end()) {
+    if (!it->is_number() || !(it->get<double>() > 0) || !std::isfinite(it->get<double>()))
+      return absl::InvalidArgumentError(absl::StrCat("config.json: swiglu_limit ", it->dump(), " is not a positive number"));
+    limit = it->get<float>();
+  }
+  spec->activation = ExpertActivation::ClampedSwiglu(ExpertActivation::kGptOssAlpha, limit);
+  spec->expert_biases = true;
+  spec->routing = RoutingMode::kTopKSoftmax;
+  return absl::OkStatus();
+}
+
+std::string ExpertMathName(const ModelSpec& spec) {
+  const ExpertActivation& a = spec.activation;
+  std::string name = a.kind == ActivationKind::kClampedSwiglu
+                         ? absl::StrCat("clamped_swiglu(alpha=", a.alpha, ", limit=", a.limit, ")")
+                         : std::string("silu");
+  return spec.expert_biases ? absl::StrCat(name, "+bias") : name;
 }
 
 ExpertNaming NamingForModelType(const std::string& model_type) {
@@ -119,11 +150,11 @@ absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config) {
   // the moe_topk its router uses) get the largest: the server takes calls of
   // up to top_k experts per token.
   s.top_k = 0;
-  for (const char* key : {"num_experts_per_tok", "moe_k", "moe_topk"})
+  for (const char* key : {"num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk"})
     if (absl::StatusOr<int> k = GetInt(config, {key}); k.ok()) s.top_k = std::max(s.top_k, *k);
     else if (config.contains(key)) return k.status();
   if (s.top_k == 0) {
-    MOE_ASSIGN_OR_RETURN(s.top_k, GetInt(config, {"num_experts_per_tok", "moe_k", "moe_topk"}));
+    MOE_ASSIGN_OR_RETURN(s.top_k, GetInt(config, {"num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk"}));
   }
   MOE_ASSIGN_OR_RETURN(s.hidden, GetInt(config, {"hidden_size"}));
   MOE_ASSIGN_OR_RETURN(s.intermediate, GetInt(config, {"moe_intermediate_size", "intermediate_size"}));
@@ -132,6 +163,7 @@ absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config) {
   absl::StatusOr<QuantConfig> quant = QuantConfigFromJson(config);
   if (!quant.ok()) return quant.status();
   s.quant = *quant;
+  MOE_RETURN_IF_ERROR(ExpertMathForModelType(config, &s));
 
   const int first_dense = config.value("first_k_dense_replace", 0);
   const int freq = std::max(1, config.value("moe_layer_freq", config.value("decoder_sparse_step", 1)));
@@ -162,7 +194,13 @@ nlohmann::json ConfigFromModelSpec(const ModelSpec& s) {
   j["torch_dtype"] = s.dtype == DType::kF32 ? "float32" : s.dtype == DType::kF16 ? "float16" : "bfloat16";
   if (s.quant.scheme != WeightQuant::kNone) j["quantization_config"] = QuantConfigToJson(s.quant);
   const int first_dense = s.moe_layers.empty() ? 0 : s.moe_layers.front();
-  if (s.naming == ExpertNaming::kBlockSparseMoe) {
+  if (IsGptOss(s.model_type)) {  // as openai/gpt-oss-* publish it: every layer has experts
+    j["architectures"] = {"GptOssForCausalLM"};
+    j["num_local_experts"] = s.num_experts;
+    j["experts_per_token"] = s.top_k;
+    j["intermediate_size"] = s.intermediate;
+    j["swiglu_limit"] = s.activation.limit;
+  } else if (s.naming == ExpertNaming::kBlockSparseMoe) {
     j["num_local_experts"] = s.num_experts;
     j["intermediate_size"] = s.intermediate;
   } else if (s.model_type.rfind("deepseek", 0) == 0) {

@@ -8,13 +8,17 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/expert_activation.h"
 #include "model/quantization.h"
+#include "model/routing.h"
 #include "core/tensor.h"
 #include "nlohmann/json_fwd.hpp"
 
 namespace moe {
 
-// Which of an expert's three projections. FFN(x) = Down(silu(Gate x) * (Up x)).
+// Which of an expert's three projections. FFN(x) = Down(act(Gate x + bg, Up x + bu)) + bd,
+// act the model's ExpertActivation (silu(g) * u for most families), the
+// biases b only in families that have them (GPT-OSS).
 // Mixtral calls them w1 (gate), w3 (up), w2 (down).
 enum class Projection { kGate, kUp, kDown };
 
@@ -35,6 +39,13 @@ struct ModelSpec {
   DType dtype = DType::kBF16;  // weight dtype in the checkpoint (of unquantized ones; torch_dtype)
   QuantConfig quant;           // how the checkpoint's expert weights are quantized (quantization_config)
   ExpertNaming naming = ExpertNaming::kMlpExperts;
+  // The family's expert math (ExpertMathForModelType): the activation, whether
+  // each expert carries gate/up [I] and down [H] biases, and how its router
+  // turns logits into routing weights (what an engine computes; the service
+  // takes the weights as given).
+  ExpertActivation activation;
+  bool expert_biases = false;
+  RoutingMode routing = RoutingMode::kSoftmaxTopK;
 
   bool IsMoeLayer(int layer) const;
   // Bytes of one expert's three matrices in bf16 (3 * H * I * 2).
@@ -70,14 +81,28 @@ absl::StatusOr<std::pair<int, int>> SliceRange(int intermediate, ExpertSlice s);
 // Expert tensor name for the given naming scheme.
 std::string ExpertTensorName(ExpertNaming naming, int layer, int expert, Projection proj);
 
+// True iff model_type names the GPT-OSS family ("gpt_oss").
+bool IsGptOss(const std::string& model_type);
+// Sets `spec`'s activation, expert_biases and routing for its model_type:
+// gpt_oss -> clamped SwiGLU (alpha 1.702, limit = config swiglu_limit, 7 when
+// absent), biases, top-k then softmax; every other family -> SiLU, no
+// biases, softmax then top-k. InvalidArgument when swiglu_limit is not a
+// positive number.
+absl::Status ExpertMathForModelType(const nlohmann::json& config, ModelSpec* spec);
+// "silu", or "clamped_swiglu(alpha=1.702, limit=7)", with "+bias" when the
+// experts carry biases: what logs, ServerInfo and moectl name.
+std::string ExpertMathName(const ModelSpec& spec);
+
 // The naming scheme a model_type uses ("mixtral" -> kBlockSparseMoe, else kMlpExperts).
 ExpertNaming NamingForModelType(const std::string& model_type);
 
 // Reads the MoE geometry from a HuggingFace config.json object. Understands
-// num_experts / n_routed_experts / num_local_experts, num_experts_per_tok,
+// num_experts / n_routed_experts / num_local_experts, num_experts_per_tok /
+// experts_per_token (GPT-OSS),
 // moe_intermediate_size / intermediate_size, hidden_size, num_hidden_layers,
 // first_k_dense_replace + moe_layer_freq (DeepSeek), mlp_only_layers +
-// decoder_sparse_step (Qwen). InvalidArgument naming the key when one is missing.
+// decoder_sparse_step (Qwen), and the expert math (ExpertMathForModelType).
+// InvalidArgument naming the key when one is missing.
 absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config);
 
 // The config.json that ModelSpecFromConfig maps back to `spec`.

@@ -33,7 +33,10 @@ absl::Status ReferenceMoe::Forward(int layer, int n, const bf16_t* x, const Rout
       if (e < 0) continue;
       const Acc w = routing.weights[static_cast<size_t>(t) * routing.k + j];
       MOE_ASSIGN_OR_RETURN(std::shared_ptr<const ExpertWeights> ew, Weights(layer, e));
-      AddExpertOutput<Acc>(ew->gate.data(), ew->up.data(), ew->down.data(), H, I, xf.data(), w, act.data(), o);
+      const bool b = ew->has_biases();
+      AddExpertOutput<Acc>(ew->gate.data(), ew->up.data(), ew->down.data(), H, I, xf.data(), w, act.data(), o,
+                           spec.activation, b ? ew->gate_bias.data() : nullptr, b ? ew->up_bias.data() : nullptr,
+                           b ? ew->down_bias.data() : nullptr);
     }
   }
   return absl::OkStatus();

@@ -1,6 +1,8 @@
 // The reference MoE: the correctness oracle for every backend. Plain loops,
 // accumulation in Acc (float for the f32 reference, double in tests):
-//   out[t] = sum_j w[t,j] * Down_e(silu(Gate_e x_t) * Up_e x_t),  e = ids[t,j].
+//   out[t] = sum_j w[t,j] * (Down_e act(Gate_e x_t + bg_e, Up_e x_t + bu_e) + bd_e),  e = ids[t,j],
+// act the model's ExpertActivation (core/expert_activation.h; silu(g) * u for
+// most families), the biases b only where the model's experts carry them.
 // Expert weights are read once through the ModelSource and kept. Thread-safe.
 #pragma once
 
@@ -13,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "core/bf16.h"
+#include "core/expert_activation.h"
 #include "model/model_source.h"
 #include "model/routing.h"
 
@@ -21,13 +24,14 @@ namespace moe {
 inline float WeightValue(bf16_t v) { return Bf16ToF32(v); }
 inline float WeightValue(float v) { return v; }
 
-// out[h] += w * Down(silu(Gate x) * Up x)[h] for one expert with row-major
-// weights of type W (bf16_t as checkpoints hold them, or float, e.g. what
-// packed integer experts stand for): gate/up [I, H], down [H, I]. act is
-// scratch of I values.
+// out[h] += w * (Down act(Gate x + bg, Up x + bu) + bd)[h] for one expert with
+// row-major weights of type W (bf16_t as checkpoints hold them, or float,
+// e.g. what packed integer experts stand for): gate/up [I, H], down [H, I];
+// biases gate/up [I], down [H], or null (none). act is scratch of I values.
 template <typename Acc, typename W>
 void AddExpertOutput(const W* gate, const W* up, const W* down, int H, int I, const Acc* x, Acc w, Acc* act,
-                     Acc* out) {
+                     Acc* out, const ExpertActivation& activation = ExpertActivation{}, const W* gate_bias = nullptr,
+                     const W* up_bias = nullptr, const W* down_bias = nullptr) {
   for (int i = 0; i < I; ++i) {
     Acc g = 0, u = 0;
     const W* gr = gate + static_cast<size_t>(i) * H;
@@ -36,12 +40,15 @@ void AddExpertOutput(const W* gate, const W* up, const W* down, int H, int I, co
       g += static_cast<Acc>(WeightValue(gr[h])) * x[h];
       u += static_cast<Acc>(WeightValue(ur[h])) * x[h];
     }
-    act[i] = g / (1 + std::exp(-g)) * u;
+    if (gate_bias != nullptr) g += static_cast<Acc>(WeightValue(gate_bias[i]));
+    if (up_bias != nullptr) u += static_cast<Acc>(WeightValue(up_bias[i]));
+    act[i] = ActivateGateUp<Acc>(activation, g, u);
   }
   for (int h = 0; h < H; ++h) {
     const W* dr = down + static_cast<size_t>(h) * I;
     Acc y = 0;
     for (int i = 0; i < I; ++i) y += static_cast<Acc>(WeightValue(dr[i])) * act[i];
+    if (down_bias != nullptr) y += static_cast<Acc>(WeightValue(down_bias[h]));
     out[h] += w * y;
   }
 }

@@ -1,10 +1,41 @@
 #include "model/routing.h"
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
 namespace moe {
+
+const char* RoutingModeName(RoutingMode mode) {
+  return mode == RoutingMode::kTopKSoftmax ? "topk_softmax" : "softmax_topk";
+}
+
+void SelectExperts(const float* logits, int n, int num_experts, int k, RoutingMode mode, bool renormalize,
+                   int32_t* ids, float* weights) {
+  std::vector<int> order(num_experts);
+  std::vector<double> p(num_experts);
+  for (int t = 0; t < n; ++t) {
+    const float* l = logits + static_cast<size_t>(t) * num_experts;
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int a, int b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    // Softmax over all experts (kSoftmaxTopK) or over the chosen k: exp(l - max) / sum.
+    const int over = mode == RoutingMode::kTopKSoftmax ? k : num_experts;
+    const double top = l[order[0]];
+    double sum = 0;
+    for (int j = 0; j < over; ++j) sum += p[j] = std::exp(static_cast<double>(l[order[j]]) - top);
+    double kept = 0;
+    for (int j = 0; j < k; ++j) kept += p[j];
+    const double den = mode == RoutingMode::kSoftmaxTopK && !renormalize ? sum : kept;
+    for (int j = 0; j < k; ++j) {
+      ids[static_cast<size_t>(t) * k + j] = order[j];
+      weights[static_cast<size_t>(t) * k + j] = static_cast<float>(p[j] / den);
+    }
+  }
+}
 
 absl::Status ValidateRouting(const RoutingView& r, int num_experts,
                              const std::function<bool(int)>& hosted, absl::string_view ids_field,

@@ -1,5 +1,7 @@
-// Routing helpers: validation of (token, expert, weight) pairs and grouping of
-// pairs by expert, the first step of every MoE backend. Validation never
+// Routing helpers: the router's choice of experts from its logits
+// (SelectExperts, in the family's RoutingMode), validation of (token, expert,
+// weight) pairs and grouping of pairs by expert, the first step of every MoE
+// backend. Validation never
 // trusts its input; grouping assumes validated input and reuses the capacity
 // of its output, so steady-state calls do not allocate.
 #pragma once
@@ -12,6 +14,24 @@
 #include "absl/strings/string_view.h"
 
 namespace moe {
+
+// How a family's router turns the logits of all experts into k (expert,
+// weight) pairs per token.
+enum class RoutingMode : uint8_t {
+  kSoftmaxTopK,  // softmax over all experts, the k largest probabilities (Qwen, Mixtral, OLMoE),
+                 // renormalized to sum 1 when asked (Mixtral, Qwen3's norm_topk_prob)
+  kTopKSoftmax,  // the k largest logits, softmax over those k (GPT-OSS's GptOssTopKRouter)
+};
+// "softmax_topk", "topk_softmax".
+const char* RoutingModeName(RoutingMode mode);
+
+// For each of n tokens, the k experts with the largest logits[t, :] (E of
+// them; ties: the lower id first), in descending order, and their weights as
+// `mode` says, into ids[t*k + j] and weights[t*k + j]. renormalize applies to
+// kSoftmaxTopK only (kTopKSoftmax's weights already sum to 1). Requires
+// 1 <= k <= E. Computed in double, weights stored as float.
+void SelectExperts(const float* logits, int n, int num_experts, int k, RoutingMode mode, bool renormalize,
+                   int32_t* ids, float* weights);
 
 // Routing of n tokens with up to k pairs each: ids[t*k+j] is an expert or -1
 // (unused slot), weights[t*k+j] its routing weight.

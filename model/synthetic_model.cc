@@ -4,6 +4,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -28,6 +30,7 @@ struct Preset {
 constexpr Preset kPresets[] = {
     {"tiny", "deepseek_v3", 3, 1, 8, 2, 96, 80},
     {"tiny-mixtral", "mixtral", 2, 0, 4, 2, 80, 72},
+    {"tiny-gpt-oss", "gpt_oss", 2, 0, 8, 4, 96, 80},
     // Small enough for a 2-core demo, big enough that caching matters.
     {"demo", "qwen3_moe", 32, 0, 32, 4, 512, 256},
     {"mixtral-8x7b", "mixtral", 32, 0, 8, 2, 4096, 14336},
@@ -36,6 +39,9 @@ constexpr Preset kPresets[] = {
     // The geometries of the recorded traces in ../shared/data/traces (bench/moe_layer --trace).
     {"olmoe-1b-7b", "olmoe", 16, 0, 64, 8, 2048, 1024},
     {"kimi-linear-48b", "kimi_linear", 27, 1, 256, 8, 2304, 1024},
+    // openai/gpt-oss-20b and -120b (H = I = 2880; experts with biases, clamped SwiGLU).
+    {"gpt-oss-20b", "gpt_oss", 24, 0, 32, 4, 2880, 2880},
+    {"gpt-oss-120b", "gpt_oss", 36, 0, 128, 4, 2880, 2880},
 };
 
 inline uint64_t SplitMix64(uint64_t x) {
@@ -67,6 +73,7 @@ absl::StatusOr<ModelSpec> PresetSpec(std::string_view preset_view, int layers) {
     s.hidden = p.hidden;
     s.intermediate = p.intermediate;
     s.dtype = DType::kBF16;
+    if (absl::Status st = ExpertMathForModelType(nlohmann::json::object(), &s); !st.ok()) return st;
     if (s.moe_layers.empty())
       return absl::InvalidArgumentError(absl::StrCat("preset ", preset, " cut to ", layers,
                                                      " layers has no MoE layer (first ",
@@ -125,15 +132,13 @@ absl::StatusOr<ModelSpec> SyntheticModelUri::Spec() const {
   return s;
 }
 
-void GenerateExpertMatrix(uint64_t seed, int layer, int expert, Projection proj, int rows, int cols,
-                          bf16_t* dst) {
+namespace {
+
+// n values uniform on [-a, a] from the stream of (seed, layer, expert, tag).
+void UniformBf16(uint64_t seed, int layer, int expert, uint64_t tag, float a, size_t n, bf16_t* dst) {
   const uint64_t key = SplitMix64(seed ^ SplitMix64((static_cast<uint64_t>(layer) << 40) ^
-                                                    (static_cast<uint64_t>(expert) << 8) ^
-                                                    static_cast<uint64_t>(proj)));
-  // Uniform on [-a, a] has std a/sqrt(3); we want std = 1/sqrt(fan_in) = 1/sqrt(cols).
-  const float a = std::sqrt(3.0f / static_cast<float>(cols));
+                                                    (static_cast<uint64_t>(expert) << 8) ^ tag));
   const float scale = 2.0f * a / 65536.0f;
-  const size_t n = static_cast<size_t>(rows) * cols;
   size_t i = 0;
   for (uint64_t block = 0; i < n; ++block) {
     uint64_t r = SplitMix64(key + block);
@@ -142,6 +147,117 @@ void GenerateExpertMatrix(uint64_t seed, int layer, int expert, Projection proj,
     }
   }
 }
+
+// Tags of the streams after the three projections' (0, 1, 2).
+constexpr uint64_t kBiasTag = 16, kRouterTag = 32;
+
+}  // namespace
+
+void GenerateExpertMatrix(uint64_t seed, int layer, int expert, Projection proj, int rows, int cols,
+                          bf16_t* dst) {
+  // Uniform on [-a, a] has std a/sqrt(3); we want std = 1/sqrt(fan_in) = 1/sqrt(cols).
+  UniformBf16(seed, layer, expert, static_cast<uint64_t>(proj), std::sqrt(3.0f / static_cast<float>(cols)),
+              static_cast<size_t>(rows) * cols, dst);
+}
+
+void GenerateExpertBias(uint64_t seed, int layer, int expert, Projection proj, int n, bf16_t* dst) {
+  UniformBf16(seed, layer, expert, kBiasTag + static_cast<uint64_t>(proj), 0.5f, static_cast<size_t>(n), dst);
+}
+
+void GenerateRouter(uint64_t seed, int layer, int num_experts, int hidden, bf16_t* weight, bf16_t* bias) {
+  UniformBf16(seed, layer, 0, kRouterTag, std::sqrt(3.0f / static_cast<float>(hidden)),
+              static_cast<size_t>(num_experts) * hidden, weight);
+  UniformBf16(seed, layer, 0, kRouterTag + 1, 0.5f, static_cast<size_t>(num_experts), bias);
+}
+
+namespace {
+
+// n bf16 values stored as `dtype` (BF16, F16 or F32) at dst.
+void StoreAs(DType dtype, const bf16_t* src, size_t n, std::byte* dst) {
+  if (dtype == DType::kBF16) {
+    std::memcpy(dst, src, n * 2);
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const float f = Bf16ToF32(src[i]);
+    if (dtype == DType::kF32) {
+      std::memcpy(dst + 4 * i, &f, 4);
+    } else {
+      const uint16_t h = F32ToF16(f);
+      std::memcpy(dst + 2 * i, &h, 2);
+    }
+  }
+}
+
+// A gpt_oss checkpoint's tensors (WriteSyntheticCheckpoint's contract), one
+// layer's in the order of the list below.
+absl::Status WriteGptOssTensors(const std::string& dir, const ModelSpec& spec, uint64_t seed,
+                                size_t max_shard_bytes) {
+  if (spec.quant.scheme != WeightQuant::kNone)
+    return absl::InvalidArgumentError(absl::StrCat("gpt_oss checkpoints are written in bf16, f16 or f32, not ",
+                                                   spec.quant.Describe()));
+  enum class Part { kGateUp, kGateUpBias, kDown, kDownBias, kRouter, kRouterBias };
+  const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+  std::vector<TensorSpec> specs;
+  std::vector<std::pair<int, Part>> items;
+  for (int l : spec.moe_layers) {
+    const std::string mlp = absl::StrCat("model.layers.", l, ".mlp.");
+    for (auto [name, part, shape] : {std::tuple{"experts.gate_up_proj", Part::kGateUp, std::vector<int64_t>{E, H, 2 * I}},
+                                     std::tuple{"experts.gate_up_proj_bias", Part::kGateUpBias, std::vector<int64_t>{E, 2 * I}},
+                                     std::tuple{"experts.down_proj", Part::kDown, std::vector<int64_t>{E, I, H}},
+                                     std::tuple{"experts.down_proj_bias", Part::kDownBias, std::vector<int64_t>{E, H}},
+                                     std::tuple{"router.weight", Part::kRouter, std::vector<int64_t>{E, H}},
+                                     std::tuple{"router.bias", Part::kRouterBias, std::vector<int64_t>{E}}}) {
+      specs.push_back({mlp + name, spec.dtype, shape});
+      items.emplace_back(l, part);
+    }
+  }
+  const size_t elem = spec.dtype == DType::kF32 ? 4 : 2;
+  std::vector<bf16_t> a, b, t;
+  auto fill = [&](size_t idx, std::span<std::byte> dst) {
+    const auto [l, part] = items[idx];
+    for (int64_t e = 0; e < (part == Part::kRouter || part == Part::kRouterBias ? 1 : E); ++e) {
+      switch (part) {
+        case Part::kGateUp:  // [H, 2I]: column 2i is gate row i, 2i + 1 up row i
+          a.resize(I * H), b.resize(I * H), t.resize(2 * I * H);
+          GenerateExpertMatrix(seed, l, e, Projection::kGate, I, H, a.data());
+          GenerateExpertMatrix(seed, l, e, Projection::kUp, I, H, b.data());
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < I; ++i) {
+              t[h * 2 * I + 2 * i] = a[i * H + h];
+              t[h * 2 * I + 2 * i + 1] = b[i * H + h];
+            }
+          break;
+        case Part::kGateUpBias:
+          a.resize(I), b.resize(I), t.resize(2 * I);
+          GenerateExpertBias(seed, l, e, Projection::kGate, I, a.data());
+          GenerateExpertBias(seed, l, e, Projection::kUp, I, b.data());
+          for (int64_t i = 0; i < I; ++i) t[2 * i] = a[i], t[2 * i + 1] = b[i];
+          break;
+        case Part::kDown:  // [I, H]: the transpose of down [H, I]
+          a.resize(H * I), t.resize(I * H);
+          GenerateExpertMatrix(seed, l, e, Projection::kDown, H, I, a.data());
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < I; ++i) t[i * H + h] = a[h * I + i];
+          break;
+        case Part::kDownBias:
+          t.resize(H);
+          GenerateExpertBias(seed, l, e, Projection::kDown, H, t.data());
+          break;
+        case Part::kRouter:
+        case Part::kRouterBias:
+          t.resize(E * H), b.resize(E);
+          GenerateRouter(seed, l, E, H, t.data(), b.data());
+          if (part == Part::kRouterBias) t = b;
+          break;
+      }
+      StoreAs(spec.dtype, t.data(), t.size(), dst.data() + e * t.size() * elem);
+    }
+  };
+  return WriteCheckpoint(dir, specs, max_shard_bytes, fill, {{"format", "pt"}, {"generator", "moe-make-model"}});
+}
+
+}  // namespace
 
 // Long: config.json, then every layer's tensors in each checkpoint format
 // (bf16, FP8 blocks, INT4 groups) into shards and their index, in file order.
@@ -158,6 +274,7 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& s
     out << config.dump(2) << "\n";
     if (!out) return absl::InternalError(absl::StrCat("cannot write ", dir, "/config.json"));
   }
+  if (IsGptOss(spec.model_type)) return WriteGptOssTensors(dir, spec, seed, max_shard_bytes);
   // One tensor of the checkpoint: a part of (layer, expert, projection).
   enum class Part { kWeight, kScaleInv, kPacked, kScale, kShape, kMxBlocks, kMxScales };
   struct Item { int layer, expert; Projection proj; Part part; };
@@ -242,18 +359,8 @@ absl::Status WriteSyntheticCheckpoint(const std::string& dir, const ModelSpec& s
     }
     if (q.scheme == WeightQuant::kFp8Block) {
       std::memcpy(dst.data(), fp8.data(), n);
-    } else if (spec.dtype == DType::kBF16) {
-      std::memcpy(dst.data(), w.data(), n * 2);
     } else {
-      for (size_t i = 0; i < n; ++i) {
-        const float f = Bf16ToF32(w[i]);
-        if (spec.dtype == DType::kF32) {
-          std::memcpy(dst.data() + 4 * i, &f, 4);
-        } else {
-          const uint16_t h = F32ToF16(f);
-          std::memcpy(dst.data() + 2 * i, &h, 2);
-        }
-      }
+      StoreAs(spec.dtype, w.data(), n, dst.data());
     }
   };
   return WriteCheckpoint(dir, specs, max_shard_bytes, fill,

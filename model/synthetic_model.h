@@ -27,8 +27,8 @@ struct SyntheticModelUri {
   absl::StatusOr<ModelSpec> Spec() const;
 };
 
-// Names accepted by PresetSpec: tiny, tiny-mixtral, demo, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3,
-// olmoe-1b-7b, kimi-linear-48b.
+// Names accepted by PresetSpec: tiny, tiny-mixtral, tiny-gpt-oss, demo, mixtral-8x7b, qwen3-30b-a3b,
+// deepseek-v3, olmoe-1b-7b, kimi-linear-48b, gpt-oss-20b, gpt-oss-120b.
 std::vector<std::string> PresetNames();
 
 // The geometry of a preset, cut to its first `layers` decoder layers (-1 = all).
@@ -42,6 +42,16 @@ absl::StatusOr<SyntheticModelUri> ParseSyntheticUri(std::string_view uri);
 // Fills `dst` with the rows x cols row-major bf16 matrix of (seed, layer, expert, proj).
 void GenerateExpertMatrix(uint64_t seed, int layer, int expert, Projection proj, int rows, int cols,
                           bf16_t* dst);
+
+// Fills `dst` with the n bf16 bias values of (seed, layer, expert, proj), for
+// models whose experts carry biases (GPT-OSS): uniform on [-0.5, 0.5], a
+// stream independent of the matrices'.
+void GenerateExpertBias(uint64_t seed, int layer, int expert, Projection proj, int n, bf16_t* dst);
+
+// The router of (seed, layer) as a synthetic gpt_oss checkpoint holds it:
+// weight [E, H] (GenerateExpertMatrix's scale, fan-in H) and bias [E]
+// (GenerateExpertBias's), row-major bf16.
+void GenerateRouter(uint64_t seed, int layer, int num_experts, int hidden, bf16_t* weight, bf16_t* bias);
 
 // Writes config.json plus a sharded safetensors checkpoint of every expert of every
 // MoE layer of `spec`, with weights from GenerateExpertMatrix: in spec.dtype, or

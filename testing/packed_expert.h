@@ -17,7 +17,10 @@ struct PackedExpert {
 };
 
 // Expert `id` of layer 0 with GenerateExpertMatrix's weights for `seed`
-// (gate [I,H], up [I,H], down [H,I]), packed in `format`.
-PackedExpert MakePackedExpert(int hidden, int intermediate, WeightFormat format, uint64_t seed, int id);
+// (gate [I,H], up [I,H], down [H,I]), packed in `format`; with `biases`,
+// GenerateExpertBias's gate [I], up [I] and down [H] biases after them
+// (ExpertGeometry::WithExpertMath(..., true): a GPT-OSS expert).
+PackedExpert MakePackedExpert(int hidden, int intermediate, WeightFormat format, uint64_t seed, int id,
+                              bool biases = false);
 
 }  // namespace moe

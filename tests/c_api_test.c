@@ -233,6 +233,8 @@ int main(void) {
               info.expert_bytes > 0,
           "model info fields: type %s, %d MoE layers, dtype %s", info.model_type, info.num_moe_layers,
           info.weight_dtype);
+    CHECK(strcmp(info.expert_math, "silu") == 0 && strcmp(info.routing, "softmax_topk") == 0,
+          "model info: expert_math %s, routing %s", info.expert_math, info.routing);
     int32_t slots = 0;
     CHECK(moe_slots_per_layer(s, &slots) == MOE_OK && slots == 2, "slots per layer %d", slots);
     CHECK(strcmp(moe_session_device(s), "cpu") == 0, "device %s", moe_session_device(s));

@@ -249,7 +249,9 @@ TEST(CoordinatorProcess, MoectlCommandsExitCodesJsonAndOneLineErrors) {
   sreg.address = "127.0.0.1:1";
   sreg.num_layers = 2;
   sreg.num_experts = 8;
-  sreg.model_type = "qwen3_moe";
+  sreg.model_type = "gpt_oss";
+  sreg.model.expert_math = "clamped_swiglu(alpha=1.702, limit=7)+bias";
+  sreg.model.routing = "topk_softmax";
   sreg.weight_format = "int8";
   AgentOptions o;
   o.min_backoff = 50ms;
@@ -308,8 +310,12 @@ TEST(CoordinatorProcess, MoectlCommandsExitCodesJsonAndOneLineErrors) {
   ASSERT_EQ(r.code, 0) << r.err;
   EXPECT_NE(r.out.find("w1"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("s1"), std::string::npos) << r.out;
-  // The model's family and each server's storage format (issue 46 point 5).
-  EXPECT_NE(r.out.find("model qwen3_moe, 2 layers x 8 experts"), std::string::npos) << r.out;
+  // The model's family, its expert math and routing, and each server's
+  // storage format (issue 46 points 2 and 5).
+  EXPECT_NE(r.out.find("model gpt_oss (clamped_swiglu(alpha=1.702, limit=7)+bias, topk_softmax routing), 2 layers x 8 "
+                       "experts"),
+            std::string::npos)
+      << r.out;
   EXPECT_NE(r.out.find("FORMAT"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("int8"), std::string::npos) << r.out;
 

@@ -1,5 +1,6 @@
 // core: bf16/f16 conversions, model specs from config.json, expert naming,
 // synthetic models and checkpoints, model sources, routing, reference MoE.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -284,9 +285,10 @@ TEST(ModelSource, LoadsFusedThreeDExpertTensors) {
         EXPECT_EQ(got.down, want.down) << "layer " << l << " expert " << e;
       }
   }
-  // GPT-OSS (its experts carry biases and a clamped SwiGLU) and any expert
-  // biases are refused in one line naming the family or the tensor: served
-  // as plain SwiGLU experts they would be wrong.
+  // Expert biases in a family without them are refused in one line naming
+  // the tensor (served as plain SwiGLU experts they would be wrong); GPT-OSS
+  // tensors of the wrong orientation (gate_up [E, 2I, H]) in one line naming
+  // the family.
   for (const char* model_type : {"gpt_oss", "qwen3_moe"}) {
     testing::TempDir dir;
     nlohmann::json config = ConfigFromModelSpec(spec);
@@ -584,6 +586,159 @@ TEST(Flags, HelpShowsEveryFlagWithItsDefaultAndWrapsLongHelp) {
   }
   EXPECT_GE(help_lines, 3) << text;
   EXPECT_NE(text.find("word29"), std::string::npos);
+}
+
+
+// GPT-OSS as moe-make-model writes it (openai/gpt-oss's bf16 layout: gate
+// and up interleaved in gate_up_proj [E, H, 2I], biases, down_proj [E, I,
+// H]): the config gives the family's math and routing, the reader gives
+// back the generator's weights and biases, and the reference MoE matches
+// transformers' GptOssExperts computed here from the raw tensors in f64.
+TEST(GptOss, CheckpointLoadsAndTheReferenceComputesItsMath) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gpt-oss");
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  testing::TempDir dir;
+  ASSERT_TRUE(WriteSyntheticCheckpoint(dir.path(), *spec, 5, 1 << 20).ok());
+  absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(dir.path());
+  ASSERT_TRUE(src.ok()) << src.status();
+  const ModelSpec& s = (*src)->spec();
+  EXPECT_EQ(s.model_type, "gpt_oss");
+  EXPECT_EQ(s.activation, ExpertActivation::ClampedSwiglu(1.702f, 7.0f));
+  EXPECT_TRUE(s.expert_biases);
+  EXPECT_EQ(s.routing, RoutingMode::kTopKSoftmax);
+  EXPECT_EQ(ExpertMathName(s), "clamped_swiglu(alpha=1.702, limit=7)+bias");
+  std::unique_ptr<ModelSource> synthetic = MakeSyntheticSource(*spec, 5);
+  for (int l : s.moe_layers)
+    for (int e = 0; e < s.num_experts; e += 3) {
+      ExpertWeights got, want;
+      ASSERT_TRUE((*src)->ReadExpert(l, e, &got).ok());
+      ASSERT_TRUE(synthetic->ReadExpert(l, e, &want).ok());
+      EXPECT_EQ(got.gate, want.gate);
+      EXPECT_EQ(got.up, want.up);
+      EXPECT_EQ(got.down, want.down);
+      ASSERT_EQ(got.gate_bias.size(), size_t(s.intermediate));
+      EXPECT_EQ(got.gate_bias, want.gate_bias);
+      EXPECT_EQ(got.up_bias, want.up_bias);
+      EXPECT_EQ(got.down_bias, want.down_bias);
+      EXPECT_NE(got.gate_bias, got.up_bias);
+    }
+  // transformers' math on the stored tensors: gate_up = x @ W + b; gate =
+  // [..., ::2], up = [..., 1::2]; clamp; (up + 1) * gate * sigmoid(1.702 gate);
+  // out = act @ down + b, times the routing weight (top-k of the router's
+  // logits, softmax over the k).
+  absl::StatusOr<std::unique_ptr<Checkpoint>> ckpt = Checkpoint::Open(dir.path());
+  ASSERT_TRUE(ckpt.ok());
+  const int H = s.hidden, I = s.intermediate, E = s.num_experts, k = s.top_k, n = 5, l = s.moe_layers.back();
+  auto value = [&](const char* name, size_t i) {
+    const TensorInfo* t = (*ckpt)->Find("model.layers." + std::to_string(l) + ".mlp." + name);
+    EXPECT_NE(t, nullptr) << name;
+    return static_cast<double>(Bf16ToF32(reinterpret_cast<const bf16_t*>(t->data)[i]));
+  };
+  std::vector<bf16_t> x = RandomActivations(size_t(n) * H, 9);
+  for (bf16_t& v : x) v = F32ToBf16(Bf16ToF32(v) * 6.0f);  // some gate / up values past the limit
+  std::vector<float> logits(size_t(n) * E);
+  for (int t = 0; t < n; ++t)
+    for (int e = 0; e < E; ++e) {
+      double z = value("router.bias", e);
+      for (int h = 0; h < H; ++h) z += value("router.weight", size_t(e) * H + h) * Bf16ToF32(x[size_t(t) * H + h]);
+      logits[size_t(t) * E + e] = static_cast<float>(z);
+    }
+  std::vector<int32_t> ids(size_t(n) * k);
+  std::vector<float> w(size_t(n) * k);
+  SelectExperts(logits.data(), n, E, k, s.routing, false, ids.data(), w.data());
+  std::vector<double> want(size_t(n) * H, 0.0), got(size_t(n) * H);
+  bool clamped = false;
+  for (int t = 0; t < n; ++t) {
+    double wsum = 0;
+    for (int j = 0; j < k; ++j) wsum += w[size_t(t) * k + j];
+    EXPECT_NEAR(wsum, 1.0, 1e-6);
+    for (int j = 0; j < k; ++j) {
+      const size_t e = ids[size_t(t) * k + j];
+      std::vector<double> act(I);
+      for (int i = 0; i < I; ++i) {
+        double g = value("experts.gate_up_proj_bias", e * 2 * I + 2 * i), u = value("experts.gate_up_proj_bias", e * 2 * I + 2 * i + 1);
+        for (int h = 0; h < H; ++h) {
+          const double xv = Bf16ToF32(x[size_t(t) * H + h]);
+          g += xv * value("experts.gate_up_proj", (e * H + h) * 2 * I + 2 * i);
+          u += xv * value("experts.gate_up_proj", (e * H + h) * 2 * I + 2 * i + 1);
+        }
+        clamped |= g > 7 || std::abs(u) > 7;
+        g = std::min(g, 7.0), u = std::clamp(u, -7.0, 7.0);
+        act[i] = (u + 1) * g / (1 + std::exp(-1.702 * g));
+      }
+      for (int h = 0; h < H; ++h) {
+        double y = value("experts.down_proj_bias", e * H + h);
+        for (int i = 0; i < I; ++i) y += act[i] * value("experts.down_proj", (e * I + i) * H + h);
+        want[size_t(t) * H + h] += w[size_t(t) * k + j] * y;
+      }
+    }
+  }
+  EXPECT_TRUE(clamped) << "no value reached the clamp";
+  ReferenceMoe reference(**src);
+  ASSERT_TRUE(reference.Forward<double>(l, n, x.data(), RoutingView{n, k, ids.data(), w.data()}, got.data()).ok());
+  EXPECT_LE(RelativeL2Error(got.data(), want.data(), got.size()), 1e-5);
+}
+
+// A GPT-OSS checkpoint missing a bias, or with one of the wrong shape, is
+// refused at load in one line naming the tensor.
+TEST(GptOss, MissingOrMisshapenBiasIsNamed) {
+  absl::StatusOr<ModelSpec> spec = PresetSpec("tiny-gpt-oss");
+  ASSERT_TRUE(spec.ok());
+  const int64_t E = spec->num_experts, H = spec->hidden, I = spec->intermediate;
+  struct Case { const char* bias; std::vector<int64_t> shape; };  // shape {} : the tensor is missing
+  for (const Case& c : {Case{"down_proj_bias", {}}, Case{"gate_up_proj_bias", {}},
+                        Case{"down_proj_bias", {E, H + 1}}, Case{"gate_up_proj_bias", {E, I}}}) {
+    SCOPED_TRACE(std::string(c.bias) + (c.shape.empty() ? " missing" : " misshapen"));
+    testing::TempDir dir;
+    std::ofstream(dir.path() + "/config.json") << ConfigFromModelSpec(*spec).dump();
+    std::vector<TensorSpec> specs;
+    for (int l : spec->moe_layers) {
+      const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
+      specs.push_back({p + "gate_up_proj", DType::kBF16, {E, H, 2 * I}});
+      specs.push_back({p + "down_proj", DType::kBF16, {E, I, H}});
+      for (auto [name, shape] : {std::pair{"gate_up_proj_bias", std::vector<int64_t>{E, 2 * I}},
+                                 std::pair{"down_proj_bias", std::vector<int64_t>{E, H}}}) {
+        if (std::string(name) == c.bias && c.shape.empty()) continue;
+        specs.push_back({p + name, DType::kBF16, std::string(name) == c.bias ? c.shape : shape});
+      }
+    }
+    ASSERT_TRUE(WriteCheckpoint(dir.path(), specs, 1 << 20, [](size_t, std::span<std::byte> d) {
+                  std::fill(d.begin(), d.end(), std::byte{0x3c});
+                }).ok());
+    absl::StatusOr<std::unique_ptr<ModelSource>> refused = OpenModel(dir.path());
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.status().message().find(std::string("model.layers.0.mlp.experts.") + c.bias), std::string::npos)
+        << refused.status();
+    EXPECT_EQ(refused.status().message().find('\n'), std::string::npos);
+  }
+}
+
+TEST(Routing, TopKThenSoftmaxAndSoftmaxThenTopK) {
+  const float logits[2 * 5] = {1.0f, 3.0f, -2.0f, 3.0f, 0.5f, 0.0f, 0.0f, 0.0f, 4.0f, -1.0f};
+  int32_t ids[4];
+  float w[4];
+  SelectExperts(logits, 2, 5, 2, RoutingMode::kTopKSoftmax, false, ids, w);
+  EXPECT_EQ(ids[0], 1);  // ties: the lower id first
+  EXPECT_EQ(ids[1], 3);
+  EXPECT_FLOAT_EQ(w[0], 0.5f);
+  EXPECT_FLOAT_EQ(w[1], 0.5f);
+  EXPECT_EQ(ids[2], 3);
+  EXPECT_FLOAT_EQ(w[2], static_cast<float>(1 / (1 + std::exp(-4.0))));
+  SelectExperts(logits, 2, 5, 2, RoutingMode::kSoftmaxTopK, false, ids, w);
+  const double den = std::exp(1.0) + 2 * std::exp(3.0) + std::exp(-2.0) + std::exp(0.5);
+  EXPECT_EQ(ids[0], 1);
+  EXPECT_FLOAT_EQ(w[0], static_cast<float>(std::exp(3.0) / den));
+  SelectExperts(logits, 2, 5, 2, RoutingMode::kSoftmaxTopK, true, ids, w);
+  EXPECT_FLOAT_EQ(w[0] + w[1], 1.0f);
+  EXPECT_STREQ(RoutingModeName(RoutingMode::kTopKSoftmax), "topk_softmax");
+  // swiglu_limit comes from the config; a bad one is refused naming it.
+  ModelSpec spec;
+  spec.model_type = "gpt_oss";
+  ASSERT_TRUE(ExpertMathForModelType(nlohmann::json{{"swiglu_limit", 5.5}}, &spec).ok());
+  EXPECT_EQ(spec.activation.limit, 5.5f);
+  absl::Status bad = ExpertMathForModelType(nlohmann::json{{"swiglu_limit", -1}}, &spec);
+  EXPECT_NE(bad.message().find("swiglu_limit"), std::string::npos) << bad;
 }
 
 }  // namespace

@@ -4,6 +4,9 @@
 // reference written here, computed from the weights the packed experts stand
 // for (dequantized): relative L2 error <= 1e-2 for bf16, int8, fp8 and mxfp4,
 // <= 3e-2 for int4.
+// GPT-OSS's expert math (biases, clamped SwiGLU: core/expert_activation.h)
+// runs through the same kernels in every format (GptOssBiasesAndClampedSwiglu),
+// with inputs large enough that the clamp decides the result.
 // Without a usable GPU the cuda instances are skipped (by name, with the
 // reason); on a GPU host the same tests are the cuda backend's self-check.
 #include <gtest/gtest.h>
@@ -48,43 +51,50 @@ constexpr Geometry kTiny{96, 80};
 constexpr Geometry kWide{512, 256};
 constexpr Geometry kOdd{100, 44};
 
+// The experts' math: SiLU without biases (most families), or GPT-OSS's
+// (gate/up/down biases, clamped SwiGLU).
+struct ExpertMath {
+  ExpertActivation activation;
+  bool biases = false;
+};
+const ExpertMath kGptOss{ExpertActivation::ClampedSwiglu(ExpertActivation::kGptOssAlpha, ExpertActivation::kGptOssLimit),
+                         true};
+
 // One expert as LoadExpert takes it (packed in the backend's format) and the
-// weights that stands for (gate [I,H], up [I,H], down [H,I] back to back, f32).
+// weights that stands for (gate [I,H], up [I,H], down [H,I] back to back, f32;
+// then, with biases, gate [I], up [I], down [H]).
 struct Expert {
   PackedExpert packed;
   std::vector<float> w;
+  ExpertMath math;
   const std::byte* data() const { return packed.data(); }
 };
 
 // Synthetic expert `id`, packed in `format`.
-Expert MakeExpert(const Geometry& g, int id, WeightFormat format) {
+Expert MakeExpert(const Geometry& g, int id, WeightFormat format, const ExpertMath& math = {}) {
   const size_t ih = static_cast<size_t>(g.I) * g.H;
   Expert e;
-  e.packed = MakePackedExpert(g.H, g.I, format, kWeightSeed, id);
-  e.w.resize(3 * ih);
-  UnpackExpert(ExpertGeometry::For(g.H, g.I, format), e.packed.data(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
+  e.math = math;
+  e.packed = MakePackedExpert(g.H, g.I, format, kWeightSeed, id, math.biases);
+  e.w.resize(3 * ih + (math.biases ? 2 * g.I + g.H : 0));
+  float* b = e.w.data() + 3 * ih;
+  float* const biases[3] = {b, b + g.I, b + 2 * g.I};
+  UnpackExpert(ExpertGeometry::For(g.H, g.I, format).WithExpertMath(math.activation, math.biases), e.packed.data(),
+               e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih, math.biases ? biases : nullptr);
   return e;
 }
 
-// out[H] += w * down . (silu(gate . x) * (up . x)), all in double.
+// out[H] += w * (down . act(gate . x + bg, up . x + bu) + bd), all in double,
+// act the expert's activation (core/expert_activation.h), the biases when it
+// has them.
 void AddFfn(const Geometry& g, const Expert& ex, const bf16_t* x, double w, double* out) {
   const size_t ih = static_cast<size_t>(g.I) * g.H;
   const std::vector<float>& e = ex.w;
+  const float* bias = ex.math.biases ? e.data() + 3 * ih : nullptr;
   std::vector<double> xd(g.H), act(g.I);
   for (int h = 0; h < g.H; ++h) xd[h] = Bf16ToF32(x[h]);
-  for (int i = 0; i < g.I; ++i) {
-    double gate = 0, up = 0;
-    for (int h = 0; h < g.H; ++h) {
-      gate += e[static_cast<size_t>(i) * g.H + h] * xd[h];
-      up += e[ih + static_cast<size_t>(i) * g.H + h] * xd[h];
-    }
-    act[i] = gate / (1.0 + std::exp(-gate)) * up;
-  }
-  for (int h = 0; h < g.H; ++h) {
-    double y = 0;
-    for (int i = 0; i < g.I; ++i) y += e[2 * ih + static_cast<size_t>(h) * g.I + i] * act[i];
-    out[h] += w * y;
-  }
+  AddExpertOutput<double>(e.data(), e.data() + ih, e.data() + 2 * ih, g.H, g.I, xd.data(), w, act.data(), out,
+                          ex.math.activation, bias, bias ? bias + g.I : nullptr, bias ? bias + 2 * g.I : nullptr);
 }
 
 // A hit plan in owned host arrays.
@@ -220,9 +230,11 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
     c.contexts = 2;
     c.cpu_threads = 2;
     c.format = format_;
+    c.activation = math_.activation;
+    c.biases = math_.biases;
     return c;
   }
-  Expert Make(const Geometry& g, int id) const { return MakeExpert(g, id, format_); }
+  Expert Make(const Geometry& g, int id) const { return MakeExpert(g, id, format_, math_); }
 
   // A fresh, uninitialized backend (the tests that loop over geometries call
   // it per geometry; Init may be called once per backend).
@@ -252,8 +264,12 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
     }
   }
 
+  // Random activations times input_scale_.
   std::vector<bf16_t> Input(int T, uint64_t seed) const {
-    return RandomActivations(static_cast<size_t>(T) * geometry_.H + 1, seed);
+    std::vector<bf16_t> x = RandomActivations(static_cast<size_t>(T) * geometry_.H + 1, seed);
+    if (input_scale_ != 1.0f)
+      for (bf16_t& v : x) v = F32ToBf16(Bf16ToF32(v) * input_scale_);
+    return x;
   }
 
   // One whole call in context ctx on host memory; returns the output.
@@ -292,11 +308,41 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
 
   std::string backend_name_;
   WeightFormat format_ = WeightFormat::kBf16;
+  ExpertMath math_;           // the experts' math (Start loads experts of it)
+  float input_scale_ = 1.0f;  // Input's activations scaled by this
   double tolerance_ = 1e-2;
   Geometry geometry_{};
   std::vector<Expert> experts_;
   std::unique_ptr<DeviceBackend> backend_;
 };
+
+// GPT-OSS experts (gate/up/down biases, clamped SwiGLU with alpha 1.702 and
+// limit 7) in every format: the decode (few rows) and prompt (many rows)
+// paths, the tiny, model-sized and odd geometries, with inputs 12x the usual
+// scale so that most gate and up values pass the limit (checked: the same
+// experts without the clamp differ by more than 10%).
+TEST_P(DeviceBackendTest, GptOssBiasesAndClampedSwiglu) {
+  math_ = kGptOss;
+  input_scale_ = 12.0f;
+  uint64_t seed = 300;
+  for (const Geometry& g : {kTiny, kWide, kOdd}) {
+    ASSERT_NO_FATAL_FAILURE(NewBackend());
+    ASSERT_NO_FATAL_FAILURE(Start(g, 8, /*max_tokens=*/256));
+    for (int T : {1, 4, 33, 256}) {
+      const std::vector<Plan> plans = {PlanFromRouting(T, 4, 8, ++seed)};
+      const std::vector<bf16_t> x = Input(T, ++seed);
+      const std::vector<double> ref = Reference(T, x, plans);
+      const double err = ErrorVsReference(Call(0, T, x, plans), ref);
+      EXPECT_LE(err, tolerance_) << "H=" << g.H << " I=" << g.I << " T=" << T;
+      // The clamp decides the result here: the unclamped math is far off.
+      std::vector<Expert> saved = experts_;
+      for (Expert& e : experts_) e.math.activation.limit = 1e30f;
+      const std::vector<double> unclamped = Reference(T, x, plans);
+      experts_ = std::move(saved);
+      EXPECT_GT(RelativeL2Error(unclamped.data(), ref.data(), ref.size()), 0.1) << "the clamp changes nothing, T=" << T;
+    }
+  }
+}
 
 TEST_P(DeviceBackendTest, SingleRowGroups) {
   for (const Geometry& g : {kTiny, kOdd}) {

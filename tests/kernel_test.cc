@@ -6,6 +6,9 @@
 // bf16: the reference MoE of the model, relative L2 error <= 1e-2. int8/int4:
 // the f64 MoE of the weights the packed experts stand for (UnpackExpert),
 // activation quantization included: <= 1e-2 (int8, mxfp4), <= 3e-2 (int4).
+// GPT-OSS's expert math (biases, clamped SwiGLU) runs the same cases through
+// the same kernels (KernelTest.GptOss*), one with inputs large enough that
+// the clamp changes the result.
 // Kernels this CPU lacks are reported as skipped, by name.
 #include <sys/resource.h>
 #include <unistd.h>
@@ -32,6 +35,7 @@
 #include "expert_compute/moe_executor.h"
 #include "expert_compute/numa_binding.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 
 namespace moe {
 namespace {
@@ -40,6 +44,14 @@ double Tolerance(WeightFormat f) { return f == WeightFormat::kInt4 ? 3e-2 : 1e-2
 
 struct Shape {
   int H, I, experts, k;
+};
+
+// Which family's expert math a case runs: SiLU (the default) or GPT-OSS's
+// (biases, clamped SwiGLU), with activations scaled by x_scale (large ones
+// drive gate and up past the clamp's limit).
+struct ExpertMath {
+  bool gpt_oss = false;
+  float x_scale = 1.0f;
 };
 
 // A synthetic model's spec of `shape` whose only MoE layer is `moe_layer` (the last).
@@ -69,8 +81,11 @@ std::vector<double> DequantizedReference(const ExpertStore& store, int n, const 
   const int H = g.H, I = g.I;
   std::vector<std::vector<float>> w(store.num_experts());
   for (int e = 0; e < store.num_experts(); ++e) {
-    w[e].resize(size_t(3) * I * H);
-    UnpackExpert(g, store.Find(layer, e), w[e].data(), w[e].data() + size_t(I) * H, w[e].data() + size_t(2) * I * H);
+    w[e].resize(size_t(3) * I * H + 2 * I + H);
+    float* b = w[e].data() + size_t(3) * I * H;
+    float* const biases[3] = {b, b + I, b + 2 * I};
+    UnpackExpert(g, store.Find(layer, e), w[e].data(), w[e].data() + size_t(I) * H, w[e].data() + size_t(2) * I * H,
+                 biases);
   }
   std::vector<double> out(size_t(n) * H, 0.0), xf(H), act(I);
   for (int t = 0; t < n; ++t) {
@@ -79,8 +94,10 @@ std::vector<double> DequantizedReference(const ExpertStore& store, int n, const 
       const int e = r.ids[size_t(t) * r.k + j];
       if (e < 0) continue;
       const float* gate = w[e].data();
+      const float* b = g.biases ? gate + size_t(3) * I * H : nullptr;
       AddExpertOutput<double>(gate, gate + size_t(I) * H, gate + size_t(2) * I * H, H, I, xf.data(),
-                              r.weights[size_t(t) * r.k + j], act.data(), out.data() + size_t(t) * H);
+                              r.weights[size_t(t) * r.k + j], act.data(), out.data() + size_t(t) * H, g.activation,
+                              b, b ? b + I : nullptr, b ? b + 2 * I : nullptr);
     }
   }
   return out;
@@ -95,22 +112,29 @@ class KernelTest : public ::testing::TestWithParam<KernelParam> {
 
   // Runs `n` random tokens through layer 1 of a random model of `shape` and
   // compares with the f64 reference; tokens t with t % 7 == 3 get no pairs.
-  void Check(const Shape& shape, int n, int threads, DType out_dtype, uint64_t seed) {
+  void Check(const Shape& shape, int n, int threads, DType out_dtype, uint64_t seed, ExpertMath math = {}) {
     std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(name(), format());
     ASSERT_NE(kernel, nullptr);
-    const ModelSpec spec = TestSpec(shape);
+    ModelSpec spec = TestSpec(shape);
+    if (math.gpt_oss) {
+      spec.model_type = "gpt_oss";
+      ASSERT_TRUE(ExpertMathForModelType(nlohmann::json::object(), &spec).ok());
+    }
     std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, seed);
     absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", threads);
     ASSERT_TRUE(numa.ok()) << numa.status();
     ComputePool pool(**numa);
     HostedSet hosted{{1}, {}};
     for (int e = 0; e < shape.experts; ++e) hosted.experts.push_back(e);
-    const ExpertGeometry geometry = ExpertGeometry::For(shape.H, shape.I, format());
+    const ExpertGeometry geometry =
+        ExpertGeometry::For(shape.H, shape.I, format()).WithExpertMath(spec.activation, spec.expert_biases);
     absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(*source, geometry, hosted, **numa, pool);
     ASSERT_TRUE(store.ok()) << store.status();
     MoeExecutor exec(**store, *kernel, pool);
 
     std::vector<bf16_t> x = RandomActivations(size_t(n) * shape.H, seed + 1);
+    if (math.x_scale != 1.0f)
+      for (bf16_t& v : x) v = F32ToBf16(Bf16ToF32(v) * math.x_scale);
     std::vector<int32_t> ids;
     std::vector<float> w;
     RandomRouting(n, shape.k, shape.experts, seed + 2, 0.8, &ids, &w);
@@ -125,6 +149,15 @@ class KernelTest : public ::testing::TestWithParam<KernelParam> {
       ASSERT_TRUE(reference.Forward<double>(1, n, x.data(), r, ref.data()).ok());
     } else {
       ref = DequantizedReference(**store, n, x, r);
+    }
+    if (math.gpt_oss && math.x_scale > 1.0f && n > 0) {  // the clamp must matter: without it the result differs
+      ModelSpec unclamped = spec;
+      unclamped.activation.limit = 1e30f;
+      std::unique_ptr<ModelSource> free_source = MakeSyntheticSource(unclamped, seed);
+      ReferenceMoe free_reference(*free_source);
+      std::vector<double> free_ref(ref.size());
+      ASSERT_TRUE(free_reference.Forward<double>(1, n, x.data(), r, free_ref.data()).ok());
+      EXPECT_GT(RelativeL2Error(free_ref.data(), ref.data(), ref.size()), 0.1) << "the clamp changes nothing here";
     }
 
     // Poison the output: every element must be written.
@@ -185,6 +218,26 @@ TEST_P(KernelTest, ZeroAndOneToken) {
   Check({96, 80, 8, 2}, 0, 2, DType::kF32, 1);
   Check({96, 80, 8, 2}, 1, 2, DType::kF32, 2);
   Check({128, 64, 4, 1}, 1, 1, DType::kBF16, 3);
+}
+
+// GPT-OSS experts: biases on gate, up and down, clamped SwiGLU (alpha 1.702,
+// limit 7) in every kernel and format, against the f64 reference.
+TEST_P(KernelTest, GptOssBiasesAndClampedSwiglu) {
+  Check({192, 128, 8, 4}, 1, 2, DType::kF32, 70, {true});
+  Check({192, 128, 8, 4}, 21, 2, DType::kBF16, 71, {true});
+  Check({200, 136, 6, 4}, 37, 2, DType::kF32, 72, {true});  // not multiples of 64
+}
+
+// Inputs 12x larger: most gate and up values pass the limit, so the clamp
+// decides the result (checked: the unclamped reference differs by > 10%).
+TEST_P(KernelTest, GptOssClampBeyondTheLimit) {
+  Check({192, 128, 8, 4}, 3, 2, DType::kF32, 80, {true, 12.0f});
+  Check({192, 128, 8, 4}, 33, 2, DType::kF32, 81, {true, 12.0f});
+}
+
+// GPT-OSS-20B/120B's expert shape (H = I = 2880), a few tokens.
+TEST_P(KernelTest, GptOssRealShape) {
+  Check({2880, 2880, 4, 4}, 2, 2, DType::kF32, 90, {true, 4.0f});
 }
 
 TEST_P(KernelTest, TokenCountsOffTheBlock) {

@@ -381,10 +381,14 @@ absl::StatusOr<std::unique_ptr<ExpertTransport>> ConnectGrpcTransport(const std:
                                                        info.slice_count(), " out of range"));
       slice = ExpertSlice{static_cast<int>(info.slice_index()), static_cast<int>(info.slice_count())};
     }
-    // The server's model must be ours (every request carries our identity
-    // too, so a server restarted with another --model is refused as well).
+    // The server's model must be ours, its expert math and routing too
+    // (every request carries our digest, so a server restarted with another
+    // --model is refused as well).
     if (o.model.digest != 0)
-      MOE_RETURN_IF_ERROR(CheckSameModel(o.model, ModelIdentity{info.model_identity(), info.model_path()}, "this worker",
+      MOE_RETURN_IF_ERROR(CheckSameModel(o.model,
+                                         ModelIdentity{info.model_identity(), info.model_path(),
+                                                       info.model().expert_math(), info.model().routing()},
+                                         "this worker",
                                          absl::StrCat("the expert server at ", address)));
   }
   return std::unique_ptr<ExpertTransport>(new GrpcTransport(address, std::move(channels), o, slice));

@@ -161,8 +161,7 @@ void ShmServer::RunConnection(Connection* c) {
 absl::Status ShmServer::SendSharedStore(Connection* c) {
   ShmReply reply{};
   reply.magic = kShmStoreMagic;
-  reply.model_identity = opt_.model.digest;
-  std::snprintf(reply.model, sizeof(reply.model), "%s", opt_.model.model.c_str());
+  SetShmModel(opt_.model, &reply);
   if (opt_.shared_store_fd < 0) {
     reply.status_code = static_cast<int32_t>(absl::StatusCode::kFailedPrecondition);
     std::snprintf(reply.message, sizeof(reply.message), "this server shares no expert store");
@@ -182,21 +181,13 @@ ShmHello MakeShmHello(uint32_t magic, int hidden, uint32_t max_tokens, uint32_t 
   hello.max_tokens = max_tokens;
   hello.max_pairs = max_pairs;
   hello.slots = slots;
-  hello.model_identity = model.digest;
-  std::snprintf(hello.model, sizeof(hello.model), "%s", model.model.c_str());
+  SetShmModel(model, &hello);
   return hello;
-}
-
-std::string ShmModelText(const char (&text)[kShmModelTextBytes]) {
-  std::string out(text, strnlen(text, kShmModelTextBytes));
-  for (char& ch : out)
-    if (ch < 0x20 || ch > 0x7e) ch = '?';  // a peer's bytes go into our log lines
-  return out;
 }
 
 absl::Status CheckShmReplyModel(const ShmReply& reply, const ModelIdentity& ours, const std::string& socket_path) {
   if (ours.digest == 0 || (reply.status_code != 0 && reply.model_identity == 0)) return absl::OkStatus();
-  return CheckSameModel(ours, ModelIdentity{reply.model_identity, ShmModelText(reply.model)}, "this worker",
+  return CheckSameModel(ours, ShmPeerModel(reply), "this worker",
                         absl::StrCat("the expert server on unix://", socket_path));
 }
 
@@ -219,8 +210,7 @@ absl::Status ShmServer::Handshake(Connection* c) {
     return c->refused.ok() ? st : c->refused;
   if (!c->refused.ok()) return refuse(c->refused);  // the uid was checked at accept (Accept)
   // An allowed client learns our model, so that it can name it when it refuses us.
-  reply.model_identity = opt_.model.digest;
-  std::snprintf(reply.model, sizeof(reply.model), "%s", opt_.model.model.c_str());
+  SetShmModel(opt_.model, &reply);
   const bool store_request = hello.magic == kShmStoreMagic;
   if ((!store_request && hello.magic != kShmHelloMagic) || hello.version != kShmProtocolVersion)
     return refuse(absl::InvalidArgumentError("hello: bad magic or protocol version"));
@@ -228,8 +218,8 @@ absl::Status ShmServer::Handshake(Connection* c) {
     return refuse(absl::InvalidArgumentError(absl::StrCat("hello.hidden: ", hello.hidden, ", the model has ", opt_.hidden)));
   // A client of another model (a worker whose --model is not ours) gets no
   // segment and no store: its cached hits and our misses would not add up.
-  if (hello.model_identity != 0 && hello.model_identity != opt_.model.digest)
-    return refuse(ModelMismatchError(opt_.model, ModelIdentity{hello.model_identity, ShmModelText(hello.model)},
+  if (hello.model_identity != 0 && !SameModel(opt_.model, ShmPeerModel(hello)))
+    return refuse(ModelMismatchError(opt_.model, ShmPeerModel(hello),
                                      "this expert server", absl::StrCat("the client (uid ", c->uid, ")")));
   if (store_request) return SendSharedStore(c);
   if (hello.max_tokens > opt_.max_slot_tokens || hello.slots > opt_.max_slots)

@@ -20,6 +20,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstring>
 #include <functional>
 #include <list>
 #include <map>
@@ -40,13 +42,18 @@ namespace moe {
 // whose model_identity is another model's (0: the client asserts none), and
 // the client refuses a reply whose model_identity is not its own model's
 // (CheckShmReplyModel), each naming both identities and both models.
+// Both carry their side's expert math and routing too (ModelIdentity's
+// expert_math / routing; empty: not reported).
 inline constexpr size_t kShmModelTextBytes = 256;  // the model's --model, NUL-terminated, cut to fit
+inline constexpr size_t kShmMathTextBytes = 64;    // ExpertMathName / RoutingModeName, NUL-terminated
 struct ShmHello {
   uint32_t magic;  // kShmHelloMagic
   uint32_t version;
   uint32_t hidden, max_tokens, max_pairs, slots;
   uint64_t model_identity;
   char model[kShmModelTextBytes];
+  char expert_math[kShmMathTextBytes];
+  char routing[kShmMathTextBytes];
 };
 struct ShmReply {
   uint32_t magic;
@@ -55,16 +62,39 @@ struct ShmReply {
   char message[200];
   uint64_t model_identity;  // the server's (0 in a refusal at accept: the uid is not told)
   char model[kShmModelTextBytes];
+  char expert_math[kShmMathTextBytes];
+  char routing[kShmMathTextBytes];
 };
 inline constexpr uint32_t kShmHelloMagic = 0x484d4f4d;  // "MOMH"
 // 2: the hello and the reply carry their side's model identity.
-inline constexpr uint32_t kShmProtocolVersion = 2;
+// 3: and their expert math and routing.
+inline constexpr uint32_t kShmProtocolVersion = 3;
 
 // A hello for `model` (its text cut to fit).
 ShmHello MakeShmHello(uint32_t magic, int hidden, uint32_t max_tokens, uint32_t max_pairs, uint32_t slots,
                       const ModelIdentity& model);
-// The model text a peer wrote: up to its NUL, other than printable ASCII as '?'.
-std::string ShmModelText(const char (&text)[kShmModelTextBytes]);
+// The text a peer wrote: up to its NUL, other than printable ASCII as '?'
+// (a peer's bytes go into our log lines).
+template <size_t N>
+std::string ShmModelText(const char (&text)[N]) {
+  std::string out(text, strnlen(text, N));
+  for (char& ch : out)
+    if (ch < 0x20 || ch > 0x7e) ch = '?';
+  return out;
+}
+// The identity a peer's hello or reply (`M`: ShmHello or ShmReply) tells.
+template <typename M>
+ModelIdentity ShmPeerModel(const M& m) {
+  return ModelIdentity{m.model_identity, ShmModelText(m.model), ShmModelText(m.expert_math), ShmModelText(m.routing)};
+}
+// Writes `model` into a hello or reply (texts cut to fit).
+template <typename M>
+void SetShmModel(const ModelIdentity& model, M* m) {
+  m->model_identity = model.digest;
+  std::snprintf(m->model, sizeof(m->model), "%s", model.model.c_str());
+  std::snprintf(m->expert_math, sizeof(m->expert_math), "%s", model.expert_math.c_str());
+  std::snprintf(m->routing, sizeof(m->routing), "%s", model.routing.c_str());
+}
 // The client's check of a reply from the server on `socket_path` against its
 // own model (none when ours.digest is 0). A refusal that tells no model (the
 // uid was refused at accept) is left to the caller to report.

@@ -33,8 +33,9 @@ struct TransportOptions {
   int hidden = 0;                  // H of the model (required)
   // The model this client computes with (a GPU worker's own --model). Sent in
   // the shm hello and in every gRPC request and checked against the server's
-  // (the shm reply, GetInfo) at every (re)connect: a server of another model is
-  // refused, naming both identities and both models (model/model_identity.h).
+  // (the shm reply, GetInfo) at every (re)connect: a server of another model,
+  // or of other expert math or routing, is refused, naming both identities and
+  // both models (model/model_identity.h).
   // digest 0: nothing checked (a client with no model of its own: a benchmark).
   ModelIdentity model;
   // shm: slot geometry the client asks the server for.

@@ -149,6 +149,8 @@ void ModelSpecToProto(const ModelSpec& spec, moe::v1::ModelSpec* ms) {
   ms->set_hidden_size(spec.hidden);
   ms->set_intermediate_size(spec.intermediate);
   ms->set_weight_dtype(ToProtoDType(spec.dtype));
+  ms->set_expert_math(ExpertMathName(spec));
+  ms->set_routing(RoutingModeName(spec.routing));
 }
 
 }  // namespace moe

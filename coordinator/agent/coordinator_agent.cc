@@ -493,6 +493,8 @@ class ExpertServerAgent::Impl {
     req.set_model_identity(reg_.model.digest);
     req.set_model_path(reg_.model.model);
     req.set_model_type(reg_.model_type);
+    req.set_expert_math(reg_.model.expert_math);
+    req.set_routing(reg_.model.routing);
     req.set_weight_format(reg_.weight_format);
     moe::v1::RegisterExpertServerResponse reg;
     {

@@ -147,7 +147,8 @@ struct ExpertServerRegistration {
   uint64_t weight_bytes = 0;
   std::string kernel;
   ExpertSlice slice;                // --slice
-  ModelIdentity model;              // its model (model/model_identity.h); the coordinator refuses another live model's
+  ModelIdentity model;              // its model (model/model_identity.h); the coordinator refuses another live model's;
+                                    // its expert math and routing are shown to operators
   std::string model_type;           // its model's family (ModelSpec::model_type), for operators
   std::string weight_format;        // the stored experts' format (bf16, int8, int4, fp8), for operators
 };

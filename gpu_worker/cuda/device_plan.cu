@@ -503,6 +503,8 @@ __device__ void ExpertFromHost(const DevicePlanArgs& a, const uint8_t* packed, i
   const int H = a.hidden;
   const PackedLayout& l = a.layout;
   const bf16_t* x = a.x + static_cast<size_t>(t) * H;
+  // The expert's biases (a slice's request adds the down bias in slice 0 only, as the servers do).
+  const float* bias = l.bias_bytes != 0 ? reinterpret_cast<const float*>(packed + l.bias_offset) : nullptr;
   for (int n = i0 + threadIdx.x; n < i1; n += blockDim.x) {
     const uint8_t* gate = packed + static_cast<size_t>(2 * (n / 16)) * l.gate_up_block;
     const uint8_t* up = gate + l.gate_up_block;
@@ -517,7 +519,8 @@ __device__ void ExpertFromHost(const DevicePlanArgs& a, const uint8_t* packed, i
         u = fmaf(vu[i], xv, u);
       }
     }
-    const float s = g / (1.f + __expf(-g)) * u;
+    if (bias != nullptr) g += bias[n], u += bias[l.Ki + n];
+    const float s = ActivateGateUp(a.activation, g, u);
     act[n - i0] = __uint_as_float(static_cast<uint32_t>(ToBf16(s)) << 16);  // bf16, as the expert kernels keep it
   }
   __syncthreads();
@@ -529,6 +532,7 @@ __device__ void ExpertFromHost(const DevicePlanArgs& a, const uint8_t* packed, i
       PackedValues8<kFmt>(down, l.Ki, l.group, n % 16, k, v);
       for (int i = 0; i < 8 && k + i < i1; ++i) y = fmaf(v[i], act[k - i0 + i], y);
     }
+    if (bias != nullptr && i0 == 0) y += bias[2 * l.Ki + n];
     atomicAdd(a.accum + static_cast<size_t>(t) * H + n, w * y);
   }
   __syncthreads();

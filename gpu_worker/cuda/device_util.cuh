@@ -9,6 +9,8 @@
 #include <cstdint>
 
 #include "core/bf16.h"
+#include "core/expert_activation.h"
+#include "gpu_worker/cuda/kernels.h"
 #include "expert_compute/packed_index.h"
 
 namespace moe::cuda {
@@ -22,6 +24,28 @@ __device__ __forceinline__ float BfLo(uint32_t u) { return __uint_as_float(u << 
 __device__ __forceinline__ float BfHi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
 
 __device__ __forceinline__ bf16_t ToBf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+
+// The model's expert epilogue (GroupedExpertArgs::activation, ::bias_offset)
+// for the buffer or packed slot starting at `buffer`: every expert kernel's
+// gate+up store and down's weighted add go through it. A SiLU expert without
+// biases computes exactly g / (1 + exp(-g)) * u and y.
+struct ExpertEpilogue {
+  ExpertActivation activation;
+  const float* bias;  // gate [ld], up [ld], down [Hn]; null without biases
+  int ld;
+  __device__ __forceinline__ ExpertEpilogue(const GroupedExpertArgs& a, const void* buffer)
+      : activation(a.activation),
+        bias(a.bias_offset != 0 ? reinterpret_cast<const float*>(static_cast<const uint8_t*>(buffer) + a.bias_offset)
+                                : nullptr),
+        ld(a.bias_ld) {}
+  // act of intermediate channel n.
+  __device__ __forceinline__ float Act(int n, float g, float u) const {
+    if (bias != nullptr) g += bias[n], u += bias[ld + n];
+    return ActivateGateUp(activation, g, u);
+  }
+  // Down's output channel n before the routing weight.
+  __device__ __forceinline__ float Down(int n, float y) const { return bias != nullptr ? y + bias[2 * ld + n] : y; }
+};
 
 // 16 bytes of weights read exactly once per kernel: kept out of L1, and L2
 // asked to fetch the surrounding 256 bytes (the next lanes' loads). volatile:

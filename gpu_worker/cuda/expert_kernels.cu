@@ -141,6 +141,7 @@ __global__ void __launch_bounds__(kGemvThreads) GroupedGateUpKernel(GroupedExper
 
   const bf16_t* gate = a.experts + static_cast<size_t>(gd.buffer) * a.expert_stride;
   const bf16_t* up = gate + static_cast<size_t>(I) * H;
+  const ExpertEpilogue ep(a, gate);
   const bf16_t* w[2][J];
 #pragma unroll
   for (int j = 0; j < J; ++j) {
@@ -165,9 +166,7 @@ __global__ void __launch_bounds__(kGemvThreads) GroupedGateUpKernel(GroupedExper
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         if (lane == ((r * J + j) % kWarp) && valid[r] && n0 + j < I) {
-          const float gv = acc[0][r][j], uv = acc[1][r][j];
-          const float silu = gv / (1.f + __expf(-gv));
-          a.act[static_cast<size_t>(gd.row_begin + p + r) * I + n0 + j] = ToBf16(silu * uv);
+          a.act[static_cast<size_t>(gd.row_begin + p + r) * I + n0 + j] = ToBf16(ep.Act(n0 + j, acc[0][r][j], acc[1][r][j]));
         }
       }
   }
@@ -184,6 +183,7 @@ __global__ void __launch_bounds__(kGemvThreads) GroupedDownKernel(GroupedExpertA
   if (n0 >= H) return;
   const GroupDesc gd = a.groups[at.g];
 
+  const ExpertEpilogue ep(a, a.experts + static_cast<size_t>(gd.buffer) * a.expert_stride);
   const bf16_t* down = a.experts + static_cast<size_t>(gd.buffer) * a.expert_stride +
                        2 * static_cast<size_t>(I) * H;
   const bf16_t* w[1][J];
@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(kGemvThreads) GroupedDownKernel(GroupedExpertA
 #pragma unroll
       for (int j = 0; j < J; ++j) {
         if (lane == ((r * J + j) % kWarp) && valid[r] && n0 + j < H) {
-          atomicAdd(a.accum + static_cast<size_t>(tok[r]) * H + n0 + j, wt[r] * acc[0][r][j]);
+          atomicAdd(a.accum + static_cast<size_t>(tok[r]) * H + n0 + j, wt[r] * ep.Down(n0 + j, acc[0][r][j]));
         }
       }
   }
@@ -293,6 +293,7 @@ __global__ void __launch_bounds__(kMmaThreads) GroupedMmaKernel(GroupedExpertArg
   const int n0 = tile * kMmaCols;
   const GroupDesc gd = a.groups[g];
 
+  const ExpertEpilogue ep(a, a.experts + static_cast<size_t>(gd.buffer) * a.expert_stride);
   const bf16_t* base = a.experts + static_cast<size_t>(gd.buffer) * a.expert_stride +
                        (kDown ? 2 * static_cast<size_t>(I) * H : 0);
   const bf16_t* wrow[NMAT][2];
@@ -369,10 +370,9 @@ __global__ void __launch_bounds__(kMmaThreads) GroupedMmaKernel(GroupedExpertArg
         for (int w = 0; w < kMmaWarps; ++w) v[m] += red[w][m][j][e][l];
       }
       if constexpr (kDown) {
-        atomicAdd(a.accum + static_cast<size_t>(t) * H + col, a.weight[row] * v[0]);
+        atomicAdd(a.accum + static_cast<size_t>(t) * H + col, a.weight[row] * ep.Down(col, v[0]));
       } else {
-        const float silu = v[0] / (1.f + __expf(-v[0]));
-        a.act[static_cast<size_t>(row) * I + col] = ToBf16(silu * v[NMAT - 1]);
+        a.act[static_cast<size_t>(row) * I + col] = ToBf16(ep.Act(col, v[0], v[NMAT - 1]));
       }
     }
     __syncthreads();  // `red` is rewritten by the next pass
@@ -468,22 +468,23 @@ __global__ void GatherRowsKernel(const bf16_t* __restrict__ x, int H,
   }
 }
 
-__global__ void SiluMulKernel(const float* __restrict__ gu, int n, int I,
-                              bf16_t* __restrict__ act) {
+__global__ void ActivateKernel(const float* __restrict__ gu, int n, int I, ExpertActivation activation,
+                               const float* __restrict__ bias, int bias_ld, bf16_t* __restrict__ act) {
   const size_t total = static_cast<size_t>(n) * I;
   for (size_t idx = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<size_t>(gridDim.x) * blockDim.x) {
     const size_t r = idx / I;
     const size_t j = idx - r * I;
-    const float g = gu[r * 2 * I + j];
-    const float u = gu[r * 2 * I + I + j];
-    act[idx] = ToBf16(g / (1.f + __expf(-g)) * u);
+    float g = gu[r * 2 * I + j];
+    float u = gu[r * 2 * I + I + j];
+    if (bias != nullptr) g += bias[j], u += bias[bias_ld + j];
+    act[idx] = ToBf16(ActivateGateUp(activation, g, u));
   }
 }
 
 __global__ void ScatterAddF32Kernel(const float* __restrict__ y, const int32_t* __restrict__ token,
                                     const float* __restrict__ weight, int n, int H,
-                                    float* __restrict__ accum) {
+                                    const float* __restrict__ bias, float* __restrict__ accum) {
   const size_t total = static_cast<size_t>(n) * H;
   for (size_t idx = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -491,7 +492,7 @@ __global__ void ScatterAddF32Kernel(const float* __restrict__ y, const int32_t* 
     const int t = token[i];
     if (t < 0) continue;
     const size_t col = idx - i * H;
-    atomicAdd(accum + static_cast<size_t>(t) * H + col, weight[i] * y[idx]);
+    atomicAdd(accum + static_cast<size_t>(t) * H + col, weight[i] * (bias != nullptr ? y[idx] + bias[col] : y[idx]));
   }
 }
 
@@ -578,20 +579,21 @@ cudaError_t LaunchGatherRows(const bf16_t* x, int hidden, const int32_t* token, 
   return cudaGetLastError();
 }
 
-cudaError_t LaunchSiluMul(const float* gu, int n, int intermediate, bf16_t* act,
-                          cudaStream_t stream) {
+cudaError_t LaunchActivate(const float* gu, int n, int intermediate, const ExpertActivation& activation,
+                           const float* bias, int bias_ld, bf16_t* act, cudaStream_t stream) {
   if (n <= 0 || intermediate <= 0) return cudaSuccess;
   const size_t work = static_cast<size_t>(n) * intermediate;
-  SiluMulKernel<<<ElemwiseBlocks(work), kElemwiseThreads, 0, stream>>>(gu, n, intermediate, act);
+  ActivateKernel<<<ElemwiseBlocks(work), kElemwiseThreads, 0, stream>>>(gu, n, intermediate, activation, bias,
+                                                                        bias_ld, act);
   return cudaGetLastError();
 }
 
 cudaError_t LaunchScatterAddF32(const float* y, const int32_t* token, const float* weight, int n,
-                                int hidden, float* accum, cudaStream_t stream) {
+                                int hidden, const float* bias, float* accum, cudaStream_t stream) {
   if (n <= 0 || hidden <= 0) return cudaSuccess;
   const size_t work = static_cast<size_t>(n) * hidden;
   ScatterAddF32Kernel<<<ElemwiseBlocks(work), kElemwiseThreads, 0, stream>>>(y, token, weight, n,
-                                                                             hidden, accum);
+                                                                             hidden, bias, accum);
   return cudaGetLastError();
 }
 

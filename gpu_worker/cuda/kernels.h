@@ -7,8 +7,14 @@
 // Data conventions, shared by every launcher:
 //   - bf16 values are raw uint16_t (core/bf16.h); accumulation is in f32.
 //   - An expert buffer holds gate [I,H], up [I,H], down [H,I], row-major bf16,
-//     back to back (the layout LoadExpert copies verbatim). Buffers lie
+//     back to back (the layout LoadExpert copies verbatim), and, for a model
+//     whose experts carry biases, their f32 biases from byte
+//     Bf16BiasOffset(H, I) on, laid out as in a packed expert (gate [Ki], up
+//     [Ki], down [Hn]; expert_compute/expert_kernel.h). Buffers lie
 //     `expert_stride` elements apart; every buffer starts 256-byte aligned.
+//   - Every expert kernel ends in the model's epilogue (ExpertEpilogue,
+//     device_util.cuh): act = ActivateGateUp(activation, g + bg, u + bu)
+//     (core/expert_activation.h) and down's y + bd before the routing weight.
 //   - A "token" of -1 marks a padding row: it is read as zeros and never
 //     written or accumulated.
 //   - Any H and I are accepted. When a row length is a multiple of 8 the
@@ -25,6 +31,7 @@
 #include <cstdint>
 
 #include "core/bf16.h"
+#include "core/expert_activation.h"
 #include "gpu_worker/device_plan.h"
 
 namespace moe::cuda {
@@ -56,7 +63,19 @@ struct GroupedExpertArgs {
   // false: num_groups only bounds the groups (a device-planned call's, most
   // of them empty); the packed kernels then keep their full occupancy.
   bool exact_groups = true;
+  // The experts' math: the activation, and where a buffer's (or packed
+  // slot's) f32 biases start, bias_offset bytes from its start (0: the
+  // experts have none): gate [bias_ld], up from bias_ld, down from 2 bias_ld.
+  ExpertActivation activation;
+  size_t bias_offset = 0;
+  int bias_ld = 0;
 };
+
+// The byte offset of a bf16 expert buffer's biases: after its three
+// matrices, 16-byte aligned.
+MOE_HOST_DEVICE inline constexpr size_t Bf16BiasOffset(int hidden, int intermediate) {
+  return (3 * static_cast<size_t>(hidden) * intermediate * sizeof(bf16_t) + 15) / 16 * 16;
+}
 
 // Experts in the CPU server's packed layout (expert_compute/expert_kernel.h:
 // 16-channel blocks, gate and up blocks interleaved, then down's blocks; the
@@ -71,6 +90,8 @@ struct PackedLayout {
   size_t gate_up_block = 0;    // bytes of one gate (or up) block, K = Kh
   size_t down_block = 0;       // bytes of one down block, K = Ki
   size_t gate_up_bytes = 0;    // offset of down's first block
+  size_t bias_offset = 0;      // offset of the f32 biases (ExpertGeometry::bias), when bias_bytes > 0
+  size_t bias_bytes = 0;       // 0: the experts carry no biases
 };
 
 // Packed experts computed by the grouped packed kernels: slot b at
@@ -117,8 +138,9 @@ cudaError_t LaunchPackedDown(const GroupedExpertArgs& a, const PackedSlots& p, c
 
 // dst = one packed expert (any format of `layout`) as row-major bf16 gate
 // [I,H], up [I,H], down [H,I] (the layout of a bf16 slot and of cuBLAS's
-// operands): the repack after a bf16 copy of the server's packed bytes, and
-// the dequantization of an int8 / int4 slot for a big group.
+// operands), and its biases (layout.bias_bytes) from byte Bf16BiasOffset(H,
+// I): the repack after a bf16 copy of the server's packed bytes, and the
+// dequantization of an int8 / int4 slot for a big group.
 cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout, int hidden,
                                int intermediate, bf16_t* dst, cudaStream_t stream);
 // The same for the first *count (device memory, read at run time) of
@@ -133,15 +155,17 @@ cudaError_t LaunchUnpackExperts(const uint8_t* packed, size_t packed_stride, con
 cudaError_t LaunchGatherRows(const bf16_t* x, int hidden, const int32_t* token, int n,
                              bf16_t* dst, cudaStream_t stream);
 
-// act[r, j] = bf16(silu(gu[r, j]) * gu[r, I + j]) for r < n, j < I, where gu is
-// the f32 [n, 2I] output of one GEMM over the stacked [gate; up] matrix.
-cudaError_t LaunchSiluMul(const float* gu, int n, int intermediate, bf16_t* act,
-                          cudaStream_t stream);
+// act[r, j] = bf16(ActivateGateUp(activation, gu[r, j] + bg[j], gu[r, I + j] + bu[j]))
+// for r < n, j < I, where gu is the f32 [n, 2I] output of one GEMM over the
+// stacked [gate; up] matrix; bias (device, may be null: no biases) holds bg
+// [bias_ld] then bu.
+cudaError_t LaunchActivate(const float* gu, int n, int intermediate, const ExpertActivation& activation,
+                           const float* bias, int bias_ld, bf16_t* act, cudaStream_t stream);
 
-// accum[token[i], :] += weight[i] * y[i, :] for i < n with token[i] >= 0;
-// y is f32 [n, H].
+// accum[token[i], :] += weight[i] * (y[i, :] + bias) for i < n with token[i]
+// >= 0; y is f32 [n, H], bias [H] (device; null: none).
 cudaError_t LaunchScatterAddF32(const float* y, const int32_t* token, const float* weight, int n,
-                                int hidden, float* accum, cudaStream_t stream);
+                                int hidden, const float* bias, float* accum, cudaStream_t stream);
 
 // accum[rows[i], :] += partial[i, :] for i < n; partial is bf16 [n, H].
 cudaError_t LaunchScatterAddBf16(const bf16_t* partial, const int32_t* rows, int n, int hidden,
@@ -224,7 +248,8 @@ struct DevicePlanArgs {
   // The fallback of a request whose server did not answer in time: its pairs
   // computed from the host copy (host_experts) through the mapping, when
   // intermediate <= kMaxFallbackIntermediate; else its tokens are poisoned.
-  PackedLayout layout;               // the host copy's packed experts
+  PackedLayout layout;               // the host copy's packed experts (their biases: layout.bias_bytes)
+  ExpertActivation activation;       // the experts' activation
   int intermediate = 0;              // I
 };
 

@@ -230,6 +230,7 @@ __global__ void __launch_bounds__(kThreads) PackedGateUpKernel(GroupedExpertArgs
   const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
   const PackedLayout& l = p.layout;
   const uint8_t* base = p.packed + static_cast<size_t>(gd.buffer) * p.packed_stride;
+  const ExpertEpilogue ep(a, base);
   const uint8_t* const blk[2] = {base + static_cast<size_t>(2 * b) * l.gate_up_block,
                                  base + static_cast<size_t>(2 * b + 1) * l.gate_up_block};
   __shared__ float red[kWarps][2][M][16];
@@ -252,7 +253,7 @@ __global__ void __launch_bounds__(kThreads) PackedGateUpKernel(GroupedExpertArgs
       for (int w = 0; w < kWarps; ++w) g += red[w][0][r][c], u += red[w][1][r][c];
       g *= ChannelScale<kFmt>(blk[0], l.Kh, c);
       u *= ChannelScale<kFmt>(blk[1], l.Kh, c);
-      a.act[static_cast<size_t>(row) * a.intermediate + n] = ToBf16(g / (1.f + __expf(-g)) * u);
+      a.act[static_cast<size_t>(row) * a.intermediate + n] = ToBf16(ep.Act(n, g, u));
     }
     __syncthreads();
   }
@@ -266,6 +267,7 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
   const int b = static_cast<int>(blockIdx.x);
   const int warp = static_cast<int>(threadIdx.x) / kWarp, lane = static_cast<int>(threadIdx.x) % kWarp;
   const PackedLayout& l = p.layout;
+  const ExpertEpilogue ep(a, p.packed + static_cast<size_t>(gd.buffer) * p.packed_stride);
   const uint8_t* const blk[1] = {p.packed + static_cast<size_t>(gd.buffer) * p.packed_stride + l.gate_up_bytes +
                                  static_cast<size_t>(b) * l.down_block};
   __shared__ float red[kWarps][1][M][16];
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) y += red[w][0][r][c];
       y *= ChannelScale<kFmt>(blk[0], l.Ki, c);
-      atomicAdd(a.accum + static_cast<size_t>(token) * a.hidden + n, a.weight[row] * y);
+      atomicAdd(a.accum + static_cast<size_t>(token) * a.hidden + n, a.weight[row] * ep.Down(n, y));
     }
     __syncthreads();
   }
@@ -455,6 +457,7 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
   const int N = kDown ? H : I, len = kDown ? I : H, Kp = kDown ? l.Ki : l.Kh;
   const int nblocks = (N + 15) / 16, chunks = Kp / 64, stages = (chunks + T::kSC - 1) / T::kSC;
   const uint8_t* base = p.packed + static_cast<size_t>(gd.buffer) * p.packed_stride;
+  const ExpertEpilogue ep(a, base);
   // Slot i = warp * CB + cb: down, channel block 4 CB x + i; gate/up, gate
   // (even warps) or up (odd) of channel block 2 CB x + (warp / 2) CB + cb.
   const int bx = static_cast<int>(blockIdx.x);
@@ -685,10 +688,10 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
             const int row = gd.row_begin + pass + r;
             const float v = acc[cb][j][e] * (e < 2 ? cs0 : cs1);
             if constexpr (kDown) {
-              atomicAdd(a.accum + static_cast<size_t>(t) * H + n, a.weight[row] * v);
+              atomicAdd(a.accum + static_cast<size_t>(t) * H + n, a.weight[row] * ep.Down(n, v));
             } else {
               const float u = up_out[((((warp / 2) * CB + cb) * NT + j) * 4 + e) * kWarp + lane];
-              a.act[static_cast<size_t>(row) * I + n] = ToBf16(v / (1.f + __expf(-v)) * u);
+              a.act[static_cast<size_t>(row) * I + n] = ToBf16(ep.Act(n, v, u));
             }
           }
       }
@@ -823,6 +826,13 @@ __global__ void UnpackExpertKernel(const uint8_t* __restrict__ packed, size_t pa
       for (int i = 0; i < 8; ++i)
         if (k + i < K) dst[row + k + i] = ToBf16(v[i]);
     }
+  }
+  if (l.bias_bytes != 0) {  // the f32 biases as they are, after the matrices
+    const float* src = reinterpret_cast<const float*>(packed + l.bias_offset);
+    float* out = reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(dst) + Bf16BiasOffset(H, I));
+    for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < l.bias_bytes / sizeof(float);
+         i += static_cast<size_t>(gridDim.x) * blockDim.x)
+      out[i] = src[i];
   }
 }
 

@@ -82,6 +82,11 @@ struct ModelInfo {
   uint64_t identity = 0;        // the experts' content identity (a digest of the checkpoint's stored expert
                                 // bytes, or of a synthetic model's definition); every expert server must
                                 // report the same one (ServerInfo.model_identity), or the session refuses it
+  std::string expert_math;      // what each expert computes (model/model_spec.h ExpertMathName): "silu", or
+                                // "clamped_swiglu(alpha=1.702, limit=7)+bias" (GPT-OSS); every expert server
+                                // must compute the same (ServerInfo.model.expert_math), or the session refuses it
+  std::string routing;          // how the family's router weighs its experts: "softmax_topk", or "topk_softmax"
+                                // (GPT-OSS: top-k logits, softmax over those k); what the engine computes
 };
 
 // The names of the SessionOptions choices (auto | cuda | cpu; static | lru |

@@ -54,7 +54,8 @@
  * moe_session_device, moe_slots_per_layer and moe_session_options), the
  * "group" option in place of tp_* / ep_* / group_id, `pinned` in
  * moe_apply_assignment, and added moe_set_server_enabled,
- * moe_cached_experts and moe_hit_rate.
+ * moe_cached_experts and moe_hit_rate. Version 6 added moe_model_info's
+ * expert_math and routing.
  */
 #ifndef MOE_MOE_H_
 #define MOE_MOE_H_
@@ -66,7 +67,7 @@
 extern "C" {
 #endif
 
-#define MOE_ABI_VERSION 5
+#define MOE_ABI_VERSION 6
 
 #if defined(__GNUC__)
 #define MOE_API __attribute__((visibility("default")))
@@ -117,6 +118,9 @@ typedef struct moe_model_info {
   uint64_t expert_bytes;    /* what one expert copy moves (packed as the host copy keeps it) */
   uint64_t identity;        /* the experts' content identity; every expert server reports the same
                              * one or the session refuses it */
+  char expert_math[64];     /* what each expert computes: "silu", or
+                             * "clamped_swiglu(alpha=1.702, limit=7)+bias" (GPT-OSS) */
+  char routing[16];         /* the family's router: "softmax_topk", or "topk_softmax" (GPT-OSS) */
 } moe_model_info;
 
 /* What one call did (pairs = (token, expert) pairs): the fields of the C++

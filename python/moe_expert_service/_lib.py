@@ -9,7 +9,7 @@ import ctypes.util
 import os
 import threading
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 MEMORY_HOST = 0
 MEMORY_DEVICE = 1
 
@@ -19,7 +19,8 @@ class ModelInfo(ctypes.Structure):
     _fields_ = [("model_type", ctypes.c_char * 64), ("num_layers", ctypes.c_int32), ("num_moe_layers", ctypes.c_int32),
                 ("moe_layers", ctypes.POINTER(ctypes.c_int32))] + [(n, ctypes.c_int32) for n in (
                     "num_experts", "top_k", "hidden", "intermediate")] + [
-                ("weight_dtype", ctypes.c_char * 16), ("expert_bytes", ctypes.c_uint64), ("identity", ctypes.c_uint64)]
+                ("weight_dtype", ctypes.c_char * 16), ("expert_bytes", ctypes.c_uint64), ("identity", ctypes.c_uint64),
+                ("expert_math", ctypes.c_char * 64), ("routing", ctypes.c_char * 16)]
 
 
 class CallStats(ctypes.Structure):

@@ -215,6 +215,7 @@ def _model_info_dict(info):
     list (which carries its length: no num_moe_layers)."""
     d = {name: getattr(info, name) for name, _ in info._fields_ if name != "num_moe_layers"}
     d.update(model_type=info.model_type.decode(), weight_dtype=info.weight_dtype.decode(),
+             expert_math=info.expert_math.decode(), routing=info.routing.decode(),
              moe_layers=list(info.moe_layers[: info.num_moe_layers]) if info.num_moe_layers > 0 else [])
     return d
 

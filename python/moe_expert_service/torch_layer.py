@@ -27,9 +27,12 @@ def select_experts(router_logits, top_k, renormalize=True, scoring="softmax", bi
 
     scoring "softmax" (Qwen-MoE, Mixtral, OLMoE): softmax over all experts in
     float32, top-k, optionally renormalised to sum 1 (Qwen3's norm_topk_prob;
-    Mixtral is softmax-top-k-renormalise). scoring "sigmoid" (DeepSeek-V3):
-    sigmoid scores, top-k chosen on scores + bias (e_score_correction_bias),
-    weights are the unbiased scores, renormalised, times `scaling`."""
+    Mixtral is softmax-top-k-renormalise; the C++ RoutingMode softmax_topk).
+    scoring "topk_softmax" (GPT-OSS; the C++ RoutingMode of that name): the k
+    largest logits, softmax over those k (already summing to 1). scoring
+    "sigmoid" (DeepSeek-V3): sigmoid scores, top-k chosen on scores + bias
+    (e_score_correction_bias), weights are the unbiased scores, renormalised,
+    times `scaling`. Session.model_info["routing"] names the model's mode."""
     if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
         raise ValueError("router_logits: expected a 2-D tensor [T, num_experts]")
     if not 1 <= int(top_k) <= router_logits.shape[1]:
@@ -38,13 +41,16 @@ def select_experts(router_logits, top_k, renormalize=True, scoring="softmax", bi
     if scoring == "softmax":
         scores = torch.softmax(logits, dim=-1)
         weights, ids = torch.topk(scores, int(top_k), dim=-1)
+    elif scoring == "topk_softmax":
+        top, ids = torch.topk(logits, int(top_k), dim=-1)
+        weights = torch.softmax(top, dim=-1)
     elif scoring == "sigmoid":
         scores = torch.sigmoid(logits)
         choice = scores if bias is None else scores + bias.float()
         _, ids = torch.topk(choice, int(top_k), dim=-1)
         weights = scores.gather(1, ids)
     else:
-        raise ValueError(f"scoring: {scoring!r} is neither 'softmax' nor 'sigmoid'")
+        raise ValueError(f"scoring: {scoring!r} is not 'softmax', 'topk_softmax' or 'sigmoid'")
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if scaling != 1.0:

@@ -104,6 +104,9 @@ class SessionTest(unittest.TestCase):
             self.assertEqual(s.model_info["moe_layers"], s.served_layers)
             self.assertTrue(s.model_info["model_type"] and s.model_info["weight_dtype"])
             self.assertGreater(s.model_info["expert_bytes"], 0)
+            # What the experts compute, under the C++ ModelInfo's names (a SiLU family here).
+            self.assertEqual(s.model_info["expert_math"], "silu")
+            self.assertEqual(s.model_info["routing"], "softmax_topk")
             self.assertEqual((s.options["max_tokens"], s.options["policy"]), (32, "static"))
             self.assertEqual(s.slots_per_layer(), 2)
             s.apply_assignment(layer, [0, 1], pinned=[1])

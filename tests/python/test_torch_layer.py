@@ -2,6 +2,7 @@
 the current CUDA stream on the GPU host): a real moe-expert-server, the
 library's session, outputs against a torch SwiGLU MoE over the checkpoint's
 weights. Exits 77 (ctest: skipped) when torch is not installed."""
+import math
 import os
 import sys
 import tempfile
@@ -57,6 +58,22 @@ class TorchLayerTest(unittest.TestCase):
         self.assertTrue(torch.allclose(w, ref_w / ref_w.sum(-1, keepdim=True)))
         with self.assertRaises(ValueError):
             moe.select_experts(logits, 9)
+
+    def test_select_experts_topk_softmax(self):
+        # GPT-OSS's router (the C++ RoutingMode topk_softmax): the k largest
+        # logits, softmax over those k; not the softmax-then-top-k weights.
+        logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 0.0], [0.1, 0.2, 0.3, 0.4, 0.5]])
+        ids, w = moe.select_experts(logits, 2, scoring="topk_softmax")
+        self.assertEqual(ids.tolist(), [[3, 0], [4, 3]])
+        e = math.exp(-1.0)  # row 0's two largest logits, 3 and 2, differ by 1
+        self.assertTrue(torch.allclose(w[0], torch.tensor([1 / (1 + e), e / (1 + e)])))
+        self.assertTrue(torch.allclose(w.sum(-1), torch.ones(2)))
+        _, sm = moe.select_experts(logits, 2, scoring="softmax", renormalize=False)
+        self.assertFalse(torch.allclose(w, sm))
+        self.assertEqual(self.session.model_info["routing"], "softmax_topk")
+        self.assertEqual(self.session.model_info["expert_math"], "silu")
+        with self.assertRaises(ValueError):
+            moe.select_experts(logits, 2, scoring="topk")
 
     def test_layer_matches_reference_with_batching_and_dtypes(self):
         torch.manual_seed(0)
