@@ -346,6 +346,20 @@ std::string FusedPrefix(ExpertNaming naming, int layer) {
                       naming == ExpertNaming::kBlockSparseMoe ? ".block_sparse_moe.experts." : ".mlp.experts.");
 }
 
+// The fused biases {gate_up}_bias [E, 2I] and {down}_bias [E, H] of a family
+// whose experts carry them (spec.expert_biases); InvalidArgument naming a
+// missing or misshapen one.
+absl::Status FindFusedBiases(const Checkpoint& ckpt, const ModelSpec& spec, const std::string& gate_up,
+                             const std::string& down, FusedExperts* f) {
+  if (!spec.expert_biases) return absl::OkStatus();
+  const int64_t E = spec.num_experts, H = spec.hidden, I = spec.intermediate;
+  const std::string why = absl::StrCat(spec.model_type, " experts carry biases");
+  const std::initializer_list<DType> dtypes = {DType::kBF16, DType::kF16, DType::kF32};
+  MOE_ASSIGN_OR_RETURN(f->gate_up_bias, FindTensor(ckpt, gate_up + "_bias", dtypes, {E, 2 * I}, why));
+  MOE_ASSIGN_OR_RETURN(f->down_bias, FindTensor(ckpt, down + "_bias", dtypes, {E, H}, why));
+  return absl::OkStatus();
+}
+
 // The fused tensors of `layer`, or nullopt when it has none; InvalidArgument
 // naming the tensor when their shapes do not fit the model.
 absl::StatusOr<std::optional<FusedExperts>> FindFused(const Checkpoint& ckpt, const ModelSpec& spec, int layer) {
@@ -358,6 +372,8 @@ absl::StatusOr<std::optional<FusedExperts>> FindFused(const Checkpoint& ckpt, co
     FusedExperts f;
     MOE_ASSIGN_OR_RETURN(std::tie(f.gate_up, f.gate_up_scales), FindMxfp4(ckpt, gate_up, {E}, 2 * I, H));
     MOE_ASSIGN_OR_RETURN(std::tie(f.down, f.down_scales), FindMxfp4(ckpt, down, {E}, H, I));
+    f.interleaved = IsGptOss(spec.model_type);  // its gate/up rows alternate, as its bf16 columns do
+    MOE_RETURN_IF_ERROR(FindFusedBiases(ckpt, spec, gate_up, down, &f));
     return std::optional<FusedExperts>(f);
   }
   if (spec.naming == ExpertNaming::kBlockSparseMoe && ckpt.Find(gate_up) == nullptr && ckpt.Find(down) == nullptr) {
@@ -390,12 +406,7 @@ absl::StatusOr<std::optional<FusedExperts>> FindFused(const Checkpoint& ckpt, co
   if (f.gate_up->shape != want)
     return absl::InvalidArgumentError(
         absl::StrCat(f.gate_up->name, ": shape ", ShapeString(f.gate_up->shape), ", expected ", ShapeString(want)));
-  if (spec.expert_biases) {
-    const std::string why = absl::StrCat(spec.model_type, " experts carry biases");
-    const std::initializer_list<DType> dtypes = {DType::kBF16, DType::kF16, DType::kF32};
-    MOE_ASSIGN_OR_RETURN(f.gate_up_bias, FindTensor(ckpt, gate_up + "_bias", dtypes, {E, 2 * I}, why));
-    MOE_ASSIGN_OR_RETURN(f.down_bias, FindTensor(ckpt, down + "_bias", dtypes, {E, H}, why));
-  }
+  MOE_RETURN_IF_ERROR(FindFusedBiases(ckpt, spec, gate_up, down, &f));
   return std::optional<FusedExperts>(f);
 }
 
@@ -460,6 +471,7 @@ class CheckpointSource final : public ModelSource {
         if (it->second.gate_up_scales != nullptr) {
           add(it->second.gate_up_scales);
           add(it->second.down_scales);
+        }
         if (it->second.gate_up_bias != nullptr) {
           add(it->second.gate_up_bias);
           add(it->second.down_bias);
@@ -503,24 +515,25 @@ class CheckpointSource final : public ModelSource {
                         static_cast<int>(cols), dst);
       };
       read(f.gate_up, f.gate_up_scales, 2 * I, H, slab.data());
-      std::copy(slab.begin(), slab.begin() + I * H, out->gate.begin());
-      std::copy(slab.begin() + I * H, slab.end(), out->up.begin());
+      for (size_t i = 0; i < I; ++i) {  // gate rows then up rows, or alternating (GPT-OSS)
+        const size_t g = f.interleaved ? 2 * i : i, u = f.interleaved ? 2 * i + 1 : I + i;
+        std::copy_n(slab.begin() + g * H, H, out->gate.begin() + i * H);
+        std::copy_n(slab.begin() + u * H, H, out->up.begin() + i * H);
+      }
       read(f.down, f.down_scales, H, I, out->down.data());
-      for (auto [v, what] : {std::pair{&out->gate, "gate"}, std::pair{&out->up, "up"}, std::pair{&out->down, "down"}})
-        MOE_RETURN_IF_ERROR(CheckFinite(*v, layer, expert, what));
-      return absl::OkStatus();
-    }
-    MOE_RETURN_IF_ERROR(ToBf16(*f.gate_up, e * 2 * I * H, slab.size(), slab.data()));
-    if (!f.x_times_w) {  // [2I, H]: gate rows then up rows, already [I,H] each
-      std::copy(slab.begin(), slab.begin() + I * H, out->gate.begin());
-      std::copy(slab.begin() + I * H, slab.end(), out->up.begin());
-    } else {  // [H, 2I]: transpose; gate/up columns concatenated or interleaved
-      for (size_t h = 0; h < H; ++h)
-        for (size_t i = 0; i < I; ++i) {
-          const size_t g = f.interleaved ? 2 * i : i, u = f.interleaved ? 2 * i + 1 : I + i;
-          out->gate[i * H + h] = slab[h * 2 * I + g];
-          out->up[i * H + h] = slab[h * 2 * I + u];
-        }
+    } else {
+      MOE_RETURN_IF_ERROR(ToBf16(*f.gate_up, e * 2 * I * H, slab.size(), slab.data()));
+      if (!f.x_times_w) {  // [2I, H]: gate rows then up rows, already [I,H] each
+        std::copy(slab.begin(), slab.begin() + I * H, out->gate.begin());
+        std::copy(slab.begin() + I * H, slab.end(), out->up.begin());
+      } else {  // [H, 2I]: transpose; gate/up columns concatenated or interleaved
+        for (size_t h = 0; h < H; ++h)
+          for (size_t i = 0; i < I; ++i) {
+            const size_t g = f.interleaved ? 2 * i : i, u = f.interleaved ? 2 * i + 1 : I + i;
+            out->gate[i * H + h] = slab[h * 2 * I + g];
+            out->up[i * H + h] = slab[h * 2 * I + u];
+          }
+      }
     }
     if (f.gate_up_bias != nullptr) {  // [2I], laid out as the columns
       MOE_RETURN_IF_ERROR(ToBf16(*f.gate_up_bias, e * 2 * I, 2 * I, slab.data()));
@@ -530,7 +543,8 @@ class CheckpointSource final : public ModelSource {
       }
       MOE_RETURN_IF_ERROR(ToBf16(*f.down_bias, e * H, H, out->down_bias.data()));
     }
-    if (!f.x_times_w) {  // [H, I] as is
+    if (f.gate_up_scales != nullptr) {  // mxfp4: read above
+    } else if (!f.x_times_w) {  // [H, I] as is
       MOE_RETURN_IF_ERROR(ToBf16(*f.down, e * H * I, H * I, out->down.data()));
     } else {  // [I, H] -> [H, I]
       slab.resize(I * H);
