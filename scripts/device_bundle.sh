@@ -15,7 +15,8 @@ default="expert_server/moe-expert-server gpu_worker/moe-gpu-worker model/moe-mak
   coordinator/moe-coordinator client/moectl demo/moe-demo tests/system_test tests/hardening_test
   tests/coordinator_process_test tests/admission_policy_test tests/miss_plan_test tests/quantization_test
   tests/grpc_wire_test tests/shared_host_copy_test tests/sliced_experts_test tests/tensor_parallel_test
-  tests/nccl_group_test tests/step_floor_test tests/model_identity_test tests/cache_replay_test tests/coordinator_test tests/metrics_test"
+  tests/nccl_group_test tests/step_floor_test tests/model_identity_test tests/cache_replay_test tests/coordinator_test tests/metrics_test
+  tests/gpt_oss_test tests/mxfp4_test"
 for f in ${BINARIES:-$default}; do
   [[ -x "$b/$f" ]] || { echo "missing $b/$f (build it first)" >&2; exit 1; }
   cp "$b/$f" "$strip_dir/" && strip "$strip_dir/$(basename "$f")"
@@ -35,4 +36,9 @@ cp scripts/bench_record.sh bench/peer_join.py .bundle/dev/
 mkdir -p .bundle/dev/peer && cp -r ../shared/peers/llama .bundle/dev/peer/
 tar -C .bundle -cJf .bundle/dev.tar.xz dev
 echo "archive: .bundle/dev.tar.xz ($(du -sh .bundle/dev.tar.xz | cut -f1))"
+# The device tool carries at most 64 MiB (with shared/): past that, bundle a subset.
+if (( $(stat -c %s .bundle/dev.tar.xz) > 60 * 1024 * 1024 )); then
+  echo "warning: the archive is over 60 MiB, more than the device tool carries with shared/: pick the" \
+       "executables a call needs with BINARIES=\"expert_server/moe-expert-server c_api/libmoe.so tests/...\"" >&2
+fi
 rm -rf "$strip_dir" .bundle/dev
