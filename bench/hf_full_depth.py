@@ -43,8 +43,8 @@ for d in (os.path.join(HERE, "..", "python", "examples"), os.path.join(HERE, "..
     if os.path.isdir(d):
         sys.path.insert(0, d)
 import moe_expert_service.hf as moe_hf  # noqa: E402
-from transformers_offload import (decode_tokens_per_s, graph_decode_tokens_per_s, measure,  # noqa: E402
-                                  qwen3_30b_a3b_config, rel)
+from transformers_offload import (decode_tokens_per_s, experts_on_cpu_device_map,  # noqa: E402
+                                  graph_decode_tokens_per_s, measure, qwen3_30b_a3b_config, rel)
 
 T0 = time.time()
 
@@ -399,13 +399,9 @@ def main():
             say(f"\ntransformers' CPU offload: skipped ({left():.0f} s left of --deadline-s)")
         else:
             try:
-                dm = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
-                for i in range(a.layers):
-                    for part in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp.gate"):
-                        dm[f"model.layers.{i}.{part}"] = 0
-                    dm[f"model.layers.{i}.mlp.experts"] = "cpu"
                 t0 = time.time()
-                off = cls.from_pretrained(ckpt, device_map=dm, dtype=torch.bfloat16).eval()
+                off = cls.from_pretrained(ckpt, device_map=experts_on_cpu_device_map(a.layers),
+                                          dtype=torch.bfloat16).eval()
                 load = time.time() - t0
                 with torch.no_grad():
                     r = decode_tokens_per_s(off, 1, a.prompt, a.offload_tokens, config.vocab_size)

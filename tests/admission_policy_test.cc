@@ -229,6 +229,20 @@ TEST(AdmissionPolicy, KeepsTheBestSetOnStationaryRouting) {
   EXPECT_GE(rate, double(hits) / double(pairs) - 0.02);
 }
 
+// Evenly routed passes: each layer's k distinct experts drawn uniformly from E.
+StepFn EvenStep(int L, int E, int k) {
+  return [=](std::mt19937& g) {
+    std::vector<std::vector<int32_t>> ids(L, std::vector<int32_t>(k));
+    std::uniform_int_distribution<int> pick(0, E - 1);
+    for (int l = 0; l < L; ++l)
+      for (int j = 0; j < k; ++j) {
+        do ids[l][j] = pick(g);
+        while (std::find(ids[l].begin(), ids[l].begin() + j, ids[l][j]) != ids[l].begin() + j);
+      }
+    return ids;
+  };
+}
+
 // Even routing into an empty cache: every expert is used at the layer's
 // mean rate (k / E of the runs), none stands out, and every one is worth a
 // copy into a free slot over the runs it then serves. The noise of the rate
@@ -240,16 +254,7 @@ TEST(AdmissionPolicy, EvenRoutingFillsTheEmptySlots) {
   const int L = 4, E = 256, C = 128, k = 8;
   // A slow link (a copy takes 1.6 layer runs), copies cheap to the CPU.
   Rig r = MakeRig(L, E, C, {1.6e-3, 0.3e-3, 0.94e-3, 0.02e-3});
-  auto even = [&](std::mt19937& g) {
-    std::vector<std::vector<int32_t>> ids(L, std::vector<int32_t>(k));
-    std::uniform_int_distribution<int> pick(0, E - 1);
-    for (int l = 0; l < L; ++l)
-      for (int j = 0; j < k; ++j) {
-        do ids[l][j] = pick(g);
-        while (std::find(ids[l].begin(), ids[l].begin() + j, ids[l][j]) != ids[l].begin() + j);
-      }
-    return ids;
-  };
+  const StepFn even = EvenStep(L, E, k);
   uint64_t copies = 0;
   const double rate = DriveWith(r, L, k, 300, 1e-3, 1.6e-3, &copies, even);
   int held = 0;
@@ -273,16 +278,7 @@ TEST(AdmissionPolicy, ColdCacheFillsOnceTheMissesPaidForTheCopy) {
   AdmissionCosts costs{0.2e-3, 0.1e-3, 0.1e-3, 0.0};
   costs.copy_call_s = 0.4e-3;
   Rig r = MakeRig(L, E, C, costs);
-  auto even = [&](std::mt19937& g) {
-    std::vector<std::vector<int32_t>> ids(L, std::vector<int32_t>(k));
-    std::uniform_int_distribution<int> pick(0, E - 1);
-    for (int l = 0; l < L; ++l)
-      for (int j = 0; j < k; ++j) {
-        do ids[l][j] = pick(g);
-        while (std::find(ids[l].begin(), ids[l].begin() + j, ids[l][j]) != ids[l].begin() + j);
-      }
-    return ids;
-  };
+  const StepFn even = EvenStep(L, E, k);
   uint64_t copies = 0;
   const double rate = DriveWith(r, L, k, 400, 1e-3, 0.2e-3, &copies, even);
   int held = 0;

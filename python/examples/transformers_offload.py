@@ -146,6 +146,17 @@ def floor_tokens_per_s(config, batch, frac, all_gpu_tokens_per_s, dram_gbps):
     return batch / step
 
 
+def experts_on_cpu_device_map(layers):
+    """accelerate's device_map for transformers' own CPU offload of a Qwen3-MoE model's
+    experts: everything on GPU 0 but each layer's experts module."""
+    dm = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
+    for i in range(layers):
+        for part in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp.gate"):
+            dm[f"model.layers.{i}.{part}"] = 0
+        dm[f"model.layers.{i}.mlp.experts"] = "cpu"
+    return dm
+
+
 def measure(fn, *args):
     try:
         return f"{fn(*args):.1f}"
@@ -298,12 +309,8 @@ def main():
         torch.cuda.empty_cache()
         if not a.no_offload_baseline:
             try:
-                dm = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
-                for i in range(a.layers):
-                    for part in ("self_attn", "input_layernorm", "post_attention_layernorm", "mlp.gate"):
-                        dm[f"model.layers.{i}.{part}"] = 0
-                    dm[f"model.layers.{i}.mlp.experts"] = "cpu"
-                off = Qwen3MoeForCausalLM.from_pretrained(ckpt, device_map=dm, dtype=torch.bfloat16).eval()
+                off = Qwen3MoeForCausalLM.from_pretrained(ckpt, device_map=experts_on_cpu_device_map(a.layers),
+                                                          dtype=torch.bfloat16).eval()
                 with torch.no_grad():
                     row = [decode_tokens_per_s(off, b, a.prompt, min(a.new_tokens, 8), config.vocab_size)
                            for b in batches]
