@@ -843,7 +843,7 @@ TEST(ExpertStore, StorageGeometryFollowsTheFlagAndTheCheckpoint) {
   EXPECT_NEAR(int4 / bf16, 0.25 + 2.0 / 128, 0.002);  // 4 bits plus one f32 scale per group of 128
   // mxfp4: asked for, or kept from an MXFP4 checkpoint (safetensors, or a GGUF of MXFP4 experts only).
   EXPECT_EQ(StorageGeometry(spec, "mxfp4")->format, WeightFormat::kMxfp4);
-  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt4);
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt8);  // int4 groups of 32 (above): not mxfp4
   spec.quant = QuantConfig{.scheme = WeightQuant::kMxfp4};
   EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kMxfp4);
   EXPECT_EQ(StorageGeometry(spec, "auto")->group, 32);
