@@ -62,6 +62,7 @@ struct Server {
   bool registered = false;         // HostMapping registered with the backend
   bool device_dead = false;        // capturable calls: gone and not reconnected (RefreshDeviceServers)
   bool failing = false;            // failed over since its last answer (logged once per change)
+  bool silent = false;             // its last failure was a server deadline: probed before calls resume
   int chunk_tokens = 0;            // most tokens per staged batch
   std::chrono::microseconds polling{0};  // the window last given to SetPolling
 };

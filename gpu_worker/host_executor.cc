@@ -148,11 +148,16 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing, Mi
     if (sv.transport == nullptr && sv.enabled && sv.down_until <= now && any_miss)
       if (!ConnectServer(i).ok()) sv.down_until = now + config_.server_retry;
     // A server that failed gets calls again once its transport says it is
-    // connected (a gRPC channel is asked to connect now), checked every
-    // kReconnectPoll — not a call sent into a channel still in back-off.
-    if (sv.transport != nullptr && sv.failing && sv.enabled && sv.down_until <= now &&
-        !sv.transport->Reconnect().ok())
-      sv.down_until = now + std::min<Clock::duration>(config_.server_retry, kReconnectPoll);
+    // connected (a gRPC channel is asked to connect now) and, after a server
+    // deadline, once it answered a probe; checked every kReconnectPoll — not
+    // a call sent into a channel still in back-off or into the silence.
+    if (sv.transport != nullptr && sv.failing && sv.enabled && sv.down_until <= now) {
+      const absl::Status up = sv.silent ? sv.transport->Probe(std::min<std::chrono::milliseconds>(
+                                              config_.server_deadline, std::chrono::seconds(1)))
+                                        : sv.transport->Reconnect();
+      if (up.ok()) sv.silent = false;
+      else sv.down_until = now + std::min<Clock::duration>(config_.server_retry, kReconnectPoll);
+    }
     m.plan_servers[i] = PlanServer{sv.enabled && sv.transport != nullptr && sv.down_until <= now, &sv.hosts,
                                    sv.chunk_tokens, sv.slice};
   }

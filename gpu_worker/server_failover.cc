@@ -104,6 +104,9 @@ absl::Status LayerDispatcher::FailOver(InFlightCall& ctx, size_t index, absl::St
     if (!IsServerFailure(st)) return st;
     ++ctx.stats.failovers;
     m.servers[sh.batch.server].down_until = Clock::now() + config_.server_retry;
+    // Connected but silent: calls resume only after a probe is answered
+    // (host_executor.cc), not with a real batch that waits out the deadline again.
+    if (absl::IsDeadlineExceeded(st)) m.servers[sh.batch.server].silent = true;
     if (sh.staged) {
       m.servers[sh.batch.server].transport->Release(sh.stage);
       sh.staged = false;

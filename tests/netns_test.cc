@@ -370,9 +370,11 @@ TEST_F(NetnsTest, LinkDownForTwoSecondsMidLoadFailsOverAndReconnects) {
 // stalls for 1.5 s (connections open, nothing forwarded) while the worker
 // calls. The first server never answers then: its batches' server deadline
 // fires and they are served by the replica, right, well before the call's own
-// deadline — also each time the worker tries the first server again (every
-// server_retry: its connection still looks up). Once the relay resumes, the
-// first server takes misses again.
+// deadline. The worker does not try the first server again with real
+// batches while its connection still looks up (each would wait out another
+// server deadline): it probes it (ExpertTransport::Probe), so only the first
+// call of the stall waits. Once the relay resumes, the first server answers
+// the probe and takes misses again.
 TEST_F(NetnsTest, StalledRelayDeadlineFiresAndTheCallIsServedElsewhere) {
   RemoteServer& a = StartRemote(0, {}, kRelayDelay);
   RemoteServer& b = StartRemote(1, {}, kRelayDelay);
@@ -405,6 +407,7 @@ TEST_F(NetnsTest, StalledRelayDeadlineFiresAndTheCallIsServedElsewhere) {
   std::printf("%d calls while stalled: %d waited for the server deadline (%d failovers), longest %.3f s\n", calls,
               waited, failovers, longest);
   EXPECT_GE(waited, 1) << "the server deadline fired";
+  EXPECT_LE(waited, 1) << "calls were sent into the silence again (each waits a server deadline)";
   EXPECT_GE(failovers, waited);
   EXPECT_LE(longest, Seconds(kServerDeadline).count() + 0.5) << "well before the call's deadline";
   a.relay->SetStalled(false);

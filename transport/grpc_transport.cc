@@ -11,9 +11,13 @@
 // A broken stream fails its in-flight requests with UNAVAILABLE and the next
 // Submit opens a new one (the channel reconnects underneath).
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <thread>
 #include <vector>
@@ -59,6 +63,11 @@ class GrpcTransport final : public ExpertTransport {
   }
 
   ~GrpcTransport() override {
+    {  // a probe in flight calls back into this object
+      std::unique_lock<std::mutex> lock(probe_mu_);
+      if (probe_ != nullptr) probe_->ctx.TryCancel();
+      probe_cv_.wait(lock, [&] { return probe_ == nullptr; });
+    }
     stop_connector_ = true;
     if (connector_.joinable()) connector_.join();
     std::vector<std::shared_ptr<Stream>> streams;
@@ -104,6 +113,30 @@ class GrpcTransport final : public ExpertTransport {
       });
     }
     return absl::UnavailableError(absl::StrCat("expert server ", address_, ": not connected"));
+  }
+
+  absl::Status Probe(std::chrono::milliseconds timeout) override {
+    MOE_RETURN_IF_ERROR(Reconnect());  // not connected: the connector thread drives it
+    std::shared_ptr<ProbeCall> p;
+    {
+      std::lock_guard<std::mutex> lock(probe_mu_);
+      if (probe_answered_) {
+        probe_answered_ = false;
+        return absl::OkStatus();
+      }
+      if (probe_ == nullptr) {
+        p = probe_ = std::make_shared<ProbeCall>();
+        p->ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+      }
+    }
+    if (p != nullptr)  // started outside the lock: gRPC may run the callback at once
+      stub_->async()->GetInfo(&p->ctx, &p->req, &p->info, [this, p](grpc::Status st) {
+        std::lock_guard<std::mutex> lock(probe_mu_);
+        probe_answered_ = st.ok();
+        probe_.reset();
+        probe_cv_.notify_all();
+      });
+    return absl::UnavailableError(absl::StrCat("expert server ", address_, ": no sign of life yet (probing)"));
   }
 
   absl::StatusOr<StagingArea> Stage(int n, int k, Clock::time_point) override {
@@ -321,6 +354,15 @@ class GrpcTransport final : public ExpertTransport {
   const ExpertSlice slice_;
   const ModelIdentity model_;  // every request carries its digest; the server refuses another model's
   const std::string address_;
+  struct ProbeCall {
+    grpc::ClientContext ctx;
+    moe::v1::GetInfoRequest req;
+    moe::v1::ServerInfo info;
+  };
+  std::mutex probe_mu_;  // Probe's GetInfo: at most one in flight
+  std::condition_variable probe_cv_;
+  std::shared_ptr<ProbeCall> probe_;
+  bool probe_answered_ = false;
   std::mutex connector_mu_;  // Reconnect's connector thread
   std::thread connector_;
   std::atomic<bool> connecting_{false}, stop_connector_{false};

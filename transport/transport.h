@@ -111,6 +111,18 @@ class ExpertTransport {
   virtual void ReleaseDeviceSegments() {}
   // Connects again if the server went away (the next Submit would too); OK when connected.
   virtual absl::Status Reconnect() { return absl::OkStatus(); }
+  // A sign of life from a server that stopped answering while its connection
+  // stayed up (a stalled process, a link gone silent): OK once a small round
+  // trip (gRPC: GetInfo, at most `timeout`) started by an earlier call has
+  // been answered; otherwise starts one, unless one is in flight, and returns
+  // UNAVAILABLE at once. A caller polls it before sending real batches to a
+  // server whose batches timed out, so that each retry does not cost a whole
+  // server deadline. Default: Reconnect() (a same-host server that stalls is
+  // a stopped process, whose socket says so).
+  virtual absl::Status Probe(std::chrono::milliseconds timeout) {
+    (void)timeout;
+    return Reconnect();
+  }
 
   // Copies the batch out before returning (the caller may reuse its buffers);
   // `out` ([n, H] bf16) must stay valid until the future is ready.
