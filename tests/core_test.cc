@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <random>
 #include <sstream>
 
@@ -711,6 +712,100 @@ TEST(GptOss, MissingOrMisshapenBiasIsNamed) {
     EXPECT_NE(refused.status().message().find(std::string("model.layers.0.mlp.experts.") + c.bias), std::string::npos)
         << refused.status();
     EXPECT_EQ(refused.status().message().find('\n'), std::string::npos);
+  }
+}
+
+// A GPT-OSS checkpoint as transformers 5.17's save_pretrained writes a
+// GptOssForCausalLM (bf16): its config.json keys ("dtype", not "torch_dtype";
+// num_experts_per_tok, not experts_per_token; swiglu_limit present or not),
+// every tensor of the model beside the experts, and the experts as the module
+// holds them: gate_up_proj [E, H, 2I] used as x @ W with gate the even columns
+// and up the odd (GptOssExperts._apply_gate: gate_up[..., ::2], [..., 1::2]),
+// gate_up_proj_bias [E, 2I] likewise, down_proj [E, I, H], down_proj_bias
+// [E, H]. The loader must give back each expert's [I, H] gate and up, [H, I]
+// down and its biases from exactly those elements.
+TEST(GptOss, LoadsTheCheckpointTransformersSaves) {
+  const int64_t L = 3, E = 8, k = 2, H = 64, I = 96, V = 128, heads = 4, kv = 2, hd = 16;
+  for (const bool with_limit : {true, false}) {
+    SCOPED_TRACE(with_limit ? "swiglu_limit 7.0 in config.json" : "no swiglu_limit in config.json");
+    testing::TempDir dir;
+    nlohmann::json config = {
+        {"architectures", {"GptOssForCausalLM"}}, {"attention_bias", true}, {"attention_dropout", 0.0},
+        {"bos_token_id", 1}, {"dtype", "bfloat16"}, {"eos_token_id", 2}, {"head_dim", hd},
+        {"hidden_act", "silu"}, {"hidden_size", H}, {"initializer_range", 0.02}, {"intermediate_size", I},
+        {"layer_types", {"sliding_attention", "full_attention", "sliding_attention"}},
+        {"max_position_embeddings", 256}, {"model_type", "gpt_oss"}, {"num_attention_heads", heads},
+        {"num_experts_per_tok", k}, {"num_hidden_layers", L}, {"num_key_value_heads", kv},
+        {"num_local_experts", E}, {"output_router_logits", false}, {"pad_token_id", 0},
+        {"rms_norm_eps", 1e-5}, {"router_aux_loss_coef", 0.001}, {"sliding_window", 128},
+        {"rope_parameters", {{"rope_type", "yarn"}, {"factor", 32.0}, {"beta_fast", 32.0}, {"beta_slow", 1.0},
+                             {"truncate", false}, {"original_max_position_embeddings", 4096},
+                             {"rope_theta", 150000.0}}},
+        {"tie_word_embeddings", false}, {"transformers_version", "5.17.0"}, {"use_cache", true},
+        {"vocab_size", V}};
+    if (with_limit) config["swiglu_limit"] = 7.0;
+    std::ofstream(dir.path() + "/config.json") << config.dump(2);
+    std::vector<TensorSpec> specs = {{"model.embed_tokens.weight", DType::kBF16, {V, H}},
+                                     {"model.norm.weight", DType::kBF16, {H}},
+                                     {"lm_head.weight", DType::kBF16, {V, H}}};
+    for (int64_t l = 0; l < L; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      for (const auto& [name, shape] : std::vector<std::pair<std::string, std::vector<int64_t>>>{
+               {"input_layernorm.weight", {H}}, {"post_attention_layernorm.weight", {H}},
+               {"self_attn.q_proj.weight", {heads * hd, H}}, {"self_attn.q_proj.bias", {heads * hd}},
+               {"self_attn.k_proj.weight", {kv * hd, H}}, {"self_attn.k_proj.bias", {kv * hd}},
+               {"self_attn.v_proj.weight", {kv * hd, H}}, {"self_attn.v_proj.bias", {kv * hd}},
+               {"self_attn.o_proj.weight", {H, heads * hd}}, {"self_attn.o_proj.bias", {H}},
+               {"self_attn.sinks", {heads}}, {"mlp.router.weight", {E, H}}, {"mlp.router.bias", {E}},
+               {"mlp.experts.gate_up_proj", {E, H, 2 * I}}, {"mlp.experts.gate_up_proj_bias", {E, 2 * I}},
+               {"mlp.experts.down_proj", {E, I, H}}, {"mlp.experts.down_proj_bias", {E, H}}})
+        specs.push_back({p + name, DType::kBF16, shape});
+    }
+    // Tensor t's element j: a bf16 value unique enough to tell any two elements of an expert apart.
+    auto value = [](size_t t, size_t j) {
+      return F32ToBf16(static_cast<float>((t * 7919 + j * 104729) % 20011) / 20011.0f - 0.5f);
+    };
+    std::map<std::string, size_t> index;
+    for (size_t t = 0; t < specs.size(); ++t) index[specs[t].name] = t;
+    ASSERT_TRUE(WriteCheckpoint(dir.path(), specs, 1 << 18, [&](size_t t, std::span<std::byte> d) {
+                  auto* v = reinterpret_cast<bf16_t*>(d.data());
+                  for (size_t j = 0; j < d.size() / 2; ++j) v[j] = value(t, j);
+                }, {{"format", "pt"}}).ok());
+    absl::StatusOr<std::unique_ptr<ModelSource>> src = OpenModel(dir.path());
+    ASSERT_TRUE(src.ok()) << src.status();
+    const ModelSpec& s = (*src)->spec();
+    EXPECT_EQ(s.model_type, "gpt_oss");
+    EXPECT_EQ(s.num_layers, L);
+    EXPECT_EQ(s.num_experts, E);
+    EXPECT_EQ(s.top_k, k);
+    EXPECT_EQ(s.hidden, H);
+    EXPECT_EQ(s.intermediate, I);
+    EXPECT_EQ(s.moe_layers, (std::vector<int>{0, 1, 2}));
+    EXPECT_EQ(ExpertMathName(s), "clamped_swiglu(alpha=1.702, limit=7)+bias");
+    EXPECT_EQ(s.routing, RoutingMode::kTopKSoftmax);
+    for (int l = 0; l < L; ++l)
+      for (int e = 0; e < E; e += 3) {
+        SCOPED_TRACE("layer " + std::to_string(l) + " expert " + std::to_string(e));
+        ExpertWeights w;
+        ASSERT_TRUE((*src)->ReadExpert(l, e, &w).ok());
+        const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts.";
+        const size_t gu = index[p + "gate_up_proj"], gub = index[p + "gate_up_proj_bias"],
+                     dn = index[p + "down_proj"], dnb = index[p + "down_proj_bias"];
+        int wrong = 0;
+        for (int64_t i = 0; i < I; ++i) {
+          for (int64_t h = 0; h < H; ++h) {
+            const size_t col = size_t((e * H + h) * 2 * I);  // gate_up_proj[e, h, :]
+            wrong += Bf16ToF32(w.gate[i * H + h]) != Bf16ToF32(value(gu, col + 2 * i));
+            wrong += Bf16ToF32(w.up[i * H + h]) != Bf16ToF32(value(gu, col + 2 * i + 1));
+            wrong += Bf16ToF32(w.down[h * I + i]) != Bf16ToF32(value(dn, size_t((e * I + i) * H + h)));
+          }
+          wrong += Bf16ToF32(w.gate_bias[i]) != Bf16ToF32(value(gub, size_t(e * 2 * I + 2 * i)));
+          wrong += Bf16ToF32(w.up_bias[i]) != Bf16ToF32(value(gub, size_t(e * 2 * I + 2 * i + 1)));
+        }
+        for (int64_t h = 0; h < H; ++h)
+          wrong += Bf16ToF32(w.down_bias[h]) != Bf16ToF32(value(dnb, size_t(e * H + h)));
+        EXPECT_EQ(wrong, 0);
+      }
   }
 }
 

@@ -14,7 +14,8 @@ or, in transformers' own words plus one call:
 transformers 5 routes every MoE model class whose experts module carries
 `@use_experts_implementation` through `ExpertsInterface`: the block computes
 its router in torch and calls `experts(hidden [T,H], top_k_index [T,k],
-top_k_weights [T,k])`. register() adds our function under the name
+top_k_weights [T,k])` (GPT-OSS's GptOssMLP too: `experts(hidden, router_indices,
+routing_weights)`). register() adds our function under the name
 `moe_expert_service`; it hands the call to a MoeLayer (GPU cache of hot experts
 + CPU expert servers over shared memory). from_pretrained() passes no unknown
 keyword arguments to a model's __init__, so our options travel through
@@ -22,16 +23,27 @@ attach() (which from_pretrained() of this module calls for you).
 
 A model built with experts_implementation="moe_expert_service" has no expert
 weights: register() hooks PreTrainedModel.post_init so that such a model's
-experts modules drop gate_up_proj / down_proj before loading, the checkpoint's
-expert tensors become unexpected keys and are never read; the expert server
+experts modules drop gate_up_proj / down_proj (and GPT-OSS's biases) before
+loading, the checkpoint's expert tensors (MXFP4 blocks and scales too) become
+unexpected keys and are never read; the expert server
 reads the checkpoint itself and the session maps its host copy (one copy in
 host memory, none on the GPU beyond the cache). A family whose experts math is
 not ours is refused there, with one line naming the family and why.
 
 Which families are ours is read from the installed transformers (families()):
-an experts class decorated with the defaults (gated, concatenated [gate; up],
-[E, out, in] weights, no bias), no _apply_gate of its own, the shared eager
-forward (sum_j w_j * down(act(gate x) * up x)), and at load SiLU as act_fn.
+an experts class written as one of EXPERT_MATHS, the expert maths the server
+computes:
+  silu: the decorator's defaults (gated, concatenated [gate; up], [E, out, in]
+    weights, no bias), no _apply_gate of its own, the shared eager forward
+    (sum_j w_j * down(act(gate x) * up x)), and at load SiLU as act_fn
+    (Qwen-MoE, Mixtral, DeepSeek, OLMoE, GLM-4.5, ...);
+  clamped_swiglu: GPT-OSS's experts (interleaved gate/up, x @ W weights,
+    biases, its clamped SwiGLU _apply_gate and eager forward), alpha 1.702 at
+    load. The model's GptOssMLP keeps its router (linear with bias, top-k, softmax
+    over the k) and hands those indices and weights to the experts, so to us.
+The server reads the math from the checkpoint (config.json's model_type, its
+swiglu_limit); attach() refuses a checkpoint whose expert math
+(Session.model_info["expert_math"]) is not the model's.
 
 Thread-safety: register() and attach() once per process / model, from one
 thread; the forward is as thread-safe as the Session under it.
@@ -49,11 +61,24 @@ import weakref
 
 BACKEND = "moe_expert_service"
 
-# The eager experts forward of transformers 5.x that every servable family shares:
-# out[t] = sum_j w[t,j] * down_e(act(gate_e x_t) * up_e x_t), gate_up_proj [E, 2I, H]
-# (gate rows first), down_proj [E, H, I]. Compared as an AST (formatting and comments
-# do not count; a change of the math or of its names makes a family "its own forward").
-_SHARED_FORWARD = '''
+# The expert maths the service computes, each as transformers 5 writes it in an experts class:
+# the @use_experts_implementation layout flags, the parameters, the gate (_apply_gate; None: the
+# decorator's default act_fn(gate) * up over [gate; up]) and the eager forward. Gate and forward
+# are compared as ASTs (formatting and comments do not count; a change of the math or of its
+# names makes a family "its own gate / forward"). A family is ours when its experts class is one
+# of these; which families those are is read from the installed transformers (families()).
+_LAYOUT_DEFAULTS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+# (flag, the class's value) -> what the class has that the math it is compared with has not.
+_LAYOUT_PHRASES = {("has_gate", False): "no gate projection (up, act, down)", ("has_gate", True): "a gate projection",
+                   ("has_bias", True): "biases", ("has_bias", False): "no biases",
+                   ("is_transposed", True): "transposed weights (x @ W)",
+                   ("is_transposed", False): "untransposed weights (W x)",
+                   ("is_concatenated", False): "interleaved gate/up",
+                   ("is_concatenated", True): "concatenated [gate; up]"}
+
+# SiLU-gated experts (Qwen-MoE, Mixtral, DeepSeek, OLMoE, GLM, ...): out[t] = sum_j w[t,j] *
+# down_e(act(gate_e x_t) * up_e x_t), gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
+_SILU_FORWARD = """
 def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     final_hidden_states = torch.zeros_like(hidden_states)
     with torch.no_grad():
@@ -72,50 +97,148 @@ def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_
         current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
     return final_hidden_states
-'''
-_DECORATOR_DEFAULTS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
-_DECORATOR_REASONS = {"has_gate": "no gate projection (up, act, down)", "has_bias": "biases",
-                      "is_transposed": "transposed weights (x @ W)", "is_concatenated": "interleaved gate/up"}
-_WEIGHTS = ("gate_up_proj", "down_proj")
+"""
+
+# GPT-OSS's experts (transformers' GptOssExperts): gate_up = x @ gate_up_proj[e] + gate_up_proj_bias[e]
+# ([E, H, 2I], gate the even columns, up the odd), gate clamped above at `limit`, up to +-limit,
+# (up + 1) * gate * sigmoid(alpha * gate), then @ down_proj[e] ([E, I, H]) + down_proj_bias[e].
+# The server computes it for a gpt_oss checkpoint (core/expert_activation.h: ClampedSwiglu).
+_CLAMPED_SWIGLU_GATE = """
+def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=self.limit)
+    up = up.clamp(min=-self.limit, max=self.limit)
+    glu = gate * torch.sigmoid(gate * self.alpha)
+    gated_output = (up + 1) * glu
+    return gated_output
+"""
+_CLAMPED_SWIGLU_FORWARD = """
+def forward(self, hidden_states: torch.Tensor, router_indices=None, routing_weights=None) -> torch.Tensor:
+    next_states = torch.zeros_like(hidden_states, dtype=hidden_states.dtype, device=hidden_states.device)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(router_indices, num_classes=self.num_experts)
+        expert_mask = expert_mask.permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    for expert_idx in expert_hit:
+        expert_idx = expert_idx[0]
+        if expert_idx == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(expert_mask[expert_idx])
+        current_state = hidden_states[token_idx]
+        gate_up = current_state @ self.gate_up_proj[expert_idx] + self.gate_up_proj_bias[expert_idx]
+        gated_output = self._apply_gate(gate_up)
+        out = gated_output @ self.down_proj[expert_idx] + self.down_proj_bias[expert_idx]
+        weighted_output = out * routing_weights[token_idx, top_k_pos, None]
+        next_states.index_add_(0, token_idx, weighted_output.to(hidden_states.dtype))
+    return next_states
+"""
+# The one alpha the server's clamped SwiGLU has (core/expert_activation.h kGptOssAlpha); its
+# limit is config.json's swiglu_limit (default 7), compared with the model's at attach().
+_CLAMPED_SWIGLU_ALPHA = 1.702
 
 
-def _forward_dump(fn_node):
+def _body_dump(fn_node):
     body = fn_node.body
     if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
         body = body[1:]  # a docstring does not count
     return ast.dump(ast.Module(body=body, type_ignores=[]))
 
 
-_SHARED_DUMP = _forward_dump(ast.parse(_SHARED_FORWARD).body[0])
+def _source_dump(src):
+    return _body_dump(ast.parse(src).body[0])
 
 
-def _class_reason(node):
-    """Why the experts class `node` (an ast.ClassDef decorated with use_experts_implementation)
-    is not ours, or None when it is (up to its activation, checked at load)."""
-    reasons = []
-    for dec in node.decorator_list:
-        if isinstance(dec, ast.Call):
-            for kw in dec.keywords:
-                try:
-                    value = ast.literal_eval(kw.value)
-                except ValueError:
-                    value = None
-                if kw.arg in _DECORATOR_DEFAULTS and value != _DECORATOR_DEFAULTS[kw.arg]:
-                    reasons.append(_DECORATOR_REASONS[kw.arg])
-    methods = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
-    if "_apply_gate" in methods:
-        reasons.append("its own gate (_apply_gate, e.g. a clamped SwiGLU)")
-    if "forward" not in methods or _forward_dump(methods["forward"]) != _SHARED_DUMP:
-        reasons.append("its own experts forward")
-    init = methods.get("__init__")
-    params = set()
-    if init is not None:
-        for n in ast.walk(init):
-            if isinstance(n, ast.Assign) and "Parameter(" in ast.unparse(n.value):
-                params |= {t.attr for t in n.targets if isinstance(t, ast.Attribute)}
-    if params != set(_WEIGHTS):
-        reasons.append(f"parameters {sorted(params)} (ours: {list(_WEIGHTS)})")
-    return ", ".join(dict.fromkeys(reasons)) or None
+def _silu_reason(experts):
+    import torch
+    act = getattr(experts, "act_fn", None)
+    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+            or act is torch.nn.functional.silu):
+        return f"activation {getattr(act, '__name__', type(act).__name__)} (ours: SiLU)"
+    return None
+
+
+def _clamped_swiglu_reason(experts):
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    if not isinstance(alpha, (int, float)) or abs(float(alpha) - _CLAMPED_SWIGLU_ALPHA) > 1e-6:
+        return f"clamped SwiGLU alpha {alpha} (the server's: {_CLAMPED_SWIGLU_ALPHA})"
+    if not isinstance(limit, (int, float)) or not 0 < float(limit) < float("inf"):
+        return f"clamped SwiGLU limit {limit} (not a positive number)"
+    return None
+
+
+class ExpertMath:
+    """One expert math the service computes, as transformers writes an experts class of it.
+    name: what the server's model_info["expert_math"] starts with; weights: the experts
+    module's parameters (the server's, dropped from the model); server_math(experts): the
+    expert_math a server must report to serve `experts`."""
+
+    def __init__(self, name, layout, weights, gate, forward, instance_reason, server_math):
+        self.name = name
+        self.layout = {**_LAYOUT_DEFAULTS, **layout}
+        self.weights = tuple(weights)
+        self._gate = None if gate is None else _source_dump(gate)
+        self._forward = _source_dump(forward)
+        self._instance_reason = instance_reason
+        self.server_math = server_math
+
+    def class_reasons(self, node):
+        """What the experts class `node` (an ast.ClassDef) has that this math has not ([] : none)."""
+        reasons = []
+        flags = dict(_LAYOUT_DEFAULTS)
+        for dec in node.decorator_list:
+            if isinstance(dec, ast.Call):
+                for kw in dec.keywords:
+                    if kw.arg in flags:
+                        try:
+                            flags[kw.arg] = ast.literal_eval(kw.value)
+                        except ValueError:
+                            flags[kw.arg] = None
+        for flag, value in flags.items():
+            if value != self.layout[flag]:
+                reasons.append(_LAYOUT_PHRASES.get((flag, value), f"{flag}={value}"))
+        methods = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+        gate = methods.get("_apply_gate")
+        if self._gate is None and gate is not None:
+            reasons.append("its own gate (_apply_gate, e.g. a clamped SwiGLU)")
+        elif self._gate is not None and gate is None:
+            reasons.append("the default gate (act(gate) * up)")
+        elif gate is not None and _body_dump(gate) != self._gate:
+            reasons.append("its own gate (_apply_gate)")
+        if "forward" not in methods or _body_dump(methods["forward"]) != self._forward:
+            reasons.append("its own experts forward")
+        init = methods.get("__init__")
+        params = set()
+        if init is not None:
+            for n in ast.walk(init):
+                if isinstance(n, ast.Assign) and "Parameter(" in ast.unparse(n.value):
+                    params |= {t.attr for t in n.targets if isinstance(t, ast.Attribute)}
+        if params != set(self.weights):
+            reasons.append(f"parameters {sorted(params)}, not {list(self.weights)}")
+        return list(dict.fromkeys(reasons))
+
+    def instance_reason(self, experts):
+        """Why the module `experts` of a class of this math is not ours after all, or None."""
+        return self._instance_reason(experts)
+
+
+EXPERT_MATHS = (
+    ExpertMath("silu", {}, ("gate_up_proj", "down_proj"), None, _SILU_FORWARD, _silu_reason, lambda m: "silu"),
+    ExpertMath("clamped_swiglu", {"is_concatenated": False, "is_transposed": True, "has_bias": True},
+               ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"), _CLAMPED_SWIGLU_GATE,
+               _CLAMPED_SWIGLU_FORWARD, _clamped_swiglu_reason,
+               lambda m: f"clamped_swiglu(alpha={float(m.alpha):g}, limit={float(m.limit):g})+bias"),
+)
+
+
+def _class_math(node):
+    """(the ExpertMath of the experts class `node`, None) when it is one of ours, else
+    (None, why not: what it has that the nearest math we serve has not)."""
+    scored = [(m, m.class_reasons(node)) for m in EXPERT_MATHS]
+    for m, reasons in scored:
+        if not reasons:
+            return m, None
+    nearest, reasons = min(scored, key=lambda mr: len(mr[1]))
+    return None, f"{', '.join(reasons)} (against the {nearest.name} experts we serve)"
 
 
 def _is_decorated(node):
@@ -125,7 +248,9 @@ def _is_decorated(node):
 def families():
     """{family (transformers' models/ directory name): None if we serve it, else why not},
     read from the installed transformers' sources: every modeling module that uses
-    @use_experts_implementation. Serving also needs SiLU as the activation (checked at load)."""
+    @use_experts_implementation, its experts classes matched against EXPERT_MATHS (SiLU-gated
+    [gate; up]; GPT-OSS's clamped SwiGLU with biases). Serving also needs what only a built
+    module shows (SiLU as act_fn; the clamped SwiGLU's alpha), checked at load."""
     import transformers
     root = os.path.join(os.path.dirname(transformers.__file__), "models")
     out = {}
@@ -138,37 +263,55 @@ def families():
         if "@use_experts_implementation" not in src:
             continue
         reasons = [f"{n.name}: {r}" for n in ast.parse(src).body
-                   if isinstance(n, ast.ClassDef) and _is_decorated(n) and (r := _class_reason(n)) is not None]
+                   if isinstance(n, ast.ClassDef) and _is_decorated(n) and (r := _class_math(n)[1]) is not None]
         out[family] = "; ".join(reasons) or None
     return out
 
 
-_class_reasons = {}  # experts class -> reason or None (its source read once)
+_class_maths = {}  # experts class -> (ExpertMath or None, reason or None), its source read once
+
+
+def _math_of_class(cls):
+    if cls not in _class_maths:
+        try:
+            src = inspect.getsource(sys.modules[cls.__module__])
+            node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+            _class_maths[cls] = _class_math(node)
+        except (OSError, TypeError, KeyError, StopIteration) as e:
+            _class_maths[cls] = (None, f"its source cannot be read ({type(e).__name__})")
+    return _class_maths[cls]
+
+
+def expert_math(experts):
+    """The ExpertMath of the experts module `experts`, or None when it is not ours."""
+    math, _ = _math_of_class(type(experts))
+    return math if math is not None and math.instance_reason(experts) is None else None
 
 
 def unservable_reason(experts):
     """Why the experts module `experts` cannot be served by us, or None."""
-    cls = type(experts)
-    if cls not in _class_reasons:
-        try:
-            src = inspect.getsource(sys.modules[cls.__module__])
-            node = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
-            _class_reasons[cls] = _class_reason(node)
-        except (OSError, TypeError, KeyError, StopIteration) as e:
-            _class_reasons[cls] = f"its source cannot be read ({type(e).__name__})"
-    reason = _class_reasons[cls]
-    if reason is not None:
-        return reason
-    import torch
-    act = getattr(experts, "act_fn", None)
-    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
-            or act is torch.nn.functional.silu):
-        return f"activation {getattr(act, '__name__', type(act).__name__)} (ours: SiLU)"
-    return None
+    math, reason = _math_of_class(type(experts))
+    return reason if math is None else math.instance_reason(experts)
+
+
+def experts_dims(experts):
+    """(experts, hidden, intermediate) of an experts module (families name the last two
+    hidden_dim / intermediate_dim or, as GPT-OSS, hidden_size / intermediate_size)."""
+    hidden = getattr(experts, "hidden_dim", None) or getattr(experts, "hidden_size")
+    intermediate = getattr(experts, "intermediate_dim", None) or getattr(experts, "intermediate_size")
+    return int(experts.num_experts), int(hidden), int(intermediate)
+
+
+_MATH_NUMBER = re.compile(r"(?<==)(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)")
+
+
+def _canonical_math(text):
+    """An expert_math text with its numbers written one way ("limit=7.0" == "limit=7")."""
+    return _MATH_NUMBER.sub(lambda m: f"{float(m.group(1)):g}", text.replace(" ", ""))
 
 
 def _is_experts(module):
-    return all(hasattr(module, a) for a in _DECORATOR_DEFAULTS) and hasattr(type(module).forward, "__wrapped__") \
+    return all(hasattr(module, a) for a in _LAYOUT_DEFAULTS) and hasattr(type(module).forward, "__wrapped__") \
         and hasattr(module, "config")
 
 
@@ -201,18 +344,24 @@ def _drop_expert_weights(model):
             raise ValueError(f"{BACKEND}: cannot serve the experts of {_family(m)} ({type(m).__name__}): {reason}")
         if layer is None:
             raise ValueError(f"{BACKEND}: {_family(m)}: experts module {name!r} is not under a 'layers.N' list")
-        for w in _WEIGHTS:
+        for w in expert_math(m).weights:
             m.register_parameter(w, None)
         m._is_hf_initialized = True  # nothing left for transformers' weight initialisation
         m.__dict__["_moe_dropped"] = True
     if mods:
         ignore = getattr(model, "_keys_to_ignore_on_load_unexpected", None)
         ignore = set(ignore or ())
-        ignore.add(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")  # the checkpoint's expert tensors
+        # the checkpoint's expert tensors: per expert, or fused with their biases / MXFP4 blocks and scales
+        ignore.add(r"\.experts\.(\d+\.|gate_up_proj|down_proj)")
         model._keys_to_ignore_on_load_unexpected = ignore
 
 
-def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+def _experts_forward(self, hidden_states, top_k_index=None, top_k_weights=None, *, router_indices=None,
+                     routing_weights=None):
+    """The experts of every family we serve: (hidden [T,H], top-k ids [T,k], top-k weights [T,k])
+    as the block's router made them (GPT-OSS names them router_indices / routing_weights)."""
+    top_k_index = router_indices if top_k_index is None else top_k_index
+    top_k_weights = routing_weights if top_k_weights is None else top_k_weights
     layer = self.__dict__.get("_moe_layer")
     if layer is None:
         raise RuntimeError(f"{BACKEND}: the experts of {_family(self)} have no session: call "
@@ -403,7 +552,7 @@ def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_
     if not checkpoint or not os.path.isfile(os.path.join(checkpoint, "config.json")):
         raise ValueError(f"checkpoint: {checkpoint!r} is not a local checkpoint directory (pass checkpoint=)")
     first = mods[0][2]
-    E = int(first.num_experts)
+    E = experts_dims(first)[0]
     k = _top_k(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -426,11 +575,18 @@ def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_
     try:
         session = Session(**options)
         info = session.model_info
-        want = (E, int(first.hidden_dim), int(first.intermediate_dim))
+        want = experts_dims(first)
         got = (info["num_experts"], info["hidden"], info["intermediate"])
         if got != want:
             raise ValueError(f"{BACKEND}: checkpoint {checkpoint}: experts, hidden, intermediate {got}, the model's "
                              f"are {want}")
+        # The session's expert math (read from the checkpoint, the servers' checked equal to it)
+        # must be what the model's experts compute: a SiLU model on a GPT-OSS checkpoint, or
+        # GPT-OSS experts of another swiglu_limit than config.json's, are refused here.
+        wanted = sorted({expert_math(m).server_math(m) for _, _, m in mods})
+        if [_canonical_math(w) for w in wanted] != [_canonical_math(info["expert_math"])]:
+            raise ValueError(f"{BACKEND}: checkpoint {checkpoint}: its experts compute {info['expert_math']}, the "
+                             f"model's {_family(first)} experts compute {' and '.join(wanted)}")
         missing = sorted(set(layers) - set(session.served_layers))
         if missing:
             raise ValueError(f"{BACKEND}: checkpoint {checkpoint}: MoE layers {session.served_layers}, the model has "
@@ -445,7 +601,7 @@ def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_
         session.flush_copies()
     for _, layer, m in mods:
         m.__dict__["_moe_layer"] = MoeLayer(session, layer, capturable=capturable)
-        for w in _WEIGHTS:
+        for w in expert_math(m).weights:
             if isinstance(getattr(m, w, None), torch.nn.Parameter):
                 m.register_parameter(w, None)  # a model loaded another way: its copy goes
         m.__dict__["_moe_dropped"] = True

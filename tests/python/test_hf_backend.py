@@ -5,8 +5,10 @@ the backend. Per MoE layer the experts' output must be within 1e-2 of the family
 eager experts; 16 greedy tokens at bf16 must equal the eager model's, or (when the
 reference's own bf16 noise flips a near-tie) the teacher-forced logits must be within
 max(1e-2, 2x the bf16-vs-f32 floor) of an f32 copy. Qwen3-MoE, Qwen2-MoE, Mixtral,
-DeepSeek-V3, OLMoE and GLM-4.5 must build and pass; GPT-OSS must be refused at load
-with one line naming it. Exits 77 (skipped) without torch or transformers."""
+DeepSeek-V3, OLMoE, GLM-4.5 and GPT-OSS (clamped SwiGLU, biases, interleaved gate/up,
+its own top-k-then-softmax router) must build and pass; a family whose experts are not
+ours must be refused at load with one line naming it. Exits 77 (skipped) without torch
+or transformers."""
 import inspect
 import os
 import sys
@@ -29,7 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_test_env as env  # noqa: E402
 import moe_expert_service.hf as moe_hf  # noqa: E402
 
-REQUIRED = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "glm4_moe")
+REQUIRED = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "glm4_moe", "gpt_oss")
+# Every parameter name of an experts module (GPT-OSS's carry biases): none is kept by ours.
+EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+# Per-layer inputs: hidden states of RMS 1, and 16 times that (GPT-OSS's gate and up then
+# pass its clamp of 7, so the clamp decides part of the output).
+INPUT_SCALES = (1.0, 16.0)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 STEPS, PROMPT = 16, 8
 
@@ -54,6 +61,10 @@ def tiny_config(family):
 
 def causal_lm_class(config):
     return transformers.AutoModelForCausalLM._model_mapping[type(config)]
+
+
+def base_model_class(config):
+    return transformers.AutoModel._model_mapping[type(config)]
 
 
 def rel(a, b):
@@ -99,7 +110,9 @@ class Family:
             for name, p in model.named_parameters():
                 if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                     p.normal_(0, 0.05)  # experts that matter next to the residual
-                elif name.endswith("mlp.gate.weight"):
+                elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                    p.normal_(0, 0.1)  # GPT-OSS: biases that matter (its initialisation zeroes them)
+                elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                     p.normal_(0, 0.3)  # routers with a margin (near-ties flip on bf16 noise)
                 elif not torch.isfinite(p).all():
                     p.normal_(0, 0.02)
@@ -128,17 +141,37 @@ class HfBackendTest(unittest.TestCase):
         fams = moe_hf.families()
         for f in REQUIRED:
             self.assertIsNone(fams.get(f, "absent"), f)
-        self.assertIn("biases", fams["gpt_oss"])
+        refused = {f: r for f, r in fams.items() if r is not None}
+        self.assertTrue(refused, "no family of transformers is refused: the classification accepts anything")
+        if "nemotron_h" in refused:  # up, act, down: no gate projection
+            self.assertIn("no gate projection", refused["nemotron_h"])
+        if "openai_privacy_filter" in refused:  # GPT-OSS's math over a concatenated [gate; up]
+            self.assertIn("concatenated", refused["openai_privacy_filter"])
 
-    def test_gpt_oss_is_refused_at_load_naming_it(self):
-        config = tiny_config("gpt_oss")
-        config._experts_implementation = moe_hf.BACKEND
-        with self.assertRaises(ValueError) as cm:
-            causal_lm_class(config)(config)
-        msg = str(cm.exception)
-        self.assertIn("gpt_oss", msg)
-        self.assertNotIn("\n", msg)
-        print(f"refusal: {msg}", flush=True)
+    def test_refuses_unservable_families_at_load_naming_them(self):
+        checked = []
+        for family, reason in moe_hf.families().items():
+            if reason is None:
+                continue
+            # On the meta device: a composite config keeps its default-size parts (no memory, no time).
+            try:  # the family's model must build with transformers' own experts first
+                config = tiny_config(family)
+                config._experts_implementation = "eager"
+                with torch.device("meta"):
+                    base_model_class(config)(config)
+            except Exception:  # a tiny config this generic cannot build it: not this test's subject
+                continue
+            config._experts_implementation = moe_hf.BACKEND
+            with self.assertRaises(ValueError, msg=family) as cm, torch.device("meta"):
+                base_model_class(config)(config)
+            msg = str(cm.exception)
+            self.assertIn("cannot serve the experts of ", msg)  # then its model_type (the class's config's)
+            classes = [part.split(":")[0] for part in reason.split("; ")]  # "Class: why; Class2: why"
+            self.assertTrue(any(f"({c})" in msg for c in classes), f"{family}: {msg} names none of {classes}")
+            self.assertNotIn("\n", msg)
+            checked.append(family)
+            print(f"refusal: {msg}", flush=True)
+        self.assertTrue(checked, "no refused family could be built to see it refused")
 
     def test_every_family(self):
         fams = moe_hf.families()
@@ -177,19 +210,22 @@ class HfBackendTest(unittest.TestCase):
         mods = moe_hf.experts_modules(ours)
         ref_mods = dict((n, m) for n, _, m in moe_hf.experts_modules(fam.ref))
         self.assertTrue(mods)
-        for _, _, m in mods:  # no expert weight was loaded (nor kept on the GPU)
+        for _, _, m in mods:  # no expert weight (nor bias) was loaded, nor kept on the GPU
             self.assertIsNone(m.gate_up_proj)
             self.assertIsNone(m.down_proj)
-        self.assertFalse([k for k in ours.state_dict() if k.endswith(("experts.gate_up_proj", "experts.down_proj"))])
+            for p in EXPERT_PARAMS:
+                self.assertIsNone(getattr(m, p, None), p)
+        self.assertFalse([k for k in ours.state_dict() if k.endswith(tuple("experts." + p for p in EXPERT_PARAMS))])
         worst = 0.0
         g = torch.Generator().manual_seed(3)
         with torch.no_grad():
             for name, layer, m in mods:
-                E, H, k = m.num_experts, m.hidden_dim, 2
-                x = torch.randn(12, H, generator=g).to(DEV, torch.bfloat16)
-                ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(12)]).to(DEV)
-                w = torch.rand(12, k, generator=g).to(DEV)
-                worst = max(worst, rel(m(x, ids, w), ref_mods[name](x, ids, w)))
+                (E, H, _), k = moe_hf.experts_dims(m), 2
+                for scale in INPUT_SCALES:
+                    x = (scale * torch.randn(12, H, generator=g)).to(DEV, torch.bfloat16)
+                    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(12)]).to(DEV)
+                    w = torch.rand(12, k, generator=g).to(DEV)
+                    worst = max(worst, rel(m(x, ids, w), ref_mods[name](x, ids, w)))
             seq = fam.seq
             got = generate(ours, fam.prompt)
             same = 0
