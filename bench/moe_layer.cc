@@ -289,7 +289,7 @@ class Buffers {
 };
 
 struct Options {
-  std::string preset = "qwen3-30b-a3b", device = "auto", server_bin,
+  std::string preset = "qwen3-30b-a3b", model, device = "auto", server_bin,
               modes = "ceiling,ours,ours-graph,ours-cpu,lru-copy,copy-all";
   std::string weight_dtype = "bf16";  // the server's --weight-dtype (and the worker's cache)
   std::string policy = Name(DispatcherConfig{}.policy);  // ours' cache policy: the worker's default
@@ -1027,6 +1027,9 @@ int Main(int argc, char** argv) {
                 "lru-copy, copy-all, all-on-GPU), each with its causal and oracle floors from the rates measured\n"
                 "in the same run, then ours beside its simpler modes. Exits 3 when a row beat its causal floor.");
   flags.String("preset", &o.preset, "model geometry: qwen3-30b-a3b, deepseek-v3, mixtral-8x7b, tiny, ...");
+  flags.String("model", &o.model,
+               "serve this model instead of the synthetic --preset: a GGUF file or checkpoint directory (e.g. "
+               "bench/make_peer_gguf.py's gpt-oss GGUF, the file llama.cpp reads), every MoE layer of it");
   int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context, slices = 1, tp = 1, ep = 1;
   flags.Int("layers", &layers,
             "MoE layers (0: the model's, or the trace's, as many as fit in host memory: one copy shared by the "
@@ -1088,7 +1091,8 @@ int Main(int argc, char** argv) {
             "(each rank its experts, ncclAllReduce of the outputs) vs a cache per GPU, per --batches and --cache");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
   flags.String("weight-dtype", &o.weight_dtype,
-               "the expert server's --weight-dtype and the worker's cache precision: bf16, int8, int4 or fp8");
+               "the expert server's --weight-dtype and the worker's cache precision: bf16, int8, int4, fp8, mxfp4 or "
+               "auto (the checkpoint's own: e.g. mxfp4 for a GGUF of MXFP4 experts)");
   flags.Bool("share-host-copy", &o.share_host_copy,
              "the worker maps the server's packed store (one host copy); false: it packs its own");
   flags.Parse(argc, argv);
@@ -1138,7 +1142,20 @@ int Main(int argc, char** argv) {
   o.server_threads = threads > 0 ? static_cast<int>(threads)
                                  : static_cast<int>(Value(NumaBinding::Create("auto", 0, true), "numa")->cpus().size());
 
-  ModelSpec full = Value(PresetSpec(o.preset), "preset");
+  // --model: the file's experts, all of its MoE layers; else the preset's first --layers.
+  std::unique_ptr<ModelSource> source;
+  std::string uri;
+  if (!o.model.empty()) {
+    source = Value(OpenModel(o.model), "--model");
+    const int64_t n = static_cast<int64_t>(source->spec().moe_layers.size());
+    if (layers != 0 && layers != n)
+      Die(absl::StrCat("--layers ", layers, ": --model ", o.model, " is served whole (", n,
+                       " MoE layers); write the file with the layers wanted"));
+    layers = n;
+    uri = o.model;
+    o.preset = o.model.substr(o.model.find_last_of('/') + 1);  // the tables' title
+  }
+  ModelSpec full = source ? source->spec() : Value(PresetSpec(o.preset), "preset");
   std::optional<RoutingTrace> trace;
   if (!o.trace.empty()) trace = Value(ReadRoutingTrace(o.trace), "--trace");
   if (layers <= 0) {
@@ -1150,9 +1167,11 @@ int Main(int argc, char** argv) {
     if (trace) layers = std::min<int64_t>(layers, trace->num_layers);
   }
   // Dense leading layers (DeepSeek) are kept out: every layer of the bench model is an MoE layer.
-  const int first_moe = full.moe_layers.front();
-  const std::string uri = absl::StrCat("synthetic:", o.preset, ":layers=", first_moe + layers, ":seed=", o.seed);
-  std::unique_ptr<ModelSource> source = Value(OpenModel(uri), "model");
+  if (!source) {
+    const int first_moe = full.moe_layers.front();
+    uri = absl::StrCat("synthetic:", o.preset, ":layers=", first_moe + layers, ":seed=", o.seed);
+    source = Value(OpenModel(uri), "model");
+  }
   const ModelSpec& spec = source->spec();
   const ExpertGeometry server_geometry = Value(StorageGeometry(spec, o.weight_dtype), "--weight-dtype");
   if (trace) {

@@ -2,12 +2,17 @@
 // behind `--model FILE.gguf`, and the writer behind `moe-make-model --format
 // gguf`.
 //
-// Read: the architectures whose experts are SiLU-gated FFNs of three fused
-// tensors per layer, blk.{l}.ffn_{gate,up,down}_exps.weight (ggml dims [H, I,
-// E], [H, I, E], [I, H, E]): qwen3moe, qwen2moe, deepseek2 (DeepSeek-V2/V3,
+// Read: the architectures whose experts are FFNs of three fused tensors per
+// layer, blk.{l}.ffn_{gate,up,down}_exps.weight (ggml dims [H, I, E], [H, I,
+// E], [I, H, E]): SiLU-gated in qwen3moe, qwen2moe, deepseek2 (DeepSeek-V2/V3,
 // Kimi-K2), glm4moe (GLM-4.5/4.6), olmoe, kimi-linear, and llama with experts
-// (Mixtral). gpt-oss is refused (its expert math, biases and a clamped
-// SwiGLU, is not ours yet), as is any other architecture. The geometry comes
+// (Mixtral); and gpt-oss (GPT-OSS-20B/120B as llama.cpp's converter writes
+// it: gate and up de-interleaved into separate tensors, each with its bias
+// blk.{l}.ffn_{gate,up,down}_exps.bias [I, E], [I, E], [H, E], required; the
+// expert math is GPT-OSS's clamped SwiGLU, alpha 1.702, limit 7, which
+// llama.cpp's graph fixes and no key carries, and its routing top-k then
+// softmax). Any other architecture is refused, as are expert biases of a
+// family without them and fused ffn_gate_up_exps. The geometry comes
 // from {arch}.block_count, embedding_length, expert_count, expert_used_count,
 // expert_feed_forward_length (feed_forward_length for llama), the MoE layers
 // from the tensors present (leading dense layers have none; checked against
@@ -49,11 +54,15 @@ absl::StatusOr<GgmlType> ParseGgmlType(const std::string& name);
 
 // Writes `path`: a GGUF of every expert of every MoE layer of `spec` with
 // weights from GenerateExpertMatrix (the synthetic:PRESET:seed=S values),
-// stored as `type`, and the architecture's metadata. Only the expert tensors
-// (no attention, embeddings or router): a model for this service, not for
-// llama.cpp. InvalidArgument when spec's H or I is not a multiple of the
-// type's block (32 for Q8_0, 256 for Q4_K / Q6_K) or its model_type has no
-// GGUF architecture.
+// stored as `type`, and the architecture's metadata; a gpt_oss spec also gets
+// its expert biases (GenerateExpertBias) and router (GenerateRouter:
+// ffn_gate_inp.weight [H, E], .bias [E]) as F32, in llama.cpp's gpt-oss
+// layout. Only the expert tensors and routers (no attention, embeddings):
+// a model for this service, not for llama.cpp (bench/make_peer_gguf.py
+// writes whole models). InvalidArgument when spec's H or I is not a multiple
+// of the type's block (32 for Q8_0 and MXFP4, 256 for Q4_K / Q6_K), its
+// model_type has no GGUF architecture, or a gpt_oss spec's expert math is not
+// the one gpt-oss GGUF files imply.
 absl::Status WriteSyntheticGguf(const std::string& path, const ModelSpec& spec, uint64_t seed, GgmlType type);
 
 }  // namespace moe

@@ -17,11 +17,13 @@ int main(int argc, char** argv) {
                      "      [--dtype bf16|f16|f32|fp8|int4|mxfp4 | (gguf) bf16|f16|f32|q8_0|q4_k|q6_k|mxfp4]\n"
                      "Writes a synthetic checkpoint with seeded random expert weights: a safetensors directory\n"
                      "(config.json + shards) or a GGUF file holding the experts and the preset's architecture metadata\n"
-                     "(qwen3moe, deepseek2, olmoe, kimi-linear, llama for Mixtral), which --model FILE.gguf reads.\n"
-                     "Families: deepseek_v3, qwen3_moe, mixtral, olmoe, kimi_linear (SiLU experts) and gpt_oss\n"
+                     "(qwen3moe, deepseek2, olmoe, kimi-linear, llama for Mixtral, gpt-oss), which --model FILE.gguf\n"
+                     "reads. Families: deepseek_v3, qwen3_moe, mixtral, olmoe, kimi_linear (SiLU experts) and gpt_oss\n"
                      "(tiny-gpt-oss, gpt-oss-20b, gpt-oss-120b: experts with biases, a clamped SwiGLU (alpha 1.702,\n"
-                     "swiglu_limit 7), gate and up interleaved in one fused tensor, top-k then softmax routing; written\n"
-                     "as openai/gpt-oss publishes its bf16 form, safetensors only, --dtype bf16, f16 or f32).\n"
+                     "swiglu_limit 7), top-k then softmax routing; safetensors as openai/gpt-oss publishes its bf16\n"
+                     "form, gate and up interleaved in one fused tensor, --dtype bf16, f16 or f32; GGUF in llama.cpp's\n"
+                     "gpt-oss layout, gate and up separate, F32 expert biases and router, any GGUF --dtype whose block\n"
+                     "divides H and I: bf16 for tiny-gpt-oss, mxfp4 or q8_0 too for gpt-oss-20b/120b).\n"
                      "Presets: " + absl::StrJoin(moe::PresetNames(), ", "));
   flags.String("preset", &preset, "model geometry: " + absl::StrJoin(moe::PresetNames(), ", "));
   flags.String("out", &out, "output directory (created), or the GGUF file to write");
@@ -45,8 +47,6 @@ int main(int argc, char** argv) {
   absl::StatusOr<moe::ModelSpec> spec = moe::PresetSpec(preset, static_cast<int>(layers));
   if (!spec.ok()) flags.Fail(std::string(spec.status().message()));
   absl::Status st;
-  if (format == "gguf" && moe::IsGptOss(spec->model_type))
-    flags.Fail("--format gguf: gpt_oss presets are written as safetensors checkpoints only");
   if (format == "gguf") {
     absl::StatusOr<moe::GgmlType> type = moe::ParseGgmlType(dtype);
     if (!type.ok()) flags.Fail(absl::StrCat("--dtype: ", type.status().message()));

@@ -32,8 +32,10 @@ find .bundle/dev/python -name __pycache__ -prune -exec rm -rf {} +
 # the benchmark of record's script (the `record` phase of device_check.sh).
 mkdir -p .bundle/dev/traces && cp ../shared/data/traces/*.jsonl.xz .bundle/dev/traces/
 cp scripts/bench_record.sh bench/peer_join.py .bundle/dev/
-# The llama.cpp peer (the record's `llama` set runs it in the same call).
+# The llama.cpp peer (the record's `llama` set runs it in the same call) and the GPT-OSS peer model's writer
+# (the `gptoss*` phases).
 mkdir -p .bundle/dev/peer && cp -r ../shared/peers/llama .bundle/dev/peer/
+cp bench/make_peer_gguf.py .bundle/dev/
 tar -C .bundle -cJf .bundle/dev.tar.xz dev
 echo "archive: .bundle/dev.tar.xz ($(du -sh .bundle/dev.tar.xz | cut -f1))"
 # The device tool carries at most 64 MiB (with shared/): past that, bundle a subset.

@@ -47,6 +47,18 @@
 #                         DeepSeek-V3 geometry with Kimi-K2-format int4 experts) saved on this host and loaded through
 #                         transformers' experts backend: correctness, decode/prompt tokens/s, memory, transformers'
 #                         offload (HF_ARGS: more flags; HF_WORK: checkpoint directory, removed after)
+#   gptoss LAYERS         issue 46: GPT-OSS-120B (LAYERS of its 36 layers, MXFP4 experts) beside llama.cpp on one
+#                         file: gptoss_make, gptoss_llama, gptoss_ours in turn (36 layers take more than one call's
+#                         600 s: run the sub-phases in separate calls, on the same warm machine)
+#   gptoss_make LAYERS    bench/make_peer_gguf.py writes the whole model (llama.cpp's gpt-oss layout, ~1.75 GB per
+#                         layer) into GPTOSS_WORK (default /tmp/gptoss_work, kept between calls: skipped when made;
+#                         a model of other LAYERS is removed first, the disk holds one)
+#   gptoss_llama LAYERS   llama.cpp on it, experts on the CPU (-ngl 99 -ot exps=CPU -t 16): llama-bench decode
+#                         (tg32, 3 runs) and a 2048-token prompt, llama-batched-bench 1 and 8 sequences, to
+#                         $OUT/gptoss_llama.md
+#   gptoss_ours LAYERS    gptoss_decode then gptoss_prompt: bench/moe_layer --model on the same file (--weight-dtype
+#                         mxfp4), decode T=1,8 at cache 0 and 25% (ours, ours-graph, ours-cpu) / one 2048-token
+#                         prompt (--zipf=0, ours and ours-cpu), to $OUT/gptoss_ours.md
 #   tp ARGS               issue 26: python/examples/transformers_tp.py ARGS on every GPU of the machine (needs 2):
 #                         one cache across the GPUs (tensor parallel, torch all-reduce) vs a cache per GPU
 #   Python from the working tree instead of the bundle: PYDIR=python PYTESTDIR=tests/python
@@ -68,6 +80,25 @@ export LD_LIBRARY_PATH=$B/lib MOE_BIN_DIR=$B/bin
   free -g | head -2
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 } > "$OUT/machine.txt" 2>&1
+
+# The GPT-OSS peer model of $1 layers (bench/make_peer_gguf.py), made once in GPTOSS_WORK with llama.cpp's
+# binaries beside it; prints its path, or returns 1 with the reason on stderr.
+gptoss_model() {
+  local layers=$1 W=${GPTOSS_WORK:-/tmp/gptoss_work}
+  local M=$W/gpt-oss-120b-${layers}L-mxfp4.gguf py=${PYTHON:-/opt/torch/.venv/bin/python3}
+  [[ -x $py ]] || py=python3
+  mkdir -p "$W"
+  [[ -x $W/llama/bin/llama-bench ]] || { mkdir -p "$W/llama" && tar -xJf "$B/peer/llama/llama-bin.tar.xz" -C "$W/llama"; }
+  if [[ ! -s $M.ok ]]; then
+    rm -f "$W"/*.gguf "$W"/*.gguf.ok  # the disk holds one 36-layer model
+    df -h "$W" | tail -1 >&2
+    timeout 570 "$py" "$B/make_peer_gguf.py" "$M" --preset gpt-oss-120b --layers "$layers" --gguf-py "$B/peer/llama/gguf-py" \
+      --vocab "$W/llama/share/ggml-vocab-qwen2.gguf" > "$OUT/gptoss_make.log" 2>&1 && echo ok > "$M.ok"
+    tail -2 "$OUT/gptoss_make.log" >&2
+    [[ -s $M.ok ]] || { rm -f "$M"; echo "gptoss: the model was not written ($OUT/gptoss_make.log)" >&2; return 1; }
+  fi
+  echo "$M"
+}
 
 while [[ $# -gt 0 ]]; do
   phase=$1; shift
@@ -163,6 +194,40 @@ while [[ $# -gt 0 ]]; do
         --server-bin "$B/bin/moe-expert-server" > "$OUT/ep_bench${SERVER_THREADS:+_$SERVER_THREADS}.md" \
         2> "$OUT/ep_bench${SERVER_THREADS:+_$SERVER_THREADS}.log"
       echo "ep_bench rc=$?"; grep -E "^\|" "$OUT/ep_bench${SERVER_THREADS:+_$SERVER_THREADS}.md" ;;
+    gptoss)
+      bash "$0" gptoss_make "$1" gptoss_llama "$1" gptoss_ours "$1"; shift ;;
+    gptoss_make)
+      M=$(gptoss_model "$1") && ls -l "$M"; shift ;;
+    gptoss_llama)
+      M=$(gptoss_model "$1") || { shift; continue; }
+      LB=${GPTOSS_WORK:-/tmp/gptoss_work}/llama
+      export LD_LIBRARY_PATH="$LB/lib:$LB/lib/fallback:$B/lib"
+      cat "$M" > /dev/null  # page cache
+      "$LB/bin/llama-bench" --list-devices 2>&1 | grep -q CUDA0 || echo "WARNING: llama.cpp's CUDA backend did not load"
+      {
+        echo "## llama.cpp, GPT-OSS-120B geometry, $1 layers, MXFP4 experts on the CPU (-ngl 99 -ot exps=CPU -t 16), $(date -u +%FT%TZ)"
+        echo "### decode, 1 sequence"
+        timeout 150 "$LB/bin/llama-bench" -m "$M" -ngl 99 -ot exps=CPU -t 16 -p 0 -n 32 -r 3 -lm none -o md 2>&1 | grep -E '^\|'
+        echo "### 2048-token prompt"
+        timeout 200 "$LB/bin/llama-bench" -m "$M" -ngl 99 -ot exps=CPU -t 16 -p 2048 -n 0 -ub 2048 -b 2048 -r 2 -lm none -o md 2>&1 | grep -E '^\|'
+        echo "### batched decode (llama-batched-bench: S_TG t/s is tokens/s over all sequences)"
+        timeout 200 "$LB/bin/llama-batched-bench" -m "$M" -ngl 99 -ot exps=CPU -t 16 -lm none -c 4096 -b 2048 -ub 512 \
+          -npp 128 -ntg 32 -npl 1,8 2>&1 | grep -E '^\|'
+      } | tee -a "$OUT/gptoss_llama.md"
+      export LD_LIBRARY_PATH=$B/lib; shift ;;
+    gptoss_ours)
+      bash "$0" gptoss_decode "$1" gptoss_prompt "$1"; shift ;;
+    gptoss_decode|gptoss_prompt)
+      M=$(gptoss_model "$1") || { shift; continue; }
+      if [[ $phase == gptoss_decode ]]; then
+        rows=(--batches=1,8 --cache=0,25 --modes=ours,ours-graph,ours-cpu)
+      else
+        rows=(--batches=2048 --zipf=0 --chunk=2048 --steps=2 --warmup=1 --cache=0,25 --modes=ours,ours-cpu)
+      fi
+      echo "## $phase: moe_layer --model $M (GPT-OSS-120B geometry, $1 layers) ${rows[*]}" | tee -a "$OUT/gptoss_ours.md"
+      timeout 580 "$B/bin/moe_layer" --model="$M" --weight-dtype=mxfp4 "${rows[@]}" \
+        >> "$OUT/gptoss_ours.md" 2>> "$OUT/gptoss_ours.log"
+      echo "moe_layer rc=$?" | tee -a "$OUT/gptoss_ours.md"; grep -E '^\|' "$OUT/gptoss_ours.md" | tail -12; shift ;;
     tp)
       py=${PYTHON:-/opt/torch/.venv/bin/python3}
       MOE_LIBRARY=$B/bin/libmoe.so PYTHONPATH=$B/python timeout 580 "$py" "$B/python/examples/transformers_tp.py" \

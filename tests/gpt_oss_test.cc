@@ -8,20 +8,36 @@
 // (misses), against the f64 reference MoE of the checkpoint at bf16
 // tolerance, with activations large enough that the clamp decides the result.
 // A worker is refused by a server whose expert math is not its own.
+// GPT-OSS in GGUF (issue 46 point 3, GptOssGguf): llama.cpp's gpt-oss layout
+// as moe-make-model --format gguf writes it reads back as the checkpoint of
+// the same seed (bf16) or exactly as its stored blocks (MXFP4, GPT-OSS-20B's
+// expert shape), a real moe-expert-server on the file serves a layer against
+// the f64 reference, and a bad file is refused in one line naming the tensor.
 #include <sys/wait.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "client/expert_client.h"
+#include "expert_compute/expert_kernel.h"
+#include "expert_compute/expert_store.h"
+#include "model/gguf.h"
+#include "model/gguf_model.h"
 #include "model/model_source.h"
 #include "model/reference_moe.h"
 #include "model/routing.h"
+#include "model/synthetic_model.h"
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/layer_dispatcher.h"
@@ -285,6 +301,276 @@ INSTANTIATE_TEST_SUITE_P(Backends, GptOssEndToEndTest,
                          [](const ::testing::TestParamInfo<Param>& p) {
                            return std::get<0>(p.param) + "_" + std::get<1>(p.param);
                          });
+
+// ---------------------------------------------------------------- GGUF
+
+// Runs the real moe-make-model with `args`; true iff it exited 0.
+bool MakeModel(const std::vector<std::string>& args) {
+  Subprocess make(testing::BinaryPath("moe-make-model"), args);
+  const int status = make.Wait(std::chrono::seconds(120));
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+void ExpectSameExpert(const ExpertWeights& a, const ExpertWeights& b, const std::string& what) {
+  EXPECT_EQ(a.gate, b.gate) << what;
+  EXPECT_EQ(a.up, b.up) << what;
+  EXPECT_EQ(a.down, b.down) << what;
+  EXPECT_EQ(a.gate_bias, b.gate_bias) << what;
+  EXPECT_EQ(a.up_bias, b.up_bias) << what;
+  EXPECT_EQ(a.down_bias, b.down_bias) << what;
+}
+
+// moe-make-model --format gguf on tiny-gpt-oss: llama.cpp's gpt-oss layout
+// (separate gate/up/down with F32 biases, the router), read back as the
+// safetensors checkpoint of the same seed: the same spec and expert math,
+// every expert and bias bit for bit, the same f64 layer output.
+TEST(GptOssGguf, MakeModelGgufReadsBackAsTheCheckpoint) {
+  TempDir dir;
+  const std::string ckpt = dir.path() + "/ckpt", path = dir.path() + "/tiny-gpt-oss.gguf";
+  ASSERT_TRUE(MakeCheckpoint(ckpt));
+  ASSERT_TRUE(MakeModel({"--preset=tiny-gpt-oss", "--seed=" + std::to_string(kSeed), "--format=gguf", "--out=" + path}));
+  std::unique_ptr<ModelSource> st = *OpenModel(ckpt);
+  absl::StatusOr<std::unique_ptr<ModelSource>> gg = OpenModel(path);
+  ASSERT_TRUE(gg.ok()) << gg.status();
+  const ModelSpec &a = (*gg)->spec(), &b = st->spec();
+  EXPECT_EQ(a.model_type, "gpt_oss");
+  EXPECT_EQ(std::tie(a.num_layers, a.moe_layers, a.num_experts, a.top_k, a.hidden, a.intermediate),
+            std::tie(b.num_layers, b.moe_layers, b.num_experts, b.top_k, b.hidden, b.intermediate));
+  EXPECT_EQ(a.activation, b.activation);
+  EXPECT_TRUE(a.expert_biases);
+  EXPECT_EQ(a.routing, RoutingMode::kTopKSoftmax);
+  EXPECT_EQ(a.dtype, DType::kBF16);
+  EXPECT_EQ(IdentityOf(**gg, path).expert_math, kMath);
+  EXPECT_NE((*gg)->Describe().find("(gpt-oss, experts BF16; routing top-4 then softmax"), std::string::npos)
+      << (*gg)->Describe();
+  ExpertWeights x, y;
+  for (int l : a.moe_layers)
+    for (int e = 0; e < a.num_experts; ++e) {
+      ASSERT_TRUE((*gg)->ReadExpert(l, e, &x).ok());
+      ASSERT_TRUE(st->ReadExpert(l, e, &y).ok());
+      ExpectSameExpert(x, y, absl::StrCat("layer ", l, " expert ", e));
+    }
+  // The router as llama.cpp reads it: ffn_gate_inp.weight [H, E] and .bias [E], F32.
+  std::unique_ptr<GgufFile> f = *GgufFile::Open(path);
+  const GgufTensor* router = f->Find("blk.1.ffn_gate_inp.weight");
+  const GgufTensor* router_bias = f->Find("blk.1.ffn_gate_inp.bias");
+  ASSERT_NE(router, nullptr);
+  ASSERT_NE(router_bias, nullptr);
+  EXPECT_EQ(router->dims, (std::vector<int64_t>{a.hidden, a.num_experts}));
+  EXPECT_EQ(router_bias->dims, (std::vector<int64_t>{a.num_experts}));
+  std::vector<bf16_t> rw(size_t(a.num_experts) * a.hidden), rb(a.num_experts);
+  GenerateRouter(kSeed, 1, a.num_experts, a.hidden, rw.data(), rb.data());
+  std::vector<float> got(rw.size());
+  DequantizeGgml(static_cast<GgmlType>(router->type), router->data, static_cast<int64_t>(got.size()), got.data());
+  for (size_t i = 0; i < rw.size(); ++i) ASSERT_EQ(got[i], Bf16ToF32(rw[i])) << i;
+  // One layer through both sources' f64 reference: the same output.
+  ReferenceMoe ra(**gg), rb_ref(*st);
+  const Batch batch = RandomBatch(a, 13, 7);
+  std::vector<double> oa(size_t(batch.T) * a.hidden), ob(oa.size());
+  ASSERT_TRUE(ra.Forward<double>(1, batch.T, batch.x.data(), batch.routing(), oa.data()).ok());
+  ASSERT_TRUE(rb_ref.Forward<double>(1, batch.T, batch.x.data(), batch.routing(), ob.data()).ok());
+  EXPECT_EQ(oa, ob);
+  double norm = 0;
+  for (double v : oa) norm += v * v;
+  EXPECT_GT(norm, 0);
+}
+
+// A real moe-expert-server on `path` (--weight-dtype auto): checks that it
+// names GPT-OSS's expert math and stores `stored`, then returns its relative
+// error on large random activations (the clamp decides) routed top-k then
+// softmax, against the f64 reference of `reference`; *unclamped_gap: how far
+// the same layer without the clamp is. -1 when a step failed.
+double ServedGgufError(const std::string& path, const char* stored, const ModelSource& reference, double* unclamped_gap) {
+  Subprocess* server = nullptr;
+  const std::string addr =
+      testing::StartExpertServer(&server, {"--model=" + path, "--threads=2", "--max-tokens=64", "--weight-dtype=auto"});
+  std::unique_ptr<Subprocess> owned(server);
+  if (addr.empty()) return ADD_FAILURE() << "moe-expert-server did not start on " << path, -1;
+  std::unique_ptr<ExpertClient> client = *ExpertClient::Connect(addr, testing::PlaintextTls());
+  absl::StatusOr<moe::v1::ServerInfo> info = client->GetInfo();
+  if (!info.ok()) return ADD_FAILURE() << info.status(), -1;
+  EXPECT_EQ(info->weight_format(), stored);
+  EXPECT_EQ(info->model().expert_math(), kMath);
+  EXPECT_EQ(info->model().routing(), "topk_softmax");
+  const ModelSpec& spec = reference.spec();
+  const int layer = spec.moe_layers.back();
+  const Batch b = RandomBatch(spec, 19, 23);
+  absl::StatusOr<std::vector<bf16_t>> got =
+      client->Forward(ExpertClient::MakeRequest(layer, b.T, spec.hidden, b.x.data(), b.routing(), 1));
+  if (!got.ok()) return ADD_FAILURE() << got.status(), -1;
+  const size_t n = got->size();
+  std::vector<double> ref(n), free_ref(n);
+  EXPECT_TRUE(ReferenceMoe(reference).Forward<double>(layer, b.T, b.x.data(), b.routing(), ref.data()).ok());
+  ModelSpec unclamped = spec;
+  unclamped.activation.limit = 1e30f;
+  // The reference's values with the clamp lifted: a source over the same experts.
+  class Unclamped final : public ModelSource {
+   public:
+    Unclamped(const ModelSource& base, ModelSpec spec) : base_(base), spec_(std::move(spec)) {}
+    const ModelSpec& spec() const override { return spec_; }
+    std::string Describe() const override { return "unclamped " + base_.Describe(); }
+    absl::Status ReadExpert(int l, int e, ExpertWeights* out) const override { return base_.ReadExpert(l, e, out); }
+    uint64_t Identity() const override { return base_.Identity(); }
+
+   private:
+    const ModelSource& base_;
+    ModelSpec spec_;
+  } free_source(reference, unclamped);
+  EXPECT_TRUE(ReferenceMoe(free_source).Forward<double>(layer, b.T, b.x.data(), b.routing(), free_ref.data()).ok());
+  *unclamped_gap = RelativeL2Error(free_ref.data(), ref.data(), n);
+  std::vector<float> f(n);
+  Bf16ToF32(got->data(), f.data(), n);
+  return RelativeL2Error(f.data(), ref.data(), n);
+}
+
+// The server on moe-make-model's bf16 tiny-gpt-oss GGUF serves the layer the
+// safetensors checkpoint of the same seed defines (f64 reference of the
+// checkpoint's values) within bf16's bound.
+TEST(GptOssGguf, ServerOnBf16GgufMatchesTheCheckpointReference) {
+  TempDir dir;
+  const std::string ckpt = dir.path() + "/ckpt", path = dir.path() + "/m.gguf";
+  ASSERT_TRUE(MakeCheckpoint(ckpt));
+  ASSERT_TRUE(MakeModel({"--preset=tiny-gpt-oss", "--seed=" + std::to_string(kSeed), "--out=" + path}));
+  std::unique_ptr<ModelSource> st = *OpenModel(ckpt);
+  double gap = 0;
+  const double err = ServedGgufError(path, "bf16", *st, &gap);
+  std::printf("[gpt-oss gguf] bf16 tiny-gpt-oss served: relative error %.3g (unclamped reference %.3g away)\n", err, gap);
+  EXPECT_GT(err, 0);
+  EXPECT_LE(err, 1e-2);
+  EXPECT_GT(gap, 0.1) << "the clamp changes nothing here";
+}
+
+// GPT-OSS-20B's expert shape (H = I = 2880; one layer, 4 of its experts) in
+// MXFP4 through moe-make-model's writer: the values read are the stored
+// blocks' exactly (and the synthetic mxfp4 model's of the same seed), the
+// biases the generator's, --weight-dtype auto keeps them as mxfp4 (unpacked:
+// the same values), and a real server on the file computes the layer within
+// bf16's bound of the f64 reference over those stored values.
+TEST(GptOssGguf, Mxfp4GgufIsServedWithItsStoredValues) {
+  TempDir dir;
+  const std::string path = dir.path() + "/m.gguf";
+  ModelSpec spec = *PresetSpec("gpt-oss-20b", 1);
+  spec.num_experts = 4;
+  ASSERT_TRUE(WriteSyntheticGguf(path, spec, 5, GgmlType::kMXFP4).ok());
+  absl::StatusOr<std::unique_ptr<ModelSource>> m = OpenModel(path);
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE((*m)->spec().quant.gguf_mxfp4);
+  EXPECT_TRUE((*m)->spec().expert_biases);
+  const ExpertGeometry g = *StorageGeometry((*m)->spec(), "auto");
+  EXPECT_EQ(g.format, WeightFormat::kMxfp4);
+  EXPECT_TRUE(g.biases);
+  std::unique_ptr<GgufFile> f = *GgufFile::Open(path);
+  std::unique_ptr<ModelSource> synth = *OpenModel("synthetic:gpt-oss-20b:layers=1:experts=4:seed=5:dtype=mxfp4");
+  const int64_t n = int64_t{spec.hidden} * spec.intermediate;
+  std::vector<float> stored(n);
+  ExpertWeights w, s;
+  for (int e : {0, 3}) {
+    ASSERT_TRUE((*m)->ReadExpert(0, e, &w).ok());
+    ASSERT_TRUE(synth->ReadExpert(0, e, &s).ok());
+    for (auto [name, ours, theirs] : {std::tuple{"gate", &w.gate, &s.gate}, std::tuple{"up", &w.up, &s.up},
+                                      std::tuple{"down", &w.down, &s.down}}) {
+      const GgufTensor* t = f->Find(absl::StrCat("blk.0.ffn_", name, "_exps.weight"));
+      ASSERT_EQ(t->type, static_cast<uint32_t>(GgmlType::kMXFP4));
+      DequantizeGgml(GgmlType::kMXFP4, t->data + t->nbytes / 4 * e, n, stored.data());
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(Bf16ToF32((*ours)[i]), stored[i]) << name << " " << i;
+        ASSERT_EQ(Bf16ToF32((*ours)[i]), Bf16ToF32((*theirs)[i])) << name << " " << i;  // +0 and -0 alike
+      }
+    }
+    EXPECT_EQ(w.gate_bias, s.gate_bias);
+    EXPECT_EQ(w.up_bias, s.up_bias);
+    EXPECT_EQ(w.down_bias, s.down_bias);
+  }
+  // Stored natively: the packed expert unpacks to the file's values.
+  std::vector<bf16_t> packed_expert;
+  {
+    const size_t bytes = (g.packed_bytes() + 63) / 64 * 64;
+    std::unique_ptr<std::byte, decltype(&std::free)> packed(static_cast<std::byte*>(std::aligned_alloc(64, bytes)), &std::free);
+    ASSERT_TRUE((*m)->ReadExpert(0, 2, &w).ok());
+    PackExpert(g, w.gate.data(), w.up.data(), w.down.data(), packed.get(), w.gate_bias.data(), w.up_bias.data(),
+               w.down_bias.data());
+    std::vector<float> back(3 * n);
+    UnpackExpert(g, packed.get(), back.data(), back.data() + n, back.data() + 2 * n);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(back[i], Bf16ToF32(w.gate[i])) << i;
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(back[2 * n + i], Bf16ToF32(w.down[i])) << i;
+  }
+  double gap = 0;
+  const double err = ServedGgufError(path, "mxfp4", **m, &gap);
+  std::printf("[gpt-oss gguf] mxfp4 gpt-oss-20b shape served: relative error %.3g (unclamped reference %.3g away)\n", err,
+              gap);
+  EXPECT_GT(err, 0);
+  EXPECT_LE(err, 1e-2);
+  EXPECT_GT(gap, 0.1) << "the clamp changes nothing here";
+}
+
+// A gpt-oss GGUF without one bias tensor, with a misshapen or integer one, or
+// with llama.cpp's gating key saying another routing, is refused in one line
+// naming the tensor or key.
+TEST(GptOssGguf, BadFilesAreRefusedNamingTheTensor) {
+  TempDir dir;
+  const std::string good = dir.path() + "/good.gguf";
+  ASSERT_TRUE(WriteSyntheticGguf(good, *PresetSpec("tiny-gpt-oss", 1), 1, GgmlType::kBF16).ok());
+  ASSERT_TRUE(OpenModel(good).ok());
+  const std::unique_ptr<GgufFile> src = *GgufFile::Open(good);
+  // Rewrites the good file with its tensors edited by `edit` (dropped when
+  // it returns false) and `extra` metadata.
+  auto rewrite = [&](const std::function<bool(GgufTensorSpec&)>& edit, std::vector<GgufKv> extra = {}) {
+    std::vector<GgufKv> kv = {{"general.architecture", std::string("gpt-oss")}};
+    for (const char* k : {"block_count", "embedding_length", "expert_count", "expert_used_count", "expert_feed_forward_length"})
+      kv.push_back({absl::StrCat("gpt-oss.", k), static_cast<uint32_t>(*src->Int(absl::StrCat("gpt-oss.", k)))});
+    for (GgufKv& e : extra) kv.push_back(std::move(e));
+    std::vector<GgufTensorSpec> tensors;
+    std::vector<const GgufTensor*> from;
+    for (const GgufTensor& t : src->tensors()) {
+      GgufTensorSpec spec{t.name, static_cast<GgmlType>(t.type), t.dims};
+      if (!edit(spec)) continue;
+      tensors.push_back(spec);
+      from.push_back(&t);
+    }
+    const std::string path = dir.path() + "/bad.gguf";
+    EXPECT_TRUE(WriteGguf(path, kv, tensors, [&](size_t i, std::span<std::byte> dst) {
+                  std::memcpy(dst.data(), from[i]->data, std::min(dst.size(), from[i]->nbytes));
+                }).ok());
+    return OpenModel(path).status();
+  };
+  EXPECT_TRUE(rewrite([](GgufTensorSpec&) { return true; }).ok());
+  struct Case {
+    const char* what;
+    std::function<bool(GgufTensorSpec&)> edit;
+    std::vector<GgufKv> extra;
+    const char* names;
+  };
+  const std::vector<Case> cases = {
+      {"a missing bias", [](GgufTensorSpec& t) { return t.name != "blk.0.ffn_up_exps.bias"; }, {},
+       "no tensor blk.0.ffn_up_exps.bias (gpt-oss experts carry biases)"},
+      {"a bias of the wrong shape",
+       [](GgufTensorSpec& t) {
+         if (t.name == "blk.0.ffn_down_exps.bias") t.dims = {80, 8};
+         return true;
+       },
+       {}, "blk.0.ffn_down_exps.bias: dims [80,8], expected [96,8]"},
+      {"an integer bias",
+       [](GgufTensorSpec& t) {
+         if (t.name == "blk.0.ffn_gate_exps.bias") t.type = static_cast<GgmlType>(26);  // I32
+         return true;
+       },
+       {}, "blk.0.ffn_gate_exps.bias: type I32"},
+      {"an expert tensor of the wrong shape",
+       [](GgufTensorSpec& t) {
+         if (t.name == "blk.0.ffn_up_exps.weight") t.dims = {96, 64, 8};
+         return true;
+       },
+       {}, "blk.0.ffn_up_exps.weight: dims [96,64,8]"},
+      {"softmax-then-top-k gating", [](GgufTensorSpec&) { return true; },
+       {{"gpt-oss.expert_gating_func", uint32_t{1}}}, "gpt-oss.expert_gating_func: 1 is not top-k then softmax"},
+  };
+  for (const Case& c : cases) {
+    const absl::Status st = rewrite(c.edit, c.extra);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << c.what << ": " << st;
+    EXPECT_NE(st.message().find(c.names), std::string::npos) << c.what << ": " << st;
+    EXPECT_EQ(st.message().find('\n'), std::string::npos) << c.what;
+  }
+}
 
 }  // namespace
 }  // namespace moe

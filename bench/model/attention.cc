@@ -93,6 +93,8 @@ absl::StatusOr<AttentionConfig> AttentionConfigFor(const ModelSpec& spec, int ma
     c.num_heads = 32, c.num_kv_heads = 8, c.head_dim = 128;  // Mixtral 8x7B
   } else if (type == "olmoe" && spec.hidden == 2048) {
     c.num_heads = 16, c.num_kv_heads = 16, c.head_dim = 128;  // OLMoE-1B-7B (multi-head)
+  } else if (type.rfind("gpt_oss", 0) == 0 && spec.hidden == 2880) {
+    c.num_heads = 64, c.num_kv_heads = 8, c.head_dim = 64;  // GPT-OSS-20B/120B (full attention on every layer here)
   } else if (type.rfind("deepseek", 0) == 0 && spec.hidden == 7168) {
     c.num_heads = 56, c.num_kv_heads = 8, c.head_dim = 128;  // GQA stand-in for MLA
   } else {

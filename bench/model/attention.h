@@ -81,7 +81,8 @@ struct AttentionConfig {
 };
 
 // Attention geometry for a model: real head counts where the model has GQA
-// (qwen3_moe H=2048: 32 heads, 4 kv heads, head_dim 128; mixtral H=4096: 32/8/128),
+// (qwen3_moe H=2048: 32 heads, 4 kv heads, head_dim 128; mixtral H=4096: 32/8/128;
+// gpt_oss H=2880: 64/8/64, without its sliding window, sinks and biases),
 // a GQA stand-in of the same hidden size for DeepSeek's MLA (H=7168: 56 heads,
 // 8 kv heads, head_dim 128), and for other sizes head_dim = the largest of
 // 128, 64, 32, 16, 8 dividing H with at least 2 heads, num_heads = H / head_dim,
