@@ -20,13 +20,16 @@ void SpinThenWait(const std::atomic<T>& value, T old, std::chrono::microseconds 
                   const std::atomic<int64_t>* hot_until_ns = nullptr, std::atomic<uint64_t>* sleeps = nullptr) {
   using Clock = std::chrono::steady_clock;
   const int64_t spin_until = (Clock::now() + spin).time_since_epoch().count();
+  SpinYielder yielder;  // a thread sharing this PU (a server connection, the worker) runs within microseconds
   while (value.load(std::memory_order_acquire) == old) {
-    const int64_t now = Clock::now().time_since_epoch().count();
+    const Clock::time_point t = Clock::now();
+    const int64_t now = t.time_since_epoch().count();
     if (now > spin_until && (hot_until_ns == nullptr || now > hot_until_ns->load(std::memory_order_relaxed))) {
       if (sleeps != nullptr) sleeps->fetch_add(1, std::memory_order_relaxed);
       value.wait(old, std::memory_order_acquire);
     } else {
       CpuRelax();
+      yielder.Tick(t);
     }
   }
 }

@@ -194,13 +194,17 @@ absl::StatusOr<CallStats> LayerDispatcher::LastDeviceCall(int layer) const {
 
 bool LayerDispatcher::AwaitRoutingLog(size_t li, int32_t before, uint64_t done) {
   const int32_t* log = impl_->device_tables[li].routing_log;
+  SpinYielder yielder;  // the engine's other threads (another rank's) may share this CPU
   for (uint32_t spin = 0;; ++spin) {
     const int32_t seq = __atomic_load_n(log, __ATOMIC_ACQUIRE);
     if (seq != 0 && seq != before) return true;
     // The call ended (or failed) without logging: the caller waits and reads as before.
-    if (spin % 64 == 63 && backend_->ComputeDone(done)) {
-      const int32_t last = __atomic_load_n(log, __ATOMIC_ACQUIRE);
-      return last != 0 && last != before;
+    if (spin % 64 == 63) {
+      if (backend_->ComputeDone(done)) {
+        const int32_t last = __atomic_load_n(log, __ATOMIC_ACQUIRE);
+        return last != 0 && last != before;
+      }
+      yielder.Tick(Clock::now());
     }
     CpuRelax();
   }

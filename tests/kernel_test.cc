@@ -10,7 +10,10 @@
 // the same kernels (KernelTest.GptOss*), one with inputs large enough that
 // the clamp changes the result.
 // Kernels this CPU lacks are reported as skipped, by name.
+#include <pthread.h>
+#include <sched.h>
 #include <sys/resource.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -526,6 +529,52 @@ TEST(ComputePool, KeepHotUntilKeepsIdleThreadsSpinning) {
   EXPECT_EQ(pool.sleeps(), after_run);
   EXPECT_TRUE(sleeps_reach(after_run + pool.size() - 1)) << "threads spun past the deadline";
   EXPECT_EQ(ran.load(), 2 * pool.size());
+}
+
+// A hot idle compute thread (KeepHotUntil: a server whose client polls keeps
+// them spinning between layers) shares its PU with a thread that has work —
+// on a host where the worker's and the server connections' threads outnumber
+// the cores the pool leaves free, the scheduler puts them there. Pause-only
+// spinning held the PU for whole scheduler slices (20 ms of work took ~40
+// ms and every wait was a slice); the spinner yields every kSpinYieldPeriod.
+namespace {
+double ThreadCpuSeconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+double WallForCpuOn(int cpu, double cpu_s) {
+  cpu_set_t saved, one;
+  pthread_getaffinity_np(pthread_self(), sizeof(saved), &saved);
+  CPU_ZERO(&one);
+  CPU_SET(cpu, &one);
+  EXPECT_EQ(pthread_setaffinity_np(pthread_self(), sizeof(one), &one), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  const double c0 = ThreadCpuSeconds();
+  const auto w0 = std::chrono::steady_clock::now();
+  while (ThreadCpuSeconds() - c0 < cpu_s) {
+  }
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
+  pthread_setaffinity_np(pthread_self(), sizeof(saved), &saved);
+  return wall;
+}
+}  // namespace
+
+TEST(ComputePool, HotIdleThreadGivesItsPuToAThreadWithWork) {
+  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
+  ASSERT_TRUE(numa.ok()) << numa.status();
+  const int cpu = (*numa)->cpus().size() > 1 ? (*numa)->cpus()[1] : -1;
+  if (cpu < 0) GTEST_SKIP() << "one CPU: no idle compute thread";
+  const double alone = WallForCpuOn(cpu, 0.02);
+  ComputePool pool(**numa, std::chrono::microseconds(0));
+  pool.KeepHotUntil(std::chrono::steady_clock::now() + std::chrono::seconds(20));
+  pool.Run([](int, int) {});  // thread 1 on cpus()[1], spinning for the next region from here
+  const uint64_t sleeps = pool.sleeps();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  const double shared = WallForCpuOn(cpu, 0.02);
+  EXPECT_EQ(pool.sleeps(), sleeps) << "the compute thread slept: nothing measured";
+  EXPECT_LT(shared, 1.35 * alone + 0.002) << "20 ms of work took " << 1e3 * shared
+                                          << " ms beside a hot idle compute thread (" << 1e3 * alone << " ms alone)";
 }
 
 TEST(Fp8Checkpoint, BlocksTheKernelsCannotGroupAreRefused) {
