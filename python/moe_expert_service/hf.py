@@ -508,9 +508,17 @@ def _close_quietly(offload):
 _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_token", "experts_per_token")
 
 
-def _top_k(config):
-    """The most experts any layer of `config` routes a token to (8 when no key names it)."""
+def _top_k(config, model=None):
+    """The most experts any layer of `config` routes a token to (8 when no key names it), and
+    at least the `top_k` any module of `model` (its routers, MoE blocks) holds: a family's config
+    may carry a key its router does not read (Hunyuan: num_experts_per_tok 1 beside the moe_topk
+    it routes with). An upper bound: the session sizes its buffers by it."""
     ks = []
+    if model is not None:
+        for m in model.modules():
+            v = getattr(m, "top_k", None)
+            if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= 4096:
+                ks.append(v)
     for key in _TOP_K_KEYS:
         v = getattr(config, key, None)
         if isinstance(v, int) and not isinstance(v, bool):
@@ -553,7 +561,7 @@ def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_
         raise ValueError(f"checkpoint: {checkpoint!r} is not a local checkpoint directory (pass checkpoint=)")
     first = mods[0][2]
     E = experts_dims(first)[0]
-    k = _top_k(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config)
+    k = _top_k(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config, model)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     options = dict(model=checkpoint, device=device, policy=policy, weight_dtype=weight_dtype,
