@@ -157,11 +157,11 @@ void PackMxfp4Block(const bf16_t* w, int N, int K, int n0, int Kp, std::byte* ou
       const int k0 = gi * kMxfp4Block;
       for (int j = 0; j < kMxfp4Block; ++j) v[j] = At(w, N, K, n0 + c, k0 + j);
       scale[gi * 16 + c] = QuantizeMxfp4Block(v, codes);
-      for (int k = k0; k < k0 + kMxfp4Block; ++k) {
-        const uint8_t code = codes[k - k0];
-        bool high;
-        uint8_t& b = q[layout::Int4Offset(c, k, &high)];
-        b = high ? static_cast<uint8_t>((b & 0x0F) | (code << 4)) : static_cast<uint8_t>((b & 0xF0) | code);
+      // layout::Int4Offset: k and k + 4 of each 8 share a byte (low, high nibble), 4 bytes per channel.
+      for (int j8 = 0; j8 < kMxfp4Block; j8 += 8) {
+        const int k = k0 + j8;
+        uint8_t* b = q + size_t(k / 64) * 512 + size_t((k % 64) / 8) * 64 + c * 4;
+        for (int j = 0; j < 4; ++j) b[j] = static_cast<uint8_t>(codes[j8 + j] | codes[j8 + 4 + j] << 4);
       }
     }
 }

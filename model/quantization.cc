@@ -185,16 +185,21 @@ void DequantizeInt4Group(const int32_t* packed, const float* scales, int rows, i
   }
 }
 
-uint8_t F32ToE2M1(float v) {
+namespace {
+// The midpoints between the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 passed;
+// at a tie the even code (mantissa bit 0) wins, as round-to-nearest-even
+// does: > where the code below is even, >= where it is odd. Branch-free and
+// inlined into QuantizeMxfp4Block's loop (a model's whole expert store is
+// quantized through here at load); NaN: 0.
+inline uint8_t E2M1Code(float v) {
   const uint8_t sign = std::signbit(v) ? 8 : 0;
   const float a = std::fabs(v);
-  // Midpoints between the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6; at a tie the
-  // even code (mantissa bit 0) wins, as round-to-nearest-even does.
-  static constexpr float kMid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-  uint8_t m = 0;
-  while (m < 7 && (a > kMid[m] || (a == kMid[m] && (m & 1) == 1))) ++m;
-  return sign | m;
+  const int m = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return static_cast<uint8_t>(sign | m);
 }
+}  // namespace
+
+uint8_t F32ToE2M1(float v) { return E2M1Code(v); }
 
 float E8M0ToF32(uint8_t e) {
   return e == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, static_cast<int>(e) - 127);
@@ -227,7 +232,7 @@ uint8_t QuantizeMxfp4Block(const float* v, uint8_t* codes) {
   for (int j = 0; j < kMxfp4Block; ++j) amax = std::max(amax, std::fabs(v[j]));
   const uint8_t e = Mxfp4ScaleFor(amax);
   const float inv = 1.0f / E8M0ToF32(e);  // a power of two: exact
-  for (int j = 0; j < kMxfp4Block; ++j) codes[j] = F32ToE2M1(v[j] * inv);
+  for (int j = 0; j < kMxfp4Block; ++j) codes[j] = E2M1Code(v[j] * inv);
   return e;
 }
 
