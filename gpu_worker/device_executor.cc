@@ -21,12 +21,18 @@
 
 namespace moe {
 
-// A Forwarder's thread (dispatcher_internal.h): the GPU's requests to a gRPC server.
+// A Forwarder's thread (dispatcher_internal.h): the GPU's requests to a gRPC
+// server, each given `deadline` (the server deadline). A request it misses is
+// answered UNAVAILABLE (the GPU computes it from the host copy); so are the
+// requests after it, at once, until the server answers a probe
+// (ExpertTransport::Probe) — not each sent into the silence and waited out.
 void RunForwarder(Forwarder* f, int num_experts, int num_layers, std::chrono::milliseconds deadline,
                   std::chrono::nanoseconds poll) {
   const shm::Segment& seg = *f->seg;
   shm::ValidatedRequest req;
   Clock::time_point last = Clock::now();
+  bool silent = false;
+  const auto probe_timeout = std::min<std::chrono::milliseconds>(deadline, std::chrono::seconds(1));
   while (!f->stop.load(std::memory_order_acquire)) {
     std::optional<uint32_t> idx = seg.TryPopDeviceSubmit();
     if (!idx) {
@@ -42,10 +48,13 @@ void RunForwarder(Forwarder* f, int num_experts, int num_layers, std::chrono::mi
       ExpertTransport* t = f->route.load(std::memory_order_acquire);
       if (t == nullptr) {
         st = absl::UnavailableError("the server is drained or unconnected");
+      } else if (silent && !t->Probe(probe_timeout).ok()) {
+        st = absl::UnavailableError("the server missed a deadline and has not answered a probe since");
       } else {
         const MoeBatch b{static_cast<int>(req.layer), req.n_tokens, slot.tokens, req.routing()};
         std::future<absl::Status> done = t->Submit(b, slot.output, Clock::now() + deadline);
         st = AwaitResult(done);
+        silent = absl::IsDeadlineExceeded(st);
       }
     }
     shm::WriteResponseStatus(slot, st);
@@ -359,7 +368,8 @@ absl::Status LayerDispatcher::PrepareDevicePath() {
     FillChannel(*f->seg, reinterpret_cast<uint64_t>(f->mem), 0, 2, 1, &m.channels[m.channel_of_server[s]]);
     f->route.store(sv.enabled ? sv.transport.get() : nullptr);
     Forwarder* raw = f.get();
-    f->thread = std::thread(RunForwarder, raw, spec_.num_experts, spec_.num_layers, config_.deadline,
+    f->thread = std::thread(RunForwarder, raw, spec_.num_experts, spec_.num_layers,
+                            std::min(config_.server_deadline, config_.deadline),
                             std::chrono::nanoseconds(config_.poll_window));
     m.forwarder_of_server[s] = static_cast<int>(m.forwarders.size());
     m.forwarders.push_back(std::move(f));

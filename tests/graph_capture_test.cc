@@ -388,6 +388,52 @@ TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
   cudaGraphExecDestroy(exec);
 }
 
+// A gRPC server that stops answering while its connection stays up (SIGSTOP:
+// the kernel still takes its bytes) in a captured step: the forwarder's
+// request waits out the server deadline once and the GPU computes it from the
+// host copy; later replays fail over at once while the forwarder probes the
+// server (not one server deadline per replay); once it runs again it serves
+// the same graph, right.
+TEST_F(GraphCaptureTest, CapturedStepFailsOverOnceFromAStalledGrpcServer) {
+  SessionOptions o;
+  o.model = kModel;
+  o.servers = {grpc_address_};
+  o.tls.insecure = true;
+  o.copy_mode = CopyMode::kNever;  // every miss through the forwarder
+  o.device = DeviceChoice::kCuda;
+  o.policy = CachePolicy::kStatic;
+  o.cache_experts_per_layer = 3;
+  o.max_tokens = 8;
+  o.deadline = std::chrono::milliseconds(5000);
+  o.server_deadline = std::chrono::milliseconds(1000);
+  absl::StatusOr<std::unique_ptr<MoeSession>> grpc_session = MoeSession::Open(o);
+  ASSERT_TRUE(grpc_session.ok()) << grpc_session.status();
+  session_ = *std::move(grpc_session);
+  const int T = 2;
+  std::vector<Buffers> bufs;
+  std::vector<Inputs> in;
+  cudaGraphExec_t exec = CaptureStep(T, &bufs, &in);
+  ASSERT_NE(exec, nullptr);
+  ASSERT_TRUE(Replay(exec, 0, T, bufs, in));
+  ASSERT_TRUE(session_->TakeStreamError().ok());
+  server_->Signal(SIGSTOP);
+  int waited = 0;
+  for (int step = 1; step <= 4; ++step) {
+    const Clock::time_point t0 = Clock::now();
+    EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step << ": the device computes what was not answered";
+    waited += Clock::now() - t0 >= o.server_deadline;
+    (void)session_->TakeStreamError();
+  }
+  server_->Signal(SIGCONT);
+  EXPECT_EQ(waited, 1) << "replays after the first waited out the server deadline again";
+  for (int step = 5; step < 8; ++step) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
+    (void)session_->TakeStreamError();
+  }
+  cudaGraphExecDestroy(exec);
+}
+
 // Replays across a drained server and a killed one: never a hang, never a
 // wrong result: the device computes a request nobody answered by the deadline
 // from the host copy, and the misses no server may take (copied from the host copy: at most kMaxDeviceCopies per
