@@ -126,6 +126,26 @@ class GraphCaptureTest : public ::testing::Test {
     return RelativeL2Error(got.data(), ref.data(), got.size());
   }
 
+  // A session on the fixture's server over gRPC with every miss through the
+  // worker's forwarder thread (no copies), for the tests of that path; the
+  // fixture's helpers use session_.
+  void OpenForwarderSession(std::chrono::milliseconds deadline, std::chrono::milliseconds server_deadline) {
+    SessionOptions o;
+    o.model = kModel;
+    o.servers = {grpc_address_};
+    o.tls.insecure = true;  // the test server listens in plaintext on loopback
+    o.copy_mode = CopyMode::kNever;
+    o.device = DeviceChoice::kCuda;
+    o.policy = CachePolicy::kStatic;
+    o.cache_experts_per_layer = 3;
+    o.max_tokens = 8;
+    o.deadline = deadline;
+    o.server_deadline = server_deadline;
+    absl::StatusOr<std::unique_ptr<MoeSession>> grpc_session = MoeSession::Open(o);
+    ASSERT_TRUE(grpc_session.ok()) << grpc_session.status();
+    session_ = *std::move(grpc_session);
+  }
+
   testing::TempDir dir_;
   std::unique_ptr<Subprocess> server_;
   std::unique_ptr<MoeSession> session_;
@@ -359,19 +379,7 @@ TEST_F(GraphCaptureTest, PopularityFromReplaysReachesTheCoordinator) {
 // forwarder thread (the GPU pushes them into a local segment), with results
 // equal to the reference across replays and a placement change.
 TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
-  SessionOptions o;
-  o.model = kModel;
-  o.servers = {grpc_address_};
-  o.tls.insecure = true;  // the test server listens in plaintext on loopback
-  o.copy_mode = CopyMode::kNever;  // every miss through the forwarder
-  o.device = DeviceChoice::kCuda;
-  o.policy = CachePolicy::kStatic;
-  o.cache_experts_per_layer = 3;
-  o.max_tokens = 8;
-  o.deadline = std::chrono::milliseconds(3000);
-  absl::StatusOr<std::unique_ptr<MoeSession>> grpc_session = MoeSession::Open(o);
-  ASSERT_TRUE(grpc_session.ok()) << grpc_session.status();
-  session_ = *std::move(grpc_session);  // the fixture's helpers use session_
+  ASSERT_NO_FATAL_FAILURE(OpenForwarderSession(std::chrono::milliseconds(3000), std::chrono::milliseconds(3000)));
   const int T = 3;
   std::vector<Buffers> bufs;
   std::vector<Inputs> in;
@@ -395,20 +403,8 @@ TEST_F(GraphCaptureTest, CapturedStepReachesAGrpcServerThroughTheForwarder) {
 // server (not one server deadline per replay); once it runs again it serves
 // the same graph, right.
 TEST_F(GraphCaptureTest, CapturedStepFailsOverOnceFromAStalledGrpcServer) {
-  SessionOptions o;
-  o.model = kModel;
-  o.servers = {grpc_address_};
-  o.tls.insecure = true;
-  o.copy_mode = CopyMode::kNever;  // every miss through the forwarder
-  o.device = DeviceChoice::kCuda;
-  o.policy = CachePolicy::kStatic;
-  o.cache_experts_per_layer = 3;
-  o.max_tokens = 8;
-  o.deadline = std::chrono::milliseconds(5000);
-  o.server_deadline = std::chrono::milliseconds(1000);
-  absl::StatusOr<std::unique_ptr<MoeSession>> grpc_session = MoeSession::Open(o);
-  ASSERT_TRUE(grpc_session.ok()) << grpc_session.status();
-  session_ = *std::move(grpc_session);
+  const std::chrono::milliseconds server_deadline(1000);
+  ASSERT_NO_FATAL_FAILURE(OpenForwarderSession(std::chrono::milliseconds(5000), server_deadline));
   const int T = 2;
   std::vector<Buffers> bufs;
   std::vector<Inputs> in;
@@ -421,7 +417,7 @@ TEST_F(GraphCaptureTest, CapturedStepFailsOverOnceFromAStalledGrpcServer) {
   for (int step = 1; step <= 4; ++step) {
     const Clock::time_point t0 = Clock::now();
     EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step << ": the device computes what was not answered";
-    waited += Clock::now() - t0 >= o.server_deadline;
+    waited += Clock::now() - t0 >= server_deadline;
     (void)session_->TakeStreamError();
   }
   server_->Signal(SIGCONT);
