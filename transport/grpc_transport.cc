@@ -63,9 +63,14 @@ class GrpcTransport final : public ExpertTransport {
   }
 
   ~GrpcTransport() override {
-    {  // a probe in flight calls back into this object
+    {  // a probe in flight calls back into this object (cancelled outside the lock its callback takes)
+      std::shared_ptr<ProbeCall> p;
+      {
+        std::lock_guard<std::mutex> lock(probe_mu_);
+        p = probe_;
+      }
+      if (p != nullptr) p->ctx.TryCancel();
       std::unique_lock<std::mutex> lock(probe_mu_);
-      if (probe_ != nullptr) probe_->ctx.TryCancel();
       probe_cv_.wait(lock, [&] { return probe_ == nullptr; });
     }
     stop_connector_ = true;
