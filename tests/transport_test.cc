@@ -364,6 +364,39 @@ TEST_F(TransportTest, SilentServerHitsTheDeadline) {
   server_->Signal(SIGCONT);
 }
 
+// Probe (what a worker asks before sending batches to a server that missed a
+// deadline): never blocks; UNAVAILABLE while the server is stopped, however
+// often asked; OK once it runs again; a transport destroyed with a probe in
+// flight neither hangs nor crashes.
+TEST_F(TransportTest, ProbeAnswersOnlyOnceAStoppedServerRunsAgain) {
+  std::unique_ptr<ExpertTransport> t = Connect("grpc-stream");
+  std::unique_ptr<ExpertTransport> doomed = Connect("grpc-stream");
+  server_->Signal(SIGSTOP);
+  for (int i = 0; i < 500 && !AllThreadsStopped(server_->pid()); ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_TRUE(AllThreadsStopped(server_->pid()));
+  const std::chrono::milliseconds timeout(200);
+  EXPECT_FALSE(doomed->Probe(timeout).ok());  // its GetInfo is now in flight, unanswered
+  doomed.reset();
+  for (int i = 0; i < 20; ++i) {  // 0.6 s: several probes time out unanswered
+    const auto t0 = Clock::now();
+    EXPECT_EQ(t->Probe(timeout).code(), absl::StatusCode::kUnavailable) << i;
+    EXPECT_LT(Clock::now() - t0, std::chrono::milliseconds(50)) << "Probe blocked";
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  }
+  server_->Signal(SIGCONT);
+  bool up = false;
+  for (int i = 0; i < 200 && !up; ++i) {
+    up = t->Probe(timeout).ok();
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(up) << "the running server never answered a probe";
+  Batch b = MakeBatch(5, 2, 4);
+  std::vector<bf16_t> out(size_t(b.n) * kH);
+  auto f = t->Submit(b.view(), out.data(), In(2000));
+  EXPECT_TRUE(f.get().ok());
+}
+
 int SegmentMappings(pid_t pid) {
   std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
   std::string line;
