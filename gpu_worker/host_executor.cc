@@ -151,7 +151,7 @@ absl::Status LayerDispatcher::PlanCall(int layer, const RoutingView& routing, Mi
     // connected (a gRPC channel is asked to connect now) and, after a server
     // deadline, once it answered a probe; checked every kReconnectPoll — not
     // a call sent into a channel still in back-off or into the silence.
-    if (sv.transport != nullptr && sv.failing && sv.enabled && sv.down_until <= now) {
+    if (sv.transport != nullptr && (sv.failing || sv.silent) && sv.enabled && sv.down_until <= now) {
       const absl::Status up = sv.silent ? sv.transport->Probe(std::min<std::chrono::milliseconds>(
                                               config_.server_deadline, std::chrono::seconds(1)))
                                         : sv.transport->Reconnect();
