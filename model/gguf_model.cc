@@ -132,6 +132,19 @@ bool IsFloatType(uint32_t t) {
          t == static_cast<uint32_t>(GgmlType::kBF16);
 }
 
+// Some layer has experts; a leading_dense_block_count that disagrees with the
+// tensors is reported (the tensors are what is served).
+absl::Status CheckMoeLayers(const GgufFile& file, const std::string& dense_key, const std::vector<int>& moe_layers) {
+  if (moe_layers.empty()) return absl::InvalidArgumentError("no expert tensors (blk.N.ffn_gate_exps.weight)");
+  if (file.Value(dense_key) != nullptr) {
+    MOE_ASSIGN_OR_RETURN(const int64_t dense, file.Int(dense_key));
+    if (dense != moe_layers.front())
+      LogWarning("model", file.path(), ": ", dense_key, " is ", dense, ", the first layer with experts is ",
+                 moe_layers.front(), "; using the tensors'");
+  }
+  return absl::OkStatus();
+}
+
 // Long: the architecture, the geometry keys, then every expert tensor checked.
 absl::StatusOr<std::unique_ptr<ModelSource>> Open(std::unique_ptr<GgufFile> file) {
   MOE_ASSIGN_OR_RETURN(const std::string arch, file->String("general.architecture"));
@@ -231,6 +244,7 @@ absl::StatusOr<std::unique_ptr<ModelSource>> Open(std::unique_ptr<GgufFile> file
     spec.moe_layers.push_back(l);
     tensors.push_back(t);
   }
+  MOE_RETURN_IF_ERROR(CheckMoeLayers(*file, key("leading_dense_block_count"), spec.moe_layers));
   // The expert types: one float type, or a quantization of the widest class.
   std::vector<std::string> names;
   int bits = 0;

@@ -276,6 +276,8 @@ TEST(GgufModel, ArchitecturesTypesAndShapesWeDoNotComputeAreRefusedInOneLine) {
       {"a missing projection", [](auto&, auto& t) { t[1].name = "blk.0.ffn_up_shexp.weight"; }, "no tensor blk.0.ffn_up_exps.weight"},
       {"expert biases", [](auto&, auto& t) { t.push_back({"blk.0.ffn_gate_exps.bias", GgmlType::kF32, {256, 2}}); },
        "blk.0.ffn_gate_exps.bias"},
+      {"no expert tensors", [](auto&, auto& t) { for (auto& x : t) x.name = x.name.substr(0, x.name.size() - 7) + "dense"; },
+       "no expert tensors (blk.N.ffn_gate_exps.weight)"},
   };
   for (const Case& c : cases) {
     const absl::Status st = OpenEdited(c.edit);
