@@ -57,7 +57,7 @@
 #                         (tg32, 3 runs) and a 2048-token prompt, llama-batched-bench 1 and 8 sequences, to
 #                         $OUT/gptoss_llama.md
 #   gptoss_ours LAYERS    gptoss_decode then gptoss_prompt: bench/moe_layer --model on the same file (--weight-dtype
-#                         mxfp4), decode T=1,8 at cache GPTOSS_CACHE (default 0,7: 7% of a bf16 cache's memory, 26%
+#                         mxfp4), decode T=1,8 at cache GPTOSS_CACHE (default 0,7: 7% of a bf16 cache's memory, 27%
 #                         of the MXFP4 experts) (ours, ours-graph, ours-cpu) / one 2048-token
 #                         prompt (--zipf=0, ours and ours-cpu), to $OUT/gptoss_ours.md
 #   tp ARGS               issue 26: python/examples/transformers_tp.py ARGS on every GPU of the machine (needs 2):
@@ -221,10 +221,10 @@ while [[ $# -gt 0 ]]; do
     gptoss_decode|gptoss_prompt)
       M=$(gptoss_model "$1") || { shift; continue; }
       if [[ $phase == gptoss_decode ]]; then
-        # --cache is a share of a bf16 cache's GPU memory: 7% holds 26% of the MXFP4 experts, 25% holds 94%
-        rows=(--batches=1,8 --cache=${GPTOSS_CACHE:-0,7} --modes=ours,ours-graph,ours-cpu)
+        # --cache is a share of a bf16 cache's GPU memory: 7% holds 27% of the MXFP4 experts, 25% holds 94%
+        rows=(--batches=1,8 --cache=${GPTOSS_CACHE:-0,7} --runs=${RUNS:-3} --modes=ours,ours-graph,ours-cpu)
       else
-        rows=(--batches=2048 --zipf=0 --chunk=2048 --steps=2 --warmup=1 --cache=${GPTOSS_CACHE:-0,7} --modes=ours,ours-cpu)
+        rows=(--batches=2048 --zipf=0 --chunk=2048 --steps=2 --warmup=1 --cache=${GPTOSS_CACHE:-0,7} --runs=${RUNS:-3} --modes=ours,ours-cpu)
       fi
       echo "## $phase: moe_layer --model $M (GPT-OSS-120B geometry, $1 layers) ${rows[*]}" | tee -a "$OUT/gptoss_ours.md"
       timeout 580 "$B/bin/moe_layer" --model="$M" --weight-dtype=mxfp4 "${rows[@]}" \

@@ -565,7 +565,7 @@ def attach(model, servers=None, cache=0.25, cache_experts_per_layer=None, cache_
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     options = dict(model=checkpoint, device=device, policy=policy, weight_dtype=weight_dtype,
-                   max_tokens=int(max_tokens), max_top_k=max(k, 1), **session_options)
+                   max_tokens=int(max_tokens), max_top_k=min(max(k, 1), E), **session_options)
     if cache_experts_per_layer is not None:
         options["cache_experts_per_layer"] = int(cache_experts_per_layer)
     elif cache_gib is not None:
