@@ -131,7 +131,9 @@ struct SessionOptions {
   int grpc_streams = 1;                // ForwardStreams per host:port server (a connection each; batches round-robin)
   std::chrono::milliseconds deadline{30000};
   // A server silent this long on one batch has failed: the batch goes to
-  // another holder of its experts (or the device) within `deadline`.
+  // another holder of its experts (or the device) within `deadline`, and the
+  // server gets batches again only once it has answered a probe (a silent
+  // server costs this wait once, not once per retry).
   std::chrono::milliseconds server_deadline{10000};
   int cpu_threads = 0;                 // cpu backend compute threads (0: all)
   // A group of `group.size` GPUs holding one cache (moe/types.h

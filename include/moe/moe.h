@@ -207,7 +207,8 @@ MOE_API const char* moe_status_name(int status);
  *   "server_deadline_ms" (int, default 10000) a server silent this long on
  *                 one of a call's batches has failed: the batch goes to
  *                 another holder of its experts (or the device) within what
- *                 is left of deadline_ms
+ *                 is left of deadline_ms; it gets batches again once it has
+ *                 answered a probe
  *   "tls"         {"cert_file","key_file","ca_file","server_name_override": string, "insecure": bool}
  * Unknown keys and wrong types are MOE_INVALID_ARGUMENT naming the key. On
  * success *out is the session; on failure *out is NULL. */
