@@ -304,6 +304,7 @@ struct Options {
   int admissions = 0;
   int runs = 1;
   int slices = 1;  // > 1: that many servers, each holding one slice of every expert (--slice i/n)
+  std::string server_flags;  // --server-flags
   int tp = 1;      // > 1: that many GPUs, one cache over them vs a cache per GPU (RunTensorParallel)
   bool ep = false;  // with tp > 1: expert parallelism (each GPU its own tokens, exchanged over NCCL)
   int chunk = 0;  // > 0: tokens per layer call (a larger batch runs as several calls)
@@ -1089,6 +1090,8 @@ int Main(int argc, char** argv) {
   flags.Int("tp", &tp,
             "GPUs: > 1 runs only the tensor-parallel comparison — every GPU the same tokens, one cache over them "
             "(each rank its experts, ncclAllReduce of the outputs) vs a cache per GPU, per --batches and --cache");
+  flags.String("server-flags", &o.server_flags,
+               "more flags for every moe-expert-server started, space-separated (e.g. --merge-requests=false)");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one or in the build tree)");
   flags.String("weight-dtype", &o.weight_dtype,
                "the expert server's --weight-dtype and the worker's cache precision: bf16, int8, int4, fp8, mxfp4 or "
@@ -1220,12 +1223,12 @@ int Main(int argc, char** argv) {
           " threads, ", o.weight_dtype, " experts", o.slices > 1 ? " (sliced)" : "");
   for (int i = 0; i < o.slices; ++i) {
     sockets.push_back(absl::StrCat(dir, "/expert", i, ".sock"));
-    servers.push_back(std::make_unique<Subprocess>(
-        server_bin, std::vector<std::string>{"--model=" + uri, "--shm-socket=" + sockets.back(), "--insecure",
-                                             "--listen=127.0.0.1:0", absl::StrCat("--threads=", per_server),
-                                             "--max-tokens=4096", absl::StrCat("--idle-spin-us=", o.idle_spin_us),
-                                             "--weight-dtype=" + o.weight_dtype,
-                                             absl::StrCat("--slice=", i, "/", o.slices)}));
+    std::vector<std::string> args{"--model=" + uri, "--shm-socket=" + sockets.back(), "--insecure",
+                                  "--listen=127.0.0.1:0", absl::StrCat("--threads=", per_server),
+                                  "--max-tokens=4096", absl::StrCat("--idle-spin-us=", o.idle_spin_us),
+                                  "--weight-dtype=" + o.weight_dtype, absl::StrCat("--slice=", i, "/", o.slices)};
+    for (absl::string_view f : absl::StrSplit(o.server_flags, ' ', absl::SkipEmpty())) args.emplace_back(f);
+    servers.push_back(std::make_unique<Subprocess>(server_bin, args));
     if (servers.back()->ReadLine(std::chrono::minutes(10)).find("ready on") == std::string::npos)
       Die("expert server did not start");
   }

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/atomic_max.h"
+#include "core/cpu_relax.h"
 #include "core/status_macros.h"
 
 namespace moe {
@@ -35,6 +36,8 @@ constexpr int kGatherRows = 16;
 constexpr int kClaimsPerThread = 4;
 constexpr int kCombineTokens = 4;
 constexpr int kCombineMinColumns = 256;
+// How long a Forward() caller whose request waits spins before it sleeps.
+constexpr uint64_t kWaitSpinNs = 200'000;
 
 uint64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -61,8 +64,8 @@ void* MoeExecutor::Buffer::Reserve(size_t bytes) {
   return p_;
 }
 
-MoeExecutor::MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool)
-    : store_(store), kernel_(kernel), pool_(pool), cursors_(size_t(kPhases) * pool.size()) {}
+MoeExecutor::MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool, bool merge)
+    : store_(store), kernel_(kernel), pool_(pool), merge_(merge), cursors_(size_t(kPhases) * pool.size()) {}
 
 absl::Status MoeExecutor::Validate(const MoeBatch& b) const {
   if (!store_.HostsLayer(b.layer))
@@ -112,11 +115,174 @@ absl::Status CheckGroups(const ExpertGroups& gr, int n, int align) {
 absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out, ForwardStats* stats) {
   MOE_RETURN_IF_ERROR(Validate(b));
   MOE_RETURN_IF_ERROR(CheckOutputDType(out_dtype));
-  const uint64_t t_queue = NowNs();
-  std::lock_guard<std::mutex> lock(mu_);
+  Job job{&b, out_dtype, out, stats, NowNs(), absl::OkStatus()};
+  std::unique_lock<std::mutex> q(q_mu_);
+  // A peer: a request of the layer the current region started with, arriving
+  // soon after that region's first request.
+  if (combining_ && b.layer == round_layer_ && job.t_queue - round_first_ns_ <= kMaxMergeWindowNs) {
+    peer_lag_ns_ = job.t_queue - round_first_ns_;
+    peer_credit_ = kPeerCredit;
+  }
+  pending_.push_back(&job);
+  arrivals_.fetch_add(1, std::memory_order_release);
+  while (!job.done.load(std::memory_order_acquire)) {
+    if (!combining_) {  // this caller runs the regions until its own request is done
+      combining_ = true;
+      combining_flag_.store(true, std::memory_order_relaxed);
+      while (!job.done.load(std::memory_order_acquire)) RunRound(q);
+      combining_ = false;
+      combining_flag_.store(false, std::memory_order_relaxed);
+      q.unlock();
+      q_cv_.notify_all();  // a waiter whose request is left takes the role over
+      return job.status;
+    }
+    // Regions of decode requests end within microseconds: spin first (giving
+    // the CPU to a thread with work every SpinYielder period), then sleep.
+    q.unlock();
+    const uint64_t spin_until = NowNs() + kWaitSpinNs;
+    SpinYielder yielder;
+    while (!job.done.load(std::memory_order_acquire) && combining_flag_.load(std::memory_order_relaxed)) {
+      const auto now = std::chrono::steady_clock::now();
+      if (uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count()) > spin_until)
+        break;
+      CpuRelax();
+      yielder.Tick(now);
+    }
+    q.lock();
+    q_cv_.wait(q, [&] { return job.done.load(std::memory_order_acquire) || !combining_; });
+  }
+  return job.status;
+}
+
+void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
+  Job* const first = pending_.front();
+  round_layer_ = first->batch->layer;
+  round_first_ns_ = first->t_queue;
+  round_jobs_.clear();
+  int tokens = 0;
+  // Moves the pending requests that merge with `first` (arrival order, up to
+  // kMergeTokens tokens; `first` always) into round_jobs_.
+  auto take = [&] {
+    size_t kept = 0;
+    for (size_t i = 0; i < pending_.size(); ++i) {
+      Job* j = pending_[i];
+      const bool merge = j == first || (merge_ && j->batch->layer == first->batch->layer &&
+                                        j->out_dtype == first->out_dtype && tokens + j->batch->n <= kMergeTokens);
+      if (merge) {
+        round_jobs_.push_back(j);
+        tokens += j->batch->n;
+      } else {
+        pending_[kept++] = j;
+      }
+    }
+    pending_.resize(kept);
+  };
+  take();
+  // Alone, with a peer expected: wait for its request of this layer (its
+  // observed lag and a half, plus 10 us, at most kMaxMergeWindowNs).
+  if (merge_ && round_jobs_.size() == 1 && peer_credit_ > 0 && tokens < kMergeTokens) {
+    const uint64_t window = std::min<uint64_t>(kMaxMergeWindowNs, peer_lag_ns_ + peer_lag_ns_ / 2 + 10'000);
+    const uint64_t deadline = first->t_queue + window;
+    ++merge_stats_.windows;
+    uint64_t seen = arrivals_.load(std::memory_order_acquire);
+    q.unlock();
+    SpinYielder yielder;
+    for (;;) {
+      const auto now = std::chrono::steady_clock::now();
+      const bool late = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count()) >=
+                        deadline;
+      const uint64_t a = arrivals_.load(std::memory_order_acquire);
+      if (a != seen || late) {
+        q.lock();
+        take();
+        if (round_jobs_.size() > 1 || late) break;
+        seen = a;
+        q.unlock();
+      }
+      CpuRelax();
+      yielder.Tick(now);
+    }
+    if (round_jobs_.size() > 1)
+      ++merge_stats_.windows_filled;
+    else
+      --peer_credit_;
+  }
+  ++merge_stats_.regions;
+  if (round_jobs_.size() > 1) {
+    ++merge_stats_.merged_regions;
+    merge_stats_.merged_requests += round_jobs_.size();
+  }
+  q.unlock();
+  ForwardStats rs;
+  absl::Status st;
   const uint64_t t_start = NowNs();
-  GroupByExpert(b.routing, store_.num_experts(), row_align(), &groups_);
-  return RunLocked(b.layer, b.n, b.tokens, groups_, nullptr, out_dtype, out, stats, t_queue, t_start);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    st = RunJobs(round_jobs_, &rs);
+  }
+  q.lock();
+  rs.merged_requests = static_cast<int>(round_jobs_.size());
+  for (Job* j : round_jobs_) {
+    if (j->stats != nullptr) {
+      *j->stats = rs;
+      j->stats->queue_ns = t_start - j->t_queue;
+      if (round_jobs_.size() > 1) {  // its own pairs (the region's experts and times are shared)
+        const RoutingView& r = j->batch->routing;
+        j->stats->pairs = static_cast<int>(std::count_if(r.ids, r.ids + size_t(r.n) * r.k, [](int32_t e) { return e >= 0; }));
+      }
+    }
+    j->status = st;
+    j->done.store(true, std::memory_order_release);  // j may be gone after this
+  }
+  round_jobs_.clear();
+  q_cv_.notify_all();
+}
+
+absl::Status MoeExecutor::RunJobs(const std::vector<Job*>& jobs, ForwardStats* stats) {
+  const uint64_t t_start = NowNs();
+  const Job& j0 = *jobs[0];
+  const int layer = j0.batch->layer;
+  if (jobs.size() == 1) {
+    GroupByExpert(j0.batch->routing, store_.num_experts(), row_align(), &groups_);
+    return RunLocked(layer, j0.batch->n, TokenIo{j0.batch->tokens, j0.out}, groups_, nullptr, j0.out_dtype, stats,
+                     t_start, t_start);
+  }
+  // One routing [n, max k] over every request's tokens (unused slots -1) and
+  // a pointer per token to its request's row in and out.
+  int n = 0, k = 0;
+  for (const Job* j : jobs) {
+    n += j->batch->n;
+    k = std::max(k, j->batch->routing.k);
+  }
+  const size_t H = store_.geometry().H, elem = j0.out_dtype == DType::kBF16 ? 2 : 4;
+  merge_ids_.assign(size_t(n) * k, -1);
+  merge_weights_.assign(size_t(n) * k, 0.0f);
+  merge_in_.resize(n);
+  merge_out_.resize(n);
+  int t = 0;
+  for (const Job* j : jobs) {
+    const RoutingView& r = j->batch->routing;
+    for (int i = 0; i < j->batch->n; ++i, ++t) {
+      std::copy_n(r.ids + size_t(i) * r.k, r.k, merge_ids_.data() + size_t(t) * k);
+      std::copy_n(r.weights + size_t(i) * r.k, r.k, merge_weights_.data() + size_t(t) * k);
+      merge_in_[t] = j->batch->tokens + size_t(i) * H;
+      merge_out_[t] = static_cast<std::byte*>(j->out) + size_t(i) * H * elem;
+    }
+  }
+  GroupByExpert(RoutingView{n, k, merge_ids_.data(), merge_weights_.data()}, store_.num_experts(), row_align(),
+                &groups_);
+  return RunLocked(layer, n, TokenIo{nullptr, nullptr, merge_in_.data(), merge_out_.data()}, groups_, nullptr,
+                   j0.out_dtype, stats, t_start, t_start);
+}
+
+MergeStats MoeExecutor::merge_stats() const {
+  std::lock_guard<std::mutex> q(q_mu_);
+  return merge_stats_;
+}
+
+int MoeExecutor::waiting_requests() const {
+  std::lock_guard<std::mutex> q(q_mu_);
+  return static_cast<int>(pending_.size());
 }
 
 absl::Status MoeExecutor::Run(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
@@ -126,7 +292,7 @@ absl::Status MoeExecutor::Run(int layer, int n, const bf16_t* tokens, const Expe
   MOE_RETURN_IF_ERROR(CheckGroups(groups, n, row_align()));
   const uint64_t t_queue = NowNs();
   std::lock_guard<std::mutex> lock(mu_);
-  return RunLocked(layer, n, tokens, groups, store_expert, out_dtype, out, stats, t_queue, NowNs());
+  return RunLocked(layer, n, TokenIo{tokens, out}, groups, store_expert, out_dtype, stats, t_queue, NowNs());
 }
 
 // Work units, several per thread, which a thread takes from its own range
@@ -207,11 +373,17 @@ void SumRows(const float* y, int ldy, const int32_t* rows, int nrows, int H, DTy
 // Long: one parallel region (gather, gate/up, down, combine) whose phases
 // share the region's scratch, counters and barriers; split, each would need
 // them passed in.
-absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
-                                    const int32_t* store_expert, DType out_dtype, void* out,
-                                    ForwardStats* stats, uint64_t t_queue, uint64_t t_start) {
+absl::Status MoeExecutor::RunLocked(int layer, int n, const TokenIo& io, const ExpertGroups& groups,
+                                    const int32_t* store_expert, DType out_dtype, ForwardStats* stats,
+                                    uint64_t t_queue, uint64_t t_start) {
   const ExpertGeometry& g = store_.geometry();
   const int H = g.H;
+  const size_t elem = out_dtype == DType::kBF16 ? 2 : 4;
+  auto in_row = [&](int tok) { return io.in_rows != nullptr ? io.in_rows[tok] : io.in + size_t(tok) * H; };
+  auto out_row = [&](int tok) {
+    return io.out_rows != nullptr ? static_cast<std::byte*>(io.out_rows[tok])
+                                  : static_cast<std::byte*>(io.out) + size_t(tok) * H * elem;
+  };
   const int ngroups = groups.num_groups();
   weights_.resize(ngroups);
   for (int i = 0; i < ngroups; ++i) {
@@ -331,7 +503,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     for (int r = r0; r < r1; ++r) {
       bf16_t* dst = dst0 + size_t(r - r0) * ldx;
       if (token[r] >= 0) {
-        std::memcpy(dst, tokens + static_cast<size_t>(token[r]) * H, size_t(H) * 2);
+        std::memcpy(dst, in_row(token[r]), size_t(H) * 2);
         std::memset(dst + H, 0, size_t(g.Kh - H) * 2);
       } else {
         std::memset(dst, 0, size_t(g.Kh) * 2);
@@ -346,7 +518,7 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
         for (int r = r0; r < r1; ++r) {
           if (token[r] >= 0) {
             // (one row: ldx is only the hi -> lo distance in q)
-            QuantizeRows(tokens + size_t(token[r]) * H, 1, H, ldx, xq.q + size_t(2 * r) * ldx, xq.scale + r,
+            QuantizeRows(in_row(token[r]), 1, H, ldx, xq.q + size_t(2 * r) * ldx, xq.scale + r,
                          xq.sum32 + size_t(2 * r) * (H / 32));
           } else {
             std::memset(xq.q + size_t(2 * r) * ldx, 0, size_t(2) * ldx);
@@ -387,12 +559,11 @@ absl::Status MoeExecutor::RunLocked(int layer, int n, const bf16_t* tokens, cons
     // Phase 3: out_t = sum of token t's rows of y, in units of `tok_claim`
     // tokens x one of `col_chunks` column ranges.
     float* my_acc = acc + size_t(t) * (g.Hn + 16);
-    const size_t elem = out_dtype == DType::kBF16 ? 2 : 4;
     for (int u; (u = take(kCombine, t).first) >= 0;) {
       const int t0 = u / col_chunks * tok_claim, c0 = u % col_chunks * col_width, c1 = std::min(H, c0 + col_width);
       for (int tok = t0, te = std::min(n, t0 + tok_claim); tok < te; ++tok)
         SumRows(y + c0, ldy, token_rows_.data() + token_start_[tok], token_start_[tok + 1] - token_start_[tok],
-                c1 - c0, out_dtype, static_cast<std::byte*>(out) + (size_t(tok) * H + c0) * elem, my_acc);
+                c1 - c0, out_dtype, out_row(tok) + size_t(c0) * elem, my_acc);
     }
   });
 

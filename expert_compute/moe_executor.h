@@ -7,7 +7,23 @@
 // Forward() = Validate + GroupByExpert + Run. Run() computes pairs a caller
 // already grouped (a GPU worker's cpu backend hands its hit groups as they
 // are). Both may be called from any number of threads; calls validate
-// concurrently and then run one at a time on the whole pool. Workspaces grow
+// concurrently and then run one at a time on the whole pool.
+//
+// Concurrent Forward() calls of one layer are computed together: the
+// requests of several clients (the GPUs of a tensor- or expert-parallel
+// worker, workers sharing a pool) that wait for the pool at the same time
+// are merged into one region, grouped by expert, so an expert two clients
+// need is read from DRAM once and the region's fixed costs are paid once
+// (requests stay in arrival order: the oldest waiting request is always in
+// the next region; at most kMergeTokens tokens merge, a larger request runs
+// alone). A client in lockstep with another (its request of a layer arrives
+// within kMaxMergeWindow of the other's) is also waited for: the region
+// that starts a layer waits up to about the lag observed between them for
+// the other's request. A wait that sees no peer lowers the estimate; after
+// kPeerCredit such waits in a row no region waits any more, until a peer is
+// seen late again. One caller's thread at a time runs the regions of
+// everybody waiting (the "combiner"), and hands that role on when its own
+// request is done. Workspaces grow
 // to the largest batch seen and are reused: no allocation per token. The
 // largest is the down projection's output, one f32 row of H + 16 per routed
 // pair (128 MiB for a 2048-token top-8 prompt of Qwen3-30B-A3B's shape); the
@@ -18,6 +34,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -41,11 +58,25 @@ struct ForwardStats {
   // compute_ns by phase: gather (+ quantize), gate/up, down (+ act quantize),
   // combine (each token's rows summed into the output)
   uint64_t gather_ns = 0, gate_up_ns = 0, down_ns = 0, combine_ns = 0;
+  // Forward: requests computed in the same region (1: alone); distinct
+  // experts and the times are the whole region's, pairs the request's own.
+  int merged_requests = 1;
+};
+
+// What Forward's request merging did (MoeExecutor::merge_stats).
+struct MergeStats {
+  uint64_t regions = 0;           // Forward regions run
+  uint64_t merged_regions = 0;    // of them, regions of more than one request
+  uint64_t merged_requests = 0;   // requests computed in a merged region
+  uint64_t windows = 0;           // regions that waited for a peer's request
+  uint64_t windows_filled = 0;    // of them, waits a peer's request ended
 };
 
 class MoeExecutor {
  public:
-  MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool);
+  // merge = false: Forward() requests run one at a time, in arrival order,
+  // never merged and never waiting for a peer.
+  MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool, bool merge = true);
 
   // Checks the batch against what this server hosts (InvalidArgument naming
   // the field), without computing.
@@ -68,7 +99,43 @@ class MoeExecutor {
   // The row alignment Run needs (the kernel's row block).
   int row_align() const { return kernel_.row_block(store_.geometry().format); }
 
+  MergeStats merge_stats() const;
+  // Forward() requests waiting for the next region.
+  int waiting_requests() const;
+
+  // Most tokens of requests merged into one region.
+  static constexpr int kMergeTokens = 256;
+  // Longest a region waits for a peer's request of its layer.
+  static constexpr uint64_t kMaxMergeWindowNs = 100'000;
+  // Empty waits in a row after which regions stop waiting for peers.
+  static constexpr int kPeerCredit = 4;
+
  private:
+  // One Forward() request waiting for, or in, a region.
+  struct Job {
+    const MoeBatch* batch;
+    DType out_dtype;
+    void* out;
+    ForwardStats* stats;
+    uint64_t t_queue;
+    absl::Status status;
+    std::atomic<bool> done{false};
+  };
+  // Where a region's tokens come from and its rows go: one [n, H] array
+  // each (Run), or a row pointer per token (Forward's merged requests).
+  struct TokenIo {
+    const bf16_t* in = nullptr;
+    void* out = nullptr;
+    const bf16_t* const* in_rows = nullptr;
+    void* const* out_rows = nullptr;
+  };
+  // The combiner: takes the next region's jobs from pending_ (waiting for a
+  // peer's where one is expected) and computes them. q_mu_ held on entry and
+  // exit, released while computing.
+  void RunRound(std::unique_lock<std::mutex>& q);
+  // Under mu_: the jobs as one region.
+  absl::Status RunJobs(const std::vector<Job*>& jobs, ForwardStats* stats);
+
   // Work of one expert group's rows [r0, r1): gate/up activation groups or
   // down output groups [c0, c1).
   struct Unit { int group, c0, c1, r0, r1; };
@@ -87,13 +154,14 @@ class MoeExecutor {
   // Under mu_: token_start_ / token_rows_, each token's rows (token[r], r < rows).
   void IndexTokenRows(int n, const int32_t* token, int rows);
   // Under mu_: Run's computation, the groups already checked.
-  absl::Status RunLocked(int layer, int n, const bf16_t* tokens, const ExpertGroups& groups,
-                         const int32_t* store_expert, DType out_dtype, void* out, ForwardStats* stats,
-                         uint64_t t_queue, uint64_t t_start);
+  absl::Status RunLocked(int layer, int n, const TokenIo& io, const ExpertGroups& groups,
+                         const int32_t* store_expert, DType out_dtype, ForwardStats* stats, uint64_t t_queue,
+                         uint64_t t_start);
 
   const PackedExperts& store_;
   const ExpertKernel& kernel_;
   ComputePool& pool_;
+  const bool merge_;
   std::mutex mu_;  // guards everything below (one batch at a time)
   ExpertGroups groups_;                     // Forward's grouping
   std::vector<const std::byte*> weights_;  // per group
@@ -109,6 +177,27 @@ class MoeExecutor {
   Buffer xq_buf_, actq_buf_;  // integer weights: x and act quantized per row (KernelRows)
   std::vector<int32_t> pad_token_;  // a caller's groups padded to whole row blocks
   std::vector<float> pad_weight_;
+  // Forward's merged requests (under mu_): routing [n, max k], row pointers.
+  std::vector<int32_t> merge_ids_;
+  std::vector<float> merge_weights_;
+  std::vector<const bf16_t*> merge_in_;
+  std::vector<void*> merge_out_;
+
+  // Forward's queue. Under q_mu_: pending_ (arrival order), combining_ (a
+  // caller is running regions), the current region's layer and first
+  // arrival, the peer estimate.
+  mutable std::mutex q_mu_;
+  std::condition_variable q_cv_;
+  std::vector<Job*> pending_;
+  std::vector<Job*> round_jobs_;  // the combiner's current region
+  bool combining_ = false;
+  std::atomic<uint64_t> arrivals_{0};  // jobs enqueued, ever (a waiting combiner polls it)
+  std::atomic<bool> combining_flag_{false};  // combining_, for waiters to poll
+  int round_layer_ = -1;
+  uint64_t round_first_ns_ = 0;
+  uint64_t peer_lag_ns_ = 0;  // the latest lag of a peer's request behind a region's first
+  int peer_credit_ = 0;
+  MergeStats merge_stats_;
 };
 
 }  // namespace moe

@@ -43,6 +43,10 @@ ExpertServerMetrics::ExpertServerMetrics(MetricsRegistry& r, const std::vector<i
   kernel_seconds_ = r.AddHistogram("moe_expert_kernel_seconds", "Compute time of a batch on the pool.").Get();
   queue_seconds_ =
       r.AddHistogram("moe_expert_queue_seconds", "Time a batch waited for the compute pool before it ran.").Get();
+  merged_ = r.AddCounter("moe_expert_merged_requests_total",
+                         "Requests computed in one region with other requests of their layer (several clients' "
+                         "requests batched per expert).")
+                .Get();
   in_flight_ =
       r.AddGauge("moe_expert_batches_in_flight", "Batches waiting for or running on the compute pool.").Get();
   compute_threads_ = r.AddGauge("moe_expert_compute_threads", "Threads of the compute pool.").Get();
@@ -85,6 +89,7 @@ void ExpertServerMetrics::RecordCompute(int layer, int tokens, const ForwardStat
   l.pairs->Increment(static_cast<uint64_t>(stats.pairs));
   kernel_seconds_->ObserveNanos(stats.compute_ns);
   queue_seconds_->ObserveNanos(stats.queue_ns);
+  if (stats.merged_requests > 1) merged_->Increment();
 }
 
 }  // namespace moe

@@ -78,6 +78,7 @@ class ExpertServerMetrics {
   std::vector<PerLayer> layers_;  // by layer index; null for layers not hosted
   Histogram* kernel_seconds_;
   Histogram* queue_seconds_;
+  Counter* merged_;
   Gauge* in_flight_;
   Gauge* compute_threads_;
   Gauge* weight_bytes_;

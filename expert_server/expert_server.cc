@@ -98,7 +98,7 @@ absl::Status ExpertServer::LoadExperts() {
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   LogInfo("server", "weights resident: ", store_->resident_bytes(), " bytes (", store_->resident_bytes() >> 20,
           " MiB) on NUMA node ", binding_->node(), ", packed in ", load_s, " s");
-  executor_ = std::make_unique<MoeExecutor>(*store_, *kernel_, *pool_);
+  executor_ = std::make_unique<MoeExecutor>(*store_, *kernel_, *pool_, options_.merge_requests);
   metrics_ = std::make_unique<ExpertServerMetrics>(Metrics(), hosted_.layers);
   metrics_->SetComputeThreads(pool_->size());
   metrics_->SetWeightBytes(store_->resident_bytes());

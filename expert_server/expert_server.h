@@ -49,6 +49,7 @@ struct ExpertServerOptions {
   std::string kernel = "auto";            // --kernel
   std::string weight_dtype = "auto";      // --weight-dtype
   int64_t idle_spin_us = 50;              // --idle-spin-us
+  bool merge_requests = true;             // --merge-requests (MoeExecutor: concurrent requests batched per expert)
   int max_tokens = 8192;                  // --max-tokens
   std::string shm_socket;                 // --shm-socket; "" = no shared memory
   std::vector<uid_t> shm_allowed_uids;    // --shm-allow-uids; empty = this process's uid
@@ -88,6 +89,8 @@ class ExpertServer {
   const std::string& address() const { return grpc_.address; }
   // The metrics endpoint, or nullptr without --metrics-port.
   const MetricsHttpServer* metrics_endpoint() const { return metrics_http_.get(); }
+  // What the executor's merging of concurrent requests did (logged at exit).
+  MergeStats merge_stats() const { return executor_->merge_stats(); }
 
  private:
   explicit ExpertServer(const ExpertServerOptions& options);

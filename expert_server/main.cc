@@ -49,6 +49,10 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
             "how long idle compute threads (and shm connections) spin for the next batch before sleeping; "
             "while a same-host GPU worker polls for its next request (decode: its poll window, 2 ms after each "
             "request) they stay hot through that window whatever this says");
+  flags.Bool("merge-requests", &o.merge_requests,
+             "compute requests of one layer that several clients (GPUs, workers) send at the same time in one "
+             "pass, grouped by expert, so an expert they share is read from memory once; a client in step with "
+             "another is waited for up to 100 us (default true; false: one request at a time, in arrival order)");
   flags.String("kernel", &o.kernel, "expert kernel: auto, amx, avx512 or reference");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision the experts are stored and computed in: auto (the checkpoint's: fp8 -> fp8, exact; "
@@ -116,6 +120,9 @@ int main(int argc, char** argv) {
   const int sig = moe::WaitForTerminationSignal();
   moe::LogInfo("server", "signal ", sig, ": draining in-flight requests (up to ", f.drain_seconds, " s)");
   (*server)->Stop(std::chrono::seconds(f.drain_seconds));
-  moe::LogInfo("server", "stopped");
+  const moe::MergeStats m = (*server)->merge_stats();
+  moe::LogInfo("server", "stopped; ", m.regions, " compute passes, ", m.merged_regions, " of them merged ",
+               m.merged_requests, " requests of several clients; ", m.windows, " waits for a peer's request, ",
+               m.windows_filled, " of them met");
   return 0;
 }

@@ -503,8 +503,9 @@ absl::Status LayerDispatcher::TakeLayerError(size_t li) {
     while (server < m.servers.size() && m.channel_of_server[server] != w - 1) ++server;
     const std::string address = server < m.servers.size() ? m.servers[server].config.address : "?";
     if (detail == -2) {  // no answer, but the device computed the request from the host copy: right, and slow
-      LogWarning("worker", "capturable call, layer ", layer, ", server ", address, ": no answer within ",
-                 config_.deadline.count(), " ms; its misses were computed on the device from the host copy");
+      LogWarning("worker", "capturable call, layer ", layer, ", server ", address, ": no answer (",
+                 absl::StatusCodeToString(sc), ", waited at most ", config_.deadline.count(),
+                 " ms); its misses were computed on the device from the host copy");
       continue;
     }
     std::string why = detail < 0 ? absl::StrCat("no answer within ", config_.deadline.count(), " ms") : "";

@@ -250,9 +250,11 @@ class LayerDispatcher {
   // does (RecordAccess, on_access) and plans admissions from between steps.
   // Calls with T above a request slot run eagerly outside a capture (Forward)
   // and are refused inside one. A failure found at run time (bad
-  // routing, no server, a server's error; no answer by the deadline only
-  // without a host copy, which otherwise computes the request) writes
-  // NaN into the affected tokens' output and is returned by TakeStreamError.
+  // routing, no server, a server's error; a request nobody answered — no
+  // answer by the deadline, or UNAVAILABLE / DEADLINE_EXCEEDED from a
+  // draining server or a gRPC server's forwarder — only without a host copy,
+  // which otherwise computes the request) writes NaN into the affected
+  // tokens' output and is returned by TakeStreamError.
   absl::Status EnqueueCapturable(const LayerCall& call, bool count_accesses = true);
   // The first run-time error of capturable calls since the last call (OK if
   // none); also reports the accesses the GPU counted since the last call. A

@@ -39,6 +39,8 @@
 #                         expert), 3 runs
 #   tp_bench              issue 26: moe_layer qwen3-30b-a3b (LAYERS=16 layers, bf16, Zipf routing) --tp 2: one
 #                         cache over two GPUs (ncclAllReduce) vs a cache per GPU, T=1,8,32,2048, 25% per GPU, 3 runs
+#   pool2                 issue 45 point 1 (two GPUs): one GPU alone, then moe_layer --tp 2 and --ep 2 with the
+#                         server merging concurrent requests and without (LAYERS=8, BATCHES=1,8, RUNS=3)
 #   ep_bench              issue 26: the same --ep 2: each GPU its own T tokens, one cache over both GPUs with
 #                         the tokens exchanged over NCCL (ExpertParallel) vs a cache per GPU, T=1,8,32,512,2048
 #   record [SETS]         the benchmark of record: scripts/bench_record.sh (recorded routing at each trace's
@@ -53,7 +55,8 @@
 #   gptoss_make LAYERS    bench/make_peer_gguf.py writes the whole model (llama.cpp's gpt-oss layout, ~1.75 GB per
 #                         layer) into GPTOSS_WORK (default /tmp/gptoss_work, kept between calls: skipped when made;
 #                         a model of other LAYERS is removed first, the disk holds one)
-#   gptoss_llama LAYERS   llama.cpp on it, experts on the CPU (-ngl 99 -ot exps=CPU -t 16): llama-bench decode
+#   gptoss_llama LAYERS   llama.cpp on it, experts on the CPU (-ngl 99 -ot exps=CPU -t 16) (GPTOSS_LLAMA: the parts, default
+#                         "decode prompt batched"): llama-bench decode
 #                         (tg32, 3 runs) and a 2048-token prompt, llama-batched-bench 1 and 8 sequences, to
 #                         $OUT/gptoss_llama.md
 #   gptoss_ours LAYERS    gptoss_decode then gptoss_prompt: bench/moe_layer --model on the same file (--weight-dtype
@@ -189,6 +192,25 @@ while [[ $# -gt 0 ]]; do
       "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=${LAYERS:-16} --tp=2 --batches=1,8,32,2048 --cache=25 \
         --runs=3 --steps=5 --warmup=2 --server-bin "$B/bin/moe-expert-server" > "$OUT/tp_bench.md" 2> "$OUT/tp_bench.log"
       echo "tp_bench rc=$?"; grep -E "^\|" "$OUT/tp_bench.md"; tail -3 "$OUT/tp_bench.log" ;;
+    pool2)
+      # issue 45 point 1: one server, two GPUs (LAYERS=8 of Qwen3-30B-A3B, bf16, Zipf, 25% cache per GPU, T=BATCHES
+      # 1,8, RUNS=3): one GPU alone, then TP-2 and EP-2 with the server merging concurrent requests (its default)
+      # and without (--merge-requests=false), to $OUT/pool2.md
+      common=(--preset=qwen3-30b-a3b --layers=${LAYERS:-8} --batches=${BATCHES:-1,8} --cache=25 --runs=${RUNS:-3}
+              --warmup=8 --steps=16 --server-bin "$B/bin/moe-expert-server")
+      echo "## pool2 $(date -u +%FT%TZ): ${common[*]}" | tee -a "$OUT/pool2.md"
+      echo "### one GPU alone" >> "$OUT/pool2.md"
+      timeout 200 "$B/bin/moe_layer" "${common[@]}" --modes=ours >> "$OUT/pool2.md" 2> "$OUT/pool2_one.log"
+      echo "one GPU rc=$?"
+      for par in tp ep; do
+        for merge in true false; do
+          echo "### --$par=2, server --merge-requests=$merge" >> "$OUT/pool2.md"
+          timeout 200 "$B/bin/moe_layer" "${common[@]}" --$par=2 --server-flags="--merge-requests=$merge" \
+            >> "$OUT/pool2.md" 2> "$OUT/pool2_${par}_$merge.log"
+          echo "$par merge=$merge rc=$?"; grep -E 'stopped;' "$OUT/pool2_${par}_$merge.log" | tail -1
+        done
+      done
+      grep -E '^(#|\|)' "$OUT/pool2.md" | grep -v -- '---' | tail -40 ;;
     ep_bench)
       "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=${LAYERS:-16} --ep=2 --batches=${BATCHES:-1,8,32,512,2048} \
         --cache=25 --runs=3 --steps=5 --warmup=2 ${SERVER_THREADS:+--server-threads=$SERVER_THREADS} \
@@ -207,13 +229,20 @@ while [[ $# -gt 0 ]]; do
       "$LB/bin/llama-bench" --list-devices 2>&1 | grep -q CUDA0 || echo "WARNING: llama.cpp's CUDA backend did not load"
       {
         echo "## llama.cpp, GPT-OSS-120B geometry, $1 layers, MXFP4 experts on the CPU (-ngl 99 -ot exps=CPU -t 16), $(date -u +%FT%TZ)"
-        echo "### decode, 1 sequence"
-        timeout 150 "$LB/bin/llama-bench" -m "$M" -ngl 99 -ot exps=CPU -t 16 -p 0 -n 32 -r 3 -lm none -o md 2>&1 | grep -E '^\|'
-        echo "### 2048-token prompt"
-        timeout 200 "$LB/bin/llama-bench" -m "$M" -ngl 99 -ot exps=CPU -t 16 -p 2048 -n 0 -ub 2048 -b 2048 -r 2 -lm none -o md 2>&1 | grep -E '^\|'
-        echo "### batched decode (llama-batched-bench: S_TG t/s is tokens/s over all sequences)"
-        timeout 200 "$LB/bin/llama-batched-bench" -m "$M" -ngl 99 -ot exps=CPU -t 16 -lm none -c 4096 -b 2048 -ub 512 \
-          -npp 128 -ntg 32 -npl 1,8 2>&1 | grep -E '^\|'
+        parts=" ${GPTOSS_LLAMA:-decode prompt batched} "
+        if [[ $parts == *" decode "* ]]; then
+          echo "### decode, 1 sequence"
+          timeout 150 "$LB/bin/llama-bench" -m "$M" -ngl 99 -ot exps=CPU -t 16 -p 0 -n 32 -r 3 -lm none -o md 2>&1 | grep -E '^\|'
+        fi
+        if [[ $parts == *" prompt "* ]]; then
+          echo "### 2048-token prompt"
+          timeout 200 "$LB/bin/llama-bench" -m "$M" -ngl 99 -ot exps=CPU -t 16 -p 2048 -n 0 -ub 2048 -b 2048 -r 3 -lm none -o md 2>&1 | grep -E '^\|'
+        fi
+        if [[ $parts == *" batched "* ]]; then
+          echo "### batched decode (llama-batched-bench: S_TG t/s is tokens/s over all sequences)"
+          timeout 200 "$LB/bin/llama-batched-bench" -m "$M" -ngl 99 -ot exps=CPU -t 16 -lm none -c 4096 -b 2048 -ub 512 \
+            -npp 128 -ntg 32 -npl 1,8 2>&1 | grep -E '^\|'
+        fi
       } | tee -a "$OUT/gptoss_llama.md"
       export LD_LIBRARY_PATH=$B/lib; shift ;;
     gptoss_ours)

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -278,6 +279,117 @@ TEST_P(KernelTest, GptOssShapeMxfp4) {
 TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
   Check({160, 112, 8, 2}, 12, 1, DType::kF32, 40);
   Check({160, 112, 8, 2}, 12, 2, DType::kF32, 40);
+}
+
+// Requests that wait for the pool at the same time are computed in one region,
+// grouped by expert across them (MoeExecutor::Forward), and each gets exactly
+// the bytes it gets alone: requests of other k and sizes merge, one of
+// another output dtype runs in a region of its own. The pool is held busy
+// until the requests queue, so the merge is certain, not a race. A caller
+// alone never waits for peers beyond kPeerCredit windows.
+TEST_P(KernelTest, ConcurrentRequestsMergeExactly) {
+  std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(name(), format());
+  ASSERT_NE(kernel, nullptr);
+  const Shape shape{160, 112, 8, 4};  // (H = 160: widen below)
+  const ModelSpec spec = TestSpec(shape);
+  std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, 91);
+  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
+  ASSERT_TRUE(numa.ok()) << numa.status();
+  ComputePool pool(**numa);
+  HostedSet hosted{{1}, {}};
+  for (int e = 0; e < shape.experts; ++e) hosted.experts.push_back(e);
+  absl::StatusOr<std::unique_ptr<ExpertStore>> store =
+      ExpertStore::Load(*source, ExpertGeometry::For(shape.H, shape.I, format()), hosted, **numa, pool);
+  ASSERT_TRUE(store.ok()) << store.status();
+  MoeExecutor exec(**store, *kernel, pool);
+
+  struct Request {
+    int n, k;
+    DType dtype;
+    std::vector<bf16_t> x;
+    std::vector<int32_t> ids;
+    std::vector<float> w;
+    std::vector<std::byte> alone, merged;
+    ForwardStats stats;
+  };
+  std::vector<Request> req = {{1, 4, DType::kBF16}, {3, 4, DType::kBF16}, {8, 2, DType::kBF16}, {5, 4, DType::kF32}};
+  for (size_t i = 0; i < req.size(); ++i) {
+    Request& r = req[i];
+    r.x = RandomActivations(size_t(r.n) * shape.H, 100 + i);
+    RandomRouting(r.n, r.k, shape.experts, 200 + i, 0.8, &r.ids, &r.w);
+    const size_t bytes = size_t(r.n) * shape.H * (r.dtype == DType::kBF16 ? 2 : 4);
+    r.alone.assign(bytes, std::byte{0x7f});
+    r.merged.assign(bytes, std::byte{0x7f});
+  }
+  auto forward = [&](Request& r, std::vector<std::byte>& out, ForwardStats* stats) {
+    return exec.Forward({1, r.n, r.x.data(), RoutingView{r.n, r.k, r.ids.data(), r.w.data()}}, r.dtype, out.data(),
+                        stats);
+  };
+  for (Request& r : req) ASSERT_TRUE(forward(r, r.alone, nullptr).ok());
+  const MergeStats before = exec.merge_stats();
+  EXPECT_EQ(before.regions, req.size());
+  EXPECT_EQ(before.windows, 0u) << "a caller alone waited for peers";
+
+  // Hold the pool: request 0 takes its region and waits for the pool, the
+  // others queue behind it in order.
+  std::atomic<bool> holding{false}, release{false};
+  std::thread blocker([&] {
+    pool.Run([&](int t, int) {
+      if (t != 0) return;
+      holding = true;
+      while (!release) std::this_thread::yield();
+    });
+  });
+  auto wait_for = [](const std::function<bool()>& ok) {
+    const auto end = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!ok() && std::chrono::steady_clock::now() < end) std::this_thread::yield();
+    return ok();
+  };
+  ASSERT_TRUE(wait_for([&] { return holding.load(); }));
+  std::vector<std::thread> clients;
+  std::vector<absl::Status> status(req.size());
+  for (size_t i = 0; i < req.size(); ++i) {
+    clients.emplace_back([&, i] { status[i] = forward(req[i], req[i].merged, &req[i].stats); });
+    if (i == 0)
+      ASSERT_TRUE(wait_for([&] { return exec.merge_stats().regions == before.regions + 1; }));
+    else
+      ASSERT_TRUE(wait_for([&] { return exec.waiting_requests() == static_cast<int>(i); }));
+  }
+  release = true;
+  blocker.join();
+  for (std::thread& t : clients) t.join();
+  // Each row's math is its own, so bf16 weights give the same bytes; other
+  // formats may take another kernel path at another row count (fp8 on
+  // AVX-512: 1.8e-3 off), so within a quarter of the format's tolerance.
+  auto widen = [](const Request& r, const std::vector<std::byte>& b) {
+    std::vector<float> f(size_t(r.n) * 160);
+    if (r.dtype == DType::kF32)
+      std::memcpy(f.data(), b.data(), f.size() * 4);
+    else
+      Bf16ToF32(reinterpret_cast<const bf16_t*>(b.data()), f.data(), f.size());
+    return f;
+  };
+  for (size_t i = 0; i < req.size(); ++i) {
+    ASSERT_TRUE(status[i].ok()) << i << ": " << status[i];
+    if (format() == WeightFormat::kBf16) {
+      EXPECT_TRUE(req[i].merged == req[i].alone) << "request " << i << " differs from its result alone";
+    } else {
+      const std::vector<float> merged = widen(req[i], req[i].merged), alone = widen(req[i], req[i].alone);
+      EXPECT_LE(RelativeL2Error(merged.data(), alone.data(), merged.size()), Tolerance(format()) / 4) << i;
+    }
+  }
+  const MergeStats after = exec.merge_stats();
+  EXPECT_EQ(after.regions, before.regions + 3) << "request 0 alone, 1 and 2 together, 3 (f32) alone";
+  EXPECT_EQ(after.merged_regions, 1u);
+  EXPECT_EQ(after.merged_requests, 2u);
+  EXPECT_EQ(req[0].stats.merged_requests, 1);
+  EXPECT_EQ(req[1].stats.merged_requests, 2);
+  EXPECT_EQ(req[2].stats.merged_requests, 2);
+  EXPECT_EQ(req[3].stats.merged_requests, 1);
+
+  // The peers gone, a caller alone pays at most kPeerCredit waits.
+  for (int i = 0; i < 3 * MoeExecutor::kPeerCredit; ++i) ASSERT_TRUE(forward(req[0], req[0].merged, nullptr).ok());
+  EXPECT_LE(exec.merge_stats().windows - before.windows, uint64_t(MoeExecutor::kPeerCredit));
 }
 
 // A bf16 model quantized to MXFP4 on load (--weight-dtype mxfp4: OCP scale,

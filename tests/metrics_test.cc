@@ -648,6 +648,8 @@ TEST(ExpertServerMetrics, ScrapedCountersMatchWhatWasSent) {
   EXPECT_EQ(s["moe_expert_kernel_seconds_bucket{le=\"+Inf\"}"], 5);
   EXPECT_GT(s["moe_expert_kernel_seconds_sum"], 0);
   EXPECT_EQ(s["moe_expert_queue_seconds_count"], 5);
+  EXPECT_EQ(s["moe_expert_merged_requests_total"], 0) << "one client's requests, one at a time";
+  EXPECT_NE(text.find("# TYPE moe_expert_merged_requests_total counter\n"), std::string::npos);
   EXPECT_EQ(s["moe_expert_batches_in_flight"], 0);
   EXPECT_NE(text.find("# TYPE moe_expert_kernel_seconds histogram\n"), std::string::npos);
   EXPECT_NE(text.find("# TYPE moe_expert_requests_total counter\n"), std::string::npos);

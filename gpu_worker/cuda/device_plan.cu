@@ -561,9 +561,13 @@ __device__ void RecomputeRequest(const DevicePlanArgs& a, const DeviceShip& ship
   }
 }
 
-// Waits (bounded) for each request's answer and adds its rows into accum;
-// on a timeout or the server's error the request's tokens become NaN and
-// the channel's error record says why.
+// Waits (bounded) for each request's answer and adds its rows into accum.
+// A request nobody answered — the wait timed out, or the answer is
+// UNAVAILABLE / DEADLINE_EXCEEDED (a draining server, a forwarder whose gRPC
+// server missed its deadline or is down) — is computed here from the host
+// copy when the call has one (detail -2: right, and slow); other errors, and
+// no host copy, make the request's tokens NaN, and the channel's error record
+// says why.
 __global__ void __launch_bounds__(kShipThreads) DeviceCombineKernel(DevicePlanArgs a) {
   const int c = blockIdx.x;
   const DeviceShip ship = a.ships[c];
@@ -583,7 +587,8 @@ __global__ void __launch_bounds__(kShipThreads) DeviceCombineKernel(DevicePlanAr
       __nanosleep(100);
     }
     __threadfence_system();
-    if (state == 0) {
+    const bool answered = state == 0;
+    if (answered) {
       const int status = __ldcv(reinterpret_cast<const int*>(ship.slot + 20));  // SlotHeader::status_code
       if (status != 0) state = status > 0 && status <= 16 ? status : kUnavailable;
       if (blockIdx.y == 0) {
@@ -593,14 +598,16 @@ __global__ void __launch_bounds__(kShipThreads) DeviceCombineKernel(DevicePlanAr
     }
     if (state != 0 && blockIdx.y == 0) {
       DeviceError* out = a.tables.errors + 1 + c;
-      out->detail = state == kDeadlineExceeded ? (fallback ? -2 : -1) : static_cast<int32_t>(ship.slot_index);
+      out->detail = (state == kDeadlineExceeded || state == kUnavailable) && fallback ? -2
+                    : !answered                                                      ? -1
+                                                                                     : static_cast<int32_t>(ship.slot_index);
       out->layer = a.layer;
       __threadfence_system();
       out->code = state;
     }
   }
   __syncthreads();
-  if (state == kDeadlineExceeded && fallback) {
+  if ((state == kDeadlineExceeded || state == kUnavailable) && fallback) {
     RecomputeRequest(a, ship, c, act);
     return;
   }

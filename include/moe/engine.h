@@ -223,8 +223,9 @@ class MoeSession {
   // stream-ordered eager call outside a capture and is refused inside one.
   // Run-time errors (bad routing, no server for an expert the device cannot
   // take, a server's error) poison the affected tokens with NaN and are
-  // returned by TakeStreamError; a request nobody answers by the deadline is
-  // computed on the device from the host copy (logged).
+  // returned by TakeStreamError; a request nobody answers (silent past the
+  // deadline, a draining server, a gRPC server missing its server_deadline)
+  // is computed on the device from the host copy (logged).
   absl::Status ForwardLayerCapturable(int layer, int T, int k, const bf16_t* hidden, const int32_t* topk_ids,
                                       const float* topk_weights, bf16_t* out, void* cuda_stream);
   // The first run-time error of capturable calls since the last call; also

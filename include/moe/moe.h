@@ -269,9 +269,9 @@ MOE_API moe_status moe_wait(moe_session* session, int32_t ticket, moe_call_stats
  * call outside a capture and is refused inside one. A failure at replay time
  * (bad routing, no server for an expert the device cannot take, a server's
  * error) writes NaN into the affected tokens of `out` and is reported by
- * moe_take_stream_error; a server silent past the deadline has its requests
- * computed on the device from the host copy (logged; NaN and an error
- * without a host copy). */
+ * moe_take_stream_error; a request nobody answered (a server silent past the
+ * deadline, draining, or unreachable over gRPC) is computed on the device
+ * from the host copy (logged; NaN and an error without a host copy). */
 MOE_API moe_status moe_forward_layer_capturable(moe_session* session, int32_t layer, int32_t tokens,
                                                 int32_t top_k, const void* hidden, const int32_t* topk_ids,
                                                 const float* topk_weights, void* out, void* cuda_stream);
