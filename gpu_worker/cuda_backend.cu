@@ -46,7 +46,8 @@
 // hit launch took 4-5 ms of host time per layer; H100 host),
 // while DeepSeek-V3's experts are faster through cuBLAS from 128 rows. int8 / int4 slots take the
 // same shape through cuda/packed_kernels.cu (tensor cores from 2 rows, on the
-// packed bytes) up to kPackedGemmMinRows rows.
+// packed bytes) up to kPackedGemmMinRows rows; mxfp4 (CUDA cores) up to a
+// row count measured at Init, as bf16.
 //
 // Caller-visible asynchrony: BeginCall's copy of `hidden` is asynchronous when
 // `hidden` is device or pinned memory, so `hidden` must stay unchanged until
@@ -93,6 +94,12 @@ constexpr int kGemmMinRows = 64;
 // on both shapes; int4 loses up to a third on DeepSeek-V3 at 192-256 rows
 // there and wins 2-3x on Qwen3-30B-A3B.
 constexpr int kPackedGemmMinRows = 256;
+// mxfp4 has no tensor-core packed kernel (CUDA cores only): where its groups
+// switch to dequantize + cuBLAS is measured at Init (CalibrateGemmRows) from
+// this many rows up to kPackedGemmMinRows. GPT-OSS-120B (H = I = 2880), a
+// 2048-token prompt: 64 rows per expert on average, where the CUDA-core
+// kernel ran ~3.2 GFLOP per expert at CUDA-core rates.
+constexpr int kMxfp4GemmProbeRows = 8;
 // Rows of one cuBLAS piece; bounds the GEMM scratch to
 // kGemmChunkRows * (H * 2 + max(2I, H) * 4) bytes.
 constexpr int kGemmChunkRows = 2048;
@@ -521,6 +528,7 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
   MOE_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&uva, cudaDevAttrUnifiedAddressing, device_));
   unified_addressing_ = uva != 0;
   geometry_ = GeometryOf(config);
+  gemm_min_rows_ = geometry_.quantized() ? kPackedGemmMinRows : kGemmMinRows;
   layout_.format = static_cast<int>(geometry_.format);
   layout_.group = geometry_.group;
   layout_.Kh = geometry_.Kh;
@@ -556,7 +564,8 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
   return CalibrateGemmRows();
 }
 
-// The bf16 rows per group up to which the grouped kernels run: a call's
+// The bf16 (and mxfp4, from kMxfp4GemmProbeRows: its grouped kernels have
+// no tensor cores) rows per group up to which the grouped kernels run: a call's
 // worth of experts (up to 16 buffers, whatever they hold: only the time
 // counts) at 128, 256, ... rows each, up to max_tokens, through the grouped
 // kernels and through cuBLAS on context 0 (median of 3 after one warm-up,
@@ -564,10 +573,12 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
 // gemm_min_rows_ doubles while the grouped kernels are faster. Costs a few
 // milliseconds at start.
 absl::Status CudaBackend::CalibrateGemmRows() {
-  if (geometry_.quantized() || config_.num_buffers <= 0 || config_.contexts <= 0 ||
-      config_.max_tokens <= kGemmMinRows)
+  const bool mxfp4 = geometry_.format == WeightFormat::kMxfp4;
+  const int start = mxfp4 ? kMxfp4GemmProbeRows : kGemmMinRows;
+  if ((geometry_.quantized() && !mxfp4) || config_.num_buffers <= 0 || config_.contexts <= 0 ||
+      config_.max_tokens <= start)
     return absl::OkStatus();
-  const int max_rows = config_.max_tokens;
+  const int max_rows = mxfp4 ? std::min(config_.max_tokens, kPackedGemmMinRows) : config_.max_tokens;
   std::vector<bf16_t> x, y;  // the probe's tokens and output, as many rows as the size being timed
   ExpertGroups g;
   const int n = std::min({config_.num_buffers, std::max(config_.max_top_k, 1), 16});
@@ -602,10 +613,10 @@ absl::Status CudaBackend::CalibrateGemmRows() {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  int chosen = kGemmMinRows;
+  int chosen = start;
   absl::Status st;
   std::string seen;
-  for (int rows = 2 * kGemmMinRows; rows <= max_rows && st.ok(); rows *= 2) {
+  for (int rows = 2 * start; rows <= max_rows && st.ok(); rows *= 2) {
     absl::StatusOr<double> grouped = time(rows, rows), cublas = time(rows, rows - 1);
     if (!grouped.ok() || !cublas.ok()) {
       st = grouped.ok() ? cublas.status() : grouped.status();
@@ -617,10 +628,12 @@ absl::Status CudaBackend::CalibrateGemmRows() {
     chosen = rows;
   }
   for (cudaEvent_t e : ev) cudaEventDestroy(e);
-  gemm_min_rows_ = chosen;
+  // mxfp4 grouped all the way: the packed kernels up to kPackedGemmMinRows, as the other formats.
+  gemm_min_rows_ = mxfp4 && chosen == max_rows ? kPackedGemmMinRows : chosen;
   if (!st.ok()) return st;
-  LogInfo("cuda", "bf16 expert groups of up to ", chosen, " rows run in the grouped kernels, larger ones through "
-          "cuBLAS (per expert, ", n, " per launch, grouped / cuBLAS: ", seen, ")");
+  LogInfo("cuda", WeightFormatName(geometry_.format), " expert groups of up to ", gemm_min_rows_,
+          " rows run in the grouped kernels, larger ones ", mxfp4 ? "dequantized to bf16 and " : "",
+          "through cuBLAS (per expert, ", n, " per launch, grouped / cuBLAS: ", seen, ")");
   return absl::OkStatus();
 }
 
@@ -1070,7 +1083,7 @@ absl::StatusOr<int> CudaBackend::SplitHitGroups(const Context& c, const HitPlan&
           " rows)"));
     }
     if (d.count == 0) continue;
-    if (d.count > (geometry_.quantized() ? kPackedGemmMinRows : gemm_min_rows_)) {
+    if (d.count > gemm_min_rows_) {
       big_groups_.push_back(d);
     } else {
       small_groups_.push_back(d);

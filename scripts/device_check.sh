@@ -253,7 +253,8 @@ while [[ $# -gt 0 ]]; do
         # --cache is a share of a bf16 cache's GPU memory: 7% holds 27% of the MXFP4 experts, 25% holds 94%
         rows=(--batches=1,8 --cache=${GPTOSS_CACHE:-0,7} --runs=${RUNS:-3} --modes=ours,ours-graph,ours-cpu)
       else
-        rows=(--batches=2048 --zipf=0 --chunk=2048 --steps=2 --warmup=1 --cache=${GPTOSS_CACHE:-0,7} --runs=${RUNS:-3} --modes=ours,ours-cpu)
+        rows=(--batches=2048 --zipf=0 --chunk=2048 --steps=2 --warmup=1 --cache=${GPTOSS_CACHE:-0,7} --runs=${RUNS:-3}
+              --modes=${GPTOSS_PROMPT_MODES:-ours,ours-cpu})
       fi
       echo "## $phase: moe_layer --model $M (GPT-OSS-120B geometry, $1 layers) ${rows[*]}" | tee -a "$OUT/gptoss_ours.md"
       timeout 580 "$B/bin/moe_layer" --model="$M" --weight-dtype=mxfp4 "${rows[@]}" \
