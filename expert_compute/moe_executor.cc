@@ -121,7 +121,8 @@ absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out,
   // soon after that region's first request.
   if (combining_ && b.layer == round_layer_ && job.t_queue - round_first_ns_ <= kMaxMergeWindowNs) {
     peer_lag_ns_ = job.t_queue - round_first_ns_;
-    peer_credit_ = kPeerCredit;
+    job.late = true;
+    MarkPeer(b.layer, true);
   }
   pending_.push_back(&job);
   arrivals_.fetch_add(1, std::memory_order_release);
@@ -180,7 +181,8 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
   take();
   // Alone, with a peer expected: wait for its request of this layer (its
   // observed lag and a half, plus 10 us, at most kMaxMergeWindowNs).
-  if (merge_ && round_jobs_.size() == 1 && peer_credit_ > 0 && tokens < kMergeTokens) {
+  // (A late peer's own region waits for nobody: the request it came after is done.)
+  if (merge_ && round_jobs_.size() == 1 && !first->late && PeerExpected(round_layer_) && tokens < kMergeTokens) {
     const uint64_t window = std::min<uint64_t>(kMaxMergeWindowNs, peer_lag_ns_ + peer_lag_ns_ / 2 + 10'000);
     const uint64_t deadline = first->t_queue + window;
     ++merge_stats_.windows;
@@ -202,11 +204,9 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
       CpuRelax();
       yielder.Tick(now);
     }
-    if (round_jobs_.size() > 1)
-      ++merge_stats_.windows_filled;
-    else
-      --peer_credit_;
+    if (round_jobs_.size() > 1) ++merge_stats_.windows_filled;
   }
+  if (merge_ && !first->late) MarkPeer(round_layer_, round_jobs_.size() > 1);
   ++merge_stats_.regions;
   if (round_jobs_.size() > 1) {
     ++merge_stats_.merged_regions;
@@ -273,6 +273,15 @@ absl::Status MoeExecutor::RunJobs(const std::vector<Job*>& jobs, ForwardStats* s
                 &groups_);
   return RunLocked(layer, n, TokenIo{nullptr, nullptr, merge_in_.data(), merge_out_.data()}, groups_, nullptr,
                    j0.out_dtype, stats, t_start, t_start);
+}
+
+void MoeExecutor::MarkPeer(int layer, bool peer) {
+  if (layer < 0) return;
+  if (static_cast<size_t>(layer) >= peer_layer_.size()) {
+    if (!peer) return;
+    peer_layer_.resize(static_cast<size_t>(layer) + 1, 0);
+  }
+  peer_layer_[layer] = peer ? 1 : 0;
 }
 
 MergeStats MoeExecutor::merge_stats() const {

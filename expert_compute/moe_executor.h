@@ -17,11 +17,11 @@
 // (requests stay in arrival order: the oldest waiting request is always in
 // the next region; at most kMergeTokens tokens merge, a larger request runs
 // alone). A client in lockstep with another (its request of a layer arrives
-// within kMaxMergeWindow of the other's) is also waited for: the region
-// that starts a layer waits up to about the lag observed between them for
-// the other's request. A wait that sees no peer lowers the estimate; after
-// kPeerCredit such waits in a row no region waits any more, until a peer is
-// seen late again. One caller's thread at a time runs the regions of
+// within kMaxMergeWindowNs of the other's) is also waited for: a region that
+// starts alone on a layer where, the last time, a peer's request came (merged,
+// or too late to merge) waits up to about the lag observed between them for
+// it; a wait that sees none clears the layer's mark, so a layer whose peer
+// stopped coming costs at most one wait. One caller's thread at a time runs the regions of
 // everybody waiting (the "combiner"), and hands that role on when its own
 // request is done. Workspaces grow
 // to the largest batch seen and are reused: no allocation per token. The
@@ -107,8 +107,6 @@ class MoeExecutor {
   static constexpr int kMergeTokens = 256;
   // Longest a region waits for a peer's request of its layer.
   static constexpr uint64_t kMaxMergeWindowNs = 100'000;
-  // Empty waits in a row after which regions stop waiting for peers.
-  static constexpr int kPeerCredit = 4;
 
  private:
   // One Forward() request waiting for, or in, a region.
@@ -119,6 +117,7 @@ class MoeExecutor {
     ForwardStats* stats;
     uint64_t t_queue;
     absl::Status status;
+    bool late = false;  // came while the region of its layer's first request ran (a peer too late to merge)
     std::atomic<bool> done{false};
   };
   // Where a region's tokens come from and its rows go: one [n, H] array
@@ -196,7 +195,12 @@ class MoeExecutor {
   int round_layer_ = -1;
   uint64_t round_first_ns_ = 0;
   uint64_t peer_lag_ns_ = 0;  // the latest lag of a peer's request behind a region's first
-  int peer_credit_ = 0;
+  std::vector<uint8_t> peer_layer_;  // by layer: a peer's request came the last time (merged or late)
+  // Marks (or clears) `layer`'s peer.
+  void MarkPeer(int layer, bool peer);
+  bool PeerExpected(int layer) const {
+    return layer >= 0 && static_cast<size_t>(layer) < peer_layer_.size() && peer_layer_[layer] != 0;
+  }
   MergeStats merge_stats_;
 };
 
