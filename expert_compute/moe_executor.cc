@@ -65,7 +65,13 @@ void* MoeExecutor::Buffer::Reserve(size_t bytes) {
 }
 
 MoeExecutor::MoeExecutor(const PackedExperts& store, const ExpertKernel& kernel, ComputePool& pool, bool merge)
-    : store_(store), kernel_(kernel), pool_(pool), merge_(merge), cursors_(size_t(kPhases) * pool.size()) {}
+    : store_(store),
+      kernel_(kernel),
+      pool_(pool),
+      merge_(merge),
+      cursors_(size_t(kPhases) * pool.size()),
+      round_expert_(store.num_experts(), 0),
+      expert_stamp_(store.num_experts(), 0) {}
 
 absl::Status MoeExecutor::Validate(const MoeBatch& b) const {
   if (!store_.HostsLayer(b.layer))
@@ -119,7 +125,8 @@ absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out,
   std::unique_lock<std::mutex> q(q_mu_);
   // A peer: a request of the layer the current region started with, arriving
   // soon after that region's first request.
-  if (combining_ && b.layer == round_layer_ && job.t_queue - round_first_ns_ <= kMaxMergeWindowNs) {
+  if (merge_ && combining_ && b.layer == round_layer_ && job.t_queue - round_first_ns_ <= kMaxMergeWindowNs &&
+      SharesExperts(job)) {
     peer_lag_ns_ = job.t_queue - round_first_ns_;
     job.late = true;
     MarkPeer(b.layer, true);
@@ -160,6 +167,7 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
   round_layer_ = first->batch->layer;
   round_first_ns_ = first->t_queue;
   round_jobs_.clear();
+  std::fill(round_expert_.begin(), round_expert_.end(), 0);
   int tokens = 0;
   // Moves the pending requests that merge with `first` (arrival order, up to
   // kMergeTokens tokens; `first` always) into round_jobs_.
@@ -168,8 +176,10 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
     for (size_t i = 0; i < pending_.size(); ++i) {
       Job* j = pending_[i];
       const bool merge = j == first || (merge_ && j->batch->layer == first->batch->layer &&
-                                        j->out_dtype == first->out_dtype && tokens + j->batch->n <= kMergeTokens);
+                                        j->out_dtype == first->out_dtype && tokens + j->batch->n <= kMergeTokens &&
+                                        SharesExperts(*j));
       if (merge) {
+        AddExperts(*j);
         round_jobs_.push_back(j);
         tokens += j->batch->n;
       } else {
@@ -273,6 +283,29 @@ absl::Status MoeExecutor::RunJobs(const std::vector<Job*>& jobs, ForwardStats* s
                 &groups_);
   return RunLocked(layer, n, TokenIo{nullptr, nullptr, merge_in_.data(), merge_out_.data()}, groups_, nullptr,
                    j0.out_dtype, stats, t_start, t_start);
+}
+
+bool MoeExecutor::SharesExperts(const Job& j) {
+  if (++stamp_ == 0) {
+    std::fill(expert_stamp_.begin(), expert_stamp_.end(), 0);
+    stamp_ = 1;
+  }
+  const RoutingView& r = j.batch->routing;
+  int distinct = 0, shared = 0;
+  for (size_t i = 0, n = size_t(r.n) * r.k; i < n; ++i) {
+    const int e = r.ids[i];  // validated: -1 or a hosted expert
+    if (e < 0 || expert_stamp_[e] == stamp_) continue;
+    expert_stamp_[e] = stamp_;
+    ++distinct;
+    shared += round_expert_[e];
+  }
+  return 2 * shared >= distinct;
+}
+
+void MoeExecutor::AddExperts(const Job& j) {
+  const RoutingView& r = j.batch->routing;
+  for (size_t i = 0, n = size_t(r.n) * r.k; i < n; ++i)
+    if (r.ids[i] >= 0) round_expert_[r.ids[i]] = 1;
 }
 
 void MoeExecutor::MarkPeer(int layer, bool peer) {

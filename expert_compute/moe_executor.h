@@ -9,14 +9,17 @@
 // are). Both may be called from any number of threads; calls validate
 // concurrently and then run one at a time on the whole pool.
 //
-// Concurrent Forward() calls of one layer are computed together: the
-// requests of several clients (the GPUs of a tensor- or expert-parallel
-// worker, workers sharing a pool) that wait for the pool at the same time
-// are merged into one region, grouped by expert, so an expert two clients
-// need is read from DRAM once and the region's fixed costs are paid once
-// (requests stay in arrival order: the oldest waiting request is always in
+// Concurrent Forward() calls of one layer that share experts are computed
+// together: the requests of several clients (the GPUs of a worker, workers
+// sharing a pool) that wait for the pool at the same time are merged into
+// one region, grouped by expert, so an expert two clients need is read from
+// DRAM once and the region's fixed costs are paid once. A request merges
+// only when at least half of its distinct experts are already in the region
+// (requests of disjoint experts gain nothing from sharing a region: each
+// would wait for the other's experts too, so they run one after another).
+// Requests stay in arrival order: the oldest waiting request is always in
 // the next region; at most kMergeTokens tokens merge, a larger request runs
-// alone). A client in lockstep with another (its request of a layer arrives
+// alone. A client in lockstep with another (its request of a layer arrives
 // within kMaxMergeWindowNs of the other's) is also waited for: a region that
 // starts alone on a layer where, the last time, a peer's request came (merged,
 // or too late to merge) waits up to about the lag observed between them for
@@ -134,6 +137,10 @@ class MoeExecutor {
   void RunRound(std::unique_lock<std::mutex>& q);
   // Under mu_: the jobs as one region.
   absl::Status RunJobs(const std::vector<Job*>& jobs, ForwardStats* stats);
+  // Under q_mu_: at least half of j's distinct experts (or none) are in the
+  // current region (round_expert_); AddExperts puts j's there.
+  bool SharesExperts(const Job& j);
+  void AddExperts(const Job& j);
 
   // Work of one expert group's rows [r0, r1): gate/up activation groups or
   // down output groups [c0, c1).
@@ -196,6 +203,9 @@ class MoeExecutor {
   uint64_t round_first_ns_ = 0;
   uint64_t peer_lag_ns_ = 0;  // the latest lag of a peer's request behind a region's first
   std::vector<uint8_t> peer_layer_;  // by layer: a peer's request came the last time (merged or late)
+  std::vector<uint8_t> round_expert_;  // by expert: read by the current region
+  std::vector<uint32_t> expert_stamp_;  // SharesExperts' distinct count
+  uint32_t stamp_ = 0;
   // Marks (or clears) `layer`'s peer.
   void MarkPeer(int layer, bool peer);
   bool PeerExpected(int layer) const {

@@ -50,9 +50,11 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
             "while a same-host GPU worker polls for its next request (decode: its poll window, 2 ms after each "
             "request) they stay hot through that window whatever this says");
   flags.Bool("merge-requests", &o.merge_requests,
-             "compute requests of one layer that several clients (GPUs, workers) send at the same time in one "
-             "pass, grouped by expert, so an expert they share is read from memory once; a client in step with "
-             "another is waited for up to 100 us (default true; false: one request at a time, in arrival order)");
+             "compute requests of one layer that several clients (GPUs, workers) send at the same time and that "
+             "share experts (at least half of a request's) in one pass, grouped by expert, so an expert they share "
+             "is read from memory once; on a layer where such a request came last time, a client's request waits "
+             "up to ~1.5x the observed lag (at most 100 us) for it (default true; false: one request at a time, in "
+             "arrival order)");
   flags.String("kernel", &o.kernel, "expert kernel: auto, amx, avx512 or reference");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision the experts are stored and computed in: auto (the checkpoint's: fp8 -> fp8, exact; "

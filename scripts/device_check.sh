@@ -199,10 +199,13 @@ while [[ $# -gt 0 ]]; do
       common=(--preset=qwen3-30b-a3b --layers=${LAYERS:-8} --batches=${BATCHES:-1,8} --cache=25 --runs=${RUNS:-3}
               --warmup=8 --steps=16 --server-bin "$B/bin/moe-expert-server")
       echo "## pool2 $(date -u +%FT%TZ): ${common[*]}" | tee -a "$OUT/pool2.md"
-      echo "### one GPU alone" >> "$OUT/pool2.md"
-      timeout 200 "$B/bin/moe_layer" "${common[@]}" --modes=ours >> "$OUT/pool2.md" 2> "$OUT/pool2_one.log"
-      echo "one GPU rc=$?"
-      for par in tp ep; do
+      for merge in true false; do
+        echo "### one GPU alone, server --merge-requests=$merge" >> "$OUT/pool2.md"
+        timeout 200 "$B/bin/moe_layer" "${common[@]}" --modes=ours --server-flags="--merge-requests=$merge" \
+          >> "$OUT/pool2.md" 2> "$OUT/pool2_one_$merge.log"
+        echo "one GPU merge=$merge rc=$?"
+      done
+      for par in ${POOL2_MODES:-tp ep}; do
         for merge in true false; do
           echo "### --$par=2, server --merge-requests=$merge" >> "$OUT/pool2.md"
           timeout 200 "$B/bin/moe_layer" "${common[@]}" --$par=2 --server-flags="--merge-requests=$merge" \

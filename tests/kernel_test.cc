@@ -281,10 +281,11 @@ TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
   Check({160, 112, 8, 2}, 12, 2, DType::kF32, 40);
 }
 
-// Requests that wait for the pool at the same time are computed in one region,
-// grouped by expert across them (MoeExecutor::Forward), and each gets exactly
-// the bytes it gets alone: requests of other k and sizes merge, one of
-// another output dtype runs in a region of its own. The pool is held busy
+// Requests that wait for the pool at the same time and share experts are
+// computed in one region, grouped by expert across them (MoeExecutor::Forward),
+// and each gets exactly the bytes it gets alone: requests of other k and sizes
+// merge; one of another output dtype, and one whose experts the region does
+// not read, run in regions of their own. The pool is held busy
 // until the requests queue, so the merge is certain, not a race. A caller
 // alone waits for a peer at most once per layer after the peers left.
 TEST_P(KernelTest, ConcurrentRequestsMergeExactly) {
@@ -312,11 +313,16 @@ TEST_P(KernelTest, ConcurrentRequestsMergeExactly) {
     std::vector<std::byte> alone, merged;
     ForwardStats stats;
   };
-  std::vector<Request> req = {{1, 4, DType::kBF16}, {3, 4, DType::kBF16}, {8, 2, DType::kBF16}, {5, 4, DType::kF32}};
+  // 1 and 2 route to experts 0-3 only (they merge), 4 to experts 4-7 only.
+  std::vector<Request> req = {{1, 4, DType::kBF16}, {3, 4, DType::kBF16}, {8, 2, DType::kBF16}, {5, 4, DType::kF32},
+                              {2, 2, DType::kBF16}};
   for (size_t i = 0; i < req.size(); ++i) {
     Request& r = req[i];
     r.x = RandomActivations(size_t(r.n) * shape.H, 100 + i);
     RandomRouting(r.n, r.k, shape.experts, 200 + i, 0.8, &r.ids, &r.w);
+    if (i == 1 || i == 2 || i == 4)
+      for (int t = 0; t < r.n; ++t)
+        for (int j = 0; j < r.k; ++j) r.ids[size_t(t) * r.k + j] = (i == 4 ? 4 : 0) + (t + j) % 4;
     const size_t bytes = size_t(r.n) * shape.H * (r.dtype == DType::kBF16 ? 2 : 4);
     r.alone.assign(bytes, std::byte{0x7f});
     r.merged.assign(bytes, std::byte{0x7f});
@@ -360,7 +366,8 @@ TEST_P(KernelTest, ConcurrentRequestsMergeExactly) {
   for (std::thread& t : clients) t.join();
   // Each row's math is its own, so bf16 weights give the same bytes; other
   // formats may take another kernel path at another row count (fp8 on
-  // AVX-512: 1.8e-3 off), so within a quarter of the format's tolerance.
+  // AVX-512: 3.7e-3 off at 3 vs 7 rows per expert), so within half the
+  // format's tolerance.
   auto widen = [](const Request& r, const std::vector<std::byte>& b) {
     std::vector<float> f(size_t(r.n) * 160);
     if (r.dtype == DType::kF32)
@@ -375,17 +382,18 @@ TEST_P(KernelTest, ConcurrentRequestsMergeExactly) {
       EXPECT_TRUE(req[i].merged == req[i].alone) << "request " << i << " differs from its result alone";
     } else {
       const std::vector<float> merged = widen(req[i], req[i].merged), alone = widen(req[i], req[i].alone);
-      EXPECT_LE(RelativeL2Error(merged.data(), alone.data(), merged.size()), Tolerance(format()) / 4) << i;
+      EXPECT_LE(RelativeL2Error(merged.data(), alone.data(), merged.size()), Tolerance(format()) / 2) << i;
     }
   }
   const MergeStats after = exec.merge_stats();
-  EXPECT_EQ(after.regions, before.regions + 3) << "request 0 alone, 1 and 2 together, 3 (f32) alone";
+  EXPECT_EQ(after.regions, before.regions + 4) << "request 0 alone, 1 and 2 together, 3 (f32) and 4 (other experts) alone";
   EXPECT_EQ(after.merged_regions, 1u);
   EXPECT_EQ(after.merged_requests, 2u);
   EXPECT_EQ(req[0].stats.merged_requests, 1);
   EXPECT_EQ(req[1].stats.merged_requests, 2);
   EXPECT_EQ(req[2].stats.merged_requests, 2);
   EXPECT_EQ(req[3].stats.merged_requests, 1);
+  EXPECT_EQ(req[4].stats.merged_requests, 1);
 
   // The peers gone, a caller alone pays at most one wait (one layer here).
   for (int i = 0; i < 12; ++i) ASSERT_TRUE(forward(req[0], req[0].merged, nullptr).ok());
