@@ -39,6 +39,8 @@
 #                         expert), 3 runs
 #   tp_bench              issue 26: moe_layer qwen3-30b-a3b (LAYERS=16 layers, bf16, Zipf routing) --tp 2: one
 #                         cache over two GPUs (ncclAllReduce) vs a cache per GPU, T=1,8,32,2048, 25% per GPU, 3 runs
+#   pool_clients          issue 45 point 1 on the CPU: bench/pool_clients (1, 2, 4 lockstep decode clients of one
+#                         server, merging on / off; routing same, zipf, disjoint at T=1, zipf at T=8)
 #   pool2                 issue 45 point 1 (two GPUs): one GPU alone, then moe_layer --tp 2 and --ep 2 with the
 #                         server merging concurrent requests and without (LAYERS=8, BATCHES=1,8, RUNS=3)
 #   ep_bench              issue 26: the same --ep 2: each GPU its own T tokens, one cache over both GPUs with
@@ -192,6 +194,16 @@ while [[ $# -gt 0 ]]; do
       "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=${LAYERS:-16} --tp=2 --batches=1,8,32,2048 --cache=25 \
         --runs=3 --steps=5 --warmup=2 --server-bin "$B/bin/moe-expert-server" > "$OUT/tp_bench.md" 2> "$OUT/tp_bench.log"
       echo "tp_bench rc=$?"; grep -E "^\|" "$OUT/tp_bench.md"; tail -3 "$OUT/tp_bench.log" ;;
+    pool_clients)
+      # issue 45 point 1 without GPUs: bench/pool_clients, 1, 2 and 4 decode clients of one server in lockstep,
+      # merging on and off, routing same / zipf / disjoint at T=1 and zipf at T=8, to $OUT/pool_clients.md
+      for spec in "same 1" "zipf 1" "disjoint 1" "zipf 8"; do
+        set -- $spec
+        timeout 150 "$B/bin/pool_clients" --layers=${LAYERS:-8} --clients=1,2,4 --routing=$1 --tokens=$2 \
+          --runs=${RUNS:-3} --server-bin "$B/bin/moe-expert-server" >> "$OUT/pool_clients.md" 2>> "$OUT/pool_clients.log"
+        echo "pool_clients $spec rc=$?"
+      done
+      grep -E '^\||all runs' "$OUT/pool_clients.md" | grep -v -- '---' ;;
     pool2)
       # issue 45 point 1: one server, two GPUs (LAYERS=8 of Qwen3-30B-A3B, bf16, Zipf, 25% cache per GPU, T=BATCHES
       # 1,8, RUNS=3): one GPU alone, then TP-2 and EP-2 with the server merging concurrent requests (its default)
