@@ -197,9 +197,8 @@ while [[ $# -gt 0 ]]; do
     pool_clients)
       # issue 45 point 1 without GPUs: bench/pool_clients, 1, 2 and 4 decode clients of one server in lockstep,
       # merging on and off, routing same / zipf / disjoint at T=1 and zipf at T=8, to $OUT/pool_clients.md
-      for spec in "same 1" "zipf 1" "disjoint 1" "zipf 8"; do
-        set -- $spec
-        timeout 150 "$B/bin/pool_clients" --layers=${LAYERS:-8} --clients=1,2,4 --routing=$1 --tokens=$2 \
+      for spec in ${POOL_SPECS:-same:1 zipf:1 disjoint:1 zipf:8}; do
+        timeout 150 "$B/bin/pool_clients" --layers=${LAYERS:-8} --clients=1,2,4 --routing=${spec%:*} --tokens=${spec#*:} \
           --runs=${RUNS:-3} --server-bin "$B/bin/moe-expert-server" >> "$OUT/pool_clients.md" 2>> "$OUT/pool_clients.log"
         echo "pool_clients $spec rc=$?"
       done
