@@ -125,7 +125,7 @@ absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out,
   std::unique_lock<std::mutex> q(q_mu_);
   // A peer: a request of the layer the current region started with, arriving
   // soon after that region's first request.
-  if (merge_ && combining_ && b.layer == round_layer_ && job.t_queue - round_first_ns_ <= MergeWindowCap() &&
+  if (merge_ && combining_ && b.layer == round_layer_ && job.t_queue - round_first_ns_ <= kMaxMergeWindowNs &&
       SharesExperts(job)) {
     peer_lag_ns_ = job.t_queue - round_first_ns_;
     job.late = true;
@@ -190,10 +190,10 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
   };
   take();
   // Alone, with a peer expected: wait for its request of this layer (its
-  // observed lag and a half, plus 10 us, at most MergeWindowCap()).
+  // observed lag and a half, plus 10 us, at most kMaxMergeWindowNs).
   // (A late peer's own region waits for nobody: the request it came after is done.)
   if (merge_ && round_jobs_.size() == 1 && !first->late && PeerExpected(round_layer_) && tokens < kMergeTokens) {
-    const uint64_t window = std::min<uint64_t>(MergeWindowCap(), peer_lag_ns_ + peer_lag_ns_ / 2 + 10'000);
+    const uint64_t window = std::min<uint64_t>(kMaxMergeWindowNs, peer_lag_ns_ + peer_lag_ns_ / 2 + 10'000);
     const uint64_t deadline = first->t_queue + window;
     ++merge_stats_.windows;
     uint64_t seen = arrivals_.load(std::memory_order_acquire);
@@ -231,8 +231,6 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
     st = RunJobs(round_jobs_, &rs);
   }
   q.lock();
-  if (st.ok() && tokens <= kMergeTokens)  // decode-sized regions: what a merge saves
-    region_ns_ = region_ns_ == 0 ? rs.compute_ns : (region_ns_ * 7 + rs.compute_ns) / 8;
   rs.merged_requests = static_cast<int>(round_jobs_.size());
   for (Job* j : round_jobs_) {
     if (j->stats != nullptr) {

@@ -20,15 +20,13 @@
 // Requests stay in arrival order: the oldest waiting request is always in
 // the next region; at most kMergeTokens tokens merge, a larger request runs
 // alone. A client in lockstep with another (its request of a layer arrives
-// within MergeWindowCap() of the other's and shares its experts) is also
-// waited for: a region that starts alone on a layer where, the last time, a
-// peer's request came (merged, or too late to merge) waits up to about the
-// lag observed between them for it; a wait that sees none clears the layer's
-// mark, so a layer whose peer stopped coming costs at most one wait. One
-// caller's thread at a time runs the regions of everybody waiting (the
-// "combiner"), and hands that role on when its own request is done.
-//
-// Workspaces grow
+// within kMaxMergeWindowNs of the other's) is also waited for: a region that
+// starts alone on a layer where, the last time, a peer's request came (merged,
+// or too late to merge) waits up to about the lag observed between them for
+// it; a wait that sees none clears the layer's mark, so a layer whose peer
+// stopped coming costs at most one wait. One caller's thread at a time runs the regions of
+// everybody waiting (the "combiner"), and hands that role on when its own
+// request is done. Workspaces grow
 // to the largest batch seen and are reused: no allocation per token. The
 // largest is the down projection's output, one f32 row of H + 16 per routed
 // pair (128 MiB for a 2048-token top-8 prompt of Qwen3-30B-A3B's shape); the
@@ -38,7 +36,6 @@
 // workspace back; smaller batches still run.
 #pragma once
 
-#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -111,10 +108,8 @@ class MoeExecutor {
 
   // Most tokens of requests merged into one region.
   static constexpr int kMergeTokens = 256;
-  // Longest a region waits for a peer's request of its layer: half the
-  // recent decode regions' compute time (what a merge saves at most: the
-  // peer's region, its experts shared), within these bounds.
-  static constexpr uint64_t kMinMergeWindowNs = 20'000, kMaxMergeWindowNs = 500'000;
+  // Longest a region waits for a peer's request of its layer.
+  static constexpr uint64_t kMaxMergeWindowNs = 100'000;
 
  private:
   // One Forward() request waiting for, or in, a region.
@@ -207,10 +202,6 @@ class MoeExecutor {
   int round_layer_ = -1;
   uint64_t round_first_ns_ = 0;
   uint64_t peer_lag_ns_ = 0;  // the latest lag of a peer's request behind a region's first
-  uint64_t region_ns_ = 0;    // running mean of the compute time of regions up to kMergeTokens tokens
-  uint64_t MergeWindowCap() const {
-    return std::clamp<uint64_t>(region_ns_ / 2, kMinMergeWindowNs, kMaxMergeWindowNs);
-  }
   std::vector<uint8_t> peer_layer_;  // by layer: a peer's request came the last time (merged or late)
   std::vector<uint8_t> round_expert_;  // by expert: read by the current region
   std::vector<uint32_t> expert_stamp_;  // SharesExperts' distinct count

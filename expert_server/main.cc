@@ -53,7 +53,7 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
              "compute requests of one layer that several clients (GPUs, workers) send at the same time and that "
              "share experts (at least half of a request's) in one pass, grouped by expert, so an expert they share "
              "is read from memory once; on a layer where such a request came last time, a client's request waits "
-             "up to ~1.5x the observed lag (at most half a recent pass's compute time, 20-500 us) for it (default true; false: one request at a time, in "
+             "up to ~1.5x the observed lag (at most 100 us) for it (default true; false: one request at a time, in "
              "arrival order)");
   flags.String("kernel", &o.kernel, "expert kernel: auto, amx, avx512 or reference");
   flags.String("weight-dtype", &o.weight_dtype,
