@@ -24,9 +24,11 @@
 // starts alone on a layer where, the last time, a peer's request came (merged,
 // or too late to merge) waits up to about the lag observed between them for
 // it; a wait that sees none clears the layer's mark, so a layer whose peer
-// stopped coming costs at most one wait. One caller's thread at a time runs the regions of
-// everybody waiting (the "combiner"), and hands that role on when its own
-// request is done. Workspaces grow
+// stopped coming costs at most one wait. One caller's thread at a time runs
+// the regions of everybody waiting (the "combiner"), and hands that role on
+// when its own request is done.
+//
+// Workspaces grow
 // to the largest batch seen and are reused: no allocation per token. The
 // largest is the down projection's output, one f32 row of H + 16 per routed
 // pair (128 MiB for a 2048-token top-8 prompt of Qwen3-30B-A3B's shape); the
