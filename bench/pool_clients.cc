@@ -125,6 +125,7 @@ std::vector<ClientTimes> RunClients(const Options& o, const ModelSpec& spec, con
       to.hidden = H;
       to.max_tokens_per_slot = std::max(16, o.tokens);
       to.max_pairs_per_token = k;
+      to.tls.insecure = true;  // the server listens in plaintext on loopback
       absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport(address, to);
       if (!t.ok()) Die(absl::StrCat("client ", c, ": ", t.status().message()));
       (*t)->SetPolling(std::chrono::microseconds(2000));  // a decoding worker's window
