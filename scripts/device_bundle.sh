@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 b=${BUILD_DIR:-build}
-rm -rf .bundle/dev .bundle/dev.tar.xz
+rm -rf .bundle/dev .bundle/dev.tar.xz .bundle/dev.tar.xz.part
 strip_dir=$(mktemp -d)
 default="expert_server/moe-expert-server gpu_worker/moe-gpu-worker model/moe-make-model demo/moe-expert-demo
   bench/expert_kernels bench/transport bench/moe_layer bench/gpu_experts bench/pool_clients
@@ -40,7 +40,11 @@ cp bench/make_peer_gguf.py .bundle/dev/
 # same CUDA kernels (~9 MB in every GPU binary), which -6's 8 MiB does not:
 # 59 MB of six GPU binaries compress to 5 MB instead of 20. One thread: xz's
 # threads cut the input into blocks that do not see each other.
-tar -C .bundle -cf - dev | xz -9 -T1 > .bundle/dev.tar.xz
+# Written aside and renamed when whole: a device call that carries the archive
+# while it is being written would take a truncated one (it did: tar's
+# "Unexpected EOF" on the host, half the binaries missing).
+tar -C .bundle -cf - dev | xz -9 -T1 > .bundle/dev.tar.xz.part
+mv .bundle/dev.tar.xz.part .bundle/dev.tar.xz
 echo "archive: .bundle/dev.tar.xz ($(du -sh .bundle/dev.tar.xz | cut -f1))"
 # The device tool carries at most 64 MiB (with shared/): past that, bundle a subset.
 if (( $(stat -c %s .bundle/dev.tar.xz) > 60 * 1024 * 1024 )); then
