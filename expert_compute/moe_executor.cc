@@ -162,6 +162,49 @@ absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out,
   return job.status;
 }
 
+void MoeExecutor::TakeMergeable(const Job* first, int* tokens) {
+  size_t kept = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Job* j = pending_[i];
+    const bool merge = j == first || (merge_ && j->batch->layer == first->batch->layer &&
+                                      j->out_dtype == first->out_dtype && *tokens + j->batch->n <= kMergeTokens &&
+                                      SharesExperts(*j));
+    if (merge) {
+      AddExperts(*j);
+      round_jobs_.push_back(j);
+      *tokens += j->batch->n;
+    } else {
+      pending_[kept++] = j;
+    }
+  }
+  pending_.resize(kept);
+}
+
+void MoeExecutor::WaitForPeer(std::unique_lock<std::mutex>& q, const Job* first, int* tokens) {
+  const uint64_t window = std::min<uint64_t>(kMaxMergeWindowNs, peer_lag_ns_ + peer_lag_ns_ / 2 + 10'000);
+  const uint64_t deadline = first->t_queue + window;
+  ++merge_stats_.windows;
+  uint64_t seen = arrivals_.load(std::memory_order_acquire);
+  q.unlock();
+  SpinYielder yielder;
+  for (;;) {
+    const auto now = std::chrono::steady_clock::now();
+    const bool late =
+        uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count()) >= deadline;
+    const uint64_t a = arrivals_.load(std::memory_order_acquire);
+    if (a != seen || late) {
+      q.lock();
+      TakeMergeable(first, tokens);
+      if (round_jobs_.size() > 1 || late) break;
+      seen = a;
+      q.unlock();
+    }
+    CpuRelax();
+    yielder.Tick(now);
+  }
+  if (round_jobs_.size() > 1) ++merge_stats_.windows_filled;
+}
+
 void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
   Job* const first = pending_.front();
   round_layer_ = first->batch->layer;
@@ -169,53 +212,11 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
   round_jobs_.clear();
   std::fill(round_expert_.begin(), round_expert_.end(), 0);
   int tokens = 0;
-  // Moves the pending requests that merge with `first` (arrival order, up to
-  // kMergeTokens tokens; `first` always) into round_jobs_.
-  auto take = [&] {
-    size_t kept = 0;
-    for (size_t i = 0; i < pending_.size(); ++i) {
-      Job* j = pending_[i];
-      const bool merge = j == first || (merge_ && j->batch->layer == first->batch->layer &&
-                                        j->out_dtype == first->out_dtype && tokens + j->batch->n <= kMergeTokens &&
-                                        SharesExperts(*j));
-      if (merge) {
-        AddExperts(*j);
-        round_jobs_.push_back(j);
-        tokens += j->batch->n;
-      } else {
-        pending_[kept++] = j;
-      }
-    }
-    pending_.resize(kept);
-  };
-  take();
-  // Alone, with a peer expected: wait for its request of this layer (its
-  // observed lag and a half, plus 10 us, at most kMaxMergeWindowNs).
-  // (A late peer's own region waits for nobody: the request it came after is done.)
-  if (merge_ && round_jobs_.size() == 1 && !first->late && PeerExpected(round_layer_) && tokens < kMergeTokens) {
-    const uint64_t window = std::min<uint64_t>(kMaxMergeWindowNs, peer_lag_ns_ + peer_lag_ns_ / 2 + 10'000);
-    const uint64_t deadline = first->t_queue + window;
-    ++merge_stats_.windows;
-    uint64_t seen = arrivals_.load(std::memory_order_acquire);
-    q.unlock();
-    SpinYielder yielder;
-    for (;;) {
-      const auto now = std::chrono::steady_clock::now();
-      const bool late = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count()) >=
-                        deadline;
-      const uint64_t a = arrivals_.load(std::memory_order_acquire);
-      if (a != seen || late) {
-        q.lock();
-        take();
-        if (round_jobs_.size() > 1 || late) break;
-        seen = a;
-        q.unlock();
-      }
-      CpuRelax();
-      yielder.Tick(now);
-    }
-    if (round_jobs_.size() > 1) ++merge_stats_.windows_filled;
-  }
+  TakeMergeable(first, &tokens);
+  // Alone, with a peer expected: wait for its request of this layer. (A late
+  // peer's own region waits for nobody: the request it came after is done.)
+  if (merge_ && round_jobs_.size() == 1 && !first->late && PeerExpected(round_layer_) && tokens < kMergeTokens)
+    WaitForPeer(q, first, &tokens);
   if (merge_ && !first->late) MarkPeer(round_layer_, round_jobs_.size() > 1);
   ++merge_stats_.regions;
   if (round_jobs_.size() > 1) {

@@ -137,6 +137,14 @@ class MoeExecutor {
   // peer's where one is expected) and computes them. q_mu_ held on entry and
   // exit, released while computing.
   void RunRound(std::unique_lock<std::mutex>& q);
+  // Under q_mu_: moves the pending requests that merge with `first` (same
+  // layer and output dtype, sharing its region's experts, up to kMergeTokens
+  // tokens in all, arrival order; `first` always) into round_jobs_.
+  void TakeMergeable(const Job* first, int* tokens);
+  // The region of `first` alone, a peer expected on its layer: waits (q_mu_
+  // released) up to the observed lag and a half plus 10 us, at most
+  // kMaxMergeWindowNs after `first` arrived, for a request that merges.
+  void WaitForPeer(std::unique_lock<std::mutex>& q, const Job* first, int* tokens);
   // Under mu_: the jobs as one region.
   absl::Status RunJobs(const std::vector<Job*>& jobs, ForwardStats* stats);
   // Under q_mu_: at least half of j's distinct experts (or none) are in the
