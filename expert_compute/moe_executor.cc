@@ -136,10 +136,8 @@ absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out,
   while (!job.done.load(std::memory_order_acquire)) {
     if (!combining_) {  // this caller runs the regions until its own request is done
       combining_ = true;
-      combining_flag_.store(true, std::memory_order_relaxed);
       while (!job.done.load(std::memory_order_acquire)) RunRound(q);
       combining_ = false;
-      combining_flag_.store(false, std::memory_order_relaxed);
       q.unlock();
       q_cv_.notify_all();  // a waiter whose request is left takes the role over
       return job.status;
@@ -149,7 +147,7 @@ absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out,
     q.unlock();
     const uint64_t spin_until = NowNs() + kWaitSpinNs;
     SpinYielder yielder;
-    while (!job.done.load(std::memory_order_acquire) && combining_flag_.load(std::memory_order_relaxed)) {
+    while (!job.done.load(std::memory_order_acquire) && combining_.load(std::memory_order_relaxed)) {
       const auto now = std::chrono::steady_clock::now();
       if (uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count()) > spin_until)
         break;
@@ -170,7 +168,7 @@ void MoeExecutor::TakeMergeable(const Job* first, int* tokens) {
                                       j->out_dtype == first->out_dtype && *tokens + j->batch->n <= kMergeTokens &&
                                       SharesExperts(*j));
     if (merge) {
-      AddExperts(*j);
+      if (merge_) AddExperts(*j);
       round_jobs_.push_back(j);
       *tokens += j->batch->n;
     } else {
@@ -210,7 +208,7 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
   round_layer_ = first->batch->layer;
   round_first_ns_ = first->t_queue;
   round_jobs_.clear();
-  std::fill(round_expert_.begin(), round_expert_.end(), 0);
+  if (merge_) std::fill(round_expert_.begin(), round_expert_.end(), 0);
   int tokens = 0;
   TakeMergeable(first, &tokens);
   // Alone, with a peer expected: wait for its request of this layer. (A late

@@ -206,9 +206,8 @@ class MoeExecutor {
   std::condition_variable q_cv_;
   std::vector<Job*> pending_;
   std::vector<Job*> round_jobs_;  // the combiner's current region
-  bool combining_ = false;
+  std::atomic<bool> combining_{false};  // written under q_mu_; waiters poll it without
   std::atomic<uint64_t> arrivals_{0};  // jobs enqueued, ever (a waiting combiner polls it)
-  std::atomic<bool> combining_flag_{false};  // combining_, for waiters to poll
   int round_layer_ = -1;
   uint64_t round_first_ns_ = 0;
   uint64_t peer_lag_ns_ = 0;  // the latest lag of a peer's request behind a region's first

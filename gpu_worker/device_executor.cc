@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -503,9 +504,21 @@ absl::Status LayerDispatcher::TakeLayerError(size_t li) {
     while (server < m.servers.size() && m.channel_of_server[server] != w - 1) ++server;
     const std::string address = server < m.servers.size() ? m.servers[server].config.address : "?";
     if (detail == -2) {  // no answer, but the device computed the request from the host copy: right, and slow
+      // Every layer of every replay while a server is silent: once a second per server.
+      if (server < m.servers.size()) {
+        Server& sv = m.servers[server];
+        const Clock::time_point now = Clock::now();
+        if (now - sv.recompute_warned < std::chrono::seconds(1)) {
+          ++sv.recompute_unwarned;
+          continue;
+        }
+        sv.recompute_warned = now;
+      }
+      const uint64_t more = server < m.servers.size() ? std::exchange(m.servers[server].recompute_unwarned, 0) : 0;
       LogWarning("worker", "capturable call, layer ", layer, ", server ", address, ": no answer (",
                  absl::StatusCodeToString(sc), ", waited at most ", config_.deadline.count(),
-                 " ms); its misses were computed on the device from the host copy");
+                 " ms); its misses were computed on the device from the host copy",
+                 more > 0 ? absl::StrCat(" (and ", more, " more such layer calls since the last warning)") : "");
       continue;
     }
     std::string why = detail < 0 ? absl::StrCat("no answer within ", config_.deadline.count(), " ms") : "";

@@ -65,6 +65,10 @@ struct Server {
   bool silent = false;             // its last failure was a server deadline: probed before calls resume
   int chunk_tokens = 0;            // most tokens per staged batch
   std::chrono::microseconds polling{0};  // the window last given to SetPolling
+  // Capturable calls whose requests to it the GPU computed from the host
+  // copy (nobody answered): warned at most once a second, the rest counted.
+  Clock::time_point recompute_warned{};
+  uint64_t recompute_unwarned = 0;
 };
 
 // One batch sent to one server: the plan's batch and its transport state.
