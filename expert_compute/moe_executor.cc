@@ -123,13 +123,18 @@ absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out,
   MOE_RETURN_IF_ERROR(CheckOutputDType(out_dtype));
   Job job{&b, out_dtype, out, stats, NowNs(), absl::OkStatus()};
   std::unique_lock<std::mutex> q(q_mu_);
-  // A peer: a request of the layer the current region started with, arriving
-  // soon after that region's first request.
-  if (merge_ && combining_ && b.layer == round_layer_ && job.t_queue - round_first_ns_ <= kMaxMergeWindowNs &&
-      SharesExperts(job)) {
-    peer_lag_ns_ = job.t_queue - round_first_ns_;
-    job.late = true;
-    MarkPeer(b.layer, true);
+  // A peer: a request of the layer whose region waits or runs, sharing its
+  // experts. Too late to merge when the region runs already: had it not
+  // waited, would a wait have caught this one?
+  if (merge_ && b.layer == round_layer_ && job.t_queue - round_start_ns_ <= kMaxMergeWindowNs && SharesExperts(job)) {
+    LayerPeer& lp = PeerOf(b.layer);
+    peer_lag_ns_ = job.t_queue - round_start_ns_;
+    lp.peer = true;
+    if (!round_waiting_) {
+      job.late = true;
+      ++merge_stats_.late_peers;
+      if (!round_waited_) wait_score_ = NextWaitScore(wait_score_, peer_lag_ns_ <= MergeWindowNs(peer_lag_ns_, lp.region_ns));
+    }
   }
   pending_.push_back(&job);
   arrivals_.fetch_add(1, std::memory_order_release);
@@ -179,9 +184,9 @@ void MoeExecutor::TakeMergeable(const Job* first, int* tokens) {
 }
 
 void MoeExecutor::WaitForPeer(std::unique_lock<std::mutex>& q, const Job* first, int* tokens) {
-  const uint64_t window = std::min<uint64_t>(kMaxMergeWindowNs, peer_lag_ns_ + peer_lag_ns_ / 2 + 10'000);
-  const uint64_t deadline = first->t_queue + window;
+  const uint64_t deadline = round_start_ns_ + MergeWindowNs(peer_lag_ns_, PeerOf(round_layer_).region_ns);
   ++merge_stats_.windows;
+  round_waiting_ = round_waited_ = true;
   uint64_t seen = arrivals_.load(std::memory_order_acquire);
   q.unlock();
   SpinYielder yielder;
@@ -200,22 +205,28 @@ void MoeExecutor::WaitForPeer(std::unique_lock<std::mutex>& q, const Job* first,
     CpuRelax();
     yielder.Tick(now);
   }
-  if (round_jobs_.size() > 1) ++merge_stats_.windows_filled;
+  round_waiting_ = false;
+  const bool met = round_jobs_.size() > 1;
+  if (met) ++merge_stats_.windows_filled;
+  merge_stats_.wait_ns += NowNs() - round_start_ns_;
+  wait_score_ = NextWaitScore(wait_score_, met);
 }
-
 void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
   Job* const first = pending_.front();
   round_layer_ = first->batch->layer;
-  round_first_ns_ = first->t_queue;
+  round_start_ns_ = std::max(first->t_queue, NowNs());
+  round_waited_ = false;
   round_jobs_.clear();
   if (merge_) std::fill(round_expert_.begin(), round_expert_.end(), 0);
   int tokens = 0;
   TakeMergeable(first, &tokens);
-  // Alone, with a peer expected: wait for its request of this layer. (A late
-  // peer's own region waits for nobody: the request it came after is done.)
-  if (merge_ && round_jobs_.size() == 1 && !first->late && PeerExpected(round_layer_) && tokens < kMergeTokens)
+  // Alone, with a peer expected and waits paying: wait for its request of
+  // this layer. (A late peer's own region waits for nobody: the request it
+  // came after is done.)
+  if (merge_ && round_jobs_.size() == 1 && !first->late && PeerOf(round_layer_).peer &&
+      wait_score_ >= kWaitScoreOne / 2 && tokens < kMergeTokens)
     WaitForPeer(q, first, &tokens);
-  if (merge_ && !first->late) MarkPeer(round_layer_, round_jobs_.size() > 1);
+  if (merge_ && !first->late) PeerOf(round_layer_).peer = round_jobs_.size() > 1;
   ++merge_stats_.regions;
   if (round_jobs_.size() > 1) {
     ++merge_stats_.merged_regions;
@@ -229,7 +240,10 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
     std::lock_guard<std::mutex> lock(mu_);
     st = RunJobs(round_jobs_, &rs);
   }
+  const uint64_t t_end = NowNs();
   q.lock();
+  if (merge_) PeerOf(round_layer_).region_ns = t_end - t_start;
+  round_layer_ = -1;
   rs.merged_requests = static_cast<int>(round_jobs_.size());
   for (Job* j : round_jobs_) {
     if (j->stats != nullptr) {
@@ -307,13 +321,18 @@ void MoeExecutor::AddExperts(const Job& j) {
     if (r.ids[i] >= 0) round_expert_[r.ids[i]] = 1;
 }
 
-void MoeExecutor::MarkPeer(int layer, bool peer) {
-  if (layer < 0) return;
-  if (static_cast<size_t>(layer) >= peer_layer_.size()) {
-    if (!peer) return;
-    peer_layer_.resize(static_cast<size_t>(layer) + 1, 0);
-  }
-  peer_layer_[layer] = peer ? 1 : 0;
+MoeExecutor::LayerPeer& MoeExecutor::PeerOf(int layer) {
+  if (static_cast<size_t>(layer) >= layer_peer_.size()) layer_peer_.resize(static_cast<size_t>(layer) + 1);
+  return layer_peer_[layer];
+}
+
+uint64_t MergeWindowNs(uint64_t lag_ns, uint64_t region_ns) {
+  const uint64_t bound = region_ns == 0 ? MoeExecutor::kDefaultMergeWindowNs : region_ns / 4 * 3;
+  return std::min({lag_ns + lag_ns / 2 + 10'000, bound, MoeExecutor::kMaxMergeWindowNs});
+}
+
+uint32_t NextWaitScore(uint32_t score, bool met) {
+  return score - score / 4 + (met ? kWaitScoreOne / 4 : 0);
 }
 
 MergeStats MoeExecutor::merge_stats() const {

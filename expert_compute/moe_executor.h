@@ -19,12 +19,18 @@
 // would wait for the other's experts too, so they run one after another).
 // Requests stay in arrival order: the oldest waiting request is always in
 // the next region; at most kMergeTokens tokens merge, a larger request runs
-// alone. A client in lockstep with another (its request of a layer arrives
-// within kMaxMergeWindowNs of the other's) is also waited for: a region that
-// starts alone on a layer where, the last time, a peer's request came (merged,
-// or too late to merge) waits up to about the lag observed between them for
-// it; a wait that sees none clears the layer's mark, so a layer whose peer
-// stopped coming costs at most one wait. One caller's thread at a time runs
+// alone. A client in lockstep with another (the GPUs of a tensor- or
+// expert-parallel group) is also waited for: a region that starts alone on a
+// layer where, the last time, a peer's request came (merged in the region,
+// or arriving while it ran) waits for it, up to MergeWindowNs: the observed
+// lag of the peer behind the moment the pool was free, and a half, plus
+// 10 us, never more than three quarters of that layer's last region (what a
+// merge saves: the peer's own region after it) nor kMaxMergeWindowNs. A wait
+// that sees none clears the layer's mark. Waits are also corrected by their
+// outcomes: a score of recent waits (met or not; and, for regions that did
+// not wait, whether a peer came within what a wait would have caught) must
+// stay at half or more for regions to wait at all, so clients whose requests
+// rarely meet lose little. One caller's thread at a time runs
 // the regions of everybody waiting (the "combiner"), and hands that role on
 // when its own request is done.
 //
@@ -75,7 +81,20 @@ struct MergeStats {
   uint64_t merged_requests = 0;   // requests computed in a merged region
   uint64_t windows = 0;           // regions that waited for a peer's request
   uint64_t windows_filled = 0;    // of them, waits a peer's request ended
+  uint64_t wait_ns = 0;           // time the regions spent waiting, in all
+  uint64_t late_peers = 0;        // peers' requests that came while their layer's region ran
 };
+
+// How long a region alone on its layer waits for a peer's request: the peer's
+// last observed lag behind the moment the pool was free, and a half, plus
+// 10 us; at most three quarters of the layer's last region (region_ns; 0 =
+// unknown: kDefaultMergeWindowNs) and kMaxMergeWindowNs.
+uint64_t MergeWindowNs(uint64_t lag_ns, uint64_t region_ns);
+// The score of waits after one more outcome (kWaitScoreOne = every wait
+// met): a moving average over about the last four. Regions wait only while
+// the score is at least kWaitScoreOne / 2.
+uint32_t NextWaitScore(uint32_t score, bool met);
+constexpr uint32_t kWaitScoreOne = 1024;
 
 class MoeExecutor {
  public:
@@ -110,8 +129,10 @@ class MoeExecutor {
 
   // Most tokens of requests merged into one region.
   static constexpr int kMergeTokens = 256;
-  // Longest a region waits for a peer's request of its layer.
-  static constexpr uint64_t kMaxMergeWindowNs = 100'000;
+  // Longest a region waits for a peer's request of its layer, and how long
+  // before its layer's region time is known.
+  static constexpr uint64_t kMaxMergeWindowNs = 2'000'000;
+  static constexpr uint64_t kDefaultMergeWindowNs = 100'000;
 
  private:
   // One Forward() request waiting for, or in, a region.
@@ -122,7 +143,7 @@ class MoeExecutor {
     ForwardStats* stats;
     uint64_t t_queue;
     absl::Status status;
-    bool late = false;  // came while the region of its layer's first request ran (a peer too late to merge)
+    bool late = false;  // came while a region of its layer ran (a peer too late to merge)
     std::atomic<bool> done{false};
   };
   // Where a region's tokens come from and its rows go: one [n, H] array
@@ -142,8 +163,7 @@ class MoeExecutor {
   // tokens in all, arrival order; `first` always) into round_jobs_.
   void TakeMergeable(const Job* first, int* tokens);
   // The region of `first` alone, a peer expected on its layer: waits (q_mu_
-  // released) up to the observed lag and a half plus 10 us, at most
-  // kMaxMergeWindowNs after `first` arrived, for a request that merges.
+  // released) up to MergeWindowNs for a request that merges.
   void WaitForPeer(std::unique_lock<std::mutex>& q, const Job* first, int* tokens);
   // Under mu_: the jobs as one region.
   absl::Status RunJobs(const std::vector<Job*>& jobs, ForwardStats* stats);
@@ -200,8 +220,8 @@ class MoeExecutor {
   std::vector<void*> merge_out_;
 
   // Forward's queue. Under q_mu_: pending_ (arrival order), combining_ (a
-  // caller is running regions), the current region's layer and first
-  // arrival, the peer estimate.
+  // caller is running regions), the current region's layer (-1 between
+  // regions) and when the pool was free for it, the peer estimates.
   mutable std::mutex q_mu_;
   std::condition_variable q_cv_;
   std::vector<Job*> pending_;
@@ -209,17 +229,21 @@ class MoeExecutor {
   std::atomic<bool> combining_{false};  // written under q_mu_; waiters poll it without
   std::atomic<uint64_t> arrivals_{0};  // jobs enqueued, ever (a waiting combiner polls it)
   int round_layer_ = -1;
-  uint64_t round_first_ns_ = 0;
-  uint64_t peer_lag_ns_ = 0;  // the latest lag of a peer's request behind a region's first
-  std::vector<uint8_t> peer_layer_;  // by layer: a peer's request came the last time (merged or late)
+  uint64_t round_start_ns_ = 0;
+  bool round_waiting_ = false;  // the current region waits for a peer now
+  bool round_waited_ = false;   // it waited
+  uint64_t peer_lag_ns_ = 0;  // the latest lag of a peer's request behind the pool's being free
+  uint32_t wait_score_ = kWaitScoreOne;  // NextWaitScore over the waits' outcomes
+  struct LayerPeer {
+    bool peer = false;       // a peer's request came the last time (merged or late)
+    uint64_t region_ns = 0;  // the layer's last region, computing
+  };
+  std::vector<LayerPeer> layer_peer_;  // by layer
   std::vector<uint8_t> round_expert_;  // by expert: read by the current region
   std::vector<uint32_t> expert_stamp_;  // SharesExperts' distinct count
   uint32_t stamp_ = 0;
-  // Marks (or clears) `layer`'s peer.
-  void MarkPeer(int layer, bool peer);
-  bool PeerExpected(int layer) const {
-    return layer >= 0 && static_cast<size_t>(layer) < peer_layer_.size() && peer_layer_[layer] != 0;
-  }
+  // `layer`'s entry (grown on demand; layers are validated, so bounded).
+  LayerPeer& PeerOf(int layer);
   MergeStats merge_stats_;
 };
 

@@ -53,8 +53,8 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
              "compute requests of one layer that several clients (GPUs, workers) send at the same time and that "
              "share experts (at least half of a request's) in one pass, grouped by expert, so an expert they share "
              "is read from memory once; on a layer where such a request came last time, a client's request waits "
-             "up to ~1.5x the observed lag (at most 100 us) for it (default true; false: one request at a time, in "
-             "arrival order)");
+             "up to ~1.5x the observed lag for it (at most 3/4 of the layer's pass and 2 ms; waits stop while "
+             "most of them miss) (default true; false: one request at a time, in arrival order)");
   flags.String("kernel", &o.kernel, "expert kernel: auto, amx, avx512 or reference");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision the experts are stored and computed in: auto (the checkpoint's: fp8 -> fp8, exact; "
@@ -125,6 +125,7 @@ int main(int argc, char** argv) {
   const moe::MergeStats m = (*server)->merge_stats();
   moe::LogInfo("server", "stopped; ", m.regions, " compute passes, ", m.merged_regions, " of them merged ",
                m.merged_requests, " requests of several clients; ", m.windows, " waits for a peer's request, ",
-               m.windows_filled, " of them met");
+               m.windows_filled, " of them met, ", m.wait_ns / 1'000'000, " ms waited; ", m.late_peers,
+               " requests came while their layer's pass ran");
   return 0;
 }

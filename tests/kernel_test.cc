@@ -281,6 +281,26 @@ TEST_P(KernelTest, ThreadCountDoesNotChangeResults) {
   Check({160, 112, 8, 2}, 12, 2, DType::kF32, 40);
 }
 
+// How long a region waits for a lockstep peer: about its observed lag, never
+// more than three quarters of the layer's region (what the merge saves) nor
+// 2 ms; and waits stop after three misses in a row, restart after one catch.
+TEST(MergeWindow, BoundedByLagRegionAndCapAndCorrectedByOutcomes) {
+  EXPECT_EQ(MergeWindowNs(0, 0), 10'000u);
+  EXPECT_EQ(MergeWindowNs(100'000, 1'000'000), 160'000u);
+  EXPECT_EQ(MergeWindowNs(1'000'000, 0), MoeExecutor::kDefaultMergeWindowNs) << "region time unknown";
+  EXPECT_EQ(MergeWindowNs(1'000'000, 1'000'000), 750'000u) << "a wait as long as the region saves nothing";
+  EXPECT_EQ(MergeWindowNs(10'000'000, 100'000'000), MoeExecutor::kMaxMergeWindowNs);
+  EXPECT_LT(MergeWindowNs(10'000, 5'000), 5'000u) << "a tiny region: waits shorter than it";
+  uint32_t score = kWaitScoreOne;
+  for (int i = 0; i < 8; ++i) score = NextWaitScore(score, true);
+  EXPECT_EQ(score, kWaitScoreOne);
+  score = NextWaitScore(NextWaitScore(score, false), false);
+  EXPECT_GE(score, kWaitScoreOne / 2) << "two misses still wait";
+  score = NextWaitScore(score, false);
+  EXPECT_LT(score, kWaitScoreOne / 2) << "three misses in a row stop the waits";
+  EXPECT_GE(NextWaitScore(score, true), kWaitScoreOne / 2) << "one peer caught (or that a wait would have caught) restarts them";
+}
+
 // Requests that wait for the pool at the same time and share experts are
 // computed in one region, grouped by expert across them (MoeExecutor::Forward),
 // and each gets exactly the bytes it gets alone: requests of other k and sizes
