@@ -170,6 +170,8 @@ class ZipfRouter final : public Routing {
     std::sort(v.begin(), v.end());
     return v;
   }
+  // Every expert of layer index li, the most popular first.
+  const std::vector<int>& Ranked(int li) const { return perm_[li]; }
   void Step() override {
     std::uniform_int_distribution<int> pick(0, E_ - 2);
     const int swaps = static_cast<int>(std::ceil(drift_ * E_));
@@ -499,7 +501,7 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
     for (int li = 0; li < L; ++li) {  // warm: the hottest experts this rank may hold
       const int layer = spec.moe_layers[li];
       std::vector<int> mine;
-      for (int e : router.Hottest(li, spec.num_experts))
+      for (int e : router.Ranked(li))  // (Hottest(li, E) is every expert by id: not an order)
         if (static_cast<int>(mine.size()) < C && (!group || ExpertOwner(layer, e, R) == r)) mine.push_back(e);
       Check(d->ApplyAssignment(layer, mine), "assign");
     }
