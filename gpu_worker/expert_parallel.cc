@@ -55,6 +55,11 @@ using DeviceArray = CudaArray<T, cudaMalloc, cudaFree>;
 template <typename T>
 using PinnedArray = CudaArray<T, MallocPinned, cudaFreeHost>;
 
+// Tokens a call sends to every peer with its head: when no rank's call has
+// more (decode), the heads carry every token and the call needs no other
+// exchange before its compute — one wait on the host instead of three.
+constexpr int kInlineTokens = 8;
+
 // What the ranks must agree on, compared at Create.
 struct Shape {
   int32_t num_experts, hidden, max_tokens, max_top_k;
@@ -72,6 +77,7 @@ struct ExpertParallel::Impl {
   ParallelGroup group;
   LayerDispatcher* local = nullptr;
   int E = 0, H = 0, max_tokens = 0, kc = 0;  // kc: ids per token in the exchanged batch (max_top_k)
+  int ki = 0;  // tokens every call sends inline with its head (kInlineTokens, at most max_tokens)
   std::chrono::milliseconds deadline{0};
   ncclComm_t comm = nullptr;
   bool in_group = false;
@@ -86,6 +92,8 @@ struct ExpertParallel::Impl {
   PinnedArray<int32_t> h_ids, h_send_ids, h_send_token, h_counts, h_all_counts, h_status_in;
   PinnedArray<int32_t> h_status_out;
   PinnedArray<float> h_w, h_send_w;
+  PinnedArray<int32_t> h_head_ids;  // the heads' routing, [S blocks of ki tokens, kc]
+  PinnedArray<float> h_head_w;
   // Per call, per peer: tokens sent and received, and where they start.
   std::vector<int> sent, recv, send_at, recv_at;
 
@@ -166,6 +174,8 @@ struct ExpertParallel::Impl {
     MOE_RETURN_IF_ERROR(h_all_counts.Alloc(S * S));
     MOE_RETURN_IF_ERROR(h_status_out.Alloc(S));
     MOE_RETURN_IF_ERROR(h_status_in.Alloc(S));
+    MOE_RETURN_IF_ERROR(h_head_ids.Alloc(S * ki * kc));
+    MOE_RETURN_IF_ERROR(h_head_w.Alloc(S * ki * kc));
     std::vector<int32_t> iota(T);  // own_rows: token t's partial is row t of the batch
     for (size_t t = 0; t < T; ++t) iota[t] = static_cast<int32_t>(t);
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy(own_rows.p, iota.data(), T * sizeof(int32_t), cudaMemcpyHostToDevice));
@@ -173,7 +183,17 @@ struct ExpertParallel::Impl {
     return absl::OkStatus();
   }
 
+  // One call: the head (checks, every rank's count and first ki tokens),
+  // then Small (every rank's tokens came with the heads) or Large (the
+  // counts, then the tokens each peer needs); Finish: the statuses and out.
+  // `input` is this rank's bad input or a failed compute (its peers go on).
   absl::Status Exchange(const LayerCall& call, CallStats* stats, absl::Status& input);
+  absl::Status Small(const LayerCall& call, CallStats* stats, int T, cudaStream_t stream, Clock::time_point end,
+                     Clock::time_point mark, absl::Status& input);
+  absl::Status Large(const LayerCall& call, CallStats* stats, int T, cudaStream_t stream, Clock::time_point end,
+                     Clock::time_point mark, absl::Status& input);
+  absl::Status Finish(const LayerCall& call, int T, const absl::Status& computed, cudaStream_t stream,
+                      absl::Status& input);
   absl::Status Alone(const LayerCall& call, CallStats* stats, const absl::Status& why);
 };
 
@@ -196,6 +216,7 @@ absl::StatusOr<std::unique_ptr<ExpertParallel>> ExpertParallel::Create(const Par
   m->H = hidden;
   m->max_tokens = max_tokens;
   m->kc = max_top_k;
+  m->ki = std::min(kInlineTokens, max_tokens);
   m->deadline = deadline;
   MOE_RETURN_IF_ERROR(m->Allocate());
   const std::string raw = absl::HexStringToBytes(group.id);
@@ -248,7 +269,7 @@ absl::Status ExpertParallel::Impl::Alone(const LayerCall& call, CallStats* stats
   return local->Forward(call, stats);
 }
 
-// Long: the six steps of the header, in order, each a few lines.
+// Long: the head's steps (the checks, the inline tokens out, the host's view of every rank's), then one of two ways on.
 absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* stats, absl::Status& input) {
   const int S = group.size, me = group.rank;
   const Clock::time_point end = Clock::now() + (call.deadline.count() > 0 ? call.deadline : deadline);
@@ -262,8 +283,7 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
     mark = now;
   };
   ++times.calls;
-  // 1. This rank's routing on the host, checked: bad input takes part with
-  // no tokens.
+  // 1. This rank's call checked: bad input takes part with no tokens.
   if (call.kind != MemoryKind::kDevice) input = absl::InvalidArgumentError("kind: expert-parallel calls take device memory");
   else if (T < 0 || T > max_tokens)
     input = absl::InvalidArgumentError(absl::StrCat("T: ", T, " is outside [0, ", max_tokens, "] (max_tokens)"));
@@ -273,15 +293,146 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
                      call.batch.routing.weights == nullptr || call.out == nullptr))
     input = absl::InvalidArgumentError("hidden, topk_ids, topk_weights, out: must not be null");
   if (!input.ok()) T = 0;
+  // 2. The head, every call: this rank's token count and its first ki
+  // tokens (rows, ids and weights at stride kc, padding -1 / 0) to every
+  // peer, into block `rank` of the batch; the routing of this rank's call
+  // and every block come to the host, one wait for all of it.
+  const int inl = std::min(T, ki);
+  h_counts.p[0] = T;
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts.p, h_counts.p, sizeof(int32_t), cudaMemcpyHostToDevice, stream));
+  int32_t* own_ids = batch_ids.p + size_t(me) * ki * kc;
+  float* own_w = batch_w.p + size_t(me) * ki * kc;
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(own_ids, 0xff, sizeof(int32_t) * ki * kc, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(own_w, 0, sizeof(float) * ki * kc, stream));
+  if (inl < ki)  // padding rows: zeros, never read (no pairs), never garbage
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(batch_x.p + (size_t(me) * ki + inl) * H, 0, sizeof(bf16_t) * (ki - inl) * H,
+                                             stream));
+  if (inl > 0) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(batch_x.p + size_t(me) * ki * H, call.batch.tokens,
+                                             sizeof(bf16_t) * inl * H, cudaMemcpyDeviceToDevice, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(own_ids, sizeof(int32_t) * kc, call.batch.routing.ids, sizeof(int32_t) * k,
+                                               sizeof(int32_t) * k, inl, cudaMemcpyDeviceToDevice, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(own_w, sizeof(float) * kc, call.batch.routing.weights, sizeof(float) * k,
+                                               sizeof(float) * k, inl, cudaMemcpyDeviceToDevice, stream));
+  }
+  MOE_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+  for (int s = 0; s < S; ++s) {
+    if (s == me) continue;
+    MOE_NCCL_RETURN_IF_ERROR(ncclSend(counts.p, 1, ncclInt32, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclSend(batch_x.p + size_t(me) * ki * H, size_t(ki) * H, ncclBfloat16, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclSend(own_ids, size_t(ki) * kc, ncclInt32, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclSend(own_w, size_t(ki) * kc, ncclFloat32, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclRecv(all_counts.p + s, 1, ncclInt32, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclRecv(batch_x.p + size_t(s) * ki * H, size_t(ki) * H, ncclBfloat16, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclRecv(batch_ids.p + size_t(s) * ki * kc, size_t(ki) * kc, ncclInt32, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclRecv(batch_w.p + size_t(s) * ki * kc, size_t(ki) * kc, ncclFloat32, s, comm, stream));
+  }
+  MOE_NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+  MOE_RETURN_IF_ERROR(Settle(end, "the heads' send/recv"));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_all_counts.p, all_counts.p, sizeof(int32_t) * S, cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_head_ids.p, batch_ids.p, sizeof(int32_t) * S * ki * kc,
+                                           cudaMemcpyDeviceToHost, stream));
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_head_w.p, batch_w.p, sizeof(float) * S * ki * kc, cudaMemcpyDeviceToHost,
+                                           stream));
   if (T > 0) {
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_ids.p, call.batch.routing.ids, sizeof(int32_t) * T * k,
                                              cudaMemcpyDeviceToHost, stream));
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_w.p, call.batch.routing.weights, sizeof(float) * T * k,
                                              cudaMemcpyDeviceToHost, stream));
-    MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  }
+  MOE_RETURN_IF_ERROR(WaitDone(stream, end, "the heads"));
+  // Every rank decides Small or Large from the same counts: the heads' (its
+  // own as sent, before its routing is checked).
+  h_all_counts.p[me] = T;
+  bool small = true;
+  for (int s = 0; s < S; ++s) {
+    if (h_all_counts.p[s] < 0 || h_all_counts.p[s] > max_tokens)
+      return absl::InternalError(absl::StrCat("expert-parallel group: rank ", s, " sends ", h_all_counts.p[s], " tokens"));
+    small = small && h_all_counts.p[s] <= ki;
+  }
+  if (T > 0) {
     input = ValidateRouting(RoutingView{T, k, h_ids.p, h_w.p}, E, {}, "topk_ids", "topk_weights");
     if (!input.ok()) T = 0;
   }
+  lap(times.counts);
+  if (small) return Small(call, stats, T, stream, end, mark, input);
+  return Large(call, stats, T, stream, end, mark, input);
+}
+
+// Long: steps 3-6 of a decode-sized call (the heads carried every token), each a few lines.
+absl::Status ExpertParallel::Impl::Small(const LayerCall& call, CallStats* stats, int T, cudaStream_t stream,
+                                         Clock::time_point end, Clock::time_point mark, absl::Status& input) {
+  const int S = group.size, me = group.rank;
+  auto lap = [&mark](double& into) {
+    const Clock::time_point now = Clock::now();
+    into += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
+  // 3. Every block's routing checked on the host as its rank checked its
+  // own: a block that fails (its rank's input is bad) or this rank's own
+  // when it did, is not computed (ids -1).
+  int live = 0;  // blocks with tokens to compute
+  for (int s = 0; s < S; ++s) {
+    const int n = h_all_counts.p[s];
+    const size_t at = size_t(s) * ki * kc;
+    if ((s == me && T == 0) ||
+        (s != me && !ValidateRouting(RoutingView{n, kc, h_head_ids.p + at, h_head_w.p + at}, E, {}).ok()))
+      MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(batch_ids.p + at, 0xff, sizeof(int32_t) * ki * kc, stream));
+    else
+      live += n > 0;
+  }
+  // 4. This rank's share of every block (the padding rows have no pairs).
+  lap(times.send);
+  LayerCall batch;
+  batch.batch = MoeBatch{call.batch.layer, S * ki, batch_x.p, RoutingView{S * ki, kc, batch_ids.p, batch_w.p}};
+  batch.out = batch_out.p;
+  batch.kind = MemoryKind::kDevice;
+  batch.deadline = std::max(std::chrono::milliseconds(1),
+                            std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now()));
+  batch.stream = stream;
+  const absl::Status computed = live > 0 ? local->Forward(batch, stats) : absl::OkStatus();
+  lap(times.compute);
+  const int32_t code = static_cast<int32_t>(computed.code());
+  for (int s = 0; s < S; ++s) h_status_out.p[s] = code, h_status_in.p[s] = 0;
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(status_out.p, h_status_out.p, sizeof(int32_t) * S, cudaMemcpyHostToDevice, stream));
+  // 5. Each peer's block back to it, this rank's from every peer (peer
+  // index p: the ranks but this one, in order).
+  MOE_NCCL_RETURN_IF_ERROR(ncclGroupStart());
+  for (int s = 0, p = 0; s < S; ++s) {
+    if (s == me) continue;
+    MOE_NCCL_RETURN_IF_ERROR(ncclSend(batch_out.p + size_t(s) * ki * H, size_t(ki) * H, ncclBfloat16, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclSend(status_out.p + s, 1, ncclInt32, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclRecv(returned.p + size_t(p) * ki * H, size_t(ki) * H, ncclBfloat16, s, comm, stream));
+    MOE_NCCL_RETURN_IF_ERROR(ncclRecv(status_in.p + s, 1, ncclInt32, s, comm, stream));
+    ++p;
+  }
+  MOE_NCCL_RETURN_IF_ERROR(ncclGroupEnd());
+  MOE_RETURN_IF_ERROR(Settle(end, "the partial sums' send/recv"));
+  // 6. out = own share + the peers' shares (f32, one rounding).
+  if (T > 0 && computed.ok()) {
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(accum.p, 0, sizeof(float) * T * H, stream));
+    MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddBf16(batch_out.p + size_t(me) * ki * H, own_rows.p, T, H, accum.p, stream));
+    for (int p = 0; p < S - 1; ++p)
+      MOE_CUDA_RETURN_IF_ERROR(cuda::LaunchScatterAddBf16(returned.p + size_t(p) * ki * H, own_rows.p, T, H, accum.p, stream));
+  }
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_status_in.p, status_in.p, sizeof(int32_t) * S, cudaMemcpyDeviceToHost, stream));
+  MOE_RETURN_IF_ERROR(WaitDone(stream, end, "the partial sums"));
+  lap(times.back);
+  sent.assign(S, T);  // every peer computed this rank's tokens: its status counts
+  sent[me] = 0;
+  return Finish(call, T, computed, stream, input);
+}
+
+// Long: steps 3-6 of a larger call (the counts first, then only the tokens each peer needs), each a few lines.
+absl::Status ExpertParallel::Impl::Large(const LayerCall& call, CallStats* stats, int T, cudaStream_t stream,
+                                         Clock::time_point end, Clock::time_point mark, absl::Status& input) {
+  const int S = group.size, me = group.rank;
+  const int k = call.batch.routing.k;
+  auto lap = [&mark](double& into) {
+    const Clock::time_point now = Clock::now();
+    into += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  };
   // Each token to every peer owning one of its experts; ids and weights
   // re-strided to kc (padding -1 / 0).
   sent.assign(S, 0);
@@ -313,7 +464,7 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
     }
 
   lap(times.routing);
-  // 2. The counts: all_counts[s * S + r] tokens go from s to r.
+  // 3b. The counts: all_counts[s * S + r] tokens go from s to r.
   for (int s = 0; s < S; ++s) h_counts.p[s] = sent[s];
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts.p, h_counts.p, sizeof(int32_t) * S, cudaMemcpyHostToDevice, stream));
   MOE_NCCL_RETURN_IF_ERROR(ncclAllGather(counts.p, all_counts.p, S, ncclInt32, comm, stream));
@@ -414,11 +565,16 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_status_in.p, status_in.p, sizeof(int32_t) * S, cudaMemcpyDeviceToHost, stream));
   MOE_RETURN_IF_ERROR(WaitDone(stream, end, "the partial sums"));
   lap(times.back);
+  return Finish(call, T, computed, stream, input);
+}
+
+absl::Status ExpertParallel::Impl::Finish(const LayerCall& call, int T, const absl::Status& computed,
+                                          cudaStream_t stream, absl::Status& input) {
   if (!computed.ok()) {
     input = computed;
     return absl::OkStatus();
   }
-  for (int s = 0; s < S; ++s)
+  for (int s = 0; s < group.size; ++s)
     if (sent[s] > 0 && h_status_in.p[s] != 0) {
       input = absl::Status(static_cast<absl::StatusCode>(h_status_in.p[s]),
                            absl::StrCat("expert-parallel group: rank ", s, " could not compute its experts of layer ",

@@ -4,19 +4,24 @@
 // (ExpertOwner; DispatcherConfig::group).
 //
 // One layer call of a rank with T tokens, on the engine's stream:
-//   1. the routing comes to the host (T x k ids and weights, validated);
-//      each token goes to every peer that owns one of its experts, once
-//      (not once per pair);
-//   2. ncclAllGather of the per-peer token counts (the receive sizes);
-//   3. grouped ncclSend/ncclRecv of the tokens' rows, ids and weights; the
-//      rank's own tokens and the received ones form one batch;
-//   4. the dispatcher computes that batch (its cache's hits, the CPU
-//      servers' misses) — this rank's share of every token in it;
-//   5. grouped ncclSend/ncclRecv returns the peers' partial sums, with a
-//      status word per message (a peer whose call failed makes the tokens it
-//      got fail, never adds a wrong share);
-//   6. one kernel adds each token's own share and its peers' (f32, one
-//      rounding to bf16) into `out`.
+//   1. the call is checked (bad input takes part with no tokens);
+//   2. the head: every rank sends every peer its token count and its first
+//      kInlineTokens (8) tokens' rows, ids and weights (fixed sizes), and
+//      brings its own routing and the peers' heads to the host — one wait;
+//      every rank then sees every rank's count, and all take the same way:
+//   3a. decode-sized (no rank has more than 8 tokens): the heads carried
+//      every token. Each peer's block is checked as its rank checked it (a
+//      bad one is not computed); the dispatcher computes this rank's share
+//      of every block (its cache's hits, the CPU servers' misses); each
+//      block's partial sums go back to its rank with a status word; one wait;
+//   3b. larger: the routing goes to the peers that own one of a token's
+//      experts, once per token (not once per pair): ncclAllGather of the
+//      per-peer counts, grouped ncclSend/ncclRecv of those tokens' rows, ids
+//      and weights, the rank's own tokens and the received ones computed as
+//      one batch, the partial sums back with a status word per message;
+//   4. one kernel adds each token's own share and its peers' (f32, one
+//      rounding to bf16) into `out`. A peer whose call failed makes the
+//      tokens it got fail, never adds a wrong share.
 // Every rank calls every layer in the same order (T = 0 included). A call
 // with bad input still takes part with no tokens (its peers go on) and
 // returns the error.
@@ -67,10 +72,11 @@ class ExpertParallel {
   // computed (this rank's tokens and its peers').
   absl::Status Forward(const LayerCall& call, CallStats* stats = nullptr);
 
-  // Host time of the exchange's steps summed over the calls (seconds): the
-  // routing to the host, the counts' all-gather, enqueueing the tokens, the
-  // dispatcher's call (waiting for the peers' tokens included), the partial
-  // sums back and the sum.
+  // Host time of the exchange's steps summed over the calls (seconds):
+  // routing (a larger call's split of its tokens by peer), counts (the
+  // heads, and a larger call's counts), send (checking the heads' blocks, or
+  // enqueueing a larger call's tokens), compute (the dispatcher's call),
+  // back (the partial sums back and the sum).
   struct StepTimes {
     double routing = 0, counts = 0, send = 0, compute = 0, back = 0;
     int calls = 0;
