@@ -128,12 +128,15 @@ absl::Status MoeExecutor::Forward(const MoeBatch& b, DType out_dtype, void* out,
   // waited, would a wait have caught this one?
   if (merge_ && b.layer == round_layer_ && job.t_queue - round_start_ns_ <= kMaxMergeWindowNs && SharesExperts(job)) {
     LayerPeer& lp = PeerOf(b.layer);
-    peer_lag_ns_ = job.t_queue - round_start_ns_;
+    // The lag waited for: the largest recent one (up at once, down by an
+    // eighth per peer), so one quick peer does not cut the next wait short.
+    const uint64_t lag = job.t_queue - round_start_ns_;
+    peer_lag_ns_ = std::max(lag, peer_lag_ns_ - peer_lag_ns_ / 8);
     lp.peer = true;
     if (!round_waiting_) {
       job.late = true;
       ++merge_stats_.late_peers;
-      if (!round_waited_) wait_score_ = NextWaitScore(wait_score_, peer_lag_ns_ <= MergeWindowNs(peer_lag_ns_, lp.region_ns));
+      if (!round_waited_) wait_score_ = NextWaitScore(wait_score_, lag <= MergeWindowNs(lag, lp.region_ns));
     }
   }
   pending_.push_back(&job);

@@ -22,8 +22,8 @@
 // alone. A client in lockstep with another (the GPUs of a tensor- or
 // expert-parallel group) is also waited for: a region that starts alone on a
 // layer where, the last time, a peer's request came (merged in the region,
-// or arriving while it ran) waits for it, up to MergeWindowNs: the observed
-// lag of the peer behind the moment the pool was free, and a half, plus
+// or arriving while it ran) waits for it, up to MergeWindowNs: the largest
+// recent lag of a peer behind the moment the pool was free, and a half, plus
 // 10 us, never more than three quarters of that layer's last region (what a
 // merge saves: the peer's own region after it) nor kMaxMergeWindowNs. A wait
 // that sees none clears the layer's mark. Waits are also corrected by their
@@ -232,7 +232,7 @@ class MoeExecutor {
   uint64_t round_start_ns_ = 0;
   bool round_waiting_ = false;  // the current region waits for a peer now
   bool round_waited_ = false;   // it waited
-  uint64_t peer_lag_ns_ = 0;  // the latest lag of a peer's request behind the pool's being free
+  uint64_t peer_lag_ns_ = 0;  // a peer's request's lag behind the pool's being free: the largest recent
   uint32_t wait_score_ = kWaitScoreOne;  // NextWaitScore over the waits' outcomes
   struct LayerPeer {
     bool peer = false;       // a peer's request came the last time (merged or late)
