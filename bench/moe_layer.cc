@@ -85,6 +85,7 @@
 #include "core/log.h"
 #include "model/model_source.h"
 #include "testing/routing_trace.h"
+#include "testing/random_data.h"
 #include "testing/subprocess.h"
 #include "model/synthetic_model.h"
 #include "expert_compute/cpu_features.h"
@@ -148,71 +149,20 @@ class Routing {
   virtual void Route(int li, int off, int n, int32_t* ids, float* w) = 0;
 };
 
-// Zipf routing with a drifting per-layer hot set: expert rank r has weight
-// 1/(r+1)^s; each step a fraction `drift` of adjacent ranks swap places.
+// Zipf routing with a drifting per-layer hot set (testing/random_data.h).
 // Every call draws new tokens (the rows' offset is not needed).
 class ZipfRouter final : public Routing {
  public:
   ZipfRouter(int layers, int experts, int k, double s, double drift, uint64_t seed)
-      : E_(experts), k_(k), drift_(drift), rng_(seed), perm_(layers), cdf_(experts) {
-    double sum = 0;
-    for (int r = 0; r < E_; ++r) cdf_[r] = (sum += 1.0 / std::pow(r + 1.0, s));
-    for (double& c : cdf_) c /= sum;
-    for (auto& p : perm_) {
-      p.resize(E_);
-      for (int e = 0; e < E_; ++e) p[e] = e;
-      std::shuffle(p.begin(), p.end(), rng_);
-    }
-  }
-  // The c most popular experts of layer index li right now.
-  std::vector<int> Hottest(int li, int c) const override {
-    std::vector<int> v(perm_[li].begin(), perm_[li].begin() + c);
-    std::sort(v.begin(), v.end());
-    return v;
-  }
-  // Every expert of layer index li, the most popular first.
-  const std::vector<int>& Ranked(int li) const { return perm_[li]; }
-  void Step() override {
-    std::uniform_int_distribution<int> pick(0, E_ - 2);
-    const int swaps = static_cast<int>(std::ceil(drift_ * E_));
-    for (auto& p : perm_)
-      for (int i = 0; i < swaps; ++i) {
-        const int r = pick(rng_);
-        std::swap(p[r], p[r + 1]);
-      }
-  }
-  // Samples tokens from a stream of their own from now on (the popularity
-  // and its drift stay the seed's): ranks of one model, different tokens.
-  void SeedSamples(uint64_t seed) { samples_.emplace(seed); }
-  void Route(int li, int /*off*/, int T, int32_t* ids, float* w) override {
-    std::mt19937_64& rng = samples_ ? *samples_ : rng_;
-    std::uniform_real_distribution<double> u(0, 1);
-    for (int t = 0; t < T; ++t) {
-      float total = 0;
-      for (int j = 0; j < k_; ++j) {
-        int e;
-        bool dup;
-        do {
-          const int r = static_cast<int>(std::lower_bound(cdf_.begin(), cdf_.end(), u(rng)) - cdf_.begin());
-          e = perm_[li][std::min(r, E_ - 1)];
-          dup = false;
-          for (int i = 0; i < j; ++i) dup |= ids[t * k_ + i] == e;
-        } while (dup);
-        ids[t * k_ + j] = e;
-        w[t * k_ + j] = static_cast<float>(0.2 + u(rng));
-        total += w[t * k_ + j];
-      }
-      for (int j = 0; j < k_; ++j) w[t * k_ + j] /= total;
-    }
-  }
+      : z_(layers, experts, k, s, drift, seed) {}
+  std::vector<int> Hottest(int li, int c) const override { return z_.Hottest(li, c); }
+  const std::vector<int>& Ranked(int li) const { return z_.Ranked(li); }
+  void Step() override { z_.Step(); }
+  void SeedSamples(uint64_t seed) { z_.SeedSamples(seed); }
+  void Route(int li, int /*off*/, int T, int32_t* ids, float* w) override { z_.Route(li, T, ids, w); }
 
  private:
-  int E_, k_;
-  double drift_;
-  std::mt19937_64 rng_;
-  std::optional<std::mt19937_64> samples_;
-  std::vector<std::vector<int>> perm_;
-  std::vector<double> cdf_;
+  ZipfRouting z_;
 };
 
 // A recorded trace (bench/README.md's formats) replayed as T sequences decoded

@@ -47,27 +47,16 @@ struct Options {
 }
 
 std::string FindBinary(const Options& o, const std::string& name, const std::string& subdir) {
-  namespace fs = std::filesystem;
-  std::vector<fs::path> dirs;
-  if (!o.bin_dir.empty()) dirs.push_back(o.bin_dir);
-  const fs::path self = fs::canonical("/proc/self/exe").parent_path();
-  dirs.push_back(self);
-  dirs.push_back(self / ".." / subdir);
-  for (const fs::path& d : dirs)
-    if (fs::exists(d / name)) return (d / name).string();
-  Fail("cannot find " + name + " (build it, or pass --bin-dir)");
+  std::string bin = FindOurBinary(name, subdir, o.bin_dir);
+  if (bin.empty()) Fail("cannot find " + name + " (build it, or pass --bin-dir)");
+  return bin;
 }
 
 // Starts a process and waits for its "ready on ADDR" line; returns ADDR.
 std::string Start(std::unique_ptr<Subprocess>* p, const std::string& bin, const std::vector<std::string>& args,
                   const std::string& log) {
-  *p = std::make_unique<Subprocess>(bin, args, log);
-  for (int i = 0; i < 4; ++i) {
-    const std::string line = (*p)->ReadLine(std::chrono::seconds(120));
-    const size_t at = line.find("ready on ");
-    if (at != std::string::npos) return line.substr(at + 9);
-    if (line.empty()) break;
-  }
+  const std::string addr = StartReady(p, bin, args, log, std::chrono::seconds(120));
+  if (!addr.empty()) return addr;
   std::string tail;
   if (FILE* f = std::fopen(log.c_str(), "r")) {
     char buf[4096];

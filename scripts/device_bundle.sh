@@ -8,7 +8,7 @@ b=${BUILD_DIR:-build}
 rm -rf .bundle/dev .bundle/dev.tar.xz .bundle/dev.tar.xz.part
 strip_dir=$(mktemp -d)
 default="expert_server/moe-expert-server gpu_worker/moe-gpu-worker model/moe-make-model demo/moe-expert-demo
-  bench/expert_kernels bench/transport bench/moe_layer bench/gpu_experts bench/pool_clients
+  bench/expert_kernels bench/transport bench/moe_layer bench/gpu_experts bench/pool_clients bench/pool_soak
   tests/kernel_test tests/expert_server_test tests/core_test tests/transport_test tests/shm_segment_test
   tests/device_backend_test tests/attention_test tests/dispatcher_test tests/worker_test tests/expert_cache_test
   tests/cost_model_test tests/graph_capture_test c_api/libmoe.so tests/c_api_test

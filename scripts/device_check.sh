@@ -41,6 +41,8 @@
 #                         cache over two GPUs (ncclAllReduce) vs a cache per GPU, T=1,8,32,2048, 25% per GPU, 3 runs
 #   pool_clients          issue 45 point 1 on the CPU: bench/pool_clients (1, 2, 4 lockstep decode clients of one
 #                         server, merging on / off; routing same, zipf, disjoint at T=1, zipf at T=8)
+#   pool_soak             issue 45 point 4: bench/pool_soak, WORKERS (8) worker processes on the GPU and 2 expert
+#                         servers, closed-loop decode for SOAK_SECONDS (240), RSS sampled (PLACEMENT per-worker|union)
 #   pool2                 issue 45 point 1 (two GPUs): one GPU alone, then moe_layer --tp 2 and --ep 2 with the
 #                         server merging concurrent requests and without (LAYERS=8, BATCHES=1,8, RUNS=3)
 #   ep_bench              issue 26: the same --ep 2: each GPU its own T tokens, one cache over both GPUs with
@@ -203,6 +205,14 @@ while [[ $# -gt 0 ]]; do
         echo "pool_clients $spec rc=$?"
       done
       grep -E '^\||all runs' "$OUT/pool_clients.md" | grep -v -- '---' ;;
+    pool_soak)
+      # issue 45 point 4: WORKERS (8) moe-gpu-worker processes on one GPU (cuda) and 2 expert servers (SERVER_THREADS
+      # each, 6), closed-loop decode of LAYERS (8) Qwen3-30B-A3B layers for SOAK_SECONDS (240), RSS sampled
+      timeout $(( ${SOAK_SECONDS:-240} + 200 )) "$B/bin/pool_soak" --preset=qwen3-30b-a3b --layers=${LAYERS:-8} \
+        --workers=${WORKERS:-8} --servers=2 --server-threads=${SERVER_THREADS:-6} --device=cuda \
+        --seconds=${SOAK_SECONDS:-240} --sample-seconds=20 --placement=${PLACEMENT:-per-worker} --bin-dir "$B/bin" \
+        > "$OUT/pool_soak.md" 2> "$OUT/pool_soak.log"
+      echo "pool_soak rc=$?"; grep -E '^\||^All|^###' "$OUT/pool_soak.md" | grep -v -- '---' ;;
     pool2)
       # issue 45 point 1: one server, two GPUs (LAYERS=8 of Qwen3-30B-A3B, bf16, Zipf, 25% cache per GPU, T=BATCHES
       # 1,8, RUNS=3): one GPU alone, then TP-2 and EP-2 with the server merging concurrent requests (its default)

@@ -51,4 +51,54 @@ void RandomRouting(int n, int k, int num_experts, uint64_t seed, double zipf_s,
   }
 }
 
+ZipfRouting::ZipfRouting(int layers, int experts, int k, double s, double drift, uint64_t seed)
+    : E_(experts), k_(k), drift_(drift), rng_(seed), perm_(layers), cdf_(experts) {
+  double sum = 0;
+  for (int r = 0; r < E_; ++r) cdf_[r] = (sum += 1.0 / std::pow(r + 1.0, s));
+  for (double& c : cdf_) c /= sum;
+  for (auto& p : perm_) {
+    p.resize(E_);
+    for (int e = 0; e < E_; ++e) p[e] = e;
+    std::shuffle(p.begin(), p.end(), rng_);
+  }
+}
+
+std::vector<int> ZipfRouting::Hottest(int li, int c) const {
+  std::vector<int> v(perm_[li].begin(), perm_[li].begin() + c);
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+void ZipfRouting::Step() {
+  std::uniform_int_distribution<int> pick(0, E_ - 2);
+  const int swaps = static_cast<int>(std::ceil(drift_ * E_));
+  for (auto& p : perm_)
+    for (int i = 0; i < swaps; ++i) {
+      const int r = pick(rng_);
+      std::swap(p[r], p[r + 1]);
+    }
+}
+
+void ZipfRouting::Route(int li, int T, int32_t* ids, float* w) {
+  std::mt19937_64& rng = samples_ ? *samples_ : rng_;
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int t = 0; t < T; ++t) {
+    float total = 0;
+    for (int j = 0; j < k_; ++j) {
+      int e;
+      bool dup;
+      do {
+        const int r = static_cast<int>(std::lower_bound(cdf_.begin(), cdf_.end(), u(rng)) - cdf_.begin());
+        e = perm_[li][std::min(r, E_ - 1)];
+        dup = false;
+        for (int i = 0; i < j; ++i) dup |= ids[t * k_ + i] == e;
+      } while (dup);
+      ids[t * k_ + j] = e;
+      w[t * k_ + j] = static_cast<float>(0.2 + u(rng));
+      total += w[t * k_ + j];
+    }
+    for (int j = 0; j < k_; ++j) w[t * k_ + j] /= total;
+  }
+}
+
 }  // namespace moe

@@ -1,5 +1,7 @@
 #include "testing/subprocess.h"
 
+#include <filesystem>
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sched.h>
@@ -105,6 +107,30 @@ int Subprocess::Wait(std::chrono::milliseconds timeout) {
     usleep(10000);
   }
   return -1;
+}
+
+std::string FindOurBinary(const std::string& name, const std::string& subdir, const std::string& bin_dir) {
+  namespace fs = std::filesystem;
+  std::vector<fs::path> dirs;
+  if (!bin_dir.empty()) dirs.push_back(bin_dir);
+  const fs::path self = fs::canonical("/proc/self/exe").parent_path();
+  dirs.push_back(self);
+  dirs.push_back(self / ".." / subdir);
+  for (const fs::path& d : dirs)
+    if (fs::exists(d / name)) return (d / name).string();
+  return "";
+}
+
+std::string StartReady(std::unique_ptr<Subprocess>* p, const std::string& bin, const std::vector<std::string>& args,
+                       const std::string& log, std::chrono::milliseconds timeout) {
+  *p = std::make_unique<Subprocess>(bin, args, log);
+  for (int i = 0; i < 4; ++i) {
+    const std::string line = (*p)->ReadLine(timeout);
+    const size_t at = line.find("ready on ");
+    if (at != std::string::npos) return line.substr(at + 9);
+    if (line.empty()) break;
+  }
+  return "";
 }
 
 }  // namespace moe

@@ -8,6 +8,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -36,5 +37,16 @@ class Subprocess {
   int out_fd_ = -1;
   std::string buffer_;
 };
+
+// One of our binaries for a driver (demo, benchmark): in `bin_dir` when
+// given, else beside this executable, else in ../`subdir` of it (the build
+// tree); "" when none exists.
+std::string FindOurBinary(const std::string& name, const std::string& subdir, const std::string& bin_dir = "");
+
+// Starts `bin` with `args` (stderr to `log`) into *p and waits for its
+// "ready on ADDR" line (every server of ours prints one first); returns ADDR,
+// or "" when the process printed none within `timeout` (its log says why).
+std::string StartReady(std::unique_ptr<Subprocess>* p, const std::string& bin, const std::vector<std::string>& args,
+                       const std::string& log, std::chrono::milliseconds timeout);
 
 }  // namespace moe
