@@ -63,19 +63,6 @@ struct Options {
   double seconds = 600, sample_seconds = 10, rebalance_seconds = 2, zipf = 1.0, rss_growth_mib = 64;
 };
 
-std::string FindBinary(const Options& o, const std::string& name, const std::string& subdir) {
-  std::string bin = FindOurBinary(name, subdir, o.bin_dir);
-  if (bin.empty()) Die("cannot find " + name + " (build it, or pass --bin-dir)");
-  return bin;
-}
-
-std::string Start(std::unique_ptr<Subprocess>* p, const std::string& bin, const std::vector<std::string>& args,
-                  const std::string& log) {
-  const std::string addr = StartReady(p, bin, args, log, std::chrono::seconds(300));
-  if (addr.empty()) Die(std::filesystem::path(bin).filename().string() + " did not start (its log: " + log + ")");
-  return addr;
-}
-
 // VmRSS of a process in MiB (0 when gone).
 double RssMib(pid_t pid) {
   std::ifstream f(absl::StrCat("/proc/", pid, "/status"));
@@ -180,33 +167,36 @@ int Main(int argc, char** argv) {
 
   char tmpl[] = "/tmp/pool_soak_XXXXXX";
   const std::string dir = mkdtemp(tmpl);
+  auto bin = [&](const char* name, const char* subdir) { return RequireOurBinary("pool_soak", name, subdir, o.bin_dir); };
   std::unique_ptr<Subprocess> coord;
   const std::string caddr =
-      Start(&coord, FindBinary(o, "moe-coordinator", "coordinator"),
-            {"--listen=127.0.0.1:0", "--insecure", "--insecure-admin",
-             absl::StrCat("--rebalance-interval-seconds=", o.rebalance_seconds), "--heartbeat-interval-ms=200",
-             "--placement=" + o.placement},
-            dir + "/coordinator.log");
+      RequireReady("pool_soak", &coord, bin("moe-coordinator", "coordinator"),
+                   {"--listen=127.0.0.1:0", "--insecure", "--insecure-admin",
+                    absl::StrCat("--rebalance-interval-seconds=", o.rebalance_seconds), "--heartbeat-interval-ms=200",
+                    "--placement=" + o.placement},
+                   dir + "/coordinator.log");
   std::vector<std::unique_ptr<Subprocess>> servers(o.servers), workers(o.workers);
   std::vector<std::string> socks;
   for (int s = 0; s < o.servers; ++s) {
-    socks.push_back(absl::StrCat("unix://", dir, "/expert", s, ".sock"));
-    Start(&servers[s], FindBinary(o, "moe-expert-server", "expert_server"),
-          {"--model=" + uri, "--listen=127.0.0.1:0", "--insecure", absl::StrCat("--shm-socket=", dir, "/expert", s, ".sock"),
-           absl::StrCat("--threads=", o.server_threads), "--coordinator=" + caddr, absl::StrCat("--server-id=server", s)},
-          absl::StrCat(dir, "/server", s, ".log"));
+    const std::string sock = absl::StrCat(dir, "/expert", s, ".sock");
+    socks.push_back("unix://" + sock);
+    RequireReady("pool_soak", &servers[s], bin("moe-expert-server", "expert_server"),
+                 {"--model=" + uri, "--listen=127.0.0.1:0", "--insecure", "--shm-socket=" + sock,
+                  absl::StrCat("--threads=", o.server_threads), "--coordinator=" + caddr,
+                  absl::StrCat("--server-id=server", s)},
+                 absl::StrCat(dir, "/server", s, ".log"));
   }
   std::vector<std::unique_ptr<WorkerClient>> clients;
   TlsOptions tls;
   tls.insecure = true;
   for (int w = 0; w < o.workers; ++w) {
     const std::string waddr =
-        Start(&workers[w], FindBinary(o, "moe-gpu-worker", "gpu_worker"),
-              {"--model=" + uri, "--servers=" + absl::StrJoin(socks, ","), "--coordinator=" + caddr,
-               absl::StrCat("--worker-id=worker", w), absl::StrCat("--cache-experts-per-layer=", C),
-               "--device=" + o.device, "--cpu-threads=1", absl::StrCat("--max-tokens=", o.tokens),
-               "--listen=127.0.0.1:0", "--insecure"},
-              absl::StrCat(dir, "/worker", w, ".log"));
+        RequireReady("pool_soak", &workers[w], bin("moe-gpu-worker", "gpu_worker"),
+                     {"--model=" + uri, "--servers=" + absl::StrJoin(socks, ","), "--coordinator=" + caddr,
+                      absl::StrCat("--worker-id=worker", w), absl::StrCat("--cache-experts-per-layer=", C),
+                      "--device=" + o.device, "--cpu-threads=1", absl::StrCat("--max-tokens=", o.tokens),
+                      "--listen=127.0.0.1:0", "--insecure"},
+                     absl::StrCat(dir, "/worker", w, ".log"));
     absl::StatusOr<std::unique_ptr<WorkerClient>> c = WorkerClient::Connect(waddr, tls);
     if (!c.ok()) Die(std::string(c.status().message()));
     clients.push_back(*std::move(c));
@@ -292,7 +282,7 @@ int Main(int argc, char** argv) {
   std::printf("\n(%zu samples, every %.0f s.)\n\n$ moectl status\n", rss.size(), o.sample_seconds);
   std::fflush(stdout);
   {
-    Subprocess p(FindBinary(o, "moectl", "client"), {"--coordinator=" + caddr, "--insecure", "status"});
+    Subprocess p(bin("moectl", "client"), {"--coordinator=" + caddr, "--insecure", "status"});
     std::printf("%s\n", p.ReadAll(std::chrono::seconds(30)).c_str());
     p.Wait(std::chrono::seconds(10));
   }

@@ -46,33 +46,11 @@ struct Options {
   std::exit(1);
 }
 
-std::string FindBinary(const Options& o, const std::string& name, const std::string& subdir) {
-  std::string bin = FindOurBinary(name, subdir, o.bin_dir);
-  if (bin.empty()) Fail("cannot find " + name + " (build it, or pass --bin-dir)");
-  return bin;
-}
-
-// Starts a process and waits for its "ready on ADDR" line; returns ADDR.
-std::string Start(std::unique_ptr<Subprocess>* p, const std::string& bin, const std::vector<std::string>& args,
-                  const std::string& log) {
-  const std::string addr = StartReady(p, bin, args, log, std::chrono::seconds(120));
-  if (!addr.empty()) return addr;
-  std::string tail;
-  if (FILE* f = std::fopen(log.c_str(), "r")) {
-    char buf[4096];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) tail.append(buf, n);
-    std::fclose(f);
-  }
-  if (tail.size() > 2000) tail = tail.substr(tail.size() - 2000);
-  Fail(std::filesystem::path(bin).filename().string() + " did not start; its log:\n" + tail);
-}
-
 // Runs moectl against the coordinator and prints its output, indented.
 void Moectl(const Options& o, const std::string& caddr, const std::vector<std::string>& args) {
   std::vector<std::string> a = {"--coordinator=" + caddr, "--insecure"};
   a.insert(a.end(), args.begin(), args.end());
-  Subprocess p(FindBinary(o, "moectl", "client"), a);
+  Subprocess p(RequireOurBinary("moe-demo", "moectl", "client", o.bin_dir), a);
   const std::string out = p.ReadAll(std::chrono::seconds(30));
   const int st = p.Wait(std::chrono::seconds(10));
   std::string cmd = "moectl";
@@ -212,24 +190,26 @@ Cluster StartCluster(const Options& o, const Workload& w) {
   c.sock = c.dir + "/expert.sock";
   std::printf("moe-demo: model %s\n  %s; cache %d of %d experts per layer; %d steps x %d tokens\n", w.uri.c_str(),
               w.source->spec().Summary().c_str(), w.C, w.source->spec().num_experts, w.steps, w.T);
-  c.caddr = Start(&c.coord, FindBinary(o, "moe-coordinator", "coordinator"),
-                  {"--listen=127.0.0.1:0", "--insecure", "--insecure-admin", "--rebalance-interval-seconds=0",
-                   absl::StrCat("--half-life-seconds=", o.half_life_s), "--heartbeat-interval-ms=200",
-                   "--state-file=" + c.dir + "/coordinator-state.json"},
-                  c.dir + "/coordinator.log");
+  auto bin = [&](const char* name, const char* subdir) { return RequireOurBinary("moe-demo", name, subdir, o.bin_dir); };
+  c.caddr = RequireReady("moe-demo", &c.coord, bin("moe-coordinator", "coordinator"),
+                         {"--listen=127.0.0.1:0", "--insecure", "--insecure-admin", "--rebalance-interval-seconds=0",
+                          absl::StrCat("--half-life-seconds=", o.half_life_s), "--heartbeat-interval-ms=200",
+                          "--state-file=" + c.dir + "/coordinator-state.json"},
+                         c.dir + "/coordinator.log");
   std::printf("  coordinator   %s\n", c.caddr.c_str());
-  const std::string saddr = Start(&c.server, FindBinary(o, "moe-expert-server", "expert_server"),
-                                  {"--model=" + w.uri, "--listen=127.0.0.1:0", "--insecure", "--shm-socket=" + c.sock,
-                                   "--threads=1", "--coordinator=" + c.caddr, "--server-id=demo-server"},
-                                  c.dir + "/expert-server.log");
+  const std::string saddr =
+      RequireReady("moe-demo", &c.server, bin("moe-expert-server", "expert_server"),
+                   {"--model=" + w.uri, "--listen=127.0.0.1:0", "--insecure", "--shm-socket=" + c.sock, "--threads=1",
+                    "--coordinator=" + c.caddr, "--server-id=demo-server"},
+                   c.dir + "/expert-server.log");
   std::printf("  expert server %s + unix://%s\n", saddr.c_str(), c.sock.c_str());
-  const std::string waddr = Start(&c.worker, FindBinary(o, "moe-gpu-worker", "gpu_worker"),
-                                  {"--model=" + w.uri, "--servers=unix://" + c.sock, "--coordinator=" + c.caddr,
-                                   "--worker-id=demo-worker", absl::StrCat("--cache-experts-per-layer=", w.C),
-                                   "--device=" + o.device, "--cpu-threads=1", absl::StrCat("--max-tokens=", w.T),
-                                   "--policy=" + o.policy,
-                                   "--listen=127.0.0.1:0", "--insecure"},
-                                  c.dir + "/gpu-worker.log");
+  const std::string waddr =
+      RequireReady("moe-demo", &c.worker, bin("moe-gpu-worker", "gpu_worker"),
+                   {"--model=" + w.uri, "--servers=unix://" + c.sock, "--coordinator=" + c.caddr,
+                    "--worker-id=demo-worker", absl::StrCat("--cache-experts-per-layer=", w.C), "--device=" + o.device,
+                    "--cpu-threads=1", absl::StrCat("--max-tokens=", w.T), "--policy=" + o.policy,
+                    "--listen=127.0.0.1:0", "--insecure"},
+                   c.dir + "/gpu-worker.log");
   TlsOptions tls;
   tls.insecure = true;
   absl::StatusOr<std::unique_ptr<WorkerClient>> client = WorkerClient::Connect(waddr, tls);

@@ -85,8 +85,8 @@ struct MergeStats {
   uint64_t late_peers = 0;        // peers' requests that came while their layer's region ran
 };
 
-// How long a region alone on its layer waits for a peer's request: the peer's
-// last observed lag behind the moment the pool was free, and a half, plus
+// How long a region alone on its layer waits for a peer's request: the
+// peers' largest recent lag behind the moment the pool was free, and a half, plus
 // 10 us; at most three quarters of the layer's last region (region_ns; 0 =
 // unknown: kDefaultMergeWindowNs) and kMaxMergeWindowNs.
 uint64_t MergeWindowNs(uint64_t lag_ns, uint64_t region_ns);

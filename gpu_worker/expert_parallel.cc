@@ -83,6 +83,13 @@ struct ExpertParallel::Impl {
   bool in_group = false;
   cudaEvent_t done = nullptr;
   StepTimes times;
+  Clock::time_point mark;  // the end of the call's last timed step
+  // Adds the time since `mark` to `into` and moves `mark` on.
+  void Lap(double& into) {
+    const Clock::time_point now = Clock::now();
+    into += std::chrono::duration<double>(now - mark).count();
+    mark = now;
+  }
 
   // Sized for the worst case at Create: a token goes to every peer at most
   // once, and every peer sends at most max_tokens.
@@ -189,9 +196,9 @@ struct ExpertParallel::Impl {
   // `input` is this rank's bad input or a failed compute (its peers go on).
   absl::Status Exchange(const LayerCall& call, CallStats* stats, absl::Status& input);
   absl::Status Small(const LayerCall& call, CallStats* stats, int T, cudaStream_t stream, Clock::time_point end,
-                     Clock::time_point mark, absl::Status& input);
+                     absl::Status& input);
   absl::Status Large(const LayerCall& call, CallStats* stats, int T, cudaStream_t stream, Clock::time_point end,
-                     Clock::time_point mark, absl::Status& input);
+                     absl::Status& input);
   absl::Status Finish(const LayerCall& call, int T, const absl::Status& computed, cudaStream_t stream,
                       absl::Status& input);
   absl::Status Alone(const LayerCall& call, CallStats* stats, const absl::Status& why);
@@ -276,12 +283,7 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
   cudaStream_t stream = call.stream != nullptr ? static_cast<cudaStream_t>(call.stream) : cudaStreamLegacy;
   const int k = call.batch.routing.k;
   int T = call.batch.n;
-  Clock::time_point mark = Clock::now();
-  auto lap = [&mark](double& into) {
-    const Clock::time_point now = Clock::now();
-    into += std::chrono::duration<double>(now - mark).count();
-    mark = now;
-  };
+  mark = Clock::now();
   ++times.calls;
   // 1. This rank's call checked: bad input takes part with no tokens.
   if (call.kind != MemoryKind::kDevice) input = absl::InvalidArgumentError("kind: expert-parallel calls take device memory");
@@ -354,20 +356,15 @@ absl::Status ExpertParallel::Impl::Exchange(const LayerCall& call, CallStats* st
     input = ValidateRouting(RoutingView{T, k, h_ids.p, h_w.p}, E, {}, "topk_ids", "topk_weights");
     if (!input.ok()) T = 0;
   }
-  lap(times.counts);
-  if (small) return Small(call, stats, T, stream, end, mark, input);
-  return Large(call, stats, T, stream, end, mark, input);
+  Lap(times.counts);
+  if (small) return Small(call, stats, T, stream, end, input);
+  return Large(call, stats, T, stream, end, input);
 }
 
 // Long: steps 3-6 of a decode-sized call (the heads carried every token), each a few lines.
 absl::Status ExpertParallel::Impl::Small(const LayerCall& call, CallStats* stats, int T, cudaStream_t stream,
-                                         Clock::time_point end, Clock::time_point mark, absl::Status& input) {
+                                         Clock::time_point end, absl::Status& input) {
   const int S = group.size, me = group.rank;
-  auto lap = [&mark](double& into) {
-    const Clock::time_point now = Clock::now();
-    into += std::chrono::duration<double>(now - mark).count();
-    mark = now;
-  };
   // 3. Every block's routing checked on the host as its rank checked its
   // own: a block that fails (its rank's input is bad) or this rank's own
   // when it did, is not computed (ids -1).
@@ -382,7 +379,7 @@ absl::Status ExpertParallel::Impl::Small(const LayerCall& call, CallStats* stats
       live += n > 0;
   }
   // 4. This rank's share of every block (the padding rows have no pairs).
-  lap(times.send);
+  Lap(times.send);
   LayerCall batch;
   batch.batch = MoeBatch{call.batch.layer, S * ki, batch_x.p, RoutingView{S * ki, kc, batch_ids.p, batch_w.p}};
   batch.out = batch_out.p;
@@ -391,7 +388,7 @@ absl::Status ExpertParallel::Impl::Small(const LayerCall& call, CallStats* stats
                             std::chrono::duration_cast<std::chrono::milliseconds>(end - Clock::now()));
   batch.stream = stream;
   const absl::Status computed = live > 0 ? local->Forward(batch, stats) : absl::OkStatus();
-  lap(times.compute);
+  Lap(times.compute);
   const int32_t code = static_cast<int32_t>(computed.code());
   for (int s = 0; s < S; ++s) h_status_out.p[s] = code, h_status_in.p[s] = 0;
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(status_out.p, h_status_out.p, sizeof(int32_t) * S, cudaMemcpyHostToDevice, stream));
@@ -417,7 +414,7 @@ absl::Status ExpertParallel::Impl::Small(const LayerCall& call, CallStats* stats
   }
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_status_in.p, status_in.p, sizeof(int32_t) * S, cudaMemcpyDeviceToHost, stream));
   MOE_RETURN_IF_ERROR(WaitDone(stream, end, "the partial sums"));
-  lap(times.back);
+  Lap(times.back);
   sent.assign(S, T);  // every peer computed this rank's tokens: its status counts
   sent[me] = 0;
   return Finish(call, T, computed, stream, input);
@@ -425,14 +422,9 @@ absl::Status ExpertParallel::Impl::Small(const LayerCall& call, CallStats* stats
 
 // Long: steps 3-6 of a larger call (the counts first, then only the tokens each peer needs), each a few lines.
 absl::Status ExpertParallel::Impl::Large(const LayerCall& call, CallStats* stats, int T, cudaStream_t stream,
-                                         Clock::time_point end, Clock::time_point mark, absl::Status& input) {
+                                         Clock::time_point end, absl::Status& input) {
   const int S = group.size, me = group.rank;
   const int k = call.batch.routing.k;
-  auto lap = [&mark](double& into) {
-    const Clock::time_point now = Clock::now();
-    into += std::chrono::duration<double>(now - mark).count();
-    mark = now;
-  };
   // Each token to every peer owning one of its experts; ids and weights
   // re-strided to kc (padding -1 / 0).
   sent.assign(S, 0);
@@ -463,7 +455,7 @@ absl::Status ExpertParallel::Impl::Large(const LayerCall& call, CallStats* stats
       h_w.p[t * kc + j] = j < k ? h_w.p[t * k + j] : 0.f;
     }
 
-  lap(times.routing);
+  Lap(times.routing);
   // 3b. The counts: all_counts[s * S + r] tokens go from s to r.
   for (int s = 0; s < S; ++s) h_counts.p[s] = sent[s];
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(counts.p, h_counts.p, sizeof(int32_t) * S, cudaMemcpyHostToDevice, stream));
@@ -484,7 +476,7 @@ absl::Status ExpertParallel::Impl::Large(const LayerCall& call, CallStats* stats
     recv_at[s] = T + R, R += recv[s];
   }
 
-  lap(times.counts);
+  Lap(times.counts);
   // 3. The tokens out, the peers' in; the batch is [own T | received R].
   if (T > 0) {
     MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(batch_x.p, call.batch.tokens, sizeof(bf16_t) * T * H,
@@ -522,7 +514,7 @@ absl::Status ExpertParallel::Impl::Large(const LayerCall& call, CallStats* stats
   // 4. This rank's share of the batch (the dispatcher skips the pairs of
   // experts it does not own). Its failure is told to the peers that sent
   // tokens: they fail those tokens rather than add a missing share.
-  lap(times.send);
+  Lap(times.send);
   absl::Status computed;
   if (T + R > 0) {
     LayerCall batch;
@@ -534,7 +526,7 @@ absl::Status ExpertParallel::Impl::Large(const LayerCall& call, CallStats* stats
     if (batch.deadline.count() <= 0) batch.deadline = std::chrono::milliseconds(1);
     computed = local->Forward(batch, stats);
   }
-  lap(times.compute);
+  Lap(times.compute);
   const int32_t code = static_cast<int32_t>(computed.code());
   for (int s = 0; s < S; ++s) h_status_out.p[s] = code, h_status_in.p[s] = 0;
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(status_out.p, h_status_out.p, sizeof(int32_t) * S, cudaMemcpyHostToDevice, stream));
@@ -564,7 +556,7 @@ absl::Status ExpertParallel::Impl::Large(const LayerCall& call, CallStats* stats
   }
   MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h_status_in.p, status_in.p, sizeof(int32_t) * S, cudaMemcpyDeviceToHost, stream));
   MOE_RETURN_IF_ERROR(WaitDone(stream, end, "the partial sums"));
-  lap(times.back);
+  Lap(times.back);
   return Finish(call, T, computed, stream, input);
 }
 

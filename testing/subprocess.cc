@@ -1,6 +1,8 @@
 #include "testing/subprocess.h"
 
 #include <filesystem>
+#include <cstdlib>
+#include <cstdio>
 
 #include <fcntl.h>
 #include <poll.h>
@@ -109,7 +111,8 @@ int Subprocess::Wait(std::chrono::milliseconds timeout) {
   return -1;
 }
 
-std::string FindOurBinary(const std::string& name, const std::string& subdir, const std::string& bin_dir) {
+std::string RequireOurBinary(const std::string& program, const std::string& name, const std::string& subdir,
+                             const std::string& bin_dir) {
   namespace fs = std::filesystem;
   std::vector<fs::path> dirs;
   if (!bin_dir.empty()) dirs.push_back(bin_dir);
@@ -118,11 +121,13 @@ std::string FindOurBinary(const std::string& name, const std::string& subdir, co
   dirs.push_back(self / ".." / subdir);
   for (const fs::path& d : dirs)
     if (fs::exists(d / name)) return (d / name).string();
-  return "";
+  std::fprintf(stderr, "%s: cannot find %s (build it, or pass --bin-dir)\n", program.c_str(), name.c_str());
+  std::exit(1);
 }
 
-std::string StartReady(std::unique_ptr<Subprocess>* p, const std::string& bin, const std::vector<std::string>& args,
-                       const std::string& log, std::chrono::milliseconds timeout) {
+std::string RequireReady(const std::string& program, std::unique_ptr<Subprocess>* p, const std::string& bin,
+                         const std::vector<std::string>& args, const std::string& log,
+                         std::chrono::milliseconds timeout) {
   *p = std::make_unique<Subprocess>(bin, args, log);
   for (int i = 0; i < 4; ++i) {
     const std::string line = (*p)->ReadLine(timeout);
@@ -130,7 +135,17 @@ std::string StartReady(std::unique_ptr<Subprocess>* p, const std::string& bin, c
     if (at != std::string::npos) return line.substr(at + 9);
     if (line.empty()) break;
   }
-  return "";
+  std::string tail;
+  if (FILE* f = std::fopen(log.c_str(), "r")) {
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) tail.append(buf, n);
+    std::fclose(f);
+  }
+  if (tail.size() > 2000) tail = tail.substr(tail.size() - 2000);
+  std::fprintf(stderr, "%s: %s did not start; its log (%s):\n%s\n", program.c_str(),
+               std::filesystem::path(bin).filename().c_str(), log.c_str(), tail.c_str());
+  std::exit(1);
 }
 
 }  // namespace moe

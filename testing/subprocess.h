@@ -38,15 +38,19 @@ class Subprocess {
   std::string buffer_;
 };
 
-// One of our binaries for a driver (demo, benchmark): in `bin_dir` when
-// given, else beside this executable, else in ../`subdir` of it (the build
-// tree); "" when none exists.
-std::string FindOurBinary(const std::string& name, const std::string& subdir, const std::string& bin_dir = "");
+// For drivers (the demo, benchmarks), which stop on the first failure: one
+// of our binaries, in `bin_dir` when given, else beside this executable, else
+// in ../`subdir` of it (the build tree). Not found: prints "<program>: cannot
+// find NAME (build it, or pass --bin-dir)" and exits 1.
+std::string RequireOurBinary(const std::string& program, const std::string& name, const std::string& subdir,
+                             const std::string& bin_dir);
 
 // Starts `bin` with `args` (stderr to `log`) into *p and waits for its
-// "ready on ADDR" line (every server of ours prints one first); returns ADDR,
-// or "" when the process printed none within `timeout` (its log says why).
-std::string StartReady(std::unique_ptr<Subprocess>* p, const std::string& bin, const std::vector<std::string>& args,
-                       const std::string& log, std::chrono::milliseconds timeout);
+// "ready on ADDR" line (every server of ours prints one first); returns ADDR.
+// None within `timeout` (a large model loads for minutes): prints "<program>: BIN did not start; its log:" and
+// the log's tail, and exits 1.
+std::string RequireReady(const std::string& program, std::unique_ptr<Subprocess>* p, const std::string& bin,
+                         const std::vector<std::string>& args, const std::string& log,
+                         std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
 }  // namespace moe
