@@ -49,6 +49,14 @@
 // A chunk's attention is the decode attention of its rows (each row its own
 // sequence slot, at the step's position), not a prompt's causal attention.
 //
+// --links shm,netns,netns:US: every row once per link to the same server
+// processes — their shared memory, or gRPC over a veth pair into a network
+// namespace of each server's own (real TCP through the kernel), straight or
+// through a relay that delays each direction (bench/server_links.h). The
+// modes' names then end in "@link", and a last table sets ours over each
+// link beside ours over the first plus the link's round trip per layer call
+// (issue 45 point 4: what a remote pool costs).
+//
 // Times are medians over the timed steps, per decode step and per MoE layer.
 // With --runs N every configuration runs N times (a fresh dispatcher each, so
 // its start-up probe and online rates too); a time cell is then the median run
@@ -70,6 +78,7 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -80,6 +89,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/dram_bandwidth.h"
+#include "bench/server_links.h"
 #include "transport/transport.h"
 #include "core/flags.h"
 #include "core/log.h"
@@ -256,6 +266,7 @@ struct Options {
   int admissions = 0;
   int runs = 1;
   int slices = 1;  // > 1: that many servers, each holding one slice of every expert (--slice i/n)
+  std::vector<ServerLink> links = {ServerLink{"shm"}};  // --links: how the worker reaches the servers
   std::string server_flags;  // --server-flags
   int tp = 1;      // > 1: that many GPUs, one cache over them vs a cache per GPU (RunTensorParallel)
   bool ep = false;  // with tp > 1: expert parallelism (each GPU its own tokens, exchanged over NCCL)
@@ -384,13 +395,15 @@ void SetFloors(RunResult& r, const FloorRates& f) {
   r.causal_cpu_share = Median(share);
 }
 
-// What every run's dispatcher starts from: the servers over shm (request
-// slots of 1024 tokens, 8 of them), C slots per layer, calls of up to
-// max_tokens tokens, a deadline no bench call reaches.
-DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& sockets, int C, int max_tokens, int top_k,
+// What every run's dispatcher starts from: the servers (unix://PATH over shm,
+// or HOST:PORT over gRPC: --links; request slots of 1024 tokens, 8 of them),
+// C slots per layer, calls of up to max_tokens tokens, a deadline no bench
+// call reaches.
+DispatcherConfig BenchDispatcherConfig(const std::vector<std::string>& addresses, int C, int max_tokens, int top_k,
                                        int miss_buffers, bool prefetch, int prefetch_buffers) {
   DispatcherConfig c;
-  for (const std::string& s : sockets) c.servers.push_back(ExpertServerConfig{"unix://" + s, {}});
+  for (const std::string& a : addresses) c.servers.push_back(ExpertServerConfig{a, {}});
+  c.transport.tls.insecure = true;  // a netns link: the bench's servers listen in plaintext
   c.transport.max_tokens_per_slot = 1024;
   c.transport.slots = 8;
   c.slots_per_layer = C;
@@ -423,7 +436,7 @@ struct TpResult {
   double step_s = 0, hit = 0, cpu = 0, copied = 0;  // shares of the routed pairs: hits, CPU servers, copies
 };
 
-TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const std::vector<std::string>& sockets,
+TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const std::vector<std::string>& addresses,
                                HostExpertStore* host, std::vector<ncclComm_t>& comms, int T, int C, bool group) {
   const int R = static_cast<int>(comms.size()), L = static_cast<int>(spec.moe_layers.size());
   const int H = spec.hidden, k = spec.top_k;
@@ -434,7 +447,7 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
   auto rank_main = [&](int r) {
     if (cudaSetDevice(r) != cudaSuccess) Die("cudaSetDevice");
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend("cuda"), "device");
-    DispatcherConfig c = BenchDispatcherConfig(sockets, C, group && o.ep ? T * R : T, k, o.miss_buffers, o.prefetch,
+    DispatcherConfig c = BenchDispatcherConfig(addresses, C, group && o.ep ? T * R : T, k, o.miss_buffers, o.prefetch,
                                                o.prefetch_buffers);
     if (group) c.group = TensorParallel(r, R);
     if (group && o.ep) {
@@ -532,7 +545,7 @@ TpResult RunTensorParallelOnce(const Options& o, const ModelSpec& spec, const st
   return TpResult{Median(step_t), static_cast<double>(h) / n, static_cast<double>(c) / n, static_cast<double>(y) / n};
 }
 
-void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vector<std::string>& sockets,
+void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vector<std::string>& addresses,
                        HostExpertStore* host) {
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices < o.tp)
@@ -554,8 +567,8 @@ void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vecto
       std::vector<double> ind_t, uni_t;
       TpResult ind, uni;
       for (int run = 0; run < o.runs; ++run) {
-        ind = RunTensorParallelOnce(o, spec, sockets, host, comms, T, C, false);
-        uni = RunTensorParallelOnce(o, spec, sockets, host, comms, T, C, true);
+        ind = RunTensorParallelOnce(o, spec, addresses, host, comms, T, C, false);
+        uni = RunTensorParallelOnce(o, spec, addresses, host, comms, T, C, true);
         ind_t.push_back(ind.step_s);
         uni_t.push_back(uni.step_s);
       }
@@ -575,8 +588,10 @@ void RunTensorParallel(const Options& o, const ModelSpec& spec, const std::vecto
 
 class Bench {
  public:
-  Bench(const Options& o, const ModelSpec& spec, std::vector<std::string> shm, HostExpertStore* host)
-      : o_(o), spec_(spec), shm_(std::move(shm)), host_(host) {}
+  Bench(const Options& o, const ModelSpec& spec, std::vector<std::string> addresses, HostExpertStore* host)
+      : o_(o), spec_(spec), addresses_(std::move(addresses)), host_(host) {}
+  // The servers' addresses the next runs dial (a link of --links).
+  void set_addresses(std::vector<std::string> addresses) { addresses_ = std::move(addresses); }
 
   // The routing of one configuration, from its first step: every mode of a
   // batch sees the same tokens (the same seed, or the same trace steps).
@@ -595,7 +610,7 @@ class Bench {
                                std::string* skipped) {
     const int N = o_.CallTokens(T);
     std::unique_ptr<DeviceBackend> backend = Value(MakeDeviceBackend(o_.device), "device");
-    DispatcherConfig c = BenchDispatcherConfig(shm_, C, N, spec_.top_k, o_.miss_buffers, o_.prefetch, o_.prefetch_buffers);
+    DispatcherConfig c = BenchDispatcherConfig(addresses_, C, N, spec_.top_k, o_.miss_buffers, o_.prefetch, o_.prefetch_buffers);
     c.policy = policy;
     c.copy_mode = copy;
     c.admissions_per_call = o_.admissions;
@@ -900,7 +915,7 @@ class Bench {
  public:
   bool host_path_ = false;         // ours-host runs (DispatcherConfig::eager_on_device = false)
  private:
-  std::vector<std::string> shm_;  // one socket per server (per slice)
+  std::vector<std::string> addresses_;  // one per server (per slice)
   HostExpertStore* host_;
   std::string cost_;
   std::unique_ptr<AttentionStep> attn_;
@@ -1050,7 +1065,21 @@ int Main(int argc, char** argv) {
                "auto (the checkpoint's own: e.g. mxfp4 for a GGUF of MXFP4 experts)");
   flags.Bool("share-host-copy", &o.share_host_copy,
              "the worker maps the server's packed store (one host copy); false: it packs its own");
+  std::string links = "shm";
+  flags.String("links", &links,
+               "how the worker reaches the servers, every row once per link: shm (their shared memory), netns (gRPC "
+               "over a veth pair into a network namespace of each server's own: real TCP through the kernel), "
+               "netns:US (the same through a relay holding each direction US microseconds). netns links need root "
+               "(CAP_SYS_ADMIN, CAP_NET_ADMIN) and iproute2's ip; e.g. shm,netns:25,netns:100");
   flags.Parse(argc, argv);
+  if (absl::StatusOr<std::vector<ServerLink>> l = ParseServerLinks(links); l.ok()) {
+    o.links = *std::move(l);
+  } else {
+    flags.Fail(std::string(l.status().message()));
+  }
+  // Before any thread starts: every later thread (gRPC's too) lives there.
+  if (absl::c_any_of(o.links, [](const ServerLink& l) { return l.netns; }))
+    if (absl::Status st = testing::EnterOwnNetworkNamespace(); !st.ok()) Die(absl::StrCat("--links: ", st.message()));
   if (absl::Status st = CheckWeightDtype(o.weight_dtype); !st.ok()) flags.Fail(std::string(st.message()));
   for (absl::string_view m : absl::StrSplit(o.modes, ',', absl::SkipEmpty()))
     if (!absl::c_linear_search(std::vector<absl::string_view>{"ceiling", "ours", "ours-graph", "ours-cpu", "lru-copy",
@@ -1167,23 +1196,25 @@ int Main(int argc, char** argv) {
   char dir_tmpl[] = "/tmp/moe_layer_XXXXXX";
   const std::string dir = mkdtemp(dir_tmpl);
   // --slices n: n servers of server_threads / n threads each, holding slice
-  // i/n of every expert on disjoint cores (the server's share of the node).
-  std::vector<std::string> sockets;
-  std::vector<std::unique_ptr<Subprocess>> servers;
+  // i/n of every expert on disjoint cores (the server's share of the node);
+  // in network namespaces of their own when a link of --links asks.
   const int per_server = std::max(1, o.server_threads / o.slices);
   LogInfo("bench", "model ", spec.Summary(), "; starting ", o.slices, " x ", server_bin, " with ", per_server,
           " threads, ", o.weight_dtype, " experts", o.slices > 1 ? " (sliced)" : "");
+  BenchServers::Options so;
+  so.binary = server_bin;
+  so.dir = dir;
+  so.count = o.slices;
+  so.links = o.links;
   for (int i = 0; i < o.slices; ++i) {
-    sockets.push_back(absl::StrCat(dir, "/expert", i, ".sock"));
-    std::vector<std::string> args{"--model=" + uri, "--shm-socket=" + sockets.back(), "--insecure",
-                                  "--listen=127.0.0.1:0", absl::StrCat("--threads=", per_server),
-                                  "--max-tokens=4096", absl::StrCat("--idle-spin-us=", o.idle_spin_us),
-                                  "--weight-dtype=" + o.weight_dtype, absl::StrCat("--slice=", i, "/", o.slices)};
+    std::vector<std::string> args{"--model=" + uri, absl::StrCat("--threads=", per_server), "--max-tokens=4096",
+                                  absl::StrCat("--idle-spin-us=", o.idle_spin_us), "--weight-dtype=" + o.weight_dtype,
+                                  absl::StrCat("--slice=", i, "/", o.slices)};
     for (absl::string_view f : absl::StrSplit(o.server_flags, ' ', absl::SkipEmpty())) args.emplace_back(f);
-    servers.push_back(std::make_unique<Subprocess>(server_bin, args));
-    if (servers.back()->ReadLine(std::chrono::minutes(10)).find("ready on") == std::string::npos)
-      Die("expert server did not start");
+    so.args.push_back(std::move(args));
   }
+  std::unique_ptr<BenchServers> servers = Value(BenchServers::Start(so), "expert servers");
+  const std::vector<std::string>& sockets = servers->sockets();
   const std::string& shm = sockets.front();
 
   // The worker's host copy of the experts (pinned through a backend kept alive for the run).
@@ -1207,14 +1238,13 @@ int Main(int argc, char** argv) {
 
 #ifdef MOE_HAVE_NCCL
   if (o.tp > 1) {
-    RunTensorParallel(o, spec, sockets, host.get());
-    for (auto& server : servers) server->Signal(SIGTERM);
-    for (auto& server : servers) server->Wait(std::chrono::seconds(30));
+    RunTensorParallel(o, spec, servers->Addresses(o.links.front()), host.get());
+    servers.reset();
     std::filesystem::remove_all(dir);
     return 0;
   }
 #endif
-  Bench bench(o, spec, sockets, host.get());
+  Bench bench(o, spec, servers->Addresses(o.links.front()), host.get());
   const std::vector<std::string> modes = absl::StrSplit(o.modes, ',', absl::SkipEmpty());
   auto has = [&](const char* m) { return std::find(modes.begin(), modes.end(), m) != modes.end(); };
   const int L = static_cast<int>(spec.moe_layers.size());
@@ -1226,7 +1256,12 @@ int Main(int argc, char** argv) {
   const double copy_bytes = static_cast<double>(host->geometry().packed_bytes());
   const double pcie_gbps = copy_all_layer > 0 ? spec.num_experts * copy_bytes / copy_all_layer / 1e9 : 0;
   const double pcie_max_gbps = copy_fastest > 0 ? spec.num_experts * copy_bytes / copy_fastest / 1e9 : 0;
-  const CpuProbe probe = ProbeCpu(spec, shm, std::min(o.MaxCallTokens(), 4096));
+  // Rows up to the largest call, and at least 256: the floors' CPU compute
+  // rate is the probe's best FLOP rate, which only many rows reach. Probed
+  // at one row alone (decode, --batches=1) that rate is one expert's DRAM
+  // time read as compute: the 48-layer floor came out 23 ms against a
+  // measured 19 ms step.
+  const CpuProbe probe = ProbeCpu(spec, shm, std::min(std::max(o.MaxCallTokens(), 256), 4096));
   // The DRAM the CPU and the copy engine read together: cores bound the CPU's
   // rate, the copy engine reads beside them (the H100 host: 99 GB/s by the
   // CPU alone, a 512-token prompt's step below a floor that shared those).
@@ -1286,6 +1321,19 @@ int Main(int argc, char** argv) {
   PrintProbe(probe, spec, o.weight_dtype);
   if (!rates_out.empty()) WriteRates(rates_out, dram_gbps, pcie_gbps, shared_gbps, rates.cpu_bytes, probe);
 
+  // Per link: the round trip of an empty 1-token batch (what a decode layer
+  // call pays for the path alone).
+  const bool one_link = o.links.size() == 1 && !o.links.front().netns;
+  std::map<std::string, double> link_rtt;
+  if (!one_link) {
+    std::printf("Links to the servers (--links; every row below once per link, the mode's name followed by @link): ");
+    for (const ServerLink& link : o.links) {
+      link_rtt[link.name] = Value(EmptyRoundTrip(servers->Addresses(link).front(), spec.hidden, spec.moe_layers.front(),
+                                                 1, 200), "round trip over a link");
+      std::printf("%s%s %.1f us", &link == &o.links.front() ? "" : ", ", link.name.c_str(), link_rtt[link.name] * 1e6);
+    }
+    std::printf(" (an empty 1-token batch's round trip, median of 200).\n\n");
+  }
   // Every mode a row: step, MoE per layer call, the pair split, both floors
   // of its own steps (bench/model/step_floor.h) and the ratios.
   std::printf("| T | cache | mode | step ms | MoE/layer ms | hit | cpu | copied (prefetched) | causal floor ms | "
@@ -1350,69 +1398,79 @@ int Main(int argc, char** argv) {
     std::fflush(stdout);
   };
   const bool device_mem = pin->has_device_memory();
-  for (int T : Ints(o.batches)) {
-    // Layer calls per step: L, times the chunks of the batch.
-    const int calls = std::max(1, L * o.Chunks(T));
-    // Ceiling: every expert resident, nothing missed (when the device holds them all).
-    std::optional<Runs> ceil;
-    if (has("ceiling")) {
-      std::string why;
-      ceil = repeat(T, spec.num_experts, ModeRun{CachePolicy::kStatic, CopyMode::kNever}, &why);
-      if (ceil) print_row(T, "100%", "ceiling", *ceil, true);
-      else skip_row(T, "100%", "ceiling", "the device cannot hold every expert (" + why + ")");
-    }
-    for (int pct : Ints(o.cache)) {
-      // pct% of the GPU memory a bf16 cache of every expert takes, in slots of the cache's format.
-      const double bf16_slot = static_cast<double>(pin->ExpertBytes(ExpertGeometry::For(spec.hidden, spec.intermediate)));
-      const double slot = static_cast<double>(pin->ExpertBytes(host->geometry()));
-      const int C = std::max(0, std::min(spec.num_experts,
-                                         static_cast<int>(std::lround(pct / 100.0 * spec.num_experts * bf16_slot / slot))));
-      const std::string cache = absl::StrFormat("%d%% (%d)", pct, C);
-      std::map<std::string, double> step;  // mode -> median step seconds
-      double outside = 0;                  // a measured run's time outside the MoE (for copy-all without a ceiling)
-      for (const std::string& mode : modes) {
-        if (mode == "ceiling" || mode == "copy-all") continue;
-        ModeRun m{o.ours_policy, CopyMode::kAuto};
-        if (mode == "ours-cpu") m.copy = CopyMode::kNever;
-        if (mode == "lru-copy") m = ModeRun{CachePolicy::kLru, CopyMode::kAlways};
-        m.dual = mode == "ours-dual";
-        m.graph = mode == "ours-graph";
-        m.host_path = mode == "ours-host";
-        if (m.dual && T < 2) continue;
-        if (m.graph && (!device_mem || o.Chunks(T) != 1)) {
-          skip_row(T, cache, mode, device_mem ? "calls larger than --chunk" : "needs the cuda backend");
-          continue;
-        }
+  // Per link: the empty round trip of one token (what a decode layer call pays
+  // for the path alone), and each (T, cache, mode)'s median step.
+  std::map<std::tuple<std::string, int, std::string>, double> link_step;  // (link, T, cache) -> ours' step
+  for (const ServerLink& link : o.links) {
+    const bool first_link = &link == &o.links.front();
+    bench.set_addresses(servers->Addresses(link));
+    // A mode's name in the rows: with several links (or a netns one), "mode @link".
+    auto label = [&](const std::string& mode) { return one_link ? mode : mode + " @" + link.name; };
+    for (int T : Ints(o.batches)) {
+      // Layer calls per step: L, times the chunks of the batch.
+      const int calls = std::max(1, L * o.Chunks(T));
+      // Ceiling: every expert resident, nothing missed (when the device holds them all).
+      std::optional<Runs> ceil;
+      if (has("ceiling") && first_link) {  // no server: the same on every link
         std::string why;
-        std::optional<Runs> runs = repeat(T, C, m, &why);
-        if (!runs) {
-          skip_row(T, cache, mode, why);
-          continue;
+        ceil = repeat(T, spec.num_experts, ModeRun{CachePolicy::kStatic, CopyMode::kNever}, &why);
+        if (ceil) print_row(T, "100%", "ceiling", *ceil, true);
+        else skip_row(T, "100%", "ceiling", "the device cannot hold every expert (" + why + ")");
+      }
+      for (int pct : Ints(o.cache)) {
+        // pct% of the GPU memory a bf16 cache of every expert takes, in slots of the cache's format.
+        const double bf16_slot = static_cast<double>(pin->ExpertBytes(ExpertGeometry::For(spec.hidden, spec.intermediate)));
+        const double slot = static_cast<double>(pin->ExpertBytes(host->geometry()));
+        const int C = std::max(0, std::min(spec.num_experts,
+                                           static_cast<int>(std::lround(pct / 100.0 * spec.num_experts * bf16_slot / slot))));
+        const std::string cache = absl::StrFormat("%d%% (%d)", pct, C);
+        std::map<std::string, double> step;  // mode -> median step seconds
+        double outside = 0;                  // a measured run's time outside the MoE (for copy-all without a ceiling)
+        for (const std::string& mode : modes) {
+          if (mode == "ceiling" || mode == "copy-all") continue;
+          ModeRun m{o.ours_policy, CopyMode::kAuto};
+          if (mode == "ours-cpu") m.copy = CopyMode::kNever;
+          if (mode == "lru-copy") m = ModeRun{CachePolicy::kLru, CopyMode::kAlways};
+          m.dual = mode == "ours-dual";
+          m.graph = mode == "ours-graph";
+          m.host_path = mode == "ours-host";
+          if (m.dual && T < 2) continue;
+          if (m.graph && (!device_mem || o.Chunks(T) != 1)) {
+            skip_row(T, cache, label(mode), device_mem ? "calls larger than --chunk" : "needs the cuda backend");
+            continue;
+          }
+          std::string why;
+          std::optional<Runs> runs = repeat(T, C, m, &why);
+          if (!runs) {
+            skip_row(T, cache, label(mode), why);
+            continue;
+          }
+          print_row(T, cache, label(mode), *runs, !m.dual);
+          step[mode] = runs->median().step_s;
+          outside = Median(runs->median().outside_s);
         }
-        print_row(T, cache, mode, *runs, !m.dual);
-        step[mode] = runs->median().step_s;
-        outside = Median(runs->median().outside_s);
-      }
-      if (has("copy-all")) {
-        // Modelled: every expert of every layer streamed each step, overlapped
-        // with the ceiling's compute (without a ceiling: the copies alone after
-        // a measured run's time outside the MoE, which is below what it would take).
-        const double s = ceil ? ceil->median().step_s - ceil->median().moe_s +
-                                    calls * std::max(copy_all_layer, ceil->median().moe_s / calls)
-                              : outside + calls * copy_all_layer;
-        std::printf("| %d | %s | copy-all (model%s) | %s | %s | | | | | | | | | | |\n", T, cache.c_str(),
-                    ceil ? "" : ", copies only", Ms(s).c_str(), Ms(std::max(copy_all_layer, s / calls)).c_str());
-        step["copy-all"] = s;
-      }
-      if (step.count("ours") != 0) {
-        std::string alt;
-        for (const char* a : {"ours-cpu", "lru-copy", "copy-all"})
-          if (step.count(a) != 0 && (alt.empty() || step[a] < step[alt])) alt = a;
-        summary.push_back(absl::StrFormat(
-            "| %d | %s | %s | %s | %s | %s |", T, cache, Ms(step["ours"]),
-            alt.empty() ? std::string("-") : absl::StrFormat("%s %s ms", alt, Ms(step[alt])),
-            alt.empty() ? std::string("-") : absl::StrFormat("%.2f", step["ours"] / step[alt]),
-            step.count("ours-graph") ? absl::StrFormat("%.2f", step["ours-graph"] / step["ours"]) : std::string("-")));
+        if (has("copy-all") && first_link) {  // modelled copies: no server
+          // Modelled: every expert of every layer streamed each step, overlapped
+          // with the ceiling's compute (without a ceiling: the copies alone after
+          // a measured run's time outside the MoE, which is below what it would take).
+          const double s = ceil ? ceil->median().step_s - ceil->median().moe_s +
+                                      calls * std::max(copy_all_layer, ceil->median().moe_s / calls)
+                                : outside + calls * copy_all_layer;
+          std::printf("| %d | %s | copy-all (model%s) | %s | %s | | | | | | | | | | |\n", T, cache.c_str(),
+                      ceil ? "" : ", copies only", Ms(s).c_str(), Ms(std::max(copy_all_layer, s / calls)).c_str());
+          step["copy-all"] = s;
+        }
+        if (step.count("ours") != 0) link_step[{link.name, T, cache}] = step["ours"];
+        if (step.count("ours") != 0 && first_link) {
+          std::string alt;
+          for (const char* a : {"ours-cpu", "lru-copy", "copy-all"})
+            if (step.count(a) != 0 && (alt.empty() || step[a] < step[alt])) alt = a;
+          summary.push_back(absl::StrFormat(
+              "| %d | %s | %s | %s | %s | %s |", T, cache, Ms(step["ours"]),
+              alt.empty() ? std::string("-") : absl::StrFormat("%s %s ms", alt, Ms(step[alt])),
+              alt.empty() ? std::string("-") : absl::StrFormat("%.2f", step["ours"] / step[alt]),
+              step.count("ours-graph") ? absl::StrFormat("%.2f", step["ours-graph"] / step["ours"]) : std::string("-")));
+        }
       }
     }
   }
@@ -1422,12 +1480,27 @@ int Main(int argc, char** argv) {
                 "|---|---|---|---|---|---|\n");
     for (const std::string& line : summary) std::printf("%s\n", line.c_str());
   }
+  if (!one_link) {
+    // What a remote pool costs (issue 45 point 4): ours over each link beside
+    // ours over the first link plus the link's round trip per layer call.
+    const std::string& base = o.links.front().name;
+    std::printf("\nours over each link beside ours over %s (its step plus every layer call's round trip over the link):\n\n"
+                "| T | cache | link | round trip us | ours step ms | %s step + calls x round trip ms | ratio |\n"
+                "|---|---|---|---|---|---|---|\n", base.c_str(), base.c_str());
+    for (const auto& [key, step_s] : link_step) {
+      const auto& [name, T, cache] = key;
+      const auto b = link_step.find({base, T, cache});
+      if (name == base || b == link_step.end()) continue;
+      const double bound = b->second + std::max(1, L * o.Chunks(T)) * link_rtt[name];
+      std::printf("| %d | %s | %s | %.1f | %s | %s | %.2f |\n", T, cache.c_str(), name.c_str(), link_rtt[name] * 1e6,
+                  Ms(step_s).c_str(), Ms(bound).c_str(), step_s / bound);
+    }
+  }
   std::printf("\ncopy model (the last eager run of ours): %s\n", bench.cost().c_str());
   std::printf("floors' rates at the end (the best the probes saw, the streaming probe also after every row): CPU DRAM "
               "%.1f GB/s, shared DRAM %.1f GB/s\n",
               rates.dram_Bps / 1e9, rates.shared_Bps / 1e9);
-  for (auto& server : servers) server->Signal(SIGTERM);
-  for (auto& server : servers) server->Wait(std::chrono::seconds(30));
+  servers.reset();
   std::filesystem::remove_all(dir);
   if (!beaten.empty()) {
     std::fprintf(stderr, "moe_layer: %zu row(s) beat the causal floor by more than %.0f%% (a bound that a run beats "

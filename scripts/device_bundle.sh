@@ -21,6 +21,9 @@ for f in ${BINARIES:-$default}; do
   [[ -x "$b/$f" ]] || { echo "missing $b/$f (build it first)" >&2; exit 1; }
   cp "$b/$f" "$strip_dir/" && strip "$strip_dir/$(basename "$f")"
 done
+# iproute2's ip (with its libraries) for moe_layer --links netns where the host has none; device_check.sh puts
+# it on PATH only then.
+if [[ -x /usr/sbin/ip ]]; then mkdir -p "$strip_dir/iproute2" && cp /usr/sbin/ip "$strip_dir/iproute2/"; fi
 ../shared/tools/device-bundle.sh .bundle/dev "$strip_dir"/*
 # The Python package, its tests and examples (the `python` phase of device_check.sh).
 mkdir -p .bundle/dev/python

@@ -43,6 +43,9 @@
 #                         server, merging on / off; routing same, zipf, disjoint at T=1, zipf at T=8)
 #   pool_soak             issue 45 point 4: bench/pool_soak, WORKERS (8) worker processes on the GPU and 2 expert
 #                         servers, closed-loop decode for SOAK_SECONDS (240), RSS sampled (PLACEMENT per-worker|union)
+#   remote                issue 45 point 4, what a remote pool costs: moe_layer qwen3-30b-a3b (LAYERS: 16 48) with
+#                         its servers in network namespaces (veth pairs; LINKS shm,netns,netns:25,netns:100): decode
+#                         T=1 at 25% cache, and a 2048-token prompt through two sliced servers without a cache
 #   pool2                 issue 45 point 1 (two GPUs): one GPU alone, then moe_layer --tp 2 and --ep 2 with the
 #                         server merging concurrent requests and without (LAYERS=8, BATCHES=1,8, RUNS=3)
 #   ep_bench              issue 26: the same --ep 2: each GPU its own T tokens, one cache over both GPUs with
@@ -81,6 +84,7 @@ if [[ ! -d $B/bin || "$(cat "$B/.sum" 2>/dev/null)" != "$sum" ]]; then
   rm -rf "$B" && mkdir -p "$B" && tar -xJf .bundle/dev.tar.xz -C "$B" --strip-components=1 && echo "$sum" > "$B/.sum"
 fi
 export LD_LIBRARY_PATH=$B/lib MOE_BIN_DIR=$B/bin
+command -v ip > /dev/null || [[ ! -x $B/bin/ip ]] || export PATH=$PATH:$B/bin  # the bundle's iproute2 (netns links)
 {
   echo "## machine"; date -u; uname -r
   lscpu | grep -E 'Model name|^CPU\(s\)|NUMA node\(s\)|L3'
@@ -201,7 +205,8 @@ while [[ $# -gt 0 ]]; do
       # merging on and off, routing same / zipf / disjoint at T=1 and zipf at T=8, to $OUT/pool_clients.md
       for spec in ${POOL_SPECS:-same:1 zipf:1 disjoint:1 zipf:8}; do
         timeout 150 "$B/bin/pool_clients" --layers=${LAYERS:-8} --clients=1,2,4 --routing=${spec%:*} --tokens=${spec#*:} \
-          --runs=${RUNS:-3} --server-bin "$B/bin/moe-expert-server" >> "$OUT/pool_clients.md" 2>> "$OUT/pool_clients.log"
+          --runs=${RUNS:-3} --server-bin "$B/bin/moe-expert-server" ${SERVER_FLAGS:+--server-flags="$SERVER_FLAGS"} \
+          >> "$OUT/pool_clients.md" 2>> "$OUT/pool_clients.log"
         echo "pool_clients $spec rc=$?"
       done
       grep -E '^\||all runs' "$OUT/pool_clients.md" | grep -v -- '---' ;;
@@ -210,9 +215,24 @@ while [[ $# -gt 0 ]]; do
       # each, 6), closed-loop decode of LAYERS (8) Qwen3-30B-A3B layers for SOAK_SECONDS (240), RSS sampled
       timeout $(( ${SOAK_SECONDS:-240} + 200 )) "$B/bin/pool_soak" --preset=qwen3-30b-a3b --layers=${LAYERS:-8} \
         --workers=${WORKERS:-8} --servers=2 --server-threads=${SERVER_THREADS:-6} --device=cuda \
-        --seconds=${SOAK_SECONDS:-240} --sample-seconds=20 --placement=${PLACEMENT:-per-worker} --bin-dir "$B/bin" \
+        --seconds=${SOAK_SECONDS:-240} --sample-seconds=${SAMPLE_SECONDS:-20} --placement=${PLACEMENT:-per-worker} \
+        --bin-dir "$B/bin" ${SERVER_FLAGS:+--server-flags="$SERVER_FLAGS"} \
         > "$OUT/pool_soak.md" 2> "$OUT/pool_soak.log"
-      echo "pool_soak rc=$?"; grep -E '^\||^All|^###' "$OUT/pool_soak.md" | grep -v -- '---' ;;
+      echo "pool_soak rc=$?"; grep -E '^\||^All|^###|^CPU' "$OUT/pool_soak.md" | grep -v -- '---' ;;
+    remote)
+      # issue 45 point 4: the same server processes over shm and over gRPC through veth pairs into their own network
+      # namespaces, straight and behind a relay of 25 / 100 us each way; to $OUT/remote_<layers>_{decode,prompt}.md
+      for L in ${LAYERS:-16 48}; do
+        timeout ${REMOTE_TIMEOUT:-280} "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=$L --batches=1 --cache=25 \
+          --modes=${REMOTE_MODES:-ours} --runs=${RUNS:-3} --warmup=8 --steps=16 --links=${LINKS:-shm,netns,netns:25,netns:100} \
+          --server-bin "$B/bin/moe-expert-server" > "$OUT/remote_${L}_decode.md" 2> "$OUT/remote_${L}_decode.log"
+        echo "remote decode $L layers rc=$?"; grep -E '^\| 1 |^Links' "$OUT/remote_${L}_decode.md"
+        timeout ${REMOTE_TIMEOUT:-280} "$B/bin/moe_layer" --preset=qwen3-30b-a3b --layers=$L --batches=2048 --chunk=2048 \
+          --cache=0 --zipf=0 --slices=2 --modes=ours --runs=${RUNS:-3} --warmup=1 --steps=2 \
+          --links=${PROMPT_LINKS:-shm,netns:25,netns:100} --server-bin "$B/bin/moe-expert-server" \
+          > "$OUT/remote_${L}_prompt.md" 2> "$OUT/remote_${L}_prompt.log"
+        echo "remote prompt $L layers rc=$?"; grep -E '^\| 2048 |^Links' "$OUT/remote_${L}_prompt.md"
+      done ;;
     pool2)
       # issue 45 point 1: one server, two GPUs (LAYERS=8 of Qwen3-30B-A3B, bf16, Zipf, 25% cache per GPU, T=BATCHES
       # 1,8, RUNS=3): one GPU alone, then TP-2 and EP-2 with the server merging concurrent requests (its default)
