@@ -53,6 +53,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Options {
   std::string preset = "qwen3-30b-a3b", routing = "zipf", transport = "shm", server_bin, clients = "1,2,4";
+  std::string server_flags;  // --server-flags
   int layers = 8, tokens = 1, steps = 50, warmup = 10, runs = 3, server_threads = 0;
   double zipf = 1.0;
   bool lockstep = true;
@@ -179,6 +180,8 @@ int Main(int argc, char** argv) {
   flags.Int("runs", &runs, "runs per configuration: medians over them (default 3)");
   flags.Int("server-threads", &threads, "server compute threads (default 0: the server's default)");
   flags.String("server-bin", &o.server_bin, "moe-expert-server binary (default: next to this one)");
+  flags.String("server-flags", &o.server_flags,
+               "more flags for the server, space-separated (e.g. --max-polling-clients=0)");
   flags.Parse(argc, argv);
   o.layers = static_cast<int>(layers);
   o.tokens = static_cast<int>(tokens);
@@ -237,6 +240,7 @@ int Main(int argc, char** argv) {
     std::vector<std::string> args{"--model=" + uri, "--shm-socket=" + sock, "--insecure", "--listen=127.0.0.1:0",
                                   absl::StrCat("--merge-requests=", merge ? "true" : "false")};
     if (o.server_threads > 0) args.push_back(absl::StrCat("--threads=", o.server_threads));
+    for (absl::string_view f : absl::StrSplit(o.server_flags, ' ', absl::SkipEmpty())) args.emplace_back(f);
     const std::string log = dir + "/server.log";
     Subprocess server(bin, args, log);
     const std::string ready = server.ReadLine(std::chrono::minutes(5));

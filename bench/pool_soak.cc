@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -36,6 +37,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "client/worker_client.h"
@@ -58,7 +60,7 @@ using Clock = std::chrono::steady_clock;
 }
 
 struct Options {
-  std::string preset = "demo", device = "cpu", placement = "per-worker", bin_dir;
+  std::string preset = "demo", device = "cpu", placement = "per-worker", bin_dir, server_flags;
   int64_t layers = 8, workers = 8, servers = 2, tokens = 1, cache_pct = 25, check_every = 50, server_threads = 1;
   double seconds = 600, sample_seconds = 10, rebalance_seconds = 2, zipf = 1.0, rss_growth_mib = 64;
 };
@@ -70,6 +72,41 @@ double RssMib(pid_t pid) {
   while (std::getline(f, line))
     if (line.rfind("VmRSS:", 0) == 0) return std::strtod(line.c_str() + 6, nullptr) / 1024.0;
   return 0;
+}
+
+// The name and CPU seconds (user + system) in a /proc .../stat file: of a
+// thread (task/TID/stat), or of a whole process (PID/stat: its exited
+// threads included). False when it cannot be read.
+bool StatCpu(const std::filesystem::path& stat, std::string* name, double* seconds) {
+  std::ifstream f(stat);
+  std::string line;
+  if (!std::getline(f, line)) return false;
+  const size_t open = line.find('('), close = line.rfind(')');
+  if (open == std::string::npos || close == std::string::npos || close < open || close + 2 > line.size()) return false;
+  const std::vector<std::string> fields = absl::StrSplit(line.substr(close + 2), ' ');
+  if (fields.size() < 13) return false;  // after the name: state, ..., utime (12th), stime (13th)
+  *name = line.substr(open + 1, close - open - 1);
+  *seconds = (std::strtod(fields[11].c_str(), nullptr) + std::strtod(fields[12].c_str(), nullptr)) /
+             static_cast<double>(sysconf(_SC_CLK_TCK));
+  return true;
+}
+
+// A process's CPU seconds: its total (exited threads included) and each live
+// thread's by thread id, with its name.
+struct ProcessCpu {
+  double total = 0;
+  std::map<std::string, std::pair<std::string, double>> threads;  // tid -> (name, seconds)
+};
+ProcessCpu ReadProcessCpu(pid_t pid) {
+  ProcessCpu out;
+  std::string name;
+  if (!StatCpu(absl::StrCat("/proc/", pid, "/stat"), &name, &out.total)) return out;
+  std::error_code ec;
+  for (const auto& task : std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec)) {
+    double sec = 0;
+    if (StatCpu(task.path() / "stat", &name, &sec)) out.threads[task.path().filename().string()] = {name, sec};
+  }
+  return out;
 }
 
 double Quantile(std::vector<double> v, double q) {
@@ -152,6 +189,8 @@ int Main(int argc, char** argv) {
                "of a run longer than 10 minutes), that still passes (default 64)");
   flags.String("placement", &o.placement,
                "the coordinator's placement: per-worker (its default: each worker the top of its own traffic) or union");
+  flags.String("server-flags", &o.server_flags,
+               "more flags for every moe-expert-server, space-separated (e.g. --max-polling-clients=0)");
   flags.String("bin-dir", &o.bin_dir, "where moe-coordinator / moe-expert-server / moe-gpu-worker / moectl are");
   flags.Parse(argc, argv);
   if (o.workers < 1 || o.servers < 1 || o.layers < 1 || o.tokens < 1 || o.seconds <= 0 || o.check_every < 1)
@@ -180,10 +219,11 @@ int Main(int argc, char** argv) {
   for (int s = 0; s < o.servers; ++s) {
     const std::string sock = absl::StrCat(dir, "/expert", s, ".sock");
     socks.push_back("unix://" + sock);
-    RequireReady("pool_soak", &servers[s], bin("moe-expert-server", "expert_server"),
-                 {"--model=" + uri, "--listen=127.0.0.1:0", "--insecure", "--shm-socket=" + sock,
-                  absl::StrCat("--threads=", o.server_threads), "--coordinator=" + caddr,
-                  absl::StrCat("--server-id=server", s)},
+    std::vector<std::string> args{"--model=" + uri, "--listen=127.0.0.1:0", "--insecure", "--shm-socket=" + sock,
+                                  absl::StrCat("--threads=", o.server_threads), "--coordinator=" + caddr,
+                                  absl::StrCat("--server-id=server", s)};
+    for (absl::string_view f : absl::StrSplit(o.server_flags, ' ', absl::SkipEmpty())) args.emplace_back(f);
+    RequireReady("pool_soak", &servers[s], bin("moe-expert-server", "expert_server"), args,
                  absl::StrCat(dir, "/server", s, ".log"));
   }
   std::vector<std::unique_ptr<WorkerClient>> clients;
@@ -217,7 +257,25 @@ int Main(int argc, char** argv) {
   // RSS: [sample][process] (servers first, then workers).
   std::vector<std::vector<double>> rss;
   std::vector<double> rss_t;  // each sample's time since the start, s
+  // CPU by process and thread name: a snapshot after the first sample
+  // interval (start-up done) and one at every later sample under load.
+  auto cpu_snapshot = [&] {
+    std::vector<ProcessCpu> snap;
+    for (auto& s : servers) snap.push_back(ReadProcessCpu(s->pid()));
+    for (auto& w : workers) snap.push_back(ReadProcessCpu(w->pid()));
+    snap.push_back(ReadProcessCpu(getpid()));  // this process: the client threads driving the workers
+    return snap;
+  };
+  std::vector<ProcessCpu> cpu_first, cpu_last;
+  Clock::time_point cpu_first_t{}, cpu_last_t{};
   while (Clock::now() < end) {
+    if (rss.size() == 1) {
+      cpu_first = cpu_snapshot();
+      cpu_first_t = Clock::now();
+    } else if (rss.size() > 1) {  // the last one while the clients still run
+      cpu_last = cpu_snapshot();
+      cpu_last_t = Clock::now();
+    }
     std::vector<double> row;
     for (auto& s : servers) row.push_back(RssMib(s->pid()));
     for (auto& w : workers) row.push_back(RssMib(w->pid()));
@@ -279,7 +337,44 @@ int Main(int argc, char** argv) {
     if (server ? mx - first > o.rss_growth_mib : settled_seen && mx_settled - rss[settled_at][p] > o.rss_growth_mib)
       grew = true;
   }
-  std::printf("\n(%zu samples, every %.0f s.)\n\n$ moectl status\n", rss.size(), o.sample_seconds);
+  std::printf("\n(%zu samples, every %.0f s.)\n\n", rss.size(), o.sample_seconds);
+  if (!cpu_last.empty()) {
+    // Where the cores went under load: cores busy on average (CPU seconds
+    // over wall seconds) per process, and its busiest thread names.
+    const double wall = std::chrono::duration<double>(cpu_last_t - cpu_first_t).count();
+    std::printf("CPU under load (%.0f s from the second sample to the last; cores busy on average, %u hardware threads):\n\n"
+                "| process | cores | by thread name |\n|---|---|---|\n", wall, std::thread::hardware_concurrency());
+    double all = 0;
+    for (size_t p = 0; p < cpu_last.size(); ++p) {
+      // A thread's time since the first snapshot (all of it if it started
+      // later), summed by name; threads that ended between the snapshots
+      // (gRPC's sync server starts and ends its own) count in the total only.
+      const double total = (cpu_last[p].total - cpu_first[p].total) / wall;
+      std::map<std::string, double> by_name;
+      double named = 0;
+      for (const auto& [tid, thread] : cpu_last[p].threads) {
+        const auto f = cpu_first[p].threads.find(tid);
+        const double u = (thread.second - (f == cpu_first[p].threads.end() ? 0.0 : f->second.second)) / wall;
+        by_name[thread.first] += u;
+        named += u;
+      }
+      std::vector<std::pair<double, std::string>> by;
+      for (const auto& [name, u] : by_name)
+        if (u >= 0.005) by.push_back({u, name});
+      if (total - named >= 0.005) by.push_back({total - named, "(exited threads)"});
+      all += total;
+      std::sort(by.rbegin(), by.rend());
+      std::string names;
+      for (size_t i = 0; i < by.size() && i < 6; ++i)
+        names += absl::StrFormat("%s%s %.2f", i ? ", " : "", by[i].second, by[i].first);
+      const std::string who = p < servers.size() ? absl::StrCat("server ", p)
+                              : p < servers.size() + workers.size() ? absl::StrCat("worker ", p - servers.size())
+                                                                    : std::string("pool_soak (clients)");
+      std::printf("| %s | %.2f | %s |\n", who.c_str(), total, names.c_str());
+    }
+    std::printf("| all | %.2f | |\n\n", all);
+  }
+  std::printf("$ moectl status\n");
   std::fflush(stdout);
   {
     Subprocess p(bin("moectl", "client"), {"--coordinator=" + caddr, "--insecure", "status"});

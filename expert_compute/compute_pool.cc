@@ -51,6 +51,7 @@ ComputePool::~ComputePool() {
 }
 
 void ComputePool::Worker(int index) {
+  pthread_setname_np(pthread_self(), "moe-compute");  // per-thread CPU in top / pool_soak
   if (absl::Status st = binding_.BindCurrentThread(index); !st.ok()) LogWarning("pool", st.message());
   uint64_t seen = 0;
   for (;;) {

@@ -172,6 +172,7 @@ absl::Status ExpertServer::ServeSharedMemory() {
   }
   so.idle_spin = std::chrono::microseconds(std::max<int64_t>(options_.idle_spin_us, 100));
   so.on_poll = [this](std::chrono::steady_clock::time_point until) { pool_->KeepHotUntil(until); };
+  so.max_polling = options_.max_polling;
   so.on_request = [this](const ShmRequestRecord& r) {
     metrics_->RecordRequest(ExpertServerMetrics::Transport::kShm, r.code, r.bytes_received, r.bytes_sent,
                             r.handle_ns);

@@ -50,6 +50,7 @@ struct ExpertServerOptions {
   std::string weight_dtype = "auto";      // --weight-dtype
   int64_t idle_spin_us = 50;              // --idle-spin-us
   bool merge_requests = true;             // --merge-requests (MoeExecutor: concurrent requests batched per expert)
+  int max_polling = 2;                    // --max-polling-clients (ShmServer::Options::max_polling)
   int max_tokens = 8192;                  // --max-tokens
   std::string shm_socket;                 // --shm-socket; "" = no shared memory
   std::vector<uid_t> shm_allowed_uids;    // --shm-allow-uids; empty = this process's uid

@@ -25,6 +25,7 @@ struct Flags {
 };
 
 // The command line as ExpertServerOptions; exits 2 with one line on a bad flag.
+// Long: one flag after another (each with its help text, what --help shows), then their checks.
 Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   Flags f;
   moe::ExpertServerOptions& o = f.server;
@@ -49,6 +50,11 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
             "how long idle compute threads (and shm connections) spin for the next batch before sleeping; "
             "while a same-host GPU worker polls for its next request (decode: its poll window, 2 ms after each "
             "request) they stay hot through that window whatever this says");
+  int64_t max_polling = o.max_polling;
+  flags.Int("max-polling-clients", &max_polling,
+            "same-host clients (GPUs, worker processes) whose next request this server polls for at once, a core "
+            "each; the others' requests are picked up on the client's doorbell or, from a GPU, within 50 us "
+            "(default 2: a worker with one or two GPUs; 0: every client, for hosts with a core to spare per client)");
   flags.Bool("merge-requests", &o.merge_requests,
              "compute requests of one layer that several clients (GPUs, workers) send at the same time and that "
              "share experts (at least half of a request's) in one pass, grouped by expert, so an expert they share "
@@ -98,6 +104,8 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   if (absl::Status st = o.service.Validate(); !st.ok()) flags.Fail(std::string(st.message()));
   if (o.idle_spin_us < 0 || o.idle_spin_us > 1000000) flags.Fail("--idle-spin-us must be in [0, 1000000]");
   o.threads = static_cast<int>(threads);
+  if (max_polling < 0 || max_polling > 4096) flags.Fail("--max-polling-clients must be in [0, 4096]");
+  o.max_polling = static_cast<int>(max_polling);
   o.max_tokens = static_cast<int>(max_tokens);
   o.version = MOE_VERSION;
   return f;

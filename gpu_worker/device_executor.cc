@@ -2,6 +2,7 @@
 // (EnqueueCapturable, eager ForwardOnDevice), the host-mapped tables the GPU
 // reads (slot map, routes, channels, copy plan), their errors and accesses,
 // and the forwarder threads of gRPC servers.
+#include <pthread.h>
 #include <algorithm>
 #include <cstddef>
 #include <memory>
@@ -29,6 +30,7 @@ namespace moe {
 // (ExpertTransport::Probe) — not each sent into the silence and waited out.
 void RunForwarder(Forwarder* f, int num_experts, int num_layers, std::chrono::milliseconds deadline,
                   std::chrono::nanoseconds poll) {
+  pthread_setname_np(pthread_self(), "moe-forwarder");
   const shm::Segment& seg = *f->seg;
   shm::ValidatedRequest req;
   Clock::time_point last = Clock::now();

@@ -544,6 +544,58 @@ TEST_F(ShmPollingTest, ServerCapsTheClientsWindow) {
   for (int i = 0; i < 200; ++i) RoundTrip();
 }
 
+// Several polling clients of one server: at most Options::max_polling of its
+// connection threads poll at once; the others sleep on their doorbells (not
+// a core each), and their clients' requests are still answered (the ring
+// wakes them). With no limit every one of them polls.
+TEST(ShmPollingBudget, AtMostMaxPollingConnectionsPollAtOnce) {
+  testing::TempDir dir;
+  for (const int max_polling : {1, 0}) {
+    ShmServer::Options so = TestServerOptions(dir.path() + absl::StrCat("/budget", max_polling, ".sock"));
+    so.max_client_poll = std::chrono::seconds(5);
+    so.max_polling = max_polling;
+    absl::StatusOr<std::unique_ptr<ShmServer>> srv = ShmServer::Start(so, [](const MoeBatch& b, bf16_t* out) {
+      std::memcpy(out, b.tokens, size_t(b.n) * kH * sizeof(bf16_t));  // echo
+      return absl::OkStatus();
+    });
+    ASSERT_TRUE(srv.ok()) << srv.status();
+    constexpr int kClients = 3;
+    std::vector<std::unique_ptr<ExpertTransport>> clients;
+    auto round_trip = [](ExpertTransport& t, uint64_t seed) {
+      const Batch b = MakeBatch(2, 2, seed);
+      std::vector<bf16_t> out(b.x.size());
+      std::future<absl::Status> f = t.Submit(b.view(), out.data(), In(5000));
+      ASSERT_TRUE(AwaitResult(f).ok());
+      EXPECT_EQ(std::memcmp(out.data(), b.x.data(), out.size() * sizeof(bf16_t)), 0);
+    };
+    for (int i = 0; i < kClients; ++i) {
+      absl::StatusOr<std::unique_ptr<ExpertTransport>> t = ConnectTransport("unix://" + so.socket_path, Options());
+      ASSERT_TRUE(t.ok()) << t.status();
+      clients.push_back(*std::move(t));
+      clients.back()->SetPolling(std::chrono::milliseconds(2000));
+    }
+    auto asleep = [&] {
+      int n = 0;
+      for (auto& c : clients) n += static_cast<shm::SegmentHeader*>(c->HostMapping().first)->request_sleepers.load() > 0;
+      return n;
+    };
+    for (int round = 0; round < 3; ++round) {
+      for (int i = 0; i < kClients; ++i) round_trip(*clients[i], 100 * round + i);
+      // Inside every client's window: how many sleep, sampled for 200 ms (a
+      // thread changes state for a moment when it wakes from a nap and tries
+      // for the poll again): the count seen most often.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      int seen[kClients + 1] = {};
+      for (int i = 0; i < 40; ++i, std::this_thread::sleep_for(std::chrono::milliseconds(5))) ++seen[asleep()];
+      const int mode = static_cast<int>(std::max_element(seen, seen + kClients + 1) - seen);
+      EXPECT_EQ(mode, max_polling == 0 ? 0 : kClients - max_polling)
+          << "max_polling " << max_polling << ", round " << round;
+    }
+    clients.clear();
+    srv->reset();
+  }
+}
+
 // Device rings (what a GPU works, shm_segment.h): a request pushed on the
 // device submit ring with no futex wake-up — as a GPU pushes it — is
 // answered on the device complete ring, right after other requests (the

@@ -1,5 +1,6 @@
 #include "transport/shm_server.h"
 
+#include <pthread.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/prctl.h>
@@ -145,6 +146,7 @@ void ShmServer::ReapFinished() {
 }
 
 void ShmServer::RunConnection(Connection* c) {
+  pthread_setname_np(pthread_self(), "moe-shm-conn");
   absl::Status st = Handshake(c);
   if (!st.ok() || !c->seg) {  // refused, or a store request (answered)
     std::lock_guard<std::mutex> lock(mu_);
@@ -337,11 +339,24 @@ void ShmServer::Serve(Connection* c) {
         poll_until = std::max(poll_until, last_device_request + poll);
         wake = now + std::max(shm::DeviceNap(now - last_request, poll), std::chrono::nanoseconds(shm::kDeviceNapNs));
       }
+      // Polling is a core's work: at most max_polling connections at once;
+      // the others do not spin at all (a host client's ring wakes them, a
+      // GPU's request waits for the next nap).
+      bool polling = false;
       if (poll_until > now) {
+        polling = opt_.max_polling <= 0 || polling_.fetch_add(1, std::memory_order_acq_rel) < opt_.max_polling;
+        if (!polling) {
+          polling_.fetch_sub(1, std::memory_order_acq_rel);
+          spin = std::chrono::nanoseconds(0);
+          if (device_poll.count() > 0) wake = now + std::chrono::nanoseconds(shm::kDeviceNapNs);
+        }
+      }
+      if (polling) {
         spin = std::max(spin, std::chrono::duration_cast<std::chrono::nanoseconds>(poll_until - now));
         if (opt_.on_poll) opt_.on_poll(poll_until);
       }
       seg.WaitRequest(seen, std::max(wake, now + spin), spin);
+      if (polling && opt_.max_polling > 0) polling_.fetch_sub(1, std::memory_order_acq_rel);
     }
   }
 disconnect:

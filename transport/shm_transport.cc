@@ -7,6 +7,7 @@
 // INVALID_ARGUMENT. A completion thread waits on the response doorbell, and
 // notices a dead server (socket closed) within ~20 ms: every in-flight batch
 // then fails with UNAVAILABLE, and the next Submit reconnects.
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -334,6 +335,7 @@ class ShmTransport final : public ExpertTransport {
   }
 
   void CompleteLoop(std::shared_ptr<ShmConnection> c) {
+    pthread_setname_np(pthread_self(), "moe-shm-done");
     const shm::Segment& seg = *c->seg;
     auto& bell = seg.response_doorbell();
     constexpr auto kInFlightSpin = std::chrono::microseconds(200);
