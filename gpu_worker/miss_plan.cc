@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -35,7 +36,8 @@ void CountPairs(const MissPlanInput& in, MissPlan* p) {
 absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
   std::vector<uint64_t>& route_of = p->route_of;
   route_of.assign(in.num_experts, 0);
-  for (int e : p->missed) route_of[e] = RouteExpert(in.servers, in.num_servers, e);
+  const int start = ReplicaStart(ProcessReplicaSalt(), in.layer, in.num_servers);
+  for (int e : p->missed) route_of[e] = RouteExpert(in.servers, in.num_servers, e, start);
   std::vector<int>& copy = p->copy_experts;
   copy.clear();
   std::vector<int>& optional = p->optional_copies;
@@ -186,19 +188,21 @@ void GroupAndBatch(const MissPlanInput& in, MissPlan* p) {
 
 }  // namespace
 
-uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert) {
+uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert, int start) {
   const auto holds = [&](int s) {
     const PlanServer& sv = servers[s];
     return sv.up && sv.hosts != nullptr && (*sv.hosts)[expert];
   };
-  for (int s = 0; s < num_servers; ++s) {
+  const auto at = [&](int i) { return (start + i) % num_servers; };  // the i-th server of the search
+  for (int i = 0; i < num_servers; ++i) {
+    const int s = at(i);
     if (!holds(s)) continue;
     const ExpertSlice first = servers[s].slice;
     if (first.whole()) return uint64_t{1} << s;
     uint64_t route = 0;
     for (int j = 0; j < first.count; ++j) {
-      for (int t = s; t < num_servers; ++t)  // earlier servers were not up or do not host it
-        if (holds(t) && servers[t].slice == ExpertSlice{j, first.count}) {
+      for (int q = i; q < num_servers; ++q)  // servers searched before were not up or do not host it
+        if (const int t = at(q); holds(t) && servers[t].slice == ExpertSlice{j, first.count}) {
           route |= uint64_t{1} << t;
           break;
         }
@@ -206,6 +210,19 @@ uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert) {
     if (std::popcount(route) == first.count) return route;
   }
   return 0;
+}
+
+int ReplicaStart(uint64_t salt, int layer, int num_servers) {
+  if (num_servers <= 1) return 0;
+  return static_cast<int>((salt + static_cast<uint32_t>(layer)) % static_cast<uint64_t>(num_servers));
+}
+
+uint64_t ProcessReplicaSalt() {
+  static const uint64_t salt = [] {
+    std::random_device rd;
+    return (static_cast<uint64_t>(rd()) << 32) | rd();
+  }();
+  return salt;
 }
 
 int MissPlan::copy_group(int expert) const {

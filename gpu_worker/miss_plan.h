@@ -39,15 +39,29 @@ struct PlanServer {
 inline constexpr int kMaxPlanServers = 64;
 
 // The servers a missed expert's pairs go to, as a bitmask of indexes into
-// `servers` (preference order), 0 when none can take it: the first up server
-// hosting it, alone when it holds whole experts; when it holds slice i/n, the
-// first up holder of every slice j/n of the expert together (their partial
-// outputs add up to the expert's), or, when a slice has no up holder, the
-// search goes on past it. num_servers <= kMaxPlanServers. Pure.
-uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert);
+// `servers`, 0 when none can take it: searching from server `start` on (and
+// round to the ones before it), the first up server hosting it, alone when it
+// holds whole experts; when it holds slice i/n, the first up holder of every
+// slice j/n of the expert together (their partial outputs add up to the
+// expert's), or, when a slice has no up holder, the search goes on past it.
+// num_servers <= kMaxPlanServers, 0 <= start < num_servers. Pure.
+uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert, int start = 0);
+
+// Where RouteExpert's search starts for a call of `layer` among `num_servers`:
+// (salt + layer) mod num_servers. Replicas (servers hosting the same experts)
+// share a pool's load — a worker's layers take turns over them, and workers
+// (each its own salt: ProcessReplicaSalt) start at different ones — rather
+// than the first replica taking it all and the others only its failures. A
+// call's misses still go to one server when it holds them all (one request,
+// not one per replica), and the GPUs of one worker (one salt) send a layer's
+// requests to the same server, which computes concurrent ones in one pass.
+// Pure.
+int ReplicaStart(uint64_t salt, int layer, int num_servers);
+// This process's salt for ReplicaStart: random, fixed for the process.
+uint64_t ProcessReplicaSalt();
 
 struct MissPlanInput {
-  int layer = 0;                         // for error messages
+  int layer = 0;                         // for error messages and the replica a miss goes to (ReplicaStart)
   RoutingView routing;                   // validated (ValidateRouting), host memory
   int num_experts = 0;
   const int32_t* slot_buffer = nullptr;  // [num_experts] backend buffer of the expert's Ready slot, -1: not cached

@@ -61,10 +61,11 @@ void LayerDispatcher::PublishRoute(size_t index) {
     up[s] = PlanServer{x.enabled && !x.device_dead && x.transport != nullptr && m.channel_of_server[s] >= 0, &x.hosts,
                        x.chunk_tokens, x.slice};
   }
+  const int n = static_cast<int>(up.size());
   for (size_t li = 0; li < layers_.size(); ++li) {
     int32_t* channel_of = m.device_tables[li].channel_of;
     for (int e = 0; e < spec_.num_experts; ++e) {
-      const uint64_t route = RouteExpert(up.data(), static_cast<int>(up.size()), e);
+      const uint64_t route = RouteExpert(up.data(), n, e, ReplicaStart(ProcessReplicaSalt(), layers_[li], n));
       __atomic_store_n(channel_of + e, route != 0 ? static_cast<int32_t>(route) : -1, __ATOMIC_RELEASE);
     }
   }

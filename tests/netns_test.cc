@@ -27,6 +27,7 @@
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/layer_dispatcher.h"
+#include "gpu_worker/miss_plan.h"
 #include "gtest/gtest.h"
 #include "testing/network_namespace.h"
 #include "testing/tcp_relay.h"
@@ -206,6 +207,15 @@ class NetnsTest : public ::testing::Test {
     return s;
   }
 
+  // A MoE layer whose calls the worker sends to the first of two whole
+  // replicas while both are up (ReplicaStart: a worker's layers take turns).
+  int FirstReplicasLayer() const {
+    for (int layer : source_->spec().moe_layers)
+      if (ReplicaStart(ProcessReplicaSalt(), layer, 2) == 0) return layer;
+    ADD_FAILURE() << "no layer starts at the first replica";
+    return source_->spec().moe_layers.front();
+  }
+
   // Calls of every shape against the reference: T = 1, 8 and 64 on every
   // MoE layer, top-4.
   void ExpectCallsMatchTheReference() {
@@ -318,6 +328,7 @@ TEST_F(NetnsTest, LinkDownForTwoSecondsMidLoadFailsOverAndReconnects) {
   });
   std::vector<CallRecord> calls;
   const size_t answer_bytes = static_cast<size_t>(8) * H() * sizeof(bf16_t);
+  const int layer = FirstReplicasLayer();
   double back_after = -1;  // the first server's first answer after its link's return
   for (uint64_t seed = 1; since(std::chrono::steady_clock::now()) < 12; ++seed) {
     const Batch x = Random(8, 2, AllExperts(), seed);
@@ -325,7 +336,7 @@ TEST_F(NetnsTest, LinkDownForTwoSecondsMidLoadFailsOverAndReconnects) {
     const auto t0 = std::chrono::steady_clock::now();
     CallStats st;
     double err = -1;
-    const absl::Status s = Forward(1, x, &st, &err);
+    const absl::Status s = Forward(layer, x, &st, &err);
     CallRecord r;
     r.at = since(std::chrono::steady_clock::now());
     r.took = Seconds(std::chrono::steady_clock::now() - t0).count();
@@ -383,7 +394,8 @@ TEST_F(NetnsTest, StalledRelayDeadlineFiresAndTheCallIsServedElsewhere) {
   ASSERT_NE(MakeWorker({a.address, b.address}, kCallDeadline, kServerDeadline), nullptr);
   CallStats st;
   double err = -1;
-  ASSERT_TRUE(Forward(1, Random(8, 2, AllExperts(), 1), &st, &err).ok());
+  const int layer = FirstReplicasLayer();
+  ASSERT_TRUE(Forward(layer, Random(8, 2, AllExperts(), 1), &st, &err).ok());
   const size_t answer_bytes = static_cast<size_t>(8) * H() * sizeof(bf16_t);
   a.relay->SetStalled(true);
   const uint64_t stalled_at = a.relay->bytes_to_clients();
@@ -393,7 +405,7 @@ TEST_F(NetnsTest, StalledRelayDeadlineFiresAndTheCallIsServedElsewhere) {
   for (uint64_t seed = 10; Seconds(std::chrono::steady_clock::now() - stall).count() < 1.5; ++seed, ++calls) {
     const uint64_t b0 = b.relay->bytes_to_clients();
     const auto t0 = std::chrono::steady_clock::now();
-    const absl::Status s = Forward(1, Random(8, 2, AllExperts(), seed), &st, &err);
+    const absl::Status s = Forward(layer, Random(8, 2, AllExperts(), seed), &st, &err);
     const double took = Seconds(std::chrono::steady_clock::now() - t0).count();
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_LE(err, 1e-2);
@@ -415,7 +427,7 @@ TEST_F(NetnsTest, StalledRelayDeadlineFiresAndTheCallIsServedElsewhere) {
   const auto resumed = std::chrono::steady_clock::now();
   for (uint64_t seed = 100; Seconds(std::chrono::steady_clock::now() - resumed).count() < 5; ++seed) {
     const uint64_t a0 = a.relay->bytes_to_clients(), b0 = b.relay->bytes_to_clients();
-    const absl::Status s = Forward(1, Random(8, 2, AllExperts(), seed), &st, &err);
+    const absl::Status s = Forward(layer, Random(8, 2, AllExperts(), seed), &st, &err);
     ASSERT_TRUE(s.ok()) << s;
     EXPECT_LE(err, 1e-2);
     if (a.relay->bytes_to_clients() - a0 >= answer_bytes && b.relay->bytes_to_clients() - b0 < answer_bytes) {

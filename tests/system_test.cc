@@ -702,12 +702,11 @@ TEST_F(SystemTest, PinUnpinAndDrainViaMoectl) {
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.err.find("NOT_FOUND"), std::string::npos) << r.err;
 
-  // Both workers send their misses to s1 (the first server) while it is up.
+  // While both replicas are up they share the misses (a worker's two layers take turns over them: ReplicaStart).
   const double s1_before = ServerRequests(0), s2_before = ServerRequests(1);
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(Round(rng));
-  const double s1_mid = ServerRequests(0), s2_mid = ServerRequests(1);
-  EXPECT_GT(s1_mid, s1_before) << "s1 serves the misses";
-  EXPECT_EQ(s2_mid, s2_before) << "the replica is idle while s1 is up";
+  EXPECT_GT(ServerRequests(0), s1_before) << "s1 serves its share of the misses";
+  EXPECT_GT(ServerRequests(1), s2_before) << "s2 serves its share of the misses";
 
   // drain s1 --no-wait: the call returns at once; s1 leaves the routes and,
   // once both workers acknowledged, is drained.
