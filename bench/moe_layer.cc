@@ -1103,6 +1103,7 @@ int Main(int argc, char** argv) {
   if (tp < 1 || tp > 64) Die("--tp: must be in [1, 64]");
   if (ep < 1 || ep > 64) Die("--ep: must be in [1, 64]");
   if (tp > 1 && ep > 1) Die("--tp and --ep: one of them");
+  if ((tp > 1 || ep > 1) && o.links.size() > 1) Die("--tp / --ep: one link (--links) at a time");
 #else
   if (tp != 1 || ep != 1) Die("--tp / --ep: this build has no NCCL");
 #endif

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -36,7 +35,7 @@ void CountPairs(const MissPlanInput& in, MissPlan* p) {
 absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
   std::vector<uint64_t>& route_of = p->route_of;
   route_of.assign(in.num_experts, 0);
-  const int start = ReplicaStart(ProcessReplicaSalt(), in.layer, in.num_servers);
+  const int start = ReplicaStart(in.layer, in.num_servers);
   for (int e : p->missed) route_of[e] = RouteExpert(in.servers, in.num_servers, e, start);
   std::vector<int>& copy = p->copy_experts;
   copy.clear();
@@ -212,17 +211,8 @@ uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert, int
   return 0;
 }
 
-int ReplicaStart(uint64_t salt, int layer, int num_servers) {
-  if (num_servers <= 1) return 0;
-  return static_cast<int>((salt + static_cast<uint32_t>(layer)) % static_cast<uint64_t>(num_servers));
-}
-
-uint64_t ProcessReplicaSalt() {
-  static const uint64_t salt = [] {
-    std::random_device rd;
-    return (static_cast<uint64_t>(rd()) << 32) | rd();
-  }();
-  return salt;
+int ReplicaStart(int layer, int num_servers) {
+  return num_servers <= 1 ? 0 : static_cast<int>(static_cast<uint32_t>(layer) % static_cast<uint32_t>(num_servers));
 }
 
 int MissPlan::copy_group(int expert) const {

@@ -47,18 +47,15 @@ inline constexpr int kMaxPlanServers = 64;
 // num_servers <= kMaxPlanServers, 0 <= start < num_servers. Pure.
 uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert, int start = 0);
 
-// Where RouteExpert's search starts for a call of `layer` among `num_servers`:
-// (salt + layer) mod num_servers. Replicas (servers hosting the same experts)
-// share a pool's load — a worker's layers take turns over them, and workers
-// (each its own salt: ProcessReplicaSalt) start at different ones — rather
-// than the first replica taking it all and the others only its failures. A
-// call's misses still go to one server when it holds them all (one request,
-// not one per replica), and the GPUs of one worker (one salt) send a layer's
-// requests to the same server, which computes concurrent ones in one pass.
-// Pure.
-int ReplicaStart(uint64_t salt, int layer, int num_servers);
-// This process's salt for ReplicaStart: random, fixed for the process.
-uint64_t ProcessReplicaSalt();
+// Where RouteExpert's search starts for a call of `layer` among
+// `num_servers`: layer mod num_servers. Replicas (servers hosting the same
+// experts) share a pool's load by layer — each takes its share of every
+// worker's layers — rather than the first replica taking it all and the
+// others only its failures. A call's misses still go to one server when it
+// holds them all (one request, not one per replica), and every worker and
+// every rank of a group (in one process or several) sends a layer to the
+// same server, which computes concurrent requests of it in one pass. Pure.
+int ReplicaStart(int layer, int num_servers);
 
 struct MissPlanInput {
   int layer = 0;                         // for error messages and the replica a miss goes to (ReplicaStart)

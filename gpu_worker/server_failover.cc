@@ -65,7 +65,7 @@ void LayerDispatcher::PublishRoute(size_t index) {
   for (size_t li = 0; li < layers_.size(); ++li) {
     int32_t* channel_of = m.device_tables[li].channel_of;
     for (int e = 0; e < spec_.num_experts; ++e) {
-      const uint64_t route = RouteExpert(up.data(), n, e, ReplicaStart(ProcessReplicaSalt(), layers_[li], n));
+      const uint64_t route = RouteExpert(up.data(), n, e, ReplicaStart(layers_[li], n));
       __atomic_store_n(channel_of + e, route != 0 ? static_cast<int32_t>(route) : -1, __ATOMIC_RELEASE);
     }
   }

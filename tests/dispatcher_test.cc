@@ -22,6 +22,7 @@
 #include "gpu_worker/device_backend.h"
 #include "gpu_worker/host_expert_store.h"
 #include "gpu_worker/layer_dispatcher.h"
+#include "gpu_worker/miss_plan.h"
 #include "gtest/gtest.h"
 #include "tests/test_support.h"
 
@@ -613,25 +614,27 @@ TEST_P(DispatcherTest, FailoverToReplicaThenCopyThenUnavailable) {
   CallStats st;
   ASSERT_TRUE(d->Forward(Call(1, x, &out), &st).ok());
   // Each failover is logged once per server state change (issue 25), with where the misses go.
+  // Layer 1's calls go to its replica first (ReplicaStart): that one fails first.
+  const int first = ReplicaStart(1, 2), second = 1 - first;
   testing::TempDir logs;
   StderrCapture capture(logs.path() + "/stderr");
-  servers_[0]->Signal(SIGKILL);
-  servers_[0]->Wait(std::chrono::seconds(5));
+  servers_[first]->Signal(SIGKILL);
+  servers_[first]->Wait(std::chrono::seconds(5));
   for (int i = 0; i < 3; ++i) {
     Batch y = RandomBatch(12, 2, AllExperts(), 61 + i);
     ASSERT_TRUE(d->Forward(Call(1, y, &out), &st).ok());
     EXPECT_LE(Error(1, y, out), 1e-2);
   }
-  servers_[1]->Signal(SIGKILL);
-  servers_[1]->Wait(std::chrono::seconds(5));
+  servers_[second]->Signal(SIGKILL);
+  servers_[second]->Wait(std::chrono::seconds(5));
   Batch z = RandomBatch(12, 2, AllExperts(), 70);
   absl::Status s = d->Forward(Call(1, z, &out), &st);
   const std::string log = capture.Stop();
   ASSERT_TRUE(s.ok()) << s;
   EXPECT_LE(Error(1, z, out), 1e-2);
   EXPECT_EQ(st.cpu_pairs + st.copied_pairs, 24);
-  EXPECT_EQ(CountLines(log, "servers: " + c.servers[0].address + " failed", "its misses go to"), 1) << log;
-  EXPECT_EQ(CountLines(log, "servers: " + c.servers[1].address + " failed", "the device"), 1) << log;
+  EXPECT_EQ(CountLines(log, "servers: " + c.servers[first].address + " failed", "its misses go to"), 1) << log;
+  EXPECT_EQ(CountLines(log, "servers: " + c.servers[second].address + " failed", "the device"), 1) << log;
 }
 
 TEST_P(DispatcherTest, NoReplicaAndNoCopyIsUnavailableBeforeTheDeadline) {

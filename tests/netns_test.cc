@@ -211,7 +211,7 @@ class NetnsTest : public ::testing::Test {
   // replicas while both are up (ReplicaStart: a worker's layers take turns).
   int FirstReplicasLayer() const {
     for (int layer : source_->spec().moe_layers)
-      if (ReplicaStart(ProcessReplicaSalt(), layer, 2) == 0) return layer;
+      if (ReplicaStart(layer, 2) == 0) return layer;
     ADD_FAILURE() << "no layer starts at the first replica";
     return source_->spec().moe_layers.front();
   }

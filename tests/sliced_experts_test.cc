@@ -131,28 +131,31 @@ TEST(RouteExpert, OneHolderOfEverySliceOrTheNextCompleteChoice) {
   EXPECT_EQ(RouteExpert(s.data(), 4, 2), 0u);       // slice 1 alone is no route
 }
 
-// Replicas share the load: with two servers of every expert, a worker's
-// layers take turns over them (every expert of a layer's call on one, so the
-// call is one request) and another salt (another worker) starts at the
-// other; a replica that is down leaves its share to the other. A search from
-// another start finds that start's holders first, round to the ones before it.
-TEST(RouteExpert, ReplicasTakeTurnsByLayerAndWorker) {
+// Replicas share the load: with two servers of every expert, the layers take
+// turns over them (every expert of a layer's call on one, so the call is one
+// request; the same one for every worker); a replica that is down leaves its
+// share to the other. A search from another start finds that start's holders
+// first, round to the ones before it.
+TEST(RouteExpert, ReplicasTakeTurnsByLayer) {
   std::vector<bool> all(128, true);
   std::vector<PlanServer> s = {PlanServer{true, &all, 1, ExpertSlice{}}, PlanServer{true, &all, 1, ExpertSlice{}}};
-  for (const uint64_t salt : {uint64_t{0}, uint64_t{7}, ProcessReplicaSalt()}) {
-    int on[2] = {0, 0};
-    for (int layer = 0; layer < 8; ++layer) {
-      const uint64_t first = RouteExpert(s.data(), 2, 0, ReplicaStart(salt, layer, 2));
-      ASSERT_TRUE(first == 0b01u || first == 0b10u) << first;
-      for (int e = 0; e < 128; ++e) EXPECT_EQ(RouteExpert(s.data(), 2, e, ReplicaStart(salt, layer, 2)), first);
-      ++on[first == 0b10u];
-      EXPECT_NE(first, RouteExpert(s.data(), 2, 0, ReplicaStart(salt + 1, layer, 2))) << "another worker, another start";
-    }
-    EXPECT_EQ(on[0], 4);
-    EXPECT_EQ(on[1], 4);
+  int on[2] = {0, 0};
+  for (int layer = 0; layer < 8; ++layer) {
+    const uint64_t first = RouteExpert(s.data(), 2, 0, ReplicaStart(layer, 2));
+    ASSERT_TRUE(first == 0b01u || first == 0b10u) << first;
+    for (int e = 0; e < 128; ++e) EXPECT_EQ(RouteExpert(s.data(), 2, e, ReplicaStart(layer, 2)), first);
+    EXPECT_NE(first, RouteExpert(s.data(), 2, 0, ReplicaStart(layer + 1, 2))) << "the next layer, the other replica";
+    ++on[first == 0b10u];
   }
+  EXPECT_EQ(on[0], 4);
+  EXPECT_EQ(on[1], 4);
   s[1].up = false;
-  for (int layer = 0; layer < 4; ++layer) EXPECT_EQ(RouteExpert(s.data(), 2, 5, ReplicaStart(0, layer, 2)), 0b01u);
+  for (int layer = 0; layer < 4; ++layer) EXPECT_EQ(RouteExpert(s.data(), 2, 5, ReplicaStart(layer, 2)), 0b01u);
+  // Three replicas: each takes a third of the layers.
+  s.push_back(PlanServer{true, &all, 1, ExpertSlice{}});
+  s[1].up = true;
+  for (int layer = 0; layer < 6; ++layer)
+    EXPECT_EQ(RouteExpert(s.data(), 3, 0, ReplicaStart(layer, 3)), uint64_t{1} << (layer % 3));
   // Slices from a start: the holders at or after it first.
   std::vector<PlanServer> sl = {
       PlanServer{true, &all, 1, ExpertSlice{0, 2}}, PlanServer{true, &all, 1, ExpertSlice{1, 2}},

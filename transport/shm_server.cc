@@ -339,9 +339,10 @@ void ShmServer::Serve(Connection* c) {
         poll_until = std::max(poll_until, last_device_request + poll);
         wake = now + std::max(shm::DeviceNap(now - last_request, poll), std::chrono::nanoseconds(shm::kDeviceNapNs));
       }
-      // Polling is a core's work: at most max_polling connections at once;
-      // the others do not spin at all (a host client's ring wakes them, a
-      // GPU's request waits for the next nap).
+      // Polling through a client's window is a core's work: at most
+      // max_polling connections at once; the others do not spin through it
+      // (a host client's ring wakes them, a GPU's request waits for the next
+      // nap). The short idle spin after a request outside any window stays.
       bool polling = false;
       if (poll_until > now) {
         polling = opt_.max_polling <= 0 || polling_.fetch_add(1, std::memory_order_acq_rel) < opt_.max_polling;

@@ -152,12 +152,13 @@ class ShmServer {
     // next request until a deadline (the client's poll window, as above): the
     // server keeps its compute threads hot as long (ComputePool::KeepHotUntil).
     std::function<void(std::chrono::steady_clock::time_point)> on_poll;
-    // Connections polling at once (spinning through a client's poll window,
-    // or on a GPU's device rings); the others do not spin: they sleep on the
-    // doorbell (a client on the host rings it) or in naps of
-    // shm::kDeviceNapNs (a GPU cannot ring), and do not keep the compute
-    // threads hot. Several clients of one server (GPUs, worker processes)
-    // would otherwise spin a core each beside the compute threads. 0: no limit.
+    // Connections polling through their client's poll window at once (a
+    // decoding client's, or a GPU's on its device rings); the others do not
+    // spin through it: they sleep on the doorbell (a client on the host rings
+    // it) or in naps of shm::kDeviceNapNs (a GPU cannot ring), and do not keep
+    // the compute threads hot. Several clients of one server (GPUs, worker
+    // processes) would otherwise spin a core each beside the compute threads.
+    // (idle_spin after a request, outside any window, applies to all.) 0: no limit.
     int max_polling = 0;
     uint32_t max_slots = 256;
     // A client must complete its hello within this; connections beyond
