@@ -22,13 +22,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <map>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -101,10 +101,12 @@ ProcessCpu ReadProcessCpu(pid_t pid) {
   ProcessCpu out;
   std::string name;
   if (!StatCpu(absl::StrCat("/proc/", pid, "/stat"), &name, &out.total)) return out;
+  // Threads come and go while this reads: every step takes an error code, never throws.
   std::error_code ec;
-  for (const auto& task : std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec)) {
+  for (std::filesystem::directory_iterator it(absl::StrCat("/proc/", pid, "/task"), ec), end; !ec && it != end;
+       it.increment(ec)) {
     double sec = 0;
-    if (StatCpu(task.path() / "stat", &name, &sec)) out.threads[task.path().filename().string()] = {name, sec};
+    if (StatCpu(it->path() / "stat", &name, &sec)) out.threads[it->path().filename().string()] = {name, sec};
   }
   return out;
 }

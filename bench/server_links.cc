@@ -18,8 +18,7 @@ absl::StatusOr<std::vector<ServerLink>> ParseServerLinks(absl::string_view text)
   std::vector<ServerLink> links;
   for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
     ServerLink l{std::string(item)};
-    if (item == "shm") {
-    } else if (item == "netns") {
+    if (item == "netns") {
       l.netns = true;
     } else if (absl::ConsumePrefix(&item, "netns:")) {
       int us = -1;
@@ -27,7 +26,7 @@ absl::StatusOr<std::vector<ServerLink>> ParseServerLinks(absl::string_view text)
         return absl::InvalidArgumentError(absl::StrCat("--links: '", l.name, "': the delay must be 0-1000000 µs"));
       l.netns = true;
       l.delay_us = us;
-    } else {
+    } else if (item != "shm") {
       return absl::InvalidArgumentError(absl::StrCat("--links: unknown link '", l.name,
                                                      "' (shm, netns or netns:US)"));
     }
