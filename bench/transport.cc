@@ -20,8 +20,11 @@
 //   grpc-staged  the same with Stage / SubmitStaged / Release (the worker's
 //                path: the tokens are lent to gRPC, not copied)
 //   grpc-mtls    grpc-stream over mutual TLS (certificates made for the run)
-//   grpc-4streams  four ForwardStreams, batches spread round-robin (the same as
-//                grpc-stream for one caller; the concurrent runs differ)
+//   grpc-4streams  four ForwardStreams (the worker's default), each on a
+//                connection of its own: a batch of 96 KB or more striped over
+//                them, smaller ones on the first idle stream
+//   grpc-8streams  the same over eight
+//   grpc-mtls-4streams  grpc-4streams over mutual TLS
 //   grpc-unary   one unary Forward per batch
 // Callers wait with AwaitResult (poll briefly, then block), as a GPU worker would.
 // p50 / p99 over --iters round trips (fewer for n = 512, see --big-iters), each
@@ -205,7 +208,8 @@ int main(int argc, char** argv) {
   double concurrent_seconds = 2.0;
   std::string sizes = "1,8,64,512";
   std::string only =
-      "shm,shm-staged,shm-polling,shm-staged-polling,grpc-stream,grpc-staged,grpc-4streams,grpc-mtls,grpc-unary";
+      "shm,shm-staged,shm-polling,shm-staged-polling,grpc-stream,grpc-staged,grpc-4streams,grpc-8streams,grpc-mtls,"
+      "grpc-mtls-4streams,grpc-unary";
   moe::FlagSet flags("transport", "[flags]\nRound trips over shm, gRPC stream/unary vs an in-process memcpy floor.");
   flags.Int("iters", &iters, "timed round trips per (transport, n) for n <= 64");
   flags.Int("big-iters", &big_iters, "timed round trips for n > 64");
@@ -267,15 +271,15 @@ int main(int argc, char** argv) {
   std::vector<Named> transports;
   const bool can_poll = std::thread::hardware_concurrency() >= 4;  // a poller per side needs spare cores
   for (const char* kind : {"shm", "shm-staged", "shm-polling", "shm-staged-polling", "grpc-stream", "grpc-staged",
-                           "grpc-4streams", "grpc-mtls", "grpc-unary"}) {
+                           "grpc-4streams", "grpc-8streams", "grpc-mtls", "grpc-mtls-4streams", "grpc-unary"}) {
     const std::string k = kind;
     if (("," + only + ",").find("," + k + ",") == std::string::npos) continue;
     const bool polling = k.find("-polling") != std::string::npos;
     if (polling && !can_poll) continue;
     moe::TransportOptions to = o;
     to.grpc_unary = k == "grpc-unary";
-    to.grpc_streams = k == "grpc-4streams" ? 4 : 1;
-    const bool shm = k.rfind("shm", 0) == 0, mtls = k == "grpc-mtls";
+    to.grpc_streams = k.find("-4streams") != std::string::npos ? 4 : k.find("-8streams") != std::string::npos ? 8 : 1;
+    const bool shm = k.rfind("shm", 0) == 0, mtls = k.rfind("grpc-mtls", 0) == 0;
     if (mtls) to.tls = certs->Client();
     absl::StatusOr<std::unique_ptr<moe::ExpertTransport>> t =
         moe::ConnectTransport(shm ? "unix://" + sock : mtls ? mtls_addr : addr, to);
@@ -401,16 +405,19 @@ int main(int argc, char** argv) {
     return it == gbps_512.end() ? std::string("-") : absl::StrFormat("%.2f", it->second);
   };
   std::printf("\n## gRPC against issue 45's targets (p50 ratios of the table above)\n\n"
-              "| n | grpc-stream / unix-socket | grpc-staged / unix-socket | grpc-stream / tcp-socket | "
-              "grpc-mtls / grpc-stream |\n| --- | --- | --- | --- | --- |\n");
+              "| n | grpc-stream / unix-socket | grpc-4streams / unix-socket | grpc-8streams / unix-socket | "
+              "grpc-staged / unix-socket | grpc-stream / tcp-socket | grpc-mtls / grpc-stream | "
+              "grpc-mtls-4streams / grpc-4streams |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n");
   for (int n : *ns)
     if (n >= 1)
-      std::printf("| %d | %s | %s | %s | %s |\n", n, ratio("grpc-stream", "unix-socket", n).c_str(),
+      std::printf("| %d | %s | %s | %s | %s | %s | %s | %s |\n", n, ratio("grpc-stream", "unix-socket", n).c_str(),
+                  ratio("grpc-4streams", "unix-socket", n).c_str(), ratio("grpc-8streams", "unix-socket", n).c_str(),
                   ratio("grpc-staged", "unix-socket", n).c_str(), ratio("grpc-stream", "tcp-socket", n).c_str(),
-                  ratio("grpc-mtls", "grpc-stream", n).c_str());
+                  ratio("grpc-mtls", "grpc-stream", n).c_str(), ratio("grpc-mtls-4streams", "grpc-4streams", n).c_str());
   std::printf("\nTargets: gRPC / unix-socket <= 1.5 at every n; mTLS / plaintext <= 1.3 at n = 512; with 4 callers at "
-              "n = 512, one stream >= 4 GB/s each way (grpc-stream: %s) and four streams >= 8 (grpc-4streams: %s).\n",
-              rate("grpc-stream").c_str(), rate("grpc-4streams").c_str());
+              "n = 512, one stream >= 4 GB/s each way (grpc-stream: %s) and four streams >= 8 (grpc-4streams: %s; "
+              "grpc-8streams: %s).\n",
+              rate("grpc-stream").c_str(), rate("grpc-4streams").c_str(), rate("grpc-8streams").c_str());
   transports.clear();
   close(raw[0]);
   close(tcp);

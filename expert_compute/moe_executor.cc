@@ -172,9 +172,10 @@ void MoeExecutor::TakeMergeable(const Job* first, int* tokens) {
   size_t kept = 0;
   for (size_t i = 0; i < pending_.size(); ++i) {
     Job* j = pending_[i];
-    const bool merge = j == first || (merge_ && j->batch->layer == first->batch->layer &&
-                                      j->out_dtype == first->out_dtype && *tokens + j->batch->n <= kMergeTokens &&
-                                      SharesExperts(*j));
+    const bool same = j->batch->layer == first->batch->layer && j->out_dtype == first->out_dtype;
+    const bool sibling = same && first->batch->stripe.striped() && j->batch->stripe.group == first->batch->stripe.group;
+    const bool merge = j == first || sibling ||
+                       (merge_ && same && *tokens + j->batch->n <= kMergeTokens && SharesExperts(*j));
     if (merge) {
       if (merge_) AddExperts(*j);
       round_jobs_.push_back(j);
@@ -214,6 +215,33 @@ void MoeExecutor::WaitForPeer(std::unique_lock<std::mutex>& q, const Job* first,
   merge_stats_.wait_ns += NowNs() - round_start_ns_;
   wait_score_ = NextWaitScore(wait_score_, met);
 }
+int MoeExecutor::StripesInRound(const Job* first) const {
+  return static_cast<int>(std::count_if(round_jobs_.begin(), round_jobs_.end(), [&](const Job* j) {
+    return j->batch->stripe.group == first->batch->stripe.group;
+  }));
+}
+
+void MoeExecutor::WaitForStripes(std::unique_lock<std::mutex>& q, const Job* first, int* tokens) {
+  const uint64_t deadline = NowNs() + kMaxStripeWaitNs;
+  uint64_t seen = arrivals_.load(std::memory_order_acquire);
+  while (StripesInRound(first) < first->batch->stripe.count) {
+    q.unlock();
+    SpinYielder yielder;
+    bool late = false;
+    for (;;) {
+      const auto now = std::chrono::steady_clock::now();
+      late = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count()) >= deadline;
+      if (late || arrivals_.load(std::memory_order_acquire) != seen) break;
+      CpuRelax();
+      yielder.Tick(now);
+    }
+    q.lock();
+    seen = arrivals_.load(std::memory_order_acquire);
+    TakeMergeable(first, tokens);
+    if (late) break;
+  }
+}
+
 void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
   Job* const first = pending_.front();
   round_layer_ = first->batch->layer;
@@ -223,6 +251,7 @@ void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {
   if (merge_) std::fill(round_expert_.begin(), round_expert_.end(), 0);
   int tokens = 0;
   TakeMergeable(first, &tokens);
+  if (first->batch->stripe.striped()) WaitForStripes(q, first, &tokens);
   // Alone, with a peer expected and waits paying: wait for its request of
   // this layer. (A late peer's own region waits for nobody: the request it
   // came after is done.)

@@ -34,6 +34,13 @@
 // the regions of everybody waiting (the "combiner"), and hands that role on
 // when its own request is done.
 //
+// The stripes of one client batch (MoeBatch::stripe: a large batch split over
+// several connections by the gRPC transport) always share a region, whatever
+// their tokens and with merging off too: the region of the first waits, up to
+// kMaxStripeWaitNs, until all of them came, so the batch reads each expert
+// once as it would have whole. A stripe whose siblings do not come in time
+// runs without them.
+//
 // Workspaces grow
 // to the largest batch seen and are reused: no allocation per token. The
 // largest is the down projection's output, one f32 row of H + 16 per routed
@@ -133,6 +140,8 @@ class MoeExecutor {
   // before its layer's region time is known.
   static constexpr uint64_t kMaxMergeWindowNs = 2'000'000;
   static constexpr uint64_t kDefaultMergeWindowNs = 100'000;
+  // Longest a region waits for the missing stripes of its first request's batch.
+  static constexpr uint64_t kMaxStripeWaitNs = 10'000'000;
 
  private:
   // One Forward() request waiting for, or in, a region.
@@ -160,11 +169,16 @@ class MoeExecutor {
   void RunRound(std::unique_lock<std::mutex>& q);
   // Under q_mu_: moves the pending requests that merge with `first` (same
   // layer and output dtype, sharing its region's experts, up to kMergeTokens
-  // tokens in all, arrival order; `first` always) into round_jobs_.
+  // tokens in all, arrival order; `first` and its stripe siblings always) into
+  // round_jobs_.
   void TakeMergeable(const Job* first, int* tokens);
   // The region of `first` alone, a peer expected on its layer: waits (q_mu_
   // released) up to MergeWindowNs for a request that merges.
   void WaitForPeer(std::unique_lock<std::mutex>& q, const Job* first, int* tokens);
+  // The region of a stripe: waits (q_mu_ released) up to kMaxStripeWaitNs
+  // until every stripe of its batch is in it.
+  void WaitForStripes(std::unique_lock<std::mutex>& q, const Job* first, int* tokens);
+  int StripesInRound(const Job* first) const;
   // Under mu_: the jobs as one region.
   absl::Status RunJobs(const std::vector<Job*>& jobs, ForwardStats* stats);
   // Under q_mu_: at least half of j's distinct experts (or none) are in the

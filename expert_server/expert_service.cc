@@ -117,7 +117,11 @@ absl::Status ExpertServiceImpl::Prepare(const WireForwardRequest& req, Prepared*
         "model identity: this expert server serves ",
         ModelIdentity{info_.model_identity(), info_.model_path()}.ToString(), ", the request is for model ",
         IdentityHex(req.model_identity), " (model_identity); the experts of two models are never mixed"));
+  if (req.stripe.count < 0 || req.stripe.count > StripeOf::kMaxCount)
+    return absl::InvalidArgumentError(absl::StrCat("stripe_count: ", req.stripe.count, " stripes, at most ",
+                                                   StripeOf::kMaxCount));
   p->n = n;
+  p->batch.stripe = req.stripe;
   p->batch.layer = static_cast<int>(req.layer);
   p->batch.n = static_cast<int>(n);
   p->batch.tokens = Aligned<bf16_t>(tokens.data, size_t(n * H), &p->tok_copy);

@@ -420,6 +420,71 @@ TEST_P(KernelTest, ConcurrentRequestsMergeExactly) {
   EXPECT_LE(exec.merge_stats().windows - before.windows, 1u);
 }
 
+// The stripes of one client batch (StripeOf: the gRPC transport's split of a
+// large batch over its connections) share one region whatever their size and
+// with merging off: 3 stripes of 120 tokens (360 > kMergeTokens), the first
+// sent 3 ms before the others, are one region of 3 requests, each stripe
+// exactly its bytes alone. A stripe whose sibling never comes runs alone
+// after at most kMaxStripeWaitNs.
+TEST_P(KernelTest, StripesOfOneBatchAreComputedTogether) {
+  std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(name(), format());
+  ASSERT_NE(kernel, nullptr);
+  if (format() != WeightFormat::kBf16) GTEST_SKIP() << "the grouping is format-independent: bf16 only";
+  const Shape shape{160, 112, 8, 4};
+  const ModelSpec spec = TestSpec(shape);
+  std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, 93);
+  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
+  ASSERT_TRUE(numa.ok()) << numa.status();
+  ComputePool pool(**numa);
+  HostedSet hosted{{1}, {}};
+  for (int e = 0; e < shape.experts; ++e) hosted.experts.push_back(e);
+  absl::StatusOr<std::unique_ptr<ExpertStore>> store =
+      ExpertStore::Load(*source, ExpertGeometry::For(shape.H, shape.I, format()), hosted, **numa, pool);
+  ASSERT_TRUE(store.ok()) << store.status();
+  MoeExecutor exec(**store, *kernel, pool, /*merge=*/false);
+  constexpr int kStripes = 3, kRows = 120, k = 4;
+  std::vector<bf16_t> x = RandomActivations(size_t(kStripes) * kRows * shape.H, 300);
+  std::vector<int32_t> ids;
+  std::vector<float> w;
+  RandomRouting(kStripes * kRows, k, shape.experts, 301, 0.9, &ids, &w);
+  auto stripe = [&](int i, StripeOf of) {
+    MoeBatch b{1, kRows, x.data() + size_t(i) * kRows * shape.H,
+               RoutingView{kRows, k, ids.data() + size_t(i) * kRows * k, w.data() + size_t(i) * kRows * k}};
+    b.stripe = of;
+    return b;
+  };
+  const size_t bytes = size_t(kRows) * shape.H * 2;
+  std::vector<std::vector<std::byte>> alone(kStripes, std::vector<std::byte>(bytes)), together = alone;
+  std::vector<MoeBatch> batches;
+  for (int i = 0; i < kStripes; ++i) batches.push_back(stripe(i, {}));
+  for (int i = 0; i < kStripes; ++i) ASSERT_TRUE(exec.Forward(batches[i], DType::kBF16, alone[i].data(), nullptr).ok());
+  const MergeStats before = exec.merge_stats();
+  for (int i = 0; i < kStripes; ++i) batches[i] = stripe(i, StripeOf{0x5eed, kStripes});
+  std::vector<absl::Status> status(kStripes);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kStripes; ++i) {
+    clients.emplace_back([&, i] { status[i] = exec.Forward(batches[i], DType::kBF16, together[i].data(), nullptr); });
+    if (i == 0) std::this_thread::sleep_for(std::chrono::milliseconds(3));  // the first region waits
+  }
+  for (std::thread& t : clients) t.join();
+  for (int i = 0; i < kStripes; ++i) {
+    ASSERT_TRUE(status[i].ok()) << i << ": " << status[i];
+    EXPECT_TRUE(together[i] == alone[i]) << "stripe " << i << " differs from its result alone";
+  }
+  const MergeStats after = exec.merge_stats();
+  EXPECT_EQ(after.regions, before.regions + 1) << "the three stripes in one region";
+  EXPECT_EQ(after.merged_requests - before.merged_requests, uint64_t(kStripes));
+
+  // One stripe of two, its sibling lost: computed alone after the wait.
+  MoeBatch lone = stripe(0, StripeOf{0xbad, 2});
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(exec.Forward(lone, DType::kBF16, together[0].data(), nullptr).ok());
+  const double waited_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(together[0] == alone[0]);
+  EXPECT_GE(waited_ms, MoeExecutor::kMaxStripeWaitNs / 1e6 * 0.9);
+  EXPECT_LT(waited_ms, MoeExecutor::kMaxStripeWaitNs / 1e6 + 2000);
+}
+
 // A bf16 model quantized to MXFP4 on load (--weight-dtype mxfp4: OCP scale,
 // round to nearest) against the bf16 model's own f64 MoE, at H = I = 2880.
 // E2M1 has 8 magnitudes per sign: on these weights (uniform in a block) its

@@ -153,6 +153,30 @@ TEST_F(TransportTest, StagedBatchesAreZeroCopyAndMatchSubmit) {
   EXPECT_EQ(shm->Stage(17, 2, In(1000)).status().code(), absl::StatusCode::kInvalidArgument);  // > one slot
 }
 
+// A batch of 48 KB or more per stream is striped over the streams (one
+// request each, sent at once, answered into its rows of the output): 900
+// tokens of 208 bytes over 3 streams give the bytes of one stream and the
+// reference's result; small batches in flight beside it are unaffected.
+TEST_F(TransportTest, LargeBatchStripedOverStreamsMatchesOneStream) {
+  auto one = Connect("grpc-stream"), three = Connect("grpc-3streams");
+  ASSERT_NE(one, nullptr);
+  ASSERT_NE(three, nullptr);
+  Batch big = MakeBatch(900, 2, 77), small = MakeBatch(3, 2, 78);
+  std::vector<bf16_t> expect(size_t(big.n) * kH), got(expect.size(), F32ToBf16(7.0f));
+  std::vector<bf16_t> small_expect(size_t(small.n) * kH), small_got(small_expect.size());
+  ASSERT_TRUE(one->Submit(big.view(), expect.data(), In(10000)).get().ok());
+  ASSERT_TRUE(one->Submit(small.view(), small_expect.data(), In(10000)).get().ok());
+  for (int round = 0; round < 3; ++round) {
+    auto f = three->Submit(big.view(), got.data(), In(10000));
+    auto g = three->Submit(small.view(), small_got.data(), In(10000));
+    ASSERT_TRUE(f.get().ok());
+    ASSERT_TRUE(g.get().ok());
+    EXPECT_EQ(got, expect) << "round " << round;
+    EXPECT_EQ(small_got, small_expect);
+  }
+  EXPECT_LT(ErrorVsReference(big, got), 1e-2);
+}
+
 // Established TCP connections of this network namespace to `port` (either end).
 int ConnectionsTo(int port) {
   int count = 0;

@@ -171,7 +171,7 @@ void ForwardRequestHead(Writer& w, uint32_t layer, int n, int hidden, uint64_t i
   TensorHead(w, pd, shape, bytes);
 }
 
-void ForwardRequestTail(Writer& w, const RoutingView& r, ExpertSlice slice, uint64_t model_identity) {
+void ForwardRequestTail(Writer& w, const RoutingView& r, ExpertSlice slice, uint64_t model_identity, StripeOf stripe) {
   TensorField(w, 4, DType::kI32, r.n, r.k, r.ids);
   TensorField(w, 5, DType::kF32, r.n, r.k, r.weights);
   if (!slice.whole()) {
@@ -179,6 +179,10 @@ void ForwardRequestTail(Writer& w, const RoutingView& r, ExpertSlice slice, uint
     w.VarintField(8, static_cast<uint64_t>(slice.count));
   }
   w.Fixed64Field(9, model_identity);
+  if (stripe.striped()) {
+    w.Fixed64Field(10, stripe.group);
+    w.VarintField(11, static_cast<uint64_t>(stripe.count));
+  }
 }
 
 }  // namespace
@@ -186,17 +190,17 @@ void ForwardRequestTail(Writer& w, const RoutingView& r, ExpertSlice slice, uint
 grpc::ByteBuffer EncodeForwardRequestBuffer(uint32_t layer, int n, int hidden, const bf16_t* tokens,
                                             const RoutingView& routing, uint64_t request_id,
                                             MessageBufferPool& pool, ExpertSlice share, uint64_t model_identity,
-                                            std::shared_ptr<const void> tokens_owner) {
+                                            std::shared_ptr<const void> tokens_owner, StripeOf stripe) {
   const size_t token_bytes = size_t(n) * size_t(hidden) * sizeof(bf16_t);
   Writer head_size, tail_size;
   ForwardRequestHead(head_size, layer, n, hidden, request_id);
-  ForwardRequestTail(tail_size, routing, share, model_identity);
+  ForwardRequestTail(tail_size, routing, share, model_identity, stripe);
   if (tokens_owner == nullptr || token_bytes == 0) {  // one slice, the tokens copied into it
     MessageBufferPool::Buffer buf = pool.Get(head_size.n + token_bytes + tail_size.n);
     Writer w{reinterpret_cast<uint8_t*>(buf.data())};
     ForwardRequestHead(w, layer, n, hidden, request_id);
     w.Raw(tokens, token_bytes);
-    ForwardRequestTail(w, routing, share, model_identity);
+    ForwardRequestTail(w, routing, share, model_identity, stripe);
     grpc::Slice slice = buf.TakeSlice(w.n);
     return grpc::ByteBuffer(&slice, 1);
   }
@@ -205,7 +209,7 @@ grpc::ByteBuffer EncodeForwardRequestBuffer(uint32_t layer, int n, int hidden, c
   MessageBufferPool::Buffer head = pool.Get(head_size.n), tail = pool.Get(tail_size.n);
   Writer hw{reinterpret_cast<uint8_t*>(head.data())}, tw{reinterpret_cast<uint8_t*>(tail.data())};
   ForwardRequestHead(hw, layer, n, hidden, request_id);
-  ForwardRequestTail(tw, routing, share, model_identity);
+  ForwardRequestTail(tw, routing, share, model_identity, stripe);
   auto* owner = new std::shared_ptr<const void>(std::move(tokens_owner));
   grpc::Slice slices[3] = {
       head.TakeSlice(hw.n),
@@ -332,16 +336,17 @@ absl::Status ParseForwardRequest(grpc::ByteBuffer& message, ForwardRequestStorag
     const int field = WFL::GetTagFieldNumber(tag);
     const auto type = WFL::GetTagWireType(tag);
     uint64_t v = 0;
-    if (type == WFL::WIRETYPE_VARINT && (field == 1 || field == 2 || field == 6 || field == 7 || field == 8)) {
+    if (type == WFL::WIRETYPE_VARINT && (field == 1 || field == 2 || field == 6 || field == 7 || field == 8 || field == 11)) {
       if (!in.ReadVarint64(&v)) { bad = "a truncated varint"; break; }
       if (field == 1) out->request_id = v;
       if (field == 2) out->layer = static_cast<uint32_t>(v);
       if (field == 6) out->output_dtype = static_cast<int>(v);
       if (field == 7) out->slice.index = static_cast<int>(std::min<uint64_t>(v, 1u << 20));
       if (field == 8 && v > 0) out->slice.count = static_cast<int>(std::min<uint64_t>(v, 1u << 20));
-    } else if (type == WFL::WIRETYPE_FIXED64 && field == 9) {
+      if (field == 11) out->stripe.count = static_cast<int>(std::min<uint64_t>(v, 1u << 20));
+    } else if (type == WFL::WIRETYPE_FIXED64 && (field == 9 || field == 10)) {
       if (!in.ReadLittleEndian64(&v)) { bad = "a truncated fixed64"; break; }
-      out->model_identity = v;
+      (field == 9 ? out->model_identity : out->stripe.group) = v;
     } else if (type == WFL::WIRETYPE_LENGTH_DELIMITED && field >= 3 && field <= 5) {
       WireTensor* t = field == 3 ? &out->tokens : field == 4 ? &out->expert_ids : &out->expert_weights;
       std::vector<uint64_t>* s = field == 3 ? &storage.tokens : field == 4 ? &storage.expert_ids : &storage.expert_weights;

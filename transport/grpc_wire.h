@@ -72,12 +72,14 @@ class MessageBufferPool : public std::enable_shared_from_this<MessageBufferPool>
 // tokens copied in. With it, the tokens are not copied: their slice points
 // at `tokens`, which must stay unchanged until gRPC releases it (after the
 // write completes, possibly after the answer arrived); `tokens_owner` is
-// held until then, so the memory outlives every use.
+// held until then, so the memory outlives every use. `stripe`: this request
+// is one stripe of a larger batch (ForwardRequest.stripe_group/count).
 grpc::ByteBuffer EncodeForwardRequestBuffer(uint32_t layer, int n, int hidden, const bf16_t* tokens,
                                             const RoutingView& routing, uint64_t request_id,
                                             MessageBufferPool& pool, ExpertSlice slice = {},
                                             uint64_t model_identity = 0,
-                                            std::shared_ptr<const void> tokens_owner = nullptr);
+                                            std::shared_ptr<const void> tokens_owner = nullptr,
+                                            StripeOf stripe = {});
 
 // Storage a parsed request's tensors are copied into (8-byte aligned; reused
 // from request to request).

@@ -6,13 +6,32 @@ namespace {
 constexpr auto kIdleRecheck = std::chrono::seconds(1);
 }  // namespace
 
+void PendingRequests::Group::Complete(const absl::Status& status) {
+  bool last;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!status.ok() && first_.ok()) first_ = status;
+    last = --left_ == 0;
+  }
+  if (last) done_.set_value(first_);
+}
+
+void PendingRequests::Entry::Finish(const absl::Status& status) {
+  if (group != nullptr) {
+    group->Complete(status);
+    group.reset();
+  } else {
+    done.set_value(status);
+  }
+}
+
 PendingRequests::PendingRequests() : reaper_([this] { Reap(); }) {}
 
 PendingRequests::~PendingRequests() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
-    for (auto& [id, e] : entries_) e.done.set_value(absl::CancelledError("transport closed"));
+    for (auto& [id, e] : entries_) e.Finish(absl::CancelledError("transport closed"));
     entries_.clear();
   }
   cv_.notify_all();
@@ -21,6 +40,16 @@ PendingRequests::~PendingRequests() {
 
 uint64_t PendingRequests::Add(bf16_t* out, int n, uint64_t generation, Clock::time_point deadline,
                               std::future<absl::Status>* future) {
+  return AddEntry(out, n, generation, deadline, nullptr, future);
+}
+
+uint64_t PendingRequests::AddToGroup(bf16_t* out, int n, uint64_t generation, Clock::time_point deadline,
+                                     std::shared_ptr<Group> group) {
+  return AddEntry(out, n, generation, deadline, std::move(group), nullptr);
+}
+
+uint64_t PendingRequests::AddEntry(bf16_t* out, int n, uint64_t generation, Clock::time_point deadline,
+                                   std::shared_ptr<Group> group, std::future<absl::Status>* future) {
   std::lock_guard<std::mutex> lock(mu_);
   const uint64_t id = next_id_++;
   Entry& e = entries_[id];
@@ -28,7 +57,8 @@ uint64_t PendingRequests::Add(bf16_t* out, int n, uint64_t generation, Clock::ti
   e.n = n;
   e.generation = generation;
   e.deadline = deadline;
-  *future = e.done.get_future();
+  e.group = std::move(group);
+  if (future != nullptr) *future = e.done.get_future();
   if (deadline < reaper_wake_) cv_.notify_all();  // the reaper must wake earlier
   return id;
 }
@@ -43,14 +73,14 @@ std::optional<PendingRequests::Entry> PendingRequests::Take(uint64_t id) {
 }
 
 void PendingRequests::Complete(uint64_t id, const absl::Status& status) {
-  if (std::optional<Entry> e = Take(id)) e->done.set_value(status);
+  if (std::optional<Entry> e = Take(id)) e->Finish(status);
 }
 
 void PendingRequests::FailGeneration(uint64_t generation, const absl::Status& status) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = entries_.begin(); it != entries_.end();) {
     if (it->second.generation == generation) {
-      it->second.done.set_value(status);
+      it->second.Finish(status);
       it = entries_.erase(it);
     } else {
       ++it;
@@ -70,7 +100,7 @@ void PendingRequests::Reap() {
     auto next = Clock::time_point::max();
     for (auto it = entries_.begin(); it != entries_.end();) {
       if (it->second.deadline <= now) {
-        it->second.done.set_value(absl::DeadlineExceededError("no answer from the expert server before the deadline"));
+        it->second.Finish(absl::DeadlineExceededError("no answer from the expert server before the deadline"));
         it = entries_.erase(it);
       } else {
         next = std::min(next, it->second.deadline);

@@ -350,7 +350,7 @@ class ShmTransport final : public ExpertTransport {
           c->dead.store(true);  // a corrupt server: drop the connection
           break;
         }
-        if (std::optional<Fulfil> f = OnChunkDone(c, *idx, resp.status)) f->entry.done.set_value(f->status);
+        if (std::optional<Fulfil> f = OnChunkDone(c, *idx, resp.status)) f->entry.Finish(f->status);
       }
       if (seg.PeerClosed(shm::Side::kClient) || peer.Closed()) c->dead.store(true);
       // Spin while batches are out (the answer is microseconds away) — in

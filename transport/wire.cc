@@ -63,6 +63,7 @@ WireForwardRequest ViewOf(const moe::v1::ForwardRequest& req) {
     w.slice = ExpertSlice{static_cast<int>(std::min<uint32_t>(req.slice_index(), 1u << 20)),
                           static_cast<int>(std::min<uint32_t>(req.slice_count(), 1u << 20))};
   w.model_identity = req.model_identity();
+  w.stripe = StripeOf{req.stripe_group(), static_cast<int>(std::min<uint32_t>(req.stripe_count(), 1u << 20))};
   return w;
 }
 

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "core/bf16.h"
 #include "model/model_spec.h"
+#include "model/moe_batch.h"
 #include "model/routing.h"
 #include "core/tensor.h"
 #include "grpcpp/support/status.h"
@@ -39,6 +40,7 @@ struct WireForwardRequest {
   int output_dtype = 0;
   ExpertSlice slice;  // slice_count 0 on the wire: whole
   uint64_t model_identity = 0;  // the client's model (0: not checked)
+  StripeOf stripe;              // one stripe of a client's batch (group 0: not striped)
 };
 WireForwardRequest ViewOf(const moe::v1::ForwardRequest& req);
 
