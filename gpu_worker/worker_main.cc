@@ -43,7 +43,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   WorkerFlags f;
   moe::SessionOptions& o = f.session;
   std::string servers_flag, layers_flag, device = "auto", policy, copy_mode = "auto", weight_dtype = "auto";
-  int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, server_deadline_ms = 10000, grpc_streams = 4,
+  int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, server_deadline_ms = 10000, grpc_streams = 8,
           tp_rank = 0, tp_size = 1, gpus = 1;
   // --policy shows no default in --help: "" means predictive, said in its text.
   flags.String("model", &o.model, "checkpoint directory, FILE.gguf or synthetic:PRESET[:layers=N][:seed=S] (the servers' model)");
@@ -89,7 +89,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.Int("server-deadline-ms", &server_deadline_ms,
             "a server silent this long on one batch has failed: the batch goes to another server holding its "
             "experts (or the device) within --deadline-ms");
-  flags.Int("grpc-streams", &grpc_streams, "ForwardStreams per host:port expert server, each on a TCP connection of its own (1..64): batches take turns, and one of 96 KB or more (7 tokens at H = 7168) is striped over several at once, since one gRPC connection moves only ~1 GB/s");
+  flags.Int("grpc-streams", &grpc_streams, "ForwardStreams per host:port expert server, each on a TCP connection of its own (1..64; default 8): a batch goes to the first idle one, and one of 96 KB or more (7 tokens at H = 7168) is striped over several at once, since one gRPC connection moves only ~1-1.5 GB/s");
   flags.String("listen", &f.listen,
                "gRPC address to listen on (loopback by default; port 0 picks a free port; a port another process "
                "holds refuses the start)");

@@ -28,7 +28,7 @@ struct MoeBatch {
   int n = 0;                       // tokens; routing.n must equal it (MoeExecutor::Validate checks)
   const bf16_t* tokens = nullptr;  // [n, H]
   RoutingView routing;             // [n, k] ids (-1 = unused slot) and weights
-  StripeOf stripe;                 // a stripe of a larger batch (the gRPC data path), or none
+  StripeOf stripe = {};            // a stripe of a larger batch (the gRPC data path), or none
 };
 
 }  // namespace moe

@@ -214,7 +214,11 @@ class GrpcTransport final : public ExpertTransport {
     bool writing = false;   // a Write is out
     bool reading = false;   // a Read is out
     bool finishing = false; // Finish called
-    int outstanding = 0;    // requests sent and not yet answered
+    // Requests sent and not yet answered: up under mu_ when one is queued,
+    // down by the driver thread when an answer is read, before its caller
+    // learns of it (a caller that sends its next batch at once finds the
+    // stream idle).
+    std::atomic<int> outstanding{0};
     std::deque<grpc::ByteBuffer> queue;  // messages not yet written
     grpc::ByteBuffer in;    // the posted Read's message (driver thread)
     grpc::Status status;    // Finish's
@@ -269,7 +273,7 @@ class GrpcTransport final : public ExpertTransport {
   // over four), else the next in turn.
   size_t StreamForBatchLocked() {
     for (size_t i = 0; i < streams_.size(); ++i)
-      if (!streams_[i] || streams_[i]->broken || streams_[i]->outstanding == 0) return i;
+      if (!streams_[i] || streams_[i]->broken || streams_[i]->outstanding.load(std::memory_order_relaxed) == 0) return i;
     return next_stream_++ % streams_.size();
   }
 
@@ -317,6 +321,11 @@ class GrpcTransport final : public ExpertTransport {
     bool ok = false;
     while (s.cq.Next(&tag, &ok)) {
       const Op op = static_cast<Op>(reinterpret_cast<intptr_t>(tag));
+      if (op == kRead && ok) {
+        int left = s.outstanding.load(std::memory_order_relaxed);
+        while (left > 0 && !s.outstanding.compare_exchange_weak(left, left - 1, std::memory_order_relaxed)) {
+        }
+      }
       const bool corrupt = op == kRead && ok && !OnResponse(s.in);  // outside mu_: it copies the output
       std::lock_guard<std::mutex> lock(mu_);
       if (corrupt && !s.broken) {  // a server that sends garbage: drop the stream
@@ -335,7 +344,6 @@ class GrpcTransport final : public ExpertTransport {
         case kRead:
           s.reading = false;
           if (!ok) s.broken = true;
-          else if (s.outstanding > 0) --s.outstanding;
           break;
         case kFinish:
           s.cq.Shutdown();

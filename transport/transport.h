@@ -48,7 +48,7 @@ struct TransportOptions {
   // gRPC
   TlsOptions tls;
   bool grpc_unary = false;         // unary Forward per batch instead of the stream
-  int grpc_streams = 4;            // ForwardStreams per transport (a connection each): batches round-robin, a large one striped over all
+  int grpc_streams = 8;            // ForwardStreams per transport (a connection each): a batch on the first idle one, a large one striped over all
                                    // (the server computes one batch per stream at a time)
   uint64_t max_message_bytes = 256u << 20;
   std::chrono::milliseconds connect_timeout{5000};

@@ -128,7 +128,7 @@ struct SessionOptions {
   // keeping an own copy, when they cover the served layers (one host copy).
   bool share_host_copy = true;
   TlsOptions tls;                      // for host:port servers
-  int grpc_streams = 4;                // ForwardStreams per host:port server (a connection each; batches round-robin, a large one striped over all)
+  int grpc_streams = 8;                // ForwardStreams per host:port server (a connection each; a batch on the first idle one, a large one striped over all)
   std::chrono::milliseconds deadline{30000};
   // A server silent this long on one batch has failed: the batch goes to
   // another holder of its experts (or the device) within `deadline`, and the
