@@ -154,6 +154,28 @@ TEST_F(ExpertServerTest, StreamForwardMatchesReferenceAndKeepsGoingAfterErrors) 
   EXPECT_TRUE(stream->Finish().ok());
 }
 
+// A client's stripe whose siblings never come (a hostile or broken client)
+// is computed alone after the server's wait for them, and answered right.
+TEST_F(ExpertServerTest, LoneStripeIsAnsweredAfterTheWaitForItsSiblings) {
+  auto stream = client_->OpenStream();
+  Batch b = MakeBatch(6, 2, 77);
+  moe::v1::ForwardRequest req = Request(1, b);
+  req.set_request_id(5);
+  req.set_stripe_group(0x1234);
+  req.set_stripe_count(3);
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(stream->Write(req));
+  absl::StatusOr<moe::v1::ForwardStreamResponse> r = stream->Read();
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->status_code(), 0) << r->status_message();
+  absl::StatusOr<std::vector<bf16_t>> out = OutputAsBf16(r->response());
+  ASSERT_TRUE(out.ok());
+  EXPECT_LE(ErrorVsReference(1, b, *out), 1e-2);
+  EXPECT_LT(ms, 2000) << "the wait for missing stripes is bounded (10 ms)";
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
 TEST_F(ExpertServerTest, F32OutputAndConcurrentClients) {
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
@@ -236,6 +258,11 @@ TEST_F(ExpertServerTest, BadInputsAreRejectedByField) {
   req = Request(1, b);
   req.set_output_dtype(moe::v1::DTYPE_I32);
   ExpectRejected(req, C::kInvalidArgument, "output_dtype");
+
+  req = Request(1, b);  // more stripes than a batch may have
+  req.set_stripe_group(7);
+  req.set_stripe_count(65);
+  ExpectRejected(req, C::kInvalidArgument, "stripe_count");
 
   Batch big = MakeBatch(65, 2, 10);  // oversize: the server runs with --max-tokens=64
   ExpectRejected(Request(1, big), C::kOutOfRange, "tokens");

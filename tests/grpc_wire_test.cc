@@ -58,16 +58,22 @@ TEST(GrpcWire, RequestBytesAreProtobufsAndParseBack) {
     SCOPED_TRACE(testing::Message() << "n=" << n << " k=" << k << " H=" << H);
     const Batch b = RandomBatch(n, k, H, n * 31 + k);
     const uint64_t model = n == 1 ? 0 : 0xfedcba9876543210ull ^ static_cast<uint64_t>(n);  // fixed64; 0 left out
+    // Every other case one stripe of a larger batch (fields 10 and 11; left out when not striped).
+    const StripeOf stripe = n % 2 == 1 ? StripeOf{0x0123456789abcdefull ^ id, 3} : StripeOf{};
     moe::v1::ForwardRequest proto;
     EncodeForwardRequest(layer, n, H, b.tokens.data(), b.routing(), id, &proto, {}, model);
+    if (stripe.striped()) {
+      proto.set_stripe_group(stripe.group);
+      proto.set_stripe_count(static_cast<uint32_t>(stripe.count));
+    }
     grpc::ByteBuffer ours =
-        EncodeForwardRequestBuffer(layer, n, H, b.tokens.data(), b.routing(), id, *pool, {}, model);
+        EncodeForwardRequestBuffer(layer, n, H, b.tokens.data(), b.routing(), id, *pool, {}, model, nullptr, stripe);
     const std::string theirs = proto.SerializeAsString();
     EXPECT_EQ(Bytes(ours), theirs);
     {  // The tokens lent, not copied: the same bytes, the owner held until the message is gone.
       auto owner = std::make_shared<int>(0);
       grpc::ByteBuffer lent = EncodeForwardRequestBuffer(layer, n, H, b.tokens.data(), b.routing(), id, *pool, {},
-                                                          model, owner);
+                                                          model, owner, stripe);
       EXPECT_EQ(Bytes(lent), theirs);
       EXPECT_EQ(owner.use_count(), 2);
       lent.Clear();
@@ -81,6 +87,8 @@ TEST(GrpcWire, RequestBytesAreProtobufsAndParseBack) {
       ASSERT_TRUE(ParseForwardRequest(in, storage, &req).ok());
       EXPECT_EQ(req.request_id, id);
       EXPECT_EQ(req.model_identity, model);
+      EXPECT_EQ(req.stripe.group, stripe.group);
+      EXPECT_EQ(req.stripe.count, stripe.count);
       EXPECT_EQ(req.layer, layer);
       EXPECT_EQ(req.tokens.dtype, moe::v1::DTYPE_BF16);
       EXPECT_EQ(req.tokens.shape, (std::vector<int64_t>{n, H}));
