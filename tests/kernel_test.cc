@@ -32,6 +32,7 @@
 #include "model/synthetic_model.h"
 #include "testing/random_data.h"
 #include "model/reference_moe.h"
+#include "core/status_macros.h"
 #include "expert_compute/compute_pool.h"
 #include "expert_compute/cpu_features.h"
 #include "expert_compute/expert_kernel.h"
@@ -301,6 +302,26 @@ TEST(MergeWindow, BoundedByLagRegionAndCapAndCorrectedByOutcomes) {
   EXPECT_GE(NextWaitScore(score, true), kWaitScoreOne / 2) << "one peer caught (or that a wait would have caught) restarts them";
 }
 
+// Every expert of layer 1 of a synthetic model of `shape`, stored in
+// `format`, and the pool that computes them.
+struct HostedLayer {
+  std::unique_ptr<ModelSource> source;
+  std::unique_ptr<NumaBinding> numa;
+  std::unique_ptr<ComputePool> pool;
+  std::unique_ptr<ExpertStore> store;
+};
+absl::StatusOr<HostedLayer> HostLayerOne(const Shape& shape, WeightFormat format, uint64_t seed) {
+  HostedLayer l;
+  l.source = MakeSyntheticSource(TestSpec(shape), seed);
+  MOE_ASSIGN_OR_RETURN(l.numa, NumaBinding::Create("auto", 2));
+  l.pool = std::make_unique<ComputePool>(*l.numa);
+  HostedSet hosted{{1}, {}};
+  for (int e = 0; e < shape.experts; ++e) hosted.experts.push_back(e);
+  MOE_ASSIGN_OR_RETURN(l.store, ExpertStore::Load(*l.source, ExpertGeometry::For(shape.H, shape.I, format), hosted,
+                                                  *l.numa, *l.pool));
+  return l;
+}
+
 // Requests that wait for the pool at the same time and share experts are
 // computed in one region, grouped by expert across them (MoeExecutor::Forward),
 // and each gets exactly the bytes it gets alone: requests of other k and sizes
@@ -312,17 +333,10 @@ TEST_P(KernelTest, ConcurrentRequestsMergeExactly) {
   std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(name(), format());
   ASSERT_NE(kernel, nullptr);
   const Shape shape{160, 112, 8, 4};  // (H = 160: widen below)
-  const ModelSpec spec = TestSpec(shape);
-  std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, 91);
-  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
-  ASSERT_TRUE(numa.ok()) << numa.status();
-  ComputePool pool(**numa);
-  HostedSet hosted{{1}, {}};
-  for (int e = 0; e < shape.experts; ++e) hosted.experts.push_back(e);
-  absl::StatusOr<std::unique_ptr<ExpertStore>> store =
-      ExpertStore::Load(*source, ExpertGeometry::For(shape.H, shape.I, format()), hosted, **numa, pool);
-  ASSERT_TRUE(store.ok()) << store.status();
-  MoeExecutor exec(**store, *kernel, pool);
+  absl::StatusOr<HostedLayer> layer = HostLayerOne(shape, format(), 91);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  ComputePool& pool = *layer->pool;
+  MoeExecutor exec(*layer->store, *kernel, pool);
 
   struct Request {
     int n, k;
@@ -431,17 +445,9 @@ TEST_P(KernelTest, StripesOfOneBatchAreComputedTogether) {
   ASSERT_NE(kernel, nullptr);
   if (format() != WeightFormat::kBf16) GTEST_SKIP() << "the grouping is format-independent: bf16 only";
   const Shape shape{160, 112, 8, 4};
-  const ModelSpec spec = TestSpec(shape);
-  std::unique_ptr<ModelSource> source = MakeSyntheticSource(spec, 93);
-  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
-  ASSERT_TRUE(numa.ok()) << numa.status();
-  ComputePool pool(**numa);
-  HostedSet hosted{{1}, {}};
-  for (int e = 0; e < shape.experts; ++e) hosted.experts.push_back(e);
-  absl::StatusOr<std::unique_ptr<ExpertStore>> store =
-      ExpertStore::Load(*source, ExpertGeometry::For(shape.H, shape.I, format()), hosted, **numa, pool);
-  ASSERT_TRUE(store.ok()) << store.status();
-  MoeExecutor exec(**store, *kernel, pool, /*merge=*/false);
+  absl::StatusOr<HostedLayer> layer = HostLayerOne(shape, format(), 93);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  MoeExecutor exec(*layer->store, *kernel, *layer->pool, /*merge=*/false);
   constexpr int kStripes = 3, kRows = 120, k = 4;
   std::vector<bf16_t> x = RandomActivations(size_t(kStripes) * kRows * shape.H, 300);
   std::vector<int32_t> ids;
