@@ -224,6 +224,7 @@ int MoeExecutor::StripesInRound(const Job* first) const {
 void MoeExecutor::WaitForStripes(std::unique_lock<std::mutex>& q, const Job* first, int* tokens) {
   const uint64_t deadline = NowNs() + kMaxStripeWaitNs;
   uint64_t seen = arrivals_.load(std::memory_order_acquire);
+  round_waiting_ = true;  // a request arriving meanwhile is no late peer: the region has not started
   while (StripesInRound(first) < first->batch->stripe.count) {
     q.unlock();
     SpinYielder yielder;
@@ -240,6 +241,7 @@ void MoeExecutor::WaitForStripes(std::unique_lock<std::mutex>& q, const Job* fir
     TakeMergeable(first, tokens);
     if (late) break;
   }
+  round_waiting_ = false;
 }
 
 void MoeExecutor::RunRound(std::unique_lock<std::mutex>& q) {

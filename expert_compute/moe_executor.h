@@ -244,7 +244,7 @@ class MoeExecutor {
   std::atomic<uint64_t> arrivals_{0};  // jobs enqueued, ever (a waiting combiner polls it)
   int round_layer_ = -1;
   uint64_t round_start_ns_ = 0;
-  bool round_waiting_ = false;  // the current region waits for a peer now
+  bool round_waiting_ = false;  // the current region waits for a peer or its stripes now
   bool round_waited_ = false;   // it waited
   uint64_t peer_lag_ns_ = 0;  // a peer's request's lag behind the pool's being free: the largest recent
   uint32_t wait_score_ = kWaitScoreOne;  // NextWaitScore over the waits' outcomes
