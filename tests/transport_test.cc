@@ -175,6 +175,9 @@ TEST_F(TransportTest, LargeBatchStripedOverStreamsMatchesOneStream) {
     EXPECT_EQ(small_got, small_expect);
   }
   EXPECT_LT(ErrorVsReference(big, got), 1e-2);
+  // An empty batch is still one request, refused by the server (no stripes, no broken future).
+  Batch none = MakeBatch(0, 2, 79);
+  EXPECT_EQ(three->Submit(none.view(), got.data(), In(5000)).get().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // Established TCP connections of this network namespace to `port` (either end).

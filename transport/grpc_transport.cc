@@ -1,6 +1,6 @@
 // gRPC implementation of ExpertTransport: long-lived bidirectional
 // ForwardStreams (grpc_streams of them, each on a connection of its own),
-// each driven through gRPC's completion-queue async API by one thread
+// all driven through gRPC's completion-queue async API by one thread
 // (Submit queues the message and returns; writes go out one at a time in
 // order, a read is always posted), requests matched to responses by request
 // id. Messages are raw ByteBuffers (grpc_wire.h): the
@@ -242,7 +242,7 @@ class GrpcTransport final : public ExpertTransport {
   // Stripes of a batch of n rows of `row_bytes` each over `streams`.
   static int StripesOf(int n, size_t row_bytes, size_t streams) {
     const size_t by_size = std::max<size_t>(1, size_t(n) * row_bytes / kMinStripeBytes);
-    return static_cast<int>(std::min({by_size, streams, size_t(n), size_t(StripeOf::kMaxCount)}));
+    return static_cast<int>(std::max<size_t>(1, std::min({by_size, streams, size_t(n), size_t(StripeOf::kMaxCount)})));
   }
 
   // With `tokens_owner`, b.tokens are lent to gRPC (EncodeForwardRequestBuffer).
