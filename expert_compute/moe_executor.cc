@@ -215,6 +215,7 @@ void MoeExecutor::WaitForPeer(std::unique_lock<std::mutex>& q, const Job* first,
   merge_stats_.wait_ns += NowNs() - round_start_ns_;
   wait_score_ = NextWaitScore(wait_score_, met);
 }
+
 int MoeExecutor::StripesInRound(const Job* first) const {
   return static_cast<int>(std::count_if(round_jobs_.begin(), round_jobs_.end(), [&](const Job* j) {
     return j->batch->stripe.group == first->batch->stripe.group;
