@@ -173,7 +173,10 @@ void MoeExecutor::TakeMergeable(const Job* first, int* tokens) {
   for (size_t i = 0; i < pending_.size(); ++i) {
     Job* j = pending_[i];
     const bool same = j->batch->layer == first->batch->layer && j->out_dtype == first->out_dtype;
-    const bool sibling = same && first->batch->stripe.striped() && j->batch->stripe.group == first->batch->stripe.group;
+    // At most stripe.count of them: a client repeating a group gets no larger region.
+    const bool sibling = same && j != first && first->batch->stripe.striped() &&
+                         j->batch->stripe.group == first->batch->stripe.group &&
+                         StripesInRound(first) < first->batch->stripe.count;
     const bool merge = j == first || sibling ||
                        (merge_ && same && *tokens + j->batch->n <= kMergeTokens && SharesExperts(*j));
     if (merge) {

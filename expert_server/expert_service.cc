@@ -120,6 +120,14 @@ absl::Status ExpertServiceImpl::Prepare(const WireForwardRequest& req, Prepared*
   if (req.stripe.count < 0 || req.stripe.count > StripeOf::kMaxCount)
     return absl::InvalidArgumentError(absl::StrCat("stripe_count: ", req.stripe.count, " stripes, at most ",
                                                    StripeOf::kMaxCount));
+  // The stripes of a batch are computed as one batch: together within
+  // max_tokens_per_request, as the batch itself would have to be (a client's
+  // stripes differ by at most one row).
+  if (req.stripe.striped() &&
+      n > (limits_.max_tokens_per_request + req.stripe.count - 1) / req.stripe.count)
+    return absl::OutOfRangeError(absl::StrCat("tokens: ", n, " tokens in one of ", req.stripe.count,
+                                              " stripes exceed max_tokens_per_request ",
+                                              limits_.max_tokens_per_request, " for the batch"));
   p->n = n;
   p->batch.stripe = req.stripe;
   p->batch.layer = static_cast<int>(req.layer);

@@ -263,6 +263,11 @@ TEST_F(ExpertServerTest, BadInputsAreRejectedByField) {
   req.set_stripe_group(7);
   req.set_stripe_count(65);
   ExpectRejected(req, C::kInvalidArgument, "stripe_count");
+  Batch stripe = MakeBatch(30, 2, 11);  // 3 stripes of 30 > 64 tokens for the batch
+  req = Request(1, stripe);
+  req.set_stripe_group(8);
+  req.set_stripe_count(3);
+  ExpectRejected(req, C::kOutOfRange, "tokens");
 
   Batch big = MakeBatch(65, 2, 10);  // oversize: the server runs with --max-tokens=64
   ExpectRejected(Request(1, big), C::kOutOfRange, "tokens");

@@ -437,7 +437,7 @@ TEST_P(KernelTest, ConcurrentRequestsMergeExactly) {
 // The stripes of one client batch (StripeOf: the gRPC transport's split of a
 // large batch over its connections) share one region whatever their size and
 // with merging off: 3 stripes of 120 tokens (360 > kMergeTokens), the first
-// sent 3 ms before the others, are one region of 3 requests, each stripe
+// sent 1 ms before the others, are one region of 3 requests, each stripe
 // exactly its bytes alone. A stripe whose sibling never comes runs alone
 // after at most kMaxStripeWaitNs.
 TEST_P(KernelTest, StripesOfOneBatchAreComputedTogether) {
@@ -470,7 +470,7 @@ TEST_P(KernelTest, StripesOfOneBatchAreComputedTogether) {
   std::vector<std::thread> clients;
   for (int i = 0; i < kStripes; ++i) {
     clients.emplace_back([&, i] { status[i] = exec.Forward(batches[i], DType::kBF16, together[i].data(), nullptr); });
-    if (i == 0) std::this_thread::sleep_for(std::chrono::milliseconds(3));  // the first region waits
+    if (i == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));  // the first region waits (10 ms at most)
   }
   for (std::thread& t : clients) t.join();
   for (int i = 0; i < kStripes; ++i) {
@@ -480,6 +480,25 @@ TEST_P(KernelTest, StripesOfOneBatchAreComputedTogether) {
   const MergeStats after = exec.merge_stats();
   EXPECT_EQ(after.regions, before.regions + 1) << "the three stripes in one region";
   EXPECT_EQ(after.merged_requests - before.merged_requests, uint64_t(kStripes));
+
+  // A group repeated (four requests of a 3-stripe group): at most 3 in its region.
+  {
+    const MergeStats b4 = exec.merge_stats();
+    std::vector<std::byte> extra(bytes);
+    std::vector<std::thread> four;
+    std::vector<absl::Status> st4(kStripes + 1);
+    for (int i = 0; i <= kStripes; ++i)
+      four.emplace_back([&, i] {
+        st4[i] = exec.Forward(batches[i % kStripes], DType::kBF16, i < kStripes ? together[i].data() : extra.data(),
+                              nullptr);
+      });
+    for (std::thread& t : four) t.join();
+    for (const absl::Status& st : st4) ASSERT_TRUE(st.ok()) << st;
+    EXPECT_TRUE(extra == alone[0]);
+    const MergeStats a4 = exec.merge_stats();
+    EXPECT_EQ(a4.regions, b4.regions + 2) << "three in one region, the repeat in another";
+    EXPECT_EQ(a4.merged_requests - b4.merged_requests, uint64_t(kStripes));
+  }
 
   // One stripe of two, its sibling lost: computed alone after the wait.
   MoeBatch lone = stripe(0, StripeOf{0xbad, 2});
