@@ -180,7 +180,10 @@ MOE_API const char* moe_status_name(int status);
  *   "max_tokens"  (int in [1, 65536], default 1024) largest T of one call
  *   "max_top_k"   (int in [1, 1024], default 8)
  *   "contexts"    (int in [1, 64], default 2) calls in flight
- *   "cpu_threads", "grpc_streams" (int)
+ *   "cpu_threads" (int)
+ *   "grpc_streams" (int in [1, 64], default 8) ForwardStreams per host:port server, a TCP
+ *                 connection each: a batch goes to the first idle one, a batch of 96 KB or
+ *                 more is striped over them (docs/transports.md)
  *   "weight_dtype" "auto" | "bf16" | "int8" | "int4" | "fp8" | "mxfp4" (default "auto": the
  *                 same-host servers' when shared, else the checkpoint's class)
  *   "share_host_copy" (bool, default true) map the same-host servers' stores
