@@ -1,86 +1,95 @@
-// LayerDispatcher's admission side: the cache copies in flight (polled,
+// CacheCopies (cache_copies.h): the cache copies in flight (polled,
 // observed, flushed), starting slot copies, coordinator assignments, engine
 // hints, and the admissions after a call (host path, device path).
+#include "gpu_worker/cache_copies.h"
+
 #include <algorithm>
 #include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
-#include "gpu_worker/dispatcher_internal.h"
-#include "gpu_worker/layer_dispatcher.h"
 
 namespace moe {
 
-void LayerDispatcher::PollCopies() {
-  auto& pending = impl_->pending;
+CacheCopies::~CacheCopies() {
+  for (PendingCopy& p : pending_) (void)ctx_.backend->WaitCopy(p.fence);
+}
+
+void CacheCopies::Poll() {
   size_t kept = 0;
   const Clock::time_point now = Clock::now();
-  for (size_t i = 0; i < pending.size(); ++i) {
-    if (backend_->CopyDone(pending[i].fence)) {
-      ObserveCopy(pending[i].fence, Seconds(now - pending[i].start));
-      cache_->CompleteCopy(pending[i].copy);
-      PublishSlotMap(pending[i].copy.layer);
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    if (ctx_.backend->CopyDone(pending_[i].fence)) {
+      ObserveCopy(pending_[i].fence, Seconds(now - pending_[i].start));
+      ctx_.cache->CompleteCopy(pending_[i].copy);
+      readers_.PublishSlotMap(pending_[i].copy.layer);
     } else {
-      pending[kept++] = pending[i];
+      pending_[kept++] = pending_[i];
     }
   }
-  pending.resize(kept);
+  pending_.resize(kept);
 }
 
-void LayerDispatcher::ObserveCopy(uint64_t fence, double host_s) {
-  if (std::optional<double> s = backend_->CopySeconds(fence)) {
-    planner_.rates().ObserveCopy(*s, false);
+void CacheCopies::ObserveCopy(uint64_t fence, double host_s) {
+  if (std::optional<double> s = ctx_.backend->CopySeconds(fence)) {
+    ctx_.planner.rates().ObserveCopy(*s, false);
   } else {
     // Done at some point before the host looked (queued behind others, perhaps).
-    planner_.rates().ObserveCopy(host_s, true);
+    ctx_.planner.rates().ObserveCopy(host_s, true);
   }
 }
 
-absl::Status LayerDispatcher::FlushCopies() {
-  for (auto& p : impl_->pending) {
-    if (absl::Status st = backend_->WaitCopy(p.fence); !st.ok()) {
-      cache_->AbortCopy(p.copy);
+absl::Status CacheCopies::Flush() {
+  for (PendingCopy& p : pending_) {
+    if (absl::Status st = ctx_.backend->WaitCopy(p.fence); !st.ok()) {
+      ctx_.cache->AbortCopy(p.copy);
       continue;
     }
     ObserveCopy(p.fence, Seconds(Clock::now() - p.start));
-    cache_->CompleteCopy(p.copy);
-    PublishSlotMap(p.copy.layer);
+    ctx_.cache->CompleteCopy(p.copy);
+    readers_.PublishSlotMap(p.copy.layer);
   }
-  impl_->pending.clear();
+  pending_.clear();
   return absl::OkStatus();
 }
 
-// Starts the copies the cache planned into slots of `layer`, on the copy
-// queue after all compute submitted so far (an evicted slot may still be read
-// by earlier calls). A failed start aborts it and every copy after it, so no
-// slot stays Loading.
-absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotCopy>& copies, bool during_call) {
+int CacheCopies::Pending() {
+  Poll();
+  return static_cast<int>(pending_.size());
+}
+
+void CacheCopies::Track(const SlotCopy& copy, uint64_t fence) {
+  pending_.push_back({copy, fence, Clock::now()});
+  ++copies_started_;
+}
+
+// On the copy queue after the compute that may still read an evicted slot
+// (SlotReaders::CopyAfter); evicted experts leave the published slot map first.
+absl::Status CacheCopies::StartSlotCopies(int layer, const std::vector<SlotCopy>& copies, bool during_call) {
   if (copies.empty()) return absl::OkStatus();
-  // Capturable calls: evicted experts leave the published slot map before
-  // their buffers are overwritten, and the copies wait for the capturable
-  // calls already enqueued on the engine's stream (during an eager device
-  // call: for the layer's last reader, after which nothing reads its slots).
-  PublishSlotMap(layer);
-  if (!during_call && impl_->planned_stream != nullptr)
-    MOE_RETURN_IF_ERROR(backend_->WaitStream(impl_->planned_stream));
-  const uint64_t after = during_call ? impl_->last_reader[layer_index_[layer]] : backend_->RecordCompute();
-  planner_.CopiesQueued(static_cast<int>(copies.size()));  // the link starts on them as they are enqueued
+  readers_.PublishSlotMap(layer);
+  absl::StatusOr<uint64_t> after = readers_.CopyAfter(layer, during_call);
+  if (!after.ok()) {
+    for (const SlotCopy& c : copies) ctx_.cache->AbortCopy(c);
+    return after.status();
+  }
+  ctx_.planner.CopiesQueued(static_cast<int>(copies.size()));  // the link starts on them as they are enqueued
+  const DispatcherConfig& config = ctx_.config;
   for (size_t i = 0; i < copies.size(); ++i) {
-    absl::StatusOr<uint64_t> f =
-        backend_->LoadExpert(SlotBuffer(layer, copies[i].slot), host_->Find(layer, copies[i].expert), after);
+    absl::StatusOr<uint64_t> f = ctx_.backend->LoadExpert(ctx_.SlotBuffer(layer, copies[i].slot),
+                                                          ctx_.host->Find(layer, copies[i].expert), *after);
     if (!f.ok()) {
-      for (size_t j = i; j < copies.size(); ++j) cache_->AbortCopy(copies[j]);
+      for (size_t j = i; j < copies.size(); ++j) ctx_.cache->AbortCopy(copies[j]);
       return f.status();
     }
-    impl_->pending.push_back({copies[i], *f, Clock::now()});
-    ++copies_started_;
-    if (config_.on_activity) {
+    Track(copies[i], *f);
+    if (config.on_activity) {
       LayerActivity a;
       a.cache_copies = 1;
-      a.copy_bytes = copy_bytes_;
-      a.link_seconds = planner_.rates().measured ? planner_.rates().CopySeconds() : 0.0;
-      config_.on_activity(layer, a);
+      a.copy_bytes = ctx_.copy_bytes;
+      a.link_seconds = ctx_.planner.rates().measured ? ctx_.planner.rates().CopySeconds() : 0.0;
+      config.on_activity(layer, a);
     }
   }
   return absl::OkStatus();
@@ -91,7 +100,7 @@ absl::Status LayerDispatcher::StartSlotCopies(int layer, const std::vector<SlotC
 // them, not one per copy (on the GPU host each start cost 11-26 us of the
 // decode's host time). A layer whose start fails
 // aborts its copies not started; the others are still tried. The first error.
-absl::Status LayerDispatcher::StartPlannedCopies(const std::vector<SlotCopy>& planned, bool during_call) {
+absl::Status CacheCopies::StartPlannedCopies(const std::vector<SlotCopy>& planned, bool during_call) {
   absl::Status first;
   std::vector<SlotCopy> run;
   for (size_t i = 0; i < planned.size();) {
@@ -104,176 +113,141 @@ absl::Status LayerDispatcher::StartPlannedCopies(const std::vector<SlotCopy>& pl
   return first;
 }
 
-int LayerDispatcher::SlotBuffer(int layer, int slot) const {
-  return layer_index_[layer] * slots_per_layer() + slot;
-}
-
-int LayerDispatcher::PendingCopies() {
-  PollCopies();
-  return static_cast<int>(impl_->pending.size());
-}
-
-absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>& experts,
-                                              const std::vector<int>& pinned) {
-  if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
+// Long: the assignment's checks, then predictive's merge of it with the admissions' own choices.
+absl::Status CacheCopies::ApplyAssignment(int layer, const std::vector<int>& experts, const std::vector<int>& pinned) {
+  ExpertCache& cache = *ctx_.cache;
+  const int E = ctx_.spec.num_experts;
+  if (!ctx_.Serves(layer))
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not served by this worker"));
-  if (host_ == nullptr) return absl::FailedPreconditionError("assignment: the worker holds no host copy of the experts");
+  if (ctx_.host == nullptr)
+    return absl::FailedPreconditionError("assignment: the worker holds no host copy of the experts");
   for (const std::vector<int>* list : {&experts, &pinned})
     for (int e : *list)
-      if (e >= 0 && e < spec_.num_experts && !Owns(layer, e))
+      if (e >= 0 && e < E && !ctx_.Owns(layer, e))
         return absl::InvalidArgumentError(absl::StrCat(list == &pinned ? "pinned" : "assignment", ": expert ", e,
                                                        " of layer ", layer, " belongs to rank ",
-                                                       ExpertOwner(layer, e, config_.group.size), " of the group, not ",
-                                                       config_.group.rank));
+                                                       ExpertOwner(layer, e, ctx_.config.group.size),
+                                                       " of the group, not ", ctx_.config.group.rank));
   for (int e : pinned)
     if (std::find(experts.begin(), experts.end(), e) == experts.end())
       return absl::InvalidArgumentError(absl::StrCat("pinned: expert ", e, " of layer ", layer, " is not in the assignment"));
-  cache_->SetPinned(layer, pinned);
-  if (planner_.admission() == nullptr) {
-    MOE_ASSIGN_OR_RETURN(const std::vector<SlotCopy> copies, cache_->Assign(layer, experts));
+  cache.SetPinned(layer, pinned);
+  if (ctx_.planner.admission() == nullptr) {
+    MOE_ASSIGN_OR_RETURN(const std::vector<SlotCopy> copies, cache.Assign(layer, experts));
     return StartSlotCopies(layer, copies);
   }
   // predictive: the assignment is the long-horizon placement the admissions
   // work inside. Its newcomers take the slots of the experts it dropped (or
   // empty ones); experts the admissions brought in stay until they lose on
   // value; an expert the admissions evicted is not forced back.
-  if (experts.size() > static_cast<size_t>(slots_per_layer()))
+  if (experts.size() > static_cast<size_t>(ctx_.slots_per_layer()))
     return absl::InvalidArgumentError(absl::StrCat("assignment of layer ", layer, ": ", experts.size(),
-                                                   " experts for ", slots_per_layer(), " slots"));
-  std::vector<int>& previous = assigned_[layer_index_[layer]];
-  std::vector<bool> wanted(spec_.num_experts, false);
+                                                   " experts for ", ctx_.slots_per_layer(), " slots"));
+  assigned_.resize(ctx_.layers.size());
+  std::vector<int>& previous = assigned_[ctx_.layer_index[layer]];
+  std::vector<bool> wanted(E, false);
   for (int e : experts) {
-    if (e < 0 || e >= spec_.num_experts)
+    if (e < 0 || e >= E)
       return absl::InvalidArgumentError(absl::StrCat("assignment of layer ", layer, ": expert ", e, " out of range"));
     wanted[e] = true;
   }
   std::vector<int> free_slots;
-  const std::vector<int> held = cache_->SlotExperts(layer);
+  const std::vector<int> held = cache.SlotExperts(layer);
   for (int s = 0; s < static_cast<int>(held.size()); ++s) {
     const int e = held[s];
-    const bool dropped = e >= 0 && !wanted[e] &&
-                         std::find(previous.begin(), previous.end(), e) != previous.end() &&
-                         cache_->ReadySlot(layer, e) == s && !cache_->pinned(layer, e);
+    const bool dropped = e >= 0 && !wanted[e] && std::find(previous.begin(), previous.end(), e) != previous.end() &&
+                         cache.ReadySlot(layer, e) == s && !cache.pinned(layer, e);
     if (e < 0 || dropped) free_slots.push_back(s);
   }
   std::vector<SlotCopy> copies;
   size_t next = 0;
   for (int e : experts) {
-    if (cache_->SlotOf(layer, e) >= 0 || next >= free_slots.size()) continue;
+    if (cache.SlotOf(layer, e) >= 0 || next >= free_slots.size()) continue;
     const bool is_new = std::find(previous.begin(), previous.end(), e) == previous.end();
     // Evicted by admissions: back only into an empty slot (pins always come back).
-    if (!is_new && !cache_->pinned(layer, e) && held[free_slots[next]] >= 0) continue;
-    MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache_->Replace(layer, free_slots[next++], e));
+    if (!is_new && !cache.pinned(layer, e) && held[free_slots[next]] >= 0) continue;
+    MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache.Replace(layer, free_slots[next++], e));
     copies.push_back(copy);
   }
   // A pin still not resident (no free slot was left) takes the slot of an
   // unpinned expert, one outside the assignment (an admission) first.
   for (int e : pinned) {
-    if (cache_->SlotOf(layer, e) >= 0) continue;
-    const std::vector<int> now_held = cache_->SlotExperts(layer);
+    if (cache.SlotOf(layer, e) >= 0) continue;
+    const std::vector<int> now_held = cache.SlotExperts(layer);
     int victim = -1;
     for (int pass = 0; pass < 2 && victim < 0; ++pass)
       for (int s = 0; s < static_cast<int>(now_held.size()) && victim < 0; ++s) {
         const int v = now_held[s];
-        if (v >= 0 && (cache_->pinned(layer, v) || cache_->ReadySlot(layer, v) != s)) continue;
+        if (v >= 0 && (cache.pinned(layer, v) || cache.ReadySlot(layer, v) != s)) continue;
         if (pass == 0 && v >= 0 && wanted[v]) continue;
         victim = s;
       }
     if (victim < 0) break;  // every slot pinned or loading: the next assignment retries
-    MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache_->Replace(layer, victim, e));
+    MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache.Replace(layer, victim, e));
     copies.push_back(copy);
   }
   previous = experts;
   return StartSlotCopies(layer, copies);
 }
 
-absl::Status LayerDispatcher::HintRouterLogits(int layer, int T, int k, const float* router_logits) {
-  if (planner_.admission() == nullptr)
+absl::Status CacheCopies::HintRouterLogits(int layer, int T, int k, const float* router_logits) {
+  AdmissionPolicy* admission = ctx_.planner.admission();
+  if (admission == nullptr)
     return absl::FailedPreconditionError("router_logits: hints need the predictive cache policy");
-  if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
+  if (!ctx_.Serves(layer))
     return absl::InvalidArgumentError(absl::StrCat("router_logits: layer ", layer, " is not served by this worker"));
-  if (T < 0 || T > config_.max_tokens)
-    return absl::InvalidArgumentError(absl::StrCat("router_logits: T = ", T, " is outside [0, ", config_.max_tokens, "]"));
-  if (config_.group.size <= 1) return planner_.admission()->predictor().Hint(layer, T, k, router_logits);
+  if (T < 0 || T > ctx_.config.max_tokens)
+    return absl::InvalidArgumentError(
+        absl::StrCat("router_logits: T = ", T, " is outside [0, ", ctx_.config.max_tokens, "]"));
+  if (ctx_.config.group.size <= 1) return admission->predictor().Hint(layer, T, k, router_logits);
   // Another rank's experts are never this cache's: they leave the hint.
-  std::vector<float>& masked = impl_->masked_logits;
-  masked.assign(router_logits, router_logits + static_cast<size_t>(std::max(T, 0)) * spec_.num_experts);
-  for (size_t i = 0; i < masked.size(); ++i)
-    if (!Owns(layer, static_cast<int>(i % spec_.num_experts))) masked[i] = -1e30f;  // finite: Hint refuses NaN/Inf
-  return planner_.admission()->predictor().Hint(layer, T, k, masked.data());
+  const int E = ctx_.spec.num_experts;
+  masked_logits_.assign(router_logits, router_logits + static_cast<size_t>(std::max(T, 0)) * E);
+  for (size_t i = 0; i < masked_logits_.size(); ++i)
+    if (!ctx_.Owns(layer, static_cast<int>(i % E))) masked_logits_[i] = -1e30f;  // finite: Hint refuses NaN/Inf
+  return admission->predictor().Hint(layer, T, k, masked_logits_.data());
 }
 
-// Cache admissions after a call: predictive prefetches the next layers'
-// predicted experts; lru/lfru admit this call's misses.
-absl::Status LayerDispatcher::StartAdmissions(InFlightCall& ctx) {
-  Impl& m = *impl_;
-  const int layer = ctx.call.batch.layer;
-  if (planner_.admission() != nullptr && host_ != nullptr && config_.copy_mode != CopyMode::kAlways) {
-    const PredictionQuality before = planner_.admission()->predictor().quality(layer);
+// Predictive prefetches the next layers' predicted experts; lru/lfru admit
+// this call's misses.
+absl::Status CacheCopies::AfterHostCall(int layer, int T, int k, const int32_t* ids, const std::vector<int>& missed) {
+  const DispatcherConfig& config = ctx_.config;
+  if (ctx_.host == nullptr || config.copy_mode == CopyMode::kAlways) return absl::OkStatus();
+  if (AdmissionPolicy* admission = ctx_.planner.admission(); admission != nullptr) {
+    const PredictionQuality before = admission->predictor().quality(layer);
     MOE_ASSIGN_OR_RETURN(const std::vector<SlotCopy> planned,
-                         planner_.PlanAdmissions(*cache_, layer, ctx.call.batch.n,
-                                                 std::max(ctx.call.batch.routing.k, 1), ctx.ids.data()));
-    const PredictionQuality& after = planner_.admission()->predictor().quality(layer);
-    if (config_.on_activity && after.predicted > before.predicted) {
+                         ctx_.planner.PlanAdmissions(*ctx_.cache, layer, T, k, ids));
+    const PredictionQuality& after = admission->predictor().quality(layer);
+    if (config.on_activity && after.predicted > before.predicted) {
       LayerActivity a;
       a.predicted = after.predicted - before.predicted;
       a.predicted_used = after.correct - before.correct;
-      config_.on_activity(layer, a);
+      config.on_activity(layer, a);
     }
-    // Copies into the next layers' slots (StartSlotCopies orders them after
-    // the compute recorded so far, so slots of earlier calls are read first).
-    MOE_RETURN_IF_ERROR(StartPlannedCopies(planned));
-  } else if (host_ != nullptr && config_.policy != CachePolicy::kStatic && planner_.admission() == nullptr &&
-             config_.copy_mode != CopyMode::kAlways && !ctx.plan.missed.empty() && config_.admissions_per_call > 0) {
-    std::vector<SlotCopy> copies = cache_->PlanAdmissions(layer, ctx.plan.missed, config_.admissions_per_call);
-    MOE_RETURN_IF_ERROR(StartSlotCopies(layer, copies));
+    // Copies into the next layers' slots (after the compute recorded so far,
+    // so slots of earlier calls are read first).
+    return StartPlannedCopies(planned);
   }
+  if (config.policy != CachePolicy::kStatic && !missed.empty() && config.admissions_per_call > 0)
+    return StartSlotCopies(layer, ctx_.cache->PlanAdmissions(layer, missed, config.admissions_per_call));
   return absl::OkStatus();
 }
 
-// Admissions for capturable calls, planned between steps: each layer's
-// latest call (the GPU's routing log) goes through the planner in layer
-// order, as an eager call's routing does after its split (StartAdmissions):
-// the predictive policy's admissions, or lru / lfru's. Copies that completed
-// meanwhile are published first. Not while the engine captures.
-void LayerDispatcher::PlanDeviceAdmissions() {
-  Impl& m = *impl_;
-  if (!m.device_ready || host_ == nullptr || config_.copy_mode == CopyMode::kAlways ||
-      backend_->StreamCapturing(m.planned_stream))
-    return;
-  PollCopies();
-  m.log_seen.resize(layers_.size(), 0);
-  std::vector<int32_t> ids;
-  for (size_t li = 0; li < layers_.size(); ++li) {
-    const DeviceLayerTables& t = m.device_tables[li];
-    const int32_t seq = __atomic_load_n(t.routing_log, __ATOMIC_ACQUIRE);
-    if (seq == 0 || seq == m.log_seen[li]) continue;  // being written, or seen
-    const int T = t.routing_log[1], k = t.routing_log[2];
-    if (T < 1 || k < 1 || static_cast<int64_t>(T) * k > t.routing_log_pairs) continue;
-    ids.assign(t.routing_log + kRoutingLogHeader, t.routing_log + kRoutingLogHeader + static_cast<size_t>(T) * k);
-    if (__atomic_load_n(t.routing_log, __ATOMIC_ACQUIRE) != seq) continue;  // rewritten while read
-    m.log_seen[li] = seq;
-    AdmitAfter(layers_[li], T, k, ids.data());
-  }
-}
-
-// The admissions after a call of `layer` with this routing (capturable and
-// eager device-planned calls): the predictive policy's, or lru / lfru's for
-// the call's missed experts. Needs the host copy; not under copy mode always.
-void LayerDispatcher::AdmitAfter(int layer, int T, int k, const int32_t* ids, uint64_t call_running) {
+void CacheCopies::AfterDeviceCall(int layer, int T, int k, const int32_t* ids, uint64_t call_running) {
   const bool during_call = call_running != 0;
-  if (host_ == nullptr || config_.copy_mode == CopyMode::kAlways) return;
-  if (planner_.admission() != nullptr) {
-    absl::StatusOr<std::vector<SlotCopy>> planned = planner_.PlanAdmissions(
-        *cache_, layer, T, k, ids, [&] { return during_call && !backend_->ComputeDone(call_running); });
+  const DispatcherConfig& config = ctx_.config;
+  if (ctx_.host == nullptr || config.copy_mode == CopyMode::kAlways) return;
+  if (ctx_.planner.admission() != nullptr) {
+    absl::StatusOr<std::vector<SlotCopy>> planned = ctx_.planner.PlanAdmissions(
+        *ctx_.cache, layer, T, k, ids, [&] { return during_call && !ctx_.backend->ComputeDone(call_running); });
     if (planned.ok()) (void)StartPlannedCopies(*planned, during_call);
-  } else if (config_.policy != CachePolicy::kStatic && config_.admissions_per_call > 0) {
+  } else if (config.policy != CachePolicy::kStatic && config.admissions_per_call > 0) {
     std::vector<int> missed;
     for (int i = 0; i < T * k; ++i)
-      if (ids[i] >= 0 && cache_->ReadySlot(layer, ids[i]) < 0 &&
+      if (ids[i] >= 0 && ctx_.cache->ReadySlot(layer, ids[i]) < 0 &&
           std::find(missed.begin(), missed.end(), ids[i]) == missed.end())
         missed.push_back(ids[i]);
-    (void)StartSlotCopies(layer, cache_->PlanAdmissions(layer, missed, config_.admissions_per_call), during_call);
+    (void)StartSlotCopies(layer, ctx_.cache->PlanAdmissions(layer, missed, config.admissions_per_call), during_call);
   }
 }
 

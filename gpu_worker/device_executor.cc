@@ -1,7 +1,7 @@
-// LayerDispatcher's device path: Forward, the device-planned calls
-// (EnqueueCapturable, eager ForwardOnDevice), the host-mapped tables the GPU
-// reads (slot map, routes, channels, copy plan), their errors and accesses,
-// and the forwarder threads of gRPC servers.
+// DeviceExecutor (device_executor.h): the device-planned calls (enqueued,
+// and eager on Forward's device path), the host-mapped tables the GPU reads
+// (slot map, routes, channels, copy plan), their errors and accesses, the
+// admissions of capturable calls, and the forwarder threads of gRPC servers.
 #include <pthread.h>
 #include <algorithm>
 #include <cstddef>
@@ -18,12 +18,11 @@
 #include "core/cpu_relax.h"
 #include "core/log.h"
 #include "core/status_macros.h"
-#include "gpu_worker/dispatcher_internal.h"
-#include "gpu_worker/layer_dispatcher.h"
+#include "gpu_worker/device_executor.h"
 
 namespace moe {
 
-// A Forwarder's thread (dispatcher_internal.h): the GPU's requests to a gRPC
+// A Forwarder's thread (device_executor.h): the GPU's requests to a gRPC
 // server, each given `deadline` (the server deadline). A request it misses is
 // answered UNAVAILABLE (the GPU computes it from the host copy); so are the
 // requests after it, at once, until the server answers a probe
@@ -65,10 +64,17 @@ void RunForwarder(Forwarder* f, int num_experts, int num_layers, std::chrono::mi
   }
 }
 
-absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
-  if (OnDevicePath(call)) return ForwardOnDevice(call, stats);
-  MOE_ASSIGN_OR_RETURN(const int ticket, Submit(call));
-  return Complete(ticket, stats);
+DeviceExecutor::~DeviceExecutor() {
+  // Capturable calls (and their graphs' replays) still running use these
+  // tables. The engine's stream may be gone by now: wait for the whole
+  // device instead of recording on it.
+  if (planned_stream_ != nullptr) (void)ctx_.backend->SynchronizeDevice();
+  for (auto& f : forwarders_) {
+    f->stop.store(true);
+    if (f->thread.joinable()) f->thread.join();
+    ctx_.backend->FreeMapped(f->mem);
+  }
+  if (mapped_ != nullptr) ctx_.backend->FreeMapped(mapped_);
 }
 
 // One path for decode: a decode-shaped call in device memory that fits the
@@ -83,13 +89,13 @@ absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
 // no cache, uniform routing), device path / host path, ms per step: bf16
 // 8 tokens (0.5 pairs per expert) 59 / 67, 32 tokens (2) 165 / 134, 512
 // tokens 268 / 203; int8 8 tokens 33 / 35, 32 tokens 85 / 75.
-bool LayerDispatcher::OnDevicePath(const LayerCall& call) const {
+bool DeviceExecutor::Takes(const LayerCall& call) const {
   const int64_t pairs = static_cast<int64_t>(call.batch.n) * call.batch.routing.k;
-  return config_.eager_on_device && impl_->mapped != nullptr && call.kind == MemoryKind::kDevice &&
-         backend_->has_device_memory() && call.batch.n >= 1 && call.batch.n <= CapturableMaxTokens() &&
-         call.batch.routing.k >= 1 && call.batch.routing.k <= config_.max_top_k &&
-         pairs <= int64_t{kDevicePathPairsPerExpert} * spec_.num_experts &&
-         !backend_->StreamCapturing(call.stream != nullptr ? call.stream : LegacyDefaultStream());
+  return ctx_.config.eager_on_device && mapped_ != nullptr && call.kind == MemoryKind::kDevice &&
+         ctx_.backend->has_device_memory() && call.batch.n >= 1 && call.batch.n <= ctx_.capturable_max_tokens &&
+         call.batch.routing.k >= 1 && call.batch.routing.k <= ctx_.config.max_top_k &&
+         pairs <= int64_t{kDevicePathPairsPerExpert} * ctx_.spec.num_experts &&
+         !ctx_.backend->StreamCapturing(call.stream != nullptr ? call.stream : LegacyDefaultStream());
 }
 
 // The device path of Forward: the capturable call; the call's accesses,
@@ -106,71 +112,39 @@ bool LayerDispatcher::OnDevicePath(const LayerCall& call) const {
 // copies wait only for its last call — unless the engine enqueues
 // capturable calls itself (graphs replay them at any time) or a host-path
 // call is in flight: then they wait for everything, after the call.
-absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* stats) {
-  Impl& m = *impl_;
+absl::Status DeviceExecutor::Forward(const LayerCall& call, CallStats* stats, CacheCopies& copies, bool host_calls) {
   const Clock::time_point t0 = Clock::now();
-  PollCopies();
+  copies.Poll();
   // Cache copies on the link beside this call (still in flight, or started during it below).
-  const bool copies_before = !m.pending.empty();
-  const uint64_t started_before = copies_started_;
-  planner_.CallStarted();
+  const bool copies_before = copies.any_in_flight();
+  const uint64_t started_before = copies.copies_started();
+  ctx_.planner.CallStarted();
   LayerCall c = call;
   if (c.stream == nullptr) c.stream = LegacyDefaultStream();
-  const size_t li = static_cast<size_t>(layer_index_[call.batch.layer]);
-  const int32_t before = m.device_ready ? __atomic_load_n(m.device_tables[li].routing_log, __ATOMIC_ACQUIRE) : 0;
-  MOE_RETURN_IF_ERROR(EnqueueCapturable(c, /*count_accesses=*/false));
+  const size_t li = static_cast<size_t>(ctx_.layer_index[call.batch.layer]);
+  const int32_t before = ready_ ? __atomic_load_n(tables_[li].routing_log, __ATOMIC_ACQUIRE) : 0;
+  MOE_RETURN_IF_ERROR(Enqueue(c, /*count_accesses=*/false));
   const Clock::time_point t1 = Clock::now();
-  MOE_RETURN_IF_ERROR(backend_->WaitStream(c.stream));
-  const uint64_t done = backend_->RecordCompute();
-  bool host_calls = false;
-  for (const InFlightCall& ctx : m.contexts) host_calls |= ctx.busy;
-  m.last_reader[li] = done;
-  const bool during = !m.engine_calls && !host_calls && AwaitRoutingLog(li, before, done);
-  const int32_t* log = m.device_tables[li].routing_log;
-  if (!during) MOE_RETURN_IF_ERROR(backend_->WaitCompute(done));
+  MOE_RETURN_IF_ERROR(ctx_.backend->WaitStream(c.stream));
+  const uint64_t done = ctx_.backend->RecordCompute();
+  last_reader_[li] = done;
+  const bool during = !engine_calls_ && !host_calls && AwaitRoutingLog(li, before, done);
+  const int32_t* log = tables_[li].routing_log;
+  if (!during) MOE_RETURN_IF_ERROR(ctx_.backend->WaitCompute(done));
   const int T = call.batch.n, k = call.batch.routing.k;
   const int32_t* ids = log + kRoutingLogHeader;
-  std::vector<int>& experts = m.call_experts;
-  std::vector<int>& pairs = m.call_pairs;
-  std::vector<int32_t>& count = m.call_count;
-  count.resize(spec_.num_experts, 0);
-  experts.clear();
-  pairs.clear();
-  for (int i = 0; i < T * k; ++i)  // the log holds only ids in [-1, E)
-    if (const int e = ids[i]; e >= 0 && count[e]++ == 0) experts.push_back(e);
-  for (int e : experts) {
-    pairs.push_back(count[e]);
-    count[e] = 0;
-  }
-  cache_->RecordAccess(call.batch.layer, experts, pairs);
-  if (config_.on_access)
-    for (size_t i = 0; i < experts.size(); ++i)
-      config_.on_access(call.batch.layer, experts[i], pairs[i], cache_->ReadySlot(call.batch.layer, experts[i]) >= 0);
-  if (m.log_seen.size() < layers_.size()) m.log_seen.resize(layers_.size(), 0);
-  m.log_seen[li] = log[0];
+  RecordLoggedAccesses(call.batch.layer, ids, T * k);
+  if (log_seen_.size() < ctx_.layers.size()) log_seen_.resize(ctx_.layers.size(), 0);
+  log_seen_[li] = log[0];
   // The experts this call copies over the link (copy-instead, the SMs reading
   // through the mapping) are still on it while the call runs: admissions
   // queue behind them.
-  if (during) planner_.CopiesQueued(log[6]);
-  AdmitAfter(call.batch.layer, T, k, ids, during ? done : 0);
+  if (during) ctx_.planner.CopiesQueued(log[6]);
+  copies.AfterDeviceCall(call.batch.layer, T, k, ids, during ? done : 0);
   admissions_during_calls_ += during;
-  if (during) MOE_RETURN_IF_ERROR(backend_->WaitCompute(done));
+  if (during) MOE_RETURN_IF_ERROR(ctx_.backend->WaitCompute(done));
   const double took = Seconds(Clock::now() - t0);
-  const int missed = log[6] + log[7];
-  // What cache copies beside the call cost it (the admissions' price of a copy).
-  planner_.rates().overlap.Observe(CopyOverlap::Shape(T, missed), copies_before || copies_started_ != started_before,
-                                   took);
-  // A call the model would have copied for: its time, for its shape (the
-  // table for that shape was what PublishCopyCount last wrote).
-  if (config_.copy_mode == CopyMode::kAuto && m.copy_plan != nullptr && missed > 0 && missed < kDeviceCopyTable &&
-      m.model_copies[missed] > 0) {
-    CopyOutcomes& outcomes = planner_.device_outcomes();
-    const int bucket = CopyOutcomes::DeviceBucket(missed);
-    const CopyChoice choice = outcomes.Choose(bucket);
-    outcomes.Observe(bucket, choice, took);
-    for (int n = 1; n < kDeviceCopyTable; ++n)
-      if (CopyOutcomes::DeviceBucket(n) == bucket) PublishCopyCount(n);
-  }
+  ObserveOutcome(T, log[6] + log[7], copies_before || copies.copies_started() != started_before, took);
   if (stats != nullptr) {
     *stats = LoggedStats(log);
     stats->submit_seconds = Seconds(t1 - t0);
@@ -179,8 +153,44 @@ absl::Status LayerDispatcher::ForwardOnDevice(const LayerCall& call, CallStats* 
   return TakeLayerError(li);
 }
 
+// The accesses of a device-path call from its logged routing (`pairs` ids
+// in [-1, E)): the cache's counters and on_access.
+void DeviceExecutor::RecordLoggedAccesses(int layer, const int32_t* ids, int pairs) {
+  std::vector<int>& experts = call_experts_;
+  std::vector<int>& counts = call_pairs_;
+  call_count_.resize(ctx_.spec.num_experts, 0);
+  experts.clear();
+  counts.clear();
+  for (int i = 0; i < pairs; ++i)
+    if (const int e = ids[i]; e >= 0 && call_count_[e]++ == 0) experts.push_back(e);
+  for (int e : experts) {
+    counts.push_back(call_count_[e]);
+    call_count_[e] = 0;
+  }
+  ctx_.cache->RecordAccess(layer, experts, counts);
+  if (ctx_.config.on_access)
+    for (size_t i = 0; i < experts.size(); ++i)
+      ctx_.config.on_access(layer, experts[i], counts[i], ctx_.cache->ReadySlot(layer, experts[i]) >= 0);
+}
+
+// What a device-path call of T tokens missing `missed` experts teaches the
+// planner: what cache copies beside it cost (the admissions' price of a
+// copy), and — a call the model would have copied for — its time for its
+// shape (the table for that shape was what PublishCopyCount last wrote).
+void DeviceExecutor::ObserveOutcome(int T, int missed, bool beside_copies, double took) {
+  ctx_.planner.rates().overlap.Observe(CopyOverlap::Shape(T, missed), beside_copies, took);
+  if (ctx_.config.copy_mode != CopyMode::kAuto || copy_plan_ == nullptr || missed <= 0 ||
+      missed >= kDeviceCopyTable || model_copies_[missed] <= 0)
+    return;
+  CopyOutcomes& outcomes = ctx_.planner.device_outcomes();
+  const int bucket = CopyOutcomes::DeviceBucket(missed);
+  outcomes.Observe(bucket, outcomes.Choose(bucket), took);
+  for (int n = 1; n < kDeviceCopyTable; ++n)
+    if (CopyOutcomes::DeviceBucket(n) == bucket) PublishCopyCount(n);
+}
+
 // The split a device-planned call logged (routing_log's header).
-CallStats LayerDispatcher::LoggedStats(const int32_t* log) {
+CallStats DeviceExecutor::LoggedStats(const int32_t* log) {
   CallStats stats;
   stats.hit_pairs = log[3];
   stats.cpu_pairs = log[4];
@@ -190,12 +200,11 @@ CallStats LayerDispatcher::LoggedStats(const int32_t* log) {
   return stats;
 }
 
-absl::StatusOr<CallStats> LayerDispatcher::LastDeviceCall(int layer) const {
-  const Impl& m = *impl_;
-  if (layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0)
+absl::StatusOr<CallStats> DeviceExecutor::LastCall(int layer) const {
+  if (layer < 0 || layer >= ctx_.spec.num_layers || ctx_.layer_index[layer] < 0)
     return absl::InvalidArgumentError(absl::StrCat("layer: ", layer, " is not served"));
-  if (!m.device_ready) return absl::FailedPreconditionError("no device-planned call has run");
-  const int32_t* log = m.device_tables[layer_index_[layer]].routing_log;
+  if (!ready_) return absl::FailedPreconditionError("no device-planned call has run");
+  const int32_t* log = tables_[ctx_.layer_index[layer]].routing_log;
   const int32_t seq = __atomic_load_n(log, __ATOMIC_ACQUIRE);
   if (seq == 0) return absl::FailedPreconditionError(absl::StrCat("layer ", layer, ": no call logged yet"));
   CallStats stats = LoggedStats(log);
@@ -204,15 +213,15 @@ absl::StatusOr<CallStats> LayerDispatcher::LastDeviceCall(int layer) const {
   return stats;
 }
 
-bool LayerDispatcher::AwaitRoutingLog(size_t li, int32_t before, uint64_t done) {
-  const int32_t* log = impl_->device_tables[li].routing_log;
+bool DeviceExecutor::AwaitRoutingLog(size_t li, int32_t before, uint64_t done) {
+  const int32_t* log = tables_[li].routing_log;
   SpinYielder yielder;  // the engine's other threads (another rank's) may share this CPU
   for (uint32_t spin = 0;; ++spin) {
     const int32_t seq = __atomic_load_n(log, __ATOMIC_ACQUIRE);
     if (seq != 0 && seq != before) return true;
     // The call ended (or failed) without logging: the caller waits and reads as before.
     if (spin % 64 == 63) {
-      if (backend_->ComputeDone(done)) {
+      if (ctx_.backend->ComputeDone(done)) {
         const int32_t last = __atomic_load_n(log, __ATOMIC_ACQUIRE);
         return last != 0 && last != before;
       }
@@ -225,40 +234,52 @@ bool LayerDispatcher::AwaitRoutingLog(size_t li, int32_t before, uint64_t done) 
 // ---------------------------------------------------------------------------
 // Capturable calls (device-planned: CUDA graphs and decode).
 
-void LayerDispatcher::PublishSlotMap(int layer) {
-  Impl& m = *impl_;
-  if (m.device_tables.empty() || layer < 0 || layer >= spec_.num_layers || layer_index_[layer] < 0) return;
-  int32_t* buffer_of = m.device_tables[layer_index_[layer]].buffer_of;
-  for (int e = 0; e < spec_.num_experts; ++e) {
-    const int slot = cache_->ReadySlot(layer, e);
-    const int32_t b = !Owns(layer, e) ? kNotThisRank : slot >= 0 ? SlotBuffer(layer, slot) : -1;
+void DeviceExecutor::PublishSlotMap(int layer) {
+  if (tables_.empty() || layer < 0 || layer >= ctx_.spec.num_layers || ctx_.layer_index[layer] < 0) return;
+  int32_t* buffer_of = tables_[ctx_.layer_index[layer]].buffer_of;
+  for (int e = 0; e < ctx_.spec.num_experts; ++e) {
+    const int slot = ctx_.cache->ReadySlot(layer, e);
+    const int32_t b = !ctx_.Owns(layer, e) ? kNotThisRank : slot >= 0 ? ctx_.SlotBuffer(layer, slot) : -1;
     __atomic_store_n(buffer_of + e, b, __ATOMIC_RELEASE);
   }
+}
+
+void DeviceExecutor::PublishSlotMaps() {
+  for (int layer : ctx_.layers) PublishSlotMap(layer);
+}
+
+// Capturable calls already enqueued on the engine's stream may read a slot
+// being replaced: a copy waits for them — during an eager device-path call
+// (its admissions), only for the layer's last reader, after which nothing
+// reads its slots.
+absl::StatusOr<uint64_t> DeviceExecutor::CopyAfter(int layer, bool during_call) {
+  if (during_call) return last_reader_[ctx_.layer_index[layer]];
+  if (planned_stream_ != nullptr) MOE_RETURN_IF_ERROR(ctx_.backend->WaitStream(planned_stream_));
+  return ctx_.backend->RecordCompute();
 }
 
 // The tables in one host-mapped block: the channels, then per served layer
 // buffer_of [E], channel_of [E] and the error records. Allocated at Create
 // when the backend has a device (the slot map is published from the start).
-absl::Status LayerDispatcher::AllocateDeviceTables() {
-  Impl& m = *impl_;
-  if (!backend_->has_device_memory()) return absl::OkStatus();
-  const size_t E = spec_.num_experts, L = layers_.size();
-  const size_t log_pairs = static_cast<size_t>(CapturableMaxTokens()) * config_.max_top_k;
+absl::Status DeviceExecutor::AllocateTables() {
+  if (!ctx_.backend->has_device_memory()) return absl::OkStatus();
+  const size_t E = ctx_.spec.num_experts, L = ctx_.layers.size();
+  const size_t log_pairs = static_cast<size_t>(ctx_.capturable_max_tokens) * ctx_.config.max_top_k;
   const size_t per_layer =
       2 * E * sizeof(int32_t) + (1 + kMaxDeviceChannels) * sizeof(DeviceError) +
       (kRoutingLogHeader + log_pairs) * sizeof(int32_t);
   const size_t channel_bytes = kMaxDeviceChannels * sizeof(DeviceChannel) + sizeof(DeviceCopyPlan);
-  absl::StatusOr<void*> mem = backend_->AllocMapped(channel_bytes + L * per_layer);
+  absl::StatusOr<void*> mem = ctx_.backend->AllocMapped(channel_bytes + L * per_layer);
   if (!mem.ok()) return absl::OkStatus();  // no mapped memory: capturable calls are refused by the backend
-  m.mapped = *mem;
-  auto* p = static_cast<uint8_t*>(m.mapped);
-  m.channels = reinterpret_cast<DeviceChannel*>(p);
-  m.copy_plan = new (p + kMaxDeviceChannels * sizeof(DeviceChannel)) DeviceCopyPlan();
+  mapped_ = *mem;
+  auto* p = static_cast<uint8_t*>(mapped_);
+  channels_ = reinterpret_cast<DeviceChannel*>(p);
+  copy_plan_ = new (p + kMaxDeviceChannels * sizeof(DeviceChannel)) DeviceCopyPlan();
   p += channel_bytes;
-  m.device_tables.resize(L);
-  m.last_reader.assign(L, 0);
+  tables_.resize(L);
+  last_reader_.assign(L, 0);
   for (size_t li = 0; li < L; ++li) {
-    DeviceLayerTables& t = m.device_tables[li];
+    DeviceLayerTables& t = tables_[li];
     t.errors = reinterpret_cast<DeviceError*>(p);
     p += (1 + kMaxDeviceChannels) * sizeof(DeviceError);
     t.buffer_of = reinterpret_cast<int32_t*>(p);
@@ -270,42 +291,41 @@ absl::Status LayerDispatcher::AllocateDeviceTables() {
     p += (kRoutingLogHeader + log_pairs) * sizeof(int32_t);
     for (size_t e = 0; e < E; ++e) t.buffer_of[e] = t.channel_of[e] = -1;
   }
-  for (int l : layers_) PublishSlotMap(l);
+  PublishSlotMaps();
   return absl::OkStatus();
 }
 
 // Points server `index`'s channel at its transport's current segment (an shm
 // server after a reconnect gets its new one, registered with the device).
-absl::Status LayerDispatcher::PublishChannel(size_t index) {
-  Impl& m = *impl_;
-  const int c = m.channel_of_server[index];
-  Server& sv = m.servers[index];
-  if (c < 0 || m.forwarder_of_server[index] >= 0 || sv.transport == nullptr) return absl::OkStatus();
+absl::Status DeviceExecutor::PublishChannel(size_t index) {
+  const int c = channel_of_server_[index];
+  Server& sv = servers_.at(index);
+  if (c < 0 || forwarder_of_server_[index] >= 0 || sv.transport == nullptr) return absl::OkStatus();
   std::optional<ExpertTransport::DeviceRings> rings = sv.transport->DeviceRingsOf();
-  if (!rings || rings->generation == m.channel_generation[index]) return absl::OkStatus();
+  if (!rings || rings->generation == channel_generation_[index]) return absl::OkStatus();
   void* base = rings->segment.base();
-  if (m.channel_base[index] != nullptr && m.channel_base[index] != base) {
+  if (channel_base_[index] != nullptr && channel_base_[index] != base) {
     // The old segment (the server reconnected): once no call on the engine's
     // stream can write to it, unregistered and unmapped.
-    if (m.planned_stream != nullptr) {
-      MOE_RETURN_IF_ERROR(backend_->WaitStream(m.planned_stream));
-      MOE_RETURN_IF_ERROR(backend_->WaitCompute(backend_->RecordCompute()));
+    if (planned_stream_ != nullptr) {
+      MOE_RETURN_IF_ERROR(ctx_.backend->WaitStream(planned_stream_));
+      MOE_RETURN_IF_ERROR(ctx_.backend->WaitCompute(ctx_.backend->RecordCompute()));
     }
-    backend_->UnregisterHost(m.channel_base[index]);
+    ctx_.backend->UnregisterHost(channel_base_[index]);
     sv.transport->ReleaseDeviceSegments();
   }
-  if (backend_->DeviceAddress(base) == 0) MOE_RETURN_IF_ERROR(backend_->RegisterHost(base, rings->bytes));
-  m.channel_base[index] = base;
-  const uint64_t dev = backend_->DeviceAddress(base);
+  if (ctx_.backend->DeviceAddress(base) == 0) MOE_RETURN_IF_ERROR(ctx_.backend->RegisterHost(base, rings->bytes));
+  channel_base_[index] = base;
+  const uint64_t dev = ctx_.backend->DeviceAddress(base);
   if (dev == 0) return absl::InternalError(absl::StrCat("servers: ", sv.config.address, ": segment not mapped for the device"));
-  rings->segment.SetDevicePoll(config_.poll_window);
+  rings->segment.SetDevicePoll(ctx_.config.poll_window);
   FillChannel(rings->segment, dev, rings->first_slot, rings->slots, static_cast<uint32_t>(rings->generation),
-              &m.channels[c]);
-  m.channel_generation[index] = rings->generation;
-  return m.device_ready ? backend_->SetDeviceChannels(m.channels, m.num_channels) : absl::OkStatus();
+              &channels_[c]);
+  channel_generation_[index] = rings->generation;
+  return ready_ ? ctx_.backend->SetDeviceChannels(channels_, num_channels_) : absl::OkStatus();
 }
 
-void LayerDispatcher::FillChannel(const shm::Segment& seg, uint64_t device_base, uint32_t first_slot,
+void DeviceExecutor::FillChannel(const shm::Segment& seg, uint64_t device_base, uint32_t first_slot,
                                   uint32_t slots, uint32_t generation, DeviceChannel* out) {
   const shm::SegmentGeometry& g = seg.geometry();
   DeviceChannel ch;
@@ -335,22 +355,21 @@ void LayerDispatcher::FillChannel(const shm::Segment& seg, uint64_t device_base,
 // rings, else a forwarder), the routes published. Not while capturing (it
 // registers memory and starts threads); the backend refuses a first call in
 // a capture anyway.
-absl::Status LayerDispatcher::PrepareDevicePath() {
-  Impl& m = *impl_;
-  if (m.device_ready) return absl::OkStatus();
-  if (m.mapped == nullptr)
+absl::Status DeviceExecutor::PrepareDevicePath() {
+  if (ready_) return absl::OkStatus();
+  if (mapped_ == nullptr)
     return absl::FailedPreconditionError("capturable calls need the cuda backend (host memory the GPU maps)");
-  if (m.servers.size() > static_cast<size_t>(kMaxDeviceChannels))
+  if (servers_.size() > static_cast<size_t>(kMaxDeviceChannels))
     return absl::InvalidArgumentError(absl::StrCat("servers: capturable calls reach at most ", kMaxDeviceChannels,
-                                                   " servers; this worker has ", m.servers.size()));
-  const size_t S = m.servers.size();
-  m.channel_of_server.assign(S, -1);
-  m.forwarder_of_server.assign(S, -1);
-  m.channel_generation.assign(S, 0);
-  m.channel_base.assign(S, nullptr);
+                                                   " servers; this worker has ", servers_.size()));
+  const size_t S = servers_.size();
+  channel_of_server_.assign(S, -1);
+  forwarder_of_server_.assign(S, -1);
+  channel_generation_.assign(S, 0);
+  channel_base_.assign(S, nullptr);
   for (size_t s = 0; s < S; ++s) {
-    Server& sv = m.servers[s];
-    m.channel_of_server[s] = m.num_channels++;
+    Server& sv = servers_.at(s);
+    channel_of_server_[s] = num_channels_++;
     const bool shm = sv.transport != nullptr ? sv.transport->DeviceRingsOf().has_value()
                                              : UnixSocketPath(sv.config.address).has_value();
     if (shm) {
@@ -358,40 +377,40 @@ absl::Status LayerDispatcher::PrepareDevicePath() {
       continue;
     }
     // A gRPC server: requests through a local segment and a forwarder thread.
-    const int k = std::max(config_.max_top_k, 1);
-    const shm::SegmentGeometry g = shm::Geometry(spec_.hidden, config_.max_tokens, k, 2);
+    const int k = std::max(ctx_.config.max_top_k, 1);
+    const shm::SegmentGeometry g = shm::Geometry(ctx_.spec.hidden, ctx_.config.max_tokens, k, 2);
     auto f = std::make_unique<Forwarder>();
-    MOE_ASSIGN_OR_RETURN(f->mem, backend_->AllocMapped(g.total_bytes));
-    absl::StatusOr<shm::Segment> seg = shm::Segment::Create(f->mem, g.total_bytes, spec_.hidden, config_.max_tokens, k, 2);
+    MOE_ASSIGN_OR_RETURN(f->mem, ctx_.backend->AllocMapped(g.total_bytes));
+    absl::StatusOr<shm::Segment> seg = shm::Segment::Create(f->mem, g.total_bytes, ctx_.spec.hidden, ctx_.config.max_tokens, k, 2);
     if (!seg.ok()) {
-      backend_->FreeMapped(f->mem);
+      ctx_.backend->FreeMapped(f->mem);
       return seg.status();
     }
     f->seg = *seg;
-    FillChannel(*f->seg, reinterpret_cast<uint64_t>(f->mem), 0, 2, 1, &m.channels[m.channel_of_server[s]]);
+    FillChannel(*f->seg, reinterpret_cast<uint64_t>(f->mem), 0, 2, 1, &channels_[channel_of_server_[s]]);
     f->route.store(sv.enabled ? sv.transport.get() : nullptr);
     Forwarder* raw = f.get();
-    f->thread = std::thread(RunForwarder, raw, spec_.num_experts, spec_.num_layers,
-                            std::min(config_.server_deadline, config_.deadline),
-                            std::chrono::nanoseconds(config_.poll_window));
-    m.forwarder_of_server[s] = static_cast<int>(m.forwarders.size());
-    m.forwarders.push_back(std::move(f));
+    f->thread = std::thread(RunForwarder, raw, ctx_.spec.num_experts, ctx_.spec.num_layers,
+                            std::min(ctx_.config.server_deadline, ctx_.config.deadline),
+                            std::chrono::nanoseconds(ctx_.config.poll_window));
+    forwarder_of_server_[s] = static_cast<int>(forwarders_.size());
+    forwarders_.push_back(std::move(f));
   }
-  MOE_RETURN_IF_ERROR(backend_->SetDeviceChannels(m.channels, m.num_channels));
-  if (m.copy_buffer_base >= 0) {  // copy-instead reads the host copy's experts
-    std::vector<const std::byte*> experts(spec_.num_experts);
-    for (size_t li = 0; li < layers_.size(); ++li) {
-      for (int e = 0; e < spec_.num_experts; ++e) experts[e] = host_->Find(layers_[li], e);
-      if (absl::Status st = backend_->SetHostExperts(static_cast<int>(li), experts); !st.ok()) {
+  MOE_RETURN_IF_ERROR(ctx_.backend->SetDeviceChannels(channels_, num_channels_));
+  if (copy_buffer_base_ >= 0) {  // copy-instead reads the host copy's experts
+    std::vector<const std::byte*> experts(ctx_.spec.num_experts);
+    for (size_t li = 0; li < ctx_.layers.size(); ++li) {
+      for (int e = 0; e < ctx_.spec.num_experts; ++e) experts[e] = ctx_.host->Find(ctx_.layers[li], e);
+      if (absl::Status st = ctx_.backend->SetHostExperts(static_cast<int>(li), experts); !st.ok()) {
         LogWarning("worker", "capturable calls copy nothing instead of computing: ", st.message());
-        m.copy_buffer_base = -1;
+        copy_buffer_base_ = -1;
         break;
       }
     }
   }
-  if (m.copy_buffer_base >= 0) {
-    absl::StatusOr<double> probe = backend_->ProbeDeviceCopy(host_->Find(layers_.front(), 0));
-    m.device_copy_s = probe.ok() ? *probe : 0;
+  if (copy_buffer_base_ >= 0) {
+    absl::StatusOr<double> probe = ctx_.backend->ProbeDeviceCopy(ctx_.host->Find(ctx_.layers.front(), 0));
+    device_copy_s_ = probe.ok() ? *probe : 0;
     if (probe.ok()) {
       LogInfo("worker", "capturable calls copy an expert in ", absl::StrFormat("%.3f", *probe * 1e3),
               " ms (SM reads over the link)");
@@ -400,51 +419,49 @@ absl::Status LayerDispatcher::PrepareDevicePath() {
     }
   }
   PublishCopyPlan();
-  m.device_ready = true;
+  ready_ = true;
   for (size_t s = 0; s < S; ++s) PublishRoute(s);
   return absl::OkStatus();
 }
 
-// The most tokens one capturable call may have: every request fits one slot
-// (computed once, by CreateCacheAndBackend: the servers do not change).
-int LayerDispatcher::CapturableMaxTokens() const { return impl_->capturable_max_tokens; }
+bool DeviceExecutor::LeavesToHost(const LayerCall& call) const {
+  const MoeBatch& b = call.batch;
+  return ctx_.Serves(b.layer) && call.kind == MemoryKind::kDevice && ctx_.backend->has_device_memory() &&
+         b.n > ctx_.capturable_max_tokens && b.n <= ctx_.config.max_tokens &&
+         !ctx_.backend->StreamCapturing(call.stream != nullptr ? call.stream : LegacyDefaultStream());
+}
 
-absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call, bool count_accesses) {
-  Impl& m = *impl_;
+absl::Status DeviceExecutor::Enqueue(const LayerCall& engine_call, bool count_accesses) {
   LayerCall call = engine_call;
   if (call.stream == nullptr) call.stream = LegacyDefaultStream();  // stream 0, as CUDA reads it
   const MoeBatch& b = call.batch;
-  if (b.layer < 0 || b.layer >= spec_.num_layers || layer_index_[b.layer] < 0)
+  if (!ctx_.Serves(b.layer))
     return absl::InvalidArgumentError(absl::StrCat("layer: ", b.layer, " is not an MoE layer served here"));
-  if (call.kind != MemoryKind::kDevice || !backend_->has_device_memory())
+  if (call.kind != MemoryKind::kDevice || !ctx_.backend->has_device_memory())
     return absl::InvalidArgumentError("memory: capturable calls take device pointers (cuda backend)");
-  const int max_tokens = CapturableMaxTokens();
-  // A call too large for the device's request slots (a prompt) is not being
-  // captured in practice: it runs as a stream-ordered eager call (the host
-  // path, where large T belongs). While capturing it cannot.
-  if (b.n > max_tokens && b.n <= config_.max_tokens && !backend_->StreamCapturing(call.stream)) return Forward(call);
-  if (b.n < 1 || b.n > max_tokens || b.routing.k < 1 || b.routing.k > config_.max_top_k)
+  const int max_tokens = ctx_.capturable_max_tokens;
+  if (b.n < 1 || b.n > max_tokens || b.routing.k < 1 || b.routing.k > ctx_.config.max_top_k)
     return absl::InvalidArgumentError(absl::StrCat(
-        "tokens/top_k: ", b.n, " x ", b.routing.k, " is outside [1, ", max_tokens, "] x [1, ", config_.max_top_k,
+        "tokens/top_k: ", b.n, " x ", b.routing.k, " is outside [1, ", max_tokens, "] x [1, ", ctx_.config.max_top_k,
         "] (captured, a call's misses must fit one shared-memory request slot per server)"));
   if (b.routing.n != b.n)
     return absl::InvalidArgumentError(absl::StrCat("topk_ids: ", b.routing.n, " rows for ", b.n, " tokens"));
-  if (!m.device_ready && backend_->StreamCapturing(call.stream))
+  if (!ready_ && ctx_.backend->StreamCapturing(call.stream))
     return absl::FailedPreconditionError(absl::StrCat(
         "capturable call: layer ", b.layer, " was never run outside a capture (warm up once before capturing)"));
   MOE_RETURN_IF_ERROR(PrepareDevicePath());
-  m.engine_calls |= count_accesses;  // the engine's own call (ForwardOnDevice counts its accesses itself)
+  engine_calls_ |= count_accesses;  // the engine's own call (Forward counts its accesses itself)
   // A reconnected shm server's new segment (not while the engine captures:
   // registering memory is not capture-safe; the next call outside does it).
-  for (size_t s = 0; s < m.servers.size(); ++s) {
-    Server& sv = m.servers[s];
-    if (m.forwarder_of_server[s] >= 0 || sv.transport == nullptr) continue;
-    if (sv.transport->Generation() != m.channel_generation[s] && !backend_->StreamCapturing(call.stream))
+  for (size_t s = 0; s < servers_.size(); ++s) {
+    Server& sv = servers_.at(s);
+    if (forwarder_of_server_[s] >= 0 || sv.transport == nullptr) continue;
+    if (sv.transport->Generation() != channel_generation_[s] && !ctx_.backend->StreamCapturing(call.stream))
       MOE_RETURN_IF_ERROR(PublishChannel(s));
   }
-  m.planned_stream = call.stream;
+  planned_stream_ = call.stream;
   DevicePlannedCall dc;
-  dc.site = layer_index_[b.layer];
+  dc.site = ctx_.layer_index[b.layer];
   dc.layer = b.layer;
   dc.T = b.n;
   dc.k = b.routing.k;
@@ -453,38 +470,37 @@ absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& engine_call, bo
   dc.weights = b.routing.weights;
   dc.out = call.out;
   dc.stream = call.stream;
-  dc.tables = m.device_tables[layer_index_[b.layer]];
-  dc.num_channels = m.num_channels;
-  dc.timeout = call.deadline.count() > 0 ? call.deadline : config_.deadline;
+  dc.tables = tables_[ctx_.layer_index[b.layer]];
+  dc.num_channels = num_channels_;
+  dc.timeout = call.deadline.count() > 0 ? call.deadline : ctx_.config.deadline;
   dc.count_accesses = count_accesses;
-  if (m.copy_buffer_base >= 0) {
-    dc.copy_plan = m.copy_plan;
-    dc.copy_buffer_base = m.copy_buffer_base;
+  if (copy_buffer_base_ >= 0) {
+    dc.copy_plan = copy_plan_;
+    dc.copy_buffer_base = copy_buffer_base_;
   }
-  return backend_->EnqueueDevicePlanned(dc);
+  return ctx_.backend->EnqueueDevicePlanned(dc);
 }
 
-absl::Status LayerDispatcher::TakeStreamError() {
+absl::Status DeviceExecutor::TakeStreamError(CacheCopies& copies) {
   CollectDeviceAccesses();
   absl::Status first;
-  for (size_t li = 0; li < impl_->device_tables.size(); ++li) {
+  for (size_t li = 0; li < tables_.size(); ++li) {
     absl::Status st = TakeLayerError(li);
     if (first.ok()) first = std::move(st);
   }
   RefreshDeviceServers();
   PublishCopyPlan();
-  PlanDeviceAdmissions();
+  PlanDeviceAdmissions(copies);
   return first;
 }
 
 // The error records of served layer `li`'s device-planned calls (the split's
 // and each channel's), cleared; the first as a Status naming the layer and
 // what failed (a channel's: the server's own message, or the timeout).
-absl::Status LayerDispatcher::TakeLayerError(size_t li) {
-  Impl& m = *impl_;
+absl::Status DeviceExecutor::TakeLayerError(size_t li) {
   absl::Status first;
   for (int w = 0; w <= kMaxDeviceChannels; ++w) {
-    DeviceError& e = m.device_tables[li].errors[w];
+    DeviceError& e = tables_[li].errors[w];
     const int32_t code = __atomic_load_n(&e.code, __ATOMIC_ACQUIRE);
     if (code == 0) continue;
     const int layer = e.layer, detail = e.detail;
@@ -503,12 +519,12 @@ absl::Status LayerDispatcher::TakeLayerError(size_t li) {
       continue;
     }
     size_t server = 0;
-    while (server < m.servers.size() && m.channel_of_server[server] != w - 1) ++server;
-    const std::string address = server < m.servers.size() ? m.servers[server].config.address : "?";
+    while (server < servers_.size() && channel_of_server_[server] != w - 1) ++server;
+    const std::string address = server < servers_.size() ? servers_.at(server).config.address : "?";
     if (detail == -2) {  // no answer, but the device computed the request from the host copy: right, and slow
       // Every layer of every replay while a server is silent: once a second per server.
-      if (server < m.servers.size()) {
-        Server& sv = m.servers[server];
+      if (server < servers_.size()) {
+        Server& sv = servers_.at(server);
         const Clock::time_point now = Clock::now();
         if (now - sv.recompute_warned < std::chrono::seconds(1)) {
           ++sv.recompute_unwarned;
@@ -516,19 +532,19 @@ absl::Status LayerDispatcher::TakeLayerError(size_t li) {
         }
         sv.recompute_warned = now;
       }
-      const uint64_t more = server < m.servers.size() ? std::exchange(m.servers[server].recompute_unwarned, 0) : 0;
+      const uint64_t more = server < servers_.size() ? std::exchange(servers_.at(server).recompute_unwarned, 0) : 0;
       LogWarning("worker", "capturable call, layer ", layer, ", server ", address, ": no answer (",
-                 absl::StatusCodeToString(sc), ", waited at most ", config_.deadline.count(),
+                 absl::StatusCodeToString(sc), ", waited at most ", ctx_.config.deadline.count(),
                  " ms); its misses were computed on the device from the host copy",
                  more > 0 ? absl::StrCat(" (and ", more, " more such layer calls since the last warning)") : "");
       continue;
     }
-    std::string why = detail < 0 ? absl::StrCat("no answer within ", config_.deadline.count(), " ms") : "";
-    if (detail >= 0 && server < m.servers.size()) {
+    std::string why = detail < 0 ? absl::StrCat("no answer within ", ctx_.config.deadline.count(), " ms") : "";
+    if (detail >= 0 && server < servers_.size()) {
       std::optional<shm::Segment> seg;
-      if (const int f = m.forwarder_of_server[server]; f >= 0) {
-        seg = m.forwarders[f]->seg;
-      } else if (auto rings = m.servers[server].transport->DeviceRingsOf()) {
+      if (const int f = forwarder_of_server_[server]; f >= 0) {
+        seg = forwarders_[f]->seg;
+      } else if (auto rings = servers_.at(server).transport->DeviceRingsOf()) {
         seg = rings->segment;
       }
       shm::ValidatedResponse resp;
@@ -547,39 +563,37 @@ absl::Status LayerDispatcher::TakeLayerError(size_t li) {
 // probed once: slower than the copy engine the eager path's rate measures).
 // copy_mode never, no measured rates or no probe: none; always: every
 // missed expert up to kMaxDeviceCopies.
-void LayerDispatcher::PublishCopyPlan() {
-  Impl& m = *impl_;
-  if (m.copy_plan == nullptr) return;
-  CostModel model = planner_.rates();
-  const bool priced = model.measured && m.device_copy_s > 0;
+void DeviceExecutor::PublishCopyPlan() {
+  if (copy_plan_ == nullptr) return;
+  CostModel model = ctx_.planner.rates();
+  const bool priced = model.measured && device_copy_s_ > 0;
   if (priced) {
-    model.copy_s = m.device_copy_s;
+    model.copy_s = device_copy_s_;
     model.copy = OnlineScale();
   }
   for (int missed = 0; missed < kDeviceCopyTable; ++missed) {
     int n = 0;
-    if (config_.copy_mode == CopyMode::kAlways) {
+    if (ctx_.config.copy_mode == CopyMode::kAlways) {
       n = std::min(missed, kMaxDeviceCopies);
-    } else if (config_.copy_mode == CopyMode::kAuto && priced && missed > 0) {
+    } else if (ctx_.config.copy_mode == CopyMode::kAuto && priced && missed > 0) {
       std::vector<CopyCandidate> candidates(missed);
       for (int i = 0; i < missed; ++i) candidates[i] = CopyCandidate{i, 1};
       model.calls_without_cpu_sample = 0;  // the table is not a call: no exploration
       n = std::min(static_cast<int>(ChooseCopies(model, candidates, 0).size()), kMaxDeviceCopies);
     }
-    m.model_copies[missed] = n;
+    model_copies_[missed] = n;
     PublishCopyCount(missed);
   }
 }
 
 // The device plan's copies for calls missing `missed` experts: the model's,
 // unless the outcomes of eager device-path calls of that shape (timed in
-// ForwardOnDevice) say the CPU alone was faster.
-void LayerDispatcher::PublishCopyCount(int missed) {
-  Impl& m = *impl_;
-  const int model = m.model_copies[missed];
-  const bool cpu = config_.copy_mode == CopyMode::kAuto && model > 0 &&
-                   planner_.device_outcomes().Peek(CopyOutcomes::DeviceBucket(missed)) == CopyChoice::kCpu;
-  __atomic_store_n(&m.copy_plan->copy_count[missed], cpu ? 0 : model, __ATOMIC_RELAXED);
+// Forward) say the CPU alone was faster.
+void DeviceExecutor::PublishCopyCount(int missed) {
+  const int model = model_copies_[missed];
+  const bool cpu = ctx_.config.copy_mode == CopyMode::kAuto && model > 0 &&
+                   ctx_.planner.device_outcomes().Peek(CopyOutcomes::DeviceBucket(missed)) == CopyChoice::kCpu;
+  __atomic_store_n(&copy_plan_->copy_count[missed], cpu ? 0 : model, __ATOMIC_RELAXED);
 }
 
 // Capturable calls: an shm server that went away is reconnected (its new
@@ -587,17 +601,16 @@ void LayerDispatcher::PublishCopyCount(int missed) {
 // routes, so calls fail at once (or go to a replica) instead of waiting out
 // the deadline on a segment nobody serves. Not while the engine captures
 // (registering memory is not capture-safe).
-void LayerDispatcher::RefreshDeviceServers() {
-  Impl& m = *impl_;
-  if (!m.device_ready || backend_->StreamCapturing(m.planned_stream)) return;
+void DeviceExecutor::RefreshDeviceServers() {
+  if (!ready_ || ctx_.backend->StreamCapturing(planned_stream_)) return;
   const Clock::time_point now = Clock::now();
-  for (size_t s = 0; s < m.servers.size(); ++s) {
-    Server& sv = m.servers[s];
-    if (m.forwarder_of_server[s] >= 0 || sv.transport == nullptr) continue;
+  for (size_t s = 0; s < servers_.size(); ++s) {
+    Server& sv = servers_.at(s);
+    if (forwarder_of_server_[s] >= 0 || sv.transport == nullptr) continue;
     const bool was_dead = sv.device_dead;
     if (sv.device_dead && sv.down_until > now) continue;
     sv.device_dead = !sv.transport->Reconnect().ok() || !PublishChannel(s).ok();
-    if (sv.device_dead) sv.down_until = now + config_.server_retry;
+    if (sv.device_dead) sv.down_until = now + ctx_.config.server_retry;
     if (sv.device_dead != was_dead) PublishRoute(s);
   }
 }
@@ -605,31 +618,92 @@ void LayerDispatcher::RefreshDeviceServers() {
 // Popularity from device-planned calls (graph replays included): the routed
 // pairs the GPU counted since the last look, reported as the eager path
 // reports its own (ExpertCache::RecordAccess, on_access: the coordinator).
-void LayerDispatcher::CollectDeviceAccesses() {
-  Impl& m = *impl_;
+void DeviceExecutor::CollectDeviceAccesses() {
   // Not while the engine captures: a synchronous copy would end its capture.
-  if (!m.device_ready || backend_->StreamCapturing(m.planned_stream)) return;
+  if (!ready_ || ctx_.backend->StreamCapturing(planned_stream_)) return;
   std::vector<uint32_t> counts;
-  const size_t E = spec_.num_experts, L = layers_.size();
-  if (!backend_->ReadAccessCounts(&counts).ok() || counts.size() != L * E) return;
-  m.counts_seen.resize(L * E, 0);
+  const size_t E = ctx_.spec.num_experts, L = ctx_.layers.size();
+  if (!ctx_.backend->ReadAccessCounts(&counts).ok() || counts.size() != L * E) return;
+  counts_seen_.resize(L * E, 0);
   std::vector<int> experts, pairs;
   for (size_t li = 0; li < L; ++li) {
     experts.clear();
     pairs.clear();
     for (size_t e = 0; e < E; ++e) {
-      const uint32_t delta = counts[li * E + e] - m.counts_seen[li * E + e];  // wraps correctly
-      m.counts_seen[li * E + e] = counts[li * E + e];
+      const uint32_t delta = counts[li * E + e] - counts_seen_[li * E + e];  // wraps correctly
+      counts_seen_[li * E + e] = counts[li * E + e];
       if (delta == 0) continue;
       experts.push_back(static_cast<int>(e));
       pairs.push_back(static_cast<int>(std::min<uint32_t>(delta, 1u << 30)));
     }
     if (experts.empty()) continue;
-    const int layer = layers_[li];
-    cache_->RecordAccess(layer, experts, pairs);
-    if (config_.on_access)
+    const int layer = ctx_.layers[li];
+    ctx_.cache->RecordAccess(layer, experts, pairs);
+    if (ctx_.config.on_access)
       for (size_t i = 0; i < experts.size(); ++i)
-        config_.on_access(layer, experts[i], pairs[i], cache_->ReadySlot(layer, experts[i]) >= 0);
+        ctx_.config.on_access(layer, experts[i], pairs[i], ctx_.cache->ReadySlot(layer, experts[i]) >= 0);
+  }
+}
+
+// The routes of capturable calls (see ServerSet's route listener): the
+// forwarder's transport while the server is enabled, the server's slice on
+// its channel, and each expert's route (RouteExpert) over the enabled,
+// connected servers that have a channel; channel c is server c's.
+void DeviceExecutor::PublishRoute(size_t index) {
+  if (!ready_) return;
+  const Server& sv = servers_.at(index);
+  if (const int f = forwarder_of_server_[index]; f >= 0)
+    forwarders_[f]->route.store(sv.enabled ? sv.transport.get() : nullptr, std::memory_order_release);
+  // The server's share of each expert, for the fallback of its unanswered requests.
+  if (const int c = channel_of_server_[index]; c >= 0 && sv.transport != nullptr) {
+    const std::pair<int, int> range = sv.slice.whole() ? std::make_pair(0, 0)
+                                                       : SliceRange(ctx_.spec.intermediate, sv.slice)
+                                                             .value_or(std::make_pair(0, 0));
+    if (channels_[c].slice_begin != range.first || channels_[c].slice_end != range.second) {
+      channels_[c].slice_begin = range.first;
+      channels_[c].slice_end = range.second;
+      if (absl::Status st = ctx_.backend->SetDeviceChannels(channels_, num_channels_); !st.ok())
+        LogWarning("worker", "servers: ", sv.config.address, ": cannot publish its slice: ", st.message());
+    }
+  }
+  std::vector<PlanServer> up(servers_.size());
+  for (size_t s = 0; s < servers_.size(); ++s) {
+    const Server& x = servers_.at(s);
+    up[s] = PlanServer{x.enabled && !x.device_dead && x.transport != nullptr && channel_of_server_[s] >= 0, &x.hosts,
+                       x.chunk_tokens, x.slice};
+  }
+  const int n = static_cast<int>(up.size());
+  for (size_t li = 0; li < ctx_.layers.size(); ++li) {
+    int32_t* channel_of = tables_[li].channel_of;
+    for (int e = 0; e < ctx_.spec.num_experts; ++e) {
+      const uint64_t route = RouteExpert(up.data(), n, e, ReplicaStart(ctx_.layers[li], n));
+      __atomic_store_n(channel_of + e, route != 0 ? static_cast<int32_t>(route) : -1, __ATOMIC_RELEASE);
+    }
+  }
+}
+
+// Admissions for capturable calls, planned between steps: each layer's
+// latest call (the GPU's routing log) goes through the planner in layer
+// order, as an eager call's routing does after its split: the predictive
+// policy's admissions, or lru / lfru's. Copies that completed meanwhile are
+// published first. Not while the engine captures.
+void DeviceExecutor::PlanDeviceAdmissions(CacheCopies& copies) {
+  if (!ready_ || ctx_.host == nullptr || ctx_.config.copy_mode == CopyMode::kAlways ||
+      ctx_.backend->StreamCapturing(planned_stream_))
+    return;
+  copies.Poll();
+  log_seen_.resize(ctx_.layers.size(), 0);
+  std::vector<int32_t> ids;
+  for (size_t li = 0; li < ctx_.layers.size(); ++li) {
+    const DeviceLayerTables& t = tables_[li];
+    const int32_t seq = __atomic_load_n(t.routing_log, __ATOMIC_ACQUIRE);
+    if (seq == 0 || seq == log_seen_[li]) continue;  // being written, or seen
+    const int T = t.routing_log[1], k = t.routing_log[2];
+    if (T < 1 || k < 1 || static_cast<int64_t>(T) * k > t.routing_log_pairs) continue;
+    ids.assign(t.routing_log + kRoutingLogHeader, t.routing_log + kRoutingLogHeader + static_cast<size_t>(T) * k);
+    if (__atomic_load_n(t.routing_log, __ATOMIC_ACQUIRE) != seq) continue;  // rewritten while read
+    log_seen_[li] = seq;
+    copies.AfterDeviceCall(ctx_.layers[li], T, k, ids.data());
   }
 }
 

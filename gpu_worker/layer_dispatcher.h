@@ -48,13 +48,23 @@
 //
 // Thread-safety: none; one thread drives a dispatcher (and its backend).
 //
-// Files: layer_dispatcher.cc (Create and the steps of Init, the destructor,
-// LeaveGroup), rate_probes.h/.cc (the start-up probes behind MeasureRates),
-// server_failover.cc (connecting, routes, drains, FailOver), cache_copies.cc
-// (cache copies, assignments, hints, admissions), host_executor.cc (the host
-// path: Submit, Complete), device_executor.cc (Forward, the device-planned
-// calls and their host-mapped tables); dispatcher_internal.h (private) holds
-// Impl and the state they share.
+// Parts: LayerDispatcher is a thin coordinator — it builds the parts at
+// Create and hands each call to the executor that carries it out; every
+// decision is the Planner's (planner.h), made from what the parts give it.
+//   DispatchContext (gpu_worker/dispatch_context.h): the model, backend, host copy,
+//     config, cache, served layers and the Planner — what every part reads;
+//   ServerSet (server_set.h/.cc): connecting servers, the planner's view of
+//     them, drains, the failover decision of a failed batch;
+//   HostExecutor (host_executor.h/.cc): Submit / Complete — a HostCall
+//     carried from the plan through its shipped batches, hits, copies and
+//     prefetch to the merge of the partial sums;
+//   DeviceExecutor (device_executor.h/.cc): device-planned calls (capturable,
+//     and Forward's decode path) and the host-mapped tables the GPU reads;
+//   CacheCopies (cache_copies.h/.cc): the admission worker — copies into cache
+//     slots, assignments, hints, the admissions after each call;
+//   rate_probes.h/.cc: the start-up probes behind the planner's first rates.
+// Forward: DeviceExecutor::Takes(call) ? the device executor : the host
+// executor; neither calls the other.
 #pragma once
 
 #include <chrono>
@@ -112,7 +122,7 @@ inline constexpr size_t kAutoMissBufferBytes = size_t{128} << 20;
 // experts (the cpu backend: miss_buffers).
 inline constexpr size_t kAutoPrefetchBytes = size_t{1} << 30;
 // Forward's device path takes calls of at most this many pairs per expert of
-// the layer on average (LayerDispatcher::OnDevicePath).
+// the layer on average (DeviceExecutor::Takes).
 inline constexpr int kDevicePathPairsPerExpert = 1;
 inline constexpr double kMaxCacheGib = 1 << 20;
 
@@ -201,7 +211,15 @@ inline const std::vector<int>& ServedLayers(const ModelSpec& spec, const std::ve
   return requested.empty() ? spec.moe_layers : requested;
 }
 
-struct InFlightCall;  // a call in flight (dispatcher_internal.h)
+// The dispatcher's parts (private headers: gpu_worker/dispatch_context.h,
+// gpu_worker/server_set.h, gpu_worker/device_executor.h,
+// gpu_worker/cache_copies.h, gpu_worker/host_executor.h).
+struct DispatchContext;
+struct HostBuffers;
+class ServerSet;
+class DeviceExecutor;
+class CacheCopies;
+class HostExecutor;
 
 class LayerDispatcher {
  public:
@@ -283,7 +301,7 @@ class LayerDispatcher {
   absl::Status HintRouterLogits(int layer, int T, int k, const float* router_logits);
   // The predictive policy (null under another one): its predictor's quality
   // and per-layer copy counters.
-  const AdmissionPolicy* admission() const { return planner_.admission(); }
+  const AdmissionPolicy* admission() const;
 
   // Waits for every cache copy in flight and makes the slots Ready.
   absl::Status FlushCopies();
@@ -300,121 +318,41 @@ class LayerDispatcher {
   // expert-parallel rank calls it when a peer failed (ExpertParallel).
   void LeaveGroup();
 
-  const ExpertCache& cache() const { return *cache_; }
-  const CostModel& cost_model() const { return planner_.rates(); }
+  const ExpertCache& cache() const;
+  const CostModel& cost_model() const;
   // The link's idle window between calls the prefetch is bounded by (Planner::PrefetchWindow), seconds.
-  double prefetch_window_seconds() const { return planner_.PrefetchWindow(); }
-  int slots_per_layer() const { return cache_->config().slots_per_layer; }
-  const std::vector<int>& layers() const { return layers_; }
-  uint64_t copies_started() const { return copies_started_; }
+  double prefetch_window_seconds() const;
+  int slots_per_layer() const;
+  const std::vector<int>& layers() const;
+  uint64_t copies_started() const;
   // Eager device-path calls whose admissions were planned and started while
   // the call still ran (from the routing its plan kernel logs), not after it.
-  uint64_t admissions_during_calls() const { return admissions_during_calls_; }
+  uint64_t admissions_during_calls() const;
   // The predictive policy's planning since start (Planner::planning()).
-  PlanningStats planning() const { return planner_.planning(); }
+  PlanningStats planning() const;
   // The copy-instead decisions checked against their outcomes (host path, device path).
-  const CopyOutcomes& host_outcomes() const { return planner_.host_outcomes(); }
-  const CopyOutcomes& device_outcomes() const { return planner_.device_outcomes(); }
+  const CopyOutcomes& host_outcomes() const;
+  const CopyOutcomes& device_outcomes() const;
 
  private:
-  struct Impl;
-  LayerDispatcher() = default;
+  LayerDispatcher();
   // Create: the steps of Init.
   absl::Status Init();
   absl::Status CheckConfig();
-  absl::Status CreateCacheAndBackend();
-  void SizeMissBuffers(size_t expert_bytes);
-  absl::Status ConnectServers();
-  void WarnOfIncompleteSlices() const;
-  bool CanCopyMisses() const;
-  absl::Status AllocateContexts();
-  absl::Status CreateAdmission();
-  // The start-up probes (rate_probes.h) into planner_.rates().
+  absl::Status CreateCacheAndBackend(HostBuffers* buffers, int* device_copy_base);
+  void SizeMissBuffers(size_t expert_bytes, HostBuffers* buffers);
   absl::Status MeasureRates();
-  void PollCopies();
-  // One finished copy for the cost model: its time on the copy queue when the
-  // backend tells it, else `host_s` from the host clock as an upper bound.
-  void ObserveCopy(uint64_t fence, double host_s);
-  // Submit: the steps of a call until its work is enqueued.
-  absl::StatusOr<InFlightCall*> FreeContext();
-  absl::Status CheckCall(const LayerCall& call) const;
-  absl::Status CopyRouting(const LayerCall& call, std::vector<int32_t>& ids, std::vector<float>& weights);
-  absl::Status PlanCall(int layer, const RoutingView& routing, MissPlan& plan);
-  absl::Status Dispatch(InFlightCall& ctx);
-  absl::Status ShipMisses(InFlightCall& ctx);
-  absl::Status Gather(InFlightCall& ctx, const std::vector<int32_t>& rows, bf16_t* dst);
-  absl::Status ComputeCopies(InFlightCall& ctx);
-  absl::Status StartAdmissions(InFlightCall& ctx);
-  // The next served layer's experts copied into its prefetch buffers during
-  // this call (see the header comment); returns how many.
-  absl::StatusOr<int> StartPrefetch(InFlightCall& ctx);
-  void ReleasePrefetch(int parity, bool consumed);
-  absl::Status RunHits(InFlightCall& ctx);
-  // One group of `groups` copied into cache buffer `buffer` and computed from it.
-  absl::StatusOr<uint64_t> ComputeCopied(InFlightCall& ctx, const ExpertGroups& groups, int g, int buffer);
-  // Groups `gs` of `groups` copied into the temporary buffers and computed
-  // from them, several experts per launch.
-  absl::Status ComputeCopiedInBuffers(InFlightCall& ctx, const ExpertGroups& groups, const std::vector<int>& gs);
-  // Complete: the partial sums, and failover of a failed sent batch.
-  absl::Status AddPartials(InFlightCall& ctx, uint64_t* last_fence);
-  absl::Status FailOver(InFlightCall& ctx, size_t index, absl::Status st, const bf16_t** partial);
-  int OtherServerFor(const ServerBatch& batch, Clock::time_point now) const;
-  absl::Status ComputeServerBatchOnDevice(InFlightCall& ctx, const ServerBatch& batch);
-  void Abort(InFlightCall& ctx);
-  // Capturable calls: republishes every expert's route after server `index`
-  // was drained, enabled or connected (channel_of: the first enabled server
-  // hosting it that has a channel).
-  void PublishRoute(size_t index);
-  absl::Status ConnectServer(size_t index);  // (re)connects servers[index]
-  // during_call: planned while an eager device-path call runs, the copies
-  // wait only for the layer's last reader (Impl::last_reader); else for
-  // every call enqueued so far.
-  absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies, bool during_call = false);
-  absl::Status StartPlannedCopies(const std::vector<SlotCopy>& planned, bool during_call = false);
-  int SlotBuffer(int layer, int slot) const;  // the backend buffer of a cache slot
-  // Capturable calls: publishes `layer`'s Ready slots to the GPU (buffer_of).
-  void PublishSlotMap(int layer);
-  absl::Status AllocateDeviceTables();
-  absl::Status PrepareDevicePath();
-  absl::Status PublishChannel(size_t index);
-  static void FillChannel(const shm::Segment& seg, uint64_t device_base, uint32_t first_slot, uint32_t slots,
-                          uint32_t generation, DeviceChannel* out);
-  void CollectDeviceAccesses();
-  void RefreshDeviceServers();
-  void PublishCopyPlan();
-  void PublishCopyCount(int missed);
-  void PlanDeviceAdmissions();
-  // call_running: the fence of the eager device-path call of `layer` that
-  // runs while this plans (its copies wait only for their own layer's last
-  // reader); 0: after the call.
-  void AdmitAfter(int layer, int T, int k, const int32_t* ids, uint64_t call_running = 0);
-  // Eager device path: waits until the call of served layer `li` (compute
-  // fence `done`) logged its routing (sequence other than `before`); false
-  // when the call ended without a new log first.
-  bool AwaitRoutingLog(size_t li, int32_t before, uint64_t done);
-  // Forward's device path (see Forward) and its checks.
-  bool OnDevicePath(const LayerCall& call) const;
-  absl::Status ForwardOnDevice(const LayerCall& call, CallStats* stats);
-  absl::Status TakeLayerError(size_t served_index);
-  static CallStats LoggedStats(const int32_t* log);
+  absl::Status CreateAdmission();
+  // A call on the host path: Submit + Complete.
+  absl::Status RunOnHost(const LayerCall& call, CallStats* stats);
 
-  std::unique_ptr<Impl> impl_;
-  ModelSpec spec_;
-  DeviceBackend* backend_ = nullptr;
-  const HostExpertStore* host_ = nullptr;
-  DispatcherConfig config_;
-  std::unique_ptr<ExpertCache> cache_;
-  std::vector<int> layers_;
-  std::vector<int> layer_index_;  // model layer -> served index, or -1
-  // This rank's expert of `layer` (always, outside a group).
-  bool Owns(int layer, int expert) const {
-    return config_.group.size <= 1 || ExpertOwner(layer, expert, config_.group.size) == config_.group.rank;
-  }
-  Planner planner_;  // the split, copy-instead and admissions, their rates and the link queue
-  uint64_t copies_started_ = 0;
-  uint64_t admissions_during_calls_ = 0;
-  uint64_t copy_bytes_ = 0;  // bytes one expert copy moves (the host copy's packed expert)
-  std::vector<std::vector<int>> assigned_;  // [served index] last coordinator assignment (predictive)
+  // The parts, each in a file of its own (see the top comment), declared in
+  // the order they are built: what they share first, destroyed last.
+  std::unique_ptr<DispatchContext> ctx_;
+  std::unique_ptr<ServerSet> servers_;
+  std::unique_ptr<DeviceExecutor> device_;
+  std::unique_ptr<CacheCopies> copies_;
+  std::unique_ptr<HostExecutor> host_;
 };
 
 }  // namespace moe
