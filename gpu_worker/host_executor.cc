@@ -661,7 +661,7 @@ absl::Status HostExecutor::FailOver(HostCall& hc, size_t index, absl::Status st,
     const FailoverStep step =
         servers_.FailOver(layer, sh.batch, st, hc.deadline, can_copy_misses() && ctx_.config.copy_fallback);
     switch (step.action) {
-      case FailoverStep::kResend: {
+      case FailoverChoice::kResend: {
         sh.batch.server = step.server;
         bf16_t* dst = hc.send.data() + sh.host_offset * H;
         MOE_RETURN_IF_ERROR(Gather(hc, sh.batch.rows, dst));
@@ -672,12 +672,12 @@ absl::Status HostExecutor::FailOver(HostCall& hc, size_t index, absl::Status st,
         *partial = out;
         continue;
       }
-      case FailoverStep::kDevice:
+      case FailoverChoice::kDevice:
         MOE_RETURN_IF_ERROR(ComputeServerBatchOnDevice(hc, sh.batch));
         hc.stats.cpu_pairs -= sh.batch.pairs;  // computed on the device instead
         *partial = nullptr;                    // nothing to add
         return absl::OkStatus();
-      case FailoverStep::kFail:
+      case FailoverChoice::kFail:
         return step.status;
     }
   }

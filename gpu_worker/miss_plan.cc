@@ -211,6 +211,23 @@ uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert, int
   return 0;
 }
 
+FailoverChoice ChooseFailover(const PlanServer* servers, int num_servers, int failed, const std::vector<int32_t>& ids,
+                              bool in_time, bool device_can) {
+  FailoverChoice c;
+  for (int s = 0; s < num_servers && in_time; ++s) {
+    const PlanServer& sv = servers[s];
+    if (s == failed || !sv.up || sv.hosts == nullptr || !(sv.slice == servers[failed].slice)) continue;
+    bool all = true;
+    for (int32_t e : ids) all = all && (e < 0 || (*sv.hosts)[e]);
+    if (!all) continue;
+    c.action = FailoverChoice::kResend;
+    c.server = s;
+    return c;
+  }
+  if (servers[failed].slice.whole() && device_can) c.action = FailoverChoice::kDevice;
+  return c;
+}
+
 int ReplicaStart(int layer, int num_servers) {
   return num_servers <= 1 ? 0 : static_cast<int>(static_cast<uint32_t>(layer) % static_cast<uint32_t>(num_servers));
 }

@@ -57,6 +57,20 @@ uint64_t RouteExpert(const PlanServer* servers, int num_servers, int expert, int
 // same server, which computes concurrent requests of it in one pass. Pure.
 int ReplicaStart(int layer, int num_servers);
 
+// Where a batch goes when its server `failed` failed (a plain function of
+// the servers as they are now; `servers[failed]` itself is never chosen):
+// kResend to the first other server that is up and holds the same share of
+// every expert of the batch (a slice holder only stands in for its slice),
+// while `in_time` (the call's deadline allows); else kDevice — computed from
+// the host copy — when the failed server computes whole experts and
+// `device_can`; else kFail.
+struct FailoverChoice {
+  enum Action { kResend, kDevice, kFail } action = kFail;
+  int server = -1;  // kResend: the server to send it to
+};
+FailoverChoice ChooseFailover(const PlanServer* servers, int num_servers, int failed, const std::vector<int32_t>& ids,
+                              bool in_time, bool device_can);
+
 struct MissPlanInput {
   int layer = 0;                         // for error messages and the replica a miss goes to (ReplicaStart)
   RoutingView routing;                   // validated (ValidateRouting), host memory

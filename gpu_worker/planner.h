@@ -11,6 +11,11 @@
 //     into its prefetch buffers while this call finishes and the engine runs
 //     the next layer's attention (ChoosePrefetch), within the time the link
 //     would otherwise stand idle between two calls (observed online).
+//   - routes and failover: each missed expert's server(s) — a replica by
+//     layer, every slice's holder (RouteExpert, ReplicaStart) — and where a
+//     batch goes when its server failed (ChooseFailover: another holder of
+//     the same share, the device, or an error), over the servers' state as
+//     the dispatcher's ServerSet reports it.
 // A copy-instead decision is also checked against what it led to
 // (CopyOutcomes): per call shape, calls where the model copied are timed
 // against calls of that shape sent wholly to the CPU, and a shape whose
@@ -21,7 +26,7 @@
 // its queue drains (copies of earlier calls, this call's copies, admissions),
 // which a call's copies queue behind and within which admissions must land.
 // The split and the admission choice are plain functions of their inputs
-// (routing, cache state, link queue, rates), unit-tested without servers
+// (routing, cache state, servers, link queue, rates), unit-tested without servers
 // (miss_plan_test, cost_model_test, admission_policy_test); the Planner holds
 // the state between calls (rates, link queue, the admission policy).
 //

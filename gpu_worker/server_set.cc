@@ -101,7 +101,6 @@ void ServerSet::WarnOfIncompleteSlices(bool can_copy_misses) const {
 
 const std::vector<PlanServer>& ServerSet::ForPlan(bool any_miss, Clock::time_point now) {
   const DispatcherConfig& c = ctx_.config;
-  plan_.resize(servers_.size());
   for (size_t i = 0; i < servers_.size(); ++i) {
     Server& sv = servers_[i];
     if (sv.transport == nullptr && sv.enabled && sv.down_until <= now && any_miss)
@@ -114,10 +113,8 @@ const std::vector<PlanServer>& ServerSet::ForPlan(bool any_miss, Clock::time_poi
       if (up.ok()) sv.silent = false;
       else sv.down_until = now + std::min<Clock::duration>(c.server_retry, kReconnectPoll);
     }
-    plan_[i] = PlanServer{sv.enabled && sv.transport != nullptr && sv.down_until <= now, &sv.hosts, sv.chunk_tokens,
-                          sv.slice};
   }
-  return plan_;
+  return Usable(now);
 }
 
 absl::Status ServerSet::SetEnabled(const std::string& address, bool enabled) {
@@ -154,52 +151,51 @@ void ServerSet::Answered(int server) {
   LogInfo("worker", "servers: ", sv.config.address, " answers again; its misses go to it");
 }
 
-FailoverStep ServerSet::FailOver(int layer, const ServerBatch& batch, const absl::Status& st, Clock::time_point deadline,
-                                 bool device_can) {
+const std::vector<PlanServer>& ServerSet::Usable(Clock::time_point now) {
+  plan_.resize(servers_.size());
+  for (size_t i = 0; i < servers_.size(); ++i) {
+    const Server& sv = servers_[i];
+    plan_[i] = PlanServer{sv.enabled && sv.transport != nullptr && sv.down_until <= now, &sv.hosts, sv.chunk_tokens,
+                          sv.slice};
+  }
+  return plan_;
+}
+
+FailoverStep ServerSet::FailOver(int layer, const ServerBatch& batch, const absl::Status& st,
+                                 Clock::time_point deadline, bool device_can) {
   Server& failed = servers_[batch.server];
   failed.down_until = Clock::now() + ctx_.config.server_retry;
   // Connected but silent: calls resume only after a probe is answered
   // (ForPlan), not with a real batch that waits out the deadline again.
   if (absl::IsDeadlineExceeded(st)) failed.silent = true;
   const Clock::time_point now = Clock::now();
+  const std::vector<PlanServer>& up = Usable(now);
   FailoverStep step;
-  if (const int next = OtherServerFor(batch, now); next >= 0 && now < deadline) {
-    Announce(failed, st, servers_[next].config.address);
-    step.action = FailoverStep::kResend;
-    step.server = next;
-    return step;
+  static_cast<FailoverChoice&>(step) = ChooseFailover(up.data(), static_cast<int>(up.size()), batch.server, batch.ids,
+                                                      now < deadline, device_can);
+  switch (step.action) {
+    case FailoverChoice::kResend:
+      Announce(failed, st, servers_[step.server].config.address);
+      break;
+    case FailoverChoice::kDevice:
+      Announce(failed, st, "the device (copies from the host copy)");
+      break;
+    case FailoverChoice::kFail:
+      if (!failed.slice.whole()) {
+        // The other slices' partials of these pairs are (or will be) added:
+        // the device computes whole experts, so it cannot stand in for one share.
+        Announce(failed, st, "another holder of its slice when one is up");
+        step.status = absl::UnavailableError(absl::StrCat(
+            "servers: ", failed.config.address, " (slice ", failed.slice.ToString(), ") failed (", st.message(),
+            ") and no other server holds that slice of layer ", layer, "'s experts; later calls route around it"));
+      } else {
+        step.status = absl::UnavailableError(absl::StrCat("servers: ", failed.config.address, " failed (",
+                                                          st.message(), ") and no other server or device copy can take layer ",
+                                                          layer, "'s misses"));
+      }
+      break;
   }
-  if (!failed.slice.whole()) {
-    // The other slices' partials of these pairs are (or will be) added:
-    // the device computes whole experts, so it cannot stand in for one share.
-    Announce(failed, st, "another holder of its slice when one is up");
-    step.status = absl::UnavailableError(absl::StrCat(
-        "servers: ", failed.config.address, " (slice ", failed.slice.ToString(), ") failed (", st.message(),
-        ") and no other server holds that slice of layer ", layer, "'s experts; later calls route around it"));
-    return step;
-  }
-  if (device_can) {
-    Announce(failed, st, "the device (copies from the host copy)");
-    step.action = FailoverStep::kDevice;
-    return step;
-  }
-  step.status = absl::UnavailableError(absl::StrCat("servers: ", failed.config.address, " failed (", st.message(),
-                                                    ") and no other server or device copy can take layer ", layer,
-                                                    "'s misses"));
   return step;
-}
-
-// Another usable server than the batch's own hosting every expert of it, or -1.
-int ServerSet::OtherServerFor(const ServerBatch& b, Clock::time_point now) const {
-  for (size_t s = 0; s < servers_.size(); ++s) {
-    const Server& sv = servers_[s];
-    if (static_cast<int>(s) == b.server || !sv.enabled || sv.transport == nullptr || sv.down_until > now) continue;
-    if (!(sv.slice == servers_[b.server].slice)) continue;  // the same share of each expert, or none
-    bool all = true;
-    for (int32_t e : b.ids) all = all && (e < 0 || sv.hosts[e]);
-    if (all) return static_cast<int>(s);
-  }
-  return -1;
 }
 
 }  // namespace moe

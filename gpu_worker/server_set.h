@@ -40,10 +40,9 @@ struct Server {
   uint64_t recompute_unwarned = 0;
 };
 
-// What to do with a batch whose server failed (ServerSet::FailOver).
-struct FailoverStep {
-  enum Action { kResend, kDevice, kFail } action = kFail;
-  int server = -1;      // kResend: the server to send it to
+// What to do with a batch whose server failed (ServerSet::FailOver): the
+// planner's choice (ChooseFailover, miss_plan.h) and, to fail, the error.
+struct FailoverStep : FailoverChoice {
   absl::Status status;  // kFail: the call's error
 };
 
@@ -79,19 +78,21 @@ class ServerSet {
   // The polling window of decode calls (ExpertTransport::SetPolling), set once per change.
   void SetPolling(int server, std::chrono::microseconds polling);
 
-  // A batch of `layer` sent to `batch.server` failed with the server failure `st`:
-  // the server is marked down (and silent after a deadline) and the batch
-  // goes to another server holding the same share of every expert of it
-  // while `deadline` allows, else — a whole-expert server, `device_can` — to
-  // the device, else the call fails UNAVAILABLE naming the server. Logged
-  // once per server state change.
+  // A batch of `layer` sent to `batch.server` failed with the server
+  // failure `st`: the server is marked down (and silent after a deadline),
+  // and where the batch goes is the planner's ChooseFailover over the
+  // servers as they are now (another holder of the same share of its
+  // experts while `deadline` allows, else the device when `device_can`,
+  // else the call fails UNAVAILABLE naming the server). Logged once per
+  // server state change.
   FailoverStep FailOver(int layer, const ServerBatch& batch, const absl::Status& st, Clock::time_point deadline,
                         bool device_can);
   // `server` answered: logged once if it had failed.
   void Answered(int server);
 
  private:
-  int OtherServerFor(const ServerBatch& batch, Clock::time_point now) const;
+  // The servers as a call may use them now, without reconnecting any.
+  const std::vector<PlanServer>& Usable(Clock::time_point now);
   void Announce(Server& failed, const absl::Status& why, const std::string& to);
   void WarnOfIncompleteSlices(bool can_copy_misses) const;
 

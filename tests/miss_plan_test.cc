@@ -524,4 +524,39 @@ TEST(MissPlanTest, APromptsSplitEqualsGroupingEachKindApart) {
   }
 }
 
+// The failover decision (ChooseFailover), a plain function of the servers:
+// another up holder of every expert of the batch and of the failed server's
+// share, while the deadline allows; else the device for a whole-expert
+// server that may use it; else fail.
+TEST(MissPlanTest, FailoverGoesToAnotherHolderOfTheSameShareElseTheDevice) {
+  const std::vector<bool> all(kE, true), low = {true, true, true, true, false, false, false, false};
+  const ExpertSlice whole{}, half0{0, 2}, half1{1, 2};
+  // 0 failed (whole), 1 down, 2 holds only 0-3, 3 holds all.
+  std::vector<PlanServer> s = {{false, &all, 64, whole}, {false, &all, 64, whole}, {true, &low, 64, whole},
+                               {true, &all, 64, whole}};
+  const std::vector<int32_t> few = {1, -1, 3}, many = {1, 6};
+  FailoverChoice c = ChooseFailover(s.data(), 4, 0, few, true, true);
+  EXPECT_EQ(c.action, FailoverChoice::kResend);
+  EXPECT_EQ(c.server, 2) << "the first up server holding every expert of the batch";
+  c = ChooseFailover(s.data(), 4, 0, many, true, true);
+  EXPECT_EQ(c.server, 3) << "server 2 lacks expert 6";
+  // Past the deadline: no resend; the device when allowed, else fail.
+  EXPECT_EQ(ChooseFailover(s.data(), 4, 0, many, false, true).action, FailoverChoice::kDevice);
+  EXPECT_EQ(ChooseFailover(s.data(), 4, 0, many, false, false).action, FailoverChoice::kFail);
+  // The failed server itself is never chosen, even if marked up.
+  s[0].up = true;
+  s[3].up = false;
+  c = ChooseFailover(s.data(), 4, 0, many, true, false);
+  EXPECT_EQ(c.action, FailoverChoice::kFail);
+  // A slice holder: only another holder of the same slice; never the device
+  // (it computes whole experts, and the other slices' partials are added).
+  std::vector<PlanServer> sl = {{false, &all, 64, half0}, {true, &all, 64, half1}, {true, &all, 64, whole},
+                                {true, &all, 64, half0}};
+  c = ChooseFailover(sl.data(), 4, 0, few, true, true);
+  EXPECT_EQ(c.action, FailoverChoice::kResend);
+  EXPECT_EQ(c.server, 3);
+  sl[3].up = false;
+  EXPECT_EQ(ChooseFailover(sl.data(), 4, 0, few, true, true).action, FailoverChoice::kFail);
+}
+
 }  // namespace moe
