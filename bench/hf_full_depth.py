@@ -223,6 +223,26 @@ def dir_gib(d):
 # ---- the run ------------------------------------------------------------------
 
 
+def transformers_offload_row(a, ckpt, cls, config, say, left):
+    """transformers' own CPU offload of the experts (accelerate device_map), batch-1 decode."""
+    if a.offload_tokens <= 0 or a.model != "qwen3":
+        return
+    if left() < 180:
+        say(f"\ntransformers' CPU offload: skipped ({left():.0f} s left of --deadline-s)")
+        return
+    try:
+        t0 = time.time()
+        off = cls.from_pretrained(ckpt, device_map=experts_on_cpu_device_map(a.layers), dtype=torch.bfloat16).eval()
+        load = time.time() - t0
+        with torch.no_grad():
+            r = decode_tokens_per_s(off, 1, a.prompt, a.offload_tokens, config.vocab_size)
+        say(f"\ntransformers' CPU offload of the experts (accelerate device_map, loaded in {load:.0f} s): "
+            f"batch 1 decode {r:.3f} tokens/s; this process peak RSS {proc_mem_gib().get('VmHWM', 0):.1f} GiB")
+        del off
+    except Exception as e:  # noqa: BLE001 (report, do not hide)
+        say(f"\ntransformers' CPU offload: did not run: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("qwen3", "deepseek"), default="qwen3")
@@ -242,6 +262,8 @@ def main():
     ap.add_argument("--workdir", required=True, help="where the checkpoint is written (removed at the end)")
     ap.add_argument("--deadline-s", type=float, default=560, help="skip what would not finish by then")
     ap.add_argument("--out", default="")
+    ap.add_argument("--only-offload", action="store_true",
+                    help="the checkpoint, then transformers' own offload alone (ours skipped: a call of its own)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("hf_full_depth: needs a CUDA GPU", file=sys.stderr)
@@ -268,6 +290,11 @@ def main():
     model, config, cls = make(a, ckpt, say)
     model_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     say(f"all-GPU model: {model_gib:.1f} GiB of parameters; GPU in use {gpu_used_gib():.1f} GiB")
+    if a.only_offload:
+        del model
+        torch.cuda.empty_cache()
+        transformers_offload_row(a, ckpt, cls, config, say, left)
+        return finish(a, ckpt, say, lines, False)
     batches = [int(b) for b in a.batch.split(",")]
     fracs = [float(f) for f in a.cache.split(",")]
     prompts = [int(p) for p in a.prompts.split(",") if p]
@@ -343,8 +370,8 @@ def main():
         base = gpu_used_gib()
         say(f"| (the all-GPU model freed: GPU in use {base:.1f} GiB, ours' non-expert weights and CUDA context) | | |")
         def split(before, after):
-            """The split of the pairs between two totals; a captured step's calls are not in the
-            session's totals: then the cache's own hit rate so far (mean over the layers)."""
+            """The split of the pairs between two totals (a captured step's calls reach them at
+            take_stream_error); with no pairs, the cache's own hit rate so far (mean over the layers)."""
             d = {key: after[key] - before[key] for key in ("hit_pairs", "cpu_pairs", "copied_pairs")}
             n = sum(d.values())
             if n == 0:
@@ -393,23 +420,11 @@ def main():
         server.close()
     torch.cuda.empty_cache()
 
-    # ---- transformers' own offload --------------------------------------------
-    if a.offload_tokens > 0 and a.model == "qwen3":
-        if left() < 180:
-            say(f"\ntransformers' CPU offload: skipped ({left():.0f} s left of --deadline-s)")
-        else:
-            try:
-                t0 = time.time()
-                off = cls.from_pretrained(ckpt, device_map=experts_on_cpu_device_map(a.layers),
-                                          dtype=torch.bfloat16).eval()
-                load = time.time() - t0
-                with torch.no_grad():
-                    r = decode_tokens_per_s(off, 1, a.prompt, a.offload_tokens, config.vocab_size)
-                say(f"\ntransformers' CPU offload of the experts (accelerate device_map, loaded in {load:.0f} s): "
-                    f"batch 1 decode {r:.3f} tokens/s; this process peak RSS {proc_mem_gib().get('VmHWM', 0):.1f} GiB")
-                del off
-            except Exception as e:  # noqa: BLE001 (report, do not hide)
-                say(f"\ntransformers' CPU offload: did not run: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+    transformers_offload_row(a, ckpt, cls, config, say, left)
+    return finish(a, ckpt, say, lines, failed)
+
+
+def finish(a, ckpt, say, lines, failed):
     shutil.rmtree(ckpt, ignore_errors=True)
     say(f"\nresult: {'FAIL' if failed else 'ok'} ({time.time() - T0:.0f} s)")
     if a.out:

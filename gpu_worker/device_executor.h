@@ -71,6 +71,8 @@ class DeviceExecutor : public SlotReaders {
   // admissions of the calls logged since planned (by `copies`).
   absl::Status TakeStreamError(CacheCopies& copies);
   absl::StatusOr<CallStats> LastCall(int layer) const;
+  // What the GPU added up for the engine's own calls since the last look.
+  CapturedCalls TakeCapturedCalls();
   // Republishes every expert's route after server `index` was drained,
   // enabled or connected (ServerSet's route listener).
   void PublishRoute(size_t index);
@@ -120,6 +122,7 @@ class DeviceExecutor : public SlotReaders {
   std::vector<std::unique_ptr<Forwarder>> forwarders_;
   std::vector<int> forwarder_of_server_;        // server -> forwarder, -1: none (an shm server)
   std::vector<uint32_t> counts_seen_;           // device access counts already reported
+  std::vector<uint64_t> totals_seen_;           // [served index x kDeviceTotals] the tables' totals already taken
   std::vector<int32_t> log_seen_;               // per served layer: the routing log's last sequence planned from
   void* planned_stream_ = nullptr;              // the engine's stream of capturable calls
   // The engine enqueued capturable calls itself (graphs replay them at any

@@ -76,7 +76,13 @@ struct DeviceLayerTables {
   // are not logged.
   int32_t* routing_log = nullptr;
   int32_t routing_log_pairs = 0;
+  // The engine's own calls of the layer (count_accesses: capturable calls
+  // and their graph replays, not the eager device path, whose CallStats the
+  // caller gets), added up by the GPU: [0] calls, [1] hit pairs, [2] pairs
+  // sent to servers, [3] pairs copied (kDeviceTotals; 8-byte aligned).
+  uint64_t* totals = nullptr;
 };
+inline constexpr int kDeviceTotals = 4;
 
 // Copy-instead for device-planned calls: copy_count[min(m, kDeviceCopyTable
 // - 1)] of a call's m missed experts (those with the most pairs; one no

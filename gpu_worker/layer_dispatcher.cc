@@ -316,6 +316,8 @@ absl::Status LayerDispatcher::TakeStreamError() { return device_->TakeStreamErro
 
 int LayerDispatcher::CapturableMaxTokens() const { return ctx_->capturable_max_tokens; }
 
+CapturedCalls LayerDispatcher::TakeCapturedCalls() { return device_->TakeCapturedCalls(); }
+
 absl::StatusOr<CallStats> LayerDispatcher::LastDeviceCall(int layer) const { return device_->LastCall(layer); }
 
 absl::Status LayerDispatcher::ApplyAssignment(int layer, const std::vector<int>& experts,

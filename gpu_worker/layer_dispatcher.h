@@ -190,6 +190,11 @@ struct DispatcherConfig {
   std::function<void(int layer, const LayerActivity& activity)> on_activity;
 };
 
+// Capturable calls counted by the GPU (LayerDispatcher::TakeCapturedCalls).
+struct CapturedCalls {
+  uint64_t calls = 0, hit_pairs = 0, cpu_pairs = 0, copied_pairs = 0;
+};
+
 // One layer call: the batch (T = batch.n tokens, hidden [T,H] bf16 in
 // batch.tokens, routing [T,k] i32 ids (-1 = unused) and f32 weights) and out
 // [T,H] bf16; all in `kind` memory.
@@ -280,6 +285,11 @@ class LayerDispatcher {
   absl::Status TakeStreamError();
   // The most tokens of one capturable call.
   int CapturableMaxTokens() const;
+  // The capturable calls the engine enqueued (graph replays included) that
+  // the GPU ran since the last look, and their split, as the GPU added them
+  // up (CapturedCalls); eager device-path calls are not among them (Forward
+  // returns their CallStats).
+  CapturedCalls TakeCapturedCalls();
   // The split of `layer`'s latest device-planned call as the GPU logged it
   // (hit, CPU and copied pairs; copied and CPU experts; no times), once the
   // call completed (e.g. after the engine synchronised its stream).

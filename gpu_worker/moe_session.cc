@@ -313,7 +313,15 @@ absl::Status MoeSession::ForwardLayerCapturable(int layer, int T, int k, const b
 
 absl::Status MoeSession::TakeStreamError() {
   DeviceScope scope(*rep_->backend);
-  return rep_->dispatcher->TakeStreamError();
+  absl::Status st = rep_->dispatcher->TakeStreamError();
+  // The capturable calls the GPU ran since the last look, into the totals.
+  const CapturedCalls c = rep_->dispatcher->TakeCapturedCalls();
+  SessionTotals& t = rep_->totals;
+  t.calls += c.calls;
+  t.hit_pairs += c.hit_pairs;
+  t.cpu_pairs += c.cpu_pairs;
+  t.copied_pairs += c.copied_pairs;
+  return st;
 }
 
 absl::Status MoeSession::Wait(Pending call, CallStats* stats) {

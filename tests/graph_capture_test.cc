@@ -228,6 +228,7 @@ TEST_F(GraphCaptureTest, CapturedReplaysReportEveryRoutedPair) {
   ASSERT_NE(exec, nullptr);
   EXPECT_TRUE(session_->TakeStreamError().ok());  // collects the warm-up's accesses
   accesses_.clear();
+  const SessionTotals before = session_->totals();
   std::map<std::pair<int, int>, int> routed;
   for (int step = 0; step < 5; ++step) {
     EXPECT_TRUE(Replay(exec, step, T, bufs, in)) << "step " << step;
@@ -237,6 +238,20 @@ TEST_F(GraphCaptureTest, CapturedReplaysReportEveryRoutedPair) {
   }
   EXPECT_TRUE(session_->TakeStreamError().ok());
   EXPECT_EQ(accesses_, routed);
+  // The replays in the session's totals, split as the GPU split them: the
+  // assigned experts 0-2 hits, the rest to the server (copy mode never).
+  const SessionTotals after = session_->totals();
+  uint64_t pairs = 0, assigned = 0;
+  for (const auto& [key, n] : routed) {
+    pairs += n;
+    if (key.second <= 2) assigned += n;
+  }
+  EXPECT_EQ(after.calls - before.calls, 5 * in.size());
+  EXPECT_EQ(after.hit_pairs - before.hit_pairs, assigned);
+  EXPECT_EQ(after.cpu_pairs - before.cpu_pairs, pairs - assigned);
+  EXPECT_EQ(after.copied_pairs, before.copied_pairs);
+  EXPECT_TRUE(session_->TakeStreamError().ok());
+  EXPECT_EQ(session_->totals().calls, after.calls) << "counted once";
   EXPECT_GT(session_->admin().HitRate(session_->model_info().moe_layers[0]), 0.0);  // the cache's counters saw the hits too
   cudaGraphExecDestroy(exec);
 }

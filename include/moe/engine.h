@@ -231,7 +231,8 @@ class MoeSession {
   // The first run-time error of capturable calls since the last call; also
   // reports the routed pairs the GPU counted since then to on_access and the
   // cache (call it every few steps: it is how graph decode reaches the
-  // coordinator), and reconnects a server that went away. Not while this
+  // coordinator), adds the capturable calls the GPU ran to totals(), and
+  // reconnects a server that went away. Not while this
   // session's stream is being captured (it then reports errors only).
   absl::Status TakeStreamError();
 

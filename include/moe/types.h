@@ -114,8 +114,10 @@ struct CallStats {
 // What a session's forward calls did since it opened (MoeSession::totals;
 // the C ABI's moe_totals): the calls, the failed ones, and the sums of
 // their CallStats and host seconds (in the call, plus the submit of an async
-// call's Wait). Capturable calls are not counted here (their pairs reach
-// on_access through TakeStreamError).
+// call's Wait). Capturable calls (graph replays included) are counted
+// when TakeStreamError collects them from the GPU: calls and their hit / CPU
+// / copied pairs (no host seconds, miss tokens or bytes: the GPU ships those
+// itself).
 struct SessionTotals {
   uint64_t calls = 0, failed_calls = 0;
   uint64_t hit_pairs = 0, cpu_pairs = 0, copied_pairs = 0, miss_tokens = 0, failovers = 0, bytes_shipped = 0;

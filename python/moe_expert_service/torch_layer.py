@@ -13,13 +13,43 @@ current torch CUDA stream (cuda backend); with capturable=True they go through
 Session.forward_layer_capturable, so a decode step can be captured in a CUDA graph
 (torch.cuda.graph) after one eager warm-up step. On a cpu-backend session, CUDA
 inputs are copied to the host and the result back (for machines without the
-cuda backend; slow).
+cuda backend; slow). Under torch.compile the call is one opaque custom op,
+moe_expert_service::moe_layer (a fake implementation gives its output's shape),
+so the compiler traces the model around it without a graph break, and
+mode="reduce-overhead" captures it with the rest of the step (capturable=True).
 
 Thread-safety: like the Session under it.
 """
+import threading
+import weakref
+
 import torch
 
 from .session import Session
+
+# The sessions the custom op reaches, by id(session): a torch op takes tensors
+# and plain values, not a Session (MoeLayer registers its session here; held
+# weakly: a closed and dropped session leaves).
+_SESSIONS = weakref.WeakValueDictionary()
+_SESSIONS_LOCK = threading.Lock()
+
+
+@torch.library.custom_op("moe_expert_service::moe_layer", mutates_args=())
+def _moe_layer_op(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, session: int, layer: int,
+                  capturable: bool) -> torch.Tensor:
+    """One layer call of a registered session: what MoeLayer.forward runs under torch.compile
+    (bf16 [T, H] hidden, int32 ids and float32 weights [T, k], on the session's device)."""
+    s = _SESSIONS.get(session)
+    if s is None:
+        raise RuntimeError("moe_expert_service::moe_layer: the session of this compiled call was closed")
+    if capturable:
+        return s.forward_layer_capturable(layer, hidden, topk_ids, topk_weights)
+    return s.forward_layer(layer, hidden, topk_ids, topk_weights)
+
+
+@_moe_layer_op.register_fake
+def _(hidden, topk_ids, topk_weights, session, layer, capturable):
+    return torch.empty_like(hidden)
 
 
 def select_experts(router_logits, top_k, renormalize=True, scoring="softmax", bias=None, scaling=1.0):
@@ -68,6 +98,9 @@ class MoeLayer(torch.nn.Module):
         if layer not in session.served_layers:
             raise ValueError(f"layer: {layer} is not an MoE layer served by the session ({session.served_layers})")
         self.session = session
+        with _SESSIONS_LOCK:
+            _SESSIONS[id(session)] = session
+        self._op_session = id(session)  # the custom op's handle of it (a plain int the compiler sees)
         self.layer = int(layer)
         self.hidden_size = session.model_info["hidden"]
         self.max_tokens = session.options["max_tokens"]
@@ -101,7 +134,11 @@ class MoeLayer(torch.nn.Module):
         if w.dtype is not torch.float32 or w.get_device() != dev or not w.is_contiguous():
             w = w.to(device=device, dtype=torch.float32).contiguous()
         host_only = device.type == "cuda" and self.session.device != "cuda"
-        if self.capturable and device.type == "cuda" and not host_only:
+        if torch.compiler.is_compiling() and not host_only and T <= self.max_tokens:
+            # One opaque op for the compiler; the same call as below when it runs.
+            out = _moe_layer_op(x, ids, w, self._op_session, self.layer,
+                                self.capturable and device.type == "cuda")
+        elif self.capturable and device.type == "cuda" and not host_only:
             if T > self.max_tokens:
                 raise ValueError(f"hidden_states: {T} tokens, a capturable call takes at most {self.max_tokens}")
             out = self.session.forward_layer_capturable(self.layer, x, ids, w)
