@@ -164,6 +164,7 @@ absl::StatusOr<moe::SessionOptions> ParseOptions(const char* text) {
     else if (key == "host_copy") st = ReadOption(*it, key, &o.host_copy);
     else if (key == "weight_dtype") st = ReadChoice(*it, key, &o.weight_dtype, moe::ParseWeightDtype);
     else if (key == "share_host_copy") st = ReadOption(*it, key, &o.share_host_copy);
+    else if (key == "fill_cache") st = ReadOption(*it, key, &o.fill_cache);
     else if (key == "group") st = ParseGroup(*it, &o.group);
     else if (key == "tls") st = ParseTls(*it, &o.tls);
     else if (key == "deadline_ms") {
@@ -205,6 +206,7 @@ nlohmann::json OptionsJson(const moe::SessionOptions& o) {
       {"host_copy", o.host_copy},
       {"weight_dtype", moe::Name(o.weight_dtype)},
       {"share_host_copy", o.share_host_copy},
+      {"fill_cache", o.fill_cache},
       {"group", {{"rank", o.group.rank}, {"size", o.group.size}, {"mode", moe::Name(o.group.mode)}, {"id", o.group.id}}},
       {"tls",
        {{"cert_file", o.tls.cert_file},

@@ -190,6 +190,30 @@ absl::Status CacheCopies::ApplyAssignment(int layer, const std::vector<int>& exp
   return StartSlotCopies(layer, copies);
 }
 
+absl::StatusOr<int> CacheCopies::FillEmptySlots() {
+  ExpertCache& cache = *ctx_.cache;
+  assigned_.resize(ctx_.layers.size());
+  int filled = 0;
+  for (int layer : ctx_.layers) {
+    const std::vector<int> held = cache.SlotExperts(layer);
+    std::vector<SlotCopy> copies;
+    int e = 0;
+    for (int s = 0; s < static_cast<int>(held.size()); ++s) {
+      if (held[s] >= 0) continue;
+      while (e < ctx_.spec.num_experts && (!ctx_.Owns(layer, e) || cache.SlotOf(layer, e) >= 0)) ++e;
+      if (e >= ctx_.spec.num_experts) break;
+      MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache.Replace(layer, s, e++));
+      copies.push_back(copy);
+    }
+    if (ctx_.planner.admission() != nullptr)
+      for (const SlotCopy& c : copies) assigned_[ctx_.layer_index[layer]].push_back(c.expert);
+    filled += static_cast<int>(copies.size());
+    MOE_RETURN_IF_ERROR(StartSlotCopies(layer, copies));
+  }
+  MOE_RETURN_IF_ERROR(Flush());
+  return filled;
+}
+
 absl::Status CacheCopies::HintRouterLogits(int layer, int T, int k, const float* router_logits) {
   AdmissionPolicy* admission = ctx_.planner.admission();
   if (admission == nullptr)

@@ -55,6 +55,11 @@ class CacheCopies {
   // it, so no slot stays Loading.
   absl::Status StartSlotCopies(int layer, const std::vector<SlotCopy>& copies, bool during_call = false);
   absl::Status ApplyAssignment(int layer, const std::vector<int>& experts, const std::vector<int>& pinned);
+  // Fills every served layer's empty slots with its first experts this rank
+  // owns and waits for the copies (DispatcherConfig::fill_cache); under
+  // predictive they are the layer's provisional assignment, so the
+  // coordinator's first one takes their slots. Returns the experts copied.
+  absl::StatusOr<int> FillEmptySlots();
   absl::Status HintRouterLogits(int layer, int T, int k, const float* router_logits);
   // The admissions after a host-path call of `layer` (routing `ids` [T, k],
   // `missed`: its experts without a Ready slot).

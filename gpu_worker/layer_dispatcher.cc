@@ -13,6 +13,7 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "core/flags.h"
 #include "core/log.h"
 #include "core/status_macros.h"
@@ -99,6 +100,13 @@ absl::Status LayerDispatcher::Init() {
   if (c.measure_rates && c.copy_mode == CopyMode::kAuto && ctx.host != nullptr && servers_->size() > 0)
     MOE_RETURN_IF_ERROR(MeasureRates());
   if (c.policy == CachePolicy::kPredictive) MOE_RETURN_IF_ERROR(CreateAdmission());
+  if (c.fill_cache && ctx.host != nullptr && c.policy != CachePolicy::kStatic && c.copy_mode != CopyMode::kAlways &&
+      ctx.slots_per_layer() > 0) {
+    const Clock::time_point t0 = Clock::now();
+    MOE_ASSIGN_OR_RETURN(const int filled, copies_->FillEmptySlots());
+    LogInfo("worker", "cache: filled with ", filled, " experts (", filled * ctx.copy_bytes >> 20, " MiB) in ",
+            absl::StrFormat("%.2f", Seconds(Clock::now() - t0)), " s; the policy replaces them by use");
+  }
   return absl::OkStatus();
 }
 

@@ -151,6 +151,14 @@ struct DispatcherConfig {
                                    // experts); 0: as many as kAutoPrefetchBytes holds, at least miss_buffers
   int copy_min_tokens = 0;         // > 0: copy experts with at least this many tokens (no model)
   bool copy_fallback = true;       // failed servers: copy the experts to the device
+  // At Create, the cache's empty slots are filled with each layer's first
+  // experts (this rank's), copied before Create returns: a cache buys hits
+  // from the first call, and the policy replaces them by use (predictive:
+  // a provisional placement, which the coordinator's first assignment
+  // replaces). Not under static (placed by assignments only) or copy mode
+  // always, nor without a host copy. Off here (tests start cold); on in
+  // SessionOptions and the worker.
+  bool fill_cache = false;
   std::chrono::milliseconds deadline{30000};  // per call
   // Per server batch: a server that has not answered one of a call's batches
   // this long after it was sent has failed (a stalled server, a link gone

@@ -124,6 +124,7 @@ absl::StatusOr<DispatcherConfig> MakeDispatcherConfig(const SessionOptions& o, c
   c.backend.cpu_threads = o.cpu_threads;
   c.backend.cuda_device = o.cuda_device;
   c.group = o.group;
+  c.fill_cache = o.fill_cache;
   if (o.group.mode == GroupMode::kExpert && o.group.size > 1) {
     // The rank computes its own tokens and the ones its peers send it.
     if (o.max_tokens >= 1 && o.max_tokens <= kMaxCallTokens &&

@@ -82,6 +82,10 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.Bool("share-host-copy", &o.share_host_copy,
              "map the same-host (unix://) servers' packed experts read-only instead of keeping an own host copy, "
              "when they cover the served layers (default true)");
+  flags.Bool("fill-cache", &o.fill_cache,
+             "fill the cache's empty slots at start with each layer's first experts (copied before the worker\n"
+             "      serves: hits from the first call; the policy, or the coordinator's placement, replaces them;\n"
+             "      not under --policy=static) (default true)");
   flags.Int("max-tokens", &max_tokens, "largest number of tokens of one micro-batch");
   flags.Int("max-top-k", &max_top_k, "largest k of the routing");
   flags.Int("cpu-threads", &cpu_threads, "cpu backend: compute threads (0 = all)");

@@ -257,6 +257,39 @@ TEST_P(DispatcherTest, LruAdmitsMissedExpertsAfterTheirCopy) {
   EXPECT_GT(d->cache().hits(1, 5), 0u);
 }
 
+// fill_cache (the session's and the worker's default): Create fills every
+// layer's empty slots with its first experts before it returns, so the first
+// call already hits; under predictive the fill is a provisional placement the
+// coordinator's first assignment replaces; never under static.
+TEST_P(DispatcherTest, FillsTheCacheAtCreate) {
+  const std::string addr = StartServer();
+  for (const CachePolicy policy : {CachePolicy::kLfru, CachePolicy::kPredictive, CachePolicy::kStatic}) {
+    SCOPED_TRACE(static_cast<int>(policy));
+    DispatcherConfig c = Config({addr});
+    c.policy = policy;
+    c.slots_per_layer = 3;
+    c.fill_cache = true;
+    c.admissions_per_call = 0;
+    std::unique_ptr<LayerDispatcher> d = Make(c);
+    ASSERT_NE(d, nullptr);
+    EXPECT_EQ(d->PendingCopies(), 0) << "the fill's copies completed before Create returned";
+    for (int layer : {1, 2})
+      for (int e : {0, 1, 2})
+        EXPECT_EQ(d->cache().ReadySlot(layer, e) >= 0, policy != CachePolicy::kStatic) << layer << " " << e;
+    Batch b = RandomBatch(4, 2, {0, 1, 2}, 31);
+    std::vector<bf16_t> out;
+    CallStats st;
+    ASSERT_TRUE(d->Forward(Call(1, b, &out), &st).ok());
+    EXPECT_EQ(st.hit_pairs, policy == CachePolicy::kStatic ? 0 : 8);
+    EXPECT_LE(Error(1, b, out), 1e-2);
+    if (policy != CachePolicy::kPredictive) continue;
+    // The coordinator's placement takes the filled slots at once.
+    ASSERT_TRUE(Place(*d, 2, {4, 5, 6}));
+    for (int e : {4, 5, 6}) EXPECT_GE(d->cache().ReadySlot(2, e), 0) << e;
+    for (int e : {0, 1, 2}) EXPECT_LT(d->cache().ReadySlot(2, e), 0) << e;
+  }
+}
+
 // The default policy: AdmissionPolicy learns that layer 1's experts {2,3}
 // are followed by {5,6} at layer 2 (and vice versa across passes) and
 // prefetches them; results stay exact throughout.

@@ -270,6 +270,7 @@ TEST_F(GraphCaptureTest, ReplaysAdmitTheExpertsTheyUse) {
     o.copy_mode = CopyMode::kNever;
     o.cache_experts_per_layer = 3;
     o.max_tokens = 8;
+    o.fill_cache = false;  // from an empty cache: everything cached is what the replays admitted
     absl::StatusOr<std::unique_ptr<MoeSession>> admitting = MoeSession::Open(o);
     ASSERT_TRUE(admitting.ok()) << admitting.status();
     session_ = *std::move(admitting);

@@ -330,6 +330,8 @@ class SystemTest : public ::testing::Test {
                                    "--coordinator=" + coord_.addr, "--worker-id=" + WorkerId(i),
                                    "--cache-experts-per-layer=" + std::to_string(kSlots), "--device=cpu",
                                    "--cpu-threads=1",
+                                   // From an empty cache: what is cached is the coordinator's placement.
+                                   "--fill-cache=false",
                                    // Misses always go to an expert server (no copy-instead):
                                    // what the servers' request counters assert on.
                                    "--copy-mode=never", "--max-tokens=64", "--listen=127.0.0.1:0", "--insecure",

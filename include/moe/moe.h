@@ -188,6 +188,8 @@ MOE_API const char* moe_status_name(int status);
  *                 same-host servers' when shared, else the checkpoint's class)
  *   "share_host_copy" (bool, default true) map the same-host servers' stores
  *                 instead of keeping an own copy
+ *   "fill_cache"  (bool, default true) fill the cache's empty slots at open with each
+ *                 layer's first experts (hits from the first call; not under "static")
  *   "group"       {"rank": int, "size": int, "mode": "tensor" | "expert", "id": string}
  *                 (moe/types.h ParallelGroup; default rank 0 of size 1, mode tensor;
  *                 0 <= rank < size <= the model's experts): this

@@ -225,7 +225,7 @@ class Session:
     (include/moe/moe.h has their ranges and defaults): model, servers, device, cuda_device,
     cache_experts_per_layer or cache_gib, policy ("predictive", the default, "static",
     "lru", "lfru"), copy_mode, max_tokens, max_top_k, contexts, layers, host_copy,
-    weight_dtype, share_host_copy, deadline_ms, server_deadline_ms, cpu_threads, grpc_streams, tls, and
+    weight_dtype, share_host_copy, fill_cache, deadline_ms, server_deadline_ms, cpu_threads, grpc_streams, tls, and
     group, a dict {"rank", "size", "mode", "id"}: mode "tensor" (the default; tensor
     parallelism: this rank's partial sum; the ranks' outputs summed by the engine's
     all-reduce are the layer's) or "expert" (expert parallelism: each rank its own

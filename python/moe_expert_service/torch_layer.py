@@ -34,9 +34,7 @@ _SESSIONS = weakref.WeakValueDictionary()
 _SESSIONS_LOCK = threading.Lock()
 
 
-@torch.library.custom_op("moe_expert_service::moe_layer", mutates_args=())
-def _moe_layer_op(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, session: int, layer: int,
-                  capturable: bool) -> torch.Tensor:
+def _moe_layer_call(hidden, topk_ids, topk_weights, session, layer, capturable):
     """One layer call of a registered session: what MoeLayer.forward runs under torch.compile
     (bf16 [T, H] hidden, int32 ids and float32 weights [T, k], on the session's device)."""
     s = _SESSIONS.get(session)
@@ -47,9 +45,18 @@ def _moe_layer_op(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: to
     return s.forward_layer(layer, hidden, topk_ids, topk_weights)
 
 
-@_moe_layer_op.register_fake
-def _(hidden, topk_ids, topk_weights, session, layer, capturable):
-    return torch.empty_like(hidden)
+# The call as one custom op for the compiler (torch >= 2.4; with an older torch, torch.compile
+# breaks the graph at the call instead).
+_moe_layer_op = None
+if hasattr(torch.library, "custom_op"):
+    @torch.library.custom_op("moe_expert_service::moe_layer", mutates_args=())
+    def _moe_layer_op(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, session: int,
+                      layer: int, capturable: bool) -> torch.Tensor:
+        return _moe_layer_call(hidden, topk_ids, topk_weights, session, layer, capturable)
+
+    @_moe_layer_op.register_fake
+    def _(hidden, topk_ids, topk_weights, session, layer, capturable):
+        return torch.empty_like(hidden)
 
 
 def select_experts(router_logits, top_k, renormalize=True, scoring="softmax", bias=None, scaling=1.0):
@@ -134,7 +141,7 @@ class MoeLayer(torch.nn.Module):
         if w.dtype is not torch.float32 or w.get_device() != dev or not w.is_contiguous():
             w = w.to(device=device, dtype=torch.float32).contiguous()
         host_only = device.type == "cuda" and self.session.device != "cuda"
-        if torch.compiler.is_compiling() and not host_only and T <= self.max_tokens:
+        if _moe_layer_op is not None and torch.compiler.is_compiling() and not host_only and T <= self.max_tokens:
             # One opaque op for the compiler; the same call as below when it runs.
             out = _moe_layer_op(x, ids, w, self._op_session, self.layer,
                                 self.capturable and device.type == "cuda")
