@@ -77,22 +77,23 @@ def generate(model, prompt):
                           eos_token_id=None)
 
 
-def static_decode(model, prompt):
-    """STEPS greedy tokens, one eager forward per step over a StaticCache."""
+def static_decode(model, prompt, step=None):
+    """STEPS greedy tokens, one forward per step over a StaticCache, through `step` (e.g. the
+    compiled model; default: the model, eagerly)."""
     with torch.no_grad():
-        return _static_decode(model, prompt)
+        return _static_decode(model, prompt, model if step is None else step)
 
 
-def _static_decode(model, prompt):
+def _static_decode(model, prompt, step):
     cache = transformers.StaticCache(config=model.config, max_cache_len=PROMPT + STEPS + 8)
-    out = model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(PROMPT, device=DEV),
-                use_cache=True)
+    out = step(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(PROMPT, device=DEV),
+               use_cache=True)
     tok, toks = out.logits[:, -1:].argmax(-1), []
     for i in range(STEPS):
         toks.append(tok.item())
         if i + 1 < STEPS:
-            out = model(input_ids=tok, past_key_values=cache, cache_position=torch.tensor([PROMPT + i], device=DEV),
-                        use_cache=True)
+            out = step(input_ids=tok.clone(), past_key_values=cache,
+                       cache_position=torch.tensor([PROMPT + i], device=DEV), use_cache=True)
             tok = out.logits[:, -1:].argmax(-1)
     return toks
 
@@ -290,7 +291,7 @@ class HfBackendTest(unittest.TestCase):
         inductor_config.graph_partition = False
         counters.clear()
         step = torch.compile(ours, mode="reduce-overhead")
-        got = static_decode_with(ours, step, prompt)
+        got = static_decode(ours, prompt, step)
         l_got = teacher_forced_static(ours, step, prompt, eager)
         breaks = {k: v for k, v in counters["graph_break"].items()}
         ours.moe_expert_service.take_stream_error()
@@ -306,22 +307,6 @@ class HfBackendTest(unittest.TestCase):
         self.assertEqual(got, eager, "compiled decode's tokens vs eager decode's")
         self.assertFalse([k for k in breaks if "moe_expert_service" in k or "ctypes" in k],
                          f"a graph break at our layer: {breaks}")
-
-
-def static_decode_with(model, step, prompt):
-    """static_decode with each forward through `step` (e.g. the compiled model)."""
-    with torch.no_grad():
-        cache = transformers.StaticCache(config=model.config, max_cache_len=PROMPT + STEPS + 8)
-        out = step(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(PROMPT, device=DEV),
-                   use_cache=True)
-        tok, toks = out.logits[:, -1:].argmax(-1), []
-        for i in range(STEPS):
-            toks.append(tok.item())
-            if i + 1 < STEPS:
-                out = step(input_ids=tok.clone(), past_key_values=cache,
-                           cache_position=torch.tensor([PROMPT + i], device=DEV), use_cache=True)
-                tok = out.logits[:, -1:].argmax(-1)
-    return toks
 
 
 def teacher_forced_static(model, step, prompt, tokens):
