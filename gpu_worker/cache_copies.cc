@@ -200,17 +200,20 @@ absl::StatusOr<int> CacheCopies::FillEmptySlots() {
     int e = 0;
     for (int s = 0; s < static_cast<int>(held.size()); ++s) {
       if (held[s] >= 0) continue;
-      while (e < ctx_.spec.num_experts && (!ctx_.Owns(layer, e) || cache.SlotOf(layer, e) >= 0)) ++e;
+      while (e < ctx_.spec.num_experts &&
+             (!ctx_.Owns(layer, e) || cache.SlotOf(layer, e) >= 0 || ctx_.host->Find(layer, e) == nullptr))
+        ++e;
       if (e >= ctx_.spec.num_experts) break;
       MOE_ASSIGN_OR_RETURN(const SlotCopy copy, cache.Replace(layer, s, e++));
       copies.push_back(copy);
     }
     if (ctx_.planner.admission() != nullptr)
       for (const SlotCopy& c : copies) assigned_[ctx_.layer_index[layer]].push_back(c.expert);
-    filled += static_cast<int>(copies.size());
     MOE_RETURN_IF_ERROR(StartSlotCopies(layer, copies));
   }
-  MOE_RETURN_IF_ERROR(Flush());
+  MOE_RETURN_IF_ERROR(Flush());  // a copy that failed leaves its slot empty (aborted)
+  for (int layer : ctx_.layers)
+    for (int e : cache.SlotExperts(layer)) filled += e >= 0 && cache.ReadySlot(layer, e) >= 0;
   return filled;
 }
 

@@ -41,6 +41,9 @@ absl::StatusOr<CudaBackend::DeviceSite*> CudaBackend::Site(int site) {
   if (!access_counts_) {
     MOE_ASSIGN_OR_RETURN(access_counts_, AllocDevice(counts_bytes, "access counts"));
     MOE_CUDA_RETURN_IF_ERROR(cudaMemset(access_counts_.get(), 0, counts_bytes));
+    const size_t totals_bytes = static_cast<size_t>(config_.device_sites) * kDeviceTotals * 8;
+    MOE_ASSIGN_OR_RETURN(call_totals_, AllocDevice(totals_bytes, "call totals"));
+    MOE_CUDA_RETURN_IF_ERROR(cudaMemset(call_totals_.get(), 0, totals_bytes));
   }
   MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->done.get(), 0, kMaxDeviceChannels * 4));
   MOE_CUDA_RETURN_IF_ERROR(cudaMemset(p->call_seq.get(), 0, 4));
@@ -161,6 +164,17 @@ uint64_t CudaBackend::DeviceAddress(const void* p) const {
   return reinterpret_cast<uint64_t>(dev);
 }
 
+absl::Status CudaBackend::ReadCallTotals(std::vector<uint64_t>* totals) {
+  totals->clear();
+  if (!call_totals_) return absl::OkStatus();
+  MOE_RETURN_IF_ERROR(Use());
+  totals->resize(static_cast<size_t>(config_.device_sites) * kDeviceTotals);
+  MOE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(totals->data(), call_totals_.get(), totals->size() * 8,
+                                           cudaMemcpyDeviceToHost, copy_));  // as ReadAccessCounts
+  MOE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(copy_));
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::ReadAccessCounts(std::vector<uint32_t>* counts) {
   counts->clear();
   if (!access_counts_) return absl::OkStatus();
@@ -201,6 +215,9 @@ cuda::DevicePlanArgs CudaBackend::PlanArgs(const DevicePlannedCall& call, Device
   d.channel_state = static_cast<cuda::DeviceChannelState*>(channel_state_.get());
   d.counts = call.count_accesses
                  ? static_cast<unsigned int*>(access_counts_.get()) + static_cast<size_t>(call.site) * config_.num_experts
+                 : nullptr;
+  d.totals = call.count_accesses
+                 ? static_cast<unsigned long long*>(call_totals_.get()) + static_cast<size_t>(call.site) * kDeviceTotals
                  : nullptr;
   d.groups = static_cast<cuda::GroupDesc*>(site.groups.get());
   d.row_token = static_cast<int32_t*>(site.row_token.get());

@@ -302,6 +302,13 @@ class DeviceBackend {
     counts->clear();
     return absl::OkStatus();
   }
+  // The same for the calls themselves: per site kDeviceTotals counters
+  // (device_plan.h: calls, hit / CPU / copied pairs) of the calls with
+  // count_accesses, site-major; empty before any call.
+  virtual absl::Status ReadCallTotals(std::vector<uint64_t>* totals) {
+    totals->clear();
+    return absl::OkStatus();
+  }
 };
 
 // "auto": cuda when built with CUDA and a device is present, else cpu.

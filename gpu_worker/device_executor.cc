@@ -191,17 +191,15 @@ void DeviceExecutor::ObserveOutcome(int T, int missed, bool beside_copies, doubl
 
 CapturedCalls DeviceExecutor::TakeCapturedCalls() {
   CapturedCalls c;
-  for (size_t li = 0; li < tables_.size(); ++li) {
-    uint64_t now[kDeviceTotals];
-    for (int i = 0; i < kDeviceTotals; ++i) {
-      now[i] = __atomic_load_n(tables_[li].totals + i, __ATOMIC_ACQUIRE);
-      std::swap(now[i], totals_seen_[li * kDeviceTotals + i]);
-      now[i] = totals_seen_[li * kDeviceTotals + i] - now[i];  // what the GPU added since the last look
-    }
-    c.calls += now[0];
-    c.hit_pairs += now[1];
-    c.cpu_pairs += now[2];
-    c.copied_pairs += now[3];
+  // Not while the engine captures: a synchronous copy would end its capture.
+  std::vector<uint64_t> totals;
+  if (!ready_ || ctx_.backend->StreamCapturing(planned_stream_) || !ctx_.backend->ReadCallTotals(&totals).ok())
+    return c;
+  totals_seen_.resize(totals.size(), 0);
+  uint64_t* sums[kDeviceTotals] = {&c.calls, &c.hit_pairs, &c.cpu_pairs, &c.copied_pairs};
+  for (size_t i = 0; i < totals.size(); ++i) {
+    *sums[i % kDeviceTotals] += totals[i] - totals_seen_[i];  // what the GPU added since the last look
+    totals_seen_[i] = totals[i];
   }
   return c;
 }
@@ -275,9 +273,8 @@ absl::StatusOr<uint64_t> DeviceExecutor::CopyAfter(int layer, bool during_call) 
   return ctx_.backend->RecordCompute();
 }
 
-// The tables in one host-mapped block: every layer's totals (8-byte
-// aligned first), the channels, then per served layer buffer_of [E],
-// channel_of [E], the error records and the routing log. Allocated at Create
+// The tables in one host-mapped block: the channels, then per served layer
+// buffer_of [E], channel_of [E], the error records and the routing log. Allocated at Create
 // when the backend has a device (the slot map is published from the start).
 absl::Status DeviceExecutor::AllocateTables() {
   if (!ctx_.backend->has_device_memory()) return absl::OkStatus();
@@ -287,14 +284,10 @@ absl::Status DeviceExecutor::AllocateTables() {
       2 * E * sizeof(int32_t) + (1 + kMaxDeviceChannels) * sizeof(DeviceError) +
       (kRoutingLogHeader + log_pairs) * sizeof(int32_t);
   const size_t channel_bytes = kMaxDeviceChannels * sizeof(DeviceChannel) + sizeof(DeviceCopyPlan);
-  const size_t totals_bytes = L * kDeviceTotals * sizeof(uint64_t);
-  absl::StatusOr<void*> mem = ctx_.backend->AllocMapped(totals_bytes + channel_bytes + L * per_layer);
+  absl::StatusOr<void*> mem = ctx_.backend->AllocMapped(channel_bytes + L * per_layer);
   if (!mem.ok()) return absl::OkStatus();  // no mapped memory: capturable calls are refused by the backend
   mapped_ = *mem;
   auto* p = static_cast<uint8_t*>(mapped_);
-  auto* totals = new (p) uint64_t[L * kDeviceTotals]();
-  totals_seen_.assign(L * kDeviceTotals, 0);
-  p += totals_bytes;
   channels_ = reinterpret_cast<DeviceChannel*>(p);
   copy_plan_ = new (p + kMaxDeviceChannels * sizeof(DeviceChannel)) DeviceCopyPlan();
   p += channel_bytes;
@@ -302,7 +295,6 @@ absl::Status DeviceExecutor::AllocateTables() {
   last_reader_.assign(L, 0);
   for (size_t li = 0; li < L; ++li) {
     DeviceLayerTables& t = tables_[li];
-    t.totals = totals + li * kDeviceTotals;
     t.errors = reinterpret_cast<DeviceError*>(p);
     p += (1 + kMaxDeviceChannels) * sizeof(DeviceError);
     t.buffer_of = reinterpret_cast<int32_t*>(p);

@@ -122,7 +122,7 @@ class DeviceExecutor : public SlotReaders {
   std::vector<std::unique_ptr<Forwarder>> forwarders_;
   std::vector<int> forwarder_of_server_;        // server -> forwarder, -1: none (an shm server)
   std::vector<uint32_t> counts_seen_;           // device access counts already reported
-  std::vector<uint64_t> totals_seen_;           // [served index x kDeviceTotals] the tables' totals already taken
+  std::vector<uint64_t> totals_seen_;           // [served index x kDeviceTotals] the GPU's call totals already taken
   std::vector<int32_t> log_seen_;               // per served layer: the routing log's last sequence planned from
   void* planned_stream_ = nullptr;              // the engine's stream of capturable calls
   // The engine enqueued capturable calls itself (graphs replay them at any

@@ -76,12 +76,12 @@ struct DeviceLayerTables {
   // are not logged.
   int32_t* routing_log = nullptr;
   int32_t routing_log_pairs = 0;
-  // The engine's own calls of the layer (count_accesses: capturable calls
-  // and their graph replays, not the eager device path, whose CallStats the
-  // caller gets), added up by the GPU: [0] calls, [1] hit pairs, [2] pairs
-  // sent to servers, [3] pairs copied (kDeviceTotals; 8-byte aligned).
-  uint64_t* totals = nullptr;
 };
+// Per site, the engine's own device-planned calls (count_accesses: capturable
+// calls and their graph replays, not the eager device path, whose CallStats
+// the caller gets) added up by the GPU in device memory
+// (DeviceBackend::ReadCallTotals): [0] calls, [1] hit pairs, [2] pairs sent to
+// servers, [3] pairs copied.
 inline constexpr int kDeviceTotals = 4;
 
 // Copy-instead for device-planned calls: copy_count[min(m, kDeviceCopyTable

@@ -315,9 +315,15 @@ absl::Status LayerDispatcher::Forward(const LayerCall& call, CallStats* stats) {
   return RunOnHost(call, stats);
 }
 
-absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& call, bool count_accesses) {
-  if (device_->LeavesToHost(call)) return RunOnHost(call, nullptr);
-  return device_->Enqueue(call, count_accesses);
+absl::Status LayerDispatcher::EnqueueCapturable(const LayerCall& call, bool count_accesses,
+                                                std::optional<CallStats>* host_stats) {
+  if (!device_->LeavesToHost(call)) return device_->Enqueue(call, count_accesses);
+  LayerCall c = call;
+  if (c.stream == nullptr) c.stream = LegacyDefaultStream();  // stream-ordered as a capturable call is
+  CallStats stats;
+  const absl::Status st = RunOnHost(c, &stats);
+  if (host_stats != nullptr) *host_stats = stats;
+  return st;
 }
 
 absl::Status LayerDispatcher::TakeStreamError() { return device_->TakeStreamError(*copies_); }

@@ -71,6 +71,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -286,7 +287,10 @@ class LayerDispatcher {
   // draining server or a gRPC server's forwarder — only without a host copy,
   // which otherwise computes the request) writes NaN into the affected
   // tokens' output and is returned by TakeStreamError.
-  absl::Status EnqueueCapturable(const LayerCall& call, bool count_accesses = true);
+  // host_stats (optional): the CallStats of a call that ran eagerly on the
+  // host path (above a request slot, not captured); left empty otherwise.
+  absl::Status EnqueueCapturable(const LayerCall& call, bool count_accesses = true,
+                                 std::optional<CallStats>* host_stats = nullptr);
   // The first run-time error of capturable calls since the last call (OK if
   // none); also reports the accesses the GPU counted since the last call. A
   // server that timed out is reconnected (or, if down, skipped) here.

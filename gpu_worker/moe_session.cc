@@ -308,8 +308,16 @@ absl::Status MoeSession::ForwardLayerCapturable(int layer, int T, int k, const b
                                                 void* cuda_stream) {
   MOE_RETURN_IF_ERROR(RefuseInExpertParallel("ForwardLayerCapturable"));
   DeviceScope scope(*rep_->backend);
-  return rep_->dispatcher->EnqueueCapturable(
-      MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, MemoryKind::kDevice, cuda_stream));
+  const auto t0 = std::chrono::steady_clock::now();
+  std::optional<CallStats> host;
+  const absl::Status st = rep_->dispatcher->EnqueueCapturable(
+      MakeLayerCall(layer, T, k, hidden, topk_ids, topk_weights, out, MemoryKind::kDevice, cuda_stream),
+      /*count_accesses=*/true, &host);
+  if (host.has_value()) {  // ran eagerly on the host path: counted as a forward call (the GPU counts the others)
+    host->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rep_->Count(st, *host);
+  }
+  return st;
 }
 
 absl::Status MoeSession::TakeStreamError() {

@@ -200,6 +200,7 @@ class CudaBackend final : public DeviceBackend {
   void FreeMapped(void* p) override;
   uint64_t DeviceAddress(const void* p) const override;
   absl::Status ReadAccessCounts(std::vector<uint32_t>* counts) override;
+  absl::Status ReadCallTotals(std::vector<uint64_t>* totals) override;
   bool StreamCapturing(void* stream) const override;
   int ActivateDevice() override {
     int current = -1;
@@ -219,6 +220,7 @@ class CudaBackend final : public DeviceBackend {
     DeviceMem groups, row_token, row_weight, accum, act, miss_token, ships, done, call_seq;
   };
   DeviceMem access_counts_;  // [device_sites, num_experts], from the first site on
+  DeviceMem call_totals_;    // [device_sites, kDeviceTotals] (device_plan.h), with access_counts_
   DeviceMem channels_, channel_state_;  // [kMaxDeviceChannels] DeviceChannel, DeviceChannelState
   cudaStream_t table_stream_ = nullptr;  // SetDeviceChannels' uploads
   DeviceMem host_experts_;               // [device_sites, num_experts] device addresses (SetHostExperts)

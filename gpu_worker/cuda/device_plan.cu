@@ -420,12 +420,9 @@ __global__ void __launch_bounds__(kPlanThreads) DevicePlanKernel(DevicePlanArgs 
     __threadfence_system();
     log[0] = static_cast<int32_t>(atomicAdd(a.call_seq, 1u) % 0x7fffffffu) + 1;  // never 0
   }
-  if (threadIdx.x == 0 && a.counts != nullptr && a.tables.totals != nullptr) {
-    // One writer: calls of one layer never overlap (they are enqueued in order).
-    volatile uint64_t* t = a.tables.totals;
-    t[0] = t[0] + 1;
-    for (int i = 0; i < 3; ++i) t[1 + i] = t[1 + i] + static_cast<uint64_t>(stats[i]);
-    __threadfence_system();
+  if (threadIdx.x == 0 && a.totals != nullptr) {  // device memory: no round trip over the link
+    atomicAdd(a.totals, 1ull);
+    for (int i = 0; i < 3; ++i) atomicAdd(a.totals + 1 + i, static_cast<unsigned long long>(stats[i]));
   }
   if (threadIdx.x == 0 && err_code != 0) {
     DeviceError* out = a.tables.errors;  // the split's record

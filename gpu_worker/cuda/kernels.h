@@ -221,6 +221,7 @@ struct DevicePlanArgs {
   const DeviceChannel* channels = nullptr;  // [num_channels] (device memory: DeviceBackend::SetDeviceChannels)
   DeviceChannelState* channel_state = nullptr;  // [kMaxDeviceChannels] (device)
   unsigned int* counts = nullptr;    // [num_experts] routed pairs per expert, accumulated (device; may be null)
+  unsigned long long* totals = nullptr;  // [kDeviceTotals] the site's calls and their split, accumulated (device; may be null)
   unsigned int* call_seq = nullptr;  // the site's calls (device): the routing log's sequence
   GroupDesc* groups = nullptr;       // [T*k] the hit groups (count 0 past the last)
   int32_t* row_token = nullptr;      // [T*k] token of each hit row

@@ -117,7 +117,7 @@ struct CallStats {
 // call's Wait). Capturable calls (graph replays included) are counted
 // when TakeStreamError collects them from the GPU: calls and their hit / CPU
 // / copied pairs (no host seconds, miss tokens or bytes: the GPU ships those
-// itself).
+// itself); one above a request slot runs eagerly and is counted as it returns.
 struct SessionTotals {
   uint64_t calls = 0, failed_calls = 0;
   uint64_t hit_pairs = 0, cpu_pairs = 0, copied_pairs = 0, miss_tokens = 0, failovers = 0, bytes_shipped = 0;
