@@ -155,8 +155,9 @@ TEST_F(TransportTest, StagedBatchesAreZeroCopyAndMatchSubmit) {
 
 // A batch of 48 KB or more per stream is striped over the streams (one
 // request each, sent at once, answered into its rows of the output): 900
-// tokens of 208 bytes over 3 streams give the bytes of one stream and the
-// reference's result; small batches in flight beside it are unaffected.
+// tokens of 208 bytes over 3 streams are 3 requests (requests_sent) and give
+// the bytes of one stream and the reference's result; a small batch in flight
+// beside it goes whole and is unaffected.
 TEST_F(TransportTest, LargeBatchStripedOverStreamsMatchesOneStream) {
   auto one = Connect("grpc-stream"), three = Connect("grpc-3streams");
   ASSERT_NE(one, nullptr);
@@ -166,9 +167,13 @@ TEST_F(TransportTest, LargeBatchStripedOverStreamsMatchesOneStream) {
   std::vector<bf16_t> small_expect(size_t(small.n) * kH), small_got(small_expect.size());
   ASSERT_TRUE(one->Submit(big.view(), expect.data(), In(10000)).get().ok());
   ASSERT_TRUE(one->Submit(small.view(), small_expect.data(), In(10000)).get().ok());
+  EXPECT_EQ(one->requests_sent(), 2u) << "one stream: each batch whole";
   for (int round = 0; round < 3; ++round) {
+    const uint64_t before = three->requests_sent();
     auto f = three->Submit(big.view(), got.data(), In(10000));
+    EXPECT_EQ(three->requests_sent() - before, 3u) << "the large batch striped over the three streams";
     auto g = three->Submit(small.view(), small_got.data(), In(10000));
+    EXPECT_EQ(three->requests_sent() - before, 4u) << "the small batch whole";
     ASSERT_TRUE(f.get().ok());
     ASSERT_TRUE(g.get().ok());
     EXPECT_EQ(got, expect) << "round " << round;

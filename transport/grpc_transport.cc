@@ -114,6 +114,7 @@ class GrpcTransport final : public ExpertTransport {
   }
 
   const char* kind() const override { return unary_ ? "grpc-unary" : "grpc-stream"; }
+  uint64_t requests_sent() const override { return requests_sent_.load(std::memory_order_relaxed); }
   ExpertSlice slice() const override { return slice_; }
 
   // OK when every channel is connected; otherwise UNAVAILABLE at once, and a
@@ -260,6 +261,7 @@ class GrpcTransport final : public ExpertTransport {
       if (stripe.group == 0) stripe.group = stripe_salt_ | 1;
     }
     std::lock_guard<std::mutex> lock(mu_);
+    requests_sent_.fetch_add(static_cast<uint64_t>(stripes), std::memory_order_relaxed);
     for (int i = 0; i < stripes; ++i) {
       const int r0 = static_cast<int>(int64_t(b.n) * i / stripes), r1 = static_cast<int>(int64_t(b.n) * (i + 1) / stripes);
       const size_t slot = stripes > 1 ? size_t(i) : StreamForBatchLocked();
@@ -424,6 +426,7 @@ class GrpcTransport final : public ExpertTransport {
       std::lock_guard<std::mutex> lock(mu_);
       ++unary_in_flight_;
     }
+    requests_sent_.fetch_add(1, std::memory_order_relaxed);
     stub_->async()->Forward(&call->ctx, &call->req, &call->resp, [this, call](grpc::Status st) {
       if (std::optional<PendingRequests::Entry> e = pending_.Take(call->id)) {
         e->Finish(st.ok() ? DecodeForwardOutput(call->resp, e->n, hidden_, e->out)
@@ -470,6 +473,7 @@ class GrpcTransport final : public ExpertTransport {
   // (the server groups stripes by this id alone).
   const uint64_t stripe_salt_ = (uint64_t(std::random_device{}()) << 32) ^ std::random_device{}();
   std::atomic<uint64_t> next_stripe_group_{1};
+  std::atomic<uint64_t> requests_sent_{0};
   int unary_in_flight_ = 0;
   struct Staging { std::vector<bf16_t> tokens, output; std::vector<int32_t> ids; std::vector<float> weights; };
   std::map<uint64_t, std::shared_ptr<Staging>> staging_;

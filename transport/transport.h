@@ -129,6 +129,10 @@ class ExpertTransport {
   virtual std::future<absl::Status> Submit(const MoeBatch& batch, bf16_t* out,
                                            Clock::time_point deadline) = 0;
   virtual const char* kind() const = 0;  // "shm", "grpc-stream" or "grpc-unary"
+  // Requests written to the server since Connect: one per Submit, or one per
+  // stripe of a batch striped over gRPC streams. 0 where a transport does not
+  // count them (shm). Thread-safe.
+  virtual uint64_t requests_sent() const { return 0; }
 
   // Polling mode, for a caller that sends batches back to back (a GPU worker
   // decoding: one batch per layer, a millisecond apart). While `window` > 0,
