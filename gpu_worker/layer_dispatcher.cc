@@ -91,9 +91,9 @@ absl::Status LayerDispatcher::Init() {
   servers_ = std::make_unique<ServerSet>(ctx);
   device_ = std::make_unique<DeviceExecutor>(ctx, *servers_, device_copy_base);
   servers_->set_on_route_change([device = device_.get()](size_t server) { device->PublishRoute(server); });
-  MOE_RETURN_IF_ERROR(servers_->ConnectAll(ctx.host != nullptr && buffers.temp_buffers > 0));
   copies_ = std::make_unique<CacheCopies>(ctx, *device_);
   host_ = std::make_unique<HostExecutor>(ctx, *servers_, *copies_, buffers);
+  MOE_RETURN_IF_ERROR(servers_->ConnectAll(host_->can_copy_misses()));
   MOE_RETURN_IF_ERROR(host_->Init());
   MOE_RETURN_IF_ERROR(device_->AllocateTables());
   const DispatcherConfig& c = ctx.config;
