@@ -79,6 +79,7 @@
 #include "expert_compute/expert_store.h"
 #include "expert_compute/moe_executor.h"
 #include "expert_compute/numa_binding.h"
+#include "expert_compute/packed_index.h"
 #include "bench/amx_peak.h"
 #include "bench/dram_bandwidth.h"
 #include "oneapi/dnnl/dnnl.hpp"
@@ -105,6 +106,7 @@ struct Options {
   std::string csv;
   int64_t threads = 0;
   int64_t layer_experts = 0;
+  int64_t int4_group = ExpertGeometry::kDefaultInt4Group;
   double bw_gib = 4;
   double min_seconds = 0.5;
   bool quick = false;
@@ -727,7 +729,8 @@ std::unique_ptr<DnnlExpert> Benchmark::MakeDnnl(WeightFormat format, const Exper
 void Benchmark::RunFormat(const ModelSpec& spec, const ModelSource& source, WeightFormat format,
                           const Kernels& kernels, const std::vector<bf16_t>& tokens, ShapeInfo info) {
   const int layer = spec.moe_layers.front();
-  const ExpertGeometry g = ExpertGeometry::For(spec.hidden, spec.intermediate, format);
+  const ExpertGeometry g =
+      ExpertGeometry::For(spec.hidden, spec.intermediate, format, format == WeightFormat::kInt4 ? static_cast<int>(o_.int4_group) : 0);
   info.format = WeightFormatName(format);
   info.expert_mb = g.packed_bytes() / 1e6;
   ExpertWeights w;
@@ -1073,7 +1076,8 @@ int main(int argc, char** argv) {
   flags.String("shapes", &o.shapes, "model presets whose expert geometry to use (comma list)");
   flags.String("tokens", &o.tokens, "tokens per expert m for the per-expert cases (comma list)");
   flags.String("formats", &o.formats,
-               "storage formats of the packed experts: bf16, int8, int4, fp8, mxfp4 (comma list; int4 and fp8 group 128, mxfp4 32)");
+               "storage formats of the packed experts: bf16, int8, int4, fp8, mxfp4 (comma list; int4 --int4-group, fp8 group 128, mxfp4 32)");
+  flags.Int("int4-group", &o.int4_group, "int4's scale group: 128, 32 (Kimi-K2's) or another multiple of 64");
   flags.String("kernels", &o.kernels,
                "kernels (amx, avx512, reference; comma list); empty = all this CPU has for each format");
   flags.Bool("with-reference", &o.with_reference, "also time the scalar reference kernel (m <= 16, decode)");
@@ -1092,6 +1096,7 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::vector<moe::WeightFormat>> formats = moe::ParseFormats(o.formats);
   if (!formats.ok()) flags.Fail(std::string(formats.status().message()));
   o.format_list = *std::move(formats);
+  if (!moe::layout::Int4GroupServed(static_cast<int>(o.int4_group))) flags.Fail("--int4-group: 32 or a multiple of 64");
   if (o.quick) {
     o.min_runs = 5;
     if (o.tokens == defaults.tokens) o.tokens = "1,16,256";

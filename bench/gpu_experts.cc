@@ -36,6 +36,7 @@
 #include "core/bf16.h"
 #include "core/flags.h"
 #include "expert_compute/expert_kernel.h"
+#include "expert_compute/packed_index.h"
 #include "gpu_worker/device_backend.h"
 #include "testing/packed_expert.h"
 #include "testing/random_data.h"
@@ -124,7 +125,7 @@ double GemmFlopsPerSecond(int runs) {
 }
 
 struct Options {
-  int experts = 32, runs = 3, reps = 20;
+  int experts = 32, runs = 3, reps = 20, int4_group = 128;
   std::vector<int> rows;
 };
 
@@ -146,12 +147,13 @@ Timing TimeFormat(const Shape& s, WeightFormat format, const Options& o) {
   c.max_tokens = T;
   c.max_top_k = 8;
   c.format = format;
+  c.int4_group = format == WeightFormat::kInt4 ? o.int4_group : 0;
   if (absl::Status st = backend->Init(c); !st.ok()) {
     std::fprintf(stderr, "gpu_experts: Init: %s\n", std::string(st.message()).c_str());
     std::exit(1);
   }
   std::vector<PackedExpert> made;
-  for (int i = 0; i < 4; ++i) made.push_back(MakePackedExpert(s.H, s.I, format, 20261126, i));
+  for (int i = 0; i < 4; ++i) made.push_back(MakePackedExpert(s.H, s.I, format, 20261126, i, false, c.int4_group));
   for (int b = 0; b < buffers; ++b) {
     absl::StatusOr<uint64_t> f = backend->LoadExpert(b, made[b % 4].bytes.get(), 0);
     if (!f.ok() || !backend->WaitCopy(*f).ok()) {
@@ -261,9 +263,9 @@ constexpr int kF = 4;  // bf16, int8, int4, fp8
 void PrintTable(const Shape& s, const char* what, const std::map<int, Stat> (&t)[kF], const double (&bytes)[kF],
                 double hbm, double peak, const Options& o) {
   std::printf("\n## %s (H %d, I %d)%s\n\n", s.name.c_str(), s.H, s.I, what);
-  std::printf("| rows/expert | bf16 us | int8 us | int4 us | fp8 us | int8/bf16 | int4/bf16 | fp8/bf16 | "
+  std::printf("| rows/expert | bf16 us | int8 us | int4 (group %d) us | fp8 us | int8/bf16 | int4/bf16 | fp8/bf16 | "
               "bf16 / int8 / int4 / fp8 %% of HBM | bf16 / int8 / int4 / fp8 %% of GEMM peak |\n"
-              "|---|---|---|---|---|---|---|---|---|---|\n");
+              "|---|---|---|---|---|---|---|---|---|---|\n", o.int4_group);
   for (int rows : o.rows) {
     const double flops = 2.0 * 3.0 * s.H * double(s.I) * rows * o.experts;
     std::string line = absl::StrCat("| ", rows, " |");
@@ -289,7 +291,7 @@ void PrintTable(const Shape& s, const char* what, const std::map<int, Stat> (&t)
 int main(int argc, char** argv) {
   using namespace moe;
   std::string shapes_text = "deepseek-v3,qwen3-30b-a3b", rows_text = "1,2,4,8,16,24,32,48,64,128";
-  int64_t experts = 32, runs = 3, reps = 20;
+  int64_t experts = 32, runs = 3, reps = 20, int4_group = 128;
   FlagSet flags("gpu_experts", "[--shapes LIST] [--rows LIST] [--experts N] [--runs N]\n"
                                "The cuda backend's hit experts per storage format vs HBM and tensor-core bounds.");
   flags.String("shapes", &shapes_text, "comma list of deepseek-v3 (H 7168, I 2048) and qwen3-30b-a3b (H 2048, I 768)");
@@ -297,11 +299,14 @@ int main(int argc, char** argv) {
   flags.Int("experts", &experts, "experts per RunExperts");
   flags.Int("runs", &runs, "runs per row (median and min-max are printed)");
   flags.Int("reps", &reps, "calls per run (their median is the run's time)");
+  flags.Int("int4-group", &int4_group, "int4's scale group: 128, 32 (Kimi-K2's) or another multiple of 64");
   flags.Parse(argc, argv);
   Options o;
   o.experts = static_cast<int>(experts);
   o.runs = static_cast<int>(runs);
   o.reps = static_cast<int>(reps);
+  o.int4_group = static_cast<int>(int4_group);
+  if (!layout::Int4GroupServed(o.int4_group)) flags.Fail("--int4-group: 32 or a multiple of 64");
   if (o.experts < 1 || o.experts > 256 || o.runs < 1 || o.reps < 1) flags.Fail("--experts in [1, 256], --runs and --reps >= 1");
   absl::StatusOr<std::vector<int>> rows = ParseIndexList(rows_text, 513, "rows");
   if (!rows.ok() || rows->empty() || rows->front() < 1) flags.Fail("--rows: a list of counts in [1, 512], e.g. 1,8,16-64");
@@ -329,7 +334,8 @@ int main(int argc, char** argv) {
     double bytes[kF];
     for (int f = 0; f < kF; ++f) {
       timing[f] = TimeFormat(s, formats[f], o);
-      bytes[f] = static_cast<double>(ExpertGeometry::For(s.H, s.I, formats[f]).packed_bytes()) * o.experts;
+      const int group = formats[f] == WeightFormat::kInt4 ? o.int4_group : 0;
+      bytes[f] = static_cast<double>(ExpertGeometry::For(s.H, s.I, formats[f], group).packed_bytes()) * o.experts;
     }
     for (const bool gpu : {false, true}) {
       std::map<int, Stat> t[kF];

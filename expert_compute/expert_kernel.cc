@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "model/model_source.h"
 #include "model/quantization.h"
 #include "expert_compute/packed_layout.h"
@@ -192,18 +193,29 @@ void PackBlock(const ExpertGeometry& g, const bf16_t* w, int N, int K, int n0, i
   }
 }
 
-// The checkpoint's codes of rows [n0, n0+16) of w, its scale per channel and
-// group (constant inside a group: PackExpertFp8 checks); padding is code 0,
-// scale 0.
-void CopyFp8Block(const Fp8Projection& w, int n0, int Kp, int group, std::byte* out) {
+// The checkpoint's codes of rows [n0, n0+16) of w (fp8 bytes, or int4
+// nibbles), its scale per channel and group (constant inside a group:
+// CodesFit checks); padding is code 0, scale 0.
+void CopyCodedBlock(const ExpertGeometry& g, const CodedProjection& w, int n0, int Kp, std::byte* out) {
+  const bool int4 = g.format == WeightFormat::kInt4;
   uint8_t* q = reinterpret_cast<uint8_t*>(out);
-  float* scale = reinterpret_cast<float*>(out + size_t(Kp) * 16);
+  if (int4) std::memset(q, 0x88, size_t(Kp) * 8);  // q = 0 (nibbles hold q + 8)
+  float* scale = reinterpret_cast<float*>(out + size_t(Kp) * (int4 ? 8 : 16));
   for (int c = 0; c < 16; ++c) {
     const int n = n0 + c;
-    for (int gi = 0; gi < Kp / group; ++gi)
-      scale[gi * 16 + c] = n < w.rows && gi * group < w.cols ? w.Scale(n, gi * group) : 0.0f;
-    for (int k = 0; k < Kp; ++k)
-      q[layout::Int8Offset(c, k)] = n < w.rows && k < w.cols ? w.codes[size_t(n) * w.cols + k] : 0;
+    for (int gi = 0; gi < Kp / g.group; ++gi)
+      scale[gi * 16 + c] = n < w.rows && gi * g.group < w.cols ? w.Scale(n, gi * g.group) : 0.0f;
+    for (int k = 0; k < Kp; ++k) {
+      const uint8_t code = n < w.rows && k < w.cols ? w.codes[size_t(n) * w.cols + k] : 0;
+      if (!int4) {
+        q[layout::Int8Offset(c, k)] = code;
+        continue;
+      }
+      bool high;
+      uint8_t& b = q[layout::Int4Offset(c, k, &high)];
+      const uint8_t nibble = static_cast<uint8_t>((static_cast<int8_t>(code) + 8) & 0x0F);
+      b = high ? static_cast<uint8_t>((b & 0x0F) | (nibble << 4)) : static_cast<uint8_t>((b & 0xF0) | nibble);
+    }
   }
 }
 
@@ -235,27 +247,40 @@ void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, c
   for (int b = 0; b < g.Hn / 16; ++b) PackBlock(g, down, g.H, g.I, 16 * b, g.Ki, d + b * db);
 }
 
-absl::Status PackExpertFp8(const ExpertGeometry& g, const ExpertFp8& w, std::byte* dst) {
-  if (g.format != WeightFormat::kFp8) return absl::InvalidArgumentError("PackExpertFp8: geometry is not fp8");
-  for (const Fp8Projection* p : {&w.gate, &w.up, &w.down})
-    if (p->bc % g.group != 0 || p->c0 % g.group != 0)
+absl::Status CodesFit(const ExpertGeometry& g, const ExpertCodes& w) {
+  const WeightQuant want = g.format == WeightFormat::kFp8   ? WeightQuant::kFp8Block
+                           : g.format == WeightFormat::kInt4 ? WeightQuant::kInt4Group
+                                                             : WeightQuant::kNone;
+  const char* what = g.format == WeightFormat::kFp8 ? "fp8" : "int4";
+  for (const CodedProjection* p : {&w.gate, &w.up, &w.down}) {
+    if (want == WeightQuant::kNone || p->scheme != want)
+      return absl::InvalidArgumentError(absl::StrCat("packed ", WeightFormatName(g.format),
+                                                     " experts: the checkpoint's codes are another format"));
+    if (p->bc % g.group != 0 || p->c0 % g.group != 0 || (want == WeightQuant::kInt4Group && p->br != 1))
       return absl::InvalidArgumentError(absl::StrCat(
-          "fp8 experts: scale groups of ", g.group, " columns do not fit the checkpoint's blocks of ", p->bc,
+          what, " experts: scale groups of ", g.group, " columns do not fit the checkpoint's blocks of ", p->bc,
           " columns", p->c0 != 0 ? absl::StrCat(" from column ", p->c0) : "", " (use --weight-dtype int8)"));
+  }
   if (w.gate.rows != g.I || w.gate.cols != g.H || w.up.rows != g.I || w.up.cols != g.H || w.down.rows != g.H ||
       w.down.cols != g.I)
-    return absl::InvalidArgumentError(absl::StrCat("fp8 experts: shapes do not match H=", g.H, " I=", g.I));
-  for (const Fp8Projection* p : {&w.gate, &w.up, &w.down})
-    for (float s : p->scale_inv)
-      if (!std::isfinite(s * 448.0f))  // E4M3's largest code times its scale
-        return absl::InvalidArgumentError(absl::StrCat("fp8 experts: scale_inv ", s, " makes weights overflow f32"));
+    return absl::InvalidArgumentError(absl::StrCat(what, " experts: shapes do not match H=", g.H, " I=", g.I));
+  const float largest = want == WeightQuant::kFp8Block ? 448.0f : 8.0f;  // the largest code's magnitude
+  for (const CodedProjection* p : {&w.gate, &w.up, &w.down})
+    for (float s : p->scales)
+      if (!std::isfinite(s * largest))
+        return absl::InvalidArgumentError(absl::StrCat(what, " experts: scale ", s, " makes weights overflow f32"));
+  return absl::OkStatus();
+}
+
+absl::Status PackExpertCodes(const ExpertGeometry& g, const ExpertCodes& w, std::byte* dst) {
+  MOE_RETURN_IF_ERROR(CodesFit(g, w));
   const size_t gub = g.block_bytes(g.Kh), db = g.block_bytes(g.Ki);
   for (int c = 0; c < g.gate_up_groups(); ++c) {
-    CopyFp8Block(w.gate, 16 * c, g.Kh, g.group, dst + (2 * c) * gub);
-    CopyFp8Block(w.up, 16 * c, g.Kh, g.group, dst + (2 * c + 1) * gub);
+    CopyCodedBlock(g, w.gate, 16 * c, g.Kh, dst + (2 * c) * gub);
+    CopyCodedBlock(g, w.up, 16 * c, g.Kh, dst + (2 * c + 1) * gub);
   }
   std::byte* d = dst + g.gate_up_bytes();
-  for (int b = 0; b < g.Hn / 16; ++b) CopyFp8Block(w.down, 16 * b, g.Ki, g.group, d + b * db);
+  for (int b = 0; b < g.Hn / 16; ++b) CopyCodedBlock(g, w.down, 16 * b, g.Ki, d + b * db);
   return absl::OkStatus();
 }
 

@@ -5,7 +5,7 @@
 //   reference portable scalar code (any x86-64)
 //
 // All three read one packed weight layout per storage format (bf16, int8,
-// int4, fp8, mxfp4), written once at load by PackExpert / PackExpertFp8 (never at
+// int4, fp8, mxfp4), written once at load by PackExpert / PackExpertCodes (never at
 // call time). The bf16
 // layout stores a matrix W [N, K]
 // (y = W x) as N/16 blocks of 16 rows; inside a block, K/2 rows of 64 bytes,
@@ -35,7 +35,7 @@
 
 namespace moe {
 
-struct ExpertFp8;  // model/model_source.h (kept out: CUDA files include this header)
+struct ExpertCodes;  // model/model_source.h (kept out: CUDA files include this header)
 
 // How a packed expert stores its weights: the storage precision is a
 // property of the packed experts (ExpertGeometry::format), not of the
@@ -43,9 +43,11 @@ struct ExpertFp8;  // model/model_source.h (kept out: CUDA files include this he
 enum class WeightFormat : uint8_t {
   kBf16,  // bf16 pairs (layout above)
   kInt8,  // int8, one f32 scale per output channel (symmetric, q in [-127, 127])
-  kInt4,  // int4, one f32 scale per output channel and group of `group` k (q in [-8, 7], scale = max(max/7, -min/8))
+  kInt4,  // int4, one f32 scale per output channel and group of `group` k (q in [-8, 7]): an int4
+          // checkpoint's own codes and group scales (PackExpertCodes), or bf16 weights quantized
+          // with scale = max(max/7, -min/8) (PackExpert)
   kFp8,   // OCP FP8 E4M3 codes, one f32 scale per output channel and group of `group` k: an FP8
-          // checkpoint's own bytes and block scales (PackExpertFp8), or bf16 weights quantized
+          // checkpoint's own bytes and block scales (PackExpertCodes), or bf16 weights quantized
           // with scale = max|w| / 448 (PackExpert)
   kMxfp4, // OCP MXFP4: E2M1 codes (int4's nibble layout), one E8M0 byte per output channel and
           // 32 k (group 32): 4.25 bits per weight. Computed as int4 is (int8 activations), the
@@ -76,13 +78,14 @@ const char* WeightFormatName(WeightFormat f);
 // in f32: gate [Ki], up [Ki], down [Hn], zero past I and H (bias_bytes()).
 // K (Kh, Ki) is padded to a multiple of 64 (and of `group`) with zeros.
 // W[n, k] = scale * q.
+
 struct ExpertGeometry {
   int H = 0, I = 0;
   int Kh = 0;  // H rounded up (32 bf16; 64, and the group for int4/fp8): the K of gate/up
   int Ki = 0;  // I rounded up likewise: the K of down
   int Hn = 0;  // H rounded up to 32: the N of down
   WeightFormat format = WeightFormat::kBf16;
-  int group = 0;  // kInt4, kFp8: k per scale group (a multiple of 64); kMxfp4: 32; else 0
+  int group = 0;  // k per scale group: kInt4 32 or a multiple of 64 (layout::Int4GroupServed); kFp8 a multiple of 64; kMxfp4 32; else 0
   // The model's expert math (ModelSpec::activation, ::expert_biases): what
   // GateUp's epilogue applies, and whether each packed expert ends with its
   // biases (added to gate and up before the activation, to down's output
@@ -150,11 +153,15 @@ void PackExpert(const ExpertGeometry& g, const bf16_t* gate, const bf16_t* up, c
 // PackExpert lays them out). Null biases are zeros.
 void PackBiases(const ExpertGeometry& g, const bf16_t* gate_bias, const bf16_t* up_bias, const bf16_t* down_bias,
                 std::byte* dst);
-// Writes an FP8 checkpoint's expert (g.format == kFp8) with its own codes and
-// scales: no value changes (biases, when g has them, by PackBiases after it). InvalidArgument when a scale group of g would
-// straddle two of the checkpoint's blocks (g.group must divide the block's
-// columns and the slice's first column).
-absl::Status PackExpertFp8(const ExpertGeometry& g, const ExpertFp8& w, std::byte* dst);
+// Whether a quantized checkpoint's expert `w` can be packed as it is in g
+// (CodesFit) and writes it (PackExpertCodes): an FP8 checkpoint's as kFp8, an
+// int4 one's as kInt4, with its own codes and scales — no value changes
+// (biases, when g has them, by PackBiases after it). They fit when the
+// formats agree and no scale group of g straddles two of the checkpoint's
+// blocks (g.group divides the block's columns and the slice's first column);
+// else PackExpertCodes is InvalidArgument, naming why.
+absl::Status CodesFit(const ExpertGeometry& g, const ExpertCodes& w);
+absl::Status PackExpertCodes(const ExpertGeometry& g, const ExpertCodes& w, std::byte* dst);
 // The weights a packed expert stands for (scale * q for the integer
 // formats), row-major f32: gate/up [I, H], down [H, I]; with g.biases and a
 // non-null `biases`, its biases gate [I], up [I], down [H] into biases[0..2].

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/log.h"
+#include "expert_compute/packed_index.h"
 #include "core/status_macros.h"
 
 namespace moe {
@@ -39,7 +40,8 @@ absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::strin
   const bool mxfp4_ckpt = spec.quant.scheme == WeightQuant::kMxfp4 ||
                           (spec.quant.scheme == WeightQuant::kGgufBlock && spec.quant.gguf_mxfp4);
   if (weight_dtype == "mxfp4" || (weight_dtype == "auto" && mxfp4_ckpt)) return at(WeightFormat::kMxfp4);
-  const int ckpt_group = spec.quant.scheme == WeightQuant::kInt4Group && spec.quant.group_size % 64 == 0 ? spec.quant.group_size : 0;
+  const int ckpt_group =
+      spec.quant.scheme == WeightQuant::kInt4Group && layout::Int4GroupServed(spec.quant.group_size) ? spec.quant.group_size : 0;
   if (weight_dtype == "int4") return at(WeightFormat::kInt4, ckpt_group);
   // auto on an fp8 checkpoint: its own codes and scales (exact), unless its
   // blocks are too narrow for the kernels' scale groups (then int8).
@@ -60,10 +62,10 @@ absl::StatusOr<ExpertGeometry> StorageGeometry(const ModelSpec& spec, std::strin
   // sub-blocks of 32: 0.12 relative error, int8 0.8e-2).
   if (spec.quant.scheme == WeightQuant::kGgufBlock)
     return spec.quant.gguf_bits < 16 ? at(WeightFormat::kInt8) : at(WeightFormat::kBf16);
-  // An int4 checkpoint: its own groups when the kernels' 64-column chunks
-  // hold whole groups; narrower groups (Kimi-K2's 32) as int8, which holds
-  // them to bf16 rounding (re-quantizing into int4 groups of 128 was 8.2e-2
-  // off the checkpoint's values on a DeepSeek-V3-geometry layer).
+  // An int4 checkpoint: its own groups (Kimi-K2's 32, or any multiple of
+  // 64); other widths as int8, which holds them to bf16 rounding
+  // (re-quantizing into int4 groups of 128 was 8.2e-2 off the checkpoint's
+  // values on a DeepSeek-V3-geometry layer).
   if (spec.quant.scheme == WeightQuant::kInt4Group)
     return ckpt_group > 0 ? at(WeightFormat::kInt4, ckpt_group) : at(WeightFormat::kInt8);
   return at(WeightFormat::kBf16);
@@ -75,12 +77,17 @@ uint64_t ExpertStore::BytesNeeded(const ExpertGeometry& g, const HostedSet& host
 
 namespace {
 // Reads expert (l, e) and packs it at dst: an fp8 checkpoint stored as fp8
-// with its own codes and scales, anything else from its bf16 weights.
+// and an int4 one as int4 with their own codes and scales (an fp8 one whose
+// blocks do not fit g's groups is refused; an int4 one is then packed from
+// its bf16 values), anything else from its bf16 weights.
 absl::Status PackOne(const ModelSource& source, const ExpertGeometry& g, int l, int e, ExpertWeights* w,
-                     ExpertFp8* w8, std::byte* dst) {
-  if (g.format == WeightFormat::kFp8 && source.spec().quant.scheme == WeightQuant::kFp8Block) {
-    MOE_RETURN_IF_ERROR(source.ReadExpertFp8(l, e, w8));
-    MOE_RETURN_IF_ERROR(PackExpertFp8(g, *w8, dst));
+                     ExpertCodes* w8, std::byte* dst) {
+  const WeightQuant scheme = source.spec().quant.scheme;
+  const bool fp8 = g.format == WeightFormat::kFp8 && scheme == WeightQuant::kFp8Block;
+  const bool int4 = g.format == WeightFormat::kInt4 && scheme == WeightQuant::kInt4Group;
+  if (int4 || fp8) MOE_RETURN_IF_ERROR(source.ReadExpertCodes(l, e, w8));
+  if (fp8 || (int4 && CodesFit(g, *w8).ok())) {
+    MOE_RETURN_IF_ERROR(PackExpertCodes(g, *w8, dst));
     if (!g.biases) return absl::OkStatus();
     MOE_RETURN_IF_ERROR(source.ReadExpert(l, e, w));  // the biases, which are not fp8
     PackBiases(g, w->gate_bias.data(), w->up_bias.data(), w->down_bias.data(), dst + g.gate_up_bytes() + g.down_bytes());
@@ -151,7 +158,7 @@ absl::StatusOr<std::unique_ptr<ExpertStore>> ExpertStore::Load(const ModelSource
   ExpertStore* store = s.get();
   pool.Run([&](int, int) {
     ExpertWeights w;
-    ExpertFp8 w8;
+    ExpertCodes w8;
     for (size_t i; !failed.load() && (i = next.fetch_add(1)) < total;) {
       const int l = store->hosted_.layers[i / store->hosted_.experts.size()];
       const int e = store->hosted_.experts[i % store->hosted_.experts.size()];
@@ -213,10 +220,11 @@ absl::StatusOr<SharedStoreInfo> ParseSharedStoreInfo(std::string_view blob, cons
   if (h.hidden != spec.hidden || h.intermediate != spec.intermediate)
     return absl::InvalidArgumentError(absl::StrCat("shared store: hidden/intermediate ", h.hidden, "/", h.intermediate,
                                                    ", the model has ", spec.hidden, "/", spec.intermediate));
-  const bool grouped = h.format == static_cast<int>(WeightFormat::kInt4) || h.format == static_cast<int>(WeightFormat::kFp8);
+  const bool int4 = h.format == static_cast<int>(WeightFormat::kInt4);
+  const bool fp8 = h.format == static_cast<int>(WeightFormat::kFp8);
   const bool mxfp4 = h.format == static_cast<int>(WeightFormat::kMxfp4);
-  if (h.format < 0 || h.format > static_cast<int>(WeightFormat::kMxfp4) ||
-      (grouped && (h.group <= 0 || h.group % 64 != 0)) || (mxfp4 && h.group != kMxfp4Block))
+  if (h.format < 0 || h.format > static_cast<int>(WeightFormat::kMxfp4) || (int4 && !layout::Int4GroupServed(h.group)) ||
+      (fp8 && (h.group <= 0 || h.group % 64 != 0)) || (mxfp4 && h.group != kMxfp4Block))
     return absl::InvalidArgumentError(absl::StrCat("shared store: format ", h.format, " group ", h.group));
   SharedStoreInfo info;
   info.geometry = ExpertGeometry::For(spec.hidden, spec.intermediate, static_cast<WeightFormat>(h.format), h.group)

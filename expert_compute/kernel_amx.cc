@@ -150,8 +150,9 @@ inline void UnpackNibbleTile(const std::byte* src, bool mxfp4, int8_t* dst) {
   }
 }
 
-// The k per tdpbssd of a format's AMX path: 32 for mxfp4 (its scale block), else 64.
-inline int AmxKStep(const ExpertGeometry& g) { return g.format == WeightFormat::kMxfp4 ? 32 : 64; }
+// The k per tdpbssd of a format's AMX path: 32 for scale groups of 32 (mxfp4's
+// blocks, int4's groups of 32), else 64.
+inline int AmxKStep(const ExpertGeometry& g) { return g.nibbles() && g.group % 64 != 0 ? 32 : 64; }
 
 // The 16 channels' scales of group gi (int8: gi = 0, its per-channel scales;
 // mxfp4: 2^(e - 127) / 2, its codes being doubled).

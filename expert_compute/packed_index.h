@@ -18,6 +18,11 @@ MOE_HOST_DEVICE inline size_t Int8Offset(int c, int k) {
   return size_t(k / 64) * 1024 + ((k % 64) / 4) * 64 + c * 4 + k % 4;
 }
 
+// kInt4: the scale groups the kernels compute (CPU and GPU): 32 k (Kimi-K2's
+// compressed-tensors checkpoints; half a 64-k chunk, as mxfp4's blocks) or
+// whole 64-k chunks.
+MOE_HOST_DEVICE constexpr bool Int4GroupServed(int group) { return group == 32 || (group > 0 && group % 64 == 0); }
+
 // kInt4: byte offset of q[c, k]'s nibble, and whether it is the high one
 // (tile rows 2i and 2i+1 share byte row i).
 MOE_HOST_DEVICE inline size_t Int4Offset(int c, int k, bool* high) {

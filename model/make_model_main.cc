@@ -11,10 +11,10 @@
 
 int main(int argc, char** argv) {
   std::string preset = "tiny", out, dtype = "bf16", format = "auto";
-  int64_t layers = -1, seed = 0, shard_mib = 2048;
+  int64_t layers = -1, seed = 0, shard_mib = 2048, int4_group = 128;
   moe::FlagSet flags("moe-make-model",
                      "--preset NAME --out DIR|FILE.gguf [--layers N] [--seed S] [--shard-mib M] [--format safetensors|gguf]\n"
-                     "      [--dtype bf16|f16|f32|fp8|int4|mxfp4 | (gguf) bf16|f16|f32|q8_0|q4_k|q6_k|mxfp4]\n"
+                     "      [--dtype bf16|f16|f32|fp8|int4|mxfp4 | (gguf) bf16|f16|f32|q8_0|q4_k|q6_k|mxfp4] [--int4-group G]\n"
                      "Writes a synthetic checkpoint with seeded random expert weights: a safetensors directory\n"
                      "(config.json + shards) or a GGUF file holding the experts and the preset's architecture metadata\n"
                      "(qwen3moe, deepseek2, olmoe, kimi-linear, llama for Mixtral, gpt-oss), which --model FILE.gguf\n"
@@ -34,10 +34,12 @@ int main(int argc, char** argv) {
   flags.String("dtype", &dtype,
                "expert weights in the files. safetensors: bf16, f16, f32, or quantized as real checkpoints are:\n"
                "      fp8 (E4M3, 128x128 block scales, like DeepSeek-V3), int4 (compressed-tensors pack-quantized,\n"
-               "      group 128) or mxfp4 (OCP MXFP4 as GPT-OSS publishes it: X_blocks [rows, cols/32, 16] E2M1\n"
+               "      symmetric, --int4-group columns per scale) or mxfp4 (OCP MXFP4 as GPT-OSS publishes it: X_blocks [rows, cols/32, 16] E2M1\n"
                "      nibbles, low first, and X_scales [rows, cols/32] E8M0; quantization_config quant_method mxfp4;\n"
                "      H and I multiples of 32). gguf: bf16, f16, f32, q8_0 or mxfp4 (H and I multiples of 32),\n"
                "      q4_k or q6_k (multiples of 256)");
+  flags.Int("int4-group", &int4_group,
+            "--dtype int4: columns per scale (128; 32 is Kimi-K2's; a row's last group may be partial)");
   flags.Parse(argc, argv);
   if (out.empty()) flags.Fail("--out is required");
   if (layers == 0 || layers < -1) flags.Fail("--layers must be a positive number or -1");
@@ -58,6 +60,9 @@ int main(int argc, char** argv) {
     else if (dtype == "int4") spec->quant.scheme = moe::WeightQuant::kInt4Group;
     else if (dtype == "mxfp4") spec->quant.scheme = moe::WeightQuant::kMxfp4;
     else if (dtype != "bf16") flags.Fail("--dtype must be bf16, f16, f32, fp8, int4 or mxfp4 (q8_0, q4_k, q6_k: --format gguf)");
+    if (int4_group != 128 && dtype != "int4") flags.Fail("--int4-group is for --dtype int4");
+    if (int4_group <= 0 || int4_group > 4096) flags.Fail("--int4-group must be in [1, 4096]");
+    spec->quant.group_size = static_cast<int>(int4_group);
     st = moe::WriteSyntheticCheckpoint(out, *spec, static_cast<uint64_t>(seed), static_cast<size_t>(shard_mib) << 20);
   }
   if (!st.ok()) flags.Fail(std::string(st.message()), 1);

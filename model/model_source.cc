@@ -72,17 +72,24 @@ absl::Status CheckFiniteFp8(const std::vector<uint8_t>& codes, int layer, int ex
   return absl::OkStatus();
 }
 
-// p's shape and scale grid for a [rows, cols] projection quantized as q says.
-void ShapeFp8(const QuantConfig& q, int rows, int cols, Fp8Projection* p) {
-  p->rows = rows, p->cols = cols, p->br = q.block_rows, p->bc = q.block_cols, p->r0 = p->c0 = 0;
-  p->scale_cols = static_cast<int>(CeilDiv(cols, q.block_cols));
+// p's shape and scale grid for a [rows, cols] projection quantized as q says
+// (fp8: blocks of block_rows x block_cols; int4: 1 x group_size).
+void ShapeCodes(const QuantConfig& q, int rows, int cols, CodedProjection* p) {
+  const bool int4 = q.scheme == WeightQuant::kInt4Group;
+  p->scheme = q.scheme;
+  p->rows = rows, p->cols = cols, p->r0 = p->c0 = 0;
+  p->br = int4 ? 1 : q.block_rows, p->bc = int4 ? q.group_size : q.block_cols;
+  p->scale_cols = static_cast<int>(CeilDiv(cols, p->bc));
   p->codes.resize(static_cast<size_t>(rows) * cols);
-  p->scale_inv.resize(static_cast<size_t>(CeilDiv(rows, q.block_rows)) * p->scale_cols);
+  p->scales.resize(static_cast<size_t>(CeilDiv(rows, p->br)) * p->scale_cols);
 }
 
-absl::Status NotFp8(const ModelSpec& spec) {
-  return absl::FailedPreconditionError(absl::StrCat("the model's experts are not an fp8 checkpoint (quantization: ",
-                                                    spec.quant.Describe(), ")"));
+bool HasCodes(const ModelSpec& spec) {
+  return spec.quant.scheme == WeightQuant::kFp8Block || spec.quant.scheme == WeightQuant::kInt4Group;
+}
+absl::Status NotCoded(const ModelSpec& spec) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the model's experts are not an fp8 or int4 checkpoint (quantization: ", spec.quant.Describe(), ")"));
 }
 
 class SyntheticSource final : public ModelSource {
@@ -109,19 +116,26 @@ class SyntheticSource final : public ModelSource {
     QuantizeDequantize(spec_.quant, H, I, out->down.data());
     return absl::OkStatus();
   }
-  // The codes moe-make-model --dtype fp8 writes for this expert.
-  absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const override {
-    if (spec_.quant.scheme != WeightQuant::kFp8Block) return NotFp8(spec_);
+  // The codes moe-make-model --dtype fp8 / int4 writes for this expert.
+  absl::Status ReadExpertCodes(int layer, int expert, ExpertCodes* out) const override {
+    if (!HasCodes(spec_)) return NotCoded(spec_);
     MOE_RETURN_IF_ERROR(CheckExpertIndex(spec_, layer, expert));
     const int H = spec_.hidden, I = spec_.intermediate;
     std::vector<bf16_t> w;
+    std::vector<int32_t> words;
     for (auto [p, proj, rows, cols] : {std::tuple{&out->gate, Projection::kGate, I, H},
                                        std::tuple{&out->up, Projection::kUp, I, H},
                                        std::tuple{&out->down, Projection::kDown, H, I}}) {
-      ShapeFp8(spec_.quant, rows, cols, p);
+      ShapeCodes(spec_.quant, rows, cols, p);
       w.resize(static_cast<size_t>(rows) * cols);
       GenerateExpertMatrix(uri_.seed, layer, expert, proj, rows, cols, w.data());
-      QuantizeFp8Block(w.data(), rows, cols, p->br, p->bc, p->codes.data(), p->scale_inv.data());
+      if (p->scheme == WeightQuant::kFp8Block) {
+        QuantizeFp8Block(w.data(), rows, cols, p->br, p->bc, p->codes.data(), p->scales.data());
+      } else {
+        words.resize(static_cast<size_t>(rows) * CeilDiv(cols, 8));
+        QuantizeInt4Group(w.data(), rows, cols, p->bc, words.data(), p->scales.data());
+        UnpackInt4Words(words.data(), rows, cols, reinterpret_cast<int8_t*>(p->codes.data()));
+      }
     }
     return absl::OkStatus();
   }
@@ -248,6 +262,45 @@ absl::StatusOr<std::pair<const TensorInfo*, const TensorInfo*>> FindFp8(const Ch
   return std::pair{w, s};
 }
 
+// An int4 projection (compressed-tensors pack-quantized: X.weight_packed,
+// X.weight_scale, X.weight_shape) as its codes and f32 scales, checked
+// against the model's shape and the config's group size.
+absl::Status ReadInt4(const Checkpoint& ckpt, const QuantConfig& q, const std::string& name, int64_t rows,
+                      int64_t cols, CodedProjection* p) {
+  const std::string why = absl::StrCat("quantization_config: int4, group ", q.group_size);
+  const std::string packed_name = QuantizedPartName(name, "weight_packed");
+  const std::string scale_name = QuantizedPartName(name, "weight_scale");
+  const std::string shape_name = QuantizedPartName(name, "weight_shape");
+  MOE_ASSIGN_OR_RETURN(const TensorInfo* w, FindTensor(ckpt, packed_name, {DType::kI32}, {rows, CeilDiv(cols, 8)}, why));
+  MOE_ASSIGN_OR_RETURN(const TensorInfo* s, FindTensor(ckpt, scale_name, {DType::kBF16, DType::kF16, DType::kF32},
+                                                       {rows, CeilDiv(cols, q.group_size)}, why));
+  MOE_ASSIGN_OR_RETURN(const TensorInfo* shape, FindTensor(ckpt, shape_name, {DType::kI64, DType::kI32}, {2}, why));
+  int64_t r0 = 0, c0 = 0;
+  if (shape->dtype == DType::kI64) {
+    std::memcpy(&r0, shape->data, 8);
+    std::memcpy(&c0, shape->data + 8, 8);
+  } else {
+    int32_t v[2];
+    std::memcpy(v, shape->data, 8);
+    r0 = v[0];
+    c0 = v[1];
+  }
+  if (r0 != rows || c0 != cols)
+    return absl::InvalidArgumentError(
+        absl::StrCat(shape->name, ": says [", r0, ",", c0, "], the model needs [", rows, ",", cols, "]"));
+  ShapeCodes(q, static_cast<int>(rows), static_cast<int>(cols), p);
+  MOE_RETURN_IF_ERROR(ScalesToF32(*s, &p->scales));
+  const int32_t* words = reinterpret_cast<const int32_t*>(w->data);
+  std::vector<int32_t> aligned;  // safetensors does not align tensors to their element size
+  if (reinterpret_cast<uintptr_t>(w->data) % alignof(int32_t) != 0) {
+    aligned.resize(w->nbytes / sizeof(int32_t));
+    std::memcpy(aligned.data(), w->data, w->nbytes);
+    words = aligned.data();
+  }
+  UnpackInt4Words(words, static_cast<int>(rows), static_cast<int>(cols), reinterpret_cast<int8_t*>(p->codes.data()));
+  return absl::OkStatus();
+}
+
 // One [rows, cols] expert projection (its ".weight" name) as bf16, in the
 // checkpoint's format (plain, fp8 block-scaled, or int4 group-quantized).
 absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const std::string& name, int64_t rows,
@@ -271,38 +324,14 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
       return absl::OkStatus();
     }
     case WeightQuant::kInt4Group: {
-      const std::string why = absl::StrCat("quantization_config: int4, group ", q.group_size);
-      const std::string packed_name = QuantizedPartName(name, "weight_packed");
-      const std::string scale_name = QuantizedPartName(name, "weight_scale");
-      const std::string shape_name = QuantizedPartName(name, "weight_shape");
-      MOE_ASSIGN_OR_RETURN(const TensorInfo* p,
-                           FindTensor(ckpt, packed_name, {DType::kI32}, {rows, CeilDiv(cols, 8)}, why));
-      MOE_ASSIGN_OR_RETURN(const TensorInfo* s, FindTensor(ckpt, scale_name, {DType::kBF16, DType::kF16, DType::kF32},
-                                                           {rows, CeilDiv(cols, q.group_size)}, why));
-      MOE_ASSIGN_OR_RETURN(const TensorInfo* shape,
-                           FindTensor(ckpt, shape_name, {DType::kI64, DType::kI32}, {2}, why));
-      int64_t r0 = 0, c0 = 0;
-      if (shape->dtype == DType::kI64) {
-        std::memcpy(&r0, shape->data, 8);
-        std::memcpy(&c0, shape->data + 8, 8);
-      } else {
-        int32_t v[2];
-        std::memcpy(v, shape->data, 8);
-        r0 = v[0];
-        c0 = v[1];
-      }
-      if (r0 != rows || c0 != cols)
-        return absl::InvalidArgumentError(absl::StrCat(shape->name, ": says [", r0, ",", c0, "], the model needs [",
-                                                       rows, ",", cols, "]"));
-      MOE_RETURN_IF_ERROR(ScalesToF32(*s, &scales));
-      const int32_t* words = reinterpret_cast<const int32_t*>(p->data);
-      std::vector<int32_t> aligned;  // safetensors does not align tensors to their element size
-      if (reinterpret_cast<uintptr_t>(p->data) % alignof(int32_t) != 0) {
-        aligned.resize(p->nbytes / sizeof(int32_t));
-        std::memcpy(aligned.data(), p->data, p->nbytes);
-        words = aligned.data();
-      }
-      DequantizeInt4Group(words, scales.data(), static_cast<int>(rows), static_cast<int>(cols), q.group_size, dst);
+      CodedProjection p;
+      MOE_RETURN_IF_ERROR(ReadInt4(ckpt, q, name, rows, cols, &p));
+      const int8_t* code = reinterpret_cast<const int8_t*>(p.codes.data());
+      for (int r = 0; r < p.rows; ++r)
+        for (int c = 0; c < p.cols; ++c) {
+          const size_t i = static_cast<size_t>(r) * p.cols + c;
+          dst[i] = F32ToBf16(static_cast<float>(code[i]) * p.Scale(r, c));
+        }
       return absl::OkStatus();
     }
     case WeightQuant::kMxfp4: {
@@ -435,24 +464,29 @@ class CheckpointSource final : public ModelSource {
     }
     return absl::OkStatus();
   }
-  absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const override {
-    if (spec_.quant.scheme != WeightQuant::kFp8Block) return NotFp8(spec_);
+  absl::Status ReadExpertCodes(int layer, int expert, ExpertCodes* out) const override {
+    if (!HasCodes(spec_)) return NotCoded(spec_);
     MOE_RETURN_IF_ERROR(CheckExpertIndex(spec_, layer, expert));
     const int H = spec_.hidden, I = spec_.intermediate;
     for (auto [p, proj, rows, cols, what] : {std::tuple{&out->gate, Projection::kGate, I, H, "gate"},
                                              std::tuple{&out->up, Projection::kUp, I, H, "up"},
                                              std::tuple{&out->down, Projection::kDown, H, I, "down"}}) {
       const std::string name = ExpertTensorName(spec_.naming, layer, expert, proj);
+      if (spec_.quant.scheme == WeightQuant::kInt4Group) {
+        if (absl::Status st = ReadInt4(*ckpt_, spec_.quant, name, rows, cols, p); !st.ok())
+          return absl::Status(st.code(), absl::StrCat("checkpoint ", dir_, ": ", st.message()));
+        continue;
+      }
       absl::StatusOr<std::pair<const TensorInfo*, const TensorInfo*>> ws = FindFp8(*ckpt_, spec_.quant, name, rows, cols);
       if (!ws.ok()) return absl::Status(ws.status().code(), absl::StrCat("checkpoint ", dir_, ": ", ws.status().message()));
-      ShapeFp8(spec_.quant, rows, cols, p);
+      ShapeCodes(spec_.quant, rows, cols, p);
       std::memcpy(p->codes.data(), ws->first->data, p->codes.size());
-      MOE_RETURN_IF_ERROR(ScalesToF32(*ws->second, &p->scale_inv));
+      MOE_RETURN_IF_ERROR(ScalesToF32(*ws->second, &p->scales));
       MOE_RETURN_IF_ERROR(CheckFiniteFp8(p->codes, layer, expert, what));
     }
     return absl::OkStatus();
   }
-  // The stored bytes of every tensor ReadExpert / ReadExpertFp8 read, in
+  // The stored bytes of every tensor ReadExpert / ReadExpertCodes read, in
   // (layer, expert, projection, part) order; a fused layer's two tensors.
   uint64_t Identity() const override {
     std::vector<StoredTensor> tensors;
@@ -678,17 +712,17 @@ class SlicedSource final : public ModelSource {
   }
   // The slice's rows of gate and up and columns of down; the scale grids
   // stay whole, offset by the slice's start.
-  absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const override {
-    MOE_RETURN_IF_ERROR(base_->ReadExpertFp8(layer, expert, out));
+  absl::Status ReadExpertCodes(int layer, int expert, ExpertCodes* out) const override {
+    MOE_RETURN_IF_ERROR(base_->ReadExpertCodes(layer, expert, out));
     const size_t H = static_cast<size_t>(spec_.hidden), I = static_cast<size_t>(base_->spec().intermediate);
     const size_t n = static_cast<size_t>(end_ - begin_);
-    for (Fp8Projection* p : {&out->gate, &out->up}) {
+    for (CodedProjection* p : {&out->gate, &out->up}) {
       p->codes.erase(p->codes.begin(), p->codes.begin() + begin_ * H);
       p->codes.resize(n * H);
       p->rows = static_cast<int>(n);
       p->r0 += begin_;
     }
-    Fp8Projection& d = out->down;
+    CodedProjection& d = out->down;
     for (size_t h = 0; h < H; ++h) std::copy_n(d.codes.begin() + h * I + begin_, n, d.codes.begin() + h * n);
     d.codes.resize(H * n);
     d.cols = static_cast<int>(n);
@@ -711,7 +745,7 @@ class SlicedSource final : public ModelSource {
 
 }  // namespace
 
-absl::Status ModelSource::ReadExpertFp8(int, int, ExpertFp8*) const { return NotFp8(spec()); }
+absl::Status ModelSource::ReadExpertCodes(int, int, ExpertCodes*) const { return NotCoded(spec()); }
 
 absl::StatusOr<std::unique_ptr<ModelSource>> SliceModel(std::unique_ptr<ModelSource> base, ExpertSlice slice) {
   if (slice.whole()) return base;

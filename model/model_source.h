@@ -29,18 +29,21 @@ struct ExpertWeights {
   void Resize(const ModelSpec& spec);
 };
 
-// One expert projection exactly as an FP8 checkpoint stores it: E4M3 codes
-// [rows, cols] and the f32 scale_inv grid of br x bc blocks;
-// w[r, c] = Fp8E4M3ToF32(code[r, c]) * Scale(r, c). A slice (SliceModel) keeps
-// the whole grid and offsets into it (r0, c0).
-struct Fp8Projection {
-  std::vector<uint8_t> codes;    // [rows, cols]
-  std::vector<float> scale_inv;  // [ceil(grid rows / br), scale_cols]
+// One expert projection exactly as a quantized checkpoint stores it: its codes
+// [rows, cols], a byte each (fp8: E4M3; int4: q in [-8, 7] as int8), and the
+// f32 scale grid of br x bc blocks (fp8: weight_scale_inv's blocks; int4:
+// weight_scale's 1 x group_size); w[r, c] = Value(code[r, c]) * Scale(r, c),
+// Value the E4M3 value or q. A slice (SliceModel) keeps the whole grid and
+// offsets into it (r0, c0).
+struct CodedProjection {
+  WeightQuant scheme = WeightQuant::kNone;  // kFp8Block or kInt4Group
+  std::vector<uint8_t> codes;  // [rows, cols]
+  std::vector<float> scales;   // [ceil(grid rows / br), scale_cols]
   int rows = 0, cols = 0, br = 0, bc = 0, scale_cols = 0, r0 = 0, c0 = 0;
-  float Scale(int r, int c) const { return scale_inv[size_t((r + r0) / br) * scale_cols + (c + c0) / bc]; }
+  float Scale(int r, int c) const { return scales[size_t((r + r0) / br) * scale_cols + (c + c0) / bc]; }
 };
-struct ExpertFp8 {
-  Fp8Projection gate, up, down;  // [I,H], [I,H], [H,I]
+struct ExpertCodes {
+  CodedProjection gate, up, down;  // [I,H], [I,H], [H,I]
 };
 
 class ModelSource {
@@ -53,10 +56,10 @@ class ModelSource {
   // InvalidArgument when the layer is not an MoE layer, the expert is out of
   // range, a tensor has the wrong shape or dtype, or holds NaN/Inf.
   virtual absl::Status ReadExpert(int layer, int expert, ExpertWeights* out) const = 0;
-  // The same expert as the FP8 checkpoint's own codes and scales (what
-  // ReadExpert dequantizes). FailedPrecondition unless spec().quant is fp8
-  // block-scaled; otherwise ReadExpert's errors.
-  virtual absl::Status ReadExpertFp8(int layer, int expert, ExpertFp8* out) const;
+  // The same expert as the checkpoint's own codes and scales (what ReadExpert
+  // dequantizes). FailedPrecondition unless spec().quant is fp8 block-scaled
+  // or int4 grouped; otherwise ReadExpert's errors.
+  virtual absl::Status ReadExpertCodes(int layer, int expert, ExpertCodes* out) const;
   // The digest of the experts' content (model/model_identity.h says what it
   // covers): equal for two sources of one model, different for another seed,
   // a fine-tune, a requantization. A checkpoint's costs one read of its

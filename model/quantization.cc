@@ -172,16 +172,23 @@ void DequantizeFp8Block(const uint8_t* w, const float* scale_inv, int rows, int 
   }
 }
 
-void DequantizeInt4Group(const int32_t* packed, const float* scales, int rows, int cols, int g, bf16_t* dst) {
-  const int64_t words = CeilDiv(cols, 8), groups = CeilDiv(cols, g);
+void UnpackInt4Words(const int32_t* packed, int rows, int cols, int8_t* codes) {
+  const int64_t words = CeilDiv(cols, 8);
   for (int r = 0; r < rows; ++r) {
     const uint32_t* prow = reinterpret_cast<const uint32_t*>(packed) + r * words;
+    int8_t* crow = codes + static_cast<size_t>(r) * cols;
+    for (int c = 0; c < cols; ++c) crow[c] = static_cast<int8_t>(static_cast<int>((prow[c / 8] >> (4 * (c % 8))) & 0xf) - 8);
+  }
+}
+
+void DequantizeInt4Group(const int32_t* packed, const float* scales, int rows, int cols, int g, bf16_t* dst) {
+  const int64_t words = CeilDiv(cols, 8), groups = CeilDiv(cols, g);
+  std::vector<int8_t> q(static_cast<size_t>(cols));
+  for (int r = 0; r < rows; ++r) {
+    UnpackInt4Words(packed + r * words, 1, cols, q.data());
     const float* srow = scales + r * groups;
     bf16_t* drow = dst + static_cast<size_t>(r) * cols;
-    for (int c = 0; c < cols; ++c) {
-      const int q = static_cast<int>((prow[c / 8] >> (4 * (c % 8))) & 0xf) - 8;
-      drow[c] = F32ToBf16(static_cast<float>(q) * srow[c / g]);
-    }
+    for (int c = 0; c < cols; ++c) drow[c] = F32ToBf16(static_cast<float>(q[c]) * srow[c / g]);
   }
 }
 

@@ -106,12 +106,14 @@ absl::StatusOr<SyntheticModelUri> ParseSyntheticUri(std::string_view uri_view) {
     } else if (ok && kv[0] == "dtype") {
       out.dtype = kv[1];
       ok = out.dtype == "bf16" || out.dtype == "fp8" || out.dtype == "int4" || out.dtype == "mxfp4";
+    } else if (ok && kv[0] == "group") {
+      ok = absl::SimpleAtoi(kv[1], &out.group) && out.group > 0 && out.group <= 4096;
     } else {
       ok = false;
     }
     if (!ok)
       return absl::InvalidArgumentError(absl::StrCat("model URI '", uri, "': bad option '", parts[i],
-                                                     "' (expected layers=N, seed=S, experts=E, top_k=K or dtype=bf16|fp8|int4|mxfp4)"));
+                                                     "' (expected layers=N, seed=S, experts=E, top_k=K, dtype=bf16|fp8|int4|mxfp4 or group=G)"));
   }
   if (absl::StatusOr<ModelSpec> s = out.Spec(); !s.ok()) return s.status();
   return out;
@@ -126,6 +128,10 @@ absl::StatusOr<ModelSpec> SyntheticModelUri::Spec() const {
     absl::StatusOr<WeightQuant> q = ParseWeightQuant(dtype);
     if (!q.ok()) return absl::InvalidArgumentError(absl::StrCat("model URI: ", q.status().message()));
     s->quant.scheme = *q;
+  }
+  if (group > 0) {
+    if (s->quant.scheme != WeightQuant::kInt4Group) return absl::InvalidArgumentError("model URI: group= is for dtype=int4");
+    s->quant.group_size = group;
   }
   if (absl::Status st = s->Validate(); !st.ok())
     return absl::InvalidArgumentError(absl::StrCat("model URI: ", st.message()));

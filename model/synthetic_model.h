@@ -23,6 +23,7 @@ struct SyntheticModelUri {
   int experts = -1;    // override the preset's routed experts per layer
   int top_k = -1;      // override the preset's top-k
   std::string dtype;   // bf16 (default), fp8, int4 or mxfp4: the weights a checkpoint of that format gives back
+  int group = -1;      // dtype=int4: columns per scale (default 128; 32 is Kimi-K2's)
   // The preset's geometry with the overrides above applied.
   absl::StatusOr<ModelSpec> Spec() const;
 };

@@ -8,14 +8,14 @@
 namespace moe {
 
 PackedExpert MakePackedExpert(int hidden, int intermediate, WeightFormat format, uint64_t seed, int id,
-                              bool biases) {
+                              bool biases, int group) {
   const size_t ih = static_cast<size_t>(intermediate) * hidden;
   std::vector<bf16_t> w(3 * ih);
   GenerateExpertMatrix(seed, 0, id, Projection::kGate, intermediate, hidden, w.data());
   GenerateExpertMatrix(seed, 0, id, Projection::kUp, intermediate, hidden, w.data() + ih);
   GenerateExpertMatrix(seed, 0, id, Projection::kDown, hidden, intermediate, w.data() + 2 * ih);
   // The activation does not change the packed bytes; the biases do.
-  const ExpertGeometry g = ExpertGeometry::For(hidden, intermediate, format).WithExpertMath({}, biases);
+  const ExpertGeometry g = ExpertGeometry::For(hidden, intermediate, format, group).WithExpertMath({}, biases);
   std::vector<bf16_t> b(biases ? 2 * static_cast<size_t>(intermediate) + hidden : 0);
   if (biases) {
     GenerateExpertBias(seed, 0, id, Projection::kGate, intermediate, b.data());

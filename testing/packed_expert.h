@@ -19,8 +19,9 @@ struct PackedExpert {
 // Expert `id` of layer 0 with GenerateExpertMatrix's weights for `seed`
 // (gate [I,H], up [I,H], down [H,I]), packed in `format`; with `biases`,
 // GenerateExpertBias's gate [I], up [I] and down [H] biases after them
-// (ExpertGeometry::WithExpertMath(..., true): a GPT-OSS expert).
+// (ExpertGeometry::WithExpertMath(..., true): a GPT-OSS expert). `group`:
+// int4's and fp8's scale group (0: the format's default).
 PackedExpert MakePackedExpert(int hidden, int intermediate, WeightFormat format, uint64_t seed, int id,
-                              bool biases = false);
+                              bool biases = false, int group = 0);
 
 }  // namespace moe

@@ -70,16 +70,16 @@ struct Expert {
   const std::byte* data() const { return packed.data(); }
 };
 
-// Synthetic expert `id`, packed in `format`.
-Expert MakeExpert(const Geometry& g, int id, WeightFormat format, const ExpertMath& math = {}) {
+// Synthetic expert `id`, packed in `format` (int4: scale groups of `group` k, 0: the default).
+Expert MakeExpert(const Geometry& g, int id, WeightFormat format, const ExpertMath& math = {}, int group = 0) {
   const size_t ih = static_cast<size_t>(g.I) * g.H;
   Expert e;
   e.math = math;
-  e.packed = MakePackedExpert(g.H, g.I, format, kWeightSeed, id, math.biases);
+  e.packed = MakePackedExpert(g.H, g.I, format, kWeightSeed, id, math.biases, group);
   e.w.resize(3 * ih + (math.biases ? 2 * g.I + g.H : 0));
   float* b = e.w.data() + 3 * ih;
   float* const biases[3] = {b, b + g.I, b + 2 * g.I};
-  UnpackExpert(ExpertGeometry::For(g.H, g.I, format).WithExpertMath(math.activation, math.biases), e.packed.data(),
+  UnpackExpert(ExpertGeometry::For(g.H, g.I, format, group).WithExpertMath(math.activation, math.biases), e.packed.data(),
                e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih, math.biases ? biases : nullptr);
   return e;
 }
@@ -210,8 +210,10 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
     const size_t us = param.find('_');
     backend_name_ = param.substr(0, us);
     const std::string fmt = us == std::string::npos ? "bf16" : param.substr(us + 1);
+    // int4g32: int4 in Kimi-K2's scale groups of 32 k (the default is 128).
+    int4_group_ = fmt == "int4g32" ? 32 : 0;
     format_ = fmt == "int8"   ? WeightFormat::kInt8
-              : fmt == "int4" ? WeightFormat::kInt4
+              : fmt == "int4" || fmt == "int4g32" ? WeightFormat::kInt4
               : fmt == "fp8"  ? WeightFormat::kFp8
               : fmt == "mxfp4" ? WeightFormat::kMxfp4
                               : WeightFormat::kBf16;
@@ -230,11 +232,12 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
     c.contexts = 2;
     c.cpu_threads = 2;
     c.format = format_;
+    c.int4_group = int4_group_;
     c.activation = math_.activation;
     c.biases = math_.biases;
     return c;
   }
-  Expert Make(const Geometry& g, int id) const { return MakeExpert(g, id, format_, math_); }
+  Expert Make(const Geometry& g, int id) const { return MakeExpert(g, id, format_, math_, int4_group_); }
 
   // A fresh, uninitialized backend (the tests that loop over geometries call
   // it per geometry; Init may be called once per backend).
@@ -308,6 +311,7 @@ class DeviceBackendTest : public ::testing::TestWithParam<std::string> {
 
   std::string backend_name_;
   WeightFormat format_ = WeightFormat::kBf16;
+  int int4_group_ = 0;
   ExpertMath math_;           // the experts' math (Start loads experts of it)
   float input_scale_ = 1.0f;  // Input's activations scaled by this
   double tolerance_ = 1e-2;
@@ -732,11 +736,11 @@ TEST_P(DeviceBackendTest, RejectsOutOfRangeInput) {
 class Fp8SmallCodesTest : public DeviceBackendTest {
  protected:
   Expert SmallCodes(const Geometry& g, int id) const {
-    ExpertFp8 w8;
+    ExpertCodes w8;
     uint64_t state = 0x9E3779B97F4A7C15ull * (id + 1);
     for (auto [p, rows, cols] : {std::tuple{&w8.gate, g.I, g.H}, std::tuple{&w8.up, g.I, g.H}, std::tuple{&w8.down, g.H, g.I}}) {
-      p->rows = rows, p->cols = cols, p->br = p->bc = 128, p->scale_cols = (cols + 127) / 128;
-      p->scale_inv.assign(static_cast<size_t>((rows + 127) / 128) * p->scale_cols, 128.0f);
+      p->scheme = WeightQuant::kFp8Block, p->rows = rows, p->cols = cols, p->br = p->bc = 128, p->scale_cols = (cols + 127) / 128;
+      p->scales.assign(static_cast<size_t>((rows + 127) / 128) * p->scale_cols, 128.0f);
       p->codes.resize(static_cast<size_t>(rows) * cols);
       for (uint8_t& c : p->codes) {
         state = state * 6364136223846793005ull + 1442695040888963407ull;
@@ -749,7 +753,7 @@ class Fp8SmallCodesTest : public DeviceBackendTest {
     Expert e;
     e.packed.size = eg.packed_bytes();
     e.packed.bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (e.packed.size + 63) / 64 * 64)), std::free);
-    EXPECT_TRUE(PackExpertFp8(eg, w8, e.packed.bytes.get()).ok());
+    EXPECT_TRUE(PackExpertCodes(eg, w8, e.packed.bytes.get()).ok());
     const size_t ih = static_cast<size_t>(g.I) * g.H;
     e.w.resize(3 * ih);
     UnpackExpert(eg, e.data(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
@@ -785,8 +789,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, Fp8SmallCodesTest, ::testing::Values("cpu_fp8
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendTest,
-                         ::testing::Values("cpu", "cuda", "cpu_int8", "cuda_int8", "cpu_int4", "cuda_int4", "cpu_fp8",
-                                           "cuda_fp8", "cpu_mxfp4", "cuda_mxfp4"),
+                         ::testing::Values("cpu", "cuda", "cpu_int8", "cuda_int8", "cpu_int4", "cuda_int4", "cpu_int4g32",
+                                           "cuda_int4g32", "cpu_fp8", "cuda_fp8", "cpu_mxfp4", "cuda_mxfp4"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
                          });

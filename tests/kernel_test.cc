@@ -612,10 +612,12 @@ INSTANTIATE_TEST_SUITE_P(Kernels, KernelTest,
                            return std::get<0>(p.param) + "_" + WeightFormatName(std::get<1>(p.param));
                          });
 
-// An FP8 checkpoint stored as fp8 (--weight-dtype fp8) keeps its own codes and
-// block scales: every packed weight is exactly code x scale_inv of its block,
-// whole and sliced. Each kernel then computes it within 1e-2 of the f64 MoE
-// of those values (the SIMD kernels round code x scale to bf16 once).
+// A quantized checkpoint stored in its own format (fp8: --weight-dtype fp8;
+// int4: auto, Kimi-K2's groups of 32 included) keeps its own codes and scales:
+// every packed weight is exactly code x scale of its block or group, whole
+// and sliced. Each kernel then computes it within 1e-2 of the f64 MoE of
+// those values (the SIMD kernels round code x scale to bf16 once, or
+// quantize the activations to int8).
 class Fp8Checkpoint : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -623,67 +625,84 @@ class Fp8Checkpoint : public ::testing::TestWithParam<std::string> {
       GTEST_SKIP() << "kernel " << GetParam() << " for fp8 weights needs an ISA this CPU lacks ("
                    << CpuFeatures::Get().Summary() << ")";
   }
+
+  // Long: one walk (load, compare every packed weight, run the kernel) per model URI and slice, kept whole for its trace.
+  void CheckStoredExactly(const std::vector<std::string>& uris, const std::string& weight_dtype, WeightFormat want) {
+    std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(GetParam(), want);
+    if (kernel == nullptr) GTEST_SKIP() << "kernel " << GetParam() << " lacks " << WeightFormatName(want);
+    for (const std::string& uri : uris) {
+      SCOPED_TRACE(uri);
+      for (const ExpertSlice slice : {ExpertSlice{}, ExpertSlice{1, 2}}) {
+        absl::StatusOr<std::unique_ptr<ModelSource>> opened = OpenModel(uri);
+        ASSERT_TRUE(opened.ok()) << opened.status();
+        absl::StatusOr<std::unique_ptr<ModelSource>> sliced = SliceModel(*std::move(opened), slice);
+        if (!sliced.ok()) continue;  // tiny's intermediate size cannot be cut in two
+        const ModelSource& source = **sliced;
+        const ModelSpec& spec = source.spec();
+        absl::StatusOr<ExpertGeometry> g = StorageGeometry(spec, weight_dtype);
+        ASSERT_TRUE(g.ok()) << g.status();
+        ASSERT_EQ(g->format, want);
+        ASSERT_EQ(g->group, want == WeightFormat::kFp8 ? spec.quant.block_cols : spec.quant.group_size);
+        absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
+        ASSERT_TRUE(numa.ok()) << numa.status();
+        ComputePool pool(**numa);
+        const int layer = spec.moe_layers[0];
+        HostedSet hosted{{layer}, {}};
+        for (int e = 0; e < spec.num_experts; ++e) hosted.experts.push_back(e);
+        absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(source, *g, hosted, **numa, pool);
+        ASSERT_TRUE(store.ok()) << store.status();
+        const int H = spec.hidden, I = spec.intermediate;
+        std::vector<float> w(size_t(3) * H * I);
+        ExpertCodes codes;
+        ExpertWeights wb;
+        for (int e = 0; e < spec.num_experts; ++e) {
+          ASSERT_TRUE(source.ReadExpertCodes(layer, e, &codes).ok());
+          ASSERT_TRUE(source.ReadExpert(layer, e, &wb).ok());
+          UnpackExpert(*g, (*store)->Find(layer, e), w.data(), w.data() + size_t(I) * H, w.data() + size_t(2) * I * H);
+          int64_t inexact = 0, off_checkpoint = 0;
+          size_t at = 0;
+          for (auto [p, b] : {std::pair{&codes.gate, &wb.gate}, std::pair{&codes.up, &wb.up}, std::pair{&codes.down, &wb.down}})
+            for (int r = 0; r < p->rows; ++r)
+              for (int c = 0; c < p->cols; ++c, ++at) {
+                const uint8_t code = p->codes[size_t(r) * p->cols + c];
+                const float value = want == WeightFormat::kFp8 ? Fp8E4M3ToF32(code) : float(int8_t(code));
+                inexact += w[at] != value * p->Scale(r, c);
+                off_checkpoint += F32ToBf16(w[at]) != (*b)[size_t(r) * p->cols + c];  // what ReadExpert dequantizes
+              }
+          ASSERT_EQ(inexact, 0) << "expert " << e << ": packed weights differ from code x scale";
+          ASSERT_EQ(off_checkpoint, 0) << "expert " << e << ": packed weights differ from the checkpoint's dequantized values";
+        }
+        const int n = slice.whole() ? 37 : 3, k = spec.top_k;  // 3 tokens: decode-sized groups
+        std::vector<bf16_t> x = RandomActivations(size_t(n) * H, 7);
+        std::vector<int32_t> ids;
+        std::vector<float> rw;
+        RandomRouting(n, k, spec.num_experts, 8, 0.8, &ids, &rw);
+        const RoutingView r{n, k, ids.data(), rw.data()};
+        const std::vector<double> ref = DequantizedReference(**store, n, x, r, layer);
+        MoeExecutor exec(**store, *kernel, pool);
+        std::vector<float> got(size_t(n) * H, NAN);
+        ASSERT_TRUE(exec.Forward(MoeBatch{layer, n, x.data(), r}, DType::kF32, got.data(), nullptr).ok());
+        const double err = RelativeL2Error(got.data(), ref.data(), got.size());
+        EXPECT_LE(err, 1e-2) << "slice " << slice.ToString();
+        EXPECT_GT(err, 0.0) << "identical to f64 to the last bit is not plausible";
+        RecordProperty("rel_error", std::to_string(err));
+      }
+    }
+  }
 };
 
 TEST_P(Fp8Checkpoint, StoredExactlyAndComputedWithinBf16Rounding) {
-  for (const std::string uri : {"synthetic:tiny:seed=5:dtype=fp8", "synthetic:qwen3-30b-a3b:layers=1:experts=4:top_k=2:seed=6:dtype=fp8"}) {
-    SCOPED_TRACE(uri);
-    for (const ExpertSlice slice : {ExpertSlice{}, ExpertSlice{1, 2}}) {
-      absl::StatusOr<std::unique_ptr<ModelSource>> opened = OpenModel(uri);
-      ASSERT_TRUE(opened.ok()) << opened.status();
-      absl::StatusOr<std::unique_ptr<ModelSource>> sliced = SliceModel(*std::move(opened), slice);
-      if (!sliced.ok()) continue;  // tiny's intermediate size cannot be cut in two
-      const ModelSource& source = **sliced;
-      const ModelSpec& spec = source.spec();
-      absl::StatusOr<ExpertGeometry> g = StorageGeometry(spec, "fp8");
-      ASSERT_TRUE(g.ok()) << g.status();
-      ASSERT_EQ(g->format, WeightFormat::kFp8);
-      ASSERT_EQ(g->group, spec.quant.block_cols);
-      absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 2);
-      ASSERT_TRUE(numa.ok()) << numa.status();
-      ComputePool pool(**numa);
-      const int layer = spec.moe_layers[0];
-      HostedSet hosted{{layer}, {}};
-      for (int e = 0; e < spec.num_experts; ++e) hosted.experts.push_back(e);
-      absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(source, *g, hosted, **numa, pool);
-      ASSERT_TRUE(store.ok()) << store.status();
-      const int H = spec.hidden, I = spec.intermediate;
-      std::vector<float> w(size_t(3) * H * I);
-      ExpertFp8 w8;
-      ExpertWeights wb;
-      for (int e = 0; e < spec.num_experts; ++e) {
-        ASSERT_TRUE(source.ReadExpertFp8(layer, e, &w8).ok());
-        ASSERT_TRUE(source.ReadExpert(layer, e, &wb).ok());
-        UnpackExpert(*g, (*store)->Find(layer, e), w.data(), w.data() + size_t(I) * H, w.data() + size_t(2) * I * H);
-        int64_t inexact = 0, off_checkpoint = 0;
-        size_t at = 0;
-        for (auto [p, b] : {std::pair{&w8.gate, &wb.gate}, std::pair{&w8.up, &wb.up}, std::pair{&w8.down, &wb.down}})
-          for (int r = 0; r < p->rows; ++r)
-            for (int c = 0; c < p->cols; ++c, ++at) {
-              const float want = Fp8E4M3ToF32(p->codes[size_t(r) * p->cols + c]) * p->Scale(r, c);
-              inexact += w[at] != want;
-              off_checkpoint += F32ToBf16(w[at]) != (*b)[size_t(r) * p->cols + c];  // what ReadExpert dequantizes
-            }
-        ASSERT_EQ(inexact, 0) << "expert " << e << ": packed weights differ from code x scale_inv";
-        ASSERT_EQ(off_checkpoint, 0) << "expert " << e << ": packed weights differ from the checkpoint's dequantized values";
-      }
-      const int n = slice.whole() ? 37 : 3, k = spec.top_k;  // 3 tokens: decode-sized groups
-      std::vector<bf16_t> x = RandomActivations(size_t(n) * H, 7);
-      std::vector<int32_t> ids;
-      std::vector<float> rw;
-      RandomRouting(n, k, spec.num_experts, 8, 0.8, &ids, &rw);
-      const RoutingView r{n, k, ids.data(), rw.data()};
-      const std::vector<double> ref = DequantizedReference(**store, n, x, r, layer);
-      std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(GetParam(), WeightFormat::kFp8);
-      MoeExecutor exec(**store, *kernel, pool);
-      std::vector<float> got(size_t(n) * H, NAN);
-      ASSERT_TRUE(exec.Forward(MoeBatch{layer, n, x.data(), r}, DType::kF32, got.data(), nullptr).ok());
-      const double err = RelativeL2Error(got.data(), ref.data(), got.size());
-      EXPECT_LE(err, 1e-2) << "slice " << slice.ToString();
-      EXPECT_GT(err, 0.0) << "identical to f64 to the last bit is not plausible";
-      RecordProperty("rel_error", std::to_string(err));
-    }
-  }
+  CheckStoredExactly({"synthetic:tiny:seed=5:dtype=fp8", "synthetic:qwen3-30b-a3b:layers=1:experts=4:top_k=2:seed=6:dtype=fp8"},
+                     "fp8", WeightFormat::kFp8);
+}
+
+// int4 checkpoints (compressed-tensors): groups of 32 (Kimi-K2's, half a
+// 64-k chunk) and of 128, served by --weight-dtype auto with their own codes.
+TEST_P(Fp8Checkpoint, Int4StoredExactlyAndComputedWithinBf16Rounding) {
+  CheckStoredExactly({"synthetic:tiny:seed=5:dtype=int4:group=32",
+                      "synthetic:qwen3-30b-a3b:layers=1:experts=4:top_k=2:seed=6:dtype=int4:group=32",
+                      "synthetic:qwen3-30b-a3b:layers=1:experts=4:top_k=2:seed=6:dtype=int4"},
+                     "auto", WeightFormat::kInt4);
 }
 
 // Every E4M3 code (zero and the subnormals included) comes out of the
@@ -694,19 +713,19 @@ TEST_P(Fp8Checkpoint, StoredExactlyAndComputedWithinBf16Rounding) {
 TEST_P(Fp8Checkpoint, EveryCodeDecodesExactly) {
   const int H = 64, I = 256;
   const ExpertGeometry g = ExpertGeometry::For(H, I, WeightFormat::kFp8, 128);
-  ExpertFp8 w;
+  ExpertCodes w;
   std::vector<uint8_t> codes;
   for (int c = 0; c < 256; ++c)
     if ((c & 0x7f) != 0x7f) codes.push_back(static_cast<uint8_t>(c));  // 0x7f, 0xff: NaN
   for (auto [p, rows, cols] : {std::tuple{&w.gate, I, H}, std::tuple{&w.up, I, H}, std::tuple{&w.down, H, I}}) {
-    p->rows = rows, p->cols = cols, p->br = p->bc = 128, p->scale_cols = (cols + 127) / 128;
-    p->scale_inv.assign(size_t((rows + 127) / 128) * p->scale_cols, 0.125f);
+    p->scheme = WeightQuant::kFp8Block, p->rows = rows, p->cols = cols, p->br = p->bc = 128, p->scale_cols = (cols + 127) / 128;
+    p->scales.assign(size_t((rows + 127) / 128) * p->scale_cols, 0.125f);
     p->codes.resize(size_t(rows) * cols);
     for (size_t i = 0; i < p->codes.size(); ++i) p->codes[i] = codes[(i * 7) % codes.size()];
   }
   std::unique_ptr<std::byte, decltype(&std::free)> packed(
       static_cast<std::byte*>(std::aligned_alloc(64, (g.packed_bytes() + 63) / 64 * 64)), &std::free);
-  ASSERT_TRUE(PackExpertFp8(g, w, packed.get()).ok());
+  ASSERT_TRUE(PackExpertCodes(g, w, packed.get()).ok());
   std::unique_ptr<ExpertKernel> kernel = KernelOrSkip(GetParam(), WeightFormat::kFp8);
   const int rows = 16, ldo = g.Hn + 16;  // 16: the amx kernel's row block (rows past m are padding)
   std::vector<bf16_t> act(size_t(rows) * g.lda());
@@ -963,6 +982,10 @@ TEST_P(IntDirectTest, Int4MatchesReference) {
   Check(80, 48, WeightFormat::kInt4, 64, 112);
   Check(33, 17, WeightFormat::kInt4, 0, 113);
   Check(320, 200, WeightFormat::kInt4, 192, 114);
+  // Kimi-K2's groups of 32 (compressed-tensors): 32-k-deep tiles on AMX, two scale groups per 64-k chunk.
+  Check(200, 136, WeightFormat::kInt4, 32, 115);
+  Check(33, 17, WeightFormat::kInt4, 32, 116);
+  Check(7168 / 4, 2048 / 4, WeightFormat::kInt4, 32, 117);
 }
 
 // mxfp4 (group 32, E8M0 scales): the vpshufb-mapped nibbles on VNNI and the
@@ -1108,9 +1131,13 @@ TEST(ExpertStore, StorageGeometryFollowsTheFlagAndTheCheckpoint) {
   spec.quant.group_size = 64;
   EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt4);
   EXPECT_EQ(StorageGeometry(spec, "auto")->group, 64);
-  spec.quant.group_size = 32;  // not a multiple of the 64-column chunk: the default group
+  spec.quant.group_size = 32;  // Kimi-K2's: half a 64-column chunk, kept as int4 groups of 32
+  EXPECT_EQ(StorageGeometry(spec, "int4")->group, 32);
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt4);
+  EXPECT_EQ(StorageGeometry(spec, "auto")->group, 32);
+  spec.quant.group_size = 96;  // neither 32 nor whole chunks: int8 (not re-quantized into int4 groups of 128)
   EXPECT_EQ(StorageGeometry(spec, "int4")->group, ExpertGeometry::kDefaultInt4Group);
-  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt8);  // not re-quantized into int4 groups of 128
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt8);
   absl::StatusOr<ExpertGeometry> bad = StorageGeometry(spec, "fp16");
   ASSERT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("--weight-dtype"), std::string::npos) << bad.status();
@@ -1122,7 +1149,7 @@ TEST(ExpertStore, StorageGeometryFollowsTheFlagAndTheCheckpoint) {
   EXPECT_NEAR(int4 / bf16, 0.25 + 2.0 / 128, 0.002);  // 4 bits plus one f32 scale per group of 128
   // mxfp4: asked for, or kept from an MXFP4 checkpoint (safetensors, or a GGUF of MXFP4 experts only).
   EXPECT_EQ(StorageGeometry(spec, "mxfp4")->format, WeightFormat::kMxfp4);
-  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt8);  // int4 groups of 32 (above): not mxfp4
+  EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kInt8);  // int4 groups of 96 (above): not mxfp4
   spec.quant = QuantConfig{.scheme = WeightQuant::kMxfp4};
   EXPECT_EQ(StorageGeometry(spec, "auto")->format, WeightFormat::kMxfp4);
   EXPECT_EQ(StorageGeometry(spec, "auto")->group, 32);

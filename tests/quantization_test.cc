@@ -276,17 +276,20 @@ TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
     const char *dtype, *weight_dtype;
     WeightFormat stored;
     const char* preset = "tiny";  // mxfp4: demo's one MoE layer (tiny's I = 80 is not whole blocks of 32)
+    int int4_group = 128;         // --int4-group (32: Kimi-K2's, kept as int4 groups of 32)
   };
   for (const Case& c : {Case{"fp8", "auto", WeightFormat::kFp8}, Case{"fp8", "int8", WeightFormat::kInt8}, Case{"int4", "auto", WeightFormat::kInt4},
+                        Case{"int4", "auto", WeightFormat::kInt4, "tiny", 32},
                         Case{"fp8", "bf16", WeightFormat::kBf16}, Case{"bf16", "int8", WeightFormat::kInt8},
                         Case{"fp8", "fp8", WeightFormat::kFp8}, Case{"bf16", "fp8", WeightFormat::kFp8},
                         Case{"mxfp4", "auto", WeightFormat::kMxfp4, "demo"}, Case{"bf16", "mxfp4", WeightFormat::kMxfp4, "demo"}}) {
-    SCOPED_TRACE(absl::StrCat(c.dtype, " checkpoint, --weight-dtype=", c.weight_dtype));
+    SCOPED_TRACE(absl::StrCat(c.dtype, " checkpoint, --weight-dtype=", c.weight_dtype, " int4 group ", c.int4_group));
     testing::TempDir dir;
     const std::string out = dir.path() + "/m";
     std::vector<std::string> make_args = {absl::StrCat("--preset=", c.preset), "--seed=4", absl::StrCat("--dtype=", c.dtype),
                                           "--out=" + out};
     if (std::string(c.preset) == "demo") make_args.push_back("--layers=1");
+    if (std::string(c.dtype) == "int4") make_args.push_back(absl::StrCat("--int4-group=", c.int4_group));
     Subprocess make(testing::BinaryPath("moe-make-model"), make_args);
     ASSERT_EQ(make.Wait(std::chrono::seconds(60)), 0);
     Subprocess* server = nullptr;
@@ -326,7 +329,9 @@ TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
     HostedSet hosted{source->spec().moe_layers, {}};
     for (int e = 0; e < source->spec().num_experts; ++e) hosted.experts.push_back(e);
     EXPECT_EQ(info->weight_bytes(),
-              ExpertStore::BytesNeeded(ExpertGeometry::For(H, source->spec().intermediate, c.stored), hosted));
+              ExpertStore::BytesNeeded(ExpertGeometry::For(H, source->spec().intermediate, c.stored,
+                                                           c.stored == WeightFormat::kInt4 ? c.int4_group : 0),
+                                       hosted));
     EXPECT_EQ(info->weight_format(), WeightFormatName(c.stored));
     if (c.stored == WeightFormat::kMxfp4)  // 4.25 bits per weight: what the server holds, next to bf16
       EXPECT_NEAR(static_cast<double>(info->weight_bytes()) /

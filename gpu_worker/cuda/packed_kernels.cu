@@ -18,9 +18,9 @@
 // channels). fp8 blocks have int8's byte layout and int4's group scales.
 // mxfp4 blocks have int4's nibble layout and computation, E2M1 codes turned
 // into (doubled) values by a byte lookup (Mxfp4x4), and an E8M0 scale per 32
-// k: a lane's 8 k lie in one scale block. mxfp4 runs on the CUDA-core
-// kernels at every group size up to the backend's cuBLAS threshold (the
-// tensor-core variant's group-scale rows assume groups of >= 64 k).
+// k: a lane's 8 k lie in one scale block. int4 groups are 32 k (a lane's 8
+// k in one group, as mxfp4's) or multiples of 64. mxfp4 runs on the
+// CUDA-core kernels at every group size up to the backend's cuBLAS threshold.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -83,8 +83,9 @@ __device__ __forceinline__ void LoadChunkRegs(const uint8_t* const (&blk)[NMAT],
         const uint32_t e = __ldg(reinterpret_cast<const uint32_t*>(blk[m] + off));
         r.s[m] = make_float4(Mxfp4Scale(e & 0xFFu), Mxfp4Scale((e >> 8) & 0xFFu), Mxfp4Scale((e >> 16) & 0xFFu),
                              Mxfp4Scale(e >> 24));
-      } else {
-        const size_t off = static_cast<size_t>(Kp) * 8 + (static_cast<size_t>(64 * ch / group) * 16 + 4 * (lane & 3)) * 4;
+      } else {  // the group of the lane's 8 k (lanes 16-31 hold the chunk's second 32 k)
+        const size_t off =
+            static_cast<size_t>(Kp) * 8 + (static_cast<size_t>((64 * ch + 32 * (lane >> 4)) / group) * 16 + 4 * (lane & 3)) * 4;
         r.s[m] = __ldg(reinterpret_cast<const float4*>(blk[m] + off));
       }
     }
@@ -319,8 +320,9 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // Codes become f32 (byte_perm into 2^23's mantissa, one subtract) and bf16
 // pairs (exact: |code| <= 128; int4 nibbles straight into bf16 mantissas,
 // see NibblesToBf16x2); int8 channel scales apply in the epilogue, int4
-// group scales (groups are multiples of 64) to each chunk's partial sums
-// or, from 32 rows per pass, to the bf16 weights themselves.
+// group scales (per 32-k half of a chunk: groups of 32 or multiples of 64)
+// to each half's partial sums or, from 32 rows per pass, to the bf16
+// weights themselves; fp8's (multiples of 64) to each chunk's sums.
 // A block of 4 warps owns 4 CB 16-channel matrix blocks: down, 64 CB output
 // channels (CB blocks per warp); gate/up, 32 CB (warps 2i, 2i+1: gate and
 // up of the same CB blocks, which meet in shared memory for silu(gate) * up).
@@ -350,7 +352,9 @@ struct MmaTile {
   static constexpr int kChunkBytes = kBytes ? 1024 : 512;
   static constexpr int kSlots = kWarps * CB;  // 16-channel matrix blocks per thread block
   static constexpr int kWBytes = kSlots * kSC * kChunkBytes;
-  static constexpr int kSBytes = kGrouped ? kSlots * kSC * 64 : 0;  // up to kSC group-scale rows per slot
+  // Group-scale rows a stage's chunks may use per slot: int4 one per 32-k half, fp8 one per chunk.
+  static constexpr int kSRows = kFmt == kFmtInt4 ? 2 * kSC : kSC;
+  static constexpr int kSBytes = kGrouped ? kSlots * kSRows * 64 : 0;
   static constexpr int kXBytes = kRows * kSC * 128;
   static constexpr int kStageBytes = kWBytes + kSBytes + kXBytes;
   static constexpr int kSmem = kStages * kStageBytes;
@@ -478,11 +482,12 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
   constexpr int MX = T::kRows * 8 * T::kSC / kThreads;
   static_assert(MX >= 1 && T::kRows * 8 * T::kSC % kThreads == 0, "whole activation units per thread");
   const bf16_t* xsrc[MX];
-  // The group-scale row of chunk ch (groups are multiples of 64 k): exact
-  // through the float reciprocal (ch + 0.5 lies >= 0.5 / (group / 64) from
-  // any integer multiple), no integer division per chunk.
-  const float inv_gpc = 64.f / static_cast<float>(max(l.group, 64));
-  auto group_row = [&](int ch) { return static_cast<int>((static_cast<float>(ch) + 0.5f) * inv_gpc); };
+  // The group-scale row of 32-k half u (half u % 2 of chunk u / 2; groups
+  // are multiples of 32 k): exact through the float reciprocal (u + 0.5
+  // lies >= 0.5 / (group / 32) from any integer multiple), no integer
+  // division per chunk.
+  const float inv_gph = 32.f / static_cast<float>(max(l.group, 32));
+  auto group_row = [&](int u) { return static_cast<int>((static_cast<float>(u) + 0.5f) * inv_gph); };
   // Stage st's weights and scales and/or its activations (none past the
   // last stage) into buffer st % kStages.
   auto issue = [&](int st, bool weights, bool acts) {
@@ -499,13 +504,13 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
                       in ? wsrc[cb] + static_cast<size_t>(ch) * T::kChunkBytes + 16 * rest : base, in ? 16 : 0);
         }
       if constexpr (T::kGrouped) {  // the group-scale rows (16 f32) the stage's chunks use
-        if (lane < 4 * T::kSC) {
-          const int r0 = group_row(T::kSC * st), rr = lane / 4, q = lane % 4;
+        if (lane < 4 * T::kSRows) {
+          const int r0 = group_row(2 * T::kSC * st), rr = lane / 4, q = lane % 4;
 #pragma unroll
           for (int cb = 0; cb < CB; ++cb) {
             const bool in = wvalid[cb] && (r0 + rr) * l.group < Kp;
             const uint8_t* src = wsrc[cb] + static_cast<size_t>(Kp) * (T::kBytes ? 16 : 8) + (r0 + rr) * 64 + 16 * q;
-            CopyAsync16(buf + T::kWBytes + ((warp * CB + cb) * T::kSC + rr) * 64 + 16 * q, in ? src : base, in ? 16 : 0);
+            CopyAsync16(buf + T::kWBytes + ((warp * CB + cb) * T::kSRows + rr) * 64 + 16 * q, in ? src : base, in ? 16 : 0);
           }
         }
       }
@@ -554,26 +559,45 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
       const uint8_t* buf = smem + (st % T::kStages) * T::kStageBytes;
       const uint8_t* wb = buf + warp * CB * T::kSC * T::kChunkBytes;
       const uint8_t* xb = buf + T::kWBytes + T::kSBytes;
-      const int r0 = T::kGrouped ? group_row(T::kSC * st) : 0;
+      const int r0 = T::kGrouped ? group_row(2 * T::kSC * st) : 0;
 #pragma unroll
       for (int c = 0; c < T::kSC; ++c) {
         const int ch = T::kSC * st + c;
         if (ch >= chunks) break;
-        float2 gsc[CB];  // int4, fp8: the chunk's group scales of channels 2 gid, 2 gid + 1
+        // int4, fp8: the group scales of channels 2 gid, 2 gid + 1 for each 32-k half (fp8: the chunk's, [0]).
+        float2 gsc[CB][2];
 #pragma unroll
         for (int cb = 0; cb < CB; ++cb)
-          gsc[cb] = T::kGrouped ? *reinterpret_cast<const float2*>(buf + T::kWBytes + ((warp * CB + cb) * T::kSC + group_row(ch) - r0) * 64 + 8 * gid)
-                                : make_float2(1.f, 1.f);
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            gsc[cb][h] = T::kGrouped ? *reinterpret_cast<const float2*>(buf + T::kWBytes +
+                                                                        ((warp * CB + cb) * T::kSRows + group_row(2 * ch + h) - r0) * 64 + 8 * gid)
+                                     : make_float2(1.f, 1.f);
+        // kPartSums: the sums of one scale span (fp8: the chunk; int4: a 32-k half), then scaled into acc.
         float part[CB][NT][4];
-        if constexpr (kPartSums) {
+        auto zero_part = [&] {
 #pragma unroll
           for (int cb = 0; cb < CB; ++cb)
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
               for (int e = 0; e < 4; ++e) part[cb][j][e] = 0.f;
-        }
+        };
+        auto add_part = [&](int h) {
+#pragma unroll
+          for (int cb = 0; cb < CB; ++cb) {
+            const float m = kFmt == kFmtFp8 ? 256.f : 1.f, s0 = m * gsc[cb][h].x, s1 = m * gsc[cb][h].y;
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+              acc[cb][j][0] = fmaf(s0, part[cb][j][0], acc[cb][j][0]);
+              acc[cb][j][1] = fmaf(s0, part[cb][j][1], acc[cb][j][1]);
+              acc[cb][j][2] = fmaf(s1, part[cb][j][2], acc[cb][j][2]);
+              acc[cb][j][3] = fmaf(s1, part[cb][j][3], acc[cb][j][3]);
+            }
+          }
+        };
         if constexpr (T::kBytes) {
+          if constexpr (kPartSums) zero_part();
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
             uint2 xv[NT];
@@ -597,9 +621,11 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
               for (int j = 0; j < NT; ++j) MmaBf16(kPartSums ? part[cb][j] : acc[cb][j], a0, a1, a2, a3, xv[j].x, xv[j].y);
             }
           }
+          if constexpr (kPartSums) add_part(0);
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
+            if constexpr (kPartSums) zero_part();
             uint4 xv[NT];  // k = 64c + 32h + 8tig + {0..7}: low nibbles' k-step, then the high ones'
 #pragma unroll
             for (int j = 0; j < NT; ++j)
@@ -609,8 +635,8 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
             for (int cb = 0; cb < CB; ++cb) {
               const uint2 wq = *reinterpret_cast<const uint2*>(wb + (cb * T::kSC + c) * T::kChunkBytes +
                                                                WeightUnit(4 * h + tig, gid / 2) + 8 * (gid % 2));
-              const __nv_bfloat162 gs0 = __floats2bfloat162_rn(gsc[cb].x, gsc[cb].x);
-              const __nv_bfloat162 gs1 = __floats2bfloat162_rn(gsc[cb].y, gsc[cb].y);
+              const __nv_bfloat162 gs0 = __floats2bfloat162_rn(gsc[cb][h].x, gsc[cb][h].x);
+              const __nv_bfloat162 gs1 = __floats2bfloat162_rn(gsc[cb][h].y, gsc[cb][h].y);
 #pragma unroll
               for (int hi = 0; hi < 2; ++hi) {
                 uint32_t a0, a1, a2, a3;
@@ -634,19 +660,7 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
                   MmaBf16(kPartSums ? part[cb][j] : acc[cb][j], a0, a1, a2, a3, hi ? xv[j].z : xv[j].x, hi ? xv[j].w : xv[j].y);
               }
             }
-          }
-        }
-        if constexpr (kPartSums) {
-#pragma unroll
-          for (int cb = 0; cb < CB; ++cb) {
-            const float m = kFmt == kFmtFp8 ? 256.f : 1.f, s0 = m * gsc[cb].x, s1 = m * gsc[cb].y;
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-              acc[cb][j][0] = fmaf(s0, part[cb][j][0], acc[cb][j][0]);
-              acc[cb][j][1] = fmaf(s0, part[cb][j][1], acc[cb][j][1]);
-              acc[cb][j][2] = fmaf(s1, part[cb][j][2], acc[cb][j][2]);
-              acc[cb][j][3] = fmaf(s1, part[cb][j][3], acc[cb][j][3]);
-            }
+            if constexpr (kPartSums) add_part(h);
           }
         }
       }
@@ -878,7 +892,7 @@ cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedSlots& 
     case kFmtInt8:
       return mma ? LaunchPackedMmaByRows<kFmtInt8, kDown>(a, p, s) : LaunchPackedByRows<kFmtInt8, kDown>(a, p, s);
     case kFmtInt4:
-      if (p.layout.group <= 0 || p.layout.group % 64 != 0) return cudaErrorInvalidValue;
+      if (!layout::Int4GroupServed(p.layout.group)) return cudaErrorInvalidValue;
       return mma ? LaunchPackedMmaByRows<kFmtInt4, kDown>(a, p, s) : LaunchPackedByRows<kFmtInt4, kDown>(a, p, s);
     case kFmtFp8:
       if (p.layout.group <= 0 || p.layout.group % 64 != 0) return cudaErrorInvalidValue;
@@ -905,7 +919,8 @@ cudaError_t LaunchUnpackExpert(const uint8_t* packed, const PackedLayout& layout
   const size_t items = 2 * static_cast<size_t>(intermediate) * ((hidden + 7) / 8) +
                        static_cast<size_t>(hidden) * ((intermediate + 7) / 8);
   if (items == 0) return cudaSuccess;
-  if ((layout.format == kFmtInt4 || layout.format == kFmtFp8) && (layout.group <= 0 || layout.group % 64 != 0))
+  if ((layout.format == kFmtInt4 && !moe::layout::Int4GroupServed(layout.group)) ||
+      (layout.format == kFmtFp8 && (layout.group <= 0 || layout.group % 64 != 0)))
     return cudaErrorInvalidValue;
   if (layout.format == kFmtMxfp4 && layout.group != 32) return cudaErrorInvalidValue;
   const int blocks = static_cast<int>(std::min<size_t>((items + kElemwiseThreads - 1) / kElemwiseThreads, kMaxElemwiseBlocks));
