@@ -29,7 +29,11 @@ __attribute__((target("amx-tile"))) inline void ConfigureAmxTiles(int k_bytes = 
   }
   cfg.colsb[4] = cfg.colsb[5] = static_cast<uint16_t>(k_bytes);
   cfg.rows[6] = cfg.rows[7] = static_cast<uint8_t>(k_bytes / 4);
-  _tile_loadconfig(&cfg);
+  // ldtilecfg with cfg as a memory operand: GCC 12's _tile_loadconfig does not
+  // tell the optimizer that it reads cfg, which let it drop the stores above
+  // as dead (bench/amx_peak.cc's tile loop loaded an all-zero configuration
+  // and its first tilezero raised #UD).
+  asm volatile("ldtilecfg %0" : : "m"(cfg));
 }
 
 }  // namespace moe

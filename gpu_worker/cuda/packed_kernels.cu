@@ -338,7 +338,9 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // instructions per weight than register-prefetched
 // loads with per-unit index math, and one row per group included, faster
 // than the CUDA-core kernel at one row.
-template <int kFmt, int NT>
+// kHalves: int4 groups of 32 k, a scale per 32-k half of each chunk (else
+// one per chunk: groups of multiples of 64).
+template <int kFmt, int NT, bool kHalves = false>
 struct MmaTile {
   static constexpr bool kBytes = kFmt != kFmtInt4;    // int8, fp8: a byte per weight
   static constexpr bool kGrouped = kFmt != kFmtInt8;  // int4, fp8: group scales after the chunks
@@ -352,8 +354,8 @@ struct MmaTile {
   static constexpr int kChunkBytes = kBytes ? 1024 : 512;
   static constexpr int kSlots = kWarps * CB;  // 16-channel matrix blocks per thread block
   static constexpr int kWBytes = kSlots * kSC * kChunkBytes;
-  // Group-scale rows a stage's chunks may use per slot: int4 one per 32-k half, fp8 one per chunk.
-  static constexpr int kSRows = kFmt == kFmtInt4 ? 2 * kSC : kSC;
+  // Group-scale rows a stage's chunks may use per slot: one per chunk, per 32-k half with kHalves.
+  static constexpr int kSRows = kHalves ? 2 * kSC : kSC;
   static constexpr int kSBytes = kGrouped ? kSlots * kSRows * 64 : 0;
   static constexpr int kXBytes = kRows * kSC * 128;
   static constexpr int kStageBytes = kWBytes + kSBytes + kXBytes;
@@ -438,9 +440,10 @@ template <int kFmt, int NT>
 constexpr int MmaMinBlocks() { return NT >= 8 && kFmt != kFmtFp8 ? 3 : NT == 4 && kFmt == kFmtInt4 ? 4 : 1; }
 
 // Long: one kernel body (pipeline, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
-template <int kFmt, int NT, bool kDown>
+template <int kFmt, int NT, bool kDown, bool kHalves>
 __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
-  using T = MmaTile<kFmt, NT>;
+  static_assert(!kHalves || kFmt == kFmtInt4, "scales per 32-k half: int4's groups of 32");
+  using T = MmaTile<kFmt, NT, kHalves>;
   constexpr int CB = T::CB;
   // down (the next launch) may start while this grid's last blocks run.
   if constexpr (!kDown) asm volatile("griddepcontrol.launch_dependents;");
@@ -564,16 +567,17 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
       for (int c = 0; c < T::kSC; ++c) {
         const int ch = T::kSC * st + c;
         if (ch >= chunks) break;
-        // int4, fp8: the group scales of channels 2 gid, 2 gid + 1 for each 32-k half (fp8: the chunk's, [0]).
-        float2 gsc[CB][2];
+        // int4, fp8: the group scales of channels 2 gid, 2 gid + 1: the chunk's ([0]), or each 32-k half's (kHalves).
+        constexpr int kSpans = kHalves ? 2 : 1;
+        float2 gsc[CB][kSpans];
 #pragma unroll
         for (int cb = 0; cb < CB; ++cb)
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
+          for (int h = 0; h < kSpans; ++h)
             gsc[cb][h] = T::kGrouped ? *reinterpret_cast<const float2*>(buf + T::kWBytes +
                                                                         ((warp * CB + cb) * T::kSRows + group_row(2 * ch + h) - r0) * 64 + 8 * gid)
                                      : make_float2(1.f, 1.f);
-        // kPartSums: the sums of one scale span (fp8: the chunk; int4: a 32-k half), then scaled into acc.
+        // kPartSums: the sums of one scale span (the chunk; a 32-k half with kHalves), then scaled into acc.
         float part[CB][NT][4];
         auto zero_part = [&] {
 #pragma unroll
@@ -596,8 +600,8 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
             }
           }
         };
+        if constexpr (kPartSums && !kHalves) zero_part();
         if constexpr (T::kBytes) {
-          if constexpr (kPartSums) zero_part();
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
             uint2 xv[NT];
@@ -621,11 +625,11 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
               for (int j = 0; j < NT; ++j) MmaBf16(kPartSums ? part[cb][j] : acc[cb][j], a0, a1, a2, a3, xv[j].x, xv[j].y);
             }
           }
-          if constexpr (kPartSums) add_part(0);
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            if constexpr (kPartSums) zero_part();
+            const int hs = kHalves ? h : 0;  // the scale span of this half
+            if constexpr (kPartSums && kHalves) zero_part();
             uint4 xv[NT];  // k = 64c + 32h + 8tig + {0..7}: low nibbles' k-step, then the high ones'
 #pragma unroll
             for (int j = 0; j < NT; ++j)
@@ -635,8 +639,8 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
             for (int cb = 0; cb < CB; ++cb) {
               const uint2 wq = *reinterpret_cast<const uint2*>(wb + (cb * T::kSC + c) * T::kChunkBytes +
                                                                WeightUnit(4 * h + tig, gid / 2) + 8 * (gid % 2));
-              const __nv_bfloat162 gs0 = __floats2bfloat162_rn(gsc[cb][h].x, gsc[cb][h].x);
-              const __nv_bfloat162 gs1 = __floats2bfloat162_rn(gsc[cb][h].y, gsc[cb][h].y);
+              const __nv_bfloat162 gs0 = __floats2bfloat162_rn(gsc[cb][hs].x, gsc[cb][hs].x);
+              const __nv_bfloat162 gs1 = __floats2bfloat162_rn(gsc[cb][hs].y, gsc[cb][hs].y);
 #pragma unroll
               for (int hi = 0; hi < 2; ++hi) {
                 uint32_t a0, a1, a2, a3;
@@ -660,9 +664,10 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
                   MmaBf16(kPartSums ? part[cb][j] : acc[cb][j], a0, a1, a2, a3, hi ? xv[j].z : xv[j].x, hi ? xv[j].w : xv[j].y);
               }
             }
-            if constexpr (kPartSums) add_part(h);
+            if constexpr (kPartSums && kHalves) add_part(h);
           }
         }
+        if constexpr (kPartSums && !kHalves) add_part(0);
       }
     }
     CopyAsyncWait<0>();
@@ -761,12 +766,12 @@ WaveShape ShapeOf(Kernel kernel, int threads, int smem) {
 // One launch of the tensor-core kernel: down as the programmatic dependent
 // of gate/up (PackedMmaKernel waits for act after its first weights), at the
 // occupancy whose waves end most evenly when the groups are known.
-template <int kFmt, int NT, bool kDown>
+template <int kFmt, int NT, bool kDown, bool kHalves>
 cudaError_t LaunchPackedMma(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
-  using T = MmaTile<kFmt, NT>;
+  using T = MmaTile<kFmt, NT, kHalves>;
   const int nblocks = ((kDown ? a.hidden : a.intermediate) + 15) / 16, per = (kDown ? kWarps : kWarps / 2) * T::CB;
   const dim3 grid((nblocks + per - 1) / per, a.num_groups);
-  const auto kernel = PackedMmaKernel<kFmt, NT, kDown>;
+  const auto kernel = PackedMmaKernel<kFmt, NT, kDown, kHalves>;
   static const WaveShape shape = ShapeOf(kernel, kThreads, T::kSmem);
   const int smem = shape.ok && a.exact_groups ? shape.SmemForEvenWaves(static_cast<long>(grid.x) * grid.y, T::kSmem) : T::kSmem;
   if (!shape.ok && smem > 40 * 1024) {  // static shared memory (tok) counts too; shape.ok: opted in already
@@ -787,12 +792,12 @@ cudaError_t LaunchPackedMma(const GroupedExpertArgs& a, const PackedSlots& p, cu
 }
 
 // Rows per pass: 8, 16, 32 or 64 (the mma's n is 8 rows; fewer are padding).
-template <int kFmt, bool kDown>
+template <int kFmt, bool kDown, bool kHalves = false>
 cudaError_t LaunchPackedMmaByRows(const GroupedExpertArgs& a, const PackedSlots& p, cudaStream_t s) {
-  if (a.max_count <= 8) return LaunchPackedMma<kFmt, 1, kDown>(a, p, s);
-  if (a.max_count <= 16) return LaunchPackedMma<kFmt, 2, kDown>(a, p, s);
-  if (a.max_count <= 32) return LaunchPackedMma<kFmt, 4, kDown>(a, p, s);
-  return LaunchPackedMma<kFmt, 8, kDown>(a, p, s);
+  if (a.max_count <= 8) return LaunchPackedMma<kFmt, 1, kDown, kHalves>(a, p, s);
+  if (a.max_count <= 16) return LaunchPackedMma<kFmt, 2, kDown, kHalves>(a, p, s);
+  if (a.max_count <= 32) return LaunchPackedMma<kFmt, 4, kDown, kHalves>(a, p, s);
+  return LaunchPackedMma<kFmt, 8, kDown, kHalves>(a, p, s);
 }
 
 
@@ -893,7 +898,9 @@ cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedSlots& 
       return mma ? LaunchPackedMmaByRows<kFmtInt8, kDown>(a, p, s) : LaunchPackedByRows<kFmtInt8, kDown>(a, p, s);
     case kFmtInt4:
       if (!layout::Int4GroupServed(p.layout.group)) return cudaErrorInvalidValue;
-      return mma ? LaunchPackedMmaByRows<kFmtInt4, kDown>(a, p, s) : LaunchPackedByRows<kFmtInt4, kDown>(a, p, s);
+      if (!mma) return LaunchPackedByRows<kFmtInt4, kDown>(a, p, s);
+      return p.layout.group == 32 ? LaunchPackedMmaByRows<kFmtInt4, kDown, true>(a, p, s)
+                                  : LaunchPackedMmaByRows<kFmtInt4, kDown>(a, p, s);
     case kFmtFp8:
       if (p.layout.group <= 0 || p.layout.group % 64 != 0) return cudaErrorInvalidValue;
       return mma ? LaunchPackedMmaByRows<kFmtFp8, kDown>(a, p, s) : LaunchPackedByRows<kFmtFp8, kDown>(a, p, s);
