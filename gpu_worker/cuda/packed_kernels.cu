@@ -432,6 +432,34 @@ __device__ __forceinline__ void CopyAsyncCommit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void CopyAsyncWait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending)); }
 
+// acc[cb][j] += m x (the channel pair's scales s) x part[cb][j]: a scale
+// span's partial sums into the accumulators (C elements 0, 1: channel 2 gid;
+// 2, 3: channel 2 gid + 1).
+template <int CB, int NT>
+__device__ __forceinline__ void AddScaledParts(float (&acc)[CB][NT][4], const float (&part)[CB][NT][4],
+                                               const float2 (&s)[CB], float m) {
+#pragma unroll
+  for (int cb = 0; cb < CB; ++cb) {
+    const float s0 = m * s[cb].x, s1 = m * s[cb].y;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      acc[cb][j][0] = fmaf(s0, part[cb][j][0], acc[cb][j][0]);
+      acc[cb][j][1] = fmaf(s0, part[cb][j][1], acc[cb][j][1]);
+      acc[cb][j][2] = fmaf(s1, part[cb][j][2], acc[cb][j][2]);
+      acc[cb][j][3] = fmaf(s1, part[cb][j][3], acc[cb][j][3]);
+    }
+  }
+}
+template <int CB, int NT>
+__device__ __forceinline__ void ZeroParts(float (&part)[CB][NT][4]) {
+#pragma unroll
+  for (int cb = 0; cb < CB; ++cb)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) part[cb][j][e] = 0.f;
+}
+
 // Blocks per SM the kernel's registers must allow. 64 rows: at most 168
 // registers, 3 blocks (int8 and int4 8-15% faster than 2 blocks at 191-199
 // registers; fp8's conversion then spills). int4 at 32 rows: 128, 4 blocks
@@ -567,40 +595,21 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
       for (int c = 0; c < T::kSC; ++c) {
         const int ch = T::kSC * st + c;
         if (ch >= chunks) break;
-        // int4, fp8: the group scales of channels 2 gid, 2 gid + 1: the chunk's ([0]), or each 32-k half's (kHalves).
-        constexpr int kSpans = kHalves ? 2 : 1;
-        float2 gsc[CB][kSpans];
+        // int4, fp8: the chunk's group scales of channels 2 gid, 2 gid + 1 (kHalves: its first 32 k's; gsc_hi
+        // its second 32 k's).
+        float2 gsc[CB], gsc_hi[CB];
 #pragma unroll
-        for (int cb = 0; cb < CB; ++cb)
-#pragma unroll
-          for (int h = 0; h < kSpans; ++h)
-            gsc[cb][h] = T::kGrouped ? *reinterpret_cast<const float2*>(buf + T::kWBytes +
-                                                                        ((warp * CB + cb) * T::kSRows + group_row(2 * ch + h) - r0) * 64 + 8 * gid)
-                                     : make_float2(1.f, 1.f);
-        // kPartSums: the sums of one scale span (the chunk; a 32-k half with kHalves), then scaled into acc.
+        for (int cb = 0; cb < CB; ++cb) {
+          auto scales = [&](int u) {  // the staged scale row of 32-k half u
+            return *reinterpret_cast<const float2*>(buf + T::kWBytes + ((warp * CB + cb) * T::kSRows + group_row(u) - r0) * 64 +
+                                                    8 * gid);
+          };
+          gsc[cb] = T::kGrouped ? scales(2 * ch) : make_float2(1.f, 1.f);
+          if constexpr (kHalves) gsc_hi[cb] = scales(2 * ch + 1);
+        }
+        // kPartSums: the chunk's sums (kHalves: each half's), then scaled into acc.
         float part[CB][NT][4];
-        auto zero_part = [&] {
-#pragma unroll
-          for (int cb = 0; cb < CB; ++cb)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) part[cb][j][e] = 0.f;
-        };
-        auto add_part = [&](int h) {
-#pragma unroll
-          for (int cb = 0; cb < CB; ++cb) {
-            const float m = kFmt == kFmtFp8 ? 256.f : 1.f, s0 = m * gsc[cb][h].x, s1 = m * gsc[cb][h].y;
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-              acc[cb][j][0] = fmaf(s0, part[cb][j][0], acc[cb][j][0]);
-              acc[cb][j][1] = fmaf(s0, part[cb][j][1], acc[cb][j][1]);
-              acc[cb][j][2] = fmaf(s1, part[cb][j][2], acc[cb][j][2]);
-              acc[cb][j][3] = fmaf(s1, part[cb][j][3], acc[cb][j][3]);
-            }
-          }
-        };
-        if constexpr (kPartSums && !kHalves) zero_part();
+        if constexpr (kPartSums) ZeroParts(part);
         if constexpr (T::kBytes) {
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
@@ -628,8 +637,12 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const int hs = kHalves ? h : 0;  // the scale span of this half
-            if constexpr (kPartSums && kHalves) zero_part();
+            if constexpr (kPartSums && kHalves) {
+              if (h == 1) {  // the first half's sums, at its scales
+                AddScaledParts(acc, part, gsc, 1.f);
+                ZeroParts(part);
+              }
+            }
             uint4 xv[NT];  // k = 64c + 32h + 8tig + {0..7}: low nibbles' k-step, then the high ones'
 #pragma unroll
             for (int j = 0; j < NT; ++j)
@@ -639,8 +652,9 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
             for (int cb = 0; cb < CB; ++cb) {
               const uint2 wq = *reinterpret_cast<const uint2*>(wb + (cb * T::kSC + c) * T::kChunkBytes +
                                                                WeightUnit(4 * h + tig, gid / 2) + 8 * (gid % 2));
-              const __nv_bfloat162 gs0 = __floats2bfloat162_rn(gsc[cb][hs].x, gsc[cb][hs].x);
-              const __nv_bfloat162 gs1 = __floats2bfloat162_rn(gsc[cb][hs].y, gsc[cb][hs].y);
+              const float2 g = kHalves && h == 1 ? gsc_hi[cb] : gsc[cb];
+              const __nv_bfloat162 gs0 = __floats2bfloat162_rn(g.x, g.x);
+              const __nv_bfloat162 gs1 = __floats2bfloat162_rn(g.y, g.y);
 #pragma unroll
               for (int hi = 0; hi < 2; ++hi) {
                 uint32_t a0, a1, a2, a3;
@@ -664,10 +678,10 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
                   MmaBf16(kPartSums ? part[cb][j] : acc[cb][j], a0, a1, a2, a3, hi ? xv[j].z : xv[j].x, hi ? xv[j].w : xv[j].y);
               }
             }
-            if constexpr (kPartSums && kHalves) add_part(h);
           }
         }
-        if constexpr (kPartSums && !kHalves) add_part(0);
+        if constexpr (kPartSums && kHalves) AddScaledParts(acc, part, gsc_hi, 1.f);
+        else if constexpr (kPartSums) AddScaledParts(acc, part, gsc, kFmt == kFmtFp8 ? 256.f : 1.f);
       }
     }
     CopyAsyncWait<0>();
