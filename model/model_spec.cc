@@ -146,9 +146,9 @@ absl::StatusOr<ModelSpec> ModelSpecFromConfig(const nlohmann::json& config) {
   // ERNIE 4.5, Hunyuan, ...).
   MOE_ASSIGN_OR_RETURN(s.num_experts,
                        GetInt(config, {"n_routed_experts", "num_experts", "num_local_experts", "moe_num_experts"}));
-  // Families that carry two of these (Hunyuan: num_experts_per_tok 1 beside
-  // the moe_topk its router uses) get the largest: the server takes calls of
-  // up to top_k experts per token.
+  // A config carrying two of these (Hunyuan's moe_topk beside another key)
+  // gets the largest: the server takes calls of up to top_k experts per
+  // token.
   s.top_k = 0;
   for (const char* key : {"num_experts_per_tok", "experts_per_token", "moe_k", "moe_topk"})
     if (absl::StatusOr<int> k = GetInt(config, {key}); k.ok()) s.top_k = std::max(s.top_k, *k);

@@ -511,8 +511,8 @@ _TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "moe_k", "num_experts_per_toke
 def _top_k(config, model=None):
     """The most experts any layer of `config` routes a token to (8 when no key names it), and
     at least the `top_k` any module of `model` (its routers, MoE blocks) holds: a family's config
-    may carry a key its router does not read (Hunyuan: num_experts_per_tok 1 beside the moe_topk
-    it routes with). An upper bound: the session sizes its buffers by it."""
+    may name it under more than one key (Hunyuan's moe_topk, num_experts_per_tok an alias of it),
+    or its router may hold its own. An upper bound: the session sizes its buffers by it."""
     ks = []
     if model is not None:
         for m in model.modules():

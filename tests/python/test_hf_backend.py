@@ -52,7 +52,8 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermedi
 
 def tiny_config(family):
     cls = transformers.AutoConfig.for_model(family).__class__
-    accepted = set(inspect.signature(cls.__init__).parameters)
+    # Its own parameters and the aliases it maps to them (Hunyuan: num_experts_per_tok -> moe_topk).
+    accepted = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "attribute_map", {}))
     kw = {k: v for k, v in TINY.items() if k in accepted}
     if "qk_rope_head_dim" in accepted:
         kw.pop("head_dim", None)  # MLA derives it
@@ -221,7 +222,8 @@ class HfBackendTest(unittest.TestCase):
         g = torch.Generator().manual_seed(3)
         with torch.no_grad():
             for name, layer, m in mods:
-                (E, H, _), k = moe_hf.experts_dims(m), 2
+                # two experts per token, or the one the family routes to (the session is sized by it)
+                (E, H, _), k = moe_hf.experts_dims(m), min(2, ours.moe_expert_service.session.options["max_top_k"])
                 for scale in INPUT_SCALES:
                     x = (scale * torch.randn(12, H, generator=g)).to(DEV, torch.bfloat16)
                     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(12)]).to(DEV)
