@@ -348,6 +348,19 @@ TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
   std::ifstream err(dir.path() + "/err");
   const std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("--weight-dtype"), std::string::npos) << text;
+  // moe-make-model: an int4 group out of range, or one for another dtype: exit 2, naming the flag.
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--dtype=int4", "--int4-group=0"},
+                                               std::vector<std::string>{"--dtype=bf16", "--int4-group=32"}}) {
+    std::vector<std::string> full = args;
+    full.push_back("--out=" + dir.path() + "/never");
+    Subprocess make(testing::BinaryPath("moe-make-model"), full, dir.path() + "/make_err");
+    const int ms = make.Wait(std::chrono::seconds(30));
+    ASSERT_TRUE(WIFEXITED(ms)) << ms;
+    EXPECT_EQ(WEXITSTATUS(ms), 2) << args[0] << " " << args[1];
+    std::ifstream merr(dir.path() + "/make_err");
+    const std::string mtext((std::istreambuf_iterator<char>(merr)), std::istreambuf_iterator<char>());
+    EXPECT_NE(mtext.find("--int4-group"), std::string::npos) << mtext;
+  }
 }
 
 }  // namespace
