@@ -25,6 +25,18 @@ __device__ __forceinline__ float BfHi(uint32_t u) { return __uint_as_float(u & 0
 
 __device__ __forceinline__ bf16_t ToBf16(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 
+// Zeroes a kernel's per-thread sums [A][B][4] (a fragment's 4 C elements, or
+// 4 channels, per block and row tile).
+template <int A, int B>
+__device__ __forceinline__ void ZeroSums(float (&s)[A][B][4]) {
+#pragma unroll
+  for (int a = 0; a < A; ++a)
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[a][b][e] = 0.f;
+}
+
 // The model's expert epilogue (GroupedExpertArgs::activation, ::bias_offset)
 // for the buffer or packed slot starting at `buffer`: every expert kernel's
 // gate+up store and down's weighted add go through it. A SiLU expert without

@@ -318,12 +318,7 @@ __global__ void __launch_bounds__(kMmaThreads) GroupedMmaKernel(GroupedExpertArg
                       : a.x + static_cast<size_t>(max(t, 0)) * H;
     }
     float acc[NMAT][NT][4];
-#pragma unroll
-    for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[m][j][e] = 0.f;
+    ZeroSums(acc);
 
     const int kfull = K / kMmaK;  // blocks with no element past K
 #pragma unroll 2

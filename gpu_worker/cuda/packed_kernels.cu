@@ -179,12 +179,7 @@ template <int kFmt, int M, int NMAT, bool kVec>
 __device__ __forceinline__ void PackedWarpDots(const uint8_t* const (&blk)[NMAT], int Kp, int group,
                                                const bf16_t* const (&xr)[M], int len, int warp, int lane,
                                                float (&acc)[NMAT][M][4]) {
-#pragma unroll
-  for (int m = 0; m < NMAT; ++m)
-#pragma unroll
-    for (int r = 0; r < M; ++r)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[m][r][c] = 0.f;
+  ZeroSums(acc);
   const int chunks = Kp / 64;
   if (warp >= chunks) return;
   ChunkRegs<kFmt, NMAT> cur, next;
@@ -450,15 +445,6 @@ __device__ __forceinline__ void AddScaledParts(float (&acc)[CB][NT][4], const fl
     }
   }
 }
-template <int CB, int NT>
-__device__ __forceinline__ void ZeroParts(float (&part)[CB][NT][4]) {
-#pragma unroll
-  for (int cb = 0; cb < CB; ++cb)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) part[cb][j][e] = 0.f;
-}
 
 // Blocks per SM the kernel's registers must allow. 64 rows: at most 168
 // registers, 3 blocks (int8 and int4 8-15% faster than 2 blocks at 191-199
@@ -575,12 +561,7 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
     for (int st = 0; st < T::kStages - 1; ++st) issue(st, false, true);
     CopyAsyncCommit();
     float acc[CB][NT][4];
-#pragma unroll
-    for (int cb = 0; cb < CB; ++cb)
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[cb][j][e] = 0.f;
+    ZeroSums(acc);
     for (int st = 0; st < stages; ++st) {
       if (st == 0) CopyAsyncWait<0>();  // the first stages' group
       else CopyAsyncWait<T::kStages - 2>();
@@ -609,7 +590,7 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
         }
         // kPartSums: the chunk's sums (kHalves: each half's), then scaled into acc.
         float part[CB][NT][4];
-        if constexpr (kPartSums) ZeroParts(part);
+        if constexpr (kPartSums) ZeroSums(part);
         if constexpr (T::kBytes) {
 #pragma unroll
           for (int s = 0; s < 4; ++s) {
@@ -640,7 +621,7 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
             if constexpr (kPartSums && kHalves) {
               if (h == 1) {  // the first half's sums, at its scales
                 AddScaledParts(acc, part, gsc, 1.f);
-                ZeroParts(part);
+                ZeroSums(part);
               }
             }
             uint4 xv[NT];  // k = 64c + 32h + 8tig + {0..7}: low nibbles' k-step, then the high ones'
