@@ -256,10 +256,14 @@ absl::Status CodesFit(const ExpertGeometry& g, const ExpertCodes& w) {
     if (want == WeightQuant::kNone || p->scheme != want)
       return absl::InvalidArgumentError(absl::StrCat("packed ", WeightFormatName(g.format),
                                                      " experts: the checkpoint's codes are another format"));
-    if (p->bc % g.group != 0 || p->c0 % g.group != 0 || (want == WeightQuant::kInt4Group && p->br != 1))
+    if (p->br != 1 && want == WeightQuant::kInt4Group)
+      return absl::InvalidArgumentError(absl::StrCat("int4 experts: the checkpoint's scales span ", p->br,
+                                                     " rows; the packed groups take one scale per row"));
+    if (p->bc % g.group != 0 || p->c0 % g.group != 0)
       return absl::InvalidArgumentError(absl::StrCat(
           what, " experts: scale groups of ", g.group, " columns do not fit the checkpoint's blocks of ", p->bc,
-          " columns", p->c0 != 0 ? absl::StrCat(" from column ", p->c0) : "", " (use --weight-dtype int8)"));
+          " columns", p->c0 != 0 ? absl::StrCat(" from column ", p->c0) : "",
+          want == WeightQuant::kFp8Block ? " (use --weight-dtype int8)" : ""));
   }
   if (w.gate.rows != g.I || w.gate.cols != g.H || w.up.rows != g.I || w.up.cols != g.H || w.down.rows != g.H ||
       w.down.cols != g.I)

@@ -31,7 +31,7 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   moe::ExpertServerOptions& o = f.server;
   std::string shm_uids, slice = "0/1";
   int64_t threads = 0, max_tokens = o.max_tokens;
-  flags.String("model", &o.model, "checkpoint directory (config.json + safetensors), a GGUF file (FILE.gguf) or synthetic:PRESET[:layers=N][:seed=S]");
+  flags.String("model", &o.model, "checkpoint directory (config.json + safetensors), a GGUF file (FILE.gguf) or synthetic:PRESET[:layers=N][:seed=S][:dtype=D][:group=G]");
   flags.String("listen", &o.listen,
                "gRPC address to listen on, host:port (loopback by default; port 0 picks a free port; a port "
                "another process holds refuses the start)");

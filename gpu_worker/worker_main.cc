@@ -46,7 +46,7 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   int64_t cache_experts = 0, max_tokens = 1024, max_top_k = 8, cpu_threads = 0, deadline_ms = 30000, server_deadline_ms = 10000, grpc_streams = 8,
           tp_rank = 0, tp_size = 1, gpus = 1;
   // --policy shows no default in --help: "" means predictive, said in its text.
-  flags.String("model", &o.model, "checkpoint directory, FILE.gguf or synthetic:PRESET[:layers=N][:seed=S] (the servers' model)");
+  flags.String("model", &o.model, "checkpoint directory, FILE.gguf or synthetic:PRESET[:layers=N][:seed=S][:dtype=D][:group=G] (the servers' model)");
   flags.String("servers", &servers_flag,
                "expert servers, comma list of unix:///path.sock or host:port, each optionally #experts=LIST");
   flags.String("device", &device, "device backend: auto (cuda if a GPU is usable, else cpu), cuda or cpu");

@@ -11,7 +11,7 @@
 
 int main(int argc, char** argv) {
   std::string preset = "tiny", out, dtype = "bf16", format = "auto";
-  int64_t layers = -1, seed = 0, shard_mib = 2048, int4_group = 128;
+  int64_t layers = -1, seed = 0, shard_mib = 2048, int4_group = 0;
   moe::FlagSet flags("moe-make-model",
                      "--preset NAME --out DIR|FILE.gguf [--layers N] [--seed S] [--shard-mib M] [--format safetensors|gguf]\n"
                      "      [--dtype bf16|f16|f32|fp8|int4|mxfp4 | (gguf) bf16|f16|f32|q8_0|q4_k|q6_k|mxfp4] [--int4-group G]\n"
@@ -39,7 +39,7 @@ int main(int argc, char** argv) {
                "      H and I multiples of 32). gguf: bf16, f16, f32, q8_0 or mxfp4 (H and I multiples of 32),\n"
                "      q4_k or q6_k (multiples of 256)");
   flags.Int("int4-group", &int4_group,
-            "--dtype int4: columns per scale (128; 32 is Kimi-K2's; a row's last group may be partial)");
+            "safetensors --dtype int4: columns per scale (0: 128; 32 is Kimi-K2's; a row's last group may be partial)");
   flags.Parse(argc, argv);
   if (out.empty()) flags.Fail("--out is required");
   if (layers == 0 || layers < -1) flags.Fail("--layers must be a positive number or -1");
@@ -50,6 +50,7 @@ int main(int argc, char** argv) {
   if (!spec.ok()) flags.Fail(std::string(spec.status().message()));
   absl::Status st;
   if (format == "gguf") {
+    if (int4_group != 0) flags.Fail("--int4-group is for safetensors --dtype int4 (GGUF blocks have their own sizes)");
     absl::StatusOr<moe::GgmlType> type = moe::ParseGgmlType(dtype);
     if (!type.ok()) flags.Fail(absl::StrCat("--dtype: ", type.status().message()));
     st = moe::WriteSyntheticGguf(out, *spec, static_cast<uint64_t>(seed), *type);
@@ -60,9 +61,9 @@ int main(int argc, char** argv) {
     else if (dtype == "int4") spec->quant.scheme = moe::WeightQuant::kInt4Group;
     else if (dtype == "mxfp4") spec->quant.scheme = moe::WeightQuant::kMxfp4;
     else if (dtype != "bf16") flags.Fail("--dtype must be bf16, f16, f32, fp8, int4 or mxfp4 (q8_0, q4_k, q6_k: --format gguf)");
-    if (int4_group != 128 && dtype != "int4") flags.Fail("--int4-group is for --dtype int4");
-    if (int4_group <= 0 || int4_group > 4096) flags.Fail("--int4-group must be in [1, 4096]");
-    spec->quant.group_size = static_cast<int>(int4_group);
+    if (int4_group != 0 && dtype != "int4") flags.Fail("--int4-group is for --dtype int4");
+    if (int4_group < 0 || int4_group > 4096) flags.Fail("--int4-group must be in [1, 4096] (0: 128)");
+    if (int4_group > 0) spec->quant.group_size = static_cast<int>(int4_group);
     st = moe::WriteSyntheticCheckpoint(out, *spec, static_cast<uint64_t>(seed), static_cast<size_t>(shard_mib) << 20);
   }
   if (!st.ok()) flags.Fail(std::string(st.message()), 1);

@@ -696,6 +696,41 @@ TEST_P(Fp8Checkpoint, StoredExactlyAndComputedWithinBf16Rounding) {
                      "fp8", WeightFormat::kFp8);
 }
 
+// A slice that would cut an int4 checkpoint's groups (256 columns, the
+// slice starting at column 384 of down) cannot keep its codes: the store
+// re-quantizes it from its bf16 values into the same group size instead of
+// failing, within int4's error of those values.
+TEST(Int4Checkpoint, SliceCuttingItsGroupsIsRequantized) {
+  absl::StatusOr<std::unique_ptr<ModelSource>> sliced =
+      SliceModel(*OpenModel("synthetic:qwen3-30b-a3b:layers=1:experts=2:top_k=2:seed=6:dtype=int4:group=256"),
+                 ExpertSlice{1, 2});
+  ASSERT_TRUE(sliced.ok()) << sliced.status();
+  const ModelSource& source = **sliced;
+  const ModelSpec& spec = source.spec();
+  absl::StatusOr<ExpertGeometry> g = StorageGeometry(spec, "auto");
+  ASSERT_TRUE(g.ok()) << g.status();
+  ASSERT_EQ(g->format, WeightFormat::kInt4);
+  ASSERT_EQ(g->group, 256);
+  absl::StatusOr<std::unique_ptr<NumaBinding>> numa = NumaBinding::Create("auto", 1);
+  ASSERT_TRUE(numa.ok()) << numa.status();
+  ComputePool pool(**numa);
+  const int layer = spec.moe_layers[0];
+  absl::StatusOr<std::unique_ptr<ExpertStore>> store = ExpertStore::Load(source, *g, HostedSet{{layer}, {0, 1}}, **numa, pool);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const int H = spec.hidden, I = spec.intermediate;
+  std::vector<float> w(size_t(3) * H * I);
+  ExpertWeights wb;
+  ASSERT_TRUE(source.ReadExpert(layer, 1, &wb).ok());
+  UnpackExpert(*g, (*store)->Find(layer, 1), w.data(), w.data() + size_t(I) * H, w.data() + size_t(2) * I * H);
+  std::vector<double> want;
+  for (const std::vector<bf16_t>* m : {&wb.gate, &wb.up, &wb.down})
+    for (bf16_t v : *m) want.push_back(Bf16ToF32(v));
+  std::vector<double> got(w.begin(), w.end());
+  const double err = RelativeL2Error(got.data(), want.data(), got.size());
+  EXPECT_LE(err, 0.1);
+  EXPECT_GT(err, 0.0) << "the slice's codes cannot all survive a regrouping";
+}
+
 // int4 checkpoints (compressed-tensors): groups of 32 (Kimi-K2's, half a
 // 64-k chunk) and of 128, served by --weight-dtype auto with their own codes.
 TEST_P(Fp8Checkpoint, Int4StoredExactlyAndComputedWithinBf16Rounding) {

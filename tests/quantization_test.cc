@@ -349,7 +349,7 @@ TEST(QuantizedCheckpoint, ExpertServerComputesOnFp8AndInt4Checkpoints) {
   const std::string text((std::istreambuf_iterator<char>(err)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("--weight-dtype"), std::string::npos) << text;
   // moe-make-model: an int4 group out of range, or one for another dtype: exit 2, naming the flag.
-  for (const std::vector<std::string>& args : {std::vector<std::string>{"--dtype=int4", "--int4-group=0"},
+  for (const std::vector<std::string>& args : {std::vector<std::string>{"--dtype=int4", "--int4-group=-1"},
                                                std::vector<std::string>{"--dtype=bf16", "--int4-group=32"}}) {
     std::vector<std::string> full = args;
     full.push_back("--out=" + dir.path() + "/never");
