@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -849,13 +850,15 @@ TEST(ComputePool, HotIdleThreadGivesItsPuToAThreadWithWork) {
   ASSERT_TRUE(numa.ok()) << numa.status();
   const int cpu = (*numa)->cpus().size() > 1 ? (*numa)->cpus()[1] : -1;
   if (cpu < 0) GTEST_SKIP() << "one CPU: no idle compute thread";
-  const double alone = WallForCpuOn(cpu, 0.02);
+  // Each side the best of 3: other tests running beside this one (ctest -j)
+  // take the CPU now and then; a thread that does not yield takes it always.
+  const double alone = std::min({WallForCpuOn(cpu, 0.02), WallForCpuOn(cpu, 0.02), WallForCpuOn(cpu, 0.02)});
   ComputePool pool(**numa, std::chrono::microseconds(0));
   pool.KeepHotUntil(std::chrono::steady_clock::now() + std::chrono::seconds(20));
   pool.Run([](int, int) {});  // thread 1 on cpus()[1], spinning for the next region from here
   const uint64_t sleeps = pool.sleeps();
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  const double shared = WallForCpuOn(cpu, 0.02);
+  const double shared = std::min({WallForCpuOn(cpu, 0.02), WallForCpuOn(cpu, 0.02), WallForCpuOn(cpu, 0.02)});
   EXPECT_EQ(pool.sleeps(), sleeps) << "the compute thread slept: nothing measured";
   EXPECT_LT(shared, 1.35 * alone + 0.002) << "20 ms of work took " << 1e3 * shared
                                           << " ms beside a hot idle compute thread (" << 1e3 * alone << " ms alone)";

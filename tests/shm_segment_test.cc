@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -260,7 +261,9 @@ TEST(ShmDoorbell, SpinningWaiterGivesItsCpuToAThreadWithWork) {
   ASSERT_EQ(sched_getaffinity(0, sizeof(allowed), &allowed), 0);
   int cpu = 0;
   while (!CPU_ISSET(cpu, &allowed)) ++cpu;
-  const double alone = WallForCpu(cpu, 0.02);
+  // Each side the best of 3: other tests running beside this one (ctest -j)
+  // take the CPU now and then; a waiter that does not yield takes it always.
+  const double alone = std::min({WallForCpu(cpu, 0.02), WallForCpu(cpu, 0.02), WallForCpu(cpu, 0.02)});
   std::atomic<uint32_t> word{0};
   std::atomic<bool> spinning{false};
   std::thread waiter([&] {
@@ -271,7 +274,7 @@ TEST(ShmDoorbell, SpinningWaiterGivesItsCpuToAThreadWithWork) {
   });
   while (!spinning.load()) std::this_thread::sleep_for(milliseconds(1));
   std::this_thread::sleep_for(milliseconds(20));
-  const double shared = WallForCpu(cpu, 0.02);
+  const double shared = std::min({WallForCpu(cpu, 0.02), WallForCpu(cpu, 0.02), WallForCpu(cpu, 0.02)});
   Ring(word);
   waiter.join();
   EXPECT_LT(shared, 1.35 * alone + 0.002) << "20 ms of work took " << 1e3 * shared << " ms beside a spinning waiter ("
