@@ -27,8 +27,9 @@ enum class CachePolicy { kStatic, kLru, kLfru, kPredictive };
 enum class CopyMode { kAuto, kNever, kAlways };
 // The precision of the host copy and the GPU cache: kAuto (the same-host
 // servers' when shared, else the checkpoint's class: fp8 -> fp8 (exact),
-// int4 -> int4, mxfp4 -> mxfp4, else bf16), or as named. kFp8 keeps an fp8 checkpoint's own codes
-// and block scales (others are quantized per channel and 128 columns).
+// int4 -> int4, mxfp4 -> mxfp4, else bf16), or as named. kFp8 and kInt4 keep an fp8 / int4
+// checkpoint's own codes and block / group scales (int4 groups of 32, Kimi-K2's, or multiples of
+// 64); others are quantized per channel and 128 columns.
 enum class WeightDtype { kAuto, kBf16, kInt8, kInt4, kFp8, kMxfp4 };
 
 // TLS for gRPC connections (expert servers at host:port, the coordinator).
