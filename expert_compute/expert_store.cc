@@ -86,15 +86,14 @@ absl::Status PackOne(const ModelSource& source, const ExpertGeometry& g, int l, 
   const bool fp8 = g.format == WeightFormat::kFp8 && scheme == WeightQuant::kFp8Block;
   const bool int4 = g.format == WeightFormat::kInt4 && scheme == WeightQuant::kInt4Group;
   if (int4 || fp8) MOE_RETURN_IF_ERROR(source.ReadExpertCodes(l, e, w8));
-  if (int4) {
-    if (absl::Status fit = CodesFit(g, *w8); !fit.ok()) {
-      static std::atomic<bool> warned{false};
-      if (!warned.exchange(true))
-        LogWarning("store", "int4 experts re-quantized from their bf16 values, not kept as the checkpoint's codes: ",
-                   fit.message());
-    }
+  const absl::Status fit = int4 ? CodesFit(g, *w8) : absl::OkStatus();
+  if (!fit.ok()) {
+    static std::atomic<bool> warned{false};
+    if (!warned.exchange(true))
+      LogWarning("store", "int4 experts re-quantized from their bf16 values, not kept as the checkpoint's codes: ",
+                 fit.message());
   }
-  if (fp8 || (int4 && CodesFit(g, *w8).ok())) {
+  if (fp8 || (int4 && fit.ok())) {
     MOE_RETURN_IF_ERROR(PackExpertCodes(g, *w8, dst));
     if (!g.biases) return absl::OkStatus();
     MOE_RETURN_IF_ERROR(source.ReadExpert(l, e, w));  // the biases, which are not fp8
