@@ -121,8 +121,8 @@ void PackInt4Block(const bf16_t* w, int N, int K, int n0, int Kp, int group, std
   float* scale = reinterpret_cast<float*>(out + size_t(Kp) * 8);
   for (int gi = 0; gi < Kp / group; ++gi) {
     for (int c = 0; c < 16; ++c) {
-      // The finest grid s * [-8, 7] that holds the group without clipping:
-      // an int4 checkpoint's own codes (dequantized at load) come back exactly.
+      // The finest grid s * [-8, 7] that holds the group without clipping
+      // (an int4 checkpoint's own codes and scales take PackExpertCodes).
       float pos = 0.0f, neg = 0.0f;
       for (int k = gi * group; k < (gi + 1) * group; ++k) {
         const float v = At(w, N, K, n0 + c, k);
@@ -133,10 +133,7 @@ void PackInt4Block(const bf16_t* w, int N, int K, int n0, int Kp, int group, std
       scale[gi * 16 + c] = s;
       for (int k = gi * group; k < (gi + 1) * group; ++k) {
         const float v = At(w, N, K, n0 + c, k);
-        const int qi = s > 0 ? std::clamp(static_cast<int>(std::nearbyint(v / s)), -8, 7) : 0;
-        bool high;
-        uint8_t& b = q[layout::Int4Offset(c, k, &high)];
-        b = high ? static_cast<uint8_t>((b & 0x0F) | ((qi + 8) << 4)) : static_cast<uint8_t>((b & 0xF0) | (qi + 8));
+        layout::SetInt4Code(out, c, k, s > 0 ? std::clamp(static_cast<int>(std::nearbyint(v / s)), -8, 7) : 0);
       }
     }
   }
@@ -207,14 +204,8 @@ void CopyCodedBlock(const ExpertGeometry& g, const CodedProjection& w, int n0, i
       scale[gi * 16 + c] = n < w.rows && gi * g.group < w.cols ? w.Scale(n, gi * g.group) : 0.0f;
     for (int k = 0; k < Kp; ++k) {
       const uint8_t code = n < w.rows && k < w.cols ? w.codes[size_t(n) * w.cols + k] : 0;
-      if (!int4) {
-        q[layout::Int8Offset(c, k)] = code;
-        continue;
-      }
-      bool high;
-      uint8_t& b = q[layout::Int4Offset(c, k, &high)];
-      const uint8_t nibble = static_cast<uint8_t>((static_cast<int8_t>(code) + 8) & 0x0F);
-      b = high ? static_cast<uint8_t>((b & 0x0F) | (nibble << 4)) : static_cast<uint8_t>((b & 0xF0) | nibble);
+      if (int4) layout::SetInt4Code(out, c, k, static_cast<int8_t>(code));
+      else q[layout::Int8Offset(c, k)] = code;
     }
   }
 }

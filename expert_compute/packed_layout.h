@@ -25,6 +25,14 @@ inline int Code(const ExpertGeometry& g, const std::byte* blk, int c, int k) {
   return g.format == WeightFormat::kMxfp4 ? kE2M1Doubled[nibble] : nibble - 8;
 }
 
+// Writes int4 value q in [-8, 7] as (c, k)'s nibble of a kInt4 block (q + 8).
+inline void SetInt4Code(std::byte* blk, int c, int k, int q) {
+  bool high;
+  uint8_t& b = reinterpret_cast<uint8_t*>(blk)[Int4Offset(c, k, &high)];
+  const uint8_t n = static_cast<uint8_t>((q + 8) & 0x0F);
+  b = high ? static_cast<uint8_t>((b & 0x0F) | (n << 4)) : static_cast<uint8_t>((b & 0xF0) | n);
+}
+
 // The f32 scales of a block with Kp columns: kInt8 scale[c]; kInt4 and kFp8 scale[(k/group)*16 + c].
 inline const float* Scales(const ExpertGeometry& g, const std::byte* blk, int Kp) {
   return reinterpret_cast<const float*>(blk + size_t(Kp) * (g.format == WeightFormat::kInt4 ? 8 : 16));

@@ -64,7 +64,8 @@ Flags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
   flags.String("kernel", &o.kernel, "expert kernel: auto, amx, avx512 or reference");
   flags.String("weight-dtype", &o.weight_dtype,
                "precision the experts are stored and computed in: auto (the checkpoint's: fp8 -> fp8, exact; "
-               "int4 -> int4; mxfp4 (safetensors or an all-MXFP4 GGUF) -> mxfp4, exact; else bf16), bf16, int8 "
+               "int4 -> int4, its own codes and group scales, exact; mxfp4 (safetensors or an all-MXFP4 GGUF) -> mxfp4, "
+               "exact; else bf16), bf16, int8 "
                "(per-channel scales), int4 (per-group scales), fp8 (an fp8 checkpoint's own codes and block "
                "scales, computed as bf16; other models quantized per channel and 128 columns) or mxfp4 (OCP "
                "MXFP4: E2M1 with an E8M0 scale per 32 columns, 4.25 bits per weight; other models quantized "

@@ -77,7 +77,8 @@ WorkerFlags ParseFlags(moe::FlagSet& flags, int argc, char** argv) {
             "      (its experts become CPU misses)");
   flags.String("weight-dtype", &weight_dtype,
                "precision of the host copy and the GPU cache: auto (the same-host servers' when shared, else the "
-               "checkpoint's: fp8 -> fp8, exact; int4 -> int4; mxfp4 -> mxfp4, exact; else bf16), bf16, int8, int4, "
+               "checkpoint's: fp8 -> fp8, exact; int4 -> int4 (its own codes, exact); mxfp4 -> mxfp4, exact; else bf16), "
+               "bf16, int8, int4, "
                "fp8 (an fp8 checkpoint's own codes and block scales) or mxfp4 (OCP MXFP4, 4.25 bits per weight)");
   flags.Bool("share-host-copy", &o.share_host_copy,
              "map the same-host (unix://) servers' packed experts read-only instead of keeping an own host copy, "

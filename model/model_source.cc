@@ -326,12 +326,7 @@ absl::Status ReadProjection(const Checkpoint& ckpt, const QuantConfig& q, const 
     case WeightQuant::kInt4Group: {
       CodedProjection p;
       MOE_RETURN_IF_ERROR(ReadInt4(ckpt, q, name, rows, cols, &p));
-      const int8_t* code = reinterpret_cast<const int8_t*>(p.codes.data());
-      for (int r = 0; r < p.rows; ++r)
-        for (int c = 0; c < p.cols; ++c) {
-          const size_t i = static_cast<size_t>(r) * p.cols + c;
-          dst[i] = F32ToBf16(static_cast<float>(code[i]) * p.Scale(r, c));
-        }
+      DequantizeInt4Codes(reinterpret_cast<const int8_t*>(p.codes.data()), p.scales.data(), p.rows, p.cols, p.bc, dst);
       return absl::OkStatus();
     }
     case WeightQuant::kMxfp4: {

@@ -181,14 +181,22 @@ void UnpackInt4Words(const int32_t* packed, int rows, int cols, int8_t* codes) {
   }
 }
 
+void DequantizeInt4Codes(const int8_t* codes, const float* scales, int rows, int cols, int g, bf16_t* dst) {
+  const int64_t groups = CeilDiv(cols, g);
+  for (int r = 0; r < rows; ++r) {
+    const int8_t* crow = codes + static_cast<size_t>(r) * cols;
+    const float* srow = scales + r * groups;
+    bf16_t* drow = dst + static_cast<size_t>(r) * cols;
+    for (int c = 0; c < cols; ++c) drow[c] = F32ToBf16(static_cast<float>(crow[c]) * srow[c / g]);
+  }
+}
+
 void DequantizeInt4Group(const int32_t* packed, const float* scales, int rows, int cols, int g, bf16_t* dst) {
   const int64_t words = CeilDiv(cols, 8), groups = CeilDiv(cols, g);
   std::vector<int8_t> q(static_cast<size_t>(cols));
   for (int r = 0; r < rows; ++r) {
     UnpackInt4Words(packed + r * words, 1, cols, q.data());
-    const float* srow = scales + r * groups;
-    bf16_t* drow = dst + static_cast<size_t>(r) * cols;
-    for (int c = 0; c < cols; ++c) drow[c] = F32ToBf16(static_cast<float>(q[c]) * srow[c / g]);
+    DequantizeInt4Codes(q.data(), scales + r * groups, 1, cols, g, dst + static_cast<size_t>(r) * cols);
   }
 }
 

@@ -108,6 +108,9 @@ void DequantizeFp8Block(const uint8_t* w, const float* scale_inv, int rows, int 
                         bf16_t* dst);
 // dst[r, c] = (nibble(r, c) - 8) * scale[r, c / g], as bf16. `scales` are f32.
 void DequantizeInt4Group(const int32_t* packed, const float* scales, int rows, int cols, int g, bf16_t* dst);
+// dst[r, c] = codes[r, c] * scale[r, c / g], as bf16: int4 values already
+// unpacked (UnpackInt4Words).
+void DequantizeInt4Codes(const int8_t* codes, const float* scales, int rows, int cols, int g, bf16_t* dst);
 // codes[r, c] = nibble(r, c) - 8 (in [-8, 7]): the values of pack-quantized
 // int32 words [rows, ceil(cols / 8)], eight nibbles each, the lowest first.
 void UnpackInt4Words(const int32_t* packed, int rows, int cols, int8_t* codes);

@@ -728,8 +728,19 @@ TEST(Int4Checkpoint, SliceCuttingItsGroupsIsRequantized) {
     for (bf16_t v : *m) want.push_back(Bf16ToF32(v));
   std::vector<double> got(w.begin(), w.end());
   const double err = RelativeL2Error(got.data(), want.data(), got.size());
-  EXPECT_LE(err, 0.1);
-  EXPECT_GT(err, 0.0) << "the slice's codes cannot all survive a regrouping";
+  EXPECT_LE(err, 3e-2);  // 4-bit formats' bound (measured 4.4e-3)
+  // The fallback ran: the slice's down projection does not fit, and some of
+  // the packed weights are not the checkpoint's code x scale.
+  ExpertCodes codes;
+  ASSERT_TRUE(source.ReadExpertCodes(layer, 1, &codes).ok());
+  EXPECT_FALSE(CodesFit(*g, codes).ok());
+  int64_t off_codes = 0;
+  const float* down = w.data() + size_t(2) * I * H;
+  for (int r = 0; r < codes.down.rows; ++r)
+    for (int c = 0; c < codes.down.cols; ++c)
+      off_codes += down[size_t(r) * codes.down.cols + c] !=
+                   float(int8_t(codes.down.codes[size_t(r) * codes.down.cols + c])) * codes.down.Scale(r, c);
+  EXPECT_GT(off_codes, 0) << "the down projection was packed from its codes, which the slice cuts";
 }
 
 // int4 checkpoints (compressed-tensors): groups of 32 (Kimi-K2's, half a

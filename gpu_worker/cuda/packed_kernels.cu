@@ -315,9 +315,9 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // Codes become f32 (byte_perm into 2^23's mantissa, one subtract) and bf16
 // pairs (exact: |code| <= 128; int4 nibbles straight into bf16 mantissas,
 // see NibblesToBf16x2); int8 channel scales apply in the epilogue, int4
-// group scales (per 32-k half of a chunk: groups of 32 or multiples of 64)
-// to each half's partial sums or, from 32 rows per pass, to the bf16
-// weights themselves; fp8's (multiples of 64) to each chunk's sums.
+// group scales to each chunk's partial sums (kHalves, groups of 32: each
+// 32-k half's) or, from 32 rows per pass, to the bf16 weights themselves;
+// fp8's (multiples of 64) to each chunk's sums.
 // A block of 4 warps owns 4 CB 16-channel matrix blocks: down, 64 CB output
 // channels (CB blocks per warp); gate/up, 32 CB (warps 2i, 2i+1: gate and
 // up of the same CB blocks, which meet in shared memory for silu(gate) * up).
