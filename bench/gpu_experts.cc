@@ -1,12 +1,12 @@
 // gpu_experts: the cuda backend's hit experts (RunExperts: the grouped
 // kernels up to 64 rows per expert, cuBLAS above) per storage format — bf16
-// slots, int8, int4 and fp8 packed slots — at 1 to 64 and more rows per expert,
+// slots, int8, int4, fp8 and mxfp4 packed slots — at 1 to 64 and more rows per expert,
 // against the bounds measured in the same run: HBM bandwidth (a device-to-
 // device copy) for the weight stream, cuBLAS's bf16 GEMM rate for the
 // tensor cores. Prints, per geometry and rows per expert, the median time of
 // one RunExperts over `--experts` experts (each in its own buffer, rotated
 // over twice as many buffers so that no run finds them in L2), min-max over
-// `--runs` runs, int8 / int4 / fp8 time as a share of bf16's, and each format's
+// `--runs` runs, each packed format's time as a share of bf16's, and each format's
 // weight rate and FLOP rate against the bounds; then the kernels' own time: the
 // same calls enqueued back to back and timed on the GPU (CUDA events around
 // the run of calls, divided by their number), which leaves out what one call
@@ -256,16 +256,27 @@ void TransferLatency() {
   backend->UnregisterHost(registered.data());
 }
 
-constexpr int kF = 4;  // bf16, int8, int4, fp8
+constexpr int kF = 5;
+constexpr WeightFormat kFormats[kF] = {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kFp8,
+                                       WeightFormat::kMxfp4};
 
 // One table: per rows per expert, each format's time, its share of bf16's and
 // its rates against the bounds.
 void PrintTable(const Shape& s, const char* what, const std::map<int, Stat> (&t)[kF], const double (&bytes)[kF],
                 double hbm, double peak, const Options& o) {
   std::printf("\n## %s (H %d, I %d)%s\n\n", s.name.c_str(), s.H, s.I, what);
-  std::printf("| rows/expert | bf16 us | int8 us | int4 (group %d) us | fp8 us | int8/bf16 | int4/bf16 | fp8/bf16 | "
-              "bf16 / int8 / int4 / fp8 %% of HBM | bf16 / int8 / int4 / fp8 %% of GEMM peak |\n"
-              "|---|---|---|---|---|---|---|---|---|---|\n", o.int4_group);
+  std::string head = "| rows/expert |", names, rule = "|---|";
+  for (int f = 0; f < kF; ++f) {
+    const std::string n = kFormats[f] == WeightFormat::kInt4 ? absl::StrCat("int4 (group ", o.int4_group, ")")
+                                                             : WeightFormatName(kFormats[f]);
+    absl::StrAppend(&head, " ", n, " us |");
+    absl::StrAppend(&names, f ? " / " : "", WeightFormatName(kFormats[f]));
+    rule += "---|";
+  }
+  for (int f = 1; f < kF; ++f) absl::StrAppend(&head, " ", WeightFormatName(kFormats[f]), "/bf16 |"), rule += "---|";
+  absl::StrAppend(&head, " ", names, " % of HBM | ", names, " % of GEMM peak |");
+  rule += "---|---|";
+  std::printf("%s\n%s\n", head.c_str(), rule.c_str());
   for (int rows : o.rows) {
     const double flops = 2.0 * 3.0 * s.H * double(s.I) * rows * o.experts;
     std::string line = absl::StrCat("| ", rows, " |");
@@ -294,7 +305,8 @@ int main(int argc, char** argv) {
   int64_t experts = 32, runs = 3, reps = 20, int4_group = 128;
   FlagSet flags("gpu_experts", "[--shapes LIST] [--rows LIST] [--experts N] [--runs N]\n"
                                "The cuda backend's hit experts per storage format vs HBM and tensor-core bounds.");
-  flags.String("shapes", &shapes_text, "comma list of deepseek-v3 (H 7168, I 2048) and qwen3-30b-a3b (H 2048, I 768)");
+  flags.String("shapes", &shapes_text,
+               "comma list of deepseek-v3 (H 7168, I 2048), qwen3-30b-a3b (H 2048, I 768) and gpt-oss (H = I = 2880)");
   flags.String("rows", &rows_text, "rows per expert: a list such as 1,2,8-16 (each in [1, 512])");
   flags.Int("experts", &experts, "experts per RunExperts");
   flags.Int("runs", &runs, "runs per row (median and min-max are printed)");
@@ -315,6 +327,7 @@ int main(int argc, char** argv) {
   for (absl::string_view n : absl::StrSplit(shapes_text, ',')) {
     if (n == "deepseek-v3") shapes.push_back({"deepseek-v3", 7168, 2048});
     else if (n == "qwen3-30b-a3b") shapes.push_back({"qwen3-30b-a3b", 2048, 768});
+    else if (n == "gpt-oss") shapes.push_back({"gpt-oss", 2880, 2880});
     else flags.Fail("--shapes: unknown shape '" + std::string(n) + "'");
   }
   int devices = 0;
@@ -329,13 +342,12 @@ int main(int argc, char** argv) {
               "%d experts per call, median [min-max] of %d runs x %d calls\n",
               prop.name, hbm / 1e9, peak / 1e12, o.experts, o.runs, o.reps);
   for (const Shape& s : shapes) {
-    const WeightFormat formats[kF] = {WeightFormat::kBf16, WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kFp8};
     Timing timing[kF];
     double bytes[kF];
     for (int f = 0; f < kF; ++f) {
-      timing[f] = TimeFormat(s, formats[f], o);
-      const int group = formats[f] == WeightFormat::kInt4 ? o.int4_group : 0;
-      bytes[f] = static_cast<double>(ExpertGeometry::For(s.H, s.I, formats[f], group).packed_bytes()) * o.experts;
+      timing[f] = TimeFormat(s, kFormats[f], o);
+      const int group = kFormats[f] == WeightFormat::kInt4 ? o.int4_group : 0;
+      bytes[f] = static_cast<double>(ExpertGeometry::For(s.H, s.I, kFormats[f], group).packed_bytes()) * o.experts;
     }
     for (const bool gpu : {false, true}) {
       std::map<int, Stat> t[kF];

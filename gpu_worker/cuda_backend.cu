@@ -48,10 +48,9 @@
 // group cost a small expert more than its GEMM (Qwen3-30B-A3B, 128 rows: 33
 // us per expert through cuBLAS, 7.6 at 64 rows grouped; a 2048-token prompt's
 // hit launch took 4-5 ms of host time per layer; H100 host),
-// while DeepSeek-V3's experts are faster through cuBLAS from 128 rows. int8 / int4 slots take the
-// same shape through cuda/packed_kernels.cu (tensor cores from 2 rows, on the
-// packed bytes) up to kPackedGemmMinRows rows; mxfp4 (CUDA cores) up to a
-// row count measured at Init, as bf16.
+// while DeepSeek-V3's experts are faster through cuBLAS from 128 rows. int8 / int4 / fp8 / mxfp4
+// slots take the same shape through cuda/packed_kernels.cu (tensor cores, on
+// the packed bytes) up to kPackedGemmMinRows rows.
 //
 // Caller-visible asynchrony: BeginCall's copy of `hidden` is asynchronous when
 // `hidden` is device or pinned memory, so `hidden` must stay unchanged until
@@ -256,8 +255,7 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
   return CalibrateGemmRows();
 }
 
-// The bf16 (and mxfp4, from kMxfp4GemmProbeRows: its grouped kernels have
-// no tensor cores) rows per group up to which the grouped kernels run: a call's
+// The bf16 rows per group up to which the grouped kernels run: a call's
 // worth of experts (up to 16 buffers, whatever they hold: only the time
 // counts) at 128, 256, ... rows each, up to max_tokens, through the grouped
 // kernels and through cuBLAS on context 0 (median of 3 after one warm-up,
@@ -265,12 +263,8 @@ absl::Status CudaBackend::Init(const BackendConfig& config) {
 // gemm_min_rows_ doubles while the grouped kernels are faster. Costs a few
 // milliseconds at start.
 absl::Status CudaBackend::CalibrateGemmRows() {
-  const bool mxfp4 = geometry_.format == WeightFormat::kMxfp4;
-  const int start = mxfp4 ? kMxfp4GemmProbeRows : kGemmMinRows;
-  if ((geometry_.quantized() && !mxfp4) || config_.num_buffers <= 0 || config_.contexts <= 0 ||
-      config_.max_tokens <= start)
+  if (geometry_.quantized() || config_.num_buffers <= 0 || config_.contexts <= 0 || config_.max_tokens <= kGemmMinRows)
     return absl::OkStatus();
-  const int max_rows = mxfp4 ? std::min(config_.max_tokens, kPackedGemmMinRows) : config_.max_tokens;
   std::vector<bf16_t> x, y;  // the probe's tokens and output, as many rows as the size being timed
   ExpertGroups g;
   const int n = std::min({config_.num_buffers, std::max(config_.max_top_k, 1), 16});
@@ -305,10 +299,10 @@ absl::Status CudaBackend::CalibrateGemmRows() {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
-  int chosen = start;
+  int chosen = kGemmMinRows;
   absl::Status st;
   std::string seen;
-  for (int rows = 2 * start; rows <= max_rows && st.ok(); rows *= 2) {
+  for (int rows = 2 * kGemmMinRows; rows <= config_.max_tokens && st.ok(); rows *= 2) {
     absl::StatusOr<double> grouped = time(rows, rows), cublas = time(rows, rows - 1);
     if (!grouped.ok() || !cublas.ok()) {
       st = grouped.ok() ? cublas.status() : grouped.status();
@@ -320,12 +314,11 @@ absl::Status CudaBackend::CalibrateGemmRows() {
     chosen = rows;
   }
   for (cudaEvent_t e : ev) cudaEventDestroy(e);
-  // mxfp4 grouped all the way: the packed kernels up to kPackedGemmMinRows, as the other formats.
-  gemm_min_rows_ = mxfp4 && chosen == max_rows ? kPackedGemmMinRows : chosen;
+  gemm_min_rows_ = chosen;
   if (!st.ok()) return st;
   LogInfo("cuda", WeightFormatName(geometry_.format), " expert groups of up to ", gemm_min_rows_,
-          " rows run in the grouped kernels, larger ones ", mxfp4 ? "dequantized to bf16 and " : "",
-          "through cuBLAS (per expert, ", n, " per launch, grouped / cuBLAS: ", seen, ")");
+          " rows run in the grouped kernels, larger ones through cuBLAS (per expert, ", n,
+          " per launch, grouped / cuBLAS: ", seen, ")");
   return absl::OkStatus();
 }
 

@@ -26,6 +26,7 @@
 
 #include "core/bf16.h"
 #include "model/model_source.h"
+#include "expert_compute/packed_index.h"
 #include "testing/packed_expert.h"
 #include "testing/random_data.h"
 #include "model/reference_moe.h"
@@ -786,6 +787,74 @@ TEST_P(Fp8SmallCodesTest, DecodeExactly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, Fp8SmallCodesTest, ::testing::Values("cpu_fp8", "cuda_fp8"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
+
+// mxfp4 slots whose nibbles are uniform over all 16 E2M1 codes (the
+// subnormal +-0.5 and -0 included) and whose E8M0 exponents vary per 32-k
+// group and channel over 2^-10 .. 2^10: a code decoded wrongly or a scale
+// row read for the wrong group or channel moves the output (quantized random
+// weights use each group's top codes far more often). Weights are exact in
+// bf16 (a code times a power of 2), so the bound is bf16 rounding of act and
+// output: 5e-3. Every path: 1 row, 3-64 rows (the tensor-core kernel, rows
+// per pass 8 to 64), 130 (the dequantized GEMM).
+class Mxfp4AllCodesTest : public DeviceBackendTest {
+ protected:
+  Expert AllCodes(const Geometry& g, int id) const {
+    const ExpertGeometry eg = ExpertGeometry::For(g.H, g.I, WeightFormat::kMxfp4);
+    Expert e;
+    e.packed.size = eg.packed_bytes();
+    e.packed.bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (e.packed.size + 63) / 64 * 64)), std::free);
+    std::fill_n(e.packed.bytes.get(), e.packed.size, std::byte{0});
+    uint64_t state = 0x9E3779B97F4A7C15ull * (id + 1);
+    auto next = [&] { return state = state * 6364136223846793005ull + 1442695040888963407ull, uint32_t(state >> 33); };
+    // Block of `channels` valid channels and K valid columns (of Kp): random codes there (padding stays zero,
+    // as the packer leaves it), a random exponent per (32-k group, channel).
+    auto fill = [&](std::byte* blk, int channels, int K, int Kp) {
+      for (int c = 0; c < channels; ++c)
+        for (int k = 0; k < K; ++k) {
+          bool high;
+          uint8_t& b = reinterpret_cast<uint8_t&>(blk[layout::Int4Offset(c, k, &high)]);
+          const uint8_t n = next() & 0x0F;
+          b = high ? static_cast<uint8_t>((b & 0x0F) | (n << 4)) : static_cast<uint8_t>((b & 0xF0) | n);
+        }
+      for (int i = 0; i < Kp / 32 * 16; ++i) blk[Kp * 8 + i] = std::byte(117 + next() % 21);
+    };
+    for (int b = 0; b < 2 * eg.gate_up_groups(); ++b)
+      fill(e.packed.bytes.get() + b * eg.block_bytes(eg.Kh), std::min(16, g.I - 16 * (b / 2)), g.H, eg.Kh);
+    for (int b = 0; b < eg.Hn / 16; ++b)
+      fill(e.packed.bytes.get() + eg.gate_up_bytes() + b * eg.block_bytes(eg.Ki), std::min(16, g.H - 16 * b), g.I, eg.Ki);
+    const size_t ih = static_cast<size_t>(g.I) * g.H;
+    e.w.resize(3 * ih);
+    UnpackExpert(eg, e.data(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
+    return e;
+  }
+};
+
+TEST_P(Mxfp4AllCodesTest, DecodeExactly) {
+  tolerance_ = 5e-3;
+  for (const Geometry& g : {kWide, kTiny}) {
+    ASSERT_NO_FATAL_FAILURE(NewBackend());
+    geometry_ = g;
+    ASSERT_TRUE(backend_->Init(Config(g, 2, 130)).ok());
+    experts_.clear();
+    for (int b = 0; b < 2; ++b) {
+      experts_.push_back(AllCodes(g, b));
+      absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, experts_.back().data(), 0);
+      ASSERT_TRUE(f.ok()) << f.status();
+      ASSERT_TRUE(backend_->WaitCopy(*f).ok());
+    }
+    for (int rows : {1, 3, 8, 17, 33, 64, 130}) {
+      Plan p;
+      std::vector<int32_t> a(rows), b(rows);
+      for (int r = 0; r < rows; ++r) a[r] = r, b[r] = (r * 7 + 3) % 130;
+      p.AddGroup(0, a, 1);
+      p.AddGroup(1, b, 2);
+      ExpectMatches(130, {p}, 190 + rows, "all mxfp4 codes, groups of " + std::to_string(rows) + " rows");
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Mxfp4AllCodesTest, ::testing::Values("cpu_mxfp4", "cuda_mxfp4"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendTest,

@@ -36,7 +36,7 @@ namespace cuda_backend_impl {
 // CalibrateGemmRows raises it, doubling, while the grouped kernels stay
 // faster for this geometry.
 constexpr int kGemmMinRows = 64;
-// The same for int8 / int4 buffers: up to this the packed kernels run from
+// The same for packed buffers (int8, int4, fp8, mxfp4): up to this the packed kernels run from
 // the packed bytes on tensor cores (64 rows per pass, re-reading the packed
 // weights each pass); above it a group is dequantized into bf16 once and
 // goes to cuBLAS. Measured (bench/gpu_experts, H200, 32 experts): at 128 rows
@@ -47,12 +47,6 @@ constexpr int kGemmMinRows = 64;
 // on both shapes; int4 loses up to a third on DeepSeek-V3 at 192-256 rows
 // there and wins 2-3x on Qwen3-30B-A3B.
 constexpr int kPackedGemmMinRows = 256;
-// mxfp4 has no tensor-core packed kernel (CUDA cores only): where its groups
-// switch to dequantize + cuBLAS is measured at Init (CalibrateGemmRows) from
-// this many rows up to kPackedGemmMinRows. GPT-OSS-120B (H = I = 2880), a
-// 2048-token prompt: 64 rows per expert on average, where the CUDA-core
-// kernel ran ~3.2 GFLOP per expert at CUDA-core rates.
-constexpr int kMxfp4GemmProbeRows = 8;
 // Rows of one cuBLAS piece; bounds the GEMM scratch to
 // kGemmChunkRows * (H * 2 + max(2I, H) * 4) bytes.
 constexpr int kGemmChunkRows = 2048;

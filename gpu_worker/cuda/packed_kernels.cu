@@ -3,7 +3,7 @@
 // packer and the CPU kernels).
 //
 // Two kinds of grouped packed kernels: tensor-core ones (below, "tensor-core
-// variant") for every group when H and I are multiples of 8, and CUDA-core
+// variant") for every group and format when H and I are multiples of 8, and CUDA-core
 // weight-streaming GEMVs like the bf16 ones in expert_kernels.cu for other
 // shapes, shaped by the layout: a block of 4 warps owns one
 // 16-channel packed block (gate and up together for gate/up, one down block
@@ -19,8 +19,7 @@
 // mxfp4 blocks have int4's nibble layout and computation, E2M1 codes turned
 // into (doubled) values by a byte lookup (Mxfp4x4), and an E8M0 scale per 32
 // k: a lane's 8 k lie in one scale block. int4 groups are 32 k (a lane's 8
-// k in one group, as mxfp4's) or multiples of 64. mxfp4 runs on the
-// CUDA-core kernels at every group size up to the backend's cuBLAS threshold.
+// k in one group, as mxfp4's) or multiples of 64.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -314,9 +313,11 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 //     k = 32h + 8tig + {0..3} and + {4..7}: one 16-byte activation load.
 // Codes become f32 (byte_perm into 2^23's mantissa, one subtract) and bf16
 // pairs (exact: |code| <= 128; int4 nibbles straight into bf16 mantissas,
-// see NibblesToBf16x2); int8 channel scales apply in the epilogue, int4
-// group scales to each chunk's partial sums (kHalves, groups of 32: each
-// 32-k half's) or, from 32 rows per pass, to the bf16 weights themselves;
+// see NibblesToBf16x2; mxfp4's E2M1 codes, doubled, through a byte lookup
+// into the same mantissas, see E2m1ToBf16x2); int8 channel scales apply in
+// the epilogue, int4 group scales and mxfp4's E8M0 exponents to each chunk's
+// partial sums (kHalves, groups of 32: each 32-k half's) or, from 32 rows
+// per pass, to the bf16 weights themselves (exact for mxfp4: a power of 2);
 // fp8's (multiples of 64) to each chunk's sums.
 // A block of 4 warps owns 4 CB 16-channel matrix blocks: down, 64 CB output
 // channels (CB blocks per warp); gate/up, 32 CB (warps 2i, 2i+1: gate and
@@ -333,12 +334,14 @@ __global__ void __launch_bounds__(kThreads) PackedDownKernel(GroupedExpertArgs a
 // instructions per weight than register-prefetched
 // loads with per-unit index math, and one row per group included, faster
 // than the CUDA-core kernel at one row.
-// kHalves: int4 groups of 32 k, a scale per 32-k half of each chunk (else
-// one per chunk: groups of multiples of 64).
+// kHalves: int4 groups of 32 k and mxfp4, a scale per 32-k half of each
+// chunk (else one per chunk: groups of multiples of 64).
 template <int kFmt, int NT, bool kHalves = false>
 struct MmaTile {
-  static constexpr bool kBytes = kFmt != kFmtInt4;    // int8, fp8: a byte per weight
-  static constexpr bool kGrouped = kFmt != kFmtInt8;  // int4, fp8: group scales after the chunks
+  static constexpr bool kBytes = kFmt != kFmtInt4 && kFmt != kFmtMxfp4;  // int8, fp8: a byte per weight
+  static constexpr bool kGrouped = kFmt != kFmtInt8;  // int4, fp8, mxfp4: group scales after the chunks
+  // A group-scale row: 16 channels' f32 scales (int4, fp8) or E8M0 exponents (mxfp4).
+  static constexpr int kSRowBytes = kFmt == kFmtMxfp4 ? 16 : 64;
   static constexpr int kRows = 8 * NT;                // rows per pass
   // 16-channel blocks per warp: two from 9 rows for int4, from 17 for int8
   // and fp8 (at 9-16 rows one gives twice the blocks: 4-5% faster on
@@ -351,7 +354,7 @@ struct MmaTile {
   static constexpr int kWBytes = kSlots * kSC * kChunkBytes;
   // Group-scale rows a stage's chunks may use per slot: one per chunk, per 32-k half with kHalves.
   static constexpr int kSRows = kHalves ? 2 * kSC : kSC;
-  static constexpr int kSBytes = kGrouped ? kSlots * kSRows * 64 : 0;
+  static constexpr int kSBytes = kGrouped ? kSlots * kSRows * kSRowBytes : 0;
   static constexpr int kXBytes = kRows * kSC * 128;
   static constexpr int kStageBytes = kWBytes + kSBytes + kXBytes;
   static constexpr int kSmem = kStages * kStageBytes;
@@ -405,13 +408,42 @@ __device__ __forceinline__ void NibblesToBf16x2(uint32_t u, uint32_t& lo, uint32
   hi = *reinterpret_cast<const uint32_t*>(&hv);
 }
 
-// The same, times the group scales (s, s) of their channel, rounded once to
-// bf16 (n - 8 is exact, the product is within 2^-9 of (n - 8) s): the mma
-// then sums scaled weights and no per-group rescaling of the sums is needed.
+// The E2M1 codes in the nibbles at bit kShift of the 4 bytes of `u`, each
+// twice its value (0, 1, 2, 3, 4, 6, 8, 12 and negatives, as Mxfp4x4's; the
+// scale carries the 1/2), as bf16 pairs: the magnitude looked up by
+// __byte_perm in a table of 8 bytes lands in the low mantissa bits of bf16
+// 128 (0x43 from the lookup's second operand), one bf16x2 subtract of 128
+// leaves it exactly, and the code's sign bit moves to the bf16's.
 template <int kShift>
+__device__ __forceinline__ void E2m1ToBf16x2(uint32_t u, uint32_t& lo, uint32_t& hi) {
+  const uint32_t v = (kShift ? u >> kShift : u) & 0x0F0F0F0Fu;
+  const uint32_t m = v & 0x07070707u, t = m | (m >> 4);
+  const uint32_t mag = __byte_perm(0x03020100u, 0x0C080604u, (t & 0xFFu) | ((t >> 8) & 0xFF00u));
+  const uint32_t l = __byte_perm(mag, 0x43434343u, 0x4140), h = __byte_perm(mag, 0x43434343u, 0x4342);
+  const uint32_t sgn = v & 0x08080808u;  // bit 3 of byte i -> bit 15 of its half
+  const uint32_t sl = __byte_perm(sgn, 0, 0x1404) << 4, sh = __byte_perm(sgn, 0, 0x3424) << 4;
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(128.f, 128.f);
+  const __nv_bfloat162 lv = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&l), bias);
+  const __nv_bfloat162 hv = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&h), bias);
+  lo = *reinterpret_cast<const uint32_t*>(&lv) | sl;
+  hi = *reinterpret_cast<const uint32_t*>(&hv) | sh;
+}
+
+// A nibble format's codes (int4: NibblesToBf16x2; mxfp4: E2m1ToBf16x2).
+template <int kFmt, int kShift>
+__device__ __forceinline__ void NibbleCodesToBf16x2(uint32_t u, uint32_t& lo, uint32_t& hi) {
+  if constexpr (kFmt == kFmtMxfp4) E2m1ToBf16x2<kShift>(u, lo, hi);
+  else NibblesToBf16x2<kShift>(u, lo, hi);
+}
+
+// The same, times the group scales (s, s) of their channel, rounded once to
+// bf16 (int4: n - 8 is exact, the product is within 2^-9 of (n - 8) s; mxfp4:
+// exact, s a power of 2): the mma then sums scaled weights and no per-group
+// rescaling of the sums is needed.
+template <int kFmt, int kShift>
 __device__ __forceinline__ void ScaledNibblesToBf16x2(uint32_t u, __nv_bfloat162 s, uint32_t& lo, uint32_t& hi) {
   uint32_t l, h;
-  NibblesToBf16x2<kShift>(u, l, h);
+  NibbleCodesToBf16x2<kFmt, kShift>(u, l, h);
   const __nv_bfloat162 lv = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&l), s);
   const __nv_bfloat162 hv = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&h), s);
   lo = *reinterpret_cast<const uint32_t*>(&lv);
@@ -448,15 +480,17 @@ __device__ __forceinline__ void AddScaledParts(float (&acc)[CB][NT][4], const fl
 
 // Blocks per SM the kernel's registers must allow. 64 rows: at most 168
 // registers, 3 blocks (int8 and int4 8-15% faster than 2 blocks at 191-199
-// registers; fp8's conversion then spills). int4 at 32 rows: 128, 4 blocks
-// (3-6% faster on Qwen3-30B-A3B; int8 and fp8 lose).
+// registers; fp8's conversion then spills). int4 (and mxfp4, its layout) at
+// 32 rows: 128, 4 blocks (3-6% faster on Qwen3-30B-A3B; int8 and fp8 lose).
 template <int kFmt, int NT>
-constexpr int MmaMinBlocks() { return NT >= 8 && kFmt != kFmtFp8 ? 3 : NT == 4 && kFmt == kFmtInt4 ? 4 : 1; }
+constexpr int MmaMinBlocks() {
+  return NT >= 8 && kFmt != kFmtFp8 ? 3 : NT == 4 && (kFmt == kFmtInt4 || kFmt == kFmtMxfp4) ? 4 : 1;
+}
 
 // Long: one kernel body (pipeline, dequantization, MMA, epilogue) kept whole for the compiler's register allocation.
 template <int kFmt, int NT, bool kDown, bool kHalves>
 __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaKernel(GroupedExpertArgs a, PackedSlots p) {
-  static_assert(!kHalves || kFmt == kFmtInt4, "scales per 32-k half: int4's groups of 32");
+  static_assert(kHalves == (kFmt == kFmtMxfp4) || kFmt == kFmtInt4, "scales per 32-k half: int4's groups of 32, mxfp4's");
   using T = MmaTile<kFmt, NT, kHalves>;
   constexpr int CB = T::CB;
   // down (the next launch) may start while this grid's last blocks run.
@@ -465,9 +499,10 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
   // (rounded once: within 2^-9 of (n - 8) s), which spares rescaling each
   // chunk's sums per row (1159 instead of 1279 us at 64 rows, DeepSeek-V3,
   // stop 19); below, applied to the chunk's f32 sums.
-  constexpr bool kScaled = kFmt == kFmtInt4 && NT >= 4;
+  // mxfp4 the same (its scales are powers of 2: exact).
+  constexpr bool kScaled = !T::kBytes && NT >= 4;
   // fp8: exact bf16 codes, the group scales applied to each chunk's sums.
-  constexpr bool kPartSums = (kFmt == kFmtInt4 && !kScaled) || kFmt == kFmtFp8;
+  constexpr bool kPartSums = (!T::kBytes && !kScaled) || kFmt == kFmtFp8;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int tok[T::kRows];
   const GroupDesc gd = a.groups[blockIdx.y];
@@ -520,14 +555,17 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
           CopyAsync16(wdst + (cb * T::kSC + c) * T::kChunkBytes + WeightUnit(rest / 4, rest % 4),
                       in ? wsrc[cb] + static_cast<size_t>(ch) * T::kChunkBytes + 16 * rest : base, in ? 16 : 0);
         }
-      if constexpr (T::kGrouped) {  // the group-scale rows (16 f32) the stage's chunks use
-        if (lane < 4 * T::kSRows) {
-          const int r0 = group_row(2 * T::kSC * st), rr = lane / 4, q = lane % 4;
+      if constexpr (T::kGrouped) {  // the group-scale rows (16 f32 or E8M0 exponents) the stage's chunks use
+        constexpr int kQ = T::kSRowBytes / 16;  // 16-byte units per row
+        if (lane < kQ * T::kSRows) {
+          const int r0 = group_row(2 * T::kSC * st), rr = lane / kQ, q = lane % kQ;
 #pragma unroll
           for (int cb = 0; cb < CB; ++cb) {
             const bool in = wvalid[cb] && (r0 + rr) * l.group < Kp;
-            const uint8_t* src = wsrc[cb] + static_cast<size_t>(Kp) * (T::kBytes ? 16 : 8) + (r0 + rr) * 64 + 16 * q;
-            CopyAsync16(buf + T::kWBytes + ((warp * CB + cb) * T::kSRows + rr) * 64 + 16 * q, in ? src : base, in ? 16 : 0);
+            const uint8_t* src =
+                wsrc[cb] + static_cast<size_t>(Kp) * (T::kBytes ? 16 : 8) + (r0 + rr) * T::kSRowBytes + 16 * q;
+            CopyAsync16(buf + T::kWBytes + ((warp * CB + cb) * T::kSRows + rr) * T::kSRowBytes + 16 * q, in ? src : base,
+                        in ? 16 : 0);
           }
         }
       }
@@ -576,14 +614,19 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
       for (int c = 0; c < T::kSC; ++c) {
         const int ch = T::kSC * st + c;
         if (ch >= chunks) break;
-        // int4, fp8: the chunk's group scales of channels 2 gid, 2 gid + 1 (kHalves: its first 32 k's; gsc_hi
-        // its second 32 k's).
+        // int4, fp8, mxfp4: the chunk's group scales of channels 2 gid, 2 gid + 1 (kHalves: its first 32 k's;
+        // gsc_hi its second 32 k's).
         float2 gsc[CB], gsc_hi[CB];
 #pragma unroll
         for (int cb = 0; cb < CB; ++cb) {
           auto scales = [&](int u) {  // the staged scale row of 32-k half u
-            return *reinterpret_cast<const float2*>(buf + T::kWBytes + ((warp * CB + cb) * T::kSRows + group_row(u) - r0) * 64 +
-                                                    8 * gid);
+            const uint8_t* row = buf + T::kWBytes + ((warp * CB + cb) * T::kSRows + group_row(u) - r0) * T::kSRowBytes;
+            if constexpr (kFmt == kFmtMxfp4) {
+              const uint32_t e = *reinterpret_cast<const uint16_t*>(row + 2 * gid);
+              return make_float2(Mxfp4Scale(e & 0xFFu), Mxfp4Scale(e >> 8));
+            } else {
+              return *reinterpret_cast<const float2*>(row + 8 * gid);
+            }
           };
           gsc[cb] = T::kGrouped ? scales(2 * ch) : make_float2(1.f, 1.f);
           if constexpr (kHalves) gsc_hi[cb] = scales(2 * ch + 1);
@@ -641,18 +684,18 @@ __global__ void __launch_bounds__(kThreads, MmaMinBlocks<kFmt, NT>()) PackedMmaK
                 uint32_t a0, a1, a2, a3;
                 if constexpr (kScaled) {
                   if (hi == 0) {
-                    ScaledNibblesToBf16x2<0>(wq.x, gs0, a0, a2);
-                    ScaledNibblesToBf16x2<0>(wq.y, gs1, a1, a3);
+                    ScaledNibblesToBf16x2<kFmt, 0>(wq.x, gs0, a0, a2);
+                    ScaledNibblesToBf16x2<kFmt, 0>(wq.y, gs1, a1, a3);
                   } else {
-                    ScaledNibblesToBf16x2<4>(wq.x, gs0, a0, a2);
-                    ScaledNibblesToBf16x2<4>(wq.y, gs1, a1, a3);
+                    ScaledNibblesToBf16x2<kFmt, 4>(wq.x, gs0, a0, a2);
+                    ScaledNibblesToBf16x2<kFmt, 4>(wq.y, gs1, a1, a3);
                   }
                 } else if (hi == 0) {
-                  NibblesToBf16x2<0>(wq.x, a0, a2);
-                  NibblesToBf16x2<0>(wq.y, a1, a3);
+                  NibbleCodesToBf16x2<kFmt, 0>(wq.x, a0, a2);
+                  NibbleCodesToBf16x2<kFmt, 0>(wq.y, a1, a3);
                 } else {
-                  NibblesToBf16x2<4>(wq.x, a0, a2);
-                  NibblesToBf16x2<4>(wq.y, a1, a3);
+                  NibbleCodesToBf16x2<kFmt, 4>(wq.x, a0, a2);
+                  NibbleCodesToBf16x2<kFmt, 4>(wq.y, a1, a3);
                 }
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
@@ -901,7 +944,7 @@ cudaError_t LaunchPackedByFormat(const GroupedExpertArgs& a, const PackedSlots& 
       return mma ? LaunchPackedMmaByRows<kFmtFp8, kDown>(a, p, s) : LaunchPackedByRows<kFmtFp8, kDown>(a, p, s);
     case kFmtMxfp4:
       if (p.layout.group != 32) return cudaErrorInvalidValue;
-      return LaunchPackedByRows<kFmtMxfp4, kDown>(a, p, s);
+      return mma ? LaunchPackedMmaByRows<kFmtMxfp4, kDown, true>(a, p, s) : LaunchPackedByRows<kFmtMxfp4, kDown>(a, p, s);
     default: return cudaErrorInvalidValue;  // bf16 slots are row-major: LaunchGrouped*
   }
 }
