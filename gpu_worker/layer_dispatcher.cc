@@ -6,6 +6,7 @@
 #include "gpu_worker/layer_dispatcher.h"
 
 #include <algorithm>
+#include <bit>
 #include <memory>
 #include <string>
 #include <thread>
@@ -87,7 +88,22 @@ absl::Status LayerDispatcher::Init() {
   // Two slots of every shm segment for the GPU's own requests (capturable
   // calls): one in flight, the next one free even if a late answer still
   // lands in the first.
-  if (ctx.backend->has_device_memory() && t.slots > 2) t.device_slots = 2;
+  const int device_slots = ctx.backend->has_device_memory() ? 2 : 0;
+  // A call's misses to one server go out as batches of at most a slot's
+  // tokens, each holding its slot (its answer stays there) until the call
+  // combines: `contexts` calls of max_tokens need this many host slots per
+  // segment. With fewer, a call staging its later batches waits for a slot
+  // only its own combine frees, until the server deadline, and the healthy
+  // server is then taken for failed (an 8192-token prompt did that at 8
+  // slots of 1024). The segment grows to the next power of two.
+  const int host_slots = ctx.config.contexts * ((ctx.config.max_tokens + t.max_tokens_per_slot - 1) / t.max_tokens_per_slot);
+  if (t.slots < host_slots + device_slots) {
+    const int grown = static_cast<int>(std::bit_ceil(static_cast<unsigned>(host_slots + device_slots)));
+    LogInfo("worker", "shm segments: ", grown, " request slots of ", t.max_tokens_per_slot, " tokens (asked ", t.slots,
+            "): ", ctx.config.contexts, " calls of up to ", ctx.config.max_tokens, " tokens in flight");
+    t.slots = grown;
+  }
+  if (t.slots > 2) t.device_slots = device_slots;
   servers_ = std::make_unique<ServerSet>(ctx);
   device_ = std::make_unique<DeviceExecutor>(ctx, *servers_, device_copy_base);
   servers_->set_on_route_change([device = device_.get()](size_t server) { device->PublishRoute(server); });
@@ -128,7 +144,8 @@ absl::Status LayerDispatcher::CheckConfig() {
   struct Range { const char* name; int64_t value, lo, hi; };
   for (const Range& r : {Range{"max-tokens", c.max_tokens, 1, kMaxCallTokens},
                          Range{"max-top-k", c.max_top_k, 1, shm::kMaxPairsPerToken},
-                         Range{"contexts", c.contexts, 1, kMaxContexts}})
+                         Range{"contexts", c.contexts, 1, kMaxContexts},
+                         Range{"transport.max_tokens_per_slot", c.transport.max_tokens_per_slot, 1, kMaxCallTokens}})
     if (r.value < r.lo || r.value > r.hi)
       return absl::InvalidArgumentError(absl::StrCat(r.name, ": ", r.value, " is outside [", r.lo, ", ", r.hi, "]"));
   if (!(c.cache_gib >= 0 && c.cache_gib <= kMaxCacheGib))  // NaN too

@@ -549,6 +549,39 @@ TEST_P(DispatcherTest, DualBatchCallsCompleteInAnyOrder) {
   EXPECT_FALSE(d->Complete(*ta).ok());  // already completed
 }
 
+// Calls whose misses take more request slots than the configured segment
+// has (2 slots of 32 tokens; two calls of 256 tokens in flight, 8 batches
+// each, every pair on the server): each batch holds its slot until its call
+// combines, so the dispatcher sizes the segment for contexts x max_tokens
+// (here 16 host slots, 32 with the GPU's). Before, the third batch waited
+// for a slot only its own call frees, until the server deadline, and the
+// healthy server was taken for failed.
+TEST_P(DispatcherTest, CallsNeedingMoreSlotsThanAskedAreServedWithoutWaiting) {
+  if (transport() != "shm") GTEST_SKIP() << "request slots are the shm segment's";
+  DispatcherConfig c = StaticConfig(0);
+  c.copy_mode = CopyMode::kNever;
+  c.transport.slots = 2;
+  c.server_deadline = std::chrono::milliseconds(3000);
+  std::unique_ptr<LayerDispatcher> d = Make(c);
+  ASSERT_NE(d, nullptr);
+  Batch a = RandomBatch(256, 4, AllExperts(), 40), b = RandomBatch(256, 2, AllExperts(), 41);
+  std::vector<bf16_t> oa, ob;
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<int> ta = d->Submit(Call(1, a, &oa));
+  absl::StatusOr<int> tb = d->Submit(Call(2, b, &ob));
+  ASSERT_TRUE(ta.ok()) << ta.status();
+  ASSERT_TRUE(tb.ok()) << tb.status();
+  CallStats sa, sb;
+  ASSERT_TRUE(d->Complete(*ta, &sa).ok());
+  ASSERT_TRUE(d->Complete(*tb, &sb).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(2500));
+  EXPECT_LE(Error(1, a, oa), 1e-2);
+  EXPECT_LE(Error(2, b, ob), 1e-2);
+  EXPECT_EQ(sa.failovers + sb.failovers, 0);
+  EXPECT_EQ(sa.cpu_pairs, 256 * 4);
+  EXPECT_EQ(sb.cpu_pairs, 256 * 2);
+}
+
 TEST_P(DispatcherTest, BadInputIsRejectedNamingTheField) {
   const std::string addr = StartServer();
   std::unique_ptr<LayerDispatcher> d = Make(Config({addr}));
