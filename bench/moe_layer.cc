@@ -998,6 +998,7 @@ int Main(int argc, char** argv) {
   flags.String("model", &o.model,
                "serve this model instead of the synthetic --preset: a GGUF file or checkpoint directory (e.g. "
                "bench/make_peer_gguf.py's gpt-oss GGUF, the file llama.cpp reads), every MoE layer of it");
+  int64_t int4_group = 0;
   int64_t layers = 0, steps = o.steps, warmup = o.warmup, threads = 0, context = o.context, slices = 1, tp = 1, ep = 1;
   flags.Int("layers", &layers,
             "MoE layers (0: the model's, or the trace's, as many as fit in host memory: one copy shared by the "
@@ -1063,6 +1064,10 @@ int Main(int argc, char** argv) {
   flags.String("weight-dtype", &o.weight_dtype,
                "the expert server's --weight-dtype and the worker's cache precision: bf16, int8, int4, fp8, mxfp4 or "
                "auto (the checkpoint's own: e.g. mxfp4 for a GGUF of MXFP4 experts)");
+  flags.Int("int4-group", &int4_group,
+            "a synthetic --preset written as an int4 checkpoint with a scale per this many k (32: Kimi-K2's "
+            "compressed-tensors groups), its codes served as they are (--weight-dtype int4 or auto); 0: the preset's "
+            "bf16 weights");
   flags.Bool("share-host-copy", &o.share_host_copy,
              "the worker maps the server's packed store (one host copy); false: it packs its own");
   std::string links = "shm";
@@ -1081,6 +1086,8 @@ int Main(int argc, char** argv) {
   if (absl::c_any_of(o.links, [](const ServerLink& l) { return l.netns; }))
     if (absl::Status st = testing::EnterOwnNetworkNamespace(); !st.ok()) Die(absl::StrCat("--links: ", st.message()));
   if (absl::Status st = CheckWeightDtype(o.weight_dtype); !st.ok()) flags.Fail(std::string(st.message()));
+  if (int4_group != 0 && (!o.model.empty() || (o.weight_dtype != "int4" && o.weight_dtype != "auto")))
+    flags.Fail("--int4-group: for a synthetic --preset served as int4 (--weight-dtype int4 or auto), not with --model");
   for (absl::string_view m : absl::StrSplit(o.modes, ',', absl::SkipEmpty()))
     if (!absl::c_linear_search(std::vector<absl::string_view>{"ceiling", "ours", "ours-graph", "ours-cpu", "lru-copy",
                                                               "copy-all", "ours-host", "ours-dual"},
@@ -1140,7 +1147,10 @@ int Main(int argc, char** argv) {
     uri = o.model;
     o.preset = o.model.substr(o.model.find_last_of('/') + 1);  // the tables' title
   }
+  // --int4-group: the synthetic model is an int4 checkpoint of those groups (its URI's dtype=int4:group=G).
+  const std::string checkpoint = int4_group > 0 ? absl::StrCat(":dtype=int4:group=", int4_group) : "";
   ModelSpec full = source ? source->spec() : Value(PresetSpec(o.preset), "preset");
+  if (!source && int4_group > 0) full.quant.scheme = WeightQuant::kInt4Group, full.quant.group_size = static_cast<int>(int4_group);
   std::optional<RoutingTrace> trace;
   if (!o.trace.empty()) trace = Value(ReadRoutingTrace(o.trace), "--trace");
   if (layers <= 0) {
@@ -1154,7 +1164,7 @@ int Main(int argc, char** argv) {
   // Dense leading layers (DeepSeek) are kept out: every layer of the bench model is an MoE layer.
   if (!source) {
     const int first_moe = full.moe_layers.front();
-    uri = absl::StrCat("synthetic:", o.preset, ":layers=", first_moe + layers, ":seed=", o.seed);
+    uri = absl::StrCat("synthetic:", o.preset, ":layers=", first_moe + layers, ":seed=", o.seed, checkpoint);
     source = Value(OpenModel(uri), "model");
   }
   const ModelSpec& spec = source->spec();
