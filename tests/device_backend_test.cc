@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -728,13 +729,60 @@ TEST_P(DeviceBackendTest, RejectsOutOfRangeInput) {
   EXPECT_TRUE(backend_->FinishCall(0, out.data(), MemoryKind::kHost).ok());
 }
 
+// An expert of geometry g in `format` whose packed bytes `write` fills
+// (from zeros), and the weights those bytes stand for.
+Expert HandPackedExpert(const Geometry& g, WeightFormat format, const std::function<void(const ExpertGeometry&, std::byte*)>& write) {
+  const ExpertGeometry eg = ExpertGeometry::For(g.H, g.I, format);
+  Expert e;
+  e.packed.size = eg.packed_bytes();
+  e.packed.bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (e.packed.size + 63) / 64 * 64)), std::free);
+  std::fill_n(e.packed.bytes.get(), e.packed.size, std::byte{0});
+  write(eg, e.packed.bytes.get());
+  const size_t ih = static_cast<size_t>(g.I) * g.H;
+  e.w.resize(3 * ih);
+  UnpackExpert(eg, e.data(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
+  return e;
+}
+
+// A format's hand-made codes decoded exactly: experts make(g, 0) and
+// make(g, 1) in buffers 0 and 1, for kWide and kTiny, called in two groups
+// of each row count of `rows` (T = 130), within 5e-3 (the weights are exact
+// in bf16: bf16 rounding of act and output only).
+class HandMadeCodesTest : public DeviceBackendTest {
+ protected:
+  void ExpectDecodedExactly(const std::function<Expert(const Geometry&, int)>& make, std::initializer_list<int> rows,
+                            const std::string& what) {
+    tolerance_ = 5e-3;
+    for (const Geometry& g : {kWide, kTiny}) {
+      ASSERT_NO_FATAL_FAILURE(NewBackend());
+      geometry_ = g;
+      ASSERT_TRUE(backend_->Init(Config(g, 2, 130)).ok());
+      experts_.clear();
+      for (int b = 0; b < 2; ++b) {
+        experts_.push_back(make(g, b));
+        absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, experts_.back().data(), 0);
+        ASSERT_TRUE(f.ok()) << f.status();
+        ASSERT_TRUE(backend_->WaitCopy(*f).ok());
+      }
+      for (int n : rows) {
+        Plan p;
+        std::vector<int32_t> a(n), b(n);
+        for (int r = 0; r < n; ++r) a[r] = r, b[r] = (r * 7 + 3) % 130;
+        p.AddGroup(0, a, 1);
+        p.AddGroup(1, b, 2);
+        ExpectMatches(130, {p}, 90 + n, what + ", groups of " + std::to_string(n) + " rows");
+      }
+    }
+  }
+};
+
 // fp8 slots whose codes are all zero or subnormal (3/4) or the smallest
 // normals (exponent 1; random signs; scale_inv 2^7 makes them weights of
 // ordinary size), so that a code decoded wrongly moves the output (random
 // weights hold too few such codes for that). The weights are exact in bf16,
 // so the bound is 5e-3 (bf16 rounding of act and output only). Every path: 1
 // row (CUDA cores), 3-64 rows (tensor cores), 130 (the dequantized GEMM).
-class Fp8SmallCodesTest : public DeviceBackendTest {
+class Fp8SmallCodesTest : public HandMadeCodesTest {
  protected:
   Expert SmallCodes(const Geometry& g, int id) const {
     ExpertCodes w8;
@@ -750,40 +798,14 @@ class Fp8SmallCodesTest : public DeviceBackendTest {
         if ((state >> 60) & 1) c |= 0x80;
       }
     }
-    const ExpertGeometry eg = ExpertGeometry::For(g.H, g.I, WeightFormat::kFp8);
-    Expert e;
-    e.packed.size = eg.packed_bytes();
-    e.packed.bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (e.packed.size + 63) / 64 * 64)), std::free);
-    EXPECT_TRUE(PackExpertCodes(eg, w8, e.packed.bytes.get()).ok());
-    const size_t ih = static_cast<size_t>(g.I) * g.H;
-    e.w.resize(3 * ih);
-    UnpackExpert(eg, e.data(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
-    return e;
+    return HandPackedExpert(g, WeightFormat::kFp8, [&](const ExpertGeometry& eg, std::byte* dst) {
+      EXPECT_TRUE(PackExpertCodes(eg, w8, dst).ok());
+    });
   }
 };
 
 TEST_P(Fp8SmallCodesTest, DecodeExactly) {
-  tolerance_ = 5e-3;
-  for (const Geometry& g : {kWide, kTiny}) {
-    ASSERT_NO_FATAL_FAILURE(NewBackend());
-    geometry_ = g;
-    ASSERT_TRUE(backend_->Init(Config(g, 2, 130)).ok());
-    experts_.clear();
-    for (int b = 0; b < 2; ++b) {
-      experts_.push_back(SmallCodes(g, b));
-      absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, experts_.back().data(), 0);
-      ASSERT_TRUE(f.ok()) << f.status();
-      ASSERT_TRUE(backend_->WaitCopy(*f).ok());
-    }
-    for (int rows : {1, 3, 8, 33, 64, 130}) {
-      Plan p;
-      std::vector<int32_t> a(rows), b(rows);
-      for (int r = 0; r < rows; ++r) a[r] = r, b[r] = (r * 7 + 3) % 130;
-      p.AddGroup(0, a, 1);
-      p.AddGroup(1, b, 2);
-      ExpectMatches(130, {p}, 90 + rows, "small fp8 codes, groups of " + std::to_string(rows) + " rows");
-    }
-  }
+  ExpectDecodedExactly([&](const Geometry& g, int id) { return SmallCodes(g, id); }, {1, 3, 8, 33, 64, 130}, "small fp8 codes");
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, Fp8SmallCodesTest, ::testing::Values("cpu_fp8", "cuda_fp8"),
@@ -797,14 +819,9 @@ INSTANTIATE_TEST_SUITE_P(Backends, Fp8SmallCodesTest, ::testing::Values("cpu_fp8
 // bf16 (a code times a power of 2), so the bound is bf16 rounding of act and
 // output: 5e-3. Every path: 1 row, 3-64 rows (the tensor-core kernel, rows
 // per pass 8 to 64), 130 (the dequantized GEMM).
-class Mxfp4AllCodesTest : public DeviceBackendTest {
+class Mxfp4AllCodesTest : public HandMadeCodesTest {
  protected:
   Expert AllCodes(const Geometry& g, int id) const {
-    const ExpertGeometry eg = ExpertGeometry::For(g.H, g.I, WeightFormat::kMxfp4);
-    Expert e;
-    e.packed.size = eg.packed_bytes();
-    e.packed.bytes.reset(static_cast<std::byte*>(std::aligned_alloc(64, (e.packed.size + 63) / 64 * 64)), std::free);
-    std::fill_n(e.packed.bytes.get(), e.packed.size, std::byte{0});
     uint64_t state = 0x9E3779B97F4A7C15ull * (id + 1);
     auto next = [&] { return state = state * 6364136223846793005ull + 1442695040888963407ull, uint32_t(state >> 33); };
     // Block of `channels` valid channels and K valid columns (of Kp): random codes there (padding stays zero,
@@ -819,39 +836,17 @@ class Mxfp4AllCodesTest : public DeviceBackendTest {
         }
       for (int i = 0; i < Kp / 32 * 16; ++i) blk[Kp * 8 + i] = std::byte(117 + next() % 21);
     };
-    for (int b = 0; b < 2 * eg.gate_up_groups(); ++b)
-      fill(e.packed.bytes.get() + b * eg.block_bytes(eg.Kh), std::min(16, g.I - 16 * (b / 2)), g.H, eg.Kh);
-    for (int b = 0; b < eg.Hn / 16; ++b)
-      fill(e.packed.bytes.get() + eg.gate_up_bytes() + b * eg.block_bytes(eg.Ki), std::min(16, g.H - 16 * b), g.I, eg.Ki);
-    const size_t ih = static_cast<size_t>(g.I) * g.H;
-    e.w.resize(3 * ih);
-    UnpackExpert(eg, e.data(), e.w.data(), e.w.data() + ih, e.w.data() + 2 * ih);
-    return e;
+    return HandPackedExpert(g, WeightFormat::kMxfp4, [&](const ExpertGeometry& eg, std::byte* dst) {
+      for (int b = 0; b < 2 * eg.gate_up_groups(); ++b)
+        fill(dst + b * eg.block_bytes(eg.Kh), std::min(16, g.I - 16 * (b / 2)), g.H, eg.Kh);
+      for (int b = 0; b < eg.Hn / 16; ++b)
+        fill(dst + eg.gate_up_bytes() + b * eg.block_bytes(eg.Ki), std::min(16, g.H - 16 * b), g.I, eg.Ki);
+    });
   }
 };
 
 TEST_P(Mxfp4AllCodesTest, DecodeExactly) {
-  tolerance_ = 5e-3;
-  for (const Geometry& g : {kWide, kTiny}) {
-    ASSERT_NO_FATAL_FAILURE(NewBackend());
-    geometry_ = g;
-    ASSERT_TRUE(backend_->Init(Config(g, 2, 130)).ok());
-    experts_.clear();
-    for (int b = 0; b < 2; ++b) {
-      experts_.push_back(AllCodes(g, b));
-      absl::StatusOr<uint64_t> f = backend_->LoadExpert(b, experts_.back().data(), 0);
-      ASSERT_TRUE(f.ok()) << f.status();
-      ASSERT_TRUE(backend_->WaitCopy(*f).ok());
-    }
-    for (int rows : {1, 3, 8, 17, 33, 64, 130}) {
-      Plan p;
-      std::vector<int32_t> a(rows), b(rows);
-      for (int r = 0; r < rows; ++r) a[r] = r, b[r] = (r * 7 + 3) % 130;
-      p.AddGroup(0, a, 1);
-      p.AddGroup(1, b, 2);
-      ExpectMatches(130, {p}, 190 + rows, "all mxfp4 codes, groups of " + std::to_string(rows) + " rows");
-    }
-  }
+  ExpectDecodedExactly([&](const Geometry& g, int id) { return AllCodes(g, id); }, {1, 3, 8, 17, 33, 64, 130}, "all mxfp4 codes");
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, Mxfp4AllCodesTest, ::testing::Values("cpu_mxfp4", "cuda_mxfp4"),
