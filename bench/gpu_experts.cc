@@ -1,5 +1,5 @@
 // gpu_experts: the cuda backend's hit experts (RunExperts: the grouped
-// kernels up to 64 rows per expert, cuBLAS above) per storage format — bf16
+// kernels up to 64 rows per expert for bf16 and 256 for the packed formats, cuBLAS above) per storage format — bf16
 // slots, int8, int4, fp8 and mxfp4 packed slots — at 1 to 64 and more rows per expert,
 // against the bounds measured in the same run: HBM bandwidth (a device-to-
 // device copy) for the weight stream, cuBLAS's bf16 GEMM rate for the

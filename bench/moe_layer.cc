@@ -1086,6 +1086,7 @@ int Main(int argc, char** argv) {
   if (absl::c_any_of(o.links, [](const ServerLink& l) { return l.netns; }))
     if (absl::Status st = testing::EnterOwnNetworkNamespace(); !st.ok()) Die(absl::StrCat("--links: ", st.message()));
   if (absl::Status st = CheckWeightDtype(o.weight_dtype); !st.ok()) flags.Fail(std::string(st.message()));
+  if (int4_group < 0 || int4_group > 4096) flags.Fail("--int4-group: 0 (off) or a group of 32 or a multiple of 64 up to 4096");
   if (int4_group != 0 && (!o.model.empty() || (o.weight_dtype != "int4" && o.weight_dtype != "auto")))
     flags.Fail("--int4-group: for a synthetic --preset served as int4 (--weight-dtype int4 or auto), not with --model");
   for (absl::string_view m : absl::StrSplit(o.modes, ',', absl::SkipEmpty()))

@@ -76,6 +76,26 @@ absl::StatusOr<std::unique_ptr<LayerDispatcher>> LayerDispatcher::Create(const M
   return d;
 }
 
+namespace {
+
+struct SegmentSlots {
+  int slots, tokens_per_slot;
+};
+
+// The request slots (a power of two, at most kShmServerMaxSlots) and tokens
+// per slot (at least `tokens`) a segment needs so that `contexts` calls of up
+// to max_tokens hold every batch at once, each with one slot to spare for a
+// resend, beside the GPU's `device_slots`.
+SegmentSlots SlotsFor(int contexts, int max_tokens, int tokens, int device_slots) {
+  for (;; tokens *= 2) {
+    const int need = contexts * ((max_tokens + tokens - 1) / tokens + 1) + device_slots;
+    if (need <= kShmServerMaxSlots || tokens >= max_tokens)
+      return {static_cast<int>(std::bit_ceil(static_cast<unsigned>(need))), tokens};
+  }
+}
+
+}  // namespace
+
 absl::Status LayerDispatcher::Init() {
   DispatchContext& ctx = *ctx_;
   MOE_RETURN_IF_ERROR(CheckConfig());
@@ -91,17 +111,21 @@ absl::Status LayerDispatcher::Init() {
   const int device_slots = ctx.backend->has_device_memory() ? 2 : 0;
   // A call's misses to one server go out as batches of at most a slot's
   // tokens, each holding its slot (its answer stays there) until the call
-  // combines: `contexts` calls of max_tokens need this many host slots per
-  // segment. With fewer, a call staging its later batches waits for a slot
-  // only its own combine frees, until the server deadline, and the healthy
-  // server is then taken for failed (an 8192-token prompt did that at 8
-  // slots of 1024). The segment grows to the next power of two.
-  const int host_slots = ctx.config.contexts * ((ctx.config.max_tokens + t.max_tokens_per_slot - 1) / t.max_tokens_per_slot);
-  if (t.slots < host_slots + device_slots) {
-    const int grown = static_cast<int>(std::bit_ceil(static_cast<unsigned>(host_slots + device_slots)));
-    LogInfo("worker", "shm segments: ", grown, " request slots of ", t.max_tokens_per_slot, " tokens (asked ", t.slots,
-            "): ", ctx.config.contexts, " calls of up to ", ctx.config.max_tokens, " tokens in flight");
-    t.slots = grown;
+  // combines, and a failed batch's resend takes one more: `contexts` calls of
+  // max_tokens need this many host slots per segment. With fewer, a call
+  // staging its later batches waits for a slot only its own combine frees,
+  // until the server deadline, and the healthy server is then taken for
+  // failed (an 8192-token prompt did that at 8 slots of 1024). Slots grow to
+  // the next power of two, at most what a server grants (kShmServerMaxSlots);
+  // past that, slots grow in tokens. The segment (registered with the GPU)
+  // then holds contexts x max_tokens rows each way, rounded up.
+  const SegmentSlots need = SlotsFor(ctx.config.contexts, ctx.config.max_tokens, t.max_tokens_per_slot, device_slots);
+  if (t.slots < need.slots || t.max_tokens_per_slot < need.tokens_per_slot) {
+    LogInfo("worker", "shm segments: ", need.slots, " request slots of ", need.tokens_per_slot, " tokens (asked ", t.slots,
+            " of ", t.max_tokens_per_slot, "): ", ctx.config.contexts, " calls of up to ", ctx.config.max_tokens,
+            " tokens in flight");
+    t.slots = std::max(t.slots, need.slots);
+    t.max_tokens_per_slot = need.tokens_per_slot;
   }
   if (t.slots > 2) t.device_slots = device_slots;
   servers_ = std::make_unique<ServerSet>(ctx);

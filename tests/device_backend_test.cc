@@ -745,15 +745,17 @@ Expert HandPackedExpert(const Geometry& g, WeightFormat format, const std::funct
 }
 
 // A format's hand-made codes decoded exactly: experts make(g, 0) and
-// make(g, 1) in buffers 0 and 1, for kWide and kTiny, called in two groups
-// of each row count of `rows` (T = 130), within 5e-3 (the weights are exact
-// in bf16: bf16 rounding of act and output only).
+// make(g, 1) in buffers 0 and 1, for kWide, kTiny and kOdd (the CUDA-core
+// kernels), called in two groups of each row count 1-257 (T = 130;
+// larger groups repeat tokens), within 5e-3 (the weights are exact in bf16:
+// bf16 rounding of act and output only). The cuda backend's paths: the
+// tensor-core kernel at 8 (1-8 rows), 16, 32 and 64 rows per pass (several
+// passes from 65), dequantize + cuBLAS above 256 rows.
 class HandMadeCodesTest : public DeviceBackendTest {
  protected:
-  void ExpectDecodedExactly(const std::function<Expert(const Geometry&, int)>& make, std::initializer_list<int> rows,
-                            const std::string& what) {
+  void ExpectDecodedExactly(const std::function<Expert(const Geometry&, int)>& make, const std::string& what) {
     tolerance_ = 5e-3;
-    for (const Geometry& g : {kWide, kTiny}) {
+    for (const Geometry& g : {kWide, kTiny, kOdd}) {
       ASSERT_NO_FATAL_FAILURE(NewBackend());
       geometry_ = g;
       ASSERT_TRUE(backend_->Init(Config(g, 2, 130)).ok());
@@ -764,10 +766,10 @@ class HandMadeCodesTest : public DeviceBackendTest {
         ASSERT_TRUE(f.ok()) << f.status();
         ASSERT_TRUE(backend_->WaitCopy(*f).ok());
       }
-      for (int n : rows) {
+      for (int n : {1, 3, 8, 12, 17, 33, 64, 130, 257}) {
         Plan p;
         std::vector<int32_t> a(n), b(n);
-        for (int r = 0; r < n; ++r) a[r] = r, b[r] = (r * 7 + 3) % 130;
+        for (int r = 0; r < n; ++r) a[r] = r % 130, b[r] = (r * 7 + 3) % 130;
         p.AddGroup(0, a, 1);
         p.AddGroup(1, b, 2);
         ExpectMatches(130, {p}, 90 + n, what + ", groups of " + std::to_string(n) + " rows");
@@ -780,8 +782,7 @@ class HandMadeCodesTest : public DeviceBackendTest {
 // normals (exponent 1; random signs; scale_inv 2^7 makes them weights of
 // ordinary size), so that a code decoded wrongly moves the output (random
 // weights hold too few such codes for that). The weights are exact in bf16,
-// so the bound is 5e-3 (bf16 rounding of act and output only). Every path: 1
-// row (CUDA cores), 3-64 rows (tensor cores), 130 (the dequantized GEMM).
+// so the bound is 5e-3 (bf16 rounding of act and output only).
 class Fp8SmallCodesTest : public HandMadeCodesTest {
  protected:
   Expert SmallCodes(const Geometry& g, int id) const {
@@ -805,7 +806,7 @@ class Fp8SmallCodesTest : public HandMadeCodesTest {
 };
 
 TEST_P(Fp8SmallCodesTest, DecodeExactly) {
-  ExpectDecodedExactly([&](const Geometry& g, int id) { return SmallCodes(g, id); }, {1, 3, 8, 33, 64, 130}, "small fp8 codes");
+  ExpectDecodedExactly([&](const Geometry& g, int id) { return SmallCodes(g, id); }, "small fp8 codes");
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, Fp8SmallCodesTest, ::testing::Values("cpu_fp8", "cuda_fp8"),
@@ -817,8 +818,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, Fp8SmallCodesTest, ::testing::Values("cpu_fp8
 // row read for the wrong group or channel moves the output (quantized random
 // weights use each group's top codes far more often). Weights are exact in
 // bf16 (a code times a power of 2), so the bound is bf16 rounding of act and
-// output: 5e-3. Every path: 1 row, 3-64 rows (the tensor-core kernel, rows
-// per pass 8 to 64), 130 (the dequantized GEMM).
+// output: 5e-3.
 class Mxfp4AllCodesTest : public HandMadeCodesTest {
  protected:
   Expert AllCodes(const Geometry& g, int id) const {
@@ -846,7 +846,7 @@ class Mxfp4AllCodesTest : public HandMadeCodesTest {
 };
 
 TEST_P(Mxfp4AllCodesTest, DecodeExactly) {
-  ExpectDecodedExactly([&](const Geometry& g, int id) { return AllCodes(g, id); }, {1, 3, 8, 17, 33, 64, 130}, "all mxfp4 codes");
+  ExpectDecodedExactly([&](const Geometry& g, int id) { return AllCodes(g, id); }, "all mxfp4 codes");
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, Mxfp4AllCodesTest, ::testing::Values("cpu_mxfp4", "cuda_mxfp4"),

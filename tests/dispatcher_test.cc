@@ -553,9 +553,12 @@ TEST_P(DispatcherTest, DualBatchCallsCompleteInAnyOrder) {
 // has (2 slots of 32 tokens; two calls of 256 tokens in flight, 8 batches
 // each, every pair on the server): each batch holds its slot until its call
 // combines, so the dispatcher sizes the segment for contexts x max_tokens
-// (here 16 host slots, 32 with the GPU's). Before, the third batch waited
-// for a slot only its own call frees, until the server deadline, and the
-// healthy server was taken for failed.
+// (here 2 x (8 + 1 for a resend) host slots and the GPU's 2: 32). Before,
+// the third batch waited for a slot only its own call frees, until the
+// server deadline, and the healthy server was taken for failed. Then a
+// max_tokens that would need more slots than a server grants (40000 tokens:
+// 2,502 slots of 32): the slots grow in tokens instead (256 of 512), and the
+// server takes the connection.
 TEST_P(DispatcherTest, CallsNeedingMoreSlotsThanAskedAreServedWithoutWaiting) {
   if (transport() != "shm") GTEST_SKIP() << "request slots are the shm segment's";
   DispatcherConfig c = StaticConfig(0);
@@ -580,6 +583,21 @@ TEST_P(DispatcherTest, CallsNeedingMoreSlotsThanAskedAreServedWithoutWaiting) {
   EXPECT_EQ(sa.failovers + sb.failovers, 0);
   EXPECT_EQ(sa.cpu_pairs, 256 * 4);
   EXPECT_EQ(sb.cpu_pairs, 256 * 2);
+
+  DispatcherConfig big = StaticConfig(0);
+  big.copy_mode = CopyMode::kNever;
+  big.max_tokens = 40000;
+  d.reset();  // before Make replaces the backend it registered with
+  d = Make(big);
+  ASSERT_NE(d, nullptr);
+  Batch l = RandomBatch(3000, 2, AllExperts(), 42);
+  std::vector<bf16_t> ol;
+  CallStats sl;
+  absl::Status st = d->Forward(Call(1, l, &ol), &sl);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_LE(Error(1, l, ol), 1e-2);
+  EXPECT_EQ(sl.failovers, 0);
+  EXPECT_EQ(sl.cpu_pairs, 3000 * 2);
 }
 
 TEST_P(DispatcherTest, BadInputIsRejectedNamingTheField) {

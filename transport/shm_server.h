@@ -160,7 +160,7 @@ class ShmServer {
     // processes) would otherwise spin a core each beside the compute threads.
     // (idle_spin after a request, outside any window, applies to all.) 0: no limit.
     int max_polling = 0;
-    uint32_t max_slots = 256;
+    uint32_t max_slots = kShmServerMaxSlots;
     // A client must complete its hello within this; connections beyond
     // max_connections (handshaking or served) are refused.
     std::chrono::milliseconds handshake_timeout{2000};

@@ -29,6 +29,10 @@ namespace moe {
 
 using Clock = std::chrono::steady_clock;
 
+// The request slots an expert server grants one shm client by default
+// (ShmServer::Options::max_slots).
+inline constexpr int kShmServerMaxSlots = 256;
+
 struct TransportOptions {
   int hidden = 0;                  // H of the model (required)
   // The model this client computes with (a GPU worker's own --model). Sent in
@@ -38,7 +42,9 @@ struct TransportOptions {
   // both models (model/model_identity.h).
   // digest 0: nothing checked (a client with no model of its own: a benchmark).
   ModelIdentity model;
-  // shm: slot geometry the client asks the server for.
+  // shm: slot geometry the client asks the server for. A GPU worker's
+  // dispatcher raises slots (then max_tokens_per_slot) to what its calls in
+  // flight can hold at once (LayerDispatcher::Init).
   int max_tokens_per_slot = 256;
   int max_pairs_per_token = 8;
   int slots = 16;
