@@ -127,7 +127,7 @@ absl::Status LayerDispatcher::Init() {
     t.slots = std::max(t.slots, need.slots);
     t.max_tokens_per_slot = need.tokens_per_slot;
   }
-  if (t.slots > 2) t.device_slots = device_slots;
+  t.device_slots = device_slots;  // fewer than t.slots: a GPU's need is >= 4
   servers_ = std::make_unique<ServerSet>(ctx);
   device_ = std::make_unique<DeviceExecutor>(ctx, *servers_, device_copy_base);
   servers_->set_on_route_change([device = device_.get()](size_t server) { device->PublishRoute(server); });

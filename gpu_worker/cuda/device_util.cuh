@@ -90,13 +90,18 @@ __device__ __forceinline__ void MmaBf16(float (&d)[4], uint32_t a0, uint32_t a1,
 
 constexpr int kFmtBf16 = 0, kFmtInt8 = 1, kFmtInt4 = 2, kFmtFp8 = 3, kFmtMxfp4 = 4;  // WeightFormat
 
-// The 4 E2M1 codes in the low nibbles of u's bytes (high nibbles zero) as
-// f32, each twice its value (0, 1, 2, 3, 4, 6, 8, 12 and negatives): the
-// magnitude looked up by __byte_perm in a table of 8 bytes, the sign (bit 3)
-// moved to the f32's. Callers fold the 1/2 into the scale (Mxfp4Scale).
-__device__ __forceinline__ void Mxfp4x4(uint32_t u, float (&f)[4]) {
+// The magnitudes of the 4 E2M1 codes in the low nibbles of u's bytes (high
+// nibbles zero), each twice its value (0, 1, 2, 3, 4, 6, 8 or 12), one per
+// byte: looked up by __byte_perm in a table of 8 bytes.
+__device__ __forceinline__ uint32_t E2m1DoubledMagnitudes(uint32_t u) {
   const uint32_t m = u & 0x07070707u, t = m | (m >> 4);
-  const uint32_t mag = __byte_perm(0x03020100u, 0x0C080604u, (t & 0xFFu) | ((t >> 8) & 0xFF00u));
+  return __byte_perm(0x03020100u, 0x0C080604u, (t & 0xFFu) | ((t >> 8) & 0xFF00u));
+}
+
+// The same codes as f32, each twice its value (and negatives): the sign (bit
+// 3) moved to the f32's. Callers fold the 1/2 into the scale (Mxfp4Scale).
+__device__ __forceinline__ void Mxfp4x4(uint32_t u, float (&f)[4]) {
+  const uint32_t mag = E2m1DoubledMagnitudes(u);
 #pragma unroll
   for (int i = 0; i < 4; ++i)
     f[i] = __uint_as_float(__float_as_uint(static_cast<float>((mag >> (8 * i)) & 0xFFu)) | (((u >> (8 * i + 3)) & 1u) << 31));

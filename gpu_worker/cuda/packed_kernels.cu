@@ -410,15 +410,14 @@ __device__ __forceinline__ void NibblesToBf16x2(uint32_t u, uint32_t& lo, uint32
 
 // The E2M1 codes in the nibbles at bit kShift of the 4 bytes of `u`, each
 // twice its value (0, 1, 2, 3, 4, 6, 8, 12 and negatives, as Mxfp4x4's; the
-// scale carries the 1/2), as bf16 pairs: the magnitude looked up by
-// __byte_perm in a table of 8 bytes lands in the low mantissa bits of bf16
-// 128 (0x43 from the lookup's second operand), one bf16x2 subtract of 128
+// scale carries the 1/2), as bf16 pairs: the magnitude
+// (E2m1DoubledMagnitudes) lands in the low mantissa bits of bf16
+// 128 (0x43 from the placing __byte_perm's second operand), one bf16x2 subtract of 128
 // leaves it exactly, and the code's sign bit moves to the bf16's.
 template <int kShift>
 __device__ __forceinline__ void E2m1ToBf16x2(uint32_t u, uint32_t& lo, uint32_t& hi) {
   const uint32_t v = (kShift ? u >> kShift : u) & 0x0F0F0F0Fu;
-  const uint32_t m = v & 0x07070707u, t = m | (m >> 4);
-  const uint32_t mag = __byte_perm(0x03020100u, 0x0C080604u, (t & 0xFFu) | ((t >> 8) & 0xFF00u));
+  const uint32_t mag = E2m1DoubledMagnitudes(v);
   const uint32_t l = __byte_perm(mag, 0x43434343u, 0x4140), h = __byte_perm(mag, 0x43434343u, 0x4342);
   const uint32_t sgn = v & 0x08080808u;  // bit 3 of byte i -> bit 15 of its half
   const uint32_t sl = __byte_perm(sgn, 0, 0x1404) << 4, sh = __byte_perm(sgn, 0, 0x3424) << 4;
