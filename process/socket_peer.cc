@@ -1,94 +1,97 @@
 #include "process/socket_peer.h"
 
 #include <arpa/inet.h>
+#include <linux/inet_diag.h>
+#include <linux/netlink.h>
+#include <linux/sock_diag.h>
 #include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
 namespace moe {
 
 namespace {
 
-// An address as the kernel's socket tables print it: IPv4 as one 32-bit word,
-// IPv6 as four, each the word's in-memory value (%08X of the host-order load).
-struct TableAddress {
-  bool v6 = false;
-  uint32_t words[4] = {0, 0, 0, 0};
-  uint16_t port = 0;  // host order
-};
-
-bool ParseHexWord(absl::string_view hex, uint32_t* out) {
-  if (hex.size() != 8) return false;
-  uint32_t v = 0;
-  for (char c : hex) {
-    int d;
-    if (c >= '0' && c <= '9') {
-      d = c - '0';
-    } else if (c >= 'A' && c <= 'F') {
-      d = c - 'A' + 10;
-    } else if (c >= 'a' && c <= 'f') {
-      d = c - 'a' + 10;
-    } else {
-      return false;
+// The uid owning the TCP socket of this network namespace whose local end is
+// `address`:`port` (network order, 4 or 16 bytes by `family`), asked of the
+// kernel over NETLINK_SOCK_DIAG: one dump with the port as the kernel's
+// filter, walked in one pass under each hash bucket's lock, so a live socket
+// is always found however the table churns. (Reading /proc/net/tcp instead
+// takes a page per read() and resumes by position: when entries before the
+// position vanish between reads it skips live ones, and the soak's flood saw
+// its peer counted under a second key.) Sockets without an owner (listening,
+// TIME_WAIT, a server's half-open request) are not asked for. Two sockets at
+// the same local end (SO_REUSEADDR, to different destinations) with different
+// owners give nullopt: the caller cannot tell which is its peer.
+std::optional<uint32_t> OwnerOf(int family, const void* address, uint16_t port_be) {
+  const int fd = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+  if (fd < 0) return std::nullopt;
+  struct {
+    nlmsghdr header;
+    inet_diag_req_v2 request;
+  } ask{};
+  ask.header.nlmsg_len = sizeof(ask);
+  ask.header.nlmsg_type = SOCK_DIAG_BY_FAMILY;
+  ask.header.nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP;
+  ask.header.nlmsg_seq = 1;
+  ask.request.sdiag_family = static_cast<uint8_t>(family);
+  ask.request.sdiag_protocol = IPPROTO_TCP;
+  // TCP's states with an owning socket: SYN_SENT, ESTABLISHED, FIN_WAIT1/2,
+  // CLOSE, CLOSE_WAIT, LAST_ACK, CLOSING (include/net/tcp_states.h).
+  ask.request.idiag_states = (1u << 1) | (1u << 2) | (1u << 4) | (1u << 5) | (1u << 7) | (1u << 8) | (1u << 9) |
+                             (1u << 11);
+  ask.request.id.idiag_sport = port_be;
+  ask.request.id.idiag_cookie[0] = ask.request.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
+  sockaddr_nl kernel{};
+  kernel.nl_family = AF_NETLINK;
+  const timeval patience{1, 0};  // the kernel answers at once; never hang on it
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &patience, sizeof(patience));
+  std::optional<uint32_t> owner;
+  bool ambiguous = false, done = false, failed = false;
+  const size_t address_bytes = family == AF_INET ? 4 : 16;
+  if (sendto(fd, &ask, sizeof(ask), 0, reinterpret_cast<const sockaddr*>(&kernel), sizeof(kernel)) ==
+      static_cast<ssize_t>(sizeof(ask))) {
+    alignas(nlmsghdr) char buf[16384];
+    while (!done && !failed) {
+      const ssize_t got = recv(fd, buf, sizeof(buf), 0);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) break;
+      int left = static_cast<int>(got);
+      for (const nlmsghdr* h = reinterpret_cast<const nlmsghdr*>(buf); NLMSG_OK(h, left); h = NLMSG_NEXT(h, left)) {
+        if (h->nlmsg_type == NLMSG_ERROR) {  // refused or cut short: no answer
+          failed = true;
+          break;
+        }
+        if (h->nlmsg_type == NLMSG_DONE) {
+          done = true;
+          break;
+        }
+        if (h->nlmsg_type != SOCK_DIAG_BY_FAMILY || h->nlmsg_len < NLMSG_LENGTH(sizeof(inet_diag_msg))) continue;
+        const auto* m = static_cast<const inet_diag_msg*>(NLMSG_DATA(h));
+        if (m->idiag_family != family || m->id.idiag_sport != port_be ||
+            std::memcmp(m->id.idiag_src, address, address_bytes) != 0)
+          continue;
+        if (owner.has_value() && *owner != m->idiag_uid) ambiguous = true;
+        owner = m->idiag_uid;
+      }
     }
-    v = (v << 4) | static_cast<uint32_t>(d);
   }
-  *out = v;
-  return true;
-}
-
-// "0100007F:0CEA" (tcp) or 32 hex digits ":" port (tcp6).
-bool ParseTableAddress(absl::string_view field, bool v6, TableAddress* out) {
-  const size_t colon = field.find(':');
-  if (colon == absl::string_view::npos) return false;
-  const absl::string_view addr = field.substr(0, colon), port = field.substr(colon + 1);
-  out->v6 = v6;
-  const int words = v6 ? 4 : 1;
-  if (addr.size() != static_cast<size_t>(8 * words)) return false;
-  for (int i = 0; i < words; ++i)
-    if (!ParseHexWord(addr.substr(8 * i, 8), &out->words[i])) return false;
-  uint32_t p = 0;
-  if (port.size() != 4 || !ParseHexWord(absl::StrCat("0000", port), &p)) return false;
-  out->port = static_cast<uint16_t>(p);
-  return true;
-}
-
-bool SameAddress(const TableAddress& a, const TableAddress& b) {
-  if (a.v6 != b.v6 || a.port != b.port) return false;
-  for (int i = 0; i < (a.v6 ? 4 : 1); ++i)
-    if (a.words[i] != b.words[i]) return false;
-  return true;
-}
-
-// The uid owning the socket whose local end is `local`, from one socket table
-// (/proc/net/tcp or tcp6); listening sockets are skipped.
-std::optional<uint32_t> OwnerIn(const char* table, const TableAddress& local) {
-  std::ifstream in(table);
-  std::string line;
-  std::getline(in, line);  // the header
-  while (std::getline(in, line)) {
-    std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    // sl local rem st tx:rx tr:when retrnsmt uid ...
-    if (f.size() < 8) continue;
-    TableAddress a;
-    if (!ParseTableAddress(f[1], local.v6, &a) || !SameAddress(a, local)) continue;
-    if (f[3] == "0A") continue;  // LISTEN
-    uint32_t uid = 0;
-    if (absl::SimpleAtoi(f[7], &uid)) return uid;
-  }
-  return std::nullopt;
+  close(fd);
+  if (!done || ambiguous) return std::nullopt;
+  return owner;
 }
 
 std::string IpText(int family, const void* addr) {
@@ -97,21 +100,14 @@ std::string IpText(int family, const void* addr) {
   return buf;
 }
 
-// The owner of the loopback socket at `local`, wherever the table lists it:
-// an IPv4 client may have an AF_INET socket (tcp) or a dual-stack AF_INET6
-// one with the v4-mapped address (tcp6, as gRPC's clients do).
+// The owner of the loopback socket at `local`, whichever family it has: an
+// IPv4 client may have an AF_INET socket or a dual-stack AF_INET6 one with the
+// v4-mapped address (as gRPC's clients do).
 std::optional<uint32_t> LoopbackOwner(const in6_addr& mapped_or_v6, uint16_t port) {
-  TableAddress t6;
-  t6.v6 = true;
-  std::memcpy(t6.words, &mapped_or_v6, sizeof(t6.words));
-  t6.port = port;
-  if (IN6_IS_ADDR_V4MAPPED(&mapped_or_v6)) {
-    TableAddress t4;
-    std::memcpy(&t4.words[0], &mapped_or_v6.s6_addr[12], 4);
-    t4.port = port;
-    if (std::optional<uint32_t> uid = OwnerIn("/proc/net/tcp", t4)) return uid;
-  }
-  return OwnerIn("/proc/net/tcp6", t6);
+  const uint16_t port_be = htons(port);
+  if (IN6_IS_ADDR_V4MAPPED(&mapped_or_v6))
+    if (std::optional<uint32_t> uid = OwnerOf(AF_INET, &mapped_or_v6.s6_addr[12], port_be)) return uid;
+  return OwnerOf(AF_INET6, &mapped_or_v6, port_be);
 }
 
 }  // namespace

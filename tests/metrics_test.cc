@@ -519,6 +519,74 @@ TEST(SocketPeer, LoopbackPeersAreTheirUidOthersTheirAddress) {
   close(listener);
 }
 
+// A loopback peer is found while other connections of the namespace come and
+// go (the kernel is asked over sock_diag; a lookup that read /proc/net/tcp a
+// page at a time could skip a live socket when entries before it vanished
+// between reads: the peer then counted as "ip:127.0.0.1", a second bucket
+// with a cap of its own, and the soak's flood once registered 125 ids against
+// a cap of 64). The lookup also has to be cheap with thousands of sockets in
+// TIME_WAIT (a /proc scan took ~15 ms with 27,000 of them).
+TEST(SocketPeer, LoopbackPeersAreFoundWhileOtherConnectionsComeAndGo) {
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(listener, 512), 0);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const int port = ntohs(a.sin_port);
+  // The connections under test, opened before the churn starts.
+  std::vector<int> fds;
+  std::vector<sockaddr_in> peers;
+  for (int i = 0; i < 8; ++i) {
+    const int client = ConnectTo(port);
+    ASSERT_GE(client, 0);
+    sockaddr_in peer{};
+    len = sizeof(peer);
+    const int accepted = accept(listener, reinterpret_cast<sockaddr*>(&peer), &len);
+    ASSERT_GE(accepted, 0);
+    fds.insert(fds.end(), {client, accepted});
+    peers.push_back(peer);
+  }
+  // Churn: keep ~300 connections open, closing the oldest and opening anew.
+  std::atomic<bool> stop{false};
+  std::thread acceptor([&] {
+    while (!stop.load()) {
+      pollfd p{listener, POLLIN, 0};
+      if (poll(&p, 1, 20) <= 0) continue;
+      const int fd = accept(listener, nullptr, nullptr);
+      if (fd >= 0) close(fd);  // the server closes at once: both ends churn
+    }
+  });
+  std::thread churn([&] {
+    std::vector<int> open;
+    for (size_t i = 0; !stop.load(); ++i) {
+      const int fd = ConnectTo(port);
+      if (fd >= 0) open.push_back(fd);
+      if (open.size() > 300) {
+        close(open.front());
+        open.erase(open.begin());
+      }
+    }
+    for (int fd : open) close(fd);
+  });
+  const std::string uid = "uid:" + std::to_string(geteuid());
+  int missed = 0, looked = 0;
+  for (const auto end = SteadyClock::now() + milliseconds(3000); SteadyClock::now() < end; ++looked) {
+    const sockaddr_in& peer = peers[looked % peers.size()];
+    const std::string key = PeerKey(reinterpret_cast<const sockaddr*>(&peer), sizeof(peer));
+    if (key != uid) ++missed;
+  }
+  stop = true;
+  churn.join();
+  acceptor.join();
+  for (int fd : fds) close(fd);
+  close(listener);
+  EXPECT_EQ(missed, 0) << "of " << looked << " lookups";
+  EXPECT_GE(looked, 100);
+}
+
 // ---- The expert server, scraped -------------------------------------------
 
 // Sample lines of an exposition, keyed by everything before the value.
