@@ -75,7 +75,8 @@ class ExpertPredictor {
   const std::vector<int>& layers() const { return config_.layers; }
 
  private:
-  static constexpr int kFeatures = 6;  // bias, cross (lag), cross (lag+1), last run, fast and slow frequency
+  static constexpr int kFeatures = 6;
+  static constexpr size_t kCrossTokens = 256;  // Cross's per-token work on a larger batch: a stratified sample  // bias, cross (lag), cross (lag+1), last run, fast and slow frequency
   struct Fit {
     std::vector<double> a;  // kFeatures^2, decayed sum of x x^T
     std::vector<double> b;  // kFeatures, decayed sum of x y
@@ -113,7 +114,7 @@ class ExpertPredictor {
   std::vector<int> pos_;  // model layer -> served position, or -1
   std::vector<float> trans_, from_;  // from_[(lag-1, p, a)]: tokens with a at p followed at p+lag
   mutable std::vector<float> cross_q_;  // Cross's scratch
-  mutable std::vector<double> cross_miss_;
+  mutable std::vector<double> cross_miss_, cross_sampled_pairs_, cross_weight_;
   std::vector<double> ahead_[4];  // PredictAhead's scratch
   std::vector<uint8_t> scratch_used_;  // Observe's
   std::vector<std::vector<int>> scratch_tokens_;

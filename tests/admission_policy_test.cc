@@ -61,6 +61,46 @@ TEST(ExpertPredictor, LearnsCrossLayerTransitions) {
   for (int j = 0; j < k; ++j) EXPECT_GT(prob[ids[1][j]], 0.5);
 }
 
+// A prompt-sized batch (more than 256 tokens) is predicted from its pairs
+// summed by expert and a sample of its tokens, not token by token: the same
+// 256 tokens 16 times over predict 16 times their pairs and at least the
+// experts the 256 alone make likely.
+TEST(ExpertPredictor, PromptSizedBatchesPredictLikeTheirTokens) {
+  const int L = 3, E = 64, k = 2, T = 256, reps = 16;
+  auto one = MakePredictor(L, E), many = MakePredictor(L, E);
+  std::mt19937 rng(11);
+  for (int s = 0; s < 60; ++s) {
+    auto ids = ChainStep(rng, L, E, 16, k);
+    for (int l = 0; l < L; ++l) {
+      ASSERT_TRUE(one->Observe(l, 16, k, ids[l].data()).ok());
+      ASSERT_TRUE(many->Observe(l, 16, k, ids[l].data()).ok());
+    }
+  }
+  auto ids = ChainStep(rng, L, E, T, k);
+  std::vector<int32_t> repeated;
+  for (int r = 0; r < reps; ++r) repeated.insert(repeated.end(), ids[0].begin(), ids[0].end());
+  ASSERT_TRUE(one->Observe(0, T, k, ids[0].data()).ok());
+  ASSERT_TRUE(many->Observe(0, T * reps, k, repeated.data()).ok());
+  for (int lag = 1; lag <= ExpertPredictor::kMaxLag; ++lag) {
+    std::vector<double> pairs_one, pairs_many;
+    const std::vector<double> p_one = one->Predict(lag, lag, &pairs_one);
+    const std::vector<double> p_many = many->Predict(lag, lag, &pairs_many);
+    double sum_one = 0, sum_many = 0;
+    int likely = 0;
+    for (int e = 0; e < E; ++e) {
+      sum_one += pairs_one[e];
+      sum_many += pairs_many[e];
+      if (p_one[e] > 0.5) {
+        ++likely;
+        EXPECT_GT(p_many[e], 0.5) << "lag " << lag << " expert " << e;
+        EXPECT_NEAR(pairs_many[e] / pairs_one[e], reps, 0.05 * reps) << "lag " << lag << " expert " << e;
+      }
+    }
+    EXPECT_GE(likely, 2 * k) << "lag " << lag;
+    EXPECT_NEAR(sum_many / sum_one, reps, 0.05 * reps) << "lag " << lag;
+  }
+}
+
 TEST(ExpertPredictor, UsesEngineHintAndRejectsBadInput) {
   const int E = 8;
   auto p = MakePredictor(2, E);
