@@ -101,63 +101,50 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void AddToken(const
 
 }  // namespace
 
-void ExpertPredictor::Cross(int from, int lag, std::vector<double>* prob, std::vector<double>* pairs) const {
-  // Per token and target expert b: q(t, b), the mean over the token's experts
-  // a of the transitions a -> b over a's count; the pairs are sum_t q(t, b)
-  // and b's miss probability prod_t (1 - q(t, b)) (this runs at every layer
-  // run, between a decode call and the next layer: contiguous rows). A batch
-  // of more than kCrossTokens tokens (a prompt) would cost O(T k E) here
-  // (~20 ms a layer at 8192 tokens, on the call's path): its pairs are summed
-  // by expert instead (exact, O(T k + E^2)) and the miss probability is
-  // estimated from a stratified sample of kCrossTokens tokens (one at a
-  // jittered place in each of as many equal spans), raised to the power
-  // T / sample (the product is log-linear in the tokens), and never above
-  // exp(-pairs), which bounds the true product (1 - x <= e^-x) and covers
-  // experts the sample missed.
-  prob->assign(e_, 0.0);
-  pairs->assign(e_, 0.0);
-  std::vector<double>& miss = cross_miss_;
-  std::vector<float>& q = cross_q_;
-  miss.assign(e_, 1.0);
-  q.resize(e_);
-  const float* count = &from_[(static_cast<size_t>(lag - 1) * n_ + from) * e_];
-  const std::vector<std::vector<int>>& tokens = state_[from].tokens;
-  const size_t T = tokens.size(), sample = std::min<size_t>(T, kCrossTokens);
-  std::vector<double>& sampled_pairs = T == sample ? *pairs : cross_sampled_pairs_;
-  sampled_pairs.assign(e_, 0.0);
-  for (size_t j = 0; j < sample; ++j) {
-    // The golden ratio's multiples place a token within each span.
-    const double at = T == sample ? 0.0 : std::fmod(0.6180339887498949 * static_cast<double>(j + 1), 1.0);
-    const std::vector<int>& tok =
-        tokens[std::min(T - 1, static_cast<size_t>((static_cast<double>(j) + at) * static_cast<double>(T) / sample))];
-    std::fill(q.begin(), q.end(), 0.0f);
-    int known = 0;
-    for (int a : tok) {
-      if (count[a] <= 0) continue;
-      ++known;
-      AddScaledRow(&trans_[TransRowIndex(lag, from, a)], 1.0f / count[a], q.data(), e_);
-    }
-    if (known > 0) AddToken(q.data(), 1.0f / static_cast<float>(known), miss.data(), sampled_pairs.data(), e_);
-  }
-  if (T > sample) {
-    std::vector<double>& weight = cross_weight_;  // per expert a: sum over its tokens of 1 / known
-    weight.assign(e_, 0.0);
+void CrossLayerEstimate(const std::vector<std::vector<int>>& tokens, const float* count, const float* trans, int E,
+                        size_t max_exact, CrossScratch* scratch, std::vector<double>* prob,
+                        std::vector<double>* pairs) {
+  prob->assign(E, 0.0);
+  pairs->assign(E, 0.0);
+  if (tokens.size() > max_exact) {
+    // Pairs summed by expert: weight[a] = sum over a's tokens of 1 / known.
+    std::vector<double>& weight = scratch->weight;
+    weight.assign(E, 0.0);
     for (const std::vector<int>& tok : tokens) {
       int known = 0;
       for (int a : tok) known += count[a] > 0;
       for (int a : tok)
         if (count[a] > 0) weight[a] += 1.0 / known;
     }
-    for (int a = 0; a < e_; ++a) {
+    for (int a = 0; a < E; ++a) {
       if (weight[a] <= 0) continue;
-      const float* row = &trans_[TransRowIndex(lag, from, a)];
+      const float* row = trans + static_cast<size_t>(a) * E;
       const double w = weight[a] / count[a];
-      for (int b = 0; b < e_; ++b) (*pairs)[b] += w * row[b];
+      for (int b = 0; b < E; ++b) (*pairs)[b] += w * row[b];
     }
-    const double power = static_cast<double>(T) / static_cast<double>(sample);
-    for (int b = 0; b < e_; ++b) miss[b] = std::min(std::pow(miss[b], power), std::exp(-(*pairs)[b]));
+    for (int b = 0; b < E; ++b) (*prob)[b] = 1.0 - std::exp(-(*pairs)[b]);
+    return;
   }
-  for (int b = 0; b < e_; ++b) (*prob)[b] = 1.0 - miss[b];
+  std::vector<double>& miss = scratch->miss;
+  std::vector<float>& q = scratch->q;
+  miss.assign(E, 1.0);
+  q.resize(E);
+  for (const std::vector<int>& tok : tokens) {
+    std::fill(q.begin(), q.end(), 0.0f);
+    int known = 0;
+    for (int a : tok) {
+      if (count[a] <= 0) continue;
+      ++known;
+      AddScaledRow(trans + static_cast<size_t>(a) * E, 1.0f / count[a], q.data(), E);
+    }
+    if (known > 0) AddToken(q.data(), 1.0f / static_cast<float>(known), miss.data(), pairs->data(), E);
+  }
+  for (int b = 0; b < E; ++b) (*prob)[b] = 1.0 - miss[b];
+}
+
+void ExpertPredictor::Cross(int from, int lag, std::vector<double>* prob, std::vector<double>* pairs) const {
+  CrossLayerEstimate(state_[from].tokens, &from_[(static_cast<size_t>(lag - 1) * n_ + from) * e_],
+                     &trans_[TransRowIndex(lag, from, 0)], e_, kCrossTokens, &cross_scratch_, prob, pairs);
 }
 
 void ExpertPredictor::Learn(int from, int lag, int to) {

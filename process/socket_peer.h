@@ -6,8 +6,9 @@
 //     owner of the peer's socket as the kernel reports it for this network
 //     namespace (NETLINK_SOCK_DIAG, filtered by the peer's port), so two
 //     local users are two peers even though both are 127.0.0.1;
-//     "ip:127.0.0.1" when no owning socket is found (the peer has closed it
-//     already) or two owners share that local end (SO_REUSEADDR);
+//     "ip:127.0.0.1" when no open socket is found there (the peer has closed
+//     it already: a closed socket is nobody's), when two owners share that
+//     local end (SO_REUSEADDR), or where sock_diag is refused (logged once);
 //   - any other TCP peer: "ip:ADDRESS" (an IPv4-mapped IPv6 address as IPv4),
 //     whatever its port;
 //   - anything else: "" (unknown; callers treat it as one peer).

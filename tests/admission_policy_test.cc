@@ -2,6 +2,8 @@
 // prediction, engine hints) and AdmissionPolicy (cost-driven copies under
 // time, byte budget and pins) over a real ExpertCache.
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <functional>
 #include <random>
 #include <set>
@@ -61,8 +63,63 @@ TEST(ExpertPredictor, LearnsCrossLayerTransitions) {
   for (int j = 0; j < k; ++j) EXPECT_GT(prob[ids[1][j]], 0.5);
 }
 
+// The prompt-sized estimate (pairs summed by expert, the Poisson form of the
+// use probability) against the exact per-token one on the same 4096 tokens,
+// where some targets are near-certain, some rare (probabilities in between)
+// and some never reached.
+TEST(ExpertPredictor, PromptSizedEstimateMatchesTheExactOne) {
+  // 8 groups of 8 experts: a source in group g leads to k of group g's 8
+  // targets; the tokens pick group g with weight 4^-g (group 5 about a dozen
+  // times in all, group 6 a few), and group 7's sources were never seen.
+  const int E = 64, k = 4, T = 4096, G = 8;
+  std::mt19937 rng(5);
+  auto distinct = [&](std::discrete_distribution<int>& d) {
+    std::set<int> ids;
+    while (static_cast<int>(ids.size()) < k) ids.insert(d(rng));
+    return std::vector<int>(ids.begin(), ids.end());
+  };
+  std::vector<float> count(E), trans(static_cast<size_t>(E) * E, 0.0f);
+  for (int a = 0; a < E; ++a) {
+    const int g = a / G;
+    std::vector<double> w(E, 0.0);
+    for (int b = g * G; b < (g + 1) * G; ++b) w[b] = 1.0 + (b % 3);
+    std::discrete_distribution<int> targets(w.begin(), w.end());
+    count[a] = g == G - 1 ? 0.0f : static_cast<float>(5 + rng() % 60);
+    for (int i = 0; i < static_cast<int>(count[a]); ++i)
+      for (int b : distinct(targets)) trans[static_cast<size_t>(a) * E + b] += 1.0f;
+  }
+  std::vector<double> popularity(E);
+  for (int e = 0; e < E; ++e) popularity[e] = std::pow(0.25, e / G) * (1.0 + e % 4);
+  std::discrete_distribution<int> sources(popularity.begin(), popularity.end());
+  std::vector<std::vector<int>> tokens(T);
+  for (auto& t : tokens) t = distinct(sources);
+  CrossScratch scratch;
+  std::vector<double> p_exact, pairs_exact, p_est, pairs_est;
+  CrossLayerEstimate(tokens, count.data(), trans.data(), E, T, &scratch, &p_exact, &pairs_exact);
+  CrossLayerEstimate(tokens, count.data(), trans.data(), E, ExpertPredictor::kCrossTokens, &scratch, &p_est, &pairs_est);
+  double worst = 0, total = 0;
+  int between = 0, never = 0;
+  for (int b = 0; b < E; ++b) {
+    EXPECT_NEAR(pairs_est[b], pairs_exact[b], 1e-4 * (1.0 + pairs_exact[b])) << "expert " << b;
+    const double err = std::fabs(p_est[b] - p_exact[b]);
+    worst = std::max(worst, err);
+    total += err;
+    between += p_exact[b] > 0.05 && p_exact[b] < 0.95;
+    if (pairs_exact[b] == 0) {
+      ++never;
+      EXPECT_EQ(p_est[b], 0.0) << "expert " << b << " is never reached";
+    }
+  }
+  EXPECT_GE(between, 4) << "the case needs probabilities between the extremes";
+  EXPECT_GE(never, 1);
+  EXPECT_LT(worst, 0.1);
+  EXPECT_LT(total / E, 0.02);
+  std::printf("prompt-sized estimate: %d of %d experts between 0.05 and 0.95, %d never reached; error of the "
+              "probability at most %.4f, mean %.4f\n", between, E, never, worst, total / E);
+}
+
 // A prompt-sized batch (more than 256 tokens) is predicted from its pairs
-// summed by expert and a sample of its tokens, not token by token: the same
+// summed by expert, not token by token: the same
 // 256 tokens 16 times over predict 16 times their pairs and at least the
 // experts the 256 alone make likely.
 TEST(ExpertPredictor, PromptSizedBatchesPredictLikeTheirTokens) {

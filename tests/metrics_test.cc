@@ -519,6 +519,38 @@ TEST(SocketPeer, LoopbackPeersAreTheirUidOthersTheirAddress) {
   close(listener);
 }
 
+// A caller that has closed its socket is nobody's: not its former owner, and
+// not root (a TIME_WAIT entry reports uid 0), so sending and closing at once
+// does not take another user's key.
+TEST(SocketPeer, ALoopbackPeerThatClosedItsSocketIsItsAddress) {
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  for (bool server_closes : {false, true}) {
+    const int client = ConnectTo(ntohs(a.sin_port));
+    ASSERT_GE(client, 0);
+    sockaddr_in peer{};
+    len = sizeof(peer);
+    const int accepted = accept(listener, reinterpret_cast<sockaddr*>(&peer), &len);
+    ASSERT_GE(accepted, 0);
+    EXPECT_EQ(PeerKey(reinterpret_cast<sockaddr*>(&peer), len), "uid:" + std::to_string(geteuid()));
+    // The client closes first: its end goes to FIN_WAIT2 (orphaned), and to
+    // TIME_WAIT once the server closes too.
+    close(client);
+    if (server_closes) close(accepted);
+    std::this_thread::sleep_for(milliseconds(50));
+    EXPECT_EQ(PeerKey(reinterpret_cast<sockaddr*>(&peer), len), "ip:127.0.0.1")
+        << (server_closes ? "TIME_WAIT" : "FIN_WAIT2");
+    if (!server_closes) close(accepted);
+  }
+  close(listener);
+}
+
 // A loopback peer is found while other connections of the namespace come and
 // go (the kernel is asked over sock_diag; a lookup that read /proc/net/tcp a
 // page at a time could skip a live socket when entries before it vanished
