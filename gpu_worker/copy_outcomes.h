@@ -21,7 +21,10 @@
 //
 // Buckets are small integers the caller derives from the call's shape
 // (HostBucket, DeviceBucket). Only calls where the model copies are
-// decisions: a call the model sends wholly to the CPU is both choices at once.
+// decisions: a call the model sends wholly to the CPU is both choices at once;
+// and on the host path only those where the model forecasts never copying
+// within kOutcomeRange (miss_plan.h) of its choice: a prompt whose CPU share
+// would take several times its copies is not sampled without them.
 //
 // Thread-safety: none; the dispatcher thread owns it (through the Planner).
 #pragma once

@@ -135,8 +135,9 @@ std::string CostModel::Describe() const {
 }
 
 std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s,
-                              double link_busy_s) {
+                              double link_busy_s, CopyForecast* forecast) {
   std::vector<int> chosen;
+  if (forecast != nullptr) *forecast = CopyForecast{};
   if (!model.measured || candidates.empty()) return chosen;
   // Most rows first: those gain most from the device's per-row speed.
   std::stable_sort(candidates.begin(), candidates.end(),
@@ -150,6 +151,7 @@ std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candi
   auto device_side = [&](double l, double c, bool copies) {
     return copies ? std::max(l + model.CopyDeviceSeconds(1), c + model.CopySeconds()) : c;
   };
+  const double all_cpu_s = std::max(cpu, compute);
   for (size_t i = 0; i < candidates.size(); ++i) {
     const CopyCandidate& c = candidates[i];
     const double cpu_e = model.CpuSeconds(1, c.rows, false) + (i + 1 == candidates.size() ? model.CpuSeconds(0, 0) : 0);
@@ -161,6 +163,7 @@ std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candi
     compute += model.CopyDeviceSeconds(c.rows);
     chosen.push_back(c.expert);
   }
+  if (forecast != nullptr) *forecast = {std::max(cpu, device_side(link, compute, !chosen.empty())), all_cpu_s};
   // Exploration: a model that has not seen the CPU for a while keeps the
   // smallest expert there, so an overpriced CPU prior gets corrected.
   if (chosen.size() == candidates.size() && ++model.calls_without_cpu_sample > CostModel::kExploreAfter)

@@ -159,8 +159,14 @@ struct CopyCandidate {
 // model is due a CPU observation (CostModel::kExploreAfter) and updates that
 // counter. Returns the experts to copy; empty when !model.measured.
 // `link_busy_s`: the copy queue's backlog when the call starts (cache copies
-// of earlier calls), which the call's copies queue behind.
+// of earlier calls), which the call's copies queue behind. `forecast`
+// (optional) gets the call's predicted time with the chosen copies and with
+// every candidate on the CPU.
+struct CopyForecast {
+  double chosen_s = 0;   // max(CPU time, device time) with the chosen experts copied
+  double all_cpu_s = 0;  // the same with none copied
+};
 std::vector<int> ChooseCopies(CostModel& model, std::vector<CopyCandidate> candidates, double device_busy_s,
-                              double link_busy_s = 0);
+                              double link_busy_s = 0, CopyForecast* forecast = nullptr);
 
 }  // namespace moe

@@ -69,9 +69,11 @@ absl::Status ChooseServersAndCopies(const MissPlanInput& in, MissPlan* p) {
       for (int e : optional) candidates.push_back({e, p->miss_pairs[e]});
       int pairs = 0;
       for (int e : optional) pairs += p->miss_pairs[e];
-      std::vector<int> chosen = ChooseCopies(*in.cost, std::move(candidates), dev, in.link_busy_s);
-      // The outcomes of earlier calls of this shape may overrule the model.
-      if (!chosen.empty() && in.outcomes != nullptr) {
+      CopyForecast forecast;
+      std::vector<int> chosen = ChooseCopies(*in.cost, std::move(candidates), dev, in.link_busy_s, &forecast);
+      // The outcomes of earlier calls of this shape may overrule the model
+      // where never copying is a close call (kOutcomeRange).
+      if (!chosen.empty() && in.outcomes != nullptr && forecast.all_cpu_s <= kOutcomeRange * forecast.chosen_s) {
         p->outcome_bucket = CopyOutcomes::HostBucket(static_cast<int>(optional.size()), pairs);
         p->outcome_choice = in.outcomes->Choose(p->outcome_bucket);
         if (p->outcome_choice == CopyChoice::kCpu) chosen.clear();

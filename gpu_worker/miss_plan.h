@@ -87,9 +87,22 @@ struct MissPlanInput {
   double link_busy_s = 0;       // the copy queue's backlog now (cache copies of earlier calls)
   // With `cost`: the outcomes of earlier calls of the same shape, which may
   // send this call's misses to the servers although the model would copy
-  // some (CopyOutcomes::Choose). Null: the model decides alone.
+  // some (CopyOutcomes::Choose), when the model rates never copying within
+  // kOutcomeRange of its own choice. Null: the model decides alone.
   CopyOutcomes* outcomes = nullptr;
 };
+
+// How much slower than the model's choice never copying may be forecast and
+// still be tried (CopyOutcomes samples both choices of a call shape, then
+// explores the loser now and then): the outcomes correct what the rates
+// cannot price (a copy's DRAM reads beside the CPU's, the link's queue, the
+// first copy), tens of percent (the rates themselves are corrected online),
+// not a forecast twice off; a sample of the loser costs at most 2 calls.
+// Without this bound prompts paid for the samples: with the H200 host's
+// rates a DeepSeek-V3 layer with every expert missed forecasts 0.12 s with
+// copies and 2.8 s without at 8192 tokens (0.10 / 0.65 s at 2048), and each
+// call shape sent its first 3 calls and its explorations wholly to the CPU.
+inline constexpr double kOutcomeRange = 2.0;
 
 // The misses one server computes: one batch of at most its chunk_tokens
 // tokens, routed [n, k] like the call, -1 where a pair is not this server's.
@@ -135,7 +148,9 @@ struct MissPlan {
 // Fills *plan. A missed expert goes to its route (RouteExpert); it is
 // copied instead when no server is up for it, when copy_mode is kAlways, or
 // (kAuto) when it has copy_min_tokens miss pairs or ChooseCopies picks it
-// and `outcomes` (when given) keeps the model's choice for the call's shape.
+// and `outcomes` (when given, and never copying is forecast within
+// kOutcomeRange of the model's choice) keeps the model's choice for the
+// call's shape.
 // Unavailable naming the expert and layer when it would have to be copied and
 // !can_copy.
 absl::Status PlanMisses(const MissPlanInput& in, MissPlan* plan);

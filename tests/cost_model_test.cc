@@ -122,6 +122,27 @@ TEST(ChooseCopiesTest, CopiedExpertsArePricedAtTheCopyPathsDeviceRate) {
   EXPECT_GT(ChooseCopies(m, c, 0).size(), slow);
 }
 
+// The forecast beside the choice (what MissPlan's outcome gate compares):
+// every candidate on the CPU is the CPU's whole time (the device's when
+// longer); the choice's is no longer than that, and equal when nothing moves.
+TEST(ChooseCopiesTest, ForecastsTheCallWithAndWithoutItsCopies) {
+  CostModel m = MispricedPrior();  // CPU 1.74 ms an expert at 64 rows, copies 0.4 ms
+  std::vector<CopyCandidate> c;
+  for (int e = 0; e < 8; ++e) c.push_back({e, 64});
+  double cpu = m.CpuSeconds(0, 0);
+  for (const CopyCandidate& x : c) cpu += m.CpuSeconds(1, x.rows, false);
+  CopyForecast f;
+  const std::vector<int> chosen = ChooseCopies(m, c, 1e-4, 0, &f);
+  ASSERT_GE(chosen.size(), 6u);
+  EXPECT_NEAR(f.all_cpu_s, cpu, 1e-12);
+  EXPECT_LT(f.chosen_s, 0.5 * f.all_cpu_s);
+  EXPECT_GE(f.chosen_s, chosen.size() * m.CopySeconds());  // the link carries every copy
+  // The device already busier than the whole CPU share: nothing moves.
+  EXPECT_TRUE(ChooseCopies(m, c, 10 * cpu, 0, &f).empty());
+  EXPECT_NEAR(f.all_cpu_s, 10 * cpu, 1e-12);
+  EXPECT_NEAR(f.chosen_s, f.all_cpu_s, 1e-12);
+}
+
 TEST(ChooseCopiesTest, NothingWithoutMeasuredRates) {
   CostModel m;
   EXPECT_TRUE(ChooseCopies(m, OneToken(8), 0).empty());
