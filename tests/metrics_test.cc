@@ -471,6 +471,32 @@ TEST(MetricsHttp, APeerAtItsCapIsRefusedAndOtherUsersAreServed) {
   EXPECT_GE((*s)->refused_connections(), 4u);
 }
 
+// A TCP socket listening on 127.0.0.1 at a free port (-1 on failure), its
+// port in *port.
+int LoopbackListener(int backlog, int* port) {
+  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  if (listener < 0 || bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0 || listen(listener, backlog) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
+    if (listener >= 0) close(listener);
+    return -1;
+  }
+  *port = ntohs(a.sin_port);
+  return listener;
+}
+
+// A client connected to `listener` at `port` and its accepted end; *peer the
+// client's address as accept() gave it. False on failure.
+bool ConnectAndAccept(int listener, int port, int* client, int* accepted, sockaddr_in* peer) {
+  *client = ConnectTo(port);
+  socklen_t len = sizeof(*peer);
+  *accepted = *client < 0 ? -1 : accept(listener, reinterpret_cast<sockaddr*>(peer), &len);
+  return *client >= 0 && *accepted >= 0;
+}
+
 // The peer keys: a loopback connection is its socket's owner; other
 // addresses are themselves, whatever the port; unknown forms are "".
 TEST(SocketPeer, LoopbackPeersAreTheirUidOthersTheirAddress) {
@@ -482,20 +508,12 @@ TEST(SocketPeer, LoopbackPeersAreTheirUidOthersTheirAddress) {
   for (const char* unknown : {"unix:/tmp/x.sock", "fd:7", "ipv4:1.2.3.4", "ipv4:nonsense:1", "ipv6:::1:5", ""})
     EXPECT_EQ(PeerKeyOfGrpcPeer(unknown), "") << unknown;
   // A real loopback connection: its client end belongs to this uid.
-  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ASSERT_EQ(listen(listener, 4), 0);
-  socklen_t len = sizeof(a);
-  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  const int client = ConnectTo(ntohs(a.sin_port));
-  ASSERT_GE(client, 0);
+  int port = 0, client = -1, accepted = -1;
+  const int listener = LoopbackListener(4, &port);
+  ASSERT_GE(listener, 0);
   sockaddr_in peer{};
-  len = sizeof(peer);
-  const int accepted = accept(listener, reinterpret_cast<sockaddr*>(&peer), &len);
-  ASSERT_GE(accepted, 0);
+  ASSERT_TRUE(ConnectAndAccept(listener, port, &client, &accepted, &peer));
+  socklen_t len = sizeof(peer);
   const std::string uid = "uid:" + std::to_string(geteuid());
   EXPECT_EQ(PeerKey(reinterpret_cast<sockaddr*>(&peer), len), uid);
   EXPECT_EQ(PeerKeyOfGrpcPeer("ipv4:127.0.0.1:" + std::to_string(ntohs(peer.sin_port))), uid);
@@ -507,7 +525,7 @@ TEST(SocketPeer, LoopbackPeersAreTheirUidOthersTheirAddress) {
   ASSERT_GE(client6, 0);
   sockaddr_in6 to{};
   to.sin6_family = AF_INET6;
-  to.sin6_port = a.sin_port;
+  to.sin6_port = htons(static_cast<uint16_t>(port));
   ASSERT_EQ(inet_pton(AF_INET6, "::ffff:127.0.0.1", &to.sin6_addr), 1);
   ASSERT_EQ(connect(client6, reinterpret_cast<sockaddr*>(&to), sizeof(to)), 0);
   len = sizeof(peer);
@@ -523,21 +541,14 @@ TEST(SocketPeer, LoopbackPeersAreTheirUidOthersTheirAddress) {
 // not root (a TIME_WAIT entry reports uid 0), so sending and closing at once
 // does not take another user's key.
 TEST(SocketPeer, ALoopbackPeerThatClosedItsSocketIsItsAddress) {
-  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ASSERT_EQ(listen(listener, 4), 0);
-  socklen_t len = sizeof(a);
-  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  int port = 0;
+  const int listener = LoopbackListener(4, &port);
+  ASSERT_GE(listener, 0);
   for (bool server_closes : {false, true}) {
-    const int client = ConnectTo(ntohs(a.sin_port));
-    ASSERT_GE(client, 0);
+    int client = -1, accepted = -1;
     sockaddr_in peer{};
-    len = sizeof(peer);
-    const int accepted = accept(listener, reinterpret_cast<sockaddr*>(&peer), &len);
-    ASSERT_GE(accepted, 0);
+    ASSERT_TRUE(ConnectAndAccept(listener, port, &client, &accepted, &peer));
+    const socklen_t len = sizeof(peer);
     EXPECT_EQ(PeerKey(reinterpret_cast<sockaddr*>(&peer), len), "uid:" + std::to_string(geteuid()));
     // The client closes first: its end goes to FIN_WAIT2 (orphaned), and to
     // TIME_WAIT once the server closes too.
@@ -559,25 +570,16 @@ TEST(SocketPeer, ALoopbackPeerThatClosedItsSocketIsItsAddress) {
 // a cap of 64). The lookup also has to be cheap with thousands of sockets in
 // TIME_WAIT (a /proc scan took ~15 ms with 27,000 of them).
 TEST(SocketPeer, LoopbackPeersAreFoundWhileOtherConnectionsComeAndGo) {
-  const int listener = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
-  ASSERT_EQ(listen(listener, 512), 0);
-  socklen_t len = sizeof(a);
-  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&a), &len), 0);
-  const int port = ntohs(a.sin_port);
+  int port = 0;
+  const int listener = LoopbackListener(512, &port);
+  ASSERT_GE(listener, 0);
   // The connections under test, opened before the churn starts.
   std::vector<int> fds;
   std::vector<sockaddr_in> peers;
   for (int i = 0; i < 8; ++i) {
-    const int client = ConnectTo(port);
-    ASSERT_GE(client, 0);
+    int client = -1, accepted = -1;
     sockaddr_in peer{};
-    len = sizeof(peer);
-    const int accepted = accept(listener, reinterpret_cast<sockaddr*>(&peer), &len);
-    ASSERT_GE(accepted, 0);
+    ASSERT_TRUE(ConnectAndAccept(listener, port, &client, &accepted, &peer));
     fds.insert(fds.end(), {client, accepted});
     peers.push_back(peer);
   }
