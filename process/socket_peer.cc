@@ -11,7 +11,6 @@
 
 #include <atomic>
 #include <cerrno>
-
 #include <cstdint>
 #include <cstring>
 #include <optional>
