@@ -1151,7 +1151,10 @@ int Main(int argc, char** argv) {
   // --int4-group: the synthetic model is an int4 checkpoint of those groups (its URI's dtype=int4:group=G).
   const std::string checkpoint = int4_group > 0 ? absl::StrCat(":dtype=int4:group=", int4_group) : "";
   ModelSpec full = source ? source->spec() : Value(PresetSpec(o.preset), "preset");
-  if (!source && int4_group > 0) full.quant.scheme = WeightQuant::kInt4Group, full.quant.group_size = static_cast<int>(int4_group);
+  if (!source && int4_group > 0) {
+    full.quant.scheme = WeightQuant::kInt4Group;
+    full.quant.group_size = static_cast<int>(int4_group);
+  }
   std::optional<RoutingTrace> trace;
   if (!o.trace.empty()) trace = Value(ReadRoutingTrace(o.trace), "--trace");
   if (layers <= 0) {
